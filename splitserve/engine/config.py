@@ -1,0 +1,124 @@
+"""Frozen configuration: the model's shape (from a Hugging Face `config.json`) and the engine's knobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+POLICIES = ("mixed", "prefill_first", "token", "prompt")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or unsupported; the message names the field and the source."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    torch_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+        """Parse a Hugging Face config dict; unsupported or missing values raise ConfigError."""
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(f"{source}: unsupported architectures {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+        def need(name):
+            if name not in cfg or cfg[name] is None:
+                raise ConfigError(f"{source}: missing required field {name!r}")
+            return cfg[name]
+
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        head_dim = cfg.get("head_dim") or hidden // heads
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        qwen = arch == "Qwen2ForCausalLM"
+        window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
+        return cls(
+            architecture=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")), num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling"), source),
+            attention_bias=bool(cfg.get("attention_bias", qwen)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_window=int(window) if window else None,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def _parse_rope_scaling(raw: dict | None, source: str) -> RopeScaling:
+    if not raw:
+        return RopeScaling()
+    kind = raw.get("rope_type") or raw.get("type") or "default"
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    known = {k: raw[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k in raw}
+    return RopeScaling(rope_type=kind, **known)
+
+
+def _as_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine. Defaults follow Splitwise (prompt budget 2048) and Sarathi-Serve (512)."""
+
+    policy: str = "mixed"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 256 * 2**20  # KV budget; num_blocks is derived from it
+    num_kv_blocks: int | None = None           # overrides the byte budget when set
+    max_num_seqs: int = 256
+    max_model_len: int | None = None           # default: the model's max_position_embeddings
+    prompt_token_budget: int = 2048            # PromptPolicy / prefill-first: tokens per prefill batch
+    chunk_token_budget: int = 512              # MixedPolicy: tokens per hybrid iteration
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
+    device: str = "auto"                       # auto | cpu | cuda | cuda:N
+    load_format: str = "auto"                  # auto | safetensors | dummy
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("block_size", "max_num_seqs", "prompt_token_budget", "chunk_token_budget", "kv_cache_memory_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")

@@ -1,0 +1,84 @@
+"""A request's token state as the schedulers see it. Pure Python: the simulator drives it too."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from splitserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued; holds no KV blocks
+    RUNNING = "running"      # holds KV blocks; scheduled every iteration it fits
+    IMPORTING = "importing"  # holds KV blocks reserved for an incoming transfer; not schedulable
+    PREFILLED = "prefilled"  # prompt-only role: first token sampled, KV kept for export
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request. `token_ids` is prompt + generated tokens.
+
+    Invariant: the KV of `token_ids[:num_computed_tokens]` is in the sequence's blocks. A step
+    computes `token_ids[num_computed_tokens : num_computed_tokens + n]`; when that reaches the
+    end of `token_ids`, the step samples one new token. A decode is simply a step with n == 1, so
+    prefill, chunked prefill, decode and recompute after preemption are one mechanism.
+    """
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    eos_token_ids: frozenset[int] = frozenset()
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at the last allocation
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """True once only the last sampled token lacks KV (the prompt, or recompute, is done)."""
+        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def stop_reason_after_append(self, max_model_len: int) -> str | None:
+        """Why the sequence stops after its newest token, by token ids and lengths alone."""
+        params, last = self.params, self.token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+                return "stop"
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
