@@ -1,0 +1,21 @@
+"""Scheduling policies behind one interface, chosen by name."""
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.policies.base import Policy
+from splitserve.engine.policies.mixed import MixedPolicy
+from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
+from splitserve.engine.policies.prefill_first import PrefillFirstPolicy
+from splitserve.engine.policies.prompt import PromptPolicy
+from splitserve.engine.policies.token import TokenPolicy
+
+POLICY_CLASSES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (PromptPolicy, TokenPolicy, MixedPolicy, PrefillFirstPolicy)
+}
+
+
+def make_policy(name: str, blocks: BlockManager, limits: SchedulerLimits) -> Policy:
+    if name not in POLICY_CLASSES:
+        raise ValueError(f"policy must be one of {', '.join(POLICY_CLASSES)}, got {name!r}")
+    return POLICY_CLASSES[name](blocks, limits)
+
+
+__all__ = ["Plan", "Policy", "ScheduledSeq", "SchedulerLimits", "make_policy", "POLICY_CLASSES"]

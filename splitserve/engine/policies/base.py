@@ -1,0 +1,163 @@
+"""The machinery every scheduling policy shares: queues, admission, preemption and step bookkeeping.
+
+Pure Python: a policy takes sequences and returns a `Plan`; the engine (or the simulator) runs
+the plan and reports the sampled tokens back through `complete_step`.
+
+Queues: `waiting` (FIFO, no KV blocks) and `running` (admission order, oldest first, hold blocks).
+`held` keeps sequences that hold blocks but are not scheduled: PREFILLED (prompt role, waiting
+for export) and IMPORTING (blocks reserved for a KV transfer in).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Mapping
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
+from splitserve.engine.sequence import Sequence, SequenceStatus
+
+WATERMARK_FRACTION = 0.01  # blocks kept free at admission so running decodes rarely preempt
+
+
+class Policy(ABC):
+    name: str
+
+    def __init__(self, blocks: BlockManager, limits: SchedulerLimits):
+        self.blocks = blocks
+        self.limits = limits
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.held: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self._watermark = int(WATERMARK_FRACTION * blocks.num_blocks)
+
+    @abstractmethod
+    def schedule(self) -> Plan:
+        """Choose the next iteration's work."""
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, seq_id: str) -> Sequence | None:
+        if seq_id in self.held:
+            return self.held[seq_id]
+        return next((s for s in [*self.running, *self.waiting] if s.seq_id == seq_id), None)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.held.pop(seq.seq_id, None)
+        self.blocks.free(seq.seq_id)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def complete_step(self, plan: Plan, sampled: Mapping[str, int]) -> list[Sequence]:
+        """Record a finished iteration: advance computed tokens, append sampled tokens, stop
+        sequences that hit a limit. Returns the sequences that received a token."""
+        updated = []
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.blocks.commit(seq)
+            if item.samples:
+                seq.append_token(sampled[seq.seq_id])
+                updated.append(seq)
+                reason = seq.stop_reason_after_append(self.limits.max_model_len)
+                if reason:
+                    self.finish(seq, reason)
+                else:
+                    self._after_sample(seq)
+        return updated
+
+    def _after_sample(self, seq: Sequence) -> None:
+        """Hook: what happens to a sequence that got a token and goes on (default: keep running)."""
+
+    # ---- KV handoff between a prompt engine and a token engine ---------------------------
+    def hold_prefilled(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PREFILLED
+        self.held[seq.seq_id] = seq
+
+    def reserve_import(self, seq: Sequence) -> list[int]:
+        """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block ids."""
+        block_ids = self.blocks.reserve_for_import(seq)
+        seq.status = SequenceStatus.IMPORTING
+        self.held[seq.seq_id] = seq
+        return block_ids
+
+    def complete_import(self, seq_id: str, first_token_id: int) -> Sequence:
+        """The prompt's KV has landed: the sequence decodes from its first token on."""
+        seq = self.held.pop(seq_id)
+        seq.num_computed_tokens = seq.num_tokens
+        self.blocks.commit(seq)
+        seq.append_token(first_token_id)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        reason = seq.stop_reason_after_append(self.limits.max_model_len)
+        if reason:
+            self.finish(seq, reason)
+        return seq
+
+    # ---- building blocks for schedule() --------------------------------------------------
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.popleft()
+        self.blocks.allocate(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        return len(self.running) < self.limits.max_num_seqs and self.blocks.can_allocate(seq, self._watermark)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the KV, requeue at the front; prompt + output is prefilled again."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _reserve_decode_slots(self) -> list[Sequence]:
+        """Give every decoding sequence a slot for its next token, oldest first. When blocks run
+        out, preempt the youngest running sequence not yet served (possibly the one asking).
+        Returns the preempted sequences; `self.running` keeps the rest in order."""
+        preempted, pending = [], list(self.running)
+        while pending:
+            seq = pending.pop(0)
+            if not seq.is_decoding:
+                continue
+            while not self.blocks.can_grow(seq, seq.num_tokens):
+                victim = pending.pop() if pending else seq
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq, seq.num_tokens)
+        return preempted
+
+    def _admit_whole_prompts(self, items: list[ScheduledSeq], budget: int) -> None:
+        """FCFS: admit waiting sequences whole while KV allows and their prefill tokens fit the
+        budget. The first admitted prompt may exceed the budget alone, so no prompt starves."""
+        prefill_tokens = 0
+        while self.waiting and self._can_admit(self.waiting[0]):
+            seq = self.waiting[0]
+            if prefill_tokens and prefill_tokens + seq.num_tokens > budget:
+                break
+            self._admit(seq)
+            items.append(ScheduledSeq(seq, seq.num_uncomputed_tokens))
+            prefill_tokens += seq.num_uncomputed_tokens
+
+    def _decode_items(self) -> list[ScheduledSeq]:
+        return [ScheduledSeq(seq, 1) for seq in self.running if seq.is_decoding]

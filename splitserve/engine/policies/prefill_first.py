@@ -1,0 +1,16 @@
+"""The baseline: vLLM's original scheduler. An iteration is all-prefill or all-decode, and
+waiting prompts go first, so every new prompt stalls the running decodes (generation stalls)."""
+from splitserve.engine.policies.base import Policy
+from splitserve.engine.policies.plan import Plan
+
+
+class PrefillFirstPolicy(Policy):
+    name = "prefill_first"
+
+    def schedule(self) -> Plan:
+        items = []
+        self._admit_whole_prompts(items, self.limits.prompt_token_budget)
+        if items:
+            return Plan(tuple(items))
+        preempted = self._reserve_decode_slots()
+        return Plan(tuple(self._decode_items()), tuple(preempted))

@@ -1,0 +1,17 @@
+"""Splitwise token machine: continuous batching of decodes, FCFS, as large as KV memory allows."""
+from splitserve.engine.policies.base import Policy
+from splitserve.engine.policies.plan import Plan
+
+
+class TokenPolicy(Policy):
+    """Decodes every running sequence each iteration. Sequences normally arrive with imported
+    KV; a preempted one (or one sent without KV) is prefilled whole again in a later iteration."""
+
+    name = "token"
+
+    def schedule(self) -> Plan:
+        preempted = self._reserve_decode_slots()
+        items = self._decode_items()
+        if not preempted:
+            self._admit_whole_prompts(items, self.limits.prompt_token_budget)
+        return Plan(tuple(items), tuple(preempted))
