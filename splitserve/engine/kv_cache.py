@@ -1,0 +1,47 @@
+"""The paged KV cache tensors: per layer, K and V as [num_blocks, block_size, kv_heads, head_dim].
+
+Block ids come from the `BlockManager`; this class only stores, and reads or writes whole blocks
+for a KV transfer (all layers at once, or one layer for layer-wise streaming).
+"""
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.block_size = block_size
+        shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # zeros, not empty: masked-out slots are multiplied by zero probabilities, and NaN * 0 is NaN
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+        return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[2]
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer[0], layer[1]) for layer in self.data]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        return self.data[:, :, self._index(block_ids)].clone()
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        self.data[:, :, self._index(block_ids)] = blocks.to(self.data.device, self.data.dtype)
+
+    def read_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """[2, len(block_ids), block_size, kv_heads, head_dim] of one layer."""
+        return self.data[layer, :, self._index(block_ids)].clone()
+
+    def write_layer(self, layer: int, block_ids: list[int], blocks: torch.Tensor) -> None:
+        self.data[layer, :, self._index(block_ids)] = blocks.to(self.data.device, self.data.dtype)
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
