@@ -62,14 +62,15 @@ class ModelConfig:
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         qwen = arch == "Qwen2ForCausalLM"
+        rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and scaling here
         window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
         return cls(
             architecture=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")), num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling"), source),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling") or rope, source),
             attention_bias=bool(cfg.get("attention_bias", qwen)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window else None,

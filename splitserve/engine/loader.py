@@ -1,0 +1,158 @@
+"""Checkpoint loading: a Hugging Face model directory (config.json + safetensors) into a model.
+
+The target model's parameter names must equal the checkpoint's tensor names (the Hugging Face
+Llama names). Loading is generic over `model.named_parameters()`; a tied `lm_head` is recognised
+because it is the same Parameter object as `model.embed_tokens.weight`, so loading either name fills
+both.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from splitserve.engine.config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by the model, saved by old checkpoints
+DUMMY_STD = 0.02
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing or wrong; the message names the file (and tensor or field)."""
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Read `<path>/config.json`; `generation_config.json`'s `eos_token_id` overrides the config's."""
+    cfg_file = _checkpoint_dir(path) / "config.json"
+    cfg = read_json(cfg_file)
+    gen_file = cfg_file.with_name("generation_config.json")
+    if gen_file.is_file():
+        eos = read_json(gen_file).get("eos_token_id")
+        if eos is not None:
+            cfg["eos_token_id"] = eos
+    return ModelConfig.from_hf(cfg, source=str(cfg_file))
+
+
+def iter_checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of a single-file or sharded safetensors checkpoint."""
+    for _, name, tensor in _iter_with_files(path):
+        yield name, tensor
+
+
+def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Copy the checkpoint at `path` into `model`'s parameters.
+
+    `dtype`: when given, the model is converted to it first; each tensor is then cast to its
+    parameter's dtype (and device) as it is copied. Every parameter must be loaded exactly by name
+    and shape; anything else raises CheckpointError naming the tensor and the file.
+    """
+    if dtype is not None:
+        model.to(dtype=dtype)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[int] = set()
+    with torch.no_grad():
+        for file, name, tensor in _iter_with_files(path):
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            param = params.get(name)
+            if param is None:
+                raise CheckpointError(f"{file}: tensor {name!r} has no matching parameter in {type(model).__name__}")
+            if param.shape != tensor.shape:
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                      f"the model expects {tuple(param.shape)}")
+            param.copy_(tensor)
+            loaded.add(id(param))
+    missing = [name for name, param in model.named_parameters() if id(param) not in loaded]
+    if missing:
+        raise CheckpointError(f"{_weights_file(path)}: checkpoint has no tensor for parameters {missing}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Seeded random weights for any config (vLLM's `--load-format dummy`).
+
+    Biases get zeros, other 1-D parameters (norm weights) ones, matrices and embeddings
+    normal(0, 0.02). Values are drawn on the CPU in float32, so a seed gives the same weights on
+    every device and dtype.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.empty(param.shape).normal_(0.0, DUMMY_STD, generator=gen))
+
+
+def _iter_with_files(path: str | Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Yield (file, name, tensor); the file is kept so errors can name it."""
+    weights = _weights_file(path)
+    if weights.name == SINGLE_FILE:
+        yield from _iter_file(weights, None)
+        return
+    for shard, names in _read_index(weights).items():
+        yield from _iter_file(shard, names)
+
+
+def _weights_file(path: str | Path) -> Path:
+    """`model.safetensors`, else the shard index `model.safetensors.index.json`."""
+    root = _checkpoint_dir(path)
+    for file in (root / SINGLE_FILE, root / INDEX_FILE):
+        if file.is_file():
+            return file
+    raise CheckpointError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)")
+
+
+def _read_index(index: Path) -> dict[Path, list[str]]:
+    """Map each shard file to the tensor names the index assigns to it; every shard must exist."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: missing or empty field 'weight_map'")
+    shards: dict[Path, list[str]] = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(index.parent / shard, []).append(name)
+    for shard in shards:
+        if not shard.is_file():
+            raise CheckpointError(f"{shard}: shard listed in {index} does not exist")
+    return shards
+
+
+def _iter_file(file: Path, names: list[str] | None) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Tensors of one safetensors file: all of them, or only `names` (those a shard index lists)."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
+    with handle as f:
+        present = set(f.keys())
+        for name in names if names is not None else sorted(present):
+            if name not in present:
+                raise CheckpointError(f"{file}: tensor {name!r} listed in the index is not in this shard")
+            yield file, name, f.get_tensor(name)
+
+
+def _checkpoint_dir(path: str | Path) -> Path:
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint directory does not exist")
+    return root
+
+
+def read_json(file: Path) -> dict:
+    """A JSON object file; missing, malformed or non-object files raise CheckpointError naming it."""
+    if not file.is_file():
+        raise CheckpointError(f"{file}: file not found")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: malformed JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -1,0 +1,144 @@
+"""Turns one row of logits per sequence into its next token: greedy, or temperature/top-k/top-p.
+
+All rows are processed together; only seeded rows touch Python one by one, to draw their
+uniform from their own generator. Random rows sample by inverse CDF: one uniform per row and a
+`searchsorted` over the cumulative probabilities, so the noise is one number per row, not per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None  # log_softmax of the raw logits; None unless params.logprobs is set
+    top_logprobs: dict[int, float] | None  # the params.logprobs most likely tokens, same scale
+
+
+class Sampler:
+    """Samples a batch. Seeded requests keep a private generator, keyed by seq_id, so their
+    tokens do not depend on the rest of the batch; `forget` drops it when the request ends."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def forget(self, seq_id: str) -> None:
+        self._seeded.pop(seq_id, None)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits must have shape [len(seqs)={len(seqs)}, vocab], "
+                             f"got {tuple(logits.shape)}")
+        logits = logits.float()
+        wants_logprobs = any(s.params.logprobs is not None for s in seqs)
+        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
+        logits = _mask_stop_tokens(logits, seqs)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if len(random_rows) < len(seqs):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            token_ids[rows] = self._sample_random(logits[rows], [seqs[i] for i in random_rows])
+        return _results(token_ids, raw_logprobs, seqs)
+
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temperatures = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+        logits = apply_top_k_top_p(logits / temperatures.unsqueeze(1),
+                                   [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
+        cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+        # u in (0, 1] scaled to the row's total picks the first token whose cdf reaches it, so a
+        # token of probability 0 (cdf equal to its predecessor's) is never chosen.
+        targets = self._uniforms(seqs, logits.device).mul_(cdf[:, -1])
+        return torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1)
+
+    def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """One draw in (0, 1] per row; seeded rows draw from their own generator."""
+        u = torch.rand(len(seqs), device=device, generator=self._shared_generator(device))
+        for i, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                u[i] = torch.rand(1, device=device, generator=self._seeded_generator(seq, device))[0]
+        return u.neg_().add_(1)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._shared:
+            self._shared[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._shared[device]
+
+    def _seeded_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        if seq.seq_id not in self._seeded:
+            self._seeded[seq.seq_id] = torch.Generator(device=device).manual_seed(seq.params.seed)
+        return self._seeded[seq.seq_id]
+
+
+def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Sets the stop ids (eos unless ignore_eos) of rows still below min_tokens to -inf."""
+    rows, cols, vocab = [], [], logits.shape[1]
+    for i, seq in enumerate(seqs):
+        if seq.num_output_tokens < seq.params.min_tokens:
+            stop_ids = set(seq.params.stop_token_ids)
+            if not seq.params.ignore_eos:
+                stop_ids |= seq.eos_token_ids
+            ids = [t for t in stop_ids if 0 <= t < vocab]
+            rows += [i] * len(ids)
+            cols += ids
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Masks to -inf what top-k (-1: off) and then top-p (1.0: off) drop, per row, as
+    transformers' `TopKLogitsWarper` and `TopPLogitsWarper` do."""
+    if any(k != -1 for k in top_k):
+        logits = _apply_top_k(logits, top_k)
+    if any(p < 1 for p in top_p):
+        logits = _apply_top_p(logits, top_p)
+    return logits
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keeps values >= the row's k-th largest (ties included); a topk, not a full sort."""
+    vocab, device = logits.shape[1], logits.device
+    k = torch.tensor([min(k, vocab) if k != -1 else 1 for k in top_k], device=device)
+    kth_largest = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    kth_largest.masked_fill_(torch.tensor(top_k, device=device).eq(-1).unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Keeps the smallest most-likely set whose mass reaches top_p, and always the top token."""
+    ascending, order = logits.sort(dim=-1)
+    mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = mass_below <= 1 - torch.tensor(top_p, device=logits.device).unsqueeze(1)
+    drop[:, -1] = False
+    return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+
+
+def _results(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
+             seqs: list[Sequence]) -> list[SampledToken]:
+    ids = token_ids.tolist()
+    if raw_logprobs is None:
+        return [SampledToken(t, None, None) for t in ids]
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    num_top = max(s.params.logprobs or 0 for s in seqs)
+    top_values, top_ids = (x.tolist() for x in raw_logprobs.topk(num_top, dim=-1))
+    results = []
+    for i, seq in enumerate(seqs):
+        n = seq.params.logprobs
+        if n is None:
+            results.append(SampledToken(ids[i], None, None))
+        else:
+            top = dict(zip(top_ids[i][:n], top_values[i][:n]))
+            results.append(SampledToken(ids[i], chosen[i], top))
+    return results

@@ -1,0 +1,184 @@
+"""Checkpoint loading against checkpoints written by transformers' own `save_pretrained`."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from splitserve.engine.config import ConfigError
+from splitserve.engine.demo import DEMO_MODEL_CONFIG, demo_model_config, demo_tokenizer
+from splitserve.engine.loader import (CheckpointError, init_dummy_weights, iter_checkpoint_tensors,
+                                      load_model_config, load_weights)
+
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def make_llama(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**SHAPE, **overrides})).eval()
+
+
+def make_qwen2(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**{**SHAPE, **overrides})).eval()
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+@pytest.mark.parametrize("make", [make_llama, make_qwen2])
+@pytest.mark.parametrize("shard_size", [None, "20KB"])
+def test_round_trip_matches_every_tensor(tmp_path, make, shard_size):
+    source = make(seed=0)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    source.save_pretrained(tmp_path, **kwargs)
+    sharded = (tmp_path / "model.safetensors.index.json").is_file()
+    assert sharded == (shard_size is not None)
+    target = make(seed=1)
+    load_weights(target, tmp_path)
+    assert_same_weights(source, target)
+
+
+def test_round_trip_qwen2_has_biases(tmp_path):
+    make_qwen2().save_pretrained(tmp_path)
+    names = {name for name, _ in iter_checkpoint_tensors(tmp_path)}
+    assert "model.layers.0.self_attn.q_proj.bias" in names
+    assert load_model_config(tmp_path).attention_bias
+
+
+def test_tied_embeddings_load_both_names(tmp_path):
+    source = make_llama(seed=0, tie_word_embeddings=True)
+    source.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in {name for name, _ in iter_checkpoint_tensors(tmp_path)}
+    target = make_llama(seed=1, tie_word_embeddings=True)
+    load_weights(target, tmp_path)
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+    assert_same_weights(source, target)
+    assert load_model_config(tmp_path).tie_word_embeddings
+
+
+def test_dtype_converts_the_model(tmp_path):
+    source = make_llama()
+    source.save_pretrained(tmp_path)
+    target = make_llama(seed=1)
+    load_weights(target, tmp_path, torch.bfloat16)
+    weight = target.model.layers[0].mlp.up_proj.weight
+    assert weight.dtype == torch.bfloat16
+    assert torch.equal(weight, source.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16))
+
+
+def test_model_config_and_generation_config_eos_override(tmp_path):
+    make_llama(eos_token_id=2).save_pretrained(tmp_path)
+    cfg = load_model_config(tmp_path)
+    assert (cfg.architecture, cfg.num_key_value_heads, cfg.head_dim) == ("LlamaForCausalLM", 2, 8)
+    assert cfg.eos_token_ids == (2,)
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 7]}))
+    assert load_model_config(tmp_path).eos_token_ids == (2, 7)
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": 9}))
+    assert load_model_config(tmp_path).eos_token_ids == (9,)
+
+
+def test_missing_dir(tmp_path):
+    with pytest.raises(CheckpointError, match="no_such_dir"):
+        load_model_config(tmp_path / "no_such_dir")
+    with pytest.raises(CheckpointError, match="no_such_dir"):
+        list(iter_checkpoint_tensors(tmp_path / "no_such_dir"))
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json: file not found"):
+        load_model_config(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_malformed_json_names_the_file(tmp_path, name):
+    make_llama().save_pretrained(tmp_path)
+    (tmp_path / name).write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"{name}: malformed JSON"):
+        load_model_config(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="config.json.*GPT2LMHeadModel"):
+        load_model_config(tmp_path)
+
+
+def test_no_safetensors(tmp_path):
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_weights(make_llama(), tmp_path)
+
+
+def test_missing_shard(tmp_path):
+    make_llama().save_pretrained(tmp_path, max_shard_size="20KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard.name}: shard listed in .*index.json does not exist"):
+        load_weights(make_llama(), tmp_path)
+
+
+def test_corrupt_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
+        load_weights(make_llama(), tmp_path)
+
+
+def save_state(tmp_path, state):
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+
+
+def test_unknown_tensor_name(tmp_path):
+    model = make_llama()
+    save_state(tmp_path, {**model.state_dict(), "model.extra.weight": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match="model.safetensors: tensor 'model.extra.weight' has no matching"):
+        load_weights(model, tmp_path)
+
+
+def test_rotary_inv_freq_is_skipped(tmp_path):
+    source = make_llama()
+    save_state(tmp_path, {**source.state_dict(), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
+    target = make_llama(seed=1)
+    load_weights(target, tmp_path)
+    assert_same_weights(source, target)
+
+
+def test_shape_mismatch(tmp_path):
+    make_llama(vocab_size=80).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor '(lm_head|model.embed_tokens).weight' has shape \(80, 32\)"):
+        load_weights(make_llama(), tmp_path)
+
+
+def test_parameter_never_loaded(tmp_path):
+    state = make_llama().state_dict()
+    del state["model.norm.weight"]
+    save_state(tmp_path, state)
+    with pytest.raises(CheckpointError, match="model.safetensors: checkpoint has no tensor for parameters \\['model.norm.weight'\\]"):
+        load_weights(make_llama(), tmp_path)
+
+
+def test_dummy_init_is_deterministic_per_seed():
+    a, b, c = make_qwen2(seed=1), make_qwen2(seed=2), make_qwen2(seed=3)
+    init_dummy_weights(a, seed=0)
+    init_dummy_weights(b, seed=0)
+    init_dummy_weights(c, seed=1)
+    assert_same_weights(a, b)
+    assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
+    assert torch.equal(a.model.norm.weight, torch.ones(32))
+    assert torch.equal(a.model.layers[0].self_attn.q_proj.bias, torch.zeros(32))
+    std = a.model.layers[1].mlp.down_proj.weight.std().item()
+    assert 0.015 < std < 0.025
+
+
+def test_demo_model_config():
+    cfg = demo_model_config()
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.head_dim, cfg.num_key_value_heads) == (259, 4, 32, 4)
+    assert cfg.eos_token_ids == demo_tokenizer().eos_token_ids == (257,)
+    assert cfg.bos_token_id == demo_tokenizer().bos_token_id == 256
+    assert DEMO_MODEL_CONFIG["vocab_size"] == demo_tokenizer().vocab_size

@@ -1,0 +1,145 @@
+import pytest
+import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from splitserve.engine.sampler import Sampler, SampledToken, apply_top_k_top_p
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import Sequence
+
+VOCAB = 64
+
+
+def make_seq(seq_id="s", num_output_tokens=0, eos=frozenset(), **params) -> Sequence:
+    return Sequence(seq_id, [1, 2], SamplingParams(max_tokens=32, **params), eos_token_ids=eos,
+                    token_ids=[1, 2] + [3] * num_output_tokens)
+
+
+def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_for_any_float_dtype():
+    logits = random_logits(5).to(torch.bfloat16)
+    seqs = [make_seq(f"s{i}", temperature=0.0) for i in range(4)] + [make_seq("k1", top_k=1)]
+    out = Sampler().sample(logits, seqs)
+    assert [t.token_id for t in out] == logits.float().argmax(dim=-1).tolist()
+    assert all(t.logprob is None and t.top_logprobs is None for t in out)
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 10, VOCAB, VOCAB + 5])
+def test_top_k_keeps_the_same_tokens_as_transformers(top_k):
+    logits = random_logits(4, seed=top_k)
+    ours = apply_top_k_top_p(logits, [top_k] * 4, [1.0] * 4)
+    theirs = TopKLogitsWarper(top_k)(None, logits)
+    assert torch.equal(ours.isfinite(), theirs.isfinite())
+    assert torch.equal(ours[ours.isfinite()], logits[ours.isfinite()])
+
+
+@pytest.mark.parametrize("top_p", [0.01, 0.3, 0.75, 0.95, 0.999])
+def test_top_p_keeps_the_same_tokens_as_transformers(top_p):
+    logits = random_logits(4, seed=int(top_p * 1000))
+    ours = apply_top_k_top_p(logits, [-1] * 4, [top_p] * 4)
+    theirs = TopPLogitsWarper(top_p)(None, logits)
+    assert torch.equal(ours.isfinite(), theirs.isfinite())
+    assert ours.isfinite().sum(dim=-1).min() >= 1
+
+
+def test_per_row_top_k_then_top_p_matches_transformers_chain():
+    settings = [(-1, 1.0), (5, 1.0), (-1, 0.6), (8, 0.9), (2, 0.5), (20, 0.99)]
+    logits = random_logits(len(settings), seed=3)
+    ours = apply_top_k_top_p(logits, [k for k, _ in settings], [p for _, p in settings])
+    for row, (k, p) in enumerate(settings):
+        theirs = logits[row:row + 1]
+        if k != -1:
+            theirs = TopKLogitsWarper(k)(None, theirs)
+        theirs = TopPLogitsWarper(p)(None, theirs)
+        assert torch.equal(ours[row].isfinite(), theirs[0].isfinite()), (k, p)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_frequencies_follow_softmax_over_temperature(temperature):
+    draws = 20000
+    row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    seqs = [make_seq(f"s{i}", temperature=temperature) for i in range(draws)]
+    out = Sampler(seed=1).sample(row.expand(draws, -1), seqs)
+    counts = torch.bincount(torch.tensor([t.token_id for t in out]), minlength=len(row))
+    expected = torch.softmax(row / temperature, dim=-1)
+    assert torch.allclose(counts / draws, expected, atol=0.015)
+
+
+def test_sampled_tokens_stay_inside_top_k_and_top_p():
+    logits = random_logits(1, seed=5).expand(2000, -1)
+    allowed = set(logits[0].topk(4).indices.tolist())
+    out = Sampler().sample(logits, [make_seq(f"s{i}", top_k=4, top_p=0.99) for i in range(2000)])
+    assert {t.token_id for t in out} <= allowed
+    assert len({t.token_id for t in out}) > 1
+
+
+def test_seeded_request_does_not_depend_on_the_batch():
+    flat = torch.zeros(1, 1000)  # uniform: every token equally likely, so seeds show clearly
+    alone_sampler, batch_sampler = Sampler(seed=0), Sampler(seed=123)
+    target = make_seq("target", seed=7, top_p=0.9)
+    others = [make_seq("a"), make_seq("b", seed=8), make_seq("c", temperature=0.0)]
+    alone, in_batch = [], []
+    for step in range(6):
+        alone.append(alone_sampler.sample(flat, [target])[0].token_id)
+        batch = others[:step % 3] + [target] + others[step % 3:]
+        out = batch_sampler.sample(flat.expand(len(batch), -1), batch)
+        in_batch.append(out[batch.index(target)].token_id)
+    assert alone == in_batch
+
+
+def test_different_seeds_differ_and_forget_restarts_the_stream():
+    flat = torch.zeros(2, 1000)
+    sampler = Sampler()
+    seqs = [make_seq("x", seed=1), make_seq("y", seed=2)]
+    steps = [[t.token_id for t in sampler.sample(flat, seqs)] for _ in range(5)]
+    assert [s[0] for s in steps] != [s[1] for s in steps]
+    sampler.forget("x")
+    assert sampler.sample(flat[:1], seqs[:1])[0].token_id == steps[0][0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_masks_eos_and_stop_token_ids(temperature):
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 5] = 100.0  # eos
+    logits[:, 6] = 90.0   # stop token id
+    logits[:, 7] = 80.0
+    common = dict(eos=frozenset({5}), min_tokens=2, temperature=temperature)
+    seqs = [make_seq("early", 1, stop_token_ids=[6], **common),  # below min_tokens: 5 and 6 masked
+            make_seq("done", 2, stop_token_ids=[6], **common),   # reached min_tokens: nothing masked
+            make_seq("ignore", 0, ignore_eos=True, **common)]    # eos does not stop it: not masked
+    out = Sampler().sample(logits, seqs)
+    assert [t.token_id for t in out] == [7, 5, 5]
+
+
+def test_logprobs_come_from_raw_logits():
+    logits = random_logits(3, seed=9)
+    seqs = [make_seq("a", temperature=0.7, top_k=5, logprobs=3), make_seq("b", temperature=0.0, logprobs=0),
+            make_seq("c", temperature=1.3)]
+    out = Sampler().sample(logits, seqs)
+    raw = torch.log_softmax(logits, dim=-1)
+    for row in range(2):
+        assert out[row].logprob == pytest.approx(raw[row, out[row].token_id].item(), abs=1e-6)
+    values, ids = raw[0].topk(3)
+    assert list(out[0].top_logprobs) == ids.tolist()
+    assert list(out[0].top_logprobs.values()) == pytest.approx(values.tolist(), abs=1e-6)
+    assert out[1].top_logprobs == {}
+    assert out[2] == SampledToken(out[2].token_id, None, None)
+
+
+def test_mixed_batch_of_greedy_and_random_rows():
+    logits = random_logits(6, seed=11)
+    greedy = [0, 2, 5]
+    seqs = [make_seq(f"s{i}", temperature=0.0 if i in greedy else 1.0, top_k=2) for i in range(6)]
+    out = Sampler().sample(logits, seqs)
+    for i, token in enumerate(out):
+        if i in greedy:
+            assert token.token_id == logits[i].argmax().item()
+        else:
+            assert token.token_id in logits[i].topk(2).indices.tolist()
+
+
+def test_logits_shape_must_match_the_batch():
+    with pytest.raises(ValueError, match="logits"):
+        Sampler().sample(torch.zeros(2, VOCAB), [make_seq()])
