@@ -58,6 +58,9 @@ class BlockManager:
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id]
 
+    def owners(self) -> list[str]:
+        return list(self._tables)
+
     def has_blocks(self, seq_id: str) -> bool:
         return seq_id in self._tables
 

@@ -159,5 +159,19 @@ class Policy(ABC):
             items.append(ScheduledSeq(seq, seq.num_uncomputed_tokens))
             prefill_tokens += seq.num_uncomputed_tokens
 
+    def check_integrity(self) -> None:
+        """Blocks are held exactly by running and held sequences; then the block manager's own checks."""
+        holders = {s.seq_id for s in self.running} | set(self.held)
+        for seq in self.waiting:
+            if self.blocks.has_blocks(seq.seq_id):
+                raise RuntimeError(f"waiting sequence {seq.seq_id!r} holds KV blocks")
+        for seq_id in holders:
+            if not self.blocks.has_blocks(seq_id):
+                raise RuntimeError(f"sequence {seq_id!r} is running or held but has no KV blocks")
+        extra = set(self.blocks.owners()) - holders
+        if extra:
+            raise RuntimeError(f"KV blocks held by sequences the policy does not track: {sorted(extra)}")
+        self.blocks.check_integrity()
+
     def _decode_items(self) -> list[ScheduledSeq]:
         return [ScheduledSeq(seq, 1) for seq in self.running if seq.is_decoding]

@@ -1,0 +1,54 @@
+"""Offline batch generation in vLLM's shape: `LLM(model).generate(prompts, params)`."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from splitserve.engine.llm_engine import LLMEngine, PromptInput
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """`model` is "demo" or a Hugging Face checkpoint directory; keyword arguments are
+    `EngineConfig` fields (policy, block_size, dtype, device, load_format, ...)."""
+
+    def __init__(self, model: str = "demo", **engine_args):
+        if engine_args.get("policy") == "prompt":
+            raise ValueError("policy 'prompt' only prefills and hands the KV on; LLM needs a policy that "
+                             "finishes requests: mixed, prefill_first or token")
+        self.engine = LLMEngine(model, **engine_args)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Seq[PromptInput],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
+        params = sampling_params if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids = self._add_all(prompts, params)
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            finished.update((out.request_id, out) for out in self.engine.step() if out.finished)
+        return [finished[i] for i in ids]
+
+    def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams | None]) -> list[str]:
+        """Add every request, or none: a bad one is rejected before any runs."""
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(str(self._counter))
+                self._counter += 1
+                self.engine.add_request(ids[-1], prompt, p)
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        return ids
+
+
+def _is_token_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)

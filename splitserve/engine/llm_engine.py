@@ -1,0 +1,166 @@
+"""The step-level engine the workers drive: add_request / step / abort, plus the KV handoff
+between a prompt engine and a token engine (export on one side, import on the other)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from splitserve.engine.attention import select_backend
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.model_builder import build_model
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.outputs import CompletionOutput, RequestOutput
+from splitserve.engine.policies import SchedulerLimits, make_policy
+from splitserve.engine.sampler import SampledToken, Sampler
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.tokenizer import Detokenizer
+
+PromptInput = str | list[int] | dict
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: Detokenizer
+    timestamps: list[float] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: str = "demo", config: EngineConfig | None = None, **overrides):
+        self.config = config = replace(config or EngineConfig(), **overrides)
+        loaded = build_model(model, config)
+        self.model_name, self.model_config, self.tokenizer = model, loaded.config, loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // KVCache.bytes_per_block(
+            loaded.config, config.block_size, loaded.dtype)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len="
+                              f"{self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len")
+        self.kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        limits = SchedulerLimits(config.max_num_seqs, self.max_model_len, config.prompt_token_budget, config.chunk_token_budget)
+        self.policy = make_policy(config.policy, self.block_manager, limits)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, select_backend(loaded.device), loaded.device)
+        self.sampler = Sampler(seed=config.seed)
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> Sequence:
+        """Queue a request. Invalid input raises ValueError naming the field, and changes nothing."""
+        req = self._new_request(request_id, prompt, params, arrival_time)
+        self.policy.add(req.seq)
+        self._requests[request_id] = req
+        return req.seq
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and not req.seq.is_finished:
+            self.policy.finish(req.seq, "abort")
+        self.sampler.forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.policy.has_work()
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if scheduler queues, block ownership and tracked requests disagree."""
+        self.policy.check_integrity()
+        live = {seq.seq_id for seq in [*self.policy.running, *self.policy.waiting]} | set(self.policy.held)
+        if live != set(self._requests):
+            raise RuntimeError(f"engine tracks {sorted(self._requests)} but the scheduler holds {sorted(live)}")
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the requests that got a token (cumulative outputs)."""
+        plan = self.policy.schedule()
+        if not plan:
+            return []
+        tables = {item.seq.seq_id: self.block_manager.block_table(item.seq.seq_id) for item in plan.scheduled}
+        seqs, logits = self.runner.execute(plan, tables)
+        sampled = dict(zip((s.seq_id for s in seqs), self.sampler.sample(logits, seqs)))
+        now = time.monotonic()
+        updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
+        return [self._record(self._requests[seq.seq_id], sampled[seq.seq_id], now) for seq in updated]
+
+    # ---- KV handoff --------------------------------------------------------------------
+    def export_request(self, request_id: str) -> tuple[Sequence, list[int]]:
+        """A prefilled request (prompt role): its sequence and the blocks holding its KV."""
+        seq = self._requests[request_id].seq
+        if seq.status is not SequenceStatus.PREFILLED:
+            raise ValueError(f"request {request_id!r} is {seq.status.value}, not prefilled; nothing to export")
+        return seq, self.block_manager.export_blocks(request_id)
+
+    def release_request(self, request_id: str) -> None:
+        """The exported KV has been delivered: free it here."""
+        self.abort(request_id)
+
+    def reserve_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                       arrival_time: float | None = None) -> list[int]:
+        """Reserve blocks for a prompt whose KV another engine computes; returns the block ids to fill."""
+        req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
+        block_ids = self.policy.reserve_import(req.seq)
+        self._requests[request_id] = req
+        return block_ids
+
+    def complete_import(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """The KV has been written into the reserved blocks: decode from the first token on."""
+        req = self._requests[request_id]
+        self.policy.complete_import(request_id, first_token_id)
+        return self._record(req, SampledToken(first_token_id, None, None), time.monotonic())
+
+    # ---- internals ---------------------------------------------------------------------
+    def _new_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
+                     arrival_time: float | None) -> _Request:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
+                       self.eos_token_ids)
+        return _Request(seq, text, Detokenizer(self.tokenizer, params, token_ids),
+                        logprobs=[] if params.logprobs is not None else None)
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a prompt dict must have 'prompt_token_ids'")
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, prompt
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                             "the prompt must leave room for at least one generated token")
+        return text, list(ids)
+
+    def _record(self, req: _Request, sampled: SampledToken, now: float) -> RequestOutput:
+        seq = req.seq
+        req.timestamps.append(now)
+        if req.logprobs is not None:
+            req.logprobs.append({**(sampled.top_logprobs or {}), sampled.token_id: sampled.logprob})
+        if req.detokenizer.append(sampled.token_id) and not seq.is_finished:
+            self.policy.finish(seq, "stop")
+        if seq.is_finished:
+            self._requests.pop(seq.seq_id, None)
+            self.sampler.forget(seq.seq_id)
+        completion = CompletionOutput(0, req.detokenizer.text, seq.output_token_ids, seq.finish_reason,
+                                      req.logprobs, req.timestamps)
+        return RequestOutput(seq.seq_id, req.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
+                             seq.arrival_time, seq.num_cached_tokens)

@@ -1,0 +1,75 @@
+"""Resolve a model name ("demo" or a checkpoint directory) to a ready model, tokenizer, device and dtype."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.demo import DEMO_SEED, demo_model_config, demo_tokenizer
+from splitserve.engine.loader import init_dummy_weights, load_model_config, load_weights
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.tokenizer import Tokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    tokenizer: Tokenizer
+    model: LlamaForCausalLM
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    return DTYPES.get(config.torch_dtype.removeprefix("torch."), torch.float32)
+
+
+def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
+    """Capped by the positions the model knows and by a sliding window, which this engine does not
+    implement: within the window, full attention is exactly the model's attention."""
+    limit = min(config.max_position_embeddings, config.sliding_window or config.max_position_embeddings)
+    if requested is not None and requested > limit:
+        raise ConfigError(f"max_model_len={requested} exceeds the model's limit of {limit} tokens")
+    return requested or limit
+
+
+def build_model(model: str, engine: EngineConfig) -> LoadedModel:
+    if model == "demo":
+        config, tokenizer = demo_model_config(), demo_tokenizer()
+    else:
+        config, tokenizer = load_model_config(model), load_tokenizer(model)
+    device, dtype = resolve_device(engine.device), resolve_dtype(engine.dtype, config)
+    max_len = resolve_max_model_len(config, engine.max_model_len)
+    with torch.device(device), _default_dtype(dtype):
+        net = LlamaForCausalLM(config, max_len).eval()
+    if model == "demo" or engine.load_format == "dummy":
+        init_dummy_weights(net, DEMO_SEED if model == "demo" else engine.seed)
+    else:
+        load_weights(net, model)
+    return LoadedModel(config, tokenizer, net, device, dtype, max_len)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

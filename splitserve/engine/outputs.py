@@ -1,0 +1,43 @@
+"""What the engine returns per request (vLLM's `RequestOutput` / `CompletionOutput` shape)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled token included
+    token_timestamps: list[float] = field(default_factory=list)  # time.monotonic() when each token was sampled
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative state of one request after a step: all tokens and text so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    arrival_time: float
+    num_cached_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def token_timestamps(self) -> list[float]:
+        return self.outputs[0].token_timestamps
