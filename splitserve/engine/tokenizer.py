@@ -85,8 +85,9 @@ class ByteTokenizer(Tokenizer):
 class HFTokenizer(Tokenizer):
     """`<path>/tokenizer.json` plus the optional `tokenizer_config.json` and `chat_template.jinja`.
 
-    Encoding matches `transformers.AutoTokenizer` (v5): special tokens around the text come from
-    tokenizer.json's post-processor alone. `add_bos_token`/`add_eos_token` in tokenizer_config.json
+    Encoding follows tokenizer.json as written (transformers 5's AutoTokenizer may rebuild parts of
+    it for some model types; real checkpoints' tokenizer.json already agrees). Special tokens
+    around the text come from tokenizer.json's post-processor alone. `add_bos_token`/`add_eos_token` in tokenizer_config.json
     are ignored, as transformers 5 ignores them whenever a tokenizer.json exists (it bakes them into
     the post-processor on save instead).
     """
