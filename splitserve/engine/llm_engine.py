@@ -13,7 +13,7 @@ from splitserve.engine.model_builder import build_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionOutput, RequestOutput
 from splitserve.engine.policies import SchedulerLimits, make_policy
-from splitserve.engine.sampler import SampledToken, Sampler
+from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.tokenizer import Detokenizer
@@ -89,7 +89,8 @@ class LLMEngine:
         sampled = dict(zip((s.seq_id for s in seqs), self.sampler.sample(logits, seqs)))
         now = time.monotonic()
         updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
-        return [self._record(self._requests[seq.seq_id], sampled[seq.seq_id], now) for seq in updated]
+        return [self._record(self._requests[seq.seq_id], sampled[seq.seq_id].token_id,
+                             sampled[seq.seq_id].logprobs, now) for seq in updated]
 
     # ---- KV handoff --------------------------------------------------------------------
     def export_request(self, request_id: str) -> tuple[Sequence, list[int]]:
@@ -111,11 +112,13 @@ class LLMEngine:
         self._requests[request_id] = req
         return block_ids
 
-    def complete_import(self, request_id: str, first_token_id: int) -> RequestOutput:
-        """The KV has been written into the reserved blocks: decode from the first token on."""
+    def complete_import(self, request_id: str, first_token_id: int,
+                        first_logprobs: dict[int, float] | None = None) -> RequestOutput:
+        """The KV has been written into the reserved blocks: decode from the first token on
+        (sampled, with its logprobs if requested, by the prompt engine)."""
         req = self._requests[request_id]
         self.policy.complete_import(request_id, first_token_id)
-        return self._record(req, SampledToken(first_token_id, None, None), time.monotonic())
+        return self._record(req, first_token_id, first_logprobs, time.monotonic())
 
     # ---- internals ---------------------------------------------------------------------
     def _new_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
@@ -150,13 +153,16 @@ class LLMEngine:
                              "the prompt must leave room for at least one generated token")
         return text, list(ids)
 
-    def _record(self, req: _Request, sampled: SampledToken, now: float) -> RequestOutput:
+    def _record(self, req: _Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
         seq = req.seq
         req.timestamps.append(now)
         if req.logprobs is not None:
-            req.logprobs.append({**(sampled.top_logprobs or {}), sampled.token_id: sampled.logprob})
-        if req.detokenizer.append(sampled.token_id) and not seq.is_finished:
-            self.policy.finish(seq, "stop")
+            req.logprobs.append(logprobs or {})
+        if req.detokenizer.append(token_id):  # a stop string wins over a length limit hit by the same token
+            if seq.is_finished:
+                seq.finish_reason = "stop"
+            else:
+                self.policy.finish(seq, "stop")
         if seq.is_finished:
             self._requests.pop(seq.seq_id, None)
             self.sampler.forget(seq.seq_id)

@@ -19,6 +19,13 @@ class SampledToken:
     logprob: float | None  # log_softmax of the raw logits; None unless params.logprobs is set
     top_logprobs: dict[int, float] | None  # the params.logprobs most likely tokens, same scale
 
+    @property
+    def logprobs(self) -> dict[int, float] | None:
+        """{token id: logprob} for the top tokens and the sampled one; None unless requested."""
+        if self.logprob is None:
+            return None
+        return {**(self.top_logprobs or {}), self.token_id: self.logprob}
+
 
 class Sampler:
     """Samples a batch. Seeded requests keep a private generator, keyed by seq_id, so their

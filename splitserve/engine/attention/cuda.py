@@ -1,4 +1,4 @@
-"""CUDA attention: flash-attn's varlen kernel for fresh prefills when it is importable, else the
+"""CUDA attention: flash-attn's varlen kernel for fresh fp16/bf16 prefills when it is importable, else the
 torch path (SDPA, which dispatches to its own flash/efficient kernels on CUDA); decodes and
 chunks with earlier context use the torch paged path on the device."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ class CudaBackend(TorchPagedBackend):
 
     def run_prefills(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out, seqs) -> None:
         fresh = [i for i in seqs if meta.query_starts[i + 1] - meta.query_starts[i] == meta.context_lens_list[i]]
-        if flash_attn_varlen_func is None or not fresh:
+        if flash_attn_varlen_func is None or not fresh or q.dtype not in (torch.float16, torch.bfloat16):
             return super().run_prefills(q, k, v, k_cache, v_cache, meta, out, seqs)
         super().run_prefills(q, k, v, k_cache, v_cache, meta, out, [i for i in seqs if i not in fresh])
         spans = [(meta.query_starts[i], meta.query_starts[i + 1]) for i in fresh]

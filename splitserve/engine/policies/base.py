@@ -20,6 +20,10 @@ from splitserve.engine.sequence import Sequence, SequenceStatus
 WATERMARK_FRACTION = 0.01  # blocks kept free at admission so running decodes rarely preempt
 
 
+class EngineFullError(RuntimeError):
+    """The engine cannot take another sequence now (batch full); retry later or elsewhere."""
+
+
 class Policy(ABC):
     name: str
 
@@ -89,7 +93,11 @@ class Policy(ABC):
         self.held[seq.seq_id] = seq
 
     def reserve_import(self, seq: Sequence) -> list[int]:
-        """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block ids."""
+        """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block ids.
+        Raises EngineFullError when max_num_seqs sequences are already running or importing."""
+        if len(self.running) + len(self.held) >= self.limits.max_num_seqs:
+            raise EngineFullError(f"cannot import {seq.seq_id!r}: max_num_seqs={self.limits.max_num_seqs} "
+                                  "sequences are already running or importing")
         block_ids = self.blocks.reserve_for_import(seq)
         seq.status = SequenceStatus.IMPORTING
         self.held[seq.seq_id] = seq
@@ -116,7 +124,10 @@ class Policy(ABC):
         self.running.append(seq)
 
     def _can_admit(self, seq: Sequence) -> bool:
-        return len(self.running) < self.limits.max_num_seqs and self.blocks.can_allocate(seq, self._watermark)
+        """Room in the batch and in KV memory. The watermark only guards running sequences'
+        growth, so with nothing running a prompt may take the whole cache."""
+        watermark = self._watermark if self.running else 0
+        return len(self.running) < self.limits.max_num_seqs and self.blocks.can_allocate(seq, watermark)
 
     def preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the KV, requeue at the front; prompt + output is prefilled again."""

@@ -29,14 +29,6 @@ class Plan:
     def num_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.scheduled)
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled if not item.seq.is_decoding)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for item in self.scheduled if item.seq.is_decoding)
-
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 

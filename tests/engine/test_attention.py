@@ -1,0 +1,165 @@
+"""Paged attention equals plain attention over contiguous K/V.
+
+Each case scatters every sequence's K/V into a paged cache through a shuffled (non-contiguous)
+block table, runs `TorchPagedBackend.forward` on a flat batch of decodes (first) and prefill
+chunks (some with earlier context already in the cache), and compares with a per-sequence causal
+attention written here from scratch: softmax(Q K^T / sqrt(d)) with a causal mask, GQA by
+`repeat_interleave` of the KV heads.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from splitserve.engine.attention import AttentionMetadata, TorchPagedBackend, select_backend
+
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """q: [n, H, D], the last n positions of a context of len(keys); keys, values: [L, KVH, D]."""
+    n, heads, dim = q.shape
+    length = keys.shape[0]
+    group = heads // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)    # [L, H, D]
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(dim)
+    query_pos = torch.arange(length - n, length)
+    allowed = torch.arange(length)[None, :] <= query_pos[:, None]  # [n, L]
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def build_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, block_size: int,
+               num_blocks: int, seed: int, extra_blocks: int = 0, num_decodes: int | None = None):
+    """seqs: (context_len, query_len) pairs, decodes (query_len 1) first. Returns everything a
+    forward call needs plus the full per-sequence K/V and the expected cache afterwards."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    # finite garbage everywhere: masked slots must not leak into the result
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    q_parts, k_parts, v_parts, slots, tables, full = [], [], [], [], [], []
+    starts, context_lens = [0], []
+    for context, n in seqs:
+        nb = -(-context // block_size) + extra_blocks
+        table = [free.pop() for _ in range(nb)]
+        keys = torch.randn(context, kv_heads, dim, generator=gen)
+        values = torch.randn(context, kv_heads, dim, generator=gen)
+        seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(context)]
+        # the earlier context is already in the cache
+        for p in range(context - n):
+            k_cache.view(-1, kv_heads, dim)[seq_slots[p]] = keys[p]
+            v_cache.view(-1, kv_heads, dim)[seq_slots[p]] = values[p]
+        q_parts.append(torch.randn(n, heads, dim, generator=gen))
+        k_parts.append(keys[context - n:])
+        v_parts.append(values[context - n:])
+        slots += seq_slots[context - n:]
+        tables.append(table)
+        full.append((keys, values))
+        starts.append(starts[-1] + n)
+        context_lens.append(context)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+        context_lens=torch.tensor(context_lens, dtype=torch.long),
+        query_starts=starts,
+        context_lens_list=context_lens,
+        num_decodes=_num_decodes(seqs) if num_decodes is None else num_decodes,
+    )
+    q, k, v = torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.view(-1, kv_heads, dim)[meta.slot_mapping] = k
+    expected_v.view(-1, kv_heads, dim)[meta.slot_mapping] = v
+    return q, k, v, k_cache, v_cache, meta, full, (expected_k, expected_v)
+
+
+def _num_decodes(seqs: list[tuple[int, int]]) -> int:
+    """The leading run of single-token queries (the model runner puts decodes first)."""
+    count = 0
+    for _, n in seqs:
+        if n != 1:
+            break
+        count += 1
+    return count
+
+
+def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, seed=0, extra_blocks=0,
+               num_decodes=None):
+    needed = sum(-(-c // block_size) + extra_blocks for c, _ in seqs)
+    num_blocks = num_blocks or needed + 5
+    q, k, v, k_cache, v_cache, meta, full, (expected_k, expected_v) = build_case(
+        seqs, heads, kv_heads, dim, block_size, num_blocks, seed, extra_blocks, num_decodes)
+    out = TorchPagedBackend().forward(q, k, v, k_cache, v_cache, meta)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    for i, (keys, values) in enumerate(full):
+        lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
+        want = reference_attention(q[lo:hi], keys, values)
+        torch.testing.assert_close(out[lo:hi].double(), want, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"sequence {i} {seqs[i]}: {m}")
+    # the cache holds this step's k/v at slot_mapping, and every other slot is untouched
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+    flat_k = k_cache.view(-1, kv_heads, dim)
+    assert torch.equal(flat_k[meta.slot_mapping], k)
+    assert torch.equal(v_cache.view(-1, kv_heads, dim)[meta.slot_mapping], v)
+
+
+def test_backend_selection_on_cpu():
+    assert isinstance(select_backend(torch.device("cpu")), TorchPagedBackend)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
+def test_fresh_prefills(heads, kv_heads):
+    check_case([(5, 5), (9, 9), (16, 16)], heads=heads, kv_heads=kv_heads, num_decodes=0)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
+def test_decodes(heads, kv_heads):
+    check_case([(1, 1), (4, 1), (5, 1), (23, 1)], heads=heads, kv_heads=kv_heads)
+
+
+def test_prefill_chunks_with_earlier_context():
+    check_case([(12, 4), (13, 13), (30, 7), (9, 2)], block_size=4)
+
+
+def test_decodes_and_chunks_mixed():
+    check_case([(7, 1), (1, 1), (33, 1), (20, 5), (6, 6), (40, 17), (3, 2)])
+
+
+def test_single_token_chunk_in_the_prefill_section():
+    """One-token queries in the prefill section (a last chunk of one token, a one-token prompt)
+    are handled by the chunk path: same result."""
+    check_case([(10, 1), (3, 3), (11, 1), (1, 1)], num_decodes=1)
+
+
+def test_a_one_token_prompt_in_the_decode_section():
+    check_case([(1, 1), (1, 1), (6, 1)])
+
+
+def test_padded_block_tables_with_unused_blocks():
+    check_case([(5, 1), (2, 1), (14, 3), (9, 9)], extra_blocks=2)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_block_sizes(block_size):
+    check_case([(17, 1), (2, 1), (31, 12), (16, 16)], block_size=block_size)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_batches(seed):
+    rng = random.Random(1000 + seed)
+    heads, kv_heads = rng.choice([(4, 4), (4, 2), (6, 3), (8, 2), (8, 1)])
+    block_size = rng.choice([1, 2, 4, 8, 16])
+    decodes = [(rng.randint(1, 50), 1) for _ in range(rng.randint(0, 5))]
+    prefills = []
+    for _ in range(rng.randint(0 if decodes else 1, 5)):
+        context = rng.randint(1, 60)
+        prefills.append((context, context if rng.random() < 0.4 else rng.randint(1, context)))
+    check_case(decodes + prefills, heads=heads, kv_heads=kv_heads, dim=rng.choice([4, 8, 16]),
+               block_size=block_size, seed=seed, num_decodes=len(decodes))
