@@ -26,8 +26,9 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.data.shape[2]
 
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer[0], layer[1]) for layer in self.data]
+    def layers(self) -> list[torch.Tensor]:
+        """Per layer, a [2 (K, V), num_blocks, block_size, kv_heads, head_dim] view."""
+        return list(self.data)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""

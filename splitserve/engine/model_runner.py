@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
+from splitserve.engine.attention.metadata import group_by_length
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.policies import Plan, ScheduledSeq
@@ -22,7 +23,8 @@ class ModelRunner:
     def execute(self, plan: Plan, block_tables: dict[str, list[int]]) -> tuple[list[Sequence], torch.Tensor]:
         """Run one iteration. Returns the sequences that sample this step and their logits
         [n, vocab] (float32), one row each, in the same order."""
-        items = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # single-token queries first
+        # single-token queries first, longest context first, so decode_groups are contiguous runs
+        items = sorted(plan.scheduled, key=lambda item: (item.num_new_tokens != 1, -item.start))
         input_ids, positions, meta = self._prepare(items, block_tables)
         hidden = self.model(input_ids, positions, self._kv_layers, meta, self.backend)
         rows = [meta.query_starts[i + 1] - 1 for i, item in enumerate(items) if item.samples]
@@ -42,13 +44,15 @@ class ModelRunner:
             context_lens.append(end)
             tables.append(table[: -(-end // bs)])
         width = max(len(t) for t in tables)
+        num_decodes = sum(1 for item in items if item.num_new_tokens == 1)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables]),
             context_lens=self._tensor(context_lens),
             query_starts=starts,
             context_lens_list=context_lens,
-            num_decodes=sum(1 for item in items if item.num_new_tokens == 1),
+            num_decodes=num_decodes,
+            decode_groups=group_by_length(context_lens[:num_decodes]),
         )
         return self._tensor(tokens), self._tensor(positions), meta
 

@@ -95,7 +95,9 @@ def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, 
     num_blocks = num_blocks or needed + 5
     q, k, v, k_cache, v_cache, meta, full, (expected_k, expected_v) = build_case(
         seqs, heads, kv_heads, dim, block_size, num_blocks, seed, extra_blocks, num_decodes)
-    out = TorchPagedBackend().forward(q, k, v, k_cache, v_cache, meta)
+    kv_cache = torch.stack((k_cache, v_cache))  # one layer: [2, num_blocks, block_size, kv_heads, dim]
+    out = TorchPagedBackend().forward(q, k, v, kv_cache, meta)
+    k_cache, v_cache = kv_cache
     assert out.shape == q.shape and out.dtype == q.dtype
     for i, (keys, values) in enumerate(full):
         lo, hi = meta.query_starts[i], meta.query_starts[i + 1]

@@ -34,6 +34,6 @@ def test_cuda_backend_matches_torch_backend():
     q = torch.randn(starts[-1], heads, dim, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(starts[-1], kv_heads, dim, device="cuda", dtype=torch.float16) for _ in range(2))
     cache = torch.randn(2, blocks, bs, kv_heads, dim, device="cuda", dtype=torch.float16)
-    expected = TorchPagedBackend().forward(q, k, v, *cache.clone(), meta)
-    got = CudaBackend().forward(q, k, v, *cache.clone(), meta)
+    expected = TorchPagedBackend().forward(q, k, v, cache.clone(), meta)
+    got = CudaBackend().forward(q, k, v, cache.clone(), meta)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)

@@ -17,11 +17,11 @@ except ImportError:  # flash-attn is the optional `gpu` extra
 class CudaBackend(TorchPagedBackend):
     name = "cuda-flash-attn" if flash_attn_varlen_func is not None else "cuda-sdpa"
 
-    def run_prefills(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out, seqs) -> None:
+    def run_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out, seqs) -> None:
         fresh = [i for i in seqs if meta.query_starts[i + 1] - meta.query_starts[i] == meta.context_lens_list[i]]
         if flash_attn_varlen_func is None or not fresh or q.dtype not in (torch.float16, torch.bfloat16):
-            return super().run_prefills(q, k, v, k_cache, v_cache, meta, out, seqs)
-        super().run_prefills(q, k, v, k_cache, v_cache, meta, out, [i for i in seqs if i not in fresh])
+            return super().run_prefills(q, k, v, kv_cache, meta, out, seqs)
+        super().run_prefills(q, k, v, kv_cache, meta, out, [i for i in seqs if i not in fresh])
         spans = [(meta.query_starts[i], meta.query_starts[i + 1]) for i in fresh]
         index = torch.cat([torch.arange(lo, hi, device=q.device) for lo, hi in spans])
         lens = torch.tensor([0] + [hi - lo for lo, hi in spans], device=q.device)

@@ -9,7 +9,9 @@ import torch
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Tokens are flattened, sequence after sequence; the first `num_decodes` sequences have a
-    single query token each (decodes, batched together), the rest are prefill chunks.
+    single query token each (decodes), the rest are prefill chunks. Decodes are attended in
+    `decode_groups`: (first, end) ranges of sequences with similar context lengths, so that
+    each group pads its keys only to its own longest context.
 
     Sequence i owns query tokens [query_starts[i], query_starts[i+1]); its context (earlier KV
     plus this chunk) is `context_lens[i]` tokens long, so its first query sits at position
@@ -23,7 +25,25 @@ class AttentionMetadata:
     query_starts: list[int]           # num_seqs + 1 offsets into the flat tokens
     context_lens_list: list[int]
     num_decodes: int
+    decode_groups: tuple[tuple[int, int], ...] = ()  # default: all decodes in one group
+
+    def __post_init__(self) -> None:
+        if not self.decode_groups and self.num_decodes:
+            object.__setattr__(self, "decode_groups", ((0, self.num_decodes),))
 
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens_list)
+
+
+def group_by_length(context_lens: list[int], min_ratio: float = 0.6) -> tuple[tuple[int, int], ...]:
+    """Split a list sorted longest first into runs whose shortest is >= min_ratio of their
+    longest, bounding padding waste while keeping few attention calls."""
+    groups, first = [], 0
+    for i, length in enumerate(context_lens):
+        if length < min_ratio * context_lens[first]:
+            groups.append((first, i))
+            first = i
+    if context_lens:
+        groups.append((first, len(context_lens)))
+    return tuple(groups)

@@ -36,14 +36,14 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv[0], kv[1], meta)
+        out = backend.forward(q, k, v, kv, meta)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -89,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_model_len)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; KV of every token is written to the cache."""
         x = self.model.embed_tokens(input_ids)
