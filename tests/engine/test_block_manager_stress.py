@@ -1,0 +1,248 @@
+"""Randomized stress test of `splitserve.engine.block_manager.BlockManager` (pure Python, CPU only).
+
+The stress test simulates an engine on top of the block manager and also simulates the KV cache
+itself: every slot written by a "step" (or an import transfer) records an id of the *whole token
+prefix* up to and including that position (the KV of a token depends on every token before it).
+After each operation, every computed position of every running sequence must read back its own
+prefix id from its block table. That catches any wrong sharing, including sharing a block whose
+tokens match but whose preceding context differs.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from splitserve.engine.block_manager import BlockManager, OutOfBlocksError
+from splitserve.engine.sequence import Sequence
+from tests.engine.block_helpers import BS, make_seq
+
+
+# ---------------------------------------------------------------------------------------------
+# randomized engine simulation
+# ---------------------------------------------------------------------------------------------
+
+class _KVSim:
+    """A fake KV cache: each slot holds the id of the token prefix whose last token it encodes."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.bs = block_size
+        self.slots = [[None] * block_size for _ in range(num_blocks)]
+        self._ids: dict[tuple[int, int], int] = {}
+
+    def prefix_ids(self, tokens: list[int]) -> list[int]:
+        out, prev = [], -1
+        for t in tokens:
+            prev = self._ids.setdefault((prev, t), len(self._ids))
+            out.append(prev)
+        return out
+
+    def write(self, table: list[int], tokens: list[int], start: int, end: int) -> None:
+        ids = self.prefix_ids(tokens[:end])
+        for p in range(start, end):
+            self.slots[table[p // self.bs]][p % self.bs] = ids[p]
+
+    def check(self, seq: Sequence, table: list[int]) -> None:
+        ids = self.prefix_ids(seq.token_ids[:seq.num_computed_tokens])
+        for p, want in enumerate(ids):
+            got = self.slots[table[p // self.bs]][p % self.bs]
+            assert got == want, (
+                f"{seq.seq_id}: KV at position {p} (block {table[p // self.bs]}) was computed for "
+                f"another prefix; computed={seq.num_computed_tokens} tokens={seq.token_ids}")
+
+
+def _run_engine_sim(seed: int, num_ops: int, enable_prefix_caching: bool = True,
+                    num_blocks: int = 24, block_size: int = BS) -> dict:
+    rng = random.Random(seed)
+    bs = block_size
+    bm = BlockManager(num_blocks, block_size=bs, enable_prefix_caching=enable_prefix_caching)
+    kv = _KVSim(num_blocks, bs)
+    # block-sized chunks, shared across prompts at various positions, plus shared prefixes
+    chunks = [[rng.randrange(8) for _ in range(bs)] for _ in range(5)]
+    prefixes = [[t for _ in range(k) for t in rng.choice(chunks)] for k in (1, 2, 2, 3)]
+
+    waiting: list[Sequence] = []
+    running: list[Sequence] = []  # admission order: the youngest is last
+    counter = 0
+    stats = dict(admitted=0, hits=0, hit_tokens=0, preempted=0, finished=0, imported=0, steps=0,
+                 shared_seen=0, out_of_blocks_admit=0)
+
+    def new_seq() -> Sequence:
+        nonlocal counter
+        counter += 1
+        tokens = list(rng.choice(prefixes)) if rng.random() < 0.8 else []
+        for _ in range(rng.randrange(3)):
+            tokens += rng.choice(chunks)
+        tokens += [rng.randrange(8) for _ in range(rng.randrange(bs + 1))]
+        if not tokens:
+            tokens = [rng.randrange(8)]
+        tokens = tokens[: (num_blocks // 2) * bs]
+        return make_seq(f"s{seed}-{counter}", tokens, max_tokens=rng.randint(1, 3 * bs))
+
+    def preempt(seq: Sequence) -> None:
+        bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        running.remove(seq)
+        waiting.insert(0, seq)
+        stats["preempted"] += 1
+
+    def finish(seq: Sequence) -> None:
+        bm.free(seq.seq_id)
+        running.remove(seq)
+        stats["finished"] += 1
+
+    def grow_or_preempt(seq: Sequence, num_tokens: int) -> bool:
+        """grow(seq), preempting the youngest running sequence while short. False if `seq` itself
+        got preempted."""
+        while True:
+            can = bm.can_grow(seq, num_tokens)
+            try:
+                bm.grow(seq, num_tokens)
+            except OutOfBlocksError:
+                assert not can, "can_grow said yes but grow raised"
+                victim = running[-1]
+                preempt(victim)
+                if victim is seq:
+                    return False
+                continue
+            assert can, "can_grow said no but grow succeeded"
+            assert len(bm.block_table(seq.seq_id)) >= bm.blocks_for(num_tokens)
+            return True
+
+    def admit(seq: Sequence) -> None:
+        can = bm.can_allocate(seq)
+        free_before = bm.num_free_blocks
+        try:
+            bm.allocate(seq)
+        except OutOfBlocksError:
+            assert not can, "can_allocate said yes but allocate raised"
+            assert not bm.has_blocks(seq.seq_id) and bm.num_free_blocks == free_before
+            stats["out_of_blocks_admit"] += 1
+            return
+        assert can, "can_allocate said no but allocate succeeded"
+        waiting.remove(seq)
+        running.append(seq)
+        stats["admitted"] += 1
+        n = seq.num_computed_tokens
+        assert n == seq.num_cached_tokens
+        assert n % bs == 0 and n < seq.num_tokens
+        if not enable_prefix_caching:
+            assert n == 0
+        if n:
+            stats["hits"] += 1
+            stats["hit_tokens"] += n
+        assert len(bm.block_table(seq.seq_id)) == bm.blocks_for(seq.num_tokens)
+
+    def import_seq(seq: Sequence) -> None:
+        seq.append_token(rng.randrange(8))  # the first token, sampled by the prefill instance
+        if bm.blocks_for(seq.num_tokens) > bm.num_free_blocks:
+            with pytest.raises(OutOfBlocksError):
+                bm.reserve_for_import(seq)
+            seq.token_ids.pop()
+            assert not bm.has_blocks(seq.seq_id)
+            return
+        ids = bm.reserve_for_import(seq)
+        assert seq.num_computed_tokens == 0
+        assert ids == bm.block_table(seq.seq_id)
+        others = {b for s in running for b in bm.block_table(s.seq_id)}
+        assert not set(ids) & others, "reserve_for_import shared a block"
+        waiting.remove(seq)
+        running.append(seq)
+        # the transfer writes the KV of every token but the new one
+        kv.write(ids, seq.token_ids, 0, seq.num_tokens - 1)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        bm.commit(seq)
+        stats["imported"] += 1
+
+    def step(seq: Sequence) -> None:
+        stats["steps"] += 1
+        c = seq.num_computed_tokens
+        n = rng.randint(1, min(seq.num_uncomputed_tokens, 2 * bs + 1))
+        if not grow_or_preempt(seq, c + n):
+            return
+        table = bm.block_table(seq.seq_id)
+        for p in range(c, c + n):  # a write never lands on a block another table holds
+            block = table[p // bs]
+            holders = [s.seq_id for s in running if s is not seq and block in bm.block_table(s.seq_id)]
+            assert not holders, f"{seq.seq_id} writes position {p} into block {block} shared with {holders}"
+        kv.write(table, seq.token_ids, c, c + n)
+        seq.num_computed_tokens = c + n
+        bm.commit(seq)
+        if seq.num_computed_tokens == seq.num_tokens:  # sampled a token
+            seq.append_token(rng.randrange(8))
+            if seq.num_output_tokens >= seq.params.max_tokens or rng.random() < 0.03:
+                finish(seq)
+                return
+            grow_or_preempt(seq, seq.num_tokens)
+
+    def check_all() -> None:
+        bm.check_integrity()
+        holders: dict[int, list[tuple[Sequence, int]]] = {}
+        used = set()
+        for s in running:
+            table = bm.block_table(s.seq_id)
+            assert len(table) == bm.blocks_for(s.num_tokens)
+            assert 0 <= s.num_computed_tokens < s.num_tokens
+            kv.check(s, table)
+            for i, b in enumerate(table):
+                holders.setdefault(b, []).append((s, i))
+                used.add(b)
+        for s in waiting:
+            assert not bm.has_blocks(s.seq_id) and s.num_computed_tokens == 0
+        assert bm.num_used_blocks == len(used)
+        assert bm.num_free_blocks == num_blocks - len(used)
+        for b, hs in holders.items():
+            if len(hs) < 2:
+                continue
+            stats["shared_seen"] += 1
+            assert enable_prefix_caching, f"block {b} shared with prefix caching disabled"
+            s0, i0 = hs[0]
+            for s, i in hs[1:]:
+                assert i == i0, f"block {b} is block {i0} of {s0.seq_id} but block {i} of {s.seq_id}"
+                end = (i + 1) * bs
+                assert end <= s0.num_computed_tokens and end <= s.num_computed_tokens, (
+                    f"shared block {b} not fully computed in both {s0.seq_id} and {s.seq_id}")
+                assert s.token_ids[i * bs:end] == s0.token_ids[i * bs:end]
+                assert s.token_ids[:end] == s0.token_ids[:end], (
+                    f"shared block {b} follows different prefixes in {s0.seq_id} and {s.seq_id}")
+
+    for op in range(num_ops):
+        r = rng.random()
+        if r < 0.12 or not (waiting or running):
+            waiting.append(new_seq())
+        elif r < 0.35 and waiting:
+            admit(rng.choice(waiting[:3]))
+        elif r < 0.40 and waiting:
+            import_seq(rng.choice(waiting))
+        elif r < 0.93 and running:
+            step(rng.choice(running))
+        elif r < 0.96 and running:
+            finish(rng.choice(running))
+        elif running:
+            preempt(rng.choice(running))
+        check_all()
+
+    for s in list(running):
+        finish(s)
+        bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.num_used_blocks == 0
+    bm.check_integrity()
+    return stats
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_engine_simulation_stress(seed):
+    stats = _run_engine_sim(seed, 3000)
+    # the simulation must actually exercise the interesting paths
+    assert stats["hits"] > 20, stats
+    assert stats["preempted"] > 5, stats
+    assert stats["shared_seen"] > 20, stats
+    assert stats["finished"] > 20, stats
+    assert stats["imported"] > 5, stats
+
+
+def test_engine_simulation_stress_no_prefix_caching():
+    stats = _run_engine_sim(7, 1500, enable_prefix_caching=False)
+    assert stats["hits"] == 0 and stats["shared_seen"] == 0
+    assert stats["preempted"] > 5 and stats["finished"] > 20, stats
