@@ -288,9 +288,10 @@ def test_greedy_generation_matches_hf(ckpt, policy):
 _HALF_MODELS: dict = {}
 
 
-def hf_in(model, dtype):
-    """A copy of the HF model in `dtype`, built once per model and dtype."""
-    key = (id(model), dtype)
+def hf_in(path: str, model, dtype):
+    """A copy of the HF model in `dtype`, built once per checkpoint and dtype. Keyed by the
+    checkpoint's path, not id(model): ids are reused once a fixture's model is collected."""
+    key = (path, dtype)
     if key not in _HALF_MODELS:
         _HALF_MODELS[key] = copy.deepcopy(model).to(dtype)
     return _HALF_MODELS[key]
@@ -311,7 +312,7 @@ def test_half_precision_logits_close_to_hf(ckpt, dtype):
     decode = run_plan(engine, [ScheduledSeq(seq, 1)])["a"]
     ours = torch.cat([prefill, decode])
     assert torch.isfinite(ours).all()
-    ref = hf_logits(hf_in(hf, torch_dtype), ids)
+    ref = hf_logits(hf_in(path, hf, torch_dtype), ids)
     span = (ref.max() - ref.min()).item()
     assert max_diff(ours, ref) < 0.05 * span, (max_diff(ours, ref), span)
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
