@@ -101,7 +101,8 @@ class EngineConfig:
 
     policy: str = "mixed"
     block_size: int = 16
-    kv_cache_memory_bytes: int = 256 * 2**20  # KV budget; num_blocks is derived from it
+    kv_cache_memory_bytes: int | None = None   # KV budget in bytes; default: see kv_cache.kv_cache_budget
+    gpu_memory_utilization: float = 0.9        # CUDA, no explicit budget: fraction of GPU memory to use
     num_kv_blocks: int | None = None           # overrides the byte budget when set
     max_num_seqs: int = 256
     max_model_len: int | None = None           # default: the model's max_position_embeddings
@@ -116,9 +117,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("block_size", "max_num_seqs", "prompt_token_budget", "chunk_token_budget", "kv_cache_memory_bytes"):
-            if getattr(self, name) < 1:
+        for name in ("block_size", "max_num_seqs", "prompt_token_budget", "chunk_token_budget",
+                     "kv_cache_memory_bytes", "num_kv_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):

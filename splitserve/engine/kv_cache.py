@@ -7,7 +7,29 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.config import ModelConfig
+from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+
+CPU_KV_CACHE_BYTES = 256 * 2**20  # default KV budget on CPU (small models; set kv_cache_memory_bytes for more)
+
+
+def kv_cache_budget(config: EngineConfig, device: torch.device) -> int:
+    """Bytes for the KV cache: the explicit budget if given; on CUDA, what is left after the model
+    is loaded, up to gpu_memory_utilization of the GPU's memory (as vLLM sizes it); on CPU, 256 MiB."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type != "cuda":
+        return CPU_KV_CACHE_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    return gpu_budget(free, total, config.gpu_memory_utilization)
+
+
+def gpu_budget(free: int, total: int, utilization: float) -> int:
+    """Of `total` bytes, `utilization` may be used; `total - free` already are (weights, other processes)."""
+    budget = int(total * utilization) - (total - free)
+    if budget <= 0:
+        raise ConfigError(f"no GPU memory left for the KV cache: {(total - free) / 2**30:.1f} GiB of "
+                          f"{total / 2**30:.1f} GiB in use, gpu_memory_utilization={utilization}")
+    return budget
 
 
 class KVCache:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from splitserve.engine.attention import select_backend
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import ConfigError, EngineConfig
-from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_cache import KVCache, kv_cache_budget
 from splitserve.engine.model_builder import build_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionOutput, RequestOutput
@@ -36,7 +36,7 @@ class LLMEngine:
         loaded = build_model(model, config)
         self.model_name, self.model_config, self.tokenizer = model, loaded.config, loaded.tokenizer
         self.max_model_len = loaded.max_model_len
-        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // KVCache.bytes_per_block(
+        num_blocks = config.num_kv_blocks or kv_cache_budget(config, loaded.device) // KVCache.bytes_per_block(
             loaded.config, config.block_size, loaded.dtype)
         if num_blocks * config.block_size < self.max_model_len:
             raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len="

@@ -15,7 +15,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: equal only to itself
 class Sequence:
     """One request. `token_ids` is prompt + generated tokens.
 
