@@ -22,3 +22,11 @@ def compute_all(bm: BlockManager, seq: Sequence) -> None:
 
 def seq_range(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
+
+
+def cached(bm: BlockManager, seq_id: str, tokens: list[int]) -> Sequence:
+    """Make a sequence, allocate it and compute it fully (committing its full blocks)."""
+    seq = make_seq(seq_id, tokens)
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    return seq

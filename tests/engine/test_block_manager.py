@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.engine.block_manager import BlockManager, OutOfBlocksError
 from splitserve.engine.sequence import Sequence
-from tests.engine.block_helpers import BS, compute_all, make_seq, seq_range
+from tests.engine.block_helpers import BS, cached, make_seq, seq_range
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,9 +176,7 @@ def test_export_blocks_returns_table_in_order():
 def test_reserve_for_import_allocates_fresh_blocks():
     bm = BlockManager(16, block_size=BS)
     prompt = seq_range(0, 9)
-    a = make_seq("a", prompt)
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", prompt)
     hits_before = bm.num_cache_hit_blocks
 
     b = make_seq("b", prompt + [77])
@@ -208,9 +206,7 @@ def test_reserve_for_import_allocates_fresh_blocks():
 
 def _populated() -> tuple[BlockManager, Sequence, Sequence]:
     bm = BlockManager(8, block_size=BS)
-    a = make_seq("a", seq_range(0, 9))
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = cached(bm, "a", seq_range(0, 9))
     b = make_seq("b", seq_range(0, 9) + [5])
     bm.allocate(b)
     assert b.num_computed_tokens == 8

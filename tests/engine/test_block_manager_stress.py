@@ -51,57 +51,107 @@ class _KVSim:
                 f"another prefix; computed={seq.num_computed_tokens} tokens={seq.token_ids}")
 
 
-def _run_engine_sim(seed: int, num_ops: int, enable_prefix_caching: bool = True,
-                    num_blocks: int = 24, block_size: int = BS) -> dict:
-    rng = random.Random(seed)
-    bs = block_size
-    bm = BlockManager(num_blocks, block_size=bs, enable_prefix_caching=enable_prefix_caching)
-    kv = _KVSim(num_blocks, bs)
-    # block-sized chunks, shared across prompts at various positions, plus shared prefixes
-    chunks = [[rng.randrange(8) for _ in range(bs)] for _ in range(5)]
-    prefixes = [[t for _ in range(k) for t in rng.choice(chunks)] for k in (1, 2, 2, 3)]
+class _EngineSim:
+    """A randomized engine on top of a `BlockManager`, with the KV cache simulated by `_KVSim`.
 
-    waiting: list[Sequence] = []
-    running: list[Sequence] = []  # admission order: the youngest is last
-    counter = 0
-    stats = dict(admitted=0, hits=0, hit_tokens=0, preempted=0, finished=0, imported=0, steps=0,
-                 shared_seen=0, out_of_blocks_admit=0)
+    `run(num_ops)` performs random operations (new request, admit, import, step, finish, preempt),
+    checks every invariant after each, and returns counters of what was exercised.
+    """
 
-    def new_seq() -> Sequence:
-        nonlocal counter
-        counter += 1
-        tokens = list(rng.choice(prefixes)) if rng.random() < 0.8 else []
+    def __init__(self, seed: int, enable_prefix_caching: bool = True, num_blocks: int = 24,
+                 block_size: int = BS):
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.bs = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.bm = BlockManager(num_blocks, block_size=block_size,
+                               enable_prefix_caching=enable_prefix_caching)
+        self.kv = _KVSim(num_blocks, block_size)
+        # block-sized chunks, shared across prompts at various positions, plus shared prefixes
+        self.chunks = [[self.rng.randrange(8) for _ in range(block_size)] for _ in range(5)]
+        self.prefixes = [[t for _ in range(k) for t in self.rng.choice(self.chunks)]
+                         for k in (1, 2, 2, 3)]
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # admission order: the youngest is last
+        self.counter = 0
+        self.stats = dict(admitted=0, hits=0, hit_tokens=0, preempted=0, finished=0, imported=0,
+                          steps=0, shared_seen=0, out_of_blocks_admit=0)
+
+    # -- the operation loop --------------------------------------------------------------------
+
+    def run(self, num_ops: int) -> dict:
+        for _ in range(num_ops):
+            self.random_op()
+            self.check_all()
+        self.drain()
+        return self.stats
+
+    def random_op(self) -> None:
+        rng, waiting, running = self.rng, self.waiting, self.running
+        r = rng.random()
+        if r < 0.12 or not (waiting or running):
+            waiting.append(self.new_seq())
+        elif r < 0.35 and waiting:
+            self.admit(rng.choice(waiting[:3]))
+        elif r < 0.40 and waiting:
+            self.import_seq(rng.choice(waiting))
+        elif r < 0.93 and running:
+            self.step(rng.choice(running))
+        elif r < 0.96 and running:
+            self.finish(rng.choice(running))
+        elif running:
+            self.preempt(rng.choice(running))
+
+    def drain(self) -> None:
+        """Finish every running sequence; every block must come back."""
+        bm = self.bm
+        for s in list(self.running):
+            self.finish(s)
+            bm.check_integrity()
+        assert bm.num_free_blocks == bm.num_blocks
+        assert bm.num_used_blocks == 0
+        bm.check_integrity()
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def new_seq(self) -> Sequence:
+        rng, bs = self.rng, self.bs
+        self.counter += 1
+        tokens = list(rng.choice(self.prefixes)) if rng.random() < 0.8 else []
         for _ in range(rng.randrange(3)):
-            tokens += rng.choice(chunks)
+            tokens += rng.choice(self.chunks)
         tokens += [rng.randrange(8) for _ in range(rng.randrange(bs + 1))]
         if not tokens:
             tokens = [rng.randrange(8)]
-        tokens = tokens[: (num_blocks // 2) * bs]
-        return make_seq(f"s{seed}-{counter}", tokens, max_tokens=rng.randint(1, 3 * bs))
+        tokens = tokens[: (self.num_blocks // 2) * bs]
+        return make_seq(f"s{self.seed}-{self.counter}", tokens,
+                        max_tokens=rng.randint(1, 3 * bs))
 
-    def preempt(seq: Sequence) -> None:
-        bm.free(seq.seq_id)
+    def preempt(self, seq: Sequence) -> None:
+        self.bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
-        running.remove(seq)
-        waiting.insert(0, seq)
-        stats["preempted"] += 1
+        self.running.remove(seq)
+        self.waiting.insert(0, seq)
+        self.stats["preempted"] += 1
 
-    def finish(seq: Sequence) -> None:
-        bm.free(seq.seq_id)
-        running.remove(seq)
-        stats["finished"] += 1
+    def finish(self, seq: Sequence) -> None:
+        self.bm.free(seq.seq_id)
+        self.running.remove(seq)
+        self.stats["finished"] += 1
 
-    def grow_or_preempt(seq: Sequence, num_tokens: int) -> bool:
+    def grow_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
         """grow(seq), preempting the youngest running sequence while short. False if `seq` itself
         got preempted."""
+        bm = self.bm
         while True:
             can = bm.can_grow(seq, num_tokens)
             try:
                 bm.grow(seq, num_tokens)
             except OutOfBlocksError:
                 assert not can, "can_grow said yes but grow raised"
-                victim = running[-1]
-                preempt(victim)
+                victim = self.running[-1]
+                self.preempt(victim)
                 if victim is seq:
                     return False
                 continue
@@ -109,7 +159,8 @@ def _run_engine_sim(seed: int, num_ops: int, enable_prefix_caching: bool = True,
             assert len(bm.block_table(seq.seq_id)) >= bm.blocks_for(num_tokens)
             return True
 
-    def admit(seq: Sequence) -> None:
+    def admit(self, seq: Sequence) -> None:
+        bm, stats = self.bm, self.stats
         can = bm.can_allocate(seq)
         free_before = bm.num_free_blocks
         try:
@@ -120,21 +171,22 @@ def _run_engine_sim(seed: int, num_ops: int, enable_prefix_caching: bool = True,
             stats["out_of_blocks_admit"] += 1
             return
         assert can, "can_allocate said no but allocate succeeded"
-        waiting.remove(seq)
-        running.append(seq)
+        self.waiting.remove(seq)
+        self.running.append(seq)
         stats["admitted"] += 1
         n = seq.num_computed_tokens
         assert n == seq.num_cached_tokens
-        assert n % bs == 0 and n < seq.num_tokens
-        if not enable_prefix_caching:
+        assert n % self.bs == 0 and n < seq.num_tokens
+        if not self.enable_prefix_caching:
             assert n == 0
         if n:
             stats["hits"] += 1
             stats["hit_tokens"] += n
         assert len(bm.block_table(seq.seq_id)) == bm.blocks_for(seq.num_tokens)
 
-    def import_seq(seq: Sequence) -> None:
-        seq.append_token(rng.randrange(8))  # the first token, sampled by the prefill instance
+    def import_seq(self, seq: Sequence) -> None:
+        bm = self.bm
+        seq.append_token(self.rng.randrange(8))  # the first token, sampled by the prefill instance
         if bm.blocks_for(seq.num_tokens) > bm.num_free_blocks:
             with pytest.raises(OutOfBlocksError):
                 bm.reserve_for_import(seq)
@@ -144,91 +196,87 @@ def _run_engine_sim(seed: int, num_ops: int, enable_prefix_caching: bool = True,
         ids = bm.reserve_for_import(seq)
         assert seq.num_computed_tokens == 0
         assert ids == bm.block_table(seq.seq_id)
-        others = {b for s in running for b in bm.block_table(s.seq_id)}
+        others = {b for s in self.running for b in bm.block_table(s.seq_id)}
         assert not set(ids) & others, "reserve_for_import shared a block"
-        waiting.remove(seq)
-        running.append(seq)
+        self.waiting.remove(seq)
+        self.running.append(seq)
         # the transfer writes the KV of every token but the new one
-        kv.write(ids, seq.token_ids, 0, seq.num_tokens - 1)
+        self.kv.write(ids, seq.token_ids, 0, seq.num_tokens - 1)
         seq.num_computed_tokens = seq.num_tokens - 1
         bm.commit(seq)
-        stats["imported"] += 1
+        self.stats["imported"] += 1
 
-    def step(seq: Sequence) -> None:
-        stats["steps"] += 1
+    def step(self, seq: Sequence) -> None:
+        rng, bm = self.rng, self.bm
+        self.stats["steps"] += 1
         c = seq.num_computed_tokens
-        n = rng.randint(1, min(seq.num_uncomputed_tokens, 2 * bs + 1))
-        if not grow_or_preempt(seq, c + n):
+        n = rng.randint(1, min(seq.num_uncomputed_tokens, 2 * self.bs + 1))
+        if not self.grow_or_preempt(seq, c + n):
             return
         table = bm.block_table(seq.seq_id)
-        for p in range(c, c + n):  # a write never lands on a block another table holds
-            block = table[p // bs]
-            holders = [s.seq_id for s in running if s is not seq and block in bm.block_table(s.seq_id)]
-            assert not holders, f"{seq.seq_id} writes position {p} into block {block} shared with {holders}"
-        kv.write(table, seq.token_ids, c, c + n)
+        self.assert_private_writes(seq, table, c, c + n)
+        self.kv.write(table, seq.token_ids, c, c + n)
         seq.num_computed_tokens = c + n
         bm.commit(seq)
         if seq.num_computed_tokens == seq.num_tokens:  # sampled a token
             seq.append_token(rng.randrange(8))
             if seq.num_output_tokens >= seq.params.max_tokens or rng.random() < 0.03:
-                finish(seq)
+                self.finish(seq)
                 return
-            grow_or_preempt(seq, seq.num_tokens)
+            self.grow_or_preempt(seq, seq.num_tokens)
 
-    def check_all() -> None:
+    # -- checks --------------------------------------------------------------------------------
+
+    def assert_private_writes(self, seq: Sequence, table: list[int], start: int, end: int) -> None:
+        """A write never lands on a block another table holds."""
+        bs, bm = self.bs, self.bm
+        for p in range(start, end):
+            block = table[p // bs]
+            holders = [s.seq_id for s in self.running
+                       if s is not seq and block in bm.block_table(s.seq_id)]
+            assert not holders, f"{seq.seq_id} writes position {p} into block {block} shared with {holders}"
+
+    def check_all(self) -> None:
+        bm = self.bm
         bm.check_integrity()
         holders: dict[int, list[tuple[Sequence, int]]] = {}
         used = set()
-        for s in running:
+        for s in self.running:
             table = bm.block_table(s.seq_id)
             assert len(table) == bm.blocks_for(s.num_tokens)
             assert 0 <= s.num_computed_tokens < s.num_tokens
-            kv.check(s, table)
+            self.kv.check(s, table)
             for i, b in enumerate(table):
                 holders.setdefault(b, []).append((s, i))
                 used.add(b)
-        for s in waiting:
+        for s in self.waiting:
             assert not bm.has_blocks(s.seq_id) and s.num_computed_tokens == 0
         assert bm.num_used_blocks == len(used)
-        assert bm.num_free_blocks == num_blocks - len(used)
+        assert bm.num_free_blocks == self.num_blocks - len(used)
         for b, hs in holders.items():
-            if len(hs) < 2:
-                continue
-            stats["shared_seen"] += 1
-            assert enable_prefix_caching, f"block {b} shared with prefix caching disabled"
-            s0, i0 = hs[0]
-            for s, i in hs[1:]:
-                assert i == i0, f"block {b} is block {i0} of {s0.seq_id} but block {i} of {s.seq_id}"
-                end = (i + 1) * bs
-                assert end <= s0.num_computed_tokens and end <= s.num_computed_tokens, (
-                    f"shared block {b} not fully computed in both {s0.seq_id} and {s.seq_id}")
-                assert s.token_ids[i * bs:end] == s0.token_ids[i * bs:end]
-                assert s.token_ids[:end] == s0.token_ids[:end], (
-                    f"shared block {b} follows different prefixes in {s0.seq_id} and {s.seq_id}")
+            if len(hs) >= 2:
+                self.check_shared_block(b, hs)
 
-    for op in range(num_ops):
-        r = rng.random()
-        if r < 0.12 or not (waiting or running):
-            waiting.append(new_seq())
-        elif r < 0.35 and waiting:
-            admit(rng.choice(waiting[:3]))
-        elif r < 0.40 and waiting:
-            import_seq(rng.choice(waiting))
-        elif r < 0.93 and running:
-            step(rng.choice(running))
-        elif r < 0.96 and running:
-            finish(rng.choice(running))
-        elif running:
-            preempt(rng.choice(running))
-        check_all()
+    def check_shared_block(self, b: int, hs: list[tuple[Sequence, int]]) -> None:
+        """Block `b` is held by every (sequence, index) in `hs`: it must be the same fully
+        computed block after the very same prefix in each."""
+        bs = self.bs
+        self.stats["shared_seen"] += 1
+        assert self.enable_prefix_caching, f"block {b} shared with prefix caching disabled"
+        s0, i0 = hs[0]
+        for s, i in hs[1:]:
+            assert i == i0, f"block {b} is block {i0} of {s0.seq_id} but block {i} of {s.seq_id}"
+            end = (i + 1) * bs
+            assert end <= s0.num_computed_tokens and end <= s.num_computed_tokens, (
+                f"shared block {b} not fully computed in both {s0.seq_id} and {s.seq_id}")
+            assert s.token_ids[i * bs:end] == s0.token_ids[i * bs:end]
+            assert s.token_ids[:end] == s0.token_ids[:end], (
+                f"shared block {b} follows different prefixes in {s0.seq_id} and {s.seq_id}")
 
-    for s in list(running):
-        finish(s)
-        bm.check_integrity()
-    assert bm.num_free_blocks == bm.num_blocks
-    assert bm.num_used_blocks == 0
-    bm.check_integrity()
-    return stats
+
+def _run_engine_sim(seed: int, num_ops: int, enable_prefix_caching: bool = True,
+                    num_blocks: int = 24, block_size: int = BS) -> dict:
+    return _EngineSim(seed, enable_prefix_caching, num_blocks, block_size).run(num_ops)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

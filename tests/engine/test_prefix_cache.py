@@ -4,7 +4,7 @@ after the very same token prefix."""
 from __future__ import annotations
 
 from splitserve.engine.block_manager import BlockManager
-from tests.engine.block_helpers import BS, compute_all, make_seq, seq_range
+from tests.engine.block_helpers import BS, cached, compute_all, make_seq, seq_range
 
 
 # ---------------------------------------------------------------------------------------------
@@ -14,9 +14,7 @@ from tests.engine.block_helpers import BS, compute_all, make_seq, seq_range
 def test_prefix_hit_shares_computed_full_blocks():
     bm = BlockManager(16, block_size=BS)
     prefix = seq_range(0, 8)  # 2 full blocks
-    a = make_seq("a", prefix + [100, 101])
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", prefix + [100, 101])
 
     b = make_seq("b", prefix + [200, 201, 202])
     assert bm.can_allocate(b)
@@ -76,9 +74,7 @@ def test_only_computed_blocks_are_cached():
 
 def test_commit_is_idempotent():
     bm = BlockManager(8, block_size=BS)
-    a = make_seq("a", seq_range(0, 9))
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = cached(bm, "a", seq_range(0, 9))
     bm.commit(a)
     bm.commit(a)
     bm.check_integrity()
@@ -91,9 +87,7 @@ def test_commit_is_idempotent():
 def test_block_aligned_identical_prompt_still_computes_a_token():
     bm = BlockManager(16, block_size=BS)
     prompt = seq_range(0, 3 * BS)
-    a = make_seq("a", prompt)
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", prompt)
     b = make_seq("b", prompt)
     bm.allocate(b)
     # the block holding the last token is never a hit
@@ -118,9 +112,7 @@ def test_block_aligned_identical_prompt_still_computes_a_token():
 
 def test_different_prefixes_do_not_hit():
     bm = BlockManager(16, block_size=BS)
-    a = make_seq("a", seq_range(0, 9))
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", seq_range(0, 9))
 
     b = make_seq("b", seq_range(1, 9))
     bm.allocate(b)
@@ -139,9 +131,7 @@ def test_different_prefixes_do_not_hit():
 def test_same_block_content_after_different_prefix_does_not_hit():
     bm = BlockManager(16, block_size=BS)
     x, y, z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
-    a = make_seq("a", x + y + [0])
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", x + y + [0])
     # y at block 1 after a different block 0
     b = make_seq("b", z + y + [0])
     bm.allocate(b)
@@ -158,9 +148,7 @@ def test_same_block_content_after_different_prefix_does_not_hit():
 def test_hit_survives_free_and_preemption():
     bm = BlockManager(8, block_size=BS)
     prompt = seq_range(0, 10)
-    a = make_seq("a", prompt)
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", prompt)
     table = list(bm.block_table("a"))
     bm.free("a")
     assert bm.num_free_blocks == 8
@@ -187,9 +175,7 @@ def test_hit_survives_free_and_preemption():
 
 def test_revived_blocks_count_against_free_blocks_and_in_use_hits_do_not():
     bm = BlockManager(4, block_size=BS)
-    a = make_seq("a", seq_range(0, 9))  # 3 blocks
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", seq_range(0, 9))  # 3 blocks
     # a is alive: b's two hits are in use, so b needs only its one fresh block
     b = make_seq("b", seq_range(0, 9))
     assert bm.num_free_blocks == 1
@@ -211,9 +197,7 @@ def test_revived_blocks_count_against_free_blocks_and_in_use_hits_do_not():
 
 def test_revived_hit_is_not_evicted_by_the_same_allocation():
     bm = BlockManager(3, block_size=BS)
-    a = make_seq("a", seq_range(0, 5))  # blocks [0, 1]; block 0 gets hashed
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", seq_range(0, 5))  # blocks [0, 1]; block 0 gets hashed
     hashed = bm.block_table("a")[0]
     bm.free("a")
     # churn so that the hashed block becomes the least recently freed one
@@ -231,9 +215,7 @@ def test_revived_hit_is_not_evicted_by_the_same_allocation():
 
 def test_hit_lost_once_block_is_reused_lru():
     bm = BlockManager(4, block_size=BS)
-    a = make_seq("a", seq_range(0, 9))  # blocks 0,1,2; blocks 0,1 hashed
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", seq_range(0, 9))  # blocks 0,1,2; blocks 0,1 hashed
     t = list(bm.block_table("a"))
     bm.free("a")  # freed tail first: LRU order = never-used block, then t[2], t[1], t[0]
 
@@ -258,9 +240,7 @@ def test_hit_lost_once_block_is_reused_lru():
 
 def test_hit_lost_when_first_block_reused():
     bm = BlockManager(2, block_size=BS)
-    a = make_seq("a", seq_range(0, 5))
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", seq_range(0, 5))
     bm.free("a")
     x = make_seq("x", seq_range(100, 8))  # takes both blocks: new content
     bm.allocate(x)
@@ -274,9 +254,7 @@ def test_hit_lost_when_first_block_reused():
 def test_prefix_caching_disabled_never_shares():
     bm = BlockManager(16, block_size=BS, enable_prefix_caching=False)
     prompt = seq_range(0, 9)
-    a = make_seq("a", prompt)
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", prompt)
     b = make_seq("b", prompt)
     bm.allocate(b)
     assert b.num_computed_tokens == 0 and b.num_cached_tokens == 0
@@ -291,9 +269,7 @@ def test_prefix_caching_disabled_never_shares():
 
 def test_allocate_without_prefix_cache_argument():
     bm = BlockManager(16, block_size=BS)
-    a = make_seq("a", seq_range(0, 9))
-    bm.allocate(a)
-    compute_all(bm, a)
+    cached(bm, "a", seq_range(0, 9))
     b = make_seq("b", seq_range(0, 9))
     bm.allocate(b, use_prefix_cache=False)
     assert b.num_computed_tokens == 0
