@@ -87,9 +87,9 @@ class HFTokenizer(Tokenizer):
 
     Encoding follows tokenizer.json as written (transformers 5's AutoTokenizer may rebuild parts of
     it for some model types; real checkpoints' tokenizer.json already agrees). Special tokens
-    around the text come from tokenizer.json's post-processor alone. `add_bos_token`/`add_eos_token` in tokenizer_config.json
-    are ignored, as transformers 5 ignores them whenever a tokenizer.json exists (it bakes them into
-    the post-processor on save instead).
+    around the text come from tokenizer.json's post-processor alone: `add_bos_token` and
+    `add_eos_token` in tokenizer_config.json are ignored, as transformers 5 ignores them whenever
+    a tokenizer.json exists (it bakes them into the post-processor on save instead).
     """
 
     def __init__(self, path: str | Path):
