@@ -3,6 +3,7 @@ between a prompt engine and a token engine (export on one side, import on the ot
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from splitserve.engine.attention import select_backend
@@ -12,7 +13,7 @@ from splitserve.engine.kv_cache import KVCache, kv_cache_budget
 from splitserve.engine.model_builder import build_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionOutput, RequestOutput
-from splitserve.engine.policies import SchedulerLimits, make_policy
+from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence, SequenceStatus
@@ -79,13 +80,15 @@ class LLMEngine:
     def num_requests(self) -> int:
         return len(self._requests)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the requests that got a token (cumulative outputs)."""
+    def step(self, after_layer: Callable[[Plan, int], None] | None = None) -> list[RequestOutput]:
+        """Run one iteration; return the requests that got a token (cumulative outputs).
+        `after_layer(plan, i)` runs once layer i's KV for this iteration is in the cache."""
         plan = self.policy.schedule()
         if not plan:
             return []
         tables = {item.seq.seq_id: self.block_manager.block_table(item.seq.seq_id) for item in plan.scheduled}
-        seqs, logits = self.runner.execute(plan, tables)
+        hook = None if after_layer is None else (lambda i: after_layer(plan, i))
+        seqs, logits = self.runner.execute(plan, tables, hook)
         sampled = dict(zip((s.seq_id for s in seqs), self.sampler.sample(logits, seqs)))
         now = time.monotonic()
         updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})

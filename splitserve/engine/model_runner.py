@@ -1,6 +1,8 @@
 """Turns a scheduler `Plan` into tensors, runs the model, and returns the logits to sample from."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
@@ -20,13 +22,14 @@ class ModelRunner:
         self._kv_layers = kv_cache.layers()
 
     @torch.inference_mode()
-    def execute(self, plan: Plan, block_tables: dict[str, list[int]]) -> tuple[list[Sequence], torch.Tensor]:
+    def execute(self, plan: Plan, block_tables: dict[str, list[int]],
+                after_layer: Callable[[int], None] | None = None) -> tuple[list[Sequence], torch.Tensor]:
         """Run one iteration. Returns the sequences that sample this step and their logits
         [n, vocab] (float32), one row each, in the same order."""
         # single-token queries first, longest context first, so decode_groups are contiguous runs
         items = sorted(plan.scheduled, key=lambda item: (item.num_new_tokens != 1, -item.start))
         input_ids, positions, meta = self._prepare(items, block_tables)
-        hidden = self.model(input_ids, positions, self._kv_layers, meta, self.backend)
+        hidden = self.model(input_ids, positions, self._kv_layers, meta, self.backend, after_layer)
         rows = [meta.query_starts[i + 1] - 1 for i, item in enumerate(items) if item.samples]
         logits = self.model.compute_logits(hidden[rows]).float()
         return [item.seq for item in items if item.samples], logits

@@ -6,6 +6,8 @@ metadata.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,11 +92,15 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_model_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; KV of every token is written to the cache."""
+                meta: AttentionMetadata, backend: AttentionBackend,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; KV of every token is written to the cache.
+        `after_layer(i)` runs once layer i's KV is in the cache (layer-wise KV streaming starts there)."""
         x = self.model.embed_tokens(input_ids)
-        for layer, kv in zip(self.model.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(x, positions, self.rotary, kv, meta, backend)
+            if after_layer is not None:
+                after_layer(i)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,48 @@
+"""Maps a sequence's KV between a paged cache and the wire format.
+
+On the wire a layer is token-major: [2 (K, V), num_tokens, kv_heads, head_dim]. Each side
+translates token positions to its own slots (block id * block size + offset), so the two caches
+may use different block ids and different block sizes. All of a layer's blocks travel as one
+message (contiguous on the wire whatever their ids).
+"""
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.kv_cache import KVCache
+
+
+def slot_index(block_ids: list[int], block_size: int, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """Flat cache slots of tokens 0 .. num_tokens-1 held by `block_ids`."""
+    if len(block_ids) * block_size < num_tokens:
+        raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {num_tokens} tokens")
+    positions = torch.arange(num_tokens, device=device)
+    blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
+    return blocks[positions // block_size] * block_size + positions % block_size
+
+
+def pack_layer(cache: KVCache, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """A copy of one layer's K and V at `slots`: [2, len(slots), kv_heads, head_dim]."""
+    flat = cache.data[layer].flatten(1, 2)  # [2, num_blocks * block_size, kv_heads, head_dim]
+    return flat.index_select(1, slots)
+
+
+def pack_all(cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
+    """Every layer at once: [layers, 2, len(slots), kv_heads, head_dim]."""
+    return cache.data.flatten(2, 3).index_select(2, slots)
+
+
+def unpack_layer(cache: KVCache, layer: int, slots: torch.Tensor, wire: torch.Tensor) -> None:
+    flat = cache.data[layer].flatten(1, 2)
+    flat.index_copy_(1, slots, wire.to(flat.dtype))
+
+
+def unpack_all(cache: KVCache, slots: torch.Tensor, wire: torch.Tensor) -> None:
+    for layer in range(wire.shape[0]):
+        unpack_layer(cache, layer, slots, wire[layer])
+
+
+def wire_shape(cache: KVCache, num_tokens: int, layers: int | None = None) -> tuple[int, ...]:
+    _, _, _, _, kv_heads, head_dim = cache.data.shape
+    layer_shape = (2, num_tokens, kv_heads, head_dim)
+    return layer_shape if layers is None else (layers, *layer_shape)

@@ -1,0 +1,160 @@
+"""Engine glue for disaggregation: the prompt worker exports, the token worker imports.
+
+Prompt worker (`KVExporter`, prompt-role engine): while a prompt's prefill runs, each layer's KV
+is packed and pushed as soon as that layer has written it (the push is asynchronous, so layer
+i + 1 computes while layer i travels); prompts under the threshold go in one push after the
+prefill. Then the first token is pushed and the prompt engine frees the request: the pushed KV
+is a copy, so the blocks are free at once.
+
+Token worker (`KVImporter`): reserves blocks before the prefill starts and issues the ticket the
+prompt worker pushes against; layers land straight in those blocks; the request joins the
+decode batch when the completion (first token) arrives. A failed or cancelled transfer frees the
+reserved blocks.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.policies import Plan
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transfer.codec import pack_all, pack_layer, slot_index, unpack_layer, wire_shape
+from splitserve.transfer.link import Fabric, TransferError
+from splitserve.transfer.transport import KVTransport, TransferTicket
+
+LAYERWISE_THRESHOLD = 512  # prompt tokens; below it one transfer after the prefill (Splitwise IV-C)
+
+
+def make_transport(engine: LLMEngine, fabric: Fabric, timeout: float = 60.0) -> KVTransport:
+    cache = engine.kv_cache
+    return KVTransport(fabric, lambda n: wire_shape(cache, n), cache.data.shape[0], cache.data.dtype,
+                       cache.data.device, timeout)
+
+
+class KVExporter:
+    def __init__(self, engine: LLMEngine, transport: KVTransport):
+        if engine.config.policy != "prompt":
+            raise ValueError(f"KVExporter needs a prompt-policy engine, got policy {engine.config.policy!r}")
+        self.engine, self.transport = engine, transport
+        self._tickets: dict[str, TransferTicket] = {}
+        self._slots: dict[str, torch.Tensor] = {}
+        self._failures: list[tuple[str, TransferError]] = []
+        self._pushed: dict[str, TransferTicket] = {}  # this step's pushes, until they have left
+
+    def add(self, ticket: TransferTicket, prompt_token_ids: list[int], params: SamplingParams,
+            arrival_time: float | None = None) -> None:
+        self.engine.add_request(ticket.request_id, prompt_token_ids, params, arrival_time)
+        self._tickets[ticket.request_id] = ticket
+
+    def step(self) -> list[RequestOutput]:
+        """One prefill iteration with layer-wise pushes; returns outputs carrying first tokens."""
+        outputs = self.engine.step(after_layer=self._after_layer)
+        for out in outputs:
+            if out.request_id in self._tickets:
+                self._hand_off(out)
+        self._flush()
+        for request_id, _ in self._failures:  # freed only now: never in the middle of a forward pass
+            self.engine.abort(request_id)
+        return outputs
+
+    def _flush(self) -> None:
+        """Wait (bounded) for this step's pushes to leave: the part of the transfer the layer-wise
+        overlap did not hide. A broken peer fails every request pushed to it."""
+        pushed, self._pushed = self._pushed, {}
+        for error in self.transport.flush():
+            self._failures += [(r, error) for r, t in pushed.items() if t.token_peer == error.peer]
+
+    def abort(self, request_id: str) -> None:
+        ticket = self._forget(request_id)
+        self.engine.abort(request_id)
+        if ticket is not None:
+            self._try(ticket, lambda: self.transport.cancel(ticket))
+
+    def failures(self) -> list[tuple[str, TransferError]]:
+        """Requests whose transfer failed since the last call (their blocks are already freed)."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _after_layer(self, plan: Plan, layer: int) -> None:
+        for item in plan.scheduled:
+            ticket = self._tickets.get(item.seq.seq_id)
+            if ticket is not None and ticket.layerwise and item.samples:
+                slots = self._slots_for(ticket)
+                self._try(ticket, lambda: self.transport.push_layer(ticket, layer, pack_layer(self.engine.kv_cache, layer, slots)))
+
+    def _hand_off(self, out: RequestOutput) -> None:
+        ticket = self._forget(out.request_id)
+        if out.finished:  # the first token already ended it (EOS, max_tokens=1): nothing to decode
+            self._try(ticket, lambda: self.transport.cancel(ticket))
+            return
+        slots = slot_index(self.engine.block_manager.block_table(ticket.request_id), self.engine.kv_cache.block_size,
+                           ticket.num_tokens, self.engine.kv_cache.data.device)
+        if not ticket.layerwise:
+            self._try(ticket, lambda: self.transport.push_all(ticket, pack_all(self.engine.kv_cache, slots)))
+        self._try(ticket, lambda: self.transport.complete(ticket, out.token_ids[0]))
+        self.engine.release_request(ticket.request_id)
+
+    def _slots_for(self, ticket: TransferTicket) -> torch.Tensor:
+        if ticket.request_id not in self._slots:
+            table = self.engine.block_manager.block_table(ticket.request_id)
+            self._slots[ticket.request_id] = slot_index(table, self.engine.kv_cache.block_size, ticket.num_tokens,
+                                                        self.engine.kv_cache.data.device)
+        return self._slots[ticket.request_id]
+
+    def _forget(self, request_id: str) -> TransferTicket | None:
+        self._slots.pop(request_id, None)
+        return self._tickets.pop(request_id, None)
+
+    def _try(self, ticket: TransferTicket, push) -> None:
+        """A failed push fails only its own request: recorded here, its blocks freed after the step."""
+        try:
+            push()
+            self._pushed[ticket.request_id] = ticket
+        except TransferError as error:
+            self._failures.append((ticket.request_id, error))
+            self._forget(ticket.request_id)
+
+
+class KVImporter:
+    def __init__(self, engine: LLMEngine, transport: KVTransport, worker_id: str,
+                 layerwise_threshold: int = LAYERWISE_THRESHOLD):
+        self.engine, self.transport, self.worker_id = engine, transport, worker_id
+        self.layerwise_threshold = layerwise_threshold
+        self._tags = itertools.count()
+        self._tickets: dict[str, TransferTicket] = {}
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_peer: str,
+                arrival_time: float | None = None) -> TransferTicket:
+        """Reserve blocks for the prompt (raises OutOfBlocksError / EngineFullError when full)."""
+        cache = self.engine.kv_cache
+        block_ids = self.engine.reserve_import(request_id, prompt_token_ids, params, arrival_time)
+        slots = slot_index(block_ids, cache.block_size, len(prompt_token_ids), cache.data.device)
+        ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, len(prompt_token_ids),
+                                len(prompt_token_ids) >= self.layerwise_threshold)
+        self._tickets[request_id] = ticket
+        self.transport.expect(ticket, lambda layer, wire: self._write(slots, layer, wire))
+        return ticket
+
+    def poll(self) -> tuple[list[RequestOutput], list[tuple[str, TransferError]]]:
+        """Land finished transfers: completed ones start decoding, failed ones free their blocks."""
+        outputs, failures = [], []
+        for ticket, result in self.transport.poll():
+            self._tickets.pop(ticket.request_id, None)
+            if isinstance(result, TransferError):
+                self.engine.abort(ticket.request_id)
+                failures.append((ticket.request_id, result))
+            else:
+                outputs.append(self.engine.complete_import(ticket.request_id, result))
+        return outputs, failures
+
+    def cancel(self, request_id: str) -> None:
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is not None:
+            self.transport.abandon(ticket)
+        self.engine.abort(request_id)
+
+    def _write(self, slots: torch.Tensor, layer: int, wire: torch.Tensor) -> None:
+        unpack_layer(self.engine.kv_cache, layer, slots, wire)

@@ -1,0 +1,54 @@
+"""The backend interface: an ordered, one-way channel of tensors from one worker to one peer.
+
+Semantics every backend keeps:
+- `send` is asynchronous and keeps the tensor alive until it is on the wire; messages arrive in
+  the order they were sent (the protocol above relies on order, not tags, so NCCL works too);
+- `recv` fills a tensor of the expected shape and dtype, and waits at most `timeout` seconds;
+- every failure (dead peer, timeout, closed channel) raises `TransferError` naming the peer.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class TransferError(RuntimeError):
+    """A KV transfer failed; `peer` names the worker at the other end."""
+
+    def __init__(self, peer: str, message: str):
+        super().__init__(f"KV transfer with peer {peer!r} failed: {message}")
+        self.peer = peer
+
+
+class Link(ABC):
+    def __init__(self, peer: str):
+        self.peer = peer
+
+    @abstractmethod
+    def send(self, tensor: torch.Tensor) -> None:
+        """Queue `tensor` for the peer (asynchronous)."""
+
+    @abstractmethod
+    def flush(self, timeout: float) -> None:
+        """Wait until every queued send has left; raises TransferError."""
+
+    @abstractmethod
+    def recv(self, out: torch.Tensor, timeout: float) -> None:
+        """Receive the next message into `out`; raises TransferError."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the channel; later calls raise TransferError."""
+
+
+class Fabric(ABC):
+    """Makes one worker's links to its peers, for one backend."""
+
+    @abstractmethod
+    def link_to(self, peer: str) -> Link:
+        """A link this worker sends on (prompt side)."""
+
+    @abstractmethod
+    def link_from(self, peer: str) -> Link:
+        """A link this worker receives on (token side)."""

@@ -1,0 +1,176 @@
+"""KVTransport: moves a prompt's KV from a prompt worker to a token worker over ordered links.
+
+Semantics:
+- The token worker reserves blocks first and issues a `TransferTicket` (request id, a tag unique
+  among its transfers, both peers, the prompt length, per-layer or one-shot). The prompt worker
+  pushes against the ticket; it never learns the token side's block ids.
+- Push: per layer (`push_layer`, as each layer's KV is computed) or one shot (`push_all`, after
+  the prefill), then `complete` with the first token. `cancel` tells the token side to give up.
+- Every message is a header int64[4] = (tag, kind, num_tokens, value) and, for KV kinds, a
+  payload in the codec's wire format. kind >= 0 is a layer index; ALL, DONE and CANCEL below.
+- The token side runs one receive loop per prompt peer while transfers from it are pending; each
+  receive waits at most `timeout`. A transfer ends in `poll()` as completed (first token) or
+  failed (`TransferError` naming the peer); a failure on a link fails every transfer on it.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.transfer.link import Fabric, Link, TransferError
+
+ALL, DONE, CANCEL = -1, -2, -3
+
+
+@dataclass(frozen=True)
+class TransferTicket:
+    request_id: str
+    tag: int
+    prompt_peer: str
+    token_peer: str
+    num_tokens: int
+    layerwise: bool
+
+
+@dataclass(frozen=True)
+class _Incoming:
+    ticket: TransferTicket
+    write_layer: Callable[[int, torch.Tensor], None]  # unpacks one layer into the reserved blocks
+
+
+class KVTransport:
+    def __init__(self, fabric: Fabric, wire_layer_shape: Callable[[int], tuple[int, ...]], num_layers: int,
+                 dtype: torch.dtype, device: torch.device, timeout: float = 60.0):
+        """`wire_layer_shape(num_tokens)` is one layer's payload shape (see codec.wire_shape)."""
+        self.fabric, self.timeout = fabric, timeout
+        self._layer_shape, self._num_layers, self._dtype, self._device = wire_layer_shape, num_layers, dtype, device
+        self._out: dict[str, Link] = {}   # prompt side: links to token peers, kept while healthy
+        self._in: dict[str, Link] = {}    # token side: links from prompt peers, kept while healthy
+        self._incoming: dict[int, _Incoming] = {}
+        self._results: list[tuple[TransferTicket, int | TransferError]] = []
+        self._loops: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- prompt side ---------------------------------------------------------------------
+    def push_layer(self, ticket: TransferTicket, layer: int, payload: torch.Tensor) -> None:
+        self._send(ticket, layer, payload)
+
+    def push_all(self, ticket: TransferTicket, payload: torch.Tensor) -> None:
+        self._send(ticket, ALL, payload)
+
+    def complete(self, ticket: TransferTicket, first_token_id: int) -> None:
+        self._send(ticket, DONE, None, first_token_id)
+
+    def cancel(self, ticket: TransferTicket) -> None:
+        self._send(ticket, CANCEL, None)
+
+    def flush(self, timeout: float | None = None) -> list[TransferError]:
+        """Wait for every pushed message to leave; returns the failures (one per broken peer).
+        A failed link is closed for good, as on the receiving side."""
+        errors = []
+        for peer, link in list(self._out.items()):
+            try:
+                link.flush(self.timeout if timeout is None else timeout)
+            except TransferError as error:
+                errors.append(error)
+                self._drop_out(peer)
+        return errors
+
+    # ---- token side ----------------------------------------------------------------------
+    def expect(self, ticket: TransferTicket, write_layer: Callable[[int, torch.Tensor], None]) -> None:
+        """Register a reserved transfer; its layers are written by `write_layer` as they land."""
+        with self._lock:
+            self._incoming[ticket.tag] = _Incoming(ticket, write_layer)
+            start = ticket.prompt_peer not in self._loops
+            self._loops.add(ticket.prompt_peer)
+        if start:
+            threading.Thread(target=self._receive_loop, args=(ticket.prompt_peer,), daemon=True,
+                             name=f"kv-recv-{ticket.prompt_peer}").start()
+
+    def abandon(self, ticket: TransferTicket) -> None:
+        """Stop waiting for a transfer; messages still arriving for it are drained and dropped."""
+        with self._lock:
+            self._incoming.pop(ticket.tag, None)
+
+    def poll(self) -> list[tuple[TransferTicket, int | TransferError]]:
+        """Finished transfers: (ticket, first token id) or (ticket, TransferError)."""
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    # ---- internals -----------------------------------------------------------------------
+    def _send(self, ticket: TransferTicket, kind: int, payload: torch.Tensor | None, value: int = 0) -> None:
+        peer = ticket.token_peer
+        try:
+            link = self._out.get(peer) or self._out.setdefault(peer, self.fabric.link_to(peer))
+            link.send(self._header(ticket.tag, kind, ticket.num_tokens, value))
+            if payload is not None:
+                link.send(payload)
+        except TransferError:
+            self._drop_out(peer)
+            raise
+
+    def _drop_out(self, peer: str) -> None:
+        link = self._out.pop(peer, None)
+        if link is not None:
+            link.close()
+
+    def _header(self, tag: int, kind: int, num_tokens: int, value: int) -> torch.Tensor:
+        return torch.tensor([tag, kind, num_tokens, value], dtype=torch.int64, device=self._device)
+
+    def _receive_loop(self, peer: str) -> None:
+        """Runs while transfers from `peer` are pending. A link that failed is closed for good:
+        the pair group cannot meet again under the same ids (a restarted worker gets a new id)."""
+        try:
+            link = self._in.get(peer) or self._in.setdefault(peer, self.fabric.link_from(peer))
+            while self._has_pending(peer):
+                self._receive_one(link)
+        except TransferError as error:
+            dead = self._in.pop(peer, None)
+            if dead is not None:
+                dead.close()
+            self._fail_peer(peer, error)
+
+    def _has_pending(self, peer: str) -> bool:
+        with self._lock:
+            if any(inc.ticket.prompt_peer == peer for inc in self._incoming.values()):
+                return True
+            self._loops.discard(peer)
+            return False
+
+    def _receive_one(self, link: Link) -> None:
+        header = torch.empty(4, dtype=torch.int64, device=self._device)
+        link.recv(header, self.timeout)
+        tag, kind, num_tokens, value = header.tolist()
+        if kind >= 0 or kind == ALL:
+            shape = self._layer_shape(num_tokens)
+            payload = torch.empty(shape if kind >= 0 else (self._num_layers, *shape), dtype=self._dtype, device=self._device)
+            link.recv(payload, self.timeout)
+        with self._lock:  # writes happen under the lock: once abandon() returns, none lands
+            incoming = self._incoming.get(tag)
+            if incoming is None:  # abandoned: drained, dropped
+                return
+            if kind >= 0:
+                incoming.write_layer(kind, payload)
+            elif kind == ALL:
+                for layer in range(payload.shape[0]):
+                    incoming.write_layer(layer, payload[layer])
+        if kind == DONE or kind == CANCEL:
+            result = value if kind == DONE else TransferError(link.peer, "cancelled by the prompt worker")
+            self._finish(tag, result)
+
+    def _finish(self, tag: int, result: int | TransferError) -> None:
+        with self._lock:
+            incoming = self._incoming.pop(tag, None)
+            if incoming is not None:
+                self._results.append((incoming.ticket, result))
+
+    def _fail_peer(self, peer: str, error: TransferError) -> None:
+        with self._lock:
+            tags = [tag for tag, inc in self._incoming.items() if inc.ticket.prompt_peer == peer]
+            self._loops.discard(peer)
+        for tag in tags:
+            self._finish(tag, error)

@@ -1,0 +1,57 @@
+"""Disaggregated greedy output equals the colocated engine's, across processes, over gloo."""
+import itertools
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+from tests.transfer.cluster import Cluster
+
+REQUEST_IDS = itertools.count()
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SHORT = [256] + [ord(c) for c in "a short prompt, under the layer-wise threshold"]
+LONG = [256] + [(i * 7 + 3) % 256 for i in range(700)]  # over the 512-token threshold: streamed per layer
+
+
+def colocated(prompts):
+    return [out.token_ids for out in LLM("demo").generate(prompts, GREEDY)]
+
+
+def assert_clean(cluster, worker_id):
+    _, error, free, total, live = cluster.check(worker_id)
+    assert error is None and free == total and live == 0, (worker_id, error, free, total, live)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster("gloo", prompt_ids=("p0", "p1"), token_ids=("t0",))
+    yield c
+    c.close()
+
+
+def run(cluster, prompts, prompt_workers=("p0",)):
+    ids = [f"r{next(REQUEST_IDS)}" for _ in prompts]
+    for i, (request_id, prompt) in enumerate(zip(ids, prompts)):
+        cluster.route(request_id, prompt, GREEDY, prompt_worker=prompt_workers[i % len(prompt_workers)])
+    done = cluster.collect("t0", ("done", "failed"), len(ids))
+    assert all(done[i][0] == "done" for i in ids), done
+    return [done[i][2] for i in ids]
+
+
+@pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["one-shot", "layer-wise"])
+def test_disaggregated_equals_colocated(cluster, prompt):
+    assert run(cluster, [prompt]) == colocated([prompt])
+    for worker in ("p0", "t0"):
+        assert_clean(cluster, worker)
+
+
+def test_several_requests_in_flight_to_one_token_worker(cluster):
+    prompts = [SHORT, LONG, SHORT[:20], LONG[:600], LONG[:90]]
+    assert run(cluster, prompts) == colocated(prompts)
+    assert_clean(cluster, "t0")
+
+
+def test_two_prompt_workers_into_one_token_worker(cluster):
+    prompts = [LONG, SHORT, LONG[:550], SHORT[:9]]
+    assert run(cluster, prompts, prompt_workers=("p0", "p1")) == colocated(prompts)
+    for worker in ("p0", "p1", "t0"):
+        assert_clean(cluster, worker)

@@ -1,0 +1,56 @@
+"""A dead peer or a timeout mid-transfer fails the request with an error naming the peer, every
+wait is bounded, and the surviving side holds no block afterwards."""
+import pytest
+
+from splitserve import SamplingParams
+from tests.transfer.cluster import Cluster
+from tests.transfer.test_disaggregation import LONG, SHORT, assert_clean
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture
+def make_cluster():
+    clusters = []
+
+    def make(**kwargs):
+        clusters.append(Cluster("gloo", **kwargs))
+        return clusters[-1]
+
+    yield make
+    for c in clusters:
+        c.close()
+
+
+def test_prompt_worker_killed_mid_transfer(make_cluster):
+    cluster = make_cluster(timeout=20)
+    cluster.send("p0", "die_after_layers", 2)  # the demo model has 4 layers: half the KV lands
+    cluster.route("dead", LONG, GREEDY)
+    failed = cluster.collect("t0", ("failed", "done"), 1)["dead"]
+    assert failed[0] == "failed" and "'p0'" in failed[2], failed
+    assert_clean(cluster, "t0")
+
+
+def test_token_worker_killed(make_cluster):
+    cluster = make_cluster(timeout=20)
+    cluster.route("ok", SHORT, GREEDY)  # the pair's link is up
+    assert cluster.collect("t0", ("done",), 1)["ok"][0] == "done"
+    cluster.send("t0", "reserve", "orphan", LONG, GREEDY, "p0")
+    ticket = cluster.expect("t0", "ticket")[1]
+    cluster.kill("t0")
+    cluster.send("p0", "add", ticket, LONG, GREEDY)
+    failed = cluster.collect("p0", ("failed",), 1)["orphan"]
+    assert "'t0'" in failed[2], failed
+    assert_clean(cluster, "p0")
+
+
+def test_timeout_frees_the_reserved_blocks(make_cluster):
+    cluster = make_cluster(timeout=3)
+    cluster.route("ok", SHORT, GREEDY)
+    assert cluster.collect("t0", ("done",), 1)["ok"][0] == "done"
+    cluster.send("p0", "stall")
+    cluster.route("hung", LONG, GREEDY)
+    failed = cluster.collect("t0", ("failed", "done"), 1, timeout=30)["hung"]
+    assert failed[0] == "failed" and "'p0'" in failed[2], failed
+    assert_clean(cluster, "t0")
+    assert_clean(cluster, "p0")

@@ -1,0 +1,140 @@
+"""Prompt and token workers in their own processes, driven over queues (the cluster's job later).
+
+Commands a worker takes from its inbox, and what it puts in its outbox:
+- token:  ("reserve", request_id, prompt, params, prompt_peer) -> ("ticket", ticket) or ("error", request_id, msg)
+          outputs as ("done", request_id, token_ids), failures as ("failed", request_id, message)
+- prompt: ("add", ticket, prompt, params) -> ("first", request_id, token_id) once prefilled,
+          failures as ("failed", request_id, message)
+- both:   ("check",) -> ("check", integrity error or None, free blocks, total blocks, live requests)
+          ("stop",) ends the loop; ("die",) exits at once, as a crash would
+- prompt: ("stall",) stops pushing: later requests are prefilled but never sent (a hung peer)
+- prompt: ("die_after_layers", n) crashes right after its n-th layer push has left (mid-transfer)
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+
+POLL_S = 0.002
+
+
+def connect(backend: str, worker_id: str, store_port: int, engine, timeout: float, grpc_directory=None):
+    import torch
+    import torch.distributed as dist
+
+    from splitserve.transfer.handoff import make_transport
+    from splitserve.transfer.torch_link import TorchFabric
+
+    if backend == "grpc":
+        from splitserve.transfer.grpc_link import GrpcFabric
+
+        fabric = GrpcFabric(worker_id, grpc_directory, timeout)
+    else:
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        fabric = TorchFabric(store, worker_id, torch.device("cpu"), timeout)
+    return make_transport(engine, fabric, timeout)
+
+
+def _check(engine) -> tuple:
+    try:
+        engine.check_integrity()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    blocks = engine.block_manager
+    return ("check", error, blocks.num_free_blocks, blocks.num_blocks, engine.num_requests)
+
+
+def _next(inbox):
+    try:
+        return inbox.get(timeout=POLL_S)
+    except queue.Empty:
+        return None
+
+
+def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_args, grpc_directory=None):
+    import torch
+
+    from splitserve import LLMEngine
+    from splitserve.transfer.handoff import KVImporter
+
+    torch.set_num_threads(1)
+    engine = LLMEngine("demo", policy="token", **engine_args)
+    importer = KVImporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory), worker_id)
+    outbox.put(("ready", worker_id))
+    while True:
+        cmd = _next(inbox)
+        if cmd is not None:
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "die":
+                os._exit(1)
+            if cmd[0] == "check":
+                outbox.put(_check(engine))
+            if cmd[0] == "reserve":
+                _, request_id, prompt, params, prompt_peer = cmd
+                try:
+                    outbox.put(("ticket", importer.reserve(request_id, prompt, params, prompt_peer)))
+                except (RuntimeError, ValueError) as error:
+                    outbox.put(("error", request_id, str(error)))
+        landed, failures = importer.poll()
+        for request_id, error in failures:
+            outbox.put(("failed", request_id, str(error)))
+        for out in landed + engine.step():
+            if out.finished:
+                outbox.put(("done", out.request_id, out.token_ids))
+
+
+def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_args, grpc_directory=None):
+    import torch
+
+    from splitserve import LLMEngine
+    from splitserve.transfer.handoff import KVExporter
+
+    torch.set_num_threads(1)
+    engine = LLMEngine("demo", policy="prompt", **engine_args)
+    exporter = KVExporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory))
+    stalled = False
+    outbox.put(("ready", worker_id))
+    while True:
+        cmd = _next(inbox)
+        if cmd is not None:
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "die":
+                os._exit(1)
+            if cmd[0] == "check":
+                outbox.put(_check(engine))
+            if cmd[0] == "stall":
+                stalled = True
+            if cmd[0] == "die_after_layers":
+                _crash_after_layers(exporter.transport, cmd[1])
+            if cmd[0] == "add":
+                _, ticket, prompt, params = cmd
+                if stalled:  # prefill happens, the KV never leaves: the token side must time out
+                    engine.add_request(ticket.request_id, prompt, params)
+                else:
+                    exporter.add(ticket, prompt, params)
+        outputs = exporter.step()
+        for out in outputs:
+            if len(out.token_ids) == 1:
+                outbox.put(("first", out.request_id, out.token_ids[0]))
+        for request_id, error in exporter.failures():
+            outbox.put(("failed", request_id, str(error)))
+        if stalled:
+            for out in outputs:
+                engine.abort(out.request_id)
+
+
+def _crash_after_layers(transport, n: int) -> None:
+    push, count = transport.push_layer, [0]
+
+    def push_then_maybe_crash(*args):
+        push(*args)
+        count[0] += 1
+        if count[0] == n:
+            transport.flush()
+            os._exit(1)
+
+    transport.push_layer = push_then_maybe_crash
