@@ -138,10 +138,11 @@ class KVImporter:
         self.transport.expect(ticket, lambda layer, wire: self._write(slots, layer, wire))
         return ticket
 
-    def poll(self) -> tuple[list[RequestOutput], list[tuple[str, TransferError]]]:
-        """Land finished transfers: completed ones start decoding, failed ones free their blocks."""
+    def poll(self, timeout: float = 0.0) -> tuple[list[RequestOutput], list[tuple[str, TransferError]]]:
+        """Land finished transfers: completed ones start decoding, failed ones free their blocks.
+        `timeout` > 0 waits for one when none has finished (for a worker with nothing to decode)."""
         outputs, failures = [], []
-        for ticket, result in self.transport.poll():
+        for ticket, result in self.transport.poll(timeout):
             self._tickets.pop(ticket.request_id, None)
             if isinstance(result, TransferError):
                 self.engine.abort(ticket.request_id)

@@ -53,6 +53,7 @@ class KVTransport:
         self._results: list[tuple[TransferTicket, int | TransferError]] = []
         self._loops: set[str] = set()
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)  # notified when a result is appended
 
     # ---- prompt side ---------------------------------------------------------------------
     def push_layer(self, ticket: TransferTicket, layer: int, payload: torch.Tensor) -> None:
@@ -95,9 +96,13 @@ class KVTransport:
         with self._lock:
             self._incoming.pop(ticket.tag, None)
 
-    def poll(self) -> list[tuple[TransferTicket, int | TransferError]]:
-        """Finished transfers: (ticket, first token id) or (ticket, TransferError)."""
+    def poll(self, timeout: float = 0.0) -> list[tuple[TransferTicket, int | TransferError]]:
+        """Finished transfers: (ticket, first token id) or (ticket, TransferError). With a
+        timeout, blocks until one finishes (an idle worker sleeps instead of spinning, which
+        would starve the receive threads of the GIL)."""
         with self._lock:
+            if not self._results and timeout > 0:
+                self._landed.wait(timeout)
             results, self._results = self._results, []
         return results
 
@@ -167,6 +172,7 @@ class KVTransport:
             incoming = self._incoming.pop(tag, None)
             if incoming is not None:
                 self._results.append((incoming.ticket, result))
+                self._landed.notify_all()
 
     def _fail_peer(self, peer: str, error: TransferError) -> None:
         with self._lock:

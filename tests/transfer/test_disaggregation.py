@@ -1,4 +1,4 @@
-"""Disaggregated greedy output equals the colocated engine's, across processes, over gloo."""
+"""Disaggregated greedy output equals the colocated engine's, across processes, over each backend."""
 import itertools
 
 import pytest
@@ -21,9 +21,12 @@ def assert_clean(cluster, worker_id):
     assert error is None and free == total and live == 0, (worker_id, error, free, total, live)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = Cluster("gloo", prompt_ids=("p0", "p1"), token_ids=("t0",))
+BACKENDS = ["gloo", "grpc"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def cluster(request):
+    c = Cluster(request.param, prompt_ids=("p0", "p1"), token_ids=("t0",))
     yield c
     c.close()
 

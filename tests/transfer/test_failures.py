@@ -4,17 +4,17 @@ import pytest
 
 from splitserve import SamplingParams
 from tests.transfer.cluster import Cluster
-from tests.transfer.test_disaggregation import LONG, SHORT, assert_clean
+from tests.transfer.test_disaggregation import BACKENDS, LONG, SHORT, assert_clean
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture
-def make_cluster():
+@pytest.fixture(params=BACKENDS)
+def make_cluster(request):
     clusters = []
 
     def make(**kwargs):
-        clusters.append(Cluster("gloo", **kwargs))
+        clusters.append(Cluster(request.param, **kwargs))
         return clusters[-1]
 
     yield make
