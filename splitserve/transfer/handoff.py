@@ -14,6 +14,7 @@ reserved blocks.
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -43,6 +44,7 @@ class KVExporter:
         self._slots: dict[str, torch.Tensor] = {}
         self._failures: list[tuple[str, TransferError]] = []
         self._pushed: dict[str, TransferTicket] = {}  # this step's pushes, until they have left
+        self.stream_seconds = 0.0  # last step: time the compute thread spent packing and pushing layers
 
     def add(self, ticket: TransferTicket, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
@@ -51,6 +53,7 @@ class KVExporter:
 
     def step(self) -> list[RequestOutput]:
         """One prefill iteration with layer-wise pushes; returns outputs carrying first tokens."""
+        self.stream_seconds = 0.0
         outputs = self.engine.step(after_layer=self._after_layer)
         for out in outputs:
             if out.request_id in self._tickets:
@@ -79,6 +82,11 @@ class KVExporter:
         return failures
 
     def _after_layer(self, plan: Plan, layer: int) -> None:
+        start = time.perf_counter()
+        self._push_layer(plan, layer)
+        self.stream_seconds += time.perf_counter() - start
+
+    def _push_layer(self, plan: Plan, layer: int) -> None:
         for item in plan.scheduled:
             ticket = self._tickets.get(item.seq.seq_id)
             if ticket is not None and ticket.layerwise and item.samples:
@@ -86,12 +94,13 @@ class KVExporter:
                 self._try(ticket, lambda: self.transport.push_layer(ticket, layer, pack_layer(self.engine.kv_cache, layer, slots)))
 
     def _hand_off(self, out: RequestOutput) -> None:
-        ticket = self._forget(out.request_id)
+        ticket = self._tickets[out.request_id]
         if out.finished:  # the first token already ended it (EOS, max_tokens=1): nothing to decode
+            self._forget(ticket.request_id)
             self._try(ticket, lambda: self.transport.cancel(ticket))
             return
-        slots = slot_index(self.engine.block_manager.block_table(ticket.request_id), self.engine.kv_cache.block_size,
-                           ticket.num_tokens, self.engine.kv_cache.data.device)
+        slots = self._slots_for(ticket)
+        self._forget(ticket.request_id)
         if not ticket.layerwise:
             self._try(ticket, lambda: self.transport.push_all(ticket, pack_all(self.engine.kv_cache, slots)))
         self._try(ticket, lambda: self.transport.complete(ticket, out.token_ids[0]))

@@ -1,0 +1,44 @@
+"""The wire format lets the two sides use different block ids and block sizes."""
+import pytest
+import torch
+
+from splitserve.engine.demo import demo_model_config
+from splitserve.engine.kv_cache import KVCache
+from splitserve.transfer.codec import pack_all, pack_layer, slot_index, unpack_all, unpack_layer, wire_shape
+
+CPU = torch.device("cpu")
+CONFIG = demo_model_config()
+
+
+def caches(src_block_size: int, dst_block_size: int):
+    src = KVCache(CONFIG, 12, src_block_size, torch.float32, CPU)
+    src.data.normal_(generator=torch.Generator().manual_seed(0))
+    return src, KVCache(CONFIG, 64, dst_block_size, torch.float32, CPU)
+
+
+@pytest.mark.parametrize("src_bs,dst_bs", [(16, 16), (16, 4), (4, 32)])
+def test_one_shot_round_trip_across_block_sizes(src_bs, dst_bs):
+    src, dst = caches(src_bs, dst_bs)
+    n = 37
+    src_slots = slot_index([9, 2, 11, 0, 5, 7, 3, 1, 4, 6][: -(-n // src_bs)], src_bs, n, CPU)
+    dst_slots = slot_index(list(range(63, 63 - -(-n // dst_bs), -1)), dst_bs, n, CPU)
+    wire = pack_all(src, src_slots)
+    assert wire.shape == wire_shape(src, n, CONFIG.num_hidden_layers)
+    unpack_all(dst, dst_slots, wire)
+    for layer in range(CONFIG.num_hidden_layers):
+        assert torch.equal(pack_layer(dst, layer, dst_slots), pack_layer(src, layer, src_slots))
+
+
+def test_layer_by_layer_writes_only_the_reserved_slots():
+    src, dst = caches(16, 8)
+    src_slots, dst_slots = slot_index([3, 1], 16, 20, CPU), slot_index([7, 0, 5], 8, 20, CPU)
+    for layer in range(CONFIG.num_hidden_layers):
+        unpack_layer(dst, layer, dst_slots, pack_layer(src, layer, src_slots))
+    untouched = torch.ones(dst.data.shape[2] * dst.block_size, dtype=torch.bool)
+    untouched[dst_slots] = False
+    assert torch.count_nonzero(dst.data.flatten(2, 3)[:, :, untouched]) == 0
+
+
+def test_too_few_blocks_names_the_problem():
+    with pytest.raises(ValueError, match="cannot hold 40 tokens"):
+        slot_index([0, 1], 16, 40, CPU)
