@@ -17,6 +17,7 @@ WAIT_S = 60
 class Cluster:
     def __init__(self, backend: str = "gloo", prompt_ids=("p0",), token_ids=("t0",), timeout: float = 20.0,
                  engine_args: dict | None = None):
+        self.backend = backend
         self.ctx = mp.get_context("spawn")
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30))

@@ -4,6 +4,7 @@ import itertools
 import pytest
 
 from splitserve import LLM, SamplingParams
+from tests.transfer import workers
 from tests.transfer.cluster import Cluster
 
 REQUEST_IDS = itertools.count()
@@ -12,8 +13,10 @@ SHORT = [256] + [ord(c) for c in "a short prompt, under the layer-wise threshold
 LONG = [256] + [(i * 7 + 3) % 256 for i in range(700)]  # over the 512-token threshold: streamed per layer
 
 
-def colocated(prompts):
-    return [out.token_ids for out in LLM("demo").generate(prompts, GREEDY)]
+def colocated(cluster, prompts):
+    """The same prompts on one engine, on the workers' device, prefilled whole as the prompt worker does."""
+    llm = LLM("demo", policy="prefill_first", device=workers.device_for(cluster.backend))
+    return [out.token_ids for out in llm.generate(prompts, GREEDY)]
 
 
 def assert_clean(cluster, worker_id):
@@ -21,7 +24,7 @@ def assert_clean(cluster, worker_id):
     assert error is None and free == total and live == 0, (worker_id, error, free, total, live)
 
 
-BACKENDS = ["gloo", "grpc"]
+BACKENDS = ["gloo", "grpc", pytest.param("nccl", marks=pytest.mark.gpu)]  # nccl: two processes on one GPU
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -42,19 +45,19 @@ def run(cluster, prompts, prompt_workers=("p0",)):
 
 @pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["one-shot", "layer-wise"])
 def test_disaggregated_equals_colocated(cluster, prompt):
-    assert run(cluster, [prompt]) == colocated([prompt])
+    assert run(cluster, [prompt]) == colocated(cluster, [prompt])
     for worker in ("p0", "t0"):
         assert_clean(cluster, worker)
 
 
 def test_several_requests_in_flight_to_one_token_worker(cluster):
     prompts = [SHORT, LONG, SHORT[:20], LONG[:600], LONG[:90]]
-    assert run(cluster, prompts) == colocated(prompts)
+    assert run(cluster, prompts) == colocated(cluster, prompts)
     assert_clean(cluster, "t0")
 
 
 def test_two_prompt_workers_into_one_token_worker(cluster):
     prompts = [LONG, SHORT, LONG[:550], SHORT[:9]]
-    assert run(cluster, prompts, prompt_workers=("p0", "p1")) == colocated(prompts)
+    assert run(cluster, prompts, prompt_workers=("p0", "p1")) == colocated(cluster, prompts)
     for worker in ("p0", "p1", "t0"):
         assert_clean(cluster, worker)

@@ -4,12 +4,16 @@ import pytest
 
 from splitserve import SamplingParams
 from tests.transfer.cluster import Cluster
-from tests.transfer.test_disaggregation import BACKENDS, LONG, SHORT, assert_clean
+from tests.transfer.test_disaggregation import LONG, SHORT, assert_clean
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(params=BACKENDS)
+# NCCL has no dead-peer detection of gloo's kind (its timeout aborts the process): CPU backends only
+FAILURE_BACKENDS = ["gloo", "grpc"]
+
+
+@pytest.fixture(params=FAILURE_BACKENDS)
 def make_cluster(request):
     clusters = []
 

@@ -32,8 +32,13 @@ def connect(backend: str, worker_id: str, store_port: int, engine, timeout: floa
         fabric = GrpcFabric(worker_id, grpc_directory, timeout)
     else:
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=30))
-        fabric = TorchFabric(store, worker_id, torch.device("cpu"), timeout)
+        fabric = TorchFabric(store, worker_id, engine.kv_cache.data.device, timeout)  # nccl on cuda, gloo on cpu
     return make_transport(engine, fabric, timeout)
+
+
+def device_for(backend: str) -> str:
+    """NCCL moves CUDA tensors; gloo and gRPC workers run on the CPU even where a GPU exists."""
+    return "cuda" if backend == "nccl" else "cpu"
 
 
 def _check(engine) -> tuple:
@@ -60,7 +65,7 @@ def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_
     from splitserve.transfer.handoff import KVImporter
 
     torch.set_num_threads(1)
-    engine = LLMEngine("demo", policy="token", **engine_args)
+    engine = LLMEngine("demo", policy="token", device=device_for(backend), **engine_args)
     importer = KVImporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory), worker_id)
     outbox.put(("ready", worker_id))
     while True:
@@ -93,7 +98,7 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
     from splitserve.transfer.handoff import KVExporter
 
     torch.set_num_threads(1)
-    engine = LLMEngine("demo", policy="prompt", **engine_args)
+    engine = LLMEngine("demo", policy="prompt", device=device_for(backend), **engine_args)
     exporter = KVExporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory))
     stalled = False
     outbox.put(("ready", worker_id))
