@@ -1,7 +1,7 @@
 """The paged KV cache tensors: per layer, K and V as [num_blocks, block_size, kv_heads, head_dim].
 
-Block ids come from the `BlockManager`; this class only stores, and reads or writes whole blocks
-for a KV transfer (all layers at once, or one layer for layer-wise streaming).
+Block ids come from the `BlockManager`; this class only stores. A KV transfer reads and writes it
+through `splitserve.transfer.codec`.
 """
 from __future__ import annotations
 
@@ -51,20 +51,3 @@ class KVCache:
     def layers(self) -> list[torch.Tensor]:
         """Per layer, a [2 (K, V), num_blocks, block_size, kv_heads, head_dim] view."""
         return list(self.data)
-
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of the blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
-        return self.data[:, :, self._index(block_ids)].clone()
-
-    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        self.data[:, :, self._index(block_ids)] = blocks.to(self.data.device, self.data.dtype)
-
-    def read_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """[2, len(block_ids), block_size, kv_heads, head_dim] of one layer."""
-        return self.data[layer, :, self._index(block_ids)].clone()
-
-    def write_layer(self, layer: int, block_ids: list[int], blocks: torch.Tensor) -> None:
-        self.data[layer, :, self._index(block_ids)] = blocks.to(self.data.device, self.data.dtype)
-
-    def _index(self, block_ids: list[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.long, device=self.data.device)

@@ -14,6 +14,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import SequenceStatus
+from splitserve.transfer.codec import pack_all, slot_index, unpack_all
 from tests.engine.engine_helpers import ENGINE, GREEDY, PROMPTS, assert_all_free, assert_same, run_engine
 from tests.engine.engine_helpers import one_thread, reference  # noqa: F401  (pytest fixtures)
 
@@ -53,10 +54,11 @@ def test_prompt_to_token_handoff_in_process(reference):
             assert len(out.token_ids) == 1 and not out.finished
             seq, block_ids = prompt_engine.export_request(out.request_id)
             assert seq.status is SequenceStatus.PREFILLED and seq.num_computed_tokens == len(seq.prompt_token_ids)
-            kv = prompt_engine.kv_cache.read_blocks(block_ids)
+            n, src, dst_cache = len(seq.prompt_token_ids), prompt_engine.kv_cache, token_engine.kv_cache
+            kv = pack_all(src, slot_index(block_ids, src.block_size, n, src.data.device))
             dst = token_engine.reserve_import(out.request_id, seq.prompt_token_ids, seq.params)
             assert len(dst) == len(block_ids)
-            token_engine.kv_cache.write_blocks(dst, kv)
+            unpack_all(dst_cache, slot_index(dst, dst_cache.block_size, n, dst_cache.data.device), kv)
             first = token_engine.complete_import(out.request_id, out.token_ids[0])
             assert first.token_ids == out.token_ids and not first.finished
             prompt_engine.release_request(out.request_id)

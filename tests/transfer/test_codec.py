@@ -42,3 +42,23 @@ def test_layer_by_layer_writes_only_the_reserved_slots():
 def test_too_few_blocks_names_the_problem():
     with pytest.raises(ValueError, match="cannot hold 40 tokens"):
         slot_index([0, 1], 16, 40, CPU)
+
+
+def test_whole_blocks_round_trip_between_two_caches_with_different_ids():
+    src = KVCache(CONFIG, 10, 16, torch.float32, CPU)
+    dst = KVCache(CONFIG, 12, 16, torch.float32, CPU)
+    src.data.normal_()
+    unpack_all(dst, slot_index([0, 11, 3], 16, 48, CPU), pack_all(src, slot_index([7, 2, 5], 16, 48, CPU)))
+    for s, d in zip([7, 2, 5], [0, 11, 3]):
+        assert torch.equal(dst.data[:, :, d], src.data[:, :, s])
+    assert torch.count_nonzero(dst.data[:, :, [1, 2, 4, 5, 6, 7, 8, 9, 10]]) == 0
+
+
+def test_layers_round_trip_into_another_dtype():
+    src = KVCache(CONFIG, 6, 16, torch.float32, CPU)
+    dst = KVCache(CONFIG, 6, 16, torch.bfloat16, CPU)
+    src.data.normal_()
+    src_slots, dst_slots = slot_index([0, 3], 16, 32, CPU), slot_index([4, 1], 16, 32, CPU)
+    for layer in range(CONFIG.num_hidden_layers):
+        unpack_layer(dst, layer, dst_slots, pack_layer(src, layer, src_slots))
+    assert torch.equal(dst.data[:, :, [4, 1]], src.data[:, :, [0, 3]].to(torch.bfloat16))
