@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from splitserve.engine.config import POLICIES
+from splitserve.engine.policies import POLICY_CLASSES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,7 @@ def _add_generate(commands) -> None:
     p.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past EOS (forced output lengths)")
-    p.add_argument("--policy", default="mixed", choices=[x for x in POLICIES if x != "prompt"])
+    p.add_argument("--policy", default="mixed", choices=[x for x in POLICY_CLASSES if x != "prompt"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.engine.policies import POLICY_CLASSES
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-POLICIES = ("mixed", "prefill_first", "token", "prompt")
 
 
 class ConfigError(ValueError):
@@ -115,8 +116,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy not in POLICY_CLASSES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICY_CLASSES)}, got {self.policy!r}")
         for name in ("block_size", "max_num_seqs", "prompt_token_budget", "chunk_token_budget",
                      "kv_cache_memory_bytes", "num_kv_blocks"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
