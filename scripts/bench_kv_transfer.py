@@ -22,7 +22,6 @@ system-wide on Linux and so comparable across the two processes:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import os
@@ -60,8 +59,7 @@ def _transport(engine, worker_id: str, port: int):
     from splitserve.transfer.handoff import make_transport
     from splitserve.transfer.torch_link import TorchFabric
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    return make_transport(engine, TorchFabric(store, worker_id, torch.device("cpu"), 120.0), 120.0)
+    return make_transport(engine, TorchFabric.join("127.0.0.1", port, worker_id, torch.device("cpu"), 120.0), 120.0)
 
 
 def prompt_process(model: str, port: int, conn) -> None:

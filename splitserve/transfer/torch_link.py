@@ -21,6 +21,12 @@ class TorchFabric(Fabric):
     def __init__(self, store: dist.Store, worker_id: str, device: torch.device, timeout: float = 60.0):
         self.store, self.worker_id, self.device, self.timeout = store, worker_id, device, timeout
 
+    @classmethod
+    def join(cls, host: str, port: int, worker_id: str, device: torch.device, timeout: float = 60.0) -> "TorchFabric":
+        """Connect to the cluster's rendezvous store (a TCPStore served at host:port)."""
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        return cls(store, worker_id, device, timeout)
+
     def link_to(self, peer: str) -> Link:
         return TorchLink(self.store, self.worker_id, peer, True, self.device, self.timeout)
 

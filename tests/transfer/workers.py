@@ -12,7 +12,6 @@ Commands a worker takes from its inbox, and what it puts in its outbox:
 """
 from __future__ import annotations
 
-import datetime
 import os
 import queue
 
@@ -20,9 +19,6 @@ POLL_S = 0.002
 
 
 def connect(backend: str, worker_id: str, store_port: int, engine, timeout: float, grpc_directory=None):
-    import torch
-    import torch.distributed as dist
-
     from splitserve.transfer.handoff import make_transport
     from splitserve.transfer.torch_link import TorchFabric
 
@@ -31,8 +27,7 @@ def connect(backend: str, worker_id: str, store_port: int, engine, timeout: floa
 
         fabric = GrpcFabric(worker_id, grpc_directory, timeout)
     else:
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=30))
-        fabric = TorchFabric(store, worker_id, engine.kv_cache.data.device, timeout)  # nccl on cuda, gloo on cpu
+        fabric = TorchFabric.join("127.0.0.1", store_port, worker_id, engine.kv_cache.data.device, timeout)
     return make_transport(engine, fabric, timeout)
 
 
@@ -58,15 +53,8 @@ def _next(inbox):
         return None
 
 
-def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_args, grpc_directory=None):
-    import torch
-
-    from splitserve import LLMEngine
-    from splitserve.transfer.handoff import KVImporter
-
-    torch.set_num_threads(1)
-    engine = LLMEngine("demo", policy="token", device=device_for(backend), **engine_args)
-    importer = KVImporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory), worker_id)
+def _serve(engine, inbox, outbox, worker_id, handle, tick) -> None:
+    """The worker loop: commands both roles share, the role's own via `handle`, then one `tick`."""
     outbox.put(("ready", worker_id))
     while True:
         cmd = _next(inbox)
@@ -77,18 +65,37 @@ def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_
                 os._exit(1)
             if cmd[0] == "check":
                 outbox.put(_check(engine))
-            if cmd[0] == "reserve":
-                _, request_id, prompt, params, prompt_peer = cmd
-                try:
-                    outbox.put(("ticket", importer.reserve(request_id, prompt, params, prompt_peer)))
-                except (RuntimeError, ValueError) as error:
-                    outbox.put(("error", request_id, str(error)))
+            handle(cmd)
+        tick()
+
+
+def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_args, grpc_directory=None):
+    import torch
+
+    from splitserve import LLMEngine
+    from splitserve.transfer.handoff import KVImporter
+
+    torch.set_num_threads(1)
+    engine = LLMEngine("demo", policy="token", device=device_for(backend), **engine_args)
+    importer = KVImporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory), worker_id)
+
+    def handle(cmd):
+        if cmd[0] == "reserve":
+            _, request_id, prompt, params, prompt_peer = cmd
+            try:
+                outbox.put(("ticket", importer.reserve(request_id, prompt, params, prompt_peer)))
+            except (RuntimeError, ValueError) as error:
+                outbox.put(("error", request_id, str(error)))
+
+    def tick():
         landed, failures = importer.poll()
         for request_id, error in failures:
             outbox.put(("failed", request_id, str(error)))
         for out in landed + engine.step():
             if out.finished:
                 outbox.put(("done", out.request_id, out.token_ids))
+
+    _serve(engine, inbox, outbox, worker_id, handle, tick)
 
 
 def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_args, grpc_directory=None):
@@ -100,27 +107,21 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
     torch.set_num_threads(1)
     engine = LLMEngine("demo", policy="prompt", device=device_for(backend), **engine_args)
     exporter = KVExporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory))
-    stalled = False
-    outbox.put(("ready", worker_id))
-    while True:
-        cmd = _next(inbox)
-        if cmd is not None:
-            if cmd[0] == "stop":
-                return
-            if cmd[0] == "die":
-                os._exit(1)
-            if cmd[0] == "check":
-                outbox.put(_check(engine))
-            if cmd[0] == "stall":
-                stalled = True
-            if cmd[0] == "die_after_layers":
-                _crash_after_layers(exporter.transport, cmd[1])
-            if cmd[0] == "add":
-                _, ticket, prompt, params = cmd
-                if stalled:  # prefill happens, the KV never leaves: the token side must time out
-                    engine.add_request(ticket.request_id, prompt, params)
-                else:
-                    exporter.add(ticket, prompt, params)
+    stalled = []
+
+    def handle(cmd):
+        if cmd[0] == "stall":
+            stalled.append(True)
+        if cmd[0] == "die_after_layers":
+            _crash_after_layers(exporter.transport, cmd[1])
+        if cmd[0] == "add":
+            _, ticket, prompt, params = cmd
+            if stalled:  # prefill happens, the KV never leaves: the token side must time out
+                engine.add_request(ticket.request_id, prompt, params)
+            else:
+                exporter.add(ticket, prompt, params)
+
+    def tick():
         outputs = exporter.step()
         for out in outputs:
             if len(out.token_ids) == 1:
@@ -130,6 +131,8 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
         if stalled:
             for out in outputs:
                 engine.abort(out.request_id)
+
+    _serve(engine, inbox, outbox, worker_id, handle, tick)
 
 
 def _crash_after_layers(transport, n: int) -> None:
