@@ -53,10 +53,11 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Sequence:
-        """Queue a request. Invalid input raises ValueError naming the field, and changes nothing."""
+                    arrival_time: float | None = None, hand_off: bool | None = None) -> Sequence:
+        """Queue a request. Invalid input raises ValueError naming the field, and changes nothing.
+        `hand_off`: prefill only and hold the KV for export (default: what the policy's role does)."""
         req = self._new_request(request_id, prompt, params, arrival_time)
-        self.policy.add(req.seq)
+        self.policy.add(req.seq, hand_off)
         self._requests[request_id] = req
         return req.seq
 
@@ -65,6 +66,13 @@ class LLMEngine:
         if req is not None and not req.seq.is_finished:
             self.policy.finish(req.seq, "abort")
         self.sampler.forget(request_id)
+
+    def set_policy(self, name: str) -> None:
+        """Change scheduling role (prompt / token / mixed / prefill_first) on the live engine;
+        every queued, running and held sequence carries over."""
+        policy = make_policy(name, self.block_manager, self.policy.limits)
+        policy.adopt(self.policy)
+        self.policy = policy
 
     def has_unfinished_requests(self) -> bool:
         return self.policy.has_work()

@@ -49,13 +49,18 @@ def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
     return requested or limit
 
 
-def build_model(model: str, engine: EngineConfig) -> LoadedModel:
+def load_metadata(model: str, engine: EngineConfig) -> tuple[ModelConfig, Tokenizer, int]:
+    """The model's config, tokenizer and context limit, without weights (what an ingress needs)."""
     if model == "demo":
         config, tokenizer = demo_model_config(), demo_tokenizer()
     else:
         config, tokenizer = load_model_config(model), load_tokenizer(model)
+    return config, tokenizer, resolve_max_model_len(config, engine.max_model_len)
+
+
+def build_model(model: str, engine: EngineConfig) -> LoadedModel:
+    config, tokenizer, max_len = load_metadata(model, engine)
     device, dtype = resolve_device(engine.device), resolve_dtype(engine.dtype, config)
-    max_len = resolve_max_model_len(config, engine.max_model_len)
     with torch.device(device), _default_dtype(dtype):
         net = LlamaForCausalLM(config, max_len).eval()
     if model == "demo" or engine.load_format == "dummy":

@@ -1,6 +1,6 @@
 """Engine glue for disaggregation: the prompt worker exports, the token worker imports.
 
-Prompt worker (`KVExporter`, prompt-role engine): while a prompt's prefill runs, each layer's KV
+Prompt worker (`KVExporter`, an engine in any role; requests added through it are handed off): while a prompt's prefill runs, each layer's KV
 is packed and pushed as soon as that layer has written it (the push is asynchronous, so layer
 i + 1 computes while layer i travels); prompts under the threshold go in one push after the
 prefill. Then the first token is pushed and the prompt engine frees the request: the pushed KV
@@ -37,8 +37,6 @@ def make_transport(engine: LLMEngine, fabric: Fabric, timeout: float = 60.0) -> 
 
 class KVExporter:
     def __init__(self, engine: LLMEngine, transport: KVTransport):
-        if engine.config.policy != "prompt":
-            raise ValueError(f"KVExporter needs a prompt-policy engine, got policy {engine.config.policy!r}")
         self.engine, self.transport = engine, transport
         self._tickets: dict[str, TransferTicket] = {}
         self._slots: dict[str, torch.Tensor] = {}
@@ -48,7 +46,7 @@ class KVExporter:
 
     def add(self, ticket: TransferTicket, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
-        self.engine.add_request(ticket.request_id, prompt_token_ids, params, arrival_time)
+        self.engine.add_request(ticket.request_id, prompt_token_ids, params, arrival_time, hand_off=True)
         self._tickets[ticket.request_id] = ticket
 
     def step(self) -> list[RequestOutput]:

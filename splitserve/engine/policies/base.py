@@ -25,7 +25,11 @@ class EngineFullError(RuntimeError):
 
 
 class Policy(ABC):
+    """Every policy can finish every sequence it holds (decode, prefill, hand-off), so a worker
+    can switch policy at run time (`adopt`) without dropping or stranding work."""
+
     name: str
+    hands_off_by_default = False
 
     def __init__(self, blocks: BlockManager, limits: SchedulerLimits):
         self.blocks = blocks
@@ -41,7 +45,9 @@ class Policy(ABC):
         """Choose the next iteration's work."""
 
     # ---- requests in and out -------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, hand_off: bool | None = None) -> None:
+        """Queue a sequence; `hand_off`: prefill only and hold its KV for export (default: the role's)."""
+        seq.hand_off = self.hands_off_by_default if hand_off is None else hand_off
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -79,12 +85,14 @@ class Policy(ABC):
                 reason = seq.stop_reason_after_append(self.limits.max_model_len)
                 if reason:
                     self.finish(seq, reason)
-                else:
-                    self._after_sample(seq)
+                elif seq.hand_off:
+                    self.hold_prefilled(seq)
         return updated
 
-    def _after_sample(self, seq: Sequence) -> None:
-        """Hook: what happens to a sequence that got a token and goes on (default: keep running)."""
+    def adopt(self, previous: "Policy") -> None:
+        """Take over another policy's sequences and counters (a role switch on a live engine)."""
+        self.waiting, self.running, self.held = previous.waiting, previous.running, previous.held
+        self.num_preemptions = previous.num_preemptions
 
     # ---- KV handoff between a prompt engine and a token engine ---------------------------
     def hold_prefilled(self, seq: Sequence) -> None:
