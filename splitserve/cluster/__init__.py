@@ -1,0 +1,1 @@
+"""Ray layer: workers, the cluster-level scheduler, the OpenAI ingress."""
