@@ -1,4 +1,4 @@
-"""The `splitserve` command line. Subcommands arrive with the issues that build them."""
+"""The `splitserve` command line: `serve` (the cluster) and `generate` (one offline engine)."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +10,45 @@ from splitserve.engine.policies import POLICY_CLASSES
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving (Splitwise) on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve(commands)
     _add_generate(commands)
     args = parser.parse_args(argv)
     return args.run(args)
+
+
+def _add_serve(commands) -> None:
+    p = commands.add_parser("serve", help="run a splitserve cluster with the OpenAI API (default: local, demo model)",
+                            description="Start (or join) a Ray cluster, deploy splitserve and serve the OpenAI API "
+                                        "until Ctrl-C. No arguments: a local cluster with one prompt and one token "
+                                        "worker running the built-in demo model (deploy/local-cpu.yaml).")
+    p.add_argument("--config", help="a Serve config file (deploy/*.yaml) or a bare cluster config (YAML)")
+    p.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto, or ray://host:10001) "
+                                                   "instead of starting a local one")
+    p.add_argument("--host", default=None, help="HTTP host (default: the config's http_options, else 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's http_options, else 8000)")
+    p.add_argument("--model", default=None, help="override the config's model (demo or a checkpoint directory)")
+    p.add_argument("--api-key", default=None, help="require this Bearer key (default: $SPLITSERVE_API_KEY, if set)")
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from pydantic import ValidationError
+
+    from splitserve.cluster.config import ClusterConfig, load_cluster_config
+    from splitserve.cluster.launcher import serve_until_interrupted
+
+    try:
+        config, http = load_cluster_config(args.config) if args.config else (ClusterConfig(), {})
+        overrides = {k: v for k, v in (("model", args.model),) if v is not None}
+        if args.api_key:
+            overrides["ingress"] = {**config.ingress.model_dump(), "api_key": args.api_key}
+        config = ClusterConfig.model_validate({**config.model_dump(), **overrides})
+    except (OSError, ValueError, ValidationError) as error:
+        print(f"splitserve serve: {error}", file=sys.stderr)
+        return 2
+    host = args.host or http.get("host", "127.0.0.1")
+    serve_until_interrupted(config, host, args.port or http.get("port", 8000), args.address)
+    return 0
 
 
 def _add_generate(commands) -> None:

@@ -1,0 +1,185 @@
+"""The cluster-level scheduler (CLS, Splitwise IV-A) as one Serve replica: it owns the workers,
+their pools and the one placement state every ingress replica asks.
+
+- Workers are Ray actors it creates per pool (resources from the pool's config), named
+  `<role>-<slot>.<incarnation>`: a replacement gets a new incarnation, hence fresh transfer links.
+- Load: it polls every worker each `report_interval_s` (a report per interval, not per
+  iteration); the poll doubles as the liveness check. Reports drive the policy's pool moves.
+- Placement: `place` picks both workers at once (the policy in `placement/`), moving a worker
+  into the mixed pool first when the policy says so. None means the cluster cannot admit now.
+- Failure: a worker that fails a call or a poll leaves its pool; a replacement is started.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import datetime
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import ray
+import torch.distributed as dist
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from splitserve.cluster.config import ClusterConfig, PoolConfig
+from splitserve.cluster.placement import ClusterState, Placement, PlacementRequest, PlacementThresholds, PoolMove
+from splitserve.cluster.placement.state import Role
+from splitserve.cluster.worker import MAX_CONCURRENT_CALLS, Worker
+
+log = logging.getLogger("splitserve.controller")
+CALL_TIMEOUT_S = 10.0  # a worker that cannot answer a poll in this long counts as dead
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A placement with the handles to act on it (same worker twice: run it locally)."""
+
+    prompt_worker: str
+    token_worker: str
+    prompt_handle: object
+    token_handle: object
+
+    @property
+    def local(self) -> bool:
+        return self.prompt_worker == self.token_worker
+
+
+class Controller:
+    def __init__(self, config: dict):
+        self.config = ClusterConfig.model_validate(config)
+        sched = self.config.scheduler
+        thresholds = PlacementThresholds(
+            mixed_prompt_tokens=sched.mixed_prompt_tokens, mixed_decode_tokens=sched.mixed_decode_tokens,
+            max_queue_tokens=sched.max_queue_tokens, max_decode_queue_tokens=sched.max_decode_queue_tokens,
+            repurpose_after_s=sched.repurpose_after_s)
+        self.state = ClusterState(sched.policy, thresholds)
+        self.handles: dict[str, object] = {}
+        self.slots: dict[str, tuple[PoolConfig, int]] = {}
+        self.counters: Counter = Counter()
+        self._incarnations = itertools.count()
+        self._store = self._rendezvous_store() if self._disaggregated else None
+        self._started: asyncio.Task | None = None
+        self._ready = False
+
+    @property
+    def _disaggregated(self) -> bool:
+        return any(p.role != "mixed" for p in self.config.pools)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every pool's workers in the background; `health` says when they are up.
+        Call from the event loop, outside any request (Serve's constructor does)."""
+        if self._started is None:
+            self._started = _background(self._start_all())
+
+    async def _start_all(self) -> None:
+        slots = [(pool, slot) for pool in self.config.pools for slot in range(pool.num_workers)]
+        await asyncio.gather(*(self._start_worker(pool, slot) for pool, slot in slots))
+        self._ready = True
+        await self._poll_forever()
+
+    async def _start_worker(self, pool: PoolConfig, slot: int) -> None:
+        worker_id = f"{pool.role}-{slot}.{next(self._incarnations)}"
+        options = {**pool.resources.ray_options(), "name": f"splitserve-{worker_id}",
+                   "max_concurrency": MAX_CONCURRENT_CALLS, "max_restarts": 0}
+        rendezvous = (self._store_host, self._store.port) if self._store else None
+        handle = ray.remote(Worker).options(**options).remote(
+            worker_id, pool.role, pool.hardware, self.config.model_dump(), rendezvous)
+        await handle.info.remote()
+        load = await handle.load.remote()
+        self.handles[worker_id], self.slots[worker_id] = handle, (pool, slot)
+        self.state.add_worker(worker_id, Role(pool.role), self.config.hardware(pool.hardware), load, time.monotonic())
+        log.info("worker %s up (%s, %s)", worker_id, pool.role, pool.hardware)
+
+    async def health(self) -> dict:
+        pools = self.state.pools()
+        return {"ready": self._ready and bool(self.state.workers), "workers": len(self.state.workers),
+                "pools": {role.value: len(ids) for role, ids in pools.items()}}
+
+    # ---- placement -------------------------------------------------------------------------
+    async def place(self, request: PlacementRequest, exclude: Collection[str] = ()) -> Grant | None:
+        placement, moves = self.state.place(request, time.monotonic(), exclude)
+        await self._apply(moves)
+        if placement is None:
+            self.counters["rejected"] += 1
+            return None
+        return self._grant(placement)
+
+    def _grant(self, placement: Placement) -> Grant:
+        p, t = placement.prompt_worker, placement.token_worker
+        return Grant(p, t, self.handles[p], self.handles[t])
+
+    async def _apply(self, moves: list[PoolMove]) -> None:
+        """Switch the moved workers' engines to their new pool's role (before they get work)."""
+        for move in moves:
+            self.counters["repurposings" if move.repurposed else f"moves_to_{move.to_pool.value}"] += 1
+            log.info("pool move: %s -> %s (%s)", move.worker_id, move.to_pool.value, move.reason)
+            try:
+                await self.handles[move.worker_id].set_role.remote(move.to_pool.value)
+            except RayActorError:
+                await self.worker_failed(move.worker_id)
+
+    # ---- load reports and failures -----------------------------------------------------------
+    async def _poll_forever(self) -> None:
+        interval = self.config.scheduler.report_interval_s
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self._poll(w) for w in list(self.handles)))
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _poll(self, worker_id: str) -> None:
+        handle = self.handles.get(worker_id)
+        if handle is None:
+            return
+        try:
+            load = await asyncio.wait_for(handle.load.remote(), CALL_TIMEOUT_S)
+        except (RayActorError, asyncio.TimeoutError, GetTimeoutError):
+            await self.worker_failed(worker_id)
+            return
+        await self._apply(self.state.report(worker_id, load, time.monotonic()))
+
+    async def worker_failed(self, worker_id: str) -> None:
+        """A worker failed a call: if it is really gone, it leaves its pool and is replaced."""
+        handle = self.handles.get(worker_id)
+        if handle is None or await self._alive(handle):
+            return
+        self.handles.pop(worker_id)
+        pool, slot = self.slots.pop(worker_id)
+        self.state.remove_worker(worker_id)
+        self.counters["worker_failures"] += 1
+        log.warning("worker %s died; it leaves the %s pool", worker_id, pool.role)
+        if self.config.scheduler.replace_dead_workers:
+            self.counters["worker_replacements"] += 1
+            _background(self._start_worker(pool, slot))
+
+    async def _alive(self, handle) -> bool:
+        try:
+            await asyncio.wait_for(handle.info.remote(), CALL_TIMEOUT_S)
+            return True
+        except (RayActorError, asyncio.TimeoutError, GetTimeoutError):
+            return False
+
+    # ---- introspection -----------------------------------------------------------------------
+    async def status(self) -> dict:
+        return {**self.state.snapshot(), "model": self.config.model_name, "ready": self._ready,
+                "counters": dict(self.counters)}
+
+    async def worker_handle(self, worker_id: str):
+        return self.handles.get(worker_id)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _rendezvous_store(self) -> dist.TCPStore:
+        """The store workers meet through to open KV links (torch pair groups, gRPC addresses)."""
+        self._store_host = ray.util.get_node_ip_address()
+        return dist.TCPStore(self._store_host, 0, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=self.config.transfer.timeout_s))
+
+
+def _background(coro) -> asyncio.Task:
+    """A task outside the current request's context, so Serve's cancellation of that request
+    (a client gone) does not reach the work it started (worker start-up, replacements)."""
+    return asyncio.create_task(coro, context=contextvars.Context())

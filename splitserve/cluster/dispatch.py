@@ -1,0 +1,190 @@
+"""Drives one request across the cluster, from the ingress: place it, start it, stream its
+tokens, and fail over when a worker dies.
+
+An attempt is one placement. Split placement: reserve KV on the token worker, then prefill on the
+prompt worker (the KV streams across while it runs); the first token comes from the prompt
+worker, the rest from the token worker. Local placement: one worker runs the whole request.
+When a worker dies, or a transfer breaks, the next attempt prefills the prompt plus the tokens
+already streamed, on other workers, so the client sees one unbroken stream (greedy output is
+identical). Invariant: `tokens` holds exactly what the client has been sent.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from ray.exceptions import RayActorError, RayError, RayTaskError
+
+from splitserve.cluster.controller import Grant
+from splitserve.cluster.placement import PlacementRequest
+from splitserve.cluster.worker_loop import TokenDelta
+from splitserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("splitserve.dispatch")
+REPLACE_WAIT_S = 0.5    # a failover that finds no room waits this long before asking again
+REPLACE_TRIES = 20
+
+
+class Overloaded(Exception):
+    """The cluster cannot admit the request now (the client should retry later: 429)."""
+
+
+class RequestFailed(Exception):
+    """The request could not be completed (its attempts ran out)."""
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, message: str, worker: str | None = None, dead: bool = False):
+        super().__init__(message)
+        self.worker, self.dead = worker, dead
+
+
+@dataclass
+class Run:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    controller: object
+    max_attempts: int
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    grant: Grant | None = None
+    _attempts: itertools.count = field(default_factory=itertools.count)
+    _failures: int = 0
+    _stream: object = None
+    _first: asyncio.Task | None = None
+
+    async def admit(self) -> None:
+        """First placement and start; raises Overloaded when nothing can take it."""
+        await self._start_attempt(failover=False)
+
+    async def deltas(self) -> AsyncIterator[TokenDelta]:
+        """New tokens as they come (failovers included) until the request finishes."""
+        while self.finish_reason is None:
+            try:
+                async for delta in self._attempt_deltas():
+                    yield delta
+            except _AttemptFailed as failure:
+                await self._recover(failure)
+
+    async def abort(self) -> None:
+        """Stop the request wherever it runs (client gone, stop string seen at the ingress)."""
+        if self.grant is not None and self.finish_reason is None:
+            self.finish_reason = "abort"
+            await _quietly(self.grant.token_handle.abort.remote(self._worker_request_id))
+            if not self.grant.local:
+                await _quietly(self.grant.prompt_handle.abort.remote(self._worker_request_id))
+
+    # ---- one attempt ------------------------------------------------------------------------
+    async def _start_attempt(self, failover: bool, exclude: frozenset[str] = frozenset()) -> None:
+        self._worker_request_id = f"{self.request_id}.{next(self._attempts)}"
+        prompt, params = self.prompt + self.tokens, self._remaining_params()
+        for _ in range(REPLACE_TRIES if failover else 1):
+            self.grant = await self.controller.place.remote(
+                PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens), exclude)
+            if self.grant is not None:
+                break
+            await asyncio.sleep(REPLACE_WAIT_S)
+        if self.grant is None:
+            raise Overloaded("no worker can take the request now") if not failover else \
+                RequestFailed("no worker could take the request over after a failure")
+        await self._launch(prompt, params)
+
+    async def _launch(self, prompt: list[int], params: SamplingParams) -> None:
+        grant, rid = self.grant, self._worker_request_id
+        try:
+            if grant.local:
+                await grant.token_handle.generate.remote(rid, prompt, params)
+            else:
+                ticket = await grant.token_handle.reserve.remote(rid, prompt, params, grant.prompt_worker)
+                self._first = asyncio.ensure_future(grant.prompt_handle.prefill.remote(ticket, prompt, params))
+        except RayTaskError as error:  # the token worker has no room after all (blocks, batch)
+            raise Overloaded(f"worker {grant.token_worker} cannot take the request: {error.cause}") from None
+        except RayActorError:
+            raise _AttemptFailed("worker died at admission", grant.token_worker, dead=True) from None
+        self._stream = grant.token_handle.stream.remote(rid)
+
+    async def _attempt_deltas(self) -> AsyncIterator[TokenDelta]:
+        emitted = position = 0  # this attempt's tokens passed on / seen in the token stream
+        if self._first is not None:  # the prompt worker's first token: sooner than the stream's
+            first = await self._await_first()
+            emitted = len(first.token_ids)
+            yield self._record(first)
+            if first.final:
+                await _quietly(self.grant.token_handle.abort.remote(self._worker_request_id))
+                return
+        async for batch in self._token_batches():
+            for delta in batch:
+                if delta.error:
+                    raise _AttemptFailed(delta.error, self.grant.token_worker)
+                new = delta.token_ids[max(0, emitted - position):]
+                position += len(delta.token_ids)
+                emitted = max(emitted, position)
+                if new or delta.finish_reason:
+                    yield self._record(TokenDelta(tuple(new), delta.finish_reason))
+
+    async def _await_first(self) -> TokenDelta:
+        task, self._first = self._first, None
+        try:
+            first = await task
+        except RayActorError:
+            raise _AttemptFailed("prompt worker died", self.grant.prompt_worker, dead=True) from None
+        if first.error:
+            raise _AttemptFailed(first.error, self.grant.token_worker)
+        return first
+
+    async def _token_batches(self):
+        try:
+            async for ref in self._stream:
+                yield await ref
+        except RayActorError:
+            raise _AttemptFailed("token worker died", self.grant.token_worker, dead=True) from None
+        except RayTaskError as error:
+            raise _AttemptFailed(f"token worker failed: {error.cause}", self.grant.token_worker) from None
+
+    def _record(self, delta: TokenDelta) -> TokenDelta:
+        self.tokens += delta.token_ids
+        self.finish_reason = delta.finish_reason
+        return delta
+
+    def _remaining_params(self) -> SamplingParams:
+        done = len(self.tokens)
+        return replace(self.params, max_tokens=self.params.max_tokens - done,
+                       min_tokens=max(0, self.params.min_tokens - done))
+
+    # ---- failover ---------------------------------------------------------------------------
+    async def _recover(self, failure: _AttemptFailed) -> None:
+        self._failures += 1
+        log.warning("request %s: attempt failed on %s (%s); %d generated tokens kept",
+                    self.request_id, failure.worker, failure, len(self.tokens))
+        await self._drop_attempt()
+        if failure.worker and failure.dead:
+            await _quietly(self.controller.worker_failed.remote(failure.worker))
+        if self._failures >= self.max_attempts:
+            raise RequestFailed(f"request failed after {self._failures} attempts: {failure}")
+        exclude = frozenset({failure.worker} if failure.worker else ())
+        try:
+            await self._start_attempt(failover=True, exclude=exclude)
+        except Overloaded as error:
+            raise RequestFailed(str(error)) from None
+        except _AttemptFailed as again:
+            await self._recover(again)
+
+    async def _drop_attempt(self) -> None:
+        """Free what the failed attempt still holds on the workers that are alive."""
+        if self._first is not None:
+            self._first.cancel()
+            self._first = None
+        for handle in {id(h): h for h in (self.grant.token_handle, self.grant.prompt_handle)}.values():
+            await _quietly(handle.abort.remote(self._worker_request_id))
+
+
+async def _quietly(call) -> None:
+    """A best-effort call: its worker may be gone."""
+    try:
+        await call
+    except (RayError, asyncio.CancelledError):
+        log.debug("best-effort call failed", exc_info=True)

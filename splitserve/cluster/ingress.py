@@ -1,0 +1,99 @@
+"""The HTTP front: a Ray Serve deployment speaking OpenAI's API.
+
+Per request: authenticate, parse and validate (400s name the field), tokenize (chat template for
+chat), admit through the controller (429 with Retry-After when the cluster cannot), then stream
+or collect the tokens the workers send, turning them into text here (`TextStream`). Any number
+of replicas can run: placement state lives in the one controller.
+"""
+
+import logging
+import os
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from splitserve.cluster import responses as R
+from splitserve.cluster.chat import chat_prompt_token_ids
+from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.dispatch import Overloaded, Run
+from splitserve.cluster.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, check_model,
+                                         parse_request, prompt_token_ids_of, sampling_params)
+from splitserve.cluster.reply import Reply, error_response
+from splitserve.cluster.text_stream import TextStream
+from splitserve.engine.model_builder import load_metadata
+
+log = logging.getLogger("splitserve.ingress")
+api = FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster")
+
+
+@serve.deployment(max_ongoing_requests=1024)
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, controller, config: dict):
+        self.config = ClusterConfig.model_validate(config)
+        _, self.tokenizer, self.max_model_len = load_metadata(self.config.model, self.config.engine.engine_config("token"))
+        self.model = self.config.model_name
+        self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
+        self.controller = controller
+        self.created = int(time.time())
+
+    # ---- endpoints ---------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        state = await self.controller.health.remote()
+        return JSONResponse(state, status_code=200 if state["ready"] else 503)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        return self._authorized(request) or JSONResponse(
+            R.models_list(self.model, self.created, max_model_len=self.max_model_len))
+
+    @api.get("/v1/cluster/status")
+    async def status(self, request: Request) -> JSONResponse:
+        return self._authorized(request) or JSONResponse(await self.controller.status.remote())
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._handle(request, "completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._handle(request, "chat")
+
+    # ---- one request -------------------------------------------------------------------------
+    async def _handle(self, request: Request, kind: str):
+        if denied := self._authorized(request):
+            return denied
+        try:
+            body, prompt, params = self._parse(await request.body(), kind)
+            run = Run(R.new_request_id(kind), prompt, params, self.controller, self.config.scheduler.max_attempts)
+            await run.admit()
+        except RequestError as error:
+            return error_response(error)
+        except Overloaded as error:
+            retry = self.config.ingress.retry_after_s
+            return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s", status=429,
+                                       type="rate_limit_exceeded"), {"Retry-After": str(retry)})
+        reply = Reply(kind, run, self.model, TextStream(self.tokenizer, params, prompt))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(reply.sse(include_usage), media_type="text/event-stream")
+        return await reply.whole()
+
+    def _parse(self, raw: bytes, kind: str):
+        model_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
+        body = parse_request(model_cls, raw)
+        check_model(body.model, self.model)
+        if kind == "completion":
+            prompt = prompt_token_ids_of(body, self.tokenizer)
+        else:
+            prompt = chat_prompt_token_ids(body, self.tokenizer)
+        return body, prompt, sampling_params(body, len(prompt), self.max_model_len)
+
+    def _authorized(self, request: Request) -> JSONResponse | None:
+        if self.api_key is None or request.headers.get("authorization") == f"Bearer {self.api_key}":
+            return None
+        return error_response(RequestError("Incorrect or missing API key (send Authorization: Bearer <key>)", status=401,
+                                   code="invalid_api_key"))

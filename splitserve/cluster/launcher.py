@@ -1,0 +1,69 @@
+"""`splitserve serve`: start (or join) Ray, deploy the app, wait until it can serve, print the URL,
+and on Ctrl-C / SIGTERM tear down what it started."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import ray
+from ray import serve
+
+from splitserve.cluster.app import build_app
+from splitserve.cluster.config import ClusterConfig
+
+APP_NAME = "splitserve"
+
+
+def wait_until_healthy(url: str, timeout: float) -> dict:
+    """Poll GET /health until it answers 200; returns its body. Raises TimeoutError."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            last = f"HTTP {error.code}"
+        except OSError as error:
+            last = str(error)
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout:.0f} s (last: {last})")
+
+
+def deploy(config: ClusterConfig, host: str, port: int, address: str | None, timeout: float = 600) -> str:
+    """Start or join Ray, run the app; returns the base URL once /health is 200."""
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    wait_until_healthy(url, timeout)
+    return url
+
+
+def teardown(joined: bool) -> None:
+    """Remove the app; stop Serve and Ray only if this process started them."""
+    serve.delete(APP_NAME)
+    if not joined:
+        serve.shutdown()
+    ray.shutdown()
+
+
+def serve_until_interrupted(config: ClusterConfig, host: str, port: int, address: str | None) -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        url = deploy(config, host, port, address)
+        pools = ", ".join(f"{p.num_workers} {p.role} ({p.hardware})" for p in config.pools)
+        print(f"splitserve: serving model {config.model_name!r} at {url}/v1  [{pools}]", flush=True)
+        print("splitserve: press Ctrl-C to stop", flush=True)
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("splitserve: shutting down", flush=True)
+        teardown(joined=address is not None)

@@ -1,0 +1,73 @@
+"""An OpenAI response (whole or streamed as SSE) made from a run's token deltas."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse
+
+from splitserve.cluster import responses as R
+from splitserve.cluster.dispatch import RequestFailed, Run
+from splitserve.cluster.protocol import RequestError
+from splitserve.cluster.text_stream import TextStream
+
+
+def error_response(error: RequestError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(R.error_body(error), status_code=error.status, headers=headers)
+
+
+class Reply:
+    """Turns a run's token deltas into an OpenAI response or SSE stream."""
+
+    def __init__(self, kind: str, run: Run, model: str, text: TextStream):
+        self.kind, self.run, self.model, self.text = kind, run, model, text
+        self.created = int(time.time())
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
+        """(text delta, finish reason) until done; a stop string seen here ends the run."""
+        async for delta in self.run.deltas():
+            self.text.append(delta.token_ids)
+            if self.text.stopped and delta.finish_reason is None:
+                await self.run.abort()
+            reason = "stop" if self.text.stopped else delta.finish_reason
+            piece = self.text.delta(final=reason is not None)
+            if piece or reason:
+                yield piece, reason
+            if reason:
+                return
+
+    async def whole(self) -> JSONResponse:
+        parts, reason = [], None
+        try:
+            async for piece, reason in self.pieces():
+                parts.append(piece)
+        except RequestFailed as error:
+            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+        build = R.completion_response if self.kind == "completion" else R.chat_response
+        return JSONResponse(build(self.run.request_id, self.model, self.created, "".join(parts), reason,
+                                  len(self.run.prompt), len(self.run.tokens)))
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            if self.kind == "chat":
+                yield R.sse_event(R.chat_chunk(self.run.request_id, self.model, self.created, role="assistant", content=""))
+            async for piece, reason in self.pieces():
+                yield R.sse_event(self._chunk(piece, reason))
+            finished = True
+            if include_usage:
+                yield R.sse_event(R.usage_chunk(self.kind, self.run.request_id, self.model, self.created,
+                                                len(self.run.prompt), len(self.run.tokens)))
+            yield R.SSE_DONE
+        except RequestFailed as error:
+            finished = True
+            yield R.sseerror_response(RequestError(str(error), status=503, type="service_unavailable"))
+        finally:
+            if not finished:  # the client went away
+                await self.run.abort()
+
+    def _chunk(self, piece: str, reason: str | None) -> dict:
+        rid = self.run.request_id
+        if self.kind == "completion":
+            return R.completion_chunk(rid, self.model, self.created, piece, reason)
+        return R.chat_chunk(rid, self.model, self.created, content=piece, finish_reason=reason)

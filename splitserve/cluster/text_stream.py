@@ -1,0 +1,46 @@
+"""Token ids to the text a client sees, at the ingress, across failovers.
+
+The ingress owns the visible text: it detokenizes every generated token (whichever worker made
+it), finds stop strings, and while streaming holds back a suffix that could still become a stop
+string, so streamed text is never taken back. Invariant: `visible()` only grows.
+"""
+from __future__ import annotations
+
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import Detokenizer, Tokenizer
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int]):
+        self._detokenizer = Detokenizer(tokenizer, params, prompt_token_ids)
+        self._stops = params.stop
+        self._sent = 0
+        self.stopped = False  # a stop string ended the text
+
+    def append(self, token_ids: tuple[int, ...] | list[int]) -> None:
+        for token_id in token_ids:
+            if self.stopped:
+                return
+            self.stopped = self._detokenizer.append(token_id)
+
+    def visible(self, final: bool) -> str:
+        text = self._detokenizer.text
+        if final or self.stopped:
+            return text
+        return text[:len(text) - self._held_back(text)]
+
+    def delta(self, final: bool) -> str:
+        """Text not yet sent; marks it sent."""
+        text = self.visible(final)
+        new, self._sent = text[self._sent:], len(text)
+        return new
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,161 @@
+"""A worker: one engine in a Ray actor, in the prompt, token or mixed role (switchable live).
+
+The engine runs on its own thread (`WorkerLoop`); the actor's asyncio loop serves calls from the
+ingress (requests, token streams) and the controller (role changes, load reports). Tokens come
+back per request through an asyncio queue that the engine thread fills.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import socket
+
+import ray
+import torch.distributed as dist
+
+from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.placement.state import WorkerLoad
+from splitserve.cluster.worker_loop import TokenDelta, WorkerLoop
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transfer.handoff import make_transport
+from splitserve.transfer.transport import KVTransport, TransferTicket
+
+MAX_CONCURRENT_CALLS = 4096  # streams are long-lived calls: one per request in flight
+
+
+def engine_policy(role: str, config: ClusterConfig) -> str:
+    return config.engine.mixed_policy if role == "mixed" else role
+
+
+class Worker:
+    def __init__(self, worker_id: str, role: str, hardware: str, config: dict, rendezvous: tuple[str, int] | None):
+        cfg = ClusterConfig.model_validate(config)
+        self.worker_id, self.hardware, self._config = worker_id, hardware, cfg
+        engine = LLMEngine(cfg.model, cfg.engine.engine_config(engine_policy(role, cfg)))
+        transport = _connect(cfg, worker_id, engine, rendezvous) if rendezvous else None
+        self.loop = WorkerLoop(engine, transport, worker_id, cfg.transfer.layerwise_threshold)
+        self.loop.start()
+        self._streams: dict[str, asyncio.Queue] = {}
+
+    async def info(self) -> dict:
+        engine = self.loop.engine
+        return {"worker_id": self.worker_id, "hardware": self.hardware, "pid": os.getpid(),
+                "device": str(engine.kv_cache.data.device), "max_model_len": engine.max_model_len,
+                "node_ip": ray.util.get_node_ip_address()}
+
+    # ---- requests --------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Run a whole request here; its tokens come through `stream`."""
+        await self._open(request_id, self.loop.generate, request_id, prompt, params)
+
+    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      prompt_peer: str) -> TransferTicket:
+        """Reserve KV blocks for a prompt another worker prefills; its tokens come through `stream`."""
+        return await self._open(request_id, self.loop.reserve, request_id, prompt, params, prompt_peer)
+
+    async def prefill(self, ticket: TransferTicket, prompt: list[int], params: SamplingParams) -> TokenDelta:
+        """Prefill and push the KV to `ticket.token_peer`; returns the first token (or the error)."""
+        deltas: asyncio.Queue = asyncio.Queue()
+        await self._call(self.loop.prefill, ticket, prompt, params, self._sink(deltas))
+        return await deltas.get()
+
+    async def stream(self, request_id: str):
+        """Token deltas of a request opened by `generate` or `reserve`, batched as they come,
+        until a final one. A consumer that goes away aborts the request."""
+        deltas = self._streams.get(request_id)
+        if deltas is None:
+            raise KeyError(f"worker {self.worker_id} has no request {request_id!r}")
+        final = False
+        try:
+            while not final:
+                batch = [await deltas.get()]
+                while not deltas.empty():
+                    batch.append(deltas.get_nowait())
+                final = batch[-1].final
+                yield batch
+        finally:
+            self._streams.pop(request_id, None)
+            if not final:
+                await self._call(self.loop.abort, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        await self._call(self.loop.abort, request_id)
+
+    # ---- control ---------------------------------------------------------------------------
+    async def set_role(self, role: str) -> None:
+        await self._call(self.loop.set_role, engine_policy(role, self._config))
+
+    async def load(self) -> WorkerLoad:
+        return await self._call(self.loop.load)
+
+    async def check_integrity(self) -> None:
+        await self._call(self.loop.engine.check_integrity)
+
+    async def crash_after_layer_pushes(self, n: int) -> None:
+        """Fault injection for failover drills: the process exits right after its n-th KV layer
+        push from now has left (a worker dying mid-prefill, mid-transfer)."""
+        await self._call(_arm_crash, self.loop.exporter.transport, n)
+
+    # ---- internals -------------------------------------------------------------------------
+    async def _open(self, request_id: str, fn, *args):
+        deltas: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = deltas
+        try:
+            return await self._call(fn, *args, self._sink(deltas))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+
+    def _sink(self, deltas: asyncio.Queue):
+        loop = asyncio.get_running_loop()
+        return lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta)
+
+    async def _call(self, fn, *args):
+        return await asyncio.wrap_future(self.loop.call(fn, *args))
+
+
+def _connect(cfg: ClusterConfig, worker_id: str, engine: LLMEngine, rendezvous: tuple[str, int]) -> KVTransport:
+    """Join the cluster's rendezvous store; gRPC workers publish their address there."""
+    from splitserve.transfer.torch_link import TorchFabric
+
+    host, port, timeout = *rendezvous, cfg.transfer.timeout_s
+    device = engine.kv_cache.data.device
+    backend = cfg.transfer.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend != "grpc":
+        return make_transport(engine, TorchFabric.join(host, port, worker_id, device, timeout), timeout)
+    from splitserve.transfer.grpc_link import GrpcFabric
+
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    store.set(f"splitserve/grpc/{worker_id}", f"{ray.util.get_node_ip_address()}:{_free_port()}")
+    return make_transport(engine, GrpcFabric(worker_id, lambda peer: _grpc_address(store, peer), timeout), timeout)
+
+
+def _grpc_address(store: dist.Store, worker_id: str) -> str:
+    key = f"splitserve/grpc/{worker_id}"
+    if not store.check([key]):
+        raise KeyError(worker_id)
+    return store.get(key).decode()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _arm_crash(transport: KVTransport, n: int) -> None:
+    push, count = transport.push_layer, [0]
+
+    def push_then_maybe_crash(*args):
+        push(*args)
+        count[0] += 1
+        if count[0] == n:
+            transport.flush()
+            os._exit(1)
+
+    transport.push_layer = push_then_maybe_crash

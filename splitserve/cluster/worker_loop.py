@@ -1,0 +1,186 @@
+"""The loop a worker runs: one engine on one thread, with KV export and import beside it.
+
+Everything that touches the engine runs on this thread (the engine is not thread-safe): other
+threads hand in commands with `call`, and get tokens back through per-request sinks. A request
+is one of three kinds here:
+- local: the whole request (prefill and decode) runs on this engine;
+- prefill: prefill only, the KV goes to a token worker, the sink gets the first token;
+- import: the KV comes from a prompt worker into reserved blocks, then the request decodes here.
+No Ray here: the Ray actor (`worker.py`) wraps it.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from splitserve.cluster.placement.state import WorkerLoad
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transfer.handoff import KVExporter, KVImporter
+from splitserve.transfer.transport import KVTransport, TransferTicket
+
+IDLE_WAIT_S = 0.05    # nothing to run: block on the command queue this long
+IMPORT_WAIT_S = 0.002  # only transfers in flight: wait on them this long, then look at commands
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request since its last delta; a final delta has `finish_reason` or `error`."""
+
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None  # failed here (a KV transfer broke): place it again elsewhere
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+Sink = Callable[[TokenDelta], None]
+
+
+class WorkerLoop:
+    def __init__(self, engine: LLMEngine, transport: KVTransport | None, worker_id: str, layerwise_threshold: int):
+        self.engine, self.worker_id = engine, worker_id
+        self.exporter = KVExporter(engine, transport) if transport else None
+        self.importer = KVImporter(engine, transport, worker_id, layerwise_threshold) if transport else None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._delivered: dict[str, int] = {}  # tokens already sent to each request's sink
+        self._prefills: set[str] = set()
+        self._importing: set[str] = set()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"engine-{worker_id}")
+
+    # ---- any thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=10)
+
+    def call(self, fn: Callable, *args) -> Future:
+        """Run `fn(*args)` on the engine thread between two steps; its result or error in the future."""
+        future: Future = Future()
+        self._commands.put((future, fn, args))
+        return future
+
+    # ---- engine thread (through `call`) -----------------------------------------------------
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+        self.engine.add_request(request_id, prompt, params, hand_off=False)
+        self._track(request_id, sink)
+
+    def prefill(self, ticket: TransferTicket, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+        self._require_transport()
+        self.exporter.add(ticket, prompt, params)
+        self._track(ticket.request_id, sink)
+        self._prefills.add(ticket.request_id)
+
+    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, prompt_peer: str,
+                sink: Sink) -> TransferTicket:
+        self._require_transport()
+        ticket = self.importer.reserve(request_id, prompt, params, prompt_peer)
+        self._track(request_id, sink)
+        self._importing.add(request_id)
+        return ticket
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._importing:
+            self.importer.cancel(request_id)
+        elif request_id in self._prefills:
+            self.exporter.abort(request_id)
+        else:
+            self.engine.abort(request_id)
+        self._forget(request_id)
+
+    def set_role(self, policy: str) -> None:
+        self.engine.set_policy(policy)
+
+    def load(self) -> WorkerLoad:
+        policy, blocks, size = self.engine.policy, self.engine.block_manager, self.engine.config.block_size
+        seqs = [*policy.waiting, *policy.running, *(s for s in policy.held.values() if not s.hand_off)]
+        local = [s for s in seqs if not s.hand_off]
+        return WorkerLoad(
+            pending_prompt_tokens=sum(s.num_uncomputed_tokens for s in seqs if not s.is_decoding),
+            decode_tokens=sum(s.num_tokens for s in local), num_decoding=len(local),
+            num_waiting=len(policy.waiting), free_kv_tokens=blocks.num_free_blocks * size,
+            total_kv_tokens=blocks.num_blocks * size)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _require_transport(self) -> None:
+        if self.exporter is None:
+            raise RuntimeError(f"worker {self.worker_id} has no KV transport (a mixed-only cluster)")
+
+    def _track(self, request_id: str, sink: Sink) -> None:
+        self._sinks[request_id] = sink
+        self._delivered[request_id] = 0
+
+    def _forget(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        self._delivered.pop(request_id, None)
+        self._prefills.discard(request_id)
+        self._importing.discard(request_id)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._run_commands()
+            outputs, failures = self._poll_imports()
+            outputs += self.exporter.step() if self.exporter else self.engine.step()
+            if self.exporter:
+                failures += self.exporter.failures()
+            for out in outputs:
+                self._deliver(out)
+            for request_id, error in failures:
+                self._fail(request_id, str(error))
+
+    def _run_commands(self) -> None:
+        idle = not self.engine.has_unfinished_requests() and not self._importing
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S) if idle else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            future, fn, args = command
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except Exception as error:  # the caller gets it; the loop goes on
+                    future.set_exception(error)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _poll_imports(self) -> tuple[list[RequestOutput], list]:
+        if not self._importing:
+            return [], []
+        wait = 0.0 if self.engine.has_unfinished_requests() else IMPORT_WAIT_S
+        outputs, failures = self.importer.poll(wait)
+        for out in outputs:
+            self._importing.discard(out.request_id)
+        for request_id, _ in failures:
+            self._importing.discard(request_id)
+        return outputs, failures
+
+    def _deliver(self, out: RequestOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
+            return
+        sent = self._delivered[out.request_id]
+        new = tuple(out.token_ids[sent:])
+        self._delivered[out.request_id] = len(out.token_ids)
+        handed_off = out.request_id in self._prefills
+        if out.finished or handed_off:
+            self._forget(out.request_id)
+        sink(TokenDelta(new, out.finish_reason if out.finished else None))
+
+    def _fail(self, request_id: str, message: str) -> None:
+        sink = self._sinks.get(request_id)
+        self._forget(request_id)
+        if sink is not None:
+            sink(TokenDelta(error=f"worker {self.worker_id}: {message}"))
