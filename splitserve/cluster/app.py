@@ -14,7 +14,7 @@ from splitserve.cluster.ingress import Ingress
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
 class ClusterController(Controller):
     async def __init__(self, config: dict):  # Serve awaits async constructors on the replica's event loop
-        super().__init__(config)
+        super().__init__(config, serve.get_replica_context().app_name)
         self.start()
 
 

@@ -2,7 +2,7 @@
 their pools and the one placement state every ingress replica asks.
 
 - Workers are Ray actors it creates per pool (resources from the pool's config), named
-  `<role>-<slot>.<incarnation>`: a replacement gets a new incarnation, hence fresh transfer links.
+  `<role>-<slot>.<incarnation>` (the actor: `<app>-<worker id>`): a replacement gets a new incarnation, hence fresh transfer links.
 - Load: it polls every worker each `report_interval_s` (a report per interval, not per
   iteration); the poll doubles as the liveness check. Reports drive the policy's pool moves.
 - Placement: `place` picks both workers at once (the policy in `placement/`), moving a worker
@@ -31,6 +31,7 @@ from splitserve.cluster.placement.state import Role
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS, Worker
 
 log = logging.getLogger("splitserve.controller")
+WORKER_NAMESPACE = "splitserve"  # where the worker actors are named (ray.get_actor)
 CALL_TIMEOUT_S = 10.0  # a worker that cannot answer a poll in this long counts as dead
 
 
@@ -49,8 +50,9 @@ class Grant:
 
 
 class Controller:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, app_name: str = "splitserve"):
         self.config = ClusterConfig.model_validate(config)
+        self.app_name = app_name  # worker actors are named `<app>-<worker id>`
         sched = self.config.scheduler
         thresholds = PlacementThresholds(
             mixed_prompt_tokens=sched.mixed_prompt_tokens, mixed_decode_tokens=sched.mixed_decode_tokens,
@@ -84,7 +86,7 @@ class Controller:
 
     async def _start_worker(self, pool: PoolConfig, slot: int) -> None:
         worker_id = f"{pool.role}-{slot}.{next(self._incarnations)}"
-        options = {**pool.resources.ray_options(), "name": f"splitserve-{worker_id}",
+        options = {**pool.resources.ray_options(), "name": f"{self.app_name}-{worker_id}", "namespace": WORKER_NAMESPACE,
                    "max_concurrency": MAX_CONCURRENT_CALLS, "max_restarts": 0}
         rendezvous = (self._store_host, self._store.port) if self._store else None
         handle = ray.remote(Worker).options(**options).remote(

@@ -58,9 +58,16 @@ def test_excluded_workers_are_skipped():
 def test_backpressure_refuses_when_every_queue_is_full(policy):
     limits = PlacementThresholds(max_queue_tokens=1000, max_decode_queue_tokens=5000)
     full_prompt = cluster(policy, prompt=[("p0", H100, load(pending=1000))], token=[idle("t0")], thresholds=limits)
-    assert full_prompt.place(request(), 0.0)[0] is None
+    # Splitwise still has room: the idle token worker moves into the mixed pool and runs it whole
+    assert full_prompt.place(request(), 0.0)[0] == (Placement("t0", "t0") if policy == "splitwise" else None)
+    full = cluster(policy, prompt=[("p0", H100, load(pending=1000))], token=[("t0", H100, load(decode=5000))],
+                   thresholds=limits)
+    assert full.place(request(), 0.0)[0] is None
     full_token = cluster(policy, prompt=[idle("p0")], token=[("t0", H100, load(decode=5000))], thresholds=limits)
-    assert full_token.place(request(), 0.0)[0] is None
+    expected = Placement("p0", "p0") if policy == "splitwise" else None
+    assert full_token.place(request(), 0.0)[0] == expected
+    full_token = cluster(policy, prompt=[idle("p0")], token=[("t0", H100, load(decode=5000))], thresholds=limits)
+    assert full_token.place(request(), 0.0, exclude={"p0"})[0] is None
     assert full_token.workers["p0"].placed_prompt_tokens == 0  # a refusal places nothing
 
 

@@ -1,5 +1,5 @@
 """The Splitwise policy (IV-A): overflow into the mixed pool on either side, the way back home,
-re-purposing after a long stay and its rate limit, and the rule that no pool is ever emptied."""
+re-purposing after a long stay and its rate limit, which never empties a home pool."""
 import pytest
 
 from splitserve.cluster.placement import Placement, PlacementThresholds, PoolMove, Role
@@ -30,12 +30,21 @@ def test_prompt_backlog_moves_the_least_loaded_token_worker_into_the_mixed_pool(
     assert pair(state, request(1000, 10), now=4.0) == ("t1", "t1")
 
 
-def test_a_mixed_worker_over_the_threshold_is_not_reused_and_the_last_token_worker_stays():
+def test_a_mixed_worker_over_the_threshold_is_not_reused_and_even_the_last_token_worker_moves_in():
     state = cluster("splitwise", prompt=[("p0", H100, OVER_PROMPT)], token=[idle("t0"), idle("t1")])
     assert state.place(request(2100), 0.0)[0] == Placement("t0", "t0")  # t0 moves in; its queue is now 2100
-    # mixed worker over the threshold and t1 is the token pool's last: the over-threshold JSQ choice serves
-    assert pair(state, request(100)) == ("p0", "t1")
-    assert state.pools()[Role.TOKEN] == ["t1"]
+    # the mixed worker is over the threshold: t1, the token pool's last, moves in and keeps decoding there
+    placement, moves = state.place(request(100), 0.0)
+    assert placement == Placement("t1", "t1") and [m.worker_id for m in moves] == ["t1"]
+    assert state.pools()[Role.TOKEN] == [] and state.pools()[Role.MIXED] == ["t0", "t1"]
+
+
+def test_an_empty_token_pool_overflows_decodes_to_the_mixed_pool():
+    state = cluster("splitwise", prompt=[idle("p0")], token=[idle("t0")])
+    state.workers["p0"].load = OVER_PROMPT
+    assert state.place(request(100), 0.0)[0] == Placement("t0", "t0")
+    state.report("p0", load(), now=1.0)  # the prompt backlog is gone; t0 still has its prompt
+    assert pair(state, request(100)) == ("p0", "t0")  # decodes go to the mixed worker, KV p0 -> t0
 
 
 def test_no_prompt_candidate_at_all_overflows_or_refuses():
@@ -44,7 +53,7 @@ def test_no_prompt_candidate_at_all_overflows_or_refuses():
                     thresholds=limits)
     assert state.place(request(), 0.0)[0] == Placement("t0", "t0")
     lone_token = cluster("splitwise", prompt=[("p0", H100, OVER_PROMPT)], token=[idle("t0")], thresholds=limits)
-    assert lone_token.place(request(), 0.0) == (None, [])
+    assert lone_token.place(request(), 0.0, exclude={"t0"}) == (None, [])
 
 
 def test_the_guest_goes_home_on_the_report_that_shows_its_prompts_drained():
@@ -79,12 +88,14 @@ def test_decode_overflow_onto_the_chosen_prompt_worker_runs_locally():
     assert placement == Placement("p0", "p0") and [m.worker_id for m in moves] == ["p0"]
 
 
-def test_the_last_prompt_worker_is_never_moved():
+def test_the_last_prompt_worker_moves_in_to_decode_and_prompts_follow_it():
     state = cluster("splitwise", prompt=[idle("p0")], token=[("t0", H100, OVER_TOKEN)])
-    assert pair(state) == ("p0", "t0")  # over the threshold but still eligible, so it serves
+    placement, moves = state.place(request(), 0.0)
+    assert placement == Placement("p0", "p0") and [m.worker_id for m in moves] == ["p0"]
+    assert pair(state) == ("p0", "p0")  # the prompt pool is empty: prompts overflow to the mixed pool
     full = PlacementThresholds(max_decode_queue_tokens=70000)
     refused = cluster("splitwise", prompt=[idle("p0")], token=[("t0", H100, OVER_TOKEN)], thresholds=full)
-    assert refused.place(request(), 0.0) == (None, [])
+    assert refused.place(request(), 0.0, exclude={"p0"}) == (None, [])
 
 
 def test_home_mixed_workers_form_the_mixed_pool_and_never_leave_it():

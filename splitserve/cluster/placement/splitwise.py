@@ -7,7 +7,8 @@ request whole on the least-loaded mixed worker whose prompt queue is within the 
 that, move the least-loaded token worker into the mixed pool and run it there. Token side (best token
 queue > `mixed_decode_tokens`, or no candidate): decode on a mixed worker within that threshold
 (the KV goes prompt worker -> mixed worker); failing that, move the least-loaded prompt worker into
-the mixed pool to decode. A move never takes the last worker of its pool. With no overflow target,
+the mixed pool to decode. A move may take a pool's last worker: a guest still does its home pool's
+work with mixed batching, and an empty pool's requests overflow to the mixed pool. With no overflow target,
 an over-threshold (but eligible) JSQ choice still serves; with no candidate at all, nothing does.
 Mixed workers are picked by `base.combined_load`, since they batch prompts and decodes together.
 
@@ -93,10 +94,9 @@ class SplitwisePolicy(PlacementPolicy):
     @staticmethod
     def _guest_from(state: ClusterState, pool: Role, request: PlacementRequest,
                     exclude: frozenset[str]) -> WorkerState | None:
-        members = state.members(pool)
-        if len(members) < 2:  # keep at least one worker in every pool
-            return None
-        return least_loaded_whole(members, state.thresholds, request, exclude)
+        # Even a pool's last worker may move: in the mixed pool it still does its home pool's work,
+        # and an empty pool's work overflows to the mixed pool.
+        return least_loaded_whole(state.members(pool), state.thresholds, request, exclude)
 
     def rebalance(self, state: ClusterState, now: float, reporter: WorkerState) -> list[PoolMove]:
         """Only the reporter can have changed: a guest's load changes only with its own report, and

@@ -1,0 +1,90 @@
+"""The OpenAI API of a real local cluster, through the official `openai` client: completions,
+chat, streaming with usage, greedy output equal to the offline engine's, and clear 4xx errors."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from splitserve import SamplingParams
+
+PROMPT = "The disaggregated cluster says"
+
+
+def offline_text(offline, prompt, max_tokens):
+    out = offline.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+    return out.text, out.token_ids
+
+
+def test_health_and_models(server, client):
+    health = httpx.get(f"{server}/health")
+    assert health.status_code == 200 and health.json()["ready"]
+    assert [m.id for m in client.models.list().data] == ["demo"]
+
+
+def test_completion_greedy_equals_offline_engine(client, offline):
+    got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    text, tokens = offline_text(offline, PROMPT, 24)
+    assert got.choices[0].text == text and got.choices[0].finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(PROMPT.encode()) + 1, len(tokens))
+
+
+def test_long_prompt_streams_kv_layer_by_layer_with_same_output(client, offline):
+    prompt = "x" * 700  # >= the layer-wise threshold (512 tokens)
+    got = client.completions.create(model="demo", prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == offline_text(offline, prompt, 8)[0]
+
+
+def test_streaming_completion_with_usage(client, offline):
+    stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == offline_text(offline, PROMPT, 20)[0]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_chat_whole_and_streamed_agree(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0)
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens <= 16
+    stream = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_stop_string_ends_the_text_at_the_ingress(client, offline):
+    text, _ = offline_text(offline, PROMPT, 24)
+    stop = text[5:7]
+    got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert got.choices[0].finish_reason == "stop" and got.choices[0].text == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "not valid JSON"),
+    (b'{"model": "nope", "prompt": "hi"}', 404, "does not exist"),
+    (b'{"model": "demo", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"model": "demo", "prompt": "hi", "n": 2}', 400, "n"),
+    (b'{"model": "demo", "prompt": "hi", "echo": true}', 400, "echo"),
+    (b'{"model": "demo", "prompt": "hi", "frobnicate": 1}', 400, "frobnicate"),
+    (b'{"model": "demo", "prompt": "' + b"y" * 2100 + b'"}', 400, "maximum context length"),
+])
+def test_bad_requests_get_openai_error_bodies(server, body, status, needle):
+    response = httpx.post(f"{server}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert needle in error["message"] and error["type"]
+
+
+def test_client_sees_typed_errors(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="demo", prompt="hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])

@@ -1,0 +1,87 @@
+"""Load on a real cluster: 64 concurrent streams with none lost, a prompt backlog that moves the
+token worker into the mixed pool and back (seen on the status endpoint), 429 with Retry-After
+when the cluster cannot admit, and the optional API key."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.cluster.ray.conftest import POOLS_KEY
+
+
+def test_64_concurrent_streams_none_lost(server):
+    openai = pytest.importorskip("openai")
+
+    async def one(client, i):
+        stream = await client.completions.create(model="demo", prompt=f"request {i}", max_tokens=12, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True})
+        return [chunk async for chunk in stream]
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(all_of_them())
+    assert len(results) == 64
+    for chunks in results:
+        assert chunks[-1].usage.completion_tokens == 12
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len({c[0].id for c in results}) == 64
+
+
+def pools_status(url) -> dict:
+    return httpx.get(f"{url}/v1/cluster/status", headers=POOLS_KEY).json()
+
+
+def test_prompt_backlog_moves_the_token_worker_into_the_mixed_pool_and_back(pools_server):
+    before = pools_status(pools_server)["counters"]
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300, headers=POOLS_KEY) as http:
+            body = {"model": "demo", "prompt": "p" * 500, "max_tokens": 4, "ignore_eos": True}
+            return await asyncio.gather(*(http.post(f"{pools_server}/v1/completions", json=body) for _ in range(12)))
+
+    responses = asyncio.run(burst())
+    assert {r.status_code for r in responses} <= {200, 429}
+    after = wait_until(lambda: pools_status(pools_server), lambda s: not s["pools"]["mixed"], timeout=30)
+    counters = after["counters"]
+    assert counters.get("moves_to_mixed", 0) > before.get("moves_to_mixed", 0)
+    assert counters.get("moves_to_token", 0) > before.get("moves_to_token", 0)
+    assert [after["workers"][w]["pool"] for w in sorted(after["workers"])] == ["prompt", "token"]
+
+
+def test_overload_answers_429_with_retry_after(pools_server):
+    async def flood():
+        async with httpx.AsyncClient(timeout=300, headers=POOLS_KEY) as http:
+            body = {"model": "demo", "prompt": "q" * 1500, "max_tokens": 64, "ignore_eos": True}
+            return await asyncio.gather(*(http.post(f"{pools_server}/v1/completions", json=body) for _ in range(24)))
+
+    responses = asyncio.run(flood())
+    refused = [r for r in responses if r.status_code == 429]
+    served = [r for r in responses if r.status_code == 200]
+    assert refused and served and len(refused) + len(served) == len(responses)
+    assert refused[0].headers["retry-after"] == "1" and "capacity" in refused[0].json()["error"]["message"]
+    assert all(r.json()["usage"]["completion_tokens"] == 64 for r in served)
+
+
+def test_api_key_is_required_when_configured(pools_server):
+    assert httpx.get(f"{pools_server}/v1/models").status_code == 401
+    denied = httpx.post(f"{pools_server}/v1/completions", json={"model": "demo", "prompt": "hi"},
+                        headers={"Authorization": "Bearer wrong"})
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{pools_server}/v1/models", headers=POOLS_KEY).status_code == 200
+    assert httpx.get(f"{pools_server}/health").status_code == 200  # probes need no key
+
+
+def wait_until(read, done, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = read()
+        if done(value):
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"condition not met in {timeout} s; last: {value}")
