@@ -54,9 +54,9 @@ def teardown(joined: bool) -> None:
 
 def serve_until_interrupted(config: ClusterConfig, host: str, port: int, address: str | None) -> None:
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         url = deploy(config, host, port, address)
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after ray.init, which installs its own
         pools = ", ".join(f"{p.num_workers} {p.role} ({p.hardware})" for p in config.pools)
         print(f"splitserve: serving model {config.model_name!r} at {url}/v1  [{pools}]", flush=True)
         print("splitserve: press Ctrl-C to stop", flush=True)
