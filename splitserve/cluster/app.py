@@ -1,21 +1,38 @@
 """The Serve builder: `splitserve.cluster.app:build_app` for `serve run`, `serve deploy`, a KubeRay
 RayService's `serveConfigV2` and `splitserve serve`. It validates its arguments and only binds:
-the controller (one replica: the one placement state) and the OpenAI ingress in front of it."""
+the controller deployment and the OpenAI ingress in front of it.
+
+The controller deployment (one replica) owns the CLS actor, which holds the one placement state
+and owns the workers; Serve manages its life (a failed health check restarts it, and with it the
+CLS and the workers). Ingress replicas call the CLS actor directly: a plain actor call costs a
+fraction of a Serve handle call, and placement sits on every request's path.
+"""
 from __future__ import annotations
 
+import ray
 from ray import serve
 
 from splitserve.cluster.config import ClusterConfig
-from splitserve.cluster.controller import Controller
+from splitserve.cluster.controller import WORKER_NAMESPACE, Controller
 from splitserve.cluster.ingress import Ingress
+from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
 
 
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, health_check_period_s=5)
+class ClusterController:
+    def __init__(self, config: dict):
+        app = serve.get_replica_context().app_name
+        self.cls = ray.remote(Controller).options(
+            name=f"{app}-controller", namespace=WORKER_NAMESPACE, num_cpus=0,
+            max_concurrency=MAX_CONCURRENT_CALLS).remote(config, app)
+        self.cls.start.remote()
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
-class ClusterController(Controller):
-    async def __init__(self, config: dict):  # Serve awaits async constructors on the replica's event loop
-        super().__init__(config, serve.get_replica_context().app_name)
-        self.start()
+    def handle(self):
+        """The CLS actor, for the ingress to call directly."""
+        return self.cls
+
+    async def check_health(self) -> None:
+        await self.cls.health.remote()  # raises if the CLS actor died: Serve restarts this replica
 
 
 def build_app(args: dict) -> serve.Application:

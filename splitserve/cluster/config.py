@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from splitserve.cluster.hardware import HARDWARE_CLASSES, HardwareProfile
 from splitserve.engine.config import ConfigError, EngineConfig
@@ -30,6 +30,16 @@ class WorkerResources(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     accelerator_type: str | None = None  # Ray's accelerator type label, e.g. "H100", "A100"
     resources: dict[str, float] = {}     # custom Ray resources a node group advertises
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r} is not a custom resource; use num_cpus / num_gpus")
+            if amount < 0:
+                raise ValueError(f"resource {name!r} must be >= 0, got {amount}")
+        return resources
 
     def ray_options(self) -> dict:
         options = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}

@@ -1,4 +1,4 @@
-"""The cluster-level scheduler (CLS, Splitwise IV-A) as one Serve replica: it owns the workers,
+"""The cluster-level scheduler (CLS, Splitwise IV-A), one Ray actor per app: it owns the workers,
 their pools and the one placement state every ingress replica asks.
 
 - Workers are Ray actors it creates per pool (resources from the pool's config), named
@@ -72,9 +72,8 @@ class Controller:
         return any(p.role != "mixed" for p in self.config.pools)
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start every pool's workers in the background; `health` says when they are up.
-        Call from the event loop, outside any request (Serve's constructor does)."""
+    async def start(self) -> None:
+        """Start every pool's workers in the background; `health` says when they are up."""
         if self._started is None:
             self._started = _background(self._start_all())
 

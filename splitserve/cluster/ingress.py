@@ -36,13 +36,14 @@ class Ingress:
         _, self.tokenizer, self.max_model_len = load_metadata(self.config.model, self.config.engine.engine_config("token"))
         self.model = self.config.model_name
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
-        self.controller = controller
+        self._controller = controller
+        self._cls = None
         self.created = int(time.time())
 
     # ---- endpoints ---------------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        state = await self.controller.health.remote()
+        state = await (await self._cluster()).health.remote()
         return JSONResponse(state, status_code=200 if state["ready"] else 503)
 
     @api.get("/v1/models")
@@ -52,7 +53,7 @@ class Ingress:
 
     @api.get("/v1/cluster/status")
     async def status(self, request: Request) -> JSONResponse:
-        return self._authorized(request) or JSONResponse(await self.controller.status.remote())
+        return self._authorized(request) or JSONResponse(await (await self._cluster()).status.remote())
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -68,7 +69,8 @@ class Ingress:
             return denied
         try:
             body, prompt, params = self._parse(await request.body(), kind)
-            run = Run(R.new_request_id(kind), prompt, params, self.controller, self.config.scheduler.max_attempts)
+            cls = await self._cluster()
+            run = Run(R.new_request_id(kind), prompt, params, cls, self.config.scheduler.max_attempts)
             await run.admit()
         except RequestError as error:
             return error_response(error)
@@ -81,6 +83,12 @@ class Ingress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(reply.sse(include_usage), media_type="text/event-stream")
         return await reply.whole()
+
+    async def _cluster(self):
+        """The CLS actor (asked once of the controller deployment)."""
+        if self._cls is None:
+            self._cls = await self._controller.handle.remote()
+        return self._cls
 
     def _parse(self, raw: bytes, kind: str):
         model_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest

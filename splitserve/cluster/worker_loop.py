@@ -103,10 +103,10 @@ class WorkerLoop:
 
     def load(self) -> WorkerLoad:
         policy, blocks, size = self.engine.policy, self.engine.block_manager, self.engine.config.block_size
-        seqs = [*policy.waiting, *policy.running, *(s for s in policy.held.values() if not s.hand_off)]
-        local = [s for s in seqs if not s.hand_off]
+        queued = [*policy.waiting, *policy.running]
+        local = [s for s in (*queued, *policy.held.values()) if not s.hand_off]  # imports included
         return WorkerLoad(
-            pending_prompt_tokens=sum(s.num_uncomputed_tokens for s in seqs if not s.is_decoding),
+            pending_prompt_tokens=sum(s.num_uncomputed_tokens for s in queued if not s.is_decoding),
             decode_tokens=sum(s.num_tokens for s in local), num_decoding=len(local),
             num_waiting=len(policy.waiting), free_kv_tokens=blocks.num_free_blocks * size,
             total_kv_tokens=blocks.num_blocks * size)

@@ -21,7 +21,7 @@ from splitserve.transfer.transport import TransferTicket
 from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixture)
 from tests.transfer.cluster import _free_port
 
-ENGINE = dict(num_kv_blocks=40, max_model_len=640)  # 640 token slots, a small KV tensor
+ENGINE = {"num_kv_blocks": 40, "max_model_len": 640}  # 640 token slots, a small KV tensor
 BLOCK = 16  # the engine's default block size
 LAYERWISE = 16  # prompts of this many tokens or more stream their KV layer by layer
 LINK_TIMEOUT_S = 10.0
@@ -89,7 +89,7 @@ class Pair:
         self.prompt, self.token = self.loops["p0"], self.loops["t0"]
         self.started = False
 
-    def start(self) -> "Pair":
+    def start(self) -> Pair:
         for loop in self.loops.values():
             loop.start()
         self.started = True
@@ -250,8 +250,6 @@ def test_load_of_a_request_to_prefill_and_hand_off(idle_pair):
                                      free_kv_tokens=total, total_kv_tokens=total)
 
 
-@pytest.mark.xfail(strict=True, reason="WorkerLoop.load counts an importing request's prompt tokens as "
-                   "pending_prompt_tokens, though no prefill of them will run on this worker")
 def test_load_of_a_reserved_import(idle_pair):
     loop, total = idle_pair.token, ENGINE["num_kv_blocks"] * BLOCK
     loop.reserve("r", FORTY, GREEDY, "p0", Sink())

@@ -14,8 +14,13 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import SequenceStatus
 from splitserve.transfer.codec import pack_all, slot_index, unpack_all
-from tests.engine.engine_helpers import ENGINE, GREEDY, PROMPTS, assert_all_free
-from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixture)
+from tests.engine.engine_helpers import (
+    ENGINE,
+    GREEDY,
+    PROMPTS,
+    assert_all_free,
+    one_thread,  # noqa: F401  (pytest fixture)
+)
 
 ROLES = ("prompt", "token", "mixed", "prefill_first")
 MAX_STEPS = 300
@@ -116,8 +121,6 @@ def test_switching_roles_keeps_every_request(want):
     assert all(outputs[rid].finish_reason == "length" for rid in index)
 
 
-@pytest.mark.xfail(strict=True, reason="token/prompt/prefill_first never schedule a sequence a mixed "
-                   "engine left mid-chunked-prefill (TokenPolicy and PrefillFirstPolicy.schedule)")
 @pytest.mark.parametrize("role", ["token", "prompt", "prefill_first"])
 def test_switch_mid_chunked_prefill(want, role):
     engine = LLMEngine("demo", policy="mixed", chunk_token_budget=32, **ENGINE)

@@ -194,3 +194,7 @@ class Policy(ABC):
 
     def _decode_items(self) -> list[ScheduledSeq]:
         return [ScheduledSeq(seq, 1) for seq in self.running if seq.is_decoding]
+
+    def _unfinished_prefill_items(self) -> list[ScheduledSeq]:
+        """The rest of prompts another policy left half-prefilled (chunked, before a role switch)."""
+        return [ScheduledSeq(seq, seq.num_uncomputed_tokens) for seq in self.running if not seq.is_decoding]

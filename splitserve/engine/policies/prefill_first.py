@@ -8,7 +8,7 @@ class PrefillFirstPolicy(Policy):
     name = "prefill_first"
 
     def schedule(self) -> Plan:
-        items = []
+        items = self._unfinished_prefill_items()
         self._admit_whole_prompts(items, self.limits.prompt_token_budget)
         if items:
             return Plan(tuple(items))
