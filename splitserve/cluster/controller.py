@@ -19,7 +19,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import ray
 import torch.distributed as dist
@@ -33,20 +32,6 @@ from splitserve.cluster.worker import MAX_CONCURRENT_CALLS, Worker
 log = logging.getLogger("splitserve.controller")
 WORKER_NAMESPACE = "splitserve"  # where the worker actors are named (ray.get_actor)
 CALL_TIMEOUT_S = 10.0  # a worker that cannot answer a poll in this long counts as dead
-
-
-@dataclass(frozen=True)
-class Grant:
-    """A placement with the handles to act on it (same worker twice: run it locally)."""
-
-    prompt_worker: str
-    token_worker: str
-    prompt_handle: object
-    token_handle: object
-
-    @property
-    def local(self) -> bool:
-        return self.prompt_worker == self.token_worker
 
 
 class Controller:
@@ -102,17 +87,13 @@ class Controller:
                 "pools": {role.value: len(ids) for role, ids in pools.items()}}
 
     # ---- placement -------------------------------------------------------------------------
-    async def place(self, request: PlacementRequest, exclude: Collection[str] = ()) -> Grant | None:
+    async def place(self, request: PlacementRequest, exclude: Collection[str] = ()) -> Placement | None:
+        """Worker ids only: handles are costly to send, so callers cache them (`worker_handle`)."""
         placement, moves = self.state.place(request, time.monotonic(), exclude)
         await self._apply(moves)
         if placement is None:
             self.counters["rejected"] += 1
-            return None
-        return self._grant(placement)
-
-    def _grant(self, placement: Placement) -> Grant:
-        p, t = placement.prompt_worker, placement.token_worker
-        return Grant(p, t, self.handles[p], self.handles[t])
+        return placement
 
     async def _apply(self, moves: list[PoolMove]) -> None:
         """Switch the moved workers' engines to their new pool's role (before they get work)."""

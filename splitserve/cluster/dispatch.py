@@ -18,8 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from splitserve.cluster.controller import Grant
-from splitserve.cluster.placement import PlacementRequest
+from splitserve.cluster.placement import Placement, PlacementRequest
 from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -42,16 +41,37 @@ class _AttemptFailed(Exception):
         self.worker, self.dead = worker, dead
 
 
+class WorkerDirectory:
+    """Worker actor handles by id, asked of the CLS once per worker (per ingress replica)."""
+
+    def __init__(self, cls):
+        self.cls = cls
+        self._handles: dict[str, object] = {}
+
+    async def get(self, worker_id: str):
+        if worker_id not in self._handles:
+            handle = await self.cls.worker_handle.remote(worker_id)
+            if handle is None:
+                raise _AttemptFailed("worker is gone", worker_id, dead=True)
+            self._handles[worker_id] = handle
+        return self._handles[worker_id]
+
+    def forget(self, worker_id: str) -> None:
+        self._handles.pop(worker_id, None)
+
+
 @dataclass
 class Run:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    controller: object
+    workers: WorkerDirectory
     max_attempts: int
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    grant: Grant | None = None
+    placement: Placement | None = None
+    prompt_handle: object = None
+    token_handle: object = None
     _attempts: itertools.count = field(default_factory=itertools.count)
     _failures: int = 0
     _stream: object = None
@@ -59,7 +79,10 @@ class Run:
 
     async def admit(self) -> None:
         """First placement and start; raises Overloaded when nothing can take it."""
-        await self._start_attempt(failover=False)
+        try:
+            await self._start_attempt(failover=False)
+        except _AttemptFailed as failure:
+            await self._recover(failure)
 
     async def deltas(self) -> AsyncIterator[TokenDelta]:
         """New tokens as they come (failovers included) until the request finishes."""
@@ -72,40 +95,41 @@ class Run:
 
     async def abort(self) -> None:
         """Stop the request wherever it runs (client gone, stop string seen at the ingress)."""
-        if self.grant is not None and self.finish_reason is None:
+        if self.placement is not None and self.finish_reason is None:
             self.finish_reason = "abort"
-            await _quietly(self.grant.token_handle.abort.remote(self._worker_request_id))
-            if not self.grant.local:
-                await _quietly(self.grant.prompt_handle.abort.remote(self._worker_request_id))
+            await self._abort_on_workers()
 
     # ---- one attempt ------------------------------------------------------------------------
     async def _start_attempt(self, failover: bool, exclude: frozenset[str] = frozenset()) -> None:
         self._worker_request_id = f"{self.request_id}.{next(self._attempts)}"
         prompt, params = self.prompt + self.tokens, self._remaining_params()
+        request = PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens)
+        self.placement = None
         for _ in range(REPLACE_TRIES if failover else 1):
-            self.grant = await self.controller.place.remote(
-                PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens), exclude)
-            if self.grant is not None:
+            self.placement = await self.workers.cls.place.remote(request, exclude)
+            if self.placement is not None:
                 break
             await asyncio.sleep(REPLACE_WAIT_S)
-        if self.grant is None:
+        if self.placement is None:
             raise Overloaded("no worker can take the request now") if not failover else \
                 RequestFailed("no worker could take the request over after a failure")
+        self.prompt_handle = await self.workers.get(self.placement.prompt_worker)
+        self.token_handle = await self.workers.get(self.placement.token_worker)
         await self._launch(prompt, params)
 
     async def _launch(self, prompt: list[int], params: SamplingParams) -> None:
-        grant, rid = self.grant, self._worker_request_id
+        rid, placement = self._worker_request_id, self.placement
+        if placement.local:
+            self._stream = self.token_handle.generate.remote(rid, prompt, params)
+            return
         try:
-            if grant.local:
-                await grant.token_handle.generate.remote(rid, prompt, params)
-            else:
-                ticket = await grant.token_handle.reserve.remote(rid, prompt, params, grant.prompt_worker)
-                self._first = asyncio.ensure_future(grant.prompt_handle.prefill.remote(ticket, prompt, params))
+            ticket = await self.token_handle.reserve.remote(rid, prompt, params, placement.prompt_worker)
         except RayTaskError as error:  # the token worker has no room after all (blocks, batch)
-            raise Overloaded(f"worker {grant.token_worker} cannot take the request: {error.cause}") from None
+            raise Overloaded(f"worker {placement.token_worker} cannot take the request: {error.cause}") from None
         except RayActorError:
-            raise _AttemptFailed("worker died at admission", grant.token_worker, dead=True) from None
-        self._stream = grant.token_handle.stream.remote(rid)
+            raise _AttemptFailed("worker died at admission", placement.token_worker, dead=True) from None
+        self._first = asyncio.ensure_future(self.prompt_handle.prefill.remote(ticket, prompt, params))
+        self._stream = self.token_handle.stream.remote(rid)
 
     async def _attempt_deltas(self) -> AsyncIterator[TokenDelta]:
         emitted = position = 0  # this attempt's tokens passed on / seen in the token stream
@@ -114,12 +138,12 @@ class Run:
             emitted = len(first.token_ids)
             yield self._record(first)
             if first.final:
-                await _quietly(self.grant.token_handle.abort.remote(self._worker_request_id))
+                await _quietly(self.token_handle.abort.remote(self._worker_request_id))
                 return
         async for batch in self._token_batches():
             for delta in batch:
                 if delta.error:
-                    raise _AttemptFailed(delta.error, self.grant.token_worker)
+                    raise _AttemptFailed(delta.error, self.placement.token_worker)
                 new = delta.token_ids[max(0, emitted - position):]
                 position += len(delta.token_ids)
                 emitted = max(emitted, position)
@@ -131,9 +155,9 @@ class Run:
         try:
             first = await task
         except RayActorError:
-            raise _AttemptFailed("prompt worker died", self.grant.prompt_worker, dead=True) from None
+            raise _AttemptFailed("prompt worker died", self.placement.prompt_worker, dead=True) from None
         if first.error:
-            raise _AttemptFailed(first.error, self.grant.token_worker)
+            raise _AttemptFailed(first.error, self.placement.token_worker)
         return first
 
     async def _token_batches(self):
@@ -141,9 +165,9 @@ class Run:
             async for ref in self._stream:
                 yield await ref
         except RayActorError:
-            raise _AttemptFailed("token worker died", self.grant.token_worker, dead=True) from None
+            raise _AttemptFailed("token worker died", self.placement.token_worker, dead=True) from None
         except RayTaskError as error:
-            raise _AttemptFailed(f"token worker failed: {error.cause}", self.grant.token_worker) from None
+            raise _AttemptFailed(f"token worker failed: {error.cause}", self.placement.token_worker) from None
 
     def _record(self, delta: TokenDelta) -> TokenDelta:
         self.tokens += delta.token_ids
@@ -162,7 +186,8 @@ class Run:
                     self.request_id, failure.worker, failure, len(self.tokens))
         await self._drop_attempt()
         if failure.worker and failure.dead:
-            await _quietly(self.controller.worker_failed.remote(failure.worker))
+            self.workers.forget(failure.worker)
+            await _quietly(self.workers.cls.worker_failed.remote(failure.worker))
         if self._failures >= self.max_attempts:
             raise RequestFailed(f"request failed after {self._failures} attempts: {failure}")
         exclude = frozenset({failure.worker} if failure.worker else ())
@@ -178,8 +203,13 @@ class Run:
         if self._first is not None:
             self._first.cancel()
             self._first = None
-        for handle in {id(h): h for h in (self.grant.token_handle, self.grant.prompt_handle)}.values():
-            await _quietly(handle.abort.remote(self._worker_request_id))
+        if self.placement is not None:
+            await self._abort_on_workers()
+
+    async def _abort_on_workers(self) -> None:
+        await _quietly(self.token_handle.abort.remote(self._worker_request_id))
+        if not self.placement.local:
+            await _quietly(self.prompt_handle.abort.remote(self._worker_request_id))
 
 
 async def _quietly(call) -> None:

@@ -17,7 +17,7 @@ from ray import serve
 from splitserve.cluster import responses as R
 from splitserve.cluster.chat import chat_prompt_token_ids
 from splitserve.cluster.config import ClusterConfig
-from splitserve.cluster.dispatch import Overloaded, Run
+from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, check_model,
                                          parse_request, prompt_token_ids_of, sampling_params)
 from splitserve.cluster.reply import Reply, error_response
@@ -37,7 +37,7 @@ class Ingress:
         self.model = self.config.model_name
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         self._controller = controller
-        self._cls = None
+        self._directory: WorkerDirectory | None = None
         self.created = int(time.time())
 
     # ---- endpoints ---------------------------------------------------------------------------
@@ -69,11 +69,13 @@ class Ingress:
             return denied
         try:
             body, prompt, params = self._parse(await request.body(), kind)
-            cls = await self._cluster()
-            run = Run(R.new_request_id(kind), prompt, params, cls, self.config.scheduler.max_attempts)
+            run = Run(R.new_request_id(kind), prompt, params, await self._workers(),
+                      self.config.scheduler.max_attempts)
             await run.admit()
         except RequestError as error:
             return error_response(error)
+        except RequestFailed as error:
+            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
         except Overloaded as error:
             retry = self.config.ingress.retry_after_s
             return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s", status=429,
@@ -85,10 +87,13 @@ class Ingress:
         return await reply.whole()
 
     async def _cluster(self):
-        """The CLS actor (asked once of the controller deployment)."""
-        if self._cls is None:
-            self._cls = await self._controller.handle.remote()
-        return self._cls
+        return (await self._workers()).cls
+
+    async def _workers(self) -> WorkerDirectory:
+        """The CLS actor (asked once of the controller deployment) and the worker handles."""
+        if self._directory is None:
+            self._directory = WorkerDirectory(await self._controller.handle.remote())
+        return self._directory
 
     def _parse(self, raw: bytes, kind: str):
         model_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest

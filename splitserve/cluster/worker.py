@@ -19,6 +19,7 @@ from splitserve.cluster.placement.state import WorkerLoad
 from splitserve.cluster.worker_loop import TokenDelta, WorkerLoop
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transfer.faults import crash_after_layer_pushes
 from splitserve.transfer.handoff import make_transport
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
@@ -46,9 +47,11 @@ class Worker:
                 "node_ip": ray.util.get_node_ip_address()}
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        """Run a whole request here; its tokens come through `stream`."""
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams):
+        """Run a whole request here: its token deltas, as `stream` gives them (one call, not two)."""
         await self._open(request_id, self.loop.generate, request_id, prompt, params)
+        async for batch in self.stream(request_id):
+            yield batch
 
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
                       prompt_peer: str) -> TransferTicket:
@@ -95,9 +98,8 @@ class Worker:
         await self._call(self.loop.engine.check_integrity)
 
     async def crash_after_layer_pushes(self, n: int) -> None:
-        """Fault injection for failover drills: the process exits right after its n-th KV layer
-        push from now has left (a worker dying mid-prefill, mid-transfer)."""
-        await self._call(_arm_crash, self.loop.exporter.transport, n)
+        """Fault injection for failover drills (see transfer.faults)."""
+        await self._call(crash_after_layer_pushes, self.loop.exporter.transport, n)
 
     # ---- internals -------------------------------------------------------------------------
     async def _open(self, request_id: str, fn, *args):
@@ -146,16 +148,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _arm_crash(transport: KVTransport, n: int) -> None:
-    push, count = transport.push_layer, [0]
-
-    def push_then_maybe_crash(*args):
-        push(*args)
-        count[0] += 1
-        if count[0] == n:
-            transport.flush()
-            os._exit(1)
-
-    transport.push_layer = push_then_maybe_crash

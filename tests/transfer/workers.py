@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import queue
 
+from splitserve.transfer.faults import crash_after_layer_pushes
+
 POLL_S = 0.002
 
 
@@ -113,7 +115,7 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
         if cmd[0] == "stall":
             stalled.append(True)
         if cmd[0] == "die_after_layers":
-            _crash_after_layers(exporter.transport, cmd[1])
+            crash_after_layer_pushes(exporter.transport, cmd[1])
         if cmd[0] == "add":
             _, ticket, prompt, params = cmd
             if stalled:  # prefill happens, the KV never leaves: the token side must time out
@@ -133,16 +135,3 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
                 engine.abort(out.request_id)
 
     _serve(engine, inbox, outbox, worker_id, handle, tick)
-
-
-def _crash_after_layers(transport, n: int) -> None:
-    push, count = transport.push_layer, [0]
-
-    def push_then_maybe_crash(*args):
-        push(*args)
-        count[0] += 1
-        if count[0] == n:
-            transport.flush()
-            os._exit(1)
-
-    transport.push_layer = push_then_maybe_crash
