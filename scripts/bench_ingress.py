@@ -4,7 +4,8 @@ Side by side, interleaved (A B C A B C ...), the same prompts one at a time:
 - engine: `LLMEngine` in this process (one torch thread, like a worker with num_cpus=1), the
   request added and stepped to completion;
 - mixed: a splitserve cluster of one mixed worker over HTTP (ingress + CLS + worker actor);
-- split: a cluster of one prompt + one token worker (adds the KV reservation and handoff).
+- split: a cluster of one prompt + one token worker (adds the KV reservation and handoff);
+- serve-floor: a Serve HTTP endpoint that answers at once (what Ray Serve itself costs here).
 Each cluster is its own Serve app on one local Ray. Reported: p50 / p99 end-to-end latency and
 the overhead (cluster minus engine) per mode, plus the controller's placement round trip
 (`place` on the CLS actor, as the ingress calls it) timed from this process.
@@ -82,6 +83,27 @@ def place_round_trips(app: str, n: int) -> list[float]:
     return asyncio.run(timed())
 
 
+def _floor_app():
+    """Ray Serve's own floor on this machine: an HTTP endpoint that answers at once."""
+    from fastapi import FastAPI
+    from ray import serve
+
+    api = FastAPI()
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    @serve.ingress(api)
+    class Floor:
+        @api.post("/v1/completions")
+        def complete(self) -> dict:
+            return {"choices": [{"text": ""}]}
+
+        @api.get("/health")
+        def health(self) -> dict:
+            return {"ready": True}
+
+    return Floor.bind()
+
+
 def start_clusters(port: int) -> dict[str, str]:
     import ray
     from ray import serve
@@ -91,7 +113,9 @@ def start_clusters(port: int) -> dict[str, str]:
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    urls = {}
+    serve.run(_floor_app(), name="serve-floor", route_prefix="/serve-floor", blocking=False)
+    urls = {"serve-floor": f"http://127.0.0.1:{port}/serve-floor"}
+    wait_until_healthy(urls["serve-floor"], timeout=300)
     for name, config in CLUSTERS.items():
         serve.run(build_app({**config, "engine": ENGINE}), name=name, route_prefix=f"/{name}", blocking=False)
         urls[name] = f"http://127.0.0.1:{port}/{name}"
