@@ -20,9 +20,13 @@ class JSQPolicy(PlacementPolicy):
 
     def choose(self, state: ClusterState, request: PlacementRequest, now: float,
                exclude: frozenset[str]) -> Decision:
-        thresholds = state.thresholds
         if mixed_only(state):
-            return run_whole_on(least_loaded_whole(state.members(Role.MIXED), thresholds, request, exclude))
+            return run_whole_on(least_loaded_whole(state.members(Role.MIXED), state.thresholds, request, exclude))
+        return self._split(state, request, exclude)
+
+    def _split(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str]) -> Decision:
+        """Placement in a cluster with prompt and token pools."""
+        thresholds = state.thresholds
         prompt = least_prompt_queue(state.members(Role.PROMPT), thresholds, exclude)
         token = least_token_queue(state.members(Role.TOKEN), thresholds, request, exclude)
         if prompt is None or token is None:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from splitserve.cluster.placement.base import (Decision, PlacementPolicy, least_loaded_whole, least_prompt_queue,
-                                               least_token_queue, mixed_only, run_whole_on)
+from splitserve.cluster.placement.base import (Decision, least_loaded_whole, least_prompt_queue, least_token_queue,
+                                               run_whole_on)
+from splitserve.cluster.placement.jsq import JSQPolicy
 from splitserve.cluster.placement.state import Placement, PlacementRequest, PoolMove, Role, WorkerState
 
 if TYPE_CHECKING:
@@ -40,17 +41,16 @@ def has_guest_work(worker: WorkerState) -> bool:
     return worker.load.pending_prompt_tokens > 0 or worker.placed_prompt_tokens > 0
 
 
-class SplitwisePolicy(PlacementPolicy):
+class SplitwisePolicy(JSQPolicy):
+    """JSQ (a mixed-only cluster is placed the same way), with the mixed pool and re-purposing."""
+
     name = "splitwise"
 
     def __init__(self) -> None:
         self._last_repurpose_at = -math.inf
 
-    def choose(self, state: ClusterState, request: PlacementRequest, now: float,
-               exclude: frozenset[str]) -> Decision:
+    def _split(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str]) -> Decision:
         thresholds = state.thresholds
-        if mixed_only(state):
-            return run_whole_on(least_loaded_whole(state.members(Role.MIXED), thresholds, request, exclude))
         prompt = least_prompt_queue(state.members(Role.PROMPT), thresholds, exclude)
         if prompt is None or prompt.prompt_queue() > thresholds.mixed_prompt_tokens:
             overflow = self._overflow_prompt(state, request, exclude)

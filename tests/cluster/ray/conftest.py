@@ -1,6 +1,7 @@
 """One local Ray cluster for the whole test run (sized for 2 cores), with two splitserve apps:
 `main` at / (1 prompt + 1 token worker, like deploy/local-cpu.yaml) and `pools` at /pools (the
-same shape with low thresholds and an API key, for pool moves, backpressure and auth)."""
+same shape with low thresholds, an API key and two ingress replicas sharing one CLS, for pool
+moves, backpressure and auth)."""
 from __future__ import annotations
 
 import socket
@@ -20,7 +21,7 @@ MAIN = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10},
 POOLS = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10},
          "scheduler": {"report_interval_s": 0.05, "mixed_prompt_tokens": 600, "max_queue_tokens": 3000,
                        "max_decode_queue_tokens": 3000},
-         "ingress": {"api_key": "sk-pools"}}
+         "ingress": {"api_key": "sk-pools", "num_replicas": 2}}
 POOLS_KEY = {"Authorization": "Bearer sk-pools"}
 
 
