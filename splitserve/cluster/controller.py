@@ -47,6 +47,7 @@ class Controller:
         self.handles: dict[str, object] = {}
         self.slots: dict[str, tuple[PoolConfig, int]] = {}
         self.counters: Counter = Counter()
+        self.start_errors: list[str] = []
         self._incarnations = itertools.count()
         self._store = self._rendezvous_store() if self._disaggregated else None
         self._started: asyncio.Task | None = None
@@ -65,18 +66,23 @@ class Controller:
     async def _start_all(self) -> None:
         slots = [(pool, slot) for pool in self.config.pools for slot in range(pool.num_workers)]
         await asyncio.gather(*(self._start_worker(pool, slot) for pool, slot in slots))
-        self._ready = True
+        self._ready = bool(self.handles)
         await self._poll_forever()
 
     async def _start_worker(self, pool: PoolConfig, slot: int) -> None:
         worker_id = f"{pool.role}-{slot}.{next(self._incarnations)}"
-        options = {**pool.resources.ray_options(), "name": f"{self.app_name}-{worker_id}", "namespace": WORKER_NAMESPACE,
-                   "max_concurrency": MAX_CONCURRENT_CALLS, "max_restarts": 0}
+        options = {**pool.resources.ray_options(), "name": f"{self.app_name}-{worker_id}",
+                   "namespace": WORKER_NAMESPACE, "max_concurrency": MAX_CONCURRENT_CALLS, "max_restarts": 0}
         rendezvous = (self._store_host, self._store.port) if self._store else None
         handle = ray.remote(Worker).options(**options).remote(
             worker_id, pool.role, pool.hardware, self.config.model_dump(), rendezvous)
-        await handle.info.remote()
-        load = await handle.load.remote()
+        try:
+            await handle.info.remote()
+            load = await handle.load.remote()
+        except RayActorError as error:  # e.g. the model does not load: /health says why
+            self.start_errors.append(f"{worker_id}: {error}")
+            log.error("worker %s failed to start: %s", worker_id, error)
+            return
         self.handles[worker_id], self.slots[worker_id] = handle, (pool, slot)
         self.state.add_worker(worker_id, Role(pool.role), self.config.hardware(pool.hardware), load, time.monotonic())
         log.info("worker %s up (%s, %s)", worker_id, pool.role, pool.hardware)
@@ -84,7 +90,7 @@ class Controller:
     async def health(self) -> dict:
         pools = self.state.pools()
         return {"ready": self._ready and bool(self.state.workers), "workers": len(self.state.workers),
-                "pools": {role.value: len(ids) for role, ids in pools.items()}}
+                "pools": {role.value: len(ids) for role, ids in pools.items()}, "errors": self.start_errors[-5:]}
 
     # ---- placement -------------------------------------------------------------------------
     async def place(self, request: PlacementRequest, exclude: Collection[str] = ()) -> Placement | None:

@@ -104,7 +104,7 @@ class Run:
         self._worker_request_id = f"{self.request_id}.{next(self._attempts)}"
         prompt, params = self.prompt + self.tokens, self._remaining_params()
         request = PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens)
-        self.placement = None
+        self.placement = self.prompt_handle = self.token_handle = None
         for _ in range(REPLACE_TRIES if failover else 1):
             self.placement = await self.workers.cls.place.remote(request, exclude)
             if self.placement is not None:
@@ -207,9 +207,10 @@ class Run:
             await self._abort_on_workers()
 
     async def _abort_on_workers(self) -> None:
-        await _quietly(self.token_handle.abort.remote(self._worker_request_id))
-        if not self.placement.local:
-            await _quietly(self.prompt_handle.abort.remote(self._worker_request_id))
+        handles = [self.token_handle] if self.placement.local else [self.token_handle, self.prompt_handle]
+        for handle in handles:
+            if handle is not None:  # None: the attempt failed before reaching that worker
+                await _quietly(handle.abort.remote(self._worker_request_id))
 
 
 async def _quietly(call) -> None:
