@@ -82,8 +82,9 @@ class Ingress:
                                        type="rate_limit_exceeded"), {"Retry-After": str(retry)})
         reply = Reply(kind, run, self.model, TextStream(self.tokenizer, params, prompt))
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(reply.sse(include_usage), media_type="text/event-stream")
+            options = body.stream_options
+            stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))
+            return StreamingResponse(stream, media_type="text/event-stream")
         return await reply.whole()
 
     async def _cluster(self):

@@ -101,6 +101,7 @@ Stop = Annotated[str | list[str] | None, BeforeValidator(_stop_strings)]
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk (benchmarks time tokens by it)
 
 
 class TextPart(BaseModel):

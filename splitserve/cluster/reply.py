@@ -23,15 +23,16 @@ class Reply:
         self.kind, self.run, self.model, self.text = kind, run, model, text
         self.created = int(time.time())
 
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """(text delta, finish reason) until done; a stop string seen here ends the run."""
+    async def pieces(self, every_delta: bool = False) -> AsyncIterator[tuple[str, str | None]]:
+        """(text delta, finish reason) until done; a stop string seen here ends the run. Tokens
+        whose text is held back yield nothing unless `every_delta` (then an empty piece)."""
         async for delta in self.run.deltas():
             self.text.append(delta.token_ids)
             if self.text.stopped and delta.finish_reason is None:
                 await self.run.abort()
             reason = "stop" if self.text.stopped else delta.finish_reason
             piece = self.text.delta(final=reason is not None)
-            if piece or reason:
+            if piece or reason or (every_delta and delta.token_ids):
                 yield piece, reason
             if reason:
                 return
@@ -47,13 +48,19 @@ class Reply:
         return JSONResponse(build(self.run.request_id, self.model, self.created, "".join(parts), reason,
                                   len(self.run.prompt), len(self.run.tokens)))
 
-    async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
+    async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+        """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
+        and sends one per token delta, so a benchmark can time every token."""
         finished = False
         try:
             if self.kind == "chat":
-                yield R.sse_event(R.chat_chunk(self.run.request_id, self.model, self.created, role="assistant", content=""))
-            async for piece, reason in self.pieces():
-                yield R.sse_event(self._chunk(piece, reason))
+                yield R.sse_event(R.chat_chunk(self.run.request_id, self.model, self.created, role="assistant",
+                                               content=""))
+            async for piece, reason in self.pieces(every_delta=continuous_usage):
+                chunk = self._chunk(piece, reason)
+                if continuous_usage:
+                    chunk["usage"] = R.usage(len(self.run.prompt), len(self.run.tokens))
+                yield R.sse_event(chunk)
             finished = True
             if include_usage:
                 yield R.sse_event(R.usage_chunk(self.kind, self.run.request_id, self.model, self.created,
@@ -61,7 +68,7 @@ class Reply:
             yield R.SSE_DONE
         except RequestFailed as error:
             finished = True
-            yield R.sseerror_response(RequestError(str(error), status=503, type="service_unavailable"))
+            yield R.sse_error(RequestError(str(error), status=503, type="service_unavailable"))
         finally:
             if not finished:  # the client went away
                 await self.run.abort()
