@@ -1,4 +1,4 @@
-"""The `splitserve` command line: `serve` (the cluster) and `generate` (one offline engine)."""
+"""The `splitserve` command line: `serve` (the cluster), `bench` (load against a server), `generate` (one offline engine)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving (Splitwise) on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve(commands)
+    _add_bench(commands)
     _add_generate(commands)
     args = parser.parse_args(argv)
     return args.run(args)
@@ -48,6 +49,28 @@ def _run_serve(args) -> int:
         return 2
     host = args.host or http.get("host", "127.0.0.1")
     serve_until_interrupted(config, host, args.port or http.get("port", 8000), args.address)
+    return 0
+
+
+def _add_bench(commands) -> None:
+    from splitserve.bench.cli import add_arguments
+
+    p = commands.add_parser("bench", help="replay a trace against a server and report TTFT / TBT / E2E, SLOs, capacity",
+                            description="Open-loop, streaming OpenAI-API load generator (also `python -m "
+                                        "splitserve.bench`, for `ray job submit`). Writes requests.jsonl, "
+                                        "summary.json, report.md and plots to --out.")
+    add_arguments(p)
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from splitserve.bench.cli import run
+
+    try:
+        run(args)
+    except (ValueError, RuntimeError, OSError) as error:
+        print(f"splitserve bench: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+pytest_plugins = ["tests.ray_cluster"]  # the shared local Ray head node and splitserve apps
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

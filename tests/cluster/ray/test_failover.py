@@ -8,7 +8,7 @@ import httpx
 import ray
 
 from splitserve import SamplingParams
-from tests.cluster.ray.conftest import worker_actor
+from tests.ray_cluster import worker_actor
 
 PROMPT = "Failover keeps the stream going"
 

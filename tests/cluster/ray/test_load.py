@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.cluster.ray.conftest import POOLS_KEY
+from tests.ray_cluster import POOLS_KEY
 
 
 def test_64_concurrent_streams_none_lost(server):

@@ -1,0 +1,1 @@
+"""Load generation and reports; talks to a server over HTTP only."""

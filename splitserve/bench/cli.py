@@ -1,0 +1,102 @@
+"""`splitserve bench` and `python -m splitserve.bench` (what `ray job submit` runs): replay a
+trace against an OpenAI-compatible server and write the results to a folder.
+
+    splitserve bench --url http://127.0.0.1:8000 --trace conv --num-requests 200 --rate 4 --out results/
+    splitserve bench ... --capacity --tbt-slo 0.2 --rate-low 1 --rate-high 16   # Sarathi-Serve capacity
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from splitserve.bench.plots import latency_vs_load
+from splitserve.bench.report import markdown_table, write_outputs
+from splitserve.bench.runner import Target, measure_baseline, run_at_rate, run_once
+from splitserve.bench.slo import SLOSpec, capacity_search, p99_tbt_within
+from splitserve.bench.workload import ARRIVALS, WorkloadSpec
+
+TRACES = ("code", "conv", "sharegpt", "arxiv", "fixed")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="the server's base URL (without /v1), e.g. http://127.0.0.1:8000")
+    p.add_argument("--trace", default="conv", help=f"{', '.join(TRACES)} or a CSV file (Azure or length columns)")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the Azure trace's own arrivals)")
+    p.add_argument("--arrivals", choices=ARRIVALS, default=None,
+                   help="default: the trace's own for code/conv without --rate, else poisson")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: CV of inter-arrival times")
+    p.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths (e.g. 0.125)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--max-output-tokens", type=int, default=None)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="--trace fixed: prompt length")
+    p.add_argument("--output-tokens", type=int, default=128, help="--trace fixed: output length")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="default: the server's first model")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--out", required=True, help="folder for requests.jsonl, summary.json, report.md and plots")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the unloaded pass (no Table VI slowdowns)")
+    p.add_argument("--ttft-slo", type=float, default=None, help="absolute P99 TTFT SLO, seconds")
+    p.add_argument("--tbt-slo", type=float, default=None, help="absolute P99 TBT SLO, seconds (capacity search)")
+    p.add_argument("--capacity", action="store_true", help="binary-search the highest rate whose P99 TBT meets --tbt-slo")
+    p.add_argument("--rate-low", type=float, default=0.5)
+    p.add_argument("--rate-high", type=float, default=16.0)
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def workload_of(args) -> WorkloadSpec:
+    return WorkloadSpec(trace=args.trace, num_requests=args.num_requests, rate=args.rate, arrivals=args.arrivals,
+                        burstiness=args.burstiness, length_scale=args.length_scale,
+                        max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
+                        fixed_prompt_tokens=args.prompt_tokens, fixed_output_tokens=args.output_tokens, seed=args.seed)
+
+
+def slo_of(args) -> SLOSpec | None:
+    """Table VI slowdowns unless the unloaded pass is skipped, plus any absolute P99 bounds."""
+    absolute = {name: {"p99": bound} for name, bound in (("ttft", args.ttft_slo), ("tbt", args.tbt_slo)) if bound}
+    if args.no_calibrate:
+        return SLOSpec(slowdown=None, absolute=absolute) if absolute else None
+    return SLOSpec(absolute=absolute or None)
+
+
+def run(args) -> dict:
+    target, workload, slo, out = Target(args.url, args.model, args.api_key), workload_of(args), slo_of(args), Path(args.out)
+    baseline = None if args.no_calibrate else asyncio.run(measure_baseline(target, workload))
+    if args.capacity:
+        return _capacity(args, target, workload, slo, baseline, out)
+    records, summary = asyncio.run(run_once(target, workload, slo, baseline, not args.no_progress))
+    summary["workload"] = {k: v for k, v in vars(args).items() if k not in ("api_key", "run")}
+    write_outputs(out, records, summary, f"{args.trace} at {args.rate or 'trace'} req/s")
+    print(markdown_table(summary))
+    print(f"results in {out}/ (summary.json, requests.jsonl, report.md, plots)")
+    return summary
+
+
+def _capacity(args, target: Target, workload: WorkloadSpec, slo: SLOSpec, baseline, out: Path) -> dict:
+    if args.tbt_slo is None:
+        raise ValueError("--capacity needs --tbt-slo (the P99 TBT bound, seconds)")
+    probe = run_at_rate(target, workload, slo, baseline, not args.no_progress)
+    best, probes = capacity_search(probe, p99_tbt_within(args.tbt_slo), args.rate_low, args.rate_high, args.iterations)
+    rows = [{**summary, "design": "server", "rate": rate} for rate, summary in sorted(probes, key=lambda p: p[0])]
+    result = {"capacity_rps": best, "tbt_slo_s": args.tbt_slo, "probes": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity.json").write_text(json.dumps(result, indent=2))
+    latency_vs_load(rows, out / "latency_vs_load.png", f"{args.trace}: latency against load")
+    print(f"capacity: {best:.2f} req/s with P99 TBT <= {args.tbt_slo} s ({len(rows)} rates probed); results in {out}/")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m splitserve.bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, RuntimeError, OSError) as error:
+        print(f"splitserve bench: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,146 @@
+"""Benchmark results: one record per request, a run's summary (latency percentiles, throughput,
+SLO attainment) and the files a run leaves behind (requests.jsonl, summary.json, report.md, a PNG).
+
+Latency statistics cover completed requests only; failed and rejected (HTTP 429) requests are
+counted separately, and throughput counts completed requests and their tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from splitserve.bench.plots import cdf_plot
+from splitserve.bench.slo import Baseline, SLOSpec, attainment, latencies
+
+LATENCY_ROWS = (("TTFT (s)", "ttft_s"), ("TBT (s)", "tbt_s"), ("E2E (s)", "e2e_s"))
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What the client saw of one request."""
+
+    index: int
+    prompt_tokens: int
+    output_tokens: int                  # tokens received
+    requested_output_tokens: int
+    start_s: float                      # send time, seconds since run start
+    ttft_s: float | None                # None if failed before the first token
+    token_times_s: tuple[float, ...]    # every token's arrival, seconds since the request's start (first = ttft)
+    e2e_s: float | None
+    error: str | None = None
+    status: int | None = None           # HTTP status; 429 counts as rejected
+
+    @property
+    def tbt_s(self) -> tuple[float, ...]:
+        """Gaps between consecutive tokens (zeros where tokens arrived in one chunk)."""
+        return tuple(b - a for a, b in itertools.pairwise(self.token_times_s))
+
+    @property
+    def rejected(self) -> bool:
+        return self.status == 429
+
+    @property
+    def ok(self) -> bool:
+        """Completed: no error, a 2xx status (or none recorded), and both latencies measured."""
+        status_ok = self.status is None or 200 <= self.status < 300
+        return self.error is None and status_ok and self.ttft_s is not None and self.e2e_s is not None
+
+
+def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> dict:
+    """{"p50", "p90", "p99", "mean", "max"} (keys follow `qs`: 99.9 -> "p99.9"), percentiles by
+    linear interpolation as numpy.percentile's default; every value None when there are none."""
+    array = np.asarray(list(values), dtype=float)
+    keys = [f"p{q:g}" for q in qs] + ["mean", "max"]
+    if not array.size:
+        return dict.fromkeys(keys)
+    numbers = [*np.percentile(array, qs), array.mean(), array.max()]
+    return {key: float(number) for key, number in zip(keys, numbers)}
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLOSpec | None = None,
+              baseline: Baseline | None = None) -> dict:
+    """Counts, throughput and latency percentiles of a run lasting `duration_s`; with `slo` or
+    `baseline` also an "slo" section (`slo.attainment`; Table VI when only a baseline is given)."""
+    if not (math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"duration_s: must be a positive number of seconds, got {duration_s}")
+    done = [r for r in records if r.ok]
+    num_rejected = sum(r.rejected for r in records)
+    output_tokens = sum(r.output_tokens for r in done)
+    values = latencies(records)
+    summary = {
+        "num_requests": len(records),
+        "num_completed": len(done),
+        "num_failed": len(records) - len(done) - num_rejected,
+        "num_rejected": num_rejected,
+        "duration_s": duration_s,
+        "throughput_rps": len(done) / duration_s,
+        "output_tokens_per_s": output_tokens / duration_s,
+        "total_tokens_per_s": (output_tokens + sum(r.prompt_tokens for r in done)) / duration_s,
+        "ttft_s": percentiles(values["ttft"]),
+        "tbt_s": percentiles(values["tbt"]),
+        "e2e_s": percentiles(values["e2e"]),
+    }
+    if slo is not None or baseline is not None:
+        summary["slo"] = attainment(records, slo or SLOSpec(), baseline)
+    return summary
+
+
+def write_outputs(out_dir: str | Path, records: Sequence[RequestRecord], summary: dict, title: str) -> dict[str, Path]:
+    """Write requests.jsonl, summary.json, report.md and latency_cdf.png under `out_dir` (made if
+    missing); returns their paths by kind: "requests", "summary", "report", "latency_cdf"."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"requests": out / "requests.jsonl", "summary": out / "summary.json", "report": out / "report.md",
+             "latency_cdf": out / "latency_cdf.png"}
+    lines = (json.dumps({**dataclasses.asdict(r), "tbt_s": r.tbt_s}) + "\n" for r in records)
+    paths["requests"].write_text("".join(lines))
+    paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
+    report = f"# {title}\n\n{markdown_table(summary)}\n\n![TTFT and TBT CDFs]({paths['latency_cdf'].name})\n"
+    paths["report"].write_text(report)
+    cdf_plot(records, paths["latency_cdf"], title)
+    return paths
+
+
+def markdown_table(summary: dict) -> str:
+    """The summary as markdown: latency percentiles, then counts and throughput, then SLOs if any."""
+    keys = list(summary["ttft_s"])
+    lines = ["| latency | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    lines += [f"| {label} | " + " | ".join(_fmt(summary[key][k]) for k in keys) + " |" for label, key in LATENCY_ROWS]
+    counts = ("num_requests", "num_completed", "num_failed", "num_rejected", "duration_s", "throughput_rps",
+              "output_tokens_per_s", "total_tokens_per_s")
+    header = ("| requests | completed | failed | rejected (429) | duration (s) | requests/s | output tokens/s "
+              "| total tokens/s |")
+    lines += ["", header, "|" + "---:|" * len(counts),
+              "| " + " | ".join(_fmt(summary[c]) for c in counts) + " |"]
+    if "slo" in summary:
+        lines += ["", *_slo_lines(summary["slo"])]
+    return "\n".join(lines)
+
+
+def _slo_lines(slo: dict) -> list[str]:
+    lines = ["| SLO | metric | percentile | value | bound | met |", "|---|---|---|---:|---:|---|"]
+    for kind in ("slowdown", "absolute"):
+        for metric, by_key in slo.get(kind, {}).items():
+            lines += [f"| {kind} | {metric} | {key} | {_fmt(c['value'])} | {_fmt(c['bound'])} | {_fmt(c['met'])} |"
+                      for key, c in by_key.items()]
+    share = slo["request_attainment"]
+    within = "-" if share is None else f"{share:.1%}"
+    return lines + ["", f"All SLOs met: {_fmt(slo['all_met'])}. Requests within their own bounds: {within}."]
+
+
+def _fmt(value) -> str:
+    """A table cell: 4 significant digits, whole numbers from 1000 up, yes/no, "-" for none."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int) or abs(value) >= 1000:
+        return f"{value:.0f}"
+    return f"{value:.4g}"

@@ -1,0 +1,113 @@
+"""Request traces: the four shipped CSVs by name, or any CSV in one of their two column layouts.
+
+Azure layout (`TIMESTAMP,ContextTokens,GeneratedTokens`): lengths plus real arrival times.
+Length layout (`num_prefill_tokens,num_decode_tokens,...`): lengths only.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from splitserve.data import TRACES_DIR
+
+TRACE_FILES = {
+    "code": "AzureLLMInferenceTrace_code.csv",
+    "conv": "AzureLLMInferenceTrace_conv.csv",
+    "sharegpt": "sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
+    "arxiv": "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+}
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+LENGTH_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
+
+
+@dataclass(frozen=True, eq=False)
+class TraceData:
+    """One trace, row by row. The arrays are read-only (traces are cached and shared)."""
+
+    name: str
+    prompt_tokens: np.ndarray           # int64, one per row
+    output_tokens: np.ndarray           # int64, one per row
+    timestamps_s: np.ndarray | None     # float64 seconds since the first row; None for length-only traces
+
+    def __len__(self) -> int:
+        return len(self.prompt_tokens)
+
+
+def trace_path(name_or_path: str) -> Path:
+    """The file behind a trace name (`code`, `conv`, `sharegpt`, `arxiv`) or a CSV path."""
+    if name_or_path in TRACE_FILES:
+        return TRACES_DIR / TRACE_FILES[name_or_path]
+    path = Path(name_or_path)
+    if path.is_file():
+        return path.resolve()
+    if path.suffix == ".csv" or path.parent != Path("."):
+        raise FileNotFoundError(f"trace: no such file {str(path)!r}")
+    raise ValueError(f"trace: unknown trace {name_or_path!r}; expected one of {', '.join(TRACE_FILES)}, "
+                     "'fixed' (workloads only) or the path of a CSV file")
+
+
+def load_trace(name_or_path: str) -> TraceData:
+    """Read a trace by name or path (cached per file)."""
+    return _read_trace(str(trace_path(name_or_path)))
+
+
+@functools.lru_cache(maxsize=16)
+def _read_trace(path: str) -> TraceData:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        columns = tuple(reader.fieldnames or ())
+        rows = list(reader)
+    if not rows:
+        raise ValueError(f"trace: {path!r} has no rows")
+    if set(AZURE_COLUMNS) <= set(columns):
+        prompt, output = _column(rows, "ContextTokens", path), _column(rows, "GeneratedTokens", path)
+        return _frozen(TraceData(Path(path).name, prompt, output, _seconds_since_first(rows, path)))
+    if set(LENGTH_COLUMNS) <= set(columns):
+        prompt, output = _column(rows, "num_prefill_tokens", path), _column(rows, "num_decode_tokens", path)
+        return _frozen(TraceData(Path(path).name, prompt, output, None))
+    raise ValueError(f"trace: {path!r} has columns {','.join(columns)}; expected "
+                     f"{','.join(AZURE_COLUMNS)} or {','.join(LENGTH_COLUMNS)},...")
+
+
+def _column(rows: list[dict], column: str, path: str) -> np.ndarray:
+    try:
+        return np.array([int(row[column]) for row in rows], dtype=np.int64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"trace: column {column} of {path!r} must hold integers ({e})") from e
+
+
+def _seconds_since_first(rows: list[dict], path: str) -> np.ndarray:
+    try:
+        stamps = np.array([row["TIMESTAMP"].strip().replace(" ", "T") for row in rows], dtype="datetime64[ns]")
+    except (AttributeError, ValueError) as e:
+        raise ValueError(f"trace: column TIMESTAMP of {path!r} must hold date-times ({e})") from e
+    seconds = (stamps - stamps[0]).astype(np.int64) / 1e9
+    if np.any(np.diff(seconds) < 0):
+        raise ValueError(f"trace: column TIMESTAMP of {path!r} must be in time order")
+    return seconds
+
+
+def _frozen(trace: TraceData) -> TraceData:
+    for array in (trace.prompt_tokens, trace.output_tokens, trace.timestamps_s):
+        if array is not None:
+            array.setflags(write=False)
+    return trace
+
+
+def trace_stats(trace: TraceData) -> dict:
+    """p50/p90/p99 of prompt and output lengths, and the mean arrival rate where the trace has
+    timestamps (rows - 1 over the time from the first row to the last, i.e. 1 / mean gap)."""
+    qs = (50, 90, 99)
+    stats = {
+        "num_rows": len(trace),
+        "prompt_tokens": {f"p{q}": float(v) for q, v in zip(qs, np.percentile(trace.prompt_tokens, qs))},
+        "output_tokens": {f"p{q}": float(v) for q, v in zip(qs, np.percentile(trace.output_tokens, qs))},
+        "mean_rate_rps": None,
+    }
+    if trace.timestamps_s is not None and len(trace) > 1 and trace.timestamps_s[-1] > 0:
+        stats["mean_rate_rps"] = (len(trace) - 1) / float(trace.timestamps_s[-1])
+    return stats

@@ -1,0 +1,143 @@
+"""Workloads: which requests a benchmark sends and when, from a trace and a seed.
+
+Arrivals are either the Azure trace's own timestamps (a window of consecutive rows, optionally
+rescaled to a mean rate with its burstiness kept) or a renewal process: Poisson (exponential gaps)
+or gamma (gaps with a chosen coefficient of variation), the first request at t = 0. Lengths come
+from the same trace rows, scaled and clipped. The same spec always gives the same list.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from splitserve.bench.traces import TRACE_FILES, TraceData, load_trace, trace_stats
+
+__all__ = ["ARRIVALS", "TRACE_FILES", "RequestSpec", "TraceData", "WorkloadSpec", "load_trace", "make_workload",
+           "resolved_arrivals", "trace_stats"]
+
+ARRIVALS = ("poisson", "gamma", "trace")
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request to send."""
+
+    index: int
+    arrival_s: float          # seconds from the start of the run
+    prompt_tokens: int
+    output_tokens: int        # forced: sent as max_tokens with ignore_eos (Splitwise does the same)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What to send. `arrivals=None` picks "trace" for a trace with timestamps when `rate` is None,
+    else "poisson". Lengths are round(length * length_scale) (half to even, like Python's round),
+    then clipped to [min_tokens, max_*_tokens]."""
+
+    trace: str                        # "code" | "conv" | "sharegpt" | "arxiv" | a CSV path | "fixed"
+    num_requests: int
+    rate: float | None = None         # mean requests/s; None: the trace's own arrivals (Azure traces only)
+    arrivals: str | None = None       # "poisson" | "gamma" | "trace" | None (see above)
+    burstiness: float = 1.0           # gamma: coefficient of variation of inter-arrival times (1 = Poisson)
+    length_scale: float = 1.0         # multiply prompt and output lengths
+    max_prompt_tokens: int | None = None   # clip (the model's context); after scaling
+    max_output_tokens: int | None = None
+    min_tokens: int = 1               # every length is at least this after scaling
+    fixed_prompt_tokens: int = 128    # trace "fixed"
+    fixed_output_tokens: int = 128
+    seed: int = 0
+    start_row: int = 0                # "trace" arrivals: replay rows from here (a window of the real trace)
+
+    def __post_init__(self):
+        _require(self.num_requests >= 1, "num_requests", f"must be at least 1, got {self.num_requests}")
+        _require(self.rate is None or _positive(self.rate), "rate", f"must be a positive number, got {self.rate}")
+        _require(self.arrivals is None or self.arrivals in ARRIVALS, "arrivals",
+                 f"must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")
+        _require(_positive(self.burstiness), "burstiness", f"must be a positive number, got {self.burstiness}")
+        _require(_positive(self.length_scale), "length_scale", f"must be a positive number, got {self.length_scale}")
+        _require(self.min_tokens >= 1, "min_tokens", f"must be at least 1, got {self.min_tokens}")
+        for name in ("max_prompt_tokens", "max_output_tokens"):
+            value = getattr(self, name)
+            _require(value is None or value >= self.min_tokens, name,
+                     f"must be at least min_tokens ({self.min_tokens}), got {value}")
+        for name in ("fixed_prompt_tokens", "fixed_output_tokens"):
+            _require(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
+        _require(self.start_row >= 0, "start_row", f"must be at least 0, got {self.start_row}")
+
+
+def _require(ok: bool, field: str, problem: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {problem}")
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def make_workload(spec: WorkloadSpec) -> list[RequestSpec]:
+    """The requests of `spec`, in arrival order, indexed from 0."""
+    trace = _trace_for(spec)
+    kind = resolved_arrivals(spec, trace.timestamps_s is not None)
+    if kind == "trace":
+        rows = _window(spec, len(trace))
+        arrivals = _trace_arrivals(trace.timestamps_s[rows], spec.rate)
+    else:
+        rng = np.random.default_rng(spec.seed)
+        rows = rng.integers(0, len(trace), size=spec.num_requests)
+        arrivals = _renewal_arrivals(rng, kind, spec)
+    prompt = _scaled(trace.prompt_tokens[rows], spec, spec.max_prompt_tokens)
+    output = _scaled(trace.output_tokens[rows], spec, spec.max_output_tokens)
+    return [RequestSpec(i, float(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(arrivals, prompt, output))]
+
+
+def resolved_arrivals(spec: WorkloadSpec, has_timestamps: bool) -> str:
+    """The arrival process `spec` asks for, once its trace is known to have timestamps or not."""
+    kind = spec.arrivals or ("trace" if spec.rate is None and has_timestamps else "poisson")
+    if kind == "trace" and not has_timestamps:
+        raise ValueError(f"arrivals: 'trace' needs a trace with timestamps (code, conv or an Azure-layout CSV); "
+                         f"{spec.trace!r} has none")
+    if kind != "trace" and spec.rate is None:
+        raise ValueError(f"rate: required for {kind} arrivals (trace {spec.trace!r})")
+    return kind
+
+
+def _trace_for(spec: WorkloadSpec) -> TraceData:
+    if spec.trace != "fixed":
+        return load_trace(spec.trace)
+    return TraceData("fixed", np.array([spec.fixed_prompt_tokens]), np.array([spec.fixed_output_tokens]), None)
+
+
+def _window(spec: WorkloadSpec, num_rows: int) -> np.ndarray:
+    end = spec.start_row + spec.num_requests
+    if end > num_rows:
+        raise ValueError(f"start_row: rows {spec.start_row}..{end - 1} (num_requests={spec.num_requests}) run past "
+                         f"the {num_rows} rows of trace {spec.trace!r}")
+    return np.arange(spec.start_row, end)
+
+
+def _trace_arrivals(stamps: np.ndarray, rate: float | None) -> np.ndarray:
+    """Shift to start at 0; with a rate, stretch so the mean gap is 1 / rate (relative gaps kept)."""
+    arrivals = stamps - stamps[0]
+    if rate is None or len(arrivals) < 2:
+        return arrivals
+    mean_gap = arrivals[-1] / (len(arrivals) - 1)
+    if mean_gap == 0:
+        raise ValueError("rate: every request of this trace window arrives at one instant; it has no rate to scale")
+    return arrivals * ((1.0 / rate) / mean_gap)
+
+
+def _renewal_arrivals(rng: np.random.Generator, kind: str, spec: WorkloadSpec) -> np.ndarray:
+    """Arrival times with i.i.d. gaps of mean 1 / rate; gamma gaps have shape 1 / cv^2."""
+    mean_gap, num_gaps = 1.0 / spec.rate, spec.num_requests - 1
+    if kind == "poisson":
+        gaps = rng.exponential(mean_gap, num_gaps)
+    else:
+        shape = 1.0 / spec.burstiness ** 2
+        gaps = rng.gamma(shape, mean_gap / shape, num_gaps)
+    return np.concatenate(([0.0], np.cumsum(gaps)))
+
+
+def _scaled(lengths: np.ndarray, spec: WorkloadSpec, maximum: int | None) -> np.ndarray:
+    return np.clip(np.rint(lengths * spec.length_scale).astype(np.int64), spec.min_tokens, maximum)

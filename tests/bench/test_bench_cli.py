@@ -1,0 +1,63 @@
+"""The benchmark end to end against the test run's local cluster: in-process, and as a Ray job
+submitted to the head node (`ray job submit -- python -m splitserve.bench ...`), as users run it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from splitserve.bench.cli import main
+
+SUMMARY_KEYS = {"num_requests", "num_failed", "throughput_rps", "ttft_s", "tbt_s", "e2e_s"}
+
+
+def check_summary(summary: dict, num_requests: int) -> None:
+    assert SUMMARY_KEYS <= set(summary) and summary["num_requests"] == num_requests
+    assert summary["num_failed"] == 0 and summary["throughput_rps"] > 0
+    for metric in ("ttft_s", "tbt_s", "e2e_s"):
+        assert 0 < summary[metric]["p50"] <= summary[metric]["p90"] <= summary[metric]["p99"]
+
+
+def test_short_bench_writes_every_output(server, tmp_path):
+    out = tmp_path / "run"
+    code = main(["--url", server, "--trace", "conv", "--num-requests", "12", "--rate", "6", "--length-scale", "0.1",
+                 "--out", str(out), "--no-progress", "--tbt-slo", "1.0"])
+    assert code == 0
+    assert {p.name for p in out.iterdir()} >= {"summary.json", "requests.jsonl", "report.md", "latency_cdf.png"}
+    summary = json.loads((out / "summary.json").read_text())
+    check_summary(summary, 12)
+    assert set(summary["slo"]) >= {"slowdown", "absolute", "all_met"}  # Table VI from the calibration pass
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(records) == 12
+    assert all(r["output_tokens"] == r["requested_output_tokens"] == len(r["token_times_s"]) for r in records)
+
+
+def test_capacity_search_probes_rates(server, tmp_path):
+    out = tmp_path / "capacity"
+    code = main(["--url", server, "--trace", "fixed", "--prompt-tokens", "32", "--output-tokens", "8",
+                 "--num-requests", "8", "--out", str(out), "--no-progress", "--no-calibrate", "--capacity",
+                 "--tbt-slo", "5.0", "--rate-low", "2", "--rate-high", "8", "--iterations", "1"])
+    assert code == 0
+    result = json.loads((out / "capacity.json").read_text())
+    assert result["capacity_rps"] == 8 and [p["rate"] for p in result["probes"]] == [2, 8]
+    assert (out / "latency_vs_load.png").stat().st_size > 1000
+
+
+def test_bad_arguments_are_reported(server, tmp_path, capsys):
+    assert main(["--url", server, "--trace", "nope", "--out", str(tmp_path)]) == 2
+    assert "trace" in capsys.readouterr().err
+
+
+def test_ray_job_submit_runs_the_bench_on_the_head_node(head_node, server, tmp_path):
+    _, dashboard = head_node
+    out = tmp_path / "job"
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}  # Ray >= 2.59: the job CLI must send the head's token
+    done = subprocess.run(
+        ["ray", "job", "submit", "--address", dashboard, "--", sys.executable, "-m", "splitserve.bench",
+         "--url", server, "--trace", "sharegpt", "--num-requests", "6", "--rate", "4", "--length-scale", "0.02",
+         "--no-calibrate", "--no-progress", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "succeeded" in done.stdout + done.stderr
+    check_summary(json.loads((out / "summary.json").read_text()), 6)

@@ -1,0 +1,105 @@
+"""One Ray head node for the whole test run, started as users start one (`ray start --head`),
+sized for 2 cores, with two splitserve apps: `main` at / (1 prompt + 1 token worker, like
+deploy/local-cpu.yaml) and `pools` at /pools (the same shape with low thresholds, an API key and
+two ingress replicas sharing one CLS, for pool moves, backpressure and auth). Its dashboard takes
+`ray job submit`. A pytest plugin (tests/conftest.py): only tests that ask for these fixtures
+start it; the session ends with `ray stop`."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+
+import pytest
+
+# Ray >= 2.59 heads require their token (~/.ray/auth_token) from drivers and the job CLI; Ray reads
+# this when it is imported, so it is set before any test module imports ray.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 2048}
+MAIN = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10},
+        "scheduler": {"report_interval_s": 0.05}}
+POOLS = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10},
+         "scheduler": {"report_interval_s": 0.05, "mixed_prompt_tokens": 600, "max_queue_tokens": 3000,
+                       "max_decode_queue_tokens": 3000},
+         "ingress": {"api_key": "sk-pools", "num_replicas": 2}}
+POOLS_KEY = {"Authorization": "Bearer sk-pools"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def head_node():
+    """(GCS address, dashboard URL) of a local head node; this process joins it as a driver."""
+    ray = pytest.importorskip("ray")
+    gcs, dashboard = _free_port(), _free_port()
+    subprocess.run(["ray", "start", "--head", "--port", str(gcs), "--dashboard-port", str(dashboard),
+                    "--dashboard-host", "127.0.0.1", "--num-cpus", "6", "--disable-usage-stats"],
+                   check=True, capture_output=True, timeout=180)
+    ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
+    yield f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
+    ray.shutdown()
+    subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(head_node):
+    """Base URL of Serve's HTTP proxy on the head node."""
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(ray_cluster):
+    """Base URL of the main app, ready to serve."""
+    from ray import serve
+
+    from splitserve.cluster.app import build_app
+    from splitserve.cluster.launcher import wait_until_healthy
+
+    serve.run(build_app(MAIN), name="main", route_prefix="/", blocking=False)
+    wait_until_healthy(ray_cluster, timeout=180)
+    return ray_cluster
+
+
+@pytest.fixture(scope="session")
+def pools_server(ray_cluster, server):
+    from ray import serve
+
+    from splitserve.cluster.app import build_app
+    from splitserve.cluster.launcher import wait_until_healthy
+
+    serve.run(build_app(POOLS), name="pools", route_prefix="/pools", blocking=False)
+    url = f"{ray_cluster}/pools"
+    wait_until_healthy(url, timeout=180)
+    return url
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def offline():
+    """The offline engine the cluster's greedy output must equal."""
+    from splitserve import LLM
+
+    return LLM("demo", **ENGINE)
+
+
+def worker_actor(app: str, worker_id: str):
+    import ray
+
+    from splitserve.cluster.controller import WORKER_NAMESPACE
+
+    return ray.get_actor(f"{app}-{worker_id}", namespace=WORKER_NAMESPACE)
