@@ -1,0 +1,26 @@
+"""The design comparison runs end to end (its own local Ray, in a subprocess) and writes one row
+per design and rate with the fields the README table and issue ask for."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_designs.py"
+
+
+def test_tiny_comparison_writes_every_row(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "compare.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--num-requests", "4", "--rates", "2,4", "--length-scale",
+                           "0.05", "--port", "8023", "--no-progress", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["design"], r["rate"]) for r in rows] == [(d, r) for d in ("baseline", "sarathi", "splitwise")
+                                                        for r in (2.0, 4.0)]
+    for row in rows:
+        assert row["num_requests"] == 4 and row["num_failed"] == 0 and row["throughput_rps"] > 0
+        assert all(0 < row[m]["p50"] <= row[m]["p99"] for m in ("ttft_s", "tbt_s", "e2e_s"))
+    assert "| 4 | splitwise |" in done.stdout
