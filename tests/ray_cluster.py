@@ -3,12 +3,18 @@ sized for 2 cores, with two splitserve apps: `main` at / (1 prompt + 1 token wor
 deploy/local-cpu.yaml) and `pools` at /pools (the same shape with low thresholds, an API key and
 two ingress replicas sharing one CLS, for pool moves, backpressure and auth). Its dashboard takes
 `ray job submit`. A pytest plugin (tests/conftest.py): only tests that ask for these fixtures
-start it; the session ends with `ray stop`."""
+start it; the session ends by stopping that cluster's processes."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import socket
 import subprocess
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -37,13 +43,36 @@ def head_node():
     """(GCS address, dashboard URL) of a local head node; this process joins it as a driver."""
     ray = pytest.importorskip("ray")
     gcs, dashboard = _free_port(), _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="ssray-")  # marks this cluster's processes (short: socket paths)
     subprocess.run(["ray", "start", "--head", "--port", str(gcs), "--dashboard-port", str(dashboard),
-                    "--dashboard-host", "127.0.0.1", "--num-cpus", "6", "--disable-usage-stats"],
-                   check=True, capture_output=True, timeout=180)
+                    "--dashboard-host", "127.0.0.1", "--num-cpus", "6", "--disable-usage-stats",
+                    "--temp-dir", temp_dir], check=True, capture_output=True, timeout=180)
     ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
     yield f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
     ray.shutdown()
-    subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
+    _stop_processes_of(temp_dir)  # not `ray stop`: that stops every Ray cluster on the machine
+
+
+def _stop_processes_of(temp_dir: str, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, every process whose command line names this cluster's temp dir."""
+    def members() -> list[int]:
+        pids = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                if temp_dir.encode() in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+        return pids
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in members():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while members() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -118,6 +118,14 @@ class IngressOptions(_Strict):
     retry_after_s: int = Field(1, ge=1)
 
 
+class SLOOptions(_Strict):
+    """Bounds the metrics count each completed request against (splitserve_slo_met_total)."""
+
+    ttft_s: float = Field(2.0, gt=0)
+    tbt_s: float = Field(0.2, gt=0)   # a request's mean time between tokens
+    e2e_s: float = Field(60.0, gt=0)
+
+
 class ClusterConfig(_Strict):
     model: str = "demo"
     served_model_name: str | None = None
@@ -127,6 +135,7 @@ class ClusterConfig(_Strict):
     transfer: TransferOptions = TransferOptions()
     scheduler: SchedulerOptions = SchedulerOptions()
     ingress: IngressOptions = IngressOptions()
+    slo: SLOOptions = SLOOptions()
 
     @model_validator(mode="after")
     def _pools_make_a_cluster(self) -> "ClusterConfig":

@@ -12,7 +12,6 @@ their pools and the one placement state every ingress replica asks.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import datetime
 import itertools
 import logging
@@ -24,7 +23,9 @@ import ray
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from splitserve.cluster.background import background
 from splitserve.cluster.config import ClusterConfig, PoolConfig
+from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
 from splitserve.cluster.placement import ClusterState, Placement, PlacementRequest, PlacementThresholds, PoolMove
 from splitserve.cluster.placement.state import Role
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS, Worker
@@ -46,6 +47,8 @@ class Controller:
         self.state = ClusterState(sched.policy, thresholds)
         self.handles: dict[str, object] = {}
         self.slots: dict[str, tuple[PoolConfig, int]] = {}
+        slo = self.config.slo
+        self.metrics = ClusterMetrics(self.config.model_name, SLOBounds(slo.ttft_s, slo.tbt_s, slo.e2e_s))
         self.counters: Counter = Counter()
         self.start_errors: list[str] = []
         self._incarnations = itertools.count()
@@ -61,7 +64,7 @@ class Controller:
     async def start(self) -> None:
         """Start every pool's workers in the background; `health` says when they are up."""
         if self._started is None:
-            self._started = _background(self._start_all())
+            self._started = background(self._start_all())
 
     async def _start_all(self) -> None:
         slots = [(pool, slot) for pool in self.config.pools for slot in range(pool.num_workers)]
@@ -105,6 +108,8 @@ class Controller:
         """Switch the moved workers' engines to their new pool's role (before they get work)."""
         for move in moves:
             self.counters["repurposings" if move.repurposed else f"moves_to_{move.to_pool.value}"] += 1
+            worker = self.state.workers[move.worker_id]  # the move is applied: into MIXED keeps the home
+            self.metrics.record_transition(worker.home if move.to_pool is Role.MIXED else Role.MIXED, move.to_pool)
             log.info("pool move: %s -> %s (%s)", move.worker_id, move.to_pool.value, move.reason)
             try:
                 await self.handles[move.worker_id].set_role.remote(move.to_pool.value)
@@ -117,6 +122,7 @@ class Controller:
         while True:
             started = time.monotonic()
             await asyncio.gather(*(self._poll(w) for w in list(self.handles)))
+            self.metrics.record_pools({w.worker_id: (w.pool, w.hardware.name) for w in self.state.workers.values()})
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def _poll(self, worker_id: str) -> None:
@@ -124,11 +130,14 @@ class Controller:
         if handle is None:
             return
         try:
-            load = await asyncio.wait_for(handle.load.remote(), CALL_TIMEOUT_S)
+            load, stats = await asyncio.wait_for(handle.report.remote(), CALL_TIMEOUT_S)
         except (RayActorError, asyncio.TimeoutError, GetTimeoutError):
             await self.worker_failed(worker_id)
             return
         await self._apply(self.state.report(worker_id, load, time.monotonic()))
+        worker = self.state.workers.get(worker_id)
+        if worker is not None:
+            self.metrics.record_worker(worker_id, worker.pool, worker.hardware.name, load, stats)
 
     async def worker_failed(self, worker_id: str) -> None:
         """A worker failed a call: if it is really gone, it leaves its pool and is replaced."""
@@ -138,11 +147,13 @@ class Controller:
         self.handles.pop(worker_id)
         pool, slot = self.slots.pop(worker_id)
         self.state.remove_worker(worker_id)
+        self.metrics.remove_worker(worker_id)
+        self.metrics.worker_failures.inc()
         self.counters["worker_failures"] += 1
         log.warning("worker %s died; it leaves the %s pool", worker_id, pool.role)
         if self.config.scheduler.replace_dead_workers:
             self.counters["worker_replacements"] += 1
-            _background(self._start_worker(pool, slot))
+            background(self._start_worker(pool, slot))
 
     async def _alive(self, handle) -> bool:
         try:
@@ -156,6 +167,13 @@ class Controller:
         return {**self.state.snapshot(), "model": self.config.model_name, "ready": self._ready,
                 "counters": dict(self.counters)}
 
+    async def record_requests(self, observations: list[RequestObservation]) -> None:
+        self.metrics.record_requests(observations)
+
+    async def metrics_text(self) -> bytes:
+        """The cluster's metrics in Prometheus text format."""
+        return self.metrics.render()
+
     async def worker_handle(self, worker_id: str):
         return self.handles.get(worker_id)
 
@@ -166,8 +184,3 @@ class Controller:
         return dist.TCPStore(self._store_host, 0, is_master=True, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=self.config.transfer.timeout_s))
 
-
-def _background(coro) -> asyncio.Task:
-    """A task outside the current request's context, so Serve's cancellation of that request
-    (a client gone) does not reach the work it started (worker start-up, replacements)."""
-    return asyncio.create_task(coro, context=contextvars.Context())

@@ -73,7 +73,7 @@ class Run:
     prompt_handle: object = None
     token_handle: object = None
     _attempts: itertools.count = field(default_factory=itertools.count)
-    _failures: int = 0
+    failures: int = 0  # attempts that failed (each one placed the request again, if attempts were left)
     _stream: object = None
     _first: asyncio.Task | None = None
 
@@ -181,15 +181,15 @@ class Run:
 
     # ---- failover ---------------------------------------------------------------------------
     async def _recover(self, failure: _AttemptFailed) -> None:
-        self._failures += 1
+        self.failures += 1
         log.warning("request %s: attempt failed on %s (%s); %d generated tokens kept",
                     self.request_id, failure.worker, failure, len(self.tokens))
         await self._drop_attempt()
         if failure.worker and failure.dead:
             self.workers.forget(failure.worker)
             await _quietly(self.workers.cls.worker_failed.remote(failure.worker))
-        if self._failures >= self.max_attempts:
-            raise RequestFailed(f"request failed after {self._failures} attempts: {failure}")
+        if self.failures >= self.max_attempts:
+            raise RequestFailed(f"request failed after {self.failures} attempts: {failure}")
         exclude = frozenset({failure.worker} if failure.worker else ())
         try:
             await self._start_attempt(failover=True, exclude=exclude)

@@ -11,13 +11,16 @@ import os
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
 from splitserve.cluster import responses as R
 from splitserve.cluster.chat import chat_prompt_token_ids
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
+from splitserve.cluster.metrics import RequestObservation
+from splitserve.cluster.observations import ObservationBuffer
 from splitserve.cluster.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, check_model,
                                          parse_request, prompt_token_ids_of, sampling_params)
 from splitserve.cluster.reply import Reply, error_response
@@ -38,6 +41,7 @@ class Ingress:
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         self._controller = controller
         self._directory: WorkerDirectory | None = None
+        self._observations = ObservationBuffer()
         self.created = int(time.time())
 
     # ---- endpoints ---------------------------------------------------------------------------
@@ -50,6 +54,13 @@ class Ingress:
     async def models(self, request: Request) -> JSONResponse:
         return self._authorized(request) or JSONResponse(
             R.models_list(self.model, self.created, max_model_len=self.max_model_len))
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        """The whole cluster's metrics (any replica gives the same view); no API key, like /health."""
+        cls = await self._cluster()
+        await self._observations.flush(cls)
+        return Response(await cls.metrics_text.remote(), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/v1/cluster/status")
     async def status(self, request: Request) -> JSONResponse:
@@ -65,22 +76,27 @@ class Ingress:
 
     # ---- one request -------------------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):
+        started = time.monotonic()
         if denied := self._authorized(request):
             return denied
         try:
             body, prompt, params = self._parse(await request.body(), kind)
-            run = Run(R.new_request_id(kind), prompt, params, await self._workers(),
-                      self.config.scheduler.max_attempts)
+            workers = await self._workers()
+            self._observations.start(workers.cls)
+            run = Run(R.new_request_id(kind), prompt, params, workers, self.config.scheduler.max_attempts)
             await run.admit()
         except RequestError as error:
             return error_response(error)
         except RequestFailed as error:
+            self._observations.add(RequestObservation("failed", len(prompt), restarts=run.failures))
             return error_response(RequestError(str(error), status=503, type="service_unavailable"))
         except Overloaded as error:
+            self._observations.add(RequestObservation("rejected", len(prompt)))
             retry = self.config.ingress.retry_after_s
-            return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s", status=429,
-                                       type="rate_limit_exceeded"), {"Retry-After": str(retry)})
-        reply = Reply(kind, run, self.model, TextStream(self.tokenizer, params, prompt))
+            return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
+                                               status=429, type="rate_limit_exceeded"), {"Retry-After": str(retry)})
+        reply = Reply(kind, run, self.model, TextStream(self.tokenizer, params, prompt), started,
+                      self._observations.add)
         if body.stream:
             options = body.stream_options
             stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))

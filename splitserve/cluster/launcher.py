@@ -36,7 +36,8 @@ def wait_until_healthy(url: str, timeout: float) -> dict:
 
 def deploy(config: ClusterConfig, host: str, port: int, address: str | None, timeout: float = 600) -> str:
     """Start or join Ray, run the app; returns the base URL once /health is 200."""
-    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    # "local": a fresh cluster even where `ray start` left one running (ray.init would join it)
+    ray.init(address=address or "local", ignore_reinit_error=True, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.placement.state import WorkerLoad
 from splitserve.cluster.worker_loop import TokenDelta, WorkerLoop
+from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer.faults import crash_after_layer_pushes
@@ -93,6 +94,10 @@ class Worker:
 
     async def load(self) -> WorkerLoad:
         return await self._call(self.loop.load)
+
+    async def report(self) -> tuple[WorkerLoad, WorkerStats]:
+        """Load for placement, and what happened since the last report for the metrics."""
+        return await self._call(lambda: (self.loop.load(), self.loop.drain_stats()))
 
     async def check_integrity(self) -> None:
         await self._call(self.loop.engine.check_integrity)

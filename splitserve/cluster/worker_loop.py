@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from splitserve.cluster.placement.state import WorkerLoad
+from splitserve.cluster.worker_stats import StatsRecorder, WorkerStats
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
@@ -53,6 +54,7 @@ class WorkerLoop:
         self._delivered: dict[str, int] = {}  # tokens already sent to each request's sink
         self._prefills: set[str] = set()
         self._importing: set[str] = set()
+        self.stats = StatsRecorder()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"engine-{worker_id}")
 
@@ -111,6 +113,12 @@ class WorkerLoop:
             num_waiting=len(policy.waiting), free_kv_tokens=blocks.num_free_blocks * size,
             total_kv_tokens=blocks.num_blocks * size)
 
+    def drain_stats(self) -> WorkerStats:
+        blocks = self.engine.block_manager
+        sent = self.exporter.bytes_pushed if self.exporter else 0
+        return self.stats.drain(self.engine.policy.num_preemptions, sent, blocks.num_blocks - blocks.num_free_blocks,
+                                blocks.num_free_blocks)
+
     # ---- internals -----------------------------------------------------------------------
     def _require_transport(self) -> None:
         if self.exporter is None:
@@ -130,13 +138,24 @@ class WorkerLoop:
         while not self._stopped.is_set():
             self._run_commands()
             outputs, failures = self._poll_imports()
-            outputs += self.exporter.step() if self.exporter else self.engine.step()
+            outputs += self._step()
             if self.exporter:
                 failures += self.exporter.failures()
             for out in outputs:
                 self._deliver(out)
+            self.stats.kv_failures += len(failures)
             for request_id, error in failures:
                 self._fail(request_id, str(error))
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step (with KV export when there is a transport), recorded for the metrics."""
+        step, transfer = self.engine.last_step, self.exporter and self.exporter.last_transfer
+        outputs = self.exporter.step() if self.exporter else self.engine.step()
+        if self.engine.last_step is not step:
+            self.stats.step(self.engine.last_step)
+        if self.exporter and self.exporter.last_transfer is not transfer:
+            self.stats.transfer(self.exporter.last_transfer)
+        return outputs
 
     def _run_commands(self) -> None:
         idle = not self.engine.has_unfinished_requests() and not self._importing
@@ -172,6 +191,8 @@ class WorkerLoop:
         if sink is None:
             return
         sent = self._delivered[out.request_id]
+        if sent == 0 and out.first_scheduled_time is not None:  # imports were never queued here
+            self.stats.queued(out.first_scheduled_time - out.arrival_time)
         new = tuple(out.token_ids[sent:])
         self._delivered[out.request_id] = len(out.token_ids)
         handed_off = out.request_id in self._prefills

@@ -12,7 +12,7 @@ from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.kv_cache import KVCache, kv_cache_budget
 from splitserve.engine.model_builder import build_model
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.outputs import CompletionOutput, RequestOutput
+from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
@@ -50,6 +50,7 @@ class LLMEngine:
         self.sampler = Sampler(seed=config.seed)
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
+        self.last_step = StepStats()  # what the last non-empty step computed, and how long it took
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
@@ -91,15 +92,21 @@ class LLMEngine:
     def step(self, after_layer: Callable[[Plan, int], None] | None = None) -> list[RequestOutput]:
         """Run one iteration; return the requests that got a token (cumulative outputs).
         `after_layer(plan, i)` runs once layer i's KV for this iteration is in the cache."""
+        start = time.monotonic()
         plan = self.policy.schedule()
         if not plan:
             return []
+        decodes = plan.num_decode_tokens  # before the step: it turns finished prefills into decodes
+        for item in plan.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = start
         tables = {item.seq.seq_id: self.block_manager.block_table(item.seq.seq_id) for item in plan.scheduled}
         hook = None if after_layer is None else (lambda i: after_layer(plan, i))
         seqs, logits = self.runner.execute(plan, tables, hook)
         sampled = dict(zip((s.seq_id for s in seqs), self.sampler.sample(logits, seqs)))
         now = time.monotonic()
         updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
+        self.last_step = StepStats(plan.num_tokens - decodes, decodes, now - start)
         return [self._record(self._requests[seq.seq_id], sampled[seq.seq_id].token_id,
                              sampled[seq.seq_id].logprobs, now) for seq in updated]
 
@@ -180,4 +187,4 @@ class LLMEngine:
         completion = CompletionOutput(0, req.detokenizer.text, seq.output_token_ids, seq.finish_reason,
                                       req.logprobs, req.timestamps)
         return RequestOutput(seq.seq_id, req.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             seq.arrival_time, seq.num_cached_tokens)
+                             seq.arrival_time, seq.num_cached_tokens, seq.first_scheduled_time)

@@ -1,4 +1,5 @@
-"""What the engine returns per request (vLLM's `RequestOutput` / `CompletionOutput` shape)."""
+"""What the engine returns per request (vLLM's `RequestOutput` / `CompletionOutput` shape), and
+what one step did (`StepStats`, for metrics)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ class RequestOutput:
     finished: bool
     arrival_time: float
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() of its first step (None: imported KV)
 
     @property
     def token_ids(self) -> list[int]:
@@ -41,3 +43,18 @@ class RequestOutput:
     @property
     def token_timestamps(self) -> list[float]:
         return self.outputs[0].token_timestamps
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One iteration: tokens computed (prefill and decode) and its wall time."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def phase(self) -> str:
+        if not self.decode_tokens:
+            return "prefill"
+        return "decode" if not self.prefill_tokens else "mixed"

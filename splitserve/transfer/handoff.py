@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,22 @@ from splitserve.transfer.link import Fabric, TransferError
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
 LAYERWISE_THRESHOLD = 512  # prompt tokens; below it one transfer after the prefill (Splitwise IV-C)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """One step's pushes: what they added to the critical path (packing on the compute thread plus
+    the wait for them to leave) against their whole span (first push to the last leaving)."""
+
+    visible_seconds: float
+    span_seconds: float
+
+    @property
+    def overlap_ratio(self) -> float:
+        """Fraction of the transfer hidden behind compute (0: fully serialized)."""
+        if self.span_seconds <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.visible_seconds / self.span_seconds))
 
 
 def make_transport(engine: LLMEngine, fabric: Fabric, timeout: float = 60.0) -> KVTransport:
@@ -43,6 +60,9 @@ class KVExporter:
         self._failures: list[tuple[str, TransferError]] = []
         self._pushed: dict[str, TransferTicket] = {}  # this step's pushes, until they have left
         self.stream_seconds = 0.0  # last step: time the compute thread spent packing and pushing layers
+        self.bytes_pushed = 0      # KV bytes pushed, ever
+        self.last_transfer: TransferStats | None = None  # the last step that pushed anything
+        self._first_push: float | None = None
 
     def add(self, ticket: TransferTicket, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
@@ -51,12 +71,16 @@ class KVExporter:
 
     def step(self) -> list[RequestOutput]:
         """One prefill iteration with layer-wise pushes; returns outputs carrying first tokens."""
-        self.stream_seconds = 0.0
+        self.stream_seconds, self._first_push = 0.0, None
         outputs = self.engine.step(after_layer=self._after_layer)
         for out in outputs:
             if out.request_id in self._tickets:
                 self._hand_off(out)
+        flush_start = time.perf_counter()
         self._flush()
+        if self._first_push is not None:
+            end = time.perf_counter()
+            self.last_transfer = TransferStats(self.stream_seconds + end - flush_start, end - self._first_push)
         for request_id, _ in self._failures:  # freed only now: never in the middle of a forward pass
             self.engine.abort(request_id)
         return outputs
@@ -88,8 +112,8 @@ class KVExporter:
         for item in plan.scheduled:
             ticket = self._tickets.get(item.seq.seq_id)
             if ticket is not None and ticket.layerwise and item.samples:
-                slots = self._slots_for(ticket)
-                self._try(ticket, lambda: self.transport.push_layer(ticket, layer, pack_layer(self.engine.kv_cache, layer, slots)))
+                payload = pack_layer(self.engine.kv_cache, layer, self._slots_for(ticket))
+                self._try(ticket, lambda: self.transport.push_layer(ticket, layer, payload), payload.nbytes)
 
     def _hand_off(self, out: RequestOutput) -> None:
         ticket = self._tickets[out.request_id]
@@ -100,7 +124,8 @@ class KVExporter:
         slots = self._slots_for(ticket)
         self._forget(ticket.request_id)
         if not ticket.layerwise:
-            self._try(ticket, lambda: self.transport.push_all(ticket, pack_all(self.engine.kv_cache, slots)))
+            payload = pack_all(self.engine.kv_cache, slots)
+            self._try(ticket, lambda: self.transport.push_all(ticket, payload), payload.nbytes)
         self._try(ticket, lambda: self.transport.complete(ticket, out.token_ids[0]))
         self.engine.release_request(ticket.request_id)
 
@@ -115,11 +140,14 @@ class KVExporter:
         self._slots.pop(request_id, None)
         return self._tickets.pop(request_id, None)
 
-    def _try(self, ticket: TransferTicket, push) -> None:
+    def _try(self, ticket: TransferTicket, push, nbytes: int = 0) -> None:
         """A failed push fails only its own request: recorded here, its blocks freed after the step."""
         try:
+            if self._first_push is None:
+                self._first_push = time.perf_counter()
             push()
             self._pushed[ticket.request_id] = ticket
+            self.bytes_pushed += nbytes
         except TransferError as error:
             self._failures.append((ticket.request_id, error))
             self._forget(ticket.request_id)

@@ -271,3 +271,23 @@ def test_loop_without_transport_rejects_disaggregated_work(offline):
         assert_clean(loop)
     finally:
         loop.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# stats for the metrics
+# ---------------------------------------------------------------------------------------------
+
+def test_stats_record_steps_queue_times_and_transfers(pair, offline):
+    _, _, token_sink = pair.disaggregate("r", LONG)
+    token_sink.until_final()
+    prompt_stats = run(pair.prompt, pair.prompt.drain_stats)
+    token_stats = run(pair.token, pair.token.drain_stats)
+    assert [(s.phase, s.prefill_tokens) for s in prompt_stats.steps] == [("prefill", len(LONG))]
+    assert len(prompt_stats.queue_seconds) == 1 and 0 <= prompt_stats.queue_seconds[0] < WAIT_S
+    assert len(prompt_stats.transfers) == 1 and 0 <= prompt_stats.transfers[0].overlap_ratio <= 1
+    assert prompt_stats.kv_bytes_sent > 0 and prompt_stats.kv_failures == 0
+    # the token side decoded the other tokens one step each and queued nothing (its KV came in)
+    assert {s.phase for s in token_stats.steps} == {"decode"}
+    assert sum(s.decode_tokens for s in token_stats.steps) == len(offline(LONG)) - 1
+    assert token_stats.queue_seconds == () and token_stats.kv_bytes_sent == 0
+    assert run(pair.prompt, pair.prompt.drain_stats).steps == ()  # drained: only totals carry over

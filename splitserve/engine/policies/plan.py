@@ -29,6 +29,10 @@ class Plan:
     def num_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.scheduled)
 
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for item in self.scheduled if item.seq.is_decoding)
+
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 

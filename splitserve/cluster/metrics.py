@@ -1,0 +1,218 @@
+"""The cluster's Prometheus metrics (prefix `splitserve_`), in one registry held by the CLS actor.
+
+How Prometheus finds them: every ingress replica serves `GET /metrics` on the Serve HTTP port
+and answers with this registry's text, so any replica gives the same cluster-wide view (scrape
+the Serve service, e.g. `http://127.0.0.1:8000/metrics`). Feeding it:
+- ingress replicas batch one `RequestObservation` per finished request and send them to the CLS
+  (each second, and before answering a scrape);
+- workers hand their `WorkerStats` to the CLS's load poll, with their load;
+- the CLS itself records pools, pool moves and worker failures.
+Series that only move on rare events (restarts, failures, transitions) start at zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from splitserve.cluster.placement.state import Role, WorkerLoad
+from splitserve.cluster.worker_stats import WorkerStats
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+OUTCOMES = ("completed", "failed", "rejected", "aborted")
+SLOS = ("ttft", "tbt", "e2e")
+WORKER_LABELS = ("model", "worker", "pool", "hardware")
+
+
+@dataclass(frozen=True)
+class RequestObservation:
+    """One finished request as the client saw it (times in seconds; None where it never got there)."""
+
+    outcome: str
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft: float | None = None
+    tbt: tuple[float, ...] = ()
+    e2e: float | None = None
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class SLOBounds:
+    ttft: float
+    tbt: float  # per request: its mean time between tokens
+    e2e: float
+
+
+class ClusterMetrics:
+    def __init__(self, model: str, slo: SLOBounds):
+        self.model, self.slo = model, slo
+        self.registry = CollectorRegistry()
+        self._define_requests()
+        self._define_workers()
+        self._define_pools()
+        self._worker_labels: dict[str, tuple[str, ...]] = {}
+        self._totals: dict[str, WorkerStats] = {}
+
+    # ---- definitions ------------------------------------------------------------------------
+    def _histogram(self, name: str, doc: str, labels=("model",), buckets=LATENCY_BUCKETS) -> Histogram:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def _define_requests(self) -> None:
+        m = self.model
+        self.ttft = self._histogram("splitserve_request_ttft_seconds", "Time to first token, at the ingress").labels(m)
+        self.tbt = self._histogram("splitserve_request_tbt_seconds", "Time between tokens, at the ingress").labels(m)
+        self.e2e = self._histogram("splitserve_request_e2e_seconds", "End-to-end request latency").labels(m)
+        self.queue = self._histogram("splitserve_request_queue_seconds",
+                                     "Time a request waited in a worker's queue before its prefill").labels(m)
+        self.requests = Counter("splitserve_requests", "Requests by outcome", ("model", "outcome"),
+                                registry=self.registry)
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens", ("model",),
+                                     registry=self.registry).labels(m)
+        self.generation_tokens = Counter("splitserve_generation_tokens", "Generated tokens", ("model",),
+                                         registry=self.registry).labels(m)
+        self.slo_requests = Counter("splitserve_slo_requests", "Completed requests checked against an SLO",
+                                    ("model", "slo"), registry=self.registry)
+        self.slo_met = Counter("splitserve_slo_met", "Completed requests within an SLO", ("model", "slo"),
+                               registry=self.registry)
+        self.restarted = Counter("splitserve_requests_restarted", "Requests placed again after a failure",
+                                 ("model",), registry=self.registry).labels(m)
+        for outcome in OUTCOMES:
+            self.requests.labels(m, outcome)
+        for slo in SLOS:
+            self.slo_requests.labels(m, slo), self.slo_met.labels(m, slo)
+
+    def _define_workers(self) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, WORKER_LABELS, registry=self.registry)
+
+        self.pending_prompt = gauge("splitserve_worker_pending_prompt_tokens", "Prompt tokens not yet prefilled")
+        self.decode_tokens = gauge("splitserve_worker_decode_tokens", "Context tokens of sequences decoding here")
+        self.running = gauge("splitserve_worker_running_requests", "Requests decoding or importing here")
+        self.waiting = gauge("splitserve_worker_waiting_requests", "Requests waiting for their prefill")
+        self.blocks_used = gauge("splitserve_worker_kv_blocks_used", "KV cache blocks in use")
+        self.blocks_free = gauge("splitserve_worker_kv_blocks_free", "KV cache blocks free")
+        self.preemptions = Counter("splitserve_worker_preemptions", "Sequences preempted (recomputed later)",
+                                   WORKER_LABELS, registry=self.registry)
+        self.batch_tokens = self._histogram("splitserve_worker_batch_tokens", "Tokens per iteration",
+                                            WORKER_LABELS, TOKEN_BUCKETS)
+        self.step_seconds = self._histogram("splitserve_worker_step_seconds", "Iteration time by phase",
+                                            (*WORKER_LABELS, "phase"))
+        self.kv_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes sent", ("model", "worker"),
+                                registry=self.registry)
+        self.kv_visible = self._histogram("splitserve_kv_transfer_visible_seconds",
+                                          "KV transfer time on the critical path, per step", ("model", "worker"))
+        self.kv_overlap = self._histogram("splitserve_kv_transfer_overlap_ratio",
+                                          "Fraction of the KV transfer hidden behind compute", ("model", "worker"),
+                                          RATIO_BUCKETS)
+        self.kv_failures = Counter("splitserve_kv_transfer_failures", "Requests whose KV transfer failed",
+                                   ("model", "worker"), registry=self.registry)
+
+    def _define_pools(self) -> None:
+        self.pool_workers = Gauge("splitserve_pool_workers", "Workers per pool and hardware class",
+                                  ("model", "pool", "hardware"), registry=self.registry)
+        self.transitions = Counter("splitserve_pool_transitions", "Workers moved between pools",
+                                   ("model", "from_pool", "to_pool"), registry=self.registry)
+        self.mixed_occupancy = Gauge("splitserve_mixed_pool_occupancy", "Fraction of workers in the mixed pool",
+                                     ("model",), registry=self.registry).labels(self.model)
+        self.worker_failures = Counter("splitserve_worker_failures", "Workers that died", ("model",),
+                                       registry=self.registry).labels(self.model)
+        for origin, target in (("prompt", "mixed"), ("token", "mixed"), ("mixed", "prompt"), ("mixed", "token"),
+                               ("prompt", "token"), ("token", "prompt")):
+            self.transitions.labels(self.model, origin, target)
+
+    # ---- recording --------------------------------------------------------------------------
+    def record_requests(self, observations: list[RequestObservation]) -> None:
+        for obs in observations:
+            self.requests.labels(self.model, obs.outcome).inc()
+            self.prompt_tokens.inc(obs.prompt_tokens)
+            self.generation_tokens.inc(obs.generated_tokens)
+            self.restarted.inc(obs.restarts)
+            if obs.outcome == "completed":
+                self._record_latencies(obs)
+
+    def _record_latencies(self, obs: RequestObservation) -> None:
+        if obs.ttft is not None:
+            self.ttft.observe(obs.ttft)
+        for gap in obs.tbt:
+            self.tbt.observe(gap)
+        if obs.e2e is not None:
+            self.e2e.observe(obs.e2e)
+        mean_tbt = sum(obs.tbt) / len(obs.tbt) if obs.tbt else 0.0
+        for slo, value, bound in (("ttft", obs.ttft, self.slo.ttft), ("tbt", mean_tbt, self.slo.tbt),
+                                  ("e2e", obs.e2e, self.slo.e2e)):
+            if value is not None:
+                self.slo_requests.labels(self.model, slo).inc()
+                if value <= bound:
+                    self.slo_met.labels(self.model, slo).inc()
+
+    def record_worker(self, worker_id: str, pool: Role, hardware: str, load: WorkerLoad, stats: WorkerStats) -> None:
+        labels = (self.model, worker_id, pool.value, hardware)
+        self._relabel(worker_id, labels)
+        for gauge, value in ((self.pending_prompt, load.pending_prompt_tokens), (self.decode_tokens, load.decode_tokens),
+                             (self.running, load.num_decoding), (self.waiting, load.num_waiting),
+                             (self.blocks_used, stats.kv_blocks_used), (self.blocks_free, stats.kv_blocks_free)):
+            gauge.labels(*labels).set(value)
+        for step in stats.steps:
+            self.batch_tokens.labels(*labels).observe(step.prefill_tokens + step.decode_tokens)
+            self.step_seconds.labels(*labels, step.phase).observe(step.seconds)
+        for seconds in stats.queue_seconds:
+            self.queue.observe(seconds)
+        self._record_transfers(worker_id, labels, stats)
+
+    def _record_transfers(self, worker_id: str, labels: tuple[str, ...], stats: WorkerStats) -> None:
+        last = self._totals.get(worker_id, WorkerStats())
+        self.preemptions.labels(*labels).inc(max(0, stats.preemptions - last.preemptions))
+        sender = (self.model, worker_id)
+        self.kv_bytes.labels(*sender).inc(max(0, stats.kv_bytes_sent - last.kv_bytes_sent))
+        self.kv_failures.labels(*sender).inc(max(0, stats.kv_failures - last.kv_failures))
+        for transfer in stats.transfers:
+            self.kv_visible.labels(*sender).observe(transfer.visible_seconds)
+            self.kv_overlap.labels(*sender).observe(transfer.overlap_ratio)
+        self._totals[worker_id] = stats
+
+    def _relabel(self, worker_id: str, labels: tuple[str, ...]) -> None:
+        """A worker that changed pool drops its series under the old pool label."""
+        old = self._worker_labels.get(worker_id)
+        if old is not None and old != labels:
+            self._drop_series(old)
+        self._worker_labels[worker_id] = labels
+
+    def remove_worker(self, worker_id: str) -> None:
+        labels = self._worker_labels.pop(worker_id, None)
+        if labels is not None:
+            self._drop_series(labels)
+        self._totals.pop(worker_id, None)
+
+    def _drop_series(self, labels: tuple[str, ...]) -> None:
+        for metric in (self.pending_prompt, self.decode_tokens, self.running, self.waiting, self.blocks_used,
+                       self.blocks_free, self.preemptions, self.batch_tokens):
+            _remove(metric, labels)
+        for phase in ("prefill", "decode", "mixed"):
+            _remove(self.step_seconds, (*labels, phase))
+
+    def record_pools(self, members: dict[str, tuple[Role, str]]) -> None:
+        """Pool sizes now: worker id -> (pool, hardware)."""
+        self.pool_workers.clear()
+        counts: dict[tuple[str, str], int] = {}
+        for pool, hardware in members.values():
+            counts[pool.value, hardware] = counts.get((pool.value, hardware), 0) + 1
+        for (pool, hardware), n in counts.items():
+            self.pool_workers.labels(self.model, pool, hardware).set(n)
+        mixed = sum(1 for pool, _ in members.values() if pool is Role.MIXED)
+        self.mixed_occupancy.set(mixed / len(members) if members else 0.0)
+
+    def record_transition(self, origin: Role, target: Role) -> None:
+        self.transitions.labels(self.model, origin.value, target.value).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _remove(metric, labels: tuple[str, ...]) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:  # that series was never created
+        pass

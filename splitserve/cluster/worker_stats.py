@@ -1,0 +1,45 @@
+"""What a worker did between two reports to the CLS, for the cluster's metrics: observations
+(one per step, request or transfer) since the last report, and running totals."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.engine.outputs import StepStats
+from splitserve.transfer.handoff import TransferStats
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    steps: tuple[StepStats, ...] = ()
+    queue_seconds: tuple[float, ...] = ()        # per request: arrival to its first step here
+    transfers: tuple[TransferStats, ...] = ()    # per step that pushed KV
+    preemptions: int = 0                         # running totals from here on
+    kv_bytes_sent: int = 0
+    kv_failures: int = 0
+    kv_blocks_used: int = 0                      # now
+    kv_blocks_free: int = 0
+
+
+class StatsRecorder:
+    """Collects on the engine thread; `drain` hands over and starts afresh (totals keep counting)."""
+
+    def __init__(self):
+        self._steps: list[StepStats] = []
+        self._queue: list[float] = []
+        self._transfers: list[TransferStats] = []
+        self.kv_failures = 0
+
+    def step(self, stats: StepStats) -> None:
+        self._steps.append(stats)
+
+    def queued(self, seconds: float) -> None:
+        self._queue.append(seconds)
+
+    def transfer(self, stats: TransferStats) -> None:
+        self._transfers.append(stats)
+
+    def drain(self, preemptions: int, kv_bytes_sent: int, blocks_used: int, blocks_free: int) -> WorkerStats:
+        stats = WorkerStats(tuple(self._steps), tuple(self._queue), tuple(self._transfers), preemptions,
+                            kv_bytes_sent, self.kv_failures, blocks_used, blocks_free)
+        self._steps, self._queue, self._transfers = [], [], []
+        return stats

@@ -1,0 +1,101 @@
+"""The cluster's Prometheus metrics: what ingress observations, worker reports and pool changes
+put in the registry, read back with prometheus_client's own text parser."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
+from splitserve.cluster.placement.state import Role, WorkerLoad
+from splitserve.cluster.worker_stats import WorkerStats
+from splitserve.engine.outputs import StepStats
+from splitserve.transfer.handoff import TransferStats
+
+
+@pytest.fixture
+def metrics():
+    return ClusterMetrics("demo", SLOBounds(ttft=0.5, tbt=0.05, e2e=2.0))
+
+
+def samples(metrics: ClusterMetrics) -> dict[tuple, float]:
+    """(sample name, sorted labels) -> value, as Prometheus would scrape it."""
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            out[s.name, tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def value(metrics, name, **labels) -> float:
+    return samples(metrics)[name, tuple(sorted({"model": "demo", **labels}.items()))]
+
+
+def test_every_family_is_prefixed_and_rare_events_start_at_zero(metrics):
+    names = {f.name for f in text_string_to_metric_families(metrics.render().decode())}
+    assert names and all(n.startswith("splitserve_") for n in names)
+    assert value(metrics, "splitserve_requests_total", outcome="failed") == 0
+    assert value(metrics, "splitserve_requests_restarted_total") == 0
+    assert value(metrics, "splitserve_pool_transitions_total", from_pool="token", to_pool="mixed") == 0
+    assert value(metrics, "splitserve_worker_failures_total") == 0
+
+
+def test_request_observations_fill_latencies_tokens_and_slo_attainment(metrics):
+    fast = RequestObservation("completed", 10, 3, ttft=0.2, tbt=(0.01, 0.03), e2e=0.3)
+    slow = RequestObservation("completed", 20, 2, ttft=0.9, tbt=(0.2,), e2e=1.2, restarts=1)
+    metrics.record_requests([fast, slow, RequestObservation("rejected", 5), RequestObservation("aborted", 7, 1)])
+    assert value(metrics, "splitserve_requests_total", outcome="completed") == 2
+    assert value(metrics, "splitserve_requests_total", outcome="rejected") == 1
+    assert value(metrics, "splitserve_prompt_tokens_total") == 42 and value(metrics, "splitserve_generation_tokens_total") == 6
+    assert value(metrics, "splitserve_request_ttft_seconds_count") == 2
+    assert value(metrics, "splitserve_request_ttft_seconds_sum") == pytest.approx(1.1)
+    assert value(metrics, "splitserve_request_tbt_seconds_count") == 3
+    assert value(metrics, "splitserve_request_tbt_seconds_bucket", le="0.01") == 1
+    # ttft: 0.2 met, 0.9 not; tbt means 0.02 met, 0.2 not; e2e both within 2.0
+    assert [value(metrics, "splitserve_slo_met_total", slo=s) for s in ("ttft", "tbt", "e2e")] == [1, 1, 2]
+    assert value(metrics, "splitserve_slo_requests_total", slo="tbt") == 2
+    assert value(metrics, "splitserve_requests_restarted_total") == 1
+
+
+def worker_stats(**overrides) -> WorkerStats:
+    base = dict(steps=(StepStats(300, 0, 0.05), StepStats(0, 4, 0.01), StepStats(100, 2, 0.03)),
+                queue_seconds=(0.002,), transfers=(TransferStats(0.01, 0.04),), preemptions=2,
+                kv_bytes_sent=1000, kv_failures=0, kv_blocks_used=10, kv_blocks_free=90)
+    return WorkerStats(**{**base, **overrides})
+
+
+def test_worker_reports_set_gauges_histograms_and_counter_deltas(metrics):
+    load = WorkerLoad(pending_prompt_tokens=128, decode_tokens=900, num_decoding=3, num_waiting=1)
+    metrics.record_worker("p0", Role.PROMPT, "h100", load, worker_stats())
+    labels = {"worker": "p0", "pool": "prompt", "hardware": "h100"}
+    assert value(metrics, "splitserve_worker_pending_prompt_tokens", **labels) == 128
+    assert value(metrics, "splitserve_worker_kv_blocks_free", **labels) == 90
+    assert value(metrics, "splitserve_worker_step_seconds_count", phase="prefill", **labels) == 1
+    assert value(metrics, "splitserve_worker_step_seconds_count", phase="mixed", **labels) == 1
+    assert value(metrics, "splitserve_worker_batch_tokens_sum", **labels) == 406
+    assert value(metrics, "splitserve_kv_transfer_overlap_ratio_sum", worker="p0") == pytest.approx(0.75)
+    # totals become counter increments: a second report adds only the difference
+    metrics.record_worker("p0", Role.PROMPT, "h100", load, worker_stats(steps=(), transfers=(), queue_seconds=(),
+                                                                       preemptions=5, kv_bytes_sent=2500))
+    assert value(metrics, "splitserve_worker_preemptions_total", **labels) == 5
+    assert value(metrics, "splitserve_kv_transfer_bytes_total", worker="p0") == 2500
+    assert value(metrics, "splitserve_request_queue_seconds_count") == 1
+
+
+def test_a_worker_that_changes_pool_or_dies_drops_its_old_series(metrics):
+    metrics.record_worker("t0", Role.TOKEN, "a100", WorkerLoad(), worker_stats())
+    metrics.record_worker("t0", Role.MIXED, "a100", WorkerLoad(), worker_stats())
+    names = samples(metrics)
+    pools = {dict(k[1]).get("pool") for k in names if k[0] == "splitserve_worker_running_requests"}
+    assert pools == {"mixed"}
+    metrics.remove_worker("t0")
+    assert not [k for k in samples(metrics) if k[0] == "splitserve_worker_running_requests"]
+
+
+def test_pools_and_transitions(metrics):
+    metrics.record_pools({"p0": (Role.PROMPT, "h100"), "t0": (Role.MIXED, "a100"), "t1": (Role.TOKEN, "a100")})
+    assert value(metrics, "splitserve_pool_workers", pool="mixed", hardware="a100") == 1
+    assert value(metrics, "splitserve_mixed_pool_occupancy") == pytest.approx(1 / 3)
+    metrics.record_transition(Role.TOKEN, Role.MIXED)
+    assert value(metrics, "splitserve_pool_transitions_total", from_pool="token", to_pool="mixed") == 1
+    metrics.record_pools({"p0": (Role.PROMPT, "h100")})
+    assert ("splitserve_pool_workers", (("hardware", "a100"), ("model", "demo"), ("pool", "mixed"))) not in samples(metrics)
