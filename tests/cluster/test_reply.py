@@ -20,7 +20,7 @@ class ScriptedRun:
     def __init__(self, deltas, error: Exception | None = None):
         self.request_id, self.prompt, self.tokens = "cmpl-test", PROMPT, []
         self._deltas, self._error, self.aborted = deltas, error, False
-        self.finish_reason = None
+        self.finish_reason, self.failures = None, 0
 
     async def deltas(self):
         for delta in self._deltas:
@@ -39,9 +39,10 @@ def byte_ids(text: str) -> tuple[int, ...]:
     return tuple(text.encode())
 
 
-def reply_for(run, stop=()):
+def reply_for(run, stop=(), observed=None):
     params = SamplingParams(max_tokens=64, stop=stop)
-    return Reply("completion", run, "demo", TextStream(ByteTokenizer(), params, PROMPT))
+    on_done = observed.append if observed is not None else (lambda _: None)
+    return Reply("completion", run, "demo", TextStream(ByteTokenizer(), params, PROMPT), on_done=on_done)
 
 
 def events(reply, **kwargs) -> list:
@@ -54,8 +55,11 @@ def events(reply, **kwargs) -> list:
 
 
 def test_stream_text_usage_and_done():
-    run = ScriptedRun([TokenDelta(byte_ids("Hel")), TokenDelta(byte_ids("lo"), "length")])
-    out = events(reply_for(run), include_usage=True)
+    run, observed = ScriptedRun([TokenDelta(byte_ids("Hel")), TokenDelta(byte_ids("lo"), "length")]), []
+    out = events(reply_for(run, observed=observed), include_usage=True)
+    [obs] = observed  # what the metrics get: 5 tokens in two deltas, so 4 gaps (2 of them zero)
+    assert (obs.outcome, obs.prompt_tokens, obs.generated_tokens, len(obs.tbt)) == ("completed", 3, 5, 4)
+    assert obs.ttft <= obs.e2e and obs.tbt.count(0.0) == 3
     assert "".join(e["choices"][0]["text"] for e in out[:-2]) == "Hello"
     assert out[-3]["choices"][0]["finish_reason"] == "length"
     assert out[-2]["choices"] == [] and out[-2]["usage"]["completion_tokens"] == 5 and out[-1] == "[DONE]"
@@ -79,8 +83,9 @@ def test_continuous_usage_times_every_delta_even_without_text():
 
 
 def test_failure_after_tokens_ends_the_stream_with_an_error_event():
-    run = ScriptedRun([TokenDelta(byte_ids("Hi"))], RequestFailed("request failed after 3 attempts: worker died"))
-    out = events(reply_for(run), include_usage=True)
+    run, observed = ScriptedRun([TokenDelta(byte_ids("Hi"))], RequestFailed("request failed after 3 attempts")), []
+    out = events(reply_for(run, observed=observed), include_usage=True)
+    assert [o.outcome for o in observed] == ["failed"]
     assert out[0]["choices"][0]["text"] == "Hi"
     assert out[-1]["error"]["message"].startswith("request failed after 3 attempts")
     assert "[DONE]" not in out and not run.aborted
