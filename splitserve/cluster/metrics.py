@@ -199,8 +199,9 @@ class ClusterMetrics:
         counts: dict[tuple[str, str], int] = {}
         for pool, hardware in members.values():
             counts[pool.value, hardware] = counts.get((pool.value, hardware), 0) + 1
-        for (pool, hardware), n in counts.items():
-            self.pool_workers.labels(self.model, pool, hardware).set(n)
+        for hardware in {hw for _, hw in members.values()}:  # every pool of a class, 0 when empty
+            for pool in Role:
+                self.pool_workers.labels(self.model, pool.value, hardware).set(counts.get((pool.value, hardware), 0))
         mixed = sum(1 for pool, _ in members.values() if pool is Role.MIXED)
         self.mixed_occupancy.set(mixed / len(members) if members else 0.0)
 

@@ -97,5 +97,6 @@ def test_pools_and_transitions(metrics):
     assert value(metrics, "splitserve_mixed_pool_occupancy") == pytest.approx(1 / 3)
     metrics.record_transition(Role.TOKEN, Role.MIXED)
     assert value(metrics, "splitserve_pool_transitions_total", from_pool="token", to_pool="mixed") == 1
+    assert value(metrics, "splitserve_pool_workers", pool="mixed", hardware="h100") == 0  # empty pools show 0
     metrics.record_pools({"p0": (Role.PROMPT, "h100")})
     assert ("splitserve_pool_workers", (("hardware", "a100"), ("model", "demo"), ("pool", "mixed"))) not in samples(metrics)
