@@ -64,14 +64,9 @@ def _add_bench(commands) -> None:
 
 
 def _run_bench(args) -> int:
-    from splitserve.bench.cli import run
+    from splitserve.bench.cli import run_command
 
-    try:
-        run(args)
-    except (ValueError, RuntimeError, OSError) as error:
-        print(f"splitserve bench: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(args)
 
 
 def _add_generate(commands) -> None:

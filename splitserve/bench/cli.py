@@ -12,11 +12,13 @@ import json
 import sys
 from pathlib import Path
 
+import httpx
+
 from splitserve.bench.plots import latency_vs_load
 from splitserve.bench.report import markdown_table, write_outputs
 from splitserve.bench.runner import Target, measure_baseline, run_at_rate, run_once
 from splitserve.bench.slo import SLOSpec, capacity_search, p99_tbt_within
-from splitserve.bench.workload import ARRIVALS, WorkloadSpec
+from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
 
 TRACES = ("code", "conv", "sharegpt", "arxiv", "fixed")
 
@@ -65,6 +67,7 @@ def slo_of(args) -> SLOSpec | None:
 
 def run(args) -> dict:
     target, workload, slo, out = Target(args.url, args.model, args.api_key), workload_of(args), slo_of(args), Path(args.out)
+    make_workload(workload)  # a bad trace or workload is reported before the server is contacted
     baseline = None if args.no_calibrate else asyncio.run(measure_baseline(target, workload))
     if args.capacity:
         return _capacity(args, target, workload, slo, baseline, out)
@@ -90,13 +93,20 @@ def _capacity(args, target: Target, workload: WorkloadSpec, slo: SLOSpec, baseli
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m splitserve.bench", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+def run_command(args) -> int:
+    """`run` as a command: an error is one line on stderr and exit status 2."""
     try:
         run(args)
     except (ValueError, RuntimeError, OSError) as error:
         print(f"splitserve bench: {error}", file=sys.stderr)
         return 2
+    except httpx.HTTPError as error:
+        print(f"splitserve bench: cannot talk to {args.url}: {error}", file=sys.stderr)
+        return 2
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m splitserve.bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_command(parser.parse_args(argv))

@@ -47,6 +47,8 @@ def test_capacity_search_probes_rates(server, tmp_path):
 def test_bad_arguments_are_reported(server, tmp_path, capsys):
     assert main(["--url", server, "--trace", "nope", "--out", str(tmp_path)]) == 2
     assert "trace" in capsys.readouterr().err
+    assert main(["--url", "http://127.0.0.1:9", "--trace", "conv", "--out", str(tmp_path)]) == 2
+    assert "cannot talk to http://127.0.0.1:9" in capsys.readouterr().err
 
 
 def test_ray_job_submit_runs_the_bench_on_the_head_node(head_node, server, tmp_path):
