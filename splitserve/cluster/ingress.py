@@ -6,7 +6,6 @@ or collect the tokens the workers send, turning them into text here (`TextStream
 of replicas can run: placement state lives in the one controller.
 """
 
-import logging
 import os
 import time
 
@@ -27,7 +26,6 @@ from splitserve.cluster.reply import Reply, error_response
 from splitserve.cluster.text_stream import TextStream
 from splitserve.engine.model_builder import load_metadata
 
-log = logging.getLogger("splitserve.ingress")
 api = FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster")
 
 
