@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -67,7 +68,8 @@ def slo_of(args) -> SLOSpec | None:
 
 def run(args) -> dict:
     target, workload, slo, out = Target(args.url, args.model, args.api_key), workload_of(args), slo_of(args), Path(args.out)
-    make_workload(workload)  # a bad trace or workload is reported before the server is contacted
+    # a bad trace or workload is reported before the server is contacted (capacity: at its first rate)
+    make_workload(dataclasses.replace(workload, rate=args.rate_low) if args.capacity else workload)
     baseline = None if args.no_calibrate else asyncio.run(measure_baseline(target, workload))
     if args.capacity:
         return _capacity(args, target, workload, slo, baseline, out)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from splitserve.bench.cli import main
 
@@ -55,11 +56,14 @@ def test_ray_job_submit_runs_the_bench_on_the_head_node(head_node, server, tmp_p
     _, dashboard = head_node
     out = tmp_path / "job"
     env = {**os.environ, "RAY_AUTH_MODE": "token"}  # Ray >= 2.59: the job CLI must send the head's token
-    done = subprocess.run(
-        ["ray", "job", "submit", "--address", dashboard, "--", sys.executable, "-m", "splitserve.bench",
-         "--url", server, "--trace", "sharegpt", "--num-requests", "6", "--rate", "4", "--length-scale", "0.02",
-         "--no-calibrate", "--no-progress", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env)
+    command = ["ray", "job", "submit", "--address", dashboard, "--", sys.executable, "-m", "splitserve.bench",
+               "--url", server, "--trace", "sharegpt", "--num-requests", "6", "--rate", "4", "--length-scale", "0.02",
+               "--no-calibrate", "--no-progress", "--out", str(out)]
+    for _ in range(30):  # a fresh head's job agent takes a few seconds to come up
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        if "No available agent" not in done.stdout + done.stderr:
+            break
+        time.sleep(2)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "succeeded" in done.stdout + done.stderr
     check_summary(json.loads((out / "summary.json").read_text()), 6)
