@@ -44,9 +44,12 @@ def head_node():
     ray = pytest.importorskip("ray")
     gcs, dashboard = _free_port(), _free_port()
     temp_dir = tempfile.mkdtemp(prefix="ssray-")  # marks this cluster's processes (short: socket paths)
+    # every port of its own, so another Ray on the machine (a developer's) cannot take one first
+    ports = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                     "runtime-env-agent-port", "metrics-export-port")]
     subprocess.run(["ray", "start", "--head", "--port", str(gcs), "--dashboard-port", str(dashboard),
                     "--dashboard-host", "127.0.0.1", "--num-cpus", "6", "--disable-usage-stats",
-                    "--temp-dir", temp_dir], check=True, capture_output=True, timeout=180)
+                    "--temp-dir", temp_dir, *ports], check=True, capture_output=True, timeout=180)
     ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
     yield f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
     ray.shutdown()

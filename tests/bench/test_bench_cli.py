@@ -59,7 +59,7 @@ def test_ray_job_submit_runs_the_bench_on_the_head_node(head_node, server, tmp_p
     command = ["ray", "job", "submit", "--address", dashboard, "--", sys.executable, "-m", "splitserve.bench",
                "--url", server, "--trace", "sharegpt", "--num-requests", "6", "--rate", "4", "--length-scale", "0.02",
                "--no-calibrate", "--no-progress", "--out", str(out)]
-    for _ in range(30):  # a fresh head's job agent takes a few seconds to come up
+    for _ in range(10):  # a fresh head's job agent takes a few seconds to come up
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
         if "No available agent" not in done.stdout + done.stderr:
             break
