@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(commands)
     _add_bench(commands)
     _add_generate(commands)
+    _add_profile(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 
@@ -103,6 +104,61 @@ def _run_generate(args) -> int:
         return 2
     for out in outputs:
         print(f"{out.prompt!r} -> {out.text!r}  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+    return 0
+
+
+def _add_profile(commands) -> None:
+    p = commands.add_parser("profile", help="measure the engine's prefill and decode times into a profile CSV",
+                            description="Run one in-process engine through a prompt-size sweep (batch 1) and a "
+                                        "batch-size sweep (at prompt 512, or the largest size below it) and write "
+                                        "the times in the Splitwise profile CSV format, for `splitserve sim`.")
+    p.add_argument("--out", required=True, help="the CSV file to write")
+    p.add_argument("--model", default="demo", help='"demo" (built-in) or a Hugging Face checkpoint directory')
+    p.add_argument("--hardware", default="cpu", help="the hardware column (a label, e.g. cpu, a100-80gb)")
+    p.add_argument("--device", default="cpu", help="where the engine runs: cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="runs of each sweep point")
+    p.add_argument("--prompt-sizes", type=_sizes, default=(32, 64, 128, 256, 512, 1024), help="comma-separated")
+    p.add_argument("--batch-sizes", type=_sizes, default=(1, 2, 4, 8, 16, 32), help="comma-separated")
+    p.add_argument("--token-size", type=_positive_int, default=32, help="output tokens per request (>= 2)")
+    p.set_defaults(run=_run_profile)
+
+
+def _positive_int(text: str) -> int:
+    sizes = _sizes(text)
+    if len(sizes) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer >= 1, got {text!r}")
+    return sizes[0]
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 (comma-separated for a list), got {text!r}")
+    return sizes
+
+
+def _run_profile(args) -> int:
+    from tqdm import tqdm
+
+    from splitserve.sim.profile import ProfileSpec, run_profile, summary_table, write_csv
+
+    try:
+        spec = ProfileSpec(args.model, args.hardware, args.device, args.threads, args.repeats, args.prompt_sizes,
+                           args.batch_sizes, args.token_size)
+        with tqdm(total=spec.repeats * len(spec.points()), desc="profile", unit="point") as bar:
+            result = run_profile(spec, lambda row: bar.update())
+    except ValueError as error:
+        print(f"splitserve profile: {error}", file=sys.stderr)
+        return 2
+    path = write_csv(result.rows, args.out)
+    print(f"{spec.model} on {spec.hardware} ({spec.threads} thread(s)): {result.shape.num_layers} layers, "
+          f"{result.shape.kv_bytes_per_token} KV bytes per token")
+    print(summary_table(result.rows))
+    print(f"wrote {len(result.rows)} rows to {path}")
     return 0
 
 

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from splitserve.cluster.hardware import HARDWARE_CLASSES, HardwareProfile
+from splitserve.cluster.placement.state import PlacementThresholds
 from splitserve.engine.config import ConfigError, EngineConfig
 
 APP_IMPORT_PATH = "splitserve.cluster.app:build_app"
@@ -109,6 +110,13 @@ class SchedulerOptions(_Strict):
     report_interval_s: float = Field(0.1, gt=0)  # how often workers report load (not every iteration)
     max_attempts: int = Field(3, ge=1)           # placements per request, failovers included
     replace_dead_workers: bool = True
+
+    def thresholds(self) -> PlacementThresholds:
+        """What the placement policy needs (the controller and the simulator use the same)."""
+        return PlacementThresholds(
+            mixed_prompt_tokens=self.mixed_prompt_tokens, mixed_decode_tokens=self.mixed_decode_tokens,
+            max_queue_tokens=self.max_queue_tokens, max_decode_queue_tokens=self.max_decode_queue_tokens,
+            repurpose_after_s=self.repurpose_after_s)
 
 
 class IngressOptions(_Strict):

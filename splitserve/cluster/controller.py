@@ -2,7 +2,8 @@
 their pools and the one placement state every ingress replica asks.
 
 - Workers are Ray actors it creates per pool (resources from the pool's config), named
-  `<role>-<slot>.<incarnation>` (the actor: `<app>-<worker id>`): a replacement gets a new incarnation, hence fresh transfer links.
+  `<role>-<slot>.<incarnation>` (the actor: `<app>-<worker id>`): a replacement gets a new
+  incarnation, hence fresh transfer links.
 - Load: it polls every worker each `report_interval_s` (a report per interval, not per
   iteration); the poll doubles as the liveness check. Reports drive the policy's pool moves.
 - Placement: `place` picks both workers at once (the policy in `placement/`), moving a worker
@@ -26,7 +27,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from splitserve.cluster.background import background
 from splitserve.cluster.config import ClusterConfig, PoolConfig
 from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
-from splitserve.cluster.placement import ClusterState, Placement, PlacementRequest, PlacementThresholds, PoolMove
+from splitserve.cluster.placement import ClusterState, Placement, PlacementRequest, PoolMove
 from splitserve.cluster.placement.state import Role
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS, Worker
 
@@ -39,12 +40,7 @@ class Controller:
     def __init__(self, config: dict, app_name: str = "splitserve"):
         self.config = ClusterConfig.model_validate(config)
         self.app_name = app_name  # worker actors are named `<app>-<worker id>`
-        sched = self.config.scheduler
-        thresholds = PlacementThresholds(
-            mixed_prompt_tokens=sched.mixed_prompt_tokens, mixed_decode_tokens=sched.mixed_decode_tokens,
-            max_queue_tokens=sched.max_queue_tokens, max_decode_queue_tokens=sched.max_decode_queue_tokens,
-            repurpose_after_s=sched.repurpose_after_s)
-        self.state = ClusterState(sched.policy, thresholds)
+        self.state = ClusterState(self.config.scheduler.policy, self.config.scheduler.thresholds())
         self.handles: dict[str, object] = {}
         self.slots: dict[str, tuple[PoolConfig, int]] = {}
         slo = self.config.slo
