@@ -1,0 +1,160 @@
+"""`splitserve profile`: measure this project's engine into the Splitwise profile CSV format, so
+the simulator (`load_perf_models(path)`) can be driven by, and checked against, the real engine.
+
+Like the Splitwise profiles: a prompt-size sweep at batch 1 and a batch-size sweep at a reference
+prompt size, one output size, each point `repeats` times (interleaved, so drift spreads over all
+points). One point: `batch_size` random prompts of `prompt_size` tokens prefilled in a single
+iteration (prompt_time), then decoded together (token_time: the median decode iteration).
+"""
+from __future__ import annotations
+
+import csv
+import random
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_builder import load_metadata
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.sim.perf_model import CSV_COLUMNS, ModelShape
+
+REFERENCE_PROMPT = 512  # Splitwise's reference prompt size
+SEED = 0
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    model: str = "demo"
+    hardware: str = "cpu"
+    device: str = "cpu"
+    threads: int = 1
+    repeats: int = 3
+    prompt_sizes: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    token_size: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("threads", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.token_size < 2:
+            raise ValueError(f"token_size must be >= 2 (one decode iteration at least), got {self.token_size!r}")
+        for name in ("prompt_sizes", "batch_sizes"):
+            sizes = getattr(self, name)
+            if not sizes or any(s < 1 for s in sizes):
+                raise ValueError(f"{name} must be a non-empty list of integers >= 1, got {sizes!r}")
+
+    @property
+    def reference_prompt(self) -> int:
+        """512 if profiled, else the largest prompt size below it, else the smallest."""
+        below = [p for p in self.prompt_sizes if p <= REFERENCE_PROMPT]
+        return max(below) if below else min(self.prompt_sizes)
+
+    def points(self) -> list[tuple[int, int]]:
+        """(prompt_size, batch_size) of one repetition: the prompt sweep, then the batch sweep (the
+        reference point is in both, as in the Splitwise data)."""
+        return ([(p, 1) for p in sorted(set(self.prompt_sizes))]
+                + [(self.reference_prompt, b) for b in sorted(set(self.batch_sizes))])
+
+
+def build_engine(spec: ProfileSpec) -> LLMEngine:
+    """Room for the largest batch, prefilled in one iteration, without prefix-cache hits."""
+    longest = max(spec.prompt_sizes) + spec.token_size
+    limit = load_metadata(spec.model, EngineConfig())[2]
+    if longest > limit:
+        raise ValueError(f"prompt_sizes: {max(spec.prompt_sizes)} + token_size {spec.token_size} exceeds "
+                         f"the model's max_model_len={limit}")
+    points, block = spec.points(), 16
+    blocks = max(b * -(-(p + spec.token_size) // block) for p, b in points)
+    return LLMEngine(spec.model, policy="prefill_first", device=spec.device, block_size=block, max_model_len=longest,
+                     num_kv_blocks=blocks + blocks // 20 + 4, max_num_seqs=max(spec.batch_sizes),
+                     prompt_token_budget=max(p * b for p, b in points), enable_prefix_caching=False)
+
+
+def measure_point(engine: LLMEngine, prompt_size: int, batch_size: int, token_size: int,
+                  rng: random.Random) -> tuple[float, float]:
+    """(prompt ms, median token ms) of one batch run to completion."""
+    params = SamplingParams(max_tokens=token_size, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    for i in range(batch_size):
+        engine.add_request(f"profile-{i}", [rng.randrange(vocab) for _ in range(prompt_size)], params)
+    steps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps.append(engine.last_step)
+    prefill = [s.seconds for s in steps if s.phase == "prefill"]
+    decode = [s.seconds for s in steps if s.phase == "decode"]
+    if len(prefill) != 1 or len(decode) != token_size - 1:
+        raise RuntimeError(f"expected 1 prefill and {token_size - 1} decode iterations for {batch_size} x "
+                           f"{prompt_size} tokens, got {len(prefill)} and {len(decode)}")
+    return prefill[0] * 1000, statistics.median(decode) * 1000
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    rows: tuple[dict, ...]  # in the CSV format, times in ms
+    shape: ModelShape       # of the profiled model, for the simulator's KV transfer model
+
+
+def run_profile(spec: ProfileSpec, on_point: Callable[[dict], None] | None = None) -> ProfileResult:
+    """Measure every point `spec.repeats` times."""
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)
+    try:
+        engine, rng = build_engine(spec), random.Random(SEED)
+        measure_point(engine, min(spec.prompt_sizes), 1, 2, rng)  # warm-up, not recorded
+        rows = []
+        for _ in range(spec.repeats):
+            for prompt_size, batch_size in spec.points():
+                prompt_ms, token_ms = measure_point(engine, prompt_size, batch_size, spec.token_size, rng)
+                rows.append(_row(spec, prompt_size, batch_size, prompt_ms, token_ms))
+                if on_point is not None:
+                    on_point(rows[-1])
+        return ProfileResult(tuple(rows), model_shape(engine))
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _row(spec: ProfileSpec, prompt_size: int, batch_size: int, prompt_ms: float, token_ms: float) -> dict:
+    return {"model": Path(spec.model).name, "hardware": spec.hardware, "prompt_size": prompt_size,
+            "batch_size": batch_size, "token_size": spec.token_size, "peak_power": 0, "average_power": 0,
+            "prompt_time": prompt_ms, "token_time": token_ms,
+            "e2e_time": prompt_ms + token_ms * (spec.token_size - 1), "tensor_parallel": 1}
+
+
+def write_csv(rows: tuple[dict, ...], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def model_shape(engine: LLMEngine) -> ModelShape:
+    """Layers and KV bytes per token of the engine's model, as the simulator's transfer model needs."""
+    dtype = engine.kv_cache.data.dtype
+    return ModelShape(engine.model_config.num_hidden_layers, KVCache.bytes_per_block(engine.model_config, 1, dtype))
+
+
+def summary_table(rows: tuple[dict, ...]) -> str:
+    """Markdown: per (prompt, batch) point, the median prompt and token ms over its runs."""
+    groups: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[row["prompt_size"], row["batch_size"]].append(row)
+    lines = ["| prompt | batch | runs | prompt ms | prompt tok/s | token ms | decode tok/s |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for (prompt, batch), group in sorted(groups.items()):
+        prompt_ms = statistics.median(r["prompt_time"] for r in group)
+        token_ms = statistics.median(r["token_time"] for r in group)
+        lines.append(f"| {prompt} | {batch} | {len(group)} | {prompt_ms:.2f} | {prompt * batch / prompt_ms * 1000:.0f} "
+                     f"| {token_ms:.2f} | {batch / token_ms * 1000:.0f} |")
+    return "\n".join(lines)
