@@ -1,0 +1,270 @@
+"""The discrete-event loop: arrivals placed by the cluster's own `ClusterState`, workers running the
+engine's own policies (`SimWorker`), KV transfers timed by a `TransferModel`, periodic load reports.
+
+Events sit in one heap keyed (time, push order), so equal times keep the order they were made in and
+a run is a pure function of the scenario and the requests (nothing reads a clock or draws a random
+number). Per request, as in a real run (splitserve.cluster.dispatch):
+1. arrival: `ClusterState.place`; no placement, or no room on the token worker at reservation
+   (EngineFullError / OutOfBlocksError), rejects it (HTTP 429); a prompt of max_model_len tokens or
+   more is refused as the engine refuses it (HTTP 400);
+2. split: the token worker reserves blocks, the prompt worker prefills with hand-off; after the
+   prefill iteration the prompt side frees its blocks, and at iteration end + the visible transfer
+   time the KV lands: the token worker takes the sequence with its first token, and the client sees
+   that first token then (the real prompt worker returns it once its pushes have left). The prompt
+   worker goes on with its next iteration at once: the pushes are asynchronous (Splitwise IV-C);
+   local: the whole request runs on one worker;
+3. each token's time is the end of the iteration that sampled it.
+Workers sleep while idle (no events), wake when they get work (after the other events of that
+instant, so requests arriving together batch), and run iterations back to back while they have work.
+Every `report_interval_s` each worker whose load may have changed reports it (an unchanged worker's
+report would repeat the last one: same load, nothing placed since, no rebalance unless it is a guest
+in the mixed pool, and guests always report); pool moves switch the moved workers' policies.
+"""
+from __future__ import annotations
+
+import gc
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from splitserve.bench.report import RequestRecord, summarize
+from splitserve.bench.slo import Baseline, SLOSpec
+from splitserve.bench.workload import RequestSpec
+from splitserve.cluster.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
+from splitserve.engine.block_manager import OutOfBlocksError
+from splitserve.engine.policies.base import EngineFullError
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import Sequence as EngineSequence
+from splitserve.sim.scenario import Scenario
+from splitserve.sim.worker import FILLER_TOKEN, NOTHING_HAPPENED, SimWorker
+
+Progress = Callable[[int, int], None]  # (requests done or refused, all requests)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    hardware: str
+    home: str         # pool at the end (re-purposing changes it)
+    pool: str         # pool at the end
+    iterations: int
+    busy_s: float     # simulated seconds spent in iterations
+    num_prefills: int  # first tokens sampled here
+    pool_moves: int
+
+
+@dataclass(frozen=True)
+class SimResult:
+    records: tuple[RequestRecord, ...]  # one per request, in the order given
+    workers: tuple[WorkerStats, ...]    # by worker id
+    duration_s: float                   # first arrival to the last token (or refusal), simulated
+    num_events: int
+    seed: int  # as given: the simulation draws no random numbers, so every seed gives the same run
+
+    def summary(self, slo: SLOSpec | None = None, baseline: Baseline | None = None) -> dict:
+        """`splitserve.bench.report.summarize` of the records: the report a real run gives."""
+        return summarize(self.records, self.duration_s, slo, baseline)
+
+
+def simulate(scenario: Scenario, requests: Sequence[RequestSpec], seed: int = 0,
+             progress: Progress | None = None) -> SimResult:
+    """Run `requests` (arrival times in seconds from 0) through the cluster of `scenario`."""
+    collecting = gc.isenabled()
+    gc.disable()  # millions of short-lived objects, no cycles: the collector would only rescan the blocks
+    try:
+        return Simulation(scenario, requests).run(progress, seed)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+class Simulation:
+    """One run (`simulate` is the usual way in). After `run`, `workers` and `cls` hold the final state
+    of every worker and of the cluster-level scheduler."""
+
+    def __init__(self, scenario: Scenario, requests: Sequence[RequestSpec]):
+        if not requests:
+            raise ValueError("requests must hold at least one request")
+        if len({r.index for r in requests}) != len(requests):
+            raise ValueError("requests must have distinct indexes")
+        self.scenario = scenario
+        self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+        self.cls = ClusterState(scenario.placement, scenario.thresholds)
+        self.token_times: dict[str, list[float]] = {}
+        self.workers: dict[str, SimWorker] = {}
+        self._hardware_of: dict[str, str] = {}
+        self._add_workers()
+        self._reporting = [(w, self.cls.workers[w.worker_id]) for _, w in sorted(self.workers.items())]
+        self.pool_moves = dict.fromkeys(self.workers, 0)
+        self.refused: dict[str, tuple[int, str]] = {}  # seq id -> (HTTP status, message)
+        self.done: set[str] = set()
+        self._awaiting_kv: dict[str, SimWorker] = {}  # split requests' token workers, until the KV lands
+        self._waking: set[str] = set()
+        self._heap: list = []
+        self._order = itertools.count()
+        self.now = 0.0
+        self.num_events = 0
+
+    def _add_workers(self) -> None:
+        scenario, profiles = self.scenario, self.scenario.hardware_profiles()
+        counts = dict.fromkeys(Role, 0)
+        for pool in scenario.pools:
+            for _ in range(pool.count):
+                worker_id = f"{pool.role.value}-{counts[pool.role]:03d}"
+                counts[pool.role] += 1
+                worker = SimWorker(worker_id, pool.engine_policy, scenario.perf_models[pool.hardware],
+                                   scenario.num_blocks, scenario.block_size, scenario.limits, self.token_times)
+                self.workers[worker_id], self._hardware_of[worker_id] = worker, pool.hardware
+                self.cls.add_worker(worker_id, pool.role, profiles[pool.hardware], worker.load())
+                worker.changed = False
+
+    # ---- the loop ------------------------------------------------------------------------
+    def _push(self, time: float, handler: Callable, arg) -> None:
+        heapq.heappush(self._heap, (time, next(self._order), handler, arg))
+
+    def run(self, progress: Progress | None = None, seed: int = 0) -> SimResult:
+        self._progress, self._progress_step = progress, max(1, len(self.requests) // 100)
+        self._next_progress = self._progress_step
+        self._push(self.requests[0].arrival_s, self._arrive, 0)
+        self._push(self.scenario.report_interval_s, self._report, 1)
+        heap, pop = self._heap, heapq.heappop
+        while heap:
+            self.now, _, handler, arg = pop(heap)
+            handler(arg)
+            self.num_events += 1
+        self._check_drained()
+        if progress is not None:
+            progress(len(self.requests), len(self.requests))
+        return self._result(seed)
+
+    def _check_drained(self) -> None:
+        """Every request ended, so every worker must be empty: no sequence left, every block free."""
+        for worker in self.workers.values():
+            policy, blocks = worker.policy, worker.blocks
+            if policy.has_work() or policy.held or blocks.num_free_blocks != blocks.num_blocks:
+                raise RuntimeError(f"worker {worker.worker_id} still holds sequences or KV blocks after the run "
+                                   "(simulator bug)")
+
+    def _resolved(self) -> int:
+        return len(self.done) + len(self.refused)
+
+    # ---- events --------------------------------------------------------------------------
+    def _arrive(self, position: int) -> None:
+        if position + 1 < len(self.requests):
+            self._push(self.requests[position + 1].arrival_s, self._arrive, position + 1)
+        spec = self.requests[position]
+        seq_id = f"r{spec.index}"
+        self.token_times[seq_id] = []
+        if spec.prompt_tokens >= self.scenario.max_model_len:
+            message = f"prompt has {spec.prompt_tokens} tokens but max_model_len is {self.scenario.max_model_len}"
+            self.refused[seq_id] = (400, message)
+            return
+        placement, moves = self.cls.place(PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens),
+                                          self.now)
+        self._apply(moves)
+        if placement is None:
+            self.refused[seq_id] = (429, "no worker can take the request now")
+            return
+        prompt_worker, token_worker = self.workers[placement.prompt_worker], self.workers[placement.token_worker]
+        prompt_worker.changed = token_worker.changed = True  # the CLS counts the request on both
+        prompt, params = [0] * spec.prompt_tokens, SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
+        if not placement.local:
+            try:
+                token_worker.reserve_import(EngineSequence(seq_id, prompt, params, self.now))
+            except (EngineFullError, OutOfBlocksError) as error:
+                self.refused[seq_id] = (429, f"worker {token_worker.worker_id} cannot take the request: {error}")
+                return
+            self._awaiting_kv[seq_id] = token_worker
+        prompt_worker.add(EngineSequence(seq_id, prompt, params, self.now), hand_off=not placement.local)
+        self._wake_soon(prompt_worker)
+
+    def _wake_soon(self, worker: SimWorker) -> None:
+        """Start the idle `worker` once the other events of this instant are done."""
+        if not worker.busy and worker.worker_id not in self._waking:
+            self._waking.add(worker.worker_id)
+            self._push(self.now, self._wake, worker)
+
+    def _wake(self, worker: SimWorker) -> None:
+        self._waking.discard(worker.worker_id)
+        if not worker.busy:
+            self._start(worker)
+
+    def _start(self, worker: SimWorker) -> None:
+        end = worker.start_iteration(self.now)
+        if end is not None:
+            self._push(end, self._iteration_end, worker)
+
+    def _iteration_end(self, worker: SimWorker) -> None:
+        result = worker.finish_iteration(self.now)
+        if result is not NOTHING_HAPPENED:
+            for seq in result.handed_off:
+                visible = self.scenario.transfer.visible_time(seq.num_prompt_tokens, worker.iteration_s)
+                self._push(self.now + visible, self._kv_landed, seq.seq_id)
+            for seq in result.finished:
+                self._cancel_import(seq.seq_id)  # a split request whose first token was its last
+                self._finish(seq.seq_id)
+        self._start(worker)
+
+    def _kv_landed(self, seq_id: str) -> None:
+        worker = self._awaiting_kv.pop(seq_id)
+        seq = worker.complete_import(seq_id, FILLER_TOKEN, self.now)
+        if seq.is_finished:  # max_model_len reached with the first token
+            self._finish(seq_id)
+        self._wake_soon(worker)
+
+    def _cancel_import(self, seq_id: str) -> None:
+        worker = self._awaiting_kv.pop(seq_id, None)
+        if worker is not None:
+            worker.abort(seq_id)
+            self._wake_soon(worker)  # the freed blocks may admit a waiting prompt
+
+    def _finish(self, seq_id: str) -> None:
+        if seq_id in self.done:
+            raise RuntimeError(f"request {seq_id} finished twice (simulator bug)")
+        self.done.add(seq_id)
+
+    def _report(self, tick: int) -> None:
+        for worker, state in self._reporting:
+            if worker.changed or (state.pool is Role.MIXED and state.home is not Role.MIXED):
+                worker.changed = False
+                self._apply(self.cls.report(worker.worker_id, worker.load(), self.now))
+        resolved = self._resolved()
+        if self._progress is not None and resolved >= self._next_progress:
+            self._progress(resolved, len(self.requests))
+            self._next_progress = resolved + self._progress_step
+        if resolved == len(self.requests):
+            return
+        if not self._heap:
+            raise RuntimeError(f"simulation stalled at t={self.now:.3f}s: {len(self.requests) - resolved} requests "
+                               "can never be scheduled (a prompt larger than a worker's KV cache?)")
+        self._push((tick + 1) * self.scenario.report_interval_s, self._report, tick + 1)
+
+    def _apply(self, moves: list[PoolMove]) -> None:
+        for move in moves:
+            worker = self.workers[move.worker_id]
+            worker.set_role(move.to_pool.value)
+            self.pool_moves[move.worker_id] += 1
+            self._wake_soon(worker)
+
+    # ---- results -------------------------------------------------------------------------
+    def _result(self, seed: int) -> SimResult:
+        records = tuple(self._record(spec) for spec in sorted(self.requests, key=lambda r: r.index))
+        start = self.requests[0].arrival_s
+        end = max(r.start_s + (r.e2e_s or 0.0) for r in records)
+        workers = tuple(self._worker_stats(w, s) for w, s in self._reporting)
+        return SimResult(records, workers, end - start, self.num_events, seed)
+
+    def _record(self, spec: RequestSpec) -> RequestRecord:
+        seq_id, arrival = f"r{spec.index}", spec.arrival_s
+        if seq_id in self.refused:
+            status, error = self.refused[seq_id]
+            return RequestRecord(spec.index, spec.prompt_tokens, 0, spec.output_tokens, arrival, None, (), None,
+                                 error, status)
+        times = tuple(t - arrival for t in self.token_times[seq_id])
+        return RequestRecord(spec.index, spec.prompt_tokens, len(times), spec.output_tokens, arrival, times[0],
+                             times, times[-1], status=200)
+
+    def _worker_stats(self, worker: SimWorker, state: WorkerState) -> WorkerStats:
+        return WorkerStats(worker.worker_id, self._hardware_of[worker.worker_id], state.home.value, state.pool.value,
+                           worker.iterations, worker.busy_s, worker.num_prefills, self.pool_moves[worker.worker_id])

@@ -1,0 +1,103 @@
+"""What to simulate: the pools, their hardware and performance models, the placement policy, the KV
+transfer and the engine limits. Values only; `splitserve.sim.cluster.simulate` runs one."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from splitserve.cluster.hardware import HardwareProfile
+from splitserve.cluster.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
+from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits
+from splitserve.sim.transfer import TransferModel
+from splitserve.sim.worker import PerfModel
+
+SPEED_PROMPT_TOKENS = 1024  # the prefill that rates a hardware class's prompt speed
+SPEED_DECODE_BATCH, SPEED_DECODE_CONTEXT = 16, 1024  # the decode that rates its token speed
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """`count` workers whose home pool is `role`, on hardware class `hardware`. `policy`: the engine
+    policy they start with (default: the role's own; e.g. "prefill_first" for a vLLM-style baseline)."""
+
+    role: Role
+    count: int
+    hardware: str
+    policy: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in set(Role):
+            raise ValueError(f"role must be one of {', '.join(r.value for r in Role)}, got {self.role!r}")
+        object.__setattr__(self, "role", Role(self.role))
+        if not isinstance(self.count, int) or self.count < 0:
+            raise ValueError(f"count of the {self.role.value} pool must be an integer >= 0, got {self.count!r}")
+        if self.policy is not None and self.policy not in POLICY_CLASSES:
+            raise ValueError(f"policy must be one of {', '.join(POLICY_CLASSES)}, got {self.policy!r}")
+
+    @property
+    def engine_policy(self) -> str:
+        return self.policy or self.role.value
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A cluster to simulate. `perf_models` maps each pool's hardware name to its performance model;
+    `hardware` gives the CLS's speed profiles (by default derived from the models: `hardware_profiles`).
+    `kv_budget_tokens`: KV cache per worker, in tokens (rounded down to whole blocks)."""
+
+    pools: tuple[PoolSpec, ...]
+    perf_models: Mapping[str, PerfModel]
+    kv_budget_tokens: int
+    placement: str = "splitwise"
+    thresholds: PlacementThresholds = PlacementThresholds()
+    transfer: TransferModel = TransferModel()
+    block_size: int = 16
+    report_interval_s: float = 0.1
+    max_num_seqs: int = 256
+    max_model_len: int = 16384
+    prompt_token_budget: int = 2048
+    chunk_token_budget: int = 512
+    hardware: Mapping[str, HardwareProfile] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pools", tuple(self.pools))
+        if not any(pool.count for pool in self.pools):
+            raise ValueError("pools must hold at least one worker")
+        missing = sorted({p.hardware for p in self.pools} - set(self.perf_models))
+        if missing:
+            raise ValueError(f"perf_models has no model for hardware {', '.join(missing)}")
+        if self.placement not in PLACEMENT_POLICIES:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENT_POLICIES)}, got {self.placement!r}")
+        for name in ("block_size", "max_num_seqs", "max_model_len", "prompt_token_budget", "chunk_token_budget"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(f"kv_budget_tokens={self.kv_budget_tokens} holds fewer tokens than max_model_len="
+                             f"{self.max_model_len}; raise kv_budget_tokens or lower max_model_len")
+        if not (math.isfinite(self.report_interval_s) and self.report_interval_s > 0):
+            raise ValueError(f"report_interval_s must be a finite number > 0, got {self.report_interval_s!r}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_budget_tokens // self.block_size
+
+    @property
+    def limits(self) -> SchedulerLimits:
+        return SchedulerLimits(self.max_num_seqs, self.max_model_len, self.prompt_token_budget,
+                               self.chunk_token_budget)
+
+    def hardware_profiles(self) -> dict[str, HardwareProfile]:
+        """Speed profiles of the pools' hardware: the given ones, else derived from the models."""
+        derived = derive_hardware_profiles({p.hardware: self.perf_models[p.hardware] for p in self.pools})
+        return {name: self.hardware.get(name, profile) for name, profile in derived.items()}
+
+
+def derive_hardware_profiles(models: Mapping[str, PerfModel]) -> dict[str, HardwareProfile]:
+    """Prompt speed proportional to 1 / prefill_time(1024), token speed to 1 / decode_time(16, 1024),
+    each normalised so the fastest class has 1.0."""
+    prompt = {name: 1.0 / m.prefill_time(SPEED_PROMPT_TOKENS) for name, m in models.items()}
+    token = {name: 1.0 / m.decode_time(SPEED_DECODE_BATCH, SPEED_DECODE_CONTEXT) for name, m in models.items()}
+    fastest_prompt, fastest_token = max(prompt.values()), max(token.values())
+    return {name: HardwareProfile(name, prompt[name] / fastest_prompt, token[name] / fastest_token)
+            for name in sorted(models)}

@@ -1,0 +1,69 @@
+"""How long a prompt's KV takes to reach its token worker, and how much of that the client sees.
+
+Serialized (prompts under `layerwise_threshold`, Splitwise IV-C, Fig. 11a): the whole KV goes in
+one message after the prefill, so all of it is visible:
+
+    visible = latency + T,    T = n * kv_bytes_per_token / bandwidth
+
+Layer-wise (Fig. 11b): the prefill of duration d computes the L layers one after another, so layer
+i's KV (i = 0..L-1) is ready at d * (i + 1) / L. The layers cross one link one after another, each
+taking t_l = T / L. Layer i leaves at s_i = max(ready_i, f_{i-1}) and is through at f_i = s_i + t_l,
+so the last one is through at f_{L-1} = max_i (d * (i + 1) / L + (L - i) * t_l). That is linear in
+i, so the maximum is at an end: i = L-1 gives d + t_l (the link keeps up: only the last layer is
+left after the prefill), i = 0 gives d / L + T (the link is the bottleneck from the first layer on).
+The propagation latency is paid once, by the last layer (the others' overlap the pipeline):
+
+    visible = latency + f_{L-1} - d = latency + max(t_l, T - d * (L - 1) / L)
+
+A link much faster than compute leaves latency + t_l; a link much slower leaves about the
+serialized time minus the (L-1)/L of the prefill it overlapped. Every prompt has a link of its
+own (no contention between transfers).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+LAYERWISE_THRESHOLD = 512  # the same default as splitserve.transfer.handoff
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """Defaults: Llama2-70B (80 layers, 8 KV heads x 128, fp16: 2 * 80 * 8 * 128 * 2 bytes a token)
+    between DGX-H100s over 400 Gb/s InfiniBand; the latency is Splitwise's measured ~5 ms of
+    non-overlapped layer-wise transfer on H100 (Fig. 14)."""
+
+    bandwidth_bytes_per_s: float = 50e9
+    latency_s: float = 0.005
+    kv_bytes_per_token: int = 327_680
+    num_layers: int = 80
+    layerwise_threshold: int = LAYERWISE_THRESHOLD
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth_bytes_per_s", "kv_bytes_per_token", "num_layers", "layerwise_threshold"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"latency_s must be a finite number >= 0, got {self.latency_s!r}")
+        if not isinstance(self.num_layers, int):
+            raise ValueError(f"num_layers must be an integer, got {self.num_layers!r}")
+
+    def link_time(self, num_tokens: int) -> float:
+        """T: the KV of `num_tokens` tokens on the wire, without latency."""
+        return num_tokens * self.kv_bytes_per_token / self.bandwidth_bytes_per_s
+
+    def serialized_time(self, num_tokens: int) -> float:
+        return self.latency_s + self.link_time(num_tokens)
+
+    def layerwise(self, num_tokens: int) -> bool:
+        return num_tokens >= self.layerwise_threshold
+
+    def visible_time(self, num_tokens: int, prefill_s: float) -> float:
+        """Seconds from the end of the prefill iteration (of `prefill_s` seconds) to the KV of a
+        `num_tokens`-token prompt having landed on the token worker (the module docstring)."""
+        total = self.link_time(num_tokens)
+        if not self.layerwise(num_tokens):
+            return self.latency_s + total
+        layers = self.num_layers
+        return self.latency_s + max(total / layers, total - prefill_s * (layers - 1) / layers)

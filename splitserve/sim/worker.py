@@ -1,0 +1,169 @@
+"""One simulated worker: the engine's own policy and block manager, with a performance model in
+place of the model runner.
+
+An iteration is `policy.schedule()` at its start and `policy.complete_step()` at its end, exactly as
+`LLMEngine.step` does; in between, simulated time passes (the performance model's estimate). Every
+request has a forced output length (max_tokens with ignore_eos), so every sampled token is the same
+non-EOS id. Token times go into a dict shared with the cluster, one list per request, since a
+request's tokens come from two workers when it is split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from splitserve.cluster.placement.state import WorkerLoad
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
+from splitserve.engine.sequence import Sequence, SequenceStatus
+
+FILLER_TOKEN = 7  # the token every sampling sequence gets: not an EOS (requests also ignore EOS)
+
+
+class PerfModel(Protocol):
+    """Seconds an iteration takes (splitserve.sim.perf_model.PerfModel is one). Called positionally:
+    `decode_time(batch, mean context tokens per sequence)`."""
+
+    def iteration_time(self, prefill_tokens: int, decode_seqs: int, decode_context_tokens: int, /) -> float: ...
+
+    def prefill_time(self, num_tokens: int, /) -> float: ...
+
+    def decode_time(self, batch: int, context: float, /) -> float: ...
+
+
+class _SameToken(dict):
+    """`sampled[seq_id]` for `complete_step`: the filler token for every sequence, nothing built."""
+
+    def __missing__(self, key: str) -> int:
+        return FILLER_TOKEN
+
+
+SAMPLED = _SameToken()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one finished iteration did (each tuple in the plan's order)."""
+
+    first_tokens: tuple[Sequence, ...] = ()  # got their first token here (handed-off ones included)
+    finished: tuple[Sequence, ...] = ()      # reached their length (their token time is recorded)
+    handed_off: tuple[Sequence, ...] = ()    # prefilled for another worker: KV sent, blocks freed here
+
+
+NOTHING_HAPPENED = StepResult()
+
+
+class SimWorker:
+    """`start_iteration` / `finish_iteration` alternate while the worker has work; requests come in
+    through `add` (local or prefill for hand-off), `reserve_import` + `complete_import` (the token
+    side of a split request) and leave through `abort` or by finishing. `changed` turns True with
+    anything that can change `load()`; the cluster clears it when it reports the load."""
+
+    def __init__(self, worker_id: str, role: str, perf: PerfModel, num_blocks: int, block_size: int,
+                 limits: SchedulerLimits, token_times: dict[str, list[float]]):
+        self.worker_id, self.perf, self.token_times = worker_id, perf, token_times
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.policy = make_policy(role, self.blocks, limits)
+        self.role = role
+        self.plan: Plan | None = None  # the iteration in flight
+        self.iterations = self.num_prefills = 0
+        self.busy_s = 0.0
+        self.iteration_s = 0.0  # duration of the iteration in flight (or of the last one)
+        self._sampling_prefills: list[Sequence] = []  # the plan in flight's prefills that end in a token
+        self.changed = True
+
+    @property
+    def busy(self) -> bool:
+        return self.plan is not None
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add(self, seq: Sequence, hand_off: bool) -> None:
+        self.policy.add(seq, hand_off)
+        self.changed = True
+
+    def reserve_import(self, seq: Sequence) -> None:
+        """Blocks for a prompt prefilled elsewhere (EngineFullError / OutOfBlocksError: no room)."""
+        self.policy.reserve_import(seq)
+        self.changed = True
+
+    def complete_import(self, seq_id: str, first_token: int, now: float) -> Sequence:
+        """The KV and the first token have landed at `now`: the sequence decodes from here on."""
+        self.token_times[seq_id].append(now)
+        self.changed = True
+        return self.policy.complete_import(seq_id, first_token)
+
+    def abort(self, seq_id: str) -> None:
+        seq = self.policy.find(seq_id)
+        if seq is not None:
+            self.policy.finish(seq, "abort")
+            self.changed = True
+
+    def set_role(self, role: str) -> None:
+        """Switch scheduling policy on the live worker, as `LLMEngine.set_policy` does."""
+        policy = make_policy(role, self.blocks, self.policy.limits)
+        policy.adopt(self.policy)
+        self.policy, self.role, self.changed = policy, role, True
+
+    # ---- iterations ----------------------------------------------------------------------
+    def start_iteration(self, now: float) -> float | None:
+        """Schedule the next iteration; returns when it ends, or None when there is nothing to run."""
+        plan = self.policy.schedule()
+        self.changed = True  # admission moves sequences (and blocks) even when nothing runs
+        if not plan.scheduled:
+            return None
+        prefill = decodes = context = 0
+        prefills = self._sampling_prefills = []
+        for item in plan.scheduled:
+            seq = item.seq
+            num_tokens = len(seq.token_ids)
+            # Sequence.is_decoding, inlined (the hot path): one uncomputed token, after the prompt
+            if num_tokens - item.start == 1 and num_tokens > len(seq.prompt_token_ids):
+                decodes += 1
+                context += num_tokens
+            else:
+                prefill += item.num_new_tokens
+                if item.samples:
+                    prefills.append(seq)
+        duration = self.perf.iteration_time(prefill, decodes, context)
+        self.plan, self.iteration_s = plan, duration
+        self.iterations += 1
+        self.busy_s += duration
+        return now + duration
+
+    def finish_iteration(self, now: float) -> StepResult:
+        """Record the iteration in flight as finished at `now`."""
+        plan, self.plan = self.plan, None
+        if plan is None:
+            raise RuntimeError(f"worker {self.worker_id}: no iteration in flight to finish")
+        self.changed = True
+        updated = self.policy.complete_step(plan, SAMPLED)
+        finished, handed_off, times = [], [], self.token_times
+        for seq in updated:
+            status = seq.status
+            if status is SequenceStatus.PREFILLED:
+                handed_off.append(seq)
+                self.policy.finish(seq, "abort")  # LLMEngine.release_request: the KV went as a copy
+                continue
+            times[seq.seq_id].append(now)
+            if status is SequenceStatus.FINISHED:
+                finished.append(seq)
+        first = [seq for seq in self._sampling_prefills if seq.num_output_tokens == 1]
+        self.num_prefills += len(first)
+        if not (first or finished or handed_off):
+            return NOTHING_HAPPENED
+        return StepResult(tuple(first), tuple(finished), tuple(handed_off))
+
+    # ---- reports -------------------------------------------------------------------------
+    def load(self) -> WorkerLoad:
+        """What the worker reports to the CLS: the same sums as `WorkerLoop.load()`."""
+        policy, blocks, size = self.policy, self.blocks, self.blocks.block_size
+        queued = [*policy.waiting, *policy.running]
+        local = [s for s in (*queued, *policy.held.values()) if not s.hand_off]  # imports included
+        return WorkerLoad(
+            pending_prompt_tokens=sum(s.num_uncomputed_tokens for s in queued if not s.is_decoding),
+            decode_tokens=sum(s.num_tokens for s in local), num_decoding=len(local),
+            num_waiting=len(policy.waiting), free_kv_tokens=blocks.num_free_blocks * size,
+            total_kv_tokens=blocks.num_blocks * size)
+
+    def check_integrity(self) -> None:
+        self.policy.check_integrity()

@@ -1,0 +1,185 @@
+"""The event loop: hand-computed timelines, conservation, determinism, pool moves, rejections."""
+import gc
+import random
+
+import pytest
+
+from splitserve.bench.workload import RequestSpec
+from splitserve.cluster.placement import PlacementThresholds, Role
+from splitserve.sim.cluster import Simulation, simulate
+from splitserve.sim.scenario import PoolSpec, Scenario
+from splitserve.sim.transfer import TransferModel
+from tests.sim.test_sim_worker import LinearPerf
+
+# 100 tokens take 0.1 s on the wire (+ 10 ms); 10 layers
+TRANSFER = TransferModel(bandwidth_bytes_per_s=1e6, latency_s=0.01, kv_bytes_per_token=1000, num_layers=10)
+
+
+def scenario(*pools, placement="jsq", perf=None, **overrides):
+    options = {"kv_budget_tokens": 4096, "max_model_len": 2048, "transfer": TRANSFER, **overrides}
+    return Scenario(tuple(PoolSpec(*pool) for pool in pools), {"hw": perf or LinearPerf()}, placement=placement,
+                    **options)
+
+
+def split(prompt=1, token=1, **kwargs):
+    return scenario((Role.PROMPT, prompt, "hw"), (Role.TOKEN, token, "hw"), **kwargs)
+
+
+def mixed(count=1, policy=None, **kwargs):
+    return scenario((Role.MIXED, count, "hw", policy), **kwargs)
+
+
+def spec(index, arrival, prompt, output):
+    return RequestSpec(index, arrival, prompt, output)
+
+
+def test_one_local_request():
+    [record] = simulate(mixed(), [spec(0, 0.5, 100, 3)]).records
+    # TTFT = the 100-token prefill (0.1 s), then one decode iteration (0.02 s) per token
+    assert record.ttft_s == pytest.approx(0.1)
+    assert record.token_times_s == pytest.approx((0.1, 0.12, 0.14))
+    assert record.e2e_s == pytest.approx(0.14) and record.start_s == 0.5 and record.status == 200
+
+
+def test_one_split_request_pays_the_visible_transfer():
+    [record] = simulate(split(), [spec(0, 0.0, 100, 3)]).records
+    # prefill 0.1 s + serialized transfer 0.01 + 0.1 s; then 0.02 s a token on the token worker
+    assert record.token_times_s == pytest.approx((0.21, 0.23, 0.25))
+
+
+def test_one_layerwise_split_request():
+    [record] = simulate(split(), [spec(0, 0.0, 600, 2)]).records
+    # prefill 0.6 s; transfer T = 0.6 s overlaps 9/10 of it: visible 0.01 + max(0.06, 0.6 - 0.54)
+    assert record.token_times_s == pytest.approx((0.67, 0.69))
+
+
+def test_two_requests_batched_on_a_mixed_worker():
+    result = simulate(mixed(), [spec(0, 0.0, 100, 2), spec(1, 0.0, 200, 3)])
+    # one prefill of 300 tokens (0.3 s), then decodes of both together
+    assert [r.token_times_s for r in result.records] == [pytest.approx((0.3, 0.32)),
+                                                         pytest.approx((0.3, 0.32, 0.34))]
+    assert result.duration_s == pytest.approx(0.34)
+
+
+def test_two_split_requests_batched_on_the_prompt_worker():
+    result = simulate(split(), [spec(0, 0.0, 100, 3), spec(1, 0.0, 200, 2)])
+    # one 0.3 s prefill; KV lands after 0.11 s and 0.21 s; each then decodes every 0.02 s
+    assert [r.token_times_s for r in result.records] == [pytest.approx((0.41, 0.43, 0.45)),
+                                                         pytest.approx((0.51, 0.53))]
+    prompt, token = result.workers
+    assert (prompt.worker_id, prompt.iterations, prompt.num_prefills) == ("prompt-000", 1, 2)
+    assert (token.worker_id, token.iterations, token.busy_s) == ("token-000", 3, pytest.approx(0.06))
+
+
+def test_a_single_token_split_request_ends_on_the_prompt_worker():
+    sim = Simulation(split(), [spec(0, 0.0, 100, 1)])
+    [record] = sim.run().records
+    assert record.token_times_s == pytest.approx((0.1,))
+    assert sim.workers["token-000"].blocks.num_free_blocks == sim.scenario.num_blocks  # reservation dropped
+
+
+def random_requests(count, seed=1, rate=2.5):
+    rng, now, requests = random.Random(seed), 0.0, []
+    for index in range(count):
+        now += rng.expovariate(rate)
+        requests.append(spec(index, now, rng.randint(1, 900), rng.randint(1, 120)))
+    return requests
+
+
+NO_BACKPRESSURE = {"max_queue_tokens": 1e9, "max_decode_queue_tokens": 1e9}
+CLUSTERS = {
+    "round-robin": split(2, 2, placement="round-robin", thresholds=PlacementThresholds(**NO_BACKPRESSURE)),
+    "jsq": split(2, 2, placement="jsq", thresholds=PlacementThresholds(**NO_BACKPRESSURE)),
+    "splitwise": split(2, 2, placement="splitwise",
+                       thresholds=PlacementThresholds(mixed_prompt_tokens=600, **NO_BACKPRESSURE)),
+    "mixed-only": mixed(3, placement="splitwise", thresholds=PlacementThresholds(**NO_BACKPRESSURE)),
+    "prefill-first-only": mixed(3, "prefill_first", thresholds=PlacementThresholds(**NO_BACKPRESSURE)),
+}
+
+
+@pytest.mark.parametrize("name", list(CLUSTERS))
+def test_conservation(name):
+    """Loaded (workers busy most of the run, KV tight: some preemptions, a rare 429 when the CLS sees
+    no KV room): every admitted request gets exactly its tokens, and every worker ends empty."""
+    requests = random_requests(300)
+    sim = Simulation(CLUSTERS[name], requests)
+    records = sim.run().records
+    assert [r.index for r in records] == list(range(300))
+    assert sum(r.ok for r in records) >= 295
+    for r, request in zip(records, requests):
+        if not r.ok:
+            assert (r.status, r.output_tokens) == (429, 0), r
+            continue
+        assert r.output_tokens == len(r.token_times_s) == r.requested_output_tokens == request.output_tokens
+        assert list(r.token_times_s) == sorted(r.token_times_s) and r.ttft_s > 0
+    assert sim.done == {f"r{r.index}" for r in records if r.ok}
+    for worker in sim.workers.values():
+        worker.check_integrity()
+        assert worker.blocks.num_free_blocks == worker.blocks.num_blocks
+    sim.cls.check_integrity()
+
+
+def test_same_inputs_same_run():
+    requests = random_requests(200, seed=7)
+    first, second = (simulate(CLUSTERS["splitwise"], requests, seed=3) for _ in range(2))
+    assert first == second and first.records[0].ok
+    assert gc.isenabled()  # simulate pauses the collector only while it runs
+    assert first != simulate(CLUSTERS["splitwise"], random_requests(200, seed=8), seed=3)
+
+
+def test_prompt_backlog_moves_a_token_worker_into_the_mixed_pool_and_back():
+    thresholds = PlacementThresholds(mixed_prompt_tokens=500)
+    result = simulate(split(1, 2, placement="splitwise", thresholds=thresholds),
+                      [spec(i, 0.0, 400, 4) for i in range(6)])
+    # prompt queue 0, 400, then 800 > 500: the third request overflows into a guest token worker
+    assert all(r.ok and r.output_tokens == 4 for r in result.records)
+    guest = result.workers[1]
+    assert guest.worker_id == "token-000" and guest.num_prefills > 0
+    assert (guest.pool_moves, guest.pool, guest.home) == (2, "token", "token")  # in, and home once drained
+
+
+def test_everything_full_rejects_with_429():
+    thresholds = PlacementThresholds(max_queue_tokens=1000)
+    result = simulate(split(placement="jsq", thresholds=thresholds), [spec(i, 0.0, 600, 2) for i in range(5)])
+    # prompt queue 0, then 600, then 1200 >= 1000: no prompt worker for the rest
+    assert [r.status for r in result.records] == [200, 200, 429, 429, 429]
+    assert result.summary()["num_rejected"] == 3
+
+
+def test_token_worker_without_a_free_slot_rejects_at_reservation():
+    result = simulate(split(max_num_seqs=1), [spec(0, 0.0, 100, 2), spec(1, 0.0, 100, 2)])
+    assert [r.status for r in result.records] == [200, 429]
+    assert "token-000 cannot take the request" in result.records[1].error
+
+
+def test_prompt_of_max_model_len_is_refused():
+    [record] = simulate(mixed(), [spec(0, 0.0, 2048, 2)]).records
+    assert record.status == 400 and "max_model_len" in record.error
+
+
+def test_progress_reports_the_end():
+    calls = []
+    simulate(mixed(), random_requests(50), progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1] == (50, 50) and all(done <= total == 50 for done, total in calls)
+
+
+def test_hardware_speeds_follow_the_models():
+    fast, slow = LinearPerf(0.001, 0.02), LinearPerf(0.002, 0.03)
+    both = Scenario((PoolSpec(Role.PROMPT, 1, "fast"), PoolSpec(Role.TOKEN, 1, "slow")),
+                    {"fast": fast, "slow": slow}, kv_budget_tokens=4096, max_model_len=2048)
+    profiles = both.hardware_profiles()
+    assert (profiles["fast"].prompt_speed, profiles["fast"].token_speed) == (1.0, 1.0)
+    assert (profiles["slow"].prompt_speed, profiles["slow"].token_speed) == (0.5, pytest.approx(2 / 3))
+
+
+@pytest.mark.parametrize("overrides, message", [({"kv_budget_tokens": 1000}, "max_model_len"),
+                                                ({"placement": "random"}, "placement"),
+                                                ({"report_interval_s": 0}, "report_interval_s")])
+def test_scenario_rejects_bad_values(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        mixed(**overrides)
+
+
+def test_scenario_needs_a_model_for_every_hardware():
+    with pytest.raises(ValueError, match="no model for hardware other"):
+        Scenario((PoolSpec(Role.MIXED, 1, "other"),), {"hw": LinearPerf()}, kv_budget_tokens=4096)

@@ -1,0 +1,162 @@
+"""SimWorker: the engine's policies and block manager stepped in simulated time."""
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from splitserve.cluster.placement import WorkerLoad
+from splitserve.cluster.worker_loop import WorkerLoop
+from splitserve.engine.policies import SchedulerLimits
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.sim.worker import FILLER_TOKEN, SimWorker
+
+
+@dataclass
+class LinearPerf:
+    """A constant performance model: prefill costs `prefill_s_per_token` a token, any iteration
+    with decodes `decode_s` more. Records every iteration_time call."""
+
+    prefill_s_per_token: float = 0.001
+    decode_s: float = 0.02
+    calls: list = field(default_factory=list)
+
+    def iteration_time(self, prefill_tokens, decode_seqs, decode_context_tokens):
+        self.calls.append((prefill_tokens, decode_seqs, decode_context_tokens))
+        return prefill_tokens * self.prefill_s_per_token + (self.decode_s if decode_seqs else 0.0)
+
+    def prefill_time(self, num_tokens):
+        return num_tokens * self.prefill_s_per_token
+
+    def decode_time(self, batch, context):
+        return self.decode_s
+
+
+def make_worker(role="mixed", num_blocks=64, perf=None, **limits):
+    times = {}
+    worker = SimWorker("w0", role, perf or LinearPerf(), num_blocks, 16, SchedulerLimits(**limits), times)
+    return worker, times
+
+
+def request(times, seq_id, prompt_tokens, output_tokens):
+    times[seq_id] = []
+    return Sequence(seq_id, [0] * prompt_tokens, SamplingParams(max_tokens=output_tokens, ignore_eos=True))
+
+
+def run_until_idle(worker, now=0.0):
+    results = []
+    while (end := worker.start_iteration(now)) is not None:
+        now = end
+        results.append(worker.finish_iteration(now))
+    return now, results
+
+
+def test_one_local_request_timeline():
+    perf = LinearPerf()
+    worker, times = make_worker(perf=perf)
+    seq = request(times, "a", 100, 3)
+    worker.add(seq, hand_off=False)
+    end, results = run_until_idle(worker)
+    # prefill 100 tokens: 0.1 s; then two decodes of 0.02 s (contexts 101 and 102)
+    assert times["a"] == pytest.approx([0.1, 0.12, 0.14])
+    assert end == pytest.approx(0.14)
+    assert perf.calls == [(100, 0, 0), (0, 1, 101), (0, 1, 102)]
+    assert results[0].first_tokens == (seq,) and results[-1].finished == (seq,)
+    assert seq.output_token_ids == [FILLER_TOKEN] * 3 and seq.finish_reason == "length"
+    assert (worker.iterations, worker.num_prefills, worker.busy_s) == (3, 1, pytest.approx(0.14))
+    assert worker.blocks.num_free_blocks == 64
+
+
+def test_two_requests_share_iterations():
+    perf = LinearPerf()
+    worker, times = make_worker(perf=perf)
+    for seq_id, prompt in (("a", 100), ("b", 200)):
+        worker.add(request(times, seq_id, prompt, 2), hand_off=False)
+    run_until_idle(worker)
+    # one 300-token prefill (chunk budget 512), then one decode of both (contexts 101 + 201)
+    assert perf.calls == [(300, 0, 0), (0, 2, 302)]
+    assert times == {"a": pytest.approx([0.3, 0.32]), "b": pytest.approx([0.3, 0.32])}
+
+
+def test_mixed_chunks_a_long_prompt_alongside_decodes():
+    perf = LinearPerf()
+    worker, times = make_worker(perf=perf, chunk_token_budget=512)
+    worker.add(request(times, "a", 10, 3), hand_off=False)
+    worker.start_iteration(0.0)
+    worker.finish_iteration(0.01)
+    worker.add(request(times, "b", 600, 1), hand_off=False)
+    run_until_idle(worker, 0.01)
+    # a decodes (1 token of the budget) beside b's first chunk of 511, then b's last 89 beside a's decode
+    assert perf.calls == [(10, 0, 0), (511, 1, 11), (89, 1, 12)]
+
+
+def test_hand_off_frees_the_prompt_side_and_leaves_the_time_to_the_cluster():
+    worker, times = make_worker(role="prompt")
+    seq = request(times, "a", 100, 5)
+    worker.add(seq, hand_off=True)
+    end = worker.start_iteration(0.0)
+    result = worker.finish_iteration(end)
+    assert result.handed_off == (seq,) and result.first_tokens == (seq,) and result.finished == ()
+    assert seq.output_token_ids == [FILLER_TOKEN]
+    assert times["a"] == []  # the first token reaches the client with the KV, at the transfer's end
+    assert worker.blocks.num_free_blocks == 64 and not worker.policy.has_work() and not worker.policy.held
+    worker.check_integrity()
+
+
+def test_import_reserves_then_decodes_from_the_first_token():
+    worker, times = make_worker(role="token")
+    seq = request(times, "a", 100, 3)
+    worker.reserve_import(seq)
+    assert worker.blocks.num_free_blocks == 64 - 7  # ceil(100 / 16)
+    assert worker.start_iteration(0.0) is None  # nothing to run while the KV travels
+    worker.complete_import("a", FILLER_TOKEN, now=1.0)
+    assert seq.status is SequenceStatus.RUNNING
+    run_until_idle(worker, 1.0)
+    assert times["a"] == pytest.approx([1.0, 1.02, 1.04])
+    assert worker.blocks.num_free_blocks == 64
+
+
+def test_abort_frees_a_reservation():
+    worker, times = make_worker(role="token")
+    worker.reserve_import(request(times, "a", 100, 3))
+    worker.abort("a")
+    assert worker.blocks.num_free_blocks == 64 and not worker.policy.held
+    worker.abort("unknown")  # nothing to do
+
+
+def test_load_is_what_a_real_worker_reports():
+    worker, times = make_worker(role="token")
+    worker.reserve_import(request(times, "imp", 100, 3))        # 7 blocks
+    worker.add(request(times, "local", 50, 3), hand_off=False)  # waiting: no blocks yet
+    expected = WorkerLoad(pending_prompt_tokens=50, decode_tokens=150, num_decoding=2, num_waiting=1,
+                          free_kv_tokens=(64 - 7) * 16, total_kv_tokens=64 * 16)
+    assert worker.load() == expected
+    real = SimpleNamespace(engine=SimpleNamespace(policy=worker.policy, block_manager=worker.blocks,
+                                                  config=SimpleNamespace(block_size=16)))
+    assert WorkerLoop.load(real) == expected
+
+
+def test_set_role_keeps_every_sequence():
+    worker, times = make_worker(role="prompt")
+    seq = request(times, "a", 100, 3)
+    worker.add(seq, hand_off=False)
+    worker.start_iteration(0.0)
+    worker.set_role("mixed")  # mid-iteration, as a pool move may come
+    assert worker.role == "mixed" and worker.policy.name == "mixed" and worker.policy.running == [seq]
+    worker.finish_iteration(0.1)
+    run_until_idle(worker, 0.1)
+    assert times["a"] == pytest.approx([0.1, 0.12, 0.14])
+    worker.check_integrity()
+
+
+def test_changed_tracks_anything_that_moves_the_load():
+    worker, times = make_worker()
+    worker.changed = False
+    worker.add(request(times, "a", 10, 2), hand_off=False)
+    assert worker.changed
+
+
+def test_finish_without_an_iteration_is_an_error():
+    worker, _ = make_worker()
+    with pytest.raises(RuntimeError, match="no iteration in flight"):
+        worker.finish_iteration(0.0)

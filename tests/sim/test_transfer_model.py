@@ -1,0 +1,65 @@
+"""The KV transfer model: serialized below the threshold, the layer pipeline above it."""
+import pytest
+
+from splitserve.sim.transfer import TransferModel
+
+# 1000 bytes a token, 10 layers, 10 ms latency; the bandwidth sets how fast the link is
+SLOW = TransferModel(bandwidth_bytes_per_s=1e6, latency_s=0.01, kv_bytes_per_token=1000, num_layers=10)
+FAST = TransferModel(bandwidth_bytes_per_s=1e9, latency_s=0.01, kv_bytes_per_token=1000, num_layers=10)
+
+
+def pipeline_visible(model: TransferModel, num_tokens: int, prefill_s: float) -> float:
+    """Layer by layer, as the docstring describes it: layer i ready at d (i+1) / L, one link."""
+    layer_s = model.link_time(num_tokens) / model.num_layers
+    through = 0.0
+    for i in range(model.num_layers):
+        ready = prefill_s * (i + 1) / model.num_layers
+        through = max(ready, through) + layer_s
+    return model.latency_s + through - prefill_s
+
+
+def test_small_prompt_is_serialized_whatever_the_prefill_time():
+    # 100 tokens x 1000 B / 1e6 B/s = 0.1 s on the wire, plus 10 ms
+    assert SLOW.serialized_time(100) == pytest.approx(0.11)
+    assert SLOW.visible_time(100, prefill_s=0.0) == pytest.approx(0.11)
+    assert SLOW.visible_time(100, prefill_s=5.0) == pytest.approx(0.11)
+
+
+def test_threshold_picks_layerwise_from_512_tokens():
+    assert not SLOW.layerwise(511)
+    assert SLOW.layerwise(512)
+    # 511 tokens: serialized 0.01 + 0.511; 512 tokens with a 1 s prefill: 0.01 + max(0.0512, 0.512 - 0.9)
+    assert SLOW.visible_time(511, prefill_s=1.0) == pytest.approx(0.521)
+    assert SLOW.visible_time(512, prefill_s=1.0) == pytest.approx(0.0612)
+
+
+def test_fast_link_leaves_latency_plus_one_layer():
+    # T = 1000 x 1000 / 1e9 = 1 ms, t_l = 0.1 ms; the link keeps up with a 0.5 s prefill
+    assert FAST.visible_time(1000, prefill_s=0.5) == pytest.approx(0.01 + 0.0001)
+
+
+def test_slow_link_leaves_serialized_minus_the_overlapped_prefill():
+    # T = 1 s, d = 0.5 s: the link is the bottleneck; 0.01 + 1 - 0.5 x 9/10 = 0.56
+    assert SLOW.visible_time(1000, prefill_s=0.5) == pytest.approx(0.56)
+    assert SLOW.visible_time(1000, prefill_s=0.5) < SLOW.serialized_time(1000)
+
+
+@pytest.mark.parametrize("num_tokens", [512, 1000, 4000])
+@pytest.mark.parametrize("prefill_s", [0.0, 0.01, 0.3, 0.9, 1.0, 1.2, 8.0])
+def test_closed_form_matches_the_layer_pipeline(num_tokens, prefill_s):
+    for model in (SLOW, FAST):
+        expected = pipeline_visible(model, num_tokens, prefill_s)
+        assert model.visible_time(num_tokens, prefill_s) == pytest.approx(expected)
+
+
+def test_visible_never_below_latency_plus_one_layer():
+    for prefill_s in (0.0, 0.5, 100.0):
+        assert SLOW.visible_time(2000, prefill_s) >= 0.01 + SLOW.link_time(2000) / 10 - 1e-12
+
+
+@pytest.mark.parametrize("field, value", [("bandwidth_bytes_per_s", 0), ("latency_s", -0.1),
+                                          ("kv_bytes_per_token", 0), ("num_layers", 0), ("num_layers", 2.5),
+                                          ("layerwise_threshold", 0)])
+def test_rejects_bad_parameters(field, value):
+    with pytest.raises(ValueError, match=field):
+        TransferModel(**{field: value})
