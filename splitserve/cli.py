@@ -1,4 +1,5 @@
-"""The `splitserve` command line: `serve` (the cluster), `bench` (load against a server), `generate` (one offline engine)."""
+"""The `splitserve` command line: `serve` (the cluster), `bench` (load against a server), `profile` and `sim`
+(measure this engine; simulate a cluster), `generate` (one offline engine)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench(commands)
     _add_generate(commands)
     _add_profile(commands)
+    _add_sim(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 
@@ -104,6 +106,30 @@ def _run_generate(args) -> int:
         return 2
     for out in outputs:
         print(f"{out.prompt!r} -> {out.text!r}  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+    return 0
+
+
+def _add_sim(commands) -> None:
+    from splitserve.sim.sim_cli import add_arguments
+
+    p = commands.add_parser("sim", help="simulate a cluster config on a trace (the real schedulers, modelled time)",
+                            description="Event-driven simulation of the cluster a config file describes, with the "
+                                        "engine's own schedulers and the CLS's own placement, timed by performance "
+                                        "profiles; writes the report `splitserve bench` writes.")
+    add_arguments(p)
+    p.set_defaults(run=_run_sim)
+
+
+def _run_sim(args) -> int:
+    from pydantic import ValidationError
+
+    from splitserve.sim.sim_cli import run
+
+    try:
+        run(args)
+    except (ValueError, OSError, ValidationError) as error:
+        print(f"splitserve sim: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

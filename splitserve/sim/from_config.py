@@ -1,0 +1,95 @@
+"""A deployment's `ClusterConfig` (deploy/*.yaml, the helm values' serveConfigV2) as a simulator
+scenario: the same pools, hardware classes, placement policy, thresholds and engine limits, so
+a cluster designed in the simulator is the cluster that gets deployed.
+
+Hardware classes map to performance profiles: h100 / a100 / h100-cap to the Splitwise profiles
+of a paper model; any other class (cpu, ...) to rows of a profile CSV measured by
+`splitserve profile --hardware <class>`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.placement.state import Role
+from splitserve.engine.demo import demo_model_config
+from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES
+from splitserve.engine.loader import load_model_config
+from splitserve.sim.perf_model import MODEL_SHAPES, ModelShape, PerfModel, load_perf_models
+from splitserve.sim.scenario import PoolSpec, Scenario
+from splitserve.sim.transfer import TransferModel
+
+PROFILE_HARDWARE = {"h100": "h100-80gb", "a100": "a100-80gb", "h100-cap": "h100-80gb-pcap"}
+GPU_MEMORY_BYTES = 80e9 * 0.9  # per GPU, at the engine's default gpu_memory_utilization
+WEIGHT_BYTES = {"llama2-70b": 140e9, "bloom-176b": 352e9}  # fp16
+CPU_DTYPE_BYTES = 4  # the engine runs float32 on CPU
+
+
+@dataclass(frozen=True)
+class SimTarget:
+    """What the config does not say: which model's profiles stand in for it, and the network."""
+
+    model: str = "llama2-70b"
+    tensor_parallel: int = 8
+    profile: Path | None = None       # a `splitserve profile` CSV for classes the paper did not measure
+    bandwidth_gbps: float = 400.0     # KV transfer link (InfiniBand between DGX machines)
+    latency_s: float = 0.005
+
+
+def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget()) -> Scenario:
+    models = {pool.hardware: perf_model_for(pool.hardware, target) for pool in config.pools}
+    policy = config.engine.mixed_policy
+    pools = tuple(PoolSpec(Role(p.role), p.num_workers, p.hardware, policy if p.role == "mixed" else None)
+                  for p in config.pools)
+    engine = config.engine
+    return Scenario(pools=pools, perf_models=models, kv_budget_tokens=kv_budget_tokens(config, target),
+                    placement=config.scheduler.policy, thresholds=config.scheduler.thresholds(),
+                    transfer=transfer_model(config, target), block_size=engine.block_size,
+                    report_interval_s=config.scheduler.report_interval_s, max_num_seqs=engine.max_num_seqs,
+                    max_model_len=engine.max_model_len or 4096, prompt_token_budget=engine.prompt_token_budget,
+                    chunk_token_budget=engine.chunk_token_budget,
+                    hardware={name: config.hardware(name) for name in models})
+
+
+def perf_model_for(hardware: str, target: SimTarget) -> PerfModel:
+    if hardware in PROFILE_HARDWARE:
+        key = (target.model, PROFILE_HARDWARE[hardware], target.tensor_parallel)
+        models = load_perf_models()
+    else:
+        if target.profile is None:
+            raise ValueError(f"hardware class {hardware!r} has no Splitwise profile: measure one with "
+                             f"`splitserve profile --hardware {hardware} --out FILE` and pass it as the profile")
+        models = load_perf_models(target.profile)
+        key = next((k for k in models if k[1] == hardware), None)
+    if key not in models:
+        raise ValueError(f"no performance profile for {key}; have {sorted(models)}")
+    return models[key]
+
+
+def model_shape(model: str) -> ModelShape:
+    """Layers and KV bytes per token: the paper models as splitwise-sim sizes them, or a model this
+    engine loads (the demo; a checkpoint directory), at float32 on CPU."""
+    if model in MODEL_SHAPES:
+        return MODEL_SHAPES[model]
+    config = demo_model_config() if model == "demo" else load_model_config(model)
+    per_layer = 2 * config.num_key_value_heads * config.head_dim * CPU_DTYPE_BYTES
+    return ModelShape(config.num_hidden_layers, config.num_hidden_layers * per_layer)
+
+
+def kv_budget_tokens(config: ClusterConfig, target: SimTarget) -> int:
+    """The config's KV budget if it sets one; else, for a paper model, what a DGX leaves after the
+    weights, and for a model this engine runs on CPU, the engine's own CPU default."""
+    per_token = model_shape(target.model).kv_bytes_per_token
+    if config.engine.kv_cache_memory_bytes:
+        return config.engine.kv_cache_memory_bytes // per_token
+    if target.model not in WEIGHT_BYTES:
+        return CPU_KV_CACHE_BYTES // per_token
+    return int((GPU_MEMORY_BYTES * target.tensor_parallel - WEIGHT_BYTES[target.model]) // per_token)
+
+
+def transfer_model(config: ClusterConfig, target: SimTarget) -> TransferModel:
+    shape = model_shape(target.model)
+    return TransferModel(bandwidth_bytes_per_s=target.bandwidth_gbps * 1e9 / 8, latency_s=target.latency_s,
+                         kv_bytes_per_token=shape.kv_bytes_per_token, num_layers=shape.num_layers,
+                         layerwise_threshold=config.transfer.layerwise_threshold)
