@@ -71,17 +71,18 @@ def _print(report: dict) -> None:
         print(f"  {key:7s} p50 {row['p50']:.4f}  p90 {row['p90']:.4f}  p99 {row['p99']:.4f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=19366)
     parser.add_argument("--json", help="also write the report here")
     parser.add_argument("--profile", action="store_true", help="run under cProfile and print the top functions")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report = run(args.num_requests, args.profile)
     _print(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    return report
 
 
 if __name__ == "__main__":
