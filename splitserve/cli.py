@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(commands)
     _add_profile(commands)
     _add_sim(commands)
+    _add_plan(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 
@@ -186,6 +187,23 @@ def _run_profile(args) -> int:
     print(summary_table(result.rows))
     print(f"wrote {len(result.rows)} rows to {path}")
     return 0
+
+
+def _add_plan(commands) -> None:
+    from splitserve.sim.plan_cli import add_arguments
+
+    p = commands.add_parser("plan", help="provision prompt / token machines for a design (Splitwise IV-D)",
+                            description="Simulate the splits of a design under an iso-power, iso-cost or "
+                                        "iso-throughput goal with the Table VI SLOs; print a table and write "
+                                        "plan.json and a design-space heat map to --out.")
+    add_arguments(p)
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args) -> int:
+    from splitserve.sim.plan_cli import run_command
+
+    return run_command(args)
 
 
 if __name__ == "__main__":
