@@ -1,0 +1,240 @@
+"""Provisioning (Splitwise IV-D): the highest request rate a cluster serves within the Table VI SLOs,
+and the search for the best numbers of prompt and token machines under a power or cost budget
+(iso-power, iso-cost) or the cheapest / lowest-power cluster that reaches a rate (iso-throughput).
+
+Slowdowns are against the same request alone on one DGX-A100 (TP8), from the performance model:
+TTFT0 = prefill_time(prompt), TBT0 = decode_time(1, prompt), E2E0 = TTFT0 + TBT0 x (output - 1).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from splitserve.bench.report import RequestRecord
+from splitserve.bench.slo import TABLE_VI, capacity_search
+from splitserve.bench.workload import WorkloadSpec, make_workload
+from splitserve.sim.cluster import SimResult, simulate
+from splitserve.sim.designs import (
+    A100,
+    COST,
+    DEFAULT_MODEL,
+    H100,
+    POWER,
+    Design,
+    perf_model,
+)
+
+GOALS = ("iso-power", "iso-cost", "iso-throughput")
+REFERENCE_H100S = 40  # Splitwise's budgets: what 40 DGX-H100s cost or draw
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One simulated run: `design` with `num_prompt` + `num_token` machines at `rate_rps`."""
+
+    design: str
+    num_prompt: int
+    num_token: int
+    rate_rps: float
+    num_requests: int
+    meets: bool
+
+
+Progress = Callable[[Probe], None]
+
+
+def slowdowns(records: Sequence[RequestRecord], model: str = DEFAULT_MODEL) -> dict[str, list[float]]:
+    """TTFT and E2E per completed request, every token gap, each over its unloaded-A100 latency."""
+    a100 = perf_model(model, A100)
+    out = {"ttft": [], "tbt": [], "e2e": []}
+    for r in (r for r in records if r.ok):
+        ttft0, tbt0 = a100.prefill_time(r.prompt_tokens), a100.decode_time(1, r.prompt_tokens)
+        out["ttft"].append(r.ttft_s / ttft0)
+        out["tbt"].extend(gap / tbt0 for gap in r.tbt_s)
+        out["e2e"].append(r.e2e_s / (ttft0 + tbt0 * (r.requested_output_tokens - 1)))
+    return out
+
+
+def meets_slos(result: SimResult, model: str = DEFAULT_MODEL) -> bool:
+    """All nine Table VI bounds hold and every request completed (none refused)."""
+    if not result.records or any(not r.ok for r in result.records):
+        return False
+    values = slowdowns(result.records, model)
+    for metric, bounds in TABLE_VI.items():
+        for key, bound in bounds.items():
+            if values[metric] and float(np.percentile(values[metric], float(key[1:]))) > bound:
+                return False
+    return True
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """Poisson arrivals for `duration_s` seconds, lengths resampled from `trace` ("code", "conv", a CSV)."""
+
+    trace: str = "conv"
+    duration_s: float = 60.0
+    seed: int = 0
+    model: str = DEFAULT_MODEL
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.duration_s) and self.duration_s > 0):
+            raise ValueError(f"duration_s must be a positive number of seconds, got {self.duration_s!r}")
+
+    def requests(self, rate: float):
+        return make_workload(WorkloadSpec(self.trace, max(1, round(rate * self.duration_s)), rate=rate,
+                                          arrivals="poisson", seed=self.seed))
+
+
+def run_probe(design: Design, num_prompt: int, num_token: int, rate: float, trace: TraceSpec) -> Probe:
+    requests = trace.requests(rate)
+    result = simulate(design.scenario(num_prompt, num_token, trace.model), requests)
+    return Probe(design.name, num_prompt, num_token, rate, len(requests), meets_slos(result, trace.model))
+
+
+def max_throughput(design: Design, num_prompt: int, num_token: int, trace: TraceSpec, low: float, high: float,
+                   iterations: int = 5, progress: Progress | None = None) -> float:
+    """The highest Poisson rate (req/s) in [low, high] meeting the SLOs, by bisection
+    (`splitserve.bench.slo.capacity_search`): 0.0 if `low` fails, `high` if `high` passes."""
+    def run_at(rate: float) -> dict:
+        probe = run_probe(design, num_prompt, num_token, rate, trace)
+        if progress is not None:
+            progress(probe)
+        return {"meets": probe.meets}
+
+    rate, _ = capacity_search(run_at, lambda s: s["meets"], low, high, iterations)
+    return rate
+
+
+def reference_budget(goal: str) -> float:
+    """Splitwise's budget for `goal`: the power or cost of 40 DGX-H100s (1760 or 190.4)."""
+    return REFERENCE_H100S * _unit(goal)[H100]
+
+
+def _unit(goal: str) -> dict[str, float]:
+    """Per-machine constants of a budget goal: POWER for iso-power, COST for iso-cost."""
+    constants = {"iso-power": POWER, "iso-cost": COST}
+    if goal not in constants:
+        raise ValueError(f"goal must be iso-power or iso-cost for a budget, got {goal!r}")
+    return constants[goal]
+
+
+def budget_splits(design: Design, goal: str, budget: float, step: int = 5) -> list[tuple[int, int]]:
+    """The (prompt, token) machine counts that fill `budget` (summary's formulas, e.g. iso-power
+    A100 = int(44 x (40 - H) // 24.8)). Baselines: one count. Same hardware in both pools: the
+    token count steps (step, 2 step, ...) and prompt machines take the rest; otherwise the
+    prompt count steps and token machines take the rest. Only splits with both counts >= 1."""
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step!r}")
+    unit = _unit(goal)
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"budget must be a positive number, got {budget!r}")
+    p_unit, t_unit = unit[design.prompt_hw], unit[design.token_hw]
+    if design.baseline:
+        return [(_fit(budget, p_unit), 0)]
+    if design.prompt_hw == design.token_hw:
+        splits = [(_fit(budget - t * t_unit, p_unit), t) for t in range(step, _fit(budget, t_unit) + 1, step)]
+    else:
+        splits = [(p, _fit(budget - p * p_unit, t_unit)) for p in range(step, _fit(budget, p_unit) + 1, step)]
+    return [(p, t) for p, t in splits if p >= 1 and t >= 1]
+
+
+def _fit(budget: float, unit: float) -> int:
+    """Whole machines of `unit` within `budget` (a tiny tolerance absorbs float error: 1540/44 is 35)."""
+    return max(0, math.floor(budget / unit + 1e-9))
+
+
+@dataclass(frozen=True)
+class Goal:
+    """iso-power / iso-cost: the split with the highest throughput within `budget` (default: 40
+    H100s). iso-throughput: the cheapest (`minimize` "cost") or lowest-power ("power") split,
+    on a `step` grid up to `budget` of that kind, that serves `target_rps` within the SLOs."""
+
+    kind: str = "iso-power"
+    budget: float | None = None
+    target_rps: float | None = None
+    minimize: str = "cost"
+    step: int = 5
+
+    def __post_init__(self) -> None:
+        if self.kind not in GOALS:
+            raise ValueError(f"kind must be one of {', '.join(GOALS)}, got {self.kind!r}")
+        if self.kind == "iso-throughput" and not (self.target_rps and self.target_rps > 0):
+            raise ValueError(f"target_rps must be > 0 for iso-throughput, got {self.target_rps!r}")
+        if self.minimize not in ("cost", "power"):
+            raise ValueError(f"minimize must be cost or power, got {self.minimize!r}")
+        if self.step < 1:
+            raise ValueError(f"step must be >= 1, got {self.step!r}")
+
+    @property
+    def budget_kind(self) -> str:
+        return "iso-" + self.minimize if self.kind == "iso-throughput" else self.kind
+
+    @property
+    def resolved_budget(self) -> float:
+        return self.budget if self.budget is not None else reference_budget(self.budget_kind)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One evaluated split: its cost, power and throughput (iso-throughput: the target if it meets it, else 0)."""
+
+    num_prompt: int
+    num_token: int
+    cost: float
+    power: float
+    throughput_rps: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    design: str
+    goal: Goal
+    trace: TraceSpec
+    configs: tuple[Config, ...]  # in evaluation order
+    best: Config | None          # None: nothing met the SLOs
+
+
+def search(design: Design, goal: Goal, trace: TraceSpec, iterations: int = 5,
+           progress: Progress | None = None) -> Plan:
+    """Evaluate the splits of `goal` and pick the best (see `Goal`)."""
+    if goal.kind == "iso-throughput":
+        return _iso_throughput(design, goal, trace, progress)
+    configs = []
+    for p, t in budget_splits(design, goal.kind, goal.resolved_budget, goal.step):
+        low, high = rate_range(p + t)
+        rate = max_throughput(design, p, t, trace, low, high, iterations, progress)
+        configs.append(Config(p, t, design.cost(p, t), design.power(p, t), rate))
+    passing = [c for c in configs if c.throughput_rps > 0]
+    best = max(passing, key=lambda c: (c.throughput_rps, -c.cost)) if passing else None
+    return Plan(design.name, goal, trace, tuple(configs), best)
+
+
+def rate_range(machines: int) -> tuple[float, float]:
+    """Where to look for a cluster's throughput: 0.5 to 12 req/s per machine (a DGX-H100 serves
+    about 5 conversation requests/s within the SLOs in our simulator)."""
+    return 0.5 * machines, 12.0 * machines
+
+
+def grid(design: Design, goal: Goal) -> list[tuple[int, int]]:
+    """iso-throughput candidates: counts on the `step` grid (from 1) within the budget, cheapest first."""
+    unit = _unit(goal.budget_kind)
+    budget = goal.resolved_budget
+    counts = range(1, _fit(budget, min(unit[design.prompt_hw], unit[design.token_hw])) + 1, goal.step)
+    pairs = [(p, 0) for p in counts] if design.baseline else [(p, t) for p in counts for t in counts]
+    spend = design.power if goal.minimize == "power" else design.cost
+    return sorted((pair for pair in pairs if spend(*pair) <= budget + 1e-9), key=lambda pair: (spend(*pair), pair))
+
+
+def _iso_throughput(design: Design, goal: Goal, trace: TraceSpec, progress: Progress | None) -> Plan:
+    configs = []
+    for p, t in grid(design, goal):
+        probe = run_probe(design, p, t, goal.target_rps, trace)
+        if progress is not None:
+            progress(probe)
+        configs.append(Config(p, t, design.cost(p, t), design.power(p, t), goal.target_rps if probe.meets else 0.0))
+        if probe.meets:
+            return Plan(design.name, goal, trace, tuple(configs), configs[-1])
+    return Plan(design.name, goal, trace, tuple(configs), None)

@@ -1,0 +1,122 @@
+"""Provisioning: Table VI on hand-made records, the bisection, the iso-budget arithmetic, a tiny plan."""
+import json
+
+import pytest
+
+from splitserve.bench.report import RequestRecord
+from splitserve.cli import main
+from splitserve.sim.cluster import SimResult
+from splitserve.sim.designs import A100, DESIGNS, design, perf_model
+from splitserve.sim.provision import (
+    Goal,
+    TraceSpec,
+    budget_splits,
+    grid,
+    max_throughput,
+    meets_slos,
+    reference_budget,
+    search,
+    slowdowns,
+)
+
+A = perf_model("llama2-70b", A100)
+TTFT0, TBT0 = A.prefill_time(1000), A.decode_time(1, 1000)
+
+
+def record(index, ttft_x, tbt_x, outputs=3):
+    """A request of 1000 prompt tokens whose TTFT and token gaps are multiples of the unloaded A100's."""
+    times = [ttft_x * TTFT0 + k * tbt_x * TBT0 for k in range(outputs)]
+    return RequestRecord(index, 1000, outputs, outputs, 0.0, times[0], tuple(times), times[-1], status=200)
+
+
+def result(records):
+    return SimResult(tuple(records), (), 10.0, 0, 0)
+
+
+def test_slowdowns_are_against_the_unloaded_a100():
+    values = slowdowns([record(0, 2.0, 1.0)])
+    assert values["ttft"] == pytest.approx([2.0])
+    assert values["tbt"] == pytest.approx([1.0, 1.0])
+    # E2E = 2 TTFT0 + 2 TBT0 over TTFT0 + 2 TBT0
+    assert values["e2e"] == pytest.approx([(2 * TTFT0 + 2 * TBT0) / (TTFT0 + 2 * TBT0)])
+
+
+def test_unloaded_requests_meet_every_bound():
+    assert meets_slos(result([record(i, 1.0, 1.0) for i in range(10)]))
+
+
+@pytest.mark.parametrize("ttft_x, tbt_x", [(2.1, 1.0), (1.0, 1.3)])
+def test_a_p50_over_its_bound_fails(ttft_x, tbt_x):
+    # TTFT p50 bound 2, TBT p50 bound 1.25: every request above it
+    assert not meets_slos(result([record(i, ttft_x, tbt_x) for i in range(10)]))
+
+
+def test_a_p99_tail_over_its_bound_fails():
+    # 98 unloaded + 2 with TTFT slowdown 7 (> p99 bound 6): the p99 lands in the tail
+    records = [record(i, 1.0, 1.0) for i in range(98)] + [record(98 + i, 7.0, 1.0) for i in range(2)]
+    assert not meets_slos(result(records))
+    assert meets_slos(result([record(i, 1.0, 1.0) for i in range(99)] + [record(99, 7.0, 1.0)]))
+
+
+def test_a_refused_request_fails():
+    refused = RequestRecord(1, 1000, 0, 3, 0.0, None, (), None, "full", 429)
+    assert not meets_slos(result([record(0, 1.0, 1.0), refused]))
+
+
+def test_bisection_finds_the_capacity(monkeypatch):
+    from splitserve.sim import provision
+    from splitserve.sim.provision import Probe
+
+    def fake_probe(d, p, t, rate, trace):
+        return Probe(d.name, p, t, rate, 1, rate <= 37.0)
+
+    monkeypatch.setattr(provision, "run_probe", fake_probe)
+    seen = []
+    # 10 passes, 90 fails; bisect: 50 F, 30 P, 40 F, 35 P, 37.5 F -> 35
+    rate = max_throughput(DESIGNS["splitwise-hh"], 1, 1, TraceSpec(), 10.0, 90.0, 4, seen.append)
+    assert rate == 35.0
+    assert [p.rate_rps for p in seen] == [10.0, 90.0, 50.0, 30.0, 40.0, 35.0]
+
+
+def test_iso_budgets_follow_the_summary_formulas():
+    assert reference_budget("iso-power") == pytest.approx(1760) and reference_budget("iso-cost") == pytest.approx(190.4)
+    assert budget_splits(DESIGNS["baseline-a100"], "iso-power", 1760) == [(70, 0)]
+    assert budget_splits(DESIGNS["baseline-a100"], "iso-cost", 190.4) == [(86, 0)]
+    assert budget_splits(DESIGNS["baseline-h100"], "iso-power", 1760) == [(40, 0)]
+    assert budget_splits(DESIGNS["splitwise-hh"], "iso-power", 1760)[0] == (35, 5)
+    assert (55, 15) in budget_splits(DESIGNS["splitwise-aa"], "iso-power", 1760)
+    assert (51, 35) in budget_splits(DESIGNS["splitwise-aa"], "iso-cost", 190.4)
+    # HA: A100 = int(44 x (40 - 25) // 24.8) = int(660 // 24.8) = 26; HHcap: int(660 // 30.8) = 21
+    assert (25, 26) in budget_splits(DESIGNS["splitwise-ha"], "iso-power", 1760)
+    assert (25, 21) in budget_splits(DESIGNS["splitwise-hhcap"], "iso-power", 1760)
+    # iso-cost HA: int(4.76 x 10 // 2.21) = int(47.6 // 2.21) = 21
+    assert (30, 21) in budget_splits(DESIGNS["splitwise-ha"], "iso-cost", 190.4)
+
+
+def test_iso_throughput_grid_is_cheapest_first_within_budget():
+    # 2 A100s cost 4.42 <= 5: only (1, 1), and 1 + 2 = 3 with step 2 is already too much
+    assert grid(DESIGNS["splitwise-aa"], Goal("iso-throughput", 5.0, 1.0, "cost", 2)) == [(1, 1)]
+    pairs = grid(DESIGNS["splitwise-ha"], Goal("iso-throughput", 120.0, 1.0, "power", 1))
+    # power <= 120: 44 + 24.8 = 68.8, 44 + 49.6 = 93.6, 88 + 24.8 = 112.8, 44 + 74.4 = 118.4
+    assert pairs == [(1, 1), (1, 2), (2, 1), (1, 3)]
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match="design must be"):
+        design("nope")
+    with pytest.raises(ValueError, match="target_rps"):
+        Goal("iso-throughput")
+    with pytest.raises(ValueError, match="num_token must be 0"):
+        DESIGNS["baseline-h100"].scenario(2, 1)
+
+
+def test_a_tiny_plan_end_to_end(tmp_path):
+    # 2 H100 + 1 H100 = 132 power units: splits (1, 2) and (2, 1), 5 s of conversation requests
+    plan = search(DESIGNS["splitwise-hh"], Goal("iso-power", 132.0, step=1), TraceSpec("conv", 5.0), iterations=2)
+    assert [(c.num_prompt, c.num_token) for c in plan.configs] == [(2, 1), (1, 2)]
+    assert plan.best is not None and plan.best.throughput_rps > 0
+    assert all(c.power == pytest.approx(132.0) for c in plan.configs)
+    assert main(["plan", "--design", "baseline-h100", "--goal", "iso-power", "--budget", "88", "--duration-s", "5",
+                 "--iterations", "1", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["configs"][0]["num_prompt"] == 2 and (tmp_path / "design_space.png").stat().st_size > 0
