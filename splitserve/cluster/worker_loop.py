@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from splitserve.cluster.placement.load import load_of
 from splitserve.cluster.placement.state import WorkerLoad
 from splitserve.cluster.worker_stats import StatsRecorder, WorkerStats
 from splitserve.engine.llm_engine import LLMEngine
@@ -104,14 +105,7 @@ class WorkerLoop:
         self.engine.set_policy(policy)
 
     def load(self) -> WorkerLoad:
-        policy, blocks, size = self.engine.policy, self.engine.block_manager, self.engine.config.block_size
-        queued = [*policy.waiting, *policy.running]
-        local = [s for s in (*queued, *policy.held.values()) if not s.hand_off]  # imports included
-        return WorkerLoad(
-            pending_prompt_tokens=sum(s.num_uncomputed_tokens for s in queued if not s.is_decoding),
-            decode_tokens=sum(s.num_tokens for s in local), num_decoding=len(local),
-            num_waiting=len(policy.waiting), free_kv_tokens=blocks.num_free_blocks * size,
-            total_kv_tokens=blocks.num_blocks * size)
+        return load_of(self.engine.policy, self.engine.block_manager)
 
     def drain_stats(self) -> WorkerStats:
         blocks = self.engine.block_manager

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from splitserve.cluster.placement.load import load_of
 from splitserve.cluster.placement.state import WorkerLoad
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
@@ -155,15 +156,8 @@ class SimWorker:
 
     # ---- reports -------------------------------------------------------------------------
     def load(self) -> WorkerLoad:
-        """What the worker reports to the CLS: the same sums as `WorkerLoop.load()`."""
-        policy, blocks, size = self.policy, self.blocks, self.blocks.block_size
-        queued = [*policy.waiting, *policy.running]
-        local = [s for s in (*queued, *policy.held.values()) if not s.hand_off]  # imports included
-        return WorkerLoad(
-            pending_prompt_tokens=sum(s.num_uncomputed_tokens for s in queued if not s.is_decoding),
-            decode_tokens=sum(s.num_tokens for s in local), num_decoding=len(local),
-            num_waiting=len(policy.waiting), free_kv_tokens=blocks.num_free_blocks * size,
-            total_kv_tokens=blocks.num_blocks * size)
+        """What the worker reports to the CLS: the real worker's own definition."""
+        return load_of(self.policy, self.blocks)
 
     def check_integrity(self) -> None:
         self.policy.check_integrity()
