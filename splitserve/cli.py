@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import import_module
 
 from splitserve.engine.policies import POLICY_CLASSES
 
@@ -12,11 +13,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving (Splitwise) on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve(commands)
-    _add_bench(commands)
+    _add_delegated(commands, "bench")
     _add_generate(commands)
     _add_profile(commands)
-    _add_sim(commands)
-    _add_plan(commands)
+    _add_delegated(commands, "sim")
+    _add_delegated(commands, "plan")
     args = parser.parse_args(argv)
     return args.run(args)
 
@@ -56,23 +57,6 @@ def _run_serve(args) -> int:
     return 0
 
 
-def _add_bench(commands) -> None:
-    from splitserve.bench.cli import add_arguments
-
-    p = commands.add_parser("bench", help="replay a trace against a server and report TTFT / TBT / E2E, SLOs, capacity",
-                            description="Open-loop, streaming OpenAI-API load generator (also `python -m "
-                                        "splitserve.bench`, for `ray job submit`). Writes requests.jsonl, "
-                                        "summary.json, report.md and plots to --out.")
-    add_arguments(p)
-    p.set_defaults(run=_run_bench)
-
-
-def _run_bench(args) -> int:
-    from splitserve.bench.cli import run_command
-
-    return run_command(args)
-
-
 def _add_generate(commands) -> None:
     p = commands.add_parser("generate", help="generate text offline with one engine (no cluster)",
                             description="Generate a completion for each --prompt with one in-process engine.")
@@ -107,30 +91,6 @@ def _run_generate(args) -> int:
         return 2
     for out in outputs:
         print(f"{out.prompt!r} -> {out.text!r}  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
-    return 0
-
-
-def _add_sim(commands) -> None:
-    from splitserve.sim.sim_cli import add_arguments
-
-    p = commands.add_parser("sim", help="simulate a cluster config on a trace (the real schedulers, modelled time)",
-                            description="Event-driven simulation of the cluster a config file describes, with the "
-                                        "engine's own schedulers and the CLS's own placement, timed by performance "
-                                        "profiles; writes the report `splitserve bench` writes.")
-    add_arguments(p)
-    p.set_defaults(run=_run_sim)
-
-
-def _run_sim(args) -> int:
-    from pydantic import ValidationError
-
-    from splitserve.sim.sim_cli import run
-
-    try:
-        run(args)
-    except (ValueError, OSError, ValidationError) as error:
-        print(f"splitserve sim: {error}", file=sys.stderr)
-        return 2
     return 0
 
 
@@ -189,21 +149,25 @@ def _run_profile(args) -> int:
     return 0
 
 
-def _add_plan(commands) -> None:
-    from splitserve.sim.plan_cli import add_arguments
+DELEGATED = {  # subcommands whose arguments and run live with their package: (module, help, description)
+    "bench": ("splitserve.bench.cli", "replay a trace against a server and report TTFT / TBT / E2E, SLOs, capacity",
+              "Open-loop, streaming OpenAI-API load generator (also `python -m splitserve.bench`, for `ray job "
+              "submit`). Writes requests.jsonl, summary.json, report.md and plots to --out."),
+    "sim": ("splitserve.sim.sim_cli", "simulate a cluster config on a trace (the real schedulers, modelled time)",
+            "Event-driven simulation of the cluster a config file describes, with the engine's own schedulers and "
+            "the CLS's own placement, timed by performance profiles; writes the report `splitserve bench` writes."),
+    "plan": ("splitserve.sim.plan_cli", "provision prompt / token machines for a design (Splitwise IV-D)",
+             "Simulate the splits of a design under an iso-power, iso-cost or iso-throughput goal with the Table VI "
+             "SLOs; print a table and write plan.json and a design-space heat map to --out."),
+}
 
-    p = commands.add_parser("plan", help="provision prompt / token machines for a design (Splitwise IV-D)",
-                            description="Simulate the splits of a design under an iso-power, iso-cost or "
-                                        "iso-throughput goal with the Table VI SLOs; print a table and write "
-                                        "plan.json and a design-space heat map to --out.")
-    add_arguments(p)
-    p.set_defaults(run=_run_plan)
 
-
-def _run_plan(args) -> int:
-    from splitserve.sim.plan_cli import run_command
-
-    return run_command(args)
+def _add_delegated(commands, name: str) -> None:
+    module_name, help_text, description = DELEGATED[name]
+    module = import_module(module_name)
+    p = commands.add_parser(name, help=help_text, description=description)
+    module.add_arguments(p)
+    p.set_defaults(run=module.run_command)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from splitserve.bench.report import markdown_table, write_outputs
@@ -58,3 +60,13 @@ def run(args) -> dict:
     print(markdown_table(summary))
     print(f"{len(requests)} requests, {result.duration_s:.0f} s simulated in {wall:.1f} s; results in {out}/")
     return summary
+
+
+def run_command(args) -> int:
+    """`run` as a command: an error is one line on stderr and exit status 2."""
+    try:
+        run(args)
+    except (ValueError, OSError, ValidationError) as error:
+        print(f"splitserve sim: {error}", file=sys.stderr)
+        return 2
+    return 0
