@@ -2,8 +2,10 @@
 function (num_prompt, num_token) -> Scenario, with the per-machine (DGX) cost and power constants
 of the Splitwise provisioning analysis (../shared/profiles/splitwise_configs_summary.md).
 
-Baselines run mixed workers only (the Sarathi-style `mixed` engine policy) placed by JSQ; their
-machine count is `num_prompt` and `num_token` must be 0. Splitwise designs have a prompt pool and a
+Baselines run mixed workers only, placed by JSQ, with the prefill-prioritizing `prefill_first`
+engine policy: the paper's baseline machines batch whole prompts with the running decodes (Splitwise
+IV-A), not Sarathi-Serve's chunks, which keep prompts from stalling decodes and would make a much
+stronger baseline (BASELINE_POLICY). Their machine count is `num_prompt` and `num_token` must be 0. Splitwise designs have a prompt pool and a
 token pool placed by the `splitwise` policy. "h100-80gb-pcap" is the power-capped H100 of the CSV.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from splitserve.sim.perf_model import MODEL_SHAPES, PerfModel, load_perf_models
 from splitserve.sim.scenario import PoolSpec, Scenario
 from splitserve.sim.transfer import TransferModel
 
+BASELINE_POLICY = "prefill_first"  # the paper's baselines: whole prompts batched with decodes
 A100, H100, H100_CAP = "a100-80gb", "h100-80gb", "h100-80gb-pcap"
 COST = {A100: 2.21, H100: 4.76, H100_CAP: 4.76}     # relative $/h per DGX
 POWER = {A100: 24.8, H100: 44.0, H100_CAP: 30.8}    # relative power per DGX (pcap: 0.7 x 44)
@@ -50,7 +53,7 @@ class Design:
         if model not in MODEL_SHAPES:
             raise ValueError(f"model must be one of {', '.join(MODEL_SHAPES)}, got {model!r}")
         if self.baseline:
-            pools = (PoolSpec(Role.MIXED, num_prompt, self.prompt_hw, "mixed"),)
+            pools = (PoolSpec(Role.MIXED, num_prompt, self.prompt_hw, BASELINE_POLICY),)
         else:
             pools = (PoolSpec(Role.PROMPT, num_prompt, self.prompt_hw), PoolSpec(Role.TOKEN, num_token, self.token_hw))
         shape = MODEL_SHAPES[model]
