@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import time
 
 import httpx
 import torch
+
+from splitserve.machine import cpu_name
 
 PROMPTS = ["Tell me about disaggregated serving", "Hello, splitserve", "The KV cache streams layer by layer"]
 ENGINE = {"kv_cache_memory_bytes": 64 << 20}
@@ -35,13 +36,6 @@ CLUSTERS = {
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def engine_latency(engine, prompt: str, max_tokens: int, counter: list[int]) -> float:

@@ -31,6 +31,7 @@ from splitserve.cluster.hardware import HARDWARE_CLASSES
 from splitserve.cluster.placement import (PLACEMENT_POLICIES, ClusterState, PlacementRequest, PlacementThresholds,
                                           Role, WorkerLoad, WorkerState)
 from splitserve.data import TRACES_DIR
+from splitserve.machine import cpu_name
 
 TRACE = TRACES_DIR / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
 HARDWARE_CYCLE = ("h100", "a100", "h100-cap")
@@ -50,14 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the rows here")
     return p.parse_args(argv)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def load_requests() -> list[tuple[int, int]]:

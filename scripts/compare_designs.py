@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 
 from splitserve.bench.report import markdown_table
 from splitserve.bench.runner import Target, measure_baseline, run_once
 from splitserve.bench.slo import SLOSpec
 from splitserve.bench.workload import WorkloadSpec
+from splitserve.machine import cpu_name
 
 DESIGNS = ("baseline", "sarathi", "splitwise")
 SUMMARY_FIELDS = ("num_requests", "num_failed", "num_rejected", "throughput_rps", "output_tokens_per_s",
@@ -35,13 +35,6 @@ def design_config(design: str, workers: int, engine: dict) -> dict:
     policy = "prefill_first" if design == "baseline" else "mixed"
     return {"pools": [{"role": "mixed", "num_workers": workers}], "engine": {**engine, "mixed_policy": policy},
             "scheduler": {"policy": "jsq"}}
-
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def run_design(design: str, args, port: int, baseline, slo) -> tuple[list[dict], object]:

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ from splitserve.bench.report import markdown_table, write_outputs
 from splitserve.bench.runner import Target, measure_baseline, run_at_rate, run_once
 from splitserve.bench.slo import SLOSpec, capacity_search, p99_tbt_within
 from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
+from splitserve.command import report_errors
 
 TRACES = ("code", "conv", "sharegpt", "arxiv", "fixed")
 
@@ -70,7 +70,10 @@ def run(args) -> dict:
     target, workload, slo, out = Target(args.url, args.model, args.api_key), workload_of(args), slo_of(args), Path(args.out)
     # a bad trace or workload is reported before the server is contacted (capacity: at its first rate)
     make_workload(dataclasses.replace(workload, rate=args.rate_low) if args.capacity else workload)
-    baseline = None if args.no_calibrate else asyncio.run(measure_baseline(target, workload))
+    try:
+        baseline = None if args.no_calibrate else asyncio.run(measure_baseline(target, workload))
+    except httpx.HTTPError as error:
+        raise RuntimeError(f"cannot talk to {args.url}: {error}") from None
     if args.capacity:
         return _capacity(args, target, workload, slo, baseline, out)
     records, summary = asyncio.run(run_once(target, workload, slo, baseline, not args.no_progress))
@@ -96,16 +99,7 @@ def _capacity(args, target: Target, workload: WorkloadSpec, slo: SLOSpec, baseli
 
 
 def run_command(args) -> int:
-    """`run` as a command: an error is one line on stderr and exit status 2."""
-    try:
-        run(args)
-    except (ValueError, RuntimeError, OSError) as error:
-        print(f"splitserve bench: {error}", file=sys.stderr)
-        return 2
-    except httpx.HTTPError as error:
-        print(f"splitserve bench: cannot talk to {args.url}: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return report_errors("bench", run, args, (ValueError, RuntimeError, OSError))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -19,6 +18,7 @@ from tqdm import tqdm
 from splitserve.bench.report import markdown_table, write_outputs
 from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
 from splitserve.cluster.config import ClusterConfig, load_cluster_config
+from splitserve.command import report_errors
 from splitserve.sim.cluster import simulate
 from splitserve.sim.from_config import SimTarget, scenario_from_config
 
@@ -63,10 +63,4 @@ def run(args) -> dict:
 
 
 def run_command(args) -> int:
-    """`run` as a command: an error is one line on stderr and exit status 2."""
-    try:
-        run(args)
-    except (ValueError, OSError, ValidationError) as error:
-        print(f"splitserve sim: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return report_errors("sim", run, args, (ValueError, OSError, ValidationError))
