@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib import import_module
+from pathlib import Path
 
 from splitserve.engine.policies import POLICY_CLASSES
 
@@ -108,6 +109,12 @@ def _add_profile(commands) -> None:
     p.add_argument("--prompt-sizes", type=_sizes, default=(32, 64, 128, 256, 512, 1024), help="comma-separated")
     p.add_argument("--batch-sizes", type=_sizes, default=(1, 2, 4, 8, 16, 32), help="comma-separated")
     p.add_argument("--token-size", type=_positive_int, default=32, help="output tokens per request (>= 2)")
+    serving = p.add_argument_group("serving overhead (--url): what a running cluster adds to its engine's times; "
+                                   "writes JSON for `splitserve sim --overhead`")
+    serving.add_argument("--url", help="the cluster's base URL: measure its overhead instead of profiling an engine")
+    serving.add_argument("--engine-profile", type=Path, help="the cluster's engine profile (a `splitserve profile` CSV)")
+    serving.add_argument("--config", help="the cluster's config (deploy/*.yaml); default: local-cpu")
+    serving.add_argument("--api-key")
     p.set_defaults(run=_run_profile)
 
 
@@ -129,9 +136,16 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _run_profile(args) -> int:
+    if args.url:
+        return _run_serving_profile(args)
     from tqdm import tqdm
 
-    from splitserve.sim.profile import ProfileSpec, run_profile, summary_table, write_csv
+    from splitserve.sim.profile import (
+        ProfileSpec,
+        run_profile,
+        summary_table,
+        write_csv,
+    )
 
     try:
         spec = ProfileSpec(args.model, args.hardware, args.device, args.threads, args.repeats, args.prompt_sizes,
@@ -147,6 +161,27 @@ def _run_profile(args) -> int:
     print(summary_table(result.rows))
     print(f"wrote {len(result.rows)} rows to {path}")
     return 0
+
+
+def _run_serving_profile(args) -> int:
+    from pydantic import ValidationError
+
+    from splitserve.cluster.config import ClusterConfig, load_cluster_config
+    from splitserve.command import report_errors
+    from splitserve.sim.serving_profile import measure_serving_overhead
+
+    def run(args) -> None:
+        if args.engine_profile is None:
+            raise ValueError("--url needs --engine-profile: the CSV `splitserve profile` wrote for the cluster's engine")
+        config = load_cluster_config(args.config)[0] if args.config else ClusterConfig()
+        overhead, num = measure_serving_overhead(args.url, config, args.engine_profile, args.prompt_sizes,
+                                                 args.token_size, args.repeats, args.api_key)
+        path = overhead.save(args.out, num)
+        print(f"serving overhead at {args.url} over {num} requests: {overhead.request_s * 1000:.2f} ms per request, "
+              f"{overhead.iteration_s * 1000:.2f} ms per iteration + {overhead.token_s * 1000:.2f} ms per token; "
+              f"wrote {path}")
+
+    return report_errors("profile", run, args, (ValueError, OSError, RuntimeError, ValidationError))
 
 
 DELEGATED = {  # subcommands whose arguments and run live with their package: (module, help, description)

@@ -13,7 +13,8 @@ number). Per request, as in a real run (splitserve.cluster.dispatch):
    that first token then (the real prompt worker returns it once its pushes have left). The prompt
    worker goes on with its next iteration at once: the pushes are asynchronous (Splitwise IV-C);
    local: the whole request runs on one worker;
-3. each token's time is the end of the iteration that sampled it.
+3. each token's time is the end of the iteration that sampled it, plus the scenario's per-request
+   serving overhead (`ServingOverhead.request_s`: the client sees every token that much later).
 Workers sleep while idle (no events), wake when they get work (after the other events of that
 instant, so requests arriving together batch), and run iterations back to back while they have work.
 Every `report_interval_s` each worker whose load may have changed reports it (an unchanged worker's
@@ -31,7 +32,13 @@ from dataclasses import dataclass
 from splitserve.bench.report import RequestRecord, summarize
 from splitserve.bench.slo import Baseline, SLOSpec
 from splitserve.bench.workload import RequestSpec
-from splitserve.cluster.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
+from splitserve.cluster.placement import (
+    ClusterState,
+    PlacementRequest,
+    PoolMove,
+    Role,
+    WorkerState,
+)
 from splitserve.engine.block_manager import OutOfBlocksError
 from splitserve.engine.policies.base import EngineFullError
 from splitserve.engine.sampling_params import SamplingParams
@@ -114,7 +121,8 @@ class Simulation:
                 worker_id = f"{pool.role.value}-{counts[pool.role]:03d}"
                 counts[pool.role] += 1
                 worker = SimWorker(worker_id, pool.engine_policy, scenario.perf_models[pool.hardware],
-                                   scenario.num_blocks, scenario.block_size, scenario.limits, self.token_times)
+                                   scenario.num_blocks, scenario.block_size, scenario.limits, self.token_times,
+                                   scenario.overhead)
                 self.workers[worker_id], self._hardware_of[worker_id] = worker, pool.hardware
                 self.cls.add_worker(worker_id, pool.role, profiles[pool.hardware], worker.load())
                 worker.changed = False
@@ -261,7 +269,8 @@ class Simulation:
             status, error = self.refused[seq_id]
             return RequestRecord(spec.index, spec.prompt_tokens, 0, spec.output_tokens, arrival, None, (), None,
                                  error, status)
-        times = tuple(t - arrival for t in self.token_times[seq_id])
+        offset = self.scenario.overhead.request_s - arrival
+        times = tuple(t + offset for t in self.token_times[seq_id])
         return RequestRecord(spec.index, spec.prompt_tokens, len(times), spec.output_tokens, arrival, times[0],
                              times, times[-1], status=200)
 

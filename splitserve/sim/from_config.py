@@ -16,7 +16,13 @@ from splitserve.cluster.placement.state import Role
 from splitserve.engine.demo import demo_model_config
 from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES
 from splitserve.engine.loader import load_model_config
-from splitserve.sim.perf_model import MODEL_SHAPES, ModelShape, PerfModel, load_perf_models
+from splitserve.sim.overhead import ServingOverhead
+from splitserve.sim.perf_model import (
+    MODEL_SHAPES,
+    ModelShape,
+    PerfModel,
+    load_perf_models,
+)
 from splitserve.sim.scenario import PoolSpec, Scenario
 from splitserve.sim.transfer import TransferModel
 
@@ -28,13 +34,15 @@ CPU_DTYPE_BYTES = 4  # the engine runs float32 on CPU
 
 @dataclass(frozen=True)
 class SimTarget:
-    """What the config does not say: which model's profiles stand in for it, and the network."""
+    """What the config does not say: which model's profiles stand in for it, the network, and what
+    the serving stack adds to the profiled engine times (`splitserve profile --url`)."""
 
     model: str = "llama2-70b"
     tensor_parallel: int = 8
     profile: Path | None = None       # a `splitserve profile` CSV for classes the paper did not measure
     bandwidth_gbps: float = 400.0     # KV transfer link (InfiniBand between DGX machines)
     latency_s: float = 0.005
+    overhead: ServingOverhead = ServingOverhead()
 
 
 def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget()) -> Scenario:
@@ -49,7 +57,7 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
                     report_interval_s=config.scheduler.report_interval_s, max_num_seqs=engine.max_num_seqs,
                     max_model_len=engine.max_model_len or 4096, prompt_token_budget=engine.prompt_token_budget,
                     chunk_token_budget=engine.chunk_token_budget,
-                    hardware={name: config.hardware(name) for name in models})
+                    hardware={name: config.hardware(name) for name in models}, overhead=target.overhead)
 
 
 def perf_model_for(hardware: str, target: SimTarget) -> PerfModel:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from splitserve.cluster.hardware import HardwareProfile
 from splitserve.cluster.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits
+from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.transfer import TransferModel
 from splitserve.sim.worker import PerfModel
 
@@ -44,7 +45,8 @@ class PoolSpec:
 class Scenario:
     """A cluster to simulate. `perf_models` maps each pool's hardware name to its performance model;
     `hardware` gives the CLS's speed profiles (by default derived from the models: `hardware_profiles`).
-    `kv_budget_tokens`: KV cache per worker, in tokens (rounded down to whole blocks)."""
+    `kv_budget_tokens`: KV cache per worker, in tokens (rounded down to whole blocks). `overhead`:
+what the serving stack adds to the engine's times (none by default, as in the Splitwise simulator)."""
 
     pools: tuple[PoolSpec, ...]
     perf_models: Mapping[str, PerfModel]
@@ -59,6 +61,7 @@ class Scenario:
     prompt_token_budget: int = 2048
     chunk_token_budget: int = 512
     hardware: Mapping[str, HardwareProfile] = field(default_factory=dict)
+    overhead: ServingOverhead = ServingOverhead()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))

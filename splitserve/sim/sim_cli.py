@@ -3,6 +3,7 @@ deployment uses, and write the same report a real `splitserve bench` run writes.
 
     splitserve sim --config deploy/splitwise-ha.yaml --trace conv --rate 40 --num-requests 5000 --out sim/
     splitserve sim --trace conv --rate 2 --length-scale 0.25 --profile cpu.csv --model demo --out sim/  # local-cpu
+    splitserve sim ... --profile cpu.csv --overhead overhead.json  # + what `splitserve profile --url` measured
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from splitserve.cluster.config import ClusterConfig, load_cluster_config
 from splitserve.command import report_errors
 from splitserve.sim.cluster import simulate
 from splitserve.sim.from_config import SimTarget, scenario_from_config
+from splitserve.sim.overhead import ServingOverhead
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel", type=int, default=8, help="profile rows to use (a worker is a TP-N machine)")
     p.add_argument("--profile", type=Path, default=None, help="a `splitserve profile` CSV for other hardware classes")
     p.add_argument("--bandwidth-gbps", type=float, default=400.0, help="KV transfer link between machines")
+    p.add_argument("--overhead", type=Path, default=None,
+                   help="the serving stack's overhead measured by `splitserve profile --url` (a JSON file)")
     p.add_argument("--trace", default="conv")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the Azure trace's own)")
@@ -42,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> dict:
     config = load_cluster_config(args.config)[0] if args.config else ClusterConfig()
-    target = SimTarget(args.model, args.tensor_parallel, args.profile, args.bandwidth_gbps)
+    overhead = ServingOverhead.load(args.overhead) if args.overhead else ServingOverhead()
+    target = SimTarget(args.model, args.tensor_parallel, args.profile, args.bandwidth_gbps, overhead=overhead)
     scenario = scenario_from_config(config, target)
     requests = make_workload(WorkloadSpec(trace=args.trace, num_requests=args.num_requests, rate=args.rate,
                                           arrivals=args.arrivals, length_scale=args.length_scale, seed=args.seed,

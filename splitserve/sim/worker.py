@@ -17,6 +17,9 @@ from splitserve.cluster.placement.state import WorkerLoad
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.sim.overhead import ServingOverhead
+
+NO_OVERHEAD = ServingOverhead()
 
 FILLER_TOKEN = 7  # the token every sampling sequence gets: not an EOS (requests also ignore EOS)
 
@@ -61,8 +64,10 @@ class SimWorker:
     anything that can change `load()`; the cluster clears it when it reports the load."""
 
     def __init__(self, worker_id: str, role: str, perf: PerfModel, num_blocks: int, block_size: int,
-                 limits: SchedulerLimits, token_times: dict[str, list[float]]):
+                 limits: SchedulerLimits, token_times: dict[str, list[float]],
+                 overhead: ServingOverhead = NO_OVERHEAD):
         self.worker_id, self.perf, self.token_times = worker_id, perf, token_times
+        self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.policy = make_policy(role, self.blocks, limits)
         self.role = role
@@ -125,7 +130,8 @@ class SimWorker:
                 prefill += item.num_new_tokens
                 if item.samples:
                     prefills.append(seq)
-        duration = self.perf.iteration_time(prefill, decodes, context)
+        duration = (self.perf.iteration_time(prefill, decodes, context) + self.iteration_overhead_s
+                    + self.token_overhead_s * (decodes + len(prefills)))
         self.plan, self.iteration_s = plan, duration
         self.iterations += 1
         self.busy_s += duration

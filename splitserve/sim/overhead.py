@@ -1,0 +1,124 @@
+"""What the serving stack adds to the engine's own iteration times, measured on a running cluster,
+so that a simulator driven by an engine profile (`splitserve profile`) predicts what clients of that
+cluster see.
+
+Three terms, fitted on requests sent alone and in pairs (one group at a time, so nothing queues):
+- `iteration_s` + `token_s` x (tokens sampled): added to every iteration of a worker. The worker
+  loop and its token streams (the actor's asyncio thread, Ray's streaming generator) share the
+  engine's process; on CPU that costs each decode step milliseconds, more with more streams.
+  From each request's median token gap less the profile's decode time at its batch (1 alone, 2
+  in pairs) and mean context, the medians e1 (alone) and e2 (pairs): token_s = e2 - e1,
+  iteration_s = e1 - token_s (each at least 0).
+- `request_s`: added once to every request's latency: the HTTP proxy, the ingress, the CLS
+  placement and the worker calls around the iterations. Fitted as the median of a lone request's
+  TTFT less the simulator's own unloaded TTFT (prefill + the overheads of its iteration + the KV
+  transfer's visible time).
+The simulator applies exactly these terms (`Scenario.overhead`), so its unloaded latency equals
+the measured one; what it predicts under load (queueing, batching, pool moves) is its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from splitserve.bench.client import send, server_info
+from splitserve.bench.report import RequestRecord
+from splitserve.bench.workload import RequestSpec
+from splitserve.sim.transfer import TransferModel
+
+DEFAULT_PROMPT_SIZES = (32, 128, 256, 512)
+DEFAULT_OUTPUT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class ServingOverhead:
+    request_s: float = 0.0    # once per request, on its first token and so on every later one
+    iteration_s: float = 0.0  # on every worker iteration
+    token_s: float = 0.0      # on a worker iteration, per token it samples (each goes out on a stream)
+
+    def __post_init__(self) -> None:
+        for name in ("request_s", "iteration_s", "token_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServingOverhead:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or set(data) - {"request_s", "iteration_s", "token_s", "requests"}:
+            raise ValueError(f"{path}: expected an object with request_s, iteration_s and token_s "
+                             "(splitserve profile --url)")
+        return cls(data.get("request_s", 0.0), data.get("iteration_s", 0.0), data.get("token_s", 0.0))
+
+    def save(self, path: str | Path, num_requests: int) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**asdict(self), "requests": num_requests}, indent=2) + "\n")
+        return path
+
+
+def fit_overhead(lone: list[RequestRecord], pairs: list[RequestRecord], prompt_perf, token_perf,
+                 transfer: TransferModel) -> ServingOverhead:
+    """The three terms (see the module docstring) from completed requests of >= 2 tokens sent one
+    at a time (`lone`) and two at a time (`pairs`), with the performance models of the prompt
+    worker (prefill) and of the token worker (decode)."""
+    lone_extra = _decode_excess(lone, 1, token_perf)
+    token = max(0.0, _decode_excess(pairs, 2, token_perf) - lone_extra)
+    iteration = max(0.0, lone_extra - token)
+    unloaded = []
+    for r in _usable(lone):
+        prefill = prompt_perf.prefill_time(r.prompt_tokens) + iteration + token
+        unloaded.append(r.ttft_s - prefill - transfer.visible_time(r.prompt_tokens, prefill))
+    return ServingOverhead(max(0.0, statistics.median(unloaded)), iteration, token)
+
+
+def _usable(records: list[RequestRecord]) -> list[RequestRecord]:
+    usable = [r for r in records if r.ok and len(r.tbt_s) >= 1]
+    if not usable:
+        raise ValueError("no completed request with two or more tokens to fit the overhead on")
+    return usable
+
+
+def _decode_excess(records: list[RequestRecord], batch: int, token_perf) -> float:
+    """Median over requests of (median token gap - profiled decode time of `batch` sequences at
+    the request's mean context)."""
+    return statistics.median(statistics.median(r.tbt_s) - token_perf.decode_time(batch, r.prompt_tokens
+                                                                                  + r.output_tokens / 2)
+                             for r in _usable(records))
+
+
+def measure_requests(url: str, prompt_sizes=DEFAULT_PROMPT_SIZES, output_tokens: int = DEFAULT_OUTPUT_TOKENS,
+                     repeats: int = 3, concurrency: int = 1, model: str | None = None, api_key: str | None = None,
+                     seed: int | None = None) -> list[RequestRecord]:
+    """Groups of `concurrency` identical-length streamed requests sent together, one group at a
+    time: every prompt size `repeats` times, interleaved, after one warm-up group that is not
+    returned. Prompts are random token ids from `seed` (default: a fresh one, so no prompt hits a
+    prefix cache that an earlier run filled)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency!r}")
+    seed = secrets.randbits(32) if seed is None else seed
+    return asyncio.run(_measure(url, prompt_sizes, output_tokens, repeats, concurrency, model, api_key, seed))
+
+
+async def _measure(url, prompt_sizes, output_tokens, repeats, concurrency, model, api_key, seed) -> list:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=600, headers=headers) as http:
+        info = await server_info(http, url, model)
+        sizes = [size for _ in range(repeats) for size in prompt_sizes]
+        records = []
+        for group, size in enumerate([min(prompt_sizes)] + sizes):
+            specs = [RequestSpec(index=group * concurrency + i, arrival_s=0.0, prompt_tokens=size,
+                                 output_tokens=output_tokens) for i in range(concurrency)]
+            sent = await asyncio.gather(*(send(http, url, info.model, spec, seed, 0.0) for spec in specs))
+            for record in sent:
+                if record.error is not None:
+                    raise RuntimeError(f"request of {size} prompt tokens to {url} failed: {record.error}")
+            records.extend(sent if group else ())
+    return records

@@ -1,0 +1,32 @@
+"""`splitserve profile --url`: measure what a running cluster's serving stack adds to its engine's
+profiled times (`splitserve.sim.overhead`), for `splitserve sim --overhead`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.placement.state import Role
+from splitserve.sim.from_config import SimTarget, scenario_from_config
+from splitserve.sim.overhead import ServingOverhead, fit_overhead, measure_requests
+
+
+def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Path,
+                             prompt_sizes: tuple[int, ...], output_tokens: int, repeats: int,
+                             api_key: str | None = None) -> tuple[ServingOverhead, int]:
+    """The overhead of the cluster at `url`, deployed with `config`, against `engine_profile` (a
+    `splitserve profile` CSV of its hardware); and how many requests it was fitted on."""
+    if output_tokens < 2:
+        raise ValueError(f"output_tokens must be >= 2 (the overhead is fitted on token gaps), got {output_tokens!r}")
+    limit = config.engine.max_model_len
+    if limit is not None and max(prompt_sizes) + output_tokens > limit:
+        raise ValueError(f"prompt_sizes: {max(prompt_sizes)} + {output_tokens} output tokens exceeds the "
+                         f"cluster's max_model_len={limit}")
+    scenario = scenario_from_config(config, SimTarget(config.model, 1, engine_profile))
+    hardware = {pool.role: pool.hardware for pool in scenario.pools if pool.count}
+    prompt_hw = hardware.get(Role.PROMPT, hardware.get(Role.MIXED))
+    token_hw = hardware.get(Role.TOKEN, hardware.get(Role.MIXED))
+    lone, pairs = (measure_requests(url, prompt_sizes, output_tokens, repeats, concurrency, config.model_name, api_key)
+                   for concurrency in (1, 2))
+    overhead = fit_overhead(lone, pairs, scenario.perf_models[prompt_hw], scenario.perf_models[token_hw],
+                            scenario.transfer)
+    return overhead, len(lone) + len(pairs)
