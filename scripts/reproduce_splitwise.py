@@ -10,15 +10,21 @@ The DEFAULT IS REDUCED so that it runs in a few minutes on 2 cores: clusters at 
 instead of the whole enumeration. `--scale 1 --search --step 5 --duration-s 120 --iterations 6`
 is the full reproduction (hours here).
 
-    python scripts/reproduce_splitwise.py [--json PATH] [--traces code conv]
+With --out DIR it also draws Fig. 16 (latency against load of every iso-power design at its
+provisioned split, at 0.25x to 1.5x Baseline-H100's throughput: latency_vs_load_<trace>.png) and
+Fig. 18 (throughput, cost and power over Baseline-H100: summary_bars.png).
+
+    python scripts/reproduce_splitwise.py [--json PATH] [--out DIR] [--traces code conv]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from pathlib import Path
 
 from splitserve.sim.designs import DESIGNS
+from splitserve.sim.figures import latency_vs_load_figure, load_sweep, summary_bars
 from splitserve.sim.provision import (
     REFERENCE_H100S,
     TraceSpec,
@@ -45,6 +51,7 @@ PAPER_CLAIMS = {
     ("splitwise-aa", "iso-cost"): "1.4x Baseline-H100 throughput",
     ("baseline-h100", "iso-cost"): "40 machines (reference)",
 }
+LOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)  # Fig. 16's rates, over Baseline-H100's throughput
 RUNS = [(name, "iso-power") for name in DESIGNS] + [("baseline-h100", "iso-cost"), ("splitwise-aa", "iso-cost")]
 
 
@@ -69,6 +76,15 @@ def provision(trace: TraceSpec, name: str, goal: str, args: argparse.Namespace) 
     return best
 
 
+def draw_load_figure(trace: TraceSpec, rows: list[dict], out: Path) -> Path:
+    """Fig. 16 for one trace: each iso-power design at its provisioned split."""
+    reference = next(r for r in rows if r["design"] == "baseline-h100" and r["goal"] == "iso-power")
+    rates = [f * max(reference["throughput_rps"], 0.5) for f in LOAD_FRACTIONS]
+    sweep = [point for r in rows if r["goal"] == "iso-power"
+             for point in load_sweep(DESIGNS[r["design"]], r["num_prompt"], r["num_token"], trace, rates)]
+    return latency_vs_load_figure(sweep, out / f"latency_vs_load_{trace.trace}.png", trace.trace)
+
+
 def rows_for(trace_name: str, args: argparse.Namespace) -> list[dict]:
     trace = TraceSpec(trace_name, args.duration_s, args.seed)
     results = {}
@@ -83,6 +99,8 @@ def rows_for(trace_name: str, args: argparse.Namespace) -> list[dict]:
                      "throughput_ratio": r["throughput_rps"] / ref["throughput_rps"] if ref["throughput_rps"] else None,
                      "cost_ratio": r["cost"] / ref["cost"], "power_ratio": r["power"] / ref["power"],
                      "paper": PAPER_CLAIMS.get((name, goal), "")})
+    if args.out:
+        print(f"  [{trace_name}] Fig. 16: {draw_load_figure(trace, rows, Path(args.out))}", flush=True)
     return rows
 
 
@@ -105,14 +123,19 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write one row per design and goal here")
+    parser.add_argument("--out", help="a folder for Fig. 16 and Fig. 18 (PNG)")
     args = parser.parse_args()
     reduced = args.scale < 1 or not args.search
     print(f"{'REDUCED' if reduced else 'FULL'} reproduction: budget {REFERENCE_H100S * args.scale:g} H100s, "
           f"{args.duration_s:g} s traces, {args.iterations} bisection steps, "
           f"{'all splits step ' + str(args.step) if args.search else 'the split nearest the paper'}")
     start = time.perf_counter()
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = [row for trace in args.traces for row in rows_for(trace, args)]
     print_rows(rows, args.scale)
+    if args.out:
+        print(f"Fig. 18: {summary_bars(rows, Path(args.out) / 'summary_bars.png')}")
     print(f"\nwall time {time.perf_counter() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,4 +1,5 @@
-"""The Splitwise reproduction runs end to end at a tiny scale and prints our numbers beside the paper's."""
+"""The Splitwise reproduction runs end to end at a tiny scale, prints our numbers beside the paper's and
+draws Fig. 16 and Fig. 18."""
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reproduce_splitwise.
 def test_tiny_reproduction_writes_every_design(tmp_path):
     out = tmp_path / "repro.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--traces", "conv", "--scale", "0.1", "--duration-s", "3",
-                           "--iterations", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--iterations", "1", "--json", str(out), "--out", str(tmp_path / "figs")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
@@ -18,3 +19,6 @@ def test_tiny_reproduction_writes_every_design(tmp_path):
     assert {"baseline-a100", "baseline-h100", "splitwise-aa", "splitwise-hh", "splitwise-ha",
             "splitwise-hhcap"} <= designs
     assert "REDUCED" in done.stdout and "paper" in done.stdout
+    # Fig. 16 per trace, Fig. 18 for all: real PNG files
+    for name in ("latency_vs_load_conv.png", "summary_bars.png"):
+        assert (tmp_path / "figs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
