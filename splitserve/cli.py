@@ -100,7 +100,7 @@ def _add_profile(commands) -> None:
                             description="Run one in-process engine through a prompt-size sweep (batch 1) and a "
                                         "batch-size sweep (at prompt 512, or the largest size below it) and write "
                                         "the times in the Splitwise profile CSV format, for `splitserve sim`.")
-    p.add_argument("--out", required=True, help="the CSV file to write")
+    p.add_argument("--out", required=True, help="the CSV file to write (with --url: the JSON file)")
     p.add_argument("--model", default="demo", help='"demo" (built-in) or a Hugging Face checkpoint directory')
     p.add_argument("--hardware", default="cpu", help="the hardware column (a label, e.g. cpu, a100-80gb)")
     p.add_argument("--device", default="cpu", help="where the engine runs: cpu, cuda or cuda:N")
@@ -140,12 +140,7 @@ def _run_profile(args) -> int:
         return _run_serving_profile(args)
     from tqdm import tqdm
 
-    from splitserve.sim.profile import (
-        ProfileSpec,
-        run_profile,
-        summary_table,
-        write_csv,
-    )
+    from splitserve.sim.profile import ProfileSpec, run_profile, summary_table, write_csv
 
     try:
         spec = ProfileSpec(args.model, args.hardware, args.device, args.threads, args.repeats, args.prompt_sizes,

@@ -32,13 +32,7 @@ from dataclasses import dataclass
 from splitserve.bench.report import RequestRecord, summarize
 from splitserve.bench.slo import Baseline, SLOSpec
 from splitserve.bench.workload import RequestSpec
-from splitserve.cluster.placement import (
-    ClusterState,
-    PlacementRequest,
-    PoolMove,
-    Role,
-    WorkerState,
-)
+from splitserve.cluster.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
 from splitserve.engine.block_manager import OutOfBlocksError
 from splitserve.engine.policies.base import EngineFullError
 from splitserve.engine.sampling_params import SamplingParams

@@ -17,12 +17,7 @@ from splitserve.engine.demo import demo_model_config
 from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES
 from splitserve.engine.loader import load_model_config
 from splitserve.sim.overhead import ServingOverhead
-from splitserve.sim.perf_model import (
-    MODEL_SHAPES,
-    ModelShape,
-    PerfModel,
-    load_perf_models,
-)
+from splitserve.sim.perf_model import MODEL_SHAPES, ModelShape, PerfModel, load_perf_models
 from splitserve.sim.scenario import PoolSpec, Scenario
 from splitserve.sim.transfer import TransferModel
 

@@ -46,7 +46,7 @@ class Scenario:
     """A cluster to simulate. `perf_models` maps each pool's hardware name to its performance model;
     `hardware` gives the CLS's speed profiles (by default derived from the models: `hardware_profiles`).
     `kv_budget_tokens`: KV cache per worker, in tokens (rounded down to whole blocks). `overhead`:
-what the serving stack adds to the engine's times (none by default, as in the Splitwise simulator)."""
+    what the serving stack adds to the engine's times (none by default, as in the Splitwise simulator)."""
 
     pools: tuple[PoolSpec, ...]
     perf_models: Mapping[str, PerfModel]
