@@ -5,8 +5,9 @@ of the Splitwise provisioning analysis (../shared/profiles/splitwise_configs_sum
 Baselines run mixed workers only, placed by JSQ, with the prefill-prioritizing `prefill_first`
 engine policy: the paper's baseline machines batch whole prompts with the running decodes (Splitwise
 IV-A), not Sarathi-Serve's chunks, which keep prompts from stalling decodes and would make a much
-stronger baseline (BASELINE_POLICY). Their machine count is `num_prompt` and `num_token` must be 0. Splitwise designs have a prompt pool and a
-token pool placed by the `splitwise` policy. "h100-80gb-pcap" is the power-capped H100 of the CSV.
+stronger baseline (BASELINE_POLICY). Their machine count is `num_prompt` and `num_token` must be 0.
+Splitwise designs have a prompt pool and a token pool placed by the `splitwise` policy.
+"h100-80gb-pcap" is the power-capped H100 of the CSV.
 """
 from __future__ import annotations
 

@@ -26,6 +26,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
+
 from splitserve.bench.client import send, server_info
 from splitserve.bench.report import RequestRecord
 from splitserve.bench.workload import RequestSpec
@@ -106,8 +108,6 @@ def measure_requests(url: str, prompt_sizes=DEFAULT_PROMPT_SIZES, output_tokens:
 
 
 async def _measure(url, prompt_sizes, output_tokens, repeats, concurrency, model, api_key, seed) -> list:
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=600, headers=headers) as http:
         info = await server_info(http, url, model)

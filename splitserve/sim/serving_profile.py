@@ -10,6 +10,13 @@ from splitserve.sim.from_config import SimTarget, scenario_from_config
 from splitserve.sim.overhead import ServingOverhead, fit_overhead, measure_requests
 
 
+def profiled_target(config: ClusterConfig, engine_profile: Path,
+                    overhead: ServingOverhead = ServingOverhead()) -> SimTarget:
+    """The simulator target of a cluster running this engine: its own model, timed by
+    `engine_profile` (one worker is one engine: no tensor parallelism) plus `overhead`."""
+    return SimTarget(config.model, 1, engine_profile, overhead=overhead)
+
+
 def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Path,
                              prompt_sizes: tuple[int, ...], output_tokens: int, repeats: int,
                              api_key: str | None = None) -> tuple[ServingOverhead, int]:
@@ -21,7 +28,7 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
     if limit is not None and max(prompt_sizes) + output_tokens > limit:
         raise ValueError(f"prompt_sizes: {max(prompt_sizes)} + {output_tokens} output tokens exceeds the "
                          f"cluster's max_model_len={limit}")
-    scenario = scenario_from_config(config, SimTarget(config.model, 1, engine_profile))
+    scenario = scenario_from_config(config, profiled_target(config, engine_profile))
     hardware = {pool.role: pool.hardware for pool in scenario.pools if pool.count}
     prompt_hw = hardware.get(Role.PROMPT, hardware.get(Role.MIXED))
     token_hw = hardware.get(Role.TOKEN, hardware.get(Role.MIXED))

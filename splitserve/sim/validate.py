@@ -18,8 +18,9 @@ from splitserve.bench.runner import Target, fit_to_context, run_once
 from splitserve.bench.workload import WorkloadSpec, make_workload
 from splitserve.cluster.config import ClusterConfig
 from splitserve.sim.cluster import simulate
-from splitserve.sim.from_config import SimTarget, scenario_from_config
-from splitserve.sim.serving_profile import measure_serving_overhead
+from splitserve.sim.from_config import scenario_from_config
+from splitserve.sim.overhead import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_SIZES
+from splitserve.sim.serving_profile import measure_serving_overhead, profiled_target
 
 METRICS = ("ttft_s", "tbt_s")
 Log = Callable[[str], None]
@@ -32,11 +33,13 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
     simulated: list[RequestRecord] = []
     rounds, real_s, sim_s = [], 0.0, 0.0
     for seed in seeds:
-        overhead, _ = measure_serving_overhead(url, config, engine_profile, (32, 128, 256, 512), 32, repeats)
+        overhead, _ = measure_serving_overhead(url, config, engine_profile, DEFAULT_PROMPT_SIZES, DEFAULT_OUTPUT_TOKENS,
+                                               repeats)
         spec = dataclasses.replace(workload, seed=seed)
         records, summary = asyncio.run(run_once(Target(url), spec, None, None, progress=False))
-        target = SimTarget(config.model, 1, engine_profile, overhead=overhead)
-        result = simulate(scenario_from_config(config, target), fit_to_context(make_workload(spec), config.engine.max_model_len), seed)
+        requests = fit_to_context(make_workload(spec), config.engine.max_model_len)  # as the bench client sends them
+        scenario = scenario_from_config(config, profiled_target(config, engine_profile, overhead))
+        result = simulate(scenario, requests, seed)
         round_ = {"seed": seed, "overhead": dataclasses.asdict(overhead), "real": _latencies(summary),
                   "sim": _latencies(result.summary())}
         rounds.append(round_)
