@@ -5,14 +5,19 @@ DGX-H100s: 1760 units) and Splitwise-AA also under iso-cost (190.4 units); each 
 throughput is the highest Poisson rate meeting all nine Table VI SLOs (bisection). Ratios are
 against Baseline-H100 under the same goal.
 
+Each design runs under both iteration-time rules (`--decode-rules`): "splitwise-sim", the rule of the
+simulator the paper's numbers come from (a decode batch costs the token curve at its number of
+sequences, whatever their contexts: splitserve/sim/splitwise_decode.py), and "context", ours (each
+decoding sequence pays for its KV context). The gap between the two tables is the rule's doing.
+
 The DEFAULT IS REDUCED so that it runs in a few minutes on 2 cores: clusters at --scale 0.25 (a
 10-H100 budget), 20 s traces, 4 bisection steps, and only the split nearest the paper's (scaled)
 instead of the whole enumeration. `--scale 1 --search --step 5 --duration-s 120 --iterations 6`
 is the full reproduction (hours here).
 
 With --out DIR it also draws Fig. 16 (latency against load of every iso-power design at its
-provisioned split, at 0.25x to 1.5x Baseline-H100's throughput: latency_vs_load_<trace>.png) and
-Fig. 18 (throughput, cost and power over Baseline-H100: summary_bars.png).
+provisioned split, at 0.25x to 1.5x Baseline-H100's throughput: latency_vs_load_<trace>_<rule>.png) and
+Fig. 18 (throughput, cost and power over Baseline-H100: summary_bars_<rule>.png).
 
     python scripts/reproduce_splitwise.py [--json PATH] [--out DIR] [--traces code conv]
 """
@@ -21,9 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from splitserve.sim.designs import DESIGNS
+from splitserve.sim.designs import DECODE_RULES, DESIGNS, Design
 from splitserve.sim.figures import latency_vs_load_figure, load_sweep, summary_bars
 from splitserve.sim.provision import (
     REFERENCE_H100S,
@@ -65,58 +71,59 @@ def candidate_splits(trace: str, name: str, goal: str, scale: float, search: boo
     return [min(splits, key=lambda s: abs(s[0] - paper[0] * scale))]
 
 
-def provision(trace: TraceSpec, name: str, goal: str, args: argparse.Namespace) -> dict:
+def provision(trace: TraceSpec, d: Design, goal: str, args: argparse.Namespace) -> dict:
     best = None
-    for p, t in candidate_splits(trace.trace, name, goal, args.scale, args.search, args.step):
-        rate = max_throughput(DESIGNS[name], p, t, trace, *rate_range(p + t), args.iterations)
+    for p, t in candidate_splits(trace.trace, d.name, goal, args.scale, args.search, args.step):
+        rate = max_throughput(d, p, t, trace, *rate_range(p + t), args.iterations)
         if best is None or rate > best["throughput_rps"]:
-            d = DESIGNS[name]
             best = {"num_prompt": p, "num_token": t, "throughput_rps": rate, "cost": d.cost(p, t),
                     "power": d.power(p, t)}
     return best
 
 
-def draw_load_figure(trace: TraceSpec, rows: list[dict], out: Path) -> Path:
-    """Fig. 16 for one trace: each iso-power design at its provisioned split."""
+def draw_load_figure(trace: TraceSpec, rule: str, rows: list[dict], out: Path) -> Path:
+    """Fig. 16 for one trace and decode rule: each iso-power design at its provisioned split."""
     reference = next(r for r in rows if r["design"] == "baseline-h100" and r["goal"] == "iso-power")
     base = max(reference["throughput_rps"], 0.5)  # a baseline meeting no SLO still gets a load axis
     rates = [f * base for f in LOAD_FRACTIONS]
     sweep = [point for r in rows if r["goal"] == "iso-power"
-             for point in load_sweep(DESIGNS[r["design"]], r["num_prompt"], r["num_token"], trace, rates)]
-    return latency_vs_load_figure(sweep, out / f"latency_vs_load_{trace.trace}.png", trace.trace)
+             for point in load_sweep(replace(DESIGNS[r["design"]], decode_rule=rule), r["num_prompt"],
+                                     r["num_token"], trace, rates)]
+    return latency_vs_load_figure(sweep, out / f"latency_vs_load_{trace.trace}_{rule}.png", f"{trace.trace} ({rule})")
 
 
-def rows_for(trace_name: str, args: argparse.Namespace) -> list[dict]:
+def rows_for(trace_name: str, rule: str, args: argparse.Namespace) -> list[dict]:
     trace = TraceSpec(trace_name, args.duration_s, args.seed)
     results = {}
     for name, goal in RUNS:
         start = time.perf_counter()
-        results[name, goal] = provision(trace, name, goal, args)
-        print(f"  [{trace_name}] {name} {goal}: {time.perf_counter() - start:.1f} s", flush=True)
+        results[name, goal] = provision(trace, replace(DESIGNS[name], decode_rule=rule), goal, args)
+        print(f"  [{trace_name} {rule}] {name} {goal}: {time.perf_counter() - start:.1f} s", flush=True)
     rows = []
     for (name, goal), r in results.items():
         ref = results["baseline-h100", goal]
-        rows.append({"trace": trace_name, "design": name, "goal": goal, **r,
+        rows.append({"trace": trace_name, "decode_rule": rule, "design": name, "goal": goal, **r,
                      "throughput_ratio": r["throughput_rps"] / ref["throughput_rps"] if ref["throughput_rps"] else None,
                      "cost_ratio": r["cost"] / ref["cost"], "power_ratio": r["power"] / ref["power"],
                      "paper": PAPER_CLAIMS.get((name, goal), "")})
     if args.out:
-        print(f"  [{trace_name}] Fig. 16: {draw_load_figure(trace, rows, Path(args.out))}", flush=True)
+        print(f"  [{trace_name} {rule}] Fig. 16: {draw_load_figure(trace, rule, rows, Path(args.out))}", flush=True)
     return rows
 
 
 def print_rows(rows: list[dict], scale: float) -> None:
-    print(f"\n{'trace':5} {'design':16} {'goal':9} {'P':>3} {'T':>3} {'rps':>7} {'thr x':>6} {'cost x':>6} "
+    print(f"\n{'trace':5} {'rule':13} {'design':16} {'goal':9} {'P':>3} {'T':>3} {'rps':>7} {'thr x':>6} {'cost x':>6} "
           f"{'power x':>7}  paper (counts at 40 H100s; ours at x{scale:g})")
     for r in rows:
         ratio = f"{r['throughput_ratio']:.2f}" if r["throughput_ratio"] is not None else "-"
-        print(f"{r['trace']:5} {r['design']:16} {r['goal']:9} {r['num_prompt']:>3} {r['num_token']:>3} "
+        print(f"{r['trace']:5} {r['decode_rule']:13} {r['design']:16} {r['goal']:9} {r['num_prompt']:>3} {r['num_token']:>3} "
               f"{r['throughput_rps']:>7.2f} {ratio:>6} {r['cost_ratio']:>6.2f} {r['power_ratio']:>7.2f}  {r['paper']}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", nargs="+", default=["code", "conv"])
+    parser.add_argument("--decode-rules", nargs="+", choices=DECODE_RULES, default=["splitwise-sim", "context"])
     parser.add_argument("--scale", type=float, default=0.25, help="budget as a fraction of 40 DGX-H100s")
     parser.add_argument("--search", action="store_true", help="enumerate every split on the --step grid")
     parser.add_argument("--step", type=int, default=5)
@@ -133,10 +140,11 @@ def main() -> None:
     start = time.perf_counter()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-    rows = [row for trace in args.traces for row in rows_for(trace, args)]
+    rows = [row for rule in args.decode_rules for trace in args.traces for row in rows_for(trace, rule, args)]
     print_rows(rows, args.scale)
-    if args.out:
-        print(f"Fig. 18: {summary_bars(rows, Path(args.out) / 'summary_bars.png')}")
+    for rule in args.decode_rules if args.out else ():
+        bars = summary_bars([r for r in rows if r["decode_rule"] == rule], Path(args.out) / f"summary_bars_{rule}.png")
+        print(f"Fig. 18 ({rule}): {bars}")
     print(f"\nwall time {time.perf_counter() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -173,13 +173,15 @@ def _request_attained(r: RequestRecord, slo: SLOSpec, baseline: Baseline | None)
 
 
 def capacity_search(run_at_rate: Callable[[float], dict], meets: Callable[[dict], bool], low: float, high: float,
-                    iterations: int = 6) -> tuple[float, list[tuple[float, dict]]]:
+                    iterations: int = 6, geometric: bool = False) -> tuple[float, list[tuple[float, dict]]]:
     """Sarathi-Serve capacity: the highest rate whose run summary `meets` the SLO.
 
     Probes `low` first: if it fails, returns (0.0, probes). Then `high`: if it passes, returns
     high (the capacity may be higher still). Otherwise bisects `iterations` times between the
     highest passing and the lowest failing rate and returns the highest passing one, so the
-    answer is within (high - low) / 2**iterations below the true capacity of a monotone system.
+    answer is within (high - low) / 2**iterations below the true capacity of a monotone system;
+    `geometric` bisects at sqrt(low x high) instead, so the answer is within a factor
+    (high / low) ** (1 / 2**iterations) of it whatever its size.
     Returns the rate and every (rate, summary) probed, in probe order (2 + iterations at most)."""
     if not (0 < low < high and math.isfinite(high)):
         raise ValueError(f"low/high: need 0 < low < high, got low={low}, high={high}")
@@ -197,7 +199,7 @@ def capacity_search(run_at_rate: Callable[[float], dict], meets: Callable[[dict]
     if passes(high):
         return high, probes
     for _ in range(iterations):
-        mid = (low + high) / 2
+        mid = math.sqrt(low * high) if geometric else (low + high) / 2
         low, high = (mid, high) if passes(mid) else (low, mid)
     return low, probes
 

@@ -8,6 +8,10 @@ IV-A), not Sarathi-Serve's chunks, which keep prompts from stalling decodes and 
 stronger baseline (BASELINE_POLICY). Their machine count is `num_prompt` and `num_token` must be 0.
 Splitwise designs have a prompt pool and a token pool placed by the `splitwise` policy.
 "h100-80gb-pcap" is the power-capped H100 of the CSV.
+
+`decode_rule` picks the iteration-time model: "context" (ours, `PerfModel`: each decoding sequence
+pays for its KV context) or "splitwise-sim" (`SplitwiseSimPerf`: that simulator's rule, with which
+the paper's numbers were made), so the reproduction can show what the rule changes.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from functools import cache
 from splitserve.cluster.placement import Role
 from splitserve.sim.perf_model import MODEL_SHAPES, PerfModel, load_perf_models
 from splitserve.sim.scenario import PoolSpec, Scenario
+from splitserve.sim.splitwise_decode import SplitwiseSimPerf, load_splitwise_sim_models
 from splitserve.sim.transfer import TransferModel
 
 BASELINE_POLICY = "prefill_first"  # the paper's baselines: whole prompts batched with decodes
@@ -24,6 +29,7 @@ A100, H100, H100_CAP = "a100-80gb", "h100-80gb", "h100-80gb-pcap"
 COST = {A100: 2.21, H100: 4.76, H100_CAP: 4.76}     # relative $/h per DGX
 POWER = {A100: 24.8, H100: 44.0, H100_CAP: 30.8}    # relative power per DGX (pcap: 0.7 x 44)
 DEFAULT_MODEL, TENSOR_PARALLEL = "llama2-70b", 8
+DECODE_RULES = ("context", "splitwise-sim")
 GPU_BYTES, GPUS_PER_MACHINE, KEPT_BACK = 80e9, 8, 0.1
 
 
@@ -36,6 +42,11 @@ class Design:
     prompt_hw: str
     token_hw: str
     baseline: bool
+    decode_rule: str = "context"
+
+    def __post_init__(self) -> None:
+        if self.decode_rule not in DECODE_RULES:
+            raise ValueError(f"decode_rule must be one of {', '.join(DECODE_RULES)}, got {self.decode_rule!r}")
 
     def cost(self, num_prompt: int, num_token: int) -> float:
         return num_prompt * COST[self.prompt_hw] + num_token * COST[self.token_hw]
@@ -58,7 +69,8 @@ class Design:
         else:
             pools = (PoolSpec(Role.PROMPT, num_prompt, self.prompt_hw), PoolSpec(Role.TOKEN, num_token, self.token_hw))
         shape = MODEL_SHAPES[model]
-        return Scenario(pools=pools, perf_models={p.hardware: perf_model(model, p.hardware) for p in pools},
+        return Scenario(pools=pools, perf_models={p.hardware: perf_model(model, p.hardware, self.decode_rule)
+                                                    for p in pools},
                         kv_budget_tokens=kv_budget_tokens(model),
                         placement="jsq" if self.baseline else "splitwise",
                         transfer=TransferModel(kv_bytes_per_token=shape.kv_bytes_per_token,
@@ -89,6 +101,7 @@ def kv_budget_tokens(model: str) -> int:
 
 
 @cache
-def perf_model(model: str, hardware: str) -> PerfModel:
-    """The packaged profile's model of `model` on one TP8 DGX of `hardware`."""
-    return load_perf_models()[model, hardware, TENSOR_PARALLEL]
+def perf_model(model: str, hardware: str, decode_rule: str = "context") -> PerfModel | SplitwiseSimPerf:
+    """The packaged profile's model of `model` on one TP8 DGX of `hardware`, under `decode_rule`."""
+    models = load_splitwise_sim_models() if decode_rule == "splitwise-sim" else load_perf_models()
+    return models[model, hardware, TENSOR_PARALLEL]

@@ -61,8 +61,8 @@ class PerfModel:
     decode_context_slope_ms: float      # extra decode ms per context token in the batch beyond the reference
 
     def __post_init__(self) -> None:
-        _check_curve("prefill_tokens", self.prefill_tokens, "prefill_ms", self.prefill_ms)
-        _check_curve("decode_batch", self.decode_batch, "decode_ms", self.decode_ms)
+        check_curve("prefill_tokens", self.prefill_tokens, "prefill_ms", self.prefill_ms)
+        check_curve("decode_batch", self.decode_batch, "decode_ms", self.decode_ms)
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel!r}")
         if not (math.isfinite(self.reference_context) and self.reference_context >= 0):
@@ -88,6 +88,10 @@ class PerfModel:
         base = _curve(self.decode_batch, self.decode_ms, batch_size)
         extra = self.decode_context_slope_ms * batch_size * (context_tokens - self.reference_context)
         return max(base + extra, MIN_DECODE_FRACTION * base) / 1000
+
+    def lone_decode_time(self, context_tokens: float) -> float:
+        """Seconds for one sequence's decode at `context_tokens` alone: the unloaded TBT."""
+        return self.decode_time(1, context_tokens)
 
     def iteration_time(self, prefill_tokens: int, decode_seqs: int, decode_context_tokens: int) -> float:
         """Seconds for one engine iteration: `prefill_tokens` prompt tokens (whole or chunked) and
@@ -198,17 +202,17 @@ def _fit(key: tuple[str, str, int], rows: list[ProfileRow]) -> PerfModel:
     ref_tokens = Counter(r.token_size for r in rows).most_common(1)[0][0]
     at_ref_tokens = [r for r in rows if r.token_size == ref_tokens]
     ref_prompt = max(Counter(r.prompt_size for r in at_ref_tokens).items(), key=lambda kv: (kv[1], kv[0]))[0]
-    prefill = _medians(rows, lambda r: r.prompt_size * r.batch_size, lambda r: r.prompt_time)
-    decode = _medians([r for r in at_ref_tokens if r.prompt_size == ref_prompt],
+    prefill = medians(rows, lambda r: r.prompt_size * r.batch_size, lambda r: r.prompt_time)
+    decode = medians([r for r in at_ref_tokens if r.prompt_size == ref_prompt],
                       lambda r: r.batch_size, lambda r: r.token_time)
     # batch 1 decodes of the prompt sweep, against their mean context (prompt + half the output)
-    by_context = _medians([r for r in at_ref_tokens if r.batch_size == 1],
+    by_context = medians([r for r in at_ref_tokens if r.batch_size == 1],
                           lambda r: r.prompt_size + ref_tokens / 2, lambda r: r.token_time)
     slope = float(np.polyfit(*by_context, 1)[0]) if len(by_context[0]) > 1 else 0.0
     return PerfModel(*key, *prefill, *decode, ref_prompt + ref_tokens / 2, max(slope, 0.0))
 
 
-def _medians(rows: list[ProfileRow], x, y) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def medians(rows: list[ProfileRow], x, y) -> tuple[tuple[float, ...], tuple[float, ...]]:
     groups: dict[float, list[float]] = defaultdict(list)
     for row in rows:
         groups[float(x(row))].append(y(row))
@@ -223,7 +227,7 @@ def _curve(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
     return ys[-1] + slope * (x - xs[-1])
 
 
-def _check_curve(x_name: str, xs: tuple[float, ...], y_name: str, ys: tuple[float, ...]) -> None:
+def check_curve(x_name: str, xs: tuple[float, ...], y_name: str, ys: tuple[float, ...]) -> None:
     if not xs or len(xs) != len(ys):
         raise ValueError(f"{x_name} and {y_name} must be non-empty and of equal length, got {len(xs)} and {len(ys)}")
     if xs[0] <= 0 or any(b <= a for a, b in pairwise(xs)):

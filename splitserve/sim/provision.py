@@ -3,7 +3,10 @@ and the search for the best numbers of prompt and token machines under a power o
 (iso-power, iso-cost) or the cheapest / lowest-power cluster that reaches a rate (iso-throughput).
 
 Slowdowns are against the same request alone on one DGX-A100 (TP8), from the performance model:
-TTFT0 = prefill_time(prompt), TBT0 = decode_time(1, prompt), E2E0 = TTFT0 + TBT0 x (output - 1).
+TTFT0 = prefill_time(prompt), TBT0 = lone_decode_time(prompt), E2E0 = TTFT0 + TBT0 x (output - 1).
+As in splitwise-sim (the simulator behind the paper's numbers), a request's TBT is its mean time
+between tokens, (E2E - TTFT) / output tokens, so TBT percentiles are over requests, not token gaps;
+it divides by the output length, not by its output - 1 gaps. `bench`'s per-gap TBT is stricter.
 """
 from __future__ import annotations
 
@@ -46,23 +49,25 @@ class Probe:
 Progress = Callable[[Probe], None]
 
 
-def slowdowns(records: Sequence[RequestRecord], model: str = DEFAULT_MODEL) -> dict[str, list[float]]:
-    """TTFT and E2E per completed request, every token gap, each over its unloaded-A100 latency."""
-    a100 = perf_model(model, A100)
+def slowdowns(records: Sequence[RequestRecord], model: str = DEFAULT_MODEL,
+              decode_rule: str = "context") -> dict[str, list[float]]:
+    """TTFT, mean TBT and E2E per completed request, each over its unloaded-A100 latency (under
+    the same `decode_rule` as the simulation)."""
+    a100 = perf_model(model, A100, decode_rule)
     out = {"ttft": [], "tbt": [], "e2e": []}
     for r in (r for r in records if r.ok):
-        ttft0, tbt0 = a100.prefill_time(r.prompt_tokens), a100.decode_time(1, r.prompt_tokens)
+        ttft0, tbt0 = a100.prefill_time(r.prompt_tokens), a100.lone_decode_time(r.prompt_tokens)
         out["ttft"].append(r.ttft_s / ttft0)
-        out["tbt"].extend(gap / tbt0 for gap in r.tbt_s)
+        out["tbt"].append((r.e2e_s - r.ttft_s) / r.output_tokens / tbt0)
         out["e2e"].append(r.e2e_s / (ttft0 + tbt0 * (r.requested_output_tokens - 1)))
     return out
 
 
-def meets_slos(result: SimResult, model: str = DEFAULT_MODEL) -> bool:
+def meets_slos(result: SimResult, model: str = DEFAULT_MODEL, decode_rule: str = "context") -> bool:
     """All nine Table VI bounds hold and every request completed (none refused)."""
     if not result.records or any(not r.ok for r in result.records):
         return False
-    values = slowdowns(result.records, model)
+    values = slowdowns(result.records, model, decode_rule)
     for metric, bounds in TABLE_VI.items():
         for key, bound in bounds.items():
             if values[metric] and float(np.percentile(values[metric], float(key[1:]))) > bound:
@@ -91,20 +96,22 @@ class TraceSpec:
 def run_probe(design: Design, num_prompt: int, num_token: int, rate: float, trace: TraceSpec) -> Probe:
     requests = trace.requests(rate)
     result = simulate(design.scenario(num_prompt, num_token, trace.model), requests)
-    return Probe(design.name, num_prompt, num_token, rate, len(requests), meets_slos(result, trace.model))
+    return Probe(design.name, num_prompt, num_token, rate, len(requests),
+                 meets_slos(result, trace.model, design.decode_rule))
 
 
 def max_throughput(design: Design, num_prompt: int, num_token: int, trace: TraceSpec, low: float, high: float,
                    iterations: int = 5, progress: Progress | None = None) -> float:
-    """The highest Poisson rate (req/s) in [low, high] meeting the SLOs, by bisection
-    (`splitserve.bench.slo.capacity_search`): 0.0 if `low` fails, `high` if `high` passes."""
+    """The highest Poisson rate (req/s) in [low, high] meeting the SLOs, by geometric bisection
+    (`splitserve.bench.slo.capacity_search`), within a factor (high / low) ** (1 / 2**iterations)
+    below the true one: 0.0 if `low` fails, `high` if `high` passes."""
     def run_at(rate: float) -> dict:
         probe = run_probe(design, num_prompt, num_token, rate, trace)
         if progress is not None:
             progress(probe)
         return {"meets": probe.meets}
 
-    rate, _ = capacity_search(run_at, lambda s: s["meets"], low, high, iterations)
+    rate, _ = capacity_search(run_at, lambda s: s["meets"], low, high, iterations, geometric=True)
     return rate
 
 

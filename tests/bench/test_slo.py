@@ -121,6 +121,13 @@ def test_capacity_search_bisects_to_the_highest_passing_rate():
     assert 3.7 - 4 / 2 ** 12 <= rate <= 3.7 and len(probes) == 14
 
 
+def test_geometric_capacity_search_bisects_in_ratio():
+    # 1 P, 16 F; mids sqrt(1 x 16) = 4 F, 2 P, sqrt(8) P, sqrt(sqrt(8) x 4) P
+    rate, probes = capacity_search(run_at, p99_tbt_within(0.37), low=1.0, high=16.0, iterations=4, geometric=True)
+    assert [r for r, _ in probes] == pytest.approx([1.0, 16.0, 4.0, 2.0, 8 ** 0.5, (8 ** 0.5 * 4) ** 0.5])
+    assert 3.7 / 16 ** (1 / 16) <= rate <= 3.7
+
+
 def test_capacity_search_stops_early_at_either_end():
     assert capacity_search(run_at, p99_tbt_within(0.37), low=4.0, high=8.0) == (0.0, [(4.0, run_at(4.0))])
     rate, probes = capacity_search(run_at, p99_tbt_within(0.37), low=1.0, high=2.0)

@@ -20,5 +20,7 @@ def test_tiny_reproduction_writes_every_design(tmp_path):
             "splitwise-hhcap"} <= designs
     assert "REDUCED" in done.stdout and "paper" in done.stdout
     # Fig. 16 per trace, Fig. 18 for all: real PNG files
-    for name in ("latency_vs_load_conv.png", "summary_bars.png"):
+    assert {row["decode_rule"] for row in rows} == {"splitwise-sim", "context"}
+    for name in ("latency_vs_load_conv_context.png", "summary_bars_context.png",
+                 "latency_vs_load_conv_splitwise-sim.png", "summary_bars_splitwise-sim.png"):
         assert (tmp_path / "figs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

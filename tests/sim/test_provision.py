@@ -36,7 +36,8 @@ def result(records):
 def test_slowdowns_are_against_the_unloaded_a100():
     values = slowdowns([record(0, 2.0, 1.0)])
     assert values["ttft"] == pytest.approx([2.0])
-    assert values["tbt"] == pytest.approx([1.0, 1.0])
+    # splitwise-sim's per-request TBT: (E2E - TTFT) / output tokens = 2 TBT0 / 3
+    assert values["tbt"] == pytest.approx([2 / 3])
     # E2E = 2 TTFT0 + 2 TBT0 over TTFT0 + 2 TBT0
     assert values["e2e"] == pytest.approx([(2 * TTFT0 + 2 * TBT0) / (TTFT0 + 2 * TBT0)])
 
@@ -45,10 +46,18 @@ def test_unloaded_requests_meet_every_bound():
     assert meets_slos(result([record(i, 1.0, 1.0) for i in range(10)]))
 
 
-@pytest.mark.parametrize("ttft_x, tbt_x", [(2.1, 1.0), (1.0, 1.3)])
+@pytest.mark.parametrize("ttft_x, tbt_x", [(2.1, 1.0), (1.0, 1.9)])
 def test_a_p50_over_its_bound_fails(ttft_x, tbt_x):
-    # TTFT p50 bound 2, TBT p50 bound 1.25: every request above it
+    # TTFT p50 bound 2, TBT p50 bound 1.25 (1.9 x 2 gaps / 3 tokens = 1.27): every request above it
     assert not meets_slos(result([record(i, ttft_x, tbt_x) for i in range(10)]))
+
+
+def test_tbt_is_each_requests_mean_so_one_stalled_gap_is_averaged():
+    # 11 tokens: nine gaps of TBT0 and one stall of 3 TBT0 -> mean 12 TBT0 / 11 = 1.09 (under 1.25)
+    times = [TTFT0 + k * TBT0 for k in range(10)] + [TTFT0 + 12 * TBT0]
+    stalled = [RequestRecord(i, 1000, 11, 11, 0.0, TTFT0, tuple(times), times[-1], status=200) for i in range(10)]
+    assert slowdowns(stalled)["tbt"] == pytest.approx([12 / 11] * 10)
+    assert meets_slos(result(stalled))
 
 
 def test_a_p99_tail_over_its_bound_fails():
@@ -72,10 +81,11 @@ def test_bisection_finds_the_capacity(monkeypatch):
 
     monkeypatch.setattr(provision, "run_probe", fake_probe)
     seen = []
-    # 10 passes, 90 fails; bisect: 50 F, 30 P, 40 F, 35 P, 37.5 F -> 35
-    rate = max_throughput(DESIGNS["splitwise-hh"], 1, 1, TraceSpec(), 10.0, 90.0, 4, seen.append)
-    assert rate == 35.0
-    assert [p.rate_rps for p in seen] == [10.0, 90.0, 50.0, 30.0, 40.0, 35.0]
+    # 10 passes, 160 fails; geometric bisection: 40 F, 20 P, sqrt(800) P, sqrt(1131.4) P -> 33.6
+    rate = max_throughput(DESIGNS["splitwise-hh"], 1, 1, TraceSpec(), 10.0, 160.0, 4, seen.append)
+    assert [p.rate_rps for p in seen] == pytest.approx([10.0, 160.0, 40.0, 20.0, 800 ** 0.5, (800 ** 0.5 * 40) ** 0.5])
+    assert rate == pytest.approx((800 ** 0.5 * 40) ** 0.5)
+    assert 37.0 / 16 ** (1 / 16) <= rate <= 37.0  # within (high / low) ** (1 / 2**iterations)
 
 
 def test_iso_budgets_follow_the_summary_formulas():
