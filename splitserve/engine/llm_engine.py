@@ -105,6 +105,7 @@ class LLMEngine:
         seqs, logits = self.runner.execute(plan, tables, hook)
         sampled = dict(zip((s.seq_id for s in seqs), self.sampler.sample(logits, seqs)))
         now = time.monotonic()
+        self.policy.observe(plan, now - start)
         updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
         self.last_step = StepStats(plan.num_tokens - decodes, decodes, now - start)
         return [self._record(self._requests[seq.seq_id], sampled[seq.seq_id].token_id,

@@ -1,6 +1,7 @@
 """Per-request generation settings (vLLM's `SamplingParams` shape), validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -24,6 +25,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return per token, besides the sampled one
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # latency targets the SLO-aware (accelgen) policies schedule for; other policies ignore them
+    ttft_slo_s: float | None = None  # time to first token
+    tbt_slo_s: float | None = None   # time between tokens
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -38,6 +42,10 @@ class SamplingParams:
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
         _check(all(s for s in self.stop), "stop strings must be non-empty")
+        for name in ("ttft_slo_s", "tbt_slo_s"):
+            value = getattr(self, name)
+            _check(value is None or (_is_number(value) and math.isfinite(value) and value > 0),
+                   f"{name} must be a finite number of seconds > 0 or None, got {value!r}")
 
     @property
     def greedy(self) -> bool:

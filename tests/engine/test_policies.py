@@ -15,7 +15,7 @@ from tests.engine.policy_helpers import complete, import_seq, make, make_seq, sh
 
 
 def test_make_policy_names():
-    assert set(POLICY_CLASSES) == {"prompt", "token", "mixed", "prefill_first"}
+    assert set(POLICY_CLASSES) == {"prompt", "token", "mixed", "prefill_first", "accelgen", "accelgen_prompt"}
     for name in POLICY_CLASSES:
         assert make(name).name == name
     with pytest.raises(ValueError, match="policy"):

@@ -22,7 +22,7 @@ from tests.engine.engine_helpers import (
     one_thread,  # noqa: F401  (pytest fixture)
 )
 
-ROLES = ("prompt", "token", "mixed", "prefill_first")
+ROLES = ("prompt", "token", "mixed", "prefill_first", "accelgen", "accelgen_prompt")
 MAX_STEPS = 300
 
 
@@ -166,11 +166,11 @@ def test_preemption_counters_survive_a_switch():
 @pytest.mark.parametrize("hand_off", [None, True, False])
 @pytest.mark.parametrize("role", ROLES)
 def test_hand_off_per_request(want, role, hand_off):
-    """Held after the first token when handed off (the role's default: only prompt hands off),
+    """Held after the first token when handed off (the role's default: only the prompt roles hand off),
     ready for export; otherwise decoded to completion on this engine, whatever its role."""
     engine = LLMEngine("demo", policy=role, **ENGINE)
     seq = engine.add_request("r", PROMPTS[3], GREEDY, hand_off=hand_off)
-    expect_held = role == "prompt" if hand_off is None else hand_off
+    expect_held = role in ("prompt", "accelgen_prompt") if hand_off is None else hand_off
     assert seq.hand_off is expect_held
     outputs: dict[str, RequestOutput] = {}
     drive(engine, outputs)

@@ -9,9 +9,10 @@ for export) and IMPORTING (blocks reserved for a KV transfer in).
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
@@ -31,9 +32,10 @@ class Policy(ABC):
     name: str
     hands_off_by_default = False
 
-    def __init__(self, blocks: BlockManager, limits: SchedulerLimits):
+    def __init__(self, blocks: BlockManager, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic):
         self.blocks = blocks
         self.limits = limits
+        self.clock = clock  # the time arrival_time is on (the simulator's own clock in a simulation)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}
@@ -43,6 +45,9 @@ class Policy(ABC):
     @abstractmethod
     def schedule(self) -> Plan:
         """Choose the next iteration's work."""
+
+    def observe(self, plan: Plan, seconds: float) -> None:
+        """The iteration `plan` took `seconds`: a policy with a latency model may learn from it."""
 
     # ---- requests in and out -------------------------------------------------------------
     def add(self, seq: Sequence, hand_off: bool | None = None) -> None:

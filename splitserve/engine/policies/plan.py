@@ -1,6 +1,7 @@
 """What a policy hands the model runner for one iteration."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from splitserve.engine.sequence import Sequence
@@ -38,8 +39,39 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class SLOOptions:
+    """The SLO-aware (AccelGen) policy's settings. The latency model is linear around the pivot:
+    an iteration of S_f tokens takes pivot_time_s x S_f / pivot_tokens; with `pivot_time_s` None
+    the policy learns it from the iterations it is told about (`Policy.observe`)."""
+
+    pivot_tokens: int = 512             # S_pf: the forward size where throughput saturates
+    pivot_time_s: float | None = None   # T_pf: an iteration's time at S_pf (None: learned)
+    tile_tokens: int = 16               # the budget is a multiple of this
+    max_budget_tokens: int = 4096       # the most tokens one iteration may compute
+    window_s: float = 0.75              # gamma: SelectRequests' slack window
+    long_prompt_tokens: int = 4096      # ERA: one prompt this long in prefill at a time
+    default_ttft_s: float = 1.0         # targets of requests that name none
+    default_tbt_s: float = 0.1875       # the paper's reading speed
+
+    def __post_init__(self) -> None:
+        for name in ("pivot_tokens", "tile_tokens", "max_budget_tokens", "long_prompt_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.max_budget_tokens < self.tile_tokens:
+            raise ValueError(f"max_budget_tokens ({self.max_budget_tokens}) must be >= tile_tokens "
+                             f"({self.tile_tokens})")
+        for name in ("pivot_time_s", "window_s", "default_ttft_s", "default_tbt_s"):
+            value = getattr(self, name)
+            if value is None and name == "pivot_time_s":
+                continue
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
 class SchedulerLimits:
     max_num_seqs: int = 256
     max_model_len: int = 2048
     prompt_token_budget: int = 2048  # prompt / prefill-first / token policies: prefill tokens per iteration
     chunk_token_budget: int = 512    # mixed policy: all tokens per iteration (Sarathi-Serve)
+    slo: SLOOptions = SLOOptions()   # the accelgen policies
