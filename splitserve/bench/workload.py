@@ -28,6 +28,8 @@ class RequestSpec:
     arrival_s: float          # seconds from the start of the run
     prompt_tokens: int
     output_tokens: int        # forced: sent as max_tokens with ignore_eos (Splitwise does the same)
+    ttft_slo_s: float | None = None   # the request's latency targets (SLO-aware scheduling), if any
+    tbt_slo_s: float | None = None
 
 
 @dataclass(frozen=True)

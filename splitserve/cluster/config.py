@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from splitserve.cluster.hardware import HARDWARE_CLASSES, HardwareProfile
 from splitserve.cluster.placement.state import PlacementThresholds
 from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.policies import SLOOptions as PolicySLOOptions
 
 APP_IMPORT_PATH = "splitserve.cluster.app:build_app"
 
@@ -63,6 +64,26 @@ class HardwareClassConfig(_Strict):
     token_speed: float = Field(gt=0)
 
 
+class SLOSchedulingOptions(_Strict):
+    """The accelgen policies' settings (engine.policies.plan.SLOOptions, in ms where it is a time);
+    the default targets apply to every request of this cluster's model that names none
+    (a request names its own in the API's `slo` field)."""
+
+    pivot_tokens: int = Field(512, ge=1)
+    pivot_ms: float | None = Field(None, gt=0)  # None: learned from the engine's own iterations
+    tile_tokens: int = Field(16, ge=1)
+    max_budget_tokens: int = Field(4096, ge=1)
+    window_ms: float = Field(750.0, gt=0)
+    long_prompt_tokens: int = Field(4096, ge=1)
+    default_ttft_ms: float = Field(1000.0, gt=0)
+    default_tbt_ms: float = Field(187.5, gt=0)
+
+    def options(self) -> PolicySLOOptions:
+        return PolicySLOOptions(self.pivot_tokens, None if self.pivot_ms is None else self.pivot_ms / 1000,
+                          self.tile_tokens, self.max_budget_tokens, self.window_ms / 1000, self.long_prompt_tokens,
+                          self.default_ttft_ms / 1000, self.default_tbt_ms / 1000)
+
+
 class EngineOptions(_Strict):
     """Engine knobs shared by every worker (EngineConfig's fields; the policy follows the pool)."""
 
@@ -79,7 +100,9 @@ class EngineOptions(_Strict):
     device: str = "auto"
     load_format: str = "auto"
     seed: int = 0
-    mixed_policy: Literal["mixed", "prefill_first"] = "mixed"  # how a worker batches in the mixed pool
+    mixed_policy: Literal["mixed", "prefill_first", "accelgen"] = "mixed"  # how a worker batches in the mixed pool
+    prompt_policy: Literal["prompt", "accelgen_prompt"] = "prompt"      # ... and in the prompt pool
+    slo_scheduling: SLOSchedulingOptions = SLOSchedulingOptions()
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> "EngineOptions":
@@ -90,8 +113,12 @@ class EngineOptions(_Strict):
         return self
 
     def engine_config(self, policy: str) -> EngineConfig:
-        names = {f.name for f in fields(EngineConfig)} - {"policy"}
-        return EngineConfig(policy=policy, **{n: getattr(self, n) for n in names})
+        names = {f.name for f in fields(EngineConfig)} - {"policy", "slo"}
+        return EngineConfig(policy=policy, slo=self.slo_scheduling.options(), **{n: getattr(self, n) for n in names})
+
+    def policy_for(self, role: str) -> str:
+        """The engine policy of a worker whose pool is `role`."""
+        return {"mixed": self.mixed_policy, "prompt": self.prompt_policy}.get(role, role)
 
 
 class TransferOptions(_Strict):

@@ -104,6 +104,14 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk (benchmarks time tokens by it)
 
 
+class SLOTargets(BaseModel):
+    """splitserve's extension: the request's latency targets, which the SLO-aware (accelgen)
+    scheduling policies order and size batches by; other policies ignore them."""
+    model_config = STRICT
+    ttft_ms: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+    tbt_ms: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+
+
 class TextPart(BaseModel):
     """A `{"type": "text", "text": ...}` content part; keys that only annotate it are ignored."""
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -143,6 +151,7 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    slo: SLOTargets | None = None  # splitserve's extension (see SLOTargets)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -232,9 +241,16 @@ def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_mode
             top_k=request.top_k, top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens)
+            skip_special_tokens=request.skip_special_tokens, **_slo_seconds(request.slo))
     except ValueError as exc:
         raise _sampling_error(str(exc)) from None
+
+
+def _slo_seconds(slo: SLOTargets | None) -> dict:
+    if slo is None:
+        return {}
+    return {"ttft_slo_s": None if slo.ttft_ms is None else slo.ttft_ms / 1000,
+            "tbt_slo_s": None if slo.tbt_ms is None else slo.tbt_ms / 1000}
 
 
 def _max_tokens(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> int:

@@ -28,7 +28,7 @@ MAX_CONCURRENT_CALLS = 4096  # streams are long-lived calls: one per request in 
 
 
 def engine_policy(role: str, config: ClusterConfig) -> str:
-    return config.engine.mixed_policy if role == "mixed" else role
+    return config.engine.policy_for(role)
 
 
 class Worker:

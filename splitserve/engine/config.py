@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.engine.policies import POLICY_CLASSES
+from splitserve.engine.policies import POLICY_CLASSES, SLOOptions
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -114,6 +114,7 @@ class EngineConfig:
     device: str = "auto"                       # auto | cpu | cuda | cuda:N
     load_format: str = "auto"                  # auto | safetensors | dummy
     seed: int = 0
+    slo: SLOOptions = SLOOptions()             # the SLO-aware (accelgen) policies' settings
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_CLASSES:

@@ -13,9 +13,9 @@ class LLM:
     `EngineConfig` fields (policy, block_size, dtype, device, load_format, ...)."""
 
     def __init__(self, model: str = "demo", **engine_args):
-        if engine_args.get("policy") == "prompt":
-            raise ValueError("policy 'prompt' only prefills and hands the KV on; LLM needs a policy that "
-                             "finishes requests: mixed, prefill_first or token")
+        if engine_args.get("policy") in ("prompt", "accelgen_prompt"):
+            raise ValueError(f"policy {engine_args['policy']!r} only prefills and hands the KV on; LLM needs a policy "
+                             "that finishes requests: mixed, prefill_first, accelgen or token")
         self.engine = LLMEngine(model, **engine_args)
         self._counter = 0
 

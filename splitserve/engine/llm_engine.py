@@ -44,7 +44,8 @@ class LLMEngine:
                               f"{self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len")
         self.kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        limits = SchedulerLimits(config.max_num_seqs, self.max_model_len, config.prompt_token_budget, config.chunk_token_budget)
+        limits = SchedulerLimits(config.max_num_seqs, self.max_model_len, config.prompt_token_budget,
+                                 config.chunk_token_budget, config.slo)
         self.policy = make_policy(config.policy, self.block_manager, limits)
         self.runner = ModelRunner(loaded.model, self.kv_cache, select_backend(loaded.device), loaded.device)
         self.sampler = Sampler(seed=config.seed)

@@ -116,7 +116,7 @@ class Simulation:
                 counts[pool.role] += 1
                 worker = SimWorker(worker_id, pool.engine_policy, scenario.perf_models[pool.hardware],
                                    scenario.num_blocks, scenario.block_size, scenario.limits, self.token_times,
-                                   scenario.overhead)
+                                   scenario.overhead, lambda: self.now)
                 self.workers[worker_id], self._hardware_of[worker_id] = worker, pool.hardware
                 self.cls.add_worker(worker_id, pool.role, profiles[pool.hardware], worker.load())
                 worker.changed = False
@@ -170,7 +170,9 @@ class Simulation:
             return
         prompt_worker, token_worker = self.workers[placement.prompt_worker], self.workers[placement.token_worker]
         prompt_worker.changed = token_worker.changed = True  # the CLS counts the request on both
-        prompt, params = [0] * spec.prompt_tokens, SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
+        prompt = [0] * spec.prompt_tokens
+        params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True, ttft_slo_s=spec.ttft_slo_s,
+                                tbt_slo_s=spec.tbt_slo_s)
         if not placement.local:
             try:
                 token_worker.reserve_import(EngineSequence(seq_id, prompt, params, self.now))

@@ -42,8 +42,7 @@ class SimTarget:
 
 def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget()) -> Scenario:
     models = {pool.hardware: perf_model_for(pool.hardware, target) for pool in config.pools}
-    policy = config.engine.mixed_policy
-    pools = tuple(PoolSpec(Role(p.role), p.num_workers, p.hardware, policy if p.role == "mixed" else None)
+    pools = tuple(PoolSpec(Role(p.role), p.num_workers, p.hardware, config.engine.policy_for(p.role))
                   for p in config.pools)
     engine = config.engine
     return Scenario(pools=pools, perf_models=models, kv_budget_tokens=kv_budget_tokens(config, target),
@@ -52,7 +51,8 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
                     report_interval_s=config.scheduler.report_interval_s, max_num_seqs=engine.max_num_seqs,
                     max_model_len=engine.max_model_len or 4096, prompt_token_budget=engine.prompt_token_budget,
                     chunk_token_budget=engine.chunk_token_budget,
-                    hardware={name: config.hardware(name) for name in models}, overhead=target.overhead)
+                    hardware={name: config.hardware(name) for name in models}, overhead=target.overhead,
+                    slo=engine.slo_scheduling.options())
 
 
 def perf_model_for(hardware: str, target: SimTarget) -> PerfModel:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from splitserve.cluster.hardware import HardwareProfile
 from splitserve.cluster.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
-from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits
+from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.transfer import TransferModel
 from splitserve.sim.worker import PerfModel
@@ -62,6 +62,7 @@ class Scenario:
     chunk_token_budget: int = 512
     hardware: Mapping[str, HardwareProfile] = field(default_factory=dict)
     overhead: ServingOverhead = ServingOverhead()
+    slo: SLOOptions = SLOOptions()  # the accelgen policies' settings (pivot time: each worker's model)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))
@@ -88,7 +89,7 @@ class Scenario:
     @property
     def limits(self) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, self.max_model_len, self.prompt_token_budget,
-                               self.chunk_token_budget)
+                               self.chunk_token_budget, self.slo)
 
     def hardware_profiles(self) -> dict[str, HardwareProfile]:
         """Speed profiles of the pools' hardware: the given ones, else derived from the models."""

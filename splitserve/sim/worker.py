@@ -9,7 +9,8 @@ request's tokens come from two workers when it is split.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from splitserve.cluster.placement.load import load_of
@@ -65,11 +66,14 @@ class SimWorker:
 
     def __init__(self, worker_id: str, role: str, perf: PerfModel, num_blocks: int, block_size: int,
                  limits: SchedulerLimits, token_times: dict[str, list[float]],
-                 overhead: ServingOverhead = NO_OVERHEAD):
-        self.worker_id, self.perf, self.token_times = worker_id, perf, token_times
+                 overhead: ServingOverhead = NO_OVERHEAD, clock: Callable[[], float] = lambda: 0.0):
+        self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
         self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.policy = make_policy(role, self.blocks, limits)
+        if limits.slo.pivot_time_s is None:  # SLO-aware policies: the pivot's time from this worker's model
+            pivot = limits.slo.pivot_tokens
+            limits = replace(limits, slo=replace(limits.slo, pivot_time_s=perf.prefill_time(pivot)))
+        self.policy = make_policy(role, self.blocks, limits, clock)
         self.role = role
         self.plan: Plan | None = None  # the iteration in flight
         self.iterations = self.num_prefills = 0
@@ -106,7 +110,7 @@ class SimWorker:
 
     def set_role(self, role: str) -> None:
         """Switch scheduling policy on the live worker, as `LLMEngine.set_policy` does."""
-        policy = make_policy(role, self.blocks, self.policy.limits)
+        policy = make_policy(role, self.blocks, self.policy.limits, self.clock)
         policy.adopt(self.policy)
         self.policy, self.role, self.changed = policy, role, True
 
@@ -143,6 +147,7 @@ class SimWorker:
         if plan is None:
             raise RuntimeError(f"worker {self.worker_id}: no iteration in flight to finish")
         self.changed = True
+        self.policy.observe(plan, self.iteration_s)
         updated = self.policy.complete_step(plan, SAMPLED)
         finished, handed_off, times = [], [], self.token_times
         for seq in updated:

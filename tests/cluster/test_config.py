@@ -219,3 +219,22 @@ def test_worker_resources_ray_options():
     ray.remote(_Actor).options(**options)  # Ray accepts them
     options["resources"]["splitserve-token"] = 9  # a copy: the config is unchanged
     assert full.resources == {"splitserve-token": 1.0}
+
+
+def test_accelgen_is_chosen_per_pool_and_its_settings_reach_the_engine_and_the_simulator():
+    from splitserve.sim.from_config import scenario_from_config
+
+    config = ClusterConfig.model_validate({
+        "pools": [{"role": role, "hardware": "h100"} for role in ("prompt", "token", "mixed")],
+        "engine": {"mixed_policy": "accelgen", "prompt_policy": "accelgen_prompt",
+                   "slo_scheduling": {"pivot_ms": 40, "default_tbt_ms": 100, "window_ms": 500}}})
+    engine = config.engine
+    policies = [engine.policy_for(role) for role in ("prompt", "token", "mixed")]
+    assert policies == ["accelgen_prompt", "token", "accelgen"]
+    slo = engine.engine_config("accelgen").slo
+    assert (slo.pivot_time_s, slo.default_tbt_s, slo.window_s, slo.pivot_tokens) == (0.04, 0.1, 0.5, 512)
+    scenario = scenario_from_config(config)
+    assert [p.engine_policy for p in scenario.pools] == ["accelgen_prompt", "token", "accelgen"]
+    assert scenario.limits.slo == slo
+    with pytest.raises(ValidationError, match="pivot_ms"):
+        ClusterConfig.model_validate({"engine": {"slo_scheduling": {"pivot_ms": 0}}})

@@ -258,3 +258,17 @@ def test_prompt_that_encodes_to_nothing():
 
     with pytest.raises(RequestError, match="prompt: the prompt is empty"):
         prompt_token_ids_of(completion(prompt=""), NoBos())
+
+
+def test_slo_targets_reach_the_engine_in_seconds():
+    assert sampling_params(completion(slo={"ttft_ms": 250, "tbt_ms": 40.5}), 10, 100) == SamplingParams(
+        max_tokens=16, ttft_slo_s=0.25, tbt_slo_s=0.0405)
+    only_tbt = sampling_params(chat(slo={"tbt_ms": 100}), 10, 100)
+    assert (only_tbt.ttft_slo_s, only_tbt.tbt_slo_s) == (None, 0.1)
+    assert sampling_params(chat(), 10, 100).tbt_slo_s is None  # the policy's default applies
+
+
+@pytest.mark.parametrize("slo, param", [({"ttft_ms": 0}, "slo.ttft_ms"), ({"tbt_ms": -5}, "slo.tbt_ms"),
+                                        ({"tbt_ms": "fast"}, "slo.tbt_ms"), ({"p99_ms": 5}, "slo.p99_ms")])
+def test_bad_slo_targets_are_refused_naming_the_field(slo, param):
+    assert refusal(CompletionRequest, {**COMPLETION, "slo": slo}).param == param

@@ -160,3 +160,21 @@ def test_finish_without_an_iteration_is_an_error():
     worker, _ = make_worker()
     with pytest.raises(RuntimeError, match="no iteration in flight"):
         worker.finish_iteration(0.0)
+
+
+def test_an_accelgen_worker_takes_its_pivot_time_from_its_model_and_reads_the_simulated_clock():
+    now = [0.0]
+    worker = SimWorker("w0", "accelgen", LinearPerf(), 64, 16, SchedulerLimits(), {}, clock=lambda: now[0])
+    # pivot 512 tokens at 1 ms a token: the budget for a 0.1 s SLO is 100 tokens, floored to 96
+    assert worker.policy.time_per_token == pytest.approx(0.001)
+    assert worker.policy.token_budget(0.1) == 96
+    seq = Sequence("a", [0] * 200, SamplingParams(max_tokens=2, ignore_eos=True, ttft_slo_s=0.1, tbt_slo_s=0.1))
+    worker.token_times["a"] = []
+    worker.add(seq, hand_off=False)
+    end = worker.start_iteration(0.0)  # the first chunk: 96 tokens (its own 0.1 s bounds the budget)
+    assert end == pytest.approx(0.096)
+    now[0] = end
+    worker.finish_iteration(end)
+    assert worker.policy.last_token_at == {} and seq.num_computed_tokens == 96
+    now[0], _ = run_until_idle(worker, end)
+    assert seq.is_finished and len(worker.token_times["a"]) == 2
