@@ -153,12 +153,12 @@ class AccelGenPolicy(Policy):
 
     def _fits_kv(self, cand: Candidate, batch: list[Candidate], candidates: list[Candidate],
                  preempted: dict[str, Sequence]) -> bool:
-        """Make room for an urgent candidate's KV: preempt running sequences with more slack
-        (most first) until it fits; False (nothing preempted) when that cannot be done."""
+        """Make room for an urgent candidate's KV (and batch slot): preempt running sequences with
+        more slack (most first) until it fits. False when it does not; the blocks they hold are
+        counted first, so none is preempted when even all of them would not be enough."""
         seq = cand.seq
         if cand.waiting:
-            fits = lambda: self.blocks.can_allocate(seq, self._watermark if self.running else 0) and \
-                len(self.running) < self.limits.max_num_seqs  # noqa: E731
+            fits = lambda: self._can_admit(seq)  # noqa: E731
         elif seq.is_decoding:
             fits = lambda: self.blocks.can_grow(seq, seq.num_tokens)  # noqa: E731
         else:
@@ -225,7 +225,7 @@ class AccelGenPolicy(Policy):
                     continue  # its SLO would shrink the budget below what is already taken
                 budget = tighter
             if pick.waiting:
-                if not self.blocks.can_allocate(pick.seq, self._watermark if self.running else 0):
+                if not self._can_admit(pick.seq):
                     continue
                 self._admit_seq(pick.seq)
             elif pick.seq.is_decoding:
