@@ -116,8 +116,8 @@ def print_rows(rows: list[dict], scale: float) -> None:
           f"{'power x':>7}  paper (counts at 40 H100s; ours at x{scale:g})")
     for r in rows:
         ratio = f"{r['throughput_ratio']:.2f}" if r["throughput_ratio"] is not None else "-"
-        print(f"{r['trace']:5} {r['decode_rule']:13} {r['design']:16} {r['goal']:9} {r['num_prompt']:>3} {r['num_token']:>3} "
-              f"{r['throughput_rps']:>7.2f} {ratio:>6} {r['cost_ratio']:>6.2f} {r['power_ratio']:>7.2f}  {r['paper']}")
+        print(f"{r['trace']:5} {r['decode_rule']:13} {r['design']:16} {r['goal']:9} {r['num_prompt']:>3} "
+              f"{r['num_token']:>3} {r['throughput_rps']:>7.2f} {ratio:>6} {r['cost_ratio']:>6.2f} {r['power_ratio']:>7.2f}  {r['paper']}")
 
 
 def main() -> None:

@@ -20,7 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from splitserve.sim.perf_model import PerfModel, check_curve, medians, load_perf_models, read_profile
+from splitserve.sim.perf_model import (
+    PerfModel,
+    check_curve,
+    load_perf_models,
+    medians,
+    read_profile,
+)
 
 MIXED_BATCH_FACTOR = 1.1  # splitwise-sim's cost of mixing prompts and decodes in one iteration
 
