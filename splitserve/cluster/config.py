@@ -79,9 +79,11 @@ class SLOSchedulingOptions(_Strict):
     default_tbt_ms: float = Field(187.5, gt=0)
 
     def options(self) -> PolicySLOOptions:
-        return PolicySLOOptions(self.pivot_tokens, None if self.pivot_ms is None else self.pivot_ms / 1000,
-                          self.tile_tokens, self.max_budget_tokens, self.window_ms / 1000, self.long_prompt_tokens,
-                          self.default_ttft_ms / 1000, self.default_tbt_ms / 1000)
+        return PolicySLOOptions(
+            pivot_tokens=self.pivot_tokens, pivot_time_s=None if self.pivot_ms is None else self.pivot_ms / 1000,
+            tile_tokens=self.tile_tokens, max_budget_tokens=self.max_budget_tokens, window_s=self.window_ms / 1000,
+            long_prompt_tokens=self.long_prompt_tokens, default_ttft_s=self.default_ttft_ms / 1000,
+            default_tbt_s=self.default_tbt_ms / 1000)
 
 
 class EngineOptions(_Strict):

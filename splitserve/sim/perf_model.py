@@ -157,11 +157,16 @@ class LoadReport:
 def load_perf_models(path: str | Path | None = None) -> dict[tuple[str, str, int], PerfModel]:
     """Fit one model per (model, hardware, tensor_parallel) of a profile CSV (default: the
     packaged Splitwise profiles), leaving out outlier rows (see `load_report`)."""
-    rows = [row for row in read_profile(path) if not row.is_outlier]
+    return {key: fit_perf_model(key, group) for key, group in profile_setups(path).items()}
+
+
+def profile_setups(path: str | Path | None = None) -> dict[tuple[str, str, int], list[ProfileRow]]:
+    """A profile's rows by (model, hardware, tensor_parallel), outliers left out."""
     setups: dict[tuple[str, str, int], list[ProfileRow]] = defaultdict(list)
-    for row in rows:
-        setups[row.model, row.hardware, row.tensor_parallel].append(row)
-    return {key: _fit(key, group) for key, group in setups.items()}
+    for row in read_profile(path):
+        if not row.is_outlier:
+            setups[row.model, row.hardware, row.tensor_parallel].append(row)
+    return setups
 
 
 def load_report(path: str | Path | None = None) -> LoadReport:
@@ -196,7 +201,7 @@ def _parse_row(raw: dict, where: str) -> ProfileRow:
     return row
 
 
-def _fit(key: tuple[str, str, int], rows: list[ProfileRow]) -> PerfModel:
+def fit_perf_model(key: tuple[str, str, int], rows: list[ProfileRow]) -> PerfModel:
     """The reference point is the most common output size and, at that size, the most common
     prompt size (the point every sweep shares)."""
     ref_tokens = Counter(r.token_size for r in rows).most_common(1)[0][0]

@@ -14,19 +14,12 @@ splitwise-sim's rule says 0.95x. That is why A100 token machines batch far less 
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from splitserve.sim.perf_model import (
-    PerfModel,
-    check_curve,
-    load_perf_models,
-    medians,
-    read_profile,
-)
+from splitserve.sim.perf_model import PerfModel, check_curve, fit_perf_model, medians, profile_setups
 
 MIXED_BATCH_FACTOR = 1.1  # splitwise-sim's cost of mixing prompts and decodes in one iteration
 
@@ -82,11 +75,10 @@ class SplitwiseSimPerf:
 
 def load_splitwise_sim_models(path: str | Path | None = None) -> dict[tuple[str, str, int], SplitwiseSimPerf]:
     """One `SplitwiseSimPerf` per (model, hardware, tensor_parallel) of a profile CSV (outliers left out)."""
-    bases = load_perf_models(path)
-    rows = defaultdict(list)
-    for row in read_profile(path):
-        if not row.is_outlier:
-            rows[row.model, row.hardware, row.tensor_parallel].append(row)
-    return {key: SplitwiseSimPerf(bases[key], *medians(group, lambda r: r.prompt_size * r.batch_size,
-                                                         lambda r: r.token_time))
-            for key, group in rows.items()}
+    return {key: SplitwiseSimPerf(fit_perf_model(key, group), *_token_curve(group))
+            for key, group in profile_setups(path).items()}
+
+
+def _token_curve(rows: list) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """splitwise-sim's token curve: median token_time over prompt_size x batch_size."""
+    return medians(rows, lambda r: r.prompt_size * r.batch_size, lambda r: r.token_time)

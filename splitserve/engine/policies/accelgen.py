@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies.base import Policy
-from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
+from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits, SLOOptions
 from splitserve.engine.sequence import Sequence, SequenceStatus
 
 LEARNING_RATE = 0.2  # weight of the newest iteration in the learned time per token
@@ -57,11 +57,14 @@ class AccelGenPolicy(Policy):
     def __init__(self, blocks: BlockManager, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic):
         super().__init__(blocks, limits, clock)
         options = limits.slo
-        self.options = options
         # seconds per token of the linear model; before any observation, the pivot at the default TBT
         self.time_per_token = (options.pivot_time_s or options.default_tbt_s) / options.pivot_tokens
         self.budget = options.pivot_tokens  # S_b of the last iteration (T_max derives from it)
         self.last_token_at: dict[str, float] = {}
+
+    @property
+    def options(self) -> SLOOptions:
+        return self.limits.slo
 
     # ---- the latency model -----------------------------------------------------------------
     def token_budget(self, slo_min_s: float) -> int:
@@ -163,9 +166,12 @@ class AccelGenPolicy(Policy):
             fits = lambda: self.blocks.can_grow(seq, seq.num_tokens)  # noqa: E731
         else:
             return True  # a running prompt already holds all its blocks
-        victims = self._victims(cand, candidates, preempted)
-        if not fits() and self._reclaimable(victims) + self.blocks.num_free_blocks < self._blocks_needed(cand):
-            return False
+        if fits():
+            victims = []
+        else:  # only now: the common case, where it fits, sorts nothing
+            victims = self._victims(cand, candidates, preempted)
+            if self._reclaimable(victims) + self.blocks.num_free_blocks < self._blocks_needed(cand):
+                return False
         while not fits() and victims:
             victim = victims.pop(0)
             self.preempt(victim.seq)
