@@ -1,5 +1,5 @@
 """The `splitserve` command line: `serve` (the cluster), `bench` (load against a server), `profile` and `sim`
-(measure this engine; simulate a cluster), `generate` (one offline engine)."""
+(measure this engine; simulate a cluster), `generate` and `batch` (one offline engine)."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_profile(commands)
     _add_delegated(commands, "sim")
     _add_delegated(commands, "plan")
+    _add_delegated(commands, "batch")
     args = parser.parse_args(argv)
     return args.run(args)
 
@@ -189,6 +190,10 @@ DELEGATED = {  # subcommands whose arguments and run live with their package: (m
     "plan": ("splitserve.sim.plan_cli", "provision prompt / token machines for a design (Splitwise IV-D)",
              "Simulate the splits of a design under an iso-power, iso-cost or iso-throughput goal with the Table VI "
              "SLOs; print a table and write plan.json and a design-space heat map to --out."),
+    "batch": ("splitserve.cluster.batches.batch_cli", "run an OpenAI batch file offline (BlendServe order)",
+              "Run an OpenAI Batch API input file (JSONL) on one in-process engine, ordered by BlendServe's "
+              "resource-aware prefix tree and dual scanner on top of the prefix cache; results go to OUTPUT as "
+              "they finish, and a rerun resumes where OUTPUT ends."),
 }
 
 

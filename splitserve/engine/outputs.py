@@ -52,6 +52,8 @@ class StepStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     seconds: float = 0.0
+    decode_context_tokens: int = 0  # KV tokens the decodes' attention read (the memory-bound work)
+    prefill_attention_pairs: int = 0  # query-key pairs of prefill attention: sum n (2 start + n) over chunks
 
     @property
     def phase(self) -> str:

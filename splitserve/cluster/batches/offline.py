@@ -1,0 +1,45 @@
+"""A batch file run on one in-process engine (`splitserve batch`, and the batch API's executor
+when no cluster serves it): lines prepared like HTTP requests, run in BlendServe (or dfs / fcfs)
+order, every result synced to the output or error log as it finishes, so a rerun after a crash
+resumes where the logs end."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from splitserve.cluster.batches.lines import BatchLine, completion_tokens, error_line, prepare, response_body, \
+    result_line
+from splitserve.cluster.batches.results import ResultLog
+from splitserve.cluster.protocol import RequestError
+from splitserve.engine.blend.feeder import BlendOptions
+from splitserve.engine.blend.runner import BatchStats, run_batch
+from splitserve.engine.llm_engine import LLMEngine
+
+
+def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str, output: ResultLog, errors: ResultLog,
+              options: BlendOptions, stop: Callable[[], bool] = lambda: False,
+              on_result: Callable[[bool], None] = lambda ok: None) -> BatchStats:
+    """Run every line without a result in `output` or `errors`; lines already there count as
+    samples of output length. `on_result(ok)` after each line is logged."""
+    items, keyed, finished = [], [], {}
+    for line in lines:
+        done = output.done.get(line.custom_id) or errors.done.get(line.custom_id)
+        try:
+            prepared = prepare(line, engine.tokenizer, model, engine.max_model_len)
+        except RequestError as error:
+            if done is None:
+                errors.append(error_line(line.custom_id, error))
+                on_result(False)
+            continue
+        if done is not None:
+            finished[len(items)] = completion_tokens(done)
+        items.append((prepared.prompt, prepared.params))
+        keyed.append(line)
+
+    def record(key: int, out) -> None:
+        line = keyed[key]
+        body = response_body(line.kind, model, out.text, out.finish_reason, len(out.prompt_token_ids),
+                             len(out.token_ids))
+        output.append(result_line(line.custom_id, 200, body))
+        on_result(True)
+
+    return run_batch(engine, items, options, record, finished, stop=stop)
