@@ -4,6 +4,7 @@ order, every result synced to the output or error log as it finishes, so a rerun
 resumes where the logs end."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from splitserve.cluster.batches.lines import BatchLine, completion_tokens, error_line, prepare, response_body, \
@@ -43,3 +44,14 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str, output: Res
         on_result(True)
 
     return run_batch(engine, items, options, record, finished, stop=stop)
+
+
+class EngineExecutor:
+    """The batch service's executor on one in-process engine (run in a thread, off the event loop)."""
+
+    def __init__(self, engine: LLMEngine, model: str):
+        self.engine, self.model = engine, model
+
+    async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,
+                  stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
+        await asyncio.to_thread(run_lines, self.engine, lines, self.model, output, errors, options, stop, on_result)

@@ -1,0 +1,124 @@
+"""Files and batches of the batch API on disk, in the shapes OpenAI returns. Every metadata write
+replaces its file atomically (write, fsync, rename), so a crash leaves the old or the new state.
+
+Layout: files/<id> (content) and files/<id>.json (the file object); batches/<id>.json (the batch
+object) with batches/<id>.output.jsonl and .errors.jsonl growing while it runs (`ResultLog`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # a restart resumes these
+PURPOSES = ("batch", "batch_output")
+
+
+class NotFound(KeyError):
+    def __init__(self, kind: str, object_id: str):
+        super().__init__(object_id)
+        self.message = f"No such {kind} object: {object_id}"
+
+
+class BatchStore:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).expanduser()
+        for sub in ("files", "batches"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()  # batch objects are updated from the executor's thread too
+
+    # ---- files ---------------------------------------------------------------------------
+    def add_file(self, content: bytes, filename: str, purpose: str) -> dict:
+        file_id = f"file-{uuid.uuid4().hex}"
+        path = self.root / "files" / file_id
+        _write_atomic(path, content)
+        return self._describe_file(file_id, path, filename, purpose)
+
+    def adopt_file(self, path: Path, file_id: str, filename: str, purpose: str) -> dict | None:
+        """Move a finished log into the files as `file_id` (None when it is empty or absent).
+        Idempotent: a second call after a crash finds the file already moved."""
+        target = self.root / "files" / file_id
+        if path.exists():
+            if not path.stat().st_size:
+                path.unlink()
+                return None
+            os.replace(path, target)
+        if not target.exists():
+            return None
+        meta = target.with_name(file_id + ".json")
+        return json.loads(meta.read_bytes()) if meta.exists() else self._describe_file(file_id, target, filename,
+                                                                                        purpose)
+
+    def _describe_file(self, file_id: str, path: Path, filename: str, purpose: str) -> dict:
+        meta = {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": int(time.time()),
+                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
+        _write_atomic(path.with_name(file_id + ".json"), json.dumps(meta).encode())
+        return meta
+
+    def file(self, file_id: str) -> dict:
+        return self._read("files", file_id, "File")
+
+    def files(self, purpose: str | None = None) -> list[dict]:
+        found = [json.loads(p.read_bytes()) for p in (self.root / "files").glob("file-*.json")]
+        return sorted((f for f in found if purpose in (None, f["purpose"])), key=lambda f: -f["created_at"])
+
+    def content_path(self, file_id: str) -> Path:
+        self.file(file_id)
+        return self.root / "files" / file_id
+
+    def delete_file(self, file_id: str) -> dict:
+        self.file(file_id)
+        (self.root / "files" / f"{file_id}.json").unlink()
+        (self.root / "files" / file_id).unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # ---- batches -------------------------------------------------------------------------
+    def new_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> dict:
+        now = int(time.time())
+        batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
+                 "input_file_id": input_file_id, "completion_window": window, "status": "validating",
+                 "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+                 "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                 "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+        self.save_batch(batch)
+        return batch
+
+    def save_batch(self, batch: dict) -> None:
+        with self._lock:
+            _write_atomic(self.root / "batches" / f"{batch['id']}.json", json.dumps(batch).encode())
+
+    def update_batch(self, batch_id: str, **changes) -> dict:
+        with self._lock:
+            batch = {**self.batch(batch_id), **changes}
+            _write_atomic(self.root / "batches" / f"{batch_id}.json", json.dumps(batch).encode())
+        return batch
+
+    def batch(self, batch_id: str) -> dict:
+        return self._read("batches", batch_id, "Batch")
+
+    def batches(self) -> list[dict]:
+        found = [json.loads(p.read_bytes()) for p in (self.root / "batches").glob("batch_*.json")]
+        return sorted(found, key=lambda b: (-b["created_at"], b["id"]))
+
+    def log_paths(self, batch_id: str) -> tuple[Path, Path]:
+        base = self.root / "batches" / batch_id
+        return base.with_name(batch_id + ".output.jsonl"), base.with_name(batch_id + ".errors.jsonl")
+
+    def _read(self, sub: str, object_id: str, kind: str) -> dict:
+        path = self.root / sub / f"{object_id}.json"
+        if "/" in object_id or not object_id or not path.is_file():
+            raise NotFound(kind.lower(), object_id)
+        return json.loads(path.read_bytes())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
