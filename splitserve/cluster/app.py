@@ -12,6 +12,7 @@ from __future__ import annotations
 import ray
 from ray import serve
 
+from splitserve.cluster.batches.manager import BatchManager
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.controller import WORKER_NAMESPACE, Controller
 from splitserve.cluster.ingress import Ingress
@@ -26,10 +27,17 @@ class ClusterController:
             name=f"{app}-controller", namespace=WORKER_NAMESPACE, num_cpus=0,
             max_concurrency=MAX_CONCURRENT_CALLS).remote(config, app)
         self.cls.start.remote()
+        self.batches = ray.remote(BatchManager).options(
+            name=f"{app}-batches", namespace=WORKER_NAMESPACE, num_cpus=0).remote(config, self.cls)
+        self.batches.start.remote()
 
     def handle(self):
         """The CLS actor, for the ingress to call directly."""
         return self.cls
+
+    def batches_handle(self):
+        """The batch API's actor (/v1/files, /v1/batches)."""
+        return self.batches
 
     async def check_health(self) -> None:
         await self.cls.health.remote()  # raises if the CLS actor died: Serve restarts this replica

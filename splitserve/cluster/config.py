@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from splitserve.cluster.hardware import HARDWARE_CLASSES, HardwareProfile
 from splitserve.cluster.placement.state import PlacementThresholds
+from splitserve.engine.blend.feeder import BlendOptions
 from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.policies import SLOOptions as PolicySLOOptions
 
@@ -163,6 +164,19 @@ class SLOOptions(_Strict):
     e2e_s: float = Field(60.0, gt=0)
 
 
+class BatchAPIOptions(_Strict):
+    """/v1/files and /v1/batches: where they persist and how batches are ordered (BlendServe)."""
+
+    dir: str = "~/.cache/splitserve/batches"  # on Kubernetes: a persistent volume, so a restart loses nothing
+    order: Literal["blend", "dfs", "fcfs"] = "blend"
+    sample_fraction: float = Field(0.01, ge=0, le=1)
+    split_threshold: float = Field(0.01, ge=0, le=1)
+    memory_fraction: float = Field(0.9, gt=0, le=1)
+
+    def blend_options(self) -> BlendOptions:
+        return BlendOptions(self.order, self.sample_fraction, self.split_threshold, self.memory_fraction)
+
+
 class ClusterConfig(_Strict):
     model: str = "demo"
     served_model_name: str | None = None
@@ -172,6 +186,7 @@ class ClusterConfig(_Strict):
     transfer: TransferOptions = TransferOptions()
     scheduler: SchedulerOptions = SchedulerOptions()
     ingress: IngressOptions = IngressOptions()
+    batch: BatchAPIOptions = BatchAPIOptions()
     slo: SLOOptions = SLOOptions()
 
     @model_validator(mode="after")

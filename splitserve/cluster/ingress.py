@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
 from splitserve.cluster import responses as R
+from splitserve.cluster.batches import routes as batch_routes
+from splitserve.cluster.batches.manager import RemoteBatches
 from splitserve.cluster.chat import chat_prompt_token_ids
 from splitserve.cluster.config import ClusterConfig
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
@@ -27,6 +29,7 @@ from splitserve.cluster.text_stream import TextStream
 from splitserve.engine.model_builder import load_metadata
 
 api = FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster")
+api.include_router(batch_routes.router)
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -41,6 +44,8 @@ class Ingress:
         self._directory: WorkerDirectory | None = None
         self._observations = ObservationBuffer()
         self.created = int(time.time())
+        api.state.api_key = self.api_key
+        api.state.batches = RemoteBatches(self._batches_handle)
 
     # ---- endpoints ---------------------------------------------------------------------------
     @api.get("/health")
@@ -100,6 +105,9 @@ class Ingress:
             stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))
             return StreamingResponse(stream, media_type="text/event-stream")
         return await reply.whole()
+
+    async def _batches_handle(self):
+        return await self._controller.batches_handle.remote()
 
     async def _cluster(self):
         return (await self._workers()).cls
