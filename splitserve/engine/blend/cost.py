@@ -50,13 +50,11 @@ class CostModel:
     model: ModelShape
     accelerator: Accelerator = ACCELERATORS["a100"]
 
-    def compute_s(self, prompt: float, output: float, unique_prompt: float | None = None,
-                  prompt_squares: float | None = None) -> float:
-        """GEMM time over `unique_prompt` (default: all) prompt tokens plus the output tokens, and
-        prefill attention over sum(p^2) (default: prompt^2)."""
-        unique = prompt if unique_prompt is None else unique_prompt
+    def compute_s(self, prompt: float, output: float, prompt_squares: float | None = None) -> float:
+        """GEMM time over the prompt and output tokens plus prefill attention over sum(p^2)
+        (default: prompt^2, one request)."""
         squares = prompt * prompt if prompt_squares is None else prompt_squares
-        return self.gemm_s(unique + output) + self.attention_s(squares)
+        return self.gemm_s(prompt + output) + self.attention_s(squares)
 
     def memory_s(self, prompt: float, output: float) -> float:
         """Decode attention's KV reads: sum over the d decode steps of (p + i) tokens."""

@@ -74,7 +74,7 @@ def _merged(unit: Unit) -> Stats:
 def blend_order(root: Node, cost: CostModel, threshold: float) -> BlendOrder:
     """The scan sequence of a layer-sorted, annotated tree."""
     split = sorted(node_split(root, threshold), key=lambda node: -node.rho)  # stable: DFS order on ties
-    units = merge_units(split, cost)
+    units = sorted(merge_units(split, cost), key=lambda unit: -unit.rho)  # a merged unit's rho moved
     leaves, unit_of = [], []
     for index, unit in enumerate(units):
         for node in unit.nodes:

@@ -51,9 +51,11 @@ class Stats:
         return 1.0 - self.unique_prompt / self.prompt if self.prompt else 0.0
 
     def density(self, cost: CostModel) -> float:
-        """rho(R) = (1 - s) T_comp / T_mem, sharing discounting the prompt GEMMs only."""
-        compute = cost.compute_s(self.prompt, self.output, self.unique_prompt, self.prompt_squares)
-        return compute / cost.kv_read_s(self.kv_reads) if self.kv_reads else float("inf")
+        """rho(R) = (1 - s) T_comp / T_mem (§2.4), as the paper defines it: sharing discounts all of
+        the compute (it reproduces Table 3's MMLU density); memory is not discounted (no cascade
+        attention)."""
+        compute = cost.compute_s(self.prompt, self.output, prompt_squares=self.prompt_squares)
+        return (1 - self.sharing()) * compute / cost.kv_read_s(self.kv_reads) if self.kv_reads else float("inf")
 
 
 @dataclass(eq=False)
