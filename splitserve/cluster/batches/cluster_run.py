@@ -7,8 +7,14 @@ import asyncio
 from collections.abc import Callable
 
 from splitserve.cluster import responses as R
-from splitserve.cluster.batches.lines import BatchLine, completion_tokens, error_line, prepare, response_body, \
-    result_line
+from splitserve.cluster.batches.lines import (
+    BatchLine,
+    completion_tokens,
+    error_line,
+    prepare,
+    response_body,
+    result_line,
+)
 from splitserve.cluster.batches.results import ResultLog
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.protocol import RequestError

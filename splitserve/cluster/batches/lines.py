@@ -9,8 +9,15 @@ from dataclasses import dataclass
 
 from splitserve.cluster import responses as R
 from splitserve.cluster.chat import chat_prompt_token_ids
-from splitserve.cluster.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, check_model,
-                                         parse_request, prompt_token_ids_of, sampling_params)
+from splitserve.cluster.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    check_model,
+    parse_request,
+    prompt_token_ids_of,
+    sampling_params,
+)
 from splitserve.engine.sampling_params import SamplingParams
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}

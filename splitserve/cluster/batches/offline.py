@@ -7,8 +7,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from splitserve.cluster.batches.lines import BatchLine, completion_tokens, error_line, prepare, response_body, \
-    result_line
+from splitserve.cluster.batches.lines import (
+    BatchLine,
+    completion_tokens,
+    error_line,
+    prepare,
+    response_body,
+    result_line,
+)
 from splitserve.cluster.batches.results import ResultLog
 from splitserve.cluster.protocol import RequestError
 from splitserve.engine.blend.feeder import BlendOptions

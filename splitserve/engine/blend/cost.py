@@ -23,7 +23,8 @@ class ModelShape:
 
     @classmethod
     def of(cls, config: ModelConfig) -> "ModelShape":
-        h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        h, q = config.hidden_size, config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
         return cls(config.num_hidden_layers * per_layer + h * config.vocab_size, h, kv, config.num_hidden_layers)
 

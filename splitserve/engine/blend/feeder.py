@@ -18,8 +18,16 @@ from dataclasses import dataclass
 from splitserve.engine.blend.cost import ACCELERATORS, CostModel, ModelShape
 from splitserve.engine.blend.order import BlendOrder, blend_order, shards
 from splitserve.engine.blend.scanner import LEFT, RIGHT, DualScanner
-from splitserve.engine.blend.tree import Node, OfflineRequest, annotate, build_tree, common_prefix, estimate_outputs, \
-    layer_sort, pick_samples
+from splitserve.engine.blend.tree import (
+    Node,
+    OfflineRequest,
+    annotate,
+    build_tree,
+    common_prefix,
+    estimate_outputs,
+    layer_sort,
+    pick_samples,
+)
 
 ORDERS = ("blend", "dfs", "fcfs")
 
@@ -40,9 +48,9 @@ class BlendOptions:
             raise ValueError(f"accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
         for name, low, high in (("sample_fraction", 0, 1), ("split_threshold", 0, 1), ("memory_fraction", 0, 1)):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and low <= value <= high) or (name == "memory_fraction" and value == 0):
-                raise ValueError(f"{name} must be a number in {'(' if name == 'memory_fraction' else '['}{low}, {high}], "
-                                 f"got {value!r}")
+            open_low = name == "memory_fraction"
+            if not (isinstance(value, (int, float)) and low <= value <= high) or (open_low and value == 0):
+                raise ValueError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {value!r}")
 
 
 class _Walk:

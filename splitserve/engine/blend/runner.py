@@ -57,7 +57,8 @@ class BatchStats:
 
 def offline_request(key: int, prompt_token_ids: list[int], params: SamplingParams) -> OfflineRequest:
     """Its output length is known when it cannot stop early (EOS ignored, no stop conditions)."""
-    fixed = params.min_tokens == params.max_tokens or (params.ignore_eos and not params.stop and not params.stop_token_ids)
+    unstoppable = params.ignore_eos and not params.stop and not params.stop_token_ids
+    fixed = params.min_tokens == params.max_tokens or unstoppable
     return OfflineRequest(key, tuple(prompt_token_ids), params.max_tokens, params.max_tokens if fixed else None)
 
 

@@ -7,8 +7,15 @@ import random
 import pytest
 
 from splitserve.engine.blend.cost import CostModel, ModelShape
-from splitserve.engine.blend.tree import OfflineRequest, annotate, build_tree, common_prefix, estimate_outputs, \
-    layer_sort, pick_samples
+from splitserve.engine.blend.tree import (
+    OfflineRequest,
+    annotate,
+    build_tree,
+    common_prefix,
+    estimate_outputs,
+    layer_sort,
+    pick_samples,
+)
 
 COST = CostModel(ModelShape(8.03e9, 4096, 1024, 32))
 
