@@ -97,10 +97,7 @@ class LLMEngine:
         plan = self.policy.schedule()
         if not plan:
             return []
-        decodes = plan.num_decode_tokens  # before the step: it turns finished prefills into decodes
-        context = sum(item.start + 1 for item in plan.scheduled if item.seq.is_decoding)
-        pairs = sum(item.num_new_tokens * (2 * item.start + item.num_new_tokens)
-                    for item in plan.scheduled if not item.seq.is_decoding)
+        work = plan.work()
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = start
@@ -111,7 +108,7 @@ class LLMEngine:
         now = time.monotonic()
         self.policy.observe(plan, now - start)
         updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
-        self.last_step = StepStats(plan.num_tokens - decodes, decodes, now - start, context, pairs)
+        self.last_step = replace(work, seconds=now - start)
         return [self._record(self._requests[seq.seq_id], sampled[seq.seq_id].token_id,
                              sampled[seq.seq_id].logprobs, now) for seq in updated]
 

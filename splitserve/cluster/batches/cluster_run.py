@@ -11,7 +11,7 @@ from splitserve.cluster.batches.lines import (
     BatchLine,
     completion_tokens,
     error_line,
-    prepare,
+    prepare_pending,
     response_body,
     result_line,
 )
@@ -46,19 +46,8 @@ class ClusterExecutor:
 
     async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,
                   stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
-        jobs, finished = [], {}
-        for line in lines:
-            done = output.done.get(line.custom_id) or errors.done.get(line.custom_id)
-            try:
-                prepared = prepare(line, self.tokenizer, self.model, self.max_model_len)
-            except RequestError as error:
-                if done is None:
-                    errors.append(error_line(line.custom_id, error))
-                    on_result(False)
-                continue
-            if done is not None:
-                finished[len(jobs)] = completion_tokens(done)
-            jobs.append((line, prepared))
+        jobs, finished = prepare_pending(lines, self.tokenizer, self.model, self.max_model_len, output, errors,
+                                         on_result)
         requests = [offline_request(key, p.prompt, p.params) for key, (_, p) in enumerate(jobs)]
         feeder = BatchFeeder(requests, options, self.shape, await self.kv_tokens(), self.block_size, finished)
         changed = asyncio.Event()
@@ -101,7 +90,7 @@ class ClusterExecutor:
             except Overloaded:
                 await asyncio.sleep(self.retry_s)
             except RequestFailed as failure:
-                errors.append(error_line(line.custom_id, RequestError(str(failure), 503, type="service_unavailable")))
+                errors.append(_failed_line(line, failure))
                 return False
         reply = Reply(line.kind, run, self.model, TextStream(self.tokenizer, prepared.params, prepared.prompt))
         parts, reason, finished = [], None, False
@@ -112,7 +101,7 @@ class ClusterExecutor:
                 parts.append(piece)
             finished = True
         except RequestFailed as failure:
-            errors.append(error_line(line.custom_id, RequestError(str(failure), 503, type="service_unavailable")))
+            errors.append(_failed_line(line, failure))
             return False
         finally:
             if not finished:
@@ -120,3 +109,8 @@ class ClusterExecutor:
         output.append(result_line(line.custom_id, 200, response_body(line.kind, self.model, "".join(parts), reason,
                                                                      len(prepared.prompt), len(run.tokens))))
         return True
+
+
+def _failed_line(line: BatchLine, failure: RequestFailed) -> dict:
+    """A line the cluster could not finish (every attempt failed): a 503, as the API answers."""
+    return error_line(line.custom_id, RequestError(str(failure), 503, type="service_unavailable"))

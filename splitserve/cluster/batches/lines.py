@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.cluster import responses as R
+from splitserve.cluster.batches.results import ResultLog
 from splitserve.cluster.chat import chat_prompt_token_ids
 from splitserve.cluster.protocol import (
     ChatCompletionRequest,
@@ -117,6 +119,28 @@ def prepare(line: BatchLine, tokenizer, model: str, max_model_len: int) -> Prepa
     prompt = prompt_token_ids_of(body, tokenizer) if line.kind == "completion" else \
         chat_prompt_token_ids(body, tokenizer)
     return Prepared(prompt, sampling_params(body, len(prompt), max_model_len))
+
+
+def prepare_pending(lines: list[BatchLine], tokenizer, model: str, max_model_len: int, output: ResultLog,
+                    errors: ResultLog, on_result: Callable[[bool], None]) -> tuple[list[tuple[BatchLine, Prepared]],
+                                                                                dict[int, int]]:
+    """The lines that tokenize and check (a bad one's error is logged now, unless it already
+    was), keyed by position, and the output lengths of those already done (to skip, and to serve
+    as samples)."""
+    jobs, finished = [], {}
+    for line in lines:
+        done = output.done.get(line.custom_id) or errors.done.get(line.custom_id)
+        try:
+            prepared = prepare(line, tokenizer, model, max_model_len)
+        except RequestError as error:
+            if done is None:
+                errors.append(error_line(line.custom_id, error))
+                on_result(False)
+            continue
+        if done is not None:
+            finished[len(jobs)] = completion_tokens(done)
+        jobs.append((line, prepared))
+    return jobs, finished
 
 
 def response_body(kind: str, model: str, text: str, finish_reason: str, prompt_tokens: int,

@@ -7,16 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from splitserve.cluster.batches.lines import (
-    BatchLine,
-    completion_tokens,
-    error_line,
-    prepare,
-    response_body,
-    result_line,
-)
+from splitserve.cluster.batches.lines import BatchLine, prepare_pending, response_body, result_line
 from splitserve.cluster.batches.results import ResultLog
-from splitserve.cluster.protocol import RequestError
 from splitserve.engine.blend.feeder import BlendOptions
 from splitserve.engine.blend.runner import BatchStats, run_batch
 from splitserve.engine.llm_engine import LLMEngine
@@ -27,28 +19,16 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str, output: Res
               on_result: Callable[[bool], None] = lambda ok: None) -> BatchStats:
     """Run every line without a result in `output` or `errors`; lines already there count as
     samples of output length. `on_result(ok)` after each line is logged."""
-    items, keyed, finished = [], [], {}
-    for line in lines:
-        done = output.done.get(line.custom_id) or errors.done.get(line.custom_id)
-        try:
-            prepared = prepare(line, engine.tokenizer, model, engine.max_model_len)
-        except RequestError as error:
-            if done is None:
-                errors.append(error_line(line.custom_id, error))
-                on_result(False)
-            continue
-        if done is not None:
-            finished[len(items)] = completion_tokens(done)
-        items.append((prepared.prompt, prepared.params))
-        keyed.append(line)
+    jobs, finished = prepare_pending(lines, engine.tokenizer, model, engine.max_model_len, output, errors, on_result)
 
     def record(key: int, out) -> None:
-        line = keyed[key]
+        line = jobs[key][0]
         body = response_body(line.kind, model, out.text, out.finish_reason, len(out.prompt_token_ids),
                              len(out.token_ids))
         output.append(result_line(line.custom_id, 200, body))
         on_result(True)
 
+    items = [(prepared.prompt, prepared.params) for _, prepared in jobs]
     return run_batch(engine, items, options, record, finished, stop=stop)
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.engine.blend.cost import ACCELERATORS, CostModel, ModelShape
-from splitserve.engine.blend.order import BlendOrder, blend_order, shards
-from splitserve.engine.blend.scanner import LEFT, RIGHT, DualScanner
+from splitserve.engine.blend.order import BlendOrder, blend_order
+from splitserve.engine.blend.scanner import LEFT, RIGHT, DualScanner, Walk
 from splitserve.engine.blend.tree import (
     Node,
     OfflineRequest,
@@ -53,50 +53,19 @@ class BlendOptions:
                 raise ValueError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {value!r}")
 
 
-class _Walk:
-    """A fixed sequence admitted front to back within one memory budget (fcfs, dfs, samples)."""
-
-    def __init__(self, leaves: list[Node], memory: float):
-        self.leaves, self.memory, self.next = leaves, memory, 0
-
-    @property
-    def done(self) -> bool:
-        return self.next >= len(self.leaves)
-
-    def admit(self, loads, charge, gated) -> list[tuple[Node, str]]:
-        taken = []
-        while not self.done:
-            leaf = self.leaves[self.next]
-            cost = charge(leaf, LEFT)
-            if gated(leaf, LEFT) or (loads[LEFT] + cost > self.memory and (taken or loads[LEFT] > 0)):
-                break
-            self.next += 1
-            loads[LEFT] += cost
-            taken.append((leaf, LEFT))
-        return taken
-
-
 class BatchFeeder:
     """Drive it with `admit()` (requests to start now), `prefilled(key)` when a request's first
     token arrives and `finished(key, output_tokens)` when it ends, until `done`."""
 
     def __init__(self, requests: list[OfflineRequest], options: BlendOptions, model: ModelShape,
-                 memory_tokens: float, block_size: int, finished: dict[int, int] | None = None,
-                 worker: int = 0, workers: int = 1):
-        """`finished`: output lengths of requests already done (a resumed batch, or samples run
-        elsewhere); they are not run again and serve as the samples. `worker` of `workers`: this
-        executor's share of a data-parallel run."""
+                 memory_tokens: float, block_size: int, finished: dict[int, int] | None = None):
+        """`finished`: output lengths of requests already done (a resumed batch); they are not
+        run again and serve as the samples."""
         if block_size < 1 or memory_tokens <= 0:
             raise ValueError(f"block_size must be >= 1 and memory_tokens > 0, got {block_size}, {memory_tokens}")
-        if not 0 <= worker < workers:
-            raise ValueError(f"worker must be in [0, workers={workers}), got {worker}")
-        if options.order == "blend" and workers > 1 and not finished:
-            raise ValueError("a data-parallel blend run needs the samples' output lengths in `finished` "
-                             "(run the samples first, split over the workers)")
         self.options, self.block_size = options, block_size
         self.cost = CostModel(model, ACCELERATORS[options.accelerator])
         self.memory = memory_tokens * options.memory_fraction
-        self.worker, self.workers = worker, workers
         self.tree = build_tree(requests)
         self.order: BlendOrder | None = None
         self.measured: dict[int, int] = dict(finished or {})
@@ -104,13 +73,13 @@ class BatchFeeder:
         self._flight: dict[int, tuple[str, float]] = {}  # key -> (side, charge)
         self._prefilling: dict[int, tuple[int, ...]] = {}
         self._last: dict[str, tuple[int, ...]] = {}  # side -> prompt last admitted there
+        leaves = list(self.tree.leaves())  # DFS order
         if options.order == "blend":
             sampled = self.measured or {r.key for r in pick_samples(self.tree, options.sample_fraction, options.seed)}
-            self._source = self._walk([leaf for leaf in self.tree.leaves() if leaf.request.key in sampled], False)
-        else:
-            leaves = list(self.tree.leaves())
-            self._source = self._walk(sorted(leaves, key=lambda leaf: leaf.request.key) if options.order == "fcfs"
-                                      else leaves)
+            leaves = [leaf for leaf in leaves if leaf.request.key in sampled]
+        elif options.order == "fcfs":
+            leaves.sort(key=lambda leaf: leaf.request.key)
+        self._source = Walk([leaf for leaf in leaves if leaf.request.key not in self.measured], self.memory)
 
     @property
     def done(self) -> bool:
@@ -123,11 +92,7 @@ class BatchFeeder:
     def admit(self) -> list[OfflineRequest]:
         if self.options.order == "blend" and self.order is None and self._source.done and not self._flight:
             self._start_blend()
-        taken = self._source.admit(self._loads, self._charge, self._gated)
-        for leaf, side in taken:
-            self._flight[leaf.request.key] = (side, self._charge(leaf, side))
-            self._prefilling[leaf.request.key] = leaf.request.prompt
-            self._last[side] = leaf.request.prompt
+        taken = self._source.admit(self._loads, self._charge, self._gated, self._took)
         return [leaf.request for leaf, _ in taken]
 
     def prefilled(self, key: int) -> None:
@@ -140,13 +105,10 @@ class BatchFeeder:
         self.measured[key] = output_tokens
 
     # ---- internals -------------------------------------------------------------------
-    def _walk(self, leaves: list[Node], shard: bool = True) -> _Walk:
-        """A walk over the leaves not yet finished; with `shard`, this worker's contiguous part."""
-        leaves = [leaf for leaf in leaves if leaf.request.key not in self.measured]
-        if shard:
-            n = len(leaves)
-            leaves = leaves[n * self.worker // self.workers:n * (self.worker + 1) // self.workers]
-        return _Walk(leaves, self.memory)
+    def _took(self, leaf: Node, side: str, charge: float) -> None:
+        self._flight[leaf.request.key] = (side, charge)
+        self._prefilling[leaf.request.key] = leaf.request.prompt
+        self._last[side] = leaf.request.prompt
 
     def _start_blend(self) -> None:
         """Output lengths are known for the samples: estimate the rest, annotate, sort, cut, scan."""
@@ -154,9 +116,8 @@ class BatchFeeder:
         annotate(self.tree, self.cost)
         layer_sort(self.tree)
         self.order = blend_order(self.tree, self.cost, self.options.split_threshold * self.tree.stats.unique_prompt)
-        positions = [p for p in shards(len(self.order.leaves), self.workers)[self.worker]
-                     if self.order.leaves[p].request.key not in self.measured]
-        self._source = DualScanner(self.order, self.memory, positions) if positions else _Walk([], self.memory)
+        positions = [p for p, leaf in enumerate(self.order.leaves) if leaf.request.key not in self.measured]
+        self._source = DualScanner(self.order, self.memory, positions) if positions else Walk([], self.memory)
 
     def _charge(self, leaf: Node, side: str) -> float:
         """KV tokens the request will hold: its prompt beyond what it shares with the last prompt

@@ -1,4 +1,4 @@
-"""From the annotated prefix tree to the sequence the dual scanner walks (§3.3, §6.1).
+"""From the annotated prefix tree to the sequence the dual scanner walks (§3.3).
 
 Algorithm 2 cuts the layer-sorted tree into units (subtrees run as one local DFS) wherever the
 prefix recomputed by separating a node's children stays under a budget; units are sorted by
@@ -82,18 +82,3 @@ def blend_order(root: Node, cost: CostModel, threshold: float) -> BlendOrder:
                 leaves.append(leaf)
                 unit_of.append(index)
     return BlendOrder(leaves, unit_of, units, root.rho)
-
-
-def shards(count: int, workers: int) -> list[list[int]]:
-    """Positions for each of `workers` data-parallel engines: worker w takes the w-th contiguous
-    block from the front and the w-th from the back, so every worker sees the whole workload's
-    blend of densities and only the prefixes on block boundaries are computed twice."""
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    half_front, half_back = count - count // 2, count // 2
-    result = []
-    for w in range(workers):
-        front = range(half_front * w // workers, half_front * (w + 1) // workers)
-        back = range(count - half_back * (w + 1) // workers, count - half_back * w // workers)
-        result.append([*front, *back])
-    return result

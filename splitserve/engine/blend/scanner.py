@@ -15,11 +15,84 @@ from splitserve.engine.blend.order import BlendOrder
 from splitserve.engine.blend.tree import Node
 
 LEFT, RIGHT = "left", "right"
+Charge = Callable[[Node, str], float]
+Gate = Callable[[Node, str], bool]
 
 
-class DualScanner:
+class _Source:
+    """Requests taken from one or two ends (`sides`), each side within its KV share."""
+
+    sides: tuple[str, ...]
+
+    @property
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def peek(self, side: str) -> Node:
+        raise NotImplementedError
+
+    def take(self, side: str) -> Node:
+        raise NotImplementedError
+
+    def shares(self) -> tuple[float, ...]:
+        """The KV tokens each side may hold now, in the order of `sides`."""
+        raise NotImplementedError
+
+    def admit(self, loads: dict[str, float], charge: Charge, gated: Gate = lambda leaf, side: False,
+              on_take: Callable[[Node, str, float], None] = lambda leaf, side, cost: None) -> list[tuple[Node, str]]:
+        """Take requests while they fit their side's share. `loads[side]` (KV tokens held by
+        that side's admitted requests) is updated in place; `charge(leaf, side)` is the KV a
+        request will add; a `gated` request waits (e.g. for a prefix still being computed);
+        `on_take` hears of each request as it is taken, before the next is charged."""
+        taken: list[tuple[Node, str]] = []
+        moved = True
+        while moved and not self.done:
+            moved = False
+            for side, share in zip(self.sides, self.shares()):
+                if self.done:
+                    break
+                leaf = self.peek(side)
+                if gated(leaf, side):
+                    continue
+                cost = charge(leaf, side)
+                idle = not taken and not any(loads.values())
+                if loads[side] + cost <= share or idle:
+                    self.take(side)
+                    loads[side] += cost
+                    taken.append((leaf, side))
+                    on_take(leaf, side, cost)
+                    moved = True
+        return taken
+
+
+class Walk(_Source):
+    """A fixed sequence taken front to back within one budget (fcfs, dfs, the samples)."""
+
+    sides = (LEFT,)
+
+    def __init__(self, leaves: list[Node], memory_tokens: float):
+        self.leaves, self.memory, self.next = leaves, float(memory_tokens), 0
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.leaves)
+
+    def peek(self, side: str) -> Node:
+        return self.leaves[self.next]
+
+    def take(self, side: str) -> Node:
+        self.next += 1
+        return self.leaves[self.next - 1]
+
+    def shares(self) -> tuple[float, ...]:
+        return (self.memory,)
+
+
+class DualScanner(_Source):
+    sides = (LEFT, RIGHT)
+
     def __init__(self, order: BlendOrder, memory_tokens: float, positions: list[int] | None = None):
-        """`positions`: this worker's share of the order (`shards`), default all of it."""
+        """`positions`: the part of the order to scan (default all of it)."""
         if memory_tokens <= 0:
             raise ValueError(f"memory_tokens must be > 0, got {memory_tokens}")
         self.order, self.memory = order, float(memory_tokens)
@@ -60,31 +133,6 @@ class DualScanner:
         if self.remaining <= 1:
             return self.memory, 0.0
         return partition(self.memory, *self.densities(), self.order.root_rho)
-
-    def admit(self, loads: dict[str, float], charge: Callable[[Node, str], float],
-              gated: Callable[[Node, str], bool] = lambda leaf, side: False) -> list[tuple[Node, str]]:
-        """Take requests while they fit their side's share. `loads[side]` (KV tokens held by
-        that side's admitted requests) is updated in place; `charge(leaf, side)` is the KV a
-        request will add; a `gated` request waits (e.g. for a prefix still being computed)."""
-        taken: list[tuple[Node, str]] = []
-        moved = True
-        while moved and not self.done:
-            moved = False
-            shares = dict(zip((LEFT, RIGHT), self.shares()))
-            for side in (LEFT, RIGHT):
-                if self.done:
-                    break
-                leaf = self.peek(side)
-                if gated(leaf, side):
-                    continue
-                cost = charge(leaf, side)
-                idle = not taken and loads[LEFT] + loads[RIGHT] == 0
-                if loads[side] + cost <= shares[side] or idle:
-                    self.take(side)
-                    loads[side] += cost
-                    taken.append((leaf, side))
-                    moved = True
-        return taken
 
 
 def _below_common_ancestor(a: Node, b: Node) -> tuple[Node, Node]:

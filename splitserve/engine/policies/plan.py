@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from splitserve.engine.outputs import StepStats
 from splitserve.engine.sequence import Sequence
 
 
@@ -30,9 +31,17 @@ class Plan:
     def num_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.scheduled)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for item in self.scheduled if item.seq.is_decoding)
+    def work(self) -> StepStats:
+        """What the plan computes (no time yet), in one pass. Call it before the step runs: the
+        step turns finished prefills into decodes."""
+        prefill = decodes = context = pairs = 0
+        for item in self.scheduled:
+            if item.seq.is_decoding:
+                decodes, context = decodes + 1, context + item.start + 1
+            else:
+                n = item.num_new_tokens
+                prefill, pairs = prefill + n, pairs + n * (2 * item.start + n)
+        return StepStats(prefill, decodes, 0.0, context, pairs)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)

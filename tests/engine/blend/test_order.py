@@ -1,11 +1,11 @@
-"""Algorithm 2 (conditional node split), unit merging, the blend order, data-parallel shards and
-the dual scanner's memory shares, on hand-made trees."""
+"""Algorithm 2 (conditional node split), unit merging, the blend order and the dual scanner's
+memory shares, on hand-made trees."""
 from __future__ import annotations
 
 import pytest
 
 from splitserve.engine.blend.cost import CostModel, ModelShape
-from splitserve.engine.blend.order import blend_order, node_split, shards
+from splitserve.engine.blend.order import blend_order, node_split
 from splitserve.engine.blend.scanner import LEFT, RIGHT, DualScanner
 from splitserve.engine.blend.tree import OfflineRequest, annotate, build_tree, estimate_outputs, layer_sort
 from tests.engine.blend.test_tree import random_workload
@@ -57,17 +57,6 @@ def test_merge_joins_adjacent_sibling_units():
     order = blend_order(root, COST, 600)
     assert len(order.units) == 2 and [len(u.nodes) for u in order.units] == [3, 3]
     assert order.units[0].rho > root.rho > order.units[1].rho
-
-
-@pytest.mark.parametrize("count, workers", [(10, 3), (5, 2), (1, 3), (101, 4), (0, 2)])
-def test_shards_cover_the_order_once_with_one_block_from_each_end(count, workers):
-    parts = shards(count, workers)
-    assert sorted(p for part in parts for p in part) == list(range(count))
-    for part in parts:
-        runs = sum(1 for i, p in enumerate(part) if i == 0 or part[i - 1] != p - 1)
-        assert runs <= 2  # at most a front block and a back block
-    with pytest.raises(ValueError):
-        shards(3, 0)
 
 
 def test_scanner_starts_at_both_ends_and_splits_memory_to_the_root_density():

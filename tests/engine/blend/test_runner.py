@@ -103,5 +103,3 @@ def test_bad_options_name_the_field():
         BlendOptions(order="random")
     with pytest.raises(ValueError, match="memory_fraction"):
         BlendOptions(memory_fraction=0)
-    with pytest.raises(ValueError, match="data-parallel"):
-        BatchFeeder([], BlendOptions(), _shape(), 100, 16, workers=2, worker=1)
