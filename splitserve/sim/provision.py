@@ -225,23 +225,53 @@ def rate_range(machines: int) -> tuple[float, float]:
     return 0.5 * machines, 12.0 * machines
 
 
-def grid(design: Design, goal: Goal) -> list[tuple[int, int]]:
-    """iso-throughput candidates: counts on the `step` grid (from 1) within the budget, cheapest first."""
-    unit = _unit(goal.budget_kind)
-    budget = goal.resolved_budget
-    counts = range(1, _fit(budget, min(unit[design.prompt_hw], unit[design.token_hw])) + 1, goal.step)
-    pairs = [(p, 0) for p in counts] if design.baseline else [(p, t) for p in counts for t in counts]
+def staircase(design: Design, goal: Goal, meets: Callable[[int, int], bool]) -> Config | None:
+    """iso-throughput: the cheapest (or lowest-power) split on the `step` grid (counts from 1) within
+    the budget for which `meets(num_prompt, num_token)`, or None.
+
+    More machines of either kind should never break an SLO, so the smallest passing token count can
+    only fall as the prompt count grows: a walk down that staircase (ascending prompt counts, each
+    from the previous count's smallest passing token count) probes each count's top and then steps
+    down while it passes, at most (prompt counts x 2 + token counts) probes. It stops once one more
+    prompt machine alone costs more than the best found. Baselines: the smallest passing count."""
+    unit, budget = _unit(goal.budget_kind), goal.resolved_budget
     spend = design.power if goal.minimize == "power" else design.cost
-    return sorted((pair for pair in pairs if spend(*pair) <= budget + 1e-9), key=lambda pair: (spend(*pair), pair))
+    p_unit, t_unit = unit[design.prompt_hw], unit[design.token_hw]
+    best: tuple[int, int] | None = None
+    known: int | None = None  # the smallest passing token count of the last prompt count that passed
+    for p in range(1, _fit(budget, p_unit) + 1, goal.step):
+        if best is not None and spend(p, 0 if design.baseline else 1) >= spend(*best):
+            break
+        if design.baseline:
+            if meets(p, 0):
+                return _config(design, goal, p, 0)
+            continue
+        counts = [t for t in range(1, _fit(budget - p * p_unit, t_unit) + 1, goal.step) if known is None or t <= known]
+        if not counts or not meets(p, counts[-1]):
+            continue
+        i = len(counts) - 1
+        while i > 0 and meets(p, counts[i - 1]):
+            i -= 1
+        known = counts[i]
+        if best is None or (spend(p, known), p + known) < (spend(*best), sum(best)):
+            best = (p, known)
+    return _config(design, goal, *best) if best is not None else None
+
+
+def _config(design: Design, goal: Goal, num_prompt: int, num_token: int) -> Config:
+    return Config(num_prompt, num_token, design.cost(num_prompt, num_token), design.power(num_prompt, num_token),
+                  goal.target_rps)
 
 
 def _iso_throughput(design: Design, goal: Goal, trace: TraceSpec, progress: Progress | None) -> Plan:
     configs = []
-    for p, t in grid(design, goal):
+
+    def meets(p: int, t: int) -> bool:
         probe = run_probe(design, p, t, goal.target_rps, trace)
         if progress is not None:
             progress(probe)
         configs.append(Config(p, t, design.cost(p, t), design.power(p, t), goal.target_rps if probe.meets else 0.0))
-        if probe.meets:
-            return Plan(design.name, goal, trace, tuple(configs), configs[-1])
-    return Plan(design.name, goal, trace, tuple(configs), None)
+        return probe.meets
+
+    best = staircase(design, goal, meets)
+    return Plan(design.name, goal, trace, tuple(configs), best)

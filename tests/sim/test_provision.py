@@ -11,12 +11,12 @@ from splitserve.sim.provision import (
     Goal,
     TraceSpec,
     budget_splits,
-    grid,
     max_throughput,
     meets_slos,
     reference_budget,
     search,
     slowdowns,
+    staircase,
 )
 
 A = perf_model("llama2-70b", A100)
@@ -103,12 +103,30 @@ def test_iso_budgets_follow_the_summary_formulas():
     assert (30, 21) in budget_splits(DESIGNS["splitwise-ha"], "iso-cost", 190.4)
 
 
-def test_iso_throughput_grid_is_cheapest_first_within_budget():
-    # 2 A100s cost 4.42 <= 5: only (1, 1), and 1 + 2 = 3 with step 2 is already too much
-    assert grid(DESIGNS["splitwise-aa"], Goal("iso-throughput", 5.0, 1.0, "cost", 2)) == [(1, 1)]
-    pairs = grid(DESIGNS["splitwise-ha"], Goal("iso-throughput", 120.0, 1.0, "power", 1))
-    # power <= 120: 44 + 24.8 = 68.8, 44 + 49.6 = 93.6, 88 + 24.8 = 112.8, 44 + 74.4 = 118.4
-    assert pairs == [(1, 1), (1, 2), (2, 1), (1, 3)]
+def test_iso_throughput_walks_the_staircase_to_the_cheapest_split():
+    # HA at power <= 500 (H100 44, A100 24.8); the target needs p >= 3 and p + t >= 8 (monotone)
+    probes = []
+
+    def meets(p, t):
+        probes.append((p, t))
+        return p >= 3 and p + t >= 8
+
+    best = staircase(DESIGNS["splitwise-ha"], Goal("iso-throughput", 500.0, 1.0, "power", 1), meets)
+    # frontier (3, 5) 256, (4, 4) 275.2, (5, 3) 294.4, ...: the cheapest is (3, 5)
+    assert (best.num_prompt, best.num_token) == (3, 5) and best.power == pytest.approx(3 * 44 + 5 * 24.8)
+    assert best.throughput_rps == 1.0
+    # p = 1, 2 fail at their top (t = 18, 16); p = 3 walks down from 14 to 5 (fails at 4); p = 4 and 5
+    # start at the last minimum; p = 6 alone (264 + 24.8) already costs more than (3, 5): stop
+    assert probes == [(1, 18), (2, 16)] + [(3, t) for t in range(14, 3, -1)] + [(4, 5), (4, 4), (4, 3),
+                                                                                  (5, 4), (5, 3), (5, 2)]
+
+
+def test_iso_throughput_of_a_baseline_is_the_smallest_passing_count():
+    probes = []
+    best = staircase(DESIGNS["baseline-a100"], Goal("iso-throughput", 300.0, 1.0, "cost", 2),
+                     lambda p, t: probes.append((p, t)) or p >= 6)
+    assert (best.num_prompt, best.num_token) == (7, 0) and probes == [(1, 0), (3, 0), (5, 0), (7, 0)]
+    assert staircase(DESIGNS["splitwise-aa"], Goal("iso-throughput", 5.0, 1.0, "cost", 1), lambda p, t: False) is None
 
 
 def test_bad_inputs_name_the_field():
