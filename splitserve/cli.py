@@ -116,6 +116,9 @@ def _add_profile(commands) -> None:
     serving.add_argument("--engine-profile", type=Path, help="the cluster's engine profile (a `splitserve profile` CSV)")
     serving.add_argument("--config", help="the cluster's config (deploy/*.yaml); default: local-cpu")
     serving.add_argument("--api-key")
+    serving.add_argument("--shared-host", action="store_true",
+                         help="the cluster's workers share this machine's cores: also measure how much a busy "
+                              "worker slows the others (peer_slowdown)")
     p.set_defaults(run=_run_profile)
 
 
@@ -171,11 +174,12 @@ def _run_serving_profile(args) -> int:
             raise ValueError("--url needs --engine-profile: the CSV `splitserve profile` wrote for the cluster's engine")
         config = load_cluster_config(args.config)[0] if args.config else ClusterConfig()
         overhead, num = measure_serving_overhead(args.url, config, args.engine_profile, args.prompt_sizes,
-                                                 args.token_size, args.repeats, args.api_key)
+                                                 args.token_size, args.repeats, args.api_key, args.shared_host)
         path = overhead.save(args.out, num)
+        shared = f", a busy peer slows a worker by {overhead.peer_slowdown:.0%}" if args.shared_host else ""
         print(f"serving overhead at {args.url} over {num} requests: {overhead.request_s * 1000:.2f} ms per request, "
-              f"{overhead.iteration_s * 1000:.2f} ms per iteration + {overhead.token_s * 1000:.2f} ms per token; "
-              f"wrote {path}")
+              f"{overhead.iteration_s * 1000:.2f} ms per iteration + {overhead.token_s * 1000:.2f} ms per token"
+              f"{shared}; wrote {path}")
 
     return report_errors("profile", run, args, (ValueError, OSError, RuntimeError, ValidationError))
 

@@ -15,6 +15,8 @@ number). Per request, as in a real run (splitserve.cluster.dispatch):
    local: the whole request runs on one worker;
 3. each token's time is the end of the iteration that sampled it, plus the scenario's per-request
    serving overhead (`ServingOverhead.request_s`: the client sees every token that much later).
+With `ServingOverhead.peer_slowdown` > 0 the workers share one host's cores (`SharedHost`): an
+iteration's end moves whenever another worker starts or ends one.
 Workers sleep while idle (no events), wake when they get work (after the other events of that
 instant, so requests arriving together batch), and run iterations back to back while they have work.
 Every `report_interval_s` each worker whose load may have changed reports it (an unchanged worker's
@@ -37,6 +39,7 @@ from splitserve.engine.block_manager import OutOfBlocksError
 from splitserve.engine.policies.base import EngineFullError
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence as EngineSequence
+from splitserve.sim.contention import SharedHost
 from splitserve.sim.scenario import Scenario
 from splitserve.sim.worker import FILLER_TOKEN, NOTHING_HAPPENED, SimWorker
 
@@ -103,6 +106,8 @@ class Simulation:
         self._awaiting_kv: dict[str, SimWorker] = {}  # split requests' token workers, until the KV lands
         self._waking: set[str] = set()
         self._heap: list = []
+        slowdown = scenario.overhead.peer_slowdown  # > 0: the workers share one host's cores
+        self.host = SharedHost(slowdown) if slowdown > 0 else None
         self._order = itertools.count()
         self.now = 0.0
         self.num_events = 0
@@ -196,8 +201,25 @@ class Simulation:
 
     def _start(self, worker: SimWorker) -> None:
         end = worker.start_iteration(self.now)
-        if end is not None:
+        if end is None:
+            return
+        if self.host is None:
             self._push(end, self._iteration_end, worker)
+            return
+        self._reschedule(self.host.start(worker.worker_id, end - self.now, self.now))
+
+    def _reschedule(self, ends: list[tuple[str, float, int]]) -> None:
+        for worker_id, end, version in ends:
+            self._push(end, self._shared_iteration_end, (self.workers[worker_id], version))
+
+    def _shared_iteration_end(self, arg: tuple[SimWorker, int]) -> None:
+        worker, version = arg
+        if not self.host.current(worker.worker_id, version):
+            return  # moved by another worker's start or end since it was pushed
+        elapsed, ends = self.host.finish(worker.worker_id, self.now)
+        self._reschedule(ends)
+        worker.stretch(elapsed)
+        self._iteration_end(worker)
 
     def _iteration_end(self, worker: SimWorker) -> None:
         result = worker.finish_iteration(self.now)

@@ -13,6 +13,10 @@ Three terms, fitted on requests sent alone and in pairs (one group at a time, so
   placement and the worker calls around the iterations. Fitted as the median of a lone request's
   TTFT less the simulator's own unloaded TTFT (prefill + the overheads of its iteration + the KV
   transfer's visible time).
+- `peer_slowdown`: on a host whose cores the workers share, how much slower an iteration runs
+  while another worker is in one (`splitserve.sim.contention`). Fitted on a long decode while
+  long prompts are prefilled on the prompt worker one after another (`measure_crossed`): its token
+  gaps inside the prompts' windows (send to first token) over its gaps outside them, less 1.
 The simulator applies exactly these terms (`Scenario.overhead`), so its unloaded latency equals
 the measured one; what it predicts under load (queueing, batching, pool moves) is its own.
 """
@@ -23,6 +27,7 @@ import json
 import math
 import secrets
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +40,7 @@ from splitserve.sim.transfer import TransferModel
 
 DEFAULT_PROMPT_SIZES = (32, 128, 256, 512)
 DEFAULT_OUTPUT_TOKENS = 32
+TERMS = ("request_s", "iteration_s", "token_s", "peer_slowdown")
 
 
 @dataclass(frozen=True)
@@ -42,20 +48,21 @@ class ServingOverhead:
     request_s: float = 0.0    # once per request, on its first token and so on every later one
     iteration_s: float = 0.0  # on every worker iteration
     token_s: float = 0.0      # on a worker iteration, per token it samples (each goes out on a stream)
+    peer_slowdown: float = 0.0  # > 0: the workers share a host; per other busy worker (a fraction)
 
     def __post_init__(self) -> None:
-        for name in ("request_s", "iteration_s", "token_s"):
+        for name in TERMS:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+                unit = "" if name == "peer_slowdown" else " of seconds"
+                raise ValueError(f"{name} must be a finite number{unit} >= 0, got {value!r}")
 
     @classmethod
     def load(cls, path: str | Path) -> ServingOverhead:
         data = json.loads(Path(path).read_text())
-        if not isinstance(data, dict) or set(data) - {"request_s", "iteration_s", "token_s", "requests"}:
-            raise ValueError(f"{path}: expected an object with request_s, iteration_s and token_s "
-                             "(splitserve profile --url)")
-        return cls(data.get("request_s", 0.0), data.get("iteration_s", 0.0), data.get("token_s", 0.0))
+        if not isinstance(data, dict) or set(data) - {*TERMS, "requests"}:
+            raise ValueError(f"{path}: expected an object with {', '.join(TERMS)} (splitserve profile --url)")
+        return cls(**{name: data.get(name, 0.0) for name in TERMS})
 
     def save(self, path: str | Path, num_requests: int) -> Path:
         path = Path(path)
@@ -77,6 +84,26 @@ def fit_overhead(lone: list[RequestRecord], pairs: list[RequestRecord], prompt_p
         prefill = prompt_perf.prefill_time(r.prompt_tokens) + iteration + token
         unloaded.append(r.ttft_s - prefill - transfer.visible_time(r.prompt_tokens, prefill))
     return ServingOverhead(max(0.0, statistics.median(unloaded)), iteration, token)
+
+
+def fit_peer_slowdown(decode: RequestRecord, prompts: list[RequestRecord]) -> float:
+    """`peer_slowdown` from one long `decode` and the `prompts` sent (one at a time) while it ran,
+    all timed from one run start: the median of the decode's token gaps that lie inside a prompt's
+    window (its send to its first token) over the median of those outside every window, less 1.
+    Gaps after the last window are left out: the decode's context has grown by then."""
+    windows = [(r.start_s, r.start_s + r.ttft_s) for r in prompts if r.ok]
+    times = [decode.start_s + t for t in decode.token_times_s]
+    inside, outside = [], []
+    last = max((hi for _, hi in windows), default=0.0)
+    for a, b in zip(times, times[1:]):
+        if any(lo <= a and b <= hi for lo, hi in windows):
+            inside.append(b - a)
+        elif b <= last and not any(a < hi and lo < b for lo, hi in windows):
+            outside.append(b - a)
+    if len(inside) < 3 or len(outside) < 3:
+        raise ValueError(f"the decode overlapped too little with the prompts ({len(inside)} token gaps inside "
+                         f"their windows, {len(outside)} outside; need 3 of each): make it longer")
+    return max(0.0, statistics.median(inside) / statistics.median(outside) - 1.0)
 
 
 def _usable(records: list[RequestRecord]) -> list[RequestRecord]:
@@ -107,9 +134,34 @@ def measure_requests(url: str, prompt_sizes=DEFAULT_PROMPT_SIZES, output_tokens:
     return asyncio.run(_measure(url, prompt_sizes, output_tokens, repeats, concurrency, model, api_key, seed))
 
 
-async def _measure(url, prompt_sizes, output_tokens, repeats, concurrency, model, api_key, seed) -> list:
+def measure_crossed(url: str, prompt_tokens: int, decode_tokens: int, num_prompts: int = 4, pause_s: float = 0.3,
+                    model: str | None = None, api_key: str | None = None) -> tuple[RequestRecord, list[RequestRecord]]:
+    """One streamed decode of `decode_tokens` tokens from a short prompt and, once it is decoding,
+    `num_prompts` one-token requests of `prompt_tokens` sent one after another, `pause_s` apart
+    (for `fit_peer_slowdown`). Fresh random prompts, as `measure_requests`."""
+    return asyncio.run(_crossed(url, prompt_tokens, decode_tokens, num_prompts, pause_s, model, api_key,
+                                secrets.randbits(32)))
+
+
+async def _crossed(url, prompt_tokens, decode_tokens, num_prompts, pause_s, model, api_key, seed):
+    async with _client(api_key) as http:
+        info = await server_info(http, url, model)
+        t0 = time.perf_counter()
+        decode = asyncio.create_task(send(http, url, info.model, RequestSpec(0, 0.0, 16, decode_tokens), seed, t0))
+        prompts = []
+        for index in range(1, num_prompts + 1):
+            await asyncio.sleep(pause_s)
+            prompts.append(await send(http, url, info.model, RequestSpec(index, 0.0, prompt_tokens, 1), seed, t0))
+        return await decode, prompts
+
+
+def _client(api_key: str | None) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=600, headers=headers) as http:
+    return httpx.AsyncClient(timeout=600, headers=headers)
+
+
+async def _measure(url, prompt_sizes, output_tokens, repeats, concurrency, model, api_key, seed) -> list:
+    async with _client(api_key) as http:
         info = await server_info(http, url, model)
         sizes = [size for _ in range(repeats) for size in prompt_sizes]
         records = []

@@ -141,6 +141,11 @@ class SimWorker:
         self.busy_s += duration
         return now + duration
 
+    def stretch(self, elapsed: float) -> None:
+        """The iteration in flight took `elapsed` seconds (a shared host slowed it), not its time alone."""
+        self.busy_s += elapsed - self.iteration_s
+        self.iteration_s = elapsed
+
     def finish_iteration(self, now: float) -> StepResult:
         """Record the iteration in flight as finished at `now`."""
         plan, self.plan = self.plan, None

@@ -57,12 +57,12 @@ def test_fit_needs_token_gaps():
 
 
 def test_file_round_trip_and_bad_files(tmp_path):
-    overhead = ServingOverhead(0.03, 0.002, 0.001)
+    overhead = ServingOverhead(0.03, 0.002, 0.001, 0.4)
     path = overhead.save(tmp_path / "o.json", num_requests=12)
     assert json.loads(path.read_text())["requests"] == 12
     assert ServingOverhead.load(path) == overhead
     (tmp_path / "bad.json").write_text('{"request_ms": 3}')
-    with pytest.raises(ValueError, match="request_s, iteration_s and token_s"):
+    with pytest.raises(ValueError, match="request_s, iteration_s, token_s, peer_slowdown"):
         ServingOverhead.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="token_s"):
         ServingOverhead(token_s=-1.0)

@@ -20,7 +20,7 @@ def test_the_simulator_predicts_the_cluster(server, tmp_path):
     workload = WorkloadSpec("conv", 30, rate=1.0, arrivals="poisson", length_scale=0.25)
     lines = []
     result = validate(server, config, profile, workload, seeds=[7], repeats=2, log=lines.append)
-    print("\n".join(lines), result["sim_over_real"])
+    print("\n".join(lines), result["sim_over_real"], result["sim_independent_over_real"])
     assert result["num_requests"] == 30 and result["num_failed"] == 0
     overhead = result["rounds"][0]["overhead"]
     assert overhead["request_s"] > 0  # HTTP, Serve and the CLS cost something
