@@ -178,8 +178,8 @@ def _run_serving_profile(args) -> int:
         path = overhead.save(args.out, num)
         shared = f", a busy peer slows a worker by {overhead.peer_slowdown:.0%}" if args.shared_host else ""
         print(f"serving overhead at {args.url} over {num} requests: {overhead.request_s * 1000:.2f} ms per request, "
-              f"{overhead.iteration_s * 1000:.2f} ms per iteration + {overhead.token_s * 1000:.2f} ms per token"
-              f"{shared}; wrote {path}")
+              f"{overhead.iteration_s * 1000:.2f} ms per iteration + {overhead.token_s * 1000:.2f} ms per token, "
+              f"prefills x {overhead.prefill_scale:.2f}{shared}; wrote {path}")
 
     return report_errors("profile", run, args, (ValueError, OSError, RuntimeError, ValidationError))
 

@@ -9,10 +9,13 @@ Three terms, fitted on requests sent alone and in pairs (one group at a time, so
   From each request's median token gap less the profile's decode time at its batch (1 alone, 2
   in pairs) and mean context, the medians e1 (alone) and e2 (pairs): token_s = e2 - e1,
   iteration_s = e1 - token_s (each at least 0).
-- `request_s`: added once to every request's latency: the HTTP proxy, the ingress, the CLS
-  placement and the worker calls around the iterations. Fitted as the median of a lone request's
-  TTFT less the simulator's own unloaded TTFT (prefill + the overheads of its iteration + the KV
-  transfer's visible time).
+- `request_s` and `prefill_scale`: the first is added once to every request's latency (the HTTP
+  proxy, the ingress, the CLS placement and the worker calls around the iterations); the second
+  multiplies every prefill's profiled time (in the worker process the engine's thread shares the
+  cores with the actor's own threads, so a prefill takes longer than in `splitserve profile`).
+  Fitted on lone requests of several prompt sizes: TTFT less the iteration's other terms and the
+  KV transfer's visible time, against the profiled prefill time, as a Theil-Sen line (the median
+  slope over pairs of different sizes, then the median intercept).
 - `peer_slowdown`: on a host whose cores the workers share, how much slower an iteration runs
   while another worker is in one (`splitserve.sim.contention`). Fitted on a long decode while
   long prompts are prefilled on the prompt worker one after another (`measure_crossed`): its token
@@ -23,6 +26,7 @@ the measured one; what it predicts under load (queueing, batching, pool moves) i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import secrets
@@ -40,7 +44,7 @@ from splitserve.sim.transfer import TransferModel
 
 DEFAULT_PROMPT_SIZES = (32, 128, 256, 512)
 DEFAULT_OUTPUT_TOKENS = 32
-TERMS = ("request_s", "iteration_s", "token_s", "peer_slowdown")
+TERMS = ("request_s", "iteration_s", "token_s", "peer_slowdown", "prefill_scale")
 
 
 @dataclass(frozen=True)
@@ -49,20 +53,23 @@ class ServingOverhead:
     iteration_s: float = 0.0  # on every worker iteration
     token_s: float = 0.0      # on a worker iteration, per token it samples (each goes out on a stream)
     peer_slowdown: float = 0.0  # > 0: the workers share a host; per other busy worker (a fraction)
+    prefill_scale: float = 1.0  # a prefill takes this many times its profiled time
 
     def __post_init__(self) -> None:
         for name in TERMS:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                unit = "" if name == "peer_slowdown" else " of seconds"
+                unit = " of seconds" if name.endswith("_s") else ""
                 raise ValueError(f"{name} must be a finite number{unit} >= 0, got {value!r}")
+        if self.prefill_scale <= 0:
+            raise ValueError(f"prefill_scale must be > 0, got {self.prefill_scale!r}")
 
     @classmethod
     def load(cls, path: str | Path) -> ServingOverhead:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict) or set(data) - {*TERMS, "requests"}:
             raise ValueError(f"{path}: expected an object with {', '.join(TERMS)} (splitserve profile --url)")
-        return cls(**{name: data.get(name, 0.0) for name in TERMS})
+        return cls(**{name: data[name] for name in TERMS if name in data})
 
     def save(self, path: str | Path, num_requests: int) -> Path:
         path = Path(path)
@@ -73,17 +80,22 @@ class ServingOverhead:
 
 def fit_overhead(lone: list[RequestRecord], pairs: list[RequestRecord], prompt_perf, token_perf,
                  transfer: TransferModel) -> ServingOverhead:
-    """The three terms (see the module docstring) from completed requests of >= 2 tokens sent one
+    """The terms but `peer_slowdown` (see the module docstring) from completed requests of >= 2 tokens sent one
     at a time (`lone`) and two at a time (`pairs`), with the performance models of the prompt
     worker (prefill) and of the token worker (decode)."""
     lone_extra = _decode_excess(lone, 1, token_perf)
     token = max(0.0, _decode_excess(pairs, 2, token_perf) - lone_extra)
     iteration = max(0.0, lone_extra - token)
-    unloaded = []
+    points = []  # (profiled prefill, TTFT less the iteration's other terms and the KV transfer)
     for r in _usable(lone):
-        prefill = prompt_perf.prefill_time(r.prompt_tokens) + iteration + token
-        unloaded.append(r.ttft_s - prefill - transfer.visible_time(r.prompt_tokens, prefill))
-    return ServingOverhead(max(0.0, statistics.median(unloaded)), iteration, token)
+        prefill = prompt_perf.prefill_time(r.prompt_tokens)
+        busy = prefill + iteration + token
+        points.append((prefill, r.ttft_s - iteration - token - transfer.visible_time(r.prompt_tokens, busy)))
+    slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(points, 2) if x1 != x2]
+    scale = statistics.median(slopes) if slopes else 1.0
+    scale = scale if scale > 0 else 1.0  # a flat or falling line says nothing about the prefill's speed
+    request = statistics.median(y - scale * x for x, y in points)
+    return ServingOverhead(max(0.0, request), iteration, token, prefill_scale=scale)
 
 
 def fit_peer_slowdown(decode: RequestRecord, prompts: list[RequestRecord]) -> float:

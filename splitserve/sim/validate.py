@@ -57,7 +57,8 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
             durations[run] += duration
         rounds.append(round_)
         log(f"seed {seed}: overhead {_ms(overhead.request_s)} / request, {_ms(overhead.iteration_s)} / iteration, "
-            f"{_ms(overhead.token_s)} / token, peer slowdown {overhead.peer_slowdown:.0%}; " + ", ".join(
+            f"{_ms(overhead.token_s)} / token, prefills x {overhead.prefill_scale:.2f}, peer slowdown "
+            f"{overhead.peer_slowdown:.0%}; " + ", ".join(
                 f"{m} p50 " + " ".join(f"{run} {_ms(round_[run][m]['p50'])}" for run in RUNS) for m in METRICS))
     latencies = {run: _latencies(summarize(pooled[run], durations[run])) for run in RUNS}
     ratios = {f"{run}_over_real": {m: {q: latencies[run][m][q] / latencies["real"][m][q] for q in ("p50", "p99")}

@@ -69,6 +69,7 @@ class SimWorker:
                  overhead: ServingOverhead = NO_OVERHEAD, clock: Callable[[], float] = lambda: 0.0):
         self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
         self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
+        self.prefill_extra = overhead.prefill_scale - 1.0  # of a prefill's profiled time, added to it
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         if limits.slo.pivot_time_s is None:  # SLO-aware policies: the pivot's time from this worker's model
             pivot = limits.slo.pivot_tokens
@@ -136,6 +137,8 @@ class SimWorker:
                     prefills.append(seq)
         duration = (self.perf.iteration_time(prefill, decodes, context) + self.iteration_overhead_s
                     + self.token_overhead_s * (decodes + len(prefills)))
+        if prefill and self.prefill_extra:
+            duration += self.prefill_extra * self.perf.prefill_time(prefill)
         self.plan, self.iteration_s = plan, duration
         self.iterations += 1
         self.busy_s += duration

@@ -42,6 +42,15 @@ def test_fit_on_hand_made_records():
     assert fitted.request_s == pytest.approx(0.040)
 
 
+def test_fit_finds_a_slower_prefill_across_prompt_sizes():
+    # TTFT = 40 ms + 1.5 x prefill (1 ms a token) + 5 ms overheads + serialized transfer (10 ms + 1 ms a token)
+    perf = BatchPerf()
+    lone = [record(n, 0.040 + 0.0015 * n + 0.005 + 0.010 + 0.001 * n, 0.025) for n in (50, 100, 200, 400)]
+    lone.append(record(200, 0.9, 0.025))  # one outlier moves neither the median slope nor the intercept
+    fitted = fit_overhead(lone, [record(100, 0.5, 0.038)], perf, perf, TRANSFER)
+    assert fitted.prefill_scale == pytest.approx(1.5) and fitted.request_s == pytest.approx(0.040)
+
+
 def test_fit_clips_at_zero():
     perf = BatchPerf()
     # faster than the profile everywhere: nothing to add; pairs no slower than alone: no per-token term
@@ -57,24 +66,25 @@ def test_fit_needs_token_gaps():
 
 
 def test_file_round_trip_and_bad_files(tmp_path):
-    overhead = ServingOverhead(0.03, 0.002, 0.001, 0.4)
+    overhead = ServingOverhead(0.03, 0.002, 0.001, 0.4, 1.2)
     path = overhead.save(tmp_path / "o.json", num_requests=12)
     assert json.loads(path.read_text())["requests"] == 12
     assert ServingOverhead.load(path) == overhead
     (tmp_path / "bad.json").write_text('{"request_ms": 3}')
-    with pytest.raises(ValueError, match="request_s, iteration_s, token_s, peer_slowdown"):
+    with pytest.raises(ValueError, match="request_s, iteration_s, token_s, peer_slowdown, prefill_scale"):
         ServingOverhead.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="token_s"):
         ServingOverhead(token_s=-1.0)
 
 
 def test_simulator_applies_every_term():
-    overhead = ServingOverhead(request_s=0.05, iteration_s=0.002, token_s=0.003)
+    overhead = ServingOverhead(request_s=0.05, iteration_s=0.002, token_s=0.003, prefill_scale=1.5)
     scenario = Scenario((PoolSpec(Role.MIXED, 1, "hw"),), {"hw": LinearPerf()}, kv_budget_tokens=4096,
                         max_model_len=2048, placement="jsq", overhead=overhead)
     [r] = simulate(scenario, [RequestSpec(0, 0.0, 100, 3)]).records
-    # each iteration: its model time + 2 ms + 3 ms for its one token; the client sees all 50 ms later
-    assert r.token_times_s == pytest.approx((0.105 + 0.05, 0.130 + 0.05, 0.155 + 0.05))
+    # each iteration: its model time (the prefill's x 1.5) + 2 ms + 3 ms for its one token; the
+    # client sees all 50 ms later
+    assert r.token_times_s == pytest.approx((0.155 + 0.05, 0.180 + 0.05, 0.205 + 0.05))
 
 
 def test_sim_cli_takes_the_measured_overhead(tmp_path):
