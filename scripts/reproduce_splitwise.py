@@ -98,10 +98,10 @@ def provision(trace: TraceSpec, d: Design, goal: str, args: argparse.Namespace) 
 def cheapest_reaching(trace: TraceSpec, d: Design, minimize: str, target_rps: float,
                       args: argparse.Namespace) -> dict:
     """iso-throughput: the least power (or cost) split of `d` within the iso-power (iso-cost) budget
-    that serves `target_rps` (the staircase of splitserve.sim.provision: the full grid at --scale 1
-    --search, every count in the reduced run)."""
-    goal = Goal("iso-throughput", reference_budget("iso-" + minimize) * args.scale, target_rps, minimize,
-                args.step if args.search else 1)
+    that serves `target_rps` (the staircase of splitserve.sim.provision), on the --step grid with
+    --search, else on a grid scaled with the cluster (every count at --scale 0.25, 5 at --scale 1)."""
+    step = args.step if args.search else max(1, round(args.step * args.scale))
+    goal = Goal("iso-throughput", reference_budget("iso-" + minimize) * args.scale, target_rps, minimize, step)
     best = search(d, goal, trace).best
     return _row(d, best.num_prompt, best.num_token, target_rps) if best else _row(d, 0, 0, 0.0)
 

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, default=None, help="a `splitserve profile` CSV for other hardware classes")
     p.add_argument("--bandwidth-gbps", type=float, default=400.0, help="KV transfer link between machines")
     p.add_argument("--overhead", type=Path, default=None,
-                   help="the serving stack's overhead measured by `splitserve profile --url` (a JSON file)")
+                   help="the serving stack's overhead measured by `splitserve profile --url` (a JSON file); "
+                        "a peer_slowdown in it puts every worker on one shared host")
     p.add_argument("--trace", default="conv")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the Azure trace's own)")
