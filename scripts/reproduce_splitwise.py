@@ -15,7 +15,7 @@ sequences, whatever their contexts: splitserve/sim/splitwise_decode.py), and "co
 decoding sequence pays for its KV context). The gap between the two tables is the rule's doing.
 
 The DEFAULT IS REDUCED so that it runs in a few minutes on 2 cores: clusters at --scale 0.25 (a
-10-H100 budget), 20 s traces, 4 bisection steps, and only the split nearest the paper's (scaled)
+10-H100 budget), 20 s traces, 6 bisection steps, and only the split nearest the paper's (scaled)
 instead of the whole enumeration. `--scale 1 --search --step 5 --duration-s 120 --iterations 6`
 is the full reproduction (hours here).
 
@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--search", action="store_true", help="enumerate every split on the --step grid")
     parser.add_argument("--step", type=int, default=5)
     parser.add_argument("--duration-s", type=float, default=20.0)
-    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write one row per design and goal here")
     parser.add_argument("--out", help="a folder for Fig. 16 and Fig. 18 (PNG)")
