@@ -103,7 +103,7 @@ class EngineOptions(_Strict):
     device: str = "auto"
     load_format: str = "auto"
     seed: int = 0
-    mixed_policy: Literal["mixed", "prefill_first", "accelgen"] = "mixed"  # how a worker batches in the mixed pool
+    mixed_policy: Literal["mixed", "prefill_first", "orca", "accelgen"] = "mixed"  # how the mixed pool batches
     prompt_policy: Literal["prompt", "accelgen_prompt"] = "prompt"      # ... and in the prompt pool
     slo_scheduling: SLOSchedulingOptions = SLOSchedulingOptions()
 

@@ -15,7 +15,7 @@ class LLM:
     def __init__(self, model: str = "demo", **engine_args):
         if engine_args.get("policy") in ("prompt", "accelgen_prompt"):
             raise ValueError(f"policy {engine_args['policy']!r} only prefills and hands the KV on; LLM needs a policy "
-                             "that finishes requests: mixed, prefill_first, accelgen or token")
+                             "that finishes requests: mixed, prefill_first, orca, accelgen or token")
         self.engine = LLMEngine(model, **engine_args)
         self._counter = 0
 

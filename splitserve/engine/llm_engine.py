@@ -70,7 +70,7 @@ class LLMEngine:
         self.sampler.forget(request_id)
 
     def set_policy(self, name: str) -> None:
-        """Change scheduling role (prompt / token / mixed / prefill_first) on the live engine;
+        """Change scheduling role (prompt / token / mixed / prefill_first / orca / ...) on the live engine;
         every queued, running and held sequence carries over."""
         policy = make_policy(name, self.block_manager, self.policy.limits)
         policy.adopt(self.policy)

@@ -36,6 +36,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
+    num_skips: int = 0  # iterations in a row this decode was left out of a full batch (orca)
     first_scheduled_time: float | None = None  # when its first step ran (arrival to this: queue time)
     hand_off: bool = False  # prefill here, decode elsewhere: after its first token it is held with its KV for export
 

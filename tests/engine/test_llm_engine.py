@@ -33,7 +33,7 @@ def test_chunked_prefill_equals_full_prefill(reference, budget):
     assert_all_free(llm.engine)
 
 
-@pytest.mark.parametrize("policy", ["mixed", "prefill_first", "token"])
+@pytest.mark.parametrize("policy", ["mixed", "prefill_first", "orca", "token"])
 def test_policies_agree(reference, policy):
     llm = LLM(policy=policy, **ENGINE)
     assert_same(llm.generate(PROMPTS, GREEDY), reference)
@@ -165,7 +165,7 @@ def test_abort_a_prefilled_and_an_importing_request():
     assert_all_free(token_engine)
 
 
-@pytest.mark.parametrize("policy", ["mixed", "prefill_first", "token"])
+@pytest.mark.parametrize("policy", ["mixed", "prefill_first", "orca", "token"])
 def test_prompt_that_needs_the_whole_cache_is_scheduled(policy):
     engine = LLMEngine(policy=policy, num_kv_blocks=100, max_model_len=1600)  # 100 * 16 = 1600 slots
     engine.add_request("long", [7] * 1599, SamplingParams(max_tokens=1, temperature=0.0))

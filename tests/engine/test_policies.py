@@ -10,12 +10,14 @@ import pytest
 
 from splitserve.engine.policies import POLICY_CLASSES
 from splitserve.engine.policies.base import WATERMARK_FRACTION
+from splitserve.engine.policies.orca import MAX_SKIPS
 from splitserve.engine.sequence import SequenceStatus
 from tests.engine.policy_helpers import complete, import_seq, make, make_seq, shape, step
 
 
 def test_make_policy_names():
-    assert set(POLICY_CLASSES) == {"prompt", "token", "mixed", "prefill_first", "accelgen", "accelgen_prompt"}
+    assert set(POLICY_CLASSES) == {"prompt", "token", "mixed", "prefill_first", "orca", "accelgen",
+                                   "accelgen_prompt"}
     for name in POLICY_CLASSES:
         assert make(name).name == name
     with pytest.raises(ValueError, match="policy"):
@@ -294,3 +296,64 @@ def test_prefill_first_decodes_when_the_waiting_prompt_does_not_fit():
     p.finish(a, "stop")
     plan, _ = step(p)
     assert shape(plan) == [("b", 12)]
+
+
+# ---------------------------------------------------------------------------------------------
+# OrcaPolicy (Splitwise's mixed continuous batching)
+# ---------------------------------------------------------------------------------------------
+
+def decoding(p, names, size=5):
+    """Admit `names` one by one and prefill each: they end up decoding, oldest first."""
+    for i, name in enumerate(names):
+        p.add(make_seq(name, size, start=100 * (i + 1)))
+        step(p)
+
+
+def test_orca_batches_whole_prompts_with_the_decodes_that_fit():
+    p = make("orca", num_blocks=256, prompt_token_budget=40)
+    decoding(p, ["a", "b", "c"])
+    p.add(make_seq("x", 20, start=1000))
+    p.add(make_seq("y", 18, start=2000))
+    plan, _ = step(p)
+    assert shape(plan) == [("a", 1), ("b", 1), ("x", 20), ("y", 18)]  # 40 tokens: c is left out
+    assert [s.num_skips for s in p.running] == [0, 0, 1, 0, 0]
+    plan, _ = step(p)
+    assert shape(plan) == [("a", 1), ("b", 1), ("c", 1), ("x", 1), ("y", 1)]  # no prompt: every decode
+
+
+def test_orca_stops_prompts_fcfs_at_the_budget_and_lets_a_lone_prompt_exceed_it():
+    p = make("orca", num_blocks=256, prompt_token_budget=40)
+    p.add(make_seq("big", 50))
+    p.add(make_seq("small", 3, start=1000))
+    plan, _ = step(p)
+    assert shape(plan) == [("big", 50)]  # alone in the batch it may exceed the budget; small waits
+    plan, _ = step(p)
+    assert shape(plan) == [("big", 1), ("small", 3)]
+
+
+def test_orca_decode_left_out_max_skips_times_in_a_row_goes_before_prompts():
+    p = make("orca", num_blocks=256, prompt_token_budget=16)
+    decoding(p, ["a"])
+    for i in range(MAX_SKIPS):
+        p.add(make_seq(f"p{i}", 16, start=1000 * (i + 1)))
+        plan, _ = step(p)
+        assert (f"p{i}", 16) in shape(plan) and ("a", 1) not in shape(plan)  # the prompt fills the budget
+    a = p.find("a")
+    assert a.num_skips == MAX_SKIPS
+    p.add(make_seq("late", 16, start=9000))
+    plan, _ = step(p)
+    # a goes first; the prompt no longer fits beside it, and the budget's rest goes to the other decodes
+    assert shape(plan)[0] == ("a", 1) and ("late", 16) not in shape(plan)
+    assert plan.num_tokens == 1 + MAX_SKIPS and a.num_skips == 0
+    plan, _ = step(p)  # served, a waits its turn again: the prompt fills the budget
+    assert shape(plan) == [("late", 16)] and a.num_skips == 1
+
+
+def test_orca_admits_no_prompt_in_a_step_that_preempts():
+    p = make("orca", num_blocks=4, prefix=False, prompt_token_budget=64)
+    import_seq(p, make_seq("a", 6))           # 7 tokens: its next slots stay in block 2
+    import_seq(p, make_seq("b", 7, start=100))  # 8 tokens: needs a third block after one step
+    step(p)
+    p.add(make_seq("x", 2, start=1000))
+    plan, _ = step(p)
+    assert [s.seq_id for s in plan.preempted] == ["b"] and shape(plan) == [("a", 1)]

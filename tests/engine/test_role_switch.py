@@ -22,7 +22,7 @@ from tests.engine.engine_helpers import (
     one_thread,  # noqa: F401  (pytest fixture)
 )
 
-ROLES = ("prompt", "token", "mixed", "prefill_first", "accelgen", "accelgen_prompt")
+ROLES = ("prompt", "token", "mixed", "prefill_first", "orca", "accelgen", "accelgen_prompt")
 MAX_STEPS = 300
 
 
@@ -121,7 +121,7 @@ def test_switching_roles_keeps_every_request(want):
     assert all(outputs[rid].finish_reason == "length" for rid in index)
 
 
-@pytest.mark.parametrize("role", ["token", "prompt", "prefill_first"])
+@pytest.mark.parametrize("role", ["token", "prompt", "prefill_first", "orca"])
 def test_switch_mid_chunked_prefill(want, role):
     engine = LLMEngine("demo", policy="mixed", chunk_token_budget=32, **ENGINE)
     engine.add_request("r", PROMPTS[4], GREEDY, hand_off=False)

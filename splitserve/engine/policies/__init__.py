@@ -6,6 +6,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies.accelgen import AccelGenPolicy, AccelGenPromptPolicy
 from splitserve.engine.policies.base import Policy
 from splitserve.engine.policies.mixed import MixedPolicy
+from splitserve.engine.policies.orca import OrcaPolicy
 from splitserve.engine.policies.plan import (
     Plan,
     ScheduledSeq,
@@ -17,8 +18,8 @@ from splitserve.engine.policies.prompt import PromptPolicy
 from splitserve.engine.policies.token import TokenPolicy
 
 POLICY_CLASSES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (PromptPolicy, TokenPolicy, MixedPolicy, PrefillFirstPolicy, AccelGenPolicy,
-                              AccelGenPromptPolicy)
+    cls.name: cls for cls in (PromptPolicy, TokenPolicy, MixedPolicy, PrefillFirstPolicy, OrcaPolicy,
+                              AccelGenPolicy, AccelGenPromptPolicy)
 }
 
 

@@ -171,17 +171,17 @@ class Policy(ABC):
                 self.blocks.grow(seq, seq.num_tokens)
         return preempted
 
-    def _admit_whole_prompts(self, items: list[ScheduledSeq], budget: int) -> None:
-        """FCFS: admit waiting sequences whole while KV allows and their prefill tokens fit the
-        budget. The first admitted prompt may exceed the budget alone, so no prompt starves."""
-        prefill_tokens = 0
+    def _admit_whole_prompts(self, items: list[ScheduledSeq], budget: int, used: int = 0) -> None:
+        """FCFS: admit waiting sequences whole while KV allows and the batch's tokens (`used` of
+        them already taken) fit the budget. A prompt alone in a batch may exceed the budget, so
+        no prompt starves."""
         while self.waiting and self._can_admit(self.waiting[0]):
             seq = self.waiting[0]
-            if prefill_tokens and prefill_tokens + seq.num_tokens > budget:
+            if used and used + seq.num_tokens > budget:
                 break
             self._admit(seq)
             items.append(ScheduledSeq(seq, seq.num_uncomputed_tokens))
-            prefill_tokens += seq.num_uncomputed_tokens
+            used += seq.num_uncomputed_tokens
 
     def check_integrity(self) -> None:
         """Blocks are held exactly by running and held sequences; then the block manager's own checks."""

@@ -1,0 +1,36 @@
+"""Splitwise's mixed continuous batching (IV-A "Mixed machines", after ORCA): what the paper's
+baseline machines run, and splitwise-sim's baseline instances (max_batch_tokens 2048, 4 preemptions).
+
+Each iteration, whole prompts and decodes share one token budget (`prompt_token_budget`):
+1. decodes left out of the last MAX_SKIPS iterations, so prompts cannot starve a request's tokens;
+2. waiting prompts, FCFS and whole (a prompt alone in the batch may exceed the budget);
+3. the other decodes, oldest first, one token each, while the budget lasts.
+A decode left out keeps its KV and runs in a later iteration (the paper's token preemption).
+When KV runs out, the youngest sequence is preempted by recompute and no prompt is admitted.
+"""
+from splitserve.engine.policies.base import Policy
+from splitserve.engine.policies.plan import Plan
+
+MAX_SKIPS = 4  # splitwise-sim's max_preemptions: a decode left out this many times in a row goes first
+
+
+class OrcaPolicy(Policy):
+    name = "orca"
+
+    def schedule(self) -> Plan:
+        budget = self.limits.prompt_token_budget
+        preempted = self._reserve_decode_slots()
+        decodes = self._decode_items()
+        starved = [item for item in decodes if item.seq.num_skips >= MAX_SKIPS]
+        prompts = self._unfinished_prefill_items()  # left half-prefilled by a chunking policy
+        used = len(starved) + sum(item.num_new_tokens for item in prompts)
+        if not preempted:
+            self._admit_whole_prompts(prompts, budget, used)
+        room = max(budget - len(starved) - sum(item.num_new_tokens for item in prompts), 0)
+        rest = [item for item in decodes if item.seq.num_skips < MAX_SKIPS]
+        chosen = starved + rest[:room]
+        for item in chosen:
+            item.seq.num_skips = 0
+        for item in rest[room:]:
+            item.seq.num_skips += 1
+        return Plan(tuple(chosen + prompts), tuple(preempted))
