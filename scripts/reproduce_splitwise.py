@@ -33,7 +33,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from splitserve.sim.designs import DECODE_RULES, DESIGNS, Design
+from splitserve.sim.designs import BASELINE_POLICIES, DECODE_RULES, DESIGNS, Design
 from splitserve.sim.figures import latency_vs_load_figure, load_sweep, summary_bars
 from splitserve.sim.provision import (
     REFERENCE_H100S,
@@ -110,13 +110,17 @@ def _row(d: Design, p: int, t: int, rate: float) -> dict:
     return {"num_prompt": p, "num_token": t, "throughput_rps": rate, "cost": d.cost(p, t), "power": d.power(p, t)}
 
 
-def draw_load_figure(trace: TraceSpec, rule: str, rows: list[dict], out: Path) -> Path:
+def design_for(name: str, rule: str, args: argparse.Namespace) -> Design:
+    return replace(DESIGNS[name], decode_rule=rule, baseline_policy=args.baseline_policy)
+
+
+def draw_load_figure(trace: TraceSpec, rule: str, rows: list[dict], out: Path, args: argparse.Namespace) -> Path:
     """Fig. 16 for one trace and decode rule: each iso-power design at its provisioned split."""
     reference = next(r for r in rows if r["design"] == "baseline-h100" and r["goal"] == "iso-power")
     base = max(reference["throughput_rps"], 0.5)  # a baseline meeting no SLO still gets a load axis
     rates = [f * base for f in LOAD_FRACTIONS]
     sweep = [point for r in rows if r["goal"] == "iso-power"
-             for point in load_sweep(replace(DESIGNS[r["design"]], decode_rule=rule), r["num_prompt"],
+             for point in load_sweep(design_for(r["design"], rule, args), r["num_prompt"],
                                      r["num_token"], trace, rates)]
     return latency_vs_load_figure(sweep, out / f"latency_vs_load_{trace.trace}_{rule}.png", f"{trace.trace} ({rule})")
 
@@ -126,12 +130,12 @@ def rows_for(trace_name: str, rule: str, args: argparse.Namespace) -> list[dict]
     results = {}
     for name, goal in RUNS:
         start = time.perf_counter()
-        results[name, goal] = provision(trace, replace(DESIGNS[name], decode_rule=rule), goal, args)
+        results[name, goal] = provision(trace, design_for(name, rule, args), goal, args)
         print(f"  [{trace_name} {rule}] {name} {goal}: {time.perf_counter() - start:.1f} s", flush=True)
     target = results["baseline-h100", "iso-power"]["throughput_rps"]
     for name, minimize in ISO_THROUGHPUT if target > 0 else ():
         start = time.perf_counter()
-        results[name, "iso-throughput"] = cheapest_reaching(trace, replace(DESIGNS[name], decode_rule=rule), minimize,
+        results[name, "iso-throughput"] = cheapest_reaching(trace, design_for(name, rule, args), minimize,
                                                             target, args)
         print(f"  [{trace_name} {rule}] {name} iso-throughput ({minimize}): {time.perf_counter() - start:.1f} s",
               flush=True)
@@ -147,7 +151,8 @@ def rows_for(trace_name: str, rule: str, args: argparse.Namespace) -> list[dict]
                      "power_ratio": r["power"] / ref["power"] if found else None,
                      "paper": PAPER_CLAIMS.get((name, goal), "")})
     if args.out:
-        print(f"  [{trace_name} {rule}] Fig. 16: {draw_load_figure(trace, rule, rows, Path(args.out))}", flush=True)
+        figure = draw_load_figure(trace, rule, rows, Path(args.out), args)
+        print(f"  [{trace_name} {rule}] Fig. 16: {figure}", flush=True)
     return rows
 
 
@@ -166,6 +171,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", nargs="+", default=["code", "conv"])
     parser.add_argument("--decode-rules", nargs="+", choices=DECODE_RULES, default=["splitwise-sim", "context"])
+    parser.add_argument("--baseline-policy", choices=BASELINE_POLICIES, default=BASELINE_POLICIES[0],
+                        help="how the baselines batch: orca (the paper's mixed continuous batching, default), "
+                             "prefill_first (vLLM's original: prompts stall every decode) or mixed (Sarathi-Serve)")
     parser.add_argument("--scale", type=float, default=0.25, help="budget as a fraction of 40 DGX-H100s")
     parser.add_argument("--search", action="store_true", help="enumerate every split on the --step grid")
     parser.add_argument("--step", type=int, default=5)
@@ -178,7 +186,8 @@ def main() -> None:
     reduced = args.scale < 1 or not args.search
     print(f"{'REDUCED' if reduced else 'FULL'} reproduction: budget {REFERENCE_H100S * args.scale:g} H100s, "
           f"{args.duration_s:g} s traces, {args.iterations} bisection steps, "
-          f"{'all splits step ' + str(args.step) if args.search else 'the split nearest the paper'}")
+          f"{'all splits step ' + str(args.step) if args.search else 'the split nearest the paper'}, "
+          f"baselines batching with {args.baseline_policy}")
     start = time.perf_counter()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,13 @@
 function (num_prompt, num_token) -> Scenario, with the per-machine (DGX) cost and power constants
 of the Splitwise provisioning analysis (../shared/profiles/splitwise_configs_summary.md).
 
-Baselines run mixed workers only, placed by JSQ, with the prefill-prioritizing `prefill_first`
-engine policy: the paper's baseline machines batch whole prompts with the running decodes (Splitwise
-IV-A), not Sarathi-Serve's chunks, which keep prompts from stalling decodes and would make a much
-stronger baseline (BASELINE_POLICY). Their machine count is `num_prompt` and `num_token` must be 0.
+Baselines run mixed workers only, placed by JSQ, with the `orca` engine policy: the paper's
+baseline machines use mixed continuous batching (Splitwise IV-A, V-A), whole prompts batched with
+the running decodes under 2048 tokens, as splitwise-sim's baseline instances do. Not Sarathi-Serve's
+chunks, which keep prompts from stalling decodes and would make a much stronger baseline, and not
+vLLM's original `prefill_first`, which stalls every decode for every prompt (`baseline_policy`
+picks any of the three, to show what the baseline's batching changes).
+Their machine count is `num_prompt` and `num_token` must be 0.
 Splitwise designs have a prompt pool and a token pool placed by the `splitwise` policy.
 "h100-80gb-pcap" is the power-capped H100 of the CSV.
 
@@ -24,7 +27,7 @@ from splitserve.sim.scenario import PoolSpec, Scenario
 from splitserve.sim.splitwise_decode import SplitwiseSimPerf, load_splitwise_sim_models
 from splitserve.sim.transfer import TransferModel
 
-BASELINE_POLICY = "prefill_first"  # the paper's baselines: whole prompts batched with decodes
+BASELINE_POLICIES = ("orca", "prefill_first", "mixed")  # the first is the paper's; mixed is Sarathi-Serve
 A100, H100, H100_CAP = "a100-80gb", "h100-80gb", "h100-80gb-pcap"
 COST = {A100: 2.21, H100: 4.76, H100_CAP: 4.76}     # relative $/h per DGX
 POWER = {A100: 24.8, H100: 44.0, H100_CAP: 30.8}    # relative power per DGX (pcap: 0.7 x 44)
@@ -43,10 +46,14 @@ class Design:
     token_hw: str
     baseline: bool
     decode_rule: str = "context"
+    baseline_policy: str = BASELINE_POLICIES[0]  # how a baseline's mixed machines batch
 
     def __post_init__(self) -> None:
         if self.decode_rule not in DECODE_RULES:
             raise ValueError(f"decode_rule must be one of {', '.join(DECODE_RULES)}, got {self.decode_rule!r}")
+        if self.baseline_policy not in BASELINE_POLICIES:
+            raise ValueError(f"baseline_policy must be one of {', '.join(BASELINE_POLICIES)}, "
+                             f"got {self.baseline_policy!r}")
 
     def cost(self, num_prompt: int, num_token: int) -> float:
         return num_prompt * COST[self.prompt_hw] + num_token * COST[self.token_hw]
@@ -65,7 +72,7 @@ class Design:
         if model not in MODEL_SHAPES:
             raise ValueError(f"model must be one of {', '.join(MODEL_SHAPES)}, got {model!r}")
         if self.baseline:
-            pools = (PoolSpec(Role.MIXED, num_prompt, self.prompt_hw, BASELINE_POLICY),)
+            pools = (PoolSpec(Role.MIXED, num_prompt, self.prompt_hw, self.baseline_policy),)
         else:
             pools = (PoolSpec(Role.PROMPT, num_prompt, self.prompt_hw), PoolSpec(Role.TOKEN, num_token, self.token_hw))
         shape = MODEL_SHAPES[model]

@@ -20,7 +20,7 @@ SPEED_DECODE_BATCH, SPEED_DECODE_CONTEXT = 16, 1024  # the decode that rates its
 @dataclass(frozen=True)
 class PoolSpec:
     """`count` workers whose home pool is `role`, on hardware class `hardware`. `policy`: the engine
-    policy they start with (default: the role's own; e.g. "prefill_first" for a vLLM-style baseline)."""
+    policy they start with (default: the role's own; e.g. "orca" for the paper's baselines)."""
 
     role: Role
     count: int

@@ -1,5 +1,6 @@
 """Provisioning: Table VI on hand-made records, the bisection, the iso-budget arithmetic, a tiny plan."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -136,6 +137,16 @@ def test_bad_inputs_name_the_field():
         Goal("iso-throughput")
     with pytest.raises(ValueError, match="num_token must be 0"):
         DESIGNS["baseline-h100"].scenario(2, 1)
+    with pytest.raises(ValueError, match="baseline_policy must be"):
+        replace(DESIGNS["baseline-h100"], baseline_policy="token")
+
+
+def test_baselines_batch_as_the_paper_unless_told_otherwise():
+    assert [p.policy for p in DESIGNS["baseline-a100"].scenario(3, 0).pools] == ["orca"]
+    vllm = replace(DESIGNS["baseline-a100"], baseline_policy="prefill_first")
+    assert [p.policy for p in vllm.scenario(3, 0).pools] == ["prefill_first"]
+    assert {p.policy for p in replace(DESIGNS["splitwise-aa"], baseline_policy="prefill_first").scenario(2, 1).pools} \
+        == {None}  # Splitwise pools run their roles' own policies
 
 
 def test_a_tiny_plan_end_to_end(tmp_path):

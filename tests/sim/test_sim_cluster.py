@@ -61,6 +61,16 @@ def test_two_requests_batched_on_a_mixed_worker():
     assert result.duration_s == pytest.approx(0.34)
 
 
+@pytest.mark.parametrize("policy, second", [("orca", (0.23, 0.25)), ("prefill_first", (0.21, 0.23))])
+def test_a_prompt_arriving_mid_decode(policy, second):
+    result = simulate(mixed(1, policy), [spec(0, 0.0, 100, 3), spec(1, 0.11, 200, 2)])
+    # at 0.12 r1's prompt runs; orca batches r0's decode with it (0.2 + 0.02 s, both sample at 0.34),
+    # prefill_first runs the prompt alone (0.2 s) and decodes both after it (0.34)
+    first, late = result.records
+    assert first.token_times_s == pytest.approx((0.1, 0.12, 0.34))
+    assert late.token_times_s == pytest.approx(second)
+
+
 def test_two_split_requests_batched_on_the_prompt_worker():
     result = simulate(split(), [spec(0, 0.0, 100, 3), spec(1, 0.0, 200, 2)])
     # one 0.3 s prefill; KV lands after 0.11 s and 0.21 s; each then decodes every 0.02 s
@@ -94,6 +104,7 @@ CLUSTERS = {
                        thresholds=PlacementThresholds(mixed_prompt_tokens=600, **NO_BACKPRESSURE)),
     "mixed-only": mixed(3, placement="splitwise", thresholds=PlacementThresholds(**NO_BACKPRESSURE)),
     "prefill-first-only": mixed(3, "prefill_first", thresholds=PlacementThresholds(**NO_BACKPRESSURE)),
+    "orca-only": mixed(3, "orca", thresholds=PlacementThresholds(**NO_BACKPRESSURE)),
 }
 
 
