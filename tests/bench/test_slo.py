@@ -51,8 +51,10 @@ def test_baseline_rejects_bad_values(args, field):
 
 def test_slowdowns_divide_by_the_unloaded_latency_of_the_same_request():
     # baseline TTFT: 0.25 at 10 tokens, 0.5 at 20; E2E: 0.25 + 2 * 0.25 = 0.75 and 0.5 + 2 * 0.25 = 1.0
-    assert slowdowns(RECORDS, BASELINE) == pytest.approx({"ttft": [2.0, 2.0], "tbt": [1.0, 1.0, 0.0, 2.0],
-                                                          "e2e": [1.0 / 0.75, 1.5]})
+    want = {"ttft": [2.0, 2.0], "tbt": [1.0, 1.0, 0.0, 2.0], "e2e": [1.0 / 0.75, 1.5]}
+    got = slowdowns(RECORDS, BASELINE)
+    assert got.keys() == want.keys()
+    assert all(got[metric] == pytest.approx(values) for metric, values in want.items())
 
 
 @pytest.mark.parametrize("bound, met", [(2.0, True), (1.99, False)])
