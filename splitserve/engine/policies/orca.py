@@ -11,7 +11,9 @@ When KV runs out, the youngest sequence is preempted by recompute and no prompt 
 from splitserve.engine.policies.base import Policy
 from splitserve.engine.policies.plan import Plan
 
-MAX_SKIPS = 4  # splitwise-sim's max_preemptions: a decode left out this many times in a row goes first
+# splitwise-sim's max_preemptions, counted in a row rather than over a request's life: with a lifetime
+# count, long decodes go first for good and keep whole prompts out of the budget (TTFT collapses)
+MAX_SKIPS = 4
 
 
 class OrcaPolicy(Policy):
