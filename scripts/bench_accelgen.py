@@ -59,9 +59,10 @@ def attained(record, spec: RequestSpec) -> bool:
 
 
 def run(policy: str, machines: int, requests: list[RequestSpec], duration_s: float) -> dict:
-    scenario = Scenario(pools=(PoolSpec(Role.MIXED, machines, H100, policy),),
+    scenario = Scenario(pools=(PoolSpec(Role.MIXED, machines, H100),),
                         perf_models={H100: perf_model(DEFAULT_MODEL, H100)},
-                        kv_budget_tokens=kv_budget_tokens(DEFAULT_MODEL), placement="jsq")
+                        kv_budget_tokens=kv_budget_tokens(DEFAULT_MODEL), placement="jsq",
+                        role_policies={Role.MIXED.value: policy})
     start = time.perf_counter()
     result = simulate(scenario, requests)
     by_index = {spec.index: spec for spec in requests}

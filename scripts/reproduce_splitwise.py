@@ -33,7 +33,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from splitserve.sim.designs import BASELINE_POLICIES, DECODE_RULES, DESIGNS, Design
+from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, Design
 from splitserve.sim.figures import latency_vs_load_figure, load_sweep, summary_bars
 from splitserve.sim.provision import (
     REFERENCE_H100S,
@@ -111,7 +111,7 @@ def _row(d: Design, p: int, t: int, rate: float) -> dict:
 
 
 def design_for(name: str, rule: str, args: argparse.Namespace) -> Design:
-    return replace(DESIGNS[name], decode_rule=rule, baseline_policy=args.baseline_policy)
+    return replace(DESIGNS[name], decode_rule=rule, mixed_policy=args.mixed_policy)
 
 
 def draw_load_figure(trace: TraceSpec, rule: str, rows: list[dict], out: Path, args: argparse.Namespace) -> Path:
@@ -171,9 +171,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", nargs="+", default=["code", "conv"])
     parser.add_argument("--decode-rules", nargs="+", choices=DECODE_RULES, default=["splitwise-sim", "context"])
-    parser.add_argument("--baseline-policy", choices=BASELINE_POLICIES, default=BASELINE_POLICIES[0],
-                        help="how the baselines batch: orca (the paper's mixed continuous batching, default), "
-                             "prefill_first (vLLM's original: prompts stall every decode) or mixed (Sarathi-Serve)")
+    parser.add_argument("--mixed-policy", choices=MIXED_POLICIES, default=MIXED_POLICIES[0],
+                        help="how mixed machines (the baselines', and Splitwise's mixed pool) batch: orca (the paper's "
+                             "mixed continuous batching, default), prefill_first (vLLM's original: prompts stall "
+                             "every decode) or mixed (Sarathi-Serve's chunks)")
     parser.add_argument("--scale", type=float, default=0.25, help="budget as a fraction of 40 DGX-H100s")
     parser.add_argument("--search", action="store_true", help="enumerate every split on the --step grid")
     parser.add_argument("--step", type=int, default=5)
@@ -187,7 +188,7 @@ def main() -> None:
     print(f"{'REDUCED' if reduced else 'FULL'} reproduction: budget {REFERENCE_H100S * args.scale:g} H100s, "
           f"{args.duration_s:g} s traces, {args.iterations} bisection steps, "
           f"{'all splits step ' + str(args.step) if args.search else 'the split nearest the paper'}, "
-          f"baselines batching with {args.baseline_policy}")
+          f"mixed machines batching with {args.mixed_policy}")
     start = time.perf_counter()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -119,7 +119,7 @@ class Simulation:
             for _ in range(pool.count):
                 worker_id = f"{pool.role.value}-{counts[pool.role]:03d}"
                 counts[pool.role] += 1
-                worker = SimWorker(worker_id, pool.engine_policy, scenario.perf_models[pool.hardware],
+                worker = SimWorker(worker_id, scenario.policy_for(pool.role), scenario.perf_models[pool.hardware],
                                    scenario.num_blocks, scenario.block_size, scenario.limits, self.token_times,
                                    scenario.overhead, lambda: self.now)
                 self.workers[worker_id], self._hardware_of[worker_id] = worker, pool.hardware
@@ -269,7 +269,7 @@ class Simulation:
     def _apply(self, moves: list[PoolMove]) -> None:
         for move in moves:
             worker = self.workers[move.worker_id]
-            worker.set_role(move.to_pool.value)
+            worker.set_policy(self.scenario.policy_for(move.to_pool))
             self.pool_moves[move.worker_id] += 1
             self._wake_soon(worker)
 

@@ -2,14 +2,14 @@
 function (num_prompt, num_token) -> Scenario, with the per-machine (DGX) cost and power constants
 of the Splitwise provisioning analysis (../shared/profiles/splitwise_configs_summary.md).
 
-Baselines run mixed workers only, placed by JSQ, with the `orca` engine policy: the paper's
-baseline machines use mixed continuous batching (Splitwise IV-A, V-A), whole prompts batched with
-the running decodes under 2048 tokens, as splitwise-sim's baseline instances do. Not Sarathi-Serve's
-chunks, which keep prompts from stalling decodes and would make a much stronger baseline, and not
-vLLM's original `prefill_first`, which stalls every decode for every prompt (`baseline_policy`
-picks any of the three, to show what the baseline's batching changes).
-Their machine count is `num_prompt` and `num_token` must be 0.
-Splitwise designs have a prompt pool and a token pool placed by the `splitwise` policy.
+Baselines run mixed workers only, placed by JSQ; their machine count is `num_prompt` and `num_token`
+must be 0. Splitwise designs have a prompt pool and a token pool placed by the `splitwise` policy.
+Mixed machines (every baseline machine, and a Splitwise machine while in the mixed pool) run
+`mixed_policy`: by default `orca`, the paper's mixed continuous batching (IV-A, VI-A: whole prompts
+batched with the running decodes under 2048 tokens, as splitwise-sim's instances do). Not
+Sarathi-Serve's chunks (`mixed`), which keep prompts from stalling decodes and make a much stronger
+baseline, nor vLLM's original `prefill_first`, which stalls every decode for every prompt; both
+are there to show what the batching changes.
 "h100-80gb-pcap" is the power-capped H100 of the CSV.
 
 `decode_rule` picks the iteration-time model: "context" (ours, `PerfModel`: each decoding sequence
@@ -27,7 +27,7 @@ from splitserve.sim.scenario import PoolSpec, Scenario
 from splitserve.sim.splitwise_decode import SplitwiseSimPerf, load_splitwise_sim_models
 from splitserve.sim.transfer import TransferModel
 
-BASELINE_POLICIES = ("orca", "prefill_first", "mixed")  # the first is the paper's; mixed is Sarathi-Serve
+MIXED_POLICIES = ("orca", "prefill_first", "mixed")  # the first is the paper's; mixed is Sarathi-Serve
 A100, H100, H100_CAP = "a100-80gb", "h100-80gb", "h100-80gb-pcap"
 COST = {A100: 2.21, H100: 4.76, H100_CAP: 4.76}     # relative $/h per DGX
 POWER = {A100: 24.8, H100: 44.0, H100_CAP: 30.8}    # relative power per DGX (pcap: 0.7 x 44)
@@ -46,14 +46,13 @@ class Design:
     token_hw: str
     baseline: bool
     decode_rule: str = "context"
-    baseline_policy: str = BASELINE_POLICIES[0]  # how a baseline's mixed machines batch
+    mixed_policy: str = MIXED_POLICIES[0]  # how mixed machines batch
 
     def __post_init__(self) -> None:
         if self.decode_rule not in DECODE_RULES:
             raise ValueError(f"decode_rule must be one of {', '.join(DECODE_RULES)}, got {self.decode_rule!r}")
-        if self.baseline_policy not in BASELINE_POLICIES:
-            raise ValueError(f"baseline_policy must be one of {', '.join(BASELINE_POLICIES)}, "
-                             f"got {self.baseline_policy!r}")
+        if self.mixed_policy not in MIXED_POLICIES:
+            raise ValueError(f"mixed_policy must be one of {', '.join(MIXED_POLICIES)}, got {self.mixed_policy!r}")
 
     def cost(self, num_prompt: int, num_token: int) -> float:
         return num_prompt * COST[self.prompt_hw] + num_token * COST[self.token_hw]
@@ -72,7 +71,7 @@ class Design:
         if model not in MODEL_SHAPES:
             raise ValueError(f"model must be one of {', '.join(MODEL_SHAPES)}, got {model!r}")
         if self.baseline:
-            pools = (PoolSpec(Role.MIXED, num_prompt, self.prompt_hw, self.baseline_policy),)
+            pools = (PoolSpec(Role.MIXED, num_prompt, self.prompt_hw),)
         else:
             pools = (PoolSpec(Role.PROMPT, num_prompt, self.prompt_hw), PoolSpec(Role.TOKEN, num_token, self.token_hw))
         shape = MODEL_SHAPES[model]
@@ -81,7 +80,8 @@ class Design:
                         kv_budget_tokens=kv_budget_tokens(model),
                         placement="jsq" if self.baseline else "splitwise",
                         transfer=TransferModel(kv_bytes_per_token=shape.kv_bytes_per_token,
-                                               num_layers=shape.num_layers))
+                                               num_layers=shape.num_layers),
+                        role_policies={Role.MIXED.value: self.mixed_policy})
 
 
 DESIGNS = {d.name: d for d in (

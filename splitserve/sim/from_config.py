@@ -42,8 +42,7 @@ class SimTarget:
 
 def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget()) -> Scenario:
     models = {pool.hardware: perf_model_for(pool.hardware, target) for pool in config.pools}
-    pools = tuple(PoolSpec(Role(p.role), p.num_workers, p.hardware, config.engine.policy_for(p.role))
-                  for p in config.pools)
+    pools = tuple(PoolSpec(Role(p.role), p.num_workers, p.hardware) for p in config.pools)
     engine = config.engine
     return Scenario(pools=pools, perf_models=models, kv_budget_tokens=kv_budget_tokens(config, target),
                     placement=config.scheduler.policy, thresholds=config.scheduler.thresholds(),
@@ -52,7 +51,8 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
                     max_model_len=engine.max_model_len or 4096, prompt_token_budget=engine.prompt_token_budget,
                     chunk_token_budget=engine.chunk_token_budget,
                     hardware={name: config.hardware(name) for name in models}, overhead=target.overhead,
-                    slo=engine.slo_scheduling.options())
+                    slo=engine.slo_scheduling.options(),
+                    role_policies={role.value: engine.policy_for(role.value) for role in Role})
 
 
 def perf_model_for(hardware: str, target: SimTarget) -> PerfModel:

@@ -19,13 +19,11 @@ SPEED_DECODE_BATCH, SPEED_DECODE_CONTEXT = 16, 1024  # the decode that rates its
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """`count` workers whose home pool is `role`, on hardware class `hardware`. `policy`: the engine
-    policy they start with (default: the role's own; e.g. "orca" for the paper's baselines)."""
+    """`count` workers whose home pool is `role`, on hardware class `hardware`."""
 
     role: Role
     count: int
     hardware: str
-    policy: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in set(Role):
@@ -33,12 +31,6 @@ class PoolSpec:
         object.__setattr__(self, "role", Role(self.role))
         if not isinstance(self.count, int) or self.count < 0:
             raise ValueError(f"count of the {self.role.value} pool must be an integer >= 0, got {self.count!r}")
-        if self.policy is not None and self.policy not in POLICY_CLASSES:
-            raise ValueError(f"policy must be one of {', '.join(POLICY_CLASSES)}, got {self.policy!r}")
-
-    @property
-    def engine_policy(self) -> str:
-        return self.policy or self.role.value
 
 
 @dataclass(frozen=True)
@@ -46,7 +38,9 @@ class Scenario:
     """A cluster to simulate. `perf_models` maps each pool's hardware name to its performance model;
     `hardware` gives the CLS's speed profiles (by default derived from the models: `hardware_profiles`).
     `kv_budget_tokens`: KV cache per worker, in tokens (rounded down to whole blocks). `overhead`:
-    what the serving stack adds to the engine's times (none by default, as in the Splitwise simulator)."""
+    what the serving stack adds to the engine's times (none by default, as in the Splitwise simulator).
+    `role_policies`: the engine policy a worker runs while in each pool, on start and after every pool
+    move (the cluster's `engine.policy_for`; a pool not named runs the policy of its own name)."""
 
     pools: tuple[PoolSpec, ...]
     perf_models: Mapping[str, PerfModel]
@@ -63,6 +57,7 @@ class Scenario:
     hardware: Mapping[str, HardwareProfile] = field(default_factory=dict)
     overhead: ServingOverhead = ServingOverhead()
     slo: SLOOptions = SLOOptions()  # the accelgen policies' settings (pivot time: each worker's model)
+    role_policies: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))
@@ -79,8 +74,16 @@ class Scenario:
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(f"kv_budget_tokens={self.kv_budget_tokens} holds fewer tokens than max_model_len="
                              f"{self.max_model_len}; raise kv_budget_tokens or lower max_model_len")
+        for role, policy in self.role_policies.items():
+            if role not in {r.value for r in Role} or policy not in POLICY_CLASSES:
+                raise ValueError(f"role_policies maps a pool ({', '.join(r.value for r in Role)}) to a policy "
+                                 f"({', '.join(POLICY_CLASSES)}), got {role!r}: {policy!r}")
         if not (math.isfinite(self.report_interval_s) and self.report_interval_s > 0):
             raise ValueError(f"report_interval_s must be a finite number > 0, got {self.report_interval_s!r}")
+
+    def policy_for(self, role: Role) -> str:
+        """The engine policy of a worker while its pool is `role`."""
+        return self.role_policies.get(role.value, role.value)
 
     @property
     def num_blocks(self) -> int:

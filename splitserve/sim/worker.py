@@ -64,7 +64,7 @@ class SimWorker:
     side of a split request) and leave through `abort` or by finishing. `changed` turns True with
     anything that can change `load()`; the cluster clears it when it reports the load."""
 
-    def __init__(self, worker_id: str, role: str, perf: PerfModel, num_blocks: int, block_size: int,
+    def __init__(self, worker_id: str, policy: str, perf: PerfModel, num_blocks: int, block_size: int,
                  limits: SchedulerLimits, token_times: dict[str, list[float]],
                  overhead: ServingOverhead = NO_OVERHEAD, clock: Callable[[], float] = lambda: 0.0):
         self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
@@ -74,8 +74,7 @@ class SimWorker:
         if limits.slo.pivot_time_s is None:  # SLO-aware policies: the pivot's time from this worker's model
             pivot = limits.slo.pivot_tokens
             limits = replace(limits, slo=replace(limits.slo, pivot_time_s=perf.prefill_time(pivot)))
-        self.policy = make_policy(role, self.blocks, limits, clock)
-        self.role = role
+        self.policy = make_policy(policy, self.blocks, limits, clock)
         self.plan: Plan | None = None  # the iteration in flight
         self.iterations = self.num_prefills = 0
         self.busy_s = 0.0
@@ -109,11 +108,11 @@ class SimWorker:
             self.policy.finish(seq, "abort")
             self.changed = True
 
-    def set_role(self, role: str) -> None:
-        """Switch scheduling policy on the live worker, as `LLMEngine.set_policy` does."""
-        policy = make_policy(role, self.blocks, self.policy.limits, self.clock)
+    def set_policy(self, name: str) -> None:
+        """Switch scheduling policy on the live worker (a pool move), as `LLMEngine.set_policy` does."""
+        policy = make_policy(name, self.blocks, self.policy.limits, self.clock)
         policy.adopt(self.policy)
-        self.policy, self.role, self.changed = policy, role, True
+        self.policy, self.changed = policy, True
 
     # ---- iterations ----------------------------------------------------------------------
     def start_iteration(self, now: float) -> float | None:

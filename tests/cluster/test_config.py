@@ -234,7 +234,7 @@ def test_accelgen_is_chosen_per_pool_and_its_settings_reach_the_engine_and_the_s
     slo = engine.engine_config("accelgen").slo
     assert (slo.pivot_time_s, slo.default_tbt_s, slo.window_s, slo.pivot_tokens) == (0.04, 0.1, 0.5, 512)
     scenario = scenario_from_config(config)
-    assert [p.engine_policy for p in scenario.pools] == ["accelgen_prompt", "token", "accelgen"]
+    assert [scenario.policy_for(p.role) for p in scenario.pools] == ["accelgen_prompt", "token", "accelgen"]
     assert scenario.limits.slo == slo
     with pytest.raises(ValidationError, match="pivot_ms"):
         ClusterConfig.model_validate({"engine": {"slo_scheduling": {"pivot_ms": 0}}})

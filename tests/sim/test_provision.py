@@ -6,6 +6,7 @@ import pytest
 
 from splitserve.bench.report import RequestRecord
 from splitserve.cli import main
+from splitserve.cluster.placement import Role
 from splitserve.sim.cluster import SimResult
 from splitserve.sim.designs import A100, DESIGNS, design, perf_model
 from splitserve.sim.provision import (
@@ -137,16 +138,20 @@ def test_bad_inputs_name_the_field():
         Goal("iso-throughput")
     with pytest.raises(ValueError, match="num_token must be 0"):
         DESIGNS["baseline-h100"].scenario(2, 1)
-    with pytest.raises(ValueError, match="baseline_policy must be"):
-        replace(DESIGNS["baseline-h100"], baseline_policy="token")
+    with pytest.raises(ValueError, match="mixed_policy must be"):
+        replace(DESIGNS["baseline-h100"], mixed_policy="token")
 
 
-def test_baselines_batch_as_the_paper_unless_told_otherwise():
-    assert [p.policy for p in DESIGNS["baseline-a100"].scenario(3, 0).pools] == ["orca"]
-    vllm = replace(DESIGNS["baseline-a100"], baseline_policy="prefill_first")
-    assert [p.policy for p in vllm.scenario(3, 0).pools] == ["prefill_first"]
-    assert {p.policy for p in replace(DESIGNS["splitwise-aa"], baseline_policy="prefill_first").scenario(2, 1).pools} \
-        == {None}  # Splitwise pools run their roles' own policies
+def test_mixed_machines_batch_as_the_paper_unless_told_otherwise():
+    def policies(scenario):
+        return [scenario.policy_for(role) for role in (Role.PROMPT, Role.TOKEN, Role.MIXED)]
+
+    for name in ("baseline-a100", "splitwise-aa"):  # a baseline's machines, a Splitwise mixed pool
+        d = DESIGNS[name]
+        counts = (3, 0) if d.baseline else (2, 1)
+        assert policies(d.scenario(*counts)) == ["prompt", "token", "orca"]
+        assert policies(replace(d, mixed_policy="prefill_first").scenario(*counts)) == ["prompt", "token",
+                                                                                         "prefill_first"]
 
 
 def test_a_tiny_plan_end_to_end(tmp_path):

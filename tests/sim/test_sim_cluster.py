@@ -25,8 +25,8 @@ def split(prompt=1, token=1, **kwargs):
     return scenario((Role.PROMPT, prompt, "hw"), (Role.TOKEN, token, "hw"), **kwargs)
 
 
-def mixed(count=1, policy=None, **kwargs):
-    return scenario((Role.MIXED, count, "hw", policy), **kwargs)
+def mixed(count=1, policy="mixed", **kwargs):
+    return scenario((Role.MIXED, count, "hw"), role_policies={"mixed": policy}, **kwargs)
 
 
 def spec(index, arrival, prompt, output):
@@ -147,6 +147,20 @@ def test_prompt_backlog_moves_a_token_worker_into_the_mixed_pool_and_back():
     guest = result.workers[1]
     assert guest.worker_id == "token-000" and guest.num_prefills > 0
     assert (guest.pool_moves, guest.pool, guest.home) == (2, "token", "token")  # in, and home once drained
+
+
+def test_a_pool_move_switches_the_worker_to_its_new_pool_s_policy():
+    # as the cluster's engine.policy_for: the guest runs the mixed pool's policy, then its home's again
+    overflow = split(1, 2, placement="splitwise", thresholds=PlacementThresholds(mixed_prompt_tokens=500),
+                     role_policies={"mixed": "orca"})
+    sim = Simulation(overflow, [spec(i, 0.0, 400, 4) for i in range(6)])
+    guest, seen = sim.workers["token-000"], []
+    switch = guest.set_policy
+    guest.set_policy = lambda name: (seen.append(name), switch(name))
+    sim.run()
+    assert seen == ["orca", "token"] and guest.policy.name == "token"
+    with pytest.raises(ValueError, match="role_policies"):
+        split(role_policies={"mixed": "nope"})
 
 
 def test_everything_full_rejects_with_429():

@@ -32,9 +32,9 @@ class LinearPerf:
         return self.decode_s
 
 
-def make_worker(role="mixed", num_blocks=64, perf=None, **limits):
+def make_worker(policy="mixed", num_blocks=64, perf=None, **limits):
     times = {}
-    worker = SimWorker("w0", role, perf or LinearPerf(), num_blocks, 16, SchedulerLimits(**limits), times)
+    worker = SimWorker("w0", policy, perf or LinearPerf(), num_blocks, 16, SchedulerLimits(**limits), times)
     return worker, times
 
 
@@ -91,7 +91,7 @@ def test_mixed_chunks_a_long_prompt_alongside_decodes():
 
 
 def test_hand_off_frees_the_prompt_side_and_leaves_the_time_to_the_cluster():
-    worker, times = make_worker(role="prompt")
+    worker, times = make_worker(policy="prompt")
     seq = request(times, "a", 100, 5)
     worker.add(seq, hand_off=True)
     end = worker.start_iteration(0.0)
@@ -104,7 +104,7 @@ def test_hand_off_frees_the_prompt_side_and_leaves_the_time_to_the_cluster():
 
 
 def test_import_reserves_then_decodes_from_the_first_token():
-    worker, times = make_worker(role="token")
+    worker, times = make_worker(policy="token")
     seq = request(times, "a", 100, 3)
     worker.reserve_import(seq)
     assert worker.blocks.num_free_blocks == 64 - 7  # ceil(100 / 16)
@@ -117,7 +117,7 @@ def test_import_reserves_then_decodes_from_the_first_token():
 
 
 def test_abort_frees_a_reservation():
-    worker, times = make_worker(role="token")
+    worker, times = make_worker(policy="token")
     worker.reserve_import(request(times, "a", 100, 3))
     worker.abort("a")
     assert worker.blocks.num_free_blocks == 64 and not worker.policy.held
@@ -125,7 +125,7 @@ def test_abort_frees_a_reservation():
 
 
 def test_load_is_what_a_real_worker_reports():
-    worker, times = make_worker(role="token")
+    worker, times = make_worker(policy="token")
     worker.reserve_import(request(times, "imp", 100, 3))        # 7 blocks
     worker.add(request(times, "local", 50, 3), hand_off=False)  # waiting: no blocks yet
     expected = WorkerLoad(pending_prompt_tokens=50, decode_tokens=150, num_decoding=2, num_waiting=1,
@@ -136,13 +136,13 @@ def test_load_is_what_a_real_worker_reports():
     assert WorkerLoop.load(real) == expected
 
 
-def test_set_role_keeps_every_sequence():
-    worker, times = make_worker(role="prompt")
+def test_set_policy_keeps_every_sequence():
+    worker, times = make_worker(policy="prompt")
     seq = request(times, "a", 100, 3)
     worker.add(seq, hand_off=False)
     worker.start_iteration(0.0)
-    worker.set_role("mixed")  # mid-iteration, as a pool move may come
-    assert worker.role == "mixed" and worker.policy.name == "mixed" and worker.policy.running == [seq]
+    worker.set_policy("mixed")  # mid-iteration, as a pool move may come
+    assert worker.policy.name == "mixed" and worker.policy.running == [seq]
     worker.finish_iteration(0.1)
     run_until_idle(worker, 0.1)
     assert times["a"] == pytest.approx([0.1, 0.12, 0.14])
