@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import ray
 from ray import serve
@@ -34,10 +34,14 @@ def wait_until_healthy(url: str, timeout: float) -> dict:
     raise TimeoutError(f"{url}/health did not answer 200 within {timeout:.0f} s (last: {last})")
 
 
-def deploy(config: ClusterConfig, host: str, port: int, address: str | None, timeout: float = 600) -> str:
-    """Start or join Ray, run the app; returns the base URL once /health is 200."""
+def deploy(config: ClusterConfig, host: str, port: int, address: str | None, timeout: float = 600,
+           on_sigterm: Callable | None = None) -> str:
+    """Start or join Ray, run the app; returns the base URL once /health is 200. `on_sigterm`
+    handles SIGTERM from the moment Ray is up (ray.init installs a handler of its own that aborts)."""
     # "local": a fresh cluster even where `ray start` left one running (ray.init would join it)
     ray.init(address=address or "local", ignore_reinit_error=True, log_to_driver=False)
+    if on_sigterm is not None:
+        signal.signal(signal.SIGTERM, on_sigterm)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
@@ -53,18 +57,21 @@ def teardown(joined: bool) -> None:
     ray.shutdown()
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does, even while it is still deploying
+
+
 def serve_until_interrupted(config: ClusterConfig, host: str, port: int, address: str | None) -> None:
-    stop = threading.Event()
     try:
-        url = deploy(config, host, port, address)
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after ray.init, which installs its own
+        url = deploy(config, host, port, address, on_sigterm=_interrupt)
         pools = ", ".join(f"{p.num_workers} {p.role} ({p.hardware})" for p in config.pools)
         print(f"splitserve: serving model {config.model_name!r} at {url}/v1  [{pools}]", flush=True)
         print("splitserve: press Ctrl-C to stop", flush=True)
-        while not stop.wait(0.5):
-            pass
+        while True:
+            time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the teardown short
         print("splitserve: shutting down", flush=True)
         teardown(joined=address is not None)
