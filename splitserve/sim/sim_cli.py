@@ -1,16 +1,19 @@
-"""`splitserve sim`: replay a trace through a simulated cluster given by the same config file a
-deployment uses, and write the same report a real `splitserve bench` run writes.
+"""`splitserve sim`: replay a trace through a simulated cluster, given by the same config file a
+deployment uses or by one of Splitwise's designs at a machine count, and write the same report a
+real `splitserve bench` run writes (--out) or its summary alone (--json).
 
     splitserve sim --config deploy/splitwise-ha.yaml --trace conv --rate 40 --num-requests 5000 --out sim/
     splitserve sim --trace conv --rate 2 --length-scale 0.25 --profile cpu.csv --model demo --out sim/  # local-cpu
     splitserve sim ... --profile cpu.csv --overhead overhead.json  # + what `splitserve profile --url` measured
+    splitserve sim --design splitwise-hh --prompt-machines 25 --token-machines 15 --trace conv --rate 70 \
+        --duration 120 --json hh.json  # a Splitwise design (DGX machines, the packaged A100/H100 profiles)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -21,12 +24,23 @@ from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
 from splitserve.cluster.config import ClusterConfig, load_cluster_config
 from splitserve.command import report_errors
 from splitserve.sim.cluster import simulate
+from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, design
 from splitserve.sim.from_config import SimTarget, scenario_from_config
 from splitserve.sim.overhead import ServingOverhead
+from splitserve.sim.scenario import Scenario
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="a Serve config (deploy/*.yaml) or bare cluster config; default: local-cpu")
+    cluster = p.add_mutually_exclusive_group()
+    cluster.add_argument("--config", help="a Serve config (deploy/*.yaml) or bare cluster config; default: local-cpu")
+    cluster.add_argument("--design", choices=list(DESIGNS), help="one of Splitwise's designs instead of a config")
+    p.add_argument("--prompt-machines", type=int, default=None,
+                   help="--design: prompt machines (a baseline's machines, all mixed)")
+    p.add_argument("--token-machines", type=int, default=0, help="--design: token machines (0 for a baseline)")
+    p.add_argument("--decode-rule", choices=DECODE_RULES, default=DECODE_RULES[0],
+                   help="--design: each decode pays for its context (ours) or splitwise-sim's rule")
+    p.add_argument("--mixed-policy", choices=MIXED_POLICIES, default=MIXED_POLICIES[0],
+                   help="--design: how mixed machines batch (orca: the paper's mixed continuous batching)")
     p.add_argument("--model", default="llama2-70b", help="whose profiles stand in for the workers: llama2-70b, "
                                                          "bloom-176b, or demo / a checkpoint with --profile")
     p.add_argument("--tensor-parallel", type=int, default=8, help="profile rows to use (a worker is a TP-N machine)")
@@ -37,20 +51,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a peer_slowdown in it puts every worker on one shared host")
     p.add_argument("--trace", default="conv")
     p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of arrivals at --rate (instead of --num-requests)")
     p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the Azure trace's own)")
     p.add_argument("--arrivals", choices=ARRIVALS, default=None)
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="folder for requests.jsonl, summary.json, report.md, workers.json")
+    p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
+    p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "
+                                                            "num_requests, wall_time_s)")
     p.add_argument("--no-progress", action="store_true")
 
 
+def scenario_of(args) -> Scenario:
+    if args.design is None:
+        config = load_cluster_config(args.config)[0] if args.config else ClusterConfig()
+        overhead = ServingOverhead.load(args.overhead) if args.overhead else ServingOverhead()
+        target = SimTarget(args.model, args.tensor_parallel, args.profile, args.bandwidth_gbps, overhead=overhead)
+        return scenario_from_config(config, target)
+    if args.prompt_machines is None:
+        raise ValueError("--prompt-machines is required with --design")
+    chosen = replace(design(args.design), decode_rule=args.decode_rule, mixed_policy=args.mixed_policy)
+    return chosen.scenario(args.prompt_machines, args.token_machines, args.model)
+
+
+def num_requests(args) -> int:
+    if args.duration is None:
+        return args.num_requests
+    if args.rate is None or not args.duration > 0:
+        raise ValueError(f"--duration needs --rate and a positive number of seconds, got {args.duration!r}")
+    return max(1, round(args.rate * args.duration))
+
+
 def run(args) -> dict:
-    config = load_cluster_config(args.config)[0] if args.config else ClusterConfig()
-    overhead = ServingOverhead.load(args.overhead) if args.overhead else ServingOverhead()
-    target = SimTarget(args.model, args.tensor_parallel, args.profile, args.bandwidth_gbps, overhead=overhead)
-    scenario = scenario_from_config(config, target)
-    requests = make_workload(WorkloadSpec(trace=args.trace, num_requests=args.num_requests, rate=args.rate,
+    if args.out is None and args.json is None:
+        raise ValueError("give --out (the full report) or --json (the summary), or both")
+    scenario = scenario_of(args)
+    requests = make_workload(WorkloadSpec(trace=args.trace, num_requests=num_requests(args), rate=args.rate,
                                           arrivals=args.arrivals, length_scale=args.length_scale, seed=args.seed,
                                           max_prompt_tokens=scenario.max_model_len // 2,
                                           max_output_tokens=scenario.max_model_len // 2))
@@ -58,13 +95,17 @@ def run(args) -> dict:
     with tqdm(total=len(requests), desc="simulated", unit="req", disable=args.no_progress, leave=False) as bar:
         result = simulate(scenario, requests, args.seed, progress=lambda done, _: bar.update(done - bar.n))
     wall = time.perf_counter() - started
-    summary = {**result.summary(), "simulated_s": result.duration_s, "wall_s": wall,
+    summary = {**result.summary(), "simulated_s": result.duration_s, "wall_time_s": wall,
                "simulated_requests_per_wall_s": len(requests) / wall}
-    out = Path(args.out)
-    write_outputs(out, result.records, summary, f"simulated: {args.trace}")
-    (out / "workers.json").write_text(json.dumps([asdict(w) for w in result.workers], indent=2))
+    if args.out:
+        out = Path(args.out)
+        write_outputs(out, result.records, summary, f"simulated: {args.trace}")
+        (out / "workers.json").write_text(json.dumps([asdict(w) for w in result.workers], indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
     print(markdown_table(summary))
-    print(f"{len(requests)} requests, {result.duration_s:.0f} s simulated in {wall:.1f} s; results in {out}/")
+    print(f"{len(requests)} requests, {result.duration_s:.0f} s simulated in {wall:.1f} s; "
+          f"results in {', '.join(str(p) for p in (args.out, args.json) if p)}")
     return summary
 
 

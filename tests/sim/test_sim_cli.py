@@ -1,11 +1,20 @@
-"""`splitserve sim`: a deployment's config file simulated on a trace, with the bench's report."""
+"""`splitserve sim`: a deployment's config file or a Splitwise design simulated on a trace, with the bench's
+report or its JSON summary."""
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 
+import pytest
+
+from splitserve.bench.workload import WorkloadSpec, make_workload
 from splitserve.cli import main
+from splitserve.cluster.placement import Role
+from splitserve.sim.cluster import simulate
+from splitserve.sim.designs import DESIGNS
 from splitserve.sim.perf_model import CSV_COLUMNS
+from splitserve.sim.sim_cli import add_arguments, scenario_of
 
 
 def write_cpu_profile(path) -> None:
@@ -28,7 +37,7 @@ def test_a_deploy_file_simulates_into_the_bench_report(tmp_path, capsys):
                  "--num-requests", "200", "--out", str(out), "--no-progress"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_requests"] == 200 and summary["num_failed"] == 0
-    assert 0 < summary["ttft_s"]["p50"] <= summary["ttft_s"]["p99"] and summary["wall_s"] > 0
+    assert 0 < summary["ttft_s"]["p50"] <= summary["ttft_s"]["p99"] and summary["wall_time_s"] > 0
     workers = json.loads((out / "workers.json").read_text())
     assert sorted(w["hardware"] for w in workers) == ["a100", "a100", "h100", "h100"]
     assert {p.name for p in out.iterdir()} >= {"requests.jsonl", "report.md", "latency_cdf.png"}
@@ -49,3 +58,52 @@ def test_the_local_cpu_default_with_a_measured_profile(tmp_path):
 def test_a_class_without_a_profile_is_a_clear_error(tmp_path, capsys):
     assert main(["sim", "--trace", "conv", "--rate", "1", "--num-requests", "5", "--out", str(tmp_path)]) == 2
     assert "splitserve profile --hardware cpu" in capsys.readouterr().err
+
+
+def design_args(*extra: str) -> list[str]:
+    return ["sim", "--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1", "--trace", "conv",
+            "--rate", "2", "--duration", "5", "--no-progress", *extra]
+
+
+def test_a_design_writes_the_machine_readable_summary(tmp_path):
+    path = tmp_path / "hh.json"
+    assert main(design_args("--json", str(path))) == 0
+    summary = json.loads(path.read_text())
+    assert summary["num_requests"] == 10 and summary["wall_time_s"] > 0  # 2 req/s for 5 s
+    # the same numbers as the library's own run of that design on that workload
+    requests = make_workload(WorkloadSpec("conv", 10, rate=2.0, arrivals=None, seed=0, max_prompt_tokens=8192,
+                                          max_output_tokens=8192))
+    reference = simulate(DESIGNS["splitwise-hh"].scenario(2, 1), requests).summary()
+    for metric in ("ttft_s", "tbt_s", "e2e_s"):
+        assert summary[metric]["p50"] <= summary[metric]["p90"] <= summary[metric]["p99"]
+        assert {p: summary[metric][p] for p in ("p50", "p90", "p99")} == \
+            pytest.approx({p: reference[metric][p] for p in ("p50", "p90", "p99")})
+
+
+def test_a_design_takes_the_decode_rule_and_the_mixed_policy():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--design", "baseline-a100", "--prompt-machines", "3", "--decode-rule", "splitwise-sim",
+                              "--mixed-policy", "prefill_first", "--json", "x.json"])
+    scenario = scenario_of(args)
+    assert scenario.policy_for(Role.MIXED) == "prefill_first" and [p.count for p in scenario.pools] == [3]
+    assert type(scenario.perf_models["a100-80gb"]).__name__ == "SplitwiseSimPerf"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--design", "splitwise-hh", "--rate", "1", "--json", "x.json"], "--prompt-machines is required"),
+    (["--design", "baseline-h100", "--prompt-machines", "2", "--token-machines", "1", "--json", "x.json"],
+     "num_token must be 0"),
+    (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1", "--duration", "5",
+      "--json", "x.json"], "--duration needs --rate"),
+    (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1"], "--out"),
+])
+def test_design_mistakes_are_clear_errors(extra, message, capsys):
+    assert main(["sim", "--trace", "conv", "--no-progress", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_config_and_a_design_exclude_each_other(capsys):
+    with pytest.raises(SystemExit):
+        main(["sim", "--config", "deploy/splitwise-ha.yaml", "--design", "splitwise-hh", "--json", "x.json"])
+    assert "not allowed with" in capsys.readouterr().err
