@@ -183,18 +183,22 @@ class Sim:
             if len(new) > 1:
                 assert sum(i.num_new_tokens for i in new) <= limits.prompt_token_budget
         if self.name == "orca":
-            # a decode is left out only when the batch's tokens fill the budget, and never more than MAX_SKIPS times in a row
-            preempted = {s.seq_id for s in plan.preempted}
-            decoding = [sid for sid, dec in running_before.items() if dec and sid not in preempted]
-            if kinds.count("decode") < len(decoding):
-                assert plan.num_tokens >= limits.prompt_token_budget
-            assert all(s.num_skips <= MAX_SKIPS for s in policy.running)
+            self.check_orca(policy, plan, kinds, running_before)
         if self.name == "prefill_first":
             assert set(kinds) <= {"new"} or set(kinds) <= {"decode"}
             if not new:  # a step without prefills decodes every decoding sequence
                 assert all(sid in served for sid, dec in running_before.items() if dec)
         if self.name == "prompt":
             assert kinds == ["new"] * len(kinds)
+
+    @staticmethod
+    def check_orca(policy, plan, kinds, running_before) -> None:
+        """A decode is left out only when the batch's tokens fill the budget, never MAX_SKIPS times in a row."""
+        preempted = {s.seq_id for s in plan.preempted}
+        decoding = [sid for sid, dec in running_before.items() if dec and sid not in preempted]
+        if kinds.count("decode") < len(decoding):
+            assert plan.num_tokens >= policy.limits.prompt_token_budget
+        assert all(s.num_skips <= MAX_SKIPS for s in policy.running)
 
     def check_state(self, policy) -> None:
         for seq in policy.running:

@@ -171,10 +171,10 @@ class Policy(ABC):
                 self.blocks.grow(seq, seq.num_tokens)
         return preempted
 
-    def _admit_whole_prompts(self, items: list[ScheduledSeq], budget: int, used: int = 0) -> None:
+    def _admit_whole_prompts(self, items: list[ScheduledSeq], budget: int, used: int = 0) -> int:
         """FCFS: admit waiting sequences whole while KV allows and the batch's tokens (`used` of
         them already taken) fit the budget. A prompt alone in a batch may exceed the budget, so
-        no prompt starves."""
+        no prompt starves. Returns the batch's tokens after admission."""
         while self.waiting and self._can_admit(self.waiting[0]):
             seq = self.waiting[0]
             if used and used + seq.num_tokens > budget:
@@ -182,6 +182,7 @@ class Policy(ABC):
             self._admit(seq)
             items.append(ScheduledSeq(seq, seq.num_uncomputed_tokens))
             used += seq.num_uncomputed_tokens
+        return used
 
     def check_integrity(self) -> None:
         """Blocks are held exactly by running and held sequences; then the block manager's own checks."""

@@ -27,8 +27,8 @@ class OrcaPolicy(Policy):
         prompts = self._unfinished_prefill_items()  # left half-prefilled by a chunking policy
         used = len(starved) + sum(item.num_new_tokens for item in prompts)
         if not preempted:
-            self._admit_whole_prompts(prompts, budget, used)
-        room = max(budget - len(starved) - sum(item.num_new_tokens for item in prompts), 0)
+            used = self._admit_whole_prompts(prompts, budget, used)
+        room = max(budget - used, 0)
         rest = [item for item in decodes if item.seq.num_skips < MAX_SKIPS]
         chosen = starved + rest[:room]
         for item in chosen:
