@@ -44,6 +44,8 @@ def head_node():
     """(GCS address, dashboard URL) of a local head node; this process joins it as a driver."""
     ray = pytest.importorskip("ray")
     gcs, dashboard = _free_port(), _free_port()
+    # a token for the head to require, as `ray start` on a fresh machine does not make one itself
+    subprocess.run(["ray", "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
     temp_dir = tempfile.mkdtemp(prefix="ssray-")  # marks this cluster's processes (short: socket paths)
     # every port of its own, so another Ray on the machine (a developer's) cannot take one first
     ports = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
