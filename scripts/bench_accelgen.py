@@ -23,7 +23,7 @@ from dataclasses import replace
 import numpy as np
 
 from splitserve.bench.workload import RequestSpec, WorkloadSpec, make_workload
-from splitserve.cluster.placement import Role
+from splitserve.placement import Role
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import DEFAULT_MODEL, H100, kv_budget_tokens, perf_model
 from splitserve.sim.scenario import PoolSpec, Scenario

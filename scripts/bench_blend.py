@@ -18,8 +18,8 @@ import platform
 import random
 import statistics
 
-from splitserve.engine.blend.feeder import BlendOptions
-from splitserve.engine.blend.runner import run_batch
+from splitserve.batch.blend.feeder import BlendOptions
+from splitserve.batch.engine_runner import run_batch
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 

@@ -62,7 +62,7 @@ def place_round_trips(app: str, n: int) -> list[float]:
     import ray
 
     from splitserve.cluster.controller import WORKER_NAMESPACE
-    from splitserve.cluster.placement import PlacementRequest
+    from splitserve.placement import PlacementRequest
 
     handle = ray.get_actor(f"{app}-controller", namespace=WORKER_NAMESPACE)
 

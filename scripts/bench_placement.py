@@ -27,11 +27,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from splitserve.cluster.hardware import HARDWARE_CLASSES
-from splitserve.cluster.placement import (PLACEMENT_POLICIES, ClusterState, PlacementRequest, PlacementThresholds,
-                                          Role, WorkerLoad, WorkerState)
 from splitserve.data import TRACES_DIR
 from splitserve.machine import cpu_name
+from splitserve.placement import (
+    PLACEMENT_POLICIES,
+    ClusterState,
+    PlacementRequest,
+    PlacementThresholds,
+    Role,
+    WorkerLoad,
+    WorkerState,
+)
+from splitserve.placement.hardware import HARDWARE_CLASSES
 
 TRACE = TRACES_DIR / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
 HARDWARE_CYCLE = ("h100", "a100", "h100-cap")

@@ -17,7 +17,7 @@ import pstats
 import time
 
 from splitserve.bench.workload import WorkloadSpec, make_workload
-from splitserve.cluster.placement import Role
+from splitserve.placement import Role
 from splitserve.sim.cluster import simulate
 from splitserve.sim.perf_model import MODEL_SHAPES, load_perf_models
 from splitserve.sim.scenario import PoolSpec, Scenario

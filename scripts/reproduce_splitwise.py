@@ -33,9 +33,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, Design
-from splitserve.sim.figures import latency_vs_load_figure, load_sweep, summary_bars
-from splitserve.sim.provision import (
+from splitserve.provision.figures import latency_vs_load_figure, load_sweep, summary_bars
+from splitserve.provision.search import (
     REFERENCE_H100S,
     Goal,
     TraceSpec,
@@ -45,6 +44,7 @@ from splitserve.sim.provision import (
     reference_budget,
     search,
 )
+from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, Design
 
 # (trace, design, goal) -> the paper's (prompt, token) counts; a missing trace takes the other trace's
 PAPER_SPLITS = {
@@ -98,7 +98,7 @@ def provision(trace: TraceSpec, d: Design, goal: str, args: argparse.Namespace) 
 def cheapest_reaching(trace: TraceSpec, d: Design, minimize: str, target_rps: float,
                       args: argparse.Namespace) -> dict:
     """iso-throughput: the least power (or cost) split of `d` within the iso-power (iso-cost) budget
-    that serves `target_rps` (the staircase of splitserve.sim.provision), on the --step grid with
+    that serves `target_rps` (the staircase of splitserve.provision.search), on the --step grid with
     --search, else on a grid scaled with the cluster (every count at --scale 0.25, 5 at --scale 1)."""
     step = args.step if args.search else max(1, round(args.step * args.scale))
     goal = Goal("iso-throughput", reference_budget("iso-" + minimize) * args.scale, target_rps, minimize, step)

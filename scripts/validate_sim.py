@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from splitserve.bench.workload import WorkloadSpec
-from splitserve.cluster.config import ClusterConfig, load_cluster_config
+from splitserve.config import ClusterConfig, load_cluster_config
 from splitserve.machine import cpu_name
 from splitserve.sim.profile import ProfileSpec, run_profile, write_csv
 from splitserve.sim.validate import validate

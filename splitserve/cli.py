@@ -42,8 +42,8 @@ def _add_serve(commands) -> None:
 def _run_serve(args) -> int:
     from pydantic import ValidationError
 
-    from splitserve.cluster.config import ClusterConfig, load_cluster_config
     from splitserve.cluster.launcher import serve_until_interrupted
+    from splitserve.config import ClusterConfig, load_cluster_config
 
     try:
         config, http = load_cluster_config(args.config) if args.config else (ClusterConfig(), {})
@@ -165,8 +165,8 @@ def _run_profile(args) -> int:
 def _run_serving_profile(args) -> int:
     from pydantic import ValidationError
 
-    from splitserve.cluster.config import ClusterConfig, load_cluster_config
     from splitserve.command import report_errors
+    from splitserve.config import ClusterConfig, load_cluster_config
     from splitserve.sim.serving_profile import measure_serving_overhead
 
     def run(args) -> None:
@@ -191,10 +191,10 @@ DELEGATED = {  # subcommands whose arguments and run live with their package: (m
     "sim": ("splitserve.sim.sim_cli", "simulate a cluster config on a trace (the real schedulers, modelled time)",
             "Event-driven simulation of the cluster a config file describes, with the engine's own schedulers and "
             "the CLS's own placement, timed by performance profiles; writes the report `splitserve bench` writes."),
-    "plan": ("splitserve.sim.plan_cli", "provision prompt / token machines for a design (Splitwise IV-D)",
+    "plan": ("splitserve.provision.plan_cli", "provision prompt / token machines for a design (Splitwise IV-D)",
              "Simulate the splits of a design under an iso-power, iso-cost or iso-throughput goal with the Table VI "
              "SLOs; print a table and write plan.json and a design-space heat map to --out."),
-    "batch": ("splitserve.cluster.batches.batch_cli", "run an OpenAI batch file offline (BlendServe order)",
+    "batch": ("splitserve.batch.cli", "run an OpenAI batch file offline (BlendServe order)",
               "Run an OpenAI Batch API input file (JSONL) on one in-process engine, ordered by BlendServe's "
               "resource-aware prefix tree and dual scanner on top of the prefix cache; results go to OUTPUT as "
               "they finish, and a rerun resumes where OUTPUT ends."),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.bench.plots import latency_vs_load
+from splitserve.bench.plots import MISSING, latency_vs_load, plots_available
 from splitserve.bench.report import markdown_table, write_outputs
 from splitserve.bench.runner import Target, measure_baseline, run_at_rate, run_once
 from splitserve.bench.slo import SLOSpec, capacity_search, p99_tbt_within
@@ -93,7 +93,10 @@ def _capacity(args, target: Target, workload: WorkloadSpec, slo: SLOSpec, baseli
     result = {"capacity_rps": best, "tbt_slo_s": args.tbt_slo, "probes": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "capacity.json").write_text(json.dumps(result, indent=2))
-    latency_vs_load(rows, out / "latency_vs_load.png", f"{args.trace}: latency against load")
+    if plots_available():
+        latency_vs_load(rows, out / "latency_vs_load.png", f"{args.trace}: latency against load")
+    else:
+        print(f"no latency_vs_load.png: {MISSING}")
     print(f"capacity: {best:.2f} req/s with P99 TBT <= {args.tbt_slo} s ({len(rows)} rates probed); results in {out}/")
     return result
 

@@ -1,7 +1,9 @@
 """Latency plots as PNG files. Figures are built as `matplotlib.figure.Figure` objects and
-rendered by the Agg canvas: no pyplot state, no display needed."""
+rendered by the Agg canvas: no pyplot state, no display needed. matplotlib is the `plots` extra
+(`pip install 'splitserve[plots]'`): without it, callers skip their plots (`plots_available`)."""
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -9,22 +11,38 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 
 from splitserve.bench.slo import latencies
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
     from splitserve.bench.report import RequestRecord
+
+MISSING = "plots need matplotlib: pip install 'splitserve[plots]'"
 
 LOAD_METRICS = (("ttft_s", "TTFT (s)"), ("tbt_s", "TBT (s)"), ("e2e_s", "E2E latency (s)"))
 ROW_KEYS = ("design", "rate") + tuple(key for key, _ in LOAD_METRICS)
 
 
+def plots_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def new_figure(**kwargs) -> Figure:
+    """A matplotlib Figure (Agg canvas); ImportError naming the extra where matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError(MISSING) from None
+    return Figure(**kwargs)
+
+
 def cdf_plot(records: Sequence[RequestRecord], path: str | Path, title: str) -> Path:
     """Two panels: the CDF of TTFT over completed requests, and of TBT over all their token gaps."""
     values = latencies(records)
-    fig = Figure(figsize=(10, 4), layout="constrained")
+    fig = new_figure(figsize=(10, 4), layout="constrained")
     for ax, metric, label in zip(fig.subplots(1, 2), ("ttft", "tbt"), ("TTFT (s)", "TBT (s)")):
         _cdf(ax, values[metric], label)
     fig.suptitle(title)
@@ -49,7 +67,7 @@ def latency_vs_load(rows: Sequence[dict], path: str | Path, title: str) -> Path:
     one colour per design. Rows: {"design", "rate", "ttft_s", "tbt_s", "e2e_s"} with each
     metric a `report.percentiles` dict."""
     by_design = _rows_by_design(rows)
-    fig = Figure(figsize=(15, 4), layout="constrained")
+    fig = new_figure(figsize=(15, 4), layout="constrained")
     axes = fig.subplots(1, len(LOAD_METRICS))
     for ax, (key, label) in zip(axes, LOAD_METRICS):
         for i, (design, design_rows) in enumerate(by_design.items()):

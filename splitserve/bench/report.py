@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splitserve.bench.plots import cdf_plot
+from splitserve.bench.plots import MISSING, cdf_plot, plots_available
 from splitserve.bench.slo import Baseline, SLOSpec, attainment, latencies
 
 LATENCY_ROWS = (("TTFT (s)", "ttft_s"), ("TBT (s)", "tbt_s"), ("E2E (s)", "e2e_s"))
@@ -93,8 +93,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLOSpec 
 
 
 def write_outputs(out_dir: str | Path, records: Sequence[RequestRecord], summary: dict, title: str) -> dict[str, Path]:
-    """Write requests.jsonl, summary.json, report.md and latency_cdf.png under `out_dir` (made if
-    missing); returns their paths by kind: "requests", "summary", "report", "latency_cdf"."""
+    """Write requests.jsonl, summary.json, report.md and latency_cdf.png (where matplotlib is
+    installed) under `out_dir` (made if missing); returns their paths by kind: "requests", "summary",
+    "report", "latency_cdf"."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"requests": out / "requests.jsonl", "summary": out / "summary.json", "report": out / "report.md",
@@ -102,9 +103,13 @@ def write_outputs(out_dir: str | Path, records: Sequence[RequestRecord], summary
     lines = (json.dumps({**dataclasses.asdict(r), "tbt_s": r.tbt_s}) + "\n" for r in records)
     paths["requests"].write_text("".join(lines))
     paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
-    report = f"# {title}\n\n{markdown_table(summary)}\n\n![TTFT and TBT CDFs]({paths['latency_cdf'].name})\n"
-    paths["report"].write_text(report)
-    cdf_plot(records, paths["latency_cdf"], title)
+    if plots_available():
+        cdf_plot(records, paths["latency_cdf"], title)
+        figure = f"![TTFT and TBT CDFs]({paths['latency_cdf'].name})"
+    else:
+        del paths["latency_cdf"]
+        figure = f"(no CDF plot: {MISSING})"
+    paths["report"].write_text(f"# {title}\n\n{markdown_table(summary)}\n\n{figure}\n")
     return paths
 
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from splitserve.bench.report import RequestRecord
 
 METRICS = ("ttft", "tbt", "e2e")
-# Splitwise Table VI: slowdown bounds per metric and percentile (../shared/profiles, "SLOs").
+# Splitwise Table VI: slowdown bounds per metric and percentile (Patel et al., ISCA '24).
 TABLE_VI = {
     "ttft": {"p50": 2.0, "p90": 3.0, "p99": 6.0},
     "tbt": {"p50": 1.25, "p90": 1.5, "p99": 5.0},

@@ -12,11 +12,11 @@ from __future__ import annotations
 import ray
 from ray import serve
 
-from splitserve.cluster.batches.manager import BatchManager
-from splitserve.cluster.config import ClusterConfig
+from splitserve.cluster.batch_manager import BatchManager
 from splitserve.cluster.controller import WORKER_NAMESPACE, Controller
 from splitserve.cluster.ingress import Ingress
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
+from splitserve.config import ClusterConfig
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, health_check_period_s=5)

@@ -25,11 +25,11 @@ import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from splitserve.cluster.background import background
-from splitserve.cluster.config import ClusterConfig, PoolConfig
 from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
-from splitserve.cluster.placement import ClusterState, Placement, PlacementRequest, PoolMove
-from splitserve.cluster.placement.state import Role
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS, Worker
+from splitserve.config import ClusterConfig, PoolConfig
+from splitserve.placement import ClusterState, Placement, PlacementRequest, PoolMove
+from splitserve.placement.state import Role
 
 log = logging.getLogger("splitserve.controller")
 WORKER_NAMESPACE = "splitserve"  # where the worker actors are named (ray.get_actor)

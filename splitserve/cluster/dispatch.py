@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from splitserve.cluster.placement import Placement, PlacementRequest
 from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.placement import Placement, PlacementRequest
 
 log = logging.getLogger("splitserve.dispatch")
 REPLACE_WAIT_S = 0.5    # a failover that finds no room waits this long before asking again

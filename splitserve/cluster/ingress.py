@@ -14,18 +14,25 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
-from splitserve.cluster import responses as R
-from splitserve.cluster.batches import routes as batch_routes
-from splitserve.cluster.batches.manager import RemoteBatches
-from splitserve.cluster.chat import chat_prompt_token_ids
-from splitserve.cluster.config import ClusterConfig
+from splitserve.api import response_bodies as R
+from splitserve.api.chat_template import chat_prompt_token_ids
+from splitserve.api.errors import RequestError, error_response
+from splitserve.api.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_model,
+    parse_request,
+    prompt_token_ids_of,
+    sampling_params,
+)
+from splitserve.api.visible_text import TextStream
+from splitserve.batch import routes as batch_routes
+from splitserve.cluster.batch_manager import RemoteBatches
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
-from splitserve.cluster.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, check_model,
-                                         parse_request, prompt_token_ids_of, sampling_params)
-from splitserve.cluster.reply import Reply, error_response
-from splitserve.cluster.text_stream import TextStream
+from splitserve.cluster.run_response import RunResponse
+from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import load_metadata
 
 api = FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster")
@@ -98,7 +105,7 @@ class Ingress:
             retry = self.config.ingress.retry_after_s
             return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
                                                status=429, type="rate_limit_exceeded"), {"Retry-After": str(retry)})
-        reply = Reply(kind, run, self.model, TextStream(self.tokenizer, params, prompt), started,
+        reply = RunResponse(kind, run, self.model, TextStream(self.tokenizer, params, prompt), started,
                       self._observations.add)
         if body.stream:
             options = body.stream_options

@@ -13,7 +13,7 @@ import ray
 from ray import serve
 
 from splitserve.cluster.app import build_app
-from splitserve.cluster.config import ClusterConfig
+from splitserve.config import ClusterConfig
 
 APP_NAME = "splitserve"
 

@@ -14,12 +14,12 @@ import socket
 import ray
 import torch.distributed as dist
 
-from splitserve.cluster.config import ClusterConfig
-from splitserve.cluster.placement.state import WorkerLoad
 from splitserve.cluster.worker_loop import TokenDelta, WorkerLoop
 from splitserve.cluster.worker_stats import WorkerStats
+from splitserve.config import ClusterConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.placement.state import WorkerLoad
 from splitserve.transfer.faults import crash_after_layer_pushes
 from splitserve.transfer.handoff import make_transport
 from splitserve.transfer.transport import KVTransport, TransferTicket

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from splitserve.cluster.placement.load import load_of
-from splitserve.cluster.placement.state import WorkerLoad
 from splitserve.cluster.worker_stats import StatsRecorder, WorkerStats
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.placement.load import load_of
+from splitserve.placement.state import WorkerLoad
 from splitserve.transfer.handoff import KVExporter, KVImporter
 from splitserve.transfer.transport import KVTransport, TransferTicket
 

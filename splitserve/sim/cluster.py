@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from splitserve.bench.report import RequestRecord, summarize
 from splitserve.bench.slo import Baseline, SLOSpec
 from splitserve.bench.workload import RequestSpec
-from splitserve.cluster.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
 from splitserve.engine.block_manager import OutOfBlocksError
 from splitserve.engine.policies.base import EngineFullError
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence as EngineSequence
+from splitserve.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
 from splitserve.sim.contention import SharedHost
 from splitserve.sim.scenario import Scenario
 from splitserve.sim.worker import FILLER_TOKEN, NOTHING_HAPPENED, SimWorker

@@ -1,6 +1,6 @@
 """The cluster designs of Splitwise (IV-D, VI): two baselines and four Splitwise variants, each a
 function (num_prompt, num_token) -> Scenario, with the per-machine (DGX) cost and power constants
-of the Splitwise provisioning analysis (../shared/profiles/splitwise_configs_summary.md).
+of the Splitwise provisioning analysis (Patel et al., ISCA '24, VI; splitwise-sim's configs).
 
 Baselines run mixed workers only, placed by JSQ; their machine count is `num_prompt` and `num_token`
 must be 0. Splitwise designs have a prompt pool and a token pool placed by the `splitwise` policy.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from splitserve.cluster.placement import Role
+from splitserve.placement import Role
 from splitserve.sim.perf_model import MODEL_SHAPES, PerfModel, load_perf_models
 from splitserve.sim.scenario import PoolSpec, Scenario
 from splitserve.sim.splitwise_decode import SplitwiseSimPerf, load_splitwise_sim_models

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.cluster.config import ClusterConfig
-from splitserve.cluster.placement.state import Role
+from splitserve.config import ClusterConfig
 from splitserve.engine.demo import demo_model_config
 from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES
 from splitserve.engine.loader import load_model_config
+from splitserve.placement.state import Role
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.perf_model import MODEL_SHAPES, ModelShape, PerfModel, load_perf_models
 from splitserve.sim.scenario import PoolSpec, Scenario

@@ -6,9 +6,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from splitserve.cluster.hardware import HardwareProfile
-from splitserve.cluster.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
+from splitserve.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
+from splitserve.placement.hardware import HardwareProfile
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.transfer import TransferModel
 from splitserve.sim.worker import PerfModel

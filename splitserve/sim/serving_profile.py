@@ -7,8 +7,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from splitserve.cluster.config import ClusterConfig
-from splitserve.cluster.placement.state import Role
+from splitserve.config import ClusterConfig
+from splitserve.placement.state import Role
 from splitserve.sim.from_config import SimTarget, scenario_from_config
 from splitserve.sim.overhead import (
     ServingOverhead,

@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from splitserve.bench.report import markdown_table, write_outputs
 from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
-from splitserve.cluster.config import ClusterConfig, load_cluster_config
 from splitserve.command import report_errors
+from splitserve.config import ClusterConfig, load_cluster_config
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, design
 from splitserve.sim.from_config import SimTarget, scenario_from_config

@@ -21,7 +21,7 @@ from splitserve.bench.client import fetch_server_info, replay
 from splitserve.bench.report import RequestRecord, summarize
 from splitserve.bench.runner import fit_to_context
 from splitserve.bench.workload import WorkloadSpec, make_workload
-from splitserve.cluster.config import ClusterConfig
+from splitserve.config import ClusterConfig
 from splitserve.sim.cluster import simulate
 from splitserve.sim.from_config import scenario_from_config
 from splitserve.sim.overhead import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_SIZES

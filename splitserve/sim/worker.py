@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from splitserve.cluster.placement.load import load_of
-from splitserve.cluster.placement.state import WorkerLoad
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.placement.load import load_of
+from splitserve.placement.state import WorkerLoad
 from splitserve.sim.overhead import ServingOverhead
 
 NO_OVERHEAD = ServingOverhead()

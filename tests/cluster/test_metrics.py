@@ -6,9 +6,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
-from splitserve.cluster.placement.state import Role, WorkerLoad
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.engine.outputs import StepStats
+from splitserve.placement.state import Role, WorkerLoad
 from splitserve.transfer.handoff import TransferStats
 
 

@@ -10,11 +10,11 @@ import queue
 
 import pytest
 
-from splitserve.cluster.placement.state import WorkerLoad
 from splitserve.cluster.worker_loop import TokenDelta, WorkerLoop
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.placement.state import WorkerLoad
 from splitserve.transfer.grpc_link import GrpcFabric
 from splitserve.transfer.handoff import make_transport
 from splitserve.transfer.transport import TransferTicket

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from splitserve.cluster.config import APP_IMPORT_PATH, ClusterConfig
+from splitserve.config import APP_IMPORT_PATH, ClusterConfig
 from tests.deploy.helm_helpers import (
     CHART,
     PRESETS,

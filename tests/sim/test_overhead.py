@@ -6,7 +6,7 @@ import pytest
 from splitserve.bench.report import RequestRecord
 from splitserve.bench.workload import RequestSpec
 from splitserve.cli import main
-from splitserve.cluster.placement import Role
+from splitserve.placement import Role
 from splitserve.sim.cluster import simulate
 from splitserve.sim.overhead import ServingOverhead, fit_overhead
 from splitserve.sim.scenario import PoolSpec, Scenario

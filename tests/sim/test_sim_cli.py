@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.bench.workload import WorkloadSpec, make_workload
 from splitserve.cli import main
-from splitserve.cluster.placement import Role
+from splitserve.placement import Role
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import DESIGNS
 from splitserve.sim.perf_model import CSV_COLUMNS

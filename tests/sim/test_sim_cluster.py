@@ -5,7 +5,7 @@ import random
 import pytest
 
 from splitserve.bench.workload import RequestSpec
-from splitserve.cluster.placement import PlacementThresholds, Role
+from splitserve.placement import PlacementThresholds, Role
 from splitserve.sim.cluster import Simulation, simulate
 from splitserve.sim.scenario import PoolSpec, Scenario
 from splitserve.sim.transfer import TransferModel

@@ -4,11 +4,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.cluster.placement import WorkerLoad
 from splitserve.cluster.worker_loop import WorkerLoop
 from splitserve.engine.policies import SchedulerLimits
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.placement import WorkerLoad
 from splitserve.sim.worker import FILLER_TOKEN, SimWorker
 
 

@@ -1,4 +1,5 @@
-"""AccelGen's SLO-aware iteration scheduling (../shared/notes/accelgen.md), for the mixed and prompt pools.
+"""AccelGen's SLO-aware iteration scheduling (Shen and Sen, "AccelGen"; docs/slo-scheduling.md), for
+the mixed and prompt pools.
 
 Every request carries a TTFT and a TBT target (`SamplingParams.ttft_slo_s` / `tbt_slo_s`, else the
 defaults in `SLOOptions`). Each iteration:

@@ -1,4 +1,4 @@
-"""Sarathi-Serve stall-free batching (Algorithm 3; ../shared/notes/sarathi.md 1.6a).
+"""Sarathi-Serve stall-free batching (Agrawal et al., OSDI '24, Algorithm 3).
 
 Each iteration, under one token budget: every running decode first, then the next chunk of each
 prompt already in progress, then new prompts (FCFS) in chunks. A chunk attends to the KV of the

@@ -7,7 +7,7 @@ overhead, the transfer or the batching would be off by far more."""
 from __future__ import annotations
 
 from splitserve.bench.workload import WorkloadSpec
-from splitserve.cluster.config import ClusterConfig
+from splitserve.config import ClusterConfig
 from splitserve.sim.profile import ProfileSpec, run_profile, write_csv
 from splitserve.sim.validate import validate
 from tests.ray_cluster import MAIN

@@ -1,0 +1,97 @@
+"""Chat messages to prompt tokens through the model's jinja chat template, rendered as
+transformers' `apply_chat_template` renders it (same sandbox, globals and whitespace handling)."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from splitserve.api.errors import RequestError
+from splitserve.api.request_models import ChatCompletionRequest
+from splitserve.engine.tokenizer import Tokenizer
+
+# For models without a template of their own (the demo model).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def render_chat(messages: list[dict], template: str | None, *, bos_token: str = "", eos_token: str = "",
+                add_generation_prompt: bool = True, **kwargs) -> str:
+    """`messages` rendered by `template` (None: `DEFAULT_CHAT_TEMPLATE`); `kwargs` are extra template
+    variables. A template that refuses the conversation (`raise_exception`) is a 400 `RequestError`."""
+    compiled = _compile(DEFAULT_CHAT_TEMPLATE if template is None else template)
+    # tools and documents are defined (as None) because templates test them with `is not none`.
+    context = {"tools": None, "documents": None, **kwargs}
+    try:
+        return compiled.render(context, messages=messages, bos_token=bos_token, eos_token=eos_token,
+                               add_generation_prompt=add_generation_prompt)
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        raise RequestError(f"messages: the model's chat template refused them: {exc}", param="messages") from None
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise RequestError(f"the model's chat template does not compile: {exc}", status=500,
+                           type="server_error") from None
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson`: plain `json.dumps`, without jinja's HTML escaping."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def messages_for_template(request: ChatCompletionRequest) -> list[dict]:
+    """The messages as templates expect them: string content (text parts joined by newlines, as
+    vLLM joins them; null as ""), and `name` only where given."""
+    messages = []
+    for message in request.messages:
+        content = message.content or ""
+        if not isinstance(content, str):
+            content = "\n".join(part.text for part in content)
+        named = {} if message.name is None else {"name": message.name}
+        messages.append({"role": message.role, "content": content, **named})
+    return messages
+
+
+def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """The prompt tokens of a chat request. The tokenizer's own special tokens (BOS) are added only
+    when the rendered text does not already start with BOS, so a template that writes BOS gets
+    exactly one, and the plain default template still gets the BOS the model expects. A tokenizer
+    without BOS adds nothing, as in transformers' `apply_chat_template`."""
+    bos = _token_text(tokenizer, tokenizer.bos_token_id)
+    eos = _token_text(tokenizer, next(iter(tokenizer.eos_token_ids), None))
+    # Like transformers, chat_template_kwargs may override the special tokens' strings.
+    variables = {"bos_token": bos, "eos_token": eos, **(request.chat_template_kwargs or {})}
+    text = render_chat(messages_for_template(request), tokenizer.chat_template,
+                       add_generation_prompt=request.add_generation_prompt, **variables)
+    return tokenizer.encode(text, add_special_tokens=not text.startswith(bos))
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
+    return "" if token_id is None else tokenizer.decode([token_id], skip_special_tokens=False)

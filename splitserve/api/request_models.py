@@ -1,0 +1,284 @@
+"""OpenAI's `/v1/completions` and `/v1/chat/completions` requests: pydantic models, their validation,
+and their mapping to the engine's `SamplingParams`.
+
+Every refusal is a `RequestError` whose message names the field, so a client sees what to change.
+Unknown fields are refused rather than ignored: a silently ignored sampling parameter would change
+what the client gets without telling it. Parameters this server does not implement are accepted only
+with the values that change nothing (`n=1`, `presence_penalty=0`, null).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from splitserve.api.errors import RequestError
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import Tokenizer
+
+# torch.Generator.manual_seed takes any value of int64 or uint64; a larger seed would fail in a worker.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt")
+# Strict: JSON types must match ("16" is not an integer, true is not 1); an integer is still a valid float.
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+def _only(*allowed, reason: str) -> AfterValidator:
+    """A validator refusing every value but `allowed` (the values that change nothing)."""
+    def check(value):
+        if value not in allowed:
+            raise ValueError(f"{reason}, got {value!r}")
+        return value
+    return AfterValidator(check)
+
+
+def _one_prompt(value):
+    """The single prompt of `value`: a string or a non-empty list of token ids."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        if len(value) > 1:
+            raise ValueError("batched prompts are not supported; send one request per prompt")
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_is_token_id(t) for t in value):
+        return value
+    raise ValueError("must be a string or a non-empty list of token ids (integers >= 0)")
+
+
+def _stop_strings(value):
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise ValueError("must be a string, a list of strings, or null")
+
+
+def _text_parts(value):
+    """Lets through a string, null, or a list of text parts; names the first other part type."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("must be a string, a list of content parts, or null")
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise ValueError(f"only text content parts are supported, got a part of type {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string field 'text'")
+    return value
+
+
+def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in (value or {})]
+    if reserved:
+        raise ValueError(f"{reserved[0]!r} comes from the request's own field, not from chat_template_kwargs")
+    return value
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+NOT_SUPPORTED = "is not supported"
+Penalty = Annotated[float | None, _only(None, 0, reason=f"{NOT_SUPPORTED}; leave it unset or 0")]
+Stop = Annotated[str | list[str] | None, BeforeValidator(_stop_strings)]
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk (benchmarks time tokens by it)
+
+
+class SLOTargets(BaseModel):
+    """splitserve's extension: the request's latency targets, which the SLO-aware (accelgen)
+    scheduling policies order and size batches by; other policies ignore them."""
+    model_config = STRICT
+    ttft_ms: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+    tbt_ms: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+
+
+class TextPart(BaseModel):
+    """A `{"type": "text", "text": ...}` content part; keys that only annotate it are ignored."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts)]
+    name: str | None = None
+
+
+class GenerationRequest(BaseModel):
+    """The fields both endpoints share: the model, sampling, stopping and streaming."""
+    model_config = STRICT
+    PROMPT_FIELD: ClassVar[str]
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    n: Annotated[int | None, _only(None, 1, reason="only n=1 is supported; send one request per completion")] = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    seed: Annotated[int | None, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] = None
+    user: str | None = None  # accepted and ignored, as an end-user id for abuse monitoring
+    presence_penalty: Penalty = 0
+    frequency_penalty: Penalty = 0
+    logit_bias: Annotated[dict | None, _only(None, {}, reason=NOT_SUPPORTED)] = None
+    # Extensions (vLLM's names).
+    top_k: int = -1
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    slo: SLOTargets | None = None  # splitserve's extension (see SLOTargets)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options: only allowed when stream is true", param="stream_options")
+        return self
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The completion-length limit the client asked for, and the field it came in."""
+        return self.max_tokens, "max_tokens"
+
+
+class CompletionRequest(GenerationRequest):
+    PROMPT_FIELD: ClassVar[str] = "prompt"
+
+    prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
+    max_tokens: int | None = 16
+    logprobs: Annotated[int | None, _only(None, reason=f"{NOT_SUPPORTED} yet")] = None
+    echo: Annotated[bool | None, _only(None, False, reason=NOT_SUPPORTED)] = False
+    best_of: Annotated[int | None, _only(None, 1, reason="only best_of=1 is supported")] = None
+    suffix: Annotated[str | None, _only(None, reason=NOT_SUPPORTED)] = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    PROMPT_FIELD: ClassVar[str] = "messages"
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: Annotated[bool | None, _only(None, False, reason=f"{NOT_SUPPORTED} yet")] = False
+    top_logprobs: Annotated[int | None, _only(None, reason=f"{NOT_SUPPORTED} yet")] = None
+    # Accepted only with the values that ask for plain text, which is what the server produces.
+    response_format: Annotated[dict | None, _only(None, {"type": "text"}, reason=NOT_SUPPORTED)] = None
+    tools: Annotated[list | None, _only(None, [], reason=NOT_SUPPORTED)] = None
+    tool_choice: Annotated[Any, _only(None, "none", reason=NOT_SUPPORTED)] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
+
+    @model_validator(mode="after")
+    def _one_length_limit(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise RequestError("max_tokens and max_completion_tokens are the same limit (the second is OpenAI's "
+                               "newer name); set only one", param="max_tokens")
+        return self
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+def parse_request(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
+    """`raw` (an HTTP body) validated as `model_cls`; any problem is a `RequestError`."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise _request_error(exc.errors(include_url=False)[0]) from None
+
+
+def _request_error(error: dict) -> RequestError:
+    """One pydantic error as a `RequestError` naming the field path (`messages.0.content`)."""
+    path = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return RequestError(f"{path}: unsupported parameter", param=path)
+    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    return RequestError(f"{path}: {message}", param=path)
+
+
+def check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise RequestError(f"The model `{requested}` does not exist. This server serves `{served}`.",
+                           status=404, param="model", code="model_not_found")
+
+
+def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """The engine's settings for `request`, whose prompt is `num_prompt_tokens` long."""
+    max_tokens = _max_tokens(request, num_prompt_tokens, max_model_len)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=request.min_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_k=request.top_k, top_p=1.0 if request.top_p is None else request.top_p,
+            seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens, **_slo_seconds(request.slo))
+    except ValueError as exc:
+        raise _sampling_error(str(exc)) from None
+
+
+def _slo_seconds(slo: SLOTargets | None) -> dict:
+    if slo is None:
+        return {}
+    return {"ttft_slo_s": None if slo.ttft_ms is None else slo.ttft_ms / 1000,
+            "tbt_slo_s": None if slo.tbt_ms is None else slo.tbt_ms / 1000}
+
+
+def _max_tokens(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The completion limit: the requested one, checked against the context, or what is left of it."""
+    what = request.PROMPT_FIELD
+    context = f"This model's maximum context length is {max_model_len} tokens."
+    if num_prompt_tokens >= max_model_len:
+        raise RequestError(f"{context} However, your prompt has {num_prompt_tokens} tokens, which leaves no room "
+                           f"for the completion. Please reduce the length of the {what}.",
+                           param=what, code="context_length_exceeded")
+    max_tokens, field = request.requested_max_tokens()
+    if max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    if max_tokens < 1:
+        raise RequestError(f"{field} must be at least 1, got {max_tokens}", param=field)
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise RequestError(f"{context} However, you requested {num_prompt_tokens + max_tokens} tokens "
+                           f"({num_prompt_tokens} in the {what}, {max_tokens} in the completion). "
+                           f"Please reduce the length of the {what} or {field}.",
+                           param=field, code="context_length_exceeded")
+    return max_tokens
+
+
+def _sampling_error(message: str) -> RequestError:
+    """SamplingParams' messages start with the field's name ("top_p must be ...", "stop strings ...")."""
+    first_word = message.split(" ", 1)[0]
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    return RequestError(message, param=first_word if first_word in fields else None)
+
+
+def prompt_token_ids_of(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's token ids: a string is encoded (with the tokenizer's special tokens), a token
+    list is checked against the vocabulary and used as is."""
+    if isinstance(request.prompt, str):
+        ids = tokenizer.encode(request.prompt)
+        if not ids:
+            raise RequestError("prompt: the prompt is empty; send at least one token", param="prompt")
+        return ids
+    vocab = tokenizer.vocab_size
+    bad = next((t for t in request.prompt if t >= vocab), None)
+    if bad is not None:
+        raise RequestError(f"prompt: token id {bad} is outside the vocabulary (ids 0..{vocab - 1})", param="prompt")
+    return list(request.prompt)

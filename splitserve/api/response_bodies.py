@@ -1,0 +1,79 @@
+"""OpenAI response bodies, stream chunks and error bodies as plain dicts, in the shapes the official
+`openai` client parses, and their server-sent-events framing."""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Literal
+
+from splitserve.api.errors import RequestError, error_body
+
+FinishReason = Literal["stop", "length"]
+SSE_DONE: bytes = b"data: [DONE]\n\n"
+CHUNK_OBJECTS = {"completion": "text_completion", "chat": "chat.completion.chunk"}
+ID_PREFIXES = {"completion": "cmpl", "chat": "chatcmpl"}
+
+
+def new_request_id(kind: Literal["completion", "chat"]) -> str:
+    return f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _envelope(object_name: str, request_id: str, model: str, created: int, choices: list[dict]) -> dict:
+    return {"id": request_id, "object": object_name, "created": created, "model": model, "choices": choices}
+
+
+def completion_response(request_id: str, model: str, created: int, text: str, finish_reason: FinishReason,
+                        prompt_tokens: int, completion_tokens: int) -> dict:
+    body = completion_chunk(request_id, model, created, text, finish_reason)
+    return {**body, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(request_id: str, model: str, created: int, text: str,
+                     finish_reason: FinishReason | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope("text_completion", request_id, model, created, [choice])
+
+
+def chat_response(request_id: str, model: str, created: int, content: str, finish_reason: FinishReason,
+                  prompt_tokens: int, completion_tokens: int) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+              "finish_reason": finish_reason}
+    body = _envelope("chat.completion", request_id, model, created, [choice])
+    return {**body, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunk(request_id: str, model: str, created: int, *, role: str | None = None, content: str | None = None,
+               finish_reason: FinishReason | None = None) -> dict:
+    """One stream chunk; its delta holds only what is given (the last chunk's delta is `{}`)."""
+    delta = {key: value for key, value in (("role", role), ("content", content)) if value is not None}
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope("chat.completion.chunk", request_id, model, created, [choice])
+
+
+def usage_chunk(kind: Literal["completion", "chat"], request_id: str, model: str, created: int,
+                prompt_tokens: int, completion_tokens: int) -> dict:
+    """The chunk sent before `[DONE]` when `stream_options.include_usage` is set: no choices."""
+    body = _envelope(CHUNK_OBJECTS[kind], request_id, model, created, [])
+    return {**body, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def sse_event(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_error(error: RequestError) -> bytes:
+    """An error inside a stream that already answered 200, as OpenAI and vLLM send it."""
+    return sse_event(error_body(error))
+
+
+def models_list(model: str, created: int, owned_by: str = "splitserve", max_model_len: int | None = None) -> dict:
+    """`/v1/models`; `max_model_len` is vLLM's extra field on each model."""
+    entry = {"id": model, "object": "model", "created": created, "owned_by": owned_by}
+    if max_model_len is not None:
+        entry["max_model_len"] = max_model_len
+    return {"object": "list", "data": [entry]}

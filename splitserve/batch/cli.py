@@ -1,0 +1,65 @@
+"""`splitserve batch INPUT.jsonl OUTPUT.jsonl`: an OpenAI Batch API input file run offline on one
+engine in BlendServe order. Rerun the same command after a crash: lines already in OUTPUT (or in
+the error file) are kept and not run again."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from splitserve.batch.blend.feeder import ORDERS, BlendOptions
+from splitserve.command import report_errors
+from splitserve.engine.config import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("input", type=Path, help="batch input (JSONL: custom_id, method, url, body per line)")
+    p.add_argument("output", type=Path, help="results (JSONL, OpenAI batch output lines); resumed if it exists")
+    p.add_argument("--errors", type=Path, default=None, help="failed lines (default: OUTPUT with .errors.jsonl)")
+    p.add_argument("--model", default="demo", help='"demo" (built-in) or a Hugging Face checkpoint directory')
+    p.add_argument("--served-model-name", default=None, help="the name the lines' body.model must use "
+                                                                 "(default: --model)")
+    p.add_argument("--order", default="blend", choices=ORDERS, help="blend (BlendServe), dfs (prefix tree "
+                                                                   "depth-first) or fcfs (input order)")
+    p.add_argument("--sample-fraction", type=float, default=0.01, help="requests run first to learn output lengths")
+    p.add_argument("--split-threshold", type=float, default=0.01,
+                   help="node-split recompute budget, as a fraction of the unique prompt tokens")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size (default: from memory)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--stats", type=Path, default=None, help="write the run's statistics here (JSON)")
+
+
+def run_command(args) -> int:
+    return report_errors("batch", _run, args, (ValueError, OSError, ConfigError))
+
+
+def _run(args) -> None:
+    from tqdm import tqdm
+
+    from splitserve.batch.engine_executor import run_lines
+    from splitserve.batch.lines import parse_input
+    from splitserve.batch.results import ResultLog
+    from splitserve.engine.llm_engine import LLMEngine
+
+    lines = parse_input(args.input.read_bytes())
+    options = BlendOptions(args.order, args.sample_fraction, args.split_threshold)
+    engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, num_kv_blocks=args.num_kv_blocks)
+    errors_path = args.errors or args.output.with_name(args.output.name.removesuffix(".jsonl") + ".errors.jsonl")
+    with ResultLog(args.output) as output, ResultLog(errors_path) as errors:
+        done = len(output.done) + len(errors.done)
+        if done:
+            print(f"resuming: {done} of {len(lines)} lines already have results")
+        with tqdm(total=len(lines), initial=done, desc="batch", unit="line") as bar:
+            stats = run_lines(engine, lines, args.served_model_name or args.model, output, errors, options,
+                              on_result=lambda ok: bar.update())
+        failed = len(errors.done)
+    print(f"{len(lines) - failed} lines succeeded, {failed} failed -> {args.output}"
+          + (f", {errors_path}" if failed else ""))
+    print(f"this run: {stats.requests} requests, {stats.prompt_tokens} prompt tokens ({stats.sharing:.1%} from the "
+          f"prefix cache), {stats.output_tokens} output tokens, {stats.throughput:.0f} tokens/s over "
+          f"{stats.engine_s:.2f} s of engine steps ({args.order} order)")
+    if args.stats:
+        summary = {key: value for key, value in vars(stats).items() if key != "step_density"}
+        args.stats.write_text(json.dumps({**summary, "throughput": stats.throughput, "sharing": stats.sharing},
+                                         indent=2))

@@ -1,0 +1,167 @@
+"""The OpenAI Batch API's JSONL formats: input lines (`custom_id`, `method`, `url`, `body`) checked
+up front, each body prepared like an HTTP request of its endpoint, and the result lines."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from splitserve.api import response_bodies as R
+from splitserve.api.chat_template import chat_prompt_token_ids
+from splitserve.api.errors import RequestError, error_body
+from splitserve.api.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_model,
+    parse_request,
+    prompt_token_ids_of,
+    sampling_params,
+)
+from splitserve.batch.results import ResultLog
+from splitserve.engine.sampling_params import SamplingParams
+
+ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+MAX_REPORTED_ERRORS = 100
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    line: int  # 1-based line number in the input file
+    custom_id: str
+    kind: str  # "completion" | "chat"
+    body: dict
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt: list[int]
+    params: SamplingParams
+
+
+class InputFileError(ValueError):
+    """The input file is not a valid batch; `errors` are OpenAI batch error objects."""
+
+    def __init__(self, errors: list[dict]):
+        super().__init__("; ".join(f"line {e['line']}: {e['message']}" if e.get("line") else e["message"]
+                                   for e in errors[:5]))
+        self.errors = errors
+
+
+def parse_input(data: bytes, endpoint: str | None = None) -> list[BatchLine]:
+    """Every line of a batch input file, or InputFileError listing what is wrong (all lines must
+    be JSON objects with a unique `custom_id`, `method` POST and the batch's `url`)."""
+    lines, errors, seen = [], [], set()
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise InputFileError([_error("invalid_file", "the input file is not UTF-8 text")]) from None
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = _parse_line(raw, number, endpoint, seen)
+        except ValueError as problem:
+            errors.append(_error("invalid_request", str(problem), number, getattr(problem, "param", None)))
+            if len(errors) >= MAX_REPORTED_ERRORS:
+                break
+            continue
+        lines.append(line)
+        seen.add(line.custom_id)
+    if not lines and not errors:
+        errors.append(_error("empty_file", "the input file has no requests"))
+    if errors:
+        raise InputFileError(errors)
+    return lines
+
+
+class _LineError(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _parse_line(raw: str, number: int, endpoint: str | None, seen: set[str]) -> BatchLine:
+    try:
+        item = json.loads(raw)
+    except ValueError as exc:
+        raise _LineError(f"not valid JSON: {exc}") from None
+    if not isinstance(item, dict):
+        raise _LineError(f"a line must be a JSON object, got {type(item).__name__}")
+    custom_id, method, url, body = (item.get(k) for k in ("custom_id", "method", "url", "body"))
+    if not isinstance(custom_id, str) or not custom_id:
+        raise _LineError("custom_id must be a non-empty string", "custom_id")
+    if custom_id in seen:
+        raise _LineError(f"custom_id {custom_id!r} is used by an earlier line; custom_ids must be unique", "custom_id")
+    if method != "POST":
+        raise _LineError(f"method must be POST, got {method!r}", "method")
+    if url not in ENDPOINTS:
+        raise _LineError(f"url must be one of {', '.join(ENDPOINTS)}, got {url!r}", "url")
+    if endpoint is not None and url != endpoint:
+        raise _LineError(f"url {url!r} differs from the batch's endpoint {endpoint!r}", "url")
+    if not isinstance(body, dict):
+        raise _LineError("body must be a JSON object", "body")
+    if body.get("stream"):
+        raise _LineError("body.stream: a batch request cannot stream", "body.stream")
+    return BatchLine(number, custom_id, ENDPOINTS[url], body)
+
+
+def _error(code: str, message: str, line: int | None = None, param: str | None = None) -> dict:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def prepare(line: BatchLine, tokenizer, model: str, max_model_len: int) -> Prepared:
+    """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
+    model_cls = CompletionRequest if line.kind == "completion" else ChatCompletionRequest
+    body = parse_request(model_cls, json.dumps(line.body).encode())
+    check_model(body.model, model)
+    prompt = prompt_token_ids_of(body, tokenizer) if line.kind == "completion" else \
+        chat_prompt_token_ids(body, tokenizer)
+    return Prepared(prompt, sampling_params(body, len(prompt), max_model_len))
+
+
+def prepare_pending(lines: list[BatchLine], tokenizer, model: str, max_model_len: int, output: ResultLog,
+                    errors: ResultLog, on_result: Callable[[bool], None]) -> tuple[list[tuple[BatchLine, Prepared]],
+                                                                                dict[int, int]]:
+    """The lines that tokenize and check (a bad one's error is logged now, unless it already
+    was), keyed by position, and the output lengths of those already done (to skip, and to serve
+    as samples)."""
+    jobs, finished = [], {}
+    for line in lines:
+        done = output.done.get(line.custom_id) or errors.done.get(line.custom_id)
+        try:
+            prepared = prepare(line, tokenizer, model, max_model_len)
+        except RequestError as error:
+            if done is None:
+                errors.append(error_line(line.custom_id, error))
+                on_result(False)
+            continue
+        if done is not None:
+            finished[len(jobs)] = completion_tokens(done)
+        jobs.append((line, prepared))
+    return jobs, finished
+
+
+def response_body(kind: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
+                  completion_tokens: int) -> dict:
+    build = R.completion_response if kind == "completion" else R.chat_response
+    return build(R.new_request_id(kind), model, int(time.time()), text, finish_reason, prompt_tokens,
+                 completion_tokens)
+
+
+def result_line(custom_id: str, status_code: int, body: dict) -> dict:
+    """One output (or error) file line; `body` is the endpoint's response or error body."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": status_code, "request_id": body.get("id", f"req_{uuid.uuid4().hex}"),
+                         "body": body}, "error": None}
+
+
+def error_line(custom_id: str, error: RequestError) -> dict:
+    return result_line(custom_id, error.status, error_body(error))
+
+
+def completion_tokens(line: dict) -> int:
+    """A result line's output length (0 for an error)."""
+    usage = (line.get("response") or {}).get("body", {}).get("usage") or {}
+    return int(usage.get("completion_tokens", 0))

@@ -1,0 +1,161 @@
+"""The batch API's behaviour (files, batches, their lifecycle), independent of HTTP and of where
+requests run. One batch runs at a time, in creation order; on start, batches a previous process
+left active are resumed from their result logs.
+
+Lifecycle: validating -> in_progress -> finalizing -> completed, or failed (the input file is
+invalid), or cancelling -> cancelled (results so far are kept in the output file).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from splitserve.api.errors import RequestError
+from splitserve.batch.blend.feeder import BlendOptions
+from splitserve.batch.lines import ENDPOINTS, BatchLine, InputFileError, parse_input
+from splitserve.batch.results import ResultLog
+from splitserve.batch.store import ACTIVE, PURPOSES, BatchStore
+
+
+class Executor(Protocol):
+    async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,
+                  stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
+        """Run every line without a result in either log, appending each result as it ends."""
+
+
+class BatchService:
+    def __init__(self, store: BatchStore, executor: Executor, options: BlendOptions = BlendOptions()):
+        self.store, self.executor, self.options = store, executor, options
+        self._queue: asyncio.Queue[str] | None = None
+        self._cancelled: set[str] = set()
+        self._worker: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Begin running batches; resume those a previous process left active (oldest first)."""
+        self._queue = asyncio.Queue()
+        for batch in reversed(self.store.batches()):
+            if batch["status"] in ACTIVE:
+                self._queue.put_nowait(batch["id"])
+        self._worker = asyncio.create_task(self._run_all())
+
+    async def stop(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+
+    # ---- files ---------------------------------------------------------------------------
+    def create_file(self, content: bytes, filename: str, purpose: str) -> dict:
+        if purpose != "batch":
+            raise RequestError(f"purpose must be 'batch' (this server runs batches only), got {purpose!r}",
+                               param="purpose")
+        return self.store.add_file(content, filename, purpose)
+
+    def list_files(self, purpose: str | None = None) -> dict:
+        if purpose is not None and purpose not in PURPOSES:
+            raise RequestError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose")
+        return {"object": "list", "data": self.store.files(purpose), "has_more": False}
+
+    def get_file(self, file_id: str) -> dict:
+        return self.store.file(file_id)
+
+    def file_content(self, file_id: str) -> bytes:
+        return self.store.content_path(file_id).read_bytes()
+
+    def delete_file(self, file_id: str) -> dict:
+        return self.store.delete_file(file_id)
+
+    # ---- batches -------------------------------------------------------------------------
+    def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
+                     metadata: dict | None = None) -> dict:
+        if endpoint not in ENDPOINTS:
+            raise RequestError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
+        if completion_window != "24h":
+            raise RequestError(f"completion_window must be '24h', got {completion_window!r}",
+                               param="completion_window")
+        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+            raise RequestError("metadata must be at most 16 string keys with string values", param="metadata")
+        if self.store.file(input_file_id)["purpose"] != "batch":
+            raise RequestError(f"file {input_file_id} was not uploaded with purpose 'batch'", param="input_file_id")
+        batch = self.store.new_batch(input_file_id, endpoint, completion_window, metadata)
+        self._queue.put_nowait(batch["id"])
+        return batch
+
+    def get_batch(self, batch_id: str) -> dict:
+        return self.store.batch(batch_id)
+
+    def list_batches(self, limit: int = 20, after: str | None = None) -> dict:
+        if not 1 <= limit <= 100:
+            raise RequestError(f"limit must be between 1 and 100, got {limit}", param="limit")
+        batches = self.store.batches()
+        if after is not None:
+            ids = [b["id"] for b in batches]
+            if after not in ids:
+                raise RequestError(f"after: no batch {after!r}", param="after")
+            batches = batches[ids.index(after) + 1:]
+        page = batches[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
+
+    def cancel_batch(self, batch_id: str) -> dict:
+        batch = self.store.batch(batch_id)
+        if batch["status"] not in ("validating", "in_progress"):
+            raise RequestError(f"batch {batch_id} is {batch['status']}; only a validating or in-progress batch "
+                               "can be cancelled", status=409, param="batch_id")
+        self._cancelled.add(batch_id)
+        return self.store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
+
+    # ---- running -------------------------------------------------------------------------
+    async def _run_all(self) -> None:
+        while True:
+            batch_id = await self._queue.get()
+            await self._run(batch_id)
+
+    async def _run(self, batch_id: str) -> None:
+        batch = self.store.batch(batch_id)
+        if batch["status"] == "cancelling":
+            self._cancelled.add(batch_id)
+        try:
+            lines = parse_input(self.store.content_path(batch["input_file_id"]).read_bytes(), batch["endpoint"])
+        except (InputFileError, KeyError) as problem:
+            errors = getattr(problem, "errors", None) or [{"code": "invalid_file", "message": str(problem),
+                                                          "param": "input_file_id", "line": None}]
+            self.store.update_batch(batch_id, status="failed", failed_at=int(time.time()),
+                                    errors={"object": "list", "data": errors})
+            return
+        if batch["status"] == "finalizing":  # a crash while finalizing: the results are complete
+            self._finish(batch_id, batch["request_counts"])
+            return
+        output_path, errors_path = self.store.log_paths(batch_id)
+        with ResultLog(output_path) as output, ResultLog(errors_path) as errors:
+            counts = {"total": len(lines), "completed": len(output.done), "failed": len(errors.done)}
+            if batch["status"] == "validating":
+                self.store.update_batch(batch_id, status="in_progress", in_progress_at=int(time.time()))
+            self.store.update_batch(batch_id, request_counts=dict(counts))
+
+            def on_result(ok: bool) -> None:
+                counts["completed" if ok else "failed"] += 1
+                self.store.update_batch(batch_id, request_counts=dict(counts))
+
+            await self.executor.run(lines, output, errors, self.options, lambda: batch_id in self._cancelled,
+                                    on_result)
+        self._finish(batch_id, counts)
+
+    def _finish(self, batch_id: str, counts: dict) -> None:
+        """Turn the logs into the output and error files. Their ids follow from the batch's, so
+        finishing again after a crash finds what was already moved."""
+        cancelled = batch_id in self._cancelled
+        now = int(time.time())
+        if not cancelled and self.store.batch(batch_id)["status"] != "finalizing":
+            self.store.update_batch(batch_id, status="finalizing", finalizing_at=now, request_counts=counts)
+        files = {}
+        for key, path, kind in zip(("output_file_id", "error_file_id"), self.store.log_paths(batch_id),
+                                   ("output", "error")):
+            file = self.store.adopt_file(path, f"file-{batch_id.removeprefix('batch_')}-{kind}",
+                                         f"{batch_id}_{kind}.jsonl", "batch_output")
+            files[key] = file and file["id"]
+        done = {"status": "cancelled", "cancelled_at": now} if cancelled else {"status": "completed",
+                                                                                 "completed_at": now}
+        self.store.update_batch(batch_id, **files, **done)
+        self._cancelled.discard(batch_id)

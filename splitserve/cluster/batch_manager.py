@@ -1,0 +1,53 @@
+"""The batch API in a Ray cluster: one actor (owned by the controller deployment, so it lives and
+restarts with it) holds the store and runs batches through the cluster; every ingress replica
+reaches it through `RemoteBatches`. A restarted actor resumes the active batches on disk."""
+from __future__ import annotations
+
+from splitserve.api.errors import RequestError
+from splitserve.batch.blend.cost import ModelShape
+from splitserve.batch.service import BatchService
+from splitserve.batch.store import BatchStore, NotFound
+from splitserve.cluster.batch_executor import ClusterExecutor
+from splitserve.config import ClusterConfig
+from splitserve.engine.model_builder import load_metadata
+
+
+class BatchManager:
+    def __init__(self, config: dict, cls):
+        config = ClusterConfig.model_validate(config)
+        engine = config.engine.engine_config("token")
+        model_config, tokenizer, max_model_len = load_metadata(config.model, engine)
+        executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, config.model_name, max_model_len,
+                                   engine.block_size, config.scheduler.max_attempts)
+        self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options())
+
+    async def start(self) -> None:
+        await self.service.start()
+
+    async def call(self, method: str, *args) -> tuple:
+        """("ok", result) or ("error", status, message, param, code): errors cross Ray as data."""
+        try:
+            return "ok", getattr(self.service, method)(*args)
+        except RequestError as error:
+            return "error", error.status, error.message, error.param, error.code
+        except NotFound as missing:
+            return "error", 404, missing.message, "id", None
+
+
+class RemoteBatches:
+    """The service's interface for the routes, each call forwarded to the manager actor."""
+
+    def __init__(self, manager_handle):
+        self._get_handle, self._handle = manager_handle, None
+
+    def __getattr__(self, method: str):
+        async def call(*args):
+            if self._handle is None:
+                self._handle = await self._get_handle()
+            outcome = await self._handle.call.remote(method, *args)
+            if outcome[0] == "error":
+                _, status, message, param, code = outcome
+                raise RequestError(message, status=status, param=param, code=code)
+            return outcome[1]
+
+        return call

@@ -1,0 +1,93 @@
+"""An OpenAI response (whole or streamed as SSE) made from a run's token deltas."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import JSONResponse
+
+from splitserve.api import response_bodies as R
+from splitserve.api.errors import RequestError, error_response
+from splitserve.api.visible_text import TextStream
+from splitserve.cluster.dispatch import RequestFailed, Run
+from splitserve.cluster.metrics import RequestObservation
+
+
+class RunResponse:
+    """Turns a run's token deltas into an OpenAI response or SSE stream, timing the tokens as
+    they leave (`on_done` gets the request's observation for the metrics)."""
+
+    def __init__(self, kind: str, run: Run, model: str, text: TextStream, started: float | None = None,
+                 on_done: Callable[[RequestObservation], None] = lambda _: None):
+        self.kind, self.run, self.model, self.text = kind, run, model, text
+        self.created = int(time.time())
+        self.started = time.monotonic() if started is None else started
+        self.on_done = on_done
+        self.token_times: list[float] = []
+
+    def observation(self, outcome: str) -> RequestObservation:
+        times, end = self.token_times, time.monotonic()
+        return RequestObservation(outcome, len(self.run.prompt), len(self.run.tokens),
+                                  ttft=times[0] - self.started if times else None,
+                                  tbt=tuple(b - a for a, b in zip(times, times[1:])),
+                                  e2e=end - self.started, restarts=self.run.failures)
+
+    async def pieces(self, every_delta: bool = False) -> AsyncIterator[tuple[str, str | None]]:
+        """(text delta, finish reason) until done; a stop string seen here ends the run. Tokens
+        whose text is held back yield nothing unless `every_delta` (then an empty piece)."""
+        async for delta in self.run.deltas():
+            self.token_times += [time.monotonic()] * len(delta.token_ids)
+            self.text.append(delta.token_ids)
+            if self.text.stopped and delta.finish_reason is None:
+                await self.run.abort()
+            reason = "stop" if self.text.stopped else delta.finish_reason
+            piece = self.text.delta(final=reason is not None)
+            if piece or reason or (every_delta and delta.token_ids):
+                yield piece, reason
+            if reason:
+                return
+
+    async def whole(self) -> JSONResponse:
+        parts, reason = [], None
+        try:
+            async for piece, reason in self.pieces():
+                parts.append(piece)
+        except RequestFailed as error:
+            self.on_done(self.observation("failed"))
+            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+        self.on_done(self.observation("completed"))
+        build = R.completion_response if self.kind == "completion" else R.chat_response
+        return JSONResponse(build(self.run.request_id, self.model, self.created, "".join(parts), reason,
+                                  len(self.run.prompt), len(self.run.tokens)))
+
+    async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+        """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
+        and sends one per token delta, so a benchmark can time every token."""
+        finished, outcome = False, "aborted"
+        try:
+            if self.kind == "chat":
+                yield R.sse_event(R.chat_chunk(self.run.request_id, self.model, self.created, role="assistant",
+                                               content=""))
+            async for piece, reason in self.pieces(every_delta=continuous_usage):
+                chunk = self._chunk(piece, reason)
+                if continuous_usage:
+                    chunk["usage"] = R.usage(len(self.run.prompt), len(self.run.tokens))
+                yield R.sse_event(chunk)
+            finished, outcome = True, "completed"
+            if include_usage:
+                yield R.sse_event(R.usage_chunk(self.kind, self.run.request_id, self.model, self.created,
+                                                len(self.run.prompt), len(self.run.tokens)))
+            yield R.SSE_DONE
+        except RequestFailed as error:
+            finished, outcome = True, "failed"
+            yield R.sse_error(RequestError(str(error), status=503, type="service_unavailable"))
+        finally:
+            if not finished:  # the client went away
+                await self.run.abort()
+            self.on_done(self.observation(outcome))
+
+    def _chunk(self, piece: str, reason: str | None) -> dict:
+        rid = self.run.request_id
+        if self.kind == "completion":
+            return R.completion_chunk(rid, self.model, self.created, piece, reason)
+        return R.chat_chunk(rid, self.model, self.created, content=piece, finish_reason=reason)

@@ -1,0 +1,85 @@
+"""The cluster-config schema: one pydantic model shared by `splitserve serve --config`, the Serve
+builder (`build_app(args)`), the helm chart's values and the simulator's scenarios.
+
+A Serve config file (`deploy/*.yaml`) carries it as the `args` of the splitserve application;
+`load_cluster_config` reads either that or a bare cluster config.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import Field, model_validator
+
+from splitserve.config.options import (
+    BatchAPIOptions,
+    EngineOptions,
+    HardwareClassConfig,
+    IngressOptions,
+    PoolConfig,
+    SchedulerOptions,
+    SLOOptions,
+    StrictModel,
+    TransferOptions,
+)
+from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
+
+APP_IMPORT_PATH = "splitserve.cluster.app:build_app"
+
+
+class ClusterConfig(StrictModel):
+    """One splitserve cluster: the model, its pools of workers, and how they run and are reached."""
+
+    model: str = Field("demo", description="demo (the built-in byte-level Llama) or a Hugging Face checkpoint "
+                       "directory (config.json, safetensors, tokenizer.json).")
+    served_model_name: str | None = Field(None, description="The name clients send as `model`; null: `model`.")
+    pools: list[PoolConfig] = Field([PoolConfig(role="prompt"), PoolConfig(role="token")], description="One pool "
+                                    "per role: prompt and token together, mixed alone, or all three.")
+    hardware_classes: dict[str, HardwareClassConfig] = Field({}, description="Hardware classes beyond the built-in "
+                                                             "h100, a100, h100-cap and cpu, by name.")
+    engine: EngineOptions = Field(EngineOptions(), description="Engine settings of every worker.")
+    transfer: TransferOptions = Field(TransferOptions(), description="KV transfer between prompt and token workers.")
+    scheduler: SchedulerOptions = Field(SchedulerOptions(), description="The cluster-level scheduler (CLS).")
+    ingress: IngressOptions = Field(IngressOptions(), description="The HTTP front (Ray Serve deployment).")
+    batch: BatchAPIOptions = Field(BatchAPIOptions(), description="The batch API (/v1/files, /v1/batches).")
+    slo: SLOOptions = Field(SLOOptions(), description="Bounds the metrics count each request against "
+                            "(splitserve_slo_met_total).")
+
+    @model_validator(mode="after")
+    def _pools_make_a_cluster(self) -> "ClusterConfig":
+        roles = [p.role for p in self.pools]
+        if not roles:
+            raise ValueError("pools: at least one pool is needed")
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"pools: one pool per role, got roles {roles}")
+        if ("prompt" in roles) != ("token" in roles):
+            raise ValueError("pools: a prompt pool needs a token pool and vice versa (or use mixed workers only)")
+        for pool in self.pools:
+            self.hardware(pool.hardware)
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def hardware(self, name: str) -> HardwareProfile:
+        if name in self.hardware_classes:
+            custom = self.hardware_classes[name]
+            return HardwareProfile(name, custom.prompt_speed, custom.token_speed)
+        if name not in HARDWARE_CLASSES:
+            known = sorted({*HARDWARE_CLASSES, *self.hardware_classes})
+            raise ValueError(f"hardware class {name!r} is unknown; known: {', '.join(known)} "
+                             "(or define it under hardware_classes)")
+        return HARDWARE_CLASSES[name]
+
+
+def load_cluster_config(path: str | Path) -> tuple[ClusterConfig, dict]:
+    """A Serve config file (the splitserve application's `args`) or a bare cluster config.
+    Returns the config and the file's `http_options` (empty for a bare config)."""
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if "applications" not in raw:
+        return ClusterConfig.model_validate(raw), {}
+    apps = [a for a in raw["applications"] if a.get("import_path") == APP_IMPORT_PATH]
+    if len(apps) != 1:
+        raise ValueError(f"{path}: expected one application with import_path {APP_IMPORT_PATH}, found {len(apps)}")
+    return ClusterConfig.model_validate(apps[0].get("args") or {}), raw.get("http_options") or {}

@@ -1,0 +1,204 @@
+"""The sections of a cluster config (`ClusterConfig`): pools, engine, transfer, scheduler, ingress,
+SLO bounds and the batch API. Every field's description is what the configuration reference
+(docs/configuration.md) prints."""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from splitserve.batch.blend.feeder import BlendOptions
+from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.policies import SLOOptions as PolicySLOOptions
+from splitserve.placement.state import PlacementThresholds
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkerResources(StrictModel):
+    """What Ray reserves for each worker of a pool, so KubeRay worker groups can pin pools to nodes."""
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per worker (a worker with 1 or fewer gets one "
+                            "torch thread).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves per worker.")
+    accelerator_type: str | None = Field(None, description='Ray\'s accelerator type label the worker\'s node must '
+                                         'carry, e.g. "H100", "A100".')
+    resources: dict[str, float] = Field({}, description="Custom Ray resources per worker, e.g. a KubeRay worker "
+                                        "group's `splitserve-token: 1`, so a pool lands only on its own nodes.")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r} is not a custom resource; use num_cpus / num_gpus")
+            if amount < 0:
+                raise ValueError(f"resource {name!r} must be >= 0, got {amount}")
+        return resources
+
+    def ray_options(self) -> dict:
+        options = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.accelerator_type:
+            options["accelerator_type"] = self.accelerator_type
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+
+class PoolConfig(StrictModel):
+    role: Literal["prompt", "token", "mixed"] = Field(description="The pool: prompt (prefill only), token "
+                                                     "(decode only) or mixed (whole requests, chunked prefill).")
+    num_workers: int = Field(1, ge=1, description="Workers in this pool.")
+    hardware: str = Field("cpu", description="Hardware class of the pool's workers: one of h100, a100, h100-cap, "
+                          "cpu, or a name under `hardware_classes`. The placement weighs queues by its speeds.")
+    resources: WorkerResources = Field(WorkerResources(), description="What Ray reserves for each worker.")
+
+
+class HardwareClassConfig(StrictModel):
+    prompt_speed: float = Field(gt=0, description="Relative prefill throughput (h100 = 1.0).")
+    token_speed: float = Field(gt=0, description="Relative decode throughput (h100 = 1.0).")
+
+
+class SLOSchedulingOptions(StrictModel):
+    """The accelgen policies' settings (engine.policies.plan.SLOOptions, in ms where it is a time);
+    the default targets apply to every request of this cluster's model that names none
+    (a request names its own in the API's `slo` field)."""
+
+    pivot_tokens: int = Field(512, ge=1, description="Tokens of the pivot iteration whose time T_pf scales the "
+                              "token budget (Eq. 6).")
+    pivot_ms: float | None = Field(None, gt=0, description="T_pf in ms; null: learned from the engine's own "
+                                   "iterations.")
+    tile_tokens: int = Field(16, ge=1, description="The budget is floored to a multiple of this.")
+    max_budget_tokens: int = Field(4096, ge=1, description="Cap on one iteration's token budget.")
+    window_ms: float = Field(750.0, gt=0, description="Gamma: requests within this much slack of the least are "
+                             "selected together (best fit).")
+    long_prompt_tokens: int = Field(4096, ge=1, description="Prompts this long or longer are prefilled one at a "
+                                    "time (ERA).")
+    default_ttft_ms: float = Field(1000.0, gt=0, description="TTFT target of a request that names none.")
+    default_tbt_ms: float = Field(187.5, gt=0, description="TBT target of a request that names none (a reading "
+                                  "speed).")
+
+    def options(self) -> PolicySLOOptions:
+        return PolicySLOOptions(
+            pivot_tokens=self.pivot_tokens, pivot_time_s=None if self.pivot_ms is None else self.pivot_ms / 1000,
+            tile_tokens=self.tile_tokens, max_budget_tokens=self.max_budget_tokens, window_s=self.window_ms / 1000,
+            long_prompt_tokens=self.long_prompt_tokens, default_ttft_s=self.default_ttft_ms / 1000,
+            default_tbt_s=self.default_tbt_ms / 1000)
+
+
+class EngineOptions(StrictModel):
+    """Engine knobs shared by every worker (EngineConfig's fields; the policy follows the pool)."""
+
+    block_size: int = Field(16, description="Tokens per KV block.")
+    kv_cache_memory_bytes: int | None = Field(None, description="KV cache size in bytes; null: 256 MiB on CPU, and "
+                                              "on CUDA what the model leaves free up to gpu_memory_utilization.")
+    gpu_memory_utilization: float = Field(0.9, description="Share of the GPU's memory the model and KV cache may use.")
+    num_kv_blocks: int | None = Field(None, description="KV blocks, instead of a size in bytes.")
+    max_num_seqs: int = Field(256, description="Sequences in one worker's batch at most.")
+    max_model_len: int | None = Field(None, description="Longest prompt plus output; null: the model's own (capped "
+                                      "by a sliding window).")
+    prompt_token_budget: int = Field(2048, description="Prompt tokens per prompt-pool iteration (Splitwise's MLS).")
+    chunk_token_budget: int = Field(512, description="Tokens per mixed-pool iteration (Sarathi-Serve's chunk "
+                                    "budget).")
+    enable_prefix_caching: bool = Field(True, description="Share the KV of full blocks between prompts with the same "
+                                        "prefix.")
+    dtype: str = Field("auto", description="auto (the checkpoint's torch_dtype), float32, bfloat16 or float16.")
+    device: str = Field("auto", description="auto, cpu or cuda[:N].")
+    load_format: str = Field("auto", description="auto or safetensors (the checkpoint's weights), or dummy (seeded "
+                             "random weights for any config.json).")
+    seed: int = Field(0, description="Seed of the dummy weights and of the engine's sampler.")
+    mixed_policy: Literal["mixed", "prefill_first", "orca", "accelgen"] = Field(
+        "mixed", description="How the mixed pool batches: mixed (Sarathi-Serve), prefill_first (vLLM's original), "
+        "orca (Splitwise's mixed continuous batching) or accelgen (SLO-aware).")
+    prompt_policy: Literal["prompt", "accelgen_prompt"] = Field(
+        "prompt", description="How the prompt pool batches: prompt (FCFS whole prompts) or accelgen_prompt.")
+    slo_scheduling: SLOSchedulingOptions = Field(SLOSchedulingOptions(), description="The accelgen policies' "
+                                                 "settings.")
+
+    @model_validator(mode="after")
+    def _engine_accepts(self) -> "EngineOptions":
+        try:
+            self.engine_config("token")
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
+        return self
+
+    def engine_config(self, policy: str) -> EngineConfig:
+        names = {f.name for f in fields(EngineConfig)} - {"policy", "slo"}
+        return EngineConfig(policy=policy, slo=self.slo_scheduling.options(), **{n: getattr(self, n) for n in names})
+
+    def policy_for(self, role: str) -> str:
+        """The engine policy of a worker whose pool is `role`."""
+        return {"mixed": self.mixed_policy, "prompt": self.prompt_policy}.get(role, role)
+
+
+class TransferOptions(StrictModel):
+    backend: Literal["auto", "gloo", "nccl", "grpc"] = Field(
+        "auto", description="KV transfer backend: auto (NCCL on CUDA workers, gloo on CPU), gloo, nccl, or grpc "
+        "(workers that share no collective fabric).")
+    timeout_s: float = Field(30.0, gt=0, description="Longest wait for any one KV message before the transfer "
+                             "fails.")
+    layerwise_threshold: int = Field(512, ge=1, description="Prompt tokens from which the KV streams layer by layer "
+                                     "during the prefill; shorter prompts send it in one push after.")
+
+
+class SchedulerOptions(StrictModel):
+    policy: Literal["round-robin", "jsq", "splitwise"] = Field(
+        "splitwise", description="Placement: round-robin, jsq (join the shortest queue) or splitwise (JSQ plus the "
+        "mixed pool and re-purposing).")
+    mixed_prompt_tokens: float = Field(2048, gt=0, description="A best prompt queue past this (hardware-weighted "
+                                       "tokens) sends the request to the mixed pool.")
+    mixed_decode_tokens: float = Field(65536, gt=0, description="The same for the best token queue (context "
+                                       "tokens).")
+    max_queue_tokens: float = Field(16384, gt=0, description="Backpressure: a prompt queue above this takes no more "
+                                    "work; when no worker can, the API answers 429.")
+    max_decode_queue_tokens: float = Field(262144, gt=0, description="Backpressure: the same for a token queue.")
+    repurpose_after_s: float = Field(60.0, gt=0, description="A worker mixed this long changes pool for good (at "
+                                     "most one per period).")
+    report_interval_s: float = Field(0.1, gt=0, description="How often the CLS polls each worker's load (also the "
+                                     "liveness check).")
+    max_attempts: int = Field(3, ge=1, description="Placements per request, failovers included.")
+    replace_dead_workers: bool = Field(True, description="Start a replacement for a worker that died.")
+
+    def thresholds(self) -> PlacementThresholds:
+        """What the placement policy needs (the controller and the simulator use the same)."""
+        return PlacementThresholds(
+            mixed_prompt_tokens=self.mixed_prompt_tokens, mixed_decode_tokens=self.mixed_decode_tokens,
+            max_queue_tokens=self.max_queue_tokens, max_decode_queue_tokens=self.max_decode_queue_tokens,
+            repurpose_after_s=self.repurpose_after_s)
+
+
+class IngressOptions(StrictModel):
+    num_replicas: int = Field(1, ge=1, description="Ingress replicas (they share one CLS).")
+    num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves per ingress replica.")
+    api_key: str | None = Field(None, description="Bearer key every API route requires; null: $SPLITSERVE_API_KEY "
+                                "if set, else no authentication.")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 answer, in seconds.")
+
+
+class SLOOptions(StrictModel):
+    """Bounds the metrics count each completed request against (splitserve_slo_met_total)."""
+
+    ttft_s: float = Field(2.0, gt=0, description="Time-to-first-token bound.")
+    tbt_s: float = Field(0.2, gt=0, description="Bound on a request's mean time between tokens.")
+    e2e_s: float = Field(60.0, gt=0, description="End-to-end latency bound.")
+
+
+class BatchAPIOptions(StrictModel):
+    """/v1/files and /v1/batches: where they persist and how batches are ordered (BlendServe)."""
+
+    dir: str = Field("~/.cache/splitserve/batches", description="Where files and batches persist; on Kubernetes a "
+                     "persistent volume, so a restart loses nothing.")
+    order: Literal["blend", "dfs", "fcfs"] = Field("blend", description="Order of a batch's requests: blend "
+                                                   "(BlendServe), dfs (prefix-tree order) or fcfs (file order).")
+    sample_fraction: float = Field(0.01, ge=0, le=1, description="Share of requests run first to estimate output "
+                                   "lengths.")
+    split_threshold: float = Field(0.01, ge=0, le=1, description="Prefix-tree nodes are split while the recomputed "
+                                   "prefix stays under this share of unique prompt tokens.")
+    memory_fraction: float = Field(0.9, gt=0, le=1, description="Share of the KV cache the dual scanner fills.")
+
+    def blend_options(self) -> BlendOptions:
+        return BlendOptions(self.order, self.sample_fraction, self.split_threshold, self.memory_fraction)

@@ -1,0 +1,122 @@
+"""The placement-policy interface and the eligibility rules and searches every policy shares.
+
+Queues are speed-weighted pending tokens (`WorkerState.prompt_queue` / `token_queue`). A worker is
+- a prompt candidate: not excluded and prompt queue < `max_queue_tokens` (backpressure);
+- a token candidate: not excluded, token queue < `max_decode_queue_tokens`, and room in its KV cache
+  for the prompt plus the first token (skipped while it has never reported its KV capacity);
+- a whole-request (local) candidate: both at once.
+Searches scan workers in id order (the pools keep them sorted) and keep the first strict minimum, so
+ties go to the lowest id and every decision is deterministic. Each is one pass, no lists built.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from splitserve.placement.state import Placement, PlacementRequest, PlacementThresholds, PoolMove, Role, WorkerState
+
+if TYPE_CHECKING:
+    from splitserve.placement.cluster_state import ClusterState
+
+Decision = tuple[Placement | None, list[PoolMove]]  # moves: a fresh list each time (callers may extend it)
+
+
+class PlacementPolicy(ABC):
+    """Chooses the workers of each request; one instance per `ClusterState` (it may keep cursors)."""
+
+    name: str
+
+    @abstractmethod
+    def choose(self, state: ClusterState, request: PlacementRequest, now: float,
+               exclude: frozenset[str]) -> Decision:
+        """Placement (None: cannot admit now) and the pool moves it needs; the state applies both."""
+
+    def rebalance(self, state: ClusterState, now: float, reporter: WorkerState) -> list[PoolMove]:
+        """Pool moves to make after `reporter`'s report; by default pools never change."""
+        return []
+
+
+def has_kv_room(worker: WorkerState, tokens: int) -> bool:
+    return worker.load.total_kv_tokens == 0 or worker.free_kv_tokens() >= tokens
+
+
+def can_prompt(worker: WorkerState, thresholds: PlacementThresholds, exclude: frozenset[str]) -> bool:
+    return worker.prompt_queue() < thresholds.max_queue_tokens and worker.worker_id not in exclude
+
+
+def can_decode(worker: WorkerState, thresholds: PlacementThresholds, request: PlacementRequest,
+               exclude: frozenset[str]) -> bool:
+    return (worker.token_queue() < thresholds.max_decode_queue_tokens
+            and has_kv_room(worker, request.num_prompt_tokens + 1) and worker.worker_id not in exclude)
+
+
+def can_run_whole(worker: WorkerState, thresholds: PlacementThresholds, request: PlacementRequest,
+                  exclude: frozenset[str]) -> bool:
+    return can_prompt(worker, thresholds, exclude) and can_decode(worker, thresholds, request, exclude)
+
+
+def combined_load(worker: WorkerState, thresholds: PlacementThresholds) -> float:
+    """Load of a worker running whole requests: each queue as a fraction of its overflow threshold,
+    summed. A decode token of context costs far less than a prompt token to compute (65536 vs 2048
+    by default), so raw token counts would let the decode side swamp the prompt side."""
+    return (worker.prompt_queue() / thresholds.mixed_prompt_tokens
+            + worker.token_queue() / thresholds.mixed_decode_tokens)
+
+
+# The scans below inline WorkerState.prompt_queue / token_queue / free_kv_tokens and the eligibility
+# rules above: they are the per-decision hot path (up to 3 x 512 workers), and method calls would
+# triple their cost. tests/placement/test_placement_rules.py checks them against the readable versions.
+def least_prompt_queue(workers: Sequence[WorkerState], thresholds: PlacementThresholds,
+                       exclude: frozenset[str]) -> WorkerState | None:
+    best, best_queue = None, thresholds.max_queue_tokens
+    for worker in workers:
+        queue = (worker.load.pending_prompt_tokens + worker.placed_prompt_tokens) / worker.hardware.prompt_speed
+        if queue < best_queue and worker.worker_id not in exclude:
+            best, best_queue = worker, queue
+    return best
+
+
+def least_token_queue(workers: Sequence[WorkerState], thresholds: PlacementThresholds, request: PlacementRequest,
+                      exclude: frozenset[str]) -> WorkerState | None:
+    best, best_queue = None, thresholds.max_decode_queue_tokens
+    kv_needed = request.num_prompt_tokens + 1
+    for worker in workers:
+        load, placed = worker.load, worker.placed_decode_tokens
+        queue = (load.decode_tokens + placed) / worker.hardware.token_speed
+        if (queue < best_queue and (load.total_kv_tokens == 0 or load.free_kv_tokens - placed >= kv_needed)
+                and worker.worker_id not in exclude):
+            best, best_queue = worker, queue
+    return best
+
+
+def least_loaded_whole(workers: Sequence[WorkerState], thresholds: PlacementThresholds, request: PlacementRequest,
+                       exclude: frozenset[str], prompt_cap: float = math.inf,
+                       token_cap: float = math.inf) -> WorkerState | None:
+    """The whole-request candidate with the least `combined_load` whose queues are within the caps."""
+    best, best_load = None, math.inf
+    kv_needed = request.num_prompt_tokens + 1
+    # queue < bound <=> queue below the backpressure limit and at most the cap
+    prompt_bound = min(thresholds.max_queue_tokens, math.nextafter(prompt_cap, math.inf))
+    token_bound = min(thresholds.max_decode_queue_tokens, math.nextafter(token_cap, math.inf))
+    prompt_scale, token_scale = 1 / thresholds.mixed_prompt_tokens, 1 / thresholds.mixed_decode_tokens
+    for worker in workers:
+        load, placed_decode = worker.load, worker.placed_decode_tokens
+        prompt_queue = (load.pending_prompt_tokens + worker.placed_prompt_tokens) / worker.hardware.prompt_speed
+        token_queue = (load.decode_tokens + placed_decode) / worker.hardware.token_speed
+        combined = prompt_queue * prompt_scale + token_queue * token_scale
+        if (combined < best_load and prompt_queue < prompt_bound and token_queue < token_bound
+                and (load.total_kv_tokens == 0 or load.free_kv_tokens - placed_decode >= kv_needed)
+                and worker.worker_id not in exclude):
+            best, best_load = worker, combined
+    return best
+
+
+def mixed_only(state: ClusterState) -> bool:
+    """No prompt or token pool: the non-disaggregated baseline, every request runs whole."""
+    return not state.members(Role.PROMPT) and not state.members(Role.TOKEN)
+
+
+def run_whole_on(worker: WorkerState | None) -> Decision:
+    return (None, []) if worker is None else (Placement(worker.worker_id, worker.worker_id), [])

@@ -1,0 +1,155 @@
+"""The cluster-level scheduler's state: every worker's last report, what was placed on it since, and
+the pools; placement and rebalancing go through the chosen policy."""
+from __future__ import annotations
+
+import dataclasses
+from bisect import insort
+from collections.abc import Collection
+
+from splitserve.placement.base import PlacementPolicy, combined_load
+from splitserve.placement.hardware import HardwareProfile, hardware_profile
+from splitserve.placement.registry import make_placement_policy
+from splitserve.placement.state import (
+    Placement,
+    PlacementRequest,
+    PlacementThresholds,
+    PoolMove,
+    Role,
+    WorkerLoad,
+    WorkerState,
+)
+
+NOTHING_EXCLUDED: frozenset[str] = frozenset()
+
+
+def _worker_id(worker: WorkerState) -> str:
+    return worker.worker_id
+
+
+class ClusterState:
+    """The CLS's view of the workers; one instance, owned by the controller (or the simulator).
+
+    Invariant: every worker is in exactly one pool list, `_members[worker.pool]`, and each list is
+    sorted by worker id (the policies' scans rely on it for deterministic tie-breaking).
+    """
+
+    def __init__(self, policy: str | PlacementPolicy = "splitwise",
+                 thresholds: PlacementThresholds = PlacementThresholds()):
+        self.policy = make_placement_policy(policy) if isinstance(policy, str) else policy
+        if not isinstance(self.policy, PlacementPolicy):
+            raise ValueError(f"policy must be a policy name or a PlacementPolicy, got {policy!r}")
+        if not isinstance(thresholds, PlacementThresholds):
+            raise ValueError(f"thresholds must be a PlacementThresholds, got {thresholds!r}")
+        self.thresholds = thresholds
+        self.workers: dict[str, WorkerState] = {}
+        self._members: dict[Role, list[WorkerState]] = {role: [] for role in Role}
+
+    # ---- membership ----------------------------------------------------------------------
+    def add_worker(self, worker_id: str, home: Role | str, hardware: HardwareProfile | str,
+                   load: WorkerLoad = WorkerLoad(), now: float = 0.0) -> None:
+        """A new worker joins its home pool (`home` and `hardware` may be given by name)."""
+        if not worker_id or not isinstance(worker_id, str):
+            raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
+        if worker_id in self.workers:
+            raise ValueError(f"worker_id {worker_id!r} is already in the cluster")
+        if home not in set(Role):  # a Role is also its str value
+            raise ValueError(f"home must be one of {', '.join(r.value for r in Role)}, got {home!r}")
+        home = Role(home)
+        profile = hardware_profile(hardware) if isinstance(hardware, str) else hardware
+        worker = WorkerState(worker_id, home, profile, home, load, reported_at=now)
+        self.workers[worker_id] = worker
+        insort(self._members[home], worker, key=_worker_id)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """A dead (or drained) worker leaves its pool; an unknown id is a no-op."""
+        worker = self.workers.pop(worker_id, None)
+        if worker is not None:
+            self._members[worker.pool].remove(worker)
+
+    def members(self, pool: Role) -> list[WorkerState]:
+        """The workers in `pool`, sorted by id: the live list, for policies to scan, not to modify."""
+        return self._members[pool]
+
+    def pools(self) -> dict[Role, list[str]]:
+        return {role: [w.worker_id for w in members] for role, members in self._members.items()}
+
+    # ---- reports and placement -----------------------------------------------------------
+    def report(self, worker_id: str, load: WorkerLoad, now: float) -> list[PoolMove]:
+        """A worker's periodic report replaces its load and the estimate of what was placed on it
+        since; then the policy rebalances the pools. Returns the moves it applied."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return []
+        worker.load = load
+        worker.placed_prompt_tokens = worker.placed_decode_tokens = 0
+        worker.reported_at = now
+        return self._apply_all(self.policy.rebalance(self, now, worker), now)
+
+    def place(self, request: PlacementRequest, now: float,
+              exclude: Collection[str] = ()) -> tuple[Placement | None, list[PoolMove]]:
+        """Prompt and token workers for a request (None: cannot admit now), and the pool moves made
+        for it. `exclude`: worker ids not to use (a retry after a failure)."""
+        excluded = frozenset(exclude) if exclude else NOTHING_EXCLUDED
+        placement, moves = self.policy.choose(self, request, now, excluded)
+        self._apply_all(moves, now)
+        if placement is not None:
+            # Until their next reports, the chosen workers' queues count this request.
+            self._worker(placement.prompt_worker).placed_prompt_tokens += request.num_prompt_tokens
+            self._worker(placement.token_worker).placed_decode_tokens += request.num_prompt_tokens + request.max_tokens
+        return placement, moves
+
+    def _apply_all(self, moves: list[PoolMove], now: float) -> list[PoolMove]:
+        for move in moves:
+            self._apply(move, now)
+        return moves
+
+    def _apply(self, move: PoolMove, now: float) -> None:
+        worker = self._worker(move.worker_id)
+        if move.repurposed:
+            if move.to_pool is Role.MIXED:
+                raise ValueError(f"to_pool of a re-purposing move must be prompt or token, got {move}")
+            worker.home = move.to_pool
+        if move.to_pool is not worker.pool:
+            self._members[worker.pool].remove(worker)
+            insort(self._members[move.to_pool], worker, key=_worker_id)
+            worker.pool = move.to_pool
+        if worker.pool is not Role.MIXED or worker.home is Role.MIXED:
+            worker.mixed_since = None  # not a guest in the mixed pool
+        elif worker.mixed_since is None:
+            worker.mixed_since = now  # a guest's stay (what re-purposing measures) starts now
+
+    def _worker(self, worker_id: str) -> WorkerState:
+        if worker_id not in self.workers:
+            raise ValueError(f"worker_id {worker_id!r} is not in the cluster (placement policy bug?)")
+        return self.workers[worker_id]
+
+    # ---- inspection ----------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """JSON-able view for the status endpoint and the simulator's logs."""
+        return {
+            "policy": self.policy.name,
+            "thresholds": dataclasses.asdict(self.thresholds),
+            "workers": {worker_id: self._describe(w) for worker_id, w in sorted(self.workers.items())},
+            "pools": {role.value: ids for role, ids in self.pools().items()},
+        }
+
+    def _describe(self, worker: WorkerState) -> dict:
+        return {
+            "home": worker.home.value, "pool": worker.pool.value, "hardware": worker.hardware.name,
+            **dataclasses.asdict(worker.load),
+            "placed_prompt_tokens": worker.placed_prompt_tokens, "placed_decode_tokens": worker.placed_decode_tokens,
+            "prompt_queue": worker.prompt_queue(), "token_queue": worker.token_queue(),
+            "combined_load": combined_load(worker, self.thresholds),
+            "mixed_since": worker.mixed_since, "reported_at": worker.reported_at,
+        }
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if the pool lists and the workers disagree."""
+        listed = [w for members in self._members.values() for w in members]
+        if sorted(w.worker_id for w in listed) != sorted(self.workers):
+            raise RuntimeError("pool lists do not hold every worker exactly once")
+        for role, members in self._members.items():
+            if any(w.pool is not role or self.workers.get(w.worker_id) is not w for w in members):
+                raise RuntimeError(f"a worker listed in the {role.value} pool is not in it")
+            if [w.worker_id for w in members] != sorted(w.worker_id for w in members):
+                raise RuntimeError(f"the {role.value} pool is not sorted by worker id")

@@ -1,0 +1,20 @@
+"""What a worker reports to the CLS, computed from its scheduler's queues: one definition for the
+real worker (`WorkerLoop.load`) and the simulated one (`SimWorker.load`)."""
+from __future__ import annotations
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.policies import Policy
+from splitserve.placement.state import WorkerLoad
+
+
+def load_of(policy: Policy, blocks: BlockManager) -> WorkerLoad:
+    """Prompt tokens still to prefill here (handed-off ones included); decode load: sequences that
+    decode here, imports included (their KV is arriving)."""
+    size = blocks.block_size
+    queued = [*policy.waiting, *policy.running]
+    local = [s for s in (*queued, *policy.held.values()) if not s.hand_off]
+    return WorkerLoad(
+        pending_prompt_tokens=sum(s.num_uncomputed_tokens for s in queued if not s.is_decoding),
+        decode_tokens=sum(s.num_tokens for s in local), num_decoding=len(local),
+        num_waiting=len(policy.waiting), free_kv_tokens=blocks.num_free_blocks * size,
+        total_kv_tokens=blocks.num_blocks * size)

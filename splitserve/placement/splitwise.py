@@ -1,0 +1,122 @@
+"""Splitwise's cluster-level scheduling (IV-A): JSQ over the prompt and token pools, overflow into a
+mixed pool when a pool's best queue passes its threshold, and coarse re-purposing of workers that
+stay mixed for long.
+
+Overflow, prompt side (best prompt queue > `mixed_prompt_tokens`, or no prompt candidate): run the
+request whole on the least-loaded mixed worker whose prompt queue is within the threshold; failing
+that, move the least-loaded token worker into the mixed pool and run it there. Token side (best token
+queue > `mixed_decode_tokens`, or no candidate): decode on a mixed worker within that threshold
+(the KV goes prompt worker -> mixed worker); failing that, move the least-loaded prompt worker into
+the mixed pool to decode. A move may take a pool's last worker: a guest still does its home pool's
+work with mixed batching, and an empty pool's requests overflow to the mixed pool. With no overflow target,
+an over-threshold (but eligible) JSQ choice still serves; with no candidate at all, nothing does.
+Mixed workers are picked by `base.combined_load`, since they batch prompts and decodes together.
+
+Rebalance (every report, of the reporting worker): a guest in the mixed pool goes home once it has no
+work of the kind its home pool does not do. One that has stayed mixed for `repurpose_after_s` changes
+home to the opposite pool and moves there (at most one such change per that period, cluster-wide,
+and never the last worker of its home); its leftover work finishes there (the engine's prompt and
+token policies both run leftovers of the other kind).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from splitserve.placement.base import Decision, least_loaded_whole, least_prompt_queue, least_token_queue, run_whole_on
+from splitserve.placement.jsq import JSQPolicy
+from splitserve.placement.state import Placement, PlacementRequest, PoolMove, Role, WorkerState
+
+if TYPE_CHECKING:
+    from splitserve.placement.cluster_state import ClusterState
+
+OPPOSITE_POOL = {Role.PROMPT: Role.TOKEN, Role.TOKEN: Role.PROMPT}
+
+
+def has_guest_work(worker: WorkerState) -> bool:
+    """Whether a mixed-pool guest still holds work its home pool does not do."""
+    if worker.home is Role.PROMPT:
+        return worker.load.num_decoding > 0 or worker.placed_decode_tokens > 0
+    return worker.load.pending_prompt_tokens > 0 or worker.placed_prompt_tokens > 0
+
+
+class SplitwisePolicy(JSQPolicy):
+    """JSQ (a mixed-only cluster is placed the same way), with the mixed pool and re-purposing."""
+
+    name = "splitwise"
+
+    def __init__(self) -> None:
+        self._last_repurpose_at = -math.inf
+
+    def _split(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str]) -> Decision:
+        thresholds = state.thresholds
+        prompt = least_prompt_queue(state.members(Role.PROMPT), thresholds, exclude)
+        if prompt is None or prompt.prompt_queue() > thresholds.mixed_prompt_tokens:
+            overflow = self._overflow_prompt(state, request, exclude)
+            if overflow is not None or prompt is None:
+                return overflow or (None, [])
+        token = least_token_queue(state.members(Role.TOKEN), thresholds, request, exclude)
+        if token is None or token.token_queue() > thresholds.mixed_decode_tokens:
+            overflow = self._overflow_token(state, request, exclude, prompt)
+            if overflow is not None or token is None:
+                return overflow or (None, [])
+        return Placement(prompt.worker_id, token.worker_id), []
+
+    def _overflow_prompt(self, state: ClusterState, request: PlacementRequest,
+                         exclude: frozenset[str]) -> Decision | None:
+        """The whole request on a mixed worker (moving a token worker in if needed), or None."""
+        thresholds = state.thresholds
+        mixed = least_loaded_whole(state.members(Role.MIXED), thresholds, request, exclude,
+                                   prompt_cap=thresholds.mixed_prompt_tokens)
+        if mixed is not None:
+            return run_whole_on(mixed)
+        guest = self._guest_from(state, Role.TOKEN, request, exclude)
+        if guest is None:
+            return None
+        move = PoolMove(guest.worker_id, Role.MIXED, "prompt queues over mixed_prompt_tokens")
+        return Placement(guest.worker_id, guest.worker_id), [move]
+
+    def _overflow_token(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str],
+                        prompt: WorkerState) -> Decision | None:
+        """Decode on a mixed worker (moving a prompt worker in if needed), or None."""
+        thresholds = state.thresholds
+        mixed = least_loaded_whole(state.members(Role.MIXED), thresholds, request, exclude,
+                                   token_cap=thresholds.mixed_decode_tokens)
+        if mixed is not None:
+            return Placement(prompt.worker_id, mixed.worker_id), []
+        guest = self._guest_from(state, Role.PROMPT, request, exclude)
+        if guest is None:
+            return None
+        move = PoolMove(guest.worker_id, Role.MIXED, "token queues over mixed_decode_tokens")
+        return Placement(prompt.worker_id, guest.worker_id), [move]
+
+    @staticmethod
+    def _guest_from(state: ClusterState, pool: Role, request: PlacementRequest,
+                    exclude: frozenset[str]) -> WorkerState | None:
+        # Even a pool's last worker may move: in the mixed pool it still does its home pool's work,
+        # and an empty pool's work overflows to the mixed pool.
+        return least_loaded_whole(state.members(pool), state.thresholds, request, exclude)
+
+    def rebalance(self, state: ClusterState, now: float, reporter: WorkerState) -> list[PoolMove]:
+        """Only the reporter can have changed: a guest's load changes only with its own report, and
+        what is placed on it only grows between them. So this is O(1) per report."""
+        if reporter.pool is not Role.MIXED or reporter.home is Role.MIXED:
+            return []
+        if not has_guest_work(reporter):
+            drained = f"drained its {OPPOSITE_POOL[reporter.home].value} work"
+            return [PoolMove(reporter.worker_id, reporter.home, drained)]
+        repurpose = self._repurpose(state, reporter, now)
+        return [] if repurpose is None else [repurpose]
+
+    def _repurpose(self, state: ClusterState, guest: WorkerState, now: float) -> PoolMove | None:
+        """A guest mixed for `repurpose_after_s` changes home, at most one per period cluster-wide,
+        never the last worker of its home (the O(workers) count runs only then)."""
+        period = state.thresholds.repurpose_after_s
+        stayed = now - guest.mixed_since if guest.mixed_since is not None else 0.0
+        if stayed < period or now - self._last_repurpose_at < period:
+            return None
+        if sum(1 for w in state.workers.values() if w.home is guest.home) < 2:
+            return None
+        self._last_repurpose_at = now
+        reason = f"mixed for {stayed:.0f}s: re-purposed from {guest.home.value}"
+        return PoolMove(guest.worker_id, OPPOSITE_POOL[guest.home], reason, repurposed=True)

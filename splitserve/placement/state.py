@@ -1,0 +1,116 @@
+"""The values the cluster-level scheduler (CLS) works with: pools, worker loads, requests, placements."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from splitserve.placement.hardware import HardwareProfile
+
+
+class Role(str, enum.Enum):
+    """A pool, and the engine role of the workers in it (prompt / token / mixed policy)."""
+
+    PROMPT = "prompt"
+    TOKEN = "token"
+    MIXED = "mixed"
+
+
+def _require_non_negative_ints(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a worker reports periodically (not every iteration, Splitwise IV-A)."""
+
+    pending_prompt_tokens: int = 0  # prompt tokens not yet prefilled on it (waiting or mid-prefill)
+    decode_tokens: int = 0  # context tokens (prompt + generated) of sequences decoding or importing KV on it
+    num_decoding: int = 0  # sequences decoding or importing on it
+    num_waiting: int = 0
+    free_kv_tokens: int = 0
+    total_kv_tokens: int = 0  # 0: KV capacity not reported yet, so placement skips the KV room check
+
+    def __post_init__(self) -> None:
+        _require_non_negative_ints(self, ("pending_prompt_tokens", "decode_tokens", "num_decoding",
+                                          "num_waiting", "free_kv_tokens", "total_kv_tokens"))
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not isinstance(self.num_prompt_tokens, int) or self.num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens must be an integer >= 1, got {self.num_prompt_tokens!r}")
+        _require_non_negative_ints(self, ("max_tokens",))
+
+
+@dataclass(frozen=True)
+class Placement:
+    prompt_worker: str
+    token_worker: str
+
+    @property
+    def local(self) -> bool:
+        """Same worker: the whole request runs there with mixed batching, no KV transfer."""
+        return self.prompt_worker == self.token_worker
+
+
+@dataclass(frozen=True)
+class PoolMove:
+    """A worker changing pool; the controller switches its engine role to `to_pool.value`."""
+
+    worker_id: str
+    to_pool: Role
+    reason: str
+    repurposed: bool = False  # its home pool changed too: the new home is `to_pool`
+
+
+@dataclass(frozen=True)
+class PlacementThresholds:
+    """Queues are speed-weighted token counts (see `WorkerState.prompt_queue` / `token_queue`)."""
+
+    mixed_prompt_tokens: float = 2048  # a prompt queue above this overflows into the mixed pool
+    mixed_decode_tokens: float = 65536  # same for a token queue
+    max_queue_tokens: float = 16384  # backpressure: a worker whose prompt queue is this long takes nothing more
+    repurpose_after_s: float = 60.0  # in the mixed pool this long without a break: home pool changes (one per period)
+    max_decode_queue_tokens: float = 262144  # backpressure on token queues; above mixed_decode_tokens so overflow acts
+
+    def __post_init__(self) -> None:
+        for name in ("mixed_prompt_tokens", "mixed_decode_tokens", "max_queue_tokens", "repurpose_after_s",
+                     "max_decode_queue_tokens"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """The CLS's live view of one worker: its last report plus what was placed on it since."""
+
+    worker_id: str
+    home: Role  # the pool it belongs to; it returns there from the mixed pool
+    hardware: HardwareProfile
+    pool: Role  # the pool it serves in now
+    load: WorkerLoad
+    placed_prompt_tokens: int = 0  # placed here since its last report (a report replaces the estimate)
+    placed_decode_tokens: int = 0
+    mixed_since: float | None = None  # when it entered the mixed pool as a guest (None: not a guest there)
+    reported_at: float = 0.0  # time of its last report (or of joining)
+
+    def prompt_queue(self) -> float:
+        return (self.load.pending_prompt_tokens + self.placed_prompt_tokens) / self.hardware.prompt_speed
+
+    def token_queue(self) -> float:
+        return (self.load.decode_tokens + self.placed_decode_tokens) / self.hardware.token_speed
+
+    def free_kv_tokens(self) -> int:
+        return self.load.free_kv_tokens - self.placed_decode_tokens

@@ -1,0 +1,281 @@
+"""OpenAI request validation: every refusal is a RequestError naming the field, and accepted requests
+map onto the engine's SamplingParams."""
+import json
+
+import pytest
+
+from splitserve.api.errors import RequestError
+from splitserve.api.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_model,
+    parse_request,
+    prompt_token_ids_of,
+    sampling_params,
+)
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import ByteTokenizer
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "demo", "prompt": "hello"}
+
+
+def refusal(model_cls, body) -> RequestError:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(RequestError) as info:
+        parse_request(model_cls, raw)
+    return info.value
+
+
+def completion(**fields) -> CompletionRequest:
+    return parse_request(CompletionRequest, json.dumps({**COMPLETION, **fields}).encode())
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return parse_request(ChatCompletionRequest, json.dumps({**CHAT, **fields}).encode())
+
+
+@pytest.mark.parametrize("raw", [b"{", b"", b"\xff\xfe{", b'{"model": "demo",}'])
+def test_bad_json(raw):
+    error = refusal(CompletionRequest, raw)
+    assert error.status == 400 and error.type == "invalid_request_error"
+    assert error.message.startswith("request body is not valid JSON: ")
+
+
+@pytest.mark.parametrize("raw, kind", [(b"[1]", "list"), (b'"x"', "str"), (b"null", "NoneType")])
+def test_body_must_be_an_object(raw, kind):
+    assert refusal(ChatCompletionRequest, raw).message == f"request body must be a JSON object, got {kind}"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_tokens", "16", "max_tokens: Input should be a valid integer"),
+    ("max_tokens", 1.5, "max_tokens: Input should be a valid integer"),
+    ("max_tokens", True, "max_tokens: Input should be a valid integer"),
+    ("temperature", "hot", "temperature: Input should be a valid number"),
+    ("stream", "yes", "stream: Input should be a valid boolean"),
+    ("stop", 5, "stop: must be a string, a list of strings, or null"),
+    ("stop", ["a", 1], "stop: must be a string, a list of strings, or null"),
+    ("seed", 2**64, "seed: Input should be less than or equal to 18446744073709551615"),
+    ("stop_token_ids", [1, "2"], "stop_token_ids.1: Input should be a valid integer"),
+    ("stream_options", {"include_usage": 1}, "stream_options.include_usage: Input should be a valid boolean"),
+])
+def test_wrong_types_name_the_field(field, value, message):
+    error = refusal(CompletionRequest, {**COMPLETION, field: value, "stream": True} if field == "stream_options"
+                    else {**COMPLETION, field: value})
+    assert error.message == message and error.param == message.split(":")[0] and error.status == 400
+
+
+def test_missing_and_unknown_fields():
+    error = refusal(CompletionRequest, {"model": "demo"})
+    assert (error.message, error.param) == ("prompt: Field required", "prompt")
+    error = refusal(ChatCompletionRequest, {**CHAT, "frobnicate": 1})
+    assert (error.message, error.param) == ("frobnicate: unsupported parameter", "frobnicate")
+    error = refusal(CompletionRequest, {**COMPLETION, "stream": True, "stream_options": {"x": 1}})
+    assert (error.message, error.param) == ("stream_options.x: unsupported parameter", "stream_options.x")
+
+
+@pytest.mark.parametrize("model_cls, base, field, value, message", [
+    (CompletionRequest, COMPLETION, "n", 2, "n: only n=1 is supported; send one request per completion, got 2"),
+    (ChatCompletionRequest, CHAT, "n", 0, "n: only n=1 is supported; send one request per completion, got 0"),
+    (CompletionRequest, COMPLETION, "presence_penalty", 0.5, "presence_penalty: is not supported; leave it unset or 0, got 0.5"),
+    (ChatCompletionRequest, CHAT, "frequency_penalty", -1, "frequency_penalty: is not supported; leave it unset or 0, got -1.0"),
+    (CompletionRequest, COMPLETION, "logit_bias", {"1": 5}, "logit_bias: is not supported, got {'1': 5}"),
+    (CompletionRequest, COMPLETION, "logprobs", 0, "logprobs: is not supported yet, got 0"),
+    (CompletionRequest, COMPLETION, "echo", True, "echo: is not supported, got True"),
+    (CompletionRequest, COMPLETION, "best_of", 2, "best_of: only best_of=1 is supported, got 2"),
+    (CompletionRequest, COMPLETION, "suffix", "end", "suffix: is not supported, got 'end'"),
+    (ChatCompletionRequest, CHAT, "logprobs", True, "logprobs: is not supported yet, got True"),
+    (ChatCompletionRequest, CHAT, "top_logprobs", 2, "top_logprobs: is not supported yet, got 2"),
+    (ChatCompletionRequest, CHAT, "response_format", {"type": "json_object"},
+     "response_format: is not supported, got {'type': 'json_object'}"),
+    (ChatCompletionRequest, CHAT, "tools", [{"type": "function"}], "tools: is not supported, got [{'type': 'function'}]"),
+    (ChatCompletionRequest, CHAT, "tool_choice", "auto", "tool_choice: is not supported, got 'auto'"),
+    (CompletionRequest, COMPLETION, "echo", None, None),  # null is the default for every one of them
+])
+def test_unsupported_parameters(model_cls, base, field, value, message):
+    if message is None:
+        parse_request(model_cls, json.dumps({**base, field: value}).encode())
+        return
+    error = refusal(model_cls, {**base, field: value})
+    assert (error.message, error.param, error.status) == (message, field, 400)
+
+
+def test_values_that_change_nothing_are_accepted():
+    request = chat(n=1, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, logprobs=False, top_logprobs=None,
+                   response_format={"type": "text"}, tools=[], tool_choice="none", user="u1", seed=-1)
+    assert request.n == 1 and request.user == "u1"
+    assert completion(best_of=1, echo=False, suffix=None, logprobs=None).best_of == 1
+
+
+def test_stream_options_need_stream():
+    error = refusal(ChatCompletionRequest, {**CHAT, "stream_options": {"include_usage": True}})
+    assert (error.message, error.param) == ("stream_options: only allowed when stream is true", "stream_options")
+    assert chat(stream=True, stream_options={"include_usage": True}).stream_options.include_usage is True
+    assert chat(stream=False, stream_options=None).stream is False
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("text", "text"), ([1, 2, 3], [1, 2, 3]), (["text"], "text"), ([[4, 5]], [4, 5]), ("", ""),
+])
+def test_prompt_shapes(prompt, expected):
+    assert completion(prompt=prompt).prompt == expected
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (["a", "b"], "prompt: batched prompts are not supported; send one request per prompt"),
+    ([[1], [2]], "prompt: batched prompts are not supported; send one request per prompt"),
+    ([], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
+    ([[]], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
+    ([1, -2], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
+    ([1, 2.0], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
+    ([True], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
+    (5, "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
+])
+def test_bad_prompts(prompt, message):
+    error = refusal(CompletionRequest, {**COMPLETION, "prompt": prompt})
+    assert (error.message, error.param) == (message, "prompt")
+
+
+def test_chat_messages():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b", "cache_control": {}}]
+    request = chat(messages=[{"role": "system", "content": None}, {"role": "user", "content": parts, "name": "x"}])
+    assert [p.text for p in request.messages[1].content] == ["a", "b"] and request.messages[0].content is None
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], "messages: List should have at least 1 item after validation, not 0"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages.0.content: only text content parts are supported, got a part of type 'image_url'"),
+    ([{"role": "user", "content": ["hi"]}],
+     "messages.0.content: only text content parts are supported, got a part of type 'str'"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content: a text content part needs a string field 'text'"),
+    ([{"role": "user", "content": 3}], "messages.0.content: must be a string, a list of content parts, or null"),
+    ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}],
+     "messages.1.role: Input should be 'system', 'user', 'assistant', 'tool' or 'developer'"),
+    ([{"role": "user"}], "messages.0.content: Field required"),
+    ([{"role": "user", "content": "a", "tool_calls": []}], "messages.0.tool_calls: unsupported parameter"),
+])
+def test_bad_messages(messages, message):
+    error = refusal(ChatCompletionRequest, {**CHAT, "messages": messages})
+    assert error.message == message and error.param == message.split(":")[0]
+    assert error.param.startswith("messages")
+
+
+def test_chat_template_kwargs():
+    assert chat(chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs == {"enable_thinking": False}
+    error = refusal(ChatCompletionRequest, {**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert error.param == "chat_template_kwargs"
+    assert "'add_generation_prompt' comes from the request's own field" in error.message
+
+
+def test_unknown_model_is_404():
+    check_model("demo", "demo")
+    with pytest.raises(RequestError) as info:
+        check_model("gpt-4", "demo")
+    error = info.value
+    assert (error.status, error.type, error.code, error.param) == (404, "invalid_request_error", "model_not_found", "model")
+    assert error.message == "The model `gpt-4` does not exist. This server serves `demo`."
+
+
+def test_sampling_params_mapping():
+    request = completion(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, stop=["x", "yz"], min_tokens=2,
+                         ignore_eos=True, stop_token_ids=[9], include_stop_str_in_output=True, skip_special_tokens=False)
+    assert sampling_params(request, 10, 100) == SamplingParams(
+        max_tokens=7, min_tokens=2, temperature=0.5, top_k=5, top_p=0.9, seed=3, stop=("x", "yz"),
+        stop_token_ids=(9,), ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False)
+    nulls = completion(temperature=None, top_p=None, stop="s", max_tokens=None)
+    assert sampling_params(nulls, 10, 100) == SamplingParams(max_tokens=90, stop=("s",))
+
+
+def test_default_max_tokens():
+    assert sampling_params(completion(), 10, 100).max_tokens == 16  # OpenAI's completions default
+    assert sampling_params(chat(), 10, 100).max_tokens == 90  # the rest of the context
+    assert sampling_params(chat(max_completion_tokens=5), 10, 100).max_tokens == 5
+    assert sampling_params(chat(max_tokens=6), 10, 100).max_tokens == 6
+    assert sampling_params(chat(max_tokens=90), 10, 100).max_tokens == 90
+
+
+def test_both_length_limits_are_refused():
+    error = refusal(ChatCompletionRequest, {**CHAT, "max_tokens": 5, "max_completion_tokens": 5})
+    assert error.param == "max_tokens" and "set only one" in error.message
+
+
+@pytest.mark.parametrize("request_, field", [(completion(max_tokens=0), "max_tokens"),
+                                             (chat(max_tokens=-3), "max_tokens"),
+                                             (chat(max_completion_tokens=0), "max_completion_tokens")])
+def test_max_tokens_at_least_one(request_, field):
+    with pytest.raises(RequestError) as info:
+        sampling_params(request_, 10, 100)
+    value = getattr(request_, field)
+    assert (info.value.message, info.value.param) == (f"{field} must be at least 1, got {value}", field)
+
+
+def context_error(request, num_prompt_tokens, max_model_len) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        sampling_params(request, num_prompt_tokens, max_model_len)
+    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+    return info.value
+
+
+def test_prompt_longer_than_the_context():
+    error = context_error(chat(), 100, 100)
+    assert error.param == "messages"
+    assert error.message == ("This model's maximum context length is 100 tokens. However, your prompt has 100 "
+                             "tokens, which leaves no room for the completion. Please reduce the length of the messages.")
+    assert context_error(completion(), 150, 100).param == "prompt"
+
+
+def test_prompt_plus_completion_longer_than_the_context():
+    error = context_error(completion(max_tokens=20), 90, 100)
+    assert error.param == "max_tokens"
+    assert error.message == ("This model's maximum context length is 100 tokens. However, you requested 110 tokens "
+                             "(90 in the prompt, 20 in the completion). Please reduce the length of the prompt or "
+                             "max_tokens.")
+    error = context_error(chat(max_completion_tokens=91), 10, 100)
+    assert error.param == "max_completion_tokens" and "(10 in the messages, 91 in the completion)" in error.message
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"temperature": -1}, "temperature", "temperature must be >= 0, got -1.0"),
+    ({"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0.0"),
+    ({"top_k": 0}, "top_k", "top_k must be -1 (disabled) or >= 1, got 0"),
+    ({"min_tokens": 20}, "min_tokens", "min_tokens must be an integer in [0, max_tokens=16], got 20"),
+    ({"stop": ["ok", ""]}, "stop", "stop strings must be non-empty"),
+])
+def test_sampling_params_errors_name_the_field(fields, param, message):
+    with pytest.raises(RequestError) as info:
+        sampling_params(completion(**fields), 10, 100)
+    assert (info.value.message, info.value.param, info.value.status) == (message, param, 400)
+
+
+def test_prompt_token_ids():
+    tok = ByteTokenizer()
+    assert prompt_token_ids_of(completion(prompt="hi"), tok) == [tok.BOS, ord("h"), ord("i")]
+    assert prompt_token_ids_of(completion(prompt=[[5, 258]]), tok) == [5, 258]
+    with pytest.raises(RequestError) as info:
+        prompt_token_ids_of(completion(prompt=[5, 259]), tok)
+    assert info.value.param == "prompt"
+    assert info.value.message == "prompt: token id 259 is outside the vocabulary (ids 0..258)"
+
+
+def test_prompt_that_encodes_to_nothing():
+    class NoBos(ByteTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            return super().encode(text, add_special_tokens=False)
+
+    with pytest.raises(RequestError, match="prompt: the prompt is empty"):
+        prompt_token_ids_of(completion(prompt=""), NoBos())
+
+
+def test_slo_targets_reach_the_engine_in_seconds():
+    assert sampling_params(completion(slo={"ttft_ms": 250, "tbt_ms": 40.5}), 10, 100) == SamplingParams(
+        max_tokens=16, ttft_slo_s=0.25, tbt_slo_s=0.0405)
+    only_tbt = sampling_params(chat(slo={"tbt_ms": 100}), 10, 100)
+    assert (only_tbt.ttft_slo_s, only_tbt.tbt_slo_s) == (None, 0.1)
+    assert sampling_params(chat(), 10, 100).tbt_slo_s is None  # the policy's default applies
+
+
+@pytest.mark.parametrize("slo, param", [({"ttft_ms": 0}, "slo.ttft_ms"), ({"tbt_ms": -5}, "slo.tbt_ms"),
+                                        ({"tbt_ms": "fast"}, "slo.tbt_ms"), ({"p99_ms": 5}, "slo.p99_ms")])
+def test_bad_slo_targets_are_refused_naming_the_field(slo, param):
+    assert refusal(CompletionRequest, {**COMPLETION, "slo": slo}).param == param

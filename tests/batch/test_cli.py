@@ -1,0 +1,48 @@
+"""`splitserve batch`: a whole run, and a rerun after a crash that left a torn last line."""
+from __future__ import annotations
+
+import json
+
+from splitserve.batch.results import ResultLog
+from splitserve.cli import main
+from tests.batch.batch_helpers import as_jsonl, batch_lines, expected_texts
+
+
+def read(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_batch_command_runs_resumes_and_reports(tmp_path, capsys):
+    lines = batch_lines(12)
+    source, out, stats = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "stats.json"
+    source.write_bytes(as_jsonl(lines))
+    assert main(["batch", str(source), str(out), "--stats", str(stats)]) == 0
+    first = read(out)
+    assert {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in first} == expected_texts(lines)
+    assert json.loads(stats.read_text())["requests"] == 12
+    # a crash: the last four results lost, the one before torn mid-line
+    kept = out.read_text().splitlines(keepends=True)[:7]
+    out.write_text("".join(kept) + kept[0][:25])
+    assert main(["batch", str(source), str(out), "--order", "dfs"]) == 0
+    assert "resuming: 7 of 12" in capsys.readouterr().out
+    again = read(out)
+    assert sorted(r["custom_id"] for r in again) == sorted(line["custom_id"] for line in lines)
+    assert [r["id"] for r in again[:7]] == [r["id"] for r in first[:7]]
+
+
+def test_result_log_refuses_a_second_result_for_a_line(tmp_path):
+    with ResultLog(tmp_path / "log.jsonl") as log:
+        log.append({"custom_id": "a"})
+        try:
+            log.append({"custom_id": "a"})
+        except ValueError as error:
+            assert "already has a result" in str(error)
+        else:
+            raise AssertionError("a duplicate result was written")
+
+
+def test_bad_input_is_a_one_line_error(tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"custom_id": "a"}\n')
+    assert main(["batch", str(source), str(tmp_path / "out.jsonl")]) == 2
+    assert "line 1: method must be POST" in capsys.readouterr().err

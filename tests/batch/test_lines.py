@@ -1,0 +1,57 @@
+"""Batch input validation (every problem reported with its line) and result lines."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitserve.api.errors import RequestError
+from splitserve.batch.lines import InputFileError, parse_input, prepare
+from splitserve.engine.demo import demo_tokenizer
+from tests.batch.batch_helpers import as_jsonl, batch_lines
+
+
+def test_valid_lines_parse_with_their_kind():
+    lines = parse_input(as_jsonl(batch_lines(3)) + b"\n")
+    assert [(x.line, x.custom_id, x.kind) for x in lines] == [(1, "req-0", "completion"), (2, "req-1", "completion"),
+                                                              (3, "req-2", "completion")]
+
+
+@pytest.mark.parametrize("line, needle, param", [
+    ("{not json", "not valid JSON", None),
+    ("[1]", "JSON object", None),
+    ('{"custom_id": "", "method": "POST", "url": "/v1/completions", "body": {}}', "custom_id", "custom_id"),
+    ('{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}', "method", "method"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}', "url", "url"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": 3}', "body", "body"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"stream": true}}', "stream",
+     "body.stream"),
+])
+def test_invalid_lines_are_reported_with_line_and_param(line, needle, param):
+    data = as_jsonl(batch_lines(1)) + line.encode() + b"\n"
+    with pytest.raises(InputFileError) as caught:
+        parse_input(data)
+    [error] = caught.value.errors
+    assert error["line"] == 2 and needle in error["message"] and error["param"] == param
+
+
+def test_duplicate_custom_ids_empty_files_and_endpoint_mismatch():
+    lines = batch_lines(2)
+    lines[1]["custom_id"] = "req-0"
+    with pytest.raises(InputFileError, match="unique"):
+        parse_input(as_jsonl(lines))
+    with pytest.raises(InputFileError, match="no requests"):
+        parse_input(b"\n\n")
+    with pytest.raises(InputFileError, match="differs from the batch's endpoint"):
+        parse_input(as_jsonl(batch_lines(1)), "/v1/chat/completions")
+
+
+def test_prepare_checks_a_body_like_its_endpoint():
+    [line] = parse_input(as_jsonl(batch_lines(1)))
+    prepared = prepare(line, demo_tokenizer(), "demo", 2048)
+    assert prepared.params.max_tokens == 16 and prepared.prompt[1:] == list(line.body["prompt"].encode())
+    [bad] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+                                    "body": {"model": "demo", "messages": [], "top_p": 7}}).encode())
+    with pytest.raises(RequestError) as caught:
+        prepare(bad, demo_tokenizer(), "demo", 2048)
+    assert caught.value.status == 400

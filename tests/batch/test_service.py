@@ -1,0 +1,115 @@
+"""The batch API over HTTP with the official `openai` client, on a server that is killed (SIGKILL)
+in the middle of a batch and started again on the same directory: the batch finishes with every
+line exactly once and the outputs an undisturbed engine gives."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.batch.batch_helpers import as_jsonl, batch_lines, expected_texts
+
+
+def start_server(directory, port):
+    process = subprocess.Popen([sys.executable, "-m", "tests.batch.batch_server", str(directory), str(port)],
+                               start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/v1/batches", timeout=1)
+            return process
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("the batch server did not start")
+
+
+def wait_for(client, batch_id, done, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if done(batch):
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} never got there: {batch}")
+
+
+@pytest.fixture
+def port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_round_trip_and_restart_mid_batch(tmp_path, port):
+    lines = batch_lines(60, max_tokens=24)
+    bad = {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+           "body": {"model": "other", "prompt": "x"}}
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=3, timeout=30)
+    server = start_server(tmp_path, port)
+    try:
+        upload = client.files.create(file=("in.jsonl", io.BytesIO(as_jsonl(lines + [bad]))), purpose="batch")
+        assert upload.bytes == len(as_jsonl(lines + [bad])) and upload.purpose == "batch"
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h",
+                                      metadata={"run": "restart"})
+        assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "restart"}
+        partway = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 10)
+        assert partway.status == "in_progress"
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    server = start_server(tmp_path, port)
+    try:
+        batch = wait_for(client, batch.id, lambda b: b.status in ("completed", "failed", "cancelled"))
+        assert batch.status == "completed" and batch.request_counts.completed == 60
+        assert (batch.request_counts.total, batch.request_counts.failed) == (61, 1)
+        results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        ids = [r["custom_id"] for r in results]
+        assert sorted(ids) == sorted(line["custom_id"] for line in lines)  # each once: nothing lost or repeated
+        got = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in results}
+        assert got == expected_texts(lines)
+        [error] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+        assert error["custom_id"] == "bad" and error["response"]["status_code"] == 404
+        assert batch.output_file_id in [f.id for f in client.files.list(purpose="batch_output").data]
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def test_errors_cancel_and_listing(tmp_path, port):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+    server = start_server(tmp_path, port)
+    try:
+        with pytest.raises(openai.NotFoundError):
+            client.batches.retrieve("batch_nope")
+        with pytest.raises(openai.BadRequestError, match="purpose"):
+            client.files.create(file=("x.jsonl", io.BytesIO(b"{}")), purpose="fine-tune")
+        broken = client.files.create(file=("bad.jsonl", io.BytesIO(b"{oops\n")), purpose="batch")
+        with pytest.raises(openai.BadRequestError, match="endpoint"):
+            client.batches.create(input_file_id=broken.id, endpoint="/v1/embeddings", completion_window="24h")
+        failed = client.batches.create(input_file_id=broken.id, endpoint="/v1/completions", completion_window="24h")
+        failed = wait_for(client, failed.id, lambda b: b.status == "failed")
+        assert failed.errors.data[0].line == 1 and "JSON" in failed.errors.data[0].message
+        big = client.files.create(file=("big.jsonl", io.BytesIO(as_jsonl(batch_lines(200, 64)))), purpose="batch")
+        running = client.batches.create(input_file_id=big.id, endpoint="/v1/completions", completion_window="24h")
+        wait_for(client, running.id, lambda b: b.status == "in_progress")
+        assert client.batches.cancel(running.id).status == "cancelling"
+        cancelled = wait_for(client, running.id, lambda b: b.status == "cancelled")
+        assert cancelled.request_counts.completed < 200
+        page = client.batches.list(limit=1)
+        assert len(page.data) == 1 and page.has_more
+        assert client.files.delete(broken.id).deleted
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(broken.id)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()

@@ -1,0 +1,111 @@
+"""RunResponse: a run's token deltas as an OpenAI response or SSE stream (no Ray: a scripted run)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from splitserve.api.visible_text import TextStream
+from splitserve.cluster.dispatch import RequestFailed
+from splitserve.cluster.run_response import RunResponse
+from splitserve.cluster.worker_loop import TokenDelta
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import ByteTokenizer
+
+PROMPT = [256, 72, 105]
+
+
+class ScriptedRun:
+    """Plays the deltas (or raises the error) a dispatch Run would give; records what happened to it."""
+
+    def __init__(self, deltas, error: Exception | None = None):
+        self.request_id, self.prompt, self.tokens = "cmpl-test", PROMPT, []
+        self._deltas, self._error, self.aborted = deltas, error, False
+        self.finish_reason, self.failures = None, 0
+
+    async def deltas(self):
+        for delta in self._deltas:
+            if self.aborted:
+                return
+            self.tokens += delta.token_ids
+            yield delta
+        if self._error:
+            raise self._error
+
+    async def abort(self):
+        self.aborted = True
+
+
+def byte_ids(text: str) -> tuple[int, ...]:
+    return tuple(text.encode())
+
+
+def reply_for(run, stop=(), observed=None):
+    params = SamplingParams(max_tokens=64, stop=stop)
+    on_done = observed.append if observed is not None else (lambda _: None)
+    return RunResponse("completion", run, "demo", TextStream(ByteTokenizer(), params, PROMPT), on_done=on_done)
+
+
+def events(reply, **kwargs) -> list:
+    async def collect():
+        return [chunk async for chunk in reply.sse(**kwargs)]
+
+    raw = b"".join(asyncio.run(collect())).decode()
+    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+            for line in raw.split("\n\n") if line]
+
+
+def test_stream_text_usage_and_done():
+    run, observed = ScriptedRun([TokenDelta(byte_ids("Hel")), TokenDelta(byte_ids("lo"), "length")]), []
+    out = events(reply_for(run, observed=observed), include_usage=True)
+    [obs] = observed  # what the metrics get: 5 tokens in two deltas, so 4 gaps (2 of them zero)
+    assert (obs.outcome, obs.prompt_tokens, obs.generated_tokens, len(obs.tbt)) == ("completed", 3, 5, 4)
+    assert obs.ttft <= obs.e2e and obs.tbt.count(0.0) == 3
+    assert "".join(e["choices"][0]["text"] for e in out[:-2]) == "Hello"
+    assert out[-3]["choices"][0]["finish_reason"] == "length"
+    assert out[-2]["choices"] == [] and out[-2]["usage"]["completion_tokens"] == 5 and out[-1] == "[DONE]"
+
+
+def test_a_partial_stop_string_is_held_back_and_the_stop_ends_the_run():
+    run = ScriptedRun([TokenDelta(byte_ids("ab")), TokenDelta(byte_ids("cX")), TokenDelta(byte_ids("YZ"))])
+    out = events(reply_for(run, stop=("cXY",)), include_usage=False)
+    # "cX" could still become the stop string, so it is never sent; the stop ends the text at "ab"
+    assert [e["choices"][0]["text"] for e in out[:-1]] == ["ab", ""]
+    assert out[-2]["choices"][0]["finish_reason"] == "stop" and run.aborted
+
+
+def test_continuous_usage_times_every_delta_even_without_text():
+    # 0xC3 alone is an incomplete UTF-8 character: no text yet, but the chunk still counts its token
+    run = ScriptedRun([TokenDelta((0xC3,)), TokenDelta((0xA9,)), TokenDelta(byte_ids("!"), "length")])
+    out = events(reply_for(run), include_usage=False, continuous_usage=True)
+    chunks = [e for e in out if e != "[DONE]"]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "é!"
+
+
+def test_failure_after_tokens_ends_the_stream_with_an_error_event():
+    run, observed = ScriptedRun([TokenDelta(byte_ids("Hi"))], RequestFailed("request failed after 3 attempts")), []
+    out = events(reply_for(run, observed=observed), include_usage=True)
+    assert [o.outcome for o in observed] == ["failed"]
+    assert out[0]["choices"][0]["text"] == "Hi"
+    assert out[-1]["error"]["message"].startswith("request failed after 3 attempts")
+    assert "[DONE]" not in out and not run.aborted
+
+
+def test_whole_response_and_its_failure():
+    done = asyncio.run(reply_for(ScriptedRun([TokenDelta(byte_ids("Hey"), "length")])).whole())
+    body = json.loads(done.body)
+    assert body["choices"][0]["text"] == "Hey" and body["usage"]["completion_tokens"] == 3
+    failed = asyncio.run(reply_for(ScriptedRun([], RequestFailed("no worker could take it"))).whole())
+    assert failed.status_code == 503 and "no worker" in json.loads(failed.body)["error"]["message"]
+
+
+def test_a_client_that_goes_away_aborts_the_run():
+    run = ScriptedRun([TokenDelta(byte_ids("a")), TokenDelta(byte_ids("b")), TokenDelta(byte_ids("c"), "length")])
+
+    async def read_one_then_leave():
+        stream = reply_for(run).sse(include_usage=False)
+        await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(read_one_then_leave())
+    assert run.aborted

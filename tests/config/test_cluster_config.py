@@ -1,0 +1,236 @@
+"""The cluster-config schema and the Serve config files in deploy/.
+
+References: Ray Serve's own config-file schema (`ServeDeploySchema`), Ray's actor-option
+validation (`ray.remote(...).options(...)`) and Ray's accelerator-type names. Nothing here starts
+Ray: `build_app` only validates and binds.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import ray
+import ray.util.accelerators
+import yaml
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.schema import ServeDeploySchema
+
+from splitserve.cluster.app import build_app
+from splitserve.config import APP_IMPORT_PATH, ClusterConfig, load_cluster_config
+from splitserve.config.options import WorkerResources
+from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DEPLOY_FILES = sorted(DEPLOY.glob("*.yaml"))
+GPU_FILES = ("splitwise-ha.yaml", "splitwise-hhcap.yaml", "baseline.yaml")
+RAY_ACCELERATOR_TYPES = {v for k, v in vars(ray.util.accelerators).items() if k.isupper() and isinstance(v, str)}
+
+
+def header(path: Path) -> str:
+    """The comment lines a file starts with."""
+    lines = path.read_text().splitlines()
+    return "\n".join(line for line in lines[:next(i for i, line in enumerate(lines) if not line.startswith("#"))])
+
+
+def roles(config: ClusterConfig) -> dict:
+    return {pool.role: pool for pool in config.pools}
+
+
+class _Actor:
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# deploy/*.yaml
+# ---------------------------------------------------------------------------------------------
+
+def test_the_deploy_files_are_there():
+    assert {p.name for p in DEPLOY_FILES} >= {"local-cpu.yaml", *GPU_FILES}
+
+
+@pytest.mark.parametrize("path", DEPLOY_FILES, ids=lambda p: p.name)
+def test_deploy_file_is_a_serve_config_of_the_splitserve_app(path):
+    raw = yaml.safe_load(path.read_text())
+    ServeDeploySchema.model_validate(raw)  # what `serve run` / `serve deploy` accept
+    [app] = raw["applications"]
+    assert (app["name"], app["route_prefix"], app["import_path"]) == ("splitserve", "/", APP_IMPORT_PATH)
+    config, http = load_cluster_config(path)
+    assert config == ClusterConfig.model_validate(app["args"])
+    assert isinstance(http["host"], str) and http["port"] == 8000
+    ray_was_up = ray.is_initialized()  # the Ray tests' cluster may be up; build_app must not start one
+    built = build_app(app["args"])
+    assert isinstance(built, serve.Application) and ray.is_initialized() == ray_was_up
+
+
+@pytest.mark.parametrize("path", DEPLOY_FILES, ids=lambda p: p.name)
+def test_deploy_file_header_says_how_to_run_it(path):
+    text = header(path)
+    relative = f"deploy/{path.name}"
+    for command in (f"splitserve serve --config {relative}", f"serve run {relative}", f"serve deploy {relative}"):
+        assert command in text, command
+    assert len(text.splitlines()) >= 8  # the design, not just the commands
+
+
+@pytest.mark.parametrize("path", DEPLOY_FILES, ids=lambda p: p.name)
+def test_pool_resources_are_valid_ray_actor_options(path):
+    config, _ = load_cluster_config(path)
+    gpu = path.name in GPU_FILES
+    for pool in config.pools:
+        options = pool.resources.ray_options()
+        ray.remote(_Actor).options(**options)  # raises ValueError on an option Ray rejects
+        assert (options["num_gpus"] >= 1) is gpu and (pool.hardware != "cpu") is gpu
+        assert options.get("accelerator_type") in (RAY_ACCELERATOR_TYPES if gpu else {None})
+        for name in pool.resources.resources:  # custom resources: GPU files only, explained there
+            assert gpu and name in header(path), name
+    if gpu:
+        assert config.engine.dtype == "bfloat16" and config.engine.device == "cuda"
+        assert "PLACEHOLDER" in path.read_text() and config.model.startswith("/")
+
+
+def test_local_cpu_is_the_default_cluster():
+    config, http = load_cluster_config(DEPLOY / "local-cpu.yaml")
+    assert http == {"host": "127.0.0.1", "port": 8000}
+    assert config.transfer.backend == "gloo"  # what the default `auto` picks for CPU workers
+    without_backend = {"transfer": {"backend"}}
+    assert config.model_dump(exclude=without_backend) == ClusterConfig().model_dump(exclude=without_backend)
+    assert [(p.role, p.hardware, p.num_workers, p.resources.ray_options()) for p in config.pools] == \
+        [(role, "cpu", 1, {"num_cpus": 1.0, "num_gpus": 0.0}) for role in ("prompt", "token")]
+
+
+@pytest.mark.parametrize("name, prompt_hw, token_hw, token_gpu", [
+    ("splitwise-ha.yaml", "h100", "a100", "A100"),
+    ("splitwise-hhcap.yaml", "h100", "h100-cap", "H100"),
+])
+def test_splitwise_designs(name, prompt_hw, token_hw, token_gpu):
+    config, _ = load_cluster_config(DEPLOY / name)
+    pools = roles(config)
+    assert set(pools) == {"prompt", "token"}
+    assert (pools["prompt"].hardware, pools["prompt"].resources.accelerator_type) == (prompt_hw, "H100")
+    assert (pools["token"].hardware, pools["token"].resources.accelerator_type) == (token_hw, token_gpu)
+    assert config.transfer.backend == "nccl" and config.scheduler.policy == "splitwise"
+    if pools["prompt"].resources.accelerator_type == token_gpu:  # same GPUs: custom resources tell nodes apart
+        assert not set(pools["prompt"].resources.resources) & set(pools["token"].resources.resources)
+        assert pools["prompt"].resources.resources and pools["token"].resources.resources
+    assert config.hardware(token_hw) is HARDWARE_CLASSES[token_hw]
+
+
+def test_baseline_is_mixed_only_and_vllm_style():
+    config, _ = load_cluster_config(DEPLOY / "baseline.yaml")
+    assert [p.role for p in config.pools] == ["mixed"] and config.pools[0].num_workers >= 2
+    assert config.engine.mixed_policy == "prefill_first"
+    assert "Sarathi-Serve" in header(DEPLOY / "baseline.yaml")
+
+
+# ---------------------------------------------------------------------------------------------
+# what the loader accepts
+# ---------------------------------------------------------------------------------------------
+
+def write(tmp_path: Path, document) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_bare_cluster_config_loads(tmp_path):
+    path = write(tmp_path, {"model": "demo", "pools": [{"role": "mixed", "num_workers": 3}]})
+    config, http = load_cluster_config(path)
+    assert http == {} and [(p.role, p.num_workers) for p in config.pools] == [("mixed", 3)]
+    assert load_cluster_config(write(tmp_path, None)) == (ClusterConfig(), {})  # an empty file: defaults
+
+
+def test_serve_file_without_the_splitserve_app_is_a_clear_error(tmp_path):
+    other = {"name": "other", "route_prefix": "/", "import_path": "my.app:build"}
+    with pytest.raises(ValueError, match=f"one application with import_path {re.escape(APP_IMPORT_PATH)}, found 0"):
+        load_cluster_config(write(tmp_path, {"applications": [other]}))
+    ours = {"name": "splitserve", "import_path": APP_IMPORT_PATH}
+    with pytest.raises(ValueError, match="found 2"):
+        load_cluster_config(write(tmp_path, {"applications": [ours, {**ours, "name": "again"}]}))
+    config, http = load_cluster_config(write(tmp_path, {"applications": [other, ours]}))  # no args: defaults
+    assert config == ClusterConfig() and http == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# invalid configs name the field
+# ---------------------------------------------------------------------------------------------
+
+INVALID = {
+    "unknown hardware": ({"pools": [{"role": "mixed", "hardware": "tpu-v5"}]}, r"hardware class 'tpu-v5' is unknown"),
+    "prompt without token": ({"pools": [{"role": "prompt"}, {"role": "mixed"}]}, r"prompt pool needs a token pool"),
+    "duplicate role": ({"pools": [{"role": "mixed"}, {"role": "mixed"}]}, r"one pool per role.*'mixed', 'mixed'"),
+    "no pools": ({"pools": []}, r"at least one pool"),
+    "unknown role": ({"pools": [{"role": "decode"}]}, r"pools\.0\.role"),
+    "zero workers": ({"pools": [{"role": "mixed", "num_workers": 0}]}, r"pools\.0\.num_workers\n.*greater than or equal to 1"),
+    "unknown field": ({"modle": "demo"}, r"modle\n.*Extra inputs are not permitted"),
+    "unknown nested field": ({"engine": {"blok_size": 16}}, r"engine\.blok_size\n.*Extra inputs"),
+    "engine knob": ({"engine": {"block_size": 0}}, r"engine\n.*block_size must be >= 1, got 0"),
+    "engine dtype": ({"engine": {"dtype": "fp8"}}, r"engine\n.*dtype must be auto, float32, bfloat16 or float16"),
+    "scheduler policy": ({"scheduler": {"policy": "fifo"}}, r"scheduler\.policy\n.*'round-robin', 'jsq' or 'splitwise'"),
+    "transfer backend": ({"transfer": {"backend": "mpi"}}, r"transfer\.backend"),
+    "negative gpus": ({"pools": [{"role": "mixed", "resources": {"num_gpus": -1}}]},
+                      r"pools\.0\.resources\.num_gpus\n.*greater than or equal to 0"),
+    "builtin as custom resource": ({"pools": [{"role": "mixed", "resources": {"resources": {"GPU": 1}}}]},
+                                   r"pools\.0\.resources\.resources\n.*'GPU' is not a custom resource"),
+    "negative custom resource": ({"pools": [{"role": "mixed", "resources": {"resources": {"x": -2}}}]},
+                                 r"resource 'x' must be >= 0"),
+    "bad custom class": ({"hardware_classes": {"l4": {"prompt_speed": 0, "token_speed": 1}}},
+                         r"hardware_classes\.l4\.prompt_speed\n.*greater than 0"),
+}
+
+
+@pytest.mark.parametrize("args, message", INVALID.values(), ids=INVALID.keys())
+def test_invalid_config_names_the_field(tmp_path, args, message):
+    with pytest.raises(ValidationError, match=message):
+        ClusterConfig.model_validate(args)
+    serve_file = {"applications": [{"name": "splitserve", "import_path": APP_IMPORT_PATH, "args": args}]}
+    with pytest.raises(ValidationError, match=message):  # the same through a file
+        load_cluster_config(write(tmp_path, serve_file))
+    with pytest.raises(ValidationError, match=message):  # and through the Serve builder
+        build_app(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# hardware classes and worker resources
+# ---------------------------------------------------------------------------------------------
+
+def test_custom_hardware_classes():
+    config = ClusterConfig.model_validate({
+        "hardware_classes": {"l40s": {"prompt_speed": 0.3, "token_speed": 0.5},
+                             "h100": {"prompt_speed": 2.0, "token_speed": 2.0}},
+        "pools": [{"role": "prompt", "hardware": "l40s"}, {"role": "token", "hardware": "a100"}]})
+    assert config.hardware("l40s") == HardwareProfile("l40s", 0.3, 0.5)
+    assert config.hardware("h100") == HardwareProfile("h100", 2.0, 2.0)  # a config's class wins
+    assert config.hardware("a100") is HARDWARE_CLASSES["a100"]
+    with pytest.raises(ValueError, match="'b200' is unknown; known: a100, cpu, h100, h100-cap, l40s"):
+        config.hardware("b200")
+
+
+def test_worker_resources_ray_options():
+    assert WorkerResources().ray_options() == {"num_cpus": 1.0, "num_gpus": 0.0}
+    full = WorkerResources(num_cpus=2, num_gpus=0.5, accelerator_type="A100", resources={"splitserve-token": 1})
+    options = full.ray_options()
+    assert options == {"num_cpus": 2.0, "num_gpus": 0.5, "accelerator_type": "A100",
+                       "resources": {"splitserve-token": 1.0}}
+    ray.remote(_Actor).options(**options)  # Ray accepts them
+    options["resources"]["splitserve-token"] = 9  # a copy: the config is unchanged
+    assert full.resources == {"splitserve-token": 1.0}
+
+
+def test_accelgen_is_chosen_per_pool_and_its_settings_reach_the_engine_and_the_simulator():
+    from splitserve.sim.from_config import scenario_from_config
+
+    config = ClusterConfig.model_validate({
+        "pools": [{"role": role, "hardware": "h100"} for role in ("prompt", "token", "mixed")],
+        "engine": {"mixed_policy": "accelgen", "prompt_policy": "accelgen_prompt",
+                   "slo_scheduling": {"pivot_ms": 40, "default_tbt_ms": 100, "window_ms": 500}}})
+    engine = config.engine
+    policies = [engine.policy_for(role) for role in ("prompt", "token", "mixed")]
+    assert policies == ["accelgen_prompt", "token", "accelgen"]
+    slo = engine.engine_config("accelgen").slo
+    assert (slo.pivot_time_s, slo.default_tbt_s, slo.window_s, slo.pivot_tokens) == (0.04, 0.1, 0.5, 512)
+    scenario = scenario_from_config(config)
+    assert [scenario.policy_for(p.role) for p in scenario.pools] == ["accelgen_prompt", "token", "accelgen"]
+    assert scenario.limits.slo == slo
+    with pytest.raises(ValidationError, match="pivot_ms"):
+        ClusterConfig.model_validate({"engine": {"slo_scheduling": {"pivot_ms": 0}}})

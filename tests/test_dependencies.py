@@ -1,0 +1,107 @@
+"""pyproject.toml says what is used: every third-party import of the package, its tests and its
+scripts is declared (the package's in its core dependencies or the extra that uses it, the tests'
+in `dev`), a module-level import of the package is a core dependency (so a core install imports
+every module), and every declared dependency is imported somewhere or named below with why not."""
+import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+# import name -> distribution, for distributions not installed here (the GPU extra)
+NOT_INSTALLED = {"flash_attn": "flash-attn"}
+USED_WITHOUT_IMPORT = {
+    "python-multipart": "FastAPI parses the multipart forms of /v1/files with it",
+    "pytest-timeout": "a pytest plugin (the timeout in pyproject's pytest options)",
+}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _extra(name: str) -> set[str]:
+    """The distributions an extra brings, following extras of this project itself."""
+    names = set()
+    for requirement in PROJECT["optional-dependencies"][name]:
+        if _name(requirement) == "splitserve":
+            for inner in re.search(r"\[(.*)\]", requirement).group(1).split(","):
+                names |= _extra(inner.strip())
+        else:
+            names.add(_name(requirement))
+    return names
+
+
+CORE = {_name(r) for r in PROJECT["dependencies"]}
+EXTRAS = {name: _extra(name) for name in PROJECT["optional-dependencies"]}
+DISTRIBUTIONS = {k: [d.lower().replace("_", "-") for d in v] for k, v in importlib.metadata.packages_distributions().items()}
+
+
+def _third_party_imports(path: Path) -> list[tuple[str, bool]]:
+    """(top-level name, imported at module level and unguarded) of each third-party import."""
+    tree = ast.parse(path.read_text())
+    guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try)
+               if any(isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+                      for h in t.handlers) for n in ast.walk(t)}
+    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for n in ast.walk(f)}
+    type_only = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If) and "TYPE_CHECKING" in ast.unparse(t.test)
+                 for n in ast.walk(t)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top in sys.stdlib_module_names or top in ("splitserve", "tests", "__future__"):
+                continue
+            if id(node) in type_only:
+                continue
+            found.append((top, id(node) not in guarded | in_function))
+    return found
+
+
+def _distribution(module: str) -> str:
+    if module in NOT_INSTALLED:
+        return NOT_INSTALLED[module]
+    assert module in DISTRIBUTIONS, f"{module} is imported but no installed distribution provides it"
+    return DISTRIBUTIONS[module][0]
+
+
+def _used(root: str):
+    for path in sorted((ROOT / root).rglob("*.py")):
+        for module, eager in _third_party_imports(path):
+            yield path.relative_to(ROOT), _distribution(module), eager
+
+
+def test_the_package_declares_what_it_imports():
+    everything = CORE.union(*EXTRAS.values())
+    for path, dist, eager in _used("splitserve"):
+        assert dist in everything, f"{path} imports {dist}, which pyproject.toml does not declare"
+        if eager:
+            assert dist in CORE, f"{path} imports {dist} at module level, but it is only in an extra: import it " \
+                                 "where it is used, or make it a core dependency"
+
+
+def test_tests_and_scripts_declare_what_they_import():
+    available = CORE | EXTRAS["dev"]
+    for root in ("tests", "scripts"):
+        for path, dist, _ in _used(root):
+            assert dist in available, f"{path} imports {dist}: add it to the dev extra"
+
+
+def test_every_declared_dependency_is_used():
+    used = {dist for root in ("splitserve", "tests", "scripts") for _, dist, _ in _used(root)}
+    declared = CORE.union(*EXTRAS.values()) - {"splitserve"}
+    assert declared - used - set(USED_WITHOUT_IMPORT) == set()
+
+
+def test_plots_are_an_extra_the_server_does_not_need():
+    assert "matplotlib" not in CORE and "matplotlib" in EXTRAS["plots"] <= EXTRAS["dev"]
