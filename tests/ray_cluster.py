@@ -1,7 +1,8 @@
 """One Ray head node for the whole test run, started as users start one (`ray start --head`),
-sized for 2 cores, with two splitserve apps: `main` at / (1 prompt + 1 token worker, like
-deploy/local-cpu.yaml) and `pools` at /pools (the same shape with low thresholds, an API key and
-two ingress replicas sharing one CLS, for pool moves, backpressure and auth). Its dashboard takes
+sized for 2 cores, with up to three splitserve apps: `main` at / (1 prompt + 1 token worker, like
+deploy/local-cpu.yaml), `pools` at /pools (the same shape with low thresholds, an API key and
+two ingress replicas sharing one CLS, for pool moves, backpressure and auth) and `hardening` at
+/hardening (short leases and stuck bound, small request bounds, for the failure tests). Its dashboard takes
 `ray job submit`. A pytest plugin (tests/conftest.py): only tests that ask for these fixtures
 start it; the session ends by stopping that cluster's processes."""
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 2048}
-MAIN = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10},
+MAIN = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "fault_injection": True,
         "scheduler": {"report_interval_s": 0.05}, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
 POOLS = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10},
          "scheduler": {"report_interval_s": 0.05, "mixed_prompt_tokens": 600, "max_queue_tokens": 3000,
@@ -31,6 +32,12 @@ POOLS = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10},
          "ingress": {"api_key": "sk-pools", "num_replicas": 2},
          "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
 POOLS_KEY = {"Authorization": "Bearer sk-pools"}
+HARDENING = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 30, "lease_s": 3},
+             "scheduler": {"report_interval_s": 0.05, "stuck_step_s": 3, "drain_timeout_s": 20},
+             "ingress": {"max_request_bytes": 65536, "max_prompt_chars": 20000, "max_stop_strings": 4,
+                         "max_stop_string_chars": 32, "max_stop_token_ids": 8, "max_chat_messages": 8,
+                         "max_upload_bytes": 65536, "max_batch_lines": 5},
+             "fault_injection": True, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
 
 
 def _free_port() -> int:
@@ -105,17 +112,26 @@ def server(ray_cluster):
     return ray_cluster
 
 
-@pytest.fixture(scope="session")
-def pools_server(ray_cluster, server):
+def _deploy(base_url: str, name: str, config: dict) -> str:
+    """Another app of the test cluster at /<name>, ready to serve; its base URL."""
     from ray import serve
 
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    serve.run(build_app(POOLS), name="pools", route_prefix="/pools", blocking=False)
-    url = f"{ray_cluster}/pools"
-    wait_until_healthy(url, timeout=180)
-    return url
+    serve.run(build_app(config), name=name, route_prefix=f"/{name}", blocking=False)
+    wait_until_healthy(f"{base_url}/{name}", timeout=180)
+    return f"{base_url}/{name}"
+
+
+@pytest.fixture(scope="session")
+def pools_server(ray_cluster, server):
+    return _deploy(ray_cluster, "pools", POOLS)
+
+
+@pytest.fixture(scope="session")
+def hardening_server(ray_cluster, server):
+    return _deploy(ray_cluster, "hardening", HARDENING)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ ALLOWED = {
     "placement": {"engine"},
     "api": {"engine"},
     "batch": {"api", "engine", "command"},
-    "config": {"batch", "engine", "placement"},
+    "config": {"api", "batch", "engine", "placement"},
     "bench": {"data", "command", "machine"},
     "sim": {"bench", "command", "config", "engine", "placement"},
     "provision": {"bench", "sim"},

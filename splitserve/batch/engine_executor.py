@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from splitserve.api.limits import RequestLimits
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_runner import BatchStats, run_batch
 from splitserve.batch.lines import BatchLine, prepare_pending, response_body, result_line
@@ -16,10 +17,12 @@ from splitserve.engine.llm_engine import LLMEngine
 
 def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str, output: ResultLog, errors: ResultLog,
               options: BlendOptions, stop: Callable[[], bool] = lambda: False,
-              on_result: Callable[[bool], None] = lambda ok: None) -> BatchStats:
+              on_result: Callable[[bool], None] = lambda ok: None, limits: RequestLimits = RequestLimits()
+              ) -> BatchStats:
     """Run every line without a result in `output` or `errors`; lines already there count as
     samples of output length. `on_result(ok)` after each line is logged."""
-    jobs, finished = prepare_pending(lines, engine.tokenizer, model, engine.max_model_len, output, errors, on_result)
+    jobs, finished = prepare_pending(lines, engine.tokenizer, model, engine.max_model_len, output, errors, on_result,
+                                     limits)
 
     def record(key: int, out) -> None:
         line = jobs[key][0]
@@ -35,9 +38,10 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str, output: Res
 class EngineExecutor:
     """The batch service's executor on one in-process engine (run in a thread, off the event loop)."""
 
-    def __init__(self, engine: LLMEngine, model: str):
-        self.engine, self.model = engine, model
+    def __init__(self, engine: LLMEngine, model: str, limits: RequestLimits = RequestLimits()):
+        self.engine, self.model, self.limits = engine, model, limits
 
     async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,
                   stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
-        await asyncio.to_thread(run_lines, self.engine, lines, self.model, output, errors, options, stop, on_result)
+        await asyncio.to_thread(run_lines, self.engine, lines, self.model, output, errors, options, stop, on_result,
+                                self.limits)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from splitserve.api import response_bodies as R
 from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError, error_body
+from splitserve.api.limits import RequestLimits
 from splitserve.api.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,9 +50,11 @@ class InputFileError(ValueError):
         self.errors = errors
 
 
-def parse_input(data: bytes, endpoint: str | None = None) -> list[BatchLine]:
+def parse_input(data: bytes, endpoint: str | None = None, max_lines: int = RequestLimits.max_batch_lines
+                ) -> list[BatchLine]:
     """Every line of a batch input file, or InputFileError listing what is wrong (all lines must
-    be JSON objects with a unique `custom_id`, `method` POST and the batch's `url`)."""
+    be JSON objects with a unique `custom_id`, `method` POST and the batch's `url`; at most
+    `max_lines` of them)."""
     lines, errors, seen = [], [], set()
     try:
         text = data.decode()
@@ -60,6 +63,9 @@ def parse_input(data: bytes, endpoint: str | None = None) -> list[BatchLine]:
     for number, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
             continue
+        if len(lines) + len(errors) >= max_lines:
+            raise InputFileError([_error("too_many_requests", f"the input file has more than {max_lines} requests, "
+                                         "this server's limit per batch")])
         try:
             line = _parse_line(raw, number, endpoint, seen)
         except ValueError as problem:
@@ -111,19 +117,21 @@ def _error(code: str, message: str, line: int | None = None, param: str | None =
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def prepare(line: BatchLine, tokenizer, model: str, max_model_len: int) -> Prepared:
+def prepare(line: BatchLine, tokenizer, model: str, max_model_len: int,
+            limits: RequestLimits = RequestLimits()) -> Prepared:
     """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
     model_cls = CompletionRequest if line.kind == "completion" else ChatCompletionRequest
     body = parse_request(model_cls, json.dumps(line.body).encode())
     check_model(body.model, model)
+    limits.check(body)
     prompt = prompt_token_ids_of(body, tokenizer) if line.kind == "completion" else \
         chat_prompt_token_ids(body, tokenizer)
     return Prepared(prompt, sampling_params(body, len(prompt), max_model_len))
 
 
 def prepare_pending(lines: list[BatchLine], tokenizer, model: str, max_model_len: int, output: ResultLog,
-                    errors: ResultLog, on_result: Callable[[bool], None]) -> tuple[list[tuple[BatchLine, Prepared]],
-                                                                                dict[int, int]]:
+                    errors: ResultLog, on_result: Callable[[bool], None], limits: RequestLimits = RequestLimits()
+                    ) -> tuple[list[tuple[BatchLine, Prepared]], dict[int, int]]:
     """The lines that tokenize and check (a bad one's error is logged now, unless it already
     was), keyed by position, and the output lengths of those already done (to skip, and to serve
     as samples)."""
@@ -131,7 +139,7 @@ def prepare_pending(lines: list[BatchLine], tokenizer, model: str, max_model_len
     for line in lines:
         done = output.done.get(line.custom_id) or errors.done.get(line.custom_id)
         try:
-            prepared = prepare(line, tokenizer, model, max_model_len)
+            prepared = prepare(line, tokenizer, model, max_model_len, limits)
         except RequestError as error:
             if done is None:
                 errors.append(error_line(line.custom_id, error))

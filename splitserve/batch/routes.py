@@ -1,7 +1,7 @@
 """The batch API's HTTP routes, OpenAI's shapes: /v1/files (multipart upload, list, retrieve,
 content, delete) and /v1/batches (create, list, retrieve, cancel). They call the service found
-at `app.state.batches` (the `BatchService`, or a proxy to it with the same async interface) and
-check `app.state.api_key`."""
+at `app.state.batches` (the `BatchService`, or a proxy to it with the same async interface); the
+app's `ApiGuard` checks the key and bounds the upload's size before they run."""
 from __future__ import annotations
 
 import inspect
@@ -27,10 +27,6 @@ class BatchCreate(BaseModel):
 
 async def _call(request: Request, method: str, *args):
     """The service's answer as JSON (or raw bytes), or the OpenAI error response."""
-    key = request.app.state.api_key
-    if key is not None and request.headers.get("authorization") != f"Bearer {key}":
-        return error_response(RequestError("Incorrect or missing API key (send Authorization: Bearer <key>)",
-                                           status=401, code="invalid_api_key"))
     try:
         result = getattr(request.app.state.batches, method)(*args)
         result = await result if inspect.isawaitable(result) else result

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from splitserve.api.errors import RequestError
+from splitserve.api.limits import RequestLimits
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.lines import ENDPOINTS, BatchLine, InputFileError, parse_input
 from splitserve.batch.results import ResultLog
@@ -26,8 +27,9 @@ class Executor(Protocol):
 
 
 class BatchService:
-    def __init__(self, store: BatchStore, executor: Executor, options: BlendOptions = BlendOptions()):
-        self.store, self.executor, self.options = store, executor, options
+    def __init__(self, store: BatchStore, executor: Executor, options: BlendOptions = BlendOptions(),
+                 max_lines: int = RequestLimits.max_batch_lines):
+        self.store, self.executor, self.options, self.max_lines = store, executor, options, max_lines
         self._queue: asyncio.Queue[str] | None = None
         self._cancelled: set[str] = set()
         self._worker: asyncio.Task | None = None
@@ -117,7 +119,8 @@ class BatchService:
         if batch["status"] == "cancelling":
             self._cancelled.add(batch_id)
         try:
-            lines = parse_input(self.store.content_path(batch["input_file_id"]).read_bytes(), batch["endpoint"])
+            lines = parse_input(self.store.content_path(batch["input_file_id"]).read_bytes(), batch["endpoint"],
+                                self.max_lines)
         except (InputFileError, KeyError) as problem:
             errors = getattr(problem, "errors", None) or [{"code": "invalid_file", "message": str(problem),
                                                           "param": "input_file_id", "line": None}]

@@ -42,12 +42,18 @@ class ClusterController:
     async def check_health(self) -> None:
         await self.cls.health.remote()  # raises if the CLS actor died: Serve restarts this replica
 
+    async def __del__(self) -> None:
+        """Serve calls this when the app is deleted or the replica replaced: the workers finish
+        what they run (bounded by scheduler.drain_timeout_s) before they stop with this replica."""
+        await self.cls.drain.remote()
+
 
 def build_app(args: dict) -> serve.Application:
     """`args`: a ClusterConfig as a dict (a Serve config's `args`); invalid args raise a pydantic
     ValidationError naming the field."""
     config = ClusterConfig.model_validate(args or {})
     as_dict = config.model_dump()
-    ingress = Ingress.options(num_replicas=config.ingress.num_replicas,
+    grace = config.scheduler.drain_timeout_s + 10  # Serve stops a replica this long after asking it to
+    ingress = Ingress.options(num_replicas=config.ingress.num_replicas, graceful_shutdown_timeout_s=grace,
                               ray_actor_options={"num_cpus": config.ingress.num_cpus})
-    return ingress.bind(ClusterController.bind(as_dict), as_dict)
+    return ingress.bind(ClusterController.options(graceful_shutdown_timeout_s=grace).bind(as_dict), as_dict)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from splitserve.api import response_bodies as R
 from splitserve.api.errors import RequestError
+from splitserve.api.limits import RequestLimits
 from splitserve.api.visible_text import TextStream
 from splitserve.batch.blend.cost import ModelShape
 from splitserve.batch.blend.feeder import BatchFeeder, BlendOptions
@@ -29,8 +30,8 @@ DECODING_POOLS = ("token", "mixed")
 
 class ClusterExecutor:
     def __init__(self, cls, model_shape: ModelShape, tokenizer, model: str, max_model_len: int, block_size: int,
-                 max_attempts: int, retry_s: float = 1.0):
-        self.workers = WorkerDirectory(cls)
+                 max_attempts: int, retry_s: float = 1.0, limits: RequestLimits = RequestLimits()):
+        self.workers, self.limits = WorkerDirectory(cls), limits
         self.shape, self.tokenizer, self.model = model_shape, tokenizer, model
         self.max_model_len, self.block_size = max_model_len, block_size
         self.max_attempts, self.retry_s = max_attempts, retry_s
@@ -47,7 +48,7 @@ class ClusterExecutor:
     async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,
                   stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
         jobs, finished = prepare_pending(lines, self.tokenizer, self.model, self.max_model_len, output, errors,
-                                         on_result)
+                                         on_result, self.limits)
         requests = [offline_request(key, p.prompt, p.params) for key, (_, p) in enumerate(jobs)]
         feeder = BatchFeeder(requests, options, self.shape, await self.kv_tokens(), self.block_size, finished)
         changed = asyncio.Event()

@@ -17,9 +17,11 @@ class BatchManager:
         config = ClusterConfig.model_validate(config)
         engine = config.engine.engine_config("token")
         model_config, tokenizer, max_model_len = load_metadata(config.model, engine)
+        limits = config.ingress.limits()
         executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, config.model_name, max_model_len,
-                                   engine.block_size, config.scheduler.max_attempts)
-        self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options())
+                                   engine.block_size, config.scheduler.max_attempts, limits=limits)
+        self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
+                                    limits.max_batch_lines)
 
     async def start(self) -> None:
         await self.service.start()

@@ -8,7 +8,13 @@ their pools and the one placement state every ingress replica asks.
   iteration); the poll doubles as the liveness check. Reports drive the policy's pool moves.
 - Placement: `place` picks both workers at once (the policy in `placement/`), moving a worker
   into the mixed pool first when the policy says so. None means the cluster cannot admit now.
-- Failure: a worker that fails a call or a poll leaves its pool; a replacement is started.
+- Failure: a worker that fails a call or a poll is diagnosed through `health` (the engine loop's
+  heartbeat, read without waiting for the loop): dead, unhealthy (its engine state broke) or
+  stuck (a step past `stuck_step_s`) workers leave their pool, are killed and replaced; a worker
+  merely busy with a long step stays.
+- Drain: `retire` takes a worker out of placement, lets its running requests finish (at most
+  `drain_timeout_s`), then stops it; `drain` does so for every worker on shutdown, while no
+  new request is placed (the ingress answers 429).
 """
 from __future__ import annotations
 
@@ -16,13 +22,14 @@ import asyncio
 import datetime
 import itertools
 import logging
+import secrets
 import time
 from collections import Counter
 from collections.abc import Collection
 
 import ray
 import torch.distributed as dist
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from splitserve.cluster.background import background
 from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
@@ -33,7 +40,8 @@ from splitserve.placement.state import Role
 
 log = logging.getLogger("splitserve.controller")
 WORKER_NAMESPACE = "splitserve"  # where the worker actors are named (ray.get_actor)
-CALL_TIMEOUT_S = 10.0  # a worker that cannot answer a poll in this long counts as dead
+CALL_TIMEOUT_S = 10.0  # a poll not answered in this long makes the controller look at the worker's health
+STALE_HEARTBEAT_S = 30.0  # an engine loop that has not begun an iteration for this long, outside a step, is hung
 
 
 class Controller:
@@ -48,9 +56,17 @@ class Controller:
         self.counters: Counter = Counter()
         self.start_errors: list[str] = []
         self._incarnations = itertools.count()
+        self._secret = secrets.token_urlsafe(32)  # authenticates workers to each other's gRPC KV servers
         self._store = self._rendezvous_store() if self._disaggregated else None
         self._started: asyncio.Task | None = None
         self._ready = False
+        self._draining = False
+        self._retiring: set[str] = set()
+
+    @property
+    def _poll_timeout_s(self) -> float:
+        """A poll waits for the step in progress; past the stuck bound, the worker's health says why."""
+        return min(CALL_TIMEOUT_S, self.config.scheduler.stuck_step_s)
 
     @property
     def _disaggregated(self) -> bool:
@@ -72,7 +88,7 @@ class Controller:
         worker_id = f"{pool.role}-{slot}.{next(self._incarnations)}"
         options = {**pool.resources.ray_options(), "name": f"{self.app_name}-{worker_id}",
                    "namespace": WORKER_NAMESPACE, "max_concurrency": MAX_CONCURRENT_CALLS, "max_restarts": 0}
-        rendezvous = (self._store_host, self._store.port) if self._store else None
+        rendezvous = (self._store_host, self._store.port, self._secret) if self._store else None
         handle = ray.remote(Worker).options(**options).remote(
             worker_id, pool.role, pool.hardware, self.config.model_dump(), rendezvous)
         try:
@@ -87,13 +103,18 @@ class Controller:
         log.info("worker %s up (%s, %s)", worker_id, pool.role, pool.hardware)
 
     async def health(self) -> dict:
+        """Ready once workers are up and passed their last poll (which goes through each engine
+        loop), and not while draining."""
         pools = self.state.pools()
-        return {"ready": self._ready and bool(self.state.workers), "workers": len(self.state.workers),
+        return {"ready": self._ready and bool(self.state.workers) and not self._draining,
+                "draining": self._draining, "workers": len(self.state.workers),
                 "pools": {role.value: len(ids) for role, ids in pools.items()}, "errors": self.start_errors[-5:]}
 
     # ---- placement -------------------------------------------------------------------------
     async def place(self, request: PlacementRequest, exclude: Collection[str] = ()) -> Placement | None:
         """Worker ids only: handles are costly to send, so callers cache them (`worker_handle`)."""
+        if self._draining:
+            return None
         placement, moves = self.state.place(request, time.monotonic(), exclude)
         await self._apply(moves)
         if placement is None:
@@ -123,11 +144,11 @@ class Controller:
 
     async def _poll(self, worker_id: str) -> None:
         handle = self.handles.get(worker_id)
-        if handle is None:
+        if handle is None or worker_id in self._retiring:
             return
         try:
-            load, stats = await asyncio.wait_for(handle.report.remote(), CALL_TIMEOUT_S)
-        except (RayActorError, asyncio.TimeoutError, GetTimeoutError):
+            load, stats = await asyncio.wait_for(handle.report.remote(), self._poll_timeout_s)
+        except (RayError, asyncio.TimeoutError):  # dead, unhealthy (the loop refuses), or slow
             await self.worker_failed(worker_id)
             return
         await self._apply(self.state.report(worker_id, load, time.monotonic()))
@@ -136,27 +157,82 @@ class Controller:
             self.metrics.record_worker(worker_id, worker.pool, worker.hardware.name, load, stats)
 
     async def worker_failed(self, worker_id: str) -> None:
-        """A worker failed a call: if it is really gone, it leaves its pool and is replaced."""
+        """A worker failed a call or a poll: if it is dead, unhealthy or stuck, it leaves its pool,
+        is stopped and is replaced; a worker busy with a long step stays."""
         handle = self.handles.get(worker_id)
-        if handle is None or await self._alive(handle):
+        if handle is None:
             return
-        self.handles.pop(worker_id)
-        pool, slot = self.slots.pop(worker_id)
-        self.state.remove_worker(worker_id)
-        self.metrics.remove_worker(worker_id)
-        self.metrics.worker_failures.inc()
+        verdict = await self._diagnose(handle)
+        if verdict is None or worker_id not in self.handles:
+            return
         self.counters["worker_failures"] += 1
-        log.warning("worker %s died; it leaves the %s pool", worker_id, pool.role)
-        if self.config.scheduler.replace_dead_workers:
+        self.metrics.worker_failures.inc()
+        log.warning("worker %s is %s; it leaves its pool", worker_id, verdict)
+        self._remove(worker_id, replace=self.config.scheduler.replace_dead_workers)
+        _kill(handle)  # its requests' streams break and fail over
+
+    async def _diagnose(self, handle) -> str | None:
+        """None if the worker's engine loop is sound and turning (or in a step within the bound),
+        else what is wrong."""
+        try:
+            health = await asyncio.wait_for(handle.health.remote(), CALL_TIMEOUT_S)
+        except (RayActorError, asyncio.TimeoutError, GetTimeoutError):
+            return "dead (no answer)"
+        if not health["alive"]:
+            return "unhealthy: its engine loop ended"
+        if not health["healthy"]:
+            return f"unhealthy: {health['reason']}"
+        if health["step_running_s"] > self.config.scheduler.stuck_step_s:
+            return f"stuck: a step has run {health['step_running_s']:.0f} s"
+        if health["step_running_s"] == 0 and health["heartbeat_age_s"] > STALE_HEARTBEAT_S:
+            return f"stuck: its engine loop has not turned for {health['heartbeat_age_s']:.0f} s"
+        return None
+
+    def _remove(self, worker_id: str, replace: bool) -> None:
+        if worker_id not in self.slots:  # already removed (a retire and a failure raced)
+            return
+        self.handles.pop(worker_id, None)
+        pool, slot = self.slots.pop(worker_id)
+        if worker_id in self.state.workers:
+            self.state.remove_worker(worker_id)
+        self.metrics.remove_worker(worker_id)
+        if replace and not self._draining:
             self.counters["worker_replacements"] += 1
             background(self._start_worker(pool, slot))
 
-    async def _alive(self, handle) -> bool:
+    # ---- drain -------------------------------------------------------------------------------
+    async def retire(self, worker_id: str, replace: bool = True) -> dict:
+        """Take a worker out of placement, let what runs on it finish (at most drain_timeout_s;
+        the rest fails over when it stops), then stop it; `replace` starts a new one in its slot."""
+        handle = self.handles.get(worker_id)
+        if handle is None or worker_id in self._retiring:
+            raise KeyError(f"no worker {worker_id!r} in the pools")
+        self._retiring.add(worker_id)
+        self.state.remove_worker(worker_id)
+        deadline = time.monotonic() + self.config.scheduler.drain_timeout_s
+        left = await self._in_flight(handle)
+        while left and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            left = await self._in_flight(handle)
+        self._retiring.discard(worker_id)
+        self.counters["workers_retired"] += 1
+        log.info("worker %s retired (%d requests still running)", worker_id, left)
+        self._remove(worker_id, replace)
+        _kill(handle)
+        return {"worker_id": worker_id, "unfinished": left}
+
+    async def drain(self) -> dict:
+        """Shutdown: refuse new requests, let every worker finish what it runs, then stop them."""
+        self._draining = True
+        retired = await asyncio.gather(*(self.retire(w, replace=False) for w in list(self.handles)),
+                                       return_exceptions=True)
+        return {"unfinished": sum(r["unfinished"] for r in retired if isinstance(r, dict))}
+
+    async def _in_flight(self, handle) -> int:
         try:
-            await asyncio.wait_for(handle.info.remote(), CALL_TIMEOUT_S)
-            return True
+            return await asyncio.wait_for(handle.in_flight.remote(), CALL_TIMEOUT_S)
         except (RayActorError, asyncio.TimeoutError, GetTimeoutError):
-            return False
+            return 0  # gone: nothing more will finish there
 
     # ---- introspection -----------------------------------------------------------------------
     async def status(self) -> dict:
@@ -180,3 +256,10 @@ class Controller:
         return dist.TCPStore(self._store_host, 0, is_master=True, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=self.config.transfer.timeout_s))
 
+
+
+def _kill(handle) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except (RayError, ValueError):  # already gone
+        log.debug("kill of a gone worker", exc_info=True)

@@ -1,11 +1,13 @@
 """The HTTP front: a Ray Serve deployment speaking OpenAI's API.
 
-Per request: authenticate, parse and validate (400s name the field), tokenize (chat template for
-chat), admit through the controller (429 with Retry-After when the cluster cannot), then stream
-or collect the tokens the workers send, turning them into text here (`TextStream`). Any number
-of replicas can run: placement state lives in the one controller.
+Per request: authenticate and bound the body (`ApiGuard`, in front of every route), parse and
+validate (400s name the field, 413 past a size bound), tokenize off the event loop (chat template
+for chat), admit through the controller (429 with Retry-After when the cluster cannot), then
+stream or collect the tokens the workers send, turning them into text here (`TextStream`). Any
+number of replicas can run: placement state lives in the one controller.
 """
 
+import asyncio
 import os
 import time
 
@@ -13,10 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
+from ray.exceptions import RayTaskError
 
 from splitserve.api import response_bodies as R
 from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError, error_response
+from splitserve.api.guard import ApiGuard
 from splitserve.api.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +41,7 @@ from splitserve.engine.model_builder import load_metadata
 
 api = FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster")
 api.include_router(batch_routes.router)
+api.add_middleware(ApiGuard)
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -51,7 +56,8 @@ class Ingress:
         self._directory: WorkerDirectory | None = None
         self._observations = ObservationBuffer()
         self.created = int(time.time())
-        api.state.api_key = self.api_key
+        self.limits = self.config.ingress.limits()
+        api.state.api_key, api.state.limits = self.api_key, self.limits
         api.state.batches = RemoteBatches(self._batches_handle)
 
     # ---- endpoints ---------------------------------------------------------------------------
@@ -61,9 +67,8 @@ class Ingress:
         return JSONResponse(state, status_code=200 if state["ready"] else 503)
 
     @api.get("/v1/models")
-    async def models(self, request: Request) -> JSONResponse:
-        return self._authorized(request) or JSONResponse(
-            R.models_list(self.model, self.created, max_model_len=self.max_model_len))
+    async def models(self) -> JSONResponse:
+        return JSONResponse(R.models_list(self.model, self.created, max_model_len=self.max_model_len))
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -73,8 +78,20 @@ class Ingress:
         return Response(await cls.metrics_text.remote(), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/v1/cluster/status")
-    async def status(self, request: Request) -> JSONResponse:
-        return self._authorized(request) or JSONResponse(await (await self._cluster()).status.remote())
+    async def status(self) -> JSONResponse:
+        return JSONResponse(await (await self._cluster()).status.remote())
+
+    @api.post("/v1/cluster/workers/{worker_id}/drain")
+    async def drain_worker(self, worker_id: str, replace: bool = True) -> JSONResponse:
+        """Take a worker out of service gracefully (before its node goes down, say): it takes no
+        new requests, finishes what it runs, then stops; `replace` starts a new one in its place."""
+        try:
+            return JSONResponse(await (await self._cluster()).retire.remote(worker_id, replace))
+        except RayTaskError as error:
+            if isinstance(error.cause, KeyError):
+                return error_response(RequestError(f"no worker {worker_id!r} in the pools", status=404,
+                                                   param="worker_id"))
+            raise
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -87,10 +104,8 @@ class Ingress:
     # ---- one request -------------------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):
         started = time.monotonic()
-        if denied := self._authorized(request):
-            return denied
         try:
-            body, prompt, params = self._parse(await request.body(), kind)
+            body, prompt, params = await asyncio.to_thread(self._parse, await request.body(), kind)
             workers = await self._workers()
             self._observations.start(workers.cls)
             run = Run(R.new_request_id(kind), prompt, params, workers, self.config.scheduler.max_attempts)
@@ -129,14 +144,9 @@ class Ingress:
         model_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
         body = parse_request(model_cls, raw)
         check_model(body.model, self.model)
+        self.limits.check(body)
         if kind == "completion":
             prompt = prompt_token_ids_of(body, self.tokenizer)
         else:
             prompt = chat_prompt_token_ids(body, self.tokenizer)
         return body, prompt, sampling_params(body, len(prompt), self.max_model_len)
-
-    def _authorized(self, request: Request) -> JSONResponse | None:
-        if self.api_key is None or request.headers.get("authorization") == f"Bearer {self.api_key}":
-            return None
-        return error_response(RequestError("Incorrect or missing API key (send Authorization: Bearer <key>)", status=401,
-                                   code="invalid_api_key"))

@@ -109,6 +109,13 @@ class ClusterMetrics:
                                           RATIO_BUCKETS)
         self.kv_failures = Counter("splitserve_kv_transfer_failures", "Requests whose KV transfer failed",
                                    ("model", "worker"), registry=self.registry)
+        self.leases_expired = Counter("splitserve_kv_leases_expired", "KV reservations and prefills cancelled when "
+                                      "their lease ran out (blocks freed)", ("model", "worker"), registry=self.registry)
+        self.step_failures = Counter("splitserve_worker_step_failures", "Engine steps that raised (their requests "
+                                     "failed over)", ("model", "worker"), registry=self.registry)
+        self.worker_aborts = Counter("splitserve_worker_aborted_requests", "Requests a worker stopped before they "
+                                     "finished (client gone, stop string, failover)", ("model", "worker"),
+                                     registry=self.registry)
 
     def _define_pools(self) -> None:
         self.pool_workers = Gauge("splitserve_pool_workers", "Workers per pool and hardware class",
@@ -117,7 +124,8 @@ class ClusterMetrics:
                                    ("model", "from_pool", "to_pool"), registry=self.registry)
         self.mixed_occupancy = Gauge("splitserve_mixed_pool_occupancy", "Fraction of workers in the mixed pool",
                                      ("model",), registry=self.registry).labels(self.model)
-        self.worker_failures = Counter("splitserve_worker_failures", "Workers that died", ("model",),
+        self.worker_failures = Counter("splitserve_worker_failures", "Workers that died or were replaced as "
+                                       "unhealthy or stuck", ("model",),
                                        registry=self.registry).labels(self.model)
         for origin, target in (("prompt", "mixed"), ("token", "mixed"), ("mixed", "prompt"), ("mixed", "token"),
                                ("prompt", "token"), ("token", "prompt")):
@@ -167,7 +175,11 @@ class ClusterMetrics:
         self.preemptions.labels(*labels).inc(max(0, stats.preemptions - last.preemptions))
         sender = (self.model, worker_id)
         self.kv_bytes.labels(*sender).inc(max(0, stats.kv_bytes_sent - last.kv_bytes_sent))
-        self.kv_failures.labels(*sender).inc(max(0, stats.kv_failures - last.kv_failures))
+        for counter, now, before in ((self.kv_failures, stats.kv_failures, last.kv_failures),
+                                     (self.leases_expired, stats.leases_expired, last.leases_expired),
+                                     (self.step_failures, stats.step_failures, last.step_failures),
+                                     (self.worker_aborts, stats.aborted_requests, last.aborted_requests)):
+            counter.labels(*sender).inc(max(0, now - before))
         for transfer in stats.transfers:
             self.kv_visible.labels(*sender).observe(transfer.visible_seconds)
             self.kv_overlap.labels(*sender).observe(transfer.overlap_ratio)

@@ -48,13 +48,19 @@ class RunResponse:
                 return
 
     async def whole(self) -> JSONResponse:
-        parts, reason = [], None
+        parts, reason, finished = [], None, False
         try:
             async for piece, reason in self.pieces():
                 parts.append(piece)
+            finished = True
         except RequestFailed as error:
+            finished = True
             self.on_done(self.observation("failed"))
             return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+        finally:
+            if not finished:  # the client went away (Serve cancelled this handler): stop it on the workers
+                await self.run.abort()
+                self.on_done(self.observation("aborted"))
         self.on_done(self.observation("completed"))
         build = R.completion_response if self.kind == "completion" else R.chat_response
         return JSONResponse(build(self.run.request_id, self.model, self.created, "".join(parts), reason,

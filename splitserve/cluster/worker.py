@@ -3,11 +3,18 @@
 The engine runs on its own thread (`WorkerLoop`); the actor's asyncio loop serves calls from the
 ingress (requests, token streams) and the controller (role changes, load reports). Tokens come
 back per request through an asyncio queue that the engine thread fills.
+
+`report` goes through the engine loop (so a poll that returns proves the loop turns); `health`
+does not (it reads the loop's heartbeat), so the controller can tell a busy worker from a stuck
+or unhealthy one when a poll does not return. Fault-injection hooks refuse unless the cluster
+config enables them.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
+import math
 import os
 import socket
 
@@ -17,14 +24,23 @@ import torch.distributed as dist
 from splitserve.cluster.worker_loop import TokenDelta, WorkerLoop
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.config import ClusterConfig
+from splitserve.engine import faults as engine_faults
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement.state import WorkerLoad
-from splitserve.transfer.faults import crash_after_layer_pushes
+from splitserve.transfer.codec import wire_shape
+from splitserve.transfer.faults import crash_after_layer_pushes, freeze_after_layer_pushes
 from splitserve.transfer.handoff import make_transport
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
 MAX_CONCURRENT_CALLS = 4096  # streams are long-lived calls: one per request in flight
+
+
+Rendezvous = tuple[str, int, str]  # the controller's store (host, port) and the cluster's transfer secret
+
+
+class FaultInjectionDisabled(PermissionError):
+    """A fault-injection hook called on a worker whose cluster config does not enable them."""
 
 
 def engine_policy(role: str, config: ClusterConfig) -> str:
@@ -32,12 +48,12 @@ def engine_policy(role: str, config: ClusterConfig) -> str:
 
 
 class Worker:
-    def __init__(self, worker_id: str, role: str, hardware: str, config: dict, rendezvous: tuple[str, int] | None):
+    def __init__(self, worker_id: str, role: str, hardware: str, config: dict, rendezvous: Rendezvous | None):
         cfg = ClusterConfig.model_validate(config)
         self.worker_id, self.hardware, self._config = worker_id, hardware, cfg
         engine = LLMEngine(cfg.model, cfg.engine.engine_config(engine_policy(role, cfg)))
         transport = _connect(cfg, worker_id, engine, rendezvous) if rendezvous else None
-        self.loop = WorkerLoop(engine, transport, worker_id, cfg.transfer.layerwise_threshold)
+        self.loop = WorkerLoop(engine, transport, worker_id, cfg.transfer.layerwise_threshold, cfg.transfer.lease_s)
         self.loop.start()
         self._streams: dict[str, asyncio.Queue] = {}
 
@@ -97,14 +113,42 @@ class Worker:
 
     async def report(self) -> tuple[WorkerLoad, WorkerStats]:
         """Load for placement, and what happened since the last report for the metrics."""
-        return await self._call(lambda: (self.loop.load(), self.loop.drain_stats()))
+        def report():
+            self.loop.require_healthy()  # an unhealthy worker fails its poll, so the controller replaces it
+            return self.loop.load(), self.loop.drain_stats()
+        return await self._call(report)
 
-    async def check_integrity(self) -> None:
-        await self._call(self.loop.engine.check_integrity)
+    async def health(self) -> dict:
+        """The engine loop's own account of itself (heartbeat, step in progress), read without
+        waiting for the loop: the controller asks when a poll does not come back."""
+        return dataclasses.asdict(self.loop.health())
 
-    async def crash_after_layer_pushes(self, n: int) -> None:
-        """Fault injection for failover drills (see transfer.faults)."""
-        await self._call(crash_after_layer_pushes, self.loop.exporter.transport, n)
+    async def in_flight(self) -> int:
+        """Requests this worker still streams to (through the loop)."""
+        return await self._call(lambda: len(self.loop.tracked))
+
+    async def check_integrity(self) -> dict:
+        """The engine's invariants (raises if one is broken), and its KV blocks in use."""
+        def check():
+            self.loop.check_integrity()
+            blocks = self.loop.engine.block_manager
+            return {"blocks_used": blocks.num_used_blocks, "requests": self.loop.engine.num_requests}
+        return await self._call(check)
+
+    # ---- fault injection (only where the config enables it) ---------------------------------
+    async def inject_fault(self, kind: str, **args) -> None:
+        """kind: "crash_after_layer_pushes" (n), "freeze_after_layer_pushes" (n), "fail_steps" (times,
+        leak_block), "stall_step" (seconds)."""
+        if not self._config.fault_injection:
+            raise FaultInjectionDisabled(f"worker {self.worker_id}: fault injection is disabled (fault_injection "
+                                         "is false in the cluster config)")
+        hooks = {"crash_after_layer_pushes": lambda: crash_after_layer_pushes(self.loop.exporter.transport, **args),
+                 "freeze_after_layer_pushes": lambda: freeze_after_layer_pushes(self.loop.exporter.transport, **args),
+                 "fail_steps": lambda: engine_faults.fail_next_steps(self.loop.engine, **args),
+                 "stall_step": lambda: engine_faults.stall_next_step(self.loop.engine, **args)}
+        if kind not in hooks:
+            raise ValueError(f"unknown fault {kind!r}; known: {', '.join(hooks)}")
+        await self._call(hooks[kind])
 
     # ---- internals -------------------------------------------------------------------------
     async def _open(self, request_id: str, fn, *args):
@@ -124,11 +168,12 @@ class Worker:
         return await asyncio.wrap_future(self.loop.call(fn, *args))
 
 
-def _connect(cfg: ClusterConfig, worker_id: str, engine: LLMEngine, rendezvous: tuple[str, int]) -> KVTransport:
-    """Join the cluster's rendezvous store; gRPC workers publish their address there."""
+def _connect(cfg: ClusterConfig, worker_id: str, engine: LLMEngine, rendezvous: Rendezvous) -> KVTransport:
+    """Join the cluster's rendezvous store; gRPC workers publish their address there and take only
+    calls that carry the cluster's secret, of at most one whole prompt's KV."""
     from splitserve.transfer.torch_link import TorchFabric
 
-    host, port, timeout = *rendezvous, cfg.transfer.timeout_s
+    (host, port, secret), timeout = rendezvous, cfg.transfer.timeout_s
     device = engine.kv_cache.data.device
     backend = cfg.transfer.backend
     if backend == "auto":
@@ -139,7 +184,11 @@ def _connect(cfg: ClusterConfig, worker_id: str, engine: LLMEngine, rendezvous: 
 
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
     store.set(f"splitserve/grpc/{worker_id}", f"{ray.util.get_node_ip_address()}:{_free_port()}")
-    return make_transport(engine, GrpcFabric(worker_id, lambda peer: _grpc_address(store, peer), timeout), timeout)
+    cache = engine.kv_cache
+    largest = cache.data.element_size() * cache.data.shape[0] * math.prod(wire_shape(cache, engine.max_model_len))
+    fabric = GrpcFabric(worker_id, lambda peer: _grpc_address(store, peer), timeout, secret=secret,
+                        max_message_bytes=largest + 4096)  # + the message's own header
+    return make_transport(engine, fabric, timeout)
 
 
 def _grpc_address(store: dist.Store, worker_id: str) -> str:

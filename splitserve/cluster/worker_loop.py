@@ -7,17 +7,26 @@ is one of three kinds here:
 - prefill: prefill only, the KV goes to a token worker, the sink gets the first token;
 - import: the KV comes from a prompt worker into reserved blocks, then the request decodes here.
 No Ray here: the Ray actor (`worker.py`) wraps it.
+
+The loop never dies of one unit of work. A step that raises fails the requests it ran (their sinks
+get an error, so the dispatcher places them again elsewhere) and the loop goes on; any other error
+fails every request here. Either way the engine's integrity is checked next: if it does not hold,
+the loop marks itself unhealthy, fails all work and takes no more (the controller replaces it).
+`health()` reads, from any thread, what the loop itself last wrote: its heartbeat (every
+iteration) and how long the step in progress has run, so a stuck step shows from outside.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from splitserve.cluster.worker_stats import StatsRecorder, WorkerStats
-from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.llm_engine import LLMEngine, StepFailed
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement.load import load_of
@@ -27,6 +36,11 @@ from splitserve.transfer.transport import KVTransport, TransferTicket
 
 IDLE_WAIT_S = 0.05    # nothing to run: block on the command queue this long
 IMPORT_WAIT_S = 0.002  # only transfers in flight: wait on them this long, then look at commands
+log = logging.getLogger("splitserve.worker")
+
+
+class WorkerUnhealthy(RuntimeError):
+    """The worker's engine is not sound any more (or its loop ended): it takes no work."""
 
 
 @dataclass(frozen=True)
@@ -45,17 +59,32 @@ class TokenDelta:
 Sink = Callable[[TokenDelta], None]
 
 
+@dataclass(frozen=True)
+class LoopHealth:
+    """What the engine loop last reported about itself (read without going through its queue)."""
+
+    alive: bool                  # the loop thread runs
+    healthy: bool                # the engine's state held after every failure so far
+    reason: str | None           # why not healthy
+    heartbeat_age_s: float       # since the loop last began an iteration
+    step_running_s: float        # the step in progress so far; 0 when none runs
+
+
 class WorkerLoop:
-    def __init__(self, engine: LLMEngine, transport: KVTransport | None, worker_id: str, layerwise_threshold: int):
+    def __init__(self, engine: LLMEngine, transport: KVTransport | None, worker_id: str, layerwise_threshold: int,
+                 lease_s: float = float("inf")):
         self.engine, self.worker_id = engine, worker_id
-        self.exporter = KVExporter(engine, transport) if transport else None
-        self.importer = KVImporter(engine, transport, worker_id, layerwise_threshold) if transport else None
+        self.exporter = KVExporter(engine, transport, lease_s) if transport else None
+        self.importer = KVImporter(engine, transport, worker_id, layerwise_threshold, lease_s) if transport else None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._delivered: dict[str, int] = {}  # tokens already sent to each request's sink
         self._prefills: set[str] = set()
         self._importing: set[str] = set()
         self.stats = StatsRecorder()
+        self._unhealthy: str | None = None
+        self._heartbeat = time.monotonic()
+        self._step_started: float | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"engine-{worker_id}")
 
@@ -70,15 +99,30 @@ class WorkerLoop:
     def call(self, fn: Callable, *args) -> Future:
         """Run `fn(*args)` on the engine thread between two steps; its result or error in the future."""
         future: Future = Future()
+        if not self._thread.is_alive() and self._thread.ident is not None:
+            future.set_exception(WorkerUnhealthy(f"worker {self.worker_id}: the engine loop has ended"))
+            return future
         self._commands.put((future, fn, args))
         return future
 
+    @property
+    def tracked(self) -> frozenset[str]:
+        """Requests this loop streams tokens to."""
+        return frozenset(self._sinks)
+
+    def health(self) -> LoopHealth:
+        now, started = time.monotonic(), self._step_started
+        return LoopHealth(self._thread.is_alive(), self._unhealthy is None, self._unhealthy, now - self._heartbeat,
+                          0.0 if started is None else now - started)
+
     # ---- engine thread (through `call`) -----------------------------------------------------
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+        self.require_healthy()
         self.engine.add_request(request_id, prompt, params, hand_off=False)
         self._track(request_id, sink)
 
     def prefill(self, ticket: TransferTicket, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+        self.require_healthy()
         self._require_transport()
         self.exporter.add(ticket, prompt, params)
         self._track(ticket.request_id, sink)
@@ -86,6 +130,7 @@ class WorkerLoop:
 
     def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, prompt_peer: str,
                 sink: Sink) -> TransferTicket:
+        self.require_healthy()
         self._require_transport()
         ticket = self.importer.reserve(request_id, prompt, params, prompt_peer)
         self._track(request_id, sink)
@@ -93,6 +138,8 @@ class WorkerLoop:
         return ticket
 
     def abort(self, request_id: str) -> None:
+        if request_id in self._sinks:
+            self.stats.aborted_requests += 1
         if request_id in self._importing:
             self.importer.cancel(request_id)
         elif request_id in self._prefills:
@@ -107,13 +154,26 @@ class WorkerLoop:
     def load(self) -> WorkerLoad:
         return load_of(self.engine.policy, self.engine.block_manager)
 
+    def check_integrity(self) -> None:
+        """The engine's own checks, and that every request this loop tracks is one the engine holds."""
+        self.engine.check_integrity()
+        stray = set(self._sinks) - self.engine.request_ids
+        if stray:
+            raise RuntimeError(f"worker {self.worker_id} streams to requests the engine does not hold: {sorted(stray)}")
+
     def drain_stats(self) -> WorkerStats:
         blocks = self.engine.block_manager
         sent = self.exporter.bytes_pushed if self.exporter else 0
+        self.stats.leases_expired = (self.exporter.leases_expired + self.importer.leases_expired) if self.exporter else 0
         return self.stats.drain(self.engine.policy.num_preemptions, sent, blocks.num_blocks - blocks.num_free_blocks,
                                 blocks.num_free_blocks)
 
     # ---- internals -----------------------------------------------------------------------
+    def require_healthy(self) -> None:
+        """Raises WorkerUnhealthy once the engine's state did not hold after a failure."""
+        if self._unhealthy is not None:
+            raise WorkerUnhealthy(f"worker {self.worker_id} is unhealthy: {self._unhealthy}")
+
     def _require_transport(self) -> None:
         if self.exporter is None:
             raise RuntimeError(f"worker {self.worker_id} has no KV transport (a mixed-only cluster)")
@@ -130,21 +190,71 @@ class WorkerLoop:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self._run_commands()
-            outputs, failures = self._poll_imports()
-            outputs += self._step()
-            if self.exporter:
-                failures += self.exporter.failures()
-            for out in outputs:
-                self._deliver(out)
-            self.stats.kv_failures += len(failures)
-            for request_id, error in failures:
-                self._fail(request_id, str(error))
+            self._heartbeat = time.monotonic()
+            try:
+                self._iterate()
+            except StepFailed as failure:
+                self._step_failed(failure)
+            except Exception as error:  # a bug outside the step: no request is known to be at fault
+                log.exception("worker %s: engine loop error", self.worker_id)
+                self._fail_all(f"engine loop error: {type(error).__name__}: {error}")
+                self._check_sound()
+
+    def _iterate(self) -> None:
+        self._run_commands()
+        if self._unhealthy is not None:
+            return
+        outputs, failures = self._poll_imports()
+        outputs += self._step()
+        if self.exporter:
+            failures += self.exporter.failures()
+        for out in outputs:
+            self._deliver(out)
+        self.stats.kv_failures += len(failures)
+        for request_id, error in failures:
+            self._fail(request_id, str(error))
+
+    def _step_failed(self, failure: StepFailed) -> None:
+        self.stats.step_failures += 1
+        log.error("worker %s: %s (requests %s)", self.worker_id, failure, failure.request_ids)
+        if failure.request_ids is None:
+            self._fail_all(str(failure))
+        for request_id in failure.request_ids or ():
+            self._abort_and_fail(request_id, str(failure))
+        self._check_sound()
+
+    def _check_sound(self) -> None:
+        """After a failure: go on if the engine's state holds, else stop taking work for good."""
+        try:
+            self.check_integrity()
+        except Exception as error:
+            self._unhealthy = f"engine state unsound after a failure: {error}"
+            log.error("worker %s: %s", self.worker_id, self._unhealthy)
+            self._fail_all(self._unhealthy)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self._sinks):
+            self._abort_and_fail(request_id, message)
+
+    def _abort_and_fail(self, request_id: str, message: str) -> None:
+        """Free what the request holds here (and cancel its transfer), then send its sink the error."""
+        sink = self._sinks.get(request_id)
+        try:
+            self.abort(request_id)
+        except Exception:  # the state is checked right after; one bad request must not stop the others
+            log.exception("worker %s: aborting %s failed", self.worker_id, request_id)
+            self._forget(request_id)
+        if sink is not None:
+            sink(TokenDelta(error=f"worker {self.worker_id}: {message}"))
 
     def _step(self) -> list[RequestOutput]:
         """One engine step (with KV export when there is a transport), recorded for the metrics."""
         step, transfer = self.engine.last_step, self.exporter and self.exporter.last_transfer
-        outputs = self.exporter.step() if self.exporter else self.engine.step()
+        self._step_started = time.monotonic()
+        try:
+            outputs = self.exporter.step() if self.exporter else self.engine.step()
+        finally:
+            self._step_started = None
         if self.engine.last_step is not step:
             self.stats.step(self.engine.last_step)
         if self.exporter and self.exporter.last_transfer is not transfer:

@@ -16,6 +16,9 @@ class WorkerStats:
     preemptions: int = 0                         # running totals from here on
     kv_bytes_sent: int = 0
     kv_failures: int = 0
+    leases_expired: int = 0                      # KV reservations / prefills that outlived their lease
+    step_failures: int = 0                       # steps that raised (their requests failed over)
+    aborted_requests: int = 0                    # requests stopped here before they finished
     kv_blocks_used: int = 0                      # now
     kv_blocks_free: int = 0
 
@@ -27,7 +30,7 @@ class StatsRecorder:
         self._steps: list[StepStats] = []
         self._queue: list[float] = []
         self._transfers: list[TransferStats] = []
-        self.kv_failures = 0
+        self.kv_failures = self.leases_expired = self.step_failures = self.aborted_requests = 0
 
     def step(self, stats: StepStats) -> None:
         self._steps.append(stats)
@@ -40,6 +43,7 @@ class StatsRecorder:
 
     def drain(self, preemptions: int, kv_bytes_sent: int, blocks_used: int, blocks_free: int) -> WorkerStats:
         stats = WorkerStats(tuple(self._steps), tuple(self._queue), tuple(self._transfers), preemptions,
-                            kv_bytes_sent, self.kv_failures, blocks_used, blocks_free)
+                            kv_bytes_sent, self.kv_failures, self.leases_expired, self.step_failures,
+                            self.aborted_requests, blocks_used, blocks_free)
         self._steps, self._queue, self._transfers = [], [], []
         return stats

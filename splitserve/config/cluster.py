@@ -44,6 +44,8 @@ class ClusterConfig(StrictModel):
     batch: BatchAPIOptions = Field(BatchAPIOptions(), description="The batch API (/v1/files, /v1/batches).")
     slo: SLOOptions = Field(SLOOptions(), description="Bounds the metrics count each request against "
                             "(splitserve_slo_met_total).")
+    fault_injection: bool = Field(False, description="Lets tests and drills call the workers' fault-injection hooks "
+                                  "(crash mid-transfer, fail or stall a step). Off in production: the hooks refuse.")
 
     @model_validator(mode="after")
     def _pools_make_a_cluster(self) -> "ClusterConfig":

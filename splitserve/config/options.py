@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from splitserve.api.limits import RequestLimits
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.policies import SLOOptions as PolicySLOOptions
@@ -143,6 +144,9 @@ class TransferOptions(StrictModel):
                              "fails.")
     layerwise_threshold: int = Field(512, ge=1, description="Prompt tokens from which the KV streams layer by layer "
                                      "during the prefill; shorter prompts send it in one push after.")
+    lease_s: float = Field(120.0, gt=0, description="Lease of a KV reservation: a transfer not completed this long "
+                           "after the token worker reserved the blocks (or after the prompt worker took the prefill) "
+                           "is cancelled and its blocks freed on both sides. Must cover the prompt queue's wait.")
 
 
 class SchedulerOptions(StrictModel):
@@ -161,7 +165,12 @@ class SchedulerOptions(StrictModel):
     report_interval_s: float = Field(0.1, gt=0, description="How often the CLS polls each worker's load (also the "
                                      "liveness check).")
     max_attempts: int = Field(3, ge=1, description="Placements per request, failovers included.")
-    replace_dead_workers: bool = Field(True, description="Start a replacement for a worker that died.")
+    replace_dead_workers: bool = Field(True, description="Start a replacement for a worker that died or was "
+                                       "retired as unhealthy or stuck.")
+    stuck_step_s: float = Field(60.0, gt=0, description="An engine step running longer than this marks its worker "
+                                "stuck: the worker is killed (its requests fail over) and replaced.")
+    drain_timeout_s: float = Field(30.0, gt=0, description="On shutdown or a drain, how long running requests may "
+                                   "take to finish before their worker stops anyway.")
 
     def thresholds(self) -> PlacementThresholds:
         """What the placement policy needs (the controller and the simulator use the same)."""
@@ -177,6 +186,19 @@ class IngressOptions(StrictModel):
     api_key: str | None = Field(None, description="Bearer key every API route requires; null: $SPLITSERVE_API_KEY "
                                 "if set, else no authentication.")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 answer, in seconds.")
+    max_request_bytes: int = Field(4 << 20, ge=1024, description="Largest request body (413 above it), "
+                                   "/v1/files uploads aside.")
+    max_prompt_chars: int = Field(1_000_000, ge=1, description="Longest prompt, or chat messages' text together, in "
+                                  "characters before tokenization (413 above it).")
+    max_stop_strings: int = Field(16, ge=0, description="Most `stop` strings per request.")
+    max_stop_string_chars: int = Field(256, ge=1, description="Longest `stop` string, in characters.")
+    max_stop_token_ids: int = Field(64, ge=0, description="Most `stop_token_ids` per request.")
+    max_chat_messages: int = Field(1024, ge=1, description="Most messages in one chat request.")
+    max_upload_bytes: int = Field(200 << 20, ge=1024, description="Largest /v1/files upload (413 above it).")
+    max_batch_lines: int = Field(50_000, ge=1, description="Most requests in one batch input file.")
+
+    def limits(self) -> RequestLimits:
+        return RequestLimits(**{f.name: getattr(self, f.name) for f in fields(RequestLimits)})
 
 
 class SLOOptions(StrictModel):

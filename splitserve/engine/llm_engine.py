@@ -31,6 +31,16 @@ class _Request:
     logprobs: list[dict[int, float]] | None = None
 
 
+class StepFailed(RuntimeError):
+    """An iteration raised (a CUDA OOM, a bug): the requests it ran were aborted, their blocks
+    freed; the engine's other requests are untouched and it can step again. `request_ids` is
+    None when scheduling itself failed, so no request can be blamed and the state is suspect."""
+
+    def __init__(self, request_ids: list[str] | None, cause: BaseException):
+        super().__init__(f"step failed: {type(cause).__name__}: {cause}")
+        self.request_ids, self.cause = request_ids, cause
+
+
 class LLMEngine:
     def __init__(self, model: str = "demo", config: EngineConfig | None = None, **overrides):
         self.config = config = replace(config or EngineConfig(), **overrides)
@@ -90,13 +100,29 @@ class LLMEngine:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    @property
+    def request_ids(self) -> frozenset[str]:
+        return frozenset(self._requests)
+
     def step(self, after_layer: Callable[[Plan, int], None] | None = None) -> list[RequestOutput]:
         """Run one iteration; return the requests that got a token (cumulative outputs).
         `after_layer(plan, i)` runs once layer i's KV for this iteration is in the cache."""
         start = time.monotonic()
-        plan = self.policy.schedule()
+        try:
+            plan = self.policy.schedule()
+        except Exception as error:
+            raise StepFailed(None, error) from error
         if not plan:
             return []
+        try:
+            return self._run(plan, start, after_layer)
+        except Exception as error:
+            ids = [item.seq.seq_id for item in plan.scheduled]
+            for request_id in ids:
+                self.abort(request_id)
+            raise StepFailed(ids, error) from error
+
+    def _run(self, plan: Plan, start: float, after_layer: Callable[[Plan, int], None] | None) -> list[RequestOutput]:
         work = plan.work()
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:

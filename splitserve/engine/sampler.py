@@ -3,6 +3,11 @@
 All rows are processed together; only seeded rows touch Python one by one, to draw their
 uniform from their own generator. Random rows sample by inverse CDF: one uniform per row and a
 `searchsorted` over the cumulative probabilities, so the noise is one number per row, not per token.
+
+Numerically safe whatever the logits hold: NaN counts as -inf, +inf as the largest float, a row
+is shifted by its maximum before it is divided by the temperature (so nothing overflows and the
+top token keeps probability > 0), a row with no finite logit is sampled greedily, and every id
+returned is in [0, vocab).
 """
 from __future__ import annotations
 
@@ -43,11 +48,12 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must have shape [len(seqs)={len(seqs)}, vocab], "
                              f"got {tuple(logits.shape)}")
-        logits = logits.float()
+        logits = _sanitized(logits.float())
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         logits = _mask_stop_tokens(logits, seqs)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        finite = torch.isfinite(logits).any(dim=-1).tolist()
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and finite[i]]
         if len(random_rows) < len(seqs):
             token_ids = logits.argmax(dim=-1)
         else:
@@ -59,13 +65,15 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temperatures = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
-        logits = apply_top_k_top_p(logits / temperatures.unsqueeze(1),
+        shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0, the row's top token at 0
+        logits = apply_top_k_top_p(shifted / temperatures.unsqueeze(1),
                                    [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         # u in (0, 1] scaled to the row's total picks the first token whose cdf reaches it, so a
-        # token of probability 0 (cdf equal to its predecessor's) is never chosen.
+        # token of probability 0 (cdf equal to its predecessor's) is never chosen; rounding can put
+        # the target past the last cdf value, hence the clamp.
         targets = self._uniforms(seqs, logits.device).mul_(cdf[:, -1])
-        return torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1)
+        return torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=logits.shape[1] - 1)
 
     def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         """One draw in (0, 1] per row; seeded rows draw from their own generator."""
@@ -84,6 +92,13 @@ class Sampler:
         if seq.seq_id not in self._seeded:
             self._seeded[seq.seq_id] = torch.Generator(device=device).manual_seed(seq.params.seed)
         return self._seeded[seq.seq_id]
+
+
+def _sanitized(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf (never chosen), +inf -> the largest float (chosen, without NaNs in a softmax)."""
+    if torch.isfinite(logits).all():
+        return logits
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
 def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -4,6 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# Below this temperature sampling is greedy (as vLLM does): dividing logits by a smaller one
+# overflows float32, and the distribution is the argmax's anyway.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -35,7 +39,8 @@ class SamplingParams:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
@@ -49,7 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _check(ok: bool, message: str) -> None:

@@ -1,7 +1,9 @@
-"""Fault injection for failover drills and tests: make a worker die in the middle of a transfer."""
+"""Fault injection for failover drills and tests: make a worker die, or freeze, in the middle of a
+transfer. Reachable on a cluster worker only when its config enables fault injection."""
 from __future__ import annotations
 
 import os
+import signal
 
 from splitserve.transfer.transport import KVTransport
 
@@ -9,13 +11,23 @@ from splitserve.transfer.transport import KVTransport
 def crash_after_layer_pushes(transport: KVTransport, n: int) -> None:
     """The process exits right after the n-th layer push from now has left (a worker dying
     mid-prefill, with part of a request's KV sent)."""
+    _after_layer_pushes(transport, n, lambda: os._exit(1))
+
+
+def freeze_after_layer_pushes(transport: KVTransport, n: int) -> None:
+    """The process stops itself (SIGSTOP) right after the n-th layer push from now has left: a
+    worker stalled mid-transfer, alive but silent, until someone sends it SIGCONT."""
+    _after_layer_pushes(transport, n, lambda: os.kill(os.getpid(), signal.SIGSTOP))
+
+
+def _after_layer_pushes(transport: KVTransport, n: int, then) -> None:
     push, count = transport.push_layer, [0]
 
-    def push_then_maybe_crash(*args):
+    def push_then_maybe(*args):
         push(*args)
         count[0] += 1
         if count[0] == n:
             transport.flush()
-            os._exit(1)
+            then()
 
-    transport.push_layer = push_then_maybe_crash
+    transport.push_layer = push_then_maybe

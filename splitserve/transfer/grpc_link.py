@@ -14,9 +14,14 @@ shape) and its raw bytes, so bfloat16 travels like any other dtype.
   a late payload is never read as a header, and the sender reconnects after its next send fails.
 - Each incoming stream holds a daemon server thread for its life; `max_peers` bounds the senders
   streaming into one worker at once (one more is refused with RESOURCE_EXHAUSTED).
+- Internal surface, so closed: the server binds only the address the directory gives this worker
+  (the cluster's own, not every interface); with a `secret`, a call that does not carry it is
+  refused with UNAUTHENTICATED (compared in constant time); a message larger than
+  `max_message_bytes` (the largest KV a reservation can take) is refused by gRPC itself.
 """
 from __future__ import annotations
 
+import hmac
 import itertools
 import queue
 import threading
@@ -31,7 +36,7 @@ from splitserve.transfer.link import Fabric, Link, TransferError
 
 _SERVICE, _METHOD = "splitserve.KVStream", "Push"
 _SENDER_KEY = "splitserve-sender"
-_UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+_SECRET_KEY = "splitserve-secret"
 _END = object()  # ends a sender's request stream
 _GOODBYE = b""  # the last message of a stream that ends on purpose (a tensor's has a header)
 _BROKEN = "the stream broke (the sender died or gave up on it)"
@@ -74,9 +79,11 @@ class GrpcFabric(Fabric):
     """Serves this worker's inboxes at once; links to peers are opened on demand."""
 
     def __init__(self, worker_id: str, directory: Mapping[str, str] | Callable[[str], str],
-                 timeout: float = 60.0, max_peers: int = 16):
+                 timeout: float = 60.0, max_peers: int = 16, secret: str | None = None, max_message_bytes: int = -1):
         self.worker_id, self.timeout = worker_id, timeout
-        self._directory = directory
+        self._directory, self._secret = directory, secret
+        self._options = [("grpc.max_send_message_length", max_message_bytes),
+                         ("grpc.max_receive_message_length", max_message_bytes)]
         self._inboxes: dict[str, _Inbox] = {}
         self._streams = itertools.count()
         self._lock = threading.Lock()
@@ -87,7 +94,8 @@ class GrpcFabric(Fabric):
         self._server = self._serve(address, max_peers)
 
     def link_to(self, peer: str) -> Link:
-        return _GrpcSender(peer, self._address(peer), self.worker_id, self.timeout)
+        metadata = ((_SENDER_KEY, self.worker_id),) + (((_SECRET_KEY, self._secret),) if self._secret else ())
+        return _GrpcSender(peer, self._address(peer), metadata, self.timeout, self._options)
 
     def link_from(self, peer: str) -> Link:
         return _GrpcReceiver(peer, self._inbox(peer))
@@ -109,7 +117,7 @@ class GrpcFabric(Fabric):
     def _serve(self, address: str, max_peers: int) -> grpc.Server:
         handler = grpc.method_handlers_generic_handler(
             _SERVICE, {_METHOD: grpc.stream_unary_rpc_method_handler(self._receive)})
-        server = grpc.server(_DaemonThreads(), handlers=[handler], options=[*_UNLIMITED, ("grpc.so_reuseport", 0)],
+        server = grpc.server(_DaemonThreads(), handlers=[handler], options=[*self._options, ("grpc.so_reuseport", 0)],
                              maximum_concurrent_rpcs=max_peers)
         try:
             server.add_insecure_port(address)
@@ -120,7 +128,11 @@ class GrpcFabric(Fabric):
 
     def _receive(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """One sender's stream, for its whole life: every message into that sender's inbox."""
-        sender = dict(context.invocation_metadata()).get(_SENDER_KEY)
+        metadata = dict(context.invocation_metadata())
+        if self._secret is not None and not hmac.compare_digest(metadata.get(_SECRET_KEY, "").encode(),
+                                                                self._secret.encode()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "the call does not carry this cluster's secret")
+        sender = metadata.get(_SENDER_KEY)
         if sender is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no {_SENDER_KEY!r} in the call metadata")
         inbox, stream = self._inbox(sender), next(self._streams)
@@ -139,10 +151,10 @@ class GrpcFabric(Fabric):
 
 
 class _GrpcSender(Link):
-    def __init__(self, peer: str, address: str, sender_id: str, timeout: float):
+    def __init__(self, peer: str, address: str, metadata: tuple, timeout: float, options: list):
         super().__init__(peer)
         self._timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=_UNLIMITED)
+        self._channel = grpc.insecure_channel(address, options=options)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -153,7 +165,7 @@ class _GrpcSender(Link):
         self._queued = self._sent = 0
         self._ended = self._closed = False
         push = self._channel.stream_unary(f"/{_SERVICE}/{_METHOD}")
-        self._call = push.future(self._requests(), metadata=((_SENDER_KEY, sender_id),), wait_for_ready=True)
+        self._call = push.future(self._requests(), metadata=metadata, wait_for_ready=True)
         self._call.add_done_callback(self._on_end)
 
     def send(self, tensor: torch.Tensor) -> None:

@@ -10,10 +10,19 @@ Token worker (`KVImporter`): reserves blocks before the prefill starts and issue
 prompt worker pushes against; layers land straight in those blocks; the request joins the
 decode batch when the completion (first token) arrives. A failed or cancelled transfer frees the
 reserved blocks.
+
+Leases: no KV is stranded. A reservation that has not completed `lease_s` after it was made
+(prompt worker stalled or dead, ingress gone before the prefill was asked for) is abandoned and
+its blocks freed; a prefill not handed off `lease_s` after it was added is aborted on the prompt
+side and cancelled towards the token side. Each side enforces its own lease, so neither depends
+on the other being alive.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
+import json
 import time
 from dataclasses import dataclass
 
@@ -46,15 +55,30 @@ class TransferStats:
         return min(1.0, max(0.0, 1.0 - self.visible_seconds / self.span_seconds))
 
 
+def kv_layout(engine: LLMEngine) -> str:
+    """What must match for one engine's KV to be another's: the model (name and a hash of its
+    config, and the weights' seed where they are dummy), the KV dtype and the per-token layout.
+    Not the block size: the wire is token-major, so the two caches may page differently."""
+    config = engine.config
+    identity = json.dumps([engine.model_name, dataclasses.asdict(engine.model_config), config.load_format,
+                           config.seed if config.load_format == "dummy" else None], sort_keys=True, default=str)
+    _, _, _, _, kv_heads, head_dim = engine.kv_cache.data.shape
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return (f"model={engine.model_name} config={digest} dtype={str(engine.kv_cache.data.dtype).removeprefix('torch.')} "
+            f"layers={engine.kv_cache.data.shape[0]} kv_heads={kv_heads} head_dim={head_dim}")
+
+
 def make_transport(engine: LLMEngine, fabric: Fabric, timeout: float = 60.0) -> KVTransport:
     cache = engine.kv_cache
     return KVTransport(fabric, lambda n: wire_shape(cache, n), cache.data.shape[0], cache.data.dtype,
-                       cache.data.device, timeout)
+                       cache.data.device, timeout, kv_layout(engine), engine.max_model_len)
 
 
 class KVExporter:
-    def __init__(self, engine: LLMEngine, transport: KVTransport):
-        self.engine, self.transport = engine, transport
+    def __init__(self, engine: LLMEngine, transport: KVTransport, lease_s: float = float("inf")):
+        self.engine, self.transport, self.lease_s = engine, transport, lease_s
+        self._deadlines: dict[str, float] = {}
+        self.leases_expired = 0
         self._tickets: dict[str, TransferTicket] = {}
         self._slots: dict[str, torch.Tensor] = {}
         self._failures: list[tuple[str, TransferError]] = []
@@ -66,11 +90,15 @@ class KVExporter:
 
     def add(self, ticket: TransferTicket, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
+        """Raises IncompatibleKV (before any work) when the ticket's token worker holds another layout."""
+        self.transport.check_compatible(ticket)
         self.engine.add_request(ticket.request_id, prompt_token_ids, params, arrival_time, hand_off=True)
         self._tickets[ticket.request_id] = ticket
+        self._deadlines[ticket.request_id] = time.monotonic() + self.lease_s
 
     def step(self) -> list[RequestOutput]:
         """One prefill iteration with layer-wise pushes; returns outputs carrying first tokens."""
+        self._expire_leases()
         self.stream_seconds, self._first_push = 0.0, None
         outputs = self.engine.step(after_layer=self._after_layer)
         for out in outputs:
@@ -102,6 +130,15 @@ class KVExporter:
         """Requests whose transfer failed since the last call (their blocks are already freed)."""
         failures, self._failures = self._failures, []
         return failures
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, deadline in self._deadlines.items() if deadline <= now]:
+            ticket = self._tickets[request_id]
+            self.abort(request_id)
+            self.leases_expired += 1
+            self._failures.append((request_id, TransferError(
+                ticket.token_peer, f"lease expired: not prefilled and handed off within {self.lease_s:g} s")))
 
     def _after_layer(self, plan: Plan, layer: int) -> None:
         start = time.perf_counter()
@@ -138,6 +175,7 @@ class KVExporter:
 
     def _forget(self, request_id: str) -> TransferTicket | None:
         self._slots.pop(request_id, None)
+        self._deadlines.pop(request_id, None)
         return self._tickets.pop(request_id, None)
 
     def _try(self, ticket: TransferTicket, push, nbytes: int = 0) -> None:
@@ -155,11 +193,13 @@ class KVExporter:
 
 class KVImporter:
     def __init__(self, engine: LLMEngine, transport: KVTransport, worker_id: str,
-                 layerwise_threshold: int = LAYERWISE_THRESHOLD):
+                 layerwise_threshold: int = LAYERWISE_THRESHOLD, lease_s: float = float("inf")):
         self.engine, self.transport, self.worker_id = engine, transport, worker_id
-        self.layerwise_threshold = layerwise_threshold
+        self.layerwise_threshold, self.lease_s = layerwise_threshold, lease_s
         self._tags = itertools.count()
         self._tickets: dict[str, TransferTicket] = {}
+        self._deadlines: dict[str, float] = {}
+        self.leases_expired = 0
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_peer: str,
                 arrival_time: float | None = None) -> TransferTicket:
@@ -168,8 +208,9 @@ class KVImporter:
         block_ids = self.engine.reserve_import(request_id, prompt_token_ids, params, arrival_time)
         slots = slot_index(block_ids, cache.block_size, len(prompt_token_ids), cache.data.device)
         ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, len(prompt_token_ids),
-                                len(prompt_token_ids) >= self.layerwise_threshold)
+                                len(prompt_token_ids) >= self.layerwise_threshold, self.transport.layout)
         self._tickets[request_id] = ticket
+        self._deadlines[request_id] = time.monotonic() + self.lease_s
         self.transport.expect(ticket, lambda layer, wire: self._write(slots, layer, wire))
         return ticket
 
@@ -178,19 +219,36 @@ class KVImporter:
         `timeout` > 0 waits for one when none has finished (for a worker with nothing to decode)."""
         outputs, failures = [], []
         for ticket, result in self.transport.poll(timeout):
-            self._tickets.pop(ticket.request_id, None)
+            if self._tickets.get(ticket.request_id) is not ticket:  # cancelled or expired meanwhile
+                continue
+            self._drop(ticket.request_id)
             if isinstance(result, TransferError):
                 self.engine.abort(ticket.request_id)
                 failures.append((ticket.request_id, result))
             else:
                 outputs.append(self.engine.complete_import(ticket.request_id, result))
-        return outputs, failures
+        return outputs, failures + self._expire_leases()
 
     def cancel(self, request_id: str) -> None:
-        ticket = self._tickets.pop(request_id, None)
+        ticket = self._drop(request_id)
         if ticket is not None:
             self.transport.abandon(ticket)
         self.engine.abort(request_id)
+
+    def _expire_leases(self) -> list[tuple[str, TransferError]]:
+        now = time.monotonic()
+        expired = []
+        for request_id in [r for r, deadline in self._deadlines.items() if deadline <= now]:
+            ticket = self._tickets[request_id]
+            self.cancel(request_id)
+            expired.append((request_id, TransferError(
+                ticket.prompt_peer, f"lease expired: the KV did not arrive within {self.lease_s:g} s")))
+        self.leases_expired += len(expired)
+        return expired
+
+    def _drop(self, request_id: str) -> TransferTicket | None:
+        self._deadlines.pop(request_id, None)
+        return self._tickets.pop(request_id, None)
 
     def _write(self, slots: torch.Tensor, layer: int, wire: torch.Tensor) -> None:
         unpack_layer(self.engine.kv_cache, layer, slots, wire)

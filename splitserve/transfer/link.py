@@ -45,6 +45,8 @@ class Link(ABC):
 class Fabric(ABC):
     """Makes one worker's links to its peers, for one backend."""
 
+    worker_id: str  # the worker whose links these are
+
     @abstractmethod
     def link_to(self, peer: str) -> Link:
         """A link this worker sends on (prompt side)."""

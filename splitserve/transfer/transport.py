@@ -11,6 +11,11 @@ Semantics:
 - The token side runs one receive loop per prompt peer while transfers from it are pending; each
   receive waits at most `timeout`. A transfer ends in `poll()` as completed (first token) or
   failed (`TransferError` naming the peer); a failure on a link fails every transfer on it.
+- Compatibility: each side checks the other's KV layout (model, dtype, per-token shape) before
+  the first transfer between them. The ticket carries the token side's; the prompt side refuses a
+  ticket whose layout is not its own (`check_compatible`). The first message on every new link is
+  HELLO with the prompt side's layout; the token side fails the link, and every transfer on it,
+  when it is not its own. A mismatch is an error naming both workers, never a write.
 """
 from __future__ import annotations
 
@@ -22,7 +27,16 @@ import torch
 
 from splitserve.transfer.link import Fabric, Link, TransferError
 
-ALL, DONE, CANCEL = -1, -2, -3
+ALL, DONE, CANCEL, HELLO = -1, -2, -3, -4
+LAYOUT_BYTES = 512  # HELLO's payload: the layout string, utf-8, zero-padded
+
+
+class IncompatibleKV(TransferError):
+    """Two workers whose KV cannot be exchanged (different model, dtype or layout)."""
+
+    def __init__(self, peer: str, this_worker: str, ours: str, theirs: str):
+        super().__init__(peer, f"worker {this_worker!r} has KV layout [{ours}] but worker {peer!r} has "
+                               f"[{theirs}]: they serve different models or settings and cannot exchange KV")
 
 
 @dataclass(frozen=True)
@@ -33,6 +47,7 @@ class TransferTicket:
     token_peer: str
     num_tokens: int
     layerwise: bool
+    kv_layout: str = ""  # the token worker's (`kv_layout` in handoff)
 
 
 @dataclass(frozen=True)
@@ -43,9 +58,14 @@ class _Incoming:
 
 class KVTransport:
     def __init__(self, fabric: Fabric, wire_layer_shape: Callable[[int], tuple[int, ...]], num_layers: int,
-                 dtype: torch.dtype, device: torch.device, timeout: float = 60.0):
-        """`wire_layer_shape(num_tokens)` is one layer's payload shape (see codec.wire_shape)."""
-        self.fabric, self.timeout = fabric, timeout
+                 dtype: torch.dtype, device: torch.device, timeout: float = 60.0, layout: str = "",
+                 max_tokens: int = 2**31 - 1):
+        """`wire_layer_shape(num_tokens)` is one layer's payload shape (see codec.wire_shape);
+        `layout` what must match on the other side (handoff.kv_layout); `max_tokens` the longest
+        prompt a reservation can hold (a payload is sized by its ticket, never past this)."""
+        self.fabric, self.timeout, self.layout, self.max_tokens = fabric, timeout, layout, max_tokens
+        if len(layout.encode()) > LAYOUT_BYTES:
+            raise ValueError(f"layout is longer than {LAYOUT_BYTES} bytes: {layout!r}")
         self._layer_shape, self._num_layers, self._dtype, self._device = wire_layer_shape, num_layers, dtype, device
         self._out: dict[str, Link] = {}   # prompt side: links to token peers, kept while healthy
         self._in: dict[str, Link] = {}    # token side: links from prompt peers, kept while healthy
@@ -56,6 +76,10 @@ class KVTransport:
         self._landed = threading.Condition(self._lock)  # notified when a result is appended
 
     # ---- prompt side ---------------------------------------------------------------------
+    def check_compatible(self, ticket: TransferTicket) -> None:
+        if ticket.kv_layout != self.layout:
+            raise IncompatibleKV(ticket.token_peer, ticket.prompt_peer, self.layout, ticket.kv_layout)
+
     def push_layer(self, ticket: TransferTicket, layer: int, payload: torch.Tensor) -> None:
         self._send(ticket, layer, payload)
 
@@ -110,7 +134,7 @@ class KVTransport:
     def _send(self, ticket: TransferTicket, kind: int, payload: torch.Tensor | None, value: int = 0) -> None:
         peer = ticket.token_peer
         try:
-            link = self._out.get(peer) or self._out.setdefault(peer, self.fabric.link_to(peer))
+            link = self._out.get(peer) or self._out.setdefault(peer, self._hello(self.fabric.link_to(peer)))
             link.send(self._header(ticket.tag, kind, ticket.num_tokens, value))
             if payload is not None:
                 link.send(payload)
@@ -123,6 +147,23 @@ class KVTransport:
         if link is not None:
             link.close()
 
+    def _hello(self, link: Link) -> Link:
+        """A new link's first message: this side's layout, for the receiver to check."""
+        link.send(self._header(0, HELLO, 0, 0))
+        link.send(_layout_tensor(self.layout, self._device))
+        return link
+
+    def _check_hello(self, link: Link) -> None:
+        header = torch.empty(4, dtype=torch.int64, device=self._device)
+        link.recv(header, self.timeout)
+        if header[1].item() != HELLO:
+            raise TransferError(link.peer, "the link did not open with HELLO (an older or foreign sender)")
+        payload = torch.empty(LAYOUT_BYTES, dtype=torch.uint8, device=self._device)
+        link.recv(payload, self.timeout)
+        theirs = bytes(payload.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+        if theirs != self.layout:
+            raise IncompatibleKV(link.peer, self.fabric.worker_id, self.layout, theirs)
+
     def _header(self, tag: int, kind: int, num_tokens: int, value: int) -> torch.Tensor:
         return torch.tensor([tag, kind, num_tokens, value], dtype=torch.int64, device=self._device)
 
@@ -130,7 +171,15 @@ class KVTransport:
         """Runs while transfers from `peer` are pending. A link that failed is closed for good:
         the pair group cannot meet again under the same ids (a restarted worker gets a new id)."""
         try:
-            link = self._in.get(peer) or self._in.setdefault(peer, self.fabric.link_from(peer))
+            link = self._in.get(peer)
+            if link is None:
+                link = self.fabric.link_from(peer)
+                try:
+                    self._check_hello(link)
+                except TransferError:
+                    link.close()
+                    raise
+                self._in[peer] = link
             while self._has_pending(peer):
                 self._receive_one(link)
         except TransferError as error:
@@ -151,6 +200,7 @@ class KVTransport:
         link.recv(header, self.timeout)
         tag, kind, num_tokens, value = header.tolist()
         if kind >= 0 or kind == ALL:
+            self._check_size(link.peer, tag, kind, num_tokens)
             shape = self._layer_shape(num_tokens)
             payload = torch.empty(shape if kind >= 0 else (self._num_layers, *shape), dtype=self._dtype, device=self._device)
             link.recv(payload, self.timeout)
@@ -167,6 +217,16 @@ class KVTransport:
             result = value if kind == DONE else TransferError(link.peer, "cancelled by the prompt worker")
             self._finish(tag, result)
 
+    def _check_size(self, peer: str, tag: int, kind: int, num_tokens: int) -> None:
+        """A payload is as large as its reservation: a header that says otherwise is a broken or
+        foreign sender, and nothing is allocated for it."""
+        with self._lock:
+            incoming = self._incoming.get(tag)
+        expected = incoming.ticket.num_tokens if incoming is not None else None
+        if not 0 < num_tokens <= self.max_tokens or expected not in (None, num_tokens) or kind >= self._num_layers:
+            raise TransferError(peer, f"message for tag {tag} (kind {kind}) announces {num_tokens} tokens; "
+                                      f"the reservation holds {expected} (at most {self.max_tokens})")
+
     def _finish(self, tag: int, result: int | TransferError) -> None:
         with self._lock:
             incoming = self._incoming.pop(tag, None)
@@ -180,3 +240,8 @@ class KVTransport:
             self._loops.discard(peer)
         for tag in tags:
             self._finish(tag, error)
+
+
+def _layout_tensor(layout: str, device: torch.device) -> torch.Tensor:
+    data = layout.encode().ljust(LAYOUT_BYTES, b"\0")
+    return torch.tensor(list(data), dtype=torch.uint8, device=device)

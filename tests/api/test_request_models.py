@@ -236,7 +236,7 @@ def test_prompt_plus_completion_longer_than_the_context():
 
 
 @pytest.mark.parametrize("fields, param, message", [
-    ({"temperature": -1}, "temperature", "temperature must be >= 0, got -1.0"),
+    ({"temperature": -1}, "temperature", "temperature must be a finite number >= 0, got -1.0"),
     ({"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0.0"),
     ({"top_k": 0}, "top_k", "top_k must be -1 (disabled) or >= 1, got 0"),
     ({"min_tokens": 20}, "min_tokens", "min_tokens must be an integer in [0, max_tokens=16], got 20"),

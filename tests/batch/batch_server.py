@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 
+from splitserve.api.guard import ApiGuard
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_executor import EngineExecutor
 from splitserve.batch.routes import router
@@ -28,6 +29,7 @@ def make_app(directory: str) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan)
     app.include_router(router)
+    app.add_middleware(ApiGuard)
     app.state.batches, app.state.api_key = service, None
     return app
 

@@ -55,3 +55,21 @@ def test_prepare_checks_a_body_like_its_endpoint():
     with pytest.raises(RequestError) as caught:
         prepare(bad, demo_tokenizer(), "demo", 2048)
     assert caught.value.status == 400
+
+
+def test_a_file_over_the_line_bound_is_refused_whole():
+    assert len(parse_input(as_jsonl(batch_lines(5)), max_lines=5)) == 5
+    with pytest.raises(InputFileError, match="more than 5 requests") as refused:
+        parse_input(as_jsonl(batch_lines(6)), max_lines=5)
+    assert refused.value.errors[0]["code"] == "too_many_requests"
+
+
+def test_each_line_is_held_to_the_request_bounds():
+    from splitserve.api.limits import RequestLimits
+    from splitserve.batch.lines import BatchLine
+
+    line = BatchLine(1, "a", "completion", {"model": "demo", "prompt": "hi", "stop": ["a", "b", "c"]})
+    assert prepare(line, demo_tokenizer(), "demo", 64).params.stop == ("a", "b", "c")
+    with pytest.raises(RequestError, match="3 stop strings, more than this server's limit of 2") as refused:
+        prepare(line, demo_tokenizer(), "demo", 64, RequestLimits(max_stop_strings=2))
+    assert refused.value.param == "stop"

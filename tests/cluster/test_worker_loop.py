@@ -78,14 +78,17 @@ def offline():
 class Pair:
     """A prompt loop `p0` and a token loop `t0`, engines in their roles, linked over gRPC."""
 
-    def __init__(self):
+    def __init__(self, leases: dict[str, float] | None = None, **engine_args: dict):
+        """`leases`: KV lease per worker id (default none); `engine_args`: per worker id, settings that
+        differ from ENGINE."""
         directory = {w: f"127.0.0.1:{_free_port()}" for w in ("p0", "t0")}
         self.fabrics, self.loops = [], {}
         for worker_id, role in (("p0", "prompt"), ("t0", "token")):
-            engine = LLMEngine("demo", policy=role, **ENGINE)
+            engine = LLMEngine("demo", policy=role, **{**ENGINE, **engine_args.get(worker_id, {})})
             self.fabrics.append(GrpcFabric(worker_id, directory, LINK_TIMEOUT_S))
             transport = make_transport(engine, self.fabrics[-1], LINK_TIMEOUT_S)
-            self.loops[worker_id] = WorkerLoop(engine, transport, worker_id, layerwise_threshold=LAYERWISE)
+            lease_s = (leases or {}).get(worker_id, float("inf"))
+            self.loops[worker_id] = WorkerLoop(engine, transport, worker_id, LAYERWISE, lease_s)
         self.prompt, self.token = self.loops["p0"], self.loops["t0"]
         self.started = False
 
@@ -245,7 +248,8 @@ def test_load_of_a_local_request(idle_pair):
 
 def test_load_of_a_request_to_prefill_and_hand_off(idle_pair):
     loop, total = idle_pair.prompt, ENGINE["num_kv_blocks"] * BLOCK
-    loop.prefill(TransferTicket("r", 0, "p0", "t0", 40, True), FORTY, GREEDY, Sink())
+    ticket = TransferTicket("r", 0, "p0", "t0", 40, True, loop.exporter.transport.layout)
+    loop.prefill(ticket, FORTY, GREEDY, Sink())
     assert loop.load() == WorkerLoad(pending_prompt_tokens=40, decode_tokens=0, num_decoding=0, num_waiting=1,
                                      free_kv_tokens=total, total_kv_tokens=total)
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from splitserve.engine.sampler import Sampler, SampledToken, apply_top_k_top_p
+from splitserve.engine.sampler import SampledToken, Sampler, apply_top_k_top_p
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 
@@ -143,3 +143,53 @@ def test_mixed_batch_of_greedy_and_random_rows():
 def test_logits_shape_must_match_the_batch():
     with pytest.raises(ValueError, match="logits"):
         Sampler().sample(torch.zeros(2, VOCAB), [make_seq()])
+
+
+# ---- numerical safety: no temperature / top-k / top-p / logits gives an id outside the vocabulary ----
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+HOSTILE_VALUES = [float("nan"), float("inf"), float("-inf"), 3.4e38, -3.4e38, 1e30, -1e30, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-10, 9.99e-6])
+def test_a_temperature_under_1e_5_is_greedy(temperature):
+    logits = random_logits(3)
+    seqs = [make_seq(f"s{i}", temperature=temperature) for i in range(3)]
+    assert SamplingParams(temperature=temperature).greedy
+    assert [t.token_id for t in Sampler().sample(logits, seqs)] == logits.argmax(dim=-1).tolist()
+
+
+def test_non_finite_temperatures_are_refused():
+    for bad in (float("inf"), float("nan"), -1e-9):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
+
+
+def test_the_smallest_random_temperature_on_huge_logits_picks_the_top_token():
+    logits = torch.full((1, VOCAB), -3.0e38)
+    logits[0, 17] = 3.0e38  # (a - b) / 1e-5 overflows float32 unless the row is shifted first
+    assert Sampler().sample(logits, [make_seq(temperature=1e-5)])[0].token_id == 17
+
+
+def test_nan_logits_are_never_chosen_and_an_all_nan_row_still_gives_an_id():
+    logits = torch.full((2, VOCAB), float("nan"))
+    logits[0, 5] = 0.0
+    out = Sampler().sample(logits, [make_seq("a", temperature=0.7), make_seq("b", temperature=0.7)])
+    assert out[0].token_id == 5 and 0 <= out[1].token_id < VOCAB
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(st.sampled_from(HOSTILE_VALUES) | st.floats(allow_nan=True, allow_infinity=True,
+                                                                    width=32), min_size=VOCAB, max_size=VOCAB),
+       temperature=st.sampled_from([0.0, 1e-300, 1e-5, 0.01, 1.0, 2.0, 1e30]) | st.floats(0, 1e6),
+       top_k=st.sampled_from([-1, 1, 2, VOCAB, VOCAB * 4]), top_p=st.floats(1e-9, 1.0).filter(lambda p: p > 0),
+       seed=st.none() | st.integers(0, 2**63 - 1), logprobs=st.none() | st.integers(0, 20))
+def test_any_logits_and_settings_give_an_id_in_the_vocabulary(values, temperature, top_k, top_p, seed, logprobs):
+    logits = torch.tensor([values], dtype=torch.float32)
+    seq = make_seq(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs)
+    token = Sampler().sample(logits, [seq])[0]
+    assert 0 <= token.token_id < VOCAB
+    candidates = ~(logits.isnan() | logits.isneginf())[0]
+    if candidates.any():
+        assert candidates[token.token_id]  # a NaN or -inf logit is drawn only when every logit is one

@@ -98,3 +98,32 @@ def test_unknown_and_unreachable_peers(fabrics):
     a.timeout = 0.3
     with pytest.raises(TransferError, match="'nobody'.*could not connect"):
         a.link_to("nobody")
+
+
+def test_a_server_with_a_secret_refuses_senders_without_it():
+    directory = {w: f"127.0.0.1:{_free_port()}" for w in ("a", "b", "intruder")}
+    a, b = GrpcFabric("a", directory, timeout=5, secret="s3cret"), GrpcFabric("b", directory, timeout=5, secret="s3cret")
+    intruder = GrpcFabric("intruder", directory, timeout=5, secret="guess")
+    try:
+        link = a.link_to("b")
+        link.send(torch.arange(3))
+        assert torch.equal(receive_like(b.link_from("a"), torch.arange(3)), torch.arange(3))
+        error = failure_of(intruder.link_to("b"))
+        assert "UNAUTHENTICATED" in str(error) and "secret" in str(error)
+    finally:
+        for fabric in (a, b, intruder):
+            fabric.close()
+
+
+def test_a_message_larger_than_the_bound_is_refused():
+    directory = {w: f"127.0.0.1:{_free_port()}" for w in ("a", "b")}
+    a, b = (GrpcFabric(w, directory, timeout=5, max_message_bytes=4096) for w in ("a", "b"))
+    try:
+        link = a.link_to("b")
+        link.send(torch.zeros(100))  # 400 bytes: fits
+        assert receive_like(b.link_from("a"), torch.zeros(100)).shape == (100,)
+        link.send(torch.zeros(2000))  # 8000 bytes: refused by gRPC itself
+        assert isinstance(failure_of(link), TransferError)
+    finally:
+        a.close()
+        b.close()

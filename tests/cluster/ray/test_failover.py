@@ -37,8 +37,10 @@ def expected(offline, prompt, max_tokens) -> str:
 
 
 def check_no_leaks(server) -> None:
+    """Every worker's invariants hold and, with nothing running, no KV block is in use."""
     for worker_id in status(server)["workers"]:
-        ray.get(worker_actor("main", worker_id).check_integrity.remote(), timeout=30)
+        held = ray.get(worker_actor("main", worker_id).check_integrity.remote(), timeout=30)
+        assert held == {"blocks_used": 0, "requests": 0}, (worker_id, held)
 
 
 def test_token_worker_killed_mid_stream(server, client, offline):
@@ -61,7 +63,7 @@ def test_token_worker_killed_mid_stream(server, client, offline):
 def test_prompt_worker_killed_mid_prefill(server, client, offline):
     wait_for_pools(server, {"prompt": 1, "token": 1})
     prompt_worker = worker_in(server, "prompt")
-    ray.get(worker_actor("main", prompt_worker).crash_after_layer_pushes.remote(2))  # 2 of the 4 layers leave
+    ray.get(worker_actor("main", prompt_worker).inject_fault.remote("crash_after_layer_pushes", n=2))  # 2 of the 4 layers leave
     prompt = "z" * 600  # layer-wise streaming (>= 512 tokens)
     got = client.completions.create(model="demo", prompt=prompt, max_tokens=16, temperature=0,
                                     extra_body={"ignore_eos": True})

@@ -1,0 +1,242 @@
+"""Soak test: a local cluster (1 prompt + 1 token worker, demo model) under open-loop streaming load
+at about 70% of its measured capacity for N minutes, with hostile-but-valid sampling parameters,
+clients that hang up mid-stream, and a worker SIGKILLed every few minutes.
+
+Every request must end answered: completed, or refused or failed with an error (a 4xx/5xx or an
+error event in its stream), or hung up by its own client. `lost` counts those that did none of
+these (a timeout, a stream cut without an error): it must be 0. At the end every worker's engine
+checks its invariants and counts its KV blocks in use (`leaked_blocks`, must be 0), and each
+worker's resident memory growth between the 10% and the 100% marks is reported.
+
+    python scripts/soak.py --minutes 30 --json soak.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from splitserve.machine import cpu_name
+
+ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024}
+HOSTILE = [  # valid requests at the edges of every parameter
+    {"temperature": 1e-300}, {"temperature": 2.0, "top_p": 1e-9}, {"temperature": 0.7, "top_k": 1},
+    {"temperature": 1.0, "top_k": 10**6, "top_p": 0.999999}, {"seed": 2**64 - 1, "temperature": 1.5},
+    {"seed": -2**63, "temperature": 0.3}, {"stop": ["\n", "a", "\x00", "\u2603"], "temperature": 1.0},
+    {"stop_token_ids": list(range(64)), "temperature": 1.0}, {"min_tokens": 8, "max_tokens": 8},
+    {"ignore_eos": True, "temperature": 0}, {"temperature": 0, "stop": "x" * 256},
+]
+PROMPTS = ["Hello", "The cluster under load says", "\u00e9\u4e2d\U0001f600 unicode", "x" * 700, "y" * 40]
+
+
+class Tally:
+    def __init__(self):
+        self.outcomes: Counter = Counter()
+        self.statuses: Counter = Counter()
+        self.lost_reasons: Counter = Counter()
+
+
+def request_body(rng: random.Random, model: str) -> tuple[str, dict]:
+    params = dict(rng.choice(HOSTILE))
+    params.setdefault("max_tokens", rng.randint(1, 48))
+    if rng.random() < 0.5:
+        return "/v1/completions", {"model": model, "prompt": rng.choice(PROMPTS), "stream": True,
+                                   "stream_options": {"include_usage": True}, **params}
+    messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
+    return "/v1/chat/completions", {"model": model, "messages": messages, "stream": True, **params}
+
+
+async def one_request(http: httpx.AsyncClient, url: str, path: str, body: dict, hang_up_after: int | None,
+                      tally: Tally) -> None:
+    try:
+        async with http.stream("POST", f"{url}{path}", json=body) as response:
+            tally.statuses[response.status_code] += 1
+            if response.status_code != 200:
+                await response.aread()
+                tally.outcomes["failed_with_error"] += 1
+                return
+            events, done, error = 0, False, False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events += 1
+                data = line[6:]
+                done = done or data == "[DONE]"
+                error = error or (data != "[DONE]" and "error" in json.loads(data))
+                if hang_up_after is not None and events >= hang_up_after and not done:
+                    tally.outcomes["disconnected"] += 1
+                    return
+            outcome = "completed" if done else "failed_with_error" if error else None
+            if outcome is None:
+                tally.outcomes["lost"] += 1
+                tally.lost_reasons["stream ended without [DONE] or an error"] += 1
+            else:
+                tally.outcomes[outcome] += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as problem:
+        tally.outcomes["lost"] += 1
+        tally.lost_reasons[type(problem).__name__] += 1
+
+
+def worker_pids(url: str) -> dict[str, int]:
+    import ray
+
+    from splitserve.cluster.controller import WORKER_NAMESPACE
+
+    pids = {}
+    for worker_id in httpx.get(f"{url}/v1/cluster/status", timeout=30).json()["workers"]:
+        try:
+            actor = ray.get_actor(f"soak-{worker_id}", namespace=WORKER_NAMESPACE)
+            pids[worker_id] = ray.get(actor.info.remote(), timeout=30)["pid"]
+        except Exception:  # a worker that just died or is starting
+            continue
+    return pids
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+async def capacity(http: httpx.AsyncClient, url: str, model: str, seconds: float, concurrency: int = 8) -> float:
+    """Completed requests per second with `concurrency` clients sending back to back."""
+    rng, tally, deadline = random.Random(1), Tally(), time.monotonic() + seconds
+
+    async def client():
+        while time.monotonic() < deadline:
+            path, body = request_body(rng, model)
+            await one_request(http, url, path, body, None, tally)
+
+    start = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return tally.outcomes["completed"] / (time.monotonic() - start)
+
+
+async def load(args, url: str, model: str, rate: float, tally: Tally, marks: dict) -> int:
+    rng, tasks, kills = random.Random(args.seed), set(), 0
+    start = time.monotonic()
+    end, next_kill, ten_percent = start + args.minutes * 60, start + args.kill_every_s, start + args.minutes * 6
+    async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=httpx.Limits(max_connections=512)) as http:
+        now = start
+        while now < end:
+            path, body = request_body(rng, model)
+            hang_up = rng.randint(1, 6) if rng.random() < args.disconnect_fraction else None
+            task = asyncio.create_task(one_request(http, url, path, body, hang_up, tally))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            await asyncio.sleep(rng.expovariate(rate))
+            now = time.monotonic()
+            if "10%" not in marks and now >= ten_percent:
+                marks["10%"] = {w: rss_mb(p) for w, p in (await asyncio.to_thread(worker_pids, url)).items()}
+            if now >= next_kill and now < end - 20:
+                kills += await asyncio.to_thread(kill_a_worker, url, rng)
+                next_kill = now + args.kill_every_s
+        await asyncio.gather(*tasks)
+    return kills
+
+
+def kill_a_worker(url: str, rng: random.Random) -> int:
+    pids = worker_pids(url)
+    if not pids:
+        return 0
+    worker_id = rng.choice(sorted(pids))
+    os.kill(pids[worker_id], signal.SIGKILL)
+    print(f"soak: SIGKILL worker {worker_id} (pid {pids[worker_id]})", flush=True)
+    return 1
+
+
+def leaked_blocks(url: str, timeout: float = 120) -> dict[str, int]:
+    """KV blocks each worker holds once the load is over (after replacements have come up)."""
+    import ray
+
+    from splitserve.cluster.controller import WORKER_NAMESPACE
+
+    deadline = time.monotonic() + timeout
+    while True:
+        state = httpx.get(f"{url}/v1/cluster/status", timeout=30).json()
+        held = {}
+        for worker_id in state["workers"]:
+            actor = ray.get_actor(f"soak-{worker_id}", namespace=WORKER_NAMESPACE)
+            held[worker_id] = ray.get(actor.check_integrity.remote(), timeout=30)["blocks_used"]
+        if not any(held.values()) or time.monotonic() > deadline:
+            return held
+        time.sleep(1)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import ray
+    from ray import serve
+
+    from splitserve.cluster.app import build_app
+    from splitserve.cluster.launcher import wait_until_healthy
+
+    args = parse_args(argv)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    config = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 20, "lease_s": 60},
+              "scheduler": {"report_interval_s": 0.05}}
+    try:
+        serve.run(build_app(config), name="soak", route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{args.port}"
+        wait_until_healthy(url, timeout=300)
+        tally, marks = Tally(), {}
+
+        async def run() -> tuple[float, int]:
+            async with httpx.AsyncClient(timeout=args.request_timeout_s) as http:
+                measured = await capacity(http, url, "demo", args.calibrate_s)
+            rate = args.rate or args.load_fraction * measured
+            print(f"soak: capacity {measured:.2f} req/s; offering {rate:.2f} req/s for {args.minutes} min", flush=True)
+            return measured, rate, await load(args, url, "demo", rate, tally, marks)
+
+        started = time.monotonic()
+        measured, rate, kills = asyncio.run(run())
+        end_rss = {w: rss_mb(p) for w, p in worker_pids(url).items()}
+        held = leaked_blocks(url)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    growth = {w: round(end_rss[w] - mb, 1) for w, mb in marks.get("10%", {}).items()
+              if mb is not None and end_rss.get(w) is not None}
+    result = {"minutes": args.minutes, "wall_s": round(time.monotonic() - started, 1),
+              "capacity_rps": round(measured, 3), "rate_rps": round(rate, 3), "kills": kills,
+              "requests": sum(tally.outcomes.values()), "completed": tally.outcomes["completed"],
+              "failed_with_error": tally.outcomes["failed_with_error"], "disconnected": tally.outcomes["disconnected"],
+              "lost": tally.outcomes["lost"], "lost_reasons": dict(tally.lost_reasons),
+              "statuses": {str(k): v for k, v in sorted(tally.statuses.items())},
+              "leaked_blocks": sum(held.values()), "blocks_held": held, "rss_growth_mb": growth,
+              "hardware": cpu_name()}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30)
+    parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--rate", type=float, help="offered req/s (default: --load-fraction of measured capacity)")
+    parser.add_argument("--load-fraction", type=float, default=0.7)
+    parser.add_argument("--calibrate-s", type=float, default=20, help="how long to measure capacity")
+    parser.add_argument("--kill-every-s", type=float, default=180, help="SIGKILL a random worker this often")
+    parser.add_argument("--disconnect-fraction", type=float, default=0.1, help="share of clients that hang up")
+    parser.add_argument("--request-timeout-s", type=float, default=120)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=8031)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""One ASGI middleware in front of every route: the API key and the body-size bounds.
+
+- The key (`app.state.api_key`; None: no authentication) is required on every route but the open
+  ones (`/health` for probes, `/metrics` for scrapes), compared in constant time. A wrong or
+  missing key is a 401 with OpenAI's error body, before the route runs (so before its body is read).
+- A body larger than its bound (`app.state.limits`: uploads to /v1/files have their own) is a 413:
+  at once when Content-Length says so, or as soon as a streamed body passes the bound.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+
+from splitserve.api.errors import RequestError, error_body
+from splitserve.api.limits import RequestLimits
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+UPLOAD_PREFIX = "/v1/files"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class ApiGuard:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state, path = scope["app"].state, _route_path(scope)
+        if path not in OPEN_PATHS and not _authorized(scope, getattr(state, "api_key", None)):
+            return await _send_error(send, RequestError("Incorrect or missing API key (send Authorization: Bearer "
+                                                        "<key>)", status=401, code="invalid_api_key"))
+        limits: RequestLimits = getattr(state, "limits", None) or RequestLimits()
+        upload = path.startswith(UPLOAD_PREFIX)
+        bound = limits.max_upload_bytes if upload else limits.max_request_bytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > bound:
+            return await _send_error(send, _too_large(bound))
+        received, started = 0, False
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > bound:
+                    raise BodyTooLarge
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except BodyTooLarge:
+            if started:
+                raise
+            await _send_error(send, _too_large(bound))
+
+
+def _route_path(scope) -> str:
+    """The path the app routes on: the request's, less the prefix the app is mounted at (Serve's
+    route_prefix arrives as root_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
+def _too_large(bound: int) -> RequestError:
+    return RequestError(f"the request body is larger than this server's limit of {bound} bytes", status=413,
+                        code="request_too_large")
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _authorized(scope, key: str | None) -> bool:
+    if key is None:
+        return True
+    given = _header(scope, b"authorization") or ""
+    return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
+
+async def _send_error(send, error: RequestError) -> None:
+    body = json.dumps(error_body(error)).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
