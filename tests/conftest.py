@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under its interpreter on CPU (set before any kernel is defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest_plugins = ["tests.ray_cluster"]  # the shared local Ray head node and splitserve apps
 

@@ -6,13 +6,19 @@ import ast
 import importlib.metadata
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # import name -> distribution, for distributions not installed here (the GPU extra)
 NOT_INSTALLED = {"flash_attn": "flash-attn"}
+# modules loaded only where their extra is installed (attention backends chosen at run time): they
+# may import it at module level, and no other module imports them at module level
+EXTRA_MODULES = {"splitserve/engine/attention/triton_kernels.py": "gpu",
+                 "splitserve/engine/attention/triton_paged.py": "gpu",
+                 "splitserve/engine/attention/cuda.py": "gpu"}
 USED_WITHOUT_IMPORT = {
     "python-multipart": "FastAPI parses the multipart forms of /v1/files with it",
     "pytest-timeout": "a pytest plugin (the timeout in pyproject's pytest options)",
@@ -40,8 +46,8 @@ EXTRAS = {name: _extra(name) for name in PROJECT["optional-dependencies"]}
 DISTRIBUTIONS = {k: [d.lower().replace("_", "-") for d in v] for k, v in importlib.metadata.packages_distributions().items()}
 
 
-def _third_party_imports(path: Path) -> list[tuple[str, bool]]:
-    """(top-level name, imported at module level and unguarded) of each third-party import."""
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(module name, imported at module level and unguarded) of each import."""
     tree = ast.parse(path.read_text())
     guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try)
                if any(isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
@@ -59,13 +65,16 @@ def _third_party_imports(path: Path) -> list[tuple[str, bool]]:
         else:
             continue
         for name in names:
-            top = name.split(".")[0]
-            if top in sys.stdlib_module_names or top in ("splitserve", "tests", "__future__"):
-                continue
-            if id(node) in type_only:
-                continue
-            found.append((top, id(node) not in guarded | in_function))
+            if id(node) not in type_only:
+                found.append((name, id(node) not in guarded | in_function))
     return found
+
+
+def _third_party_imports(path: Path) -> list[tuple[str, bool]]:
+    """(top-level name, eager) of each third-party import."""
+    tops = [(name.split(".")[0], eager) for name, eager in _imports(path)]
+    return [(top, eager) for top, eager in tops
+            if top not in sys.stdlib_module_names and top not in ("splitserve", "tests", "__future__")]
 
 
 def _distribution(module: str) -> str:
@@ -78,16 +87,27 @@ def _distribution(module: str) -> str:
 def _used(root: str):
     for path in sorted((ROOT / root).rglob("*.py")):
         for module, eager in _third_party_imports(path):
-            yield path.relative_to(ROOT), _distribution(module), eager
+            yield str(path.relative_to(ROOT)), _distribution(module), eager
 
 
 def test_the_package_declares_what_it_imports():
     everything = CORE.union(*EXTRAS.values())
     for path, dist, eager in _used("splitserve"):
         assert dist in everything, f"{path} imports {dist}, which pyproject.toml does not declare"
-        if eager:
+        if eager and path in EXTRA_MODULES:
+            assert dist in CORE | EXTRAS[EXTRA_MODULES[path]], f"{path} imports {dist}: not in core or its extra"
+        elif eager:
             assert dist in CORE, f"{path} imports {dist} at module level, but it is only in an extra: import it " \
                                  "where it is used, or make it a core dependency"
+
+
+def test_modules_of_an_extra_are_imported_only_where_they_are_used():
+    names = {path.removesuffix(".py").replace("/", ".") for path in EXTRA_MODULES}
+    for path in sorted((ROOT / "splitserve").rglob("*.py")):
+        if str(path.relative_to(ROOT)) in EXTRA_MODULES:
+            continue
+        for name, eager in _imports(path):
+            assert not (eager and name in names), f"{path.relative_to(ROOT)} imports {name} at module level"
 
 
 def test_tests_and_scripts_declare_what_they_import():

@@ -108,6 +108,9 @@ class EngineOptions(StrictModel):
                                         "prefix.")
     dtype: str = Field("auto", description="auto (the checkpoint's torch_dtype), float32, bfloat16 or float16.")
     device: str = Field("auto", description="auto, cpu or cuda[:N].")
+    attention_backend: Literal["auto", "torch", "triton", "flash-attn"] = Field(
+        "auto", description="auto (Triton kernels on CUDA, torch on CPU), torch (the reference), triton, or "
+        "flash-attn (Triton, with flash-attn for fresh prompts; needs the gpu extra).")
     load_format: str = Field("auto", description="auto or safetensors (the checkpoint's weights), or dummy (seeded "
                              "random weights for any config.json).")
     seed: int = Field(0, description="Seed of the dummy weights and of the engine's sampler.")

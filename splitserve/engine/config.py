@@ -96,6 +96,9 @@ def _as_ids(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine. Defaults follow Splitwise (prompt budget 2048) and Sarathi-Serve (512)."""
@@ -113,6 +116,7 @@ class EngineConfig:
     dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
     device: str = "auto"                       # auto | cpu | cuda | cuda:N
     load_format: str = "auto"                  # auto | safetensors | dummy
+    attention_backend: str = "auto"            # auto | torch | triton | flash-attn (see engine.attention)
     seed: int = 0
     slo: SLOOptions = SLOOptions()             # the SLO-aware (accelgen) policies' settings
 
@@ -129,3 +133,6 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                              f"got {self.attention_backend!r}")

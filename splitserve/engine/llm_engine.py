@@ -57,7 +57,7 @@ class LLMEngine:
         limits = SchedulerLimits(config.max_num_seqs, self.max_model_len, config.prompt_token_budget,
                                  config.chunk_token_budget, config.slo)
         self.policy = make_policy(config.policy, self.block_manager, limits)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, select_backend(loaded.device), loaded.device)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, select_backend(loaded.device, config.attention_backend), loaded.device)
         self.sampler = Sampler(seed=config.seed)
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}

@@ -56,6 +56,7 @@ class ModelRunner:
             context_lens_list=context_lens,
             num_decodes=num_decodes,
             decode_groups=group_by_length(context_lens[:num_decodes]),
+            query_start_tensor=self._tensor(starts),
         )
         return self._tensor(tokens), self._tensor(positions), meta
 

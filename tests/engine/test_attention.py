@@ -71,6 +71,7 @@ def build_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int,
         query_starts=starts,
         context_lens_list=context_lens,
         num_decodes=_num_decodes(seqs) if num_decodes is None else num_decodes,
+        query_start_tensor=torch.tensor(starts, dtype=torch.long),
     )
     q, k, v = torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
@@ -90,19 +91,24 @@ def _num_decodes(seqs: list[tuple[int, int]]) -> int:
 
 
 def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, seed=0, extra_blocks=0,
-               num_decodes=None):
+               num_decodes=None, backend=None, dtype=torch.float32, tolerance=1e-5):
+    """`backend` (default: the torch oracle) against the reference, in `dtype` (the reference
+    computes in float64 from the same, rounded, inputs)."""
     needed = sum(-(-c // block_size) + extra_blocks for c, _ in seqs)
     num_blocks = num_blocks or needed + 5
     q, k, v, k_cache, v_cache, meta, full, (expected_k, expected_v) = build_case(
         seqs, heads, kv_heads, dim, block_size, num_blocks, seed, extra_blocks, num_decodes)
+    q, k, v, k_cache, v_cache, expected_k, expected_v = (
+        t.to(dtype) for t in (q, k, v, k_cache, v_cache, expected_k, expected_v))
+    full = [(keys.to(dtype), values.to(dtype)) for keys, values in full]
     kv_cache = torch.stack((k_cache, v_cache))  # one layer: [2, num_blocks, block_size, kv_heads, dim]
-    out = TorchPagedBackend().forward(q, k, v, kv_cache, meta)
+    out = (backend or TorchPagedBackend()).forward(q, k, v, kv_cache, meta)
     k_cache, v_cache = kv_cache
     assert out.shape == q.shape and out.dtype == q.dtype
     for i, (keys, values) in enumerate(full):
         lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
         want = reference_attention(q[lo:hi], keys, values)
-        torch.testing.assert_close(out[lo:hi].double(), want, atol=1e-5, rtol=1e-5,
+        torch.testing.assert_close(out[lo:hi].double(), want, atol=tolerance, rtol=tolerance,
                                    msg=lambda m: f"sequence {i} {seqs[i]}: {m}")
     # the cache holds this step's k/v at slot_mapping, and every other slot is untouched
     assert torch.equal(k_cache, expected_k)

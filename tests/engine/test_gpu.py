@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.attention.torch_paged import TorchPagedBackend
-from splitserve.engine.attention.cuda import CudaBackend
 from splitserve.engine.attention.metadata import AttentionMetadata
+from splitserve.engine.attention.torch_paged import TorchPagedBackend
+from splitserve.engine.attention.triton_paged import TritonPagedBackend
 
 pytestmark = pytest.mark.gpu
 
@@ -18,7 +18,9 @@ def test_cuda_greedy_matches_cpu():
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
 
 
-def test_cuda_backend_matches_torch_backend():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_triton_backend_matches_torch_backend_compiled(dtype, splits):
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, blocks = 8, 2, 64, 16, 32
     lens = [(1, 37), (1, 5), (50, 50), (20, 70)]  # (query tokens, context): decodes, a fresh prefill, a chunk
@@ -30,10 +32,11 @@ def test_cuda_backend_matches_torch_backend():
         slots += [table[p // bs] * bs + p % bs for p in range(ctx - n, ctx)]
         starts.append(starts[-1] + n)
     meta = AttentionMetadata(torch.tensor(slots, device="cuda"), torch.tensor(tables, device="cuda"),
-                             torch.tensor([c for _, c in lens], device="cuda"), starts, [c for _, c in lens], 2)
-    q = torch.randn(starts[-1], heads, dim, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(starts[-1], kv_heads, dim, device="cuda", dtype=torch.float16) for _ in range(2))
-    cache = torch.randn(2, blocks, bs, kv_heads, dim, device="cuda", dtype=torch.float16)
+                             torch.tensor([c for _, c in lens], device="cuda"), starts, [c for _, c in lens], 2,
+                             query_start_tensor=torch.tensor(starts, device="cuda"))
+    q = torch.randn(starts[-1], heads, dim, device="cuda", dtype=dtype)
+    k, v = (torch.randn(starts[-1], kv_heads, dim, device="cuda", dtype=dtype) for _ in range(2))
+    cache = torch.randn(2, blocks, bs, kv_heads, dim, device="cuda", dtype=dtype)
     expected = TorchPagedBackend().forward(q, k, v, cache.clone(), meta)
-    got = CudaBackend().forward(q, k, v, cache.clone(), meta)
-    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+    got = TritonPagedBackend(num_splits=splits).forward(q, k, v, cache.clone(), meta)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)

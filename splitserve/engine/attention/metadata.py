@@ -26,6 +26,7 @@ class AttentionMetadata:
     context_lens_list: list[int]
     num_decodes: int
     decode_groups: tuple[tuple[int, int], ...] = ()  # default: all decodes in one group
+    query_start_tensor: torch.Tensor | None = None  # query_starts on the device (kernels that launch once)
 
     def __post_init__(self) -> None:
         if not self.decode_groups and self.num_decodes:

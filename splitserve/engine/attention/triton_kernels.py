@@ -1,0 +1,153 @@
+"""Triton kernels for paged attention: the KV-cache store, decode over block tables (GQA, split-K
+for long contexts) and prefill / chunk attention over the paged context (varlen, causal).
+
+Layouts (the engine's): one layer's cache is [2 (K, V), num_blocks, block_size, kv_heads, head_dim],
+contiguous; queries are [tokens, heads, head_dim]; block tables [seqs, max_pages] (padded with 0,
+read only below a sequence's context length). A key tile gathers BLOCK_N consecutive positions,
+across pages, so tiles stay large whatever the block size. Softmax is online (running max and
+sum in float32); every query attends at least to its own position, so no row is empty.
+
+On CPU these run under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks them
+against the torch backend; on CUDA they compile.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh, kv_offset,
+                    stride_slot, stride_head, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (token, kv head): K and V of this token into its cache slot."""
+    token, head = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < HEAD_DIM
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
+    base = cache_ptr + slot * stride_slot + head * stride_head + d
+    tl.store(base, k, mask=mask)
+    tl.store(base + kv_offset, v, mask=mask)
+
+
+@triton.jit
+def _key_tile(cache_ptr, tables_ptr, seq, stride_table, start, context, kv_head, kv_offset, stride_block,
+              stride_slot, stride_head, d, dmask, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """K and V ([BLOCK_N, BLOCK_D] each) of positions start .. start + BLOCK_N, gathered across pages."""
+    n = start + tl.arange(0, BLOCK_N)
+    nmask = n < context
+    blocks = tl.load(tables_ptr + seq * stride_table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    offsets = blocks[:, None] * stride_block + (n % BLOCK_SIZE)[:, None] * stride_slot + kv_head * stride_head
+    mask = nmask[:, None] & dmask[None, :]
+    k = tl.load(cache_ptr + offsets + d[None, :], mask=mask, other=0.0)
+    v = tl.load(cache_ptr + kv_offset + offsets + d[None, :], mask=mask, other=0.0)
+    return k, v, n, nmask
+
+
+@triton.jit
+def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                        stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
+                        stride_ot, stride_oh, num_heads, tiles_per_split, scale,
+                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    """One program per (decode sequence, kv head, split): the GROUP query heads that share this KV
+    head attend to this split's key tiles. One split writes the output; several write partial
+    (unnormalized accumulator, max, sum) for `merge_splits_kernel`."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context = tl.load(context_ptr + seq)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gmask, dmask = g < GROUP, d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(context, BLOCK_N))
+    for tile in range(first, last):
+        k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
+                                   kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N, BLOCK_SIZE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    out_mask = gmask[:, None] & dmask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l[:, None]
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        row = (split * tl.num_programs(0) + seq) * num_heads + heads  # partials: [splits, seqs, heads, ...]
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + row * 2, m, mask=gmask)
+        tl.store(part_ml_ptr + row * 2 + 1, l, mask=gmask)
+
+
+@triton.jit
+def merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_seqs, num_heads, stride_ot, stride_oh,
+                        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """One program per (decode sequence, head): the splits' partial softmaxes rescaled to a common
+    max and summed (a split with no keys has max -inf and weighs nothing)."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < NUM_SPLITS
+    row = (s * num_seqs + seq) * num_heads + head
+    m = tl.load(part_ml_ptr + row * 2, mask=smask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=smask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
+    weight = tl.where(m > float("-inf"), tl.exp(m - tl.max(m, 0)), 0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts_ptr, out_ptr, first_seq,
+                         stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
+                         stride_ot, stride_oh, scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """One program per (prefill sequence, query head, BLOCK_M queries). A chunk's queries sit at the
+    end of its context (earlier chunks and prefix-cache hits are already in the cache, this chunk's
+    own K and V were just stored), so query i attends to positions <= context - query_len + i."""
+    seq = first_seq + tl.program_id(0)
+    head, mblock = tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(query_starts_ptr + seq)
+    q_len = tl.load(query_starts_ptr + seq + 1) - q_start
+    if mblock * BLOCK_M < q_len:
+        context = tl.load(context_ptr + seq)
+        rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        rmask, dmask = rows < q_len, d < HEAD_DIM
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0)
+        positions = context - q_len + rows
+        kv_head = head // GROUP
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        last = tl.minimum(context, context - q_len + (mblock + 1) * BLOCK_M)  # the tile's causal horizon
+        for tile in range(0, tl.cdiv(last, BLOCK_N)):
+            k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
+                                       kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N,
+                                       BLOCK_SIZE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where((n[None, :] <= positions[:, None]) & nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])

@@ -1,0 +1,103 @@
+"""Paged attention with Triton kernels (`triton_kernels.py`): the default on CUDA. Every step is
+three launches per layer at most, whatever the batch: store this step's K and V, attend all
+decodes (split over the context when the batch is too small to fill the GPU, then merged), and
+attend all prefill chunks; nothing is copied out of the cache and nothing waits on the host."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from splitserve.engine.attention import triton_kernels as kernels
+from splitserve.engine.attention.base import AttentionBackend
+from splitserve.engine.attention.metadata import AttentionMetadata
+
+MAX_SPLITS = 16
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, block_m: int = 64, block_n: int = 64, num_splits: int | None = None):
+        """`num_splits`: decode splits over the context; None chooses them per step so the decode
+        programs fill the device (1 where its size is unknown, as on CPU)."""
+        self.block_m, self.block_n, self.num_splits = block_m, block_n, num_splits
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            self.decode(q, kv_cache, meta, out)
+        if meta.num_seqs > meta.num_decodes:
+            self.attend_prefills(q, k, v, kv_cache, meta, out)
+        return out
+
+    def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        self.prefill(q, kv_cache, meta, out)
+
+    def decode(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        n, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
+        kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+        tiles = triton.cdiv(max(meta.context_lens_list[:n]), self.block_n)
+        splits = min(self._splits(n * kv_heads, q.device), tiles)
+        group, block_d = heads // kv_heads, _block_d(head_dim)
+        part_acc = part_ml = out  # unused with one split
+        if splits > 1:
+            part_acc = torch.empty((splits, n, heads, block_d), dtype=torch.float32, device=q.device)
+            part_ml = torch.empty((splits, n, heads, 2), dtype=torch.float32, device=q.device)
+        kernels.paged_decode_kernel[(n, kv_heads, splits)](
+            q, kv_cache, meta.block_tables, meta.context_lens, out, part_acc, part_ml,
+            q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
+            out.stride(0), out.stride(1), heads, triton.cdiv(tiles, splits), 1 / math.sqrt(head_dim),
+            GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_N=self.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q))
+        if splits > 1:
+            kernels.merge_splits_kernel[(n, heads)](
+                part_acc, part_ml, out, n, heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
+                BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d)
+
+    def prefill(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        first, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
+        kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+        starts = meta.query_starts
+        longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
+        grid = (meta.num_seqs - first, heads, triton.cdiv(longest, self.block_m))
+        kernels.paged_prefill_kernel[grid](
+            q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, first,
+            q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
+            out.stride(0), out.stride(1), 1 / math.sqrt(head_dim), GROUP=heads // kv_heads, HEAD_DIM=head_dim,
+            BLOCK_D=_block_d(head_dim), BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_SIZE=block_size,
+            PRECISION=_precision(q))
+
+    def _splits(self, programs: int, device: torch.device) -> int:
+        if self.num_splits is not None:
+            return self.num_splits
+        if device.type != "cuda":
+            return 1
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(MAX_SPLITS, 2 * sms // programs))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, kv_heads, head_dim] into one layer's cache at `slot_mapping` (flat slots)."""
+    head_dim = k.shape[2]
+    kernels.store_kv_kernel[(k.shape[0], k.shape[1])](
+        k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),
+        kv_cache.stride(2), kv_cache.stride(3), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
+
+
+def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(K to V, block, slot within a block, kv head), in elements; head_dim is contiguous."""
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("the KV cache's head_dim must be contiguous")
+    return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _precision(q: torch.Tensor) -> str:
+    """float32 stays exact (no TF32), as the oracle computes it."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"

@@ -1,0 +1,97 @@
+"""The Triton paged-attention kernels against the same from-scratch reference as the torch oracle
+(tests/engine/test_attention.py), under Triton's interpreter on CPU (compiled where CUDA is):
+GQA ratios 1, 4 and 8, block sizes 16 and 32, ragged contexts, chunks with earlier context and
+prefix-cache hits, decode split over the context and not, float32 and bfloat16; and a tiny model's
+greedy output with the Triton backend equal to the torch backend's."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
+from splitserve.engine.llm import LLM  # noqa: E402
+from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
+from tests.engine.test_attention import check_case  # noqa: E402
+
+# small tiles keep the interpreter quick; the kernels take any multiple of 16
+SMALL = {"block_m": 16, "block_n": 16}
+GQA = [(4, 4), (8, 2), (16, 2)]  # ratios 1, 4, 8
+
+
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decodes_of_ragged_contexts(heads, kv_heads, block_size, splits):
+    check_case([(1, 1), (17, 1), (40, 1), (95, 1)], heads=heads, kv_heads=kv_heads, dim=32, block_size=block_size,
+               backend=TritonPagedBackend(**SMALL, num_splits=splits))
+
+
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_fresh_prefills_and_chunks_with_earlier_context(heads, kv_heads, block_size):
+    # (context, query): fresh prompts, a chunk at an offset, a prefix-cache hit (most of the context cached)
+    check_case([(5, 5), (37, 37), (50, 19), (70, 3)], heads=heads, kv_heads=kv_heads, dim=32,
+               block_size=block_size, num_decodes=0, backend=TritonPagedBackend(**SMALL))
+
+
+def test_decodes_and_chunks_in_one_batch_with_padded_tables():
+    check_case([(33, 1), (2, 1), (64, 1), (20, 5), (48, 48), (40, 17)], heads=8, kv_heads=2, dim=64, block_size=16,
+               extra_blocks=2, backend=TritonPagedBackend(**SMALL, num_splits=2))
+
+
+def test_head_dims_that_are_not_powers_of_two():
+    check_case([(30, 1), (21, 21), (45, 9)], heads=4, kv_heads=2, dim=24, block_size=16,
+               backend=TritonPagedBackend(**SMALL, num_splits=2))
+
+
+HALF = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]  # the interpreter's bf16 dot is wrong
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_half_precision(dtype, splits):
+    check_case([(9, 1), (77, 1), (31, 31), (60, 12)], heads=8, kv_heads=1, dim=64, block_size=32,
+               dtype=dtype, tolerance=2e-2, backend=TritonPagedBackend(**SMALL, num_splits=splits))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batches(seed):
+    rng = random.Random(2000 + seed)
+    heads, kv_heads = rng.choice(GQA)
+    decodes = [(rng.randint(1, 80), 1) for _ in range(rng.randint(0, 4))]
+    prefills = [(c, rng.choice([c, rng.randint(1, c)])) for c in (rng.randint(1, 80) for _ in range(rng.randint(1, 3)))]
+    check_case(decodes + prefills, heads=heads, kv_heads=kv_heads, dim=32, block_size=rng.choice([16, 32]),
+               seed=seed, num_decodes=len(decodes),
+               backend=TritonPagedBackend(**SMALL, num_splits=rng.choice([1, 2, 5])))
+
+
+def test_a_tiny_model_generates_the_same_greedy_tokens_with_either_backend():
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [[256] + list(range(40, 70)), [256, 72, 105], [256] + [7] * 50]
+    engine_args = {"num_kv_blocks": 64, "max_model_len": 512, "chunk_token_budget": 32, "policy": "mixed"}
+    torch_out = LLM("demo", **engine_args).generate(prompts, params)
+    triton_llm = LLM("demo", attention_backend="triton", **engine_args)
+    assert triton_llm.engine.runner.backend.name == "triton"
+    triton_out = triton_llm.generate(prompts, params)
+    assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
+
+
+def test_backend_choice(monkeypatch):
+    from splitserve.engine.attention import TorchPagedBackend, select_backend
+    from splitserve.engine.attention.cuda import FlashAttnBackend, flash_attn_varlen_func
+    from splitserve.engine.config import ConfigError
+
+    cpu = torch.device("cpu")
+    assert isinstance(select_backend(cpu), TorchPagedBackend) and isinstance(select_backend(cpu, "torch"),
+                                                                             TorchPagedBackend)
+    assert isinstance(select_backend(cpu, "triton"), TritonPagedBackend)  # the interpreter is on in the tests
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        select_backend(cpu, "triton")
+    if flash_attn_varlen_func is None:
+        with pytest.raises(ConfigError, match="flash-attn package"):
+            FlashAttnBackend()
