@@ -6,7 +6,9 @@ Every request must end answered: completed, or refused or failed with an error (
 error event in its stream), or hung up by its own client. `lost` counts those that did none of
 these (a timeout, a stream cut without an error): it must be 0. At the end every worker's engine
 checks its invariants and counts its KV blocks in use (`leaked_blocks`, must be 0), and each
-worker's resident memory growth between the 10% and the 100% marks is reported.
+process's resident memory growth is reported: the ingress, the controller and the CLS between the
+10% and the 100% marks, and each worker from when it was first seen past the 10% mark (workers
+are killed and replaced along the way) to the end.
 
     python scripts/soak.py --minutes 30 --json soak.json
 """
@@ -42,6 +44,13 @@ class Tally:
         self.outcomes: Counter = Counter()
         self.statuses: Counter = Counter()
         self.lost_reasons: Counter = Counter()
+        self.lost_examples: list[str] = []
+
+    def lost(self, reason: str, example: str) -> None:
+        self.outcomes["lost"] += 1
+        self.lost_reasons[reason] += 1
+        if len(self.lost_examples) < 10:
+            self.lost_examples.append(example[:500])
 
 
 def request_body(rng: random.Random, model: str) -> tuple[str, dict]:
@@ -63,26 +72,35 @@ async def one_request(http: httpx.AsyncClient, url: str, path: str, body: dict, 
                 await response.aread()
                 tally.outcomes["failed_with_error"] += 1
                 return
-            events, done, error = 0, False, False
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events += 1
-                data = line[6:]
-                done = done or data == "[DONE]"
-                error = error or (data != "[DONE]" and "error" in json.loads(data))
+            events, done, error, last = 0, False, False, ""
+            async for event in sse_events(response):
+                events, last = events + 1, event
+                done = done or event == "[DONE]"
+                error = error or (event != "[DONE]" and "error" in json.loads(event))
                 if hang_up_after is not None and events >= hang_up_after and not done:
                     tally.outcomes["disconnected"] += 1
                     return
-            outcome = "completed" if done else "failed_with_error" if error else None
-            if outcome is None:
-                tally.outcomes["lost"] += 1
-                tally.lost_reasons["stream ended without [DONE] or an error"] += 1
+            if done or error:
+                tally.outcomes["completed" if done else "failed_with_error"] += 1
             else:
-                tally.outcomes[outcome] += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as problem:
-        tally.outcomes["lost"] += 1
-        tally.lost_reasons[type(problem).__name__] += 1
+                tally.lost("stream ended without [DONE] or an error", f"{path} {json.dumps(body)} last: {last!r}")
+    except json.JSONDecodeError as problem:
+        tally.lost("JSONDecodeError", f"{path} {json.dumps(body)} {problem}: {problem.doc!r}")
+    except httpx.HTTPError as problem:
+        tally.lost(type(problem).__name__, f"{path} {json.dumps(body)} {problem!r}")
+
+
+async def sse_events(response: httpx.Response):
+    """The data of each server-sent event. Events end at a blank line and lines at \\n (the SSE
+    spec's ends of line, not str.splitlines', which also splits at U+2028 and the like)."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        *events, buffer = buffer.split("\n\n")
+        for event in events:
+            data = [line[6:] for line in event.split("\n") if line.startswith("data: ")]
+            if data:
+                yield "\n".join(data)
 
 
 def worker_pids(url: str) -> dict[str, int]:
@@ -98,6 +116,20 @@ def worker_pids(url: str) -> dict[str, int]:
         except Exception:  # a worker that just died or is starting
             continue
     return pids
+
+
+def cluster_processes(url: str) -> dict[str, int]:
+    """pid of each worker (by worker id) and of the ingress, controller deployment and CLS actor
+    (by their Ray process titles, which stay put while workers come and go)."""
+    found = {f"worker {w}": pid for w, pid in worker_pids(url).items()}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith(("ray::ServeReplica:soak:", "ray::Controller", "ray::BatchManager")):
+            found[title.split(".")[0].removeprefix("ray::")] = int(proc.name)
+    return found
 
 
 def rss_mb(pid: int) -> float | None:
@@ -138,8 +170,11 @@ async def load(args, url: str, model: str, rate: float, tally: Tally, marks: dic
             task.add_done_callback(tasks.discard)
             await asyncio.sleep(rng.expovariate(rate))
             now = time.monotonic()
-            if "10%" not in marks and now >= ten_percent:
-                marks["10%"] = {w: rss_mb(p) for w, p in (await asyncio.to_thread(worker_pids, url)).items()}
+            if now >= ten_percent and now >= marks.get("next_sample", 0):
+                sample = await asyncio.to_thread(cluster_processes, url)
+                for name, pid in sample.items():  # first seen at or after the 10% mark: its start
+                    marks.setdefault("first", {}).setdefault((name, pid), (rss_mb(pid), now))
+                marks["next_sample"] = now + 30
             if now >= next_kill and now < end - 20:
                 kills += await asyncio.to_thread(kill_a_worker, url, rng)
                 next_kill = now + args.kill_every_s
@@ -202,18 +237,23 @@ def main(argv: list[str] | None = None) -> dict:
 
         started = time.monotonic()
         measured, rate, kills = asyncio.run(run())
-        end_rss = {w: rss_mb(p) for w, p in worker_pids(url).items()}
+        end, end_pids = time.monotonic(), cluster_processes(url)
+        growth = {}
+        for (name, pid), (mb, since) in marks.get("first", {}).items():
+            now_mb = rss_mb(pid) if end_pids.get(name) == pid else None
+            if mb is not None and now_mb is not None:
+                growth[name] = {"mb": round(now_mb - mb, 1), "rss_mb": round(now_mb, 1),
+                                "over_min": round((end - since) / 60, 1)}
         held = leaked_blocks(url)
     finally:
         serve.shutdown()
         ray.shutdown()
-    growth = {w: round(end_rss[w] - mb, 1) for w, mb in marks.get("10%", {}).items()
-              if mb is not None and end_rss.get(w) is not None}
     result = {"minutes": args.minutes, "wall_s": round(time.monotonic() - started, 1),
               "capacity_rps": round(measured, 3), "rate_rps": round(rate, 3), "kills": kills,
               "requests": sum(tally.outcomes.values()), "completed": tally.outcomes["completed"],
               "failed_with_error": tally.outcomes["failed_with_error"], "disconnected": tally.outcomes["disconnected"],
               "lost": tally.outcomes["lost"], "lost_reasons": dict(tally.lost_reasons),
+              "lost_examples": tally.lost_examples,
               "statuses": {str(k): v for k, v in sorted(tally.statuses.items())},
               "leaked_blocks": sum(held.values()), "blocks_held": held, "rss_growth_mb": growth,
               "hardware": cpu_name()}

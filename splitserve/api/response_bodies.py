@@ -62,8 +62,14 @@ def usage_chunk(kind: Literal["completion", "chat"], request_id: str, model: str
     return {**body, "usage": usage(prompt_tokens, completion_tokens)}
 
 
+# Characters JSON may leave raw but that str.splitlines (and clients that split a stream with it,
+# httpx's iter_lines among them) takes for line ends: escaped, so every event stays one line.
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_event(data: dict) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKING)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 def sse_error(error: RequestError) -> bytes:

@@ -162,6 +162,9 @@ class WorkerLoop:
             raise RuntimeError(f"worker {self.worker_id} streams to requests the engine does not hold: {sorted(stray)}")
 
     def drain_stats(self) -> WorkerStats:
+        if self.exporter:
+            self.exporter.reap()  # transfers that finished since the last step count now
+            self._record_transfers()
         blocks = self.engine.block_manager
         sent = self.exporter.bytes_pushed if self.exporter else 0
         self.stats.leases_expired = (self.exporter.leases_expired + self.importer.leases_expired) if self.exporter else 0
@@ -249,7 +252,7 @@ class WorkerLoop:
 
     def _step(self) -> list[RequestOutput]:
         """One engine step (with KV export when there is a transport), recorded for the metrics."""
-        step, transfer = self.engine.last_step, self.exporter and self.exporter.last_transfer
+        step = self.engine.last_step
         self._step_started = time.monotonic()
         try:
             outputs = self.exporter.step() if self.exporter else self.engine.step()
@@ -257,9 +260,12 @@ class WorkerLoop:
             self._step_started = None
         if self.engine.last_step is not step:
             self.stats.step(self.engine.last_step)
-        if self.exporter and self.exporter.last_transfer is not transfer:
-            self.stats.transfer(self.exporter.last_transfer)
+        self._record_transfers()
         return outputs
+
+    def _record_transfers(self) -> None:
+        for transfer in self.exporter.take_transfers() if self.exporter else ():
+            self.stats.transfer(transfer)
 
     def _run_commands(self) -> None:
         idle = not self.engine.has_unfinished_requests() and not self._importing

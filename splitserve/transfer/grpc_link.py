@@ -21,10 +21,12 @@ shape) and its raw bytes, so bfloat16 travels like any other dtype.
 """
 from __future__ import annotations
 
+import collections
 import hmac
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 
@@ -163,6 +165,7 @@ class _GrpcSender(Link):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._progress = threading.Condition()
         self._queued = self._sent = 0
+        self._queued_at: collections.deque[float] = collections.deque()  # of the sends not yet written
         self._ended = self._closed = False
         push = self._channel.stream_unary(f"/{_SERVICE}/{_METHOD}")
         self._call = push.future(self._requests(), metadata=metadata, wait_for_ready=True)
@@ -172,7 +175,16 @@ class _GrpcSender(Link):
         self._check()
         with self._progress:
             self._queued += 1
+            self._queued_at.append(time.monotonic())
         self._queue.put(tensor)
+
+    def unsent(self, timeout: float) -> int:
+        self._check()
+        with self._progress:
+            waiting = self._queued - self._sent
+            if waiting and time.monotonic() - self._queued_at[0] > timeout:
+                raise TransferError(self.peer, f"a send has not left after {timeout} s (the peer stopped reading)")
+        return waiting
 
     def flush(self, timeout: float) -> None:
         """Returns once everything queued is written. A stream that broke after that is reported
@@ -208,6 +220,7 @@ class _GrpcSender(Link):
             yield _encode(tensor)
             with self._progress:
                 self._sent += 1
+                self._queued_at.popleft()
                 self._progress.notify_all()
         yield _GOODBYE
 
@@ -236,6 +249,9 @@ class _GrpcReceiver(Link):
         raise TransferError(self.peer, "a receiving link cannot send")
 
     def flush(self, timeout: float) -> None:
+        raise TransferError(self.peer, "a receiving link cannot send")
+
+    def unsent(self, timeout: float) -> int:
         raise TransferError(self.peer, "a receiving link cannot send")
 
     def recv(self, out: torch.Tensor, timeout: float) -> None:

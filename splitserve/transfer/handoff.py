@@ -1,10 +1,12 @@
 """Engine glue for disaggregation: the prompt worker exports, the token worker imports.
 
-Prompt worker (`KVExporter`, an engine in any role; requests added through it are handed off): while a prompt's prefill runs, each layer's KV
-is packed and pushed as soon as that layer has written it (the push is asynchronous, so layer
-i + 1 computes while layer i travels); prompts under the threshold go in one push after the
-prefill. Then the first token is pushed and the prompt engine frees the request: the pushed KV
-is a copy, so the blocks are free at once.
+Prompt worker (`KVExporter`, an engine in any role; requests added through it are handed off):
+while a prompt's prefill runs, each layer's KV is packed and pushed as soon as that layer has
+written it (the push is asynchronous, so layer i + 1 computes while layer i travels); prompts
+under the threshold go in one push after the prefill. Then the first token is pushed and the
+prompt engine frees the request: the pushed KV is a copy, so the blocks are free at once. The
+next step does not wait for those pushes to leave: a peer that stops reading fails its link
+after the transport's timeout.
 
 Token worker (`KVImporter`): reserves blocks before the prefill starts and issues the ticket the
 prompt worker pushes against; layers land straight in those blocks; the request joins the
@@ -41,8 +43,9 @@ LAYERWISE_THRESHOLD = 512  # prompt tokens; below it one transfer after the pref
 
 @dataclass(frozen=True)
 class TransferStats:
-    """One step's pushes: what they added to the critical path (packing on the compute thread plus
-    the wait for them to leave) against their whole span (first push to the last leaving)."""
+    """One step's pushes: what they added to the critical path (packing and pushing on the compute
+    thread, which never waits for them to leave) against their whole span (first push to the last
+    leaving)."""
 
     visible_seconds: float
     span_seconds: float
@@ -74,6 +77,13 @@ def make_transport(engine: LLMEngine, fabric: Fabric, timeout: float = 60.0) -> 
                        cache.data.device, timeout, kv_layout(engine), engine.max_model_len)
 
 
+@dataclass(frozen=True)
+class _Sending:
+    tickets: dict[str, TransferTicket]
+    first_push: float
+    visible_seconds: float
+
+
 class KVExporter:
     def __init__(self, engine: LLMEngine, transport: KVTransport, lease_s: float = float("inf")):
         self.engine, self.transport, self.lease_s = engine, transport, lease_s
@@ -82,10 +92,11 @@ class KVExporter:
         self._tickets: dict[str, TransferTicket] = {}
         self._slots: dict[str, torch.Tensor] = {}
         self._failures: list[tuple[str, TransferError]] = []
-        self._pushed: dict[str, TransferTicket] = {}  # this step's pushes, until they have left
+        self._pushed: dict[str, TransferTicket] = {}  # this step's pushes
+        self._sending: list[_Sending] = []  # steps whose pushes have not all left, oldest first
         self.stream_seconds = 0.0  # last step: time the compute thread spent packing and pushing layers
         self.bytes_pushed = 0      # KV bytes pushed, ever
-        self.last_transfer: TransferStats | None = None  # the last step that pushed anything
+        self._transfers: list[TransferStats] = []  # steps whose pushes have all left, since `take_transfers`
         self._first_push: float | None = None
 
     def add(self, ticket: TransferTicket, prompt_token_ids: list[int], params: SamplingParams,
@@ -97,28 +108,38 @@ class KVExporter:
         self._deadlines[ticket.request_id] = time.monotonic() + self.lease_s
 
     def step(self) -> list[RequestOutput]:
-        """One prefill iteration with layer-wise pushes; returns outputs carrying first tokens."""
+        """One prefill iteration with layer-wise pushes; returns outputs carrying first tokens.
+        Never waits for pushes to leave: earlier steps' are looked at (`reap`) before and after."""
         self._expire_leases()
+        self.reap()
         self.stream_seconds, self._first_push = 0.0, None
         outputs = self.engine.step(after_layer=self._after_layer)
         for out in outputs:
             if out.request_id in self._tickets:
                 self._hand_off(out)
-        flush_start = time.perf_counter()
-        self._flush()
-        if self._first_push is not None:
-            end = time.perf_counter()
-            self.last_transfer = TransferStats(self.stream_seconds + end - flush_start, end - self._first_push)
+        if self._pushed:
+            self._sending.append(_Sending(self._pushed, self._first_push, self.stream_seconds))
+            self._pushed = {}
+        self.reap()
         for request_id, _ in self._failures:  # freed only now: never in the middle of a forward pass
             self.engine.abort(request_id)
         return outputs
 
-    def _flush(self) -> None:
-        """Wait (bounded) for this step's pushes to leave: the part of the transfer the layer-wise
-        overlap did not hide. A broken peer fails every request pushed to it."""
-        pushed, self._pushed = self._pushed, {}
-        for error in self.transport.flush():
-            self._failures += [(r, error) for r, t in pushed.items() if t.token_peer == error.peer]
+    def reap(self) -> None:
+        """Without waiting: a broken peer fails every request pushed to it still in flight; a step
+        whose pushes have all left gets its TransferStats (visible: the compute thread's time
+        packing and pushing; span: from its first push until all had left)."""
+        for error in self.transport.reap():
+            for sending in self._sending:
+                self._failures += [(r, error) for r, t in sending.tickets.items() if t.token_peer == error.peer]
+        while self._sending and self.transport.all_sent({t.token_peer for t in self._sending[0].tickets.values()}):
+            sending = self._sending.pop(0)
+            self._transfers.append(TransferStats(sending.visible_seconds, time.perf_counter() - sending.first_push))
+
+    def take_transfers(self) -> list[TransferStats]:
+        """The steps whose pushes have all left since the last call."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
 
     def abort(self, request_id: str) -> None:
         ticket = self._forget(request_id)

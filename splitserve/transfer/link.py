@@ -3,7 +3,11 @@
 Semantics every backend keeps:
 - `send` is asynchronous and keeps the tensor alive until it is on the wire; messages arrive in
   the order they were sent (the protocol above relies on order, not tags, so NCCL works too);
+- `send_meta` / `recv_meta` carry small CPU tensors (headers, the first token) in their own
+  order, on a host channel where the backend has one (gloo beside NCCL): reading a header never
+  waits for the device. A header is always sent before the payload it announces;
 - `recv` fills a tensor of the expected shape and dtype, and waits at most `timeout` seconds;
+- `unsent(timeout)` counts sends that have not left, without waiting;
 - every failure (dead peer, timeout, closed channel) raises `TransferError` naming the peer.
 """
 from __future__ import annotations
@@ -29,9 +33,22 @@ class Link(ABC):
     def send(self, tensor: torch.Tensor) -> None:
         """Queue `tensor` for the peer (asynchronous)."""
 
+    def send_meta(self, tensor: torch.Tensor) -> None:
+        """Queue a small CPU tensor of metadata (default: on the data path, in its order)."""
+        self.send(tensor)
+
+    def recv_meta(self, out: torch.Tensor, timeout: float) -> None:
+        """Receive the next metadata message into the CPU tensor `out`."""
+        self.recv(out, timeout)
+
     @abstractmethod
     def flush(self, timeout: float) -> None:
         """Wait until every queued send has left; raises TransferError."""
+
+    @abstractmethod
+    def unsent(self, timeout: float) -> int:
+        """Sends queued and not yet left, without waiting; raises TransferError if one failed, or
+        if the oldest has waited longer than `timeout` (a peer that stopped reading)."""
 
     @abstractmethod
     def recv(self, out: torch.Tensor, timeout: float) -> None:

@@ -6,8 +6,14 @@ Semantics:
   pushes against the ticket; it never learns the token side's block ids.
 - Push: per layer (`push_layer`, as each layer's KV is computed) or one shot (`push_all`, after
   the prefill), then `complete` with the first token. `cancel` tells the token side to give up.
-- Every message is a header int64[4] = (tag, kind, num_tokens, value) and, for KV kinds, a
-  payload in the codec's wire format. kind >= 0 is a layer index; ALL, DONE and CANCEL below.
+- Every message is a header int64[4] = (tag, kind, num_tokens, value), a CPU tensor on the link's
+  metadata channel (read without waiting for the device), and, for KV kinds, a payload in the
+  codec's wire format on the data path. kind >= 0 is a layer index; ALL, DONE and CANCEL below.
+- CUDA: payloads are received and written into the cache on a stream of their own, so a receive
+  never waits for the decode step in flight; `poll` orders the caller's stream after a finished
+  transfer's writes (an event) before the request can decode. The prompt side never waits for
+  its pushes to leave (`reap` and `all_sent` look without blocking; a send that has not left
+  after `timeout` fails its link).
 - The token side runs one receive loop per prompt peer while transfers from it are pending; each
   receive waits at most `timeout`. A transfer ends in `poll()` as completed (first token) or
   failed (`TransferError` naming the peer); a failure on a link fails every transfer on it.
@@ -19,8 +25,10 @@ Semantics:
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +36,7 @@ import torch
 from splitserve.transfer.link import Fabric, Link, TransferError
 
 ALL, DONE, CANCEL, HELLO = -1, -2, -3, -4
+log = logging.getLogger("splitserve.transfer")
 LAYOUT_BYTES = 512  # HELLO's payload: the layout string, utf-8, zero-padded
 
 
@@ -70,7 +79,8 @@ class KVTransport:
         self._out: dict[str, Link] = {}   # prompt side: links to token peers, kept while healthy
         self._in: dict[str, Link] = {}    # token side: links from prompt peers, kept while healthy
         self._incoming: dict[int, _Incoming] = {}
-        self._results: list[tuple[TransferTicket, int | TransferError]] = []
+        self._results: list[tuple[TransferTicket, int | TransferError, torch.cuda.Event | None]] = []
+        self._recv_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._loops: set[str] = set()
         self._lock = threading.Lock()
         self._landed = threading.Condition(self._lock)  # notified when a result is appended
@@ -91,6 +101,25 @@ class KVTransport:
 
     def cancel(self, ticket: TransferTicket) -> None:
         self._send(ticket, CANCEL, None)
+
+    def reap(self) -> list[TransferError]:
+        """Without waiting: the links whose sends failed, or have not left within `timeout`
+        (each closed for good, as on the receiving side)."""
+        errors = []
+        for peer, link in list(self._out.items()):
+            try:
+                link.unsent(self.timeout)
+            except TransferError as error:
+                errors.append(error)
+                self._drop_out(peer)
+        return errors
+
+    def all_sent(self, peers: Iterable[str]) -> bool:
+        """Whether everything pushed to `peers` has left (a dropped link has nothing left to send)."""
+        try:
+            return all(self._out[p].unsent(self.timeout) == 0 for p in peers if p in self._out)
+        except TransferError:
+            return False  # `reap` reports it
 
     def flush(self, timeout: float | None = None) -> list[TransferError]:
         """Wait for every pushed message to leave; returns the failures (one per broken peer).
@@ -121,21 +150,24 @@ class KVTransport:
             self._incoming.pop(ticket.tag, None)
 
     def poll(self, timeout: float = 0.0) -> list[tuple[TransferTicket, int | TransferError]]:
-        """Finished transfers: (ticket, first token id) or (ticket, TransferError). With a
-        timeout, blocks until one finishes (an idle worker sleeps instead of spinning, which
-        would starve the receive threads of the GIL)."""
+        """Finished transfers: (ticket, first token id) or (ticket, TransferError); the caller's
+        stream is ordered after their writes. With a timeout, blocks until one finishes (an idle
+        worker sleeps instead of spinning, which would starve the receive threads of the GIL)."""
         with self._lock:
             if not self._results and timeout > 0:
                 self._landed.wait(timeout)
             results, self._results = self._results, []
-        return results
+        for _, _, written in results:
+            if written is not None:
+                torch.cuda.current_stream(self._device).wait_event(written)
+        return [(ticket, result) for ticket, result, _ in results]
 
     # ---- internals -----------------------------------------------------------------------
     def _send(self, ticket: TransferTicket, kind: int, payload: torch.Tensor | None, value: int = 0) -> None:
         peer = ticket.token_peer
         try:
             link = self._out.get(peer) or self._out.setdefault(peer, self._hello(self.fabric.link_to(peer)))
-            link.send(self._header(ticket.tag, kind, ticket.num_tokens, value))
+            link.send_meta(_header(ticket.tag, kind, ticket.num_tokens, value))
             if payload is not None:
                 link.send(payload)
         except TransferError:
@@ -149,23 +181,20 @@ class KVTransport:
 
     def _hello(self, link: Link) -> Link:
         """A new link's first message: this side's layout, for the receiver to check."""
-        link.send(self._header(0, HELLO, 0, 0))
-        link.send(_layout_tensor(self.layout, self._device))
+        link.send_meta(_header(0, HELLO, 0, 0))
+        link.send_meta(_layout_tensor(self.layout))
         return link
 
     def _check_hello(self, link: Link) -> None:
-        header = torch.empty(4, dtype=torch.int64, device=self._device)
-        link.recv(header, self.timeout)
+        header = torch.empty(4, dtype=torch.int64)
+        link.recv_meta(header, self.timeout)
         if header[1].item() != HELLO:
             raise TransferError(link.peer, "the link did not open with HELLO (an older or foreign sender)")
-        payload = torch.empty(LAYOUT_BYTES, dtype=torch.uint8, device=self._device)
-        link.recv(payload, self.timeout)
-        theirs = bytes(payload.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+        payload = torch.empty(LAYOUT_BYTES, dtype=torch.uint8)
+        link.recv_meta(payload, self.timeout)
+        theirs = bytes(payload.tolist()).rstrip(b"\0").decode(errors="replace")
         if theirs != self.layout:
             raise IncompatibleKV(link.peer, self.fabric.worker_id, self.layout, theirs)
-
-    def _header(self, tag: int, kind: int, num_tokens: int, value: int) -> torch.Tensor:
-        return torch.tensor([tag, kind, num_tokens, value], dtype=torch.int64, device=self._device)
 
     def _receive_loop(self, peer: str) -> None:
         """Runs while transfers from `peer` are pending. A link that failed is closed for good:
@@ -180,9 +209,13 @@ class KVTransport:
                     link.close()
                     raise
                 self._in[peer] = link
-            while self._has_pending(peer):
-                self._receive_one(link)
-        except TransferError as error:
+            with torch.cuda.stream(self._recv_stream) if self._recv_stream else contextlib.nullcontext():
+                while self._has_pending(peer):
+                    self._receive_one(link)
+        except Exception as error:  # a bug in one message must not leave this peer's transfers waiting
+            if not isinstance(error, TransferError):
+                log.exception("KV receive loop for %s failed", peer)
+                error = TransferError(peer, f"receive failed: {type(error).__name__}: {error}")
             dead = self._in.pop(peer, None)
             if dead is not None:
                 dead.close()
@@ -196,8 +229,8 @@ class KVTransport:
             return False
 
     def _receive_one(self, link: Link) -> None:
-        header = torch.empty(4, dtype=torch.int64, device=self._device)
-        link.recv(header, self.timeout)
+        header = torch.empty(4, dtype=torch.int64)
+        link.recv_meta(header, self.timeout)
         tag, kind, num_tokens, value = header.tolist()
         if kind >= 0 or kind == ALL:
             self._check_size(link.peer, tag, kind, num_tokens)
@@ -231,8 +264,16 @@ class KVTransport:
         with self._lock:
             incoming = self._incoming.pop(tag, None)
             if incoming is not None:
-                self._results.append((incoming.ticket, result))
+                self._results.append((incoming.ticket, result, self._writes_done()))
                 self._landed.notify_all()
+
+    def _writes_done(self) -> torch.cuda.Event | None:
+        """CUDA: an event after every write queued on the receive stream so far."""
+        if self._recv_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._recv_stream)
+        return event
 
     def _fail_peer(self, peer: str, error: TransferError) -> None:
         with self._lock:
@@ -242,6 +283,10 @@ class KVTransport:
             self._finish(tag, error)
 
 
-def _layout_tensor(layout: str, device: torch.device) -> torch.Tensor:
+def _header(tag: int, kind: int, num_tokens: int, value: int) -> torch.Tensor:
+    return torch.tensor([tag, kind, num_tokens, value], dtype=torch.int64)
+
+
+def _layout_tensor(layout: str) -> torch.Tensor:
     data = layout.encode().ljust(LAYOUT_BYTES, b"\0")
-    return torch.tensor(list(data), dtype=torch.uint8, device=device)
+    return torch.tensor(list(data), dtype=torch.uint8)

@@ -128,6 +128,15 @@ def test_sse_framing():
                                                             "type": "server_error", "param": None, "code": None}}
 
 
+def test_an_event_is_one_line_even_for_clients_that_split_with_str_splitlines():
+    """Text from a byte-level model holds any character; U+2028, U+2029 and NEL stay escaped
+    (found by the soak test: httpx's iter_lines cut an event there)."""
+    text = "a\u2028b\u2029c\x85d\ne\rf\x1cg"
+    event = sse_event({"text": text}).decode()
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: "):]) == {"text": text}
+
+
 def test_sse_stream_parses_with_the_openai_decoder():
     from openai._streaming import SSEDecoder
     chunks = [chat_chunk("c", "demo", CREATED, role="assistant", content=""),

@@ -1,0 +1,149 @@
+"""Metadata travels on the host: headers, HELLO and first tokens are CPU tensors on each link's
+metadata channel, payloads alone on the data path, and the two keep their own order (gloo: two
+tags on one pair group; gRPC: one ordered stream). A link whose sends stop leaving fails it."""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from splitserve.transfer.link import Fabric, Link, TransferError
+from splitserve.transfer.torch_link import TorchFabric
+from splitserve.transfer.transport import KVTransport, TransferTicket
+
+LAYERS, KV_HEADS, DIM = 2, 2, 4
+
+
+class RecordingLink(Link):
+    """One direction of an in-memory link that records what went where."""
+
+    def __init__(self, peer: str, meta: list, data: list, stuck: bool = False):
+        super().__init__(peer)
+        self.meta, self.data, self.stuck = meta, data, stuck
+
+    def send(self, tensor):
+        self.data.append(tensor.clone())
+
+    def send_meta(self, tensor):
+        self.meta.append(tensor.clone())
+
+    def recv(self, out, timeout):
+        out.copy_(self._next(self.data, timeout))
+
+    def recv_meta(self, out, timeout):
+        out.copy_(self._next(self.meta, timeout))
+
+    def _next(self, queue: list, timeout: float) -> torch.Tensor:
+        deadline = time.monotonic() + timeout
+        while not queue:
+            if time.monotonic() > deadline:
+                raise TransferError(self.peer, f"nothing received in {timeout} s")
+            time.sleep(0.01)
+        return queue.pop(0)
+
+    def flush(self, timeout):
+        pass
+
+    def unsent(self, timeout):
+        if self.stuck:
+            raise TransferError(self.peer, f"a send has not left after {timeout} s (the peer stopped reading)")
+        return 0
+
+    def close(self):
+        pass
+
+
+class RecordingFabric(Fabric):
+    def __init__(self, worker_id: str, wires: dict, stuck: bool = False):
+        self.worker_id, self.wires, self.stuck = worker_id, wires, stuck
+
+    def link_to(self, peer):
+        meta, data = self.wires.setdefault((self.worker_id, peer), ([], []))
+        return RecordingLink(peer, meta, data, self.stuck)
+
+    def link_from(self, peer):
+        meta, data = self.wires.setdefault((peer, self.worker_id), ([], []))
+        return RecordingLink(peer, meta, data)
+
+
+def transport(fabric: Fabric) -> KVTransport:
+    return KVTransport(fabric, lambda n: (2, n, KV_HEADS, DIM), LAYERS, torch.float32, torch.device("cpu"), 5.0,
+                       layout="test-layout")
+
+
+def test_headers_hello_and_first_token_ride_the_metadata_channel_as_cpu_tensors():
+    wires: dict = {}
+    prompt, token = transport(RecordingFabric("p0", wires)), transport(RecordingFabric("t0", wires))
+    ticket = TransferTicket("r", 7, "p0", "t0", 3, True, "test-layout")
+    written = {}
+    token.expect(ticket, lambda layer, wire: written.setdefault(layer, wire.clone()))
+    layers = [torch.randn(2, 3, KV_HEADS, DIM) for _ in range(LAYERS)]
+    for layer, payload in enumerate(layers):
+        prompt.push_layer(ticket, layer, payload)
+    prompt.complete(ticket, first_token_id=42)
+    meta, data = wires[("p0", "t0")]
+    assert all(t.device.type == "cpu" for t in meta) and len(data) == LAYERS  # only payloads on the data path
+    assert [tuple(t.shape) for t in meta] == [(4,), (512,), (4,), (4,), (4,)]  # HELLO header + layout, 3 headers
+    assert meta[-1].tolist() == [7, -2, 3, 42]  # DONE carries the first token
+    assert token.poll(timeout=5.0) == [(ticket, 42)]
+    assert all(torch.equal(written[i], layers[i]) for i in range(LAYERS))
+
+
+def test_a_link_whose_sends_stop_leaving_is_reaped_without_waiting():
+    wires: dict = {}
+    prompt = transport(RecordingFabric("p0", wires, stuck=True))
+    ticket = TransferTicket("r", 1, "p0", "t0", 3, False, "test-layout")
+    prompt.push_all(ticket, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))
+    assert not prompt.all_sent({"t0"})
+    errors = prompt.reap()
+    assert [e.peer for e in errors] == ["t0"] and "stopped reading" in str(errors[0])
+    assert prompt.all_sent({"t0"}) and prompt.reap() == []  # the link is gone: nothing left to send on it
+
+
+def test_gloo_keeps_the_metadata_and_the_data_in_their_own_order():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    links = {}
+
+    def join(worker, peer, sending):
+        fabric = TorchFabric(dist.TCPStore("127.0.0.1", store.port, is_master=False), worker, torch.device("cpu"), 10)
+        links[worker] = fabric.link_to(peer) if sending else fabric.link_from(peer)
+
+    threads = [threading.Thread(target=join, args=("a", "b", True)), threading.Thread(target=join, args=("b", "a", False))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    sender, receiver = links["a"], links["b"]
+    sender.send_meta(torch.tensor([1, 2]))
+    sender.send(torch.full((3,), 7.0))
+    sender.send_meta(torch.tensor([3, 4]))
+    meta, data = torch.empty(2, dtype=torch.int64), torch.empty(3)
+    receiver.recv_meta(meta, 10)
+    assert meta.tolist() == [1, 2]
+    receiver.recv_meta(meta, 10)  # the second header, ahead of the payload: its own channel
+    assert meta.tolist() == [3, 4]
+    receiver.recv(data, 10)
+    assert data.tolist() == [7.0, 7.0, 7.0]
+    sender.flush(10)  # gloo's sends leave as the receiver takes them
+    assert sender.unsent(10) == 0
+    with pytest.raises(TransferError, match="nothing|timed out|Timed out|timeout"):
+        receiver.recv_meta(meta, 0.5)
+
+
+def test_an_error_in_one_message_fails_that_peers_transfers_instead_of_leaving_them_waiting():
+    wires: dict = {}
+    prompt, token = transport(RecordingFabric("p0", wires)), transport(RecordingFabric("t0", wires))
+    ticket = TransferTicket("r", 3, "p0", "t0", 3, True, "test-layout")
+
+    def broken_write(layer, wire):
+        raise RuntimeError("the cache write failed")
+
+    token.expect(ticket, broken_write)
+    prompt.push_layer(ticket, 0, torch.zeros(2, 3, KV_HEADS, DIM))
+    [(failed, error)] = token.poll(timeout=5.0)
+    assert failed == ticket and isinstance(error, TransferError) and "the cache write failed" in str(error)
