@@ -45,9 +45,9 @@ from splitserve.data import TRACES_DIR
 from splitserve.engine.demo import DEMO_MODEL_CONFIG
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model.llama import checkpoint_tensors
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import ByteTokenizer
-
 
 DEFAULT_TRACE = TRACES_DIR / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
 ENGINE_ARGS = {"device": "cpu", "dtype": "float32"}
@@ -140,7 +140,7 @@ def build_hf(reference: LLM) -> LlamaForCausalLM:
     config = LlamaConfig(**DEMO_MODEL_CONFIG)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).to(torch.float32).eval()
-    ours = reference.engine.runner.model.state_dict()
+    ours = {name: tensor.contiguous() for name, tensor in checkpoint_tensors(reference.engine.runner.model)}
     result = model.load_state_dict(ours, strict=True)
     theirs = model.state_dict()
     if result.missing_keys or result.unexpected_keys or any(not torch.equal(t, theirs[k]) for k, t in ours.items()):

@@ -1,9 +1,8 @@
 """Checkpoint loading: a Hugging Face model directory (config.json + safetensors) into a model.
 
-The target model's parameter names must equal the checkpoint's tensor names (the Hugging Face
-Llama names). Loading is generic over `model.named_parameters()`; a tied `lm_head` is recognised
-because it is the same Parameter object as `model.embed_tokens.weight`, so loading either name fills
-both.
+The checkpoint's tensors load by the Hugging Face names `checkpoint_tensors` gives the model's
+weights (a merged projection's parts are slices of it). A tied `lm_head` is recognised because
+it is the same tensor as `model.embed_tokens.weight`, so loading either name fills both.
 """
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.model.llama import checkpoint_tensors
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,21 +54,21 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
     """
     if dtype is not None:
         model.to(dtype=dtype)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[int] = set()
+    targets = dict(checkpoint_tensors(model))
+    loaded: set[tuple[int, tuple]] = set()  # (storage offset, shape): a tied weight counts once for both names
     with torch.no_grad():
         for file, name, tensor in _iter_with_files(path):
             if name.endswith(IGNORED_SUFFIXES):
                 continue
-            param = params.get(name)
-            if param is None:
+            target = targets.get(name)
+            if target is None:
                 raise CheckpointError(f"{file}: tensor {name!r} has no matching parameter in {type(model).__name__}")
-            if param.shape != tensor.shape:
+            if target.shape != tensor.shape:
                 raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                      f"the model expects {tuple(param.shape)}")
-            param.copy_(tensor)
-            loaded.add(id(param))
-    missing = [name for name, param in model.named_parameters() if id(param) not in loaded]
+                                      f"the model expects {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(_where(target))
+    missing = [name for name, target in targets.items() if _where(target) not in loaded]
     if missing:
         raise CheckpointError(f"{_weights_file(path)}: checkpoint has no tensor for parameters {missing}")
 
@@ -80,15 +80,22 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     normal(0, 0.02). Values are drawn on the CPU in float32, so a seed gives the same weights on
     every device and dtype.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen, done = torch.Generator().manual_seed(seed), set()
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in checkpoint_tensors(model):
+            if _where(param) in done:  # a tied weight, drawn once
+                continue
+            done.add(_where(param))
             if name.endswith("bias"):
                 param.zero_()
             elif param.dim() == 1:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.empty(param.shape).normal_(0.0, DUMMY_STD, generator=gen))
+
+
+def _where(tensor: torch.Tensor) -> tuple[int, tuple]:
+    return tensor.data_ptr(), tuple(tensor.shape)
 
 
 def _iter_with_files(path: str | Path) -> Iterator[tuple[Path, str, torch.Tensor]]:

@@ -8,8 +8,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from splitserve.engine.config import ConfigError
 from splitserve.engine.demo import DEMO_MODEL_CONFIG, demo_model_config, demo_tokenizer
-from splitserve.engine.loader import (CheckpointError, init_dummy_weights, iter_checkpoint_tensors,
-                                      load_model_config, load_weights)
+from splitserve.engine.loader import (
+    CheckpointError,
+    init_dummy_weights,
+    iter_checkpoint_tensors,
+    load_model_config,
+    load_weights,
+)
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -182,3 +187,17 @@ def test_demo_model_config():
     assert cfg.eos_token_ids == demo_tokenizer().eos_token_ids == (257,)
     assert cfg.bos_token_id == demo_tokenizer().bos_token_id == 256
     assert DEMO_MODEL_CONFIG["vocab_size"] == demo_tokenizer().vocab_size
+
+
+@pytest.mark.parametrize("make", [make_llama, make_qwen2])
+def test_our_merged_projections_are_named_and_shaped_as_hugging_face_names_its_weights(make):
+    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.model.llama import LlamaForCausalLM as Ours
+    from splitserve.engine.model.llama import checkpoint_tensors
+
+    theirs = make()
+    config = {**theirs.config.to_dict(), "architectures": [type(theirs).__name__]}
+    ours = Ours(ModelConfig.from_hf(config, source="test"), 64)
+    assert {n: tuple(t.shape) for n, t in checkpoint_tensors(ours)} == \
+        {n: tuple(t.shape) for n, t in theirs.state_dict().items()}
+    assert not any(name.endswith(("qkv_proj.weight", "gate_up_proj.weight")) for name, _ in checkpoint_tensors(ours))

@@ -1,12 +1,14 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2) over flattened tokens of many sequences.
 
-Parameter names equal Hugging Face's, so checkpoints load by name. Tokens of all sequences in
-an iteration are one flat [T] batch (no padding); the attention backend splits them using the
-metadata.
+Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
+merged weight is the checkpoint's weights stacked by rows. `checkpoint_tensors` names every
+parameter, or slice of a merged one, as Hugging Face does, so checkpoints load (and dummy weights
+are drawn) by those names. Tokens of all sequences in an iteration are one flat [T] batch (no
+padding); the attention backend splits them using the metadata.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,21 +31,33 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class MergedLinear(nn.Linear):
+    """Several projections of the same input as one matmul: the weight is theirs stacked by rows."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts  # the checkpoint's name of each projection -> its output rows, in order
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return out.split(list(self.parts.values()), dim=-1)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
+        kv = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(c.hidden_size, {"q_proj": self.num_heads * self.head_dim, "k_proj": kv,
+                                                     "v_proj": kv}, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v, kv, meta)
         return self.o_proj(out.reshape(t, -1))
@@ -52,12 +66,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.gate_up_proj = MergedLinear(c.hidden_size, {"gate_proj": c.intermediate_size,
+                                                         "up_proj": c.intermediate_size}, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,3 +120,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of every weight, in parameter order: a merged projection's
+    parts are views of its rows. A tied lm_head yields the embedding's tensor under its name too."""
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner, _, kind = name.rpartition(".")
+        merged = modules.get(owner)
+        if not isinstance(merged, MergedLinear):
+            yield name, param
+            continue
+        prefix, start = owner.rpartition(".")[0], 0
+        for part, rows in merged.parts.items():
+            yield f"{prefix}.{part}.{kind}", param[start:start + rows]
+            start += rows
