@@ -43,6 +43,8 @@ class Tally:
     def __init__(self):
         self.outcomes: Counter = Counter()
         self.statuses: Counter = Counter()
+        self.refused_at: list[float] = []  # monotonic times of 429s
+        self.kills_at: list[float] = []
         self.lost_reasons: Counter = Counter()
         self.lost_examples: list[str] = []
 
@@ -68,6 +70,8 @@ async def one_request(http: httpx.AsyncClient, url: str, path: str, body: dict, 
     try:
         async with http.stream("POST", f"{url}{path}", json=body) as response:
             tally.statuses[response.status_code] += 1
+            if response.status_code == 429:
+                tally.refused_at.append(time.monotonic())
             if response.status_code != 200:
                 await response.aread()
                 tally.outcomes["failed_with_error"] += 1
@@ -176,7 +180,9 @@ async def load(args, url: str, model: str, rate: float, tally: Tally, marks: dic
                     marks.setdefault("first", {}).setdefault((name, pid), (rss_mb(pid), now))
                 marks["next_sample"] = now + 30
             if now >= next_kill and now < end - 20:
-                kills += await asyncio.to_thread(kill_a_worker, url, rng)
+                killed = await asyncio.to_thread(kill_a_worker, url, rng)
+                kills += killed
+                tally.kills_at += [time.monotonic()] * killed
                 next_kill = now + args.kill_every_s
         await asyncio.gather(*tasks)
     return kills
@@ -255,6 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
               "lost": tally.outcomes["lost"], "lost_reasons": dict(tally.lost_reasons),
               "lost_examples": tally.lost_examples,
               "statuses": {str(k): v for k, v in sorted(tally.statuses.items())},
+              "refused_within_60s_after_a_kill": sum(any(0 <= t - k <= 60 for k in tally.kills_at)
+                                                    for t in tally.refused_at),
               "leaked_blocks": sum(held.values()), "blocks_held": held, "rss_growth_mb": growth,
               "hardware": cpu_name()}
     print(json.dumps(result, indent=2))

@@ -77,6 +77,7 @@ class KVTransport:
             raise ValueError(f"layout is longer than {LAYOUT_BYTES} bytes: {layout!r}")
         self._layer_shape, self._num_layers, self._dtype, self._device = wire_layer_shape, num_layers, dtype, device
         self._out: dict[str, Link] = {}   # prompt side: links to token peers, kept while healthy
+        self._unreachable: set[str] = set()  # prompt side: token peers whose link failed
         self._in: dict[str, Link] = {}    # token side: links from prompt peers, kept while healthy
         self._incoming: dict[int, _Incoming] = {}
         self._results: list[tuple[TransferTicket, int | TransferError, torch.cuda.Event | None]] = []
@@ -165,6 +166,8 @@ class KVTransport:
     # ---- internals -----------------------------------------------------------------------
     def _send(self, ticket: TransferTicket, kind: int, payload: torch.Tensor | None, value: int = 0) -> None:
         peer = ticket.token_peer
+        if peer in self._unreachable:
+            raise TransferError(peer, "its link failed before: a worker id's link is not opened again")
         try:
             link = self._out.get(peer) or self._out.setdefault(peer, self._hello(self.fabric.link_to(peer)))
             link.send_meta(_header(ticket.tag, kind, ticket.num_tokens, value))
@@ -175,6 +178,10 @@ class KVTransport:
             raise
 
     def _drop_out(self, peer: str) -> None:
+        """A failed link is closed for good and its peer not dialled again: a pair of worker ids
+        cannot meet twice, and a dead peer would hold every later push for `timeout` as it tried
+        (a restarted worker comes back under a new id)."""
+        self._unreachable.add(peer)
         link = self._out.pop(peer, None)
         if link is not None:
             link.close()

@@ -147,3 +147,22 @@ def test_an_error_in_one_message_fails_that_peers_transfers_instead_of_leaving_t
     prompt.push_layer(ticket, 0, torch.zeros(2, 3, KV_HEADS, DIM))
     [(failed, error)] = token.poll(timeout=5.0)
     assert failed == ticket and isinstance(error, TransferError) and "the cache write failed" in str(error)
+
+
+def test_a_peer_whose_link_failed_is_not_dialled_again():
+    """A dead token worker would hold every later push to it for the whole timeout as the prompt
+    side tried to open a new link (the soak test saw 60 s steps): after one failure, pushes to it
+    fail at once."""
+    attempts = []
+
+    class Unreachable(RecordingFabric):
+        def link_to(self, peer):
+            attempts.append(peer)
+            raise TransferError(peer, "could not connect")
+
+    prompt = transport(Unreachable("p0", {}))
+    ticket = TransferTicket("r", 1, "p0", "t0", 3, True, "test-layout")
+    for _ in range(3):
+        with pytest.raises(TransferError):
+            prompt.push_layer(ticket, 0, torch.zeros(2, 3, KV_HEADS, DIM))
+    assert attempts == ["t0"]

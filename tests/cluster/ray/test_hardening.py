@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -160,6 +161,29 @@ def test_fault_injection_is_refused_where_the_config_does_not_enable_it(pools_se
                                     headers={"Authorization": "Bearer sk-pools"}).json()["workers"]))
     with pytest.raises(ray.exceptions.RayTaskError, match="fault injection is disabled"):
         ray.get(worker_actor("pools", worker_id).inject_fault.remote("fail_steps", times=1))
+
+
+def test_deleting_the_app_lets_a_running_stream_finish(url, hclient, offline):
+    """Shutdown drain: Serve deletes the app while a stream runs; the controller keeps the workers
+    until it has finished (scheduler.drain_timeout_s), so the client gets every token and [DONE].
+    The app is deployed again afterwards for the tests that follow."""
+    from ray import serve
+
+    from tests.ray_cluster import HARDENING, _deploy
+
+    wait_for_pools(url, {"prompt": 1, "token": 1})
+    stream = hclient.completions.create(model="demo", prompt=PROMPT, max_tokens=300, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+    text, deleting = "", None
+    for i, chunk in enumerate(stream):
+        text += chunk.choices[0].text
+        if i == 3:
+            deleting = threading.Thread(target=serve.delete, args=(APP,))
+            deleting.start()
+    assert text == expected(offline, PROMPT, 300)
+    deleting.join(120)
+    assert not deleting.is_alive()
+    _deploy(url.rsplit("/", 1)[0], APP, HARDENING)
 
 
 # ---- bounds: each a 4xx with OpenAI's error body -----------------------------------------------
