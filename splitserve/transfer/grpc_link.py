@@ -95,11 +95,11 @@ class GrpcFabric(Fabric):
             raise ValueError(f"worker {worker_id!r} has no address in the gRPC directory") from None
         self._server = self._serve(address, max_peers)
 
-    def link_to(self, peer: str) -> Link:
+    def link_to(self, peer: str, epoch: int = 0) -> Link:  # each link is a stream of its own: no epoch needed
         metadata = ((_SENDER_KEY, self.worker_id),) + (((_SECRET_KEY, self._secret),) if self._secret else ())
         return _GrpcSender(peer, self._address(peer), metadata, self.timeout, self._options)
 
-    def link_from(self, peer: str) -> Link:
+    def link_from(self, peer: str, epoch: int = 0) -> Link:
         return _GrpcReceiver(peer, self._inbox(peer))
 
     def close(self) -> None:

@@ -230,9 +230,9 @@ class KVImporter:
         slots = slot_index(block_ids, cache.block_size, len(prompt_token_ids), cache.data.device)
         ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, len(prompt_token_ids),
                                 len(prompt_token_ids) >= self.layerwise_threshold, self.transport.layout)
+        ticket = self.transport.expect(ticket, lambda layer, wire: self._write(slots, layer, wire))
         self._tickets[request_id] = ticket
         self._deadlines[request_id] = time.monotonic() + self.lease_s
-        self.transport.expect(ticket, lambda layer, wire: self._write(slots, layer, wire))
         return ticket
 
     def poll(self, timeout: float = 0.0) -> tuple[list[RequestOutput], list[tuple[str, TransferError]]]:

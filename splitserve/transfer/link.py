@@ -60,14 +60,22 @@ class Link(ABC):
 
 
 class Fabric(ABC):
-    """Makes one worker's links to its peers, for one backend."""
+    """Makes one worker's links to its peers, for one backend. A pair's link has an epoch: after
+    a failure the pair meets again under the next one (a backend whose rendezvous cannot be
+    reused keys it by epoch; one that reconnects freely ignores it)."""
 
     worker_id: str  # the worker whose links these are
 
     @abstractmethod
-    def link_to(self, peer: str) -> Link:
+    def link_to(self, peer: str, epoch: int = 0) -> Link:
         """A link this worker sends on (prompt side)."""
 
     @abstractmethod
-    def link_from(self, peer: str) -> Link:
+    def link_from(self, peer: str, epoch: int = 0) -> Link:
         """A link this worker receives on (token side)."""
+
+    def retire(self, sender: str, receiver: str, epoch: int) -> None:
+        """The receiver gave the epoch up: a sender must not wait to meet it there."""
+
+    def retired(self, sender: str, receiver: str, epoch: int) -> bool:
+        return False

@@ -14,9 +14,16 @@ Semantics:
   transfer's writes (an event) before the request can decode. The prompt side never waits for
   its pushes to leave (`reap` and `all_sent` look without blocking; a send that has not left
   after `timeout` fails its link).
-- The token side runs one receive loop per prompt peer while transfers from it are pending; each
-  receive waits at most `timeout`. A transfer ends in `poll()` as completed (first token) or
-  failed (`TransferError` naming the peer); a failure on a link fails every transfer on it.
+- The token side runs one receive loop per prompt peer, from its first transfer until the link
+  fails, and reads every message the peer sends (those of abandoned transfers are dropped): a
+  sender never waits on a reader that stopped. A transfer ends in `poll()` as completed (first
+  token) or failed (`TransferError` naming the peer): a failure on a link fails every transfer on
+  it; a peer silent for `timeout` while a transfer waits on it fails that transfer, not the link.
+- Links heal: each (prompt, token) pair's link has an epoch, chosen by the token side and carried
+  by the ticket. When its link fails, the token side retires the epoch and stamps later tickets
+  with the next, and the prompt side opens a fresh link for a newer epoch (a link cannot reopen
+  under the same name), so one broken link costs the transfers that were on it, never the pair.
+  The prompt side never dials an epoch it saw fail, or one the token side retired.
 - Compatibility: each side checks the other's KV layout (model, dtype, per-token shape) before
   the first transfer between them. The ticket carries the token side's; the prompt side refuses a
   ticket whose layout is not its own (`check_compatible`). The first message on every new link is
@@ -26,8 +33,10 @@ Semantics:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -38,6 +47,7 @@ from splitserve.transfer.link import Fabric, Link, TransferError
 ALL, DONE, CANCEL, HELLO = -1, -2, -3, -4
 log = logging.getLogger("splitserve.transfer")
 LAYOUT_BYTES = 512  # HELLO's payload: the layout string, utf-8, zero-padded
+IDLE_RECV_S = 7 * 24 * 3600.0  # a receive loop waits this long for a header (a dead peer breaks the wait)
 
 
 class IncompatibleKV(TransferError):
@@ -57,12 +67,14 @@ class TransferTicket:
     num_tokens: int
     layerwise: bool
     kv_layout: str = ""  # the token worker's (`kv_layout` in handoff)
+    link_epoch: int = 0  # the token side's link from prompt_peer that carries it (stamped by `expect`)
 
 
 @dataclass(frozen=True)
 class _Incoming:
     ticket: TransferTicket
     write_layer: Callable[[int, torch.Tensor], None]  # unpacks one layer into the reserved blocks
+    since: float  # when it was expected (monotonic)
 
 
 class KVTransport:
@@ -76,13 +88,14 @@ class KVTransport:
         if len(layout.encode()) > LAYOUT_BYTES:
             raise ValueError(f"layout is longer than {LAYOUT_BYTES} bytes: {layout!r}")
         self._layer_shape, self._num_layers, self._dtype, self._device = wire_layer_shape, num_layers, dtype, device
-        self._out: dict[str, Link] = {}   # prompt side: links to token peers, kept while healthy
-        self._unreachable: set[str] = set()  # prompt side: token peers whose link failed
-        self._in: dict[str, Link] = {}    # token side: links from prompt peers, kept while healthy
+        self._out: dict[str, tuple[int, Link]] = {}  # prompt side: (epoch, link) to each token peer
+        self._failed_out: dict[str, int] = {}  # prompt side: the newest epoch to a token peer that failed
+        self._epochs: dict[str, int] = {}  # token side: the epoch of the link from each prompt peer
+        self._heard: dict[tuple[str, int], float] = {}  # token side: when each (peer, epoch) link last delivered
         self._incoming: dict[int, _Incoming] = {}
         self._results: list[tuple[TransferTicket, int | TransferError, torch.cuda.Event | None]] = []
         self._recv_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._loops: set[str] = set()
+        self._loops: set[tuple[str, int]] = set()  # token side: (prompt peer, epoch) links being read
         self._lock = threading.Lock()
         self._landed = threading.Condition(self._lock)  # notified when a result is appended
 
@@ -107,7 +120,7 @@ class KVTransport:
         """Without waiting: the links whose sends failed, or have not left within `timeout`
         (each closed for good, as on the receiving side)."""
         errors = []
-        for peer, link in list(self._out.items()):
+        for peer, (_, link) in list(self._out.items()):
             try:
                 link.unsent(self.timeout)
             except TransferError as error:
@@ -118,7 +131,7 @@ class KVTransport:
     def all_sent(self, peers: Iterable[str]) -> bool:
         """Whether everything pushed to `peers` has left (a dropped link has nothing left to send)."""
         try:
-            return all(self._out[p].unsent(self.timeout) == 0 for p in peers if p in self._out)
+            return all(self._out[p][1].unsent(self.timeout) == 0 for p in peers if p in self._out)
         except TransferError:
             return False  # `reap` reports it
 
@@ -126,7 +139,7 @@ class KVTransport:
         """Wait for every pushed message to leave; returns the failures (one per broken peer).
         A failed link is closed for good, as on the receiving side."""
         errors = []
-        for peer, link in list(self._out.items()):
+        for peer, (_, link) in list(self._out.items()):
             try:
                 link.flush(self.timeout if timeout is None else timeout)
             except TransferError as error:
@@ -135,15 +148,23 @@ class KVTransport:
         return errors
 
     # ---- token side ----------------------------------------------------------------------
-    def expect(self, ticket: TransferTicket, write_layer: Callable[[int, torch.Tensor], None]) -> None:
-        """Register a reserved transfer; its layers are written by `write_layer` as they land."""
+    def expect(self, ticket: TransferTicket, write_layer: Callable[[int, torch.Tensor], None]) -> TransferTicket:
+        """Register a reserved transfer; its layers are written by `write_layer` as they land.
+        Returns the ticket stamped with the epoch of the link it comes on: give the prompt side that one."""
+        peer = ticket.prompt_peer
         with self._lock:
-            self._incoming[ticket.tag] = _Incoming(ticket, write_layer)
-            start = ticket.prompt_peer not in self._loops
-            self._loops.add(ticket.prompt_peer)
+            epoch = self._epochs.get(peer, 0)
+        if self.fabric.retired(peer, self.fabric.worker_id, epoch):  # the prompt side gave the link up
+            self._next_epoch(peer, epoch)
+        with self._lock:
+            ticket = dataclasses.replace(ticket, link_epoch=self._epochs.get(peer, 0))
+            self._incoming[ticket.tag] = _Incoming(ticket, write_layer, time.monotonic())
+            loop = (peer, ticket.link_epoch)
+            start = loop not in self._loops
+            self._loops.add(loop)
         if start:
-            threading.Thread(target=self._receive_loop, args=(ticket.prompt_peer,), daemon=True,
-                             name=f"kv-recv-{ticket.prompt_peer}").start()
+            threading.Thread(target=self._receive_loop, args=loop, daemon=True, name=f"kv-recv-{peer}").start()
+        return ticket
 
     def abandon(self, ticket: TransferTicket) -> None:
         """Stop waiting for a transfer; messages still arriving for it are drained and dropped."""
@@ -157,6 +178,7 @@ class KVTransport:
         with self._lock:
             if not self._results and timeout > 0:
                 self._landed.wait(timeout)
+            self._fail_silent(time.monotonic())
             results, self._results = self._results, []
         for _, _, written in results:
             if written is not None:
@@ -165,26 +187,45 @@ class KVTransport:
 
     # ---- internals -----------------------------------------------------------------------
     def _send(self, ticket: TransferTicket, kind: int, payload: torch.Tensor | None, value: int = 0) -> None:
-        peer = ticket.token_peer
-        if peer in self._unreachable:
-            raise TransferError(peer, "its link failed before: a worker id's link is not opened again")
+        link = self._link_to(ticket)
         try:
-            link = self._out.get(peer) or self._out.setdefault(peer, self._hello(self.fabric.link_to(peer)))
             link.send_meta(_header(ticket.tag, kind, ticket.num_tokens, value))
             if payload is not None:
                 link.send(payload)
         except TransferError:
-            self._drop_out(peer)
+            self._drop_out(ticket.token_peer)
             raise
 
+    def _link_to(self, ticket: TransferTicket) -> Link:
+        """The link of the ticket's epoch; a newer epoch replaces the link (the token side has
+        given the old one up). An epoch that failed is never dialled again: a dead peer would hold
+        the push for `timeout` as it tried."""
+        peer, epoch = ticket.token_peer, ticket.link_epoch
+        current = self._out.get(peer)
+        if current is not None and current[0] == epoch:
+            return current[1]
+        if epoch <= self._failed_out.get(peer, -1) or self.fabric.retired(self.fabric.worker_id, peer, epoch):
+            self._failed_out[peer] = max(epoch, self._failed_out.get(peer, -1))
+            raise TransferError(peer, f"its link (epoch {epoch}) failed before; the token worker opens the next")
+        if current is not None and current[0] > epoch:
+            raise TransferError(peer, f"the ticket's link (epoch {epoch}) was replaced by epoch {current[0]}")
+        if current is not None:
+            self._drop_out(peer)
+        try:
+            link = self._hello(self.fabric.link_to(peer, epoch))
+        except TransferError:
+            self._failed_out[peer] = epoch
+            raise
+        self._out[peer] = (epoch, link)
+        return link
+
     def _drop_out(self, peer: str) -> None:
-        """A failed link is closed for good and its peer not dialled again: a pair of worker ids
-        cannot meet twice, and a dead peer would hold every later push for `timeout` as it tried
-        (a restarted worker comes back under a new id)."""
-        self._unreachable.add(peer)
-        link = self._out.pop(peer, None)
-        if link is not None:
-            link.close()
+        """A failed or replaced link is closed, its epoch not dialled again, and the token side
+        told (its next ticket names the next epoch)."""
+        epoch, link = self._out.pop(peer)
+        self._failed_out[peer] = max(epoch, self._failed_out.get(peer, -1))
+        link.close()
+        self._announce_retired(self.fabric.worker_id, peer, epoch)
 
     def _hello(self, link: Link) -> Link:
         """A new link's first message: this side's layout, for the receiver to check."""
@@ -203,41 +244,27 @@ class KVTransport:
         if theirs != self.layout:
             raise IncompatibleKV(link.peer, self.fabric.worker_id, self.layout, theirs)
 
-    def _receive_loop(self, peer: str) -> None:
-        """Runs while transfers from `peer` are pending. A link that failed is closed for good:
-        the pair group cannot meet again under the same ids (a restarted worker gets a new id)."""
+    def _receive_loop(self, peer: str, epoch: int) -> None:
+        """Reads the epoch's link from `peer` until it fails; then the epoch is retired and every
+        transfer from `peer` still waiting fails (the next ticket gets a fresh link)."""
+        link = None
         try:
-            link = self._in.get(peer)
-            if link is None:
-                link = self.fabric.link_from(peer)
-                try:
-                    self._check_hello(link)
-                except TransferError:
-                    link.close()
-                    raise
-                self._in[peer] = link
+            link = self.fabric.link_from(peer, epoch)
+            self._check_hello(link)
             with torch.cuda.stream(self._recv_stream) if self._recv_stream else contextlib.nullcontext():
-                while self._has_pending(peer):
-                    self._receive_one(link)
+                while True:
+                    self._receive_one(link, epoch)
         except Exception as error:  # a bug in one message must not leave this peer's transfers waiting
             if not isinstance(error, TransferError):
                 log.exception("KV receive loop for %s failed", peer)
                 error = TransferError(peer, f"receive failed: {type(error).__name__}: {error}")
-            dead = self._in.pop(peer, None)
-            if dead is not None:
-                dead.close()
-            self._fail_peer(peer, error)
+            if link is not None:
+                link.close()
+            self._retire(peer, epoch, error)
 
-    def _has_pending(self, peer: str) -> bool:
-        with self._lock:
-            if any(inc.ticket.prompt_peer == peer for inc in self._incoming.values()):
-                return True
-            self._loops.discard(peer)
-            return False
-
-    def _receive_one(self, link: Link) -> None:
+    def _receive_one(self, link: Link, epoch: int) -> None:
         header = torch.empty(4, dtype=torch.int64)
-        link.recv_meta(header, self.timeout)
+        link.recv_meta(header, IDLE_RECV_S)  # silence is judged per transfer, in `poll`
         tag, kind, num_tokens, value = header.tolist()
         if kind >= 0 or kind == ALL:
             self._check_size(link.peer, tag, kind, num_tokens)
@@ -245,6 +272,7 @@ class KVTransport:
             payload = torch.empty(shape if kind >= 0 else (self._num_layers, *shape), dtype=self._dtype, device=self._device)
             link.recv(payload, self.timeout)
         with self._lock:  # writes happen under the lock: once abandon() returns, none lands
+            self._heard[link.peer, epoch] = time.monotonic()
             incoming = self._incoming.get(tag)
             if incoming is None:  # abandoned: drained, dropped
                 return
@@ -269,10 +297,13 @@ class KVTransport:
 
     def _finish(self, tag: int, result: int | TransferError) -> None:
         with self._lock:
-            incoming = self._incoming.pop(tag, None)
-            if incoming is not None:
-                self._results.append((incoming.ticket, result, self._writes_done()))
-                self._landed.notify_all()
+            self._finish_locked(tag, result)
+
+    def _finish_locked(self, tag: int, result: int | TransferError) -> None:
+        incoming = self._incoming.pop(tag, None)
+        if incoming is not None:
+            self._results.append((incoming.ticket, result, self._writes_done()))
+            self._landed.notify_all()
 
     def _writes_done(self) -> torch.cuda.Event | None:
         """CUDA: an event after every write queued on the receive stream so far."""
@@ -282,12 +313,37 @@ class KVTransport:
         event.record(self._recv_stream)
         return event
 
-    def _fail_peer(self, peer: str, error: TransferError) -> None:
+    def _retire(self, peer: str, epoch: int, error: TransferError) -> None:
+        """The epoch's link from `peer` failed: later tickets name the next epoch, and every
+        transfer from `peer` still waiting fails (all were stamped with this epoch or older)."""
+        self._next_epoch(peer, epoch)
         with self._lock:
-            tags = [tag for tag, inc in self._incoming.items() if inc.ticket.prompt_peer == peer]
-            self._loops.discard(peer)
-        for tag in tags:
-            self._finish(tag, error)
+            self._loops.discard((peer, epoch))
+            self._heard.pop((peer, epoch), None)
+            for tag, incoming in list(self._incoming.items()):
+                if incoming.ticket.prompt_peer == peer and incoming.ticket.link_epoch <= epoch:
+                    self._finish_locked(tag, error)
+        self._announce_retired(peer, self.fabric.worker_id, epoch)
+
+    def _next_epoch(self, peer: str, failed: int) -> None:
+        with self._lock:
+            self._epochs[peer] = max(self._epochs.get(peer, 0), failed + 1)
+
+    def _announce_retired(self, sender: str, receiver: str, epoch: int) -> None:
+        """Best effort: the other side learns it at its next transfer, or from its own failure."""
+        try:
+            self.fabric.retire(sender, receiver, epoch)
+        except Exception:  # the rendezvous store is gone: nothing else would reach the peer either
+            log.warning("could not announce that the KV link %s->%s (epoch %d) is retired", sender, receiver,
+                        epoch, exc_info=True)
+
+    def _fail_silent(self, now: float) -> None:
+        """Under the lock: a transfer whose peer has sent nothing for `timeout` since it was
+        expected fails (the peer is stalled or never got the ticket); the link stays."""
+        for tag, incoming in list(self._incoming.items()):
+            peer, epoch = incoming.ticket.prompt_peer, incoming.ticket.link_epoch
+            if now - max(incoming.since, self._heard.get((peer, epoch), 0.0)) > self.timeout:
+                self._finish_locked(tag, TransferError(peer, f"nothing received from it for {self.timeout:g} s"))
 
 
 def _header(tag: int, kind: int, num_tokens: int, value: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import queue
 import socket
 
@@ -75,6 +76,9 @@ class Cluster:
     def check(self, worker_id: str) -> tuple:
         self.send(worker_id, "check")
         return self.expect(worker_id, "check")
+
+    def signal(self, worker_id: str, signum: int) -> None:
+        os.kill(self.workers[worker_id][0].pid, signum)
 
     def kill(self, worker_id: str) -> None:
         proc = self.workers[worker_id][0]

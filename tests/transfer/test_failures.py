@@ -1,5 +1,9 @@
 """A dead peer or a timeout mid-transfer fails the request with an error naming the peer, every
-wait is bounded, and the surviving side holds no block afterwards."""
+wait is bounded, and the surviving side holds no block afterwards; a pair of live workers whose
+link broke, or that gave a transfer up, goes on transferring."""
+import signal
+import time
+
 import pytest
 
 from splitserve import SamplingParams
@@ -56,5 +60,44 @@ def test_timeout_frees_the_reserved_blocks(make_cluster):
     cluster.route("hung", LONG, GREEDY)
     failed = cluster.collect("t0", ("failed", "done"), 1, timeout=30)["hung"]
     assert failed[0] == "failed" and "'p0'" in failed[2], failed
+    assert_clean(cluster, "t0")
+    assert_clean(cluster, "p0")
+
+
+def test_a_transfer_given_up_mid_push_leaves_the_pair_working(make_cluster):
+    """The token side stops waiting (client gone, lease) while the prompt side still pushes: those
+    messages are drained, so the sender never waits on them and later transfers go through."""
+    cluster = make_cluster(timeout=3)
+    cluster.route("given-up", LONG, GREEDY)
+    cluster.send("t0", "cancel", "given-up")
+    cluster.expect("p0", "first")
+    time.sleep(4)  # past the timeout: a send nobody read would have failed the link by now
+    cluster.route("after", LONG, GREEDY)
+    done = cluster.collect("t0", ("failed", "done"), 1)
+    assert done["after"][0] == "done", done
+    assert_clean(cluster, "t0")
+    assert_clean(cluster, "p0")
+
+
+@pytest.mark.parametrize("make_cluster", ["gloo"], indirect=True)  # gRPC buffers what a frozen reader has not taken
+def test_a_link_that_broke_between_live_workers_heals_on_the_next_transfer(make_cluster):
+    """The token worker freezes past the timeout: the prompt side gives the link up and the
+    transfer fails; once the token worker runs again the pair meets on a fresh link (epoch 1)."""
+    cluster = make_cluster(timeout=3)
+    cluster.route("warm", SHORT, GREEDY)
+    assert cluster.collect("t0", ("done",), 1)["warm"][0] == "done"
+    cluster.send("t0", "reserve", "frozen", LONG, GREEDY, "p0")
+    ticket = cluster.expect("t0", "ticket")[1]
+    cluster.signal("t0", signal.SIGSTOP)
+    try:
+        cluster.send("p0", "add", ticket, LONG, GREEDY)
+        failed = cluster.collect("p0", ("failed",), 1, timeout=30)["frozen"]
+        assert "'t0'" in failed[2], failed
+    finally:
+        cluster.signal("t0", signal.SIGCONT)
+    assert cluster.collect("t0", ("failed", "done"), 1, timeout=30)["frozen"][0] == "failed"
+    cluster.route("healed", LONG, GREEDY)
+    done = cluster.collect("t0", ("failed", "done"), 1)
+    assert done["healed"][0] == "done" and ticket.link_epoch == 0, done
     assert_clean(cluster, "t0")
     assert_clean(cluster, "p0")

@@ -1,8 +1,10 @@
 """Metadata travels on the host: headers, HELLO and first tokens are CPU tensors on each link's
 metadata channel, payloads alone on the data path, and the two keep their own order (gloo: two
-tags on one pair group; gRPC: one ordered stream). A link whose sends stop leaving fails it."""
+tags on one pair group; gRPC: one ordered stream). A link whose sends stop leaving fails it; a
+pair whose link failed meets again on the next epoch."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 import time
@@ -61,11 +63,11 @@ class RecordingFabric(Fabric):
     def __init__(self, worker_id: str, wires: dict, stuck: bool = False):
         self.worker_id, self.wires, self.stuck = worker_id, wires, stuck
 
-    def link_to(self, peer):
+    def link_to(self, peer, epoch=0):
         meta, data = self.wires.setdefault((self.worker_id, peer), ([], []))
         return RecordingLink(peer, meta, data, self.stuck)
 
-    def link_from(self, peer):
+    def link_from(self, peer, epoch=0):
         meta, data = self.wires.setdefault((peer, self.worker_id), ([], []))
         return RecordingLink(peer, meta, data)
 
@@ -104,13 +106,15 @@ def test_a_link_whose_sends_stop_leaving_is_reaped_without_waiting():
     assert prompt.all_sent({"t0"}) and prompt.reap() == []  # the link is gone: nothing left to send on it
 
 
-def test_gloo_keeps_the_metadata_and_the_data_in_their_own_order():
+def gloo_pair(timeout: float = 10) -> tuple[Link, Link]:
+    """A gloo link from worker a to worker b, both ends in this process."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     links = {}
 
     def join(worker, peer, sending):
-        fabric = TorchFabric(dist.TCPStore("127.0.0.1", store.port, is_master=False), worker, torch.device("cpu"), 10)
+        fabric = TorchFabric(dist.TCPStore("127.0.0.1", store.port, is_master=False), worker, torch.device("cpu"),
+                             timeout)
         links[worker] = fabric.link_to(peer) if sending else fabric.link_from(peer)
 
     threads = [threading.Thread(target=join, args=("a", "b", True)), threading.Thread(target=join, args=("b", "a", False))]
@@ -118,7 +122,11 @@ def test_gloo_keeps_the_metadata_and_the_data_in_their_own_order():
         thread.start()
     for thread in threads:
         thread.join(30)
-    sender, receiver = links["a"], links["b"]
+    return links["a"], links["b"]
+
+
+def test_gloo_keeps_the_metadata_and_the_data_in_their_own_order():
+    sender, receiver = gloo_pair()
     sender.send_meta(torch.tensor([1, 2]))
     sender.send(torch.full((3,), 7.0))
     sender.send_meta(torch.tensor([3, 4]))
@@ -135,6 +143,29 @@ def test_gloo_keeps_the_metadata_and_the_data_in_their_own_order():
         receiver.recv_meta(meta, 0.5)
 
 
+def test_a_gloo_send_is_seen_to_leave_without_the_sender_waiting_on_it():
+    """gloo completes a send's work only inside `wait`: were nobody to wait, every send would look
+    unsent, and the link would be failed `timeout` after its first push."""
+    sender, receiver = gloo_pair(timeout=1)
+    sender.send(torch.full((4,), 3.0))
+    out = torch.empty(4)
+    receiver.recv(out, 10)
+    deadline = time.monotonic() + 5
+    while sender.unsent(1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.2)  # past the timeout: nothing is left that could count as stuck
+    assert sender.unsent(1) == 0 and out.tolist() == [3.0] * 4
+
+
+def test_an_idle_gloo_link_outlives_the_timeout():
+    """A receive loop waits for the next header past the link's timeout: a quiet pair is no failure."""
+    sender, receiver = gloo_pair(timeout=0.5)
+    threading.Timer(1.0, lambda: sender.send_meta(torch.tensor([5, 6]))).start()
+    header = torch.empty(2, dtype=torch.int64)
+    receiver.recv_meta(header, 30)
+    assert header.tolist() == [5, 6]
+
+
 def test_an_error_in_one_message_fails_that_peers_transfers_instead_of_leaving_them_waiting():
     wires: dict = {}
     prompt, token = transport(RecordingFabric("p0", wires)), transport(RecordingFabric("t0", wires))
@@ -149,20 +180,68 @@ def test_an_error_in_one_message_fails_that_peers_transfers_instead_of_leaving_t
     assert failed == ticket and isinstance(error, TransferError) and "the cache write failed" in str(error)
 
 
-def test_a_peer_whose_link_failed_is_not_dialled_again():
+def test_a_failed_link_epoch_is_not_dialled_again_and_the_next_one_is():
     """A dead token worker would hold every later push to it for the whole timeout as the prompt
-    side tried to open a new link (the soak test saw 60 s steps): after one failure, pushes to it
-    fail at once."""
+    side tried to open the link again (the soak test saw 60 s steps): after one failure, pushes on
+    that epoch fail at once; a ticket of the next epoch (the token side moved on) dials afresh."""
     attempts = []
 
-    class Unreachable(RecordingFabric):
-        def link_to(self, peer):
-            attempts.append(peer)
-            raise TransferError(peer, "could not connect")
+    class FailsOnce(RecordingFabric):
+        def link_to(self, peer, epoch=0):
+            attempts.append((peer, epoch))
+            if epoch == 0:
+                raise TransferError(peer, "could not connect")
+            return super().link_to(peer, epoch)
 
-    prompt = transport(Unreachable("p0", {}))
+    prompt = transport(FailsOnce("p0", {}))
     ticket = TransferTicket("r", 1, "p0", "t0", 3, True, "test-layout")
     for _ in range(3):
         with pytest.raises(TransferError):
             prompt.push_layer(ticket, 0, torch.zeros(2, 3, KV_HEADS, DIM))
-    assert attempts == ["t0"]
+    prompt.push_layer(dataclasses.replace(ticket, link_epoch=1), 0, torch.zeros(2, 3, KV_HEADS, DIM))
+    assert attempts == [("t0", 0), ("t0", 1)]
+    with pytest.raises(TransferError, match="epoch 0"):  # the old epoch stays given up
+        prompt.complete(ticket, first_token_id=1)
+
+
+def test_a_broken_link_costs_its_transfers_and_the_pair_meets_again_on_the_next_epoch():
+    wires: dict = {}
+    opened = []
+
+    class BreaksFirst(RecordingFabric):
+        def link_from(self, peer, epoch=0):
+            opened.append(epoch)
+            link = super().link_from(peer, epoch)
+            if epoch == 0:
+                link.recv_meta = lambda out, timeout: (_ for _ in ()).throw(TransferError(peer, "connection closed"))
+            return link
+
+    prompt, token = transport(RecordingFabric("p0", wires)), transport(BreaksFirst("t0", wires))
+    first = token.expect(TransferTicket("r0", 1, "p0", "t0", 3, False, "test-layout"), lambda *_: None)
+    [(failed, error)] = token.poll(timeout=5.0)
+    assert first.link_epoch == 0 and failed == first and "connection closed" in str(error)
+    second = token.expect(TransferTicket("r1", 2, "p0", "t0", 3, False, "test-layout"), lambda *_: None)
+    assert second.link_epoch == 1
+    prompt.push_all(second, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))
+    prompt.complete(second, first_token_id=5)
+    assert token.poll(timeout=5.0) == [(second, 5)] and opened == [0, 1]
+
+
+def test_a_silent_peer_fails_the_transfer_waiting_on_it_not_the_link():
+    wires: dict = {}
+    prompt, token = transport(RecordingFabric("p0", wires)), transport(RecordingFabric("t0", wires))
+    opened = token.expect(TransferTicket("open", 0, "p0", "t0", 3, False, "test-layout"), lambda *_: None)
+    prompt.cancel(opened)
+    assert token.poll(timeout=5.0)[0][0] == opened  # the link is up
+    token.timeout = 0.3
+    stalled = token.expect(TransferTicket("r0", 1, "p0", "t0", 3, False, "test-layout"), lambda *_: None)
+    time.sleep(0.4)
+    [(failed, error)] = token.poll()
+    assert failed == stalled and "nothing received" in str(error)
+    token.abandon(stalled)
+    prompt.push_all(stalled, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))  # the peer wakes up: drained, dropped
+    prompt.complete(stalled, first_token_id=1)
+    later = token.expect(TransferTicket("r1", 2, "p0", "t0", 3, False, "test-layout"), lambda *_: None)
+    prompt.push_all(later, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))
+    prompt.complete(later, first_token_id=7)
+    assert later.link_epoch == 0 and token.poll(timeout=5.0) == [(later, 7)]

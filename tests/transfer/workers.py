@@ -2,6 +2,7 @@
 
 Commands a worker takes from its inbox, and what it puts in its outbox:
 - token:  ("reserve", request_id, prompt, params, prompt_peer) -> ("ticket", ticket) or ("error", request_id, msg)
+          ("cancel", request_id) gives a transfer up (a client that went away)
           outputs as ("done", request_id, token_ids), failures as ("failed", request_id, message)
 - prompt: ("add", ticket, prompt, params) -> ("first", request_id, token_id) once prefilled,
           failures as ("failed", request_id, message)
@@ -88,6 +89,8 @@ def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_
                 outbox.put(("ticket", importer.reserve(request_id, prompt, params, prompt_peer)))
             except (RuntimeError, ValueError) as error:
                 outbox.put(("error", request_id, str(error)))
+        if cmd[0] == "cancel":
+            importer.cancel(cmd[1])
 
     def tick():
         landed, failures = importer.poll()
