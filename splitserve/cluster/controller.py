@@ -138,9 +138,21 @@ class Controller:
         interval = self.config.scheduler.report_interval_s
         while True:
             started = time.monotonic()
-            await asyncio.gather(*(self._poll(w) for w in list(self.handles)))
-            self.metrics.record_pools({w.worker_id: (w.pool, w.hardware.name) for w in self.state.workers.values()})
+            polled = list(self.handles)
+            results = await asyncio.gather(*(self._poll(w) for w in polled), return_exceptions=True)
+            for worker_id, result in zip(polled, results):
+                if isinstance(result, Exception):  # a bug in handling one report must not end every poll
+                    self._poll_error(f"report of {worker_id}", result)
+            try:
+                self.metrics.record_pools({w.worker_id: (w.pool, w.hardware.name)
+                                           for w in self.state.workers.values()})
+            except Exception as error:
+                self._poll_error("pool sizes", error)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def _poll_error(self, what: str, error: Exception) -> None:
+        self.counters["poll_errors"] += 1
+        log.error("handling the %s failed; polling goes on", what, exc_info=error)
 
     async def _poll(self, worker_id: str) -> None:
         handle = self.handles.get(worker_id)
