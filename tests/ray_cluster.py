@@ -85,7 +85,10 @@ def _stop_processes_of(temp_dir: str, grace_s: float = 10.0) -> None:
         deadline = time.monotonic() + grace_s
         while members() and time.monotonic() < deadline:
             time.sleep(0.2)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    if os.environ.get("SPLITSERVE_KEEP_RAY_LOGS"):  # debugging a failed run: its logs stay in temp_dir
+        print(f"Ray logs kept in {temp_dir}/session_latest/logs")
+    else:
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
