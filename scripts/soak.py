@@ -216,6 +216,12 @@ def leaked_blocks(url: str, timeout: float = 120) -> dict[str, int]:
         time.sleep(1)
 
 
+def counter_total(url: str, name: str) -> float:
+    """A counter summed over its series, from the cluster's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"{name}{{"))
+
+
 def main(argv: list[str] | None = None) -> dict:
     import ray
     from ray import serve
@@ -251,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
                 growth[name] = {"mb": round(now_mb - mb, 1), "rss_mb": round(now_mb, 1),
                                 "over_min": round((end - since) / 60, 1)}
         held = leaked_blocks(url)
+        restarted = counter_total(url, "splitserve_requests_restarted_total")  # placed again after a failure
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
               "statuses": {str(k): v for k, v in sorted(tally.statuses.items())},
               "refused_within_60s_after_a_kill": sum(any(0 <= t - k <= 60 for k in tally.kills_at)
                                                     for t in tally.refused_at),
-              "leaked_blocks": sum(held.values()), "blocks_held": held, "rss_growth_mb": growth,
+              "requests_restarted": int(restarted), "leaked_blocks": sum(held.values()), "blocks_held": held, "rss_growth_mb": growth,
               "hardware": cpu_name()}
     print(json.dumps(result, indent=2))
     if args.json:
