@@ -4,7 +4,7 @@ and their mapping to the engine's `SamplingParams`.
 Every refusal is a `RequestError` whose message names the field, so a client sees what to change.
 Unknown fields are refused rather than ignored: a silently ignored sampling parameter would change
 what the client gets without telling it. Parameters this server does not implement are accepted only
-with the values that change nothing (`n=1`, `presence_penalty=0`, null).
+with the values that change nothing (`n=1`, `echo=false`, null).
 """
 from __future__ import annotations
 
@@ -77,12 +77,21 @@ def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
+def _token_biases(value: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias: JSON object keys are token ids written as decimal strings."""
+    biases = {}
+    for key, bias in (value or {}).items():
+        if not key.isdecimal():
+            raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+        biases[int(key)] = bias
+    return biases
+
+
 def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 NOT_SUPPORTED = "is not supported"
-Penalty = Annotated[float | None, _only(None, 0, reason=f"{NOT_SUPPORTED}; leave it unset or 0")]
 Stop = Annotated[str | list[str] | None, BeforeValidator(_stop_strings)]
 
 
@@ -129,11 +138,13 @@ class GenerationRequest(BaseModel):
     stop: Stop = None
     seed: Annotated[int | None, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] = None
     user: str | None = None  # accepted and ignored, as an end-user id for abuse monitoring
-    presence_penalty: Penalty = 0
-    frequency_penalty: Penalty = 0
-    logit_bias: Annotated[dict | None, _only(None, {}, reason=NOT_SUPPORTED)] = None
+    presence_penalty: float | None = 0
+    frequency_penalty: float | None = 0
+    logit_bias: Annotated[dict[str, float] | None, AfterValidator(_token_biases)] = None
     # Extensions (vLLM's names).
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -219,9 +230,15 @@ def check_model(requested: str, served: str) -> None:
                            status=404, param="model", code="model_not_found")
 
 
-def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """The engine's settings for `request`, whose prompt is `num_prompt_tokens` long."""
+def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int,
+                    vocab_size: int | None = None) -> SamplingParams:
+    """The engine's settings for `request`, whose prompt is `num_prompt_tokens` long (and whose
+    logit_bias must name ids under `vocab_size`, where given)."""
     max_tokens = _max_tokens(request, num_prompt_tokens, max_model_len)
+    outside = [t for t in request.logit_bias or {} if vocab_size is not None and t >= vocab_size]
+    if outside:
+        raise RequestError(f"logit_bias: token id {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1})",
+                           param="logit_bias")
     try:
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=request.min_tokens,
@@ -229,7 +246,10 @@ def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_mode
             top_k=request.top_k, top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens, **_slo_seconds(request.slo))
+            skip_special_tokens=request.skip_special_tokens, min_p=request.min_p,
+            presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias or {},
+            **_slo_seconds(request.slo))
     except ValueError as exc:
         raise _sampling_error(str(exc)) from None
 

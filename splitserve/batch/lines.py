@@ -126,7 +126,7 @@ def prepare(line: BatchLine, tokenizer, model: str, max_model_len: int,
     limits.check(body)
     prompt = prompt_token_ids_of(body, tokenizer) if line.kind == "completion" else \
         chat_prompt_token_ids(body, tokenizer)
-    return Prepared(prompt, sampling_params(body, len(prompt), max_model_len))
+    return Prepared(prompt, sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size))
 
 
 def prepare_pending(lines: list[BatchLine], tokenizer, model: str, max_model_len: int, output: ResultLog,

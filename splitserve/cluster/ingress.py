@@ -149,4 +149,4 @@ class Ingress:
             prompt = prompt_token_ids_of(body, self.tokenizer)
         else:
             prompt = chat_prompt_token_ids(body, self.tokenizer)
-        return body, prompt, sampling_params(body, len(prompt), self.max_model_len)
+        return body, prompt, sampling_params(body, len(prompt), self.max_model_len, self.tokenizer.vocab_size)

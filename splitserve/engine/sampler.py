@@ -1,4 +1,5 @@
-"""Turns one row of logits per sequence into its next token: greedy, or temperature/top-k/top-p.
+"""Turns one row of logits per sequence into its next token: penalties and biases (`penalties`),
+then greedy, or temperature / top-k / top-p / min-p.
 
 All rows are processed together; only seeded rows touch Python one by one, to draw their
 uniform from their own generator. Random rows sample by inverse CDF: one uniform per row and a
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.penalties import apply_penalties
 from splitserve.engine.sequence import Sequence
 
 
@@ -51,7 +53,7 @@ class Sampler:
         logits = _sanitized(logits.float())
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
-        logits = _mask_stop_tokens(logits, seqs)
+        logits = apply_penalties(_mask_stop_tokens(logits, seqs), seqs)
         finite = torch.isfinite(logits).any(dim=-1).tolist()
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and finite[i]]
         if len(random_rows) < len(seqs):
@@ -68,6 +70,7 @@ class Sampler:
         shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0, the row's top token at 0
         logits = apply_top_k_top_p(shifted / temperatures.unsqueeze(1),
                                    [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
+        logits = apply_min_p(logits, [s.params.min_p for s in seqs])
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         # u in (0, 1] scaled to the row's total picks the first token whose cdf reaches it, so a
         # token of probability 0 (cdf equal to its predecessor's) is never chosen; rounding can put
@@ -127,6 +130,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     if any(p < 1 for p in top_p):
         logits = _apply_top_p(logits, top_p)
     return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Masks to -inf the tokens less likely than min_p times the row's top token (0: off), as
+    transformers' `MinPLogitsWarper` does; the top token always stays."""
+    if not any(p > 0 for p in min_p):
+        return logits
+    probs = logits.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=logits.device).unsqueeze(1)
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 # Below this temperature sampling is greedy (as vLLM does): dividing logits by a smaller one
 # overflows float32, and the distribution is the argmax's anyway.
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token, besides the sampled one
+    min_p: float = 0.0  # drop tokens less likely than min_p times the top token (after temperature)
+    presence_penalty: float = 0.0   # OpenAI's: subtracted once from a token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # transformers': divides (multiplies) the positive (negative) logit
+    # of a token in the prompt or the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # latency targets the SLO-aware (accelgen) policies schedule for; other policies ignore them
@@ -47,6 +55,13 @@ class SamplingParams:
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
         _check(all(s for s in self.stop), "stop strings must be non-empty")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for name in ("ttft_slo_s", "tbt_slo_s"):
             value = getattr(self, name)
             _check(value is None or (_is_number(value) and math.isfinite(value) and value > 0),
@@ -55,6 +70,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
+
+
+def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs from a dict or pairs: ids >= 0, biases in [-100, 100] (OpenAI's range)."""
+    pairs = tuple(value.items()) if isinstance(value, dict) else tuple(tuple(p) for p in value)
+    _check(len(pairs) <= MAX_LOGIT_BIAS, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+    for pair in pairs:
+        _check(len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0 and _is_number(pair[1])
+               and -100 <= pair[1] <= 100, f"logit_bias maps token ids >= 0 to numbers in [-100, 100], got {pair!r}")
+    return tuple(sorted((int(t), float(b)) for t, b in pairs))
 
 
 def _check(ok: bool, message: str) -> None:

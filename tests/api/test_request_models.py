@@ -77,9 +77,6 @@ def test_missing_and_unknown_fields():
 @pytest.mark.parametrize("model_cls, base, field, value, message", [
     (CompletionRequest, COMPLETION, "n", 2, "n: only n=1 is supported; send one request per completion, got 2"),
     (ChatCompletionRequest, CHAT, "n", 0, "n: only n=1 is supported; send one request per completion, got 0"),
-    (CompletionRequest, COMPLETION, "presence_penalty", 0.5, "presence_penalty: is not supported; leave it unset or 0, got 0.5"),
-    (ChatCompletionRequest, CHAT, "frequency_penalty", -1, "frequency_penalty: is not supported; leave it unset or 0, got -1.0"),
-    (CompletionRequest, COMPLETION, "logit_bias", {"1": 5}, "logit_bias: is not supported, got {'1': 5}"),
     (CompletionRequest, COMPLETION, "logprobs", 0, "logprobs: is not supported yet, got 0"),
     (CompletionRequest, COMPLETION, "echo", True, "echo: is not supported, got True"),
     (CompletionRequest, COMPLETION, "best_of", 2, "best_of: only best_of=1 is supported, got 2"),
@@ -98,6 +95,40 @@ def test_unsupported_parameters(model_cls, base, field, value, message):
         return
     error = refusal(model_cls, {**base, field: value})
     assert (error.message, error.param, error.status) == (message, field, 400)
+
+
+def test_penalties_biases_and_min_p_map_to_the_engine():
+    request = chat(presence_penalty=0.5, frequency_penalty=-1, logit_bias={"7": -100, "3": 2.5}, min_p=0.1,
+                   repetition_penalty=1.2)
+    params = sampling_params(request, 10, 100, vocab_size=64)
+    assert (params.presence_penalty, params.frequency_penalty, params.min_p, params.repetition_penalty) == \
+        (0.5, -1.0, 0.1, 1.2)
+    assert params.logit_bias == ((3, 2.5), (7, -100.0))
+    assert sampling_params(chat(presence_penalty=None), 10, 100).presence_penalty == 0
+
+
+@pytest.mark.parametrize("body, message, param", [
+    ({"logit_bias": {"x1": 5}}, "logit_bias: keys must be token ids (decimal strings), got 'x1'", "logit_bias"),
+    ({"logit_bias": {"1": "5"}}, "logit_bias.1: Input should be a valid number", "logit_bias.1"),
+])
+def test_malformed_logit_bias_is_refused_naming_it(body, message, param):
+    error = refusal(CompletionRequest, {**COMPLETION, **body})
+    assert (error.message, error.param, error.status) == (message, param, 400)
+
+
+@pytest.mark.parametrize("body, message, param", [
+    ({"logit_bias": {"64": 1}}, "logit_bias: token id 64 is outside the vocabulary (ids 0..63)", "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias maps token ids >= 0 to numbers in [-100, 100], got (5, 101.0)",
+     "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5", "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty must be in [-2, 2], got -2.5", "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 10], got 0.0", "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5", "min_p"),
+])
+def test_out_of_range_penalties_and_biases_are_400s(body, message, param):
+    with pytest.raises(RequestError) as info:
+        sampling_params(parse_request(CompletionRequest, json.dumps({**COMPLETION, **body}).encode()), 10, 100, 64)
+    assert (info.value.message, info.value.param, info.value.status) == (message, param, 400)
 
 
 def test_values_that_change_nothing_are_accepted():

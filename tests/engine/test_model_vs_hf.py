@@ -261,10 +261,27 @@ def generation_prompts(vocab: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+def hf_greedy(model, ids: list[int], n: int, **options) -> list[int]:
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=PAD)
+                         do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=PAD, **options)
     return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_greedy_generation_with_a_repetition_penalty_and_biases_matches_hf(ckpt, penalty):
+    """transformers' `repetition_penalty` (over prompt and output) and `sequence_bias` for single
+    tokens, against ours; a bias large enough changes the text, so the bias is really applied."""
+    path, hf = ckpt
+    prompts = generation_prompts(hf.config.vocab_size)
+    bias = {5: 4.0, 9: -3.0, 11: 2.5}
+    expected = [hf_greedy(hf, p, NEW_TOKENS, repetition_penalty=penalty,
+                          sequence_bias={(t,): b for t, b in bias.items()}) for p in prompts]
+    llm = LLM(path, policy="mixed", chunk_token_budget=16, prompt_token_budget=48, dtype="float32", **ENGINE_ARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
+                            repetition_penalty=penalty, logit_bias=bias)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    plain = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert expected != plain
 
 
 @pytest.mark.parametrize("policy", ["mixed", "prefill_first"])

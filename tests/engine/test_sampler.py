@@ -184,12 +184,18 @@ def test_nan_logits_are_never_chosen_and_an_all_nan_row_still_gives_an_id():
                                                                     width=32), min_size=VOCAB, max_size=VOCAB),
        temperature=st.sampled_from([0.0, 1e-300, 1e-5, 0.01, 1.0, 2.0, 1e30]) | st.floats(0, 1e6),
        top_k=st.sampled_from([-1, 1, 2, VOCAB, VOCAB * 4]), top_p=st.floats(1e-9, 1.0).filter(lambda p: p > 0),
-       seed=st.none() | st.integers(0, 2**63 - 1), logprobs=st.none() | st.integers(0, 20))
-def test_any_logits_and_settings_give_an_id_in_the_vocabulary(values, temperature, top_k, top_p, seed, logprobs):
+       seed=st.none() | st.integers(0, 2**63 - 1), logprobs=st.none() | st.integers(0, 20),
+       penalties=st.fixed_dictionaries({}, optional={
+           "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "min_p": st.floats(0, 1),
+           "repetition_penalty": st.sampled_from([1e-30, 0.5, 2.0, 10.0]),
+           "logit_bias": st.dictionaries(st.integers(0, VOCAB * 2), st.floats(-100, 100), max_size=4)}))
+def test_any_logits_and_settings_give_an_id_in_the_vocabulary(values, temperature, top_k, top_p, seed, logprobs,
+                                                                penalties):
     logits = torch.tensor([values], dtype=torch.float32)
-    seq = make_seq(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs)
+    seq = make_seq(num_output_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   logprobs=logprobs, **penalties)
     token = Sampler().sample(logits, [seq])[0]
     assert 0 <= token.token_id < VOCAB
     candidates = ~(logits.isnan() | logits.isneginf())[0]
-    if candidates.any():
+    if candidates.any() and not penalties:
         assert candidates[token.token_id]  # a NaN or -inf logit is drawn only when every logit is one

@@ -1,5 +1,6 @@
 """The OpenAI API of a real local cluster, through the official `openai` client: completions,
-chat, streaming with usage, greedy output equal to the offline engine's, and clear 4xx errors."""
+chat, streaming with usage, greedy output equal to the offline engine's (with penalties and biases
+too), and clear 4xx errors."""
 from __future__ import annotations
 
 import httpx
@@ -45,6 +46,24 @@ def test_streaming_completion_with_usage(client, offline):
     assert text == offline_text(offline, PROMPT, 20)[0]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "y" * 700], ids=["one-shot", "layer-wise"])
+def test_penalties_and_biases_give_the_offline_engines_text_streamed_and_not(client, offline, prompt):
+    """The first token is sampled on the prompt worker, the rest on the token worker: both apply
+    them, so the text equals one engine's (and differs from the unpenalized text)."""
+    bias = {ord("e"): 8.0, ord(" "): -5.0}  # the demo model's byte tokenizer: token id = byte
+    options = dict(frequency_penalty=0.7, presence_penalty=0.4, logit_bias={str(t): b for t, b in bias.items()})
+    extra = {"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=0.7, presence_penalty=0.4,
+                            logit_bias=bias, repetition_penalty=1.3, min_p=0.05)
+    expected = offline.generate([prompt], params)[0].text
+    got = client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0, extra_body=extra,
+                                    **options)
+    stream = client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                       extra_body=extra, **options)
+    assert got.choices[0].text == expected == "".join(c.choices[0].text for c in stream)
+    assert expected != offline_text(offline, prompt, 24)[0]
 
 
 def test_chat_whole_and_streamed_agree(client):

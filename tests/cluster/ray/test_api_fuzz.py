@@ -39,7 +39,10 @@ SAMPLING = {
     "ignore_eos": _field(st.booleans()), "stream": _field(st.booleans()),
     "stream_options": _field(st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
                                                                  "continuous_usage_stats": st.booleans()})),
-    "presence_penalty": _field(st.just(0)), "logit_bias": _field(st.just({})), "user": _field(st.text(max_size=20)),
+    "presence_penalty": _field(st.floats(-2, 2)), "frequency_penalty": _field(st.floats(-2, 2)),
+    "repetition_penalty": _field(st.floats(0.5, 2)), "min_p": _field(st.floats(0, 1)),
+    "logit_bias": _field(st.dictionaries(st.integers(-5, 300).map(str), st.floats(-100, 100), max_size=5)),
+    "user": _field(st.text(max_size=20)),
     "slo": _field(st.fixed_dictionaries({}, optional={"ttft_ms": st.floats(-1, 1e4), "tbt_ms": st.floats(-1, 1e4)})),
 }
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]),

@@ -1,0 +1,64 @@
+"""Biases and penalties on a batch's logits, in one batched pass on the logits' device, before
+sampling (greedy rows too), as vLLM and OpenAI define them, in this order:
+
+- `logit_bias`: added to the token's logit (transformers' `SequenceBiasLogitsProcessor` for
+  single tokens); ids outside the vocabulary are ignored;
+- repetition (`repetition_penalty`, 1: off): a logit of a token in the prompt or the output so
+  far is divided by the penalty when positive, multiplied when negative (transformers'
+  `RepetitionPenaltyLogitsProcessor`);
+- frequency and presence (OpenAI's): `logit -= frequency_penalty * count + presence_penalty *
+  (count > 0)`, counting the output tokens only.
+
+Rows without any of these cost nothing; the others are gathered, changed and written back.
+"""
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.sequence import Sequence
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    chosen = [seqs[i] for i in rows]
+    index = torch.tensor(rows, device=device)
+    part = logits[index] + _biases(chosen, vocab, device)  # the bias first, as vLLM and transformers order them
+    output_counts = _counts([s.output_token_ids for s in chosen], vocab, device)
+    seen = output_counts.gt(0) | _counts([s.prompt_token_ids for s in chosen], vocab, device).gt(0)
+    repetition = _column([s.params.repetition_penalty for s in chosen], device)
+    penalized = torch.where(part > 0, part / repetition, part * repetition)
+    part = torch.where(seen, penalized, part)
+    part = part - _column([s.params.frequency_penalty for s in chosen], device) * output_counts
+    part = part - _column([s.params.presence_penalty for s in chosen], device) * output_counts.gt(0)
+    big = torch.finfo(part.dtype).max  # a penalty may overflow a huge logit: kept finite, as the sampler's input is
+    logits = logits.clone()
+    logits[index] = torch.nan_to_num(part, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+    return logits
+
+
+def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] occurrences of each id (one scatter over the padded lists)."""
+    width = max(1, max(len(t) for t in token_lists))
+    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)  # vocab: a column dropped below
+    for row, tokens in enumerate(token_lists):
+        padded[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    padded = padded.clamp_(0, vocab).to(device)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _biases(seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+    bias = torch.zeros(len(seqs), vocab)
+    for row, seq in enumerate(seqs):
+        for token_id, value in seq.params.logit_bias:
+            if token_id < vocab:
+                bias[row, token_id] += value
+    return bias.to(device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)

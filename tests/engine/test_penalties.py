@@ -1,0 +1,83 @@
+"""Biases and penalties on a batch's logits (the sampler's `apply_penalties` and `apply_min_p`)
+against transformers' logits processors and OpenAI's documented frequency / presence formula."""
+from collections import Counter
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    SequenceBiasLogitsProcessor)
+
+from splitserve.engine.penalties import apply_penalties
+from splitserve.engine.sampler import Sampler, apply_min_p
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import Sequence
+
+VOCAB = 32
+PROMPT, OUTPUT = [3, 4, 4, 9], [9, 9, 12, 4, 20]
+
+
+def seq(seq_id: str = "s", **params) -> Sequence:
+    return Sequence(seq_id, PROMPT, SamplingParams(max_tokens=32, **params), token_ids=PROMPT + OUTPUT)
+
+
+def logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.0, 1.7])
+def test_repetition_penalty_is_transformers_over_prompt_and_output(penalty):
+    raw = logits()
+    theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([PROMPT + OUTPUT]), raw.clone())
+    assert torch.allclose(apply_penalties(raw, [seq(repetition_penalty=penalty)]), theirs)
+
+
+def test_logit_bias_is_transformers_sequence_bias_and_ignores_ids_past_the_vocabulary():
+    raw, bias = logits(), {2: 5.0, 9: -7.5, 31: 100.0, VOCAB + 3: 50.0}
+    in_vocab = {(t,): b for t, b in bias.items() if t < VOCAB}
+    theirs = SequenceBiasLogitsProcessor(in_vocab)(torch.tensor([PROMPT + OUTPUT]), raw.clone())
+    assert torch.allclose(apply_penalties(raw, [seq(logit_bias=bias)]), theirs)
+
+
+@pytest.mark.parametrize("frequency,presence", [(0.5, 0.0), (0.0, 1.5), (-1.0, 2.0)])
+def test_frequency_and_presence_follow_openais_formula_over_the_output_only(frequency, presence):
+    raw = logits()
+    expected = raw.clone()
+    for token, count in Counter(OUTPUT).items():  # logit -= count * frequency + (count > 0) * presence
+        expected[0, token] -= count * frequency + presence
+    got = apply_penalties(raw, [seq(frequency_penalty=frequency, presence_penalty=presence)])
+    assert torch.allclose(got, expected)
+    assert got[0, 3] == raw[0, 3]  # in the prompt only: untouched
+
+
+def test_rows_without_penalties_are_untouched_in_a_mixed_batch():
+    raw = logits(3)
+    got = apply_penalties(raw, [seq("a"), seq("b", presence_penalty=1.0), seq("c")])
+    assert torch.equal(got[0], raw[0]) and torch.equal(got[2], raw[2]) and not torch.equal(got[1], raw[1])
+    assert apply_penalties(raw, [seq("a"), seq("b"), seq("c")]) is raw
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.2, 0.9])
+def test_min_p_keeps_the_same_tokens_as_transformers(min_p):
+    raw = logits(4, seed=7)
+    theirs = MinPLogitsWarper(min_p)(None, raw.clone())
+    assert torch.equal(apply_min_p(raw, [min_p] * 4).isfinite(), theirs.isfinite())
+
+
+def test_sampling_with_min_p_stays_inside_the_kept_set():
+    raw = logits(1, seed=3).repeat(200, 1)
+    kept = apply_min_p(raw[:1], [0.3]).isfinite()[0]
+    seqs = [seq(f"s{i}", temperature=1.0, min_p=0.3) for i in range(200)]
+    assert all(kept[t.token_id] for t in Sampler(seed=1).sample(raw, seqs))
+
+
+def test_a_strong_bias_decides_a_greedy_token():
+    assert Sampler().sample(logits(), [seq(temperature=0.0, logit_bias={17: 100.0})])[0].token_id == 17
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("min_p", 1.5),
+                                         ("repetition_penalty", 0), ("repetition_penalty", float("nan")),
+                                         ("logit_bias", {1: 101}), ("logit_bias", {-1: 1.0}),
+                                         ("logit_bias", {i: 1.0 for i in range(301)})])
+def test_out_of_range_settings_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
