@@ -35,6 +35,9 @@ def _add_serve(commands) -> None:
     p.add_argument("--host", default=None, help="HTTP host (default: the config's http_options, else 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's http_options, else 8000)")
     p.add_argument("--model", default=None, help="override the config's model (demo or a checkpoint directory)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) clients send as `model` (aliases; the first names the metrics); "
+                        "default: the config's served_model_name, else the model")
     p.add_argument("--api-key", default=None, help="require this Bearer key (default: $SPLITSERVE_API_KEY, if set)")
     p.set_defaults(run=_run_serve)
 
@@ -47,7 +50,8 @@ def _run_serve(args) -> int:
 
     try:
         config, http = load_cluster_config(args.config) if args.config else (ClusterConfig(), {})
-        overrides = {k: v for k, v in (("model", args.model),) if v is not None}
+        overrides = {k: v for k, v in (("model", args.model), ("served_model_name", args.served_model_name))
+                     if v is not None}
         if args.api_key:
             overrides["ingress"] = {**config.ingress.model_dump(), "api_key": args.api_key}
         config = ClusterConfig.model_validate({**config.model_dump(), **overrides})

@@ -224,9 +224,12 @@ def _request_error(error: dict) -> RequestError:
     return RequestError(f"{path}: {message}", param=path)
 
 
-def check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise RequestError(f"The model `{requested}` does not exist. This server serves `{served}`.",
+def check_model(requested: str, served: str | tuple[str, ...]) -> None:
+    """`served`: the name, or every alias, this server answers to."""
+    names = (served,) if isinstance(served, str) else served
+    if requested not in names:
+        listed = ", ".join(f"`{n}`" for n in names)
+        raise RequestError(f"The model `{requested}` does not exist. This server serves {listed}.",
                            status=404, param="model", code="model_not_found")
 
 

@@ -77,9 +77,10 @@ def sse_error(error: RequestError) -> bytes:
     return sse_event(error_body(error))
 
 
-def models_list(model: str, created: int, owned_by: str = "splitserve", max_model_len: int | None = None) -> dict:
-    """`/v1/models`; `max_model_len` is vLLM's extra field on each model."""
-    entry = {"id": model, "object": "model", "created": created, "owned_by": owned_by}
-    if max_model_len is not None:
-        entry["max_model_len"] = max_model_len
-    return {"object": "list", "data": [entry]}
+def models_list(models: str | tuple[str, ...], created: int, owned_by: str = "splitserve",
+                max_model_len: int | None = None) -> dict:
+    """`/v1/models`: one entry per name (aliases of one model); `max_model_len` is vLLM's extra field."""
+    names = (models,) if isinstance(models, str) else models
+    extra = {} if max_model_len is None else {"max_model_len": max_model_len}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": owned_by,
+                                        **extra} for name in names]}

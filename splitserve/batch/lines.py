@@ -117,7 +117,7 @@ def _error(code: str, message: str, line: int | None = None, param: str | None =
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def prepare(line: BatchLine, tokenizer, model: str, max_model_len: int,
+def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_len: int,
             limits: RequestLimits = RequestLimits()) -> Prepared:
     """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
     model_cls = CompletionRequest if line.kind == "completion" else ChatCompletionRequest
@@ -129,7 +129,7 @@ def prepare(line: BatchLine, tokenizer, model: str, max_model_len: int,
     return Prepared(prompt, sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size))
 
 
-def prepare_pending(lines: list[BatchLine], tokenizer, model: str, max_model_len: int, output: ResultLog,
+def prepare_pending(lines: list[BatchLine], tokenizer, model: str | tuple[str, ...], max_model_len: int, output: ResultLog,
                     errors: ResultLog, on_result: Callable[[bool], None], limits: RequestLimits = RequestLimits()
                     ) -> tuple[list[tuple[BatchLine, Prepared]], dict[int, int]]:
     """The lines that tokenize and check (a bad one's error is logged now, unless it already

@@ -29,8 +29,8 @@ DECODING_POOLS = ("token", "mixed")
 
 
 class ClusterExecutor:
-    def __init__(self, cls, model_shape: ModelShape, tokenizer, model: str, max_model_len: int, block_size: int,
-                 max_attempts: int, retry_s: float = 1.0, limits: RequestLimits = RequestLimits()):
+    def __init__(self, cls, model_shape: ModelShape, tokenizer, model: str | tuple[str, ...], max_model_len: int,
+                 block_size: int, max_attempts: int, retry_s: float = 1.0, limits: RequestLimits = RequestLimits()):
         self.workers, self.limits = WorkerDirectory(cls), limits
         self.shape, self.tokenizer, self.model = model_shape, tokenizer, model
         self.max_model_len, self.block_size = max_model_len, block_size
@@ -93,7 +93,7 @@ class ClusterExecutor:
             except RequestFailed as failure:
                 errors.append(_failed_line(line, failure))
                 return False
-        reply = RunResponse(line.kind, run, self.model, TextStream(self.tokenizer, prepared.params, prepared.prompt))
+        reply = RunResponse(line.kind, run, line.body["model"], TextStream(self.tokenizer, prepared.params, prepared.prompt))
         parts, reason, finished = [], None, False
         try:
             async for piece, reason in reply.pieces(every_delta=True):
@@ -107,7 +107,7 @@ class ClusterExecutor:
         finally:
             if not finished:
                 await run.abort()
-        output.append(result_line(line.custom_id, 200, response_body(line.kind, self.model, "".join(parts), reason,
+        output.append(result_line(line.custom_id, 200, response_body(line.kind, line.body["model"], "".join(parts), reason,
                                                                      len(prepared.prompt), len(run.tokens))))
         return True
 

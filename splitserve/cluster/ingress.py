@@ -50,7 +50,7 @@ class Ingress:
     def __init__(self, controller, config: dict):
         self.config = ClusterConfig.model_validate(config)
         _, self.tokenizer, self.max_model_len = load_metadata(self.config.model, self.config.engine.engine_config("token"))
-        self.model = self.config.model_name
+        self.model_names = self.config.model_names
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         self._controller = controller
         self._directory: WorkerDirectory | None = None
@@ -68,7 +68,7 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> JSONResponse:
-        return JSONResponse(R.models_list(self.model, self.created, max_model_len=self.max_model_len))
+        return JSONResponse(R.models_list(self.model_names, self.created, max_model_len=self.max_model_len))
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -120,7 +120,7 @@ class Ingress:
             retry = self.config.ingress.retry_after_s
             return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
                                                status=429, type="rate_limit_exceeded"), {"Retry-After": str(retry)})
-        reply = RunResponse(kind, run, self.model, TextStream(self.tokenizer, params, prompt), started,
+        reply = RunResponse(kind, run, body.model, TextStream(self.tokenizer, params, prompt), started,
                       self._observations.add)
         if body.stream:
             options = body.stream_options
@@ -143,7 +143,7 @@ class Ingress:
     def _parse(self, raw: bytes, kind: str):
         model_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
         body = parse_request(model_cls, raw)
-        check_model(body.model, self.model)
+        check_model(body.model, self.model_names)
         self.limits.check(body)
         if kind == "completion":
             prompt = prompt_token_ids_of(body, self.tokenizer)

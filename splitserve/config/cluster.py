@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from splitserve.config.options import (
     BatchAPIOptions,
@@ -25,6 +25,7 @@ from splitserve.config.options import (
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
 
 APP_IMPORT_PATH = "splitserve.cluster.app:build_app"
+MAX_MODEL_NAMES = 16  # aliases one cluster answers to
 
 
 class ClusterConfig(StrictModel):
@@ -32,7 +33,8 @@ class ClusterConfig(StrictModel):
 
     model: str = Field("demo", description="demo (the built-in byte-level Llama) or a Hugging Face checkpoint "
                        "directory (config.json, safetensors, tokenizer.json).")
-    served_model_name: str | None = Field(None, description="The name clients send as `model`; null: `model`.")
+    served_model_name: str | list[str] | None = Field(None, description="The name clients send as `model`, or "
+                                                      "several (aliases; the first names the metrics); null: `model`.")
     pools: list[PoolConfig] = Field([PoolConfig(role="prompt"), PoolConfig(role="token")], description="One pool "
                                     "per role: prompt and token together, mixed alone, or all three.")
     hardware_classes: dict[str, HardwareClassConfig] = Field({}, description="Hardware classes beyond the built-in "
@@ -60,9 +62,28 @@ class ClusterConfig(StrictModel):
             self.hardware(pool.hardware)
         return self
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _names(cls, value: str | list[str] | None) -> str | list[str] | None:
+        names = [value] if isinstance(value, str) else value or []
+        if value is not None and not names:
+            raise ValueError("give at least one name, or null for the model's own")
+        if len(names) > MAX_MODEL_NAMES or any(not n or len(n) > 256 for n in names):
+            raise ValueError(f"at most {MAX_MODEL_NAMES} names of 1 to 256 characters each, got {names!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"names must differ, got {names!r}")
+        return value
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name clients may send as `model`; the first is the one the metrics carry."""
+        if self.served_model_name is None:
+            return (self.model,)
+        return (self.served_model_name,) if isinstance(self.served_model_name, str) else tuple(self.served_model_name)
+
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.model_names[0]
 
     def hardware(self, name: str) -> HardwareProfile:
         if name in self.hardware_classes:

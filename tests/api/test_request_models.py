@@ -206,6 +206,9 @@ def test_unknown_model_is_404():
     error = info.value
     assert (error.status, error.type, error.code, error.param) == (404, "invalid_request_error", "model_not_found", "model")
     assert error.message == "The model `gpt-4` does not exist. This server serves `demo`."
+    check_model("gpt-3.5-turbo", ("llama", "gpt-3.5-turbo"))  # any alias
+    with pytest.raises(RequestError, match="serves `llama`, `gpt-3.5-turbo`"):
+        check_model("llama2", ("llama", "gpt-3.5-turbo"))
 
 
 def test_sampling_params_mapping():

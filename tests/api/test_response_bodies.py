@@ -155,3 +155,6 @@ def test_models_list():
     entry = models_list("demo", CREATED, owned_by="me", max_model_len=2048)["data"][0]
     parsed = parse(Model, entry, allowed_extra={"max_model_len"})
     assert parsed.owned_by == "me" and parsed.model_extra == {"max_model_len": 2048}
+    aliases = models_list(("llama-3-8b", "gpt-3.5-turbo"), CREATED, max_model_len=8192)["data"]
+    assert [parse(Model, e, allowed_extra={"max_model_len"}).id for e in aliases] == ["llama-3-8b", "gpt-3.5-turbo"]
+    assert all(e["max_model_len"] == 8192 for e in aliases)

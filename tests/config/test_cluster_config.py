@@ -234,3 +234,13 @@ def test_accelgen_is_chosen_per_pool_and_its_settings_reach_the_engine_and_the_s
     assert scenario.limits.slo == slo
     with pytest.raises(ValidationError, match="pivot_ms"):
         ClusterConfig.model_validate({"engine": {"slo_scheduling": {"pivot_ms": 0}}})
+
+
+def test_served_model_names_are_one_or_several_aliases():
+    assert ClusterConfig().model_names == ("demo",) and ClusterConfig().model_name == "demo"
+    assert ClusterConfig(served_model_name="llama").model_names == ("llama",)
+    aliases = ClusterConfig(served_model_name=["llama-3-8b", "gpt-3.5-turbo"])
+    assert aliases.model_names == ("llama-3-8b", "gpt-3.5-turbo") and aliases.model_name == "llama-3-8b"
+    for bad in ([], ["a", "a"], [""], ["x" * 257], [f"m{i}" for i in range(17)]):
+        with pytest.raises(ValueError, match="served_model_name"):
+            ClusterConfig(served_model_name=bad)

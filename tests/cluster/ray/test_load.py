@@ -1,6 +1,6 @@
 """Load on a real cluster: 64 concurrent streams with none lost, a prompt backlog that moves the
 token worker into the mixed pool and back (seen on the status endpoint), 429 with Retry-After
-when the cluster cannot admit, and the optional API key."""
+when the cluster cannot admit, the optional API key, and served model aliases."""
 from __future__ import annotations
 
 import asyncio
@@ -75,6 +75,22 @@ def test_api_key_is_required_when_configured(pools_server):
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{pools_server}/v1/models", headers=POOLS_KEY).status_code == 200
     assert httpx.get(f"{pools_server}/health").status_code == 200  # probes need no key
+
+
+def test_a_cluster_answers_to_each_of_its_served_model_names(pools_server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{pools_server}/v1", api_key=POOLS_KEY["Authorization"].split()[1], max_retries=0)
+    assert [(m.id, m.model_extra["max_model_len"]) for m in client.models.list().data] == \
+        [("demo", 2048), ("pools-alias", 2048)]
+    texts = []
+    for name in ("demo", "pools-alias"):
+        got = client.completions.create(model=name, prompt="aliases", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.model == name  # the name the client sent comes back
+        texts.append(got.choices[0].text)
+    assert texts[0] == texts[1]
+    with pytest.raises(openai.NotFoundError, match="serves `demo`, `pools-alias`"):
+        client.completions.create(model="other", prompt="x", max_tokens=1)
 
 
 def wait_until(read, done, timeout: float):

@@ -1,0 +1,25 @@
+"""`splitserve serve`'s flags reach the cluster config it serves (the launcher itself is stood in for)."""
+import pytest
+
+import splitserve.cluster.launcher as launcher
+from splitserve.cli import main
+
+
+def served_config(monkeypatch, *flags):
+    seen = {}
+    monkeypatch.setattr(launcher, "serve_until_interrupted",
+                        lambda config, host, port, address: seen.update(config=config, port=port))
+    assert main(["serve", *flags]) == 0
+    return seen["config"]
+
+
+def test_served_model_names_and_model_override_the_config(monkeypatch):
+    config = served_config(monkeypatch, "--served-model-name", "llama-3-8b", "gpt-3.5-turbo")
+    assert config.model == "demo" and config.model_names == ("llama-3-8b", "gpt-3.5-turbo")
+    assert served_config(monkeypatch).model_names == ("demo",)
+
+
+def test_a_bad_name_is_refused_before_anything_starts(monkeypatch, capsys):
+    monkeypatch.setattr(launcher, "serve_until_interrupted", lambda *args: pytest.fail("started"))
+    assert main(["serve", "--served-model-name", "same", "same"]) == 2
+    assert "served_model_name" in capsys.readouterr().err
