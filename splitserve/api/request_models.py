@@ -92,6 +92,7 @@ def _is_token_id(value) -> bool:
 
 
 NOT_SUPPORTED = "is not supported"
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's bound; OpenAI's is 5 on completions, 20 on chat)
 Stop = Annotated[str | list[str] | None, BeforeValidator(_stop_strings)]
 
 
@@ -168,10 +169,14 @@ class CompletionRequest(GenerationRequest):
 
     prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
     max_tokens: int | None = 16
-    logprobs: Annotated[int | None, _only(None, reason=f"{NOT_SUPPORTED} yet")] = None
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None  # the top alternatives per token
     echo: Annotated[bool | None, _only(None, False, reason=NOT_SUPPORTED)] = False
     best_of: Annotated[int | None, _only(None, 1, reason="only best_of=1 is supported")] = None
     suffix: Annotated[str | None, _only(None, reason=NOT_SUPPORTED)] = None
+
+    def requested_logprobs(self) -> int | None:
+        """How many top alternatives per token the client wants logprobs of; None: no logprobs."""
+        return self.logprobs
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -179,8 +184,8 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = None
-    logprobs: Annotated[bool | None, _only(None, False, reason=f"{NOT_SUPPORTED} yet")] = False
-    top_logprobs: Annotated[int | None, _only(None, reason=f"{NOT_SUPPORTED} yet")] = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
     # Accepted only with the values that ask for plain text, which is what the server produces.
     response_format: Annotated[dict | None, _only(None, {"type": "text"}, reason=NOT_SUPPORTED)] = None
     tools: Annotated[list | None, _only(None, [], reason=NOT_SUPPORTED)] = None
@@ -189,11 +194,20 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
 
     @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs: only allowed when logprobs is true", param="top_logprobs")
+        return self
+
+    @model_validator(mode="after")
     def _one_length_limit(self):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise RequestError("max_tokens and max_completion_tokens are the same limit (the second is OpenAI's "
                                "newer name); set only one", param="max_tokens")
         return self
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -249,7 +263,7 @@ def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_mode
             top_k=request.top_k, top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens, min_p=request.min_p,
+            skip_special_tokens=request.skip_special_tokens, min_p=request.min_p, logprobs=request.requested_logprobs(),
             presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias or {},
             **_slo_seconds(request.slo))

@@ -28,30 +28,31 @@ def _envelope(object_name: str, request_id: str, model: str, created: int, choic
 
 
 def completion_response(request_id: str, model: str, created: int, text: str, finish_reason: FinishReason,
-                        prompt_tokens: int, completion_tokens: int) -> dict:
-    body = completion_chunk(request_id, model, created, text, finish_reason)
+                        prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict:
+    body = completion_chunk(request_id, model, created, text, finish_reason, logprobs)
     return {**body, "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def completion_chunk(request_id: str, model: str, created: int, text: str,
-                     finish_reason: FinishReason | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                     finish_reason: FinishReason | None = None, logprobs: dict | None = None) -> dict:
+    """`logprobs`: `logprob_bodies.completion_logprobs` of this text's tokens, when asked for."""
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope("text_completion", request_id, model, created, [choice])
 
 
 def chat_response(request_id: str, model: str, created: int, content: str, finish_reason: FinishReason,
-                  prompt_tokens: int, completion_tokens: int) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                  prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
               "finish_reason": finish_reason}
     body = _envelope("chat.completion", request_id, model, created, [choice])
     return {**body, "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chat_chunk(request_id: str, model: str, created: int, *, role: str | None = None, content: str | None = None,
-               finish_reason: FinishReason | None = None) -> dict:
+               finish_reason: FinishReason | None = None, logprobs: dict | None = None) -> dict:
     """One stream chunk; its delta holds only what is given (the last chunk's delta is `{}`)."""
     delta = {key: value for key, value in (("role", role), ("content", content)) if value is not None}
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope("chat.completion.chunk", request_id, model, created, [choice])
 
 

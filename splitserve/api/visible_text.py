@@ -12,16 +12,23 @@ from splitserve.engine.tokenizer import Detokenizer, Tokenizer
 
 class TextStream:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int]):
+        self._tokenizer = tokenizer
         self._detokenizer = Detokenizer(tokenizer, params, prompt_token_ids)
         self._stops = params.stop
         self._sent = 0
         self.stopped = False  # a stop string ended the text
 
-    def append(self, token_ids: tuple[int, ...] | list[int]) -> None:
-        for token_id in token_ids:
+    def append(self, token_ids: tuple[int, ...] | list[int]) -> int:
+        """How many of `token_ids` made it into the text (none after a stop string)."""
+        for taken, token_id in enumerate(token_ids):
             if self.stopped:
-                return
+                return taken
             self.stopped = self._detokenizer.append(token_id)
+        return len(token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens spelled out), as logprobs name it."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def visible(self, final: bool) -> str:
         text = self._detokenizer.text

@@ -144,11 +144,13 @@ class Run:
             for delta in batch:
                 if delta.error:
                     raise _AttemptFailed(delta.error, self.placement.token_worker)
-                new = delta.token_ids[max(0, emitted - position):]
+                seen = max(0, emitted - position)  # the first token came from the prompt worker
+                new = delta.token_ids[seen:]
                 position += len(delta.token_ids)
                 emitted = max(emitted, position)
                 if new or delta.finish_reason:
-                    yield self._record(TokenDelta(tuple(new), delta.finish_reason))
+                    logprobs = None if delta.logprobs is None else delta.logprobs[seen:]
+                    yield self._record(TokenDelta(tuple(new), delta.finish_reason, logprobs=logprobs))
 
     async def _await_first(self) -> TokenDelta:
         task, self._first = self._first, None

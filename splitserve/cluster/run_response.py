@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 
 from splitserve.api import response_bodies as R
 from splitserve.api.errors import RequestError, error_response
+from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
 from splitserve.cluster.metrics import RequestObservation
@@ -15,7 +16,8 @@ from splitserve.cluster.metrics import RequestObservation
 
 class RunResponse:
     """Turns a run's token deltas into an OpenAI response or SSE stream, timing the tokens as
-    they leave (`on_done` gets the request's observation for the metrics)."""
+    they leave (`on_done` gets the request's observation for the metrics). With logprobs asked
+    for, each piece of text carries those of the tokens that made it (none past a stop string)."""
 
     def __init__(self, kind: str, run: Run, model: str, text: TextStream, started: float | None = None,
                  on_done: Callable[[RequestObservation], None] = lambda _: None):
@@ -24,6 +26,9 @@ class RunResponse:
         self.started = time.monotonic() if started is None else started
         self.on_done = on_done
         self.token_times: list[float] = []
+        self.num_top = run.params.logprobs  # None: no logprobs
+        self._entries: list[Entry] = []  # of the text not yet handed out
+        self._text_offset = 0  # completions' text_offset of the next token
 
     def observation(self, outcome: str) -> RequestObservation:
         times, end = self.token_times, time.monotonic()
@@ -37,7 +42,9 @@ class RunResponse:
         whose text is held back yield nothing unless `every_delta` (then an empty piece)."""
         async for delta in self.run.deltas():
             self.token_times += [time.monotonic()] * len(delta.token_ids)
-            self.text.append(delta.token_ids)
+            taken = self.text.append(delta.token_ids)
+            if self.num_top is not None and delta.logprobs is not None:
+                self._entries += zip(delta.token_ids[:taken], delta.logprobs[:taken])
             if self.text.stopped and delta.finish_reason is None:
                 await self.run.abort()
             reason = "stop" if self.text.stopped else delta.finish_reason
@@ -46,6 +53,17 @@ class RunResponse:
                 yield piece, reason
             if reason:
                 return
+
+    def take_logprobs(self) -> dict | None:
+        """The logprobs object of the tokens since the last call, in this endpoint's shape."""
+        if self.num_top is None:
+            return None
+        entries, self._entries = self._entries, []
+        if self.kind == "chat":
+            return chat_logprobs(entries, self.num_top, self.text.token_text)
+        body = completion_logprobs(entries, self.num_top, self.text.token_text, self._text_offset)
+        self._text_offset += sum(len(t) for t in body["tokens"])
+        return body
 
     async def whole(self) -> JSONResponse:
         parts, reason, finished = [], None, False
@@ -64,7 +82,7 @@ class RunResponse:
         self.on_done(self.observation("completed"))
         build = R.completion_response if self.kind == "completion" else R.chat_response
         return JSONResponse(build(self.run.request_id, self.model, self.created, "".join(parts), reason,
-                                  len(self.run.prompt), len(self.run.tokens)))
+                                  len(self.run.prompt), len(self.run.tokens), self.take_logprobs()))
 
     async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
         """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
@@ -93,7 +111,7 @@ class RunResponse:
             self.on_done(self.observation(outcome))
 
     def _chunk(self, piece: str, reason: str | None) -> dict:
-        rid = self.run.request_id
+        rid, logprobs = self.run.request_id, self.take_logprobs()
         if self.kind == "completion":
-            return R.completion_chunk(rid, self.model, self.created, piece, reason)
-        return R.chat_chunk(rid, self.model, self.created, content=piece, finish_reason=reason)
+            return R.completion_chunk(rid, self.model, self.created, piece, reason, logprobs)
+        return R.chat_chunk(rid, self.model, self.created, content=piece, finish_reason=reason, logprobs=logprobs)

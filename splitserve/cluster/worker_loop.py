@@ -50,6 +50,7 @@ class TokenDelta:
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     error: str | None = None  # failed here (a KV transfer broke): place it again elsewhere
+    logprobs: tuple[dict[int, float], ...] | None = None  # per token: {id: logprob}, the sampled one and the top
 
     @property
     def final(self) -> bool:
@@ -308,7 +309,9 @@ class WorkerLoop:
         handed_off = out.request_id in self._prefills
         if out.finished or handed_off:
             self._forget(out.request_id)
-        sink(TokenDelta(new, out.finish_reason if out.finished else None))
+        logprobs = out.outputs[0].logprobs
+        logprobs = None if logprobs is None else tuple(logprobs[sent:])
+        sink(TokenDelta(new, out.finish_reason if out.finished else None, logprobs=logprobs))
 
     def _fail(self, request_id: str, message: str) -> None:
         sink = self._sinks.get(request_id)

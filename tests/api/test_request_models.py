@@ -77,12 +77,9 @@ def test_missing_and_unknown_fields():
 @pytest.mark.parametrize("model_cls, base, field, value, message", [
     (CompletionRequest, COMPLETION, "n", 2, "n: only n=1 is supported; send one request per completion, got 2"),
     (ChatCompletionRequest, CHAT, "n", 0, "n: only n=1 is supported; send one request per completion, got 0"),
-    (CompletionRequest, COMPLETION, "logprobs", 0, "logprobs: is not supported yet, got 0"),
     (CompletionRequest, COMPLETION, "echo", True, "echo: is not supported, got True"),
     (CompletionRequest, COMPLETION, "best_of", 2, "best_of: only best_of=1 is supported, got 2"),
     (CompletionRequest, COMPLETION, "suffix", "end", "suffix: is not supported, got 'end'"),
-    (ChatCompletionRequest, CHAT, "logprobs", True, "logprobs: is not supported yet, got True"),
-    (ChatCompletionRequest, CHAT, "top_logprobs", 2, "top_logprobs: is not supported yet, got 2"),
     (ChatCompletionRequest, CHAT, "response_format", {"type": "json_object"},
      "response_format: is not supported, got {'type': 'json_object'}"),
     (ChatCompletionRequest, CHAT, "tools", [{"type": "function"}], "tools: is not supported, got [{'type': 'function'}]"),
@@ -129,6 +126,19 @@ def test_out_of_range_penalties_and_biases_are_400s(body, message, param):
     with pytest.raises(RequestError) as info:
         sampling_params(parse_request(CompletionRequest, json.dumps({**COMPLETION, **body}).encode()), 10, 100, 64)
     assert (info.value.message, info.value.param, info.value.status) == (message, param, 400)
+
+
+def test_logprobs_map_to_the_number_of_top_alternatives():
+    assert sampling_params(completion(logprobs=3), 10, 100).logprobs == 3
+    assert sampling_params(completion(logprobs=0), 10, 100).logprobs == 0
+    assert sampling_params(completion(), 10, 100).logprobs is None
+    assert sampling_params(chat(logprobs=True, top_logprobs=2), 10, 100).logprobs == 2
+    assert sampling_params(chat(logprobs=True), 10, 100).logprobs == 0
+    assert sampling_params(chat(logprobs=False), 10, 100).logprobs is None
+    error = refusal(ChatCompletionRequest, {**CHAT, "top_logprobs": 2})
+    assert (error.message, error.param) == ("top_logprobs: only allowed when logprobs is true", "top_logprobs")
+    error = refusal(CompletionRequest, {**COMPLETION, "logprobs": 21})
+    assert error.param == "logprobs" and "less than or equal to 20" in error.message
 
 
 def test_values_that_change_nothing_are_accepted():

@@ -57,6 +57,14 @@ def test_prepare_checks_a_body_like_its_endpoint():
     assert caught.value.status == 400
 
 
+def test_logprobs_are_refused_in_a_batch_line_naming_them():
+    [line] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions",
+                                     "body": {"model": "demo", "prompt": "hi", "logprobs": 2}}).encode())
+    with pytest.raises(RequestError) as caught:
+        prepare(line, demo_tokenizer(), "demo", 2048)
+    assert (caught.value.status, caught.value.param) == (400, "logprobs")
+
+
 def test_a_file_over_the_line_bound_is_refused_whole():
     assert len(parse_input(as_jsonl(batch_lines(5)), max_lines=5)) == 5
     with pytest.raises(InputFileError, match="more than 5 requests") as refused:

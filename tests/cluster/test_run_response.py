@@ -17,8 +17,8 @@ PROMPT = [256, 72, 105]
 class ScriptedRun:
     """Plays the deltas (or raises the error) a dispatch Run would give; records what happened to it."""
 
-    def __init__(self, deltas, error: Exception | None = None):
-        self.request_id, self.prompt, self.tokens = "cmpl-test", PROMPT, []
+    def __init__(self, deltas, error: Exception | None = None, params: SamplingParams = SamplingParams(max_tokens=64)):
+        self.request_id, self.prompt, self.tokens, self.params = "cmpl-test", PROMPT, [], params
         self._deltas, self._error, self.aborted = deltas, error, False
         self.finish_reason, self.failures = None, 0
 
@@ -39,10 +39,10 @@ def byte_ids(text: str) -> tuple[int, ...]:
     return tuple(text.encode())
 
 
-def reply_for(run, stop=(), observed=None):
-    params = SamplingParams(max_tokens=64, stop=stop)
+def reply_for(run, stop=(), observed=None, kind="completion"):
+    params = SamplingParams(max_tokens=64, stop=stop, logprobs=run.params.logprobs)
     on_done = observed.append if observed is not None else (lambda _: None)
-    return RunResponse("completion", run, "demo", TextStream(ByteTokenizer(), params, PROMPT), on_done=on_done)
+    return RunResponse(kind, run, "demo", TextStream(ByteTokenizer(), params, PROMPT), on_done=on_done)
 
 
 def events(reply, **kwargs) -> list:
@@ -109,3 +109,38 @@ def test_a_client_that_goes_away_aborts_the_run():
 
     asyncio.run(read_one_then_leave())
     assert run.aborted
+
+
+def logprob_deltas(text: str, per_delta: int):
+    """Byte-token deltas of `text`, each token with logprob -index/10 and its two runners-up."""
+    ids = byte_ids(text)
+    entries = [{t: -i / 10, ord("?"): -5.0, ord("!"): -6.0} for i, t in enumerate(ids)]
+    return [TokenDelta(ids[i:i + per_delta], "length" if i + per_delta >= len(ids) else None,
+                       logprobs=tuple(entries[i:i + per_delta])) for i in range(0, len(ids), per_delta)]
+
+
+def test_streamed_completion_logprobs_follow_the_text_and_stop_with_it():
+    run = ScriptedRun(logprob_deltas("Hello END world", 2), params=SamplingParams(max_tokens=64, logprobs=1))
+    chunks = [e for e in events(reply_for(run, stop=["END"]), include_usage=False) if e != "[DONE]"]
+    logprobs = [c["choices"][0]["logprobs"] for c in chunks]
+    tokens = [t for lp in logprobs for t in lp["tokens"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello "
+    assert "".join(tokens) == "Hello END"  # every token the text took, the stop string's included; none after
+    offsets = [o for lp in logprobs for o in lp["text_offset"]]
+    assert offsets == list(range(len(tokens)))  # one byte per token
+    assert [v for lp in logprobs for v in lp["token_logprobs"]] == [-i / 10 for i in range(len(tokens))]
+    assert [top for lp in logprobs for top in lp["top_logprobs"]] == [{c: -i / 10} for i, c in enumerate(tokens)]
+
+
+def test_chat_logprobs_carry_bytes_and_the_top_alternatives_best_first():
+    run = ScriptedRun(logprob_deltas("Hi", 5), params=SamplingParams(max_tokens=64, logprobs=2))
+    body = json.loads(asyncio.run(reply_for(run, kind="chat").whole()).body)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in content] == [("H", 0.0, [72]), ("i", -0.1, [105])]
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["i", "?"]  # the sampled one is likelier here
+
+
+def test_no_logprobs_unless_asked():
+    run = ScriptedRun(logprob_deltas("Hi", 5))
+    body = json.loads(asyncio.run(reply_for(run).whole()).body)
+    assert body["choices"][0]["logprobs"] is None

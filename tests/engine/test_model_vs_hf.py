@@ -267,6 +267,22 @@ def hf_greedy(model, ids: list[int], n: int, **options) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def test_logprobs_match_hf_log_softmax(ckpt):
+    """Each generated token's logprob and its top alternatives: transformers' log-softmax of the
+    logits at that position, within 1e-4 (float32), with chunked prefill and batched decodes."""
+    path, hf = ckpt
+    prompts = generation_prompts(hf.config.vocab_size)
+    llm = LLM(path, policy="mixed", chunk_token_budget=16, prompt_token_budget=48, dtype="float32", **ENGINE_ARGS)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=3))
+    for prompt, out in zip(prompts, outputs):
+        expected = hf_logits(hf, prompt + out.token_ids).log_softmax(dim=-1)[len(prompt) - 1:-1]
+        for step, (token_id, logprobs) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
+            top = expected[step].topk(3)
+            assert set(logprobs) == set(top.indices.tolist()) | {token_id}
+            for t, value in logprobs.items():
+                assert abs(value - expected[step, t].item()) < 1e-4, (step, t)
+
+
 @pytest.mark.parametrize("penalty", [1.3, 0.8])
 def test_greedy_generation_with_a_repetition_penalty_and_biases_matches_hf(ckpt, penalty):
     """transformers' `repetition_penalty` (over prompt and output) and `sequence_bias` for single

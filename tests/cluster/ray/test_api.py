@@ -66,6 +66,37 @@ def test_penalties_and_biases_give_the_offline_engines_text_streamed_and_not(cli
     assert expected != offline_text(offline, prompt, 24)[0]
 
 
+@pytest.mark.parametrize("prompt", [PROMPT, "z" * 700], ids=["one-shot", "layer-wise"])
+def test_logprobs_equal_the_offline_engines_whole_and_streamed(client, offline, prompt):
+    """The first token's logprobs come from the prompt worker, the rest from the token worker:
+    all equal one local engine's, and the tokens spell the text."""
+    out = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))[0]
+    expected = [lps[t] for t, lps in zip(out.token_ids, out.outputs[0].logprobs)]
+    spelled = [offline.engine.tokenizer.decode([t], skip_special_tokens=False) for t in out.token_ids]
+    args = dict(model="demo", prompt=prompt, max_tokens=12, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **args) if c.choices]
+    for tokens, logprobs, tops, text in (
+            (whole.logprobs.tokens, whole.logprobs.token_logprobs, whole.logprobs.top_logprobs, whole.text),
+            ([t for c in chunks for t in c.logprobs.tokens], [v for c in chunks for v in c.logprobs.token_logprobs],
+             [d for c in chunks for d in c.logprobs.top_logprobs], "".join(c.text for c in chunks))):
+        assert tokens == spelled and text == out.text
+        assert logprobs == pytest.approx(expected, abs=1e-4)
+        # keyed by token text: two byte tokens that both spell U+FFFD share a key, as in OpenAI's format
+        assert all(1 <= len(top) <= 2 and max(top.values()) <= lp + 1e-4 for top, lp in zip(tops, logprobs))
+
+
+def test_chat_logprobs_whole_and_streamed(client):
+    args = dict(model="demo", messages=[{"role": "user", "content": "Log my probabilities"}], max_tokens=10,
+                temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**args).choices[0]
+    streamed = [c.choices[0] for c in client.chat.completions.create(stream=True, **args) if c.choices]
+    content = [item for c in streamed if c.logprobs for item in c.logprobs.content]
+    assert [(i.token, i.bytes) for i in whole.logprobs.content] == [(i.token, i.bytes) for i in content]
+    assert len(content) == 10 and [i.logprob for i in content] == pytest.approx([i.logprob for i in whole.logprobs.content])
+    assert all(len(i.top_logprobs) == 3 and i.top_logprobs[0].logprob >= i.top_logprobs[-1].logprob for i in content)
+
+
 def test_chat_whole_and_streamed_agree(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0)

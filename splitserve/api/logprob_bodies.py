@@ -1,0 +1,40 @@
+"""OpenAI's `logprobs` objects from the engine's per-token logprobs: the legacy completions shape
+(`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and the chat shape (`content`: one entry
+per token with its bytes and its `top_logprobs`).
+
+An entry is (sampled token id, {token id: logprob}) where the dict holds the `num_top` most likely
+tokens and the sampled one, log-softmax of the raw logits (before temperature and penalties, as
+vLLM reports them). The top list is the `num_top` best of the dict: were the sampled token not
+among them, it is the one left out, being no likelier than any of them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Entry = tuple[int, dict[int, float]]
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(entries: Sequence[Entry], num_top: int, token_text: TokenText, offset: int = 0) -> dict:
+    """`offset`: where the first token's text starts in the choice's text (streamed chunks go on)."""
+    tokens = [token_text(token_id) for token_id, _ in entries]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [lps[token_id] for token_id, lps in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in _top(lps, num_top)} for _, lps in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: Sequence[Entry], num_top: int, token_text: TokenText) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(token_id, lps[token_id]), "top_logprobs": [item(t, lp) for t, lp in _top(lps, num_top)]}
+                        for token_id, lps in entries]}
+
+
+def _top(logprobs: dict[int, float], num_top: int) -> list[tuple[int, float]]:
+    return sorted(logprobs.items(), key=lambda item: -item[1])[:num_top]
