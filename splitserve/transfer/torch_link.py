@@ -93,11 +93,14 @@ class _Waiter:
         self._queue.put(None)
 
     def _run(self) -> None:
+        failed = None  # after a failed send the link is broken: later ones fail without a wait
         while (send := self._queue.get()) is not None:
-            try:
-                send.work.wait(datetime.timedelta(seconds=self.timeout))
-            except RuntimeError as error:
-                send.error = str(error).splitlines()[0]
+            if failed is None:
+                try:
+                    send.work.wait(datetime.timedelta(seconds=self.timeout))
+                except RuntimeError as error:
+                    failed = str(error).splitlines()[0]
+            send.error = failed
             send.finished.set()
 
 
