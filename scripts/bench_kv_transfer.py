@@ -146,7 +146,9 @@ class Pair:
 def measure(pair: Pair, model: str, n: int, repeats: int, kv_bytes_per_token: int) -> dict:
     prompt = [1] + [(7 * i) % 250 + 3 for i in range(n - 1)]
     rows = {k: [] for k in ("prefill", "coloc_second", "serialized", "visible", "ttft", "second")}
-    pair.colocated(prompt)  # warm-up
+    pair.colocated(prompt)  # warm-up: both engines' first steps, and the link's set-up, are not measured
+    pair.disaggregated(prompt, NEVER)
+    pair.disaggregated(prompt, 0)
     for _ in range(repeats):
         ttft, second = pair.colocated(prompt)
         one_shot = pair.disaggregated(prompt, NEVER)
