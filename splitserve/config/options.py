@@ -143,8 +143,8 @@ class TransferOptions(StrictModel):
     backend: Literal["auto", "gloo", "nccl", "grpc"] = Field(
         "auto", description="KV transfer backend: auto (NCCL on CUDA workers, gloo on CPU), gloo, nccl, or grpc "
         "(workers that share no collective fabric).")
-    timeout_s: float = Field(30.0, gt=0, description="Longest wait for any one KV message before the transfer "
-                             "fails.")
+    timeout_s: float = Field(30.0, gt=0, description="How long a transfer waits on a silent prompt worker, a send "
+                             "on its receiver, or a new link on its peer, before that transfer (or link) fails.")
     layerwise_threshold: int = Field(512, ge=1, description="Prompt tokens from which the KV streams layer by layer "
                                      "during the prefill; shorter prompts send it in one push after.")
     lease_s: float = Field(120.0, gt=0, description="Lease of a KV reservation: a transfer not completed this long "
