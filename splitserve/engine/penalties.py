@@ -25,9 +25,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[1]
     chosen = [seqs[i] for i in rows]
     index = torch.tensor(rows, device=device)
-    part = logits[index] + _biases(chosen, vocab, device)  # the bias first, as vLLM and transformers order them
+    part = _add_biases(logits[index], chosen)  # the bias first, as vLLM and transformers order them
     output_counts = _counts([s.output_token_ids for s in chosen], vocab, device)
-    seen = output_counts.gt(0) | _counts([s.prompt_token_ids for s in chosen], vocab, device).gt(0)
+    seen = _counts([s.token_ids for s in chosen], vocab, device).gt(0)  # in the prompt or the output
     repetition = _column([s.params.repetition_penalty for s in chosen], device)
     penalized = torch.where(part > 0, part / repetition, part * repetition)
     part = torch.where(seen, penalized, part)
@@ -51,13 +51,14 @@ def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> t
     return counts[:, :vocab]
 
 
-def _biases(seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
-    bias = torch.zeros(len(seqs), vocab)
-    for row, seq in enumerate(seqs):
-        for token_id, value in seq.params.logit_bias:
-            if token_id < vocab:
-                bias[row, token_id] += value
-    return bias.to(device)
+def _add_biases(part: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Adds each row's logit_bias where it names a token of the vocabulary (only those entries move)."""
+    entries = [(row, token_id, value) for row, seq in enumerate(seqs) for token_id, value in seq.params.logit_bias
+               if token_id < part.shape[1]]
+    if not entries:
+        return part
+    rows, cols, values = (torch.tensor(x, device=part.device) for x in zip(*entries))
+    return part.index_put((rows, cols), values.to(part.dtype), accumulate=True)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
