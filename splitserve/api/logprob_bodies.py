@@ -3,7 +3,7 @@
 per token with its bytes and its `top_logprobs`).
 
 An entry is (sampled token id, {token id: logprob}) where the dict holds the `num_top` most likely
-tokens and the sampled one, log-softmax of the raw logits (before temperature and penalties, as
+tokens and the sampled one (None for an echoed prompt's first token, which nothing predicts), log-softmax of the raw logits (before temperature and penalties, as
 vLLM reports them). The top list is the `num_top` best of the dict: were the sampled token not
 among them, it is the one left out, being no likelier than any of them.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-Entry = tuple[int, dict[int, float]]
+Entry = tuple[int, dict[int, float] | None]
 TokenText = Callable[[int], str]
 
 
@@ -22,8 +22,10 @@ def completion_logprobs(entries: Sequence[Entry], num_top: int, token_text: Toke
     for text in tokens:
         offsets.append(at)
         at += len(text)
-    return {"tokens": tokens, "token_logprobs": [lps[token_id] for token_id, lps in entries],
-            "top_logprobs": [{token_text(t): lp for t, lp in _top(lps, num_top)} for _, lps in entries],
+    return {"tokens": tokens,
+            "token_logprobs": [None if lps is None else lps[token_id] for token_id, lps in entries],
+            "top_logprobs": [None if lps is None else {token_text(t): lp for t, lp in _top(lps, num_top)}
+                             for _, lps in entries],
             "text_offset": offsets}
 
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from splitserve.api.errors import RequestError
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 
 # torch.Generator.manual_seed takes any value of int64 or uint64; a larger seed would fail in a worker.
@@ -92,7 +92,6 @@ def _is_token_id(value) -> bool:
 
 
 NOT_SUPPORTED = "is not supported"
-MAX_LOGPROBS = 20  # top alternatives per token (vLLM's bound; OpenAI's is 5 on completions, 20 on chat)
 Stop = Annotated[str | list[str] | None, BeforeValidator(_stop_strings)]
 
 
@@ -163,6 +162,19 @@ class GenerationRequest(BaseModel):
         """The completion-length limit the client asked for, and the field it came in."""
         return self.max_tokens, "max_tokens"
 
+    def echoes_prompt(self) -> bool:
+        """The response starts with the prompt (completions' `echo`)."""
+        return False
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many top alternatives per prompt token the client wants logprobs of; None: none."""
+        return None
+
+    def scores_prompt_only(self) -> bool:
+        """Echo with max_tokens 0: the prompt and its logprobs, nothing generated (how evaluation
+        harnesses score a text)."""
+        return self.echoes_prompt() and self.requested_max_tokens()[0] == 0
+
 
 class CompletionRequest(GenerationRequest):
     PROMPT_FIELD: ClassVar[str] = "prompt"
@@ -170,13 +182,19 @@ class CompletionRequest(GenerationRequest):
     prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
     max_tokens: int | None = 16
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None  # the top alternatives per token
-    echo: Annotated[bool | None, _only(None, False, reason=NOT_SUPPORTED)] = False
+    echo: bool | None = False  # the prompt in front of the text, with its logprobs when those are asked for
     best_of: Annotated[int | None, _only(None, 1, reason="only best_of=1 is supported")] = None
     suffix: Annotated[str | None, _only(None, reason=NOT_SUPPORTED)] = None
 
     def requested_logprobs(self) -> int | None:
         """How many top alternatives per token the client wants logprobs of; None: no logprobs."""
         return self.logprobs
+
+    def echoes_prompt(self) -> bool:
+        return bool(self.echo)
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -264,6 +282,7 @@ def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_mode
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens, min_p=request.min_p, logprobs=request.requested_logprobs(),
+            prompt_logprobs=request.requested_prompt_logprobs(),
             presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias or {},
             **_slo_seconds(request.slo))
@@ -289,8 +308,11 @@ def _max_tokens(request: GenerationRequest, num_prompt_tokens: int, max_model_le
     max_tokens, field = request.requested_max_tokens()
     if max_tokens is None:
         return max_model_len - num_prompt_tokens
+    if request.scores_prompt_only():
+        return 1  # the prefill must run (it computes the prompt's logprobs); its one token is not returned
     if max_tokens < 1:
-        raise RequestError(f"{field} must be at least 1, got {max_tokens}", param=field)
+        zero = " (0 only with echo, to score the prompt)" if isinstance(request, CompletionRequest) else ""
+        raise RequestError(f"{field} must be at least 1{zero}, got {max_tokens}", param=field)
     if num_prompt_tokens + max_tokens > max_model_len:
         raise RequestError(f"{context} However, you requested {num_prompt_tokens + max_tokens} tokens "
                            f"({num_prompt_tokens} in the {what}, {max_tokens} in the completion). "

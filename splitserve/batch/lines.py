@@ -123,9 +123,9 @@ def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_
     model_cls = CompletionRequest if line.kind == "completion" else ChatCompletionRequest
     body = parse_request(model_cls, json.dumps(line.body).encode())
     check_model(body.model, model)
-    if body.requested_logprobs() is not None:
-        raise RequestError("logprobs: not supported in batches yet; send the request to its endpoint",
-                           param="logprobs")
+    for field, asked in (("logprobs", body.requested_logprobs() is not None), ("echo", body.echoes_prompt())):
+        if asked:
+            raise RequestError(f"{field}: not supported in batches yet; send the request to its endpoint", param=field)
     limits.check(body)
     prompt = prompt_token_ids_of(body, tokenizer) if line.kind == "completion" else \
         chat_prompt_token_ids(body, tokenizer)

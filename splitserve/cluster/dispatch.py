@@ -74,6 +74,7 @@ class Run:
     token_handle: object = None
     _attempts: itertools.count = field(default_factory=itertools.count)
     failures: int = 0  # attempts that failed (each one placed the request again, if attempts were left)
+    prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None  # from the first attempt that computed them
     _stream: object = None
     _first: asyncio.Task | None = None
 
@@ -150,7 +151,8 @@ class Run:
                 emitted = max(emitted, position)
                 if new or delta.finish_reason:
                     logprobs = None if delta.logprobs is None else delta.logprobs[seen:]
-                    yield self._record(TokenDelta(tuple(new), delta.finish_reason, logprobs=logprobs))
+                    yield self._record(TokenDelta(tuple(new), delta.finish_reason, logprobs=logprobs,
+                                                  prompt_logprobs=delta.prompt_logprobs))
 
     async def _await_first(self) -> TokenDelta:
         task, self._first = self._first, None
@@ -172,14 +174,17 @@ class Run:
             raise _AttemptFailed(f"token worker failed: {error.cause}", self.placement.token_worker) from None
 
     def _record(self, delta: TokenDelta) -> TokenDelta:
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.tokens += delta.token_ids
         self.finish_reason = delta.finish_reason
         return delta
 
     def _remaining_params(self) -> SamplingParams:
-        done = len(self.tokens)
+        done, have_prompt_logprobs = len(self.tokens), self.prompt_logprobs is not None
         return replace(self.params, max_tokens=self.params.max_tokens - done,
-                       min_tokens=max(0, self.params.min_tokens - done))
+                       min_tokens=max(0, self.params.min_tokens - done),
+                       prompt_logprobs=None if have_prompt_logprobs else self.params.prompt_logprobs)
 
     # ---- failover ---------------------------------------------------------------------------
     async def _recover(self, failure: _AttemptFailed) -> None:

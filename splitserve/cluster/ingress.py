@@ -120,8 +120,11 @@ class Ingress:
             retry = self.config.ingress.retry_after_s
             return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
                                                status=429, type="rate_limit_exceeded"), {"Retry-After": str(retry)})
+        echo = None
+        if body.echoes_prompt():
+            echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
         reply = RunResponse(kind, run, body.model, TextStream(self.tokenizer, params, prompt), started,
-                      self._observations.add)
+                            self._observations.add, echo=echo, generated=not body.scores_prompt_only())
         if body.stream:
             options = body.stream_options
             stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))

@@ -17,11 +17,17 @@ from splitserve.cluster.metrics import RequestObservation
 class RunResponse:
     """Turns a run's token deltas into an OpenAI response or SSE stream, timing the tokens as
     they leave (`on_done` gets the request's observation for the metrics). With logprobs asked
-    for, each piece of text carries those of the tokens that made it (none past a stop string)."""
+    for, each piece of text carries those of the tokens that made it (none past a stop string).
+
+    `echo`: the prompt's text, put in front of the first piece (completions' `echo`), with the prompt
+    tokens' logprobs in front of the first token's; `generated=False` (echo with max_tokens 0): the
+    token the workers sampled is left out, so the response is the scored prompt alone."""
 
     def __init__(self, kind: str, run: Run, model: str, text: TextStream, started: float | None = None,
-                 on_done: Callable[[RequestObservation], None] = lambda _: None):
+                 on_done: Callable[[RequestObservation], None] = lambda _: None, echo: str | None = None,
+                 generated: bool = True):
         self.kind, self.run, self.model, self.text = kind, run, model, text
+        self._echo, self.generated = echo, generated
         self.created = int(time.time())
         self.started = time.monotonic() if started is None else started
         self.on_done = on_done
@@ -42,17 +48,31 @@ class RunResponse:
         whose text is held back yield nothing unless `every_delta` (then an empty piece)."""
         async for delta in self.run.deltas():
             self.token_times += [time.monotonic()] * len(delta.token_ids)
-            taken = self.text.append(delta.token_ids)
+            echoed = self._take_echo()
+            taken = self.text.append(delta.token_ids) if self.generated else 0
             if self.num_top is not None and delta.logprobs is not None:
                 self._entries += zip(delta.token_ids[:taken], delta.logprobs[:taken])
             if self.text.stopped and delta.finish_reason is None:
                 await self.run.abort()
             reason = "stop" if self.text.stopped else delta.finish_reason
-            piece = self.text.delta(final=reason is not None)
+            piece = echoed + self.text.delta(final=reason is not None)
             if piece or reason or (every_delta and delta.token_ids):
                 yield piece, reason
             if reason:
                 return
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.run.tokens) if self.generated else 0
+
+    def _take_echo(self) -> str:
+        """The echoed prompt, once (its logprobs join the entries; the first prompt token has none)."""
+        if self._echo is None:
+            return ""
+        echoed, self._echo = self._echo, None
+        if self.num_top is not None and self.run.prompt_logprobs is not None:
+            self._entries += zip(self.run.prompt, (None, *self.run.prompt_logprobs[1:]))
+        return echoed
 
     def take_logprobs(self) -> dict | None:
         """The logprobs object of the tokens since the last call, in this endpoint's shape."""
@@ -82,7 +102,7 @@ class RunResponse:
         self.on_done(self.observation("completed"))
         build = R.completion_response if self.kind == "completion" else R.chat_response
         return JSONResponse(build(self.run.request_id, self.model, self.created, "".join(parts), reason,
-                                  len(self.run.prompt), len(self.run.tokens), self.take_logprobs()))
+                                  len(self.run.prompt), self.completion_tokens, self.take_logprobs()))
 
     async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
         """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
@@ -95,12 +115,12 @@ class RunResponse:
             async for piece, reason in self.pieces(every_delta=continuous_usage):
                 chunk = self._chunk(piece, reason)
                 if continuous_usage:
-                    chunk["usage"] = R.usage(len(self.run.prompt), len(self.run.tokens))
+                    chunk["usage"] = R.usage(len(self.run.prompt), self.completion_tokens)
                 yield R.sse_event(chunk)
             finished, outcome = True, "completed"
             if include_usage:
                 yield R.sse_event(R.usage_chunk(self.kind, self.run.request_id, self.model, self.created,
-                                                len(self.run.prompt), len(self.run.tokens)))
+                                                len(self.run.prompt), self.completion_tokens))
             yield R.SSE_DONE
         except RequestFailed as error:
             finished, outcome = True, "failed"

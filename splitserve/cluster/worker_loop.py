@@ -51,6 +51,8 @@ class TokenDelta:
     finish_reason: str | None = None
     error: str | None = None  # failed here (a KV transfer broke): place it again elsewhere
     logprobs: tuple[dict[int, float], ...] | None = None  # per token: {id: logprob}, the sampled one and the top
+    # with a request's first token, when asked for: per prompt position (None at 0), the same shape
+    prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
 
     @property
     def final(self) -> bool:
@@ -311,7 +313,9 @@ class WorkerLoop:
             self._forget(out.request_id)
         logprobs = out.outputs[0].logprobs
         logprobs = None if logprobs is None else tuple(logprobs[sent:])
-        sink(TokenDelta(new, out.finish_reason if out.finished else None, logprobs=logprobs))
+        prompt_logprobs = tuple(out.prompt_logprobs) if sent == 0 and out.prompt_logprobs is not None else None
+        sink(TokenDelta(new, out.finish_reason if out.finished else None, logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs))
 
     def _fail(self, request_id: str, message: str) -> None:
         sink = self._sinks.get(request_id)

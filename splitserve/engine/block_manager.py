@@ -149,7 +149,7 @@ class BlockManager:
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks. The last token is never
         covered, so a step always computes at least one token and produces logits."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return []
         hits, parent = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):

@@ -14,6 +14,7 @@ from splitserve.engine.model_builder import build_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
+from splitserve.engine.prompt_logprobs import prompt_logprobs
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence, SequenceStatus
@@ -29,6 +30,7 @@ class _Request:
     detokenizer: Detokenizer
     timestamps: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; [0] stays None
 
 
 class StepFailed(RuntimeError):
@@ -69,6 +71,8 @@ class LLMEngine:
         """Queue a request. Invalid input raises ValueError naming the field, and changes nothing.
         `hand_off`: prefill only and hold the KV for export (default: what the policy's role does)."""
         req = self._new_request(request_id, prompt, params, arrival_time)
+        if req.seq.params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * req.seq.num_prompt_tokens
         self.policy.add(req.seq, hand_off)
         self._requests[request_id] = req
         return req.seq
@@ -129,8 +133,13 @@ class LLMEngine:
                 item.seq.first_scheduled_time = start
         tables = {item.seq.seq_id: self.block_manager.block_table(item.seq.seq_id) for item in plan.scheduled}
         hook = None if after_layer is None else (lambda i: after_layer(plan, i))
-        seqs, logits = self.runner.execute(plan, tables, hook)
-        sampled = dict(zip((s.seq_id for s in seqs), self.sampler.sample(logits, seqs)))
+        forward = self.runner.execute(plan, tables, hook)
+        for rows in forward.prompt_rows:
+            found = self._requests[rows.seq.seq_id].prompt_logprobs
+            if found is not None:  # None: an import reserved here, whose prompt worker computes them
+                found[rows.first_position:rows.first_position + len(rows.hidden)] = \
+                    prompt_logprobs(self.runner.model.compute_logits, rows)
+        sampled = dict(zip((s.seq_id for s in forward.seqs), self.sampler.sample(forward.logits, forward.seqs)))
         now = time.monotonic()
         self.policy.observe(plan, now - start)
         updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
@@ -215,4 +224,4 @@ class LLMEngine:
         completion = CompletionOutput(0, req.detokenizer.text, seq.output_token_ids, seq.finish_reason,
                                       req.logprobs, req.timestamps)
         return RequestOutput(seq.seq_id, req.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             seq.arrival_time, seq.num_cached_tokens, seq.first_scheduled_time)
+                             seq.arrival_time, seq.num_cached_tokens, seq.first_scheduled_time, req.prompt_logprobs)

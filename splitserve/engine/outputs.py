@@ -27,6 +27,9 @@ class RequestOutput:
     arrival_time: float
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() of its first step (None: imported KV)
+    # per prompt position: {token id: logprob}, the prompt's token included; None at position 0.
+    # None when not asked for, and on a token worker (the prompt worker computed them)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -50,7 +50,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must have shape [len(seqs)={len(seqs)}, vocab], "
                              f"got {tuple(logits.shape)}")
-        logits = _sanitized(logits.float())
+        logits = sanitized_logits(logits.float())
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         logits = apply_penalties(_mask_stop_tokens(logits, seqs), seqs)
@@ -97,7 +97,7 @@ class Sampler:
         return self._seeded[seq.seq_id]
 
 
-def _sanitized(logits: torch.Tensor) -> torch.Tensor:
+def sanitized_logits(logits: torch.Tensor) -> torch.Tensor:
     """NaN -> -inf (never chosen), +inf -> the largest float (chosen, without NaNs in a softmax)."""
     if torch.isfinite(logits).all():
         return logits

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 MAX_REPETITION_PENALTY = 10.0
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's bound)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token, besides the sampled one
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (computed in the prefill)
     min_p: float = 0.0  # drop tokens less likely than min_p times the top token (after temperature)
     presence_penalty: float = 0.0   # OpenAI's: subtracted once from a token already in the output
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output
@@ -52,8 +54,10 @@ class SamplingParams:
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         _check(all(s for s in self.stop), "stop strings must be non-empty")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):

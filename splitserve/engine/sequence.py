@@ -70,6 +70,12 @@ class Sequence:
         return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs were asked for and are not computed yet: every prompt position must run
+        through the model (no prefix-cache hit may skip one)."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -77,14 +77,13 @@ def test_missing_and_unknown_fields():
 @pytest.mark.parametrize("model_cls, base, field, value, message", [
     (CompletionRequest, COMPLETION, "n", 2, "n: only n=1 is supported; send one request per completion, got 2"),
     (ChatCompletionRequest, CHAT, "n", 0, "n: only n=1 is supported; send one request per completion, got 0"),
-    (CompletionRequest, COMPLETION, "echo", True, "echo: is not supported, got True"),
     (CompletionRequest, COMPLETION, "best_of", 2, "best_of: only best_of=1 is supported, got 2"),
     (CompletionRequest, COMPLETION, "suffix", "end", "suffix: is not supported, got 'end'"),
     (ChatCompletionRequest, CHAT, "response_format", {"type": "json_object"},
      "response_format: is not supported, got {'type': 'json_object'}"),
     (ChatCompletionRequest, CHAT, "tools", [{"type": "function"}], "tools: is not supported, got [{'type': 'function'}]"),
     (ChatCompletionRequest, CHAT, "tool_choice", "auto", "tool_choice: is not supported, got 'auto'"),
-    (CompletionRequest, COMPLETION, "echo", None, None),  # null is the default for every one of them
+    (CompletionRequest, COMPLETION, "suffix", None, None),  # null is the default for every one of them
 ])
 def test_unsupported_parameters(model_cls, base, field, value, message):
     if message is None:
@@ -251,7 +250,18 @@ def test_max_tokens_at_least_one(request_, field):
     with pytest.raises(RequestError) as info:
         sampling_params(request_, 10, 100)
     value = getattr(request_, field)
-    assert (info.value.message, info.value.param) == (f"{field} must be at least 1, got {value}", field)
+    zero = " (0 only with echo, to score the prompt)" if isinstance(request_, CompletionRequest) else ""
+    assert (info.value.message, info.value.param) == (f"{field} must be at least 1{zero}, got {value}", field)
+
+
+def test_echo_asks_the_prefill_for_prompt_logprobs_and_max_tokens_0_scores_the_prompt_alone():
+    scoring = completion(echo=True, max_tokens=0, logprobs=1)
+    assert scoring.scores_prompt_only()
+    params = sampling_params(scoring, 10, 100)
+    assert (params.max_tokens, params.logprobs, params.prompt_logprobs) == (1, 1, 1)
+    assert sampling_params(completion(echo=True), 10, 100).prompt_logprobs is None  # text only
+    assert sampling_params(completion(logprobs=2), 10, 100).prompt_logprobs is None  # not echoed
+    assert not completion(echo=True, max_tokens=3).scores_prompt_only()
 
 
 def context_error(request, num_prompt_tokens, max_model_len) -> RequestError:

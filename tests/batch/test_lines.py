@@ -57,12 +57,13 @@ def test_prepare_checks_a_body_like_its_endpoint():
     assert caught.value.status == 400
 
 
-def test_logprobs_are_refused_in_a_batch_line_naming_them():
+@pytest.mark.parametrize("field, value", [("logprobs", 2), ("echo", True)])
+def test_logprobs_and_echo_are_refused_in_a_batch_line_naming_them(field, value):
     [line] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions",
-                                     "body": {"model": "demo", "prompt": "hi", "logprobs": 2}}).encode())
+                                     "body": {"model": "demo", "prompt": "hi", field: value}}).encode())
     with pytest.raises(RequestError) as caught:
         prepare(line, demo_tokenizer(), "demo", 2048)
-    assert (caught.value.status, caught.value.param) == (400, "logprobs")
+    assert (caught.value.status, caught.value.param) == (400, field)
 
 
 def test_a_file_over_the_line_bound_is_refused_whole():

@@ -283,6 +283,26 @@ def test_logprobs_match_hf_log_softmax(ckpt):
                 assert abs(value - expected[step, t].item()) < 1e-4, (step, t)
 
 
+def test_prompt_logprobs_match_hf_log_softmax_even_where_the_prefix_is_cached(ckpt):
+    """Every prompt position after the first: its token's logprob and the top alternatives, from
+    transformers' log-softmax at the position before, within 1e-4, through chunked prefills. The
+    prompts' prefixes are cached by a first run; a run asking for prompt logprobs computes them anyway."""
+    path, hf = ckpt
+    prompts = generation_prompts(hf.config.vocab_size)
+    llm = LLM(path, policy="mixed", chunk_token_budget=16, prompt_token_budget=48, dtype="float32", **ENGINE_ARGS)
+    assert sum(o.num_cached_tokens for o in llm.generate(prompts, SamplingParams(max_tokens=1))) > 0
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
+    for prompt, out in zip(prompts, outputs):
+        assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None and out.outputs[0].logprobs is None
+        expected = hf_logits(hf, prompt).log_softmax(dim=-1)
+        for position in range(1, len(prompt)):
+            logprobs, row = out.prompt_logprobs[position], expected[position - 1]
+            assert set(logprobs) == set(row.topk(2).indices.tolist()) | {prompt[position]}
+            for t, value in logprobs.items():
+                assert abs(value - row[t].item()) < 1e-4, (position, t)
+
+
 @pytest.mark.parametrize("penalty", [1.3, 0.8])
 def test_greedy_generation_with_a_repetition_penalty_and_biases_matches_hf(ckpt, penalty):
     """transformers' `repetition_penalty` (over prompt and output) and `sequence_bias` for single

@@ -86,6 +86,27 @@ def test_logprobs_equal_the_offline_engines_whole_and_streamed(client, offline, 
         assert all(1 <= len(top) <= 2 and max(top.values()) <= lp + 1e-4 for top, lp in zip(tops, logprobs))
 
 
+@pytest.mark.parametrize("prompt", [PROMPT, "z" * 700], ids=["one-shot", "layer-wise"])
+def test_echo_scores_the_prompt_with_the_prompt_workers_logprobs_whole_and_streamed(client, offline, prompt):
+    """What evaluation harnesses send (echo, logprobs, max_tokens 0): the prompt's text and its
+    tokens' logprobs, computed by the prompt worker's prefill, equal to one local engine's."""
+    out = offline.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=1))[0]
+    ids = out.prompt_token_ids
+    expected = [lps[t] for t, lps in zip(ids[1:], out.prompt_logprobs[1:])]
+    scored = client.completions.create(model="demo", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    chunks = [c.choices[0] for c in client.completions.create(model="demo", prompt=prompt, echo=True, logprobs=1,
+                                                              max_tokens=0, stream=True) if c.choices]
+    whole = scored.choices[0]
+    assert scored.usage.completion_tokens == 0 and whole.text == prompt == "".join(c.text for c in chunks)
+    for logprobs in (whole.logprobs.token_logprobs, [v for c in chunks for v in c.logprobs.token_logprobs]):
+        assert len(logprobs) == len(ids) and logprobs[0] is None
+        assert logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert whole.logprobs.top_logprobs[0] is None and all(len(top) == 1 for top in whole.logprobs.top_logprobs[1:])
+    generated = client.completions.create(model="demo", prompt=prompt, echo=True, logprobs=0, max_tokens=4,
+                                          temperature=0, extra_body={"ignore_eos": True}).choices[0]
+    assert generated.text == prompt + out.text and len(generated.logprobs.tokens) == len(ids) + 4
+
+
 def test_chat_logprobs_whole_and_streamed(client):
     args = dict(model="demo", messages=[{"role": "user", "content": "Log my probabilities"}], max_tokens=10,
                 temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
@@ -122,7 +143,7 @@ def test_stop_string_ends_the_text_at_the_ingress(client, offline):
     (b'{"model": "nope", "prompt": "hi"}', 404, "does not exist"),
     (b'{"model": "demo", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
     (b'{"model": "demo", "prompt": "hi", "n": 2}', 400, "n"),
-    (b'{"model": "demo", "prompt": "hi", "echo": true}', 400, "echo"),
+    (b'{"model": "demo", "prompt": "hi", "suffix": "end"}', 400, "suffix"),
     (b'{"model": "demo", "prompt": "hi", "frobnicate": 1}', 400, "frobnicate"),
     (b'{"model": "demo", "prompt": "' + b"y" * 2100 + b'"}', 400, "maximum context length"),
 ])
