@@ -29,6 +29,7 @@ from splitserve.api.request_models import (
     prompt_token_ids_of,
     sampling_params,
 )
+from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from splitserve.api.visible_text import TextStream
 from splitserve.batch import routes as batch_routes
 from splitserve.cluster.batch_manager import RemoteBatches
@@ -69,6 +70,20 @@ class Ingress:
     @api.get("/v1/models")
     async def models(self) -> JSONResponse:
         return JSONResponse(R.models_list(self.model_names, self.created, max_model_len=self.max_model_len))
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        return await self._tokenizer_call(request, TokenizeRequest, lambda body: tokenize(
+            body, self.tokenizer, self.model_names, self.max_model_len))
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        return await self._tokenizer_call(request, DetokenizeRequest, lambda body: detokenize(
+            body, self.tokenizer, self.model_names))
+
+    @api.get("/tokenizer_info")
+    async def tokenizer_info(self) -> JSONResponse:
+        return JSONResponse(tokenizer_info(self.tokenizer, self.max_model_len))
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -130,6 +145,13 @@ class Ingress:
             stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))
             return StreamingResponse(stream, media_type="text/event-stream")
         return await reply.whole()
+
+    async def _tokenizer_call(self, request: Request, model_cls, answer) -> JSONResponse:
+        raw = await request.body()
+        try:
+            return JSONResponse(await asyncio.to_thread(lambda: answer(parse_request(model_cls, raw))))
+        except RequestError as error:
+            return error_response(error)
 
     async def _batches_handle(self):
         return await self._controller.batches_handle.remote()

@@ -23,6 +23,15 @@ def test_health_and_models(server, client):
     assert [m.id for m in client.models.list().data] == ["demo"]
 
 
+def test_tokenizer_endpoints(server):
+    tokens = httpx.post(f"{server}/tokenize", json={"model": "demo", "prompt": "hi"}).json()["tokens"]
+    assert tokens == [256, *b"hi"]
+    assert httpx.post(f"{server}/detokenize", json={"tokens": tokens}).json() == {"prompt": "<s>hi"}
+    assert httpx.get(f"{server}/tokenizer_info").json()["eos_token"] == "</s>"
+    refused = httpx.post(f"{server}/tokenize", json={"prompt": "hi", "messages": []})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+
+
 def test_completion_greedy_equals_offline_engine(client, offline):
     got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0,
                                     extra_body={"ignore_eos": True})

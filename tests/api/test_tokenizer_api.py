@@ -1,0 +1,59 @@
+"""vLLM's tokenizer endpoints as pure functions: ids, text and the special tokens a client needs
+to score text itself (lm-evaluation-harness's remote tokenizer reads `eos_token`, `/tokenize` ids
+and `/detokenize` text)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitserve.api.errors import RequestError
+from splitserve.api.request_models import parse_request
+from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
+from splitserve.engine.demo import demo_tokenizer
+
+SERVED = ("demo", "alias")
+
+
+def body(model_cls, **fields):
+    return parse_request(model_cls, json.dumps(fields).encode())
+
+
+def test_tokenize_a_prompt_with_or_without_special_tokens_and_back():
+    tok = demo_tokenizer()
+    with_bos = tokenize(body(TokenizeRequest, prompt="héllo"), tok, SERVED, 2048)
+    bare = tokenize(body(TokenizeRequest, prompt="héllo", add_special_tokens=False, model="alias"), tok, SERVED, 2048)
+    assert with_bos == {"count": 7, "max_model_len": 2048, "tokens": [tok.BOS, *"héllo".encode()]}
+    assert bare["tokens"] == with_bos["tokens"][1:]
+    assert detokenize(body(DetokenizeRequest, tokens=with_bos["tokens"]), tok, SERVED) == {"prompt": "<s>héllo"}
+
+
+def test_tokenize_chat_messages_through_the_chat_template():
+    tokens = tokenize(body(TokenizeRequest, messages=[{"role": "user", "content": "hi"}]), demo_tokenizer(), SERVED,
+                      2048)["tokens"]
+    assert bytes(tokens[1:]).decode() == "user: hi\nassistant:"
+
+
+@pytest.mark.parametrize("model_cls, fields, param", [
+    (TokenizeRequest, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    (TokenizeRequest, {}, "prompt"),
+    (TokenizeRequest, {"prompt": "a", "model": "other"}, "model"),
+    (DetokenizeRequest, {"tokens": [1, 259]}, "tokens"),
+])
+def test_bad_bodies_are_refused_naming_the_field(model_cls, fields, param):
+    answer = tokenize if model_cls is TokenizeRequest else lambda b, t, s, _: detokenize(b, t, s)
+    with pytest.raises(RequestError) as refused:
+        answer(body(model_cls, **fields), demo_tokenizer(), SERVED, 2048)
+    assert (refused.value.status, refused.value.param) == (404 if param == "model" else 400, param)
+
+
+def test_negative_token_ids_fail_validation():
+    with pytest.raises(RequestError) as refused:
+        body(DetokenizeRequest, tokens=[-1])
+    assert refused.value.param == "tokens.0"
+
+
+def test_tokenizer_info_names_the_special_tokens_and_the_template():
+    info = tokenizer_info(demo_tokenizer(), 2048)
+    assert (info["eos_token"], info["bos_token"], info["model_max_length"]) == ("</s>", "<s>", 2048)
+    assert "add_generation_prompt" in info["chat_template"]
