@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from splitserve.api.errors import RequestError
+from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 
@@ -109,6 +110,37 @@ class SLOTargets(BaseModel):
     tbt_ms: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = STRICT
+    name: str
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")  # {}: any JSON value
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of its fields."""
+    model_config = STRICT
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark syntax (llguidance's)
+    json_object: bool | None = None
+
+
 class TextPart(BaseModel):
     """A `{"type": "text", "text": ...}` content part; keys that only annotate it are ignored."""
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -151,6 +183,13 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     slo: SLOTargets | None = None  # splitserve's extension (see SLOTargets)
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -161,6 +200,37 @@ class GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The completion-length limit the client asked for, and the field it came in."""
         return self.max_tokens, "max_tokens"
+
+    def output_constraint(self) -> tuple[OutputConstraint | None, str | None]:
+        """What the output must match, and the field that asked (a RequestError if several did)."""
+        asked = []
+        if self.response_format is not None and self.response_format.type != "text":
+            schema = self.response_format.json_schema
+            asked.append(("response_format", "json_object", None) if schema is None else
+                         ("response_format", "json_schema", schema.schema_))
+        outputs = self.structured_outputs
+        if outputs is not None:
+            given = [(k, v) for k, v in (("json_schema", outputs.json_), ("regex", outputs.regex),
+                                         ("choice", outputs.choice), ("grammar", outputs.grammar)) if v is not None]
+            given += [("json_object", None)] if outputs.json_object else []
+            if len(given) != 1:
+                raise RequestError("structured_outputs: set exactly one of json, regex, choice, grammar and "
+                                   "json_object", param="structured_outputs")
+            asked.append(("structured_outputs", *given[0]))
+        for field, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                asked.append((field, kind, getattr(self, field)))
+        if not asked:
+            return None, None
+        if len(asked) > 1:
+            raise RequestError(f"{asked[1][0]}: only one structured-output option per request (already "
+                               f"{asked[0][0]})", param=asked[1][0])
+        field, kind, value = asked[0]
+        try:
+            return OutputConstraint.of(kind, value), field
+        except ValueError as exc:
+            raise RequestError(f"{field}: {exc}", param=field) from None
 
     def echoes_prompt(self) -> bool:
         """The response starts with the prompt (completions' `echo`)."""
@@ -204,8 +274,6 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
-    # Accepted only with the values that ask for plain text, which is what the server produces.
-    response_format: Annotated[dict | None, _only(None, {"type": "text"}, reason=NOT_SUPPORTED)] = None
     tools: Annotated[list | None, _only(None, [], reason=NOT_SUPPORTED)] = None
     tool_choice: Annotated[Any, _only(None, "none", reason=NOT_SUPPORTED)] = None
     add_generation_prompt: bool = True
@@ -274,6 +342,10 @@ def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_mode
     if outside:
         raise RequestError(f"logit_bias: token id {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1})",
                            param="logit_bias")
+    constraint, constraint_field = request.output_constraint()
+    if constraint is not None and (request.ignore_eos or request.min_tokens):
+        raise RequestError(f"{constraint_field}: structured output ends with EOS once the output matches; it "
+                           "cannot be combined with ignore_eos or min_tokens", param=constraint_field)
     try:
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=request.min_tokens,
@@ -282,7 +354,7 @@ def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_mode
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens, min_p=request.min_p, logprobs=request.requested_logprobs(),
-            prompt_logprobs=request.requested_prompt_logprobs(),
+            prompt_logprobs=request.requested_prompt_logprobs(), constraint=constraint,
             presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias or {},
             **_slo_seconds(request.slo))

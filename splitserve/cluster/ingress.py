@@ -21,6 +21,7 @@ from splitserve.api import response_bodies as R
 from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.guard import ApiGuard
+from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,7 +51,9 @@ api.add_middleware(ApiGuard)
 class Ingress:
     def __init__(self, controller, config: dict):
         self.config = ClusterConfig.model_validate(config)
-        _, self.tokenizer, self.max_model_len = load_metadata(self.config.model, self.config.engine.engine_config("token"))
+        model_config, self.tokenizer, self.max_model_len = load_metadata(self.config.model,
+                                                                         self.config.engine.engine_config("token"))
+        self._grammar = LazyGrammar(self.tokenizer, model_config.vocab_size)
         self.model_names = self.config.model_names
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         self._controller = controller
@@ -174,4 +177,6 @@ class Ingress:
             prompt = prompt_token_ids_of(body, self.tokenizer)
         else:
             prompt = chat_prompt_token_ids(body, self.tokenizer)
-        return body, prompt, sampling_params(body, len(prompt), self.max_model_len, self.tokenizer.vocab_size)
+        params = sampling_params(body, len(prompt), self.max_model_len, self.tokenizer.vocab_size)
+        self._grammar.check(params.constraint, body.output_constraint()[1])
+        return body, prompt, params

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from splitserve.engine.attention import select_backend
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.kv_cache import KVCache, kv_cache_budget
 from splitserve.engine.model_builder import build_model
 from splitserve.engine.model_runner import ModelRunner
@@ -60,7 +61,7 @@ class LLMEngine:
                                  config.chunk_token_budget, config.slo)
         self.policy = make_policy(config.policy, self.block_manager, limits)
         self.runner = ModelRunner(loaded.model, self.kv_cache, select_backend(loaded.device, config.attention_backend), loaded.device)
-        self.sampler = Sampler(seed=config.seed)
+        self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self.last_step = StepStats()  # what the last non-empty step computed, and how long it took
@@ -184,6 +185,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
+        if params.constraint is not None:
+            if params.constraint.resumed_tokens >= len(token_ids):
+                raise ValueError("constraint resumed_tokens must be shorter than the prompt")
+            self.sampler.grammar.check(params.constraint)
         seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
                        self.eos_token_ids)
         return _Request(seq, text, Detokenizer(self.tokenizer, params, token_ids),

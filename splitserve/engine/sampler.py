@@ -12,10 +12,12 @@ returned is in [0, vocab).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.penalties import apply_penalties
 from splitserve.engine.sequence import Sequence
 
@@ -36,15 +38,29 @@ class SampledToken:
 
 class Sampler:
     """Samples a batch. Seeded requests keep a private generator, keyed by seq_id, so their
-    tokens do not depend on the rest of the batch; `forget` drops it when the request ends."""
+    tokens do not depend on the rest of the batch; `forget` drops it when the request ends.
+    Constrained requests (structured output) are masked by the `GrammarMasks` that `grammar`
+    builds on first use."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, grammar: Callable[[], GrammarMasks] | None = None) -> None:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self._seeded: dict[str, torch.Generator] = {}
+        self._grammar_factory = grammar
+        self._grammar: GrammarMasks | None = None
+
+    @property
+    def grammar(self) -> GrammarMasks:
+        if self._grammar is None:
+            if self._grammar_factory is None:
+                raise ValueError("this sampler has no tokenizer to build structured-output masks with")
+            self._grammar = self._grammar_factory()
+        return self._grammar
 
     def forget(self, seq_id: str) -> None:
         self._seeded.pop(seq_id, None)
+        if self._grammar is not None:
+            self._grammar.forget(seq_id)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
@@ -54,6 +70,8 @@ class Sampler:
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         logits = apply_penalties(_mask_stop_tokens(logits, seqs), seqs)
+        if any(s.params.constraint is not None for s in seqs):
+            logits = self.grammar.apply(logits, seqs)
         finite = torch.isfinite(logits).any(dim=-1).tolist()
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and finite[i]]
         if len(random_rows) < len(seqs):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from splitserve.engine.output_constraint import OutputConstraint
+
 # Below this temperature sampling is greedy (as vLLM does): dividing logits by a smaller one
 # overflows float32, and the distribution is the argmax's anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -37,6 +39,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # transformers': divides (multiplies) the positive (negative) logit
     # of a token in the prompt or the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
+    constraint: OutputConstraint | None = None  # structured output: what the text must match
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # latency targets the SLO-aware (accelgen) policies schedule for; other policies ignore them
@@ -66,6 +69,12 @@ class SamplingParams:
         _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.constraint is not None:
+            _check(isinstance(self.constraint, OutputConstraint),
+                   f"constraint must be an OutputConstraint or None, got {self.constraint!r}")
+            # a finished match allows only EOS: holding EOS back would leave no token to sample
+            _check(not self.ignore_eos and not self.min_tokens,
+                   "constraint (structured output) cannot be combined with ignore_eos or min_tokens")
         for name in ("ttft_slo_s", "tbt_slo_s"):
             value = getattr(self, name)
             _check(value is None or (_is_number(value) and math.isfinite(value) and value > 0),

@@ -79,8 +79,6 @@ def test_missing_and_unknown_fields():
     (ChatCompletionRequest, CHAT, "n", 0, "n: only n=1 is supported; send one request per completion, got 0"),
     (CompletionRequest, COMPLETION, "best_of", 2, "best_of: only best_of=1 is supported, got 2"),
     (CompletionRequest, COMPLETION, "suffix", "end", "suffix: is not supported, got 'end'"),
-    (ChatCompletionRequest, CHAT, "response_format", {"type": "json_object"},
-     "response_format: is not supported, got {'type': 'json_object'}"),
     (ChatCompletionRequest, CHAT, "tools", [{"type": "function"}], "tools: is not supported, got [{'type': 'function'}]"),
     (ChatCompletionRequest, CHAT, "tool_choice", "auto", "tool_choice: is not supported, got 'auto'"),
     (CompletionRequest, COMPLETION, "suffix", None, None),  # null is the default for every one of them
@@ -333,3 +331,38 @@ def test_slo_targets_reach_the_engine_in_seconds():
                                         ({"tbt_ms": "fast"}, "slo.tbt_ms"), ({"p99_ms": 5}, "slo.p99_ms")])
 def test_bad_slo_targets_are_refused_naming_the_field(slo, param):
     assert refusal(CompletionRequest, {**COMPLETION, "slo": slo}).param == param
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("model_cls, base, fields, kind, spec", [
+    (ChatCompletionRequest, CHAT, {"response_format": {"type": "json_object"}}, "json_object", ""),
+    (ChatCompletionRequest, CHAT, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": SCHEMA, "strict": True}}}, "json_schema", json.dumps(SCHEMA, sort_keys=True)),
+    (CompletionRequest, COMPLETION, {"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}},
+     "json_schema", "{}"),
+    (CompletionRequest, COMPLETION, {"structured_outputs": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
+    (CompletionRequest, COMPLETION, {"structured_outputs": {"choice": ["x", "y"]}}, "choice", '["x", "y"]'),
+    (ChatCompletionRequest, CHAT, {"guided_json": SCHEMA}, "json_schema", json.dumps(SCHEMA, sort_keys=True)),
+    (ChatCompletionRequest, CHAT, {"guided_grammar": "start: /a+/"}, "grammar", "start: /a+/"),
+])
+def test_structured_output_options_map_to_one_constraint(model_cls, base, fields, kind, spec):
+    params = sampling_params(parse_request(model_cls, json.dumps({**base, **fields}).encode()), 10, 100)
+    assert (params.constraint.kind, params.constraint.spec) == (kind, spec)
+    text = parse_request(ChatCompletionRequest, json.dumps({**CHAT, "response_format": {"type": "text"}}).encode())
+    assert sampling_params(text, 10, 100).constraint is None
+
+
+@pytest.mark.parametrize("fields, param, needle", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "only one"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format", "ignore_eos"),
+])
+def test_conflicting_or_malformed_structured_output_is_refused_naming_the_field(fields, param, needle):
+    with pytest.raises(RequestError) as refused:
+        sampling_params(parse_request(ChatCompletionRequest, json.dumps({**CHAT, **fields}).encode()), 10, 100)
+    assert refused.value.param == param and needle in refused.value.message

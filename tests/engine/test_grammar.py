@@ -1,0 +1,106 @@
+"""Structured output in the engine: every finished output matches its constraint (JSON schemas
+checked with `jsonschema`, nobody's code here) under random weights and random sampling, across
+chunked prefill and batches mixing constrained and free requests; a disaggregated or resumed
+request's matcher catches up from the tokens alone."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from splitserve.engine.grammar import GrammarMasks, InvalidConstraint
+from splitserve.engine.demo import demo_tokenizer
+from splitserve.engine.llm import LLM
+from splitserve.engine.output_constraint import OutputConstraint
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import Sequence
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b", "c"]}}}}
+EOS = 257
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("demo", policy="mixed", chunk_token_budget=32, num_kv_blocks=512)
+
+
+def constrained(kind, value=None, **params) -> SamplingParams:
+    return SamplingParams(max_tokens=200, temperature=1.0, constraint=OutputConstraint.of(kind, value), **params)
+
+
+def test_json_schema_outputs_parse_and_validate_under_random_sampling(llm):
+    prompts = [f"Person {i}: " + "x" * (i * 7) for i in range(12)]
+    outputs = llm.generate(prompts, [constrained("json_schema", SCHEMA, seed=i) for i in range(12)])
+    for out in outputs:
+        assert out.finish_reason == "stop" and out.token_ids[-1] == EOS
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert len({o.text for o in outputs}) > 6  # sampled, not one forced string
+
+
+def test_every_kind_in_one_batch_with_a_free_request(llm):
+    params = [constrained("regex", r"[a-z]{3,8}@(ex|demo)\.org", seed=1),
+              constrained("choice", ["alpha", "beta", "gamma"], seed=2),
+              constrained("json_object", seed=3),
+              constrained("grammar", 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/', seed=4),
+              SamplingParams(max_tokens=20, seed=5)]
+    regex, choice, obj, lark, free = llm.generate(["a", "b", "c", "d", "e"], params)
+    assert re.fullmatch(r"[a-z]{3,8}@(ex|demo)\.org", regex.text)
+    assert choice.text in ("alpha", "beta", "gamma")
+    if obj.finish_reason == "stop":  # any object may run past max_tokens under random weights
+        assert isinstance(json.loads(obj.text), dict)
+    assert re.fullmatch(r"\(\d{1,3}(,\d{1,3})*\)", lark.text)
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+
+
+def test_greedy_constrained_output_is_the_masked_argmax(llm):
+    out = llm.generate(["Pick:"], SamplingParams(max_tokens=20, temperature=0, constraint=OutputConstraint.of(
+        "choice", ["left", "right"])))[0]
+    assert out.text in ("left", "right")
+
+
+def test_a_matcher_catches_up_on_tokens_it_did_not_sample():
+    """A token worker's first token came from the prompt worker; a failover's prompt ends with
+    tokens an earlier attempt generated (`resumed_tokens`): the mask continues either way."""
+    masks = GrammarMasks(demo_tokenizer(), 259)
+    imported = Sequence("i", [256, 65], constrained("choice", ["abc", "abd"]), eos_token_ids=frozenset({EOS}))
+    imported.append_token(ord("a"))
+    params = SamplingParams(constraint=OutputConstraint("choice", json.dumps(["abc", "abd"]), resumed_tokens=2))
+    resumed = Sequence("r", [256, 65, ord("a"), ord("b")], params, eos_token_ids=frozenset({EOS}))
+    logits = masks.apply(torch.zeros(2, 259), [imported, resumed])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ord("b")]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [ord("c"), ord("d")]
+
+
+def test_a_token_outside_the_grammar_leaves_only_eos():
+    masks = GrammarMasks(demo_tokenizer(), 259)
+    seq = Sequence("s", [256], constrained("regex", "[0-9]+"), eos_token_ids=frozenset({EOS}))
+    seq.append_token(ord("x"))
+    assert torch.isfinite(masks.apply(torch.zeros(1, 259), [seq])[0]).nonzero().flatten().tolist() == [EOS]
+
+
+@pytest.mark.parametrize("kind, value, needle", [("regex", "[a-z", "unclosed"),
+                                                  ("json_schema", {"type": "nonsense"}, "nonsense"),
+                                                  ("grammar", "start: (", "Expected")])
+def test_a_constraint_that_does_not_compile_is_refused_at_add_request(llm, kind, value, needle):
+    with pytest.raises(InvalidConstraint, match=needle):
+        llm.generate(["x"], constrained(kind, value))
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kind, value, message", [("choice", [], "non-empty"), ("json_schema", "[1]", "object"),
+                                                   ("regex", "", "empty"), ("xml", "a", "kind")])
+def test_malformed_constraints_fail_on_construction(kind, value, message):
+    with pytest.raises(ValueError, match=message):
+        OutputConstraint.of(kind, value)
+
+
+def test_constraints_refuse_ignore_eos_and_min_tokens():
+    for extra in ({"ignore_eos": True}, {"min_tokens": 2}):
+        with pytest.raises(ValueError, match="cannot be combined"):
+            constrained("json_object", **extra)
