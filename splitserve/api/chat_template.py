@@ -14,9 +14,12 @@ from splitserve.api.errors import RequestError
 from splitserve.api.request_models import ChatCompletionRequest
 from splitserve.engine.tokenizer import Tokenizer
 
-# For models without a template of their own (the demo model).
+# For models without a template of their own (the demo model): the tools and the calls made, as JSON.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+    "{% if message['tool_calls'] %}{{ message['tool_calls'] | map(attribute='function') | list | tojson }}{% endif %}"
+    "{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
@@ -68,15 +71,30 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 
 def messages_for_template(request: ChatCompletionRequest) -> list[dict]:
     """The messages as templates expect them: string content (text parts joined by newlines, as
-    vLLM joins them; null as ""), and `name` only where given."""
+    vLLM joins them; null as ""), `name` and `tool_call_id` only where given, and tool calls as
+    transformers passes them (`arguments` a dict, not JSON text)."""
     messages = []
-    for message in request.messages:
+    for i, message in enumerate(request.messages):
         content = message.content or ""
         if not isinstance(content, str):
             content = "\n".join(part.text for part in content)
-        named = {} if message.name is None else {"name": message.name}
-        messages.append({"role": message.role, "content": content, **named})
+        extra = {key: value for key, value in (("name", message.name), ("tool_call_id", message.tool_call_id))
+                 if value is not None}
+        if message.tool_calls:
+            extra["tool_calls"] = [_template_call(call, f"messages.{i}.tool_calls.{j}")
+                                   for j, call in enumerate(message.tool_calls)]
+        messages.append({"role": message.role, "content": content, **extra})
     return messages
+
+
+def _template_call(call, where: str) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{where}.function.arguments: must be a JSON object's text", param=f"{where}.function.arguments")
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
@@ -88,8 +106,9 @@ def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) 
     eos = _token_text(tokenizer, next(iter(tokenizer.eos_token_ids), None))
     # Like transformers, chat_template_kwargs may override the special tokens' strings.
     variables = {"bos_token": bos, "eos_token": eos, **(request.chat_template_kwargs or {})}
+    tools = [{"type": "function", "function": f} for f in request.tool_functions()] or None
     text = render_chat(messages_for_template(request), tokenizer.chat_template,
-                       add_generation_prompt=request.add_generation_prompt, **variables)
+                       add_generation_prompt=request.add_generation_prompt, tools=tools, **variables)
     return tokenizer.encode(text, add_special_tokens=not text.startswith(bos))
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from splitserve.api.errors import RequestError
+from splitserve.api.tool_calls import forced_call_constraint
 from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
@@ -148,11 +149,59 @@ class TextPart(BaseModel):
     text: str
 
 
+MAX_TOOLS = 128
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for function names
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the schema is enforced when the call is forced, strict or not
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class CalledFunction(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class AssistantToolCall(BaseModel):
+    """A call the assistant made earlier in the conversation."""
+    model_config = STRICT
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: dict[Literal["name"], str]
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts)]
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_need_no_content(cls, value):
+        """An assistant message that only calls tools may leave content out (OpenAI's clients do)."""
+        if isinstance(value, dict) and value.get("tool_calls") and "content" not in value:
+            return {**value, "content": None}
+        return value
 
 
 class GenerationRequest(BaseModel):
@@ -236,6 +285,10 @@ class GenerationRequest(BaseModel):
         """The response starts with the prompt (completions' `echo`)."""
         return False
 
+    def tool_functions(self) -> list[dict]:
+        """The functions offered to the model (chat's `tools`)."""
+        return []
+
     def requested_prompt_logprobs(self) -> int | None:
         """How many top alternatives per prompt token the client wants logprobs of; None: none."""
         return None
@@ -274,10 +327,37 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
-    tools: Annotated[list | None, _only(None, [], reason=NOT_SUPPORTED)] = None
-    tool_choice: Annotated[Any, _only(None, "none", reason=NOT_SUPPORTED)] = None
+    tools: Annotated[list[Tool] | None, Field(max_length=MAX_TOOLS)] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool | None = None  # several calls in one answer when the model writes them; a forced one is one
     add_generation_prompt: bool = True
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        named = self.tool_choice.function["name"] if isinstance(self.tool_choice, NamedToolChoice) else None
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise RequestError("tool_choice: needs tools", param="tool_choice")
+        if named is not None and named not in {t.function.name for t in self.tools}:
+            raise RequestError(f"tool_choice: no tool is named {named!r}", param="tool_choice")
+        return self
+
+    def tool_functions(self) -> list[dict]:
+        """The functions offered (as templates and the constraint see them); none with tool_choice none."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [t.function.model_dump(exclude_none=True) for t in self.tools]
+
+    def output_constraint(self) -> tuple[OutputConstraint | None, str | None]:
+        constraint, field = super().output_constraint()
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        forced = forced_call_constraint(self.tool_functions(), choice) if self.tools else None
+        if forced is None:
+            return constraint, field
+        if constraint is not None:
+            raise RequestError(f"tool_choice: a forced tool call and {field} both constrain the output; "
+                               "send one", param="tool_choice")
+        return forced, "tool_choice"
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -8,7 +8,7 @@ from typing import Literal
 
 from splitserve.api.errors import RequestError, error_body
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 SSE_DONE: bytes = b"data: [DONE]\n\n"
 CHUNK_OBJECTS = {"completion": "text_completion", "chat": "chat.completion.chunk"}
 ID_PREFIXES = {"completion": "cmpl", "chat": "chatcmpl"}
@@ -40,18 +40,23 @@ def completion_chunk(request_id: str, model: str, created: int, text: str,
     return _envelope("text_completion", request_id, model, created, [choice])
 
 
-def chat_response(request_id: str, model: str, created: int, content: str, finish_reason: FinishReason,
-                  prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-              "finish_reason": finish_reason}
+def chat_response(request_id: str, model: str, created: int, content: str | None, finish_reason: FinishReason,
+                  prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None,
+                  tool_calls: list[dict] | None = None) -> dict:
+    """`tool_calls`: the calls' bodies (`ToolCall.body()`); content is then null."""
+    message = {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     body = _envelope("chat.completion", request_id, model, created, [choice])
     return {**body, "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chat_chunk(request_id: str, model: str, created: int, *, role: str | None = None, content: str | None = None,
-               finish_reason: FinishReason | None = None, logprobs: dict | None = None) -> dict:
-    """One stream chunk; its delta holds only what is given (the last chunk's delta is `{}`)."""
-    delta = {key: value for key, value in (("role", role), ("content", content)) if value is not None}
+               finish_reason: FinishReason | None = None, logprobs: dict | None = None,
+               tool_calls: list[dict] | None = None) -> dict:
+    """One stream chunk; its delta holds only what is given (the last chunk's delta is `{}`).
+    `tool_calls`: OpenAI's streamed pieces of calls, each with its `index`."""
+    delta = {key: value for key, value in (("role", role), ("content", content), ("tool_calls", tool_calls))
+             if value is not None}
     choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope("chat.completion.chunk", request_id, model, created, [choice])
 

@@ -124,7 +124,8 @@ def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_
     body = parse_request(model_cls, json.dumps(line.body).encode())
     check_model(body.model, model)
     for field, asked in (("logprobs", body.requested_logprobs() is not None), ("echo", body.echoes_prompt()),
-                         (body.output_constraint()[1], body.output_constraint()[0] is not None)):
+                         (body.output_constraint()[1], body.output_constraint()[0] is not None),
+                         ("tools", bool(body.tool_functions()))):
         if asked:
             raise RequestError(f"{field}: not supported in batches yet; send the request to its endpoint", param=field)
     limits.check(body)

@@ -142,7 +142,8 @@ class Ingress:
         if body.echoes_prompt():
             echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
         reply = RunResponse(kind, run, body.model, TextStream(self.tokenizer, params, prompt), started,
-                            self._observations.add, echo=echo, generated=not body.scores_prompt_only())
+                            self._observations.add, echo=echo, generated=not body.scores_prompt_only(),
+                            tool_names=frozenset(f["name"] for f in body.tool_functions()))
         if body.stream:
             options = body.stream_options
             stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))

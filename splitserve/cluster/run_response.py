@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from splitserve.api import response_bodies as R
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
+from splitserve.api.tool_calls import StreamedCalls, ToolCall, parse_tool_calls
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
 from splitserve.cluster.metrics import RequestObservation
@@ -21,13 +22,15 @@ class RunResponse:
 
     `echo`: the prompt's text, put in front of the first piece (completions' `echo`), with the prompt
     tokens' logprobs in front of the first token's; `generated=False` (echo with max_tokens 0): the
-    token the workers sampled is left out, so the response is the scored prompt alone."""
+    token the workers sampled is left out, so the response is the scored prompt alone.
+    `tool_names`: the functions a chat offered; an output that is calls to them (`tool_calls`) is
+    answered as calls."""
 
     def __init__(self, kind: str, run: Run, model: str, text: TextStream, started: float | None = None,
                  on_done: Callable[[RequestObservation], None] = lambda _: None, echo: str | None = None,
-                 generated: bool = True):
+                 generated: bool = True, tool_names: frozenset[str] = frozenset()):
         self.kind, self.run, self.model, self.text = kind, run, model, text
-        self._echo, self.generated = echo, generated
+        self._echo, self.generated, self.tool_names = echo, generated, tool_names
         self.created = int(time.time())
         self.started = time.monotonic() if started is None else started
         self.on_done = on_done
@@ -100,9 +103,16 @@ class RunResponse:
                 await self.run.abort()
                 self.on_done(self.observation("aborted"))
         self.on_done(self.observation("completed"))
-        build = R.completion_response if self.kind == "completion" else R.chat_response
-        return JSONResponse(build(self.run.request_id, self.model, self.created, "".join(parts), reason,
-                                  len(self.run.prompt), self.completion_tokens, self.take_logprobs()))
+        text, usage = "".join(parts), (len(self.run.prompt), self.completion_tokens)
+        if self.kind == "completion":
+            return JSONResponse(R.completion_response(self.run.request_id, self.model, self.created, text, reason,
+                                                      *usage, self.take_logprobs()))
+        calls = parse_tool_calls(text, self.tool_names) if self.tool_names and reason == "stop" else None
+        if calls:
+            return JSONResponse(R.chat_response(self.run.request_id, self.model, self.created, None, "tool_calls",
+                                                *usage, self.take_logprobs(), [c.body() for c in calls]))
+        return JSONResponse(R.chat_response(self.run.request_id, self.model, self.created, text, reason, *usage,
+                                            self.take_logprobs()))
 
     async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
         """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
@@ -112,11 +122,18 @@ class RunResponse:
             if self.kind == "chat":
                 yield R.sse_event(R.chat_chunk(self.run.request_id, self.model, self.created, role="assistant",
                                                content=""))
+            calls_filter = StreamedCalls(self.tool_names) if self.tool_names else None
             async for piece, reason in self.pieces(every_delta=continuous_usage):
-                chunk = self._chunk(piece, reason)
-                if continuous_usage:
-                    chunk["usage"] = R.usage(len(self.run.prompt), self.completion_tokens)
-                yield R.sse_event(chunk)
+                calls = None
+                if calls_filter is not None:
+                    held = calls_filter.feed(piece, reason)
+                    if held is None:
+                        continue
+                    piece, calls, reason = held
+                for chunk in self._call_chunks(calls) if calls else [self._chunk(piece, reason)]:
+                    if continuous_usage:
+                        chunk["usage"] = R.usage(len(self.run.prompt), self.completion_tokens)
+                    yield R.sse_event(chunk)
             finished, outcome = True, "completed"
             if include_usage:
                 yield R.sse_event(R.usage_chunk(self.kind, self.run.request_id, self.model, self.created,
@@ -129,6 +146,17 @@ class RunResponse:
             if not finished:  # the client went away
                 await self.run.abort()
             self.on_done(self.observation(outcome))
+
+    def _call_chunks(self, calls: list[ToolCall]) -> list[dict]:
+        """OpenAI's streamed calls: per call its id and name first, then its arguments; then the
+        finish reason."""
+        rid, parts = self.run.request_id, []
+        for i, call in enumerate(calls):
+            parts += [{"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}},
+                      {"index": i, "function": {"arguments": call.arguments}}]
+        chunks = [R.chat_chunk(rid, self.model, self.created, tool_calls=[part]) for part in parts]
+        return chunks + [R.chat_chunk(rid, self.model, self.created, finish_reason="tool_calls",
+                                      logprobs=self.take_logprobs())]
 
     def _chunk(self, piece: str, reason: str | None) -> dict:
         rid, logprobs = self.run.request_id, self.take_logprobs()

@@ -6,7 +6,8 @@ alone: before each mask it consumes whatever the sequence generated since (the p
 tail after a failover, an imported first token, the last sampled one), so a prompt worker, a token
 worker and a failover attempt all agree without shipping matcher state. A finished match allows
 only the end-of-sequence tokens, so the request ends with EOS ("stop"). JSON is compact (no
-whitespace between tokens of the syntax): random or weak models cannot pad it forever.
+whitespace between tokens of the syntax) and objects hold only the properties their schema lists
+(unless it allows others): random or weak models cannot pad it forever.
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def _grammar(constraint: OutputConstraint) -> str:
     """The llguidance grammar text of a constraint (cached: schemas repeat across requests)."""
     kind, spec = constraint.kind, constraint.spec
     if kind == "json_schema":
-        return llg.LLMatcher.grammar_from_json_schema(spec, overrides=JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(_closed(json.loads(spec))), overrides=JSON_OPTIONS)
     if kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
     if kind == "regex":
@@ -105,6 +106,20 @@ def _grammar(constraint: OutputConstraint) -> str:
     if kind == "choice":
         return llg.grammar_from("choice", json.dumps(json.loads(spec)))
     return llg.LLMatcher.grammar_from_lark(spec)
+
+
+def _closed(schema):
+    """The schema with `additionalProperties: false` wherever it lists properties and says nothing
+    of others (xgrammar's strict mode, vLLM's default): the output still matches the original
+    schema, but never grows keys nobody asked for (a weak model would add them until max_tokens)."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
 
 
 class _ByteVocabulary:

@@ -37,11 +37,33 @@ FEATURES_TEMPLATE = """\
 {% if enable_thinking is defined and not enable_thinking %}<no_think>{% endif %}
 year={{ strftime_now('%Y') }} eos={{ eos_token }}
 {% if add_generation_prompt %}assistant:{% endif %}"""
+# Llama 3.1's way with tools (condensed): the tools as JSON in the first user turn, calls as
+# {"name", "parameters"} JSON with their arguments as an object, tool results as `ipython` turns.
+TOOLS_TEMPLATE = """\
+{{- bos_token }}
+{%- for message in messages %}
+    {%- if message['role'] == 'user' and loop.first and tools is not none %}
+        {{- '<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, respond with a JSON call.\n\n' }}
+        {%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\n\n' }}{%- endfor %}
+        {{- message['content'] + '<|eot_id|>' }}
+    {%- elif message.tool_calls is defined %}
+        {%- set call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "' + call.name + '", "parameters": ' }}
+        {{- call.arguments | tojson }}{{- '}<|eot_id|>' }}
+    {%- elif message['role'] == 'tool' %}
+        {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"""
 CHECKPOINTS = {  # template, special tokens, bos, eos, whether tokenizer.json's post-processor adds BOS
     "llama3": (LLAMA3_TEMPLATE, ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"],
                "<|begin_of_text|>", "<|eot_id|>", True),
     "chatml": (CHATML_TEMPLATE, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", False),
     "features": (FEATURES_TEMPLATE, ["<|endoftext|>", "<no_think>"], None, "<|endoftext|>", False),
+    "tools": (TOOLS_TEMPLATE, ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"],
+              "<|begin_of_text|>", "<|eot_id|>", False),
 }
 CONVERSATION = [{"role": "system", "content": "  Be brief. "}, {"role": "user", "content": "héllo <tag> \"wörld\" 🦊"},
                 {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "and you?"}]
@@ -156,3 +178,40 @@ def test_broken_template_is_a_server_error():
 def test_sandbox_refuses_unsafe_access():
     with pytest.raises(RequestError, match="refused them"):
         render_chat([], "{{ messages.__class__.__mro__ }}{{ messages.append(1) }}")
+
+
+WEATHER = {"name": "weather", "description": "The weather now",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_tools_and_earlier_calls_render_as_transformers_renders_them(tmp_path):
+    """The tools reach the template as transformers passes them, and an earlier call's JSON-text
+    arguments reach it as an object, so the prompt's tokens equal `apply_chat_template`'s."""
+    path = save_checkpoint(tmp_path, "tools")
+    ours, hf_tok = HFTokenizer(path), AutoTokenizer.from_pretrained(path)
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    request = chat_request(messages, tools=[{"type": "function", "function": WEATHER}])
+    hf_messages = [messages[0], {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]}, messages[2]]
+    expected = hf_ids(hf_tok, hf_messages, tools=[{"type": "function", "function": WEATHER}],
+                      add_generation_prompt=True)
+    assert chat_prompt_token_ids(request, ours) == expected
+    assert '"name": "weather", "parameters": {"city": "Oslo"}}' in hf_tok.decode(expected)
+
+
+def test_the_default_template_shows_the_tools_and_calls():
+    call = {"id": "c", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    request = chat_request([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}],
+                           tools=[{"type": "function", "function": WEATHER}])
+    text = bytes(chat_prompt_token_ids(request, ByteTokenizer())[1:]).decode()
+    assert text.startswith('tools: [{"type": "function", "function": {"name": "weather"')
+    assert 'assistant: [{"name": "weather", "arguments": {"city": "Oslo"}}]\nassistant:' in text
+
+
+def test_an_earlier_call_whose_arguments_are_not_an_object_is_a_400():
+    call = {"id": "c", "type": "function", "function": {"name": "weather", "arguments": "[1]"}}
+    with pytest.raises(RequestError) as refused:
+        messages_for_template(chat_request([{"role": "assistant", "tool_calls": [call]}]))
+    assert refused.value.param == "messages.0.tool_calls.0.function.arguments"

@@ -79,8 +79,6 @@ def test_missing_and_unknown_fields():
     (ChatCompletionRequest, CHAT, "n", 0, "n: only n=1 is supported; send one request per completion, got 0"),
     (CompletionRequest, COMPLETION, "best_of", 2, "best_of: only best_of=1 is supported, got 2"),
     (CompletionRequest, COMPLETION, "suffix", "end", "suffix: is not supported, got 'end'"),
-    (ChatCompletionRequest, CHAT, "tools", [{"type": "function"}], "tools: is not supported, got [{'type': 'function'}]"),
-    (ChatCompletionRequest, CHAT, "tool_choice", "auto", "tool_choice: is not supported, got 'auto'"),
     (CompletionRequest, COMPLETION, "suffix", None, None),  # null is the default for every one of them
 ])
 def test_unsupported_parameters(model_cls, base, field, value, message):
@@ -191,7 +189,7 @@ def test_chat_messages():
     ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}],
      "messages.1.role: Input should be 'system', 'user', 'assistant', 'tool' or 'developer'"),
     ([{"role": "user"}], "messages.0.content: Field required"),
-    ([{"role": "user", "content": "a", "tool_calls": []}], "messages.0.tool_calls: unsupported parameter"),
+    ([{"role": "user", "content": "a", "audio": {}}], "messages.0.audio: unsupported parameter"),
 ])
 def test_bad_messages(messages, message):
     error = refusal(ChatCompletionRequest, {**CHAT, "messages": messages})
@@ -366,3 +364,32 @@ def test_conflicting_or_malformed_structured_output_is_refused_naming_the_field(
     with pytest.raises(RequestError) as refused:
         sampling_params(parse_request(ChatCompletionRequest, json.dumps({**CHAT, **fields}).encode()), 10, 100)
     assert refused.value.param == param and needle in refused.value.message
+
+
+TOOL = {"type": "function", "function": {"name": "weather", "description": "now",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tool_choice_required_or_named_forces_a_call_and_auto_or_none_do_not():
+    def constraint(**fields):
+        return chat(tools=[TOOL], **fields).output_constraint()
+
+    forced, field = constraint(tool_choice="required")
+    assert field == "tool_choice" and json.loads(forced.spec)["properties"]["name"] == {"const": "weather"}
+    assert constraint(tool_choice={"type": "function", "function": {"name": "weather"}})[0] == forced
+    assert constraint()[0] is None and constraint(tool_choice="auto")[0] is None
+    assert chat(tools=[TOOL], tool_choice="none").tool_functions() == []
+    assert chat(tools=[TOOL]).tool_functions() == [TOOL["function"]]
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "no tool is named"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "send one"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "pattern"),
+])
+def test_bad_tool_requests_are_refused_naming_the_field(fields, needle):
+    with pytest.raises(RequestError) as refused:
+        sampling_params(parse_request(ChatCompletionRequest, json.dumps({**CHAT, **fields}).encode()), 10, 100)
+    assert refused.value.param.startswith(next(iter(k for k in fields if k != "tools"), "tools"))
+    assert needle in refused.value.message

@@ -1,0 +1,74 @@
+"""Tool calls: the Llama 3 JSON parser, the stream filter that holds back what may be calls, and
+the forced-call constraint, whose outputs under random weights always parse as a call whose
+arguments validate against the function's schema (`jsonschema`)."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from splitserve.api.tool_calls import StreamedCalls, forced_call_constraint, may_be_calls, parse_tool_calls
+from splitserve.engine.llm import LLM
+from splitserve.engine.sampling_params import SamplingParams
+
+WEATHER = {"name": "weather", "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                                             "properties": {"city": {"type": "string", "maxLength": 12}}}}
+ADD = {"name": "add", "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                                     "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                    "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}
+NAMES = {"weather", "add"}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"name": "weather", "parameters": {"city": "Paris"}}', [("weather", {"city": "Paris"})]),
+    ('<|python_tag|>{"name": "add", "arguments": {"a": 1, "b": 2}}', [("add", {"a": 1, "b": 2})]),
+    (' {"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "weather", "parameters": {"city": "Oslo"}}\n',
+     [("add", {"a": 1, "b": 2}), ("weather", {"city": "Oslo"})]),
+])
+def test_llama3_json_calls_parse(text, expected):
+    calls = parse_tool_calls(text, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    assert len({c.id for c in calls}) == len(calls) and all(c.id.startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("text", ['{"name": "nope", "parameters": {}}', '{"name": "add"}', "Sure! The weather is",
+                                  '{"name": "add", "parameters": {"a": 1', '{"name": "add", "parameters": []}',
+                                  '{"name": "add", "parameters": {}} and more', ""])
+def test_text_that_is_not_only_calls_stays_content(text):
+    assert parse_tool_calls(text, NAMES) is None
+
+
+def test_may_be_calls_decides_on_the_first_characters():
+    assert may_be_calls("  ") is None and may_be_calls("<|pyth") is None
+    assert may_be_calls(' {"na') and may_be_calls("<|python_tag|>{")
+    assert may_be_calls("Hello") is False
+
+
+def test_stream_filter_holds_back_calls_and_lets_text_through():
+    calls = StreamedCalls(NAMES)
+    assert calls.feed(" ", None) is None and calls.feed('{"name": "add", ', None) is None
+    content, found, reason = calls.feed('"parameters": {"a": 1, "b": 2}}', "stop")
+    assert (content, reason, found[0].name) == ("", "tool_calls", "add")
+    text = StreamedCalls(NAMES)
+    assert text.feed(" ", None) is None
+    assert text.feed("Hi", None) == (" Hi", None, None) and text.feed(" there", "stop") == (" there", None, "stop")
+    broken = StreamedCalls(NAMES)  # looked like a call, ran out of tokens: sent as the text it is
+    assert broken.feed('{"name": "ad', None) is None and broken.feed("d", "length") == ('{"name": "add', None, "length")
+
+
+@pytest.mark.parametrize("choice, names", [("required", {"weather", "add"}),
+                                           ({"type": "function", "function": {"name": "add"}}, {"add"})])
+def test_forced_calls_parse_and_validate_under_random_weights(choice, names):
+    constraint = forced_call_constraint([WEATHER, ADD], choice)
+    outputs = LLM("demo").generate(["call a tool"] * 8, [SamplingParams(max_tokens=80, seed=i, constraint=constraint)
+                                                         for i in range(8)])
+    schemas = {f["name"]: f["parameters"] for f in (WEATHER, ADD)}
+    for out in outputs:
+        assert out.finish_reason == "stop"
+        [call] = parse_tool_calls(out.text, names)
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_auto_and_none_leave_the_model_free():
+    assert forced_call_constraint([WEATHER], "auto") is None and forced_call_constraint([WEATHER], None) is None

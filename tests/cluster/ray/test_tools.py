@@ -1,0 +1,75 @@
+"""Tools through a real local cluster, with the official `openai` client and LangChain: a forced
+call (tool_choice "required" or named) comes back as OpenAI's `tool_calls`, whole and streamed in
+OpenAI's delta shapes, with arguments that validate against the function's schema."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
+
+WEATHER = {"name": "weather", "description": "The weather in a city now",
+           "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                          "properties": {"city": {"type": "string", "maxLength": 12}}}}
+ADD = {"name": "add", "description": "Add two numbers",
+       "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                      "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}}}}
+TOOLS = [{"type": "function", "function": f} for f in (WEATHER, ADD)]
+SCHEMAS = {"weather": WEATHER["parameters"], "add": ADD["parameters"]}
+ASK = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def test_required_call_whole_and_streamed(client):
+    args = dict(model="demo", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, seed=4)
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    [call] = whole.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **args) if c.choices]
+    pieces = [t for c in chunks if c.delta.tool_calls for t in c.delta.tool_calls]
+    assert [p.index for p in pieces] == [0, 0] and pieces[0].id.startswith("call_")
+    assert (pieces[0].function.name, pieces[1].function.name) == (call.function.name, None)
+    assert pieces[0].function.arguments + pieces[1].function.arguments == call.function.arguments
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_a_named_call_and_the_conversation_after_it(client):
+    named = {"type": "function", "function": {"name": "weather"}}
+    reply = client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=120,
+                                           seed=1).choices[0].message
+    [call] = reply.tool_calls
+    assert call.function.name == "weather"
+    history = ASK + [reply.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    after = client.chat.completions.create(model="demo", messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=8).choices[0]
+    assert after.finish_reason == "length" and after.message.tool_calls is None
+
+
+@tool
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+class Forecast(BaseModel):
+    """A forecast."""
+    city: str = Field(max_length=10)
+    degrees: int = Field(ge=-40, le=50)
+
+
+def test_langchain_bind_tools_and_function_calling_structured_output(server):
+    llm = ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model="demo", max_tokens=120, seed=2)
+    message = llm.bind_tools([multiply], tool_choice="any").invoke("3 times 4?")
+    [call] = message.tool_calls
+    assert call["name"] == "multiply" and set(call["args"]) == {"a", "b"}
+    assert isinstance(multiply.invoke(call["args"]), int)
+    streamed = None
+    for chunk in llm.bind_tools([multiply], tool_choice="any").stream("3 times 4?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [c["name"] for c in streamed.tool_calls] == ["multiply"]
+    forecast = llm.with_structured_output(Forecast, method="function_calling").invoke("Forecast for Oslo")
+    assert isinstance(forecast, Forecast)
