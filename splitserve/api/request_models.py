@@ -94,6 +94,7 @@ def _is_token_id(value) -> bool:
 
 
 NOT_SUPPORTED = "is not supported"
+MAX_CHOICES = 16  # n and best_of: each choice is a decode of its own
 Stop = Annotated[str | list[str] | None, BeforeValidator(_stop_strings)]
 
 
@@ -213,7 +214,7 @@ class GenerationRequest(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = 1.0
     top_p: float | None = 1.0
-    n: Annotated[int | None, _only(None, 1, reason="only n=1 is supported; send one request per completion")] = 1
+    n: Annotated[int | None, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
@@ -289,6 +290,10 @@ class GenerationRequest(BaseModel):
         """The functions offered to the model (chat's `tools`)."""
         return []
 
+    def num_choices(self) -> tuple[int, int]:
+        """(choices computed, choices returned): n, or completions' best_of and n."""
+        return self.n or 1, self.n or 1
+
     def requested_prompt_logprobs(self) -> int | None:
         """How many top alternatives per prompt token the client wants logprobs of; None: none."""
         return None
@@ -306,7 +311,7 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = 16
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None  # the top alternatives per token
     echo: bool | None = False  # the prompt in front of the text, with its logprobs when those are asked for
-    best_of: Annotated[int | None, _only(None, 1, reason="only best_of=1 is supported")] = None
+    best_of: Annotated[int | None, Field(ge=1, le=MAX_CHOICES)] = None  # choices computed; the n likeliest return
     suffix: Annotated[str | None, _only(None, reason=NOT_SUPPORTED)] = None
 
     def requested_logprobs(self) -> int | None:
@@ -315,6 +320,18 @@ class CompletionRequest(GenerationRequest):
 
     def echoes_prompt(self) -> bool:
         return bool(self.echo)
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self):
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise RequestError(f"best_of must be at least n ({self.n}), got {self.best_of}", param="best_of")
+        if self.best_of is not None and self.best_of > (self.n or 1) and self.stream:
+            raise RequestError("best_of: cannot stream when best_of > n (the best are known at the end)",
+                               param="best_of")
+        return self
+
+    def num_choices(self) -> tuple[int, int]:
+        return self.best_of or self.n or 1, self.n or 1
 
     def requested_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
@@ -433,13 +450,29 @@ def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_mode
             top_k=request.top_k, top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens, min_p=request.min_p, logprobs=request.requested_logprobs(),
+            skip_special_tokens=request.skip_special_tokens, min_p=request.min_p, logprobs=_computed_logprobs(request),
             prompt_logprobs=request.requested_prompt_logprobs(), constraint=constraint,
             presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias or {},
             **_slo_seconds(request.slo))
     except ValueError as exc:
         raise _sampling_error(str(exc)) from None
+
+
+def _computed_logprobs(request: GenerationRequest) -> int | None:
+    """What the workers compute: the client's logprobs, and at least the sampled token's when
+    best_of ranks choices by them."""
+    asked = request.requested_logprobs()
+    runs, returned = request.num_choices()
+    return (asked or 0) if runs > returned else asked
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s settings (n > 1): its own seed stream, seed + index, when a seed is given."""
+    if params.seed is None or index == 0:
+        return params
+    seed = params.seed + index
+    return dataclasses.replace(params, seed=seed if seed <= SEED_RANGE[1] else params.seed - index)
 
 
 def _slo_seconds(slo: SLOTargets | None) -> dict:

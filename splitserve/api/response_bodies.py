@@ -27,37 +27,54 @@ def _envelope(object_name: str, request_id: str, model: str, created: int, choic
     return {"id": request_id, "object": object_name, "created": created, "model": model, "choices": choices}
 
 
-def completion_response(request_id: str, model: str, created: int, text: str, finish_reason: FinishReason,
-                        prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict:
-    body = completion_chunk(request_id, model, created, text, finish_reason, logprobs)
+def completion_choice(text: str, finish_reason: FinishReason | None, logprobs: dict | None = None,
+                      index: int = 0) -> dict:
+    """`logprobs`: `logprob_bodies.completion_logprobs` of this text's tokens, when asked for."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(content: str | None, finish_reason: FinishReason, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None, index: int = 0) -> dict:
+    """`tool_calls`: the calls' bodies (`ToolCall.body()`); content is then null."""
+    message = {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def response_body(kind: Literal["completion", "chat"], request_id: str, model: str, created: int, choices: list[dict],
+                  prompt_tokens: int, completion_tokens: int) -> dict:
+    """A whole response of one or several choices (`n`); usage counts the prompt once."""
+    body = _envelope("text_completion" if kind == "completion" else "chat.completion", request_id, model, created,
+                     choices)
     return {**body, "usage": usage(prompt_tokens, completion_tokens)}
 
 
+def completion_response(request_id: str, model: str, created: int, text: str, finish_reason: FinishReason,
+                        prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict:
+    return response_body("completion", request_id, model, created, [completion_choice(text, finish_reason, logprobs)],
+                         prompt_tokens, completion_tokens)
+
+
 def completion_chunk(request_id: str, model: str, created: int, text: str,
-                     finish_reason: FinishReason | None = None, logprobs: dict | None = None) -> dict:
-    """`logprobs`: `logprob_bodies.completion_logprobs` of this text's tokens, when asked for."""
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return _envelope("text_completion", request_id, model, created, [choice])
+                     finish_reason: FinishReason | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
+    return _envelope("text_completion", request_id, model, created,
+                     [completion_choice(text, finish_reason, logprobs, index)])
 
 
 def chat_response(request_id: str, model: str, created: int, content: str | None, finish_reason: FinishReason,
                   prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None,
                   tool_calls: list[dict] | None = None) -> dict:
-    """`tool_calls`: the calls' bodies (`ToolCall.body()`); content is then null."""
-    message = {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})}
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    body = _envelope("chat.completion", request_id, model, created, [choice])
-    return {**body, "usage": usage(prompt_tokens, completion_tokens)}
+    return response_body("chat", request_id, model, created, [chat_choice(content, finish_reason, logprobs, tool_calls)],
+                         prompt_tokens, completion_tokens)
 
 
 def chat_chunk(request_id: str, model: str, created: int, *, role: str | None = None, content: str | None = None,
                finish_reason: FinishReason | None = None, logprobs: dict | None = None,
-               tool_calls: list[dict] | None = None) -> dict:
+               tool_calls: list[dict] | None = None, index: int = 0) -> dict:
     """One stream chunk; its delta holds only what is given (the last chunk's delta is `{}`).
     `tool_calls`: OpenAI's streamed pieces of calls, each with its `index`."""
     delta = {key: value for key, value in (("role", role), ("content", content), ("tool_calls", tool_calls))
              if value is not None}
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope("chat.completion.chunk", request_id, model, created, [choice])
 
 

@@ -125,7 +125,7 @@ def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_
     check_model(body.model, model)
     for field, asked in (("logprobs", body.requested_logprobs() is not None), ("echo", body.echoes_prompt()),
                          (body.output_constraint()[1], body.output_constraint()[0] is not None),
-                         ("tools", bool(body.tool_functions()))):
+                         ("tools", bool(body.tool_functions())), ("n", body.num_choices()[0] > 1)):
         if asked:
             raise RequestError(f"{field}: not supported in batches yet; send the request to its endpoint", param=field)
     limits.check(body)

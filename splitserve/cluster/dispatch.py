@@ -75,8 +75,11 @@ class Run:
     _attempts: itertools.count = field(default_factory=itertools.count)
     failures: int = 0  # attempts that failed (each one placed the request again, if attempts were left)
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None  # from the first attempt that computed them
+    follow: Placement | None = None  # the first attempt goes where this placement went, if it still qualifies
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first token, or when it ends without
     _stream: object = None
     _first: asyncio.Task | None = None
+    _admission: asyncio.Task | None = None
 
     async def admit(self) -> None:
         """First placement and start; raises Overloaded when nothing can take it."""
@@ -85,17 +88,37 @@ class Run:
         except _AttemptFailed as failure:
             await self._recover(failure)
 
+    def admit_after(self, leader: Run) -> None:
+        """Admit once `leader` (another choice of the same prompt) has its first token, on its
+        workers: their prefix caches then hold the prompt, so this one's prefill is a cache hit.
+        `deltas` waits for it; no room then is a RequestFailed."""
+        async def admission():
+            await leader.started.wait()
+            self.follow = leader.placement
+            try:
+                await self.admit()
+            except Overloaded as error:
+                raise RequestFailed(str(error)) from None
+        self._admission = asyncio.ensure_future(admission())
+
     async def deltas(self) -> AsyncIterator[TokenDelta]:
         """New tokens as they come (failovers included) until the request finishes."""
-        while self.finish_reason is None:
-            try:
-                async for delta in self._attempt_deltas():
-                    yield delta
-            except _AttemptFailed as failure:
-                await self._recover(failure)
+        try:
+            if self._admission is not None:
+                await self._admission
+            while self.finish_reason is None:
+                try:
+                    async for delta in self._attempt_deltas():
+                        yield delta
+                except _AttemptFailed as failure:
+                    await self._recover(failure)
+        finally:
+            self.started.set()  # a follower must not wait on a run that ended without a token
 
     async def abort(self) -> None:
         """Stop the request wherever it runs (client gone, stop string seen at the ingress)."""
+        if self._admission is not None and not self._admission.done():
+            self._admission.cancel()
         if self.placement is not None and self.finish_reason is None:
             self.finish_reason = "abort"
             await self._abort_on_workers()
@@ -104,7 +127,8 @@ class Run:
     async def _start_attempt(self, failover: bool, exclude: frozenset[str] = frozenset()) -> None:
         self._worker_request_id = f"{self.request_id}.{next(self._attempts)}"
         prompt, params = self.prompt + self.tokens, self._remaining_params()
-        request = PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens)
+        request = PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens,
+                                   None if failover else self.follow)
         self.placement = self.prompt_handle = self.token_handle = None
         for _ in range(REPLACE_TRIES if failover else 1):
             self.placement = await self.workers.cls.place.remote(request, exclude)
@@ -176,6 +200,7 @@ class Run:
     def _record(self, delta: TokenDelta) -> TokenDelta:
         if self.prompt_logprobs is None:
             self.prompt_logprobs = delta.prompt_logprobs
+        self.started.set()
         self.tokens += delta.token_ids
         self.finish_reason = delta.finish_reason
         return delta

@@ -26,6 +26,7 @@ from splitserve.api.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     check_model,
+    choice_params,
     parse_request,
     prompt_token_ids_of,
     sampling_params,
@@ -34,6 +35,7 @@ from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, det
 from splitserve.api.visible_text import TextStream
 from splitserve.batch import routes as batch_routes
 from splitserve.cluster.batch_manager import RemoteBatches
+from splitserve.cluster.choices_response import ChoicesResponse
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
@@ -138,17 +140,38 @@ class Ingress:
             retry = self.config.ingress.retry_after_s
             return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
                                                status=429, type="rate_limit_exceeded"), {"Retry-After": str(retry)})
-        echo = None
-        if body.echoes_prompt():
-            echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
-        reply = RunResponse(kind, run, body.model, TextStream(self.tokenizer, params, prompt), started,
-                            self._observations.add, echo=echo, generated=not body.scores_prompt_only(),
-                            tool_names=frozenset(f["name"] for f in body.tool_functions()))
+        reply = self._reply(kind, body, run, started)
         if body.stream:
             options = body.stream_options
             stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))
             return StreamingResponse(stream, media_type="text/event-stream")
         return await reply.whole()
+
+    def _reply(self, kind: str, body, leader: Run, started: float) -> RunResponse | ChoicesResponse:
+        """The response to `body`: the leader's choice, and with n or best_of above 1 one more run
+        per choice, each with its own seed stream, admitted on the leader's workers once its prefill
+        is cached there."""
+        echo = None
+        if body.echoes_prompt():
+            echo = body.prompt if isinstance(body.prompt, str) else \
+                self.tokenizer.decode(leader.prompt, skip_special_tokens=False)
+        runs, returned = body.num_choices()
+        options = dict(echo=echo, generated=not body.scores_prompt_only(), response_id=leader.request_id,
+                       tool_names=frozenset(f["name"] for f in body.tool_functions()), num_top=body.requested_logprobs())
+
+        def reply(run: Run, index: int) -> RunResponse:
+            return RunResponse(kind, run, body.model, TextStream(self.tokenizer, run.params, run.prompt), started,
+                               self._observations.add, index=index, **options)
+
+        if runs == 1:
+            return reply(leader, 0)
+        replies = [reply(leader, 0)]
+        for index in range(1, runs):
+            follower = Run(f"{leader.request_id}-{index}", leader.prompt, choice_params(leader.params, index),
+                           leader.workers, leader.max_attempts)
+            follower.admit_after(leader)
+            replies.append(reply(follower, index))
+        return ChoicesResponse(replies, returned)
 
     async def _tokenizer_call(self, request: Request, model_cls, answer) -> JSONResponse:
         raw = await request.body()

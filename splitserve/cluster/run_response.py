@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 from fastapi.responses import JSONResponse
 
@@ -28,14 +29,19 @@ class RunResponse:
 
     def __init__(self, kind: str, run: Run, model: str, text: TextStream, started: float | None = None,
                  on_done: Callable[[RequestObservation], None] = lambda _: None, echo: str | None = None,
-                 generated: bool = True, tool_names: frozenset[str] = frozenset()):
+                 generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
+                 response_id: str | None = None, num_top: int | None | object = ...):
+        """`index`, `response_id`: the choice's place and the response's id when several runs answer
+        one request (`n`); `num_top`: the logprobs the client sees (default: what the run computes)."""
         self.kind, self.run, self.model, self.text = kind, run, model, text
         self._echo, self.generated, self.tool_names = echo, generated, tool_names
+        self.index, self.response_id = index, response_id or run.request_id
         self.created = int(time.time())
         self.started = time.monotonic() if started is None else started
         self.on_done = on_done
         self.token_times: list[float] = []
-        self.num_top = run.params.logprobs  # None: no logprobs
+        self.num_top = run.params.logprobs if num_top is ... else num_top  # None: no logprobs
+        self.cumulative_logprob = 0.0  # of the sampled tokens, when the run computes logprobs (best_of ranks by it)
         self._entries: list[Entry] = []  # of the text not yet handed out
         self._text_offset = 0  # completions' text_offset of the next token
 
@@ -51,6 +57,8 @@ class RunResponse:
         whose text is held back yield nothing unless `every_delta` (then an empty piece)."""
         async for delta in self.run.deltas():
             self.token_times += [time.monotonic()] * len(delta.token_ids)
+            if delta.logprobs is not None:
+                self.cumulative_logprob += sum(lps[t] for t, lps in zip(delta.token_ids, delta.logprobs))
             echoed = self._take_echo()
             taken = self.text.append(delta.token_ids) if self.generated else 0
             if self.num_top is not None and delta.logprobs is not None:
@@ -89,39 +97,60 @@ class RunResponse:
         return body
 
     async def whole(self) -> JSONResponse:
+        try:
+            choice = await self.collect()
+        except RequestFailed as error:
+            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+        return JSONResponse(R.response_body(self.kind, self.response_id, self.model, self.created, [choice],
+                                            len(self.run.prompt), self.completion_tokens))
+
+    async def collect(self) -> dict:
+        """This run's whole choice; RequestFailed if it failed. A cancelled caller (the client went
+        away) stops it on the workers."""
         parts, reason, finished = [], None, False
         try:
             async for piece, reason in self.pieces():
                 parts.append(piece)
             finished = True
-        except RequestFailed as error:
+        except RequestFailed:
             finished = True
             self.on_done(self.observation("failed"))
-            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+            raise
         finally:
-            if not finished:  # the client went away (Serve cancelled this handler): stop it on the workers
+            if not finished:
                 await self.run.abort()
                 self.on_done(self.observation("aborted"))
         self.on_done(self.observation("completed"))
-        text, usage = "".join(parts), (len(self.run.prompt), self.completion_tokens)
+        text, logprobs = "".join(parts), self.take_logprobs()
         if self.kind == "completion":
-            return JSONResponse(R.completion_response(self.run.request_id, self.model, self.created, text, reason,
-                                                      *usage, self.take_logprobs()))
+            return R.completion_choice(text, reason, logprobs, self.index)
         calls = parse_tool_calls(text, self.tool_names) if self.tool_names and reason == "stop" else None
         if calls:
-            return JSONResponse(R.chat_response(self.run.request_id, self.model, self.created, None, "tool_calls",
-                                                *usage, self.take_logprobs(), [c.body() for c in calls]))
-        return JSONResponse(R.chat_response(self.run.request_id, self.model, self.created, text, reason, *usage,
-                                            self.take_logprobs()))
+            return R.chat_choice(None, "tool_calls", logprobs, [c.body() for c in calls], self.index)
+        return R.chat_choice(text, reason, logprobs, index=self.index)
 
     async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
         """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
         and sends one per token delta, so a benchmark can time every token."""
+        try:
+            async with aclosing(self.chunks(continuous_usage)) as chunks:
+                async for chunk in chunks:
+                    yield R.sse_event(chunk)
+            if include_usage:
+                yield R.sse_event(R.usage_chunk(self.kind, self.response_id, self.model, self.created,
+                                                len(self.run.prompt), self.completion_tokens))
+            yield R.SSE_DONE
+        except RequestFailed as error:
+            yield R.sse_error(RequestError(str(error), status=503, type="service_unavailable"))
+
+    async def chunks(self, continuous_usage: bool = False) -> AsyncIterator[dict]:
+        """This run's stream chunks (a chat's first names the role); RequestFailed if it failed.
+        Closed early (the client went away), it stops the run on the workers."""
         finished, outcome = False, "aborted"
         try:
             if self.kind == "chat":
-                yield R.sse_event(R.chat_chunk(self.run.request_id, self.model, self.created, role="assistant",
-                                               content=""))
+                yield R.chat_chunk(self.response_id, self.model, self.created, role="assistant", content="",
+                                   index=self.index)
             calls_filter = StreamedCalls(self.tool_names) if self.tool_names else None
             async for piece, reason in self.pieces(every_delta=continuous_usage):
                 calls = None
@@ -133,33 +162,30 @@ class RunResponse:
                 for chunk in self._call_chunks(calls) if calls else [self._chunk(piece, reason)]:
                     if continuous_usage:
                         chunk["usage"] = R.usage(len(self.run.prompt), self.completion_tokens)
-                    yield R.sse_event(chunk)
+                    yield chunk
             finished, outcome = True, "completed"
-            if include_usage:
-                yield R.sse_event(R.usage_chunk(self.kind, self.run.request_id, self.model, self.created,
-                                                len(self.run.prompt), self.completion_tokens))
-            yield R.SSE_DONE
-        except RequestFailed as error:
+        except RequestFailed:
             finished, outcome = True, "failed"
-            yield R.sse_error(RequestError(str(error), status=503, type="service_unavailable"))
+            raise
         finally:
-            if not finished:  # the client went away
+            if not finished:
                 await self.run.abort()
             self.on_done(self.observation(outcome))
 
     def _call_chunks(self, calls: list[ToolCall]) -> list[dict]:
         """OpenAI's streamed calls: per call its id and name first, then its arguments; then the
         finish reason."""
-        rid, parts = self.run.request_id, []
+        rid, parts = self.response_id, []
         for i, call in enumerate(calls):
             parts += [{"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}},
                       {"index": i, "function": {"arguments": call.arguments}}]
-        chunks = [R.chat_chunk(rid, self.model, self.created, tool_calls=[part]) for part in parts]
+        chunks = [R.chat_chunk(rid, self.model, self.created, tool_calls=[part], index=self.index) for part in parts]
         return chunks + [R.chat_chunk(rid, self.model, self.created, finish_reason="tool_calls",
-                                      logprobs=self.take_logprobs())]
+                                      logprobs=self.take_logprobs(), index=self.index)]
 
     def _chunk(self, piece: str, reason: str | None) -> dict:
-        rid, logprobs = self.run.request_id, self.take_logprobs()
+        rid, logprobs = self.response_id, self.take_logprobs()
         if self.kind == "completion":
-            return R.completion_chunk(rid, self.model, self.created, piece, reason, logprobs)
-        return R.chat_chunk(rid, self.model, self.created, content=piece, finish_reason=reason, logprobs=logprobs)
+            return R.completion_chunk(rid, self.model, self.created, piece, reason, logprobs, self.index)
+        return R.chat_chunk(rid, self.model, self.created, content=piece, finish_reason=reason, logprobs=logprobs,
+                            index=self.index)

@@ -6,7 +6,7 @@ import dataclasses
 from bisect import insort
 from collections.abc import Collection
 
-from splitserve.placement.base import PlacementPolicy, combined_load
+from splitserve.placement.base import PlacementPolicy, can_decode, can_prompt, combined_load
 from splitserve.placement.hardware import HardwareProfile, hardware_profile
 from splitserve.placement.registry import make_placement_policy
 from splitserve.placement.state import (
@@ -90,13 +90,26 @@ class ClusterState:
         """Prompt and token workers for a request (None: cannot admit now), and the pool moves made
         for it. `exclude`: worker ids not to use (a retry after a failure)."""
         excluded = frozenset(exclude) if exclude else NOTHING_EXCLUDED
-        placement, moves = self.policy.choose(self, request, now, excluded)
+        placement, moves = self._followed(request, excluded), []
+        if placement is None:
+            placement, moves = self.policy.choose(self, request, now, excluded)
         self._apply_all(moves, now)
         if placement is not None:
             # Until their next reports, the chosen workers' queues count this request.
             self._worker(placement.prompt_worker).placed_prompt_tokens += request.num_prompt_tokens
             self._worker(placement.token_worker).placed_decode_tokens += request.num_prompt_tokens + request.max_tokens
         return placement, moves
+
+    def _followed(self, request: PlacementRequest, exclude: frozenset[str]) -> Placement | None:
+        """The followed placement, if both its workers are still here and qualify."""
+        follow = request.follow
+        if follow is None:
+            return None
+        prompt, token = self.workers.get(follow.prompt_worker), self.workers.get(follow.token_worker)
+        if prompt is None or token is None or not can_prompt(prompt, self.thresholds, exclude) \
+                or not can_decode(token, self.thresholds, request, exclude):
+            return None
+        return follow
 
     def _apply_all(self, moves: list[PoolMove], now: float) -> list[PoolMove]:
         for move in moves:

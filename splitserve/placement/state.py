@@ -44,6 +44,9 @@ class PlacementRequest:
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
+    # an earlier choice of the same prompt (`n` > 1): its workers hold the prompt's KV in their
+    # prefix caches, so the request goes there while they still qualify
+    follow: Placement | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -9,6 +9,7 @@ from splitserve.api.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     check_model,
+    choice_params,
     parse_request,
     prompt_token_ids_of,
     sampling_params,
@@ -75,9 +76,9 @@ def test_missing_and_unknown_fields():
 
 
 @pytest.mark.parametrize("model_cls, base, field, value, message", [
-    (CompletionRequest, COMPLETION, "n", 2, "n: only n=1 is supported; send one request per completion, got 2"),
-    (ChatCompletionRequest, CHAT, "n", 0, "n: only n=1 is supported; send one request per completion, got 0"),
-    (CompletionRequest, COMPLETION, "best_of", 2, "best_of: only best_of=1 is supported, got 2"),
+    (ChatCompletionRequest, CHAT, "n", 0, "n: Input should be greater than or equal to 1"),
+    (CompletionRequest, COMPLETION, "n", 17, "n: Input should be less than or equal to 16"),
+    (CompletionRequest, COMPLETION, "best_of", 0, "best_of: Input should be greater than or equal to 1"),
     (CompletionRequest, COMPLETION, "suffix", "end", "suffix: is not supported, got 'end'"),
     (CompletionRequest, COMPLETION, "suffix", None, None),  # null is the default for every one of them
 ])
@@ -393,3 +394,23 @@ def test_bad_tool_requests_are_refused_naming_the_field(fields, needle):
         sampling_params(parse_request(ChatCompletionRequest, json.dumps({**CHAT, **fields}).encode()), 10, 100)
     assert refused.value.param.startswith(next(iter(k for k in fields if k != "tools"), "tools"))
     assert needle in refused.value.message
+
+
+def test_n_and_best_of_give_the_choices_and_their_seed_streams():
+    assert completion(n=3).num_choices() == (3, 3) and chat(n=2).num_choices() == (2, 2)
+    ranked = completion(n=2, best_of=4)
+    assert ranked.num_choices() == (4, 2)
+    assert sampling_params(ranked, 10, 100).logprobs == 0  # ranking needs the sampled tokens' logprobs
+    assert sampling_params(completion(n=2), 10, 100).logprobs is None
+    params = sampling_params(completion(seed=7), 10, 100)
+    assert [choice_params(params, i).seed for i in range(3)] == [7, 8, 9]
+    assert choice_params(sampling_params(completion(), 10, 100), 2).seed is None
+    top = sampling_params(completion(seed=2**64 - 1), 10, 100)
+    assert choice_params(top, 1).seed == 2**64 - 2
+
+
+@pytest.mark.parametrize("fields, needle", [({"n": 3, "best_of": 2}, "at least n"),
+                                            ({"best_of": 2, "stream": True}, "cannot stream")])
+def test_best_of_below_n_or_streamed_is_refused(fields, needle):
+    error = refusal(CompletionRequest, {**COMPLETION, **fields})
+    assert error.param == "best_of" and needle in error.message

@@ -57,7 +57,7 @@ def test_prepare_checks_a_body_like_its_endpoint():
     assert caught.value.status == 400
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", 2), ("echo", True)])
+@pytest.mark.parametrize("field, value", [("logprobs", 2), ("echo", True), ("n", 2)])
 def test_logprobs_and_echo_are_refused_in_a_batch_line_naming_them(field, value):
     [line] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions",
                                      "body": {"model": "demo", "prompt": "hi", field: value}}).encode())

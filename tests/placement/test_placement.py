@@ -208,3 +208,20 @@ def run_random_session(policy: str, seed: int) -> list:
 @pytest.mark.parametrize("policy", ["round-robin", "jsq", "splitwise"])
 def test_decisions_are_deterministic(policy):
     assert run_random_session(policy, seed=7) == run_random_session(policy, seed=7)
+
+
+def test_a_following_request_goes_to_the_workers_it_follows_while_they_qualify():
+    """`n` > 1: later choices follow the first one's workers (their prefix caches hold the prompt),
+    though JSQ would pick others; a followed worker that is excluded, gone or full is not used."""
+    state = cluster("jsq", prompt=[("p1", H100, load(pending=4000)), ("p2", H100, load())],
+                    token=[("t1", H100, load(decode=9000)), ("t2", H100, load())])
+    follow = Placement("p1", "t1")
+    following = PlacementRequest("r", 100, 10, follow=follow)
+    assert pair(state, following) == ("p1", "t1")
+    assert pair(state, request()) == ("p2", "t2")
+    assert pair(state, following, exclude=["t1"]) == ("p2", "t2")
+    full = cluster("jsq", prompt=[("p1", H100, load(pending=10**9)), ("p2", H100, load())],
+                   token=[("t1", H100, load()), ("t2", H100, load())])
+    assert pair(full, following) == ("p2", "t1")
+    state.remove_worker("p1")
+    assert pair(state, following)[0] == "p2"

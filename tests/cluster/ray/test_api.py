@@ -151,7 +151,7 @@ def test_stop_string_ends_the_text_at_the_ingress(client, offline):
     (b"{not json", 400, "not valid JSON"),
     (b'{"model": "nope", "prompt": "hi"}', 404, "does not exist"),
     (b'{"model": "demo", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
-    (b'{"model": "demo", "prompt": "hi", "n": 2}', 400, "n"),
+    (b'{"model": "demo", "prompt": "hi", "n": 0}', 400, "n"),
     (b'{"model": "demo", "prompt": "hi", "suffix": "end"}', 400, "suffix"),
     (b'{"model": "demo", "prompt": "hi", "frobnicate": 1}', 400, "frobnicate"),
     (b'{"model": "demo", "prompt": "' + b"y" * 2100 + b'"}', 400, "maximum context length"),

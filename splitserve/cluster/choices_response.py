@@ -1,0 +1,81 @@
+"""One response from several runs of the same prompt (`n`, `best_of`): each run is a choice with
+its own index; a whole response gathers them (best_of keeps the n with the highest cumulative
+logprob), a stream interleaves their chunks as they come. One choice failing fails the response
+(the others are stopped), as a client going away stops them all."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse
+
+from splitserve.api import response_bodies as R
+from splitserve.api.errors import RequestError, error_response
+from splitserve.cluster.dispatch import RequestFailed
+from splitserve.cluster.run_response import RunResponse
+
+_DONE = object()
+
+
+class ChoicesResponse:
+    def __init__(self, replies: list[RunResponse], num_returned: int):
+        self.replies, self.num_returned = replies, num_returned
+        first = replies[0]
+        self.kind, self.response_id, self.model, self.created = first.kind, first.response_id, first.model, first.created
+
+    @property
+    def usage(self) -> tuple[int, int]:
+        """The prompt once; every choice's tokens, returned or not (best_of's are computed too)."""
+        return len(self.replies[0].run.prompt), sum(r.completion_tokens for r in self.replies)
+
+    async def whole(self) -> JSONResponse:
+        tasks = [asyncio.ensure_future(reply.collect()) for reply in self.replies]
+        try:
+            choices = await asyncio.gather(*tasks)
+        except RequestFailed as error:
+            await self._stop(tasks)
+            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+        except asyncio.CancelledError:  # the client went away: each collect stops its run
+            await self._stop(tasks)
+            raise
+        if self.num_returned < len(choices):
+            ranked = sorted(zip(self.replies, choices), key=lambda rc: -rc[0].cumulative_logprob)
+            choices = [{**choice, "index": i} for i, (_, choice) in enumerate(ranked[:self.num_returned])]
+        return JSONResponse(R.response_body(self.kind, self.response_id, self.model, self.created, choices,
+                                            *self.usage))
+
+    async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(reply: RunResponse):
+            try:
+                async for chunk in reply.chunks(continuous_usage):
+                    await queue.put(chunk)
+                await queue.put(_DONE)
+            except RequestFailed as error:
+                await queue.put(error)
+
+        tasks = [asyncio.ensure_future(pump(reply)) for reply in self.replies]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is _DONE:
+                    running -= 1
+                elif isinstance(item, RequestFailed):
+                    yield R.sse_error(RequestError(str(item), status=503, type="service_unavailable"))
+                    return
+                else:
+                    yield R.sse_event(item)
+            if include_usage:
+                yield R.sse_event(R.usage_chunk(self.kind, self.response_id, self.model, self.created, *self.usage))
+            yield R.SSE_DONE
+        finally:
+            await self._stop(tasks)
+
+    @staticmethod
+    async def _stop(tasks: list[asyncio.Future]) -> None:
+        """Cancel what still runs and wait for it to stop its run on the workers."""
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
