@@ -14,9 +14,7 @@ class LazyGrammar:
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._masks: GrammarMasks | None = None
 
-    def check(self, constraint: OutputConstraint | None, field: str | None) -> None:
-        if constraint is None:
-            return
+    def check(self, constraint: OutputConstraint, field: str) -> None:
         if self._masks is None:
             self._masks = GrammarMasks(self._tokenizer, self._vocab_size)
         try:

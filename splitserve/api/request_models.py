@@ -1,30 +1,31 @@
-"""OpenAI's `/v1/completions` and `/v1/chat/completions` requests: pydantic models, their validation,
-and their mapping to the engine's `SamplingParams`.
+"""OpenAI's `/v1/completions` and `/v1/chat/completions` requests: pydantic models and their
+validation (their structured-output fields in `output_format`, their tools in `tool_models`, their
+engine settings in `request_sampling`).
 
 Every refusal is a `RequestError` whose message names the field, so a client sees what to change.
 Unknown fields are refused rather than ignored: a silently ignored sampling parameter would change
 what the client gets without telling it. Parameters this server does not implement are accepted only
-with the values that change nothing (`n=1`, `echo=false`, null).
+with the values that change nothing (`suffix` null).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from splitserve.api.errors import RequestError
+from splitserve.api.output_format import StructuredOutputFields
+from splitserve.api.strict_model import STRICT
 from splitserve.api.tool_calls import forced_call_constraint
+from splitserve.api.tool_models import MAX_TOOLS, AssistantToolCall, NamedToolChoice, Tool
 from splitserve.engine.output_constraint import OutputConstraint
-from splitserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.engine.sampling_params import MAX_LOGPROBS
 from splitserve.engine.tokenizer import Tokenizer
 
 # torch.Generator.manual_seed takes any value of int64 or uint64; a larger seed would fail in a worker.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt")
-# Strict: JSON types must match ("16" is not an integer, true is not 1); an integer is still a valid float.
-STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 def _only(*allowed, reason: str) -> AfterValidator:
@@ -112,80 +113,11 @@ class SLOTargets(BaseModel):
     tbt_ms: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
 
 
-class JSONSchemaFormat(BaseModel):
-    model_config = STRICT
-    name: str
-    description: str | None = None
-    schema_: dict = Field(default_factory=dict, alias="schema")  # {}: any JSON value
-    strict: bool | None = None  # the schema is always enforced, strict or not
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
-    model_config = STRICT
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is required with type json_schema, and only then")
-        return self
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: exactly one of its fields."""
-    model_config = STRICT
-    json_: dict | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None  # Lark syntax (llguidance's)
-    json_object: bool | None = None
-
-
 class TextPart(BaseModel):
     """A `{"type": "text", "text": ...}` content part; keys that only annotate it are ignored."""
     model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
-
-
-MAX_TOOLS = 128
-FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for function names
-
-
-class FunctionDefinition(BaseModel):
-    model_config = STRICT
-    name: FunctionName
-    description: str | None = None
-    parameters: dict | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None  # the schema is enforced when the call is forced, strict or not
-
-
-class Tool(BaseModel):
-    model_config = STRICT
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class CalledFunction(BaseModel):
-    model_config = STRICT
-    name: str
-    arguments: str  # a JSON object's text
-
-
-class AssistantToolCall(BaseModel):
-    """A call the assistant made earlier in the conversation."""
-    model_config = STRICT
-    id: str
-    type: Literal["function"]
-    function: CalledFunction
-
-
-class NamedToolChoice(BaseModel):
-    model_config = STRICT
-    type: Literal["function"]
-    function: dict[Literal["name"], str]
 
 
 class ChatMessage(BaseModel):
@@ -205,8 +137,8 @@ class ChatMessage(BaseModel):
         return value
 
 
-class GenerationRequest(BaseModel):
-    """The fields both endpoints share: the model, sampling, stopping and streaming."""
+class GenerationRequest(StructuredOutputFields):
+    """The fields both endpoints share: the model, sampling, stopping, streaming and structured output."""
     model_config = STRICT
     PROMPT_FIELD: ClassVar[str]
 
@@ -233,13 +165,6 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     slo: SLOTargets | None = None  # splitserve's extension (see SLOTargets)
-    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -250,37 +175,6 @@ class GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The completion-length limit the client asked for, and the field it came in."""
         return self.max_tokens, "max_tokens"
-
-    def output_constraint(self) -> tuple[OutputConstraint | None, str | None]:
-        """What the output must match, and the field that asked (a RequestError if several did)."""
-        asked = []
-        if self.response_format is not None and self.response_format.type != "text":
-            schema = self.response_format.json_schema
-            asked.append(("response_format", "json_object", None) if schema is None else
-                         ("response_format", "json_schema", schema.schema_))
-        outputs = self.structured_outputs
-        if outputs is not None:
-            given = [(k, v) for k, v in (("json_schema", outputs.json_), ("regex", outputs.regex),
-                                         ("choice", outputs.choice), ("grammar", outputs.grammar)) if v is not None]
-            given += [("json_object", None)] if outputs.json_object else []
-            if len(given) != 1:
-                raise RequestError("structured_outputs: set exactly one of json, regex, choice, grammar and "
-                                   "json_object", param="structured_outputs")
-            asked.append(("structured_outputs", *given[0]))
-        for field, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                            ("guided_grammar", "grammar")):
-            if getattr(self, field) is not None:
-                asked.append((field, kind, getattr(self, field)))
-        if not asked:
-            return None, None
-        if len(asked) > 1:
-            raise RequestError(f"{asked[1][0]}: only one structured-output option per request (already "
-                               f"{asked[0][0]})", param=asked[1][0])
-        field, kind, value = asked[0]
-        try:
-            return OutputConstraint.of(kind, value), field
-        except ValueError as exc:
-            raise RequestError(f"{field}: {exc}", param=field) from None
 
     def echoes_prompt(self) -> bool:
         """The response starts with the prompt (completions' `echo`)."""
@@ -430,89 +324,6 @@ def check_model(requested: str, served: str | tuple[str, ...]) -> None:
                            status=404, param="model", code="model_not_found")
 
 
-def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int,
-                    vocab_size: int | None = None) -> SamplingParams:
-    """The engine's settings for `request`, whose prompt is `num_prompt_tokens` long (and whose
-    logit_bias must name ids under `vocab_size`, where given)."""
-    max_tokens = _max_tokens(request, num_prompt_tokens, max_model_len)
-    outside = [t for t in request.logit_bias or {} if vocab_size is not None and t >= vocab_size]
-    if outside:
-        raise RequestError(f"logit_bias: token id {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1})",
-                           param="logit_bias")
-    constraint, constraint_field = request.output_constraint()
-    if constraint is not None and (request.ignore_eos or request.min_tokens):
-        raise RequestError(f"{constraint_field}: structured output ends with EOS once the output matches; it "
-                           "cannot be combined with ignore_eos or min_tokens", param=constraint_field)
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, min_tokens=request.min_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_k=request.top_k, top_p=1.0 if request.top_p is None else request.top_p,
-            seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
-            ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens, min_p=request.min_p, logprobs=_computed_logprobs(request),
-            prompt_logprobs=request.requested_prompt_logprobs(), constraint=constraint,
-            presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias or {},
-            **_slo_seconds(request.slo))
-    except ValueError as exc:
-        raise _sampling_error(str(exc)) from None
-
-
-def _computed_logprobs(request: GenerationRequest) -> int | None:
-    """What the workers compute: the client's logprobs, and at least the sampled token's when
-    best_of ranks choices by them."""
-    asked = request.requested_logprobs()
-    runs, returned = request.num_choices()
-    return (asked or 0) if runs > returned else asked
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index`'s settings (n > 1): its own seed stream, seed + index, when a seed is given."""
-    if params.seed is None or index == 0:
-        return params
-    seed = params.seed + index
-    return dataclasses.replace(params, seed=seed if seed <= SEED_RANGE[1] else params.seed - index)
-
-
-def _slo_seconds(slo: SLOTargets | None) -> dict:
-    if slo is None:
-        return {}
-    return {"ttft_slo_s": None if slo.ttft_ms is None else slo.ttft_ms / 1000,
-            "tbt_slo_s": None if slo.tbt_ms is None else slo.tbt_ms / 1000}
-
-
-def _max_tokens(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> int:
-    """The completion limit: the requested one, checked against the context, or what is left of it."""
-    what = request.PROMPT_FIELD
-    context = f"This model's maximum context length is {max_model_len} tokens."
-    if num_prompt_tokens >= max_model_len:
-        raise RequestError(f"{context} However, your prompt has {num_prompt_tokens} tokens, which leaves no room "
-                           f"for the completion. Please reduce the length of the {what}.",
-                           param=what, code="context_length_exceeded")
-    max_tokens, field = request.requested_max_tokens()
-    if max_tokens is None:
-        return max_model_len - num_prompt_tokens
-    if request.scores_prompt_only():
-        return 1  # the prefill must run (it computes the prompt's logprobs); its one token is not returned
-    if max_tokens < 1:
-        zero = " (0 only with echo, to score the prompt)" if isinstance(request, CompletionRequest) else ""
-        raise RequestError(f"{field} must be at least 1{zero}, got {max_tokens}", param=field)
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise RequestError(f"{context} However, you requested {num_prompt_tokens + max_tokens} tokens "
-                           f"({num_prompt_tokens} in the {what}, {max_tokens} in the completion). "
-                           f"Please reduce the length of the {what} or {field}.",
-                           param=field, code="context_length_exceeded")
-    return max_tokens
-
-
-def _sampling_error(message: str) -> RequestError:
-    """SamplingParams' messages start with the field's name ("top_p must be ...", "stop strings ...")."""
-    first_word = message.split(" ", 1)[0]
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    return RequestError(message, param=first_word if first_word in fields else None)
-
-
 def prompt_token_ids_of(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
     """The prompt's token ids: a string is encoded (with the tokenizer's special tokens), a token
     list is checked against the vocabulary and used as is."""
@@ -521,8 +332,12 @@ def prompt_token_ids_of(request: CompletionRequest, tokenizer: Tokenizer) -> lis
         if not ids:
             raise RequestError("prompt: the prompt is empty; send at least one token", param="prompt")
         return ids
-    vocab = tokenizer.vocab_size
-    bad = next((t for t in request.prompt if t >= vocab), None)
-    if bad is not None:
-        raise RequestError(f"prompt: token id {bad} is outside the vocabulary (ids 0..{vocab - 1})", param="prompt")
+    check_in_vocabulary(request.prompt, tokenizer.vocab_size, "prompt")
     return list(request.prompt)
+
+
+def check_in_vocabulary(token_ids, vocab_size: int | None, field: str) -> None:
+    """A 400 naming `field` if a token id is not under `vocab_size` (None: nothing to check)."""
+    bad = next((t for t in token_ids if vocab_size is not None and t >= vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"{field}: token id {bad} is outside the vocabulary (ids 0..{vocab_size - 1})", param=field)

@@ -10,7 +10,8 @@ from pydantic import BaseModel, Field
 
 from splitserve.api.chat_template import DEFAULT_CHAT_TEMPLATE, chat_prompt_token_ids
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import STRICT, ChatCompletionRequest, ChatMessage, check_model
+from splitserve.api.request_models import ChatCompletionRequest, ChatMessage, check_in_vocabulary, check_model
+from splitserve.api.strict_model import STRICT
 from splitserve.engine.tokenizer import Tokenizer
 
 
@@ -47,10 +48,7 @@ def tokenize(request: TokenizeRequest, tokenizer: Tokenizer, served: tuple[str, 
 def detokenize(request: DetokenizeRequest, tokenizer: Tokenizer, served: tuple[str, ...]) -> dict:
     if request.model is not None:
         check_model(request.model, served)
-    vocab = tokenizer.vocab_size
-    bad = next((t for t in request.tokens if t >= vocab), None)
-    if bad is not None:
-        raise RequestError(f"tokens: token id {bad} is outside the vocabulary (ids 0..{vocab - 1})", param="tokens")
+    check_in_vocabulary(request.tokens, tokenizer.vocab_size, "tokens")
     return {"prompt": tokenizer.decode(request.tokens, skip_special_tokens=False)}
 
 

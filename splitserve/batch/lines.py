@@ -18,8 +18,8 @@ from splitserve.api.request_models import (
     check_model,
     parse_request,
     prompt_token_ids_of,
-    sampling_params,
 )
+from splitserve.api.request_sampling import sampling_params
 from splitserve.batch.results import ResultLog
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -123,8 +123,9 @@ def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_
     model_cls = CompletionRequest if line.kind == "completion" else ChatCompletionRequest
     body = parse_request(model_cls, json.dumps(line.body).encode())
     check_model(body.model, model)
+    constraint_field = body.output_constraint()[1]
     for field, asked in (("logprobs", body.requested_logprobs() is not None), ("echo", body.echoes_prompt()),
-                         (body.output_constraint()[1], body.output_constraint()[0] is not None),
+                         (constraint_field, constraint_field is not None),
                          ("tools", bool(body.tool_functions())), ("n", body.num_choices()[0] > 1)):
         if asked:
             raise RequestError(f"{field}: not supported in batches yet; send the request to its endpoint", param=field)

@@ -26,11 +26,10 @@ from splitserve.api.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     check_model,
-    choice_params,
     parse_request,
     prompt_token_ids_of,
-    sampling_params,
 )
+from splitserve.api.request_sampling import choice_params, sampling_params
 from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from splitserve.api.visible_text import TextStream
 from splitserve.batch import routes as batch_routes
@@ -147,7 +146,7 @@ class Ingress:
             return StreamingResponse(stream, media_type="text/event-stream")
         return await reply.whole()
 
-    def _reply(self, kind: str, body, leader: Run, started: float) -> RunResponse | ChoicesResponse:
+    def _reply(self, kind: str, body, leader: Run, started: float) -> ChoicesResponse:
         """The response to `body`: the leader's choice, and with n or best_of above 1 one more run
         per choice, each with its own seed stream, admitted on the leader's workers once its prefill
         is cached there."""
@@ -163,8 +162,6 @@ class Ingress:
             return RunResponse(kind, run, body.model, TextStream(self.tokenizer, run.params, run.prompt), started,
                                self._observations.add, index=index, **options)
 
-        if runs == 1:
-            return reply(leader, 0)
         replies = [reply(leader, 0)]
         for index in range(1, runs):
             follower = Run(f"{leader.request_id}-{index}", leader.prompt, choice_params(leader.params, index),
@@ -201,6 +198,5 @@ class Ingress:
             prompt = prompt_token_ids_of(body, self.tokenizer)
         else:
             prompt = chat_prompt_token_ids(body, self.tokenizer)
-        params = sampling_params(body, len(prompt), self.max_model_len, self.tokenizer.vocab_size)
-        self._grammar.check(params.constraint, body.output_constraint()[1])
-        return body, prompt, params
+        return body, prompt, sampling_params(body, len(prompt), self.max_model_len, self.tokenizer.vocab_size,
+                                             self._grammar.check)
