@@ -1,11 +1,12 @@
-"""One response from several runs of the same prompt (`n`, `best_of`): each run is a choice with
-its own index; a whole response gathers them (best_of keeps the n with the highest cumulative
-logprob), a stream interleaves their chunks as they come. One choice failing fails the response
-(the others are stopped), as a client going away stops them all."""
+"""An OpenAI response, whole or streamed as SSE, from one run per choice (one, or several for `n`
+and `best_of`), each with its own index: a whole response gathers them (best_of keeps the n with
+the highest cumulative logprob), a stream interleaves their chunks as they come. A choice failing
+is a 503 (the others are stopped), as a client going away stops them all."""
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from fastapi.responses import JSONResponse
 
@@ -45,6 +46,25 @@ class ChoicesResponse:
                                             *self.usage))
 
     async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+        """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
+        and sends one per token delta, so a benchmark can time every token."""
+        try:
+            async with aclosing(self._chunks(continuous_usage)) as chunks:
+                async for chunk in chunks:
+                    yield R.sse_event(chunk)
+            if include_usage:
+                yield R.sse_event(R.usage_chunk(self.kind, self.response_id, self.model, self.created, *self.usage))
+            yield R.SSE_DONE
+        except RequestFailed as error:
+            yield R.sse_error(RequestError(str(error), status=503, type="service_unavailable"))
+
+    def _chunks(self, continuous_usage: bool) -> AsyncIterator[dict]:
+        """Every choice's chunks; one choice streams straight through, several are interleaved."""
+        if len(self.replies) == 1:
+            return self.replies[0].chunks(continuous_usage)
+        return self._interleaved(continuous_usage)
+
+    async def _interleaved(self, continuous_usage: bool) -> AsyncIterator[dict]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(reply: RunResponse):
@@ -63,13 +83,9 @@ class ChoicesResponse:
                 if item is _DONE:
                     running -= 1
                 elif isinstance(item, RequestFailed):
-                    yield R.sse_error(RequestError(str(item), status=503, type="service_unavailable"))
-                    return
+                    raise item
                 else:
-                    yield R.sse_event(item)
-            if include_usage:
-                yield R.sse_event(R.usage_chunk(self.kind, self.response_id, self.model, self.created, *self.usage))
-            yield R.SSE_DONE
+                    yield item
         finally:
             await self._stop(tasks)
 

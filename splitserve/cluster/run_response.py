@@ -1,14 +1,10 @@
-"""An OpenAI response (whole or streamed as SSE) made from a run's token deltas."""
+"""One choice of an OpenAI response (whole, or as stream chunks) made from a run's token deltas."""
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
-
-from fastapi.responses import JSONResponse
 
 from splitserve.api import response_bodies as R
-from splitserve.api.errors import RequestError, error_response
 from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
 from splitserve.api.tool_calls import StreamedCalls, ToolCall, parse_tool_calls
 from splitserve.api.visible_text import TextStream
@@ -17,7 +13,7 @@ from splitserve.cluster.metrics import RequestObservation
 
 
 class RunResponse:
-    """Turns a run's token deltas into an OpenAI response or SSE stream, timing the tokens as
+    """Turns a run's token deltas into an OpenAI choice or its stream chunks, timing the tokens as
     they leave (`on_done` gets the request's observation for the metrics). With logprobs asked
     for, each piece of text carries those of the tokens that made it (none past a stop string).
 
@@ -30,9 +26,10 @@ class RunResponse:
     def __init__(self, kind: str, run: Run, model: str, text: TextStream, started: float | None = None,
                  on_done: Callable[[RequestObservation], None] = lambda _: None, echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
-                 response_id: str | None = None, num_top: int | None | object = ...):
+                 response_id: str | None = None, num_top: int | None = None):
         """`index`, `response_id`: the choice's place and the response's id when several runs answer
-        one request (`n`); `num_top`: the logprobs the client sees (default: what the run computes)."""
+        one request (`n`); `num_top`: the top alternatives per token the client asked logprobs of
+        (None: none; the run may compute logprobs for best_of's ranking alone)."""
         self.kind, self.run, self.model, self.text = kind, run, model, text
         self._echo, self.generated, self.tool_names = echo, generated, tool_names
         self.index, self.response_id = index, response_id or run.request_id
@@ -40,7 +37,7 @@ class RunResponse:
         self.started = time.monotonic() if started is None else started
         self.on_done = on_done
         self.token_times: list[float] = []
-        self.num_top = run.params.logprobs if num_top is ... else num_top  # None: no logprobs
+        self.num_top = num_top
         self.cumulative_logprob = 0.0  # of the sampled tokens, when the run computes logprobs (best_of ranks by it)
         self._entries: list[Entry] = []  # of the text not yet handed out
         self._text_offset = 0  # completions' text_offset of the next token
@@ -96,14 +93,6 @@ class RunResponse:
         self._text_offset += sum(len(t) for t in body["tokens"])
         return body
 
-    async def whole(self) -> JSONResponse:
-        try:
-            choice = await self.collect()
-        except RequestFailed as error:
-            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
-        return JSONResponse(R.response_body(self.kind, self.response_id, self.model, self.created, [choice],
-                                            len(self.run.prompt), self.completion_tokens))
-
     async def collect(self) -> dict:
         """This run's whole choice; RequestFailed if it failed. A cancelled caller (the client went
         away) stops it on the workers."""
@@ -128,20 +117,6 @@ class RunResponse:
         if calls:
             return R.chat_choice(None, "tool_calls", logprobs, [c.body() for c in calls], self.index)
         return R.chat_choice(text, reason, logprobs, index=self.index)
-
-    async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
-        """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
-        and sends one per token delta, so a benchmark can time every token."""
-        try:
-            async with aclosing(self.chunks(continuous_usage)) as chunks:
-                async for chunk in chunks:
-                    yield R.sse_event(chunk)
-            if include_usage:
-                yield R.sse_event(R.usage_chunk(self.kind, self.response_id, self.model, self.created,
-                                                len(self.run.prompt), self.completion_tokens))
-            yield R.SSE_DONE
-        except RequestFailed as error:
-            yield R.sse_error(RequestError(str(error), status=503, type="service_unavailable"))
 
     async def chunks(self, continuous_usage: bool = False) -> AsyncIterator[dict]:
         """This run's stream chunks (a chat's first names the role); RequestFailed if it failed.

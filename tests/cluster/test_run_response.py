@@ -1,10 +1,12 @@
-"""RunResponse: a run's token deltas as an OpenAI response or SSE stream (no Ray: a scripted run)."""
+"""RunResponse and ChoicesResponse: a run's token deltas as an OpenAI response or SSE stream (no Ray:
+a scripted run)."""
 from __future__ import annotations
 
 import asyncio
 import json
 
 from splitserve.api.visible_text import TextStream
+from splitserve.cluster.choices_response import ChoicesResponse
 from splitserve.cluster.dispatch import RequestFailed
 from splitserve.cluster.run_response import RunResponse
 from splitserve.cluster.worker_loop import TokenDelta
@@ -42,7 +44,8 @@ def byte_ids(text: str) -> tuple[int, ...]:
 def reply_for(run, stop=(), observed=None, kind="completion"):
     params = SamplingParams(max_tokens=64, stop=stop, logprobs=run.params.logprobs)
     on_done = observed.append if observed is not None else (lambda _: None)
-    return RunResponse(kind, run, "demo", TextStream(ByteTokenizer(), params, PROMPT), on_done=on_done)
+    return ChoicesResponse([RunResponse(kind, run, "demo", TextStream(ByteTokenizer(), params, PROMPT), on_done=on_done,
+                                        num_top=run.params.logprobs)], 1)
 
 
 def events(reply, **kwargs) -> list:
