@@ -18,6 +18,7 @@ import platform
 import random
 import statistics
 import time
+from pathlib import Path
 
 import jsonschema
 import torch
@@ -77,8 +78,7 @@ def main(argv=None) -> None:
               f"{min(stops)}-{max(stops)} of {args.requests} ended by EOS")
     print(f"json_schema / free: {medians['json_schema'] / medians['free']:.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,131 +1,28 @@
 """End-to-end correctness against Hugging Face transformers (the reference nobody here wrote).
 
-Each checkpoint is a random tiny model built with transformers' own classes and written with its
-own `save_pretrained`, next to a `tokenizer.json` trained with `tokenizers`. Our engine loads that
-directory; its logits (full prefill, chunked prefill, decode, batched) and its greedy generations
-must equal transformers' on the same weights.
+Each checkpoint is a random tiny model (`hf_checkpoints`). Our engine loads that directory; its
+logits (full prefill, chunked prefill, decode, batched) and its greedy generations must equal
+transformers' on the same weights. Sampling options are checked in `test_sampling_vs_hf`.
 """
 from __future__ import annotations
 
 import copy
 import json
 
-import jsonschema
 import pytest
 import torch
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
+from transformers import AutoTokenizer
 
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_model_config
-from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.policies import Plan, ScheduledSeq
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
-
-# ASCII only, so every token decodes to complete characters (no held-back partial UTF-8).
-CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "a stitch in time saves nine, said the tailor to his apprentice",
-    "Splitwise splits prompt and token phases across machines.",
-    "Sarathi-Serve chunks long prefills: stall-free batching (2024)!",
-    "paged attention stores keys and values in fixed-size blocks #42",
-    "How much wood would a woodchuck chuck? QUITE A LOT; 1234567890",
-] * 10
-BOS, EOS, PAD = 0, 1, 2  # the trainer's special tokens come first
-WEIGHT_STD = 0.2         # HF's 0.02 init gives near-uniform logits; this separates the argmax
-MAX_POS = 256
-ENGINE_ARGS = dict(device="cpu", block_size=8, num_kv_blocks=96)
-
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=MAX_POS, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-              rms_norm_eps=1e-5)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
-CONFIGS = {
-    "llama_mha": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, num_hidden_layers=3)),
-    "llama3_gqa_tied": (LlamaConfig, LlamaForCausalLM,
-                        dict(num_key_value_heads=2, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
-                             tie_word_embeddings=True)),
-    "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, rope_theta=1000000.0)),
-    "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, rope_theta=1000000.0)),
-    "llama_head_dim": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
-}
-
-
-# ---- checkpoint construction --------------------------------------------------------------
-# Qwen2 checkpoints get Qwen2's pre-tokenizer (transformers' own regex). transformers 5's
-# AutoTokenizer picks the tokenizer class from config.json's model_type, and Qwen2Tokenizer rebuilds
-# its pre-tokenizer and NFC normalizer whatever tokenizer.json says; a real Qwen2 tokenizer.json has
-# these, so the Qwen2 checkpoint gets them too (the engine reads tokenizer.json as it is).
-def train_tokenizer(qwen2: bool = False) -> RawTokenizer:
-    tok = RawTokenizer(models.BPE())
-    if qwen2:
-        tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    # every byte is a token, as in real byte-level vocabularies (any text encodes, "{" included)
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    assert [tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")] == [BOS, EOS, PAD]
-    return tok
-
-
-@pytest.fixture(scope="module")
-def tokenizers_by_kind() -> dict[bool, RawTokenizer]:
-    return {False: train_tokenizer(), True: train_tokenizer(qwen2=True)}
-
-
-def randomize(model: torch.nn.Module) -> None:
-    """Weights with std WEIGHT_STD; norm weights near (not exactly) one and biases non-zero, so a
-    parameter that is not loaded, or loaded into the wrong place, changes the logits."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, WEIGHT_STD)
-            elif param.dim() == 1:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, WEIGHT_STD)
-
-
-def write_checkpoint(path, name: str, tokenizers_by_kind: dict[bool, RawTokenizer]):
-    config_cls, model_cls, extra = CONFIGS[name]
-    raw_tokenizer = tokenizers_by_kind[config_cls is Qwen2Config]
-    config = config_cls(**{**COMMON, **extra, "vocab_size": raw_tokenizer.get_vocab_size()})
-    config._attn_implementation = "eager"  # the plainest reference math
-    torch.manual_seed(sum(map(ord, name)))
-    model = model_cls(config).eval()
-    randomize(model)
-    model.save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=raw_tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            add_bos_token=True).save_pretrained(path)
-    return model
-
-
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def ckpt(request, tmp_path_factory, tokenizers_by_kind):
-    path = tmp_path_factory.mktemp(request.param)
-    return str(path), write_checkpoint(path, request.param, tokenizers_by_kind)
-
-
-def prompt_ids(seed: int, length: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [BOS] + torch.randint(PAD + 1, vocab, (length - 1,), generator=g).tolist()
-
-
-@torch.inference_mode()
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(input_ids=torch.tensor([ids])).logits[0].float()
-
+from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
+    BOS, ENGINE_ARGS, NEW_TOKENS, ckpt, generation_prompts, hf_greedy, hf_logits, prompt_ids, tokenizers_by_kind,
+    write_checkpoint,
+)
 
 # ---- driving our model runner directly -------------------------------------------------------
 def new_seq(engine: LLMEngine, seq_id: str, ids: list[int]) -> Sequence:
@@ -256,89 +153,6 @@ def test_batched_decodes_of_different_lengths_match_hf(ckpt):
 
 
 # ---- greedy generation --------------------------------------------------------------------
-NEW_TOKENS = 12
-
-
-def generation_prompts(vocab: int) -> list[list[int]]:
-    prompts = [prompt_ids(20 + i, n, vocab) for i, n in enumerate((3, 40, 9, 17, 26))]
-    return prompts + [prompts[1][:20] + prompt_ids(99, 6, vocab)[1:]]  # shares a 2-block prefix
-
-
-@torch.inference_mode()
-def hf_greedy(model, ids: list[int], n: int, **options) -> list[int]:
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=PAD, **options)
-    return out[0, len(ids):].tolist()
-
-
-def test_logprobs_match_hf_log_softmax(ckpt):
-    """Each generated token's logprob and its top alternatives: transformers' log-softmax of the
-    logits at that position, within 1e-4 (float32), with chunked prefill and batched decodes."""
-    path, hf = ckpt
-    prompts = generation_prompts(hf.config.vocab_size)
-    llm = LLM(path, policy="mixed", chunk_token_budget=16, prompt_token_budget=48, dtype="float32", **ENGINE_ARGS)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=3))
-    for prompt, out in zip(prompts, outputs):
-        expected = hf_logits(hf, prompt + out.token_ids).log_softmax(dim=-1)[len(prompt) - 1:-1]
-        for step, (token_id, logprobs) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
-            top = expected[step].topk(3)
-            assert set(logprobs) == set(top.indices.tolist()) | {token_id}
-            for t, value in logprobs.items():
-                assert abs(value - expected[step, t].item()) < 1e-4, (step, t)
-
-
-def test_prompt_logprobs_match_hf_log_softmax_even_where_the_prefix_is_cached(ckpt):
-    """Every prompt position after the first: its token's logprob and the top alternatives, from
-    transformers' log-softmax at the position before, within 1e-4, through chunked prefills. The
-    prompts' prefixes are cached by a first run; a run asking for prompt logprobs computes them anyway."""
-    path, hf = ckpt
-    prompts = generation_prompts(hf.config.vocab_size)
-    llm = LLM(path, policy="mixed", chunk_token_budget=16, prompt_token_budget=48, dtype="float32", **ENGINE_ARGS)
-    assert sum(o.num_cached_tokens for o in llm.generate(prompts, SamplingParams(max_tokens=1))) > 0
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
-    for prompt, out in zip(prompts, outputs):
-        assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(prompt)
-        assert out.prompt_logprobs[0] is None and out.outputs[0].logprobs is None
-        expected = hf_logits(hf, prompt).log_softmax(dim=-1)
-        for position in range(1, len(prompt)):
-            logprobs, row = out.prompt_logprobs[position], expected[position - 1]
-            assert set(logprobs) == set(row.topk(2).indices.tolist()) | {prompt[position]}
-            for t, value in logprobs.items():
-                assert abs(value - row[t].item()) < 1e-4, (position, t)
-
-
-def test_structured_output_over_a_bpe_vocabulary_parses_and_validates(ckpt):
-    """The grammar masks read a trained BPE tokenizer.json (multi-byte tokens, specials); every
-    sampled output is JSON that `jsonschema` accepts."""
-    path, _ = ckpt
-    schema = {"type": "object", "additionalProperties": False, "required": ["word", "n"],
-              "properties": {"word": {"enum": ["fox", "dog", "tailor"]}, "n": {"type": "integer", "minimum": 0,
-                                                                               "maximum": 99}}}
-    llm = LLM(path, dtype="float32", **ENGINE_ARGS)
-    params = [SamplingParams(max_tokens=40, seed=i, constraint=OutputConstraint.of("json_schema", schema))
-              for i in range(6)]
-    for out in llm.generate(["the quick brown fox"] * 6, params):
-        assert out.finish_reason == "stop"
-        jsonschema.validate(json.loads(out.text), schema)
-
-
-@pytest.mark.parametrize("penalty", [1.3, 0.8])
-def test_greedy_generation_with_a_repetition_penalty_and_biases_matches_hf(ckpt, penalty):
-    """transformers' `repetition_penalty` (over prompt and output) and `sequence_bias` for single
-    tokens, against ours; a bias large enough changes the text, so the bias is really applied."""
-    path, hf = ckpt
-    prompts = generation_prompts(hf.config.vocab_size)
-    bias = {5: 4.0, 9: -3.0, 11: 2.5}
-    expected = [hf_greedy(hf, p, NEW_TOKENS, repetition_penalty=penalty,
-                          sequence_bias={(t,): b for t, b in bias.items()}) for p in prompts]
-    llm = LLM(path, policy="mixed", chunk_token_budget=16, prompt_token_budget=48, dtype="float32", **ENGINE_ARGS)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
-                            repetition_penalty=penalty, logit_bias=bias)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    plain = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    assert expected != plain
-
-
 @pytest.mark.parametrize("policy", ["mixed", "prefill_first"])
 def test_greedy_generation_matches_hf(ckpt, policy):
     path, hf = ckpt

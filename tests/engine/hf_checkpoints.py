@@ -1,0 +1,127 @@
+"""Tiny random Hugging Face checkpoints for the tests against transformers: each built with
+transformers' own classes and written with its own `save_pretrained`, next to a `tokenizer.json`
+trained with `tokenizers` (every byte a token, as in real byte-level vocabularies), and the
+transformers-side references (logits, greedy generation) on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM)
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
+
+# ASCII only, so every token decodes to complete characters (no held-back partial UTF-8).
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a stitch in time saves nine, said the tailor to his apprentice",
+    "Splitwise splits prompt and token phases across machines.",
+    "Sarathi-Serve chunks long prefills: stall-free batching (2024)!",
+    "paged attention stores keys and values in fixed-size blocks #42",
+    "How much wood would a woodchuck chuck? QUITE A LOT; 1234567890",
+] * 10
+BOS, EOS, PAD = 0, 1, 2  # the trainer's special tokens come first
+WEIGHT_STD = 0.2         # HF's 0.02 init gives near-uniform logits; this separates the argmax
+MAX_POS = 256
+ENGINE_ARGS = dict(device="cpu", block_size=8, num_kv_blocks=96)
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=MAX_POS, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+              rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+CONFIGS = {
+    "llama_mha": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, num_hidden_layers=3)),
+    "llama3_gqa_tied": (LlamaConfig, LlamaForCausalLM,
+                        dict(num_key_value_heads=2, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                             tie_word_embeddings=True)),
+    "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, rope_theta=1000000.0)),
+    "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, rope_theta=1000000.0)),
+    "llama_head_dim": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
+}
+
+
+# ---- checkpoint construction --------------------------------------------------------------
+# Qwen2 checkpoints get Qwen2's pre-tokenizer (transformers' own regex). transformers 5's
+# AutoTokenizer picks the tokenizer class from config.json's model_type, and Qwen2Tokenizer rebuilds
+# its pre-tokenizer and NFC normalizer whatever tokenizer.json says; a real Qwen2 tokenizer.json has
+# these, so the Qwen2 checkpoint gets them too (the engine reads tokenizer.json as it is).
+def train_tokenizer(qwen2: bool = False) -> RawTokenizer:
+    tok = RawTokenizer(models.BPE())
+    if qwen2:
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # every byte is a token, as in real byte-level vocabularies (any text encodes, "{" included)
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert [tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")] == [BOS, EOS, PAD]
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tokenizers_by_kind() -> dict[bool, RawTokenizer]:
+    return {False: train_tokenizer(), True: train_tokenizer(qwen2=True)}
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Weights with std WEIGHT_STD; norm weights near (not exactly) one and biases non-zero, so a
+    parameter that is not loaded, or loaded into the wrong place, changes the logits."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, WEIGHT_STD)
+            elif param.dim() == 1:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, WEIGHT_STD)
+
+
+def write_checkpoint(path, name: str, tokenizers_by_kind: dict[bool, RawTokenizer]):
+    config_cls, model_cls, extra = CONFIGS[name]
+    raw_tokenizer = tokenizers_by_kind[config_cls is Qwen2Config]
+    config = config_cls(**{**COMMON, **extra, "vocab_size": raw_tokenizer.get_vocab_size()})
+    config._attn_implementation = "eager"  # the plainest reference math
+    torch.manual_seed(sum(map(ord, name)))
+    model = model_cls(config).eval()
+    randomize(model)
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=raw_tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            add_bos_token=True).save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def ckpt(request, tmp_path_factory, tokenizers_by_kind):
+    path = tmp_path_factory.mktemp(request.param)
+    return str(path), write_checkpoint(path, request.param, tokenizers_by_kind)
+
+
+def prompt_ids(seed: int, length: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [BOS] + torch.randint(PAD + 1, vocab, (length - 1,), generator=g).tolist()
+
+
+@torch.inference_mode()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+NEW_TOKENS = 12
+
+
+def generation_prompts(vocab: int) -> list[list[int]]:
+    prompts = [prompt_ids(20 + i, n, vocab) for i, n in enumerate((3, 40, 9, 17, 26))]
+    return prompts + [prompts[1][:20] + prompt_ids(99, 6, vocab)[1:]]  # shares a 2-block prefix
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], n: int, **options) -> list[int]:
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=PAD, **options)
+    return out[0, len(ids):].tolist()
