@@ -14,6 +14,8 @@ from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.policies import SLOOptions as PolicySLOOptions
 from splitserve.placement.state import PlacementThresholds
 
+MAX_TENSOR_PARALLEL = 64  # ranks of one worker (one node's devices)
+
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -55,7 +57,11 @@ class PoolConfig(StrictModel):
     num_workers: int = Field(1, ge=1, description="Workers in this pool.")
     hardware: str = Field("cpu", description="Hardware class of the pool's workers: one of h100, a100, h100-cap, "
                           "cpu, or a name under `hardware_classes`. The placement weighs queues by its speeds.")
-    resources: WorkerResources = Field(WorkerResources(), description="What Ray reserves for each worker.")
+    resources: WorkerResources = Field(WorkerResources(), description="What Ray reserves for each worker (for "
+                                       "each of its ranks when tensor_parallel_size > 1).")
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_TENSOR_PARALLEL, description="Devices per worker: a worker "
+                                      "is this many ranks (one per device, packed on one node by a Ray placement "
+                                      "group) that split the model Megatron-style. Pools may differ.")
 
 
 class HardwareClassConfig(StrictModel):
