@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.model.sharding import Shard, kv_head_range
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # default KV budget on CPU (small models; set kv_cache_memory_bytes for more)
 
@@ -32,16 +33,24 @@ def gpu_budget(free: int, total: int, utilization: float) -> int:
     return budget
 
 
+def local_kv_heads(config: ModelConfig, shard: Shard) -> int:
+    lo, hi = kv_head_range(config.num_key_value_heads, shard.rank, shard.size)
+    return hi - lo
+
+
 class KVCache:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        self.block_size = block_size
-        shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    """One rank's cache: with tensor parallelism, only the KV heads that rank holds (`shard`)."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 shard: Shard = Shard()):
+        self.block_size, self.shard = block_size, shard
+        shape = (config.num_hidden_layers, 2, num_blocks, block_size, local_kv_heads(config, shard), config.head_dim)
         # zeros, not empty: masked-out slots are multiplied by zero probabilities, and NaN * 0 is NaN
         self.data = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard = Shard()) -> int:
+        per_token = 2 * config.num_hidden_layers * local_kv_heads(config, shard) * config.head_dim
         return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
     @property

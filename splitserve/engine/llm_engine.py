@@ -6,20 +6,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from splitserve.engine.attention import select_backend
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
-from splitserve.engine.kv_cache import KVCache, kv_cache_budget
-from splitserve.engine.model_builder import build_model
-from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
 from splitserve.engine.prompt_logprobs import prompt_logprobs
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.shard_builder import build_shard
+from splitserve.engine.tensor_parallel import TPGroup
 from splitserve.engine.tokenizer import Detokenizer
+from splitserve.engine.tp_step import TPLeader
 
 PromptInput = str | list[int] | dict
 
@@ -45,22 +44,23 @@ class StepFailed(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, model: str = "demo", config: EngineConfig | None = None, **overrides):
+    def __init__(self, model: str = "demo", config: EngineConfig | None = None, tp: TPGroup | None = None,
+                 **overrides):
+        """`tp`: this worker's tensor-parallel group, of which this engine is rank 0 (the others
+        run `tp_step.TPFollower`); None: one rank."""
         self.config = config = replace(config or EngineConfig(), **overrides)
-        loaded = build_model(model, config)
+        if tp is not None and not tp.is_leader:
+            raise ValueError(f"an LLMEngine is rank 0 of its group; rank {tp.rank} runs a TPFollower")
+        self.tp_leader = TPLeader(tp) if tp is not None else None
+        shard = build_shard(model, config, tp, self.tp_leader)
+        loaded = shard.loaded
         self.model_name, self.model_config, self.tokenizer = model, loaded.config, loaded.tokenizer
         self.max_model_len = loaded.max_model_len
-        num_blocks = config.num_kv_blocks or kv_cache_budget(config, loaded.device) // KVCache.bytes_per_block(
-            loaded.config, config.block_size, loaded.dtype)
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len="
-                              f"{self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len")
-        self.kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache, self.runner = shard.kv_cache, shard.runner
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(config.max_num_seqs, self.max_model_len, config.prompt_token_budget,
                                  config.chunk_token_budget, config.slo)
         self.policy = make_policy(config.policy, self.block_manager, limits)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, select_backend(loaded.device, config.attention_backend), loaded.device)
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -95,7 +95,10 @@ class LLMEngine:
         return self.policy.has_work()
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError if scheduler queues, block ownership and tracked requests disagree."""
+        """Raise RuntimeError if scheduler queues, block ownership and tracked requests disagree,
+        or if this engine's tensor-parallel ranks fell out of step."""
+        if self.tp_leader is not None:
+            self.tp_leader.check()
         self.policy.check_integrity()
         live = {seq.seq_id for seq in [*self.policy.running, *self.policy.waiting]} | set(self.policy.held)
         if live != set(self._requests):
@@ -109,9 +112,11 @@ class LLMEngine:
     def request_ids(self) -> frozenset[str]:
         return frozenset(self._requests)
 
-    def step(self, after_layer: Callable[[Plan, int], None] | None = None) -> list[RequestOutput]:
+    def step(self, after_layer: Callable[[Plan, int], None] | None = None,
+             before_forward: Callable[[Plan], None] | None = None) -> list[RequestOutput]:
         """Run one iteration; return the requests that got a token (cumulative outputs).
-        `after_layer(plan, i)` runs once layer i's KV for this iteration is in the cache."""
+        `before_forward(plan)` runs once the iteration is scheduled; `after_layer(plan, i)` once
+        layer i's KV for this iteration is in the cache."""
         start = time.monotonic()
         try:
             plan = self.policy.schedule()
@@ -120,6 +125,8 @@ class LLMEngine:
         if not plan:
             return []
         try:
+            if before_forward is not None:
+                before_forward(plan)
             return self._run(plan, start, after_layer)
         except Exception as error:
             ids = [item.seq.seq_id for item in plan.scheduled]

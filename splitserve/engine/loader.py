@@ -2,7 +2,8 @@
 
 The checkpoint's tensors load by the Hugging Face names `checkpoint_tensors` gives the model's
 weights (a merged projection's parts are slices of it). A tied `lm_head` is recognised because
-it is the same tensor as `model.embed_tokens.weight`, so loading either name fills both.
+it is the same tensor as `model.embed_tokens.weight`, so loading either name fills both. A
+tensor-parallel rank reads only its part of each tensor from the file (`shard_slices`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from safetensors import safe_open
 from torch import nn
 
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.model.llama import checkpoint_tensors
+from splitserve.engine.model.llama import checkpoint_tensors, shard_slices
+from splitserve.engine.model.sharding import ShardSlice
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -41,8 +43,8 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 def iter_checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of a single-file or sharded safetensors checkpoint."""
-    for _, name, tensor in _iter_with_files(path):
-        yield name, tensor
+    for _, name, handle in _iter_with_files(path):
+        yield name, handle.get_tensor(name)
 
 
 def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None) -> None:
@@ -54,19 +56,22 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
     """
     if dtype is not None:
         model.to(dtype=dtype)
-    targets = dict(checkpoint_tensors(model))
+    targets, parts = dict(checkpoint_tensors(model)), shard_slices(model)
+    absent = getattr(model, "absent_tensors", frozenset())  # held by another rank only
     loaded: set[tuple[int, tuple]] = set()  # (storage offset, shape): a tied weight counts once for both names
     with torch.no_grad():
-        for file, name, tensor in _iter_with_files(path):
-            if name.endswith(IGNORED_SUFFIXES):
+        for file, name, handle in _iter_with_files(path):
+            if name.endswith(IGNORED_SUFFIXES) or name in absent:
                 continue
             target = targets.get(name)
             if target is None:
                 raise CheckpointError(f"{file}: tensor {name!r} has no matching parameter in {type(model).__name__}")
-            if target.shape != tensor.shape:
-                raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                      f"the model expects {tuple(target.shape)}")
-            target.copy_(tensor)
+            part = parts.get(name)
+            expected = part.full_shape(target.shape) if part else tuple(target.shape)
+            shape = tuple(handle.get_slice(name).get_shape())
+            if shape != expected:
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {shape}, the model expects {expected}")
+            target.copy_(_read(handle, name, part))
             loaded.add(_where(target))
     missing = [name for name, target in targets.items() if _where(target) not in loaded]
     if missing:
@@ -78,9 +83,10 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
     Biases get zeros, other 1-D parameters (norm weights) ones, matrices and embeddings
     normal(0, 0.02). Values are drawn on the CPU in float32, so a seed gives the same weights on
-    every device and dtype.
+    every device and dtype. A tensor-parallel rank draws each whole tensor and keeps its part, so
+    every TP size holds the same model.
     """
-    gen, done = torch.Generator().manual_seed(seed), set()
+    gen, done, parts = torch.Generator().manual_seed(seed), set(), shard_slices(model)
     with torch.no_grad():
         for name, param in checkpoint_tensors(model):
             if _where(param) in done:  # a tied weight, drawn once
@@ -91,15 +97,26 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             elif param.dim() == 1:
                 param.fill_(1.0)
             else:
-                param.copy_(torch.empty(param.shape).normal_(0.0, DUMMY_STD, generator=gen))
+                part = parts.get(name)
+                full = torch.empty(part.full_shape(param.shape) if part else param.shape).normal_(
+                    0.0, DUMMY_STD, generator=gen)
+                param.copy_(part.take(full) if part else full)
+
+
+def _read(handle, name: str, part: ShardSlice | None) -> torch.Tensor:
+    """The tensor, or only the part a rank holds (read from the file without the rest)."""
+    if part is None:
+        return handle.get_tensor(name)
+    index = (slice(None),) * part.dim + (slice(part.start, part.stop),)
+    return handle.get_slice(name)[index]
 
 
 def _where(tensor: torch.Tensor) -> tuple[int, tuple]:
     return tensor.data_ptr(), tuple(tensor.shape)
 
 
-def _iter_with_files(path: str | Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """Yield (file, name, tensor); the file is kept so errors can name it."""
+def _iter_with_files(path: str | Path) -> Iterator[tuple[Path, str, object]]:
+    """Yield (file, name, open safetensors handle) per tensor; the file is kept so errors can name it."""
     weights = _weights_file(path)
     if weights.name == SINGLE_FILE:
         yield from _iter_file(weights, None)
@@ -131,7 +148,7 @@ def _read_index(index: Path) -> dict[Path, list[str]]:
     return shards
 
 
-def _iter_file(file: Path, names: list[str] | None) -> Iterator[tuple[Path, str, torch.Tensor]]:
+def _iter_file(file: Path, names: list[str] | None) -> Iterator[tuple[Path, str, object]]:
     """Tensors of one safetensors file: all of them, or only `names` (those a shard index lists)."""
     try:
         handle = safe_open(str(file), framework="pt")
@@ -142,7 +159,7 @@ def _iter_file(file: Path, names: list[str] | None) -> Iterator[tuple[Path, str,
         for name in names if names is not None else sorted(present):
             if name not in present:
                 raise CheckpointError(f"{file}: tensor {name!r} listed in the index is not in this shard")
-            yield file, name, f.get_tensor(name)
+            yield file, name, f
 
 
 def _checkpoint_dir(path: str | Path) -> Path:

@@ -9,7 +9,8 @@ import torch
 from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from splitserve.engine.demo import DEMO_SEED, demo_model_config, demo_tokenizer
 from splitserve.engine.loader import init_dummy_weights, load_model_config, load_weights
-from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.llama import LlamaForCausalLM, Reduce
+from splitserve.engine.model.sharding import Shard, check_shardable
 from splitserve.engine.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,11 +59,14 @@ def load_metadata(model: str, engine: EngineConfig) -> tuple[ModelConfig, Tokeni
     return config, tokenizer, resolve_max_model_len(config, engine.max_model_len)
 
 
-def build_model(model: str, engine: EngineConfig) -> LoadedModel:
+def build_model(model: str, engine: EngineConfig, shard: Shard = Shard(), reduce: Reduce | None = None) -> LoadedModel:
+    """The model, or with tensor parallelism this rank's `shard` of it (only its part is read from
+    the checkpoint). Each rank sees its own device as the default one (Ray gives an actor its GPU)."""
     config, tokenizer, max_len = load_metadata(model, engine)
+    check_shardable(config, shard.size)
     device, dtype = resolve_device(engine.device), resolve_dtype(engine.dtype, config)
     with torch.device(device), _default_dtype(dtype):
-        net = LlamaForCausalLM(config, max_len).eval()
+        net = LlamaForCausalLM(config, max_len, shard, reduce).eval()
     if model == "demo" or engine.load_format == "dummy":
         init_dummy_weights(net, DEMO_SEED if model == "demo" else engine.seed)
     else:

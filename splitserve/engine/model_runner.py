@@ -1,8 +1,12 @@
-"""Turns a scheduler `Plan` into tensors, runs the model, and returns the logits to sample from."""
+"""Turns a scheduler `Plan` into a `StepBatch`, runs the model, and returns the logits to sample from.
+
+With tensor parallelism the leader's runner hands each batch to `StepChannel` before running it
+(the other ranks run the same batch on their shards) and closes the round after it."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -16,6 +20,30 @@ from splitserve.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
+class StepBatch:
+    """One iteration's inputs as plain lists (what a tensor-parallel leader sends its other ranks).
+    Sequences are ordered decodes first (see AttentionMetadata); `block_tables` are padded with 0."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_starts: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+
+
+class StepChannel(Protocol):
+    """The leader's side of a tensor-parallel step (engine.tp_step.TPLeader)."""
+
+    def begin(self, batch: StepBatch) -> None: ...
+
+    def end(self) -> None: ...
+
+    def abandon(self, error: BaseException) -> None: ...
+
+
+@dataclass(frozen=True)
 class Forward:
     """One iteration's results: the sequences that sample, their logits [n, vocab] (float32) in the
     same order, and the prompt rows of the sequences that asked for prompt logprobs."""
@@ -26,11 +54,13 @@ class Forward:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, device: torch.device,
+                 channel: StepChannel | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
+        self.channel = channel
         self._kv_layers = kv_cache.layers()
 
     @torch.inference_mode()
@@ -39,13 +69,39 @@ class ModelRunner:
         """Run one iteration."""
         # single-token queries first, longest context first, so decode_groups are contiguous runs
         items = sorted(plan.scheduled, key=lambda item: (item.num_new_tokens != 1, -item.start))
-        input_ids, positions, meta = self._prepare(items, block_tables)
-        hidden = self.model(input_ids, positions, self._kv_layers, meta, self.backend, after_layer)
-        rows = [meta.query_starts[i + 1] - 1 for i, item in enumerate(items) if item.samples]
+        batch = self.prepare(items, block_tables)
+        if self.channel is None:
+            hidden = self.forward(batch, after_layer)
+        else:
+            self.channel.begin(batch)
+            try:
+                hidden = self.forward(batch, after_layer)
+            except BaseException as error:
+                self.channel.abandon(error)
+                raise
+            self.channel.end()
+        rows = [batch.query_starts[i + 1] - 1 for i, item in enumerate(items) if item.samples]
         logits = self.model.compute_logits(hidden[rows]).float()
-        return Forward([item.seq for item in items if item.samples], logits, _prompt_rows(items, meta, hidden))
+        return Forward([item.seq for item in items if item.samples], logits, _prompt_rows(items, batch, hidden))
 
-    def _prepare(self, items: list[ScheduledSeq], block_tables: dict[str, list[int]]):
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden]; every token's KV is written to this rank's cache."""
+        decode_lens = batch.context_lens[:batch.num_decodes]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(batch.slots),
+            block_tables=self._tensor(batch.block_tables),
+            context_lens=self._tensor(batch.context_lens),
+            query_starts=batch.query_starts,
+            context_lens_list=batch.context_lens,
+            num_decodes=batch.num_decodes,
+            decode_groups=group_by_length(decode_lens),
+            query_start_tensor=self._tensor(batch.query_starts),
+        )
+        return self.model(self._tensor(batch.token_ids), self._tensor(batch.positions), self._kv_layers, meta,
+                          self.backend, after_layer)
+
+    def prepare(self, items: list[ScheduledSeq], block_tables: dict[str, list[int]]) -> StepBatch:
         bs = self.kv_cache.block_size
         tokens, positions, slots, starts, context_lens, tables = [], [], [], [0], [], []
         for item in items:
@@ -58,30 +114,20 @@ class ModelRunner:
             context_lens.append(end)
             tables.append(table[: -(-end // bs)])
         width = max(len(t) for t in tables)
-        num_decodes = sum(1 for item in items if item.num_new_tokens == 1)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables]),
-            context_lens=self._tensor(context_lens),
-            query_starts=starts,
-            context_lens_list=context_lens,
-            num_decodes=num_decodes,
-            decode_groups=group_by_length(context_lens[:num_decodes]),
-            query_start_tensor=self._tensor(starts),
-        )
-        return self._tensor(tokens), self._tensor(positions), meta
+        return StepBatch(tokens, positions, slots, starts, context_lens, [t + [0] * (width - len(t)) for t in tables],
+                         sum(1 for item in items if item.num_new_tokens == 1))
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
 
-def _prompt_rows(items: list[ScheduledSeq], meta: AttentionMetadata, hidden: torch.Tensor) -> list[PromptRows]:
+def _prompt_rows(items: list[ScheduledSeq], batch: StepBatch, hidden: torch.Tensor) -> list[PromptRows]:
     """The rows predicting prompt positions (position p's row predicts p + 1) of the sequences
     that need prompt logits; the prompt's last row predicts the first output token, so it is not one."""
     found = []
     for i, item in enumerate(items):
         end = min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens - 1)
         if item.seq.needs_prompt_logits and end > item.start:
-            first_row = meta.query_starts[i]
+            first_row = batch.query_starts[i]
             found.append(PromptRows(item.seq, item.start + 1, hidden[first_row:first_row + end - item.start]))
     return found

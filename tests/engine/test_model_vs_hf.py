@@ -40,12 +40,11 @@ def run_plan(engine: LLMEngine, items: list[ScheduledSeq]) -> dict[str, torch.Te
     ordered = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # as ModelRunner.execute
     tables = {item.seq.seq_id: engine.block_manager.block_table(item.seq.seq_id) for item in ordered}
     runner = engine.runner
-    input_ids, positions, meta = runner._prepare(ordered, tables)
-    hidden = runner.model(input_ids, positions, runner._kv_layers, meta, runner.backend)
-    logits = runner.model.compute_logits(hidden).float()
+    batch = runner.prepare(ordered, tables)
+    logits = runner.model.compute_logits(runner.forward(batch)).float()
     out = {}
     for i, item in enumerate(ordered):
-        out[item.seq.seq_id] = logits[meta.query_starts[i]:meta.query_starts[i + 1]]
+        out[item.seq.seq_id] = logits[batch.query_starts[i]:batch.query_starts[i + 1]]
         item.seq.num_computed_tokens = item.start + item.num_new_tokens
     return out
 

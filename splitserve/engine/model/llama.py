@@ -5,6 +5,10 @@ merged weight is the checkpoint's weights stacked by rows. `checkpoint_tensors` 
 parameter, or slice of a merged one, as Hugging Face does, so checkpoints load (and dummy weights
 are drawn) by those names. Tokens of all sequences in an iteration are one flat [T] batch (no
 padding); the attention backend splits them using the metadata.
+
+With tensor parallelism (`model.sharding`) a rank builds only its part: its heads, its slice of
+the MLP, an all-reduce (`reduce`) after each row-parallel projection; `shard_slices` says which
+part of each checkpoint tensor a rank's parameter holds.
 """
 from __future__ import annotations
 
@@ -17,6 +21,9 @@ from torch import nn
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.rotary import RotaryEmbedding
+from splitserve.engine.model.sharding import Shard, ShardSlice, kv_head_range
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # all-reduce (sum) over the worker's ranks
 
 
 class RMSNorm(nn.Module):
@@ -34,22 +41,44 @@ class RMSNorm(nn.Module):
 class MergedLinear(nn.Linear):
     """Several projections of the same input as one matmul: the weight is theirs stacked by rows."""
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool,
+                 slices: dict[str, ShardSlice] | None = None):
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts = parts  # the checkpoint's name of each projection -> its output rows, in order
+        self.slices = slices or {}  # with tensor parallelism: the checkpoint rows each part holds
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(list(self.parts.values()), dim=-1)
 
 
+class RowParallelLinear(nn.Linear):
+    """A projection whose input features are split over the ranks: partial sums, all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, shard_slice: ShardSlice | None, reduce: Reduce | None):
+        super().__init__(in_features, out_features, bias=False)
+        self.shard_slice, self.reduce = shard_slice, reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out if self.reduce is None else self.reduce(out)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(c.hidden_size, {"q_proj": self.num_heads * self.head_dim, "k_proj": kv,
-                                                     "v_proj": kv}, bias=c.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=False)
+        d = self.head_dim = c.head_dim
+        q_lo, q_hi = shard.split(c.num_attention_heads)
+        kv_lo, kv_hi = kv_head_range(c.num_key_value_heads, shard.rank, shard.size)
+        self.num_heads, self.num_kv_heads = q_hi - q_lo, kv_hi - kv_lo
+        q_total, kv_total = c.num_attention_heads * d, c.num_key_value_heads * d
+        slices = {} if shard.size == 1 else {"q_proj": ShardSlice(0, q_lo * d, q_hi * d, q_total),
+                                             "k_proj": ShardSlice(0, kv_lo * d, kv_hi * d, kv_total),
+                                             "v_proj": ShardSlice(0, kv_lo * d, kv_hi * d, kv_total)}
+        kv = self.num_kv_heads * d
+        self.qkv_proj = MergedLinear(c.hidden_size, {"q_proj": self.num_heads * d, "k_proj": kv, "v_proj": kv},
+                                     bias=c.attention_bias, slices=slices)
+        self.o_proj = RowParallelLinear(self.num_heads * d, c.hidden_size,
+                                        ShardSlice(1, q_lo * d, q_hi * d, q_total) if shard.size > 1 else None, reduce)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -64,11 +93,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
-        self.gate_up_proj = MergedLinear(c.hidden_size, {"gate_proj": c.intermediate_size,
-                                                         "up_proj": c.intermediate_size}, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        lo, hi = shard.split(c.intermediate_size)
+        sharded = shard.size > 1
+        part = ShardSlice(0, lo, hi, c.intermediate_size)
+        slices = {"gate_proj": part, "up_proj": part} if sharded else {}
+        self.gate_up_proj = MergedLinear(c.hidden_size, {"gate_proj": hi - lo, "up_proj": hi - lo}, bias=False,
+                                         slices=slices)
+        self.down_proj = RowParallelLinear(hi - lo, c.hidden_size, ShardSlice(1, lo, hi, c.intermediate_size) if sharded else None, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -76,12 +109,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = LlamaAttention(c)
+        self.self_attn = LlamaAttention(c, shard, reduce)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = LlamaMLP(c)
+        self.mlp = LlamaMLP(c, shard, reduce)
 
     def forward(self, x, positions, rotary, kv, meta, backend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta, backend)
@@ -89,22 +122,32 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, shard, reduce) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_model_len: int):
+    def __init__(self, config: ModelConfig, max_model_len: int, shard: Shard = Shard(), reduce: Reduce | None = None):
+        """`shard`: this rank's part of the model; `reduce` the all-reduce over the ranks (with size > 1)."""
         super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if shard.size > 1 and reduce is None:
+            raise ValueError("a sharded model needs `reduce`, the all-reduce over its ranks")
+        self.config, self.shard = config, shard
+        self.model = LlamaModel(config, shard, reduce)
+        # the LM head lives where sampling happens (rank 0); a tied one is the replicated embedding
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) \
+            if shard.rank == 0 or config.tie_word_embeddings else None
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_model_len)
+
+    @property
+    def absent_tensors(self) -> frozenset[str]:
+        """Checkpoint tensors this rank does not hold at all."""
+        return frozenset() if self.lm_head is not None else frozenset({"lm_head.weight"})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend,
@@ -119,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rank 0 only (the others have no LM head)."""
         return self.lm_head(hidden)
 
 
@@ -136,3 +180,19 @@ def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for part, rows in merged.parts.items():
             yield f"{prefix}.{part}.{kind}", param[start:start + rows]
             start += rows
+
+
+def shard_slices(model: nn.Module) -> dict[str, ShardSlice]:
+    """Hugging Face name -> the part of that checkpoint tensor this rank's parameter holds; names
+    not listed are held whole."""
+    found = {}
+    for owner, module in model.named_modules():
+        prefix = owner.rpartition(".")[0]
+        if isinstance(module, MergedLinear):
+            for part, where in module.slices.items():
+                found[f"{prefix}.{part}.weight"] = where
+                if module.bias is not None:
+                    found[f"{prefix}.{part}.bias"] = where
+        elif isinstance(module, RowParallelLinear) and module.shard_slice is not None:
+            found[f"{owner}.weight"] = module.shard_slice
+    return found
