@@ -132,10 +132,11 @@ class WorkerLoop:
         self._prefills.add(ticket.request_id)
 
     def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, prompt_peer: str,
-                sink: Sink) -> TransferTicket:
+                sink: Sink, prompt_tp: int = 1) -> TransferTicket:
+        """`prompt_tp`: the prompt worker's tensor-parallel size."""
         self.require_healthy()
         self._require_transport()
-        ticket = self.importer.reserve(request_id, prompt, params, prompt_peer)
+        ticket = self.importer.reserve(request_id, prompt, params, prompt_peer, prompt_tp=prompt_tp)
         self._track(request_id, sink)
         self._importing.add(request_id)
         return ticket
@@ -312,7 +313,8 @@ class WorkerLoop:
         if out.finished or handed_off:
             self._forget(out.request_id)
         logprobs = out.outputs[0].logprobs
-        logprobs = None if logprobs is None else tuple(logprobs[sent:])
+        # the engine's lists are live: a step after this output was made may have appended to them
+        logprobs = None if logprobs is None else tuple(logprobs[sent:len(out.token_ids)])
         prompt_logprobs = tuple(out.prompt_logprobs) if sent == 0 and out.prompt_logprobs is not None else None
         sink(TokenDelta(new, out.finish_reason if out.finished else None, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs))

@@ -11,10 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from splitserve.api.limits import RequestLimits
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.model.sharding import MAX_RANKS
 from splitserve.engine.policies import SLOOptions as PolicySLOOptions
 from splitserve.placement.state import PlacementThresholds
-
-MAX_TENSOR_PARALLEL = 64  # ranks of one worker (one node's devices)
 
 
 class StrictModel(BaseModel):
@@ -59,7 +58,7 @@ class PoolConfig(StrictModel):
                           "cpu, or a name under `hardware_classes`. The placement weighs queues by its speeds.")
     resources: WorkerResources = Field(WorkerResources(), description="What Ray reserves for each worker (for "
                                        "each of its ranks when tensor_parallel_size > 1).")
-    tensor_parallel_size: int = Field(1, ge=1, le=MAX_TENSOR_PARALLEL, description="Devices per worker: a worker "
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_RANKS, description="Devices per worker: a worker "
                                       "is this many ranks (one per device, packed on one node by a Ray placement "
                                       "group) that split the model Megatron-style. Pools may differ.")
 

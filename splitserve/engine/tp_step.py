@@ -38,7 +38,7 @@ class TPLeader:
         self.group = group
         self.broken: str | None = None
         self.rounds = 0  # rounds completed: a reader of reports can tell whether one ran since it looked
-        self.on_reports: Callable[[list], None] | None = None  # the other ranks' reports, in rank order
+        self.listeners: list[Callable[[list], None]] = []  # each gets the other ranks' reports, in rank order
         self._commands: list[list] = [[] for _ in range(group.size - 1)]
 
     def post(self, rank: int, command: object) -> None:
@@ -56,8 +56,8 @@ class TPLeader:
     def end(self) -> None:
         reports = self._guard(lambda: self.group.gather(None))[1:]
         self.rounds += 1
-        if self.on_reports is not None:
-            self.on_reports(reports)
+        for listener in self.listeners:
+            listener(reports)
 
     def abandon(self, error: BaseException) -> None:
         """The leader's own part of a round failed after `begin`: the ranks are out of step."""
@@ -91,7 +91,7 @@ class TPFollower:
     `on_command(command)`, `after_layer(layer)` and `report()` are the KV transfer layer's hooks."""
 
     def __init__(self, model: str, config: EngineConfig, group: TPGroup):
-        self.group = group
+        self.group, self.model_name, self.config = group, model, config
         shard = build_shard(model, config, group)
         self.model_config, self.kv_cache, self.max_model_len = shard.model_config, shard.kv_cache, shard.max_model_len
         self.runner: ModelRunner = shard.runner

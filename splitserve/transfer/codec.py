@@ -3,7 +3,8 @@
 On the wire a layer is token-major: [2 (K, V), num_tokens, kv_heads, head_dim]. Each side
 translates token positions to its own slots (block id * block size + offset), so the two caches
 may use different block ids and different block sizes. All of a layer's blocks travel as one
-message (contiguous on the wire whatever their ids).
+message (contiguous on the wire whatever their ids). With tensor parallelism a message carries
+some of a rank's KV heads (`heads`, a slice of the rank's own); None: all of them.
 """
 from __future__ import annotations
 
@@ -21,28 +22,36 @@ def slot_index(block_ids: list[int], block_size: int, num_tokens: int, device: t
     return blocks[positions // block_size] * block_size + positions % block_size
 
 
-def pack_layer(cache: KVCache, layer: int, slots: torch.Tensor) -> torch.Tensor:
+def pack_layer(cache: KVCache, layer: int, slots: torch.Tensor, heads: slice | None = None) -> torch.Tensor:
     """A copy of one layer's K and V at `slots`: [2, len(slots), kv_heads, head_dim]."""
     flat = cache.data[layer].flatten(1, 2)  # [2, num_blocks * block_size, kv_heads, head_dim]
-    return flat.index_select(1, slots)
+    return _heads(flat.index_select(1, slots), heads).contiguous()
 
 
-def pack_all(cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
+def pack_all(cache: KVCache, slots: torch.Tensor, heads: slice | None = None) -> torch.Tensor:
     """Every layer at once: [layers, 2, len(slots), kv_heads, head_dim]."""
-    return cache.data.flatten(2, 3).index_select(2, slots)
+    return _heads(cache.data.flatten(2, 3).index_select(2, slots), heads).contiguous()
 
 
-def unpack_layer(cache: KVCache, layer: int, slots: torch.Tensor, wire: torch.Tensor) -> None:
+def unpack_layer(cache: KVCache, layer: int, slots: torch.Tensor, wire: torch.Tensor,
+                 heads: slice | None = None) -> None:
     flat = cache.data[layer].flatten(1, 2)
-    flat.index_copy_(1, slots, wire.to(flat.dtype))
+    if heads is None or (heads.start, heads.stop) == (0, flat.shape[2]):
+        flat.index_copy_(1, slots, wire.to(flat.dtype))
+    else:
+        flat[:, slots, heads] = wire.to(flat.dtype)
 
 
-def unpack_all(cache: KVCache, slots: torch.Tensor, wire: torch.Tensor) -> None:
+def unpack_all(cache: KVCache, slots: torch.Tensor, wire: torch.Tensor, heads: slice | None = None) -> None:
     for layer in range(wire.shape[0]):
-        unpack_layer(cache, layer, slots, wire[layer])
+        unpack_layer(cache, layer, slots, wire[layer], heads)
 
 
-def wire_shape(cache: KVCache, num_tokens: int, layers: int | None = None) -> tuple[int, ...]:
+def wire_shape(cache: KVCache, num_tokens: int, layers: int | None = None, heads: int | None = None) -> tuple[int, ...]:
     _, _, _, _, kv_heads, head_dim = cache.data.shape
-    layer_shape = (2, num_tokens, kv_heads, head_dim)
+    layer_shape = (2, num_tokens, kv_heads if heads is None else heads, head_dim)
     return layer_shape if layers is None else (layers, *layer_shape)
+
+
+def _heads(wire: torch.Tensor, heads: slice | None) -> torch.Tensor:
+    return wire if heads is None else wire[..., heads, :]

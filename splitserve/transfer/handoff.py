@@ -13,6 +13,12 @@ prompt worker pushes against; layers land straight in those blocks; the request 
 decode batch when the completion (first token) arrives. A failed or cancelled transfer frees the
 reserved blocks.
 
+Tensor parallelism: a transfer travels as parts, one per (prompt rank, token rank) route
+(`kv_routes`); each rank pushes or lands its own KV heads (`RankKV`). Rank 0 runs everything
+here and sends the other ranks commands with its engine's rounds (`rank_commands`, run there by
+`FollowerKV`); their reports come back with the round. An import completes when every part has
+landed and fails when one fails (the others are abandoned). The exporter's stats time rank 0's pushes.
+
 Leases: no KV is stranded. A reservation that has not completed `lease_s` after it was made
 (prompt worker stalled or dead, ingress gone before the prefill was asked for) is abandoned and
 its blocks freed; a prefill not handed off `lease_s` after it was added is aborted on the prompt
@@ -34,8 +40,11 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.policies import Plan
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.transfer.codec import pack_all, pack_layer, slot_index, unpack_layer, wire_shape
+from splitserve.transfer.codec import slot_index, wire_shape
+from splitserve.transfer.kv_routes import split_ticket
 from splitserve.transfer.link import Fabric, TransferError
+from splitserve.transfer.rank_commands import Abandon, Expect, FinishExport, PushLayers, RankReport
+from splitserve.transfer.rank_kv import RankKV
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
 LAYERWISE_THRESHOLD = 512  # prompt tokens; below it one transfer after the prefill (Splitwise IV-C)
@@ -58,23 +67,36 @@ class TransferStats:
         return min(1.0, max(0.0, 1.0 - self.visible_seconds / self.span_seconds))
 
 
-def kv_layout(engine: LLMEngine) -> str:
+def kv_layout(engine) -> str:
     """What must match for one engine's KV to be another's: the model (name and a hash of its
-    config, and the weights' seed where they are dummy), the KV dtype and the per-token layout.
-    Not the block size: the wire is token-major, so the two caches may page differently."""
-    config = engine.config
-    identity = json.dumps([engine.model_name, dataclasses.asdict(engine.model_config), config.load_format,
+    config, and the weights' seed where they are dummy), the KV dtype and the per-token layout of
+    the whole model. Not the block size (the wire is token-major, so the two caches may page
+    differently), nor the TP size (parts carry each rank its own heads). `engine`: an LLMEngine or
+    a TPFollower."""
+    config, model = engine.config, engine.model_config
+    identity = json.dumps([engine.model_name, dataclasses.asdict(model), config.load_format,
                            config.seed if config.load_format == "dummy" else None], sort_keys=True, default=str)
-    _, _, _, _, kv_heads, head_dim = engine.kv_cache.data.shape
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return (f"model={engine.model_name} config={digest} dtype={str(engine.kv_cache.data.dtype).removeprefix('torch.')} "
-            f"layers={engine.kv_cache.data.shape[0]} kv_heads={kv_heads} head_dim={head_dim}")
+            f"layers={model.num_hidden_layers} kv_heads={model.num_key_value_heads} head_dim={model.head_dim}")
 
 
-def make_transport(engine: LLMEngine, fabric: Fabric, timeout: float = 60.0) -> KVTransport:
+def make_transport(engine, fabric: Fabric, timeout: float = 60.0) -> KVTransport:
+    """A rank's transport (`engine`: an LLMEngine or a TPFollower)."""
     cache = engine.kv_cache
-    return KVTransport(fabric, lambda n: wire_shape(cache, n), cache.data.shape[0], cache.data.dtype,
-                       cache.data.device, timeout, kv_layout(engine), engine.max_model_len)
+    return KVTransport(fabric, lambda n, heads: wire_shape(cache, n, heads=heads), cache.data.shape[0],
+                       cache.data.dtype, cache.data.device, timeout, kv_layout(engine), engine.max_model_len,
+                       cache.data.shape[-2])
+
+
+def _route(part: TransferTicket) -> tuple[int, int]:
+    """A part within its transfer (parts of one transfer may share a tag on different token ranks)."""
+    return part.prompt_rank, part.token_rank
+
+
+def parts_of(ticket: TransferTicket) -> tuple[TransferTicket, ...]:
+    """A ticket made without parts (by hand, in tests) is its own one part."""
+    return ticket.parts or (ticket,)
 
 
 @dataclass(frozen=True)
@@ -87,6 +109,10 @@ class _Sending:
 class KVExporter:
     def __init__(self, engine: LLMEngine, transport: KVTransport, lease_s: float = float("inf")):
         self.engine, self.transport, self.lease_s = engine, transport, lease_s
+        self.rank = RankKV(transport, engine.kv_cache, engine.model_config.num_key_value_heads)
+        self.leader = engine.tp_leader
+        if self.leader is not None:
+            self.leader.listeners.append(self._take_reports)
         self._deadlines: dict[str, float] = {}
         self.leases_expired = 0
         self._tickets: dict[str, TransferTicket] = {}
@@ -95,7 +121,7 @@ class KVExporter:
         self._pushed: dict[str, TransferTicket] = {}  # this step's pushes
         self._sending: list[_Sending] = []  # steps whose pushes have not all left, oldest first
         self.stream_seconds = 0.0  # last step: time the compute thread spent packing and pushing layers
-        self.bytes_pushed = 0      # KV bytes pushed, ever
+        self.bytes_pushed = 0      # KV bytes pushed by rank 0, ever
         self._transfers: list[TransferStats] = []  # steps whose pushes have all left, since `take_transfers`
         self._first_push: float | None = None
 
@@ -113,13 +139,16 @@ class KVExporter:
         self._expire_leases()
         self.reap()
         self.stream_seconds, self._first_push = 0.0, None
-        outputs = self.engine.step(after_layer=self._after_layer)
+        outputs = self.engine.step(after_layer=self._after_layer,
+                                   before_forward=self._before_forward if self.leader is not None else None)
         for out in outputs:
             if out.request_id in self._tickets:
                 self._hand_off(out)
         if self._pushed:
             self._sending.append(_Sending(self._pushed, self._first_push, self.stream_seconds))
             self._pushed = {}
+        if self.leader is not None and self.leader.has_commands:
+            self.leader.sync()  # the other ranks finish their hand-offs now, not at the next prefill
         self.reap()
         for request_id, _ in self._failures:  # freed only now: never in the middle of a forward pass
             self.engine.abort(request_id)
@@ -131,8 +160,10 @@ class KVExporter:
         packing and pushing; span: from its first push until all had left)."""
         for error in self.transport.reap():
             for sending in self._sending:
-                self._failures += [(r, error) for r, t in sending.tickets.items() if t.token_peer == error.peer]
-        while self._sending and self.transport.all_sent({t.token_peer for t in self._sending[0].tickets.values()}):
+                self._failures += [(r, error) for r, t in sending.tickets.items()
+                                   if any(p.token_peer == error.peer for p in parts_of(t))]
+        while self._sending and self.transport.all_sent(
+                {p.token_peer for t in self._sending[0].tickets.values() for p in self._own(t)}):
             sending = self._sending.pop(0)
             self._transfers.append(TransferStats(sending.visible_seconds, time.perf_counter() - sending.first_push))
 
@@ -145,7 +176,7 @@ class KVExporter:
         ticket = self._forget(request_id)
         self.engine.abort(request_id)
         if ticket is not None:
-            self._try(ticket, lambda: self.transport.cancel(ticket))
+            self._cancel(ticket)
 
     def failures(self) -> list[tuple[str, TransferError]]:
         """Requests whose transfer failed since the last call (their blocks are already freed)."""
@@ -161,31 +192,61 @@ class KVExporter:
             self._failures.append((request_id, TransferError(
                 ticket.token_peer, f"lease expired: not prefilled and handed off within {self.lease_s:g} s")))
 
+    def _before_forward(self, plan: Plan) -> None:
+        """Tell the other ranks which parts to push layer by layer in this step."""
+        by_rank: dict[int, list] = {}
+        for ticket in self._layerwise(plan):
+            slots = self._slots_for(ticket).tolist()
+            for part in parts_of(ticket):
+                if part.prompt_rank:
+                    by_rank.setdefault(part.prompt_rank, []).append((part, slots))
+        for rank, parts in by_rank.items():
+            self.leader.post(rank, PushLayers(parts))
+
     def _after_layer(self, plan: Plan, layer: int) -> None:
         start = time.perf_counter()
-        self._push_layer(plan, layer)
+        for ticket in self._layerwise(plan):
+            for part in self._own(ticket):
+                self._try(ticket, lambda: self.rank.push_layer(part, layer, self._slots_for(ticket)))
         self.stream_seconds += time.perf_counter() - start
 
-    def _push_layer(self, plan: Plan, layer: int) -> None:
-        for item in plan.scheduled:
-            ticket = self._tickets.get(item.seq.seq_id)
-            if ticket is not None and ticket.layerwise and item.samples:
-                payload = pack_layer(self.engine.kv_cache, layer, self._slots_for(ticket))
-                self._try(ticket, lambda: self.transport.push_layer(ticket, layer, payload), payload.nbytes)
+    def _layerwise(self, plan: Plan) -> list[TransferTicket]:
+        """The layer-wise transfers this step completes the prefill of (pushed as its layers land)."""
+        tickets = (self._tickets.get(item.seq.seq_id) for item in plan.scheduled if item.samples)
+        return [t for t in tickets if t is not None and t.layerwise]
 
     def _hand_off(self, out: RequestOutput) -> None:
         ticket = self._tickets[out.request_id]
         if out.finished:  # the first token already ended it (EOS, max_tokens=1): nothing to decode
             self._forget(ticket.request_id)
-            self._try(ticket, lambda: self.transport.cancel(ticket))
+            self._cancel(ticket)
             return
         slots = self._slots_for(ticket)
         self._forget(ticket.request_id)
-        if not ticket.layerwise:
-            payload = pack_all(self.engine.kv_cache, slots)
-            self._try(ticket, lambda: self.transport.push_all(ticket, payload), payload.nbytes)
-        self._try(ticket, lambda: self.transport.complete(ticket, out.token_ids[0]))
+        for part in parts_of(ticket):
+            if part.prompt_rank:
+                self.leader.post(part.prompt_rank, FinishExport(part, slots.tolist()))
+            else:
+                if not part.layerwise:
+                    self._try(ticket, lambda: self.rank.push_all(part, slots))
+                self._try(ticket, lambda: self.transport.complete(part, out.token_ids[0]))
         self.engine.release_request(ticket.request_id)
+
+    def _cancel(self, ticket: TransferTicket) -> None:
+        """Rank 0's parts say CANCEL; part (0 -> 0) among them makes the token side drop every part."""
+        for part in self._own(ticket):
+            self._try(ticket, lambda: self.transport.cancel(part))
+
+    def _take_reports(self, reports: list[RankReport]) -> None:
+        for report in reports:
+            for part, error in report.push_failures:
+                if self._tickets.get(part.request_id) is not None:
+                    self._forget(part.request_id)
+                    self._failures.append((part.request_id, error))
+
+    @staticmethod
+    def _own(ticket: TransferTicket) -> list[TransferTicket]:
+        return [part for part in parts_of(ticket) if part.prompt_rank == 0]
 
     def _slots_for(self, ticket: TransferTicket) -> torch.Tensor:
         if ticket.request_id not in self._slots:
@@ -199,17 +260,23 @@ class KVExporter:
         self._deadlines.pop(request_id, None)
         return self._tickets.pop(request_id, None)
 
-    def _try(self, ticket: TransferTicket, push, nbytes: int = 0) -> None:
+    def _try(self, ticket: TransferTicket, push) -> None:
         """A failed push fails only its own request: recorded here, its blocks freed after the step."""
         try:
             if self._first_push is None:
                 self._first_push = time.perf_counter()
-            push()
+            self.bytes_pushed += push() or 0
             self._pushed[ticket.request_id] = ticket
-            self.bytes_pushed += nbytes
         except TransferError as error:
             self._failures.append((ticket.request_id, error))
             self._forget(ticket.request_id)
+
+
+@dataclass
+class _Import:
+    ticket: TransferTicket
+    waiting: set[tuple[int, int]]  # (prompt rank, token rank) of the parts not landed yet
+    first_token: int | None = None
 
 
 class KVImporter:
@@ -217,59 +284,96 @@ class KVImporter:
                  layerwise_threshold: int = LAYERWISE_THRESHOLD, lease_s: float = float("inf")):
         self.engine, self.transport, self.worker_id = engine, transport, worker_id
         self.layerwise_threshold, self.lease_s = layerwise_threshold, lease_s
+        self.rank = RankKV(transport, engine.kv_cache, engine.model_config.num_key_value_heads)
+        self.leader = engine.tp_leader
+        self.tp_size = 1 if self.leader is None else self.leader.group.size
+        if self.leader is not None:
+            self.leader.listeners.append(self._take_reports)
         self._tags = itertools.count()
-        self._tickets: dict[str, TransferTicket] = {}
+        self._imports: dict[str, _Import] = {}
         self._deadlines: dict[str, float] = {}
+        self._stamped: dict[tuple, TransferTicket] = {}  # parts the other ranks stamped, by request and `_route`
+        self._landed: list[tuple[TransferTicket, int | TransferError]] = []  # parts the other ranks landed
+        self._rounds_seen = 0
         self.leases_expired = 0
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_peer: str,
-                arrival_time: float | None = None) -> TransferTicket:
-        """Reserve blocks for the prompt (raises OutOfBlocksError / EngineFullError when full)."""
+                arrival_time: float | None = None, prompt_tp: int = 1) -> TransferTicket:
+        """Reserve blocks for the prompt (raises OutOfBlocksError / EngineFullError when full);
+        `prompt_tp` is the prompt worker's TP size (which of its ranks send which heads)."""
         cache = self.engine.kv_cache
         block_ids = self.engine.reserve_import(request_id, prompt_token_ids, params, arrival_time)
         slots = slot_index(block_ids, cache.block_size, len(prompt_token_ids), cache.data.device)
         ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, len(prompt_token_ids),
                                 len(prompt_token_ids) >= self.layerwise_threshold, self.transport.layout)
-        ticket = self.transport.expect(ticket, lambda layer, wire: self._write(slots, layer, wire))
-        self._tickets[request_id] = ticket
+        parts = split_ticket(ticket, self.engine.model_config.num_key_value_heads, prompt_tp, self.tp_size)
+        stamped = []
+        for part in parts:
+            if part.token_rank:
+                self.leader.post(part.token_rank, Expect(part, slots.tolist()))
+            else:
+                stamped.append(self.rank.expect(part, slots))
+        if len(stamped) < len(parts):
+            self.leader.sync()  # the other ranks stamp theirs
+            stamped += [self._stamped.pop((request_id, *_route(part))) for part in parts if part.token_rank]
+        ticket = dataclasses.replace(ticket, parts=tuple(stamped))
+        self._imports[request_id] = _Import(ticket, {_route(part) for part in stamped})
         self._deadlines[request_id] = time.monotonic() + self.lease_s
         return ticket
 
     def poll(self, timeout: float = 0.0) -> tuple[list[RequestOutput], list[tuple[str, TransferError]]]:
         """Land finished transfers: completed ones start decoding, failed ones free their blocks.
         `timeout` > 0 waits for one when none has finished (for a worker with nothing to decode)."""
+        landed = self.transport.poll(timeout)
+        if self.leader is not None:
+            if self.leader.rounds == self._rounds_seen:
+                self.leader.sync()  # no step since the last look: ask the other ranks
+            self._rounds_seen = self.leader.rounds
+            landed, self._landed = landed + self._landed, []
         outputs, failures = [], []
-        for ticket, result in self.transport.poll(timeout):
-            if self._tickets.get(ticket.request_id) is not ticket:  # cancelled or expired meanwhile
+        for part, result in landed:
+            done = self._imports.get(part.request_id)
+            if done is None or _route(part) not in done.waiting:  # cancelled, expired or failed meanwhile
                 continue
-            self._drop(ticket.request_id)
             if isinstance(result, TransferError):
-                self.engine.abort(ticket.request_id)
-                failures.append((ticket.request_id, result))
-            else:
-                outputs.append(self.engine.complete_import(ticket.request_id, result))
+                self.cancel(part.request_id)
+                failures.append((part.request_id, result))
+                continue
+            done.waiting.discard(_route(part))
+            if part.prompt_rank == 0 and part.token_rank == 0:
+                done.first_token = result
+            if not done.waiting:
+                self._drop(part.request_id)
+                outputs.append(self.engine.complete_import(part.request_id, done.first_token))
         return outputs, failures + self._expire_leases()
 
     def cancel(self, request_id: str) -> None:
-        ticket = self._drop(request_id)
-        if ticket is not None:
-            self.transport.abandon(ticket)
+        done = self._drop(request_id)
+        for part in done.ticket.parts if done is not None else ():
+            if _route(part) not in done.waiting:
+                continue
+            if part.token_rank:
+                self.leader.post(part.token_rank, Abandon(part))
+            else:
+                self.transport.abandon(part)
         self.engine.abort(request_id)
+
+    def _take_reports(self, reports: list[RankReport]) -> None:
+        for report in reports:
+            self._stamped.update(((part.request_id, *_route(part)), part) for part in report.stamped)
+            self._landed += report.landed
 
     def _expire_leases(self) -> list[tuple[str, TransferError]]:
         now = time.monotonic()
         expired = []
         for request_id in [r for r, deadline in self._deadlines.items() if deadline <= now]:
-            ticket = self._tickets[request_id]
+            ticket = self._imports[request_id].ticket
             self.cancel(request_id)
             expired.append((request_id, TransferError(
                 ticket.prompt_peer, f"lease expired: the KV did not arrive within {self.lease_s:g} s")))
         self.leases_expired += len(expired)
         return expired
 
-    def _drop(self, request_id: str) -> TransferTicket | None:
+    def _drop(self, request_id: str) -> _Import | None:
         self._deadlines.pop(request_id, None)
-        return self._tickets.pop(request_id, None)
-
-    def _write(self, slots: torch.Tensor, layer: int, wire: torch.Tensor) -> None:
-        unpack_layer(self.engine.kv_cache, layer, slots, wire)
+        return self._imports.pop(request_id, None)

@@ -22,7 +22,10 @@ class TransferError(RuntimeError):
 
     def __init__(self, peer: str, message: str):
         super().__init__(f"KV transfer with peer {peer!r} failed: {message}")
-        self.peer = peer
+        self.peer, self.detail = peer, message
+
+    def __reduce__(self):  # pickles (a rank's report to its leader) as a plain TransferError
+        return TransferError, (self.peer, self.detail)
 
 
 class Link(ABC):

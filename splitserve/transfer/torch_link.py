@@ -52,8 +52,10 @@ class TorchFabric(Fabric):
         return self.store.check([self._retired_key(sender, receiver, epoch)])
 
     def _pair_store(self, sender: str, receiver: str, epoch: int) -> dist.Store:
-        """A group's rendezvous keys cannot be reused: each epoch of a pair meets under its own."""
-        return dist.PrefixStore(f"splitserve/kv/{sender}->{receiver}/{epoch}", self.store)
+        """A group's rendezvous keys cannot be reused: each epoch of a pair meets under its own.
+        Each link waits for its peer on a store connection of its own (a connection serves one
+        call at a time), so links that meet at once, from several threads, never wait on each other."""
+        return dist.PrefixStore(f"splitserve/kv/{sender}->{receiver}/{epoch}", self.store.clone())
 
     @staticmethod
     def _retired_key(sender: str, receiver: str, epoch: int) -> str:

@@ -8,7 +8,11 @@ Semantics:
   the prefill), then `complete` with the first token. `cancel` tells the token side to give up.
 - Every message is a header int64[4] = (tag, kind, num_tokens, value), a CPU tensor on the link's
   metadata channel (read without waiting for the device), and, for KV kinds, a payload in the
-  codec's wire format on the data path. kind >= 0 is a layer index; ALL, DONE and CANCEL below.
+  codec's wire format on the data path (value: its number of KV heads). kind >= 0 is a layer
+  index; ALL, DONE (value: the first token) and CANCEL below.
+- With tensor parallelism every rank has a transport of its own and a transfer travels as parts,
+  one per (prompt rank, token rank) route (`kv_routes`); this class moves parts and knows nothing
+  of ranks.
 - CUDA: payloads are received and written into the cache on a stream of their own, so a receive
   never waits for the decode step in flight; `poll` orders the caller's stream after a finished
   transfer's writes (an event) before the request can decode. The prompt side never waits for
@@ -68,6 +72,10 @@ class TransferTicket:
     layerwise: bool
     kv_layout: str = ""  # the token worker's (`kv_layout` in handoff)
     link_epoch: int = 0  # the token side's link from prompt_peer that carries it (stamped by `expect`)
+    prompt_rank: int = 0  # a part: the ranks it goes between and the KV heads [lo, hi) it carries
+    token_rank: int = 0
+    heads: tuple[int, int] | None = None
+    parts: tuple["TransferTicket", ...] = ()  # a whole transfer: its parts (`kv_routes.split_ticket`)
 
 
 @dataclass(frozen=True)
@@ -78,13 +86,15 @@ class _Incoming:
 
 
 class KVTransport:
-    def __init__(self, fabric: Fabric, wire_layer_shape: Callable[[int], tuple[int, ...]], num_layers: int,
+    def __init__(self, fabric: Fabric, wire_layer_shape: Callable[[int, int], tuple[int, ...]], num_layers: int,
                  dtype: torch.dtype, device: torch.device, timeout: float = 60.0, layout: str = "",
-                 max_tokens: int = 2**31 - 1):
-        """`wire_layer_shape(num_tokens)` is one layer's payload shape (see codec.wire_shape);
-        `layout` what must match on the other side (handoff.kv_layout); `max_tokens` the longest
-        prompt a reservation can hold (a payload is sized by its ticket, never past this)."""
-        self.fabric, self.timeout, self.layout, self.max_tokens = fabric, timeout, layout, max_tokens
+                 max_tokens: int = 2**31 - 1, max_heads: int = 2**31 - 1):
+        """`wire_layer_shape(num_tokens, num_heads)` is one layer's payload shape (see
+        codec.wire_shape); `layout` what must match on the other side (handoff.kv_layout);
+        `max_tokens` the longest prompt a reservation can hold and `max_heads` the KV heads this
+        rank holds (a payload is sized by its ticket, never past these)."""
+        self.fabric, self.timeout, self.layout = fabric, timeout, layout
+        self.max_tokens, self.max_heads = max_tokens, max_heads
         if len(layout.encode()) > LAYOUT_BYTES:
             raise ValueError(f"layout is longer than {LAYOUT_BYTES} bytes: {layout!r}")
         self._layer_shape, self._num_layers, self._dtype, self._device = wire_layer_shape, num_layers, dtype, device
@@ -105,10 +115,10 @@ class KVTransport:
             raise IncompatibleKV(ticket.token_peer, ticket.prompt_peer, self.layout, ticket.kv_layout)
 
     def push_layer(self, ticket: TransferTicket, layer: int, payload: torch.Tensor) -> None:
-        self._send(ticket, layer, payload)
+        self._send(ticket, layer, payload, payload.shape[-2])
 
     def push_all(self, ticket: TransferTicket, payload: torch.Tensor) -> None:
-        self._send(ticket, ALL, payload)
+        self._send(ticket, ALL, payload, payload.shape[-2])
 
     def complete(self, ticket: TransferTicket, first_token_id: int) -> None:
         self._send(ticket, DONE, None, first_token_id)
@@ -267,8 +277,8 @@ class KVTransport:
         link.recv_meta(header, IDLE_RECV_S)  # silence is judged per transfer, in `poll`
         tag, kind, num_tokens, value = header.tolist()
         if kind >= 0 or kind == ALL:
-            self._check_size(link.peer, tag, kind, num_tokens)
-            shape = self._layer_shape(num_tokens)
+            self._check_size(link.peer, tag, kind, num_tokens, value)
+            shape = self._layer_shape(num_tokens, value)
             payload = torch.empty(shape if kind >= 0 else (self._num_layers, *shape), dtype=self._dtype, device=self._device)
             link.recv(payload, self.timeout)
         with self._lock:  # writes happen under the lock: once abandon() returns, none lands
@@ -285,15 +295,19 @@ class KVTransport:
             result = value if kind == DONE else TransferError(link.peer, "cancelled by the prompt worker")
             self._finish(tag, result)
 
-    def _check_size(self, peer: str, tag: int, kind: int, num_tokens: int) -> None:
+    def _check_size(self, peer: str, tag: int, kind: int, num_tokens: int, num_heads: int) -> None:
         """A payload is as large as its reservation: a header that says otherwise is a broken or
         foreign sender, and nothing is allocated for it."""
         with self._lock:
             incoming = self._incoming.get(tag)
-        expected = incoming.ticket.num_tokens if incoming is not None else None
-        if not 0 < num_tokens <= self.max_tokens or expected not in (None, num_tokens) or kind >= self._num_layers:
-            raise TransferError(peer, f"message for tag {tag} (kind {kind}) announces {num_tokens} tokens; "
-                                      f"the reservation holds {expected} (at most {self.max_tokens})")
+        ticket = incoming.ticket if incoming is not None else None
+        unlike = ticket is not None and (ticket.num_tokens != num_tokens or _num_heads(ticket) not in (None, num_heads))
+        if unlike or not (0 < num_tokens <= self.max_tokens and 0 < num_heads <= self.max_heads) \
+                or kind >= self._num_layers:
+            held = "" if ticket is None else f"; the reservation holds {ticket.num_tokens} tokens of heads {ticket.heads}"
+            raise TransferError(peer, f"message for tag {tag} (kind {kind}) announces {num_tokens} tokens of "
+                                      f"{num_heads} KV heads{held} (at most {self.max_tokens} tokens of "
+                                      f"{self.max_heads} heads)")
 
     def _finish(self, tag: int, result: int | TransferError) -> None:
         with self._lock:
@@ -344,6 +358,10 @@ class KVTransport:
             peer, epoch = incoming.ticket.prompt_peer, incoming.ticket.link_epoch
             if now - max(incoming.since, self._heard.get((peer, epoch), 0.0)) > self.timeout:
                 self._finish_locked(tag, TransferError(peer, f"nothing received from it for {self.timeout:g} s"))
+
+
+def _num_heads(ticket: TransferTicket) -> int | None:
+    return None if ticket.heads is None else ticket.heads[1] - ticket.heads[0]
 
 
 def _header(tag: int, kind: int, num_tokens: int, value: int) -> torch.Tensor:

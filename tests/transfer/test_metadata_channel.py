@@ -73,7 +73,7 @@ class RecordingFabric(Fabric):
 
 
 def transport(fabric: Fabric) -> KVTransport:
-    return KVTransport(fabric, lambda n: (2, n, KV_HEADS, DIM), LAYERS, torch.float32, torch.device("cpu"), 5.0,
+    return KVTransport(fabric, lambda n, heads: (2, n, heads, DIM), LAYERS, torch.float32, torch.device("cpu"), 5.0,
                        layout="test-layout")
 
 

@@ -19,6 +19,8 @@ import torch
 
 from splitserve.engine.config import ConfigError, ModelConfig
 
+MAX_RANKS = 64  # ranks of one worker (a node's devices, with room)
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -62,8 +64,8 @@ def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
 
 def check_shardable(config: ModelConfig, size: int) -> None:
     """Raise ConfigError naming the field when the model cannot be split over `size` ranks."""
-    if size < 1:
-        raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if not 1 <= size <= MAX_RANKS:
+        raise ConfigError(f"tensor_parallel_size must be in [1, {MAX_RANKS}], got {size}")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % size:
         raise ConfigError(f"tensor_parallel_size={size} does not divide num_attention_heads={heads}")

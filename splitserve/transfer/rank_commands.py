@@ -1,0 +1,43 @@
+"""What a tensor-parallel leader tells its other ranks about KV transfers (in a step's `Round`), and
+what each rank reports back. Slots travel as lists of ints; every rank's block ids are the same."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.transfer.link import TransferError
+from splitserve.transfer.transport import TransferTicket
+
+
+@dataclass(frozen=True)
+class PushLayers:
+    """During this round's forward pass, push each layer of these parts as it is written."""
+
+    parts: list[tuple[TransferTicket, list[int]]]
+
+
+@dataclass(frozen=True)
+class FinishExport:
+    """The prefill is done and its first token sampled: push the whole KV (one-shot parts), then DONE."""
+
+    part: TransferTicket
+    slots: list[int]
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Receive this part into these slots; report it stamped with its link epoch."""
+
+    part: TransferTicket
+    slots: list[int]
+
+
+@dataclass(frozen=True)
+class Abandon:
+    part: TransferTicket
+
+
+@dataclass(frozen=True)
+class RankReport:
+    stamped: list[TransferTicket] = field(default_factory=list)  # parts expected this round
+    landed: list[tuple[TransferTicket, int | TransferError]] = field(default_factory=list)  # finished receives
+    push_failures: list[tuple[TransferTicket, TransferError]] = field(default_factory=list)

@@ -1,0 +1,41 @@
+"""One rank's end of KV transfers: it packs and pushes the KV heads of the parts it sends, and lands
+the parts it receives in its own heads. Parts come from `kv_routes.split_ticket`; a worker of
+one rank sends and receives one part per transfer, with all its heads."""
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.model.sharding import kv_head_range
+from splitserve.transfer.codec import pack_all, pack_layer, unpack_layer
+from splitserve.transfer.transport import KVTransport, TransferTicket
+
+
+class RankKV:
+    def __init__(self, transport: KVTransport, cache: KVCache, num_kv_heads: int):
+        self.transport, self.cache = transport, cache
+        self._first_head = kv_head_range(num_kv_heads, cache.shard.rank, cache.shard.size)[0]
+
+    def heads(self, part: TransferTicket) -> slice | None:
+        """The part's KV heads among this rank's own (None: all of them)."""
+        if part.heads is None:
+            return None
+        return slice(part.heads[0] - self._first_head, part.heads[1] - self._first_head)
+
+    # ---- sending --------------------------------------------------------------------------
+    def push_layer(self, part: TransferTicket, layer: int, slots: torch.Tensor) -> int:
+        """Returns the bytes pushed."""
+        payload = pack_layer(self.cache, layer, slots, self.heads(part))
+        self.transport.push_layer(part, layer, payload)
+        return payload.nbytes
+
+    def push_all(self, part: TransferTicket, slots: torch.Tensor) -> int:
+        payload = pack_all(self.cache, slots, self.heads(part))
+        self.transport.push_all(part, payload)
+        return payload.nbytes
+
+    # ---- receiving ------------------------------------------------------------------------
+    def expect(self, part: TransferTicket, slots: torch.Tensor) -> TransferTicket:
+        """Returns the part stamped with its link's epoch (what the prompt side pushes against)."""
+        heads = self.heads(part)
+        return self.transport.expect(part, lambda layer, wire: unpack_layer(self.cache, layer, slots, wire, heads))

@@ -1,0 +1,160 @@
+"""KV transfer between tensor-parallel workers, in this process over gloo: each worker's rank 0 a
+WorkerLoop, its other ranks TPFollowers on threads, every rank with a transport of its own. For
+prompt / token TP (1, 2), (2, 1), (2, 2) and (4, 2), one-shot and layer-wise, the disaggregated
+output equals the colocated one-rank engine's, and both sides end clean (no request, every block
+free); a prompt rank that dies fails the transfer on the token side with no block leaked."""
+from __future__ import annotations
+
+import datetime
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from splitserve.cluster.worker_loop import WorkerLoop
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transfer.follower_kv import FollowerKV
+from splitserve.transfer.handoff import make_transport
+from splitserve.transfer.kv_routes import rank_peer
+from splitserve.transfer.torch_link import TorchFabric
+from tests.cluster.test_worker_loop import Sink, assert_clean, run, tokens
+from tests.engine.hf_checkpoints import prompt_ids, tokenizers_by_kind, write_checkpoint  # noqa: F401
+from tests.engine.tp_helpers import Followers, join, store_server
+
+ENGINE = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
+LAYERWISE = 24  # prompts this long or longer stream layer by layer
+TIMEOUT = 10.0
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+_names = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, tokenizers_by_kind):  # noqa: F811
+    path = tmp_path_factory.mktemp("tp_transfer") / "llama_mha"  # 4 KV heads
+    write_checkpoint(path, "llama_mha", tokenizers_by_kind)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server():
+    return store_server()
+
+
+def fabric(server, worker_id: str) -> TorchFabric:
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    return TorchFabric(client, worker_id, torch.device("cpu"), TIMEOUT)
+
+
+class TPWorker:
+    """One worker of `size` ranks in `role`: a WorkerLoop on rank 0, followers on threads."""
+
+    def __init__(self, server, model: str, worker_id: str, role: str, size: int, dies: bool = False):
+        """`dies`: rank 1 leaves its loop at the first command it gets."""
+        config = EngineConfig(policy=role, **ENGINE)
+        self.followers = None
+        group = None
+        if size > 1:
+            name = f"{worker_id}-tp"
+
+            def setup(follower):
+                FollowerKV(follower, make_transport(follower, fabric(server, rank_peer(worker_id, follower.group.rank)),
+                                                    TIMEOUT))
+                if dies and follower.group.rank == 1:
+                    follower.on_command = _die
+
+            self.followers = Followers(server, name, size, model, config, TIMEOUT, setup=setup)
+            group = join(server, name, 0, size, TIMEOUT)
+        engine = LLMEngine(model, config, tp=group)
+        if self.followers is not None:
+            self.followers.wait_ready()
+        self.loop = WorkerLoop(engine, make_transport(engine, fabric(server, worker_id), TIMEOUT), worker_id, LAYERWISE)
+        self.loop.start()
+
+    def close(self) -> None:
+        self.loop.stop()
+        if self.followers is not None:
+            if self.loop.engine.tp_leader.broken is None:
+                self.loop.engine.tp_leader.stop()
+            self.followers.join(5)
+
+
+def _die(command):
+    raise RuntimeError(f"rank 1 died at {type(command).__name__}")
+
+
+@pytest.fixture(scope="module")
+def colocated(model):
+    engine = LLMEngine(model, **ENGINE)
+
+    def want(prompt):
+        engine.add_request("r", prompt, GREEDY)
+        while engine.has_unfinished_requests():
+            outs = [o for o in engine.step() if o.finished]
+        return outs[0]
+
+    return want
+
+
+def disaggregate(prompt_worker: TPWorker, token_worker: TPWorker, prompt_tp: int, request_id: str, prompt):
+    token_sink, prompt_sink = Sink(), Sink()
+    ticket = run(token_worker.loop, lambda *a: token_worker.loop.reserve(*a, prompt_tp=prompt_tp), request_id,
+                 prompt, GREEDY, prompt_worker.loop.worker_id, token_sink)
+    run(prompt_worker.loop, prompt_worker.loop.prefill, ticket, prompt, GREEDY, prompt_sink)
+    return ticket, prompt_sink, token_sink
+
+
+@pytest.mark.parametrize("prompt_tp, token_tp", [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2)])
+def test_disaggregated_equals_colocated(server, model, colocated, prompt_tp, token_tp):
+    n = next(_names)
+    prompt_worker = TPWorker(server, model, f"p{n}", "prompt", prompt_tp)
+    token_worker = TPWorker(server, model, f"t{n}", "token", token_tp)
+    try:
+        for i, length in enumerate((9, 40)):  # one-shot, then layer-wise
+            prompt = prompt_ids(i + 7, length, 300)
+            ticket, prompt_sink, token_sink = disaggregate(prompt_worker, token_worker, prompt_tp, f"r{i}", prompt)
+            assert len(ticket.parts) == max(prompt_tp, token_tp) and ticket.parts[0].layerwise == (length >= LAYERWISE)
+            deltas = token_sink.until_final()
+            assert deltas[-1].error is None
+            reference = colocated(prompt)
+            assert prompt_sink.next().token_ids == tuple(reference.token_ids[:1])
+            assert tokens(deltas) == reference.token_ids
+            logprobs = [lp for d in deltas for lp in d.logprobs]  # the first token's come from the prompt side
+            assert len(logprobs) == len(reference.token_ids) and logprobs[0] == {}
+            for got, want in zip(logprobs[1:], reference.outputs[0].logprobs[1:]):
+                assert got.keys() == want.keys() and max(abs(got[k] - want[k]) for k in got) < 1e-4
+        assert_clean(prompt_worker.loop)
+        assert_clean(token_worker.loop)
+    finally:
+        prompt_worker.close()
+        token_worker.close()
+
+
+def test_a_prompt_rank_that_dies_fails_the_transfer_and_leaks_no_block(server, model):
+    """Prompt TP 2 -> token TP 2, layer-wise: prompt rank 1 stops at its first command, so rank 0's
+    step never completes (its all-reduce has no partner) and no part is pushed. The token side fails
+    the whole import when a part has been silent for the transport's timeout, abandons the other
+    and frees every block; the prompt worker reports itself broken instead of stepping again."""
+    n = next(_names)
+    prompt_worker = TPWorker(server, model, f"p{n}", "prompt", 2, dies=True)
+    token_worker = TPWorker(server, model, f"t{n}", "token", 2)
+    try:
+        _, _, token_sink = disaggregate(prompt_worker, token_worker, 2, "r", prompt_ids(3, 40, 300))
+        deltas = token_sink.until_final()
+        assert deltas[-1].error is not None and f"peer 'p{n}" in deltas[-1].error
+        assert_clean(token_worker.loop)
+        assert "died" in str(prompt_worker.followers.errors[1])
+        assert not run(prompt_worker.loop, lambda: prompt_worker.loop.health().healthy)
+    finally:
+        prompt_worker.close()
+        token_worker.close()
