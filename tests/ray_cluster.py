@@ -1,8 +1,9 @@
 """One Ray head node for the whole test run, started as users start one (`ray start --head`),
-sized for 2 cores, with up to three splitserve apps: `main` at / (1 prompt + 1 token worker, like
+sized for 2 cores, with up to four splitserve apps: `main` at / (1 prompt + 1 token worker, like
 deploy/local-cpu.yaml), `pools` at /pools (the same shape with low thresholds, an API key and
 two ingress replicas sharing one CLS, for pool moves, backpressure and auth) and `hardening` at
-/hardening (short leases and stuck bound, small request bounds, for the failure tests). Its dashboard takes
+/hardening (short leases and stuck bound, small request bounds, for the failure tests) and `tp` at
+/tp (a prompt worker of 2 tensor-parallel ranks handing to a token worker of 1). Its dashboard takes
 `ray job submit`. A pytest plugin (tests/conftest.py): only tests that ask for these fixtures
 start it; the session ends by stopping that cluster's processes."""
 from __future__ import annotations
@@ -38,6 +39,11 @@ HARDENING = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 30, 
                          "max_stop_string_chars": 32, "max_stop_token_ids": 8, "max_chat_messages": 8,
                          "max_upload_bytes": 65536, "max_batch_lines": 5},
              "fault_injection": True, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
+
+TINY = {"num_cpus": 0.01}  # this app's ranks fit beside the others' on the 6 CPUs Ray is told of
+TP = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "scheduler": {"report_interval_s": 0.05},
+      "pools": [{"role": "prompt", "tensor_parallel_size": 2, "resources": TINY},
+                {"role": "token", "resources": TINY}]}
 
 
 def _free_port() -> int:
@@ -135,6 +141,11 @@ def pools_server(ray_cluster, server):
 @pytest.fixture(scope="session")
 def hardening_server(ray_cluster, server):
     return _deploy(ray_cluster, "hardening", HARDENING)
+
+
+@pytest.fixture(scope="session")
+def tp_server(ray_cluster, server):
+    return _deploy(ray_cluster, "tp", TP)
 
 
 @pytest.fixture(scope="session")

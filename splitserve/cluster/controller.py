@@ -33,7 +33,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from splitserve.cluster.background import background
 from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
-from splitserve.cluster.worker import MAX_CONCURRENT_CALLS, Worker
+from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
+from splitserve.cluster.worker_actors import WorkerActors, start_worker_actors
 from splitserve.config import ClusterConfig, PoolConfig
 from splitserve.placement import ClusterState, Placement, PlacementRequest, PoolMove
 from splitserve.placement.state import Role
@@ -57,7 +58,8 @@ class Controller:
         self.start_errors: list[str] = []
         self._incarnations = itertools.count()
         self._secret = secrets.token_urlsafe(32)  # authenticates workers to each other's gRPC KV servers
-        self._store = self._rendezvous_store() if self._disaggregated else None
+        self._store = self._rendezvous_store() if self.config.needs_rendezvous else None
+        self._actors: dict[str, WorkerActors] = {}  # each worker's actors (all its ranks), by worker id
         self._started: asyncio.Task | None = None
         self._ready = False
         self._draining = False
@@ -67,10 +69,6 @@ class Controller:
     def _poll_timeout_s(self) -> float:
         """A poll waits for the step in progress; past the stuck bound, the worker's health says why."""
         return min(CALL_TIMEOUT_S, self.config.scheduler.stuck_step_s)
-
-    @property
-    def _disaggregated(self) -> bool:
-        return any(p.role != "mixed" for p in self.config.pools)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -89,16 +87,17 @@ class Controller:
         options = {**pool.resources.ray_options(), "name": f"{self.app_name}-{worker_id}",
                    "namespace": WORKER_NAMESPACE, "max_concurrency": MAX_CONCURRENT_CALLS, "max_restarts": 0}
         rendezvous = (self._store_host, self._store.port, self._secret) if self._store else None
-        handle = ray.remote(Worker).options(**options).remote(
-            worker_id, pool.role, pool.hardware, self.config.model_dump(), rendezvous)
+        actors = await start_worker_actors(pool, worker_id, options, self.config.model_dump(), rendezvous)
+        handle = actors.handle
         try:
             await handle.info.remote()
             load = await handle.load.remote()
         except RayActorError as error:  # e.g. the model does not load: /health says why
             self.start_errors.append(f"{worker_id}: {error}")
             log.error("worker %s failed to start: %s", worker_id, error)
+            actors.kill()
             return
-        self.handles[worker_id], self.slots[worker_id] = handle, (pool, slot)
+        self.handles[worker_id], self.slots[worker_id], self._actors[worker_id] = handle, (pool, slot), actors
         self.state.add_worker(worker_id, Role(pool.role), self.config.hardware(pool.hardware), load, time.monotonic())
         log.info("worker %s up (%s, %s)", worker_id, pool.role, pool.hardware)
 
@@ -181,7 +180,7 @@ class Controller:
         self.metrics.worker_failures.inc()
         log.warning("worker %s is %s; it leaves its pool", worker_id, verdict)
         self._remove(worker_id, replace=self.config.scheduler.replace_dead_workers)
-        _kill(handle)  # its requests' streams break and fail over
+        self._actors.pop(worker_id).kill()  # its requests' streams break and fail over
 
     async def _diagnose(self, handle) -> str | None:
         """None if the worker's engine loop is sound and turning (or in a step within the bound),
@@ -230,7 +229,7 @@ class Controller:
         self.counters["workers_retired"] += 1
         log.info("worker %s retired (%d requests still running)", worker_id, left)
         self._remove(worker_id, replace)
-        _kill(handle)
+        self._actors.pop(worker_id).kill()
         return {"worker_id": worker_id, "unfinished": left}
 
     async def drain(self) -> dict:
@@ -269,9 +268,3 @@ class Controller:
                              timeout=datetime.timedelta(seconds=self.config.transfer.timeout_s))
 
 
-
-def _kill(handle) -> None:
-    try:
-        ray.kill(handle, no_restart=True)
-    except (RayError, ValueError):  # already gone
-        log.debug("kill of a gone worker", exc_info=True)

@@ -1,4 +1,6 @@
 """A worker: one engine in a Ray actor, in the prompt, token or mixed role (switchable live).
+With tensor parallelism this actor is rank 0 of its worker; the other ranks are `ShardWorker`s
+the controller places beside it (one placement group), meeting it under `tp_prefix(worker_id)`.
 
 The engine runs on its own thread (`WorkerLoop`); the actor's asyncio loop serves calls from the
 ingress (requests, token streams) and the controller (role changes, load reports). Tokens come
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import functools
 import math
 import os
 import socket
@@ -26,6 +29,8 @@ from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.config import ClusterConfig
 from splitserve.engine import faults as engine_faults
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.model_builder import resolve_device
+from splitserve.engine.tensor_parallel import TPGroup
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement.state import WorkerLoad
 from splitserve.transfer.codec import wire_shape
@@ -47,12 +52,32 @@ def engine_policy(role: str, config: ClusterConfig) -> str:
     return config.engine.policy_for(role)
 
 
+def tp_prefix(worker_id: str) -> str:
+    return f"splitserve/tp/{worker_id}"
+
+
+def join_store(rendezvous: Rendezvous, timeout: float) -> dist.TCPStore:
+    host, port, _ = rendezvous
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+
+
 class Worker:
-    def __init__(self, worker_id: str, role: str, hardware: str, config: dict, rendezvous: Rendezvous | None):
+    def __init__(self, worker_id: str, role: str, hardware: str, config: dict, rendezvous: Rendezvous | None,
+                 tensor_parallel_size: int = 1):
         cfg = ClusterConfig.model_validate(config)
         self.worker_id, self.hardware, self._config = worker_id, hardware, cfg
-        engine = LLMEngine(cfg.model, cfg.engine.engine_config(engine_policy(role, cfg)))
-        transport = _connect(cfg, worker_id, engine, rendezvous) if rendezvous else None
+        engine_config = cfg.engine.engine_config(engine_policy(role, cfg))
+        self._store = join_store(rendezvous, cfg.transfer.timeout_s) if rendezvous else None
+        group = None
+        if tensor_parallel_size > 1:
+            group = TPGroup(dist.PrefixStore(tp_prefix(worker_id), self._store), 0, tensor_parallel_size,
+                            resolve_device(engine_config.device), cfg.transfer.timeout_s)
+        engine = LLMEngine(cfg.model, engine_config, tp=group)
+        transport = None
+        if cfg.disaggregated:
+            self._store.set(_tp_key(worker_id), str(tensor_parallel_size))
+            transport = connect_transport(cfg, worker_id, engine, rendezvous)
+        self._peer_tp: dict[str, int] = {}
         self.loop = WorkerLoop(engine, transport, worker_id, cfg.transfer.layerwise_threshold, cfg.transfer.lease_s)
         self.loop.start()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -73,7 +98,8 @@ class Worker:
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
                       prompt_peer: str) -> TransferTicket:
         """Reserve KV blocks for a prompt another worker prefills; its tokens come through `stream`."""
-        return await self._open(request_id, self.loop.reserve, request_id, prompt, params, prompt_peer)
+        reserve = functools.partial(self.loop.reserve, prompt_tp=self._tensor_parallel_size(prompt_peer))
+        return await self._open(request_id, reserve, request_id, prompt, params, prompt_peer)
 
     async def prefill(self, ticket: TransferTicket, prompt: list[int], params: SamplingParams) -> TokenDelta:
         """Prefill and push the KV to `ticket.token_peer`; returns the first token (or the error)."""
@@ -151,6 +177,13 @@ class Worker:
         await self._call(hooks[kind])
 
     # ---- internals -------------------------------------------------------------------------
+    def _tensor_parallel_size(self, worker_id: str) -> int:
+        """A peer's TP size, as it published it when it started (worker ids are never reused)."""
+        if worker_id not in self._peer_tp:
+            key = _tp_key(worker_id)
+            self._peer_tp[worker_id] = int(self._store.get(key)) if self._store.check([key]) else 1
+        return self._peer_tp[worker_id]
+
     async def _open(self, request_id: str, fn, *args):
         deltas: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = deltas
@@ -168,9 +201,14 @@ class Worker:
         return await asyncio.wrap_future(self.loop.call(fn, *args))
 
 
-def _connect(cfg: ClusterConfig, worker_id: str, engine: LLMEngine, rendezvous: Rendezvous) -> KVTransport:
-    """Join the cluster's rendezvous store; gRPC workers publish their address there and take only
-    calls that carry the cluster's secret, of at most one whole prompt's KV."""
+def _tp_key(worker_id: str) -> str:
+    return f"splitserve/tp-size/{worker_id}"
+
+
+def connect_transport(cfg: ClusterConfig, worker_id: str, engine, rendezvous: Rendezvous) -> KVTransport:
+    """A rank's transport (`engine`: an LLMEngine, or a TPFollower under its rank's id). Joins the
+    cluster's rendezvous store; gRPC workers publish their address there and take only calls that
+    carry the cluster's secret, of at most one whole prompt's KV."""
     from splitserve.transfer.torch_link import TorchFabric
 
     (host, port, secret), timeout = rendezvous, cfg.transfer.timeout_s

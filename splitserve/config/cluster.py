@@ -85,6 +85,16 @@ class ClusterConfig(StrictModel):
     def model_name(self) -> str:
         return self.model_names[0]
 
+    @property
+    def disaggregated(self) -> bool:
+        """Prompt and token pools: workers exchange KV."""
+        return any(p.role != "mixed" for p in self.pools)
+
+    @property
+    def needs_rendezvous(self) -> bool:
+        """Workers meet through the controller's store: to exchange KV, or to form TP groups."""
+        return self.disaggregated or any(p.tensor_parallel_size > 1 for p in self.pools)
+
     def hardware(self, name: str) -> HardwareProfile:
         if name in self.hardware_classes:
             custom = self.hardware_classes[name]

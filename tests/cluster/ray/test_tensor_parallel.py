@@ -1,0 +1,29 @@
+"""A prompt worker of 2 tensor-parallel ranks (a placement group of 2 bundles, gloo between the
+ranks) handing its KV to a token worker of 1, through the OpenAI API: greedy output and logprobs
+as the offline one-rank engine's."""
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.sampling_params import SamplingParams
+
+
+def test_tp2_prompt_worker_hands_to_tp1_token_worker(tp_server, offline):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{tp_server}/v1", api_key="unused", max_retries=0, timeout=120)
+    for prompt in ("Tensor parallel prompt workers", "x" * 700):  # one-shot, then layer-wise (>= 512 tokens)
+        got = client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                                        extra_body={"ignore_eos": True})
+        want = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                         logprobs=1))[0]
+        assert got.choices[0].text == want.text
+        theirs = [max(lp.values()) for lp in want.outputs[0].logprobs]
+        assert max(abs(a - b) for a, b in zip(got.choices[0].logprobs.token_logprobs, theirs)) < 1e-4
+
+
+def test_the_tp_workers_ranks_share_a_placement_group(tp_server):
+    from ray.util import placement_group_table
+
+    groups = [g for g in placement_group_table().values() if g["name"].startswith("tp-prompt-")]
+    assert len(groups) == 1 and groups[0]["state"] == "CREATED" and groups[0]["strategy"] == "STRICT_PACK"
+    assert len(groups[0]["bundles"]) == 2
