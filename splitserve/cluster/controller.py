@@ -98,7 +98,7 @@ class Controller:
             actors.kill()
             return
         self.handles[worker_id], self.slots[worker_id], self._actors[worker_id] = handle, (pool, slot), actors
-        self.state.add_worker(worker_id, Role(pool.role), self.config.hardware(pool.hardware), load, time.monotonic())
+        self.state.add_worker(worker_id, Role(pool.role), self.config.worker_hardware(pool), load, time.monotonic())
         log.info("worker %s up (%s, %s)", worker_id, pool.role, pool.hardware)
 
     async def health(self) -> dict:

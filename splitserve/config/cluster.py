@@ -105,6 +105,10 @@ class ClusterConfig(StrictModel):
                              "(or define it under hardware_classes)")
         return HARDWARE_CLASSES[name]
 
+    def worker_hardware(self, pool: PoolConfig) -> HardwareProfile:
+        """What the CLS weighs a worker of `pool` by: its class's speeds for its tensor_parallel_size."""
+        return self.hardware(pool.hardware).with_tensor_parallel(pool.tensor_parallel_size)
+
 
 def load_cluster_config(path: str | Path) -> tuple[ClusterConfig, dict]:
     """A Serve config file (the splitserve application's `args`) or a bare cluster config.

@@ -55,7 +55,8 @@ class PoolConfig(StrictModel):
                                                      "(decode only) or mixed (whole requests, chunked prefill).")
     num_workers: int = Field(1, ge=1, description="Workers in this pool.")
     hardware: str = Field("cpu", description="Hardware class of the pool's workers: one of h100, a100, h100-cap, "
-                          "cpu, or a name under `hardware_classes`. The placement weighs queues by its speeds.")
+                          "cpu, or a name under `hardware_classes`. The placement weighs queues by its speeds, "
+                          "scaled for tensor_parallel_size.")
     resources: WorkerResources = Field(WorkerResources(), description="What Ray reserves for each worker (for "
                                        "each of its ranks when tensor_parallel_size > 1).")
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_RANKS, description="Devices per worker: a worker "
@@ -64,8 +65,9 @@ class PoolConfig(StrictModel):
 
 
 class HardwareClassConfig(StrictModel):
-    prompt_speed: float = Field(gt=0, description="Relative prefill throughput (h100 = 1.0).")
-    token_speed: float = Field(gt=0, description="Relative decode throughput (h100 = 1.0).")
+    prompt_speed: float = Field(gt=0, description="Relative prefill throughput of one device (h100 = 1.0); "
+                                "a worker of several ranks gets the built-in tensor-parallel speedup on top.")
+    token_speed: float = Field(gt=0, description="Relative decode throughput of one device (h100 = 1.0).")
 
 
 class SLOSchedulingOptions(StrictModel):

@@ -1,5 +1,6 @@
 """Hardware classes: each worker's relative prefill and decode speed, so the CLS can compare queues
-across classes (a queue of N tokens on a slower worker counts as N / speed)."""
+across classes (a queue of N tokens on a slower worker counts as N / speed). A class's speeds are
+one device's; a worker of several ranks (tensor parallelism) is faster by `tensor_parallel_speedup`."""
 from __future__ import annotations
 
 import math
@@ -10,8 +11,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
-    prompt_speed: float  # relative prefill throughput, h100 = 1.0
-    token_speed: float  # relative decode throughput, h100 = 1.0
+    prompt_speed: float  # relative prefill throughput, one h100 = 1.0
+    token_speed: float  # relative decode throughput, one h100 = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -20,6 +21,13 @@ class HardwareProfile:
             speed = getattr(self, field_name)
             if not (isinstance(speed, (int, float)) and math.isfinite(speed) and speed > 0):
                 raise ValueError(f"{field_name} of hardware {self.name!r} must be a finite number > 0, got {speed!r}")
+
+    def with_tensor_parallel(self, tensor_parallel: int) -> HardwareProfile:
+        """The speeds of a worker of `tensor_parallel` ranks of this class (same name); 1: this profile."""
+        if tensor_parallel == 1:
+            return self
+        prompt, token = tensor_parallel_speedup(tensor_parallel)
+        return HardwareProfile(self.name, self.prompt_speed * prompt, self.token_speed * token)
 
 
 # a100 and h100-cap: h100 time / class time in splitserve/data/profiles/perf_model.csv (Splitwise's profiles),
@@ -35,6 +43,30 @@ HARDWARE_CLASSES: dict[str, HardwareProfile] = {
         HardwareProfile("cpu", 1.0, 1.0),
     )
 }
+
+
+# (prompt, token) speed gained by doubling a worker's ranks: TP 1 -> 2, 2 -> 4, 4 -> 8. Measured as
+# time(TP n) / time(TP 2n) in Splitwise's profiles (splitserve/data/profiles/perf_model.csv):
+# llama2-70b on h100-80gb and a100-80gb, the median over the 36 (hardware, prompt_size, batch_size,
+# token_size) points profiled at TP 2, 4 and 8 (outlier rows left out, as the simulator does).
+# 2 -> 4: prefill 1.41, decode 1.28; 4 -> 8: prefill 1.35 (h100 alone 1.12, a100 1.38), decode 0.98
+# (8 ranks decode no faster than 4: per-layer all-reduces dominate a small batch). TP 1 -> 2 is not
+# profiled (70B needs 2 GPUs): it is taken as 2 -> 4. Past TP 8 nothing is profiled: no more gain.
+TP_DOUBLING_GAINS = ((1.41, 1.28), (1.41, 1.28), (1.35, 0.98))
+
+
+def tensor_parallel_speedup(tensor_parallel: int) -> tuple[float, float]:
+    """(prompt, token) speed of a worker of `tensor_parallel` ranks over one rank of the same class:
+    the product of the gains of the doublings up to it, a fraction of a doubling's gain (geometric)
+    between powers of two; TP 1: (1.0, 1.0)."""
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be an integer >= 1, got {tensor_parallel!r}")
+    doublings = math.log2(tensor_parallel)
+    prompt = token = 1.0
+    for index, (prompt_gain, token_gain) in enumerate(TP_DOUBLING_GAINS):
+        share = min(max(doublings - index, 0.0), 1.0)
+        prompt, token = prompt * prompt_gain ** share, token * token_gain ** share
+    return prompt, token
 
 
 def hardware_profile(name: str, custom: Mapping[str, HardwareProfile] | None = None) -> HardwareProfile:

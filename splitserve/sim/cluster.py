@@ -119,11 +119,11 @@ class Simulation:
             for _ in range(pool.count):
                 worker_id = f"{pool.role.value}-{counts[pool.role]:03d}"
                 counts[pool.role] += 1
-                worker = SimWorker(worker_id, scenario.policy_for(pool.role), scenario.perf_models[pool.hardware],
-                                   scenario.num_blocks, scenario.block_size, scenario.limits, self.token_times,
-                                   scenario.overhead, lambda: self.now)
+                worker = SimWorker(worker_id, scenario.policy_for(pool.role), scenario.perf_models[pool.setup],
+                                   scenario.num_blocks_of(pool), scenario.block_size, scenario.limits,
+                                   self.token_times, scenario.overhead, lambda: self.now)
                 self.workers[worker_id], self._hardware_of[worker_id] = worker, pool.hardware
-                self.cls.add_worker(worker_id, pool.role, profiles[pool.hardware], worker.load())
+                self.cls.add_worker(worker_id, pool.role, profiles[pool.setup], worker.load())
                 worker.changed = False
 
     # ---- the loop ------------------------------------------------------------------------

@@ -5,13 +5,21 @@ a cluster designed in the simulator is the cluster that gets deployed.
 Hardware classes map to performance profiles: h100 / a100 / h100-cap to the Splitwise profiles
 of a paper model; any other class (cpu, ...) to rows of a profile CSV measured by
 `splitserve profile --hardware <class>`.
+
+Tensor parallelism: a pool with its own tensor_parallel_size N > 1 is simulated with the profile
+rows at TP N and a KV budget of N GPUs. A TP-1 pool (the default, a model that fits one device)
+stands in for the target's TP (`SimTarget.tensor_parallel`, `--tensor-parallel`, default 8): the
+paper models have no TP-1 profiles, so a TP-1 pool simulates a DGX of the paper's setup, as before
+pools had a TP; with a measured profile it takes that class's rows, whatever their TP. Either way
+the CLS weighs a pool's workers by the speeds the controller gives them: the class's, scaled for
+the pool's own tensor_parallel_size (`ClusterConfig.worker_hardware`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.config import ClusterConfig
+from splitserve.config import ClusterConfig, PoolConfig
 from splitserve.engine.demo import demo_model_config
 from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES
 from splitserve.engine.loader import load_model_config
@@ -33,7 +41,7 @@ class SimTarget:
     the serving stack adds to the profiled engine times (`splitserve profile --url`)."""
 
     model: str = "llama2-70b"
-    tensor_parallel: int = 8
+    tensor_parallel: int = 8          # what a TP-1 pool stands in for (its own TP otherwise)
     profile: Path | None = None       # a `splitserve profile` CSV for classes the paper did not measure
     bandwidth_gbps: float = 400.0     # KV transfer link (InfiniBand between DGX machines)
     latency_s: float = 0.005
@@ -41,32 +49,43 @@ class SimTarget:
 
 
 def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget()) -> Scenario:
-    models = {pool.hardware: perf_model_for(pool.hardware, target) for pool in config.pools}
-    pools = tuple(PoolSpec(Role(p.role), p.num_workers, p.hardware) for p in config.pools)
+    pools = tuple(pool_spec(pool, config, target) for pool in config.pools)
+    models = {spec.setup: perf_model_for(pool, target) for spec, pool in zip(pools, config.pools)}
+    hardware = {spec.setup: config.worker_hardware(pool) for spec, pool in zip(pools, config.pools)}
     engine = config.engine
-    return Scenario(pools=pools, perf_models=models, kv_budget_tokens=kv_budget_tokens(config, target),
+    budget = kv_budget_tokens(config, target, target.tensor_parallel)
+    return Scenario(pools=pools, perf_models=models, kv_budget_tokens=budget,
                     placement=config.scheduler.policy, thresholds=config.scheduler.thresholds(),
                     transfer=transfer_model(config, target), block_size=engine.block_size,
                     report_interval_s=config.scheduler.report_interval_s, max_num_seqs=engine.max_num_seqs,
                     max_model_len=engine.max_model_len or 4096, prompt_token_budget=engine.prompt_token_budget,
-                    chunk_token_budget=engine.chunk_token_budget,
-                    hardware={name: config.hardware(name) for name in models}, overhead=target.overhead,
+                    chunk_token_budget=engine.chunk_token_budget, hardware=hardware, overhead=target.overhead,
                     slo=engine.slo_scheduling.options(),
                     role_policies={role.value: engine.policy_for(role.value) for role in Role})
 
 
-def perf_model_for(hardware: str, target: SimTarget) -> PerfModel:
+def pool_spec(pool: PoolConfig, config: ClusterConfig, target: SimTarget) -> PoolSpec:
+    """A config pool as simulated; one with its own TP has its own KV budget (TP-1 pools: the scenario's)."""
+    own = pool.tensor_parallel_size
+    budget = kv_budget_tokens(config, target, own) if own > 1 else None
+    return PoolSpec(Role(pool.role), pool.num_workers, pool.hardware, own, budget)
+
+
+def perf_model_for(pool: PoolConfig, target: SimTarget) -> PerfModel:
+    """The pool's Splitwise profile at its TP (a TP-1 pool: the target's), or its measured one."""
+    hardware, own = pool.hardware, pool.tensor_parallel_size
     if hardware in PROFILE_HARDWARE:
-        key = (target.model, PROFILE_HARDWARE[hardware], target.tensor_parallel)
         models = load_perf_models()
+        key = (target.model, PROFILE_HARDWARE[hardware], own if own > 1 else target.tensor_parallel)
     else:
         if target.profile is None:
             raise ValueError(f"hardware class {hardware!r} has no Splitwise profile: measure one with "
                              f"`splitserve profile --hardware {hardware} --out FILE` and pass it as the profile")
         models = load_perf_models(target.profile)
-        key = next((k for k in models if k[1] == hardware), None)
+        key = next((k for k in models if k[1] == hardware and own in (1, k[2])), (target.model, hardware, own))
     if key not in models:
-        raise ValueError(f"no performance profile for {key}; have {sorted(models)}")
+        raise ValueError(f"the {pool.role} pool ({hardware}, tensor_parallel_size {own}) has no performance "
+                         f"profile for (model, hardware, tensor_parallel) = {key}; have {sorted(models)}")
     return models[key]
 
 
@@ -80,15 +99,16 @@ def model_shape(model: str) -> ModelShape:
     return ModelShape(config.num_hidden_layers, config.num_hidden_layers * per_layer)
 
 
-def kv_budget_tokens(config: ClusterConfig, target: SimTarget) -> int:
-    """The config's KV budget if it sets one; else, for a paper model, what a DGX leaves after the
-    weights, and for a model this engine runs on CPU, the engine's own CPU default."""
+def kv_budget_tokens(config: ClusterConfig, target: SimTarget, tensor_parallel: int) -> int:
+    """A worker's KV budget: the config's if it sets one; else, for a paper model, what
+    `tensor_parallel` GPUs leave after the weights, and for a model this engine runs on CPU, the
+    engine's own CPU default."""
     per_token = model_shape(target.model).kv_bytes_per_token
     if config.engine.kv_cache_memory_bytes:
         return config.engine.kv_cache_memory_bytes // per_token
     if target.model not in WEIGHT_BYTES:
         return CPU_KV_CACHE_BYTES // per_token
-    return int((GPU_MEMORY_BYTES * target.tensor_parallel - WEIGHT_BYTES[target.model]) // per_token)
+    return int((GPU_MEMORY_BYTES * tensor_parallel - WEIGHT_BYTES[target.model]) // per_token)
 
 
 def transfer_model(config: ClusterConfig, target: SimTarget) -> TransferModel:

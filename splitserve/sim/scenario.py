@@ -19,11 +19,16 @@ SPEED_DECODE_BATCH, SPEED_DECODE_CONTEXT = 16, 1024  # the decode that rates its
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """`count` workers whose home pool is `role`, on hardware class `hardware`."""
+    """`count` workers whose home pool is `role`, on hardware class `hardware`, each of
+    `tensor_parallel` ranks as its cluster config says (1: one engine, or whatever machine the
+    perf model was measured on). `kv_budget_tokens`: each worker's KV cache in tokens; None: the
+    scenario's."""
 
     role: Role
     count: int
     hardware: str
+    tensor_parallel: int = 1
+    kv_budget_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in set(Role):
@@ -31,13 +36,23 @@ class PoolSpec:
         object.__setattr__(self, "role", Role(self.role))
         if not isinstance(self.count, int) or self.count < 0:
             raise ValueError(f"count of the {self.role.value} pool must be an integer >= 0, got {self.count!r}")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel of the {self.role.value} pool must be an integer >= 1, "
+                             f"got {self.tensor_parallel!r}")
+
+    @property
+    def setup(self) -> str:
+        """The key of this pool's perf model and speed profile in a `Scenario`: its hardware, and
+        its TP unless 1, so pools of one class at different TP keep their own."""
+        return self.hardware if self.tensor_parallel == 1 else f"{self.hardware}/tp{self.tensor_parallel}"
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """A cluster to simulate. `perf_models` maps each pool's hardware name to its performance model;
-    `hardware` gives the CLS's speed profiles (by default derived from the models: `hardware_profiles`).
-    `kv_budget_tokens`: KV cache per worker, in tokens (rounded down to whole blocks). `overhead`:
+    """A cluster to simulate. `perf_models` maps each pool's `setup` (its hardware name, with its TP
+    unless 1) to its performance model; `hardware` gives the CLS's speed profiles by setup (by
+    default derived from the models: `hardware_profiles`). `kv_budget_tokens`: KV cache per worker,
+    in tokens (rounded down to whole blocks), for pools that set none of their own. `overhead`:
     what the serving stack adds to the engine's times (none by default, as in the Splitwise simulator).
     `role_policies`: the engine policy a worker runs while in each pool, on start and after every pool
     move (the cluster's `engine.policy_for`; a pool not named runs the policy of its own name)."""
@@ -63,7 +78,7 @@ class Scenario:
         object.__setattr__(self, "pools", tuple(self.pools))
         if not any(pool.count for pool in self.pools):
             raise ValueError("pools must hold at least one worker")
-        missing = sorted({p.hardware for p in self.pools} - set(self.perf_models))
+        missing = sorted({p.setup for p in self.pools} - set(self.perf_models))
         if missing:
             raise ValueError(f"perf_models has no model for hardware {', '.join(missing)}")
         if self.placement not in PLACEMENT_POLICIES:
@@ -71,9 +86,12 @@ class Scenario:
         for name in ("block_size", "max_num_seqs", "max_model_len", "prompt_token_budget", "chunk_token_budget"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(f"kv_budget_tokens={self.kv_budget_tokens} holds fewer tokens than max_model_len="
-                             f"{self.max_model_len}; raise kv_budget_tokens or lower max_model_len")
+        for pool in self.pools:
+            if self.num_blocks_of(pool) * self.block_size < self.max_model_len:
+                owner = f"the {pool.role.value} pool's " if pool.kv_budget_tokens is not None else ""
+                raise ValueError(f"{owner}kv_budget_tokens={self.kv_budget_tokens_of(pool)} holds fewer tokens "
+                                 f"than max_model_len={self.max_model_len}; raise kv_budget_tokens or lower "
+                                 "max_model_len")
         for role, policy in self.role_policies.items():
             if role not in {r.value for r in Role} or policy not in POLICY_CLASSES:
                 raise ValueError(f"role_policies maps a pool ({', '.join(r.value for r in Role)}) to a policy "
@@ -85,9 +103,12 @@ class Scenario:
         """The engine policy of a worker while its pool is `role`."""
         return self.role_policies.get(role.value, role.value)
 
-    @property
-    def num_blocks(self) -> int:
-        return self.kv_budget_tokens // self.block_size
+    def kv_budget_tokens_of(self, pool: PoolSpec) -> int:
+        return self.kv_budget_tokens if pool.kv_budget_tokens is None else pool.kv_budget_tokens
+
+    def num_blocks_of(self, pool: PoolSpec) -> int:
+        """KV blocks of each worker of `pool`."""
+        return self.kv_budget_tokens_of(pool) // self.block_size
 
     @property
     def limits(self) -> SchedulerLimits:
@@ -95,8 +116,8 @@ class Scenario:
                                self.chunk_token_budget, self.slo)
 
     def hardware_profiles(self) -> dict[str, HardwareProfile]:
-        """Speed profiles of the pools' hardware: the given ones, else derived from the models."""
-        derived = derive_hardware_profiles({p.hardware: self.perf_models[p.hardware] for p in self.pools})
+        """Speed profiles of the pools' setups: the given ones, else derived from the models."""
+        derived = derive_hardware_profiles({p.setup: self.perf_models[p.setup] for p in self.pools})
         return {name: self.hardware.get(name, profile) for name, profile in derived.items()}
 
 

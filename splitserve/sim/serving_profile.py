@@ -24,7 +24,8 @@ CROSSED_PROMPT_TOKENS, CROSSED_PROMPTS, CROSSED_PAUSE_S = 1024, 4, 0.3
 def profiled_target(config: ClusterConfig, engine_profile: Path,
                     overhead: ServingOverhead = ServingOverhead()) -> SimTarget:
     """The simulator target of a cluster running this engine: its own model, timed by
-    `engine_profile` (one worker is one engine: no tensor parallelism) plus `overhead`."""
+    `engine_profile` (TP-1 pools take its rows; a pool of more ranks needs rows at its TP) plus
+    `overhead`."""
     return SimTarget(config.model, 1, engine_profile, overhead=overhead)
 
 
@@ -42,7 +43,7 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
         raise ValueError(f"prompt_sizes: {max(prompt_sizes)} + {output_tokens} output tokens exceeds the "
                          f"cluster's max_model_len={limit}")
     scenario = scenario_from_config(config, profiled_target(config, engine_profile))
-    hardware = {pool.role: pool.hardware for pool in scenario.pools if pool.count}
+    hardware = {pool.role: pool.setup for pool in scenario.pools if pool.count}
     prompt_hw = hardware.get(Role.PROMPT, hardware.get(Role.MIXED))
     token_hw = hardware.get(Role.TOKEN, hardware.get(Role.MIXED))
     lone, pairs = (measure_requests(url, prompt_sizes, output_tokens, repeats, concurrency, config.model_name, api_key)

@@ -43,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--design: how mixed machines batch (orca: the paper's mixed continuous batching)")
     p.add_argument("--model", default="llama2-70b", help="whose profiles stand in for the workers: llama2-70b, "
                                                          "bloom-176b, or demo / a checkpoint with --profile")
-    p.add_argument("--tensor-parallel", type=int, default=8, help="profile rows to use (a worker is a TP-N machine)")
+    p.add_argument("--tensor-parallel", type=int, default=8,
+                   help="the TP whose profile rows stand in for a pool of tensor_parallel_size 1 (a worker is a "
+                        "TP-N machine); a pool with its own tensor_parallel_size uses the rows at that TP")
     p.add_argument("--profile", type=Path, default=None, help="a `splitserve profile` CSV for other hardware classes")
     p.add_argument("--bandwidth-gbps", type=float, default=400.0, help="KV transfer link between machines")
     p.add_argument("--overhead", type=Path, default=None,

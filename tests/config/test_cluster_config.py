@@ -84,9 +84,11 @@ def test_pool_resources_are_valid_ray_actor_options(path):
         assert options.get("accelerator_type") in (RAY_ACCELERATOR_TYPES if gpu else {None})
         for name in pool.resources.resources:  # custom resources: GPU files only, explained there
             assert gpu and name in header(path), name
-    if gpu:
+    if gpu:  # Splitwise's Llama-2-70B at TP 8: one GPU per rank
         assert config.engine.dtype == "bfloat16" and config.engine.device == "cuda"
         assert "PLACEHOLDER" in path.read_text() and config.model.startswith("/")
+        assert config.model.endswith("Llama-2-70b-hf")
+        assert [(p.tensor_parallel_size, p.resources.num_gpus) for p in config.pools] == [(8, 1)] * len(config.pools)
 
 
 def test_local_cpu_is_the_default_cluster():

@@ -37,13 +37,13 @@ from tests.deploy.helm_helpers import (
 
 ALL = (None, *PRESETS)  # None: the chart's defaults
 H100, A100 = "NVIDIA-H100-80GB-HBM3", "NVIDIA-A100-SXM4-80GB"
-# preset -> {pool role: (hardware class, GPU product the pool is pinned to)}
+# preset -> {pool role: (hardware class, GPU product the pool is pinned to, tensor parallel size)}
 POOLS = {
-    None: {"prompt": ("h100", None), "token": ("h100", None)},
-    "values-splitwise-ha.yaml": {"prompt": ("h100", H100), "token": ("a100", A100)},
-    "values-splitwise-hhcap.yaml": {"prompt": ("h100", H100), "token": ("h100-cap", H100)},
-    "values-splitwise-hh.yaml": {"prompt": ("h100", H100), "token": ("h100", H100)},
-    "values-baseline.yaml": {"mixed": ("h100", H100)},
+    None: {"prompt": ("h100", None, 1), "token": ("h100", None, 1)},
+    "values-splitwise-ha.yaml": {"prompt": ("h100", H100, 8), "token": ("a100", A100, 8)},
+    "values-splitwise-hhcap.yaml": {"prompt": ("h100", H100, 8), "token": ("h100-cap", H100, 8)},
+    "values-splitwise-hh.yaml": {"prompt": ("h100", H100, 8), "token": ("h100", H100, 8)},
+    "values-baseline.yaml": {"mixed": ("h100", H100, 8)},
 }
 DEPLOY_CONFIGS = {"values-splitwise-ha.yaml": "splitwise-ha.yaml",
                   "values-splitwise-hhcap.yaml": "splitwise-hhcap.yaml", "values-baseline.yaml": "baseline.yaml"}
@@ -143,29 +143,40 @@ def test_the_checks_catch_a_misspelled_field():
 
 # --- the Serve app's args are the ClusterConfig the worker groups can run --------------------------
 
+def check_pools_fill_their_pods(service: dict) -> ClusterConfig:
+    """Every pool's workers, at their tensor_parallel_size, fill its pods exactly: `resources` are
+    per rank (one GPU each), so a pod's Ray GPUs, CPUs and pool resource are its workers' ranks'."""
+    config = cluster_config(service)
+    groups = worker_groups(service)
+    assert set(groups) == {p.role for p in config.pools}
+    for pool in config.pools:
+        group, tp = groups[pool.role], pool.tensor_parallel_size
+        gpus = gpu_limit(group["template"]["spec"]["containers"][0])
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"]
+        assert gpus % tp == 0 and pool.num_workers == group["replicas"] * gpus // tp
+        ranks_per_pod = pool.num_workers // group["replicas"] * tp
+        assert pool.resources.num_gpus == 1 and ranks_per_pod == gpus
+        assert int(group["rayStartParams"]["num-gpus"]) == gpus
+        assert int(group["rayStartParams"]["num-cpus"]) == ranks_per_pod * pool.resources.num_cpus
+        resource = f"splitserve-{pool.role}"
+        assert pool.resources.resources == {resource: 1}
+        assert ray_resources(group) == {resource: ranks_per_pod}
+        holders = [name for name, g in groups.items() if resource in ray_resources(g)]
+        assert holders == [pool.role], f"{resource} is advertised by {holders}"
+    return config
+
+
 @ids
 def test_serve_config_is_a_cluster_config_matching_the_worker_groups(preset):
     service = rayservice(preset)
     ServeDeploySchema.model_validate(serve_config(service))  # what KubeRay hands Serve
-    config = cluster_config(service)
+    config = check_pools_fill_their_pods(service)
+    assert {p.role: (p.hardware, p.tensor_parallel_size) for p in config.pools} == \
+        {r: (hw, tp) for r, (hw, _, tp) in POOLS[preset].items()}
     groups = worker_groups(service)
-    assert {p.role: (p.hardware,) for p in config.pools} == {r: (hw,) for r, (hw, _) in POOLS[preset].items()}
-    assert set(groups) == {p.role for p in config.pools}
     for pool in config.pools:
-        group = groups[pool.role]
-        gpus = gpu_limit(group["template"]["spec"]["containers"][0])
-        assert pool.num_workers == group["replicas"] * gpus  # one worker per GPU
-        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"]
-        assert pool.resources.num_gpus == 1
-        assert int(group["rayStartParams"]["num-gpus"]) == gpus
-        assert int(group["rayStartParams"]["num-cpus"]) == gpus * pool.resources.num_cpus
-        resource = f"splitserve-{pool.role}"
-        assert pool.resources.resources == {resource: 1}
-        assert ray_resources(group) == {resource: gpus}
-        holders = [name for name, g in groups.items() if resource in ray_resources(g)]
-        assert holders == [pool.role], f"{resource} is advertised by {holders}"
         product = POOLS[preset][pool.role][1]
-        assert group["template"]["spec"].get("nodeSelector", {}).get("nvidia.com/gpu.product") == product
+        assert groups[pool.role]["template"]["spec"].get("nodeSelector", {}).get("nvidia.com/gpu.product") == product
     head = service["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0" and head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
     assert "nvidia.com/gpu" not in str(head["template"])
@@ -177,7 +188,11 @@ def test_preset_deploys_the_cluster_of_its_deploy_config(preset):
     chart = cluster_config(rayservice(preset))
     apps = yaml.safe_load((ROOT / "deploy" / DEPLOY_CONFIGS[preset]).read_text())["applications"]
     deploy = ClusterConfig.model_validate(apps[0]["args"])
-    assert {p.role: p.hardware for p in chart.pools} == {p.role: p.hardware for p in deploy.pools}
+    def design(config):
+        return {p.role: (p.hardware, p.tensor_parallel_size, p.resources.num_gpus, p.resources.num_cpus)
+                for p in config.pools}
+    assert design(chart) == design(deploy)
+    assert chart.model.endswith("Llama-2-70b-hf") and deploy.model.endswith("Llama-2-70b-hf")
     for section in ("engine", "transfer", "scheduler", "ingress"):
         assert getattr(chart, section) == getattr(deploy, section), section
 
@@ -283,19 +298,59 @@ def test_ray_auth_secret_is_the_one_kuberay_uses():
     (("model.demo=false",), "set exactly one model source, found 0"),
     (("model.huggingface.id=org/model",), "set exactly one model source, found 2"),
     (("model.demo=false", "model.pvc.claimName=weights"), "model.pvc.path"),
-    (("pools.token.tensorParallelSize=2",), "pools.token.tensorParallelSize=2: splitserve has no tensor parallelism"),
+    (("pools.token.tensorParallelSize=2",), "pools.token.tensorParallelSize=2 does not divide gpusPerPod=1"),
+    (("pools.token.gpusPerPod=8", "pools.token.tensorParallelSize=3"),
+     "pools.token.tensorParallelSize=3 does not divide gpusPerPod=8"),
+    (("pools.mixed.enabled=true", "pools.mixed.tensorParallelSize=0"),
+     "pools.mixed.tensorParallelSize=0: give the GPUs of one worker, a whole number of at least 1"),
+    (("pools.prompt.tensorParallelSize=-2",), "pools.prompt.tensorParallelSize=-2: give the GPUs of one worker"),
+    (("pools.prompt.tensorParallelSize=0.5",), "pools.prompt.tensorParallelSize=0.5: give the GPUs of one worker"),
     (("pools.token.enabled=false",), "the prompt and token pools go together"),
     (("pools.prompt.gpusPerPod=0",), "pools.prompt: replicas and gpusPerPod must be at least 1"),
-    (("pools.prompt.cpusPerWorker=1.5",), "pools.prompt.cpusPerWorker=1.5: use a whole number"),
+    (("pools.prompt.cpusPerRank=1.5",), "pools.prompt.cpusPerRank=1.5: use a whole number"),
+    (("pools.prompt.cpusPerWorker=4",), "pools.prompt.cpusPerWorker: renamed cpusPerRank"),
     (("cluster.pools=x",), "cluster.pools: set it through the chart's model and pools values"),
-], ids=["no-model", "two-models", "pvc-without-path", "tensor-parallel", "prompt-without-token",
-        "no-gpus", "fractional-cpus", "pools-in-cluster"])
+], ids=["no-model", "two-models", "pvc-without-path", "tp-not-dividing-1-gpu", "tp-not-dividing-8-gpus",
+        "tp-0", "tp-negative", "tp-fractional", "prompt-without-token", "no-gpus", "fractional-cpus",
+        "cpus-per-worker-renamed", "pools-in-cluster"])
 def test_refuses(sets, message):
     assert message in render_error(None, *sets)
 
 
-def test_tensor_parallel_1_is_accepted_in_every_pool():
-    assert rayservice("values-baseline.yaml", "pools.mixed.tensorParallelSize=1")
+@pytest.mark.parametrize("preset", PRESETS, ids=str)
+def test_the_presets_run_llama_2_70b_at_tp_8_one_worker_per_8_gpu_pod(preset):
+    service = rayservice(preset)
+    config = cluster_config(service)
+    assert config.model == "/models/meta-llama/Llama-2-70b-hf"
+    for pool in config.pools:
+        group = worker_groups(service)[pool.role]
+        assert (gpu_limit(group["template"]["spec"]["containers"][0]), group["rayStartParams"]["num-gpus"]) == (8, "8")
+        assert (pool.tensor_parallel_size, pool.num_workers) == (8, group["replicas"])
+        assert pool.resources.num_gpus == 1 and pool.resources.resources == {f"splitserve-{pool.role}": 1}
+        assert int(group["rayStartParams"]["num-cpus"]) == 8 * pool.resources.num_cpus
+
+
+def test_a_preset_takes_its_model_from_a_claim_instead():
+    config = cluster_config(rayservice("values-splitwise-hh.yaml", "model.huggingface.id=", "model.pvc.claimName=w",
+                                       "model.pvc.path=llama/Llama-2-70b-hf"))
+    assert config.model == "/models/llama/Llama-2-70b-hf"
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_tp_2_pool_on_8_gpu_pods_runs_4_workers_a_pod(replicas):
+    service = rayservice("values-splitwise-hh.yaml", "pools.token.tensorParallelSize=2",
+                         f"pools.token.replicas={replicas}")
+    validate_rayservice(service)
+    config = check_pools_fill_their_pods(service)
+    prompt, token = config.pools
+    assert (token.tensor_parallel_size, token.num_workers) == (2, 4 * replicas)
+    assert (prompt.tensor_parallel_size, prompt.num_workers) == (8, 1)  # pools may differ
+    assert ray_resources(worker_groups(service)["token"]) == {"splitserve-token": 8}  # 4 workers x 2 ranks
+
+
+def test_tensor_parallel_1_is_one_worker_per_gpu():
+    config = check_pools_fill_their_pods(rayservice("values-baseline.yaml", "pools.mixed.tensorParallelSize=1"))
+    assert [(p.tensor_parallel_size, p.num_workers) for p in config.pools] == [(1, 16)]
 
 
 # --- observability ---------------------------------------------------------------------------------
@@ -353,3 +408,10 @@ def test_notes_tell_how_to_call_benchmark_and_watch(tmp_path: Path):
                      r"--url http://splitserve-serve-svc:8000", notes)
     assert "--out /results/" in notes
     assert "ConfigMap splitserve-dashboard" in notes and "grafana_dashboard=1" in notes
+
+
+def test_notes_count_each_pool_s_workers_at_its_tensor_parallel_size(tmp_path: Path):
+    notes = render_notes(tmp_path, "values-splitwise-hh.yaml", "pools.token.tensorParallelSize=2")
+    assert "prompt pool: 1 workers of 8 GPU(s) each (tensor parallel) on 1 pods x 8 GPUs, hardware class h100" in notes
+    assert "token pool: 4 workers of 2 GPU(s) each (tensor parallel) on 1 pods x 8 GPUs, hardware class h100" in notes
+    assert "prompt pool: 1 workers of 1 GPU(s) each on 1 pods x 1 GPUs" in render_notes(tmp_path / "defaults")

@@ -46,9 +46,14 @@ app.kubernetes.io/component: serve
 {{- .Values.rayAuth.existingSecret | default (printf "%s-ray-auth" (include "splitserve.fullname" .)) -}}
 {{- end -}}
 
-{{/* The Ray resource a pool's worker group advertises and its workers request. */}}
+{{/* The Ray resource a pool's worker group advertises and its workers' ranks request. */}}
 {{- define "splitserve.poolResource" -}}
 splitserve-{{ . }}
+{{- end -}}
+
+{{/* A pool's workers: each is tensorParallelSize GPUs of one pod (validate: it divides gpusPerPod). */}}
+{{- define "splitserve.poolWorkers" -}}
+{{- div (mul .replicas .gpusPerPod) .tensorParallelSize -}}
 {{- end -}}
 
 {{/* Fails the install on values that would deploy something other than what they say. */}}
@@ -69,14 +74,21 @@ splitserve-{{ . }}
 {{- $pool := index $.Values.pools $role -}}
 {{- if $pool.enabled -}}
 {{- $enabled = append $enabled $role -}}
-{{- if ne (int $pool.tensorParallelSize) 1 -}}
-{{- fail (printf "pools.%s.tensorParallelSize=%v: splitserve has no tensor parallelism yet (one worker is one engine on one GPU); set it to 1 and use a model that fits one GPU" $role $pool.tensorParallelSize) -}}
-{{- end -}}
 {{- if or (lt (int $pool.replicas) 1) (lt (int $pool.gpusPerPod) 1) -}}
 {{- fail (printf "pools.%s: replicas and gpusPerPod must be at least 1 (disable the pool with enabled: false)" $role) -}}
 {{- end -}}
-{{- if ne (float64 (int $pool.cpusPerWorker)) (float64 $pool.cpusPerWorker) -}}
-{{- fail (printf "pools.%s.cpusPerWorker=%v: use a whole number (Ray counts a node's CPUs in whole units)" $role $pool.cpusPerWorker) -}}
+{{- $tp := $pool.tensorParallelSize -}}
+{{- if or (lt (int $tp) 1) (ne (float64 (int $tp)) (float64 $tp)) -}}
+{{- fail (printf "pools.%s.tensorParallelSize=%v: give the GPUs of one worker, a whole number of at least 1" $role $tp) -}}
+{{- end -}}
+{{- if mod (int $pool.gpusPerPod) (int $tp) -}}
+{{- fail (printf "pools.%s.tensorParallelSize=%v does not divide gpusPerPod=%v: a worker's ranks are packed on one node, so each pod must hold whole workers" $role $tp $pool.gpusPerPod) -}}
+{{- end -}}
+{{- if hasKey $pool "cpusPerWorker" -}}
+{{- fail (printf "pools.%s.cpusPerWorker: renamed cpusPerRank (Ray CPUs per rank, that is per GPU; a worker of tensorParallelSize ranks reserves that many times it)" $role) -}}
+{{- end -}}
+{{- if ne (float64 (int $pool.cpusPerRank)) (float64 $pool.cpusPerRank) -}}
+{{- fail (printf "pools.%s.cpusPerRank=%v: use a whole number (Ray counts a node's CPUs in whole units)" $role $pool.cpusPerRank) -}}
 {{- end -}}
 {{- if and $pool.powerCapWatts (lt (int $pool.powerCapWatts) 1) -}}
 {{- fail (printf "pools.%s.powerCapWatts=%v: give watts per GPU, or null for no cap" $role $pool.powerCapWatts) -}}
@@ -111,17 +123,18 @@ demo
 {{- .Values.model.servedModelName | default .Values.model.huggingface.id | default .Values.model.pvc.path -}}
 {{- end -}}
 
-{{/* The Serve app's args: a ClusterConfig. Each pool worker takes one GPU and one unit of its
-     pool's resource, which only that pool's worker group advertises. */}}
+{{/* The Serve app's args: a ClusterConfig. `resources` are what Ray reserves per rank (a worker
+     is tensor_parallel_size ranks): one GPU, cpusPerRank CPUs and one unit of the pool's resource,
+     which only that pool's worker group advertises, one unit per GPU. */}}
 {{- define "splitserve.clusterConfig" -}}
 {{- $pools := list -}}
 {{- range $role := list "prompt" "token" "mixed" -}}
 {{- $pool := index $.Values.pools $role -}}
 {{- if $pool.enabled -}}
-{{- $resources := dict "num_cpus" (int $pool.cpusPerWorker) "num_gpus" 1 "resources" (dict (include "splitserve.poolResource" $role) 1) -}}
+{{- $resources := dict "num_cpus" (int $pool.cpusPerRank) "num_gpus" 1 "resources" (dict (include "splitserve.poolResource" $role) 1) -}}
 {{- with $pool.acceleratorType }}{{ $_ := set $resources "accelerator_type" . }}{{ end -}}
-{{- $workers := mul $pool.replicas $pool.gpusPerPod -}}
-{{- $pools = append $pools (dict "role" $role "num_workers" $workers "hardware" $pool.hardware "resources" $resources) -}}
+{{- $workers := int (include "splitserve.poolWorkers" $pool) -}}
+{{- $pools = append $pools (dict "role" $role "num_workers" $workers "hardware" $pool.hardware "tensor_parallel_size" (int $pool.tensorParallelSize) "resources" $resources) -}}
 {{- end -}}
 {{- end -}}
 {{- $config := dict "model" (include "splitserve.modelDir" .) "pools" $pools -}}

@@ -119,7 +119,8 @@ volumeMounts:
     limits: {nvidia.com/gpu: {{ int .pool.gpusPerPod }}}
 {{- end -}}
 
-{{/* A pool's worker group: rayStartParams give Ray exactly the pool's GPUs, CPUs and resource. */}}
+{{/* A pool's worker group: rayStartParams give Ray exactly the pool's GPUs, CPUs and resource, so
+     the pod holds gpusPerPod / tensorParallelSize workers' ranks (one per GPU) and nothing more. */}}
 {{- define "splitserve.workerGroup" -}}
 {{- $root := .root -}}
 {{- $role := .role -}}
@@ -139,7 +140,7 @@ volumeMounts:
   maxReplicas: {{ int $pool.replicas }}
   rayStartParams:
     num-gpus: {{ $gpus | quote }}
-    num-cpus: {{ mul $gpus $pool.cpusPerWorker | quote }}
+    num-cpus: {{ mul $gpus $pool.cpusPerRank | quote }}
     # JSON in single quotes, the form KubeRay writes itself: it passes rayStartParams to `ray start`
     # through bash, and parses this one (quotes trimmed) to add accelerator resources; the escaped form
     # '"{\"x\": 1}"' of older docs passes bash but fails that parse.

@@ -1,0 +1,96 @@
+"""A cluster config's tensor parallelism in the simulator: each pool's perf model, KV budget and
+CLS speeds come from its own tensor_parallel_size; a TP-1 pool stands in for the target's TP."""
+import pytest
+
+from splitserve.bench.workload import RequestSpec
+from splitserve.config import ClusterConfig
+from splitserve.placement import Role
+from splitserve.placement.hardware import HARDWARE_CLASSES
+from splitserve.sim.cluster import Simulation
+from splitserve.sim.from_config import SimTarget, scenario_from_config
+from splitserve.sim.perf_model import KV_BYTES_PER_TOKEN, load_perf_models
+from splitserve.sim.scenario import PoolSpec, Scenario
+from tests.sim.test_sim_cli import write_cpu_profile
+from tests.sim.test_sim_worker import LinearPerf
+
+PER_TOKEN = KV_BYTES_PER_TOKEN["llama2-70b"]
+H100 = HARDWARE_CLASSES["h100"]
+
+
+def config(*pools: tuple[str, str, int], **rest) -> ClusterConfig:
+    return ClusterConfig.model_validate({"pools": [{"role": role, "hardware": hw, "tensor_parallel_size": tp}
+                                                   for role, hw, tp in pools], **rest})
+
+
+def dgx_budget(gpus: int) -> int:
+    """What `gpus` GPUs at 90% leave for KV after Llama-2-70B's fp16 weights, in tokens."""
+    return int((gpus * 72e9 - 140e9) // PER_TOKEN)
+
+
+def test_tp_1_pools_stand_in_for_the_target_s_tp_as_before():
+    scenario = scenario_from_config(config(("prompt", "h100", 1), ("token", "a100", 1)))
+    models = load_perf_models()
+    assert dict(scenario.perf_models) == {"h100": models["llama2-70b", "h100-80gb", 8],
+                                          "a100": models["llama2-70b", "a100-80gb", 8]}
+    assert dict(scenario.hardware) == {"h100": H100, "a100": HARDWARE_CLASSES["a100"]}  # the classes, unscaled
+    assert scenario.kv_budget_tokens == dgx_budget(8) and [p.kv_budget_tokens for p in scenario.pools] == [None, None]
+    at_4 = scenario_from_config(config(("mixed", "h100", 1)), SimTarget(tensor_parallel=4))
+    assert at_4.perf_models["h100"].tensor_parallel == 4 and at_4.kv_budget_tokens == dgx_budget(4)
+
+
+def test_pools_of_one_class_at_different_tp_keep_their_own_models_budgets_and_speeds():
+    scenario = scenario_from_config(config(("prompt", "h100", 4), ("token", "h100", 8), ("mixed", "h100", 1)),
+                                    SimTarget(tensor_parallel=4))
+    assert {key: model.tensor_parallel for key, model in scenario.perf_models.items()} == \
+        {"h100/tp4": 4, "h100/tp8": 8, "h100": 4}
+    assert [scenario.kv_budget_tokens_of(p) for p in scenario.pools] == [dgx_budget(4), dgx_budget(8), dgx_budget(4)]
+    profiles = scenario.hardware_profiles()
+    assert profiles["h100/tp4"] == H100.with_tensor_parallel(4) and profiles["h100"] is H100
+    simulation = Simulation(scenario, [RequestSpec(0, 0.0, 100, 10)])
+    blocks = {w.worker_id: w.blocks.num_blocks for w in simulation.workers.values()}
+    assert blocks == {"prompt-000": dgx_budget(4) // 16, "token-000": dgx_budget(8) // 16,
+                      "mixed-000": dgx_budget(4) // 16}
+    assert simulation.cls.workers["token-000"].hardware == H100.with_tensor_parallel(8)
+    assert {w.hardware for w in simulation.run().workers} == {"h100"}  # reports name the class
+
+
+def test_an_explicit_kv_budget_holds_for_every_pool():
+    scenario = scenario_from_config(config(("prompt", "h100", 4), ("token", "h100", 1),
+                                           engine={"kv_cache_memory_bytes": 2 ** 35}))
+    assert {scenario.kv_budget_tokens_of(p) for p in scenario.pools} == {2 ** 35 // PER_TOKEN}
+
+
+@pytest.mark.parametrize("pools, target, message", [
+    ((("prompt", "h100", 16), ("token", "a100", 8)), SimTarget(),
+     r"the prompt pool \(h100, tensor_parallel_size 16\) has no performance profile for .*'h100-80gb', 16\)"),
+    ((("mixed", "a100", 4),), SimTarget(model="bloom-176b"),
+     r"the mixed pool \(a100, tensor_parallel_size 4\) has no performance profile for .*'bloom-176b', 'a100-80gb'"),
+])
+def test_no_profile_rows_for_a_pool_s_tp_is_an_error_naming_the_pool(pools, target, message):
+    with pytest.raises(ValueError, match=message):
+        scenario_from_config(config(*pools), target)
+
+
+def test_a_pool_whose_tp_leaves_no_room_for_the_kv_cache_is_named():
+    with pytest.raises(ValueError, match="the token pool's kv_budget_tokens=.* fewer tokens than max_model_len"):
+        scenario_from_config(config(("prompt", "h100", 8), ("token", "h100", 2)))  # 144 GB for 140 GB of weights
+
+
+def test_a_measured_profile_serves_tp_1_pools_and_only_its_own_tp_otherwise(tmp_path):
+    profile = tmp_path / "cpu.csv"
+    write_cpu_profile(profile)  # rows at tensor_parallel 1
+    target = SimTarget("demo", 8, profile)  # the stand-in TP is for the paper's profiles only
+    scenario = scenario_from_config(config(("mixed", "cpu", 1)), target)
+    assert scenario.perf_models["cpu"].tensor_parallel == 1
+    with pytest.raises(ValueError, match=r"the mixed pool \(cpu, tensor_parallel_size 2\).*\('demo', 'cpu', 2\)"):
+        scenario_from_config(config(("mixed", "cpu", 2)), target)
+
+
+def test_pool_specs_key_their_setup_by_tp():
+    assert PoolSpec(Role.PROMPT, 1, "h100").setup == "h100"
+    assert PoolSpec(Role.PROMPT, 1, "h100", 8).setup == "h100/tp8"
+    with pytest.raises(ValueError, match="tensor_parallel of the prompt pool"):
+        PoolSpec(Role.PROMPT, 1, "h100", 0)
+    with pytest.raises(ValueError, match="no model for hardware hw/tp2"):
+        Scenario((PoolSpec(Role.MIXED, 1, "hw", 2),), {"hw": LinearPerf()}, kv_budget_tokens=4096,
+                 max_model_len=2048)
