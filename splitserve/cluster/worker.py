@@ -30,8 +30,8 @@ from splitserve.config import ClusterConfig
 from splitserve.engine import faults as engine_faults
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_builder import resolve_device
-from splitserve.engine.tensor_parallel import TPGroup
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tensor_parallel import TPGroup
 from splitserve.placement.state import WorkerLoad
 from splitserve.transfer.codec import wire_shape
 from splitserve.transfer.faults import crash_after_layer_pushes, freeze_after_layer_pushes
