@@ -40,7 +40,7 @@ HARDENING = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 30, 
                          "max_upload_bytes": 65536, "max_batch_lines": 5},
              "fault_injection": True, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
 
-TINY = {"num_cpus": 0.01}  # this app's ranks fit beside the others' on the 6 CPUs Ray is told of
+TINY = {"num_cpus": 0.01}  # this app's ranks take the 7th CPU the head is told of (the others' workers take 6)
 TP = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "scheduler": {"report_interval_s": 0.05},
       "pools": [{"role": "prompt", "tensor_parallel_size": 2, "resources": TINY},
                 {"role": "token", "resources": TINY}]}
@@ -64,7 +64,7 @@ def head_node():
     ports = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                                      "runtime-env-agent-port", "metrics-export-port")]
     subprocess.run(["ray", "start", "--head", "--port", str(gcs), "--dashboard-port", str(dashboard),
-                    "--dashboard-host", "127.0.0.1", "--num-cpus", "6", "--disable-usage-stats",
+                    "--dashboard-host", "127.0.0.1", "--num-cpus", "7", "--disable-usage-stats",
                     "--temp-dir", temp_dir, *ports], check=True, capture_output=True, timeout=180)
     ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
     yield f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
