@@ -42,20 +42,19 @@ class TPGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        """In place, on the data channel; returns `tensor`."""
-        options = dist.AllreduceOptions()
-        options.reduceOp = op
-        self._wait(self._data.allreduce([tensor], options))
-        return tensor
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum in place, on the data channel; returns `tensor`."""
+        return self._all_reduce(self._data, tensor, dist.ReduceOp.SUM)
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (what all ranks can agree to, e.g. KV blocks)."""
-        tensor = torch.tensor([value], dtype=torch.int64)
+        return int(self._all_reduce(self._control, torch.tensor([value]), dist.ReduceOp.MIN).item())
+
+    def _all_reduce(self, group, tensor: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
-        self._wait(self._control.allreduce([tensor], options))
-        return int(tensor.item())
+        options.reduceOp = op
+        self._wait(group.allreduce([tensor], options))
+        return tensor
 
     def broadcast(self, message: object = None) -> object:
         """Rank 0 sends `message` to every rank; each returns it. Other ranks wait for it without

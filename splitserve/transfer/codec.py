@@ -36,7 +36,7 @@ def pack_all(cache: KVCache, slots: torch.Tensor, heads: slice | None = None) ->
 def unpack_layer(cache: KVCache, layer: int, slots: torch.Tensor, wire: torch.Tensor,
                  heads: slice | None = None) -> None:
     flat = cache.data[layer].flatten(1, 2)
-    if heads is None or (heads.start, heads.stop) == (0, flat.shape[2]):
+    if heads is None:
         flat.index_copy_(1, slots, wire.to(flat.dtype))
     else:
         flat[:, slots, heads] = wire.to(flat.dtype)

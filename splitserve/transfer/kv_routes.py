@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from splitserve.engine.model.sharding import MAX_RANKS, kv_head_range
+from splitserve.transfer.transport import TransferTicket
 
 
 @dataclass(frozen=True)
@@ -31,15 +32,14 @@ def rank_peer(worker_id: str, rank: int) -> str:
 
 def holders(head: int, num_kv_heads: int, size: int) -> list[int]:
     """The ranks of a TP-`size` worker that hold KV head `head`."""
-    return [r for r in range(size) if kv_head_range(num_kv_heads, r, size)[0] <= head
-            < kv_head_range(num_kv_heads, r, size)[1]]
+    ranges = (kv_head_range(num_kv_heads, rank, size) for rank in range(size))
+    return [rank for rank, (lo, hi) in enumerate(ranges) if lo <= head < hi]
 
 
 def kv_routes(num_kv_heads: int, prompt_tp: int, token_tp: int) -> list[Route]:
     routes = []
     for j in range(token_tp):
-        lo, hi = kv_head_range(num_kv_heads, j, token_tp)
-        head = lo
+        head, hi = kv_head_range(num_kv_heads, j, token_tp)
         while head < hi:
             choices = holders(head, num_kv_heads, prompt_tp)
             i = choices[j % len(choices)]
@@ -49,7 +49,8 @@ def kv_routes(num_kv_heads: int, prompt_tp: int, token_tp: int) -> list[Route]:
     return routes
 
 
-def split_ticket(ticket, num_kv_heads: int, prompt_tp: int, token_tp: int):
+def split_ticket(ticket: TransferTicket, num_kv_heads: int, prompt_tp: int,
+                 token_tp: int) -> tuple[TransferTicket, ...]:
     """The transfer's parts, one per route (unstamped: each token rank stamps its own link epoch)."""
     if max(prompt_tp, token_tp) > MAX_RANKS:
         raise ValueError(f"at most {MAX_RANKS} ranks per worker")

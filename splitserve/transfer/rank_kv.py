@@ -14,13 +14,13 @@ from splitserve.transfer.transport import KVTransport, TransferTicket
 class RankKV:
     def __init__(self, transport: KVTransport, cache: KVCache, num_kv_heads: int):
         self.transport, self.cache = transport, cache
-        self._first_head = kv_head_range(num_kv_heads, cache.shard.rank, cache.shard.size)[0]
+        self._own = kv_head_range(num_kv_heads, cache.shard.rank, cache.shard.size)
 
     def heads(self, part: TransferTicket) -> slice | None:
-        """The part's KV heads among this rank's own (None: all of them)."""
-        if part.heads is None:
+        """The part's KV heads among this rank's own; None: all of them."""
+        if part.heads is None or part.heads == self._own:
             return None
-        return slice(part.heads[0] - self._first_head, part.heads[1] - self._first_head)
+        return slice(part.heads[0] - self._own[0], part.heads[1] - self._own[0])
 
     # ---- sending --------------------------------------------------------------------------
     def push_layer(self, part: TransferTicket, layer: int, slots: torch.Tensor) -> int:

@@ -12,20 +12,13 @@ from splitserve.engine.policies import Plan, ScheduledSeq
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.tensor_parallel import TPError
+from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixture, module-wide)
 from tests.engine.hf_checkpoints import ENGINE_ARGS, prompt_ids, tokenizers_by_kind, write_checkpoint  # noqa: F401
 from tests.engine.tp_helpers import tp_engine
 
 ARGS = dict(ENGINE_ARGS, dtype="float32")
 TOL = 1e-4
 SCORED = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=3)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

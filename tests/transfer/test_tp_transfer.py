@@ -21,6 +21,7 @@ from splitserve.transfer.handoff import make_transport
 from splitserve.transfer.kv_routes import rank_peer
 from splitserve.transfer.torch_link import TorchFabric
 from tests.cluster.test_worker_loop import Sink, assert_clean, run, tokens
+from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixture, module-wide)
 from tests.engine.hf_checkpoints import prompt_ids, tokenizers_by_kind, write_checkpoint  # noqa: F401
 from tests.engine.tp_helpers import Followers, join, store_server
 
@@ -29,14 +30,6 @@ LAYERWISE = 24  # prompts this long or longer stream layer by layer
 TIMEOUT = 10.0
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
 _names = itertools.count()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
