@@ -23,7 +23,11 @@ With --out DIR it also draws Fig. 16 (latency against load of every iso-power de
 provisioned split, at 0.25x to 1.5x Baseline-H100's throughput: latency_vs_load_<trace>_<rule>.png) and
 Fig. 18 (throughput, cost and power over Baseline-H100: summary_bars_<rule>.png).
 
-    python scripts/reproduce_splitwise.py [--json PATH] [--out DIR] [--traces code conv]
+Its simulations run as Ray tasks, every (trace, rule, design, split) search at once: on a local Ray
+using every core, on a cluster's with --address, or one after another here with --serial. The
+results are the same either way.
+
+    python scripts/reproduce_splitwise.py [--json PATH] [--out DIR] [--traces code conv] [--serial]
 """
 from __future__ import annotations
 
@@ -33,16 +37,19 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from tqdm import tqdm
+
 from splitserve.provision.figures import latency_vs_load_figure, load_sweep, summary_bars
+from splitserve.provision.runner import Runner, add_runner_arguments, make_runner
 from splitserve.provision.search import (
     REFERENCE_H100S,
     Goal,
     TraceSpec,
     budget_splits,
-    max_throughput,
     rate_range,
     reference_budget,
     search,
+    throughput_search,
 )
 from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, Design
 
@@ -86,23 +93,36 @@ def candidate_splits(trace: str, name: str, goal: str, scale: float, search: boo
     return [min(splits, key=lambda s: abs(s[0] - paper[0] * scale))]
 
 
-def provision(trace: TraceSpec, d: Design, goal: str, args: argparse.Namespace) -> dict:
-    best = None
-    for p, t in candidate_splits(trace.trace, d.name, goal, args.scale, args.search, args.step):
-        rate = max_throughput(d, p, t, trace, *rate_range(p + t), args.iterations)
-        if best is None or rate > best["throughput_rps"]:
-            best = _row(d, p, t, rate)
+def provision_all(args: argparse.Namespace, runner: Runner) -> dict[tuple, dict]:
+    """Every (trace, rule, design, goal) of RUNS provisioned: each candidate split's throughput
+    search runs on `runner` at once with all the others; the best split of each wins (the first
+    on a tie, as the candidates come)."""
+    keys, searches = [], []
+    for rule in args.decode_rules:
+        for trace_name in args.traces:
+            trace = TraceSpec(trace_name, args.duration_s, args.seed)
+            for name, goal in RUNS:
+                d = design_for(name, rule, args)
+                for p, t in candidate_splits(trace_name, name, goal, args.scale, args.search, args.step):
+                    keys.append(((trace_name, rule, name, goal), d, p, t))
+                    searches.append(throughput_search(d, p, t, trace, *rate_range(p + t), args.iterations))
+    with tqdm(total=None, desc="provisioning", unit="run") as bar:
+        rates = runner.drive(searches, lambda probe: bar.update())
+    best: dict[tuple, dict] = {}
+    for (key, d, p, t), rate in zip(keys, rates):
+        if key not in best or rate > best[key]["throughput_rps"]:
+            best[key] = _row(d, p, t, rate)
     return best
 
 
 def cheapest_reaching(trace: TraceSpec, d: Design, minimize: str, target_rps: float,
-                      args: argparse.Namespace) -> dict:
+                      args: argparse.Namespace, runner: Runner) -> dict:
     """iso-throughput: the least power (or cost) split of `d` within the iso-power (iso-cost) budget
     that serves `target_rps` (the staircase of splitserve.provision.search), on the --step grid with
     --search, else on a grid scaled with the cluster (every count at --scale 0.25, 5 at --scale 1)."""
     step = args.step if args.search else max(1, round(args.step * args.scale))
     goal = Goal("iso-throughput", reference_budget("iso-" + minimize) * args.scale, target_rps, minimize, step)
-    best = search(d, goal, trace).best
+    best = search(d, goal, trace, runner=runner).best
     return _row(d, best.num_prompt, best.num_token, target_rps) if best else _row(d, 0, 0, 0.0)
 
 
@@ -114,29 +134,27 @@ def design_for(name: str, rule: str, args: argparse.Namespace) -> Design:
     return replace(DESIGNS[name], decode_rule=rule, mixed_policy=args.mixed_policy)
 
 
-def draw_load_figure(trace: TraceSpec, rule: str, rows: list[dict], out: Path, args: argparse.Namespace) -> Path:
+def draw_load_figure(trace: TraceSpec, rule: str, rows: list[dict], out: Path, args: argparse.Namespace,
+                     runner: Runner) -> Path:
     """Fig. 16 for one trace and decode rule: each iso-power design at its provisioned split."""
     reference = next(r for r in rows if r["design"] == "baseline-h100" and r["goal"] == "iso-power")
     base = max(reference["throughput_rps"], 0.5)  # a baseline meeting no SLO still gets a load axis
     rates = [f * base for f in LOAD_FRACTIONS]
     sweep = [point for r in rows if r["goal"] == "iso-power"
              for point in load_sweep(design_for(r["design"], rule, args), r["num_prompt"],
-                                     r["num_token"], trace, rates)]
+                                     r["num_token"], trace, rates, runner)]
     return latency_vs_load_figure(sweep, out / f"latency_vs_load_{trace.trace}_{rule}.png", f"{trace.trace} ({rule})")
 
 
-def rows_for(trace_name: str, rule: str, args: argparse.Namespace) -> list[dict]:
+def rows_for(trace_name: str, rule: str, provisioned: dict[tuple, dict], args: argparse.Namespace,
+             runner: Runner) -> list[dict]:
     trace = TraceSpec(trace_name, args.duration_s, args.seed)
-    results = {}
-    for name, goal in RUNS:
-        start = time.perf_counter()
-        results[name, goal] = provision(trace, design_for(name, rule, args), goal, args)
-        print(f"  [{trace_name} {rule}] {name} {goal}: {time.perf_counter() - start:.1f} s", flush=True)
+    results = {(name, goal): provisioned[trace_name, rule, name, goal] for name, goal in RUNS}
     target = results["baseline-h100", "iso-power"]["throughput_rps"]
     for name, minimize in ISO_THROUGHPUT if target > 0 else ():
         start = time.perf_counter()
         results[name, "iso-throughput"] = cheapest_reaching(trace, design_for(name, rule, args), minimize,
-                                                            target, args)
+                                                            target, args, runner)
         print(f"  [{trace_name} {rule}] {name} iso-throughput ({minimize}): {time.perf_counter() - start:.1f} s",
               flush=True)
     rows = []
@@ -151,7 +169,7 @@ def rows_for(trace_name: str, rule: str, args: argparse.Namespace) -> list[dict]
                      "power_ratio": r["power"] / ref["power"] if found else None,
                      "paper": PAPER_CLAIMS.get((name, goal), "")})
     if args.out:
-        figure = draw_load_figure(trace, rule, rows, Path(args.out), args)
+        figure = draw_load_figure(trace, rule, rows, Path(args.out), args, runner)
         print(f"  [{trace_name} {rule}] Fig. 16: {figure}", flush=True)
     return rows
 
@@ -183,6 +201,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write one row per design and goal here")
     parser.add_argument("--out", help="a folder for Fig. 16 and Fig. 18 (PNG)")
+    add_runner_arguments(parser)
     args = parser.parse_args()
     reduced = args.scale < 1 or not args.search
     print(f"{'REDUCED' if reduced else 'FULL'} reproduction: budget {REFERENCE_H100S * args.scale:g} H100s, "
@@ -192,7 +211,10 @@ def main() -> None:
     start = time.perf_counter()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-    rows = [row for rule in args.decode_rules for trace in args.traces for row in rows_for(trace, rule, args)]
+    runner = make_runner(args)
+    provisioned = provision_all(args, runner)
+    rows = [row for rule in args.decode_rules for trace in args.traces
+            for row in rows_for(trace, rule, provisioned, args, runner)]
     print_rows(rows, args.scale)
     for rule in args.decode_rules if args.out else ():
         bars = summary_bars([r for r in rows if r["decode_rule"] == rule], Path(args.out) / f"summary_bars_{rule}.png")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -174,34 +174,44 @@ def _request_attained(r: RequestRecord, slo: SLOSpec, baseline: Baseline | None)
 
 def capacity_search(run_at_rate: Callable[[float], dict], meets: Callable[[dict], bool], low: float, high: float,
                     iterations: int = 6, geometric: bool = False) -> tuple[float, list[tuple[float, dict]]]:
-    """Sarathi-Serve capacity: the highest rate whose run summary `meets` the SLO.
+    """Sarathi-Serve capacity: the highest rate whose run summary `meets` the SLO (the search of
+    `capacity_steps`, one run after another). Returns the rate and every (rate, summary) probed,
+    in probe order (2 + iterations at most)."""
+    probes = []
+    steps = capacity_steps(low, high, iterations, geometric)
+    rate = next(steps)
+    while True:
+        summary = run_at_rate(rate)
+        probes.append((rate, summary))
+        try:
+            rate = steps.send(meets(summary))
+        except StopIteration as done:
+            return done.value, probes
 
-    Probes `low` first: if it fails, returns (0.0, probes). Then `high`: if it passes, returns
-    high (the capacity may be higher still). Otherwise bisects `iterations` times between the
-    highest passing and the lowest failing rate and returns the highest passing one, so the
-    answer is within (high - low) / 2**iterations below the true capacity of a monotone system;
-    `geometric` bisects at sqrt(low x high) instead, so the answer is within a factor
-    (high / low) ** (1 / 2**iterations) of it whatever its size.
-    Returns the rate and every (rate, summary) probed, in probe order (2 + iterations at most)."""
+
+def capacity_steps(low: float, high: float, iterations: int = 6,
+                   geometric: bool = False) -> Generator[float, bool, float]:
+    """The capacity search as a generator: yields each rate to probe, is sent whether it met the
+    SLO, returns the capacity (so a caller may run many searches' probes at once).
+
+    Probes `low` first: if it fails, the capacity is 0.0. Then `high`: if it passes, `high` (the
+    capacity may be higher still). Otherwise bisects `iterations` times between the highest
+    passing and the lowest failing rate and returns the highest passing one, so the answer is
+    within (high - low) / 2**iterations below the true capacity of a monotone system; `geometric`
+    bisects at sqrt(low x high) instead, so the answer is within a factor
+    (high / low) ** (1 / 2**iterations) of it whatever its size."""
     if not (0 < low < high and math.isfinite(high)):
         raise ValueError(f"low/high: need 0 < low < high, got low={low}, high={high}")
     if iterations < 0:
         raise ValueError(f"iterations: must be at least 0, got {iterations}")
-    probes = []
-
-    def passes(rate: float) -> bool:
-        summary = run_at_rate(rate)
-        probes.append((rate, summary))
-        return meets(summary)
-
-    if not passes(low):
-        return 0.0, probes
-    if passes(high):
-        return high, probes
+    if not (yield low):
+        return 0.0
+    if (yield high):
+        return high
     for _ in range(iterations):
         mid = math.sqrt(low * high) if geometric else (low + high) / 2
-        low, high = (mid, high) if passes(mid) else (low, mid)
-    return low, probes
+        low, high = (mid, high) if (yield mid) else (low, mid)
+    return low
 
 
 def p99_tbt_within(bound_s: float) -> Callable[[dict], bool]:

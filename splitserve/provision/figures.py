@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from splitserve.bench.plots import latency_vs_load, new_figure
+from splitserve.provision.runner import Job, Runner, SerialRunner
 from splitserve.provision.search import TraceSpec
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import Design
@@ -16,13 +17,16 @@ from splitserve.sim.designs import Design
 RATIOS = (("throughput_ratio", "throughput"), ("cost_ratio", "cost"), ("power_ratio", "power"))
 
 
-def load_sweep(design: Design, num_prompt: int, num_token: int, trace: TraceSpec, rates: Sequence[float]) -> list:
-    """Rows for `latency_vs_load`: the design's cluster simulated at each rate."""
-    rows = []
-    for rate in rates:
-        summary = simulate(design.scenario(num_prompt, num_token, trace.model), trace.requests(rate)).summary()
-        rows.append({"design": design.name, "rate": rate, **{k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s")}})
-    return rows
+def load_sweep(design: Design, num_prompt: int, num_token: int, trace: TraceSpec, rates: Sequence[float],
+               runner: Runner | None = None) -> list:
+    """Rows for `latency_vs_load`: the design's cluster simulated at each rate (on `runner`)."""
+    return (runner or SerialRunner()).map([Job(load_point, (design, num_prompt, num_token, trace, rate))
+                                           for rate in rates])
+
+
+def load_point(design: Design, num_prompt: int, num_token: int, trace: TraceSpec, rate: float) -> dict:
+    summary = simulate(design.scenario(num_prompt, num_token, trace.model), trace.requests(rate)).summary()
+    return {"design": design.name, "rate": rate, **{k: summary[k] for k in ("ttft_s", "tbt_s", "e2e_s")}}
 
 
 def latency_vs_load_figure(rows: Sequence[dict], path: str | Path, trace: str) -> Path:

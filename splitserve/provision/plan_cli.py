@@ -1,5 +1,7 @@
 """`splitserve plan`: search the prompt / token machine counts of one design (Splitwise IV-D) and
-write plan.json and a heat map of the (prompt, token) design space (Splitwise Fig. 12)."""
+write plan.json and a heat map of the (prompt, token) design space (Splitwise Fig. 12). Its
+simulations run as Ray tasks (a local Ray using every core, or a cluster's with --address) or, with
+--serial, one after another here; the plan is the same either way."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +11,9 @@ import sys
 from pathlib import Path
 
 from splitserve.bench.plots import MISSING, new_figure, plots_available
+from splitserve.provision.runner import add_runner_arguments, make_runner
 from splitserve.provision.search import GOALS, Goal, Plan, TraceSpec, search
-from splitserve.sim.designs import DEFAULT_MODEL, DESIGNS, design
+from splitserve.sim.designs import DECODE_RULES, DEFAULT_MODEL, DESIGNS, MIXED_POLICIES, design
 from splitserve.sim.perf_model import MODEL_SHAPES
 
 
@@ -27,7 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=5, help="bisection steps of each throughput search")
     p.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODEL_SHAPES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-rule", choices=DECODE_RULES, default=DECODE_RULES[0],
+                   help="each decode pays for its context (ours) or splitwise-sim's rule")
+    p.add_argument("--mixed-policy", choices=MIXED_POLICIES, default=MIXED_POLICIES[0],
+                   help="how mixed machines batch (orca: the paper's mixed continuous batching)")
     p.add_argument("--out", default=None, help="directory for plan.json and design_space.png")
+    add_runner_arguments(p)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -36,10 +44,12 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         goal = Goal(args.goal, args.budget, args.target_rps, args.minimize, args.step)
         trace = TraceSpec(args.trace, args.duration_s, args.seed, args.model)
+        chosen = dataclasses.replace(design(args.design), decode_rule=args.decode_rule, mixed_policy=args.mixed_policy)
+        runner = make_runner(args)
         with tqdm(desc=f"plan {args.design}", unit="run") as bar:
-            plan = search(design(args.design), goal, trace, args.iterations,
+            plan = search(chosen, goal, trace, args.iterations,
                           lambda probe: bar.update() or bar.set_postfix(P=probe.num_prompt, T=probe.num_token,
-                                                                        rps=round(probe.rate_rps, 1)))
+                                                                        rps=round(probe.rate_rps, 1)), runner)
     except ValueError as error:
         print(f"splitserve plan: {error}", file=sys.stderr)
         return 2
@@ -52,7 +62,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def plan_dict(plan: Plan) -> dict:
     as_dict = dataclasses.asdict
-    return {"design": plan.design, "goal": {**as_dict(plan.goal), "budget": plan.goal.resolved_budget},
+    return {"design": plan.design, "decode_rule": plan.decode_rule, "mixed_policy": plan.mixed_policy, "goal": {**as_dict(plan.goal), "budget": plan.goal.resolved_budget},
             "trace": as_dict(plan.trace), "configs": [as_dict(c) for c in plan.configs],
             "best": as_dict(plan.best) if plan.best else None}
 

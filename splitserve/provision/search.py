@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from splitserve.bench.report import RequestRecord
-from splitserve.bench.slo import TABLE_VI, capacity_search
+from splitserve.bench.slo import TABLE_VI, capacity_steps
 from splitserve.bench.workload import WorkloadSpec, make_workload
+from splitserve.provision.runner import Job, Runner, Search, SerialRunner
 from splitserve.sim.cluster import SimResult, simulate
 from splitserve.sim.designs import (
     A100,
@@ -101,18 +102,25 @@ def run_probe(design: Design, num_prompt: int, num_token: int, rate: float, trac
 
 
 def max_throughput(design: Design, num_prompt: int, num_token: int, trace: TraceSpec, low: float, high: float,
-                   iterations: int = 5, progress: Progress | None = None) -> float:
+                   iterations: int = 5, progress: Progress | None = None, runner: Runner | None = None) -> float:
     """The highest Poisson rate (req/s) in [low, high] meeting the SLOs, by geometric bisection
-    (`splitserve.bench.slo.capacity_search`), within a factor (high / low) ** (1 / 2**iterations)
+    (`splitserve.bench.slo.capacity_steps`), within a factor (high / low) ** (1 / 2**iterations)
     below the true one: 0.0 if `low` fails, `high` if `high` passes."""
-    def run_at(rate: float) -> dict:
-        probe = run_probe(design, num_prompt, num_token, rate, trace)
-        if progress is not None:
-            progress(probe)
-        return {"meets": probe.meets}
+    search_ = throughput_search(design, num_prompt, num_token, trace, low, high, iterations)
+    return (runner or SerialRunner()).drive([search_], progress)[0]
 
-    rate, _ = capacity_search(run_at, lambda s: s["meets"], low, high, iterations, geometric=True)
-    return rate
+
+def throughput_search(design: Design, num_prompt: int, num_token: int, trace: TraceSpec, low: float, high: float,
+                      iterations: int = 5) -> Search:
+    """`max_throughput` as a search (splitserve.provision.runner): yields each probe's job."""
+    steps = capacity_steps(low, high, iterations, geometric=True)
+    rate = next(steps)
+    while True:
+        probe = yield Job(run_probe, (design, num_prompt, num_token, rate, trace))
+        try:
+            rate = steps.send(probe.meets)
+        except StopIteration as done:
+            return done.value
 
 
 def reference_budget(goal: str) -> float:
@@ -202,21 +210,24 @@ class Plan:
     trace: TraceSpec
     configs: tuple[Config, ...]  # in evaluation order
     best: Config | None          # None: nothing met the SLOs
+    decode_rule: str
+    mixed_policy: str
 
 
 def search(design: Design, goal: Goal, trace: TraceSpec, iterations: int = 5,
-           progress: Progress | None = None) -> Plan:
-    """Evaluate the splits of `goal` and pick the best (see `Goal`)."""
+           progress: Progress | None = None, runner: Runner | None = None) -> Plan:
+    """Evaluate the splits of `goal` and pick the best (see `Goal`); `runner` says where the
+    simulations run (default: one after another here). The plan does not depend on it."""
+    runner = runner or SerialRunner()
     if goal.kind == "iso-throughput":
-        return _iso_throughput(design, goal, trace, progress)
-    configs = []
-    for p, t in budget_splits(design, goal.kind, goal.resolved_budget, goal.step):
-        low, high = rate_range(p + t)
-        rate = max_throughput(design, p, t, trace, low, high, iterations, progress)
-        configs.append(Config(p, t, design.cost(p, t), design.power(p, t), rate))
+        return _iso_throughput(design, goal, trace, runner, progress)
+    splits = budget_splits(design, goal.kind, goal.resolved_budget, goal.step)
+    rates = runner.drive([throughput_search(design, p, t, trace, *rate_range(p + t), iterations) for p, t in splits],
+                         progress)
+    configs = [Config(p, t, design.cost(p, t), design.power(p, t), rate) for (p, t), rate in zip(splits, rates)]
     passing = [c for c in configs if c.throughput_rps > 0]
     best = max(passing, key=lambda c: (c.throughput_rps, -c.cost)) if passing else None
-    return Plan(design.name, goal, trace, tuple(configs), best)
+    return Plan(design.name, goal, trace, tuple(configs), best, design.decode_rule, design.mixed_policy)
 
 
 def rate_range(machines: int) -> tuple[float, float]:
@@ -225,9 +236,11 @@ def rate_range(machines: int) -> tuple[float, float]:
     return 0.5 * machines, 12.0 * machines
 
 
-def staircase(design: Design, goal: Goal, meets: Callable[[int, int], bool]) -> Config | None:
+def staircase(design: Design, goal: Goal, meets: Callable[[int, int], bool],
+              upcoming: Callable[[list[tuple[int, int]]], None] | None = None) -> Config | None:
     """iso-throughput: the cheapest (or lowest-power) split on the `step` grid (counts from 1) within
-    the budget for which `meets(num_prompt, num_token)`, or None.
+    the budget for which `meets(num_prompt, num_token)`, or None. `upcoming(splits)` hears, before
+    each prompt count, the splits the walk may probe next, in the order it would (to run ahead).
 
     More machines of either kind should never break an SLO, so the smallest passing token count can
     only fall as the prompt count grows: a walk down that staircase (ascending prompt counts, each
@@ -239,14 +252,19 @@ def staircase(design: Design, goal: Goal, meets: Callable[[int, int], bool]) -> 
     p_unit, t_unit = unit[design.prompt_hw], unit[design.token_hw]
     best: tuple[int, int] | None = None
     known: int | None = None  # the smallest passing token count of the last prompt count that passed
-    for p in range(1, _fit(budget, p_unit) + 1, goal.step):
+    prompt_counts = range(1, _fit(budget, p_unit) + 1, goal.step)
+    for p in prompt_counts:
         if best is not None and spend(p, 0 if design.baseline else 1) >= spend(*best):
             break
         if design.baseline:
+            if upcoming is not None:
+                upcoming([(q, 0) for q in prompt_counts if q >= p])
             if meets(p, 0):
                 return _config(design, goal, p, 0)
             continue
         counts = [t for t in range(1, _fit(budget - p * p_unit, t_unit) + 1, goal.step) if known is None or t <= known]
+        if upcoming is not None:
+            upcoming([(p, t) for t in reversed(counts)])
         if not counts or not meets(p, counts[-1]):
             continue
         i = len(counts) - 1
@@ -263,15 +281,26 @@ def _config(design: Design, goal: Goal, num_prompt: int, num_token: int) -> Conf
                   goal.target_rps)
 
 
-def _iso_throughput(design: Design, goal: Goal, trace: TraceSpec, progress: Progress | None) -> Plan:
-    configs = []
+def _iso_throughput(design: Design, goal: Goal, trace: TraceSpec, runner: Runner,
+                    progress: Progress | None) -> Plan:
+    """The staircase walk; with a parallel runner, a probe the walk needs runs together with the
+    next ones it may need (as many as the runner has slots), and the walk reads them as it goes.
+    `configs` are the probes the walk read, in its order, so serial and parallel plans are equal."""
+    configs, found = [], {}
+    ahead: list[tuple[int, int]] = []
+
+    def upcoming(splits: list[tuple[int, int]]) -> None:
+        ahead[:] = splits
 
     def meets(p: int, t: int) -> bool:
-        probe = run_probe(design, p, t, goal.target_rps, trace)
-        if progress is not None:
-            progress(probe)
-        configs.append(Config(p, t, design.cost(p, t), design.power(p, t), goal.target_rps if probe.meets else 0.0))
-        return probe.meets
+        if (p, t) not in found:
+            later = ahead[ahead.index((p, t)) + 1:] if (p, t) in ahead else []
+            batch = [(p, t)] + [s for s in later if s not in found][:runner.slots - 1]
+            probes = runner.map([Job(run_probe, (design, *s, goal.target_rps, trace)) for s in batch], progress)
+            found.update(zip(batch, probes))
+        passed = found[p, t].meets
+        configs.append(Config(p, t, design.cost(p, t), design.power(p, t), goal.target_rps if passed else 0.0))
+        return passed
 
-    best = staircase(design, goal, meets)
-    return Plan(design.name, goal, trace, tuple(configs), best)
+    best = staircase(design, goal, meets, upcoming)
+    return Plan(design.name, goal, trace, tuple(configs), best, design.decode_rule, design.mixed_policy)

@@ -161,6 +161,6 @@ def test_a_tiny_plan_end_to_end(tmp_path):
     assert plan.best is not None and plan.best.throughput_rps > 0
     assert all(c.power == pytest.approx(132.0) for c in plan.configs)
     assert main(["plan", "--design", "baseline-h100", "--goal", "iso-power", "--budget", "88", "--duration-s", "5",
-                 "--iterations", "1", "--out", str(tmp_path)]) == 0
+                 "--iterations", "1", "--serial", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["configs"][0]["num_prompt"] == 2 and (tmp_path / "design_space.png").stat().st_size > 0

@@ -11,7 +11,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reproduce_splitwise.
 def test_tiny_reproduction_writes_every_design(tmp_path):
     out = tmp_path / "repro.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--traces", "conv", "--scale", "0.1", "--duration-s", "3",
-                           "--iterations", "1", "--json", str(out), "--out", str(tmp_path / "figs")], capture_output=True, text=True, timeout=300)
+                           "--iterations", "1", "--serial", "--json", str(out), "--out", str(tmp_path / "figs")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows

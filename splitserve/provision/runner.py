@@ -1,0 +1,130 @@
+"""Where a provisioning search's simulations run: one after another in this process, or each as a
+Ray task (a local Ray using every core, or an existing cluster), gathered as they finish.
+
+A search is a generator: it yields a `Job` (one simulation), is sent the job's result, and returns
+its answer. `drive` advances many searches at once, each with at most one job in flight, so a
+search's jobs stay in the order it asks for them and its answer does not depend on where or in what
+order other searches' jobs finish: the same searches give the same answers, serial or parallel.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Job:
+    """`fn(*args)`: a module-level function (a Ray task imports it by name)."""
+
+    fn: Callable
+    args: tuple
+
+
+Search = Generator[Job, Any, Any]
+
+
+def single(job: Job) -> Search:
+    """A search of one job whose answer is that job's result."""
+    return (yield job)
+
+
+class Runner(ABC):
+    """Runs `Job`s; subclasses say where (`_submit`) and how finished ones come back (`_next_done`).
+    `slots`: how many jobs run at once (more than 1: worth asking for ahead)."""
+
+    slots: int
+
+    def drive(self, searches: Sequence[Search], progress: Callable[[Any], None] | None = None) -> list:
+        """Every search's answer, in the order given; `progress(result)` after each job."""
+        answers: list = [None] * len(searches)
+        pending: dict[Any, int] = {}  # a submitted job's handle -> its search
+
+        def advance(index: int, result: Any) -> None:
+            try:
+                job = searches[index].send(result)
+            except StopIteration as done:
+                answers[index] = done.value
+                return
+            pending[self._submit(job)] = index
+
+        for index in range(len(searches)):
+            advance(index, None)
+        while pending:
+            handle, result = self._next_done(list(pending))
+            if progress is not None:
+                progress(result)
+            advance(pending.pop(handle), result)
+        return answers
+
+    def map(self, jobs: Sequence[Job], progress: Callable[[Any], None] | None = None) -> list:
+        """The jobs' results, in order."""
+        return self.drive([single(job) for job in jobs], progress)
+
+    @abstractmethod
+    def _submit(self, job: Job) -> Any:
+        """Start `job`; returns a handle for it."""
+
+    @abstractmethod
+    def _next_done(self, handles: list) -> tuple[Any, Any]:
+        """Wait for one of `handles` to finish: (its handle, its result)."""
+
+
+class SerialRunner(Runner):
+    """In this process: a job runs when submitted; finished ones come back in submission order."""
+
+    slots = 1
+
+    def __init__(self):
+        self._done: collections.OrderedDict = collections.OrderedDict()
+        self._count = 0
+
+    def _submit(self, job: Job) -> int:
+        self._count += 1
+        self._done[self._count] = job.fn(*job.args)
+        return self._count
+
+    def _next_done(self, handles: list) -> tuple[int, Any]:
+        return self._done.popitem(last=False)
+
+
+class RayRunner(Runner):
+    """Each job a Ray task of `num_cpus`; joins the Ray at `address` (None: starts a local one
+    with every core of this machine). `slots`: default, as many tasks as the cluster's CPUs fit."""
+
+    def __init__(self, address: str | None = None, num_cpus: float = 1.0, slots: int | None = None):
+        import ray
+
+        if not ray.is_initialized():
+            local = {"include_dashboard": False} if address is None else {}
+            ray.init(address=address, log_to_driver=False, **local)
+        self._ray = ray
+        self.slots = slots or max(1, int(ray.cluster_resources().get("CPU", 1) // num_cpus))
+        self._task = ray.remote(num_cpus=num_cpus, max_retries=0)(_call)
+
+    def _submit(self, job: Job):
+        return self._task.remote(job.fn, job.args)
+
+    def _next_done(self, handles: list):
+        ready, _ = self._ray.wait(handles, num_returns=1)
+        return ready[0], self._ray.get(ready[0])
+
+
+def _call(fn: Callable, args: tuple) -> Any:
+    return fn(*args)
+
+
+def add_runner_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None,
+                   help="run the simulations as tasks on this Ray cluster (default: a local Ray, every core)")
+    p.add_argument("--serial", action="store_true", help="run the simulations one after another in this process")
+
+
+def make_runner(args: argparse.Namespace) -> Runner:
+    """The runner `add_runner_arguments`' flags ask for."""
+    if args.serial and args.address:
+        raise ValueError("--serial runs in this process: it cannot take --address")
+    return SerialRunner() if args.serial else RayRunner(args.address)
