@@ -1,10 +1,11 @@
 """Runners: many searches driven at once give each the answer it gets alone, whatever order jobs
 finish in; a plan is the same serial, on a runner that finishes jobs out of order, and on Ray tasks."""
+import argparse
 import math
 
 import pytest
 
-from splitserve.provision.runner import Job, RayRunner, Runner, SerialRunner
+from splitserve.provision.runner import Job, RayRunner, Runner, SerialRunner, make_runner
 from splitserve.provision.search import Goal, TraceSpec, search
 from splitserve.sim.designs import DESIGNS
 
@@ -45,6 +46,12 @@ def test_each_search_gets_its_own_answer(runner):
 def test_a_search_that_fails_raises():
     with pytest.raises(ValueError, match="math domain error"):
         SerialRunner().map([Job(math.sqrt, (-1.0,))])
+
+
+def test_serial_and_an_address_are_refused_together():
+    with pytest.raises(ValueError, match="--serial .* --address"):
+        make_runner(argparse.Namespace(serial=True, address="ray://head:10001"))
+    assert isinstance(make_runner(argparse.Namespace(serial=True, address=None)), SerialRunner)
 
 
 BUDGET = Goal("iso-power", 176.0, step=1)                        # 4 H100s: splits (3, 1), (2, 2), (1, 3)
