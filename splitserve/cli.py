@@ -210,7 +210,14 @@ def _add_delegated(commands, name: str) -> None:
     module = import_module(module_name)
     p = commands.add_parser(name, help=help_text, description=description)
     module.add_arguments(p)
-    p.set_defaults(run=module.run_command)
+    p.set_defaults(run=module.run_command, make_runner=_make_runner)
+
+
+def _make_runner(args):
+    """Where a delegated command's jobs run (splitserve.jobs): here, or as Ray tasks."""
+    from splitserve.cluster.task_runner import make_runner
+
+    return make_runner(args)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ ALLOWED = {
     "config": {"api", "batch", "engine", "placement"},
     "bench": {"data", "command", "machine"},
     "sim": {"bench", "command", "config", "engine", "placement"},
-    "provision": {"bench", "sim"},
-    "cluster": {"api", "batch", "config", "engine", "placement", "transfer"},
+    "provision": {"bench", "jobs", "sim"},
+    "cluster": {"api", "batch", "config", "engine", "jobs", "placement", "transfer"},
 }
 RAY_FREE = sorted(set(ALLOWED) - {"cluster"})
 

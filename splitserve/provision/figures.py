@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from splitserve.bench.plots import latency_vs_load, new_figure
-from splitserve.provision.runner import Job, Runner, SerialRunner
+from splitserve.jobs import Job, Runner, SerialRunner
 from splitserve.provision.search import TraceSpec
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import Design

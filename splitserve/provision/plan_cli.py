@@ -1,7 +1,8 @@
 """`splitserve plan`: search the prompt / token machine counts of one design (Splitwise IV-D) and
 write plan.json and a heat map of the (prompt, token) design space (Splitwise Fig. 12). Its
 simulations run as Ray tasks (a local Ray using every core, or a cluster's with --address) or, with
---serial, one after another here; the plan is the same either way."""
+--serial, one after another here; the plan is the same either way. The runner comes from
+`args.make_runner` (the CLI's: Ray is the cluster layer's to start, not this one's)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 from splitserve.bench.plots import MISSING, new_figure, plots_available
-from splitserve.provision.runner import add_runner_arguments, make_runner
+from splitserve.jobs import add_runner_arguments
 from splitserve.provision.search import GOALS, Goal, Plan, TraceSpec, search
 from splitserve.sim.designs import DECODE_RULES, DEFAULT_MODEL, DESIGNS, MIXED_POLICIES, design
 from splitserve.sim.perf_model import MODEL_SHAPES
@@ -45,7 +46,7 @@ def run_command(args: argparse.Namespace) -> int:
         goal = Goal(args.goal, args.budget, args.target_rps, args.minimize, args.step)
         trace = TraceSpec(args.trace, args.duration_s, args.seed, args.model)
         chosen = dataclasses.replace(design(args.design), decode_rule=args.decode_rule, mixed_policy=args.mixed_policy)
-        runner = make_runner(args)
+        runner = args.make_runner(args)
         with tqdm(desc=f"plan {args.design}", unit="run") as bar:
             plan = search(chosen, goal, trace, args.iterations,
                           lambda probe: bar.update() or bar.set_postfix(P=probe.num_prompt, T=probe.num_token,

@@ -19,7 +19,7 @@ import numpy as np
 from splitserve.bench.report import RequestRecord
 from splitserve.bench.slo import TABLE_VI, capacity_steps
 from splitserve.bench.workload import WorkloadSpec, make_workload
-from splitserve.provision.runner import Job, Runner, Search, SerialRunner
+from splitserve.jobs import Job, Runner, Search, SerialRunner
 from splitserve.sim.cluster import SimResult, simulate
 from splitserve.sim.designs import (
     A100,
@@ -112,7 +112,7 @@ def max_throughput(design: Design, num_prompt: int, num_token: int, trace: Trace
 
 def throughput_search(design: Design, num_prompt: int, num_token: int, trace: TraceSpec, low: float, high: float,
                       iterations: int = 5) -> Search:
-    """`max_throughput` as a search (splitserve.provision.runner): yields each probe's job."""
+    """`max_throughput` as a search (splitserve.jobs): yields each probe's job."""
     steps = capacity_steps(low, high, iterations, geometric=True)
     rate = next(steps)
     while True:

@@ -1,5 +1,6 @@
-"""Where a provisioning search's simulations run: one after another in this process, or each as a
-Ray task (a local Ray using every core, or an existing cluster), gathered as they finish.
+"""Where a search's jobs (e.g. a provisioning search's simulations) run: one after another in this
+process (`SerialRunner`), or each as a Ray task gathered as it finishes
+(`splitserve.cluster.task_runner.RayRunner`, the Ray layer's).
 
 A search is a generator: it yields a `Job` (one simulation), is sent the job's result, and returns
 its answer. `drive` advances many searches at once, each with at most one job in flight, so a
@@ -91,40 +92,7 @@ class SerialRunner(Runner):
         return self._done.popitem(last=False)
 
 
-class RayRunner(Runner):
-    """Each job a Ray task of `num_cpus`; joins the Ray at `address` (None: starts a local one
-    with every core of this machine). `slots`: default, as many tasks as the cluster's CPUs fit."""
-
-    def __init__(self, address: str | None = None, num_cpus: float = 1.0, slots: int | None = None):
-        import ray
-
-        if not ray.is_initialized():
-            local = {"include_dashboard": False} if address is None else {}
-            ray.init(address=address, log_to_driver=False, **local)
-        self._ray = ray
-        self.slots = slots or max(1, int(ray.cluster_resources().get("CPU", 1) // num_cpus))
-        self._task = ray.remote(num_cpus=num_cpus, max_retries=0)(_call)
-
-    def _submit(self, job: Job):
-        return self._task.remote(job.fn, job.args)
-
-    def _next_done(self, handles: list):
-        ready, _ = self._ray.wait(handles, num_returns=1)
-        return ready[0], self._ray.get(ready[0])
-
-
-def _call(fn: Callable, args: tuple) -> Any:
-    return fn(*args)
-
-
 def add_runner_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None,
                    help="run the simulations as tasks on this Ray cluster (default: a local Ray, every core)")
     p.add_argument("--serial", action="store_true", help="run the simulations one after another in this process")
-
-
-def make_runner(args: argparse.Namespace) -> Runner:
-    """The runner `add_runner_arguments`' flags ask for."""
-    if args.serial and args.address:
-        raise ValueError("--serial runs in this process: it cannot take --address")
-    return SerialRunner() if args.serial else RayRunner(args.address)
