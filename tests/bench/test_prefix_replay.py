@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from splitserve.bench.cli import main as bench
 from splitserve.bench.client import TOKEN_ID_RANGE, prompt_ids
 from splitserve.bench.workload import RequestSpec, WorkloadSpec, make_workload
 from splitserve.engine.llm_engine import LLMEngine
@@ -88,3 +89,10 @@ def test_a_real_prefix_cache_hits_the_shared_blocks(trace):
     # tokens computed three full engine blocks (48 tokens)
     assert cached == {"0": 0, "1": 32, "2": 48}
     engine.block_manager.check_integrity()
+
+
+def test_bench_reports_a_bad_line_before_contacting_the_server(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1}\n')
+    assert bench(["--url", "http://127.0.0.1:9", "--trace", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert "line 1: missing field hash_ids" in capsys.readouterr().err
