@@ -83,9 +83,9 @@ def _read_trace(path: str) -> TraceData:
 
 def _mooncake_trace(path: str) -> TraceData:
     stamps_ms, prompt, output, hash_ids = zip(*read_mooncake(path))
-    stamps_ms = np.array(stamps_ms)
+    seconds = (np.array(stamps_ms) - stamps_ms[0]) / 1000
     return _frozen(TraceData(Path(path).name, np.array(prompt, dtype=np.int64), np.array(output, dtype=np.int64),
-                             (stamps_ms - stamps_ms[0]) / 1000, hash_ids, MOONCAKE_BLOCK_TOKENS))
+                             seconds, hash_ids, MOONCAKE_BLOCK_TOKENS))
 
 
 def _column(rows: list[dict], column: str, path: str) -> np.ndarray:

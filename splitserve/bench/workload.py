@@ -1,8 +1,9 @@
 """Workloads: which requests a benchmark sends and when, from a trace and a seed.
 
-Arrivals are either the Azure trace's own timestamps (a window of consecutive rows, optionally
-rescaled to a mean rate with its burstiness kept) or a renewal process: Poisson (exponential gaps)
-or gamma (gaps with a chosen coefficient of variation), the first request at t = 0. Lengths come
+Arrivals are either the trace's own timestamps (Azure or Mooncake traces: a window of consecutive
+rows, optionally rescaled to a mean rate with its burstiness kept) or a renewal process: Poisson
+(exponential gaps) or gamma (gaps with a chosen coefficient of variation), the first request at
+t = 0. Lengths come
 from the same trace rows, scaled and clipped. A Mooncake trace's rows also give each request its
 prefix-block ids, the blocks scaled with the lengths. The same spec always gives the same list.
 """
@@ -32,7 +33,7 @@ class RequestSpec:
     ttft_slo_s: float | None = None   # the request's latency targets (SLO-aware scheduling), if any
     tbt_slo_s: float | None = None
     # The prompt is the first prompt_tokens tokens of these blocks of block_tokens tokens each (equal
-    # ids, equal tokens), padded with the request's own tokens past them. () : a prompt of its own.
+    # ids, equal tokens), padded with the request's own tokens past them; no blocks: all its own.
     prefix_blocks: tuple[int, ...] = ()
     block_tokens: int = 0
 
