@@ -2,6 +2,7 @@
 trace against an OpenAI-compatible server and write the results to a folder.
 
     splitserve bench --url http://127.0.0.1:8000 --trace conv --num-requests 200 --rate 4 --out results/
+    splitserve bench --url http://127.0.0.1:8000 --trace mooncake --length-scale 0.05 --out results/  # shared prefixes
     splitserve bench ... --capacity --tbt-slo 0.2 --rate-low 1 --rate-high 16   # Sarathi-Serve capacity
 """
 from __future__ import annotations
@@ -21,16 +22,17 @@ from splitserve.bench.slo import SLOSpec, capacity_search, p99_tbt_within
 from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
 from splitserve.command import report_errors
 
-TRACES = ("code", "conv", "sharegpt", "arxiv", "fixed")
+TRACES = ("code", "conv", "sharegpt", "arxiv", "mooncake", "fixed")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="the server's base URL (without /v1), e.g. http://127.0.0.1:8000")
-    p.add_argument("--trace", default="conv", help=f"{', '.join(TRACES)} or a CSV file (Azure or length columns)")
+    p.add_argument("--trace", default="conv", help=f"{', '.join(TRACES)}, a CSV file (Azure or length columns) or a Mooncake .jsonl "
+                                                   "(prompts share the blocks its hash_ids share)")
     p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the Azure trace's own arrivals)")
+    p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the trace's own arrivals)")
     p.add_argument("--arrivals", choices=ARRIVALS, default=None,
-                   help="default: the trace's own for code/conv without --rate, else poisson")
+                   help="default: the trace's own for code/conv/mooncake without --rate, else poisson")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: CV of inter-arrival times")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths (e.g. 0.125)")
     p.add_argument("--max-prompt-tokens", type=int, default=None)

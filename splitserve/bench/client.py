@@ -2,7 +2,8 @@
 times every token as the client sees it.
 
 Each request is sent at its arrival time (open loop: a slow server does not slow the arrivals),
-as a completion whose prompt is a list of token ids of exactly the workload's length, with
+as a completion whose prompt is a list of token ids of exactly the workload's length (requests
+that share prefix blocks share those tokens, so a server's prefix cache sees the trace's reuse), with
 `max_tokens` = the output length and `ignore_eos` (forced output lengths, as Splitwise does).
 `stream_options.continuous_usage_stats` makes every chunk carry the running token count, so
 tokens that arrive together in one chunk share an arrival time.
@@ -21,6 +22,9 @@ from splitserve.bench.report import RequestRecord
 from splitserve.bench.workload import RequestSpec
 
 TOKEN_ID_RANGE = (10, 250)  # ids every tokenizer has (bytes / byte fallbacks); the demo model's vocab is 259
+# A block's tokens come from entropy [seed, hash id, BLOCK_STREAM], a request's own from [seed, index]:
+# the nonzero last word keeps the two apart (numpy's SeedSequence pads short entropy with zeros).
+BLOCK_STREAM = 0xB10C
 
 
 class ServerInfo:
@@ -29,8 +33,15 @@ class ServerInfo:
 
 
 def prompt_ids(spec: RequestSpec, seed: int) -> list[int]:
-    rng = np.random.default_rng([seed, spec.index])
-    return rng.integers(*TOKEN_ID_RANGE, size=spec.prompt_tokens).tolist()
+    """`spec.prompt_tokens` ids: its prefix blocks' tokens, a function of (seed, hash id) alone, then
+    tokens of the request's own."""
+    blocks = spec.prefix_blocks[:-(-spec.prompt_tokens // spec.block_tokens)] if spec.prefix_blocks else ()
+    shared = [t for h in blocks for t in _random_ids([seed, h, BLOCK_STREAM], spec.block_tokens)][:spec.prompt_tokens]
+    return shared + _random_ids([seed, spec.index], spec.prompt_tokens - len(shared))
+
+
+def _random_ids(entropy: list[int], size: int) -> list[int]:
+    return np.random.default_rng(entropy).integers(*TOKEN_ID_RANGE, size=size).tolist()
 
 
 async def server_info(http: httpx.AsyncClient, url: str, model: str | None) -> ServerInfo:

@@ -1,7 +1,8 @@
-"""Request traces: the four shipped CSVs by name, or any CSV in one of their two column layouts.
+"""Request traces: the five shipped traces by name, or any file in one of their three layouts.
 
-Azure layout (`TIMESTAMP,ContextTokens,GeneratedTokens`): lengths plus real arrival times.
-Length layout (`num_prefill_tokens,num_decode_tokens,...`): lengths only.
+Azure CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`): lengths plus real arrival times.
+Length CSV (`num_prefill_tokens,num_decode_tokens,...`): lengths only.
+Mooncake JSON lines (`.jsonl`, see `mooncake.py`): lengths, arrival times and prefix-block ids.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from splitserve.bench.mooncake import MOONCAKE_BLOCK_TOKENS, read_mooncake
 from splitserve.data import TRACES_DIR
 
 TRACE_FILES = {
@@ -19,6 +21,7 @@ TRACE_FILES = {
     "conv": "AzureLLMInferenceTrace_conv.csv",
     "sharegpt": "sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
     "arxiv": "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+    "mooncake": "mooncake_conversation_trace.jsonl",
 }
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 LENGTH_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
@@ -32,22 +35,25 @@ class TraceData:
     prompt_tokens: np.ndarray           # int64, one per row
     output_tokens: np.ndarray           # int64, one per row
     timestamps_s: np.ndarray | None     # float64 seconds since the first row; None for length-only traces
+    # per row, the ids of its prompt's blocks of `block_tokens` tokens (equal ids: equal tokens); None: no ids
+    prefix_blocks: tuple[tuple[int, ...], ...] | None = None
+    block_tokens: int | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_tokens)
 
 
 def trace_path(name_or_path: str) -> Path:
-    """The file behind a trace name (`code`, `conv`, `sharegpt`, `arxiv`) or a CSV path."""
+    """The file behind a trace name (`code`, `conv`, `sharegpt`, `arxiv`, `mooncake`) or a path."""
     if name_or_path in TRACE_FILES:
         return TRACES_DIR / TRACE_FILES[name_or_path]
     path = Path(name_or_path)
     if path.is_file():
         return path.resolve()
-    if path.suffix == ".csv" or path.parent != Path("."):
+    if path.suffix in (".csv", ".jsonl") or path.parent != Path("."):
         raise FileNotFoundError(f"trace: no such file {str(path)!r}")
     raise ValueError(f"trace: unknown trace {name_or_path!r}; expected one of {', '.join(TRACE_FILES)}, "
-                     "'fixed' (workloads only) or the path of a CSV file")
+                     "'fixed' (workloads only) or the path of a CSV or Mooncake .jsonl file")
 
 
 def load_trace(name_or_path: str) -> TraceData:
@@ -57,6 +63,8 @@ def load_trace(name_or_path: str) -> TraceData:
 
 @functools.lru_cache(maxsize=16)
 def _read_trace(path: str) -> TraceData:
+    if path.endswith(".jsonl"):
+        return _mooncake_trace(path)
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         columns = tuple(reader.fieldnames or ())
@@ -71,6 +79,13 @@ def _read_trace(path: str) -> TraceData:
         return _frozen(TraceData(Path(path).name, prompt, output, None))
     raise ValueError(f"trace: {path!r} has columns {','.join(columns)}; expected "
                      f"{','.join(AZURE_COLUMNS)} or {','.join(LENGTH_COLUMNS)},...")
+
+
+def _mooncake_trace(path: str) -> TraceData:
+    stamps_ms, prompt, output, hash_ids = zip(*read_mooncake(path))
+    seconds = (np.array(stamps_ms) - stamps_ms[0]) / 1000
+    return _frozen(TraceData(Path(path).name, np.array(prompt, dtype=np.int64), np.array(output, dtype=np.int64),
+                             seconds, hash_ids, MOONCAKE_BLOCK_TOKENS))
 
 
 def _column(rows: list[dict], column: str, path: str) -> np.ndarray:
@@ -107,7 +122,21 @@ def trace_stats(trace: TraceData) -> dict:
         "prompt_tokens": {f"p{q}": float(v) for q, v in zip(qs, np.percentile(trace.prompt_tokens, qs))},
         "output_tokens": {f"p{q}": float(v) for q, v in zip(qs, np.percentile(trace.output_tokens, qs))},
         "mean_rate_rps": None,
+        "repeated_block_fraction": repeated_block_fraction(trace),
     }
     if trace.timestamps_s is not None and len(trace) > 1 and trace.timestamps_s[-1] > 0:
         stats["mean_rate_rps"] = (len(trace) - 1) / float(trace.timestamps_s[-1])
     return stats
+
+
+def repeated_block_fraction(trace: TraceData) -> float | None:
+    """The share of all prompt blocks, rows in order, whose id appeared earlier (what a cache that
+    never evicts could reuse); None for a trace without prefix-block ids."""
+    if trace.prefix_blocks is None:
+        return None
+    seen: set[int] = set()
+    total = 0
+    for blocks in trace.prefix_blocks:
+        seen.update(blocks)
+        total += len(blocks)
+    return (total - len(seen)) / total if total else 0.0

@@ -1,9 +1,11 @@
 """Workloads: which requests a benchmark sends and when, from a trace and a seed.
 
-Arrivals are either the Azure trace's own timestamps (a window of consecutive rows, optionally
-rescaled to a mean rate with its burstiness kept) or a renewal process: Poisson (exponential gaps)
-or gamma (gaps with a chosen coefficient of variation), the first request at t = 0. Lengths come
-from the same trace rows, scaled and clipped. The same spec always gives the same list.
+Arrivals are either the trace's own timestamps (Azure or Mooncake traces: a window of consecutive
+rows, optionally rescaled to a mean rate with its burstiness kept) or a renewal process: Poisson
+(exponential gaps) or gamma (gaps with a chosen coefficient of variation), the first request at
+t = 0. Lengths come
+from the same trace rows, scaled and clipped. A Mooncake trace's rows also give each request its
+prefix-block ids, the blocks scaled with the lengths. The same spec always gives the same list.
 """
 from __future__ import annotations
 
@@ -30,17 +32,22 @@ class RequestSpec:
     output_tokens: int        # forced: sent as max_tokens with ignore_eos (Splitwise does the same)
     ttft_slo_s: float | None = None   # the request's latency targets (SLO-aware scheduling), if any
     tbt_slo_s: float | None = None
+    # The prompt is the first prompt_tokens tokens of these blocks of block_tokens tokens each (equal
+    # ids, equal tokens), padded with the request's own tokens past them; no blocks: all its own.
+    prefix_blocks: tuple[int, ...] = ()
+    block_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
     """What to send. `arrivals=None` picks "trace" for a trace with timestamps when `rate` is None,
     else "poisson". Lengths are round(length * length_scale) (half to even, like Python's round),
-    then clipped to [min_tokens, max_*_tokens]."""
+    then clipped to [min_tokens, max_*_tokens]; prefix blocks hold max(1, round(block tokens *
+    length_scale)) tokens, so a clipped prompt keeps a prefix of its blocks."""
 
-    trace: str                        # "code" | "conv" | "sharegpt" | "arxiv" | a CSV path | "fixed"
+    trace: str                        # "code" | "conv" | "sharegpt" | "arxiv" | "mooncake" | a path | "fixed"
     num_requests: int
-    rate: float | None = None         # mean requests/s; None: the trace's own arrivals (Azure traces only)
+    rate: float | None = None         # mean requests/s; None: the trace's own arrivals (traces with timestamps)
     arrivals: str | None = None       # "poisson" | "gamma" | "trace" | None (see above)
     burstiness: float = 1.0           # gamma: coefficient of variation of inter-arrival times (1 = Poisson)
     length_scale: float = 1.0         # multiply prompt and output lengths
@@ -91,14 +98,17 @@ def make_workload(spec: WorkloadSpec) -> list[RequestSpec]:
         arrivals = _renewal_arrivals(rng, kind, spec)
     prompt = _scaled(trace.prompt_tokens[rows], spec, spec.max_prompt_tokens)
     output = _scaled(trace.output_tokens[rows], spec, spec.max_output_tokens)
-    return [RequestSpec(i, float(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(arrivals, prompt, output))]
+    blocks, block_tokens = _prefix_blocks(trace, rows, spec)
+    return [RequestSpec(i, float(a), int(p), int(o), prefix_blocks=b, block_tokens=block_tokens)
+            for i, (a, p, o, b) in enumerate(zip(arrivals, prompt, output, blocks))]
 
 
 def resolved_arrivals(spec: WorkloadSpec, has_timestamps: bool) -> str:
     """The arrival process `spec` asks for, once its trace is known to have timestamps or not."""
     kind = spec.arrivals or ("trace" if spec.rate is None and has_timestamps else "poisson")
     if kind == "trace" and not has_timestamps:
-        raise ValueError(f"arrivals: 'trace' needs a trace with timestamps (code, conv or an Azure-layout CSV); "
+        raise ValueError(f"arrivals: 'trace' needs a trace with timestamps (code, conv, mooncake, an Azure-layout "
+                         f"CSV or a Mooncake .jsonl); "
                          f"{spec.trace!r} has none")
     if kind != "trace" and spec.rate is None:
         raise ValueError(f"rate: required for {kind} arrivals (trace {spec.trace!r})")
@@ -139,6 +149,13 @@ def _renewal_arrivals(rng: np.random.Generator, kind: str, spec: WorkloadSpec) -
         shape = 1.0 / spec.burstiness ** 2
         gaps = rng.gamma(shape, mean_gap / shape, num_gaps)
     return np.concatenate(([0.0], np.cumsum(gaps)))
+
+
+def _prefix_blocks(trace: TraceData, rows: np.ndarray, spec: WorkloadSpec) -> tuple[list[tuple[int, ...]], int]:
+    """Each row's prefix-block ids, and the tokens of a block after length_scale (() and 0 without ids)."""
+    if trace.prefix_blocks is None:
+        return [()] * len(rows), 0
+    return [trace.prefix_blocks[row] for row in rows], max(1, round(trace.block_tokens * spec.length_scale))
 
 
 def _scaled(lengths: np.ndarray, spec: WorkloadSpec, maximum: int | None) -> np.ndarray:

@@ -51,11 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead", type=Path, default=None,
                    help="the serving stack's overhead measured by `splitserve profile --url` (a JSON file); "
                         "a peer_slowdown in it puts every worker on one shared host")
-    p.add_argument("--trace", default="conv")
+    p.add_argument("--trace", default="conv", help="code, conv, sharegpt, arxiv, mooncake or a file, as for bench; "
+                                                   "a Mooncake trace gives lengths and arrivals (shared prefixes are "
+                                                   "not simulated yet)")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--duration", type=float, default=None,
                    help="seconds of arrivals at --rate (instead of --num-requests)")
-    p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the Azure trace's own)")
+    p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the trace's own)")
     p.add_argument("--arrivals", choices=ARRIVALS, default=None)
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)

@@ -34,6 +34,14 @@ def test_short_bench_writes_every_output(server, tmp_path):
     assert all(r["output_tokens"] == r["requested_output_tokens"] == len(r["token_times_s"]) for r in records)
 
 
+def test_bench_replays_the_mooncake_trace_with_its_shared_prefixes(server, tmp_path):
+    out = tmp_path / "mooncake"
+    # its first 8 rows arrive at once and all start with block 0 (a system prompt of 10 tokens here)
+    assert main(["--url", server, "--trace", "mooncake", "--num-requests", "8", "--length-scale", "0.02",
+                 "--no-calibrate", "--no-progress", "--out", str(out)]) == 0
+    check_summary(json.loads((out / "summary.json").read_text()), 8)
+
+
 def test_capacity_search_probes_rates(server, tmp_path):
     out = tmp_path / "capacity"
     code = main(["--url", server, "--trace", "fixed", "--prompt-tokens", "32", "--output-tokens", "8",

@@ -55,6 +55,13 @@ def test_the_local_cpu_default_with_a_measured_profile(tmp_path):
     assert len(records) == 50 and all(r["output_tokens"] == r["requested_output_tokens"] for r in records)
 
 
+def test_a_mooncake_trace_simulates_with_its_own_arrivals(tmp_path):
+    path = tmp_path / "hh.json"
+    assert main(["sim", "--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1", "--trace",
+                 "mooncake", "--num-requests", "20", "--length-scale", "0.1", "--no-progress", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["num_requests"] == 20
+
+
 def test_a_class_without_a_profile_is_a_clear_error(tmp_path, capsys):
     assert main(["sim", "--trace", "conv", "--rate", "1", "--num-requests", "5", "--out", str(tmp_path)]) == 2
     assert "splitserve profile --hardware cpu" in capsys.readouterr().err
