@@ -3,9 +3,9 @@
 Arrivals are either the trace's own timestamps (Azure or Mooncake traces: a window of consecutive
 rows, optionally rescaled to a mean rate with its burstiness kept) or a renewal process: Poisson
 (exponential gaps) or gamma (gaps with a chosen coefficient of variation), the first request at
-t = 0. Lengths come
-from the same trace rows, scaled and clipped. A Mooncake trace's rows also give each request its
-prefix-block ids, the blocks scaled with the lengths. The same spec always gives the same list.
+t = 0. Lengths come from the same trace rows, scaled and clipped. A Mooncake trace's rows also
+give each request its prefix-block ids, the blocks scaled with the lengths. The same spec always
+gives the same list.
 """
 from __future__ import annotations
 
