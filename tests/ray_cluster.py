@@ -62,39 +62,56 @@ def head_node():
     temp_dir = tempfile.mkdtemp(prefix="ssray-")  # marks this cluster's processes (short: socket paths)
     # every port of its own, so another Ray on the machine (a developer's) cannot take one first
     ports = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                     "runtime-env-agent-port", "metrics-export-port")]
+                                                     "runtime-env-agent-port", "metrics-export-port",
+                                                     "ray-client-server-port")]
     subprocess.run(["ray", "start", "--head", "--port", str(gcs), "--dashboard-port", str(dashboard),
                     "--dashboard-host", "127.0.0.1", "--num-cpus", "7", "--disable-usage-stats",
                     "--temp-dir", temp_dir, *ports], check=True, capture_output=True, timeout=180)
     ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
     yield f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
     ray.shutdown()
-    _stop_processes_of(temp_dir)  # not `ray stop`: that stops every Ray cluster on the machine
+    _stop_processes_of(temp_dir, gcs)  # not `ray stop`: that stops every Ray cluster on the machine
 
 
-def _stop_processes_of(temp_dir: str, grace_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL, every process whose command line names this cluster's temp dir."""
-    def members() -> list[int]:
-        pids = []
+def _stop_processes_of(temp_dir: str, gcs_port: int, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, this cluster's processes: those whose command line names its temp dir
+    or its GCS port (the client server), and their descendants (the agents, whose command lines
+    Ray rewrites), found while their parents are still alive."""
+    marks = (temp_dir.encode(), f":{gcs_port}".encode())
+
+    def members() -> set[int]:
+        parents, found = {}, set()
         for proc in Path("/proc").glob("[0-9]*"):
             try:
-                if temp_dir.encode() in (proc / "cmdline").read_bytes():
-                    pids.append(int(proc.name))
-            except OSError:
+                cmdline = (proc / "cmdline").read_bytes()
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-        return pids
+            if any(mark in cmdline for mark in marks):
+                found.add(int(proc.name))
+        grown = True
+        while grown:
+            children = {pid for pid, parent in parents.items() if parent in found} - found
+            found |= children
+            grown = bool(children)
+        return found
 
+    everyone = members()
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in members():
+        for pid in everyone | members():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + grace_s
-        while members() and time.monotonic() < deadline:
+        while _alive(everyone) and time.monotonic() < deadline:
             time.sleep(0.2)
     if os.environ.get("SPLITSERVE_KEEP_RAY_LOGS"):  # debugging a failed run: its logs stay in temp_dir
         print(f"Ray logs kept in {temp_dir}/session_latest/logs")
     else:
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _alive(pids: set[int]) -> bool:
+    return any(Path(f"/proc/{pid}").exists() for pid in pids)
 
 
 @pytest.fixture(scope="session")
