@@ -78,9 +78,10 @@ class Policy(ABC):
         """Record a finished iteration: advance computed tokens, append sampled tokens, stop
         sequences that hit a limit. Returns the sequences that received a token."""
         updated, commit, max_model_len = [], self.blocks.commit, self.limits.max_model_len
+        running = SequenceStatus.RUNNING
         for item in plan.scheduled:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
+            if seq.status is not running:  # aborted while the step ran
                 continue
             seq.num_computed_tokens = item.start + item.num_new_tokens
             commit(seq)
