@@ -99,6 +99,7 @@ class Simulation:
         self.records = SimRecords(self.requests)
         self.token_times: dict[str, list[float]] = {}  # requests in flight: when each token was sampled
         self._slots: dict[str, int] = {}  # requests in flight: their slots in `records`
+        self._params: dict[tuple, SamplingParams] = {}  # shared by requests alike (SamplingParams is frozen)
         self.workers: dict[str, SimWorker] = {}
         self._hardware_of: dict[str, str] = {}
         self._add_workers()
@@ -172,9 +173,7 @@ class Simulation:
             return
         prompt_worker, token_worker = self.workers[placement.prompt_worker], self.workers[placement.token_worker]
         prompt_worker.changed = token_worker.changed = True  # the CLS counts the request on both
-        prompt = [0] * spec.prompt_tokens
-        params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True, ttft_slo_s=spec.ttft_slo_s,
-                                tbt_slo_s=spec.tbt_slo_s)
+        prompt, params = [0] * spec.prompt_tokens, self._params_of(spec)
         if not placement.local:
             try:
                 token_worker.reserve_import(EngineSequence(seq_id, prompt, params, self.now))
@@ -185,6 +184,15 @@ class Simulation:
         self.token_times[seq_id], self._slots[seq_id] = [], slot
         prompt_worker.add(EngineSequence(seq_id, prompt, params, self.now), hand_off=not placement.local)
         self._wake_soon(prompt_worker)
+
+    def _params_of(self, spec: RequestSpec) -> SamplingParams:
+        """The request's forced length and targets; one (validated) instance per distinct value."""
+        key = (spec.output_tokens, spec.ttft_slo_s, spec.tbt_slo_s)
+        params = self._params.get(key)
+        if params is None:
+            params = self._params[key] = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True,
+                                                        ttft_slo_s=spec.ttft_slo_s, tbt_slo_s=spec.tbt_slo_s)
+        return params
 
     def _wake_soon(self, worker: SimWorker) -> None:
         """Start the idle `worker` once the other events of this instant are done."""
