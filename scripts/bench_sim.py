@@ -44,8 +44,9 @@ def run_once(trace: str, duration_s: float, profile: Path | None = None) -> dict
         profiler = ["-m", "cProfile", "-o", str(profile)] if profile else []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
         start = time.perf_counter()
+        # in ROOT, whose package `-m` then imports ahead of any other splitserve on the path
         child = subprocess.Popen([sys.executable, *profiler, *sim_command(trace, duration_s, summary_path)],
-                                 env=env, stdout=subprocess.DEVNULL)
+                                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
         _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage, not all children's
         wall = time.perf_counter() - start
         child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
