@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from splitserve.bench.plots import MISSING, cdf_plot, plots_available
-from splitserve.bench.slo import Baseline, SLOSpec, attainment, latencies
+from splitserve.bench.slo import Baseline, SLOSpec, attainment
 
 LATENCY_ROWS = (("TTFT (s)", "ttft_s"), ("TBT (s)", "tbt_s"), ("E2E (s)", "e2e_s"))
 
@@ -53,10 +53,34 @@ class RequestRecord:
         return self.error is None and status_ok and self.ttft_s is not None and self.e2e_s is not None
 
 
+@dataclass(frozen=True, eq=False)
+class RunColumns:
+    """What a run's summary reads of its records, as arrays in record order: a flag and the token
+    counts per record, and the latencies of the completed (`ok`) ones, every token gap of each
+    in turn in `tbt_s`. A simulation builds them directly, with no `RequestRecord` kept."""
+
+    ok: np.ndarray            # bool, per record
+    rejected: np.ndarray      # bool, per record
+    prompt_tokens: np.ndarray  # int, per record
+    output_tokens: np.ndarray  # int, per record: tokens received
+    ttft_s: np.ndarray        # float, per completed record
+    e2e_s: np.ndarray         # float, per completed record
+    tbt_s: np.ndarray         # float, every gap between tokens of the completed records
+
+    @classmethod
+    def of(cls, records: Sequence[RequestRecord]) -> RunColumns:
+        done = [r for r in records if r.ok]
+        return cls(np.array([r.ok for r in records], dtype=bool), np.array([r.rejected for r in records], dtype=bool),
+                   np.array([r.prompt_tokens for r in records], dtype=np.int64),
+                   np.array([r.output_tokens for r in records], dtype=np.int64),
+                   np.array([r.ttft_s for r in done], dtype=float), np.array([r.e2e_s for r in done], dtype=float),
+                   np.array([gap for r in done for gap in r.tbt_s], dtype=float))
+
+
 def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> dict:
     """{"p50", "p90", "p99", "mean", "max"} (keys follow `qs`: 99.9 -> "p99.9"), percentiles by
     linear interpolation as numpy.percentile's default; every value None when there are none."""
-    array = np.asarray(list(values), dtype=float)
+    array = values if isinstance(values, np.ndarray) else np.asarray(list(values), dtype=float)
     keys = [f"p{q:g}" for q in qs] + ["mean", "max"]
     if not array.size:
         return dict.fromkeys(keys)
@@ -65,27 +89,27 @@ def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> 
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLOSpec | None = None,
-              baseline: Baseline | None = None) -> dict:
+              baseline: Baseline | None = None, columns: RunColumns | None = None) -> dict:
     """Counts, throughput and latency percentiles of a run lasting `duration_s`; with `slo` or
-    `baseline` also an "slo" section (`slo.attainment`; Table VI when only a baseline is given)."""
+    `baseline` also an "slo" section (`slo.attainment`; Table VI when only a baseline is given).
+    `columns`: the records' `RunColumns`, where the caller keeps them (else built from `records`)."""
     if not (math.isfinite(duration_s) and duration_s > 0):
         raise ValueError(f"duration_s: must be a positive number of seconds, got {duration_s}")
-    done = [r for r in records if r.ok]
-    num_rejected = sum(r.rejected for r in records)
-    output_tokens = sum(r.output_tokens for r in done)
-    values = latencies(records)
+    columns = RunColumns.of(records) if columns is None else columns
+    num_done, num_rejected = int(columns.ok.sum()), int(columns.rejected.sum())
+    output_tokens = int(columns.output_tokens[columns.ok].sum())
     summary = {
-        "num_requests": len(records),
-        "num_completed": len(done),
-        "num_failed": len(records) - len(done) - num_rejected,
+        "num_requests": len(columns.ok),
+        "num_completed": num_done,
+        "num_failed": len(columns.ok) - num_done - num_rejected,
         "num_rejected": num_rejected,
         "duration_s": duration_s,
-        "throughput_rps": len(done) / duration_s,
+        "throughput_rps": num_done / duration_s,
         "output_tokens_per_s": output_tokens / duration_s,
-        "total_tokens_per_s": (output_tokens + sum(r.prompt_tokens for r in done)) / duration_s,
-        "ttft_s": percentiles(values["ttft"]),
-        "tbt_s": percentiles(values["tbt"]),
-        "e2e_s": percentiles(values["e2e"]),
+        "total_tokens_per_s": (output_tokens + int(columns.prompt_tokens[columns.ok].sum())) / duration_s,
+        "ttft_s": percentiles(columns.ttft_s),
+        "tbt_s": percentiles(columns.tbt_s),
+        "e2e_s": percentiles(columns.e2e_s),
     }
     if slo is not None or baseline is not None:
         summary["slo"] = attainment(records, slo or SLOSpec(), baseline)

@@ -4,15 +4,20 @@ Pure Python (no torch): it hands out block ids; the KV cache tensors live in `KV
 simulator drives this same class.
 
 Invariants (checked by `check_integrity`):
-- a block's ref count equals the number of block tables that hold it; free blocks have ref 0;
 - only full blocks whose KV is computed are hashed, and only hashed blocks are shared, so a
-  shared block is never written (writes go to positions >= num_computed_tokens);
-- a freed hashed block keeps its hash until it is reused for other content, so a later request
-  with the same prefix can take it back (LRU: the oldest freed block is reused first).
+  shared block is never written (writes go to positions >= num_computed_tokens); a hashed block's
+  ref count equals the number of block tables that hold it, and an unhashed block is held by at
+  most one table;
+- every block is held by a table or free, never both. Free blocks are fresh (no cached content)
+  or evictable (hashed, ref count 0): a freed hashed block keeps its hash until it is reused for
+  other content, so a later request with the same prefix can take it back. Fresh blocks are reused
+  first, oldest freed first; then evictable ones, least recently freed first (LRU).
+- the blocks of a table past its hashed prefix (`_chain`) are unhashed, so freeing a table that
+  was never hashed touches no block one by one.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from splitserve.engine.sequence import Sequence
@@ -22,11 +27,10 @@ class OutOfBlocksError(RuntimeError):
     """The KV cache has too few free blocks for the request."""
 
 
-@dataclass
-class _Block:
-    block_id: int
-    ref_count: int = 0
-    key: tuple | None = None  # (parent key hash, token ids) for a hashed (full, computed) block
+@dataclass(slots=True)
+class _CachedBlock:
+    key: tuple  # (parent key hash, token ids) of a hashed (full, computed) block
+    ref_count: int = 1
 
 
 class BlockManager:
@@ -35,25 +39,27 @@ class BlockManager:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
-        self._cached: dict[int, int] = {}         # hash(key) -> block id
-        self._tables: dict[str, list[int]] = {}   # seq_id -> block ids
+        self._num_blocks = num_blocks
+        self._fresh: deque[int] = deque(range(num_blocks))  # free, no cached content; oldest freed first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free hashed blocks, LRU order
+        self._hashed: dict[int, _CachedBlock] = {}  # block id -> its key and ref count
+        self._cached: dict[int, int] = {}           # hash(key) -> block id
+        self._tables: dict[str, list[int]] = {}     # seq_id -> block ids
         self._chain: dict[str, tuple[int, int | None]] = {}  # seq_id -> (blocks hashed, hash of the last)
         self.num_cache_hit_blocks = 0
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return len(self._blocks)
+        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._fresh) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._blocks) - len(self._free)
+        return self._num_blocks - self.num_free_blocks
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id]
@@ -69,10 +75,10 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, reserve_blocks: int = 0) -> bool:
         """Whether `allocate(seq)` would succeed, leaving `reserve_blocks` free (a watermark)."""
-        return self._free_blocks_needed(seq, self._prefix_hits(seq)) + reserve_blocks <= len(self._free)
+        return self._free_blocks_needed(seq, self._prefix_hits(seq)) + reserve_blocks <= self.num_free_blocks
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self._extra_blocks(seq.seq_id, num_tokens) <= len(self._free)
+        return self._extra_blocks(seq.seq_id, num_tokens) <= self.num_free_blocks
 
     # ---- mutations -----------------------------------------------------------------------
     def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> None:
@@ -83,24 +89,33 @@ class BlockManager:
         if seq.seq_id in self._tables:
             raise ValueError(f"sequence {seq.seq_id!r} already holds blocks")
         hits = self._prefix_hits(seq) if use_prefix_cache else []
-        if self._free_blocks_needed(seq, hits) > len(self._free):
-            raise OutOfBlocksError(f"sequence {seq.seq_id!r} needs more KV blocks than are free ({len(self._free)})")
+        if self._free_blocks_needed(seq, hits) > self.num_free_blocks:
+            raise OutOfBlocksError(f"sequence {seq.seq_id!r} needs more KV blocks than are free "
+                                   f"({self.num_free_blocks})")
         for block_id in hits:
             self._take(block_id)
         self._tables[seq.seq_id] = list(hits)
-        self._chain[seq.seq_id] = (len(hits), hash(self._blocks[hits[-1]].key) if hits else None)
+        self._chain[seq.seq_id] = (len(hits), hash(self._hashed[hits[-1]].key) if hits else None)
         self.num_cache_hit_blocks += len(hits)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.grow(seq, seq.num_tokens)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Make the block table hold at least `num_tokens` token slots."""
-        extra = self._extra_blocks(seq.seq_id, num_tokens)
-        if extra > len(self._free):
-            raise OutOfBlocksError(f"sequence {seq.seq_id!r} needs {extra} more KV blocks, {len(self._free)} free")
+        if not self.try_grow(seq, num_tokens):
+            raise OutOfBlocksError(f"sequence {seq.seq_id!r} needs {self._extra_blocks(seq.seq_id, num_tokens)} "
+                                   f"more KV blocks, {self.num_free_blocks} free")
+
+    def try_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """`grow` if the free blocks allow it (True), else change nothing (False)."""
         table = self._tables[seq.seq_id]
-        for _ in range(extra):
-            table.append(self._take_fresh())
+        extra = -(-num_tokens // self.block_size) - len(table)
+        if extra <= 0:
+            return True
+        if extra > len(self._fresh) + len(self._evictable):
+            return False
+        table += self._take_fresh(extra)
+        return True
 
     def commit(self, seq: Sequence) -> None:
         """Hash the full blocks whose KV is now computed, so later requests can share them."""
@@ -111,22 +126,28 @@ class BlockManager:
         full = min(seq.num_computed_tokens // self.block_size, len(table))
         for i in range(done, full):
             key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            block = self._blocks[table[i]]
-            if block.key is None and hash(key) not in self._cached:  # else a duplicate: stays private
-                block.key = key
-                self._cached[hash(key)] = block.block_id
+            if hash(key) not in self._cached:  # else a duplicate: stays private (unhashed)
+                self._hashed[table[i]] = _CachedBlock(key)
+                self._cached[hash(key)] = table[i]
             parent = hash(key)  # the chain follows content, registered or not
         if full > done:
             self._chain[seq.seq_id] = (full, parent)
 
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks (tail first, so a prefix stays cached longest)."""
-        for block_id in reversed(self._tables.pop(seq_id, [])):
-            block = self._blocks[block_id]
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return
+        done, _ = self._chain.pop(seq_id)
+        self._fresh.extend(reversed(table[done:]))  # past the hashed prefix: unhashed, private
+        for block_id in reversed(table[:done]):
+            block = self._hashed.get(block_id)
+            if block is None:
+                self._fresh.append(block_id)  # a duplicate of cached content: private
+                continue
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block_id] = None
-        self._chain.pop(seq_id, None)
+                self._evictable[block_id] = None
 
     def export_blocks(self, seq_id: str) -> list[int]:
         """The block ids holding a sequence's KV, in token order (for a KV transfer out)."""
@@ -143,7 +164,7 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(self._tables[seq_id]))
 
     def _free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
-        revived = sum(1 for b in hits if self._blocks[b].ref_count == 0)  # cached but free
+        revived = sum(1 for b in hits if self._hashed[b].ref_count == 0)  # cached but free
         return self.blocks_for(seq.num_tokens) - len(hits) + revived
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
@@ -155,45 +176,67 @@ class BlockManager:
         for i in range((seq.num_tokens - 1) // self.block_size):
             key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
             block_id = self._cached.get(hash(key))
-            if block_id is None or self._blocks[block_id].key != key:
+            if block_id is None or self._hashed[block_id].key != key:
                 break
             hits.append(block_id)
             parent = hash(key)
         return hits
 
-    def _take_fresh(self) -> int:
-        """The least recently freed block, its old cache entry dropped: it gets new content."""
-        block_id, _ = self._free.popitem(last=False)
-        block = self._blocks[block_id]
-        if block.key is not None:
-            del self._cached[hash(block.key)]
-            block.key = None
-        block.ref_count = 1
-        return block_id
+    def _take_fresh(self, count: int) -> list[int]:
+        """`count` free blocks for new content: fresh ones first, then evicted ones (their cache
+        entries dropped). The caller has checked that enough are free."""
+        fresh = self._fresh
+        if count <= len(fresh):
+            popleft = fresh.popleft
+            return [popleft() for _ in range(count)]
+        taken = list(fresh)
+        fresh.clear()
+        for _ in range(count - len(taken)):
+            block_id, _ = self._evictable.popitem(last=False)
+            del self._cached[hash(self._hashed.pop(block_id).key)]
+            taken.append(block_id)
+        return taken
 
-    def _take(self, block_id: int) -> int:
-        block = self._blocks[block_id]
+    def _take(self, block_id: int) -> None:
+        """Share the cached block `block_id` (reviving it if it was free)."""
+        block = self._hashed[block_id]
         if block.ref_count == 0:
-            del self._free[block_id]
+            del self._evictable[block_id]
         block.ref_count += 1
-        return block_id
 
     def check_integrity(self) -> None:
         """Raise `RuntimeError` naming the first broken invariant."""
-        refs = [0] * len(self._blocks)
+        refs = [0] * self._num_blocks
         for seq_id, table in self._tables.items():
             if len(set(table)) != len(table):
                 raise RuntimeError(f"block table of {seq_id!r} holds a block twice: {table}")
+            done = self._chain[seq_id][0]
+            if any(block_id in self._hashed for block_id in table[done:]):
+                raise RuntimeError(f"block table of {seq_id!r} has a hashed block past its hashed prefix ({done})")
             for block_id in table:
                 refs[block_id] += 1
-        for block in self._blocks:
-            if block.ref_count != refs[block.block_id]:
-                raise RuntimeError(f"block {block.block_id}: ref_count {block.ref_count} but held by {refs[block.block_id]} tables")
-            if (block.ref_count == 0) != (block.block_id in self._free):
-                raise RuntimeError(f"block {block.block_id}: ref_count {block.ref_count} disagrees with the free list")
-            if block.ref_count > 1 and block.key is None:
-                raise RuntimeError(f"block {block.block_id} is shared but not a cached full block")
+        free = [*self._fresh, *self._evictable]
+        if len(set(free)) != len(free):
+            raise RuntimeError("a block is on the free lists twice")
+        for block_id in free:
+            if refs[block_id]:
+                raise RuntimeError(f"block {block_id} is free but held by {refs[block_id]} tables")
+        for block_id in self._fresh:
+            if block_id in self._hashed:
+                raise RuntimeError(f"block {block_id} is fresh but holds cached content")
+        free_set = set(free)
+        for block_id, count in enumerate(refs):
+            block = self._hashed.get(block_id)
+            if block is not None and block.ref_count != count:
+                raise RuntimeError(f"block {block_id}: ref_count {block.ref_count} but held by {count} tables")
+            if block is None and count > 1:
+                raise RuntimeError(f"block {block_id} is shared but not a cached full block")
+            if (count == 0) != (block_id in free_set):
+                raise RuntimeError(f"block {block_id}: held by {count} tables, which disagrees with the free lists")
+        for block_id in self._evictable:
+            if block_id not in self._hashed:
+                raise RuntimeError(f"block {block_id} is evictable but holds no cached content")
         for h, block_id in self._cached.items():
-            key = self._blocks[block_id].key
-            if key is None or hash(key) != h:
+            block = self._hashed.get(block_id)
+            if block is None or hash(block.key) != h:
                 raise RuntimeError(f"prefix cache entry {h} points at block {block_id}, which holds other content")

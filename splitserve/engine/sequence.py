@@ -15,7 +15,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)  # an entity: equal only to itself
+@dataclass(eq=False, slots=True)  # an entity: equal only to itself; slots: the schedulers' hot path
 class Sequence:
     """One request. `token_ids` is prompt + generated tokens.
 
@@ -67,7 +67,8 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         """True once only the last sampled token lacks KV (the prompt, or recompute, is done)."""
-        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+        num_tokens = len(self.token_ids)
+        return num_tokens - self.num_computed_tokens == 1 and num_tokens > len(self.prompt_token_ids)
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -84,10 +85,13 @@ class Sequence:
 
     def stop_reason_after_append(self, max_model_len: int) -> str | None:
         """Why the sequence stops after its newest token, by token ids and lengths alone."""
-        params, last = self.params, self.token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        params, token_ids = self.params, self.token_ids
+        num_tokens = len(token_ids)
+        num_output = num_tokens - len(self.prompt_token_ids)
+        if num_output >= params.min_tokens:
+            last = token_ids[-1]
             if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
                 return "stop"
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= params.max_tokens or num_tokens >= max_model_len:
             return "length"
         return None

@@ -31,7 +31,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from splitserve.bench.report import RequestRecord, summarize
+from splitserve.bench.report import summarize
 from splitserve.bench.slo import Baseline, SLOSpec
 from splitserve.bench.workload import RequestSpec
 from splitserve.engine.block_manager import OutOfBlocksError
@@ -40,6 +40,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence as EngineSequence
 from splitserve.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
 from splitserve.sim.contention import SharedHost
+from splitserve.sim.records import SimRecords
 from splitserve.sim.scenario import Scenario
 from splitserve.sim.worker import FILLER_TOKEN, NOTHING_HAPPENED, SimWorker
 
@@ -60,7 +61,7 @@ class WorkerStats:
 
 @dataclass(frozen=True)
 class SimResult:
-    records: tuple[RequestRecord, ...]  # one per request, in the order given
+    records: SimRecords  # one `RequestRecord` per request, in index order
     workers: tuple[WorkerStats, ...]    # by worker id
     duration_s: float                   # first arrival to the last token (or refusal), simulated
     num_events: int
@@ -68,7 +69,7 @@ class SimResult:
 
     def summary(self, slo: SLOSpec | None = None, baseline: Baseline | None = None) -> dict:
         """`splitserve.bench.report.summarize` of the records: the report a real run gives."""
-        return summarize(self.records, self.duration_s, slo, baseline)
+        return summarize(self.records, self.duration_s, slo, baseline, self.records.columns())
 
 
 def simulate(scenario: Scenario, requests: Sequence[RequestSpec], seed: int = 0,
@@ -95,14 +96,15 @@ class Simulation:
         self.scenario = scenario
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.index))
         self.cls = ClusterState(scenario.placement, scenario.thresholds)
-        self.token_times: dict[str, list[float]] = {}
+        self.records = SimRecords(self.requests)
+        self.token_times: dict[str, list[float]] = {}  # requests in flight: when each token was sampled
+        self._slots: dict[str, int] = {}  # requests in flight: their slots in `records`
+        self._params: dict[tuple, SamplingParams] = {}  # shared by requests alike (SamplingParams is frozen)
         self.workers: dict[str, SimWorker] = {}
         self._hardware_of: dict[str, str] = {}
         self._add_workers()
         self._reporting = [(w, self.cls.workers[w.worker_id]) for _, w in sorted(self.workers.items())]
         self.pool_moves = dict.fromkeys(self.workers, 0)
-        self.refused: dict[str, tuple[int, str]] = {}  # seq id -> (HTTP status, message)
-        self.done: set[str] = set()
         self._awaiting_kv: dict[str, SimWorker] = {}  # split requests' token workers, until the KV lands
         self._waking: set[str] = set()
         self._heap: list = []
@@ -153,40 +155,44 @@ class Simulation:
                 raise RuntimeError(f"worker {worker.worker_id} still holds sequences or KV blocks after the run "
                                    "(simulator bug)")
 
-    def _resolved(self) -> int:
-        return len(self.done) + len(self.refused)
-
     # ---- events --------------------------------------------------------------------------
     def _arrive(self, position: int) -> None:
         if position + 1 < len(self.requests):
             self._push(self.requests[position + 1].arrival_s, self._arrive, position + 1)
         spec = self.requests[position]
-        seq_id = f"r{spec.index}"
-        self.token_times[seq_id] = []
+        seq_id, slot = f"r{spec.index}", self.records.slot_of(spec.index)
         if spec.prompt_tokens >= self.scenario.max_model_len:
             message = f"prompt has {spec.prompt_tokens} tokens but max_model_len is {self.scenario.max_model_len}"
-            self.refused[seq_id] = (400, message)
+            self.records.refuse(slot, 400, message)
             return
         placement, moves = self.cls.place(PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens),
                                           self.now)
         self._apply(moves)
         if placement is None:
-            self.refused[seq_id] = (429, "no worker can take the request now")
+            self.records.refuse(slot, 429, "no worker can take the request now")
             return
         prompt_worker, token_worker = self.workers[placement.prompt_worker], self.workers[placement.token_worker]
         prompt_worker.changed = token_worker.changed = True  # the CLS counts the request on both
-        prompt = [0] * spec.prompt_tokens
-        params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True, ttft_slo_s=spec.ttft_slo_s,
-                                tbt_slo_s=spec.tbt_slo_s)
+        prompt, params = [0] * spec.prompt_tokens, self._params_of(spec)
         if not placement.local:
             try:
                 token_worker.reserve_import(EngineSequence(seq_id, prompt, params, self.now))
             except (EngineFullError, OutOfBlocksError) as error:
-                self.refused[seq_id] = (429, f"worker {token_worker.worker_id} cannot take the request: {error}")
+                self.records.refuse(slot, 429, f"worker {token_worker.worker_id} cannot take the request: {error}")
                 return
             self._awaiting_kv[seq_id] = token_worker
+        self.token_times[seq_id], self._slots[seq_id] = [], slot
         prompt_worker.add(EngineSequence(seq_id, prompt, params, self.now), hand_off=not placement.local)
         self._wake_soon(prompt_worker)
+
+    def _params_of(self, spec: RequestSpec) -> SamplingParams:
+        """The request's forced length and targets; one (validated) instance per distinct value."""
+        key = (spec.output_tokens, spec.ttft_slo_s, spec.tbt_slo_s)
+        params = self._params.get(key)
+        if params is None:
+            params = self._params[key] = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True,
+                                                        ttft_slo_s=spec.ttft_slo_s, tbt_slo_s=spec.tbt_slo_s)
+        return params
 
     def _wake_soon(self, worker: SimWorker) -> None:
         """Start the idle `worker` once the other events of this instant are done."""
@@ -246,16 +252,16 @@ class Simulation:
             self._wake_soon(worker)  # the freed blocks may admit a waiting prompt
 
     def _finish(self, seq_id: str) -> None:
-        if seq_id in self.done:
+        if seq_id not in self._slots:
             raise RuntimeError(f"request {seq_id} finished twice (simulator bug)")
-        self.done.add(seq_id)
+        self.records.finish(self._slots.pop(seq_id), self.token_times.pop(seq_id), self.scenario.overhead.request_s)
 
     def _report(self, tick: int) -> None:
         for worker, state in self._reporting:
             if worker.changed or (state.pool is Role.MIXED and state.home is not Role.MIXED):
                 worker.changed = False
                 self._apply(self.cls.report(worker.worker_id, worker.load(), self.now))
-        resolved = self._resolved()
+        resolved = self.records.num_resolved
         if self._progress is not None and resolved >= self._next_progress:
             self._progress(resolved, len(self.requests))
             self._next_progress = resolved + self._progress_step
@@ -275,22 +281,9 @@ class Simulation:
 
     # ---- results -------------------------------------------------------------------------
     def _result(self, seed: int) -> SimResult:
-        records = tuple(self._record(spec) for spec in sorted(self.requests, key=lambda r: r.index))
-        start = self.requests[0].arrival_s
-        end = max(r.start_s + (r.e2e_s or 0.0) for r in records)
         workers = tuple(self._worker_stats(w, s) for w, s in self._reporting)
-        return SimResult(records, workers, end - start, self.num_events, seed)
-
-    def _record(self, spec: RequestSpec) -> RequestRecord:
-        seq_id, arrival = f"r{spec.index}", spec.arrival_s
-        if seq_id in self.refused:
-            status, error = self.refused[seq_id]
-            return RequestRecord(spec.index, spec.prompt_tokens, 0, spec.output_tokens, arrival, None, (), None,
-                                 error, status)
-        offset = self.scenario.overhead.request_s - arrival
-        times = tuple(t + offset for t in self.token_times[seq_id])
-        return RequestRecord(spec.index, spec.prompt_tokens, len(times), spec.output_tokens, arrival, times[0],
-                             times, times[-1], status=200)
+        return SimResult(self.records, workers, self.records.end_s() - self.requests[0].arrival_s, self.num_events,
+                         seed)
 
     def _worker_stats(self, worker: SimWorker, state: WorkerState) -> WorkerStats:
         return WorkerStats(worker.worker_id, self._hardware_of[worker.worker_id], state.home.value, state.pool.value,

@@ -22,10 +22,8 @@ from tqdm import tqdm
 from splitserve.bench.report import markdown_table, write_outputs
 from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
 from splitserve.command import report_errors
-from splitserve.config import ClusterConfig, load_cluster_config
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, design
-from splitserve.sim.from_config import SimTarget, scenario_from_config
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.scenario import Scenario
 
@@ -69,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def scenario_of(args) -> Scenario:
     if args.design is None:
+        # imported here: a cluster config brings in the engine's checkpoint loader and with it torch
+        # (200 MB), which a Splitwise design does not need
+        from splitserve.config import ClusterConfig, load_cluster_config
+        from splitserve.sim.from_config import SimTarget, scenario_from_config
+
         config = load_cluster_config(args.config)[0] if args.config else ClusterConfig()
         overhead = ServingOverhead.load(args.overhead) if args.overhead else ServingOverhead()
         target = SimTarget(args.model, args.tensor_parallel, args.profile, args.bandwidth_gbps, overhead=overhead)

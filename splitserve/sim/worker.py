@@ -157,14 +157,15 @@ class SimWorker:
         self.policy.observe(plan, self.iteration_s)
         updated = self.policy.complete_step(plan, SAMPLED)
         finished, handed_off, times = [], [], self.token_times
+        prefilled, finished_status = SequenceStatus.PREFILLED, SequenceStatus.FINISHED
         for seq in updated:
             status = seq.status
-            if status is SequenceStatus.PREFILLED:
+            if status is prefilled:
                 handed_off.append(seq)
                 self.policy.finish(seq, "abort")  # LLMEngine.release_request: the KV went as a copy
                 continue
             times[seq.seq_id].append(now)
-            if status is SequenceStatus.FINISHED:
+            if status is finished_status:
                 finished.append(seq)
         first = [seq for seq in self._sampling_prefills if seq.num_output_tokens == 1]
         self.num_prefills += len(first)

@@ -123,7 +123,7 @@ def test_conservation(name):
             continue
         assert r.output_tokens == len(r.token_times_s) == r.requested_output_tokens == request.output_tokens
         assert list(r.token_times_s) == sorted(r.token_times_s) and r.ttft_s > 0
-    assert sim.done == {f"r{r.index}" for r in records if r.ok}
+    assert not sim.token_times  # no request left in flight
     for worker in sim.workers.values():
         worker.check_integrity()
         assert worker.blocks.num_free_blocks == worker.blocks.num_blocks

@@ -77,17 +77,18 @@ class Policy(ABC):
     def complete_step(self, plan: Plan, sampled: Mapping[str, int]) -> list[Sequence]:
         """Record a finished iteration: advance computed tokens, append sampled tokens, stop
         sequences that hit a limit. Returns the sequences that received a token."""
-        updated = []
+        updated, commit, max_model_len = [], self.blocks.commit, self.limits.max_model_len
+        running = SequenceStatus.RUNNING
         for item in plan.scheduled:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
+            if seq.status is not running:  # aborted while the step ran
                 continue
             seq.num_computed_tokens = item.start + item.num_new_tokens
-            self.blocks.commit(seq)
+            commit(seq)
             if item.samples:
-                seq.append_token(sampled[seq.seq_id])
+                seq.token_ids.append(sampled[seq.seq_id])
                 updated.append(seq)
-                reason = seq.stop_reason_after_append(self.limits.max_model_len)
+                reason = seq.stop_reason_after_append(max_model_len)
                 if reason:
                     self.finish(seq, reason)
                 elif seq.hand_off:
@@ -156,19 +157,23 @@ class Policy(ABC):
         """Give every decoding sequence a slot for its next token, oldest first. When blocks run
         out, preempt the youngest running sequence not yet served (possibly the one asking).
         Returns the preempted sequences; `self.running` keeps the rest in order."""
-        preempted, pending = [], list(self.running)
-        while pending:
-            seq = pending.pop(0)
+        preempted, pending, try_grow = [], list(self.running), self.blocks.try_grow
+        served, end = 0, len(pending)  # pending[served:end]: not served yet, nor preempted
+        while served < end:
+            seq = pending[served]
+            served += 1
             if not seq.is_decoding:
                 continue
-            while not self.blocks.can_grow(seq, seq.num_tokens):
-                victim = pending.pop() if pending else seq
+            while not try_grow(seq, len(seq.token_ids)):
+                if served < end:
+                    end -= 1
+                    victim = pending[end]
+                else:
+                    victim = seq
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
-            else:
-                self.blocks.grow(seq, seq.num_tokens)
         return preempted
 
     def _admit_whole_prompts(self, items: list[ScheduledSeq], budget: int, used: int = 0) -> int:
@@ -200,6 +205,16 @@ class Policy(ABC):
 
     def _decode_items(self) -> list[ScheduledSeq]:
         return [ScheduledSeq(seq, 1) for seq in self.running if seq.is_decoding]
+
+    def _running_items(self) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
+        """`_decode_items()` and `_unfinished_prefill_items()` in one pass over `running`."""
+        decodes, prefills = [], []
+        for seq in self.running:
+            if seq.is_decoding:
+                decodes.append(ScheduledSeq(seq, 1))
+            else:
+                prefills.append(ScheduledSeq(seq, len(seq.token_ids) - seq.num_computed_tokens))
+        return decodes, prefills
 
     def _unfinished_prefill_items(self) -> list[ScheduledSeq]:
         """The rest of prompts another policy left half-prefilled (chunked, before a role switch)."""

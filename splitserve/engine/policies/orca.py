@@ -22,9 +22,8 @@ class OrcaPolicy(Policy):
     def schedule(self) -> Plan:
         budget = self.limits.prompt_token_budget
         preempted = self._reserve_decode_slots()
-        decodes = self._decode_items()
+        decodes, prompts = self._running_items()  # prompts: left half-prefilled by a chunking policy
         starved = [item for item in decodes if item.seq.num_skips >= MAX_SKIPS]
-        prompts = self._unfinished_prefill_items()  # left half-prefilled by a chunking policy
         used = len(starved) + sum(item.num_new_tokens for item in prompts)
         if not preempted:
             used = self._admit_whole_prompts(prompts, budget, used)

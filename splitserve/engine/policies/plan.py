@@ -2,24 +2,33 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from splitserve.engine.outputs import StepStats
 from splitserve.engine.sequence import Sequence
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """Compute `seq.token_ids[start : start + num_new_tokens]`; sample a token iff that reaches the end."""
-
+class _ScheduledFields(NamedTuple):
     seq: Sequence
     num_new_tokens: int
-    start: int = field(init=False)
-    samples: bool = field(init=False)
+    start: int
+    samples: bool
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "start", self.seq.num_computed_tokens)
-        object.__setattr__(self, "samples", self.start + self.num_new_tokens == self.seq.num_tokens)
+
+class ScheduledSeq(_ScheduledFields):
+    """Compute `seq.token_ids[start : start + num_new_tokens]`; sample a token iff that reaches the end.
+    Built as `ScheduledSeq(seq, num_new_tokens)`. Immutable, and a tuple rather than a frozen dataclass:
+    one is built per sequence per iteration, and a tuple costs half as much."""
+
+    __slots__ = ()
+
+    def __new__(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return tuple.__new__(cls, (seq, num_new_tokens, start, start + num_new_tokens == len(seq.token_ids)))
+
+    def __getnewargs__(self) -> tuple[Sequence, int]:  # copy and pickle rebuild it through __new__
+        return self.seq, self.num_new_tokens
 
 
 @dataclass(frozen=True)

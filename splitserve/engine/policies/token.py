@@ -11,7 +11,8 @@ class TokenPolicy(Policy):
 
     def schedule(self) -> Plan:
         preempted = self._reserve_decode_slots()
-        items = self._decode_items() + self._unfinished_prefill_items()
+        decodes, prefills = self._running_items()
+        items = decodes + prefills
         if not preempted:
             self._admit_whole_prompts(items, self.limits.prompt_token_budget)
         return Plan(tuple(items), tuple(preempted))
