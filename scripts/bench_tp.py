@@ -6,6 +6,9 @@ uses two cores where TP 1 uses one; "TP 1, 2 threads" is the same two cores spen
 intra-op threads instead. The model is bench_kv_transfer's larger dummy shape (hidden 512, 8
 layers, 8 query / 4 KV heads, vocabulary 32,000, float32). Medians of --repeats runs.
 
+Collectives: `TPGroup.all_reduce` alone between two rank processes, at the steps' tensor shapes
+(tokens x hidden, float32): the floor under every all-reduce of a step.
+
 Steps (rank 0 of the worker, time.perf_counter around `LLMEngine.step`):
 - step_ms: a prefill of N tokens (one request), or one decode step of a batch at context 256;
 - all_reduce_ms: time rank 0 spent inside the model's all-reduces (waiting for the other rank
@@ -16,7 +19,8 @@ Steps (rank 0 of the worker, time.perf_counter around `LLMEngine.step`):
 Transfers (prompt TP, token TP) in (1, 1), (1, 2), (2, 1), each side's ranks as processes, gloo
 links over loopback, measured as bench_kv_transfer measures them:
 - serialized_ms: one-shot push after the prefill, from the first token until the token worker's
-  rank 0 knows every part has landed;
+  rank 0 knows every part has landed (it polls as a worker loop with only imports in flight does:
+  its own transport for IMPORT_WAIT_S, then a round with its other ranks);
 - visible_ms: layer-wise streaming's cost on the critical path: the prompt leader's time packing
   and pushing during the prefill plus the tail from the first token to the last part landing.
 
@@ -36,7 +40,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_kv_transfer import NEVER, kv_bytes_per_token, write_dummy_checkpoint  # this script's folder
+from bench_kv_transfer import LARGER, NEVER, kv_bytes_per_token, write_dummy_checkpoint  # this script's folder
+
+from splitserve.cluster.worker_loop import IMPORT_WAIT_S
 
 TIMEOUT = 120.0
 DECODE_CONTEXT = 256
@@ -193,8 +199,8 @@ def _token_side(engine, spec, port, conn, _) -> None:
         importer.layerwise_threshold = threshold
         conn.send(importer.reserve(request_id, prompt, params, spec["peer"], prompt_tp=prompt_tp))
         landed = []
-        while not landed:
-            landed, failures = importer.poll(timeout=0.0005)
+        while not landed:  # as a token worker with only imports in flight polls them
+            landed, failures = importer.poll(timeout=IMPORT_WAIT_S)
             if failures:
                 raise RuntimeError(failures)
         landed_at = time.monotonic()
@@ -232,7 +238,42 @@ class Worker:
                 proc.kill()
 
 
+def collective_process(rank: int, port: int, tokens: list[int], repeats: int, conn) -> None:
+    """One of two ranks timing TPGroup.all_reduce alone on [tokens, hidden] float32 tensors."""
+    from splitserve.engine.tensor_parallel import TPGroup
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    group = TPGroup(dist.PrefixStore("collective", store), rank, 2, torch.device("cpu"), TIMEOUT)
+    timed = []
+    for n in tokens:
+        tensor = torch.randn(n, LARGER["hidden_size"])
+        times = []
+        for i in range(repeats + 5):  # 5 warm-ups
+            start = time.perf_counter()
+            group.all_reduce(tensor)
+            times.append(time.perf_counter() - start)
+        timed.append(statistics.median(times[5:]))
+    conn.send(timed)
+
+
 # ---- measuring -----------------------------------------------------------------------------
+def collective_rows(store, tokens: list[int], repeats: int) -> list[dict]:
+    """All-reduce latency between two rank processes, the step's tensor shapes, nothing else running."""
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=collective_process, args=(rank, store.port, tokens, repeats, pipes[rank][1]),
+                         daemon=True) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    timed = [pipe.recv() for pipe, _ in pipes]
+    for proc in procs:
+        proc.join(30)
+    return [{"tokens": n, "bytes": n * LARGER["hidden_size"] * 4,
+             "all_reduce_us": min(timed[0][i], timed[1][i]) * 1e6, "repeats": repeats}
+            for i, n in enumerate(tokens)]
+
+
 def step_rows(store, model: str, tp: int, threads: int, prefill_lens, decode_batches, repeats: int) -> list[dict]:
     worker = Worker(store, {"worker": f"steps-tp{tp}x{threads}", "side": "steps", "role": "prefill_first",
                             "model": model, "tp": tp, "threads": threads, "transfer": False})
@@ -292,8 +333,13 @@ def transfer_rows(store, model: str, prompt_tp: int, token_tp: int, lens, repeat
     return rows
 
 
-def print_tables(steps: list[dict], transfers: list[dict]) -> None:
+def print_tables(collectives: list[dict], steps: list[dict], transfers: list[dict]) -> None:
     print(f"Hardware: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo over loopback\n")
+    print("| all-reduce of | KB | us |")
+    print("|---|---:|---:|")
+    for r in collectives:
+        print(f"| {r['tokens']} x {LARGER['hidden_size']} float32 | {r['bytes'] / 1024:.0f} | {r['all_reduce_us']:.0f} |")
+    print()
     print("| TP x threads | step | step ms | all-reduce ms (rank 0) | all-reduce ms (min of ranks) | control ms "
           "| all-reduce share |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -317,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-lens", default="128,512,2048")
     p.add_argument("--decode-batches", default="1,8,32")
     p.add_argument("--transfer-lens", default="512,2048")
-    p.add_argument("--json", type=Path, help="write {'steps': [...], 'transfers': [...]} to this JSON file")
+    p.add_argument("--json", type=Path, help="write {'collectives', 'steps', 'transfers'} rows to this JSON file")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.prefill_lens, args.decode_batches, args.transfer_lens = 2, "128", "4", "128"
@@ -325,6 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = write_dummy_checkpoint(Path(tmp) / "larger")
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        collectives = collective_rows(store, sorted({1, *ints(args.decode_batches), *ints(args.prefill_lens)}),
+                                      20 * args.repeats)
         steps = []
         for tp, threads in ((1, 1), (2, 1), (1, 2)):
             steps += step_rows(store, model, tp, threads, ints(args.prefill_lens), ints(args.decode_batches),
@@ -332,9 +380,10 @@ def main(argv: list[str] | None = None) -> None:
         transfers = []
         for prompt_tp, token_tp in ((1, 1), (1, 2), (2, 1)):
             transfers += transfer_rows(store, model, prompt_tp, token_tp, ints(args.transfer_lens), args.repeats)
-    print_tables(steps, transfers)
+    print_tables(collectives, steps, transfers)
     if args.json:
-        args.json.write_text(json.dumps({"steps": steps, "transfers": transfers}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"collectives": collectives, "steps": steps, "transfers": transfers},
+                                        indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ def test_quick_run_writes_every_row(tmp_path):
     subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], check=True, capture_output=True,
                    timeout=600)
     rows = json.loads(out.read_text())
-    steps, transfers = rows["steps"], rows["transfers"]
+    collectives, steps, transfers = rows["collectives"], rows["steps"], rows["transfers"]
+    assert [r["tokens"] for r in collectives] == [1, 4, 128]  # a decode of 1 and of 4, a prefill of 128
+    assert all(r["all_reduce_us"] > 0 and r["bytes"] == r["tokens"] * 512 * 4 for r in collectives)
     assert [(r["tp"], r["threads_per_rank"], r["kind"]) for r in steps] == [
         (tp, threads, kind) for tp, threads in ((1, 1), (2, 1), (1, 2)) for kind in ("prefill", "decode")]
     for row in steps:
