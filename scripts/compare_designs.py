@@ -8,13 +8,19 @@ turn on one local Ray with the same workers (same cores):
 Unloaded latencies for Table VI slowdowns are measured once, on the first design (the baseline
 by default: the reference system, as Splitwise's DGX-A100), and applied to all of them.
 
+With --capacity it finds each design's capacity instead, measured and simulated (see
+design_capacity.py): the highest rate meeting P99 TBT and P99 TTFT SLOs.
+
     python scripts/compare_designs.py --json compare.json
+    python scripts/compare_designs.py --capacity --json capacity.json --out capacity/
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import tempfile
+from pathlib import Path
 
 from splitserve.bench.report import markdown_table
 from splitserve.bench.runner import Target, measure_baseline, run_once
@@ -37,18 +43,28 @@ def design_config(design: str, workers: int, engine: dict) -> dict:
             "scheduler": {"policy": "jsq"}}
 
 
-def run_design(design: str, args, port: int, baseline, slo) -> tuple[list[dict], object]:
+def deploy_design(design: str, args, port: int) -> str:
+    """Bring `design` up on the local Serve; its URL once healthy."""
     from ray import serve
 
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    engine = {"kv_cache_memory_bytes": args.kv_mib << 20, "chunk_token_budget": args.chunk_budget}
-    serve.run(build_app(design_config(design, args.workers, engine)), name=design, route_prefix=f"/{design}",
-              blocking=False)
+    serve.run(build_app(design_args(design, args)), name=design, route_prefix=f"/{design}", blocking=False)
     url = f"http://127.0.0.1:{port}/{design}"
     wait_until_healthy(url, timeout=300)
-    target = Target(url)
+    return url
+
+
+def design_args(design: str, args) -> dict:
+    engine = {"kv_cache_memory_bytes": args.kv_mib << 20, "chunk_token_budget": args.chunk_budget}
+    return design_config(design, args.workers, engine)
+
+
+def run_design(design: str, args, port: int, baseline, slo) -> tuple[list[dict], object]:
+    from ray import serve
+
+    target = Target(deploy_design(design, args, port))
     if baseline is None:
         baseline = asyncio.run(measure_baseline(target, workload(args, args.rates[0])))
     rows = []
@@ -100,8 +116,21 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--designs", default=",".join(DESIGNS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8021)
-    parser.add_argument("--json", help="write one row per design and rate here")
+    parser.add_argument("--json", help="write one row per design and rate (--capacity: per design) here")
     parser.add_argument("--no-progress", action="store_true")
+    capacity = parser.add_argument_group("--capacity: each design's highest rate within the SLOs, measured and "
+                                         "simulated")
+    capacity.add_argument("--capacity", action="store_true")
+    capacity.add_argument("--tbt-slo", type=float, default=0.05, help="P99 TBT bound, seconds")
+    capacity.add_argument("--ttft-slo", type=float, default=1.0, help="P99 TTFT bound, seconds")
+    capacity.add_argument("--rate-low", type=float, default=1.0)
+    capacity.add_argument("--rate-high", type=float, default=16.0)
+    capacity.add_argument("--iterations", type=int, default=4, help="bisection steps after the two ends")
+    capacity.add_argument("--capacity-duration", type=float, default=30.0,
+                          help="seconds of arrivals per probe (rate x this many requests)")
+    capacity.add_argument("--min-requests", type=int, default=40, help="requests per probe at the least")
+    capacity.add_argument("--engine-profile", help="a `splitserve profile` CSV of this machine (default: measure one)")
+    capacity.add_argument("--out", help="a folder for the latency-against-load and CDF plots")
     args = parser.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
     args.designs = args.designs.split(",")
@@ -116,6 +145,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from ray import serve
 
     args = parse_args(argv)
+    hardware = f"{cpu_name()}, {args.workers} workers x 1 CPU, demo model"
+    if args.capacity:
+        return capacity_main(args, hardware)
     ray.init(num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     rows, baseline, slo = [], None, SLOSpec()
@@ -126,11 +158,47 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         serve.shutdown()
         ray.shutdown()
-    hardware = f"{cpu_name()}, {args.workers} workers x 1 CPU, demo model"
     print_table(rows, hardware)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hardware": hardware, "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=2)
+    return rows
+
+
+def capacity_main(args, hardware: str) -> list[dict]:
+    import ray
+    from ray import serve
+
+    from design_capacity import PROFILE_BATCHES, capacity_spec, draw, print_rows, row
+    from validate_sim import engine_profile
+
+    from splitserve.config import ClusterConfig
+    from splitserve.sim.capacity import measured_capacity, simulated_capacity
+
+    spec = capacity_spec(args)
+    configs = {design: ClusterConfig.model_validate(design_args(design, args)) for design in args.designs}
+    with tempfile.TemporaryDirectory() as folder:
+        profile = engine_profile(args, configs[args.designs[0]], Path(folder), PROFILE_BATCHES)
+        ray.init(num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        measured = []
+        try:
+            for design in args.designs:
+                url = deploy_design(design, args, args.port)
+                measured.append(measured_capacity(design, url, configs[design], profile, spec,
+                                                  progress=not args.no_progress))
+                serve.delete(design)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+        rows = [row(m, simulated_capacity(m, configs[m.name], profile, spec)) for m in measured]
+    print_rows(rows, spec, hardware)
+    if args.out:
+        for path in draw(rows, measured, Path(args.out), args.trace):
+            print(f"wrote {path}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hardware": hardware, "args": vars(args), "rows": rows}, f, indent=2)
     return rows
 
 

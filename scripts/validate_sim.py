@@ -29,11 +29,12 @@ from splitserve.sim.validate import validate
 RAY_WORKER_NICENESS = 15  # Ray's default for worker processes (RAY_worker_niceness)
 
 
-def engine_profile(args, config: ClusterConfig, folder: Path) -> Path:
+def engine_profile(args, config: ClusterConfig, folder: Path, batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Path:
+    """--engine-profile, or a `splitserve profile` of the config's model on this CPU, measured now."""
     if args.engine_profile:
         return Path(args.engine_profile)
     start = time.perf_counter()
-    spec = ProfileSpec(config.model, "cpu", prompt_sizes=(32, 64, 128, 256, 512, 1024), batch_sizes=(1, 2, 4, 8),
+    spec = ProfileSpec(config.model, "cpu", prompt_sizes=(32, 64, 128, 256, 512, 1024), batch_sizes=batch_sizes,
                        repeats=2)
     path = write_csv(run_profile(spec).rows, folder / "engine.csv")
     print(f"engine profile: {time.perf_counter() - start:.0f} s", flush=True)

@@ -71,10 +71,11 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
 
 
 def _third_party_imports(path: Path) -> list[tuple[str, bool]]:
-    """(top-level name, eager) of each third-party import."""
+    """(top-level name, eager) of each third-party import; a script's import of another script in
+    its folder (run as `python scripts/x.py`, the folder is on the path) is local."""
     tops = [(name.split(".")[0], eager) for name, eager in _imports(path)]
-    return [(top, eager) for top, eager in tops
-            if top not in sys.stdlib_module_names and top not in ("splitserve", "tests", "__future__")]
+    local = {"splitserve", "tests", "__future__"} | {p.stem for p in path.parent.glob("*.py")}
+    return [(top, eager) for top, eager in tops if top not in sys.stdlib_module_names and top not in local]
 
 
 def _distribution(module: str) -> str:

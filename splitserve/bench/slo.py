@@ -214,6 +214,17 @@ def capacity_steps(low: float, high: float, iterations: int = 6,
     return low
 
 
+def p99s_within(tbt_s: float, ttft_s: float) -> Callable[[dict], bool]:
+    """A `meets` for Sarathi-Serve's capacity: every request completed (none failed or refused),
+    P99 TBT at most `tbt_s` and P99 TTFT at most `ttft_s` seconds."""
+    def meets(summary: dict) -> bool:
+        if summary["num_failed"] or summary["num_rejected"]:
+            return False
+        tbt, ttft = summary["tbt_s"]["p99"], summary["ttft_s"]["p99"]
+        return tbt is not None and ttft is not None and tbt <= tbt_s and ttft <= ttft_s
+    return meets
+
+
 def p99_tbt_within(bound_s: float) -> Callable[[dict], bool]:
     """A `meets` for `capacity_search`: the summary's P99 TBT is at most `bound_s` seconds."""
     def meets(summary: dict) -> bool:

@@ -1,7 +1,16 @@
 import pytest
 
 from splitserve.bench.report import RequestRecord
-from splitserve.bench.slo import TABLE_VI, Baseline, SLOSpec, attainment, capacity_search, p99_tbt_within, slowdowns
+from splitserve.bench.slo import (
+    TABLE_VI,
+    Baseline,
+    SLOSpec,
+    attainment,
+    capacity_search,
+    p99_tbt_within,
+    p99s_within,
+    slowdowns,
+)
 
 
 def record(prompt, times, error=None, status=200):
@@ -148,3 +157,12 @@ def test_p99_tbt_within_is_inclusive_and_fails_without_data():
     meets = p99_tbt_within(0.2)
     assert meets({"tbt_s": {"p99": 0.2}}) and not meets({"tbt_s": {"p99": 0.21}})
     assert not meets({"tbt_s": {"p99": None}})
+
+
+def test_p99s_within_needs_both_bounds_and_every_request_served():
+    meets = p99s_within(tbt_s=0.05, ttft_s=1.0)
+    ok = {"num_failed": 0, "num_rejected": 0, "tbt_s": {"p99": 0.05}, "ttft_s": {"p99": 1.0}}
+    assert meets(ok)
+    assert not meets({**ok, "tbt_s": {"p99": 0.051}}) and not meets({**ok, "ttft_s": {"p99": 1.01}})
+    assert not meets({**ok, "num_failed": 1}) and not meets({**ok, "num_rejected": 1})
+    assert not meets({**ok, "ttft_s": {"p99": None}})

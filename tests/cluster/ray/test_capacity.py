@@ -1,0 +1,36 @@
+"""Capacity measured on the test cluster and simulated from its config (splitserve.sim.capacity):
+with SLOs nothing misses, both searches end at the top rate after its two probes; with a TBT SLO
+no token gap meets, both end at 0 after the first probe. What the two capacities come to on a
+quiet machine is scripts/compare_designs.py --capacity's to measure."""
+from __future__ import annotations
+
+import pytest
+
+from splitserve.config import ClusterConfig
+from splitserve.sim.capacity import CapacitySpec, measured_capacity, probe_rows, simulated_capacity
+from splitserve.sim.profile import ProfileSpec, run_profile, write_csv
+from tests.ray_cluster import MAIN
+
+SHORT = dict(length_scale=0.05, rate_low=1.0, rate_high=2.0, iterations=0, duration_s=4.0, min_requests=4)
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    config = ClusterConfig.model_validate(MAIN)
+    spec = ProfileSpec(config.model, "cpu", repeats=1, prompt_sizes=(32, 128, 512), batch_sizes=(1, 2, 4))
+    return config, write_csv(run_profile(spec).rows, tmp_path_factory.mktemp("capacity") / "engine.csv")
+
+
+@pytest.mark.parametrize("tbt_slo_s, capacity, probes", [(60.0, 2.0, [1.0, 2.0]), (1e-9, 0.0, [1.0])],
+                         ids=["all-pass", "none-pass"])
+def test_measured_and_simulated_searches_agree_at_the_extremes(server, profiled, tbt_slo_s, capacity, probes):
+    config, profile = profiled
+    spec = CapacitySpec(**SHORT, tbt_slo_s=tbt_slo_s, ttft_slo_s=60.0)
+    measured = measured_capacity("main", server, config, profile, spec)
+    assert measured.capacity_rps == capacity and [rate for rate, _ in measured.probes] == probes
+    assert measured.overhead.request_s > 0 and measured.max_model_len == MAIN["engine"]["max_model_len"]
+    assert (measured.records_at_capacity is not None) == (capacity > 0)
+    simulated, simulated_probes = simulated_capacity(measured, config, profile, spec)
+    assert simulated == capacity and [rate for rate, _ in simulated_probes] == probes
+    rows = probe_rows("main", measured.probes)
+    assert [r["num_requests"] for r in rows] == [4, 8][:len(probes)] and all(r["num_failed"] == 0 for r in rows)
