@@ -24,3 +24,20 @@ def test_tiny_comparison_writes_every_row(tmp_path):
         assert row["num_requests"] == 4 and row["num_failed"] == 0 and row["throughput_rps"] > 0
         assert all(0 < row[m]["p50"] <= row[m]["p99"] for m in ("ttft_s", "tbt_s", "e2e_s"))
     assert "| 4 | splitwise |" in done.stdout
+
+
+def test_tiny_capacity_search_writes_measured_and_simulated(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "capacity.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--capacity", "--designs", "splitwise", "--rate-low", "1",
+                           "--rate-high", "2", "--iterations", "0", "--capacity-duration", "2", "--min-requests", "2",
+                           "--tbt-slo", "60", "--ttft-slo", "60", "--length-scale", "0.05", "--port", "8024",
+                           "--no-progress", "--json", str(out), "--out", str(tmp_path / "plots")],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["design"] == "splitwise" and row["capacity_rps"] == row["simulated_capacity_rps"] == 2.0
+    assert [p["rate"] for p in row["probes"]] == [p["rate"] for p in row["simulated_probes"]] == [1.0, 2.0]
+    assert row["overhead"]["request_s"] > 0
+    assert "| splitwise | 2.00 | 2.00 | 1.00 | 2 |" in done.stdout
+    assert (tmp_path / "plots" / "capacity_latency_vs_load.png").read_bytes()[:4] == b"\x89PNG"
