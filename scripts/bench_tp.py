@@ -158,7 +158,8 @@ def _steps(engine, spec, port, conn, follower_spent: list[dict]) -> None:
             if kind == "prefill":
                 count += 1
                 engine.add_request(f"p{count}", _prompt(n), SamplingParams(temperature=0, max_tokens=1))
-            _take_spent(), follower_spent.clear()
+            _take_spent()
+            follower_spent.clear()
             start = time.perf_counter()
             engine.step()
             step = time.perf_counter() - start

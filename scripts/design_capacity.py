@@ -16,8 +16,10 @@ PROFILE_BATCHES = (1, 2, 4, 8, 16, 32)  # a token worker near capacity batches t
 
 
 def capacity_spec(args) -> CapacitySpec:
-    return CapacitySpec(args.trace, args.length_scale, args.max_prompt_tokens, args.seed, args.tbt_slo, args.ttft_slo,
-                        args.rate_low, args.rate_high, args.iterations, args.capacity_duration, args.min_requests)
+    return CapacitySpec(trace=args.trace, length_scale=args.length_scale, max_prompt_tokens=args.max_prompt_tokens,
+                        seed=args.seed, tbt_slo_s=args.tbt_slo, ttft_slo_s=args.ttft_slo, rate_low=args.rate_low,
+                        rate_high=args.rate_high, iterations=args.iterations, duration_s=args.capacity_duration,
+                        min_requests=args.min_requests)
 
 
 def row(measured: Capacity, simulated: tuple[float, list]) -> dict:

@@ -108,9 +108,9 @@ def provision_all(args: argparse.Namespace, runner: Runner) -> dict[tuple, dict]
                     keys.append(((trace_name, rule, name, goal), d, p, t))
                     searches.append(throughput_search(d, p, t, trace, *rate_range(p + t), args.iterations))
     with tqdm(total=None, desc="provisioning", unit="run") as bar:
-        rates = runner.drive(searches, lambda probe: bar.update())
+        found = runner.drive(searches, lambda probe: bar.update())
     best: dict[tuple, dict] = {}
-    for (key, d, p, t), rate in zip(keys, rates):
+    for (key, d, p, t), (rate, _) in zip(keys, found):
         if key not in best or rate > best[key]["throughput_rps"]:
             best[key] = _row(d, p, t, rate)
     return best

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Job:
-    """`fn(*args)`: a module-level function (a Ray task imports it by name)."""
+    """`fn(*args)`. On Ray tasks `fn` must pickle: a module-level function (imported by name)."""
 
     fn: Callable
     args: tuple
@@ -80,16 +81,15 @@ class SerialRunner(Runner):
     slots = 1
 
     def __init__(self):
-        self._done: collections.OrderedDict = collections.OrderedDict()
-        self._count = 0
+        self._done: collections.deque[tuple[int, Any]] = collections.deque()  # (handle, result)
+        self._handles = itertools.count()
 
     def _submit(self, job: Job) -> int:
-        self._count += 1
-        self._done[self._count] = job.fn(*job.args)
-        return self._count
+        self._done.append((next(self._handles), job.fn(*job.args)))
+        return self._done[-1][0]
 
     def _next_done(self, handles: list) -> tuple[int, Any]:
-        return self._done.popitem(last=False)
+        return self._done.popleft()
 
 
 def add_runner_arguments(p: argparse.ArgumentParser) -> None:

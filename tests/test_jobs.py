@@ -4,23 +4,18 @@ import math
 
 import pytest
 
-from splitserve.jobs import Job, Runner, SerialRunner
+from splitserve.jobs import Job, SerialRunner
 
 
-class Shuffled(Runner):
-    """Runs each job at once but hands finished ones back newest first, `slots` at a time."""
+class Shuffled(SerialRunner):
+    """Runs each job when submitted but hands finished ones back newest first; claims `slots`."""
 
     def __init__(self, slots: int):
-        self.slots, self._done, self._count = slots, {}, 0
-
-    def _submit(self, job: Job) -> int:
-        self._count += 1
-        self._done[self._count] = job.fn(*job.args)
-        return self._count
+        super().__init__()
+        self.slots = slots
 
     def _next_done(self, handles: list):
-        newest = max(handles)
-        return newest, self._done.pop(newest)
+        return self._done.pop()
 
 
 def halving(start: float):

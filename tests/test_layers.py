@@ -19,7 +19,7 @@ ALLOWED = {
     "api": {"engine"},
     "batch": {"api", "engine", "command"},
     "config": {"api", "batch", "engine", "placement"},
-    "bench": {"data", "command", "machine"},
+    "bench": {"data", "command", "jobs", "machine"},
     "sim": {"bench", "command", "config", "engine", "placement"},
     "provision": {"bench", "jobs", "sim"},
     "cluster": {"api", "batch", "config", "engine", "jobs", "placement", "transfer"},

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from splitserve.jobs import Job, Search, SerialRunner
 
 if TYPE_CHECKING:
     from splitserve.bench.report import RequestRecord
@@ -174,25 +176,16 @@ def _request_attained(r: RequestRecord, slo: SLOSpec, baseline: Baseline | None)
 
 def capacity_search(run_at_rate: Callable[[float], dict], meets: Callable[[dict], bool], low: float, high: float,
                     iterations: int = 6, geometric: bool = False) -> tuple[float, list[tuple[float, dict]]]:
-    """Sarathi-Serve capacity: the highest rate whose run summary `meets` the SLO (the search of
-    `capacity_steps`, one run after another). Returns the rate and every (rate, summary) probed,
-    in probe order (2 + iterations at most)."""
-    probes = []
-    steps = capacity_steps(low, high, iterations, geometric)
-    rate = next(steps)
-    while True:
-        summary = run_at_rate(rate)
-        probes.append((rate, summary))
-        try:
-            rate = steps.send(meets(summary))
-        except StopIteration as done:
-            return done.value, probes
+    """`capacity_probes` run here, one after another: the capacity and every (rate, summary) probed."""
+    search = capacity_probes(lambda rate: Job(run_at_rate, (rate,)), meets, low, high, iterations, geometric)
+    return SerialRunner().drive([search])[0]
 
 
-def capacity_steps(low: float, high: float, iterations: int = 6,
-                   geometric: bool = False) -> Generator[float, bool, float]:
-    """The capacity search as a generator: yields each rate to probe, is sent whether it met the
-    SLO, returns the capacity (so a caller may run many searches' probes at once).
+def capacity_probes(job_at: Callable[[float], Job], passed: Callable[[Any], bool], low: float, high: float,
+                    iterations: int = 6, geometric: bool = False) -> Search:
+    """Sarathi-Serve capacity as a search (splitserve.jobs): the highest rate whose probe, the job
+    `job_at(rate)`, `passed`. Returns (capacity, every (rate, result) probed, in probe order: 2 +
+    iterations at most), so a runner may drive many such searches at once.
 
     Probes `low` first: if it fails, the capacity is 0.0. Then `high`: if it passes, `high` (the
     capacity may be higher still). Otherwise bisects `iterations` times between the highest
@@ -204,14 +197,21 @@ def capacity_steps(low: float, high: float, iterations: int = 6,
         raise ValueError(f"low/high: need 0 < low < high, got low={low}, high={high}")
     if iterations < 0:
         raise ValueError(f"iterations: must be at least 0, got {iterations}")
-    if not (yield low):
-        return 0.0
-    if (yield high):
-        return high
+    probes: list[tuple[float, Any]] = []
+
+    def probe(rate: float):
+        result = yield job_at(rate)
+        probes.append((rate, result))
+        return passed(result)
+
+    if not (yield from probe(low)):
+        return 0.0, probes
+    if (yield from probe(high)):
+        return high, probes
     for _ in range(iterations):
         mid = math.sqrt(low * high) if geometric else (low + high) / 2
-        low, high = (mid, high) if (yield mid) else (low, mid)
-    return low
+        low, high = (mid, high) if (yield from probe(mid)) else (low, mid)
+    return low, probes
 
 
 def p99s_within(tbt_s: float, ttft_s: float) -> Callable[[dict], bool]:

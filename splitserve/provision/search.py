@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from splitserve.bench.report import RequestRecord
-from splitserve.bench.slo import TABLE_VI, capacity_steps
+from splitserve.bench.slo import TABLE_VI, capacity_probes
 from splitserve.bench.workload import WorkloadSpec, make_workload
 from splitserve.jobs import Job, Runner, Search, SerialRunner
 from splitserve.sim.cluster import SimResult, simulate
@@ -104,23 +104,17 @@ def run_probe(design: Design, num_prompt: int, num_token: int, rate: float, trac
 def max_throughput(design: Design, num_prompt: int, num_token: int, trace: TraceSpec, low: float, high: float,
                    iterations: int = 5, progress: Progress | None = None, runner: Runner | None = None) -> float:
     """The highest Poisson rate (req/s) in [low, high] meeting the SLOs, by geometric bisection
-    (`splitserve.bench.slo.capacity_steps`), within a factor (high / low) ** (1 / 2**iterations)
+    (`splitserve.bench.slo.capacity_probes`), within a factor (high / low) ** (1 / 2**iterations)
     below the true one: 0.0 if `low` fails, `high` if `high` passes."""
     search_ = throughput_search(design, num_prompt, num_token, trace, low, high, iterations)
-    return (runner or SerialRunner()).drive([search_], progress)[0]
+    return (runner or SerialRunner()).drive([search_], progress)[0][0]
 
 
 def throughput_search(design: Design, num_prompt: int, num_token: int, trace: TraceSpec, low: float, high: float,
                       iterations: int = 5) -> Search:
-    """`max_throughput` as a search (splitserve.jobs): yields each probe's job."""
-    steps = capacity_steps(low, high, iterations, geometric=True)
-    rate = next(steps)
-    while True:
-        probe = yield Job(run_probe, (design, num_prompt, num_token, rate, trace))
-        try:
-            rate = steps.send(probe.meets)
-        except StopIteration as done:
-            return done.value
+    """`max_throughput` as a search (splitserve.jobs): each probe a job; returns (rate, probes)."""
+    return capacity_probes(lambda rate: Job(run_probe, (design, num_prompt, num_token, rate, trace)),
+                           lambda probe: probe.meets, low, high, iterations, geometric=True)
 
 
 def reference_budget(goal: str) -> float:
@@ -222,9 +216,9 @@ def search(design: Design, goal: Goal, trace: TraceSpec, iterations: int = 5,
     if goal.kind == "iso-throughput":
         return _iso_throughput(design, goal, trace, runner, progress)
     splits = budget_splits(design, goal.kind, goal.resolved_budget, goal.step)
-    rates = runner.drive([throughput_search(design, p, t, trace, *rate_range(p + t), iterations) for p, t in splits],
+    found = runner.drive([throughput_search(design, p, t, trace, *rate_range(p + t), iterations) for p, t in splits],
                          progress)
-    configs = [Config(p, t, design.cost(p, t), design.power(p, t), rate) for (p, t), rate in zip(splits, rates)]
+    configs = [Config(p, t, design.cost(p, t), design.power(p, t), rate) for (p, t), (rate, _) in zip(splits, found)]
     passing = [c for c in configs if c.throughput_rps > 0]
     best = max(passing, key=lambda c: (c.throughput_rps, -c.cost)) if passing else None
     return Plan(design.name, goal, trace, tuple(configs), best, design.decode_rule, design.mixed_policy)

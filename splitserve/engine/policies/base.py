@@ -203,11 +203,9 @@ class Policy(ABC):
             raise RuntimeError(f"KV blocks held by sequences the policy does not track: {sorted(extra)}")
         self.blocks.check_integrity()
 
-    def _decode_items(self) -> list[ScheduledSeq]:
-        return [ScheduledSeq(seq, 1) for seq in self.running if seq.is_decoding]
-
     def _running_items(self) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
-        """`_decode_items()` and `_unfinished_prefill_items()` in one pass over `running`."""
+        """In one pass over `running`: a token each for the decoding sequences, and the rest of the
+        prompts another policy left half-prefilled (chunked, before a role switch)."""
         decodes, prefills = [], []
         for seq in self.running:
             if seq.is_decoding:
@@ -215,7 +213,3 @@ class Policy(ABC):
             else:
                 prefills.append(ScheduledSeq(seq, len(seq.token_ids) - seq.num_computed_tokens))
         return decodes, prefills
-
-    def _unfinished_prefill_items(self) -> list[ScheduledSeq]:
-        """The rest of prompts another policy left half-prefilled (chunked, before a role switch)."""
-        return [ScheduledSeq(seq, seq.num_uncomputed_tokens) for seq in self.running if not seq.is_decoding]

@@ -16,7 +16,7 @@ class MixedPolicy(Policy):
     def schedule(self) -> Plan:
         budget = self.limits.chunk_token_budget
         preempted = self._reserve_decode_slots()
-        items = self._decode_items()
+        items, _ = self._running_items()
         used = len(items)
         for seq in self.running:
             if not seq.is_decoding and used < budget:

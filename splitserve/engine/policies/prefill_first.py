@@ -8,9 +8,10 @@ class PrefillFirstPolicy(Policy):
     name = "prefill_first"
 
     def schedule(self) -> Plan:
-        items = self._unfinished_prefill_items()
+        _, items = self._running_items()
         self._admit_whole_prompts(items, self.limits.prompt_token_budget)
         if items:
             return Plan(tuple(items))
         preempted = self._reserve_decode_slots()
-        return Plan(tuple(self._decode_items()), tuple(preempted))
+        decodes, _ = self._running_items()
+        return Plan(tuple(decodes), tuple(preempted))
