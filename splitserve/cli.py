@@ -103,8 +103,9 @@ def _run_generate(args) -> int:
 def _add_profile(commands) -> None:
     p = commands.add_parser("profile", help="measure the engine's prefill and decode times into a profile CSV",
                             description="Run one in-process engine through a prompt-size sweep (batch 1) and a "
-                                        "batch-size sweep (at prompt 512, or the largest size below it) and write "
-                                        "the times in the Splitwise profile CSV format, for `splitserve sim`.")
+                                        "batch-size sweep (at prompt 512, or the largest size below it), plus a "
+                                        "chunk sweep (a prompt after a cached prefix), and write the times in the "
+                                        "Splitwise profile CSV format (with a prefix_size column), for `splitserve sim`.")
     p.add_argument("--out", required=True, help="the CSV file to write (with --url: the JSON file)")
     p.add_argument("--model", default="demo", help='"demo" (built-in) or a Hugging Face checkpoint directory')
     p.add_argument("--hardware", default="cpu", help="the hardware column (a label, e.g. cpu, a100-80gb)")
@@ -114,6 +115,10 @@ def _add_profile(commands) -> None:
     p.add_argument("--prompt-sizes", type=_sizes, default=(32, 64, 128, 256, 512, 1024), help="comma-separated")
     p.add_argument("--batch-sizes", type=_sizes, default=(1, 2, 4, 8, 16, 32), help="comma-separated")
     p.add_argument("--token-size", type=_positive_int, default=32, help="output tokens per request (>= 2)")
+    p.add_argument("--chunk-size", type=_positive_int, default=256, help="new tokens of a chunk-sweep prompt")
+    p.add_argument("--chunk-contexts", type=_sizes_or_none, default=(256, 512, 1024),
+                   help="cached prefixes (multiples of 16) the chunk sweep prefills after, comma-separated; "
+                        "'none': no chunk sweep")
     serving = p.add_argument_group("serving overhead (--url): what a running cluster adds to its engine's times; "
                                    "writes JSON for `splitserve sim --overhead`")
     serving.add_argument("--url", help="the cluster's base URL: measure its overhead instead of profiling an engine")
@@ -124,6 +129,10 @@ def _add_profile(commands) -> None:
                          help="the cluster's workers share this machine's cores: also measure how much a busy "
                               "worker slows the others (peer_slowdown)")
     p.set_defaults(run=_run_profile)
+
+
+def _sizes_or_none(text: str) -> tuple[int, ...]:
+    return () if text.strip().lower() == "none" else _sizes(text)
 
 
 def _positive_int(text: str) -> int:
@@ -152,8 +161,8 @@ def _run_profile(args) -> int:
 
     try:
         spec = ProfileSpec(args.model, args.hardware, args.device, args.threads, args.repeats, args.prompt_sizes,
-                           args.batch_sizes, args.token_size)
-        with tqdm(total=spec.repeats * len(spec.points()), desc="profile", unit="point") as bar:
+                           args.batch_sizes, args.token_size, args.chunk_size, args.chunk_contexts)
+        with tqdm(total=spec.repeats * spec.num_points(), desc="profile", unit="point") as bar:
             result = run_profile(spec, lambda row: bar.update())
     except ValueError as error:
         print(f"splitserve profile: {error}", file=sys.stderr)

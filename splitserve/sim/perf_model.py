@@ -9,6 +9,10 @@ the Splitwise data): prompt sizes at batch 1, batch sizes at the reference promp
   `prompt_time` over the rows with that many tokens (both sweeps pooled).
 - Decode: piecewise linear in the batch size at the reference context (median `token_time` of the
   batch sweep), plus a linear term in context fitted on the prompt sweep's batch-1 `token_time`.
+- Prefill chunks: a chunk of n prompt tokens after c tokens already computed (chunked prefill, or a
+  prefix-cache hit) attends over them too, so it costs the prefill curve at n plus a slope per
+  (chunk token x context token). The slope is fitted on rows with the optional `prefix_size` column
+  (`splitserve profile` writes them; the Splitwise profiles have none, so their slope is 0).
 
 Pure Python and numpy, so the simulator never imports torch.
 """
@@ -26,6 +30,7 @@ import numpy as np
 
 CSV_COLUMNS = ("model", "hardware", "prompt_size", "batch_size", "token_size", "peak_power", "average_power",
                "prompt_time", "token_time", "e2e_time", "tensor_parallel")
+PREFIX_COLUMN = "prefix_size"  # optional: prompt tokens already computed (cached) before the row's prefill
 DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "data" / "profiles" / "perf_model.csv"
 # A row is a failed measurement when its own end-to-end time is this many times what its prompt and
 # token times add up to (the llama2-70b TP2 batch-64 rows: 14-17x; every other row: at most 1.2x).
@@ -59,6 +64,7 @@ class PerfModel:
     decode_ms: tuple[float, ...]        # its iteration time at reference_context
     reference_context: float            # mean context (tokens per sequence) of the batch sweep's decodes
     decode_context_slope_ms: float      # extra decode ms per context token in the batch beyond the reference
+    chunk_context_slope_ms: float = 0.0  # extra prefill ms per (chunk token x context token before the chunk)
 
     def __post_init__(self) -> None:
         check_curve("prefill_tokens", self.prefill_tokens, "prefill_ms", self.prefill_ms)
@@ -67,9 +73,9 @@ class PerfModel:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel!r}")
         if not (math.isfinite(self.reference_context) and self.reference_context >= 0):
             raise ValueError(f"reference_context must be a finite number >= 0, got {self.reference_context!r}")
-        if not (math.isfinite(self.decode_context_slope_ms) and self.decode_context_slope_ms >= 0):
-            raise ValueError(f"decode_context_slope_ms must be a finite number >= 0, "
-                             f"got {self.decode_context_slope_ms!r}")
+        for name in ("decode_context_slope_ms", "chunk_context_slope_ms"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
 
     def prefill_time(self, num_tokens: int) -> float:
         """Seconds for a prefill iteration over `num_tokens` tokens (all its prompts together).
@@ -93,21 +99,27 @@ class PerfModel:
         """Seconds for one sequence's decode at `context_tokens` alone: the unloaded TBT."""
         return self.decode_time(1, context_tokens)
 
-    def iteration_time(self, prefill_tokens: int, decode_seqs: int, decode_context_tokens: int) -> float:
-        """Seconds for one engine iteration: `prefill_tokens` prompt tokens (whole or chunked) and
-        `decode_seqs` decodes whose contexts add up to `decode_context_tokens`.
+    def iteration_time(self, prefill_tokens: int, decode_seqs: int, decode_context_tokens: int,
+                       chunk_context: int = 0) -> float:
+        """Seconds for one engine iteration: `prefill_tokens` prompt tokens (whole or chunked),
+        `chunk_context` the sum over its prefill chunks of chunk tokens x tokens computed before the
+        chunk, and `decode_seqs` decodes whose contexts add up to `decode_context_tokens`.
 
         Decode only: decode_time at the mean context. With prefill work (a mixed batch), each
-        decode rides along as one more token, prefill_time(prefill_tokens + decode_seqs), as in
-        splitwise-sim (which also adds 10 % to mixed batches; we do not); but never less than the
-        decodes alone, so adding a prompt chunk cannot speed an iteration up (on CPU a 33-token
-        prefill is faster than a 32-sequence decode with long contexts)."""
-        if prefill_tokens < 0 or decode_seqs < 0:
-            raise ValueError(f"prefill_tokens and decode_seqs must be >= 0, got {prefill_tokens!r}, {decode_seqs!r}")
+        decode rides along as one more token through the weights, prefill_time(prefill_tokens +
+        decode_seqs), as in splitwise-sim (which adds 10 % to mixed batches instead of the terms
+        that follow), plus the chunks' context term, plus the decodes' attention over their own
+        contexts (the decode context slope per token); but never less than the decodes alone, so
+        adding a prompt chunk cannot speed an iteration up."""
+        if prefill_tokens < 0 or decode_seqs < 0 or chunk_context < 0:
+            raise ValueError(f"prefill_tokens, decode_seqs and chunk_context must be >= 0, "
+                             f"got {prefill_tokens!r}, {decode_seqs!r}, {chunk_context!r}")
         decode = self.decode_time(decode_seqs, decode_context_tokens / decode_seqs) if decode_seqs else 0.0
         if not prefill_tokens:
             return decode
-        return max(self.prefill_time(prefill_tokens + decode_seqs), decode)
+        attention = (self.chunk_context_slope_ms * chunk_context
+                     + self.decode_context_slope_ms * decode_context_tokens) / 1000
+        return max(self.prefill_time(prefill_tokens + decode_seqs) + attention, decode)
 
     def scaled(self, prefill_factor: float, decode_factor: float, hardware: str) -> PerfModel:
         """The same model with prefill and decode times multiplied (e.g. a power cap: 1.3, 1.0)."""
@@ -116,7 +128,8 @@ class PerfModel:
                 raise ValueError(f"{name} must be a finite number > 0, got {factor!r}")
         return replace(self, hardware=hardware, prefill_ms=tuple(t * prefill_factor for t in self.prefill_ms),
                        decode_ms=tuple(t * decode_factor for t in self.decode_ms),
-                       decode_context_slope_ms=self.decode_context_slope_ms * decode_factor)
+                       decode_context_slope_ms=self.decode_context_slope_ms * decode_factor,
+                       chunk_context_slope_ms=self.chunk_context_slope_ms * prefill_factor)
 
 
 def constant_model(prefill_ms_per_token: float, decode_ms: float, hardware: str = "const",
@@ -141,6 +154,7 @@ class ProfileRow:
     prompt_time: float  # ms
     token_time: float   # ms
     e2e_time: float     # ms
+    prefix_size: int = 0  # prompt tokens already computed before this prefill (a chunk's context)
 
     @property
     def is_outlier(self) -> bool:
@@ -188,6 +202,8 @@ def read_profile(path: str | Path | None = None) -> list[ProfileRow]:
 def _parse_row(raw: dict, where: str) -> ProfileRow:
     values = {}
     for name in ProfileRow.__dataclass_fields__:
+        if name == PREFIX_COLUMN and raw.get(name) in (None, ""):
+            continue  # optional (absent from the Splitwise profiles): 0
         kind = ProfileRow.__dataclass_fields__[name].type
         try:
             values[name] = raw[name] if kind == "str" else (int if kind == "int" else float)(raw[name])
@@ -196,6 +212,8 @@ def _parse_row(raw: dict, where: str) -> ProfileRow:
     row = ProfileRow(**values)
     if min(row.tensor_parallel, row.prompt_size, row.batch_size, row.token_size) < 1:
         raise ValueError(f"{where}: tensor_parallel, prompt_size, batch_size and token_size must be >= 1")
+    if row.prefix_size < 0:
+        raise ValueError(f"{where}: prefix_size must be >= 0")
     if not all(math.isfinite(t) and t > 0 for t in (row.prompt_time, row.token_time)):
         raise ValueError(f"{where}: prompt_time and token_time must be positive numbers of ms")
     return row
@@ -203,7 +221,11 @@ def _parse_row(raw: dict, where: str) -> ProfileRow:
 
 def fit_perf_model(key: tuple[str, str, int], rows: list[ProfileRow]) -> PerfModel:
     """The reference point is the most common output size and, at that size, the most common
-    prompt size (the point every sweep shares)."""
+    prompt size (the point every sweep shares). Rows with a prefix only fit the chunk slope."""
+    chunks = [r for r in rows if r.prefix_size]
+    rows = [r for r in rows if not r.prefix_size]
+    if not rows:
+        raise ValueError(f"{key}: every row has a prefix_size; the prompt and batch sweeps need prefix_size 0")
     ref_tokens = Counter(r.token_size for r in rows).most_common(1)[0][0]
     at_ref_tokens = [r for r in rows if r.token_size == ref_tokens]
     ref_prompt = max(Counter(r.prompt_size for r in at_ref_tokens).items(), key=lambda kv: (kv[1], kv[0]))[0]
@@ -214,7 +236,16 @@ def fit_perf_model(key: tuple[str, str, int], rows: list[ProfileRow]) -> PerfMod
     by_context = medians([r for r in at_ref_tokens if r.batch_size == 1],
                           lambda r: r.prompt_size + ref_tokens / 2, lambda r: r.token_time)
     slope = float(np.polyfit(*by_context, 1)[0]) if len(by_context[0]) > 1 else 0.0
-    return PerfModel(*key, *prefill, *decode, ref_prompt + ref_tokens / 2, max(slope, 0.0))
+    model = PerfModel(*key, *prefill, *decode, ref_prompt + ref_tokens / 2, max(slope, 0.0))
+    return replace(model, chunk_context_slope_ms=chunk_slope(model, chunks)) if chunks else model
+
+
+def chunk_slope(model: PerfModel, chunks: list[ProfileRow]) -> float:
+    """Least squares through the origin: a chunk's time beyond the prefill curve at its tokens,
+    against its (chunk tokens x context tokens)."""
+    xs = [r.prompt_size * r.batch_size * r.prefix_size for r in chunks]
+    extra = [r.prompt_time - model.prefill_time(r.prompt_size * r.batch_size) * 1000 for r in chunks]
+    return max(sum(x * y for x, y in zip(xs, extra)) / sum(x * x for x in xs), 0.0)
 
 
 def medians(rows: list[ProfileRow], x, y) -> tuple[tuple[float, ...], tuple[float, ...]]:

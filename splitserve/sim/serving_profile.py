@@ -34,8 +34,9 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
                              api_key: str | None = None, shared_host: bool = False) -> tuple[ServingOverhead, int]:
     """The overhead of the cluster at `url`, deployed with `config`, against `engine_profile` (a
     `splitserve profile` CSV of its hardware); and how many requests it was fitted on. With
-    `shared_host` (its workers share one machine's cores) also `peer_slowdown`, when it has
-    prompt and token workers to measure it between."""
+    `shared_host` (its workers share one machine's cores) also `peer_slowdown`, when it has two
+    workers to measure it between: a prompt and a token worker, or two mixed workers (the CLS puts
+    the prompts on the one not decoding, whose queues are shorter)."""
     if output_tokens < 2:
         raise ValueError(f"output_tokens must be >= 2 (the overhead is fitted on token gaps), got {output_tokens!r}")
     limit = config.engine.max_model_len
@@ -50,7 +51,9 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
                    for concurrency in (1, 2))
     overhead = fit_overhead(lone, pairs, scenario.perf_models[prompt_hw], scenario.perf_models[token_hw],
                             scenario.transfer)
-    if not (shared_host and Role.PROMPT in hardware and Role.TOKEN in hardware):
+    split = Role.PROMPT in hardware and Role.TOKEN in hardware
+    mixed_pair = sum(pool.count for pool in scenario.pools if pool.role is Role.MIXED) >= 2
+    if not (shared_host and (split or mixed_pair)):
         return overhead, len(lone) + len(pairs)
     # the prompts' windows (request overhead + prefill) and pauses, with the decode's lone gap for
     # each token and twice the tokens for margin; the decode stays within max_model_len

@@ -54,7 +54,9 @@ class SplitwiseSimPerf:
         """The unloaded TBT of a request with `context_tokens` of prompt: the curve at that size."""
         return self._token_curve(context_tokens)
 
-    def iteration_time(self, prefill_tokens: int, decode_seqs: int, decode_context_tokens: int) -> float:
+    def iteration_time(self, prefill_tokens: int, decode_seqs: int, decode_context_tokens: int,
+                       chunk_context: int = 0) -> float:
+        """As splitwise-sim: contexts (the decodes' and the chunks') are ignored."""
         if prefill_tokens < 0 or decode_seqs < 0:
             raise ValueError(f"prefill_tokens and decode_seqs must be >= 0, got {prefill_tokens!r}, {decode_seqs!r}")
         if not prefill_tokens:

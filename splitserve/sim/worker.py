@@ -29,7 +29,8 @@ class PerfModel(Protocol):
     """Seconds an iteration takes (splitserve.sim.perf_model.PerfModel is one). Called positionally:
     `decode_time(batch, mean context tokens per sequence)`."""
 
-    def iteration_time(self, prefill_tokens: int, decode_seqs: int, decode_context_tokens: int, /) -> float: ...
+    def iteration_time(self, prefill_tokens: int, decode_seqs: int, decode_context_tokens: int,
+                       chunk_context: int, /) -> float: ...
 
     def prefill_time(self, num_tokens: int, /) -> float: ...
 
@@ -121,7 +122,7 @@ class SimWorker:
         self.changed = True  # admission moves sequences (and blocks) even when nothing runs
         if not plan.scheduled:
             return None
-        prefill = decodes = context = 0
+        prefill = decodes = context = chunk_context = 0
         prefills = self._sampling_prefills = []
         for item in plan.scheduled:
             seq = item.seq
@@ -132,9 +133,10 @@ class SimWorker:
                 context += num_tokens
             else:
                 prefill += item.num_new_tokens
+                chunk_context += item.num_new_tokens * item.start  # attends over the tokens before the chunk
                 if item.samples:
                     prefills.append(seq)
-        duration = (self.perf.iteration_time(prefill, decodes, context) + self.iteration_overhead_s
+        duration = (self.perf.iteration_time(prefill, decodes, context, chunk_context) + self.iteration_overhead_s
                     + self.token_overhead_s * (decodes + len(prefills)))
         if prefill and self.prefill_extra:
             duration += self.prefill_extra * self.perf.prefill_time(prefill)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import ast
 import csv
+import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -113,7 +115,13 @@ def test_iteration_time_rules():
     assert model.iteration_time(2, 10, 5000) == pytest.approx(0.020)    # 12 tokens = 6 ms < the decodes alone
     hand = three_points()
     assert hand.iteration_time(0, 2, 300) == pytest.approx(0.008)       # mean context 150
-    assert hand.iteration_time(148, 2, 300) == pytest.approx(0.015)     # prefill curve at 150 tokens
+    # the prefill curve at 150 tokens (15 ms) plus the decodes' attention over 300 context tokens
+    assert hand.iteration_time(148, 2, 300) == pytest.approx(0.015 + 0.02 * 300 / 1000)
+    chunked = replace(hand, chunk_context_slope_ms=0.001)
+    assert chunked.iteration_time(100, 0, 0, 100 * 400) == pytest.approx(0.010 + 0.001 * 40_000 / 1000)
+    assert chunked.iteration_time(0, 2, 300, 0) == hand.iteration_time(0, 2, 300)  # no chunk: no chunk term
+    with pytest.raises(ValueError, match="chunk_context"):
+        chunked.iteration_time(100, 0, 0, -1)
 
 
 def test_constant_model_arithmetic():
@@ -130,6 +138,8 @@ def test_bad_values_name_the_field(tmp_path):
         PerfModel("m", "hw", 1, (1.0,), (1.0,), (2.0, 1.0), (1.0, 1.0), 0.0, 0.0)
     with pytest.raises(ValueError, match="decode_context_slope_ms"):
         PerfModel("m", "hw", 1, (1.0,), (1.0,), (1.0,), (1.0,), 0.0, -1.0)
+    with pytest.raises(ValueError, match="chunk_context_slope_ms"):
+        PerfModel("m", "hw", 1, (1.0,), (1.0,), (1.0,), (1.0,), 0.0, 0.0, math.nan)
     with pytest.raises(ValueError, match="prefill_ms_per_token"):
         constant_model(0.0, 1.0)
     with pytest.raises(ValueError, match="decode_factor"):
@@ -157,6 +167,27 @@ def test_a_small_profile_by_hand(tmp_path):
     assert model.reference_context == 102.0                       # prompt 100 + 4 / 2
     assert model.decode_context_slope_ms == pytest.approx(0.005)  # (3 - 2) ms / (302 - 102) tokens
     assert len(load_report(path).dropped) == 1
+    assert model.chunk_context_slope_ms == 0.0  # no prefix_size column, as in the Splitwise profiles
+
+
+def test_the_chunk_slope_is_fitted_on_rows_with_a_prefix(tmp_path):
+    """Prompt sweep 100 / 300 (0.1 ms a token); chunks of 100 after 200 and 400 cached tokens take
+    4 and 8 ms more: 0.0002 ms per (chunk token x context token). They fit nothing else."""
+    rows = [(100, 0, 10.0), (300, 0, 30.0), (100, 200, 14.0), (100, 400, 18.0)]
+    lines = [",".join((*perf_model.CSV_COLUMNS, perf_model.PREFIX_COLUMN))]
+    lines += [f"own,cpu,{p},1,4,0,0,{pt},2.0,{pt + 6.0},1,{c}" for p, c, pt in rows]
+    path = tmp_path / "own.csv"
+    path.write_text("\n".join(lines) + "\n")
+    model = load_perf_models(path)["own", "cpu", 1]
+    assert model.prefill_tokens == (100.0, 300.0) and model.prefill_ms == (10.0, 30.0)
+    assert model.chunk_context_slope_ms == pytest.approx(0.0002)
+    assert model.scaled(2.0, 1.0, "slow").chunk_context_slope_ms == pytest.approx(0.0004)
+    path.write_text("\n".join(lines[:1] + lines[3:]) + "\n")
+    with pytest.raises(ValueError, match="every row has a prefix_size"):
+        load_perf_models(path)
+    path.write_text("\n".join(lines[:2]) + "\n" + lines[1].rsplit(",", 1)[0] + ",-16\n")
+    with pytest.raises(ValueError, match="prefix_size must be >= 0"):
+        load_perf_models(path)
 
 
 def test_model_shapes_follow_the_splitwise_simulator():

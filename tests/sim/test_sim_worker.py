@@ -21,8 +21,8 @@ class LinearPerf:
     decode_s: float = 0.02
     calls: list = field(default_factory=list)
 
-    def iteration_time(self, prefill_tokens, decode_seqs, decode_context_tokens):
-        self.calls.append((prefill_tokens, decode_seqs, decode_context_tokens))
+    def iteration_time(self, prefill_tokens, decode_seqs, decode_context_tokens, chunk_context):
+        self.calls.append((prefill_tokens, decode_seqs, decode_context_tokens, chunk_context))
         return prefill_tokens * self.prefill_s_per_token + (self.decode_s if decode_seqs else 0.0)
 
     def prefill_time(self, num_tokens):
@@ -60,7 +60,7 @@ def test_one_local_request_timeline():
     # prefill 100 tokens: 0.1 s; then two decodes of 0.02 s (contexts 101 and 102)
     assert times["a"] == pytest.approx([0.1, 0.12, 0.14])
     assert end == pytest.approx(0.14)
-    assert perf.calls == [(100, 0, 0), (0, 1, 101), (0, 1, 102)]
+    assert perf.calls == [(100, 0, 0, 0), (0, 1, 101, 0), (0, 1, 102, 0)]
     assert results[0].first_tokens == (seq,) and results[-1].finished == (seq,)
     assert seq.output_token_ids == [FILLER_TOKEN] * 3 and seq.finish_reason == "length"
     assert (worker.iterations, worker.num_prefills, worker.busy_s) == (3, 1, pytest.approx(0.14))
@@ -74,7 +74,7 @@ def test_two_requests_share_iterations():
         worker.add(request(times, seq_id, prompt, 2), hand_off=False)
     run_until_idle(worker)
     # one 300-token prefill (chunk budget 512), then one decode of both (contexts 101 + 201)
-    assert perf.calls == [(300, 0, 0), (0, 2, 302)]
+    assert perf.calls == [(300, 0, 0, 0), (0, 2, 302, 0)]
     assert times == {"a": pytest.approx([0.3, 0.32]), "b": pytest.approx([0.3, 0.32])}
 
 
@@ -86,8 +86,9 @@ def test_mixed_chunks_a_long_prompt_alongside_decodes():
     worker.finish_iteration(0.01)
     worker.add(request(times, "b", 600, 1), hand_off=False)
     run_until_idle(worker, 0.01)
-    # a decodes (1 token of the budget) beside b's first chunk of 511, then b's last 89 beside a's decode
-    assert perf.calls == [(10, 0, 0), (511, 1, 11), (89, 1, 12)]
+    # a decodes (1 token of the budget) beside b's first chunk of 511, then b's last 89 (after 511
+    # computed: 89 x 511 of chunk context) beside a's decode
+    assert perf.calls == [(10, 0, 0, 0), (511, 1, 11, 0), (89, 1, 12, 89 * 511)]
 
 
 def test_hand_off_frees_the_prompt_side_and_leaves_the_time_to_the_cluster():
