@@ -57,6 +57,7 @@ class StepStats:
     seconds: float = 0.0
     decode_context_tokens: int = 0  # KV tokens the decodes' attention read (the memory-bound work)
     prefill_attention_pairs: int = 0  # query-key pairs of prefill attention: sum n (2 start + n) over chunks
+    chunk_context_tokens: int = 0  # sum over prefill chunks of n x start (tokens computed before the chunk)
 
     @property
     def phase(self) -> str:

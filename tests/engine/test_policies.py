@@ -203,6 +203,22 @@ def test_mixed_chunks_a_long_prompt_under_the_budget():
     assert sizes == [8, 8, 8, 6]
 
 
+def test_a_plans_work_counts_each_chunks_context():
+    p = make("mixed", chunk_token_budget=8)
+    p.add(make_seq("a", 3))
+    step(p)  # a prefilled: it decodes from now on
+    p.add(make_seq("b", 20, start=100))
+    works = []
+    while p.has_work():
+        plan = p.schedule()
+        works.append(plan.work())
+        complete(p, plan)
+    # a's decode at context 4 beside b's first chunk of 7, then a's decode at 5 beside b's next 7 after 7 computed
+    assert [(w.prefill_tokens, w.decode_tokens, w.decode_context_tokens) for w in works[:2]] == [(7, 1, 4), (7, 1, 5)]
+    assert [w.chunk_context_tokens for w in works[:3]] == [0, 7 * 7, 6 * 14]
+    assert [w.prefill_attention_pairs for w in works[:3]] == [7 * 7, 7 * (14 + 7), 6 * (28 + 6)]
+
+
 def test_mixed_runs_all_decodes_even_over_the_budget_and_admits_nothing():
     p = make("mixed", chunk_token_budget=2)
     for i in range(3):

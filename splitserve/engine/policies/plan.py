@@ -43,14 +43,15 @@ class Plan:
     def work(self) -> StepStats:
         """What the plan computes (no time yet), in one pass. Call it before the step runs: the
         step turns finished prefills into decodes."""
-        prefill = decodes = context = pairs = 0
+        prefill = decodes = context = pairs = chunk_context = 0
         for item in self.scheduled:
             if item.seq.is_decoding:
                 decodes, context = decodes + 1, context + item.start + 1
             else:
                 n = item.num_new_tokens
                 prefill, pairs = prefill + n, pairs + n * (2 * item.start + n)
-        return StepStats(prefill, decodes, 0.0, context, pairs)
+                chunk_context += n * item.start
+        return StepStats(prefill, decodes, 0.0, context, pairs, chunk_context)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
