@@ -50,7 +50,7 @@ from splitserve.transfer.rank_commands import Abandon, Expect, FinishExport, Pus
 from splitserve.transfer.rank_kv import RankKV
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
-LAYERWISE_THRESHOLD = 512  # prompt tokens; below it one transfer after the prefill (Splitwise IV-C)
+LAYERWISE_THRESHOLD = 512  # tokens whose KV travels; below it one transfer after the prefill (Splitwise IV-C)
 
 
 @dataclass(frozen=True)

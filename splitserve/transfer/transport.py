@@ -8,9 +8,9 @@ Semantics:
   never learns the token side's block ids.
 - Push: per layer (`push_layer`, as each layer's KV is computed) or one shot (`push_all`, after
   the prefill), then `complete` with the first token. `cancel` tells the token side to give up.
-- Every message is a header int64[4] = (tag, kind, num_sent_tokens, value), a CPU tensor on the link's
-  metadata channel (read without waiting for the device), and, for KV kinds, a payload in the
-  codec's wire format on the data path (value: its number of KV heads). kind >= 0 is a layer
+- Every message is a header int64[4] = (tag, kind, num_sent_tokens, value), a CPU tensor on the
+  link's metadata channel (read without waiting for the device), and, for KV kinds, a payload in
+  the codec's wire format on the data path (value: its number of KV heads). kind >= 0 is a layer
   index; ALL, DONE (value: the first token) and CANCEL below.
 - With tensor parallelism every rank has a transport of its own and a transfer travels as parts,
   one per (prompt rank, token rank) route (`kv_routes`); this class moves parts and knows nothing

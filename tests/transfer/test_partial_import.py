@@ -6,7 +6,7 @@ not (`KVImporter(reuse_prefix=False)`, a whole-prompt transfer), exporter and im
 the test thread over gloo and over gRPC. Turn 1 travels whole to both; turn 2 (turn 1, its answer
 and more) travels from the first cached position on. Greedy output equals the whole transfer's and
 the colocated engine's (which ran turn 1 too) token for token, the bytes pushed are those of the
-positions sent, and every engine ends clean."""
+positions sent, and every engine ends clean; a partial import cancelled frees only its own blocks."""
 from __future__ import annotations
 
 import datetime
@@ -123,5 +123,18 @@ def test_partial_import_equals_whole_transfer_and_colocated(workers, threshold, 
     assert workers.importers["reuse"].kv_tokens_reused - reused == partial.start_token
     assert workers.importers["whole"].kv_tokens_reused == 0
     for engine in workers.engines():
+        engine.check_integrity()
+        assert engine.num_requests == 0 and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_cancelled_partial_import_frees_its_own_blocks_and_leaves_the_prefix_cached(workers):
+    turn_1, more = conversation(21, 15)
+    _, answer, _ = workers.transfer("reuse", "cancel-1", turn_1)
+    importer, turn_2 = workers.importers["reuse"], turn_1 + answer + more
+    engine = importer.engine
+    for request_id in ("cancel-2", "cancel-3"):
+        ticket = importer.reserve(request_id, turn_2, GREEDY, "p")
+        assert ticket.start_token == 7 * BS and engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+        importer.cancel(request_id)
         engine.check_integrity()
         assert engine.num_requests == 0 and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
