@@ -171,9 +171,10 @@ class WorkerLoop:
             self._record_transfers()
         blocks = self.engine.block_manager
         sent = self.exporter.bytes_pushed if self.exporter else 0
+        reused = self.importer.kv_tokens_reused if self.importer else 0
         self.stats.leases_expired = (self.exporter.leases_expired + self.importer.leases_expired) if self.exporter else 0
-        return self.stats.drain(self.engine.policy.num_preemptions, sent, blocks.num_blocks - blocks.num_free_blocks,
-                                blocks.num_free_blocks)
+        return self.stats.drain(self.engine.policy.num_preemptions, sent, reused,
+                                blocks.num_blocks - blocks.num_free_blocks, blocks.num_free_blocks)
 
     # ---- internals -----------------------------------------------------------------------
     def require_healthy(self) -> None:

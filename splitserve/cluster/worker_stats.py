@@ -15,6 +15,7 @@ class WorkerStats:
     transfers: tuple[TransferStats, ...] = ()    # per step that pushed KV
     preemptions: int = 0                         # running totals from here on
     kv_bytes_sent: int = 0
+    kv_tokens_reused: int = 0                    # imported prompt tokens whose KV the prefix cache held (not received)
     kv_failures: int = 0
     leases_expired: int = 0                      # KV reservations / prefills that outlived their lease
     step_failures: int = 0                       # steps that raised (their requests failed over)
@@ -41,9 +42,10 @@ class StatsRecorder:
     def transfer(self, stats: TransferStats) -> None:
         self._transfers.append(stats)
 
-    def drain(self, preemptions: int, kv_bytes_sent: int, blocks_used: int, blocks_free: int) -> WorkerStats:
+    def drain(self, preemptions: int, kv_bytes_sent: int, kv_tokens_reused: int, blocks_used: int,
+              blocks_free: int) -> WorkerStats:
         stats = WorkerStats(tuple(self._steps), tuple(self._queue), tuple(self._transfers), preemptions,
-                            kv_bytes_sent, self.kv_failures, self.leases_expired, self.step_failures,
+                            kv_bytes_sent, kv_tokens_reused, self.kv_failures, self.leases_expired, self.step_failures,
                             self.aborted_requests, blocks_used, blocks_free)
         self._steps, self._queue, self._transfers = [], [], []
         return stats

@@ -153,7 +153,8 @@ class TransferOptions(StrictModel):
     timeout_s: float = Field(30.0, gt=0, description="How long a transfer waits on a silent prompt worker, a send "
                              "on its receiver, or a new link on its peer, before that transfer (or link) fails.")
     layerwise_threshold: int = Field(512, ge=1, description="Prompt tokens from which the KV streams layer by layer "
-                                     "during the prefill; shorter prompts send it in one push after.")
+                                     "during the prefill; shorter prompts send it in one push after. Counts the "
+                                     "tokens sent: not those the token worker's prefix cache already holds.")
     lease_s: float = Field(120.0, gt=0, description="Lease of a KV reservation: a transfer not completed this long "
                            "after the token worker reserved the blocks (or after the prompt worker took the prefill) "
                            "is cancelled and its blocks freed on both sides. Must cover the prompt queue's wait.")

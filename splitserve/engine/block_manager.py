@@ -153,10 +153,13 @@ class BlockManager:
         """The block ids holding a sequence's KV, in token order (for a KV transfer out)."""
         return list(self._tables[seq_id])
 
-    def reserve_for_import(self, seq: Sequence) -> list[int]:
-        """Fresh blocks for a sequence whose KV will be written by a transfer in."""
-        self.allocate(seq, use_prefix_cache=False)
-        seq.num_computed_tokens = 0
+    def reserve_for_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[int]:
+        """Blocks for a sequence whose KV a transfer in writes. With `reuse_prefix`, cached full
+        blocks of its prefix are shared (held, so never evicted meanwhile) and
+        `seq.num_computed_tokens` is the number of leading tokens they hold: the transfer must write
+        only the positions from there on (never the last token's, `_prefix_hits`). Without, every
+        block is fresh and the transfer writes them all."""
+        self.allocate(seq, use_prefix_cache=reuse_prefix)
         return list(self._tables[seq.seq_id])
 
     # ---- internals -----------------------------------------------------------------------

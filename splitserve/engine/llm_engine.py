@@ -168,12 +168,14 @@ class LLMEngine:
         self.abort(request_id)
 
     def reserve_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                       arrival_time: float | None = None) -> list[int]:
-        """Reserve blocks for a prompt whose KV another engine computes; returns the block ids to fill."""
+                       arrival_time: float | None = None, reuse_prefix: bool = False) -> tuple[Sequence, list[int]]:
+        """Reserve blocks for a prompt whose KV another engine computes; returns its sequence and
+        the block ids to fill. With `reuse_prefix`, the KV of the first `seq.num_computed_tokens`
+        prompt tokens comes from this engine's prefix cache: fill only the positions after them."""
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
-        block_ids = self.policy.reserve_import(req.seq)
+        block_ids = self.policy.reserve_import(req.seq, reuse_prefix)
         self._requests[request_id] = req
-        return block_ids
+        return req.seq, block_ids
 
     def complete_import(self, request_id: str, first_token_id: int,
                         first_logprobs: dict[int, float] | None = None) -> RequestOutput:

@@ -1,6 +1,7 @@
 """Maps a sequence's KV between a paged cache and the wire format.
 
-On the wire a layer is token-major: [2 (K, V), num_tokens, kv_heads, head_dim]. Each side
+On the wire a layer is token-major: [2 (K, V), num_tokens, kv_heads, head_dim], for the tokens of
+a range of positions (from a ticket's start_token to the prompt's end). Each side
 translates token positions to its own slots (block id * block size + offset), so the two caches
 may use different block ids and different block sizes. All of a layer's blocks travel as one
 message (contiguous on the wire whatever their ids). With tensor parallelism a message carries
@@ -13,11 +14,14 @@ import torch
 from splitserve.engine.kv_cache import KVCache
 
 
-def slot_index(block_ids: list[int], block_size: int, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """Flat cache slots of tokens 0 .. num_tokens-1 held by `block_ids`."""
+def slot_index(block_ids: list[int], block_size: int, num_tokens: int, device: torch.device,
+               start: int = 0) -> torch.Tensor:
+    """Flat cache slots of tokens start .. num_tokens-1 held by `block_ids` (a table from token 0)."""
     if len(block_ids) * block_size < num_tokens:
         raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {num_tokens} tokens")
-    positions = torch.arange(num_tokens, device=device)
+    if not 0 <= start <= num_tokens:
+        raise ValueError(f"start {start} is outside tokens 0 .. {num_tokens}")
+    positions = torch.arange(start, num_tokens, device=device)
     blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
     return blocks[positions // block_size] * block_size + positions % block_size
 

@@ -11,7 +11,10 @@ after the transport's timeout.
 Token worker (`KVImporter`): reserves blocks before the prefill starts and issues the ticket the
 prompt worker pushes against; layers land straight in those blocks; the request joins the
 decode batch when the completion (first token) arrives. A failed or cancelled transfer frees the
-reserved blocks.
+reserved blocks. With `reuse_prefix` the reservation goes through the token worker's prefix cache:
+the cached full blocks of the prompt's prefix (an earlier turn of the conversation, say) are
+shared, and the ticket's `start_token` asks for the KV of the positions after them only; the
+prompt worker packs and pushes just those (the layer-wise threshold counts them alone).
 
 Tensor parallelism: a transfer travels as parts, one per (prompt rank, token rank) route
 (`kv_routes`); each rank pushes or lands its own KV heads (`RankKV`). Rank 0 runs everything
@@ -47,7 +50,7 @@ from splitserve.transfer.rank_commands import Abandon, Expect, FinishExport, Pus
 from splitserve.transfer.rank_kv import RankKV
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
-LAYERWISE_THRESHOLD = 512  # prompt tokens; below it one transfer after the prefill (Splitwise IV-C)
+LAYERWISE_THRESHOLD = 512  # tokens whose KV travels; below it one transfer after the prefill (Splitwise IV-C)
 
 
 @dataclass(frozen=True)
@@ -252,7 +255,7 @@ class KVExporter:
         if ticket.request_id not in self._slots:
             table = self.engine.block_manager.block_table(ticket.request_id)
             self._slots[ticket.request_id] = slot_index(table, self.engine.kv_cache.block_size, ticket.num_tokens,
-                                                        self.engine.kv_cache.data.device)
+                                                        self.engine.kv_cache.data.device, ticket.start_token)
         return self._slots[ticket.request_id]
 
     def _forget(self, request_id: str) -> TransferTicket | None:
@@ -281,9 +284,11 @@ class _Import:
 
 class KVImporter:
     def __init__(self, engine: LLMEngine, transport: KVTransport, worker_id: str,
-                 layerwise_threshold: int = LAYERWISE_THRESHOLD, lease_s: float = float("inf")):
+                 layerwise_threshold: int = LAYERWISE_THRESHOLD, lease_s: float = float("inf"),
+                 reuse_prefix: bool = True):
+        """`reuse_prefix`: ask only for the KV this engine's prefix cache lacks (False: the whole prompt's)."""
         self.engine, self.transport, self.worker_id = engine, transport, worker_id
-        self.layerwise_threshold, self.lease_s = layerwise_threshold, lease_s
+        self.layerwise_threshold, self.lease_s, self.reuse_prefix = layerwise_threshold, lease_s, reuse_prefix
         self.rank = RankKV(transport, engine.kv_cache, engine.model_config.num_key_value_heads)
         self.leader = engine.tp_leader
         self.tp_size = 1 if self.leader is None else self.leader.group.size
@@ -296,16 +301,19 @@ class KVImporter:
         self._landed: list[tuple[TransferTicket, int | TransferError]] = []  # parts the other ranks landed
         self._rounds_seen = 0
         self.leases_expired = 0
+        self.kv_tokens_reused = 0  # prompt tokens of completed imports whose KV came from the prefix cache, ever
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_peer: str,
                 arrival_time: float | None = None, prompt_tp: int = 1) -> TransferTicket:
         """Reserve blocks for the prompt (raises OutOfBlocksError / EngineFullError when full);
         `prompt_tp` is the prompt worker's TP size (which of its ranks send which heads)."""
-        cache = self.engine.kv_cache
-        block_ids = self.engine.reserve_import(request_id, prompt_token_ids, params, arrival_time)
-        slots = slot_index(block_ids, cache.block_size, len(prompt_token_ids), cache.data.device)
-        ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, len(prompt_token_ids),
-                                len(prompt_token_ids) >= self.layerwise_threshold, self.transport.layout)
+        cache, num_tokens = self.engine.kv_cache, len(prompt_token_ids)
+        seq, block_ids = self.engine.reserve_import(request_id, prompt_token_ids, params, arrival_time,
+                                                    self.reuse_prefix)
+        start = seq.num_computed_tokens  # held here already (prefix cache); never the last token
+        slots = slot_index(block_ids, cache.block_size, num_tokens, cache.data.device, start)
+        ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, num_tokens,
+                                num_tokens - start >= self.layerwise_threshold, self.transport.layout, start)
         parts = split_ticket(ticket, self.engine.model_config.num_key_value_heads, prompt_tp, self.tp_size)
         stamped = []
         for part in parts:
@@ -344,6 +352,7 @@ class KVImporter:
                 done.first_token = result
             if not done.waiting:
                 self._drop(part.request_id)
+                self.kv_tokens_reused += done.ticket.start_token
                 outputs.append(self.engine.complete_import(part.request_id, done.first_token))
         return outputs, failures + self._expire_leases()
 

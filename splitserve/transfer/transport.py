@@ -2,13 +2,15 @@
 
 Semantics:
 - The token worker reserves blocks first and issues a `TransferTicket` (request id, a tag unique
-  among its transfers, both peers, the prompt length, per-layer or one-shot). The prompt worker
-  pushes against the ticket; it never learns the token side's block ids.
+  among its transfers, both peers, the prompt length, per-layer or one-shot, and `start_token`:
+  the first prompt position whose KV it needs, the ones before being in its prefix cache). The
+  prompt worker pushes the KV of positions start_token .. num_tokens-1 against the ticket; it
+  never learns the token side's block ids.
 - Push: per layer (`push_layer`, as each layer's KV is computed) or one shot (`push_all`, after
   the prefill), then `complete` with the first token. `cancel` tells the token side to give up.
-- Every message is a header int64[4] = (tag, kind, num_tokens, value), a CPU tensor on the link's
-  metadata channel (read without waiting for the device), and, for KV kinds, a payload in the
-  codec's wire format on the data path (value: its number of KV heads). kind >= 0 is a layer
+- Every message is a header int64[4] = (tag, kind, num_sent_tokens, value), a CPU tensor on the
+  link's metadata channel (read without waiting for the device), and, for KV kinds, a payload in
+  the codec's wire format on the data path (value: its number of KV heads). kind >= 0 is a layer
   index; ALL, DONE (value: the first token) and CANCEL below.
 - With tensor parallelism every rank has a transport of its own and a transfer travels as parts,
   one per (prompt rank, token rank) route (`kv_routes`); this class moves parts and knows nothing
@@ -71,11 +73,22 @@ class TransferTicket:
     num_tokens: int
     layerwise: bool
     kv_layout: str = ""  # the token worker's (`kv_layout` in handoff)
+    start_token: int = 0  # the first prompt position whose KV travels (the token side holds those before)
     link_epoch: int = 0  # the token side's link from prompt_peer that carries it (stamped by `expect`)
     prompt_rank: int = 0  # a part: the ranks it goes between and the KV heads [lo, hi) it carries
     token_rank: int = 0
     heads: tuple[int, int] | None = None
     parts: tuple["TransferTicket", ...] = ()  # a whole transfer: its parts (`kv_routes.split_ticket`)
+
+    def __post_init__(self):
+        if not 0 <= self.start_token < self.num_tokens:  # at least the last token's KV travels
+            raise ValueError(f"TransferTicket start_token must be in [0, num_tokens={self.num_tokens}), "
+                             f"got {self.start_token}")
+
+    @property
+    def num_sent_tokens(self) -> int:
+        """Tokens whose KV travels: positions start_token .. num_tokens-1."""
+        return self.num_tokens - self.start_token
 
 
 @dataclass(frozen=True)
@@ -199,7 +212,7 @@ class KVTransport:
     def _send(self, ticket: TransferTicket, kind: int, payload: torch.Tensor | None, value: int = 0) -> None:
         link = self._link_to(ticket)
         try:
-            link.send_meta(_header(ticket.tag, kind, ticket.num_tokens, value))
+            link.send_meta(_header(ticket.tag, kind, ticket.num_sent_tokens, value))
             if payload is not None:
                 link.send(payload)
         except TransferError:
@@ -301,10 +314,12 @@ class KVTransport:
         with self._lock:
             incoming = self._incoming.get(tag)
         ticket = incoming.ticket if incoming is not None else None
-        unlike = ticket is not None and (ticket.num_tokens != num_tokens or _num_heads(ticket) not in (None, num_heads))
+        unlike = ticket is not None and (ticket.num_sent_tokens != num_tokens
+                                         or _num_heads(ticket) not in (None, num_heads))
         if unlike or not (0 < num_tokens <= self.max_tokens and 0 < num_heads <= self.max_heads) \
                 or kind >= self._num_layers:
-            held = "" if ticket is None else f"; the reservation holds {ticket.num_tokens} tokens of heads {ticket.heads}"
+            held = "" if ticket is None else (f"; the reservation expects {ticket.num_sent_tokens} tokens (from "
+                                              f"position {ticket.start_token}) of heads {ticket.heads}")
             raise TransferError(peer, f"message for tag {tag} (kind {kind}) announces {num_tokens} tokens of "
                                       f"{num_heads} KV heads{held} (at most {self.max_tokens} tokens of "
                                       f"{self.max_heads} heads)")

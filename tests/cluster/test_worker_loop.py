@@ -295,3 +295,14 @@ def test_stats_record_steps_queue_times_and_transfers(pair, offline):
     assert sum(s.decode_tokens for s in token_stats.steps) == len(offline(LONG)) - 1
     assert token_stats.queue_seconds == () and token_stats.kv_bytes_sent == 0
     assert run(pair.prompt, pair.prompt.drain_stats).steps == ()  # drained: only totals carry over
+
+
+def test_stats_count_the_prompt_tokens_a_later_turn_did_not_receive(pair, offline):
+    _, _, token_sink = pair.disaggregate("turn-1", LONG)
+    answer = tokens(token_sink.until_final())
+    assert run(pair.token, pair.token.drain_stats).kv_tokens_reused == 0
+    turn_2 = LONG + answer + SHORT[1:]
+    ticket, _, token_sink = pair.disaggregate("turn-2", turn_2)
+    assert tokens(token_sink.until_final()) == offline(turn_2)
+    assert ticket.start_token == (len(LONG) + len(answer) - 1) // BLOCK * BLOCK  # turn 1's computed full blocks
+    assert run(pair.token, pair.token.drain_stats).kv_tokens_reused == ticket.start_token

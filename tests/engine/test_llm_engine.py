@@ -56,7 +56,7 @@ def test_prompt_to_token_handoff_in_process(reference):
             assert seq.status is SequenceStatus.PREFILLED and seq.num_computed_tokens == len(seq.prompt_token_ids)
             n, src, dst_cache = len(seq.prompt_token_ids), prompt_engine.kv_cache, token_engine.kv_cache
             kv = pack_all(src, slot_index(block_ids, src.block_size, n, src.data.device))
-            dst = token_engine.reserve_import(out.request_id, seq.prompt_token_ids, seq.params)
+            _, dst = token_engine.reserve_import(out.request_id, seq.prompt_token_ids, seq.params)
             assert len(dst) == len(block_ids)
             unpack_all(dst_cache, slot_index(dst, dst_cache.block_size, n, dst_cache.data.device), kv)
             first = token_engine.complete_import(out.request_id, out.token_ids[0])

@@ -64,7 +64,7 @@ def hand_over(src: LLMEngine, dst: LLMEngine, request_id: str) -> RequestOutput:
     seq, block_ids = src.export_request(request_id)
     n = seq.num_prompt_tokens
     kv = pack_all(src.kv_cache, slot_index(block_ids, src.kv_cache.block_size, n, src.kv_cache.data.device))
-    dst_blocks = dst.reserve_import(request_id, seq.prompt_token_ids, seq.params)
+    _, dst_blocks = dst.reserve_import(request_id, seq.prompt_token_ids, seq.params)
     unpack_all(dst.kv_cache, slot_index(dst_blocks, dst.kv_cache.block_size, n, dst.kv_cache.data.device), kv)
     first = dst.complete_import(request_id, seq.output_token_ids[0])
     src.release_request(request_id)

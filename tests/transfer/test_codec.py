@@ -62,3 +62,10 @@ def test_layers_round_trip_into_another_dtype():
     for layer in range(CONFIG.num_hidden_layers):
         unpack_layer(dst, layer, dst_slots, pack_layer(src, layer, src_slots))
     assert torch.equal(dst.data[:, :, [4, 1]], src.data[:, :, [0, 3]].to(torch.bfloat16))
+
+
+def test_slots_from_a_start_position_are_the_tail_of_the_whole_prompts():
+    whole = slot_index([5, 2, 9], 4, 11, CPU)
+    assert torch.equal(slot_index([5, 2, 9], 4, 11, CPU, start=6), whole[6:])
+    with pytest.raises(ValueError, match="start 12"):
+        slot_index([5, 2, 9], 4, 11, CPU, start=12)

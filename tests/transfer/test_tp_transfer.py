@@ -2,7 +2,8 @@
 WorkerLoop, its other ranks TPFollowers on threads, every rank with a transport of its own. For
 prompt / token TP (1, 2), (2, 1), (2, 2) and (4, 2), one-shot and layer-wise, the disaggregated
 output equals the colocated one-rank engine's, and both sides end clean (no request, every block
-free); a prompt rank that dies fails the transfer on the token side with no block leaked."""
+free); later turns of a conversation travel from the token worker's cached prefix on; a prompt
+rank that dies fails the transfer on the token side with no block leaked."""
 from __future__ import annotations
 
 import datetime
@@ -126,6 +127,30 @@ def test_disaggregated_equals_colocated(server, model, colocated, prompt_tp, tok
             assert len(logprobs) == len(reference.token_ids) and logprobs[0] == {}
             for got, want in zip(logprobs[1:], reference.outputs[0].logprobs[1:]):
                 assert got.keys() == want.keys() and max(abs(got[k] - want[k]) for k in got) < 1e-4
+        assert_clean(prompt_worker.loop)
+        assert_clean(token_worker.loop)
+    finally:
+        prompt_worker.close()
+        token_worker.close()
+
+
+def test_later_turns_travel_from_the_token_workers_cached_prefix_on(server, model, colocated):
+    """Prompt TP 2 -> token TP 2: turn 2 (layer-wise) and turn 3 (one-shot) carry only the KV after
+    the blocks the token worker cached from the turns before, on every part."""
+    n = next(_names)
+    prompt_worker = TPWorker(server, model, f"p{n}", "prompt", 2)
+    token_worker = TPWorker(server, model, f"t{n}", "token", 2)
+    try:
+        prompt, reused = prompt_ids(21, 20, 300), 0
+        for turn, (more, start, layerwise) in enumerate([(0, 0, False), (30, 24, True), (4, 64, False)]):
+            prompt = prompt + prompt_ids(turn, more + 1, 300)[1:]  # turn 1: 20 tokens, 2: 58, 3: 70
+            ticket, _, token_sink = disaggregate(prompt_worker, token_worker, 2, f"r{turn}", prompt)
+            assert {(p.start_token, p.layerwise) for p in (ticket, *ticket.parts)} == {(start, layerwise)}
+            deltas = token_sink.until_final()
+            assert deltas[-1].error is None and tokens(deltas) == colocated(prompt).token_ids
+            prompt = prompt + tokens(deltas)  # the answer: its KV, but its last token's, is cached now
+            reused += start
+        assert run(token_worker.loop, lambda: token_worker.loop.importer.kv_tokens_reused) == reused
         assert_clean(prompt_worker.loop)
         assert_clean(token_worker.loop)
     finally:

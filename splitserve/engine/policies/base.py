@@ -106,13 +106,15 @@ class Policy(ABC):
         seq.status = SequenceStatus.PREFILLED
         self.held[seq.seq_id] = seq
 
-    def reserve_import(self, seq: Sequence) -> list[int]:
-        """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block ids.
+    def reserve_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[int]:
+        """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block ids. With
+        `reuse_prefix` the KV of the first `seq.num_computed_tokens` is already here (prefix cache),
+        and only the rest must arrive (`BlockManager.reserve_for_import`).
         Raises EngineFullError when max_num_seqs sequences are already running or importing."""
         if len(self.running) + len(self.held) >= self.limits.max_num_seqs:
             raise EngineFullError(f"cannot import {seq.seq_id!r}: max_num_seqs={self.limits.max_num_seqs} "
                                   "sequences are already running or importing")
-        block_ids = self.blocks.reserve_for_import(seq)
+        block_ids = self.blocks.reserve_for_import(seq, reuse_prefix)
         seq.status = SequenceStatus.IMPORTING
         self.held[seq.seq_id] = seq
         return block_ids

@@ -64,7 +64,9 @@ def test_prompt_worker_killed_mid_prefill(server, client, offline):
     wait_for_pools(server, {"prompt": 1, "token": 1})
     prompt_worker = worker_in(server, "prompt")
     ray.get(worker_actor("main", prompt_worker).inject_fault.remote("crash_after_layer_pushes", n=2))  # 2 of the 4 layers leave
-    prompt = "z" * 600  # layer-wise streaming (>= 512 tokens)
+    # layer-wise streaming (>= 512 tokens); a prompt no other test sends, or the token worker could hold
+    # its prefix and ask for fewer tokens than the layer-wise threshold
+    prompt = "w" * 600
     got = client.completions.create(model="demo", prompt=prompt, max_tokens=16, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert got.choices[0].text == expected(offline, prompt, 16)
