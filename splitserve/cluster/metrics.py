@@ -102,6 +102,10 @@ class ClusterMetrics:
                                             (*WORKER_LABELS, "phase"))
         self.kv_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes sent", ("model", "worker"),
                                 registry=self.registry)
+        self.prefill_tokens = Counter("splitserve_worker_prefill_tokens", "Prompt tokens prefilled (computed)",
+                                      ("model", "worker"), registry=self.registry)
+        self.kv_reused = Counter("splitserve_kv_import_reused_tokens", "Imported prompt tokens whose KV the token "
+                                 "worker's prefix cache held (not received)", ("model", "worker"), registry=self.registry)
         self.kv_visible = self._histogram("splitserve_kv_transfer_visible_seconds",
                                           "KV transfer time on the critical path, per step", ("model", "worker"))
         self.kv_overlap = self._histogram("splitserve_kv_transfer_overlap_ratio",
@@ -166,6 +170,7 @@ class ClusterMetrics:
         for step in stats.steps:
             self.batch_tokens.labels(*labels).observe(step.prefill_tokens + step.decode_tokens)
             self.step_seconds.labels(*labels, step.phase).observe(step.seconds)
+        self.prefill_tokens.labels(self.model, worker_id).inc(sum(step.prefill_tokens for step in stats.steps))
         for seconds in stats.queue_seconds:
             self.queue.observe(seconds)
         self._record_transfers(worker_id, labels, stats)
@@ -175,6 +180,7 @@ class ClusterMetrics:
         self.preemptions.labels(*labels).inc(max(0, stats.preemptions - last.preemptions))
         sender = (self.model, worker_id)
         self.kv_bytes.labels(*sender).inc(max(0, stats.kv_bytes_sent - last.kv_bytes_sent))
+        self.kv_reused.labels(*sender).inc(max(0, stats.kv_tokens_reused - last.kv_tokens_reused))
         for counter, now, before in ((self.kv_failures, stats.kv_failures, last.kv_failures),
                                      (self.leases_expired, stats.leases_expired, last.leases_expired),
                                      (self.step_failures, stats.step_failures, last.step_failures),

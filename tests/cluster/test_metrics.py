@@ -78,7 +78,11 @@ def test_worker_reports_set_gauges_histograms_and_counter_deltas(metrics):
                                                                        preemptions=5, kv_bytes_sent=2500))
     assert value(metrics, "splitserve_worker_preemptions_total", **labels) == 5
     assert value(metrics, "splitserve_kv_transfer_bytes_total", worker="p0") == 2500
+    assert value(metrics, "splitserve_worker_prefill_tokens_total", worker="p0") == 400  # 300 + 100 prefilled
     assert value(metrics, "splitserve_request_queue_seconds_count") == 1
+    metrics.record_worker("t0", Role.TOKEN, "h100", load, worker_stats(kv_tokens_reused=64))
+    metrics.record_worker("t0", Role.TOKEN, "h100", load, worker_stats(steps=(), kv_tokens_reused=96))
+    assert value(metrics, "splitserve_kv_import_reused_tokens_total", worker="t0") == 96
 
 
 def test_a_worker_that_changes_pool_or_dies_drops_its_old_series(metrics):

@@ -54,6 +54,9 @@ METRICS = {
     "splitserve_kv_transfer_visible_seconds": ("histogram", ("model", "worker")),
     "splitserve_kv_transfer_overlap_ratio": ("histogram", ("model", "worker")),
     "splitserve_kv_transfer_failures_total": ("counter", ("model", "worker")),
+    # prefix reuse
+    "splitserve_worker_prefill_tokens_total": ("counter", ("model", "worker")),
+    "splitserve_kv_import_reused_tokens_total": ("counter", ("model", "worker")),
     # pools
     "splitserve_pool_workers": ("gauge", ("model", "pool", "hardware")),
     "splitserve_pool_transitions_total": ("counter", ("model", "from_pool", "to_pool")),
