@@ -6,8 +6,14 @@ import random
 import pytest
 
 from splitserve.placement import PlacementThresholds, Role
-from splitserve.placement.base import can_decode, can_prompt, can_run_whole, combined_load, least_prompt_queue, \
-    least_token_queue
+from splitserve.placement.base import (
+    can_decode,
+    can_prompt,
+    can_run_whole,
+    combined_load,
+    least_prompt_queue,
+    least_token_queue,
+)
 from splitserve.placement.saved_work import SavedWork, least_loaded_saving, prefer_cached_prompt, prefer_cached_token
 from splitserve.placement.state import PrefixOptions
 from tests.placement.placement_helpers import A100, H100, cluster, load, request
