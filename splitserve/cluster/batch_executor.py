@@ -30,8 +30,10 @@ DECODING_POOLS = ("token", "mixed")
 
 class ClusterExecutor:
     def __init__(self, cls, model_shape: ModelShape, tokenizer, model: str | tuple[str, ...], max_model_len: int,
-                 block_size: int, max_attempts: int, retry_s: float = 1.0, limits: RequestLimits = RequestLimits()):
+                 block_size: int, max_attempts: int, retry_s: float = 1.0, limits: RequestLimits = RequestLimits(),
+                 prefix_aware: bool = False):
         self.workers, self.limits = WorkerDirectory(cls), limits
+        self.prefix_block_size = block_size if prefix_aware else 0  # name each prompt's blocks to the CLS
         self.shape, self.tokenizer, self.model = model_shape, tokenizer, model
         self.max_model_len, self.block_size = max_model_len, block_size
         self.max_attempts, self.retry_s = max_attempts, retry_s
@@ -84,7 +86,8 @@ class ClusterExecutor:
                        on_first: Callable[[], None]) -> bool:
         """One line: placed (retried while the cluster is full), collected, logged. True if it succeeded."""
         while True:
-            run = Run(R.new_request_id(line.kind), prepared.prompt, prepared.params, self.workers, self.max_attempts)
+            run = Run(R.new_request_id(line.kind), prepared.prompt, prepared.params, self.workers, self.max_attempts,
+                      prefix_block_size=self.prefix_block_size)
             try:
                 await run.admit()
                 break

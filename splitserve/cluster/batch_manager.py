@@ -19,7 +19,8 @@ class BatchManager:
         model_config, tokenizer, max_model_len = load_metadata(config.model, engine)
         limits = config.ingress.limits()
         executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, config.model_names, max_model_len,
-                                   engine.block_size, config.scheduler.max_attempts, limits=limits)
+                                   engine.block_size, config.scheduler.max_attempts, limits=limits,
+                                   prefix_aware=config.prefix_options().aware)
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
                                     limits.max_batch_lines)
 

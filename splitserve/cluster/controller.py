@@ -5,7 +5,9 @@ their pools and the one placement state every ingress replica asks.
   `<role>-<slot>.<incarnation>` (the actor: `<app>-<worker id>`): a replacement gets a new
   incarnation, hence fresh transfer links.
 - Load: it polls every worker each `report_interval_s` (a report per interval, not per
-  iteration); the poll doubles as the liveness check. Reports drive the policy's pool moves.
+  iteration); the poll doubles as the liveness check. Reports drive the policy's pool moves, and
+  carry each worker's prefix-cache delta into the placement's prefix index; after a poll that got
+  no answer (whose delta may be lost), that worker's next report is a full snapshot.
 - Placement: `place` picks both workers at once (the policy in `placement/`), moving a worker
   into the mixed pool first when the policy says so. None means the cluster cannot admit now.
 - Failure: a worker that fails a call or a poll is diagnosed through `health` (the engine loop's
@@ -49,7 +51,8 @@ class Controller:
     def __init__(self, config: dict, app_name: str = "splitserve"):
         self.config = ClusterConfig.model_validate(config)
         self.app_name = app_name  # worker actors are named `<app>-<worker id>`
-        self.state = ClusterState(self.config.scheduler.policy, self.config.scheduler.thresholds())
+        self.state = ClusterState(self.config.scheduler.policy, self.config.scheduler.thresholds(),
+                                  self.config.prefix_options())
         self.handles: dict[str, object] = {}
         self.slots: dict[str, tuple[PoolConfig, int]] = {}
         slo = self.config.slo
@@ -64,6 +67,7 @@ class Controller:
         self._ready = False
         self._draining = False
         self._retiring: set[str] = set()
+        self._prefix_resync: set[str] = set()  # workers whose next report must be a prefix snapshot
 
     @property
     def _poll_timeout_s(self) -> float:
@@ -157,12 +161,15 @@ class Controller:
         handle = self.handles.get(worker_id)
         if handle is None or worker_id in self._retiring:
             return
+        snapshot = worker_id in self._prefix_resync
         try:
-            load, stats = await asyncio.wait_for(handle.report.remote(), self._poll_timeout_s)
+            load, stats, prefix = await asyncio.wait_for(handle.report.remote(snapshot), self._poll_timeout_s)
         except (RayError, asyncio.TimeoutError):  # dead, unhealthy (the loop refuses), or slow
+            self._prefix_resync.add(worker_id)  # a slow report still runs there, and its delta is lost
             await self.worker_failed(worker_id)
             return
-        await self._apply(self.state.report(worker_id, load, time.monotonic()))
+        self._prefix_resync.discard(worker_id)
+        await self._apply(self.state.report(worker_id, load, time.monotonic(), prefix))
         worker = self.state.workers.get(worker_id)
         if worker is not None:
             self.metrics.record_worker(worker_id, worker.pool, worker.hardware.name, load, stats)
@@ -203,6 +210,7 @@ class Controller:
         if worker_id not in self.slots:  # already removed (a retire and a failure raced)
             return
         self.handles.pop(worker_id, None)
+        self._prefix_resync.discard(worker_id)
         pool, slot = self.slots.pop(worker_id)
         if worker_id in self.state.workers:
             self.state.remove_worker(worker_id)

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field, replace
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from splitserve.cluster.worker_loop import TokenDelta
+from splitserve.engine.prefix_hash import prompt_block_hashes
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement import Placement, PlacementRequest
+from splitserve.placement.state import MAX_PREFIX_BLOCKS
 
 log = logging.getLogger("splitserve.dispatch")
 REPLACE_WAIT_S = 0.5    # a failover that finds no room waits this long before asking again
@@ -76,6 +78,7 @@ class Run:
     failures: int = 0  # attempts that failed (each one placed the request again, if attempts were left)
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None  # from the first attempt that computed them
     follow: Placement | None = None  # the first attempt goes where this placement went, if it still qualifies
+    prefix_block_size: int = 0  # the engines' KV block size, to name the prompt's blocks to the CLS; 0: don't
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first token, or when it ends without
     _stream: object = None
     _first: asyncio.Task | None = None
@@ -128,7 +131,7 @@ class Run:
         self._worker_request_id = f"{self.request_id}.{next(self._attempts)}"
         prompt, params = self.prompt + self.tokens, self._remaining_params()
         request = PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens,
-                                   None if failover else self.follow)
+                                   None if failover else self.follow, self._prefix_hashes(prompt, params))
         self.placement = self.prompt_handle = self.token_handle = None
         for _ in range(REPLACE_TRIES if failover else 1):
             self.placement = await self.workers.cls.place.remote(request, exclude)
@@ -204,6 +207,13 @@ class Run:
         self.tokens += delta.token_ids
         self.finish_reason = delta.finish_reason
         return delta
+
+    def _prefix_hashes(self, prompt: list[int], params: SamplingParams) -> tuple[int, ...]:
+        """The prompt's blocks as the engines' prefix caches name them, for prefix-aware placement;
+        none when it is off or no cache would be used (prompt logprobs still to compute)."""
+        if not self.prefix_block_size or params.prompt_logprobs is not None:
+            return ()
+        return prompt_block_hashes(prompt, self.prefix_block_size, MAX_PREFIX_BLOCKS)
 
     def _remaining_params(self) -> SamplingParams:
         done, have_prompt_logprobs = len(self.tokens), self.prompt_logprobs is not None

@@ -62,6 +62,7 @@ class Ingress:
         self._observations = ObservationBuffer()
         self.created = int(time.time())
         self.limits = self.config.ingress.limits()
+        self._prefix_block_size = self.config.engine.block_size if self.config.prefix_options().aware else 0
         api.state.api_key, api.state.limits = self.api_key, self.limits
         api.state.batches = RemoteBatches(self._batches_handle)
 
@@ -127,7 +128,8 @@ class Ingress:
             body, prompt, params = await asyncio.to_thread(self._parse, await request.body(), kind)
             workers = await self._workers()
             self._observations.start(workers.cls)
-            run = Run(R.new_request_id(kind), prompt, params, workers, self.config.scheduler.max_attempts)
+            run = Run(R.new_request_id(kind), prompt, params, workers, self.config.scheduler.max_attempts,
+                      prefix_block_size=self._prefix_block_size)
             await run.admit()
         except RequestError as error:
             return error_response(error)
@@ -165,7 +167,7 @@ class Ingress:
         replies = [reply(leader, 0)]
         for index in range(1, runs):
             follower = Run(f"{leader.request_id}-{index}", leader.prompt, choice_params(leader.params, index),
-                           leader.workers, leader.max_attempts)
+                           leader.workers, leader.max_attempts, prefix_block_size=leader.prefix_block_size)
             follower.admit_after(leader)
             replies.append(reply(follower, index))
         return ChoicesResponse(replies, returned)

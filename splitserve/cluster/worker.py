@@ -32,7 +32,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_builder import resolve_device
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tensor_parallel import TPGroup
-from splitserve.placement.state import WorkerLoad
+from splitserve.placement.state import PrefixDelta, WorkerLoad
 from splitserve.transfer.codec import wire_shape
 from splitserve.transfer.faults import crash_after_layer_pushes, freeze_after_layer_pushes
 from splitserve.transfer.handoff import make_transport
@@ -66,6 +66,7 @@ class Worker:
                  tensor_parallel_size: int = 1):
         cfg = ClusterConfig.model_validate(config)
         self.worker_id, self.hardware, self._config = worker_id, hardware, cfg
+        self._reports_prefix = cfg.prefix_options().aware
         engine_config = cfg.engine.engine_config(engine_policy(role, cfg))
         self._store = join_store(rendezvous, cfg.transfer.timeout_s) if rendezvous else None
         group = None
@@ -137,11 +138,14 @@ class Worker:
     async def load(self) -> WorkerLoad:
         return await self._call(self.loop.load)
 
-    async def report(self) -> tuple[WorkerLoad, WorkerStats]:
-        """Load for placement, and what happened since the last report for the metrics."""
+    async def report(self, prefix_snapshot: bool = False) -> tuple[WorkerLoad, WorkerStats, PrefixDelta | None]:
+        """Load for placement, what happened since the last report for the metrics, and with
+        prefix-aware placement the prefix cache's change since the last report (`prefix_snapshot`:
+        all it holds instead, after a report that was lost)."""
         def report():
             self.loop.require_healthy()  # an unhealthy worker fails its poll, so the controller replaces it
-            return self.loop.load(), self.loop.drain_stats()
+            prefix = self.loop.prefix_delta(prefix_snapshot) if self._reports_prefix else None
+            return self.loop.load(), self.loop.drain_stats(), prefix
         return await self._call(report)
 
     async def health(self) -> dict:

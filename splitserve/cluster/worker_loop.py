@@ -29,8 +29,8 @@ from splitserve.cluster.worker_stats import StatsRecorder, WorkerStats
 from splitserve.engine.llm_engine import LLMEngine, StepFailed
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.placement.load import load_of
-from splitserve.placement.state import WorkerLoad
+from splitserve.placement.load import load_of, prefix_delta_of
+from splitserve.placement.state import PrefixDelta, WorkerLoad
 from splitserve.transfer.handoff import KVExporter, KVImporter
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
@@ -157,6 +157,9 @@ class WorkerLoop:
 
     def load(self) -> WorkerLoad:
         return load_of(self.engine.policy, self.engine.block_manager)
+
+    def prefix_delta(self, snapshot: bool) -> PrefixDelta:
+        return prefix_delta_of(self.engine.block_manager, snapshot)
 
     def check_integrity(self) -> None:
         """The engine's own checks, and that every request this loop tracks is one the engine holds."""

@@ -23,6 +23,7 @@ from splitserve.config.options import (
     TransferOptions,
 )
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
+from splitserve.placement.state import PrefixOptions
 
 APP_IMPORT_PATH = "splitserve.cluster.app:build_app"
 MAX_MODEL_NAMES = 16  # aliases one cluster answers to
@@ -104,6 +105,14 @@ class ClusterConfig(StrictModel):
             raise ValueError(f"hardware class {name!r} is unknown; known: {', '.join(known)} "
                              "(or define it under hardware_classes)")
         return HARDWARE_CLASSES[name]
+
+    def prefix_options(self) -> PrefixOptions:
+        """Prefix-aware placement's settings; it acts (`aware`: workers report their prefix caches,
+        the ingress names the prompt's blocks) only where the engines cache prefixes."""
+        scheduler = self.scheduler
+        return PrefixOptions(scheduler.prefix_aware and self.engine.enable_prefix_caching,
+                             scheduler.prefill_saved_weight, scheduler.transfer_saved_weight,
+                             scheduler.prefix_index_blocks)
 
     def worker_hardware(self, pool: PoolConfig) -> HardwareProfile:
         """What the CLS weighs a worker of `pool` by: its class's speeds for its tensor_parallel_size."""

@@ -182,6 +182,18 @@ class SchedulerOptions(StrictModel):
                                 "stuck: the worker is killed (its requests fail over) and replaced.")
     drain_timeout_s: float = Field(30.0, gt=0, description="On shutdown or a drain, how long running requests may "
                                    "take to finish before their worker stops anyway.")
+    prefix_aware: bool = Field(True, description="jsq and splitwise weigh what each worker's prefix cache holds of "
+                               "the prompt: a worker's queue counts less the work its cached prefix saves, within the "
+                               "same eligibility and thresholds (workers report their cached blocks with their load). "
+                               "Acts only with engine.enable_prefix_caching; false: placement blind to caches.")
+    prefill_saved_weight: float = Field(1.0, ge=0, description="Prompt-queue tokens one cached prompt token saves on "
+                                        "a prompt or mixed worker, before its hardware speed: 1 counts the prefill it "
+                                        "saves exactly.")
+    transfer_saved_weight: float = Field(1.0, ge=0, description="Token-queue tokens one cached prompt token saves on "
+                                         "a token worker: the KV it need not receive.")
+    prefix_index_blocks: int = Field(1 << 18, ge=1, description="Most (worker, KV block) entries the CLS's prefix "
+                                     "index keeps: each worker gets an equal share (at most its KV blocks); past it, "
+                                     "its oldest cached blocks are forgotten (a missed hit at worst).")
 
     def thresholds(self) -> PlacementThresholds:
         """What the placement policy needs (the controller and the simulator use the same)."""

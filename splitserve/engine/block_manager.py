@@ -14,12 +14,16 @@ Invariants (checked by `check_integrity`):
   first, oldest freed first; then evictable ones, least recently freed first (LRU).
 - the blocks of a table past its hashed prefix (`_chain`) are unhashed, so freeing a table that
   was never hashed touches no block one by one.
+- the prefix delta (what the cluster-level scheduler is told next) is net: hashes cached since the
+  last take are all still cached, hashes evicted since are none of them. Only caching and eviction
+  record it, so with prefix caching off it costs nothing.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from splitserve.engine.prefix_hash import ROOT, block_key, num_reusable_blocks
 from splitserve.engine.sequence import Sequence
 
 
@@ -29,7 +33,7 @@ class OutOfBlocksError(RuntimeError):
 
 @dataclass(slots=True)
 class _CachedBlock:
-    key: tuple  # (parent key hash, token ids) of a hashed (full, computed) block
+    key: tuple  # (parent key hash, token ids) of a hashed (full, computed) block: prefix_hash.block_key
     ref_count: int = 1
 
 
@@ -45,7 +49,9 @@ class BlockManager:
         self._hashed: dict[int, _CachedBlock] = {}  # block id -> its key and ref count
         self._cached: dict[int, int] = {}           # hash(key) -> block id
         self._tables: dict[str, list[int]] = {}     # seq_id -> block ids
-        self._chain: dict[str, tuple[int, int | None]] = {}  # seq_id -> (blocks hashed, hash of the last)
+        self._chain: dict[str, tuple[int, int]] = {}  # seq_id -> (blocks hashed, hash of the last or ROOT)
+        self._newly_cached: dict[int, None] = {}  # prefix delta: hashes cached since the last take, in order
+        self._evicted: set[int] = set()  # prefix delta: hashes evicted since the last take
         self.num_cache_hit_blocks = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -95,7 +101,7 @@ class BlockManager:
         for block_id in hits:
             self._take(block_id)
         self._tables[seq.seq_id] = list(hits)
-        self._chain[seq.seq_id] = (len(hits), hash(self._hashed[hits[-1]].key) if hits else None)
+        self._chain[seq.seq_id] = (len(hits), hash(self._hashed[hits[-1]].key) if hits else ROOT)
         self.num_cache_hit_blocks += len(hits)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.grow(seq, seq.num_tokens)
@@ -125,11 +131,16 @@ class BlockManager:
         done, parent = self._chain[seq.seq_id]
         full = min(seq.num_computed_tokens // self.block_size, len(table))
         for i in range(done, full):
-            key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            if hash(key) not in self._cached:  # else a duplicate: stays private (unhashed)
+            key = block_key(parent, seq.token_ids, i, self.block_size)
+            key_hash = hash(key)
+            if key_hash not in self._cached:  # else a duplicate: stays private (unhashed)
                 self._hashed[table[i]] = _CachedBlock(key)
-                self._cached[hash(key)] = table[i]
-            parent = hash(key)  # the chain follows content, registered or not
+                self._cached[key_hash] = table[i]
+                if key_hash in self._evicted:
+                    self._evicted.discard(key_hash)
+                else:
+                    self._newly_cached[key_hash] = None
+            parent = key_hash  # the chain follows content, registered or not
         if full > done:
             self._chain[seq.seq_id] = (full, parent)
 
@@ -162,6 +173,18 @@ class BlockManager:
         self.allocate(seq, use_prefix_cache=reuse_prefix)
         return list(self._tables[seq.seq_id])
 
+    def take_prefix_delta(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The prefix cache's net change since the last take (or snapshot): the hashes cached,
+        oldest first, and the hashes evicted."""
+        delta = tuple(self._newly_cached), tuple(self._evicted)
+        self._newly_cached, self._evicted = {}, set()
+        return delta
+
+    def take_prefix_snapshot(self) -> tuple[int, ...]:
+        """Every hash cached now, oldest first; the next delta counts from here."""
+        self._newly_cached, self._evicted = {}, set()
+        return tuple(self._cached)
+
     # ---- internals -----------------------------------------------------------------------
     def _extra_blocks(self, seq_id: str, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self._tables[seq_id]))
@@ -175,14 +198,14 @@ class BlockManager:
         covered, so a step always computes at least one token and produces logits."""
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return []
-        hits, parent = [], None
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            key = (parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            block_id = self._cached.get(hash(key))
+        hits, parent = [], ROOT
+        for i in range(num_reusable_blocks(seq.num_tokens, self.block_size)):
+            key = block_key(parent, seq.token_ids, i, self.block_size)
+            parent = hash(key)
+            block_id = self._cached.get(parent)
             if block_id is None or self._hashed[block_id].key != key:
                 break
             hits.append(block_id)
-            parent = hash(key)
         return hits
 
     def _take_fresh(self, count: int) -> list[int]:
@@ -196,7 +219,12 @@ class BlockManager:
         fresh.clear()
         for _ in range(count - len(taken)):
             block_id, _ = self._evictable.popitem(last=False)
-            del self._cached[hash(self._hashed.pop(block_id).key)]
+            key_hash = hash(self._hashed.pop(block_id).key)
+            del self._cached[key_hash]
+            if key_hash in self._newly_cached:  # cached and evicted since the last take: no change
+                del self._newly_cached[key_hash]
+            else:
+                self._evicted.add(key_hash)
             taken.append(block_id)
         return taken
 
@@ -243,3 +271,5 @@ class BlockManager:
             block = self._hashed.get(block_id)
             if block is None or hash(block.key) != h:
                 raise RuntimeError(f"prefix cache entry {h} points at block {block_id}, which holds other content")
+        if not self._newly_cached.keys() <= self._cached.keys() or not self._evicted.isdisjoint(self._cached):
+            raise RuntimeError("the prefix delta disagrees with the prefix cache")

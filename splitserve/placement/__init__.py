@@ -5,9 +5,11 @@ runs the same code as the Ray controller.
     state.add_worker("w0", Role.PROMPT, hardware_profile("h100"))
     state.add_worker("w1", Role.TOKEN, hardware_profile("a100"))
     placement, moves = state.place(PlacementRequest("r1", num_prompt_tokens=512, max_tokens=128), now)
-    moves = state.report("w0", WorkerLoad(pending_prompt_tokens=0, ...), now)
+    moves = state.report("w0", WorkerLoad(pending_prompt_tokens=0, ...), now, PrefixDelta(16, 4096, added=...))
 
-The caller switches the engine role of every worker named in `moves` to `move.to_pool.value`.
+The caller switches the engine role of every worker named in `moves` to `move.to_pool.value`. With
+prefix-aware placement, requests name their prompt's block hashes (`prefix_hashes`) and reports
+carry the workers' prefix-cache deltas (both optional).
 """
 from splitserve.placement.base import PlacementPolicy
 from splitserve.placement.cluster_state import ClusterState
@@ -20,6 +22,8 @@ from splitserve.placement.state import (
                                                 PlacementRequest,
                                                 PlacementThresholds,
                                                 PoolMove,
+                                                PrefixDelta,
+                                                PrefixOptions,
                                                 Role,
                                                 WorkerLoad,
                                                 WorkerState,
@@ -27,6 +31,7 @@ from splitserve.placement.state import (
 
 __all__ = [
     "PLACEMENT_POLICIES", "ClusterState", "JSQPolicy", "Placement", "PlacementPolicy", "PlacementRequest",
-    "PlacementThresholds", "PoolMove", "Role", "RoundRobinPolicy", "SplitwisePolicy", "WorkerLoad", "WorkerState",
+    "PlacementThresholds", "PoolMove", "PrefixDelta", "PrefixOptions", "Role", "RoundRobinPolicy", "SplitwisePolicy",
+    "WorkerLoad", "WorkerState",
     "make_placement_policy",
 ]

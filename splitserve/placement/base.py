@@ -57,12 +57,14 @@ def can_run_whole(worker: WorkerState, thresholds: PlacementThresholds, request:
     return can_prompt(worker, thresholds, exclude) and can_decode(worker, thresholds, request, exclude)
 
 
-def combined_load(worker: WorkerState, thresholds: PlacementThresholds) -> float:
+def combined_load(worker: WorkerState, thresholds: PlacementThresholds, saved_prompt: float = 0.0,
+                  saved_token: float = 0.0) -> float:
     """Load of a worker running whole requests: each queue as a fraction of its overflow threshold,
     summed. A decode token of context costs far less than a prompt token to compute (65536 vs 2048
-    by default), so raw token counts would let the decode side swamp the prompt side."""
-    return (worker.prompt_queue() / thresholds.mixed_prompt_tokens
-            + worker.token_queue() / thresholds.mixed_decode_tokens)
+    by default), so raw token counts would let the decode side swamp the prompt side. `saved_*`:
+    what a request's cached prefix saves there, off each queue (saved_work.py)."""
+    return ((worker.prompt_queue() - saved_prompt) / thresholds.mixed_prompt_tokens
+            + (worker.token_queue() - saved_token) / thresholds.mixed_decode_tokens)
 
 
 # The scans below inline WorkerState.prompt_queue / token_queue / free_kv_tokens and the eligibility

@@ -1,5 +1,5 @@
-"""The cluster-level scheduler's state: every worker's last report, what was placed on it since, and
-the pools; placement and rebalancing go through the chosen policy."""
+"""The cluster-level scheduler's state: every worker's last report, what was placed on it since, the
+pools, and the index of their prefix caches; placement and rebalancing go through the chosen policy."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +8,16 @@ from collections.abc import Collection
 
 from splitserve.placement.base import PlacementPolicy, can_decode, can_prompt, combined_load
 from splitserve.placement.hardware import HardwareProfile, hardware_profile
+from splitserve.placement.prefix_index import PrefixIndex
 from splitserve.placement.registry import make_placement_policy
+from splitserve.placement.saved_work import SavedWork
 from splitserve.placement.state import (
     Placement,
     PlacementRequest,
     PlacementThresholds,
     PoolMove,
+    PrefixDelta,
+    PrefixOptions,
     Role,
     WorkerLoad,
     WorkerState,
@@ -29,18 +33,22 @@ def _worker_id(worker: WorkerState) -> str:
 class ClusterState:
     """The CLS's view of the workers; one instance, owned by the controller (or the simulator).
 
-    Invariant: every worker is in exactly one pool list, `_members[worker.pool]`, and each list is
-    sorted by worker id (the policies' scans rely on it for deterministic tie-breaking).
+    Invariants: every worker is in exactly one pool list, `_members[worker.pool]`, and each list is
+    sorted by worker id (the policies' scans rely on it for deterministic tie-breaking); the prefix
+    index holds only workers in the cluster.
     """
 
     def __init__(self, policy: str | PlacementPolicy = "splitwise",
-                 thresholds: PlacementThresholds = PlacementThresholds()):
+                 thresholds: PlacementThresholds = PlacementThresholds(), prefix: PrefixOptions = PrefixOptions()):
         self.policy = make_placement_policy(policy) if isinstance(policy, str) else policy
         if not isinstance(self.policy, PlacementPolicy):
             raise ValueError(f"policy must be a policy name or a PlacementPolicy, got {policy!r}")
         if not isinstance(thresholds, PlacementThresholds):
             raise ValueError(f"thresholds must be a PlacementThresholds, got {thresholds!r}")
-        self.thresholds = thresholds
+        if not isinstance(prefix, PrefixOptions):
+            raise ValueError(f"prefix must be a PrefixOptions, got {prefix!r}")
+        self.thresholds, self.prefix = thresholds, prefix
+        self.prefix_index = PrefixIndex(prefix.max_index_blocks)
         self.workers: dict[str, WorkerState] = {}
         self._members: dict[Role, list[WorkerState]] = {role: [] for role in Role}
 
@@ -65,6 +73,7 @@ class ClusterState:
         worker = self.workers.pop(worker_id, None)
         if worker is not None:
             self._members[worker.pool].remove(worker)
+            self.prefix_index.remove(worker_id)
 
     def members(self, pool: Role) -> list[WorkerState]:
         """The workers in `pool`, sorted by id: the live list, for policies to scan, not to modify."""
@@ -74,12 +83,16 @@ class ClusterState:
         return {role: [w.worker_id for w in members] for role, members in self._members.items()}
 
     # ---- reports and placement -----------------------------------------------------------
-    def report(self, worker_id: str, load: WorkerLoad, now: float) -> list[PoolMove]:
+    def report(self, worker_id: str, load: WorkerLoad, now: float,
+               prefix: PrefixDelta | None = None) -> list[PoolMove]:
         """A worker's periodic report replaces its load and the estimate of what was placed on it
-        since; then the policy rebalances the pools. Returns the moves it applied."""
+        since, and updates the prefix index (`prefix`: its cache's change, with prefix-aware
+        placement on); then the policy rebalances the pools. Returns the moves it applied."""
         worker = self.workers.get(worker_id)
         if worker is None:
             return []
+        if prefix is not None and self.prefix.aware:
+            self.prefix_index.apply(worker_id, prefix)
         worker.load = load
         worker.placed_prompt_tokens = worker.placed_decode_tokens = 0
         worker.reported_at = now
@@ -99,6 +112,14 @@ class ClusterState:
             self._worker(placement.prompt_worker).placed_prompt_tokens += request.num_prompt_tokens
             self._worker(placement.token_worker).placed_decode_tokens += request.num_prompt_tokens + request.max_tokens
         return placement, moves
+
+    def saved_work(self, request: PlacementRequest) -> SavedWork | None:
+        """What the request's cached prefix saves on the workers holding it; None when nothing
+        (no hashes, prefix-aware placement off, or no worker holds its first block): blind placement."""
+        if not request.prefix_hashes or not self.prefix.aware or self.prefix_index.empty:
+            return None
+        cached = self.prefix_index.cached_tokens(request.prefix_hashes)
+        return SavedWork(cached, self.prefix) if cached else None
 
     def _followed(self, request: PlacementRequest, exclude: frozenset[str]) -> Placement | None:
         """The followed placement, if both its workers are still here and qualify."""
@@ -154,10 +175,11 @@ class ClusterState:
             "prompt_queue": worker.prompt_queue(), "token_queue": worker.token_queue(),
             "combined_load": combined_load(worker, self.thresholds),
             "mixed_since": worker.mixed_since, "reported_at": worker.reported_at,
+            "prefix_blocks": self.prefix_index.num_entries(worker.worker_id),
         }
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError if the pool lists and the workers disagree."""
+        """Raise RuntimeError if the pool lists and the workers disagree, or the prefix index is unsound."""
         listed = [w for members in self._members.values() for w in members]
         if sorted(w.worker_id for w in listed) != sorted(self.workers):
             raise RuntimeError("pool lists do not hold every worker exactly once")
@@ -166,3 +188,4 @@ class ClusterState:
                 raise RuntimeError(f"a worker listed in the {role.value} pool is not in it")
             if [w.worker_id for w in members] != sorted(w.worker_id for w in members):
                 raise RuntimeError(f"the {role.value} pool is not sorted by worker id")
+        self.prefix_index.check_integrity(self.workers.keys())

@@ -1,5 +1,6 @@
 """Join the shortest queue (Splitwise IV-A routing): the prompt worker with the shortest prompt
-queue and the token worker with the shortest token queue, queues weighted by hardware speed."""
+queue and the token worker with the shortest token queue, queues weighted by hardware speed, less
+the work a worker's cached prefix of the request saves (saved_work.py; `prefix.aware`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,12 +8,12 @@ from typing import TYPE_CHECKING
 from splitserve.placement.base import (
     Decision,
     PlacementPolicy,
-    least_loaded_whole,
     least_prompt_queue,
     least_token_queue,
     mixed_only,
     run_whole_on,
 )
+from splitserve.placement.saved_work import least_loaded_saving, prefer_cached_prompt, prefer_cached_token
 from splitserve.placement.state import Placement, PlacementRequest, Role
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ class JSQPolicy(PlacementPolicy):
     def choose(self, state: ClusterState, request: PlacementRequest, now: float,
                exclude: frozenset[str]) -> Decision:
         if mixed_only(state):
-            return run_whole_on(least_loaded_whole(state.members(Role.MIXED), state.thresholds, request, exclude))
+            return run_whole_on(least_loaded_saving(state, Role.MIXED, request, exclude, state.saved_work(request)))
         return self._split(state, request, exclude)
 
     def _split(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str]) -> Decision:
@@ -38,4 +39,8 @@ class JSQPolicy(PlacementPolicy):
         token = least_token_queue(state.members(Role.TOKEN), thresholds, request, exclude)
         if prompt is None or token is None:
             return None, []
+        saved = state.saved_work(request)
+        if saved is not None:
+            prompt = prefer_cached_prompt(state, prompt, saved, exclude)
+            token = prefer_cached_token(state, token, saved, request, exclude)
         return Placement(prompt.worker_id, token.worker_id), []

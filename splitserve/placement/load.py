@@ -1,10 +1,10 @@
-"""What a worker reports to the CLS, computed from its scheduler's queues: one definition for the
-real worker (`WorkerLoop.load`) and the simulated one (`SimWorker.load`)."""
+"""What a worker reports to the CLS, computed from its scheduler's queues and block manager: one
+definition for the real worker (`WorkerLoop.load`) and the simulated one (`SimWorker.load`)."""
 from __future__ import annotations
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies import Policy
-from splitserve.placement.state import WorkerLoad
+from splitserve.placement.state import PrefixDelta, WorkerLoad
 
 
 def load_of(policy: Policy, blocks: BlockManager) -> WorkerLoad:
@@ -18,3 +18,11 @@ def load_of(policy: Policy, blocks: BlockManager) -> WorkerLoad:
         decode_tokens=sum(s.num_tokens for s in local), num_decoding=len(local),
         num_waiting=len(policy.waiting), free_kv_tokens=blocks.num_free_blocks * size,
         total_kv_tokens=blocks.num_blocks * size)
+
+
+def prefix_delta_of(blocks: BlockManager, snapshot: bool) -> PrefixDelta:
+    """The prefix cache's change since the last call, or with `snapshot` everything it holds."""
+    if snapshot:
+        return PrefixDelta(blocks.block_size, blocks.num_blocks, blocks.take_prefix_snapshot(), snapshot=True)
+    added, removed = blocks.take_prefix_delta()
+    return PrefixDelta(blocks.block_size, blocks.num_blocks, added, removed)

@@ -1,5 +1,5 @@
 """Round-robin placement: independent cycles over the prompt and token pools, blind to load
-(beyond eligibility). The baseline Splitwise compares JSQ against."""
+(beyond eligibility) and to prefix caches. The baseline Splitwise compares JSQ against."""
 from __future__ import annotations
 
 from bisect import bisect_right

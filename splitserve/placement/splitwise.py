@@ -11,6 +11,8 @@ the mixed pool to decode. A move may take a pool's last worker: a guest still do
 work with mixed batching, and an empty pool's requests overflow to the mixed pool. With no overflow target,
 an over-threshold (but eligible) JSQ choice still serves; with no candidate at all, nothing does.
 Mixed workers are picked by `base.combined_load`, since they batch prompts and decodes together.
+Every choice weighs what a worker's cached prefix of the request saves (saved_work.py), within the
+same thresholds: a holder over a threshold the blind choice is under is not preferred.
 
 Rebalance (every report, of the reporting worker): a guest in the mixed pool goes home once it has no
 work of the kind its home pool does not do. One that has stayed mixed for `repurpose_after_s` changes
@@ -23,8 +25,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from splitserve.placement.base import Decision, least_loaded_whole, least_prompt_queue, least_token_queue, run_whole_on
+from splitserve.placement.base import Decision, least_prompt_queue, least_token_queue, run_whole_on
 from splitserve.placement.jsq import JSQPolicy
+from splitserve.placement.saved_work import (
+    SavedWork,
+    least_loaded_saving,
+    prefer_cached_prompt,
+    prefer_cached_token,
+)
 from splitserve.placement.state import Placement, PlacementRequest, PoolMove, Role, WorkerState
 
 if TYPE_CHECKING:
@@ -49,53 +57,50 @@ class SplitwisePolicy(JSQPolicy):
         self._last_repurpose_at = -math.inf
 
     def _split(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str]) -> Decision:
-        thresholds = state.thresholds
+        thresholds, saved = state.thresholds, state.saved_work(request)
         prompt = least_prompt_queue(state.members(Role.PROMPT), thresholds, exclude)
         if prompt is None or prompt.prompt_queue() > thresholds.mixed_prompt_tokens:
-            overflow = self._overflow_prompt(state, request, exclude)
+            overflow = self._overflow_prompt(state, request, exclude, saved)
             if overflow is not None or prompt is None:
                 return overflow or (None, [])
+        elif saved is not None:
+            prompt = prefer_cached_prompt(state, prompt, saved, exclude, cap=thresholds.mixed_prompt_tokens)
         token = least_token_queue(state.members(Role.TOKEN), thresholds, request, exclude)
         if token is None or token.token_queue() > thresholds.mixed_decode_tokens:
-            overflow = self._overflow_token(state, request, exclude, prompt)
+            overflow = self._overflow_token(state, request, exclude, prompt, saved)
             if overflow is not None or token is None:
                 return overflow or (None, [])
+        elif saved is not None:
+            token = prefer_cached_token(state, token, saved, request, exclude, cap=thresholds.mixed_decode_tokens)
         return Placement(prompt.worker_id, token.worker_id), []
 
-    def _overflow_prompt(self, state: ClusterState, request: PlacementRequest,
-                         exclude: frozenset[str]) -> Decision | None:
+    def _overflow_prompt(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str],
+                         saved: SavedWork | None) -> Decision | None:
         """The whole request on a mixed worker (moving a token worker in if needed), or None."""
-        thresholds = state.thresholds
-        mixed = least_loaded_whole(state.members(Role.MIXED), thresholds, request, exclude,
-                                   prompt_cap=thresholds.mixed_prompt_tokens)
+        mixed = least_loaded_saving(state, Role.MIXED, request, exclude, saved,
+                                    prompt_cap=state.thresholds.mixed_prompt_tokens)
         if mixed is not None:
             return run_whole_on(mixed)
-        guest = self._guest_from(state, Role.TOKEN, request, exclude)
+        # Even a pool's last worker may move: in the mixed pool it still does its home pool's work,
+        # and an empty pool's work overflows to the mixed pool.
+        guest = least_loaded_saving(state, Role.TOKEN, request, exclude, saved)
         if guest is None:
             return None
         move = PoolMove(guest.worker_id, Role.MIXED, "prompt queues over mixed_prompt_tokens")
         return Placement(guest.worker_id, guest.worker_id), [move]
 
     def _overflow_token(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str],
-                        prompt: WorkerState) -> Decision | None:
+                        prompt: WorkerState, saved: SavedWork | None) -> Decision | None:
         """Decode on a mixed worker (moving a prompt worker in if needed), or None."""
-        thresholds = state.thresholds
-        mixed = least_loaded_whole(state.members(Role.MIXED), thresholds, request, exclude,
-                                   token_cap=thresholds.mixed_decode_tokens)
+        mixed = least_loaded_saving(state, Role.MIXED, request, exclude, saved, decode_only=True,
+                                    token_cap=state.thresholds.mixed_decode_tokens)
         if mixed is not None:
             return Placement(prompt.worker_id, mixed.worker_id), []
-        guest = self._guest_from(state, Role.PROMPT, request, exclude)
+        guest = least_loaded_saving(state, Role.PROMPT, request, exclude, saved, decode_only=True)
         if guest is None:
             return None
         move = PoolMove(guest.worker_id, Role.MIXED, "token queues over mixed_decode_tokens")
         return Placement(prompt.worker_id, guest.worker_id), [move]
-
-    @staticmethod
-    def _guest_from(state: ClusterState, pool: Role, request: PlacementRequest,
-                    exclude: frozenset[str]) -> WorkerState | None:
-        # Even a pool's last worker may move: in the mixed pool it still does its home pool's work,
-        # and an empty pool's work overflows to the mixed pool.
-        return least_loaded_whole(state.members(pool), state.thresholds, request, exclude)
 
     def rebalance(self, state: ClusterState, now: float, reporter: WorkerState) -> list[PoolMove]:
         """Only the reporter can have changed: a guest's load changes only with its own report, and

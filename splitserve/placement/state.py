@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from splitserve.placement.hardware import HardwareProfile
 
+MAX_PREFIX_BLOCKS = 2048  # block hashes a request names at most (its first ones: still a chain)
+
 
 class Role(str, enum.Enum):
     """A pool, and the engine role of the workers in it (prompt / token / mixed policy)."""
@@ -21,6 +23,14 @@ def _require_non_negative_ints(obj: object, names: tuple[str, ...]) -> None:
         value = getattr(obj, name)
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+def _require_hashes(obj: object, name: str, limit: int) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, tuple) or not all(type(h) is int for h in value):
+        raise ValueError(f"{name} must be a tuple of integers (block hashes), got {type(value).__name__}")
+    if len(value) > limit:
+        raise ValueError(f"{name} must hold at most {limit} block hashes, got {len(value)}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,9 @@ class PlacementRequest:
     # an earlier choice of the same prompt (`n` > 1): its workers hold the prompt's KV in their
     # prefix caches, so the request goes there while they still qualify
     follow: Placement | None = None
+    # the hashes of the prompt's leading full blocks, as a prefix-cache lookup tries them
+    # (engine/prefix_hash.py: prompt_block_hashes), for prefix-aware placement; () names none
+    prefix_hashes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -54,6 +67,8 @@ class PlacementRequest:
         if not isinstance(self.num_prompt_tokens, int) or self.num_prompt_tokens < 1:
             raise ValueError(f"num_prompt_tokens must be an integer >= 1, got {self.num_prompt_tokens!r}")
         _require_non_negative_ints(self, ("max_tokens",))
+        if self.prefix_hashes:
+            _require_hashes(self, "prefix_hashes", MAX_PREFIX_BLOCKS)
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,47 @@ class PlacementThresholds:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PrefixOptions:
+    """Prefix-aware placement (`saved_work.py`): a worker's queue, less the work its cached prefix
+    of the request saves. Weights are per cached prompt token."""
+
+    aware: bool = True  # False: placement blind to prefix caches
+    prefill_saved_weight: float = 1.0  # prompt-queue tokens saved on a prompt or mixed worker, before its speed
+    transfer_saved_weight: float = 1.0  # token-queue tokens saved on a token worker (KV it need not receive)
+    max_index_blocks: int = 1 << 18  # (worker, block) entries the prefix index keeps at most
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.aware, bool):
+            raise ValueError(f"aware must be a bool, got {self.aware!r}")
+        for name in ("prefill_saved_weight", "transfer_saved_weight"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.max_index_blocks, int) or self.max_index_blocks < 1:
+            raise ValueError(f"max_index_blocks must be an integer >= 1, got {self.max_index_blocks!r}")
+
+
+@dataclass(frozen=True)
+class PrefixDelta:
+    """What a worker reports of its prefix cache (`BlockManager.take_prefix_delta`): the block
+    hashes cached (oldest first) and evicted since its last report, or with `snapshot` everything
+    it holds (in `added`), which replaces what the CLS knew."""
+
+    block_size: int  # tokens per block
+    num_blocks: int  # its KV blocks: it never holds more
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    snapshot: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        _require_non_negative_ints(self, ("num_blocks",))
+        _require_hashes(self, "added", self.num_blocks)
+        _require_hashes(self, "removed", self.num_blocks)
 
 
 @dataclass(slots=True)

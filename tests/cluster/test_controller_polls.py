@@ -1,5 +1,7 @@
 """The controller's poll loop outlives a failure in handling one worker's report: the other
-workers' reports keep landing, and the failure is counted and logged (no Ray: stand-in handles)."""
+workers' reports keep landing, and the failure is counted and logged; reports carry the workers'
+prefix-cache deltas into the placement's index, and a lost report makes the next one a snapshot
+(no Ray: stand-in handles)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,22 +9,31 @@ import time
 
 from splitserve.cluster.controller import Controller
 from splitserve.cluster.worker_stats import WorkerStats
-from splitserve.placement.state import Role, WorkerLoad
+from splitserve.placement.state import PrefixDelta, Role, WorkerLoad
+
+HEALTHY = {"alive": True, "healthy": True, "reason": None, "heartbeat_age_s": 0.0, "step_running_s": 0.0}
 
 
 class _Method:
-    def __init__(self, result):
-        self.result = result
+    """A remote method answering `result` (raising it, if it is an exception); records its args."""
 
-    def remote(self):
+    def __init__(self, result):
+        self.result, self.calls = result, []
+
+    def remote(self, *args):
+        self.calls.append(args)
+
         async def answer():
+            if isinstance(self.result, BaseException):
+                raise self.result
             return self.result
         return answer()
 
 
 class _Handle:
-    def __init__(self):
-        self.report = _Method((WorkerLoad(), WorkerStats()))
+    def __init__(self, prefix: PrefixDelta | None = None):
+        self.report = _Method((WorkerLoad(), WorkerStats(), prefix))
+        self.health = _Method(HEALTHY)
 
 
 def test_a_report_whose_handling_raises_does_not_stop_the_polls():
@@ -53,3 +64,29 @@ def test_a_report_whose_handling_raises_does_not_stop_the_polls():
 
     asyncio.run(run())
     assert polled_on()
+
+
+def test_reports_feed_the_prefix_index_and_a_lost_report_asks_for_a_snapshot():
+    controller = Controller({"pools": [{"role": "mixed"}]})
+    assert controller.state.prefix.aware
+    handle = _Handle(PrefixDelta(16, 100, added=(11, 12)))
+    controller.handles["mixed-0.0"] = handle
+    controller.slots["mixed-0.0"] = (controller.config.pools[0], 0)
+    controller.state.add_worker("mixed-0.0", Role.MIXED, controller.config.hardware("cpu"), WorkerLoad(), 0.0)
+
+    asyncio.run(controller._poll("mixed-0.0"))
+    assert controller.state.prefix_index.cached_tokens((11, 12, 13)) == {"mixed-0.0": 32}
+    handle.report.result = asyncio.TimeoutError()  # slow: it stays (healthy), but that delta is lost
+    asyncio.run(controller._poll("mixed-0.0"))
+    assert "mixed-0.0" in controller.state.workers
+    handle.report.result = (WorkerLoad(), WorkerStats(), PrefixDelta(16, 100, added=(11,), snapshot=True))
+    asyncio.run(controller._poll("mixed-0.0"))
+    asyncio.run(controller._poll("mixed-0.0"))
+    assert handle.report.calls == [(False,), (False,), (True,), (False,)]
+    assert controller.state.prefix_index.cached_tokens((11, 12, 13)) == {"mixed-0.0": 16}
+
+
+def test_without_prefix_caching_placement_is_blind():
+    config = {"pools": [{"role": "mixed"}], "engine": {"enable_prefix_caching": False}}
+    assert not Controller(config).state.prefix.aware
+    assert not Controller({"pools": [{"role": "mixed"}], "scheduler": {"prefix_aware": False}}).state.prefix.aware

@@ -13,6 +13,7 @@ import pytest
 from splitserve.cluster.worker_loop import TokenDelta, WorkerLoop
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.prefix_hash import prompt_block_hashes
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement.state import WorkerLoad
 from splitserve.transfer.grpc_link import GrpcFabric
@@ -259,6 +260,17 @@ def test_load_of_a_reserved_import(idle_pair):
     loop.reserve("r", FORTY, GREEDY, "p0", Sink())
     assert loop.load() == WorkerLoad(pending_prompt_tokens=0, decode_tokens=40, num_decoding=1, num_waiting=0,
                                      free_kv_tokens=total - 3 * BLOCK, total_kv_tokens=total)
+
+
+def test_prefix_delta_names_the_blocks_the_ingress_names(idle_pair):
+    loop = idle_pair.token
+    loop.generate("r", FORTY, GREEDY, Sink())
+    loop.engine.step()  # prefill: 40 prompt tokens computed, 2 full blocks cached
+    delta = loop.prefix_delta(snapshot=False)
+    assert (delta.block_size, delta.num_blocks) == (BLOCK, ENGINE["num_kv_blocks"])
+    assert delta.added == prompt_block_hashes(FORTY, BLOCK, 100) and len(delta.added) == 2 and not delta.removed
+    assert loop.prefix_delta(snapshot=False).added == ()
+    assert loop.prefix_delta(snapshot=True).added == delta.added
 
 
 def test_loop_without_transport_rejects_disaggregated_work(offline):

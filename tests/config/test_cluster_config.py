@@ -21,6 +21,7 @@ from splitserve.cluster.app import build_app
 from splitserve.config import APP_IMPORT_PATH, ClusterConfig, load_cluster_config
 from splitserve.config.options import WorkerResources
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
+from splitserve.placement.state import PrefixOptions
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DEPLOY_FILES = sorted(DEPLOY.glob("*.yaml"))
@@ -178,6 +179,9 @@ INVALID = {
                                  r"resource 'x' must be >= 0"),
     "bad custom class": ({"hardware_classes": {"l4": {"prompt_speed": 0, "token_speed": 1}}},
                          r"hardware_classes\.l4\.prompt_speed\n.*greater than 0"),
+    "negative saved weight": ({"scheduler": {"prefill_saved_weight": -1}},
+                              r"scheduler\.prefill_saved_weight\n.*greater than or equal to 0"),
+    "empty prefix index": ({"scheduler": {"prefix_index_blocks": 0}}, r"scheduler\.prefix_index_blocks"),
 }
 
 
@@ -246,3 +250,12 @@ def test_served_model_names_are_one_or_several_aliases():
     for bad in ([], ["a", "a"], [""], ["x" * 257], [f"m{i}" for i in range(17)]):
         with pytest.raises(ValueError, match="served_model_name"):
             ClusterConfig(served_model_name=bad)
+
+
+def test_prefix_aware_placement_settings_reach_the_placement():
+    config = ClusterConfig.model_validate({"scheduler": {"prefill_saved_weight": 2, "transfer_saved_weight": 0.5,
+                                                         "prefix_index_blocks": 1000}})
+    assert config.prefix_options() == PrefixOptions(True, 2, 0.5, 1000)
+    assert ClusterConfig().prefix_options() == PrefixOptions()  # the defaults agree
+    assert not ClusterConfig.model_validate({"engine": {"enable_prefix_caching": False}}).prefix_options().aware
+    assert not ClusterConfig.model_validate({"scheduler": {"prefix_aware": False}}).prefix_options().aware

@@ -1,0 +1,60 @@
+"""The hashes the ingress names a prompt's blocks by (`prompt_block_hashes`) are the ones the block
+manager caches and looks up, and every process computes the same ones."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.prefix_hash import prompt_block_hashes
+from tests.engine.block_helpers import BS, cached, make_seq, seq_range
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("length", [1, BS, BS + 1, 3 * BS, 3 * BS + 2])
+def test_hashes_are_the_blocks_the_cache_holds_and_a_lookup_takes(length):
+    bm = BlockManager(16, block_size=BS)
+    tokens = seq_range(7, length)
+    cached(bm, "a", tokens)
+    # a prompt that goes on: the lookup tries every full block but one holding its last token
+    hashes = prompt_block_hashes(tokens + [1], BS, max_blocks=100)
+    assert hashes == bm.take_prefix_snapshot()[:len(hashes)]
+    assert len(hashes) == length // BS
+    again = make_seq("b", tokens + [1])
+    bm.allocate(again)
+    assert again.num_cached_tokens == len(hashes) * BS
+
+
+def test_the_last_token_is_never_covered_and_the_count_is_capped():
+    two_blocks = seq_range(0, 2 * BS)
+    assert prompt_block_hashes(two_blocks, BS, 100) == prompt_block_hashes(two_blocks[:-1], BS, 100)
+    assert len(prompt_block_hashes(two_blocks, BS, 100)) == 1
+    ten_blocks = seq_range(0, 10 * BS)
+    assert prompt_block_hashes(ten_blocks, BS, 3) == prompt_block_hashes(ten_blocks, BS, 100)[:3]
+    assert prompt_block_hashes([], BS, 100) == ()
+    with pytest.raises(ValueError, match="block_size"):
+        prompt_block_hashes([1, 2], 0, 100)
+
+
+def test_a_block_hash_names_its_whole_prefix():
+    one = prompt_block_hashes([1] * 8 + [2] * 4 + [0], BS, 100)
+    other = prompt_block_hashes([3] * 8 + [2] * 4 + [0], BS, 100)
+    assert one[2] != other[2]  # same tokens, different prefix
+
+
+def test_every_process_computes_the_same_hashes():
+    """Not salted by PYTHONHASHSEED, nor by where None lies in memory (hash(None) before 3.12)."""
+    code = "import json; from splitserve.engine.prefix_hash import prompt_block_hashes as h; " \
+           "print(json.dumps(h(list(range(100)), 16, 100)))"
+    seen = set()
+    for seed in ("0", "1", "random"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        seen.add(tuple(json.loads(out.stdout)))
+    assert seen == {prompt_block_hashes(list(range(100)), 16, 100)}
