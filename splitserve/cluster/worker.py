@@ -79,7 +79,8 @@ class Worker:
             self._store.set(_tp_key(worker_id), str(tensor_parallel_size))
             transport = connect_transport(cfg, worker_id, engine, rendezvous)
         self._peer_tp: dict[str, int] = {}
-        self.loop = WorkerLoop(engine, transport, worker_id, cfg.transfer.layerwise_threshold, cfg.transfer.lease_s)
+        self.loop = WorkerLoop(engine, transport, worker_id, cfg.transfer.layerwise_threshold, cfg.transfer.lease_s,
+                               reuse_prefix=cfg.prefix_options().aware)
         self.loop.start()
         self._streams: dict[str, asyncio.Queue] = {}
 

@@ -75,10 +75,13 @@ class LoopHealth:
 
 class WorkerLoop:
     def __init__(self, engine: LLMEngine, transport: KVTransport | None, worker_id: str, layerwise_threshold: int,
-                 lease_s: float = float("inf")):
+                 lease_s: float = float("inf"), reuse_prefix: bool = True):
+        """`reuse_prefix`: imports take the prompt blocks this engine's prefix cache holds, and only
+        the rest of the KV travels."""
         self.engine, self.worker_id = engine, worker_id
         self.exporter = KVExporter(engine, transport, lease_s) if transport else None
-        self.importer = KVImporter(engine, transport, worker_id, layerwise_threshold, lease_s) if transport else None
+        self.importer = (KVImporter(engine, transport, worker_id, layerwise_threshold, lease_s, reuse_prefix)
+                         if transport else None)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._delivered: dict[str, int] = {}  # tokens already sent to each request's sink

@@ -185,7 +185,9 @@ class SchedulerOptions(StrictModel):
     prefix_aware: bool = Field(True, description="jsq and splitwise weigh what each worker's prefix cache holds of "
                                "the prompt: a worker's queue counts less the work its cached prefix saves, within the "
                                "same eligibility and thresholds (workers report their cached blocks with their load). "
-                               "Acts only with engine.enable_prefix_caching; false: placement blind to caches.")
+                               "Token workers then receive only the KV their prefix cache lacks. Acts only with "
+                               "engine.enable_prefix_caching; false: placement blind to caches, the whole prompt's KV "
+                               "shipped.")
     prefill_saved_weight: float = Field(1.0, ge=0, description="Prompt-queue tokens one cached prompt token saves on "
                                         "a prompt or mixed worker, before its hardware speed: 1 counts the prefill it "
                                         "saves exactly.")
