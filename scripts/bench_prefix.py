@@ -61,21 +61,26 @@ def counters(url: str) -> dict[str, float]:
 
 
 def run_placement(args, placement: str) -> dict:
+    """One placement on a Ray of its own (nothing of the other's cluster left on the cores)."""
+    import ray
     from ray import serve
 
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    serve.run(build_app(cluster_config(args, placement)), name=placement, route_prefix=f"/{placement}",
-              blocking=False)
-    url = f"http://127.0.0.1:{args.port}/{placement}"
+    ray.init(num_cpus=args.prompt + args.token + 2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     try:
+        serve.run(build_app(cluster_config(args, placement)), name=placement, route_prefix=f"/{placement}",
+                  blocking=False)
+        url = f"http://127.0.0.1:{args.port}/{placement}"
         wait_until_healthy(url, timeout=300)
         before = counters(url)
         _, summary = asyncio.run(run_once(Target(url), workload(args), None, None, not args.no_progress, placement))
         after = counters(url)
     finally:
-        serve.delete(placement)
+        serve.shutdown()
+        ray.shutdown()
     print(f"{placement}\n{markdown_table(summary)}\n", flush=True)
     quantiles = {key: {q: summary[key][q] for q in ("p50", "p99")} for key in ("ttft_s", "tbt_s")}
     return {"placement": placement, **quantiles, **{k: after[k] - before[k] for k in COUNTERS},
@@ -114,18 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    import ray
-    from ray import serve
-
     args = parse_args(argv)
     hardware = f"{cpu_name()}, {args.prompt} prompt + {args.token} token workers x 1 CPU, demo model"
-    ray.init(num_cpus=args.prompt + args.token + 2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    try:
-        rows = [run_placement(args, placement) for placement in PLACEMENTS]
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    rows = [run_placement(args, placement) for placement in PLACEMENTS]
     print_rows(rows, hardware)
     if args.json:
         with open(args.json, "w") as f:

@@ -17,6 +17,11 @@ number). Per request, as in a real run (splitserve.cluster.dispatch):
    serving overhead (`ServingOverhead.request_s`: the client sees every token that much later).
 With `ServingOverhead.peer_slowdown` > 0 the workers share one host's cores (`SharedHost`): an
 iteration's end moves whenever another worker starts or ends one.
+Prefix caching (the scenario's `prefix_caching`, for requests whose prompts share blocks): a prompt
+is its blocks' ids, each repeated for the block's tokens, so equal blocks are equal tokens and the
+workers' own prefix caches hit where a real run's would; with prefix-aware placement the CLS gets the
+prompt's block hashes and each report's cache delta, and a token worker receives only the KV its
+cache lacks (the transfer is timed for those tokens).
 Workers sleep while idle (no events), wake when they get work (after the other events of that
 instant, so requests arriving together batch), and run iterations back to back while they have work.
 Every `report_interval_s` each worker whose load may have changed reports it (an unchanged worker's
@@ -28,6 +33,7 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+from itertools import chain, repeat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,9 +42,12 @@ from splitserve.bench.slo import Baseline, SLOSpec
 from splitserve.bench.workload import RequestSpec
 from splitserve.engine.block_manager import OutOfBlocksError
 from splitserve.engine.policies.base import EngineFullError
+from splitserve.engine.prefix_hash import prompt_block_hashes
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence as EngineSequence
 from splitserve.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
+from splitserve.placement.load import prefix_delta_of
+from splitserve.placement.state import MAX_PREFIX_BLOCKS, PrefixOptions
 from splitserve.sim.contention import SharedHost
 from splitserve.sim.records import SimRecords
 from splitserve.sim.scenario import Scenario
@@ -57,6 +66,7 @@ class WorkerStats:
     busy_s: float     # simulated seconds spent in iterations
     num_prefills: int  # first tokens sampled here
     pool_moves: int
+    prefill_tokens: int  # prompt tokens computed here (cached ones are not)
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,8 @@ class SimResult:
     duration_s: float                   # first arrival to the last token (or refusal), simulated
     num_events: int
     seed: int  # as given: the simulation draws no random numbers, so every seed gives the same run
+    kv_tokens_sent: int = 0    # prompt tokens whose KV went from a prompt worker to a token worker
+    kv_tokens_reused: int = 0  # prompt tokens of split requests whose KV the token worker's cache held
 
     def summary(self, slo: SLOSpec | None = None, baseline: Baseline | None = None) -> dict:
         """`splitserve.bench.report.summarize` of the records: the report a real run gives."""
@@ -95,7 +107,10 @@ class Simulation:
             raise ValueError("requests must have distinct indexes")
         self.scenario = scenario
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.index))
-        self.cls = ClusterState(scenario.placement, scenario.thresholds)
+        self.caching = scenario.prefix_caching and any(r.prefix_blocks for r in self.requests)
+        self.aware = self.caching and scenario.prefix.aware
+        self.cls = ClusterState(scenario.placement, scenario.thresholds,
+                                scenario.prefix if self.caching else PrefixOptions(aware=False))
         self.records = SimRecords(self.requests)
         self.token_times: dict[str, list[float]] = {}  # requests in flight: when each token was sampled
         self._slots: dict[str, int] = {}  # requests in flight: their slots in `records`
@@ -106,6 +121,8 @@ class Simulation:
         self._reporting = [(w, self.cls.workers[w.worker_id]) for _, w in sorted(self.workers.items())]
         self.pool_moves = dict.fromkeys(self.workers, 0)
         self._awaiting_kv: dict[str, SimWorker] = {}  # split requests' token workers, until the KV lands
+        self._to_send: dict[str, int] = {}  # split requests not handed off yet: prompt tokens whose KV travels
+        self.kv_tokens_sent = self.kv_tokens_reused = 0
         self._waking: set[str] = set()
         self._heap: list = []
         slowdown = scenario.overhead.peer_slowdown  # > 0: the workers share one host's cores
@@ -123,7 +140,7 @@ class Simulation:
                 counts[pool.role] += 1
                 worker = SimWorker(worker_id, scenario.policy_for(pool.role), scenario.perf_models[pool.setup],
                                    scenario.num_blocks_of(pool), scenario.block_size, scenario.limits,
-                                   self.token_times, scenario.overhead, lambda: self.now)
+                                   self.token_times, scenario.overhead, lambda: self.now, self.caching)
                 self.workers[worker_id], self._hardware_of[worker_id] = worker, pool.hardware
                 self.cls.add_worker(worker_id, pool.role, profiles[pool.setup], worker.load())
                 worker.changed = False
@@ -165,25 +182,39 @@ class Simulation:
             message = f"prompt has {spec.prompt_tokens} tokens but max_model_len is {self.scenario.max_model_len}"
             self.records.refuse(slot, 400, message)
             return
-        placement, moves = self.cls.place(PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens),
-                                          self.now)
+        prompt = self._prompt_of(spec)
+        hashes = prompt_block_hashes(prompt, self.scenario.block_size, MAX_PREFIX_BLOCKS) if self.aware else ()
+        placement, moves = self.cls.place(PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens,
+                                                           prefix_hashes=hashes), self.now)
         self._apply(moves)
         if placement is None:
             self.records.refuse(slot, 429, "no worker can take the request now")
             return
         prompt_worker, token_worker = self.workers[placement.prompt_worker], self.workers[placement.token_worker]
         prompt_worker.changed = token_worker.changed = True  # the CLS counts the request on both
-        prompt, params = [0] * spec.prompt_tokens, self._params_of(spec)
+        params = self._params_of(spec)
         if not placement.local:
+            imported = EngineSequence(seq_id, prompt, params, self.now)
             try:
-                token_worker.reserve_import(EngineSequence(seq_id, prompt, params, self.now))
+                token_worker.reserve_import(imported, self.aware)
             except (EngineFullError, OutOfBlocksError) as error:
                 self.records.refuse(slot, 429, f"worker {token_worker.worker_id} cannot take the request: {error}")
                 return
             self._awaiting_kv[seq_id] = token_worker
+            self._to_send[seq_id] = spec.prompt_tokens - imported.num_computed_tokens
         self.token_times[seq_id], self._slots[seq_id] = [], slot
         prompt_worker.add(EngineSequence(seq_id, prompt, params, self.now), hand_off=not placement.local)
         self._wake_soon(prompt_worker)
+
+    def _prompt_of(self, spec: RequestSpec) -> list[int]:
+        """Without prefix caching, zeros. With it, each prefix block's id repeated for its tokens
+        (equal blocks are equal tokens), or, for a request with no blocks, tokens no other has."""
+        if not self.caching:
+            return [0] * spec.prompt_tokens
+        if not spec.prefix_blocks:
+            return [-1 - spec.index] * spec.prompt_tokens
+        blocks = chain.from_iterable(repeat(block, spec.block_tokens) for block in spec.prefix_blocks)
+        return list(itertools.islice(blocks, spec.prompt_tokens))
 
     def _params_of(self, spec: RequestSpec) -> SamplingParams:
         """The request's forced length and targets; one (validated) instance per distinct value."""
@@ -231,7 +262,10 @@ class Simulation:
         result = worker.finish_iteration(self.now)
         if result is not NOTHING_HAPPENED:
             for seq in result.handed_off:
-                visible = self.scenario.transfer.visible_time(seq.num_prompt_tokens, worker.iteration_s)
+                sent = self._to_send.pop(seq.seq_id)
+                self.kv_tokens_sent += sent
+                self.kv_tokens_reused += seq.num_prompt_tokens - sent
+                visible = self.scenario.transfer.visible_time(sent, worker.iteration_s)
                 self._push(self.now + visible, self._kv_landed, seq.seq_id)
             for seq in result.finished:
                 self._cancel_import(seq.seq_id)  # a split request whose first token was its last
@@ -247,6 +281,7 @@ class Simulation:
 
     def _cancel_import(self, seq_id: str) -> None:
         worker = self._awaiting_kv.pop(seq_id, None)
+        self._to_send.pop(seq_id, None)
         if worker is not None:
             worker.abort(seq_id)
             self._wake_soon(worker)  # the freed blocks may admit a waiting prompt
@@ -260,7 +295,8 @@ class Simulation:
         for worker, state in self._reporting:
             if worker.changed or (state.pool is Role.MIXED and state.home is not Role.MIXED):
                 worker.changed = False
-                self._apply(self.cls.report(worker.worker_id, worker.load(), self.now))
+                delta = prefix_delta_of(worker.blocks, snapshot=False) if self.aware else None
+                self._apply(self.cls.report(worker.worker_id, worker.load(), self.now, delta))
         resolved = self.records.num_resolved
         if self._progress is not None and resolved >= self._next_progress:
             self._progress(resolved, len(self.requests))
@@ -283,8 +319,9 @@ class Simulation:
     def _result(self, seed: int) -> SimResult:
         workers = tuple(self._worker_stats(w, s) for w, s in self._reporting)
         return SimResult(self.records, workers, self.records.end_s() - self.requests[0].arrival_s, self.num_events,
-                         seed)
+                         seed, self.kv_tokens_sent, self.kv_tokens_reused)
 
     def _worker_stats(self, worker: SimWorker, state: WorkerState) -> WorkerStats:
         return WorkerStats(worker.worker_id, self._hardware_of[worker.worker_id], state.home.value, state.pool.value,
-                           worker.iterations, worker.busy_s, worker.num_prefills, self.pool_moves[worker.worker_id])
+                           worker.iterations, worker.busy_s, worker.num_prefills, self.pool_moves[worker.worker_id],
+                           worker.prefill_tokens)

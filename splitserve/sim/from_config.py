@@ -61,7 +61,8 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
                     max_model_len=engine.max_model_len or 4096, prompt_token_budget=engine.prompt_token_budget,
                     chunk_token_budget=engine.chunk_token_budget, hardware=hardware, overhead=target.overhead,
                     slo=engine.slo_scheduling.options(),
-                    role_policies={role.value: engine.policy_for(role.value) for role in Role})
+                    role_policies={role.value: engine.policy_for(role.value) for role in Role},
+                    prefix_caching=engine.enable_prefix_caching, prefix=config.prefix_options())
 
 
 def pool_spec(pool: PoolConfig, config: ClusterConfig, target: SimTarget) -> PoolSpec:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 from splitserve.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
 from splitserve.placement.hardware import HardwareProfile
+from splitserve.placement.state import PrefixOptions
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.transfer import TransferModel
 from splitserve.sim.worker import PerfModel
@@ -55,7 +56,9 @@ class Scenario:
     in tokens (rounded down to whole blocks), for pools that set none of their own. `overhead`:
     what the serving stack adds to the engine's times (none by default, as in the Splitwise simulator).
     `role_policies`: the engine policy a worker runs while in each pool, on start and after every pool
-    move (the cluster's `engine.policy_for`; a pool not named runs the policy of its own name)."""
+    move (the cluster's `engine.policy_for`; a pool not named runs the policy of its own name).
+    `prefix_caching`: the workers cache prefixes, which matters only for requests whose prompts
+    share blocks (`RequestSpec.prefix_blocks`); `prefix`: how placement and imports use them."""
 
     pools: tuple[PoolSpec, ...]
     perf_models: Mapping[str, PerfModel]
@@ -73,6 +76,8 @@ class Scenario:
     overhead: ServingOverhead = ServingOverhead()
     slo: SLOOptions = SLOOptions()  # the accelgen policies' settings (pivot time: each worker's model)
     role_policies: Mapping[str, str] = field(default_factory=dict)
+    prefix_caching: bool = True
+    prefix: PrefixOptions = PrefixOptions()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))

@@ -67,17 +67,19 @@ class SimWorker:
 
     def __init__(self, worker_id: str, policy: str, perf: PerfModel, num_blocks: int, block_size: int,
                  limits: SchedulerLimits, token_times: dict[str, list[float]],
-                 overhead: ServingOverhead = NO_OVERHEAD, clock: Callable[[], float] = lambda: 0.0):
+                 overhead: ServingOverhead = NO_OVERHEAD, clock: Callable[[], float] = lambda: 0.0,
+                 prefix_caching: bool = False):
         self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
         self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
         self.prefill_extra = overhead.prefill_scale - 1.0  # of a prefill's profiled time, added to it
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         if limits.slo.pivot_time_s is None:  # SLO-aware policies: the pivot's time from this worker's model
             pivot = limits.slo.pivot_tokens
             limits = replace(limits, slo=replace(limits.slo, pivot_time_s=perf.prefill_time(pivot)))
         self.policy = make_policy(policy, self.blocks, limits, clock)
         self.plan: Plan | None = None  # the iteration in flight
         self.iterations = self.num_prefills = 0
+        self.prefill_tokens = 0  # prompt tokens computed here (not taken from the prefix cache)
         self.busy_s = 0.0
         self.iteration_s = 0.0  # duration of the iteration in flight (or of the last one)
         self._sampling_prefills: list[Sequence] = []  # the plan in flight's prefills that end in a token
@@ -92,9 +94,11 @@ class SimWorker:
         self.policy.add(seq, hand_off)
         self.changed = True
 
-    def reserve_import(self, seq: Sequence) -> None:
-        """Blocks for a prompt prefilled elsewhere (EngineFullError / OutOfBlocksError: no room)."""
-        self.policy.reserve_import(seq)
+    def reserve_import(self, seq: Sequence, reuse_prefix: bool = False) -> None:
+        """Blocks for a prompt prefilled elsewhere (EngineFullError / OutOfBlocksError: no room); with
+        `reuse_prefix`, cached blocks of its prefix are shared and `seq.num_computed_tokens` of its
+        KV need not travel."""
+        self.policy.reserve_import(seq, reuse_prefix)
         self.changed = True
 
     def complete_import(self, seq_id: str, first_token: int, now: float) -> Sequence:
@@ -142,6 +146,7 @@ class SimWorker:
             duration += self.prefill_extra * self.perf.prefill_time(prefill)
         self.plan, self.iteration_s = plan, duration
         self.iterations += 1
+        self.prefill_tokens += prefill
         self.busy_s += duration
         return now + duration
 
