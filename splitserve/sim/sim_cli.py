@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the trace's own)")
     p.add_argument("--arrivals", choices=ARRIVALS, default=None)
     p.add_argument("--length-scale", type=float, default=1.0)
+    p.add_argument("--prefix-blind", action="store_true",
+                   help="place blind to the workers' prefix caches and ship every prompt's whole KV (traces with "
+                        "shared prefix blocks, e.g. mooncake, are prefix-aware by default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
     p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "
@@ -94,6 +97,8 @@ def run(args) -> dict:
     if args.out is None and args.json is None:
         raise ValueError("give --out (the full report) or --json (the summary), or both")
     scenario = scenario_of(args)
+    if args.prefix_blind:
+        scenario = replace(scenario, prefix=replace(scenario.prefix, aware=False))
     requests = make_workload(WorkloadSpec(trace=args.trace, num_requests=num_requests(args), rate=args.rate,
                                           arrivals=args.arrivals, length_scale=args.length_scale, seed=args.seed,
                                           max_prompt_tokens=scenario.max_model_len // 2,
@@ -103,7 +108,9 @@ def run(args) -> dict:
         result = simulate(scenario, requests, args.seed, progress=lambda done, _: bar.update(done - bar.n))
     wall = time.perf_counter() - started
     summary = {**result.summary(), "simulated_s": result.duration_s, "wall_time_s": wall,
-               "simulated_requests_per_wall_s": len(requests) / wall}
+               "simulated_requests_per_wall_s": len(requests) / wall,
+               "prefill_tokens_computed": sum(w.prefill_tokens for w in result.workers),
+               "kv_tokens_sent": result.kv_tokens_sent, "kv_tokens_reused": result.kv_tokens_reused}
     if args.out:
         out = Path(args.out)
         write_outputs(out, result.records, summary, f"simulated: {args.trace}")

@@ -114,3 +114,17 @@ def test_a_config_and_a_design_exclude_each_other(capsys):
     with pytest.raises(SystemExit):
         main(["sim", "--config", "deploy/splitwise-ha.yaml", "--design", "splitwise-hh", "--json", "x.json"])
     assert "not allowed with" in capsys.readouterr().err
+
+
+def test_the_mooncake_trace_simulates_prefix_aware_and_blind(tmp_path):
+    summaries = {}
+    for flags in ([], ["--prefix-blind"]):
+        path = tmp_path / f"{len(flags)}.json"
+        assert main(["sim", "--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "2",
+                     "--trace", "mooncake", "--num-requests", "300", "--json", str(path), "--no-progress", *flags]) == 0
+        summaries[bool(flags)] = json.loads(path.read_text())
+    aware, blind = summaries[False], summaries[True]
+    assert aware["num_failed"] == blind["num_failed"] == 0
+    assert blind["kv_tokens_reused"] == 0 < aware["kv_tokens_reused"]
+    assert aware["kv_tokens_sent"] < blind["kv_tokens_sent"]
+    assert aware["prefill_tokens_computed"] <= blind["prefill_tokens_computed"]
