@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-blind", action="store_true",
                    help="place blind to the workers' prefix caches and ship every prompt's whole KV (traces with "
                         "shared prefix blocks, e.g. mooncake, are prefix-aware by default)")
+    p.add_argument("--prefix-index-blocks", type=int, default=None,
+                   help="(worker, block) entries the CLS's prefix index keeps at most (default: the scenario's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
     p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "
@@ -99,6 +101,8 @@ def run(args) -> dict:
     scenario = scenario_of(args)
     if args.prefix_blind:
         scenario = replace(scenario, prefix=replace(scenario.prefix, aware=False))
+    if args.prefix_index_blocks is not None:
+        scenario = replace(scenario, prefix=replace(scenario.prefix, max_index_blocks=args.prefix_index_blocks))
     requests = make_workload(WorkloadSpec(trace=args.trace, num_requests=num_requests(args), rate=args.rate,
                                           arrivals=args.arrivals, length_scale=args.length_scale, seed=args.seed,
                                           max_prompt_tokens=scenario.max_model_len // 2,

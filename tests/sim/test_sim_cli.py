@@ -128,3 +128,8 @@ def test_the_mooncake_trace_simulates_prefix_aware_and_blind(tmp_path):
     assert blind["kv_tokens_reused"] == 0 < aware["kv_tokens_reused"]
     assert aware["kv_tokens_sent"] < blind["kv_tokens_sent"]
     assert aware["prefill_tokens_computed"] <= blind["prefill_tokens_computed"]
+    tiny = tmp_path / "tiny.json"  # an index of one entry: placement is nearly blind, imports still reuse
+    assert main(["sim", "--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "2", "--trace",
+                 "mooncake", "--num-requests", "300", "--json", str(tiny), "--no-progress",
+                 "--prefix-index-blocks", "1"]) == 0
+    assert json.loads(tiny.read_text())["num_failed"] == 0
