@@ -2,6 +2,10 @@
 from splitserve.placement import ClusterState, PlacementRequest, PlacementThresholds, Role, WorkerLoad
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
 
+# tight thresholds, so random states cross them (the rule tests)
+LIMITS = PlacementThresholds(mixed_prompt_tokens=1000, mixed_decode_tokens=8000, max_queue_tokens=3000,
+                             max_decode_queue_tokens=20000)
+
 H100 = HARDWARE_CLASSES["h100"]
 A100 = HARDWARE_CLASSES["a100"]
 Spec = tuple[str, HardwareProfile, WorkerLoad]

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from splitserve.placement import PlacementThresholds, Role
+from splitserve.placement import Role
 from splitserve.placement.base import (
     can_decode,
     can_prompt,
@@ -14,11 +14,7 @@ from splitserve.placement.base import (
     least_prompt_queue,
     least_token_queue,
 )
-from tests.placement.placement_helpers import A100, H100, cluster, load, request
-
-LIMITS = PlacementThresholds(mixed_prompt_tokens=1000, mixed_decode_tokens=8000, max_queue_tokens=3000,
-                             max_decode_queue_tokens=20000)
-
+from tests.placement.placement_helpers import A100, H100, LIMITS, cluster, load, request
 
 def random_workers(rng: random.Random):
     specs = [(f"w{i:02d}", rng.choice([H100, A100]),

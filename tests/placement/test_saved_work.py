@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from splitserve.placement import PlacementThresholds, Role
+from splitserve.placement import Role
 from splitserve.placement.base import (
     can_decode,
     can_prompt,
@@ -16,11 +16,7 @@ from splitserve.placement.base import (
 )
 from splitserve.placement.saved_work import SavedWork, least_loaded_saving, prefer_cached_prompt, prefer_cached_token
 from splitserve.placement.state import PrefixOptions
-from tests.placement.placement_helpers import A100, H100, cluster, load, request
-
-LIMITS = PlacementThresholds(mixed_prompt_tokens=1000, mixed_decode_tokens=8000, max_queue_tokens=3000,
-                             max_decode_queue_tokens=20000)
-
+from tests.placement.placement_helpers import A100, H100, LIMITS, cluster, load, request
 
 def random_state(rng: random.Random):
     def specs(prefix):
