@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.bench.report import markdown_table
+from splitserve.bench.report import markdown_table, write_results_json
 from splitserve.bench.runner import Target, run_once
 from splitserve.bench.workload import WorkloadSpec
 from splitserve.machine import cpu_name
@@ -124,8 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = [run_placement(args, placement) for placement in PLACEMENTS]
     print_rows(rows, hardware)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"hardware": hardware, "args": vars(args), "rows": rows}, f, indent=2)
+        write_results_json(args.json, hardware, args, rows)
     return rows
 
 

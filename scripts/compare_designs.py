@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 from pathlib import Path
 
-from splitserve.bench.report import markdown_table
+from splitserve.bench.report import markdown_table, write_results_json
 from splitserve.bench.runner import Target, measure_baseline, run_once
 from splitserve.bench.slo import SLOSpec
 from splitserve.bench.workload import WorkloadSpec
@@ -160,8 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ray.shutdown()
     print_table(rows, hardware)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"hardware": hardware, "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=2)
+        write_results_json(args.json, hardware, args, rows)
     return rows
 
 
@@ -197,8 +195,7 @@ def capacity_main(args, hardware: str) -> list[dict]:
         for path in draw(rows, measured, Path(args.out), args.trace):
             print(f"wrote {path}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"hardware": hardware, "args": vars(args), "rows": rows}, f, indent=2)
+        write_results_json(args.json, hardware, args, rows)
     return rows
 
 

@@ -162,7 +162,7 @@ def _run_profile(args) -> int:
     try:
         spec = ProfileSpec(args.model, args.hardware, args.device, args.threads, args.repeats, args.prompt_sizes,
                            args.batch_sizes, args.token_size, args.chunk_size, args.chunk_contexts)
-        with tqdm(total=spec.repeats * spec.num_points(), desc="profile", unit="point") as bar:
+        with tqdm(total=spec.repeats * len(spec.sweep()), desc="profile", unit="point") as bar:
             result = run_profile(spec, lambda row: bar.update())
     except ValueError as error:
         print(f"splitserve profile: {error}", file=sys.stderr)

@@ -137,6 +137,11 @@ def write_outputs(out_dir: str | Path, records: Sequence[RequestRecord], summary
     return paths
 
 
+def write_results_json(path: str | Path, hardware: str, args, rows: list[dict]) -> None:
+    """A benchmark script's results: the hardware, its arguments (an argparse namespace) and its rows."""
+    Path(path).write_text(json.dumps({"hardware": hardware, "args": vars(args), "rows": rows}, indent=2))
+
+
 def markdown_table(summary: dict) -> str:
     """The summary as markdown: latency percentiles, then counts and throughput, then SLOs if any."""
     keys = list(summary["ttft_s"])

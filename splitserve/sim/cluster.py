@@ -33,7 +33,6 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
-from itertools import chain, repeat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -213,8 +212,8 @@ class Simulation:
             return [0] * spec.prompt_tokens
         if not spec.prefix_blocks:
             return [-1 - spec.index] * spec.prompt_tokens
-        blocks = chain.from_iterable(repeat(block, spec.block_tokens) for block in spec.prefix_blocks)
-        return list(itertools.islice(blocks, spec.prompt_tokens))
+        tokens = [token for block in spec.prefix_blocks for token in itertools.repeat(block, spec.block_tokens)]
+        return tokens[:spec.prompt_tokens]
 
     def _params_of(self, spec: RequestSpec) -> SamplingParams:
         """The request's forced length and targets; one (validated) instance per distinct value."""

@@ -75,12 +75,13 @@ class ProfileSpec:
         return ([(p, 1) for p in sorted(set(self.prompt_sizes))]
                 + [(self.reference_prompt, b) for b in sorted(set(self.batch_sizes))])
 
+    def sweep(self) -> list[tuple[int, int, int]]:
+        """(prompt_size, batch_size, prefix_size) of one repetition: `points()`, then the chunk sweep."""
+        return [(p, b, 0) for p, b in self.points()] + [(self.chunk_size, 1, c) for c in self.chunk_contexts]
+
     def longest(self) -> int:
         """Tokens of the longest sequence any point runs."""
-        return max([*self.prompt_sizes, *(c + self.chunk_size for c in self.chunk_contexts)]) + self.token_size
-
-    def num_points(self) -> int:
-        return len(self.points()) + len(self.chunk_contexts)
+        return max(c + p for p, _, c in self.sweep()) + self.token_size
 
 
 def build_engine(spec: ProfileSpec) -> LLMEngine:
@@ -91,11 +92,11 @@ def build_engine(spec: ProfileSpec) -> LLMEngine:
     if longest > limit:
         raise ValueError(f"prompt_sizes or chunk_contexts + chunk_size, + token_size {spec.token_size}: {longest} "
                          f"tokens exceeds the model's max_model_len={limit}")
-    points = spec.points()
-    blocks = max(b * -(-(p + spec.token_size) // BLOCK_SIZE) for p, b in [*points, (longest, 1)])
+    sweep = spec.sweep()
+    blocks = max(b * -(-(c + p + spec.token_size) // BLOCK_SIZE) for p, b, c in sweep)
     return LLMEngine(spec.model, policy="prefill_first", device=spec.device, block_size=BLOCK_SIZE,
                      max_model_len=longest, num_kv_blocks=blocks + blocks // 20 + 4, max_num_seqs=max(spec.batch_sizes),
-                     prompt_token_budget=max([p * b for p, b in points] + [spec.chunk_size]))
+                     prompt_token_budget=max(p * b for p, b, _ in sweep))
 
 
 def measure_point(engine: LLMEngine, prompt_size: int, batch_size: int, token_size: int,
@@ -142,9 +143,8 @@ def run_profile(spec: ProfileSpec, on_point: Callable[[dict], None] | None = Non
         engine, rng = build_engine(spec), random.Random(SEED)
         measure_point(engine, min(spec.prompt_sizes), 1, 2, rng)  # warm-up, not recorded
         rows = []
-        points = [(p, b, 0) for p, b in spec.points()] + [(spec.chunk_size, 1, c) for c in spec.chunk_contexts]
         for _ in range(spec.repeats):
-            for prompt_size, batch_size, prefix_size in points:
+            for prompt_size, batch_size, prefix_size in spec.sweep():
                 prompt_ms, token_ms = measure_point(engine, prompt_size, batch_size, spec.token_size, rng, prefix_size)
                 rows.append(_row(spec, prompt_size, batch_size, prompt_ms, token_ms, prefix_size))
                 if on_point is not None:

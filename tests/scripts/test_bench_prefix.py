@@ -1,0 +1,29 @@
+"""The prefix benchmark's clusters and report, without a cluster: each placement's config is a valid
+cluster config that turns prefix-aware placement (and partial imports) on or off."""
+import importlib.util
+from pathlib import Path
+
+from splitserve.config import ClusterConfig
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_prefix.py"
+_spec = importlib.util.spec_from_file_location("bench_prefix", SCRIPT)
+bench_prefix = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_prefix)
+
+
+def test_each_placement_is_a_split_cluster_with_prefix_caching():
+    args = bench_prefix.parse_args([])
+    for placement, aware in (("aware", True), ("blind", False)):
+        config = ClusterConfig.model_validate(bench_prefix.cluster_config(args, placement))
+        assert config.engine.enable_prefix_caching and config.prefix_options().aware is aware
+        assert [(p.role, p.num_workers) for p in config.pools] == [("prompt", 2), ("token", 2)]
+
+
+def test_the_report_compares_aware_with_blind(capsys):
+    row = {"ttft_s": {"p50": 0.4, "p99": 1.0}, "tbt_s": {"p50": 0.008, "p99": 0.1}, "kv_tokens_reused": 0}
+    rows = [{**row, "placement": "aware", "prefill_tokens_computed": 70.0, "kv_bytes_transferred": 50 * 2**20},
+            {**row, "placement": "blind", "prefill_tokens_computed": 100.0, "kv_bytes_transferred": 100 * 2**20}]
+    bench_prefix.print_rows(rows, "cpu")
+    out = capsys.readouterr().out
+    assert "prefill_tokens_computed: aware 30% fewer than blind" in out
+    assert "kv_bytes_transferred: aware 50% fewer than blind" in out and "| aware | 0.400 |" in out
