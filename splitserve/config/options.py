@@ -195,7 +195,8 @@ class SchedulerOptions(StrictModel):
                                          "a token worker: the KV it need not receive.")
     prefix_index_blocks: int = Field(1 << 18, ge=1, description="Most (worker, KV block) entries the CLS's prefix "
                                      "index keeps: each worker gets an equal share (at most its KV blocks); past it, "
-                                     "its oldest cached blocks are forgotten (a missed hit at worst).")
+                                     "its least recently placed or reported blocks are forgotten, a prefix's tail "
+                                     "before its root (a missed hit at worst).")
 
     def thresholds(self) -> PlacementThresholds:
         """What the placement policy needs (the controller and the simulator use the same)."""

@@ -108,9 +108,14 @@ class ClusterState:
             placement, moves = self.policy.choose(self, request, now, excluded)
         self._apply_all(moves, now)
         if placement is not None:
-            # Until their next reports, the chosen workers' queues count this request.
+            # Until their next reports, the chosen workers' queues count this request, and the
+            # prefix index counts its prompt's blocks as theirs.
             self._worker(placement.prompt_worker).placed_prompt_tokens += request.num_prompt_tokens
             self._worker(placement.token_worker).placed_decode_tokens += request.num_prompt_tokens + request.max_tokens
+            if request.prefix_hashes and self.prefix.aware:
+                self.prefix_index.placed(placement.prompt_worker, request.prefix_hashes)
+                if placement.token_worker != placement.prompt_worker:
+                    self.prefix_index.placed(placement.token_worker, request.prefix_hashes)
         return placement, moves
 
     def saved_work(self, request: PlacementRequest) -> SavedWork | None:

@@ -2,8 +2,13 @@
 block's chained hash (engine/prefix_hash.py), kept from the deltas workers send with their reports.
 
 Bounded: a worker keeps at most min(its KV blocks, `max_blocks` // workers in the index) entries,
-so the index never holds more than `max_blocks`; a worker over its limit drops its oldest entries
-(the oldest cached), on its own report and, for every worker, when one joins and the shares shrink.
+so the index never holds more than `max_blocks`; a worker over its limit drops its least recent
+entries, on its own report or placement and, for every worker, when one joins and the shares shrink.
+Recency follows the engine's LRU: placing a request on a worker renews its prompt's chain there (the
+worker will compute or receive those blocks, or hit them), the root most recent, as the engine
+frees a sequence's tail first; a report adds what it newly cached behind that, a chain's tail
+before its root, and leaves known entries where they are. So a chain loses its tail before its
+root (a block whose parent is gone can never match).
 Stale is safe: an entry for a block evicted since the last report (or one kept past a lost report)
 only makes placement expect a hit the engine then misses; the engine matches content itself.
 Each hash maps to a bit mask of its holders (a bit per worker), so a lookup intersects masks.
@@ -22,7 +27,7 @@ class _Holder:
     bit: int  # its bit in the holder masks
     block_size: int
     num_blocks: int
-    hashes: dict[int, None] = field(default_factory=dict)  # what it holds, oldest first
+    hashes: dict[int, None] = field(default_factory=dict)  # what it holds, least recent first
 
 
 class PrefixIndex:
@@ -56,12 +61,17 @@ class PrefixIndex:
             self._drop(holder, list(holder.hashes))
         holder.block_size, holder.num_blocks = delta.block_size, delta.num_blocks
         self._drop(holder, delta.removed)
-        hashes, holders, bit = holder.hashes, self._holders, holder.bit
-        for key_hash in delta.added:
-            if key_hash not in hashes:
-                hashes[key_hash] = None
-                holders[key_hash] = holders.get(key_hash, 0) | bit
+        self._add(holder, delta.added, renew=False)
         self._trim(holder)
+
+    def placed(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """A request whose prompt's block chain is `hashes` was placed on the worker: it will hold
+        those blocks (it computes or receives them, or hits them), so they become its most recent
+        entries before its next report says so. A worker not yet in the index is a no-op."""
+        holder = self._workers.get(worker_id)
+        if holder is not None and hashes:
+            self._add(holder, hashes, renew=True)
+            self._trim(holder)
 
     def remove(self, worker_id: str) -> None:
         """A worker left (or was replaced: its successor has a new id); unknown ids are a no-op."""
@@ -98,6 +108,19 @@ class PrefixIndex:
         for other in self._workers.values():  # the shares shrank
             self._trim(other)
         return holder
+
+    def _add(self, holder: _Holder, chain: Sequence[int], renew: bool) -> None:
+        """Make `chain`'s new hashes (and, if `renew`, those already held) the worker's most recent
+        entries, in reverse: its first (a root) is the most recent."""
+        held, holders, bit = holder.hashes, self._holders, holder.bit
+        for key_hash in reversed(chain):
+            if key_hash not in held:
+                holders[key_hash] = holders.get(key_hash, 0) | bit
+            elif renew:
+                del held[key_hash]  # re-inserted at the recent end
+            else:
+                continue
+            held[key_hash] = None
 
     def _limit(self, holder: _Holder) -> int:
         return min(holder.num_blocks, self.max_blocks // len(self._workers))

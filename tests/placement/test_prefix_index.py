@@ -62,12 +62,26 @@ def test_leave_and_replace():
         index.check_integrity({"t-0.1"})
 
 
-def test_a_worker_keeps_at_most_its_kv_blocks_newest_first():
+def test_a_worker_keeps_at_most_its_kv_blocks_and_a_chain_loses_its_tail_first():
     index = PrefixIndex(1000)
-    index.apply("a", delta(CHAIN[:3], num_blocks=3))
-    index.apply("a", delta(CHAIN[3:5], num_blocks=3))  # an eviction lost with a report: more than fits
-    assert index.num_entries("a") == 3 and index.cached_tokens(CHAIN) == {}  # its oldest (the roots) went
-    assert index.cached_tokens(CHAIN[2:]) == {"a": 3 * BS}
+    index.apply("a", delta(CHAIN[:3], num_blocks=4))
+    index.apply("a", delta((50, 51), num_blocks=4))  # an eviction lost with a report: more than fits
+    assert index.num_entries("a") == 4 and index.cached_tokens(CHAIN) == {"a": 2 * BS}
+    assert index.cached_tokens((50, 51)) == {"a": 2 * BS}
+    index.apply("a", delta(CHAIN[:2] + (60,), num_blocks=4))  # known entries keep their place
+    assert index.cached_tokens(CHAIN) == {"a": BS} and index.cached_tokens((50, 51)) == {"a": 2 * BS}
+
+
+def test_placing_a_request_renews_its_chain_and_adds_what_the_worker_will_hold():
+    index = PrefixIndex(1000)
+    index.apply("a", delta(CHAIN[:3], num_blocks=7))
+    index.apply("a", delta((50, 51, 52), num_blocks=7))
+    index.placed("a", CHAIN[:4])  # renews 0..2 and adds 3: now the most recent, root last
+    index.placed("nobody", CHAIN)  # a worker that has not reported yet: nothing to renew
+    assert index.cached_tokens(CHAIN) == {"a": 4 * BS} and index.num_entries() == 7
+    index.apply("a", delta((60, 61), num_blocks=7))  # the chain 50..52 is the least recent: it goes
+    assert index.cached_tokens(CHAIN) == {"a": 4 * BS} and index.cached_tokens((50, 51, 52)) == {"a": BS}
+    index.check_integrity({"a"})
 
 
 def test_the_global_cap_holds_through_joins_as_equal_shares():
@@ -75,8 +89,9 @@ def test_the_global_cap_holds_through_joins_as_equal_shares():
     index.apply("a", delta(range(0, 8)))
     index.apply("b", delta(range(100, 108)))
     assert (index.num_entries("a"), index.num_entries("b")) == (5, 5)
-    index.apply("c", delta())  # the shares shrink to 3 each: a and b lose their oldest
-    assert index.num_entries() == 6 and index.cached_tokens(range(5, 8)) == {"a": 3 * BS}
+    assert index.cached_tokens(range(0, 8)) == {"a": 5 * BS}  # the tails went
+    index.apply("c", delta())  # the shares shrink to 3 each: a and b lose their least recent
+    assert index.num_entries() == 6 and index.cached_tokens(range(0, 8)) == {"a": 3 * BS}
     index.remove("c")  # shares grow again; what was dropped stays dropped
     index.apply("a", delta(range(20, 30)))
     assert index.num_entries("a") == 5 and index.num_entries() <= 10
@@ -114,7 +129,7 @@ def test_random_churn_keeps_the_index_sound_bounded_and_exact_while_nothing_is_t
                 mirror = {w: {h for h in mirror[w] if h in index._workers[w].hashes} for w in mirror}
 
 
-def test_the_cluster_state_feeds_the_index_from_reports_only_when_prefix_aware():
+def test_the_cluster_state_feeds_the_index_from_reports_and_placements_only_when_prefix_aware():
     state = ClusterState("jsq")
     state.add_worker("p0", Role.PROMPT, "h100")
     state.add_worker("t0", Role.TOKEN, "h100")
@@ -124,12 +139,18 @@ def test_the_cluster_state_feeds_the_index_from_reports_only_when_prefix_aware()
     assert state.saved_work(hashed).cached == {"p0": 4 * BS}
     assert state.saved_work(PlacementRequest("r", 100, 1)) is None
     assert state.snapshot()["workers"]["p0"]["prefix_blocks"] == 4
+    state.report("t0", WorkerLoad(), 1.0, delta())
+    state.place(hashed, 1.5)  # both chosen workers now count the whole chain as theirs
+    assert state.saved_work(hashed).cached == {"p0": 10 * BS, "t0": 10 * BS}
     state.remove_worker("p0")
+    state.remove_worker("t0")
     assert state.prefix_index.empty and state.saved_work(hashed) is None
     state.check_integrity()
     blind = ClusterState("jsq", prefix=PrefixOptions(aware=False))
     blind.add_worker("p0", Role.PROMPT, "h100")
+    blind.add_worker("t0", Role.TOKEN, "h100")
     blind.report("p0", WorkerLoad(), 1.0, delta(CHAIN[:4]))
+    assert blind.place(hashed, 1.5)[0] is not None
     assert blind.prefix_index.empty and blind.saved_work(hashed) is None
 
 
