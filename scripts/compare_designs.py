@@ -13,6 +13,7 @@ design_capacity.py): the highest rate meeting P99 TBT and P99 TTFT SLOs.
 
     python scripts/compare_designs.py --json compare.json
     python scripts/compare_designs.py --capacity --json capacity.json --out capacity/
+    python scripts/compare_designs.py --resimulate capacity.json   # the simulated searches only, again
 """
 from __future__ import annotations
 
@@ -130,6 +131,8 @@ def parse_args(argv: list[str] | None):
     capacity.add_argument("--min-requests", type=int, default=40, help="requests per probe at the least")
     capacity.add_argument("--engine-profile", help="a `splitserve profile` CSV of this machine (default: measure one)")
     capacity.add_argument("--out", help="a folder for the latency-against-load and CDF plots")
+    capacity.add_argument("--resimulate", metavar="JSON", help="a saved --capacity --json result: run only its "
+                          "simulated searches again (its probes, overheads, engine profile and arguments; no Ray)")
     args = parser.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
     args.designs = args.designs.split(",")
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from ray import serve
 
     args = parse_args(argv)
+    if args.resimulate:
+        return resimulate_main(args)
     hardware = f"{cpu_name()}, {args.workers} workers x 1 CPU, demo model"
     if args.capacity:
         return capacity_main(args, hardware)
@@ -167,7 +172,7 @@ def capacity_main(args, hardware: str) -> list[dict]:
     import ray
     from ray import serve
 
-    from design_capacity import PROFILE_BATCHES, capacity_spec, draw, print_rows, row
+    from design_capacity import PROFILE_BATCHES, capacity_spec, row
     from validate_sim import engine_profile
 
     from splitserve.config import ClusterConfig
@@ -190,12 +195,36 @@ def capacity_main(args, hardware: str) -> list[dict]:
             serve.shutdown()
             ray.shutdown()
         rows = [row(m, simulated_capacity(m, configs[m.name], profile, spec)) for m in measured]
+        profile_csv = profile.read_text()
+    return report_capacity(args, rows, measured, spec, hardware, profile_csv)
+
+
+def resimulate_main(args) -> list[dict]:
+    from design_capacity import capacity_spec, load_measured, row
+
+    from splitserve.config import ClusterConfig
+    from splitserve.sim.capacity import simulated_capacity
+
+    saved_args, hardware, measured, profile_csv = load_measured(Path(args.resimulate))
+    spec = capacity_spec(saved_args)
+    with tempfile.TemporaryDirectory() as folder:
+        profile = Path(folder) / "engine.csv"
+        profile.write_text(profile_csv)
+        rows = [row(m, simulated_capacity(m, ClusterConfig.model_validate(design_args(m.name, saved_args)),
+                                          profile, spec)) for m in measured]
+    saved_args.json, saved_args.out = args.json, args.out
+    return report_capacity(saved_args, rows, measured, spec, hardware, profile_csv)
+
+
+def report_capacity(args, rows: list[dict], measured: list, spec, hardware: str, profile_csv: str) -> list[dict]:
+    from design_capacity import draw, print_rows
+
     print_rows(rows, spec, hardware)
     if args.out:
         for path in draw(rows, measured, Path(args.out), args.trace):
             print(f"wrote {path}")
     if args.json:
-        write_results_json(args.json, hardware, args, rows)
+        write_results_json(args.json, hardware, args, rows, engine_profile_csv=profile_csv)
     return rows
 
 

@@ -2,15 +2,19 @@
 simulated (`splitserve.sim.capacity`): per design, in turn on the same workers, deploy it, measure
 its serving overhead and run the real search, take it down; then the simulated searches, on each
 design's config, this machine's engine profile (`splitserve profile`, measured once) and the
-overhead measured on that design.
+overhead measured on that design. `--resimulate` runs the simulated searches again from a saved
+JSON (its probes, overheads and engine profile), to check a model change without measuring again.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 from splitserve.bench.plots import MISSING, cdf_plot, latency_vs_load, plots_available
-from splitserve.sim.capacity import Capacity, CapacitySpec, probe_rows
+from splitserve.sim.capacity import PROBE_KEYS, Capacity, CapacitySpec, probe_rows
+from splitserve.sim.overhead import ServingOverhead
 
 PROFILE_BATCHES = (1, 2, 4, 8, 16, 32)  # a token worker near capacity batches tens of decodes
 
@@ -26,8 +30,24 @@ def row(measured: Capacity, simulated: tuple[float, list]) -> dict:
     capacity, (simulated_rps, simulated_probes) = measured.capacity_rps, simulated
     return {"design": measured.name, "capacity_rps": capacity, "simulated_capacity_rps": simulated_rps,
             "simulated_over_measured": simulated_rps / capacity if capacity else None,
-            "overhead": dataclasses.asdict(measured.overhead), "probes": probe_rows(measured.name, measured.probes),
+            "overhead": dataclasses.asdict(measured.overhead), "max_model_len": measured.max_model_len,
+            "probes": probe_rows(measured.name, measured.probes),
             "simulated_probes": probe_rows(f"{measured.name} (simulated)", simulated_probes)}
+
+
+def load_measured(path: Path) -> tuple[argparse.Namespace, str, list[Capacity], str]:
+    """A saved `--capacity --json` file: the arguments it ran with, its hardware, each design's
+    measured search (without its requests) and its engine profile (CSV text)."""
+    saved = json.loads(path.read_text())
+    missing = [key for key in ("args", "hardware", "rows", "engine_profile_csv") if key not in saved]
+    missing += [f"rows[{i}].{key}" for i, r in enumerate(saved.get("rows", []))
+                for key in ("design", "capacity_rps", "overhead", "max_model_len", "probes") if key not in r]
+    if missing:
+        raise ValueError(f"{path}: not a compare_designs.py --capacity result, missing {', '.join(missing)}")
+    measured = [Capacity(r["design"], r["capacity_rps"],
+                         [(p["rate"], {key: p[key] for key in PROBE_KEYS}) for p in r["probes"]],
+                         ServingOverhead(**r["overhead"]), r["max_model_len"], None) for r in saved["rows"]]
+    return argparse.Namespace(**saved["args"]), saved["hardware"], measured, saved["engine_profile_csv"]
 
 
 def draw(rows: list[dict], measured: list[Capacity], out: Path, trace: str) -> list[Path]:

@@ -137,9 +137,10 @@ def write_outputs(out_dir: str | Path, records: Sequence[RequestRecord], summary
     return paths
 
 
-def write_results_json(path: str | Path, hardware: str, args, rows: list[dict]) -> None:
-    """A benchmark script's results: the hardware, its arguments (an argparse namespace) and its rows."""
-    Path(path).write_text(json.dumps({"hardware": hardware, "args": vars(args), "rows": rows}, indent=2))
+def write_results_json(path: str | Path, hardware: str, args, rows: list[dict], **extra) -> None:
+    """A benchmark script's results: the hardware, its arguments (an argparse namespace), its rows
+    and any `extra` top-level entries."""
+    Path(path).write_text(json.dumps({"hardware": hardware, "args": vars(args), "rows": rows, **extra}, indent=2))
 
 
 def markdown_table(summary: dict) -> str:

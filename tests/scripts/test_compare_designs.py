@@ -41,3 +41,13 @@ def test_tiny_capacity_search_writes_measured_and_simulated(tmp_path):
     assert row["overhead"]["request_s"] > 0
     assert "| splitwise | 2.00 | 2.00 | 1.00 | 2 |" in done.stdout
     assert (tmp_path / "plots" / "capacity_latency_vs_load.png").read_bytes()[:4] == b"\x89PNG"
+    again = tmp_path / "again.json"  # the simulated searches alone, from the saved result
+    done = subprocess.run([sys.executable, str(SCRIPT), "--resimulate", str(out), "--json", str(again)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (rerun,) = json.loads(again.read_text())["rows"]
+    assert rerun["probes"] == row["probes"] and rerun["simulated_probes"] == row["simulated_probes"]
+    assert "| splitwise | 2.00 | 2.00 | 1.00 | 2 |" in done.stdout
+    out.write_text(out.read_text().replace('"engine_profile_csv"', '"profile"'))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--resimulate", str(out)], capture_output=True, text=True)
+    assert done.returncode != 0 and "missing engine_profile_csv" in done.stderr
