@@ -1,7 +1,9 @@
 """Prefix-aware against prefix-blind placement on the local cluster, on Mooncake's conversation trace.
 
-The same requests (the trace's first --num-requests rows, lengths scaled by --length-scale so they fit
-the demo model, the trace's own arrival gaps stretched to --rate), the same split cluster (--prompt
+The same requests (--num-requests rows of a --session-fraction sample of the trace's conversations,
+every turn of each: a window of consecutive rows would cut most conversations, whose turns are
+minutes apart; lengths scaled by --length-scale so they fit the demo model, the trace's own arrival
+gaps stretched to --rate), the same split cluster (--prompt
 prompt and --token token workers, prefix caching on), brought up afresh for each placement so both
 start with cold caches:
 
@@ -44,7 +46,8 @@ def cluster_config(args, placement: str) -> dict:
 
 def workload(args) -> WorkloadSpec:
     return WorkloadSpec(trace="mooncake", num_requests=args.num_requests, rate=args.rate, arrivals="trace",
-                        length_scale=args.length_scale, max_prompt_tokens=args.max_prompt_tokens)
+                        length_scale=args.length_scale, max_prompt_tokens=args.max_prompt_tokens,
+                        session_fraction=args.session_fraction, seed=args.seed)
 
 
 def counters(url: str) -> dict[str, float]:
@@ -106,7 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=2, help="prompt workers")
     parser.add_argument("--token", type=int, default=2, help="token workers")
-    parser.add_argument("--num-requests", type=int, default=300, help="the trace's first rows")
+    parser.add_argument("--num-requests", type=int, default=300, help="the first rows of the sampled conversations")
+    parser.add_argument("--session-fraction", type=float, default=0.025,
+                        help="the conversations replayed (every turn of each); 1: consecutive rows of the trace")
+    parser.add_argument("--seed", type=int, default=0, help="which conversations, and the prompts' tokens")
     parser.add_argument("--rate", type=float, default=2.5, help="mean requests/s (the trace's gaps, stretched)")
     parser.add_argument("--length-scale", type=float, default=0.05)
     parser.add_argument("--max-prompt-tokens", type=int, default=1536)

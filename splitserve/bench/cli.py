@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-tokens", type=int, default=None)
     p.add_argument("--prompt-tokens", type=int, default=128, help="--trace fixed: prompt length")
     p.add_argument("--output-tokens", type=int, default=128, help="--trace fixed: output length")
+    p.add_argument("--session-fraction", type=float, default=1.0,
+                   help="trace arrivals with prefix blocks (mooncake): replay this fraction of the conversations, "
+                        "every turn of each, instead of consecutive rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--api-key", default=None)
@@ -57,7 +60,8 @@ def workload_of(args) -> WorkloadSpec:
     return WorkloadSpec(trace=args.trace, num_requests=args.num_requests, rate=args.rate, arrivals=args.arrivals,
                         burstiness=args.burstiness, length_scale=args.length_scale,
                         max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-                        fixed_prompt_tokens=args.prompt_tokens, fixed_output_tokens=args.output_tokens, seed=args.seed)
+                        fixed_prompt_tokens=args.prompt_tokens, fixed_output_tokens=args.output_tokens, seed=args.seed,
+                        session_fraction=args.session_fraction)
 
 
 def slo_of(args) -> SLOSpec | None:

@@ -19,6 +19,13 @@ MAX_HASH_ID = 2 ** 63 - 1    # ids fit an int64
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 MooncakeRow = tuple[float, int, int, tuple[int, ...]]  # (timestamp ms, input, output, hash ids)
+CONVERSATION_BLOCKS = 2  # Mooncake's conversation trace opens every prompt with one shared block (a system
+                         # prompt); the next names the conversation, whose later turns resend it
+
+
+def conversation_key(hash_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The conversation a request belongs to: its first CONVERSATION_BLOCKS block ids."""
+    return hash_ids[:CONVERSATION_BLOCKS]
 
 
 def read_mooncake(path: str) -> list[MooncakeRow]:

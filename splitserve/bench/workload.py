@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from splitserve.bench.mooncake import conversation_key
 from splitserve.bench.traces import TRACE_FILES, TraceData, load_trace, trace_stats
 
 __all__ = ["ARRIVALS", "TRACE_FILES", "RequestSpec", "TraceData", "WorkloadSpec", "load_trace", "make_workload",
@@ -58,6 +59,8 @@ class WorkloadSpec:
     fixed_output_tokens: int = 128
     seed: int = 0
     start_row: int = 0                # "trace" arrivals: replay rows from here (a window of the real trace)
+    session_fraction: float = 1.0     # "trace" arrivals with prefix blocks: keep each conversation (every turn)
+                                      # with this probability (by the seed), then take the window of what is kept
 
     def __post_init__(self):
         _require(self.num_requests >= 1, "num_requests", f"must be at least 1, got {self.num_requests}")
@@ -74,6 +77,8 @@ class WorkloadSpec:
         for name in ("fixed_prompt_tokens", "fixed_output_tokens"):
             _require(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
         _require(self.start_row >= 0, "start_row", f"must be at least 0, got {self.start_row}")
+        _require(0 < self.session_fraction <= 1, "session_fraction",
+                 f"must be in (0, 1], got {self.session_fraction}")
 
 
 def _require(ok: bool, field: str, problem: str) -> None:
@@ -90,9 +95,10 @@ def make_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     trace = _trace_for(spec)
     kind = resolved_arrivals(spec, trace.timestamps_s is not None)
     if kind == "trace":
-        rows = _window(spec, len(trace))
+        rows = _window(spec, _sessions(spec, trace))
         arrivals = _trace_arrivals(trace.timestamps_s[rows], spec.rate)
     else:
+        _require(spec.session_fraction == 1, "session_fraction", f"needs 'trace' arrivals, not {kind}")
         rng = np.random.default_rng(spec.seed)
         rows = rng.integers(0, len(trace), size=spec.num_requests)
         arrivals = _renewal_arrivals(rng, kind, spec)
@@ -121,12 +127,31 @@ def _trace_for(spec: WorkloadSpec) -> TraceData:
     return TraceData("fixed", np.array([spec.fixed_prompt_tokens]), np.array([spec.fixed_output_tokens]), None)
 
 
-def _window(spec: WorkloadSpec, num_rows: int) -> np.ndarray:
+def _sessions(spec: WorkloadSpec, trace: TraceData) -> np.ndarray:
+    """The trace's rows of the conversations `session_fraction` keeps (all of them at 1), in order.
+    Sampling whole conversations keeps their reuse (each turn resends the history), which a window
+    of consecutive rows mostly cuts: the turns of a conversation are minutes apart."""
+    if spec.session_fraction == 1:
+        return np.arange(len(trace))
+    _require(trace.prefix_blocks is not None, "session_fraction",
+             f"needs a trace with prefix blocks (mooncake or a Mooncake .jsonl); {spec.trace!r} has none")
+    rng, kept = np.random.default_rng(spec.seed), {}
+    for blocks in trace.prefix_blocks:
+        key = conversation_key(blocks)
+        if key not in kept:
+            kept[key] = rng.random() < spec.session_fraction
+    return np.array([i for i, blocks in enumerate(trace.prefix_blocks) if kept[conversation_key(blocks)]],
+                    dtype=np.int64)
+
+
+def _window(spec: WorkloadSpec, rows: np.ndarray) -> np.ndarray:
     end = spec.start_row + spec.num_requests
-    if end > num_rows:
+    if end > len(rows):
+        sampled = f" of the sampled conversations (session_fraction={spec.session_fraction})" \
+            if spec.session_fraction < 1 else ""
         raise ValueError(f"start_row: rows {spec.start_row}..{end - 1} (num_requests={spec.num_requests}) run past "
-                         f"the {num_rows} rows of trace {spec.trace!r}")
-    return np.arange(spec.start_row, end)
+                         f"the {len(rows)} rows{sampled} of trace {spec.trace!r}")
+    return rows[spec.start_row:end]
 
 
 def _trace_arrivals(stamps: np.ndarray, rate: float | None) -> np.ndarray:

@@ -63,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "shared prefix blocks, e.g. mooncake, are prefix-aware by default)")
     p.add_argument("--prefix-index-blocks", type=int, default=None,
                    help="(worker, block) entries the CLS's prefix index keeps at most (default: the scenario's)")
+    p.add_argument("--session-fraction", type=float, default=1.0,
+                   help="trace arrivals with prefix blocks (mooncake): this fraction of the conversations, as for bench")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
     p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "
@@ -105,6 +107,7 @@ def run(args) -> dict:
         scenario = replace(scenario, prefix=replace(scenario.prefix, max_index_blocks=args.prefix_index_blocks))
     requests = make_workload(WorkloadSpec(trace=args.trace, num_requests=num_requests(args), rate=args.rate,
                                           arrivals=args.arrivals, length_scale=args.length_scale, seed=args.seed,
+                                          session_fraction=args.session_fraction,
                                           max_prompt_tokens=scenario.max_model_len // 2,
                                           max_output_tokens=scenario.max_model_len // 2))
     started = time.perf_counter()

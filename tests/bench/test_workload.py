@@ -48,6 +48,34 @@ def test_trace_arrivals_scaled_to_a_rate_keep_relative_gaps():
     assert scaled[1:] / own[1:] == pytest.approx([0.5 / (1.578076 / 3)] * 3)
 
 
+def test_sampled_sessions_keep_every_turn_of_the_conversations_they_keep():
+    from splitserve.bench.mooncake import conversation_key
+    trace = load_trace("mooncake")
+    conversations = {}
+    for row, blocks in enumerate(trace.prefix_blocks):
+        conversations.setdefault(conversation_key(blocks), []).append(row)
+    spec = WorkloadSpec("mooncake", 200, session_fraction=0.05, seed=3)
+    kept = make_workload(spec)
+    keys = {conversation_key(r.prefix_blocks) for r in kept}
+    every_turn = sorted(row for key in keys for row in conversations[key])[:200]
+    assert [r.prefix_blocks for r in kept] == [trace.prefix_blocks[row] for row in every_turn]
+    assert arrivals(kept) == pytest.approx(trace.timestamps_s[every_turn] - trace.timestamps_s[every_turn[0]])
+    assert len(keys) < 200 and make_workload(spec) == kept  # several turns each; the seed decides
+    assert {conversation_key(r.prefix_blocks) for r in make_workload(WorkloadSpec(
+        "mooncake", 200, session_fraction=0.05, seed=4))} != keys
+    window = make_workload(WorkloadSpec("mooncake", 200))
+    assert repeated_blocks(kept) > 0.3 > 0.1 > repeated_blocks(window)  # a window cuts most conversations
+
+
+def repeated_blocks(workload) -> float:
+    seen, repeated, total = set(), 0, 0
+    for request in workload:
+        total += len(request.prefix_blocks)
+        repeated += sum(block in seen for block in request.prefix_blocks)
+        seen.update(request.prefix_blocks)
+    return repeated / total
+
+
 def test_whole_trace_at_a_rate_keeps_its_burstiness():
     own = np.diff(arrivals(make_workload(WorkloadSpec("code", 8819))))
     scaled = np.diff(arrivals(make_workload(WorkloadSpec("code", 8819, rate=5.0, arrivals="trace"))))
@@ -134,7 +162,7 @@ def test_trace_errors_name_the_problem(tmp_path):
 @pytest.mark.parametrize("field, value", [
     ("num_requests", 0), ("rate", 0.0), ("rate", float("inf")), ("arrivals", "uniform"), ("burstiness", -1.0),
     ("length_scale", 0.0), ("min_tokens", 0), ("max_prompt_tokens", 0), ("max_output_tokens", 0),
-    ("fixed_prompt_tokens", 0), ("start_row", -1)])
+    ("fixed_prompt_tokens", 0), ("start_row", -1), ("session_fraction", 0.0), ("session_fraction", 1.5)])
 def test_spec_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}: "):
         WorkloadSpec(**{"trace": "sharegpt", "num_requests": 10, "rate": 1.0, field: value})
@@ -146,6 +174,9 @@ def test_spec_errors_name_the_field(field, value):
     (WorkloadSpec("fixed", 10, arrivals="trace"), "arrivals"),
     (WorkloadSpec("arxiv", 10, rate=1.0, arrivals="trace"), "arrivals"),
     (WorkloadSpec("code", 10, start_row=8810), "start_row"),     # rows 8810..8819 run past 8819 rows
+    (WorkloadSpec("mooncake", 400, session_fraction=0.01), "start_row"),  # about 120 rows kept
+    (WorkloadSpec("conv", 10, session_fraction=0.5), "session_fraction"),  # no conversations to sample
+    (WorkloadSpec("mooncake", 10, rate=1.0, session_fraction=0.5), "session_fraction"),  # poisson: no order
 ])
 def test_workloads_the_trace_cannot_give_fail(spec, field):
     with pytest.raises(ValueError, match=f"^{field}: "):

@@ -27,3 +27,10 @@ def test_the_report_compares_aware_with_blind(capsys):
     out = capsys.readouterr().out
     assert "prefill_tokens_computed: aware 30% fewer than blind" in out
     assert "kv_bytes_transferred: aware 50% fewer than blind" in out and "| aware | 0.400 |" in out
+
+
+def test_the_default_workload_replays_whole_conversations():
+    from splitserve.bench.workload import make_workload
+    requests = make_workload(bench_prefix.workload(bench_prefix.parse_args([])))
+    blocks = [block for r in requests for block in r.prefix_blocks]
+    assert len(requests) == 300 and 1 - len(set(blocks)) / len(blocks) > 0.3  # a third of the blocks repeat
