@@ -14,7 +14,9 @@ start with cold caches:
 
 Per placement: P50 / P99 TTFT and TBT at the client, and from the cluster's Prometheus counters
 (`GET /metrics`, read before and after): prompt tokens the workers computed, KV bytes sent, and the
-tokens the token workers reused from their prefix caches instead of receiving.
+tokens the token workers reused from their prefix caches instead of receiving. Also the prefill a
+single unbounded cache shared by every worker would leave (`prefill_tokens_ideal`): no placement
+computes less, so it bounds what prefix-aware placement can save over blind.
 
     python scripts/bench_prefix.py --json prefix.json
 """
@@ -28,7 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.bench.report import markdown_table, write_results_json
 from splitserve.bench.runner import Target, run_once
-from splitserve.bench.workload import WorkloadSpec
+from splitserve.bench.workload import WorkloadSpec, make_workload
+from splitserve.config import ClusterConfig
 from splitserve.machine import cpu_name
 
 PLACEMENTS = ("aware", "blind")
@@ -48,6 +51,22 @@ def workload(args) -> WorkloadSpec:
     return WorkloadSpec(trace="mooncake", num_requests=args.num_requests, rate=args.rate, arrivals="trace",
                         length_scale=args.length_scale, max_prompt_tokens=args.max_prompt_tokens,
                         session_fraction=args.session_fraction, seed=args.seed)
+
+
+def ideal_prefill_tokens(args) -> int:
+    """The prompt tokens a single unbounded prefix cache shared by every worker would still compute
+    for the workload: each prompt less its longest leading run of blocks some earlier prompt had,
+    in whole engine blocks and never its last token (as the engine). No placement computes fewer."""
+    block_size = ClusterConfig.model_validate(cluster_config(args, "aware")).engine.block_size
+    seen, computed = set(), 0
+    for request in make_workload(workload(args)):
+        chain, cached = request.prefix_blocks, 0
+        while cached < len(chain) and chain[:cached + 1] in seen:
+            cached += 1
+        hit = min(cached * request.block_tokens, request.prompt_tokens - 1) // block_size * block_size
+        computed += request.prompt_tokens - hit
+        seen.update(chain[:i] for i in range(1, len(chain) + 1))
+    return computed
 
 
 def counters(url: str) -> dict[str, float]:
@@ -90,7 +109,7 @@ def run_placement(args, placement: str) -> dict:
             "num_rejected": summary["num_rejected"]}
 
 
-def print_rows(rows: list[dict], hardware: str) -> None:
+def print_rows(rows: list[dict], hardware: str, ideal: int) -> None:
     print(f"\nHardware: {hardware}.\n")
     print("| placement | P50 TTFT (s) | P99 TTFT (s) | P50 TBT (ms) | P99 TBT (ms) | prefill tokens computed | "
           "KV MiB sent | KV tokens reused |")
@@ -103,6 +122,9 @@ def print_rows(rows: list[dict], hardware: str) -> None:
     for key in ("prefill_tokens_computed", "kv_bytes_transferred"):
         if blind[key]:
             print(f"{key}: aware {1 - aware[key] / blind[key]:.0%} fewer than blind")
+    if blind["prefill_tokens_computed"]:
+        print(f"prefill_tokens_ideal: {ideal} (one unbounded cache shared by every worker), "
+              f"{1 - ideal / blind['prefill_tokens_computed']:.0%} fewer than blind")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,10 +148,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     hardware = f"{cpu_name()}, {args.prompt} prompt + {args.token} token workers x 1 CPU, demo model"
+    ideal = ideal_prefill_tokens(args)
     rows = [run_placement(args, placement) for placement in PLACEMENTS]
-    print_rows(rows, hardware)
+    print_rows(rows, hardware, ideal)
     if args.json:
-        write_results_json(args.json, hardware, args, rows)
+        write_results_json(args.json, hardware, args, rows, prefill_tokens_ideal=ideal)
     return rows
 
 
