@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,21 +123,20 @@ def trace_stats(trace: TraceData) -> dict:
         "prompt_tokens": {f"p{q}": float(v) for q, v in zip(qs, np.percentile(trace.prompt_tokens, qs))},
         "output_tokens": {f"p{q}": float(v) for q, v in zip(qs, np.percentile(trace.output_tokens, qs))},
         "mean_rate_rps": None,
-        "repeated_block_fraction": repeated_block_fraction(trace),
+        "repeated_block_fraction": (None if trace.prefix_blocks is None
+                                    else repeated_block_fraction(trace.prefix_blocks)),
     }
     if trace.timestamps_s is not None and len(trace) > 1 and trace.timestamps_s[-1] > 0:
         stats["mean_rate_rps"] = (len(trace) - 1) / float(trace.timestamps_s[-1])
     return stats
 
 
-def repeated_block_fraction(trace: TraceData) -> float | None:
-    """The share of all prompt blocks, rows in order, whose id appeared earlier (what a cache that
-    never evicts could reuse); None for a trace without prefix-block ids."""
-    if trace.prefix_blocks is None:
-        return None
+def repeated_block_fraction(prompts: Iterable[tuple[int, ...]]) -> float:
+    """The share of all the prompts' blocks, in order, whose id appeared earlier (what a cache that
+    never evicts could reuse), from each prompt's block ids (a trace's rows, or a workload's requests)."""
     seen: set[int] = set()
     total = 0
-    for blocks in trace.prefix_blocks:
+    for blocks in prompts:
         seen.update(blocks)
         total += len(blocks)
     return (total - len(seen)) / total if total else 0.0

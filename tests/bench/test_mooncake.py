@@ -27,7 +27,7 @@ def test_good_lines_give_lengths_seconds_and_blocks(tmp_path):
     assert trace.timestamps_s.tolist() == [0.0, 0.5, 2.7505]
     assert trace.prefix_blocks == ((0, 1), (0, 2), (0, 2, 3))
     assert trace.block_tokens == 512
-    assert repeated_block_fraction(trace) == pytest.approx(3 / 7)  # 0, 0 and 2 were seen before
+    assert repeated_block_fraction(trace.prefix_blocks) == pytest.approx(3 / 7)  # 0, 0 and 2 were seen before
 
 
 @pytest.mark.parametrize("bad, problem", [

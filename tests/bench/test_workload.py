@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from splitserve.bench.traces import repeated_block_fraction
 from splitserve.bench.workload import RequestSpec, WorkloadSpec, load_trace, make_workload, trace_stats
 
 
@@ -64,16 +65,11 @@ def test_sampled_sessions_keep_every_turn_of_the_conversations_they_keep():
     assert {conversation_key(r.prefix_blocks) for r in make_workload(WorkloadSpec(
         "mooncake", 200, session_fraction=0.05, seed=4))} != keys
     window = make_workload(WorkloadSpec("mooncake", 200))
-    assert repeated_blocks(kept) > 0.3 > 0.1 > repeated_blocks(window)  # a window cuts most conversations
+    assert repeated(kept) > 0.3 > 0.1 > repeated(window)  # a window cuts most conversations
 
 
-def repeated_blocks(workload) -> float:
-    seen, repeated, total = set(), 0, 0
-    for request in workload:
-        total += len(request.prefix_blocks)
-        repeated += sum(block in seen for block in request.prefix_blocks)
-        seen.update(request.prefix_blocks)
-    return repeated / total
+def repeated(workload) -> float:
+    return repeated_block_fraction(r.prefix_blocks for r in workload)
 
 
 def test_whole_trace_at_a_rate_keeps_its_burstiness():

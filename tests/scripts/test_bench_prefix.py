@@ -31,10 +31,10 @@ def test_the_report_compares_aware_with_blind(capsys):
 
 
 def test_the_default_workload_replays_whole_conversations():
+    from splitserve.bench.traces import repeated_block_fraction
     from splitserve.bench.workload import make_workload
     requests = make_workload(bench_prefix.workload(bench_prefix.parse_args([])))
-    blocks = [block for r in requests for block in r.prefix_blocks]
-    assert len(requests) == 300 and 1 - len(set(blocks)) / len(blocks) > 0.3  # a third of the blocks repeat
+    assert len(requests) == 300 and repeated_block_fraction(r.prefix_blocks for r in requests) > 0.3
 
 
 def test_the_ideal_prefill_counts_each_prompts_longest_cached_run_in_engine_blocks(monkeypatch):
