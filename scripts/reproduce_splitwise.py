@@ -39,9 +39,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from splitserve.provision.figures import latency_vs_load_figure, load_sweep, summary_bars
 from splitserve.cluster.task_runner import make_runner
 from splitserve.jobs import Runner, add_runner_arguments
+from splitserve.provision.figures import latency_vs_load_figure, load_sweep, summary_bars
 from splitserve.provision.search import (
     REFERENCE_H100S,
     Goal,

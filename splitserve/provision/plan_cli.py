@@ -63,7 +63,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 def plan_dict(plan: Plan) -> dict:
     as_dict = dataclasses.asdict
-    return {"design": plan.design, "decode_rule": plan.decode_rule, "mixed_policy": plan.mixed_policy, "goal": {**as_dict(plan.goal), "budget": plan.goal.resolved_budget},
+    return {"design": plan.design, "decode_rule": plan.decode_rule, "mixed_policy": plan.mixed_policy,
+            "goal": {**as_dict(plan.goal), "budget": plan.goal.resolved_budget},
             "trace": as_dict(plan.trace), "configs": [as_dict(c) for c in plan.configs],
             "best": as_dict(plan.best) if plan.best else None}
 

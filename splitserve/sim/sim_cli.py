@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the serving stack's overhead measured by `splitserve profile --url` (a JSON file); "
                         "a peer_slowdown in it puts every worker on one shared host")
     p.add_argument("--trace", default="conv", help="code, conv, sharegpt, arxiv, mooncake or a file, as for bench; "
-                                                   "a Mooncake trace gives lengths and arrivals (shared prefixes are "
-                                                   "not simulated yet)")
+                                                   "a Mooncake trace gives lengths, arrivals and shared prefix blocks "
+                                                   "(the workers' prefix caches hit them)")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--duration", type=float, default=None,
                    help="seconds of arrivals at --rate (instead of --num-requests)")
