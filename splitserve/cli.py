@@ -126,8 +126,8 @@ def _add_profile(commands) -> None:
     serving.add_argument("--config", help="the cluster's config (deploy/*.yaml); default: local-cpu")
     serving.add_argument("--api-key")
     serving.add_argument("--shared-host", action="store_true",
-                         help="the cluster's workers share this machine's cores: also measure how much a busy "
-                              "worker slows the others (peer_slowdown)")
+                         help="the cluster (workers and serving stack) runs on this machine: also measure its "
+                              "cores and the stack's CPU per token streamed, which slow the workers under load")
     p.set_defaults(run=_run_profile)
 
 
@@ -189,7 +189,8 @@ def _run_serving_profile(args) -> int:
         overhead, num = measure_serving_overhead(args.url, config, args.engine_profile, args.prompt_sizes,
                                                  args.token_size, args.repeats, args.api_key, args.shared_host)
         path = overhead.save(args.out, num)
-        shared = f", a busy peer slows a worker by {overhead.peer_slowdown:.0%}" if args.shared_host else ""
+        shared = (f", {overhead.host_cores:g} cores shared with a serving stack of "
+                  f"{overhead.stream_cpu_s * 1000:.2f} ms CPU per token" if args.shared_host else "")
         print(f"serving overhead at {args.url} over {num} requests: {overhead.request_s * 1000:.2f} ms per request, "
               f"{overhead.iteration_s * 1000:.2f} ms per iteration + {overhead.token_s * 1000:.2f} ms per token, "
               f"prefills x {overhead.prefill_scale:.2f}{shared}; wrote {path}")

@@ -15,8 +15,9 @@ number). Per request, as in a real run (splitserve.cluster.dispatch):
    local: the whole request runs on one worker;
 3. each token's time is the end of the iteration that sampled it, plus the scenario's per-request
    serving overhead (`ServingOverhead.request_s`: the client sees every token that much later).
-With `ServingOverhead.peer_slowdown` > 0 the workers share one host's cores (`SharedHost`): an
-iteration's end moves whenever another worker starts or ends one.
+With `ServingOverhead.host_cores` > 0 the workers share one host's cores with the serving stack
+(`SharedHost`): an iteration's end moves whenever another worker starts or ends one, or the stack
+(busy streaming the tokens sampled) starts or runs out of work.
 Prefix caching (the scenario's `prefix_caching`, for requests whose prompts share blocks): a prompt
 is its blocks' ids, each repeated for the block's tokens, so equal blocks are equal tokens and the
 workers' own prefix caches hit where a real run's would; with prefix-aware placement the CLS gets the
@@ -47,7 +48,7 @@ from splitserve.engine.sequence import Sequence as EngineSequence
 from splitserve.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
 from splitserve.placement.load import prefix_delta_of
 from splitserve.placement.state import MAX_PREFIX_BLOCKS, PrefixOptions
-from splitserve.sim.contention import SharedHost
+from splitserve.sim.contention import STACK, SharedHost
 from splitserve.sim.records import SimRecords
 from splitserve.sim.scenario import Scenario
 from splitserve.sim.worker import FILLER_TOKEN, NOTHING_HAPPENED, SimWorker
@@ -124,8 +125,8 @@ class Simulation:
         self.kv_tokens_sent = self.kv_tokens_reused = 0
         self._waking: set[str] = set()
         self._heap: list = []
-        slowdown = scenario.overhead.peer_slowdown  # > 0: the workers share one host's cores
-        self.host = SharedHost(slowdown) if slowdown > 0 else None
+        cores = scenario.overhead.host_cores  # > 0: the workers share one host's cores
+        self.host = SharedHost(cores, scenario.overhead.stream_cpu_s) if cores > 0 else None
         self._order = itertools.count()
         self.now = 0.0
         self.num_events = 0
@@ -245,14 +246,21 @@ class Simulation:
         self._reschedule(self.host.start(worker.worker_id, end - self.now, self.now))
 
     def _reschedule(self, ends: list[tuple[str, float, int]]) -> None:
-        for worker_id, end, version in ends:
-            self._push(end, self._shared_iteration_end, (self.workers[worker_id], version))
+        for run_id, end, version in ends:
+            if run_id == STACK:
+                self._push(end, self._stack_idle, version)
+            else:
+                self._push(end, self._shared_iteration_end, (self.workers[run_id], version))
+
+    def _stack_idle(self, version: int) -> None:
+        if self.host.current(STACK, version):
+            self._reschedule(self.host.finish(STACK, self.now)[1])
 
     def _shared_iteration_end(self, arg: tuple[SimWorker, int]) -> None:
         worker, version = arg
         if not self.host.current(worker.worker_id, version):
             return  # moved by another worker's start or end since it was pushed
-        elapsed, ends = self.host.finish(worker.worker_id, self.now)
+        elapsed, ends = self.host.finish(worker.worker_id, self.now, worker.sampling)
         self._reschedule(ends)
         worker.stretch(elapsed)
         self._iteration_end(worker)

@@ -1,16 +1,20 @@
-"""Workers that share one host's cores (a local CPU cluster), as processor sharing.
+"""Workers that share one host's cores with the serving stack (a local CPU cluster), as processor
+sharing.
 
-While k other workers of the host are in an iteration, a worker's iteration advances at
-1 / (1 + peer_slowdown x k) of its speed alone. Its work (the iteration's time alone) is fixed when
-it starts, so its end moves whenever another worker starts or ends an iteration. A host with a core
-per worker and nothing else running has peer_slowdown 0; one whose cores are saturated by the
-workers' threads plus a steady background demand of b cores slows each by 1 / (1 + b) per other
-busy worker. `splitserve profile --url` measures it (`splitserve.sim.overhead`).
+The host has `cores` cores. Each worker in an iteration is one runnable thread; so is the serving
+stack around the workers (Serve's proxy, the ingress, the CLS, the clients) while it has work: every
+token the workers sample gives it `stream_cpu_s` seconds of CPU (streaming the token out). While n of
+them are runnable each advances at min(1, cores / n) of its speed alone. An iteration's work (its
+time alone) is fixed when it starts, so its end moves whenever a worker starts or ends an iteration
+or the stack starts or runs out of work. `splitserve profile --url --shared-host` measures both
+terms (`splitserve.sim.serving_profile`).
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+
+STACK = "serving stack"  # the stack's run; no worker id has a space
 
 
 @dataclass
@@ -22,14 +26,15 @@ class _Run:
 
 
 class SharedHost:
-    """The iterations in flight on one host. Every `start` and `finish` returns the new
-    (worker id, end time, version) of each iteration still in flight; an end whose version is no
-    longer `current` was moved and must be ignored."""
+    """The runs in flight on one host: the workers' iterations and the stack's backlog. Every
+    `start` and `finish` returns the new (run id, end time, version) of each run still in flight
+    (the stack's id is `STACK`); an end whose version is no longer `current` was moved and must be
+    ignored."""
 
-    def __init__(self, peer_slowdown: float):
-        if not peer_slowdown > 0:
-            raise ValueError(f"peer_slowdown must be > 0 for a shared host, got {peer_slowdown!r}")
-        self.peer_slowdown = peer_slowdown
+    def __init__(self, cores: float, stream_cpu_s: float = 0.0):
+        if not cores > 0:
+            raise ValueError(f"cores must be > 0 for a shared host, got {cores!r}")
+        self.cores, self.stream_cpu_s = cores, stream_cpu_s
         self._runs: dict[str, _Run] = {}
         self._versions = itertools.count(1)
 
@@ -40,18 +45,26 @@ class SharedHost:
         self._runs[worker_id] = _Run(now, work_s, now)
         return self._ends(now)
 
-    def finish(self, worker_id: str, now: float) -> tuple[float, list[tuple[str, float, int]]]:
-        """The iteration of `worker_id` ended at `now`: how long it took, and the others' new ends."""
+    def finish(self, run_id: str, now: float, tokens: int = 0) -> tuple[float, list[tuple[str, float, int]]]:
+        """The run `run_id` ended at `now` after sampling `tokens` tokens (which the stack streams
+        out): how long it took, and the others' new ends."""
         self._advance(now)
-        run = self._runs.pop(worker_id)
+        run = self._runs.pop(run_id)
+        work = tokens * self.stream_cpu_s
+        if work > 0:
+            stack = self._runs.get(STACK)
+            if stack is None:
+                self._runs[STACK] = _Run(now, work, now)
+            else:
+                stack.work_left += work
         return now - run.started, self._ends(now)
 
-    def current(self, worker_id: str, version: int) -> bool:
-        run = self._runs.get(worker_id)
+    def current(self, run_id: str, version: int) -> bool:
+        run = self._runs.get(run_id)
         return run is not None and run.version == version
 
     def _rate(self) -> float:
-        return 1.0 / (1.0 + self.peer_slowdown * max(0, len(self._runs) - 1))
+        return min(1.0, self.cores / max(1, len(self._runs)))
 
     def _advance(self, now: float) -> None:
         rate = self._rate()
@@ -61,7 +74,7 @@ class SharedHost:
 
     def _ends(self, now: float) -> list[tuple[str, float, int]]:
         rate, ends = self._rate(), []
-        for worker_id, run in self._runs.items():
+        for run_id, run in self._runs.items():
             run.version = next(self._versions)
-            ends.append((worker_id, now + max(0.0, run.work_left) / rate, run.version))
+            ends.append((run_id, now + max(0.0, run.work_left) / rate, run.version))
         return ends

@@ -16,10 +16,11 @@ Three terms, fitted on requests sent alone and in pairs (one group at a time, so
   Fitted on lone requests of several prompt sizes: TTFT less the iteration's other terms and the
   KV transfer's visible time, against the profiled prefill time, as a Theil-Sen line (the median
   slope over pairs of different sizes, then the median intercept).
-- `peer_slowdown`: on a host whose cores the workers share, how much slower an iteration runs
-  while another worker is in one (`splitserve.sim.contention`). Fitted on a long decode while
-  long prompts are prefilled on the prompt worker one after another (`measure_crossed`): its token
-  gaps inside the prompts' windows (send to first token) over its gaps outside them, less 1.
+- `host_cores` and `stream_cpu_s`: on a host whose cores the workers share with the serving stack
+  (Serve's proxy, the ingress, the CLS, the clients), its cores and the CPU seconds the stack spends
+  per token streamed (`splitserve.sim.contention`). Measured around the requests above from the
+  host's CPU time (`splitserve.sim.host_cpu`): the time spent outside the worker processes, less
+  what the host spends so while idle, over the tokens the requests streamed.
 The simulator applies exactly these terms (`Scenario.overhead`), so its unloaded latency equals
 the measured one; what it predicts under load (queueing, batching, pool moves) is its own.
 """
@@ -31,7 +32,6 @@ import json
 import math
 import secrets
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,7 +44,7 @@ from splitserve.sim.transfer import TransferModel
 
 DEFAULT_PROMPT_SIZES = (32, 128, 256, 512)
 DEFAULT_OUTPUT_TOKENS = 32
-TERMS = ("request_s", "iteration_s", "token_s", "peer_slowdown", "prefill_scale")
+TERMS = ("request_s", "iteration_s", "token_s", "host_cores", "stream_cpu_s", "prefill_scale")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class ServingOverhead:
     request_s: float = 0.0    # once per request, on its first token and so on every later one
     iteration_s: float = 0.0  # on every worker iteration
     token_s: float = 0.0      # on a worker iteration, per token it samples (each goes out on a stream)
-    peer_slowdown: float = 0.0  # > 0: the workers share a host; per other busy worker (a fraction)
+    host_cores: float = 0.0   # > 0: the workers share a host of this many cores with the serving stack
+    stream_cpu_s: float = 0.0  # on that host, the stack's CPU per token streamed
     prefill_scale: float = 1.0  # a prefill takes this many times its profiled time
 
     def __post_init__(self) -> None:
@@ -80,7 +81,7 @@ class ServingOverhead:
 
 def fit_overhead(lone: list[RequestRecord], pairs: list[RequestRecord], prompt_perf, token_perf,
                  transfer: TransferModel) -> ServingOverhead:
-    """The terms but `peer_slowdown` (see the module docstring) from completed requests of >= 2 tokens sent one
+    """The terms but the host's (see the module docstring) from completed requests of >= 2 tokens sent one
     at a time (`lone`) and two at a time (`pairs`), with the performance models of the prompt
     worker (prefill) and of the token worker (decode)."""
     lone_extra = _decode_excess(lone, 1, token_perf)
@@ -96,26 +97,6 @@ def fit_overhead(lone: list[RequestRecord], pairs: list[RequestRecord], prompt_p
     scale = scale if scale > 0 else 1.0  # a flat or falling line says nothing about the prefill's speed
     request = statistics.median(y - scale * x for x, y in points)
     return ServingOverhead(max(0.0, request), iteration, token, prefill_scale=scale)
-
-
-def fit_peer_slowdown(decode: RequestRecord, prompts: list[RequestRecord]) -> float:
-    """`peer_slowdown` from one long `decode` and the `prompts` sent (one at a time) while it ran,
-    all timed from one run start: the median of the decode's token gaps that lie inside a prompt's
-    window (its send to its first token) over the median of those outside every window, less 1.
-    Gaps after the last window are left out: the decode's context has grown by then."""
-    windows = [(r.start_s, r.start_s + r.ttft_s) for r in prompts if r.ok]
-    times = [decode.start_s + t for t in decode.token_times_s]
-    inside, outside = [], []
-    last = max((hi for _, hi in windows), default=0.0)
-    for a, b in zip(times, times[1:]):
-        if any(lo <= a and b <= hi for lo, hi in windows):
-            inside.append(b - a)
-        elif b <= last and not any(a < hi and lo < b for lo, hi in windows):
-            outside.append(b - a)
-    if len(inside) < 3 or len(outside) < 3:
-        raise ValueError(f"the decode overlapped too little with the prompts ({len(inside)} token gaps inside "
-                         f"their windows, {len(outside)} outside; need 3 of each): make it longer")
-    return max(0.0, statistics.median(inside) / statistics.median(outside) - 1.0)
 
 
 def _usable(records: list[RequestRecord]) -> list[RequestRecord]:
@@ -144,27 +125,6 @@ def measure_requests(url: str, prompt_sizes=DEFAULT_PROMPT_SIZES, output_tokens:
         raise ValueError(f"concurrency must be >= 1, got {concurrency!r}")
     seed = secrets.randbits(32) if seed is None else seed
     return asyncio.run(_measure(url, prompt_sizes, output_tokens, repeats, concurrency, model, api_key, seed))
-
-
-def measure_crossed(url: str, prompt_tokens: int, decode_tokens: int, num_prompts: int = 4, pause_s: float = 0.3,
-                    model: str | None = None, api_key: str | None = None) -> tuple[RequestRecord, list[RequestRecord]]:
-    """One streamed decode of `decode_tokens` tokens from a short prompt and, once it is decoding,
-    `num_prompts` one-token requests of `prompt_tokens` sent one after another, `pause_s` apart
-    (for `fit_peer_slowdown`). Fresh random prompts, as `measure_requests`."""
-    return asyncio.run(_crossed(url, prompt_tokens, decode_tokens, num_prompts, pause_s, model, api_key,
-                                secrets.randbits(32)))
-
-
-async def _crossed(url, prompt_tokens, decode_tokens, num_prompts, pause_s, model, api_key, seed):
-    async with _client(api_key) as http:
-        info = await server_info(http, url, model)
-        t0 = time.perf_counter()
-        decode = asyncio.create_task(send(http, url, info.model, RequestSpec(0, 0.0, 16, decode_tokens), seed, t0))
-        prompts = []
-        for index in range(1, num_prompts + 1):
-            await asyncio.sleep(pause_s)
-            prompts.append(await send(http, url, info.model, RequestSpec(index, 0.0, prompt_tokens, 1), seed, t0))
-        return await decode, prompts
 
 
 def _client(api_key: str | None) -> httpx.AsyncClient:

@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-gbps", type=float, default=400.0, help="KV transfer link between machines")
     p.add_argument("--overhead", type=Path, default=None,
                    help="the serving stack's overhead measured by `splitserve profile --url` (a JSON file); "
-                        "a peer_slowdown in it puts every worker on one shared host")
+                        "host_cores in it put every worker on one host shared with the serving stack")
     p.add_argument("--trace", default="conv", help="code, conv, sharegpt, arxiv, mooncake or a file, as for bench; "
                                                    "a Mooncake trace gives lengths, arrivals and shared prefix blocks "
                                                    "(the workers' prefix caches hit them)")

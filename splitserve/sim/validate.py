@@ -7,8 +7,8 @@ machine reaches the measurement and the runs it is used for alike. The second re
 same arrivals and lengths with fresh prompt contents (no prefix-cache hits): how far it lands from
 the first is the cluster's own reproducibility, the floor under any prediction's error. The
 comparison pools every round's requests and reports p50 / p99 of TTFT and TBT with ratios to the
-first replay: the simulator with the measured contention between workers ("sim"), without it
-("sim_independent", workers on cores of their own) and the second replay ("real_again").
+first replay: the simulator with the measured contention for the host's cores ("sim"), without it
+("sim_independent", workers on cores of their own, the stack elsewhere) and the second replay ("real_again").
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
         requests = fit_to_context(make_workload(dataclasses.replace(workload, seed=seed)), info.max_model_len)
         runs = {"real": asyncio.run(replay(url, requests, info.model, seed)),
                 "real_again": asyncio.run(replay(url, requests, info.model, seed + FRESH_PROMPTS))}
-        for run, terms in (("sim", overhead), ("sim_independent", dataclasses.replace(overhead, peer_slowdown=0.0))):
+        for run, terms in (("sim", overhead), ("sim_independent", dataclasses.replace(overhead, host_cores=0.0))):
             result = simulate(scenario_from_config(config, profiled_target(config, engine_profile, terms)),
                               requests, seed)
             runs[run] = (list(result.records), result.duration_s)
@@ -57,8 +57,8 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
             durations[run] += duration
         rounds.append(round_)
         log(f"seed {seed}: overhead {_ms(overhead.request_s)} / request, {_ms(overhead.iteration_s)} / iteration, "
-            f"{_ms(overhead.token_s)} / token, prefills x {overhead.prefill_scale:.2f}, peer slowdown "
-            f"{overhead.peer_slowdown:.0%}; " + ", ".join(
+            f"{_ms(overhead.token_s)} / token, prefills x {overhead.prefill_scale:.2f}, stack "
+            f"{_ms(overhead.stream_cpu_s)} CPU / token on {overhead.host_cores:g} cores; " + ", ".join(
                 f"{m} p50 " + " ".join(f"{run} {_ms(round_[run][m]['p50'])}" for run in RUNS) for m in METRICS))
     latencies = {run: _latencies(summarize(pooled[run], durations[run])) for run in RUNS}
     ratios = {f"{run}_over_real": {m: {q: latencies[run][m][q] / latencies["real"][m][q] for q in ("p50", "p99")}

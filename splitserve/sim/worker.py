@@ -82,6 +82,7 @@ class SimWorker:
         self.prefill_tokens = 0  # prompt tokens computed here (not taken from the prefix cache)
         self.busy_s = 0.0
         self.iteration_s = 0.0  # duration of the iteration in flight (or of the last one)
+        self.sampling = 0  # tokens the iteration in flight samples (each goes out on a stream)
         self._sampling_prefills: list[Sequence] = []  # the plan in flight's prefills that end in a token
         self.changed = True
 
@@ -140,8 +141,9 @@ class SimWorker:
                 chunk_context += item.num_new_tokens * item.start  # attends over the tokens before the chunk
                 if item.samples:
                     prefills.append(seq)
+        self.sampling = decodes + len(prefills)
         duration = (self.perf.iteration_time(prefill, decodes, context, chunk_context) + self.iteration_overhead_s
-                    + self.token_overhead_s * (decodes + len(prefills)))
+                    + self.token_overhead_s * self.sampling)
         if prefill and self.prefill_extra:
             duration += self.prefill_extra * self.perf.prefill_time(prefill)
         self.plan, self.iteration_s = plan, duration

@@ -1,31 +1,48 @@
-"""Workers sharing a host's cores: processor sharing on hand-computed timelines, in the host alone
-and in the simulator, and the fit of the slowdown from a decode crossed with prompts."""
+"""Workers sharing a host's cores with the serving stack: processor sharing on hand-computed
+timelines, in the host alone and in the simulator."""
 import pytest
 
-from splitserve.bench.report import RequestRecord
 from splitserve.sim.cluster import simulate
-from splitserve.sim.contention import SharedHost
-from splitserve.sim.overhead import ServingOverhead, fit_peer_slowdown
+from splitserve.sim.contention import STACK, SharedHost
+from splitserve.sim.overhead import ServingOverhead
 from tests.sim.test_sim_cluster import spec, split
 
 
+def timeline(ends):
+    return [(run, pytest.approx(t)) for run, t, _ in ends]
+
+
 def test_an_overlap_slows_both_iterations():
-    host = SharedHost(peer_slowdown=1.0)  # two busy workers each run at half speed
+    host = SharedHost(cores=1.0)  # two busy workers each run at half speed
     assert host.start("a", 1.0, now=0.0) == [("a", 1.0, 1)]
     # at 0.5, a has 0.5 s of work left, now at half speed: ends at 1.5; b's 1.0 s at half speed
     ends = host.start("b", 1.0, now=0.5)
-    assert [(w, pytest.approx(t)) for w, t, _ in ends] == [("a", 1.5), ("b", 2.5)]
+    assert timeline(ends) == [("a", 1.5), ("b", 2.5)]
     assert not host.current("a", 1) and host.current("a", ends[0][2])  # a's first end was moved
     # at 1.5 a is done (it took 1.5 s); b did 0.5 s of work and runs its last 0.5 s alone
     elapsed, ends = host.finish("a", now=1.5)
     assert elapsed == pytest.approx(1.5)
-    assert [(w, pytest.approx(t)) for w, t, _ in ends] == [("b", 2.0)]
-    with pytest.raises(ValueError, match="peer_slowdown"):
+    assert timeline(ends) == [("b", 2.0)]
+    with pytest.raises(ValueError, match="cores"):
         SharedHost(0.0)
 
 
+def test_the_stack_streams_the_sampled_tokens_on_the_same_cores():
+    host = SharedHost(cores=2.0, stream_cpu_s=0.1)
+    host.start("a", 1.0, now=0.0)
+    host.start("b", 1.0, now=0.0)
+    # a samples 4 tokens: 0.4 s of stack work; b and the stack share 2 cores, each at full speed
+    _, ends = host.finish("a", now=1.0, tokens=4)
+    assert timeline(ends) == [("b", 1.0), (STACK, 1.4)]
+    # a's next iteration makes three runnable threads on two cores: each at 2/3 speed
+    ends = host.start("a", 0.2, now=1.0)
+    assert timeline(ends) == [("b", 1.0), (STACK, 1.6), ("a", 1.3)]
+    _, ends = host.finish("b", now=1.0, tokens=1)  # more for the stack while it has work: it queues
+    assert timeline(ends) == [(STACK, 1.5), ("a", 1.2)]
+
+
 def test_the_simulator_shares_the_host_between_prompt_and_token_workers():
-    shared = split(overhead=ServingOverhead(peer_slowdown=1.0))
+    shared = split(overhead=ServingOverhead(host_cores=1.0))
     requests = [spec(0, 0.0, 100, 4), spec(1, 0.22, 50, 1)]
     first, second = simulate(shared, requests).records
     # request 0 alone: prefill 0.1, transfer 0.11, lands at 0.21; decode iteration 0.21-0.23 (0.02 s).
@@ -41,22 +58,10 @@ def test_the_simulator_shares_the_host_between_prompt_and_token_workers():
     assert token.worker_id == "token-000" and token.busy_s == pytest.approx(0.03 + 0.04 + 0.04)
 
 
-def decode_record(gaps, start=0.0):
-    times = [0.1]
-    for gap in gaps:
-        times.append(times[-1] + gap)
-    return RequestRecord(0, 16, len(times), len(times), start, times[0], tuple(times), times[-1], status=200)
-
-
-def prompt_record(start, ttft):
-    return RequestRecord(1, 1024, 1, 1, start, ttft, (ttft,), ttft, status=200)
-
-
-def test_fit_peer_slowdown_compares_gaps_inside_and_outside_the_prompts():
-    # 10 ms gaps alone; 15 ms while a prompt is in flight (0.2-0.29 and 0.4-0.49); long gaps after the last
-    gaps = [0.01] * 10 + [0.015] * 6 + [0.01] * 5 + [0.015] * 6 + [0.05] * 20
-    decode = decode_record(gaps)
-    prompts = [prompt_record(0.2, 0.09), prompt_record(0.4, 0.09)]
-    assert fit_peer_slowdown(decode, prompts) == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="too little"):
-        fit_peer_slowdown(decode, [prompt_record(5.0, 0.09)])
+def test_the_simulator_charges_the_stack_for_every_token_streamed():
+    streamed = split(overhead=ServingOverhead(host_cores=1.0, stream_cpu_s=0.01))
+    (record,) = simulate(streamed, [spec(0, 0.0, 100, 4)]).records
+    # the prefill's token gives the stack 0.01 s (0.10-0.11, alone); the KV lands at 0.21. Each
+    # decode (0.02 s alone) ends with 0.01 s for the stack, which the next decode shares the core
+    # with: 0.23-0.25 at half speed (0.01 done), then alone to 0.26; the same again to 0.29
+    assert record.token_times_s == pytest.approx((0.21, 0.23, 0.26, 0.29))

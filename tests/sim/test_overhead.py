@@ -71,7 +71,7 @@ def test_file_round_trip_and_bad_files(tmp_path):
     assert json.loads(path.read_text())["requests"] == 12
     assert ServingOverhead.load(path) == overhead
     (tmp_path / "bad.json").write_text('{"request_ms": 3}')
-    with pytest.raises(ValueError, match="request_s, iteration_s, token_s, peer_slowdown, prefill_scale"):
+    with pytest.raises(ValueError, match="request_s, iteration_s, token_s, host_cores, stream_cpu_s, prefill_scale"):
         ServingOverhead.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="token_s"):
         ServingOverhead(token_s=-1.0)

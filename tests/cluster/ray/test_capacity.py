@@ -8,6 +8,7 @@ import pytest
 
 from splitserve.config import ClusterConfig
 from splitserve.sim.capacity import CapacitySpec, measured_capacity, probe_rows, simulated_capacity
+from splitserve.sim.host_cpu import host_cores
 from splitserve.sim.profile import ProfileSpec, run_profile, write_csv
 from tests.ray_cluster import MAIN
 
@@ -29,6 +30,8 @@ def test_measured_and_simulated_searches_agree_at_the_extremes(server, profiled,
     measured = measured_capacity("main", server, config, profile, spec)
     assert measured.capacity_rps == capacity and [rate for rate, _ in measured.probes] == probes
     assert measured.overhead.request_s > 0 and measured.max_model_len == MAIN["engine"]["max_model_len"]
+    # the cluster runs on this machine: its cores, and the proxy, ingress and client spend CPU on every token
+    assert measured.overhead.host_cores == host_cores() and measured.overhead.stream_cpu_s > 0
     assert (measured.records_at_capacity is not None) == (capacity > 0)
     simulated, simulated_probes = simulated_capacity(measured, config, profile, spec)
     assert simulated == capacity and [rate for rate, _ in simulated_probes] == probes

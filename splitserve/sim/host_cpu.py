@@ -1,0 +1,57 @@
+"""CPU time spent on this (Linux) host, read from /proc: by every process together, and by the
+cluster's worker processes (Ray actors whose process title starts `ray::Worker` or
+`ray::ShardWorker`; Ray titles an actor's process with its class). What is left is the serving
+stack around the workers: Serve's proxy, the ingress, the CLS, Ray's own daemons and the clients.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKER_TITLES = ("ray::Worker", "ray::ShardWorker")
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    at_s: float       # time.perf_counter() when taken
+    host_s: float     # CPU seconds every core has spent busy (neither idle nor waiting on I/O) since boot
+    workers_s: float  # CPU seconds the worker processes now alive have spent since they started
+
+
+def sample(proc: Path = PROC) -> CpuSample:
+    if not (proc / "stat").exists():
+        raise OSError(f"{proc / 'stat'} is not readable: measuring the host's CPU needs Linux's /proc")
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = [int(x) for x in (proc / "stat").read_text().splitlines()[0].split()[1:]]
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # user..steal, less idle and iowait (guest time is in user)
+    return CpuSample(time.perf_counter(), busy / tick, _workers_ticks(proc) / tick)
+
+
+def _workers_ticks(proc: Path) -> int:
+    total = 0
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+            if title.startswith(WORKER_TITLES):
+                stat = (entry / "stat").read_text()
+                fields = stat.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+                total += int(fields[11]) + int(fields[12])  # utime, stime: every thread of the process
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while being read
+    return total
+
+
+def stack_cpu_s(start: CpuSample, end: CpuSample, background_cores: float = 0.0) -> float:
+    """CPU seconds the host spent outside the workers between two samples, less `background_cores`
+    (what it spends so while nothing is served) over that time."""
+    return (end.host_s - start.host_s) - (end.workers_s - start.workers_s) - background_cores * (end.at_s - start.at_s)
+
+
+def host_cores() -> int:
+    """The cores this process may run on (the host's, unless it is confined)."""
+    return len(os.sched_getaffinity(0))

@@ -1,0 +1,59 @@
+"""The host's CPU time from /proc: a hand-made /proc tree, and this machine's own with a spinning
+process that carries a worker's title."""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from splitserve.sim import host_cpu
+from splitserve.sim.host_cpu import CpuSample
+
+
+def process(proc: Path, pid: int, argv: list[str], name: str, utime: int, stime: int) -> None:
+    folder = proc / str(pid)
+    folder.mkdir()
+    (folder / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ...
+    (folder / "stat").write_text(f"{pid} ({name}) S 1 1 1 0 -1 0 0 0 0 0 {utime} {stime} 0 0 20 0 4 0\n")
+
+
+def test_a_hand_made_proc_tree(tmp_path):
+    tick = host_cpu.os.sysconf("SC_CLK_TCK")
+    (tmp_path / "stat").write_text("cpu  100 3 50 1000 20 0 5 2 7 0\ncpu0 1 2 3 4 5 6 7 8 9 0\n")
+    process(tmp_path, 12, ["ray::Worker.step", "--flag"], "ray::Worker (x)", 30, 10)  # a name with ") " in it
+    process(tmp_path, 13, ["ray::ShardWorker"], "ray::ShardWorke", 5, 5)
+    process(tmp_path, 14, ["ray::ProxyActor"], "ray::ProxyActor", 99, 1)  # the stack, not a worker
+    process(tmp_path, 15, ["python", "ray::Worker"], "python", 99, 1)  # the title is the first word
+    (tmp_path / "self").mkdir()
+    cpu = host_cpu.sample(tmp_path)
+    # busy: user + nice + system + irq + softirq + steal (guest is counted in user already)
+    assert cpu.host_s == pytest.approx((100 + 3 + 50 + 0 + 5 + 2) / tick)
+    assert cpu.workers_s == pytest.approx((30 + 10 + 5 + 5) / tick)
+    with pytest.raises(OSError, match="/proc"):
+        host_cpu.sample(tmp_path / "missing")
+
+
+def test_the_stack_is_what_the_workers_did_not_spend_less_the_background():
+    start, end = CpuSample(0.0, 100.0, 40.0), CpuSample(10.0, 112.0, 47.0)
+    assert host_cpu.stack_cpu_s(start, end) == pytest.approx(5.0)
+    assert host_cpu.stack_cpu_s(start, end, background_cores=0.2) == pytest.approx(3.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_a_process_titled_as_a_worker_is_counted_on_this_machine():
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 5: pass"
+    worker = subprocess.Popen(["bash", "-c", f"exec -a ray::Worker {sys.executable} -c '{spin}'"])
+    try:
+        time.sleep(0.2)  # exec'd and spinning
+        start = host_cpu.sample()
+        time.sleep(0.5)
+        end = host_cpu.sample()
+    finally:
+        worker.kill()
+        worker.wait()
+    spent = end.workers_s - start.workers_s
+    assert 0.25 <= spent <= 0.55  # one thread spinning for 0.5 s, on a core it may share
+    assert end.host_s - start.host_s >= spent - 0.05  # the host's busy time includes the worker's
+    assert host_cpu.host_cores() >= 1
