@@ -41,19 +41,26 @@ def test_the_stack_is_what_the_workers_did_not_spend_less_the_background():
     assert host_cpu.stack_cpu_s(start, end, background_cores=0.2) == pytest.approx(3.0)
 
 
+def own_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / host_cpu.os.sysconf("SC_CLK_TCK")
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
 def test_a_process_titled_as_a_worker_is_counted_on_this_machine():
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 5: pass"
     worker = subprocess.Popen(["bash", "-c", f"exec -a ray::Worker {sys.executable} -c '{spin}'"])
     try:
         time.sleep(0.2)  # exec'd and spinning
-        start = host_cpu.sample()
+        start, own_start = host_cpu.sample(), own_cpu_s(worker.pid)
         time.sleep(0.5)
-        end = host_cpu.sample()
+        own_end, end = own_cpu_s(worker.pid), host_cpu.sample()
     finally:
         worker.kill()
         worker.wait()
-    spent = end.workers_s - start.workers_s
-    assert 0.25 <= spent <= 0.55  # one thread spinning for 0.5 s, on a core it may share
-    assert end.host_s - start.host_s >= spent - 0.05  # the host's busy time includes the worker's
+    own = own_end - own_start
+    assert own >= 0.05  # it ran (on a core it may share)
+    # the workers' time holds its own (and any real worker's alive on this machine, such as a test cluster's)
+    assert end.workers_s - start.workers_s >= own - 0.02  # ticks of 10 ms
+    assert end.host_s - start.host_s >= own - 0.02  # the host's busy time includes it
     assert host_cpu.host_cores() >= 1
