@@ -31,9 +31,9 @@ DECODING_POOLS = ("token", "mixed")
 class ClusterExecutor:
     def __init__(self, cls, model_shape: ModelShape, tokenizer, model: str | tuple[str, ...], max_model_len: int,
                  block_size: int, max_attempts: int, retry_s: float = 1.0, limits: RequestLimits = RequestLimits(),
-                 prefix_aware: bool = False):
+                 prefix_block_size: int = 0):
         self.workers, self.limits = WorkerDirectory(cls), limits
-        self.prefix_block_size = block_size if prefix_aware else 0  # name each prompt's blocks to the CLS
+        self.prefix_block_size = prefix_block_size  # ClusterConfig.prefix_block_size
         self.shape, self.tokenizer, self.model = model_shape, tokenizer, model
         self.max_model_len, self.block_size = max_model_len, block_size
         self.max_attempts, self.retry_s = max_attempts, retry_s

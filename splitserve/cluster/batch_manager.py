@@ -20,7 +20,7 @@ class BatchManager:
         limits = config.ingress.limits()
         executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, config.model_names, max_model_len,
                                    engine.block_size, config.scheduler.max_attempts, limits=limits,
-                                   prefix_aware=config.prefix_options().aware)
+                                   prefix_block_size=config.prefix_block_size())
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
                                     limits.max_batch_lines)
 

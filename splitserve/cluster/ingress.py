@@ -62,7 +62,7 @@ class Ingress:
         self._observations = ObservationBuffer()
         self.created = int(time.time())
         self.limits = self.config.ingress.limits()
-        self._prefix_block_size = self.config.engine.block_size if self.config.prefix_options().aware else 0
+        self._prefix_block_size = self.config.prefix_block_size()
         api.state.api_key, api.state.limits = self.api_key, self.limits
         api.state.batches = RemoteBatches(self._batches_handle)
 

@@ -80,7 +80,7 @@ class Worker:
             transport = connect_transport(cfg, worker_id, engine, rendezvous)
         self._peer_tp: dict[str, int] = {}
         self.loop = WorkerLoop(engine, transport, worker_id, cfg.transfer.layerwise_threshold, cfg.transfer.lease_s,
-                               reuse_prefix=cfg.prefix_options().aware)
+                               reuse_prefix=self._reports_prefix)
         self.loop.start()
         self._streams: dict[str, asyncio.Queue] = {}
 

@@ -114,6 +114,11 @@ class ClusterConfig(StrictModel):
                              scheduler.prefill_saved_weight, scheduler.transfer_saved_weight,
                              scheduler.prefix_index_blocks)
 
+    def prefix_block_size(self) -> int:
+        """The block size requests name their prompts' blocks in to the CLS (the engines'); 0 when
+        prefix-aware placement does not act, so they name none."""
+        return self.engine.block_size if self.prefix_options().aware else 0
+
     def worker_hardware(self, pool: PoolConfig) -> HardwareProfile:
         """What the CLS weighs a worker of `pool` by: its class's speeds for its tensor_parallel_size."""
         return self.hardware(pool.hardware).with_tensor_parallel(pool.tensor_parallel_size)

@@ -259,3 +259,6 @@ def test_prefix_aware_placement_settings_reach_the_placement():
     assert ClusterConfig().prefix_options() == PrefixOptions()  # the defaults agree
     assert not ClusterConfig.model_validate({"engine": {"enable_prefix_caching": False}}).prefix_options().aware
     assert not ClusterConfig.model_validate({"scheduler": {"prefix_aware": False}}).prefix_options().aware
+    # requests name their prompts' blocks in the engines' block size, or none when it does not act
+    assert config.prefix_block_size() == config.engine.block_size
+    assert ClusterConfig.model_validate({"scheduler": {"prefix_aware": False}}).prefix_block_size() == 0
