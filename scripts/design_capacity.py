@@ -46,7 +46,8 @@ def load_measured(path: Path) -> tuple[argparse.Namespace, str, list[Capacity], 
         raise ValueError(f"{path}: not a compare_designs.py --capacity result, missing {', '.join(missing)}")
     measured = [Capacity(r["design"], r["capacity_rps"],
                          [(p["rate"], {key: p[key] for key in PROBE_KEYS}) for p in r["probes"]],
-                         ServingOverhead(**r["overhead"]), r["max_model_len"], None) for r in saved["rows"]]
+                         ServingOverhead.from_dict(r["overhead"], f"{path}: {r['design']}'s overhead"),
+                         r["max_model_len"], None) for r in saved["rows"]]
     return argparse.Namespace(**saved["args"]), saved["hardware"], measured, saved["engine_profile_csv"]
 
 

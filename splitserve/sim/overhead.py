@@ -67,9 +67,13 @@ class ServingOverhead:
 
     @classmethod
     def load(cls, path: str | Path) -> ServingOverhead:
-        data = json.loads(Path(path).read_text())
+        return cls.from_dict(json.loads(Path(path).read_text()), str(path))
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> ServingOverhead:
+        """The terms saved in `data` (a `splitserve profile --url` file's object); `where` names it in errors."""
         if not isinstance(data, dict) or set(data) - {*TERMS, "requests"}:
-            raise ValueError(f"{path}: expected an object with {', '.join(TERMS)} (splitserve profile --url)")
+            raise ValueError(f"{where}: expected an object with {', '.join(TERMS)} (splitserve profile --url)")
         return cls(**{name: data[name] for name in TERMS if name in data})
 
     def save(self, path: str | Path, num_requests: int) -> Path:
