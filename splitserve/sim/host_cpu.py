@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 WORKER_TITLES = ("ray::Worker", "ray::ShardWorker")
 PROC = Path("/proc")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,17 @@ def _workers_ticks(proc: Path) -> int:
         except (OSError, IndexError, ValueError):
             continue  # the process ended while being read
     return total
+
+
+def stack_cpu_while(work: Callable[[], T], idle_s: float) -> tuple[T, float]:
+    """`work()`'s result, and the CPU seconds the host spent outside the workers while it ran, less
+    what it spends so while idle (measured over `idle_s` seconds just before)."""
+    idle = sample()
+    time.sleep(idle_s)
+    start = sample()
+    result = work()
+    background = stack_cpu_s(idle, start) / (start.at_s - idle.at_s)
+    return result, stack_cpu_s(start, sample(), background)
 
 
 def stack_cpu_s(start: CpuSample, end: CpuSample, background_cores: float = 0.0) -> float:

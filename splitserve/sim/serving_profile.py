@@ -2,7 +2,6 @@
 profiled times (`splitserve.sim.overhead`), for `splitserve sim --overhead`."""
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,17 +39,17 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
     hardware = {pool.role: pool.setup for pool in scenario.pools if pool.count}
     prompt_hw = hardware.get(Role.PROMPT, hardware.get(Role.MIXED))
     token_hw = hardware.get(Role.TOKEN, hardware.get(Role.MIXED))
+
+    def measure() -> tuple[list, list]:
+        return tuple(measure_requests(url, prompt_sizes, output_tokens, repeats, concurrency, config.model_name,
+                                      api_key) for concurrency in (1, 2))
+
     if shared_host:
-        idle = host_cpu.sample()
-        time.sleep(IDLE_WINDOW_S)
-        start = host_cpu.sample()
-    lone, pairs = (measure_requests(url, prompt_sizes, output_tokens, repeats, concurrency, config.model_name, api_key)
-                   for concurrency in (1, 2))
+        (lone, pairs), stack_s = host_cpu.stack_cpu_while(measure, IDLE_WINDOW_S)
+        tokens = sum(r.output_tokens for r in lone + pairs)
+        host = {"host_cores": host_cpu.host_cores(), "stream_cpu_s": max(0.0, stack_s / tokens)}
+    else:
+        (lone, pairs), host = measure(), {}
     overhead = fit_overhead(lone, pairs, scenario.perf_models[prompt_hw], scenario.perf_models[token_hw],
                             scenario.transfer)
-    if shared_host:
-        background = host_cpu.stack_cpu_s(idle, start) / (start.at_s - idle.at_s)
-        stack = host_cpu.stack_cpu_s(start, host_cpu.sample(), background)
-        tokens = sum(r.output_tokens for r in lone + pairs)
-        overhead = replace(overhead, host_cores=host_cpu.host_cores(), stream_cpu_s=max(0.0, stack / tokens))
-    return overhead, len(lone) + len(pairs)
+    return replace(overhead, **host), len(lone) + len(pairs)

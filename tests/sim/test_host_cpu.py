@@ -64,3 +64,15 @@ def test_a_process_titled_as_a_worker_is_counted_on_this_machine():
     assert end.workers_s - start.workers_s >= own - 0.02  # ticks of 10 ms
     assert end.host_s - start.host_s >= own - 0.02  # the host's busy time includes it
     assert host_cpu.host_cores() >= 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_work_outside_the_workers_is_the_stacks():
+    def spin() -> str:  # this process is no worker: its CPU is the stack's
+        t = time.process_time()
+        while time.process_time() - t < 0.3:
+            pass
+        return "done"
+
+    result, stack = host_cpu.stack_cpu_while(spin, idle_s=0.2)
+    assert result == "done" and stack >= 0.15  # its 0.3 s, less what the idle rate misjudges
