@@ -32,7 +32,7 @@ import json
 import math
 import secrets
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -91,6 +91,14 @@ def fit_overhead(lone: list[RequestRecord], pairs: list[RequestRecord], prompt_p
     lone_extra = _decode_excess(lone, 1, token_perf)
     token = max(0.0, _decode_excess(pairs, 2, token_perf) - lone_extra)
     iteration = max(0.0, lone_extra - token)
+    return fit_prefill(lone, ServingOverhead(iteration_s=iteration, token_s=token), prompt_perf, transfer)
+
+
+def fit_prefill(lone: list[RequestRecord], decode: ServingOverhead, prompt_perf,
+                transfer: TransferModel) -> ServingOverhead:
+    """`decode` (its iteration_s and token_s) with request_s and prefill_scale fitted on the TTFTs of
+    requests sent one at a time (`lone`)."""
+    iteration, token = decode.iteration_s, decode.token_s
     points = []  # (profiled prefill, TTFT less the iteration's other terms and the KV transfer)
     for r in _usable(lone):
         prefill = prompt_perf.prefill_time(r.prompt_tokens)
@@ -100,7 +108,7 @@ def fit_overhead(lone: list[RequestRecord], pairs: list[RequestRecord], prompt_p
     scale = statistics.median(slopes) if slopes else 1.0
     scale = scale if scale > 0 else 1.0  # a flat or falling line says nothing about the prefill's speed
     request = statistics.median(y - scale * x for x, y in points)
-    return ServingOverhead(max(0.0, request), iteration, token, prefill_scale=scale)
+    return replace(decode, request_s=max(0.0, request), prefill_scale=scale)
 
 
 def _usable(records: list[RequestRecord]) -> list[RequestRecord]:

@@ -9,9 +9,11 @@ from splitserve.config import ClusterConfig
 from splitserve.placement.state import Role
 from splitserve.sim import host_cpu
 from splitserve.sim.from_config import SimTarget, scenario_from_config
-from splitserve.sim.overhead import ServingOverhead, fit_overhead, measure_requests
+from splitserve.sim.calibrate import calibrate_decode
+from splitserve.sim.overhead import ServingOverhead, fit_overhead, fit_prefill, measure_requests
 
 IDLE_WINDOW_S = 2.0  # how long the host's CPU is sampled while nothing is served
+CONCURRENCY = (1, 2, 4, 8, 16)  # requests sent together: batches up to those a loaded worker runs
 
 
 def profiled_target(config: ClusterConfig, engine_profile: Path,
@@ -24,11 +26,18 @@ def profiled_target(config: ClusterConfig, engine_profile: Path,
 
 def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Path,
                              prompt_sizes: tuple[int, ...], output_tokens: int, repeats: int,
-                             api_key: str | None = None, shared_host: bool = False) -> tuple[ServingOverhead, int]:
+                             api_key: str | None = None, shared_host: bool = False,
+                             concurrency: tuple[int, ...] = CONCURRENCY) -> tuple[ServingOverhead, int]:
     """The overhead of the cluster at `url`, deployed with `config`, against `engine_profile` (a
     `splitserve profile` CSV of its hardware); and how many requests it was fitted on. With
     `shared_host` (the cluster's workers and serving stack run on this machine, with this client)
-    also the host's terms, from this machine's CPU time while idle and while the requests ran."""
+    also the host's terms, from this machine's CPU time while idle and while the requests ran.
+
+    Requests go in groups of each `concurrency` (which holds 1 and 2), one group at a time: the
+    prefill terms come from those alone, a first estimate of the decode terms from those alone and
+    in pairs, and the decode terms from every group replayed in the simulator (`calibrate`)."""
+    if not {1, 2} <= set(concurrency):
+        raise ValueError(f"concurrency must hold 1 and 2 (requests alone and in pairs), got {concurrency!r}")
     if output_tokens < 2:
         raise ValueError(f"output_tokens must be >= 2 (the overhead is fitted on token gaps), got {output_tokens!r}")
     limit = config.engine.max_model_len
@@ -40,16 +49,17 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
     prompt_hw = hardware.get(Role.PROMPT, hardware.get(Role.MIXED))
     token_hw = hardware.get(Role.TOKEN, hardware.get(Role.MIXED))
 
-    def measure() -> tuple[list, list]:
-        return tuple(measure_requests(url, prompt_sizes, output_tokens, repeats, concurrency, config.model_name,
-                                      api_key) for concurrency in (1, 2))
+    def measure() -> dict[int, list]:
+        return {c: measure_requests(url, prompt_sizes, output_tokens, repeats, c, config.model_name, api_key)
+                for c in concurrency}
 
     if shared_host:
-        (lone, pairs), stack_s = host_cpu.stack_cpu_while(measure, IDLE_WINDOW_S)
-        tokens = sum(r.output_tokens for r in lone + pairs)
+        groups, stack_s = host_cpu.stack_cpu_while(measure, IDLE_WINDOW_S)
+        tokens = sum(r.output_tokens for records in groups.values() for r in records)
         host = {"host_cores": host_cpu.host_cores(), "stream_cpu_s": max(0.0, stack_s / tokens)}
     else:
-        (lone, pairs), host = measure(), {}
-    overhead = fit_overhead(lone, pairs, scenario.perf_models[prompt_hw], scenario.perf_models[token_hw],
-                            scenario.transfer)
-    return replace(overhead, **host), len(lone) + len(pairs)
+        groups, host = measure(), {}
+    prompt_perf, token_perf = scenario.perf_models[prompt_hw], scenario.perf_models[token_hw]
+    first = replace(fit_overhead(groups[1], groups[2], prompt_perf, token_perf, scenario.transfer), **host)
+    decode = calibrate_decode(replace(scenario, overhead=first), groups, first)
+    return fit_prefill(groups[1], decode, prompt_perf, scenario.transfer), sum(map(len, groups.values()))
