@@ -25,6 +25,7 @@ TOKEN_ID_RANGE = (10, 250)  # ids every tokenizer has (bytes / byte fallbacks); 
 # A block's tokens come from entropy [seed, hash id, BLOCK_STREAM], a request's own from [seed, index]:
 # the nonzero last word keeps the two apart (numpy's SeedSequence pads short entropy with zeros).
 BLOCK_STREAM = 0xB10C
+FRESH_PROMPTS = 1_000_003  # the prompt seeds of successive replays of one workload lie this far apart
 
 
 class ServerInfo:
@@ -38,6 +39,12 @@ def prompt_ids(spec: RequestSpec, seed: int) -> list[int]:
     blocks = spec.prefix_blocks[:-(-spec.prompt_tokens // spec.block_tokens)] if spec.prefix_blocks else ()
     shared = [t for h in blocks for t in _random_ids([seed, h, BLOCK_STREAM], spec.block_tokens)][:spec.prompt_tokens]
     return shared + _random_ids([seed, spec.index], spec.prompt_tokens - len(shared))
+
+
+def fresh_prompt_seed(seed: int, run: int) -> int:
+    """The prompt seed of the `run`-th replay of a workload of `seed` (run 0: `seed` itself). Replays
+    on one cluster then share no prompt: none is served from a prefix cache an earlier one filled."""
+    return seed + FRESH_PROMPTS * run
 
 
 def _random_ids(entropy: list[int], size: int) -> list[int]:

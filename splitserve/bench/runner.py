@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
 
-from splitserve.bench.client import ServerInfo, fetch_server_info, replay, send
+from splitserve.bench.client import ServerInfo, fetch_server_info, fresh_prompt_seed, replay, send
 from splitserve.bench.report import RequestRecord, summarize
 from splitserve.bench.slo import Baseline, SLOSpec
 from splitserve.bench.workload import RequestSpec, WorkloadSpec, make_workload
@@ -59,11 +60,16 @@ async def calibrate(target: Target, info: ServerInfo, requests: list[RequestSpec
 
 
 async def run_once(target: Target, workload: WorkloadSpec, slo: SLOSpec | None, baseline: Baseline | None,
-                   progress: bool = True, label: str = "requests") -> tuple[list[RequestRecord], dict]:
+                   progress: bool = True, label: str = "requests",
+                   prompt_seed: int | None = None) -> tuple[list[RequestRecord], dict]:
+    """Replay `workload` against `target`: its records and their summary. The prompts' token ids
+    come from `prompt_seed` (default the workload's seed; `fresh_prompt_seed` for a replay after
+    another of the same workload)."""
     info = await fetch_server_info(target.url, target.model, target.api_key)
     requests = fit_to_context(make_workload(workload), info.max_model_len)
     with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False) as bar:
-        records, duration = await replay(target.url, requests, info.model, workload.seed, target.api_key,
+        seed = workload.seed if prompt_seed is None else prompt_seed
+        records, duration = await replay(target.url, requests, info.model, seed, target.api_key,
                                          on_done=lambda _: bar.update())
     return records, summarize(records, duration, slo, baseline)
 
@@ -76,9 +82,13 @@ async def measure_baseline(target: Target, workload: WorkloadSpec) -> Baseline:
 
 def run_at_rate(target: Target, workload: WorkloadSpec, slo: SLOSpec | None, baseline: Baseline | None,
                 progress: bool = True):
-    """A callable rate -> summary (for the capacity search): the same workload at another rate."""
+    """A callable rate -> summary (for the capacity search): the same workload at another rate,
+    with prompts no earlier probe sent."""
+    probes = itertools.count(1)
+
     def run(rate: float) -> dict:
         at_rate = dataclasses.replace(workload, rate=rate)
-        _, summary = asyncio.run(run_once(target, at_rate, slo, baseline, progress, f"rate {rate:.2f}"))
+        _, summary = asyncio.run(run_once(target, at_rate, slo, baseline, progress, f"rate {rate:.2f}",
+                                          fresh_prompt_seed(workload.seed, next(probes))))
         return {**summary, "rate": rate}
     return run

@@ -2,13 +2,14 @@
 so that a simulator driven by an engine profile (`splitserve profile`) predicts what clients of that
 cluster see.
 
-Three terms, fitted on requests sent alone and in pairs (one group at a time, so nothing queues):
+The terms, fitted on groups of concurrent requests (one group at a time, so nothing queues):
 - `iteration_s` + `token_s` x (tokens sampled): added to every iteration of a worker. The worker
   loop and its token streams (the actor's asyncio thread, Ray's streaming generator) share the
   engine's process; on CPU that costs each decode step milliseconds, more with more streams.
-  From each request's median token gap less the profile's decode time at its batch (1 alone, 2
-  in pairs) and mean context, the medians e1 (alone) and e2 (pairs): token_s = e2 - e1,
-  iteration_s = e1 - token_s (each at least 0).
+  First estimate (`fit_overhead`): from each request's median token gap less the profile's decode
+  time at its batch (1 alone, 2 in pairs) and mean context, the medians e1 (alone) and e2 (pairs):
+  token_s = e2 - e1, iteration_s = e1 - token_s (each at least 0). The terms the simulator gets are
+  refitted on groups of up to 16 by replaying them in the simulator (`splitserve.sim.calibrate`).
 - `request_s` and `prefill_scale`: the first is added once to every request's latency (the HTTP
   proxy, the ingress, the CLS placement and the worker calls around the iterations); the second
   multiplies every prefill's profiled time (in the worker process the engine's thread shares the

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from splitserve.bench.client import fetch_server_info, replay
+from splitserve.bench.client import fetch_server_info, fresh_prompt_seed, replay
 from splitserve.bench.report import RequestRecord, summarize
 from splitserve.bench.runner import fit_to_context
 from splitserve.bench.workload import WorkloadSpec, make_workload
@@ -29,7 +29,6 @@ from splitserve.sim.serving_profile import measure_serving_overhead, profiled_ta
 
 METRICS = ("ttft_s", "tbt_s")
 RUNS = ("real", "real_again", "sim", "sim_independent")
-FRESH_PROMPTS = 1_000_003  # added to the seed for the second replay's prompt contents
 Log = Callable[[str], None]
 
 
@@ -45,7 +44,7 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
         info = asyncio.run(fetch_server_info(url, config.model_name))
         requests = fit_to_context(make_workload(dataclasses.replace(workload, seed=seed)), info.max_model_len)
         runs = {"real": asyncio.run(replay(url, requests, info.model, seed)),
-                "real_again": asyncio.run(replay(url, requests, info.model, seed + FRESH_PROMPTS))}
+                "real_again": asyncio.run(replay(url, requests, info.model, fresh_prompt_seed(seed, 1)))}
         for run, terms in (("sim", overhead), ("sim_independent", dataclasses.replace(overhead, host_cores=0.0))):
             result = simulate(scenario_from_config(config, profiled_target(config, engine_profile, terms)),
                               requests, seed)

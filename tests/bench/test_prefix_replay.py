@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from splitserve.bench.cli import main as bench
-from splitserve.bench.client import TOKEN_ID_RANGE, prompt_ids
+from splitserve.bench.client import TOKEN_ID_RANGE, fresh_prompt_seed, prompt_ids
 from splitserve.bench.workload import RequestSpec, WorkloadSpec, make_workload
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
@@ -88,6 +88,30 @@ def test_a_real_prefix_cache_hits_the_shared_blocks(trace):
     # the second shares block 0 (32 tokens); the third blocks 0 and 1, of which the first request's 62
     # tokens computed three full engine blocks (48 tokens)
     assert cached == {"0": 0, "1": 32, "2": 48}
+    engine.block_manager.check_integrity()
+
+
+
+def test_a_fresh_prompt_seed_hits_nothing_an_earlier_replay_cached(trace):
+    # the same workload replayed on one engine: with the same seed every prompt is served from the
+    # cache; with the next run's seed (a capacity probe's) none is, blocks shared within it included
+    requests = make_workload(WorkloadSpec(trace, 3, length_scale=1 / 16))
+    engine = LLMEngine("demo", enable_prefix_caching=True, device="cpu", dtype="float32", num_kv_blocks=256)
+
+    def cached_tokens(seed):
+        cached = 0
+        for spec in requests:
+            engine.add_request(f"{seed}-{spec.index}", prompt_ids(spec, seed), SamplingParams(max_tokens=1,
+                                                                                             ignore_eos=True))
+            while engine.has_unfinished_requests():
+                cached += sum(out.num_cached_tokens for out in engine.step() if out.finished)
+        return cached
+
+    assert fresh_prompt_seed(0, 0) == 0
+    first = cached_tokens(0)  # within the run: the blocks the trace shares
+    assert first == 32 + 48
+    assert cached_tokens(0) == 48 + 80 + 112  # every full engine block of prompts of 62, 94 and 125 tokens
+    assert cached_tokens(fresh_prompt_seed(0, 1)) == first
     engine.block_manager.check_integrity()
 
 
