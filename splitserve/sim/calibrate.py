@@ -5,7 +5,7 @@ The first estimate (`overhead.fit_overhead`) reads requests alone and in pairs a
 decoding one and two sequences. That holds for one token worker, not for mixed workers (placement
 spreads a pair over two workers, which then share the host's cores with the stack), and two points
 say nothing of larger batches: on CPU the per-token cost falls as batches grow (a worker at batch 16
-spends about a third of what batch 1 to 2 suggests), so a line through them overcharges every loaded
+spends about a quarter of what batch 1 to 2 suggests), so a line through them overcharges every loaded
 iteration. Here the simulator replays each group of concurrent requests as it was sent, on the
 cluster's own pools, placement and shared host, and the two terms are the least-squares fit (over
 the relative error of each concurrency's median token gap) that makes its gaps the measured ones.
