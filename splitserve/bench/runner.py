@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm
@@ -22,9 +23,14 @@ CALIBRATION_INDEX = 1_000_000  # probe indices (their prompt ids), apart from th
 
 @dataclass(frozen=True)
 class Target:
+    """A running cluster to replay workloads against. Each replay through one target sends prompts
+    no earlier one sent (`fresh_prompt_seed`, the first its workload's own), so none is served from
+    the prefix cache an earlier replay of the same workload filled."""
+
     url: str
     model: str | None = None
     api_key: str | None = None
+    replays: Iterator[int] = field(default_factory=itertools.count, compare=False, repr=False)
 
 
 def fit_to_context(requests: list[RequestSpec], max_model_len: int | None) -> list[RequestSpec]:
@@ -60,15 +66,12 @@ async def calibrate(target: Target, info: ServerInfo, requests: list[RequestSpec
 
 
 async def run_once(target: Target, workload: WorkloadSpec, slo: SLOSpec | None, baseline: Baseline | None,
-                   progress: bool = True, label: str = "requests",
-                   prompt_seed: int | None = None) -> tuple[list[RequestRecord], dict]:
-    """Replay `workload` against `target`: its records and their summary. The prompts' token ids
-    come from `prompt_seed` (default the workload's seed; `fresh_prompt_seed` for a replay after
-    another of the same workload)."""
+                   progress: bool = True, label: str = "requests") -> tuple[list[RequestRecord], dict]:
+    """Replay `workload` against `target` (prompts of this replay's own): its records and their summary."""
     info = await fetch_server_info(target.url, target.model, target.api_key)
     requests = fit_to_context(make_workload(workload), info.max_model_len)
     with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False) as bar:
-        seed = workload.seed if prompt_seed is None else prompt_seed
+        seed = fresh_prompt_seed(workload.seed, next(target.replays))
         records, duration = await replay(target.url, requests, info.model, seed, target.api_key,
                                          on_done=lambda _: bar.update())
     return records, summarize(records, duration, slo, baseline)
@@ -82,13 +85,9 @@ async def measure_baseline(target: Target, workload: WorkloadSpec) -> Baseline:
 
 def run_at_rate(target: Target, workload: WorkloadSpec, slo: SLOSpec | None, baseline: Baseline | None,
                 progress: bool = True):
-    """A callable rate -> summary (for the capacity search): the same workload at another rate,
-    with prompts no earlier probe sent."""
-    probes = itertools.count(1)
-
+    """A callable rate -> summary (for the capacity search): the same workload at another rate."""
     def run(rate: float) -> dict:
         at_rate = dataclasses.replace(workload, rate=rate)
-        _, summary = asyncio.run(run_once(target, at_rate, slo, baseline, progress, f"rate {rate:.2f}",
-                                          fresh_prompt_seed(workload.seed, next(probes))))
+        _, summary = asyncio.run(run_once(target, at_rate, slo, baseline, progress, f"rate {rate:.2f}"))
         return {**summary, "rate": rate}
     return run

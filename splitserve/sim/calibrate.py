@@ -42,12 +42,11 @@ def calibrate_decode(scenario: Scenario, groups: dict[int, list[RequestRecord]],
     terms = (overhead.iteration_s, overhead.token_s)
     for _ in range(MAX_ROUNDS):
         base = errors(terms)
-        columns = [[(e - b) / STEP_S for e, b in zip(errors(_moved(terms, i)), base)] for i in range(2)]
-        step = _solve(columns, base)
-        moved = (max(0.0, terms[0] + step[0]), max(0.0, terms[1] + step[1]))
-        done = max(abs(moved[0] - terms[0]), abs(moved[1] - terms[1])) < TOLERANCE_S
-        terms = moved
-        if done:
+        columns = [[(e - b) / STEP_S for e, b in zip(errors(moved), base)]
+                   for moved in ((terms[0] + STEP_S, terms[1]), (terms[0], terms[1] + STEP_S))]
+        previous, step = terms, _solve(columns, base)
+        terms = (max(0.0, terms[0] + step[0]), max(0.0, terms[1] + step[1]))
+        if max(abs(a - b) for a, b in zip(terms, previous)) < TOLERANCE_S:
             break
     return replace(overhead, iteration_s=terms[0], token_s=terms[1])
 
@@ -73,16 +72,16 @@ def _median_gap(records) -> float:
     return statistics.median(statistics.median(r.tbt_s) for r in records)
 
 
-def _moved(terms: tuple[float, float], which: int) -> tuple[float, float]:
-    return (terms[0] + STEP_S, terms[1]) if which == 0 else (terms[0], terms[1] + STEP_S)
-
-
 def _solve(columns: list[list[float]], errors: list[float]) -> tuple[float, float]:
     """The damped least-squares step x of a two-column Jacobian J: (JᵀJ + λ·diag(JᵀJ)) x = -Jᵀe."""
-    (a, b), (_, c) = ([sum(x * y for x, y in zip(u, v)) for v in columns] for u in columns)
-    a, c = a * (1 + DAMPING), c * (1 + DAMPING)
-    g0, g1 = (-sum(x * e for x, e in zip(column, errors)) for column in columns)
-    det = a * c - b * b
+    u, v = columns
+    uu, uv, vv = _dot(u, u) * (1 + DAMPING), _dot(u, v), _dot(v, v) * (1 + DAMPING)
+    gu, gv = -_dot(u, errors), -_dot(v, errors)
+    det = uu * vv - uv * uv
     if det <= 0:  # neither term moves the gaps: nothing to fit
         return 0.0, 0.0
-    return (c * g0 - b * g1) / det, (a * g1 - b * g0) / det
+    return (vv * gu - uv * gv) / det, (uu * gv - uv * gu) / det
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b))

@@ -6,17 +6,16 @@ The real search replays the workload against a running cluster; the simulated on
 probes through `simulate` on the cluster's config, its engine profile and the serving overhead
 measured on it just before (as `splitserve.sim.validate` does). Every probe at rate r replays
 max(min_requests, r x duration_s) requests of the same trace and seed, real or simulated; each real
-probe sends prompts of its own (the workers' prefix caches keep the earlier probes' prompts, and
-the simulator, like a cluster serving new prompts, has none of them).
+probe sends prompts of its own (`Target`: the workers' prefix caches keep the earlier probes'
+prompts, and the simulator, like a cluster serving new prompts, has none of them).
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.bench.client import fetch_server_info, fresh_prompt_seed
+from splitserve.bench.client import fetch_server_info
 from splitserve.bench.report import RequestRecord
 from splitserve.bench.runner import Target, fit_to_context, run_once
 from splitserve.bench.slo import capacity_search, p99s_within
@@ -77,12 +76,11 @@ def measured_capacity(name: str, url: str, config: ClusterConfig, engine_profile
     info = asyncio.run(fetch_server_info(url, None))
     overhead, _ = measure_serving_overhead(url, config, engine_profile, DEFAULT_PROMPT_SIZES, DEFAULT_OUTPUT_TOKENS,
                                            OVERHEAD_REPEATS, shared_host=True)
-    target, records, probes = Target(url), {}, itertools.count(1)
+    target, records = Target(url), {}
 
-    def measured(rate: float) -> dict:  # prompts no earlier probe sent: the prefix cache holds none
+    def measured(rate: float) -> dict:
         records[rate], summary = asyncio.run(run_once(target, spec.workload(rate), None, None, progress,
-                                                      f"{name} @ {rate:.2f} req/s",
-                                                      fresh_prompt_seed(spec.seed, next(probes))))
+                                                      f"{name} @ {rate:.2f} req/s"))
         log(f"  {name} @ {rate:.2f} req/s: {brief(summary, spec)}")
         return summary
 

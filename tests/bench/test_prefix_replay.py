@@ -7,6 +7,7 @@ import pytest
 
 from splitserve.bench.cli import main as bench
 from splitserve.bench.client import TOKEN_ID_RANGE, fresh_prompt_seed, prompt_ids
+from splitserve.bench.runner import Target
 from splitserve.bench.workload import RequestSpec, WorkloadSpec, make_workload
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
@@ -113,6 +114,9 @@ def test_a_fresh_prompt_seed_hits_nothing_an_earlier_replay_cached(trace):
     assert cached_tokens(0) == 48 + 80 + 112  # every full engine block of prompts of 62, 94 and 125 tokens
     assert cached_tokens(fresh_prompt_seed(0, 1)) == first
     engine.block_manager.check_integrity()
+    # run_once takes each replay's prompt seed from its target's count: the first replay's own, then fresh
+    target = Target("http://cluster")
+    assert [next(target.replays) for _ in range(3)] == [0, 1, 2] and target == Target("http://cluster")
 
 
 def test_bench_reports_a_bad_line_before_contacting_the_server(tmp_path, capsys):
