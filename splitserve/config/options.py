@@ -118,6 +118,8 @@ class EngineOptions(StrictModel):
     attention_backend: Literal["auto", "torch", "triton", "flash-attn"] = Field(
         "auto", description="auto (Triton kernels on CUDA, torch on CPU), torch (the reference), triton, or "
         "flash-attn (Triton, with flash-attn for fresh prompts; needs the gpu extra).")
+    cuda_graph_max_batch: int = Field(256, ge=0, description="On CUDA, decode-only steps of up to this many "
+                                      "sequences replay CUDA graphs captured at start-up; 0 runs every step eagerly.")
     load_format: str = Field("auto", description="auto or safetensors (the checkpoint's weights), or dummy (seeded "
                              "random weights for any config.json).")
     seed: int = Field(0, description="Seed of the dummy weights and of the engine's sampler.")

@@ -117,6 +117,7 @@ class EngineConfig:
     device: str = "auto"                       # auto | cpu | cuda | cuda:N
     load_format: str = "auto"                  # auto | safetensors | dummy
     attention_backend: str = "auto"            # auto | torch | triton | flash-attn (see engine.attention)
+    cuda_graph_max_batch: int = 256            # CUDA: decode steps up to this many sequences replay a graph; 0: eager
     seed: int = 0
     slo: SLOOptions = SLOOptions()             # the SLO-aware (accelgen) policies' settings
 
@@ -127,6 +128,8 @@ class EngineConfig:
                      "kv_cache_memory_bytes", "num_kv_blocks"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.cuda_graph_max_batch < 0:
+            raise ConfigError(f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_batch!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -20,6 +20,7 @@ import torch
 
 from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.step_inputs import upload_list
 from splitserve.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger("splitserve.grammar")
@@ -72,7 +73,7 @@ class GrammarMasks:
         refused = refused[:, :vocab].to(logits.device)
         if len(rows) == len(seqs):
             return logits.masked_fill_(refused, float("-inf"))
-        index = torch.tensor(rows, device=logits.device)
+        index = upload_list(rows, torch.long, logits.device)
         logits[index] = logits[index].masked_fill(refused, float("-inf"))
         return logits
 

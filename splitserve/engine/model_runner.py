@@ -1,12 +1,14 @@
 """Turns a scheduler `Plan` into a `StepBatch`, runs the model, and returns the logits to sample from.
 
 With tensor parallelism the leader's runner hands each batch to `StepChannel` before running it
-(the other ranks run the same batch on their shards) and closes the round after it."""
+(the other ranks run the same batch on their shards) and closes the round after it. A step's
+inputs reach the device in one non-blocking copy (`step_inputs`); decode-only steps replay a
+captured CUDA graph where the runner has `DecodeGraphs`."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -17,6 +19,10 @@ from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.policies import Plan, ScheduledSeq
 from splitserve.engine.prompt_logprobs import PromptRows
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.step_inputs import StepTensors
+
+if TYPE_CHECKING:
+    from splitserve.engine.cuda_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.channel = channel
+        self.graphs: DecodeGraphs | None = None  # set once captured (one rank, CUDA: see shard_builder)
         self._kv_layers = kv_cache.layers()
 
     @torch.inference_mode()
@@ -86,20 +93,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Final hidden states [T, hidden]; every token's KV is written to this rank's cache."""
-        decode_lens = batch.context_lens[:batch.num_decodes]
+        """Final hidden states [T, hidden]; every token's KV is written to this rank's cache.
+        A captured graph runs no per-layer hook, so steps that stream KV layer by layer run eagerly."""
+        if after_layer is None and self.graphs is not None and self.graphs.covers(batch):
+            return self.graphs.run(batch)
+        inputs = StepTensors.upload(batch, self.device)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(batch.slots),
-            block_tables=self._tensor(batch.block_tables),
-            context_lens=self._tensor(batch.context_lens),
+            slot_mapping=inputs.slots,
+            block_tables=inputs.block_tables,
+            context_lens=inputs.context_lens,
             query_starts=batch.query_starts,
             context_lens_list=batch.context_lens,
             num_decodes=batch.num_decodes,
-            decode_groups=group_by_length(decode_lens),
-            query_start_tensor=self._tensor(batch.query_starts),
+            decode_groups=group_by_length(batch.context_lens[:batch.num_decodes]),
+            query_start_tensor=inputs.query_starts,
         )
-        return self.model(self._tensor(batch.token_ids), self._tensor(batch.positions), self._kv_layers, meta,
-                          self.backend, after_layer)
+        return self.model(inputs.token_ids, inputs.positions, self._kv_layers, meta, self.backend, after_layer)
 
     def prepare(self, items: list[ScheduledSeq], block_tables: dict[str, list[int]]) -> StepBatch:
         bs = self.kv_cache.block_size
@@ -116,9 +125,6 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         return StepBatch(tokens, positions, slots, starts, context_lens, [t + [0] * (width - len(t)) for t in tables],
                          sum(1 for item in items if item.num_new_tokens == 1))
-
-    def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
 
 
 def _prompt_rows(items: list[ScheduledSeq], batch: StepBatch, hidden: torch.Tensor) -> list[PromptRows]:

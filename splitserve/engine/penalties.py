@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.step_inputs import upload, upload_list
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -24,7 +25,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         return logits
     device, vocab = logits.device, logits.shape[1]
     chosen = [seqs[i] for i in rows]
-    index = torch.tensor(rows, device=device)
+    index = upload_list(rows, torch.long, device)
     part = _add_biases(logits[index], chosen)  # the bias first, as vLLM and transformers order them
     output_counts = _counts([s.output_token_ids for s in chosen], vocab, device)
     seen = _counts([s.token_ids for s in chosen], vocab, device).gt(0)  # in the prompt or the output
@@ -45,7 +46,7 @@ def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> t
     padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)  # vocab: a column dropped below
     for row, tokens in enumerate(token_lists):
         padded[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    padded = padded.clamp_(0, vocab).to(device)
+    padded = upload(padded.clamp_(0, vocab), device)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab]
@@ -57,9 +58,9 @@ def _add_biases(part: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
                if token_id < part.shape[1]]
     if not entries:
         return part
-    rows, cols, values = (torch.tensor(x, device=part.device) for x in zip(*entries))
+    rows, cols, values = (upload(torch.tensor(x), part.device) for x in zip(*entries))
     return part.index_put((rows, cols), values.to(part.dtype), accumulate=True)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return upload_list(values, torch.float32, device).unsqueeze(1)

@@ -20,6 +20,7 @@ import torch
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.penalties import apply_penalties
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.step_inputs import upload_list
 
 
 @dataclass(frozen=True)
@@ -72,19 +73,17 @@ class Sampler:
         logits = apply_penalties(_mask_stop_tokens(logits, seqs), seqs)
         if any(s.params.constraint is not None for s in seqs):
             logits = self.grammar.apply(logits, seqs)
-        finite = torch.isfinite(logits).any(dim=-1).tolist()
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and finite[i]]
-        if len(random_rows) < len(seqs):
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            token_ids[rows] = self._sample_random(logits[rows], [seqs[i] for i in random_rows])
+            rows = upload_list(random_rows, torch.long, logits.device)
+            sampled = self._sample_random(logits[rows], [seqs[i] for i in random_rows])
+            # decided on the device, so reading the ids back is the step's only wait for it
+            token_ids[rows] = torch.where(torch.isfinite(logits[rows]).any(dim=-1), sampled, token_ids[rows])
         return _results(token_ids, raw_logprobs, seqs)
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        temperatures = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+        temperatures = upload_list([s.params.temperature for s in seqs], torch.float32, logits.device)
         shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0, the row's top token at 0
         logits = apply_top_k_top_p(shifted / temperatures.unsqueeze(1),
                                    [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
@@ -116,9 +115,8 @@ class Sampler:
 
 
 def sanitized_logits(logits: torch.Tensor) -> torch.Tensor:
-    """NaN -> -inf (never chosen), +inf -> the largest float (chosen, without NaNs in a softmax)."""
-    if torch.isfinite(logits).all():
-        return logits
+    """NaN -> -inf (never chosen), +inf -> the largest float (chosen, without NaNs in a softmax).
+    Unconditional: asking whether a row needs it would wait for the device."""
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
@@ -136,7 +134,7 @@ def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
     if not rows:
         return logits
     logits = logits.clone()
-    logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    logits[upload_list(rows, torch.long, logits.device), upload_list(cols, torch.long, logits.device)] = float("-inf")
     return logits
 
 
@@ -156,16 +154,17 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     if not any(p > 0 for p in min_p):
         return logits
     probs = logits.softmax(dim=-1)
-    floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=logits.device).unsqueeze(1)
+    floor = probs.amax(dim=-1, keepdim=True) * upload_list(min_p, torch.float32, logits.device).unsqueeze(1)
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     """Keeps values >= the row's k-th largest (ties included); a topk, not a full sort."""
     vocab, device = logits.shape[1], logits.device
-    k = torch.tensor([min(k, vocab) if k != -1 else 1 for k in top_k], device=device)
-    kth_largest = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-    kth_largest.masked_fill_(torch.tensor(top_k, device=device).eq(-1).unsqueeze(1), float("-inf"))
+    ks = [min(k, vocab) if k != -1 else 1 for k in top_k]
+    k = upload_list(ks, torch.long, device)
+    kth_largest = logits.topk(max(ks), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    kth_largest.masked_fill_(upload_list(top_k, torch.long, device).eq(-1).unsqueeze(1), float("-inf"))
     return logits.masked_fill(logits < kth_largest, float("-inf"))
 
 
@@ -173,7 +172,7 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """Keeps the smallest most-likely set whose mass reaches top_p, and always the top token."""
     ascending, order = logits.sort(dim=-1)
     mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
-    drop = mass_below <= 1 - torch.tensor(top_p, device=logits.device).unsqueeze(1)
+    drop = mass_below <= 1 - upload_list(top_p, torch.float32, logits.device).unsqueeze(1)
     drop[:, -1] = False
     return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 

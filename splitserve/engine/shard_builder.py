@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.engine.attention import select_backend
+from splitserve.engine.attention import AttentionBackend, select_backend
 from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCache, kv_cache_budget
 from splitserve.engine.model.sharding import Shard
 from splitserve.engine.model_builder import LoadedModel, build_model
@@ -43,4 +44,17 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
                           f"{loaded.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len")
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device, shard)
     backend = select_backend(loaded.device, config.attention_backend)
-    return EngineShard(loaded, kv_cache, ModelRunner(loaded.model, kv_cache, backend, loaded.device, channel))
+    runner = ModelRunner(loaded.model, kv_cache, backend, loaded.device, channel)
+    if _captures_graphs(config, loaded, backend, group):
+        runner.graphs = DecodeGraphs(loaded.model, kv_cache.layers(), backend, loaded.device,
+                                     min(config.cuda_graph_max_batch, config.max_num_seqs), loaded.max_model_len,
+                                     config.block_size)
+        runner.graphs.capture()
+    return EngineShard(loaded, kv_cache, runner)
+
+
+def _captures_graphs(config: EngineConfig, loaded: LoadedModel, backend: AttentionBackend,
+                     group: TPGroup | None) -> bool:
+    """On CUDA with a graph-safe backend, one rank: a captured all-reduce would need every rank
+    to capture and replay in lockstep, which tensor-parallel steps do not promise."""
+    return loaded.device.type == "cuda" and config.cuda_graph_max_batch > 0 and backend.graph_safe and group is None

@@ -12,7 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
+from splitserve.engine.attention.base import write_kv  # noqa: E402
+from splitserve.engine.attention.metadata import PAD_SLOT  # noqa: E402
+from splitserve.engine.attention.triton_paged import TritonPagedBackend, store_kv  # noqa: E402
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.test_attention import check_case  # noqa: E402
@@ -95,3 +97,13 @@ def test_backend_choice(monkeypatch):
     if flash_attn_varlen_func is None:
         with pytest.raises(ConfigError, match="flash-attn package"):
             FlashAttnBackend()
+
+
+def test_the_store_skips_padding_slots():
+    torch.manual_seed(0)
+    cache = torch.randn(2, 4, 16, 2, 32)
+    k, v = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    expected = cache.clone()
+    write_kv(k[[0, 2]], v[[0, 2]], expected, torch.tensor([5, 20]))
+    store_kv(k, v, cache, torch.tensor([5, PAD_SLOT, 20]))
+    assert torch.equal(cache, expected)

@@ -10,6 +10,7 @@ from splitserve.engine.attention.metadata import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str
+    graph_safe = False  # decode steps need no host-side metadata but bounds, so a CUDA graph can replay them
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+PAD_SLOT = -1  # the slot of a padding row (a captured batch's unused rows): its K and V are stored nowhere
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -16,7 +18,9 @@ class AttentionMetadata:
     Sequence i owns query tokens [query_starts[i], query_starts[i+1]); its context (earlier KV
     plus this chunk) is `context_lens[i]` tokens long, so its first query sits at position
     context_lens[i] - query_len. `slot_mapping[t]` is the flat cache slot (block * block_size +
-    offset) that token t's K and V are written to before attention runs.
+    offset) that token t's K and V are written to before attention runs. `context_lens_list` is
+    exact, except in a captured decode step (`cuda_graphs`), where it is max_model_len for every
+    sequence: only backends that are `graph_safe` run those, and they read it only as a bound.
     """
 
     slot_mapping: torch.Tensor        # [num_tokens] int64

@@ -19,11 +19,12 @@ import triton.language as tl
 @triton.jit
 def store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh, kv_offset,
                     stride_slot, stride_head, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (token, kv head): K and V of this token into its cache slot."""
+    """One program per (token, kv head): K and V of this token into its cache slot. A negative slot
+    (PAD_SLOT: a padding row of a captured batch) is stored nowhere."""
     token, head = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    mask = d < HEAD_DIM
+    mask = (d < HEAD_DIM) & (slot >= 0)
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
     base = cache_ptr + slot * stride_slot + head * stride_head + d
@@ -48,13 +49,16 @@ def _key_tile(cache_ptr, tables_ptr, seq, stride_table, start, context, kv_head,
 @triton.jit
 def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                         stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
-                        stride_ot, stride_oh, num_heads, tiles_per_split, scale,
+                        stride_ot, stride_oh, num_heads, scale,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (decode sequence, kv head, split): the GROUP query heads that share this KV
     head attend to this split's key tiles. One split writes the output; several write partial
-    (unnormalized accumulator, max, sum) for `merge_splits_kernel`."""
+    (unnormalized accumulator, max, sum) for `merge_splits_kernel`. Each sequence's key tiles are
+    divided over the splits by its own context (read on the device), so a launch depends only on
+    the batch size and NUM_SPLITS, which a captured CUDA graph fixes; a split past a short context
+    has no keys."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = tl.load(context_ptr + seq)
     g = tl.arange(0, BLOCK_G)
@@ -66,8 +70,10 @@ def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    tiles = tl.cdiv(context, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
     first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, tl.cdiv(context, BLOCK_N))
+    last = tl.minimum(first + tiles_per_split, tiles)
     for tile in range(first, last):
         k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
                                    kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N, BLOCK_SIZE)

@@ -18,6 +18,7 @@ MAX_SPLITS = 16
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
+    graph_safe = True
 
     def __init__(self, block_m: int = 64, block_n: int = 64, num_splits: int | None = None):
         """`num_splits`: decode splits over the context; None chooses them per step so the decode
@@ -49,7 +50,7 @@ class TritonPagedBackend(AttentionBackend):
         kernels.paged_decode_kernel[(n, kv_heads, splits)](
             q, kv_cache, meta.block_tables, meta.context_lens, out, part_acc, part_ml,
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
-            out.stride(0), out.stride(1), heads, triton.cdiv(tiles, splits), 1 / math.sqrt(head_dim),
+            out.stride(0), out.stride(1), heads, 1 / math.sqrt(head_dim),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_N=self.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q))
         if splits > 1:

@@ -1,0 +1,90 @@
+"""Decode steps through `DecodeGraphs` against eager steps. Without CUDA a capture is an eager run
+on the graphs' persistent buffers (the Triton kernels under the interpreter), which checks what a
+replay depends on: the buffers, the padding rows, and launches that depend only on the batch size."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
+from splitserve.engine.attention.torch_paged import TorchPagedBackend  # noqa: E402
+from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+from splitserve.engine.llm import LLM  # noqa: E402
+from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
+
+ENGINE = {"num_kv_blocks": 48, "max_model_len": 256, "block_size": 16, "attention_backend": "triton",
+          "policy": "mixed", "chunk_token_budget": 64}
+PROMPTS = [[256] + list(range(40, 70)), [256, 72, 105], [256] + [7] * 50, [256] + list(range(90, 110))]
+# different lengths, so the batch shrinks 4 -> 3 -> 2 -> 1 and the padding changes
+PARAMS = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 6, 8, 4)]
+
+
+def with_graphs(llm: LLM, max_batch: int, backend=None) -> list[int]:
+    """Captures graphs for `llm`'s runner; returns the list that records each replayed batch's size."""
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_cache.layers(), backend or runner.backend, runner.device,
+                          max_batch, llm.engine.max_model_len, llm.engine.config.block_size)
+    graphs.capture()
+    replayed, run = [], graphs.run
+    graphs.run = lambda batch: (replayed.append(len(batch.token_ids)), run(batch))[1]
+    runner.graphs = graphs
+    return replayed
+
+
+def test_the_ladder_of_captured_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(256)[-3:] == [240, 248, 256]
+
+
+def test_replayed_decodes_equal_eager_ones_and_padding_writes_nothing():
+    eager = LLM("demo", **ENGINE)
+    captured = LLM("demo", **ENGINE)
+    replayed = with_graphs(captured, max_batch=8)
+    expected = eager.generate(PROMPTS, PARAMS)
+    got = captured.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert replayed and set(replayed) == {4, 3, 2, 1}
+    # a padding row that stored its K and V anywhere would leave a slot the eager run left empty, or
+    # overwrite one (padded GEMMs round differently in the last bits, hence close, not equal)
+    ours, theirs = captured.engine.kv_cache.data, eager.engine.kv_cache.data
+    assert torch.equal(ours == 0, theirs == 0)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_batches_larger_than_the_largest_graph_run_eagerly():
+    oracle = LLM("demo", **{**ENGINE, "attention_backend": "torch"})
+    captured = LLM("demo", **ENGINE)
+    replayed = with_graphs(captured, max_batch=2)
+    got = captured.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in oracle.generate(PROMPTS, PARAMS)]
+    assert set(replayed) == {2, 1}  # 4 and 3 sequences ran eagerly
+
+
+def test_contexts_divided_over_splits_on_the_device():
+    """Captured with every context at max_model_len, so many splits hold no keys of a short context."""
+    oracle = LLM("demo", **{**ENGINE, "attention_backend": "torch"})
+    captured = LLM("demo", **ENGINE)
+    with_graphs(captured, max_batch=4, backend=TritonPagedBackend(block_m=16, block_n=16, num_splits=5))
+    got = captured.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in oracle.generate(PROMPTS, PARAMS)]
+
+
+def test_a_backend_that_reads_host_metadata_is_refused():
+    llm = LLM("demo", **{**ENGINE, "attention_backend": "torch"})
+    runner = llm.engine.runner
+    with pytest.raises(ValueError, match="cannot be captured"):
+        DecodeGraphs(runner.model, runner.kv_cache.layers(), TorchPagedBackend(), runner.device, 4, 256, 16)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_replay_the_eager_tokens():
+    engine = {**ENGINE, "device": "cuda", "dtype": "float32"}
+    eager = LLM("demo", **{**engine, "cuda_graph_max_batch": 0})
+    captured = LLM("demo", **engine)
+    assert eager.engine.runner.graphs is None and captured.engine.runner.graphs.sizes[-1] == 256
+    got = captured.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in eager.generate(PROMPTS, PARAMS)]
