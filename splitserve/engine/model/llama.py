@@ -32,10 +32,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x) * weight; given the residual stream, (norm(x + residual) * weight, x + residual).
+        On CUDA one Triton kernel (`triton_ops`) does the add and the norm."""
+        if x.is_cuda:
+            out, summed = _cuda_ops().add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, summed)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+def _cuda_ops():
+    from splitserve.engine.model import triton_ops  # CUDA builds of torch bring triton; CPU installs may not
+
+    return triton_ops
 
 
 class MergedLinear(nn.Linear):
@@ -116,9 +133,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = LlamaMLP(c, shard, reduce)
 
-    def forward(self, x, positions, rotary, kv, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, kv, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two,
+        so each add runs inside a norm; the first layer has no residual yet."""
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, rotary, kv, meta, backend), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -154,12 +174,12 @@ class LlamaForCausalLM(nn.Module):
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; KV of every token is written to the cache.
         `after_layer(i)` runs once layer i's KV is in the cache (layer-wise KV streaming starts there)."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-            x = layer(x, positions, self.rotary, kv, meta, backend)
+            x, residual = layer(x, residual, positions, self.rotary, kv, meta, backend)
             if after_layer is not None:
                 after_layer(i)
-        return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rank 0 only (the others have no LM head)."""

@@ -42,7 +42,14 @@ class RotaryEmbedding:
         self.cos, self.sin = emb.cos(), emb.sin()
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D] rotated at their positions [T]."""
+        """q: [T, H, D], k: [T, KVH, D] rotated at their positions [T]; on CUDA in place, by one
+        Triton kernel each (`triton_ops`)."""
+        if q.is_cuda:
+            from splitserve.engine.model import triton_ops
+
+            triton_ops.rotate_in_place(positions, q, self.cos, self.sin)
+            triton_ops.rotate_in_place(positions, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,67 @@
+"""The fused elementwise kernels the model runs on CUDA (`model/triton_ops.py`) against the model's
+torch code, under Triton's interpreter on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve.engine.config import ModelConfig  # noqa: E402
+from splitserve.engine.model.llama import RMSNorm  # noqa: E402
+from splitserve.engine.model.rotary import RotaryEmbedding  # noqa: E402
+from splitserve.engine.model.triton_ops import add_rms_norm, rotate_in_place  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def norm(hidden: int, dtype: torch.dtype) -> RMSNorm:
+    module = RMSNorm(hidden, 1e-5).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(hidden) + 0.5)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [64, 48])  # a power of two and not
+def test_add_and_norm_in_one_pass(dtype, hidden):
+    torch.manual_seed(0)
+    module = norm(hidden, dtype)
+    x, residual = torch.randn(5, hidden, dtype=dtype), torch.randn(5, hidden, dtype=dtype)
+    expected_out, expected_sum = module(x, residual)
+    out, summed = add_rms_norm(x, residual, module.weight, module.eps)
+    assert torch.equal(summed, expected_sum)  # the sum rounds to the activations' dtype, as the oracle's
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected_out, atol=tol, rtol=tol)
+
+
+def test_norm_without_a_residual_and_of_strided_rows():
+    torch.manual_seed(1)
+    module = norm(32, torch.float32)
+    wide = torch.randn(4, 96)
+    x = wide[:, 16:48]  # rows 96 apart, as a split of a merged projection's output
+    out, summed = add_rms_norm(x, None, module.weight, module.eps)
+    assert summed is x
+    torch.testing.assert_close(out, module(x), atol=1e-5, rtol=1e-5)
+    out, _ = add_rms_norm(torch.empty(0, 32), None, module.weight, module.eps)
+    assert out.shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [32, 24])
+def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim):
+    torch.manual_seed(2)
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=4 * head_dim,
+                         intermediate_size=8, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=head_dim, max_position_embeddings=128)
+    rotary = RotaryEmbedding(config, 128)
+    tokens, positions = 6, torch.tensor([0, 1, 2, 50, 127, 3])
+    qkv = torch.randn(tokens, 8 * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([4 * head_dim, 2 * head_dim, 2 * head_dim], dim=-1)
+    q, k = q.view(tokens, 4, head_dim), k.view(tokens, 2, head_dim)
+    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
+    rotate_in_place(positions, q, rotary.cos, rotary.sin)
+    rotate_in_place(positions, k, rotary.cos, rotary.sin)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(q, expected_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, expected_k, atol=tol, rtol=tol)
