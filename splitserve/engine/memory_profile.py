@@ -108,7 +108,7 @@ def run_largest_step(loaded: LoadedModel, lengths: list[int], block_size: int, b
         runner.forward(runner.prepare(list(plan.scheduled), tables))
         return
     forward = runner.execute(plan, tables)
-    for rows in forward.prompt_rows[:1]:  # one pass: every pass is this size
+    for rows in forward.prompt_rows[:1]:  # one pass of at most ROWS_PER_PASS rows: no other pass is larger
         prompt_logprobs(loaded.model.compute_logits, replace(rows, hidden=rows.hidden[:ROWS_PER_PASS]))
     Sampler().sample(forward.logits, forward.seqs)
 
