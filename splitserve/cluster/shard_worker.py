@@ -9,7 +9,7 @@ import threading
 
 import torch.distributed as dist
 
-from splitserve.cluster.worker import Rendezvous, connect_transport, engine_policy, join_store, tp_prefix
+from splitserve.cluster.worker import Rendezvous, connect_transport, join_store, tp_prefix
 from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import resolve_device
 from splitserve.engine.tensor_parallel import TPGroup
@@ -23,7 +23,7 @@ log = logging.getLogger("splitserve.worker")
 class ShardWorker:
     def __init__(self, worker_id: str, rank: int, size: int, role: str, config: dict, rendezvous: Rendezvous):
         cfg = ClusterConfig.model_validate(config)
-        engine_config = cfg.engine.engine_config(engine_policy(role, cfg))
+        engine_config = cfg.engine_config(role)
         store = join_store(rendezvous, cfg.transfer.timeout_s)
         group = TPGroup(dist.PrefixStore(tp_prefix(worker_id), store), rank, size,
                         resolve_device(engine_config.device), cfg.transfer.timeout_s)

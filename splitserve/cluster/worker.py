@@ -67,7 +67,7 @@ class Worker:
         cfg = ClusterConfig.model_validate(config)
         self.worker_id, self.hardware, self._config = worker_id, hardware, cfg
         self._reports_prefix = cfg.prefix_options().aware
-        engine_config = cfg.engine.engine_config(engine_policy(role, cfg))
+        engine_config = cfg.engine_config(role)
         self._store = join_store(rendezvous, cfg.transfer.timeout_s) if rendezvous else None
         group = None
         if tensor_parallel_size > 1:

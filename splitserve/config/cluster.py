@@ -22,6 +22,7 @@ from splitserve.config.options import (
     StrictModel,
     TransferOptions,
 )
+from splitserve.engine.config import EngineConfig
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
 from splitserve.placement.state import PrefixOptions
 
@@ -90,6 +91,15 @@ class ClusterConfig(StrictModel):
     def disaggregated(self) -> bool:
         """Prompt and token pools: workers exchange KV."""
         return any(p.role != "mixed" for p in self.pools)
+
+    def engine_config(self, role: str) -> EngineConfig:
+        """The engine settings of a worker starting in `role`, alike on each of its ranks (their
+        memory profiles must run the same forward). Its KV cache leaves room for every policy a pool
+        move may switch it to: every role's where prompt and token pools exist (their workers also
+        serve in the mixed pool), the mixed role's alone otherwise."""
+        roles = ("prompt", "token", "mixed") if self.disaggregated else ("mixed",)
+        policy_for = self.engine.policy_for
+        return self.engine.engine_config(policy_for(role), tuple(policy_for(r) for r in roles))
 
     @property
     def needs_rendezvous(self) -> bool:

@@ -102,8 +102,15 @@ class EngineOptions(StrictModel):
 
     block_size: int = Field(16, description="Tokens per KV block.")
     kv_cache_memory_bytes: int | None = Field(None, description="KV cache size in bytes; null: 256 MiB on CPU, and "
-                                              "on CUDA what the model leaves free up to gpu_memory_utilization.")
-    gpu_memory_utilization: float = Field(0.9, description="Share of the GPU's memory the model and KV cache may use.")
+                                              "on CUDA what gpu_memory_utilization leaves once the model, the "
+                                              "largest iteration's activations and gpu_reserve_bytes are counted "
+                                              "(a profiling forward at startup, as vLLM).")
+    gpu_memory_utilization: float = Field(0.9, description="Share of the GPU's memory a worker may use in all: "
+                                          "weights, activations, KV cache and headroom. Memory other processes "
+                                          "hold counts against it.")
+    gpu_reserve_bytes: int = Field(512 * 2**20, ge=0, description="GPU memory kept out of the KV cache for what its "
+                                   "profiling forward cannot see: NCCL communicators opened later (KV transfer "
+                                   "links) and CUDA graph pools.")
     num_kv_blocks: int | None = Field(None, description="KV blocks, instead of a size in bytes.")
     max_num_seqs: int = Field(256, description="Sequences in one worker's batch at most.")
     max_model_len: int | None = Field(None, description="Longest prompt plus output; null: the model's own (capped "
@@ -139,9 +146,10 @@ class EngineOptions(StrictModel):
             raise ValueError(str(error)) from None
         return self
 
-    def engine_config(self, policy: str) -> EngineConfig:
-        names = {f.name for f in fields(EngineConfig)} - {"policy", "slo"}
-        return EngineConfig(policy=policy, slo=self.slo_scheduling.options(), **{n: getattr(self, n) for n in names})
+    def engine_config(self, policy: str, switch_policies: tuple[str, ...] = ()) -> EngineConfig:
+        names = {f.name for f in fields(EngineConfig)} - {"policy", "switch_policies", "slo"}
+        return EngineConfig(policy=policy, switch_policies=switch_policies, slo=self.slo_scheduling.options(),
+                            **{n: getattr(self, n) for n in names})
 
     def policy_for(self, role: str) -> str:
         """The engine policy of a worker whose pool is `role`."""

@@ -1,36 +1,16 @@
 """The paged KV cache tensors: per layer, K and V as [num_blocks, block_size, kv_heads, head_dim].
 
 Block ids come from the `BlockManager`; this class only stores. A KV transfer reads and writes it
-through `splitserve.transfer.codec`.
+through `splitserve.transfer.codec`. Its size: `memory_profile.kv_cache_budget`.
 """
 from __future__ import annotations
 
 import torch
 
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.sharding import Shard, kv_head_range
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # default KV budget on CPU (small models; set kv_cache_memory_bytes for more)
-
-
-def kv_cache_budget(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for the KV cache: the explicit budget if given; on CUDA, what is left after the model
-    is loaded, up to gpu_memory_utilization of the GPU's memory (as vLLM sizes it); on CPU, 256 MiB."""
-    if config.kv_cache_memory_bytes is not None:
-        return config.kv_cache_memory_bytes
-    if device.type != "cuda":
-        return CPU_KV_CACHE_BYTES
-    free, total = torch.cuda.mem_get_info(device)
-    return gpu_budget(free, total, config.gpu_memory_utilization)
-
-
-def gpu_budget(free: int, total: int, utilization: float) -> int:
-    """Of `total` bytes, `utilization` may be used; `total - free` already are (weights, other processes)."""
-    budget = int(total * utilization) - (total - free)
-    if budget <= 0:
-        raise ConfigError(f"no GPU memory left for the KV cache: {(total - free) / 2**30:.1f} GiB of "
-                          f"{total / 2**30:.1f} GiB in use, gpu_memory_utilization={utilization}")
-    return budget
 
 
 def local_kv_heads(config: ModelConfig, shard: Shard) -> int:

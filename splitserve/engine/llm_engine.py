@@ -10,7 +10,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
-from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
+from splitserve.engine.policies import Plan, make_policy
 from splitserve.engine.prompt_logprobs import prompt_logprobs
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
@@ -58,8 +58,7 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.kv_cache, self.runner = shard.kv_cache, shard.runner
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
-        limits = SchedulerLimits(config.max_num_seqs, self.max_model_len, config.prompt_token_budget,
-                                 config.chunk_token_budget, config.slo)
+        limits = config.scheduler_limits(self.max_model_len)
         self.policy = make_policy(config.policy, self.block_manager, limits)
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
@@ -86,7 +85,8 @@ class LLMEngine:
 
     def set_policy(self, name: str) -> None:
         """Change scheduling role (prompt / token / mixed / prefill_first / orca / ...) on the live engine;
-        every queued, running and held sequence carries over."""
+        every queued, running and held sequence carries over. On CUDA the KV cache left room for the
+        iterations of `config.policy` and `config.switch_policies`: another may form larger ones."""
         policy = make_policy(name, self.block_manager, self.policy.limits)
         policy.adopt(self.policy)
         self.policy = policy

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from splitserve.engine.attention import AttentionBackend, select_backend
 from splitserve.engine.config import ConfigError, EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
-from splitserve.engine.kv_cache import KVCache, kv_cache_budget
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.memory_profile import kv_cache_budget
 from splitserve.engine.model.sharding import Shard
 from splitserve.engine.model_builder import LoadedModel, build_model
 from splitserve.engine.model_runner import ModelRunner, StepChannel
@@ -31,19 +32,22 @@ class EngineShard:
 
 def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
                 channel: StepChannel | None = None) -> EngineShard:
-    """This rank's model part, KV cache and runner. With a group, every rank gets the same number
-    of KV blocks (the fewest any rank's memory allows), so a block id means the same on all."""
+    """This rank's model part, KV cache and runner. The cache is sized after the model is loaded
+    (on CUDA by a memory profile, which every rank of a group runs in lockstep). With a group, every
+    rank gets the same number of KV blocks (the fewest any rank's memory allows), so a block id
+    means the same on all."""
     shard = Shard(group.rank, group.size) if group is not None else Shard()
     loaded = build_model(model, config, shard, group.all_reduce if group is not None else None)
-    num_blocks = config.num_kv_blocks or kv_cache_budget(config, loaded.device) // KVCache.bytes_per_block(
+    backend = select_backend(loaded.device, config.attention_backend)
+    num_blocks = config.num_kv_blocks or kv_cache_budget(config, loaded, backend, shard) // KVCache.bytes_per_block(
         loaded.config, config.block_size, loaded.dtype, shard)
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     if num_blocks * config.block_size < loaded.max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len="
-                          f"{loaded.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len")
+                          f"{loaded.max_model_len}; raise kv_cache_memory_bytes (on CUDA, gpu_memory_utilization) or "
+                          "lower max_model_len")
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device, shard)
-    backend = select_backend(loaded.device, config.attention_backend)
     runner = ModelRunner(loaded.model, kv_cache, backend, loaded.device, channel)
     if _captures_graphs(config, loaded, backend, group):
         runner.graphs = DecodeGraphs(loaded.model, kv_cache.layers(), backend, loaded.device,

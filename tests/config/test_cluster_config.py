@@ -242,6 +242,16 @@ def test_accelgen_is_chosen_per_pool_and_its_settings_reach_the_engine_and_the_s
         ClusterConfig.model_validate({"engine": {"slo_scheduling": {"pivot_ms": 0}}})
 
 
+def test_a_worker_engine_is_sized_for_every_policy_a_pool_move_may_give_it():
+    disaggregated = ClusterConfig.model_validate({"pools": [{"role": "prompt"}, {"role": "token"}],
+                                                  "engine": {"mixed_policy": "orca", "gpu_reserve_bytes": 2**30}})
+    config = disaggregated.engine_config("token")
+    assert (config.policy, config.switch_policies, config.gpu_reserve_bytes) == \
+        ("token", ("prompt", "token", "orca"), 2**30)
+    config = ClusterConfig.model_validate({"pools": [{"role": "mixed"}]}).engine_config("mixed")
+    assert (config.policy, config.switch_policies) == ("mixed", ("mixed",))
+
+
 def test_served_model_names_are_one_or_several_aliases():
     assert ClusterConfig().model_names == ("demo",) and ClusterConfig().model_name == "demo"
     assert ClusterConfig(served_model_name="llama").model_names == ("llama",)

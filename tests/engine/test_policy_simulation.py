@@ -134,6 +134,7 @@ class Sim:
         ids = [item.seq.seq_id for item in items]
         assert len(set(ids)) == len(ids)
         limits = policy.limits
+        assert plan.num_tokens <= policy.max_step_tokens(limits)  # what the KV cache's memory profile runs
         for item in items:
             seq = item.seq
             assert seq.status is SequenceStatus.RUNNING and seq in policy.running

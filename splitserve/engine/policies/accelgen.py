@@ -67,6 +67,11 @@ class AccelGenPolicy(Policy):
     def options(self) -> SLOOptions:
         return self.limits.slo
 
+    @staticmethod
+    def max_step_tokens(limits: SchedulerLimits) -> int:
+        """Decodes are cut to the token budget, and the last prompt where it ends."""
+        return limits.slo.max_budget_tokens
+
     # ---- the latency model -----------------------------------------------------------------
     def token_budget(self, slo_min_s: float) -> int:
         """Eq. 6: S_pf x SLO_min / T_pf tokens, floored to a tile, within [tile, max_budget_tokens]."""

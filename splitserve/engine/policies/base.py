@@ -46,6 +46,12 @@ class Policy(ABC):
     def schedule(self) -> Plan:
         """Choose the next iteration's work."""
 
+    @staticmethod
+    @abstractmethod
+    def max_step_tokens(limits: SchedulerLimits) -> int:
+        """The most tokens one iteration computes, from this policy's own queues with at most
+        max_num_seqs sequences running (what the KV cache's memory profile runs)."""
+
     def observe(self, plan: Plan, seconds: float) -> None:
         """The iteration `plan` took `seconds`: a policy with a latency model may learn from it."""
 

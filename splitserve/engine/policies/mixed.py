@@ -7,7 +7,7 @@ free (above a watermark); when a decode cannot grow, the youngest running sequen
 by recompute and no new prompt is admitted in that iteration.
 """
 from splitserve.engine.policies.base import Policy
-from splitserve.engine.policies.plan import Plan, ScheduledSeq
+from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
 
 
 class MixedPolicy(Policy):
@@ -28,3 +28,8 @@ class MixedPolicy(Policy):
             items.append(ScheduledSeq(seq, min(seq.num_uncomputed_tokens, budget - used)))
             used += items[-1].num_new_tokens
         return Plan(tuple(items), tuple(preempted))
+
+    @staticmethod
+    def max_step_tokens(limits: SchedulerLimits) -> int:
+        """Chunks fill the budget; only running decodes alone may pass it."""
+        return max(limits.chunk_token_budget, limits.max_num_seqs)

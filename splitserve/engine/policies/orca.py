@@ -9,7 +9,7 @@ A decode left out keeps its KV and runs in a later iteration (the paper's token 
 When KV runs out, the youngest sequence is preempted by recompute and no prompt is admitted.
 """
 from splitserve.engine.policies.base import Policy
-from splitserve.engine.policies.plan import Plan
+from splitserve.engine.policies.plan import Plan, SchedulerLimits
 
 # splitwise-sim's max_preemptions, counted in a row rather than over a request's life: with a lifetime
 # count, long decodes go first for good and keep whole prompts out of the budget (TTFT collapses)
@@ -35,3 +35,8 @@ class OrcaPolicy(Policy):
         for item in rest[room:]:
             item.seq.num_skips += 1
         return Plan(tuple(chosen + prompts), tuple(preempted))
+
+    @staticmethod
+    def max_step_tokens(limits: SchedulerLimits) -> int:
+        """The budget, or one longer prompt alone, or starved decodes alone."""
+        return max(limits.prompt_token_budget, limits.longest_sequence, limits.max_num_seqs)

@@ -94,3 +94,9 @@ class SchedulerLimits:
     prompt_token_budget: int = 2048  # prompt / prefill-first / token policies: prefill tokens per iteration
     chunk_token_budget: int = 512    # mixed policy: all tokens per iteration (Sarathi-Serve)
     slo: SLOOptions = SLOOptions()   # the accelgen policies
+
+    @property
+    def longest_sequence(self) -> int:
+        """Tokens one sequence may compute in one step: a prompt leaves room for one output token,
+        and a sequence that reaches max_model_len finishes (so a recompute is no longer)."""
+        return max(1, self.max_model_len - 1)

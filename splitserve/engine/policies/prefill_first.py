@@ -1,7 +1,7 @@
 """The baseline: vLLM's original scheduler. An iteration is all-prefill or all-decode, and
 waiting prompts go first, so every new prompt stalls the running decodes (generation stalls)."""
 from splitserve.engine.policies.base import Policy
-from splitserve.engine.policies.plan import Plan
+from splitserve.engine.policies.plan import Plan, SchedulerLimits
 
 
 class PrefillFirstPolicy(Policy):
@@ -15,3 +15,8 @@ class PrefillFirstPolicy(Policy):
         preempted = self._reserve_decode_slots()
         decodes, _ = self._running_items()
         return Plan(tuple(decodes), tuple(preempted))
+
+    @staticmethod
+    def max_step_tokens(limits: SchedulerLimits) -> int:
+        """Whole prompts up to the budget, or one longer prompt alone; or every running decode."""
+        return max(limits.prompt_token_budget, limits.longest_sequence, limits.max_num_seqs)
