@@ -213,16 +213,19 @@ def _tp_key(worker_id: str) -> str:
 def connect_transport(cfg: ClusterConfig, worker_id: str, engine, rendezvous: Rendezvous) -> KVTransport:
     """A rank's transport (`engine`: an LLMEngine, or a TPFollower under its rank's id). Joins the
     cluster's rendezvous store; gRPC workers publish their address there and take only calls that
-    carry the cluster's secret, of at most one whole prompt's KV."""
+    carry the cluster's secret, of at most one whole prompt's KV. Direct fabrics publish a handle
+    to the rank's KV cache there (`direct_link`)."""
+    from splitserve.transfer.direct_link import DirectFabric
     from splitserve.transfer.torch_link import TorchFabric
 
     (host, port, secret), timeout = rendezvous, cfg.transfer.timeout_s
     device = engine.kv_cache.data.device
     backend = cfg.transfer.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
     if backend != "grpc":
-        return make_transport(engine, TorchFabric.join(host, port, worker_id, device, timeout), timeout)
+        fabric = TorchFabric.join(host, port, worker_id, device, timeout)  # NCCL on CUDA, gloo on CPU
+        if backend == "ipc" or (backend == "auto" and device.type == "cuda"):  # same-node peers: no wire
+            fabric = DirectFabric(fabric.store, worker_id, engine.kv_cache.data, fabric, timeout)
+        return make_transport(engine, fabric, timeout)
     from splitserve.transfer.grpc_link import GrpcFabric
 
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))

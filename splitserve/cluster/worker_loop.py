@@ -297,7 +297,7 @@ class WorkerLoop:
                 return
 
     def _poll_imports(self) -> tuple[list[RequestOutput], list]:
-        if not self._importing:
+        if not self._importing and not (self.importer and self.importer.num_held):  # held: given up, not yet freed
             return [], []
         wait = 0.0 if self.engine.has_unfinished_requests() else IMPORT_WAIT_S
         outputs, failures = self.importer.poll(wait)

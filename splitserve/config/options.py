@@ -157,9 +157,11 @@ class EngineOptions(StrictModel):
 
 
 class TransferOptions(StrictModel):
-    backend: Literal["auto", "gloo", "nccl", "grpc"] = Field(
-        "auto", description="KV transfer backend: auto (NCCL on CUDA workers, gloo on CPU), gloo, nccl, or grpc "
-        "(workers that share no collective fabric).")
+    backend: Literal["auto", "ipc", "gloo", "nccl", "grpc"] = Field(
+        "auto", description="KV transfer backend: auto (CUDA workers: written straight into the token worker's "
+        "cache through CUDA IPC where the two share a node and the prompt worker sees its GPU, NCCL otherwise; "
+        "CPU workers: gloo), ipc (the same, and through shared memory between CPU workers of one node), gloo, "
+        "nccl, or grpc (workers that share no collective fabric).")
     timeout_s: float = Field(30.0, gt=0, description="How long a transfer waits on a silent prompt worker, a send "
                              "on its receiver, or a new link on its peer, before that transfer (or link) fails.")
     layerwise_threshold: int = Field(512, ge=1, description="Prompt tokens from which the KV streams layer by layer "

@@ -51,6 +51,21 @@ def unpack_all(cache: KVCache, slots: torch.Tensor, wire: torch.Tensor, heads: s
         unpack_layer(cache, layer, slots, wire[layer], heads)
 
 
+def copy_kv(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor,
+            layers: slice, src_heads: slice | None = None, dst_heads: slice | None = None) -> int:
+    """Same-node transfer with no wire: the KV at `src_slots` of the sender's cache data (every
+    rank's cache is [layers, 2, blocks, block_size, kv_heads, head_dim]) written straight into
+    `dst_slots` of the receiver's, for `layers`. Returns the bytes written."""
+    payload = _heads(src[layers].flatten(2, 3).index_select(2, src_slots), src_heads)
+    flat = dst[layers].flatten(2, 3)
+    payload = payload.to(flat.device, flat.dtype)  # another GPU of the node: a peer-to-peer copy
+    if dst_heads is None:
+        flat.index_copy_(2, dst_slots, payload)
+    else:
+        flat[:, :, dst_slots, dst_heads] = payload
+    return payload.nbytes
+
+
 def wire_shape(cache: KVCache, num_tokens: int, layers: int | None = None, heads: int | None = None) -> tuple[int, ...]:
     _, _, _, _, kv_heads, head_dim = cache.data.shape
     layer_shape = (2, num_tokens, kv_heads if heads is None else heads, head_dim)

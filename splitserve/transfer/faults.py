@@ -21,13 +21,19 @@ def freeze_after_layer_pushes(transport: KVTransport, n: int) -> None:
 
 
 def _after_layer_pushes(transport: KVTransport, n: int, then) -> None:
-    push, count = transport.push_layer, [0]
+    """Layer pushes: `push_layer` (a payload) or a layer's `write_kv` (into a same-node peer's cache)."""
+    count = [0]
 
-    def push_then_maybe(*args):
-        push(*args)
-        count[0] += 1
-        if count[0] == n:
-            transport.flush()
-            then()
+    def counted(method, is_layer):
+        def push_then_maybe(*args):
+            result = method(*args)
+            if is_layer(*args):
+                count[0] += 1
+                if count[0] == n:
+                    transport.flush()
+                    then()
+            return result
+        return push_then_maybe
 
-    transport.push_layer = push_then_maybe
+    transport.push_layer = counted(transport.push_layer, lambda *args: True)
+    transport.write_kv = counted(transport.write_kv, lambda ticket, kind, *rest: kind >= 0)

@@ -25,9 +25,10 @@ class FollowerKV:
         elif isinstance(command, FinishExport):
             self._try(command.part, lambda: self._finish(command))
         elif isinstance(command, Expect):
-            self._report.stamped.append(self.rank.expect(command.part, self._slots(command.slots)))
+            self._report.stamped.append(self.rank.expect(command.part, self._slots(command.slots), command.blocks))
         elif isinstance(command, Abandon):
-            self.transport.abandon(command.part)
+            if self.transport.abandon(command.part) and command.part.dest is not None:
+                self._report.released.append(command.part)
         else:
             raise TypeError(f"unknown KV command {command!r}")
 
@@ -42,6 +43,7 @@ class FollowerKV:
         self.transport.reap()
         report, self._report = self._report, RankReport()
         report.landed.extend(self.transport.poll())
+        report.released.extend(self.transport.take_released())
         return report
 
     def _finish(self, command: FinishExport) -> None:

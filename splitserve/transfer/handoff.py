@@ -11,7 +11,8 @@ after the transport's timeout.
 Token worker (`KVImporter`): reserves blocks before the prefill starts and issues the ticket the
 prompt worker pushes against; layers land straight in those blocks; the request joins the
 decode batch when the completion (first token) arrives. A failed or cancelled transfer frees the
-reserved blocks. With `reuse_prefix` the reservation goes through the token worker's prefix cache:
+reserved blocks (a direct transfer's once its sender has stopped writing into them: see
+transport). With `reuse_prefix` the reservation goes through the token worker's prefix cache:
 the cached full blocks of the prompt's prefix (an earlier turn of the conversation, say) are
 shared, and the ticket's `start_token` asks for the KV of the positions after them only; the
 prompt worker packs and pushes just those (the layer-wise threshold counts them alone).
@@ -130,8 +131,11 @@ class KVExporter:
 
     def add(self, ticket: TransferTicket, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
-        """Raises IncompatibleKV (before any work) when the ticket's token worker holds another layout."""
+        """Raises IncompatibleKV (before any work) when the ticket's token worker holds another
+        layout, and TransferError when it gave a direct transfer up already."""
         self.transport.check_compatible(ticket)
+        for part in self._own(ticket):
+            self.transport.claim(part)
         self.engine.add_request(ticket.request_id, prompt_token_ids, params, arrival_time, hand_off=True)
         self._tickets[ticket.request_id] = ticket
         self._deadlines[ticket.request_id] = time.monotonic() + self.lease_s
@@ -299,6 +303,8 @@ class KVImporter:
         self._deadlines: dict[str, float] = {}
         self._stamped: dict[tuple, TransferTicket] = {}  # parts the other ranks stamped, by request and `_route`
         self._landed: list[tuple[TransferTicket, int | TransferError]] = []  # parts the other ranks landed
+        self._released: list[TransferTicket] = []  # held parts the other ranks released
+        self._held: dict[str, set[tuple[int, int]]] = {}  # given-up requests: direct parts still being written
         self._rounds_seen = 0
         self.leases_expired = 0
         self.kv_tokens_reused = 0  # prompt tokens of completed imports whose KV came from the prefix cache, ever
@@ -318,9 +324,9 @@ class KVImporter:
         stamped = []
         for part in parts:
             if part.token_rank:
-                self.leader.post(part.token_rank, Expect(part, slots.tolist()))
+                self.leader.post(part.token_rank, Expect(part, slots.tolist(), block_ids))
             else:
-                stamped.append(self.rank.expect(part, slots))
+                stamped.append(self.rank.expect(part, slots, block_ids))
         if len(stamped) < len(parts):
             self.leader.sync()  # the other ranks stamp theirs
             stamped += [self._stamped.pop((request_id, *_route(part))) for part in parts if part.token_rank]
@@ -332,12 +338,14 @@ class KVImporter:
     def poll(self, timeout: float = 0.0) -> tuple[list[RequestOutput], list[tuple[str, TransferError]]]:
         """Land finished transfers: completed ones start decoding, failed ones free their blocks.
         `timeout` > 0 waits for one when none has finished (for a worker with nothing to decode)."""
-        landed = self.transport.poll(timeout)
+        landed, released = self.transport.poll(timeout), self.transport.take_released()
         if self.leader is not None:
             if self.leader.rounds == self._rounds_seen:
                 self.leader.sync()  # no step since the last look: ask the other ranks
             self._rounds_seen = self.leader.rounds
             landed, self._landed = landed + self._landed, []
+            released, self._released = released + self._released, []
+        self._free_released(released)
         outputs, failures = [], []
         for part, result in landed:
             done = self._imports.get(part.request_id)
@@ -357,20 +365,46 @@ class KVImporter:
         return outputs, failures + self._expire_leases()
 
     def cancel(self, request_id: str) -> None:
+        """Give a transfer up; its blocks are freed now, or, where a direct part's sender may still
+        write into them, once it has stopped (the request is held until then)."""
+        if request_id in self._held:
+            return
         done = self._drop(request_id)
+        held = set()
         for part in done.ticket.parts if done is not None else ():
             if _route(part) not in done.waiting:
                 continue
             if part.token_rank:
                 self.leader.post(part.token_rank, Abandon(part))
-            else:
-                self.transport.abandon(part)
-        self.engine.abort(request_id)
+                if part.dest is not None:  # that rank reports it released
+                    held.add(_route(part))
+            elif not self.transport.abandon(part):
+                held.add(_route(part))
+        if held:
+            self._held[request_id] = held
+        else:
+            self.engine.abort(request_id)
+
+    @property
+    def num_held(self) -> int:
+        """Given-up requests whose blocks wait for a direct sender to stop writing."""
+        return len(self._held)
+
+    def _free_released(self, released: list[TransferTicket]) -> None:
+        for part in released:
+            held = self._held.get(part.request_id)
+            if held is None:
+                continue
+            held.discard(_route(part))
+            if not held:
+                del self._held[part.request_id]
+                self.engine.abort(part.request_id)
 
     def _take_reports(self, reports: list[RankReport]) -> None:
         for report in reports:
             self._stamped.update(((part.request_id, *_route(part)), part) for part in report.stamped)
             self._landed += report.landed
+            self._released += report.released
 
     def _expire_leases(self) -> list[tuple[str, TransferError]]:
         now = time.monotonic()

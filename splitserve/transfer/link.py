@@ -9,6 +9,10 @@ Semantics every backend keeps:
 - `recv` fills a tensor of the expected shape and dtype, and waits at most `timeout` seconds;
 - `unsent(timeout)` counts sends that have not left, without waiting;
 - every failure (dead peer, timeout, closed channel) raises `TransferError` naming the peer.
+
+A direct link (`direct`: two workers that share memory, `direct_link.py`) carries metadata only:
+the sender writes KV straight into the receiver's cache (`write`), `seal`s before a transfer's
+last message, and the receiver `fence`s when it reads that message.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ class TransferError(RuntimeError):
 
 
 class Link(ABC):
+    direct = False  # True: KV is written into the receiver's cache by `write`, never sent
+
     def __init__(self, peer: str):
         self.peer = peer
 
@@ -61,6 +67,21 @@ class Link(ABC):
     def close(self) -> None:
         """Release the channel; later calls raise TransferError."""
 
+    def write(self, source: torch.Tensor, source_slots: torch.Tensor, layers: slice, source_heads: slice | None,
+              dest, start: int) -> int:
+        """Direct links: write the KV at `source_slots` of `source` (this rank's cache data) for
+        `layers` into the receiver's cache, where `dest` (a transport.CacheDest) holds positions
+        `start` on; returns the bytes written."""
+        raise TransferError(self.peer, "this link sends KV; it cannot write into the peer's cache")
+
+    def seal(self) -> None:
+        """Direct links, sender: every `write` so far is ordered before the next metadata message,
+        and this process's compute after them (the source blocks may be freed then)."""
+
+    def fence(self) -> None:
+        """Direct links, receiver: work on the current stream is ordered after every write the
+        sender sealed before the metadata read last."""
+
 
 class Fabric(ABC):
     """Makes one worker's links to its peers, for one backend. A pair's link has an epoch: after
@@ -82,3 +103,27 @@ class Fabric(ABC):
 
     def retired(self, sender: str, receiver: str, epoch: int) -> bool:
         return False
+
+    def direct(self, peer: str) -> bool:
+        """Receiver: whether `peer` can write KV straight into this worker's cache."""
+        return False
+
+    def claim(self, receiver: str, tag: int, deadline: float) -> bool:
+        """Sender of a direct transfer, before its first write: whether it may write into the
+        receiver's blocks (False: the receiver gave the transfer up first, or `deadline`, a
+        time.monotonic() of this node, has passed). The receiver holds the blocks for a claimed
+        transfer until the sender's last message for it."""
+        return True
+
+    def give_up(self, tag: int, deadline: float) -> bool:
+        """Receiver: give a direct transfer up; True when its sender had not claimed it, and
+        never will (no claim succeeds after `deadline`), so its blocks may be freed now."""
+        return True
+
+    def settle(self, tag: int) -> None:
+        """Receiver: a claimed direct transfer is over; its claim can go."""
+
+    def direct_link_to(self, peer: str, epoch: int = 0) -> Link:
+        """A direct link to `peer` (the ticket says the peer's cache is open to this worker)."""
+        raise TransferError(peer, f"worker {self.worker_id!r} cannot write into another worker's cache "
+                                  "(its transfer backend shares no memory)")

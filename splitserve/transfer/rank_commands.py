@@ -25,14 +25,18 @@ class FinishExport:
 
 @dataclass(frozen=True)
 class Expect:
-    """Receive this part into these slots; report it stamped with its link epoch."""
+    """Receive this part into these slots (of the reservation's `blocks`); report it stamped with
+    its link epoch (and its destination, where the prompt rank writes into this rank's cache)."""
 
     part: TransferTicket
     slots: list[int]
+    blocks: list[int]
 
 
 @dataclass(frozen=True)
 class Abandon:
+    """Stop waiting for this part; a direct one is reported released once its sender stopped writing."""
+
     part: TransferTicket
 
 
@@ -41,3 +45,4 @@ class RankReport:
     stamped: list[TransferTicket] = field(default_factory=list)  # parts expected this round
     landed: list[tuple[TransferTicket, int | TransferError]] = field(default_factory=list)  # finished receives
     push_failures: list[tuple[TransferTicket, TransferError]] = field(default_factory=list)
+    released: list[TransferTicket] = field(default_factory=list)  # abandoned direct parts no longer written

@@ -1,6 +1,7 @@
-"""One rank's end of KV transfers: it packs and pushes the KV heads of the parts it sends, and lands
-the parts it receives in its own heads. Parts come from `kv_routes.split_ticket`; a worker of
-one rank sends and receives one part per transfer, with all its heads."""
+"""One rank's end of KV transfers: it packs and pushes the KV heads of the parts it sends, or writes
+them into the receiver's cache when the part is direct, and lands the parts it receives in its
+own heads. Parts come from `kv_routes.split_ticket`; a worker of one rank sends and receives one
+part per transfer, with all its heads."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,7 @@ import torch
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.sharding import kv_head_range
 from splitserve.transfer.codec import pack_all, pack_layer, unpack_layer
-from splitserve.transfer.transport import KVTransport, TransferTicket
+from splitserve.transfer.transport import ALL, CacheDest, KVTransport, TransferTicket
 
 
 class RankKV:
@@ -25,17 +26,24 @@ class RankKV:
     # ---- sending --------------------------------------------------------------------------
     def push_layer(self, part: TransferTicket, layer: int, slots: torch.Tensor) -> int:
         """Returns the bytes pushed."""
+        if part.dest is not None:
+            return self.transport.write_kv(part, layer, self.cache.data, slots, self.heads(part))
         payload = pack_layer(self.cache, layer, slots, self.heads(part))
         self.transport.push_layer(part, layer, payload)
         return payload.nbytes
 
     def push_all(self, part: TransferTicket, slots: torch.Tensor) -> int:
+        if part.dest is not None:
+            return self.transport.write_kv(part, ALL, self.cache.data, slots, self.heads(part))
         payload = pack_all(self.cache, slots, self.heads(part))
         self.transport.push_all(part, payload)
         return payload.nbytes
 
     # ---- receiving ------------------------------------------------------------------------
-    def expect(self, part: TransferTicket, slots: torch.Tensor) -> TransferTicket:
-        """Returns the part stamped with its link's epoch (what the prompt side pushes against)."""
+    def expect(self, part: TransferTicket, slots: torch.Tensor, blocks: list[int]) -> TransferTicket:
+        """Returns the part stamped with its link's epoch (what the prompt side pushes against),
+        and with its destination when the prompt rank writes into this cache itself; `blocks`
+        is the reservation's block table."""
         heads = self.heads(part)
-        return self.transport.expect(part, lambda layer, wire: unpack_layer(self.cache, layer, slots, wire, heads))
+        dest = CacheDest(tuple(blocks), None if heads is None else (heads.start, heads.stop))
+        return self.transport.expect(part, lambda layer, wire: unpack_layer(self.cache, layer, slots, wire, heads), dest)

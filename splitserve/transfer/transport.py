@@ -35,6 +35,15 @@ Semantics:
   ticket whose layout is not its own (`check_compatible`). The first message on every new link is
   HELLO with the prompt side's layout; the token side fails the link, and every transfer on it,
   when it is not its own. A mismatch is an error naming both workers, never a write.
+- Direct tickets (the token side's fabric says the prompt peer shares its memory: `direct_link`)
+  carry the token side's block table (`dest`); the prompt side writes the KV into those blocks
+  (`write_kv`) and only headers travel. Such a transfer's blocks are written by another process,
+  so they are freed only once the sender cannot write into them any more: the sender claims a
+  transfer before its first write (`claim`; refused once the token side gave it up), and a
+  claimed transfer abandoned before its sender finished is held (`abandon` returns False) until
+  the sender's DONE or CANCEL for it is read, or its link ends (the sender closed it or died);
+  `take_released` hands them back. A direct link whose messages fail a check is read on,
+  dropping them, until its sender closes it, for the same reason.
 """
 from __future__ import annotations
 
@@ -48,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.transfer.direct_writes import DirectWrites
 from splitserve.transfer.link import Fabric, Link, TransferError
 
 ALL, DONE, CANCEL, HELLO = -1, -2, -3, -4
@@ -56,12 +66,25 @@ LAYOUT_BYTES = 512  # HELLO's payload: the layout string, utf-8, zero-padded
 IDLE_RECV_S = 7 * 24 * 3600.0  # a receive loop waits this long for a header (a dead peer breaks the wait)
 
 
-class IncompatibleKV(TransferError):
+class ProtocolError(TransferError):
+    """A message broke the protocol (the link itself works)."""
+
+
+class IncompatibleKV(ProtocolError):
     """Two workers whose KV cannot be exchanged (different model, dtype or layout)."""
 
     def __init__(self, peer: str, this_worker: str, ours: str, theirs: str):
         super().__init__(peer, f"worker {this_worker!r} has KV layout [{ours}] but worker {peer!r} has "
                                f"[{theirs}]: they serve different models or settings and cannot exchange KV")
+
+
+@dataclass(frozen=True)
+class CacheDest:
+    """Where a direct transfer's KV goes in the token rank's cache."""
+
+    blocks: tuple[int, ...]  # the reservation's block table, from position 0
+    heads: tuple[int, int] | None = None  # the part's KV heads among the rank's own; None: all
+    claim_by: float = 0.0  # the sender claims the transfer by this time.monotonic() (one node: one clock)
 
 
 @dataclass(frozen=True)
@@ -79,6 +102,7 @@ class TransferTicket:
     token_rank: int = 0
     heads: tuple[int, int] | None = None
     parts: tuple["TransferTicket", ...] = ()  # a whole transfer: its parts (`kv_routes.split_ticket`)
+    dest: CacheDest | None = None  # a direct part: written into these blocks (stamped by `expect`)
 
     def __post_init__(self):
         if not 0 <= self.start_token < self.num_tokens:  # at least the last token's KV travels
@@ -119,6 +143,8 @@ class KVTransport:
         self._results: list[tuple[TransferTicket, int | TransferError, torch.cuda.Event | None]] = []
         self._recv_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._loops: set[tuple[str, int]] = set()  # token side: (prompt peer, epoch) links being read
+        self._direct = DirectWrites(fabric, self._writes_done)  # token side: direct transfers being written
+        self._claims: set[tuple[str, int]] = set()  # prompt side: (token peer, tag) of direct transfers it claimed
         self._lock = threading.Lock()
         self._landed = threading.Condition(self._lock)  # notified when a result is appended
 
@@ -132,6 +158,34 @@ class KVTransport:
 
     def push_all(self, ticket: TransferTicket, payload: torch.Tensor) -> None:
         self._send(ticket, ALL, payload, payload.shape[-2])
+
+    def claim(self, ticket: TransferTicket) -> None:
+        """A direct ticket: take it before the first write (done by `write_kv` if not before);
+        raises TransferError when the token side gave it up first."""
+        key = (ticket.token_peer, ticket.tag)
+        if ticket.dest is None or key in self._claims:
+            return
+        if not self.fabric.claim(ticket.token_peer, ticket.tag, ticket.dest.claim_by):
+            with contextlib.suppress(TransferError):
+                self.cancel(ticket)  # ends it on the token side, whatever it saw
+            raise TransferError(ticket.token_peer, "it gave the transfer up before this worker claimed it")
+        self._claims.add(key)
+
+    def write_kv(self, ticket: TransferTicket, kind: int, source: torch.Tensor, slots: torch.Tensor,
+                 heads: slice | None) -> int:
+        """A direct ticket: writes layer `kind` (or ALL layers) of this rank's cache data at
+        `slots`, `heads` of its own, into the token worker's blocks, then announces it. Returns the bytes."""
+        self.claim(ticket)
+        link = self._link_to(ticket)
+        layers = slice(None) if kind == ALL else slice(kind, kind + 1)
+        num_heads = source.shape[-2] if heads is None else len(range(source.shape[-2])[heads])
+        try:
+            written = link.write(source, slots, layers, heads, ticket.dest, ticket.start_token)
+            link.send_meta(_header(ticket.tag, kind, ticket.num_sent_tokens, num_heads))
+        except TransferError:
+            self._drop_out(ticket.token_peer)
+            raise
+        return written
 
     def complete(self, ticket: TransferTicket, first_token_id: int) -> None:
         self._send(ticket, DONE, None, first_token_id)
@@ -171,10 +225,15 @@ class KVTransport:
         return errors
 
     # ---- token side ----------------------------------------------------------------------
-    def expect(self, ticket: TransferTicket, write_layer: Callable[[int, torch.Tensor], None]) -> TransferTicket:
-        """Register a reserved transfer; its layers are written by `write_layer` as they land.
-        Returns the ticket stamped with the epoch of the link it comes on: give the prompt side that one."""
+    def expect(self, ticket: TransferTicket, write_layer: Callable[[int, torch.Tensor], None],
+               dest: CacheDest | None = None) -> TransferTicket:
+        """Register a reserved transfer; its layers are written by `write_layer` as they land, or,
+        where the prompt peer shares this worker's memory, by the peer itself into `dest`.
+        Returns the ticket stamped with the epoch of the link it comes on (and `dest` where the
+        peer writes): give the prompt side that one."""
         peer = ticket.prompt_peer
+        if dest is not None and self.fabric.direct(peer):
+            ticket = dataclasses.replace(ticket, dest=dataclasses.replace(dest, claim_by=time.monotonic() + self.timeout))
         with self._lock:
             epoch = self._epochs.get(peer, 0)
         if self.fabric.retired(peer, self.fabric.worker_id, epoch):  # the prompt side gave the link up
@@ -185,14 +244,25 @@ class KVTransport:
             loop = (peer, ticket.link_epoch)
             start = loop not in self._loops
             self._loops.add(loop)
+        self._direct.expect(ticket)  # before the prompt side has the ticket: nothing is written yet
         if start:
             threading.Thread(target=self._receive_loop, args=loop, daemon=True, name=f"kv-recv-{peer}").start()
         return ticket
 
-    def abandon(self, ticket: TransferTicket) -> None:
-        """Stop waiting for a transfer; messages still arriving for it are drained and dropped."""
+    def abandon(self, ticket: TransferTicket) -> bool:
+        """Stop waiting for a transfer; messages still arriving for it are drained and dropped.
+        Returns whether its blocks may be freed now; if not (a direct transfer whose sender may
+        still write), `take_released` returns the ticket once they may."""
         with self._lock:
             self._incoming.pop(ticket.tag, None)
+        return self._direct.give_up(ticket)
+
+    def take_released(self) -> list[TransferTicket]:
+        """Held transfers whose senders have stopped writing; the caller's stream is ordered after
+        their last writes."""
+        released = self._direct.take_released()
+        self._order_after(written for _, written in released)
+        return [ticket for ticket, _ in released]
 
     def poll(self, timeout: float = 0.0) -> list[tuple[TransferTicket, int | TransferError]]:
         """Finished transfers: (ticket, first token id) or (ticket, TransferError); the caller's
@@ -203,15 +273,22 @@ class KVTransport:
                 self._landed.wait(timeout)
             self._fail_silent(time.monotonic())
             results, self._results = self._results, []
-        for _, _, written in results:
-            if written is not None:
-                torch.cuda.current_stream(self._device).wait_event(written)
+        self._order_after(written for _, _, written in results)
         return [(ticket, result) for ticket, result, _ in results]
 
     # ---- internals -----------------------------------------------------------------------
+    def _order_after(self, events: Iterable[torch.cuda.Event | None]) -> None:
+        """CUDA: the caller's stream waits for the writes each event marks."""
+        for written in events:
+            if written is not None:
+                torch.cuda.current_stream(self._device).wait_event(written)
+
     def _send(self, ticket: TransferTicket, kind: int, payload: torch.Tensor | None, value: int = 0) -> None:
         link = self._link_to(ticket)
         try:
+            if kind in (DONE, CANCEL):  # a transfer's last message: its direct writes come before it
+                link.seal()
+                self._claims.discard((ticket.token_peer, ticket.tag))
             link.send_meta(_header(ticket.tag, kind, ticket.num_sent_tokens, value))
             if payload is not None:
                 link.send(payload)
@@ -226,6 +303,8 @@ class KVTransport:
         peer, epoch = ticket.token_peer, ticket.link_epoch
         current = self._out.get(peer)
         if current is not None and current[0] == epoch:
+            if current[1].direct != (ticket.dest is not None):
+                raise TransferError(peer, "its tickets disagree on whether this worker writes into its cache")
             return current[1]
         if epoch <= self._failed_out.get(peer, -1) or self.fabric.retired(self.fabric.worker_id, peer, epoch):
             self._failed_out[peer] = max(epoch, self._failed_out.get(peer, -1))
@@ -235,7 +314,8 @@ class KVTransport:
         if current is not None:
             self._drop_out(peer)
         try:
-            link = self._hello(self.fabric.link_to(peer, epoch))
+            dial = self.fabric.link_to if ticket.dest is None else self.fabric.direct_link_to
+            link = self._hello(dial(peer, epoch))
         except TransferError:
             self._failed_out[peer] = epoch
             raise
@@ -247,6 +327,7 @@ class KVTransport:
         told (its next ticket names the next epoch)."""
         epoch, link = self._out.pop(peer)
         self._failed_out[peer] = max(epoch, self._failed_out.get(peer, -1))
+        self._claims = {claim for claim in self._claims if claim[0] != peer}  # its link's end releases them
         link.close()
         self._announce_retired(self.fabric.worker_id, peer, epoch)
 
@@ -260,7 +341,7 @@ class KVTransport:
         header = torch.empty(4, dtype=torch.int64)
         link.recv_meta(header, self.timeout)
         if header[1].item() != HELLO:
-            raise TransferError(link.peer, "the link did not open with HELLO (an older or foreign sender)")
+            raise ProtocolError(link.peer, "the link did not open with HELLO (an older or foreign sender)")
         payload = torch.empty(LAYOUT_BYTES, dtype=torch.uint8)
         link.recv_meta(payload, self.timeout)
         theirs = bytes(payload.tolist()).rstrip(b"\0").decode(errors="replace")
@@ -271,19 +352,22 @@ class KVTransport:
         """Reads the epoch's link from `peer` until it fails; then the epoch is retired and every
         transfer from `peer` still waiting fails (the next ticket gets a fresh link)."""
         link = None
-        try:
-            link = self.fabric.link_from(peer, epoch)
-            self._check_hello(link)
-            with torch.cuda.stream(self._recv_stream) if self._recv_stream else contextlib.nullcontext():
+        with torch.cuda.stream(self._recv_stream) if self._recv_stream else contextlib.nullcontext():
+            try:
+                link = self.fabric.link_from(peer, epoch)
+                self._check_hello(link)
                 while True:
                     self._receive_one(link, epoch)
-        except Exception as error:  # a bug in one message must not leave this peer's transfers waiting
-            if not isinstance(error, TransferError):
-                log.exception("KV receive loop for %s failed", peer)
-                error = TransferError(peer, f"receive failed: {type(error).__name__}: {error}")
+            except Exception as error:  # a bug in one message must not leave this peer's transfers waiting
+                if not isinstance(error, TransferError):
+                    log.exception("KV receive loop for %s failed", peer)
+                    error = ProtocolError(peer, f"receive failed: {type(error).__name__}: {error}")
+                self._retire(peer, epoch, error)
+                if link is not None and link.direct and isinstance(error, ProtocolError):
+                    self._drain(link)
             if link is not None:
                 link.close()
-            self._retire(peer, epoch, error)
+            self._direct.link_ended(peer, epoch)
 
     def _receive_one(self, link: Link, epoch: int) -> None:
         header = torch.empty(4, dtype=torch.int64)
@@ -291,22 +375,40 @@ class KVTransport:
         tag, kind, num_tokens, value = header.tolist()
         if kind >= 0 or kind == ALL:
             self._check_size(link.peer, tag, kind, num_tokens, value)
-            shape = self._layer_shape(num_tokens, value)
-            payload = torch.empty(shape if kind >= 0 else (self._num_layers, *shape), dtype=self._dtype, device=self._device)
-            link.recv(payload, self.timeout)
+            if not link.direct:
+                shape = self._layer_shape(num_tokens, value)
+                payload = torch.empty(shape if kind >= 0 else (self._num_layers, *shape), dtype=self._dtype,
+                                      device=self._device)
+                link.recv(payload, self.timeout)
+        if kind == DONE or kind == CANCEL:
+            link.fence()  # the transfer's direct writes come before what follows
         with self._lock:  # writes happen under the lock: once abandon() returns, none lands
             self._heard[link.peer, epoch] = time.monotonic()
             incoming = self._incoming.get(tag)
-            if incoming is None:  # abandoned: drained, dropped
-                return
-            if kind >= 0:
-                incoming.write_layer(kind, payload)
-            elif kind == ALL:
-                for layer in range(payload.shape[0]):
-                    incoming.write_layer(layer, payload[layer])
+            if incoming is not None and not link.direct:
+                if kind >= 0:
+                    incoming.write_layer(kind, payload)
+                elif kind == ALL:
+                    for layer in range(payload.shape[0]):
+                        incoming.write_layer(layer, payload[layer])
         if kind == DONE or kind == CANCEL:
             result = value if kind == DONE else TransferError(link.peer, "cancelled by the prompt worker")
             self._finish(tag, result)
+            self._direct.sender_done(tag)
+
+    def _drain(self, link: Link) -> None:
+        """A direct link that broke the protocol is read on, every message dropped, until its
+        sender closes it: each held transfer's blocks are freed once its sender is done with them."""
+        header = torch.empty(4, dtype=torch.int64)
+        while True:
+            try:
+                link.recv_meta(header, IDLE_RECV_S)
+            except TransferError:
+                return
+            tag, kind = header[0].item(), header[1].item()
+            if kind == DONE or kind == CANCEL:
+                link.fence()
+                self._direct.sender_done(tag)
 
     def _check_size(self, peer: str, tag: int, kind: int, num_tokens: int, num_heads: int) -> None:
         """A payload is as large as its reservation: a header that says otherwise is a broken or
@@ -320,7 +422,7 @@ class KVTransport:
                 or kind >= self._num_layers:
             held = "" if ticket is None else (f"; the reservation expects {ticket.num_sent_tokens} tokens (from "
                                               f"position {ticket.start_token}) of heads {ticket.heads}")
-            raise TransferError(peer, f"message for tag {tag} (kind {kind}) announces {num_tokens} tokens of "
+            raise ProtocolError(peer, f"message for tag {tag} (kind {kind}) announces {num_tokens} tokens of "
                                       f"{num_heads} KV heads{held} (at most {self.max_tokens} tokens of "
                                       f"{self.max_heads} heads)")
 

@@ -1,4 +1,5 @@
-"""The KV-transfer benchmark runs end to end (two worker processes over gloo) and writes its rows."""
+"""The KV-transfer benchmark runs end to end (a pair of worker processes per backend: gloo, and
+shared memory) and writes its rows."""
 import json
 import subprocess
 import sys
@@ -13,7 +14,8 @@ def test_quick_run_writes_every_row(tmp_path):
     subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], check=True, capture_output=True,
                    timeout=300)
     rows = json.loads(out.read_text())
-    assert [r["prompt_tokens"] for r in rows] == [128, 600]
+    assert [(r["backend"], r["prompt_tokens"]) for r in rows] == [("gloo", 128), ("ipc", 128), ("gloo", 600),
+                                                                   ("ipc", 600)]
     for row in rows:
         assert KEYS <= set(row)
         assert row["kv_bytes"] == row["prompt_tokens"] * 2 * 4 * 4 * 32 * 4  # demo: 4 layers, 4 kv heads, dim 32, fp32

@@ -2,6 +2,7 @@
 import itertools
 
 import pytest
+import torch
 
 from splitserve import LLM, SamplingParams
 from tests.transfer import workers
@@ -13,10 +14,10 @@ SHORT = [256] + [ord(c) for c in "a short prompt, under the layer-wise threshold
 LONG = [256] + [(i * 7 + 3) % 256 for i in range(700)]  # over the 512-token threshold: streamed per layer
 
 
-def colocated(cluster, prompts):
+def colocated(cluster, prompts, params=GREEDY):
     """The same prompts on one engine, on the workers' device, prefilled whole as the prompt worker does."""
     llm = LLM("demo", policy="prefill_first", device=workers.device_for(cluster.backend))
-    return [out.token_ids for out in llm.generate(prompts, GREEDY)]
+    return [out.token_ids for out in llm.generate(prompts, params)]
 
 
 def assert_clean(cluster, worker_id):
@@ -24,7 +25,10 @@ def assert_clean(cluster, worker_id):
     assert error is None and free == total and live == 0, (worker_id, error, free, total, live)
 
 
-BACKENDS = ["gloo", "grpc", pytest.param("nccl", marks=pytest.mark.gpu)]  # nccl: two processes on one GPU
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pairs two GPUs, never two ranks on one")
+# ipc: written into the token worker's cache through shared memory (CPU) or CUDA IPC (two processes on one GPU)
+BACKENDS = ["gloo", "grpc", "ipc", pytest.param("cuda-ipc", marks=pytest.mark.gpu),
+            pytest.param("nccl", marks=[pytest.mark.gpu, TWO_GPUS])]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

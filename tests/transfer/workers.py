@@ -5,23 +5,25 @@ Commands a worker takes from its inbox, and what it puts in its outbox:
           ("cancel", request_id) gives a transfer up (a client that went away)
           outputs as ("done", request_id, token_ids), failures as ("failed", request_id, message)
 - prompt: ("add", ticket, prompt, params) -> ("first", request_id, token_id) once prefilled,
-          failures as ("failed", request_id, message)
+          failures (a refused ticket too) as ("failed", request_id, message)
 - both:   ("check",) -> ("check", integrity error or None, free blocks, total blocks, live requests)
           ("stop",) ends the loop; ("die",) exits at once, as a crash would
 - prompt: ("stall",) stops pushing: later requests are prefilled but never sent (a hung peer)
-- prompt: ("die_after_layers", n) crashes right after its n-th layer push has left (mid-transfer)
+- prompt: ("die_after_layers", n) crashes right after its n-th layer push has left (mid-transfer);
+          ("freeze_after_layers", n) stops itself (SIGSTOP) there instead, until SIGCONT
 """
 from __future__ import annotations
 
 import os
 import queue
 
-from splitserve.transfer.faults import crash_after_layer_pushes
+from splitserve.transfer.faults import crash_after_layer_pushes, freeze_after_layer_pushes
 
 POLL_S = 0.002
 
 
 def connect(backend: str, worker_id: str, store_port: int, engine, timeout: float, grpc_directory=None):
+    from splitserve.transfer.direct_link import DirectFabric
     from splitserve.transfer.handoff import make_transport
     from splitserve.transfer.torch_link import TorchFabric
 
@@ -31,12 +33,18 @@ def connect(backend: str, worker_id: str, store_port: int, engine, timeout: floa
         fabric = GrpcFabric(worker_id, grpc_directory, timeout)
     else:
         fabric = TorchFabric.join("127.0.0.1", store_port, worker_id, engine.kv_cache.data.device, timeout)
+        if backend in ("ipc", "cuda-ipc"):
+            fabric = DirectFabric(fabric.store, worker_id, engine.kv_cache.data, fabric, timeout)
     return make_transport(engine, fabric, timeout)
 
 
-def device_for(backend: str) -> str:
-    """NCCL moves CUDA tensors; gloo and gRPC workers run on the CPU even where a GPU exists."""
-    return "cuda" if backend == "nccl" else "cpu"
+def device_for(backend: str, role: str = "token") -> str:
+    """CUDA backends: NCCL pairs two GPUs (it refuses two ranks on one: prompt workers take the
+    second), CUDA IPC pairs two processes on one. gloo, gRPC and shared memory ("ipc") run on the
+    CPU even where a GPU exists."""
+    if backend == "nccl":
+        return "cuda:1" if role == "prompt" else "cuda:0"
+    return "cuda" if backend == "cuda-ipc" else "cpu"
 
 
 def _check(engine) -> tuple:
@@ -79,7 +87,7 @@ def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_
     from splitserve.transfer.handoff import KVImporter
 
     torch.set_num_threads(1)
-    engine = LLMEngine("demo", policy="token", device=device_for(backend), **engine_args)
+    engine = LLMEngine("demo", policy="token", device=device_for(backend, "token"), **engine_args)
     importer = KVImporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory), worker_id)
 
     def handle(cmd):
@@ -108,9 +116,10 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
 
     from splitserve import LLMEngine
     from splitserve.transfer.handoff import KVExporter
+    from splitserve.transfer.link import TransferError
 
     torch.set_num_threads(1)
-    engine = LLMEngine("demo", policy="prompt", device=device_for(backend), **engine_args)
+    engine = LLMEngine("demo", policy="prompt", device=device_for(backend, "prompt"), **engine_args)
     exporter = KVExporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory))
     stalled = []
 
@@ -119,12 +128,17 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
             stalled.append(True)
         if cmd[0] == "die_after_layers":
             crash_after_layer_pushes(exporter.transport, cmd[1])
+        if cmd[0] == "freeze_after_layers":
+            freeze_after_layer_pushes(exporter.transport, cmd[1])
         if cmd[0] == "add":
             _, ticket, prompt, params = cmd
             if stalled:  # prefill happens, the KV never leaves: the token side must time out
                 engine.add_request(ticket.request_id, prompt, params)
-            else:
+                return
+            try:
                 exporter.add(ticket, prompt, params)
+            except TransferError as error:  # refused: a different model, or a transfer given up already
+                outbox.put(("failed", ticket.request_id, str(error)))
 
     def tick():
         outputs = exporter.step()

@@ -1,0 +1,74 @@
+"""A KV cache that another process on the same node maps into its own address space.
+
+CUDA: an IPC handle of the cache's allocation (any CUDA memory can be shared; the opener must see
+the device, which it finds by UUID: two processes number their visible devices differently).
+CPU: the cache's storage moves, in place, into shared memory kept by torch's shm manager, which
+unlinks it when the last process holding it exits (so a crash leaks nothing); tensors viewing the
+cache stay valid.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SharedCache:
+    """What another process needs to map a cache tensor (picklable)."""
+
+    device_uuid: str | None  # None: host memory
+    handle: tuple  # CUDA: UntypedStorage._share_cuda_(); CPU: _share_filename_cpu_()
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+
+def memory_domain() -> str:
+    """Processes with the same domain can map each other's memory: one boot of one machine, and
+    one /dev/shm and temp directory (a container with its own mounts is another domain)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = os.uname().nodename
+    mounts = [os.stat(path) for path in ("/dev/shm", tempfile.gettempdir()) if os.path.exists(path)]
+    identity = f"{boot}|" + "|".join(f"{s.st_dev}:{s.st_ino}" for s in mounts)
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def visible_devices() -> tuple[str, ...]:
+    """UUIDs of the CUDA devices this process sees, in its own numbering."""
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
+
+
+def share(data: torch.Tensor) -> SharedCache:
+    storage = data.untyped_storage()
+    if data.device.type == "cuda":
+        uuid = str(torch.cuda.get_device_properties(data.device).uuid)
+        handle = storage._share_cuda_()
+    else:
+        uuid = None
+        handle = storage._share_filename_cpu_()  # in place: views of `data` now see shared memory
+    return SharedCache(uuid, tuple(handle), tuple(data.shape), tuple(data.stride()), data.storage_offset(), data.dtype)
+
+
+def open_shared(shared: SharedCache) -> torch.Tensor:
+    """The other process's cache, mapped here; raises ValueError when this process cannot see it."""
+    if shared.device_uuid is None:
+        storage = torch.UntypedStorage._new_shared_filename_cpu(*shared.handle)
+    else:
+        devices = visible_devices()
+        if shared.device_uuid not in devices:
+            raise ValueError(f"CUDA device {shared.device_uuid} is not visible to this process (it sees {devices})")
+        _, *rest = shared.handle  # the sharer's own device index means nothing here
+        storage = torch.UntypedStorage._new_shared_cuda(devices.index(shared.device_uuid), *rest)
+    with torch.inference_mode(False):  # written into in and outside forward passes
+        view = torch.empty(0, dtype=shared.dtype, device=storage.device)
+        return view.set_(storage, shared.offset, shared.shape, shared.stride)
