@@ -40,9 +40,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_kv_transfer import LARGER, NEVER, kv_bytes_per_token, write_dummy_checkpoint  # this script's folder
+from bench_kv_transfer import LARGER  # this script's folder
+from kv_pair import NEVER, kv_bytes_per_token
 
 from splitserve.cluster.worker_loop import IMPORT_WAIT_S
+from splitserve.engine.loader import write_shape_checkpoint
 
 TIMEOUT = 120.0
 DECODE_CONTEXT = 256
@@ -323,7 +325,7 @@ def transfer_rows(store, model: str, prompt_tp: int, token_tp: int, lens, repeat
             serialized = statistics.median(r["tail"] for r in one_shot) * 1e3
             visible = statistics.median(r["tail"] + r["streaming"] for r in layered) * 1e3
             rows.append({"prompt_tp": prompt_tp, "token_tp": token_tp, "prompt_tokens": n,
-                         "kv_bytes": n * kv_bytes_per_token(model),
+                         "kv_bytes": n * kv_bytes_per_token(model, 4),
                          "prefill_ms": statistics.median(r["ttft"] for r in one_shot) * 1e3,
                          "layerwise_ttft_ms": statistics.median(r["ttft"] for r in layered) * 1e3,
                          "serialized_transfer_ms": serialized, "visible_transfer_ms": visible,
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         args.repeats, args.prefill_lens, args.decode_batches, args.transfer_lens = 2, "128", "4", "128"
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_dummy_checkpoint(Path(tmp) / "larger")
+        model = write_shape_checkpoint(Path(tmp) / "larger", LARGER)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         collectives = collective_rows(store, sorted({1, *ints(args.decode_batches), *ints(args.prefill_lens)}),
                                       20 * args.repeats)

@@ -103,6 +103,18 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 param.copy_(part.take(full) if part else full)
 
 
+def write_shape_checkpoint(root: str | Path, config: dict) -> str:
+    """A checkpoint directory of a model's shape alone (its config.json and a three-word
+    tokenizer.json) for load_format="dummy": real shapes, no weights, for benchmarks and tests."""
+    from tokenizers import Tokenizer, models
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>")).save(str(root / "tokenizer.json"))
+    return str(root)
+
+
 def _read(handle, name: str, part: ShardSlice | None) -> torch.Tensor:
     """The tensor, or only the part a rank holds (read from the file without the rest)."""
     if part is None:

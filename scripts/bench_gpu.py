@@ -1,0 +1,354 @@
+"""The engine on a GPU: decode MBU, prefill MFU, offline throughput against `transformers`, and the
+same-node KV transfer, on a Llama-3-8B shape with dummy weights (bf16; nothing is downloaded).
+
+    python scripts/bench_gpu.py --json gpu.json     # a CUDA machine: about 10 minutes on one H100
+    python scripts/bench_gpu.py --tiny --json t.json  # every section on a tiny shape, on the CPU (tests)
+
+Each section runs in a process of its own (spawned, so one section's GPU memory is gone before the
+next starts), and every row names the device:
+
+1. decode: B sequences with C tokens of context each enter the token-policy engine through its
+   import path (blocks reserved, the first token given: the KV arrives as from a prompt worker, so
+   nothing is prefilled; the cache holds random values), then --steps decode-only steps are timed
+   (CUDA graphs replay them). MBU = (weight bytes + KV bytes read per step) / step time / the
+   device's HBM peak. Weight bytes: every layer, the final norm and the LM head (the embedding
+   reads B rows); KV bytes: B x mean context x bytes per token. Batches 1, 16, 64, 256 at 1k and
+   4k tokens; a row whose KV does not fit in the engine's cache says so instead.
+2. prefill: one prompt of N tokens in one step (prefill_first, budget N). MFU = model FLOPs / step
+   time / the dense bf16 peak; model FLOPs = 2 N x layer parameters + 2 x the LM head (the sampled
+   row) + causal attention, 2 N^2 x heads x head size per layer.
+3. throughput: 64 prompts of 512 tokens, 256 greedy output tokens each, all in flight: ours
+   (`LLM.generate`) against `transformers` `generate` (one static batch of 64, the same shape, its
+   own random weights, its default attention), median of --repeats runs each after a warm-up;
+   `throughput_ratio_vs_hf` = ours / theirs in output tokens per second.
+4. transfer: a prompt and a token worker (`kv_pair.py`), both on this GPU, the KV written into the
+   token worker's cache through CUDA IPC: visible / serialized transfer for 2k and 8k prompts.
+
+Peaks (vendor data sheets, dense bf16 without sparsity) come from the device's name; --hbm-tbs and
+--bf16-tflops give others. Targets (an H100): decode MBU >= 60% at batch 1 and >= 50% at batch 64,
+prefill MFU >= 50% at 8k, throughput >= 5x transformers, visible transfer <= 10% of serialized at 8k.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from kv_pair import Pair, kv_bytes_per_token, measure
+
+from splitserve.engine.loader import write_shape_checkpoint
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+             "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001}
+TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32", "bos_token_id": 1,
+        "eos_token_id": 2}
+PEAKS = [  # (name contains, HBM bytes/s, dense bf16 FLOP/s); the first match wins
+    ("H200", 4.8e12, 989e12), ("H100 NVL", 3.9e12, 835e12), ("H100 PCIe", 2.0e12, 756e12),
+    ("H100", 3.35e12, 989e12), ("A100-SXM4-80GB", 2.039e12, 312e12), ("A100 80GB PCIe", 1.935e12, 312e12),
+    ("A100", 1.555e12, 312e12), ("L40S", 0.864e12, 362e12)]
+
+
+def settings(tiny: bool) -> dict:
+    if tiny:
+        return {"config": TINY, "engine": {"device": "cpu", "dtype": "float32"}, "batches": [1, 4],
+                "contexts": [64, 256], "prefill": [128, 512], "in_flight": 4, "prompt": 32, "output": 16,
+                "transfer": [128, 512], "transfer_backend": "ipc"}
+    return {"config": LLAMA3_8B, "engine": {"device": "cuda", "dtype": "bfloat16"}, "batches": [1, 16, 64, 256],
+            "contexts": [1024, 4096], "prefill": [2048, 8192], "in_flight": 64, "prompt": 512, "output": 256,
+            "transfer": [2048, 8192], "transfer_backend": "ipc"}
+
+
+def device_name(engine_args: dict) -> str:
+    return torch.cuda.get_device_name() if engine_args["device"] == "cuda" else "cpu"
+
+
+def peaks(name: str, hbm_tbs: float | None, tflops: float | None) -> tuple[float | None, float | None]:
+    hbm, flops = next(((h, f) for key, h, f in PEAKS if key in name), (None, None))
+    return (hbm_tbs * 1e12 if hbm_tbs else hbm), (tflops * 1e12 if tflops else flops)
+
+
+# ---- what a step reads and computes ------------------------------------------------------------
+def layer_params(c: dict) -> int:
+    head = c["hidden_size"] // c["num_attention_heads"]
+    qkv = c["hidden_size"] * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * head
+    out = c["num_attention_heads"] * head * c["hidden_size"]
+    mlp = 3 * c["hidden_size"] * c["intermediate_size"]
+    return qkv + out + mlp + 2 * c["hidden_size"]
+
+
+def decode_weight_bytes(c: dict, batch: int, element: int) -> int:
+    lm_head = c["vocab_size"] * c["hidden_size"]
+    read = c["num_hidden_layers"] * layer_params(c) + c["hidden_size"] + lm_head + batch * c["hidden_size"]
+    return read * element
+
+
+def prefill_flops(c: dict, n: int) -> float:
+    head = c["hidden_size"] // c["num_attention_heads"]
+    attention = 2 * n * n * c["num_attention_heads"] * head  # QK^T and PV, each 2 N^2 d per head, halved: causal
+    return c["num_hidden_layers"] * (2 * n * layer_params(c) + attention) + 2 * c["vocab_size"] * c["hidden_size"]
+
+
+def random_prompt(rng: random.Random, c: dict, n: int) -> list[int]:
+    return [rng.randrange(3, c["vocab_size"]) for _ in range(n)]
+
+
+def timed_steps(engine, count: int) -> list[float]:
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        engine.step()  # returns after the sampled ids reach the host: the step has run
+        times.append(time.perf_counter() - start)
+    return times
+
+
+# ---- sections, each in its own process --------------------------------------------------------
+def decode_section(model: str, s: dict, args) -> list[dict]:
+    from splitserve import LLMEngine, SamplingParams
+
+    c, warm = s["config"], 3
+    engine = LLMEngine(model, policy="token", load_format="dummy", enable_prefix_caching=False,
+                       max_num_seqs=max(s["batches"]), max_model_len=max(s["contexts"]) + warm + args.steps + 16,
+                       **s["engine"])
+    engine.kv_cache.data.normal_()
+    capacity = engine.block_manager.num_free_blocks * engine.kv_cache.block_size
+    element, per_token = engine.kv_cache.data.element_size(), kv_bytes_per_token(model, engine.kv_cache.data.element_size())
+    params = SamplingParams(temperature=0, max_tokens=warm + args.steps + 2, ignore_eos=True)
+    rng, rows = random.Random(0), []
+    for context in s["contexts"]:
+        for batch in s["batches"]:
+            row = {"section": "decode", "batch": batch, "context": context}
+            needed = batch * -(-(context + warm + args.steps + 1) // engine.kv_cache.block_size) * engine.kv_cache.block_size
+            if needed > capacity:
+                rows.append({**row, "skipped": f"needs {needed} KV tokens; the cache holds {capacity}"})
+                continue
+            ids = [f"d{batch}-{context}-{i}" for i in range(batch)]
+            for request_id in ids:
+                engine.reserve_import(request_id, random_prompt(rng, c, context), params)
+                engine.complete_import(request_id, rng.randrange(3, c["vocab_size"]))
+            timed_steps(engine, warm)
+            times = timed_steps(engine, args.steps)
+            for request_id in ids:
+                engine.abort(request_id)
+            step = statistics.median(times)
+            read = decode_weight_bytes(c, batch, element) + batch * (context + warm + args.steps / 2) * per_token
+            rows.append({**row, "step_ms": step * 1e3, "step_ms_min": min(times) * 1e3,
+                         "step_ms_max": max(times) * 1e3, "tokens_per_s": batch / step, "bytes_per_step": read,
+                         "bytes_per_s": read / step})
+    return rows
+
+
+def prefill_section(model: str, s: dict, args) -> list[dict]:
+    from splitserve import LLMEngine, SamplingParams
+
+    c = s["config"]
+    engine = LLMEngine(model, policy="prefill_first", load_format="dummy", enable_prefix_caching=False,
+                       max_num_seqs=1, prompt_token_budget=max(s["prefill"]), max_model_len=max(s["prefill"]) + 16,
+                       **s["engine"])
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rng, rows, count = random.Random(1), [], 0
+    for n in s["prefill"]:
+        times = []
+        for _ in range(1 + args.repeats):  # the first one warms this length up
+            count += 1
+            engine.add_request(f"p{count}", random_prompt(rng, c, n), params)
+            times += timed_steps(engine, 1)
+            if engine.has_unfinished_requests():
+                raise RuntimeError(f"a {n}-token prompt did not prefill in one step")
+        times = times[1:]
+        step = statistics.median(times)
+        rows.append({"section": "prefill", "batch": 1, "context": n, "step_ms": step * 1e3,
+                     "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3, "tokens_per_s": n / step,
+                     "flops": prefill_flops(c, n), "flops_per_s": prefill_flops(c, n) / step})
+    return rows
+
+
+def throughput_prompts(s: dict) -> list[list[int]]:
+    rng = random.Random(2)
+    return [random_prompt(rng, s["config"], s["prompt"]) for _ in range(s["in_flight"])]
+
+
+def ours_section(model: str, s: dict, args) -> list[dict]:
+    from splitserve import LLM, SamplingParams
+
+    llm = LLM(model, load_format="dummy", enable_prefix_caching=False, max_num_seqs=s["in_flight"],
+              max_model_len=s["prompt"] + s["output"] + 16, **s["engine"])
+    prompts = throughput_prompts(s)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    params = SamplingParams(temperature=0, max_tokens=s["output"], ignore_eos=True)
+    return [_throughput_row("splitserve", lambda: llm.generate(prompts, params), s, args.repeats)]
+
+
+def hf_section(model: str, s: dict, args) -> list[dict]:
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    dtype = getattr(torch, s["engine"]["dtype"])
+    device = torch.device(s["engine"]["device"])
+    with device:
+        hf = LlamaForCausalLM._from_config(AutoConfig.from_pretrained(model), torch_dtype=dtype).eval()
+    ids = torch.tensor(throughput_prompts(s), device=device)
+
+    def run(new_tokens: int):
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    run(8)  # warm-up
+    return [_throughput_row("transformers", lambda: run(s["output"]), s, args.repeats)]
+
+
+def _throughput_row(engine: str, run, s: dict, repeats: int) -> dict:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    tokens = s["in_flight"] * s["output"]
+    return {"section": "throughput", "engine": engine, "batch": s["in_flight"], "context": s["prompt"],
+            "output_tokens": tokens, "seconds": statistics.median(times), "seconds_min": min(times),
+            "seconds_max": max(times), "output_tokens_per_s": tokens / statistics.median(times)}
+
+
+def transfer_section(model: str, s: dict, args) -> list[dict]:
+    element = torch.tensor([], dtype=getattr(torch, s["engine"]["dtype"])).element_size()
+    per_token = kv_bytes_per_token(model, element)
+    engine_args = {**s["engine"], "load_format": "dummy", "enable_prefix_caching": False,
+                   "max_model_len": max(s["transfer"]) + 16,
+                   "kv_cache_memory_bytes": 2 * (max(s["transfer"]) + 64) * per_token}  # three engines share the GPU
+    pair = Pair(model, s["transfer_backend"], engine_args)
+    try:
+        rows = [row for n in s["transfer"] for row in measure([pair], model, n, args.repeats, per_token)]
+    finally:
+        pair.close()
+    return [{**row, "section": "transfer", "batch": 1, "context": row["prompt_tokens"], "model": "dummy"}
+            for row in rows]
+
+
+SECTIONS = {"decode": decode_section, "prefill": prefill_section, "throughput-ours": ours_section,
+            "throughput-hf": hf_section, "transfer": transfer_section}
+
+
+def _run_section(name: str, model: str, s: dict, args, conn) -> None:
+    try:
+        if s["engine"]["device"] == "cpu":
+            torch.set_num_threads(1)
+        conn.send(SECTIONS[name](model, s, args))
+    except Exception:
+        conn.send([{"section": name, "error": traceback.format_exc()}])
+
+
+def run_section(name: str, model: str, s: dict, args) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_run_section, args=(name, model, s, args, send), daemon=False)
+    proc.start()
+    rows = receive.recv() if receive.poll(args.section_timeout) else [
+        {"section": name, "error": f"no result within {args.section_timeout} s"}]
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+    return rows
+
+
+# ---- the report ------------------------------------------------------------------------------
+def report(rows: list[dict], device: str, hbm: float | None, flops: float | None, tiny: bool) -> dict:
+    for row in rows:
+        row["device"] = device
+        if "bytes_per_s" in row:
+            row["mbu"] = row["bytes_per_s"] / hbm if hbm else None
+        if "flops_per_s" in row:
+            row["mfu"] = row["flops_per_s"] / flops if flops else None
+    tps = {r["engine"]: r["output_tokens_per_s"] for r in rows if r["section"] == "throughput" and "engine" in r}
+    ratio = tps["splitserve"] / tps["transformers"] if len(tps) == 2 else None
+    return {"device": device, "model": "tiny Llama (dummy)" if tiny else "Llama-3-8B shape (dummy weights)",
+            "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops, "throughput_ratio_vs_hf": ratio,
+            "targets": None if tiny else targets(rows, ratio), "rows": rows}
+
+
+def targets(rows: list[dict], ratio: float | None) -> dict:
+    def first(section, **match):
+        return next((r for r in rows if r["section"] == section and all(r.get(k) == v for k, v in match.items())),
+                    {})
+
+    mbu = {b: [r.get("mbu") for r in rows if r["section"] == "decode" and r["batch"] == b] for b in (1, 64)}
+    return {"decode_mbu_batch1_ge_0.6": _all_at_least(mbu[1], 0.6), "decode_mbu_batch64_ge_0.5": _all_at_least(mbu[64], 0.5),
+            "prefill_mfu_8k_ge_0.5": _all_at_least([first("prefill", context=8192).get("mfu")], 0.5),
+            "throughput_ge_5x_hf": None if ratio is None else ratio >= 5,
+            "transfer_visible_8k_le_0.1": _all_at_most([first("transfer", context=8192).get("visible_fraction")], 0.1)}
+
+
+def _all_at_least(values: list, floor: float) -> bool | None:
+    return None if not values or None in values else all(v >= floor for v in values)
+
+
+def _all_at_most(values: list, ceiling: float) -> bool | None:
+    return None if not values or None in values else all(v <= ceiling for v in values)
+
+
+def print_table(result: dict) -> None:
+    print(f"Device: {result['device']}; {result['model']}; throughput vs transformers: "
+          f"{_fmt(result['throughput_ratio_vs_hf'], '.2f')}x")
+    print("| section | engine/backend | batch | context | step ms (min-max) | MBU | MFU | visible / serialized |")
+    print("|---|---|---:|---:|---|---:|---:|---:|")
+    for r in result["rows"]:
+        if "error" in r or "skipped" in r:
+            print(f"| {r['section']} | {r.get('batch', '')} | {r.get('context', '')} | "
+                  f"{r.get('skipped') or r['error'].strip().splitlines()[-1]} |")
+            continue
+        step = (f"{r['step_ms']:.2f} ({r['step_ms_min']:.2f}-{r['step_ms_max']:.2f})" if "step_ms" in r else
+                f"{r['seconds']:.2f} s, {r['output_tokens_per_s']:.0f} tok/s" if "seconds" in r else
+                f"serialized {r['serialized_transfer_ms']:.2f}, visible {r['visible_transfer_ms']:.2f}")
+        print(f"| {r['section']} | {r.get('engine') or r.get('backend', '')} | {r['batch']} | {r['context']} | {step} "
+              f"| {_fmt(r.get('mbu'), '.0%')} | {_fmt(r.get('mfu'), '.0%')} | {_fmt(r.get('visible_fraction'), '.0%')} |")
+    if result["targets"]:
+        print("Targets:", ", ".join(f"{k}: {v}" for k, v in result["targets"].items()))
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: every section, in seconds")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed per row")
+    p.add_argument("--repeats", type=int, default=3, help="prefill, throughput and transfer runs per row")
+    p.add_argument("--hbm-tbs", type=float, help="HBM peak in TB/s (default: from the device's name)")
+    p.add_argument("--bf16-tflops", type=float, help="dense bf16 peak in TFLOP/s (default: from the device's name)")
+    p.add_argument("--section-timeout", type=float, default=900.0, help="seconds a section may take")
+    p.add_argument("--json", type=Path, help="write the result here")
+    args = p.parse_args(argv)
+    names = args.sections.split(",")
+    if set(names) - set(SECTIONS):
+        p.error(f"--sections takes {', '.join(SECTIONS)}; got {args.sections!r}")
+    s = settings(args.tiny)
+    if s["engine"]["device"] == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device: run with --tiny for the CPU version")
+    device = device_name(s["engine"])
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_shape_checkpoint(Path(tmp) / "model", s["config"])
+        rows = [row for name in names for row in run_section(name, model, s, args)]
+    result = report(rows, device, *peaks(device, args.hbm_tbs, args.bf16_tflops), args.tiny)
+    print_table(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

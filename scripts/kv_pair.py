@@ -1,0 +1,169 @@
+"""A prompt worker and a token worker in two processes, timed: the measuring half of
+bench_kv_transfer.py (CPU) and bench_gpu.py (the same-node transfer on one GPU).
+
+Each worker runs one torch thread; the prompt worker also holds a colocated engine, the reference.
+Backends: `gloo` (a gloo pair over loopback; NCCL between CUDA engines) and `ipc` (the KV written
+straight into the token worker's cache: shared memory on CPU, CUDA IPC on a GPU). Times come from
+time.monotonic(), which is system-wide on Linux and so comparable across the processes; on CUDA
+the token worker synchronizes its device before it calls a transfer landed.
+
+- prefill_ms: the colocated prefill step (TTFT of the colocated engine);
+- serialized_transfer_ms: one-shot push after the prefill, until the last byte has landed and the
+  token worker holds the request (first token sampled -> KV landed);
+- visible_transfer_ms: with layer-wise streaming, what the transfer adds to the critical path in
+  the same run: the compute thread's time packing and pushing layers during the prefill, plus the
+  tail from the first token to the last layer landing (the part not hidden behind compute);
+- ttft_ms: disaggregated time to first token (prompt worker), against colocated ttft;
+- second_token_overhead: (second-token latency disaggregated / colocated) - 1, where the second
+  token's latency is the time from the first token to the second one.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+NEVER = 10**9  # a layer-wise threshold no prompt reaches: one-shot transfer
+
+
+def kv_bytes_per_token(model: str, element_size: int) -> int:
+    from splitserve.engine.demo import demo_model_config
+    from splitserve.engine.loader import load_model_config
+
+    c = demo_model_config() if model == "demo" else load_model_config(model)
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * element_size
+
+
+# ---- the two worker processes --------------------------------------------------------------
+def _transport(engine, worker_id: str, port: int, backend: str):
+    from splitserve.transfer.direct_link import DirectFabric
+    from splitserve.transfer.handoff import make_transport
+    from splitserve.transfer.torch_link import TorchFabric
+
+    fabric = TorchFabric.join("127.0.0.1", port, worker_id, engine.kv_cache.data.device, 120.0)
+    if backend == "ipc":
+        fabric = DirectFabric(fabric.store, worker_id, engine.kv_cache.data, fabric, 120.0)
+    return make_transport(engine, fabric, 120.0)
+
+
+def prompt_process(model: str, port: int, backend: str, engine_args: dict, conn) -> None:
+    from splitserve import LLMEngine, SamplingParams
+    from splitserve.transfer.handoff import KVExporter
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(model, policy="prompt", **engine_args)
+    colocated = LLMEngine(model, policy="prefill_first", **engine_args)
+    exporter = KVExporter(engine, _transport(engine, "prompt", port, backend))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    conn.send("ready")
+    while (cmd := conn.recv()) != "stop":
+        if cmd[0] == "colocated":
+            start = time.monotonic()
+            colocated.add_request(cmd[1], cmd[2], params, start)
+            first = colocated.step()[0].token_timestamps[0]
+            second = colocated.step()[0].token_timestamps[1]
+            conn.send((first - start, second - first))
+        else:  # ("push", ticket, prompt)
+            start = time.monotonic()
+            exporter.add(cmd[1], cmd[2], params, start)
+            first = exporter.step()[0].token_timestamps[0]
+            conn.send((start, first, exporter.stream_seconds))
+
+
+def token_process(model: str, port: int, backend: str, engine_args: dict, conn) -> None:
+    from splitserve import LLMEngine, SamplingParams
+    from splitserve.transfer.handoff import KVImporter
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(model, policy="token", **engine_args)
+    importer = KVImporter(engine, _transport(engine, "token", port, backend), "token")
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    cuda = engine.kv_cache.data.is_cuda
+    conn.send("ready")
+    while (cmd := conn.recv()) != "stop":
+        _, request_id, prompt, threshold = cmd
+        importer.layerwise_threshold = threshold
+        conn.send(importer.reserve(request_id, prompt, params, "prompt"))
+        landed = []
+        while not landed:
+            landed, failures = importer.poll(timeout=1.0)
+            if failures:
+                raise RuntimeError(failures)
+        if cuda:
+            torch.cuda.synchronize()  # the writes themselves, not only their announcement
+        landed_at = time.monotonic()
+        second = engine.step()[0].token_timestamps[1]
+        conn.send((landed_at, second))
+
+
+# ---- measuring -------------------------------------------------------------------------------
+class Pair:
+    def __init__(self, model: str, backend: str, engine_args: dict):
+        ctx = mp.get_context("spawn")
+        self.backend = backend
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.prompt, prompt_end = ctx.Pipe()
+        self.token, token_end = ctx.Pipe()
+        args = (model, self.store.port, backend, engine_args)
+        self.procs = [ctx.Process(target=prompt_process, args=(*args, prompt_end), daemon=True),
+                      ctx.Process(target=token_process, args=(*args, token_end), daemon=True)]
+        for proc in self.procs:
+            proc.start()
+        self.prompt.recv(), self.token.recv()
+        self.count = 0
+
+    def disaggregated(self, prompt: list[int], threshold: int) -> dict:
+        self.count += 1
+        request_id = f"r{self.count}"
+        self.token.send(("reserve", request_id, prompt, threshold))
+        self.prompt.send(("push", self.token.recv(), prompt))
+        start, first, streaming = self.prompt.recv()
+        landed, second = self.token.recv()
+        return {"start": start, "first": first, "streaming": streaming, "landed": landed, "second": second}
+
+    def colocated(self, prompt: list[int]) -> tuple[float, float]:
+        self.count += 1
+        self.prompt.send(("colocated", f"c{self.count}", prompt))
+        return self.prompt.recv()
+
+    def close(self) -> None:
+        self.prompt.send("stop"), self.token.send("stop")
+        for proc in self.procs:
+            proc.join(30)
+
+
+def measure(pairs: list[Pair], model: str, n: int, repeats: int, kv_bytes_per_token: int) -> list[dict]:
+    """One row per pair (backend); the pairs' runs interleaved."""
+    prompt = [1] + [(7 * i) % 250 + 3 for i in range(n - 1)]
+    rows = {pair.backend: {k: [] for k in ("prefill", "coloc_second", "serialized", "visible", "ttft", "second")}
+            for pair in pairs}
+    for pair in pairs:
+        pair.colocated(prompt)  # warm-up: both engines' first steps, and the link's set-up, are not measured
+        pair.disaggregated(prompt, NEVER)
+        pair.disaggregated(prompt, 0)
+    for _ in range(repeats):
+        for pair in pairs:
+            ttft, second = pair.colocated(prompt)
+            one_shot = pair.disaggregated(prompt, NEVER)
+            layered = pair.disaggregated(prompt, 0)
+            got = rows[pair.backend]
+            got["prefill"].append(ttft)
+            got["coloc_second"].append(second)
+            got["serialized"].append(one_shot["landed"] - one_shot["first"])
+            got["visible"].append(layered["landed"] - layered["first"] + layered["streaming"])
+            got["ttft"].append(layered["first"] - layered["start"])
+            got["second"].append(layered["second"] - layered["first"])
+    return [_row(backend, got, model, n, repeats, kv_bytes_per_token) for backend, got in rows.items()]
+
+
+def _row(backend: str, rows: dict, model: str, n: int, repeats: int, kv_bytes_per_token: int) -> dict:
+    med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
+    return {"backend": backend, "model": model, "prompt_tokens": n, "kv_bytes": n * kv_bytes_per_token,
+            "prefill_ms": med["prefill"], "serialized_transfer_ms": med["serialized"],
+            "visible_transfer_ms": med["visible"], "visible_fraction": med["visible"] / med["serialized"],
+            "ttft_ms": med["ttft"], "colocated_ttft_ms": med["prefill"],
+            "second_token_ms": med["second"], "colocated_second_token_ms": med["coloc_second"],
+            "second_token_overhead": med["second"] / med["coloc_second"] - 1, "repeats": repeats}

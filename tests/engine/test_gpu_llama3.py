@@ -1,0 +1,55 @@
+"""bf16 end to end on a Llama-3-8B shape (dummy weights) against `transformers` with the same
+weights, on CUDA: greedy tokens and their logprobs. Skipped without CUDA (tests/conftest.py)."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.loader import write_shape_checkpoint
+from splitserve.engine.model.llama import checkpoint_tensors
+
+pytestmark = pytest.mark.gpu
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+             "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+             "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001}
+NEW_TOKENS = 32
+NEAR_TIE = 0.05  # transformers' top-2 logit gap under which two bf16 implementations may pick either
+LOGPROB_ATOL = 0.15  # bf16 through 32 layers
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    ours = LLM(write_shape_checkpoint(tmp_path_factory.mktemp("llama3-8b"), LLAMA3_8B), load_format="dummy",
+               dtype="bfloat16", device="cuda", max_model_len=2048, gpu_memory_utilization=0.45)
+    with torch.device("cuda"):
+        theirs = LlamaForCausalLM._from_config(LlamaConfig(**LLAMA3_8B), torch_dtype=torch.bfloat16).eval()
+    weights = {name: tensor for name, tensor in checkpoint_tensors(ours.engine.runner.model)}
+    result = theirs.load_state_dict(weights, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    return ours, theirs
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(pair):
+    ours, theirs = pair
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[128000] + torch.randint(3, 128000, (n,), generator=gen).tolist() for n in (4, 57, 300, 1000)]
+    outputs = ours.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=4))
+    agreed = []
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([prompt + out.token_ids[:-1]], device="cuda")
+        with torch.inference_mode():
+            logits = theirs(input_ids=ids).logits[0, len(prompt) - 1:].float()
+        reference = torch.log_softmax(logits, dim=-1)
+        count = 0
+        for step, token in enumerate(out.token_ids):
+            top = logits[step].topk(2)
+            if token != top.indices[0].item():  # only where transformers itself nearly ties
+                assert (top.values[0] - top.values[1]).item() < NEAR_TIE, (len(prompt), step, token, top)
+                break  # past a tie the two continuations may differ
+            for alternative, logprob in out.logprobs[step].items():
+                assert abs(logprob - reference[step, alternative].item()) < LOGPROB_ATOL, (len(prompt), step)
+            count += 1
+        agreed.append(count)
+    assert sum(agreed) >= 0.75 * NEW_TOKENS * len(prompts), agreed  # ties are rare: most tokens are compared

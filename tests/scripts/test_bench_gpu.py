@@ -1,0 +1,66 @@
+"""bench_gpu.py: every section runs end to end on the tiny CPU shape and writes its rows, and what
+it counts per step (weights read, model FLOPs) agrees with `transformers`' own model."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import bench_gpu  # noqa: E402  (a script, not a package)
+
+
+def test_tiny_run_writes_every_section(tmp_path):
+    out = tmp_path / "gpu.json"
+    subprocess.run([sys.executable, str(SCRIPTS / "bench_gpu.py"), "--tiny", "--steps", "3", "--repeats", "1",
+                    "--json", str(out)], check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["device"] == "cpu" and result["targets"] is None and result["throughput_ratio_vs_hf"] > 0
+    assert not [r for r in rows if "error" in r]
+    assert {(r["batch"], r["context"]) for r in rows if r["section"] == "decode"} == {(1, 64), (4, 64), (1, 256),
+                                                                                      (4, 256)}
+    assert [r["context"] for r in rows if r["section"] == "prefill"] == [128, 512]
+    assert {r["engine"] for r in rows if r["section"] == "throughput"} == {"splitserve", "transformers"}
+    assert [(r["backend"], r["context"]) for r in rows if r["section"] == "transfer"] == [("ipc", 128), ("ipc", 512)]
+    for row in rows:
+        assert row["device"] == "cpu" and row.get("mbu") is None and row.get("mfu") is None  # no CPU peak
+        assert row.get("step_ms", 1) > 0
+
+
+def test_the_peak_follows_the_device_name_and_flags_override_it():
+    assert bench_gpu.peaks("NVIDIA H100 80GB HBM3", None, None) == (3.35e12, 989e12)
+    assert bench_gpu.peaks("NVIDIA H200", None, None) == (4.8e12, 989e12)
+    assert bench_gpu.peaks("cpu", 1.0, 2.0) == (1e12, 2e12) and bench_gpu.peaks("cpu", None, None) == (None, None)
+
+
+def hf_model(c: dict) -> LlamaForCausalLM:
+    config = LlamaConfig(**{k: v for k, v in c.items() if k != "architectures"})
+    config._attn_implementation = "eager"  # attention as matmuls the FLOP counter sees
+    return LlamaForCausalLM(config)
+
+
+def test_the_weights_a_decode_step_reads_are_the_models_parameters_but_the_embedding():
+    c = bench_gpu.TINY
+    model = hf_model(c)
+    read = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    assert bench_gpu.decode_weight_bytes(c, batch=4, element=2) == 2 * (read + 4 * c["hidden_size"])
+
+
+@pytest.mark.parametrize("n", [64, 200])
+def test_prefill_flops_are_transformers_counted_flops_with_causal_attention_and_one_sampled_row(n):
+    c = bench_gpu.TINY
+    model = hf_model(c).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(3, c["vocab_size"], (1, n)))
+    layers, heads, head = c["num_hidden_layers"], c["num_attention_heads"], c["hidden_size"] // c["num_attention_heads"]
+    # transformers: full (not causal) attention, and the LM head on every position; norms count no FLOPs
+    assert counter.get_total_flops() > layers * 4 * n * n * heads * head  # attention was counted
+    expected = (counter.get_total_flops() - layers * 2 * n * n * heads * head
+                - 2 * (n - 1) * c["vocab_size"] * c["hidden_size"] + layers * 2 * n * 2 * c["hidden_size"])
+    assert bench_gpu.prefill_flops(c, n) == pytest.approx(expected, rel=1e-9)
