@@ -187,6 +187,9 @@ class Run:
             first = await task
         except RayActorError:
             raise _AttemptFailed("prompt worker died", self.placement.prompt_worker, dead=True) from None
+        except RayTaskError as error:  # it refused the ticket: given up by the token worker, or another layout
+            raise _AttemptFailed(f"prompt worker refused the transfer: {error.cause}",
+                                 self.placement.prompt_worker) from None
         if first.error:
             raise _AttemptFailed(first.error, self.placement.token_worker)
         return first

@@ -99,8 +99,12 @@ class WorkerLoop:
         self._thread.start()
 
     def stop(self) -> None:
+        """Ends the engine loop, then the links this worker sends KV on: its token peers fail what
+        was in flight from it at once, and free what it was writing into (not at the timeout)."""
         self._stopped.set()
         self._thread.join(timeout=10)
+        if self.exporter is not None:
+            self.exporter.transport.close(timeout=0)
 
     def call(self, fn: Callable, *args) -> Future:
         """Run `fn(*args)` on the engine thread between two steps; its result or error in the future."""

@@ -185,7 +185,10 @@ class DirectLink(Link):
         slots = self._dest_slots(dest, start, len(source_slots), peer)
         if self._copy is None:
             return copy_kv(source, source_slots, peer, slots, layers, source_heads, _heads(dest.heads))
-        self._copy.wait_stream(torch.cuda.current_stream(source.device))  # after the layer's KV was written
+        for device in {source.device, peer.device}:  # after the layer's KV, and the slots, were written
+            self._copy.wait_stream(torch.cuda.current_stream(device))
+        for index in (source_slots, slots):  # made on other streams: not reused before the copy read them
+            index.record_stream(self._copy)
         with torch.cuda.stream(self._copy):
             return copy_kv(source, source_slots, peer, slots, layers, source_heads, _heads(dest.heads))
 

@@ -21,9 +21,11 @@ if TYPE_CHECKING:
 
 
 class DirectWrites:
-    def __init__(self, fabric: Fabric, writes_done: Callable[[], torch.cuda.Event | None]):
-        """`writes_done`: an event after the receive stream's work so far (None on CPU)."""
-        self._fabric, self._writes_done = fabric, writes_done
+    def __init__(self, fabric: Fabric, writes_done: Callable[[], torch.cuda.Event | None],
+                 on_release: Callable[[], None]):
+        """`writes_done`: an event after the receive stream's work so far (None on CPU);
+        `on_release`: called, outside this object's lock, after held transfers were released."""
+        self._fabric, self._writes_done, self._on_release = fabric, writes_done, on_release
         self._writing: dict[int, TransferTicket] = {}  # by tag
         self._held: dict[int, TransferTicket] = {}
         self._released: list[tuple[TransferTicket, torch.cuda.Event | None]] = []
@@ -48,26 +50,29 @@ class DirectWrites:
 
     def sender_done(self, tag: int) -> None:
         """The sender's last message for `tag` was read, and its writes fenced."""
-        with self._lock:
-            if self._writing.pop(tag, None) is not None:
-                self._fabric.settle(tag)
-                self._release(tag)
+        self._stopped(lambda t: t.tag == tag)
 
     def link_ended(self, peer: str, epoch: int) -> None:
         """The link's sender closed it or died: it writes none of its transfers any more."""
+        self._stopped(lambda t: (t.prompt_peer, t.link_epoch) == (peer, epoch))
+
+    def pending(self) -> bool:
         with self._lock:
-            for tag, ticket in list(self._writing.items()):
-                if (ticket.prompt_peer, ticket.link_epoch) == (peer, epoch):
-                    del self._writing[tag]
-                    self._fabric.settle(tag)
-                    self._release(tag)
+            return bool(self._released)
 
     def take_released(self) -> list[tuple[TransferTicket, torch.cuda.Event | None]]:
         with self._lock:
             released, self._released = self._released, []
         return released
 
-    def _release(self, tag: int) -> None:
-        """Under the lock."""
-        if tag in self._held:
-            self._released.append((self._held.pop(tag), self._writes_done()))
+    def _stopped(self, which: Callable[[TransferTicket], bool]) -> None:
+        """The transfers `which` selects are no longer written: settle their claims, release the held."""
+        with self._lock:
+            tags = [tag for tag, ticket in self._writing.items() if which(ticket)]
+            for tag in tags:
+                del self._writing[tag]
+                self._fabric.settle(tag)
+            released = [self._held.pop(tag) for tag in tags if tag in self._held]
+            self._released += [(ticket, self._writes_done()) for ticket in released]
+        if released:
+            self._on_release()

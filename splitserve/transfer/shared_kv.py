@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
 import torch
+
+
+SHM_DIR = "/dev/shm"  # where torch's shared memory lives on Linux
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ def memory_domain() -> str:
             boot = f.read().strip()
     except OSError:
         boot = os.uname().nodename
-    mounts = [os.stat(path) for path in ("/dev/shm", tempfile.gettempdir()) if os.path.exists(path)]
+    mounts = [os.stat(path) for path in (SHM_DIR, tempfile.gettempdir()) if os.path.exists(path)]
     identity = f"{boot}|" + "|".join(f"{s.st_dev}:{s.st_ino}" for s in mounts)
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
@@ -55,6 +59,11 @@ def share(data: torch.Tensor) -> SharedCache:
         handle = storage._share_cuda_()
     else:
         uuid = None
+        free = shutil.disk_usage(SHM_DIR).free if os.path.isdir(SHM_DIR) else 0
+        if not storage.is_shared() and storage.nbytes() > free:  # past it, a write would kill the process (SIGBUS)
+            raise ValueError(f"a KV cache of {storage.nbytes() / 2**20:.0f} MiB does not fit in {SHM_DIR} "
+                             f"({free / 2**20:.0f} MiB free): give the worker more shared memory, a smaller "
+                             "cache, or the gloo transfer backend")
         handle = storage._share_filename_cpu_()  # in place: views of `data` now see shared memory
     return SharedCache(uuid, tuple(handle), tuple(data.shape), tuple(data.stride()), data.storage_offset(), data.dtype)
 

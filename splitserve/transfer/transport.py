@@ -137,21 +137,27 @@ class KVTransport:
         self._layer_shape, self._num_layers, self._dtype, self._device = wire_layer_shape, num_layers, dtype, device
         self._out: dict[str, tuple[int, Link]] = {}  # prompt side: (epoch, link) to each token peer
         self._failed_out: dict[str, int] = {}  # prompt side: the newest epoch to a token peer that failed
+        self._epoch_seen: dict[tuple[str, int], float] = {}  # prompt side: when a link not yet opened was first named
         self._epochs: dict[str, int] = {}  # token side: the epoch of the link from each prompt peer
         self._heard: dict[tuple[str, int], float] = {}  # token side: when each (peer, epoch) link last delivered
         self._incoming: dict[int, _Incoming] = {}
         self._results: list[tuple[TransferTicket, int | TransferError, torch.cuda.Event | None]] = []
         self._recv_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._loops: set[tuple[str, int]] = set()  # token side: (prompt peer, epoch) links being read
-        self._direct = DirectWrites(fabric, self._writes_done)  # token side: direct transfers being written
+        self._threads: list[threading.Thread] = []  # token side: the receive loops
+        self._direct = DirectWrites(fabric, self._writes_done, self._wake)  # token side: direct transfers written
         self._claims: set[tuple[str, int]] = set()  # prompt side: (token peer, tag) of direct transfers it claimed
         self._lock = threading.Lock()
         self._landed = threading.Condition(self._lock)  # notified when a result is appended
 
     # ---- prompt side ---------------------------------------------------------------------
     def check_compatible(self, ticket: TransferTicket) -> None:
+        """On taking a ticket: refuses another layout, and notes when the ticket's link epoch was
+        first seen (the token side waits `timeout` from about then for that link to open)."""
         if ticket.kv_layout != self.layout:
             raise IncompatibleKV(ticket.token_peer, ticket.prompt_peer, self.layout, ticket.kv_layout)
+        if ticket.token_peer not in self._out or self._out[ticket.token_peer][0] != ticket.link_epoch:
+            self._epoch_seen.setdefault((ticket.token_peer, ticket.link_epoch), time.monotonic())
 
     def push_layer(self, ticket: TransferTicket, layer: int, payload: torch.Tensor) -> None:
         self._send(ticket, layer, payload, payload.shape[-2])
@@ -246,7 +252,9 @@ class KVTransport:
             self._loops.add(loop)
         self._direct.expect(ticket)  # before the prompt side has the ticket: nothing is written yet
         if start:
-            threading.Thread(target=self._receive_loop, args=loop, daemon=True, name=f"kv-recv-{peer}").start()
+            thread = threading.Thread(target=self._receive_loop, args=loop, daemon=True, name=f"kv-recv-{peer}")
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
         return ticket
 
     def abandon(self, ticket: TransferTicket) -> bool:
@@ -266,15 +274,25 @@ class KVTransport:
 
     def poll(self, timeout: float = 0.0) -> list[tuple[TransferTicket, int | TransferError]]:
         """Finished transfers: (ticket, first token id) or (ticket, TransferError); the caller's
-        stream is ordered after their writes. With a timeout, blocks until one finishes (an idle
-        worker sleeps instead of spinning, which would starve the receive threads of the GIL)."""
+        stream is ordered after their writes. With a timeout, blocks until one finishes or a held
+        one is released (an idle worker sleeps instead of spinning, which would starve the receive
+        threads of the GIL)."""
         with self._lock:
-            if not self._results and timeout > 0:
+            if not self._results and not self._direct.pending() and timeout > 0:
                 self._landed.wait(timeout)
             self._fail_silent(time.monotonic())
             results, self._results = self._results, []
         self._order_after(written for _, _, written in results)
         return [(ticket, result) for ticket, result, _ in results]
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Closes the links this side sends on (each peer's receive loop ends with its link), then
+        waits up to `timeout` for this side's own receive loops, which end as their senders close."""
+        for peer in list(self._out):
+            self._drop_out(peer)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     # ---- internals -----------------------------------------------------------------------
     def _order_after(self, events: Iterable[torch.cuda.Event | None]) -> None:
@@ -311,6 +329,11 @@ class KVTransport:
             raise TransferError(peer, f"its link (epoch {epoch}) failed before; the token worker opens the next")
         if current is not None and current[0] > epoch:
             raise TransferError(peer, f"the ticket's link (epoch {epoch}) was replaced by epoch {current[0]}")
+        seen = self._epoch_seen.pop((peer, epoch), None)
+        if seen is not None and time.monotonic() - seen > self.timeout:  # dialling would wait on nobody
+            self._failed_out[peer] = max(epoch, self._failed_out.get(peer, -1))
+            raise TransferError(peer, f"its link (epoch {epoch}) was not opened within {self.timeout:g} s of its "
+                                      "first ticket: the token worker has stopped waiting for it")
         if current is not None:
             self._drop_out(peer)
         try:
@@ -350,7 +373,8 @@ class KVTransport:
 
     def _receive_loop(self, peer: str, epoch: int) -> None:
         """Reads the epoch's link from `peer` until it fails; then the epoch is retired and every
-        transfer from `peer` still waiting fails (the next ticket gets a fresh link)."""
+        transfer from `peer` still waiting fails (the next ticket gets a fresh link). A direct link
+        that broke the protocol is drained until its sender closes it."""
         link = None
         with torch.cuda.stream(self._recv_stream) if self._recv_stream else contextlib.nullcontext():
             try:
@@ -362,12 +386,15 @@ class KVTransport:
                 if not isinstance(error, TransferError):
                     log.exception("KV receive loop for %s failed", peer)
                     error = ProtocolError(peer, f"receive failed: {type(error).__name__}: {error}")
+                drain = link is not None and link.direct and isinstance(error, ProtocolError)
+                if not drain:  # the link broke: its sender closed it or died, and writes no more (said
+                    self._direct.link_ended(peer, epoch)  # before its transfers fail: they free at once)
                 self._retire(peer, epoch, error)
-                if link is not None and link.direct and isinstance(error, ProtocolError):
+                if drain:
                     self._drain(link)
+                    self._direct.link_ended(peer, epoch)
             if link is not None:
                 link.close()
-            self._direct.link_ended(peer, epoch)
 
     def _receive_one(self, link: Link, epoch: int) -> None:
         header = torch.empty(4, dtype=torch.int64)
@@ -398,7 +425,8 @@ class KVTransport:
 
     def _drain(self, link: Link) -> None:
         """A direct link that broke the protocol is read on, every message dropped, until its
-        sender closes it: each held transfer's blocks are freed once its sender is done with them."""
+        sender closes it (or dies): each held transfer's blocks are freed once its sender is done
+        with them."""
         header = torch.empty(4, dtype=torch.int64)
         while True:
             try:
@@ -434,6 +462,11 @@ class KVTransport:
         incoming = self._incoming.pop(tag, None)
         if incoming is not None:
             self._results.append((incoming.ticket, result, self._writes_done()))
+            self._landed.notify_all()
+
+    def _wake(self) -> None:
+        """A `poll` waiting for something to finish looks again (held transfers were released)."""
+        with self._lock:
             self._landed.notify_all()
 
     def _writes_done(self) -> torch.cuda.Event | None:

@@ -4,6 +4,7 @@ held transfer released by its sender's last message."""
 from __future__ import annotations
 
 import datetime
+import shutil
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from splitserve.transfer.codec import copy_kv, pack_layer, slot_index, unpack_layer
 from splitserve.transfer.direct_link import DirectFabric
+from splitserve.transfer import shared_kv
 from splitserve.transfer.link import TransferError
 from splitserve.transfer.shared_kv import open_shared, share
 from splitserve.transfer.torch_link import TorchFabric
@@ -27,6 +29,21 @@ class _Cache:  # what codec's pack/unpack read: `.data`
 @pytest.fixture
 def store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+
+
+@pytest.fixture
+def transports(store):
+    """transports(prompt cache, token cache): a prompt and a token side; closed (the prompt side
+    first, which ends the token side's receive loops) while the store still serves them."""
+    made = []
+
+    def make(source, target):
+        made.extend([transport(fabric(store, "p0", source)), transport(fabric(store, "t0", target))])
+        return made[-2], made[-1]
+
+    yield make
+    for side in made:
+        side.close()
 
 
 def fabric(store, worker: str, cache: torch.Tensor) -> DirectFabric:
@@ -49,6 +66,14 @@ def test_a_shared_cache_is_the_same_memory_in_place(store):
     mapped = open_shared(share(cache))
     mapped[1, 0, 2, 1] = 5.0
     assert layer[0, 2, 1].eq(5.0).all() and cache.untyped_storage().is_shared()
+
+
+def test_a_cache_larger_than_the_free_shared_memory_is_refused_before_any_write(monkeypatch):
+    cache = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, HEADS, DIM)
+    monkeypatch.setattr(shared_kv.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 100))
+    with pytest.raises(ValueError, match=r"does not fit in /dev/shm \(0 MiB free\).*gloo transfer backend"):
+        share(cache)
+    assert not cache.untyped_storage().is_shared()
 
 
 def test_copy_kv_equals_pack_then_unpack_across_block_sizes_and_heads():
@@ -77,9 +102,9 @@ def test_first_come_decides_between_a_claim_and_a_give_up(store):
     assert not store.check(["splitserve/kv-claim/t0/4"])
 
 
-def test_a_direct_transfer_lands_in_the_reserved_blocks_and_only_headers_travel(store):
+def test_a_direct_transfer_lands_in_the_reserved_blocks_and_only_headers_travel(transports):
     source, target = caches()
-    prompt, token = transport(fabric(store, "p0", source)), transport(fabric(store, "t0", target))
+    prompt, token = transports(source, target)
     blocks = (5, 1, 3)
     ticket = token.expect(TransferTicket("r", 0, "p0", "t0", 10, True, "test-layout", start_token=2),
                           lambda *_: pytest.fail("a direct transfer carries no payload"), CacheDest(blocks))
@@ -96,9 +121,9 @@ def test_a_direct_transfer_lands_in_the_reserved_blocks_and_only_headers_travel(
     assert target.flatten(2, 3)[:, :, untouched].eq(0).all()
 
 
-def test_a_claimed_transfer_given_up_is_held_until_its_sender_ends_it(store):
+def test_a_claimed_transfer_given_up_is_held_until_its_sender_ends_it(store, transports):
     source, target = caches()
-    prompt, token = transport(fabric(store, "p0", source)), transport(fabric(store, "t0", target))
+    prompt, token = transports(source, target)
     ticket = token.expect(TransferTicket("r", 0, "p0", "t0", 8, False, "test-layout"), lambda *_: None,
                           CacheDest((0, 1)))
     prompt.claim(ticket)
@@ -113,9 +138,9 @@ def test_a_claimed_transfer_given_up_is_held_until_its_sender_ends_it(store):
 @pytest.mark.parametrize("dest, match", [(CacheDest((0, BLOCKS)), "outside its cache"),
                                          (CacheDest((0, 1), heads=(1, 3)), "outside its cache"),
                                          (CacheDest((0,)), "do not fit")])
-def test_a_writer_never_writes_outside_the_receivers_cache(store, dest, match):
+def test_a_writer_never_writes_outside_the_receivers_cache(transports, dest, match):
     source, target = caches()
-    prompt, token = transport(fabric(store, "p0", source)), transport(fabric(store, "t0", target))
+    prompt, token = transports(source, target)
     ticket = token.expect(TransferTicket("r", 0, "p0", "t0", 8, False, "test-layout"), lambda *_: None, dest)
     with pytest.raises(TransferError, match=match):
         prompt.write_kv(ticket, ALL, source, torch.arange(8), None)

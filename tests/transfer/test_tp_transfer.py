@@ -1,13 +1,15 @@
-"""KV transfer between tensor-parallel workers, in this process over gloo: each worker's rank 0 a
-WorkerLoop, its other ranks TPFollowers on threads, every rank with a transport of its own. For
-prompt / token TP (1, 2), (2, 1), (2, 2) and (4, 2), one-shot and layer-wise, the disaggregated
-output equals the colocated one-rank engine's, and both sides end clean (no request, every block
-free); later turns of a conversation travel from the token worker's cached prefix on; a prompt
-rank that dies fails the transfer on the token side with no block leaked."""
+"""KV transfer between tensor-parallel workers, in this process over gloo, or written straight into
+the token ranks' caches (ipc: shared memory): each worker's rank 0 a WorkerLoop, its other ranks
+TPFollowers on threads, every rank with a transport of its own. For prompt / token TP (1, 2),
+(2, 1), (2, 2) and (4, 2), one-shot and layer-wise, the disaggregated output equals the colocated
+one-rank engine's, and both sides end clean (no request, every block free); later turns of a
+conversation travel from the token worker's cached prefix on; a prompt rank that dies fails the
+transfer on the token side with no block leaked (direct: once the prompt worker is gone)."""
 from __future__ import annotations
 
 import datetime
 import itertools
+import time
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from splitserve.cluster.worker_loop import WorkerLoop
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transfer.direct_link import DirectFabric
 from splitserve.transfer.follower_kv import FollowerKV
 from splitserve.transfer.handoff import make_transport
 from splitserve.transfer.kv_routes import rank_peer
@@ -45,15 +48,17 @@ def server():
     return store_server()
 
 
-def fabric(server, worker_id: str) -> TorchFabric:
+def fabric(server, worker_id: str, backend: str, cache: torch.Tensor) -> TorchFabric | DirectFabric:
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-    return TorchFabric(client, worker_id, torch.device("cpu"), TIMEOUT)
+    torch_fabric = TorchFabric(client, worker_id, torch.device("cpu"), TIMEOUT)
+    return torch_fabric if backend == "gloo" else DirectFabric(client, worker_id, cache, torch_fabric, TIMEOUT)
 
 
 class TPWorker:
     """One worker of `size` ranks in `role`: a WorkerLoop on rank 0, followers on threads."""
 
-    def __init__(self, server, model: str, worker_id: str, role: str, size: int, dies: bool = False):
+    def __init__(self, server, model: str, worker_id: str, role: str, size: int, dies: bool = False,
+                 backend: str = "gloo"):
         """`dies`: rank 1 leaves its loop at the first command it gets."""
         config = EngineConfig(policy=role, **ENGINE)
         self.followers = None
@@ -62,7 +67,8 @@ class TPWorker:
             name = f"{worker_id}-tp"
 
             def setup(follower):
-                FollowerKV(follower, make_transport(follower, fabric(server, rank_peer(worker_id, follower.group.rank)),
+                peer = rank_peer(worker_id, follower.group.rank)
+                FollowerKV(follower, make_transport(follower, fabric(server, peer, backend, follower.kv_cache.data),
                                                     TIMEOUT))
                 if dies and follower.group.rank == 1:
                     follower.on_command = _die
@@ -72,7 +78,8 @@ class TPWorker:
         engine = LLMEngine(model, config, tp=group)
         if self.followers is not None:
             self.followers.wait_ready()
-        self.loop = WorkerLoop(engine, make_transport(engine, fabric(server, worker_id), TIMEOUT), worker_id, LAYERWISE)
+        transport = make_transport(engine, fabric(server, worker_id, backend, engine.kv_cache.data), TIMEOUT)
+        self.loop = WorkerLoop(engine, transport, worker_id, LAYERWISE)
         self.loop.start()
 
     def close(self) -> None:
@@ -108,16 +115,18 @@ def disaggregate(prompt_worker: TPWorker, token_worker: TPWorker, prompt_tp: int
     return ticket, prompt_sink, token_sink
 
 
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
 @pytest.mark.parametrize("prompt_tp, token_tp", [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2)])
-def test_disaggregated_equals_colocated(server, model, colocated, prompt_tp, token_tp):
+def test_disaggregated_equals_colocated(server, model, colocated, prompt_tp, token_tp, backend):
     n = next(_names)
-    prompt_worker = TPWorker(server, model, f"p{n}", "prompt", prompt_tp)
-    token_worker = TPWorker(server, model, f"t{n}", "token", token_tp)
+    prompt_worker = TPWorker(server, model, f"p{n}", "prompt", prompt_tp, backend=backend)
+    token_worker = TPWorker(server, model, f"t{n}", "token", token_tp, backend=backend)
     try:
         for i, length in enumerate((9, 40)):  # one-shot, then layer-wise
             prompt = prompt_ids(i + 7, length, 300)
             ticket, prompt_sink, token_sink = disaggregate(prompt_worker, token_worker, prompt_tp, f"r{i}", prompt)
             assert len(ticket.parts) == max(prompt_tp, token_tp) and ticket.parts[0].layerwise == (length >= LAYERWISE)
+            assert all((part.dest is not None) == (backend == "ipc") for part in ticket.parts)
             deltas = token_sink.until_final()
             assert deltas[-1].error is None
             reference = colocated(prompt)
@@ -158,21 +167,38 @@ def test_later_turns_travel_from_the_token_workers_cached_prefix_on(server, mode
         token_worker.close()
 
 
-def test_a_prompt_rank_that_dies_fails_the_transfer_and_leaks_no_block(server, model):
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_prompt_rank_that_dies_fails_the_transfer_and_leaks_no_block(server, model, backend):
     """Prompt TP 2 -> token TP 2, layer-wise: prompt rank 1 stops at its first command, so rank 0's
     step never completes (its all-reduce has no partner) and no part is pushed. The token side fails
     the whole import when a part has been silent for the transport's timeout, abandons the other
-    and frees every block; the prompt worker reports itself broken instead of stepping again."""
+    and frees every block; the prompt worker reports itself broken instead of stepping again. A
+    direct transfer's blocks are held while the prompt worker that claimed it lives (it could still
+    write), and freed once it stops."""
     n = next(_names)
-    prompt_worker = TPWorker(server, model, f"p{n}", "prompt", 2, dies=True)
-    token_worker = TPWorker(server, model, f"t{n}", "token", 2)
+    prompt_worker = TPWorker(server, model, f"p{n}", "prompt", 2, dies=True, backend=backend)
+    token_worker = TPWorker(server, model, f"t{n}", "token", 2, backend=backend)
     try:
         _, _, token_sink = disaggregate(prompt_worker, token_worker, 2, "r", prompt_ids(3, 40, 300))
         deltas = token_sink.until_final()
         assert deltas[-1].error is not None and f"peer 'p{n}" in deltas[-1].error
-        assert_clean(token_worker.loop)
+        if backend == "ipc":  # rank 0 claimed its part: held while its worker lives
+            assert run(token_worker.loop, lambda: token_worker.loop.importer.num_held) == 1
+        else:
+            assert_clean(token_worker.loop)
         assert "died" in str(prompt_worker.followers.errors[1])
         assert not run(prompt_worker.loop, lambda: prompt_worker.loop.health().healthy)
+        if backend == "ipc":
+            prompt_worker.close()  # its links close: it writes no more
+            wait_until(lambda: run(token_worker.loop, lambda: token_worker.loop.importer.num_held) == 0)
+            assert_clean(token_worker.loop)
     finally:
         prompt_worker.close()
         token_worker.close()
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

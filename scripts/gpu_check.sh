@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The engine's and the KV transfer's GPU checks, for a session lent a GPU machine (an H100 or H200
+# through the tool library's `device` entry: nothing can be fetched there, and its Python 3.12 lacks
+# a few of splitserve's packages, which travel as wheels in the git-ignored .whl/).
+#   bash scripts/gpu_check.sh wheels            # here, once: those packages into .whl/
+#   bash scripts/gpu_check.sh tests             # there (carry .whl): the gpu-marked tests
+#   bash scripts/gpu_check.sh bench [ARGS...]   # there: scripts/bench_gpu.py ARGS (e.g. --sections decode,prefill)
+# Logs and gpu.json go to $OUT where it is set, else to gpu-check/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS="pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 llguidance==1.9.1"
+
+install_carried() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+}
+
+out="${OUT:-gpu-check}"
+case "${1:-}" in
+  wheels)
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    for spec in $WHEELS; do
+      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 \
+        -d .whl "$spec"
+    done
+    ls .whl ;;
+  tests)
+    install_carried
+    mkdir -p "$out"
+    nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/device.txt"
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/transfer 2>&1 | tee "$out/tests.log" ;;
+  bench)
+    install_carried
+    mkdir -p "$out"
+    shift
+    python3 scripts/bench_gpu.py --json "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log" ;;
+  *)
+    echo "usage: bash scripts/gpu_check.sh wheels | tests | bench [bench_gpu.py args]" >&2
+    exit 2 ;;
+esac
