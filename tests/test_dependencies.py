@@ -18,7 +18,8 @@ NOT_INSTALLED = {"flash_attn": "flash-attn"}
 # may import it at module level, and no other module imports them at module level
 EXTRA_MODULES = {"splitserve/engine/attention/triton_kernels.py": "gpu",
                  "splitserve/engine/attention/triton_paged.py": "gpu",
-                 "splitserve/engine/attention/cuda.py": "gpu"}
+                 "splitserve/engine/attention/cuda.py": "gpu",
+                 "splitserve/engine/model/triton_ops.py": "gpu"}
 USED_WITHOUT_IMPORT = {
     "python-multipart": "FastAPI parses the multipart forms of /v1/files with it",
     "pytest-timeout": "a pytest plugin (the timeout in pyproject's pytest options)",

@@ -4,7 +4,7 @@ reserved blocks, through CUDA IPC on GPUs and shared memory on CPU (`shared_kv`)
 Every worker publishes in the rendezvous store its memory domain, the CUDA devices it sees and a
 handle to its own cache. A token worker stamps a ticket with its block table (`CacheDest`) when
 the prompt peer shares its memory domain and sees its cache's device; that prompt worker maps the
-cache once and writes into those blocks only. Metadata (HELLO, headers, the first token) travels
+cache (once per link) and writes into those blocks only. Metadata (HELLO, headers, the first token) travels
 on a gloo pair of its own, so the protocol, its order and its failures are the transport's as on
 any link; payloads never travel. Peers that share no memory get `fallback`'s links (NCCL, gloo).
 
