@@ -11,6 +11,8 @@ pytest_plugins = ["tests.ray_cluster"]  # the shared local Ray head node and spl
 
 
 def pytest_collection_modifyitems(config, items):
+    # timing measurements first: before the shared Ray cluster holds other tests' apps and workers
+    items.sort(key=lambda item: "quiet" not in item.keywords)  # stable: the order is kept otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

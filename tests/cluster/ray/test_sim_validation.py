@@ -3,8 +3,12 @@ this process, the serving overhead measured on the cluster, one short conversati
 for real and simulated from the cluster's own config. scripts/validate_sim.py runs more rounds;
 the README reports its pooled numbers. On 2 shared cores one round's p50s vary by tens of
 percent from run to run, so this bounds the prediction loosely: a simulator that lost the
-overhead, the transfer or the batching would be off by far more."""
+overhead, the transfer or the batching would be off by far more. It runs first (`quiet`): later,
+other tests' apps and workers share the two cores (in one full run, the real TTFT came out 1.8x
+what it is alone, past the bound)."""
 from __future__ import annotations
+
+import pytest
 
 from splitserve.bench.workload import WorkloadSpec
 from splitserve.config import ClusterConfig
@@ -13,6 +17,7 @@ from splitserve.sim.validate import validate
 from tests.ray_cluster import MAIN
 
 
+@pytest.mark.quiet
 def test_the_simulator_predicts_the_cluster(server, tmp_path):
     config = ClusterConfig.model_validate(MAIN)
     spec = ProfileSpec(config.model, "cpu", repeats=1, prompt_sizes=(32, 128, 512, 1024), batch_sizes=(1, 2, 4))
