@@ -9,9 +9,12 @@ spends about a quarter of what batch 1 to 2 suggests), so a line through them ov
 iteration. Here the simulator replays each group of concurrent requests as it was sent, on the
 cluster's own pools, placement and shared host, and the two terms are the least-squares fit (over
 the relative error of each concurrency's median token gap) that makes its gaps the measured ones.
+A trial that overloads the simulated cluster (groups overlap, requests are refused) counts as an
+infinite error: the step that reached it is halved until the error falls.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import replace
 
@@ -25,6 +28,7 @@ STEP_S = 1e-4        # the finite difference of each term, seconds
 MAX_ROUNDS = 12
 TOLERANCE_S = 1e-6   # a round that moves both terms less than this ends the fit
 DAMPING = 1e-3       # Levenberg-Marquardt, relative: keeps the step finite where one batch size cannot separate the terms
+MAX_HALVINGS = 8     # of a step that does not lower the squared error
 
 
 def calibrate_decode(scenario: Scenario, groups: dict[int, list[RequestRecord]],
@@ -40,13 +44,25 @@ def calibrate_decode(scenario: Scenario, groups: dict[int, list[RequestRecord]],
         return [_median_gap(records[i] for i in span) / target - 1.0 for target, span in levels]
 
     terms = (overhead.iteration_s, overhead.token_s)
+    base = errors(terms)
+    if not _finite(base):
+        raise ValueError(f"the simulated cluster refuses requests of the measured groups at the first estimate "
+                         f"(iteration_s={terms[0]:.6f}, token_s={terms[1]:.6f}): nothing to fit from")
     for _ in range(MAX_ROUNDS):
-        base = errors(terms)
         columns = [[(e - b) / STEP_S for e, b in zip(errors(moved), base)]
                    for moved in ((terms[0] + STEP_S, terms[1]), (terms[0], terms[1] + STEP_S))]
-        previous, step = terms, _solve(columns, base)
-        terms = (max(0.0, terms[0] + step[0]), max(0.0, terms[1] + step[1]))
-        if max(abs(a - b) for a, b in zip(terms, previous)) < TOLERANCE_S:
+        step = _solve(columns, base) if all(map(_finite, columns)) else (0.0, 0.0)
+        for _ in range(MAX_HALVINGS):
+            trial = (max(0.0, terms[0] + step[0]), max(0.0, terms[1] + step[1]))
+            trial_errors = errors(trial)
+            if _cost(trial_errors) <= _cost(base):
+                break
+            step = (step[0] / 2, step[1] / 2)
+        else:  # no step along this direction lowers the error: `terms` is the fit
+            break
+        moved = max(abs(a - b) for a, b in zip(trial, terms))
+        terms, base = trial, trial_errors
+        if moved < TOLERANCE_S:
             break
     return replace(overhead, iteration_s=terms[0], token_s=terms[1])
 
@@ -68,8 +84,16 @@ def _replay(groups: dict[int, list[RequestRecord]]) -> tuple[list[RequestSpec], 
 
 
 def _median_gap(records) -> float:
-    """The median over requests of each one's median token gap."""
-    return statistics.median(statistics.median(r.tbt_s) for r in records)
+    """The median over requests of each one's median token gap; a refused request's is infinite."""
+    return statistics.median(statistics.median(r.tbt_s) if r.ok and r.tbt_s else math.inf for r in records)
+
+
+def _cost(errors: list[float]) -> float:
+    return sum(e * e for e in errors)
+
+
+def _finite(values: list[float]) -> bool:
+    return all(math.isfinite(v) for v in values)
 
 
 def _solve(columns: list[list[float]], errors: list[float]) -> tuple[float, float]:

@@ -65,3 +65,32 @@ def test_measuring_needs_requests_alone_and_in_pairs(tmp_path):
     with pytest.raises(ValueError, match="concurrency must hold 1 and 2"):
         measure_serving_overhead("http://127.0.0.1:9", None, tmp_path / "engine.csv", (32,), 8, 1,
                                  concurrency=(1, 4))
+
+
+def test_a_trial_that_overloads_the_simulated_cluster_is_stepped_back_from(monkeypatch):
+    # The first step from zero overshoots iteration_s by about 13%. Stand in for a cluster that
+    # overloads past 10%: there, its longest prompts are refused (max_model_len below them).
+    cluster = split(perf=BatchPerf())
+    groups = measured(cluster)
+    refused = []
+
+    def overloading(trial, requests):
+        if trial.overhead.iteration_s > 1.1 * TRUTH.iteration_s:
+            refused.append(trial.overhead.iteration_s)
+            trial = replace(trial, max_model_len=max(PROMPTS))
+        return simulate(trial, requests)
+
+    monkeypatch.setattr("splitserve.sim.calibrate.simulate", overloading)
+    fitted = calibrate_decode(cluster, groups, replace(TRUTH, iteration_s=0.0, token_s=0.0))
+    assert refused  # the fit did reach an overloaded trial
+    assert fitted.iteration_s == pytest.approx(TRUTH.iteration_s, rel=0.05)
+    assert fitted.token_s == pytest.approx(TRUTH.token_s, rel=0.05)
+
+
+def test_a_first_estimate_the_simulated_cluster_refuses_is_an_error(monkeypatch):
+    cluster = split(perf=BatchPerf())
+    groups = measured(cluster, (1, 2))
+    monkeypatch.setattr("splitserve.sim.calibrate.simulate",
+                        lambda trial, requests: simulate(replace(trial, max_model_len=min(PROMPTS)), requests))
+    with pytest.raises(ValueError, match="refuses requests of the measured groups at the first estimate"):
+        calibrate_decode(cluster, groups, TRUTH)
