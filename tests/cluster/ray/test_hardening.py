@@ -166,8 +166,10 @@ def test_fault_injection_is_refused_where_the_config_does_not_enable_it(pools_se
 def test_deleting_the_app_lets_a_running_stream_finish(url, hclient, offline):
     """Shutdown drain: Serve deletes the app while a stream runs; the controller keeps the workers
     until it has finished (scheduler.drain_timeout_s), so the client gets every token and [DONE].
-    The app is deployed again afterwards for the tests that follow."""
+    Then no actor of the app is left holding its CPUs. The app is deployed again afterwards for
+    the tests that follow."""
     from ray import serve
+    from ray.util.state import list_actors
 
     from tests.ray_cluster import HARDENING, _deploy
 
@@ -183,6 +185,13 @@ def test_deleting_the_app_lets_a_running_stream_finish(url, hclient, offline):
     assert text == expected(offline, PROMPT, 300)
     deleting.join(120)
     assert not deleting.is_alive()
+
+    def left() -> list[str]:  # workers, controller and batch actor are named after the app
+        return [a.name for a in list_actors(filters=[("state", "=", "ALIVE")]) if (a.name or "").startswith(f"{APP}-")]
+    deadline = time.monotonic() + 30  # the owner's exit reaches the GCS's actor table a moment later
+    while left() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left()
     _deploy(url.rsplit("/", 1)[0], APP, HARDENING)
 
 
