@@ -24,7 +24,9 @@ def store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_kh, st
     token, head = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    mask = (d < HEAD_DIM) & (slot >= 0)
+    # A padding slot has no lanes. The slot test is folded into the lane bound so the mask is one
+    # block comparison: `block & scalar` comes out int32 in Triton's interpreter, which 3.9 refuses.
+    mask = d < tl.where(slot >= 0, HEAD_DIM, 0)
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
     base = cache_ptr + slot * stride_slot + head * stride_head + d
