@@ -17,7 +17,7 @@ import torch
 from splitserve.transfer.link import Fabric
 
 if TYPE_CHECKING:
-    from splitserve.transfer.transport import TransferTicket
+    from splitserve.transfer.protocol import TransferTicket
 
 
 class DirectWrites:

@@ -1,5 +1,8 @@
 """KVTransport: moves a prompt's KV from a prompt worker to a token worker over ordered links.
 
+This module holds the facade and the prompt (sending) side; the token (receiving) side is
+`receiver.KVReceiver`, and what both sides agree on (tickets, headers, errors) is in `protocol`.
+
 Semantics:
 - The token worker reserves blocks first and issues a `TransferTicket` (request id, a tag unique
   among its transfers, both peers, the prompt length, per-layer or one-shot, and `start_token`:
@@ -48,78 +51,15 @@ Semantics:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 
-from splitserve.transfer.direct_writes import DirectWrites
 from splitserve.transfer.link import Fabric, Link, TransferError
-
-ALL, DONE, CANCEL, HELLO = -1, -2, -3, -4
-log = logging.getLogger("splitserve.transfer")
-LAYOUT_BYTES = 512  # HELLO's payload: the layout string, utf-8, zero-padded
-IDLE_RECV_S = 7 * 24 * 3600.0  # a receive loop waits this long for a header (a dead peer breaks the wait)
-
-
-class ProtocolError(TransferError):
-    """A message broke the protocol (the link itself works)."""
-
-
-class IncompatibleKV(ProtocolError):
-    """Two workers whose KV cannot be exchanged (different model, dtype or layout)."""
-
-    def __init__(self, peer: str, this_worker: str, ours: str, theirs: str):
-        super().__init__(peer, f"worker {this_worker!r} has KV layout [{ours}] but worker {peer!r} has "
-                               f"[{theirs}]: they serve different models or settings and cannot exchange KV")
-
-
-@dataclass(frozen=True)
-class CacheDest:
-    """Where a direct transfer's KV goes in the token rank's cache."""
-
-    blocks: tuple[int, ...]  # the reservation's block table, from position 0
-    heads: tuple[int, int] | None = None  # the part's KV heads among the rank's own; None: all
-    claim_by: float = 0.0  # the sender claims the transfer by this time.monotonic() (one node: one clock)
-
-
-@dataclass(frozen=True)
-class TransferTicket:
-    request_id: str
-    tag: int
-    prompt_peer: str
-    token_peer: str
-    num_tokens: int
-    layerwise: bool
-    kv_layout: str = ""  # the token worker's (`kv_layout` in handoff)
-    start_token: int = 0  # the first prompt position whose KV travels (the token side holds those before)
-    link_epoch: int = 0  # the token side's link from prompt_peer that carries it (stamped by `expect`)
-    prompt_rank: int = 0  # a part: the ranks it goes between and the KV heads [lo, hi) it carries
-    token_rank: int = 0
-    heads: tuple[int, int] | None = None
-    parts: tuple["TransferTicket", ...] = ()  # a whole transfer: its parts (`kv_routes.split_ticket`)
-    dest: CacheDest | None = None  # a direct part: written into these blocks (stamped by `expect`)
-
-    def __post_init__(self):
-        if not 0 <= self.start_token < self.num_tokens:  # at least the last token's KV travels
-            raise ValueError(f"TransferTicket start_token must be in [0, num_tokens={self.num_tokens}), "
-                             f"got {self.start_token}")
-
-    @property
-    def num_sent_tokens(self) -> int:
-        """Tokens whose KV travels: positions start_token .. num_tokens-1."""
-        return self.num_tokens - self.start_token
-
-
-@dataclass(frozen=True)
-class _Incoming:
-    ticket: TransferTicket
-    write_layer: Callable[[int, torch.Tensor], None]  # unpacks one layer into the reserved blocks
-    since: float  # when it was expected (monotonic)
+from splitserve.transfer.protocol import (ALL, CANCEL, DONE, HELLO, LAYOUT_BYTES, CacheDest, IncompatibleKV,
+                                          TransferTicket, announce_retired, header, layout_tensor)
+from splitserve.transfer.receiver import KVReceiver
 
 
 class KVTransport:
@@ -130,25 +70,31 @@ class KVTransport:
         codec.wire_shape); `layout` what must match on the other side (handoff.kv_layout);
         `max_tokens` the longest prompt a reservation can hold and `max_heads` the KV heads this
         rank holds (a payload is sized by its ticket, never past these)."""
-        self.fabric, self.timeout, self.layout = fabric, timeout, layout
-        self.max_tokens, self.max_heads = max_tokens, max_heads
         if len(layout.encode()) > LAYOUT_BYTES:
             raise ValueError(f"layout is longer than {LAYOUT_BYTES} bytes: {layout!r}")
-        self._layer_shape, self._num_layers, self._dtype, self._device = wire_layer_shape, num_layers, dtype, device
         self._out: dict[str, tuple[int, Link]] = {}  # prompt side: (epoch, link) to each token peer
         self._failed_out: dict[str, int] = {}  # prompt side: the newest epoch to a token peer that failed
         self._epoch_seen: dict[tuple[str, int], float] = {}  # prompt side: when a link not yet opened was first named
-        self._epochs: dict[str, int] = {}  # token side: the epoch of the link from each prompt peer
-        self._heard: dict[tuple[str, int], float] = {}  # token side: when each (peer, epoch) link last delivered
-        self._incoming: dict[int, _Incoming] = {}
-        self._results: list[tuple[TransferTicket, int | TransferError, torch.cuda.Event | None]] = []
-        self._recv_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._loops: set[tuple[str, int]] = set()  # token side: (prompt peer, epoch) links being read
-        self._threads: list[threading.Thread] = []  # token side: the receive loops
-        self._direct = DirectWrites(fabric, self._writes_done, self._wake)  # token side: direct transfers written
         self._claims: set[tuple[str, int]] = set()  # prompt side: (token peer, tag) of direct transfers it claimed
-        self._lock = threading.Lock()
-        self._landed = threading.Condition(self._lock)  # notified when a result is appended
+        self._receiver = KVReceiver(fabric, wire_layer_shape, num_layers, dtype, device, timeout, layout,
+                                    max_tokens, max_heads)  # the token side
+
+    # One fabric, layout and timeout serve both sides: the receiver holds them, this side reads them there
+    @property
+    def fabric(self) -> Fabric:
+        return self._receiver.fabric
+
+    @property
+    def layout(self) -> str:
+        return self._receiver.layout
+
+    @property
+    def timeout(self) -> float:
+        return self._receiver.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._receiver.timeout = seconds
 
     # ---- prompt side ---------------------------------------------------------------------
     def check_compatible(self, ticket: TransferTicket) -> None:
@@ -187,7 +133,7 @@ class KVTransport:
         num_heads = source.shape[-2] if heads is None else len(range(source.shape[-2])[heads])
         try:
             written = link.write(source, slots, layers, heads, ticket.dest, ticket.start_token)
-            link.send_meta(_header(ticket.tag, kind, ticket.num_sent_tokens, num_heads))
+            link.send_meta(header(ticket.tag, kind, ticket.num_sent_tokens, num_heads))
         except TransferError:
             self._drop_out(ticket.token_peer)
             raise
@@ -230,84 +176,35 @@ class KVTransport:
                 self._drop_out(peer)
         return errors
 
-    # ---- token side ----------------------------------------------------------------------
+    # ---- token side: `KVReceiver`'s (documented there) -----------------------------------
     def expect(self, ticket: TransferTicket, write_layer: Callable[[int, torch.Tensor], None],
                dest: CacheDest | None = None) -> TransferTicket:
-        """Register a reserved transfer; its layers are written by `write_layer` as they land, or,
-        where the prompt peer shares this worker's memory, by the peer itself into `dest`.
-        Returns the ticket stamped with the epoch of the link it comes on (and `dest` where the
-        peer writes): give the prompt side that one."""
-        peer = ticket.prompt_peer
-        if dest is not None and self.fabric.direct(peer):
-            ticket = dataclasses.replace(ticket, dest=dataclasses.replace(dest, claim_by=time.monotonic() + self.timeout))
-        with self._lock:
-            epoch = self._epochs.get(peer, 0)
-        if self.fabric.retired(peer, self.fabric.worker_id, epoch):  # the prompt side gave the link up
-            self._next_epoch(peer, epoch)
-        with self._lock:
-            ticket = dataclasses.replace(ticket, link_epoch=self._epochs.get(peer, 0))
-            self._incoming[ticket.tag] = _Incoming(ticket, write_layer, time.monotonic())
-            loop = (peer, ticket.link_epoch)
-            start = loop not in self._loops
-            self._loops.add(loop)
-        self._direct.expect(ticket)  # before the prompt side has the ticket: nothing is written yet
-        if start:
-            thread = threading.Thread(target=self._receive_loop, args=loop, daemon=True, name=f"kv-recv-{peer}")
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-            thread.start()
-        return ticket
+        return self._receiver.expect(ticket, write_layer, dest)
 
     def abandon(self, ticket: TransferTicket) -> bool:
-        """Stop waiting for a transfer; messages still arriving for it are drained and dropped.
-        Returns whether its blocks may be freed now; if not (a direct transfer whose sender may
-        still write), `take_released` returns the ticket once they may."""
-        with self._lock:
-            self._incoming.pop(ticket.tag, None)
-        return self._direct.give_up(ticket)
+        return self._receiver.abandon(ticket)
 
     def take_released(self) -> list[TransferTicket]:
-        """Held transfers whose senders have stopped writing; the caller's stream is ordered after
-        their last writes."""
-        released = self._direct.take_released()
-        self._order_after(written for _, written in released)
-        return [ticket for ticket, _ in released]
+        return self._receiver.take_released()
 
     def poll(self, timeout: float = 0.0) -> list[tuple[TransferTicket, int | TransferError]]:
-        """Finished transfers: (ticket, first token id) or (ticket, TransferError); the caller's
-        stream is ordered after their writes. With a timeout, blocks until one finishes or a held
-        one is released (an idle worker sleeps instead of spinning, which would starve the receive
-        threads of the GIL)."""
-        with self._lock:
-            if not self._results and not self._direct.pending() and timeout > 0:
-                self._landed.wait(timeout)
-            self._fail_silent(time.monotonic())
-            results, self._results = self._results, []
-        self._order_after(written for _, _, written in results)
-        return [(ticket, result) for ticket, result, _ in results]
+        return self._receiver.poll(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes the links this side sends on (each peer's receive loop ends with its link), then
         waits up to `timeout` for this side's own receive loops, which end as their senders close."""
         for peer in list(self._out):
             self._drop_out(peer)
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self._receiver.join(timeout)
 
-    # ---- internals -----------------------------------------------------------------------
-    def _order_after(self, events: Iterable[torch.cuda.Event | None]) -> None:
-        """CUDA: the caller's stream waits for the writes each event marks."""
-        for written in events:
-            if written is not None:
-                torch.cuda.current_stream(self._device).wait_event(written)
-
+    # ---- prompt side internals -------------------------------------------------------------
     def _send(self, ticket: TransferTicket, kind: int, payload: torch.Tensor | None, value: int = 0) -> None:
         link = self._link_to(ticket)
         try:
             if kind in (DONE, CANCEL):  # a transfer's last message: its direct writes come before it
                 link.seal()
                 self._claims.discard((ticket.token_peer, ticket.tag))
-            link.send_meta(_header(ticket.tag, kind, ticket.num_sent_tokens, value))
+            link.send_meta(header(ticket.tag, kind, ticket.num_sent_tokens, value))
             if payload is not None:
                 link.send(payload)
         except TransferError:
@@ -352,172 +249,11 @@ class KVTransport:
         self._failed_out[peer] = max(epoch, self._failed_out.get(peer, -1))
         self._claims = {claim for claim in self._claims if claim[0] != peer}  # its link's end releases them
         link.close()
-        self._announce_retired(self.fabric.worker_id, peer, epoch)
+        announce_retired(self.fabric, self.fabric.worker_id, peer, epoch)
 
     def _hello(self, link: Link) -> Link:
         """A new link's first message: this side's layout, for the receiver to check."""
-        link.send_meta(_header(0, HELLO, 0, 0))
-        link.send_meta(_layout_tensor(self.layout))
+        link.send_meta(header(0, HELLO, 0, 0))
+        link.send_meta(layout_tensor(self.layout))
         return link
 
-    def _check_hello(self, link: Link) -> None:
-        header = torch.empty(4, dtype=torch.int64)
-        link.recv_meta(header, self.timeout)
-        if header[1].item() != HELLO:
-            raise ProtocolError(link.peer, "the link did not open with HELLO (an older or foreign sender)")
-        payload = torch.empty(LAYOUT_BYTES, dtype=torch.uint8)
-        link.recv_meta(payload, self.timeout)
-        theirs = bytes(payload.tolist()).rstrip(b"\0").decode(errors="replace")
-        if theirs != self.layout:
-            raise IncompatibleKV(link.peer, self.fabric.worker_id, self.layout, theirs)
-
-    def _receive_loop(self, peer: str, epoch: int) -> None:
-        """Reads the epoch's link from `peer` until it fails; then the epoch is retired and every
-        transfer from `peer` still waiting fails (the next ticket gets a fresh link). A direct link
-        that broke the protocol is drained until its sender closes it."""
-        link = None
-        with torch.cuda.stream(self._recv_stream) if self._recv_stream else contextlib.nullcontext():
-            try:
-                link = self.fabric.link_from(peer, epoch)
-                self._check_hello(link)
-                while True:
-                    self._receive_one(link, epoch)
-            except Exception as error:  # a bug in one message must not leave this peer's transfers waiting
-                if not isinstance(error, TransferError):
-                    log.exception("KV receive loop for %s failed", peer)
-                    error = ProtocolError(peer, f"receive failed: {type(error).__name__}: {error}")
-                drain = link is not None and link.direct and isinstance(error, ProtocolError)
-                if not drain:  # the link broke: its sender closed it or died, and writes no more (said
-                    self._direct.link_ended(peer, epoch)  # before its transfers fail: they free at once)
-                self._retire(peer, epoch, error)
-                if drain:
-                    self._drain(link)
-                    self._direct.link_ended(peer, epoch)
-            if link is not None:
-                link.close()
-
-    def _receive_one(self, link: Link, epoch: int) -> None:
-        header = torch.empty(4, dtype=torch.int64)
-        link.recv_meta(header, IDLE_RECV_S)  # silence is judged per transfer, in `poll`
-        tag, kind, num_tokens, value = header.tolist()
-        if kind >= 0 or kind == ALL:
-            self._check_size(link.peer, tag, kind, num_tokens, value)
-            if not link.direct:
-                shape = self._layer_shape(num_tokens, value)
-                payload = torch.empty(shape if kind >= 0 else (self._num_layers, *shape), dtype=self._dtype,
-                                      device=self._device)
-                link.recv(payload, self.timeout)
-        if kind == DONE or kind == CANCEL:
-            link.fence()  # the transfer's direct writes come before what follows
-        with self._lock:  # writes happen under the lock: once abandon() returns, none lands
-            self._heard[link.peer, epoch] = time.monotonic()
-            incoming = self._incoming.get(tag)
-            if incoming is not None and not link.direct:
-                if kind >= 0:
-                    incoming.write_layer(kind, payload)
-                elif kind == ALL:
-                    for layer in range(payload.shape[0]):
-                        incoming.write_layer(layer, payload[layer])
-        if kind == DONE or kind == CANCEL:
-            result = value if kind == DONE else TransferError(link.peer, "cancelled by the prompt worker")
-            self._finish(tag, result)
-            self._direct.sender_done(tag)
-
-    def _drain(self, link: Link) -> None:
-        """A direct link that broke the protocol is read on, every message dropped, until its
-        sender closes it (or dies): each held transfer's blocks are freed once its sender is done
-        with them."""
-        header = torch.empty(4, dtype=torch.int64)
-        while True:
-            try:
-                link.recv_meta(header, IDLE_RECV_S)
-            except TransferError:
-                return
-            tag, kind = header[0].item(), header[1].item()
-            if kind == DONE or kind == CANCEL:
-                link.fence()
-                self._direct.sender_done(tag)
-
-    def _check_size(self, peer: str, tag: int, kind: int, num_tokens: int, num_heads: int) -> None:
-        """A payload is as large as its reservation: a header that says otherwise is a broken or
-        foreign sender, and nothing is allocated for it."""
-        with self._lock:
-            incoming = self._incoming.get(tag)
-        ticket = incoming.ticket if incoming is not None else None
-        unlike = ticket is not None and (ticket.num_sent_tokens != num_tokens
-                                         or _num_heads(ticket) not in (None, num_heads))
-        if unlike or not (0 < num_tokens <= self.max_tokens and 0 < num_heads <= self.max_heads) \
-                or kind >= self._num_layers:
-            held = "" if ticket is None else (f"; the reservation expects {ticket.num_sent_tokens} tokens (from "
-                                              f"position {ticket.start_token}) of heads {ticket.heads}")
-            raise ProtocolError(peer, f"message for tag {tag} (kind {kind}) announces {num_tokens} tokens of "
-                                      f"{num_heads} KV heads{held} (at most {self.max_tokens} tokens of "
-                                      f"{self.max_heads} heads)")
-
-    def _finish(self, tag: int, result: int | TransferError) -> None:
-        with self._lock:
-            self._finish_locked(tag, result)
-
-    def _finish_locked(self, tag: int, result: int | TransferError) -> None:
-        incoming = self._incoming.pop(tag, None)
-        if incoming is not None:
-            self._results.append((incoming.ticket, result, self._writes_done()))
-            self._landed.notify_all()
-
-    def _wake(self) -> None:
-        """A `poll` waiting for something to finish looks again (held transfers were released)."""
-        with self._lock:
-            self._landed.notify_all()
-
-    def _writes_done(self) -> torch.cuda.Event | None:
-        """CUDA: an event after every write queued on the receive stream so far."""
-        if self._recv_stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self._recv_stream)
-        return event
-
-    def _retire(self, peer: str, epoch: int, error: TransferError) -> None:
-        """The epoch's link from `peer` failed: later tickets name the next epoch, and every
-        transfer from `peer` still waiting fails (all were stamped with this epoch or older)."""
-        self._next_epoch(peer, epoch)
-        with self._lock:
-            self._loops.discard((peer, epoch))
-            self._heard.pop((peer, epoch), None)
-            for tag, incoming in list(self._incoming.items()):
-                if incoming.ticket.prompt_peer == peer and incoming.ticket.link_epoch <= epoch:
-                    self._finish_locked(tag, error)
-        self._announce_retired(peer, self.fabric.worker_id, epoch)
-
-    def _next_epoch(self, peer: str, failed: int) -> None:
-        with self._lock:
-            self._epochs[peer] = max(self._epochs.get(peer, 0), failed + 1)
-
-    def _announce_retired(self, sender: str, receiver: str, epoch: int) -> None:
-        """Best effort: the other side learns it at its next transfer, or from its own failure."""
-        try:
-            self.fabric.retire(sender, receiver, epoch)
-        except Exception:  # the rendezvous store is gone: nothing else would reach the peer either
-            log.warning("could not announce that the KV link %s->%s (epoch %d) is retired", sender, receiver,
-                        epoch, exc_info=True)
-
-    def _fail_silent(self, now: float) -> None:
-        """Under the lock: a transfer whose peer has sent nothing for `timeout` since it was
-        expected fails (the peer is stalled or never got the ticket); the link stays."""
-        for tag, incoming in list(self._incoming.items()):
-            peer, epoch = incoming.ticket.prompt_peer, incoming.ticket.link_epoch
-            if now - max(incoming.since, self._heard.get((peer, epoch), 0.0)) > self.timeout:
-                self._finish_locked(tag, TransferError(peer, f"nothing received from it for {self.timeout:g} s"))
-
-
-def _num_heads(ticket: TransferTicket) -> int | None:
-    return None if ticket.heads is None else ticket.heads[1] - ticket.heads[0]
-
-
-def _header(tag: int, kind: int, num_tokens: int, value: int) -> torch.Tensor:
-    return torch.tensor([tag, kind, num_tokens, value], dtype=torch.int64)
-
-
-def _layout_tensor(layout: str) -> torch.Tensor:
-    data = layout.encode().ljust(LAYOUT_BYTES, b"\0")
-    return torch.tensor(list(data), dtype=torch.uint8)
