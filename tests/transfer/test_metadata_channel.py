@@ -21,11 +21,13 @@ LAYERS, KV_HEADS, DIM = 2, 2, 4
 
 
 class RecordingLink(Link):
-    """One direction of an in-memory link that records what went where."""
+    """One direction of an in-memory link that records what went where. The receiving end reads
+    the record through cursors and leaves it whole, so a test can read it while the loop runs."""
 
     def __init__(self, peer: str, meta: list, data: list, stuck: bool = False):
         super().__init__(peer)
         self.meta, self.data, self.stuck = meta, data, stuck
+        self._read = {id(meta): 0, id(data): 0}  # entries of each record this end has received
 
     def send(self, tensor):
         self.data.append(tensor.clone())
@@ -39,13 +41,14 @@ class RecordingLink(Link):
     def recv_meta(self, out, timeout):
         out.copy_(self._next(self.meta, timeout))
 
-    def _next(self, queue: list, timeout: float) -> torch.Tensor:
+    def _next(self, record: list, timeout: float) -> torch.Tensor:
         deadline = time.monotonic() + timeout
-        while not queue:
+        while len(record) <= self._read[id(record)]:
             if time.monotonic() > deadline:
                 raise TransferError(self.peer, f"nothing received in {timeout} s")
             time.sleep(0.01)
-        return queue.pop(0)
+        self._read[id(record)] += 1
+        return record[self._read[id(record)] - 1]
 
     def flush(self, timeout):
         pass
