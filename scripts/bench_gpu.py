@@ -47,13 +47,14 @@ from kv_pair import Pair, kv_bytes_per_token, measure
 
 from splitserve.engine.loader import write_shape_checkpoint
 
+# Llama-3-8B's layers with Llama-3.1-8B's 128k context: an 8k prompt needs max_model_len > 8192, past Llama-3's
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+             "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
              "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001}
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32", "bos_token_id": 1,
-        "eos_token_id": 2}
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
 PEAKS = [  # (name contains, HBM bytes/s, dense bf16 FLOP/s); the first match wins
     ("H200", 4.8e12, 989e12), ("H100 NVL", 3.9e12, 835e12), ("H100 PCIe", 2.0e12, 756e12),
     ("H100", 3.35e12, 989e12), ("A100-SXM4-80GB", 2.039e12, 312e12), ("A100 80GB PCIe", 1.935e12, 312e12),
@@ -274,7 +275,7 @@ def report(rows: list[dict], device: str, hbm: float | None, flops: float | None
             row["mfu"] = row["flops_per_s"] / flops if flops else None
     tps = {r["engine"]: r["output_tokens_per_s"] for r in rows if r["section"] == "throughput" and "engine" in r}
     ratio = tps["splitserve"] / tps["transformers"] if len(tps) == 2 else None
-    return {"device": device, "model": "tiny Llama (dummy)" if tiny else "Llama-3-8B shape (dummy weights)",
+    return {"device": device, "model": "tiny Llama (dummy)" if tiny else "Llama-3-8B shape, 128k context (dummy weights)",
             "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops, "throughput_ratio_vs_hf": ratio,
             "targets": None if tiny else targets(rows, ratio), "rows": rows}
 
@@ -340,13 +341,18 @@ def main(argv: list[str] | None = None) -> int:
     if s["engine"]["device"] == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device: run with --tiny for the CPU version")
     device = device_name(s["engine"])
+    hbm_flops = peaks(device, args.hbm_tbs, args.bf16_tflops)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = write_shape_checkpoint(Path(tmp) / "model", s["config"])
-        rows = [row for name in names for row in run_section(name, model, s, args)]
-    result = report(rows, device, *peaks(device, args.hbm_tbs, args.bf16_tflops), args.tiny)
+        for name in names:  # each section's rows are kept as it ends: a run cut short keeps what it measured
+            got = run_section(name, model, s, args)
+            rows += got
+            result = report(rows, device, *hbm_flops, args.tiny)
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=2) + "\n")
+            print(f"section {name}: {json.dumps(got)}", flush=True)
     print_table(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 1 if any("error" in r for r in rows) else 0
 
 

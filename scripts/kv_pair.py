@@ -19,6 +19,7 @@ the token worker synchronizes its device before it calls a transfer landed.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import statistics
 import time
@@ -112,27 +113,40 @@ class Pair:
                       ctx.Process(target=token_process, args=(*args, token_end), daemon=True)]
         for proc in self.procs:
             proc.start()
-        self.prompt.recv(), self.token.recv()
+        prompt_end.close(), token_end.close()  # the children's ends live in the children alone: their exit is EOF here
+        self._recv(self.prompt), self._recv(self.token)
         self.count = 0
+
+    def _recv(self, conn):
+        try:
+            return conn.recv()
+        except EOFError:
+            codes = [proc.exitcode for proc in self.procs]
+            raise RuntimeError(f"a worker process ended (exit codes prompt, token: {codes}); "
+                               "its traceback is above") from None
 
     def disaggregated(self, prompt: list[int], threshold: int) -> dict:
         self.count += 1
         request_id = f"r{self.count}"
         self.token.send(("reserve", request_id, prompt, threshold))
-        self.prompt.send(("push", self.token.recv(), prompt))
-        start, first, streaming = self.prompt.recv()
-        landed, second = self.token.recv()
+        self.prompt.send(("push", self._recv(self.token), prompt))
+        start, first, streaming = self._recv(self.prompt)
+        landed, second = self._recv(self.token)
         return {"start": start, "first": first, "streaming": streaming, "landed": landed, "second": second}
 
     def colocated(self, prompt: list[int]) -> tuple[float, float]:
         self.count += 1
         self.prompt.send(("colocated", f"c{self.count}", prompt))
-        return self.prompt.recv()
+        return self._recv(self.prompt)
 
     def close(self) -> None:
-        self.prompt.send("stop"), self.token.send("stop")
+        for conn in (self.prompt, self.token):
+            with contextlib.suppress(OSError):  # that worker is gone already
+                conn.send("stop")
         for proc in self.procs:
             proc.join(30)
+            if proc.is_alive():
+                proc.kill()
 
 
 def measure(pairs: list[Pair], model: str, n: int, repeats: int, kv_bytes_per_token: int) -> list[dict]:

@@ -23,12 +23,14 @@ def test_cuda_greedy_matches_cpu():
 def test_triton_backend_matches_torch_backend_compiled(dtype, splits):
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, blocks = 8, 2, 64, 16, 32
-    lens = [(1, 37), (1, 5), (50, 50), (20, 70)]  # (query tokens, context): decodes, a fresh prefill, a chunk
+    # (query tokens, context): decodes (300: five 64-key tiles, so 4 splits are 4), a fresh prefill, a chunk
+    lens = [(1, 300), (1, 5), (50, 50), (20, 70)]
+    width = max(-(-ctx // bs) for _, ctx in lens)
     tables, slots, starts, next_block = [], [], [0], 0
     for n, ctx in lens:
         table = list(range(next_block, next_block + -(-ctx // bs)))
         next_block += len(table)
-        tables.append(table + [0] * (8 - len(table)))
+        tables.append(table + [0] * (width - len(table)))
         slots += [table[p // bs] * bs + p % bs for p in range(ctx - n, ctx)]
         starts.append(starts[-1] + n)
     meta = AttentionMetadata(torch.tensor(slots, device="cuda"), torch.tensor(tables, device="cuda"),

@@ -75,3 +75,16 @@ def test_prefill_flops_are_transformers_counted_flops_with_causal_attention_and_
     expected = (counter.get_total_flops() - layers * 2 * n * n * heads * head
                 - 2 * (n - 1) * c["vocab_size"] * c["hidden_size"] + layers * 2 * n * 2 * c["hidden_size"])
     assert bench_gpu.prefill_flops(c, n) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("tiny", [True, False])
+def test_every_prompt_length_fits_the_shapes_context(tiny):
+    # the engine takes a prompt only below max_model_len, which a model's context bounds (sections add 16)
+    s = bench_gpu.settings(tiny)
+    longest = max(s["prefill"] + s["transfer"] + s["contexts"] + [s["prompt"] + s["output"]])
+    assert longest + 16 <= s["config"]["max_position_embeddings"]
+
+
+def test_a_pair_whose_worker_dies_raises_instead_of_waiting():
+    with pytest.raises(RuntimeError, match="a worker process ended"):  # kv_pair.Pair, as bench_gpu imports it
+        bench_gpu.Pair("demo", "gloo", {"device": "cpu", "max_model_len": -1})

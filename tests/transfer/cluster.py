@@ -23,7 +23,7 @@ class Cluster:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30))
         directory = {w: f"127.0.0.1:{_free_port()}" for w in (*prompt_ids, *token_ids)} if backend == "grpc" else None
-        args = engine_args or {}
+        args = {**workers.engine_args_for(backend), **(engine_args or {})}
         self.backlog: dict[str, list[tuple]] = {}  # messages read while looking for another kind
         self.workers = {}
         for worker_id in token_ids:

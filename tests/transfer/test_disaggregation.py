@@ -16,7 +16,8 @@ LONG = [256] + [(i * 7 + 3) % 256 for i in range(700)]  # over the 512-token thr
 
 def colocated(cluster, prompts, params=GREEDY):
     """The same prompts on one engine, on the workers' device, prefilled whole as the prompt worker does."""
-    llm = LLM("demo", policy="prefill_first", device=workers.device_for(cluster.backend))
+    llm = LLM("demo", policy="prefill_first", device=workers.device_for(cluster.backend),
+              **workers.engine_args_for(cluster.backend))
     return [out.token_ids for out in llm.generate(prompts, params)]
 
 

@@ -47,6 +47,12 @@ def device_for(backend: str, role: str = "token") -> str:
     return "cuda" if backend == "cuda-ipc" else "cpu"
 
 
+def engine_args_for(backend: str) -> dict:
+    """On a GPU, engines of several processes share one device: each gets a fixed KV budget (a
+    memory profile would hand the first to start what the others need)."""
+    return {} if device_for(backend) == "cpu" else {"kv_cache_memory_bytes": 64 << 20}
+
+
 def _check(engine) -> tuple:
     try:
         engine.check_integrity()
