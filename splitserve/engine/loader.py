@@ -7,8 +7,10 @@ tensor-parallel rank reads only its part of each tensor from the file (`shard_sl
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by the model, saved by old checkpoints
 DUMMY_STD = 0.02
+DUMMY_CHUNK = 1 << 22  # dummy values drawn with one generator (16 MiB of float32)
 
 
 class CheckpointError(ValueError):
@@ -83,11 +86,14 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
     Biases get zeros, other 1-D parameters (norm weights) ones, matrices and embeddings
     normal(0, 0.02). Values are drawn on the CPU in float32, so a seed gives the same weights on
-    every device and dtype. A tensor-parallel rank draws each whole tensor and keeps its part, so
-    every TP size holds the same model.
+    every device and dtype (a prompt worker on one kind of GPU, its token worker on another). Each
+    run of DUMMY_CHUNK values has a generator of its own, seeded by (seed, tensor name, offset), so
+    torch's threads draw the runs at once (an 8B model's 8e9 values take about a minute on one core).
+    A tensor-parallel rank draws each whole tensor and keeps its part, so every TP size holds the
+    same model.
     """
-    gen, done, parts = torch.Generator().manual_seed(seed), set(), shard_slices(model)
-    with torch.no_grad():
+    done, parts = set(), shard_slices(model)
+    with torch.no_grad(), ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL
         for name, param in checkpoint_tensors(model):
             if _where(param) in done:  # a tied weight, drawn once
                 continue
@@ -98,9 +104,22 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 part = parts.get(name)
-                full = torch.empty(part.full_shape(param.shape) if part else param.shape).normal_(
-                    0.0, DUMMY_STD, generator=gen)
+                full = _normal(part.full_shape(param.shape) if part else param.shape, seed, name, pool)
                 param.copy_(part.take(full) if part else full)
+
+
+def _normal(shape, seed: int, name: str, pool: ThreadPoolExecutor) -> torch.Tensor:
+    """normal(0, DUMMY_STD) float32 values of `shape`, each run of DUMMY_CHUNK from its own generator."""
+    full = torch.empty(shape)
+    flat = full.view(-1)
+
+    def draw(start: int) -> None:
+        key = hashlib.blake2b(f"{seed}/{name}/{start}".encode(), digest_size=8).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)  # a seed is below 2**63
+        flat[start:start + DUMMY_CHUNK].normal_(0.0, DUMMY_STD, generator=gen)
+
+    list(pool.map(draw, range(0, flat.numel(), DUMMY_CHUNK)))
+    return full
 
 
 def write_shape_checkpoint(root: str | Path, config: dict) -> str:

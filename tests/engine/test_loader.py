@@ -181,6 +181,24 @@ def test_dummy_init_is_deterministic_per_seed():
     assert 0.015 < std < 0.025
 
 
+def test_dummy_runs_are_independent_draws_whatever_the_thread_count(monkeypatch):
+    monkeypatch.setattr("splitserve.engine.loader.DUMMY_CHUNK", 100)  # the embedding (64 x 32) is 21 runs, the last cut short
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = make_qwen2()
+        init_dummy_weights(serial, seed=0)
+        torch.set_num_threads(2)
+        parallel = make_qwen2()
+        init_dummy_weights(parallel, seed=0)
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_weights(serial, parallel)
+    runs = serial.model.embed_tokens.weight.view(-1).split(100)
+    assert len({tuple(run[:8].tolist()) for run in runs}) == len(runs)  # no two runs share a generator
+    assert not torch.equal(serial.model.layers[0].self_attn.q_proj.weight.view(-1)[:100], runs[0])
+
+
 def test_demo_model_config():
     cfg = demo_model_config()
     assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.head_dim, cfg.num_key_value_heads) == (259, 4, 32, 4)
