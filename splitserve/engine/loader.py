@@ -81,18 +81,19 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
         raise CheckpointError(f"{_weights_file(path)}: checkpoint has no tensor for parameters {missing}")
 
 
-def init_dummy_weights(model: nn.Module, seed: int) -> None:
+def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
     """Seeded random weights for any config (vLLM's `--load-format dummy`).
 
     Biases get zeros, other 1-D parameters (norm weights) ones, matrices and embeddings
     normal(0, 0.02). Values are drawn on the CPU in float32, so a seed gives the same weights on
-    every device and dtype (a prompt worker on one kind of GPU, its token worker on another). Each
-    run of DUMMY_CHUNK values has a generator of its own, seeded by (seed, tensor name, offset), so
-    torch's threads draw the runs at once (an 8B model's 8e9 values take about a minute on one core).
-    A tensor-parallel rank draws each whole tensor and keeps its part, so every TP size holds the
-    same model.
+    every device and dtype (a prompt worker on one kind of GPU, its token worker on another).
+    `runs`: each run of DUMMY_CHUNK values has a generator of its own, seeded by (seed, tensor name,
+    offset), and torch's threads draw the runs at once (an 8B model's 8e9 values take about a
+    minute on one core); without it one generator draws every tensor in turn (the demo model's
+    weights, fixed since it was made). A tensor-parallel rank draws each whole tensor and keeps its
+    part, so every TP size holds the same model.
     """
-    done, parts = set(), shard_slices(model)
+    gen, done, parts = torch.Generator().manual_seed(seed), set(), shard_slices(model)
     with torch.no_grad(), ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL
         for name, param in checkpoint_tensors(model):
             if _where(param) in done:  # a tied weight, drawn once
@@ -104,11 +105,13 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 part = parts.get(name)
-                full = _normal(part.full_shape(param.shape) if part else param.shape, seed, name, pool)
+                shape = part.full_shape(param.shape) if part else param.shape
+                full = _normal_runs(shape, seed, name, pool) if runs else torch.empty(shape).normal_(
+                    0.0, DUMMY_STD, generator=gen)
                 param.copy_(part.take(full) if part else full)
 
 
-def _normal(shape, seed: int, name: str, pool: ThreadPoolExecutor) -> torch.Tensor:
+def _normal_runs(shape, seed: int, name: str, pool: ThreadPoolExecutor) -> torch.Tensor:
     """normal(0, DUMMY_STD) float32 values of `shape`, each run of DUMMY_CHUNK from its own generator."""
     full = torch.empty(shape)
     flat = full.view(-1)

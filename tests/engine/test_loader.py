@@ -199,6 +199,17 @@ def test_dummy_runs_are_independent_draws_whatever_the_thread_count(monkeypatch)
     assert not torch.equal(serial.model.layers[0].self_attn.q_proj.weight.view(-1)[:100], runs[0])
 
 
+def test_the_demo_keeps_one_generators_weights():
+    from splitserve import LLM
+    from splitserve.engine.demo import DEMO_SEED
+    from splitserve.engine.model.llama import checkpoint_tensors
+
+    model = LLM("demo").engine.runner.model
+    name, first = next((n, p) for n, p in checkpoint_tensors(model) if p.dim() > 1)
+    expected = torch.empty(first.shape).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(DEMO_SEED))
+    assert torch.equal(first, expected), name
+
+
 def test_demo_model_config():
     cfg = demo_model_config()
     assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.head_dim, cfg.num_key_value_heads) == (259, 4, 32, 4)
