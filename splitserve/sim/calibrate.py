@@ -51,7 +51,9 @@ def calibrate_decode(scenario: Scenario, groups: dict[int, list[RequestRecord]],
     for _ in range(MAX_ROUNDS):
         columns = [[(e - b) / STEP_S for e, b in zip(errors(moved), base)]
                    for moved in ((terms[0] + STEP_S, terms[1]), (terms[0], terms[1] + STEP_S))]
-        step = _solve(columns, base) if all(map(_finite, columns)) else (0.0, 0.0)
+        if not all(map(_finite, columns)):  # a probe overloads the simulated cluster: no slope to follow
+            break
+        step = _solve(columns, base)
         for _ in range(MAX_HALVINGS):
             trial = (max(0.0, terms[0] + step[0]), max(0.0, terms[1] + step[1]))
             trial_errors = errors(trial)
