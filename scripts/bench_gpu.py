@@ -46,12 +46,8 @@ import torch
 from kv_pair import Pair, kv_bytes_per_token, measure
 
 from splitserve.engine.loader import write_shape_checkpoint
+from splitserve.engine.shapes import LLAMA3_8B
 
-# Llama-3-8B's layers with Llama-3.1-8B's 128k context: an 8k prompt needs max_model_len > 8192, past Llama-3's
-LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-             "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001}
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}

@@ -7,13 +7,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from splitserve import LLM, SamplingParams
 from splitserve.engine.loader import write_shape_checkpoint
 from splitserve.engine.model.llama import checkpoint_tensors
+from splitserve.engine.shapes import LLAMA3_8B
 
 pytestmark = pytest.mark.gpu
 
-LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-             "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-             "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001}
 NEW_TOKENS = 32
 NEAR_TIE = 0.05  # transformers' top-2 logit gap under which two bf16 implementations may pick either
 LOGPROB_ATOL = 0.15  # bf16 through 32 layers
