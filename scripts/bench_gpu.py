@@ -5,7 +5,8 @@ same-node KV transfer, on a Llama-3-8B shape with dummy weights (bf16; nothing i
     python scripts/bench_gpu.py --tiny --json t.json  # every section on a tiny shape, on the CPU (tests)
 
 Each section runs in a process of its own (spawned, so one section's GPU memory is gone before the
-next starts), and every row names the device:
+next starts), every row names the device, and the rows of a section that builds an engine carry
+its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captured):
 
 1. decode: B sequences with C tokens of context each enter the token-policy engine through its
    import path (blocks reserved, the first token given: the KV arrives as from a prompt worker, so
@@ -101,6 +102,14 @@ def random_prompt(rng: random.Random, c: dict, n: int) -> list[int]:
     return [rng.randrange(3, c["vocab_size"]) for _ in range(n)]
 
 
+def started(build):
+    """(what build() returns, its seconds): an engine's start-up is its weights drawn, its memory
+    profiled, its kernels compiled and its CUDA graphs captured."""
+    start = time.perf_counter()
+    built = build()
+    return built, time.perf_counter() - start
+
+
 def timed_steps(engine, count: int) -> list[float]:
     times = []
     for _ in range(count):
@@ -115,9 +124,9 @@ def decode_section(model: str, s: dict, args) -> list[dict]:
     from splitserve import LLMEngine, SamplingParams
 
     c, warm = s["config"], 3
-    engine = LLMEngine(model, policy="token", load_format="dummy", enable_prefix_caching=False,
-                       max_num_seqs=max(s["batches"]), max_model_len=max(s["contexts"]) + warm + args.steps + 16,
-                       **s["engine"])
+    engine, startup = started(lambda: LLMEngine(
+        model, policy="token", load_format="dummy", enable_prefix_caching=False, max_num_seqs=max(s["batches"]),
+        max_model_len=max(s["contexts"]) + warm + args.steps + 16, **s["engine"]))
     engine.kv_cache.data.normal_()
     capacity = engine.block_manager.num_free_blocks * engine.kv_cache.block_size
     element, per_token = engine.kv_cache.data.element_size(), kv_bytes_per_token(model, engine.kv_cache.data.element_size())
@@ -125,7 +134,7 @@ def decode_section(model: str, s: dict, args) -> list[dict]:
     rng, rows = random.Random(0), []
     for context in s["contexts"]:
         for batch in s["batches"]:
-            row = {"section": "decode", "batch": batch, "context": context}
+            row = {"section": "decode", "batch": batch, "context": context, "startup_s": startup}
             needed = batch * -(-(context + warm + args.steps + 1) // engine.kv_cache.block_size) * engine.kv_cache.block_size
             if needed > capacity:
                 rows.append({**row, "skipped": f"needs {needed} KV tokens; the cache holds {capacity}"})
@@ -150,9 +159,9 @@ def prefill_section(model: str, s: dict, args) -> list[dict]:
     from splitserve import LLMEngine, SamplingParams
 
     c = s["config"]
-    engine = LLMEngine(model, policy="prefill_first", load_format="dummy", enable_prefix_caching=False,
-                       max_num_seqs=1, prompt_token_budget=max(s["prefill"]), max_model_len=max(s["prefill"]) + 16,
-                       **s["engine"])
+    engine, startup = started(lambda: LLMEngine(
+        model, policy="prefill_first", load_format="dummy", enable_prefix_caching=False, max_num_seqs=1,
+        prompt_token_budget=max(s["prefill"]), max_model_len=max(s["prefill"]) + 16, **s["engine"]))
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     rng, rows, count = random.Random(1), [], 0
     for n in s["prefill"]:
@@ -165,7 +174,7 @@ def prefill_section(model: str, s: dict, args) -> list[dict]:
                 raise RuntimeError(f"a {n}-token prompt did not prefill in one step")
         times = times[1:]
         step = statistics.median(times)
-        rows.append({"section": "prefill", "batch": 1, "context": n, "step_ms": step * 1e3,
+        rows.append({"section": "prefill", "batch": 1, "context": n, "startup_s": startup, "step_ms": step * 1e3,
                      "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3, "tokens_per_s": n / step,
                      "flops": prefill_flops(c, n), "flops_per_s": prefill_flops(c, n) / step})
     return rows
@@ -179,12 +188,14 @@ def throughput_prompts(s: dict) -> list[list[int]]:
 def ours_section(model: str, s: dict, args) -> list[dict]:
     from splitserve import LLM, SamplingParams
 
-    llm = LLM(model, load_format="dummy", enable_prefix_caching=False, max_num_seqs=s["in_flight"],
-              max_model_len=s["prompt"] + s["output"] + 16, **s["engine"])
+    llm, startup = started(lambda: LLM(model, load_format="dummy", enable_prefix_caching=False,
+                                       max_num_seqs=s["in_flight"], max_model_len=s["prompt"] + s["output"] + 16,
+                                       **s["engine"]))
     prompts = throughput_prompts(s)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     params = SamplingParams(temperature=0, max_tokens=s["output"], ignore_eos=True)
-    return [_throughput_row("splitserve", lambda: llm.generate(prompts, params), s, args.repeats)]
+    return [{**_throughput_row("splitserve", lambda: llm.generate(prompts, params), s, args.repeats),
+             "startup_s": startup}]
 
 
 def hf_section(model: str, s: dict, args) -> list[dict]:
@@ -192,8 +203,11 @@ def hf_section(model: str, s: dict, args) -> list[dict]:
 
     dtype = getattr(torch, s["engine"]["dtype"])
     device = torch.device(s["engine"]["device"])
-    with device:
-        hf = LlamaForCausalLM._from_config(AutoConfig.from_pretrained(model), torch_dtype=dtype).eval()
+    def build():
+        with device:
+            return LlamaForCausalLM._from_config(AutoConfig.from_pretrained(model), torch_dtype=dtype).eval()
+
+    hf, startup = started(build)
     ids = torch.tensor(throughput_prompts(s), device=device)
 
     def run(new_tokens: int):
@@ -205,7 +219,7 @@ def hf_section(model: str, s: dict, args) -> list[dict]:
         return out
 
     run(8)  # warm-up
-    return [_throughput_row("transformers", lambda: run(s["output"]), s, args.repeats)]
+    return [{**_throughput_row("transformers", lambda: run(s["output"]), s, args.repeats), "startup_s": startup}]
 
 
 def _throughput_row(engine: str, run, s: dict, repeats: int) -> dict:
@@ -303,7 +317,7 @@ def print_table(result: dict) -> None:
     print("|---|---|---:|---:|---|---:|---:|---:|")
     for r in result["rows"]:
         if "error" in r or "skipped" in r:
-            print(f"| {r['section']} | {r.get('batch', '')} | {r.get('context', '')} | "
+            print(f"| {r['section']} | | {r.get('batch', '')} | {r.get('context', '')} | "
                   f"{r.get('skipped') or r['error'].strip().splitlines()[-1]} |")
             continue
         step = (f"{r['step_ms']:.2f} ({r['step_ms_min']:.2f}-{r['step_ms_max']:.2f})" if "step_ms" in r else
@@ -311,6 +325,11 @@ def print_table(result: dict) -> None:
                 f"serialized {r['serialized_transfer_ms']:.2f}, visible {r['visible_transfer_ms']:.2f}")
         print(f"| {r['section']} | {r.get('engine') or r.get('backend', '')} | {r['batch']} | {r['context']} | {step} "
               f"| {_fmt(r.get('mbu'), '.0%')} | {_fmt(r.get('mfu'), '.0%')} | {_fmt(r.get('visible_fraction'), '.0%')} |")
+    startup = {}
+    for r in result["rows"]:
+        if "startup_s" in r:
+            startup.setdefault(r.get("engine") or r["section"], r["startup_s"])
+    print("Start-up:", ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items()) or "-")
     if result["targets"]:
         print("Targets:", ", ".join(f"{k}: {v}" for k, v in result["targets"].items()))
 

@@ -42,6 +42,7 @@ def test_tiny_run_writes_every_section(tmp_path):
     for row in rows:
         assert row["device"] == "cpu" and row.get("mbu") is None and row.get("mfu") is None  # no CPU peak
         assert row.get("step_ms", 1) > 0
+        assert row["startup_s"] > 0 if row["section"] != "transfer" else "startup_s" not in row
 
 
 def test_the_peak_follows_the_device_name_and_flags_override_it():
