@@ -3,9 +3,11 @@
 # through the tool library's `device` entry: nothing can be fetched there, and its Python 3.12 lacks
 # a few of splitserve's packages, which travel as wheels in the git-ignored .whl/).
 #   bash scripts/gpu_check.sh wheels            # here, once: those packages into .whl/
-#   bash scripts/gpu_check.sh tests             # there (carry .whl): the gpu-marked tests
-#   bash scripts/gpu_check.sh bench [ARGS...]   # there: scripts/bench_gpu.py ARGS (e.g. --sections decode,prefill)
+#   bash scripts/gpu_check.sh tests             # there (carry .whl): the kernels (compiled) and gpu tests, <= 300 s
+#   bash scripts/gpu_check.sh bench [ARGS...]   # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
 # Logs and gpu.json go to $OUT where it is set, else to gpu-check/.
+# A session has 15 device minutes, the machine's start included, and a machine stays warm 30 s after
+# a call: run `tests` (timeout_s 330), then at once `bench --repeats 2` (timeout_s 480).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 llguidance==1.9.1"
@@ -29,10 +31,13 @@ case "${1:-}" in
   tests)
     install_carried
     mkdir -p "$out"
-    nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/device.txt"
-    # only the files that hold gpu tests: others import packages the image lacks (jsonschema)
-    python3 -m pytest -q -m gpu -p no:cacheprovider $(grep -rlE "mark\.gpu|marks=pytest\.mark\.gpu" tests) 2>&1 |
-      tee "$out/tests.log" ;;
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
+    } | tee "$out/device.txt"
+    # only the files that hold such tests: others import packages the image lacks (jsonschema); the
+    # whole run is cut at 300 s, and the slowest tests are listed, so the next session can plan its time
+    timeout 300 python3 -m pytest -q -rfE --durations 15 --timeout 150 -m "gpu or kernels" -p no:cacheprovider \
+      $(grep -rlE "mark\.(gpu|kernels)|marks=pytest\.mark\.gpu" tests | sort) 2>&1 | tee "$out/tests.log" ;;
   bench)
     install_carried
     mkdir -p "$out"

@@ -8,6 +8,7 @@ attention written here from scratch: softmax(Q K^T / sqrt(d)) with a causal mask
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -91,9 +92,9 @@ def _num_decodes(seqs: list[tuple[int, int]]) -> int:
 
 
 def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, seed=0, extra_blocks=0,
-               num_decodes=None, backend=None, dtype=torch.float32, tolerance=1e-5):
+               num_decodes=None, backend=None, dtype=torch.float32, tolerance=1e-5, device="cpu"):
     """`backend` (default: the torch oracle) against the reference, in `dtype` (the reference
-    computes in float64 from the same, rounded, inputs)."""
+    computes in float64 from the same, rounded, inputs); the backend runs on `device`."""
     needed = sum(-(-c // block_size) + extra_blocks for c, _ in seqs)
     num_blocks = num_blocks or needed + 5
     q, k, v, k_cache, v_cache, meta, full, (expected_k, expected_v) = build_case(
@@ -101,9 +102,11 @@ def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, 
     q, k, v, k_cache, v_cache, expected_k, expected_v = (
         t.to(dtype) for t in (q, k, v, k_cache, v_cache, expected_k, expected_v))
     full = [(keys.to(dtype), values.to(dtype)) for keys, values in full]
-    kv_cache = torch.stack((k_cache, v_cache))  # one layer: [2, num_blocks, block_size, kv_heads, dim]
-    out = (backend or TorchPagedBackend()).forward(q, k, v, kv_cache, meta)
-    k_cache, v_cache = kv_cache
+    kv_cache = torch.stack((k_cache, v_cache)).to(device)  # one layer: [2, num_blocks, block_size, kv_heads, dim]
+    on_device = dataclasses.replace(meta, **{name: getattr(meta, name).to(device) for name in
+                                             ("slot_mapping", "block_tables", "context_lens", "query_start_tensor")})
+    out = (backend or TorchPagedBackend()).forward(q.to(device), k.to(device), v.to(device), kv_cache, on_device).cpu()
+    k_cache, v_cache = kv_cache.cpu()
     assert out.shape == q.shape and out.dtype == q.dtype
     for i, (keys, values) in enumerate(full):
         lo, hi = meta.query_starts[i], meta.query_starts[i + 1]

@@ -1,6 +1,7 @@
 """Decode steps through `DecodeGraphs` against eager steps. Without CUDA a capture is an eager run
 on the graphs' persistent buffers (the Triton kernels under the interpreter), which checks what a
-replay depends on: the buffers, the padding rows, and launches that depend only on the batch size."""
+replay depends on: the buffers, the padding rows, and launches that depend only on the batch size.
+Where CUDA is (the `kernels` mark), the same tests capture and replay real graphs."""
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,10 @@ from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+# no graphs of the engine's own: a test captures those it compares (on CUDA an engine would capture at start)
 ENGINE = {"num_kv_blocks": 48, "max_model_len": 256, "block_size": 16, "attention_backend": "triton",
-          "policy": "mixed", "chunk_token_budget": 64}
+          "policy": "mixed", "chunk_token_budget": 64, "cuda_graph_max_batch": 0}
 PROMPTS = [[256] + list(range(40, 70)), [256, 72, 105], [256] + [7] * 50, [256] + list(range(90, 110))]
 # different lengths, so the batch shrinks 4 -> 3 -> 2 -> 1 and the padding changes
 PARAMS = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 6, 8, 4)]
@@ -83,8 +86,8 @@ def test_a_backend_that_reads_host_metadata_is_refused():
 @pytest.mark.gpu
 def test_cuda_graphs_replay_the_eager_tokens():
     engine = {**ENGINE, "device": "cuda", "dtype": "float32"}
-    eager = LLM("demo", **{**engine, "cuda_graph_max_batch": 0})
-    captured = LLM("demo", **engine)
+    eager = LLM("demo", **engine)
+    captured = LLM("demo", **{**engine, "cuda_graph_max_batch": 256})
     assert eager.engine.runner.graphs is None and captured.engine.runner.graphs.sizes[-1] == 256
     got = captured.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in got] == [o.token_ids for o in eager.generate(PROMPTS, PARAMS)]

@@ -1,10 +1,12 @@
 """The Triton paged-attention kernels against the same from-scratch reference as the torch oracle
-(tests/engine/test_attention.py), under Triton's interpreter on CPU (compiled where CUDA is):
+(tests/engine/test_attention.py), under Triton's interpreter on CPU, compiled on CUDA where it is
+(the `kernels` mark: scripts/gpu_check.sh runs these there):
 GQA ratios 1, 4 and 8, block sizes 16 and 32, ragged contexts, chunks with earlier context and
 prefix-cache hits, decode split over the context and not, float32 and bfloat16; and a tiny model's
 greedy output with the Triton backend equal to the torch backend's."""
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -19,6 +21,9 @@ from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.test_attention import check_case  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+check = functools.partial(check_case, device=DEVICE)
 # small tiles keep the interpreter quick; the kernels take any multiple of 16
 SMALL = {"block_m": 16, "block_n": 16}
 GQA = [(4, 4), (8, 2), (16, 2)]  # ratios 1, 4, 8
@@ -28,26 +33,26 @@ GQA = [(4, 4), (8, 2), (16, 2)]  # ratios 1, 4, 8
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decodes_of_ragged_contexts(heads, kv_heads, block_size, splits):
-    check_case([(1, 1), (17, 1), (40, 1), (95, 1)], heads=heads, kv_heads=kv_heads, dim=32, block_size=block_size,
-               backend=TritonPagedBackend(**SMALL, num_splits=splits))
+    check([(1, 1), (17, 1), (40, 1), (95, 1)], heads=heads, kv_heads=kv_heads, dim=32, block_size=block_size,
+          backend=TritonPagedBackend(**SMALL, num_splits=splits))
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_fresh_prefills_and_chunks_with_earlier_context(heads, kv_heads, block_size):
     # (context, query): fresh prompts, a chunk at an offset, a prefix-cache hit (most of the context cached)
-    check_case([(5, 5), (37, 37), (50, 19), (70, 3)], heads=heads, kv_heads=kv_heads, dim=32,
-               block_size=block_size, num_decodes=0, backend=TritonPagedBackend(**SMALL))
+    check([(5, 5), (37, 37), (50, 19), (70, 3)], heads=heads, kv_heads=kv_heads, dim=32,
+          block_size=block_size, num_decodes=0, backend=TritonPagedBackend(**SMALL))
 
 
 def test_decodes_and_chunks_in_one_batch_with_padded_tables():
-    check_case([(33, 1), (2, 1), (64, 1), (20, 5), (48, 48), (40, 17)], heads=8, kv_heads=2, dim=64, block_size=16,
-               extra_blocks=2, backend=TritonPagedBackend(**SMALL, num_splits=2))
+    check([(33, 1), (2, 1), (64, 1), (20, 5), (48, 48), (40, 17)], heads=8, kv_heads=2, dim=64, block_size=16,
+          extra_blocks=2, backend=TritonPagedBackend(**SMALL, num_splits=2))
 
 
 def test_head_dims_that_are_not_powers_of_two():
-    check_case([(30, 1), (21, 21), (45, 9)], heads=4, kv_heads=2, dim=24, block_size=16,
-               backend=TritonPagedBackend(**SMALL, num_splits=2))
+    check([(30, 1), (21, 21), (45, 9)], heads=4, kv_heads=2, dim=24, block_size=16,
+          backend=TritonPagedBackend(**SMALL, num_splits=2))
 
 
 HALF = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]  # the interpreter's bf16 dot is wrong
@@ -56,8 +61,8 @@ HALF = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]  # t
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_half_precision(dtype, splits):
-    check_case([(9, 1), (77, 1), (31, 31), (60, 12)], heads=8, kv_heads=1, dim=64, block_size=32,
-               dtype=dtype, tolerance=2e-2, backend=TritonPagedBackend(**SMALL, num_splits=splits))
+    check([(9, 1), (77, 1), (31, 31), (60, 12)], heads=8, kv_heads=1, dim=64, block_size=32,
+          dtype=dtype, tolerance=2e-2, backend=TritonPagedBackend(**SMALL, num_splits=splits))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -66,9 +71,9 @@ def test_random_batches(seed):
     heads, kv_heads = rng.choice(GQA)
     decodes = [(rng.randint(1, 80), 1) for _ in range(rng.randint(0, 4))]
     prefills = [(c, rng.choice([c, rng.randint(1, c)])) for c in (rng.randint(1, 80) for _ in range(rng.randint(1, 3)))]
-    check_case(decodes + prefills, heads=heads, kv_heads=kv_heads, dim=32, block_size=rng.choice([16, 32]),
-               seed=seed, num_decodes=len(decodes),
-               backend=TritonPagedBackend(**SMALL, num_splits=rng.choice([1, 2, 5])))
+    check(decodes + prefills, heads=heads, kv_heads=kv_heads, dim=32, block_size=rng.choice([16, 32]),
+          seed=seed, num_decodes=len(decodes),
+          backend=TritonPagedBackend(**SMALL, num_splits=rng.choice([1, 2, 5])))
 
 
 def test_a_tiny_model_generates_the_same_greedy_tokens_with_either_backend():
@@ -90,7 +95,8 @@ def test_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
     assert isinstance(select_backend(cpu), TorchPagedBackend) and isinstance(select_backend(cpu, "torch"),
                                                                              TorchPagedBackend)
-    assert isinstance(select_backend(cpu, "triton"), TritonPagedBackend)  # the interpreter is on in the tests
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert isinstance(select_backend(cpu, "triton"), TritonPagedBackend)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ConfigError, match="needs CUDA"):
         select_backend(cpu, "triton")
@@ -101,9 +107,9 @@ def test_backend_choice(monkeypatch):
 
 def test_the_store_skips_padding_slots():
     torch.manual_seed(0)
-    cache = torch.randn(2, 4, 16, 2, 32)
-    k, v = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    cache = torch.randn(2, 4, 16, 2, 32, device=DEVICE)
+    k, v = torch.randn(3, 2, 32, device=DEVICE), torch.randn(3, 2, 32, device=DEVICE)
     expected = cache.clone()
-    write_kv(k[[0, 2]], v[[0, 2]], expected, torch.tensor([5, 20]))
-    store_kv(k, v, cache, torch.tensor([5, PAD_SLOT, 20]))
+    write_kv(k[[0, 2]], v[[0, 2]], expected, torch.tensor([5, 20], device=DEVICE))
+    store_kv(k, v, cache, torch.tensor([5, PAD_SLOT, 20], device=DEVICE))
     assert torch.equal(cache, expected)

@@ -1,5 +1,6 @@
 """The fused elementwise kernels the model runs on CUDA (`model/triton_ops.py`) against the model's
-torch code, under Triton's interpreter on CPU."""
+torch code on the CPU; the kernels run under Triton's interpreter on CPU, compiled on CUDA where it
+is (the `kernels` mark)."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,8 @@ from splitserve.engine.model.llama import RMSNorm  # noqa: E402
 from splitserve.engine.model.rotary import RotaryEmbedding  # noqa: E402
 from splitserve.engine.model.triton_ops import add_rms_norm, rotate_in_place  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
@@ -29,7 +32,8 @@ def test_add_and_norm_in_one_pass(dtype, hidden):
     module = norm(hidden, dtype)
     x, residual = torch.randn(5, hidden, dtype=dtype), torch.randn(5, hidden, dtype=dtype)
     expected_out, expected_sum = module(x, residual)
-    out, summed = add_rms_norm(x, residual, module.weight, module.eps)
+    out, summed = (t.cpu() for t in add_rms_norm(x.to(DEVICE), residual.to(DEVICE), module.weight.to(DEVICE),
+                                                 module.eps))
     assert torch.equal(summed, expected_sum)  # the sum rounds to the activations' dtype, as the oracle's
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, expected_out, atol=tol, rtol=tol)
@@ -39,11 +43,12 @@ def test_norm_without_a_residual_and_of_strided_rows():
     torch.manual_seed(1)
     module = norm(32, torch.float32)
     wide = torch.randn(4, 96)
-    x = wide[:, 16:48]  # rows 96 apart, as a split of a merged projection's output
-    out, summed = add_rms_norm(x, None, module.weight, module.eps)
+    x = wide.to(DEVICE)[:, 16:48]  # rows 96 apart, as a split of a merged projection's output
+    weight = module.weight.to(DEVICE)
+    out, summed = add_rms_norm(x, None, weight, module.eps)
     assert summed is x
-    torch.testing.assert_close(out, module(x), atol=1e-5, rtol=1e-5)
-    out, _ = add_rms_norm(torch.empty(0, 32), None, module.weight, module.eps)
+    torch.testing.assert_close(out.cpu(), module(wide[:, 16:48]), atol=1e-5, rtol=1e-5)
+    out, _ = add_rms_norm(torch.empty(0, 32, device=DEVICE), None, weight, module.eps)
     assert out.shape == (0, 32)
 
 
@@ -57,11 +62,15 @@ def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim):
     rotary = RotaryEmbedding(config, 128)
     tokens, positions = 6, torch.tensor([0, 1, 2, 50, 127, 3])
     qkv = torch.randn(tokens, 8 * head_dim, dtype=dtype)
-    q, k, _ = qkv.split([4 * head_dim, 2 * head_dim, 2 * head_dim], dim=-1)
-    q, k = q.view(tokens, 4, head_dim), k.view(tokens, 2, head_dim)
-    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
-    rotate_in_place(positions, q, rotary.cos, rotary.sin)
-    rotate_in_place(positions, k, rotary.cos, rotary.sin)
+
+    def views(merged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = merged.split([4 * head_dim, 2 * head_dim, 2 * head_dim], dim=-1)
+        return q.view(tokens, 4, head_dim), k.view(tokens, 2, head_dim)
+
+    expected_q, expected_k = rotary(positions, *(t.clone() for t in views(qkv)))  # the torch code, on the CPU
+    q, k = views(qkv.to(DEVICE))
+    for rows in (q, k):
+        rotate_in_place(positions.to(DEVICE), rows, rotary.cos.to(DEVICE), rotary.sin.to(DEVICE))
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(q, expected_q, atol=tol, rtol=tol)
-    torch.testing.assert_close(k, expected_k, atol=tol, rtol=tol)
+    torch.testing.assert_close(q.cpu(), expected_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k.cpu(), expected_k, atol=tol, rtol=tol)

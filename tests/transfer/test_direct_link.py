@@ -4,6 +4,7 @@ held transfer released by its sender's last message."""
 from __future__ import annotations
 
 import datetime
+import multiprocessing as mp
 import shutil
 
 import pytest
@@ -66,6 +67,24 @@ def test_a_shared_cache_is_the_same_memory_in_place(store):
     mapped = open_shared(share(cache))
     mapped[1, 0, 2, 1] = 5.0
     assert layer[0, 2, 1].eq(5.0).all() and cache.untyped_storage().is_shared()
+
+
+def _fill(shared, value: float) -> None:
+    """In another process: the shared cache mapped and written."""
+    mapped = open_shared(shared)
+    mapped.fill_(value)
+    if mapped.is_cuda:
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_another_process_writes_into_a_shared_cache(device):
+    """Shared memory on CPU; on CUDA the IPC path a direct transfer takes (two processes, one GPU)."""
+    cache = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, HEADS, DIM, device=device)
+    writer = mp.get_context("spawn").Process(target=_fill, args=(share(cache), 7.0))
+    writer.start()
+    writer.join(120)
+    assert writer.exitcode == 0 and cache.eq(7.0).all()
 
 
 def test_a_cache_larger_than_the_free_shared_memory_is_refused_before_any_write(monkeypatch):
