@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import random
 import statistics
@@ -52,6 +53,7 @@ from splitserve.engine.shapes import LLAMA3_8B
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+MIN_SECTION_S = 60  # with less of the --budget left a section is skipped: start-up alone takes longer
 PEAKS = [  # (name contains, HBM bytes/s, dense bf16 FLOP/s); the first match wins
     ("H200", 4.8e12, 989e12), ("H100 NVL", 3.9e12, 835e12), ("H100 PCIe", 2.0e12, 756e12),
     ("H100", 3.35e12, 989e12), ("A100-SXM4-80GB", 2.039e12, 312e12), ("A100 80GB PCIe", 1.935e12, 312e12),
@@ -205,7 +207,7 @@ def hf_section(model: str, s: dict, args) -> list[dict]:
     device = torch.device(s["engine"]["device"])
     def build():
         with device:
-            return LlamaForCausalLM._from_config(AutoConfig.from_pretrained(model), torch_dtype=dtype).eval()
+            return LlamaForCausalLM._from_config(AutoConfig.from_pretrained(model), dtype=dtype).eval()
 
     hf, startup = started(build)
     ids = torch.tensor(throughput_prompts(s), device=device)
@@ -253,22 +255,29 @@ SECTIONS = {"decode": decode_section, "prefill": prefill_section, "throughput-ou
             "throughput-hf": hf_section, "transfer": transfer_section}
 
 
-def _run_section(name: str, model: str, s: dict, args, conn) -> None:
+def _run_section(name: str, section, model: str, s: dict, args, conn) -> None:
     try:
         if s["engine"]["device"] == "cpu":
             torch.set_num_threads(1)
-        conn.send(SECTIONS[name](model, s, args))
+        conn.send(section(model, s, args))
     except Exception:
         conn.send([{"section": name, "error": traceback.format_exc()}])
 
 
-def run_section(name: str, model: str, s: dict, args) -> list[dict]:
+def run_section(name: str, model: str, s: dict, args, timeout: float) -> list[dict]:
     ctx = mp.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_run_section, args=(name, model, s, args, send), daemon=False)
+    proc = ctx.Process(target=_run_section, args=(name, SECTIONS[name], model, s, args, send), daemon=False)
     proc.start()
-    rows = receive.recv() if receive.poll(args.section_timeout) else [
-        {"section": name, "error": f"no result within {args.section_timeout} s"}]
+    send.close()  # the child's end alone: a child that dies unheard ends the wait at once
+    if not receive.poll(timeout):
+        proc.kill()
+        return [{"section": name, "error": f"no result within {timeout:.0f} s"}]
+    try:
+        rows = receive.recv()
+    except EOFError:
+        proc.join(30)
+        return [{"section": name, "error": f"its process died (exit code {proc.exitcode})"}]
     proc.join(30)
     if proc.is_alive():
         proc.kill()
@@ -347,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hbm-tbs", type=float, help="HBM peak in TB/s (default: from the device's name)")
     p.add_argument("--bf16-tflops", type=float, help="dense bf16 peak in TFLOP/s (default: from the device's name)")
     p.add_argument("--section-timeout", type=float, default=900.0, help="seconds a section may take")
+    p.add_argument("--budget", type=float, help="seconds the whole run may take: a section gets what is left, "
+                                                "and one that would start with under a minute left is skipped")
     p.add_argument("--json", type=Path, help="write the result here")
     args = p.parse_args(argv)
     names = args.sections.split(",")
@@ -357,11 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no CUDA device: run with --tiny for the CPU version")
     device = device_name(s["engine"])
     hbm_flops = peaks(device, args.hbm_tbs, args.bf16_tflops)
-    rows = []
+    rows, started_at = [], time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         model = write_shape_checkpoint(Path(tmp) / "model", s["config"])
         for name in names:  # each section's rows are kept as it ends: a run cut short keeps what it measured
-            got = run_section(name, model, s, args)
+            left = math.inf if args.budget is None else args.budget - (time.monotonic() - started_at)
+            got = run_section(name, model, s, args, min(args.section_timeout, left)) if left >= MIN_SECTION_S else [
+                {"section": name, "skipped": f"{left:.0f} s of the --budget left"}]
             rows += got
             result = report(rows, device, *hbm_flops, args.tiny)
             if args.json:

@@ -2,18 +2,20 @@
 # The engine's and the KV transfer's GPU checks, for a session lent a GPU machine (an H100 or H200
 # through the tool library's `device` entry: nothing can be fetched there, and its Python 3.12 lacks
 # a few of splitserve's packages, which travel as wheels in the git-ignored .whl/).
-#   bash scripts/gpu_check.sh wheels            # here, once: those packages into .whl/
-#   bash scripts/gpu_check.sh tests             # there (carry .whl): the kernels (compiled) and gpu tests, <= 300 s
-#   bash scripts/gpu_check.sh bench [ARGS...]   # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
+#   bash scripts/gpu_check.sh wheels             # here, once: those packages into .whl/
+#   bash scripts/gpu_check.sh tests [SECONDS]    # there (carry .whl): the kernels (compiled) and gpu tests (300 s)
+#   bash scripts/gpu_check.sh bench [ARGS...]    # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
+#   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), then bench ARGS in what is left of 570 s
 # Logs and gpu.json go to $OUT where it is set, else to gpu-check/.
-# A session has 15 device minutes, the machine's start included, and a machine stays warm 30 s after
-# a call: run `tests` (timeout_s 330), then at once `bench --repeats 2` (timeout_s 480).
+# A session has 15 device minutes, the machine's start included, and a machine goes back 30 s after
+# a call: `all --repeats 2` as one call of timeout_s 600 is the whole check in one start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 llguidance==1.9.1"
 
 install_carried() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  [ -d /tmp/site/pydantic ] ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 }
 
@@ -35,16 +37,23 @@ case "${1:-}" in
       python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
     } | tee "$out/device.txt"
     # only the files that hold such tests: others import packages the image lacks (jsonschema); the
-    # whole run is cut at 300 s, and the slowest tests are listed, so the next session can plan its time
-    timeout 300 python3 -m pytest -q -rfE --durations 15 --timeout 150 -m "gpu or kernels" -p no:cacheprovider \
+    # whole run is cut at SECONDS, and the slowest tests are listed, so the next session can plan its time
+    timeout "${2:-300}" python3 -m pytest -q -rfE --durations 15 --timeout 150 -m "gpu or kernels" -p no:cacheprovider \
       $(grep -rlE "mark\.(gpu|kernels)|marks=pytest\.mark\.gpu" tests | sort) 2>&1 | tee "$out/tests.log" ;;
   bench)
     install_carried
     mkdir -p "$out"
     shift
-    # a section past 400 s is cut short, within the device's 600 s a command; each section's rows are kept as it ends
+    # a section past 400 s (or the --budget) is cut short, within the device's 600 s a command; each
+    # section's rows are kept as it ends
     python3 scripts/bench_gpu.py --json "$out/gpu.json" --section-timeout 400 "$@" 2>&1 | tee "$out/bench.log" ;;
+  all)
+    shift
+    status=0
+    bash scripts/gpu_check.sh tests 240 || status=$?
+    bash scripts/gpu_check.sh bench --budget $((570 - SECONDS)) "$@" || status=$?
+    exit $status ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh wheels | tests | bench [bench_gpu.py args]" >&2
+    echo "usage: bash scripts/gpu_check.sh wheels | tests [SECONDS] | bench [bench_gpu.py args] | all [bench_gpu.py args]" >&2
     exit 2 ;;
 esac

@@ -21,7 +21,7 @@ def pair(tmp_path_factory):
     ours = LLM(write_shape_checkpoint(tmp_path_factory.mktemp("llama3-8b"), LLAMA3_8B), load_format="dummy",
                dtype="bfloat16", device="cuda", max_model_len=2048, gpu_memory_utilization=0.45)
     with torch.device("cuda"):
-        theirs = LlamaForCausalLM._from_config(LlamaConfig(**LLAMA3_8B), torch_dtype=torch.bfloat16).eval()
+        theirs = LlamaForCausalLM._from_config(LlamaConfig(**LLAMA3_8B), dtype=torch.bfloat16).eval()
     weights = {name: tensor for name, tensor in checkpoint_tensors(ours.engine.runner.model)}
     result = theirs.load_state_dict(weights, strict=True)
     assert not result.missing_keys and not result.unexpected_keys

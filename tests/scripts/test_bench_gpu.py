@@ -2,8 +2,10 @@
 it counts per step (weights read, model FLOPs) agrees with `transformers`' own model."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ def load_script(name: str):
     sys.path.insert(0, str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # what pickling its functions for a spawned process looks up
     spec.loader.exec_module(module)
     return module
 
@@ -43,6 +46,26 @@ def test_tiny_run_writes_every_section(tmp_path):
         assert row["device"] == "cpu" and row.get("mbu") is None and row.get("mfu") is None  # no CPU peak
         assert row.get("step_ms", 1) > 0
         assert row["startup_s"] > 0 if row["section"] != "transfer" else "startup_s" not in row
+
+
+def test_a_spent_budget_skips_the_sections_left(tmp_path):
+    subprocess.run([sys.executable, str(SCRIPTS / "bench_gpu.py"), "--tiny", "--budget", "30", "--json",
+                    str(tmp_path / "gpu.json")], check=True, capture_output=True, timeout=120)
+    rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
+    assert [r["section"] for r in rows] == list(bench_gpu.SECTIONS)
+    assert all(r["skipped"].endswith("s of the --budget left") for r in rows)
+
+
+def _die(model, s, args):
+    os._exit(3)
+
+
+def test_a_section_whose_process_dies_is_an_error_row_at_once(monkeypatch):
+    monkeypatch.setitem(bench_gpu.SECTIONS, "dies", _die)
+    start = time.monotonic()
+    rows = bench_gpu.run_section("dies", "no-model", bench_gpu.settings(tiny=True), None, timeout=300)
+    assert rows == [{"section": "dies", "error": "its process died (exit code 3)"}]
+    assert time.monotonic() - start < 60
 
 
 def test_the_peak_follows_the_device_name_and_flags_override_it():
