@@ -1,5 +1,7 @@
 """bf16 end to end on a Llama-3-8B shape (dummy weights) against `transformers` with the same
 weights, on CUDA: greedy tokens and their logprobs. Skipped without CUDA (tests/conftest.py)."""
+import gc
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -25,7 +27,12 @@ def pair(tmp_path_factory):
     weights = {name: tensor for name, tensor in checkpoint_tensors(ours.engine.runner.model)}
     result = theirs.load_state_dict(weights, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
-    return ours, theirs
+    held = [ours, theirs]  # pytest keeps what a fixture yields through its teardown: emptied here
+    del ours, theirs, weights
+    yield held
+    held.clear()
+    gc.collect()
+    torch.cuda.empty_cache()  # the next tests' workers (other processes) see the device's memory free
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(pair):
