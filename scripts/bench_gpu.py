@@ -205,6 +205,7 @@ def hf_section(model: str, s: dict, args) -> list[dict]:
 
     dtype = getattr(torch, s["engine"]["dtype"])
     device = torch.device(s["engine"]["device"])
+
     def build():
         with device:
             return LlamaForCausalLM._from_config(AutoConfig.from_pretrained(model), dtype=dtype).eval()
