@@ -3,8 +3,9 @@ reserved blocks, through CUDA IPC on GPUs and shared memory on CPU (`shared_kv`)
 
 Every worker publishes in the rendezvous store its memory domain, the CUDA devices it sees and a
 handle to its own cache. A token worker stamps a ticket with its block table (`CacheDest`) when
-the prompt peer shares its memory domain and sees its cache's device; that prompt worker maps the
-cache (once per link) and writes into those blocks only. Metadata (HELLO, headers, the first token) travels
+the prompt peer shares its memory domain and sees its cache's device, and a process of its own
+could map its CUDA cache when it started (where the platform refuses CUDA IPC, every peer gets
+`fallback`'s links); that prompt worker maps the cache (once per link) and writes into those blocks only. Metadata (HELLO, headers, the first token) travels
 on a gloo pair of its own, so the protocol, its order and its failures are the transport's as on
 any link; payloads never travel. Peers that share no memory get `fallback`'s links (NCCL, gloo).
 
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from splitserve.transfer.codec import copy_kv, slot_index
 from splitserve.transfer.link import Fabric, Link, TransferError
-from splitserve.transfer.shared_kv import memory_domain, open_shared, share, visible_devices
+from splitserve.transfer.shared_kv import mapping_refused, memory_domain, open_shared, share, visible_devices
 from splitserve.transfer.torch_link import TorchFabric
 
 log = logging.getLogger("splitserve.transfer")
@@ -50,12 +51,18 @@ class DirectFabric(Fabric):
         self._meta = TorchFabric(dist.PrefixStore("splitserve/kv-direct", store), worker_id, torch.device("cpu"),
                                  timeout)
         self._info = {"domain": memory_domain(), "devices": visible_devices(), "cache": share(cache)}
+        self.ipc_refused = mapping_refused(self._info["cache"], timeout) if cache.is_cuda else None
+        if self.ipc_refused:
+            log.warning("%s: another process cannot map this KV cache (%s): its transfers take %s's links",
+                        worker_id, self.ipc_refused, type(fallback).__name__)
         store.set(self._key(worker_id), pickle.dumps(self._info))
         self._peers: dict[str, dict] = {}
         self._direct: dict[str, bool] = {}  # decided once per peer: every ticket from it agrees
         self._refusals: list[tuple[float, str]] = []  # (claim_by, key) of transfers given up unclaimed
 
     def direct(self, peer: str) -> bool:
+        if self.ipc_refused:
+            return False
         if peer not in self._direct:
             info = self._peer_info(peer)
             device = self._info["cache"].device_uuid

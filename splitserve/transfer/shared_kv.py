@@ -5,12 +5,18 @@ the device, which it finds by UUID: two processes number their visible devices d
 CPU: the cache's storage moves, in place, into shared memory kept by torch's shm manager, which
 unlinks it when the last process holding it exits (so a crash leaks nothing); tensors viewing the
 cache stay valid.
+
+Whether another process can map a CUDA cache depends on the platform (a sandboxed runtime or a
+driver may refuse CUDA IPC), so `mapping_refused` tries it once in a child process.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -18,6 +24,10 @@ import torch
 
 
 SHM_DIR = "/dev/shm"  # where torch's shared memory lives on Linux
+# the child of mapping_refused: maps the cache and reads one element through the mapping
+_MAP_AND_READ = ("import pickle, sys\n"
+                 "from splitserve.transfer.shared_kv import open_shared\n"
+                 "open_shared(pickle.load(sys.stdin.buffer)).view(-1)[:1].cpu()\n")
 
 
 @dataclass(frozen=True)
@@ -81,3 +91,18 @@ def open_shared(shared: SharedCache) -> torch.Tensor:
     with torch.inference_mode(False):  # written into in and outside forward passes
         view = torch.empty(0, dtype=shared.dtype, device=storage.device)
         return view.set_(storage, shared.offset, shared.shape, shared.stride)
+
+
+def mapping_refused(shared: SharedCache, timeout: float) -> str | None:
+    """None when another process maps the cache and reads through it; else why not (the child's
+    last error line, or that it took longer than `timeout` seconds)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's packages
+    try:
+        child = subprocess.run([sys.executable, "-c", _MAP_AND_READ], input=pickle.dumps(shared), env=env,
+                               capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"a process mapping it took over {timeout:.0f} s"
+    if child.returncode == 0:
+        return None
+    lines = child.stderr.decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else f"a process mapping it exited with {child.returncode}"

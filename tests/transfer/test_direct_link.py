@@ -15,7 +15,7 @@ from splitserve.transfer.codec import copy_kv, pack_layer, slot_index, unpack_la
 from splitserve.transfer.direct_link import DirectFabric
 from splitserve.transfer import shared_kv
 from splitserve.transfer.link import TransferError
-from splitserve.transfer.shared_kv import open_shared, share
+from splitserve.transfer.shared_kv import SharedCache, mapping_refused, open_shared, share
 from splitserve.transfer.torch_link import TorchFabric
 from splitserve.transfer.transport import ALL, CacheDest, KVTransport, TransferTicket
 
@@ -87,6 +87,18 @@ def test_another_process_writes_into_a_shared_cache(device):
     assert writer.exitcode == 0 and cache.eq(7.0).all()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_probe_maps_a_cache_in_a_process_of_its_own(device):
+    assert mapping_refused(share(torch.zeros(2, 3, device=device)), timeout=120) is None
+
+
+def test_the_probe_says_why_a_cache_cannot_be_mapped():
+    shared = share(torch.zeros(2, 3))
+    gone = SharedCache(None, (shared.handle[0], b"/splitserve-no-such-cache", shared.handle[2]), shared.shape,
+                       shared.stride, shared.offset, shared.dtype)
+    assert "unable to open shared memory object </splitserve-no-such-cache>" in mapping_refused(gone, timeout=120)
+
+
 def test_a_cache_larger_than_the_free_shared_memory_is_refused_before_any_write(monkeypatch):
     cache = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, HEADS, DIM)
     monkeypatch.setattr(shared_kv.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 100))
@@ -138,6 +150,23 @@ def test_a_direct_transfer_lands_in_the_reserved_blocks_and_only_headers_travel(
     untouched = torch.ones(BLOCKS * BLOCK, dtype=torch.bool)
     untouched[dst_slots] = False
     assert target.flatten(2, 3)[:, :, untouched].eq(0).all()
+
+
+def test_a_cache_no_other_process_can_map_takes_the_fallback_links(transports):
+    source, target = caches()
+    prompt, token = transports(source, target)
+    token.fabric.ipc_refused = "refused in this test"  # as a CUDA worker on a platform that refuses CUDA IPC
+    landed = []
+    ticket = token.expect(TransferTicket("r", 0, "p0", "t0", 10, True, "test-layout"),
+                          lambda layer, payload: landed.append((layer, payload.clone())), CacheDest((5, 1, 3)))
+    assert ticket.dest is None  # no block table: the prompt worker sends the KV over the fallback link
+    payloads = torch.randn(LAYERS, 2, 10, HEADS, DIM)
+    for layer in range(LAYERS):
+        prompt.push_layer(ticket, layer, payloads[layer])
+    prompt.complete(ticket, 42)
+    assert token.poll(timeout=10) == [(ticket, 42)] and target.eq(0).all()
+    assert [layer for layer, _ in landed] == list(range(LAYERS))
+    assert all(torch.equal(payload, payloads[layer]) for layer, payload in landed)
 
 
 def test_a_claimed_transfer_given_up_is_held_until_its_sender_ends_it(store, transports):
