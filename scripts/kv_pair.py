@@ -47,6 +47,8 @@ def _transport(engine, worker_id: str, port: int, backend: str):
     fabric = TorchFabric.join("127.0.0.1", port, worker_id, engine.kv_cache.data.device, 120.0)
     if backend == "ipc":
         fabric = DirectFabric(fabric.store, worker_id, engine.kv_cache.data, fabric, 120.0)
+        if fabric.ipc_refused:  # its links would be NCCL's or gloo's: not what this backend's rows claim
+            raise RuntimeError(f"{worker_id}: CUDA IPC refused: {fabric.ipc_refused}")
     return make_transport(engine, fabric, 120.0)
 
 
