@@ -74,6 +74,7 @@ def prompt_process(model: str, port: int, backend: str, engine_args: dict, conn)
             exporter.add(cmd[1], cmd[2], params, start)
             first = exporter.step()[0].token_timestamps[0]
             conn.send((start, first, exporter.stream_seconds))
+    exporter.transport.close()  # its links end, and with them the token side's receive loops
 
 
 def token_process(model: str, port: int, backend: str, engine_args: dict, conn) -> None:
@@ -100,6 +101,7 @@ def token_process(model: str, port: int, backend: str, engine_args: dict, conn) 
         landed_at = time.monotonic()
         second = engine.step()[0].token_timestamps[1]
         conn.send((landed_at, second))
+    importer.transport.close()  # joins its receive loops: none is inside a gloo call when the process exits
 
 
 # ---- measuring -------------------------------------------------------------------------------
@@ -142,10 +144,11 @@ class Pair:
         return self._recv(self.prompt)
 
     def close(self) -> None:
-        for conn in (self.prompt, self.token):
+        """The prompt worker first: its links' end ends the token worker's receive loops, which that
+        one joins before it exits (a thread left in a gloo call at exit aborts the process)."""
+        for conn, proc in zip((self.prompt, self.token), self.procs):
             with contextlib.suppress(OSError):  # that worker is gone already
                 conn.send("stop")
-        for proc in self.procs:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
