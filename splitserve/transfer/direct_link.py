@@ -5,9 +5,10 @@ Every worker publishes in the rendezvous store its memory domain, the CUDA devic
 handle to its own cache. A token worker stamps a ticket with its block table (`CacheDest`) when
 the prompt peer shares its memory domain and sees its cache's device, and a process of its own
 could map its CUDA cache when it started (where the platform refuses CUDA IPC, every peer gets
-`fallback`'s links); that prompt worker maps the cache (once per link) and writes into those blocks only. Metadata (HELLO, headers, the first token) travels
-on a gloo pair of its own, so the protocol, its order and its failures are the transport's as on
-any link; payloads never travel. Peers that share no memory get `fallback`'s links (NCCL, gloo).
+`fallback`'s links); that prompt worker maps the cache (once per link) and writes into those
+blocks only. Metadata (HELLO, headers, the first token) travels on a gloo pair of its own, so the
+protocol, its order and its failures are the transport's as on any link; payloads never travel.
+Peers that share no memory get `fallback`'s links (NCCL, gloo).
 
 Claims: a token worker that gives a transfer up cannot know whether its prompt worker will still
 write (it may hold the ticket in its queue, or never get it). One key per transfer in the store
