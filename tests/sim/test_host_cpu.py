@@ -66,13 +66,20 @@ def test_a_process_titled_as_a_worker_is_counted_on_this_machine():
     assert host_cpu.host_cores() >= 1
 
 
+def test_the_idle_rate_before_the_work_is_taken_off(monkeypatch):
+    samples = iter([CpuSample(0.0, 10.0, 4.0), CpuSample(2.0, 11.0, 4.5),  # idle: 0.5 s outside in 2 s
+                    CpuSample(7.0, 20.0, 8.0)])  # the work: 9 s busy, 3.5 s of it the workers'
+    monkeypatch.setattr(host_cpu, "sample", lambda: next(samples))
+    monkeypatch.setattr(host_cpu.time, "sleep", lambda s: None)
+    result, stack = host_cpu.stack_cpu_while(lambda: "done", idle_s=2.0)
+    assert result == "done" and stack == pytest.approx(5.5 - 0.25 * 5.0)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
 def test_work_outside_the_workers_is_the_stacks():
-    def spin() -> str:  # this process is no worker: its CPU is the stack's
-        t = time.process_time()
-        while time.process_time() - t < 0.3:
-            pass
-        return "done"
-
-    result, stack = host_cpu.stack_cpu_while(spin, idle_s=0.2)
-    assert result == "done" and stack >= 0.15  # its 0.3 s, less what the idle rate misjudges
+    start, own = host_cpu.sample(), time.process_time()  # this process is no worker: its CPU is the stack's
+    while time.process_time() - own < 0.3:
+        pass
+    own, end = time.process_time() - own, host_cpu.sample()
+    # anything else the host ran outside the workers meanwhile only adds to it
+    assert host_cpu.stack_cpu_s(start, end) >= own - 0.02  # ticks of 10 ms
