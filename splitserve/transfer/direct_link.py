@@ -227,6 +227,9 @@ class DirectLink(Link):
         self._peer_cache = None
         self._meta.close()
 
+    def join(self, timeout: float) -> None:
+        self._meta.join(timeout)
+
     # ---- receiver ----------------------------------------------------------------------------
     def recv(self, out: torch.Tensor, timeout: float) -> None:
         raise TransferError(self.peer, "a direct link carries no payloads")

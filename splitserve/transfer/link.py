@@ -67,6 +67,10 @@ class Link(ABC):
     def close(self) -> None:
         """Release the channel; later calls raise TransferError."""
 
+    def join(self, timeout: float) -> None:
+        """After `close`: waits up to `timeout` for the threads the link still runs. A process
+        that exits while one of them is inside torch aborts (std::terminate)."""
+
     def write(self, source: torch.Tensor, source_slots: torch.Tensor, layers: slice, source_heads: slice | None,
               dest, start: int) -> int:
         """Direct links: write the KV at `source_slots` of `source` (this rank's cache data) for

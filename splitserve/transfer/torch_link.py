@@ -86,13 +86,18 @@ class _Waiter:
     def __init__(self, peer: str, timeout: float):
         self.timeout = timeout
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, daemon=True, name=f"kv-send-{peer}").start()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"kv-send-{peer}")
+        self._thread.start()
 
     def add(self, send: _Send) -> None:
         self._queue.put(send)
 
     def stop(self) -> None:
+        """The sends queued before still get their wait: each one's work ends inside it."""
         self._queue.put(None)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         failed = None  # after a failed send the link is broken: later ones fail without a wait
@@ -179,6 +184,10 @@ class TorchLink(Link):
         self._group = self._meta_group = None
         if self._waiter is not None:
             self._waiter.stop()
+
+    def join(self, timeout: float) -> None:
+        if self._waiter is not None:
+            self._waiter.join(timeout)
 
     def _live(self, group):
         if group is None:

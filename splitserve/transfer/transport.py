@@ -192,10 +192,15 @@ class KVTransport:
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes the links this side sends on (each peer's receive loop ends with its link), then
-        waits up to `timeout` for this side's own receive loops, which end as their senders close."""
+        waits up to `timeout` in all for their threads and for this side's own receive loops,
+        which end as their senders close: the process may exit then."""
+        deadline = time.monotonic() + timeout
+        closing = [link for _, link in self._out.values()]
         for peer in list(self._out):
             self._drop_out(peer)
-        self._receiver.join(timeout)
+        for link in closing:
+            link.join(max(0.0, deadline - time.monotonic()))
+        self._receiver.join(max(0.0, deadline - time.monotonic()))
 
     # ---- prompt side internals -------------------------------------------------------------
     def _send(self, ticket: TransferTicket, kind: int, payload: torch.Tensor | None, value: int = 0) -> None:

@@ -1,13 +1,17 @@
 """Metadata travels on the host: headers, HELLO and first tokens are CPU tensors on each link's
 metadata channel, payloads alone on the data path, and the two keep their own order (gloo: two
 tags on one pair group; gRPC: one ordered stream). A link whose sends stop leaving fails it; a
-pair whose link failed meets again on the next epoch."""
+pair whose link failed meets again on the next epoch. A process that closed its transport exits
+cleanly."""
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,8 @@ import torch.distributed as dist
 from splitserve.transfer.link import Fabric, Link, TransferError
 from splitserve.transfer.torch_link import TorchFabric
 from splitserve.transfer.transport import KVTransport, TransferTicket
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS, KV_HEADS, DIM = 2, 2, 4
 
@@ -248,3 +254,34 @@ def test_a_silent_peer_fails_the_transfer_waiting_on_it_not_the_link():
     prompt.push_all(later, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))
     prompt.complete(later, first_token_id=7)
     assert later.link_epoch == 0 and token.poll(timeout=5.0) == [(later, 7)]
+
+
+PROMPT_SIDE = """
+import sys, torch, torch.distributed as dist
+from splitserve.transfer.torch_link import TorchFabric
+from tests.transfer.test_metadata_channel import LAYERS, KV_HEADS, DIM, TransferTicket, transport
+prompt = transport(TorchFabric(dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False), "p0",
+                               torch.device("cpu"), 10.0))
+for i in range(3):
+    ticket = TransferTicket(f"r{i}", i, "p0", "t0", 3, False, "test-layout")
+    prompt.push_all(ticket, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))
+    prompt.complete(ticket, first_token_id=i)
+prompt.close()  # and the process exits at once
+"""
+
+
+def test_a_process_exits_cleanly_once_it_closed_its_gloo_transport():
+    """`close` waits for the threads its links run: one woken inside a torch call while the
+    interpreter shuts down would abort the process (SIGABRT, after its transfers were done)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    token = transport(TorchFabric(store, "t0", torch.device("cpu"), 10.0))
+    tickets = [token.expect(TransferTicket(f"r{i}", i, "p0", "t0", 3, False, "test-layout"), lambda *_: None)
+               for i in range(3)]
+    done = subprocess.run([sys.executable, "-c", PROMPT_SIDE, str(store.port)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    landed, deadline = [], time.monotonic() + 10
+    while len(landed) < 3 and time.monotonic() < deadline:
+        landed += token.poll(timeout=1.0)
+    token.close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(landed, key=lambda r: r[1]) == [(ticket, i) for i, ticket in enumerate(tickets)]
