@@ -1,5 +1,5 @@
 """The KV-transfer benchmark runs end to end (a pair of worker processes per backend: gloo, and
-shared memory) and writes its rows."""
+shared memory), writes its rows, and stops its workers cleanly."""
 import json
 import subprocess
 import sys
@@ -11,8 +11,9 @@ KEYS = {"prompt_tokens", "kv_bytes", "prefill_ms", "serialized_transfer_ms", "vi
 
 def test_quick_run_writes_every_row(tmp_path):
     out = tmp_path / "kv.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], check=True, capture_output=True,
-                   timeout=300)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], check=True,
+                          capture_output=True, text=True, timeout=300)
+    assert "worker exited with code" not in done.stderr  # each one stopped cleanly
     rows = json.loads(out.read_text())
     assert [(r["backend"], r["prompt_tokens"]) for r in rows] == [("gloo", 128), ("ipc", 128), ("gloo", 600),
                                                                    ("ipc", 600)]
