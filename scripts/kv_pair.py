@@ -153,7 +153,7 @@ class Pair:
             _wait_exit(proc, 30)
             if proc.exitcode is None:
                 proc.kill()
-                proc.join()
+                _wait_exit(proc, 5)
             if proc.exitcode != 0:  # the rows stand (they were sent before); the exit is a bug
                 print(f"kv_pair: the {name} worker exited with code {proc.exitcode} when stopped", file=sys.stderr)
 
