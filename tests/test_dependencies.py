@@ -19,6 +19,7 @@ NOT_INSTALLED = {"flash_attn": "flash-attn"}
 EXTRA_MODULES = {"splitserve/engine/attention/triton_kernels.py": "gpu",
                  "splitserve/engine/attention/triton_paged.py": "gpu",
                  "splitserve/engine/attention/cuda.py": "gpu",
+                 "splitserve/engine/kernel_warm_up.py": "gpu",
                  "splitserve/engine/model/triton_ops.py": "gpu"}
 USED_WITHOUT_IMPORT = {
     "python-multipart": "FastAPI parses the multipart forms of /v1/files with it",

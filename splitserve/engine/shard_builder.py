@@ -33,7 +33,8 @@ class EngineShard:
 def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
                 channel: StepChannel | None = None) -> EngineShard:
     """This rank's model part, KV cache and runner. The cache is sized after the model is loaded
-    (on CUDA by a memory profile, which every rank of a group runs in lockstep). With a group, every
+    (on CUDA by a memory profile, which every rank of a group runs in lockstep); on CUDA the
+    runner's Triton kernels are then compiled (`kernel_warm_up`) and its decode graphs captured. With a group, every
     rank gets the same number of KV blocks (the fewest any rank's memory allows), so a block id
     means the same on all."""
     shard = Shard(group.rank, group.size) if group is not None else Shard()
@@ -49,6 +50,10 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
                           "lower max_model_len")
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device, shard)
     runner = ModelRunner(loaded.model, kv_cache, backend, loaded.device, channel)
+    if loaded.device.type == "cuda":
+        from splitserve.engine.kernel_warm_up import warm_up  # triton: CUDA builds of torch bring it
+
+        warm_up(runner)
     if _captures_graphs(config, loaded, backend, group):
         runner.graphs = DecodeGraphs(loaded.model, kv_cache.layers(), backend, loaded.device,
                                      min(config.cuda_graph_max_batch, config.max_num_seqs), loaded.max_model_len,

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from splitserve.engine.attention.base import write_kv  # noqa: E402
 from splitserve.engine.attention.metadata import PAD_SLOT  # noqa: E402
-from splitserve.engine.attention.triton_paged import TritonPagedBackend, store_kv  # noqa: E402
+from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts, store_kv  # noqa: E402
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.test_attention import check_case  # noqa: E402
@@ -63,6 +63,19 @@ HALF = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]  # t
 def test_half_precision(dtype, splits):
     check([(9, 1), (77, 1), (31, 31), (60, 12)], heads=8, kv_heads=1, dim=64, block_size=32,
           dtype=dtype, tolerance=2e-2, backend=TritonPagedBackend(**SMALL, num_splits=splits))
+
+
+def test_a_chosen_split_count_is_the_largest_power_of_two_within_its_bounds():
+    """Two programs per multiprocessor at most, MAX_SPLITS, the key tiles; a power of two, so that
+    there are few kernel variants (`split_counts`) for kernel_warm_up to compile."""
+    backend, cpu = TritonPagedBackend(sms=132), torch.device("cpu")
+    for programs in range(1, 2100, 7):
+        for tiles in (1, 3, 9, 40, 5000):
+            splits, bound = backend._splits(programs, tiles, cpu), max(1, min(16, 264 // programs, tiles))
+            assert splits in split_counts() and splits <= bound < 2 * splits
+    assert split_counts() == [1, 2, 4, 8, 16]
+    assert TritonPagedBackend()._splits(8, 100, cpu) == 1  # no multiprocessor count off CUDA
+    assert TritonPagedBackend(num_splits=3)._splits(8, 100, cpu) == 3  # a fixed count as given
 
 
 @pytest.mark.parametrize("seed", range(4))

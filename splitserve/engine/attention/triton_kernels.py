@@ -8,15 +8,30 @@ across pages, so tiles stay large whatever the block size. Softmax is online (ru
 sum in float32); every query attends at least to its own position, so no row is empty.
 
 On CPU these run under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks them
-against the torch backend; on CUDA they compile.
+against the torch backend; on CUDA they compile, once per variant: Triton specializes integers that
+are 1 or multiples of 16 and pointers that are 16-byte aligned. What changes from step to step is
+kept out of that (`STEP_INTS`, `STEP_POINTERS`: the block tables' width, where prefills start, the
+batch size; the step inputs, views at any offset into one buffer), so a step's variant depends only
+on the model, the dtype and the decode split count, and `kernel_warm_up` can compile them all at
+start-up (scripts/compile_kernels.py checks it).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+STEP_INTS = ["stride_table", "first_seq", "num_seqs"]
+STEP_POINTERS = ["slots_ptr", "tables_ptr", "context_ptr", "query_starts_ptr"]
 
-@triton.jit
+
+def _step_jit(fn):
+    """triton.jit, leaving the kernel's step-varying arguments (of STEP_INTS, STEP_POINTERS) unspecialized."""
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    return triton.jit(fn, do_not_specialize=[n for n in STEP_INTS if n in names],
+                      do_not_specialize_on_alignment=[n for n in STEP_POINTERS if n in names])
+
+
+@_step_jit
 def store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh, kv_offset,
                     stride_slot, stride_head, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (token, kv head): K and V of this token into its cache slot. A negative slot
@@ -48,7 +63,7 @@ def _key_tile(cache_ptr, tables_ptr, seq, stride_table, start, context, kv_head,
     return k, v, n, nmask
 
 
-@triton.jit
+@_step_jit
 def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                         stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
                         stride_ot, stride_oh, num_heads, scale,
@@ -99,7 +114,7 @@ def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part
         tl.store(part_ml_ptr + row * 2 + 1, l, mask=gmask)
 
 
-@triton.jit
+@_step_jit
 def merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_seqs, num_heads, stride_ot, stride_oh,
                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_D: tl.constexpr):
@@ -118,7 +133,7 @@ def merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_seqs, num_heads,
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit
+@_step_jit
 def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts_ptr, out_ptr, first_seq,
                          stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
                          stride_ot, stride_oh, scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,

@@ -14,16 +14,18 @@ from splitserve.engine.attention.base import AttentionBackend
 from splitserve.engine.attention.metadata import AttentionMetadata
 
 MAX_SPLITS = 16
+PREFILL_WARPS = 8  # with Triton's default 4, the prefill kernel spills registers on sm_80 (scripts/compile_kernels.py)
 
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
 
-    def __init__(self, block_m: int = 64, block_n: int = 64, num_splits: int | None = None):
+    def __init__(self, block_m: int = 64, block_n: int = 64, num_splits: int | None = None, sms: int | None = None):
         """`num_splits`: decode splits over the context; None chooses them per step so the decode
-        programs fill the device (1 where its size is unknown, as on CPU)."""
-        self.block_m, self.block_n, self.num_splits = block_m, block_n, num_splits
+        programs fill the device's `sms` multiprocessors (read from a CUDA device when None; on
+        another device, 1 split)."""
+        self.block_m, self.block_n, self.num_splits, self.sms = block_m, block_n, num_splits, sms
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
@@ -40,8 +42,7 @@ class TritonPagedBackend(AttentionBackend):
     def decode(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
         n, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-        tiles = triton.cdiv(max(meta.context_lens_list[:n]), self.block_n)
-        splits = min(self._splits(n * kv_heads, q.device), tiles)
+        splits = self._splits(n * kv_heads, triton.cdiv(max(meta.context_lens_list[:n]), self.block_n), q.device)
         group, block_d = heads // kv_heads, _block_d(head_dim)
         part_acc = part_ml = out  # unused with one split
         if splits > 1:
@@ -69,15 +70,22 @@ class TritonPagedBackend(AttentionBackend):
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
             out.stride(0), out.stride(1), 1 / math.sqrt(head_dim), GROUP=heads // kv_heads, HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim), BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_SIZE=block_size,
-            PRECISION=_precision(q))
+            PRECISION=_precision(q), num_warps=PREFILL_WARPS)
 
-    def _splits(self, programs: int, device: torch.device) -> int:
+    def _splits(self, programs: int, tiles: int, device: torch.device) -> int:
+        """A power of two (each split count is a kernel variant: `split_counts` bounds them), at most
+        the key tiles, enough for about two programs per multiprocessor."""
         if self.num_splits is not None:
-            return self.num_splits
-        if device.type != "cuda":
-            return 1
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(MAX_SPLITS, 2 * sms // programs))
+            return min(self.num_splits, tiles)
+        if self.sms is None and device.type == "cuda":
+            self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        wanted = 1 if self.sms is None else min(MAX_SPLITS, 2 * self.sms // programs, tiles)
+        return 1 << (max(1, wanted).bit_length() - 1)
+
+
+def split_counts() -> list[int]:
+    """Every split count a decode may launch without a fixed `num_splits`."""
+    return [1 << i for i in range(MAX_SPLITS.bit_length())]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -49,7 +49,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out, summed
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])  # a view into a step's inputs: any offset
 def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_table,
                    HALF: tl.constexpr, BLOCK: tl.constexpr):
     """One program per (token, head): the rotate-half rotation of that head at its position."""

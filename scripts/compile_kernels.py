@@ -1,0 +1,269 @@
+"""Compiles, on a machine without a GPU, every variant of the Triton kernels that the CUDA engine
+launches for a model shape, for a GPU architecture; reports each variant's compile time,
+registers, spills and shared memory (from the cubin, with the cuobjdump that Triton ships).
+
+Triton compiles a kernel once per variant: per constexpr set, and per integer argument that is 1
+or a multiple of 16 and per pointer that is 16-byte aligned, unless the kernel says not to
+specialize them. A variant first met while serving stalls that step for its compile. So the
+engine's start-up (`kernel_warm_up` and the CUDA-graph capture, as `build_shard` runs them; not the
+memory profile, which a configured KV size skips) is run first, then a
+seeded serving mix (prefills, chunks at offsets, mixed and decode-only steps of every batch size,
+short and long contexts) through the real model runner, step inputs, graphs and attention
+backend, with one decoder layer's launches standing in for the model (`LayerLaunches`).
+
+Exits non-zero if a variant spills registers, needs more shared memory than the architecture
+gives a block, or is first compiled while serving.
+
+    python scripts/compile_kernels.py --arch 90 --json kernels.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compiled, not interpreted: read when the kernels are defined
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from splitserve.engine.attention.metadata import AttentionMetadata  # noqa: E402
+from splitserve.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
+from splitserve.engine.config import EngineConfig, ModelConfig  # noqa: E402
+from splitserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from splitserve.engine.kernel_warm_up import warm_up  # noqa: E402
+from splitserve.engine.kv_cache import KVCache  # noqa: E402
+from splitserve.engine.model.llama import LlamaAttention  # noqa: E402
+from splitserve.engine.model.triton_ops import add_rms_norm, rotate_in_place  # noqa: E402
+from splitserve.engine.model_runner import ModelRunner, StepBatch  # noqa: E402
+from splitserve.engine.shapes import LLAMA3_8B  # noqa: E402
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    sms: int            # multiprocessors: what the decode kernel's split count is chosen for
+    block_shared: int   # bytes of shared memory one block may have (the opt-in maximum)
+
+
+ARCHS = {90: Arch("H100 / H200 SXM", 132, 227 * 1024), 80: Arch("A100", 108, 163 * 1024)}
+
+
+class TargetDriver:
+    """Stands in for Triton's CUDA driver: kernels compile for `arch` and are never launched. The
+    architecture is the device id, so each one gets its own kernel cache."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", self.arch, 32)
+
+    def get_current_device(self) -> int:
+        return self.arch
+
+    def get_current_stream(self, device=None) -> None:
+        return None
+
+
+@dataclass
+class Variant:
+    kernel: str
+    spec: str       # the constexprs and specializations that make it a variant
+    phase: str      # start-up or serving: when it was first compiled
+    compile_s: float
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+
+
+@contextmanager
+def compile_only(arch: int, phase: list[str], variants: dict[str, Variant]):
+    """Every Triton launch compiles (or finds) its variant and returns without running; a new
+    variant is recorded with the phase it was first met in. Triton's driver stays `arch`'s for the
+    rest of the process (without a GPU there is no other to go back to)."""
+    real_run = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        start = time.perf_counter()
+        kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+        if kernel.hash not in variants:
+            variants[kernel.hash] = _variant(self, kernel, phase[0], time.perf_counter() - start)
+        return kernel
+
+    driver.set_active(TargetDriver(arch))
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = real_run
+
+
+def _variant(fn: JITFunction, kernel, phase: str, seconds: float) -> Variant:
+    names = fn.arg_names
+    declared = {p.name for p in fn.params if p.is_constexpr}
+    spec = [f"{names[path[0]]}={value}" for path, value in kernel.src.constants.items()
+            if names[path[0]] in declared]
+    spec += [f"{names[path[0]]}==1" for path in kernel.src.constants if names[path[0]] not in declared]
+    spec += [f"{names[path[0]]}%16" for path, attrs in kernel.src.attrs.items()
+             if any(name == "tt.divisibility" for name, _ in attrs)]
+    usage = _resource_usage(kernel.asm["cubin"])
+    return Variant(kernel.name, " ".join(spec), phase, round(seconds, 3), usage["REG"],
+                   usage["STACK"] + usage["LOCAL"], kernel.metadata.shared)
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    fields = out.strip().splitlines()[-1].split()  # "REG:116 STACK:0 SHARED:1024 LOCAL:0 ..."
+    return {k: int(v) for k, v in (f.split(":") for f in fields if f.split(":")[1].isdigit())}
+
+
+class LayerLaunches:
+    """One Llama decoder layer's Triton launches on CUDA, in its order and with its tensors'
+    shapes and strides, without the matmuls (their results are only allocated): the norm without
+    and with the residual, the rotary embedding of q and k (views of the fused QKV output), and
+    attention. Called as the model is, by the model runner and the CUDA graphs."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_model_len: int):
+        with torch.device("meta"):
+            self.attention = LlamaAttention(config)
+        self.config, self.dtype = config, dtype
+        self.weight = torch.empty(config.hidden_size, dtype=dtype)
+        self.cos = self.sin = torch.empty((max_model_len, config.head_dim), dtype=torch.float32)
+
+    def __call__(self, ids, positions, kv_layers, meta: AttentionMetadata, backend, after_layer=None):
+        t, c, attention = ids.shape[0], self.config, self.attention
+        x = torch.empty((t, c.hidden_size), dtype=self.dtype)
+        h, _ = add_rms_norm(x, None, self.weight, c.rms_norm_eps)
+        qkv = torch.empty((t, attention.qkv_proj.out_features), dtype=self.dtype)
+        q, k, v = attention.qkv_proj.split(qkv)
+        q = q.view(t, attention.num_heads, c.head_dim)
+        k = k.view(t, attention.num_kv_heads, c.head_dim)
+        v = v.view(t, attention.num_kv_heads, c.head_dim)
+        rotate_in_place(positions, q, self.cos, self.sin)
+        rotate_in_place(positions, k, self.cos, self.sin)
+        backend.forward(q, k, v, kv_layers[0], meta)
+        h, _ = add_rms_norm(x, h, self.weight, c.rms_norm_eps)
+        return h
+
+
+def step(seqs: list[tuple[int, int]], block_size: int) -> StepBatch:
+    """A step of (context after the step, new tokens) per sequence, decodes first, as the model
+    runner prepares it (slots and block ids are arbitrary: nothing runs)."""
+    seqs = sorted(seqs, key=lambda s: (s[1] != 1, -s[0]))
+    tokens, positions, starts, tables = [], [], [0], []
+    for context, new in seqs:
+        positions += range(context - new, context)
+        tokens += [0] * new
+        starts.append(starts[-1] + new)
+        tables.append(list(range(-(-context // block_size))))
+    width = max(len(t) for t in tables)
+    return StepBatch(tokens, positions, list(range(len(tokens))), starts, [c for c, _ in seqs],
+                     [t + [0] * (width - len(t)) for t in tables], sum(1 for _, new in seqs if new == 1))
+
+
+def serving_mix(rng: random.Random, config: EngineConfig, max_model_len: int, steps: int):
+    """Decode-only steps of every batch size up to max_num_seqs, then random prefill, chunked and
+    mixed steps within the chunk budget, contexts short and long."""
+    longest = min(max_model_len, 32768)
+    for n in range(1, config.max_num_seqs + 1):
+        yield [(rng.randint(2, rng.choice([64, 1024, longest])), 1) for _ in range(n)]
+    for _ in range(steps):
+        decodes = rng.choice([0, 0, 1, rng.randint(2, config.max_num_seqs - 1)])
+        seqs = [(rng.randint(2, rng.choice([64, 2048, longest])), 1) for _ in range(decodes)]
+        budget = config.chunk_token_budget - decodes
+        while budget > 0 and len(seqs) < config.max_num_seqs:
+            new = rng.randint(1, budget)
+            earlier = rng.choice([0, 0, rng.randint(1, longest - new)])  # a later chunk, or a prefix-cache hit
+            seqs.append((earlier + new, new))
+            budget -= new
+        yield seqs
+
+
+def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig, steps: int,
+                with_warm_up: bool = True, seed: int = 0) -> list[Variant]:
+    model_config = replace(ModelConfig.from_hf(shape), num_hidden_layers=1)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    model = LayerLaunches(model_config, dtype, max_model_len)
+    cpu = torch.device("cpu")
+    backend = TritonPagedBackend(sms=ARCHS[arch].sms)
+    runner = ModelRunner(model, KVCache(model_config, 8, config.block_size, dtype, cpu), backend, cpu)
+    phase, variants = ["start-up"], {}
+    with compile_only(arch, phase, variants), torch.inference_mode():
+        if with_warm_up:
+            warm_up(runner)  # then the graphs, as build_shard does (without a GPU a capture runs at its first replay)
+        graphs = DecodeGraphs(model, runner.kv_cache.layers(), backend, cpu, min(config.cuda_graph_max_batch,
+                              config.max_num_seqs), max_model_len, config.block_size)
+        graphs.capture()
+        for size in graphs.sizes:
+            graphs.run(step([(2, 1)] * size, config.block_size))
+        runner.graphs = graphs
+        phase[0] = "serving"
+        for seqs in serving_mix(random.Random(seed), config, max_model_len, steps):
+            runner.forward(step(seqs, config.block_size))
+    return list(variants.values())
+
+
+def problems(variants: list[Variant], arch: int) -> list[str]:
+    limit = ARCHS[arch].block_shared
+    found = [f"{v.kernel} [{v.spec}]: {v.spill_bytes} bytes of spilled registers" for v in variants if v.spill_bytes]
+    found += [f"{v.kernel} [{v.spec}]: {v.shared_bytes} bytes of shared memory, over the {limit} a block may have"
+              for v in variants if v.shared_bytes > limit]
+    found += [f"{v.kernel} [{v.spec}]: first compiled while serving" for v in variants if v.phase == "serving"]
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, choices=sorted(ARCHS), action="append",
+                        help="compute capability x10 (repeatable; default 90 and 80)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--shape", type=Path, help="a config.json (default: the Llama-3-8B shape)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=200, help="random prefill / mixed steps of the serving mix")
+    parser.add_argument("--no-warm-up", action="store_true", help="start up without kernel_warm_up (what it saves)")
+    parser.add_argument("--json", type=Path, help="write the variants here")
+    args = parser.parse_args(argv)
+    shape = json.loads(args.shape.read_text()) if args.shape else LLAMA3_8B
+    config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs)
+    report, failed = {"dtype": args.dtype, "archs": {}}, False
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="splitserve-triton-")  # compile times are real
+    for arch in args.arch or [90, 80]:
+        variants = compile_all(arch, shape, DTYPES[args.dtype], config, args.steps, not args.no_warm_up)
+        found = problems(variants, arch)
+        failed |= bool(found)
+        report["archs"][f"sm_{arch}"] = {"device": ARCHS[arch].name, "variants": [v.__dict__ for v in variants],
+                                         "problems": found}
+        print(f"sm_{arch} ({ARCHS[arch].name}), {args.dtype}: {len(variants)} variants, "
+              f"{sum(v.compile_s for v in variants):.1f} s of compiling on this machine")
+        for v in variants:
+            print(f"  {v.phase:8} {v.kernel:22} {v.compile_s:6.2f} s  {v.registers:3} regs  {v.spill_bytes:4} B spilled"
+                  f"  {v.shared_bytes:6} B shared  {v.spec}")
+        for line in found:
+            print("  PROBLEM:", line)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

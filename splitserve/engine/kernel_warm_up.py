@@ -1,0 +1,33 @@
+"""Compiles, at start-up, every Triton kernel variant a serving step can launch, so that no step
+waits for a compile (about a second each; a cold start compiles a dozen or so). A step's variants
+depend only on the model, the dtype and the decode split count (`attention.triton_kernels`), so one
+tiny step per split count through the model covers them all: a decode whose context spans enough
+key tiles for that many splits, and a two-token chunk after one earlier token (the Triton prefill
+kernel, which the flash-attn backend also uses for chunks). Nothing is stored (every slot is
+PAD_SLOT), every table names block 0 and the hidden states are dropped. Every rank of a
+tensor-parallel group runs the same steps, so their all-reduces pair up."""
+from __future__ import annotations
+
+from splitserve.engine.attention.metadata import PAD_SLOT
+from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts
+from splitserve.engine.model_runner import ModelRunner, StepBatch
+
+
+def warm_up(runner: ModelRunner) -> None:
+    """Compile the Triton variants (with a fixed `num_splits`, only that one); other backends have none."""
+    backend = runner.backend
+    if not isinstance(backend, TritonPagedBackend):
+        return
+    fixed = backend.num_splits
+    try:
+        for splits in split_counts() if fixed is None else [fixed]:
+            backend.num_splits = splits
+            runner.forward(warm_up_step(splits * backend.block_n, runner.kv_cache.block_size))
+    finally:
+        backend.num_splits = fixed
+
+
+def warm_up_step(decode_context: int, block_size: int) -> StepBatch:
+    width = -(-decode_context // block_size)
+    return StepBatch(token_ids=[0] * 3, positions=[0] * 3, slots=[PAD_SLOT] * 3, query_starts=[0, 1, 3],
+                     context_lens=[decode_context, 3], block_tables=[[0] * width, [0] * width], num_decodes=1)

@@ -1,0 +1,51 @@
+"""kernel_warm_up on a tiny model under Triton's interpreter: one step per decode split count,
+each attending its decode with that many splits, nothing stored in the KV cache, the backend's
+own `num_splits` kept; no steps for the torch backend. That these steps leave no variant to
+compile while serving is checked compiled, for sm_90 and sm_80, in tests/scripts/test_compile_kernels.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts  # noqa: E402
+from splitserve.engine.kernel_warm_up import warm_up  # noqa: E402
+from splitserve.engine.llm import LLM  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+ENGINE = {"num_kv_blocks": 64, "max_model_len": 512}
+
+
+def _spy_splits(backend, monkeypatch) -> list[int]:
+    """The split count of each decode the backend attends (once per layer)."""
+    seen, real = [], backend._splits
+
+    def splits(*args):
+        seen.append(real(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(backend, "_splits", splits)
+    return seen
+
+
+@pytest.mark.parametrize("fixed", [None, 2])
+def test_one_step_per_split_count_and_nothing_stored(monkeypatch, fixed):
+    runner = LLM("demo", attention_backend="triton", **ENGINE).engine.runner
+    runner.backend = TritonPagedBackend(block_m=16, block_n=16, num_splits=fixed)  # small tiles: a quick interpreter
+    layers = runner.model.config.num_hidden_layers
+    seen = _spy_splits(runner.backend, monkeypatch)
+    runner.kv_cache.layers()[0].normal_()
+    before = [layer.clone() for layer in runner.kv_cache.layers()]
+    warm_up(runner)
+    expected = split_counts() if fixed is None else [fixed]
+    assert seen == [s for s in expected for _ in range(layers)]
+    assert runner.backend.num_splits == fixed
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.layers()))
+
+
+def test_the_torch_backend_has_nothing_to_warm_up(monkeypatch):
+    runner = LLM("demo", **ENGINE).engine.runner
+    monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
+    warm_up(runner)
+

@@ -1,0 +1,52 @@
+"""compile_kernels.py compiles, with Triton's own compiler and no GPU, every kernel variant the CUDA
+engine launches for the Llama-3-8B shape on sm_90 and sm_80: the start-up (kernel_warm_up and the
+graph capture) compiles all of them, so a serving mix compiles none; none spills registers or
+needs more shared memory than a block may have. Without the warm-up, serving compiles; in float32
+the attention kernels spill: the script fails on both."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compile_kernels.py"
+KERNELS = {"_add_rms_norm_kernel", "_rotary_kernel", "store_kv_kernel", "paged_decode_kernel", "merge_splits_kernel",
+           "paged_prefill_kernel"}
+
+
+def _run(tmp_path, *args) -> tuple[int, dict]:
+    out = tmp_path / "kernels.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out), *args], capture_output=True, text=True,
+                          timeout=600)
+    assert out.exists(), done.stderr[-3000:]
+    return done.returncode, json.loads(out.read_text())["archs"]
+
+
+def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
+    code, archs = _run(tmp_path, "--steps", "40")
+    assert code == 0 and set(archs) == {"sm_90", "sm_80"}
+    for arch, report in archs.items():
+        variants = report["variants"]
+        assert not report["problems"]
+        assert {v["kernel"] for v in variants} == KERNELS
+        assert {v["phase"] for v in variants} == {"start-up"}
+        splits = sorted(int(v["spec"].split("NUM_SPLITS=")[1].split()[0]) for v in variants
+                        if v["kernel"] == "paged_decode_kernel")
+        assert splits == [1, 2, 4, 8, 16], arch  # one variant per split count, whatever the step
+        assert max(v["shared_bytes"] for v in variants) > 40_000 and all(v["registers"] > 0 for v in variants)
+
+
+def test_without_the_warm_up_serving_compiles_and_the_script_fails(tmp_path):
+    code, archs = _run(tmp_path, "--arch", "90", "--steps", "40", "--no-warm-up")
+    assert code == 1
+    assert any("paged_prefill_kernel" in p and "first compiled while serving" in p for p in archs["sm_90"]["problems"])
+
+
+def test_a_variant_that_spills_fails_the_script(tmp_path):
+    code, archs = _run(tmp_path, "--arch", "80", "--dtype", "float32", "--steps", "0")
+    assert code == 1
+    spilled = [v for v in archs["sm_80"]["variants"] if v["spill_bytes"]]
+    assert spilled and all(any(v["kernel"] in p and "spilled" in p for p in archs["sm_80"]["problems"]) for v in spilled)
