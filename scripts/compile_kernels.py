@@ -5,11 +5,11 @@ registers, spills and shared memory (from the cubin, with the cuobjdump that Tri
 Triton compiles a kernel once per variant: per constexpr set, and per integer argument that is 1
 or a multiple of 16 and per pointer that is 16-byte aligned, unless the kernel says not to
 specialize them. A variant first met while serving stalls that step for its compile. So the
-engine's start-up (`kernel_warm_up` and the CUDA-graph capture, as `build_shard` runs them; not the
-memory profile, which a configured KV size skips) is run first, then a
-seeded serving mix (prefills, chunks at offsets, mixed and decode-only steps of every batch size,
-short and long contexts) through the real model runner, step inputs, graphs and attention
-backend, with one decoder layer's launches standing in for the model (`LayerLaunches`).
+engine's start-up runs first (`kernel_warm_up` and the CUDA-graph capture, as `build_shard` runs
+them; not the memory profile, which a configured KV size skips), then a seeded serving mix
+(prefills, chunks at offsets, mixed and decode-only steps of every batch size, short and long
+contexts) through the real model runner, step inputs, graphs and attention backend, with one
+decoder layer's launches standing in for the model (`LayerLaunches`).
 
 Exits non-zero if a variant spills registers, needs more shared memory than the architecture
 gives a block, or is first compiled while serving.

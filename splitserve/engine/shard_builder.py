@@ -33,10 +33,10 @@ class EngineShard:
 def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
                 channel: StepChannel | None = None) -> EngineShard:
     """This rank's model part, KV cache and runner. The cache is sized after the model is loaded
-    (on CUDA by a memory profile, which every rank of a group runs in lockstep); on CUDA the
-    runner's Triton kernels are then compiled (`kernel_warm_up`) and its decode graphs captured. With a group, every
+    (on CUDA by a memory profile, which every rank of a group runs in lockstep). With a group, every
     rank gets the same number of KV blocks (the fewest any rank's memory allows), so a block id
-    means the same on all."""
+    means the same on all. On CUDA the runner's Triton kernels are then compiled
+    (`kernel_warm_up`, on every rank) and its decode graphs captured, before it serves."""
     shard = Shard(group.rank, group.size) if group is not None else Shard()
     loaded = build_model(model, config, shard, group.all_reduce if group is not None else None)
     backend = select_backend(loaded.device, config.attention_backend)

@@ -49,4 +49,5 @@ def test_a_variant_that_spills_fails_the_script(tmp_path):
     code, archs = _run(tmp_path, "--arch", "80", "--dtype", "float32", "--steps", "0")
     assert code == 1
     spilled = [v for v in archs["sm_80"]["variants"] if v["spill_bytes"]]
-    assert spilled and all(any(v["kernel"] in p and "spilled" in p for p in archs["sm_80"]["problems"]) for v in spilled)
+    problems = archs["sm_80"]["problems"]
+    assert spilled and all(any(v["kernel"] in p and "spilled" in p for p in problems) for v in spilled)
