@@ -3,6 +3,7 @@ so the checks read its instructions: the torch pin, the package with its GPU ext
 build needs, and the user and tools the chart's pods rely on."""
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -79,6 +80,17 @@ def test_final_image_has_what_kuberay_and_ray_need(tool):
     """KubeRay probes Ray with `wget ... | grep success` (and starts it with bash)."""
     final_runs = " ".join(args for kind, args in FINAL if kind == "RUN")
     assert re.search(rf"apt-get install [^&]*\b{re.escape(tool)}\b", final_runs)
+
+
+def test_final_image_can_build_tritons_launcher():
+    """At its first kernel launch on CUDA, Triton compiles a C launcher (`triton.runtime.build`)
+    with gcc or clang, against the headers of the interpreter's base prefix (not the venv's):
+    the final image needs a compiler, the C library's headers and Python's."""
+    build = inspect.getsource(pytest.importorskip("triton.runtime.build"))
+    assert 'shutil.which("gcc")' in build and "sysconfig.get_paths" in build and "py_include_dir" in build
+    final_runs = " ".join(args for kind, args in FINAL if kind == "RUN")
+    for package in ("gcc", "libc6-dev", "python3.11-dev"):
+        assert re.search(rf"apt-get install [^&]*(?<![\w.-]){re.escape(package)}(?![\w.-])", final_runs), package
 
 
 def test_ray_and_python_on_path_and_no_model_baked_in():
