@@ -8,9 +8,14 @@ PAD_SLOT), every table names block 0 and the hidden states are dropped. Every ra
 tensor-parallel group runs the same steps, so their all-reduces pair up."""
 from __future__ import annotations
 
+import logging
+import time
+
 from splitserve.engine.attention.metadata import PAD_SLOT
 from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts
 from splitserve.engine.model_runner import ModelRunner, StepBatch
+
+log = logging.getLogger("splitserve.engine")
 
 
 def warm_up(runner: ModelRunner) -> None:
@@ -18,13 +23,17 @@ def warm_up(runner: ModelRunner) -> None:
     backend = runner.backend
     if not isinstance(backend, TritonPagedBackend):
         return
-    fixed = backend.num_splits
+    fixed, start = backend.num_splits, time.perf_counter()
+    counts = split_counts() if fixed is None else [fixed]
     try:
-        for splits in split_counts() if fixed is None else [fixed]:
+        for splits in counts:
             backend.num_splits = splits
             runner.forward(warm_up_step(splits * backend.block_n, runner.kv_cache.block_size))
     finally:
         backend.num_splits = fixed
+    log.info("Triton kernels ready on %s: %d warm-up steps (decode split counts %s) in %.1f s, compiling what "
+             "Triton's cache (TRITON_CACHE_DIR) lacked", runner.device, len(counts), counts,
+             time.perf_counter() - start)
 
 
 def warm_up_step(decode_context: int, block_size: int) -> StepBatch:

@@ -4,6 +4,8 @@ own `num_splits` kept; no steps for the torch backend. That these steps leave no
 compile while serving is checked compiled, for sm_90 and sm_80, in tests/scripts/test_compile_kernels.py."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -30,15 +32,17 @@ def _spy_splits(backend, monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("fixed", [None, 2])
-def test_one_step_per_split_count_and_nothing_stored(monkeypatch, fixed):
+def test_one_step_per_split_count_and_nothing_stored(monkeypatch, caplog, fixed):
     runner = LLM("demo", attention_backend="triton", **ENGINE).engine.runner
     runner.backend = TritonPagedBackend(block_m=16, block_n=16, num_splits=fixed)  # small tiles: a quick interpreter
     layers = runner.model.config.num_hidden_layers
     seen = _spy_splits(runner.backend, monkeypatch)
     runner.kv_cache.layers()[0].normal_()
     before = [layer.clone() for layer in runner.kv_cache.layers()]
-    warm_up(runner)
+    with caplog.at_level(logging.INFO, logger="splitserve.engine"):
+        warm_up(runner)
     expected = split_counts() if fixed is None else [fixed]
+    assert f"{len(expected)} warm-up steps (decode split counts {expected})" in caplog.text
     assert seen == [s for s in expected for _ in range(layers)]
     assert runner.backend.num_splits == fixed
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.layers()))
