@@ -153,11 +153,7 @@ class LayerLaunches:
         t, c, attention = ids.shape[0], self.config, self.attention
         x = torch.empty((t, c.hidden_size), dtype=self.dtype)
         h, _ = add_rms_norm(x, None, self.weight, c.rms_norm_eps)
-        qkv = torch.empty((t, attention.qkv_proj.out_features), dtype=self.dtype)
-        q, k, v = attention.qkv_proj.split(qkv)
-        q = q.view(t, attention.num_heads, c.head_dim)
-        k = k.view(t, attention.num_kv_heads, c.head_dim)
-        v = v.view(t, attention.num_kv_heads, c.head_dim)
+        q, k, v = attention.heads(torch.empty((t, attention.qkv_proj.out_features), dtype=self.dtype))
         rotate_in_place(positions, q, self.cos, self.sin)
         rotate_in_place(positions, k, self.cos, self.sin)
         backend.forward(q, k, v, kv_layers[0], meta)

@@ -99,14 +99,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.heads(self.qkv_proj(x))
         q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v, kv, meta)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim]: views of the fused projection's output."""
+        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
 
 
 class LlamaMLP(nn.Module):
