@@ -237,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200, help="random prefill / mixed steps of the serving mix")
     parser.add_argument("--no-warm-up", action="store_true", help="start up without kernel_warm_up (what it saves)")
+    parser.add_argument("--cache-dir", type=Path, help="Triton's cache to compile into (default: a fresh one, so the "
+                        "times are a cold start's; give the same one twice to time a warm start)")
     parser.add_argument("--json", type=Path, help="write the variants here")
     args = parser.parse_args(argv)
     shape = json.loads(args.shape.read_text()) if args.shape else LLAMA3_8B
     config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs)
     report, failed = {"dtype": args.dtype, "archs": {}}, False
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="splitserve-triton-")  # compile times are real
+    os.environ["TRITON_CACHE_DIR"] = str(args.cache_dir or tempfile.mkdtemp(prefix="splitserve-triton-"))
     for arch in args.arch or [90, 80]:
         variants = compile_all(arch, shape, DTYPES[args.dtype], config, args.steps, not args.no_warm_up)
         found = problems(variants, arch)
