@@ -24,20 +24,27 @@ tolerations:
 {{- end }}
 {{- end -}}
 
-{{/* The Ray container's image, security context, environment and mounts (head and workers). */}}
+{{/* The Ray container's image, security context, environment and mounts (head and workers:
+     results on the head, the compile cache on workers). */}}
 {{- define "splitserve.rayContainer" -}}
 {{- $root := .root -}}
 image: {{ include "splitserve.image" $root }}
 imagePullPolicy: {{ $root.Values.image.pullPolicy }}
 securityContext:
   {{- toYaml $root.Values.containerSecurityContext | nindent 2 }}
-{{- with $root.Values.apiKeySecret.name }}
+{{- if or $root.Values.apiKeySecret.name .compileCache }}
 env:
+  {{- with $root.Values.apiKeySecret.name }}
   - name: SPLITSERVE_API_KEY  # the ingress reads it when cluster.ingress.api_key is unset
     valueFrom:
       secretKeyRef: {name: {{ . }}, key: {{ $root.Values.apiKeySecret.key }}}
+  {{- end }}
+  {{- if .compileCache }}
+  - name: TRITON_CACHE_DIR  # the kernels a worker compiles at start-up, kept for the next (compileCache)
+    value: /compile-cache/triton
+  {{- end }}
 {{- end }}
-{{- if or (not $root.Values.model.demo) .results }}
+{{- if or (not $root.Values.model.demo) .results .compileCache }}
 volumeMounts:
   {{- if not $root.Values.model.demo }}
   - {name: model, mountPath: /models, readOnly: true}
@@ -45,7 +52,20 @@ volumeMounts:
   {{- if .results }}
   - {name: results, mountPath: /results}
   {{- end }}
+  {{- if .compileCache }}
+  - {name: compile-cache, mountPath: /compile-cache}
+  {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* Where workers keep compiled kernels: the release's shared claim, or an emptyDir of the pod. */}}
+{{- define "splitserve.compileCacheVolume" -}}
+- name: compile-cache
+  {{- with .Values.compileCache.claimName }}
+  persistentVolumeClaim: {claimName: {{ . }}}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
 {{- end -}}
 
 {{/* The model volume: a read-only claim, or an emptyDir the download init container fills. */}}
@@ -164,11 +184,12 @@ volumeMounts:
       {{- end }}
       containers:
         - name: ray-worker
-          {{- include "splitserve.rayContainer" (dict "root" $root) | nindent 10 }}
+          {{- include "splitserve.rayContainer" (dict "root" $root "compileCache" true) | nindent 10 }}
           resources:
             {{- toYaml $resources | nindent 12 }}
-      {{- with include "splitserve.modelVolume" $root | trim }}
       volumes:
+        {{- with include "splitserve.modelVolume" $root | trim }}
         {{- . | nindent 8 }}
-      {{- end }}
+        {{- end }}
+        {{- include "splitserve.compileCacheVolume" $root | nindent 8 }}
 {{- end -}}
