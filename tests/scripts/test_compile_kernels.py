@@ -1,8 +1,9 @@
 """compile_kernels.py compiles, with Triton's own compiler and no GPU, every kernel variant the CUDA
 engine launches for the Llama-3-8B shape on sm_90 and sm_80: the start-up (kernel_warm_up and the
 graph capture) compiles all of them, so a serving mix compiles none; none spills registers or
-needs more shared memory than a block may have. Without the warm-up, serving compiles; in float32
-the attention kernels spill: the script fails on both."""
+needs more shared memory than a block may have; a second start on the same Triton cache compiles
+nothing. Without the warm-up, serving compiles; in float32 the attention kernels spill: the
+script fails on both."""
 import json
 import subprocess
 import sys
@@ -26,7 +27,8 @@ def _run(tmp_path, *args) -> tuple[int, dict]:
 
 
 def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
-    code, archs = _run(tmp_path, "--steps", "40")
+    cache = tmp_path / "triton-cache"
+    code, archs = _run(tmp_path, "--steps", "40", "--cache-dir", str(cache))
     assert code == 0 and set(archs) == {"sm_90", "sm_80"}
     for arch, report in archs.items():
         variants = report["variants"]
@@ -37,6 +39,15 @@ def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
                         if v["kernel"] == "paged_decode_kernel")
         assert splits == [1, 2, 4, 8, 16], arch  # one variant per split count, whatever the step
         assert max(v["shared_bytes"] for v in variants) > 40_000 and all(v["registers"] > 0 for v in variants)
+
+    compiled = sorted(f.relative_to(cache) for f in cache.rglob("*") if f.is_file())
+    assert compiled
+    code, warm = _run(tmp_path, "--steps", "0", "--cache-dir", str(cache))
+    assert code == 0
+    for arch, report in warm.items():  # the same variants, all found in the cache: it gained no file
+        assert {(v["kernel"], v["spec"]) for v in report["variants"]} == \
+            {(v["kernel"], v["spec"]) for v in archs[arch]["variants"]}
+    assert sorted(f.relative_to(cache) for f in cache.rglob("*") if f.is_file()) == compiled
 
 
 def test_without_the_warm_up_serving_compiles_and_the_script_fails(tmp_path):
