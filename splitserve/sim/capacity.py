@@ -70,12 +70,20 @@ class Capacity:
     records_at_capacity: list[RequestRecord] | None
 
 
+def capacity_overhead(url: str, config: ClusterConfig, engine_profile: Path) -> ServingOverhead:
+    """The serving overhead of the cluster at `url` (deployed with `config`, on this host), which
+    the simulated search adds to `engine_profile`'s times."""
+    return measure_serving_overhead(url, config, engine_profile, DEFAULT_PROMPT_SIZES, DEFAULT_OUTPUT_TOKENS,
+                                    OVERHEAD_REPEATS, shared_host=True)[0]
+
+
 def measured_capacity(name: str, url: str, config: ClusterConfig, engine_profile: Path, spec: CapacitySpec,
-                      log=print, progress: bool = False) -> Capacity:
-    """The cluster at `url` (deployed with `config`): its serving overhead, then the real search."""
+                      log=print, progress: bool = False, overhead: ServingOverhead | None = None) -> Capacity:
+    """The cluster at `url` (deployed with `config`): its serving overhead (`capacity_overhead`,
+    measured now unless given: it does not depend on the SLOs), then the real search."""
     info = asyncio.run(fetch_server_info(url, None))
-    overhead, _ = measure_serving_overhead(url, config, engine_profile, DEFAULT_PROMPT_SIZES, DEFAULT_OUTPUT_TOKENS,
-                                           OVERHEAD_REPEATS, shared_host=True)
+    if overhead is None:
+        overhead = capacity_overhead(url, config, engine_profile)
     target, records = Target(url), {}
 
     def measured(rate: float) -> dict:

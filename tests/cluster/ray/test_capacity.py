@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.config import ClusterConfig
-from splitserve.sim.capacity import CapacitySpec, measured_capacity, probe_rows, simulated_capacity
+from splitserve.sim.capacity import CapacitySpec, capacity_overhead, measured_capacity, probe_rows, simulated_capacity
 from splitserve.sim.host_cpu import host_cores
 from splitserve.sim.profile import ProfileSpec, run_profile, write_csv
 from tests.ray_cluster import MAIN
@@ -22,16 +22,25 @@ def profiled(tmp_path_factory):
     return config, write_csv(run_profile(spec).rows, tmp_path_factory.mktemp("capacity") / "engine.csv")
 
 
+@pytest.fixture(scope="module")
+def overhead(server, profiled):
+    """Measured once (about a minute and a half here): both searches run on the same cluster."""
+    overhead = capacity_overhead(server, *profiled)
+    assert overhead.request_s > 0
+    # the cluster runs on this machine: its cores, and the proxy, ingress and client spend CPU on every token
+    assert overhead.host_cores == host_cores() and overhead.stream_cpu_s > 0
+    return overhead
+
+
 @pytest.mark.parametrize("tbt_slo_s, capacity, probes", [(60.0, 2.0, [1.0, 2.0]), (1e-9, 0.0, [1.0])],
                          ids=["all-pass", "none-pass"])
-def test_measured_and_simulated_searches_agree_at_the_extremes(server, profiled, tbt_slo_s, capacity, probes):
+def test_measured_and_simulated_searches_agree_at_the_extremes(server, profiled, overhead, tbt_slo_s, capacity,
+                                                               probes):
     config, profile = profiled
     spec = CapacitySpec(**SHORT, tbt_slo_s=tbt_slo_s, ttft_slo_s=60.0)
-    measured = measured_capacity("main", server, config, profile, spec)
+    measured = measured_capacity("main", server, config, profile, spec, overhead=overhead)
     assert measured.capacity_rps == capacity and [rate for rate, _ in measured.probes] == probes
-    assert measured.overhead.request_s > 0 and measured.max_model_len == MAIN["engine"]["max_model_len"]
-    # the cluster runs on this machine: its cores, and the proxy, ingress and client spend CPU on every token
-    assert measured.overhead.host_cores == host_cores() and measured.overhead.stream_cpu_s > 0
+    assert measured.overhead is overhead and measured.max_model_len == MAIN["engine"]["max_model_len"]
     assert (measured.records_at_capacity is not None) == (capacity > 0)
     simulated, simulated_probes = simulated_capacity(measured, config, profile, spec)
     assert simulated == capacity and [rate for rate, _ in simulated_probes] == probes
