@@ -26,6 +26,10 @@ def _run(tmp_path, *args) -> tuple[int, dict]:
     return done.returncode, json.loads(out.read_text())["archs"]
 
 
+def _files(folder: Path) -> list[Path]:
+    return sorted(f.relative_to(folder) for f in folder.rglob("*") if f.is_file())
+
+
 def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
     cache = tmp_path / "triton-cache"
     code, archs = _run(tmp_path, "--steps", "40", "--cache-dir", str(cache))
@@ -40,14 +44,14 @@ def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
         assert splits == [1, 2, 4, 8, 16], arch  # one variant per split count, whatever the step
         assert max(v["shared_bytes"] for v in variants) > 40_000 and all(v["registers"] > 0 for v in variants)
 
-    compiled = sorted(f.relative_to(cache) for f in cache.rglob("*") if f.is_file())
+    compiled = _files(cache)
     assert compiled
     code, warm = _run(tmp_path, "--steps", "0", "--cache-dir", str(cache))
     assert code == 0
     for arch, report in warm.items():  # the same variants, all found in the cache: it gained no file
         assert {(v["kernel"], v["spec"]) for v in report["variants"]} == \
             {(v["kernel"], v["spec"]) for v in archs[arch]["variants"]}
-    assert sorted(f.relative_to(cache) for f in cache.rglob("*") if f.is_file()) == compiled
+    assert _files(cache) == compiled
 
 
 def test_without_the_warm_up_serving_compiles_and_the_script_fails(tmp_path):
