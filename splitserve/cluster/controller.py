@@ -5,9 +5,11 @@ their pools and the one placement state every ingress replica asks.
   `<role>-<slot>.<incarnation>` (the actor: `<app>-<worker id>`): a replacement gets a new
   incarnation, hence fresh transfer links.
 - Load: it polls every worker each `report_interval_s` (a report per interval, not per
-  iteration); the poll doubles as the liveness check. Reports drive the policy's pool moves, and
-  carry each worker's prefix-cache delta into the placement's prefix index; after a poll that got
-  no answer (whose delta may be lost), that worker's next report is a full snapshot.
+  iteration); the poll doubles as the liveness check. While no worker has work it polls each
+  `idle_report_interval_s` instead, and a placement brings the fast cadence back at once.
+  Reports drive the policy's pool moves, and carry each worker's prefix-cache delta into the
+  placement's prefix index; after a poll that got no answer (whose delta may be lost), that
+  worker's next report is a full snapshot.
 - Placement: `place` picks both workers at once (the policy in `placement/`), moving a worker
   into the mixed pool first when the policy says so. None means the cluster cannot admit now.
 - Failure: a worker that fails a call or a poll is diagnosed through `health` (the engine loop's
@@ -68,6 +70,7 @@ class Controller:
         self._draining = False
         self._retiring: set[str] = set()
         self._prefix_resync: set[str] = set()  # workers whose next report must be a prefix snapshot
+        self._placed = asyncio.Event()  # set by a placement; cleared when a poll begins
 
     @property
     def _poll_timeout_s(self) -> float:
@@ -119,6 +122,7 @@ class Controller:
         if self._draining:
             return None
         placement, moves = self.state.place(request, time.monotonic(), exclude)
+        self._placed.set()
         await self._apply(moves)
         if placement is None:
             self.counters["rejected"] += 1
@@ -138,9 +142,9 @@ class Controller:
 
     # ---- load reports and failures -----------------------------------------------------------
     async def _poll_forever(self) -> None:
-        interval = self.config.scheduler.report_interval_s
         while True:
             started = time.monotonic()
+            self._placed.clear()
             polled = list(self.handles)
             results = await asyncio.gather(*(self._poll(w) for w in polled), return_exceptions=True)
             for worker_id, result in zip(polled, results):
@@ -151,7 +155,21 @@ class Controller:
                                            for w in self.state.workers.values()})
             except Exception as error:
                 self._poll_error("pool sizes", error)
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+            await self._until_next_poll(started)
+
+    async def _until_next_poll(self, started: float) -> None:
+        """The fast cadence while anything runs or was placed during the poll; otherwise the idle
+        one, cut short by a placement (then one fast interval on, so that the request has reached
+        its workers when they report)."""
+        scheduler = self.config.scheduler
+        if self._placed.is_set() or not self.state.idle():
+            await asyncio.sleep(max(0.0, scheduler.report_interval_s - (time.monotonic() - started)))
+            return
+        try:
+            await asyncio.wait_for(self._placed.wait(), scheduler.idle_report_interval_s - (time.monotonic() - started))
+        except asyncio.TimeoutError:
+            return
+        await asyncio.sleep(scheduler.report_interval_s)
 
     def _poll_error(self, what: str, error: Exception) -> None:
         self.counters["poll_errors"] += 1

@@ -187,6 +187,10 @@ class SchedulerOptions(StrictModel):
                                      "most one per period).")
     report_interval_s: float = Field(0.1, gt=0, description="How often the CLS polls each worker's load (also the "
                                      "liveness check).")
+    idle_report_interval_s: float = Field(1.0, gt=0, description="How often the CLS polls while no worker has "
+                                          "work and nothing was placed since the last poll (at least "
+                                          "report_interval_s); a placement brings back the report_interval_s "
+                                          "cadence at once.")
     max_attempts: int = Field(3, ge=1, description="Placements per request, failovers included.")
     replace_dead_workers: bool = Field(True, description="Start a replacement for a worker that died or was "
                                        "retired as unhealthy or stuck.")
@@ -209,6 +213,13 @@ class SchedulerOptions(StrictModel):
                                      "index keeps: each worker gets an equal share (at most its KV blocks); past it, "
                                      "its least recently placed or reported blocks are forgotten, a prefix's tail "
                                      "before its root (a missed hit at worst).")
+
+    @model_validator(mode="after")
+    def _idle_polls_no_faster(self) -> "SchedulerOptions":
+        if self.idle_report_interval_s < self.report_interval_s:
+            raise ValueError(f"idle_report_interval_s ({self.idle_report_interval_s}) must be at least "
+                             f"report_interval_s ({self.report_interval_s})")
+        return self
 
     def thresholds(self) -> PlacementThresholds:
         """What the placement policy needs (the controller and the simulator use the same)."""

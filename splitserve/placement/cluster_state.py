@@ -98,6 +98,11 @@ class ClusterState:
         worker.reported_at = now
         return self._apply_all(self.policy.rebalance(self, now, worker), now)
 
+    def idle(self) -> bool:
+        """No worker has work, by its last report, nor was given any since."""
+        return all(w.load.idle and w.placed_prompt_tokens == w.placed_decode_tokens == 0
+                   for w in self.workers.values())
+
     def place(self, request: PlacementRequest, now: float,
               exclude: Collection[str] = ()) -> tuple[Placement | None, list[PoolMove]]:
         """Prompt and token workers for a request (None: cannot admit now), and the pool moves made

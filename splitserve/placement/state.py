@@ -48,6 +48,11 @@ class WorkerLoad:
         _require_non_negative_ints(self, ("pending_prompt_tokens", "decode_tokens", "num_decoding",
                                           "num_waiting", "free_kv_tokens", "total_kv_tokens"))
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, prefilling, decoding or importing."""
+        return self.pending_prompt_tokens == self.num_decoding == self.num_waiting == 0
+
 
 @dataclass(frozen=True)
 class PlacementRequest:

@@ -1,5 +1,6 @@
 """The controller's poll loop outlives a failure in handling one worker's report: the other
-workers' reports keep landing, and the failure is counted and logged; reports carry the workers'
+workers' reports keep landing, and the failure is counted and logged; it polls idle workers at the
+idle cadence, busy ones at the fast one, and a placement wakes it; reports carry the workers'
 prefix-cache deltas into the placement's index, and a lost report makes the next one a snapshot
 (no Ray: stand-in handles)."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ import time
 
 from splitserve.cluster.controller import Controller
 from splitserve.cluster.worker_stats import WorkerStats
-from splitserve.placement.state import PrefixDelta, Role, WorkerLoad
+from splitserve.placement.state import PlacementRequest, PrefixDelta, Role, WorkerLoad
 
 HEALTHY = {"alive": True, "healthy": True, "reason": None, "heartbeat_age_s": 0.0, "step_running_s": 0.0}
 
@@ -31,17 +32,22 @@ class _Method:
 
 
 class _Handle:
-    def __init__(self, prefix: PrefixDelta | None = None):
-        self.report = _Method((WorkerLoad(), WorkerStats(), prefix))
+    def __init__(self, prefix: PrefixDelta | None = None, load: WorkerLoad = WorkerLoad()):
+        self.report = _Method((load, WorkerStats(), prefix))
         self.health = _Method(HEALTHY)
 
 
-def test_a_report_whose_handling_raises_does_not_stop_the_polls():
-    config = {"pools": [{"role": "mixed", "num_workers": 2}], "scheduler": {"report_interval_s": 0.01}}
-    controller = Controller(config)
+def _controller(scheduler: dict, load: WorkerLoad = WorkerLoad()) -> Controller:
+    """Two mixed workers behind stand-in handles that report `load`."""
+    controller = Controller({"pools": [{"role": "mixed", "num_workers": 2}], "scheduler": scheduler})
     for worker_id in ("mixed-0.0", "mixed-1.1"):
-        controller.handles[worker_id] = _Handle()
+        controller.handles[worker_id] = _Handle(load=load)
         controller.state.add_worker(worker_id, Role.MIXED, controller.config.hardware("cpu"), WorkerLoad(), 0.0)
+    return controller
+
+
+def test_a_report_whose_handling_raises_does_not_stop_the_polls():
+    controller = _controller({"report_interval_s": 0.01, "idle_report_interval_s": 0.01})
     recorded = []
 
     def record_worker(worker_id, *args):
@@ -64,6 +70,50 @@ def test_a_report_whose_handling_raises_does_not_stop_the_polls():
 
     asyncio.run(run())
     assert polled_on()
+
+
+def _polls(controller: Controller) -> int:
+    return len(controller.handles["mixed-0.0"].report.calls)
+
+
+async def _wait_for(condition, timeout_s: float) -> float:
+    """Seconds until `condition()` held (fails past `timeout_s`)."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, "timed out"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - started
+
+
+def test_idle_workers_are_polled_at_the_idle_cadence_until_a_placement_wakes_the_poll():
+    controller = _controller({"report_interval_s": 0.01, "idle_report_interval_s": 30})
+
+    async def run():
+        poll = asyncio.ensure_future(controller._poll_forever())
+        await _wait_for(lambda: _polls(controller) == 1, 10)
+        await asyncio.sleep(0.5)  # 50 fast intervals
+        assert _polls(controller) == 1
+        placement = await controller.place(PlacementRequest("r1", num_prompt_tokens=8, max_tokens=4))
+        assert placement is not None
+        woken_after = await _wait_for(lambda: _polls(controller) == 2, 10)  # not 30 s
+        assert woken_after >= 0.01  # one fast interval on: the request reaches its workers first
+        await asyncio.sleep(0.5)  # the reports say idle again: back to the idle cadence
+        assert _polls(controller) == 2
+        poll.cancel()
+
+    asyncio.run(run())
+
+
+def test_busy_workers_are_polled_at_the_fast_cadence():
+    controller = _controller({"report_interval_s": 0.01, "idle_report_interval_s": 30},
+                             WorkerLoad(num_decoding=1, decode_tokens=40))
+
+    async def run():
+        poll = asyncio.ensure_future(controller._poll_forever())
+        await _wait_for(lambda: _polls(controller) >= 5, 10)
+        poll.cancel()
+
+    asyncio.run(run())
 
 
 def test_reports_feed_the_prefix_index_and_a_lost_report_asks_for_a_snapshot():

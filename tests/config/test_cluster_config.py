@@ -182,6 +182,8 @@ INVALID = {
     "negative saved weight": ({"scheduler": {"prefill_saved_weight": -1}},
                               r"scheduler\.prefill_saved_weight\n.*greater than or equal to 0"),
     "empty prefix index": ({"scheduler": {"prefix_index_blocks": 0}}, r"scheduler\.prefix_index_blocks"),
+    "idle polls faster": ({"scheduler": {"report_interval_s": 0.5, "idle_report_interval_s": 0.2}},
+                          r"scheduler\n.*idle_report_interval_s \(0\.2\) must be at least report_interval_s \(0\.5\)"),
 }
 
 
