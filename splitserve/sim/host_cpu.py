@@ -27,26 +27,26 @@ class CpuSample:
 def sample(proc: Path = PROC) -> CpuSample:
     if not (proc / "stat").exists():
         raise OSError(f"{proc / 'stat'} is not readable: measuring the host's CPU needs Linux's /proc")
-    tick = os.sysconf("SC_CLK_TCK")
     fields = [int(x) for x in (proc / "stat").read_text().splitlines()[0].split()[1:]]
     busy = sum(fields[:8]) - fields[3] - fields[4]  # user..steal, less idle and iowait (guest time is in user)
-    return CpuSample(time.perf_counter(), busy / tick, _workers_ticks(proc) / tick)
+    workers = sum(cpu_s for title, cpu_s in processes_cpu_s(proc).values() if title.startswith(WORKER_TITLES))
+    return CpuSample(time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), workers)
 
 
-def _workers_ticks(proc: Path) -> int:
-    total = 0
+def processes_cpu_s(proc: Path = PROC) -> dict[int, tuple[str, float]]:
+    """Every live process by pid: its title (its command line's first word) and the CPU seconds
+    it has spent since it started (every thread's)."""
+    tick, found = os.sysconf("SC_CLK_TCK"), {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
             title = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
-            if title.startswith(WORKER_TITLES):
-                stat = (entry / "stat").read_text()
-                fields = stat.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
-                total += int(fields[11]) + int(fields[12])  # utime, stime: every thread of the process
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+            found[int(entry.name)] = (title, (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
         except (OSError, IndexError, ValueError):
             continue  # the process ended while being read
-    return total
+    return found
 
 
 def stack_cpu_while(work: Callable[[], T], idle_s: float) -> tuple[T, float]:

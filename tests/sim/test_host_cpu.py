@@ -31,6 +31,9 @@ def test_a_hand_made_proc_tree(tmp_path):
     # busy: user + nice + system + irq + softirq + steal (guest is counted in user already)
     assert cpu.host_s == pytest.approx((100 + 3 + 50 + 0 + 5 + 2) / tick)
     assert cpu.workers_s == pytest.approx((30 + 10 + 5 + 5) / tick)
+    processes = host_cpu.processes_cpu_s(tmp_path)
+    assert processes[14] == ("ray::ProxyActor", pytest.approx(100 / tick))
+    assert processes[15] == ("python", pytest.approx(100 / tick)) and set(processes) == {12, 13, 14, 15}
     with pytest.raises(OSError, match="/proc"):
         host_cpu.sample(tmp_path / "missing")
 
