@@ -5,7 +5,7 @@ two ingress replicas sharing one CLS, for pool moves, backpressure and auth) and
 /hardening (short leases and stuck bound, small request bounds, for the failure tests) and `tp` at
 /tp (a prompt worker of 2 tensor-parallel ranks handing to a token worker of 1). Its dashboard takes
 `ray job submit`. A pytest plugin (tests/conftest.py): only tests that ask for these fixtures
-start it; the session ends by stopping that cluster's processes."""
+start it, and their modules run last; the session ends by stopping that cluster's processes."""
 from __future__ import annotations
 
 import contextlib
