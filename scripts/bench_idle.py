@@ -43,12 +43,11 @@ def measure_idle(url: str, settle_s: float, window_s: float) -> dict:
 
     wait_until_healthy(url, timeout=300)
     time.sleep(settle_s)
-    host, processes = host_cpu.sample(), host_cpu.processes_cpu_s()
+    started, host, processes = time.perf_counter(), host_cpu.host_busy_s(), host_cpu.processes_cpu_s()
     time.sleep(window_s)
-    host_end, processes_end = host_cpu.sample(), host_cpu.processes_cpu_s()
-    seconds = host_end.at_s - host.at_s
-    return {"host_cores": (host_end.host_s - host.host_s) / seconds,
-            **cores_by_part(processes, processes_end, seconds)}
+    seconds = time.perf_counter() - started
+    host_end, processes_end = host_cpu.host_busy_s(), host_cpu.processes_cpu_s()
+    return {"host_cores": (host_end - host) / seconds, **cores_by_part(processes, processes_end, seconds)}
 
 
 def run(args) -> list[dict]:

@@ -25,12 +25,18 @@ class CpuSample:
 
 
 def sample(proc: Path = PROC) -> CpuSample:
+    at_s, host_s = time.perf_counter(), host_busy_s(proc)  # first: it names a missing /proc
+    workers = sum(cpu_s for title, cpu_s in processes_cpu_s(proc).values() if title.startswith(WORKER_TITLES))
+    return CpuSample(at_s, host_s, workers)
+
+
+def host_busy_s(proc: Path = PROC) -> float:
+    """CPU seconds every core has spent busy (neither idle nor waiting on I/O) since boot."""
     if not (proc / "stat").exists():
         raise OSError(f"{proc / 'stat'} is not readable: measuring the host's CPU needs Linux's /proc")
     fields = [int(x) for x in (proc / "stat").read_text().splitlines()[0].split()[1:]]
     busy = sum(fields[:8]) - fields[3] - fields[4]  # user..steal, less idle and iowait (guest time is in user)
-    workers = sum(cpu_s for title, cpu_s in processes_cpu_s(proc).values() if title.startswith(WORKER_TITLES))
-    return CpuSample(time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), workers)
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def processes_cpu_s(proc: Path = PROC) -> dict[int, tuple[str, float]]:
