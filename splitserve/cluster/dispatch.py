@@ -220,11 +220,10 @@ class Run:
 
     def _remaining_params(self) -> SamplingParams:
         done, have_prompt_logprobs = len(self.tokens), self.prompt_logprobs is not None
-        constraint = self.params.constraint
         return replace(self.params, max_tokens=self.params.max_tokens - done,
                        min_tokens=max(0, self.params.min_tokens - done),
                        prompt_logprobs=None if have_prompt_logprobs else self.params.prompt_logprobs,
-                       constraint=constraint and replace(constraint, resumed_tokens=done))
+                       resumed_tokens=done)
 
     # ---- failover ---------------------------------------------------------------------------
     async def _recover(self, failure: _AttemptFailed) -> None:

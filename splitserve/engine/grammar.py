@@ -80,7 +80,7 @@ class GrammarMasks:
     def _caught_up(self, seq: Sequence) -> llg.LLMatcher:
         constraint = seq.params.constraint
         matcher, consumed = self._matchers.get(seq.seq_id) or (self._new_matcher(constraint), 0)
-        start = seq.num_prompt_tokens - constraint.resumed_tokens
+        start = seq.num_prompt_tokens - seq.params.resumed_tokens  # a resumed request's output is matched too
         for token_id in seq.token_ids[start + consumed:]:
             if not matcher.is_error() and not matcher.consume_token(token_id):
                 # only a token outside the mask (an all -inf row sampled greedily); from here the

@@ -194,9 +194,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
+        if params.resumed_tokens >= len(token_ids):
+            raise ValueError(f"resumed_tokens must be shorter than the prompt ({len(token_ids)} tokens), "
+                             f"got {params.resumed_tokens}")
         if params.constraint is not None:
-            if params.constraint.resumed_tokens >= len(token_ids):
-                raise ValueError("constraint resumed_tokens must be shorter than the prompt")
             self.sampler.grammar.check(params.constraint)
         seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
                        self.eos_token_ids)

@@ -14,9 +14,6 @@ MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is ref
 class OutputConstraint:
     kind: str
     spec: str = ""  # json_schema: the schema as JSON text; choice: a JSON list of strings; else the pattern
-    # tokens at the end of the prompt that were generated under this constraint (a failover resumed
-    # the request elsewhere): the matcher consumes them before the first new token
-    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -31,8 +28,6 @@ class OutputConstraint:
                 raise ValueError("choice must be a non-empty list of non-empty strings")
         elif self.kind != "json_object" and not self.spec:
             raise ValueError(f"constraint {self.kind} must not be empty")
-        if not isinstance(self.resumed_tokens, int) or self.resumed_tokens < 0:
-            raise ValueError(f"resumed_tokens must be an integer >= 0, got {self.resumed_tokens!r}")
 
     @classmethod
     def of(cls, kind: str, value=None) -> OutputConstraint:

@@ -7,7 +7,7 @@ sampling (greedy rows too), as vLLM and OpenAI define them, in this order:
   far is divided by the penalty when positive, multiplied when negative (transformers'
   `RepetitionPenaltyLogitsProcessor`);
 - frequency and presence (OpenAI's): `logit -= frequency_penalty * count + presence_penalty *
-  (count > 0)`, counting the output tokens only.
+  (count > 0)`, counting the output tokens only (a resumed request's earlier output included).
 
 Rows without any of these cost nothing; the others are gathered, changed and written back.
 """
@@ -27,7 +27,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     chosen = [seqs[i] for i in rows]
     index = upload_list(rows, torch.long, device)
     part = _add_biases(logits[index], chosen)  # the bias first, as vLLM and transformers order them
-    output_counts = _counts([s.output_token_ids for s in chosen], vocab, device)
+    output_counts = _counts([s.generated_token_ids for s in chosen], vocab, device)
     seen = _counts([s.token_ids for s in chosen], vocab, device).gt(0)  # in the prompt or the output
     repetition = _column([s.params.repetition_penalty for s in chosen], device)
     penalized = torch.where(part > 0, part / repetition, part * repetition)

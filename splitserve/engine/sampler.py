@@ -2,8 +2,9 @@
 then greedy, or temperature / top-k / top-p / min-p.
 
 All rows are processed together; only seeded rows touch Python one by one, to draw their
-uniform from their own generator. Random rows sample by inverse CDF: one uniform per row and a
-`searchsorted` over the cumulative probabilities, so the noise is one number per row, not per token.
+uniform from a generator set for their seed and output position. Random rows sample by inverse
+CDF: one uniform per row and a `searchsorted` over the cumulative probabilities, so the noise is
+one number per row, not per token.
 
 Numerically safe whatever the logits hold: NaN counts as -inf, +inf as the largest float, a row
 is shifted by its maximum before it is divided by the temperature (so nothing overflows and the
@@ -22,6 +23,8 @@ from splitserve.engine.penalties import apply_penalties
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import upload_list
 
+_GOLDEN_64 = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd: seed -> seed x this spreads every bit
+
 
 @dataclass(frozen=True)
 class SampledToken:
@@ -38,15 +41,15 @@ class SampledToken:
 
 
 class Sampler:
-    """Samples a batch. Seeded requests keep a private generator, keyed by seq_id, so their
-    tokens do not depend on the rest of the batch; `forget` drops it when the request ends.
+    """Samples a batch. A seeded request's draws depend on its seed and positions alone, not on the
+    rest of the batch; `forget` drops a request's grammar state when it ends.
     Constrained requests (structured output) are masked by the `GrammarMasks` that `grammar`
     builds on first use."""
 
     def __init__(self, seed: int = 0, grammar: Callable[[], GrammarMasks] | None = None) -> None:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
-        self._seeded: dict[str, torch.Generator] = {}
+        self._seeded: dict[torch.device, torch.Generator] = {}
         self._grammar_factory = grammar
         self._grammar: GrammarMasks | None = None
 
@@ -59,7 +62,6 @@ class Sampler:
         return self._grammar
 
     def forget(self, seq_id: str) -> None:
-        self._seeded.pop(seq_id, None)
         if self._grammar is not None:
             self._grammar.forget(seq_id)
 
@@ -96,11 +98,15 @@ class Sampler:
         return torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=logits.shape[1] - 1)
 
     def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-        """One draw in (0, 1] per row; seeded rows draw from their own generator."""
+        """One draw in (0, 1] per row. A seeded row's draw is a function of its seed and the output
+        position it samples, so a request gives the same tokens whichever workers run which of its
+        tokens (a prompt worker the first, a token worker the rest; a failover's resumed attempt)."""
         u = torch.rand(len(seqs), device=device, generator=self._shared_generator(device))
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
-                u[i] = torch.rand(1, device=device, generator=self._seeded_generator(seq, device))[0]
+                position = seq.params.resumed_tokens + seq.num_output_tokens
+                generator = self._seeded_generator(seq.params.seed, position, device)
+                u[i] = torch.rand(1, device=device, generator=generator)[0]
         return u.neg_().add_(1)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
@@ -108,10 +114,12 @@ class Sampler:
             self._shared[device] = torch.Generator(device=device).manual_seed(self._seed)
         return self._shared[device]
 
-    def _seeded_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
-        if seq.seq_id not in self._seeded:
-            self._seeded[seq.seq_id] = torch.Generator(device=device).manual_seed(seq.params.seed)
-        return self._seeded[seq.seq_id]
+    def _seeded_generator(self, seed: int, position: int, device: torch.device) -> torch.Generator:
+        """This device's seeded generator, set for (seed, position): a multiplicative hash, so the low
+        32 bits (all a CPU generator keeps) differ between positions and between nearby seeds."""
+        if device not in self._seeded:
+            self._seeded[device] = torch.Generator(device=device)
+        return self._seeded[device].manual_seed((seed * _GOLDEN_64 + position) % 2**64)
 
 
 def sanitized_logits(logits: torch.Tensor) -> torch.Tensor:

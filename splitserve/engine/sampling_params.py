@@ -45,6 +45,10 @@ class SamplingParams:
     # latency targets the SLO-aware (accelgen) policies schedule for; other policies ignore them
     ttft_slo_s: float | None = None  # time to first token
     tbt_slo_s: float | None = None   # time between tokens
+    # the prompt's last this many tokens are this request's own output from an earlier attempt (a
+    # failover resumed it elsewhere): seeded draws, frequency and presence penalties and structured
+    # output count them as output, so the request goes on as if it had never moved
+    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -57,6 +61,8 @@ class SamplingParams:
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        _check(_is_int(self.resumed_tokens) and self.resumed_tokens >= 0,
+               f"resumed_tokens must be an integer >= 0, got {self.resumed_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),

@@ -61,6 +61,11 @@ class Sequence:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
+    def generated_token_ids(self) -> list[int]:
+        """The request's whole output: what earlier attempts made (the prompt's resumed tail) and this one."""
+        return self.token_ids[len(self.prompt_token_ids) - self.params.resumed_tokens:]
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

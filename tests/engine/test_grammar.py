@@ -70,7 +70,7 @@ def test_a_matcher_catches_up_on_tokens_it_did_not_sample():
     masks = GrammarMasks(demo_tokenizer(), 259)
     imported = Sequence("i", [256, 65], constrained("choice", ["abc", "abd"]), eos_token_ids=frozenset({EOS}))
     imported.append_token(ord("a"))
-    params = SamplingParams(constraint=OutputConstraint("choice", json.dumps(["abc", "abd"]), resumed_tokens=2))
+    params = SamplingParams(constraint=OutputConstraint("choice", json.dumps(["abc", "abd"])), resumed_tokens=2)
     resumed = Sequence("r", [256, 65, ord("a"), ord("b")], params, eos_token_ids=frozenset({EOS}))
     logits = masks.apply(torch.zeros(2, 259), [imported, resumed])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ord("b")]

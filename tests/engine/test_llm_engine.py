@@ -7,6 +7,7 @@ formats, sampling options and bad input are in test_llm_requests.py.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +16,15 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import SequenceStatus
 from splitserve.transfer.codec import pack_all, slot_index, unpack_all
-from tests.engine.engine_helpers import ENGINE, GREEDY, PROMPTS, assert_all_free, assert_same, run_engine
+from tests.engine.engine_helpers import (
+    ENGINE,
+    GREEDY,
+    PROMPTS,
+    assert_all_free,
+    assert_same,
+    run_engine,
+    token_ids,
+)
 from tests.engine.engine_helpers import one_thread, reference  # noqa: F401  (pytest fixtures)
 
 
@@ -41,11 +50,29 @@ def test_policies_agree(reference, policy):
 
 
 def test_prompt_to_token_handoff_in_process(reference):
+    assert_same(handed_off(GREEDY), reference, skip_first_logprob=True)  # the token engine learns the first id only
+
+
+def test_a_seeded_request_handed_off_or_resumed_samples_as_one_run():
+    """Its draws follow its output positions, wherever each token is sampled; a resumed request
+    (its earlier output at the end of its prompt) also keeps its penalties over that output."""
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=21, ignore_eos=True,
+                            frequency_penalty=1.5, presence_penalty=0.5)
+    whole = LLM(**ENGINE).generate(PROMPTS, seeded)
+    assert token_ids(handed_off(seeded)) == token_ids(whole)
+    resumed = LLM(**ENGINE).generate([p + w.token_ids[:5] for p, w in zip(PROMPTS, whole)],
+                                     replace(seeded, max_tokens=7, resumed_tokens=5))
+    assert [out.token_ids for out in resumed] == [w.token_ids[5:] for w in whole]
+
+
+def handed_off(params: SamplingParams) -> list:
+    """Every prompt prefilled by a prompt engine, its KV and first token moved into a token engine
+    that decodes the rest; the token engine's outputs in prompt order."""
     prompt_engine = LLMEngine(policy="prompt", prompt_token_budget=128, **ENGINE)
     token_engine = LLMEngine(policy="token", **ENGINE)
     ids = [f"r{i}" for i in range(len(PROMPTS))]
     for request_id, prompt in zip(ids, PROMPTS):
-        prompt_engine.add_request(request_id, prompt, GREEDY)
+        prompt_engine.add_request(request_id, prompt, params)
     with pytest.raises(ValueError, match="prefilled"):
         prompt_engine.export_request(ids[0])  # still waiting
     finished, moved, steps = {}, set(), 0
@@ -71,11 +98,10 @@ def test_prompt_to_token_handoff_in_process(reference):
         steps += 1
         assert steps < 200
     assert moved == set(ids)
-    # the token engine only learns the first token's id, not its logprobs
-    assert_same([finished[i] for i in ids], reference, skip_first_logprob=True)
     assert all(finished[i].finish_reason == "length" for i in ids)
     assert_all_free(prompt_engine)
     assert_all_free(token_engine)
+    return [finished[i] for i in ids]
 
 
 def test_preemption_keeps_outputs():

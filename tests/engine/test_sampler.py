@@ -78,25 +78,38 @@ def test_sampled_tokens_stay_inside_top_k_and_top_p():
 def test_seeded_request_does_not_depend_on_the_batch():
     flat = torch.zeros(1, 1000)  # uniform: every token equally likely, so seeds show clearly
     alone_sampler, batch_sampler = Sampler(seed=0), Sampler(seed=123)
-    target = make_seq("target", seed=7, top_p=0.9)
+    alone_seq, target = make_seq("target", seed=7, top_p=0.9), make_seq("target", seed=7, top_p=0.9)
     others = [make_seq("a"), make_seq("b", seed=8), make_seq("c", temperature=0.0)]
     alone, in_batch = [], []
     for step in range(6):
-        alone.append(alone_sampler.sample(flat, [target])[0].token_id)
+        alone.append(alone_sampler.sample(flat, [alone_seq])[0].token_id)
+        alone_seq.append_token(alone[-1])
         batch = others[:step % 3] + [target] + others[step % 3:]
         out = batch_sampler.sample(flat.expand(len(batch), -1), batch)
         in_batch.append(out[batch.index(target)].token_id)
-    assert alone == in_batch
+        target.append_token(in_batch[-1])
+    assert alone == in_batch and len(set(alone)) > 1
 
 
-def test_different_seeds_differ_and_forget_restarts_the_stream():
+def test_a_seeded_draw_depends_on_the_seed_and_the_output_position_alone():
+    """So a request sampled in parts (the prompt worker's first token, the token worker's rest; a
+    failover's resumed attempt, whose prompt ends with the earlier output) gives one run's tokens."""
     flat = torch.zeros(2, 1000)
     sampler = Sampler()
-    seqs = [make_seq("x", seed=1), make_seq("y", seed=2)]
-    steps = [[t.token_id for t in sampler.sample(flat, seqs)] for _ in range(5)]
-    assert [s[0] for s in steps] != [s[1] for s in steps]
-    sampler.forget("x")
-    assert sampler.sample(flat[:1], seqs[:1])[0].token_id == steps[0][0]
+    x, y = make_seq("x", seed=1), make_seq("y", seed=2)
+    for _ in range(5):
+        for seq, token in zip((x, y), sampler.sample(flat, [x, y])):
+            seq.append_token(token.token_id)
+    assert x.output_token_ids != y.output_token_ids and len(set(x.output_token_ids)) > 1
+    imported = make_seq("imported", seed=1)  # a token worker's copy: the first token came with the KV
+    imported.append_token(x.output_token_ids[0])
+    resumed = Sequence("resumed", [1, 2] + x.output_token_ids[:2], SamplingParams(max_tokens=32, seed=1,
+                                                                                   resumed_tokens=2))
+    elsewhere = Sampler(seed=99)
+    for position in range(2, 5):
+        assert elsewhere.sample(flat[:1], [resumed])[0].token_id == x.output_token_ids[position]
+        resumed.append_token(x.output_token_ids[position])
+    assert elsewhere.sample(flat[:1], [imported])[0].token_id == x.output_token_ids[1]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
