@@ -5,14 +5,19 @@ is a 503 (the others are stopped), as a client going away stops them all."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from fastapi.responses import JSONResponse
 
 from splitserve.api import response_bodies as R
+from splitserve.api.choice_text import best_choices, choice_options
 from splitserve.api.errors import RequestError, error_response
-from splitserve.cluster.dispatch import RequestFailed
+from splitserve.api.request_models import GenerationRequest
+from splitserve.api.request_sampling import choice_params
+from splitserve.api.visible_text import TextStream
+from splitserve.cluster.dispatch import RequestFailed, Run
+from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.run_response import RunResponse
 
 _DONE = object()
@@ -29,21 +34,23 @@ class ChoicesResponse:
         """The prompt once; every choice's tokens, returned or not (best_of's are computed too)."""
         return len(self.replies[0].run.prompt), sum(r.completion_tokens for r in self.replies)
 
-    async def whole(self) -> JSONResponse:
+    async def body(self) -> dict:
+        """The whole response body; RequestFailed if a choice failed (the others are stopped). A
+        cancelled caller stops them all."""
         tasks = [asyncio.ensure_future(reply.collect()) for reply in self.replies]
         try:
             choices = await asyncio.gather(*tasks)
-        except RequestFailed as error:
-            await self._stop(tasks)
-            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
-        except asyncio.CancelledError:  # the client went away: each collect stops its run
+        except (RequestFailed, asyncio.CancelledError):  # a cancelled collect stops its run
             await self._stop(tasks)
             raise
-        if self.num_returned < len(choices):
-            ranked = sorted(zip(self.replies, choices), key=lambda rc: -rc[0].cumulative_logprob)
-            choices = [{**choice, "index": i} for i, (_, choice) in enumerate(ranked[:self.num_returned])]
-        return JSONResponse(R.response_body(self.kind, self.response_id, self.model, self.created, choices,
-                                            *self.usage))
+        choices = best_choices(choices, [r.cumulative_logprob for r in self.replies], self.num_returned)
+        return R.response_body(self.kind, self.response_id, self.model, self.created, choices, *self.usage)
+
+    async def whole(self) -> JSONResponse:
+        try:
+            return JSONResponse(await self.body())
+        except RequestFailed as error:
+            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
 
     async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
         """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
@@ -95,3 +102,26 @@ class ChoicesResponse:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def choices_for(kind: str, request: GenerationRequest, leader: Run, tokenizer, started: float | None = None,
+                on_done: Callable[[RequestObservation], None] = lambda _: None,
+                follower_retry_s: float | None = None) -> ChoicesResponse:
+    """The response to `request`: the leader's choice, and with n or best_of above 1 one more run
+    per choice, each with its own seed stream, admitted on the leader's workers once its prefill is
+    cached there (`follower_retry_s`: how often one the cluster cannot take yet is tried again;
+    None: it fails the response)."""
+    runs, returned = request.num_choices()
+    options = choice_options(request, leader.prompt, tokenizer)
+
+    def reply(run: Run, index: int) -> RunResponse:
+        return RunResponse(kind, run, request.model, TextStream(tokenizer, run.params, run.prompt), started, on_done,
+                           index=index, response_id=leader.request_id, **options)
+
+    replies = [reply(leader, 0)]
+    for index in range(1, runs):
+        follower = Run(f"{leader.request_id}-{index}", leader.prompt, choice_params(leader.params, index),
+                       leader.workers, leader.max_attempts, prefix_block_size=leader.prefix_block_size)
+        follower.admit_after(leader, follower_retry_s)
+        replies.append(reply(follower, index))
+    return ChoicesResponse(replies, returned)

@@ -91,17 +91,21 @@ class Run:
         except _AttemptFailed as failure:
             await self._recover(failure)
 
-    def admit_after(self, leader: Run) -> None:
+    def admit_after(self, leader: Run, retry_s: float | None = None) -> None:
         """Admit once `leader` (another choice of the same prompt) has its first token, on its
         workers: their prefix caches then hold the prompt, so this one's prefill is a cache hit.
-        `deltas` waits for it; no room then is a RequestFailed."""
+        `deltas` waits for it; no room then is a RequestFailed, or with `retry_s` another try that
+        much later (a batch's choice waits for room, as its lines do)."""
         async def admission():
             await leader.started.wait()
             self.follow = leader.placement
-            try:
-                await self.admit()
-            except Overloaded as error:
-                raise RequestFailed(str(error)) from None
+            while True:
+                try:
+                    return await self.admit()
+                except Overloaded as error:
+                    if retry_s is None:
+                        raise RequestFailed(str(error)) from None
+                await asyncio.sleep(retry_s)
         self._admission = asyncio.ensure_future(admission())
 
     async def deltas(self) -> AsyncIterator[TokenDelta]:

@@ -29,16 +29,14 @@ from splitserve.api.request_models import (
     parse_request,
     prompt_token_ids_of,
 )
-from splitserve.api.request_sampling import choice_params, sampling_params
+from splitserve.api.request_sampling import sampling_params
 from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
-from splitserve.api.visible_text import TextStream
 from splitserve.batch import routes as batch_routes
 from splitserve.cluster.batch_manager import RemoteBatches
-from splitserve.cluster.choices_response import ChoicesResponse
+from splitserve.cluster.choices_response import choices_for
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
-from splitserve.cluster.run_response import RunResponse
 from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import load_metadata
 
@@ -141,36 +139,12 @@ class Ingress:
             retry = self.config.ingress.retry_after_s
             return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
                                                status=429, type="rate_limit_exceeded"), {"Retry-After": str(retry)})
-        reply = self._reply(kind, body, run, started)
+        reply = choices_for(kind, body, run, self.tokenizer, started, self._observations.add)
         if body.stream:
             options = body.stream_options
             stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))
             return StreamingResponse(stream, media_type="text/event-stream")
         return await reply.whole()
-
-    def _reply(self, kind: str, body, leader: Run, started: float) -> ChoicesResponse:
-        """The response to `body`: the leader's choice, and with n or best_of above 1 one more run
-        per choice, each with its own seed stream, admitted on the leader's workers once its prefill
-        is cached there."""
-        echo = None
-        if body.echoes_prompt():
-            echo = body.prompt if isinstance(body.prompt, str) else \
-                self.tokenizer.decode(leader.prompt, skip_special_tokens=False)
-        runs, returned = body.num_choices()
-        options = dict(echo=echo, generated=not body.scores_prompt_only(), response_id=leader.request_id,
-                       tool_names=frozenset(f["name"] for f in body.tool_functions()), num_top=body.requested_logprobs())
-
-        def reply(run: Run, index: int) -> RunResponse:
-            return RunResponse(kind, run, body.model, TextStream(self.tokenizer, run.params, run.prompt), started,
-                               self._observations.add, index=index, **options)
-
-        replies = [reply(leader, 0)]
-        for index in range(1, runs):
-            follower = Run(f"{leader.request_id}-{index}", leader.prompt, choice_params(leader.params, index),
-                           leader.workers, leader.max_attempts, prefix_block_size=leader.prefix_block_size)
-            follower.admit_after(leader)
-            replies.append(reply(follower, index))
-        return ChoicesResponse(replies, returned)
 
     async def _tokenizer_call(self, request: Request, model_cls, answer) -> JSONResponse:
         raw = await request.body()

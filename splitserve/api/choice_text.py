@@ -1,0 +1,93 @@
+"""One choice of an OpenAI response built from its tokens as they come, wherever they come from (a
+cluster run's deltas, or an offline engine's finished output): the visible text, the logprobs of
+the tokens that made it, the echoed prompt, and the whole choice (tool calls parsed). Also what a
+request asks of its choices (`choice_options`) and best_of's pick (`best_choices`)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from splitserve.api import response_bodies as R
+from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
+from splitserve.api.request_models import GenerationRequest
+from splitserve.api.tool_calls import parse_tool_calls
+from splitserve.api.visible_text import TextStream
+from splitserve.engine.tokenizer import Tokenizer
+
+
+class ChoiceText:
+    """`echo`: the prompt's text, put in front of the first piece (completions' `echo`), with the
+    prompt tokens' logprobs in front of the first token's; `generated=False` (echo with max_tokens
+    0): the sampled token is left out, so the choice is the scored prompt alone. `tool_names`: the
+    functions a chat offered; an output that is calls to them comes back as `tool_calls`. `num_top`:
+    the top alternatives per token the client asked logprobs of (None: none; logprobs may still come,
+    for best_of's ranking alone)."""
+
+    def __init__(self, kind: str, text: TextStream, prompt: Sequence[int], echo: str | None = None,
+                 generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
+                 num_top: int | None = None):
+        self.kind, self.text, self.prompt, self.index, self.num_top = kind, text, prompt, index, num_top
+        self._echo, self.generated, self.tool_names = echo, generated, tool_names
+        self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs come (best_of ranks by it)
+        self._entries: list[Entry] = []  # of the text not yet handed out
+        self._text_offset = 0  # completions' text_offset of the next token
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence[dict[int, float]] | None, finish_reason: str | None,
+            prompt_logprobs: Sequence[dict[int, float] | None] | None = None) -> tuple[str, str | None]:
+        """(text delta, finish reason) after these tokens. The reason is "stop" as soon as a stop
+        string shows, whether or not the run has ended (`self.text.stopped`: then stop it)."""
+        if logprobs is not None:
+            self.cumulative_logprob += sum(lps[t] for t, lps in zip(token_ids, logprobs))
+        echoed = self._take_echo(prompt_logprobs)
+        taken = self.text.append(token_ids) if self.generated else 0
+        if self.num_top is not None and logprobs is not None:
+            self._entries += zip(token_ids[:taken], logprobs[:taken])
+        reason = "stop" if self.text.stopped else finish_reason
+        return echoed + self.text.delta(final=reason is not None), reason
+
+    def _take_echo(self, prompt_logprobs) -> str:
+        """The echoed prompt, once (its logprobs join the entries; the first prompt token has none)."""
+        if self._echo is None:
+            return ""
+        echoed, self._echo = self._echo, None
+        if self.num_top is not None and prompt_logprobs is not None:
+            self._entries += zip(self.prompt, (None, *prompt_logprobs[1:]))
+        return echoed
+
+    def take_logprobs(self) -> dict | None:
+        """The logprobs object of the tokens since the last call, in this endpoint's shape."""
+        if self.num_top is None:
+            return None
+        entries, self._entries = self._entries, []
+        if self.kind == "chat":
+            return chat_logprobs(entries, self.num_top, self.text.token_text)
+        body = completion_logprobs(entries, self.num_top, self.text.token_text, self._text_offset)
+        self._text_offset += sum(len(t) for t in body["tokens"])
+        return body
+
+    def choice(self, text: str, reason: str | None) -> dict:
+        """The whole choice, `text` being every piece `add` gave."""
+        logprobs = self.take_logprobs()
+        if self.kind == "completion":
+            return R.completion_choice(text, reason, logprobs, self.index)
+        calls = parse_tool_calls(text, self.tool_names) if self.tool_names and reason == "stop" else None
+        if calls:
+            return R.chat_choice(None, "tool_calls", logprobs, [c.body() for c in calls], self.index)
+        return R.chat_choice(text, reason, logprobs, index=self.index)
+
+
+def choice_options(request: GenerationRequest, prompt: Sequence[int], tokenizer: Tokenizer) -> dict:
+    """ChoiceText's `echo`, `generated`, `tool_names` and `num_top` for every choice of `request`."""
+    echo = None
+    if request.echoes_prompt():
+        echo = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(prompt, skip_special_tokens=False)
+    return dict(echo=echo, generated=not request.scores_prompt_only(),
+                tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs())
+
+
+def best_choices(choices: list[dict], cumulative_logprobs: list[float], num_returned: int) -> list[dict]:
+    """best_of: the `num_returned` choices whose sampled tokens are likeliest, indexed anew; all of
+    them, as they are, when every computed choice is returned."""
+    if num_returned >= len(choices):
+        return choices
+    ranked = sorted(zip(cumulative_logprobs, choices), key=lambda lc: -lc[0])
+    return [{**choice, "index": i} for i, (_, choice) in enumerate(ranked[:num_returned])]
