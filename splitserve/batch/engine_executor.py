@@ -1,44 +1,81 @@
 """A batch file run on one in-process engine (`splitserve batch`, and the batch API's executor
 when no cluster serves it): lines prepared like HTTP requests, run in BlendServe (or dfs / fcfs)
 order, every result synced to the output or error log as it finishes, so a rerun after a crash
-resumes where the logs end."""
+resumes where the logs end. A result line's body is what the line's endpoint would answer."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
+from splitserve.api import response_bodies as R
+from splitserve.api.choice_text import ChoiceText, best_choices, choice_options
+from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.limits import RequestLimits
+from splitserve.api.request_sampling import choice_params
+from splitserve.api.visible_text import TextStream
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_runner import BatchStats, run_batch
-from splitserve.batch.lines import BatchLine, prepare_pending, response_body, result_line
+from splitserve.batch.lines import BatchLine, Prepared, prepare_pending, result_line
 from splitserve.batch.results import ResultLog
 from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.tokenizer import Tokenizer
 
 
-def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str, output: ResultLog, errors: ResultLog,
-              options: BlendOptions, stop: Callable[[], bool] = lambda: False,
+def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str, ...], output: ResultLog,
+              errors: ResultLog, options: BlendOptions, stop: Callable[[], bool] = lambda: False,
               on_result: Callable[[bool], None] = lambda ok: None, limits: RequestLimits = RequestLimits()
               ) -> BatchStats:
     """Run every line without a result in `output` or `errors`; lines already there count as
-    samples of output length. `on_result(ok)` after each line is logged."""
-    jobs, finished = prepare_pending(lines, engine.tokenizer, model, engine.max_model_len, output, errors, on_result,
-                                     limits)
+    samples of output length. A line with several choices (`n`, `best_of`) runs as that many
+    requests of its prompt, each with its choice's seed (the order keeps them together, so the
+    prompt is prefilled once), and is logged when its last one ends. `on_result(ok)` after each
+    line is logged."""
+    grammar = LazyGrammar(engine.tokenizer, engine.model_config.vocab_size)
+    jobs, finished_lines = prepare_pending(lines, engine.tokenizer, model, engine.max_model_len, output, errors,
+                                           on_result, limits, grammar.check)
+    choices = [(job, index) for job, (_, prepared) in enumerate(jobs)
+               for index in range(prepared.request.num_choices()[0])]
+    items = [(jobs[job][1].prompt, choice_params(jobs[job][1].params, index)) for job, index in choices]
+    finished = {key: finished_lines[job] // jobs[job][1].request.num_choices()[0]
+                for key, (job, _) in enumerate(choices) if job in finished_lines}
+    ended: dict[int, dict[int, RequestOutput]] = {}  # job -> its choices' outputs, until all have ended
 
-    def record(key: int, out) -> None:
-        line = jobs[key][0]
-        body = response_body(line.kind, model, out.text, out.finish_reason, len(out.prompt_token_ids),
-                             len(out.token_ids))
-        output.append(result_line(line.custom_id, 200, body))
-        on_result(True)
+    def record(key: int, out: RequestOutput) -> None:
+        job, index = choices[key]
+        line, prepared = jobs[job]
+        outs = ended.setdefault(job, {})
+        outs[index] = out
+        if len(outs) == prepared.request.num_choices()[0]:
+            del ended[job]
+            body = response(line.kind, prepared, [outs[i] for i in range(len(outs))], engine.tokenizer)
+            output.append(result_line(line.custom_id, 200, body))
+            on_result(True)
 
-    items = [(prepared.prompt, prepared.params) for _, prepared in jobs]
     return run_batch(engine, items, options, record, finished, stop=stop)
+
+
+def response(kind: str, prepared: Prepared, outs: list[RequestOutput], tokenizer: Tokenizer) -> dict:
+    """The endpoint's response body from the engine's outputs of each choice."""
+    options = choice_options(prepared.request, prepared.prompt, tokenizer)
+    choices, ranks = [], []
+    for index, out in enumerate(outs):
+        params = choice_params(prepared.params, index)
+        text = ChoiceText(kind, TextStream(tokenizer, params, prepared.prompt), prepared.prompt, index=index, **options)
+        piece, reason = text.add(out.token_ids, out.outputs[0].logprobs, out.finish_reason, out.prompt_logprobs)
+        choices.append(text.choice(piece, reason))
+        ranks.append(text.cumulative_logprob)
+    completion_tokens = sum(len(out.token_ids) for out in outs) if options["generated"] else 0
+    return R.response_body(kind, R.new_request_id(kind), prepared.request.model, int(time.time()),
+                           best_choices(choices, ranks, prepared.request.num_choices()[1]), len(prepared.prompt),
+                           completion_tokens)
 
 
 class EngineExecutor:
     """The batch service's executor on one in-process engine (run in a thread, off the event loop)."""
 
-    def __init__(self, engine: LLMEngine, model: str, limits: RequestLimits = RequestLimits()):
+    def __init__(self, engine: LLMEngine, model: str | tuple[str, ...], limits: RequestLimits = RequestLimits()):
         self.engine, self.model, self.limits = engine, model, limits
 
     async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,

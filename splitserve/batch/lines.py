@@ -3,28 +3,29 @@ up front, each body prepared like an HTTP request of its endpoint, and the resul
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.api import response_bodies as R
 from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.limits import RequestLimits
 from splitserve.api.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
+    GenerationRequest,
     check_model,
     parse_request,
     prompt_token_ids_of,
 )
 from splitserve.api.request_sampling import sampling_params
 from splitserve.batch.results import ResultLog
+from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.sampling_params import SamplingParams
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 MAX_REPORTED_ERRORS = 100
+ConstraintCheck = Callable[[OutputConstraint, str], None]  # LazyGrammar.check
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class BatchLine:
 
 @dataclass(frozen=True)
 class Prepared:
+    request: GenerationRequest  # the body, validated
     prompt: list[int]
     params: SamplingParams
 
@@ -118,25 +120,22 @@ def _error(code: str, message: str, line: int | None = None, param: str | None =
 
 
 def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_len: int,
-            limits: RequestLimits = RequestLimits()) -> Prepared:
-    """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
+            limits: RequestLimits = RequestLimits(), check_constraint: ConstraintCheck | None = None) -> Prepared:
+    """Tokenize and check one request as its endpoint would (RequestError on a bad body;
+    `check_constraint` compiles a structured-output constraint, as the ingress does)."""
     model_cls = CompletionRequest if line.kind == "completion" else ChatCompletionRequest
     body = parse_request(model_cls, json.dumps(line.body).encode())
     check_model(body.model, model)
-    constraint_field = body.output_constraint()[1]
-    for field, asked in (("logprobs", body.requested_logprobs() is not None), ("echo", body.echoes_prompt()),
-                         (constraint_field, constraint_field is not None),
-                         ("tools", bool(body.tool_functions())), ("n", body.num_choices()[0] > 1)):
-        if asked:
-            raise RequestError(f"{field}: not supported in batches yet; send the request to its endpoint", param=field)
     limits.check(body)
     prompt = prompt_token_ids_of(body, tokenizer) if line.kind == "completion" else \
         chat_prompt_token_ids(body, tokenizer)
-    return Prepared(prompt, sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size))
+    return Prepared(body, prompt, sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size,
+                                                  check_constraint))
 
 
 def prepare_pending(lines: list[BatchLine], tokenizer, model: str | tuple[str, ...], max_model_len: int, output: ResultLog,
-                    errors: ResultLog, on_result: Callable[[bool], None], limits: RequestLimits = RequestLimits()
+                    errors: ResultLog, on_result: Callable[[bool], None], limits: RequestLimits = RequestLimits(),
+                    check_constraint: ConstraintCheck | None = None
                     ) -> tuple[list[tuple[BatchLine, Prepared]], dict[int, int]]:
     """The lines that tokenize and check (a bad one's error is logged now, unless it already
     was), keyed by position, and the output lengths of those already done (to skip, and to serve
@@ -145,7 +144,7 @@ def prepare_pending(lines: list[BatchLine], tokenizer, model: str | tuple[str, .
     for line in lines:
         done = output.done.get(line.custom_id) or errors.done.get(line.custom_id)
         try:
-            prepared = prepare(line, tokenizer, model, max_model_len, limits)
+            prepared = prepare(line, tokenizer, model, max_model_len, limits, check_constraint)
         except RequestError as error:
             if done is None:
                 errors.append(error_line(line.custom_id, error))
@@ -155,13 +154,6 @@ def prepare_pending(lines: list[BatchLine], tokenizer, model: str | tuple[str, .
             finished[len(jobs)] = completion_tokens(done)
         jobs.append((line, prepared))
     return jobs, finished
-
-
-def response_body(kind: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                  completion_tokens: int) -> dict:
-    build = R.completion_response if kind == "completion" else R.chat_response
-    return build(R.new_request_id(kind), model, int(time.time()), text, finish_reason, prompt_tokens,
-                 completion_tokens)
 
 
 def result_line(custom_id: str, status_code: int, body: dict) -> dict:

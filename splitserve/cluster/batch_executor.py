@@ -9,30 +9,31 @@ from collections.abc import Callable
 from splitserve.api import response_bodies as R
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
-from splitserve.api.visible_text import TextStream
+from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.batch.blend.cost import ModelShape
 from splitserve.batch.blend.feeder import BatchFeeder, BlendOptions
 from splitserve.batch.engine_runner import offline_request
 from splitserve.batch.lines import (
     BatchLine,
+    Prepared,
     completion_tokens,
     error_line,
     prepare_pending,
-    response_body,
     result_line,
 )
 from splitserve.batch.results import ResultLog
+from splitserve.cluster.choices_response import choices_for
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
-from splitserve.cluster.run_response import RunResponse
 
 DECODING_POOLS = ("token", "mixed")
 
 
 class ClusterExecutor:
-    def __init__(self, cls, model_shape: ModelShape, tokenizer, model: str | tuple[str, ...], max_model_len: int,
-                 block_size: int, max_attempts: int, retry_s: float = 1.0, limits: RequestLimits = RequestLimits(),
-                 prefix_block_size: int = 0):
+    def __init__(self, cls, model_shape: ModelShape, tokenizer, vocab_size: int, model: str | tuple[str, ...],
+                 max_model_len: int, block_size: int, max_attempts: int, retry_s: float = 1.0,
+                 limits: RequestLimits = RequestLimits(), prefix_block_size: int = 0):
         self.workers, self.limits = WorkerDirectory(cls), limits
+        self.grammar = LazyGrammar(tokenizer, vocab_size)  # structured output's constraints compile up front
         self.prefix_block_size = prefix_block_size  # ClusterConfig.prefix_block_size
         self.shape, self.tokenizer, self.model = model_shape, tokenizer, model
         self.max_model_len, self.block_size = max_model_len, block_size
@@ -50,7 +51,7 @@ class ClusterExecutor:
     async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,
                   stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
         jobs, finished = prepare_pending(lines, self.tokenizer, self.model, self.max_model_len, output, errors,
-                                         on_result, self.limits)
+                                         on_result, self.limits, self.grammar.check)
         requests = [offline_request(key, p.prompt, p.params) for key, (_, p) in enumerate(jobs)]
         feeder = BatchFeeder(requests, options, self.shape, await self.kv_tokens(), self.block_size, finished)
         changed = asyncio.Event()
@@ -82,9 +83,10 @@ class ClusterExecutor:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
 
-    async def _request(self, line: BatchLine, prepared, output: ResultLog, errors: ResultLog,
+    async def _request(self, line: BatchLine, prepared: Prepared, output: ResultLog, errors: ResultLog,
                        on_first: Callable[[], None]) -> bool:
-        """One line: placed (retried while the cluster is full), collected, logged. True if it succeeded."""
+        """One line: placed (retried while the cluster is full), its choices collected as the
+        endpoint's response, logged. True if it succeeded."""
         while True:
             run = Run(R.new_request_id(line.kind), prepared.prompt, prepared.params, self.workers, self.max_attempts,
                       prefix_block_size=self.prefix_block_size)
@@ -96,23 +98,22 @@ class ClusterExecutor:
             except RequestFailed as failure:
                 errors.append(_failed_line(line, failure))
                 return False
-        reply = RunResponse(line.kind, run, line.body["model"], TextStream(self.tokenizer, prepared.params, prepared.prompt))
-        parts, reason, finished = [], None, False
+        reply = choices_for(line.kind, prepared.request, run, self.tokenizer, follower_retry_s=self.retry_s)
+        first = asyncio.ensure_future(_after_first_token(run, on_first))
         try:
-            async for piece, reason in reply.pieces(every_delta=True):
-                if len(parts) == 0:
-                    on_first()
-                parts.append(piece)
-            finished = True
+            body = await reply.body()
         except RequestFailed as failure:
             errors.append(_failed_line(line, failure))
             return False
         finally:
-            if not finished:
-                await run.abort()
-        output.append(result_line(line.custom_id, 200, response_body(line.kind, line.body["model"], "".join(parts), reason,
-                                                                     len(prepared.prompt), len(run.tokens))))
+            first.cancel()
+        output.append(result_line(line.custom_id, 200, body))
         return True
+
+
+async def _after_first_token(run: Run, then: Callable[[], None]) -> None:
+    await run.started.wait()
+    then()
 
 
 def _failed_line(line: BatchLine, failure: RequestFailed) -> dict:

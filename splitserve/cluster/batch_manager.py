@@ -18,9 +18,9 @@ class BatchManager:
         engine = config.engine.engine_config("token")
         model_config, tokenizer, max_model_len = load_metadata(config.model, engine)
         limits = config.ingress.limits()
-        executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, config.model_names, max_model_len,
-                                   engine.block_size, config.scheduler.max_attempts, limits=limits,
-                                   prefix_block_size=config.prefix_block_size())
+        executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, model_config.vocab_size,
+                                   config.model_names, max_model_len, engine.block_size, config.scheduler.max_attempts,
+                                   limits=limits, prefix_block_size=config.prefix_block_size())
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
                                     limits.max_batch_lines)
 

@@ -26,3 +26,54 @@ def expected_texts(lines: list[dict]) -> dict[str, str]:
                         [SamplingParams(max_tokens=line["body"]["max_tokens"], temperature=0, ignore_eos=True)
                          for line in lines])
     return {line["custom_id"]: out.text for line, out in zip(lines, outs)}
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer"],
+          "properties": {"answer": {"enum": ["yes", "no", "maybe"]}}}
+ADD = {"name": "add", "description": "Add two numbers",
+       "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                      "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}}}}
+ASK = [{"role": "user", "content": "Is 2 + 3 five?"}]
+
+
+def option_lines() -> dict[str, list[dict]]:
+    """Per endpoint, lines that use every option a batch line takes (all reproducible: greedy or
+    seeded), keyed by custom_id, and one whose constraint does not compile (`bad-regex`)."""
+    def line(custom_id: str, url: str, **body) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "demo", **body}}
+
+    prompt = "Several choices, please: "
+    completions = [
+        line("n", "/v1/completions", prompt=prompt, n=2, seed=11, temperature=1.0, max_tokens=8, ignore_eos=True),
+        line("best-of", "/v1/completions", prompt=prompt, n=2, best_of=3, seed=3, temperature=1.0, max_tokens=6,
+             logprobs=1, ignore_eos=True),
+        line("echo-scored", "/v1/completions", prompt="Score this text", echo=True, logprobs=2, max_tokens=0),
+        line("echo", "/v1/completions", prompt=[256, 72, 105], echo=True, max_tokens=4, temperature=0,
+             stop=["zz"]),
+        line("regex", "/v1/completions", prompt="Code:", max_tokens=10, seed=2, guided_regex="[A-Z]{3}-[0-9]{2}"),
+        line("bad-regex", "/v1/completions", prompt="x", guided_regex="[a-"),
+    ]
+    chat = [
+        line("logprobs", "/v1/chat/completions", messages=ASK, logprobs=True, top_logprobs=2, max_tokens=6,
+             temperature=0),
+        line("schema", "/v1/chat/completions", messages=ASK, seed=1, max_tokens=60,
+             response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}),
+        line("tools", "/v1/chat/completions", messages=ASK, seed=4, max_tokens=60, tool_choice="required",
+             tools=[{"type": "function", "function": ADD}]),
+        line("chat-n", "/v1/chat/completions", messages=ASK, n=2, seed=5, max_tokens=6, ignore_eos=True),
+    ]
+    return {"/v1/completions": completions, "/v1/chat/completions": chat}
+
+
+def comparable(body: dict) -> dict:
+    """A response body without what differs between two answers to one request: its id, creation
+    time and tool call ids."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("id", "created")}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    return strip(body)

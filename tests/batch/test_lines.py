@@ -6,6 +6,7 @@ import json
 import pytest
 
 from splitserve.api.errors import RequestError
+from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.batch.lines import InputFileError, parse_input, prepare
 from splitserve.engine.demo import demo_tokenizer
 from tests.batch.batch_helpers import as_jsonl, batch_lines
@@ -57,13 +58,17 @@ def test_prepare_checks_a_body_like_its_endpoint():
     assert caught.value.status == 400
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", 2), ("echo", True), ("n", 2)])
-def test_logprobs_and_echo_are_refused_in_a_batch_line_naming_them(field, value):
-    [line] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions",
-                                     "body": {"model": "demo", "prompt": "hi", field: value}}).encode())
+def test_prepare_takes_every_option_of_the_endpoint_and_compiles_constraints_up_front():
+    [line] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {
+        "model": "demo", "prompt": "hi", "n": 2, "best_of": 3, "logprobs": 2, "echo": True}}).encode())
+    prepared = prepare(line, demo_tokenizer(), "demo", 2048)
+    assert prepared.request.num_choices() == (3, 2) and prepared.params.prompt_logprobs == 2
+    [bad] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions",
+                                    "body": {"model": "demo", "prompt": "hi", "guided_regex": "[a-"}}).encode())
+    grammar = LazyGrammar(demo_tokenizer(), demo_tokenizer().vocab_size)
     with pytest.raises(RequestError) as caught:
-        prepare(line, demo_tokenizer(), "demo", 2048)
-    assert (caught.value.status, caught.value.param) == (400, field)
+        prepare(bad, demo_tokenizer(), "demo", 2048, check_constraint=grammar.check)
+    assert (caught.value.status, caught.value.param) == (400, "guided_regex")
 
 
 def test_a_file_over_the_line_bound_is_refused_whole():

@@ -1,0 +1,115 @@
+"""A batch on one in-process engine answers each line as its endpoint would: several choices with
+their seeds (best_of keeping the likeliest), logprobs and echo, structured output and tool calls,
+in the shapes the official `openai` client parses; a constraint that does not compile is the
+line's 400."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from splitserve import LLM, SamplingParams
+from splitserve.batch.blend.feeder import BlendOptions
+from splitserve.batch.engine_executor import run_lines
+from splitserve.batch.lines import parse_input, prepare
+from splitserve.batch.results import ResultLog
+from tests.batch.batch_helpers import ADD, SCHEMA, as_jsonl, option_lines
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("demo")
+
+
+@pytest.fixture(scope="module")
+def results(llm, tmp_path_factory):
+    """custom_id -> result line, for every option line (both endpoints in one run)."""
+    lines = [line for group in option_lines().values() for line in group]
+    directory = tmp_path_factory.mktemp("batch")
+    with ResultLog(directory / "out.jsonl") as output, ResultLog(directory / "errors.jsonl") as errors:
+        run_lines(llm.engine, parse_input(as_jsonl(lines)), "demo", output, errors, BlendOptions("dfs"))
+        return {**output.done, **errors.done}
+
+
+def body(results, custom_id: str) -> dict:
+    return results[custom_id]["response"]["body"]
+
+
+def test_every_line_has_a_result_in_the_openai_client_shapes(results):
+    assert len(results) == sum(len(group) for group in option_lines().values())
+    for custom_id, line in results.items():
+        if custom_id == "bad-regex":
+            continue
+        assert line["response"]["status_code"] == 200
+        kind = ChatCompletion if line["response"]["body"]["object"] == "chat.completion" else Completion
+        if custom_id != "echo-scored":  # the first prompt token's null logprob, as OpenAI's API gives, the types deny
+            kind.model_validate(line["response"]["body"])
+
+
+def test_n_choices_equal_independent_requests_with_their_seeds(llm, results):
+    choices = body(results, "n")["choices"]
+    prompt = "Several choices, please: "
+    alone = [llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=11 + i, ignore_eos=True))[0].text
+             for i in range(2)]
+    assert [c["index"] for c in choices] == [0, 1] and [c["text"] for c in choices] == alone
+    assert body(results, "n")["usage"]["completion_tokens"] == 16
+
+
+def test_best_of_keeps_the_choices_whose_tokens_are_likeliest(llm, results):
+    got = body(results, "best-of")
+    runs = [llm.generate("Several choices, please: ", SamplingParams(max_tokens=6, temperature=1.0, seed=3 + i,
+                                                                     logprobs=1, ignore_eos=True))[0]
+            for i in range(3)]
+    score = [sum(lps[t] for t, lps in zip(run.token_ids, run.outputs[0].logprobs)) for run in runs]
+    best = sorted(range(3), key=lambda i: -score[i])[:2]
+    assert [c["text"] for c in got["choices"]] == [runs[i].text for i in best]
+    assert [c["index"] for c in got["choices"]] == [0, 1] and got["usage"]["completion_tokens"] == 18
+    for choice in got["choices"]:
+        assert len(choice["logprobs"]["tokens"]) == 6 and all(len(t) == 1 for t in choice["logprobs"]["top_logprobs"])
+
+
+def test_echo_scores_the_prompt_and_puts_it_in_front(llm, results):
+    scored = body(results, "echo-scored")
+    [choice] = scored["choices"]
+    prompt = llm.engine.tokenizer.encode("Score this text")
+    reference = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    assert choice["text"] == "Score this text" and scored["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([lps[t] for t, lps in zip(prompt[1:], reference[1:])],
+                                                                     abs=1e-4)
+    echoed = body(results, "echo")["choices"][0]["text"]
+    greedy = llm.generate([[256, 72, 105]], SamplingParams(max_tokens=4, temperature=0))[0].text
+    assert echoed == llm.engine.tokenizer.decode([256, 72, 105], skip_special_tokens=False) + greedy
+
+
+def test_chat_logprobs_are_those_of_the_tokens_sampled(llm, results):
+    [choice] = body(results, "logprobs")["choices"]
+    [line] = parse_input(as_jsonl(option_lines()["/v1/chat/completions"][:1]))
+    prompt = prepare(line, llm.engine.tokenizer, "demo", llm.engine.max_model_len).prompt
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0]
+    content = choice["logprobs"]["content"]
+    alone = [lps[t] for t, lps in zip(greedy.token_ids, greedy.outputs[0].logprobs)]
+    assert [t["logprob"] for t in content] == pytest.approx(alone, abs=1e-4)  # batched with other lines
+    for token in content:  # greedy: the sampled token is the likeliest
+        assert len(token["top_logprobs"]) == 2 and token["logprob"] == token["top_logprobs"][0]["logprob"]
+
+
+def test_structured_output_and_a_forced_tool_call_validate_against_their_schemas(results):
+    [schema] = body(results, "schema")["choices"]
+    assert schema["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(schema["message"]["content"]), SCHEMA)
+    [tools] = body(results, "tools")["choices"]
+    assert tools["finish_reason"] == "tool_calls" and tools["message"]["content"] is None
+    [call] = tools["message"]["tool_calls"]
+    assert call["function"]["name"] == "add" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), ADD["parameters"])
+    [regex] = body(results, "regex")["choices"]
+    assert regex["finish_reason"] == "stop" and len(regex["text"]) == 6 and regex["text"][3] == "-"
+
+
+def test_a_constraint_that_does_not_compile_is_the_lines_400(results):
+    error = results["bad-regex"]["response"]
+    assert error["status_code"] == 400 and error["body"]["error"]["param"] == "guided_regex"
