@@ -37,7 +37,7 @@ HARDENING = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 30, 
              "scheduler": {"report_interval_s": 0.05, "stuck_step_s": 3, "drain_timeout_s": 20},
              "ingress": {"max_request_bytes": 65536, "max_prompt_chars": 20000, "max_stop_strings": 4,
                          "max_stop_string_chars": 32, "max_stop_token_ids": 8, "max_chat_messages": 8,
-                         "max_upload_bytes": 65536, "max_batch_lines": 5},
+                         "max_prompts": 4, "max_upload_bytes": 65536, "max_batch_lines": 5},
              "fault_injection": True, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
 
 TINY = {"num_cpus": 0.01}  # this app's ranks take the 7th CPU the head is told of (the others' workers take 6)

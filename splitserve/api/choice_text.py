@@ -75,19 +75,22 @@ class ChoiceText:
         return R.chat_choice(text, reason, logprobs, index=self.index)
 
 
-def choice_options(request: GenerationRequest, prompt: Sequence[int], tokenizer: Tokenizer) -> dict:
-    """ChoiceText's `echo`, `generated`, `tool_names` and `num_top` for every choice of `request`."""
+def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequence[int], tokenizer: Tokenizer) -> dict:
+    """ChoiceText's `echo`, `generated`, `tool_names` and `num_top` for the choices of one of
+    `request`'s prompts (`prompt`: its token ids)."""
     echo = None
     if request.echoes_prompt():
-        echo = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(prompt, skip_special_tokens=False)
+        text = request.prompts()[prompt_index]
+        echo = text if isinstance(text, str) else tokenizer.decode(prompt, skip_special_tokens=False)
     return dict(echo=echo, generated=not request.scores_prompt_only(),
                 tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs())
 
 
-def best_choices(choices: list[dict], cumulative_logprobs: list[float], num_returned: int) -> list[dict]:
-    """best_of: the `num_returned` choices whose sampled tokens are likeliest, indexed anew; all of
-    them, as they are, when every computed choice is returned."""
+def best_choices(choices: list[dict], cumulative_logprobs: list[float], num_returned: int, first_index: int = 0
+                 ) -> list[dict]:
+    """best_of: the `num_returned` choices (of one prompt) whose sampled tokens are likeliest,
+    indexed anew from `first_index`; all of them, as they are, when every computed choice is returned."""
     if num_returned >= len(choices):
         return choices
     ranked = sorted(zip(cumulative_logprobs, choices), key=lambda lc: -lc[0])
-    return [{**choice, "index": i} for i, (_, choice) in enumerate(ranked[:num_returned])]
+    return [{**choice, "index": first_index + i} for i, (_, choice) in enumerate(ranked[:num_returned])]

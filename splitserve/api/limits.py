@@ -17,6 +17,7 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
     max_chat_messages: int = 1024
+    max_prompts: int = 128
     max_upload_bytes: int = 200 << 20
     max_batch_lines: int = 50_000
 
@@ -30,8 +31,11 @@ class RequestLimits:
             _at_most(len(request.messages), self.max_chat_messages, "messages", "messages")
             chars = sum(_content_chars(m.content) for m in request.messages)
             _at_most(chars, self.max_prompt_chars, "messages", "characters of message content", status=413)
-        elif isinstance(request, CompletionRequest) and isinstance(request.prompt, str):
-            _at_most(len(request.prompt), self.max_prompt_chars, "prompt", "prompt characters", status=413)
+        elif isinstance(request, CompletionRequest):
+            prompts = request.prompts()
+            _at_most(len(prompts), self.max_prompts, "prompt", "prompts")
+            chars = sum(len(p) for p in prompts if isinstance(p, str))
+            _at_most(chars, self.max_prompt_chars, "prompt", "prompt characters", status=413)
 
 
 def _content_chars(content) -> int:

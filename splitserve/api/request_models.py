@@ -37,17 +37,21 @@ def _only(*allowed, reason: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _one_prompt(value):
-    """The single prompt of `value`: a string or a non-empty list of token ids."""
+def _prompts(value):
+    """One prompt (a string or a non-empty list of token ids) or a list of two or more; a list
+    holding one prompt is that prompt."""
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-        if len(value) > 1:
-            raise ValueError("batched prompts are not supported; send one request per prompt")
-        value = value[0]
+        prompts = [_one_prompt(p, f"prompt {i}: ") for i, p in enumerate(value)]
+        return prompts[0] if len(prompts) == 1 else prompts
+    return _one_prompt(value)
+
+
+def _one_prompt(value, where: str = ""):
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(_is_token_id(t) for t in value):
         return value
-    raise ValueError("must be a string or a non-empty list of token ids (integers >= 0)")
+    raise ValueError(f"{where}must be a string or a non-empty list of token ids (integers >= 0)")
 
 
 def _stop_strings(value):
@@ -201,7 +205,7 @@ class GenerationRequest(StructuredOutputFields):
 class CompletionRequest(GenerationRequest):
     PROMPT_FIELD: ClassVar[str] = "prompt"
 
-    prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
+    prompt: Annotated[str | list[int] | list[str | list[int]], BeforeValidator(_prompts)]
     max_tokens: int | None = 16
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None  # the top alternatives per token
     echo: bool | None = False  # the prompt in front of the text, with its logprobs when those are asked for
@@ -229,6 +233,11 @@ class CompletionRequest(GenerationRequest):
 
     def requested_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt: one, or the several of a list (each answered with its own choices)."""
+        several = isinstance(self.prompt, list) and not all(isinstance(t, int) for t in self.prompt)
+        return self.prompt if several else [self.prompt]
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -324,16 +333,20 @@ def check_model(requested: str, served: str | tuple[str, ...]) -> None:
                            status=404, param="model", code="model_not_found")
 
 
-def prompt_token_ids_of(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """The prompt's token ids: a string is encoded (with the tokenizer's special tokens), a token
+def prompt_token_ids_of(request: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """Each prompt's token ids: a string is encoded (with the tokenizer's special tokens), a token
     list is checked against the vocabulary and used as is."""
-    if isinstance(request.prompt, str):
-        ids = tokenizer.encode(request.prompt)
+    return [_token_ids(prompt, tokenizer) for prompt in request.prompts()]
+
+
+def _token_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
         if not ids:
             raise RequestError("prompt: the prompt is empty; send at least one token", param="prompt")
         return ids
-    check_in_vocabulary(request.prompt, tokenizer.vocab_size, "prompt")
-    return list(request.prompt)
+    check_in_vocabulary(prompt, tokenizer.vocab_size, "prompt")
+    return list(prompt)
 
 
 def check_in_vocabulary(token_ids, vocab_size: int | None, field: str) -> None:

@@ -58,7 +58,7 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str,
 
 def response(kind: str, prepared: Prepared, outs: list[RequestOutput], tokenizer: Tokenizer) -> dict:
     """The endpoint's response body from the engine's outputs of each choice."""
-    options = choice_options(prepared.request, prepared.prompt, tokenizer)
+    options = choice_options(prepared.request, 0, prepared.prompt, tokenizer)
     choices, ranks = [], []
     for index, out in enumerate(outs):
         params = choice_params(prepared.params, index)

@@ -127,8 +127,11 @@ def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_
     body = parse_request(model_cls, json.dumps(line.body).encode())
     check_model(body.model, model)
     limits.check(body)
-    prompt = prompt_token_ids_of(body, tokenizer) if line.kind == "completion" else \
-        chat_prompt_token_ids(body, tokenizer)
+    if line.kind == "completion" and len(body.prompts()) > 1:
+        raise RequestError("prompt: a batch line takes one prompt; put each prompt on a line of its own",
+                           param="prompt")
+    [prompt] = prompt_token_ids_of(body, tokenizer) if line.kind == "completion" else \
+        [chat_prompt_token_ids(body, tokenizer)]
     return Prepared(body, prompt, sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size,
                                                   check_constraint))
 

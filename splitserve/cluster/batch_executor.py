@@ -98,7 +98,7 @@ class ClusterExecutor:
             except RequestFailed as failure:
                 errors.append(_failed_line(line, failure))
                 return False
-        reply = choices_for(line.kind, prepared.request, run, self.tokenizer, follower_retry_s=self.retry_s)
+        reply = choices_for(line.kind, prepared.request, [run], self.tokenizer, follower_retry_s=self.retry_s)
         first = asyncio.ensure_future(_after_first_token(run, on_first))
         try:
             body = await reply.body()

@@ -1,7 +1,9 @@
 """An OpenAI response, whole or streamed as SSE, from one run per choice (one, or several for `n`
-and `best_of`), each with its own index: a whole response gathers them (best_of keeps the n with
-the highest cumulative logprob), a stream interleaves their chunks as they come. A choice failing
-is a 503 (the others are stopped), as a client going away stops them all."""
+and `best_of`; for each prompt of a completions request with several), each with its own index:
+prompt k's choices are k x n to k x n + n - 1, as OpenAI numbers them. A whole response gathers
+them (best_of keeps each prompt's n with the highest cumulative logprob), a stream interleaves
+their chunks as they come. A choice failing is a 503 (the others are stopped), as a client going
+away stops them all."""
 from __future__ import annotations
 
 import asyncio
@@ -24,15 +26,17 @@ _DONE = object()
 
 
 class ChoicesResponse:
-    def __init__(self, replies: list[RunResponse], num_returned: int):
-        self.replies, self.num_returned = replies, num_returned
-        first = replies[0]
+    def __init__(self, groups: list[list[RunResponse]], num_returned: int):
+        """`groups`: per prompt, the runs of its choices, of which `num_returned` return."""
+        self.groups, self.num_returned = groups, num_returned
+        self.replies = [reply for group in groups for reply in group]
+        first = self.replies[0]
         self.kind, self.response_id, self.model, self.created = first.kind, first.response_id, first.model, first.created
 
     @property
     def usage(self) -> tuple[int, int]:
-        """The prompt once; every choice's tokens, returned or not (best_of's are computed too)."""
-        return len(self.replies[0].run.prompt), sum(r.completion_tokens for r in self.replies)
+        """Each prompt once; every choice's tokens, returned or not (best_of's are computed too)."""
+        return sum(len(g[0].run.prompt) for g in self.groups), sum(r.completion_tokens for r in self.replies)
 
     async def body(self) -> dict:
         """The whole response body; RequestFailed if a choice failed (the others are stopped). A
@@ -43,8 +47,12 @@ class ChoicesResponse:
         except (RequestFailed, asyncio.CancelledError):  # a cancelled collect stops its run
             await self._stop(tasks)
             raise
-        choices = best_choices(choices, [r.cumulative_logprob for r in self.replies], self.num_returned)
-        return R.response_body(self.kind, self.response_id, self.model, self.created, choices, *self.usage)
+        returned, at = [], 0
+        for k, group in enumerate(self.groups):
+            mine, at = choices[at:at + len(group)], at + len(group)
+            returned += best_choices(mine, [r.cumulative_logprob for r in group], self.num_returned,
+                                     k * self.num_returned)
+        return R.response_body(self.kind, self.response_id, self.model, self.created, returned, *self.usage)
 
     async def whole(self) -> JSONResponse:
         try:
@@ -104,24 +112,26 @@ class ChoicesResponse:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def choices_for(kind: str, request: GenerationRequest, leader: Run, tokenizer, started: float | None = None,
+def choices_for(kind: str, request: GenerationRequest, leaders: list[Run], tokenizer, started: float | None = None,
                 on_done: Callable[[RequestObservation], None] = lambda _: None,
                 follower_retry_s: float | None = None) -> ChoicesResponse:
-    """The response to `request`: the leader's choice, and with n or best_of above 1 one more run
-    per choice, each with its own seed stream, admitted on the leader's workers once its prefill is
-    cached there (`follower_retry_s`: how often one the cluster cannot take yet is tried again;
-    None: it fails the response)."""
+    """The response to `request`, whose prompts' first choices are `leaders` (admitted): with n or
+    best_of above 1, one more run per further choice of each prompt, each with its own seed stream,
+    admitted on its leader's workers once the leader's prefill is cached there (`follower_retry_s`:
+    how often one the cluster cannot take yet is tried again; None: it fails the response)."""
     runs, returned = request.num_choices()
-    options = choice_options(request, leader.prompt, tokenizer)
+    response_id = leaders[0].request_id
 
-    def reply(run: Run, index: int) -> RunResponse:
-        return RunResponse(kind, run, request.model, TextStream(tokenizer, run.params, run.prompt), started, on_done,
-                           index=index, response_id=leader.request_id, **options)
+    def group(k: int, leader: Run) -> list[RunResponse]:
+        options = choice_options(request, k, leader.prompt, tokenizer)
+        choices = [leader]
+        for index in range(1, runs):
+            follower = Run(f"{leader.request_id}-{index}", leader.prompt, choice_params(leader.params, index),
+                           leader.workers, leader.max_attempts, prefix_block_size=leader.prefix_block_size)
+            follower.admit_after(leader, follower_retry_s)
+            choices.append(follower)
+        return [RunResponse(kind, run, request.model, TextStream(tokenizer, run.params, run.prompt), started, on_done,
+                            index=k * returned + i, response_id=response_id, **options)
+                for i, run in enumerate(choices)]
 
-    replies = [reply(leader, 0)]
-    for index in range(1, runs):
-        follower = Run(f"{leader.request_id}-{index}", leader.prompt, choice_params(leader.params, index),
-                       leader.workers, leader.max_attempts, prefix_block_size=leader.prefix_block_size)
-        follower.admit_after(leader, follower_retry_s)
-        replies.append(reply(follower, index))
-    return ChoicesResponse(replies, returned)
+    return ChoicesResponse([group(k, leader) for k, leader in enumerate(leaders)], returned)

@@ -123,28 +123,41 @@ class Ingress:
     async def _handle(self, request: Request, kind: str):
         started = time.monotonic()
         try:
-            body, prompt, params = await asyncio.to_thread(self._parse, await request.body(), kind)
-            workers = await self._workers()
-            self._observations.start(workers.cls)
-            run = Run(R.new_request_id(kind), prompt, params, workers, self.config.scheduler.max_attempts,
-                      prefix_block_size=self._prefix_block_size)
-            await run.admit()
+            body, prompts = await asyncio.to_thread(self._parse, await request.body(), kind)
         except RequestError as error:
             return error_response(error)
-        except RequestFailed as error:
-            self._observations.add(RequestObservation("failed", len(prompt), restarts=run.failures))
-            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
-        except Overloaded as error:
-            self._observations.add(RequestObservation("rejected", len(prompt)))
-            retry = self.config.ingress.retry_after_s
-            return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
-                                               status=429, type="rate_limit_exceeded"), {"Retry-After": str(retry)})
-        reply = choices_for(kind, body, run, self.tokenizer, started, self._observations.add)
+        workers = await self._workers()
+        self._observations.start(workers.cls)
+        rid = R.new_request_id(kind)
+        leaders = [Run(rid if k == 0 else f"{rid}-p{k}", prompt, params, workers, self.config.scheduler.max_attempts,
+                       prefix_block_size=self._prefix_block_size) for k, (prompt, params) in enumerate(prompts)]
+        admitted = 0
+        try:
+            for run in leaders:
+                await run.admit()
+                admitted += 1
+        except (RequestFailed, Overloaded) as error:
+            return self._refusal(error, leaders[admitted])
+        finally:
+            if admitted < len(leaders):  # every prompt's first choice runs, or none
+                for earlier in leaders[:admitted]:
+                    await earlier.abort()
+        reply = choices_for(kind, body, leaders, self.tokenizer, started, self._observations.add)
         if body.stream:
             options = body.stream_options
             stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))
             return StreamingResponse(stream, media_type="text/event-stream")
         return await reply.whole()
+
+    def _refusal(self, error: RequestFailed | Overloaded, run: Run) -> Response:
+        """A 503 for a request no worker could run, a 429 with Retry-After when the cluster is full."""
+        if isinstance(error, RequestFailed):
+            self._observations.add(RequestObservation("failed", len(run.prompt), restarts=run.failures))
+            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+        self._observations.add(RequestObservation("rejected", len(run.prompt)))
+        retry = self.config.ingress.retry_after_s
+        return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
+                                           status=429, type="rate_limit_exceeded"), {"Retry-After": str(retry)})
 
     async def _tokenizer_call(self, request: Request, model_cls, answer) -> JSONResponse:
         raw = await request.body()
@@ -170,9 +183,7 @@ class Ingress:
         body = parse_request(model_cls, raw)
         check_model(body.model, self.model_names)
         self.limits.check(body)
-        if kind == "completion":
-            prompt = prompt_token_ids_of(body, self.tokenizer)
-        else:
-            prompt = chat_prompt_token_ids(body, self.tokenizer)
-        return body, prompt, sampling_params(body, len(prompt), self.max_model_len, self.tokenizer.vocab_size,
-                                             self._grammar.check)
+        prompts = prompt_token_ids_of(body, self.tokenizer) if kind == "completion" else \
+            [chat_prompt_token_ids(body, self.tokenizer)]
+        return body, [(prompt, sampling_params(body, len(prompt), self.max_model_len, self.tokenizer.vocab_size,
+                                               self._grammar.check)) for prompt in prompts]

@@ -237,12 +237,14 @@ class IngressOptions(StrictModel):
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 answer, in seconds.")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="Largest request body (413 above it), "
                                    "/v1/files uploads aside.")
-    max_prompt_chars: int = Field(1_000_000, ge=1, description="Longest prompt, or chat messages' text together, in "
-                                  "characters before tokenization (413 above it).")
+    max_prompt_chars: int = Field(1_000_000, ge=1, description="Longest prompt (a request's prompts together), or "
+                                  "chat messages' text together, in characters before tokenization (413 above it).")
     max_stop_strings: int = Field(16, ge=0, description="Most `stop` strings per request.")
     max_stop_string_chars: int = Field(256, ge=1, description="Longest `stop` string, in characters.")
     max_stop_token_ids: int = Field(64, ge=0, description="Most `stop_token_ids` per request.")
     max_chat_messages: int = Field(1024, ge=1, description="Most messages in one chat request.")
+    max_prompts: int = Field(128, ge=1, description="Most prompts in one completions request (`prompt` as a list "
+                             "of prompts).")
     max_upload_bytes: int = Field(200 << 20, ge=1024, description="Largest /v1/files upload (413 above it).")
     max_batch_lines: int = Field(50_000, ge=1, description="Most requests in one batch input file.")
 

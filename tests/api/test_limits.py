@@ -6,7 +6,7 @@ from splitserve.api.limits import RequestLimits
 from splitserve.api.request_models import ChatCompletionRequest, CompletionRequest
 
 LIMITS = RequestLimits(max_prompt_chars=10, max_stop_strings=2, max_stop_string_chars=3, max_stop_token_ids=2,
-                       max_chat_messages=2)
+                       max_chat_messages=2, max_prompts=2)
 
 
 def completion(**fields) -> CompletionRequest:
@@ -19,6 +19,8 @@ def chat(messages) -> ChatCompletionRequest:
 
 @pytest.mark.parametrize("request_, param, status", [
     (completion(prompt="x" * 11), "prompt", 413),
+    (completion(prompt=["x" * 6, "y" * 5]), "prompt", 413),
+    (completion(prompt=["a", [5], "b"]), "prompt", 400),
     (completion(stop=["a", "b", "c"]), "stop", 400),
     (completion(stop="abcd"), "stop", 400),
     (completion(stop_token_ids=[1, 2, 3]), "stop_token_ids", 400),
@@ -35,4 +37,6 @@ def test_one_past_a_bound_is_refused_naming_the_field(request_, param, status):
 def test_at_the_bounds_passes():
     LIMITS.check(completion(prompt="x" * 10, stop=["abc", "d"], stop_token_ids=[1, 2]))
     LIMITS.check(completion(prompt=list(range(100))))  # token ids are bounded by the context, not by characters
+    LIMITS.check(completion(prompt=["x" * 5, "y" * 5]))
+    LIMITS.check(completion(prompt=["x" * 10, [1, 2, 3]]))
     LIMITS.check(chat([{"role": "user", "content": "x" * 5}, {"role": "assistant", "content": None}]))

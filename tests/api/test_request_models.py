@@ -86,17 +86,19 @@ def test_stream_options_need_stream():
 
 
 @pytest.mark.parametrize("prompt, expected", [
-    ("text", "text"), ([1, 2, 3], [1, 2, 3]), (["text"], "text"), ([[4, 5]], [4, 5]), ("", ""),
+    ("text", ["text"]), ([1, 2, 3], [[1, 2, 3]]), (["text"], ["text"]), ([[4, 5]], [[4, 5]]), ("", [""]),
+    (["a", "b"], ["a", "b"]), ([[1], "b", [2, 3]], [[1], "b", [2, 3]]),
 ])
 def test_prompt_shapes(prompt, expected):
-    assert completion(prompt=prompt).prompt == expected
+    assert completion(prompt=prompt).prompts() == expected
 
 
 @pytest.mark.parametrize("prompt, message", [
-    (["a", "b"], "prompt: batched prompts are not supported; send one request per prompt"),
-    ([[1], [2]], "prompt: batched prompts are not supported; send one request per prompt"),
+    (["a", []], "prompt: prompt 1: must be a string or a non-empty list of token ids (integers >= 0)"),
+    ([[1], [-2]], "prompt: prompt 1: must be a string or a non-empty list of token ids (integers >= 0)"),
     ([], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
-    ([[]], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
+    ([[]], "prompt: prompt 0: must be a string or a non-empty list of token ids (integers >= 0)"),
+    (["a", 5], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
     ([1, -2], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
     ([1, 2.0], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
     ([True], "prompt: must be a string or a non-empty list of token ids (integers >= 0)"),
@@ -153,8 +155,9 @@ def test_unknown_model_is_404():
 
 def test_prompt_token_ids():
     tok = ByteTokenizer()
-    assert prompt_token_ids_of(completion(prompt="hi"), tok) == [tok.BOS, ord("h"), ord("i")]
-    assert prompt_token_ids_of(completion(prompt=[[5, 258]]), tok) == [5, 258]
+    assert prompt_token_ids_of(completion(prompt="hi"), tok) == [[tok.BOS, ord("h"), ord("i")]]
+    assert prompt_token_ids_of(completion(prompt=[[5, 258]]), tok) == [[5, 258]]
+    assert prompt_token_ids_of(completion(prompt=["hi", [5]]), tok) == [[tok.BOS, ord("h"), ord("i")], [5]]
     with pytest.raises(RequestError) as info:
         prompt_token_ids_of(completion(prompt=[5, 259]), tok)
     assert info.value.param == "prompt"

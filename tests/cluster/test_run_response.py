@@ -44,8 +44,8 @@ def byte_ids(text: str) -> tuple[int, ...]:
 def reply_for(run, stop=(), observed=None, kind="completion"):
     params = SamplingParams(max_tokens=64, stop=stop, logprobs=run.params.logprobs)
     on_done = observed.append if observed is not None else (lambda _: None)
-    return ChoicesResponse([RunResponse(kind, run, "demo", TextStream(ByteTokenizer(), params, PROMPT), on_done=on_done,
-                                        num_top=run.params.logprobs)], 1)
+    return ChoicesResponse([[RunResponse(kind, run, "demo", TextStream(ByteTokenizer(), params, PROMPT),
+                                         on_done=on_done, num_top=run.params.logprobs)]], 1)
 
 
 def events(reply, **kwargs) -> list:
@@ -147,3 +147,27 @@ def test_no_logprobs_unless_asked():
     run = ScriptedRun(logprob_deltas("Hi", 5))
     body = json.loads(asyncio.run(reply_for(run).whole()).body)
     assert body["choices"][0]["logprobs"] is None
+
+
+def test_several_prompts_number_their_choices_by_prompt_and_best_of_picks_within_each():
+    def group(prompt: int, texts: list[str], logprob: list[float], returned: int) -> list[RunResponse]:
+        runs = []
+        for i, (text, lp) in enumerate(zip(texts, logprob)):
+            ids = byte_ids(text)
+            run = ScriptedRun([TokenDelta(ids, "length", logprobs=tuple({t: lp} for t in ids))])
+            runs.append(RunResponse("completion", run, "demo", TextStream(ByteTokenizer(), run.params, PROMPT),
+                                    index=prompt * returned + i, num_top=None))
+        return runs
+
+    # best_of 2, n 1: each prompt's likelier choice, numbered by prompt
+    best = ChoicesResponse([group(0, ["aa", "bb"], [-2.0, -1.0], 1), group(1, ["cc", "dd"], [-1.0, -3.0], 1)], 1)
+    body = asyncio.run(best.body())
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "bb"), (1, "cc")]
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14}
+    # n 2, streamed: prompt k's choices are 2k and 2k + 1
+    streamed = ChoicesResponse([group(0, ["aa", "bb"], [0.0, 0.0], 2), group(1, ["cc", "dd"], [0.0, 0.0], 2)], 2)
+    texts = {}
+    for event in events(streamed, include_usage=True)[:-2]:
+        [choice] = event["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "aa", 1: "bb", 2: "cc", 3: "dd"}

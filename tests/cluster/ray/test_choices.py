@@ -1,10 +1,13 @@
 """Several choices (`n`, `best_of`) through a real local cluster: each choice has its own seed
 stream (seed + index), so under sampling the choices differ and each equals an independent request
-with its seed; the later choices run on the first one's workers once its prefill is cached there."""
+with its seed; the later choices run on the first one's workers once its prefill is cached there.
+Several prompts in one completions request: each prompt's choices, numbered by prompt."""
 from __future__ import annotations
 
 import httpx
 import pytest
+
+from splitserve import SamplingParams
 
 PROMPT = "Several choices, please: "
 
@@ -51,3 +54,25 @@ def test_best_of_returns_the_likeliest_choices(client):
 def test_bad_choice_counts_are_400s(server, body, needle):
     response = httpx.post(f"{server}/v1/completions", json={"model": "demo", "prompt": "x", **body})
     assert response.status_code == 400 and needle in response.json()["error"]["message"]
+
+
+def test_several_prompts_each_get_their_choices_numbered_by_prompt(client, offline):
+    prompts = [PROMPT, "Another prompt", [256, 72, 105]]
+    args = dict(model="demo", max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    got = client.completions.create(prompt=prompts, n=2, seed=7, **args)
+    choices = sorted(got.choices, key=lambda c: c.index)
+    alone = [client.completions.create(prompt=p, seed=7 + i, **args).choices[0].text for p in prompts for i in range(2)]
+    assert [c.index for c in choices] == list(range(6)) and [c.text for c in choices] == alone
+    tokenizer = offline.get_tokenizer()
+    assert got.usage.prompt_tokens == sum(len(tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts)
+    assert got.usage.completion_tokens == 36
+    streamed = client.completions.create(prompt=prompts, model="demo", max_tokens=5, temperature=0, stream=True,
+                                         echo=True, extra_body={"ignore_eos": True})
+    texts = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    greedy = offline.generate([p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts],
+                              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    echoed = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+    assert texts == {k: echoed[k] + out.text for k, out in enumerate(greedy)}

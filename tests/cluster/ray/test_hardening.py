@@ -207,6 +207,8 @@ def _refused(response: httpx.Response, status_code: int, param: str | None) -> N
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "x", "stop": "y" * 33}, 400, "stop"),
     ({"prompt": "x", "stop_token_ids": list(range(9))}, 400, "stop_token_ids"),
+    ({"prompt": ["a", "b", "c", "d", "e"]}, 400, "prompt"),
+    ({"prompt": ["x" * 10_001, "y" * 10_000]}, 413, "prompt"),
 ])
 def test_completion_bounds(url, body, status_code, param):
     _refused(httpx.post(f"{url}/v1/completions", json={"model": "demo", **body}, timeout=30), status_code, param)

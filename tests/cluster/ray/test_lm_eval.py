@@ -1,7 +1,8 @@
 """lm-evaluation-harness against the cluster: its `local-completions` model (the server's own
 tokenizer through /tokenize, echo with prompt logprobs, stop strings) runs a loglikelihood task and
-a generation task (tests/clients/lm_eval_tasks, local files) to completion, and every sample equals
-the same harness run on the offline engine (tests/clients/offline_lm.py). The scores are noise."""
+a generation task (tests/clients/lm_eval_tasks, local files) to completion, one prompt per request
+and in lists of prompts (batch_size 3), and every sample equals the same harness run on the offline
+engine (tests/clients/offline_lm.py). The scores are noise."""
 from __future__ import annotations
 
 import ipaddress
@@ -53,10 +54,10 @@ def harness(monkeypatch, tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    def run(model, model_args=None) -> dict:
+    def run(model, model_args=None, batch_size: int = 1) -> dict:
         tasks = TaskManager(include_path=str(ROOT / "tests/clients/lm_eval_tasks"), include_defaults=False)
-        return simple_evaluate(model=model, model_args=model_args, tasks=TASKS, batch_size=1, log_samples=True,
-                               task_manager=tasks, bootstrap_iters=0)
+        return simple_evaluate(model=model, model_args=model_args, tasks=TASKS, batch_size=batch_size,
+                               log_samples=True, task_manager=tasks, bootstrap_iters=0)
 
     return run
 
@@ -70,12 +71,13 @@ def _responses(results: dict, task: str) -> list:
 def test_local_completions_runs_both_tasks_as_on_the_offline_engine(server, offline, harness):
     from tests.clients.offline_lm import OfflineLM  # imports lm_eval: after the harness fixture
 
-    served = harness("local-completions", {"model": "demo", "base_url": f"{server}/v1/completions",
-                                           "num_concurrent": 1, "max_retries": 1})
+    args = {"model": "demo", "base_url": f"{server}/v1/completions", "num_concurrent": 1, "max_retries": 1}
     expected = harness(OfflineLM(offline))
-    scored = [choice for resps, _ in _responses(served, "splitserve_mc") for [choice] in resps]
     reference = [choice for resps, _ in _responses(expected, "splitserve_mc") for [choice] in resps]
-    assert [greedy for _, greedy in scored] == [greedy for _, greedy in reference]
     assert any(greedy for _, greedy in reference), "no choice is greedy: see splitserve_mc.yaml"
-    assert [ll for ll, _ in scored] == pytest.approx([ll for ll, _ in reference], abs=1e-4)
-    assert _responses(served, "splitserve_gen") == _responses(expected, "splitserve_gen")
+    for batch_size in (1, 3):  # above 1, the harness sends a list of prompts per request
+        served = harness("local-completions", args, batch_size)
+        scored = [choice for resps, _ in _responses(served, "splitserve_mc") for [choice] in resps]
+        assert [greedy for _, greedy in scored] == [greedy for _, greedy in reference]
+        assert [ll for ll, _ in scored] == pytest.approx([ll for ll, _ in reference], abs=1e-4)
+        assert _responses(served, "splitserve_gen") == _responses(expected, "splitserve_gen")
