@@ -1,5 +1,7 @@
 """Failover on a real cluster: a worker killed mid-stream or mid-prefill, and the stream still
-completes with the tokens an undisturbed run gives; the dead worker is replaced; no KV leaks."""
+completes with the tokens an undisturbed run gives (greedy, or seeded sampling with penalties: the
+resumed attempt continues the seed stream and counts the earlier output); the dead worker is
+replaced; no KV leaks."""
 from __future__ import annotations
 
 import time
@@ -32,8 +34,9 @@ def wait_for_pools(server, shape: dict, timeout: float = 120) -> dict:
     raise TimeoutError(f"pools never became {shape}: {status(server)['pools']}")
 
 
-def expected(offline, prompt, max_tokens) -> str:
-    return offline.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0].text
+def expected(offline, prompt, max_tokens, temperature=0.0, **sampling) -> str:
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, **sampling)
+    return offline.generate([prompt], params)[0].text
 
 
 def check_no_leaks(server) -> None:
@@ -46,15 +49,16 @@ def check_no_leaks(server) -> None:
 def test_token_worker_killed_mid_stream(server, client, offline):
     wait_for_pools(server, {"prompt": 1, "token": 1})
     token_worker = worker_in(server, "token")
-    stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=120, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    sampling = dict(temperature=1.0, seed=17, frequency_penalty=0.5)
+    stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=120, stream=True,
+                                       extra_body={"ignore_eos": True}, **sampling)
     text, killed = "", False
     for i, chunk in enumerate(stream):
         text += chunk.choices[0].text
         if i == 5:
             ray.kill(worker_actor("main", token_worker))
             killed = True
-    assert killed and text == expected(offline, PROMPT, 120)
+    assert killed and text == expected(offline, PROMPT, 120, **sampling)
     state = wait_for_pools(server, {"prompt": 1, "token": 1})
     assert token_worker not in state["workers"] and state["counters"]["worker_replacements"] >= 1
     check_no_leaks(server)
