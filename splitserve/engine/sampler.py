@@ -2,7 +2,7 @@
 then greedy, or temperature / top-k / top-p / min-p.
 
 All rows are processed together; only seeded rows touch Python one by one, to draw their
-uniform from a generator set for their seed and output position. Random rows sample by inverse
+uniform on the host from a generator set for their seed and output position. Random rows sample by inverse
 CDF: one uniform per row and a `searchsorted` over the cumulative probabilities, so the noise is
 one number per row, not per token.
 
@@ -49,7 +49,7 @@ class Sampler:
     def __init__(self, seed: int = 0, grammar: Callable[[], GrammarMasks] | None = None) -> None:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
-        self._seeded: dict[torch.device, torch.Generator] = {}
+        self._seeded = torch.Generator()  # set anew for every seeded draw
         self._grammar_factory = grammar
         self._grammar: GrammarMasks | None = None
 
@@ -102,11 +102,11 @@ class Sampler:
         position it samples, so a request gives the same tokens whichever workers run which of its
         tokens (a prompt worker the first, a token worker the rest; a failover's resumed attempt)."""
         u = torch.rand(len(seqs), device=device, generator=self._shared_generator(device))
-        for i, seq in enumerate(seqs):
-            if seq.params.seed is not None:
-                position = seq.params.resumed_tokens + seq.num_output_tokens
-                generator = self._seeded_generator(seq.params.seed, position, device)
-                u[i] = torch.rand(1, device=device, generator=generator)[0]
+        rows = [i for i, seq in enumerate(seqs) if seq.params.seed is not None]
+        if rows:  # drawn on the host whatever the device: the same draws on CPU and GPU workers, one upload
+            draws = [self._seeded_draw(seqs[i].params.seed, seqs[i].params.resumed_tokens + seqs[i].num_output_tokens)
+                     for i in rows]
+            u[upload_list(rows, torch.long, device)] = upload_list(draws, u.dtype, device)
         return u.neg_().add_(1)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
@@ -114,12 +114,10 @@ class Sampler:
             self._shared[device] = torch.Generator(device=device).manual_seed(self._seed)
         return self._shared[device]
 
-    def _seeded_generator(self, seed: int, position: int, device: torch.device) -> torch.Generator:
-        """This device's seeded generator, set for (seed, position): a multiplicative hash, so the low
-        32 bits (all a CPU generator keeps) differ between positions and between nearby seeds."""
-        if device not in self._seeded:
-            self._seeded[device] = torch.Generator(device=device)
-        return self._seeded[device].manual_seed((seed * _GOLDEN_64 + position) % 2**64)
+    def _seeded_draw(self, seed: int, position: int) -> float:
+        """The uniform in [0, 1) of (seed, output position): a CPU generator set by a multiplicative
+        hash, so its low 32 bits (all it keeps) differ between positions and between nearby seeds."""
+        return torch.rand(1, generator=self._seeded.manual_seed((seed * _GOLDEN_64 + position) % 2**64)).item()
 
 
 def sanitized_logits(logits: torch.Tensor) -> torch.Tensor:
