@@ -94,6 +94,13 @@ def _token_biases(value: dict[str, float] | None) -> dict[int, float]:
     return biases
 
 
+def _metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's bounds: at most 16 pairs, keys up to 64 characters, values up to 512."""
+    if value is not None and (len(value) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in value.items())):
+        raise ValueError("at most 16 pairs, keys of at most 64 characters and values of at most 512")
+    return value
+
+
 def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -156,6 +163,11 @@ class GenerationRequest(StructuredOutputFields):
     stop: Stop = None
     seed: Annotated[int | None, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] = None
     user: str | None = None  # accepted and ignored, as an end-user id for abuse monitoring
+    # accepted and ignored, as they ask nothing of the output: this server keeps no completions
+    # (store, and metadata to find them by) and has one service tier
+    store: bool | None = None
+    metadata: Annotated[dict[str, str] | None, AfterValidator(_metadata)] = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     presence_penalty: float | None = 0
     frequency_penalty: float | None = 0
     logit_bias: Annotated[dict[str, float] | None, AfterValidator(_token_biases)] = None
@@ -250,6 +262,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: Annotated[list[Tool] | None, Field(max_length=MAX_TOOLS)] = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool | None = None  # several calls in one answer when the model writes them; a forced one is one
+    modalities: Annotated[list[str] | None, _only(None, ["text"], reason="only text output is supported")] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
 

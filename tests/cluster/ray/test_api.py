@@ -138,6 +138,9 @@ def test_chat_whole_and_streamed_agree(client):
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == whole.choices[0].message.content
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    ignored = dict(store=False, metadata={"job": "eval"}, service_tier="auto", modalities=["text"], user="u1")
+    same = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0, **ignored)
+    assert same.choices[0].message.content == whole.choices[0].message.content
 
 
 def test_stop_string_ends_the_text_at_the_ingress(client, offline):
