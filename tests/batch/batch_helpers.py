@@ -45,9 +45,10 @@ def option_lines() -> dict[str, list[dict]]:
 
     prompt = "Several choices, please: "
     completions = [
-        line("n", "/v1/completions", prompt=prompt, n=2, seed=11, temperature=1.0, max_tokens=8, ignore_eos=True),
+        line("n", "/v1/completions", prompt=prompt, n=2, seed=11, temperature=1.0, max_tokens=8, logprobs=1,
+             ignore_eos=True),
         line("best-of", "/v1/completions", prompt=prompt, n=2, best_of=3, seed=3, temperature=1.0, max_tokens=6,
-             logprobs=1, ignore_eos=True),
+             ignore_eos=True),  # ranked by logprobs the client did not ask for
         line("echo-scored", "/v1/completions", prompt="Score this text", echo=True, logprobs=2, max_tokens=0),
         line("echo", "/v1/completions", prompt=[256, 72, 105], echo=True, max_tokens=4, temperature=0,
              stop=["zz"]),
