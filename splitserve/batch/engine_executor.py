@@ -35,11 +35,10 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str,
     grammar = LazyGrammar(engine.tokenizer, engine.model_config.vocab_size)
     jobs, finished_lines = prepare_pending(lines, engine.tokenizer, model, engine.max_model_len, output, errors,
                                            on_result, limits, grammar.check)
-    choices = [(job, index) for job, (_, prepared) in enumerate(jobs)
-               for index in range(prepared.request.num_choices()[0])]
+    runs = [prepared.request.num_choices()[0] for _, prepared in jobs]  # per job: its choices computed
+    choices = [(job, index) for job in range(len(jobs)) for index in range(runs[job])]
     items = [(jobs[job][1].prompt, choice_params(jobs[job][1].params, index)) for job, index in choices]
-    finished = {key: finished_lines[job] // jobs[job][1].request.num_choices()[0]
-                for key, (job, _) in enumerate(choices) if job in finished_lines}
+    finished = {key: finished_lines[job] // runs[job] for key, (job, _) in enumerate(choices) if job in finished_lines}
     ended: dict[int, dict[int, RequestOutput]] = {}  # job -> its choices' outputs, until all have ended
 
     def record(key: int, out: RequestOutput) -> None:
@@ -47,7 +46,7 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str,
         line, prepared = jobs[job]
         outs = ended.setdefault(job, {})
         outs[index] = out
-        if len(outs) == prepared.request.num_choices()[0]:
+        if len(outs) == runs[job]:
             del ended[job]
             body = response(line.kind, prepared, [outs[i] for i in range(len(outs))], engine.tokenizer)
             output.append(result_line(line.custom_id, 200, body))

@@ -2,9 +2,9 @@
 then greedy, or temperature / top-k / top-p / min-p.
 
 All rows are processed together; only seeded rows touch Python one by one, to draw their
-uniform on the host from a generator set for their seed and output position. Random rows sample by inverse
-CDF: one uniform per row and a `searchsorted` over the cumulative probabilities, so the noise is
-one number per row, not per token.
+uniform on the host from a generator set for their seed and output position. Random rows sample
+by inverse CDF: one uniform per row and a `searchsorted` over the cumulative probabilities, so the
+noise is one number per row, not per token.
 
 Numerically safe whatever the logits hold: NaN counts as -inf, +inf as the largest float, a row
 is shifted by its maximum before it is divided by the temperature (so nothing overflows and the
