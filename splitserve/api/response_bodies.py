@@ -102,8 +102,12 @@ def sse_error(error: RequestError) -> bytes:
 
 def models_list(models: str | tuple[str, ...], created: int, owned_by: str = "splitserve",
                 max_model_len: int | None = None) -> dict:
-    """`/v1/models`: one entry per name (aliases of one model); `max_model_len` is vLLM's extra field."""
+    """`/v1/models`: one entry per name (aliases of one model)."""
     names = (models,) if isinstance(models, str) else models
+    return {"object": "list", "data": [model_card(name, created, owned_by, max_model_len) for name in names]}
+
+
+def model_card(name: str, created: int, owned_by: str = "splitserve", max_model_len: int | None = None) -> dict:
+    """One model object (`/v1/models/{model}`); `max_model_len` is vLLM's extra field."""
     extra = {} if max_model_len is None else {"max_model_len": max_model_len}
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": owned_by,
-                                        **extra} for name in names]}
+    return {"id": name, "object": "model", "created": created, "owned_by": owned_by, **extra}

@@ -74,6 +74,15 @@ class Ingress:
     async def models(self) -> JSONResponse:
         return JSONResponse(R.models_list(self.model_names, self.created, max_model_len=self.max_model_len))
 
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str) -> JSONResponse:
+        """OpenAI's retrieve: one name this cluster answers to (names may hold slashes), else a 404."""
+        try:
+            check_model(model, self.model_names)
+        except RequestError as error:
+            return error_response(error)
+        return JSONResponse(R.model_card(model, self.created, max_model_len=self.max_model_len))
+
     @api.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
         return await self._tokenizer_call(request, TokenizeRequest, lambda body: tokenize(

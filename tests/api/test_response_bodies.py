@@ -13,6 +13,7 @@ from splitserve.api.response_bodies import (
     completion_chunk,
     completion_response,
     error_body,
+    model_card,
     models_list,
     new_request_id,
     sse_error,
@@ -158,3 +159,5 @@ def test_models_list():
     aliases = models_list(("llama-3-8b", "gpt-3.5-turbo"), CREATED, max_model_len=8192)["data"]
     assert [parse(Model, e, allowed_extra={"max_model_len"}).id for e in aliases] == ["llama-3-8b", "gpt-3.5-turbo"]
     assert all(e["max_model_len"] == 8192 for e in aliases)
+    card = parse(Model, model_card("org/llama", CREATED, max_model_len=8192), allowed_extra={"max_model_len"})
+    assert (card.id, card.object, card.model_extra) == ("org/llama", "model", {"max_model_len": 8192})

@@ -82,6 +82,10 @@ def test_a_cluster_answers_to_each_of_its_served_model_names(pools_server):
     client = openai.OpenAI(base_url=f"{pools_server}/v1", api_key=POOLS_KEY["Authorization"].split()[1], max_retries=0)
     assert [(m.id, m.model_extra["max_model_len"]) for m in client.models.list().data] == \
         [("demo", 2048), ("pools-alias", 2048)]
+    assert (client.models.retrieve("pools-alias").id, client.models.retrieve("demo").model_extra) == \
+        ("pools-alias", {"max_model_len": 2048})
+    unknown = httpx.get(f"{pools_server}/v1/models/org/other", headers=POOLS_KEY)  # a hub-style name with a slash
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     texts = []
     for name in ("demo", "pools-alias"):
         got = client.completions.create(model=name, prompt="aliases", max_tokens=8, temperature=0,
