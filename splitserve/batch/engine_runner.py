@@ -55,11 +55,13 @@ class BatchStats:
         self.output_tokens += len(output.token_ids)
 
 
-def offline_request(key: int, prompt_token_ids: list[int], params: SamplingParams) -> OfflineRequest:
+def offline_request(key: int, prompt_token_ids: list[int], params: SamplingParams, choices: int = 1
+                    ) -> OfflineRequest:
     """Its output length is known when it cannot stop early (EOS ignored, no stop conditions)."""
     unstoppable = params.ignore_eos and not params.stop and not params.stop_token_ids
     fixed = params.min_tokens == params.max_tokens or unstoppable
-    return OfflineRequest(key, tuple(prompt_token_ids), params.max_tokens, params.max_tokens if fixed else None)
+    return OfflineRequest(key, tuple(prompt_token_ids), params.max_tokens, params.max_tokens if fixed else None,
+                          choices)
 
 
 def run_batch(engine: LLMEngine, items: list[tuple[list[int], SamplingParams]], options: BlendOptions,

@@ -52,7 +52,8 @@ class ClusterExecutor:
                   stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
         jobs, finished = prepare_pending(lines, self.tokenizer, self.model, self.max_model_len, output, errors,
                                          on_result, self.limits, self.grammar.check)
-        requests = [offline_request(key, p.prompt, p.params) for key, (_, p) in enumerate(jobs)]
+        requests = [offline_request(key, p.prompt, p.params, p.request.num_choices()[0])
+                    for key, (_, p) in enumerate(jobs)]  # a line: one request, its choices sharing one prefill
         feeder = BatchFeeder(requests, options, self.shape, await self.kv_tokens(), self.block_size, finished)
         changed = asyncio.Event()
         running: set[asyncio.Task] = set()

@@ -59,8 +59,8 @@ class BatchFeeder:
 
     def __init__(self, requests: list[OfflineRequest], options: BlendOptions, model: ModelShape,
                  memory_tokens: float, block_size: int, finished: dict[int, int] | None = None):
-        """`finished`: output lengths of requests already done (a resumed batch); they are not
-        run again and serve as the samples."""
+        """`finished`: output tokens of requests already done (a resumed batch), over all their
+        choices; they are not run again and serve as the samples."""
         if block_size < 1 or memory_tokens <= 0:
             raise ValueError(f"block_size must be >= 1 and memory_tokens > 0, got {block_size}, {memory_tokens}")
         self.options, self.block_size = options, block_size
@@ -68,7 +68,8 @@ class BatchFeeder:
         self.memory = memory_tokens * options.memory_fraction
         self.tree = build_tree(requests)
         self.order: BlendOrder | None = None
-        self.measured: dict[int, int] = dict(finished or {})
+        self._choices = {request.key: request.choices for request in requests}
+        self.measured: dict[int, float] = {key: tokens / self._choices[key] for key, tokens in (finished or {}).items()}
         self._loads = {LEFT: 0.0, RIGHT: 0.0}
         self._flight: dict[int, tuple[str, float]] = {}  # key -> (side, charge)
         self._prefilling: dict[int, tuple[int, ...]] = {}
@@ -99,10 +100,11 @@ class BatchFeeder:
         self._prefilling.pop(key, None)
 
     def finished(self, key: int, output_tokens: int) -> None:
+        """`output_tokens`: over all of the request's choices."""
         side, charge = self._flight.pop(key)
         self._prefilling.pop(key, None)
         self._loads[side] = max(0.0, self._loads[side] - charge)
-        self.measured[key] = output_tokens
+        self.measured[key] = output_tokens / self._choices[key]
 
     # ---- internals -------------------------------------------------------------------
     def _took(self, leaf: Node, side: str, charge: float) -> None:
@@ -121,9 +123,9 @@ class BatchFeeder:
 
     def _charge(self, leaf: Node, side: str) -> float:
         """KV tokens the request will hold: its prompt beyond what it shares with the last prompt
-        admitted on its side, plus (blend, once estimated) its output."""
+        admitted on its side, plus (blend, once estimated) every choice's output."""
         prompt = leaf.request.prompt
-        return len(prompt) - common_prefix(self._last.get(side, ()), prompt) + leaf.output
+        return len(prompt) - common_prefix(self._last.get(side, ()), prompt) + leaf.request.choices * leaf.output
 
     def _gated(self, leaf: Node, side: str) -> bool:
         prompt = leaf.request.prompt

@@ -21,13 +21,16 @@ class OfflineRequest:
     key: int  # the caller's index for it
     prompt: tuple[int, ...]
     max_tokens: int
-    known_output: int | None = None  # the exact output length, when the request fixes it
+    known_output: int | None = None  # the exact output length of each choice, when the request fixes it
+    choices: int = 1  # sequences decoded from the one prefill (`n`, `best_of`), each with its own output
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError(f"request {self.key}: the prompt is empty")
         if self.max_tokens < 1:
             raise ValueError(f"request {self.key}: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.choices < 1:
+            raise ValueError(f"request {self.key}: choices must be >= 1, got {self.choices}")
 
 
 @dataclass
@@ -143,10 +146,10 @@ def pick_samples(root: Node, fraction: float, seed: int = 0) -> list[OfflineRequ
     return picked or unknown[:1]
 
 
-def estimate_outputs(root: Node, measured: dict[int, int]) -> None:
-    """Set every leaf's output length: known, measured (sampled, by request key), else the mean of
-    the samples in the deepest enclosing subtree that has any (siblings' samples included);
-    with no samples at all, max_tokens. Always capped to [1, max_tokens]."""
+def estimate_outputs(root: Node, measured: dict[int, float]) -> None:
+    """Set every leaf's output length per choice: known, measured (sampled, by request key, per
+    choice), else the mean of the samples in the deepest enclosing subtree that has any (siblings'
+    samples included); with no samples at all, max_tokens. Always capped to [1, max_tokens]."""
     samples: dict[int, tuple[int, float]] = {}  # id(node) -> (count, sum) of samples below
     for node in reversed(list(root.nodes())):  # children before parents
         if node.is_leaf:
@@ -171,8 +174,8 @@ def annotate(root: Node, cost: CostModel) -> None:
     edges_below: dict[int, float] = {}
     for node in reversed(list(root.nodes())):
         if node.is_leaf:
-            p, d = float(node.depth), node.output
-            stats, below = Stats(1, p, p * p, d, p * d + d * d / 2), 0.0
+            p, d, c = float(node.depth), node.output, node.request.choices  # the prompt is prefilled once
+            stats, below = Stats(1, p, p * p, c * d, c * (p * d + d * d / 2)), 0.0
         else:
             stats, below = Stats(), 0.0
             for child in node.children:
