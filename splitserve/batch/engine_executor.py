@@ -12,11 +12,12 @@ from splitserve.api import response_bodies as R
 from splitserve.api.choice_text import ChoiceText, best_choices, choice_options
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.limits import RequestLimits
+from splitserve.api.prepared_request import PreparedRequest
 from splitserve.api.request_sampling import choice_params
 from splitserve.api.visible_text import TextStream
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_runner import BatchStats, run_batch
-from splitserve.batch.lines import BatchLine, Prepared, prepare_pending, result_line
+from splitserve.batch.lines import BatchLine, prepare_pending, result_line
 from splitserve.batch.results import ResultLog
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
@@ -28,47 +29,55 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str,
               on_result: Callable[[bool], None] = lambda ok: None, limits: RequestLimits = RequestLimits()
               ) -> BatchStats:
     """Run every line without a result in `output` or `errors`; lines already there count as
-    samples of output length. A line with several choices (`n`, `best_of`) runs as that many
-    requests of its prompt, each with its choice's seed (the order keeps them together, so the
-    prompt is prefilled once), and is logged when its last one ends. `on_result(ok)` after each
-    line is logged."""
+    samples of output length. A line runs as one engine request per computed choice (`n`,
+    `best_of`) of each of its prompts, each choice with its seed (the order keeps a prompt's
+    choices together, so it is prefilled once), and is logged when its last one ends.
+    `on_result(ok)` after each line is logged."""
     grammar = LazyGrammar(engine.tokenizer, engine.model_config.vocab_size)
     jobs, finished_lines = prepare_pending(lines, engine.tokenizer, model, engine.max_model_len, output, errors,
                                            on_result, limits, grammar.check)
-    runs = [prepared.request.num_choices()[0] for _, prepared in jobs]  # per job: its choices computed
-    choices = [(job, index) for job in range(len(jobs)) for index in range(runs[job])]
-    items = [(jobs[job][1].prompt, choice_params(jobs[job][1].params, index)) for job, index in choices]
-    finished = {key: finished_lines[job] // runs[job] for key, (job, _) in enumerate(choices) if job in finished_lines}
-    ended: dict[int, dict[int, RequestOutput]] = {}  # job -> its choices' outputs, until all have ended
+    runs = [prepared.num_runs for _, prepared in jobs]
+    keys = [(job, run) for job in range(len(jobs)) for run in range(runs[job])]  # run: prompt k's choice i
+    items = []
+    for job, run in keys:
+        prepared = jobs[job][1]
+        k, index = divmod(run, prepared.request.num_choices()[0])
+        items.append((prepared.prompts[k], choice_params(prepared.params[k], index)))
+    finished = {key: finished_lines[job] // runs[job] for key, (job, _) in enumerate(keys) if job in finished_lines}
+    ended: dict[int, dict[int, RequestOutput]] = {}  # job -> its runs' outputs, until all have ended
 
     def record(key: int, out: RequestOutput) -> None:
-        job, index = choices[key]
+        job, run = keys[key]
         line, prepared = jobs[job]
         outs = ended.setdefault(job, {})
-        outs[index] = out
+        outs[run] = out
         if len(outs) == runs[job]:
             del ended[job]
-            body = response(line.kind, prepared, [outs[i] for i in range(len(outs))], engine.tokenizer)
+            body = response(line.kind, prepared, [outs[i] for i in range(runs[job])], engine.tokenizer)
             output.append(result_line(line.custom_id, 200, body))
             on_result(True)
 
     return run_batch(engine, items, options, record, finished, stop=stop)
 
 
-def response(kind: str, prepared: Prepared, outs: list[RequestOutput], tokenizer: Tokenizer) -> dict:
-    """The endpoint's response body from the engine's outputs of each choice."""
-    options = choice_options(prepared.request, 0, prepared.prompt, tokenizer)
-    choices, ranks = [], []
-    for index, out in enumerate(outs):
-        params = choice_params(prepared.params, index)
-        text = ChoiceText(kind, TextStream(tokenizer, params, prepared.prompt), prepared.prompt, index=index, **options)
-        piece, reason = text.add(out.token_ids, out.outputs[0].logprobs, out.finish_reason, out.prompt_logprobs)
-        choices.append(text.choice(piece, reason))
-        ranks.append(text.cumulative_logprob)
-    completion_tokens = sum(len(out.token_ids) for out in outs) if options["generated"] else 0
-    return R.response_body(kind, R.new_request_id(kind), prepared.request.model, int(time.time()),
-                           best_choices(choices, ranks, prepared.request.num_choices()[1]), len(prepared.prompt),
-                           completion_tokens)
+def response(kind: str, prepared: PreparedRequest, outs: list[RequestOutput], tokenizer: Tokenizer) -> dict:
+    """The endpoint's response body from the engine's outputs of every computed choice, prompt by
+    prompt (prompt k's choice i at k x computed + i)."""
+    computed, returned = prepared.request.num_choices()
+    choices, completion_tokens = [], 0
+    for k, (prompt, params) in enumerate(zip(prepared.prompts, prepared.params)):
+        options = choice_options(prepared.request, k, prompt, tokenizer)
+        mine, ranks = [], []
+        for index, out in enumerate(outs[k * computed:(k + 1) * computed]):
+            stream = TextStream(tokenizer, choice_params(params, index), prompt)
+            text = ChoiceText(kind, stream, prompt, index=k * returned + index, **options)
+            piece, reason = text.add(out.token_ids, out.outputs[0].logprobs, out.finish_reason, out.prompt_logprobs)
+            mine.append(text.choice(piece, reason))
+            ranks.append(text.cumulative_logprob)
+            completion_tokens += len(out.token_ids) if options["generated"] else 0
+        choices += best_choices(mine, ranks, returned, k * returned)
+    return R.response_body(kind, R.new_request_id(kind), prepared.request.model, int(time.time()), choices,
+                           sum(map(len, prepared.prompts)), completion_tokens)
 
 
 class EngineExecutor:

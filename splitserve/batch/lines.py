@@ -7,25 +7,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.limits import RequestLimits
-from splitserve.api.request_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationRequest,
-    check_model,
-    parse_request,
-    prompt_token_ids_of,
-)
-from splitserve.api.request_sampling import sampling_params
+from splitserve.api.prepared_request import ConstraintCheck, PreparedRequest, prepare_request
 from splitserve.batch.results import ResultLog
-from splitserve.engine.output_constraint import OutputConstraint
-from splitserve.engine.sampling_params import SamplingParams
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 MAX_REPORTED_ERRORS = 100
-ConstraintCheck = Callable[[OutputConstraint, str], None]  # LazyGrammar.check
 
 
 @dataclass(frozen=True)
@@ -34,13 +22,6 @@ class BatchLine:
     custom_id: str
     kind: str  # "completion" | "chat"
     body: dict
-
-
-@dataclass(frozen=True)
-class Prepared:
-    request: GenerationRequest  # the body, validated
-    prompt: list[int]
-    params: SamplingParams
 
 
 class InputFileError(ValueError):
@@ -120,26 +101,17 @@ def _error(code: str, message: str, line: int | None = None, param: str | None =
 
 
 def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_len: int,
-            limits: RequestLimits = RequestLimits(), check_constraint: ConstraintCheck | None = None) -> Prepared:
-    """Tokenize and check one request as its endpoint would (RequestError on a bad body;
-    `check_constraint` compiles a structured-output constraint, as the ingress does)."""
-    model_cls = CompletionRequest if line.kind == "completion" else ChatCompletionRequest
-    body = parse_request(model_cls, json.dumps(line.body).encode())
-    check_model(body.model, model)
-    limits.check(body)
-    if line.kind == "completion" and len(body.prompts()) > 1:
-        raise RequestError("prompt: a batch line takes one prompt; put each prompt on a line of its own",
-                           param="prompt")
-    [prompt] = prompt_token_ids_of(body, tokenizer) if line.kind == "completion" else \
-        [chat_prompt_token_ids(body, tokenizer)]
-    return Prepared(body, prompt, sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size,
-                                                  check_constraint))
+            limits: RequestLimits = RequestLimits(), check_constraint: ConstraintCheck | None = None
+            ) -> PreparedRequest:
+    """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
+    return prepare_request(line.kind, json.dumps(line.body).encode(), tokenizer, model, max_model_len, limits,
+                           check_constraint)
 
 
 def prepare_pending(lines: list[BatchLine], tokenizer, model: str | tuple[str, ...], max_model_len: int, output: ResultLog,
                     errors: ResultLog, on_result: Callable[[bool], None], limits: RequestLimits = RequestLimits(),
                     check_constraint: ConstraintCheck | None = None
-                    ) -> tuple[list[tuple[BatchLine, Prepared]], dict[int, int]]:
+                    ) -> tuple[list[tuple[BatchLine, PreparedRequest]], dict[int, int]]:
     """The lines that tokenize and check (a bad one's error is logged now, unless it already
     was), keyed by position, and the output lengths of those already done (to skip, and to serve
     as samples)."""

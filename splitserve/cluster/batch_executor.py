@@ -5,24 +5,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from splitserve.api import response_bodies as R
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
+from splitserve.api.prepared_request import PreparedRequest
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.batch.blend.cost import ModelShape
 from splitserve.batch.blend.feeder import BatchFeeder, BlendOptions
 from splitserve.batch.engine_runner import offline_request
-from splitserve.batch.lines import (
-    BatchLine,
-    Prepared,
-    completion_tokens,
-    error_line,
-    prepare_pending,
-    result_line,
-)
+from splitserve.batch.lines import BatchLine, error_line, prepare_pending, result_line
 from splitserve.batch.results import ResultLog
-from splitserve.cluster.choices_response import choices_for
+from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 
 DECODING_POOLS = ("token", "mixed")
@@ -50,19 +45,36 @@ class ClusterExecutor:
 
     async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,
                   stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
+        """Every line without a result; each prompt of a line is a request of its own in the
+        feeder's order (its choices sharing one prefill), the line logged when its last ends."""
         jobs, finished = prepare_pending(lines, self.tokenizer, self.model, self.max_model_len, output, errors,
                                          on_result, self.limits, self.grammar.check)
-        requests = [offline_request(key, p.prompt, p.params, p.request.num_choices()[0])
-                    for key, (_, p) in enumerate(jobs)]  # a line: one request, its choices sharing one prefill
-        feeder = BatchFeeder(requests, options, self.shape, await self.kv_tokens(), self.block_size, finished)
+        units = [(job, k) for job, (_, prepared) in enumerate(jobs) for k in range(len(prepared.prompts))]
+        requests = [offline_request(key, jobs[job][1].prompts[k], jobs[job][1].params[k],
+                                    jobs[job][1].request.num_choices()[0]) for key, (job, k) in enumerate(units)]
+        done = {key: finished[job] / len(jobs[job][1].prompts) for key, (job, _) in enumerate(units) if job in finished}
+        feeder = BatchFeeder(requests, options, self.shape, await self.kv_tokens(), self.block_size, done)
+        answers = {job: _LineAnswer(len(prepared.prompts)) for job, (_, prepared) in enumerate(jobs)}
         changed = asyncio.Event()
         running: set[asyncio.Task] = set()
 
         async def one(key: int) -> None:
-            line, prepared = jobs[key]
-            ok = await self._request(line, prepared, output, errors, lambda: (feeder.prefilled(key), changed.set()))
-            feeder.finished(key, completion_tokens(output.done.get(line.custom_id, {})))
-            on_result(ok)
+            job, k = units[key]
+            (line, prepared), answer = jobs[job], answers[job]
+            tokens = 0
+            if not answer.failed:  # a line with a failed prompt runs no more of them
+                try:
+                    reply, choices = await self._prompt(line, prepared, k,
+                                                        lambda: (feeder.prefilled(key), changed.set()))
+                    answer.parts[k], tokens = (reply, choices), reply.usage[1]
+                except RequestFailed as failure:
+                    answer.failed = True
+                    errors.append(_failed_line(line, failure))
+                    on_result(False)
+            feeder.finished(key, tokens)
+            if len(answer.parts) == answer.prompts:
+                output.append(result_line(line.custom_id, 200, answer.body()))
+                on_result(True)
             changed.set()
 
         try:
@@ -73,10 +85,10 @@ class ClusterExecutor:
                     raise RuntimeError("the batch stalled: nothing is running and the feeder admits nothing")
                 changed.clear()
                 waiter = asyncio.create_task(changed.wait())
-                done, _ = await asyncio.wait({*running, waiter}, timeout=self.retry_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done_tasks, _ = await asyncio.wait({*running, waiter}, timeout=self.retry_s,
+                                                   return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
-                for task in done - {waiter}:
+                for task in done_tasks - {waiter}:
                     running.discard(task)
                     task.result()  # a bug in the loop surfaces here
         finally:
@@ -84,32 +96,41 @@ class ClusterExecutor:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
 
-    async def _request(self, line: BatchLine, prepared: Prepared, output: ResultLog, errors: ResultLog,
-                       on_first: Callable[[], None]) -> bool:
-        """One line: placed (retried while the cluster is full), its choices collected as the
-        endpoint's response, logged. True if it succeeded."""
+    async def _prompt(self, line: BatchLine, prepared: PreparedRequest, k: int, on_first: Callable[[], None]
+                      ) -> tuple[ChoicesResponse, list[dict]]:
+        """Prompt `k` of a line: placed (retried while the cluster is full), its choices collected
+        as the endpoint numbers them. RequestFailed when every attempt failed."""
         while True:
-            run = Run(R.new_request_id(line.kind), prepared.prompt, prepared.params, self.workers, self.max_attempts,
-                      prefix_block_size=self.prefix_block_size)
+            run = Run(R.new_request_id(line.kind), prepared.prompts[k], prepared.params[k], self.workers,
+                      self.max_attempts, prefix_block_size=self.prefix_block_size)
             try:
                 await run.admit()
                 break
             except Overloaded:
                 await asyncio.sleep(self.retry_s)
-            except RequestFailed as failure:
-                errors.append(_failed_line(line, failure))
-                return False
-        reply = choices_for(line.kind, prepared.request, [run], self.tokenizer, follower_retry_s=self.retry_s)
+        reply = choices_for(line.kind, prepared.request, [run], self.tokenizer, follower_retry_s=self.retry_s,
+                            first_prompt=k)
         first = asyncio.ensure_future(_after_first_token(run, on_first))
         try:
-            body = await reply.body()
-        except RequestFailed as failure:
-            errors.append(_failed_line(line, failure))
-            return False
+            return reply, await reply.choices()
         finally:
             first.cancel()
-        output.append(result_line(line.custom_id, 200, body))
-        return True
+
+
+@dataclass
+class _LineAnswer:
+    """A line's prompts' answers, gathered as they end (in any order)."""
+    prompts: int
+    parts: dict[int, tuple[ChoicesResponse, list[dict]]] = field(default_factory=dict)  # prompt -> reply, choices
+    failed: bool = False
+
+    def body(self) -> dict:
+        """The endpoint's response: the first prompt's id and time, every prompt's choices, usage summed."""
+        replies = [self.parts[k][0] for k in range(self.prompts)]
+        first = replies[0]
+        return R.response_body(first.kind, first.response_id, first.model, first.created,
+                               [c for k in range(self.prompts) for c in self.parts[k][1]],
+                               sum(r.usage[0] for r in replies), sum(r.usage[1] for r in replies))
 
 
 async def _after_first_token(run: Run, then: Callable[[], None]) -> None:

@@ -26,9 +26,10 @@ _DONE = object()
 
 
 class ChoicesResponse:
-    def __init__(self, groups: list[list[RunResponse]], num_returned: int):
-        """`groups`: per prompt, the runs of its choices, of which `num_returned` return."""
-        self.groups, self.num_returned = groups, num_returned
+    def __init__(self, groups: list[list[RunResponse]], num_returned: int, first_prompt: int = 0):
+        """`groups`: per prompt, from the request's prompt `first_prompt` on, the runs of its
+        choices, of which `num_returned` return."""
+        self.groups, self.num_returned, self.first_prompt = groups, num_returned, first_prompt
         self.replies = [reply for group in groups for reply in group]
         first = self.replies[0]
         self.kind, self.response_id, self.model, self.created = first.kind, first.response_id, first.model, first.created
@@ -41,6 +42,11 @@ class ChoicesResponse:
     async def body(self) -> dict:
         """The whole response body; RequestFailed if a choice failed (the others are stopped). A
         cancelled caller stops them all."""
+        return R.response_body(self.kind, self.response_id, self.model, self.created, await self.choices(),
+                               *self.usage)
+
+    async def choices(self) -> list[dict]:
+        """The returned choices, numbered as OpenAI numbers them; raises as `body` does."""
         tasks = [asyncio.ensure_future(reply.collect()) for reply in self.replies]
         try:
             choices = await asyncio.gather(*tasks)
@@ -48,11 +54,11 @@ class ChoicesResponse:
             await self._stop(tasks)
             raise
         returned, at = [], 0
-        for k, group in enumerate(self.groups):
+        for k, group in enumerate(self.groups, self.first_prompt):
             mine, at = choices[at:at + len(group)], at + len(group)
             returned += best_choices(mine, [r.cumulative_logprob for r in group], self.num_returned,
                                      k * self.num_returned)
-        return R.response_body(self.kind, self.response_id, self.model, self.created, returned, *self.usage)
+        return returned
 
     async def whole(self) -> JSONResponse:
         try:
@@ -114,11 +120,12 @@ class ChoicesResponse:
 
 def choices_for(kind: str, request: GenerationRequest, leaders: list[Run], tokenizer, started: float | None = None,
                 on_done: Callable[[RequestObservation], None] = lambda _: None,
-                follower_retry_s: float | None = None) -> ChoicesResponse:
-    """The response to `request`, whose prompts' first choices are `leaders` (admitted): with n or
-    best_of above 1, one more run per further choice of each prompt, each with its own seed stream,
-    admitted on its leader's workers once the leader's prefill is cached there (`follower_retry_s`:
-    how often one the cluster cannot take yet is tried again; None: it fails the response)."""
+                follower_retry_s: float | None = None, first_prompt: int = 0) -> ChoicesResponse:
+    """The response to `request`, whose prompts' first choices are `leaders` (admitted; the
+    request's prompts from `first_prompt` on): with n or best_of above 1, one more run per further
+    choice of each prompt, each with its own seed stream, admitted on its leader's workers once the
+    leader's prefill is cached there (`follower_retry_s`: how often one the cluster cannot take yet
+    is tried again; None: it fails the response)."""
     runs, returned = request.num_choices()
     response_id = leaders[0].request_id
 
@@ -134,4 +141,4 @@ def choices_for(kind: str, request: GenerationRequest, leaders: list[Run], token
                             index=k * returned + i, response_id=response_id, **options)
                 for i, run in enumerate(choices)]
 
-    return ChoicesResponse([group(k, leader) for k, leader in enumerate(leaders)], returned)
+    return ChoicesResponse([group(k, leader) for k, leader in enumerate(leaders, first_prompt)], returned, first_prompt)

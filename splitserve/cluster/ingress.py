@@ -18,18 +18,11 @@ from ray import serve
 from ray.exceptions import RayTaskError
 
 from splitserve.api import response_bodies as R
-from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.guard import ApiGuard
 from splitserve.api.lazy_grammar import LazyGrammar
-from splitserve.api.request_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_model,
-    parse_request,
-    prompt_token_ids_of,
-)
-from splitserve.api.request_sampling import sampling_params
+from splitserve.api.prepared_request import prepare_request
+from splitserve.api.request_models import check_model, parse_request
 from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from splitserve.batch import routes as batch_routes
 from splitserve.cluster.batch_manager import RemoteBatches
@@ -132,14 +125,16 @@ class Ingress:
     async def _handle(self, request: Request, kind: str):
         started = time.monotonic()
         try:
-            body, prompts = await asyncio.to_thread(self._parse, await request.body(), kind)
+            prepared = await asyncio.to_thread(prepare_request, kind, await request.body(), self.tokenizer,
+                                               self.model_names, self.max_model_len, self.limits, self._grammar.check)
         except RequestError as error:
             return error_response(error)
         workers = await self._workers()
         self._observations.start(workers.cls)
         rid = R.new_request_id(kind)
         leaders = [Run(rid if k == 0 else f"{rid}-p{k}", prompt, params, workers, self.config.scheduler.max_attempts,
-                       prefix_block_size=self._prefix_block_size) for k, (prompt, params) in enumerate(prompts)]
+                       prefix_block_size=self._prefix_block_size)
+                   for k, (prompt, params) in enumerate(zip(prepared.prompts, prepared.params))]
         admitted = 0
         try:
             for run in leaders:
@@ -151,6 +146,7 @@ class Ingress:
             if admitted < len(leaders):  # every prompt's first choice runs, or none
                 for earlier in leaders[:admitted]:
                     await earlier.abort()
+        body = prepared.request
         reply = choices_for(kind, body, leaders, self.tokenizer, started, self._observations.add)
         if body.stream:
             options = body.stream_options
@@ -186,13 +182,3 @@ class Ingress:
         if self._directory is None:
             self._directory = WorkerDirectory(await self._controller.handle.remote())
         return self._directory
-
-    def _parse(self, raw: bytes, kind: str):
-        model_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
-        body = parse_request(model_cls, raw)
-        check_model(body.model, self.model_names)
-        self.limits.check(body)
-        prompts = prompt_token_ids_of(body, self.tokenizer) if kind == "completion" else \
-            [chat_prompt_token_ids(body, self.tokenizer)]
-        return body, [(prompt, sampling_params(body, len(prompt), self.max_model_len, self.tokenizer.vocab_size,
-                                               self._grammar.check)) for prompt in prompts]

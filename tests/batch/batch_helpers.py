@@ -54,6 +54,8 @@ def option_lines() -> dict[str, list[dict]]:
              stop=["zz"]),
         line("regex", "/v1/completions", prompt="Code:", max_tokens=10, seed=2, guided_regex="[A-Z]{3}-[0-9]{2}"),
         line("bad-regex", "/v1/completions", prompt="x", guided_regex="[a-"),
+        line("prompts", "/v1/completions", prompt=["Two prompts: ", [256, 72, 105]], best_of=2, seed=7,
+             temperature=1.0, max_tokens=5, ignore_eos=True, echo=True, logprobs=1),
     ]
     chat = [
         line("logprobs", "/v1/chat/completions", messages=ASK, logprobs=True, top_logprobs=2, max_tokens=6,

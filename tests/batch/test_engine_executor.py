@@ -1,5 +1,5 @@
 """A batch on one in-process engine answers each line as its endpoint would: several choices with
-their seeds (best_of keeping the likeliest), logprobs and echo, structured output and tool calls,
+their seeds (best_of keeping the likeliest), several prompts, logprobs and echo, structured output and tool calls,
 in the shapes the official `openai` client parses; a constraint that does not compile is the
 line's 400."""
 from __future__ import annotations
@@ -45,7 +45,8 @@ def test_every_line_has_a_result_in_the_openai_client_shapes(results):
             continue
         assert line["response"]["status_code"] == 200
         kind = ChatCompletion if line["response"]["body"]["object"] == "chat.completion" else Completion
-        if custom_id != "echo-scored":  # the first prompt token's null logprob, as OpenAI's API gives, the types deny
+        # echoed logprobs start with the first prompt token's null, as OpenAI's API gives it; the types deny it
+        if custom_id not in ("echo-scored", "prompts"):
             kind.model_validate(line["response"]["body"])
 
 
@@ -72,6 +73,19 @@ def test_best_of_keeps_the_choices_whose_tokens_are_likeliest(llm, results):
     assert all(choice["logprobs"] is None for choice in got["choices"])
 
 
+def test_several_prompts_are_answered_prompt_by_prompt(llm, results):
+    """Prompt k's choices come at k x n, each the best of its prompt's seeded runs, echoed."""
+    got = body(results, "prompts")
+    texts = []
+    for prompt, echo in (("Two prompts: ", "Two prompts: "), ([[256, 72, 105]], "<s>Hi")):
+        runs = [llm.generate(prompt, SamplingParams(max_tokens=5, temperature=1.0, seed=7 + i, logprobs=1,
+                                                    ignore_eos=True))[0] for i in range(2)]
+        best = max(runs, key=lambda run: sum(lps[t] for t, lps in zip(run.token_ids, run.outputs[0].logprobs)))
+        texts.append(echo + best.text)
+    assert [c["index"] for c in got["choices"]] == [0, 1] and [c["text"] for c in got["choices"]] == texts
+    assert got["usage"] == {"prompt_tokens": 14 + 3, "completion_tokens": 4 * 5, "total_tokens": 37}
+
+
 def test_echo_scores_the_prompt_and_puts_it_in_front(llm, results):
     scored = body(results, "echo-scored")
     [choice] = scored["choices"]
@@ -89,7 +103,7 @@ def test_echo_scores_the_prompt_and_puts_it_in_front(llm, results):
 def test_chat_logprobs_are_those_of_the_tokens_sampled(llm, results):
     [choice] = body(results, "logprobs")["choices"]
     [line] = parse_input(as_jsonl(option_lines()["/v1/chat/completions"][:1]))
-    prompt = prepare(line, llm.engine.tokenizer, "demo", llm.engine.max_model_len).prompt
+    prompt = prepare(line, llm.engine.tokenizer, "demo", llm.engine.max_model_len).prompts[0]
     greedy = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0]
     content = choice["logprobs"]["content"]
     alone = [lps[t] for t, lps in zip(greedy.token_ids, greedy.outputs[0].logprobs)]

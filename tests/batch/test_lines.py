@@ -50,7 +50,7 @@ def test_duplicate_custom_ids_empty_files_and_endpoint_mismatch():
 def test_prepare_checks_a_body_like_its_endpoint():
     [line] = parse_input(as_jsonl(batch_lines(1)))
     prepared = prepare(line, demo_tokenizer(), "demo", 2048)
-    assert prepared.params.max_tokens == 16 and prepared.prompt[1:] == list(line.body["prompt"].encode())
+    assert prepared.params[0].max_tokens == 16 and prepared.prompts[0][1:] == list(line.body["prompt"].encode())
     [bad] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
                                     "body": {"model": "demo", "messages": [], "top_p": 7}}).encode())
     with pytest.raises(RequestError) as caught:
@@ -62,7 +62,7 @@ def test_prepare_takes_every_option_of_the_endpoint_and_compiles_constraints_up_
     [line] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {
         "model": "demo", "prompt": "hi", "n": 2, "best_of": 3, "logprobs": 2, "echo": True}}).encode())
     prepared = prepare(line, demo_tokenizer(), "demo", 2048)
-    assert prepared.request.num_choices() == (3, 2) and prepared.params.prompt_logprobs == 2
+    assert prepared.request.num_choices() == (3, 2) and prepared.params[0].prompt_logprobs == 2
     [bad] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions",
                                     "body": {"model": "demo", "prompt": "hi", "guided_regex": "[a-"}}).encode())
     grammar = LazyGrammar(demo_tokenizer(), demo_tokenizer().vocab_size)
@@ -83,7 +83,7 @@ def test_each_line_is_held_to_the_request_bounds():
     from splitserve.batch.lines import BatchLine
 
     line = BatchLine(1, "a", "completion", {"model": "demo", "prompt": "hi", "stop": ["a", "b", "c"]})
-    assert prepare(line, demo_tokenizer(), "demo", 64).params.stop == ("a", "b", "c")
+    assert prepare(line, demo_tokenizer(), "demo", 64).params[0].stop == ("a", "b", "c")
     with pytest.raises(RequestError, match="3 stop strings, more than this server's limit of 2") as refused:
         prepare(line, demo_tokenizer(), "demo", 64, RequestLimits(max_stop_strings=2))
     assert refused.value.param == "stop"

@@ -1,0 +1,48 @@
+"""A generation body taken as its endpoint takes it, by the ingress and by batch lines alike: parsed
+and validated, the model name and the bounds checked, every prompt tokenized (a chat's through its
+template; completions may send several) with its own sampling settings."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from splitserve.api.chat_template import chat_prompt_token_ids
+from splitserve.api.limits import RequestLimits
+from splitserve.api.request_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    check_model,
+    parse_request,
+    prompt_token_ids_of,
+)
+from splitserve.api.request_sampling import sampling_params
+from splitserve.engine.output_constraint import OutputConstraint
+from splitserve.engine.sampling_params import SamplingParams
+
+ConstraintCheck = Callable[[OutputConstraint, str], None]  # LazyGrammar.check
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request: GenerationRequest  # the body, validated
+    prompts: list[list[int]]  # each prompt's token ids, in the request's order
+    params: list[SamplingParams]  # each prompt's settings (its max_tokens default depends on its length)
+
+    @property
+    def num_runs(self) -> int:
+        """Engine requests it takes: every computed choice of every prompt."""
+        return len(self.prompts) * self.request.num_choices()[0]
+
+
+def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ...], max_model_len: int,
+                    limits: RequestLimits, check_constraint: ConstraintCheck | None = None) -> PreparedRequest:
+    """`kind`: "completion" or "chat"; RequestError (a 4xx naming the field) on a bad body.
+    `check_constraint` compiles a structured-output constraint, so one that does not is a 400 now."""
+    body = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, raw)
+    check_model(body.model, model)
+    limits.check(body)
+    prompts = prompt_token_ids_of(body, tokenizer) if kind == "completion" else [chat_prompt_token_ids(body, tokenizer)]
+    params = [sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size, check_constraint)
+              for prompt in prompts]
+    return PreparedRequest(body, prompts, params)
