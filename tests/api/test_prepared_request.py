@@ -1,0 +1,47 @@
+"""A body taken as its endpoint takes it: each prompt tokenized with settings of its own, a chat
+through its template, and the model name, the bounds and the context checked with the field named."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitserve.api.chat_template import chat_prompt_token_ids
+from splitserve.api.errors import RequestError
+from splitserve.api.limits import RequestLimits
+from splitserve.api.prepared_request import prepare_request
+from splitserve.api.request_models import ChatCompletionRequest, parse_request
+from splitserve.engine.demo import demo_tokenizer
+
+TOKENIZER = demo_tokenizer()
+
+
+def prepare(kind: str, limits: RequestLimits = RequestLimits(), max_model_len: int = 64, **body):
+    return prepare_request(kind, json.dumps({"model": "demo", **body}).encode(), TOKENIZER, ("demo", "alias"),
+                           max_model_len, limits)
+
+
+def test_each_prompt_has_its_token_ids_and_its_own_room_in_the_context():
+    prepared = prepare("completion", prompt=["ab", [7, 8, 9, 10]], n=2, max_tokens=None)
+    assert prepared.prompts == [TOKENIZER.encode("ab"), [7, 8, 9, 10]]
+    assert [p.max_tokens for p in prepared.params] == [64 - 3, 64 - 4]  # what the context leaves each
+    assert prepared.num_runs == 4
+
+
+def test_a_chat_is_one_prompt_through_its_template():
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    prepared = prepare("chat", **body)
+    chat = parse_request(ChatCompletionRequest, json.dumps({"model": "demo", **body}).encode())
+    assert prepared.prompts == [chat_prompt_token_ids(chat, TOKENIZER)] and prepared.params[0].max_tokens == 5
+
+
+@pytest.mark.parametrize("body, limits, status, param", [
+    ({"model": "other", "prompt": "x"}, RequestLimits(), 404, "model"),
+    ({"prompt": ["a", "b", "c"]}, RequestLimits(max_prompts=2), 400, "prompt"),
+    ({"prompt": ["a", "b" * 80]}, RequestLimits(), 400, "prompt"),  # the second prompt fills the context
+    ({"prompt": "a", "guided_regex": "x", "ignore_eos": True}, RequestLimits(), 400, "guided_regex"),
+])
+def test_bad_bodies_name_the_field(body, limits, status, param):
+    with pytest.raises(RequestError) as refused:
+        prepare("completion", limits, **body)
+    assert (refused.value.status, refused.value.param) == (status, param)
