@@ -22,20 +22,36 @@ DEFAULT_CHAT_TEMPLATE = (
     "{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+CONTINUE_MARK = "SPLITSERVE_CONTINUES_HERE "
 
 
 def render_chat(messages: list[dict], template: str | None, *, bos_token: str = "", eos_token: str = "",
-                add_generation_prompt: bool = True, **kwargs) -> str:
+                add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs) -> str:
     """`messages` rendered by `template` (None: `DEFAULT_CHAT_TEMPLATE`); `kwargs` are extra template
-    variables. A template that refuses the conversation (`raise_exception`) is a 400 `RequestError`."""
+    variables. A template that refuses the conversation (`raise_exception`) is a 400 `RequestError`.
+    `continue_final_message`: the text ends where the last message's content does, as transformers
+    cuts it, so the model goes on with that message."""
     compiled = _compile(DEFAULT_CHAT_TEMPLATE if template is None else template)
+    if continue_final_message:  # the mark shows where the content ends once rendered
+        messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_MARK}]
     # tools and documents are defined (as None) because templates test them with `is not none`.
     context = {"tools": None, "documents": None, **kwargs}
     try:
-        return compiled.render(context, messages=messages, bos_token=bos_token, eos_token=eos_token,
+        text = compiled.render(context, messages=messages, bos_token=bos_token, eos_token=eos_token,
                                add_generation_prompt=add_generation_prompt)
     except (jinja2.TemplateError, TypeError, ValueError) as exc:
         raise RequestError(f"messages: the model's chat template refused them: {exc}", param="messages") from None
+    return _cut_at_mark(text) if continue_final_message else text
+
+
+def _cut_at_mark(text: str) -> str:
+    """`text` up to the mark. The mark ends in a space: a template that kept it writes content as
+    sent (its trailing whitespace stays); one that trimmed it trims content, so the cut does too."""
+    at = text.rfind(CONTINUE_MARK.strip())
+    if at < 0:
+        raise RequestError("continue_final_message: the model's chat template does not write the last message's "
+                           "content, so there is no place to continue it from", param="continue_final_message")
+    return text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
 
 
 @lru_cache(maxsize=8)
@@ -108,7 +124,8 @@ def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) 
     variables = {"bos_token": bos, "eos_token": eos, **(request.chat_template_kwargs or {})}
     tools = [{"type": "function", "function": f} for f in request.tool_functions()] or None
     text = render_chat(messages_for_template(request), tokenizer.chat_template,
-                       add_generation_prompt=request.add_generation_prompt, tools=tools, **variables)
+                       add_generation_prompt=request.add_generation_prompt,
+                       continue_final_message=request.continue_final_message, tools=tools, **variables)
     return tokenizer.encode(text, add_special_tokens=not text.startswith(bos))
 
 

@@ -25,7 +25,7 @@ from splitserve.engine.tokenizer import Tokenizer
 
 # torch.Generator.manual_seed takes any value of int64 or uint64; a larger seed would fail in a worker.
 SEED_RANGE = (-(2**63), 2**64 - 1)
-RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt")
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "continue_final_message")
 
 
 def _only(*allowed, reason: str) -> AfterValidator:
@@ -264,7 +264,15 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = None  # several calls in one answer when the model writes them; a forced one is one
     modalities: Annotated[list[str] | None, _only(None, ["text"], reason="only text output is supported")] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the model goes on with the last message (a prefilled answer)
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
+
+    @model_validator(mode="after")
+    def _continue_or_start_a_message(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError("continue_final_message: the model continues the last message, so it needs "
+                               "add_generation_prompt false (it would start a new one)", param="continue_final_message")
+        return self
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self):

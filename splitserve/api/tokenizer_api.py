@@ -23,6 +23,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     messages: Annotated[list[ChatMessage] | None, Field(min_length=1)] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(BaseModel):
@@ -40,7 +41,8 @@ def tokenize(request: TokenizeRequest, tokenizer: Tokenizer, served: tuple[str, 
         ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
     else:
         chat = ChatCompletionRequest(model=served[0], messages=request.messages,
-                                     add_generation_prompt=request.add_generation_prompt)
+                                     add_generation_prompt=request.add_generation_prompt,
+                                     continue_final_message=request.continue_final_message)
         ids = chat_prompt_token_ids(chat, tokenizer)
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 

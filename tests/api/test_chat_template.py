@@ -215,3 +215,31 @@ def test_an_earlier_call_whose_arguments_are_not_an_object_is_a_400():
     with pytest.raises(RequestError) as refused:
         messages_for_template(chat_request([{"role": "assistant", "tool_calls": [call]}]))
     assert refused.value.param == "messages.0.tool_calls.0.function.arguments"
+
+
+@pytest.mark.parametrize("answer", ["Sure, the answer is", "  Sure, with spaces around  "])
+def test_continue_final_message_matches_transformers(checkpoint, answer):
+    """The prompt ends inside the last (assistant) message, as transformers cuts it, whether the
+    template keeps the content's spaces (ChatML) or trims them (Llama 3)."""
+    ours, hf_tok = checkpoint
+    messages = [*CONVERSATION, {"role": "assistant", "content": answer}]
+    request = chat_request(messages, add_generation_prompt=False, continue_final_message=True)
+    expected = hf_ids(hf_tok, messages, add_generation_prompt=False, continue_final_message=True)
+    assert chat_prompt_token_ids(request, ours) == expected
+    assert ours.decode(expected, skip_special_tokens=False).rstrip().endswith(answer.strip())
+
+
+def test_continue_final_message_on_the_default_template():
+    request = chat_request([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, "}],
+                           add_generation_prompt=False, continue_final_message=True)
+    assert chat_prompt_token_ids(request, ByteTokenizer()) == [ByteTokenizer.BOS, *b"user: hi\nassistant: Hello, "]
+
+
+def test_continue_final_message_refusals():
+    with pytest.raises(RequestError) as both:
+        chat_request([{"role": "assistant", "content": "x"}], continue_final_message=True)
+    assert both.value.param == "continue_final_message"  # add_generation_prompt is true unless sent false
+    with pytest.raises(RequestError) as unwritten:  # a template that leaves the content out
+        render_chat([{"role": "assistant", "content": "secret"}], "{% for m in messages %}{{ m.role }}{% endfor %}",
+                    add_generation_prompt=False, continue_final_message=True)
+    assert unwritten.value.param == "continue_final_message"

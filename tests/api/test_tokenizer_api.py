@@ -32,12 +32,18 @@ def test_tokenize_chat_messages_through_the_chat_template():
     tokens = tokenize(body(TokenizeRequest, messages=[{"role": "user", "content": "hi"}]), demo_tokenizer(), SERVED,
                       2048)["tokens"]
     assert bytes(tokens[1:]).decode() == "user: hi\nassistant:"
+    prefilled = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Yes: "}]
+    tokens = tokenize(body(TokenizeRequest, messages=prefilled, add_generation_prompt=False,
+                           continue_final_message=True), demo_tokenizer(), SERVED, 2048)["tokens"]
+    assert bytes(tokens[1:]).decode() == "user: hi\nassistant: Yes: "
 
 
 @pytest.mark.parametrize("model_cls, fields, param", [
     (TokenizeRequest, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
     (TokenizeRequest, {}, "prompt"),
     (TokenizeRequest, {"prompt": "a", "model": "other"}, "model"),
+    (TokenizeRequest, {"messages": [{"role": "user", "content": "b"}], "continue_final_message": True},
+     "continue_final_message"),
     (DetokenizeRequest, {"tokens": [1, 259]}, "tokens"),
 ])
 def test_bad_bodies_are_refused_naming_the_field(model_cls, fields, param):

@@ -143,6 +143,15 @@ def test_chat_whole_and_streamed_agree(client):
     assert same.choices[0].message.content == whole.choices[0].message.content
 
 
+def test_chat_continues_a_prefilled_answer(client, offline):
+    """continue_final_message: the model goes on from the assistant's words (no new turn opened),
+    so the reply equals the engine's continuation of that exact text."""
+    messages = [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "My answer is"}]
+    got = client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True})
+    assert got.choices[0].message.content == offline_text(offline, "user: Name a colour\nassistant: My answer is", 8)[0]
+
+
 def test_stop_string_ends_the_text_at_the_ingress(client, offline):
     text, _ = offline_text(offline, PROMPT, 24)
     stop = text[5:7]
