@@ -79,9 +79,10 @@ def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequen
     """ChoiceText's `echo`, `generated`, `tool_names` and `num_top` for the choices of one of
     `request`'s prompts (`prompt`: its token ids)."""
     echo = None
-    if request.echoes_prompt():
+    if request.echoes_prompt():  # a truncated prompt echoes the tokens the model saw
         text = request.prompts()[prompt_index]
-        echo = text if isinstance(text, str) else tokenizer.decode(prompt, skip_special_tokens=False)
+        sent = isinstance(text, str) and request.truncate_prompt_tokens is None
+        echo = text if sent else tokenizer.decode(prompt, skip_special_tokens=False)
     return dict(echo=echo, generated=not request.scores_prompt_only(),
                 tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs())
 

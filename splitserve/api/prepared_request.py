@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.api.chat_template import chat_prompt_token_ids
+from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.api.request_models import (
     ChatCompletionRequest,
@@ -43,6 +44,17 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
     check_model(body.model, model)
     limits.check(body)
     prompts = prompt_token_ids_of(body, tokenizer) if kind == "completion" else [chat_prompt_token_ids(body, tokenizer)]
+    if body.truncate_prompt_tokens is not None:
+        kept = _kept_tokens(body.truncate_prompt_tokens, max_model_len)
+        prompts = [prompt[-kept:] for prompt in prompts]
     params = [sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size, check_constraint)
               for prompt in prompts]
     return PreparedRequest(body, prompts, params)
+
+
+def _kept_tokens(truncate: int, max_model_len: int) -> int:
+    """vLLM's truncate_prompt_tokens: the last k tokens of each prompt (-1: as many as the context holds)."""
+    if truncate > max_model_len:
+        raise RequestError(f"truncate_prompt_tokens: {truncate} is more than the model's context length, "
+                           f"{max_model_len} tokens", param="truncate_prompt_tokens")
+    return max_model_len if truncate == -1 else truncate

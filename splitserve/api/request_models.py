@@ -181,6 +181,14 @@ class GenerationRequest(StructuredOutputFields):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     slo: SLOTargets | None = None  # splitserve's extension (see SLOTargets)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: the model's context
+
+    @model_validator(mode="after")
+    def _truncation_keeps_something(self):
+        if self.truncate_prompt_tokens not in (None, -1) and self.truncate_prompt_tokens < 1:
+            raise RequestError(f"truncate_prompt_tokens: the number of prompt tokens to keep, at least 1 (or -1: "
+                               f"the model's context), got {self.truncate_prompt_tokens}", param="truncate_prompt_tokens")
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -45,3 +45,20 @@ def test_bad_bodies_name_the_field(body, limits, status, param):
     with pytest.raises(RequestError) as refused:
         prepare("completion", limits, **body)
     assert (refused.value.status, refused.value.param) == (status, param)
+
+
+def test_truncate_prompt_tokens_keeps_each_prompts_last_tokens():
+    """vLLM's left truncation, after the chat template; -1 keeps what the context holds."""
+    prepared = prepare("completion", prompt=["abcdef", [5, 6]], truncate_prompt_tokens=3, max_tokens=4)
+    assert prepared.prompts == [list(b"def"), [5, 6]]
+    messages = [{"role": "user", "content": "a long question"}]
+    assert prepare("chat", messages=messages, truncate_prompt_tokens=5).prompts[0] == list(b"tant:")  # "...assistant:"
+    whole = prepare("completion", prompt="y" * 40, truncate_prompt_tokens=-1, max_tokens=8)
+    assert whole.prompts[0] == TOKENIZER.encode("y" * 40)
+
+
+@pytest.mark.parametrize("value", [0, -2, 65])
+def test_truncate_prompt_tokens_bounds(value):
+    with pytest.raises(RequestError) as refused:
+        prepare("completion", prompt="abc", truncate_prompt_tokens=value)
+    assert (refused.value.status, refused.value.param) == (400, "truncate_prompt_tokens")

@@ -152,6 +152,13 @@ def test_chat_continues_a_prefilled_answer(client, offline):
     assert got.choices[0].message.content == offline_text(offline, "user: Name a colour\nassistant: My answer is", 8)[0]
 
 
+def test_truncated_prompt_keeps_its_last_tokens(client, offline):
+    got = client.completions.create(model="demo", prompt="drop this, keep the tail", max_tokens=6, temperature=0,
+                                    echo=True, extra_body={"truncate_prompt_tokens": 8, "ignore_eos": True})
+    text, _ = offline_text(offline, list(b"the tail"), 6)
+    assert got.choices[0].text == "the tail" + text and got.usage.prompt_tokens == 8
+
+
 def test_stop_string_ends_the_text_at_the_ingress(client, offline):
     text, _ = offline_text(offline, PROMPT, 24)
     stop = text[5:7]
