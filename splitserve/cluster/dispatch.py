@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
+from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken
 from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.prefix_hash import prompt_block_hashes
 from splitserve.engine.sampling_params import SamplingParams
@@ -44,10 +45,12 @@ class _AttemptFailed(Exception):
 
 
 class WorkerDirectory:
-    """Worker actor handles by id, asked of the CLS once per worker (per ingress replica)."""
+    """Worker actor handles by id, asked of the CLS once per worker (per ingress replica), and the
+    token feeds this replica's requests stream through (one per worker)."""
 
     def __init__(self, cls):
         self.cls = cls
+        self.feeds = DeltaFeeds()
         self._handles: dict[str, object] = {}
 
     async def get(self, worker_id: str):
@@ -60,6 +63,7 @@ class WorkerDirectory:
 
     def forget(self, worker_id: str) -> None:
         self._handles.pop(worker_id, None)
+        self.feeds.forget(worker_id)
 
 
 @dataclass
@@ -80,7 +84,7 @@ class Run:
     follow: Placement | None = None  # the first attempt goes where this placement went, if it still qualifies
     prefix_block_size: int = 0  # the engines' KV block size, to name the prompt's blocks to the CLS; 0: don't
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first token, or when it ends without
-    _stream: object = None
+    _deltas: asyncio.Queue | None = None  # this attempt's token deltas from its token worker's feed
     _first: asyncio.Task | None = None
     _admission: asyncio.Task | None = None
 
@@ -150,18 +154,25 @@ class Run:
         await self._launch(prompt, params)
 
     async def _launch(self, prompt: list[int], params: SamplingParams) -> None:
-        rid, placement = self._worker_request_id, self.placement
+        rid, placement, feeds = self._worker_request_id, self.placement, self.workers.feeds
+        self._deltas = feeds.open(placement.token_worker, self.token_handle, rid)  # before the worker can send
         if placement.local:
-            self._stream = self.token_handle.generate.remote(rid, prompt, params)
+            try:
+                await self.token_handle.generate.remote(rid, prompt, params, feeds.subscriber)
+            except RayTaskError as error:
+                raise _AttemptFailed(f"worker failed to start it: {error.cause}", placement.token_worker) from None
+            except RayActorError:
+                raise _AttemptFailed("worker died at admission", placement.token_worker, dead=True) from None
             return
         try:
-            ticket = await self.token_handle.reserve.remote(rid, prompt, params, placement.prompt_worker)
+            ticket = await self.token_handle.reserve.remote(rid, prompt, params, placement.prompt_worker,
+                                                            feeds.subscriber)
         except RayTaskError as error:  # the token worker has no room after all (blocks, batch)
+            feeds.close(placement.token_worker, rid)
             raise Overloaded(f"worker {placement.token_worker} cannot take the request: {error.cause}") from None
         except RayActorError:
             raise _AttemptFailed("worker died at admission", placement.token_worker, dead=True) from None
         self._first = asyncio.ensure_future(self.prompt_handle.prefill.remote(ticket, prompt, params))
-        self._stream = self.token_handle.stream.remote(rid)
 
     async def _attempt_deltas(self) -> AsyncIterator[TokenDelta]:
         emitted = position = 0  # this attempt's tokens passed on / seen in the token stream
@@ -170,6 +181,7 @@ class Run:
             emitted = len(first.token_ids)
             yield self._record(first)
             if first.final:
+                self.workers.feeds.close(self.placement.token_worker, self._worker_request_id)
                 await _quietly(self.token_handle.abort.remote(self._worker_request_id))
                 return
         async for batch in self._token_batches():
@@ -199,13 +211,19 @@ class Run:
         return first
 
     async def _token_batches(self):
-        try:
-            async for ref in self._stream:
-                yield await ref
-        except RayActorError:
-            raise _AttemptFailed("token worker died", self.placement.token_worker, dead=True) from None
-        except RayTaskError as error:
-            raise _AttemptFailed(f"token worker failed: {error.cause}", self.placement.token_worker) from None
+        """The attempt's deltas from its token worker's feed, in batches of what has come, through
+        the final one."""
+        final = False
+        while not final:
+            batch = [await self._deltas.get()]
+            while not self._deltas.empty():
+                batch.append(self._deltas.get_nowait())
+            if isinstance(batch[-1], FeedBroken):
+                broken = batch[-1]
+                raise _AttemptFailed(broken.reason, self.placement.token_worker, dead=broken.dead)
+            final = batch[-1].final
+            yield batch
+        self.workers.feeds.close(self.placement.token_worker, self._worker_request_id)
 
     def _record(self, delta: TokenDelta) -> TokenDelta:
         if self.prompt_logprobs is None:
@@ -257,6 +275,7 @@ class Run:
             await self._abort_on_workers()
 
     async def _abort_on_workers(self) -> None:
+        self.workers.feeds.close(self.placement.token_worker, self._worker_request_id)
         handles = [self.token_handle] if self.placement.local else [self.token_handle, self.prompt_handle]
         for handle in handles:
             if handle is not None:  # None: the attempt failed before reaching that worker

@@ -3,8 +3,10 @@ With tensor parallelism this actor is rank 0 of its worker; the other ranks are 
 the controller places beside it (one placement group), meeting it under `tp_prefix(worker_id)`.
 
 The engine runs on its own thread (`WorkerLoop`); the actor's asyncio loop serves calls from the
-ingress (requests, token streams) and the controller (role changes, load reports). Tokens come
-back per request through an asyncio queue that the engine thread fills.
+ingress (requests, token feeds) and the controller (role changes, load reports). Tokens go back
+through one feed per subscriber (an ingress replica, the batch manager): an asyncio queue the engine
+thread fills with every request's deltas, streamed in batches by one long-lived call (`feed`), so
+a step's tokens for many requests cost one message, not one per request.
 
 `report` goes through the engine loop (so a poll that returns proves the loop turns); `health`
 does not (it reads the loop's heartbeat), so the controller can tell a busy worker from a stuck
@@ -38,7 +40,7 @@ from splitserve.transfer.faults import crash_after_layer_pushes, freeze_after_la
 from splitserve.transfer.handoff import make_transport
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
-MAX_CONCURRENT_CALLS = 4096  # streams are long-lived calls: one per request in flight
+MAX_CONCURRENT_CALLS = 4096  # calls in flight: feeds (one per subscriber), prefills, reservations, control
 
 
 Rendezvous = tuple[str, int, str]  # the controller's store (host, port) and the cluster's transfer secret
@@ -82,7 +84,8 @@ class Worker:
         self.loop = WorkerLoop(engine, transport, worker_id, cfg.transfer.layerwise_threshold, cfg.transfer.lease_s,
                                reuse_prefix=self._reports_prefix)
         self.loop.start()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._feeds: dict[str, asyncio.Queue] = {}  # subscriber -> (request id, delta) in the order made
+        self._subscriber_of: dict[str, str] = {}  # open request -> the subscriber its deltas go to
 
     async def info(self) -> dict:
         engine = self.loop.engine
@@ -91,17 +94,15 @@ class Worker:
                 "node_ip": ray.util.get_node_ip_address()}
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams):
-        """Run a whole request here: its token deltas, as `stream` gives them (one call, not two)."""
-        await self._open(request_id, self.loop.generate, request_id, prompt, params)
-        async for batch in self.stream(request_id):
-            yield batch
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, subscriber: str) -> None:
+        """Run a whole request here; its token deltas go to `subscriber`'s feed."""
+        await self._open(request_id, subscriber, self.loop.generate, request_id, prompt, params)
 
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      prompt_peer: str) -> TransferTicket:
-        """Reserve KV blocks for a prompt another worker prefills; its tokens come through `stream`."""
+                      prompt_peer: str, subscriber: str) -> TransferTicket:
+        """Reserve KV blocks for a prompt another worker prefills; its tokens go to `subscriber`'s feed."""
         reserve = functools.partial(self.loop.reserve, prompt_tp=self._tensor_parallel_size(prompt_peer))
-        return await self._open(request_id, reserve, request_id, prompt, params, prompt_peer)
+        return await self._open(request_id, subscriber, reserve, request_id, prompt, params, prompt_peer)
 
     async def prefill(self, ticket: TransferTicket, prompt: list[int], params: SamplingParams) -> TokenDelta:
         """Prefill and push the KV to `ticket.token_peer`; returns the first token (or the error)."""
@@ -109,27 +110,29 @@ class Worker:
         await self._call(self.loop.prefill, ticket, prompt, params, self._sink(deltas))
         return await deltas.get()
 
-    async def stream(self, request_id: str):
-        """Token deltas of a request opened by `generate` or `reserve`, batched as they come,
-        until a final one. A consumer that goes away aborts the request."""
-        deltas = self._streams.get(request_id)
-        if deltas is None:
-            raise KeyError(f"worker {self.worker_id} has no request {request_id!r}")
-        final = False
+    async def feed(self, subscriber: str):
+        """Every delta of `subscriber`'s requests, as (request id, delta) pairs in batches of what
+        has come, until the subscriber goes away: then its requests still open are aborted."""
+        feed = self._feed(subscriber)
         try:
-            while not final:
-                batch = [await deltas.get()]
-                while not deltas.empty():
-                    batch.append(deltas.get_nowait())
-                final = batch[-1].final
+            while True:
+                batch = [await feed.get()]
+                while not feed.empty():
+                    batch.append(feed.get_nowait())
+                for request_id, delta in batch:
+                    if delta.final:
+                        self._subscriber_of.pop(request_id, None)
                 yield batch
         finally:
-            self._streams.pop(request_id, None)
-            if not final:
+            if self._feeds.get(subscriber) is feed:
+                del self._feeds[subscriber]
+            orphans = [rid for rid, owner in self._subscriber_of.items() if owner == subscriber]
+            for request_id in orphans:
+                del self._subscriber_of[request_id]
                 await self._call(self.loop.abort, request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        self._subscriber_of.pop(request_id, None)
         await self._call(self.loop.abort, request_id)
 
     # ---- control ---------------------------------------------------------------------------
@@ -189,18 +192,25 @@ class Worker:
             self._peer_tp[worker_id] = int(self._store.get(key)) if self._store.check([key]) else 1
         return self._peer_tp[worker_id]
 
-    async def _open(self, request_id: str, fn, *args):
-        deltas: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = deltas
+    async def _open(self, request_id: str, subscriber: str, fn, *args):
+        feed = self._feed(subscriber)
+        self._subscriber_of[request_id] = subscriber
         try:
-            return await self._call(fn, *args, self._sink(deltas))
+            return await self._call(fn, *args, self._sink(feed, request_id))
         except BaseException:
-            self._streams.pop(request_id, None)
+            self._subscriber_of.pop(request_id, None)
             raise
 
-    def _sink(self, deltas: asyncio.Queue):
+    def _feed(self, subscriber: str) -> asyncio.Queue:
+        """The subscriber's feed queue, made by whichever comes first: its feed call or a request."""
+        return self._feeds.setdefault(subscriber, asyncio.Queue())
+
+    def _sink(self, queue: asyncio.Queue, request_id: str | None = None):
+        """A sink the engine thread calls: its deltas into `queue` (keyed by `request_id` if given)."""
         loop = asyncio.get_running_loop()
-        return lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta)
+        if request_id is None:
+            return lambda delta: loop.call_soon_threadsafe(queue.put_nowait, delta)
+        return lambda delta: loop.call_soon_threadsafe(queue.put_nowait, (request_id, delta))
 
     async def _call(self, fn, *args):
         return await asyncio.wrap_future(self.loop.call(fn, *args))

@@ -72,8 +72,19 @@ class _Call:
 
 class _Worker:
     def __init__(self, calls: list, **results):
-        for name in ("reserve", "prefill", "stream", "abort"):
+        for name in ("reserve", "prefill", "abort"):
             setattr(self, name, _Call(results.get(name), calls, name))
+        self.feed = _SilentFeed()
+
+
+class _SilentFeed:
+    """`handle.feed.remote(subscriber)`: a token feed that sends nothing."""
+
+    def remote(self, subscriber):
+        async def nothing():
+            await asyncio.Event().wait()
+            yield
+        return nothing()
 
 
 class _PlacingCLS:

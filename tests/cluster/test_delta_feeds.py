@@ -1,0 +1,106 @@
+"""One token feed per worker carries every request's deltas (no Ray: a stand-in worker whose feed
+yields what the test puts in it): each delta reaches its request's queue, and a feed that breaks
+or a worker that is forgotten fails every request waiting on it, so none hangs."""
+from __future__ import annotations
+
+import asyncio
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken
+from splitserve.cluster.worker_loop import TokenDelta
+
+
+class _Worker:
+    """`handle.feed.remote(subscriber)`: a stream of the batches (or the exception) put in `sent`."""
+
+    def __init__(self):
+        self.sent: asyncio.Queue = asyncio.Queue()
+        self.subscribers: list[str] = []
+        self.feed = self
+
+    def remote(self, subscriber: str):
+        self.subscribers.append(subscriber)
+
+        async def stream():
+            while True:
+                item = await self.sent.get()
+                if isinstance(item, BaseException):
+                    raise item
+                ref = asyncio.get_running_loop().create_future()
+                ref.set_result(item)
+                yield ref
+        return stream()
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def drain(queue: asyncio.Queue) -> list:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def test_each_delta_reaches_its_request_through_one_feed_per_worker():
+    async def scenario():
+        feeds, worker = DeltaFeeds("ingress-1"), _Worker()
+        a, b = feeds.open("w", worker, "a"), feeds.open("w", worker, "b")
+        worker.sent.put_nowait([("a", TokenDelta((1,))), ("b", TokenDelta((2,))), ("gone", TokenDelta((3,))),
+                                ("a", TokenDelta((4,), "stop"))])
+        await settle()
+        feeds.close("w", "a")
+        worker.sent.put_nowait([("a", TokenDelta((5,))), ("b", TokenDelta((6,), "length"))])  # a's is late: dropped
+        await settle()
+        return worker.subscribers, drain(a), drain(b)
+
+    subscribers, a, b = asyncio.run(scenario())
+    assert subscribers == ["ingress-1"]  # one call carries both requests
+    assert [(d.token_ids, d.finish_reason) for d in a] == [((1,), None), ((4,), "stop")]
+    assert [(d.token_ids, d.finish_reason) for d in b] == [((2,), None), ((6,), "length")]
+
+
+def test_a_dead_worker_fails_every_waiting_request_and_the_next_request_opens_a_new_feed():
+    async def scenario():
+        feeds, worker = DeltaFeeds(), _Worker()
+        waiting = [feeds.open("w", worker, rid) for rid in ("a", "b")]
+        worker.sent.put_nowait(RayActorError())
+        await settle()
+        later = feeds.open("w", worker, "c")
+        worker.sent.put_nowait([("c", TokenDelta((7,), "stop"))])
+        await settle()
+        return [drain(q) for q in waiting], drain(later), len(worker.subscribers)
+
+    waiting, later, calls = asyncio.run(scenario())
+    assert all(len(items) == 1 and isinstance(items[0], FeedBroken) and items[0].dead for items in waiting)
+    assert [d.token_ids for d in later] == [(7,)] and calls == 2
+
+
+def test_a_failed_feed_call_fails_its_requests_over_without_calling_the_worker_dead():
+    async def scenario():
+        feeds, worker = DeltaFeeds(), _Worker()
+        queue = feeds.open("w", worker, "a")
+        worker.sent.put_nowait(RayTaskError("feed", "traceback", ValueError("boom")))
+        await settle()
+        return drain(queue)
+
+    [broken] = asyncio.run(scenario())
+    assert isinstance(broken, FeedBroken) and not broken.dead and "boom" in broken.reason
+
+
+def test_forgetting_a_worker_fails_the_requests_on_it_at_once():
+    """Its death was seen elsewhere first (a call to it failed): no request waits for a feed that
+    will say nothing more."""
+    async def scenario():
+        feeds, worker, other = DeltaFeeds(), _Worker(), _Worker()
+        gone, alive = feeds.open("w", worker, "a"), feeds.open("v", other, "b")
+        await settle()
+        feeds.forget("w")
+        await settle()
+        return drain(gone), drain(alive)
+
+    gone, alive = asyncio.run(scenario())
+    assert len(gone) == 1 and gone[0].dead and alive == []
