@@ -11,6 +11,7 @@ worker gets a `FeedBroken` and the next request opens a new feed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from dataclasses import dataclass
@@ -18,6 +19,14 @@ from dataclasses import dataclass
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 log = logging.getLogger("splitserve.feeds")
+
+
+def detached(method, *args):
+    """`method.remote(*args)` sent outside the current Ray task's context (an empty one), so that it
+    is not that task's child: Ray cancels the children of a cancelled task (Serve cancels the
+    request of a client that went away), which must not take down a feed other requests share, or
+    an abort sent while the request is being cancelled."""
+    return contextvars.Context().run(method.remote, *args)
 
 
 @dataclass(frozen=True)
@@ -38,8 +47,9 @@ class DeltaFeeds:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues.setdefault(worker_id, {})[request_id] = queue
         pump = self._pumps.get(worker_id)
-        if pump is None or pump.done():
-            self._pumps[worker_id] = asyncio.ensure_future(self._pump(worker_id, handle))
+        if pump is None or pump.done():  # the subscriber's own task, not the opening request's (see `detached`)
+            pump = asyncio.get_running_loop().create_task(self._pump(worker_id, handle), context=contextvars.Context())
+            self._pumps[worker_id] = pump
         return queue
 
     def close(self, worker_id: str, request_id: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken
+from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken, detached
 from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.prefix_hash import prompt_block_hashes
 from splitserve.engine.sampling_params import SamplingParams
@@ -182,7 +182,7 @@ class Run:
             yield self._record(first)
             if first.final:
                 self.workers.feeds.close(self.placement.token_worker, self._worker_request_id)
-                await _quietly(self.token_handle.abort.remote(self._worker_request_id))
+                await _quietly(self.token_handle.abort, self._worker_request_id)
                 return
         async for batch in self._token_batches():
             for delta in batch:
@@ -255,7 +255,7 @@ class Run:
         await self._drop_attempt()
         if failure.worker and failure.dead:
             self.workers.forget(failure.worker)
-            await _quietly(self.workers.cls.worker_failed.remote(failure.worker))
+            await _quietly(self.workers.cls.worker_failed, failure.worker)
         if self.failures >= self.max_attempts:
             raise RequestFailed(f"request failed after {self.failures} attempts: {failure}")
         exclude = frozenset({failure.worker} if failure.worker else ())
@@ -279,12 +279,14 @@ class Run:
         handles = [self.token_handle] if self.placement.local else [self.token_handle, self.prompt_handle]
         for handle in handles:
             if handle is not None:  # None: the attempt failed before reaching that worker
-                await _quietly(handle.abort.remote(self._worker_request_id))
+                await _quietly(handle.abort, self._worker_request_id)
 
 
-async def _quietly(call) -> None:
-    """A best-effort call: its worker may be gone."""
+async def _quietly(method, *args) -> None:
+    """A best-effort call (`method.remote(*args)`): its worker may be gone. It is sent as the
+    replica's own call, not as a child of the request being served: Ray cancels a cancelled Serve
+    request's child calls (a client that went away), and the abort sent then must still run."""
     try:
-        await call
+        await detached(method, *args)
     except (RayError, asyncio.CancelledError):
         log.debug("best-effort call failed", exc_info=True)

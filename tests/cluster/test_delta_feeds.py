@@ -4,10 +4,11 @@ or a worker that is forgotten fails every request waiting on it, so none hangs."
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken
+from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken, detached
 from splitserve.cluster.worker_loop import TokenDelta
 
 
@@ -104,3 +105,34 @@ def test_forgetting_a_worker_fails_the_requests_on_it_at_once():
 
     gone, alive = asyncio.run(scenario())
     assert len(gone) == 1 and gone[0].dead and alive == []
+
+
+REQUEST = contextvars.ContextVar("request", default=None)  # stands for Ray's current-task context variable
+
+
+def test_the_feed_call_is_not_a_child_of_the_request_that_opened_it():
+    """Ray cancels a cancelled task's child calls, and Serve cancels the request of a client that
+    went away: the feed other requests share must not be that request's child."""
+    class Recording(_Worker):
+        def remote(self, subscriber):
+            self.parent = REQUEST.get()
+            return super().remote(subscriber)
+
+    async def request(feeds, worker):
+        REQUEST.set("the first request")
+        feeds.open("w", worker, "a")
+        await settle()
+
+    worker = Recording()
+    asyncio.run(request(DeltaFeeds(), worker))
+    assert worker.parent is None
+
+
+def test_a_detached_call_is_sent_outside_the_request():
+    class Method:
+        def remote(self, *args):
+            return REQUEST.get(), args
+
+    REQUEST.set("a request being cancelled")
+    assert detached(Method(), "abort", 1) == (None, ("abort", 1))
+    assert REQUEST.get() == "a request being cancelled"  # the caller's context is left as it was

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -55,6 +56,14 @@ def wait_until_no_blocks(url, timeout: float = 20) -> None:
 def metric(url, name: str) -> float:
     text = httpx.get(f"{url}/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def metric_above(url, name: str, value: float, timeout_s: float = 5.0) -> float:
+    """`name` once it passes `value`: a worker's counters reach /metrics with its next load report."""
+    deadline = time.monotonic() + timeout_s
+    while (current := metric(url, name)) <= value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return current
 
 
 def greedy(hclient, prompt=PROMPT, max_tokens=24, **extra):
@@ -126,17 +135,32 @@ def test_a_prompt_worker_frozen_mid_transfer_lets_the_lease_free_the_blocks_on_b
     assert metric(url, "splitserve_kv_leases_expired_total") >= expired + 1
 
 
-def test_a_client_that_disconnects_mid_stream_leaves_no_block_in_use(url):
+def test_a_client_that_disconnects_mid_stream_stops_its_request_and_no_other(url):
+    """The request stops on the workers and leaves no block in use, and another request streaming
+    from the same token worker goes on undisturbed, even where the one that went away opened that
+    worker's token feed (a fresh worker): Serve cancels a cancelled request's child calls, which
+    neither the shared feed nor the aborts may be."""
     wait_for_pools(url, {"prompt": 1, "token": 1})
-    before = metric(url, "splitserve_worker_aborted_requests_total")
-    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as stream:
-        lines = stream.iter_lines()
-        for _ in range(6):
-            next(lines)
+    retired = worker_in(url, "token")
+    assert httpx.post(f"{url}/v1/cluster/workers/{retired}/drain", timeout=60).status_code == 200
+    assert retired not in wait_for_pools(url, {"prompt": 1, "token": 1})["workers"]  # a fresh token worker
+    aborted, restarted = (metric(url, name) for name in AFTER_A_DISCONNECT)
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions",
+                                                           json={**body, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            for _ in range(4):
+                next(lines)
+            other = pool.submit(httpx.post, f"{url}/v1/completions", json={**body, "max_tokens": 300}, timeout=120)
+            time.sleep(0.5)  # it streams from the same token worker when the first client goes away, here
+        assert other.result().status_code == 200 and other.result().json()["usage"]["completion_tokens"] == 300
     wait_until_no_blocks(url)
-    assert metric(url, "splitserve_worker_aborted_requests_total") > before
+    assert metric_above(url, AFTER_A_DISCONNECT[0], aborted) > aborted
+    assert metric(url, AFTER_A_DISCONNECT[1]) == restarted  # nothing failed over
+
+
+AFTER_A_DISCONNECT = ("splitserve_worker_aborted_requests_total", "splitserve_requests_restarted_total")
 
 
 def test_a_drained_worker_finishes_its_stream_then_leaves(url, hclient, offline):
