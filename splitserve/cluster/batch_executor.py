@@ -52,8 +52,9 @@ class ClusterExecutor:
         units = [(job, k) for job, (_, prepared) in enumerate(jobs) for k in range(len(prepared.prompts))]
         requests = [offline_request(key, jobs[job][1].prompts[k], jobs[job][1].params[k],
                                     jobs[job][1].request.num_choices()[0]) for key, (job, k) in enumerate(units)]
-        done = {key: finished[job] / len(jobs[job][1].prompts) for key, (job, _) in enumerate(units) if job in finished}
-        feeder = BatchFeeder(requests, options, self.shape, await self.kv_tokens(), self.block_size, done)
+        resumed = {key: finished[job] / len(jobs[job][1].prompts) for key, (job, _) in enumerate(units)
+                   if job in finished}  # a finished line's output, shared among its prompts
+        feeder = BatchFeeder(requests, options, self.shape, await self.kv_tokens(), self.block_size, resumed)
         answers = {job: _LineAnswer(len(prepared.prompts)) for job, (_, prepared) in enumerate(jobs)}
         changed = asyncio.Event()
         running: set[asyncio.Task] = set()
@@ -85,10 +86,10 @@ class ClusterExecutor:
                     raise RuntimeError("the batch stalled: nothing is running and the feeder admits nothing")
                 changed.clear()
                 waiter = asyncio.create_task(changed.wait())
-                done_tasks, _ = await asyncio.wait({*running, waiter}, timeout=self.retry_s,
-                                                   return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({*running, waiter}, timeout=self.retry_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
-                for task in done_tasks - {waiter}:
+                for task in done - {waiter}:
                     running.discard(task)
                     task.result()  # a bug in the loop surfaces here
         finally:

@@ -1,17 +1,12 @@
 """The idle-CPU benchmark: its accounting by process title on hand-made readings, and a tiny run
 end to end (its own local Ray, in a subprocess) that reports every part for each interval."""
-import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_idle.py"
-_spec = importlib.util.spec_from_file_location("bench_idle", SCRIPT)
-bench_idle = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_idle)
+from tests.scripts.script_runner import load_script, run_script
+
+bench_idle = load_script("bench_idle")
 
 
 def test_processes_are_counted_in_their_part_over_the_window():
@@ -36,14 +31,13 @@ def test_the_summary_is_the_median_per_interval():
 def test_tiny_run_reports_every_part(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "idle.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--idle-intervals", "0.5", "--settle", "0", "--window", "1",
-                           "--repeats", "1", "--port", "8026", "--json", str(out)],
-                          capture_output=True, text=True, timeout=400)
+    done = run_script("bench_idle", "--idle-intervals", "0.5", "--settle", "0", "--window", "1", "--repeats", "1",
+                      "--port", "8026", "--json", str(out), timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     (row,), (summary,) = result["rows"], result["summary"]
     assert row["idle_report_interval_s"] == summary["idle_report_interval_s"] == 0.5
     assert row["host_cores"] > 0 and row["workers"] > 0 and row["cls"] > 0  # the cluster's processes are found
     assert "| 0.5 | 1 |" in done.stdout
-    done = subprocess.run([sys.executable, str(SCRIPT), "--idle-intervals", "0.05"], capture_output=True, text=True)
+    done = run_script("bench_idle", "--idle-intervals", "0.05")
     assert done.returncode == 2 and "at least --report-interval" in done.stderr

@@ -1,17 +1,12 @@
 """The streaming benchmark: its CPU accounting by process title on hand-made readings, and a tiny
 run end to end (its own local Ray, in a subprocess) that reports every column."""
-import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_streams.py"
-_spec = importlib.util.spec_from_file_location("bench_streams", SCRIPT)
-bench_streams = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_streams)
+from tests.scripts.script_runner import load_script, run_script
+
+bench_streams = load_script("bench_streams")
 
 
 def test_cpu_is_counted_per_role_for_processes_alive_across_the_window():
@@ -25,8 +20,8 @@ def test_cpu_is_counted_per_role_for_processes_alive_across_the_window():
 def test_tiny_run_reports_every_column(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "streams.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--concurrency", "2", "--max-tokens", "4", "--rounds", "1",
-                           "--port", "8027", "--json", str(out)], capture_output=True, text=True, timeout=400)
+    done = run_script("bench_streams", "--concurrency", "2", "--max-tokens", "4", "--rounds", "1", "--port", "8027",
+                      "--json", str(out), timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     [row] = json.loads(out.read_text())["rows"]
     assert row["engine_tokens_per_s"] > 0 and row["cluster_tokens_per_s"] > 0 and row["ratio"] > 0

@@ -2,20 +2,17 @@
 with hostile-but-valid parameters, clients hanging up, and a worker SIGKILLed mid-run. No request
 is lost, none is placed again but those the kills hit, and no KV block is left in use at the end."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
+from tests.scripts.script_runner import run_script
 
 
 def test_a_one_minute_soak_loses_nothing_and_leaks_nothing(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "soak.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--minutes", "1", "--calibrate-s", "8", "--kill-every-s", "25",
-                           "--port", "8033", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    done = run_script("soak", "--minutes", "1", "--calibrate-s", "8", "--kill-every-s", "25", "--port", "8033",
+                      "--json", str(out), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["requests"] > 20 and result["completed"] > 0 and result["kills"] >= 1
