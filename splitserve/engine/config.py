@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # a window only with use_sliding_window
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -36,7 +37,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
-    attention_bias: bool = False
+    attention_bias: bool = False   # on the q, k and v projections
+    qk_norm: bool = False          # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     torch_dtype: str = "float32"
@@ -62,7 +64,10 @@ class ModelConfig:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        qwen = arch == "Qwen2ForCausalLM"
+        qwen = arch in QWEN_ARCHITECTURES
+        if arch == "Qwen3ForCausalLM" and cfg.get("attention_bias"):
+            raise ConfigError(f"{source}: attention_bias=true is not supported for Qwen3ForCausalLM (it would put a "
+                              "bias on o_proj too); released Qwen3 checkpoints have none")
         rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and scaling here
         window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
         return cls(
@@ -72,7 +77,8 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling") or rope, source),
-            attention_bias=bool(cfg.get("attention_bias", qwen)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window else None,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),

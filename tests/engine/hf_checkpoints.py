@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM)
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 # ASCII only, so every token decodes to complete characters (no held-back partial UTF-8).
@@ -39,11 +39,15 @@ CONFIGS = {
     "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, rope_theta=1000000.0)),
     "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, rope_theta=1000000.0)),
     "llama_head_dim": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
+    # per-head q/k norms, heads x head_dim wider than hidden_size, tied embeddings (as the small Qwen3s)
+    "qwen3_qk_norm": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
+                                                          tie_word_embeddings=True)),
 }
+QWEN_TOKENIZED = (Qwen2Config, Qwen3Config)  # transformers gives both Qwen2's tokenizer class
 
 
 # ---- checkpoint construction --------------------------------------------------------------
-# Qwen2 checkpoints get Qwen2's pre-tokenizer (transformers' own regex). transformers 5's
+# Qwen2 and Qwen3 checkpoints get Qwen2's pre-tokenizer (transformers' own regex). transformers 5's
 # AutoTokenizer picks the tokenizer class from config.json's model_type, and Qwen2Tokenizer rebuilds
 # its pre-tokenizer and NFC normalizer whatever tokenizer.json says; a real Qwen2 tokenizer.json has
 # these, so the Qwen2 checkpoint gets them too (the engine reads tokenizer.json as it is).
@@ -84,7 +88,7 @@ def randomize(model: torch.nn.Module) -> None:
 
 def write_checkpoint(path, name: str, tokenizers_by_kind: dict[bool, RawTokenizer]):
     config_cls, model_cls, extra = CONFIGS[name]
-    raw_tokenizer = tokenizers_by_kind[config_cls is Qwen2Config]
+    raw_tokenizer = tokenizers_by_kind[config_cls in QWEN_TOKENIZED]
     config = config_cls(**{**COMMON, **extra, "vocab_size": raw_tokenizer.get_vocab_size()})
     config._attn_implementation = "eager"  # the plainest reference math
     torch.manual_seed(sum(map(ord, name)))

@@ -6,6 +6,9 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.attention.metadata import AttentionMetadata
 from splitserve.engine.attention.torch_paged import TorchPagedBackend
 from splitserve.engine.attention.triton_paged import TritonPagedBackend
+from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
+    ENGINE_ARGS, NEW_TOKENS, ckpt, generation_prompts, hf_greedy, tokenizers_by_kind,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -16,6 +19,16 @@ def test_cuda_greedy_matches_cpu():
     cpu = LLM("demo", device="cpu", chunk_token_budget=64).generate(prompts, params)
     gpu = LLM("demo", device="cuda", chunk_token_budget=64).generate(prompts, params)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+
+
+def test_each_architecture_on_cuda_generates_as_transformers(ckpt):
+    """Every checkpoint kind (Qwen2's biases, Qwen3's head norms, tied heads, GQA) through the CUDA
+    path (Triton kernels, decode graphs) in float32: transformers' greedy tokens on the CPU."""
+    path, hf = ckpt
+    prompts = generation_prompts(hf.config.vocab_size)
+    llm = LLM(path, dtype="float32", chunk_token_budget=16, **{**ENGINE_ARGS, "device": "cuda"})
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

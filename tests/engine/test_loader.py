@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from splitserve.engine.config import ConfigError
 from splitserve.engine.demo import DEMO_MODEL_CONFIG, demo_model_config, demo_tokenizer
@@ -30,6 +30,11 @@ def make_qwen2(seed=0, **overrides):
     return Qwen2ForCausalLM(Qwen2Config(**{**SHAPE, **overrides})).eval()
 
 
+def make_qwen3(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**{**SHAPE, "head_dim": 16, **overrides})).eval()
+
+
 def assert_same_weights(a, b):
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
@@ -37,7 +42,7 @@ def assert_same_weights(a, b):
         assert torch.equal(sa[name], sb[name]), name
 
 
-@pytest.mark.parametrize("make", [make_llama, make_qwen2])
+@pytest.mark.parametrize("make", [make_llama, make_qwen2, make_qwen3])
 @pytest.mark.parametrize("shard_size", [None, "20KB"])
 def test_round_trip_matches_every_tensor(tmp_path, make, shard_size):
     source = make(seed=0)
@@ -55,6 +60,21 @@ def test_round_trip_qwen2_has_biases(tmp_path):
     names = {name for name, _ in iter_checkpoint_tensors(tmp_path)}
     assert "model.layers.0.self_attn.q_proj.bias" in names
     assert load_model_config(tmp_path).attention_bias
+
+
+def test_qwen3_has_head_norms_and_no_biases(tmp_path):
+    make_qwen3().save_pretrained(tmp_path)
+    names = {name for name, _ in iter_checkpoint_tensors(tmp_path)}
+    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= names
+    cfg = load_model_config(tmp_path)
+    assert cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 16
+    assert cfg.sliding_window is None  # use_sliding_window is false, as in every released Qwen3
+
+
+def test_qwen3_with_attention_bias_is_refused(tmp_path):
+    make_qwen3(attention_bias=True).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="attention_bias"):
+        load_model_config(tmp_path)
 
 
 def test_tied_embeddings_load_both_names(tmp_path):
@@ -218,7 +238,7 @@ def test_demo_model_config():
     assert DEMO_MODEL_CONFIG["vocab_size"] == demo_tokenizer().vocab_size
 
 
-@pytest.mark.parametrize("make", [make_llama, make_qwen2])
+@pytest.mark.parametrize("make", [make_llama, make_qwen2, make_qwen3])
 def test_our_merged_projections_are_named_and_shaped_as_hugging_face_names_its_weights(make):
     from splitserve.engine.config import ModelConfig
     from splitserve.engine.model.llama import LlamaForCausalLM as Ours

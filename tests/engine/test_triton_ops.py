@@ -52,6 +52,17 @@ def test_norm_without_a_residual_and_of_strided_rows():
     assert out.shape == (0, 32)
 
 
+def test_norm_of_each_head_of_a_merged_projection():
+    """Qwen3's q and k norms: one weight over head_dim, every head of a view of the fused q/k/v."""
+    torch.manual_seed(3)
+    module = norm(16, torch.float32)
+    qkv = torch.randn(5, 8 * 16)
+    heads = qkv.to(DEVICE)[:, :4 * 16].view(5, 4, 16)  # q's 4 heads; k and v follow in each row
+    out, summed = add_rms_norm(heads, None, module.weight.to(DEVICE), module.eps)
+    assert summed is heads and out.shape == (5, 4, 16)
+    torch.testing.assert_close(out.cpu(), module(qkv[:, :4 * 16].view(5, 4, 16)), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [32, 24])
 def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim):

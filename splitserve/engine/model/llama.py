@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over flattened tokens of many sequences.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows. `checkpoint_tensors` names every
@@ -33,8 +33,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x) * weight; given the residual stream, (norm(x + residual) * weight, x + residual).
-        On CUDA one Triton kernel (`triton_ops`) does the add and the norm."""
+        """norm(x) * weight over the last dim; given the residual stream (x and residual [T, size]),
+        (norm(x + residual) * weight, x + residual). On CUDA one Triton kernel (`triton_ops`) does
+        the add and the norm."""
         if x.is_cuda:
             out, summed = _cuda_ops().add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, summed)
@@ -96,10 +97,15 @@ class LlamaAttention(nn.Module):
                                      bias=c.attention_bias, slices=slices)
         self.o_proj = RowParallelLinear(self.num_heads * d, c.hidden_size,
                                         ShardSlice(1, q_lo * d, q_hi * d, q_total) if shard.size > 1 else None, reduce)
+        # one weight per head dim, the same for every head: whole on every rank
+        self.q_norm = RMSNorm(d, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(d, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         q, k, v = self.heads(self.qkv_proj(x))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v, kv, meta)
         return self.o_proj(out.reshape(x.shape[0], -1))

@@ -37,16 +37,18 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, s
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual) * weight, x + residual) for [T, hidden] rows; without a residual,
-    (norm(x) * weight, x)."""
-    rows, cols = x.shape
-    out = torch.empty((rows, cols), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    summed = torch.empty((rows, cols), dtype=x.dtype, device=x.device) if residual is not None else x
-    if rows:
-        _add_rms_norm_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, out, summed, x.stride(0),
+    (norm(x) * weight, x), where x may have more leading dims (q's heads [T, heads, head_dim])."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1]) if residual is None else x  # heads of a merged projection: a copy
+    count, cols = rows.shape
+    out = torch.empty((count, cols), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    summed = torch.empty((count, cols), dtype=x.dtype, device=x.device) if residual is not None else x
+    if count:
+        _add_rms_norm_kernel[(count,)](
+            rows, residual if residual is not None else rows, weight, out, summed, rows.stride(0),
             residual.stride(0) if residual is not None else 0, cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols))
-    return out, summed
+    return out.view(shape), summed
 
 
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr"])  # a view into a step's inputs: any offset
