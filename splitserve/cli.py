@@ -7,6 +7,7 @@ import sys
 from importlib import import_module
 from pathlib import Path
 
+from splitserve.api import chat_parsers
 from splitserve.engine.policies import POLICY_CLASSES
 
 
@@ -39,6 +40,7 @@ def _add_serve(commands) -> None:
                    help="the name(s) clients send as `model` (aliases; the first names the metrics); "
                         "default: the config's served_model_name, else the model")
     p.add_argument("--api-key", default=None, help="require this Bearer key (default: $SPLITSERVE_API_KEY, if set)")
+    chat_parsers.add_arguments(p, config_fallback=True)
     p.set_defaults(run=_run_serve)
 
 
@@ -50,8 +52,9 @@ def _run_serve(args) -> int:
 
     try:
         config, http = load_cluster_config(args.config) if args.config else (ClusterConfig(), {})
-        overrides = {k: v for k, v in (("model", args.model), ("served_model_name", args.served_model_name))
-                     if v is not None}
+        overrides = {k: v for k, v in (("model", args.model), ("served_model_name", args.served_model_name),
+                                       ("reasoning_parser", args.reasoning_parser),
+                                       ("tool_call_parser", args.tool_call_parser)) if v is not None}
         if args.api_key:
             overrides["ingress"] = {**config.ingress.model_dump(), "api_key": args.api_key}
         config = ClusterConfig.model_validate({**config.model_dump(), **overrides})

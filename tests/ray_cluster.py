@@ -28,6 +28,7 @@ ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 2048}
 MAIN = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "fault_injection": True,
         "scheduler": {"report_interval_s": 0.05}, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
 POOLS = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "served_model_name": ["demo", "pools-alias"],
+         "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
          "scheduler": {"report_interval_s": 0.05, "mixed_prompt_tokens": 600, "max_queue_tokens": 3000,
                        "max_decode_queue_tokens": 3000},
          "ingress": {"api_key": "sk-pools", "num_replicas": 2},

@@ -1,32 +1,40 @@
 """One choice of an OpenAI response built from its tokens as they come, wherever they come from (a
 cluster run's deltas, or an offline engine's finished output): the visible text, the logprobs of
-the tokens that made it, the echoed prompt, and the whole choice (tool calls parsed). Also what a
-request asks of its choices (`choice_options`) and best_of's pick (`best_choices`)."""
+the tokens that made it, the echoed prompt, and the whole choice (reasoning split off, tool calls
+parsed). Also what a request asks of its choices (`choice_options`) and best_of's pick
+(`best_choices`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from splitserve.api import response_bodies as R
+from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
-from splitserve.api.request_models import GenerationRequest
-from splitserve.api.tool_calls import parse_tool_calls
+from splitserve.api.request_models import ChatCompletionRequest, GenerationRequest
+from splitserve.api.reasoning import prompt_opens_thinking, split_reasoning
+from splitserve.api.tool_calls import find_tool_calls
 from splitserve.api.visible_text import TextStream
 from splitserve.engine.tokenizer import Tokenizer
+
+
+PROMPT_TAIL_TOKENS = 16  # enough to spell a `<think>` the chat template ends the prompt with
 
 
 class ChoiceText:
     """`echo`: the prompt's text, put in front of the first piece (completions' `echo`), with the
     prompt tokens' logprobs in front of the first token's; `generated=False` (echo with max_tokens
     0): the sampled token is left out, so the choice is the scored prompt alone. `tool_names`: the
-    functions a chat offered; an output that is calls to them comes back as `tool_calls`. `num_top`:
-    the top alternatives per token the client asked logprobs of (None: none; logprobs may still come,
-    for best_of's ranking alone)."""
+    functions a chat offered; an output that is calls to them (in `tool_parser`'s format) comes back
+    as `tool_calls`. `thinking`: with a reasoning parser, whether the prompt left the model thinking
+    (None: no parser, the output is all content). `num_top`: the top alternatives per token the
+    client asked logprobs of (None: none; logprobs may still come, for best_of's ranking alone)."""
 
     def __init__(self, kind: str, text: TextStream, prompt: Sequence[int], echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
-                 num_top: int | None = None):
+                 num_top: int | None = None, tool_parser: str = "llama3_json", thinking: bool | None = None):
         self.kind, self.text, self.prompt, self.index, self.num_top = kind, text, prompt, index, num_top
         self._echo, self.generated, self.tool_names = echo, generated, tool_names
+        self.tool_parser, self.thinking = tool_parser, thinking
         self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs come (best_of ranks by it)
         self._entries: list[Entry] = []  # of the text not yet handed out
         self._text_offset = 0  # completions' text_offset of the next token
@@ -69,22 +77,35 @@ class ChoiceText:
         logprobs = self.take_logprobs()
         if self.kind == "completion":
             return R.completion_choice(text, reason, logprobs, self.index)
-        calls = parse_tool_calls(text, self.tool_names) if self.tool_names and reason == "stop" else None
-        if calls:
-            return R.chat_choice(None, "tool_calls", logprobs, [c.body() for c in calls], self.index)
-        return R.chat_choice(text, reason, logprobs, index=self.index)
+        reasoning, content = (None, text) if self.thinking is None else split_reasoning(text, self.thinking)
+        found = find_tool_calls(content or "", self.tool_names, self.tool_parser) \
+            if self.tool_names and reason == "stop" else None
+        if found:
+            before, calls = found
+            return R.chat_choice(before, "tool_calls", logprobs, [c.body() for c in calls], self.index, reasoning)
+        return R.chat_choice(content, reason, logprobs, index=self.index, reasoning=reasoning)
 
 
-def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequence[int], tokenizer: Tokenizer) -> dict:
-    """ChoiceText's `echo`, `generated`, `tool_names` and `num_top` for the choices of one of
-    `request`'s prompts (`prompt`: its token ids)."""
+def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequence[int], tokenizer: Tokenizer,
+                   parsers: ChatParsers = ChatParsers()) -> dict:
+    """ChoiceText's `echo`, `generated`, `tool_names`, `num_top`, `tool_parser` and `thinking` for
+    the choices of one of `request`'s prompts (`prompt`: its token ids). A constrained output
+    (structured outputs, a forced tool call) is the constraint's from its first token: a thinking
+    the prompt opened does not hold it (only one the output opens itself is split off), and a
+    forced call is parsed in the JSON format the constraint writes."""
     echo = None
     if request.echoes_prompt():  # a truncated prompt echoes the tokens the model saw
         text = request.prompts()[prompt_index]
         sent = isinstance(text, str) and request.truncate_prompt_tokens is None
         echo = text if sent else tokenizer.decode(prompt, skip_special_tokens=False)
+    constraint, field = request.output_constraint()
+    thinking = None
+    if isinstance(request, ChatCompletionRequest) and parsers.reasoning is not None:
+        tail = tokenizer.decode(list(prompt[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+        thinking = constraint is None and prompt_opens_thinking(tail)
     return dict(echo=echo, generated=not request.scores_prompt_only(),
-                tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs())
+                tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs(),
+                tool_parser="llama3_json" if field == "tool_choice" else parsers.tool_calls, thinking=thinking)
 
 
 def best_choices(choices: list[dict], cumulative_logprobs: list[float], num_returned: int, first_index: int = 0

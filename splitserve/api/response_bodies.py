@@ -34,10 +34,16 @@ def completion_choice(text: str, finish_reason: FinishReason | None, logprobs: d
 
 
 def chat_choice(content: str | None, finish_reason: FinishReason, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None, index: int = 0) -> dict:
-    """`tool_calls`: the calls' bodies (`ToolCall.body()`); content is then null."""
-    message = {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})}
+                tool_calls: list[dict] | None = None, index: int = 0, reasoning: str | None = None) -> dict:
+    """`tool_calls`: the calls' bodies (`ToolCall.body()`), with the content written before them
+    (or null); `reasoning`: a reasoning model's thinking (`reasoning_content` too, vLLM's older name)."""
+    message = {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {}),
+               **_reasoning(reasoning)}
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _reasoning(text: str | None) -> dict:
+    return {} if text is None else {"reasoning": text, "reasoning_content": text}
 
 
 def response_body(kind: Literal["completion", "chat"], request_id: str, model: str, created: int, choices: list[dict],
@@ -69,11 +75,11 @@ def chat_response(request_id: str, model: str, created: int, content: str | None
 
 def chat_chunk(request_id: str, model: str, created: int, *, role: str | None = None, content: str | None = None,
                finish_reason: FinishReason | None = None, logprobs: dict | None = None,
-               tool_calls: list[dict] | None = None, index: int = 0) -> dict:
+               tool_calls: list[dict] | None = None, index: int = 0, reasoning: str | None = None) -> dict:
     """One stream chunk; its delta holds only what is given (the last chunk's delta is `{}`).
     `tool_calls`: OpenAI's streamed pieces of calls, each with its `index`."""
     delta = {key: value for key, value in (("role", role), ("content", content), ("tool_calls", tool_calls))
-             if value is not None}
+             if value is not None} | _reasoning(reasoning)
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope("chat.completion.chunk", request_id, model, created, [choice])
 

@@ -1,7 +1,11 @@
 """Tool calls in chat: the constraint that forces one (`tool_choice` "required" or a named
-function), and the parser that finds them in the model's text, in the Llama 3 JSON format:
-`{"name": ..., "parameters": {...}}` (or `"arguments"`), optionally after `<|python_tag|>`, several
-separated by `;`. Text that does not parse as calls is the assistant's content, as it was written.
+function), and the parsers that find them in the model's text (vLLM's `--tool-call-parser`):
+- `llama3_json`: `{"name": ..., "parameters": {...}}` (or `"arguments"`), optionally after
+  `<|python_tag|>`, several separated by `;`; the whole output is calls, or it is content;
+- `hermes` (Qwen2.5, Qwen3, Hermes): each call's JSON between `<tool_call>` and `</tool_call>`,
+  after the content the model wrote first, if any.
+A forced call is always the JSON format (the constraint writes it). Text that does not parse as
+calls is the assistant's content, as it was written.
 """
 from __future__ import annotations
 
@@ -9,9 +13,12 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.output_constraint import OutputConstraint
 
+TOOL_CALL_PARSERS = ("llama3_json", "hermes")
 PYTHON_TAG = "<|python_tag|>"
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,8 @@ def may_be_calls(text: str) -> bool | None:
 
 
 def parse_tool_calls(text: str, names: set[str]) -> list[ToolCall] | None:
-    """The calls `text` holds, each naming one of `names`; None when it is not (only) calls."""
+    """The calls `text` holds (the JSON format), each naming one of `names`; None when it is not
+    (only) calls."""
     body = text.strip().removeprefix(PYTHON_TAG).strip()
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(body):
@@ -55,28 +63,71 @@ def parse_tool_calls(text: str, names: set[str]) -> list[ToolCall] | None:
             value, end = decoder.raw_decode(body, at)
         except ValueError:
             return None
-        arguments = value.get("parameters", value.get("arguments")) if isinstance(value, dict) else None
-        if not isinstance(value, dict) or value.get("name") not in names or not isinstance(arguments, dict):
+        call = _call(value, names)
+        if call is None:
             return None
-        calls.append(ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}"))
+        calls.append(call)
         at = end
         while at < len(body) and body[at] in " \t\r\n;":
             at += 1
     return calls or None
 
 
-class StreamedCalls:
-    """A chat stream with tools offered: text that may be calls (it starts with `{` or the python
-    tag) is held back until the output ends, then sent as calls if it parses, else as content;
-    other text streams as it comes."""
+def parse_hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]] | None:
+    """(the content before the first `<tool_call>`, or None if blank; the calls), each naming one
+    of `names`; None when there is no call, or what follows the first tag is not only calls."""
+    start = text.find(HERMES_OPEN)
+    if start == -1:
+        return None
+    content, rest, calls = text[:start].strip() or None, text[start:], []
+    while rest:
+        end = rest.find(HERMES_CLOSE)
+        body = rest[len(HERMES_OPEN):] if end == -1 else rest[len(HERMES_OPEN):end]  # a call cut by a stop token
+        try:
+            call = _call(json.loads(body), names)
+        except ValueError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+        rest = "" if end == -1 else rest[end + len(HERMES_CLOSE):].strip()
+        if rest and not rest.startswith(HERMES_OPEN):
+            return None
+    return content, calls
 
-    def __init__(self, names: set[str]):
-        self.names = names
+
+def find_tool_calls(text: str, names: set[str], parser: str) -> tuple[str | None, list[ToolCall]] | None:
+    """(content alongside, calls) in `parser`'s format; None when `text` is not calls."""
+    if parser == "hermes":
+        return parse_hermes_calls(text, names)
+    calls = parse_tool_calls(text, names)
+    return None if calls is None else (None, calls)
+
+
+def _call(value, names: set[str]) -> ToolCall | None:
+    arguments = value.get("parameters", value.get("arguments")) if isinstance(value, dict) else None
+    if not isinstance(value, dict) or value.get("name") not in names or not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+
+
+class StreamedCalls:
+    """A chat stream with tools offered. JSON format: text that may be calls (it starts with `{`
+    or the python tag) is held back until the output ends, then sent as calls if it parses, else as
+    content; other text streams as it comes. Hermes format: content streams until a `<tool_call>`
+    (a piece that may end in one waits for the next), and from the tag on everything is held
+    back until the end, then sent as calls if it parses, else as content."""
+
+    def __init__(self, names: set[str], parser: str = "llama3_json"):
+        self.names, self.parser = names, parser
         self._held: list[str] = []
-        self._deciding = True
+        self._deciding = True  # JSON: whether the output is calls is not known yet; hermes: no tag seen
 
     def feed(self, piece: str, reason: str | None) -> tuple[str, list[ToolCall] | None, str | None] | None:
-        """(content, calls, finish reason) to send now; None: hold everything back for now."""
+        """(content, calls, finish reason) to send now, the content before the calls; None: hold
+        everything back for now."""
+        if self.parser == "hermes":
+            return self._feed_hermes(piece, reason)
         if not self._deciding:
             return piece, None, reason
         self._held.append(piece)
@@ -87,3 +138,21 @@ class StreamedCalls:
         self._deciding, self._held = False, []
         calls = parse_tool_calls(text, self.names) if verdict and reason == "stop" else None
         return ("", calls, "tool_calls") if calls else (text, None, reason)
+
+    def _feed_hermes(self, piece: str, reason: str | None):
+        text = "".join(self._held) + piece
+        self._held = []
+        before = ""
+        if self._deciding:
+            start = text.find(HERMES_OPEN)
+            if start == -1:
+                keep = 0 if reason else tag_prefix_at_end(text, HERMES_OPEN)
+                self._held = [text[len(text) - keep:]] if keep else []
+                sent = text[:len(text) - keep]
+                return (sent, None, reason) if sent or reason else None
+            self._deciding, before, text = False, text[:start], text[start:]
+        if reason is None:
+            self._held = [text]
+            return (before, None, None) if before else None
+        found = parse_hermes_calls(text, self.names) if reason == "stop" else None
+        return (before, found[1], "tool_calls") if found else (before + text, None, reason)

@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from splitserve.api import chat_parsers
 from splitserve.batch.blend.feeder import ORDERS, BlendOptions
 from splitserve.command import report_errors
 from splitserve.engine.config import ConfigError
@@ -28,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--stats", type=Path, default=None, help="write the run's statistics here (JSON)")
+    chat_parsers.add_arguments(p, config_fallback=False)
 
 
 def run_command(args) -> int:
@@ -52,7 +54,8 @@ def _run(args) -> None:
             print(f"resuming: {done} of {len(lines)} lines already have results")
         with tqdm(total=len(lines), initial=done, desc="batch", unit="line") as bar:
             stats = run_lines(engine, lines, args.served_model_name or args.model, output, errors, options,
-                              on_result=lambda ok: bar.update())
+                              on_result=lambda ok: bar.update(),
+                              parsers=chat_parsers.from_arguments(args))
         failed = len(errors.done)
     print(f"{len(lines) - failed} lines succeeded, {failed} failed -> {args.output}"
           + (f", {errors_path}" if failed else ""))

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from splitserve.api import response_bodies as R
+from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.choice_text import ChoiceText, best_choices, choice_options
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.limits import RequestLimits
@@ -26,13 +27,13 @@ from splitserve.engine.tokenizer import Tokenizer
 
 def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str, ...], output: ResultLog,
               errors: ResultLog, options: BlendOptions, stop: Callable[[], bool] = lambda: False,
-              on_result: Callable[[bool], None] = lambda ok: None, limits: RequestLimits = RequestLimits()
-              ) -> BatchStats:
+              on_result: Callable[[bool], None] = lambda ok: None, limits: RequestLimits = RequestLimits(),
+              parsers: ChatParsers = ChatParsers()) -> BatchStats:
     """Run every line without a result in `output` or `errors`; lines already there count as
     samples of output length. A line runs as one engine request per computed choice (`n`,
     `best_of`) of each of its prompts, each choice with its seed (the order keeps a prompt's
     choices together, so it is prefilled once), and is logged when its last one ends.
-    `on_result(ok)` after each line is logged."""
+    `on_result(ok)` after each line is logged; `parsers`: how chat outputs are read."""
     grammar = LazyGrammar(engine.tokenizer, engine.model_config.vocab_size)
     jobs, finished_lines = prepare_pending(lines, engine.tokenizer, model, engine.max_model_len, output, errors,
                                            on_result, limits, grammar.check)
@@ -53,20 +54,21 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str,
         outs[run] = out
         if len(outs) == runs[job]:
             del ended[job]
-            body = response(line.kind, prepared, [outs[i] for i in range(runs[job])], engine.tokenizer)
+            body = response(line.kind, prepared, [outs[i] for i in range(runs[job])], engine.tokenizer, parsers)
             output.append(result_line(line.custom_id, 200, body))
             on_result(True)
 
     return run_batch(engine, items, options, record, finished, stop=stop)
 
 
-def response(kind: str, prepared: PreparedRequest, outs: list[RequestOutput], tokenizer: Tokenizer) -> dict:
+def response(kind: str, prepared: PreparedRequest, outs: list[RequestOutput], tokenizer: Tokenizer,
+             parsers: ChatParsers = ChatParsers()) -> dict:
     """The endpoint's response body from the engine's outputs of every computed choice, prompt by
     prompt (prompt k's choice i at k x computed + i)."""
     computed, returned = prepared.request.num_choices()
     choices, completion_tokens = [], 0
     for k, (prompt, params) in enumerate(zip(prepared.prompts, prepared.params)):
-        options = choice_options(prepared.request, k, prompt, tokenizer)
+        options = choice_options(prepared.request, k, prompt, tokenizer, parsers)
         mine, ranks = [], []
         for index, out in enumerate(outs[k * computed:(k + 1) * computed]):
             stream = TextStream(tokenizer, choice_params(params, index), prompt)
@@ -83,10 +85,11 @@ def response(kind: str, prepared: PreparedRequest, outs: list[RequestOutput], to
 class EngineExecutor:
     """The batch service's executor on one in-process engine (run in a thread, off the event loop)."""
 
-    def __init__(self, engine: LLMEngine, model: str | tuple[str, ...], limits: RequestLimits = RequestLimits()):
-        self.engine, self.model, self.limits = engine, model, limits
+    def __init__(self, engine: LLMEngine, model: str | tuple[str, ...], limits: RequestLimits = RequestLimits(),
+                 parsers: ChatParsers = ChatParsers()):
+        self.engine, self.model, self.limits, self.parsers = engine, model, limits, parsers
 
     async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,
                   stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
         await asyncio.to_thread(run_lines, self.engine, lines, self.model, output, errors, options, stop, on_result,
-                                self.limits)
+                                self.limits, self.parsers)

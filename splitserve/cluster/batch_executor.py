@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.api import response_bodies as R
+from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import PreparedRequest
@@ -26,10 +27,12 @@ DECODING_POOLS = ("token", "mixed")
 class ClusterExecutor:
     def __init__(self, cls, model_shape: ModelShape, tokenizer, vocab_size: int, model: str | tuple[str, ...],
                  max_model_len: int, block_size: int, max_attempts: int, retry_s: float = 1.0,
-                 limits: RequestLimits = RequestLimits(), prefix_block_size: int = 0):
+                 limits: RequestLimits = RequestLimits(), prefix_block_size: int = 0,
+                 parsers: ChatParsers = ChatParsers()):
         self.workers, self.limits = WorkerDirectory(cls), limits
         self.grammar = LazyGrammar(tokenizer, vocab_size)  # structured output's constraints compile up front
         self.prefix_block_size = prefix_block_size  # ClusterConfig.prefix_block_size
+        self.parsers = parsers
         self.shape, self.tokenizer, self.model = model_shape, tokenizer, model
         self.max_model_len, self.block_size = max_model_len, block_size
         self.max_attempts, self.retry_s = max_attempts, retry_s
@@ -110,7 +113,7 @@ class ClusterExecutor:
             except Overloaded:
                 await asyncio.sleep(self.retry_s)
         reply = choices_for(line.kind, prepared.request, [run], self.tokenizer, follower_retry_s=self.retry_s,
-                            first_prompt=k)
+                            first_prompt=k, parsers=self.parsers)
         first = asyncio.ensure_future(_after_first_token(run, on_first))
         try:
             return reply, await reply.choices()

@@ -20,7 +20,8 @@ class BatchManager:
         limits = config.ingress.limits()
         executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, model_config.vocab_size,
                                    config.model_names, max_model_len, engine.block_size, config.scheduler.max_attempts,
-                                   limits=limits, prefix_block_size=config.prefix_block_size())
+                                   limits=limits, prefix_block_size=config.prefix_block_size(),
+                                   parsers=config.chat_parsers)
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
                                     limits.max_batch_lines)
 

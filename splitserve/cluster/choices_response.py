@@ -13,6 +13,7 @@ from contextlib import aclosing
 from fastapi.responses import JSONResponse
 
 from splitserve.api import response_bodies as R
+from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.choice_text import best_choices, choice_options
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.request_models import GenerationRequest
@@ -120,17 +121,18 @@ class ChoicesResponse:
 
 def choices_for(kind: str, request: GenerationRequest, leaders: list[Run], tokenizer, started: float | None = None,
                 on_done: Callable[[RequestObservation], None] = lambda _: None,
-                follower_retry_s: float | None = None, first_prompt: int = 0) -> ChoicesResponse:
+                follower_retry_s: float | None = None, first_prompt: int = 0,
+                parsers: ChatParsers = ChatParsers()) -> ChoicesResponse:
     """The response to `request`, whose prompts' first choices are `leaders` (admitted; the
     request's prompts from `first_prompt` on): with n or best_of above 1, one more run per further
     choice of each prompt, each with its own seed stream, admitted on its leader's workers once the
     leader's prefill is cached there (`follower_retry_s`: how often one the cluster cannot take yet
-    is tried again; None: it fails the response)."""
+    is tried again; None: it fails the response). `parsers`: how chat outputs are read."""
     runs, returned = request.num_choices()
     response_id = leaders[0].request_id
 
     def group(k: int, leader: Run) -> list[RunResponse]:
-        options = choice_options(request, k, leader.prompt, tokenizer)
+        options = choice_options(request, k, leader.prompt, tokenizer, parsers)
         choices = [leader]
         for index in range(1, runs):
             follower = Run(f"{leader.request_id}-{index}", leader.prompt, choice_params(leader.params, index),

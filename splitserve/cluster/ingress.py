@@ -147,7 +147,8 @@ class Ingress:
                 for earlier in leaders[:admitted]:
                     await earlier.abort()
         body = prepared.request
-        reply = choices_for(kind, body, leaders, self.tokenizer, started, self._observations.add)
+        reply = choices_for(kind, body, leaders, self.tokenizer, started, self._observations.add,
+                            parsers=self.config.chat_parsers)
         if body.stream:
             options = body.stream_options
             stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))

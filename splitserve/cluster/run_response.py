@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 
 from splitserve.api import response_bodies as R
 from splitserve.api.choice_text import ChoiceText
+from splitserve.api.reasoning import ReasoningSplitter
 from splitserve.api.tool_calls import StreamedCalls, ToolCall
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
@@ -21,11 +22,14 @@ class RunResponse:
     def __init__(self, kind: str, run: Run, model: str, text: TextStream, started: float | None = None,
                  on_done: Callable[[RequestObservation], None] = lambda _: None, echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
-                 response_id: str | None = None, num_top: int | None = None):
-        """`echo`, `generated`, `tool_names`, `num_top`: as ChoiceText's; `index`, `response_id`: the
-        choice's place and the response's id when several runs answer one request (`n`)."""
+                 response_id: str | None = None, num_top: int | None = None, tool_parser: str = "llama3_json",
+                 thinking: bool | None = None):
+        """`echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking`: as ChoiceText's;
+        `index`, `response_id`: the choice's place and the response's id when several runs answer
+        one request (`n`)."""
         self.kind, self.run, self.model = kind, run, model
-        self.choice = ChoiceText(kind, text, run.prompt, echo, generated, tool_names, index, num_top)
+        self.choice = ChoiceText(kind, text, run.prompt, echo, generated, tool_names, index, num_top, tool_parser,
+                                 thinking)
         self.index, self.response_id = index, response_id or run.request_id
         self.created = int(time.time())
         self.started = time.monotonic() if started is None else started
@@ -91,15 +95,25 @@ class RunResponse:
             if self.kind == "chat":
                 yield R.chat_chunk(self.response_id, self.model, self.created, role="assistant", content="",
                                    index=self.index)
-            calls_filter = StreamedCalls(self.choice.tool_names) if self.choice.tool_names else None
+            thinking = None if self.choice.thinking is None else ReasoningSplitter(self.choice.thinking)
+            calls_filter = StreamedCalls(self.choice.tool_names, self.choice.tool_parser) \
+                if self.choice.tool_names else None
             async for piece, reason in self.pieces(every_delta=continuous_usage):
-                calls = None
+                chunks = []
+                if thinking is not None:
+                    thought, piece = thinking.feed(piece, final=reason is not None)
+                    if thought:
+                        chunks.append(self._chunk("", None, reasoning=thought))
+                calls, holding = None, False
                 if calls_filter is not None:
-                    held = calls_filter.feed(piece, reason)
-                    if held is None:
-                        continue
-                    piece, calls, reason = held
-                for chunk in self._call_chunks(calls) if calls else [self._chunk(piece, reason)]:
+                    sent = calls_filter.feed(piece, reason)
+                    holding = sent is None
+                    piece, calls, reason = ("", None, None) if holding else sent
+                if calls:
+                    chunks += ([self._chunk(piece, None)] if piece else []) + self._call_chunks(calls)
+                elif piece or reason or (continuous_usage and not chunks and not holding):
+                    chunks.append(self._chunk(piece, reason))
+                for chunk in chunks:
                     if continuous_usage:
                         chunk["usage"] = R.usage(len(self.run.prompt), self.completion_tokens)
                     yield chunk
@@ -123,9 +137,10 @@ class RunResponse:
         return chunks + [R.chat_chunk(rid, self.model, self.created, finish_reason="tool_calls",
                                       logprobs=self.take_logprobs(), index=self.index)]
 
-    def _chunk(self, piece: str, reason: str | None) -> dict:
+    def _chunk(self, piece: str, reason: str | None, reasoning: str | None = None) -> dict:
+        """A chunk of content, or of `reasoning` (then its delta has no content)."""
         rid, logprobs = self.response_id, self.take_logprobs()
         if self.kind == "completion":
             return R.completion_chunk(rid, self.model, self.created, piece, reason, logprobs, self.index)
-        return R.chat_chunk(rid, self.model, self.created, content=piece, finish_reason=reason, logprobs=logprobs,
-                            index=self.index)
+        return R.chat_chunk(rid, self.model, self.created, content=None if reasoning else piece, finish_reason=reason,
+                            logprobs=logprobs, index=self.index, reasoning=reasoning)

@@ -7,10 +7,14 @@ A Serve config file (`deploy/*.yaml`) carries it as the `args` of the splitserve
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field, field_validator, model_validator
 
+from splitserve.api.chat_parsers import ChatParsers
+from splitserve.api.reasoning import REASONING_PARSERS
+from splitserve.api.tool_calls import TOOL_CALL_PARSERS
 from splitserve.config.options import (
     BatchAPIOptions,
     EngineOptions,
@@ -37,6 +41,13 @@ class ClusterConfig(StrictModel):
                        "directory (config.json, safetensors, tokenizer.json).")
     served_model_name: str | list[str] | None = Field(None, description="The name clients send as `model`, or "
                                                       "several (aliases; the first names the metrics); null: `model`.")
+    reasoning_parser: Literal[REASONING_PARSERS] | None = Field(  # type: ignore[valid-type]
+        None, description="Splits a reasoning model's `<think>` ... `</think>` from its chat answer into the "
+        "message's `reasoning` (and `reasoning_content`): deepseek_r1 or qwen3 (one rule: docs/api.md#reasoning); "
+        "null: the output is all content.")
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
+        "llama3_json", description="The format the model writes tool calls in: llama3_json (Llama 3.x) or hermes "
+        "(`<tool_call>` JSON `</tool_call>`: Qwen2.5, Qwen3, Hermes).")
     pools: list[PoolConfig] = Field([PoolConfig(role="prompt"), PoolConfig(role="token")], description="One pool "
                                     "per role: prompt and token together, mixed alone, or all three.")
     hardware_classes: dict[str, HardwareClassConfig] = Field({}, description="Hardware classes beyond the built-in "
@@ -82,6 +93,10 @@ class ClusterConfig(StrictModel):
         if self.served_model_name is None:
             return (self.model,)
         return (self.served_model_name,) if isinstance(self.served_model_name, str) else tuple(self.served_model_name)
+
+    @property
+    def chat_parsers(self) -> ChatParsers:
+        return ChatParsers(self.reasoning_parser, self.tool_call_parser)
 
     @property
     def model_name(self) -> str:

@@ -1,10 +1,16 @@
-"""What a choice's text starts with (echo) and which choices best_of keeps, per prompt."""
+"""What a choice's text starts with (echo), how a chat choice is read (reasoning, tool calls) and
+which choices best_of keeps, per prompt."""
 from __future__ import annotations
 
 import json
 
-from splitserve.api.choice_text import best_choices, choice_options
-from splitserve.api.request_models import CompletionRequest, parse_request
+import pytest
+
+from splitserve.api.chat_parsers import ChatParsers
+from splitserve.api.choice_text import ChoiceText, best_choices, choice_options
+from splitserve.api.request_models import ChatCompletionRequest, CompletionRequest, parse_request
+from splitserve.api.visible_text import TextStream
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.demo import demo_tokenizer
 
 TOKENIZER = demo_tokenizer()
@@ -28,3 +34,35 @@ def test_best_of_keeps_the_likeliest_numbered_from_the_prompts_first_index():
     kept = best_choices(choices, [-3.0, -1.0, -2.0], 2, first_index=4)
     assert kept == [{"index": 4, "text": "b"}, {"index": 5, "text": "c"}]
     assert best_choices(choices, [0.0] * 3, 3) is choices  # all returned: as they are
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "2+3?"}], **fields}
+    return parse_request(ChatCompletionRequest, json.dumps(body).encode())
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+QWEN3 = ChatParsers("qwen3", "hermes")
+
+
+@pytest.mark.parametrize("prompt_end, fields, parsers, thinking, tool_parser", [
+    ("assistant\n<think>\n", {}, QWEN3, True, "hermes"),  # the template opened the thinking
+    ("assistant\n", {}, QWEN3, False, "hermes"),
+    ("assistant\n<think>\n", {}, ChatParsers(), None, "llama3_json"),  # no reasoning parser: all content
+    ("assistant\n<think>\n", {"response_format": {"type": "json_object"}}, QWEN3, False, "hermes"),  # constrained
+    ("assistant\n", {"tools": [ADD], "tool_choice": "required"}, QWEN3, False, "llama3_json"),  # forced: JSON
+])
+def test_chat_options_say_how_the_output_is_read(prompt_end, fields, parsers, thinking, tool_parser):
+    options = choice_options(chat(**fields), 0, TOKENIZER.encode(prompt_end), TOKENIZER, parsers)
+    assert (options["thinking"], options["tool_parser"]) == (thinking, tool_parser)
+
+
+def test_a_chat_choice_with_reasoning_and_hermes_calls():
+    options = choice_options(chat(tools=[ADD]), 0, TOKENIZER.encode("<think>\n"), TOKENIZER, QWEN3)
+    text = ChoiceText("chat", TextStream(TOKENIZER, SamplingParams(), []), [], **options)
+    output = 'Sum.</think>\n\nOn it.<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    message = text.choice(output, "stop")["message"]
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == ("Sum.", "Sum.", "On it.")
+    assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2}'}
+    plain = ChoiceText("chat", TextStream(TOKENIZER, SamplingParams(), []), [])
+    assert "reasoning" not in plain.choice(output, "stop")["message"]  # no parser: the text as it is

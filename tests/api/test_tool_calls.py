@@ -8,7 +8,9 @@ import json
 import jsonschema
 import pytest
 
-from splitserve.api.tool_calls import StreamedCalls, forced_call_constraint, may_be_calls, parse_tool_calls
+from splitserve.api.tool_calls import (
+    StreamedCalls, find_tool_calls, forced_call_constraint, may_be_calls, parse_hermes_calls, parse_tool_calls,
+)
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -72,3 +74,43 @@ def test_forced_calls_parse_and_validate_under_random_weights(choice, names):
 
 def test_auto_and_none_leave_the_model_free():
     assert forced_call_constraint([WEATHER], "auto") is None and forced_call_constraint([WEATHER], None) is None
+
+
+# ---- the hermes format (Qwen2.5, Qwen3) ---------------------------------------------------------
+HERMES = ('I will add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+def test_hermes_calls_after_the_content_written_first():
+    content, calls = parse_hermes_calls(HERMES, NAMES)
+    assert content == "I will add them."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3}),
+                                                                  ("weather", {"city": "Oslo"})]
+    assert parse_hermes_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}', NAMES)[0] is None  # cut at the close
+    assert find_tool_calls(HERMES, NAMES, "hermes")[1][0].name == "add"
+
+
+@pytest.mark.parametrize("text", ["no calls here", '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+                                  '<tool_call>{"name": "add", "arguments": {"a": </tool_call>',
+                                  '<tool_call>{"name": "add", "arguments": {}}</tool_call> and more words'])
+def test_hermes_text_that_is_not_only_calls_after_the_tag_is_content(text):
+    assert parse_hermes_calls(text, NAMES) is None and find_tool_calls(text, NAMES, "hermes") is None
+
+
+def test_hermes_stream_sends_content_until_the_tag_then_the_calls():
+    stream = StreamedCalls(NAMES, "hermes")
+    pieces = [HERMES[i:i + 5] for i in range(0, len(HERMES), 5)]
+    sent = [stream.feed(piece, "stop" if i == len(pieces) - 1 else None) for i, piece in enumerate(pieces)]
+    content = "".join(s[0] for s in sent if s is not None)
+    *_, (_, calls, reason) = [s for s in sent if s is not None]
+    assert content.strip() == "I will add them." and reason == "tool_calls"
+    assert [c.name for c in calls] == ["add", "weather"]
+    assert "<" not in content  # the tag's beginning was held, not streamed
+
+
+def test_hermes_stream_that_ends_without_calls_sends_what_it_held():
+    stream = StreamedCalls(NAMES, "hermes")
+    assert stream.feed("a <tool", None) == ("a ", None, None)
+    assert stream.feed("box> b", None) == ("<toolbox> b", None, None)
+    assert stream.feed(' <tool_call>{"name": "add"', None) == (" ", None, None)
+    assert stream.feed(', "argu', "length") == ('<tool_call>{"name": "add", "argu', None, "length")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.choices_response import ChoicesResponse
 from splitserve.cluster.dispatch import RequestFailed
@@ -171,3 +173,36 @@ def test_several_prompts_number_their_choices_by_prompt_and_best_of_picks_within
         [choice] = event["choices"]
         texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {0: "aa", 1: "bb", 2: "cc", 3: "dd"}
+
+
+def reading_reply(output: str, **options) -> ChoicesResponse:
+    """A chat choice of `output` (one delta per 3 bytes, then "stop"), read with `options`."""
+    ids = byte_ids(output)
+    deltas = [TokenDelta(ids[i:i + 3], "stop" if i + 3 >= len(ids) else None) for i in range(0, len(ids), 3)]
+    text = TextStream(ByteTokenizer(), SamplingParams(max_tokens=64), PROMPT)
+    return ChoicesResponse([[RunResponse("chat", ScriptedRun(deltas), "demo", text, **options)]], 1)
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_streamed_reasoning_content_and_hermes_calls_add_up_to_the_whole_choice(continuous):
+    output = 'Sum it.</think>\n\nOn it.\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
+    options = dict(thinking=True, tool_names=frozenset({"add"}), tool_parser="hermes")
+    whole = json.loads(asyncio.run(reading_reply(output, **options).whole()).body)["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("Sum it.", "On it.")
+    chunks = [e["choices"][0] for e in events(reading_reply(output, **options), include_usage=False,
+                                              continuous_usage=continuous) if e != "[DONE]"]
+    deltas = [c["delta"] for c in chunks]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Sum it."
+    assert all(d.get("reasoning_content") == d.get("reasoning") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas).strip() == "On it."
+    calls = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "add" and calls[1]["function"]["arguments"] == '{"a": 2}'
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert not any("<" in (d.get("content") or "") + d.get("reasoning", "") for d in deltas)  # no tag leaks
+
+
+def test_a_thinking_the_prompt_did_not_open_is_plain_content_when_the_output_does_not_open_it():
+    out = events(reading_reply("It is 5.", thinking=False), include_usage=False)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in out[:-1]) == "It is 5."
+    assert not any("reasoning" in e["choices"][0]["delta"] for e in out[:-1])

@@ -1,14 +1,19 @@
 """Tools through a real local cluster, with the official `openai` client and LangChain: a forced
 call (tool_choice "required" or named) comes back as OpenAI's `tool_calls`, whole and streamed in
-OpenAI's delta shapes, with arguments that validate against the function's schema."""
+OpenAI's delta shapes, with arguments that validate against the function's schema; on a cluster
+configured for Qwen3 (reasoning and hermes parsers), its thinking comes back as `reasoning` and
+its `<tool_call>` blocks as `tool_calls`."""
 from __future__ import annotations
 
 import json
 
 import jsonschema
+import openai
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
+
+from tests.ray_cluster import POOLS_KEY
 
 WEATHER = {"name": "weather", "description": "The weather in a city now",
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
@@ -73,3 +78,29 @@ def test_langchain_bind_tools_and_function_calling_structured_output(server):
     assert [c["name"] for c in streamed.tool_calls] == ["multiply"]
     forecast = llm.with_structured_output(Forecast, method="function_calling").invoke("Forecast for Oslo")
     assert isinstance(forecast, Forecast)
+
+
+# what a Qwen3 writes when it thinks, then calls a tool (forced here by a regex: the demo model is noise)
+THINK_THEN_CALL = (r'<think>[a-z]{3,8}</think>\n\n<tool_call>\n\{"name": "add", "arguments": '
+                   r'\{"a": [0-9], "b": [0-9]\}\}\n</tool_call>')
+
+
+def test_reasoning_and_hermes_calls_on_a_cluster_configured_for_them(pools_server):
+    client = openai.OpenAI(base_url=f"{pools_server}/v1", api_key=POOLS_KEY["Authorization"].split()[1],
+                           max_retries=0, timeout=120)
+    args = dict(model="demo", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+                extra_body={"structured_outputs": {"regex": THINK_THEN_CALL}})
+    whole = client.chat.completions.create(**args).choices[0]
+    thought = whole.message.model_extra["reasoning"]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert thought.isalpha() and whole.message.model_extra["reasoning_content"] == thought
+    [call] = whole.message.tool_calls
+    assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["add"])
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **args) if c.choices]
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == thought
+    assert not "".join(d.content or "" for d in deltas).strip()
+    pieces = [t for d in deltas if d.tool_calls for t in d.tool_calls]
+    assert pieces[0].function.name == "add" and pieces[1].function.arguments == call.function.arguments
+    plain = client.chat.completions.create(model="demo", messages=ASK, max_tokens=8, temperature=0).choices[0]
+    assert plain.message.content and "reasoning" not in plain.message.model_extra  # no <think>: all content

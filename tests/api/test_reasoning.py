@@ -1,0 +1,55 @@
+"""The `<think>` split of a reasoning model's chat output, whole and streamed."""
+from __future__ import annotations
+
+import pytest
+
+from splitserve.api.reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
+
+OUTPUTS = [  # (prompt opened the thinking, output, reasoning, content)
+    (False, "<think>\nLet me add.\n</think>\n\nIt is 5.", "\nLet me add.\n", "It is 5."),  # Qwen3: the model opens it
+    (True, "Let me add.\n</think>\n\nIt is 5.", "Let me add.\n", "It is 5."),  # DeepSeek-R1: the template opened it
+    (False, "  <think>x</think>y", "x", "y"),
+    (False, "It is 5.", None, "It is 5."),  # never opened: all content, as without a parser
+    (False, " <thinking> is a tag", None, " <thinking> is a tag"),
+    (True, "cut short by max_tok", "cut short by max_tok", None),  # never closed: all reasoning
+    (False, "<think></think>\n\nIt is 5.", "", "It is 5."),
+    (False, "<think>a</think>  \n ", "a", None),  # no answer after the thinking
+    (True, "a </think> b </think> c", "a ", "b </think> c"),  # the first close ends it
+    (False, "", None, ""),
+]
+
+
+@pytest.mark.parametrize("thinking, output, reasoning, content", OUTPUTS)
+def test_whole_output(thinking, output, reasoning, content):
+    assert split_reasoning(output, thinking) == (reasoning, content)
+
+
+@pytest.mark.parametrize("thinking, output, reasoning, content", OUTPUTS)
+def test_streamed_in_any_pieces_gives_the_whole_split(thinking, output, reasoning, content):
+    """Every way of cutting the output in two or in single characters: tags split across pieces
+    are held, never sent as text."""
+    cuts = [[output[:i], output[i:]] for i in range(len(output) + 1)] + [list(output)]
+    for pieces in cuts:
+        splitter, thought, answer = ReasoningSplitter(thinking), "", ""
+        for i, piece in enumerate(pieces):
+            r, c = splitter.feed(piece, final=i == len(pieces) - 1)
+            thought, answer = thought + r, answer + c
+        assert thought == (reasoning or "") and answer == (content or ""), pieces
+        assert "</think>" not in thought
+
+
+def test_a_partial_tag_waits_for_the_next_piece():
+    splitter = ReasoningSplitter(thinking=True)
+    assert splitter.feed("step one</thi") == ("step one", "")
+    assert splitter.feed("nk>\n\nDone") == ("", "Done")
+    opening = ReasoningSplitter(thinking=False)
+    assert opening.feed("\n<thi") == ("", "") and opening.feed("nk>hm") == ("hm", "")
+    plain = ReasoningSplitter(thinking=False)
+    assert plain.feed("<thx") == ("", "<thx")
+
+
+@pytest.mark.parametrize("tail, opened", [("<|im_start|>assistant\n<think>\n", True),
+                                          ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
+                                          ("<|im_start|>assistant\n", False)])
+def test_the_prompt_says_whether_the_thinking_is_open(tail, opened):
+    assert prompt_opens_thinking(tail) is opened
