@@ -29,7 +29,7 @@ class RequestLimits:
         _at_most(len(request.stop_token_ids or ()), self.max_stop_token_ids, "stop_token_ids", "stop token ids")
         if isinstance(request, ChatCompletionRequest):
             _at_most(len(request.messages), self.max_chat_messages, "messages", "messages")
-            chars = sum(_content_chars(m.content) for m in request.messages)
+            chars = sum(_content_chars(m.content) + len(m.thinking or "") for m in request.messages)
             _at_most(chars, self.max_prompt_chars, "messages", "characters of message content", status=413)
         elif isinstance(request, CompletionRequest):
             prompts = request.prompts()

@@ -138,6 +138,13 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this is the result of
+    # an assistant message's thinking, as a reasoning parser returned it (`reasoning_content`: vLLM's older name)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @property
+    def thinking(self) -> str | None:
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     @model_validator(mode="before")
     @classmethod

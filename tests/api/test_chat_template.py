@@ -11,6 +11,8 @@ from splitserve.api.chat_template import (
     messages_for_template,
     render_chat,
 )
+from splitserve.api.chat_parsers import ChatParsers
+from splitserve.api.choice_text import choice_options
 from splitserve.api.errors import RequestError
 from splitserve.api.request_models import ChatCompletionRequest
 from splitserve.engine.tokenizer import ByteTokenizer, HFTokenizer
@@ -57,6 +59,21 @@ TOOLS_TEMPLATE = """\
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"""
+# Qwen3's way with thinking (condensed): an assistant turn's reasoning_content inside <think>, and the
+# prompt left inside an open <think> unless enable_thinking is false (then an empty one is closed).
+THINKING_TEMPLATE = """\
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\n' }}
+    {%- if message.role == 'assistant' and message.reasoning_content is defined %}
+        {{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' }}
+    {%- endif %}
+    {{- message.content + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}
+    {%- else %}{{- '<think>\n' }}{%- endif %}
+{%- endif %}"""
 CHECKPOINTS = {  # template, special tokens, bos, eos, whether tokenizer.json's post-processor adds BOS
     "llama3": (LLAMA3_TEMPLATE, ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"],
                "<|begin_of_text|>", "<|eot_id|>", True),
@@ -64,6 +81,8 @@ CHECKPOINTS = {  # template, special tokens, bos, eos, whether tokenizer.json's 
     "features": (FEATURES_TEMPLATE, ["<|endoftext|>", "<no_think>"], None, "<|endoftext|>", False),
     "tools": (TOOLS_TEMPLATE, ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"],
               "<|begin_of_text|>", "<|eot_id|>", False),
+    "thinking": (THINKING_TEMPLATE, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None,
+                 "<|im_end|>", False),
 }
 CONVERSATION = [{"role": "system", "content": "  Be brief. "}, {"role": "user", "content": "héllo <tag> \"wörld\" 🦊"},
                 {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "and you?"}]
@@ -243,3 +262,24 @@ def test_continue_final_message_refusals():
         render_chat([{"role": "assistant", "content": "secret"}], "{% for m in messages %}{{ m.role }}{% endfor %}",
                     add_generation_prompt=False, continue_final_message=True)
     assert unwritten.value.param == "continue_final_message"
+
+
+@pytest.mark.parametrize("enable_thinking, opened", [(None, True), (False, False)])
+def test_an_earlier_turns_reasoning_reaches_the_template_and_the_prompt_says_if_thinking_is_open(
+        tmp_path, enable_thinking, opened):
+    """An assistant message as a reasoning parser returned it (`reasoning`, or vLLM's older
+    `reasoning_content`) renders as transformers renders `reasoning_content`; whether the prompt
+    leaves the model thinking is read off the prompt's tokens."""
+    path = save_checkpoint(tmp_path, "thinking")
+    ours, hf_tok = HFTokenizer(path), AutoTokenizer.from_pretrained(path)
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "and you?"}]
+    expected = hf_ids(hf_tok, [turns[0], {**turns[1], "reasoning_content": "greet"}, turns[2]],
+                      add_generation_prompt=True, **kwargs)
+    for field in ("reasoning", "reasoning_content"):
+        request = chat_request([turns[0], {**turns[1], field: "greet"}, turns[2]], chat_template_kwargs=kwargs)
+        prompt = chat_prompt_token_ids(request, ours)
+        assert prompt == expected
+        options = choice_options(request, 0, prompt, ours, ChatParsers("qwen3"))
+        assert options["thinking"] is opened
