@@ -12,6 +12,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from splitserve import LLM, SamplingParams
+from splitserve.api.chat_parsers import ChatParsers
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_executor import run_lines
 from splitserve.batch.lines import parse_input, prepare
@@ -128,3 +129,19 @@ def test_structured_output_and_a_forced_tool_call_validate_against_their_schemas
 def test_a_constraint_that_does_not_compile_is_the_lines_400(results):
     error = results["bad-regex"]["response"]
     assert error["status_code"] == 400 and error["body"]["error"]["param"] == "guided_regex"
+
+
+def test_a_batch_run_with_reasoning_and_hermes_parsers_reads_chat_lines_as_the_endpoint_does(llm, tmp_path):
+    """`splitserve batch --reasoning-parser qwen3 --tool-call-parser hermes`: a line's thinking is the
+    message's reasoning and its <tool_call> block its call (written here by a regex constraint)."""
+    regex = r'<think>[a-z]{3,6}</think>\n\n<tool_call>\n\{"name": "add", "arguments": \{"a": [0-9]\}\}\n</tool_call>'
+    line = {"custom_id": "think-call", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "demo", "messages": [{"role": "user", "content": "2+3?"}], "max_tokens": 120,
+                     "tools": [{"type": "function", "function": ADD}], "structured_outputs": {"regex": regex}}}
+    with ResultLog(tmp_path / "out.jsonl") as output, ResultLog(tmp_path / "errors.jsonl") as errors:
+        run_lines(llm.engine, parse_input(as_jsonl([line])), "demo", output, errors, BlendOptions("dfs"),
+                  parsers=ChatParsers("qwen3", "hermes"))
+    choice = output.done["think-call"]["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning"].isalpha()
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "add"
