@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from splitserve.api.reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
 
@@ -53,3 +55,18 @@ def test_a_partial_tag_waits_for_the_next_piece():
                                           ("<|im_start|>assistant\n", False)])
 def test_the_prompt_says_whether_the_thinking_is_open(tail, opened):
     assert prompt_opens_thinking(tail) is opened
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "\n", " ", "a", "b c", "<", ">"]),
+                       max_size=12),
+       cut=st.integers(min_value=1, max_value=6), thinking=st.booleans())
+def test_any_output_streamed_in_any_pieces_splits_as_the_whole(pieces, cut, thinking):
+    text = "".join(pieces)
+    chunks = [text[i:i + cut] for i in range(0, len(text), cut)] or [""]
+    splitter, thought, answer = ReasoningSplitter(thinking), "", ""
+    for i, chunk in enumerate(chunks):
+        r, c = splitter.feed(chunk, final=i == len(chunks) - 1)
+        thought, answer = thought + r, answer + c
+    reasoning, content = split_reasoning(text, thinking)
+    assert (thought, answer) == (reasoning or "", content or "")

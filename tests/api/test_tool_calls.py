@@ -7,6 +7,8 @@ import json
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from splitserve.api.tool_calls import (
     StreamedCalls, find_tool_calls, forced_call_constraint, may_be_calls, parse_hermes_calls, parse_tool_calls,
@@ -114,3 +116,27 @@ def test_hermes_stream_that_ends_without_calls_sends_what_it_held():
     assert stream.feed("box> b", None) == ("<toolbox> b", None, None)
     assert stream.feed(' <tool_call>{"name": "add"', None) == (" ", None, None)
     assert stream.feed(', "argu', "length") == ('<tool_call>{"name": "add", "argu', None, "length")
+
+
+PIECES = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "\n", " ", "hi ", "{", "}",
+                                   '{"name": "add", "arguments": {"a": 1}}', '"x"', "<", ">"]), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=PIECES, cut=st.integers(min_value=1, max_value=7), reason=st.sampled_from(["stop", "length"]))
+def test_a_hermes_stream_cut_anywhere_ends_as_the_whole_text_is_read(pieces, cut, reason):
+    """Streamed in pieces of any size, the content sent and the calls found are the whole
+    output's: what find_tool_calls reads from it (content alongside the calls), or all of it."""
+    text = "".join(pieces)
+    chunks = [text[i:i + cut] for i in range(0, len(text), cut)] or [""]
+    stream, content, calls, last = StreamedCalls(NAMES, "hermes"), "", None, None
+    for i, chunk in enumerate(chunks):
+        sent = stream.feed(chunk, reason if i == len(chunks) - 1 else None)
+        if sent is not None:
+            content, calls, last = content + sent[0], sent[1], sent[2]
+    whole = find_tool_calls(text, NAMES, "hermes") if reason == "stop" else None
+    if whole is None:
+        assert (content, calls, last) == (text, None, reason)
+    else:
+        assert content.strip() == (whole[0] or "") and last == "tool_calls"
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole[1]]
