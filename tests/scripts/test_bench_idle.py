@@ -1,10 +1,8 @@
 """The idle-CPU benchmark: its accounting by process title on hand-made readings, and a tiny run
 end to end (its own local Ray, in a subprocess) that reports every part for each interval."""
-import json
-
 import pytest
 
-from tests.scripts.script_runner import load_script, run_script
+from tests.scripts.script_runner import load_script, run_ray_script, run_script
 
 bench_idle = load_script("bench_idle")
 
@@ -29,12 +27,8 @@ def test_the_summary_is_the_median_per_interval():
 
 @pytest.mark.quiet
 def test_tiny_run_reports_every_part(tmp_path):
-    pytest.importorskip("ray")
-    out = tmp_path / "idle.json"
-    done = run_script("bench_idle", "--idle-intervals", "0.5", "--settle", "0", "--window", "1", "--repeats", "1",
-                      "--port", "8026", "--json", str(out), timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
+    done, result = run_ray_script("bench_idle", tmp_path, "--idle-intervals", "0.5", "--settle", "0", "--window", "1",
+                                  "--repeats", "1", "--port", "8026", timeout=400)
     (row,), (summary,) = result["rows"], result["summary"]
     assert row["idle_report_interval_s"] == summary["idle_report_interval_s"] == 0.5
     assert row["host_cores"] > 0 and row["workers"] > 0 and row["cls"] > 0  # the cluster's processes are found

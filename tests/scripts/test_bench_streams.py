@@ -1,10 +1,6 @@
 """The streaming benchmark: its CPU accounting by process title on hand-made readings, and a tiny
 run end to end (its own local Ray, in a subprocess) that reports every column."""
-import json
-
-import pytest
-
-from tests.scripts.script_runner import load_script, run_script
+from tests.scripts.script_runner import load_script, run_ray_script
 
 bench_streams = load_script("bench_streams")
 
@@ -18,12 +14,9 @@ def test_cpu_is_counted_per_role_for_processes_alive_across_the_window():
 
 
 def test_tiny_run_reports_every_column(tmp_path):
-    pytest.importorskip("ray")
-    out = tmp_path / "streams.json"
-    done = run_script("bench_streams", "--concurrency", "2", "--max-tokens", "4", "--rounds", "1", "--port", "8027",
-                      "--json", str(out), timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [row] = json.loads(out.read_text())["rows"]
+    done, result = run_ray_script("bench_streams", tmp_path, "--concurrency", "2", "--max-tokens", "4", "--rounds", "1",
+                                  "--port", "8027", timeout=400)
+    [row] = result["rows"]
     assert row["engine_tokens_per_s"] > 0 and row["cluster_tokens_per_s"] > 0 and row["ratio"] > 0
     assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 <= row["gap_p50_ms"] <= row["gap_p99_ms"]
     assert set(row["cpu_s_per_1k_tokens"]) == {"token worker", "ingress", "proxy"}
