@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from splitserve.api.reasoning import REASONING_PARSERS
-from splitserve.api.tool_calls import TOOL_CALL_PARSERS
+from splitserve.api.tool_calls import LLAMA3_JSON, TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,7 @@ class ChatParsers:
     or None (all content); `tool_calls`: one of TOOL_CALL_PARSERS."""
 
     reasoning: str | None = None
-    tool_calls: str = "llama3_json"
+    tool_calls: str = LLAMA3_JSON
 
 
 def add_arguments(p: argparse.ArgumentParser, config_fallback: bool) -> None:

@@ -12,7 +12,7 @@ from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
 from splitserve.api.request_models import ChatCompletionRequest, GenerationRequest
 from splitserve.api.reasoning import prompt_opens_thinking, split_reasoning
-from splitserve.api.tool_calls import find_tool_calls
+from splitserve.api.tool_calls import LLAMA3_JSON, find_tool_calls
 from splitserve.api.visible_text import TextStream
 from splitserve.engine.tokenizer import Tokenizer
 
@@ -31,7 +31,7 @@ class ChoiceText:
 
     def __init__(self, kind: str, text: TextStream, prompt: Sequence[int], echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
-                 num_top: int | None = None, tool_parser: str = "llama3_json", thinking: bool | None = None):
+                 num_top: int | None = None, tool_parser: str = LLAMA3_JSON, thinking: bool | None = None):
         self.kind, self.text, self.prompt, self.index, self.num_top = kind, text, prompt, index, num_top
         self._echo, self.generated, self.tool_names = echo, generated, tool_names
         self.tool_parser, self.thinking = tool_parser, thinking
@@ -105,7 +105,7 @@ def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequen
         thinking = constraint is None and prompt_opens_thinking(tail)
     return dict(echo=echo, generated=not request.scores_prompt_only(),
                 tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs(),
-                tool_parser="llama3_json" if field == "tool_choice" else parsers.tool_calls, thinking=thinking)
+                tool_parser=LLAMA3_JSON if field == "tool_choice" else parsers.tool_calls, thinking=thinking)
 
 
 def best_choices(choices: list[dict], cumulative_logprobs: list[float], num_returned: int, first_index: int = 0

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.output_constraint import OutputConstraint
 
-TOOL_CALL_PARSERS = ("llama3_json", "hermes")
+LLAMA3_JSON, HERMES = "llama3_json", "hermes"
+TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES)
 PYTHON_TAG = "<|python_tag|>"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -98,7 +99,7 @@ def parse_hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[Too
 
 def find_tool_calls(text: str, names: set[str], parser: str) -> tuple[str | None, list[ToolCall]] | None:
     """(content alongside, calls) in `parser`'s format; None when `text` is not calls."""
-    if parser == "hermes":
+    if parser == HERMES:
         return parse_hermes_calls(text, names)
     calls = parse_tool_calls(text, names)
     return None if calls is None else (None, calls)
@@ -118,7 +119,7 @@ class StreamedCalls:
     (a piece that may end in one waits for the next), and from the tag on everything is held
     back until the end, then sent as calls if it parses, else as content."""
 
-    def __init__(self, names: set[str], parser: str = "llama3_json"):
+    def __init__(self, names: set[str], parser: str = LLAMA3_JSON):
         self.names, self.parser = names, parser
         self._held: list[str] = []
         self._deciding = True  # JSON: whether the output is calls is not known yet; hermes: no tag seen
@@ -126,7 +127,7 @@ class StreamedCalls:
     def feed(self, piece: str, reason: str | None) -> tuple[str, list[ToolCall] | None, str | None] | None:
         """(content, calls, finish reason) to send now, the content before the calls; None: hold
         everything back for now."""
-        if self.parser == "hermes":
+        if self.parser == HERMES:
             return self._feed_hermes(piece, reason)
         if not self._deciding:
             return piece, None, reason

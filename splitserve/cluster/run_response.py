@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from splitserve.api import response_bodies as R
 from splitserve.api.choice_text import ChoiceText
 from splitserve.api.reasoning import ReasoningSplitter
-from splitserve.api.tool_calls import StreamedCalls, ToolCall
+from splitserve.api.tool_calls import LLAMA3_JSON, StreamedCalls, ToolCall
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
 from splitserve.cluster.metrics import RequestObservation
@@ -22,7 +22,7 @@ class RunResponse:
     def __init__(self, kind: str, run: Run, model: str, text: TextStream, started: float | None = None,
                  on_done: Callable[[RequestObservation], None] = lambda _: None, echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
-                 response_id: str | None = None, num_top: int | None = None, tool_parser: str = "llama3_json",
+                 response_id: str | None = None, num_top: int | None = None, tool_parser: str = LLAMA3_JSON,
                  thinking: bool | None = None):
         """`echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking`: as ChoiceText's;
         `index`, `response_id`: the choice's place and the response's id when several runs answer

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.reasoning import REASONING_PARSERS
-from splitserve.api.tool_calls import TOOL_CALL_PARSERS
+from splitserve.api.tool_calls import LLAMA3_JSON, TOOL_CALL_PARSERS
 from splitserve.config.options import (
     BatchAPIOptions,
     EngineOptions,
@@ -46,7 +46,7 @@ class ClusterConfig(StrictModel):
         "message's `reasoning` (and `reasoning_content`): deepseek_r1 or qwen3 (one rule: docs/api.md#reasoning); "
         "null: the output is all content.")
     tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
-        "llama3_json", description="The format the model writes tool calls in: llama3_json (Llama 3.x) or hermes "
+        LLAMA3_JSON, description="The format the model writes tool calls in: llama3_json (Llama 3.x) or hermes "
         "(`<tool_call>` JSON `</tool_call>`: Qwen2.5, Qwen3, Hermes).")
     pools: list[PoolConfig] = Field([PoolConfig(role="prompt"), PoolConfig(role="token")], description="One pool "
                                     "per role: prompt and token together, mixed alone, or all three.")
