@@ -17,9 +17,6 @@ from splitserve.api.visible_text import TextStream
 from splitserve.engine.tokenizer import Tokenizer
 
 
-PROMPT_TAIL_TOKENS = 16  # enough to spell a `<think>` the chat template ends the prompt with
-
-
 class ChoiceText:
     """`echo`: the prompt's text, put in front of the first piece (completions' `echo`), with the
     prompt tokens' logprobs in front of the first token's; `generated=False` (echo with max_tokens
@@ -89,20 +86,19 @@ class ChoiceText:
 def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequence[int], tokenizer: Tokenizer,
                    parsers: ChatParsers = ChatParsers()) -> dict:
     """ChoiceText's `echo`, `generated`, `tool_names`, `num_top`, `tool_parser` and `thinking` for
-    the choices of one of `request`'s prompts (`prompt`: its token ids). A constrained output
-    (structured outputs, a forced tool call) is the constraint's from its first token: a thinking
-    the prompt opened does not hold it (only one the output opens itself is split off), and a
-    forced call is parsed in the JSON format the constraint writes."""
+    the choices of one of `request`'s prompts (`prompt`: its token ids). With a reasoning parser a
+    constrained output (structured outputs, a forced tool call) is thought like any other (the
+    constraint holds the answer after it); a forced call is parsed in the JSON format the
+    constraint writes."""
     echo = None
     if request.echoes_prompt():  # a truncated prompt echoes the tokens the model saw
         text = request.prompts()[prompt_index]
         sent = isinstance(text, str) and request.truncate_prompt_tokens is None
         echo = text if sent else tokenizer.decode(prompt, skip_special_tokens=False)
-    constraint, field = request.output_constraint()
+    _, field = request.output_constraint()
     thinking = None
     if isinstance(request, ChatCompletionRequest) and parsers.reasoning is not None:
-        tail = tokenizer.decode(list(prompt[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
-        thinking = constraint is None and prompt_opens_thinking(tail)
+        thinking = prompt_opens_thinking(prompt, tokenizer)
     return dict(echo=echo, generated=not request.scores_prompt_only(),
                 tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs(),
                 tool_parser=LLAMA3_JSON if field == "tool_choice" else parsers.tool_calls, thinking=thinking)

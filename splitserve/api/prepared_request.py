@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
@@ -17,6 +18,7 @@ from splitserve.api.request_models import (
     parse_request,
     prompt_token_ids_of,
 )
+from splitserve.api.reasoning import constraint_thinking
 from splitserve.api.request_sampling import sampling_params
 from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.sampling_params import SamplingParams
@@ -37,9 +39,11 @@ class PreparedRequest:
 
 
 def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ...], max_model_len: int,
-                    limits: RequestLimits, check_constraint: ConstraintCheck | None = None) -> PreparedRequest:
+                    limits: RequestLimits, check_constraint: ConstraintCheck | None = None,
+                    parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
     """`kind`: "completion" or "chat"; RequestError (a 4xx naming the field) on a bad body.
-    `check_constraint` compiles a structured-output constraint, so one that does not is a 400 now."""
+    `check_constraint` compiles a structured-output constraint, so one that does not is a 400 now.
+    With a reasoning parser, a chat's constraint holds its answer, after a free thinking."""
     body = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, raw)
     check_model(body.model, model)
     limits.check(body)
@@ -47,7 +51,9 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
     if body.truncate_prompt_tokens is not None:
         kept = _kept_tokens(body.truncate_prompt_tokens, max_model_len)
         prompts = [prompt[-kept:] for prompt in prompts]
-    params = [sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size, check_constraint)
+    thinks = kind == "chat" and parsers.reasoning is not None
+    params = [sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size, check_constraint,
+                              constraint_thinking(prompt, tokenizer) if thinks else "")
               for prompt in prompts]
     return PreparedRequest(body, prompts, params)
 

@@ -7,19 +7,39 @@ open from the first token when the prompt ends with `<think>` (templates that op
 model), or once the output begins with `<think>`; it ends at `</think>`, and the answer starts at
 the first non-blank character after it. An output that never opens it (Qwen3 with
 `enable_thinking: false`, whose template closes an empty one in the prompt) is all answer, as if
-no parser were set. A thinking never closed (cut by max_tokens) is all reasoning.
+no parser were set. A thinking never closed (cut by max_tokens) is all reasoning. Structured
+output (and a forced tool call) applies to the answer: the model thinks freely first
+(`constraint_thinking`).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from splitserve.api.tags import tag_prefix_at_end
+from splitserve.engine.output_constraint import THINK_CLOSE as CLOSE
+from splitserve.engine.output_constraint import THINK_OPEN as OPEN
+from splitserve.engine.tokenizer import Tokenizer
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
-OPEN, CLOSE = "<think>", "</think>"
+PROMPT_TAIL_TOKENS = 16  # enough to spell a `<think>` the chat template ends the prompt with
 
 
-def prompt_opens_thinking(prompt_tail: str) -> bool:
-    """Whether a prompt ending with this text leaves the model inside its thinking."""
-    return prompt_tail.rstrip().endswith(OPEN)
+def prompt_opens_thinking(prompt: Sequence[int], tokenizer: Tokenizer) -> bool:
+    """Whether a prompt (its token ids) leaves the model inside its thinking: it ends with `<think>`."""
+    return _prompt_tail(prompt, tokenizer).endswith(OPEN)
+
+
+def constraint_thinking(prompt: Sequence[int], tokenizer: Tokenizer) -> str:
+    """The OutputConstraint `thinking` of a chat answered with a reasoning parser: free thinking
+    up to `</think>` when the prompt opened it; none when the prompt closed it (Qwen3's
+    `enable_thinking: false`, an assistant prefill that thought already); else an optional
+    `<think> ... </think>` first."""
+    tail = _prompt_tail(prompt, tokenizer)
+    return "open" if tail.endswith(OPEN) else "" if tail.endswith(CLOSE) else "optional"
+
+
+def _prompt_tail(prompt: Sequence[int], tokenizer: Tokenizer) -> str:
+    return tokenizer.decode(list(prompt[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False).rstrip()
 
 
 class ReasoningSplitter:

@@ -19,16 +19,20 @@ from splitserve.engine.sampling_params import SamplingParams
 
 def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int,
                     vocab_size: int | None = None,
-                    check_constraint: Callable[[OutputConstraint, str], None] | None = None) -> SamplingParams:
+                    check_constraint: Callable[[OutputConstraint, str], None] | None = None,
+                    thinking: str = "") -> SamplingParams:
     """The engine's settings for `request`, whose prompt is `num_prompt_tokens` long (and whose
     logit_bias must name ids under `vocab_size`, where given). `check_constraint(constraint,
-    field)` refuses a structured-output constraint that does not compile (the ingress's grammar)."""
+    field)` refuses a structured-output constraint that does not compile (the ingress's grammar);
+    `thinking`: the free thinking a constraint lets the model write first (OutputConstraint's)."""
     max_tokens = _max_tokens(request, num_prompt_tokens, max_model_len)
     check_in_vocabulary(request.logit_bias or {}, vocab_size, "logit_bias")
     constraint, constraint_field = request.output_constraint()
     if constraint is not None and (request.ignore_eos or request.min_tokens):
         raise RequestError(f"{constraint_field}: structured output ends with EOS once the output matches; it "
                            "cannot be combined with ignore_eos or min_tokens", param=constraint_field)
+    if constraint is not None and thinking:
+        constraint = dataclasses.replace(constraint, thinking=thinking)
     if constraint is not None and check_constraint is not None:
         check_constraint(constraint, constraint_field)
     try:

@@ -36,7 +36,7 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str,
     `on_result(ok)` after each line is logged; `parsers`: how chat outputs are read."""
     grammar = LazyGrammar(engine.tokenizer, engine.model_config.vocab_size)
     jobs, finished_lines = prepare_pending(lines, engine.tokenizer, model, engine.max_model_len, output, errors,
-                                           on_result, limits, grammar.check)
+                                           on_result, limits, grammar.check, parsers)
     runs = [prepared.num_runs for _, prepared in jobs]
     keys = [(job, run) for job in range(len(jobs)) for run in range(runs[job])]  # run: prompt k's choice i
     items = []

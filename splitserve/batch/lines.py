@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import ConstraintCheck, PreparedRequest, prepare_request
@@ -101,16 +102,16 @@ def _error(code: str, message: str, line: int | None = None, param: str | None =
 
 
 def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_len: int,
-            limits: RequestLimits = RequestLimits(), check_constraint: ConstraintCheck | None = None
-            ) -> PreparedRequest:
+            limits: RequestLimits = RequestLimits(), check_constraint: ConstraintCheck | None = None,
+            parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
     """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
     return prepare_request(line.kind, json.dumps(line.body).encode(), tokenizer, model, max_model_len, limits,
-                           check_constraint)
+                           check_constraint, parsers)
 
 
 def prepare_pending(lines: list[BatchLine], tokenizer, model: str | tuple[str, ...], max_model_len: int, output: ResultLog,
                     errors: ResultLog, on_result: Callable[[bool], None], limits: RequestLimits = RequestLimits(),
-                    check_constraint: ConstraintCheck | None = None
+                    check_constraint: ConstraintCheck | None = None, parsers: ChatParsers = ChatParsers()
                     ) -> tuple[list[tuple[BatchLine, PreparedRequest]], dict[int, int]]:
     """The lines that tokenize and check (a bad one's error is logged now, unless it already
     was), keyed by position, and the output lengths of those already done (to skip, and to serve
@@ -119,7 +120,7 @@ def prepare_pending(lines: list[BatchLine], tokenizer, model: str | tuple[str, .
     for line in lines:
         done = output.done.get(line.custom_id) or errors.done.get(line.custom_id)
         try:
-            prepared = prepare(line, tokenizer, model, max_model_len, limits, check_constraint)
+            prepared = prepare(line, tokenizer, model, max_model_len, limits, check_constraint, parsers)
         except RequestError as error:
             if done is None:
                 errors.append(error_line(line.custom_id, error))

@@ -51,7 +51,7 @@ class ClusterExecutor:
         """Every line without a result; each prompt of a line is a request of its own in the
         feeder's order (its choices sharing one prefill), the line logged when its last ends."""
         jobs, finished = prepare_pending(lines, self.tokenizer, self.model, self.max_model_len, output, errors,
-                                         on_result, self.limits, self.grammar.check)
+                                         on_result, self.limits, self.grammar.check, self.parsers)
         units = [(job, k) for job, (_, prepared) in enumerate(jobs) for k in range(len(prepared.prompts))]
         requests = [offline_request(key, jobs[job][1].prompts[k], jobs[job][1].params[k],
                                     jobs[job][1].request.num_choices()[0]) for key, (job, k) in enumerate(units)]

@@ -126,7 +126,8 @@ class Ingress:
         started = time.monotonic()
         try:
             prepared = await asyncio.to_thread(prepare_request, kind, await request.body(), self.tokenizer,
-                                               self.model_names, self.max_model_len, self.limits, self._grammar.check)
+                                               self.model_names, self.max_model_len, self.limits, self._grammar.check,
+                                               self.config.chat_parsers)
         except RequestError as error:
             return error_response(error)
         workers = await self._workers()

@@ -7,7 +7,10 @@ tail after a failover, an imported first token, the last sampled one), so a prom
 worker and a failover attempt all agree without shipping matcher state. A finished match allows
 only the end-of-sequence tokens, so the request ends with EOS ("stop"). JSON is compact (no
 whitespace between tokens of the syntax) and objects hold only the properties their schema lists
-(unless it allows others): random or weak models cannot pad it forever.
+(unless it allows others): random or weak models cannot pad it forever. A constraint with a
+`thinking` lets the model think freely before it (see output_constraint.py); its tags are written
+as single tokens where the tokenizer has them as added tokens (Qwen3), since llguidance reads an
+added token as special, never as text.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from functools import lru_cache
 import llguidance as llg
 import torch
 
-from splitserve.engine.output_constraint import OutputConstraint
+from splitserve.engine.output_constraint import THINK_CLOSE, THINK_OPEN, OutputConstraint
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import upload_list
 from splitserve.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -26,6 +29,7 @@ from splitserve.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 log = logging.getLogger("splitserve.grammar")
 JSON_OPTIONS = {"whitespace_flexible": False}
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+_BLANKS = r"/[ \t\r\n]*/"
 
 
 class InvalidConstraint(ValueError):
@@ -37,13 +41,15 @@ class GrammarMasks:
         """`vocab_size`: the logits' width (the model's, which may pad the tokenizer's)."""
         self.vocab_size = vocab_size
         self._tokenizer = _ll_tokenizer(tokenizer, vocab_size)
+        added = tokenizer.added_tokens if isinstance(tokenizer, HFTokenizer) else frozenset()
+        self._tag_tokens = (THINK_OPEN in added, THINK_CLOSE in added)
         self._words = (self._tokenizer.vocab_size + 31) // 32
         self._matchers: dict[str, tuple[llg.LLMatcher, int]] = {}  # seq id -> (matcher, tokens consumed)
 
     def check(self, constraint: OutputConstraint) -> None:
         """Raise InvalidConstraint unless the constraint compiles for this tokenizer."""
         try:
-            error = llg.LLMatcher.validate_grammar(_grammar(constraint), self._tokenizer)
+            error = llg.LLMatcher.validate_grammar(_grammar(constraint, self._tag_tokens), self._tokenizer)
         except (ValueError, RuntimeError) as exc:
             error = str(exc)
         if error:
@@ -91,12 +97,35 @@ class GrammarMasks:
         return matcher
 
     def _new_matcher(self, constraint: OutputConstraint) -> llg.LLMatcher:
-        return llg.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
+        return llg.LLMatcher(self._tokenizer, _grammar(constraint, self._tag_tokens), log_level=0)
 
 
 @lru_cache(maxsize=256)
-def _grammar(constraint: OutputConstraint) -> str:
-    """The llguidance grammar text of a constraint (cached: schemas repeat across requests)."""
+def _grammar(constraint: OutputConstraint, tag_tokens: tuple[bool, bool]) -> str:
+    """The llguidance grammar text of a constraint (cached: schemas repeat across requests);
+    `tag_tokens`: whether `<think>`, `</think>` are tokens of their own."""
+    answer = _answer_grammar(constraint)
+    if not constraint.thinking:
+        return answer
+    if constraint.kind in ("json_schema", "json_object", "regex"):  # llguidance built a TopLevelGrammar's JSON
+        first, *rest = json.loads(answer)["grammars"]
+    else:  # Lark text
+        first, rest = {"lark_grammar": answer}, []
+    lark = _thinking_lark(constraint.thinking, *tag_tokens)
+    return json.dumps({"grammars": [{"lark_grammar": lark}, {**first, "name": "answer"}, *rest]})
+
+
+def _thinking_lark(thinking: str, open_is_token: bool, close_is_token: bool) -> str:
+    """Free text up to the first `</think>` (opened by `<think>`: required when "open", else
+    optional), blanks, then the answer's grammar (`@answer`)."""
+    opening = THINK_OPEN if open_is_token else json.dumps(THINK_OPEN)
+    free = (f"thinking: /(?s:.*)/ {THINK_CLOSE}" if close_is_token  # the token ends the text
+            else f"thinking[lazy]: /(?s:.*)/ {json.dumps(THINK_CLOSE)}")  # lazy: ends at the first one
+    start = f"thinking {_BLANKS}" if thinking == "open" else f"({_BLANKS} {opening} thinking {_BLANKS})?"
+    return f"start: {start} @answer\n{free}\n"
+
+
+def _answer_grammar(constraint: OutputConstraint) -> str:
     kind, spec = constraint.kind, constraint.spec
     if kind == "json_schema":
         return llg.LLMatcher.grammar_from_json_schema(json.dumps(_closed(json.loads(spec))), overrides=JSON_OPTIONS)

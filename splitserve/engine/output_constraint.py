@@ -1,12 +1,19 @@
 """What a request's output must match (structured output): a JSON schema, any JSON object, a
 regular expression, one of a list of strings, or a Lark grammar. A plain value, checked on
-construction; `grammar.py` turns it into token masks."""
+construction; `grammar.py` turns it into token masks.
+
+A reasoning model may think before the constrained answer (vLLM applies structured output after
+the reasoning): with `thinking` "open" the output starts inside a thinking (the prompt opened it)
+and is free up to the first `</think>`; with "optional" it may begin with a `<think> ... </think>`
+of free text. Blanks may follow the thinking; the constraint holds from the next character."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+THINKING = ("", "open", "optional")  # "": the constraint holds from the first token
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # the tags of the reasoning formats served (DeepSeek-R1, Qwen3)
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused
 
 
@@ -14,10 +21,13 @@ MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is ref
 class OutputConstraint:
     kind: str
     spec: str = ""  # json_schema: the schema as JSON text; choice: a JSON list of strings; else the pattern
+    thinking: str = ""  # one of THINKING
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.thinking not in THINKING:
+            raise ValueError(f"constraint thinking must be one of {THINKING}, got {self.thinking!r}")
         if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
             raise ValueError(f"constraint {self.kind} must be text of at most {MAX_SPEC_CHARS} characters")
         if self.kind == "json_schema":

@@ -113,6 +113,12 @@ class HFTokenizer(Tokenizer):
         return self._tok.to_str()
 
     @property
+    def added_tokens(self) -> frozenset[str]:
+        """The texts of tokenizer.json's added tokens (special or not: Qwen3's `<think>` is one),
+        each always encoded as its own token."""
+        return frozenset(t.content for t in self._tok.get_added_tokens_decoder().values())
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

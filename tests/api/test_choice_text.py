@@ -49,8 +49,10 @@ QWEN3 = ChatParsers("qwen3", "hermes")
     ("assistant\n<think>\n", {}, QWEN3, True, "hermes"),  # the template opened the thinking
     ("assistant\n", {}, QWEN3, False, "hermes"),
     ("assistant\n<think>\n", {}, ChatParsers(), None, "llama3_json"),  # no reasoning parser: all content
-    ("assistant\n<think>\n", {"response_format": {"type": "json_object"}}, QWEN3, False, "hermes"),  # constrained
-    ("assistant\n", {"tools": [ADD], "tool_choice": "required"}, QWEN3, False, "llama3_json"),  # forced: JSON
+    # constrained: thought all the same (the constraint holds the answer after it)
+    ("assistant\n<think>\n", {"response_format": {"type": "json_object"}}, QWEN3, True, "hermes"),
+    ("assistant\n", {"response_format": {"type": "json_object"}}, QWEN3, False, "hermes"),
+    ("assistant\n<think>\n", {"tools": [ADD], "tool_choice": "required"}, QWEN3, True, "llama3_json"),  # forced: JSON
 ])
 def test_chat_options_say_how_the_output_is_read(prompt_end, fields, parsers, thinking, tool_parser):
     options = choice_options(chat(**fields), 0, TOKENIZER.encode(prompt_end), TOKENIZER, parsers)

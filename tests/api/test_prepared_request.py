@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
@@ -16,9 +17,10 @@ from splitserve.engine.demo import demo_tokenizer
 TOKENIZER = demo_tokenizer()
 
 
-def prepare(kind: str, limits: RequestLimits = RequestLimits(), max_model_len: int = 64, **body):
+def prepare(kind: str, limits: RequestLimits = RequestLimits(), max_model_len: int = 64,
+            parsers: ChatParsers = ChatParsers(), **body):
     return prepare_request(kind, json.dumps({"model": "demo", **body}).encode(), TOKENIZER, ("demo", "alias"),
-                           max_model_len, limits)
+                           max_model_len, limits, parsers=parsers)
 
 
 def test_each_prompt_has_its_token_ids_and_its_own_room_in_the_context():
@@ -33,6 +35,21 @@ def test_a_chat_is_one_prompt_through_its_template():
     prepared = prepare("chat", **body)
     chat = parse_request(ChatCompletionRequest, json.dumps({"model": "demo", **body}).encode())
     assert prepared.prompts == [chat_prompt_token_ids(chat, TOKENIZER)] and prepared.params[0].max_tokens == 5
+
+
+JSON = {"response_format": {"type": "json_object"}, "max_tokens": 8}
+
+
+@pytest.mark.parametrize("prefill, thinking", [(None, "optional"), ("<think>\n", "open"), ("<think>a</think>\n\n", "")])
+def test_with_a_reasoning_parser_a_chat_constraint_holds_the_answer_after_the_thinking(prefill, thinking):
+    """The thinking is free: opened by the prompt, optional, or none when the prompt closed it."""
+    messages = [{"role": "user", "content": "hi"}]
+    if prefill is not None:  # an assistant prefill continued (a template that opens the thinking ends the same)
+        messages.append({"role": "assistant", "content": prefill})
+    body = dict(messages=messages, continue_final_message=prefill is not None, add_generation_prompt=prefill is None)
+    assert prepare("chat", parsers=ChatParsers("qwen3"), **body, **JSON).params[0].constraint.thinking == thinking
+    assert prepare("chat", **body, **JSON).params[0].constraint.thinking == ""  # no parser: constrained at once
+    assert prepare("completion", parsers=ChatParsers("qwen3"), prompt="<think>", **JSON).params[0].constraint.thinking == ""
 
 
 @pytest.mark.parametrize("body, limits, status, param", [

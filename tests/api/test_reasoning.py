@@ -5,7 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.api.reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
+from splitserve.api.reasoning import ReasoningSplitter, constraint_thinking, prompt_opens_thinking, split_reasoning
+from splitserve.engine.demo import demo_tokenizer
+
+TOKENIZER = demo_tokenizer()
 
 OUTPUTS = [  # (prompt opened the thinking, output, reasoning, content)
     (False, "<think>\nLet me add.\n</think>\n\nIt is 5.", "\nLet me add.\n", "It is 5."),  # Qwen3: the model opens it
@@ -50,11 +53,14 @@ def test_a_partial_tag_waits_for_the_next_piece():
     assert plain.feed("<thx") == ("", "<thx")
 
 
-@pytest.mark.parametrize("tail, opened", [("<|im_start|>assistant\n<think>\n", True),
-                                          ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
-                                          ("<|im_start|>assistant\n", False)])
-def test_the_prompt_says_whether_the_thinking_is_open(tail, opened):
-    assert prompt_opens_thinking(tail) is opened
+@pytest.mark.parametrize("tail, opened, constrained", [("<|im_start|>assistant\n<think>\n", True, "open"),
+                                                       ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False, ""),
+                                                       ("<|im_start|>assistant\n", False, "optional")])
+def test_the_prompt_says_whether_the_thinking_is_open(tail, opened, constrained):
+    """`constrained`: the free thinking a constraint lets the model write before the answer."""
+    prompt = TOKENIZER.encode(tail)
+    assert prompt_opens_thinking(prompt, TOKENIZER) is opened
+    assert constraint_thinking(prompt, TOKENIZER) == constrained
 
 
 @settings(max_examples=300, deadline=None)

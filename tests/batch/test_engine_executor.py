@@ -133,15 +133,26 @@ def test_a_constraint_that_does_not_compile_is_the_lines_400(results):
 
 def test_a_batch_run_with_reasoning_and_hermes_parsers_reads_chat_lines_as_the_endpoint_does(llm, tmp_path):
     """`splitserve batch --reasoning-parser qwen3 --tool-call-parser hermes`: a line's thinking is the
-    message's reasoning and its <tool_call> block its call (written here by a regex constraint)."""
+    message's reasoning and its <tool_call> block its call (written here by a regex constraint, on a
+    prompt that closed an empty thinking, so the constraint holds from the first token); a JSON
+    constraint waits for the thinking a prompt opened (the noise model never closes it)."""
     regex = r'<think>[a-z]{3,6}</think>\n\n<tool_call>\n\{"name": "add", "arguments": \{"a": [0-9]\}\}\n</tool_call>'
-    line = {"custom_id": "think-call", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "demo", "messages": [{"role": "user", "content": "2+3?"}], "max_tokens": 120,
-                     "tools": [{"type": "function", "function": ADD}], "structured_outputs": {"regex": regex}}}
+
+    def chat_line(custom_id: str, prefill: str, **fields) -> dict:
+        messages = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": prefill}]
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "demo", "messages": messages, "continue_final_message": True,
+                         "add_generation_prompt": False, **fields}}
+    lines = [chat_line("think-call", "<think>\n\n</think>\n\n", max_tokens=120, structured_outputs={"regex": regex},
+                       tools=[{"type": "function", "function": ADD}]),
+             chat_line("think-json", "<think>\n", max_tokens=16, response_format={"type": "json_object"})]
     with ResultLog(tmp_path / "out.jsonl") as output, ResultLog(tmp_path / "errors.jsonl") as errors:
-        run_lines(llm.engine, parse_input(as_jsonl([line])), "demo", output, errors, BlendOptions("dfs"),
+        run_lines(llm.engine, parse_input(as_jsonl(lines)), "demo", output, errors, BlendOptions("dfs"),
                   parsers=ChatParsers("qwen3", "hermes"))
     choice = output.done["think-call"]["response"]["body"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["reasoning"].isalpha()
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "add"
+    thinking = output.done["think-json"]["response"]["body"]["choices"][0]
+    assert thinking["finish_reason"] == "length" and thinking["message"]["content"] is None
+    assert thinking["message"]["reasoning"]

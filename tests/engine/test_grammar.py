@@ -1,7 +1,8 @@
 """Structured output in the engine: every finished output matches its constraint (JSON schemas
 checked with `jsonschema`, nobody's code here) under random weights and random sampling, across
 chunked prefill and batches mixing constrained and free requests; a disaggregated or resumed
-request's matcher catches up from the tokens alone."""
+request's matcher catches up from the tokens alone; a reasoning model's thinking before the
+constrained answer is free, whether its tags are text or tokens of their own."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ import re
 import jsonschema
 import pytest
 import torch
+from tokenizers import AddedToken
+from transformers import PreTrainedTokenizerFast
 
 from splitserve.engine.grammar import GrammarMasks, InvalidConstraint
 from splitserve.engine.demo import demo_tokenizer
@@ -17,6 +20,8 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.tokenizer import HFTokenizer
+from tests.engine.hf_checkpoints import train_tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -113,3 +118,72 @@ def test_objects_hold_only_their_listed_properties_unless_others_are_allowed(llm
     outputs = llm.generate(["x"] * 8, [constrained("json_schema", listed, seed=i) for i in range(8)])
     assert all(set(json.loads(o.text)) <= {"k"} for o in outputs if o.finish_reason == "stop")
     assert sum(o.finish_reason == "stop" for o in outputs) >= 6
+
+
+# ---- a reasoning model's free thinking before the constrained answer ------------------------
+def tag_tokenizer(tmp_path, added: bool) -> HFTokenizer:
+    """A byte-level BPE tokenizer; `added`: `<think>` and `</think>` are added tokens (as in
+    Qwen3's tokenizer.json), which llguidance reads as special tokens, never as text."""
+    raw = train_tokenizer(qwen2=True)
+    if added:
+        raw.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in ("<think>", "</think>")])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    return HFTokenizer(tmp_path)
+
+
+@pytest.fixture(params=["bytes", "bpe", "bpe_added_tags"])
+def tokenizer(request, tmp_path):
+    return demo_tokenizer() if request.param == "bytes" else tag_tokenizer(tmp_path, request.param == "bpe_added_tags")
+
+
+def allowed_next(tokenizer, constraint: OutputConstraint, output: str) -> set[str]:
+    """The texts of the tokens the mask allows after `output` (EOS as "EOS"; tokens are decoded
+    with their special text, so an added `</think>` reads as itself)."""
+    vocab = tokenizer.vocab_size
+    seq = Sequence("s", [0], SamplingParams(constraint=constraint), eos_token_ids=frozenset(tokenizer.eos_token_ids))
+    for token_id in tokenizer.encode(output, add_special_tokens=False):
+        seq.append_token(token_id)
+    logits = GrammarMasks(tokenizer, vocab).apply(torch.zeros(1, vocab), [seq])[0]
+    return {"EOS" if i in tokenizer.eos_token_ids else tokenizer.decode([i], skip_special_tokens=False)
+            for i in torch.isfinite(logits).nonzero().flatten().tolist()}
+
+
+def thinking(kind, value, mode) -> OutputConstraint:
+    plain = OutputConstraint.of(kind, value)
+    return OutputConstraint(plain.kind, plain.spec, mode)
+
+
+NUMBER = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}
+
+
+def test_an_open_thinking_is_free_until_it_closes_then_the_schema_holds(tokenizer):
+    constraint = thinking("json_schema", NUMBER, "open")
+    free = allowed_next(tokenizer, constraint, "I think {x")
+    assert {"x", "{", "<", "\n"} <= free and "EOS" not in free  # the answer must still come
+    answer = allowed_next(tokenizer, constraint, "I think {x}</think>\n\n")
+    assert "{" in answer and not {"x", "<", "EOS"} & answer
+    assert allowed_next(tokenizer, constraint, 'a</think>\n{"n":12}') == {"EOS"}
+    at_once = allowed_next(tokenizer, thinking("json_schema", NUMBER, ""), "")
+    assert at_once <= answer and not "".join(answer - at_once).strip()  # the same, and blanks
+
+
+def test_an_optional_thinking_may_open_first_or_the_answer_starts_at_once(tokenizer):
+    constraint = thinking("choice", ["yes", "no"], "optional")
+    first = allowed_next(tokenizer, constraint, "")
+    assert "x" not in first and {"y", "n"} <= {t[:1] for t in first}
+    assert any(t.startswith("<") for t in first)  # the opening tag (whole when it is a token)
+    assert "x" in allowed_next(tokenizer, constraint, "<think>\nhm")
+    assert allowed_next(tokenizer, constraint, "<think>\nhm, yes</think>\n\nn") == {"o"}
+    assert not any(t.startswith("<") for t in allowed_next(tokenizer, thinking("choice", ["yes", "no"], ""), ""))
+
+
+@pytest.mark.parametrize("mode, resumed", [("open", "Two and three.</think>\n\n"), ("optional", "<think>Add.</think>\n")])
+def test_generation_after_a_thinking_matches_the_schema(llm, mode, resumed):
+    """A failover resumes after the thinking: the matcher catches up on it, the answer validates."""
+    prompt = "Q: 2+3?\n" + ("<think>" if mode == "open" else "") + resumed
+    params = [SamplingParams(max_tokens=200, seed=i, resumed_tokens=len(resumed.encode()),
+                             constraint=thinking("json_schema", SCHEMA, mode)) for i in range(6)]
+    outputs = llm.generate([prompt] * 6, params)
+    for out in outputs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMA)

@@ -1,14 +1,15 @@
 """Tools through a real local cluster, with the official `openai` client and LangChain: a forced
 call (tool_choice "required" or named) comes back as OpenAI's `tool_calls`, whole and streamed in
 OpenAI's delta shapes, with arguments that validate against the function's schema; on a cluster
-configured for Qwen3 (reasoning and hermes parsers), its thinking comes back as `reasoning` and
-its `<tool_call>` blocks as `tool_calls`."""
+configured for Qwen3 (reasoning and hermes parsers), its thinking comes back as `reasoning`, its
+`<tool_call>` blocks as `tool_calls`, and structured output waits for the thinking."""
 from __future__ import annotations
 
 import json
 
 import jsonschema
 import openai
+import pytest
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
@@ -85,22 +86,45 @@ THINK_THEN_CALL = (r'<think>[a-z]{3,8}</think>\n\n<tool_call>\n\{"name": "add", 
                    r'\{"a": [0-9], "b": [0-9]\}\}\n</tool_call>')
 
 
-def test_reasoning_and_hermes_calls_on_a_cluster_configured_for_them(pools_server):
-    client = openai.OpenAI(base_url=f"{pools_server}/v1", api_key=POOLS_KEY["Authorization"].split()[1],
-                           max_retries=0, timeout=120)
-    args = dict(model="demo", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
-                extra_body={"structured_outputs": {"regex": THINK_THEN_CALL}})
-    whole = client.chat.completions.create(**args).choices[0]
+def prefilled(assistant: str) -> dict:
+    """The chat continued from an assistant message's start (as a template that opens, or closes,
+    the thinking ends the prompt)."""
+    return dict(messages=[*ASK, {"role": "assistant", "content": assistant}],
+                extra_body={"continue_final_message": True, "add_generation_prompt": False})
+
+
+@pytest.fixture(scope="module")
+def pools_client(pools_server):
+    """The official client on the app configured like a Qwen3 (reasoning and hermes parsers)."""
+    return openai.OpenAI(base_url=f"{pools_server}/v1", api_key=POOLS_KEY["Authorization"].split()[1],
+                         max_retries=0, timeout=120)
+
+
+def test_reasoning_and_hermes_calls_on_a_cluster_configured_for_them(pools_client):
+    # the prompt closed an empty thinking (Qwen3's enable_thinking false): the constraint holds from the first token
+    closed = prefilled("<think>\n\n</think>\n\n")
+    args = dict(model="demo", tools=TOOLS, max_tokens=120, temperature=0, messages=closed["messages"],
+                extra_body={**closed["extra_body"], "structured_outputs": {"regex": THINK_THEN_CALL}})
+    whole = pools_client.chat.completions.create(**args).choices[0]
     thought = whole.message.model_extra["reasoning"]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     assert thought.isalpha() and whole.message.model_extra["reasoning_content"] == thought
     [call] = whole.message.tool_calls
     assert call.function.name == "add"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["add"])
-    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **args) if c.choices]
+    deltas = [c.choices[0].delta for c in pools_client.chat.completions.create(stream=True, **args) if c.choices]
     assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == thought
     assert not "".join(d.content or "" for d in deltas).strip()
     pieces = [t for d in deltas if d.tool_calls for t in d.tool_calls]
     assert pieces[0].function.name == "add" and pieces[1].function.arguments == call.function.arguments
-    plain = client.chat.completions.create(model="demo", messages=ASK, max_tokens=8, temperature=0).choices[0]
+    plain = pools_client.chat.completions.create(model="demo", messages=ASK, max_tokens=8, temperature=0).choices[0]
     assert plain.message.content and "reasoning" not in plain.message.model_extra  # no <think>: all content
+
+
+def test_structured_output_waits_for_the_thinking_the_prompt_opened(pools_client):
+    """vLLM's rule with a reasoning parser: the schema holds the answer, after a free thinking
+    (which the noise model never closes, so the whole output is reasoning)."""
+    choice = pools_client.chat.completions.create(model="demo", max_tokens=24, temperature=0, **prefilled("<think>\n"),
+                                                  response_format={"type": "json_object"}).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert len(choice.message.model_extra["reasoning"]) > 0
