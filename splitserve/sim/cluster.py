@@ -17,7 +17,10 @@ number). Per request, as in a real run (splitserve.cluster.dispatch):
    serving overhead (`ServingOverhead.request_s`: the client sees every token that much later).
 With `ServingOverhead.host_cores` > 0 the workers share one host's cores with the serving stack
 (`SharedHost`): an iteration's end moves whenever another worker starts or ends one, or the stack
-(busy streaming the tokens sampled) starts or runs out of work.
+(busy streaming the tokens sampled) starts or runs out of work. There the request's path through
+the stack (`request_s`: the proxy, the ingress, the CLS) is CPU work of its own on those cores,
+run on arrival: placement (step 1) waits for it, so a loaded host stretches it, and nothing is
+added to the token times.
 Prefix caching (the scenario's `prefix_caching`, for requests whose prompts share blocks): a prompt
 is its blocks' ids, each repeated for the block's tokens, so equal blocks are equal tokens and the
 workers' own prefix caches hit where a real run's would; with prefix-aware placement the CLS gets the
@@ -48,7 +51,7 @@ from splitserve.engine.sequence import Sequence as EngineSequence
 from splitserve.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
 from splitserve.placement.load import prefix_delta_of
 from splitserve.placement.state import MAX_PREFIX_BLOCKS, PrefixOptions
-from splitserve.sim.contention import STACK, SharedHost
+from splitserve.sim.contention import STACK, SharedHost, request_run
 from splitserve.sim.records import SimRecords
 from splitserve.sim.scenario import Scenario
 from splitserve.sim.worker import FILLER_TOKEN, NOTHING_HAPPENED, SimWorker
@@ -127,6 +130,8 @@ class Simulation:
         self._heap: list = []
         cores = scenario.overhead.host_cores  # > 0: the workers share one host's cores
         self.host = SharedHost(cores, scenario.overhead.stream_cpu_s) if cores > 0 else None
+        self._arriving: dict[str, int] = {}  # request runs on the shared host -> the request's position
+        self._token_delay_s = 0.0 if self.host is not None else scenario.overhead.request_s
         self._order = itertools.count()
         self.now = 0.0
         self.num_events = 0
@@ -177,11 +182,26 @@ class Simulation:
         if position + 1 < len(self.requests):
             self._push(self.requests[position + 1].arrival_s, self._arrive, position + 1)
         spec = self.requests[position]
-        seq_id, slot = f"r{spec.index}", self.records.slot_of(spec.index)
         if spec.prompt_tokens >= self.scenario.max_model_len:
             message = f"prompt has {spec.prompt_tokens} tokens but max_model_len is {self.scenario.max_model_len}"
-            self.records.refuse(slot, 400, message)
+            self.records.refuse(self.records.slot_of(spec.index), 400, message)
             return
+        if self.host is None or self.scenario.overhead.request_s == 0:
+            self._place(position)
+            return
+        run_id = request_run(spec.index)
+        self._arriving[run_id] = position
+        self._reschedule(self.host.start(run_id, self.scenario.overhead.request_s, self.now))
+
+    def _request_path_done(self, arg: tuple[str, int]) -> None:
+        run_id, version = arg
+        if self.host.current(run_id, version):
+            self._reschedule(self.host.finish(run_id, self.now)[1])
+            self._place(self._arriving.pop(run_id))
+
+    def _place(self, position: int) -> None:
+        spec = self.requests[position]
+        seq_id, slot = f"r{spec.index}", self.records.slot_of(spec.index)
         prompt = self._prompt_of(spec)
         hashes = prompt_block_hashes(prompt, self.scenario.block_size, MAX_PREFIX_BLOCKS) if self.aware else ()
         placement, moves = self.cls.place(PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens,
@@ -249,6 +269,8 @@ class Simulation:
         for run_id, end, version in ends:
             if run_id == STACK:
                 self._push(end, self._stack_idle, version)
+            elif run_id in self._arriving:
+                self._push(end, self._request_path_done, (run_id, version))
             else:
                 self._push(end, self._shared_iteration_end, (self.workers[run_id], version))
 
@@ -296,7 +318,7 @@ class Simulation:
     def _finish(self, seq_id: str) -> None:
         if seq_id not in self._slots:
             raise RuntimeError(f"request {seq_id} finished twice (simulator bug)")
-        self.records.finish(self._slots.pop(seq_id), self.token_times.pop(seq_id), self.scenario.overhead.request_s)
+        self.records.finish(self._slots.pop(seq_id), self.token_times.pop(seq_id), self._token_delay_s)
 
     def _report(self, tick: int) -> None:
         for worker, state in self._reporting:

@@ -53,13 +53,12 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
         return {c: measure_requests(url, prompt_sizes, output_tokens, repeats, c, config.model_name, api_key)
                 for c in concurrency}
 
-    if shared_host:
-        groups, stack_s = host_cpu.stack_cpu_while(measure, IDLE_WINDOW_S)
-        tokens = sum(r.output_tokens for records in groups.values() for r in records)
-        host = {"host_cores": host_cpu.host_cores(), "stream_cpu_s": max(0.0, stack_s / tokens)}
-    else:
-        groups, host = measure(), {}
+    groups, stack_s = host_cpu.stack_cpu_while(measure, IDLE_WINDOW_S) if shared_host else (measure(), 0.0)
     prompt_perf, token_perf = scenario.perf_models[prompt_hw], scenario.perf_models[token_hw]
-    first = replace(fit_overhead(groups[1], groups[2], prompt_perf, token_perf, scenario.transfer), **host)
+    first = fit_overhead(groups[1], groups[2], prompt_perf, token_perf, scenario.transfer)
+    if shared_host:  # the stack's CPU less each request's path (request_s, run on the host), per token
+        records = [r for group in groups.values() for r in group]
+        per_token = (stack_s - len(records) * first.request_s) / sum(r.output_tokens for r in records)
+        first = replace(first, host_cores=host_cpu.host_cores(), stream_cpu_s=max(0.0, per_token))
     decode = calibrate_decode(replace(scenario, overhead=first), groups, first)
     return fit_prefill(groups[1], decode, prompt_perf, scenario.transfer), sum(map(len, groups.values()))

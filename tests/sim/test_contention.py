@@ -65,3 +65,17 @@ def test_the_simulator_charges_the_stack_for_every_token_streamed():
     # decode (0.02 s alone) ends with 0.01 s for the stack, which the next decode shares the core
     # with: 0.23-0.25 at half speed (0.01 done), then alone to 0.26; the same again to 0.29
     assert record.token_times_s == pytest.approx((0.21, 0.23, 0.26, 0.29))
+
+
+def test_on_a_shared_host_each_requests_path_through_the_stack_is_work_on_its_cores():
+    """request_s runs on arrival, before placement: alone it is the plain delay; beside a busy
+    worker it shares the core, and the worker slows too."""
+    shared = split(overhead=ServingOverhead(host_cores=1.0, request_s=0.02))
+    first, second = simulate(shared, [spec(0, 0.0, 100, 4), spec(1, 0.23, 50, 1)]).records
+    # request 0 alone: its path 0-0.02, prefill 0.02-0.12, the KV lands at 0.23 (as the plain delay)
+    # request 1's path (0.23) and the decode 0.23-0.25 share the core: both end at 0.27. Request 1's
+    # prefill (0.05 s) then shares it with two decodes (0.27-0.31, 0.31-0.35) and ends alone at 0.36
+    assert first.token_times_s == pytest.approx((0.23, 0.27, 0.31, 0.35))
+    assert second.ttft_s == pytest.approx(0.36 - 0.23)
+    apart = simulate(split(overhead=ServingOverhead(request_s=0.02)), [spec(0, 0.0, 100, 4)]).records[0]
+    assert apart.token_times_s == pytest.approx((0.23, 0.25, 0.27, 0.29))  # cores of their own: a plain delay
