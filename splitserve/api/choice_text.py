@@ -43,7 +43,7 @@ class ChoiceText:
         if logprobs is not None:
             self.cumulative_logprob += sum(lps[t] for t, lps in zip(token_ids, logprobs))
         echoed = self._take_echo(prompt_logprobs)
-        taken = self.text.append(token_ids) if self.generated else 0
+        taken = self.text.append(token_ids, finish_reason == "stop") if self.generated else 0
         if self.num_top is not None and logprobs is not None:
             self._entries += zip(token_ids[:taken], logprobs[:taken])
         reason = "stop" if self.text.stopped else finish_reason

@@ -18,12 +18,14 @@ class TextStream:
         self._sent = 0
         self.stopped = False  # a stop string ended the text
 
-    def append(self, token_ids: tuple[int, ...] | list[int]) -> int:
-        """How many of `token_ids` made it into the text (none after a stop string)."""
+    def append(self, token_ids: tuple[int, ...] | list[int], ends_stop: bool = False) -> int:
+        """How many of `token_ids` made it into the text (none after a stop string). `ends_stop`:
+        the run ended with the last of them for "stop" (a stop string, or a stop token: no text)."""
+        last = len(token_ids) - 1
         for taken, token_id in enumerate(token_ids):
             if self.stopped:
                 return taken
-            self.stopped = self._detokenizer.append(token_id)
+            self.stopped = self._detokenizer.append(token_id, ends_stop and taken == last)
         return len(token_ids)
 
     def token_text(self, token_id: int) -> str:

@@ -228,7 +228,8 @@ class LLMEngine:
         req.timestamps.append(now)
         if req.logprobs is not None:
             req.logprobs.append(logprobs or {})
-        if req.detokenizer.append(token_id):  # a stop string wins over a length limit hit by the same token
+        stop_token = seq.finish_reason == "stop"  # decided on token ids: EOS or a stop_token_id
+        if req.detokenizer.append(token_id, stop_token):  # a stop string wins over a length limit hit by the same token
             if seq.is_finished:
                 seq.finish_reason = "stop"
             else:

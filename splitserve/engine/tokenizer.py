@@ -156,7 +156,8 @@ class Detokenizer:
 
     Decodes a sliding window of tokens (vLLM's prefix/read offsets), so each step costs a few
     tokens, not the whole output. Text ending in U+FFFD (an incomplete UTF-8 character) is held back
-    until a later token completes it.
+    until a later token completes it. As in vLLM, the stop token that ends a sequence (EOS or one of
+    `stop_token_ids`) adds no text unless `include_stop_str_in_output`, special or not.
     """
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int]):
@@ -169,8 +170,10 @@ class Detokenizer:
         self.text = ""
         self.stopped = False
 
-    def append(self, token_id: int) -> bool:
-        """Add one output token; True when a stop string was hit (then `.text` is final)."""
+    def append(self, token_id: int, ends_stop: bool = False) -> bool:
+        """Add one output token; True when a stop string was hit (then `.text` is final).
+        `ends_stop`: the sequence ended with this token for "stop": either a stop string ends in it
+        (found here) or it is a stop token, whose text is dropped."""
         if self.stopped:
             return True
         self._ids.append(token_id)
@@ -178,6 +181,8 @@ class Detokenizer:
         self.text += self._next_delta()
         if self._max_stop_len and len(self.text) > old_len:
             self.stopped = self._truncate_at_stop(old_len)
+        if ends_stop and not self.stopped and not self._params.include_stop_str_in_output:
+            self.text = self.text[:old_len]
         return self.stopped
 
     def _next_delta(self) -> str:

@@ -68,3 +68,19 @@ def test_a_chat_choice_with_reasoning_and_hermes_calls():
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2}'}
     plain = ChoiceText("chat", TextStream(TOKENIZER, SamplingParams(), []), [])
     assert "reasoning" not in plain.choice(output, "stop")["message"]  # no parser: the text as it is
+
+
+def test_the_stop_token_that_ends_a_choice_adds_no_text_even_spelled_out():
+    """vLLM's rule: EOS (or a stop_token_id) ends the text without its own, unless
+    include_stop_str_in_output; a stop string ending in the last token is still cut there."""
+    def run(params: SamplingParams, tokens: list[int], reason: str) -> str:
+        text = ChoiceText("completion", TextStream(TOKENIZER, params, []), [])
+        return text.add(tokens[:-1], None, None)[0] + text.add(tokens[-1:], None, reason)[0]
+
+    spelled = SamplingParams(skip_special_tokens=False)
+    assert run(spelled, [104, 105, 257], "stop") == "hi"
+    assert run(SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True), [104, 105, 257],
+               "stop") == "hi</s>"
+    assert run(SamplingParams(stop_token_ids=[33]), [104, 105, 33], "stop") == "hi"
+    assert run(spelled, [104, 105, 257], "length") == "hi</s>"  # EOS under ignore_eos: text like any token
+    assert run(SamplingParams(stop=["i!"]), [104, 105, 33], "stop") == "h"
