@@ -22,16 +22,18 @@ class ChoiceText:
     prompt tokens' logprobs in front of the first token's; `generated=False` (echo with max_tokens
     0): the sampled token is left out, so the choice is the scored prompt alone. `tool_names`: the
     functions a chat offered; an output that is calls to them (in `tool_parser`'s format) comes back
-    as `tool_calls`. `thinking`: with a reasoning parser, whether the prompt left the model thinking
+    as `tool_calls`, with ids for the template of `call_ids` (the served tool_call_parser, which a
+    forced call's JSON format does not change). `thinking`: with a reasoning parser, whether the prompt left the model thinking
     (None: no parser, the output is all content). `num_top`: the top alternatives per token the
     client asked logprobs of (None: none; logprobs may still come, for best_of's ranking alone)."""
 
     def __init__(self, kind: str, text: TextStream, prompt: Sequence[int], echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
-                 num_top: int | None = None, tool_parser: str = LLAMA3_JSON, thinking: bool | None = None):
+                 num_top: int | None = None, tool_parser: str = LLAMA3_JSON, thinking: bool | None = None,
+                 call_ids: str = LLAMA3_JSON):
         self.kind, self.text, self.prompt, self.index, self.num_top = kind, text, prompt, index, num_top
         self._echo, self.generated, self.tool_names = echo, generated, tool_names
-        self.tool_parser, self.thinking = tool_parser, thinking
+        self.tool_parser, self.thinking, self.call_ids = tool_parser, thinking, call_ids
         self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs come (best_of ranks by it)
         self._entries: list[Entry] = []  # of the text not yet handed out
         self._text_offset = 0  # completions' text_offset of the next token
@@ -75,7 +77,7 @@ class ChoiceText:
         if self.kind == "completion":
             return R.completion_choice(text, reason, logprobs, self.index)
         reasoning, content = (None, text) if self.thinking is None else split_reasoning(text, self.thinking)
-        found = find_tool_calls(content or "", self.tool_names, self.tool_parser) \
+        found = find_tool_calls(content or "", self.tool_names, self.tool_parser, self.call_ids) \
             if self.tool_names and reason == "stop" else None
         if found:
             before, calls = found
@@ -85,8 +87,8 @@ class ChoiceText:
 
 def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequence[int], tokenizer: Tokenizer,
                    parsers: ChatParsers = ChatParsers()) -> dict:
-    """ChoiceText's `echo`, `generated`, `tool_names`, `num_top`, `tool_parser` and `thinking` for
-    the choices of one of `request`'s prompts (`prompt`: its token ids). With a reasoning parser a
+    """ChoiceText's `echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking` and
+    `call_ids` for the choices of one of `request`'s prompts (`prompt`: its token ids). With a reasoning parser a
     constrained output (structured outputs, a forced tool call) is thought like any other (the
     constraint holds the answer after it); a forced call is parsed in the JSON format the
     constraint writes."""
@@ -101,7 +103,8 @@ def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequen
         thinking = prompt_opens_thinking(prompt, tokenizer)
     return dict(echo=echo, generated=not request.scores_prompt_only(),
                 tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs(),
-                tool_parser=LLAMA3_JSON if field == "tool_choice" else parsers.tool_calls, thinking=thinking)
+                tool_parser=LLAMA3_JSON if field == "tool_choice" else parsers.tool_calls, thinking=thinking,
+                call_ids=parsers.tool_calls)
 
 
 def best_choices(choices: list[dict], cumulative_logprobs: list[float], num_returned: int, first_index: int = 0

@@ -4,7 +4,7 @@ template; completions may send several) with its own sampling settings."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.chat_template import chat_prompt_token_ids
@@ -20,6 +20,7 @@ from splitserve.api.request_models import (
 )
 from splitserve.api.reasoning import constraint_thinking
 from splitserve.api.request_sampling import sampling_params
+from splitserve.api.tool_calls import MISTRAL
 from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -43,7 +44,9 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
                     parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
     """`kind`: "completion" or "chat"; RequestError (a 4xx naming the field) on a bad body.
     `check_constraint` compiles a structured-output constraint, so one that does not is a 400 now.
-    With a reasoning parser, a chat's constraint holds its answer, after a free thinking."""
+    With a reasoning parser, a chat's constraint holds its answer, after a free thinking; with the
+    mistral tool-call parser, a chat offering tools keeps special tokens in its text (vLLM's rule:
+    `[TOOL_CALLS]` is one)."""
     body = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, raw)
     check_model(body.model, model)
     limits.check(body)
@@ -55,6 +58,8 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
     params = [sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size, check_constraint,
                               constraint_thinking(prompt, tokenizer) if thinks else "")
               for prompt in prompts]
+    if kind == "chat" and parsers.tool_calls == MISTRAL and body.tool_functions():
+        params = [replace(p, skip_special_tokens=False) for p in params]
     return PreparedRequest(body, prompts, params)
 
 

@@ -3,23 +3,40 @@ function), and the parsers that find them in the model's text (vLLM's `--tool-ca
 - `llama3_json`: `{"name": ..., "parameters": {...}}` (or `"arguments"`), optionally after
   `<|python_tag|>`, several separated by `;`; the whole output is calls, or it is content;
 - `hermes` (Qwen2.5, Qwen3, Hermes): each call's JSON between `<tool_call>` and `</tool_call>`,
-  after the content the model wrote first, if any.
+  after the content the model wrote first, if any;
+- `mistral`: after `[TOOL_CALLS]` (a special token: such requests keep special tokens in their
+  text), a JSON list of `{"name", "arguments"}` (v3 tokenizers: Mistral 7B v0.3, Mixtral 8x22B) or
+  `name[ARGS]{...}`, one per `[TOOL_CALLS]` (v11 on: Mistral Small 3.2, Devstral), after the
+  content written first, if any. Its calls get ids of 9 letters and digits, the only ones
+  Mistral's chat templates take back.
 A forced call is always the JSON format (the constraint writes it). Text that does not parse as
 calls is the assistant's content, as it was written.
 """
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.output_constraint import OutputConstraint
 
-LLAMA3_JSON, HERMES = "llama3_json", "hermes"
-TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES)
+LLAMA3_JSON, HERMES, MISTRAL = "llama3_json", "hermes", "mistral"
+TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL)
 PYTHON_TAG = "<|python_tag|>"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def new_call_id(served_parser: str) -> str:
+    """A call's id, as the chat template of a model served with `served_parser` takes it back."""
+    if served_parser == MISTRAL:
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)
@@ -54,9 +71,9 @@ def may_be_calls(text: str) -> bool | None:
     return head.startswith("{") or head.startswith(PYTHON_TAG)
 
 
-def parse_tool_calls(text: str, names: set[str]) -> list[ToolCall] | None:
+def parse_tool_calls(text: str, names: set[str], ids: str = LLAMA3_JSON) -> list[ToolCall] | None:
     """The calls `text` holds (the JSON format), each naming one of `names`; None when it is not
-    (only) calls."""
+    (only) calls. `ids`: the served parser, whose id shape the calls get (`new_call_id`)."""
     body = text.strip().removeprefix(PYTHON_TAG).strip()
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(body):
@@ -64,7 +81,7 @@ def parse_tool_calls(text: str, names: set[str]) -> list[ToolCall] | None:
             value, end = decoder.raw_decode(body, at)
         except ValueError:
             return None
-        call = _call(value, names)
+        call = _call(value, names, ids)
         if call is None:
             return None
         calls.append(call)
@@ -74,7 +91,7 @@ def parse_tool_calls(text: str, names: set[str]) -> list[ToolCall] | None:
     return calls or None
 
 
-def parse_hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]] | None:
+def parse_hermes_calls(text: str, names: set[str], ids: str = HERMES) -> tuple[str | None, list[ToolCall]] | None:
     """(the content before the first `<tool_call>`, or None if blank; the calls), each naming one
     of `names`; None when there is no call, or what follows the first tag is not only calls."""
     start = text.find(HERMES_OPEN)
@@ -85,7 +102,7 @@ def parse_hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[Too
         end = rest.find(HERMES_CLOSE)
         body = rest[len(HERMES_OPEN):] if end == -1 else rest[len(HERMES_OPEN):end]  # a call cut by a stop token
         try:
-            call = _call(json.loads(body), names)
+            call = _call(json.loads(body), names, ids)
         except ValueError:
             return None
         if call is None:
@@ -97,38 +114,82 @@ def parse_hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[Too
     return content, calls
 
 
-def find_tool_calls(text: str, names: set[str], parser: str) -> tuple[str | None, list[ToolCall]] | None:
-    """(content alongside, calls) in `parser`'s format; None when `text` is not calls."""
-    if parser == HERMES:
-        return parse_hermes_calls(text, names)
-    calls = parse_tool_calls(text, names)
+def parse_mistral_calls(text: str, names: set[str], ids: str = MISTRAL) -> tuple[str | None, list[ToolCall]] | None:
+    """(the content before the first `[TOOL_CALLS]`, or None if blank; the calls), each naming one
+    of `names`; None when there is no call, or what follows the first marker is not only calls."""
+    start = text.find(MISTRAL_CALLS)
+    if start == -1:
+        return None
+    content, calls = text[:start].strip() or None, []
+    for part in text[start + len(MISTRAL_CALLS):].split(MISTRAL_CALLS):
+        values = _mistral_values(part.strip())
+        for value in values or [None]:
+            call = _call(value, names, ids)
+            if call is None:
+                return None
+            calls.append(call)
+    return content, calls
+
+
+def _mistral_values(part: str) -> list | None:
+    """The call objects after one `[TOOL_CALLS]`: a JSON list (or one object) of them, or
+    `name[ARGS]{...}` (a `[CALL_ID]...` between the two is the model's, not kept)."""
+    if part.startswith(("[", "{")):
+        value = _whole_json(part)
+        return value if isinstance(value, list) else [value]
+    name, marked, arguments = part.partition(MISTRAL_ARGS)
+    if not marked:
+        return None
+    return [{"name": name.partition(MISTRAL_CALL_ID)[0].strip(), "arguments": _whole_json(arguments.strip())}]
+
+
+def _whole_json(text: str):
+    """The JSON value `text` is, or None."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+_TAGGED = {HERMES: (HERMES_OPEN, parse_hermes_calls), MISTRAL: (MISTRAL_CALLS, parse_mistral_calls)}
+
+
+def find_tool_calls(text: str, names: set[str], parser: str, ids: str | None = None
+                    ) -> tuple[str | None, list[ToolCall]] | None:
+    """(content alongside, calls) in `parser`'s format; None when `text` is not calls. `ids`: the
+    served parser, whose id shape the calls get (default: `parser`)."""
+    ids = parser if ids is None else ids
+    if parser in _TAGGED:
+        return _TAGGED[parser][1](text, names, ids)
+    calls = parse_tool_calls(text, names, ids)
     return None if calls is None else (None, calls)
 
 
-def _call(value, names: set[str]) -> ToolCall | None:
+def _call(value, names: set[str], ids: str) -> ToolCall | None:
     arguments = value.get("parameters", value.get("arguments")) if isinstance(value, dict) else None
     if not isinstance(value, dict) or value.get("name") not in names or not isinstance(arguments, dict):
         return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), new_call_id(ids))
 
 
 class StreamedCalls:
     """A chat stream with tools offered. JSON format: text that may be calls (it starts with `{`
     or the python tag) is held back until the output ends, then sent as calls if it parses, else as
-    content; other text streams as it comes. Hermes format: content streams until a `<tool_call>`
-    (a piece that may end in one waits for the next), and from the tag on everything is held
-    back until the end, then sent as calls if it parses, else as content."""
+    content; other text streams as it comes. Hermes and Mistral formats: content streams until the
+    format's tag (`<tool_call>`, `[TOOL_CALLS]`; a piece that may end in one waits for the next),
+    and from the tag on everything is held back until the end, then sent as calls if it parses,
+    else as content. `ids`: the served parser, whose id shape the calls get (default: `parser`)."""
 
-    def __init__(self, names: set[str], parser: str = LLAMA3_JSON):
-        self.names, self.parser = names, parser
+    def __init__(self, names: set[str], parser: str = LLAMA3_JSON, ids: str | None = None):
+        self.names, self.parser, self.ids = names, parser, parser if ids is None else ids
         self._held: list[str] = []
         self._deciding = True  # JSON: whether the output is calls is not known yet; hermes: no tag seen
 
     def feed(self, piece: str, reason: str | None) -> tuple[str, list[ToolCall] | None, str | None] | None:
         """(content, calls, finish reason) to send now, the content before the calls; None: hold
         everything back for now."""
-        if self.parser == HERMES:
-            return self._feed_hermes(piece, reason)
+        if self.parser in _TAGGED:
+            return self._feed_tagged(piece, reason)
         if not self._deciding:
             return piece, None, reason
         self._held.append(piece)
@@ -137,17 +198,18 @@ class StreamedCalls:
         if reason is None and verdict is not False:
             return None
         self._deciding, self._held = False, []
-        calls = parse_tool_calls(text, self.names) if verdict and reason == "stop" else None
+        calls = parse_tool_calls(text, self.names, self.ids) if verdict and reason == "stop" else None
         return ("", calls, "tool_calls") if calls else (text, None, reason)
 
-    def _feed_hermes(self, piece: str, reason: str | None):
+    def _feed_tagged(self, piece: str, reason: str | None):
+        tag, parse = _TAGGED[self.parser]
         text = "".join(self._held) + piece
         self._held = []
         before = ""
         if self._deciding:
-            start = text.find(HERMES_OPEN)
+            start = text.find(tag)
             if start == -1:
-                keep = 0 if reason else tag_prefix_at_end(text, HERMES_OPEN)
+                keep = 0 if reason else tag_prefix_at_end(text, tag)
                 self._held = [text[len(text) - keep:]] if keep else []
                 sent = text[:len(text) - keep]
                 return (sent, None, reason) if sent or reason else None
@@ -155,5 +217,5 @@ class StreamedCalls:
         if reason is None:
             self._held = [text]
             return (before, None, None) if before else None
-        found = parse_hermes_calls(text, self.names) if reason == "stop" else None
+        found = parse(text, self.names, self.ids) if reason == "stop" else None
         return (before, found[1], "tool_calls") if found else (before + text, None, reason)

@@ -20,7 +20,8 @@ class TextStream:
 
     def append(self, token_ids: tuple[int, ...] | list[int], ends_stop: bool = False) -> int:
         """How many of `token_ids` made it into the text (none after a stop string). `ends_stop`:
-        the run ended with the last of them for "stop" (a stop string, or a stop token: no text)."""
+        the run ended with the last of them for "stop", which an engine reports after a stop string
+        (found here too) or a stop token (EOS, a stop_token_id: no text)."""
         last = len(token_ids) - 1
         for taken, token_id in enumerate(token_ids):
             if self.stopped:

@@ -23,13 +23,13 @@ class RunResponse:
                  on_done: Callable[[RequestObservation], None] = lambda _: None, echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
                  response_id: str | None = None, num_top: int | None = None, tool_parser: str = LLAMA3_JSON,
-                 thinking: bool | None = None):
-        """`echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking`: as ChoiceText's;
+                 thinking: bool | None = None, call_ids: str = LLAMA3_JSON):
+        """`echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking`, `call_ids`: as ChoiceText's;
         `index`, `response_id`: the choice's place and the response's id when several runs answer
         one request (`n`)."""
         self.kind, self.run, self.model = kind, run, model
         self.choice = ChoiceText(kind, text, run.prompt, echo, generated, tool_names, index, num_top, tool_parser,
-                                 thinking)
+                                 thinking, call_ids)
         self.index, self.response_id = index, response_id or run.request_id
         self.created = int(time.time())
         self.started = time.monotonic() if started is None else started
@@ -96,7 +96,7 @@ class RunResponse:
                 yield R.chat_chunk(self.response_id, self.model, self.created, role="assistant", content="",
                                    index=self.index)
             thinking = None if self.choice.thinking is None else ReasoningSplitter(self.choice.thinking)
-            calls_filter = StreamedCalls(self.choice.tool_names, self.choice.tool_parser) \
+            calls_filter = StreamedCalls(self.choice.tool_names, self.choice.tool_parser, self.choice.call_ids) \
                 if self.choice.tool_names else None
             async for piece, reason in self.pieces(every_delta=continuous_usage):
                 chunks = []

@@ -46,8 +46,9 @@ class ClusterConfig(StrictModel):
         "message's `reasoning` (and `reasoning_content`): deepseek_r1 or qwen3 (one rule: docs/api.md#reasoning); "
         "null: the output is all content.")
     tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
-        LLAMA3_JSON, description="The format the model writes tool calls in: llama3_json (Llama 3.x) or hermes "
-        "(`<tool_call>` JSON `</tool_call>`: Qwen2.5, Qwen3, Hermes).")
+        LLAMA3_JSON, description="The format the model writes tool calls in: llama3_json (Llama 3.x), hermes "
+        "(`<tool_call>` JSON `</tool_call>`: Qwen2.5, Qwen3, Hermes) or mistral (`[TOOL_CALLS]`: Mistral, Mixtral, "
+        "Devstral).")
     pools: list[PoolConfig] = Field([PoolConfig(role="prompt"), PoolConfig(role="token")], description="One pool "
                                     "per role: prompt and token together, mixed alone, or all three.")
     hardware_classes: dict[str, HardwareClassConfig] = Field({}, description="Hardware classes beyond the built-in "

@@ -1,17 +1,20 @@
-"""What a choice's text starts with (echo), how a chat choice is read (reasoning, tool calls) and
-which choices best_of keeps, per prompt."""
+"""What a choice's text starts with (echo) and ends with (no stop token), how a chat choice is read
+(reasoning, tool calls in each format) and which choices best_of keeps, per prompt."""
 from __future__ import annotations
 
 import json
 
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.choice_text import ChoiceText, best_choices, choice_options
 from splitserve.api.request_models import ChatCompletionRequest, CompletionRequest, parse_request
 from splitserve.api.visible_text import TextStream
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.demo import demo_tokenizer
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import HFTokenizer
+from tests.engine.hf_checkpoints import train_tokenizer
 
 TOKENIZER = demo_tokenizer()
 
@@ -84,3 +87,21 @@ def test_the_stop_token_that_ends_a_choice_adds_no_text_even_spelled_out():
     assert run(SamplingParams(stop_token_ids=[33]), [104, 105, 33], "stop") == "hi"
     assert run(spelled, [104, 105, 257], "length") == "hi</s>"  # EOS under ignore_eos: text like any token
     assert run(SamplingParams(stop=["i!"]), [104, 105, 33], "stop") == "h"
+
+
+def test_a_mistral_call_written_with_its_special_tokens_comes_back_as_tool_calls(tmp_path):
+    """`[TOOL_CALLS]` and `[ARGS]` are special tokens of Mistral's tokenizers: kept in the text of a
+    chat offering tools (prepare_request sets skip_special_tokens false), they mark the call."""
+    raw = train_tokenizer()
+    raw.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    tokenizer = HFTokenizer(tmp_path)
+    output = tokenizer.encode('[TOOL_CALLS]add[ARGS]{"a": 2}', add_special_tokens=False) + list(tokenizer.eos_token_ids)
+    assert tokenizer.decode(output) == 'add{"a": 2}'  # what the text would be with special tokens skipped
+    options = choice_options(chat(tools=[ADD]), 0, [], tokenizer, ChatParsers(tool_calls="mistral"))
+    text = ChoiceText("chat", TextStream(tokenizer, SamplingParams(skip_special_tokens=False), []), [], **options)
+    whole = text.add(output, None, "stop")[0]
+    message = text.choice(whole, "stop")["message"]
+    [call] = message["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 2}'} and message["content"] is None
+    assert len(call["id"]) == 9 and call["id"].isalnum()

@@ -52,6 +52,19 @@ def test_with_a_reasoning_parser_a_chat_constraint_holds_the_answer_after_the_th
     assert prepare("completion", parsers=ChatParsers("qwen3"), prompt="<think>", **JSON).params[0].constraint.thinking == ""
 
 
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("fields, parser, kept", [({"tools": [ADD]}, "mistral", True), ({}, "mistral", False),
+                                                  ({"tools": [ADD], "tool_choice": "none"}, "mistral", False),
+                                                  ({"tools": [ADD]}, "hermes", False)])
+def test_a_chat_offering_tools_to_mistral_keeps_special_tokens(fields, parser, kept):
+    """vLLM's rule: `[TOOL_CALLS]` is a special token, so the text must keep them to show a call."""
+    prepared = prepare("chat", max_model_len=512, parsers=ChatParsers(tool_calls=parser),
+                       messages=[{"role": "user", "content": "hi"}], **fields)
+    assert prepared.params[0].skip_special_tokens is not kept
+
+
 @pytest.mark.parametrize("body, limits, status, param", [
     ({"model": "other", "prompt": "x"}, RequestLimits(), 404, "model"),
     ({"prompt": ["a", "b", "c"]}, RequestLimits(max_prompts=2), 400, "prompt"),

@@ -1,6 +1,6 @@
-"""Tool calls: the Llama 3 JSON parser, the stream filter that holds back what may be calls, and
-the forced-call constraint, whose outputs under random weights always parse as a call whose
-arguments validate against the function's schema (`jsonschema`)."""
+"""Tool calls: the Llama 3 JSON, hermes and mistral parsers, the stream filter that holds back what
+may be calls, and the forced-call constraint, whose outputs under random weights always parse as a
+call whose arguments validate against the function's schema (`jsonschema`)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.tool_calls import (
-    StreamedCalls, find_tool_calls, forced_call_constraint, may_be_calls, parse_hermes_calls, parse_tool_calls,
+    StreamedCalls, find_tool_calls, forced_call_constraint, may_be_calls, parse_hermes_calls, parse_mistral_calls,
+    parse_tool_calls,
 )
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
@@ -118,23 +119,61 @@ def test_hermes_stream_that_ends_without_calls_sends_what_it_held():
     assert stream.feed(', "argu', "length") == ('<tool_call>{"name": "add", "argu', None, "length")
 
 
-PIECES = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "\n", " ", "hi ", "{", "}",
-                                   '{"name": "add", "arguments": {"a": 1}}', '"x"', "<", ">"]), max_size=12)
+# ---- the mistral format ------------------------------------------------------------------------
+MISTRAL_V3 = ('Checking.[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}}, '
+              '{"name": "weather", "arguments": {"city": "Oslo"}}]')
+MISTRAL_V11 = 'Checking.[TOOL_CALLS]add[ARGS]{"a": 2, "b": 3}[TOOL_CALLS]weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}'
+
+
+@pytest.mark.parametrize("text", [MISTRAL_V3, MISTRAL_V11])
+def test_mistral_calls_in_either_tokenizer_generation_with_ids_its_templates_take(text):
+    content, calls = parse_mistral_calls(text, NAMES)
+    assert content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3}),
+                                                                  ("weather", {"city": "Oslo"})]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls) and calls[0].id != calls[1].id
+    assert find_tool_calls(text.removeprefix("Checking."), NAMES, "mistral")[0] is None
+
+
+@pytest.mark.parametrize("text", ["no calls here", "[TOOL_CALLS] []", "[TOOL_CALLS]nope[ARGS]{}",
+                                  '[TOOL_CALLS]add[ARGS]{"a": ', '[TOOL_CALLS]add{"a": 1}',
+                                  '[TOOL_CALLS] [{"name": "add", "arguments": {}}] and more words',
+                                  '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]'])
+def test_mistral_text_that_is_not_only_calls_after_the_marker_is_content(text):
+    assert parse_mistral_calls(text, NAMES) is None and find_tool_calls(text, NAMES, "mistral") is None
+
+
+def test_a_forced_call_served_for_mistral_gets_its_id_shape():
+    """A forced call is the JSON format, but goes back to a Mistral template: its ids too."""
+    [call] = find_tool_calls('{"name": "add", "parameters": {"a": 1, "b": 2}}', NAMES, "llama3_json", "mistral")[1]
+    assert len(call.id) == 9 and call.id.isalnum()
+    assert find_tool_calls('{"name": "add", "parameters": {}}', NAMES, "llama3_json")[1][0].id.startswith("call_")
+
+
+# ---- either tagged format, streamed ---------------------------------------------------------------
+PIECES = {
+    "hermes": st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "\n", " ", "hi ", "{", "}",
+                                        '{"name": "add", "arguments": {"a": 1}}', '"x"', "<", ">"]), max_size=12),
+    "mistral": st.lists(st.sampled_from(["[TOOL_CALLS]", "[TOOL", "_CALLS]", "[ARGS]", "[CALL_ID]", "abc", "add",
+                                         '{"a": 1}', '[{"name": "add", "arguments": {"b": 2}}]', " ", "hi ", "[", "]",
+                                         "{", "}"]), max_size=12),
+}
 
 
 @settings(max_examples=300, deadline=None)
-@given(pieces=PIECES, cut=st.integers(min_value=1, max_value=7), reason=st.sampled_from(["stop", "length"]))
-def test_a_hermes_stream_cut_anywhere_ends_as_the_whole_text_is_read(pieces, cut, reason):
+@given(data=st.data(), cut=st.integers(min_value=1, max_value=7), reason=st.sampled_from(["stop", "length"]))
+@pytest.mark.parametrize("parser", ["hermes", "mistral"])
+def test_a_tagged_stream_cut_anywhere_ends_as_the_whole_text_is_read(parser, data, cut, reason):
     """Streamed in pieces of any size, the content sent and the calls found are the whole
     output's: what find_tool_calls reads from it (content alongside the calls), or all of it."""
-    text = "".join(pieces)
+    text = "".join(data.draw(PIECES[parser]))
     chunks = [text[i:i + cut] for i in range(0, len(text), cut)] or [""]
-    stream, content, calls, last = StreamedCalls(NAMES, "hermes"), "", None, None
+    stream, content, calls, last = StreamedCalls(NAMES, parser), "", None, None
     for i, chunk in enumerate(chunks):
         sent = stream.feed(chunk, reason if i == len(chunks) - 1 else None)
         if sent is not None:
             content, calls, last = content + sent[0], sent[1], sent[2]
-    whole = find_tool_calls(text, NAMES, "hermes") if reason == "stop" else None
+    whole = find_tool_calls(text, NAMES, parser) if reason == "stop" else None
     if whole is None:
         assert (content, calls, last) == (text, None, reason)
     else:

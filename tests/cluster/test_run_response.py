@@ -176,8 +176,8 @@ def test_several_prompts_number_their_choices_by_prompt_and_best_of_picks_within
 
 
 def reading_reply(output: str, **options) -> ChoicesResponse:
-    """A chat choice of `output` (one delta per 3 bytes, then "stop"), read with `options`."""
-    ids = byte_ids(output)
+    """A chat choice of `output` (one delta per 3 bytes, then EOS: "stop"), read with `options`."""
+    ids = byte_ids(output) + (ByteTokenizer.EOS,)
     deltas = [TokenDelta(ids[i:i + 3], "stop" if i + 3 >= len(ids) else None) for i in range(0, len(ids), 3)]
     text = TextStream(ByteTokenizer(), SamplingParams(max_tokens=64), PROMPT)
     return ChoicesResponse([[RunResponse("chat", ScriptedRun(deltas), "demo", text, **options)]], 1)
@@ -206,3 +206,17 @@ def test_a_thinking_the_prompt_did_not_open_is_plain_content_when_the_output_doe
     out = events(reading_reply("It is 5.", thinking=False), include_usage=False)
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in out[:-1]) == "It is 5."
     assert not any("reasoning" in e["choices"][0]["delta"] for e in out[:-1])
+
+
+def test_streamed_mistral_calls_carry_the_ids_mistral_templates_take_back():
+    """The mistral format streamed: content until `[TOOL_CALLS]`, then both calls (v11 form), each
+    with a 9-character id, the whole choice's reading."""
+    output = 'On it.[TOOL_CALLS]add[ARGS]{"a": 2}[TOOL_CALLS]add[ARGS]{"a": 3}'
+    options = dict(tool_names=frozenset({"add"}), tool_parser="mistral", call_ids="mistral")
+    whole = json.loads(asyncio.run(reading_reply(output, **options).whole()).body)["choices"][0]["message"]
+    assert [c["function"]["arguments"] for c in whole["tool_calls"]] == ['{"a": 2}', '{"a": 3}']
+    deltas = [e["choices"][0]["delta"] for e in events(reading_reply(output, **options), include_usage=False)
+              if e != "[DONE]"]
+    assert "".join(d.get("content") or "" for d in deltas) == "On it."
+    named = [t for d in deltas for t in d.get("tool_calls", []) if "id" in t]
+    assert [t["index"] for t in named] == [0, 1] and all(len(t["id"]) == 9 and t["id"].isalnum() for t in named)
