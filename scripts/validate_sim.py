@@ -4,6 +4,8 @@ the serving overhead measured on it (`splitserve profile --url --shared-host`, w
 worker slows the other on the shared cores); one round per seed, pooled. Each round is simulated
 with that contention and without it (workers on cores of their own), and replayed a second time with
 fresh prompts: how far the cluster lands from itself is the floor under the simulator's error.
+`--alone N` also sends the trace's first N requests one at a time, real and simulated: with no load
+to model, what is left is the overhead calibration's own error.
 
 The cluster is deploy/local-cpu.yaml's (or --config's) on a fresh local Ray, or --url's. This
 process lowers its own priority to the Ray workers' niceness (15), so the load generator competes
@@ -51,6 +53,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=60)
     parser.add_argument("--rate", type=float, default=1.0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--alone", type=int, default=0, metavar="N",
+                        help="also send the trace's first N requests one at a time, real and simulated (no load: "
+                             "the overhead calibration's own error)")
     parser.add_argument("--json", help="write the rounds and the pooled comparison here")
     args = parser.parse_args()
     config = load_cluster_config(args.config)[0] if args.config else ClusterConfig()
@@ -65,7 +70,7 @@ def main() -> None:
         try:
             workload = WorkloadSpec(args.trace, args.num_requests, rate=args.rate, arrivals="poisson",
                                     length_scale=args.length_scale)
-            result = validate(url, config, profile, workload, args.seeds)
+            result = validate(url, config, profile, workload, args.seeds, alone=args.alone)
         finally:
             if started:
                 from splitserve.cluster.launcher import teardown
@@ -83,6 +88,10 @@ def main() -> None:
             cells = [f"{v[q] * 1000:.1f} ms" if v is not ratio else f"{v[q]:.2f}"
                      for q in ("p50", "p99") for v in (real, its, ratio)]
             print(f"| {metric[:-2].upper()} | {label} | " + " | ".join(cells) + " |")
+    if args.alone:
+        alone = result["alone"]
+        print(f"\nthe first {args.alone} requests one at a time: TTFT p50 real {alone['real'] * 1000:.1f} ms, "
+              f"simulated {alone['sim'] * 1000:.1f} ms ({alone['sim_over_real']:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -4,8 +4,8 @@ cluster see.
 
 The terms, fitted on groups of concurrent requests (one group at a time, so nothing queues, each
 after a pause of GROUP_PAUSE_S: a request then meets an idle serving stack, as one arriving at a
-lightly loaded cluster does; sent the instant the previous one ended, lone requests came back 4 to
-8 ms sooner on the 2-core Intel Xeon):
+lightly loaded cluster does; one sent the instant the previous one ended meets its threads still
+awake, and comes back sooner):
 - `iteration_s` + `token_s` x (tokens sampled): added to every iteration of a worker. The worker
   loop and its token streams (the actor's asyncio thread, Ray's streaming generator) share the
   engine's process; on CPU that costs each decode step milliseconds, more with more streams.

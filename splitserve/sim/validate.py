@@ -9,22 +9,29 @@ the first is the cluster's own reproducibility, the floor under any prediction's
 comparison pools every round's requests and reports p50 / p99 of TTFT and TBT with ratios to the
 first replay: the simulator with the measured contention for the host's cores ("sim"), without it
 ("sim_independent", workers on cores of their own, the stack elsewhere) and the second replay ("real_again").
+With `alone` > 0 each round also sends the trace's first `alone` requests one at a time (each after
+the previous ended and a pause, as the overhead's calibration sends them) and simulates them at
+the times they were sent: with no load to model, their error is the calibration's alone.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from splitserve.bench.client import fetch_server_info, fresh_prompt_seed, replay
+import httpx
+
+from splitserve.bench.client import fetch_server_info, fresh_prompt_seed, replay, send
 from splitserve.bench.report import RequestRecord, summarize
 from splitserve.bench.runner import fit_to_context
-from splitserve.bench.workload import WorkloadSpec, make_workload
+from splitserve.bench.workload import RequestSpec, WorkloadSpec, make_workload
 from splitserve.config import ClusterConfig
 from splitserve.sim.cluster import simulate
 from splitserve.sim.from_config import scenario_from_config
-from splitserve.sim.overhead import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_SIZES
+from splitserve.sim.overhead import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_SIZES, GROUP_PAUSE_S
 from splitserve.sim.serving_profile import measure_serving_overhead, profiled_target
 
 METRICS = ("ttft_s", "tbt_s")
@@ -33,9 +40,10 @@ Log = Callable[[str], None]
 
 
 def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: WorkloadSpec, seeds: list[int],
-             repeats: int = 3, log: Log = print) -> dict:
+             repeats: int = 3, log: Log = print, alone: int = 0) -> dict:
     """Rounds over `seeds` (each replays `workload` with that seed); the pooled comparison."""
     pooled: dict[str, list[RequestRecord]] = {run: [] for run in RUNS}
+    lone: dict[str, list[RequestRecord]] = {"real": [], "sim": []}
     durations = dict.fromkeys(RUNS, 0.0)
     rounds = []
     for seed in seeds:
@@ -54,6 +62,14 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
             round_[run] = _latencies(summarize(records, duration))
             pooled[run] += _reindexed(records, len(pooled[run]))
             durations[run] += duration
+        if alone:
+            real, simulated = _one_at_a_time(url, config, engine_profile, overhead, requests[:alone], info.model,
+                                             fresh_prompt_seed(seed, 2))
+            round_["alone"] = {"real": _ttft(real), "sim": _ttft(simulated)}
+            lone["real"] += _reindexed(real, len(lone["real"]))
+            lone["sim"] += _reindexed(simulated, len(lone["sim"]))
+            log(f"seed {seed}, {len(real)} requests one at a time: ttft_s p50 real {_ms(round_['alone']['real'])} "
+                f"sim {_ms(round_['alone']['sim'])}")
         rounds.append(round_)
         log(f"seed {seed}: overhead {_ms(overhead.request_s)} / request, {_ms(overhead.iteration_s)} / iteration, "
             f"{_ms(overhead.token_s)} / token, prefills x {overhead.prefill_scale:.2f}, stack "
@@ -62,8 +78,35 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
     latencies = {run: _latencies(summarize(pooled[run], durations[run])) for run in RUNS}
     ratios = {f"{run}_over_real": {m: {q: latencies[run][m][q] / latencies["real"][m][q] for q in ("p50", "p99")}
                                    for m in METRICS} for run in RUNS[1:]}
-    return {"rounds": rounds, **latencies, **ratios, "num_requests": len(pooled["real"]),
-            "num_failed": sum(not r.ok for run in ("real", "real_again") for r in pooled[run])}
+    result = {"rounds": rounds, **latencies, **ratios, "num_requests": len(pooled["real"]),
+              "num_failed": sum(not r.ok for run in ("real", "real_again") for r in pooled[run])}
+    if alone:
+        real, simulated = _ttft(lone["real"]), _ttft(lone["sim"])
+        result["alone"] = {"real": real, "sim": simulated, "sim_over_real": simulated / real}
+    return result
+
+
+def _one_at_a_time(url: str, config: ClusterConfig, engine_profile: Path, overhead, requests: list[RequestSpec],
+                   model: str, seed: int) -> tuple[list[RequestRecord], list[RequestRecord]]:
+    """`requests` sent one at a time, each after the previous ended and GROUP_PAUSE_S; and the
+    simulator's records of them sent at those times."""
+    async def send_each() -> list[RequestRecord]:
+        async with httpx.AsyncClient(timeout=600) as http:
+            t0, records = time.perf_counter(), []
+            for spec in requests:
+                await asyncio.sleep(GROUP_PAUSE_S)
+                records.append(await send(http, url, model, spec, seed, t0))
+            return records
+
+    real = asyncio.run(send_each())
+    sent = [dataclasses.replace(spec, arrival_s=record.start_s) for spec, record in zip(requests, real)]
+    result = simulate(scenario_from_config(config, profiled_target(config, engine_profile, overhead)), sent)
+    return real, list(result.records)
+
+
+def _ttft(records: list[RequestRecord]) -> float:
+    """The median TTFT of the completed requests."""
+    return statistics.median(r.ttft_s for r in records if r.ok)
 
 
 def _latencies(summary: dict) -> dict:

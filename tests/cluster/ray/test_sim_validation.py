@@ -24,10 +24,11 @@ def test_the_simulator_predicts_the_cluster(server, tmp_path):
     profile = write_csv(run_profile(spec).rows, tmp_path / "engine.csv")
     workload = WorkloadSpec("conv", 30, rate=1.0, arrivals="poisson", length_scale=0.25)
     lines = []
-    result = validate(server, config, profile, workload, seeds=[7], repeats=2, log=lines.append)
+    result = validate(server, config, profile, workload, seeds=[7], repeats=2, log=lines.append, alone=4)
     print("\n".join(lines), result["sim_over_real"], result["sim_independent_over_real"])
     assert result["num_requests"] == 30 and result["num_failed"] == 0
     overhead = result["rounds"][0]["overhead"]
     assert overhead["request_s"] > 0  # HTTP, Serve and the CLS cost something
     for metric in ("ttft_s", "tbt_s"):
         assert 0.5 <= result["sim_over_real"][metric]["p50"] <= 2.0, (metric, result)
+    assert 0.5 <= result["alone"]["sim_over_real"] <= 2.0, result["alone"]  # sent one at a time, and simulated
