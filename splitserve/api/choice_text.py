@@ -23,9 +23,10 @@ class ChoiceText:
     0): the sampled token is left out, so the choice is the scored prompt alone. `tool_names`: the
     functions a chat offered; an output that is calls to them (in `tool_parser`'s format) comes back
     as `tool_calls`, with ids for the template of `call_ids` (the served tool_call_parser, which a
-    forced call's JSON format does not change). `thinking`: with a reasoning parser, whether the prompt left the model thinking
-    (None: no parser, the output is all content). `num_top`: the top alternatives per token the
-    client asked logprobs of (None: none; logprobs may still come, for best_of's ranking alone)."""
+    forced call's JSON format does not change). `thinking`: with a reasoning parser, whether the
+    prompt left the model thinking (None: no parser, the output is all content). `num_top`: the top
+    alternatives per token the client asked logprobs of (None: none; logprobs may still come, for
+    best_of's ranking alone)."""
 
     def __init__(self, kind: str, text: TextStream, prompt: Sequence[int], echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,

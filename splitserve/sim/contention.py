@@ -4,8 +4,8 @@ sharing.
 The host has `cores` cores. Each worker in an iteration is one runnable thread; so is the serving
 stack around the workers (Serve's proxy, the ingress, the CLS, the clients) while it has work: every
 token the workers sample gives it `stream_cpu_s` seconds of CPU (streaming the token out); and so
-is each arriving request's path through the stack until it reaches the workers (`request_run`). While n of
-them are runnable each advances at min(1, cores / n) of its speed alone. An iteration's work (its
+is each arriving request's path through the stack until it reaches the workers (`request_run`).
+While n of them are runnable each advances at min(1, cores / n) of its speed alone. An iteration's work (its
 time alone) is fixed when it starts, so its end moves whenever a worker starts or ends an iteration
 or the stack starts or runs out of work. `splitserve profile --url --shared-host` measures both
 terms (`splitserve.sim.serving_profile`).

@@ -138,8 +138,8 @@ def measure_requests(url: str, prompt_sizes=DEFAULT_PROMPT_SIZES, output_tokens:
                      seed: int | None = None) -> list[RequestRecord]:
     """Groups of `concurrency` identical-length streamed requests sent together, one group at a
     time after a pause of GROUP_PAUSE_S: every prompt size `repeats` times, interleaved, after one
-    warm-up group that is not returned. Prompts are random token ids from `seed` (default: a fresh one, so no prompt hits a
-    prefix cache that an earlier run filled)."""
+    warm-up group that is not returned. Prompts are random token ids from `seed` (default: a fresh
+    one, so no prompt hits a prefix cache that an earlier run filled)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency!r}")
     seed = secrets.randbits(32) if seed is None else seed

@@ -49,7 +49,8 @@ def test_with_a_reasoning_parser_a_chat_constraint_holds_the_answer_after_the_th
     body = dict(messages=messages, continue_final_message=prefill is not None, add_generation_prompt=prefill is None)
     assert prepare("chat", parsers=ChatParsers("qwen3"), **body, **JSON).params[0].constraint.thinking == thinking
     assert prepare("chat", **body, **JSON).params[0].constraint.thinking == ""  # no parser: constrained at once
-    assert prepare("completion", parsers=ChatParsers("qwen3"), prompt="<think>", **JSON).params[0].constraint.thinking == ""
+    completion = prepare("completion", parsers=ChatParsers("qwen3"), prompt="<think>", **JSON)
+    assert completion.params[0].constraint.thinking == ""
 
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}

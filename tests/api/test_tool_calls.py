@@ -122,7 +122,8 @@ def test_hermes_stream_that_ends_without_calls_sends_what_it_held():
 # ---- the mistral format ------------------------------------------------------------------------
 MISTRAL_V3 = ('Checking.[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}}, '
               '{"name": "weather", "arguments": {"city": "Oslo"}}]')
-MISTRAL_V11 = 'Checking.[TOOL_CALLS]add[ARGS]{"a": 2, "b": 3}[TOOL_CALLS]weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}'
+MISTRAL_V11 = ('Checking.[TOOL_CALLS]add[ARGS]{"a": 2, "b": 3}'
+               '[TOOL_CALLS]weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}')
 
 
 @pytest.mark.parametrize("text", [MISTRAL_V3, MISTRAL_V11])

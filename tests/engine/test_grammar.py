@@ -177,7 +177,8 @@ def test_an_optional_thinking_may_open_first_or_the_answer_starts_at_once(tokeni
     assert not any(t.startswith("<") for t in allowed_next(tokenizer, thinking("choice", ["yes", "no"], ""), ""))
 
 
-@pytest.mark.parametrize("mode, resumed", [("open", "Two and three.</think>\n\n"), ("optional", "<think>Add.</think>\n")])
+@pytest.mark.parametrize("mode, resumed", [("open", "Two and three.</think>\n\n"),
+                                          ("optional", "<think>Add.</think>\n")])
 def test_generation_after_a_thinking_matches_the_schema(llm, mode, resumed):
     """A failover resumes after the thinking: the matcher catches up on it, the answer validates."""
     prompt = "Q: 2+3?\n" + ("<think>" if mode == "open" else "") + resumed

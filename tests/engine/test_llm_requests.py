@@ -81,8 +81,8 @@ def test_stop_token_ids_min_tokens_and_max_tokens():
     # the stop token's text is left out (vLLM's rule), unless include_stop_str_in_output
     decode = llm.engine.tokenizer.decode
     assert out.text == decode(full[:cut - 1]) and out.text != decode(full[:cut])
-    kept = llm.generate([PROMPTS[6]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[target],
-                                                     include_stop_str_in_output=True))[0]
+    kept = llm.generate([PROMPTS[6]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                     stop_token_ids=[target], include_stop_str_in_output=True))[0]
     assert kept.text == decode(full[:cut])
     # below min_tokens the stop id is masked out of sampling, so it neither appears nor stops
     out = llm.generate([PROMPTS[6]], SamplingParams(max_tokens=8, min_tokens=cut + 1, temperature=0.0,
