@@ -89,10 +89,10 @@ class ChoiceText:
 def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequence[int], tokenizer: Tokenizer,
                    parsers: ChatParsers = ChatParsers()) -> dict:
     """ChoiceText's `echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking` and
-    `call_ids` for the choices of one of `request`'s prompts (`prompt`: its token ids). With a reasoning parser a
-    constrained output (structured outputs, a forced tool call) is thought like any other (the
-    constraint holds the answer after it); a forced call is parsed in the JSON format the
-    constraint writes."""
+    `call_ids` for the choices of one of `request`'s prompts (`prompt`: its token ids). With a
+    reasoning parser a constrained output (structured outputs, a forced tool call) is thought like
+    any other (the constraint holds the answer after it); a forced call is parsed in the JSON format
+    the constraint writes."""
     echo = None
     if request.echoes_prompt():  # a truncated prompt echoes the tokens the model saw
         text = request.prompts()[prompt_index]

@@ -1,4 +1,4 @@
-"""Tags in streamed text (`<think>`, `<tool_call>`): a piece may end inside one."""
+"""Tags in streamed text (`<think>`, `<tool_call>`, a stop string): a piece may end inside one."""
 from __future__ import annotations
 
 

@@ -18,7 +18,6 @@ import json
 import secrets
 import string
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.api.tags import tag_prefix_at_end
@@ -183,7 +182,7 @@ class StreamedCalls:
     def __init__(self, names: set[str], parser: str = LLAMA3_JSON, ids: str | None = None):
         self.names, self.parser, self.ids = names, parser, parser if ids is None else ids
         self._held: list[str] = []
-        self._deciding = True  # JSON: whether the output is calls is not known yet; hermes: no tag seen
+        self._deciding = True  # JSON: whether the output is calls is not known yet; tagged formats: no tag seen
 
     def feed(self, piece: str, reason: str | None) -> tuple[str, list[ToolCall] | None, str | None] | None:
         """(content, calls, finish reason) to send now, the content before the calls; None: hold

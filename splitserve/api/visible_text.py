@@ -6,6 +6,7 @@ string, so streamed text is never taken back. Invariant: `visible()` only grows.
 """
 from __future__ import annotations
 
+from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import Detokenizer, Tokenizer
 
@@ -47,10 +48,4 @@ class TextStream:
 
     def _held_back(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        return max((tag_prefix_at_end(text, stop) for stop in self._stops), default=0)

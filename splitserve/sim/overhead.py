@@ -146,6 +146,14 @@ def measure_requests(url: str, prompt_sizes=DEFAULT_PROMPT_SIZES, output_tokens:
     return asyncio.run(_measure(url, prompt_sizes, output_tokens, repeats, concurrency, model, api_key, seed))
 
 
+async def send_group(http: httpx.AsyncClient, url: str, model: str, specs: list[RequestSpec], seed: int,
+                     t0: float) -> list[RequestRecord]:
+    """`specs` sent together after a pause of GROUP_PAUSE_S (the stack idle, as the calibration
+    meets it); their records, times from `t0`."""
+    await asyncio.sleep(GROUP_PAUSE_S)
+    return await asyncio.gather(*(send(http, url, model, spec, seed, t0) for spec in specs))
+
+
 def _client(api_key: str | None) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.AsyncClient(timeout=600, headers=headers)
@@ -157,10 +165,9 @@ async def _measure(url, prompt_sizes, output_tokens, repeats, concurrency, model
         sizes = [size for _ in range(repeats) for size in prompt_sizes]
         records = []
         for group, size in enumerate([min(prompt_sizes)] + sizes):
-            await asyncio.sleep(GROUP_PAUSE_S)
             specs = [RequestSpec(index=group * concurrency + i, arrival_s=0.0, prompt_tokens=size,
                                  output_tokens=output_tokens) for i in range(concurrency)]
-            sent = await asyncio.gather(*(send(http, url, info.model, spec, seed, 0.0) for spec in specs))
+            sent = await send_group(http, url, info.model, specs, seed, 0.0)
             for record in sent:
                 if record.error is not None:
                     raise RuntimeError(f"request of {size} prompt tokens to {url} failed: {record.error}")

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.bench.client import fetch_server_info, fresh_prompt_seed, replay, send
+from splitserve.bench.client import fetch_server_info, fresh_prompt_seed, replay
 from splitserve.bench.report import RequestRecord, summarize
 from splitserve.bench.runner import fit_to_context
 from splitserve.bench.workload import RequestSpec, WorkloadSpec, make_workload
 from splitserve.config import ClusterConfig
 from splitserve.sim.cluster import simulate
 from splitserve.sim.from_config import scenario_from_config
-from splitserve.sim.overhead import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_SIZES, GROUP_PAUSE_S
+from splitserve.sim.overhead import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_SIZES, send_group
 from splitserve.sim.serving_profile import measure_serving_overhead, profiled_target
 
 METRICS = ("ttft_s", "tbt_s")
@@ -88,14 +88,13 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
 
 def _one_at_a_time(url: str, config: ClusterConfig, engine_profile: Path, overhead, requests: list[RequestSpec],
                    model: str, seed: int) -> tuple[list[RequestRecord], list[RequestRecord]]:
-    """`requests` sent one at a time, each after the previous ended and GROUP_PAUSE_S; and the
-    simulator's records of them sent at those times."""
+    """`requests` sent one at a time, each after the previous ended and a pause (`send_group`); and
+    the simulator's records of them sent at those times."""
     async def send_each() -> list[RequestRecord]:
         async with httpx.AsyncClient(timeout=600) as http:
             t0, records = time.perf_counter(), []
             for spec in requests:
-                await asyncio.sleep(GROUP_PAUSE_S)
-                records.append(await send(http, url, model, spec, seed, t0))
+                records += await send_group(http, url, model, [spec], seed, t0)
             return records
 
     real = asyncio.run(send_each())
