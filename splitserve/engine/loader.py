@@ -126,14 +126,18 @@ def _normal_runs(shape, seed: int, name: str, pool: ThreadPoolExecutor) -> torch
 
 
 def write_shape_checkpoint(root: str | Path, config: dict) -> str:
-    """A checkpoint directory of a model's shape alone (its config.json and a three-word
-    tokenizer.json) for load_format="dummy": real shapes, no weights, for benchmarks and tests."""
-    from tokenizers import Tokenizer, models
+    """A checkpoint directory of a model's shape alone for load_format="dummy": real shapes, no
+    weights, for benchmarks and tests. Its tokenizer.json names every id of the vocabulary ("t0",
+    "t1", ...; decoded text joins them with spaces), so what a random model samples detokenizes as
+    real text does: one word per token, never an empty decode that widens the incremental window."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config))
-    Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>")).save(str(root / "tokenizer.json"))
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(root / "tokenizer.json"))
     return str(root)
 
 
