@@ -28,6 +28,7 @@ class _Request:
     seq: Sequence
     prompt: str | None
     detokenizer: Detokenizer
+    output_ids: list[int] = field(default_factory=list)  # seq.output_token_ids, grown a token at a time
     timestamps: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; [0] stays None
@@ -225,6 +226,7 @@ class LLMEngine:
 
     def _record(self, req: _Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
         seq = req.seq
+        req.output_ids.append(token_id)
         req.timestamps.append(now)
         if req.logprobs is not None:
             req.logprobs.append(logprobs or {})
@@ -237,7 +239,7 @@ class LLMEngine:
         if seq.is_finished:
             self._requests.pop(seq.seq_id, None)
             self.sampler.forget(seq.seq_id)
-        completion = CompletionOutput(0, req.detokenizer.text, seq.output_token_ids, seq.finish_reason,
+        completion = CompletionOutput(0, req.detokenizer.text, req.output_ids, seq.finish_reason,
                                       req.logprobs, req.timestamps)
         return RequestOutput(seq.seq_id, req.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
                              seq.arrival_time, seq.num_cached_tokens, seq.first_scheduled_time, req.prompt_logprobs)

@@ -17,7 +17,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """Cumulative state of one request after a step: all tokens and text so far."""
+    """Cumulative state of one request after a step: all tokens and text so far. Its lists (token
+    ids, logprobs, timestamps) are the request's own, which later steps extend (a step costs the
+    same at the thousandth token as at the first): copy them to keep what one step returned."""
 
     request_id: str
     prompt: str | None

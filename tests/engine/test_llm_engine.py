@@ -118,6 +118,21 @@ def test_preemption_keeps_outputs():
         assert_all_free(llm.engine)
 
 
+def test_each_steps_output_shares_the_requests_growing_lists():
+    """Cumulative outputs cost the same per step however long the output: a later step extends
+    the lists an earlier one returned (the text, a string, is each step's own)."""
+    engine = LLMEngine(**ENGINE)
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    first, last = outputs[0], outputs[-1]
+    assert len(outputs) == GREEDY.max_tokens and last.finished
+    assert first.token_ids is last.token_ids and len(first.token_ids) == GREEDY.max_tokens
+    assert first.outputs[0].logprobs is last.outputs[0].logprobs
+    assert [len(o.text) for o in outputs] == sorted(len(o.text) for o in outputs) and first.text != last.text
+
+
 def test_prefix_caching_reuses_blocks_and_keeps_outputs():
     rng = random.Random(5)
     shared = [rng.randrange(256) for _ in range(100)]
