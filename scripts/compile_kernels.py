@@ -173,7 +173,7 @@ def step(seqs: list[tuple[int, int]], block_size: int) -> StepBatch:
         tables.append(list(range(-(-context // block_size))))
     width = max(len(t) for t in tables)
     return StepBatch(tokens, positions, list(range(len(tokens))), starts, [c for c, _ in seqs],
-                     [t + [0] * (width - len(t)) for t in tables], sum(1 for _, new in seqs if new == 1))
+                     torch.tensor([t + [0] * (width - len(t)) for t in tables]), sum(1 for _, new in seqs if new == 1))
 
 
 def serving_mix(rng: random.Random, config: EngineConfig, max_model_len: int, steps: int):

@@ -72,8 +72,7 @@ class DecodeGraphs:
         rows = [batch.token_ids, batch.positions, batch.slots, batch.context_lens]
         padded = [row + [pad] * (size - n) for row, pad in zip(rows, PADDING)]
         upload(torch.tensor(padded, dtype=torch.long), self.device, self._inputs[:, :size])
-        width = len(batch.block_tables[0])
-        upload(torch.tensor(batch.block_tables, dtype=torch.long), self.device, self._tables[:n, :width])
+        upload(batch.block_tables, self.device, self._tables[:n, :batch.block_tables.shape[1]])
         return self._replays[size]()[:n]
 
     def _forward(self, size: int) -> torch.Tensor:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from splitserve.engine.attention.metadata import PAD_SLOT
 from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts
 from splitserve.engine.model_runner import ModelRunner, StepBatch
@@ -39,4 +41,5 @@ def warm_up(runner: ModelRunner) -> None:
 def warm_up_step(decode_context: int, block_size: int) -> StepBatch:
     width = -(-decode_context // block_size)
     return StepBatch(token_ids=[0] * 3, positions=[0] * 3, slots=[PAD_SLOT] * 3, query_starts=[0, 1, 3],
-                     context_lens=[decode_context, 3], block_tables=[[0] * width, [0] * width], num_decodes=1)
+                     context_lens=[decode_context, 3], block_tables=torch.zeros((2, width), dtype=torch.long),
+                     num_decodes=1)

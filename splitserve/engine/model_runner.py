@@ -14,6 +14,7 @@ import torch
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.attention.metadata import group_by_length
+from splitserve.engine.host_block_tables import HostBlockTables
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.policies import Plan, ScheduledSeq
@@ -27,15 +28,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StepBatch:
-    """One iteration's inputs as plain lists (what a tensor-parallel leader sends its other ranks).
-    Sequences are ordered decodes first (see AttentionMetadata); `block_tables` are padded with 0."""
+    """One iteration's inputs (what a tensor-parallel leader sends its other ranks). Sequences are
+    ordered decodes first (see AttentionMetadata). `block_tables` is a host int64 tensor [num_seqs,
+    width], width the most blocks a sequence's context covers; a row's entries past its sequence's
+    context are block ids or 0, never read."""
 
     token_ids: list[int]
     positions: list[int]
     slots: list[int]
     query_starts: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]
+    block_tables: torch.Tensor
     num_decodes: int
 
 
@@ -69,6 +72,7 @@ class ModelRunner:
         self.channel = channel
         self.graphs: DecodeGraphs | None = None  # set once captured (one rank, CUDA: see shard_builder)
         self._kv_layers = kv_cache.layers()
+        self._host_tables = HostBlockTables()
 
     @torch.inference_mode()
     def execute(self, plan: Plan, block_tables: dict[str, list[int]],
@@ -112,7 +116,7 @@ class ModelRunner:
 
     def prepare(self, items: list[ScheduledSeq], block_tables: dict[str, list[int]]) -> StepBatch:
         bs = self.kv_cache.block_size
-        tokens, positions, slots, starts, context_lens, tables = [], [], [], [0], [], []
+        tokens, positions, slots, starts, context_lens, ids, tables = [], [], [], [0], [], [], []
         for item in items:
             seq, end = item.seq, item.start + item.num_new_tokens
             table = block_tables[seq.seq_id]
@@ -121,9 +125,10 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(item.start, end)]
             starts.append(starts[-1] + item.num_new_tokens)
             context_lens.append(end)
-            tables.append(table[: -(-end // bs)])
-        width = max(len(t) for t in tables)
-        return StepBatch(tokens, positions, slots, starts, context_lens, [t + [0] * (width - len(t)) for t in tables],
+            ids.append(seq.seq_id)
+            tables.append(table)
+        width = -(-max(context_lens) // bs)
+        return StepBatch(tokens, positions, slots, starts, context_lens, self._host_tables.gather(ids, tables, width),
                          sum(1 for item in items if item.num_new_tokens == 1))
 
 

@@ -45,8 +45,9 @@ class StepTensors:
     @classmethod
     def upload(cls, batch: StepBatch, device: torch.device) -> StepTensors:
         tokens, seqs = len(batch.token_ids), len(batch.context_lens)
-        width = len(batch.block_tables[0]) if batch.block_tables else 0
-        flat = torch.tensor(list(chain(batch.token_ids, batch.positions, batch.slots, batch.query_starts,
-                                       batch.context_lens, chain.from_iterable(batch.block_tables))), dtype=torch.long)
+        width = batch.block_tables.shape[1]
+        lists = torch.tensor(list(chain(batch.token_ids, batch.positions, batch.slots, batch.query_starts,
+                                        batch.context_lens)), dtype=torch.long)
+        flat = torch.cat([lists, batch.block_tables.flatten()])
         parts = upload(flat, device).split([tokens, tokens, tokens, seqs + 1, seqs, seqs * width])
         return cls(*parts[:5], parts[5].view(seqs, width))
