@@ -12,9 +12,12 @@ timed apart and subtracted from each `LLMEngine.step()`. What is left is host wo
 sampler's tensor ops on [batch, 1024] logits, which a GPU runs on the device, are counted in it.
 B sequences with C tokens of context enter the token-policy engine through its import path (as
 from a prompt worker), then decode greedily; steps are timed at the start of their outputs and
-again once each has --output-len tokens (the work that grows with the output shows there).
+again once each has --output-len tokens (the work that grows with the output shows there). Each
+is measured twice: as a cluster's token worker runs requests without stop strings ("ids": the
+ingress decodes the ids, `SamplingParams.ids_only`), and with the engine decoding the text
+("text": `LLM.generate`, or a request with stop strings).
 
-    python scripts/bench_host.py --json host.json          # about a minute on 2 cores
+    python scripts/bench_host.py --json host.json          # about 2 minutes on 2 cores
     python scripts/bench_host.py --batches 1,16 --output-len 64   # a quick look
 """
 from __future__ import annotations
@@ -76,14 +79,14 @@ def timed_steps(engine: LLMEngine, clock: ModelClock, count: int) -> tuple[list[
     return host, model
 
 
-def row(batch: int, context: int, output_position: int, host: list[float], model: list[float]) -> dict:
+def row(mode: str, batch: int, context: int, output_position: int, host: list[float], model: list[float]) -> dict:
     ordered = sorted(host)
-    return {"batch": batch, "context": context, "output_position": output_position,
+    return {"mode": mode, "batch": batch, "context": context, "output_position": output_position,
             "host_ms": statistics.median(host) * 1e3, "host_ms_p90": ordered[int(0.9 * (len(ordered) - 1))] * 1e3,
             "host_us_per_seq": statistics.median(host) * 1e6 / batch, "model_ms": statistics.median(model) * 1e3}
 
 
-def measure(model_dir: str, batch: int, context: int, args) -> list[dict]:
+def measure(model_dir: str, mode: str, batch: int, context: int, args) -> list[dict]:
     max_len = context + args.output_len + args.steps + 8
     engine = LLMEngine(model_dir, policy="token", load_format="dummy", enable_prefix_caching=False, device="cpu",
                        dtype="float32", max_num_seqs=batch, max_model_len=max_len,
@@ -91,19 +94,21 @@ def measure(model_dir: str, batch: int, context: int, args) -> list[dict]:
     clock = ModelClock(engine.runner.model)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=max_len - context, ignore_eos=True)
+    params = params.ids_only() if mode == "ids" else params
     for i in range(batch):
         engine.reserve_import(f"r{i}", [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(context)], params)
         engine.complete_import(f"r{i}", rng.randrange(3, SHAPE["vocab_size"]))
     timed_steps(engine, clock, 3)
-    rows = [row(batch, context, 4, *timed_steps(engine, clock, args.steps))]
+    rows = [row(mode, batch, context, 4, *timed_steps(engine, clock, args.steps))]
     for _ in range(args.output_len - 4 - args.steps):
         engine.step()
-    rows.append(row(batch, context, args.output_len, *timed_steps(engine, clock, args.steps)))
+    rows.append(row(mode, batch, context, args.output_len, *timed_steps(engine, clock, args.steps)))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", default="ids,text", help="ids (a cluster worker), text (the engine decodes it)")
     p.add_argument("--batches", default="1,64,256", help="running sequences per step (1,64,256)")
     p.add_argument("--context", type=int, default=1024, help="tokens of context each sequence enters with (1024)")
     p.add_argument("--output-len", type=int, default=1024, help="output tokens at the second measurement (1024)")
@@ -112,14 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.output_len < args.steps + 4:
         p.error("--output-len must be at least --steps + 4")
+    if not set(args.modes.split(",")) <= {"ids", "text"}:
+        p.error(f"--modes takes ids and text, got {args.modes!r}")
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape_checkpoint(Path(tmp) / "model", SHAPE)
-        for batch in (int(b) for b in args.batches.split(",")):
-            for got in measure(model_dir, batch, args.context, args):
-                rows.append(got)
-                print(json.dumps(got), flush=True)
+        for mode in args.modes.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                for got in measure(model_dir, mode, batch, args.context, args):
+                    rows.append(got)
+                    print(json.dumps(got), flush=True)
     result = {"hardware": platform.processor() or platform.machine(), "python": sys.version.split()[0],
               "torch": torch.__version__, "rows": rows}
     if args.json:

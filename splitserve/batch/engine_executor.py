@@ -43,7 +43,7 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str,
     for job, run in keys:
         prepared = jobs[job][1]
         k, index = divmod(run, prepared.request.num_choices()[0])
-        items.append((prepared.prompts[k], choice_params(prepared.params[k], index)))
+        items.append((prepared.prompts[k], choice_params(prepared.params[k], index).ids_only()))  # response() decodes
     finished = {key: finished_lines[job] // runs[job] for key, (job, _) in enumerate(keys) if job in finished_lines}
     ended: dict[int, dict[int, RequestOutput]] = {}  # job -> its runs' outputs, until all have ended
 

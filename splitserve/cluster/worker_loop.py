@@ -128,13 +128,13 @@ class WorkerLoop:
     # ---- engine thread (through `call`) -----------------------------------------------------
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
         self.require_healthy()
-        self.engine.add_request(request_id, prompt, params, hand_off=False)
+        self.engine.add_request(request_id, prompt, params.ids_only(), hand_off=False)
         self._track(request_id, sink)
 
     def prefill(self, ticket: TransferTicket, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
         self.require_healthy()
         self._require_transport()
-        self.exporter.add(ticket, prompt, params)
+        self.exporter.add(ticket, prompt, params.ids_only())  # the ingress decodes the ids
         self._track(ticket.request_id, sink)
         self._prefills.add(ticket.request_id)
 
@@ -143,7 +143,7 @@ class WorkerLoop:
         """`prompt_tp`: the prompt worker's tensor-parallel size."""
         self.require_healthy()
         self._require_transport()
-        ticket = self.importer.reserve(request_id, prompt, params, prompt_peer, prompt_tp=prompt_tp)
+        ticket = self.importer.reserve(request_id, prompt, params.ids_only(), prompt_peer, prompt_tp=prompt_tp)
         self._track(request_id, sink)
         self._importing.add(request_id)
         return ticket

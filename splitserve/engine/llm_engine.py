@@ -27,7 +27,7 @@ PromptInput = str | list[int] | dict
 class _Request:
     seq: Sequence
     prompt: str | None
-    detokenizer: Detokenizer
+    detokenizer: Detokenizer | None  # None: params.detokenize is off
     output_ids: list[int] = field(default_factory=list)  # seq.output_token_ids, grown a token at a time
     timestamps: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -202,8 +202,8 @@ class LLMEngine:
             self.sampler.grammar.check(params.constraint)
         seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
                        self.eos_token_ids)
-        return _Request(seq, text, Detokenizer(self.tokenizer, params, token_ids),
-                        logprobs=[] if params.logprobs is not None else None)
+        detokenizer = Detokenizer(self.tokenizer, params, token_ids) if params.detokenize else None
+        return _Request(seq, text, detokenizer, logprobs=[] if params.logprobs is not None else None)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -231,7 +231,9 @@ class LLMEngine:
         if req.logprobs is not None:
             req.logprobs.append(logprobs or {})
         stop_token = seq.finish_reason == "stop"  # decided on token ids: EOS or a stop_token_id
-        if req.detokenizer.append(token_id, stop_token):  # a stop string wins over a length limit hit by the same token
+        detokenizer = req.detokenizer
+        # a stop string wins over a length limit hit by the same token
+        if detokenizer is not None and detokenizer.append(token_id, stop_token):
             if seq.is_finished:
                 seq.finish_reason = "stop"
             else:
@@ -239,7 +241,7 @@ class LLMEngine:
         if seq.is_finished:
             self._requests.pop(seq.seq_id, None)
             self.sampler.forget(seq.seq_id)
-        completion = CompletionOutput(0, req.detokenizer.text, req.output_ids, seq.finish_reason,
-                                      req.logprobs, req.timestamps)
+        text = "" if detokenizer is None else detokenizer.text
+        completion = CompletionOutput(0, text, req.output_ids, seq.finish_reason, req.logprobs, req.timestamps)
         return RequestOutput(seq.seq_id, req.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
                              seq.arrival_time, seq.num_cached_tokens, seq.first_scheduled_time, req.prompt_logprobs)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from splitserve.engine.output_constraint import OutputConstraint
 
@@ -42,6 +42,7 @@ class SamplingParams:
     constraint: OutputConstraint | None = None  # structured output: what the text must match
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: the output's text stays "" (a caller that decodes the ids itself)
     # latency targets the SLO-aware (accelgen) policies schedule for; other policies ignore them
     ttft_slo_s: float | None = None  # time to first token
     tbt_slo_s: float | None = None   # time between tokens
@@ -68,6 +69,8 @@ class SamplingParams:
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         _check(all(s for s in self.stop), "stop strings must be non-empty")
+        _check(isinstance(self.detokenize, bool), f"detokenize must be a bool, got {self.detokenize!r}")
+        _check(self.detokenize or not self.stop, "detokenize must be True with stop strings: finding them needs the text")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -85,6 +88,11 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (_is_number(value) and math.isfinite(value) and value > 0),
                    f"{name} must be a finite number of seconds > 0 or None, got {value!r}")
+
+    def ids_only(self) -> SamplingParams:
+        """These params for a caller that decodes the output ids itself (a cluster's ingress, a
+        batch's response): the engine then decodes text only to find stop strings."""
+        return self if self.stop or not self.detokenize else replace(self, detokenize=False)
 
     @property
     def greedy(self) -> bool:

@@ -70,6 +70,20 @@ def test_stop_string_on_the_last_allowed_token_is_stop():
     assert out.finish_reason == "stop"
 
 
+def test_without_detokenize_the_text_is_empty_and_the_tokens_the_same():
+    llm = LLM(**ENGINE)
+    full = _greedy_text(llm, "Hello, world!")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert params.ids_only().detokenize is False and params.ids_only().ids_only() == params.ids_only()
+    out = llm.generate("Hello, world!", params.ids_only())[0]
+    assert (out.text, out.token_ids, out.finish_reason) == ("", full.token_ids, "length")
+    stop, _ = _pick_stop(full.text)
+    with_stop = SamplingParams(max_tokens=24, stop=[stop])
+    assert with_stop.ids_only() is with_stop  # finding a stop string needs the text
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=[stop], detokenize=False)
+
+
 def test_stop_token_ids_min_tokens_and_max_tokens():
     llm = LLM(**ENGINE)
     full = llm.generate([PROMPTS[6]], GREEDY)[0].token_ids

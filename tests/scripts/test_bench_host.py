@@ -1,5 +1,5 @@
 """The host-time benchmark: its model clock takes exactly the model's time out of a step, and a
-tiny run end to end reports both output positions of every batch."""
+tiny run end to end reports both output positions of every batch in both modes."""
 import json
 import time
 
@@ -32,12 +32,14 @@ def test_the_model_clock_counts_forward_and_logits_and_resets():
 
 def test_tiny_run_reports_both_output_positions_of_every_batch(tmp_path):
     out = tmp_path / "host.json"
-    done = run_script("bench_host", "--batches", "1,3", "--context", "40", "--output-len", "12", "--steps", "4",
+    done = run_script("bench_host", "--modes", "ids,text", "--batches", "1,3", "--context", "40", "--output-len", "12", "--steps", "4",
                       "--json", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["batch"], r["output_position"]) for r in rows] == [(1, 4), (1, 12), (3, 4), (3, 12)]
+    assert [(r["mode"], r["batch"], r["output_position"]) for r in rows] == \
+        [(m, b, p) for m in ("ids", "text") for b in (1, 3) for p in (4, 12)]
     for r in rows:
         assert r["context"] == 40 and 0 < r["host_ms"] <= r["host_ms_p90"] and r["model_ms"] > 0
         assert r["host_us_per_seq"] * r["batch"] == pytest.approx(r["host_ms"] * 1e3)
     assert run_script("bench_host", "--output-len", "5", "--steps", "4").returncode == 2
+    assert run_script("bench_host", "--modes", "bytes").returncode == 2
