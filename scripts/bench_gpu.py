@@ -11,7 +11,7 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
 1. decode: B sequences with C tokens of context each enter the token-policy engine through its
    import path (blocks reserved, the first token given: the KV arrives as from a prompt worker, so
    nothing is prefilled; the cache holds random values), then --steps decode-only steps are timed
-   (CUDA graphs replay them). MBU = (weight bytes + KV bytes read per step) / step time / the
+   (CUDA graphs replay them; the engine decodes no text, as on a token worker). MBU = (weight bytes + KV bytes read per step) / step time / the
    device's HBM peak. Weight bytes: every layer, the final norm and the LM head (the embedding
    reads B rows); KV bytes: B x mean context x bytes per token. Batches 1, 16, 64, 256 at 1k and
    4k tokens; a row whose KV does not fit in the engine's cache says so instead.
@@ -132,7 +132,8 @@ def decode_section(model: str, s: dict, args) -> list[dict]:
     engine.kv_cache.data.normal_()
     capacity = engine.block_manager.num_free_blocks * engine.kv_cache.block_size
     element, per_token = engine.kv_cache.data.element_size(), kv_bytes_per_token(model, engine.kv_cache.data.element_size())
-    params = SamplingParams(temperature=0, max_tokens=warm + args.steps + 2, ignore_eos=True)
+    # as a cluster's token worker runs a request without stop strings: the ingress decodes the ids
+    params = SamplingParams(temperature=0, max_tokens=warm + args.steps + 2, ignore_eos=True).ids_only()
     rng, rows = random.Random(0), []
     for context in s["contexts"]:
         for batch in s["batches"]:
