@@ -197,7 +197,7 @@ def serving_mix(rng: random.Random, config: EngineConfig, max_model_len: int, st
 def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig, steps: int,
                 with_warm_up: bool = True, seed: int = 0) -> list[Variant]:
     model_config = replace(ModelConfig.from_hf(shape), num_hidden_layers=1)
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    max_model_len = config.max_model_len or model_config.max_positions
     model = LayerLaunches(model_config, dtype, max_model_len)
     cpu = torch.device("cpu")
     backend = TritonPagedBackend(sms=ARCHS[arch].sms)

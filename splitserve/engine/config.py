@@ -7,7 +7,7 @@ from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptio
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # a window only with use_sliding_window
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ConfigError(ValueError):
@@ -16,11 +16,19 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
+    """A config's rope_scaling (or transformers 5's rope_parameters), with transformers' defaults."""
+
     rope_type: str = "default"
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0   # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn: the context the model was trained for
+    beta_fast: float = 32.0        # yarn: dimensions turning more often than this over that context are kept
+    beta_slow: float = 1.0         # yarn: ... less often than this are interpolated (divided by factor)
+    truncate: bool = True          # yarn: round the band between those outwards to whole dimensions
+    attention_factor: float | None = None  # yarn: what cos and sin are scaled by; None: from factor (and mscale)
+    mscale: float | None = None    # yarn (DeepSeek): with mscale_all_dim, the default attention_factor's terms
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,15 @@ class ModelConfig:
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+
+    @property
+    def max_positions(self) -> int:
+        """The positions the model takes: max_position_embeddings, or with YaRN the trained context
+        times the factor (as vLLM derives it: Qwen's YaRN recipe leaves max_position_embeddings)."""
+        s = self.rope_scaling
+        if s.rope_type == "yarn":
+            return max(self.max_position_embeddings, int(s.original_max_position_embeddings * s.factor))
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
@@ -70,13 +87,14 @@ class ModelConfig:
                               "bias on o_proj too); released Qwen3 checkpoints have none")
         rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and scaling here
         window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
+        max_positions = int(cfg.get("max_position_embeddings") or 2048)
         return cls(
             architecture=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")), num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            max_position_embeddings=max_positions,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling") or rope, source),
+            rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling") or rope, source, max_positions),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -86,13 +104,29 @@ class ModelConfig:
         )
 
 
-def _parse_rope_scaling(raw: dict | None, source: str) -> RopeScaling:
+_ROPE_FIELDS = {"factor": float, "low_freq_factor": float, "high_freq_factor": float,
+                "original_max_position_embeddings": int, "beta_fast": float, "beta_slow": float, "truncate": bool,
+                "attention_factor": float, "mscale": float, "mscale_all_dim": float}
+
+
+def _parse_rope_scaling(raw: dict | None, source: str, max_positions: int) -> RopeScaling:
+    """As transformers reads it: a missing original_max_position_embeddings is max_position_embeddings,
+    and a yarn config without a factor stretches that to max_position_embeddings."""
     if not raw:
         return RopeScaling()
     kind = raw.get("rope_type") or raw.get("type") or "default"
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    known = {k: raw[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k in raw}
+    known = {"original_max_position_embeddings": max_positions}
+    for name, cast in _ROPE_FIELDS.items():
+        value = raw.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) is not (cast is bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: rope_scaling {name}={value!r} is not a {cast.__name__}")
+        known[name] = cast(value)
+    if kind == "yarn" and "factor" not in known:
+        known["factor"] = max_positions / known["original_max_position_embeddings"]
     return RopeScaling(rope_type=kind, **known)
 
 

@@ -31,6 +31,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               rms_norm_eps=1e-5)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}  # Qwen's long-context setting
 CONFIGS = {
     "llama_mha": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, num_hidden_layers=3)),
     "llama3_gqa_tied": (LlamaConfig, LlamaForCausalLM,
@@ -38,6 +39,8 @@ CONFIGS = {
                              tie_word_embeddings=True)),
     "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, rope_theta=1000000.0)),
     "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, rope_theta=1000000.0)),
+    "qwen2_yarn": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, rope_theta=10000.0,
+                                                      rope_scaling=YARN_ROPE)),
     "llama_head_dim": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
     # per-head q/k norms, heads x head_dim wider than hidden_size, tied embeddings (as the small Qwen3s)
     "qwen3_qk_norm": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,

@@ -20,8 +20,8 @@ from splitserve.engine.policies import Plan, ScheduledSeq
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
-    BOS, ENGINE_ARGS, NEW_TOKENS, ckpt, generation_prompts, hf_greedy, hf_logits, prompt_ids, tokenizers_by_kind,
-    write_checkpoint,
+    BOS, ENGINE_ARGS, NEW_TOKENS, YARN_ROPE, ckpt, generation_prompts, hf_greedy, hf_logits, prompt_ids,
+    tokenizers_by_kind, write_checkpoint,
 )
 
 # ---- driving our model runner directly -------------------------------------------------------
@@ -67,9 +67,10 @@ def test_config_json_rope_is_parsed(ckpt):
     rope = hf.config.rope_parameters
     assert ours.rope_theta == pytest.approx(rope["rope_theta"])
     assert ours.rope_scaling.rope_type == rope.get("rope_type", "default")
-    if rope.get("rope_type") == "llama3":
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            assert getattr(ours.rope_scaling, key) == rope[key], key
+    keys = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("factor", "original_max_position_embeddings")}
+    for key in keys.get(rope.get("rope_type"), ()):
+        assert getattr(ours.rope_scaling, key) == rope[key], key
     c = hf.config
     assert ours.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     assert ours.num_key_value_heads == hf.config.num_key_value_heads
@@ -77,13 +78,14 @@ def test_config_json_rope_is_parsed(ckpt):
 
 
 @pytest.mark.parametrize("layout", ["legacy", "v5"])
-def test_rotary_frequencies_match_hf(tmp_path, tokenizers_by_kind, layout):
-    """Our llama3-scaled inverse frequencies equal HF's rotary module's, from either config.json
-    layout: transformers 4 (top-level rope_theta / rope_scaling, as most hub checkpoints have it)
-    and transformers 5 (`rope_parameters`)."""
-    from splitserve.engine.model.rotary import inverse_frequencies
+@pytest.mark.parametrize("name", ["llama3_gqa_tied", "qwen2_yarn"])
+def test_rotary_frequencies_match_hf(tmp_path, tokenizers_by_kind, layout, name):
+    """Our llama3- and YaRN-scaled inverse frequencies and cos/sin scale equal HF's rotary
+    module's, from either config.json layout: transformers 4 (top-level rope_theta / rope_scaling,
+    as most hub checkpoints have it) and transformers 5 (`rope_parameters`)."""
+    from splitserve.engine.model.rotary import attention_factor, inverse_frequencies
 
-    hf = write_checkpoint(tmp_path, "llama3_gqa_tied", tokenizers_by_kind)
+    hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
     if layout == "legacy":
         cfg_file = tmp_path / "config.json"
         cfg = json.loads(cfg_file.read_text())
@@ -95,6 +97,55 @@ def test_rotary_frequencies_match_hf(tmp_path, tokenizers_by_kind, layout):
     inv = inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling)
     ref = hf.model.rotary_emb.inv_freq.float()
     torch.testing.assert_close(inv, ref, rtol=1e-6, atol=0)
+    assert attention_factor(ours.rope_scaling) == pytest.approx(hf.model.rotary_emb.attention_scaling, rel=1e-12)
+
+
+@pytest.mark.parametrize("options", [{}, {"beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+                                     {"attention_factor": 1.5}, {"mscale": 1.0, "mscale_all_dim": 0.707},
+                                     {"factor": None}])
+def test_yarn_options_match_transformers(options):
+    """Each YaRN option a hub config may set, against transformers' own YaRN: DeepSeek's mscale
+    terms, and a null factor, which stretches original_max_position_embeddings to
+    max_position_embeddings."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.model.rotary import attention_factor, inverse_frequencies
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
+                         rope_parameters={**YARN_ROPE, "rope_theta": 10000.0, **options})
+    ref_inv, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours = ModelConfig.from_hf({**config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    assert ours.rope_scaling.rope_type == "yarn"
+    torch.testing.assert_close(inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling), ref_inv,
+                               rtol=1e-6, atol=0)
+    assert attention_factor(ours.rope_scaling) == pytest.approx(ref_scale, rel=1e-12)
+
+
+def test_yarn_stretches_the_context_limit_by_its_factor():
+    """Qwen's YaRN recipe keeps max_position_embeddings at the trained 32k: the limit is 4 x that."""
+    from splitserve.engine.config import ConfigError, ModelConfig
+    from splitserve.engine.model_builder import resolve_max_model_len
+
+    qwen = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768}
+    assert resolve_max_model_len(ModelConfig.from_hf(qwen), None) == 32768
+    config = ModelConfig.from_hf({**qwen, "rope_scaling": {**YARN_ROPE, "original_max_position_embeddings": 32768}})
+    assert resolve_max_model_len(config, None) == 131072
+    with pytest.raises(ConfigError, match="max_model_len=131073 exceeds the model's limit of 131072"):
+        resolve_max_model_len(config, 131073)
+
+
+def test_unsupported_or_mistyped_rope_scaling_names_the_field():
+    from splitserve.engine.config import ConfigError, ModelConfig
+
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    with pytest.raises(ConfigError, match="'longrope' is not supported"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="factor='4' is not a float"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": "4"}})
 
 
 # ---- logits, float32 ----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama), with llama3 and linear scaling."""
+"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama), with linear, llama3 and
+YaRN scaling."""
 from __future__ import annotations
 
 import math
@@ -15,7 +16,25 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_scaled(inv_freq, scaling)
+    if scaling.rope_type == "yarn":
+        return _yarn_scaled(inv_freq, head_dim, theta, scaling)
     return inv_freq
+
+
+def attention_factor(scaling: RopeScaling) -> float:
+    """What cos and sin are multiplied by (so q.k by its square): YaRN's attention temperature,
+    0.1 ln(factor) + 1 unless the config sets it (or DeepSeek's mscale terms); 1 otherwise."""
+    if scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def temperature(weight: float) -> float:
+        return 1.0 if scaling.factor <= 1 else 0.1 * weight * math.log(scaling.factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return temperature(scaling.mscale) / temperature(scaling.mscale_all_dim)
+    return temperature(1.0)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -30,16 +49,34 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_scaled(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN (Peng et al., 2023): a frequency pair that turns more than beta_fast times over the
+    trained context keeps its frequency, one that turns less than beta_slow times is interpolated
+    (divided by factor), and a linear ramp over the pair index blends the band between."""
+    def pair_index(turns: float) -> float:  # the (fractional) pair that turns `turns` times
+        return head_dim * math.log(s.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_index(s.beta_fast), pair_index(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    interpolated = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / s.factor * interpolated + inv_freq * (1 - interpolated)
+
+
 class RotaryEmbedding:
     """cos/sin tables for every position up to max_len, computed once in float32 on the current
-    default device and cast per use (as Hugging Face does). Plain tensors, not buffers, so that
-    converting the model's dtype never rounds them."""
+    default device and cast per use (as Hugging Face does), scaled by `attention_factor`. Plain
+    tensors, not buffers, so that converting the model's dtype never rounds them."""
 
     def __init__(self, config: ModelConfig, max_len: int):
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        scale = attention_factor(config.rope_scaling)
+        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, KVH, D] rotated at their positions [T]; on CUDA in place, by one
