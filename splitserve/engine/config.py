@@ -5,8 +5,10 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # a window only with use_sliding_window
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -42,6 +44,7 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
+    rotary_dim: int = 0            # the leading dims of each head the rotary embedding turns (0: all)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
@@ -88,13 +91,19 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and scaling here
         window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
         max_positions = int(cfg.get("max_position_embeddings") or 2048)
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+        rotary_dim = int(int(head_dim) * partial)
+        if not 0 < rotary_dim <= int(head_dim) or rotary_dim % 2:
+            raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of a "
+                              f"{head_dim}-dim head; they must be even and at least 2")
         return cls(
             architecture=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")), num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
-            max_position_embeddings=max_positions,
+            max_position_embeddings=max_positions, rotary_dim=rotary_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling") or rope, source, max_positions),
+            rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling") or rope, source, max_positions,
+                                             cfg.get("original_max_position_embeddings")),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -109,15 +118,17 @@ _ROPE_FIELDS = {"factor": float, "low_freq_factor": float, "high_freq_factor": f
                 "attention_factor": float, "mscale": float, "mscale_all_dim": float}
 
 
-def _parse_rope_scaling(raw: dict | None, source: str, max_positions: int) -> RopeScaling:
-    """As transformers reads it: a missing original_max_position_embeddings is max_position_embeddings,
-    and a yarn config without a factor stretches that to max_position_embeddings."""
+def _parse_rope_scaling(raw: dict | None, source: str, max_positions: int, top_level_trained: int | None
+                        ) -> RopeScaling:
+    """As transformers reads it: the context the model was trained for is the config's top-level
+    original_max_position_embeddings (Phi-3 has one), else the scaling's own, else
+    max_position_embeddings; a yarn config without a factor stretches it to max_position_embeddings."""
     if not raw:
         return RopeScaling()
     kind = raw.get("rope_type") or raw.get("type") or "default"
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    known = {"original_max_position_embeddings": max_positions}
+    known = {}
     for name, cast in _ROPE_FIELDS.items():
         value = raw.get(name)
         if value is None:
@@ -125,6 +136,9 @@ def _parse_rope_scaling(raw: dict | None, source: str, max_positions: int) -> Ro
         if isinstance(value, bool) is not (cast is bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: rope_scaling {name}={value!r} is not a {cast.__name__}")
         known[name] = cast(value)
+    if top_level_trained is not None:
+        known["original_max_position_embeddings"] = int(top_level_trained)
+    known.setdefault("original_max_position_embeddings", max_positions)
     if kind == "yarn" and "factor" not in known:
         known["factor"] = max_positions / known["original_max_position_embeddings"]
     return RopeScaling(rope_type=kind, **known)

@@ -1,13 +1,16 @@
 """Checkpoint loading: a Hugging Face model directory (config.json + safetensors) into a model.
 
 The checkpoint's tensors load by the Hugging Face names `checkpoint_tensors` gives the model's
-weights (a merged projection's parts are slices of it). A tied `lm_head` is recognised because
-it is the same tensor as `model.embed_tokens.weight`, so loading either name fills both. A
-tensor-parallel rank reads only its part of each tensor from the file (`shard_slices`).
+weights (a merged projection's parts are slices of it). A checkpoint that stores a merged
+projection as one tensor (Phi-3's `qkv_proj`, `gate_up_proj`) is read as its parts, row ranges
+of it. A tied `lm_head` is recognised because it is the same tensor as
+`model.embed_tokens.weight`, so loading either name fills both. A tensor-parallel rank reads only
+its part of each tensor from the file (`shard_slices`).
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from splitserve.engine.config import ModelConfig
+from splitserve.engine.config import FUSED_ARCHITECTURES, ModelConfig
 from splitserve.engine.model.llama import checkpoint_tensors, shard_slices
 from splitserve.engine.model.sharding import ShardSlice
 
@@ -61,21 +64,28 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
         model.to(dtype=dtype)
     targets, parts = dict(checkpoint_tensors(model)), shard_slices(model)
     absent = getattr(model, "absent_tensors", frozenset())  # held by another rank only
+    config = model.config if isinstance(getattr(model, "config", None), ModelConfig) else None  # ours, not HF's
     loaded: set[tuple[int, tuple]] = set()  # (storage offset, shape): a tied weight counts once for both names
     with torch.no_grad():
         for file, name, handle in _iter_with_files(path):
             if name.endswith(IGNORED_SUFFIXES) or name in absent:
                 continue
-            target = targets.get(name)
-            if target is None:
-                raise CheckpointError(f"{file}: tensor {name!r} has no matching parameter in {type(model).__name__}")
-            part = parts.get(name)
-            expected = part.full_shape(target.shape) if part else tuple(target.shape)
+            fused = _fused_parts(name, config)
+            expected, found = [], []
+            for part_name, first_row in fused or [(name, 0)]:
+                target = targets.get(part_name)
+                if target is None:
+                    raise CheckpointError(f"{file}: tensor {name!r} has no matching parameter in {type(model).__name__}")
+                part = parts.get(part_name)
+                expected.append(part.full_shape(target.shape) if part else tuple(target.shape))
+                found.append((target, part, first_row))
             shape = tuple(handle.get_slice(name).get_shape())
-            if shape != expected:
-                raise CheckpointError(f"{file}: tensor {name!r} has shape {shape}, the model expects {expected}")
-            target.copy_(_read(handle, name, part))
-            loaded.add(_where(target))
+            whole = (sum(s[0] for s in expected), *expected[0][1:]) if fused else expected[0]
+            if shape != whole:
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {shape}, the model expects {whole}")
+            for (target, part, first_row), full in zip(found, expected):
+                target.copy_(_read(handle, name, part, first_row, full[0]) if fused else _read(handle, name, part))
+                loaded.add(_where(target))
     missing = [name for name, target in targets.items() if _where(target) not in loaded]
     if missing:
         raise CheckpointError(f"{_weights_file(path)}: checkpoint has no tensor for parameters {missing}")
@@ -141,10 +151,30 @@ def write_shape_checkpoint(root: str | Path, config: dict) -> str:
     return str(root)
 
 
-def _read(handle, name: str, part: ShardSlice | None) -> torch.Tensor:
-    """The tensor, or only the part a rank holds (read from the file without the rest)."""
-    if part is None:
+def _fused_parts(name: str, config: ModelConfig | None) -> list[tuple[str, int]] | None:
+    """The parts of a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj) as (the name the part
+    has in an unfused checkpoint, its first row); None for any other tensor."""
+    if config is None or config.architecture not in FUSED_ARCHITECTURES:
+        return None
+    owner, _, kind = name.rpartition(".")
+    prefix, _, projection = owner.rpartition(".")
+    kv = config.num_key_value_heads * config.head_dim
+    rows = {"qkv_proj": {"q_proj": config.num_attention_heads * config.head_dim, "k_proj": kv, "v_proj": kv},
+            "gate_up_proj": {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}}.get(projection)
+    if rows is None:
+        return None
+    starts = [0, *itertools.accumulate(rows.values())]
+    return [(f"{prefix}.{part}.{kind}", start) for part, start in zip(rows, starts)]
+
+
+def _read(handle, name: str, part: ShardSlice | None, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
+    """The tensor, or only the part a rank holds (read from the file without the rest); with
+    `rows`, of the fused tensor's rows [first_row, first_row + rows) (a part is column-parallel)."""
+    if part is None and rows is None:
         return handle.get_tensor(name)
+    if rows is not None:
+        start, stop = (first_row + part.start, first_row + part.stop) if part else (first_row, first_row + rows)
+        return handle.get_slice(name)[start:stop]
     index = (slice(None),) * part.dim + (slice(part.start, part.stop),)
     return handle.get_slice(name)[index]
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 # ASCII only, so every token decodes to complete characters (no held-back partial UTF-8).
@@ -45,6 +46,8 @@ CONFIGS = {
     # per-head q/k norms, heads x head_dim wider than hidden_size, tied embeddings (as the small Qwen3s)
     "qwen3_qk_norm": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
                                                           tie_word_embeddings=True)),
+    # Q, K and V stored as one qkv_proj tensor, gate and up as one gate_up_proj; half of each head rotated
+    "phi3_fused_partial": (Phi3Config, Phi3ForCausalLM, dict(num_key_value_heads=2, partial_rotary_factor=0.5)),
 }
 QWEN_TOKENIZED = (Qwen2Config, Qwen3Config)  # transformers gives both Qwen2's tokenizer class
 

@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 from splitserve.engine.config import ConfigError
 from splitserve.engine.demo import DEMO_MODEL_CONFIG, demo_model_config, demo_tokenizer
@@ -86,6 +87,28 @@ def test_tied_embeddings_load_both_names(tmp_path):
     assert target.lm_head.weight is target.model.embed_tokens.weight
     assert_same_weights(source, target)
     assert load_model_config(tmp_path).tie_word_embeddings
+
+
+def test_phi3_fused_tensors_load_as_their_parts(tmp_path):
+    """Phi-3 stores Q, K and V as one qkv_proj tensor and gate and up as one gate_up_proj: our
+    merged projections hold the same rows; a fused tensor of the wrong size is named."""
+    from splitserve.engine.model.llama import LlamaForCausalLM as OurLlama
+
+    torch.manual_seed(0)
+    source = Phi3ForCausalLM(Phi3Config(**SHAPE, pad_token_id=0)).eval()
+    source.save_pretrained(tmp_path)
+    config = load_model_config(tmp_path)
+    ours = OurLlama(config, max_model_len=64)
+    load_weights(ours, tmp_path)
+    for mine, theirs in zip(ours.model.layers, source.model.layers):
+        assert torch.equal(mine.self_attn.qkv_proj.weight, theirs.self_attn.qkv_proj.weight)
+        assert torch.equal(mine.mlp.gate_up_proj.weight, theirs.mlp.gate_up_proj.weight)
+    state = source.state_dict()
+    state["model.layers.1.self_attn.qkv_proj.weight"] = state["model.layers.1.self_attn.qkv_proj.weight"][:-8]
+    save_state(tmp_path, state)
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.self_attn.qkv_proj.weight' has shape \(56, 32\), "
+                                              r"the model expects \(64, 32\)"):
+        load_weights(ours, tmp_path)
 
 
 def test_dtype_converts_the_model(tmp_path):

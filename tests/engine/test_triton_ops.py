@@ -64,12 +64,13 @@ def test_norm_of_each_head_of_a_merged_projection():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("head_dim", [32, 24])
-def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim):
+@pytest.mark.parametrize("head_dim, rotary_dim", [(32, 32), (24, 24), (32, 16)])  # the last: partial (Phi-4-mini)
+def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim, rotary_dim):
+    """As `RotaryEmbedding` runs it on CUDA: each head's leading `rotary_dim` dims, in place."""
     torch.manual_seed(2)
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=4 * head_dim,
                          intermediate_size=8, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=head_dim, max_position_embeddings=128)
+                         head_dim=head_dim, max_position_embeddings=128, rotary_dim=rotary_dim)
     rotary = RotaryEmbedding(config, 128)
     tokens, positions = 6, torch.tensor([0, 1, 2, 50, 127, 3])
     qkv = torch.randn(tokens, 8 * head_dim, dtype=dtype)
@@ -81,7 +82,7 @@ def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim):
     expected_q, expected_k = rotary(positions, *(t.clone() for t in views(qkv)))  # the torch code, on the CPU
     q, k = views(qkv.to(DEVICE))
     for rows in (q, k):
-        rotate_in_place(positions.to(DEVICE), rows, rotary.cos.to(DEVICE), rotary.sin.to(DEVICE))
+        rotate_in_place(positions.to(DEVICE), rows[..., :rotary_dim], rotary.cos.to(DEVICE), rotary.sin.to(DEVICE))
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(q.cpu(), expected_q, atol=tol, rtol=tol)
     torch.testing.assert_close(k.cpu(), expected_k, atol=tol, rtol=tol)

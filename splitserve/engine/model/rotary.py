@@ -72,24 +72,29 @@ class RotaryEmbedding:
     tensors, not buffers, so that converting the model's dtype never rounds them."""
 
     def __init__(self, config: ModelConfig, max_len: int):
-        inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.dims = config.rotary_dim or config.head_dim  # the leading dims turned; the rest pass through
+        inv_freq = inverse_frequencies(self.dims, config.rope_theta, config.rope_scaling)
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = attention_factor(config.rope_scaling)
         self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D] rotated at their positions [T]; on CUDA in place, by one
-        Triton kernel each (`triton_ops`)."""
+        """q: [T, H, D], k: [T, KVH, D] rotated at their positions [T] (their first `dims` dims);
+        on CUDA in place, by one Triton kernel each (`triton_ops`)."""
+        d = self.dims
         if q.is_cuda:
             from splitserve.engine.model import triton_ops
 
-            triton_ops.rotate_in_place(positions, q, self.cos, self.sin)
-            triton_ops.rotate_in_place(positions, k, self.cos, self.sin)
+            triton_ops.rotate_in_place(positions, q[..., :d], self.cos, self.sin)
+            triton_ops.rotate_in_place(positions, k[..., :d], self.cos, self.sin)
             return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if d == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        turned = [x[..., :d] * cos + _rotate_half(x[..., :d]) * sin for x in (q, k)]
+        return torch.cat((turned[0], q[..., d:]), dim=-1), torch.cat((turned[1], k[..., d:]), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
