@@ -11,7 +11,9 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
 1. decode: B sequences with C tokens of context each enter the token-policy engine through its
    import path (blocks reserved, the first token given: the KV arrives as from a prompt worker, so
    nothing is prefilled; the cache holds random values), then --steps decode-only steps are timed
-   (CUDA graphs replay them; the engine decodes no text, as on a token worker). MBU = (weight bytes + KV bytes read per step) / step time / the
+   (CUDA graphs replay them; the engine decodes no text, as on a token worker). Each row also
+   has the device time of the model's forward (CUDA events around it) and the rest of the step
+   outside it: the host's own work, which the device waits for, plus the LM head and sampling. MBU = (weight bytes + KV bytes read per step) / step time / the
    device's HBM peak. Weight bytes: every layer, the final norm and the LM head (the embedding
    reads B rows); KV bytes: B x mean context x bytes per token. Batches 1, 16, 64, 256 at 1k and
    4k tokens; a row whose KV does not fit in the engine's cache says so instead.
@@ -112,13 +114,44 @@ def started(build):
     return built, time.perf_counter() - start
 
 
-def timed_steps(engine, count: int) -> list[float]:
+def timed_steps(engine, count: int, clock: ForwardClock | None = None) -> list[float]:
     times = []
     for _ in range(count):
         start = time.perf_counter()
         engine.step()  # returns after the sampled ids reach the host: the step has run
         times.append(time.perf_counter() - start)
+        if clock is not None:
+            clock.close_step()
     return times
+
+
+class ForwardClock:
+    """Seconds of each step the model runner's forward took: on CUDA between events recorded on
+    the stream around it (read after the step, whose sampled ids have synced it), else wall time."""
+
+    def __init__(self, runner):
+        self.steps: list[float] = []
+        self._pending: list = []
+        forward = runner.forward
+
+        def timed(*args, **kwargs):
+            if not torch.cuda.is_available():
+                start = time.perf_counter()
+                out = forward(*args, **kwargs)
+                self._pending.append(time.perf_counter() - start)
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = forward(*args, **kwargs)
+            end.record()
+            self._pending.append((start, end))
+            return out
+
+        runner.forward = timed
+
+    def close_step(self) -> None:
+        self.steps.append(sum(p if isinstance(p, float) else p[0].elapsed_time(p[1]) / 1e3 for p in self._pending))
+        self._pending = []
 
 
 # ---- sections, each in its own process --------------------------------------------------------
@@ -130,6 +163,7 @@ def decode_section(model: str, s: dict, args) -> list[dict]:
         model, policy="token", load_format="dummy", enable_prefix_caching=False, max_num_seqs=max(s["batches"]),
         max_model_len=max(s["contexts"]) + warm + args.steps + 16, **s["engine"]))
     engine.kv_cache.data.normal_()
+    clock = ForwardClock(engine.runner)
     capacity = engine.block_manager.num_free_blocks * engine.kv_cache.block_size
     element, per_token = engine.kv_cache.data.element_size(), kv_bytes_per_token(model, engine.kv_cache.data.element_size())
     # as a cluster's token worker runs a request without stop strings: the ingress decodes the ids
@@ -147,14 +181,17 @@ def decode_section(model: str, s: dict, args) -> list[dict]:
                 engine.reserve_import(request_id, random_prompt(rng, c, context), params)
                 engine.complete_import(request_id, rng.randrange(3, c["vocab_size"]))
             timed_steps(engine, warm)
-            times = timed_steps(engine, args.steps)
+            clock.steps.clear()
+            times = timed_steps(engine, args.steps, clock)
+            forward = statistics.median(clock.steps)
             for request_id in ids:
                 engine.abort(request_id)
             step = statistics.median(times)
             read = decode_weight_bytes(c, batch, element) + batch * (context + warm + args.steps / 2) * per_token
             rows.append({**row, "step_ms": step * 1e3, "step_ms_min": min(times) * 1e3,
-                         "step_ms_max": max(times) * 1e3, "tokens_per_s": batch / step, "bytes_per_step": read,
-                         "bytes_per_s": read / step})
+                         "step_ms_max": max(times) * 1e3, "forward_ms": forward * 1e3,
+                         "outside_forward_ms": statistics.median(t - f for t, f in zip(times, clock.steps)) * 1e3,
+                         "tokens_per_s": batch / step, "bytes_per_step": read, "bytes_per_s": read / step})
     return rows
 
 
@@ -331,7 +368,8 @@ def print_table(result: dict) -> None:
             print(f"| {r['section']} | | {r.get('batch', '')} | {r.get('context', '')} | "
                   f"{r.get('skipped') or r['error'].strip().splitlines()[-1]} |")
             continue
-        step = (f"{r['step_ms']:.2f} ({r['step_ms_min']:.2f}-{r['step_ms_max']:.2f})" if "step_ms" in r else
+        outside = f", {r['outside_forward_ms']:.2f} outside the forward" if "outside_forward_ms" in r else ""
+        step = (f"{r['step_ms']:.2f} ({r['step_ms_min']:.2f}-{r['step_ms_max']:.2f}){outside}" if "step_ms" in r else
                 f"{r['seconds']:.2f} s, {r['output_tokens_per_s']:.0f} tok/s" if "seconds" in r else
                 f"serialized {r['serialized_transfer_ms']:.2f}, visible {r['visible_transfer_ms']:.2f}")
         print(f"| {r['section']} | {r.get('engine') or r.get('backend', '')} | {r['batch']} | {r['context']} | {step} "

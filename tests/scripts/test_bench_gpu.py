@@ -42,6 +42,8 @@ def test_tiny_run_writes_every_section(tmp_path):
     assert [r["context"] for r in rows if r["section"] == "prefill"] == [128, 512]
     assert {r["engine"] for r in rows if r["section"] == "throughput"} == {"splitserve", "transformers"}
     assert [(r["backend"], r["context"]) for r in rows if r["section"] == "transfer"] == [("ipc", 128), ("ipc", 512)]
+    for row in (r for r in rows if r["section"] == "decode"):
+        assert 0 < row["forward_ms"] < row["step_ms"] and 0 < row["outside_forward_ms"] < row["step_ms"]
     for row in rows:
         assert row["device"] == "cpu" and row.get("mbu") is None and row.get("mfu") is None  # no CPU peak
         assert row.get("step_ms", 1) > 0
