@@ -17,14 +17,30 @@ Invariants (checked by `check_integrity`):
 - the prefix delta (what the cluster-level scheduler is told next) is net: hashes cached since the
   last take are all still cached, hashes evicted since are none of them. Only caching and eviction
   record it, so with prefix caching off it costs nothing.
+- a sequence's table list only grows (by appending) while the sequence holds it; a new allocation
+  is a new list (the model runner's host mirror of the tables relies on this).
+- a chain starts at `root_of(seq)`: where a model computes the same tokens' KV differently by
+  sequence (LongRoPE's long prompts), those sequences chain from another root and share nothing
+  with the rest.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.engine.prefix_hash import ROOT, block_key, num_reusable_blocks
+from splitserve.engine.prefix_hash import LONG_ROPE_ROOT, ROOT, block_key, num_reusable_blocks
 from splitserve.engine.sequence import Sequence
+
+
+def long_rope_root(long_from: int | None) -> Callable[[Sequence], int]:
+    """`root_of` for a model: with LongRoPE, a sequence of more than `long_from` tokens (whose KV
+    turns long) chains from LONG_ROPE_ROOT. Such prompts' hashes never equal what the ingress names
+    (`prompt_block_hashes`), so the CLS sees no prefix hits for them; a worker's own cache still
+    reuses their blocks."""
+    if long_from is None:
+        return lambda seq: ROOT
+    return lambda seq: LONG_ROPE_ROOT if seq.num_tokens > long_from else ROOT
 
 
 class OutOfBlocksError(RuntimeError):
@@ -38,11 +54,13 @@ class _CachedBlock:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 root_of: Callable[[Sequence], int] = lambda seq: ROOT):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._root_of = root_of
         self._num_blocks = num_blocks
         self._fresh: deque[int] = deque(range(num_blocks))  # free, no cached content; oldest freed first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free hashed blocks, LRU order
@@ -101,7 +119,7 @@ class BlockManager:
         for block_id in hits:
             self._take(block_id)
         self._tables[seq.seq_id] = list(hits)
-        self._chain[seq.seq_id] = (len(hits), hash(self._hashed[hits[-1]].key) if hits else ROOT)
+        self._chain[seq.seq_id] = (len(hits), hash(self._hashed[hits[-1]].key) if hits else self._root_of(seq))
         self.num_cache_hit_blocks += len(hits)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.grow(seq, seq.num_tokens)
@@ -198,7 +216,7 @@ class BlockManager:
         covered, so a step always computes at least one token and produces logits."""
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return []
-        hits, parent = [], ROOT
+        hits, parent = [], self._root_of(seq)
         for i in range(num_reusable_blocks(seq.num_tokens, self.block_size)):
             key = block_key(parent, seq.token_ids, i, self.block_size)
             parent = hash(key)

@@ -9,7 +9,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM")
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # a window only with use_sliding_window
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class ConfigError(ValueError):
@@ -31,6 +31,8 @@ class RopeScaling:
     attention_factor: float | None = None  # yarn: what cos and sin are scaled by; None: from factor (and mscale)
     mscale: float | None = None    # yarn (DeepSeek): with mscale_all_dim, the default attention_factor's terms
     mscale_all_dim: float | None = None
+    short_factor: tuple[float, ...] = ()  # longrope: per frequency pair, what divides it within the trained context
+    long_factor: tuple[float, ...] = ()   # longrope: ... past it
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,13 @@ class ModelConfig:
             return max(self.max_position_embeddings, int(s.original_max_position_embeddings * s.factor))
         return self.max_position_embeddings
 
+    @property
+    def long_rope_from(self) -> int | None:
+        """longrope: a sequence of more tokens than this (the trained context) turns by the long
+        factors, all of its tokens; None without longrope."""
+        s = self.rope_scaling
+        return s.original_max_position_embeddings if s.rope_type == "longrope" else None
+
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
         """Parse a Hugging Face config dict; unsupported or missing values raise ConfigError."""
@@ -89,6 +98,7 @@ class ModelConfig:
             raise ConfigError(f"{source}: attention_bias=true is not supported for Qwen3ForCausalLM (it would put a "
                               "bias on o_proj too); released Qwen3 checkpoints have none")
         rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and scaling here
+        scaling = cfg.get("rope_scaling") or rope
         window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
         max_positions = int(cfg.get("max_position_embeddings") or 2048)
         partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
@@ -102,8 +112,8 @@ class ModelConfig:
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
             max_position_embeddings=max_positions, rotary_dim=rotary_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling") or rope, source, max_positions,
-                                             cfg.get("original_max_position_embeddings")),
+            rope_scaling=_parse_rope_scaling(scaling, source, max_positions, cfg.get("original_max_position_embeddings"),
+                                             rotary_dim // 2),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -118,11 +128,12 @@ _ROPE_FIELDS = {"factor": float, "low_freq_factor": float, "high_freq_factor": f
                 "attention_factor": float, "mscale": float, "mscale_all_dim": float}
 
 
-def _parse_rope_scaling(raw: dict | None, source: str, max_positions: int, top_level_trained: int | None
-                        ) -> RopeScaling:
+def _parse_rope_scaling(raw: dict | None, source: str, max_positions: int, top_level_trained: int | None,
+                        pairs: int) -> RopeScaling:
     """As transformers reads it: the context the model was trained for is the config's top-level
     original_max_position_embeddings (Phi-3 has one), else the scaling's own, else
-    max_position_embeddings; a yarn config without a factor stretches it to max_position_embeddings."""
+    max_position_embeddings; a yarn or longrope config without a factor stretches it to
+    max_position_embeddings. `pairs`: the rotary frequency pairs (longrope has a factor for each)."""
     if not raw:
         return RopeScaling()
     kind = raw.get("rope_type") or raw.get("type") or "default"
@@ -139,8 +150,16 @@ def _parse_rope_scaling(raw: dict | None, source: str, max_positions: int, top_l
     if top_level_trained is not None:
         known["original_max_position_embeddings"] = int(top_level_trained)
     known.setdefault("original_max_position_embeddings", max_positions)
-    if kind == "yarn" and "factor" not in known:
+    if kind in ("yarn", "longrope") and "factor" not in known:
         known["factor"] = max_positions / known["original_max_position_embeddings"]
+    if kind == "longrope":
+        for name in ("short_factor", "long_factor"):
+            values = raw.get(name)
+            if not isinstance(values, list) or len(values) != pairs or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+                raise ConfigError(f"{source}: rope_scaling {name} must be a list of {pairs} positive numbers "
+                                  f"(one per rotary frequency pair), got {values!r}")
+            known[name] = tuple(float(v) for v in values)
     return RopeScaling(rope_type=kind, **known)
 
 

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.block_manager import BlockManager, long_rope_root
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
@@ -58,7 +58,8 @@ class LLMEngine:
         self.model_name, self.model_config, self.tokenizer = model, loaded.config, loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.kv_cache, self.runner = shard.kv_cache, shard.runner
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          long_rope_root(loaded.config.long_rope_from))
         limits = config.scheduler_limits(self.max_model_len)
         self.policy = make_policy(config.policy, self.block_manager, limits)
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
@@ -152,6 +153,8 @@ class LLMEngine:
         now = time.monotonic()
         self.policy.observe(plan, now - start)
         updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
+        for seq in updated:
+            self._turn_long_rope(seq)
         self.last_step = replace(work, seconds=now - start)
         return [self._record(self._requests[seq.seq_id], sampled[seq.seq_id].token_id,
                              sampled[seq.seq_id].logprobs, now) for seq in updated]
@@ -184,6 +187,7 @@ class LLMEngine:
         (sampled, with its logprobs if requested, by the prompt engine)."""
         req = self._requests[request_id]
         self.policy.complete_import(request_id, first_token_id)
+        self._turn_long_rope(req.seq)
         return self._record(req, first_token_id, first_logprobs, time.monotonic())
 
     # ---- internals ---------------------------------------------------------------------
@@ -223,6 +227,13 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
                              "the prompt must leave room for at least one generated token")
         return text, list(ids)
+
+    def _turn_long_rope(self, seq: Sequence) -> None:
+        """LongRoPE: the token that takes a running sequence past the trained context turns all of
+        it long, so its KV so far (computed short) is recomputed, as transformers' generate() does;
+        preemption by recompute does that (on fresh blocks: cached ones are left to short sequences)."""
+        if seq.num_tokens - 1 == self.model_config.long_rope_from and seq.status is SequenceStatus.RUNNING:
+            self.policy.preempt(seq)
 
     def _record(self, req: _Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
         seq = req.seq

@@ -29,9 +29,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StepBatch:
     """One iteration's inputs (what a tensor-parallel leader sends its other ranks). Sequences are
-    ordered decodes first (see AttentionMetadata). `block_tables` is a host int64 tensor [num_seqs,
-    width], width the most blocks a sequence's context covers; a row's entries past its sequence's
-    context are block ids or 0, never read."""
+    ordered decodes first (see AttentionMetadata). `positions` are each token's rows of the rotary
+    tables (`RotaryEmbedding.table_rows`: its position, unless LongRoPE turns it long).
+    `block_tables` is a host int64 tensor [num_seqs, width], width the most blocks a sequence's
+    context covers; a row's entries past its sequence's context are block ids or 0, never read."""
 
     token_ids: list[int]
     positions: list[int]
@@ -115,13 +116,13 @@ class ModelRunner:
         return self.model(inputs.token_ids, inputs.positions, self._kv_layers, meta, self.backend, after_layer)
 
     def prepare(self, items: list[ScheduledSeq], block_tables: dict[str, list[int]]) -> StepBatch:
-        bs = self.kv_cache.block_size
+        bs, rotary = self.kv_cache.block_size, self.model.rotary
         tokens, positions, slots, starts, context_lens, ids, tables = [], [], [], [0], [], [], []
         for item in items:
             seq, end = item.seq, item.start + item.num_new_tokens
             table = block_tables[seq.seq_id]
             tokens += seq.token_ids[item.start:end]
-            positions += range(item.start, end)
+            positions += rotary.table_rows(item.start, end, seq.num_tokens)
             slots += [table[p // bs] * bs + p % bs for p in range(item.start, end)]
             starts.append(starts[-1] + item.num_new_tokens)
             context_lens.append(end)

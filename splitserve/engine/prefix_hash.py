@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 ROOT = 0  # the parent hash of a prompt's first block
-
+LONG_ROPE_ROOT = 1  # ... of a sequence a LongRoPE model turns long (the same tokens' KV differs from a short one's)
 
 def block_key(parent: int, token_ids: Sequence[int], index: int, block_size: int) -> tuple[int, tuple[int, ...]]:
     """The cache key of full block `index` of `token_ids`, whose parent block hashes to `parent`."""

@@ -33,6 +33,8 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}  # Qwen's long-context setting
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],  # Phi-3.5's shape of scaling
+            "long_factor": [1.5 + 0.5 * i for i in range(8)]}
 CONFIGS = {
     "llama_mha": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, num_hidden_layers=3)),
     "llama3_gqa_tied": (LlamaConfig, LlamaForCausalLM,
@@ -48,6 +50,9 @@ CONFIGS = {
                                                           tie_word_embeddings=True)),
     # Q, K and V stored as one qkv_proj tensor, gate and up as one gate_up_proj; half of each head rotated
     "phi3_fused_partial": (Phi3Config, Phi3ForCausalLM, dict(num_key_value_heads=2, partial_rotary_factor=0.5)),
+    # LongRoPE past 48 tokens: the 40-token generation prompt crosses it while decoding
+    "phi3_longrope": (Phi3Config, Phi3ForCausalLM, dict(num_key_value_heads=2, original_max_position_embeddings=48,
+                                                        rope_scaling=LONGROPE)),
 }
 QWEN_TOKENIZED = (Qwen2Config, Qwen3Config)  # transformers gives both Qwen2's tokenizer class
 

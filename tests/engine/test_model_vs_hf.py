@@ -68,7 +68,7 @@ def test_config_json_rope_is_parsed(ckpt):
     assert ours.rope_theta == pytest.approx(rope["rope_theta"])
     assert ours.rope_scaling.rope_type == rope.get("rope_type", "default")
     keys = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-            "yarn": ("factor", "original_max_position_embeddings")}
+            "yarn": ("factor", "original_max_position_embeddings"), "longrope": ("original_max_position_embeddings",)}
     for key in keys.get(rope.get("rope_type"), ()):
         assert getattr(ours.rope_scaling, key) == rope[key], key
     c = hf.config
@@ -78,11 +78,13 @@ def test_config_json_rope_is_parsed(ckpt):
 
 
 @pytest.mark.parametrize("layout", ["legacy", "v5"])
-@pytest.mark.parametrize("name", ["llama3_gqa_tied", "qwen2_yarn"])
+@pytest.mark.parametrize("name", ["llama3_gqa_tied", "qwen2_yarn", "phi3_longrope"])
 def test_rotary_frequencies_match_hf(tmp_path, tokenizers_by_kind, layout, name):
-    """Our llama3- and YaRN-scaled inverse frequencies and cos/sin scale equal HF's rotary
-    module's, from either config.json layout: transformers 4 (top-level rope_theta / rope_scaling,
-    as most hub checkpoints have it) and transformers 5 (`rope_parameters`)."""
+    """Our llama3-, YaRN- and LongRoPE-scaled inverse frequencies (LongRoPE's short and long
+    sets) and cos/sin scale equal HF's, from either config.json layout: transformers 4 (top-level
+    rope_theta / rope_scaling, as most hub checkpoints have it) and transformers 5 (`rope_parameters`)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     from splitserve.engine.model.rotary import attention_factor, inverse_frequencies
 
     hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
@@ -98,6 +100,10 @@ def test_rotary_frequencies_match_hf(tmp_path, tokenizers_by_kind, layout, name)
     ref = hf.model.rotary_emb.inv_freq.float()
     torch.testing.assert_close(inv, ref, rtol=1e-6, atol=0)
     assert attention_factor(ours.rope_scaling) == pytest.approx(hf.model.rotary_emb.attention_scaling, rel=1e-12)
+    if ours.long_rope_from is not None:
+        long, _ = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu", seq_len=ours.long_rope_from + 1)
+        torch.testing.assert_close(inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling, long=True),
+                                   long, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("options", [{}, {"beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
@@ -142,8 +148,11 @@ def test_unsupported_or_mistyped_rope_scaling_names_the_field():
 
     base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
             "num_hidden_layers": 1, "num_attention_heads": 2}
-    with pytest.raises(ConfigError, match="'longrope' is not supported"):
-        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="'dynamic' is not supported"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="long_factor must be a list of 2 positive numbers"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.0],
+                                                      "long_factor": [1.0, 2.0, 3.0]}})
     with pytest.raises(ConfigError, match="factor='4' is not a float"):
         ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": "4"}})
 

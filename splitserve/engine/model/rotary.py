@@ -1,5 +1,10 @@
-"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama), with linear, llama3 and
-YaRN scaling."""
+"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama), with linear, llama3, YaRN
+and LongRoPE scaling.
+
+LongRoPE (Phi-3.5, Phi-4-mini) has two sets of frequencies, for sequences within the trained
+context and past it. Its tables hold both, the long set's rows after the short set's, and a token
+reads the row `table_rows` gives it: which set depends on its sequence's length
+(`ModelConfig.long_rope_from`), so a step's tokens can mix them."""
 from __future__ import annotations
 
 import math
@@ -9,9 +14,12 @@ import torch
 from splitserve.engine.config import ModelConfig, RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling, long: bool = False) -> torch.Tensor:
+    """`long`: LongRoPE's set for sequences past the trained context (else its short set)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta ** exponents)
+    if scaling.rope_type == "longrope":
+        return inv_freq / torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
@@ -23,11 +31,16 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
 
 def attention_factor(scaling: RopeScaling) -> float:
     """What cos and sin are multiplied by (so q.k by its square): YaRN's attention temperature,
-    0.1 ln(factor) + 1 unless the config sets it (or DeepSeek's mscale terms); 1 otherwise."""
-    if scaling.rope_type != "yarn":
+    0.1 ln(factor) + 1 unless the config sets it (or DeepSeek's mscale terms); LongRoPE's,
+    sqrt(1 + ln(factor) / ln(trained context)); 1 otherwise."""
+    if scaling.rope_type not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return scaling.attention_factor
+    if scaling.rope_type == "longrope":
+        if scaling.factor <= 1:
+            return 1.0
+        return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_position_embeddings))
 
     def temperature(weight: float) -> float:
         return 1.0 if scaling.factor <= 1 else 0.1 * weight * math.log(scaling.factor) + 1.0
@@ -73,15 +86,25 @@ class RotaryEmbedding:
 
     def __init__(self, config: ModelConfig, max_len: int):
         self.dims = config.rotary_dim or config.head_dim  # the leading dims turned; the rest pass through
-        inv_freq = inverse_frequencies(self.dims, config.rope_theta, config.rope_scaling)
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.long_from, self.long_offset = config.long_rope_from, max_len  # LongRoPE: where the long rows start
+        sets = [False] if self.long_from is None else [False, True]
+        freqs = torch.cat([torch.arange(max_len, dtype=torch.float32)[:, None] *
+                           inverse_frequencies(self.dims, config.rope_theta, config.rope_scaling, long)[None, :]
+                           for long in sets])
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = attention_factor(config.rope_scaling)
         self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
 
+    def table_rows(self, start: int, end: int, num_tokens: int) -> range:
+        """The table rows of positions [start, end) of a sequence of `num_tokens` tokens: the
+        positions themselves, or the long rows where LongRoPE turns the sequence long."""
+        if self.long_from is None or num_tokens <= self.long_from:
+            return range(start, end)
+        return range(start + self.long_offset, end + self.long_offset)
+
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D] rotated at their positions [T] (their first `dims` dims);
-        on CUDA in place, by one Triton kernel each (`triton_ops`)."""
+        """q: [T, H, D], k: [T, KVH, D] rotated (their first `dims` dims) by the table rows
+        `positions` [T] (`table_rows`); on CUDA in place, by one Triton kernel each (`triton_ops`)."""
         d = self.dims
         if q.is_cuda:
             from splitserve.engine.model import triton_ops
