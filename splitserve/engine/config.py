@@ -24,7 +24,7 @@ class RopeScaling:
     factor: float = 1.0
     low_freq_factor: float = 1.0   # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3, yarn: the context the model was trained for
+    original_max_position_embeddings: int = 8192  # llama3, yarn, longrope: the context the model was trained for
     beta_fast: float = 32.0        # yarn: dimensions turning more often than this over that context are kept
     beta_slow: float = 1.0         # yarn: ... less often than this are interpolated (divided by factor)
     truncate: bool = True          # yarn: round the band between those outwards to whole dimensions
@@ -112,8 +112,8 @@ class ModelConfig:
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
             max_position_embeddings=max_positions, rotary_dim=rotary_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=_parse_rope_scaling(scaling, source, max_positions, cfg.get("original_max_position_embeddings"),
-                                             rotary_dim // 2),
+            rope_scaling=_parse_rope_scaling(scaling, source, max_positions,
+                                             cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -153,11 +153,12 @@ class LLMEngine:
         now = time.monotonic()
         self.policy.observe(plan, now - start)
         updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
+        self.last_step = replace(work, seconds=now - start)
+        outputs = [self._record(self._requests[seq.seq_id], sampled[seq.seq_id].token_id,
+                                sampled[seq.seq_id].logprobs, now) for seq in updated]
         for seq in updated:
             self._turn_long_rope(seq)
-        self.last_step = replace(work, seconds=now - start)
-        return [self._record(self._requests[seq.seq_id], sampled[seq.seq_id].token_id,
-                             sampled[seq.seq_id].logprobs, now) for seq in updated]
+        return outputs
 
     # ---- KV handoff --------------------------------------------------------------------
     def export_request(self, request_id: str) -> tuple[Sequence, list[int]]:
@@ -187,8 +188,9 @@ class LLMEngine:
         (sampled, with its logprobs if requested, by the prompt engine)."""
         req = self._requests[request_id]
         self.policy.complete_import(request_id, first_token_id)
+        output = self._record(req, first_token_id, first_logprobs, time.monotonic())
         self._turn_long_rope(req.seq)
-        return self._record(req, first_token_id, first_logprobs, time.monotonic())
+        return output
 
     # ---- internals ---------------------------------------------------------------------
     def _new_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
@@ -229,9 +231,9 @@ class LLMEngine:
         return text, list(ids)
 
     def _turn_long_rope(self, seq: Sequence) -> None:
-        """LongRoPE: the token that takes a running sequence past the trained context turns all of
-        it long, so its KV so far (computed short) is recomputed, as transformers' generate() does;
-        preemption by recompute does that (on fresh blocks: cached ones are left to short sequences)."""
+        """LongRoPE: the token that takes a sequence still running past the trained context turns
+        all of it long, so its KV so far (computed short) is recomputed, as transformers'
+        generate() does: a preemption by recompute, whose new blocks chain from the long root."""
         if seq.num_tokens - 1 == self.model_config.long_rope_from and seq.status is SequenceStatus.RUNNING:
             self.policy.preempt(seq)
 

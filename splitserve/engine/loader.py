@@ -159,8 +159,9 @@ def _fused_parts(name: str, config: ModelConfig | None) -> list[tuple[str, int]]
     owner, _, kind = name.rpartition(".")
     prefix, _, projection = owner.rpartition(".")
     kv = config.num_key_value_heads * config.head_dim
+    mlp = config.intermediate_size
     rows = {"qkv_proj": {"q_proj": config.num_attention_heads * config.head_dim, "k_proj": kv, "v_proj": kv},
-            "gate_up_proj": {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}}.get(projection)
+            "gate_up_proj": {"gate_proj": mlp, "up_proj": mlp}}.get(projection)
     if rows is None:
         return None
     starts = [0, *itertools.accumulate(rows.values())]
