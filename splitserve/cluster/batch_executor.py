@@ -20,6 +20,7 @@ from splitserve.batch.lines import BatchLine, error_line, prepare_pending, resul
 from splitserve.batch.results import ResultLog
 from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
+from splitserve.engine.prefix_hash import PrefixNaming
 
 DECODING_POOLS = ("token", "mixed")
 
@@ -27,11 +28,11 @@ DECODING_POOLS = ("token", "mixed")
 class ClusterExecutor:
     def __init__(self, cls, model_shape: ModelShape, tokenizer, vocab_size: int, model: str | tuple[str, ...],
                  max_model_len: int, block_size: int, max_attempts: int, retry_s: float = 1.0,
-                 limits: RequestLimits = RequestLimits(), prefix_block_size: int = 0,
+                 limits: RequestLimits = RequestLimits(), prefix: PrefixNaming = PrefixNaming(),
                  parsers: ChatParsers = ChatParsers()):
         self.workers, self.limits = WorkerDirectory(cls), limits
         self.grammar = LazyGrammar(tokenizer, vocab_size)  # structured output's constraints compile up front
-        self.prefix_block_size = prefix_block_size  # ClusterConfig.prefix_block_size
+        self.prefix = prefix
         self.parsers = parsers
         self.shape, self.tokenizer, self.model = model_shape, tokenizer, model
         self.max_model_len, self.block_size = max_model_len, block_size
@@ -106,7 +107,7 @@ class ClusterExecutor:
         as the endpoint numbers them. RequestFailed when every attempt failed."""
         while True:
             run = Run(R.new_request_id(line.kind), prepared.prompts[k], prepared.params[k], self.workers,
-                      self.max_attempts, prefix_block_size=self.prefix_block_size)
+                      self.max_attempts, prefix=self.prefix)
             try:
                 await run.admit()
                 break

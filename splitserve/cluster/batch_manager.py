@@ -10,6 +10,7 @@ from splitserve.batch.store import BatchStore, NotFound
 from splitserve.cluster.batch_executor import ClusterExecutor
 from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import load_metadata
+from splitserve.engine.prefix_hash import PrefixNaming
 
 
 class BatchManager:
@@ -20,7 +21,8 @@ class BatchManager:
         limits = config.ingress.limits()
         executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, model_config.vocab_size,
                                    config.model_names, max_model_len, engine.block_size, config.scheduler.max_attempts,
-                                   limits=limits, prefix_block_size=config.prefix_block_size(),
+                                   limits=limits,
+                                   prefix=PrefixNaming(config.prefix_block_size(), model_config.long_rope_from),
                                    parsers=config.chat_parsers)
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
                                     limits.max_batch_lines)

@@ -136,7 +136,7 @@ def choices_for(kind: str, request: GenerationRequest, leaders: list[Run], token
         choices = [leader]
         for index in range(1, runs):
             follower = Run(f"{leader.request_id}-{index}", leader.prompt, choice_params(leader.params, index),
-                           leader.workers, leader.max_attempts, prefix_block_size=leader.prefix_block_size)
+                           leader.workers, leader.max_attempts, prefix=leader.prefix)
             follower.admit_after(leader, follower_retry_s)
             choices.append(follower)
         return [RunResponse(kind, run, request.model, TextStream(tokenizer, run.params, run.prompt), started, on_done,

@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken, detached
 from splitserve.cluster.worker_loop import TokenDelta
-from splitserve.engine.prefix_hash import prompt_block_hashes
+from splitserve.engine.prefix_hash import PrefixNaming
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement import Placement, PlacementRequest
 from splitserve.placement.state import MAX_PREFIX_BLOCKS
@@ -82,7 +82,7 @@ class Run:
     failures: int = 0  # attempts that failed (each one placed the request again, if attempts were left)
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None  # from the first attempt that computed them
     follow: Placement | None = None  # the first attempt goes where this placement went, if it still qualifies
-    prefix_block_size: int = 0  # the engines' KV block size, to name the prompt's blocks to the CLS; 0: don't
+    prefix: PrefixNaming = PrefixNaming()  # how to name the prompt's blocks to the CLS (by default: not at all)
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first token, or when it ends without
     _deltas: asyncio.Queue | None = None  # this attempt's token deltas from its token worker's feed
     _first: asyncio.Task | None = None
@@ -236,9 +236,9 @@ class Run:
     def _prefix_hashes(self, prompt: list[int], params: SamplingParams) -> tuple[int, ...]:
         """The prompt's blocks as the engines' prefix caches name them, for prefix-aware placement;
         none when it is off or no cache would be used (prompt logprobs still to compute)."""
-        if not self.prefix_block_size or params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None:
             return ()
-        return prompt_block_hashes(prompt, self.prefix_block_size, MAX_PREFIX_BLOCKS)
+        return self.prefix.hashes(prompt, MAX_PREFIX_BLOCKS)
 
     def _remaining_params(self) -> SamplingParams:
         done, have_prompt_logprobs = len(self.tokens), self.prompt_logprobs is not None

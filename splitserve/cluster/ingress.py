@@ -32,6 +32,7 @@ from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
 from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import load_metadata
+from splitserve.engine.prefix_hash import PrefixNaming
 
 api = FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster")
 api.include_router(batch_routes.router)
@@ -53,7 +54,7 @@ class Ingress:
         self._observations = ObservationBuffer()
         self.created = int(time.time())
         self.limits = self.config.ingress.limits()
-        self._prefix_block_size = self.config.prefix_block_size()
+        self._prefix = PrefixNaming(self.config.prefix_block_size(), model_config.long_rope_from)
         api.state.api_key, api.state.limits = self.api_key, self.limits
         api.state.batches = RemoteBatches(self._batches_handle)
 
@@ -134,7 +135,7 @@ class Ingress:
         self._observations.start(workers.cls)
         rid = R.new_request_id(kind)
         leaders = [Run(rid if k == 0 else f"{rid}-p{k}", prompt, params, workers, self.config.scheduler.max_attempts,
-                       prefix_block_size=self._prefix_block_size)
+                       prefix=self._prefix)
                    for k, (prompt, params) in enumerate(zip(prepared.prompts, prepared.params))]
         admitted = 0
         try:

@@ -29,18 +29,14 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.engine.prefix_hash import LONG_ROPE_ROOT, ROOT, block_key, num_reusable_blocks
+from splitserve.engine.prefix_hash import ROOT, block_key, chain_root, num_reusable_blocks
 from splitserve.engine.sequence import Sequence
 
 
 def long_rope_root(long_from: int | None) -> Callable[[Sequence], int]:
     """`root_of` for a model: with LongRoPE, a sequence of more than `long_from` tokens (whose KV
-    turns long) chains from LONG_ROPE_ROOT. Such prompts' hashes never equal what the ingress names
-    (`prompt_block_hashes`), so the CLS sees no prefix hits for them; a worker's own cache still
-    reuses their blocks."""
-    if long_from is None:
-        return lambda seq: ROOT
-    return lambda seq: LONG_ROPE_ROOT if seq.num_tokens > long_from else ROOT
+    turns long) chains from LONG_ROPE_ROOT (`prefix_hash.chain_root`, as the ingress names it)."""
+    return lambda seq: chain_root(seq.num_tokens, long_from)
 
 
 class OutOfBlocksError(RuntimeError):

@@ -13,6 +13,7 @@ before Python 3.12, hash(None) is None's address, which differs between processe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 ROOT = 0  # the parent hash of a prompt's first block
 LONG_ROPE_ROOT = 1  # ... of a sequence a LongRoPE model turns long (the same tokens' KV differs from a short one's)
@@ -27,13 +28,35 @@ def num_reusable_blocks(num_tokens: int, block_size: int) -> int:
     return (num_tokens - 1) // block_size
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> tuple[int, ...]:
+def chain_root(num_tokens: int, long_rope_from: int | None) -> int:
+    """The root a sequence of `num_tokens` chains its blocks from: LONG_ROPE_ROOT where a LongRoPE
+    model (trained context `long_rope_from`) turns it long, else ROOT."""
+    return LONG_ROPE_ROOT if long_rope_from is not None and num_tokens > long_rope_from else ROOT
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int,
+                        long_rope_from: int | None = None) -> tuple[int, ...]:
     """The hashes of the blocks a prefix-cache lookup of `token_ids` tries, in order (at most
     `max_blocks`: the first ones, themselves a chain)."""
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    hashes, parent = [], ROOT
+    hashes, parent = [], chain_root(len(token_ids), long_rope_from)
     for index in range(min(num_reusable_blocks(len(token_ids), block_size), max_blocks)):
         parent = hash(block_key(parent, token_ids, index, block_size))
         hashes.append(parent)
     return tuple(hashes)
+
+
+@dataclass(frozen=True)
+class PrefixNaming:
+    """How a request names its prompt's blocks to the cluster-level scheduler, as the workers'
+    block managers name them: the engines' block size (0: it names none) and a LongRoPE model's
+    trained context (`ModelConfig.long_rope_from`)."""
+
+    block_size: int = 0
+    long_rope_from: int | None = None
+
+    def hashes(self, token_ids: Sequence[int], max_blocks: int) -> tuple[int, ...]:
+        if not self.block_size:
+            return ()
+        return prompt_block_hashes(token_ids, self.block_size, max_blocks, self.long_rope_from)

@@ -10,6 +10,7 @@ from ray.exceptions import RayTaskError
 
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.prefix_hash import PrefixNaming
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement import Placement
 from splitserve.transfer.link import TransferError
@@ -33,7 +34,7 @@ class _CLS:
 
 def asked(prompt: list[int], prefix_block_size: int, params: SamplingParams = SamplingParams(max_tokens=4)):
     cls = _CLS()
-    run = Run("r", prompt, params, WorkerDirectory(cls), max_attempts=1, prefix_block_size=prefix_block_size)
+    run = Run("r", prompt, params, WorkerDirectory(cls), max_attempts=1, prefix=PrefixNaming(prefix_block_size))
     with pytest.raises(Overloaded):
         asyncio.run(run.admit())
     return cls.requests[0]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.prefix_hash import prompt_block_hashes
+from splitserve.engine.block_manager import BlockManager, long_rope_root
+from splitserve.engine.prefix_hash import PrefixNaming, prompt_block_hashes
 from tests.engine.block_helpers import BS, cached, make_seq, seq_range
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +29,21 @@ def test_hashes_are_the_blocks_the_cache_holds_and_a_lookup_takes(length):
     again = make_seq("b", tokens + [1])
     bm.allocate(again)
     assert again.num_cached_tokens == len(hashes) * BS
+
+
+@pytest.mark.parametrize("length", [2 * BS, 3 * BS + 2])  # within the trained context (3 blocks) and past it
+def test_a_longrope_prompt_is_named_as_a_longrope_block_manager_caches_it(length):
+    """Past LongRoPE's trained context a prompt's KV differs, and so does its chain's root: the
+    ingress names the blocks the workers hold, not a shorter prompt's."""
+    trained = 3 * BS
+    bm = BlockManager(16, block_size=BS, root_of=long_rope_root(trained))
+    tokens = seq_range(7, length)
+    cached(bm, "a", tokens)
+    naming = PrefixNaming(BS, trained)
+    hashes = naming.hashes(tokens + [1], max_blocks=100)
+    assert hashes == bm.take_prefix_snapshot()[:len(hashes)] and len(hashes) == length // BS
+    assert (hashes == prompt_block_hashes(tokens + [1], BS, 100)) == (length + 1 <= trained)
+    assert PrefixNaming().hashes(tokens, 100) == ()
 
 
 def test_the_last_token_is_never_covered_and_the_count_is_capped():
