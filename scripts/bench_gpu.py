@@ -13,8 +13,8 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
    nothing is prefilled; the cache holds random values), then --steps decode-only steps are timed
    (CUDA graphs replay them; the engine decodes no text, as on a token worker). Each row also
    has the device time of the model's forward (CUDA events around it) and the rest of the step
-   outside it: the host's own work, which the device waits for, plus the LM head and sampling. MBU = (weight bytes + KV bytes read per step) / step time / the
-   device's HBM peak. Weight bytes: every layer, the final norm and the LM head (the embedding
+   outside it: the host's own work, which the device waits for, plus the LM head and sampling.
+   MBU = (weight bytes + KV bytes read per step) / step time / the device's HBM peak. Weight bytes: every layer, the final norm and the LM head (the embedding
    reads B rows); KV bytes: B x mean context x bytes per token. Batches 1, 16, 64, 256 at 1k and
    4k tokens; a row whose KV does not fit in the engine's cache says so instead.
 2. prefill: one prompt of N tokens in one step (prefill_first, budget N). MFU = model FLOPs / step
@@ -47,6 +47,9 @@ from pathlib import Path
 
 import torch
 
+from call_timer import timed  # this script's folder, as the two below
+from gpu_report import print_table, report
+from gpu_roofline import decode_weight_bytes, peaks, prefill_flops
 from kv_pair import Pair, kv_bytes_per_token, measure
 
 from splitserve.engine.loader import write_shape_checkpoint
@@ -56,10 +59,6 @@ TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size":
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
 MIN_SECTION_S = 60  # with less of the --budget left a section is skipped: start-up alone takes longer
-PEAKS = [  # (name contains, HBM bytes/s, dense bf16 FLOP/s); the first match wins
-    ("H200", 4.8e12, 989e12), ("H100 NVL", 3.9e12, 835e12), ("H100 PCIe", 2.0e12, 756e12),
-    ("H100", 3.35e12, 989e12), ("A100-SXM4-80GB", 2.039e12, 312e12), ("A100 80GB PCIe", 1.935e12, 312e12),
-    ("A100", 1.555e12, 312e12), ("L40S", 0.864e12, 362e12)]
 
 
 def settings(tiny: bool) -> dict:
@@ -74,32 +73,6 @@ def settings(tiny: bool) -> dict:
 
 def device_name(engine_args: dict) -> str:
     return torch.cuda.get_device_name() if engine_args["device"] == "cuda" else "cpu"
-
-
-def peaks(name: str, hbm_tbs: float | None, tflops: float | None) -> tuple[float | None, float | None]:
-    hbm, flops = next(((h, f) for key, h, f in PEAKS if key in name), (None, None))
-    return (hbm_tbs * 1e12 if hbm_tbs else hbm), (tflops * 1e12 if tflops else flops)
-
-
-# ---- what a step reads and computes ------------------------------------------------------------
-def layer_params(c: dict) -> int:
-    head = c["hidden_size"] // c["num_attention_heads"]
-    qkv = c["hidden_size"] * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * head
-    out = c["num_attention_heads"] * head * c["hidden_size"]
-    mlp = 3 * c["hidden_size"] * c["intermediate_size"]
-    return qkv + out + mlp + 2 * c["hidden_size"]
-
-
-def decode_weight_bytes(c: dict, batch: int, element: int) -> int:
-    lm_head = c["vocab_size"] * c["hidden_size"]
-    read = c["num_hidden_layers"] * layer_params(c) + c["hidden_size"] + lm_head + batch * c["hidden_size"]
-    return read * element
-
-
-def prefill_flops(c: dict, n: int) -> float:
-    head = c["hidden_size"] // c["num_attention_heads"]
-    attention = 2 * n * n * c["num_attention_heads"] * head  # QK^T and PV, each 2 N^2 d per head, halved: causal
-    return c["num_hidden_layers"] * (2 * n * layer_params(c) + attention) + 2 * c["vocab_size"] * c["hidden_size"]
 
 
 def random_prompt(rng: random.Random, c: dict, n: int) -> list[int]:
@@ -134,12 +107,7 @@ class ForwardClock:
         self._pending: list = []
         forward = runner.forward
 
-        def timed(*args, **kwargs):
-            if not torch.cuda.is_available():
-                start = time.perf_counter()
-                out = forward(*args, **kwargs)
-                self._pending.append(time.perf_counter() - start)
-                return out
+        def timed_on_device(*args, **kwargs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = forward(*args, **kwargs)
@@ -147,11 +115,11 @@ class ForwardClock:
             self._pending.append((start, end))
             return out
 
-        runner.forward = timed
+        runner.forward = timed_on_device if runner.device.type == "cuda" else timed(forward, self._pending.append)
 
     def close_step(self) -> None:
         self.steps.append(sum(p if isinstance(p, float) else p[0].elapsed_time(p[1]) / 1e3 for p in self._pending))
-        self._pending = []
+        self._pending.clear()  # in place: the wrapper appends to this list
 
 
 # ---- sections, each in its own process --------------------------------------------------------
@@ -321,70 +289,6 @@ def run_section(name: str, model: str, s: dict, args, timeout: float) -> list[di
     if proc.is_alive():
         proc.kill()
     return rows
-
-
-# ---- the report ------------------------------------------------------------------------------
-def report(rows: list[dict], device: str, hbm: float | None, flops: float | None, tiny: bool) -> dict:
-    for row in rows:
-        row["device"] = device
-        if "bytes_per_s" in row:
-            row["mbu"] = row["bytes_per_s"] / hbm if hbm else None
-        if "flops_per_s" in row:
-            row["mfu"] = row["flops_per_s"] / flops if flops else None
-    tps = {r["engine"]: r["output_tokens_per_s"] for r in rows if r["section"] == "throughput" and "engine" in r}
-    ratio = tps["splitserve"] / tps["transformers"] if len(tps) == 2 else None
-    return {"device": device, "model": "tiny Llama (dummy)" if tiny else "Llama-3-8B shape, 128k context (dummy weights)",
-            "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops, "throughput_ratio_vs_hf": ratio,
-            "targets": None if tiny else targets(rows, ratio), "rows": rows}
-
-
-def targets(rows: list[dict], ratio: float | None) -> dict:
-    def first(section, **match):
-        return next((r for r in rows if r["section"] == section and all(r.get(k) == v for k, v in match.items())),
-                    {})
-
-    mbu = {b: [r.get("mbu") for r in rows if r["section"] == "decode" and r["batch"] == b] for b in (1, 64)}
-    return {"decode_mbu_batch1_ge_0.6": _all_at_least(mbu[1], 0.6), "decode_mbu_batch64_ge_0.5": _all_at_least(mbu[64], 0.5),
-            "prefill_mfu_8k_ge_0.5": _all_at_least([first("prefill", context=8192).get("mfu")], 0.5),
-            "throughput_ge_5x_hf": None if ratio is None else ratio >= 5,
-            "transfer_visible_8k_le_0.1": _all_at_most([first("transfer", context=8192).get("visible_fraction")], 0.1)}
-
-
-def _all_at_least(values: list, floor: float) -> bool | None:
-    return None if not values or None in values else all(v >= floor for v in values)
-
-
-def _all_at_most(values: list, ceiling: float) -> bool | None:
-    return None if not values or None in values else all(v <= ceiling for v in values)
-
-
-def print_table(result: dict) -> None:
-    print(f"Device: {result['device']}; {result['model']}; throughput vs transformers: "
-          f"{_fmt(result['throughput_ratio_vs_hf'], '.2f')}x")
-    print("| section | engine/backend | batch | context | step ms (min-max) | MBU | MFU | visible / serialized |")
-    print("|---|---|---:|---:|---|---:|---:|---:|")
-    for r in result["rows"]:
-        if "error" in r or "skipped" in r:
-            print(f"| {r['section']} | | {r.get('batch', '')} | {r.get('context', '')} | "
-                  f"{r.get('skipped') or r['error'].strip().splitlines()[-1]} |")
-            continue
-        outside = f", {r['outside_forward_ms']:.2f} outside the forward" if "outside_forward_ms" in r else ""
-        step = (f"{r['step_ms']:.2f} ({r['step_ms_min']:.2f}-{r['step_ms_max']:.2f}){outside}" if "step_ms" in r else
-                f"{r['seconds']:.2f} s, {r['output_tokens_per_s']:.0f} tok/s" if "seconds" in r else
-                f"serialized {r['serialized_transfer_ms']:.2f}, visible {r['visible_transfer_ms']:.2f}")
-        print(f"| {r['section']} | {r.get('engine') or r.get('backend', '')} | {r['batch']} | {r['context']} | {step} "
-              f"| {_fmt(r.get('mbu'), '.0%')} | {_fmt(r.get('mfu'), '.0%')} | {_fmt(r.get('visible_fraction'), '.0%')} |")
-    startup = {}
-    for r in result["rows"]:
-        if "startup_s" in r:
-            startup.setdefault(r.get("engine") or r["section"], r["startup_s"])
-    print("Start-up:", ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items()) or "-")
-    if result["targets"]:
-        print("Targets:", ", ".join(f"{k}: {v}" for k, v in result["targets"].items()))
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from call_timer import timed  # this script's folder
 
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import write_shape_checkpoint
@@ -50,16 +51,10 @@ class ModelClock:
     def __init__(self, model: torch.nn.Module):
         self.seconds = 0.0
         for name in ("forward", "compute_logits"):
-            setattr(model, name, self._timed(getattr(model, name)))
+            setattr(model, name, timed(getattr(model, name), self._add))
 
-    def _timed(self, fn):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-        return timed
+    def _add(self, seconds: float) -> None:
+        self.seconds += seconds
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

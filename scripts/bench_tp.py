@@ -36,11 +36,13 @@ import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from bench_kv_transfer import LARGER  # this script's folder
+from call_timer import timed
 from kv_pair import NEVER, kv_bytes_per_token
 
 from splitserve.cluster.worker_loop import IMPORT_WAIT_S
@@ -58,18 +60,13 @@ def _time_collectives() -> None:
     """Wrap TPGroup's collectives (before any model binds `all_reduce`) to add up their time."""
     from splitserve.engine.tensor_parallel import TPGroup
 
-    def timed(fn, key):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _spent[key] += time.perf_counter() - start
-        return wrapper
+    TPGroup.all_reduce = timed(TPGroup.all_reduce, partial(_spend, "all_reduce"))
+    TPGroup.broadcast = timed(TPGroup.broadcast, partial(_spend, "control"))
+    TPGroup.gather = timed(TPGroup.gather, partial(_spend, "control"))
 
-    TPGroup.all_reduce = timed(TPGroup.all_reduce, "all_reduce")
-    TPGroup.broadcast = timed(TPGroup.broadcast, "control")
-    TPGroup.gather = timed(TPGroup.gather, "control")
+
+def _spend(key: str, seconds: float) -> None:
+    _spent[key] += seconds
 
 
 def _take_spent() -> dict[str, float]:

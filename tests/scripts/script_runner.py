@@ -11,7 +11,9 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def load_script(name: str):
-    """scripts/`name`.py as a module."""
+    """scripts/`name`.py as a module (scripts are no package: they import their folder's others)."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

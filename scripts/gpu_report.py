@@ -1,0 +1,65 @@
+"""bench_gpu.py's result: its rows with MBU and MFU against the device's peaks, the issue's
+targets met or not, and the table it prints."""
+from __future__ import annotations
+
+def report(rows: list[dict], device: str, hbm: float | None, flops: float | None, tiny: bool) -> dict:
+    for row in rows:
+        row["device"] = device
+        if "bytes_per_s" in row:
+            row["mbu"] = row["bytes_per_s"] / hbm if hbm else None
+        if "flops_per_s" in row:
+            row["mfu"] = row["flops_per_s"] / flops if flops else None
+    tps = {r["engine"]: r["output_tokens_per_s"] for r in rows if r["section"] == "throughput" and "engine" in r}
+    ratio = tps["splitserve"] / tps["transformers"] if len(tps) == 2 else None
+    return {"device": device, "model": "tiny Llama (dummy)" if tiny else "Llama-3-8B shape, 128k context (dummy weights)",
+            "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops, "throughput_ratio_vs_hf": ratio,
+            "targets": None if tiny else targets(rows, ratio), "rows": rows}
+
+
+def targets(rows: list[dict], ratio: float | None) -> dict:
+    def first(section, **match):
+        return next((r for r in rows if r["section"] == section and all(r.get(k) == v for k, v in match.items())),
+                    {})
+
+    mbu = {b: [r.get("mbu") for r in rows if r["section"] == "decode" and r["batch"] == b] for b in (1, 64)}
+    return {"decode_mbu_batch1_ge_0.6": _all_at_least(mbu[1], 0.6), "decode_mbu_batch64_ge_0.5": _all_at_least(mbu[64], 0.5),
+            "prefill_mfu_8k_ge_0.5": _all_at_least([first("prefill", context=8192).get("mfu")], 0.5),
+            "throughput_ge_5x_hf": None if ratio is None else ratio >= 5,
+            "transfer_visible_8k_le_0.1": _all_at_most([first("transfer", context=8192).get("visible_fraction")], 0.1)}
+
+
+def _all_at_least(values: list, floor: float) -> bool | None:
+    return None if not values or None in values else all(v >= floor for v in values)
+
+
+def _all_at_most(values: list, ceiling: float) -> bool | None:
+    return None if not values or None in values else all(v <= ceiling for v in values)
+
+
+def print_table(result: dict) -> None:
+    print(f"Device: {result['device']}; {result['model']}; throughput vs transformers: "
+          f"{_fmt(result['throughput_ratio_vs_hf'], '.2f')}x")
+    print("| section | engine/backend | batch | context | step ms (min-max) | MBU | MFU | visible / serialized |")
+    print("|---|---|---:|---:|---|---:|---:|---:|")
+    for r in result["rows"]:
+        if "error" in r or "skipped" in r:
+            print(f"| {r['section']} | | {r.get('batch', '')} | {r.get('context', '')} | "
+                  f"{r.get('skipped') or r['error'].strip().splitlines()[-1]} |")
+            continue
+        outside = f", {r['outside_forward_ms']:.2f} outside the forward" if "outside_forward_ms" in r else ""
+        step = (f"{r['step_ms']:.2f} ({r['step_ms_min']:.2f}-{r['step_ms_max']:.2f}){outside}" if "step_ms" in r else
+                f"{r['seconds']:.2f} s, {r['output_tokens_per_s']:.0f} tok/s" if "seconds" in r else
+                f"serialized {r['serialized_transfer_ms']:.2f}, visible {r['visible_transfer_ms']:.2f}")
+        print(f"| {r['section']} | {r.get('engine') or r.get('backend', '')} | {r['batch']} | {r['context']} | {step} "
+              f"| {_fmt(r.get('mbu'), '.0%')} | {_fmt(r.get('mfu'), '.0%')} | {_fmt(r.get('visible_fraction'), '.0%')} |")
+    startup = {}
+    for r in result["rows"]:
+        if "startup_s" in r:
+            startup.setdefault(r.get("engine") or r["section"], r["startup_s"])
+    print("Start-up:", ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items()) or "-")
+    if result["targets"]:
+        print("Targets:", ", ".join(f"{k}: {v}" for k, v in result["targets"].items()))
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
