@@ -58,8 +58,9 @@ class LLMEngine:
         self.model_name, self.model_config, self.tokenizer = model, loaded.config, loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.kv_cache, self.runner = shard.kv_cache, shard.runner
+        self._long_rope_from = loaded.config.long_rope_from
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          long_rope_root(loaded.config.long_rope_from))
+                                          long_rope_root(self._long_rope_from))
         limits = config.scheduler_limits(self.max_model_len)
         self.policy = make_policy(config.policy, self.block_manager, limits)
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
@@ -156,8 +157,9 @@ class LLMEngine:
         self.last_step = replace(work, seconds=now - start)
         outputs = [self._record(self._requests[seq.seq_id], sampled[seq.seq_id].token_id,
                                 sampled[seq.seq_id].logprobs, now) for seq in updated]
-        for seq in updated:
-            self._turn_long_rope(seq)
+        if self._long_rope_from is not None:
+            for seq in updated:
+                self._turn_long_rope(seq)
         return outputs
 
     # ---- KV handoff --------------------------------------------------------------------
@@ -234,7 +236,7 @@ class LLMEngine:
         """LongRoPE: the token that takes a sequence still running past the trained context turns
         all of it long, so its KV so far (computed short) is recomputed, as transformers'
         generate() does: a preemption by recompute, whose new blocks chain from the long root."""
-        if seq.num_tokens - 1 == self.model_config.long_rope_from and seq.status is SequenceStatus.RUNNING:
+        if seq.num_tokens - 1 == self._long_rope_from and seq.status is SequenceStatus.RUNNING:
             self.policy.preempt(seq)
 
     def _record(self, req: _Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:

@@ -10,7 +10,6 @@ its part of each tensor from the file (`shard_slices`).
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -70,21 +69,24 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
         for file, name, handle in _iter_with_files(path):
             if name.endswith(IGNORED_SUFFIXES) or name in absent:
                 continue
-            fused = _fused_parts(name, config)
-            expected, found = [], []
-            for part_name, first_row in fused or [(name, 0)]:
+            found = []  # (parameter, its part of the tensor as shard_slices says, that tensor's full shape)
+            for part_name in _fused_parts(name, config) or [name]:
                 target = targets.get(part_name)
                 if target is None:
                     raise CheckpointError(f"{file}: tensor {name!r} has no matching parameter in {type(model).__name__}")
                 part = parts.get(part_name)
-                expected.append(part.full_shape(target.shape) if part else tuple(target.shape))
-                found.append((target, part, first_row))
+                found.append((target, part, part.full_shape(target.shape) if part else tuple(target.shape)))
             shape = tuple(handle.get_slice(name).get_shape())
-            whole = (sum(s[0] for s in expected), *expected[0][1:]) if fused else expected[0]
+            whole = (sum(full[0] for *_, full in found), *found[0][2][1:])  # fused parts are stacked by rows
             if shape != whole:
                 raise CheckpointError(f"{file}: tensor {name!r} has shape {shape}, the model expects {whole}")
-            for (target, part, first_row), full in zip(found, expected):
-                target.copy_(_read(handle, name, part, first_row, full[0]) if fused else _read(handle, name, part))
+            first_row = 0
+            for target, part, full in found:
+                if len(found) > 1:  # a fused tensor: the part's rows of it, or this rank's of them
+                    start, stop = (part.start, part.stop) if part else (0, full[0])
+                    part = ShardSlice(0, first_row + start, first_row + stop, whole[0])
+                    first_row += full[0]
+                target.copy_(_read(handle, name, part))
                 loaded.add(_where(target))
     missing = [name for name, target in targets.items() if _where(target) not in loaded]
     if missing:
@@ -151,31 +153,23 @@ def write_shape_checkpoint(root: str | Path, config: dict) -> str:
     return str(root)
 
 
-def _fused_parts(name: str, config: ModelConfig | None) -> list[tuple[str, int]] | None:
-    """The parts of a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj) as (the name the part
-    has in an unfused checkpoint, its first row); None for any other tensor."""
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _fused_parts(name: str, config: ModelConfig | None) -> list[str] | None:
+    """The names, in an unfused checkpoint, of a fused checkpoint tensor's parts (Phi-3's qkv_proj,
+    gate_up_proj), in the order its rows stack them; None for any other tensor."""
     if config is None or config.architecture not in FUSED_ARCHITECTURES:
         return None
     owner, _, kind = name.rpartition(".")
     prefix, _, projection = owner.rpartition(".")
-    kv = config.num_key_value_heads * config.head_dim
-    mlp = config.intermediate_size
-    rows = {"qkv_proj": {"q_proj": config.num_attention_heads * config.head_dim, "k_proj": kv, "v_proj": kv},
-            "gate_up_proj": {"gate_proj": mlp, "up_proj": mlp}}.get(projection)
-    if rows is None:
-        return None
-    starts = [0, *itertools.accumulate(rows.values())]
-    return [(f"{prefix}.{part}.{kind}", start) for part, start in zip(rows, starts)]
+    return [f"{prefix}.{part}.{kind}" for part in FUSED_PARTS.get(projection, ())] or None
 
 
-def _read(handle, name: str, part: ShardSlice | None, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
-    """The tensor, or only the part a rank holds (read from the file without the rest); with
-    `rows`, of the fused tensor's rows [first_row, first_row + rows) (a part is column-parallel)."""
-    if part is None and rows is None:
+def _read(handle, name: str, part: ShardSlice | None) -> torch.Tensor:
+    """The tensor, or only the part a rank holds (read from the file without the rest)."""
+    if part is None:
         return handle.get_tensor(name)
-    if rows is not None:
-        start, stop = (first_row + part.start, first_row + part.stop) if part else (first_row, first_row + rows)
-        return handle.get_slice(name)[start:stop]
     index = (slice(None),) * part.dim + (slice(part.start, part.stop),)
     return handle.get_slice(name)[index]
 

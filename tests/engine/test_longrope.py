@@ -13,7 +13,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer.codec import pack_all, slot_index, unpack_all
 from tests.engine.hf_checkpoints import ENGINE_ARGS, hf_greedy, hf_logits, prompt_ids, write_checkpoint
 from tests.engine.hf_checkpoints import tokenizers_by_kind  # noqa: F401 (fixture)
-from tests.engine.test_model_vs_hf import max_diff, new_seq, run_plan
+from tests.engine.runner_helpers import max_diff, new_seq, run_plan
 
 TRAINED = 48  # the checkpoint's original_max_position_embeddings
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)

@@ -16,47 +16,13 @@ from transformers import AutoTokenizer
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_model_config
-from splitserve.engine.policies import Plan, ScheduledSeq
+from splitserve.engine.policies import ScheduledSeq
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.sequence import Sequence
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
     BOS, ENGINE_ARGS, NEW_TOKENS, YARN_ROPE, ckpt, generation_prompts, hf_greedy, hf_logits, prompt_ids,
     tokenizers_by_kind, write_checkpoint,
 )
-
-# ---- driving our model runner directly -------------------------------------------------------
-def new_seq(engine: LLMEngine, seq_id: str, ids: list[int]) -> Sequence:
-    seq = Sequence(seq_id, list(ids), SamplingParams())
-    engine.block_manager.allocate(seq, use_prefix_cache=False)
-    assert seq.num_computed_tokens == 0
-    return seq
-
-
-@torch.inference_mode()
-def run_plan(engine: LLMEngine, items: list[ScheduledSeq]) -> dict[str, torch.Tensor]:
-    """Run one iteration; return each sequence's logits [num_new_tokens, vocab] (float32), and
-    advance its num_computed_tokens as the policy would."""
-    plan = Plan(tuple(items))
-    ordered = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # as ModelRunner.execute
-    tables = {item.seq.seq_id: engine.block_manager.block_table(item.seq.seq_id) for item in ordered}
-    runner = engine.runner
-    batch = runner.prepare(ordered, tables)
-    logits = runner.model.compute_logits(runner.forward(batch)).float()
-    out = {}
-    for i, item in enumerate(ordered):
-        out[item.seq.seq_id] = logits[batch.query_starts[i]:batch.query_starts[i + 1]]
-        item.seq.num_computed_tokens = item.start + item.num_new_tokens
-    return out
-
-
-def append(engine: LLMEngine, seq: Sequence, token_id: int) -> None:
-    seq.append_token(token_id)
-    engine.block_manager.grow(seq, seq.num_tokens)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
-
+from tests.engine.runner_helpers import append, max_diff, new_seq, run_plan
 
 # ---- config parsing ---------------------------------------------------------------------
 def test_config_json_rope_is_parsed(ckpt):
