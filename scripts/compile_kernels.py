@@ -15,6 +15,7 @@ Exits non-zero if a variant spills registers, needs more shared memory than the 
 gives a block, or is first compiled while serving.
 
     python scripts/compile_kernels.py --arch 90 --json kernels.json
+    python scripts/compile_kernels.py --shape qwen3-30b-a3b   # with the fused-MoE kernels
 """
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ from splitserve.engine.config import EngineConfig, ModelConfig  # noqa: E402
 from splitserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from splitserve.engine.kernel_warm_up import warm_up  # noqa: E402
 from splitserve.engine.kv_cache import KVCache  # noqa: E402
+from splitserve.engine.model.fused_moe import fused_experts  # noqa: E402
 from splitserve.engine.model.llama import LlamaAttention  # noqa: E402
+from splitserve.engine.model.moe import SparseMoeBlock, expert_names  # noqa: E402
 from splitserve.engine.model.triton_ops import add_rms_norm, rotate_in_place  # noqa: E402
 from splitserve.engine.model_runner import ModelRunner, StepBatch  # noqa: E402
-from splitserve.engine.shapes import LLAMA3_8B  # noqa: E402
+from splitserve.engine.shapes import SHAPES  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -136,18 +139,25 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in (f.split(":") for f in fields if f.split(":")[1].isdigit())}
 
 
-class LayerLaunches:
+class LayerLaunches(torch.nn.Module):
     """One Llama decoder layer's Triton launches on CUDA, in its order and with its tensors'
     shapes and strides, without the matmuls (their results are only allocated): the norm without
-    and with the residual, the rotary embedding of q and k (views of the fused QKV output), and
-    attention. Called as the model is, by the model runner and the CUDA graphs."""
+    and with the residual, the rotary embedding of q and k (views of the fused QKV output),
+    attention, and a sparse layer's experts (every token on its first k experts). Called as the
+    model is, by the model runner and the CUDA graphs."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_model_len: int):
+        super().__init__()
         with torch.device("meta"):
             self.attention = LlamaAttention(config)
         self.config, self.dtype = config, dtype
         self.weight = torch.empty(config.hidden_size, dtype=dtype)
         self.cos = self.sin = torch.empty((max_model_len, config.head_dim), dtype=torch.float32)
+        self.moe = None
+        if config.is_moe_layer(0):  # its weights allocated on the CPU, never written (no pages touched)
+            with torch.device("meta"):
+                self.moe = SparseMoeBlock(config, expert_names(config)).to(dtype)
+            self.moe.to_empty(device="cpu")
 
     def __call__(self, ids, positions, kv_layers, meta: AttentionMetadata, backend, after_layer=None):
         t, c, attention = ids.shape[0], self.config, self.attention
@@ -158,6 +168,10 @@ class LayerLaunches:
         rotate_in_place(positions, k, self.cos, self.sin)
         backend.forward(q, k, v, kv_layers[0], meta)
         h, _ = add_rms_norm(x, h, self.weight, c.rms_norm_eps)
+        if self.moe is not None:
+            k = self.moe.top_k
+            fused_experts(h, self.moe.experts.w13, self.moe.experts.w2, torch.ones((t, k)),
+                          torch.arange(k).repeat(t, 1))
         return h
 
 
@@ -232,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, choices=sorted(ARCHS), action="append",
                         help="compute capability x10 (repeatable; default 90 and 80)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--shape", type=Path, help="a config.json (default: the Llama-3-8B shape)")
+    parser.add_argument("--shape", default="llama3-8b",
+                        help=f"a config.json, or one of {', '.join(SHAPES)} (default: llama3-8b)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200, help="random prefill / mixed steps of the serving mix")
@@ -241,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                         "times are a cold start's; give the same one twice to time a warm start)")
     parser.add_argument("--json", type=Path, help="write the variants here")
     args = parser.parse_args(argv)
-    shape = json.loads(args.shape.read_text()) if args.shape else LLAMA3_8B
+    shape = SHAPES.get(args.shape) or json.loads(Path(args.shape).read_text())
     config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs)
     report, failed = {"dtype": args.dtype, "archs": {}}, False
     os.environ["TRITON_CACHE_DIR"] = str(args.cache_dir or tempfile.mkdtemp(prefix="splitserve-triton-"))

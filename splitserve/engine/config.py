@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")
-QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # a window only with use_sliding_window
+                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # a window only with use_sliding_window
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # a layer's MLP may be sparse experts
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -54,6 +56,11 @@ class ModelConfig:
     qk_norm: bool = False          # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    num_experts: int = 0           # MoE: experts of each sparse layer (0: every MLP is dense)
+    num_experts_per_tok: int = 0   # MoE: the experts each token is routed to (top-k of the router's softmax)
+    moe_intermediate_size: int = 0  # MoE: each expert's MLP width
+    norm_topk_prob: bool = True    # MoE: the chosen experts' weights are renormalized to sum to one
+    dense_layers: tuple[int, ...] = ()  # MoE: the layers whose MLP is dense (Qwen's mlp_only_layers, sparse step)
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -66,6 +73,9 @@ class ModelConfig:
         if s.rope_type == "yarn":
             return max(self.max_position_embeddings, int(s.original_max_position_embeddings * s.factor))
         return self.max_position_embeddings
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def long_rope_from(self) -> int | None:
@@ -94,8 +104,8 @@ class ModelConfig:
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         qwen = arch in QWEN_ARCHITECTURES
-        if arch == "Qwen3ForCausalLM" and cfg.get("attention_bias"):
-            raise ConfigError(f"{source}: attention_bias=true is not supported for Qwen3ForCausalLM (it would put a "
+        if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias"):
+            raise ConfigError(f"{source}: attention_bias=true is not supported for {arch} (it would put a "
                               "bias on o_proj too); released Qwen3 checkpoints have none")
         rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and scaling here
         scaling = cfg.get("rope_scaling") or rope
@@ -115,12 +125,40 @@ class ModelConfig:
             rope_scaling=_parse_rope_scaling(scaling, source, max_positions,
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window else None,
+            **(_parse_moe(cfg, arch, source, int(need("num_hidden_layers"))) if arch in MOE_ARCHITECTURES else {}),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
         )
+
+
+def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
+    """ModelConfig's MoE fields as transformers reads them: Mixtral's experts are intermediate_size
+    wide, every layer is sparse and the top-k weights are always renormalized; Qwen3-MoE's are
+    moe_intermediate_size wide, and a layer is dense when listed in mlp_only_layers or off the
+    decoder_sparse_step."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    top_k = cfg.get("num_experts_per_tok")
+    for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+    if top_k > experts:
+        raise ConfigError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]))
+    width, step = cfg.get("moe_intermediate_size"), cfg.get("decoder_sparse_step", 1)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ConfigError(f"{source}: moe_intermediate_size must be a positive integer, got {width!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ConfigError(f"{source}: decoder_sparse_step must be a positive integer, got {step!r}")
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
 
 
 _ROPE_FIELDS = {"factor": float, "low_freq_factor": float, "high_freq_factor": float,

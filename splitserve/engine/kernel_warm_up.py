@@ -5,7 +5,9 @@ tiny step per split count through the model covers them all: a decode whose cont
 key tiles for that many splits, and a two-token chunk after one earlier token (the Triton prefill
 kernel, which the flash-attn backend also uses for chunks). Nothing is stored (every slot is
 PAD_SLOT), every table names block 0 and the hidden states are dropped. Every rank of a
-tensor-parallel group runs the same steps, so their all-reduces pair up."""
+tensor-parallel group runs the same steps, so their all-reduces pair up. A model with sparse MoE
+layers also runs its experts' kernels once per tile size (`fused_moe.BLOCK_M_SIZES`), whatever the
+attention backend: every sparse layer has the same shapes."""
 from __future__ import annotations
 
 import logging
@@ -15,13 +17,17 @@ import torch
 
 from splitserve.engine.attention.metadata import PAD_SLOT
 from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts
+from splitserve.engine.model import fused_moe
+from splitserve.engine.model.moe import SparseMoeBlock
 from splitserve.engine.model_runner import ModelRunner, StepBatch
 
 log = logging.getLogger("splitserve.engine")
 
 
 def warm_up(runner: ModelRunner) -> None:
-    """Compile the Triton variants (with a fixed `num_splits`, only that one); other backends have none."""
+    """Compile the Triton variants (with a fixed `num_splits`, only that one); other attention
+    backends have none."""
+    warm_up_experts(runner.model)
     backend = runner.backend
     if not isinstance(backend, TritonPagedBackend):
         return
@@ -36,6 +42,20 @@ def warm_up(runner: ModelRunner) -> None:
     log.info("Triton kernels ready on %s: %d warm-up steps (decode split counts %s) in %.1f s, compiling what "
              "Triton's cache (TRITON_CACHE_DIR) lacked", runner.device, len(counts), counts,
              time.perf_counter() - start)
+
+
+def warm_up_experts(model: torch.nn.Module) -> int:
+    """Run the first sparse layer's experts on one token per tile size; the number of runs."""
+    block = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
+    if block is None:
+        return 0
+    w13, w2 = block.experts.w13, block.experts.w2
+    x = torch.zeros((1, w13.shape[2]), dtype=w13.dtype, device=w13.device)
+    weights = torch.ones((1, block.top_k), device=w13.device)
+    experts = torch.arange(block.top_k, device=w13.device).view(1, -1)
+    for block_m in fused_moe.BLOCK_M_SIZES:
+        fused_moe.fused_experts(x, w13, w2, weights, experts, block_m=block_m)
+    return len(fused_moe.BLOCK_M_SIZES)
 
 
 def warm_up_step(decode_context: int, block_size: int) -> StepBatch:

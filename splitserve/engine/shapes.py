@@ -1,5 +1,6 @@
 """Model shapes with no weights: `config.json` contents for `write_shape_checkpoint` and
-load_format="dummy", so the GPU benchmark and the GPU tests run real shapes without a download."""
+load_format="dummy", so the GPU benchmark, the GPU tests and the kernel compile check run real
+shapes without a download."""
 from __future__ import annotations
 
 # Llama-3-8B's layers with Llama-3.1's 128k context (no rope scaling: with random weights it changes
@@ -8,3 +9,17 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voca
              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
              "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001}
+# sparse MoE: 128 experts 768 wide, top 8 renormalized, every layer sparse
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+                 "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                 "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                 "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645}
+# sparse MoE: 8 experts 14336 wide, top 2
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+                "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+                "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B}

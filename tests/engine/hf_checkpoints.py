@@ -8,9 +8,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 # ASCII only, so every token decodes to complete characters (no held-back partial UTF-8).
@@ -53,8 +53,15 @@ CONFIGS = {
     # LongRoPE past 48 tokens: the 40-token generation prompt crosses it while decoding
     "phi3_longrope": (Phi3Config, Phi3ForCausalLM, dict(num_key_value_heads=2, original_max_position_embeddings=48,
                                                         rope_scaling=LONGROPE)),
+    # sparse MoE: 4 experts, top 2 renormalized, in every layer
+    "mixtral_moe": (MixtralConfig, MixtralForCausalLM, dict(num_key_value_heads=2, num_local_experts=4,
+                                                           num_experts_per_tok=2, rope_theta=1000000.0)),
+    # 8 narrow experts, top 2 not renormalized, behind a dense first layer; Qwen3's q/k norms
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_key_value_heads=2, head_dim=32, num_experts=8,
+                                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                                           norm_topk_prob=False, mlp_only_layers=[0])),
 }
-QWEN_TOKENIZED = (Qwen2Config, Qwen3Config)  # transformers gives both Qwen2's tokenizer class
+QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen3MoeConfig)  # transformers gives them Qwen2's tokenizer class
 
 
 # ---- checkpoint construction --------------------------------------------------------------

@@ -1,7 +1,7 @@
 """kernel_warm_up on a tiny model under Triton's interpreter: one step per decode split count,
 each attending its decode with that many splits, nothing stored in the KV cache, the backend's
-own `num_splits` kept; no steps for the torch backend. That these steps leave no variant to
-compile while serving is checked compiled, for sm_90 and sm_80, in tests/scripts/test_compile_kernels.py."""
+own `num_splits` kept; no steps for the torch backend; an MoE model's experts once per tile size.
+That these steps leave no variant to compile while serving is checked compiled, for sm_90 and sm_80, in tests/scripts/test_compile_kernels.py."""
 from __future__ import annotations
 
 import logging
@@ -53,3 +53,23 @@ def test_the_torch_backend_has_nothing_to_warm_up(monkeypatch):
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
     warm_up(runner)
 
+
+
+def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monkeypatch):
+    from tests.engine.hf_checkpoints import ENGINE_ARGS, train_tokenizer, write_checkpoint
+
+    from splitserve.engine.model import fused_moe
+
+    write_checkpoint(tmp_path, "qwen3_moe", {False: train_tokenizer(), True: train_tokenizer(qwen2=True)})
+    runner = LLM(str(tmp_path), **ENGINE_ARGS).engine.runner
+    monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
+    tiles, real = [], fused_moe.fused_experts
+
+    def spy(x, w13, w2, weights, experts, block_m=None):
+        tiles.append(block_m)
+        assert experts.shape == (1, 2) and w13.shape[0] == 8  # the model's top-k of its 8 experts
+        return real(x, w13, w2, weights, experts, block_m)
+
+    monkeypatch.setattr(fused_moe, "fused_experts", spy)
+    warm_up(runner)
+    assert tiles == list(fused_moe.BLOCK_M_SIZES)

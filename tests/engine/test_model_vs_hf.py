@@ -225,7 +225,11 @@ def test_half_precision_logits_close_to_hf(ckpt, dtype):
     assert torch.isfinite(ours).all()
     ref = hf_logits(hf_in(path, hf, torch_dtype), ids)
     span = (ref.max() - ref.min()).item()
-    assert max_diff(ours, ref) < 0.05 * span, (max_diff(ours, ref), span)
+    # A token whose routing is a near-tie may take other experts once rounded (MoE): rows where
+    # transformers' own half-precision logits leave its float32 ones are not a reference.
+    stable = (ref - hf_logits(hf, ids)).abs().amax(-1) < 0.05 * span
+    assert stable.float().mean() >= 0.9, stable
+    assert max_diff(ours[stable], ref[stable]) < 0.05 * span, (max_diff(ours[stable], ref[stable]), span)
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
 

@@ -2,7 +2,7 @@
 engine launches for the Llama-3-8B shape on sm_90 and sm_80: the start-up (kernel_warm_up and the
 graph capture) compiles all of them, so a serving mix compiles none; none spills registers or
 needs more shared memory than a block may have; a second start on the same Triton cache compiles
-nothing. Without the warm-up, serving compiles; in float32 the attention kernels spill: the
+nothing; an MoE shape's expert kernels are compiled at start-up too. Without the warm-up, serving compiles; in float32 the attention kernels spill: the
 script fails on both."""
 import json
 import subprocess
@@ -52,6 +52,16 @@ def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
         assert {(v["kernel"], v["spec"]) for v in report["variants"]} == \
             {(v["kernel"], v["spec"]) for v in archs[arch]["variants"]}
     assert _files(cache) == compiled
+
+
+def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(tmp_path):
+    code, archs = _run(tmp_path, "--shape", "qwen3-30b-a3b", "--arch", "90", "--steps", "10")
+    report = archs["sm_90"]
+    assert code == 0 and not report["problems"]
+    assert {v["kernel"] for v in report["variants"]} == KERNELS | {"_gate_up_kernel", "_down_kernel"}
+    assert {v["phase"] for v in report["variants"]} == {"start-up"}
+    moe = [v["spec"] for v in report["variants"] if v["kernel"] == "_gate_up_kernel"]
+    assert sorted(int(spec.split("BLOCK_M=")[1].split()[0]) for spec in moe) == [16, 64]
 
 
 def test_without_the_warm_up_serving_compiles_and_the_script_fails(tmp_path):

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over flattened tokens of many sequences.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, and with sparse MoE layers
+(`model.moe`) Mixtral and Qwen3-MoE) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows. `checkpoint_tensors` names every
@@ -20,6 +21,7 @@ from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.model.moe import Experts, SparseMoeBlock, expert_names
 from splitserve.engine.model.rotary import RotaryEmbedding
 from splitserve.engine.model.sharding import Shard, ShardSlice, kv_head_range
 
@@ -135,26 +137,31 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None):
+    def __init__(self, c: ModelConfig, layer: int, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = LlamaAttention(c, shard, reduce)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = LlamaMLP(c, shard, reduce)
+        if c.is_moe_layer(layer):  # registered under the checkpoint's name (Mixtral's block_sparse_moe)
+            names = expert_names(c)
+            self.mlp_name = names.block
+            self.add_module(names.block, SparseMoeBlock(c, names, shard, reduce))
+        else:
+            self.mlp_name, self.mlp = "mlp", LlamaMLP(c, shard, reduce)
 
     def forward(self, x, residual, positions, rotary, kv, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the next norm adds the two,
         so each add runs inside a norm; the first layer has no residual yet."""
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, positions, rotary, kv, meta, backend), residual)
-        return self.mlp(h), residual
+        return self._modules[self.mlp_name](h), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, shard, reduce) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, shard, reduce) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -197,11 +204,15 @@ class LlamaForCausalLM(nn.Module):
 
 def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) of every weight, in parameter order: a merged projection's
-    parts are views of its rows. A tied lm_head yields the embedding's tensor under its name too."""
+    parts are views of its rows, each expert's projections views of the stacked experts. A tied
+    lm_head yields the embedding's tensor under its name too."""
     modules = dict(model.named_modules())
     for name, param in model.named_parameters(remove_duplicate=False):
         owner, _, kind = name.rpartition(".")
         merged = modules.get(owner)
+        if isinstance(merged, Experts):
+            yield from merged.checkpoint_tensors(owner, kind)
+            continue
         if not isinstance(merged, MergedLinear):
             yield name, param
             continue
@@ -224,4 +235,6 @@ def shard_slices(model: nn.Module) -> dict[str, ShardSlice]:
                     found[f"{prefix}.{part}.bias"] = where
         elif isinstance(module, RowParallelLinear) and module.shard_slice is not None:
             found[f"{owner}.weight"] = module.shard_slice
+        elif isinstance(module, Experts):
+            found.update(module.shard_slices(owner))
     return found

@@ -5,7 +5,8 @@ Rank r of N holds:
   contiguous 1/N of the KV heads, or, with fewer KV heads than ranks, the one KV head its query
   heads share (replicated on N/K ranks). Q, K and V are column-parallel (rows of the checkpoint's
   weights), o_proj row-parallel (its columns), followed by an all-reduce;
-- MLP: gate and up column-parallel, down row-parallel, then an all-reduce;
+- MLP: gate and up column-parallel, down row-parallel, then an all-reduce; a sparse (MoE) layer's
+  experts likewise, each expert's slice of its width on every rank, and its router replicated;
 - replicated: the embedding and the norms; the LM head lives on rank 0 only (the rank that samples),
   except where it is tied to the embedding.
 A rank's KV cache holds its own KV heads for every block id; the block manager runs on rank 0 and
@@ -74,3 +75,6 @@ def check_shardable(config: ModelConfig, size: int) -> None:
                           f"num_key_value_heads={kv_heads}")
     if config.intermediate_size % size:
         raise ConfigError(f"tensor_parallel_size={size} does not divide intermediate_size={config.intermediate_size}")
+    if config.moe_intermediate_size % size:
+        raise ConfigError(f"tensor_parallel_size={size} does not divide moe_intermediate_size="
+                          f"{config.moe_intermediate_size}")

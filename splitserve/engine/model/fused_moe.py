@@ -1,0 +1,137 @@
+"""Triton kernels for a sparse MoE layer's experts on CUDA, the scheme of vLLM's fused MoE: the
+(token, slot) assignments are grouped by expert, each group padded to whole BLOCK_M tiles
+(`align`), and one grouped matmul runs every tile against its expert's weights: gate and up with
+SiLU-and-multiply in one kernel, down times the routing weight in a second. Each token's k outputs
+are then summed. Nothing waits on the host and every shape follows from the batch size alone, so
+a decode step with experts is captured in a CUDA graph like any other.
+
+`moe.experts_reference` is the oracle; on CPU the kernels run only under Triton's interpreter
+(how the tests check them). Products accumulate in float32 and each kernel rounds once, where
+the oracle rounds gate and up, then the activation, to the activations' dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+BLOCK_K = 32
+BLOCK_M_SIZES = (16, 64)  # a tile of one expert's assignments: 16 while experts get few tokens each
+
+
+@triton.jit(do_not_specialize=["num_assignments"])
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden, width,
+                    stride_x, stride_we, stride_wn, stride_out,
+                    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """One program per (tile of one expert's assignments, BLOCK_N of the width):
+    out[a] = silu(x[token] @ gate.T) * (x[token] @ up.T) for each assignment a of the tile."""
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert >= NUM_EXPERTS:  # past the last group
+        return
+    rows = tl.load(sorted_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < num_assignments  # the padding holds num_assignments
+    tokens = (rows // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < width
+    w = w_ptr + expert.to(tl.int64) * stride_we
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        k_ok = k < hidden
+        a = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        g = tl.load(w + cols[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+        u = tl.load(w + (cols[None, :] + width) * stride_wn + k[:, None], mask=w_mask, other=0.0)
+        gate = tl.dot(a, g, gate, input_precision=PRECISION)
+        up = tl.dot(a, u, up, input_precision=PRECISION)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], act.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_assignments"])
+def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_assignments, width, hidden,
+                 stride_act, stride_we, stride_wn, stride_out,
+                 NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One program per (tile of one expert's assignments, BLOCK_N of hidden):
+    out[a] = weight[a] * (act[a] @ down.T)."""
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert >= NUM_EXPERTS:
+        return
+    rows = tl.load(sorted_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < num_assignments
+    at = rows.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, width, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        k_ok = k < width
+        a = tl.load(act_ptr + at[:, None] * stride_act + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        d = tl.load(w + cols[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, d, acc, input_precision=PRECISION)
+    acc = acc * tl.load(weights_ptr + at, mask=valid, other=0.0)[:, None]
+    tl.store(out_ptr + at[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+def block_m_for(assignments: int, num_experts: int) -> int:
+    """16-row tiles while experts average at most 16 assignments (decode), 64 beyond (prefill)."""
+    return BLOCK_M_SIZES[0] if assignments <= BLOCK_M_SIZES[0] * num_experts else BLOCK_M_SIZES[1]
+
+
+def align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted, block_expert) for experts [T, k]: `sorted` lists the assignments (token * k + slot)
+    grouped by expert in expert order, each group padded with T * k to a multiple of block_m;
+    `block_expert[b]` is the expert of tile b (sorted[b * block_m:(b + 1) * block_m]), num_experts for
+    tiles past the last group. Sizes depend on T alone: T * k + min(E, T * k) * (block_m - 1) rows
+    hold any routing, rounded up to whole tiles."""
+    flat = experts.flatten()
+    count = flat.numel()
+    per_expert = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (per_expert + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    grouped = flat[order]
+    rank = torch.arange(count, device=flat.device) - (per_expert.cumsum(0) - per_expert)[grouped]
+    tiles = -(-(count + min(num_experts, count) * (block_m - 1)) // block_m)
+    sorted_ids = torch.full((tiles * block_m,), count, dtype=torch.int32, device=flat.device)
+    sorted_ids.scatter_(0, (ends - padded)[grouped] + rank, order.to(torch.int32))
+    tile_starts = torch.arange(0, tiles * block_m, block_m, device=flat.device)
+    return sorted_ids, torch.searchsorted(ends, tile_starts, right=True).to(torch.int32)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  experts: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+    """What `moe.experts_reference` computes, for x [T, hidden], w13 [E, 2 * width, hidden],
+    w2 [E, hidden, width], weights (float32) and experts [T, k]; block_m: the tile rows (by default
+    `block_m_for`)."""
+    tokens, hidden = x.shape
+    num_experts, width = w13.shape[0], w2.shape[2]
+    top_k = experts.shape[1]
+    count = tokens * top_k
+    if count == 0:
+        return torch.zeros_like(x)
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
+    block_m = block_m or block_m_for(count, num_experts)
+    sorted_ids, block_expert = align(experts, num_experts, block_m)
+    tiles = block_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty((count, width), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(tiles, triton.cdiv(width, BLOCK_N))](
+        x, w13, act, sorted_ids, block_expert, count, top_k, hidden, width, x.stride(0), w13.stride(0),
+        w13.stride(1), act.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        PRECISION=precision)
+    out = torch.empty((count, hidden), dtype=x.dtype, device=x.device)
+    _down_kernel[(tiles, triton.cdiv(hidden, BLOCK_N))](
+        act, w2, out, weights.float().contiguous(), sorted_ids, block_expert, count, width, hidden, act.stride(0),
+        w2.stride(0), w2.stride(1), out.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K, PRECISION=precision)
+    return out.view(tokens, top_k, hidden).sum(dim=1)
