@@ -16,7 +16,8 @@ KV_BYTES = 2  # fp16 / bf16 K and V elements
 
 @dataclass(frozen=True)
 class ModelShape:
-    params: float  # parameters every token passes through (all GEMMs, including the LM head)
+    params: float  # parameters every token passes through (all GEMMs, including the LM head; an MoE
+    #                layer's router and the experts a token is routed to, not the others)
     hidden: int
     kv_width: int  # total K (or V) width over all KV heads: n_kv_heads x head_dim
     layers: int
@@ -25,8 +26,11 @@ class ModelShape:
     def of(cls, config: ModelConfig) -> "ModelShape":
         h, q = config.hidden_size, config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-        return cls(config.num_hidden_layers * per_layer + h * config.vocab_size, h, kv, config.num_hidden_layers)
+        attention = h * (q + 2 * kv) + q * h
+        sparse = h * config.num_experts + 3 * h * config.moe_intermediate_size * config.num_experts_per_tok
+        mlp = sum(sparse if config.is_moe_layer(i) else 3 * h * config.intermediate_size
+                  for i in range(config.num_hidden_layers))
+        return cls(config.num_hidden_layers * attention + mlp + h * config.vocab_size, h, kv, config.num_hidden_layers)
 
     @property
     def kv_bytes_per_token(self) -> int:

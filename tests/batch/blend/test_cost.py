@@ -57,6 +57,19 @@ def test_model_shape_of_a_config_counts_every_gemm():
     assert shape.params == 4 * per_layer + 256 * 259 and shape.kv_width == 128 and shape.layers == 4
 
 
+def test_model_shape_of_an_moe_counts_the_routed_experts_only():
+    """Qwen3-30B-A3B: about 3.3B parameters a token passes through (the model card's 3.3B
+    activated, of 30.5B), where a dense reading of its config would count 0.9B of MLP."""
+    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.shapes import QWEN3_30B_A3B
+
+    config = ModelConfig.from_hf(QWEN3_30B_A3B)
+    shape = ModelShape.of(config)
+    assert 3.2e9 < shape.params + 151936 * 2048 < 3.4e9  # the card counts the input embedding too
+    dense_first = ModelShape.of(ModelConfig.from_hf({**QWEN3_30B_A3B, "mlp_only_layers": [0]}))
+    assert dense_first.params - shape.params == 3 * 2048 * 6144 - (2048 * 128 + 3 * 2048 * 768 * 8)
+
+
 def test_bad_accelerator_is_rejected():
     with pytest.raises(ValueError, match="flops and bandwidth"):
         Accelerator(0, 1e12)
