@@ -113,8 +113,8 @@ class EngineOptions(StrictModel):
                                    "links) and CUDA graph pools.")
     num_kv_blocks: int | None = Field(None, description="KV blocks, instead of a size in bytes.")
     max_num_seqs: int = Field(256, description="Sequences in one worker's batch at most.")
-    max_model_len: int | None = Field(None, description="Longest prompt plus output; null: the model's own (capped "
-                                      "by a sliding window).")
+    max_model_len: int | None = Field(None, description="Longest prompt plus output; null: the model's own "
+                                      "(max_position_embeddings, or YaRN's stretched context).")
     prompt_token_budget: int = Field(2048, description="Prompt tokens per prompt-pool iteration (Splitwise's MLS).")
     chunk_token_budget: int = Field(512, description="Tokens per mixed-pool iteration (Sarathi-Serve's chunk "
                                     "budget).")

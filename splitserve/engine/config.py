@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
-QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # a window only with use_sliding_window
+                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",  # a window only with
+                      "Qwen3MoeForCausalLM")                                          # use_sliding_window
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # a layer's MLP may be sparse experts
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # sparse expert MLPs
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -55,12 +56,14 @@ class ModelConfig:
     attention_bias: bool = False   # on the q, k and v projections
     qk_norm: bool = False          # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # a sliding layer's token attends to the latest this many positions (itself too)
+    sliding_layers: tuple[int, ...] = ()  # the layers with the window; the others attend to the whole context
     num_experts: int = 0           # MoE: experts of each sparse layer (0: every MLP is dense)
     num_experts_per_tok: int = 0   # MoE: the experts each token is routed to (top-k of the router's softmax)
     moe_intermediate_size: int = 0  # MoE: each expert's MLP width
     norm_topk_prob: bool = True    # MoE: the chosen experts' weights are renormalized to sum to one
     dense_layers: tuple[int, ...] = ()  # MoE: the layers whose MLP is dense (Qwen's mlp_only_layers, sparse step)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes beside its experts, gated
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -73,6 +76,9 @@ class ModelConfig:
         if s.rope_type == "yarn":
             return max(self.max_position_embeddings, int(s.original_max_position_embeddings * s.factor))
         return self.max_position_embeddings
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -109,7 +115,10 @@ class ModelConfig:
                               "bias on o_proj too); released Qwen3 checkpoints have none")
         rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and scaling here
         scaling = cfg.get("rope_scaling") or rope
+        layers = int(need("num_hidden_layers"))
         window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
         max_positions = int(cfg.get("max_position_embeddings") or 2048)
         partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
         rotary_dim = int(int(head_dim) * partial)
@@ -124,21 +133,36 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=_parse_rope_scaling(scaling, source, max_positions,
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
+                                else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=int(window) if window else None,
-            **(_parse_moe(cfg, arch, source, int(need("num_hidden_layers"))) if arch in MOE_ARCHITECTURES else {}),
+            sliding_window=window, sliding_layers=_sliding_layers(cfg, source, layers, qwen) if window else (),
+            **(_parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
         )
 
 
+def _sliding_layers(cfg: dict, source: str, layers: int, qwen: bool) -> tuple[int, ...]:
+    """The layers with a sliding window: as config.json's layer_types says (transformers 5 writes
+    it), else as transformers derives it: a Qwen's layers from max_window_layers on, every layer
+    of the others (Mistral, Mixtral)."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        kinds = ("sliding_attention", "full_attention")
+        if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+            raise ConfigError(f"{source}: layer_types must list {layers} of {' / '.join(kinds)}, got {types!r}")
+        return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    first = int(cfg.get("max_window_layers", 28)) if qwen else 0  # transformers' Qwen default
+    return tuple(range(first, layers))
+
+
 def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
     """ModelConfig's MoE fields as transformers reads them: Mixtral's experts are intermediate_size
-    wide, every layer is sparse and the top-k weights are always renormalized; Qwen3-MoE's are
-    moe_intermediate_size wide, and a layer is dense when listed in mlp_only_layers or off the
-    decoder_sparse_step."""
+    wide, every layer is sparse and the top-k weights are always renormalized; Qwen2-MoE's and
+    Qwen3-MoE's are moe_intermediate_size wide, and a layer is dense when listed in mlp_only_layers
+    or off the decoder_sparse_step; Qwen2-MoE's sparse layers also have a shared expert."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     top_k = cfg.get("num_experts_per_tok")
     for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k)):
@@ -157,8 +181,12 @@ def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")
     dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    shared = cfg.get("shared_expert_intermediate_size") if arch == "Qwen2MoeForCausalLM" else 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ConfigError(f"{source}: shared_expert_intermediate_size must be a non-negative integer, got {shared!r}")
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense,
+                shared_expert_intermediate_size=shared)
 
 
 _ROPE_FIELDS = {"factor": float, "low_freq_factor": float, "high_freq_factor": float,

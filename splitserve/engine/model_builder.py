@@ -42,9 +42,9 @@ def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
-    """Capped by the positions the model knows and by a sliding window, which this engine does not
-    implement: within the window, full attention is exactly the model's attention."""
-    limit = min(config.max_positions, config.sliding_window or config.max_positions)
+    """Capped by the positions the model knows (a sliding window caps nothing: its layers attend to
+    the latest `sliding_window` positions of any context)."""
+    limit = config.max_positions
     if requested is not None and requested > limit:
         raise ConfigError(f"max_model_len={requested} exceeds the model's limit of {limit} tokens")
     return requested or limit

@@ -10,7 +10,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 # ASCII only, so every token decodes to complete characters (no held-back partial UTF-8).
@@ -41,7 +42,12 @@ CONFIGS = {
                         dict(num_key_value_heads=2, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
                              tie_word_embeddings=True)),
     "mistral_gqa": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, rope_theta=1000000.0)),
+    # Mistral 7B v0.1's sliding window, every layer: the 40-token prompt and the generations pass it
+    "mistral_window": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=24)),
     "qwen2_bias": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, rope_theta=1000000.0)),
+    # a window on the layers from max_window_layers on: layer 0 attends to everything, layer 1 to 16 tokens
+    "qwen2_window": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, use_sliding_window=True,
+                                                        sliding_window=16, max_window_layers=1)),
     "qwen2_yarn": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, rope_theta=10000.0,
                                                       rope_scaling=YARN_ROPE)),
     "llama_head_dim": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
@@ -60,8 +66,12 @@ CONFIGS = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_key_value_heads=2, head_dim=32, num_experts=8,
                                                            num_experts_per_tok=2, moe_intermediate_size=32,
                                                            norm_topk_prob=False, mlp_only_layers=[0])),
+    # top 2 of 4 experts beside a gated shared expert, q/k/v biases
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                           rope_theta=1000000.0)),
 }
-QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen3MoeConfig)  # transformers gives them Qwen2's tokenizer class
+QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers gives them Qwen2's tokenizer class
 
 
 # ---- checkpoint construction --------------------------------------------------------------

@@ -3,8 +3,8 @@
 Each case scatters every sequence's K/V into a paged cache through a shuffled (non-contiguous)
 block table, runs `TorchPagedBackend.forward` on a flat batch of decodes (first) and prefill
 chunks (some with earlier context already in the cache), and compares with a per-sequence causal
-attention written here from scratch: softmax(Q K^T / sqrt(d)) with a causal mask, GQA by
-`repeat_interleave` of the KV heads.
+attention written here from scratch: softmax(Q K^T / sqrt(d)) with a causal mask (and a sliding
+window's: the query at p sees positions > p - window), GQA by `repeat_interleave` of the KV heads.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import torch
 from splitserve.engine.attention import AttentionMetadata, TorchPagedBackend, select_backend
 
 
-def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        window: int | None = None) -> torch.Tensor:
     """q: [n, H, D], the last n positions of a context of len(keys); keys, values: [L, KVH, D]."""
     n, heads, dim = q.shape
     length = keys.shape[0]
@@ -28,6 +29,8 @@ def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(dim)
     query_pos = torch.arange(length - n, length)
     allowed = torch.arange(length)[None, :] <= query_pos[:, None]  # [n, L]
+    if window is not None:
+        allowed &= torch.arange(length)[None, :] > query_pos[:, None] - window
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
@@ -92,7 +95,7 @@ def _num_decodes(seqs: list[tuple[int, int]]) -> int:
 
 
 def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, seed=0, extra_blocks=0,
-               num_decodes=None, backend=None, dtype=torch.float32, tolerance=1e-5, device="cpu"):
+               num_decodes=None, backend=None, dtype=torch.float32, tolerance=1e-5, device="cpu", window=None):
     """`backend` (default: the torch oracle) against the reference, in `dtype` (the reference
     computes in float64 from the same, rounded, inputs); the backend runs on `device`."""
     needed = sum(-(-c // block_size) + extra_blocks for c, _ in seqs)
@@ -105,12 +108,13 @@ def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, 
     kv_cache = torch.stack((k_cache, v_cache)).to(device)  # one layer: [2, num_blocks, block_size, kv_heads, dim]
     on_device = dataclasses.replace(meta, **{name: getattr(meta, name).to(device) for name in
                                              ("slot_mapping", "block_tables", "context_lens", "query_start_tensor")})
-    out = (backend or TorchPagedBackend()).forward(q.to(device), k.to(device), v.to(device), kv_cache, on_device).cpu()
+    out = (backend or TorchPagedBackend()).forward(q.to(device), k.to(device), v.to(device), kv_cache, on_device,
+                                                   window).cpu()
     k_cache, v_cache = kv_cache.cpu()
     assert out.shape == q.shape and out.dtype == q.dtype
     for i, (keys, values) in enumerate(full):
         lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
-        want = reference_attention(q[lo:hi], keys, values)
+        want = reference_attention(q[lo:hi], keys, values, window)
         torch.testing.assert_close(out[lo:hi].double(), want, atol=tolerance, rtol=tolerance,
                                    msg=lambda m: f"sequence {i} {seqs[i]}: {m}")
     # the cache holds this step's k/v at slot_mapping, and every other slot is untouched
@@ -174,3 +178,11 @@ def test_random_batches(seed):
         prefills.append((context, context if rng.random() < 0.4 else rng.randint(1, context)))
     check_case(decodes + prefills, heads=heads, kv_heads=kv_heads, dim=rng.choice([4, 8, 16]),
                block_size=block_size, seed=seed, num_decodes=len(decodes))
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+def test_a_sliding_window(window):
+    """Decodes, fresh prompts longer and shorter than the window, chunks whose window starts in
+    their earlier context; a window of 1 sees only the query's own position."""
+    check_case([(7, 1), (40, 1), (3, 1), (30, 30), (4, 4), (50, 9), (26, 13)], block_size=4, num_decodes=3,
+               window=window)

@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from splitserve.engine.config import ConfigError
 from splitserve.engine.demo import DEMO_MODEL_CONFIG, demo_model_config, demo_tokenizer
@@ -79,6 +79,30 @@ def test_qwen3_with_attention_bias_is_refused(tmp_path):
         load_model_config(tmp_path)
 
 
+def test_sliding_layers_from_layer_types_or_as_transformers_derives_them(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from splitserve.engine.model_builder import resolve_max_model_len
+
+    make_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1).save_pretrained(tmp_path)
+    cfg = load_model_config(tmp_path)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (8, (1,))
+    assert [cfg.window_of(i) for i in range(2)] == [None, 8]
+    assert resolve_max_model_len(cfg, None) == 128  # the window caps no context
+    raw = json.loads((tmp_path / "config.json").read_text())
+    legacy = {k: v for k, v in raw.items() if k != "layer_types"}  # a transformers 4 config.json
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    assert load_model_config(tmp_path).sliding_layers == (1,)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "layer_types": ["full_attention", "dense"]}))
+    with pytest.raises(ConfigError, match="layer_types must list 2 of"):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "sliding_window": 0}))
+    with pytest.raises(ConfigError, match="sliding_window must be a positive integer"):
+        load_model_config(tmp_path)
+    MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=8)).save_pretrained(tmp_path / "mistral")
+    assert load_model_config(tmp_path / "mistral").sliding_layers == (0, 1)  # every layer
+
+
 def test_tied_embeddings_load_both_names(tmp_path):
     source = make_llama(seed=0, tie_word_embeddings=True)
     source.save_pretrained(tmp_path)
@@ -126,12 +150,19 @@ def make_qwen3_moe(seed=0, **overrides):
                                                  "mlp_only_layers": [1], **overrides})).eval()
 
 
+def make_qwen2_moe(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**MOE_SHAPE, "num_experts": 4, "moe_intermediate_size": 24,
+                                                 "shared_expert_intermediate_size": 40, **overrides})).eval()
+
+
 @pytest.mark.parametrize("make, names", [(make_mixtral, "block_sparse_moe.experts.3.w3.weight"),
-                                         (make_qwen3_moe, "mlp.experts.5.up_proj.weight")])
+                                         (make_qwen3_moe, "mlp.experts.5.up_proj.weight"),
+                                         (make_qwen2_moe, "mlp.shared_expert.down_proj.weight")])
 def test_moe_experts_load_from_their_per_expert_tensors(tmp_path, make, names):
     """The hub stores each expert's projections as tensors of their own (what save_pretrained
     writes); ours are the same rows stacked, as transformers holds them; a dense layer of Qwen3-MoE
-    (mlp_only_layers) keeps its plain MLP."""
+    (mlp_only_layers) keeps its plain MLP; Qwen2-MoE's shared expert and its gate load too."""
     from splitserve.engine.model.llama import LlamaForCausalLM as Ours
     from splitserve.engine.model.moe import SparseMoeBlock
 
@@ -151,6 +182,11 @@ def test_moe_experts_load_from_their_per_expert_tensors(tmp_path, make, names):
         assert torch.equal(block.gate.weight, hf.gate.weight)
         assert torch.equal(block.experts.w13, hf.experts.gate_up_proj)
         assert torch.equal(block.experts.w2, hf.experts.down_proj)
+        if make is make_qwen2_moe:
+            assert torch.equal(block.shared_expert_gate.weight, hf.shared_expert_gate.weight)
+            assert torch.equal(block.shared_expert.down_proj.weight, hf.shared_expert.down_proj.weight)
+        else:
+            assert block.shared_expert is None
 
 
 def test_moe_config_fields(tmp_path):
@@ -163,6 +199,10 @@ def test_moe_config_fields(tmp_path):
     assert (qwen.num_experts, qwen.moe_intermediate_size, qwen.norm_topk_prob, qwen.qk_norm) == (6, 24, True, True)
     assert qwen.dense_layers == (0, 1, 2, 4)  # off the step (0, 2, 4) and listed (1)
     assert [qwen.is_moe_layer(i) for i in range(6)] == [False, False, False, True, False, True]
+    make_qwen2_moe(qkv_bias=False).save_pretrained(tmp_path / "qwen2")
+    qwen2 = load_model_config(tmp_path / "qwen2")
+    assert (qwen2.shared_expert_intermediate_size, qwen2.attention_bias, qwen2.qk_norm) == (40, False, False)
+    assert qwen.shared_expert_intermediate_size == mixtral.shared_expert_intermediate_size == 0
 
 
 @pytest.mark.parametrize("field, value, message", [

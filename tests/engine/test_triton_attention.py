@@ -2,7 +2,8 @@
 (tests/engine/test_attention.py), under Triton's interpreter on CPU, compiled on CUDA where it is
 (the `kernels` mark: scripts/gpu_check.sh runs these there):
 GQA ratios 1, 4 and 8, block sizes 16 and 32, ragged contexts, chunks with earlier context and
-prefix-cache hits, decode split over the context and not, float32 and bfloat16; and a tiny model's
+prefix-cache hits, decode split over the context and not, sliding windows, float32 and bfloat16;
+and a tiny model's
 greedy output with the Triton backend equal to the torch backend's."""
 from __future__ import annotations
 
@@ -63,6 +64,16 @@ HALF = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]  # t
 def test_half_precision(dtype, splits):
     check([(9, 1), (77, 1), (31, 31), (60, 12)], heads=8, kv_heads=1, dim=64, block_size=32,
           dtype=dtype, tolerance=2e-2, backend=TritonPagedBackend(**SMALL, num_splits=splits))
+
+
+@pytest.mark.parametrize("window", [1, 10, 24, 70])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_sliding_window(window, splits):
+    """Key tiles wholly before the window are skipped (the splits divide the rest); a window
+    starting mid-tile, shorter than a tile, and rows of a query tile whose first key tile has
+    none of their keys."""
+    check([(9, 1), (77, 1), (40, 1), (31, 31), (60, 12), (90, 40)], heads=8, kv_heads=2, dim=32, block_size=16,
+          num_decodes=3, backend=TritonPagedBackend(**SMALL, num_splits=splits), window=window)
 
 
 def test_a_chosen_split_count_is_the_largest_power_of_two_within_its_bounds():

@@ -28,6 +28,8 @@ class ModelShape:
         kv = config.num_key_value_heads * config.head_dim
         attention = h * (q + 2 * kv) + q * h
         sparse = h * config.num_experts + 3 * h * config.moe_intermediate_size * config.num_experts_per_tok
+        if config.shared_expert_intermediate_size:  # Qwen2-MoE: its gate and its MLP
+            sparse += h + 3 * h * config.shared_expert_intermediate_size
         mlp = sum(sparse if config.is_moe_layer(i) else 3 * h * config.intermediate_size
                   for i in range(config.num_hidden_layers))
         return cls(config.num_hidden_layers * attention + mlp + h * config.vocab_size, h, kv, config.num_hidden_layers)

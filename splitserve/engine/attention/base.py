@@ -14,9 +14,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: one layer's [2 (K, V), num_blocks, block_size, KVH, D].
-        Writes k, v at meta.slot_mapping, returns causal attention output [T, H, D]."""
+        Writes k, v at meta.slot_mapping, returns causal attention output [T, H, D]. `window`: a
+        query at position p attends only to positions > p - window (a sliding-window layer)."""
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -24,12 +24,14 @@ class FlashAttnBackend(TritonPagedBackend):
                               "(pip install 'splitserve[gpu]'); 'triton' needs nothing more")
         super().__init__(**kwargs)
 
-    def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
+    def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor,
+                        window: int | None = None) -> None:
         first, starts = meta.num_decodes, meta.query_starts
         fresh = all(starts[i + 1] - starts[i] == meta.context_lens_list[i] for i in range(first, meta.num_seqs))
         if not fresh or q.dtype not in (torch.float16, torch.bfloat16):
-            return self.prefill(q, kv_cache, meta, out)
+            return self.prefill(q, kv_cache, meta, out, window)
         lo = starts[first]  # prefill tokens follow the decodes, contiguous
         cu = (meta.query_start_tensor[first:] - lo).to(torch.int32)
         longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
-        out[lo:] = flash_attn_varlen_func(q[lo:], k[lo:], v[lo:], cu, cu, longest, longest, causal=True)
+        out[lo:] = flash_attn_varlen_func(q[lo:], k[lo:], v[lo:], cu, cu, longest, longest, causal=True,
+                                          window_size=(-1, -1) if window is None else (window - 1, 0))

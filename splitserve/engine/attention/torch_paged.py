@@ -2,7 +2,8 @@
 
 Decodes are batched, one SDPA call per group of similar context lengths, over their gathered,
 length-masked KV; prefill chunks run one SDPA call each, with a causal mask offset by the
-chunk's start when earlier chunks' KV is in the cache.
+chunk's start when earlier chunks' KV is in the cache. A sliding window masks the keys at or
+before position p - window for the query at p.
 """
 from __future__ import annotations
 
@@ -16,38 +17,45 @@ from splitserve.engine.attention.metadata import AttentionMetadata
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         for first, end in meta.decode_groups:
-            out[first:end] = self.decode(q[first:end], kv_cache, meta, first)
-        self.run_prefills(q, k, v, kv_cache, meta, out, range(meta.num_decodes, meta.num_seqs))
+            out[first:end] = self.decode(q[first:end], kv_cache, meta, first, window)
+        self.run_prefills(q, k, v, kv_cache, meta, out, range(meta.num_decodes, meta.num_seqs), window)
         return out
 
-    def run_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out, seqs) -> None:
+    def run_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out, seqs, window: int | None = None) -> None:
         for i in seqs:
             lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
-            out[lo:hi] = self.prefill_chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta, i)
+            out[lo:hi] = self.prefill_chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta, i, window)
 
-    def decode(self, q, kv_cache, meta: AttentionMetadata, first: int = 0) -> torch.Tensor:
+    def decode(self, q, kv_cache, meta: AttentionMetadata, first: int = 0, window: int | None = None) -> torch.Tensor:
         """Single-token queries of sequences first .. first + len(q), batched in one SDPA call."""
         end = first + q.shape[0]
         max_len = max(meta.context_lens_list[first:end])
         tables = meta.block_tables[first:end, : -(-max_len // kv_cache.shape[2])]
         keys, values = _gather(kv_cache, tables)[:, :, :max_len].transpose(2, 3)  # each [n, KVH, L, D]
-        positions = torch.arange(max_len, device=q.device)
-        mask = (positions[None, :] < meta.context_lens[first:end, None])[:, None, None, :]  # [n, 1, 1, L]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
+        positions = torch.arange(max_len, device=q.device)[None, :]
+        contexts = meta.context_lens[first:end, None]
+        mask = positions < contexts
+        if window is not None:
+            mask &= positions >= contexts - window
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
+                                             enable_gqa=True)
         return out.squeeze(2)
 
-    def prefill_chunk(self, q, k, v, kv_cache, meta: AttentionMetadata, i: int) -> torch.Tensor:
+    def prefill_chunk(self, q, k, v, kv_cache, meta: AttentionMetadata, i: int, window: int | None = None) -> torch.Tensor:
         n, context = q.shape[0], meta.context_lens_list[i]
-        if n == context:  # no earlier KV: attend to this chunk's own k, v
+        if n == context and (window is None or window >= n):  # no earlier KV, nothing out of the window
             return _sdpa_tokens_first(q, k, v, is_causal=True)
         table = meta.block_tables[i : i + 1, : -(-context // kv_cache.shape[2])]
         keys, values = _gather(kv_cache, table)[:, 0, :context]
-        query_pos = torch.arange(context - n, context, device=q.device)
-        mask = torch.arange(context, device=q.device)[None, :] <= query_pos[:, None]
+        query_pos = torch.arange(context - n, context, device=q.device)[:, None]
+        key_pos = torch.arange(context, device=q.device)[None, :]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
         return _sdpa_tokens_first(q, keys, values, attn_mask=mask)
 
 

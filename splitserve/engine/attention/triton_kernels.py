@@ -1,5 +1,7 @@
 """Triton kernels for paged attention: the KV-cache store, decode over block tables (GQA, split-K
-for long contexts) and prefill / chunk attention over the paged context (varlen, causal).
+for long contexts) and prefill / chunk attention over the paged context (varlen, causal), either
+over the whole context or a sliding window (`window` > 0: the query at p attends to positions
+> p - window; the key tiles wholly before it are not read).
 
 Layouts (the engine's): one layer's cache is [2 (K, V), num_blocks, block_size, kv_heads, head_dim],
 contiguous; queries are [tokens, heads, head_dim]; block tables [seqs, max_pages] (padded with 0,
@@ -11,8 +13,8 @@ On CPU these run under Triton's interpreter (`TRITON_INTERPRET=1`), which is how
 against the torch backend; on CUDA they compile, once per variant: Triton specializes integers that
 are 1 or multiples of 16 and pointers that are 16-byte aligned. What changes from step to step is
 kept out of that (`STEP_INTS`, `STEP_POINTERS`: the block tables' width, where prefills start, the
-batch size; the step inputs, views at any offset into one buffer), so a step's variant depends only
-on the model, the dtype and the decode split count, and `kernel_warm_up` can compile them all at
+batch size; the step inputs, views at any offset into one buffer), and so is a layer's window, so
+a step's variant depends only on the model, the dtype and the decode split count, and `kernel_warm_up` can compile them all at
 start-up (scripts/compile_kernels.py checks it).
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-STEP_INTS = ["stride_table", "first_seq", "num_seqs"]
+STEP_INTS = ["stride_table", "first_seq", "num_seqs", "window"]  # window: per layer, not per step
 STEP_POINTERS = ["slots_ptr", "tables_ptr", "context_ptr", "query_starts_ptr"]
 
 
@@ -66,7 +68,7 @@ def _key_tile(cache_ptr, tables_ptr, seq, stride_table, start, context, kv_head,
 @_step_jit
 def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                         stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
-                        stride_ot, stride_oh, num_heads, scale,
+                        stride_ot, stride_oh, num_heads, scale, window,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
@@ -87,15 +89,17 @@ def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    oldest = tl.where(window > 0, tl.maximum(context - window, 0), 0)  # the first key attended
+    skipped = oldest // BLOCK_N
     tiles = tl.cdiv(context, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
-    first = split * tiles_per_split
+    tiles_per_split = tl.cdiv(tiles - skipped, NUM_SPLITS)
+    first = skipped + split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tiles)
     for tile in range(first, last):
         k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
                                    kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(nmask[None, :], s, float("-inf"))
+        s = tl.where(nmask[None, :] & (n[None, :] >= oldest), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
@@ -136,7 +140,7 @@ def merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_seqs, num_heads,
 @_step_jit
 def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts_ptr, out_ptr, first_seq,
                          stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
-                         stride_ot, stride_oh, scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         stride_ot, stride_oh, scale, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (prefill sequence, query head, BLOCK_M queries). A chunk's queries sit at the
@@ -159,15 +163,21 @@ def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         last = tl.minimum(context, context - q_len + (mblock + 1) * BLOCK_M)  # the tile's causal horizon
-        for tile in range(0, tl.cdiv(last, BLOCK_N)):
+        oldest = tl.where(window > 0, positions - window + 1, 0)  # each row's first key
+        first = tl.where(window > 0, tl.maximum(context - q_len + mblock * BLOCK_M - window + 1, 0) // BLOCK_N, 0)
+        for tile in range(first, tl.cdiv(last, BLOCK_N)):
             k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
                                        kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N,
                                        BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where((n[None, :] <= positions[:, None]) & nmask[None, :], s, float("-inf"))
+            s = tl.where((n[None, :] <= positions[:, None]) & (n[None, :] >= oldest[:, None]) & nmask[None, :], s,
+                         float("-inf"))
+            # a row may have no key yet (its window starts past this tile): its max stays -inf, and
+            # exp(-inf - -inf) would be nan, so the exponent base is 0 until it has one
             m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
+            base = tl.where(m_new > float("-inf"), m_new, 0.0)
+            p = tl.exp(s - base[:, None])
+            alpha = tl.exp(m - base)
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new

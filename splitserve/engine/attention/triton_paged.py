@@ -27,22 +27,24 @@ class TritonPagedBackend(AttentionBackend):
         another device, 1 split)."""
         self.block_m, self.block_n, self.num_splits, self.sms = block_m, block_n, num_splits, sms
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            self.decode(q, kv_cache, meta, out)
+            self.decode(q, kv_cache, meta, out, window)
         if meta.num_seqs > meta.num_decodes:
-            self.attend_prefills(q, k, v, kv_cache, meta, out)
+            self.attend_prefills(q, k, v, kv_cache, meta, out, window)
         return out
 
-    def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        self.prefill(q, kv_cache, meta, out)
+    def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor,
+                        window: int | None = None) -> None:
+        self.prefill(q, kv_cache, meta, out, window)
 
-    def decode(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
+    def decode(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None) -> None:
         n, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-        splits = self._splits(n * kv_heads, triton.cdiv(max(meta.context_lens_list[:n]), self.block_n), q.device)
+        keys = min(max(meta.context_lens_list[:n]), window or max(meta.context_lens_list[:n]))
+        splits = self._splits(n * kv_heads, triton.cdiv(keys, self.block_n) + (window is not None), q.device)
         group, block_d = heads // kv_heads, _block_d(head_dim)
         part_acc = part_ml = out  # unused with one split
         if splits > 1:
@@ -51,7 +53,7 @@ class TritonPagedBackend(AttentionBackend):
         kernels.paged_decode_kernel[(n, kv_heads, splits)](
             q, kv_cache, meta.block_tables, meta.context_lens, out, part_acc, part_ml,
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
-            out.stride(0), out.stride(1), heads, 1 / math.sqrt(head_dim),
+            out.stride(0), out.stride(1), heads, 1 / math.sqrt(head_dim), window or 0,
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_N=self.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q))
         if splits > 1:
@@ -59,7 +61,7 @@ class TritonPagedBackend(AttentionBackend):
                 part_acc, part_ml, out, n, heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
                 BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d)
 
-    def prefill(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
+    def prefill(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None) -> None:
         first, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         starts = meta.query_starts
@@ -68,7 +70,8 @@ class TritonPagedBackend(AttentionBackend):
         kernels.paged_prefill_kernel[grid](
             q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, first,
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
-            out.stride(0), out.stride(1), 1 / math.sqrt(head_dim), GROUP=heads // kv_heads, HEAD_DIM=head_dim,
+            out.stride(0), out.stride(1), 1 / math.sqrt(head_dim), window or 0, GROUP=heads // kv_heads,
+            HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim), BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_SIZE=block_size,
             PRECISION=_precision(q), num_warps=PREFILL_WARPS)
 

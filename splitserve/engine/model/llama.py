@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, and with sparse MoE layers
-(`model.moe`) Mixtral and Qwen3-MoE) over flattened tokens of many sequences.
+(`model.moe`) Mixtral, Qwen2-MoE and Qwen3-MoE) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows. `checkpoint_tensors` names every
@@ -84,8 +84,10 @@ class RowParallelLinear(nn.Linear):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None):
+    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None,
+                 window: int | None = None):
         super().__init__()
+        self.window = window  # a sliding-window layer's (ModelConfig.window_of)
         d = self.head_dim = c.head_dim
         q_lo, q_hi = shard.split(c.num_attention_heads)
         kv_lo, kv_hi = kv_head_range(c.num_key_value_heads, shard.rank, shard.size)
@@ -109,7 +111,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv, meta)
+        out = backend.forward(q, k, v, kv, meta, self.window)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,15 +123,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None):
+    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None, width: int | None = None):
+        """`width`: the intermediate size (default the config's); without `reduce` a sharded MLP's
+        output is this rank's partial sum."""
         super().__init__()
-        lo, hi = shard.split(c.intermediate_size)
+        width = width or c.intermediate_size
+        lo, hi = shard.split(width)
         sharded = shard.size > 1
-        part = ShardSlice(0, lo, hi, c.intermediate_size)
+        part = ShardSlice(0, lo, hi, width)
         slices = {"gate_proj": part, "up_proj": part} if sharded else {}
         self.gate_up_proj = MergedLinear(c.hidden_size, {"gate_proj": hi - lo, "up_proj": hi - lo}, bias=False,
                                          slices=slices)
-        self.down_proj = RowParallelLinear(hi - lo, c.hidden_size, ShardSlice(1, lo, hi, c.intermediate_size) if sharded else None, reduce)
+        self.down_proj = RowParallelLinear(hi - lo, c.hidden_size, ShardSlice(1, lo, hi, width) if sharded else None,
+                                           reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -140,12 +146,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, layer: int, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = LlamaAttention(c, shard, reduce)
+        self.self_attn = LlamaAttention(c, shard, reduce, c.window_of(layer))
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.is_moe_layer(layer):  # registered under the checkpoint's name (Mixtral's block_sparse_moe)
-            names = expert_names(c)
+            names, width = expert_names(c), c.shared_expert_intermediate_size
             self.mlp_name = names.block
-            self.add_module(names.block, SparseMoeBlock(c, names, shard, reduce))
+            shared = LlamaMLP(c, shard, width=width) if width else None
+            self.add_module(names.block, SparseMoeBlock(c, names, shard, reduce, shared))
         else:
             self.mlp_name, self.mlp = "mlp", LlamaMLP(c, shard, reduce)
 

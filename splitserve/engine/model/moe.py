@@ -1,14 +1,14 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router scores every expert for each
-token, the token goes through its top-k experts (each a gated SiLU MLP like Llama's) and their
-outputs are summed, weighted by the router's softmax over those k (renormalized where the model
-says so).
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router scores every expert
+for each token, the token goes through its top-k experts (each a gated SiLU MLP like Llama's) and
+their outputs are summed, weighted by the router's softmax over those k (renormalized where the
+model says so). Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate.
 
 The experts' weights are two stacked tensors, `w13` [experts, 2 * width, hidden] (each expert's
 gate rows, then its up rows) and `w2` [experts, hidden, width], so one kernel serves all experts
 (`fused_moe` on CUDA). `checkpoint_tensors` names each expert's slices as the checkpoint stores
 them. With tensor parallelism every rank holds every expert's slice [lo, hi) of the width
-(column-parallel gate and up, row-parallel down) and the router whole; the block all-reduces its
-partial sums once. `experts_reference` is the torch oracle and the CPU path.
+(column-parallel gate and up, row-parallel down), a slice of the shared expert likewise, and the
+routers whole; the block all-reduces its partial sums once. `experts_reference` is the torch oracle and the CPU path.
 """
 from __future__ import annotations
 
@@ -89,15 +89,20 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, c: ModelConfig, names: ExpertNames, shard: Shard = Shard(),
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, shared_expert: nn.Module | None = None):
+        """`shared_expert`: Qwen2-MoE's, an MLP whose output on this rank is a partial sum (not reduced)."""
         super().__init__()
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)  # the router
         self.experts = Experts(c, names, shard)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if shared_expert is not None else None
         self.top_k, self.renormalize, self.reduce = c.num_experts_per_tok, c.norm_topk_prob, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, experts)
+        if self.shared_expert is not None:  # the gate is per token, so it scales a partial sum exactly
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.reduce is None else self.reduce(out)
 
 

@@ -75,6 +75,6 @@ def check_shardable(config: ModelConfig, size: int) -> None:
                           f"num_key_value_heads={kv_heads}")
     if config.intermediate_size % size:
         raise ConfigError(f"tensor_parallel_size={size} does not divide intermediate_size={config.intermediate_size}")
-    if config.moe_intermediate_size % size:
-        raise ConfigError(f"tensor_parallel_size={size} does not divide moe_intermediate_size="
-                          f"{config.moe_intermediate_size}")
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(config, field) % size:
+            raise ConfigError(f"tensor_parallel_size={size} does not divide {field}={getattr(config, field)}")
