@@ -162,12 +162,12 @@ class LayerLaunches(torch.nn.Module):
     def __call__(self, ids, positions, kv_layers, meta: AttentionMetadata, backend, after_layer=None):
         t, c, attention = ids.shape[0], self.config, self.attention
         x = torch.empty((t, c.hidden_size), dtype=self.dtype)
-        h, _ = add_rms_norm(x, None, self.weight, c.rms_norm_eps)
+        h, _ = add_rms_norm(x, None, self.weight, c.rms_norm_eps, c.gemma_norms)
         q, k, v = attention.heads(torch.empty((t, attention.qkv_proj.out_features), dtype=self.dtype))
         rotate_in_place(positions, q, self.cos, self.sin)
         rotate_in_place(positions, k, self.cos, self.sin)
-        backend.forward(q, k, v, kv_layers[0], meta)
-        h, _ = add_rms_norm(x, h, self.weight, c.rms_norm_eps)
+        backend.forward(q, k, v, kv_layers[0], meta, c.sliding_window, attention.scale, attention.softcap)
+        h, _ = add_rms_norm(x, h, self.weight, c.rms_norm_eps, c.gemma_norms)
         if self.moe is not None:
             k = self.moe.top_k
             fused_experts(h, self.moe.experts.w13, self.moe.experts.w2, torch.ones((t, k)),

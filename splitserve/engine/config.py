@@ -1,18 +1,31 @@
 """Frozen configuration: the model's shape (from a Hugging Face `config.json`) and the engine's knobs."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MULTIMODAL_ARCHITECTURES = {  # served text-only: (its language model, that model's weights prefix, skipped prefixes)
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.",
+                                       ("vision_tower.", "multi_modal_projector."))}
+# transformers' Gemma3TextConfig defaults: a hub Gemma 3 (4B and up) config.json lists only what differs from them
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+                        "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                        "tie_word_embeddings": True}
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",  # a window only with
                       "Qwen3MoeForCausalLM")                                          # use_sliding_window
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # sparse expert MLPs
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
 
 
 class ConfigError(ValueError):
@@ -64,6 +77,16 @@ class ModelConfig:
     norm_topk_prob: bool = True    # MoE: the chosen experts' weights are renormalized to sum to one
     dense_layers: tuple[int, ...] = ()  # MoE: the layers whose MLP is dense (Qwen's mlp_only_layers, sparse step)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes beside its experts, gated
+    hidden_act: str = "silu"       # the MLP gate's activation (ACTIVATIONS)
+    attention_scale: float | None = None  # scores are q.k times this (None: head_dim ** -0.5)
+    attn_logit_softcap: float | None = None   # scores become cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # the logits likewise
+    gemma_norms: bool = False      # Gemma 2, 3: RMSNorm scales by (1 + weight), in float32; the embeddings are
+    #                                scaled by sqrt(hidden_size); the attention's and the MLP's outputs are
+    #                                normalized too (four norms a layer)
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling); None: rope_theta
+    weights_prefix: str = ""       # a multimodal checkpoint's: what its language model's tensor names start with
+    skipped_weights: tuple[str, ...] = ()  # ... and the prefixes of the tensors it does not serve (the vision tower)
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -94,9 +117,15 @@ class ModelConfig:
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
         """Parse a Hugging Face config dict; unsupported or missing values raise ConfigError."""
         archs = cfg.get("architectures") or []
+        wrapper = next((MULTIMODAL_ARCHITECTURES[a] for a in archs if a in MULTIMODAL_ARCHITECTURES), None)
+        if wrapper is not None:
+            text, prefix, skipped = wrapper
+            return dataclasses.replace(cls.from_hf(_text_config(cfg, text, source), source), weights_prefix=prefix,
+                                       skipped_weights=skipped)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ConfigError(f"{source}: unsupported architectures {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            supported = ", ".join(SUPPORTED_ARCHITECTURES + tuple(MULTIMODAL_ARCHITECTURES))
+            raise ConfigError(f"{source}: unsupported architectures {archs!r}; supported: {supported}")
 
         def need(name):
             if name not in cfg or cfg[name] is None:
@@ -114,8 +143,15 @@ class ModelConfig:
             raise ConfigError(f"{source}: attention_bias=true is not supported for {arch} (it would put a "
                               "bias on o_proj too); released Qwen3 checkpoints have none")
         rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and scaling here
+        gemma = arch in GEMMA_ARCHITECTURES
+        if gemma:
+            rope, gemma_fields = _parse_gemma(cfg, arch, source, int(head_dim))
         scaling = cfg.get("rope_scaling") or rope
         layers = int(need("num_hidden_layers"))
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ConfigError(f"{source}: hidden activation {act!r} is not supported; supported: "
+                              f"{', '.join(ACTIVATIONS)}")
         window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
@@ -130,30 +166,82 @@ class ModelConfig:
             intermediate_size=int(need("intermediate_size")), num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
             max_position_embeddings=max_positions, rotary_dim=rotary_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=_parse_rope_scaling(scaling, source, max_positions,
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
                                 else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=window, sliding_layers=_sliding_layers(cfg, source, layers, qwen) if window else (),
+            sliding_window=window, sliding_layers=_sliding_layers(cfg, source, layers, qwen, arch) if window else (),
+            hidden_act=act, **(gemma_fields if gemma else {}),
             **(_parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
         )
 
 
-def _sliding_layers(cfg: dict, source: str, layers: int, qwen: bool) -> tuple[int, ...]:
+def _text_config(cfg: dict, arch: str, source: str) -> dict:
+    """A multimodal config's text model as a config of its own: its text_config over transformers'
+    defaults, with the wrapper's dtype and (where the text_config has none) token ids."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: missing required field 'text_config'")
+    merged = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}, "architectures": [arch]}
+    for name in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
+        if name in cfg and name not in text:
+            merged[name] = cfg[name]
+    return merged
+
+
+def _parse_gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict, dict]:
+    """(the global layers' rope parameters, ModelConfig's Gemma fields), as transformers reads
+    them: Gemma 2's soft caps default to 50 and 30, Gemma 3's to none; Gemma 3's sliding layers
+    turn at their own base (transformers 5's rope_parameters per layer type, or
+    rope_local_base_freq), unscaled, and its global ones default to a base of 1e6."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: use_bidirectional_attention=true is not supported (an encoder's attention)")
+    rope = cfg.get("rope_parameters") or {}
+    fields = dict(gemma_norms=True, attention_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5)
+    if arch == "Gemma2ForCausalLM":
+        return rope, dict(fields, attn_logit_softcap=_positive(cfg, "attn_logit_softcapping", 50.0, source),
+                          final_logit_softcap=_positive(cfg, "final_logit_softcapping", 30.0, source))
+    per_type = rope if "full_attention" in rope or "sliding_attention" in rope else {}
+    local = per_type.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"{source}: rope_parameters.sliding_attention rope_type {local['rope_type']!r} is not "
+                          "supported (Gemma 3's sliding layers are unscaled)")
+    rope = {"rope_theta": cfg.get("rope_theta", 1_000_000.0), **(per_type.get("full_attention") or {})}
+    return rope, dict(fields, attn_logit_softcap=_positive(cfg, "attn_logit_softcapping", None, source),
+                      final_logit_softcap=_positive(cfg, "final_logit_softcapping", None, source),
+                      local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))))
+
+
+def _positive(cfg: dict, name: str, default: float | None, source: str) -> float | None:
+    """A positive number, null (none), or absent (transformers' default)."""
+    value = cfg.get(name, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ConfigError(f"{source}: {name} must be a positive number or null, got {value!r}")
+    return None if value is None else float(value)
+
+
+def _sliding_layers(cfg: dict, source: str, layers: int, qwen: bool, arch: str) -> tuple[int, ...]:
     """The layers with a sliding window: as config.json's layer_types says (transformers 5 writes
-    it), else as transformers derives it: a Qwen's layers from max_window_layers on, every layer
-    of the others (Mistral, Mixtral)."""
+    it), else as transformers derives it: a Qwen's layers from max_window_layers on, Gemma 2's
+    even layers, Gemma 3's all but every sliding_window_pattern-th, every layer of the others
+    (Mistral, Mixtral)."""
     types = cfg.get("layer_types")
     if types is not None:
         kinds = ("sliding_attention", "full_attention")
         if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
             raise ConfigError(f"{source}: layer_types must list {layers} of {' / '.join(kinds)}, got {types!r}")
         return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    if arch == "Gemma2ForCausalLM":
+        return tuple(range(0, layers, 2))
+    if arch == "Gemma3ForCausalLM":
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        return tuple(i for i in range(layers) if (i + 1) % pattern)
     first = int(cfg.get("max_window_layers", 28)) if qwen else 0  # transformers' Qwen default
     return tuple(range(first, layers))
 

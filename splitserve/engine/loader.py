@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from splitserve.engine.config import FUSED_ARCHITECTURES, ModelConfig
-from splitserve.engine.model.llama import checkpoint_tensors, shard_slices
+from splitserve.engine.model.llama import RMSNorm, checkpoint_tensors, shard_slices
 from splitserve.engine.model.sharding import ShardSlice
 
 SINGLE_FILE = "model.safetensors"
@@ -67,10 +67,11 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
     loaded: set[tuple[int, tuple]] = set()  # (storage offset, shape): a tied weight counts once for both names
     with torch.no_grad():
         for file, name, handle in _iter_with_files(path):
-            if name.endswith(IGNORED_SUFFIXES) or name in absent:
+            ours = _model_name(file, name, config)
+            if ours is None or ours.endswith(IGNORED_SUFFIXES) or ours in absent:
                 continue
             found = []  # (parameter, its part of the tensor as shard_slices says, that tensor's full shape)
-            for part_name in _fused_parts(name, config) or [name]:
+            for part_name in _fused_parts(ours, config) or [ours]:
                 target = targets.get(part_name)
                 if target is None:
                     raise CheckpointError(f"{file}: tensor {name!r} has no matching parameter in {type(model).__name__}")
@@ -96,9 +97,10 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
 def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
     """Seeded random weights for any config (vLLM's `--load-format dummy`).
 
-    Biases get zeros, other 1-D parameters (norm weights) ones, matrices and embeddings
-    normal(0, 0.02). Values are drawn on the CPU in float32, so a seed gives the same weights on
-    every device and dtype (a prompt worker on one kind of GPU, its token worker on another).
+    Biases get zeros, other 1-D parameters (norm weights) ones (Gemma's, which scale by 1 + weight,
+    zeros), matrices and embeddings normal(0, 0.02). Values are drawn on the CPU in float32, so a
+    seed gives the same weights on every device and dtype (a prompt worker on one kind of GPU, its
+    token worker on another).
     `runs`: each run of DUMMY_CHUNK values has a generator of its own, seeded by (seed, tensor name,
     offset), and torch's threads draw the runs at once (an 8B model's 8e9 values take about a
     minute on one core); without it one generator draws every tensor in turn (the demo model's
@@ -106,6 +108,7 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
     part, so every TP size holds the same model.
     """
     gen, done, parts = torch.Generator().manual_seed(seed), set(), shard_slices(model)
+    offset_norms = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, RMSNorm) and m.gemma}
     with torch.no_grad(), ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL
         for name, param in checkpoint_tensors(model):
             if _where(param) in done:  # a tied weight, drawn once
@@ -114,7 +117,7 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
             if name.endswith("bias"):
                 param.zero_()
             elif param.dim() == 1:
-                param.fill_(1.0)
+                param.fill_(0.0 if name in offset_norms else 1.0)
             else:
                 part = parts.get(name)
                 shape = part.full_shape(param.shape) if part else param.shape
@@ -154,6 +157,19 @@ def write_shape_checkpoint(root: str | Path, config: dict) -> str:
 
 
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _model_name(file: Path, name: str, config: ModelConfig | None) -> str | None:
+    """The model's name of a checkpoint tensor; None for one it does not serve (a multimodal
+    checkpoint's vision tower)."""
+    if config is None or not config.weights_prefix:
+        return name
+    if name.startswith(config.skipped_weights):
+        return None
+    if not name.startswith(config.weights_prefix):
+        raise CheckpointError(f"{file}: tensor {name!r} is neither the language model's "
+                              f"({config.weights_prefix}...) nor skipped ({', '.join(config.skipped_weights)})")
+    return name.removeprefix(config.weights_prefix)
 
 
 def _fused_parts(name: str, config: ModelConfig | None) -> list[str] | None:

@@ -22,4 +22,11 @@ MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"
                 "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
                 "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
                 "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
-SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B}
+# four norms a layer, soft-capped scores and logits, a 4k window on every other layer
+GEMMA2_9B = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 3584,
+             "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+             "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+             "max_position_embeddings": 8192, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+             "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1}
+SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B, "gemma2-9b": GEMMA2_9B}

@@ -8,10 +8,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 # ASCII only, so every token decodes to complete characters (no held-back partial UTF-8).
@@ -59,6 +60,18 @@ CONFIGS = {
     # LongRoPE past 48 tokens: the 40-token generation prompt crosses it while decoding
     "phi3_longrope": (Phi3Config, Phi3ForCausalLM, dict(num_key_value_heads=2, original_max_position_embeddings=48,
                                                         rope_scaling=LONGROPE)),
+    # Gemma 2: four norms a layer, GELU, scores scaled by query_pre_attn_scalar and soft-capped (caps low
+    # enough to bind), a window on the even layers, soft-capped logits, tied embeddings
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                                                     sliding_window=16, attn_logit_softcapping=4.0,
+                                                     final_logit_softcapping=8.0)),
+    # Gemma 3: Gemma's norms on q and k too, no soft caps, the sliding layer turning at a base of its own
+    # and the global one with linear scaling
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     # sparse MoE: 4 experts, top 2 renormalized, in every layer
     "mixtral_moe": (MixtralConfig, MixtralForCausalLM, dict(num_key_value_heads=2, num_local_experts=4,
                                                            num_experts_per_tok=2, rope_theta=1000000.0)),
@@ -71,7 +84,7 @@ CONFIGS = {
                                                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                            rope_theta=1000000.0)),
 }
-QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers gives them Qwen2's tokenizer class
+QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers: Qwen2's tokenizer class
 
 
 # ---- checkpoint construction --------------------------------------------------------------

@@ -4,7 +4,8 @@ Each case scatters every sequence's K/V into a paged cache through a shuffled (n
 block table, runs `TorchPagedBackend.forward` on a flat batch of decodes (first) and prefill
 chunks (some with earlier context already in the cache), and compares with a per-sequence causal
 attention written here from scratch: softmax(Q K^T / sqrt(d)) with a causal mask (and a sliding
-window's: the query at p sees positions > p - window), GQA by `repeat_interleave` of the KV heads.
+window's: the query at p sees positions > p - window), scores optionally scaled otherwise and
+soft-capped (cap * tanh(scores / cap)), GQA by `repeat_interleave` of the KV heads.
 """
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ from splitserve.engine.attention import AttentionMetadata, TorchPagedBackend, se
 
 
 def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        window: int | None = None) -> torch.Tensor:
+                        window: int | None = None, scale: float | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """q: [n, H, D], the last n positions of a context of len(keys); keys, values: [L, KVH, D]."""
     n, heads, dim = q.shape
     length = keys.shape[0]
     group = heads // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)    # [L, H, D]
     v = values.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(dim)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * (scale or 1 / math.sqrt(dim))
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     query_pos = torch.arange(length - n, length)
     allowed = torch.arange(length)[None, :] <= query_pos[:, None]  # [n, L]
     if window is not None:
@@ -95,7 +99,8 @@ def _num_decodes(seqs: list[tuple[int, int]]) -> int:
 
 
 def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, seed=0, extra_blocks=0,
-               num_decodes=None, backend=None, dtype=torch.float32, tolerance=1e-5, device="cpu", window=None):
+               num_decodes=None, backend=None, dtype=torch.float32, tolerance=1e-5, device="cpu", window=None,
+               scale=None, softcap=None):
     """`backend` (default: the torch oracle) against the reference, in `dtype` (the reference
     computes in float64 from the same, rounded, inputs); the backend runs on `device`."""
     needed = sum(-(-c // block_size) + extra_blocks for c, _ in seqs)
@@ -109,12 +114,12 @@ def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, 
     on_device = dataclasses.replace(meta, **{name: getattr(meta, name).to(device) for name in
                                              ("slot_mapping", "block_tables", "context_lens", "query_start_tensor")})
     out = (backend or TorchPagedBackend()).forward(q.to(device), k.to(device), v.to(device), kv_cache, on_device,
-                                                   window).cpu()
+                                                   window, scale, softcap).cpu()
     k_cache, v_cache = kv_cache.cpu()
     assert out.shape == q.shape and out.dtype == q.dtype
     for i, (keys, values) in enumerate(full):
         lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
-        want = reference_attention(q[lo:hi], keys, values, window)
+        want = reference_attention(q[lo:hi], keys, values, window, scale, softcap)
         torch.testing.assert_close(out[lo:hi].double(), want, atol=tolerance, rtol=tolerance,
                                    msg=lambda m: f"sequence {i} {seqs[i]}: {m}")
     # the cache holds this step's k/v at slot_mapping, and every other slot is untouched
@@ -186,3 +191,10 @@ def test_a_sliding_window(window):
     their earlier context; a window of 1 sees only the query's own position."""
     check_case([(7, 1), (40, 1), (3, 1), (30, 30), (4, 4), (50, 9), (26, 13)], block_size=4, num_decodes=3,
                window=window)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_scores_scaled_and_soft_capped(window):
+    """Gemma 2's scoring: q.k / sqrt(query_pre_attn_scalar) (not head_dim), then 2 * tanh(s / 2),
+    a cap low enough to bind; fresh prompts, chunks and decodes."""
+    check_case([(7, 1), (30, 1), (12, 12), (40, 9)], num_decodes=2, window=window, scale=0.2, softcap=2.0)

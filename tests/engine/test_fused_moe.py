@@ -53,7 +53,8 @@ def test_half_precision_and_strided_rows():
     wide = torch.cat([torch.zeros(9, 16, dtype=torch.float16), x], dim=1)
     out = fused_moe.fused_experts(*on_device(wide[:, 16:], w13, w2, weights, ids))
     expected = experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
-    torch.testing.assert_close(out.cpu().float(), expected, atol=TOLERANCE[torch.float16], rtol=TOLERANCE[torch.float16])
+    tol = TOLERANCE[torch.float16]
+    torch.testing.assert_close(out.cpu().float(), expected, atol=tol, rtol=tol)
 
 
 def test_all_tokens_on_one_expert_and_no_tokens():

@@ -1,7 +1,8 @@
-"""kernel_warm_up on a tiny model under Triton's interpreter: one step per decode split count,
-each attending its decode with that many splits, nothing stored in the KV cache, the backend's
-own `num_splits` kept; no steps for the torch backend; an MoE model's experts once per tile size.
-That these steps leave no variant to compile while serving is checked compiled, for sm_90 and sm_80, in tests/scripts/test_compile_kernels.py."""
+"""kernel_warm_up on a tiny model under Triton's interpreter: one step per decode split count, each
+attending its decode with that many splits, nothing stored in the KV cache, the backend's own
+`num_splits` kept; no steps for the torch backend; an MoE model's experts once per tile size. That
+these steps leave no variant to compile while serving is checked compiled, for sm_90 and sm_80, in
+tests/scripts/test_compile_kernels.py."""
 from __future__ import annotations
 
 import logging

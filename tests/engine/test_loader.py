@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from splitserve.engine.config import ConfigError
 from splitserve.engine.demo import DEMO_MODEL_CONFIG, demo_model_config, demo_tokenizer
@@ -101,6 +101,41 @@ def test_sliding_layers_from_layer_types_or_as_transformers_derives_them(tmp_pat
         load_model_config(tmp_path)
     MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=8)).save_pretrained(tmp_path / "mistral")
     assert load_model_config(tmp_path / "mistral").sliding_layers == (0, 1)  # every layer
+
+
+def test_gemma2_config_fields(tmp_path):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=20)).save_pretrained(tmp_path)
+    cfg = load_model_config(tmp_path)
+    assert (cfg.gemma_norms, cfg.hidden_act, cfg.attention_scale) == (True, "gelu_pytorch_tanh", 20 ** -0.5)
+    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.sliding_layers) == (50.0, 30.0, (0,))
+    assert cfg.tie_word_embeddings
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "final_logit_softcapping": None,
+                                                      "attn_logit_softcapping": None}))
+    cfg = load_model_config(tmp_path)
+    assert cfg.attn_logit_softcap is None and cfg.final_logit_softcap is None
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "attn_logit_softcapping": -1}))
+    with pytest.raises(ConfigError, match="attn_logit_softcapping must be a positive number"):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "hidden_activation": "relu"}))
+    with pytest.raises(ConfigError, match="hidden activation 'relu' is not supported"):
+        load_model_config(tmp_path)
+
+
+def test_dummy_weights_leave_gemma_norms_neutral(tmp_path):
+    """Gemma's norms scale by 1 + weight: dummy weights give them zeros, as its own init does."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from splitserve.engine.model.llama import LlamaForCausalLM as Ours
+
+    Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=16)).save_pretrained(tmp_path)
+    ours = Ours(load_model_config(tmp_path), max_model_len=64)
+    init_dummy_weights(ours, seed=0)
+    layer = ours.model.layers[0]
+    assert torch.equal(layer.pre_feedforward_layernorm.weight, torch.zeros(32))
+    assert torch.equal(ours.model.norm.weight, torch.zeros(32))
 
 
 def test_tied_embeddings_load_both_names(tmp_path):

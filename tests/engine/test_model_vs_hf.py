@@ -31,6 +31,9 @@ def test_config_json_rope_is_parsed(ckpt):
     path, hf = ckpt
     ours = load_model_config(path)
     rope = hf.config.rope_parameters
+    if "full_attention" in rope:  # Gemma 3: per layer type; its sliding layers unscaled
+        assert ours.local_rope_theta == rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
     assert ours.rope_theta == pytest.approx(rope["rope_theta"])
     assert ours.rope_scaling.rope_type == rope.get("rope_type", "default")
     keys = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),

@@ -2,7 +2,8 @@
 (tests/engine/test_attention.py), under Triton's interpreter on CPU, compiled on CUDA where it is
 (the `kernels` mark: scripts/gpu_check.sh runs these there):
 GQA ratios 1, 4 and 8, block sizes 16 and 32, ragged contexts, chunks with earlier context and
-prefix-cache hits, decode split over the context and not, sliding windows, float32 and bfloat16;
+prefix-cache hits, decode split over the context and not, sliding windows, soft-capped scores,
+float32 and bfloat16;
 and a tiny model's
 greedy output with the Triton backend equal to the torch backend's."""
 from __future__ import annotations
@@ -51,9 +52,10 @@ def test_decodes_and_chunks_in_one_batch_with_padded_tables():
           extra_blocks=2, backend=TritonPagedBackend(**SMALL, num_splits=2))
 
 
-def test_head_dims_that_are_not_powers_of_two():
-    check([(30, 1), (21, 21), (45, 9)], heads=4, kv_heads=2, dim=24, block_size=16,
-          backend=TritonPagedBackend(**SMALL, num_splits=2))
+@pytest.mark.parametrize("dim", [24, 160])  # not powers of two; over 128, the prefill's key tiles are halved
+def test_head_dims_that_are_not_powers_of_two(dim):
+    check([(30, 1), (21, 21), (45, 9)], heads=4, kv_heads=2, dim=dim, block_size=16,
+          backend=TritonPagedBackend(block_m=16, block_n=32, num_splits=2))
 
 
 HALF = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]  # the interpreter's bf16 dot is wrong
@@ -74,6 +76,12 @@ def test_a_sliding_window(window, splits):
     none of their keys."""
     check([(9, 1), (77, 1), (40, 1), (31, 31), (60, 12), (90, 40)], heads=8, kv_heads=2, dim=32, block_size=16,
           num_decodes=3, backend=TritonPagedBackend(**SMALL, num_splits=splits), window=window)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_scores_scaled_and_soft_capped(splits):
+    check([(9, 1), (77, 1), (31, 31), (60, 12)], heads=8, kv_heads=2, dim=32, block_size=16, num_decodes=2,
+          backend=TritonPagedBackend(**SMALL, num_splits=splits), window=24, scale=0.2, softcap=2.0)
 
 
 def test_a_chosen_split_count_is_the_largest_power_of_two_within_its_bounds():

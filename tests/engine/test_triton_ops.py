@@ -18,8 +18,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
-def norm(hidden: int, dtype: torch.dtype) -> RMSNorm:
-    module = RMSNorm(hidden, 1e-5).to(dtype)
+def norm(hidden: int, dtype: torch.dtype, gemma: bool = False) -> RMSNorm:
+    module = RMSNorm(hidden, 1e-5, gemma).to(dtype)
     with torch.no_grad():
         module.weight.copy_(torch.rand(hidden) + 0.5)
     return module
@@ -27,13 +27,15 @@ def norm(hidden: int, dtype: torch.dtype) -> RMSNorm:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hidden", [64, 48])  # a power of two and not
-def test_add_and_norm_in_one_pass(dtype, hidden):
+@pytest.mark.parametrize("gemma", [False, True])  # Gemma's norm: times (1 + weight), rounded once
+def test_add_and_norm_in_one_pass(dtype, hidden, gemma):
     torch.manual_seed(0)
-    module = norm(hidden, dtype)
+    module = norm(hidden, dtype, gemma)
     x, residual = torch.randn(5, hidden, dtype=dtype), torch.randn(5, hidden, dtype=dtype)
     expected_out, expected_sum = module(x, residual)
     out, summed = (t.cpu() for t in add_rms_norm(x.to(DEVICE), residual.to(DEVICE), module.weight.to(DEVICE),
-                                                 module.eps))
+                                                 module.eps, gemma))
+    assert out.dtype == expected_out.dtype
     assert torch.equal(summed, expected_sum)  # the sum rounds to the activations' dtype, as the oracle's
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, expected_out, atol=tol, rtol=tol)

@@ -1,9 +1,10 @@
 """compile_kernels.py compiles, with Triton's own compiler and no GPU, every kernel variant the CUDA
 engine launches for the Llama-3-8B shape on sm_90 and sm_80: the start-up (kernel_warm_up and the
-graph capture) compiles all of them, so a serving mix compiles none; none spills registers or
-needs more shared memory than a block may have; a second start on the same Triton cache compiles
-nothing; an MoE shape's expert kernels are compiled at start-up too. Without the warm-up, serving compiles; in float32 the attention kernels spill: the
-script fails on both."""
+graph capture) compiles all of them, so a serving mix compiles none; none spills registers or needs
+more shared memory than a block may have; a second start on the same Triton cache compiles nothing;
+an MoE shape's expert kernels and Gemma 2's variants (soft-capped scores, its norm, 256-dim heads)
+are compiled at start-up too, none spilling. Without the warm-up, serving compiles; in float32 the
+attention kernels spill: the script fails on both."""
 import json
 import subprocess
 import sys
@@ -62,6 +63,17 @@ def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(tmp_path):
     assert {v["phase"] for v in report["variants"]} == {"start-up"}
     moe = [v["spec"] for v in report["variants"] if v["kernel"] == "_gate_up_kernel"]
     assert sorted(int(spec.split("BLOCK_M=")[1].split()[0]) for spec in moe) == [16, 64]
+
+
+@pytest.mark.parametrize("arch", ["90", "80"])
+def test_gemma2_compiles_its_variants_at_start_up_without_spills(tmp_path, arch):
+    code, archs = _run(tmp_path, "--shape", "gemma2-9b", "--arch", arch, "--steps", "10")
+    report = archs[f"sm_{arch}"]
+    assert code == 0 and not report["problems"]
+    assert {v["phase"] for v in report["variants"]} == {"start-up"}
+    specs = {v["kernel"]: v["spec"] for v in report["variants"]}
+    assert "SOFTCAP=True" in specs["paged_prefill_kernel"] and "BLOCK_N=32" in specs["paged_prefill_kernel"]
+    assert "GEMMA=True" in specs["_add_rms_norm_kernel"]
 
 
 def test_without_the_warm_up_serving_compiles_and_the_script_fails(tmp_path):

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from splitserve.engine.attention.metadata import AttentionMetadata
 
@@ -14,12 +16,38 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, window: int | None = None, scale: float | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: one layer's [2 (K, V), num_blocks, block_size, KVH, D].
         Writes k, v at meta.slot_mapping, returns causal attention output [T, H, D]. `window`: a
-        query at position p attends only to positions > p - window (a sliding-window layer)."""
+        query at position p attends only to positions > p - window (a sliding-window layer);
+        `scale`: of q.k (None: head_dim ** -0.5); `softcap`: scores become softcap * tanh(scores / softcap)."""
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     kv_cache[0].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How scores are made: q.k times `scale` (None: head_dim ** -0.5), then, with a `softcap`,
+    softcap * tanh(scores / softcap) (Gemma 2), which SDPA cannot do: that is computed here."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
+    def attend(self, q, k, v, mask=None, is_causal: bool = False) -> torch.Tensor:
+        """q [B, H, Lq, D], k and v [B, KVH, Lk, D] (KVH divides H); mask broadcast to [B, H, Lq, Lk]."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+                                                  enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = (q.float() @ k.float().transpose(-1, -2)) * (self.scale or q.shape[-1] ** -0.5)
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if is_causal:  # the queries are the last Lq positions
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)

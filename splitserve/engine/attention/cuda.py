@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.engine.attention.base import Scoring
 from splitserve.engine.attention.metadata import AttentionMetadata
 from splitserve.engine.attention.triton_paged import TritonPagedBackend
 from splitserve.engine.config import ConfigError
@@ -25,13 +26,14 @@ class FlashAttnBackend(TritonPagedBackend):
         super().__init__(**kwargs)
 
     def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor,
-                        window: int | None = None) -> None:
+                        window: int | None = None, scoring: Scoring = Scoring()) -> None:
         first, starts = meta.num_decodes, meta.query_starts
         fresh = all(starts[i + 1] - starts[i] == meta.context_lens_list[i] for i in range(first, meta.num_seqs))
         if not fresh or q.dtype not in (torch.float16, torch.bfloat16):
-            return self.prefill(q, kv_cache, meta, out, window)
+            return self.prefill(q, kv_cache, meta, out, window, scoring)
         lo = starts[first]  # prefill tokens follow the decodes, contiguous
         cu = (meta.query_start_tensor[first:] - lo).to(torch.int32)
         longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
         out[lo:] = flash_attn_varlen_func(q[lo:], k[lo:], v[lo:], cu, cu, longest, longest, causal=True,
+                                          softmax_scale=scoring.scale, softcap=scoring.softcap or 0.0,
                                           window_size=(-1, -1) if window is None else (window - 1, 0))

@@ -3,34 +3,37 @@
 Decodes are batched, one SDPA call per group of similar context lengths, over their gathered,
 length-masked KV; prefill chunks run one SDPA call each, with a causal mask offset by the
 chunk's start when earlier chunks' KV is in the cache. A sliding window masks the keys at or
-before position p - window for the query at p.
+before position p - window for the query at p; `Scoring` gives the scores' scale and soft cap.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from splitserve.engine.attention.base import AttentionBackend, write_kv
+from splitserve.engine.attention.base import AttentionBackend, Scoring, write_kv
 from splitserve.engine.attention.metadata import AttentionMetadata
 
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
+                scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        scoring = Scoring(scale, softcap)
         for first, end in meta.decode_groups:
-            out[first:end] = self.decode(q[first:end], kv_cache, meta, first, window)
-        self.run_prefills(q, k, v, kv_cache, meta, out, range(meta.num_decodes, meta.num_seqs), window)
+            out[first:end] = self.decode(q[first:end], kv_cache, meta, first, window, scoring)
+        self.run_prefills(q, k, v, kv_cache, meta, out, range(meta.num_decodes, meta.num_seqs), window, scoring)
         return out
 
-    def run_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out, seqs, window: int | None = None) -> None:
+    def run_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out, seqs, window: int | None = None,
+                     scoring: Scoring | None = None) -> None:
         for i in seqs:
             lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
-            out[lo:hi] = self.prefill_chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta, i, window)
+            out[lo:hi] = self.prefill_chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta, i, window, scoring)
 
-    def decode(self, q, kv_cache, meta: AttentionMetadata, first: int = 0, window: int | None = None) -> torch.Tensor:
+    def decode(self, q, kv_cache, meta: AttentionMetadata, first: int = 0, window: int | None = None,
+               scoring: Scoring | None = None) -> torch.Tensor:
         """Single-token queries of sequences first .. first + len(q), batched in one SDPA call."""
         end = first + q.shape[0]
         max_len = max(meta.context_lens_list[first:end])
@@ -41,29 +44,31 @@ class TorchPagedBackend(AttentionBackend):
         mask = positions < contexts
         if window is not None:
             mask &= positions >= contexts - window
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
-                                             enable_gqa=True)
+        out = (scoring or Scoring()).attend(q.unsqueeze(2), keys, values, mask[:, None, None, :])
         return out.squeeze(2)
 
-    def prefill_chunk(self, q, k, v, kv_cache, meta: AttentionMetadata, i: int, window: int | None = None) -> torch.Tensor:
-        n, context = q.shape[0], meta.context_lens_list[i]
-        if n == context and (window is None or window >= n):  # no earlier KV, nothing out of the window
-            return _sdpa_tokens_first(q, k, v, is_causal=True)
-        table = meta.block_tables[i : i + 1, : -(-context // kv_cache.shape[2])]
-        keys, values = _gather(kv_cache, table)[:, 0, :context]
+    def prefill_chunk(self, q, k, v, kv_cache, meta: AttentionMetadata, i: int, window: int | None = None,
+                      scoring: Scoring | None = None) -> torch.Tensor:
+        n, context, scoring = q.shape[0], meta.context_lens_list[i], scoring or Scoring()
+        if n == context and (window is None or window >= n):
+            return _tokens_first(scoring.attend, q, k, v, is_causal=True)  # no earlier KV, nothing out of the window
+        if n == context:
+            keys, values = k, v
+        else:
+            table = meta.block_tables[i : i + 1, : -(-context // kv_cache.shape[2])]
+            keys, values = _gather(kv_cache, table)[:, 0, :context]
         query_pos = torch.arange(context - n, context, device=q.device)[:, None]
         key_pos = torch.arange(context, device=q.device)[None, :]
         mask = key_pos <= query_pos
         if window is not None:
             mask &= key_pos > query_pos - window
-        return _sdpa_tokens_first(q, keys, values, attn_mask=mask)
+        return _tokens_first(scoring.attend, q, keys, values, mask=mask)
 
 
-def _sdpa_tokens_first(q, k, v, **kwargs) -> torch.Tensor:
-    """SDPA on [tokens, heads, dim] tensors. Inputs go in 4-D ([1, heads, tokens, dim]): with 3-D
-    ones, CPU torch falls back to its slow math kernel instead of its flash kernel."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         enable_gqa=True, **kwargs)
+def _tokens_first(attend, q, k, v, **kwargs) -> torch.Tensor:
+    """Attention on [tokens, heads, dim] tensors. Inputs go in 4-D ([1, heads, tokens, dim]): with 3-D
+    ones, CPU torch's SDPA falls back to its slow math kernel instead of its flash kernel."""
+    out = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], **kwargs)
     return out[0].transpose(0, 1)
 
 

@@ -1,7 +1,8 @@
 """Triton kernels for paged attention: the KV-cache store, decode over block tables (GQA, split-K
 for long contexts) and prefill / chunk attention over the paged context (varlen, causal), either
 over the whole context or a sliding window (`window` > 0: the query at p attends to positions
-> p - window; the key tiles wholly before it are not read).
+> p - window; the key tiles wholly before it are not read), with scores soft-capped where a model
+says so (SOFTCAP: softcap * tanh(scores / softcap), Gemma 2).
 
 Layouts (the engine's): one layer's cache is [2 (K, V), num_blocks, block_size, kv_heads, head_dim],
 contiguous; queries are [tokens, heads, head_dim]; block tables [seqs, max_pages] (padded with 0,
@@ -13,9 +14,9 @@ On CPU these run under Triton's interpreter (`TRITON_INTERPRET=1`), which is how
 against the torch backend; on CUDA they compile, once per variant: Triton specializes integers that
 are 1 or multiples of 16 and pointers that are 16-byte aligned. What changes from step to step is
 kept out of that (`STEP_INTS`, `STEP_POINTERS`: the block tables' width, where prefills start, the
-batch size; the step inputs, views at any offset into one buffer), and so is a layer's window, so
-a step's variant depends only on the model, the dtype and the decode split count, and `kernel_warm_up` can compile them all at
-start-up (scripts/compile_kernels.py checks it).
+batch size; the step inputs, views at any offset into one buffer), and so is a layer's window, so a
+step's variant depends only on the model, the dtype and the decode split count, and `kernel_warm_up`
+can compile them all at start-up (scripts/compile_kernels.py checks it).
 """
 from __future__ import annotations
 
@@ -65,13 +66,21 @@ def _key_tile(cache_ptr, tables_ptr, seq, stride_table, start, context, kv_head,
     return k, v, n, nmask
 
 
+@triton.jit
+def _soft_cap(s, softcap, SOFTCAP: tl.constexpr):
+    """softcap * tanh(s / softcap), tanh as 1 - 2 / (exp(2x) + 1) (exact at both infinities)."""
+    if SOFTCAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    return s
+
+
 @_step_jit
 def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                         stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
-                        stride_ot, stride_oh, num_heads, scale, window,
+                        stride_ot, stride_oh, num_heads, scale, window, softcap,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One program per (decode sequence, kv head, split): the GROUP query heads that share this KV
     head attend to this split's key tiles. One split writes the output; several write partial
     (unnormalized accumulator, max, sum) for `merge_splits_kernel`. Each sequence's key tiles are
@@ -98,7 +107,7 @@ def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part
     for tile in range(first, last):
         k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
                                    kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = _soft_cap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, softcap, SOFTCAP)
         s = tl.where(nmask[None, :] & (n[None, :] >= oldest), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -140,9 +149,9 @@ def merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_seqs, num_heads,
 @_step_jit
 def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts_ptr, out_ptr, first_seq,
                          stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
-                         stride_ot, stride_oh, scale, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+                         stride_ot, stride_oh, scale, window, softcap, GROUP: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One program per (prefill sequence, query head, BLOCK_M queries). A chunk's queries sit at the
     end of its context (earlier chunks and prefix-cache hits are already in the cache, this chunk's
     own K and V were just stored), so query i attends to positions <= context - query_len + i."""
@@ -169,7 +178,7 @@ def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts
             k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
                                        kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N,
                                        BLOCK_SIZE)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = _soft_cap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, softcap, SOFTCAP)
             s = tl.where((n[None, :] <= positions[:, None]) & (n[None, :] >= oldest[:, None]) & nmask[None, :], s,
                          float("-inf"))
             # a row may have no key yet (its window starts past this tile): its max stays -inf, and

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from splitserve.engine.attention import triton_kernels as kernels
-from splitserve.engine.attention.base import AttentionBackend
+from splitserve.engine.attention.base import AttentionBackend, Scoring
 from splitserve.engine.attention.metadata import AttentionMetadata
 
 MAX_SPLITS = 16
@@ -27,20 +27,23 @@ class TritonPagedBackend(AttentionBackend):
         another device, 1 split)."""
         self.block_m, self.block_n, self.num_splits, self.sms = block_m, block_n, num_splits, sms
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
+                scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        scoring = Scoring(scale, softcap)
         if meta.num_decodes:
-            self.decode(q, kv_cache, meta, out, window)
+            self.decode(q, kv_cache, meta, out, window, scoring)
         if meta.num_seqs > meta.num_decodes:
-            self.attend_prefills(q, k, v, kv_cache, meta, out, window)
+            self.attend_prefills(q, k, v, kv_cache, meta, out, window, scoring)
         return out
 
     def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor,
-                        window: int | None = None) -> None:
-        self.prefill(q, kv_cache, meta, out, window)
+                        window: int | None = None, scoring: Scoring = Scoring()) -> None:
+        self.prefill(q, kv_cache, meta, out, window, scoring)
 
-    def decode(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None) -> None:
+    def decode(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None,
+               scoring: Scoring = Scoring()) -> None:
         n, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         keys = min(max(meta.context_lens_list[:n]), window or max(meta.context_lens_list[:n]))
@@ -53,15 +56,17 @@ class TritonPagedBackend(AttentionBackend):
         kernels.paged_decode_kernel[(n, kv_heads, splits)](
             q, kv_cache, meta.block_tables, meta.context_lens, out, part_acc, part_ml,
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
-            out.stride(0), out.stride(1), heads, 1 / math.sqrt(head_dim), window or 0,
-            GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_N=self.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q))
+            out.stride(0), out.stride(1), heads, scoring.scale or 1 / math.sqrt(head_dim), window or 0,
+            scoring.softcap or 0.0, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_N=self.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q),
+            SOFTCAP=scoring.softcap is not None)
         if splits > 1:
             kernels.merge_splits_kernel[(n, heads)](
                 part_acc, part_ml, out, n, heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
                 BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d)
 
-    def prefill(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None) -> None:
+    def prefill(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None,
+                scoring: Scoring = Scoring()) -> None:
         first, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         starts = meta.query_starts
@@ -70,10 +75,10 @@ class TritonPagedBackend(AttentionBackend):
         kernels.paged_prefill_kernel[grid](
             q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, first,
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
-            out.stride(0), out.stride(1), 1 / math.sqrt(head_dim), window or 0, GROUP=heads // kv_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=_block_d(head_dim), BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_SIZE=block_size,
-            PRECISION=_precision(q), num_warps=PREFILL_WARPS)
+            out.stride(0), out.stride(1), scoring.scale or 1 / math.sqrt(head_dim), window or 0, scoring.softcap or 0.0,
+            GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
+            BLOCK_D=_block_d(head_dim), BLOCK_M=self.block_m, BLOCK_N=_prefill_block_n(self.block_n, head_dim),
+            BLOCK_SIZE=block_size, PRECISION=_precision(q), num_warps=PREFILL_WARPS)
 
     def _splits(self, programs: int, tiles: int, device: torch.device) -> int:
         """A power of two (each split count is a kernel variant: `split_counts` bounds them), at most
@@ -104,6 +109,12 @@ def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
     if kv_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head_dim must be contiguous")
     return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
+
+
+def _prefill_block_n(block_n: int, head_dim: int) -> int:
+    """Key tiles half as long for heads over 128 dims (Gemma's 256): with whole ones the prefill
+    kernel spills registers on sm_90 (scripts/compile_kernels.py --shape gemma2-9b)."""
+    return block_n if head_dim <= 128 else max(16, block_n // 2)
 
 
 def _block_d(head_dim: int) -> int:

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, and with sparse MoE layers
-(`model.moe`) Mixtral, Qwen2-MoE and Qwen3-MoE) over flattened tokens of many sequences.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, and with sparse MoE
+layers (`model.moe`) Mixtral, Qwen2-MoE and Qwen3-MoE) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows. `checkpoint_tensors` names every
@@ -14,13 +14,14 @@ part of each checkpoint tensor a rank's parameter holds.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
-from splitserve.engine.config import ModelConfig
+from splitserve.engine.config import ModelConfig, RopeScaling
 from splitserve.engine.model.moe import Experts, SparseMoeBlock, expert_names
 from splitserve.engine.model.rotary import RotaryEmbedding
 from splitserve.engine.model.sharding import Shard, ShardSlice, kv_head_range
@@ -29,17 +30,18 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]  # all-reduce (sum) over the wor
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, gemma: bool = False):
+        """`gemma`: Gemma's norm, which scales by (1 + weight) and rounds once, at the end."""
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size) if gemma else torch.ones(size))
+        self.eps, self.gemma = eps, gemma
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x) * weight over the last dim; given the residual stream (x and residual [T, size]),
         (norm(x + residual) * weight, x + residual). On CUDA one Triton kernel (`triton_ops`) does
         the add and the norm."""
         if x.is_cuda:
-            out, summed = _cuda_ops().add_rms_norm(x, residual, self.weight, self.eps)
+            out, summed = _cuda_ops().add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
             return out if residual is None else (out, summed)
         if residual is None:
             return self._norm(x)
@@ -49,6 +51,8 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -88,6 +92,7 @@ class LlamaAttention(nn.Module):
                  window: int | None = None):
         super().__init__()
         self.window = window  # a sliding-window layer's (ModelConfig.window_of)
+        self.scale, self.softcap = c.attention_scale, c.attn_logit_softcap
         d = self.head_dim = c.head_dim
         q_lo, q_hi = shard.split(c.num_attention_heads)
         kv_lo, kv_hi = kv_head_range(c.num_key_value_heads, shard.rank, shard.size)
@@ -102,8 +107,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.num_heads * d, c.hidden_size,
                                         ShardSlice(1, q_lo * d, q_hi * d, q_total) if shard.size > 1 else None, reduce)
         # one weight per head dim, the same for every head: whole on every rank
-        self.q_norm = RMSNorm(d, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(d, c.rms_norm_eps) if c.qk_norm else None
+        self.q_norm = RMSNorm(d, c.rms_norm_eps, c.gemma_norms) if c.qk_norm else None
+        self.k_norm = RMSNorm(d, c.rms_norm_eps, c.gemma_norms) if c.qk_norm else None
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -111,7 +116,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv, meta, self.window)
+        out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,18 +141,23 @@ class LlamaMLP(nn.Module):
                                          slices=slices)
         self.down_proj = RowParallelLinear(hi - lo, c.hidden_size, ShardSlice(1, lo, hi, width) if sharded else None,
                                            reduce)
+        self.gelu = c.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, layer: int, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
         self.self_attn = LlamaAttention(c, shard, reduce, c.window_of(layer))
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # Llama's post_attention_layernorm precedes the MLP; Gemma's normalizes the attention's output,
+        # and a pre_feedforward_layernorm precedes the MLP, whose output a post_feedforward_layernorm takes
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
+        self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, True) if c.gemma_norms else None
+        self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, True) if c.gemma_norms else None
         if c.is_moe_layer(layer):  # registered under the checkpoint's name (Mixtral's block_sparse_moe)
             names, width = expert_names(c), c.shared_expert_intermediate_size
             self.mlp_name = names.block
@@ -160,8 +170,12 @@ class LlamaDecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it): the next norm adds the two,
         so each add runs inside a norm; the first layer has no residual yet."""
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, rotary, kv, meta, backend), residual)
-        return self._modules[self.mlp_name](h), residual
+        h = self.self_attn(h, positions, rotary, kv, meta, backend)
+        if self.pre_feedforward_layernorm is None:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self._modules[self.mlp_name](h), residual
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self._modules[self.mlp_name](h)), residual
 
 
 class LlamaModel(nn.Module):
@@ -169,7 +183,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, shard, reduce) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -186,6 +200,12 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_model_len)
+        # Gemma 3's sliding layers turn at a base of their own, unscaled
+        local = config.local_rope_theta is not None
+        self.local_rotary = RotaryEmbedding(replace(config, rope_theta=config.local_rope_theta,
+                                                    rope_scaling=RopeScaling()), max_model_len) if local else None
+        self.rotary_of = [self.local_rotary if local and layer.self_attn.window else self.rotary
+                          for layer in self.model.layers]
 
     @property
     def absent_tensors(self) -> frozenset[str]:
@@ -198,15 +218,19 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm; KV of every token is written to the cache.
         `after_layer(i)` runs once layer i's KV is in the cache (layer-wise KV streaming starts there)."""
         x, residual = self.model.embed_tokens(input_ids), None
+        if self.config.gemma_norms:  # Gemma scales by sqrt(hidden_size), rounded to the activations' dtype
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-            x, residual = layer(x, residual, positions, self.rotary, kv, meta, backend)
+            x, residual = layer(x, residual, positions, self.rotary_of[i], kv, meta, backend)
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rank 0 only (the others have no LM head)."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,7 +5,8 @@ oracle; on CPU these run only under Triton's interpreter (how the tests check th
 
 Rounding follows the oracle where it decides the result's dtype: the residual sum is rounded to
 the activations' dtype before it is normalized, and the normalized row is rounded before it is
-scaled by the weight (as Hugging Face's Llama does). The rotation is computed in float32 and
+scaled by the weight (as Hugging Face's Llama does; Gemma's norm scales by 1 + weight and rounds
+only the result). The rotation is computed in float32 and
 rounded once, where the oracle rounds each product.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton.language as tl
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, stride_x, stride_r, n_cols, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: out = norm(x [+ residual]) * weight; the sum is stored to `summed`."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -30,24 +31,29 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, s
     h = x.to(tl.float32)
     h = h * tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = w * h.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if GEMMA:
+        out = (1.0 + w) * h
+    else:
+        out = w * h.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual) * weight, x + residual) for [T, hidden] rows; without a residual,
-    (norm(x) * weight, x), where x may have more leading dims (q's heads [T, heads, head_dim])."""
+    (norm(x) * weight, x), where x may have more leading dims (q's heads [T, heads, head_dim]).
+    `gemma`: scaled by (1 + weight), in x's dtype."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1]) if residual is None else x  # heads of a merged projection: a copy
     count, cols = rows.shape
-    out = torch.empty((count, cols), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty((count, cols), dtype=out_dtype, device=x.device)
     summed = torch.empty((count, cols), dtype=x.dtype, device=x.device) if residual is not None else x
     if count:
         _add_rms_norm_kernel[(count,)](
             rows, residual if residual is not None else rows, weight, out, summed, rows.stride(0),
             residual.stride(0) if residual is not None else 0, cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols))
+            HAS_RESIDUAL=residual is not None, GEMMA=gemma, BLOCK=triton.next_power_of_2(cols))
     return out.view(shape), summed
 
 
