@@ -121,6 +121,11 @@ class ForwardClock:
         self.steps.append(sum(p if isinstance(p, float) else p[0].elapsed_time(p[1]) / 1e3 for p in self._pending))
         self._pending.clear()  # in place: the wrapper appends to this list
 
+    def reset(self) -> None:
+        """Forget every forward so far, the untimed steps' too (they were never closed)."""
+        self.steps.clear()
+        self._pending.clear()
+
 
 # ---- sections, each in its own process --------------------------------------------------------
 def decode_section(model: str, s: dict, args) -> list[dict]:
@@ -149,7 +154,7 @@ def decode_section(model: str, s: dict, args) -> list[dict]:
                 engine.reserve_import(request_id, random_prompt(rng, c, context), params)
                 engine.complete_import(request_id, rng.randrange(3, c["vocab_size"]))
             timed_steps(engine, warm)
-            clock.steps.clear()
+            clock.reset()
             times = timed_steps(engine, args.steps, clock)
             forward = statistics.median(clock.steps)
             for request_id in ids:

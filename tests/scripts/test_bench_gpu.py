@@ -50,6 +50,26 @@ def test_tiny_run_writes_every_section(tmp_path):
         assert row["startup_s"] > 0 if row["section"] != "transfer" else "startup_s" not in row
 
 
+def test_the_forward_clock_times_only_the_steps_after_a_reset():
+    """Forwards of untimed (warm-up) steps are never closed; a reset drops them, so the first timed
+    step's entry is its own forward alone and every entry pairs with its step."""
+    class Runner:
+        device = torch.device("cpu")
+
+        def forward(self, seconds):
+            time.sleep(seconds)
+
+    runner = Runner()
+    clock = bench_gpu.ForwardClock(runner)
+    for _ in range(3):
+        runner.forward(0.02)  # warm-up steps, not timed
+    clock.reset()
+    for seconds in (0.001, 0.002):
+        runner.forward(seconds)
+        clock.close_step()
+    assert len(clock.steps) == 2 and clock.steps[0] < 0.01 and clock.steps[0] < clock.steps[1]
+
+
 def test_a_spent_budget_skips_the_sections_left(tmp_path):
     subprocess.run([sys.executable, str(SCRIPTS / "bench_gpu.py"), "--tiny", "--budget", "30", "--json",
                     str(tmp_path / "gpu.json")], check=True, capture_output=True, timeout=120)
