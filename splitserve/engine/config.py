@@ -138,7 +138,6 @@ class ModelConfig:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        qwen = arch in QWEN_ARCHITECTURES
         if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias"):
             raise ConfigError(f"{source}: attention_bias=true is not supported for {arch} (it would put a "
                               "bias on o_proj too); released Qwen3 checkpoints have none")
@@ -148,22 +147,11 @@ class ModelConfig:
             rope, gemma_fields = _parse_gemma(cfg, arch, source, int(head_dim))
         scaling = cfg.get("rope_scaling") or rope
         layers = int(need("num_hidden_layers"))
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-        if act not in ACTIVATIONS:
-            raise ConfigError(f"{source}: hidden activation {act!r} is not supported; supported: "
-                              f"{', '.join(ACTIVATIONS)}")
-        window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-            raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
         max_positions = int(cfg.get("max_position_embeddings") or 2048)
-        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
-        rotary_dim = int(int(head_dim) * partial)
-        if not 0 < rotary_dim <= int(head_dim) or rotary_dim % 2:
-            raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of a "
-                              f"{head_dim}-dim head; they must be even and at least 2")
+        rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source)
         return cls(
             architecture=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")), num_hidden_layers=int(need("num_hidden_layers")),
+            intermediate_size=int(need("intermediate_size")), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
             max_position_embeddings=max_positions, rotary_dim=rotary_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -174,8 +162,7 @@ class ModelConfig:
                                 else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=window, sliding_layers=_sliding_layers(cfg, source, layers, qwen, arch) if window else (),
-            hidden_act=act, **(gemma_fields if gemma else {}),
+            **_parse_window(cfg, arch, source, layers), hidden_act=_activation(cfg, source), **(gemma_fields if gemma else {}),
             **(_parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
@@ -226,11 +213,46 @@ def _positive(cfg: dict, name: str, default: float | None, source: str) -> float
     return None if value is None else float(value)
 
 
-def _sliding_layers(cfg: dict, source: str, layers: int, qwen: bool, arch: str) -> tuple[int, ...]:
-    """The layers with a sliding window: as config.json's layer_types says (transformers 5 writes
-    it), else as transformers derives it: a Qwen's layers from max_window_layers on, Gemma 2's
-    even layers, Gemma 3's all but every sliding_window_pattern-th, every layer of the others
+def _activation(cfg: dict, source: str) -> str:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"{source}: hidden activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    return act
+
+
+def _rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str) -> int:
+    """The leading dims of each head the rotary embedding turns (partial_rotary_factor of them)."""
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+    rotary_dim = int(head_dim * partial)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of a "
+                          f"{head_dim}-dim head; they must be even and at least 2")
+    return rotary_dim
+
+
+def _positive_int(value, name: str, source: str, least: int = 1):
+    """`value` when it is an integer of at least `least`; else ConfigError naming the field."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise ConfigError(f"{source}: {name} must be {kind}, got {value!r}")
+    return value
+
+
+def _parse_window(cfg: dict, arch: str, source: str, layers: int) -> dict:
+    """ModelConfig's sliding_window and sliding_layers: a Qwen has a window only with
+    use_sliding_window; the layers with it are as config.json's layer_types says (transformers 5
+    writes it), else as transformers derives them: a Qwen's from max_window_layers on, Gemma 2's
+    even ones, Gemma 3's all but every sliding_window_pattern-th, every layer of the others
     (Mistral, Mixtral)."""
+    qwen = arch in QWEN_ARCHITECTURES
+    window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
+    if window is None:
+        return {}
+    return dict(sliding_window=_positive_int(window, "sliding_window", source),
+                sliding_layers=_sliding_layers(cfg, arch, source, layers, qwen))
+
+
+def _sliding_layers(cfg: dict, arch: str, source: str, layers: int, qwen: bool) -> tuple[int, ...]:
     types = cfg.get("layer_types")
     if types is not None:
         kinds = ("sliding_attention", "full_attention")
@@ -253,25 +275,20 @@ def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
     or off the decoder_sparse_step; Qwen2-MoE's sparse layers also have a shared expert."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     top_k = cfg.get("num_experts_per_tok")
-    for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+    _positive_int(experts, "num_experts", source)
+    _positive_int(top_k, "num_experts_per_tok", source)
     if top_k > experts:
         raise ConfigError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
     if arch == "MixtralForCausalLM":
         return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]))
-    width, step = cfg.get("moe_intermediate_size"), cfg.get("decoder_sparse_step", 1)
+    width = _positive_int(cfg.get("moe_intermediate_size"), "moe_intermediate_size", source)
+    step = _positive_int(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
     only = cfg.get("mlp_only_layers") or []
-    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
-        raise ConfigError(f"{source}: moe_intermediate_size must be a positive integer, got {width!r}")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ConfigError(f"{source}: decoder_sparse_step must be a positive integer, got {step!r}")
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")
     dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-    shared = cfg.get("shared_expert_intermediate_size") if arch == "Qwen2MoeForCausalLM" else 0
-    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
-        raise ConfigError(f"{source}: shared_expert_intermediate_size must be a non-negative integer, got {shared!r}")
+    shared = _positive_int(cfg.get("shared_expert_intermediate_size"), "shared_expert_intermediate_size", source,
+                           least=0) if arch == "Qwen2MoeForCausalLM" else 0
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense,
                 shared_expert_intermediate_size=shared)

@@ -4,9 +4,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 from splitserve.engine.config import ConfigError
 from splitserve.engine.demo import DEMO_MODEL_CONFIG, demo_model_config, demo_tokenizer
@@ -79,51 +78,6 @@ def test_qwen3_with_attention_bias_is_refused(tmp_path):
         load_model_config(tmp_path)
 
 
-def test_sliding_layers_from_layer_types_or_as_transformers_derives_them(tmp_path):
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from splitserve.engine.model_builder import resolve_max_model_len
-
-    make_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1).save_pretrained(tmp_path)
-    cfg = load_model_config(tmp_path)
-    assert (cfg.sliding_window, cfg.sliding_layers) == (8, (1,))
-    assert [cfg.window_of(i) for i in range(2)] == [None, 8]
-    assert resolve_max_model_len(cfg, None) == 128  # the window caps no context
-    raw = json.loads((tmp_path / "config.json").read_text())
-    legacy = {k: v for k, v in raw.items() if k != "layer_types"}  # a transformers 4 config.json
-    (tmp_path / "config.json").write_text(json.dumps(legacy))
-    assert load_model_config(tmp_path).sliding_layers == (1,)
-    (tmp_path / "config.json").write_text(json.dumps({**raw, "layer_types": ["full_attention", "dense"]}))
-    with pytest.raises(ConfigError, match="layer_types must list 2 of"):
-        load_model_config(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({**raw, "sliding_window": 0}))
-    with pytest.raises(ConfigError, match="sliding_window must be a positive integer"):
-        load_model_config(tmp_path)
-    MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=8)).save_pretrained(tmp_path / "mistral")
-    assert load_model_config(tmp_path / "mistral").sliding_layers == (0, 1)  # every layer
-
-
-def test_gemma2_config_fields(tmp_path):
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=20)).save_pretrained(tmp_path)
-    cfg = load_model_config(tmp_path)
-    assert (cfg.gemma_norms, cfg.hidden_act, cfg.attention_scale) == (True, "gelu_pytorch_tanh", 20 ** -0.5)
-    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.sliding_layers) == (50.0, 30.0, (0,))
-    assert cfg.tie_word_embeddings
-    raw = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**raw, "final_logit_softcapping": None,
-                                                      "attn_logit_softcapping": None}))
-    cfg = load_model_config(tmp_path)
-    assert cfg.attn_logit_softcap is None and cfg.final_logit_softcap is None
-    (tmp_path / "config.json").write_text(json.dumps({**raw, "attn_logit_softcapping": -1}))
-    with pytest.raises(ConfigError, match="attn_logit_softcapping must be a positive number"):
-        load_model_config(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({**raw, "hidden_activation": "relu"}))
-    with pytest.raises(ConfigError, match="hidden activation 'relu' is not supported"):
-        load_model_config(tmp_path)
-
-
 def test_dummy_weights_leave_gemma_norms_neutral(tmp_path):
     """Gemma's norms scale by 1 + weight: dummy weights give them zeros, as its own init does."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
@@ -169,91 +123,6 @@ def test_phi3_fused_tensors_load_as_their_parts(tmp_path):
     with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.self_attn.qkv_proj.weight' has shape \(56, 32\), "
                                               r"the model expects \(64, 32\)"):
         load_weights(ours, tmp_path)
-
-
-MOE_SHAPE = dict(SHAPE, num_hidden_layers=3, num_experts_per_tok=2)
-
-
-def make_mixtral(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return MixtralForCausalLM(MixtralConfig(**{**MOE_SHAPE, "num_local_experts": 4, **overrides})).eval()
-
-
-def make_qwen3_moe(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**MOE_SHAPE, "num_experts": 6, "moe_intermediate_size": 24,
-                                                 "mlp_only_layers": [1], **overrides})).eval()
-
-
-def make_qwen2_moe(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**MOE_SHAPE, "num_experts": 4, "moe_intermediate_size": 24,
-                                                 "shared_expert_intermediate_size": 40, **overrides})).eval()
-
-
-@pytest.mark.parametrize("make, names", [(make_mixtral, "block_sparse_moe.experts.3.w3.weight"),
-                                         (make_qwen3_moe, "mlp.experts.5.up_proj.weight"),
-                                         (make_qwen2_moe, "mlp.shared_expert.down_proj.weight")])
-def test_moe_experts_load_from_their_per_expert_tensors(tmp_path, make, names):
-    """The hub stores each expert's projections as tensors of their own (what save_pretrained
-    writes); ours are the same rows stacked, as transformers holds them; a dense layer of Qwen3-MoE
-    (mlp_only_layers) keeps its plain MLP; Qwen2-MoE's shared expert and its gate load too."""
-    from splitserve.engine.model.llama import LlamaForCausalLM as Ours
-    from splitserve.engine.model.moe import SparseMoeBlock
-
-    source = make()
-    source.save_pretrained(tmp_path)
-    assert f"model.layers.0.{names}" in {name for name, _ in iter_checkpoint_tensors(tmp_path)}
-    ours = Ours(load_model_config(tmp_path), max_model_len=64)
-    load_weights(ours, tmp_path)
-    for i, (mine, theirs) in enumerate(zip(ours.model.layers, source.model.layers)):
-        block = mine._modules[mine.mlp_name]
-        if not isinstance(block, SparseMoeBlock):
-            assert i == 1 and make is make_qwen3_moe
-            assert torch.equal(block.gate_up_proj.weight, torch.cat([theirs.mlp.gate_proj.weight,
-                                                                     theirs.mlp.up_proj.weight]))
-            continue
-        hf = getattr(theirs, "block_sparse_moe", None) or theirs.mlp
-        assert torch.equal(block.gate.weight, hf.gate.weight)
-        assert torch.equal(block.experts.w13, hf.experts.gate_up_proj)
-        assert torch.equal(block.experts.w2, hf.experts.down_proj)
-        if make is make_qwen2_moe:
-            assert torch.equal(block.shared_expert_gate.weight, hf.shared_expert_gate.weight)
-            assert torch.equal(block.shared_expert.down_proj.weight, hf.shared_expert.down_proj.weight)
-        else:
-            assert block.shared_expert is None
-
-
-def test_moe_config_fields(tmp_path):
-    make_mixtral().save_pretrained(tmp_path / "mixtral")
-    mixtral = load_model_config(tmp_path / "mixtral")
-    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (4, 2, 48)
-    assert mixtral.norm_topk_prob and mixtral.dense_layers == ()
-    make_qwen3_moe(num_hidden_layers=6, decoder_sparse_step=2, norm_topk_prob=True).save_pretrained(tmp_path / "qwen")
-    qwen = load_model_config(tmp_path / "qwen")
-    assert (qwen.num_experts, qwen.moe_intermediate_size, qwen.norm_topk_prob, qwen.qk_norm) == (6, 24, True, True)
-    assert qwen.dense_layers == (0, 1, 2, 4)  # off the step (0, 2, 4) and listed (1)
-    assert [qwen.is_moe_layer(i) for i in range(6)] == [False, False, False, True, False, True]
-    make_qwen2_moe(qkv_bias=False).save_pretrained(tmp_path / "qwen2")
-    qwen2 = load_model_config(tmp_path / "qwen2")
-    assert (qwen2.shared_expert_intermediate_size, qwen2.attention_bias, qwen2.qk_norm) == (40, False, False)
-    assert qwen.shared_expert_intermediate_size == mixtral.shared_expert_intermediate_size == 0
-
-
-@pytest.mark.parametrize("field, value, message", [
-    ("num_experts_per_tok", 7, "num_experts_per_tok=7 exceeds num_experts=6"),
-    ("num_experts", 0, "num_experts must be a positive integer"),
-    ("moe_intermediate_size", None, "moe_intermediate_size must be a positive integer"),
-    ("decoder_sparse_step", 0, "decoder_sparse_step must be a positive integer"),
-    ("mlp_only_layers", "1", "mlp_only_layers must be a list")])
-def test_bad_moe_config_names_the_field(tmp_path, field, value, message):
-    make_qwen3_moe().save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg.pop("num_local_experts", None)
-    cfg.update({"num_experts": 6, field: value})
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=message):
-        load_model_config(tmp_path)
 
 
 def test_dtype_converts_the_model(tmp_path):

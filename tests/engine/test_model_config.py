@@ -1,0 +1,53 @@
+"""ModelConfig.from_hf on config.json files written by transformers' own `save_pretrained`:
+which layers have a sliding window, and Gemma 2's fields."""
+import json
+
+import pytest
+
+from splitserve.engine.config import ConfigError
+from splitserve.engine.loader import load_model_config
+from tests.engine.test_loader import SHAPE, make_qwen2
+
+def test_sliding_layers_from_layer_types_or_as_transformers_derives_them(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from splitserve.engine.model_builder import resolve_max_model_len
+
+    make_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1).save_pretrained(tmp_path)
+    cfg = load_model_config(tmp_path)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (8, (1,))
+    assert [cfg.window_of(i) for i in range(2)] == [None, 8]
+    assert resolve_max_model_len(cfg, None) == 128  # the window caps no context
+    raw = json.loads((tmp_path / "config.json").read_text())
+    legacy = {k: v for k, v in raw.items() if k != "layer_types"}  # a transformers 4 config.json
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    assert load_model_config(tmp_path).sliding_layers == (1,)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "layer_types": ["full_attention", "dense"]}))
+    with pytest.raises(ConfigError, match="layer_types must list 2 of"):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "sliding_window": 0}))
+    with pytest.raises(ConfigError, match="sliding_window must be a positive integer"):
+        load_model_config(tmp_path)
+    MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=8)).save_pretrained(tmp_path / "mistral")
+    assert load_model_config(tmp_path / "mistral").sliding_layers == (0, 1)  # every layer
+
+
+def test_gemma2_config_fields(tmp_path):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=20)).save_pretrained(tmp_path)
+    cfg = load_model_config(tmp_path)
+    assert (cfg.gemma_norms, cfg.hidden_act, cfg.attention_scale) == (True, "gelu_pytorch_tanh", 20 ** -0.5)
+    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.sliding_layers) == (50.0, 30.0, (0,))
+    assert cfg.tie_word_embeddings
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "final_logit_softcapping": None,
+                                                      "attn_logit_softcapping": None}))
+    cfg = load_model_config(tmp_path)
+    assert cfg.attn_logit_softcap is None and cfg.final_logit_softcap is None
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "attn_logit_softcapping": -1}))
+    with pytest.raises(ConfigError, match="attn_logit_softcapping must be a positive number"):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "hidden_activation": "relu"}))
+    with pytest.raises(ConfigError, match="hidden activation 'relu' is not supported"):
+        load_model_config(tmp_path)
