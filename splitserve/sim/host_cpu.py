@@ -57,13 +57,23 @@ def processes_cpu_s(proc: Path = PROC) -> dict[int, tuple[str, float]]:
 
 def stack_cpu_while(work: Callable[[], T], idle_s: float) -> tuple[T, float]:
     """`work()`'s result, and the CPU seconds the host spent outside the workers while it ran, less
-    what it spends so while idle (measured over `idle_s` seconds just before)."""
-    idle = sample()
-    time.sleep(idle_s)
+    what it spends so while idle: the lower of two reads over `idle_s` seconds, just before and
+    just after. Other work caught in a read (a previous job winding down, a burst of Ray's own
+    bookkeeping) only raises it, and one read stretched over the whole run would take it off the
+    stack's time many times over."""
+    before = idle_cores(idle_s)
     start = sample()
     result = work()
-    background = stack_cpu_s(idle, start) / (start.at_s - idle.at_s)
-    return result, stack_cpu_s(start, sample(), background)
+    end = sample()
+    return result, stack_cpu_s(start, end, min(before, idle_cores(idle_s)))
+
+
+def idle_cores(seconds: float) -> float:
+    """The cores' worth of CPU the host spends outside the workers over the next `seconds`."""
+    start = sample()
+    time.sleep(seconds)
+    end = sample()
+    return stack_cpu_s(start, end) / (end.at_s - start.at_s)
 
 
 def stack_cpu_s(start: CpuSample, end: CpuSample, background_cores: float = 0.0) -> float:

@@ -24,8 +24,9 @@ awake, and comes back sooner):
   (Serve's proxy, the ingress, the CLS, the clients), its cores and the CPU seconds the stack spends
   per token streamed (`splitserve.sim.contention`). Measured around the requests above from the
   host's CPU time (`splitserve.sim.host_cpu`): the time spent outside the worker processes, less
-  what the host spends so while idle, less `request_s` per request, over the tokens the requests
-  streamed. On such a host `request_s` is CPU work on its cores too (each request's path through
+  what the host spends so while idle (the quieter of reads just before and just after), less
+  `request_s` per request, over the tokens the requests streamed (none left is an error: the host
+  was busy with other work). On such a host `request_s` is CPU work on its cores too (each request's path through
   the stack, on arrival), so under load it stretches as the workers' iterations do.
 The simulator applies exactly these terms (`Scenario.overhead`), so its unloaded latency equals
 the measured one; what it predicts under load (queueing, batching, pool moves) is its own.

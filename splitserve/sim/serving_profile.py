@@ -56,9 +56,23 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
     groups, stack_s = host_cpu.stack_cpu_while(measure, IDLE_WINDOW_S) if shared_host else (measure(), 0.0)
     prompt_perf, token_perf = scenario.perf_models[prompt_hw], scenario.perf_models[token_hw]
     first = fit_overhead(groups[1], groups[2], prompt_perf, token_perf, scenario.transfer)
-    if shared_host:  # the stack's CPU less each request's path (request_s, run on the host), per token
+    if shared_host:
         records = [r for group in groups.values() for r in group]
-        per_token = (stack_s - len(records) * first.request_s) / sum(r.output_tokens for r in records)
-        first = replace(first, host_cores=host_cpu.host_cores(), stream_cpu_s=max(0.0, per_token))
+        first = replace(first, host_cores=host_cpu.host_cores(),
+                        stream_cpu_s=stream_cpu_per_token(stack_s, records, first.request_s))
     decode = calibrate_decode(replace(scenario, overhead=first), groups, first)
     return fit_prefill(groups[1], decode, prompt_perf, scenario.transfer), sum(map(len, groups.values()))
+
+
+def stream_cpu_per_token(stack_s: float, records: list, request_s: float) -> float:
+    """The serving stack's CPU per token streamed: `stack_s` (its CPU over `records`) less each
+    request's path through it (`request_s`, run on the host), over the tokens the records got.
+    Streaming a token always costs the stack CPU, so a share of none or less means the host ran
+    other work while it was measured."""
+    tokens = sum(r.output_tokens for r in records)
+    per_token = (stack_s - len(records) * request_s) / tokens if tokens else 0.0
+    if per_token <= 0:
+        raise RuntimeError(f"the serving stack spent {stack_s:.2f} s of CPU on {len(records)} requests "
+                           f"({tokens} tokens), no more than their paths through it ({request_s * 1000:.1f} ms "
+                           "each): the host ran other work while it was measured; measure again on a quiet host")
+    return per_token

@@ -69,13 +69,16 @@ def test_a_process_titled_as_a_worker_is_counted_on_this_machine():
     assert host_cpu.host_cores() >= 1
 
 
-def test_the_idle_rate_before_the_work_is_taken_off(monkeypatch):
-    samples = iter([CpuSample(0.0, 10.0, 4.0), CpuSample(2.0, 11.0, 4.5),  # idle: 0.5 s outside in 2 s
-                    CpuSample(7.0, 20.0, 8.0)])  # the work: 9 s busy, 3.5 s of it the workers'
+@pytest.mark.parametrize("after_outside_s, background", [(0.3, 0.15), (0.9, 0.25)],
+                         ids=["quieter-after", "quieter-before"])
+def test_the_lower_idle_rate_is_taken_off(monkeypatch, after_outside_s, background):
+    samples = iter([CpuSample(0.0, 10.0, 4.0), CpuSample(2.0, 11.0, 4.5),  # idle before: 0.5 s outside in 2 s
+                    CpuSample(2.0, 11.0, 4.5), CpuSample(7.0, 20.0, 8.0),  # the work: 9 s busy, 3.5 s of it the workers'
+                    CpuSample(7.0, 20.0, 8.0), CpuSample(9.0, 20.0 + after_outside_s, 8.0)])  # idle after
     monkeypatch.setattr(host_cpu, "sample", lambda: next(samples))
     monkeypatch.setattr(host_cpu.time, "sleep", lambda s: None)
     result, stack = host_cpu.stack_cpu_while(lambda: "done", idle_s=2.0)
-    assert result == "done" and stack == pytest.approx(5.5 - 0.25 * 5.0)
+    assert result == "done" and stack == pytest.approx(5.5 - background * 5.0)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
