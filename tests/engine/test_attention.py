@@ -5,7 +5,9 @@ block table, runs `TorchPagedBackend.forward` on a flat batch of decodes (first)
 chunks (some with earlier context already in the cache), and compares with a per-sequence causal
 attention written here from scratch: softmax(Q K^T / sqrt(d)) with a causal mask (and a sliding
 window's: the query at p sees positions > p - window), scores optionally scaled otherwise and
-soft-capped (cap * tanh(scores / cap)), GQA by `repeat_interleave` of the KV heads.
+soft-capped (cap * tanh(scores / cap)), attention sinks as one more score column per head that is
+dropped after the softmax, GQA by `repeat_interleave` of the KV heads. `Scoring.attend` with sinks
+is also checked against transformers' GPT-OSS eager attention.
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from splitserve.engine.attention import AttentionMetadata, TorchPagedBackend, se
 
 def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         window: int | None = None, scale: float | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
-    """q: [n, H, D], the last n positions of a context of len(keys); keys, values: [L, KVH, D]."""
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [n, H, D], the last n positions of a context of len(keys); keys, values: [L, KVH, D]; sinks: [H]."""
     n, heads, dim = q.shape
     length = keys.shape[0]
     group = heads // keys.shape[1]
@@ -36,7 +38,11 @@ def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if window is not None:
         allowed &= torch.arange(length)[None, :] > query_pos[:, None] - window
     scores = scores.masked_fill(~allowed[None], float("-inf"))
-    probs = scores.softmax(dim=-1)
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        column = sinks.double()[:, None, None].expand(heads, n, 1)
+        probs = torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
@@ -100,7 +106,7 @@ def _num_decodes(seqs: list[tuple[int, int]]) -> int:
 
 def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, seed=0, extra_blocks=0,
                num_decodes=None, backend=None, dtype=torch.float32, tolerance=1e-5, device="cpu", window=None,
-               scale=None, softcap=None):
+               scale=None, softcap=None, sinks=None):
     """`backend` (default: the torch oracle) against the reference, in `dtype` (the reference
     computes in float64 from the same, rounded, inputs); the backend runs on `device`."""
     needed = sum(-(-c // block_size) + extra_blocks for c, _ in seqs)
@@ -113,13 +119,15 @@ def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, 
     kv_cache = torch.stack((k_cache, v_cache)).to(device)  # one layer: [2, num_blocks, block_size, kv_heads, dim]
     on_device = dataclasses.replace(meta, **{name: getattr(meta, name).to(device) for name in
                                              ("slot_mapping", "block_tables", "context_lens", "query_start_tensor")})
+    sinks = None if sinks is None else torch.tensor(sinks, dtype=torch.float32)
     out = (backend or TorchPagedBackend()).forward(q.to(device), k.to(device), v.to(device), kv_cache, on_device,
-                                                   window, scale, softcap).cpu()
+                                                   window, scale, softcap,
+                                                   None if sinks is None else sinks.to(device)).cpu()
     k_cache, v_cache = kv_cache.cpu()
     assert out.shape == q.shape and out.dtype == q.dtype
     for i, (keys, values) in enumerate(full):
         lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
-        want = reference_attention(q[lo:hi], keys, values, window, scale, softcap)
+        want = reference_attention(q[lo:hi], keys, values, window, scale, softcap, sinks)
         torch.testing.assert_close(out[lo:hi].double(), want, atol=tolerance, rtol=tolerance,
                                    msg=lambda m: f"sequence {i} {seqs[i]}: {m}")
     # the cache holds this step's k/v at slot_mapping, and every other slot is untouched
@@ -198,3 +206,45 @@ def test_scores_scaled_and_soft_capped(window):
     """Gemma 2's scoring: q.k / sqrt(query_pre_attn_scalar) (not head_dim), then 2 * tanh(s / 2),
     a cap low enough to bind; fresh prompts, chunks and decodes."""
     check_case([(7, 1), (30, 1), (12, 12), (40, 9)], num_decodes=2, window=window, scale=0.2, softcap=2.0)
+
+
+SINKS = [-2.0, 0.0, 8.0, 1.5, -0.5, 3.0, 0.25, -8.0]  # one per head of 8; +8 outweighs every short context's keys
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_attention_sinks(window):
+    """GPT-OSS's sinks, per query head, GQA groups of 4: decodes, fresh prompts, chunks."""
+    check_case([(7, 1), (30, 1), (1, 1), (12, 12), (40, 9), (9, 2)], heads=8, kv_heads=2, num_decodes=3,
+               window=window, sinks=SINKS)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_scoring_with_sinks_is_transformers_gpt_oss_eager_attention(causal):
+    """`Scoring.attend` against transformers' own GPT-OSS attention (additive mask, sinks as the
+    module's parameter): queries at the end of a longer context, masked by a window (explicit mask)
+    or causally, and a float32 softmax from bfloat16 inputs."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from splitserve.engine.attention.base import Scoring
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 5, 16, generator=gen)
+    k, v = torch.randn(2, 2, 11, 16, generator=gen), torch.randn(2, 2, 11, 16, generator=gen)
+    sinks = torch.tensor(SINKS)
+    query_pos, key_pos = torch.arange(6, 11)[:, None], torch.arange(11)[None, :]
+    mask = key_pos <= query_pos
+    if not causal:
+        mask &= key_pos > query_pos - 4  # a window of 4
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=4, training=False)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))[None, None]
+    want, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.3)
+    scoring = Scoring(scale=0.3, sinks=sinks)
+    got = scoring.attend(q, k, v, is_causal=True) if causal else scoring.attend(q, k, v, mask=mask)
+    torch.testing.assert_close(got.transpose(1, 2), want)
+    half = scoring.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask=mask)
+    assert half.dtype == torch.bfloat16
+    want_half, _ = eager_attention_forward(module, q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
+                                           additive, scaling=0.3)
+    torch.testing.assert_close(half.transpose(1, 2).float(), want_half, atol=1e-2, rtol=1e-2)

@@ -3,7 +3,7 @@
 (the `kernels` mark: scripts/gpu_check.sh runs these there):
 GQA ratios 1, 4 and 8, block sizes 16 and 32, ragged contexts, chunks with earlier context and
 prefix-cache hits, decode split over the context and not, sliding windows, soft-capped scores,
-float32 and bfloat16;
+attention sinks (the flash-attn backend leaving them to the Triton kernel), float32 and bfloat16;
 and a tiny model's
 greedy output with the Triton backend equal to the torch backend's."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ from splitserve.engine.attention.metadata import PAD_SLOT  # noqa: E402
 from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts, store_kv  # noqa: E402
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
-from tests.engine.test_attention import check_case  # noqa: E402
+from tests.engine.test_attention import SINKS, check_case  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -82,6 +82,26 @@ def test_a_sliding_window(window, splits):
 def test_scores_scaled_and_soft_capped(splits):
     check([(9, 1), (77, 1), (31, 31), (60, 12)], heads=8, kv_heads=2, dim=32, block_size=16, num_decodes=2,
           backend=TritonPagedBackend(**SMALL, num_splits=splits), window=24, scale=0.2, softcap=2.0)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_sinks(window, splits):
+    """GPT-OSS's sinks, one (+8) outweighing short contexts' keys, GQA groups of 4: decodes (with
+    splits, the sinks join at the merge; the short context leaves a split with no keys), fresh
+    prompts, chunks with earlier context, a window starting mid-tile."""
+    check([(9, 1), (77, 1), (40, 1), (31, 31), (60, 12), (90, 40)], heads=8, kv_heads=2, dim=32, block_size=16,
+          num_decodes=3, backend=TritonPagedBackend(**SMALL, num_splits=splits), window=window, sinks=SINKS)
+
+
+def test_sinks_in_half_precision_and_the_flash_attn_backend(monkeypatch):
+    """flash-attn 2 has no sinks: fresh half-precision prompts, which it would take, go to the
+    Triton kernel. GQA groups of 8, split decodes."""
+    from splitserve.engine.attention import cuda
+
+    monkeypatch.setattr(cuda, "flash_attn_varlen_func", lambda *args, **kwargs: pytest.fail("flash-attn ran"))
+    check([(77, 1), (9, 1), (31, 31), (5, 5)], heads=16, kv_heads=2, dim=32, block_size=16, num_decodes=2,
+          dtype=torch.float16, tolerance=2e-2, backend=cuda.FlashAttnBackend(**SMALL, num_splits=4), sinks=SINKS * 2)
 
 
 def test_a_chosen_split_count_is_the_largest_power_of_two_within_its_bounds():

@@ -17,11 +17,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, window: int | None = None, scale: float | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: one layer's [2 (K, V), num_blocks, block_size, KVH, D].
         Writes k, v at meta.slot_mapping, returns causal attention output [T, H, D]. `window`: a
         query at position p attends only to positions > p - window (a sliding-window layer);
-        `scale`: of q.k (None: head_dim ** -0.5); `softcap`: scores become softcap * tanh(scores / softcap)."""
+        `scale`: of q.k (None: head_dim ** -0.5); `softcap`: scores become softcap * tanh(scores / softcap);
+        `sinks`: float32 [H], contiguous, on q's device: head h's softmax also counts a key of score
+        sinks[h] that has no value (GPT-OSS)."""
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -29,25 +31,33 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     kv_cache[1].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Scoring:
-    """How scores are made: q.k times `scale` (None: head_dim ** -0.5), then, with a `softcap`,
-    softcap * tanh(scores / softcap) (Gemma 2), which SDPA cannot do: that is computed here."""
+    """How scores are made and weighed: q.k times `scale` (None: head_dim ** -0.5), then, with a
+    `softcap`, softcap * tanh(scores / softcap) (Gemma 2); with `sinks` (float32 [H]), head h's
+    softmax runs over its scores and one more logit, sinks[h], never masked and with no value, so
+    the weights of the keys sum to less than 1 (GPT-OSS). SDPA can do neither: those are computed here."""
 
     scale: float | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
     def attend(self, q, k, v, mask=None, is_causal: bool = False) -> torch.Tensor:
         """q [B, H, Lq, D], k and v [B, KVH, Lk, D] (KVH divides H); mask broadcast to [B, H, Lq, Lk]."""
-        if self.softcap is None:
+        if self.softcap is None and self.sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
                                                   enable_gqa=True)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = (q.float() @ k.float().transpose(-1, -2)) * (self.scale or q.shape[-1] ** -0.5)
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if is_causal:  # the queries are the last Lq positions
             mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+        if self.sinks is None:
+            return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+        sinks = self.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.cat((scores, sinks), dim=-1).softmax(dim=-1)[..., :-1]  # the sink's column has no value
+        return (weights @ v.float()).to(q.dtype)

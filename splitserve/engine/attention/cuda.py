@@ -1,6 +1,7 @@
 """The Triton backend with flash-attn's varlen kernel for steps whose prefills are all fresh
 prompts (no earlier context in the cache), where the optional `flash-attn` package is installed
-(`attention_backend: flash-attn`); chunks and prefix-cache hits take the Triton kernel."""
+(`attention_backend: flash-attn`); chunks, prefix-cache hits and attention sinks (which
+flash-attn 2 lacks) take the Triton kernel."""
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,7 @@ class FlashAttnBackend(TritonPagedBackend):
                         window: int | None = None, scoring: Scoring = Scoring()) -> None:
         first, starts = meta.num_decodes, meta.query_starts
         fresh = all(starts[i + 1] - starts[i] == meta.context_lens_list[i] for i in range(first, meta.num_seqs))
-        if not fresh or q.dtype not in (torch.float16, torch.bfloat16):
+        if not fresh or q.dtype not in (torch.float16, torch.bfloat16) or scoring.sinks is not None:
             return self.prefill(q, kv_cache, meta, out, window, scoring)
         lo = starts[first]  # prefill tokens follow the decodes, contiguous
         cu = (meta.query_start_tensor[first:] - lo).to(torch.int32)

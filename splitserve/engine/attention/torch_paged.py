@@ -3,7 +3,8 @@
 Decodes are batched, one SDPA call per group of similar context lengths, over their gathered,
 length-masked KV; prefill chunks run one SDPA call each, with a causal mask offset by the
 chunk's start when earlier chunks' KV is in the cache. A sliding window masks the keys at or
-before position p - window for the query at p; `Scoring` gives the scores' scale and soft cap.
+before position p - window for the query at p; `Scoring` gives the scores' scale and soft cap,
+and the sinks' logits.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
-                scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                scale: float | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        scoring = Scoring(scale, softcap)
+        scoring = Scoring(scale, softcap, sinks)
         for first, end in meta.decode_groups:
             out[first:end] = self.decode(q[first:end], kv_cache, meta, first, window, scoring)
         self.run_prefills(q, k, v, kv_cache, meta, out, range(meta.num_decodes, meta.num_seqs), window, scoring)

@@ -2,7 +2,9 @@
 for long contexts) and prefill / chunk attention over the paged context (varlen, causal), either
 over the whole context or a sliding window (`window` > 0: the query at p attends to positions
 > p - window; the key tiles wholly before it are not read), with scores soft-capped where a model
-says so (SOFTCAP: softcap * tanh(scores / softcap), Gemma 2).
+says so (SOFTCAP: softcap * tanh(scores / softcap), Gemma 2) and attention sinks where it has them
+(SINKS: head h's softmax also counts a logit sinks[h] with no value, GPT-OSS; it joins the running
+max and sum once, after the keys, or at the merge of a split decode).
 
 Layouts (the engine's): one layer's cache is [2 (K, V), num_blocks, block_size, kv_heads, head_dim],
 contiguous; queries are [tokens, heads, head_dim]; block tables [seqs, max_pages] (padded with 0,
@@ -67,6 +69,16 @@ def _key_tile(cache_ptr, tables_ptr, seq, stride_table, start, context, kv_head,
 
 
 @triton.jit
+def _add_sink(m, l, sink):
+    """(factor, sum): the online softmax of max m, sum l, with one more logit `sink` of no value;
+    the accumulator is multiplied by factor. Rescaled to max(m, sink), so nothing overflows, and m
+    may be -inf (no key)."""
+    top = tl.maximum(m, sink)
+    factor = tl.exp(m - top)
+    return factor, l * factor + tl.exp(sink - top)
+
+
+@triton.jit
 def _soft_cap(s, softcap, SOFTCAP: tl.constexpr):
     """softcap * tanh(s / softcap), tanh as 1 - 2 / (exp(2x) + 1) (exact at both infinities)."""
     if SOFTCAP:
@@ -75,18 +87,19 @@ def _soft_cap(s, softcap, SOFTCAP: tl.constexpr):
 
 
 @_step_jit
-def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr,
                         stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
                         stride_ot, stride_oh, num_heads, scale, window, softcap,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+                        SINKS: tl.constexpr):
     """One program per (decode sequence, kv head, split): the GROUP query heads that share this KV
-    head attend to this split's key tiles. One split writes the output; several write partial
-    (unnormalized accumulator, max, sum) for `merge_splits_kernel`. Each sequence's key tiles are
-    divided over the splits by its own context (read on the device), so a launch depends only on
-    the batch size and NUM_SPLITS, which a captured CUDA graph fixes; a split past a short context
-    has no keys."""
+    head attend to this split's key tiles. One split writes the output, sinks counted; several
+    write partial (unnormalized accumulator, max, sum; no sinks) for `merge_splits_kernel`. Each
+    sequence's key tiles are divided over the splits by its own context (read on the device), so a
+    launch depends only on the batch size and NUM_SPLITS, which a captured CUDA graph fixes; a
+    split past a short context has no keys."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = tl.load(context_ptr + seq)
     g = tl.arange(0, BLOCK_G)
@@ -117,6 +130,9 @@ def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part
         m = m_new
     out_mask = gmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
+        if SINKS:
+            factor, l = _add_sink(m, l, tl.load(sinks_ptr + heads, mask=gmask, other=0.0).to(tl.float32))
+            acc = acc * factor[:, None]
         out = acc / l[:, None]
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -128,11 +144,12 @@ def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part
 
 
 @_step_jit
-def merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_seqs, num_heads, stride_ot, stride_oh,
+def merge_splits_kernel(part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, num_seqs, num_heads, stride_ot, stride_oh,
                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     """One program per (decode sequence, head): the splits' partial softmaxes rescaled to a common
-    max and summed (a split with no keys has max -inf and weighs nothing)."""
+    max and summed (a split with no keys has max -inf and weighs nothing); with SINKS, the head's
+    sink logit joins the common max and adds exp(sink - max) to the sum, once."""
     seq, head = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -141,17 +158,25 @@ def merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_seqs, num_heads,
     m = tl.load(part_ml_ptr + row * 2, mask=smask, other=float("-inf"))
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=smask, other=0.0)
     acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
-    weight = tl.where(m > float("-inf"), tl.exp(m - tl.max(m, 0)), 0.0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    top = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
+    weight = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
+    total = tl.sum(l * weight, 0)
+    if SINKS:
+        total += tl.exp(sink - top)
+    out = tl.sum(acc * weight[:, None], 0) / total
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @_step_jit
-def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts_ptr, out_ptr, first_seq,
+def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts_ptr, out_ptr, sinks_ptr, first_seq,
                          stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
                          stride_ot, stride_oh, scale, window, softcap, GROUP: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+                         SINKS: tl.constexpr):
     """One program per (prefill sequence, query head, BLOCK_M queries). A chunk's queries sit at the
     end of its context (earlier chunks and prefix-cache hits are already in the cache, this chunk's
     own K and V were just stored), so query i attends to positions <= context - query_len + i."""
@@ -190,6 +215,9 @@ def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
+        if SINKS:
+            factor, l = _add_sink(m, l, tl.load(sinks_ptr + head).to(tl.float32))
+            acc = acc * factor[:, None]
         out = acc / l[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])

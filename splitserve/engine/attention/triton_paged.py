@@ -28,10 +28,11 @@ class TritonPagedBackend(AttentionBackend):
         self.block_m, self.block_n, self.num_splits, self.sms = block_m, block_n, num_splits, sms
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
-                scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                scale: float | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        scoring = Scoring(scale, softcap)
+        scoring = Scoring(scale, softcap, sinks)
         if meta.num_decodes:
             self.decode(q, kv_cache, meta, out, window, scoring)
         if meta.num_seqs > meta.num_decodes:
@@ -54,16 +55,17 @@ class TritonPagedBackend(AttentionBackend):
             part_acc = torch.empty((splits, n, heads, block_d), dtype=torch.float32, device=q.device)
             part_ml = torch.empty((splits, n, heads, 2), dtype=torch.float32, device=q.device)
         kernels.paged_decode_kernel[(n, kv_heads, splits)](
-            q, kv_cache, meta.block_tables, meta.context_lens, out, part_acc, part_ml,
+            q, kv_cache, meta.block_tables, meta.context_lens, out, part_acc, part_ml, _sinks(scoring, out),
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
             out.stride(0), out.stride(1), heads, scoring.scale or 1 / math.sqrt(head_dim), window or 0,
             scoring.softcap or 0.0, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_N=self.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q),
-            SOFTCAP=scoring.softcap is not None)
+            SOFTCAP=scoring.softcap is not None, SINKS=scoring.sinks is not None)
         if splits > 1:
             kernels.merge_splits_kernel[(n, heads)](
-                part_acc, part_ml, out, n, heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d)
+                part_acc, part_ml, _sinks(scoring, out), out, n, heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
+                BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+                SINKS=scoring.sinks is not None)
 
     def prefill(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None,
                 scoring: Scoring = Scoring()) -> None:
@@ -73,12 +75,13 @@ class TritonPagedBackend(AttentionBackend):
         longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
         grid = (meta.num_seqs - first, heads, triton.cdiv(longest, self.block_m))
         kernels.paged_prefill_kernel[grid](
-            q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, first,
-            q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
+            q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, _sinks(scoring, out),
+            first, q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
             out.stride(0), out.stride(1), scoring.scale or 1 / math.sqrt(head_dim), window or 0, scoring.softcap or 0.0,
             GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
-            BLOCK_D=_block_d(head_dim), BLOCK_M=self.block_m, BLOCK_N=_prefill_block_n(self.block_n, head_dim),
-            BLOCK_SIZE=block_size, PRECISION=_precision(q), num_warps=PREFILL_WARPS)
+            SINKS=scoring.sinks is not None, BLOCK_D=_block_d(head_dim), BLOCK_M=self.block_m,
+            BLOCK_N=_prefill_block_n(self.block_n, head_dim), BLOCK_SIZE=block_size, PRECISION=_precision(q),
+            num_warps=PREFILL_WARPS)
 
     def _splits(self, programs: int, tiles: int, device: torch.device) -> int:
         """A power of two (each split count is a kernel variant: `split_counts` bounds them), at most
@@ -115,6 +118,12 @@ def _prefill_block_n(block_n: int, head_dim: int) -> int:
     """Key tiles half as long for heads over 128 dims (Gemma's 256): with whole ones the prefill
     kernel spills registers on sm_90 (scripts/compile_kernels.py --shape gemma2-9b)."""
     return block_n if head_dim <= 128 else max(16, block_n // 2)
+
+
+def _sinks(scoring: Scoring, out: torch.Tensor) -> torch.Tensor:
+    """A kernel's `sinks_ptr`: the sinks' logits, or without them the output, which SINKS=False never
+    reads there (a fresh tensor, so always 16-byte aligned: no variant of its own)."""
+    return out if scoring.sinks is None else scoring.sinks
 
 
 def _block_d(head_dim: int) -> int:
