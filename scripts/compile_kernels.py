@@ -45,7 +45,6 @@ from splitserve.engine.config import EngineConfig, ModelConfig  # noqa: E402
 from splitserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from splitserve.engine.kernel_warm_up import warm_up  # noqa: E402
 from splitserve.engine.kv_cache import KVCache  # noqa: E402
-from splitserve.engine.model.fused_moe import fused_experts  # noqa: E402
 from splitserve.engine.model.llama import LlamaAttention  # noqa: E402
 from splitserve.engine.model.moe import SparseMoeBlock, expert_names  # noqa: E402
 from splitserve.engine.model.triton_ops import add_rms_norm, rotate_in_place  # noqa: E402
@@ -151,6 +150,7 @@ class LayerLaunches(torch.nn.Module):
         with torch.device("meta"):
             self.attention = LlamaAttention(config)
         self.config, self.dtype = config, dtype
+        self.sinks = torch.zeros(self.attention.num_heads) if config.attention_sinks else None
         self.weight = torch.empty(config.hidden_size, dtype=dtype)
         self.cos = self.sin = torch.empty((max_model_len, config.head_dim), dtype=torch.float32)
         self.moe = None
@@ -166,12 +166,11 @@ class LayerLaunches(torch.nn.Module):
         q, k, v = attention.heads(torch.empty((t, attention.qkv_proj.out_features), dtype=self.dtype))
         rotate_in_place(positions, q, self.cos, self.sin)
         rotate_in_place(positions, k, self.cos, self.sin)
-        backend.forward(q, k, v, kv_layers[0], meta, c.sliding_window, attention.scale, attention.softcap)
+        backend.forward(q, k, v, kv_layers[0], meta, c.sliding_window, attention.scale, attention.softcap, self.sinks)
         h, _ = add_rms_norm(x, h, self.weight, c.rms_norm_eps, c.gemma_norms)
         if self.moe is not None:
             k = self.moe.top_k
-            fused_experts(h, self.moe.experts.w13, self.moe.experts.w2, torch.ones((t, k)),
-                          torch.arange(k).repeat(t, 1))
+            self.moe.experts.fused(h, torch.ones((t, k)), torch.arange(k).repeat(t, 1))
         return h
 
 

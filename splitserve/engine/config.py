@@ -8,7 +8,7 @@ from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptio
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MULTIMODAL_ARCHITECTURES = {  # served text-only: (its language model, that model's weights prefix, skipped prefixes)
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.",
@@ -22,10 +22,12 @@ GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",  # a window only with
                       "Qwen3MoeForCausalLM")                                          # use_sliding_window
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # sparse expert MLPs
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
+                     "GptOssForCausalLM")
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
+QUANTIZATIONS = {"GptOssForCausalLM": ("mxfp4",)}  # checkpoint formats dequantized at load (engine/mxfp4.py)
 
 
 class ConfigError(ValueError):
@@ -67,6 +69,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     attention_bias: bool = False   # on the q, k and v projections
+    attention_out_bias: bool = False  # on o_proj too (GPT-OSS)
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins every softmax (attention.base.Scoring)
     qk_norm: bool = False          # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # a sliding layer's token attends to the latest this many positions (itself too)
@@ -77,6 +81,8 @@ class ModelConfig:
     norm_topk_prob: bool = True    # MoE: the chosen experts' weights are renormalized to sum to one
     dense_layers: tuple[int, ...] = ()  # MoE: the layers whose MLP is dense (Qwen's mlp_only_layers, sparse step)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes beside its experts, gated
+    swiglu_limit: float | None = None  # GPT-OSS's experts: gate clamped to <= limit, up to [-limit, limit] (None: not)
+    swiglu_alpha: float = 1.702    # GPT-OSS's experts: out = (up + 1) * gate * sigmoid(alpha * gate) (moe.GatedAct)
     hidden_act: str = "silu"       # the MLP gate's activation (ACTIVATIONS)
     attention_scale: float | None = None  # scores are q.k times this (None: head_dim ** -0.5)
     attn_logit_softcap: float | None = None   # scores become cap * tanh(scores / cap) (Gemma 2)
@@ -138,6 +144,7 @@ class ModelConfig:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        _check_quantization(cfg, arch, source)
         if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias"):
             raise ConfigError(f"{source}: attention_bias=true is not supported for {arch} (it would put a "
                               "bias on o_proj too); released Qwen3 checkpoints have none")
@@ -149,6 +156,7 @@ class ModelConfig:
         layers = int(need("num_hidden_layers"))
         max_positions = int(cfg.get("max_position_embeddings") or 2048)
         rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source)
+        oss = arch == "GptOssForCausalLM"
         return cls(
             architecture=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")), num_hidden_layers=layers,
@@ -160,6 +168,7 @@ class ModelConfig:
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
                                 else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_out_bias=oss and bool(cfg.get("attention_bias", True)), attention_sinks=oss,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **_parse_window(cfg, arch, source, layers), hidden_act=_activation(cfg, source), **(gemma_fields if gemma else {}),
@@ -205,12 +214,32 @@ def _parse_gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict
                       local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))))
 
 
+def _check_quantization(cfg: dict, arch: str, source: str) -> None:
+    """A quantized checkpoint loads only in a format `QUANTIZATIONS` lists for its architecture."""
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method not in QUANTIZATIONS.get(arch, ()):
+        known = ", ".join(f"{m} ({a})" for a, methods in QUANTIZATIONS.items() for m in methods)
+        raise ConfigError(f"{source}: quantization_config quant_method {method!r} is not supported for {arch} "
+                          f"(supported: {known}); serve the unquantized checkpoint")
+
+
 def _positive(cfg: dict, name: str, default: float | None, source: str) -> float | None:
     """A positive number, null (none), or absent (transformers' default)."""
     value = cfg.get(name, default)
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
         raise ConfigError(f"{source}: {name} must be a positive number or null, got {value!r}")
     return None if value is None else float(value)
+
+
+def _positive_float(cfg: dict, name: str, default: float, source: str) -> float:
+    """A positive number, or absent (transformers' default); null is refused."""
+    value = _positive(cfg, name, default, source)
+    if value is None:
+        raise ConfigError(f"{source}: {name} must be a positive number, got None")
+    return value
 
 
 def _activation(cfg: dict, source: str) -> str:
@@ -269,8 +298,9 @@ def _sliding_layers(cfg: dict, arch: str, source: str, layers: int, qwen: bool) 
 
 
 def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
-    """ModelConfig's MoE fields as transformers reads them: Mixtral's experts are intermediate_size
-    wide, every layer is sparse and the top-k weights are always renormalized; Qwen2-MoE's and
+    """ModelConfig's MoE fields as transformers reads them: Mixtral's and GPT-OSS's experts are
+    intermediate_size wide, every layer is sparse and the top-k weights are always renormalized
+    (GPT-OSS's clamp their SwiGLU: swiglu_limit, swiglu_alpha); Qwen2-MoE's and
     Qwen3-MoE's are moe_intermediate_size wide, and a layer is dense when listed in mlp_only_layers
     or off the decoder_sparse_step; Qwen2-MoE's sparse layers also have a shared expert."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
@@ -281,6 +311,10 @@ def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
         raise ConfigError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
     if arch == "MixtralForCausalLM":
         return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]))
+    if arch == "GptOssForCausalLM":  # softmax over the top k router logits: the renormalized top k of the softmax
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]),
+                    swiglu_limit=_positive(cfg, "swiglu_limit", 7.0, source),
+                    swiglu_alpha=_positive_float(cfg, "swiglu_alpha", 1.702, source))
     width = _positive_int(cfg.get("moe_intermediate_size"), "moe_intermediate_size", source)
     step = _positive_int(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
     only = cfg.get("mlp_only_layers") or []

@@ -5,7 +5,9 @@ weights (a merged projection's parts are slices of it). A checkpoint that stores
 projection as one tensor (Phi-3's `qkv_proj`, `gate_up_proj`) is read as its parts, row ranges
 of it. A tied `lm_head` is recognised because it is the same tensor as
 `model.embed_tokens.weight`, so loading either name fills both. A tensor-parallel rank reads only
-its part of each tensor from the file (`shard_slices`).
+its part of each tensor from the file (`shard_slices`). An MXFP4 tensor (GPT-OSS's experts: its
+`_blocks` and `_scales`, `mxfp4`) is dequantized whole on the parameter's device, then the rank's
+part of it is kept.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from splitserve.engine import mxfp4
 from splitserve.engine.config import FUSED_ARCHITECTURES, ModelConfig
 from splitserve.engine.model.llama import RMSNorm, checkpoint_tensors, shard_slices
 from splitserve.engine.model.sharding import ShardSlice
@@ -65,11 +68,17 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
     absent = getattr(model, "absent_tensors", frozenset())  # held by another rank only
     config = model.config if isinstance(getattr(model, "config", None), ModelConfig) else None  # ours, not HF's
     loaded: set[tuple[int, tuple]] = set()  # (storage offset, shape): a tied weight counts once for both names
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 tensor's name -> its blocks and scales read so far
     with torch.no_grad():
         for file, name, handle in _iter_with_files(path):
             ours = _model_name(file, name, config)
             if ours is None or ours.endswith(IGNORED_SUFFIXES) or ours in absent:
                 continue
+            dequantized = None
+            if ours.endswith(mxfp4.SUFFIXES):
+                ours, dequantized = _unpacked(file, ours, handle.get_tensor(name), packed, targets)
+                if dequantized is None:
+                    continue
             found = []  # (parameter, its part of the tensor as shard_slices says, that tensor's full shape)
             for part_name in _fused_parts(ours, config) or [ours]:
                 target = targets.get(part_name)
@@ -77,7 +86,7 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
                     raise CheckpointError(f"{file}: tensor {name!r} has no matching parameter in {type(model).__name__}")
                 part = parts.get(part_name)
                 found.append((target, part, part.full_shape(target.shape) if part else tuple(target.shape)))
-            shape = tuple(handle.get_slice(name).get_shape())
+            shape = tuple(handle.get_slice(name).get_shape() if dequantized is None else dequantized.shape)
             whole = (sum(full[0] for *_, full in found), *found[0][2][1:])  # fused parts are stacked by rows
             if shape != whole:
                 raise CheckpointError(f"{file}: tensor {name!r} has shape {shape}, the model expects {whole}")
@@ -87,8 +96,14 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
                     start, stop = (part.start, part.stop) if part else (0, full[0])
                     part = ShardSlice(0, first_row + start, first_row + stop, whole[0])
                     first_row += full[0]
-                target.copy_(_read(handle, name, part))
+                if dequantized is None:
+                    target.copy_(_read(handle, name, part))
+                else:
+                    target.copy_(part.take(dequantized) if part else dequantized)
                 loaded.add(_where(target))
+    if packed:
+        raise CheckpointError(f"{_weights_file(path)}: MXFP4 tensors {sorted(packed)} lack their "
+                              f"{' or '.join(mxfp4.SUFFIXES)} half")
     missing = [name for name, target in targets.items() if _where(target) not in loaded]
     if missing:
         raise CheckpointError(f"{_weights_file(path)}: checkpoint has no tensor for parameters {missing}")
@@ -180,6 +195,26 @@ def _fused_parts(name: str, config: ModelConfig | None) -> list[str] | None:
     owner, _, kind = name.rpartition(".")
     prefix, _, projection = owner.rpartition(".")
     return [f"{prefix}.{part}.{kind}" for part in FUSED_PARTS.get(projection, ())] or None
+
+
+def _unpacked(file: Path, name: str, tensor: torch.Tensor, packed: dict,
+              targets: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor | None]:
+    """(the MXFP4 tensor's name, its values [..., in, out] on its parameter's device and dtype) once
+    both its halves are in `packed`, with `tensor` (half `name`); before then its values are None."""
+    base, _, half = name.rpartition("_")
+    halves = packed.setdefault(base, {})
+    halves[half] = tensor
+    if len(halves) < 2:
+        return base, None
+    del packed[base]
+    target = targets.get(base)
+    if target is None:
+        raise CheckpointError(f"{file}: MXFP4 tensor {base!r} has no matching parameter")
+    try:
+        values = mxfp4.dequantize(halves["blocks"].to(target.device), halves["scales"].to(target.device), target.dtype)
+    except ValueError as exc:
+        raise CheckpointError(f"{file}: tensor {base!r}: {exc}") from exc
+    return base, values.transpose(-1, -2)
 
 
 def _read(handle, name: str, part: ShardSlice | None) -> torch.Tensor:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                          GptOssForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
                           Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
@@ -83,6 +84,13 @@ CONFIGS = {
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                            rope_theta=1000000.0)),
+    # GPT-OSS: top 2 of 4 biased experts, gate and up interleaved, the clamped SwiGLU (a limit low enough
+    # to bind), attention sinks, biases on q, k, v and o, a window on the first layer, YaRN
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(
+        num_key_value_heads=2, head_dim=16, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=16, swiglu_limit=2.0,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0})),
 }
 QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers: Qwen2's tokenizer class
 

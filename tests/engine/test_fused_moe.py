@@ -1,5 +1,5 @@
 """The fused-MoE Triton kernels (`model/fused_moe.py`) against the torch oracle
-(`moe.experts_reference`), and a whole Mixtral checkpoint's greedy output through them; the
+(`moe.experts_reference`), and whole Mixtral and GPT-OSS checkpoints' greedy output through them; the
 kernels run under Triton's interpreter on CPU, compiled on CUDA where it is (the `kernels` mark)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.model import fused_moe  # noqa: E402
-from splitserve.engine.model.moe import Experts, experts_reference, route  # noqa: E402
+from splitserve.engine.model.moe import Experts, GatedAct, experts_reference, route  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.hf_checkpoints import (  # noqa: E402,F401 (fixture)
     ENGINE_ARGS, generation_prompts, tokenizers_by_kind, write_checkpoint,
@@ -57,6 +57,18 @@ def test_half_precision_and_strided_rows():
     torch.testing.assert_close(out.cpu().float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("limit", [2.0, None], ids=["clamped", "unclamped"])
+def test_gpt_oss_experts_equal_the_oracle(limit):
+    """GPT-OSS's experts: gate and up rows interleaved, with biases, the clamped SwiGLU (its limit
+    binds for some of these values)."""
+    x, w13, w2, weights, ids = problem(20, 4, 2, 32, 48)
+    b13 = torch.randn(4, 96, generator=torch.Generator().manual_seed(1))
+    act = GatedAct(interleaved=True, alpha=1.702, limit=limit)
+    assert (torch.einsum("th,eoh->teo", x, w13) + b13).abs().max() > 2.0
+    out = fused_moe.fused_experts(*on_device(x, w13, w2, weights, ids), act=act, b13=b13.to(DEVICE))
+    torch.testing.assert_close(out.cpu(), experts_reference(x, w13, w2, weights, ids, act, b13), atol=1e-5, rtol=1e-5)
+
+
 def test_all_tokens_on_one_expert_and_no_tokens():
     x, w13, w2, weights, _ = problem(33, 4, 1, 32, 16, seed=2)
     ids = torch.full((33, 1), 3)
@@ -91,15 +103,18 @@ def test_the_block_size_follows_the_load_per_expert():
     assert fused_moe.block_m_for(2 * 2048, 8) == 64      # Mixtral
 
 
-def test_mixtral_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch):
-    """A Mixtral checkpoint written by transformers generates the same tokens with its experts
-    run by the fused kernels as by the torch oracle (what the CPU engine runs)."""
-    hf = write_checkpoint(tmp_path, "mixtral_moe", tokenizers_by_kind)
+@pytest.mark.parametrize("name", ["mixtral_moe", "gpt_oss"])
+def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch, name):
+    """A Mixtral and a GPT-OSS checkpoint written by transformers generate the same tokens with
+    their experts run by the fused kernels and their attention (GPT-OSS's sinks and window) by the
+    Triton kernels as by the torch oracles (what the CPU engine runs)."""
+    hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = generation_prompts(hf.config.vocab_size)[:3]
 
-    def greedy():
-        outs = LLM(str(tmp_path), **ENGINE_ARGS).generate([{"prompt_token_ids": p} for p in prompts], params)
+    def greedy(backend="torch"):
+        llm = LLM(str(tmp_path), **ENGINE_ARGS, attention_backend=backend)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [o.outputs[0].token_ids for o in outs]
 
     reference = greedy()
@@ -107,8 +122,8 @@ def test_mixtral_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenize
 
     def fused(self, x, weights, experts):
         calls.append(x.shape[0])
-        return fused_moe.fused_experts(x, self.w13, self.w2, weights, experts)
+        return self.fused(x, weights, experts)
 
     monkeypatch.setattr(Experts, "forward", fused)
-    assert greedy() == reference
+    assert greedy("triton") == reference
     assert calls and max(calls) > 1 and min(calls) >= 1

@@ -66,10 +66,10 @@ def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monke
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
     tiles, real = [], fused_moe.fused_experts
 
-    def spy(x, w13, w2, weights, experts, block_m=None):
+    def spy(x, w13, w2, weights, experts, block_m=None, *variant):
         tiles.append(block_m)
         assert experts.shape == (1, 2) and w13.shape[0] == 8  # the model's top-k of its 8 experts
-        return real(x, w13, w2, weights, experts, block_m)
+        return real(x, w13, w2, weights, experts, block_m, *variant)
 
     monkeypatch.setattr(fused_moe, "fused_experts", spy)
     warm_up(runner)

@@ -51,3 +51,13 @@ def test_gemma2_config_fields(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**raw, "hidden_activation": "relu"}))
     with pytest.raises(ConfigError, match="hidden activation 'relu' is not supported"):
         load_model_config(tmp_path)
+
+
+@pytest.mark.parametrize("quant", [{"quant_method": "awq", "bits": 4}, {"quant_method": "mxfp4"}])
+def test_a_quantized_checkpoint_of_an_architecture_without_that_format_is_refused(tmp_path, quant):
+    """Weights the loader would read as if unquantized (or not find): refused before any load."""
+    make_qwen2().save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "quantization_config": quant}))
+    with pytest.raises(ConfigError, match=f"quant_method '{quant['quant_method']}' is not supported for Qwen2ForCausalLM"):
+        load_model_config(tmp_path)

@@ -1,12 +1,12 @@
 """Mixture-of-experts checkpoints written by transformers' own `save_pretrained` (Mixtral,
-Qwen2-MoE, Qwen3-MoE): the per-expert tensors load into the stacked experts, and the MoE fields of
+Qwen2-MoE, Qwen3-MoE, GPT-OSS): the per-expert tensors load into the stacked experts, and the MoE fields of
 config.json are read, or refused naming the field."""
 import json
 
 import pytest
 import torch
-from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from splitserve.engine.config import ConfigError
 from splitserve.engine.loader import iter_checkpoint_tensors, load_model_config, load_weights
@@ -93,5 +93,52 @@ def test_bad_moe_config_names_the_field(tmp_path, field, value, message):
     cfg.pop("num_local_experts", None)
     cfg.update({"num_experts": 6, field: value})
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=message):
+        load_model_config(tmp_path)
+
+
+def make_gpt_oss(seed=0, **overrides):
+    torch.manual_seed(seed)
+    config = GptOssConfig(**{**MOE_SHAPE, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                             "num_local_experts": 4, "sliding_window": 8, **overrides})
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():  # transformers leaves biases and sinks at zero: draw them, so a misplaced one shows
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                param.normal_(0.0, 0.5)
+    return model
+
+
+def test_gpt_oss_experts_load_from_their_stacked_tensors(tmp_path):
+    """GPT-OSS stores all of a layer's experts as one [experts, in, out] tensor with gate and up
+    columns alternating, biases beside them, and the router (with a bias) as `mlp.router`; the
+    block run on the loaded weights equals transformers' own, clamp and biases included."""
+    from splitserve.engine.model.llama import LlamaForCausalLM as Ours
+
+    source = make_gpt_oss(swiglu_limit=1.0)  # low enough to bind on these activations
+    source.save_pretrained(tmp_path)
+    config = load_model_config(tmp_path)
+    assert (config.num_experts, config.moe_intermediate_size, config.swiglu_limit) == (4, 48, 1.0)
+    assert config.attention_sinks and config.attention_bias and config.attention_out_bias
+    assert config.sliding_layers == (0, 2) and config.rope_scaling.rope_type == "yarn"
+    ours = Ours(config, max_model_len=64)
+    load_weights(ours, tmp_path)
+    x = torch.randn(7, MOE_SHAPE["hidden_size"], generator=torch.Generator().manual_seed(3))
+    for mine, theirs in zip(ours.model.layers, source.model.layers):
+        assert torch.equal(mine.self_attn.sinks, theirs.self_attn.sinks)
+        assert torch.equal(mine.self_attn.o_proj.bias, theirs.self_attn.o_proj.bias)
+        with torch.no_grad():
+            expected, _ = theirs.mlp(x[None])
+            torch.testing.assert_close(mine.mlp(x), expected[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("swiglu_limit", -1.0, "swiglu_limit must be a positive number or null"),
+    ("swiglu_alpha", None, "swiglu_alpha must be a positive number, got None"),
+    ("num_experts_per_tok", 5, "num_experts_per_tok=5 exceeds num_experts=4")])
+def test_bad_gpt_oss_config_names_the_field(tmp_path, field, value, message):
+    make_gpt_oss().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, field: value}))
     with pytest.raises(ConfigError, match=message):
         load_model_config(tmp_path)

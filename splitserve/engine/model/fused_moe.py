@@ -1,7 +1,8 @@
 """Triton kernels for a sparse MoE layer's experts on CUDA, the scheme of vLLM's fused MoE: the
 (token, slot) assignments are grouped by expert, each group padded to whole BLOCK_M tiles
-(`align`), and one grouped matmul runs every tile against its expert's weights: gate and up with
-SiLU-and-multiply in one kernel, down times the routing weight in a second. Each token's k outputs
+(`align`), and one grouped matmul runs every tile against its expert's weights: gate and up (with
+their biases, where the model has them) and the gated activation (`moe.GatedAct`: SiLU, or
+GPT-OSS's clamped SwiGLU) in one kernel, down times the routing weight in a second. Each token's k outputs
 are then summed. Nothing waits on the host and every shape follows from the batch size alone, so
 a decode step with experts is captured in a CUDA graph like any other.
 
@@ -15,18 +16,23 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.model.moe import SILU, GatedAct
+
 BLOCK_N = 64
 BLOCK_K = 32
 BLOCK_M_SIZES = (16, 64)  # a tile of one expert's assignments: 16 while experts get few tokens each
 
 
 @triton.jit(do_not_specialize=["num_assignments"])
-def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden, width,
-                    stride_x, stride_we, stride_wn, stride_out,
+def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden, width,
+                    stride_x, stride_we, stride_wn, stride_be, row_step, up_offset, alpha, limit, stride_out,
                     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, BIAS: tl.constexpr, OSS: tl.constexpr, CLAMP: tl.constexpr):
     """One program per (tile of one expert's assignments, BLOCK_N of the width):
-    out[a] = silu(x[token] @ gate.T) * (x[token] @ up.T) for each assignment a of the tile."""
+    out[a] = act(x[token] @ gate.T, x[token] @ up.T) for each assignment a of the tile. Gate column
+    c is w13's row c * row_step, up's that plus up_offset (1, width: halves; 2, 1: interleaved);
+    with BIAS the same entries of b13 are added. act: silu(gate) * up, or with OSS
+    (up + 1) * gate * sigmoid(alpha * gate), with CLAMP gate <= limit and |up| <= limit first."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= NUM_EXPERTS:  # past the last group
         return
@@ -36,6 +42,7 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_ass
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < width
     w = w_ptr + expert.to(tl.int64) * stride_we
+    gate_rows, up_rows = cols * row_step, cols * row_step + up_offset
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, hidden, BLOCK_K):
@@ -43,11 +50,21 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_ass
         k_ok = k < hidden
         a = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        g = tl.load(w + cols[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
-        u = tl.load(w + (cols[None, :] + width) * stride_wn + k[:, None], mask=w_mask, other=0.0)
+        g = tl.load(w + gate_rows[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+        u = tl.load(w + up_rows[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
         gate = tl.dot(a, g, gate, input_precision=PRECISION)
         up = tl.dot(a, u, up, input_precision=PRECISION)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    if BIAS:
+        b = b_ptr + expert.to(tl.int64) * stride_be
+        gate += tl.load(b + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if OSS:
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+    else:
+        act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], act.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
 
@@ -108,30 +125,34 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  experts: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+                  experts: torch.Tensor, block_m: int | None = None, act: GatedAct = SILU,
+                  b13: torch.Tensor | None = None) -> torch.Tensor:
     """What `moe.experts_reference` computes, for x [T, hidden], w13 [E, 2 * width, hidden],
-    w2 [E, hidden, width], weights (float32) and experts [T, k]; block_m: the tile rows (by default
-    `block_m_for`)."""
+    w2 [E, hidden, width], weights (float32) and experts [T, k], `act` and the gate and up biases
+    `b13` [E, 2 * width]; block_m: the tile rows (by default `block_m_for`)."""
     tokens, hidden = x.shape
     num_experts, width = w13.shape[0], w2.shape[2]
     top_k = experts.shape[1]
     count = tokens * top_k
     if count == 0:
         return torch.zeros_like(x)
-    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1 or (b13 is not None and b13.stride(1) != 1):
         raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
     block_m = block_m or block_m_for(count, num_experts)
     sorted_ids, block_expert = align(experts, num_experts, block_m)
     tiles = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    act = torch.empty((count, width), dtype=x.dtype, device=x.device)
+    row_step, up_offset = (2, 1) if act.interleaved else (1, width)
+    gated = torch.empty((count, width), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(tiles, triton.cdiv(width, BLOCK_N))](
-        x, w13, act, sorted_ids, block_expert, count, top_k, hidden, width, x.stride(0), w13.stride(0),
-        w13.stride(1), act.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        PRECISION=precision)
+        x, w13, w13 if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k, hidden, width,
+        x.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0), row_step, up_offset,
+        act.alpha or 0.0, act.limit or 0.0, gated.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
+        CLAMP=act.limit is not None)
     out = torch.empty((count, hidden), dtype=x.dtype, device=x.device)
     _down_kernel[(tiles, triton.cdiv(hidden, BLOCK_N))](
-        act, w2, out, weights.float().contiguous(), sorted_ids, block_expert, count, width, hidden, act.stride(0),
+        gated, w2, out, weights.float().contiguous(), sorted_ids, block_expert, count, width, hidden, gated.stride(0),
         w2.stride(0), w2.stride(1), out.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K, PRECISION=precision)
     return out.view(tokens, top_k, hidden).sum(dim=1)

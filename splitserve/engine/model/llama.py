@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, and with sparse MoE
-layers (`model.moe`) Mixtral, Qwen2-MoE and Qwen3-MoE) over flattened tokens of many sequences.
+layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, whose attention also has sinks and
+an o_proj bias) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows. `checkpoint_tensors` names every
@@ -76,15 +77,18 @@ class MergedLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
-    """A projection whose input features are split over the ranks: partial sums, all-reduced."""
+    """A projection whose input features are split over the ranks: partial sums, all-reduced, then
+    the bias (whole on every rank) added once."""
 
-    def __init__(self, in_features: int, out_features: int, shard_slice: ShardSlice | None, reduce: Reduce | None):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, shard_slice: ShardSlice | None, reduce: Reduce | None,
+                 bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self.shard_slice, self.reduce = shard_slice, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        return out if self.reduce is None else self.reduce(out)
+        out = F.linear(x, self.weight)
+        out = out if self.reduce is None else self.reduce(out)
+        return out if self.bias is None else out + self.bias
 
 
 class LlamaAttention(nn.Module):
@@ -105,7 +109,11 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(c.hidden_size, {"q_proj": self.num_heads * d, "k_proj": kv, "v_proj": kv},
                                      bias=c.attention_bias, slices=slices)
         self.o_proj = RowParallelLinear(self.num_heads * d, c.hidden_size,
-                                        ShardSlice(1, q_lo * d, q_hi * d, q_total) if shard.size > 1 else None, reduce)
+                                        ShardSlice(1, q_lo * d, q_hi * d, q_total) if shard.size > 1 else None, reduce,
+                                        bias=c.attention_out_bias)
+        # GPT-OSS: a logit per query head that joins its softmax (this rank's heads)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if c.attention_sinks else None
+        self.sink_slice = ShardSlice(0, q_lo, q_hi, c.num_attention_heads) if shard.size > 1 else None
         # one weight per head dim, the same for every head: whole on every rank
         self.q_norm = RMSNorm(d, c.rms_norm_eps, c.gemma_norms) if c.qk_norm else None
         self.k_norm = RMSNorm(d, c.rms_norm_eps, c.gemma_norms) if c.qk_norm else None
@@ -116,7 +124,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap)
+        sinks = None if self.sinks is None else self.sinks.float()
+        out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap, sinks)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -266,6 +275,8 @@ def shard_slices(model: nn.Module) -> dict[str, ShardSlice]:
                     found[f"{prefix}.{part}.bias"] = where
         elif isinstance(module, RowParallelLinear) and module.shard_slice is not None:
             found[f"{owner}.weight"] = module.shard_slice
+        elif isinstance(module, LlamaAttention) and module.sinks is not None and module.sink_slice is not None:
+            found[f"{owner}.sinks"] = module.sink_slice
         elif isinstance(module, Experts):
             found.update(module.shard_slices(owner))
     return found

@@ -1,14 +1,17 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router scores every expert
-for each token, the token goes through its top-k experts (each a gated SiLU MLP like Llama's) and
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): a router scores every
+expert for each token, the token goes through its top-k experts (each a gated MLP like Llama's) and
 their outputs are summed, weighted by the router's softmax over those k (renormalized where the
 model says so). Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate.
+GPT-OSS's router and experts have biases and its experts a clamped SwiGLU (`GatedAct`).
 
 The experts' weights are two stacked tensors, `w13` [experts, 2 * width, hidden] (each expert's
-gate rows, then its up rows) and `w2` [experts, hidden, width], so one kernel serves all experts
-(`fused_moe` on CUDA). `checkpoint_tensors` names each expert's slices as the checkpoint stores
-them. With tensor parallelism every rank holds every expert's slice [lo, hi) of the width
-(column-parallel gate and up, row-parallel down), a slice of the shared expert likewise, and the
-routers whole; the block all-reduces its partial sums once. `experts_reference` is the torch oracle and the CPU path.
+gate rows, then its up rows; GPT-OSS's alternate gate, up, as its checkpoints store them) and `w2`
+[experts, hidden, width], so one kernel serves all experts (`fused_moe` on CUDA).
+`checkpoint_tensors` names each expert's slices as the checkpoint stores them (GPT-OSS's stacked,
+[experts, in, out]). With tensor parallelism every rank holds every expert's slice [lo, hi) of the
+width (column-parallel gate and up, row-parallel down), a slice of the shared expert likewise, and
+the routers whole; the block all-reduces its partial sums once, then adds the down biases.
+`experts_reference` is the torch oracle and the CPU path.
 """
 from __future__ import annotations
 
@@ -25,21 +28,60 @@ from splitserve.engine.model.sharding import Shard, ShardSlice
 
 @dataclass(frozen=True)
 class ExpertNames:
-    """How a checkpoint names a sparse layer's parts: `<block>.gate` is the router,
-    `<block>.experts.<e>.<gate|up|down>.weight` expert e's projections."""
+    """How a checkpoint names a sparse layer's parts: `<block>.<router>` is the router,
+    `<block>.experts.<e>.<gate|up|down>.weight` expert e's projections; `stacked` ones (GPT-OSS)
+    are `<block>.experts.<gate|down>` [experts, in, out] for all experts, with `_bias` beside them."""
 
     block: str
     gate: str
     up: str
     down: str
+    router: str = "gate"
+    stacked: bool = False
 
 
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 QWEN_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+GPT_OSS_NAMES = ExpertNames("mlp", "gate_up_proj", "", "down_proj", router="router", stacked=True)
 
 
 def expert_names(config: ModelConfig) -> ExpertNames:
-    return MIXTRAL_NAMES if config.architecture == "MixtralForCausalLM" else QWEN_MOE_NAMES
+    return {"MixtralForCausalLM": MIXTRAL_NAMES, "GptOssForCausalLM": GPT_OSS_NAMES}.get(config.architecture,
+                                                                                         QWEN_MOE_NAMES)
+
+
+@dataclass(frozen=True)
+class GatedAct:
+    """Where an expert's gate and up rows sit in w13 and how they combine: by default all gate rows
+    then all up rows, silu(gate) * up; `interleaved` (GPT-OSS) alternates them, and with `alpha`
+    the output is (up + 1) * gate * sigmoid(alpha * gate), gate clamped to <= `limit` and up to
+    [-limit, limit] first (where a limit is given)."""
+
+    interleaved: bool = False
+    alpha: float | None = None
+    limit: float | None = None
+
+    def split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate, up) of gate-and-up outputs [..., 2 * width]."""
+        if self.interleaved:
+            return h[..., 0::2], h[..., 1::2]
+        return h.chunk(2, dim=-1)
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.alpha is None:
+            return F.silu(gate) * up
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(self.alpha * gate)
+
+
+SILU = GatedAct()
+
+
+def gated_act(config: ModelConfig) -> GatedAct:
+    if config.architecture == "GptOssForCausalLM":
+        return GatedAct(True, config.swiglu_alpha, config.swiglu_limit)
+    return SILU
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,21 +97,40 @@ class Experts(nn.Module):
     def __init__(self, c: ModelConfig, names: ExpertNames, shard: Shard = Shard()):
         super().__init__()
         lo, hi = shard.split(c.moe_intermediate_size)
-        self.names, self.width = names, hi - lo
+        self.names, self.width, self.act = names, hi - lo, gated_act(c)
         self.slice = ShardSlice(0, lo, hi, c.moe_intermediate_size) if shard.size > 1 else None
         self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width, c.hidden_size))
         self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, self.width))
+        biased = names.stacked  # GPT-OSS; b2 is added once, after the reduce (`down_bias`)
+        self.b13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width)) if biased else None
+        self.b2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size)) if biased else None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """This rank's sum over each token's experts, without the down biases."""
         if x.is_cuda:
-            from splitserve.engine.model import fused_moe  # triton: CUDA builds of torch bring it
+            return self.fused(x, weights, experts)
+        return experts_reference(x, self.w13, self.w2, weights, experts, self.act, self.b13)
 
-            return fused_moe.fused_experts(x, self.w13, self.w2, weights, experts)
-        return experts_reference(x, self.w13, self.w2, weights, experts)
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+              block_m: int | None = None) -> torch.Tensor:
+        """The same through the Triton kernels (`fused_moe`: CUDA, or Triton's interpreter)."""
+        from splitserve.engine.model import fused_moe  # triton: CUDA builds of torch bring it
+
+        return fused_moe.fused_experts(x, self.w13, self.w2, weights, experts, block_m, self.act, self.b13)
+
+    def down_bias(self, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
+        """[T, hidden]: each token's experts' down biases, weighted as their outputs are (None without)."""
+        if self.b2 is None:
+            return None
+        return (weights[..., None] * self.b2[experts].float()).sum(dim=1)
 
     def checkpoint_tensors(self, owner: str, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, view) of each expert's projections held in parameter `kind`."""
         param = getattr(self, kind)
+        if self.names.stacked:
+            name = self.names.gate if kind in ("w13", "b13") else self.names.down
+            yield (f"{owner}.{name}_bias", param) if kind.startswith("b") else (f"{owner}.{name}", param.transpose(1, 2))
+            return
         for e in range(param.shape[0]):
             if kind == "w13":
                 yield f"{owner}.{e}.{self.names.gate}.weight", param[e, :self.width]
@@ -79,6 +140,12 @@ class Experts(nn.Module):
 
     def shard_slices(self, owner: str) -> Iterator[tuple[str, ShardSlice]]:
         if self.slice is None:
+            return
+        if self.names.stacked:  # [experts, in, out]; gate and up alternate, so a rank's pairs are one range
+            lo, hi, total = self.slice.start, self.slice.stop, self.slice.total
+            yield f"{owner}.{self.names.gate}", ShardSlice(2, 2 * lo, 2 * hi, 2 * total)
+            yield f"{owner}.{self.names.gate}_bias", ShardSlice(1, 2 * lo, 2 * hi, 2 * total)
+            yield f"{owner}.{self.names.down}", ShardSlice(1, lo, hi, total)
             return
         down = ShardSlice(1, self.slice.start, self.slice.stop, self.slice.total)
         for e in range(self.w13.shape[0]):
@@ -92,25 +159,29 @@ class SparseMoeBlock(nn.Module):
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, shared_expert: nn.Module | None = None):
         """`shared_expert`: Qwen2-MoE's, an MLP whose output on this rank is a partial sum (not reduced)."""
         super().__init__()
-        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)  # the router
+        self.router_name = names.router  # registered under the checkpoint's name
+        self.add_module(names.router, nn.Linear(c.hidden_size, c.num_experts, bias=names.stacked))
         self.experts = Experts(c, names, shard)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if shared_expert is not None else None
         self.top_k, self.renormalize, self.reduce = c.num_experts_per_tok, c.norm_topk_prob, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.gate(x), self.top_k, self.renormalize)
+        weights, experts = route(self._modules[self.router_name](x), self.top_k, self.renormalize)
         out = self.experts(x, weights, experts)
         if self.shared_expert is not None:  # the gate is per token, so it scales a partial sum exactly
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out if self.reduce is None else self.reduce(out)
+        out = out if self.reduce is None else self.reduce(out)
+        bias = self.experts.down_bias(weights, experts)
+        return out if bias is None else out + bias.to(out.dtype)
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      experts: torch.Tensor) -> torch.Tensor:
-    """sum over each token's k experts of weight * down(silu(gate(x)) * up(x)), one matmul per
-    expert over the tokens routed to it; each expert's share is rounded to x's dtype as it is added."""
-    out, width, top_k = torch.zeros_like(x), w2.shape[2], experts.shape[1]
+                      experts: torch.Tensor, act: GatedAct = SILU, b13: torch.Tensor | None = None) -> torch.Tensor:
+    """sum over each token's k experts of weight * down(act(gate(x), up(x))) (gate and up with the
+    biases `b13`), one matmul per expert over the tokens routed to it; each expert's share is
+    rounded to x's dtype as it is added."""
+    out, top_k = torch.zeros_like(x), experts.shape[1]
     flat = experts.flatten()
     order = flat.argsort(stable=True)  # assignment token * k + slot, grouped by expert
     start = 0
@@ -120,7 +191,7 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         assignments = order[start:start + count]
         start += count
         tokens = assignments // top_k
-        gate, up = F.linear(x[tokens], w13[e]).split(width, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]) * weights.flatten()[assignments, None]
+        gate, up = act.split(F.linear(x[tokens], w13[e], None if b13 is None else b13[e]))
+        y = F.linear(act(gate, up), w2[e]) * weights.flatten()[assignments, None]
         out.index_add_(0, tokens, y.to(x.dtype))
     return out

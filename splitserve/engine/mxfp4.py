@@ -1,0 +1,28 @@
+"""MXFP4 (the OCP microscaling format GPT-OSS's checkpoints store their experts in), dequantized at
+load: a tensor `<name>` is stored as `<name>_blocks` uint8 [..., groups, 16], two 4-bit E2M1 codes
+a byte (the low nibble first), and `<name>_scales` uint8 [..., groups], each group's 32 values'
+power of two biased by 127. Rows are the projection's outputs, as a Linear's weight holds them."""
+from __future__ import annotations
+
+import torch
+
+SUFFIXES = ("_blocks", "_scales")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+SCALE_BIAS = 127
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., groups * 32] of `dtype` (every value exact in bfloat16 and wider), one leading index
+    at a time so the codes' temporary stays small."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != 16 \
+            or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks must be uint8 [..., groups, 16] and scales uint8 [..., groups], got "
+                         f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    table = torch.tensor(E2M1, dtype=dtype, device=blocks.device)
+    out = torch.empty((*scales.shape, 32), dtype=dtype, device=blocks.device)
+    flat_blocks, flat_scales, flat_out = blocks.flatten(0, -3), scales.flatten(0, -2), out.flatten(0, -3)
+    for i in range(flat_out.shape[0]):
+        codes = torch.stack((flat_blocks[i] & 0x0F, flat_blocks[i] >> 4), dim=-1).flatten(-2)  # [groups, 32]
+        exponent = (flat_scales[i].to(torch.int32) - SCALE_BIAS)[:, None]
+        torch.ldexp(table[codes.long()], exponent.to(dtype), out=flat_out[i])
+    return out.flatten(-2)
