@@ -142,11 +142,13 @@ class LayerLaunches(torch.nn.Module):
     """One Llama decoder layer's Triton launches on CUDA, in its order and with its tensors'
     shapes and strides, without the matmuls (their results are only allocated): the norm without
     and with the residual, the rotary embedding of q and k (views of the fused QKV output),
-    attention, and a sparse layer's experts (every token on its first k experts). Called as the
+    attention (once per `windows`, the model's kinds of layer: with its sliding window, whole
+    context), and a sparse layer's experts (every token on its first k experts). Called as the
     model is, by the model runner and the CUDA graphs."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_model_len: int):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_model_len: int, windows: list[int | None]):
         super().__init__()
+        self.windows = windows
         with torch.device("meta"):
             self.attention = LlamaAttention(config)
         self.config, self.dtype = config, dtype
@@ -166,7 +168,8 @@ class LayerLaunches(torch.nn.Module):
         q, k, v = attention.heads(torch.empty((t, attention.qkv_proj.out_features), dtype=self.dtype))
         rotate_in_place(positions, q, self.cos, self.sin)
         rotate_in_place(positions, k, self.cos, self.sin)
-        backend.forward(q, k, v, kv_layers[0], meta, c.sliding_window, attention.scale, attention.softcap, self.sinks)
+        for window in self.windows:
+            backend.forward(q, k, v, kv_layers[0], meta, window, attention.scale, attention.softcap, self.sinks)
         h, _ = add_rms_norm(x, h, self.weight, c.rms_norm_eps, c.gemma_norms)
         if self.moe is not None:
             k = self.moe.top_k
@@ -209,9 +212,11 @@ def serving_mix(rng: random.Random, config: EngineConfig, max_model_len: int, st
 
 def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig, steps: int,
                 with_warm_up: bool = True, seed: int = 0) -> list[Variant]:
-    model_config = replace(ModelConfig.from_hf(shape), num_hidden_layers=1)
+    whole = ModelConfig.from_hf(shape)
+    model_config = replace(whole, num_hidden_layers=1)
     max_model_len = config.max_model_len or model_config.max_positions
-    model = LayerLaunches(model_config, dtype, max_model_len)
+    windows = sorted({whole.window_of(i) for i in range(whole.num_hidden_layers)}, key=lambda w: w or 0)
+    model = LayerLaunches(model_config, dtype, max_model_len, windows)
     cpu = torch.device("cpu")
     backend = TritonPagedBackend(sms=ARCHS[arch].sms)
     runner = ModelRunner(model, KVCache(model_config, 8, config.block_size, dtype, cpu), backend, cpu)
