@@ -12,17 +12,18 @@ SCALE_BIAS = 127
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., groups * 32] of `dtype` (every value exact in bfloat16 and wider), one leading index
-    at a time so the codes' temporary stays small."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != 16 \
+    """[..., groups * 32] of `dtype` (every value exact in bfloat16 and wider), one index of the
+    first dim (an expert) at a time so the codes' temporary stays small."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() < 3 or blocks.shape[-1] != 16 \
             or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks must be uint8 [..., groups, 16] and scales uint8 [..., groups], got "
-                         f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+        raise ValueError(f"MXFP4 blocks must be uint8 [..., rows, groups, 16] and scales uint8 [..., rows, groups], "
+                         f"got {blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
     table = torch.tensor(E2M1, dtype=dtype, device=blocks.device)
-    out = torch.empty((*scales.shape, 32), dtype=dtype, device=blocks.device)
-    flat_blocks, flat_scales, flat_out = blocks.flatten(0, -3), scales.flatten(0, -2), out.flatten(0, -3)
-    for i in range(flat_out.shape[0]):
-        codes = torch.stack((flat_blocks[i] & 0x0F, flat_blocks[i] >> 4), dim=-1).flatten(-2)  # [groups, 32]
-        exponent = (flat_scales[i].to(torch.int32) - SCALE_BIAS)[:, None]
-        torch.ldexp(table[codes.long()], exponent.to(dtype), out=flat_out[i])
-    return out.flatten(-2)
+    shape, groups, chunks = scales.shape, scales.shape[-1], blocks.shape[0] if blocks.dim() > 3 else 1
+    blocks, scales = blocks.reshape(chunks, -1, groups, 16), scales.reshape(chunks, -1, groups)
+    out = torch.empty((*scales.shape, 32), dtype=dtype, device=blocks.device)  # [chunks, rows, groups, 32]
+    for i in range(chunks):
+        codes = torch.stack((blocks[i] & 0x0F, blocks[i] >> 4), dim=-1).flatten(-2)  # [rows, groups, 32]
+        exponent = (scales[i].to(torch.int32) - SCALE_BIAS)[..., None]
+        torch.ldexp(table[codes.long()], exponent.to(dtype), out=out[i])
+    return out.reshape(*shape[:-1], groups * 32)

@@ -33,9 +33,16 @@ def test_dequantized_as_transformers_dequantizes(dtype):
     assert torch.equal(ours.transpose(1, 2), convert_moe_packed_tensors(blocks, scales, dtype=dtype))
 
 
+def test_any_leading_dims_keep_their_shape():
+    blocks, scales = packed((2, 3, 4, 2), seed=1)
+    whole = dequantize(blocks, scales, torch.float32)
+    assert whole.shape == (2, 3, 4, 64)
+    assert torch.equal(dequantize(blocks[1, 2], scales[1, 2], torch.float32), whole[1, 2])  # one expert's rows
+
+
 def test_malformed_blocks_are_refused():
     blocks, scales = packed((2, 4, 1), seed=0)
-    with pytest.raises(ValueError, match=r"scales uint8 \[..., groups\]"):
+    with pytest.raises(ValueError, match=r"scales uint8 \[..., rows, groups\]"):
         dequantize(blocks, scales[..., :0], torch.float32)
 
 
