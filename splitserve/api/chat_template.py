@@ -123,6 +123,8 @@ def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) 
     eos = _token_text(tokenizer, next(iter(tokenizer.eos_token_ids), None))
     # Like transformers, chat_template_kwargs may override the special tokens' strings.
     variables = {"bos_token": bos, "eos_token": eos, **(request.chat_template_kwargs or {})}
+    if request.reasoning_effort is not None:  # as vLLM passes it: GPT-OSS's template writes it in its system message
+        variables["reasoning_effort"] = request.reasoning_effort
     tools = [{"type": "function", "function": f} for f in request.tool_functions()] or None
     text = render_chat(messages_for_template(request), tokenizer.chat_template,
                        add_generation_prompt=request.add_generation_prompt,

@@ -25,7 +25,7 @@ from splitserve.engine.tokenizer import Tokenizer
 
 # torch.Generator.manual_seed takes any value of int64 or uint64; a larger seed would fail in a worker.
 SEED_RANGE = (-(2**63), 2**64 - 1)
-RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "continue_final_message")
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "continue_final_message", "reasoning_effort")
 
 
 def _only(*allowed, reason: str) -> AfterValidator:
@@ -281,6 +281,7 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the model goes on with the last message (a prefilled answer)
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # the chat template's variable (GPT-OSS's)
 
     @model_validator(mode="after")
     def _continue_or_start_a_message(self):

@@ -37,6 +37,7 @@ FEATURES_TEMPLATE = """\
 {% endfor %}
 {% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}first={{ m.role }}{% endfor %}
 {% if enable_thinking is defined and not enable_thinking %}<no_think>{% endif %}
+{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}{% endif %}
 year={{ strftime_now('%Y') }} eos={{ eos_token }}
 {% if add_generation_prompt %}assistant:{% endif %}"""
 # Llama 3.1's way with tools (condensed): the tools as JSON in the first user turn, calls as
@@ -140,6 +141,16 @@ def test_names_and_template_kwargs_match_transformers(tmp_path):
     expected = hf_ids(hf_tok, messages, add_generation_prompt=True, enable_thinking=False)
     assert chat_prompt_token_ids(request, ours) == expected
     assert hf_tok.convert_tokens_to_ids("<no_think>") in expected
+
+
+def test_reasoning_effort_reaches_the_template_as_transformers_passes_it(tmp_path):
+    path = save_checkpoint(tmp_path, "features")
+    ours, hf_tok = HFTokenizer(path), AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": "hi"}]
+    expected = hf_ids(hf_tok, messages, add_generation_prompt=True, reasoning_effort="high")
+    assert chat_prompt_token_ids(chat_request(messages, reasoning_effort="high"), ours) == expected
+    assert "Reasoning: high" in ours.decode(expected)
+    assert "Reasoning" not in ours.decode(chat_prompt_token_ids(chat_request(messages), ours))
 
 
 def test_text_parts_are_joined():

@@ -149,6 +149,13 @@ def test_chat_template_kwargs():
     assert "'add_generation_prompt' comes from the request's own field" in error.message
 
 
+def test_reasoning_effort():
+    assert chat(reasoning_effort="low").reasoning_effort == "low" and chat().reasoning_effort is None
+    assert refusal(ChatCompletionRequest, {**CHAT, "reasoning_effort": "extreme"}).param == "reasoning_effort"
+    error = refusal(ChatCompletionRequest, {**CHAT, "chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert error.param == "chat_template_kwargs" and "'reasoning_effort' comes from the request's own field" in error.message
+
+
 def test_unknown_model_is_404():
     check_model("demo", "demo")
     with pytest.raises(RequestError) as info:
