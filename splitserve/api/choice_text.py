@@ -11,7 +11,7 @@ from splitserve.api import response_bodies as R
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
 from splitserve.api.request_models import ChatCompletionRequest, GenerationRequest
-from splitserve.api.reasoning import prompt_opens_thinking, split_reasoning
+from splitserve.api.reasoning import GPT_OSS, HARMONY, prompt_opens_thinking, split_reasoning
 from splitserve.api.tool_calls import LLAMA3_JSON, find_tool_calls
 from splitserve.api.visible_text import TextStream
 from splitserve.engine.tokenizer import Tokenizer
@@ -24,13 +24,14 @@ class ChoiceText:
     functions a chat offered; an output that is calls to them (in `tool_parser`'s format) comes back
     as `tool_calls`, with ids for the template of `call_ids` (the served tool_call_parser, which a
     forced call's JSON format does not change). `thinking`: with a reasoning parser, whether the
-    prompt left the model thinking (None: no parser, the output is all content). `num_top`: the top
+    prompt left the model thinking, or HARMONY (GPT-OSS's channels; None: no parser, the output is
+    all content). `num_top`: the top
     alternatives per token the client asked logprobs of (None: none; logprobs may still come, for
     best_of's ranking alone)."""
 
     def __init__(self, kind: str, text: TextStream, prompt: Sequence[int], echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
-                 num_top: int | None = None, tool_parser: str = LLAMA3_JSON, thinking: bool | None = None,
+                 num_top: int | None = None, tool_parser: str = LLAMA3_JSON, thinking: bool | str | None = None,
                  call_ids: str = LLAMA3_JSON):
         self.kind, self.text, self.prompt, self.index, self.num_top = kind, text, prompt, index, num_top
         self._echo, self.generated, self.tool_names = echo, generated, tool_names
@@ -101,7 +102,7 @@ def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequen
     _, field = request.output_constraint()
     thinking = None
     if isinstance(request, ChatCompletionRequest) and parsers.reasoning is not None:
-        thinking = prompt_opens_thinking(prompt, tokenizer)
+        thinking = HARMONY if parsers.reasoning == GPT_OSS else prompt_opens_thinking(prompt, tokenizer)
     return dict(echo=echo, generated=not request.scores_prompt_only(),
                 tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs(),
                 tool_parser=LLAMA3_JSON if field == "tool_choice" else parsers.tool_calls, thinking=thinking,

@@ -18,7 +18,7 @@ from splitserve.api.request_models import (
     parse_request,
     prompt_token_ids_of,
 )
-from splitserve.api.reasoning import constraint_thinking
+from splitserve.api.reasoning import GPT_OSS, constraint_thinking
 from splitserve.api.request_sampling import sampling_params
 from splitserve.api.tool_calls import MISTRAL
 from splitserve.engine.output_constraint import OutputConstraint
@@ -44,9 +44,10 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
                     parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
     """`kind`: "completion" or "chat"; RequestError (a 4xx naming the field) on a bad body.
     `check_constraint` compiles a structured-output constraint, so one that does not is a 400 now.
-    With a reasoning parser, a chat's constraint holds its answer, after a free thinking; with the
-    mistral tool-call parser, a chat offering tools keeps special tokens in its text (vLLM's rule:
-    `[TOOL_CALLS]` is one)."""
+    With a reasoning parser, a chat's constraint holds its answer, after a free thinking (GPT-OSS's:
+    from the first token, its channels being special tokens); with the mistral tool-call parser, a
+    chat offering tools keeps special tokens in its text (vLLM's rule: `[TOOL_CALLS]` is one), and
+    with GPT-OSS's reasoning parser every chat does (its channels are special tokens)."""
     body = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, raw)
     check_model(body.model, model)
     limits.check(body)
@@ -54,11 +55,15 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
     if body.truncate_prompt_tokens is not None:
         kept = _kept_tokens(body.truncate_prompt_tokens, max_model_len)
         prompts = [prompt[-kept:] for prompt in prompts]
-    thinks = kind == "chat" and parsers.reasoning is not None
+    harmony = kind == "chat" and parsers.reasoning == GPT_OSS
+    if harmony and body.tool_functions():
+        raise RequestError("tools: GPT-OSS's tool calls (harmony's commentary channel) are not parsed; "
+                           "send the request without tools", param="tools")
+    thinks = kind == "chat" and parsers.reasoning is not None and not harmony
     params = [sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size, check_constraint,
                               constraint_thinking(prompt, tokenizer) if thinks else "")
               for prompt in prompts]
-    if kind == "chat" and parsers.tool_calls == MISTRAL and body.tool_functions():
+    if harmony or (kind == "chat" and parsers.tool_calls == MISTRAL and body.tool_functions()):
         params = [replace(p, skip_special_tokens=False) for p in params]
     return PreparedRequest(body, prompts, params)
 

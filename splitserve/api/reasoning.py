@@ -10,17 +10,23 @@ the first non-blank character after it. An output that never opens it (Qwen3 wit
 no parser were set. A thinking never closed (cut by max_tokens) is all reasoning. Structured
 output (and a forced tool call) applies to the answer: the model thinks freely first
 (`constraint_thinking`).
+
+`openai_gptoss` (GPT-OSS) writes harmony channels instead (`harmony.HarmonySplitter`): its chat
+text keeps special tokens, and a constrained answer holds from the first token, with no analysis.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from splitserve.api.harmony import HarmonySplitter
 from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.output_constraint import THINK_CLOSE as CLOSE
 from splitserve.engine.output_constraint import THINK_OPEN as OPEN
 from splitserve.engine.tokenizer import Tokenizer
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+GPT_OSS = "openai_gptoss"
+REASONING_PARSERS = ("deepseek_r1", "qwen3", GPT_OSS)
+HARMONY = "harmony"  # a choice's `thinking` under GPT_OSS: its output is harmony channels
 PROMPT_TAIL_TOKENS = 16  # enough to spell a `<think>` the chat template ends the prompt with
 
 
@@ -79,10 +85,15 @@ class ReasoningSplitter:
         return reasoning, text
 
 
-def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str | None]:
+def reasoning_splitter(thinking: bool | str) -> ReasoningSplitter | HarmonySplitter:
+    """The splitter of an output whose prompt left the model `thinking` (or HARMONY)."""
+    return HarmonySplitter() if thinking == HARMONY else ReasoningSplitter(thinking)
+
+
+def split_reasoning(text: str, thinking: bool | str) -> tuple[str | None, str | None]:
     """A whole output's (reasoning, content): reasoning None when it never thought; content None
     when it thought and gave no answer."""
-    splitter = ReasoningSplitter(thinking)
+    splitter = reasoning_splitter(thinking)
     reasoning, content = splitter.feed(text, final=True)
     if not splitter.thought:
         return None, content

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Callable
 
 from splitserve.api import response_bodies as R
 from splitserve.api.choice_text import ChoiceText
-from splitserve.api.reasoning import ReasoningSplitter
+from splitserve.api.reasoning import reasoning_splitter
 from splitserve.api.tool_calls import LLAMA3_JSON, StreamedCalls, ToolCall
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
@@ -23,7 +23,7 @@ class RunResponse:
                  on_done: Callable[[RequestObservation], None] = lambda _: None, echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
                  response_id: str | None = None, num_top: int | None = None, tool_parser: str = LLAMA3_JSON,
-                 thinking: bool | None = None, call_ids: str = LLAMA3_JSON):
+                 thinking: bool | str | None = None, call_ids: str = LLAMA3_JSON):
         """`echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking`, `call_ids`: as ChoiceText's;
         `index`, `response_id`: the choice's place and the response's id when several runs answer
         one request (`n`)."""
@@ -95,7 +95,7 @@ class RunResponse:
             if self.kind == "chat":
                 yield R.chat_chunk(self.response_id, self.model, self.created, role="assistant", content="",
                                    index=self.index)
-            thinking = None if self.choice.thinking is None else ReasoningSplitter(self.choice.thinking)
+            thinking = None if self.choice.thinking is None else reasoning_splitter(self.choice.thinking)
             calls_filter = StreamedCalls(self.choice.tool_names, self.choice.tool_parser, self.choice.call_ids) \
                 if self.choice.tool_names else None
             async for piece, reason in self.pieces(every_delta=continuous_usage):

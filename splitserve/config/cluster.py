@@ -43,7 +43,8 @@ class ClusterConfig(StrictModel):
                                                       "several (aliases; the first names the metrics); null: `model`.")
     reasoning_parser: Literal[REASONING_PARSERS] | None = Field(  # type: ignore[valid-type]
         None, description="Splits a reasoning model's `<think>` ... `</think>` from its chat answer into the "
-        "message's `reasoning` (and `reasoning_content`): deepseek_r1 or qwen3 (one rule: docs/api.md#reasoning); "
+        "message's `reasoning` (and `reasoning_content`): deepseek_r1 or qwen3 (one rule: docs/api.md#reasoning), "
+        "or openai_gptoss, GPT-OSS's harmony channels (analysis: reasoning; final: content); "
         "null: the output is all content.")
     tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
         LLAMA3_JSON, description="The format the model writes tool calls in: llama3_json (Llama 3.x), hermes "

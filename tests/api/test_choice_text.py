@@ -105,3 +105,20 @@ def test_a_mistral_call_written_with_its_special_tokens_comes_back_as_tool_calls
     [call] = message["tool_calls"]
     assert call["function"] == {"name": "add", "arguments": '{"a": 2}'} and message["content"] is None
     assert len(call["id"]) == 9 and call["id"].isalnum()
+
+
+def test_gpt_oss_channels_written_with_their_special_tokens_split_into_reasoning_and_content(tmp_path):
+    """Harmony's markers are special tokens of GPT-OSS's tokenizer: a chat under `openai_gptoss`
+    keeps them in its text (prepare_request), and its analysis is the reasoning; the stop token
+    (`<|return|>`) is left out."""
+    raw = train_tokenizer()
+    raw.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="<|return|>").save_pretrained(tmp_path)
+    tokenizer = HFTokenizer(tmp_path)
+    output = tokenizer.encode("<|channel|>analysis<|message|>the sum<|end|><|start|>assistant<|channel|>final"
+                              "<|message|>It is 5.", add_special_tokens=False) + list(tokenizer.eos_token_ids)
+    assert tokenizer.decode(output) == "analysisthe sumassistantfinalIt is 5."  # with special tokens skipped
+    options = choice_options(chat(), 0, [], tokenizer, ChatParsers("openai_gptoss"))
+    text = ChoiceText("chat", TextStream(tokenizer, SamplingParams(skip_special_tokens=False), []), [], **options)
+    message = text.choice(text.add(output, None, "stop")[0], "stop")["message"]
+    assert (message["reasoning"], message["content"]) == ("the sum", "It is 5.")

@@ -66,6 +66,18 @@ def test_a_chat_offering_tools_to_mistral_keeps_special_tokens(fields, parser, k
     assert prepared.params[0].skip_special_tokens is not kept
 
 
+def test_gpt_oss_chats_keep_special_tokens_and_constrain_from_the_first_token():
+    """Its channels are special tokens, and its constrained answer has no analysis before it; a
+    completion is text as it is."""
+    parsers, messages = ChatParsers("openai_gptoss"), [{"role": "user", "content": "hi"}]
+    chat = prepare("chat", parsers=parsers, messages=messages, **JSON).params[0]
+    assert not chat.skip_special_tokens and chat.constraint.thinking == ""
+    assert prepare("completion", parsers=parsers, prompt="hi").params[0].skip_special_tokens
+    with pytest.raises(RequestError) as refused:
+        prepare("chat", max_model_len=512, parsers=parsers, messages=messages, tools=[ADD])
+    assert (refused.value.status, refused.value.param) == (400, "tools")
+
+
 @pytest.mark.parametrize("body, limits, status, param", [
     ({"model": "other", "prompt": "x"}, RequestLimits(), 404, "model"),
     ({"prompt": ["a", "b", "c"]}, RequestLimits(max_prompts=2), 400, "prompt"),

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from splitserve.api.reasoning import HARMONY
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.choices_response import ChoicesResponse
 from splitserve.cluster.dispatch import RequestFailed
@@ -200,6 +201,19 @@ def test_streamed_reasoning_content_and_hermes_calls_add_up_to_the_whole_choice(
     assert calls[0]["function"]["name"] == "add" and calls[1]["function"]["arguments"] == '{"a": 2}'
     assert chunks[-1]["finish_reason"] == "tool_calls"
     assert not any("<" in (d.get("content") or "") + d.get("reasoning", "") for d in deltas)  # no tag leaks
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_streamed_harmony_channels_add_up_to_the_whole_choice(continuous):
+    output = ("<|channel|>analysis<|message|>Sum it.<|end|><|start|>assistant<|channel|>final<|message|>"
+              "It is 5.")
+    whole = json.loads(asyncio.run(reading_reply(output, thinking=HARMONY).whole()).body)["choices"][0]
+    assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("Sum it.", "It is 5.")
+    deltas = [e["choices"][0]["delta"] for e in events(reading_reply(output, thinking=HARMONY), include_usage=False,
+                                                       continuous_usage=continuous) if e != "[DONE]"]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Sum it."
+    assert "".join(d.get("content") or "" for d in deltas) == "It is 5."
+    assert not any("<|" in (d.get("content") or "") + d.get("reasoning", "") for d in deltas)  # no header leaks
 
 
 def test_a_thinking_the_prompt_did_not_open_is_plain_content_when_the_output_does_not_open_it():
