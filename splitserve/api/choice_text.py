@@ -12,7 +12,7 @@ from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
 from splitserve.api.request_models import ChatCompletionRequest, GenerationRequest
 from splitserve.api.reasoning import GPT_OSS, HARMONY, prompt_opens_thinking, split_reasoning
-from splitserve.api.tool_calls import LLAMA3_JSON, find_tool_calls
+from splitserve.api.tool_calls import HERMES, LLAMA3_JSON, find_tool_calls
 from splitserve.api.visible_text import TextStream
 from splitserve.engine.tokenizer import Tokenizer
 
@@ -93,7 +93,7 @@ def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequen
     `call_ids` for the choices of one of `request`'s prompts (`prompt`: its token ids). With a
     reasoning parser a constrained output (structured outputs, a forced tool call) is thought like
     any other (the constraint holds the answer after it); a forced call is parsed in the JSON format
-    the constraint writes."""
+    the constraint writes, and GPT-OSS's calls as the hermes calls its splitter spells them."""
     echo = None
     if request.echoes_prompt():  # a truncated prompt echoes the tokens the model saw
         text = request.prompts()[prompt_index]
@@ -105,7 +105,8 @@ def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequen
         thinking = HARMONY if parsers.reasoning == GPT_OSS else prompt_opens_thinking(prompt, tokenizer)
     return dict(echo=echo, generated=not request.scores_prompt_only(),
                 tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs(),
-                tool_parser=LLAMA3_JSON if field == "tool_choice" else parsers.tool_calls, thinking=thinking,
+                tool_parser=LLAMA3_JSON if field == "tool_choice" else HERMES if thinking == HARMONY else parsers.tool_calls,
+                thinking=thinking,
                 call_ids=parsers.tool_calls)
 
 

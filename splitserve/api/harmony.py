@@ -3,14 +3,22 @@
 header and a body: `[<|start|>assistant]<|channel|>NAME[ to=RECIPIENT][<|constrain|>FORMAT]<|message|>`,
 then the body up to `<|end|>` (the last one's up to the stop token, which the text leaves out).
 The `analysis` channel is the reasoning; `final` and `commentary` (the preamble a model writes
-before acting) are the answer. An output that does not open with a header (a constrained one:
-its grammar holds from the first token) is all answer."""
+before acting) are the answer. A message addressed `to=functions.NAME` is a tool call, its body
+the arguments' JSON: it goes into the answer spelled as a hermes call (`<tool_call>{"name": NAME,
+"arguments": BODY}</tool_call>`), which the chat's tool-call reader (`tool_calls`, HERMES) takes
+back out. An output that does not open with a header (a constrained one: its grammar holds from
+the first token) is all answer."""
 from __future__ import annotations
 
+import json
+import re
+
 from splitserve.api.tags import tag_prefix_at_end
+from splitserve.api.tool_calls import HERMES_CLOSE, HERMES_OPEN
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 REASONING_CHANNEL = "analysis"
+FUNCTION_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 
 
 class HarmonySplitter:
@@ -20,6 +28,7 @@ class HarmonySplitter:
     def __init__(self):
         self._state = "start"  # start: may open with a header; header; body; plain: no headers, all answer
         self._reasoning = False  # the body being read is the analysis channel's
+        self._call = False  # ... a tool call's arguments (closed as a hermes call at its end)
         self.thought = False  # an analysis message was opened
         self._held = ""
 
@@ -43,9 +52,13 @@ class HarmonySplitter:
                 if end == -1:
                     self._held = "" if final else text  # a header cut short says nothing
                     break
-                channel = text[:end].split(CHANNEL, 1)[-1].split(" ", 1)[0].split("<|", 1)[0]
-                self._reasoning = channel == REASONING_CHANNEL
+                header = text[:end]
+                channel = header.split(CHANNEL, 1)[-1].split(" ", 1)[0].split("<|", 1)[0]
+                call = FUNCTION_RECIPIENT.search(header)
+                self._reasoning, self._call = channel == REASONING_CHANNEL and call is None, call is not None
                 self.thought |= self._reasoning
+                if call is not None:
+                    content.append(f'{HERMES_OPEN}{{"name": {json.dumps(call.group(1))}, "arguments": ')
                 text, self._state = text[end + len(MESSAGE):], "body"
                 continue
             end = text.find(END)
@@ -57,4 +70,12 @@ class HarmonySplitter:
             if end == -1:
                 break
             text, self._state = text[end + len(END):], "header"
+            self._close_call(content)
+        if final:  # a call's last message ends at its stop token (<|call|>), which the text leaves out
+            self._close_call(content)
         return "".join(reasoning), "".join(content)
+
+    def _close_call(self, content: list[str]) -> None:
+        if self._call:
+            content.append("}" + HERMES_CLOSE)
+            self._call = False

@@ -56,9 +56,6 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
         kept = _kept_tokens(body.truncate_prompt_tokens, max_model_len)
         prompts = [prompt[-kept:] for prompt in prompts]
     harmony = kind == "chat" and parsers.reasoning == GPT_OSS
-    if harmony and body.tool_functions():
-        raise RequestError("tools: GPT-OSS's tool calls (harmony's commentary channel) are not parsed; "
-                           "send the request without tools", param="tools")
     thinks = kind == "chat" and parsers.reasoning is not None and not harmony
     params = [sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size, check_constraint,
                               constraint_thinking(prompt, tokenizer) if thinks else "")

@@ -112,13 +112,26 @@ def test_gpt_oss_channels_written_with_their_special_tokens_split_into_reasoning
     keeps them in its text (prepare_request), and its analysis is the reasoning; the stop token
     (`<|return|>`) is left out."""
     raw = train_tokenizer()
-    raw.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"])
+    raw.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
+                            "<|call|>"])
     PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="<|return|>").save_pretrained(tmp_path)
     tokenizer = HFTokenizer(tmp_path)
-    output = tokenizer.encode("<|channel|>analysis<|message|>the sum<|end|><|start|>assistant<|channel|>final"
-                              "<|message|>It is 5.", add_special_tokens=False) + list(tokenizer.eos_token_ids)
-    assert tokenizer.decode(output) == "analysisthe sumassistantfinalIt is 5."  # with special tokens skipped
-    options = choice_options(chat(), 0, [], tokenizer, ChatParsers("openai_gptoss"))
-    text = ChoiceText("chat", TextStream(tokenizer, SamplingParams(skip_special_tokens=False), []), [], **options)
-    message = text.choice(text.add(output, None, "stop")[0], "stop")["message"]
-    assert (message["reasoning"], message["content"]) == ("the sum", "It is 5.")
+    call_stop = tokenizer.encode("<|call|>", add_special_tokens=False)
+    params = SamplingParams(skip_special_tokens=False, stop_token_ids=call_stop)
+
+    def message(output: str, stop: list[int], **fields) -> dict:
+        ids = tokenizer.encode(output, add_special_tokens=False) + stop
+        options = choice_options(chat(**fields), 0, [], tokenizer, ChatParsers("openai_gptoss"))
+        text = ChoiceText("chat", TextStream(tokenizer, params, []), [], **options)
+        return text.choice(text.add(ids, None, "stop")[0], "stop")
+
+    answer = "<|channel|>analysis<|message|>the sum<|end|><|start|>assistant<|channel|>final<|message|>It is 5."
+    assert tokenizer.decode(tokenizer.encode(answer, add_special_tokens=False)) == \
+        "analysisthe sumassistantfinalIt is 5."  # what the text would be with special tokens skipped
+    answered = message(answer, list(tokenizer.eos_token_ids))["message"]
+    assert (answered["reasoning"], answered["content"]) == ("the sum", "It is 5.")
+    call = ("<|channel|>analysis<|message|>use add<|end|><|start|>assistant<|channel|>commentary to=functions.add "
+            '<|constrain|>json<|message|>{"a": 2}')
+    called = message(call, call_stop, tools=[ADD])
+    assert called["finish_reason"] == "tool_calls" and called["message"]["reasoning"] == "use add"
+    assert [c["function"] for c in called["message"]["tool_calls"]] == [{"name": "add", "arguments": '{"a": 2}'}]

@@ -18,8 +18,12 @@ OUTPUTS = [  # (output as generated after the prompt's `<|start|>assistant`, its
      "ab", "c"),
     (f"<|channel|>analysis<|message|>plan{NEXT}<|channel|>commentary<|message|>Checking.{NEXT}"
      "<|channel|>final<|message|>Done.", "plan", "Checking.Done."),  # a preamble is for the user
+    # a call (its stop token, <|call|>, left out) is spelled as a hermes call, its header dropped
     (f"<|channel|>analysis<|message|>x{NEXT}<|channel|>commentary to=functions.add <|constrain|>json<|message|>"
-     '{"a": 2}', "x", '{"a": 2}'),  # a header's recipient and format are dropped
+     '{"a": 2}', "x", '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'),
+    (f"<|channel|>commentary<|message|>On it.{NEXT} to=functions.f<|channel|>commentary json<|message|>{{}}{NEXT}"
+     "<|channel|>commentary to=functions.g<|message|>[1]", None,
+     'On it.<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": [1]}</tool_call>'),
     (f"<|channel|>analysis<|message|>x{NEXT}<|channel|>fin", "x", None),  # a header cut short leaves nothing
     ('{"a": 2}', None, '{"a": 2}'),  # constrained from the first token: no header, all content
     ("<|chan and more", None, "<|chan and more"),
@@ -46,7 +50,7 @@ def test_streamed_in_any_pieces_gives_the_whole_split(output, reasoning, content
 
 @settings(max_examples=300, deadline=None)
 @given(pieces=st.lists(st.sampled_from(["<|channel|>", "analysis", "final", "<|message|>", "<|end|>", "<|start|>",
-                                        "assistant", "<|", "end|>", " to=functions.f", "<|constrain|>", "a", "b c"]),
+                                        "assistant", "<|", "end|>", " to=functions.f", "<|constrain|>", "a", "b c", "{}"]),
                        max_size=14),
        cut=st.integers(min_value=1, max_value=6))
 def test_any_output_streamed_in_any_pieces_splits_as_the_whole(pieces, cut):

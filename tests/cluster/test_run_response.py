@@ -214,6 +214,14 @@ def test_streamed_harmony_channels_add_up_to_the_whole_choice(continuous):
     assert "".join(d.get("reasoning", "") for d in deltas) == "Sum it."
     assert "".join(d.get("content") or "" for d in deltas) == "It is 5."
     assert not any("<|" in (d.get("content") or "") + d.get("reasoning", "") for d in deltas)  # no header leaks
+    call = ('<|channel|>analysis<|message|>Use add.<|end|><|start|>assistant<|channel|>commentary to=functions.add'
+            ' <|constrain|>json<|message|>{"a": 2}')
+    options = dict(thinking=HARMONY, tool_names=frozenset({"add"}), tool_parser="hermes")
+    chunks = [e["choices"][0] for e in events(reading_reply(call, **options), include_usage=False) if e != "[DONE]"]
+    calls = [t for c in chunks for t in c["delta"].get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "add" and calls[1]["function"]["arguments"] == '{"a": 2}'
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert "".join(c["delta"].get("reasoning", "") for c in chunks) == "Use add."
 
 
 def test_a_thinking_the_prompt_did_not_open_is_plain_content_when_the_output_does_not_open_it():
