@@ -25,9 +25,8 @@ class ChoiceText:
     as `tool_calls`, with ids for the template of `call_ids` (the served tool_call_parser, which a
     forced call's JSON format does not change). `thinking`: with a reasoning parser, whether the
     prompt left the model thinking, or HARMONY (GPT-OSS's channels; None: no parser, the output is
-    all content). `num_top`: the top
-    alternatives per token the client asked logprobs of (None: none; logprobs may still come, for
-    best_of's ranking alone)."""
+    all content). `num_top`: the top alternatives per token the client asked logprobs of (None:
+    none; logprobs may still come, for best_of's ranking alone)."""
 
     def __init__(self, kind: str, text: TextStream, prompt: Sequence[int], echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
@@ -103,11 +102,10 @@ def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequen
     thinking = None
     if isinstance(request, ChatCompletionRequest) and parsers.reasoning is not None:
         thinking = HARMONY if parsers.reasoning == GPT_OSS else prompt_opens_thinking(prompt, tokenizer)
+    tool_parser = LLAMA3_JSON if field == "tool_choice" else HERMES if thinking == HARMONY else parsers.tool_calls
     return dict(echo=echo, generated=not request.scores_prompt_only(),
                 tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs(),
-                tool_parser=LLAMA3_JSON if field == "tool_choice" else HERMES if thinking == HARMONY else parsers.tool_calls,
-                thinking=thinking,
-                call_ids=parsers.tool_calls)
+                tool_parser=tool_parser, thinking=thinking, call_ids=parsers.tool_calls)
 
 
 def best_choices(choices: list[dict], cumulative_logprobs: list[float], num_returned: int, first_index: int = 0

@@ -44,10 +44,10 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
                     parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
     """`kind`: "completion" or "chat"; RequestError (a 4xx naming the field) on a bad body.
     `check_constraint` compiles a structured-output constraint, so one that does not is a 400 now.
-    With a reasoning parser, a chat's constraint holds its answer, after a free thinking (GPT-OSS's:
-    from the first token, its channels being special tokens); with the mistral tool-call parser, a
-    chat offering tools keeps special tokens in its text (vLLM's rule: `[TOOL_CALLS]` is one), and
-    with GPT-OSS's reasoning parser every chat does (its channels are special tokens)."""
+    With a reasoning parser, a chat's constraint holds its answer, after a free thinking (GPT-OSS's
+    from the first token); with the mistral tool-call parser, a chat offering tools keeps special
+    tokens in its text (vLLM's rule: `[TOOL_CALLS]` is one), and with GPT-OSS's reasoning parser
+    every chat does (its channels are special tokens)."""
     body = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, raw)
     check_model(body.model, model)
     limits.check(body)
