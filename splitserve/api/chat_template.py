@@ -88,15 +88,16 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 def messages_for_template(request: ChatCompletionRequest) -> list[dict]:
     """The messages as templates expect them: string content (text parts joined by newlines, as
     vLLM joins them; null as ""), `name`, `tool_call_id` and an assistant's thinking (as
-    `reasoning_content`, which Qwen3's template reads) only where given, and tool calls as
-    transformers passes them (`arguments` a dict, not JSON text)."""
+    `reasoning_content`, which Qwen3's template reads, and as `thinking`, GPT-OSS's) only where
+    given, and tool calls as transformers passes them (`arguments` a dict, not JSON text)."""
     messages = []
     for i, message in enumerate(request.messages):
         content = message.content or ""
         if not isinstance(content, str):
             content = "\n".join(part.text for part in content)
         extra = {key: value for key, value in (("name", message.name), ("tool_call_id", message.tool_call_id),
-                                               ("reasoning_content", message.thinking)) if value is not None}
+                                               ("reasoning_content", message.thinking),
+                                               ("thinking", message.thinking)) if value is not None}
         if message.tool_calls:
             extra["tool_calls"] = [_template_call(call, f"messages.{i}.tool_calls.{j}")
                                    for j, call in enumerate(message.tool_calls)]

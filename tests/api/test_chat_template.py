@@ -75,6 +75,19 @@ THINKING_TEMPLATE = """\
     {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}
     {%- else %}{{- '<think>\n' }}{%- endif %}
 {%- endif %}"""
+# GPT-OSS's way (condensed): an assistant turn's thinking as its analysis message, its answer as final
+HARMONY_TEMPLATE = """\
+{%- for message in messages %}
+    {%- if message.role == 'assistant' %}
+        {%- if message.thinking %}
+            {{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}
+        {%- endif %}
+        {{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}
+    {%- else %}
+        {{- '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"""
 CHECKPOINTS = {  # template, special tokens, bos, eos, whether tokenizer.json's post-processor adds BOS
     "llama3": (LLAMA3_TEMPLATE, ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"],
                "<|begin_of_text|>", "<|eot_id|>", True),
@@ -84,6 +97,8 @@ CHECKPOINTS = {  # template, special tokens, bos, eos, whether tokenizer.json's 
               "<|begin_of_text|>", "<|eot_id|>", False),
     "thinking": (THINKING_TEMPLATE, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None,
                  "<|im_end|>", False),
+    "harmony": (HARMONY_TEMPLATE, ["<|return|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>"], None,
+                "<|return|>", False),
 }
 CONVERSATION = [{"role": "system", "content": "  Be brief. "}, {"role": "user", "content": "héllo <tag> \"wörld\" 🦊"},
                 {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "and you?"}]
@@ -294,3 +309,15 @@ def test_an_earlier_turns_reasoning_reaches_the_template_and_the_prompt_says_if_
         assert prompt == expected
         options = choice_options(request, 0, prompt, ours, ChatParsers("qwen3"))
         assert options["thinking"] is opened
+
+
+def test_an_earlier_turns_reasoning_reaches_gpt_oss_template_as_its_thinking(tmp_path):
+    """GPT-OSS's template reads an assistant turn's `thinking` (as transformers users pass it)."""
+    path = save_checkpoint(tmp_path, "harmony")
+    ours, hf_tok = HFTokenizer(path), AutoTokenizer.from_pretrained(path)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "and you?"}]
+    expected = hf_ids(hf_tok, [turns[0], {**turns[1], "thinking": "greet"}, turns[2]], add_generation_prompt=True)
+    request = chat_request([turns[0], {**turns[1], "reasoning": "greet"}, turns[2]])
+    assert chat_prompt_token_ids(request, ours) == expected
+    assert "<|channel|>analysis<|message|>greet<|end|>" in ours.decode(expected, skip_special_tokens=False)
