@@ -6,8 +6,8 @@ The `analysis` channel is the reasoning; `final` and `commentary` (the preamble 
 before acting) are the answer. A message addressed `to=functions.NAME` is a tool call, its body
 the arguments' JSON: it goes into the answer spelled as a hermes call (`<tool_call>{"name": NAME,
 "arguments": BODY}</tool_call>`), which the chat's tool-call reader (`tool_calls`, HERMES) takes
-back out. An output that does not open with a header (a constrained one: its grammar holds from
-the first token) is all answer."""
+back out. An output that does not open with a header is all answer. (A constrained answer holds
+in the final message, after any analysis: `grammar.HARMONY_LARK`.)"""
 from __future__ import annotations
 
 import json

@@ -44,8 +44,8 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
                     parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
     """`kind`: "completion" or "chat"; RequestError (a 4xx naming the field) on a bad body.
     `check_constraint` compiles a structured-output constraint, so one that does not is a 400 now.
-    With a reasoning parser, a chat's constraint holds its answer, after a free thinking (GPT-OSS's
-    from the first token); with the mistral tool-call parser, a chat offering tools keeps special
+    With a reasoning parser, a chat's constraint holds its answer, after a free thinking (GPT-OSS's:
+    after its analysis messages, in its final one); with the mistral tool-call parser, a chat offering tools keeps special
     tokens in its text (vLLM's rule: `[TOOL_CALLS]` is one), and with GPT-OSS's reasoning parser
     every chat does (its channels are special tokens)."""
     body = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, raw)
@@ -58,7 +58,7 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
     harmony = kind == "chat" and parsers.reasoning == GPT_OSS
     thinks = kind == "chat" and parsers.reasoning is not None and not harmony
     params = [sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size, check_constraint,
-                              constraint_thinking(prompt, tokenizer) if thinks else "")
+                              "harmony" if harmony else constraint_thinking(prompt, tokenizer) if thinks else "")
               for prompt in prompts]
     if harmony or (kind == "chat" and parsers.tool_calls == MISTRAL and body.tool_functions()):
         params = [replace(p, skip_special_tokens=False) for p in params]

@@ -12,7 +12,7 @@ output (and a forced tool call) applies to the answer: the model thinks freely f
 (`constraint_thinking`).
 
 `openai_gptoss` (GPT-OSS) writes harmony channels instead (`harmony.HarmonySplitter`): its chat
-text keeps special tokens, and a constrained answer holds from the first token, with no analysis.
+text keeps special tokens, and a constrained answer holds in its final message, after any analysis.
 """
 from __future__ import annotations
 

@@ -111,8 +111,14 @@ def _grammar(constraint: OutputConstraint, tag_tokens: tuple[bool, bool]) -> str
         first, *rest = json.loads(answer)["grammars"]
     else:  # Lark text
         first, rest = {"lark_grammar": answer}, []
-    lark = _thinking_lark(constraint.thinking, *tag_tokens)
+    lark = HARMONY_LARK if constraint.thinking == "harmony" else _thinking_lark(constraint.thinking, *tag_tokens)
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**first, "name": "answer"}, *rest]})
+
+
+# GPT-OSS's analysis messages of free text (its markers are special tokens: the text ends at
+# `<|end|>`), then its final message's header, then the answer's grammar
+HARMONY_LARK = ('start: analysis* <|channel|> "final" <|message|> @answer\n'
+                'analysis: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"\n')
 
 
 def _thinking_lark(thinking: str, open_is_token: bool, close_is_token: bool) -> str:

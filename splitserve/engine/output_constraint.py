@@ -5,14 +5,17 @@ construction; `grammar.py` turns it into token masks.
 A reasoning model may think before the constrained answer (vLLM applies structured output after
 the reasoning): with `thinking` "open" the output starts inside a thinking (the prompt opened it)
 and is free up to the first `</think>`; with "optional" it may begin with a `<think> ... </think>`
-of free text. Blanks may follow the thinking; the constraint holds from the next character."""
+of free text. Blanks may follow the thinking; the constraint holds from the next character. With
+"harmony" (GPT-OSS's channels, whose markers are special tokens of its tokenizer) the output may
+first hold analysis messages of free text, then opens its final message, where the constraint
+holds."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-THINKING = ("", "open", "optional")  # "": the constraint holds from the first token
+THINKING = ("", "open", "optional", "harmony")  # "": the constraint holds from the first token
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # the tags of the reasoning formats served (DeepSeek-R1, Qwen3)
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused
 

@@ -66,12 +66,12 @@ def test_a_chat_offering_tools_to_mistral_keeps_special_tokens(fields, parser, k
     assert prepared.params[0].skip_special_tokens is not kept
 
 
-def test_gpt_oss_chats_keep_special_tokens_and_constrain_from_the_first_token():
-    """Its channels are special tokens, and its constrained answer has no analysis before it; a
-    completion is text as it is."""
+def test_gpt_oss_chats_keep_special_tokens_and_constrain_their_final_message():
+    """Its channels are special tokens, and its constraint holds its final message, after any
+    analysis; a completion is text as it is."""
     parsers, messages = ChatParsers("openai_gptoss"), [{"role": "user", "content": "hi"}]
     chat = prepare("chat", parsers=parsers, messages=messages, **JSON).params[0]
-    assert not chat.skip_special_tokens and chat.constraint.thinking == ""
+    assert not chat.skip_special_tokens and chat.constraint.thinking == "harmony"
     assert not prepare("chat", max_model_len=512, parsers=parsers, messages=messages,
                        tools=[ADD]).params[0].skip_special_tokens
     assert prepare("completion", parsers=parsers, prompt="hi").params[0].skip_special_tokens

@@ -188,3 +188,25 @@ def test_generation_after_a_thinking_matches_the_schema(llm, mode, resumed):
     for out in outputs:
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def harmony_tokenizer(tmp_path) -> HFTokenizer:
+    """GPT-OSS's channel markers as special tokens of their own, as in its tokenizer."""
+    raw = train_tokenizer()
+    raw.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="<|return|>").save_pretrained(tmp_path)
+    return HFTokenizer(tmp_path)
+
+
+def test_gpt_oss_may_write_its_analysis_then_the_schema_holds_in_its_final_message(tmp_path):
+    tokenizer = harmony_tokenizer(tmp_path)
+    constraint = thinking("json_schema", NUMBER, "harmony")
+    GrammarMasks(tokenizer, tokenizer.vocab_size).check(constraint)
+    assert allowed_next(tokenizer, constraint, "") == {"<|channel|>"}  # a message header first
+    free = allowed_next(tokenizer, constraint, "<|channel|>analysis<|message|>I think {x")
+    assert {"x", "{", "<|end|>"} <= free and not {"EOS", "<|channel|>"} & free
+    final = "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>"
+    answer = allowed_next(tokenizer, constraint, final)
+    assert "{" in answer and not {"x", "EOS", "<|end|>"} & answer
+    assert allowed_next(tokenizer, constraint, final + '{"n":12}') == {"EOS"}
+    assert "{" in allowed_next(tokenizer, constraint, "<|channel|>final<|message|>")  # no analysis: low effort
