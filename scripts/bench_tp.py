@@ -79,7 +79,7 @@ def _take_spent() -> dict[str, float]:
 def rank_process(spec: dict, rank: int, port: int, conn) -> None:
     """spec: worker id, side (steps, prompt or token), role (an engine policy), model, tp size, torch
     threads per rank, whether it transfers, and (token side) its prompt worker's id."""
-    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine_config import EngineConfig
     from splitserve.engine.tensor_parallel import TPGroup
 
     torch.set_num_threads(spec["threads"])

@@ -41,8 +41,9 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from splitserve.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from splitserve.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
-from splitserve.engine.config import EngineConfig, ModelConfig  # noqa: E402
+from splitserve.engine.config import ModelConfig  # noqa: E402
 from splitserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from splitserve.engine.engine_config import EngineConfig  # noqa: E402
 from splitserve.engine.kernel_warm_up import warm_up  # noqa: E402
 from splitserve.engine.kv_cache import KVCache  # noqa: E402
 from splitserve.engine.model.llama import LlamaAttention  # noqa: E402

@@ -26,7 +26,7 @@ from splitserve.config.options import (
     StrictModel,
     TransferOptions,
 )
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
 from splitserve.placement.state import PrefixOptions
 

@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from splitserve.api.limits import RequestLimits
 from splitserve.batch.blend.feeder import BlendOptions
-from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.config import ConfigError
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.model.sharding import MAX_RANKS
 from splitserve.engine.policies import SLOOptions as PolicySLOOptions
 from splitserve.placement.state import PlacementThresholds

@@ -1,10 +1,9 @@
-"""Frozen configuration: the model's shape (from a Hugging Face `config.json`) and the engine's knobs."""
+"""The model's shape, frozen, from a Hugging Face `config.json` (the engine's knobs: `engine_config`)."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
@@ -372,59 +371,3 @@ def _as_ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
-
-
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Knobs of one engine. Defaults follow Splitwise (prompt budget 2048) and Sarathi-Serve (512)."""
-
-    policy: str = "mixed"
-    switch_policies: tuple[str, ...] = ()      # others set_policy may switch to: the memory profile covers them
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None   # KV budget in bytes; default: see memory_profile.kv_cache_budget
-    gpu_memory_utilization: float = 0.9        # CUDA: share of the GPU's memory this engine may use in all
-    gpu_reserve_bytes: int = 512 * 2**20       # CUDA: kept from the KV cache for NCCL, CUDA graphs (memory_profile)
-    num_kv_blocks: int | None = None           # overrides the byte budget when set
-    max_num_seqs: int = 256
-    max_model_len: int | None = None           # default: the model's max_position_embeddings
-    prompt_token_budget: int = 2048            # PromptPolicy / prefill-first: tokens per prefill batch
-    chunk_token_budget: int = 512              # MixedPolicy: tokens per hybrid iteration
-    enable_prefix_caching: bool = True
-    dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
-    device: str = "auto"                       # auto | cpu | cuda | cuda:N
-    load_format: str = "auto"                  # auto | safetensors | dummy
-    attention_backend: str = "auto"            # auto | torch | triton | flash-attn (see engine.attention)
-    cuda_graph_max_batch: int = 256            # CUDA: decode steps up to this many sequences replay a graph; 0: eager
-    seed: int = 0
-    slo: SLOOptions = SLOOptions()             # the SLO-aware (accelgen) policies' settings
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "switch_policies", tuple(self.switch_policies))
-        named = [("policy", self.policy)] + [("switch_policies", policy) for policy in self.switch_policies]
-        for name, policy in named:
-            if policy not in POLICY_CLASSES:
-                raise ConfigError(f"{name} must be one of {', '.join(POLICY_CLASSES)}, got {policy!r}")
-        for name in ("block_size", "max_num_seqs", "prompt_token_budget", "chunk_token_budget",
-                     "kv_cache_memory_bytes", "num_kv_blocks"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.cuda_graph_max_batch < 0:
-            raise ConfigError(f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_batch!r}")
-        if self.gpu_reserve_bytes < 0:
-            raise ConfigError(f"gpu_reserve_bytes must be >= 0, got {self.gpu_reserve_bytes!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                              f"got {self.attention_backend!r}")
-
-    def scheduler_limits(self, max_model_len: int) -> SchedulerLimits:
-        return SchedulerLimits(self.max_num_seqs, max_model_len, self.prompt_token_budget, self.chunk_token_budget,
-                               self.slo)

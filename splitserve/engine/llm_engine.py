@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from splitserve.engine.block_manager import BlockManager, long_rope_root
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from splitserve.engine.policies import Plan, make_policy

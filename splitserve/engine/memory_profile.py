@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from splitserve.engine.attention import AttentionBackend
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES, KVCache
 from splitserve.engine.model.sharding import Shard
 from splitserve.engine.model_builder import LoadedModel

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.demo import DEMO_SEED, demo_model_config, demo_tokenizer
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.loader import init_dummy_weights, load_model_config, load_weights
 from splitserve.engine.model.llama import LlamaForCausalLM, Reduce
 from splitserve.engine.model.sharding import Shard, check_shardable

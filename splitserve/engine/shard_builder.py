@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.engine.attention import AttentionBackend, select_backend
-from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.config import ConfigError
 from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.memory_profile import kv_cache_budget
 from splitserve.engine.model.sharding import Shard

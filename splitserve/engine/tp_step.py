@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner, StepBatch
 from splitserve.engine.shard_builder import build_shard
 from splitserve.engine.tensor_parallel import TPGroup

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_builder import load_metadata

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.config import ConfigError
 from splitserve.engine.demo import demo_model_config
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
 
 CONFIG = demo_model_config()  # 4 layers, 4 kv heads, head_dim 32

@@ -15,8 +15,9 @@ from tokenizers import models, pre_tokenizers
 
 from splitserve.engine import memory_profile
 from splitserve.engine.attention import TorchPagedBackend
-from splitserve.engine.config import ConfigError, EngineConfig
+from splitserve.engine.config import ConfigError
 from splitserve.engine.demo import DEMO_MODEL_CONFIG, demo_model_config
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES, KVCache
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.memory_profile import (MemoryProfile, costliest_params, headroom_bytes, kv_budget,

@@ -56,7 +56,7 @@ def test_text_only_greedy_matches_the_whole_model(multimodal):
 def test_a_tensor_outside_the_language_model_and_the_skipped_parts_is_named(multimodal, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine_config import EngineConfig
     from splitserve.engine.model_builder import build_model
 
     path, _ = multimodal

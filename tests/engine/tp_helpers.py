@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.tensor_parallel import TPGroup
 from splitserve.engine.tp_step import TPFollower

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.cluster.worker_loop import WorkerLoop
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer.direct_link import DirectFabric
