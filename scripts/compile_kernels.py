@@ -153,7 +153,7 @@ class LayerLaunches(torch.nn.Module):
         with torch.device("meta"):
             self.attention = LlamaAttention(config)
         self.config, self.dtype = config, dtype
-        self.sinks = torch.zeros(self.attention.num_heads) if config.attention_sinks else None
+        self.sinks = torch.zeros(self.attention.num_heads, dtype=dtype) if config.attention_sinks else None
         self.weight = torch.empty(config.hidden_size, dtype=dtype)
         self.cos = self.sin = torch.empty((max_model_len, config.head_dim), dtype=torch.float32)
         self.moe = None

@@ -11,9 +11,10 @@ from splitserve.api import response_bodies as R
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
 from splitserve.api.request_models import ChatCompletionRequest, GenerationRequest
-from splitserve.api.reasoning import GPT_OSS, HARMONY, prompt_opens_thinking, split_reasoning
+from splitserve.api.reasoning import GPT_OSS, prompt_opens_thinking, split_reasoning
 from splitserve.api.tool_calls import HERMES, LLAMA3_JSON, find_tool_calls
 from splitserve.api.visible_text import TextStream
+from splitserve.engine.output_constraint import HARMONY
 from splitserve.engine.tokenizer import Tokenizer
 
 

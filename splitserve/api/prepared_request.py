@@ -21,7 +21,7 @@ from splitserve.api.request_models import (
 from splitserve.api.reasoning import GPT_OSS, constraint_thinking
 from splitserve.api.request_sampling import sampling_params
 from splitserve.api.tool_calls import MISTRAL
-from splitserve.engine.output_constraint import OutputConstraint
+from splitserve.engine.output_constraint import HARMONY, OutputConstraint
 from splitserve.engine.sampling_params import SamplingParams
 
 ConstraintCheck = Callable[[OutputConstraint, str], None]  # LazyGrammar.check
@@ -58,7 +58,7 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
     harmony = kind == "chat" and parsers.reasoning == GPT_OSS
     thinks = kind == "chat" and parsers.reasoning is not None and not harmony
     params = [sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size, check_constraint,
-                              "harmony" if harmony else constraint_thinking(prompt, tokenizer) if thinks else "")
+                              HARMONY if harmony else constraint_thinking(prompt, tokenizer) if thinks else "")
               for prompt in prompts]
     if harmony or (kind == "chat" and parsers.tool_calls == MISTRAL and body.tool_functions()):
         params = [replace(p, skip_special_tokens=False) for p in params]

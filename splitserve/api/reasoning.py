@@ -20,13 +20,13 @@ from collections.abc import Sequence
 
 from splitserve.api.harmony import HarmonySplitter
 from splitserve.api.tags import tag_prefix_at_end
+from splitserve.engine.output_constraint import HARMONY
 from splitserve.engine.output_constraint import THINK_CLOSE as CLOSE
 from splitserve.engine.output_constraint import THINK_OPEN as OPEN
 from splitserve.engine.tokenizer import Tokenizer
 
 GPT_OSS = "openai_gptoss"
 REASONING_PARSERS = ("deepseek_r1", "qwen3", GPT_OSS)
-HARMONY = "harmony"  # a choice's `thinking` under GPT_OSS: its output is harmony channels
 PROMPT_TAIL_TOKENS = 16  # enough to spell a `<think>` the chat template ends the prompt with
 
 

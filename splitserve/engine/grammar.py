@@ -21,7 +21,7 @@ from functools import lru_cache
 import llguidance as llg
 import torch
 
-from splitserve.engine.output_constraint import THINK_CLOSE, THINK_OPEN, OutputConstraint
+from splitserve.engine.output_constraint import HARMONY, THINK_CLOSE, THINK_OPEN, OutputConstraint
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import upload_list
 from splitserve.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -111,7 +111,7 @@ def _grammar(constraint: OutputConstraint, tag_tokens: tuple[bool, bool]) -> str
         first, *rest = json.loads(answer)["grammars"]
     else:  # Lark text
         first, rest = {"lark_grammar": answer}, []
-    lark = HARMONY_LARK if constraint.thinking == "harmony" else _thinking_lark(constraint.thinking, *tag_tokens)
+    lark = HARMONY_LARK if constraint.thinking == HARMONY else _thinking_lark(constraint.thinking, *tag_tokens)
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**first, "name": "answer"}, *rest]})
 
 

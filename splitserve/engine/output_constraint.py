@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-THINKING = ("", "open", "optional", "harmony")  # "": the constraint holds from the first token
+HARMONY = "harmony"  # GPT-OSS's channels: analysis messages, then the final one
+THINKING = ("", "open", "optional", HARMONY)  # "": the constraint holds from the first token
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # the tags of the reasoning formats served (DeepSeek-R1, Qwen3)
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused
 

@@ -26,8 +26,9 @@ awake, and comes back sooner):
   host's CPU time (`splitserve.sim.host_cpu`): the time spent outside the worker processes, less
   what the host spends so while idle (the quieter of reads just before and just after), less
   `request_s` per request, over the tokens the requests streamed (none left is an error: the host
-  was busy with other work). On such a host `request_s` is CPU work on its cores too (each request's path through
-  the stack, on arrival), so under load it stretches as the workers' iterations do.
+  was busy with other work). On such a host `request_s` is CPU work on its cores too (each
+  request's path through the stack, on arrival), so under load it stretches as the workers'
+  iterations do.
 The simulator applies exactly these terms (`Scenario.overhead`), so its unloaded latency equals
 the measured one; what it predicts under load (queueing, batching, pool moves) is its own.
 """

@@ -14,7 +14,7 @@ from splitserve.api.visible_text import TextStream
 from splitserve.engine.demo import demo_tokenizer
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import HFTokenizer
-from tests.engine.hf_checkpoints import train_tokenizer
+from tests.engine.hf_checkpoints import save_harmony_tokenizer, train_tokenizer
 
 TOKENIZER = demo_tokenizer()
 
@@ -111,11 +111,7 @@ def test_gpt_oss_channels_written_with_their_special_tokens_split_into_reasoning
     """Harmony's markers are special tokens of GPT-OSS's tokenizer: a chat under `openai_gptoss`
     keeps them in its text (prepare_request), and its analysis is the reasoning; the stop token
     (`<|return|>`) is left out."""
-    raw = train_tokenizer()
-    raw.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
-                            "<|call|>"])
-    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="<|return|>").save_pretrained(tmp_path)
-    tokenizer = HFTokenizer(tmp_path)
+    tokenizer = save_harmony_tokenizer(tmp_path)
     call_stop = tokenizer.encode("<|call|>", add_special_tokens=False)
     params = SamplingParams(skip_special_tokens=False, stop_token_ids=call_stop)
 

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.harmony import HarmonySplitter
-from splitserve.api.reasoning import HARMONY, split_reasoning
+from splitserve.api.reasoning import split_reasoning
+from splitserve.engine.output_constraint import HARMONY
 
 NEXT = "<|end|><|start|>assistant"
 OUTPUTS = [  # (output as generated after the prompt's `<|start|>assistant`, its stop token left out; reasoning, content)

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from splitserve.api.reasoning import HARMONY
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.choices_response import ChoicesResponse
 from splitserve.cluster.dispatch import RequestFailed
 from splitserve.cluster.run_response import RunResponse
 from splitserve.cluster.worker_loop import TokenDelta
+from splitserve.engine.output_constraint import HARMONY
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import ByteTokenizer
 

@@ -16,6 +16,8 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
                           Qwen3MoeForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
+from splitserve.engine.tokenizer import HFTokenizer
+
 # ASCII only, so every token decodes to complete characters (no held-back partial UTF-8).
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -115,6 +117,16 @@ def train_tokenizer(qwen2: bool = False) -> RawTokenizer:
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     assert [tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")] == [BOS, EOS, PAD]
     return tok
+
+
+def save_harmony_tokenizer(path) -> HFTokenizer:
+    """A byte-level BPE tokenizer at `path` with GPT-OSS's harmony markers as special tokens of
+    their own (as in its tokenizer), `<|return|>` its EOS."""
+    raw = train_tokenizer()
+    raw.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
+                            "<|call|>"])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="<|return|>").save_pretrained(path)
+    return HFTokenizer(path)
 
 
 @pytest.fixture(scope="module")

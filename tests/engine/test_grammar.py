@@ -21,7 +21,7 @@ from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.tokenizer import HFTokenizer
-from tests.engine.hf_checkpoints import train_tokenizer
+from tests.engine.hf_checkpoints import save_harmony_tokenizer, train_tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -190,16 +190,8 @@ def test_generation_after_a_thinking_matches_the_schema(llm, mode, resumed):
         jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
-def harmony_tokenizer(tmp_path) -> HFTokenizer:
-    """GPT-OSS's channel markers as special tokens of their own, as in its tokenizer."""
-    raw = train_tokenizer()
-    raw.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"])
-    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="<|return|>").save_pretrained(tmp_path)
-    return HFTokenizer(tmp_path)
-
-
 def test_gpt_oss_may_write_its_analysis_then_the_schema_holds_in_its_final_message(tmp_path):
-    tokenizer = harmony_tokenizer(tmp_path)
+    tokenizer = save_harmony_tokenizer(tmp_path)
     constraint = thinking("json_schema", NUMBER, "harmony")
     GrammarMasks(tokenizer, tokenizer.vocab_size).check(constraint)
     assert allowed_next(tokenizer, constraint, "") == {"<|channel|>"}  # a message header first

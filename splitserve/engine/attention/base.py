@@ -22,8 +22,8 @@ class AttentionBackend(ABC):
         Writes k, v at meta.slot_mapping, returns causal attention output [T, H, D]. `window`: a
         query at position p attends only to positions > p - window (a sliding-window layer);
         `scale`: of q.k (None: head_dim ** -0.5); `softcap`: scores become softcap * tanh(scores / softcap);
-        `sinks`: float32 [H], contiguous, on q's device: head h's softmax also counts a key of score
-        sinks[h] that has no value (GPT-OSS)."""
+        `sinks`: [H] (any float dtype, read as float32), contiguous, on q's device: head h's softmax
+        also counts a key of score sinks[h] that has no value (GPT-OSS)."""
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -34,7 +34,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 @dataclass(frozen=True, eq=False)
 class Scoring:
     """How scores are made and weighed: q.k times `scale` (None: head_dim ** -0.5), then, with a
-    `softcap`, softcap * tanh(scores / softcap) (Gemma 2); with `sinks` (float32 [H]), head h's
+    `softcap`, softcap * tanh(scores / softcap) (Gemma 2); with `sinks` ([H]), head h's
     softmax runs over its scores and one more logit, sinks[h], never masked and with no value, so
     the weights of the keys sum to less than 1 (GPT-OSS). SDPA can do neither: those are computed here."""
 

@@ -124,8 +124,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        sinks = None if self.sinks is None else self.sinks.float()
-        out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap, sinks)
+        out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap, self.sinks)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
