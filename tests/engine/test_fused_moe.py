@@ -9,16 +9,19 @@ import torch
 pytest.importorskip("triton")
 
 from splitserve.engine.llm import LLM  # noqa: E402
+from splitserve.engine.mxfp4 import Packed, dequantize  # noqa: E402
 from splitserve.engine.model import fused_moe  # noqa: E402
 from splitserve.engine.model.moe import Experts, GatedAct, experts_reference, route  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.hf_checkpoints import (  # noqa: E402,F401 (fixture)
     ENGINE_ARGS, generation_prompts, tokenizers_by_kind, write_checkpoint,
 )
+from tests.engine.test_mxfp4 import packed, quantize_experts  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2}
+HALF = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16  # the interpreter's tl.dot misreads bfloat16
 
 
 def problem(tokens: int, experts: int, top_k: int, hidden: int, width: int, dtype=torch.float32, seed=0):
@@ -69,6 +72,36 @@ def test_gpt_oss_experts_equal_the_oracle(limit):
     torch.testing.assert_close(out.cpu(), experts_reference(x, w13, w2, weights, ids, act, b13), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("act", [GatedAct(), GatedAct(interleaved=True, alpha=1.702, limit=7.0)], ids=["silu", "gpt-oss"])
+@pytest.mark.parametrize("tokens, block_m", [(3, 16), (40, 64)])
+def test_mxfp4_experts_equal_the_dequantized_oracle(dtype, act, tokens, block_m):
+    """Experts kept as MXFP4 bytes compute what their dequantized weights do: every code, scales
+    from 2**-11 to 2**-3, hidden and width of several groups, 8 experts of which some idle."""
+    experts, hidden, width = 8, 96, 64
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    halves = [packed((experts, rows, cols // 32), seed) for seed, rows, cols in ((4, 2 * width, hidden),
+                                                                                   (5, hidden, width))]
+    w13, w2 = (Packed(blocks, scales - 8, dtype) for blocks, scales in halves)
+    b13 = torch.randn(experts, 2 * width, generator=g).to(dtype) if act.interleaved else None
+    weights, ids = route(torch.randn(tokens, experts, generator=g), 2, renormalize=True)
+    expected = experts_reference(x, w13, w2, weights, ids, act, b13)
+    dense = [dequantize(w.blocks, w.scales, dtype) for w in (w13, w2)]
+    assert torch.equal(expected, experts_reference(x, *dense, weights, ids, act, b13))
+    out = fused_moe.fused_experts(*on_device(x), *(Packed(w.blocks.to(DEVICE), w.scales.to(DEVICE), dtype)
+                                                   for w in (w13, w2)), *on_device(weights, ids), block_m, act,
+                                  None if b13 is None else b13.to(DEVICE))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+
+
+def test_packed_and_dense_stacks_do_not_mix():
+    x, w13, w2, weights, ids = problem(2, 4, 2, 32, 32)
+    with pytest.raises(ValueError, match="both packed or neither"):
+        fused_moe.fused_experts(x, Packed(*packed((4, 64, 1), 0), torch.float32), w2, weights, ids)
+
+
 def test_all_tokens_on_one_expert_and_no_tokens():
     x, w13, w2, weights, _ = problem(33, 4, 1, 32, 16, seed=2)
     ids = torch.full((33, 1), 3)
@@ -103,12 +136,15 @@ def test_the_block_size_follows_the_load_per_expert():
     assert fused_moe.block_m_for(2 * 2048, 8) == 64      # Mixtral
 
 
-@pytest.mark.parametrize("name", ["mixtral_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["mixtral_moe", "gpt_oss", "gpt_oss_mxfp4"])
 def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch, name):
-    """A Mixtral and a GPT-OSS checkpoint written by transformers generate the same tokens with
-    their experts run by the fused kernels and their attention (GPT-OSS's sinks and window) by the
-    Triton kernels as by the torch oracles (what the CPU engine runs)."""
-    hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
+    """A Mixtral and a GPT-OSS checkpoint written by transformers (and one with its experts in
+    MXFP4, kept packed) generate the same tokens with their experts run by the fused kernels and
+    their attention (GPT-OSS's sinks and window) by the Triton kernels as by the torch oracles
+    (what the CPU engine runs)."""
+    hf = write_checkpoint(tmp_path, name.removesuffix("_mxfp4"), tokenizers_by_kind)
+    if name.endswith("_mxfp4"):
+        quantize_experts(tmp_path, width=64, scale_shift=-5)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = generation_prompts(hf.config.vocab_size)[:3]
 
@@ -121,6 +157,7 @@ def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_ki
     calls = []
 
     def fused(self, x, weights, experts):
+        assert self.packed == name.endswith("_mxfp4")
         calls.append(x.shape[0])
         return self.fused(x, weights, experts)
 

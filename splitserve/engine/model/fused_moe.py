@@ -4,7 +4,10 @@
 their biases, where the model has them) and the gated activation (`moe.GatedAct`: SiLU, or
 GPT-OSS's clamped SwiGLU) in one kernel, down times the routing weight in a second. Each token's k outputs
 are then summed. Nothing waits on the host and every shape follows from the batch size alone, so
-a decode step with experts is captured in a CUDA graph like any other.
+a decode step with experts is captured in a CUDA graph like any other. MXFP4 experts (`mxfp4.Packed`)
+are read as their bytes: per 32-value group, each nibble's E2M1 value times the group's power of two
+(rounded to the activations' dtype, as `mxfp4.dequantize` rounds it) meets the even or odd inputs
+on the tensor cores.
 
 `moe.experts_reference` is the oracle; on CPU the kernels run only under Triton's interpreter
 (how the tests check them). Products accumulate in float32 and each kernel rounds once, where
@@ -16,23 +19,51 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine import mxfp4
 from splitserve.engine.model.moe import SILU, GatedAct
 
 BLOCK_N = 64
 BLOCK_K = 32
 BLOCK_M_SIZES = (16, 64)  # a tile of one expert's assignments: 16 while experts get few tokens each
+PACKED_WIDE_BLOCK_N = 32  # gate-up of a 64-row tile of MXFP4 experts: at 64 (or with 8 warps) it spills on sm_80
+
+
+@triton.jit
+def _e2m1(codes):
+    """float32 values of 4-bit E2M1 codes: sign, two exponent bits (bias 1), one mantissa bit."""
+    exponent = (codes >> 1) & 3
+    mantissa = (codes & 1).to(tl.float32) * 0.5
+    power = (1 << exponent).to(tl.float32) * 0.5
+    value = tl.where(exponent == 0, mantissa, (1.0 + mantissa) * power)
+    return tl.where(codes >= 8, -value, value)
+
+
+@triton.jit
+def _mxfp4_group(acc, a_even, a_odd, blocks, scales, rows, group, stride_row, stride_scale_row, row_ok,
+                 PRECISION: tl.constexpr):
+    """acc + a @ W[rows, group].T over one 32-value group of MXFP4 rows `rows` (byte j holds values
+    2j, low nibble, and 2j + 1): a_even, a_odd [M, 16] are a's even and odd columns of the group."""
+    j = tl.arange(0, 16)
+    codes = tl.load(blocks + rows[None, :] * stride_row + group * 16 + j[:, None], mask=row_ok[None, :],
+                    other=0).to(tl.int32)
+    exponent = tl.load(scales + rows * stride_scale_row + group, mask=row_ok, other=0).to(tl.int32)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)[None, :]  # 2 ** (e - 127); e = 0 reads as 0
+    acc = tl.dot(a_even, (_e2m1(codes & 15) * scale).to(a_even.dtype), acc, input_precision=PRECISION)
+    return tl.dot(a_odd, (_e2m1(codes >> 4) * scale).to(a_odd.dtype), acc, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["num_assignments"])
-def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden, width,
-                    stride_x, stride_we, stride_wn, stride_be, row_step, up_offset, alpha, limit, stride_out,
-                    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr, BIAS: tl.constexpr, OSS: tl.constexpr, CLAMP: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden,
+                    width, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, row_step, up_offset, alpha,
+                    limit, stride_out, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr, OSS: tl.constexpr,
+                    CLAMP: tl.constexpr, PACKED: tl.constexpr):
     """One program per (tile of one expert's assignments, BLOCK_N of the width):
     out[a] = act(x[token] @ gate.T, x[token] @ up.T) for each assignment a of the tile. Gate column
     c is w13's row c * row_step, up's that plus up_offset (1, width: halves; 2, 1: interleaved);
     with BIAS the same entries of b13 are added. act: silu(gate) * up, or with OSS
-    (up + 1) * gate * sigmoid(alpha * gate), with CLAMP gate <= limit and |up| <= limit first."""
+    (up + 1) * gate * sigmoid(alpha * gate), with CLAMP gate <= limit and |up| <= limit first.
+    PACKED: w13 is MXFP4 bytes (rows of hidden / 2) and s_ptr its scales (rows of hidden / 32)."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= NUM_EXPERTS:  # past the last group
         return
@@ -45,15 +76,25 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
     gate_rows, up_rows = cols * row_step, cols * row_step + up_offset
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, hidden, BLOCK_K):
-        k = start + tl.arange(0, BLOCK_K)
-        k_ok = k < hidden
-        a = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        g = tl.load(w + gate_rows[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
-        u = tl.load(w + up_rows[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
-        gate = tl.dot(a, g, gate, input_precision=PRECISION)
-        up = tl.dot(a, u, up, input_precision=PRECISION)
+    if PACKED:  # hidden is whole groups
+        s = s_ptr + expert.to(tl.int64) * stride_se
+        for group in range(0, hidden // 32):
+            k = group * 32 + 2 * tl.arange(0, 16)
+            a_even = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=valid[:, None], other=0.0)
+            a_odd = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :] + 1, mask=valid[:, None], other=0.0)
+            gate = _mxfp4_group(gate, a_even, a_odd, w, s, gate_rows, group, stride_wn, stride_sn, col_ok, PRECISION)
+            up = _mxfp4_group(up, a_even, a_odd, w, s, up_rows, group, stride_wn, stride_sn, col_ok, PRECISION)
+    else:
+        for start in range(0, hidden, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < hidden
+            a = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=valid[:, None] & k_ok[None, :],
+                        other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            g = tl.load(w + gate_rows[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+            u = tl.load(w + up_rows[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+            gate = tl.dot(a, g, gate, input_precision=PRECISION)
+            up = tl.dot(a, u, up, input_precision=PRECISION)
     if BIAS:
         b = b_ptr + expert.to(tl.int64) * stride_be
         gate += tl.load(b + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -70,12 +111,12 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
 
 
 @triton.jit(do_not_specialize=["num_assignments"])
-def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_assignments, width, hidden,
-                 stride_act, stride_we, stride_wn, stride_out,
+def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_assignments, width,
+                 hidden, stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_out,
                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, PACKED: tl.constexpr):
     """One program per (tile of one expert's assignments, BLOCK_N of hidden):
-    out[a] = weight[a] * (act[a] @ down.T)."""
+    out[a] = weight[a] * (act[a] @ down.T); PACKED as in `_gate_up_kernel`, over the width."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= NUM_EXPERTS:
         return
@@ -86,12 +127,21 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_
     col_ok = cols < hidden
     w = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, width, BLOCK_K):
-        k = start + tl.arange(0, BLOCK_K)
-        k_ok = k < width
-        a = tl.load(act_ptr + at[:, None] * stride_act + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        d = tl.load(w + cols[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, d, acc, input_precision=PRECISION)
+    if PACKED:  # the width is whole groups
+        s = s_ptr + expert.to(tl.int64) * stride_se
+        for group in range(0, width // 32):
+            k = group * 32 + 2 * tl.arange(0, 16)
+            a_even = tl.load(act_ptr + at[:, None] * stride_act + k[None, :], mask=valid[:, None], other=0.0)
+            a_odd = tl.load(act_ptr + at[:, None] * stride_act + k[None, :] + 1, mask=valid[:, None], other=0.0)
+            acc = _mxfp4_group(acc, a_even, a_odd, w, s, cols, group, stride_wn, stride_sn, col_ok, PRECISION)
+    else:
+        for start in range(0, width, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < width
+            a = tl.load(act_ptr + at[:, None] * stride_act + k[None, :], mask=valid[:, None] & k_ok[None, :],
+                        other=0.0)
+            d = tl.load(w + cols[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, d, acc, input_precision=PRECISION)
     acc = acc * tl.load(weights_ptr + at, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + at[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
@@ -124,35 +174,55 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     return sorted_ids, torch.searchsorted(ends, tile_starts, right=True).to(torch.int32)
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  experts: torch.Tensor, block_m: int | None = None, act: GatedAct = SILU,
+def _operands(w: torch.Tensor | mxfp4.Packed) -> tuple:
+    """(weights, scales, stride of an expert, of a row, of a scales expert, of a scales row) as the
+    kernels take a stack: a packed one's bytes [E, rows, groups * 16] and scales [E, rows, groups]."""
+    if isinstance(w, mxfp4.Packed):
+        blocks, scales = w.blocks, w.scales
+        if blocks.stride(3) != 1 or blocks.stride(2) != 16 or scales.stride(2) != 1:
+            raise ValueError("fused_experts needs each packed row's bytes and scales contiguous")
+        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1)
+    if w.stride(2) != 1:
+        raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
+    return w, w, w.stride(0), w.stride(1), 0, 0
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed, w2: torch.Tensor | mxfp4.Packed,
+                  weights: torch.Tensor, experts: torch.Tensor, block_m: int | None = None, act: GatedAct = SILU,
                   b13: torch.Tensor | None = None) -> torch.Tensor:
     """What `moe.experts_reference` computes, for x [T, hidden], w13 [E, 2 * width, hidden],
-    w2 [E, hidden, width], weights (float32) and experts [T, k], `act` and the gate and up biases
-    `b13` [E, 2 * width]; block_m: the tile rows (by default `block_m_for`)."""
+    w2 [E, hidden, width] (tensors, or both MXFP4), weights (float32) and experts [T, k], `act` and
+    the gate and up biases `b13` [E, 2 * width]; block_m: the tile rows (by default `block_m_for`)."""
     tokens, hidden = x.shape
     num_experts, width = w13.shape[0], w2.shape[2]
     top_k = experts.shape[1]
     count = tokens * top_k
     if count == 0:
         return torch.zeros_like(x)
-    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1 or (b13 is not None and b13.stride(1) != 1):
+    packed = isinstance(w13, mxfp4.Packed)
+    if packed != isinstance(w2, mxfp4.Packed):
+        raise ValueError("fused_experts takes w13 and w2 both packed or neither")
+    if x.stride(1) != 1 or (b13 is not None and b13.stride(1) != 1):
         raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
+    up_operands, down_operands = _operands(w13), _operands(w2)
     block_m = block_m or block_m_for(count, num_experts)
     sorted_ids, block_expert = align(experts, num_experts, block_m)
     tiles = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    gate_up_n = PACKED_WIDE_BLOCK_N if packed and block_m == BLOCK_M_SIZES[1] else BLOCK_N
     row_step, up_offset = (2, 1) if act.interleaved else (1, width)
     gated = torch.empty((count, width), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(tiles, triton.cdiv(width, BLOCK_N))](
-        x, w13, w13 if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k, hidden, width,
-        x.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0), row_step, up_offset,
+    w, s, *strides = up_operands
+    _gate_up_kernel[(tiles, triton.cdiv(width, gate_up_n))](
+        x, w, s, w if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k, hidden, width,
+        x.stride(0), *strides, 0 if b13 is None else b13.stride(0), row_step, up_offset,
         act.alpha or 0.0, act.limit or 0.0, gated.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
-        CLAMP=act.limit is not None)
+        BLOCK_N=gate_up_n, BLOCK_K=BLOCK_K, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
+        CLAMP=act.limit is not None, PACKED=packed)
     out = torch.empty((count, hidden), dtype=x.dtype, device=x.device)
+    w, s, *strides = down_operands
     _down_kernel[(tiles, triton.cdiv(hidden, BLOCK_N))](
-        gated, w2, out, weights.float().contiguous(), sorted_ids, block_expert, count, width, hidden, gated.stride(0),
-        w2.stride(0), w2.stride(1), out.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, PRECISION=precision)
+        gated, w, s, out, weights.float().contiguous(), sorted_ids, block_expert, count, width, hidden,
+        gated.stride(0), *strides, out.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K, PRECISION=precision, PACKED=packed)
     return out.view(tokens, top_k, hidden).sum(dim=1)
