@@ -26,7 +26,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
-QUANTIZATIONS = {"GptOssForCausalLM": ("mxfp4",)}  # checkpoint formats dequantized at load (engine/mxfp4.py)
+QUANTIZATIONS = {"GptOssForCausalLM": ("mxfp4",)}  # checkpoint formats of the experts served (engine/mxfp4.py)
 
 
 class ConfigError(ValueError):
@@ -92,6 +92,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling); None: rope_theta
     weights_prefix: str = ""       # a multimodal checkpoint's: what its language model's tensor names start with
     skipped_weights: tuple[str, ...] = ()  # ... and the prefixes of the tensors it does not serve (the vision tower)
+    quantization: str | None = None  # the checkpoint's experts' format (QUANTIZATIONS); None: the model's dtype
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -143,7 +144,7 @@ class ModelConfig:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        _check_quantization(cfg, arch, source)
+        quantization = _quantization(cfg, arch, source)
         if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias"):
             raise ConfigError(f"{source}: attention_bias=true is not supported for {arch} (it would put a "
                               "bias on o_proj too); released Qwen3 checkpoints have none")
@@ -172,7 +173,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **_parse_window(cfg, arch, source, layers), hidden_act=_activation(cfg, source), **(gemma_fields if gemma else {}),
             **(_parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            quantization=quantization, torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
         )
 
@@ -213,16 +214,18 @@ def _parse_gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict
                       local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))))
 
 
-def _check_quantization(cfg: dict, arch: str, source: str) -> None:
-    """A quantized checkpoint loads only in a format `QUANTIZATIONS` lists for its architecture."""
+def _quantization(cfg: dict, arch: str, source: str) -> str | None:
+    """The quant_method of a quantized checkpoint, which loads only in a format `QUANTIZATIONS`
+    lists for its architecture; None for an unquantized one."""
     quant = cfg.get("quantization_config")
     if quant is None:
-        return
+        return None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method not in QUANTIZATIONS.get(arch, ()):
         known = ", ".join(f"{m} ({a})" for a, methods in QUANTIZATIONS.items() for m in methods)
         raise ConfigError(f"{source}: quantization_config quant_method {method!r} is not supported for {arch} "
                           f"(supported: {known}); serve the unquantized checkpoint")
+    return method
 
 
 def _positive(cfg: dict, name: str, default: float | None, source: str) -> float | None:

@@ -49,10 +49,10 @@ def warm_up_experts(model: torch.nn.Module) -> int:
     block = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
     if block is None:
         return 0
-    w13 = block.experts.w13
-    x = torch.zeros((1, w13.shape[2]), dtype=w13.dtype, device=w13.device)
-    weights = torch.ones((1, block.top_k), device=w13.device)
-    experts = torch.arange(block.top_k, device=w13.device).view(1, -1)
+    router = block._modules[block.router_name].weight  # [experts, hidden], in the activations' dtype
+    x = torch.zeros((1, router.shape[1]), dtype=router.dtype, device=router.device)
+    weights = torch.ones((1, block.top_k), device=router.device)
+    experts = torch.arange(block.top_k, device=router.device).view(1, -1)
     for block_m in fused_moe.BLOCK_M_SIZES:
         block.experts.fused(x, weights, experts, block_m=block_m)
     return len(fused_moe.BLOCK_M_SIZES)

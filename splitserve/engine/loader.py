@@ -6,8 +6,8 @@ projection as one tensor (Phi-3's `qkv_proj`, `gate_up_proj`) is read as its par
 of it. A tied `lm_head` is recognised because it is the same tensor as
 `model.embed_tokens.weight`, so loading either name fills both. A tensor-parallel rank reads only
 its part of each tensor from the file (`shard_slices`). An MXFP4 tensor (GPT-OSS's experts: its
-`_blocks` and `_scales`, `mxfp4`) is dequantized whole on the parameter's device, then the rank's
-part of it is kept.
+`_blocks` and `_scales`, `mxfp4`) loads as it is where the model keeps it packed; otherwise it is
+dequantized whole on the parameter's device, then the rank's part of it is kept.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
             if ours is None or ours.endswith(IGNORED_SUFFIXES) or ours in absent:
                 continue
             dequantized = None
-            if ours.endswith(mxfp4.SUFFIXES):
+            if ours.endswith(mxfp4.SUFFIXES) and ours not in targets:
                 ours, dequantized = _unpacked(file, ours, handle.get_tensor(name), packed, targets)
                 if dequantized is None:
                     continue
@@ -113,7 +113,8 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
     """Seeded random weights for any config (vLLM's `--load-format dummy`).
 
     Biases get zeros, other 1-D parameters (norm weights) ones (Gemma's, which scale by 1 + weight,
-    zeros), matrices and embeddings normal(0, 0.02). Values are drawn on the CPU in float32, so a
+    zeros), matrices and embeddings normal(0, 0.02); MXFP4 experts uniformly random codes, every
+    scale `mxfp4.DUMMY_SCALE`. Values are drawn on the CPU in float32 (codes as bytes), so a
     seed gives the same weights on every device and dtype (a prompt worker on one kind of GPU, its
     token worker on another).
     `runs`: each run of DUMMY_CHUNK values has a generator of its own, seeded by (seed, tensor name,
@@ -131,28 +132,44 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
             done.add(_where(param))
             if name.endswith("bias"):
                 param.zero_()
+            elif name.endswith("_scales"):
+                param.fill_(mxfp4.DUMMY_SCALE)
             elif param.dim() == 1:
                 param.fill_(0.0 if name in offset_norms else 1.0)
             else:
                 part = parts.get(name)
                 shape = part.full_shape(param.shape) if part else param.shape
-                full = _normal_runs(shape, seed, name, pool) if runs else torch.empty(shape).normal_(
-                    0.0, DUMMY_STD, generator=gen)
+                full = _values(shape, param.dtype)
+                if runs:
+                    _random_runs(full, seed, name, pool)
+                else:
+                    _draw(full, gen)
                 param.copy_(part.take(full) if part else full)
 
 
-def _normal_runs(shape, seed: int, name: str, pool: ThreadPoolExecutor) -> torch.Tensor:
-    """normal(0, DUMMY_STD) float32 values of `shape`, each run of DUMMY_CHUNK from its own generator."""
-    full = torch.empty(shape)
+def _values(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Where a parameter's values are drawn: bytes for a uint8 one (MXFP4 codes), float32 otherwise."""
+    return torch.empty(shape, dtype=torch.uint8 if dtype == torch.uint8 else torch.float32)
+
+
+def _draw(values: torch.Tensor, gen: torch.Generator) -> None:
+    """normal(0, DUMMY_STD) floats, or uniformly random bytes, in place."""
+    if values.dtype == torch.uint8:
+        values.random_(0, 256, generator=gen)
+    else:
+        values.normal_(0.0, DUMMY_STD, generator=gen)
+
+
+def _random_runs(full: torch.Tensor, seed: int, name: str, pool: ThreadPoolExecutor) -> None:
+    """`_draw` into `full`, each run of DUMMY_CHUNK values from its own generator."""
     flat = full.view(-1)
 
     def draw(start: int) -> None:
         key = hashlib.blake2b(f"{seed}/{name}/{start}".encode(), digest_size=8).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)  # a seed is below 2**63
-        flat[start:start + DUMMY_CHUNK].normal_(0.0, DUMMY_STD, generator=gen)
+        _draw(flat[start:start + DUMMY_CHUNK], gen)
 
     list(pool.map(draw, range(0, flat.numel(), DUMMY_CHUNK)))
-    return full
 
 
 def write_shape_checkpoint(root: str | Path, config: dict) -> str:

@@ -29,8 +29,8 @@ GEMMA2_9B = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vo
              "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
              "max_position_embeddings": 8192, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
              "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1}
-# sparse MoE: 32 biased experts 2880 wide with the clamped SwiGLU, top 4; attention sinks, a 128-token
-# window on every other layer, YaRN to 128k (the 20B's MXFP4 experts are served dequantized, so bf16 here)
+# sparse MoE: 32 biased experts 2880 wide with the clamped SwiGLU, top 4, in MXFP4 (kept packed); attention
+# sinks, a 128-token window on every other layer, YaRN to 128k
 GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
                "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
                "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
@@ -39,6 +39,10 @@ GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", 
                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
                "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-               "eos_token_id": 200002, "pad_token_id": 199999}
+               "eos_token_id": 200002, "pad_token_id": 199999,
+               "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}
+# the 20B's layers, 36 of them with 128 experts each (its 61 GB of MXFP4 experts fit one 80 GB GPU packed)
+GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 18}
 SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B, "gemma2-9b": GEMMA2_9B,
-          "gpt-oss-20b": GPT_OSS_20B}
+          "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}

@@ -1,17 +1,18 @@
 """MXFP4 checkpoints (GPT-OSS's release format): dequantized as transformers dequantizes them, and a
-checkpoint whose experts are stored so loads, whole or a tensor-parallel rank's part."""
+checkpoint whose experts are stored so loads, whole or a tensor-parallel rank's part, kept packed
+(the kernels that read the bytes: test_fused_moe.py) or dequantized at load."""
 import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from splitserve.engine.config import ConfigError
-from splitserve.engine.loader import CheckpointError, load_model_config, load_weights
+from splitserve.engine.loader import CheckpointError, init_dummy_weights, load_model_config, load_weights
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.sharding import Shard
-from splitserve.engine.mxfp4 import dequantize
+from splitserve.engine.mxfp4 import DUMMY_SCALE, SUFFIXES, dequantize
 from tests.engine.test_moe_checkpoints import make_gpt_oss
 
 WIDTH = 64  # the experts' width: two 32-value groups of down_proj's inputs
@@ -46,50 +47,105 @@ def test_malformed_blocks_are_refused():
         dequantize(blocks, scales[..., :0], torch.float32)
 
 
-def write_mxfp4_checkpoint(path, drop=None):
-    """A GPT-OSS checkpoint as OpenAI's release stores one: every layer's experts in MXFP4; and
-    the experts' weights transformers dequantizes from it, per tensor name."""
-    model = make_gpt_oss(intermediate_size=WIDTH)
-    model.save_pretrained(path)
-    tensors, expected = dict(model.state_dict()), {}
-    experts = model.config.num_local_experts
-    hidden = model.config.hidden_size
-    for layer in range(model.config.num_hidden_layers):
+def quantize_experts(path, width: int = WIDTH, drop: str | None = None, scale_shift: int = 0) -> dict:
+    """Rewrite the GPT-OSS checkpoint at `path` as OpenAI's release stores one: every layer's
+    experts, `width` wide, as random MXFP4 (scales shifted by `scale_shift` powers of two, gate and
+    up biases drawn anew) and `quantization_config` saying so; without tensor `drop`. Returns the
+    experts' weights transformers dequantizes from it, per tensor name ([experts, in, out])."""
+    config = json.loads((path / "config.json").read_text())
+    tensors = {k: v.contiguous() for k, v in load_file(path / "model.safetensors").items()}
+    experts, hidden, expected = config["num_local_experts"], config["hidden_size"], {}
+    for layer in range(config["num_hidden_layers"]):
         owner = f"model.layers.{layer}.mlp.experts"
-        for i, (name, out_features, in_features) in enumerate((("gate_up_proj", 2 * WIDTH, hidden),
-                                                               ("down_proj", hidden, WIDTH))):
+        for i, (name, out_features, in_features) in enumerate((("gate_up_proj", 2 * width, hidden),
+                                                               ("down_proj", hidden, width))):
             blocks, scales = packed((experts, out_features, in_features // 32), seed=10 * layer + i)
+            scales += scale_shift
             del tensors[f"{owner}.{name}"]
             tensors[f"{owner}.{name}_blocks"], tensors[f"{owner}.{name}_scales"] = blocks, scales
             expected[f"{owner}.{name}"] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        tensors[f"{owner}.gate_up_proj_bias"] = torch.randn(experts, 2 * width, generator=torch.Generator().manual_seed(layer))
     if drop is not None:
         del tensors[drop]
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
+    save_file(tensors, str(path / "model.safetensors"))
+    config["intermediate_size"] = width
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (path / "config.json").write_text(json.dumps(config))
     return expected
 
 
-@pytest.mark.parametrize("shard", [Shard(), Shard(1, 2)], ids=["whole", "rank-1-of-2"])
-def test_an_mxfp4_checkpoint_loads_its_experts_dequantized(tmp_path, shard):
+def write_mxfp4_checkpoint(path, drop=None) -> dict:
+    make_gpt_oss(intermediate_size=WIDTH).save_pretrained(path)
+    return quantize_experts(path, drop=drop)
+
+
+def load(path, shard=Shard()) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(load_model_config(path), max_model_len=64, shard=shard,
+                             reduce=(lambda t: t) if shard.size > 1 else None)
+    load_weights(model, path)
+    return model
+
+
+@pytest.mark.parametrize("shard", [Shard(), Shard(1, 2), Shard(1, 4)], ids=["whole", "rank-1-of-2", "rank-1-of-4"])
+def test_an_mxfp4_checkpoint_loads_its_experts(tmp_path, shard):
+    """Kept packed where the rank's slice of the width is whole 32-value groups (whole, a half);
+    dequantized at load where it is not (16 of 64); either way they are the weights transformers
+    dequantizes, the rank's part of them."""
     expected = write_mxfp4_checkpoint(tmp_path)
-    ours = LlamaForCausalLM(load_model_config(tmp_path), max_model_len=64, shard=shard,
-                            reduce=(lambda t: t) if shard.size > 1 else None)
-    load_weights(ours, tmp_path)
     lo, hi = shard.split(WIDTH)
-    for layer, block in enumerate(ours.model.layers):
+    for layer, block in enumerate(load(tmp_path, shard).model.layers):
         experts = block.mlp.experts
+        assert experts.packed == (shard.size < 4)
+        w13, w2 = experts.stacks(torch.float32)
         gate_up = expected[f"model.layers.{layer}.mlp.experts.gate_up_proj"]  # [experts, in, out]: gate, up alternate
         down = expected[f"model.layers.{layer}.mlp.experts.down_proj"]
-        assert torch.equal(experts.w13, gate_up[:, :, 2 * lo:2 * hi].transpose(1, 2))
-        assert torch.equal(experts.w2, down[:, lo:hi].transpose(1, 2))
+        for e in range(gate_up.shape[0]):
+            assert torch.equal(w13[e], gate_up[e, :, 2 * lo:2 * hi].T)
+            assert torch.equal(w2[e], down[e, lo:hi].T)
 
 
-def test_a_half_missing_is_named(tmp_path):
+def test_packed_experts_compute_what_their_dequantized_weights_do(tmp_path):
+    """Each sparse layer on its packed experts (each expert dequantized as it runs: the CPU path)
+    equals the same layer loaded from the checkpoint with those experts saved dequantized, bit for bit."""
+    expected = write_mxfp4_checkpoint(tmp_path / "packed")
+    (tmp_path / "dense").mkdir()
+    tensors = load_file(tmp_path / "packed" / "model.safetensors")
+    save_file({**{k: v for k, v in tensors.items() if not k.endswith(SUFFIXES)}, **expected},
+              str(tmp_path / "dense" / "model.safetensors"))
+    config = json.loads((tmp_path / "packed" / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(config))
+    packed_model, dense_model = load(tmp_path / "packed"), load(tmp_path / "dense")
+    x = torch.randn(12, config["hidden_size"], generator=torch.Generator().manual_seed(0))
+    for ours, theirs in zip(packed_model.model.layers, dense_model.model.layers):
+        assert ours.mlp.experts.packed and not theirs.mlp.experts.packed
+        assert torch.equal(ours.mlp(x), theirs.mlp(x))
+
+
+def test_dummy_packed_experts_are_random_codes_near_the_dummy_scale(tmp_path):
+    """load_format=dummy draws MXFP4 codes (uniform bytes) with one scale, so the experts' values
+    have about the other weights' spread; a rank holds the whole model's part."""
+    write_mxfp4_checkpoint(tmp_path)
+    config = load_model_config(tmp_path)
+    whole, rank = (LlamaForCausalLM(config, max_model_len=64, shard=shard, reduce=lambda t: t)
+                   for shard in (Shard(), Shard(1, 2)))
+    for model in (whole, rank):
+        init_dummy_weights(model, seed=5)
+    experts, part = whole.model.layers[1].mlp.experts, rank.model.layers[1].mlp.experts
+    assert torch.all(experts.w13_scales == DUMMY_SCALE)
+    values = torch.stack([experts.stacks(torch.float32)[0][e] for e in range(4)])
+    assert 0.015 < values.pow(2).mean().sqrt() < 0.03 and values.unique().numel() == 15  # every code (±0 alike)
+    assert torch.equal(part.w13_blocks, experts.w13_blocks[:, 64:])  # rows of gate, up pairs 32..63
+    assert torch.equal(part.w2_blocks, experts.w2_blocks[:, :, 1:])  # the second group of the width
+
+
+@pytest.mark.parametrize("shard, message", [
+    (Shard(), r"no tensor for parameters \['model.layers.1.mlp.experts.down_proj_scales'\]"),  # packed
+    (Shard(1, 4), r"'model.layers.1.mlp.experts.down_proj'\] lack their _blocks or _scales")])  # dequantized
+def test_a_half_missing_is_named(tmp_path, shard, message):
     write_mxfp4_checkpoint(tmp_path, drop="model.layers.1.mlp.experts.down_proj_scales")
-    with pytest.raises(CheckpointError, match=r"'model.layers.1.mlp.experts.down_proj'\] lack their _blocks or _scales"):
-        load_weights(LlamaForCausalLM(load_model_config(tmp_path), max_model_len=64), tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        load(tmp_path, shard)
 
 
 @pytest.mark.parametrize("quant", [{"quant_method": "awq", "bits": 4}, "mxfp4"])

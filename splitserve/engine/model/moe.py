@@ -6,7 +6,10 @@ GPT-OSS's router and experts have biases and its experts a clamped SwiGLU (`Gate
 
 The experts' weights are two stacked tensors, `w13` [experts, 2 * width, hidden] (each expert's
 gate rows, then its up rows; GPT-OSS's alternate gate, up, as its checkpoints store them) and `w2`
-[experts, hidden, width], so one kernel serves all experts (`fused_moe` on CUDA).
+[experts, hidden, width], so one kernel serves all experts (`fused_moe` on CUDA). An MXFP4
+checkpoint's experts (GPT-OSS's release) stay packed as it stores them, rows alike (`mxfp4.Packed`:
+`w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales`), 4.25 bits a weight, where each rank's
+slice of the width is whole 32-value groups; otherwise they are dequantized at load.
 `checkpoint_tensors` names each expert's slices as the checkpoint stores them (GPT-OSS's stacked,
 [experts, in, out]). With tensor parallelism every rank holds every expert's slice [lo, hi) of the
 width (column-parallel gate and up, row-parallel down), a slice of the shared expert likewise, and
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine import mxfp4
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.sharding import Shard, ShardSlice
 
@@ -99,24 +103,37 @@ class Experts(nn.Module):
         lo, hi = shard.split(c.moe_intermediate_size)
         self.names, self.width, self.act = names, hi - lo, gated_act(c)
         self.slice = ShardSlice(0, lo, hi, c.moe_intermediate_size) if shard.size > 1 else None
-        self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width, c.hidden_size))
-        self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, self.width))
+        self.packed = c.quantization == "mxfp4" and lo % mxfp4.GROUP == 0 and hi % mxfp4.GROUP == 0
+        if self.packed:
+            for name, rows, cols in (("w13", 2 * self.width, c.hidden_size), ("w2", c.hidden_size, self.width)):
+                self.register_parameter(f"{name}_blocks", _bytes(c.num_experts, rows, cols // mxfp4.GROUP, 16))
+                self.register_parameter(f"{name}_scales", _bytes(c.num_experts, rows, cols // mxfp4.GROUP))
+        else:
+            self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width, c.hidden_size))
+            self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, self.width))
         biased = names.stacked  # GPT-OSS; b2 is added once, after the reduce (`down_bias`)
         self.b13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width)) if biased else None
         self.b2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size)) if biased else None
+
+    def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor | mxfp4.Packed, torch.Tensor | mxfp4.Packed]:
+        """(w13, w2): the parameters, or their MXFP4 bytes, which dequantize to `dtype`."""
+        if self.packed:
+            return (mxfp4.Packed(self.w13_blocks, self.w13_scales, dtype),
+                    mxfp4.Packed(self.w2_blocks, self.w2_scales, dtype))
+        return self.w13, self.w2
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """This rank's sum over each token's experts, without the down biases."""
         if x.is_cuda:
             return self.fused(x, weights, experts)
-        return experts_reference(x, self.w13, self.w2, weights, experts, self.act, self.b13)
+        return experts_reference(x, *self.stacks(x.dtype), weights, experts, self.act, self.b13)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               block_m: int | None = None) -> torch.Tensor:
         """The same through the Triton kernels (`fused_moe`: CUDA, or Triton's interpreter)."""
         from splitserve.engine.model import fused_moe  # triton: CUDA builds of torch bring it
 
-        return fused_moe.fused_experts(x, self.w13, self.w2, weights, experts, block_m, self.act, self.b13)
+        return fused_moe.fused_experts(x, *self.stacks(x.dtype), weights, experts, block_m, self.act, self.b13)
 
     def down_bias(self, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
         """[T, hidden]: each token's experts' down biases, weighted as their outputs are (None without)."""
@@ -128,8 +145,12 @@ class Experts(nn.Module):
         """(checkpoint name, view) of each expert's projections held in parameter `kind`."""
         param = getattr(self, kind)
         if self.names.stacked:
-            name = self.names.gate if kind in ("w13", "b13") else self.names.down
-            yield (f"{owner}.{name}_bias", param) if kind.startswith("b") else (f"{owner}.{name}", param.transpose(1, 2))
+            stack, _, half = kind.partition("_")  # half: MXFP4's blocks or scales, as the checkpoint holds them
+            name = self.names.gate if stack in ("w13", "b13") else self.names.down
+            if half or stack.startswith("b"):
+                yield f"{owner}.{name}_{half or 'bias'}", param
+            else:
+                yield f"{owner}.{name}", param.transpose(1, 2)
             return
         for e in range(param.shape[0]):
             if kind == "w13":
@@ -143,15 +164,26 @@ class Experts(nn.Module):
             return
         if self.names.stacked:  # [experts, in, out]; gate and up alternate, so a rank's pairs are one range
             lo, hi, total = self.slice.start, self.slice.stop, self.slice.total
-            yield f"{owner}.{self.names.gate}", ShardSlice(2, 2 * lo, 2 * hi, 2 * total)
-            yield f"{owner}.{self.names.gate}_bias", ShardSlice(1, 2 * lo, 2 * hi, 2 * total)
-            yield f"{owner}.{self.names.down}", ShardSlice(1, lo, hi, total)
+            gate, down = f"{owner}.{self.names.gate}", f"{owner}.{self.names.down}"
+            yield f"{gate}_bias", ShardSlice(1, 2 * lo, 2 * hi, 2 * total)
+            if not self.packed:
+                yield gate, ShardSlice(2, 2 * lo, 2 * hi, 2 * total)
+                yield down, ShardSlice(1, lo, hi, total)
+                return
+            groups = [n // mxfp4.GROUP for n in (lo, hi, total)]  # packed rows are outputs: down's width is in groups
+            for half in mxfp4.SUFFIXES:
+                yield gate + half, ShardSlice(1, 2 * lo, 2 * hi, 2 * total)
+                yield down + half, ShardSlice(2, *groups)
             return
         down = ShardSlice(1, self.slice.start, self.slice.stop, self.slice.total)
         for e in range(self.w13.shape[0]):
             yield f"{owner}.{e}.{self.names.gate}.weight", self.slice
             yield f"{owner}.{e}.{self.names.up}.weight", self.slice
             yield f"{owner}.{e}.{self.names.down}.weight", down
+
+
+def _bytes(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
 
 
 class SparseMoeBlock(nn.Module):
@@ -176,11 +208,12 @@ class SparseMoeBlock(nn.Module):
         return out if bias is None else out + bias.to(out.dtype)
 
 
-def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      experts: torch.Tensor, act: GatedAct = SILU, b13: torch.Tensor | None = None) -> torch.Tensor:
+def experts_reference(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed, w2: torch.Tensor | mxfp4.Packed,
+                      weights: torch.Tensor, experts: torch.Tensor, act: GatedAct = SILU,
+                      b13: torch.Tensor | None = None) -> torch.Tensor:
     """sum over each token's k experts of weight * down(act(gate(x), up(x))) (gate and up with the
-    biases `b13`), one matmul per expert over the tokens routed to it; each expert's share is
-    rounded to x's dtype as it is added."""
+    biases `b13`), one matmul per expert over the tokens routed to it (`w13[e]`, `w2[e]`: a packed
+    stack dequantizes that expert's alone); each expert's share is rounded to x's dtype as it is added."""
     out, top_k = torch.zeros_like(x), experts.shape[1]
     flat = experts.flatten()
     order = flat.argsort(stable=True)  # assignment token * k + slot, grouped by expert
