@@ -2,8 +2,8 @@
 engine launches for the Llama-3-8B shape on sm_90 and sm_80: the start-up (kernel_warm_up and the
 graph capture) compiles all of them, so a serving mix compiles none; none spills registers or needs
 more shared memory than a block may have; a second start on the same Triton cache compiles nothing;
-an MoE shape's expert kernels and Gemma 2's variants (soft-capped scores, its norm, 256-dim heads)
-are compiled at start-up too, none spilling. Without the warm-up, serving compiles; in float32 the
+an MoE shape's expert kernels (GPT-OSS's read as MXFP4 bytes) and Gemma 2's variants
+(soft-capped scores, its norm, 256-dim heads) are compiled at start-up too, none spilling. Without the warm-up, serving compiles; in float32 the
 attention kernels spill: the script fails on both."""
 import json
 import subprocess
@@ -88,3 +88,14 @@ def test_a_variant_that_spills_fails_the_script(tmp_path):
     spilled = [v for v in archs["sm_80"]["variants"] if v["spill_bytes"]]
     problems = archs["sm_80"]["problems"]
     assert spilled and all(any(v["kernel"] in p and "spilled" in p for p in problems) for v in spilled)
+
+
+def test_gpt_oss_mxfp4_experts_compile_at_start_up_without_spills(tmp_path):
+    """Its experts read as MXFP4 bytes: their 64-row gate-up tile spilled on sm_80 until it took
+    32 columns."""
+    code, archs = _run(tmp_path, "--shape", "gpt-oss-20b", "--arch", "80", "--steps", "10")
+    report = archs["sm_80"]
+    assert code == 0 and not report["problems"]
+    moe = [v["spec"] for v in report["variants"] if v["kernel"] in ("_gate_up_kernel", "_down_kernel")]
+    assert len(moe) == 4 and all("PACKED=True" in spec for spec in moe)
+    assert {v["phase"] for v in report["variants"]} == {"start-up"}
