@@ -1,0 +1,171 @@
+"""One sparse layer's experts through the fused-MoE kernels (`fused_moe.fused_experts`, as the CUDA
+engine runs them), dense (bf16) and as MXFP4 bytes side by side: the layer's time at decode and
+prefill token counts, what it reads per second against the HBM peak (MBU) and its FLOPs against the
+dense bf16 peak (MFU). The dense weights are the MXFP4 ones dequantized, so each MXFP4 row also says
+how far its output is from the dense one (a check of the compiled kernels on the device).
+
+    python scripts/bench_moe.py --json moe.json                 # CUDA: gpt-oss-20b's layer, seconds
+    python scripts/bench_moe.py --shape qwen3-30b-a3b           # another MoE shape of engine/shapes.py
+    python scripts/bench_moe.py --tiny                          # a tiny layer on the CPU (Triton's interpreter)
+
+Tokens are routed by random router logits (a uniform choice of each token's top-k experts); bytes
+read = the experts hit (their weights, scales and biases) + the layer's input and output rows; FLOPs
+= 6 x tokens x top-k x hidden x width (gate, up and down). Each row is the median of --iters calls
+after a warm-up (CUDA events on a GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_roofline import peaks  # this script's folder
+
+from splitserve.engine import mxfp4
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.model.moe import gated_act, route
+from splitserve.engine.shapes import SHAPES
+
+TINY = {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 7.0}
+TOKENS = (1, 16, 64, 256, 2048, 8192)
+TINY_TOKENS = (1, 4, 32)
+
+
+def layer(c: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Random MXFP4 experts of `c`'s sparse layer (uniform codes, scales near DUMMY_SCALE), the same
+    dequantized to `dtype`, and GPT-OSS's gate and up biases."""
+    g = torch.Generator().manual_seed(seed)
+    packed = {}
+    for name, rows, cols in (("w13", 2 * c.moe_intermediate_size, c.hidden_size),
+                             ("w2", c.hidden_size, c.moe_intermediate_size)):
+        groups = cols // mxfp4.GROUP
+        blocks = torch.randint(0, 256, (c.num_experts, rows, groups, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(mxfp4.DUMMY_SCALE - 1, mxfp4.DUMMY_SCALE + 2, (c.num_experts, rows, groups),
+                               dtype=torch.uint8, generator=g)
+        packed[name] = mxfp4.Packed(blocks.to(device), scales.to(device), dtype)
+    biased = c.architecture == "GptOssForCausalLM"
+    b13 = (torch.randn(c.num_experts, 2 * c.moe_intermediate_size, generator=g) * 0.02).to(device, dtype) \
+        if biased else None
+    dense = {name: mxfp4.dequantize(w.blocks, w.scales, dtype) for name, w in packed.items()}
+    return {"mxfp4": (packed["w13"], packed["w2"]), "dense": (dense["w13"], dense["w2"]), "b13": b13}
+
+
+def weight_bytes(w13, w2, b13, experts: int) -> int:
+    """Bytes of `experts` experts' weights (MXFP4: bytes and scales) and gate/up biases."""
+    parts = [t for w in (w13, w2) for t in ((w.blocks, w.scales) if isinstance(w, mxfp4.Packed) else (w,))]
+    total = sum(t.nbytes for t in parts) + (b13.nbytes if b13 is not None else 0)
+    return total * experts // w13.shape[0]
+
+
+def time_calls(call, iters: int, cuda: bool) -> float:
+    """Median seconds of a call, after one untimed (compiles)."""
+    call()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device, dtype: torch.dtype,
+            hbm: float | None, flops_peak: float | None) -> list[dict]:
+    from splitserve.engine.model import fused_moe  # after TRITON_INTERPRET is settled
+
+    weights_by_format, act, rows = layer(c, device, dtype), gated_act(c), []
+    b13 = weights_by_format["b13"]
+    for t in tokens:
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, c.hidden_size, generator=g).to(device, dtype)
+        weights, experts = route(torch.randn(t, c.num_experts, generator=g).to(device), c.num_experts_per_tok,
+                                 c.norm_topk_prob)
+        hit = experts.unique().numel()
+        outputs = {}
+        for fmt in ("dense", "mxfp4"):
+            w13, w2 = weights_by_format[fmt]
+
+            def call():
+                return fused_moe.fused_experts(x, w13, w2, weights, experts, act=act, b13=b13)
+
+            outputs[fmt] = call()
+            seconds = time_calls(call, iters, device.type == "cuda")
+            read = weight_bytes(w13, w2, b13, hit) + 2 * x.nbytes
+            flops = 6 * t * c.num_experts_per_tok * c.hidden_size * c.moe_intermediate_size
+            rows.append({"format": fmt, "tokens": t, "experts_hit": hit, "step_ms": seconds * 1e3, "bytes": read,
+                         "flops": flops, "mbu": read / seconds / hbm if hbm else None,
+                         "mfu": flops / seconds / flops_peak if flops_peak else None})
+        dense, packed = outputs["dense"].float(), outputs["mxfp4"].float()
+        rows[-1]["speedup_vs_dense"] = rows[-2]["step_ms"] / rows[-1]["step_ms"]
+        rows[-1]["max_rel_diff_vs_dense"] = ((packed - dense).abs().max() / dense.abs().max().clamp_min(1e-30)).item()
+    return rows
+
+
+def print_table(result: dict) -> None:
+    print(f"Device: {result['device']}; {result['shape']}: {result['experts']} experts, top {result['top_k']}, "
+          f"hidden {result['hidden']}, width {result['width']}, {result['dtype']}")
+    print(f"| tokens | experts hit | {result['dtype']} ms | MXFP4 ms | MXFP4 speed-up | {result['dtype']} MBU | MXFP4 MBU "
+          f"| {result['dtype']} MFU | MXFP4 MFU | MXFP4 vs {result['dtype']} (max rel. diff) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = result["rows"]
+    for dense, packed in zip(rows[::2], rows[1::2]):
+        print(f"| {dense['tokens']} | {dense['experts_hit']} | {dense['step_ms']:.3f} | {packed['step_ms']:.3f} | "
+              f"{packed['speedup_vs_dense']:.2f}x | {_pct(dense['mbu'])} | {_pct(packed['mbu'])} | {_pct(dense['mfu'])} "
+              f"| {_pct(packed['mfu'])} | {packed['max_rel_diff_vs_dense']:.1e} |")
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    moe_shapes = [name for name, shape in SHAPES.items() if ModelConfig.from_hf(shape).num_experts]
+    p.add_argument("--shape", default="gpt-oss-20b", choices=moe_shapes, help="an MoE shape of engine/shapes.py")
+    p.add_argument("--tiny", action="store_true", help="a tiny layer on the CPU, under Triton's interpreter")
+    p.add_argument("--tokens", help=f"comma-separated token counts (default: {','.join(map(str, TOKENS))}; "
+                                    f"--tiny: {','.join(map(str, TINY_TOKENS))})")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per row")
+    p.add_argument("--hbm-tbs", type=float, help="HBM peak in TB/s (default: from the device's name)")
+    p.add_argument("--bf16-tflops", type=float, help="dense bf16 peak in TFLOP/s (default: from the device's name)")
+    p.add_argument("--json", type=Path, help="write the result here")
+    args = p.parse_args(argv)
+    if args.tiny:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first decorated
+        # the interpreter's tl.dot misreads bfloat16, so the tiny layer runs in float16
+        device, dtype, shape, name = torch.device("cpu"), torch.float16, TINY, "tiny GPT-OSS layer"
+    elif not torch.cuda.is_available():
+        p.error("no CUDA device: run with --tiny for the CPU version")
+    else:
+        device, dtype, shape, name = torch.device("cuda"), torch.bfloat16, SHAPES[args.shape], args.shape
+    tokens = [int(n) for n in args.tokens.split(",")] if args.tokens else list(TINY_TOKENS if args.tiny else TOKENS)
+    c = ModelConfig.from_hf(shape)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    hbm, flops_peak = peaks(device_name, args.hbm_tbs, args.bf16_tflops)
+    result = {"device": device_name, "shape": name, "experts": c.num_experts, "top_k": c.num_experts_per_tok,
+              "hidden": c.hidden_size, "width": c.moe_intermediate_size, "dtype": str(dtype).removeprefix("torch."),
+              "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak,
+              "rows": measure(c, tokens, args.iters, device, dtype, hbm, flops_peak)}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
