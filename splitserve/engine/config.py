@@ -27,6 +27,7 @@ FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gat
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
 QUANTIZATIONS = {"GptOssForCausalLM": ("mxfp4",)}  # checkpoint formats of the experts served (engine/mxfp4.py)
+MXFP4_GROUP = 32  # values a scale covers (mxfp4.GROUP)
 
 
 class ConfigError(ValueError):
@@ -225,6 +226,10 @@ def _quantization(cfg: dict, arch: str, source: str) -> str | None:
         known = ", ".join(f"{m} ({a})" for a, methods in QUANTIZATIONS.items() for m in methods)
         raise ConfigError(f"{source}: quantization_config quant_method {method!r} is not supported for {arch} "
                           f"(supported: {known}); serve the unquantized checkpoint")
+    for name in ("hidden_size", "intermediate_size"):  # MXFP4 (GPT-OSS): the experts' inputs and width
+        if int(cfg.get(name) or 0) % MXFP4_GROUP:
+            raise ConfigError(f"{source}: {name}={cfg.get(name)} is not a multiple of {MXFP4_GROUP}, "
+                              "MXFP4's group of values")
     return method
 
 

@@ -7,11 +7,21 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.engine.config import MXFP4_GROUP
+
 SUFFIXES = ("_blocks", "_scales")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
-GROUP = 32  # values a scale covers
+GROUP = MXFP4_GROUP  # values a scale covers
 DUMMY_SCALE = SCALE_BIAS - 7  # uniformly random codes (rms 2.93) then have an rms of 0.023, near loader.DUMMY_STD
+
+
+def group_split(total: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank `rank` of `size`'s slice [start, stop) of `total` (whole groups) in whole groups, the
+    first ranks a group more where they do not divide evenly (2880 over 4 ranks: 736, 736, 704, 704)."""
+    groups, extra = divmod(total // GROUP, size)
+    start = rank * groups + min(rank, extra)
+    return GROUP * start, GROUP * (start + groups + (rank < extra))
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

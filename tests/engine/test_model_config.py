@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from splitserve.engine.config import ConfigError
+from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.loader import load_model_config
 from tests.engine.test_loader import SHAPE, make_qwen2
 
@@ -61,3 +61,14 @@ def test_a_quantized_checkpoint_of_an_architecture_without_that_format_is_refuse
     (tmp_path / "config.json").write_text(json.dumps({**raw, "quantization_config": quant}))
     with pytest.raises(ConfigError, match=f"quant_method '{quant['quant_method']}' is not supported for Qwen2ForCausalLM"):
         load_model_config(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "intermediate_size"])
+def test_mxfp4_needs_whole_groups_of_32(field):
+    """An MXFP4 checkpoint's experts read 32 values a scale, along hidden (gate, up) and the width (down)."""
+    raw = {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "quantization_config": {"quant_method": "mxfp4"}}
+    assert ModelConfig.from_hf(raw).quantization == "mxfp4"
+    with pytest.raises(ConfigError, match=f"{field}=48 is not a multiple of 32"):
+        ModelConfig.from_hf({**raw, field: 48})

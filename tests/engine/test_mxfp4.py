@@ -11,11 +11,12 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from splitserve.engine.config import ConfigError
 from splitserve.engine.loader import CheckpointError, init_dummy_weights, load_model_config, load_weights
 from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.moe import route
 from splitserve.engine.model.sharding import Shard
 from splitserve.engine.mxfp4 import DUMMY_SCALE, SUFFIXES, dequantize
 from tests.engine.test_moe_checkpoints import make_gpt_oss
 
-WIDTH = 64  # the experts' width: two 32-value groups of down_proj's inputs
+WIDTH = 96  # the experts' width: three 32-value groups of down_proj's inputs
 
 
 def packed(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,16 +87,18 @@ def load(path, shard=Shard()) -> LlamaForCausalLM:
     return model
 
 
-@pytest.mark.parametrize("shard", [Shard(), Shard(1, 2), Shard(1, 4)], ids=["whole", "rank-1-of-2", "rank-1-of-4"])
-def test_an_mxfp4_checkpoint_loads_its_experts(tmp_path, shard):
-    """Kept packed where the rank's slice of the width is whole 32-value groups (whole, a half);
-    dequantized at load where it is not (16 of 64); either way they are the weights transformers
-    dequantizes, the rank's part of them."""
+@pytest.mark.parametrize("shard, lo, hi, packed", [
+    (Shard(), 0, 96, True), (Shard(0, 2), 0, 64, True), (Shard(1, 2), 64, 96, True),  # whole groups: 2 and 1
+    (Shard(1, 4), 24, 48, False)], ids=["whole", "rank-0-of-2", "rank-1-of-2", "rank-1-of-4"])  # 3 groups, 4 ranks
+def test_an_mxfp4_checkpoint_loads_its_experts(tmp_path, shard, lo, hi, packed):
+    """Kept packed, a rank's slice of the width in whole 32-value groups (the first rank a group
+    more where they do not divide evenly); dequantized at load, an equal slice each, where there are
+    fewer groups than ranks. Either way they are the weights transformers dequantizes, the rank's
+    part of them."""
     expected = write_mxfp4_checkpoint(tmp_path)
-    lo, hi = shard.split(WIDTH)
     for layer, block in enumerate(load(tmp_path, shard).model.layers):
         experts = block.mlp.experts
-        assert experts.packed == (shard.size < 4)
+        assert experts.packed == packed and experts.width == hi - lo
         w13, w2 = experts.stacks(torch.float32)
         gate_up = expected[f"model.layers.{layer}.mlp.experts.gate_up_proj"]  # [experts, in, out]: gate, up alternate
         down = expected[f"model.layers.{layer}.mlp.experts.down_proj"]
@@ -135,8 +138,23 @@ def test_dummy_packed_experts_are_random_codes_near_the_dummy_scale(tmp_path):
     assert torch.all(experts.w13_scales == DUMMY_SCALE)
     values = torch.stack([experts.stacks(torch.float32)[0][e] for e in range(4)])
     assert 0.015 < values.pow(2).mean().sqrt() < 0.03 and values.unique().numel() == 15  # every code (±0 alike)
-    assert torch.equal(part.w13_blocks, experts.w13_blocks[:, 64:])  # rows of gate, up pairs 32..63
-    assert torch.equal(part.w2_blocks, experts.w2_blocks[:, :, 1:])  # the second group of the width
+    assert torch.equal(part.w13_blocks, experts.w13_blocks[:, 128:])  # rows of gate, up pairs 64..95
+    assert torch.equal(part.w2_blocks, experts.w2_blocks[:, :, 2:])  # the third group of the width
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_of_unequal_widths_add_up_to_the_whole_layer(tmp_path, size):
+    """Over 2 ranks the three groups split 2 + 1: each rank's experts give a partial sum (what the
+    all-reduce adds), and the partial sums add up to the whole layer's experts."""
+    write_mxfp4_checkpoint(tmp_path)
+    whole = load(tmp_path).model.layers[0].mlp
+    ranks = [load(tmp_path, Shard(r, size)).model.layers[0].mlp.experts for r in range(size)]
+    assert [r.width for r in ranks] == ([64, 32] if size == 2 else [32, 32, 32])
+    x = torch.randn(10, whole.experts.w13_blocks.shape[2] * 32, generator=torch.Generator().manual_seed(1))
+    weights, ids = route(whole.router(x), 2, renormalize=False)
+    expected = whole.experts(x, weights, ids)  # thousands: float32 sums in another order differ in the 6th digit
+    torch.testing.assert_close(sum(r(x, weights, ids) for r in ranks), expected, rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("shard, message", [

@@ -14,6 +14,7 @@ from splitserve.engine.sequence import Sequence
 from splitserve.engine.tensor_parallel import TPError
 from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixture, module-wide)
 from tests.engine.hf_checkpoints import ENGINE_ARGS, prompt_ids, tokenizers_by_kind, write_checkpoint  # noqa: F401
+from tests.engine.test_mxfp4 import quantize_experts
 from tests.engine.tp_helpers import tp_engine
 
 ARGS = dict(ENGINE_ARGS, dtype="float32")
@@ -28,7 +29,9 @@ def checkpoints(tmp_path_factory, tokenizers_by_kind):  # noqa: F811
              "phi3_longrope", "mixtral_moe", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3", "gpt_oss")
     for name in names:
         write_checkpoint(root / name, name, tokenizers_by_kind)
-    return {name: str(root / name) for name in names}
+    write_checkpoint(root / "gpt_oss_mxfp4", "gpt_oss", tokenizers_by_kind)
+    quantize_experts(root / "gpt_oss_mxfp4", width=96, scale_shift=-5)  # 3 groups: 2 ranks hold 64 and 32
+    return {name: str(root / name) for name in names + ("gpt_oss_mxfp4",)}
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -69,11 +72,11 @@ def assert_close_outputs(ours, reference) -> None:
                                         ("llama_head_dim", 2), ("qwen3_qk_norm", 2), ("llama3_gqa_tied", 4),
                                         ("llama_mha", 4), ("phi3_fused_partial", 4), ("phi3_longrope", 2),
                                         ("mixtral_moe", 2), ("qwen3_moe", 4), ("qwen2_moe", 2), ("gemma2", 2),
-                                        ("gemma3", 2), ("gpt_oss", 2)])
+                                        ("gemma3", 2), ("gpt_oss", 2), ("gpt_oss_mxfp4", 2)])
 def test_tp_matches_one_rank(checkpoints, name, size):
     """Logits, prompt logprobs and greedy tokens of TP `size` equal one rank's; with 2 KV heads
     and 4 ranks each KV head is replicated on two ranks; each rank of an MoE model holds a slice
-    of every expert."""
+    of every expert (of MXFP4 ones, whole groups: slices of unequal widths)."""
     path = checkpoints[name]
     single = LLMEngine(path, **ARGS)
     ids = prompts(single.model_config.vocab_size)

@@ -8,8 +8,10 @@ The experts' weights are two stacked tensors, `w13` [experts, 2 * width, hidden]
 gate rows, then its up rows; GPT-OSS's alternate gate, up, as its checkpoints store them) and `w2`
 [experts, hidden, width], so one kernel serves all experts (`fused_moe` on CUDA). An MXFP4
 checkpoint's experts (GPT-OSS's release) stay packed as it stores them, rows alike (`mxfp4.Packed`:
-`w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales`), 4.25 bits a weight, where each rank's
-slice of the width is whole 32-value groups; otherwise they are dequantized at load.
+`w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales`), 4.25 bits a weight; with tensor
+parallelism each rank's slice of the width is whole 32-value groups (`mxfp4.group_split`: ranks'
+widths may differ by a group, as partial sums they add up alike), and only a width of fewer groups
+than ranks is dequantized at load instead.
 `checkpoint_tensors` names each expert's slices as the checkpoint stores them (GPT-OSS's stacked,
 [experts, in, out]). With tensor parallelism every rank holds every expert's slice [lo, hi) of the
 width (column-parallel gate and up, row-parallel down), a slice of the shared expert likewise, and
@@ -100,10 +102,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 class Experts(nn.Module):
     def __init__(self, c: ModelConfig, names: ExpertNames, shard: Shard = Shard()):
         super().__init__()
-        lo, hi = shard.split(c.moe_intermediate_size)
+        self.packed = c.quantization == "mxfp4" and c.moe_intermediate_size // mxfp4.GROUP >= shard.size
+        total = c.moe_intermediate_size
+        lo, hi = mxfp4.group_split(total, shard.rank, shard.size) if self.packed else shard.split(total)
         self.names, self.width, self.act = names, hi - lo, gated_act(c)
-        self.slice = ShardSlice(0, lo, hi, c.moe_intermediate_size) if shard.size > 1 else None
-        self.packed = c.quantization == "mxfp4" and lo % mxfp4.GROUP == 0 and hi % mxfp4.GROUP == 0
+        self.slice = ShardSlice(0, lo, hi, total) if shard.size > 1 else None
         if self.packed:
             for name, rows, cols in (("w13", 2 * self.width, c.hidden_size), ("w2", c.hidden_size, self.width)):
                 self.register_parameter(f"{name}_blocks", _bytes(c.num_experts, rows, cols // mxfp4.GROUP, 16))
