@@ -115,6 +115,7 @@ def test_a_chosen_split_count_is_the_largest_power_of_two_within_its_bounds():
     assert split_counts() == [1, 2, 4, 8, 16]
     assert TritonPagedBackend()._splits(8, 100, cpu) == 1  # no multiprocessor count off CUDA
     assert TritonPagedBackend(num_splits=3)._splits(8, 100, cpu) == 3  # a fixed count as given
+    assert TritonPagedBackend(num_splits=16)._splits(8, 3, cpu) == 2  # past the key tiles: as chosen
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -90,12 +90,16 @@ def test_a_variant_that_spills_fails_the_script(tmp_path):
     assert spilled and all(any(v["kernel"] in p and "spilled" in p for p in problems) for v in spilled)
 
 
-def test_gpt_oss_mxfp4_experts_compile_at_start_up_without_spills(tmp_path):
-    """Its experts read as MXFP4 bytes: their 64-row gate-up tile spilled on sm_80 until it took
-    32 columns."""
+def test_gpt_oss_compiles_its_variants_at_start_up_without_spills(tmp_path):
+    """Its experts read as MXFP4 bytes (their 64-row gate-up tile spilled on sm_80 until it took 32
+    columns); its windowed layers' 128 keys cap the warm-up's split counts at the power of two a
+    serving step picks (they once compiled a 3-split decode nothing else launches)."""
     code, archs = _run(tmp_path, "--shape", "gpt-oss-20b", "--arch", "80", "--steps", "10")
     report = archs["sm_80"]
     assert code == 0 and not report["problems"]
     moe = [v["spec"] for v in report["variants"] if v["kernel"] in ("_gate_up_kernel", "_down_kernel")]
     assert len(moe) == 4 and all("PACKED=True" in spec for spec in moe)
     assert {v["phase"] for v in report["variants"]} == {"start-up"}
+    splits = sorted(int(v["spec"].split("NUM_SPLITS=")[1].split()[0]) for v in report["variants"]
+                    if v["kernel"] == "paged_decode_kernel")
+    assert splits == [1, 2, 4, 8, 16]

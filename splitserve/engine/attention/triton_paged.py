@@ -85,12 +85,17 @@ class TritonPagedBackend(AttentionBackend):
 
     def _splits(self, programs: int, tiles: int, device: torch.device) -> int:
         """A power of two (each split count is a kernel variant: `split_counts` bounds them), at most
-        the key tiles, enough for about two programs per multiprocessor."""
+        the key tiles, enough for about two programs per multiprocessor. A fixed count is taken as
+        given, unless there are fewer key tiles (a short context, a windowed layer): then it is the
+        power of two a chosen count would be, so kernel_warm_up's fixed counts meet no other."""
         if self.num_splits is not None:
-            return min(self.num_splits, tiles)
-        if self.sms is None and device.type == "cuda":
-            self.sms = torch.cuda.get_device_properties(device).multi_processor_count
-        wanted = 1 if self.sms is None else min(MAX_SPLITS, 2 * self.sms // programs, tiles)
+            if self.num_splits <= tiles:
+                return self.num_splits
+            wanted = tiles
+        else:
+            if self.sms is None and device.type == "cuda":
+                self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+            wanted = 1 if self.sms is None else min(MAX_SPLITS, 2 * self.sms // programs, tiles)
         return 1 << (max(1, wanted).bit_length() - 1)
 
 
