@@ -1,7 +1,9 @@
 """The engine on a GPU: decode MBU, prefill MFU, offline throughput against `transformers`, and the
-same-node KV transfer, on a Llama-3-8B shape with dummy weights (bf16; nothing is downloaded).
+same-node KV transfer, on a Llama-3-8B shape (or another of engine/shapes.py: --shape) with dummy
+weights (bf16, MXFP4 experts where the shape has them; nothing is downloaded).
 
     python scripts/bench_gpu.py --json gpu.json     # a CUDA machine: about 10 minutes on one H100
+    python scripts/bench_gpu.py --shape gpt-oss-20b --sections decode,prefill --json oss.json
     python scripts/bench_gpu.py --tiny --json t.json  # every section on a tiny shape, on the CPU (tests)
 
 Each section runs in a process of its own (spawned, so one section's GPU memory is gone before the
@@ -14,12 +16,15 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
    (CUDA graphs replay them; the engine decodes no text, as on a token worker). Each row also
    has the device time of the model's forward (CUDA events around it) and the rest of the step
    outside it: the host's own work, which the device waits for, plus the LM head and sampling.
-   MBU = (weight bytes + KV bytes read per step) / step time / the device's HBM peak. Weight bytes: every layer, the final norm and the LM head (the embedding
-   reads B rows); KV bytes: B x mean context x bytes per token. Batches 1, 16, 64, 256 at 1k and
-   4k tokens; a row whose KV does not fit in the engine's cache says so instead.
+   MBU = (weight bytes + KV bytes read per step) / step time / the device's HBM peak. Weight bytes:
+   every layer (a sparse layer's experts: those B tokens hit, as uniform routing would), the final
+   norm and the LM head (the embedding reads B rows); KV bytes: B x mean context x bytes per token
+   (a windowed layer's: its window). Batches 1, 16, 64, 256 at 1k and 4k tokens; a row whose KV
+   does not fit in the engine's cache says so instead (`gpu_roofline` counts all of these).
 2. prefill: one prompt of N tokens in one step (prefill_first, budget N). MFU = model FLOPs / step
-   time / the dense bf16 peak; model FLOPs = 2 N x layer parameters + 2 x the LM head (the sampled
-   row) + causal attention, 2 N^2 x heads x head size per layer.
+   time / the dense bf16 peak; model FLOPs = 2 N x layer parameters (a sparse layer's top-k
+   experts) + 2 x the LM head (the sampled row) + causal attention, 2 N^2 x heads x head size per
+   layer (a windowed one's within its window). Prompts past a shape's context are left out.
 3. throughput: 64 prompts of 512 tokens, 256 greedy output tokens each, all in flight: ours
    (`LLM.generate`) against `transformers` `generate` (one static batch of 64, the same shape, its
    own random weights, its default attention), median of --repeats runs each after a warm-up;
@@ -28,8 +33,9 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
    token worker's cache through CUDA IPC: visible / serialized transfer for 2k and 8k prompts.
 
 Peaks (vendor data sheets, dense bf16 without sparsity) come from the device's name; --hbm-tbs and
---bf16-tflops give others. Targets (an H100): decode MBU >= 60% at batch 1 and >= 50% at batch 64,
-prefill MFU >= 50% at 8k, throughput >= 5x transformers, visible transfer <= 10% of serialized at 8k.
+--bf16-tflops give others. Targets (an H100, the Llama-3-8B shape): decode MBU >= 60% at batch 1 and
+>= 50% at batch 64, prefill MFU >= 50% at 8k, throughput >= 5x transformers, visible transfer <= 10%
+of serialized at 8k.
 """
 from __future__ import annotations
 
@@ -49,11 +55,11 @@ import torch
 
 from call_timer import timed  # this script's folder, as the two below
 from gpu_report import print_table, report
-from gpu_roofline import decode_weight_bytes, peaks, prefill_flops
+from gpu_roofline import decode_kv_bytes, decode_weight_bytes, peaks, prefill_flops
 from kv_pair import Pair, kv_bytes_per_token, measure
 
 from splitserve.engine.loader import write_shape_checkpoint
-from splitserve.engine.shapes import LLAMA3_8B
+from splitserve.engine.shapes import LLAMA3_8B, SHAPES
 
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
@@ -61,14 +67,20 @@ TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size":
 MIN_SECTION_S = 60  # with less of the --budget left a section is skipped: start-up alone takes longer
 
 
-def settings(tiny: bool) -> dict:
+def settings(tiny: bool, shape: str = "llama3-8b") -> dict:
     if tiny:
-        return {"config": TINY, "engine": {"device": "cpu", "dtype": "float32"}, "batches": [1, 4],
-                "contexts": [64, 256], "prefill": [128, 512], "in_flight": 4, "prompt": 32, "output": 16,
-                "transfer": [128, 512], "transfer_backend": "ipc"}
-    return {"config": LLAMA3_8B, "engine": {"device": "cuda", "dtype": "bfloat16"}, "batches": [1, 16, 64, 256],
-            "contexts": [1024, 4096], "prefill": [2048, 8192], "in_flight": 64, "prompt": 512, "output": 256,
-            "transfer": [2048, 8192], "transfer_backend": "ipc"}
+        return {"config": TINY, "shape": "tiny Llama (dummy)", "engine": {"device": "cpu", "dtype": "float32"},
+                "batches": [1, 4], "contexts": [64, 256], "prefill": [128, 512], "in_flight": 4, "prompt": 32,
+                "output": 16, "transfer": [128, 512], "transfer_backend": "ipc"}
+    config = SHAPES[shape]
+
+    def fits(lengths):  # an engine takes a prompt below its max_model_len, 16 past the longest
+        return [n for n in lengths if n + 16 <= config["max_position_embeddings"]]
+
+    name = "Llama-3-8B shape, 128k context" if shape == "llama3-8b" else f"{shape} shape"
+    return {"config": config, "shape": f"{name} (dummy weights)", "engine": {"device": "cuda", "dtype": "bfloat16"},
+            "batches": [1, 16, 64, 256], "contexts": fits([1024, 4096]), "prefill": fits([2048, 8192]),
+            "in_flight": 64, "prompt": 512, "output": 256, "transfer": fits([2048, 8192]), "transfer_backend": "ipc"}
 
 
 def device_name(engine_args: dict) -> str:
@@ -138,7 +150,7 @@ def decode_section(model: str, s: dict, args) -> list[dict]:
     engine.kv_cache.data.normal_()
     clock = ForwardClock(engine.runner)
     capacity = engine.block_manager.num_free_blocks * engine.kv_cache.block_size
-    element, per_token = engine.kv_cache.data.element_size(), kv_bytes_per_token(model, engine.kv_cache.data.element_size())
+    element = engine.kv_cache.data.element_size()
     # as a cluster's token worker runs a request without stop strings: the ingress decodes the ids
     params = SamplingParams(temperature=0, max_tokens=warm + args.steps + 2, ignore_eos=True).ids_only()
     rng, rows = random.Random(0), []
@@ -160,7 +172,8 @@ def decode_section(model: str, s: dict, args) -> list[dict]:
             for request_id in ids:
                 engine.abort(request_id)
             step = statistics.median(times)
-            read = decode_weight_bytes(c, batch, element) + batch * (context + warm + args.steps / 2) * per_token
+            read = decode_weight_bytes(c, batch, element) + decode_kv_bytes(c, batch, context + warm + args.steps / 2,
+                                                                            element)
             rows.append({**row, "step_ms": step * 1e3, "step_ms_min": min(times) * 1e3,
                          "step_ms_max": max(times) * 1e3, "forward_ms": forward * 1e3,
                          "outside_forward_ms": statistics.median(t - f for t, f in zip(times, clock.steps)) * 1e3,
@@ -212,14 +225,17 @@ def ours_section(model: str, s: dict, args) -> list[dict]:
 
 
 def hf_section(model: str, s: dict, args) -> list[dict]:
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = getattr(torch, s["engine"]["dtype"])
     device = torch.device(s["engine"]["device"])
 
     def build():
+        config = AutoConfig.from_pretrained(model)
+        if hasattr(config, "quantization_config"):  # MXFP4 experts: transformers' own dequantized (bf16) ones
+            del config.quantization_config
         with device:
-            return LlamaForCausalLM._from_config(AutoConfig.from_pretrained(model), dtype=dtype).eval()
+            return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
     hf, startup = started(build)
     ids = torch.tensor(throughput_prompts(s), device=device)
@@ -299,6 +315,7 @@ def run_section(name: str, model: str, s: dict, args, timeout: float) -> list[di
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: every section, in seconds")
+    p.add_argument("--shape", default="llama3-8b", choices=list(SHAPES), help="the model shape (engine/shapes.py)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per row")
     p.add_argument("--repeats", type=int, default=3, help="prefill, throughput and transfer runs per row")
@@ -312,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.sections.split(",")
     if set(names) - set(SECTIONS):
         p.error(f"--sections takes {', '.join(SECTIONS)}; got {args.sections!r}")
-    s = settings(args.tiny)
+    s = settings(args.tiny, args.shape)
     if s["engine"]["device"] == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device: run with --tiny for the CPU version")
     device = device_name(s["engine"])
@@ -325,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             got = run_section(name, model, s, args, min(args.section_timeout, left)) if left >= MIN_SECTION_S else [
                 {"section": name, "skipped": f"{left:.0f} s of the --budget left"}]
             rows += got
-            result = report(rows, device, *hbm_flops, args.tiny)
+            result = report(rows, device, *hbm_flops, s["shape"], targets=not args.tiny and args.shape == "llama3-8b")
             if args.json:
                 args.json.write_text(json.dumps(result, indent=2) + "\n")
             print(f"section {name}: {json.dumps(got)}", flush=True)

@@ -27,6 +27,7 @@ def load_script(name: str):
 
 
 bench_gpu = load_script("bench_gpu")
+gpu_roofline = load_script("gpu_roofline")
 
 
 def test_tiny_run_writes_every_section(tmp_path):
@@ -123,12 +124,56 @@ def test_prefill_flops_are_transformers_counted_flops_with_causal_attention_and_
     assert bench_gpu.prefill_flops(c, n) == pytest.approx(expected, rel=1e-9)
 
 
-@pytest.mark.parametrize("tiny", [True, False])
-def test_every_prompt_length_fits_the_shapes_context(tiny):
+@pytest.mark.parametrize("tiny, shape", [(True, "llama3-8b")] + [(False, shape) for shape in bench_gpu.SHAPES])
+def test_every_prompt_length_fits_the_shapes_context(tiny, shape):
     # the engine takes a prompt only below max_model_len, which a model's context bounds (sections add 16)
-    s = bench_gpu.settings(tiny)
+    s = bench_gpu.settings(tiny, shape)
     longest = max(s["prefill"] + s["transfer"] + s["contexts"] + [s["prompt"] + s["output"]])
     assert longest + 16 <= s["config"]["max_position_embeddings"]
+    assert s["prefill"] == ([128, 512] if tiny else [2048] if shape == "gemma2-9b" else [2048, 8192])  # 8k context
+
+
+def hf_moe(kind: str):
+    """A tiny transformers GPT-OSS (sinks, biases everywhere, a window) or Qwen2-MoE (a shared
+    expert and its gate, q/k/v biases), and its config.json dict."""
+    from transformers import GptOssConfig, GptOssForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    common = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256)
+    if kind == "gpt_oss":
+        config = GptOssConfig(**common, intermediate_size=32, head_dim=16, num_local_experts=4,
+                              num_experts_per_tok=2, sliding_window=8)
+        model = GptOssForCausalLM(config)
+    else:
+        config = Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, shared_expert_intermediate_size=48)
+        model = Qwen2MoeForCausalLM(config)
+    return model, {**json.loads(config.to_json_string()), "architectures": [type(model).__name__]}
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "qwen2_moe"])
+def test_a_sparse_models_weights_are_transformers_parameters_but_the_embedding(kind):
+    model, c = hf_moe(kind)
+    params = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    assert gpu_roofline.weight_bytes(c, element=2) == 2 * params  # every expert
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert gpu_roofline.weight_bytes(c, element=2, experts=1) == 2 * (params - experts * 3 / 4)  # 1 of 4
+
+
+def test_mxfp4_experts_read_17_32_of_a_byte_a_weight():
+    _, c = hf_moe("gpt_oss")
+    quantized = {**c, "quantization_config": {"quant_method": "mxfp4"}}
+    matrices = 2 * 4 * 3 * 64 * 32  # layers x experts x (gate, up, down) x hidden x width
+    assert gpu_roofline.weight_bytes(c, 2) - gpu_roofline.weight_bytes(quantized, 2) == matrices * (2 - 17 / 32)
+
+
+def test_a_decode_reads_the_experts_its_tokens_hit_and_a_windowed_layers_window():
+    _, c = hf_moe("gpt_oss")
+    assert gpu_roofline.experts_hit(c, 1) == 2 and gpu_roofline.experts_hit(c, 4) == 4 * (1 - 1 / 2 ** 4)  # top 2 of 4
+    assert gpu_roofline.decode_weight_bytes(c, 1, 2) == gpu_roofline.weight_bytes(c, 2, experts=2) + 64 * 2
+    per_token = 2 * 2 * 16 * 2  # K and V, 2 KV heads of 16 dims, bf16
+    assert c["layer_types"] == ["sliding_attention", "full_attention"]
+    assert gpu_roofline.decode_kv_bytes(c, 3, 100, 2) == 3 * per_token * (8 + 100)
 
 
 def test_a_pair_whose_worker_dies_raises_instead_of_waiting():
