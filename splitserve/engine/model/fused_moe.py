@@ -39,6 +39,14 @@ def _e2m1(codes):
 
 
 @triton.jit
+def _group_inputs(a_ptr, rows, stride_row, group, valid):
+    """Rows `rows` of a's 32-value group `group`: its even and odd columns, each [M, 16] (zeros
+    where not `valid`), which a packed byte's low and high nibbles multiply."""
+    at = a_ptr + rows[:, None] * stride_row + group * 32 + 2 * tl.arange(0, 16)[None, :]
+    return tl.load(at, mask=valid[:, None], other=0.0), tl.load(at + 1, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
 def _mxfp4_group(acc, a_even, a_odd, blocks, scales, rows, group, stride_row, stride_scale_row, row_ok,
                  PRECISION: tl.constexpr):
     """acc + a @ W[rows, group].T over one 32-value group of MXFP4 rows `rows` (byte j holds values
@@ -79,9 +87,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
     if PACKED:  # hidden is whole groups
         s = s_ptr + expert.to(tl.int64) * stride_se
         for group in range(0, hidden // 32):
-            k = group * 32 + 2 * tl.arange(0, 16)
-            a_even = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=valid[:, None], other=0.0)
-            a_odd = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :] + 1, mask=valid[:, None], other=0.0)
+            a_even, a_odd = _group_inputs(x_ptr, tokens, stride_x, group, valid)
             gate = _mxfp4_group(gate, a_even, a_odd, w, s, gate_rows, group, stride_wn, stride_sn, col_ok, PRECISION)
             up = _mxfp4_group(up, a_even, a_odd, w, s, up_rows, group, stride_wn, stride_sn, col_ok, PRECISION)
     else:
@@ -130,9 +136,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_
     if PACKED:  # the width is whole groups
         s = s_ptr + expert.to(tl.int64) * stride_se
         for group in range(0, width // 32):
-            k = group * 32 + 2 * tl.arange(0, 16)
-            a_even = tl.load(act_ptr + at[:, None] * stride_act + k[None, :], mask=valid[:, None], other=0.0)
-            a_odd = tl.load(act_ptr + at[:, None] * stride_act + k[None, :] + 1, mask=valid[:, None], other=0.0)
+            a_even, a_odd = _group_inputs(act_ptr, at, stride_act, group, valid)
             acc = _mxfp4_group(acc, a_even, a_odd, w, s, cols, group, stride_wn, stride_sn, col_ok, PRECISION)
     else:
         for start in range(0, width, BLOCK_K):
