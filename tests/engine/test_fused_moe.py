@@ -73,7 +73,8 @@ def test_gpt_oss_experts_equal_the_oracle(limit):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-@pytest.mark.parametrize("act", [GatedAct(), GatedAct(interleaved=True, alpha=1.702, limit=7.0)], ids=["silu", "gpt-oss"])
+@pytest.mark.parametrize("act", [GatedAct(), GatedAct(interleaved=True, alpha=1.702, limit=7.0)],
+                         ids=["silu", "gpt-oss"])
 @pytest.mark.parametrize("tokens, block_m", [(3, 16), (40, 64)])
 def test_mxfp4_experts_equal_the_dequantized_oracle(dtype, act, tokens, block_m):
     """Experts kept as MXFP4 bytes compute what their dequantized weights do: every code, scales
