@@ -26,7 +26,8 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
-QUANTIZATIONS = {"GptOssForCausalLM": ("mxfp4",)}  # checkpoint formats of the experts served (engine/mxfp4.py)
+# quantized checkpoint formats served: GPT-OSS's MXFP4 experts (engine/mxfp4.py), block-wise FP8 weights (engine/fp8.py)
+QUANTIZATIONS = {arch: ("mxfp4",) if arch == "GptOssForCausalLM" else ("fp8",) for arch in SUPPORTED_ARCHITECTURES}
 MXFP4_GROUP = 32  # values a scale covers (mxfp4.GROUP)
 
 
@@ -93,7 +94,8 @@ class ModelConfig:
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling); None: rope_theta
     weights_prefix: str = ""       # a multimodal checkpoint's: what its language model's tensor names start with
     skipped_weights: tuple[str, ...] = ()  # ... and the prefixes of the tensors it does not serve (the vision tower)
-    quantization: str | None = None  # the checkpoint's experts' format (QUANTIZATIONS); None: the model's dtype
+    quantization: str | None = None  # the checkpoint's weights' format (QUANTIZATIONS); None: the model's dtype
+    weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: the tensor)
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -145,7 +147,7 @@ class ModelConfig:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        quantization = _quantization(cfg, arch, source)
+        quantization, block = _quantization(cfg, arch, source)
         if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias"):
             raise ConfigError(f"{source}: attention_bias=true is not supported for {arch} (it would put a "
                               "bias on o_proj too); released Qwen3 checkpoints have none")
@@ -174,7 +176,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **_parse_window(cfg, arch, source, layers), hidden_act=_activation(cfg, source), **(gemma_fields if gemma else {}),
             **(_parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
-            quantization=quantization, torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            quantization=quantization, weight_block_size=block, torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
         )
 
@@ -186,7 +188,7 @@ def _text_config(cfg: dict, arch: str, source: str) -> dict:
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: missing required field 'text_config'")
     merged = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}, "architectures": [arch]}
-    for name in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
+    for name in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "quantization_config"):
         if name in cfg and name not in text:
             merged[name] = cfg[name]
     return merged
@@ -215,22 +217,36 @@ def _parse_gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict
                       local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))))
 
 
-def _quantization(cfg: dict, arch: str, source: str) -> str | None:
-    """The quant_method of a quantized checkpoint, which loads only in a format `QUANTIZATIONS`
-    lists for its architecture; None for an unquantized one."""
+def _quantization(cfg: dict, arch: str, source: str) -> tuple[str | None, tuple[int, int] | None]:
+    """(the quant_method of a quantized checkpoint, which loads only in a format `QUANTIZATIONS`
+    lists for its architecture, and FP8's weight_block_size); (None, None) for an unquantized one."""
     quant = cfg.get("quantization_config")
     if quant is None:
-        return None
+        return None, None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method not in QUANTIZATIONS.get(arch, ()):
-        known = ", ".join(f"{m} ({a})" for a, methods in QUANTIZATIONS.items() for m in methods)
         raise ConfigError(f"{source}: quantization_config quant_method {method!r} is not supported for {arch} "
-                          f"(supported: {known}); serve the unquantized checkpoint")
+                          f"(supported: {', '.join(QUANTIZATIONS[arch])}); serve the unquantized checkpoint")
+    if method == "fp8":
+        return method, _fp8_block(quant, source)
     for name in ("hidden_size", "intermediate_size"):  # MXFP4 (GPT-OSS): the experts' inputs and width
         if int(cfg.get(name) or 0) % MXFP4_GROUP:
             raise ConfigError(f"{source}: {name}={cfg.get(name)} is not a multiple of {MXFP4_GROUP}, "
                               "MXFP4's group of values")
-    return method
+    return method, None
+
+
+def _fp8_block(quant: dict, source: str) -> tuple[int, int] | None:
+    """FP8's weight_block_size (null or absent: one scale a tensor); its weights are float8 e4m3."""
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"{source}: quantization_config fmt {quant['fmt']!r} is not supported (FP8 e4m3 only)")
+    block = quant.get("weight_block_size")
+    if block is None:
+        return None
+    if not isinstance(block, list) or len(block) != 2:
+        raise ConfigError(f"{source}: quantization_config weight_block_size must be [rows, cols], got {block!r}")
+    return (_positive_int(block[0], "quantization_config.weight_block_size[0]", source),
+            _positive_int(block[1], "quantization_config.weight_block_size[1]", source))
 
 
 def _positive(cfg: dict, name: str, default: float | None, source: str) -> float | None:

@@ -6,8 +6,9 @@ projection as one tensor (Phi-3's `qkv_proj`, `gate_up_proj`) is read as its par
 of it. A tied `lm_head` is recognised because it is the same tensor as
 `model.embed_tokens.weight`, so loading either name fills both. A tensor-parallel rank reads only
 its part of each tensor from the file (`shard_slices`). An MXFP4 tensor (GPT-OSS's experts: its
-`_blocks` and `_scales`, `mxfp4`) loads as it is where the model keeps it packed; otherwise it is
-dequantized whole on the parameter's device, then the rank's part of it is kept.
+`_blocks` and `_scales`, `mxfp4`) loads as it is where the model keeps it packed; otherwise it is,
+as an FP8 weight (its float8 `.weight` and `.weight_scale_inv`, `fp8`) is, dequantized whole on the
+parameter's device once both halves are read, then the rank's part of it is kept.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from splitserve.engine import mxfp4
+from splitserve.engine import fp8, mxfp4
 from splitserve.engine.config import FUSED_ARCHITECTURES, ModelConfig
 from splitserve.engine.model.llama import RMSNorm, checkpoint_tensors, shard_slices
 from splitserve.engine.model.sharding import ShardSlice
@@ -68,15 +69,18 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
     absent = getattr(model, "absent_tensors", frozenset())  # held by another rank only
     config = model.config if isinstance(getattr(model, "config", None), ModelConfig) else None  # ours, not HF's
     loaded: set[tuple[int, tuple]] = set()  # (storage offset, shape): a tied weight counts once for both names
-    packed: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 tensor's name -> its blocks and scales read so far
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # a quantized tensor's name -> its halves read so far
+    ignored = IGNORED_SUFFIXES + (fp8.IGNORED_SUFFIXES if config is not None and config.quantization == "fp8" else ())
     with torch.no_grad():
         for file, name, handle in _iter_with_files(path):
             ours = _model_name(file, name, config)
-            if ours is None or ours.endswith(IGNORED_SUFFIXES) or ours in absent:
+            if ours is None or ours.endswith(ignored):
                 continue
-            dequantized = None
-            if ours.endswith(mxfp4.SUFFIXES) and ours not in targets:
-                ours, dequantized = _unpacked(file, ours, handle.get_tensor(name), packed, targets)
+            dequantized, half = None, _quantized_half(ours, handle, name, config, targets)
+            if (half[0] if half else ours) in absent:
+                continue
+            if half is not None:
+                ours, dequantized = _joined(file, *half, handle.get_tensor(name), packed, targets, config)
                 if dequantized is None:
                     continue
             found = []  # (parameter, its part of the tensor as shard_slices says, that tensor's full shape)
@@ -102,8 +106,8 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
                     target.copy_(part.take(dequantized) if part else dequantized)
                 loaded.add(_where(target))
     if packed:
-        raise CheckpointError(f"{_weights_file(path)}: MXFP4 tensors {sorted(packed)} lack their "
-                              f"{' or '.join(mxfp4.SUFFIXES)} half")
+        lacking = sorted(_other_half(base, halves, config) for base, halves in packed.items())
+        raise CheckpointError(f"{_weights_file(path)}: quantized tensors lack their other half: {lacking}")
     missing = [name for name, target in targets.items() if _where(target) not in loaded]
     if missing:
         raise CheckpointError(f"{_weights_file(path)}: checkpoint has no tensor for parameters {missing}")
@@ -214,24 +218,55 @@ def _fused_parts(name: str, config: ModelConfig | None) -> list[str] | None:
     return [f"{prefix}.{part}.{kind}" for part in FUSED_PARTS.get(projection, ())] or None
 
 
-def _unpacked(file: Path, name: str, tensor: torch.Tensor, packed: dict,
-              targets: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor | None]:
-    """(the MXFP4 tensor's name, its values [..., in, out] on its parameter's device and dtype) once
-    both its halves are in `packed`, with `tensor` (half `name`); before then its values are None."""
-    base, _, half = name.rpartition("_")
+def _quantized_half(name: str, handle, checkpoint_name: str, config: ModelConfig | None,
+                    targets: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+    """(the tensor it is half of, which half) for half of a quantized tensor the model dequantizes:
+    MXFP4's blocks or scales (where the model does not keep them packed), FP8's float8 weight or
+    its scales; None for any other tensor."""
+    if name.endswith(mxfp4.SUFFIXES) and name not in targets:
+        base, _, half = name.rpartition("_")
+        return base, half
+    if config is None or config.quantization != "fp8":
+        return None
+    suffix = next((s for s in fp8.SCALE_SUFFIXES if name.endswith(s)), None)
+    if suffix is not None:
+        return name.removesuffix(suffix), "scale"
+    if handle.get_slice(checkpoint_name).get_dtype().startswith("F8"):
+        return name, "weight"
+    return None
+
+
+def _other_half(base: str, halves: dict[str, torch.Tensor], config: ModelConfig | None) -> str:
+    """The name of the half a quantized tensor lacks."""
+    if "scale" in halves:
+        return f"{base} (float8)"
+    if "weight" in halves:  # block-wise scales are named _scale_inv; a tensor's, _scale or that
+        return base + fp8.SCALE_SUFFIXES[0 if config.weight_block_size else 1]
+    return base + ("_scales" if "blocks" in halves else "_blocks")
+
+
+def _joined(file: Path, base: str, half: str, tensor: torch.Tensor, packed: dict, targets: dict[str, torch.Tensor],
+            config: ModelConfig | None) -> tuple[str, torch.Tensor | None]:
+    """(the quantized tensor's name, its values as the checkpoint's unquantized tensor would hold
+    them, on its parameter's device and dtype) once both its halves are in `packed`, with `tensor`
+    (its half `half`); before then its values are None."""
     halves = packed.setdefault(base, {})
     halves[half] = tensor
     if len(halves) < 2:
         return base, None
     del packed[base]
-    target = targets.get(base)
+    names = [base] + (_fused_parts(base, config) or [])  # a fused tensor's parameters are its parts'
+    target = next((targets[n] for n in names if n in targets), None)
     if target is None:
-        raise CheckpointError(f"{file}: MXFP4 tensor {base!r} has no matching parameter")
+        raise CheckpointError(f"{file}: quantized tensor {base!r} has no matching parameter")
+    device, dtype = target.device, target.dtype
     try:
-        values = mxfp4.dequantize(halves["blocks"].to(target.device), halves["scales"].to(target.device), target.dtype)
+        if half in ("weight", "scale"):
+            return base, fp8.dequantize(halves["weight"].to(device), halves["scale"].to(device),
+                                        config.weight_block_size, dtype)
+        return base, mxfp4.dequantize(halves["blocks"].to(device), halves["scales"].to(device), dtype).transpose(-1, -2)
     except ValueError as exc:
         raise CheckpointError(f"{file}: tensor {base!r}: {exc}") from exc
-    return base, values.transpose(-1, -2)
 
 
 def _read(handle, name: str, part: ShardSlice | None) -> torch.Tensor:

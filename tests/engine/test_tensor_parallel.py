@@ -14,6 +14,7 @@ from splitserve.engine.sequence import Sequence
 from splitserve.engine.tensor_parallel import TPError
 from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixture, module-wide)
 from tests.engine.hf_checkpoints import ENGINE_ARGS, prompt_ids, tokenizers_by_kind, write_checkpoint  # noqa: F401
+from tests.engine.test_fp8 import quantize_checkpoint
 from tests.engine.test_mxfp4 import quantize_experts
 from tests.engine.tp_helpers import tp_engine
 
@@ -31,7 +32,9 @@ def checkpoints(tmp_path_factory, tokenizers_by_kind):  # noqa: F811
         write_checkpoint(root / name, name, tokenizers_by_kind)
     write_checkpoint(root / "gpt_oss_mxfp4", "gpt_oss", tokenizers_by_kind)
     quantize_experts(root / "gpt_oss_mxfp4", width=96, scale_shift=-5)  # 3 groups: 2 ranks hold 64 and 32
-    return {name: str(root / name) for name in names + ("gpt_oss_mxfp4",)}
+    write_checkpoint(root / "qwen3_moe_fp8", "qwen3_moe", tokenizers_by_kind)
+    quantize_checkpoint(root / "qwen3_moe_fp8")  # each rank dequantizes a whole weight, then keeps its part
+    return {name: str(root / name) for name in names + ("gpt_oss_mxfp4", "qwen3_moe_fp8")}
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -72,7 +75,8 @@ def assert_close_outputs(ours, reference) -> None:
                                         ("llama_head_dim", 2), ("qwen3_qk_norm", 2), ("llama3_gqa_tied", 4),
                                         ("llama_mha", 4), ("phi3_fused_partial", 4), ("phi3_longrope", 2),
                                         ("mixtral_moe", 2), ("qwen3_moe", 4), ("qwen2_moe", 2), ("gemma2", 2),
-                                        ("gemma3", 2), ("gpt_oss", 2), ("gpt_oss_mxfp4", 2)])
+                                        ("gemma3", 2), ("gpt_oss", 2), ("gpt_oss_mxfp4", 2),
+                                        ("qwen3_moe_fp8", 2)])
 def test_tp_matches_one_rank(checkpoints, name, size):
     """Logits, prompt logprobs and greedy tokens of TP `size` equal one rank's; with 2 KV heads
     and 4 ranks each KV head is replicated on two ranks; each rank of an MoE model holds a slice

@@ -1,0 +1,32 @@
+"""FP8 checkpoints (`quant_method: fp8`, as Qwen3's and DeepSeek's FP8 releases store them): a
+linear layer's `<name>.weight` in float8 e4m3 beside `<name>.weight_scale_inv` float32, one scale
+per block of `weight_block_size` [rows, cols] (the last blocks of a dim partial), or one for the
+whole tensor without a block size (AutoFP8's checkpoints name it `weight_scale`, beside the
+`input_scale` of their static activation scheme); each value is its code times its block's scale.
+The weights are dequantized at load to the serving dtype: the checkpoint loads, in that dtype's
+memory, and activations stay in it."""
+from __future__ import annotations
+
+import torch
+
+SCALE_SUFFIXES = ("_scale_inv", "_scale")  # of a weight's name: its scales
+IGNORED_SUFFIXES = (".input_scale",)  # a static activation scheme's: activations are not quantized here
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """[rows, cols] of `dtype` from float8 codes [rows, cols] and float32 scales
+    [ceil(rows / block rows), ceil(cols / block cols)] (one scale without a block)."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"an FP8 weight must be float8_e4m3fn [rows, cols], got {weight.dtype} {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    if block is None:
+        if scale.numel() != 1:
+            raise ValueError(f"a tensor-wise FP8 scale must be one value, got shape {tuple(scale.shape)}")
+        return (weight.float() * scale.float().reshape(())).to(dtype)
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape) != grid:
+        raise ValueError(f"FP8 scales for a {rows}x{cols} weight in {block[0]}x{block[1]} blocks must be "
+                         f"{grid[0]}x{grid[1]}, got {tuple(scale.shape)}")
+    expanded = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (weight.float() * expanded).to(dtype)

@@ -1,0 +1,147 @@
+"""FP8 checkpoints (block-wise, as Qwen3's FP8 releases store them): dequantized as transformers
+dequantizes them (its FineGrainedFP8 path, which dequantizes on a machine without a GPU), and a
+dense and an MoE checkpoint whose linear weights are stored so give transformers' logits (over
+tensor-parallel ranks: test_tensor_parallel.py)."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.fp8 import dequantize
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.loader import CheckpointError, load_model_config
+from splitserve.engine.policies import ScheduledSeq
+from tests.engine.hf_checkpoints import (  # noqa: F401 (fixture)
+    ENGINE_ARGS, hf_logits, prompt_ids, tokenizers_by_kind, write_checkpoint,
+)
+from tests.engine.runner_helpers import max_diff, new_seq, run_plan
+
+FP8_MAX = 448.0  # e4m3's largest value
+BLOCK = 32
+
+
+def quantize(weight: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float8 codes and their scales, each block's absolute maximum mapped to FP8_MAX (one block:
+    the tensor), as FP8 checkpoints are made."""
+    if block is None:
+        scale = weight.abs().max().clamp_min(1e-12) / FP8_MAX
+        return (weight / scale).to(torch.float8_e4m3fn), scale.reshape(1).float()
+    rows, cols = weight.shape
+    grid = (-(-rows // block), -(-cols // block))
+    padded = torch.zeros(grid[0] * block, grid[1] * block)
+    padded[:rows, :cols] = weight
+    scale = padded.view(grid[0], block, grid[1], block).abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return (padded / expanded)[:rows, :cols].to(torch.float8_e4m3fn), scale
+
+
+def transformers_dequantized(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize(None)._dequantize_one(codes, scale, output_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("block", [BLOCK, None], ids=["blocks", "tensor"])
+def test_dequantized_as_transformers_dequantizes(block):
+    codes, scale = quantize(torch.randn(96, 64, generator=torch.Generator().manual_seed(0)), block)
+    assert torch.equal(dequantize(codes, scale, None if block is None else (block, block), torch.float32),
+                       transformers_dequantized(codes, scale))
+
+
+def test_partial_blocks_take_their_own_scale():
+    """70 x 50 in 32 x 32 blocks: the last row and column of blocks are partial (ceil, as vLLM
+    reads them); each value is its code times its block's scale."""
+    codes, scale = quantize(torch.randn(70, 50, generator=torch.Generator().manual_seed(1)), BLOCK)
+    ours = dequantize(codes, scale, (BLOCK, BLOCK), torch.float32)
+    for r, c in [(0, 0), (31, 32), (64, 49), (69, 0), (69, 49)]:
+        assert ours[r, c] == codes[r, c].float() * scale[r // BLOCK, c // BLOCK]
+
+
+def test_malformed_scales_are_refused():
+    codes, scale = quantize(torch.randn(70, 50), BLOCK)
+    with pytest.raises(ValueError, match=r"in 32x32 blocks must be 3x2, got \(2, 2\)"):
+        dequantize(codes, scale[:2], (BLOCK, BLOCK), torch.float32)
+    with pytest.raises(ValueError, match="must be float8_e4m3fn"):
+        dequantize(codes.float(), scale, (BLOCK, BLOCK), torch.float32)
+
+
+def quantize_checkpoint(path, block: int | None = BLOCK, drop: str | None = None, static: bool = False) -> None:
+    """Rewrite the checkpoint at `path` as an FP8 release stores one: every attention and MLP
+    projection (each expert's too) as float8 codes and `weight_scale_inv` (`static`: AutoFP8's
+    `weight_scale` and an `input_scale`), the embeddings, norms, routers and LM head as they were;
+    without tensor `drop`."""
+    tensors = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            tensors[name], tensors[name + ("_scale" if static else "_scale_inv")] = quantize(tensor, block)
+            if static:
+                tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor([0.02])
+        else:
+            tensors[name] = tensor.contiguous()
+    if drop is not None:
+        del tensors[drop]
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+                                     "fmt": "e4m3",
+                                     "weight_block_size": None if block is None else [block, block]}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def reference(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    seq = new_seq(engine, "a", ids)
+    return run_plan(engine, [ScheduledSeq(seq, len(ids))])["a"]
+
+
+@pytest.mark.parametrize("name, block", [("qwen3_qk_norm", BLOCK), ("qwen3_qk_norm", None), ("qwen3_moe", BLOCK)])
+def test_an_fp8_checkpoint_gives_transformers_logits(tmp_path, tokenizers_by_kind, name, block):
+    write_checkpoint(tmp_path, name, tokenizers_by_kind)
+    quantize_checkpoint(tmp_path, block)
+    config = load_model_config(tmp_path)
+    assert config.quantization == "fp8" and config.weight_block_size == (None if block is None else (block, block))
+    hf = reference(tmp_path)
+    assert "Fp8" not in type(hf.model.layers[0].self_attn.q_proj).__name__  # dequantized: the reference math
+    ids = prompt_ids(1, 37, hf.config.vocab_size)
+    ours, ref = prefill_logits(LLMEngine(str(tmp_path), dtype="float32", **ENGINE_ARGS), ids), hf_logits(hf, ids)
+    assert ref.std().item() > 1.0 and max_diff(ours, ref) <= 1e-4, max_diff(ours, ref)
+
+
+def test_autofp8_s_static_checkpoints_load_alike(tmp_path, tokenizers_by_kind):
+    """Tensor-wise scales named `weight_scale`, beside `input_scale`s (unused: activations stay in
+    the serving dtype), give the logits of the same codes with their scales named as above."""
+    logits = []
+    for static in (False, True):
+        path = tmp_path / str(static)
+        hf = write_checkpoint(path, "qwen3_qk_norm", tokenizers_by_kind)
+        quantize_checkpoint(path, None, static=static)
+        ids = prompt_ids(1, 37, hf.config.vocab_size)
+        logits.append(prefill_logits(LLMEngine(str(path), dtype="float32", **ENGINE_ARGS), ids))
+    assert torch.equal(*logits)
+
+
+def test_a_weight_without_its_scales_is_named(tmp_path, tokenizers_by_kind):
+    write_checkpoint(tmp_path, "qwen3_qk_norm", tokenizers_by_kind)
+    quantize_checkpoint(tmp_path, drop="model.layers.1.mlp.down_proj.weight_scale_inv")
+    with pytest.raises(CheckpointError,
+                       match=r"lack their other half: \['model.layers.1.mlp.down_proj.weight_scale_inv'\]"):
+        LLMEngine(str(tmp_path), **ENGINE_ARGS)
+
+
+@pytest.mark.parametrize("quant, message", [
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be \[rows, cols\]"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 0]}, r"weight_block_size\[1\] must be a positive integer"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
+    ({"quant_method": "awq"}, r"quant_method 'awq' is not supported for Qwen3ForCausalLM \(supported: fp8\)")])
+def test_fp8_configs_are_checked(quant, message):
+    raw = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "quantization_config": quant}
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(raw)
