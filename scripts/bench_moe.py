@@ -1,8 +1,9 @@
 """One sparse layer's experts through the fused-MoE kernels (`fused_moe.fused_experts`, as the CUDA
-engine runs them), dense (bf16) and as MXFP4 bytes side by side: the layer's time at decode and
-prefill token counts, what it reads per second against the HBM peak (MBU) and its FLOPs against the
-dense bf16 peak (MFU). The dense weights are the MXFP4 ones dequantized, so each MXFP4 row also says
-how far its output is from the dense one (a check of the compiled kernels on the device).
+engine runs them), dense (bf16), as MXFP4 bytes and as FP8 codes side by side: the layer's time at
+decode and prefill token counts, what it reads per second against the HBM peak (MBU) and its FLOPs
+against the dense bf16 peak (MFU). The dense weights are the MXFP4 ones dequantized, the FP8 ones
+those in 128 x 128 blocks; each quantized row also says how far its output is from its own weights
+dequantized through the dense kernels (a check of the compiled kernels on the device).
 
     python scripts/bench_moe.py --json moe.json                 # CUDA: gpt-oss-20b's layer, seconds
     python scripts/bench_moe.py --shape qwen3-30b-a3b           # another MoE shape of engine/shapes.py
@@ -27,7 +28,7 @@ import torch
 
 from gpu_roofline import peaks  # this script's folder
 
-from splitserve.engine import mxfp4
+from splitserve.engine import fp8, mxfp4
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.moe import gated_act, route
 from splitserve.engine.shapes import SHAPES
@@ -36,32 +37,53 @@ TINY = {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size":
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 7.0}
 TOKENS = (1, 16, 64, 256, 2048, 8192)
+FORMATS = ("dense", "mxfp4", "fp8")
+FP8_BLOCK = (128, 128)  # Qwen3's and DeepSeek's FP8 releases' blocks
 TINY_TOKENS = (1, 4, 32)
 
 
 def layer(c: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
-    """Random MXFP4 experts of `c`'s sparse layer (uniform codes, scales near DUMMY_SCALE), the same
-    dequantized to `dtype`, and GPT-OSS's gate and up biases."""
+    """`c`'s sparse layer's experts per format, (w13, w2): random MXFP4 ones (uniform codes, scales
+    near DUMMY_SCALE), the same dequantized to `dtype` (dense), and those in FP8 blocks; and
+    GPT-OSS's gate and up biases (None for others)."""
     g = torch.Generator().manual_seed(seed)
-    packed = {}
-    for name, rows, cols in (("w13", 2 * c.moe_intermediate_size, c.hidden_size),
-                             ("w2", c.hidden_size, c.moe_intermediate_size)):
+    formats = {"dense": [], "mxfp4": [], "fp8": []}
+    for rows, cols in ((2 * c.moe_intermediate_size, c.hidden_size), (c.hidden_size, c.moe_intermediate_size)):
         groups = cols // mxfp4.GROUP
         blocks = torch.randint(0, 256, (c.num_experts, rows, groups, 16), dtype=torch.uint8, generator=g)
         scales = torch.randint(mxfp4.DUMMY_SCALE - 1, mxfp4.DUMMY_SCALE + 2, (c.num_experts, rows, groups),
                                dtype=torch.uint8, generator=g)
-        packed[name] = mxfp4.Packed(blocks.to(device), scales.to(device), dtype)
+        packed = mxfp4.Packed(blocks.to(device), scales.to(device), dtype)
+        dense = torch.stack([packed[e] for e in range(c.num_experts)])
+        formats["mxfp4"].append(packed)
+        formats["dense"].append(dense)
+        formats["fp8"].append(fp8_blocks(dense, dtype))
     biased = c.architecture == "GptOssForCausalLM"
     b13 = (torch.randn(c.num_experts, 2 * c.moe_intermediate_size, generator=g) * 0.02).to(device, dtype) \
         if biased else None
-    dense = {name: mxfp4.dequantize(w.blocks, w.scales, dtype) for name, w in packed.items()}
-    return {"mxfp4": (packed["w13"], packed["w2"]), "dense": (dense["w13"], dense["w2"]), "b13": b13}
+    return {**{name: tuple(stacks) for name, stacks in formats.items()}, "b13": b13}
+
+
+def fp8_blocks(dense: torch.Tensor, dtype: torch.dtype) -> fp8.Stacked:
+    """`dense` [experts, rows, cols] in FP8 blocks of FP8_BLOCK, each block's largest magnitude at e4m3's largest."""
+    experts, rows, cols = dense.shape
+    grid = (-(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+    padded = dense.new_zeros(experts, grid[0] * FP8_BLOCK[0], grid[1] * FP8_BLOCK[1], dtype=torch.float32)
+    padded[:, :rows, :cols] = dense
+    tiles = padded.view(experts, grid[0], FP8_BLOCK[0], grid[1], FP8_BLOCK[1])
+    scale = tiles.abs().amax(dim=(2, 4)).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    codes = (tiles / scale[:, :, None, :, None]).view_as(padded)[:, :rows, :cols].to(torch.float8_e4m3fn)
+    return fp8.Stacked(codes.contiguous(), scale, FP8_BLOCK, dtype)
 
 
 def weight_bytes(w13, w2, b13, experts: int) -> int:
-    """Bytes of `experts` experts' weights (MXFP4: bytes and scales) and gate/up biases."""
-    parts = [t for w in (w13, w2) for t in ((w.blocks, w.scales) if isinstance(w, mxfp4.Packed) else (w,))]
-    total = sum(t.nbytes for t in parts) + (b13.nbytes if b13 is not None else 0)
+    """Bytes of `experts` experts' weights (MXFP4: bytes and scales; FP8: codes and scales) and
+    gate/up biases."""
+    def tensors(w):
+        return (w.blocks, w.scales) if isinstance(w, mxfp4.Packed) else (w.weight, w.scale) \
+            if isinstance(w, fp8.Stacked) else (w,)
+
+    total = sum(t.nbytes for w in (w13, w2) for t in tensors(w)) + (b13.nbytes if b13 is not None else 0)
     return total * experts // w13.shape[0]
 
 
@@ -88,46 +110,48 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
             hbm: float | None, flops_peak: float | None) -> list[dict]:
     from splitserve.engine.model import fused_moe  # after TRITON_INTERPRET is settled
 
-    weights_by_format, act, rows = layer(c, device, dtype), gated_act(c), []
-    b13 = weights_by_format["b13"]
+    stacks, act, rows = layer(c, device, dtype), gated_act(c), []
+    b13 = stacks["b13"]
     for t in tokens:
         g = torch.Generator().manual_seed(t)
         x = torch.randn(t, c.hidden_size, generator=g).to(device, dtype)
         weights, experts = route(torch.randn(t, c.num_experts, generator=g).to(device), c.num_experts_per_tok,
                                  c.norm_topk_prob)
         hit = experts.unique().numel()
-        outputs = {}
-        for fmt in ("dense", "mxfp4"):
-            w13, w2 = weights_by_format[fmt]
+        dense_ms = None
+        for fmt in FORMATS:  # dense first
+            w13, w2 = stacks[fmt]
 
-            def call():
+            def call(w13=w13, w2=w2):
                 return fused_moe.fused_experts(x, w13, w2, weights, experts, act=act, b13=b13)
 
-            outputs[fmt] = call()
             seconds = time_calls(call, iters, device.type == "cuda")
             read = weight_bytes(w13, w2, b13, hit) + 2 * x.nbytes
             flops = 6 * t * c.num_experts_per_tok * c.hidden_size * c.moe_intermediate_size
-            rows.append({"format": fmt, "tokens": t, "experts_hit": hit, "step_ms": seconds * 1e3, "bytes": read,
-                         "flops": flops, "mbu": read / seconds / hbm if hbm else None,
-                         "mfu": flops / seconds / flops_peak if flops_peak else None})
-        dense, packed = outputs["dense"].float(), outputs["mxfp4"].float()
-        rows[-1]["speedup_vs_dense"] = rows[-2]["step_ms"] / rows[-1]["step_ms"]
-        rows[-1]["max_rel_diff_vs_dense"] = ((packed - dense).abs().max() / dense.abs().max().clamp_min(1e-30)).item()
+            row = {"format": fmt, "tokens": t, "experts_hit": hit, "step_ms": seconds * 1e3, "bytes": read,
+                   "flops": flops, "mbu": read / seconds / hbm if hbm else None,
+                   "mfu": flops / seconds / flops_peak if flops_peak else None}
+            if dense_ms is None:
+                dense_ms = row["step_ms"]
+            else:  # against its own weights dequantized, through the dense kernels
+                exact = call(*(torch.stack([w[e] for e in range(c.num_experts)]) for w in (w13, w2))).float()
+                row["speedup_vs_dense"] = dense_ms / row["step_ms"]
+                row["max_rel_diff"] = ((call().float() - exact).abs().max() / exact.abs().max().clamp_min(1e-30)).item()
+            rows.append(row)
     return rows
 
 
 def print_table(result: dict) -> None:
     print(f"Device: {result['device']}; {result['shape']}: {result['experts']} experts, top {result['top_k']}, "
-          f"hidden {result['hidden']}, width {result['width']}, {result['dtype']}")
-    dtype = result["dtype"]
-    print(f"| tokens | experts hit | {dtype} ms | MXFP4 ms | MXFP4 speed-up | {dtype} MBU | MXFP4 MBU | {dtype} MFU "
-          f"| MXFP4 MFU | MXFP4 vs {dtype} (max rel. diff) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    rows = result["rows"]
-    for dense, packed in zip(rows[::2], rows[1::2]):
-        print(f"| {dense['tokens']} | {dense['experts_hit']} | {dense['step_ms']:.3f} | {packed['step_ms']:.3f} | "
-              f"{packed['speedup_vs_dense']:.2f}x | {_pct(dense['mbu'])} | {_pct(packed['mbu'])} "
-              f"| {_pct(dense['mfu'])} | {_pct(packed['mfu'])} | {packed['max_rel_diff_vs_dense']:.1e} |")
+          f"hidden {result['hidden']}, width {result['width']}, activations {result['dtype']}")
+    print("| tokens | experts hit | weights | ms | speed-up vs dense | MBU | MFU "
+          "| max rel. diff vs its weights dequantized |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for r in result["rows"]:
+        speedup = f"{r['speedup_vs_dense']:.2f}x" if "speedup_vs_dense" in r else "-"
+        diff = f"{r['max_rel_diff']:.1e}" if "max_rel_diff" in r else "-"
+        print(f"| {r['tokens']} | {r['experts_hit']} | {r['format']} | {r['step_ms']:.3f} | {speedup} | "
+              f"{_pct(r['mbu'])} | {_pct(r['mfu'])} | {diff} |")
 
 
 def _pct(value: float | None) -> str:

@@ -39,6 +39,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from splitserve.engine import fp8  # noqa: E402
 from splitserve.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from splitserve.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
 from splitserve.engine.config import ModelConfig  # noqa: E402
@@ -49,6 +50,7 @@ from splitserve.engine.kv_cache import KVCache  # noqa: E402
 from splitserve.engine.model.llama import LlamaAttention  # noqa: E402
 from splitserve.engine.model.moe import SparseMoeBlock, expert_names  # noqa: E402
 from splitserve.engine.model.triton_ops import add_rms_norm, rotate_in_place  # noqa: E402
+from splitserve.engine.model_builder import default_dtype  # noqa: E402
 from splitserve.engine.model_runner import ModelRunner, StepBatch  # noqa: E402
 from splitserve.engine.shapes import SHAPES  # noqa: E402
 
@@ -158,8 +160,8 @@ class LayerLaunches(torch.nn.Module):
         self.cos = self.sin = torch.empty((max_model_len, config.head_dim), dtype=torch.float32)
         self.moe = None
         if config.is_moe_layer(0):  # its weights allocated on the CPU, never written (no pages touched)
-            with torch.device("meta"):
-                self.moe = SparseMoeBlock(config, expert_names(config)).to(dtype)
+            with torch.device("meta"), default_dtype(dtype):  # FP8 or MXFP4 experts keep their own dtypes
+                self.moe = SparseMoeBlock(config, expert_names(config))
             self.moe.to_empty(device="cpu")
 
     def __call__(self, ids, positions, kv_layers, meta: AttentionMetadata, backend, after_layer=None):
@@ -215,6 +217,8 @@ def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig
                 with_warm_up: bool = True, seed: int = 0) -> list[Variant]:
     whole = ModelConfig.from_hf(shape)
     model_config = replace(whole, num_hidden_layers=1)
+    if whole.quantization == "fp8" and not fp8.codes_readable(divmod(arch, 10)):  # its experts dequantized there
+        model_config = replace(model_config, quantization=None)
     max_model_len = config.max_model_len or model_config.max_positions
     windows = sorted({whole.window_of(i) for i in range(whole.num_hidden_layers)}, key=lambda w: w or 0)
     model = LayerLaunches(model_config, dtype, max_model_len, windows)

@@ -3,13 +3,19 @@ linear layer's `<name>.weight` in float8 e4m3 beside `<name>.weight_scale_inv` f
 per block of `weight_block_size` [rows, cols] (the last blocks of a dim partial), or one for the
 whole tensor without a block size (AutoFP8's checkpoints name it `weight_scale`, beside the
 `input_scale` of their static activation scheme); each value is its code times its block's scale.
-The weights are dequantized at load to the serving dtype: the checkpoint loads, in that dtype's
-memory, and activations stay in it."""
+The weights are dequantized at load to the serving dtype (the checkpoint loads, in that dtype's
+memory, and activations stay in it), but for a sparse layer's experts, which stay FP8 where their
+blocks allow (`Stacked`; the fused MoE kernels read the codes)."""
 from __future__ import annotations
+
+import math
 
 import torch
 
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # of a weight's name: its scales
+KERNEL_K = 32  # fused_moe's k tile, which must lie within one block of columns
+CODES_CAPABILITY = (8, 9)  # Triton reads float8 e4m3 on Ada and Hopper GPUs on; an A100's experts are dequantized
+DUMMY_SCALE = 2.0 ** -8  # dummy weights' scale: normal(0, 0.02) values are codes of about 5, well within e4m3
 IGNORED_SUFFIXES = (".input_scale",)  # a static activation scheme's: activations are not quantized here
 
 
@@ -30,3 +36,34 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
                          f"{grid[0]}x{grid[1]}, got {tuple(scale.shape)}")
     expanded = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return (weight.float() * expanded).to(dtype)
+
+
+def codes_readable(capability: tuple[int, int] | None) -> bool:
+    """Whether experts may stay FP8 on a CUDA device of this capability (None: no CUDA device, the
+    CPU path, which dequantizes each expert as it runs)."""
+    return capability is None or capability >= CODES_CAPABILITY
+
+
+def experts_unit(block: tuple[int, int] | None) -> int | None:
+    """What a rank's slice of the experts' width is whole multiples of for the experts to stay FP8
+    (the gate's and up's scale rows, down's scale columns); None where they cannot: tensor-wise
+    scales, or blocks whose columns the kernels' k tiles would straddle."""
+    if block is None or block[1] % KERNEL_K:
+        return None
+    return math.lcm(*block)
+
+
+class Stacked:
+    """Stacked FP8 expert weights [experts, rows, cols] (float8 e4m3) and their block scales
+    [experts, ceil(rows / block rows), ceil(cols / block cols)]. Indexing one expert gives its
+    rows dequantized to `dtype` (what the CPU path multiplies by)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype):
+        self.weight, self.scale, self.block, self.dtype = weight, scale, block, dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        return dequantize(self.weight[expert], self.scale[expert], self.block, self.dtype)

@@ -6,9 +6,9 @@ projection as one tensor (Phi-3's `qkv_proj`, `gate_up_proj`) is read as its par
 of it. A tied `lm_head` is recognised because it is the same tensor as
 `model.embed_tokens.weight`, so loading either name fills both. A tensor-parallel rank reads only
 its part of each tensor from the file (`shard_slices`). An MXFP4 tensor (GPT-OSS's experts: its
-`_blocks` and `_scales`, `mxfp4`) loads as it is where the model keeps it packed; otherwise it is,
-as an FP8 weight (its float8 `.weight` and `.weight_scale_inv`, `fp8`) is, dequantized whole on the
-parameter's device once both halves are read, then the rank's part of it is kept.
+`_blocks` and `_scales`, `mxfp4`) and an FP8 weight (its float8 `.weight` and `.weight_scale_inv`,
+`fp8`) load as they are where the model keeps them so (MoE experts); otherwise each is dequantized
+whole on the parameter's device once both halves are read, then the rank's part of it is kept.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
 
     Biases get zeros, other 1-D parameters (norm weights) ones (Gemma's, which scale by 1 + weight,
     zeros), matrices and embeddings normal(0, 0.02); MXFP4 experts uniformly random codes, every
-    scale `mxfp4.DUMMY_SCALE`. Values are drawn on the CPU in float32 (codes as bytes), so a
+    scale `mxfp4.DUMMY_SCALE`; FP8 experts the codes of normal(0, 0.02) at `fp8.DUMMY_SCALE`. Values are drawn on the CPU in float32 (codes as bytes), so a
     seed gives the same weights on every device and dtype (a prompt worker on one kind of GPU, its
     token worker on another).
     `runs`: each run of DUMMY_CHUNK values has a generator of its own, seeded by (seed, tensor name,
@@ -138,6 +138,8 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
                 param.zero_()
             elif name.endswith("_scales"):
                 param.fill_(mxfp4.DUMMY_SCALE)
+            elif name.endswith(fp8.SCALE_SUFFIXES):
+                param.fill_(fp8.DUMMY_SCALE)
             elif param.dim() == 1:
                 param.fill_(0.0 if name in offset_norms else 1.0)
             else:
@@ -148,6 +150,8 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
                     _random_runs(full, seed, name, pool)
                 else:
                     _draw(full, gen)
+                if param.dtype == torch.float8_e4m3fn:  # codes of those values at fp8.DUMMY_SCALE
+                    full /= fp8.DUMMY_SCALE
                 param.copy_(part.take(full) if part else full)
 
 
@@ -221,12 +225,15 @@ def _fused_parts(name: str, config: ModelConfig | None) -> list[str] | None:
 def _quantized_half(name: str, handle, checkpoint_name: str, config: ModelConfig | None,
                     targets: dict[str, torch.Tensor]) -> tuple[str, str] | None:
     """(the tensor it is half of, which half) for half of a quantized tensor the model dequantizes:
-    MXFP4's blocks or scales (where the model does not keep them packed), FP8's float8 weight or
-    its scales; None for any other tensor."""
+    MXFP4's blocks or scales, FP8's float8 weight or its scales, where the model does not keep them
+    so (its parameter in the codes' dtype, or the scales'); None for any other tensor."""
     if name.endswith(mxfp4.SUFFIXES) and name not in targets:
         base, _, half = name.rpartition("_")
         return base, half
     if config is None or config.quantization != "fp8":
+        return None
+    kept = targets.get(name)
+    if kept is not None and (kept.dtype == torch.float8_e4m3fn or name.endswith(fp8.SCALE_SUFFIXES)):
         return None
     suffix = next((s for s in fp8.SCALE_SUFFIXES if name.endswith(s)), None)
     if suffix is not None:

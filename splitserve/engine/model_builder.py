@@ -66,7 +66,7 @@ def build_model(model: str, engine: EngineConfig, shard: Shard = Shard(), reduce
     config, tokenizer, max_len = load_metadata(model, engine)
     check_shardable(config, shard.size)
     device, dtype = resolve_device(engine.device), resolve_dtype(engine.dtype, config)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         net = LlamaForCausalLM(config, max_len, shard, reduce).eval()
     if model == "demo" or engine.load_format == "dummy":
         # the demo's weights are one generator's, as they always were (tests pin its greedy text)
@@ -77,7 +77,9 @@ def build_model(model: str, engine: EngineConfig, shard: Shard = Shard(), reduce
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Floating-point tensors created inside take `dtype` (a model's parameters as it is built;
+    quantized codes and scales keep their own)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -16,14 +16,6 @@ GROUP = MXFP4_GROUP  # values a scale covers
 DUMMY_SCALE = SCALE_BIAS - 7  # uniformly random codes (rms 2.93) then have an rms of 0.023, near loader.DUMMY_STD
 
 
-def group_split(total: int, rank: int, size: int) -> tuple[int, int]:
-    """Rank `rank` of `size`'s slice [start, stop) of `total` (whole groups) in whole groups, the
-    first ranks a group more where they do not divide evenly (2880 over 4 ranks: 736, 736, 704, 704)."""
-    groups, extra = divmod(total // GROUP, size)
-    start = rank * groups + min(rank, extra)
-    return GROUP * start, GROUP * (start + groups + (rank < extra))
-
-
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., groups * 32] of `dtype` (every value exact in bfloat16 and wider), one index of the
     first dim (an expert) at a time so the codes' temporary stays small."""

@@ -16,6 +16,9 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                  "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
                  "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645}
+# its FP8 release: block-wise FP8 weights, the experts kept FP8 (a byte a weight), the rest dequantized to bf16
+QWEN3_30B_A3B_FP8 = {**QWEN3_30B_A3B, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                              "fmt": "e4m3", "weight_block_size": [128, 128]}}
 # sparse MoE: 8 experts 14336 wide, top 2
 MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
                 "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -44,5 +47,5 @@ GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", 
 # the 20B's layers, 36 of them with 128 experts each (its 61 GB of MXFP4 experts fit one 80 GB GPU packed)
 GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
                 "layer_types": ["sliding_attention", "full_attention"] * 18}
-SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B, "gemma2-9b": GEMMA2_9B,
-          "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}
+SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-30b-a3b-fp8": QWEN3_30B_A3B_FP8,
+          "mixtral-8x7b": MIXTRAL_8X7B, "gemma2-9b": GEMMA2_9B, "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}

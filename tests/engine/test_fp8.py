@@ -1,7 +1,8 @@
 """FP8 checkpoints (block-wise, as Qwen3's FP8 releases store them): dequantized as transformers
 dequantizes them (its FineGrainedFP8 path, which dequantizes on a machine without a GPU), and a
 dense and an MoE checkpoint whose linear weights are stored so give transformers' logits (over
-tensor-parallel ranks: test_tensor_parallel.py)."""
+tensor-parallel ranks: test_tensor_parallel.py); an MoE's experts stay FP8 (the kernels that read
+the codes: test_fused_moe.py)."""
 import json
 
 import pytest
@@ -9,9 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from splitserve.engine.config import ConfigError, ModelConfig
-from splitserve.engine.fp8 import dequantize
+from splitserve.engine.fp8 import DUMMY_SCALE, dequantize
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.loader import CheckpointError, load_model_config
+from splitserve.engine.loader import CheckpointError, init_dummy_weights, load_model_config, load_weights
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.moe import route
+from splitserve.engine.model.sharding import Shard
 from splitserve.engine.policies import ScheduledSeq
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixture)
     ENGINE_ARGS, hf_logits, prompt_ids, tokenizers_by_kind, write_checkpoint,
@@ -145,3 +149,61 @@ def test_fp8_configs_are_checked(quant, message):
            "num_hidden_layers": 1, "num_attention_heads": 4, "quantization_config": quant}
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf(raw)
+
+
+def write_qwen3_moe(path, width: int = 96) -> None:
+    """A tiny Qwen3-MoE, its experts `width` wide (three 32-row blocks), in FP8 blocks of 32."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=width,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    quantize_checkpoint(path)
+
+
+def load(path, shard=Shard()) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(load_model_config(path), max_model_len=64, shard=shard,
+                             reduce=(lambda t: t) if shard.size > 1 else None)
+    load_weights(model, path)
+    return model
+
+
+@pytest.mark.parametrize("size, widths", [(2, [64, 32]), (3, [32, 32, 32]), (4, [24, 24, 24, 24])])
+def test_experts_stay_fp8_in_whole_blocks_and_ranks_add_up(tmp_path, size, widths):
+    """The experts keep their codes and block scales (a byte a weight) where each rank's slice of
+    the width is whole blocks (96 in 32s: 64 and 32 over 2 ranks); over 4 ranks they are
+    dequantized. Either way the ranks' partial sums add up to the whole layer's experts."""
+    write_qwen3_moe(tmp_path)
+    whole = load(tmp_path).model.layers[0].mlp
+    assert whole.experts.format == "fp8" and whole.experts.w13.dtype == torch.float8_e4m3fn
+    assert whole.experts.w13_scale.shape == (4, 2 * 96 // 32, 64 // 32)
+    ranks = [load(tmp_path, Shard(r, size)).model.layers[0].mlp.experts for r in range(size)]
+    assert [r.width for r in ranks] == widths and {r.format for r in ranks} == {"fp8" if size < 4 else None}
+    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(1))
+    weights, ids = route(whole.gate(x), 2, renormalize=True)
+    expected = whole.experts(x, weights, ids)
+    torch.testing.assert_close(sum(r(x, weights, ids) for r in ranks), expected, rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())
+
+
+def test_dummy_fp8_experts_are_codes_of_the_dummy_spread(tmp_path):
+    write_qwen3_moe(tmp_path)
+    model = LlamaForCausalLM(load_model_config(tmp_path), max_model_len=64)
+    init_dummy_weights(model, seed=3)
+    experts = model.model.layers[0].mlp.experts
+    assert torch.all(experts.w13_scale == DUMMY_SCALE)
+    values = torch.stack([experts.stacks(torch.float32)[0][e] for e in range(4)])
+    assert 0.018 < values.std().item() < 0.022
+
+
+@pytest.mark.parametrize("capability, kept", [((8, 0), None), ((8, 9), "fp8"), ((9, 0), "fp8")])
+def test_experts_stay_fp8_only_where_triton_reads_the_codes(tmp_path, monkeypatch, capability, kept):
+    """Triton converts float8 e4m3 on sm_89 and later (Ada, Hopper): built for an A100, the experts
+    are dequantized at load instead."""
+    write_qwen3_moe(tmp_path)
+    monkeypatch.setattr(torch, "get_default_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    experts = LlamaForCausalLM(load_model_config(tmp_path), max_model_len=64).model.layers[0].mlp.experts
+    assert experts.format == kept

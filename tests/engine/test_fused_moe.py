@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from splitserve.engine.llm import LLM  # noqa: E402
+from splitserve.engine import fp8  # noqa: E402
 from splitserve.engine.mxfp4 import Packed, dequantize  # noqa: E402
 from splitserve.engine.model import fused_moe  # noqa: E402
 from splitserve.engine.model.moe import Experts, GatedAct, experts_reference, route  # noqa: E402
@@ -16,6 +17,7 @@ from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.hf_checkpoints import (  # noqa: E402,F401 (fixture)
     ENGINE_ARGS, generation_prompts, tokenizers_by_kind, write_checkpoint,
 )
+from tests.engine.test_fp8 import quantize, quantize_checkpoint  # noqa: E402
 from tests.engine.test_mxfp4 import packed, quantize_experts  # noqa: E402
 
 pytestmark = pytest.mark.kernels
@@ -97,9 +99,39 @@ def test_mxfp4_experts_equal_the_dequantized_oracle(dtype, act, tokens, block_m)
     torch.testing.assert_close(out.cpu(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
 
 
+def fp8_stack(experts: int, rows: int, cols: int, block: tuple[int, int], seed: int) -> tuple:
+    """FP8 codes [experts, rows, cols] and block scales, each expert quantized in `block`s."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.stack([quantize(torch.randn(rows, cols, generator=g), None)[0] for _ in range(experts)])
+    grid = (-(-rows // block[0]), -(-cols // block[1]))  # a scale per block: weights of 0 to 0.9, blocks apart
+    scales = torch.rand(experts, *grid, generator=g) * 2.0 ** torch.randint(-13, -9, (experts, *grid), generator=g)
+    return codes, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("block", [(32, 32), (64, 32), (32, 64)])
+@pytest.mark.parametrize("tokens, block_m", [(3, 16), (40, 64)])
+def test_fp8_experts_equal_the_dequantized_oracle(dtype, block, tokens, block_m):
+    """Experts kept as FP8 codes compute what their dequantized weights do: block scales of rows
+    and columns (the last ones partial: hidden 96 in 64s), 8 experts of which some idle."""
+    experts, hidden, width = 8, 96, 64
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13, w2 = (fp8.Stacked(*fp8_stack(experts, rows, cols, block, seed), block, dtype)
+               for seed, rows, cols in ((6, 2 * width, hidden), (7, hidden, width)))
+    weights, ids = route(torch.randn(tokens, experts, generator=g), 2, renormalize=True)
+    expected = experts_reference(x, w13, w2, weights, ids)
+    dense = [torch.stack([w[e] for e in range(experts)]) for w in (w13, w2)]
+    assert torch.equal(expected, experts_reference(x, *dense, weights, ids))
+    out = fused_moe.fused_experts(*on_device(x), *(fp8.Stacked(w.weight.to(DEVICE), w.scale.to(DEVICE), block, dtype)
+                                                   for w in (w13, w2)), *on_device(weights, ids), block_m)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+
+
 def test_packed_and_dense_stacks_do_not_mix():
     x, w13, w2, weights, ids = problem(2, 4, 2, 32, 32)
-    with pytest.raises(ValueError, match="both packed or neither"):
+    with pytest.raises(ValueError, match=r"in one format \(tensors, MXFP4 or FP8\)"):
         fused_moe.fused_experts(x, Packed(*packed((4, 64, 1), 0), torch.float32), w2, weights, ids)
 
 
@@ -137,15 +169,18 @@ def test_the_block_size_follows_the_load_per_expert():
     assert fused_moe.block_m_for(2 * 2048, 8) == 64      # Mixtral
 
 
-@pytest.mark.parametrize("name", ["mixtral_moe", "gpt_oss", "gpt_oss_mxfp4"])
-def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch, name):
-    """A Mixtral and a GPT-OSS checkpoint written by transformers (and one with its experts in
-    MXFP4, kept packed) generate the same tokens with their experts run by the fused kernels and
-    their attention (GPT-OSS's sinks and window) by the Triton kernels as by the torch oracles
-    (what the CPU engine runs)."""
-    hf = write_checkpoint(tmp_path, name.removesuffix("_mxfp4"), tokenizers_by_kind)
-    if name.endswith("_mxfp4"):
+@pytest.mark.parametrize("name, kept", [("mixtral_moe", None), ("gpt_oss", None), ("gpt_oss", "mxfp4"),
+                                        ("qwen3_moe", "fp8")])
+def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch, name, kept):
+    """A Mixtral and a GPT-OSS checkpoint written by transformers (and a GPT-OSS with its experts
+    in MXFP4, kept packed, and a Qwen3-MoE in FP8, its experts kept FP8) generate the same tokens
+    with their experts run by the fused kernels and their attention (GPT-OSS's sinks and window)
+    by the Triton kernels as by the torch oracles (what the CPU engine runs)."""
+    hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
+    if kept == "mxfp4":
         quantize_experts(tmp_path, width=64, scale_shift=-5)
+    elif kept == "fp8":
+        quantize_checkpoint(tmp_path)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = generation_prompts(hf.config.vocab_size)[:3]
 
@@ -158,7 +193,7 @@ def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_ki
     calls = []
 
     def fused(self, x, weights, experts):
-        assert self.packed == name.endswith("_mxfp4")
+        assert self.format == kept
         calls.append(x.shape[0])
         return self.fused(x, weights, experts)
 

@@ -99,7 +99,7 @@ def test_an_mxfp4_checkpoint_loads_its_experts(tmp_path, shard, lo, hi, packed):
     expected = write_mxfp4_checkpoint(tmp_path)
     for layer, block in enumerate(load(tmp_path, shard).model.layers):
         experts = block.mlp.experts
-        assert experts.packed == packed and experts.width == hi - lo
+        assert (experts.format == "mxfp4") == packed and experts.width == hi - lo
         w13, w2 = experts.stacks(torch.float32)
         gate_up = expected[f"model.layers.{layer}.mlp.experts.gate_up_proj"]  # [experts, in, out]: gate, up alternate
         down = expected[f"model.layers.{layer}.mlp.experts.down_proj"]
@@ -122,7 +122,7 @@ def test_packed_experts_compute_what_their_dequantized_weights_do(tmp_path):
     packed_model, dense_model = load(tmp_path / "packed"), load(tmp_path / "dense")
     x = torch.randn(12, config["hidden_size"], generator=torch.Generator().manual_seed(0))
     for ours, theirs in zip(packed_model.model.layers, dense_model.model.layers):
-        assert ours.mlp.experts.packed and not theirs.mlp.experts.packed
+        assert ours.mlp.experts.format == "mxfp4" and theirs.mlp.experts.format is None
         assert torch.equal(ours.mlp(x), theirs.mlp(x))
 
 

@@ -103,3 +103,13 @@ def test_gpt_oss_compiles_its_variants_at_start_up_without_spills(tmp_path):
     splits = sorted(int(v["spec"].split("NUM_SPLITS=")[1].split()[0]) for v in report["variants"]
                     if v["kernel"] == "paged_decode_kernel")
     assert splits == [1, 2, 4, 8, 16]
+
+
+def test_fp8_experts_compile_where_triton_reads_float8_and_are_dense_elsewhere(tmp_path):
+    """Qwen3-30B-A3B-FP8's experts stay FP8 on sm_90 (their kernels compiled at start-up, none
+    spilling); on sm_80, where Triton has no e4m3, they are dequantized, so the dense variants."""
+    code, archs = _run(tmp_path, "--shape", "qwen3-30b-a3b-fp8", "--steps", "10")
+    assert code == 0 and not archs["sm_90"]["problems"] and not archs["sm_80"]["problems"]
+    for arch, fp8 in (("sm_90", True), ("sm_80", False)):
+        moe = [v["spec"] for v in archs[arch]["variants"] if v["kernel"] in ("_gate_up_kernel", "_down_kernel")]
+        assert len(moe) == 4 and all(f"FP8={fp8}" in spec for spec in moe), arch

@@ -7,7 +7,8 @@ are then summed. Nothing waits on the host and every shape follows from the batc
 a decode step with experts is captured in a CUDA graph like any other. MXFP4 experts (`mxfp4.Packed`)
 are read as their bytes: per 32-value group, each nibble's E2M1 value times the group's power of two
 (rounded to the activations' dtype, as `mxfp4.dequantize` rounds it) meets the even or odd inputs
-on the tensor cores.
+on the tensor cores. FP8 experts (`fp8.Stacked`) likewise: each code times its block's scale (a k
+tile lies within one block's columns), rounded to the activations' dtype.
 
 `moe.experts_reference` is the oracle; on CPU the kernels run only under Triton's interpreter
 (how the tests check them). Products accumulate in float32 and each kernel rounds once, where
@@ -19,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine import mxfp4
+from splitserve.engine import fp8, mxfp4
 from splitserve.engine.model.moe import SILU, GatedAct
 
 BLOCK_N = 64
-BLOCK_K = 32
+BLOCK_K = fp8.KERNEL_K
 BLOCK_M_SIZES = (16, 64)  # a tile of one expert's assignments: 16 while experts get few tokens each
 PACKED_WIDE_BLOCK_N = 32  # gate-up of a 64-row tile of MXFP4 experts: at 64 (or with 8 warps) it spills on sm_80
 
@@ -60,18 +61,27 @@ def _mxfp4_group(acc, a_even, a_odd, blocks, scales, rows, group, stride_row, st
     return tl.dot(a_odd, (_e2m1(codes >> 4) * scale).to(a_odd.dtype), acc, input_precision=PRECISION)
 
 
+@triton.jit
+def _fp8_tile(codes, scales, rows, start, block_rows, block_cols, stride_scale_row, row_ok, dtype: tl.constexpr):
+    """A [K, N] tile of FP8 codes of rows `rows` from column `start` (its K within one block of
+    columns) times their blocks' scales, in `dtype`."""
+    scale = tl.load(scales + (rows // block_rows) * stride_scale_row + start // block_cols, mask=row_ok, other=0.0)
+    return (codes.to(tl.float32) * scale[None, :]).to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_assignments"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden,
-                    width, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, row_step, up_offset, alpha,
-                    limit, stride_out, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr, OSS: tl.constexpr,
-                    CLAMP: tl.constexpr, PACKED: tl.constexpr):
+                    width, stride_x, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols, stride_be,
+                    row_step, up_offset, alpha, limit, stride_out, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr,
+                    OSS: tl.constexpr, CLAMP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr):
     """One program per (tile of one expert's assignments, BLOCK_N of the width):
     out[a] = act(x[token] @ gate.T, x[token] @ up.T) for each assignment a of the tile. Gate column
     c is w13's row c * row_step, up's that plus up_offset (1, width: halves; 2, 1: interleaved);
     with BIAS the same entries of b13 are added. act: silu(gate) * up, or with OSS
     (up + 1) * gate * sigmoid(alpha * gate), with CLAMP gate <= limit and |up| <= limit first.
-    PACKED: w13 is MXFP4 bytes (rows of hidden / 2) and s_ptr its scales (rows of hidden / 32)."""
+    PACKED: w13 is MXFP4 bytes (rows of hidden / 2) and s_ptr its scales (rows of hidden / 32);
+    FP8: w13 is float8 codes and s_ptr the scales of its blocks of block_rows x block_cols."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= NUM_EXPERTS:  # past the last group
         return
@@ -84,8 +94,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
     gate_rows, up_rows = cols * row_step, cols * row_step + up_offset
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s = s_ptr + expert.to(tl.int64) * stride_se  # the expert's scales (PACKED, FP8)
     if PACKED:  # hidden is whole groups
-        s = s_ptr + expert.to(tl.int64) * stride_se
         for group in range(0, hidden // 32):
             a_even, a_odd = _group_inputs(x_ptr, tokens, stride_x, group, valid)
             gate = _mxfp4_group(gate, a_even, a_odd, w, s, gate_rows, group, stride_wn, stride_sn, col_ok, PRECISION)
@@ -99,6 +109,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
             w_mask = k_ok[:, None] & col_ok[None, :]
             g = tl.load(w + gate_rows[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
             u = tl.load(w + up_rows[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+            if FP8:
+                g = _fp8_tile(g, s, gate_rows, start, block_rows, block_cols, stride_sn, col_ok, a.dtype)
+                u = _fp8_tile(u, s, up_rows, start, block_rows, block_cols, stride_sn, col_ok, a.dtype)
             gate = tl.dot(a, g, gate, input_precision=PRECISION)
             up = tl.dot(a, u, up, input_precision=PRECISION)
     if BIAS:
@@ -118,11 +131,11 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
 
 @triton.jit(do_not_specialize=["num_assignments"])
 def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_assignments, width,
-                 hidden, stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+                 hidden, stride_act, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols, stride_out,
                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, PACKED: tl.constexpr):
+                 PRECISION: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr):
     """One program per (tile of one expert's assignments, BLOCK_N of hidden):
-    out[a] = weight[a] * (act[a] @ down.T); PACKED as in `_gate_up_kernel`, over the width."""
+    out[a] = weight[a] * (act[a] @ down.T); PACKED and FP8 as in `_gate_up_kernel`, over the width."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= NUM_EXPERTS:
         return
@@ -133,8 +146,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_
     col_ok = cols < hidden
     w = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s = s_ptr + expert.to(tl.int64) * stride_se
     if PACKED:  # the width is whole groups
-        s = s_ptr + expert.to(tl.int64) * stride_se
         for group in range(0, width // 32):
             a_even, a_odd = _group_inputs(act_ptr, at, stride_act, group, valid)
             acc = _mxfp4_group(acc, a_even, a_odd, w, s, cols, group, stride_wn, stride_sn, col_ok, PRECISION)
@@ -145,6 +158,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_
             a = tl.load(act_ptr + at[:, None] * stride_act + k[None, :], mask=valid[:, None] & k_ok[None, :],
                         other=0.0)
             d = tl.load(w + cols[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if FP8:
+                d = _fp8_tile(d, s, cols, start, block_rows, block_cols, stride_sn, col_ok, a.dtype)
             acc = tl.dot(a, d, acc, input_precision=PRECISION)
     acc = acc * tl.load(weights_ptr + at, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + at[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -178,34 +193,46 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     return sorted_ids, torch.searchsorted(ends, tile_starts, right=True).to(torch.int32)
 
 
-def _operands(w: torch.Tensor | mxfp4.Packed) -> tuple:
-    """(weights, scales, stride of an expert, of a row, of a scales expert, of a scales row) as the
-    kernels take a stack: a packed one's bytes [E, rows, groups * 16] and scales [E, rows, groups]."""
+def _operands(w: torch.Tensor | mxfp4.Packed | fp8.Stacked) -> tuple:
+    """(weights, scales, stride of an expert, of a row, of a scales expert, of a scales row, the
+    rows and columns a scale covers) as the kernels take a stack: a packed one's bytes
+    [E, rows, groups * 16] and scales [E, rows, groups], an FP8 one's codes and block scales."""
     if isinstance(w, mxfp4.Packed):
         blocks, scales = w.blocks, w.scales
         if blocks.stride(3) != 1 or blocks.stride(2) != 16 or scales.stride(2) != 1:
             raise ValueError("fused_experts needs each packed row's bytes and scales contiguous")
-        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1)
+        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), 1, mxfp4.GROUP
+    if isinstance(w, fp8.Stacked):
+        codes, scales = w.weight, w.scale
+        if codes.stride(2) != 1 or scales.stride(2) != 1 or w.block[1] % BLOCK_K:
+            raise ValueError("fused_experts needs FP8 rows contiguous, in blocks of whole k tiles")
+        return codes, scales, codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), *w.block
     if w.stride(2) != 1:
         raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
-    return w, w, w.stride(0), w.stride(1), 0, 0
+    return w, w, w.stride(0), w.stride(1), 0, 0, 1, 1
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed, w2: torch.Tensor | mxfp4.Packed,
-                  weights: torch.Tensor, experts: torch.Tensor, block_m: int | None = None, act: GatedAct = SILU,
-                  b13: torch.Tensor | None = None) -> torch.Tensor:
+def _format(w: torch.Tensor | mxfp4.Packed | fp8.Stacked) -> str:
+    return "mxfp4" if isinstance(w, mxfp4.Packed) else "fp8" if isinstance(w, fp8.Stacked) else "dense"
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
+                  w2: torch.Tensor | mxfp4.Packed | fp8.Stacked, weights: torch.Tensor, experts: torch.Tensor,
+                  block_m: int | None = None, act: GatedAct = SILU, b13: torch.Tensor | None = None) -> torch.Tensor:
     """What `moe.experts_reference` computes, for x [T, hidden], w13 [E, 2 * width, hidden],
-    w2 [E, hidden, width] (tensors, or both MXFP4), weights (float32) and experts [T, k], `act` and
-    the gate and up biases `b13` [E, 2 * width]; block_m: the tile rows (by default `block_m_for`)."""
+    w2 [E, hidden, width] (tensors, or both MXFP4, or both FP8), weights (float32) and experts
+    [T, k], `act` and the gate and up biases `b13` [E, 2 * width]; block_m: the tile rows (by
+    default `block_m_for`)."""
     tokens, hidden = x.shape
     num_experts, width = w13.shape[0], w2.shape[2]
     top_k = experts.shape[1]
     count = tokens * top_k
     if count == 0:
         return torch.zeros_like(x)
-    packed = isinstance(w13, mxfp4.Packed)
-    if packed != isinstance(w2, mxfp4.Packed):
-        raise ValueError("fused_experts takes w13 and w2 both packed or neither")
+    kind = _format(w13)
+    if _format(w2) != kind:
+        raise ValueError("fused_experts takes w13 and w2 in one format (tensors, MXFP4 or FP8)")
+    packed, fp8_codes = kind == "mxfp4", kind == "fp8"
     if x.stride(1) != 1 or (b13 is not None and b13.stride(1) != 1):
         raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
     up_operands, down_operands = _operands(w13), _operands(w2)
@@ -216,17 +243,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed, w2: torch.T
     gate_up_n = PACKED_WIDE_BLOCK_N if packed and block_m == BLOCK_M_SIZES[1] else BLOCK_N
     row_step, up_offset = (2, 1) if act.interleaved else (1, width)
     gated = torch.empty((count, width), dtype=x.dtype, device=x.device)
-    w, s, *strides = up_operands
+    w, scales, *strides = up_operands
     _gate_up_kernel[(tiles, triton.cdiv(width, gate_up_n))](
-        x, w, s, w if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k, hidden, width,
+        x, w, scales, w if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k, hidden, width,
         x.stride(0), *strides, 0 if b13 is None else b13.stride(0), row_step, up_offset,
         act.alpha or 0.0, act.limit or 0.0, gated.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m,
         BLOCK_N=gate_up_n, BLOCK_K=BLOCK_K, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
-        CLAMP=act.limit is not None, PACKED=packed)
+        CLAMP=act.limit is not None, PACKED=packed, FP8=fp8_codes)
     out = torch.empty((count, hidden), dtype=x.dtype, device=x.device)
-    w, s, *strides = down_operands
+    w, scales, *strides = down_operands
     _down_kernel[(tiles, triton.cdiv(hidden, BLOCK_N))](
-        gated, w, s, out, weights.float().contiguous(), sorted_ids, block_expert, count, width, hidden,
+        gated, w, scales, out, weights.float().contiguous(), sorted_ids, block_expert, count, width, hidden,
         gated.stride(0), *strides, out.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, PRECISION=precision, PACKED=packed)
+        BLOCK_K=BLOCK_K, PRECISION=precision, PACKED=packed, FP8=fp8_codes)
     return out.view(tokens, top_k, hidden).sum(dim=1)

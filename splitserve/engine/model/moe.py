@@ -8,10 +8,11 @@ The experts' weights are two stacked tensors, `w13` [experts, 2 * width, hidden]
 gate rows, then its up rows; GPT-OSS's alternate gate, up, as its checkpoints store them) and `w2`
 [experts, hidden, width], so one kernel serves all experts (`fused_moe` on CUDA). An MXFP4
 checkpoint's experts (GPT-OSS's release) stay packed as it stores them, rows alike (`mxfp4.Packed`:
-`w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales`), 4.25 bits a weight; with tensor
-parallelism each rank's slice of the width is whole 32-value groups (`mxfp4.group_split`: ranks'
-widths may differ by a group, as partial sums they add up alike), and only a width of fewer groups
-than ranks is dequantized at load instead.
+`w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales`), 4.25 bits a weight; a block-wise FP8
+checkpoint's stay FP8 (`fp8.Stacked`: `w13`, `w2` float8 and `w13_scale`, `w2_scale`). With
+tensor parallelism each rank's slice of the width is then whole units (32-value groups; FP8's
+blocks) (`Shard.split_in`: ranks' widths may differ by a unit, as partial sums they add up alike);
+a width of fewer units than ranks, or of a part of one, is dequantized at load instead.
 `checkpoint_tensors` names each expert's slices as the checkpoint stores them (GPT-OSS's stacked,
 [experts, in, out]). With tensor parallelism every rank holds every expert's slice [lo, hi) of the
 width (column-parallel gate and up, row-parallel down), a slice of the shared expert likewise, and
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine import mxfp4
+from splitserve.engine import fp8, mxfp4
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.sharding import Shard, ShardSlice
 
@@ -102,15 +103,27 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 class Experts(nn.Module):
     def __init__(self, c: ModelConfig, names: ExpertNames, shard: Shard = Shard()):
         super().__init__()
-        self.packed = c.quantization == "mxfp4" and c.moe_intermediate_size // mxfp4.GROUP >= shard.size
-        total = c.moe_intermediate_size
-        lo, hi = mxfp4.group_split(total, shard.rank, shard.size) if self.packed else shard.split(total)
+        total, self.block = c.moe_intermediate_size, c.weight_block_size
+        device = torch.get_default_device()  # where the model is being built
+        readable = fp8.codes_readable(torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+        unit = {"mxfp4": mxfp4.GROUP, "fp8": fp8.experts_unit(self.block) if readable else None}.get(c.quantization)
+        # the checkpoint's format, kept where every rank's slice is whole units; None: the model's dtype
+        self.format = c.quantization if unit and total % unit == 0 and total // unit >= shard.size else None
+        lo, hi = shard.split_in(total, unit) if self.format else shard.split(total)
         self.names, self.width, self.act = names, hi - lo, gated_act(c)
         self.slice = ShardSlice(0, lo, hi, total) if shard.size > 1 else None
-        if self.packed:
-            for name, rows, cols in (("w13", 2 * self.width, c.hidden_size), ("w2", c.hidden_size, self.width)):
-                self.register_parameter(f"{name}_blocks", _bytes(c.num_experts, rows, cols // mxfp4.GROUP, 16))
-                self.register_parameter(f"{name}_scales", _bytes(c.num_experts, rows, cols // mxfp4.GROUP))
+        experts, hidden = c.num_experts, c.hidden_size
+        if self.format == "mxfp4":
+            for name, rows, cols in (("w13", 2 * self.width, hidden), ("w2", hidden, self.width)):
+                self.register_parameter(f"{name}_blocks", _frozen(experts, rows, cols // mxfp4.GROUP, 16))
+                self.register_parameter(f"{name}_scales", _frozen(experts, rows, cols // mxfp4.GROUP))
+        elif self.format == "fp8":
+            (block_rows, block_cols), code = self.block, torch.float8_e4m3fn
+            self.w13 = _frozen(experts, 2 * self.width, hidden, dtype=code)
+            self.w13_scale = _frozen(experts, 2 * self.width // block_rows, -(-hidden // block_cols),
+                                     dtype=torch.float32)
+            self.w2 = _frozen(experts, hidden, self.width, dtype=code)
+            self.w2_scale = _frozen(experts, -(-hidden // block_rows), self.width // block_cols, dtype=torch.float32)
         else:
             self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width, c.hidden_size))
             self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, self.width))
@@ -118,11 +131,14 @@ class Experts(nn.Module):
         self.b13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width)) if biased else None
         self.b2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size)) if biased else None
 
-    def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor | mxfp4.Packed, torch.Tensor | mxfp4.Packed]:
-        """(w13, w2): the parameters, or their MXFP4 bytes, which dequantize to `dtype`."""
-        if self.packed:
+    def stacks(self, dtype: torch.dtype) -> tuple:
+        """(w13, w2): the parameters, or their MXFP4 bytes or FP8 codes, which dequantize to `dtype`."""
+        if self.format == "mxfp4":
             return (mxfp4.Packed(self.w13_blocks, self.w13_scales, dtype),
                     mxfp4.Packed(self.w2_blocks, self.w2_scales, dtype))
+        if self.format == "fp8":
+            return (fp8.Stacked(self.w13, self.w13_scale, self.block, dtype),
+                    fp8.Stacked(self.w2, self.w2_scale, self.block, dtype))
         return self.w13, self.w2
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -155,12 +171,14 @@ class Experts(nn.Module):
             else:
                 yield f"{owner}.{name}", param.transpose(1, 2)
             return
+        suffix = ".weight" + (fp8.SCALE_SUFFIXES[0] if kind.endswith("_scale") else "")  # FP8's block scales
         for e in range(param.shape[0]):
-            if kind == "w13":
-                yield f"{owner}.{e}.{self.names.gate}.weight", param[e, :self.width]
-                yield f"{owner}.{e}.{self.names.up}.weight", param[e, self.width:]
+            if kind.startswith("w13"):  # gate rows (or their scales' rows), then up's
+                half = param.shape[1] // 2
+                yield f"{owner}.{e}.{self.names.gate}{suffix}", param[e, :half]
+                yield f"{owner}.{e}.{self.names.up}{suffix}", param[e, half:]
             else:
-                yield f"{owner}.{e}.{self.names.down}.weight", param[e]
+                yield f"{owner}.{e}.{self.names.down}{suffix}", param[e]
 
     def shard_slices(self, owner: str) -> Iterator[tuple[str, ShardSlice]]:
         if self.slice is None:
@@ -169,7 +187,7 @@ class Experts(nn.Module):
             lo, hi, total = self.slice.start, self.slice.stop, self.slice.total
             gate, down = f"{owner}.{self.names.gate}", f"{owner}.{self.names.down}"
             yield f"{gate}_bias", ShardSlice(1, 2 * lo, 2 * hi, 2 * total)
-            if not self.packed:
+            if self.format != "mxfp4":
                 yield gate, ShardSlice(2, 2 * lo, 2 * hi, 2 * total)
                 yield down, ShardSlice(1, lo, hi, total)
                 return
@@ -178,15 +196,22 @@ class Experts(nn.Module):
                 yield gate + half, ShardSlice(1, 2 * lo, 2 * hi, 2 * total)
                 yield down + half, ShardSlice(2, *groups)
             return
-        down = ShardSlice(1, self.slice.start, self.slice.stop, self.slice.total)
+        lo, hi, total = self.slice.start, self.slice.stop, self.slice.total
+        parts = {".weight": (self.slice, ShardSlice(1, lo, hi, total))}  # (gate and up, down)
+        if self.format == "fp8":  # their scales': rows of blocks, and down's columns of them
+            rows, cols = self.block
+            parts[".weight" + fp8.SCALE_SUFFIXES[0]] = (ShardSlice(0, lo // rows, hi // rows, total // rows),
+                                                        ShardSlice(1, lo // cols, hi // cols, total // cols))
         for e in range(self.w13.shape[0]):
-            yield f"{owner}.{e}.{self.names.gate}.weight", self.slice
-            yield f"{owner}.{e}.{self.names.up}.weight", self.slice
-            yield f"{owner}.{e}.{self.names.down}.weight", down
+            for suffix, (gate_up, down) in parts.items():
+                yield f"{owner}.{e}.{self.names.gate}{suffix}", gate_up
+                yield f"{owner}.{e}.{self.names.up}{suffix}", gate_up
+                yield f"{owner}.{e}.{self.names.down}{suffix}", down
 
 
-def _bytes(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+def _frozen(*shape: int, dtype: torch.dtype = torch.uint8) -> nn.Parameter:
+    """A quantized format's codes or scales: a parameter in its own dtype, never trained."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
 class SparseMoeBlock(nn.Module):
@@ -211,11 +236,11 @@ class SparseMoeBlock(nn.Module):
         return out if bias is None else out + bias.to(out.dtype)
 
 
-def experts_reference(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed, w2: torch.Tensor | mxfp4.Packed,
-                      weights: torch.Tensor, experts: torch.Tensor, act: GatedAct = SILU,
-                      b13: torch.Tensor | None = None) -> torch.Tensor:
+def experts_reference(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
+                      w2: torch.Tensor | mxfp4.Packed | fp8.Stacked, weights: torch.Tensor,
+                      experts: torch.Tensor, act: GatedAct = SILU, b13: torch.Tensor | None = None) -> torch.Tensor:
     """sum over each token's k experts of weight * down(act(gate(x), up(x))) (gate and up with the
-    biases `b13`), one matmul per expert over the tokens routed to it (`w13[e]`, `w2[e]`: a packed
+    biases `b13`), one matmul per expert over the tokens routed to it (`w13[e]`, `w2[e]`: a quantized
     stack dequantizes that expert's alone); each expert's share is rounded to x's dtype as it is added."""
     out, top_k = torch.zeros_like(x), experts.shape[1]
     flat = experts.flatten()
