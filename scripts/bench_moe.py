@@ -111,6 +111,8 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
     from splitserve.engine.model import fused_moe  # after TRITON_INTERPRET is settled
 
     stacks, act, rows = layer(c, device, dtype), gated_act(c), []
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    formats = [f for f in FORMATS if f != "fp8" or fp8.codes_readable(capability)]  # no e4m3 before sm_89
     b13 = stacks["b13"]
     for t in tokens:
         g = torch.Generator().manual_seed(t)
@@ -119,7 +121,7 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
                                  c.norm_topk_prob)
         hit = experts.unique().numel()
         dense_ms = None
-        for fmt in FORMATS:  # dense first
+        for fmt in formats:  # dense first
             w13, w2 = stacks[fmt]
 
             def call(w13=w13, w2=w2):
