@@ -26,7 +26,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
-# quantized checkpoint formats served: GPT-OSS's MXFP4 experts (engine/mxfp4.py), block-wise FP8 weights (engine/fp8.py)
+# quantized checkpoint formats served: GPT-OSS's MXFP4 experts (engine/mxfp4.py), FP8 weights (engine/fp8.py)
 QUANTIZATIONS = {arch: ("mxfp4",) if arch == "GptOssForCausalLM" else ("fp8",) for arch in SUPPORTED_ARCHITECTURES}
 MXFP4_GROUP = 32  # values a scale covers (mxfp4.GROUP)
 
@@ -176,7 +176,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **_parse_window(cfg, arch, source, layers), hidden_act=_activation(cfg, source), **(gemma_fields if gemma else {}),
             **(_parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
-            quantization=quantization, weight_block_size=block, torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            quantization=quantization, weight_block_size=block,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
         )
 

@@ -118,9 +118,9 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
 
     Biases get zeros, other 1-D parameters (norm weights) ones (Gemma's, which scale by 1 + weight,
     zeros), matrices and embeddings normal(0, 0.02); MXFP4 experts uniformly random codes, every
-    scale `mxfp4.DUMMY_SCALE`; FP8 experts the codes of normal(0, 0.02) at `fp8.DUMMY_SCALE`. Values are drawn on the CPU in float32 (codes as bytes), so a
-    seed gives the same weights on every device and dtype (a prompt worker on one kind of GPU, its
-    token worker on another).
+    scale `mxfp4.DUMMY_SCALE`; FP8 experts the codes of normal(0, 0.02) at `fp8.DUMMY_SCALE`.
+    Values are drawn on the CPU in float32 (MXFP4 codes as bytes), so a seed gives the same weights
+    on every device and dtype (a prompt worker on one kind of GPU, its token worker on another).
     `runs`: each run of DUMMY_CHUNK values has a generator of its own, seeded by (seed, tensor name,
     offset), and torch's threads draw the runs at once (an 8B model's 8e9 values take about a
     minute on one core); without it one generator draws every tensor in turn (the demo model's
