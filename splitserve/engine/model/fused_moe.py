@@ -62,11 +62,26 @@ def _mxfp4_group(acc, a_even, a_odd, blocks, scales, rows, group, stride_row, st
 
 
 @triton.jit
-def _fp8_tile(codes, scales, rows, start, block_rows, block_cols, stride_scale_row, row_ok, dtype: tl.constexpr):
-    """A [K, N] tile of FP8 codes of rows `rows` from column `start` (its K within one block of
-    columns) times their blocks' scales, in `dtype`."""
-    scale = tl.load(scales + (rows // block_rows) * stride_scale_row + start // block_cols, mask=row_ok, other=0.0)
-    return (codes.to(tl.float32) * scale[None, :]).to(dtype)
+def _input_tile(a_ptr, rows, stride_row, start, limit, valid, BLOCK_K: tl.constexpr):
+    """[M, BLOCK_K]: rows `rows` of a's columns [start, start + BLOCK_K), zeros past `limit` and
+    where not `valid`."""
+    k = start + tl.arange(0, BLOCK_K)
+    return tl.load(a_ptr + rows[:, None] * stride_row + k[None, :], mask=valid[:, None] & (k < limit)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _weight_tile(w, scales, rows, start, limit, stride_row, stride_scale_row, block_rows, block_cols, row_ok,
+                 dtype: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
+    """[BLOCK_K, N]: weight rows `rows`' columns [start, start + BLOCK_K) as a dot's right operand
+    (zeros past `limit`); with FP8 each code times its block's scale (the K within one block of
+    columns), in `dtype`."""
+    k = start + tl.arange(0, BLOCK_K)
+    tile = tl.load(w + rows[None, :] * stride_row + k[:, None], mask=(k < limit)[:, None] & row_ok[None, :], other=0.0)
+    if FP8:
+        scale = tl.load(scales + (rows // block_rows) * stride_scale_row + start // block_cols, mask=row_ok, other=0.0)
+        tile = (tile.to(tl.float32) * scale[None, :]).to(dtype)
+    return tile
 
 
 @triton.jit(do_not_specialize=["num_assignments"])
@@ -102,16 +117,11 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
             up = _mxfp4_group(up, a_even, a_odd, w, s, up_rows, group, stride_wn, stride_sn, col_ok, PRECISION)
     else:
         for start in range(0, hidden, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            k_ok = k < hidden
-            a = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=valid[:, None] & k_ok[None, :],
-                        other=0.0)
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            g = tl.load(w + gate_rows[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
-            u = tl.load(w + up_rows[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
-            if FP8:
-                g = _fp8_tile(g, s, gate_rows, start, block_rows, block_cols, stride_sn, col_ok, a.dtype)
-                u = _fp8_tile(u, s, up_rows, start, block_rows, block_cols, stride_sn, col_ok, a.dtype)
+            a = _input_tile(x_ptr, tokens, stride_x, start, hidden, valid, BLOCK_K)
+            g = _weight_tile(w, s, gate_rows, start, hidden, stride_wn, stride_sn, block_rows, block_cols, col_ok,
+                             a.dtype, BLOCK_K, FP8)
+            u = _weight_tile(w, s, up_rows, start, hidden, stride_wn, stride_sn, block_rows, block_cols, col_ok,
+                             a.dtype, BLOCK_K, FP8)
             gate = tl.dot(a, g, gate, input_precision=PRECISION)
             up = tl.dot(a, u, up, input_precision=PRECISION)
     if BIAS:
@@ -153,13 +163,9 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_
             acc = _mxfp4_group(acc, a_even, a_odd, w, s, cols, group, stride_wn, stride_sn, col_ok, PRECISION)
     else:
         for start in range(0, width, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            k_ok = k < width
-            a = tl.load(act_ptr + at[:, None] * stride_act + k[None, :], mask=valid[:, None] & k_ok[None, :],
-                        other=0.0)
-            d = tl.load(w + cols[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if FP8:
-                d = _fp8_tile(d, s, cols, start, block_rows, block_cols, stride_sn, col_ok, a.dtype)
+            a = _input_tile(act_ptr, at, stride_act, start, width, valid, BLOCK_K)
+            d = _weight_tile(w, s, cols, start, width, stride_wn, stride_sn, block_rows, block_cols, col_ok, a.dtype,
+                             BLOCK_K, FP8)
             acc = tl.dot(a, d, acc, input_precision=PRECISION)
     acc = acc * tl.load(weights_ptr + at, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + at[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
