@@ -54,26 +54,14 @@ def layer(c: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 
         scales = torch.randint(mxfp4.DUMMY_SCALE - 1, mxfp4.DUMMY_SCALE + 2, (c.num_experts, rows, groups),
                                dtype=torch.uint8, generator=g)
         packed = mxfp4.Packed(blocks.to(device), scales.to(device), dtype)
-        dense = torch.stack([packed[e] for e in range(c.num_experts)])
+        dense = mxfp4.dequantize(packed.blocks, packed.scales, dtype)
         formats["mxfp4"].append(packed)
         formats["dense"].append(dense)
-        formats["fp8"].append(fp8_blocks(dense, dtype))
+        formats["fp8"].append(fp8.Stacked(*fp8.quantize(dense, FP8_BLOCK), FP8_BLOCK, dtype))
     biased = c.architecture == "GptOssForCausalLM"
     b13 = (torch.randn(c.num_experts, 2 * c.moe_intermediate_size, generator=g) * 0.02).to(device, dtype) \
         if biased else None
     return {**{name: tuple(stacks) for name, stacks in formats.items()}, "b13": b13}
-
-
-def fp8_blocks(dense: torch.Tensor, dtype: torch.dtype) -> fp8.Stacked:
-    """`dense` [experts, rows, cols] in FP8 blocks of FP8_BLOCK, each block's largest magnitude at e4m3's largest."""
-    experts, rows, cols = dense.shape
-    grid = (-(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
-    padded = dense.new_zeros(experts, grid[0] * FP8_BLOCK[0], grid[1] * FP8_BLOCK[1], dtype=torch.float32)
-    padded[:, :rows, :cols] = dense
-    tiles = padded.view(experts, grid[0], FP8_BLOCK[0], grid[1], FP8_BLOCK[1])
-    scale = tiles.abs().amax(dim=(2, 4)).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
-    codes = (tiles / scale[:, :, None, :, None]).view_as(padded)[:, :rows, :cols].to(torch.float8_e4m3fn)
-    return fp8.Stacked(codes.contiguous(), scale, FP8_BLOCK, dtype)
 
 
 def weight_bytes(w13, w2, b13, experts: int) -> int:

@@ -38,6 +38,24 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return (weight.float() * expanded).to(dtype)
 
 
+def quantize(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 codes, float32 scales) of `weight` [..., rows, cols] as FP8 checkpoints are made, what
+    `dequantize` reads: each block's largest magnitude (without a block, the tensor's) maps to
+    e4m3's largest value."""
+    top, weight = torch.finfo(torch.float8_e4m3fn).max, weight.float()
+    if block is None:
+        scale = weight.abs().max().clamp_min(1e-12).reshape(1) / top
+        return (weight / scale).to(torch.float8_e4m3fn), scale
+    *lead, rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = weight.new_zeros(*lead, grid[0] * block[0], grid[1] * block[1])
+    padded[..., :rows, :cols] = weight
+    tiles = padded.view(*lead, grid[0], block[0], grid[1], block[1])
+    scale = tiles.abs().amax(dim=(-3, -1)).clamp_min(1e-12) / top
+    codes = (tiles / scale[..., :, None, :, None]).view_as(padded)[..., :rows, :cols]
+    return codes.to(torch.float8_e4m3fn).contiguous(), scale
+
+
 def codes_readable(capability: tuple[int, int] | None) -> bool:
     """Whether experts may stay FP8 on a CUDA device of this capability (None: no CUDA device, the
     CPU path, which dequantizes each expert as it runs)."""

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from splitserve.engine.config import ConfigError, ModelConfig
-from splitserve.engine.fp8 import DUMMY_SCALE, dequantize
+from splitserve.engine.fp8 import DUMMY_SCALE, dequantize, quantize
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import CheckpointError, init_dummy_weights, load_model_config, load_weights
 from splitserve.engine.model.llama import LlamaForCausalLM
@@ -22,23 +22,7 @@ from tests.engine.hf_checkpoints import (  # noqa: F401 (fixture)
 )
 from tests.engine.runner_helpers import max_diff, new_seq, run_plan
 
-FP8_MAX = 448.0  # e4m3's largest value
 BLOCK = 32
-
-
-def quantize(weight: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float8 codes and their scales, each block's absolute maximum mapped to FP8_MAX (one block:
-    the tensor), as FP8 checkpoints are made."""
-    if block is None:
-        scale = weight.abs().max().clamp_min(1e-12) / FP8_MAX
-        return (weight / scale).to(torch.float8_e4m3fn), scale.reshape(1).float()
-    rows, cols = weight.shape
-    grid = (-(-rows // block), -(-cols // block))
-    padded = torch.zeros(grid[0] * block, grid[1] * block)
-    padded[:rows, :cols] = weight
-    scale = padded.view(grid[0], block, grid[1], block).abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
-    expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    return (padded / expanded)[:rows, :cols].to(torch.float8_e4m3fn), scale
 
 
 def transformers_dequantized(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -49,22 +33,23 @@ def transformers_dequantized(codes: torch.Tensor, scale: torch.Tensor) -> torch.
 
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["blocks", "tensor"])
 def test_dequantized_as_transformers_dequantizes(block):
+    block = None if block is None else (block, block)
     codes, scale = quantize(torch.randn(96, 64, generator=torch.Generator().manual_seed(0)), block)
-    assert torch.equal(dequantize(codes, scale, None if block is None else (block, block), torch.float32),
+    assert torch.equal(dequantize(codes, scale, block, torch.float32),
                        transformers_dequantized(codes, scale))
 
 
 def test_partial_blocks_take_their_own_scale():
     """70 x 50 in 32 x 32 blocks: the last row and column of blocks are partial (ceil, as vLLM
     reads them); each value is its code times its block's scale."""
-    codes, scale = quantize(torch.randn(70, 50, generator=torch.Generator().manual_seed(1)), BLOCK)
+    codes, scale = quantize(torch.randn(70, 50, generator=torch.Generator().manual_seed(1)), (BLOCK, BLOCK))
     ours = dequantize(codes, scale, (BLOCK, BLOCK), torch.float32)
     for r, c in [(0, 0), (31, 32), (64, 49), (69, 0), (69, 49)]:
         assert ours[r, c] == codes[r, c].float() * scale[r // BLOCK, c // BLOCK]
 
 
 def test_malformed_scales_are_refused():
-    codes, scale = quantize(torch.randn(70, 50), BLOCK)
+    codes, scale = quantize(torch.randn(70, 50), (BLOCK, BLOCK))
     with pytest.raises(ValueError, match=r"in 32x32 blocks must be 3x2, got \(2, 2\)"):
         dequantize(codes, scale[:2], (BLOCK, BLOCK), torch.float32)
     with pytest.raises(ValueError, match="must be float8_e4m3fn"):
@@ -79,7 +64,8 @@ def quantize_checkpoint(path, block: int | None = BLOCK, drop: str | None = None
     tensors = {}
     for name, tensor in load_file(path / "model.safetensors").items():
         if name.endswith("proj.weight"):
-            tensors[name], tensors[name + ("_scale" if static else "_scale_inv")] = quantize(tensor, block)
+            scales = name + ("_scale" if static else "_scale_inv")
+            tensors[name], tensors[scales] = quantize(tensor, None if block is None else (block, block))
             if static:
                 tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor([0.02])
         else:

@@ -17,7 +17,7 @@ from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.hf_checkpoints import (  # noqa: E402,F401 (fixture)
     ENGINE_ARGS, generation_prompts, tokenizers_by_kind, write_checkpoint,
 )
-from tests.engine.test_fp8 import quantize, quantize_checkpoint  # noqa: E402
+from tests.engine.test_fp8 import quantize_checkpoint  # noqa: E402
 from tests.engine.test_mxfp4 import packed, quantize_experts  # noqa: E402
 
 pytestmark = pytest.mark.kernels
@@ -102,7 +102,7 @@ def test_mxfp4_experts_equal_the_dequantized_oracle(dtype, act, tokens, block_m)
 def fp8_stack(experts: int, rows: int, cols: int, block: tuple[int, int], seed: int) -> tuple:
     """FP8 codes [experts, rows, cols] and block scales, each expert quantized in `block`s."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.stack([quantize(torch.randn(rows, cols, generator=g), None)[0] for _ in range(experts)])
+    codes = fp8.quantize(torch.randn(experts, rows, cols, generator=g), None)[0]
     grid = (-(-rows // block[0]), -(-cols // block[1]))  # a scale per block: weights of 0 to 0.9, blocks apart
     scales = torch.rand(experts, *grid, generator=g) * 2.0 ** torch.randint(-13, -9, (experts, *grid), generator=g)
     return codes, scales

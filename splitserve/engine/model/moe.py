@@ -103,10 +103,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 class Experts(nn.Module):
     def __init__(self, c: ModelConfig, names: ExpertNames, shard: Shard = Shard()):
         super().__init__()
-        total, self.block = c.moe_intermediate_size, c.weight_block_size
-        device = torch.get_default_device()  # where the model is being built
-        readable = fp8.codes_readable(torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
-        unit = {"mxfp4": mxfp4.GROUP, "fp8": fp8.experts_unit(self.block) if readable else None}.get(c.quantization)
+        total, self.block, unit = c.moe_intermediate_size, c.weight_block_size, _kept_unit(c)
         # the checkpoint's format, kept where every rank's slice is whole units; None: the model's dtype
         self.format = c.quantization if unit and total % unit == 0 and total // unit >= shard.size else None
         lo, hi = shard.split_in(total, unit) if self.format else shard.split(total)
@@ -207,6 +204,19 @@ class Experts(nn.Module):
                 yield f"{owner}.{e}.{self.names.gate}{suffix}", gate_up
                 yield f"{owner}.{e}.{self.names.up}{suffix}", gate_up
                 yield f"{owner}.{e}.{self.names.down}{suffix}", down
+
+
+def _kept_unit(c: ModelConfig) -> int | None:
+    """What a rank's slice of the width must be whole multiples of for the experts to stay in the
+    checkpoint's format (MXFP4's group; FP8's blocks, on a device whose Triton reads e4m3); None
+    where they are dequantized."""
+    if c.quantization == "mxfp4":
+        return mxfp4.GROUP
+    if c.quantization != "fp8":
+        return None
+    device = torch.get_default_device()  # where the model is being built
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return fp8.experts_unit(c.weight_block_size) if fp8.codes_readable(capability) else None
 
 
 def _frozen(*shape: int, dtype: torch.dtype = torch.uint8) -> nn.Parameter:
