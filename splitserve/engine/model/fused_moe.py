@@ -22,6 +22,7 @@ import triton.language as tl
 
 from splitserve.engine import fp8, mxfp4
 from splitserve.engine.model.moe import SILU, GatedAct
+from splitserve.engine.model.triton_tiles import input_tile, weight_tile
 
 BLOCK_N = 64
 BLOCK_K = fp8.KERNEL_K
@@ -61,29 +62,6 @@ def _mxfp4_group(acc, a_even, a_odd, blocks, scales, rows, group, stride_row, st
     return tl.dot(a_odd, (_e2m1(codes >> 4) * scale).to(a_odd.dtype), acc, input_precision=PRECISION)
 
 
-@triton.jit
-def _input_tile(a_ptr, rows, stride_row, start, limit, valid, BLOCK_K: tl.constexpr):
-    """[M, BLOCK_K]: rows `rows` of a's columns [start, start + BLOCK_K), zeros past `limit` and
-    where not `valid`."""
-    k = start + tl.arange(0, BLOCK_K)
-    return tl.load(a_ptr + rows[:, None] * stride_row + k[None, :], mask=valid[:, None] & (k < limit)[None, :],
-                   other=0.0)
-
-
-@triton.jit
-def _weight_tile(w, scales, rows, start, limit, stride_row, stride_scale_row, block_rows, block_cols, row_ok,
-                 dtype: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
-    """[BLOCK_K, N]: weight rows `rows`' columns [start, start + BLOCK_K) as a dot's right operand
-    (zeros past `limit`); with FP8 each code times its block's scale (the K within one block of
-    columns), in `dtype`."""
-    k = start + tl.arange(0, BLOCK_K)
-    tile = tl.load(w + rows[None, :] * stride_row + k[:, None], mask=(k < limit)[:, None] & row_ok[None, :], other=0.0)
-    if FP8:
-        scale = tl.load(scales + (rows // block_rows) * stride_scale_row + start // block_cols, mask=row_ok, other=0.0)
-        tile = (tile.to(tl.float32) * scale[None, :]).to(dtype)
-    return tile
-
-
 @triton.jit(do_not_specialize=["num_assignments"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden,
                     width, stride_x, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols, stride_be,
@@ -117,11 +95,11 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
             up = _mxfp4_group(up, a_even, a_odd, w, s, up_rows, group, stride_wn, stride_sn, col_ok, PRECISION)
     else:
         for start in range(0, hidden, BLOCK_K):
-            a = _input_tile(x_ptr, tokens, stride_x, start, hidden, valid, BLOCK_K)
-            g = _weight_tile(w, s, gate_rows, start, hidden, stride_wn, stride_sn, block_rows, block_cols, col_ok,
-                             a.dtype, BLOCK_K, FP8)
-            u = _weight_tile(w, s, up_rows, start, hidden, stride_wn, stride_sn, block_rows, block_cols, col_ok,
-                             a.dtype, BLOCK_K, FP8)
+            a = input_tile(x_ptr, tokens, stride_x, start, hidden, valid, BLOCK_K)
+            g = weight_tile(w, s, gate_rows, start, hidden, stride_wn, stride_sn, block_rows, block_cols, col_ok,
+                            a.dtype, BLOCK_K, FP8)
+            u = weight_tile(w, s, up_rows, start, hidden, stride_wn, stride_sn, block_rows, block_cols, col_ok,
+                            a.dtype, BLOCK_K, FP8)
             gate = tl.dot(a, g, gate, input_precision=PRECISION)
             up = tl.dot(a, u, up, input_precision=PRECISION)
     if BIAS:
@@ -163,9 +141,9 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_
             acc = _mxfp4_group(acc, a_even, a_odd, w, s, cols, group, stride_wn, stride_sn, col_ok, PRECISION)
     else:
         for start in range(0, width, BLOCK_K):
-            a = _input_tile(act_ptr, at, stride_act, start, width, valid, BLOCK_K)
-            d = _weight_tile(w, s, cols, start, width, stride_wn, stride_sn, block_rows, block_cols, col_ok, a.dtype,
-                             BLOCK_K, FP8)
+            a = input_tile(act_ptr, at, stride_act, start, width, valid, BLOCK_K)
+            d = weight_tile(w, s, cols, start, width, stride_wn, stride_sn, block_rows, block_cols, col_ok, a.dtype,
+                            BLOCK_K, FP8)
             acc = tl.dot(a, d, acc, input_precision=PRECISION)
     acc = acc * tl.load(weights_ptr + at, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + at[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
