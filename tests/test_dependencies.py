@@ -21,7 +21,9 @@ EXTRA_MODULES = {"splitserve/engine/attention/triton_kernels.py": "gpu",
                  "splitserve/engine/attention/cuda.py": "gpu",
                  "splitserve/engine/kernel_warm_up.py": "gpu",
                  "splitserve/engine/model/triton_ops.py": "gpu",
-                 "splitserve/engine/model/fused_moe.py": "gpu"}
+                 "splitserve/engine/model/fused_moe.py": "gpu",
+                 "splitserve/engine/model/fp8_linear.py": "gpu",
+                 "splitserve/engine/model/triton_tiles.py": "gpu"}
 USED_WITHOUT_IMPORT = {
     "python-multipart": "FastAPI parses the multipart forms of /v1/files with it",
     "pytest-timeout": "a pytest plugin (the timeout in pyproject's pytest options)",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 
@@ -29,6 +30,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gem
 # quantized checkpoint formats served: GPT-OSS's MXFP4 experts (engine/mxfp4.py), FP8 weights (engine/fp8.py)
 QUANTIZATIONS = {arch: ("mxfp4",) if arch == "GptOssForCausalLM" else ("fp8",) for arch in SUPPORTED_ARCHITECTURES}
 MXFP4_GROUP = 32  # values a scale covers (mxfp4.GROUP)
+MAX_PATTERNS = 4096  # of a quantization_config's modules_to_not_convert
 
 
 class ConfigError(ValueError):
@@ -96,6 +98,7 @@ class ModelConfig:
     skipped_weights: tuple[str, ...] = ()  # ... and the prefixes of the tensors it does not serve (the vision tower)
     quantization: str | None = None  # the checkpoint's weights' format (QUANTIZATIONS); None: the model's dtype
     weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: the tensor)
+    unquantized_modules: tuple[str, ...] = ()  # FP8: modules_to_not_convert, the modules stored unquantized
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -114,6 +117,12 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    def stored_unquantized(self, module: str) -> bool:
+        """Whether the checkpoint stores module `module` ("model.layers.0.self_attn.q_proj") in its
+        own dtype: an `unquantized_modules` pattern matches it from the start up to a module boundary
+        ("model.layers.0" or "model.layers.*.mlp", not "model.layers.1" for layer 10), or ends it."""
+        return any(re.match(f"(?:{p})(?=\\.|$)", module) or module.endswith(p) for p in self.unquantized_modules)
 
     @property
     def long_rope_from(self) -> int | None:
@@ -147,7 +156,7 @@ class ModelConfig:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        quantization, block = _quantization(cfg, arch, source)
+        quantization = _quantization(cfg, arch, source)
         if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias"):
             raise ConfigError(f"{source}: attention_bias=true is not supported for {arch} (it would put a "
                               "bias on o_proj too); released Qwen3 checkpoints have none")
@@ -176,7 +185,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **_parse_window(cfg, arch, source, layers), hidden_act=_activation(cfg, source), **(gemma_fields if gemma else {}),
             **(_parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
-            quantization=quantization, weight_block_size=block,
+            **quantization,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
         )
@@ -218,23 +227,39 @@ def _parse_gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict
                       local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))))
 
 
-def _quantization(cfg: dict, arch: str, source: str) -> tuple[str | None, tuple[int, int] | None]:
-    """(the quant_method of a quantized checkpoint, which loads only in a format `QUANTIZATIONS`
-    lists for its architecture, and FP8's weight_block_size); (None, None) for an unquantized one."""
+def _quantization(cfg: dict, arch: str, source: str) -> dict:
+    """The quantization fields: the quant_method of a quantized checkpoint, which loads only in a
+    format `QUANTIZATIONS` lists for its architecture, and FP8's weight_block_size and modules
+    stored unquantized; none for an unquantized checkpoint."""
     quant = cfg.get("quantization_config")
     if quant is None:
-        return None, None
+        return {}
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method not in QUANTIZATIONS.get(arch, ()):
         raise ConfigError(f"{source}: quantization_config quant_method {method!r} is not supported for {arch} "
                           f"(supported: {', '.join(QUANTIZATIONS[arch])}); serve the unquantized checkpoint")
     if method == "fp8":
-        return method, _fp8_block(quant, source)
+        return dict(quantization=method, weight_block_size=_fp8_block(quant, source),
+                    unquantized_modules=_patterns(quant, "modules_to_not_convert", source))
     for name in ("hidden_size", "intermediate_size"):  # MXFP4 (GPT-OSS): the experts' inputs and width
         if int(cfg.get(name) or 0) % MXFP4_GROUP:
             raise ConfigError(f"{source}: {name}={cfg.get(name)} is not a multiple of {MXFP4_GROUP}, "
                               "MXFP4's group of values")
-    return method, None
+    return dict(quantization=method)
+
+
+def _patterns(quant: dict, name: str, source: str) -> tuple[str, ...]:
+    """A list of module-name patterns (regular expressions), each checked."""
+    patterns = quant.get(name) or []
+    if not isinstance(patterns, list) or len(patterns) > MAX_PATTERNS or not all(isinstance(p, str) for p in patterns):
+        raise ConfigError(f"{source}: quantization_config {name} must be a list of at most {MAX_PATTERNS} strings")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"{source}: quantization_config {name} {pattern!r} is not a regular expression "
+                              f"({exc})") from exc
+    return tuple(patterns)
 
 
 def _fp8_block(quant: dict, source: str) -> tuple[int, int] | None:

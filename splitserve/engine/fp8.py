@@ -3,9 +3,10 @@ linear layer's `<name>.weight` in float8 e4m3 beside `<name>.weight_scale_inv` f
 per block of `weight_block_size` [rows, cols] (the last blocks of a dim partial), or one for the
 whole tensor without a block size (AutoFP8's checkpoints name it `weight_scale`, beside the
 `input_scale` of their static activation scheme); each value is its code times its block's scale.
-The weights are dequantized at load to the serving dtype (the checkpoint loads, in that dtype's
-memory, and activations stay in it), but for a sparse layer's experts, which stay FP8 where their
-blocks allow (`Stacked`; the fused MoE kernels read the codes)."""
+Activations stay in the serving dtype. Where the blocks allow, a sparse layer's experts stay FP8
+(`Stacked`; the fused MoE kernels read the codes) and so, on a GPU whose Triton reads e4m3, do the
+dense projections (`model.linear`; the W8A16 GEMM `model.fp8_linear`); other weights are
+dequantized at load to the serving dtype."""
 from __future__ import annotations
 
 import math
@@ -56,10 +57,23 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch
     return codes.to(torch.float8_e4m3fn).contiguous(), scale
 
 
+def build_capability() -> tuple[int, int] | None:
+    """The compute capability of the CUDA device a model is being built on (torch's default
+    device); None off CUDA."""
+    device = torch.get_default_device()
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 def codes_readable(capability: tuple[int, int] | None) -> bool:
     """Whether experts may stay FP8 on a CUDA device of this capability (None: no CUDA device, the
     CPU path, which dequantizes each expert as it runs)."""
     return capability is None or capability >= CODES_CAPABILITY
+
+
+def projections_kept(capability: tuple[int, int] | None) -> bool:
+    """Whether dense projections stay FP8 on a device of this capability: on CUDA where Triton reads
+    e4m3 (`fp8_linear`); the CPU path dequantizes them at load, its matmuls in the serving dtype."""
+    return capability is not None and capability >= CODES_CAPABILITY
 
 
 def experts_unit(block: tuple[int, int] | None) -> int | None:

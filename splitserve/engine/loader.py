@@ -7,8 +7,9 @@ of it. A tied `lm_head` is recognised because it is the same tensor as
 `model.embed_tokens.weight`, so loading either name fills both. A tensor-parallel rank reads only
 its part of each tensor from the file (`shard_slices`). An MXFP4 tensor (GPT-OSS's experts: its
 `_blocks` and `_scales`, `mxfp4`) and an FP8 weight (its float8 `.weight` and `.weight_scale_inv`,
-`fp8`) load as they are where the model keeps them so (MoE experts); otherwise each is dequantized
-whole on the parameter's device once both halves are read, then the rank's part of it is kept.
+`fp8`) load as they are where the model keeps them so (MoE experts; on a GPU, dense projections);
+otherwise each is dequantized whole on the parameter's device once both halves are read, then the
+rank's part of it is kept.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
             ours = _model_name(file, name, config)
             if ours is None or ours.endswith(ignored):
                 continue
-            dequantized, half = None, _quantized_half(ours, handle, name, config, targets)
+            dequantized, half = None, _quantized_half(file, ours, handle, name, config, targets)
             if (half[0] if half else ours) in absent:
                 continue
             if half is not None:
@@ -222,7 +223,7 @@ def _fused_parts(name: str, config: ModelConfig | None) -> list[str] | None:
     return [f"{prefix}.{part}.{kind}" for part in FUSED_PARTS.get(projection, ())] or None
 
 
-def _quantized_half(name: str, handle, checkpoint_name: str, config: ModelConfig | None,
+def _quantized_half(file: Path, name: str, handle, checkpoint_name: str, config: ModelConfig | None,
                     targets: dict[str, torch.Tensor]) -> tuple[str, str] | None:
     """(the tensor it is half of, which half) for half of a quantized tensor the model dequantizes:
     MXFP4's blocks or scales, FP8's float8 weight or its scales, where the model does not keep them
@@ -232,13 +233,17 @@ def _quantized_half(name: str, handle, checkpoint_name: str, config: ModelConfig
         return base, half
     if config is None or config.quantization != "fp8":
         return None
-    kept = targets.get(name)
+    stored = handle.get_slice(checkpoint_name).get_dtype()
+    kept = next((targets[n] for n in [name] + (_fused_parts(name, config) or []) if n in targets), None)
+    if kept is not None and kept.dtype == torch.float8_e4m3fn and not stored.startswith("F8"):
+        raise CheckpointError(f"{file}: tensor {name!r} is stored as {stored}, not float8 as quantization_config "
+                              "says (list its module in quantization_config.modules_to_not_convert)")
     if kept is not None and (kept.dtype == torch.float8_e4m3fn or name.endswith(fp8.SCALE_SUFFIXES)):
         return None
     suffix = next((s for s in fp8.SCALE_SUFFIXES if name.endswith(s)), None)
     if suffix is not None:
         return name.removesuffix(suffix), "scale"
-    if handle.get_slice(checkpoint_name).get_dtype().startswith("F8"):
+    if stored.startswith("F8"):
         return name, "weight"
     return None
 

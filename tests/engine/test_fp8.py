@@ -9,13 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from splitserve.engine import fp8
 from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.fp8 import DUMMY_SCALE, dequantize, quantize
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import CheckpointError, init_dummy_weights, load_model_config, load_weights
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.moe import route
-from splitserve.engine.model.sharding import Shard
+from splitserve.engine.model.sharding import Shard, kv_head_range
 from splitserve.engine.policies import ScheduledSeq
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixture)
     ENGINE_ARGS, hf_logits, prompt_ids, tokenizers_by_kind, write_checkpoint,
@@ -129,12 +130,121 @@ def test_a_weight_without_its_scales_is_named(tmp_path, tokenizers_by_kind):
     ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be \[rows, cols\]"),
     ({"quant_method": "fp8", "weight_block_size": [128, 0]}, r"weight_block_size\[1\] must be a positive integer"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
-    ({"quant_method": "awq"}, r"quant_method 'awq' is not supported for Qwen3ForCausalLM \(supported: fp8\)")])
+    ({"quant_method": "awq"}, r"quant_method 'awq' is not supported for Qwen3ForCausalLM \(supported: fp8\)"),
+    ({"quant_method": "fp8", "modules_to_not_convert": "lm_head"}, "modules_to_not_convert must be a list"),
+    ({"quant_method": "fp8", "modules_to_not_convert": ["layers.(0"]}, r"'layers.\(0' is not a regular expression")])
 def test_fp8_configs_are_checked(quant, message):
     raw = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 1, "num_attention_heads": 4, "quantization_config": quant}
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf(raw)
+
+
+@pytest.fixture
+def gpu_reads_fp8(monkeypatch):
+    """Models built as on an H100, whose Triton reads float8 e4m3 (on this machine's CPU)."""
+    monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
+
+
+@pytest.mark.parametrize("name", ["qwen3_qk_norm", "phi3_fused_partial"])
+def test_dense_projections_keep_their_codes_where_triton_reads_them(tmp_path, tokenizers_by_kind, gpu_reads_fp8,
+                                                                     name):
+    """On a GPU whose Triton reads e4m3 the attention and MLP projections hold the checkpoint's
+    codes (a byte a weight) and block scales, a merged projection's parts' scale rows stacked like
+    their rows (Phi-3 stores Q, K and V as one tensor), and give transformers' logits."""
+    write_checkpoint(tmp_path, name, tokenizers_by_kind)
+    quantize_checkpoint(tmp_path)
+    engine = LLMEngine(str(tmp_path), dtype="float32", **ENGINE_ARGS)
+    layer = engine.runner.model.model.layers[0]
+    qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
+    assert qkv.weight.dtype == down.weight.dtype == torch.float8_e4m3fn and qkv.fp8_block == (BLOCK, BLOCK)
+    assert qkv.weight_scale_inv.shape == (qkv.out_features // BLOCK, 64 // BLOCK)
+    hf = reference(tmp_path)
+    codes, scales = quantize(hf.model.layers[0].mlp.down_proj.weight.detach(), (BLOCK, BLOCK))
+    assert torch.equal(down.weight.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(down.weight_scale_inv,
+                                                                                               scales)
+    ids = prompt_ids(1, 37, hf.config.vocab_size)
+    ours, ref = prefill_logits(engine, ids), hf_logits(hf, ids)
+    assert ref.std().item() > 1.0 and max_diff(ours, ref) <= 1e-4, max_diff(ours, ref)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), None])
+def test_dense_projections_are_dequantized_where_triton_cannot_read_them(tmp_path, tokenizers_by_kind, monkeypatch,
+                                                                          capability):
+    """An A100 (Triton refuses e4m3 before sm_89) and the CPU path multiply in the serving dtype."""
+    write_checkpoint(tmp_path, "qwen3_qk_norm", tokenizers_by_kind)
+    quantize_checkpoint(tmp_path)
+    monkeypatch.setattr(fp8, "build_capability", lambda: capability)
+    attention = load(tmp_path).model.layers[0].self_attn
+    assert attention.qkv_proj.fp8_block is None and attention.o_proj.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_rank_keeps_whole_blocks_of_the_codes(tmp_path, tokenizers_by_kind, gpu_reads_fp8, size):
+    """Every part's slice is whole 32-row blocks (a rank's query heads, 32 rows each; its KV heads,
+    over 4 ranks the one of its 2 it reads, replicated; its 128 / size of the MLP's width), and
+    each rank holds exactly its rows (columns, for o_proj and down) of the codes and of the scales."""
+    write_checkpoint(tmp_path, "qwen3_qk_norm", tokenizers_by_kind)
+    quantize_checkpoint(tmp_path)
+    whole = load(tmp_path).model.layers[1]
+    qkv = dequantized(whole.self_attn.qkv_proj)
+    q, k, v = qkv[:128].view(4, 32, 64), qkv[128:192].view(2, 32, 64), qkv[192:].view(2, 32, 64)
+    for rank in range(size):
+        part = load(tmp_path, Shard(rank, size)).model.layers[1]
+        attention, mlp, heads, d = part.self_attn, part.mlp, 4 // size, 128 // size
+        assert attention.qkv_proj.fp8_block == mlp.down_proj.fp8_block == (BLOCK, BLOCK)
+        lo, hi = kv_head_range(2, rank, size)
+        expected = torch.cat([q[rank * heads:(rank + 1) * heads].flatten(0, 1), k[lo:hi].flatten(0, 1),
+                              v[lo:hi].flatten(0, 1)])
+        assert torch.equal(dequantized(attention.qkv_proj), expected)
+        assert torch.equal(dequantized(attention.o_proj),
+                           dequantized(whole.self_attn.o_proj)[:, rank * heads * 32:(rank + 1) * heads * 32])
+        gate_up = dequantized(whole.mlp.gate_up_proj).view(2, size, d, 64)[:, rank].reshape(2 * d, 64)
+        assert torch.equal(dequantized(mlp.gate_up_proj), gate_up)
+        assert torch.equal(dequantized(mlp.down_proj), dequantized(whole.mlp.down_proj)[:, rank * d:(rank + 1) * d])
+
+
+def test_a_cut_inside_a_block_dequantizes_that_projection(tmp_path, tokenizers_by_kind, gpu_reads_fp8):
+    """In 64-row blocks, 2 ranks' 32 rows of K would cut a block: their attention is dequantized
+    at load, while the MLP's 64 rows a rank stay FP8."""
+    write_checkpoint(tmp_path, "qwen3_qk_norm", tokenizers_by_kind)
+    quantize_checkpoint(tmp_path, block=64)
+    layer = load(tmp_path, Shard(1, 2)).model.layers[0]
+    assert layer.self_attn.qkv_proj.fp8_block is None and layer.self_attn.qkv_proj.weight.dtype == torch.float32
+    assert layer.mlp.gate_up_proj.fp8_block == layer.mlp.down_proj.fp8_block == (64, 64)
+
+
+def dequantized(linear) -> torch.Tensor:
+    if linear.fp8_block is None:
+        return linear.weight.detach()
+    return dequantize(linear.weight, linear.weight_scale_inv, linear.fp8_block, torch.float32)
+
+
+def test_modules_stored_unquantized_stay_in_their_dtype(tmp_path, tokenizers_by_kind, gpu_reads_fp8):
+    """A checkpoint whose quantization_config lists modules it did not quantize (transformers'
+    modules_to_not_convert: here layer 0's MLP) loads them as stored, the rest FP8; one that
+    stores a projection unquantized without saying so is refused, naming the tensor."""
+    write_checkpoint(tmp_path, "qwen3_qk_norm", tokenizers_by_kind)
+    original = load_file(tmp_path / "model.safetensors")
+    quantize_checkpoint(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        name = f"model.layers.0.mlp.{proj}.weight"
+        tensors[name] = original[name]
+        del tensors[name + "_scale_inv"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.down_proj.weight' is stored as F32, not float8"):
+        load(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.0.mlp"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load(tmp_path)
+    assert model.model.layers[0].mlp.down_proj.fp8_block is None and model.model.layers[1].mlp.down_proj.fp8_block
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, original["model.layers.0.mlp.down_proj.weight"])
+    hf = reference(tmp_path)
+    ids = prompt_ids(1, 37, hf.config.vocab_size)
+    ours, ref = prefill_logits(LLMEngine(str(tmp_path), dtype="float32", **ENGINE_ARGS), ids), hf_logits(hf, ids)
+    assert max_diff(ours, ref) <= 1e-4, max_diff(ours, ref)
 
 
 def write_qwen3_moe(path, width: int = 96) -> None:

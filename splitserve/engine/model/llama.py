@@ -3,7 +3,8 @@ layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, whose attention 
 an o_proj bias) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
-merged weight is the checkpoint's weights stacked by rows. `checkpoint_tensors` names every
+merged weight is the checkpoint's weights stacked by rows (`model.linear`; a block-wise FP8
+checkpoint's codes and block scales where the device reads them). `checkpoint_tensors` names every
 parameter, or slice of a merged one, as Hugging Face does, so checkpoints load (and dummy weights
 are drawn) by those names. Tokens of all sequences in an iteration are one flat [T] batch (no
 padding); the attention backend splits them using the metadata.
@@ -23,11 +24,10 @@ from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.config import ModelConfig, RopeScaling
+from splitserve.engine.model.linear import MergedLinear, Reduce, RowParallelLinear, fp8_block
 from splitserve.engine.model.moe import Experts, SparseMoeBlock, expert_names
 from splitserve.engine.model.rotary import RotaryEmbedding
 from splitserve.engine.model.sharding import Shard, ShardSlice, kv_head_range
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]  # all-reduce (sum) over the worker's ranks
 
 
 class RMSNorm(nn.Module):
@@ -63,37 +63,10 @@ def _cuda_ops():
     return triton_ops
 
 
-class MergedLinear(nn.Linear):
-    """Several projections of the same input as one matmul: the weight is theirs stacked by rows."""
-
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool,
-                 slices: dict[str, ShardSlice] | None = None):
-        super().__init__(in_features, sum(parts.values()), bias=bias)
-        self.parts = parts  # the checkpoint's name of each projection -> its output rows, in order
-        self.slices = slices or {}  # with tensor parallelism: the checkpoint rows each part holds
-
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return out.split(list(self.parts.values()), dim=-1)
-
-
-class RowParallelLinear(nn.Linear):
-    """A projection whose input features are split over the ranks: partial sums, all-reduced, then
-    the bias (whole on every rank) added once."""
-
-    def __init__(self, in_features: int, out_features: int, shard_slice: ShardSlice | None, reduce: Reduce | None,
-                 bias: bool = False):
-        super().__init__(in_features, out_features, bias=bias)
-        self.shard_slice, self.reduce = shard_slice, reduce
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
-        out = out if self.reduce is None else self.reduce(out)
-        return out if self.bias is None else out + self.bias
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None,
-                 window: int | None = None):
+                 window: int | None = None, prefix: str = "model.layers.0.self_attn"):
+        """`prefix`: the checkpoint's name of the module (what modules_to_not_convert matches)."""
         super().__init__()
         self.window = window  # a sliding-window layer's (ModelConfig.window_of)
         self.scale, self.softcap = c.attention_scale, c.attn_logit_softcap
@@ -106,11 +79,15 @@ class LlamaAttention(nn.Module):
                                              "k_proj": ShardSlice(0, kv_lo * d, kv_hi * d, kv_total),
                                              "v_proj": ShardSlice(0, kv_lo * d, kv_hi * d, kv_total)}
         kv = self.num_kv_heads * d
+        q_cuts, kv_cuts = (q_lo * d, q_hi * d, q_total), (kv_lo * d, kv_hi * d, kv_total)
         self.qkv_proj = MergedLinear(c.hidden_size, {"q_proj": self.num_heads * d, "k_proj": kv, "v_proj": kv},
-                                     bias=c.attention_bias, slices=slices)
+                                     bias=c.attention_bias, slices=slices,
+                                     fp8_block=fp8_block(c, [f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")],
+                                                         rows=q_cuts + kv_cuts))
         self.o_proj = RowParallelLinear(self.num_heads * d, c.hidden_size,
                                         ShardSlice(1, q_lo * d, q_hi * d, q_total) if shard.size > 1 else None, reduce,
-                                        bias=c.attention_out_bias)
+                                        bias=c.attention_out_bias,
+                                        fp8_block=fp8_block(c, [f"{prefix}.o_proj"], cols=q_cuts))
         # GPT-OSS: a logit per query head that joins its softmax (this rank's heads)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if c.attention_sinks else None
         self.sink_slice = ShardSlice(0, q_lo, q_hi, c.num_attention_heads) if shard.size > 1 else None
@@ -136,19 +113,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None, width: int | None = None):
+    def __init__(self, c: ModelConfig, shard: Shard = Shard(), reduce: Reduce | None = None, width: int | None = None,
+                 prefix: str = "model.layers.0.mlp"):
         """`width`: the intermediate size (default the config's); without `reduce` a sharded MLP's
-        output is this rank's partial sum."""
+        output is this rank's partial sum. `prefix`: the checkpoint's name of the module (as for attention)."""
         super().__init__()
         width = width or c.intermediate_size
         lo, hi = shard.split(width)
         sharded = shard.size > 1
         part = ShardSlice(0, lo, hi, width)
         slices = {"gate_proj": part, "up_proj": part} if sharded else {}
+        gate_up_block = fp8_block(c, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], rows=(lo, hi, width))
         self.gate_up_proj = MergedLinear(c.hidden_size, {"gate_proj": hi - lo, "up_proj": hi - lo}, bias=False,
-                                         slices=slices)
+                                         slices=slices, fp8_block=gate_up_block)
+        down_block = fp8_block(c, [f"{prefix}.down_proj"], cols=(lo, hi, width))
         self.down_proj = RowParallelLinear(hi - lo, c.hidden_size, ShardSlice(1, lo, hi, width) if sharded else None,
-                                           reduce)
+                                           reduce, fp8_block=down_block)
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +140,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, layer: int, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
-        self.self_attn = LlamaAttention(c, shard, reduce, c.window_of(layer))
+        prefix = f"model.layers.{layer}"
+        self.self_attn = LlamaAttention(c, shard, reduce, c.window_of(layer), f"{prefix}.self_attn")
         # Llama's post_attention_layernorm precedes the MLP; Gemma's normalizes the attention's output,
         # and a pre_feedforward_layernorm precedes the MLP, whose output a post_feedforward_layernorm takes
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
@@ -169,10 +150,10 @@ class LlamaDecoderLayer(nn.Module):
         if c.is_moe_layer(layer):  # registered under the checkpoint's name (Mixtral's block_sparse_moe)
             names, width = expert_names(c), c.shared_expert_intermediate_size
             self.mlp_name = names.block
-            shared = LlamaMLP(c, shard, width=width) if width else None
+            shared = LlamaMLP(c, shard, width=width, prefix=f"{prefix}.{names.block}.shared_expert") if width else None
             self.add_module(names.block, SparseMoeBlock(c, names, shard, reduce, shared))
         else:
-            self.mlp_name, self.mlp = "mlp", LlamaMLP(c, shard, reduce)
+            self.mlp_name, self.mlp = "mlp", LlamaMLP(c, shard, reduce, prefix=f"{prefix}.mlp")
 
     def forward(self, x, residual, positions, rotary, kv, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the next norm adds the two,
@@ -255,10 +236,9 @@ def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if not isinstance(merged, MergedLinear):
             yield name, param
             continue
-        prefix, start = owner.rpartition(".")[0], 0
-        for part, rows in merged.parts.items():
+        prefix = owner.rpartition(".")[0]
+        for part, start, rows in merged.part_rows(param):
             yield f"{prefix}.{part}.{kind}", param[start:start + rows]
-            start += rows
 
 
 def shard_slices(model: nn.Module) -> dict[str, ShardSlice]:
@@ -268,12 +248,9 @@ def shard_slices(model: nn.Module) -> dict[str, ShardSlice]:
     for owner, module in model.named_modules():
         prefix = owner.rpartition(".")[0]
         if isinstance(module, MergedLinear):
-            for part, where in module.slices.items():
-                found[f"{prefix}.{part}.weight"] = where
-                if module.bias is not None:
-                    found[f"{prefix}.{part}.bias"] = where
-        elif isinstance(module, RowParallelLinear) and module.shard_slice is not None:
-            found[f"{owner}.weight"] = module.shard_slice
+            found.update(module.shard_slices(prefix))
+        elif isinstance(module, RowParallelLinear):
+            found.update(module.shard_slices(owner))
         elif isinstance(module, LlamaAttention) and module.sinks is not None and module.sink_slice is not None:
             found[f"{owner}.sinks"] = module.sink_slice
         elif isinstance(module, Experts):

@@ -30,6 +30,7 @@ from torch import nn
 
 from splitserve.engine import fp8, mxfp4
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.model.linear import frozen
 from splitserve.engine.model.sharding import Shard, ShardSlice
 
 
@@ -112,15 +113,15 @@ class Experts(nn.Module):
         experts, hidden = c.num_experts, c.hidden_size
         if self.format == "mxfp4":
             for name, rows, cols in (("w13", 2 * self.width, hidden), ("w2", hidden, self.width)):
-                self.register_parameter(f"{name}_blocks", _frozen(experts, rows, cols // mxfp4.GROUP, 16))
-                self.register_parameter(f"{name}_scales", _frozen(experts, rows, cols // mxfp4.GROUP))
+                self.register_parameter(f"{name}_blocks", frozen(experts, rows, cols // mxfp4.GROUP, 16))
+                self.register_parameter(f"{name}_scales", frozen(experts, rows, cols // mxfp4.GROUP))
         elif self.format == "fp8":
             (block_rows, block_cols), code = self.block, torch.float8_e4m3fn
-            self.w13 = _frozen(experts, 2 * self.width, hidden, dtype=code)
-            self.w13_scale = _frozen(experts, 2 * self.width // block_rows, -(-hidden // block_cols),
+            self.w13 = frozen(experts, 2 * self.width, hidden, dtype=code)
+            self.w13_scale = frozen(experts, 2 * self.width // block_rows, -(-hidden // block_cols),
                                      dtype=torch.float32)
-            self.w2 = _frozen(experts, hidden, self.width, dtype=code)
-            self.w2_scale = _frozen(experts, -(-hidden // block_rows), self.width // block_cols, dtype=torch.float32)
+            self.w2 = frozen(experts, hidden, self.width, dtype=code)
+            self.w2_scale = frozen(experts, -(-hidden // block_rows), self.width // block_cols, dtype=torch.float32)
         else:
             self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width, c.hidden_size))
             self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, self.width))
@@ -214,14 +215,7 @@ def _kept_unit(c: ModelConfig) -> int | None:
         return mxfp4.GROUP
     if c.quantization != "fp8":
         return None
-    device = torch.get_default_device()  # where the model is being built
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return fp8.experts_unit(c.weight_block_size) if fp8.codes_readable(capability) else None
-
-
-def _frozen(*shape: int, dtype: torch.dtype = torch.uint8) -> nn.Parameter:
-    """A quantized format's codes or scales: a parameter in its own dtype, never trained."""
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    return fp8.experts_unit(c.weight_block_size) if fp8.codes_readable(fp8.build_capability()) else None
 
 
 class SparseMoeBlock(nn.Module):

@@ -61,6 +61,10 @@ class ShardSlice:
     def take(self, full: torch.Tensor) -> torch.Tensor:
         return full.narrow(self.dim, self.start, self.stop - self.start)
 
+    def in_units(self, unit: int) -> "ShardSlice":
+        """The same part of a tensor with one entry per `unit` (FP8's block scales; the bounds whole units)."""
+        return ShardSlice(self.dim, self.start // unit, self.stop // unit, -(-self.total // unit))
+
 
 def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
     """The KV heads [lo, hi) rank `rank` of `size` holds (see the module docstring)."""

@@ -1,0 +1,119 @@
+"""The FP8 W8A16 GEMM (`model/fp8_linear.py`) against the torch oracle (the codes dequantized by
+`fp8.dequantize`, then `F.linear`), and a whole FP8 checkpoint's greedy output with its dense
+projections through it; the kernel runs under Triton's interpreter on CPU, compiled on CUDA where
+it is (the `kernels` mark)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from splitserve.engine import fp8  # noqa: E402
+from splitserve.engine.llm import LLM  # noqa: E402
+from splitserve.engine.model import fp8_linear  # noqa: E402
+from splitserve.engine.model.linear import Linear  # noqa: E402
+from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
+from tests.engine.hf_checkpoints import (  # noqa: E402,F401 (fixture)
+    ENGINE_ARGS, generation_prompts, tokenizers_by_kind, write_checkpoint,
+)
+from tests.engine.test_fp8 import quantize_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HALF = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16  # the interpreter's tl.dot misreads bfloat16
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def weight(n: int, k: int, block: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of a weight whose blocks differ in scale by up to 16x (so a code read with
+    another block's scale is far off)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = 2.0 ** torch.randint(-2, 3, (-(-n // block[0]), -(-k // block[1])), generator=g).float()
+    values = torch.randn(n, k, generator=g) * spread.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[
+        :, :k]
+    return fp8.quantize(values, block)
+
+
+def oracle(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    return F.linear(x.float(), fp8.dequantize(codes, scales, block, x.dtype).float())
+
+
+def check(x, codes, scales, block):
+    out = fp8_linear.matmul(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), block).cpu()
+    expected = oracle(x, codes, scales, block)
+    assert out.dtype == x.dtype and out.shape == expected.shape
+    scale = expected.abs().max().item()
+    assert (out.float() - expected).abs().max().item() <= TOLERANCE[x.dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("n, k, block", [
+    (96, 64, (32, 32)),      # whole blocks, 32-wide k tiles
+    (70, 100, (32, 32)),     # the last row and column of blocks partial
+    (200, 320, (128, 128)),  # Qwen's and DeepSeek's blocks (64-wide k tiles), partial both ways
+    (48, 128, (16, 64))])    # blocks of fewer rows than a tile's columns
+@pytest.mark.parametrize("tokens", [1, 5, 17, 70])  # each tile shape: 16, 64 and 128 rows
+def test_the_fp8_gemm_equals_the_dequantized_oracle(dtype, n, k, block, tokens):
+    codes, scales = weight(n, k, block, seed=n + tokens)
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    check(x, codes, scales, block)
+
+
+def test_strided_rows_and_leading_dims():
+    """x a column slice of wider rows, and inputs with more leading dims."""
+    codes, scales = weight(64, 96, (32, 32), seed=1)
+    wide = torch.randn(9, 128, generator=torch.Generator().manual_seed(2))
+    check(wide[:, 32:], codes, scales, (32, 32))
+    batched = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(3))
+    out = fp8_linear.matmul(batched.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), (32, 32)).cpu()
+    torch.testing.assert_close(out, oracle(batched.reshape(6, 96), codes, scales, (32, 32)).view(2, 3, 64),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_no_tokens_and_bad_operands():
+    codes, scales = weight(64, 64, (32, 32), seed=4)
+    assert fp8_linear.matmul(torch.empty(0, 64), codes, scales, (32, 32)).shape == (0, 64)
+    with pytest.raises(ValueError, match="whole 32-column k tiles"):
+        fp8_linear.matmul(torch.randn(1, 64), codes, scales, (32, 48))
+    with pytest.raises(ValueError, match=r"64 input features got inputs of shape \(2, 32\)"):
+        fp8_linear.matmul(torch.randn(2, 32), codes, scales, (32, 32))
+    with pytest.raises(ValueError, match="float8_e4m3fn codes"):
+        fp8_linear.matmul(torch.randn(1, 64), codes.float(), scales, (32, 32))
+
+
+def test_tiles_follow_the_token_count():
+    assert fp8_linear.tile_for(1)[:2] == fp8_linear.tile_for(16)[:2] == (16, 32)  # decode batches
+    assert fp8_linear.tile_for(64)[:2] == (64, 64)
+    assert fp8_linear.tile_for(8192)[:2] == (128, 128)
+    assert fp8_linear.block_k_for((128, 128)) == 64 and fp8_linear.block_k_for((32, 32)) == 32
+
+
+@pytest.mark.parametrize("name", ["qwen3_qk_norm", "qwen3_moe"])
+def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch, name):
+    """A Qwen3 and a Qwen3-MoE FP8 checkpoint built as on an H100 (its dense projections and its
+    experts kept FP8) generate the same tokens with every projection through the W8A16 kernel as
+    through the dequantized oracle (what the CPU path runs)."""
+    hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
+    quantize_checkpoint(tmp_path)
+    monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = generation_prompts(hf.config.vocab_size)[:3]
+
+    def greedy():
+        llm = LLM(str(tmp_path), **ENGINE_ARGS)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [o.outputs[0].token_ids for o in outs]
+
+    reference, calls = greedy(), []
+
+    def fused(self, x, bias=None):
+        assert self.fp8_block is not None
+        calls.append(x.shape[0])
+        out = self.fused(x)
+        return out if bias is None else out + bias
+
+    monkeypatch.setattr(Linear, "project", fused)
+    assert greedy() == reference
+    assert calls and min(calls) == len(prompts) < max(calls)  # decode steps and prefills
