@@ -47,7 +47,8 @@ from splitserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from splitserve.engine.engine_config import EngineConfig  # noqa: E402
 from splitserve.engine.kernel_warm_up import warm_up  # noqa: E402
 from splitserve.engine.kv_cache import KVCache  # noqa: E402
-from splitserve.engine.model.llama import LlamaAttention  # noqa: E402
+from splitserve.engine.model.linear import Linear  # noqa: E402
+from splitserve.engine.model.llama import LlamaAttention, LlamaMLP  # noqa: E402
 from splitserve.engine.model.moe import SparseMoeBlock, expert_names  # noqa: E402
 from splitserve.engine.model.triton_ops import add_rms_norm, rotate_in_place  # noqa: E402
 from splitserve.engine.model_builder import default_dtype  # noqa: E402
@@ -118,6 +119,17 @@ def compile_only(arch: int, phase: list[str], variants: dict[str, Variant]):
         JITFunction.run = real_run
 
 
+@contextmanager
+def built_for(capability: tuple[int, int]):
+    """Models built inside keep quantized weights as on a device of `capability` (`fp8.build_capability`)."""
+    real = fp8.build_capability
+    fp8.build_capability = lambda: capability
+    try:
+        yield
+    finally:
+        fp8.build_capability = real
+
+
 def _variant(fn: JITFunction, kernel, phase: str, seconds: float) -> Variant:
     names = fn.arg_names
     declared = {p.name for p in fn.params if p.is_constexpr}
@@ -143,17 +155,21 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 
 class LayerLaunches(torch.nn.Module):
     """One Llama decoder layer's Triton launches on CUDA, in its order and with its tensors'
-    shapes and strides, without the matmuls (their results are only allocated): the norm without
-    and with the residual, the rotary embedding of q and k (views of the fused QKV output),
+    shapes and strides, without the cuBLAS matmuls (their results are only allocated): the norm
+    without and with the residual, the rotary embedding of q and k (views of the fused QKV output),
     attention (once per `windows`, the model's kinds of layer: with its sliding window, whole
-    context), and a sparse layer's experts (every token on its first k experts). Called as the
-    model is, by the model runner and the CUDA graphs."""
+    context), a sparse layer's experts (every token on its first k experts), and the W8A16 GEMM of
+    each projection the device keeps FP8. Called as the model is, by the model runner and the CUDA
+    graphs."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_model_len: int, windows: list[int | None]):
         super().__init__()
         self.windows = windows
         with torch.device("meta"):
             self.attention = LlamaAttention(config)
+            self.mlp = None if config.is_moe_layer(0) else LlamaMLP(config)
+        for linear in self._projections():  # kept FP8: allocated on the CPU, never written
+            linear.to_empty(device="cpu")
         self.config, self.dtype = config, dtype
         self.sinks = torch.zeros(self.attention.num_heads, dtype=dtype) if config.attention_sinks else None
         self.weight = torch.empty(config.hidden_size, dtype=dtype)
@@ -168,16 +184,31 @@ class LayerLaunches(torch.nn.Module):
         t, c, attention = ids.shape[0], self.config, self.attention
         x = torch.empty((t, c.hidden_size), dtype=self.dtype)
         h, _ = add_rms_norm(x, None, self.weight, c.rms_norm_eps, c.gemma_norms)
-        q, k, v = attention.heads(torch.empty((t, attention.qkv_proj.out_features), dtype=self.dtype))
+        q, k, v = attention.heads(self._project(attention.qkv_proj, h))
         rotate_in_place(positions, q, self.cos, self.sin)
         rotate_in_place(positions, k, self.cos, self.sin)
         for window in self.windows:
             backend.forward(q, k, v, kv_layers[0], meta, window, attention.scale, attention.softcap, self.sinks)
+        self._project(attention.o_proj, torch.empty((t, attention.o_proj.in_features), dtype=self.dtype))
         h, _ = add_rms_norm(x, h, self.weight, c.rms_norm_eps, c.gemma_norms)
         if self.moe is not None:
             k = self.moe.top_k
             self.moe.experts.fused(h, torch.ones((t, k)), torch.arange(k).repeat(t, 1))
+        else:
+            self._project(self.mlp.gate_up_proj, h)
+            self._project(self.mlp.down_proj, torch.empty((t, self.mlp.down_proj.in_features), dtype=self.dtype))
         return h
+
+    def _projections(self) -> list[Linear]:
+        """The projections kept FP8."""
+        found = [self.attention.qkv_proj, self.attention.o_proj]
+        found += [self.mlp.gate_up_proj, self.mlp.down_proj] if self.mlp is not None else []
+        return [linear for linear in found if linear.fp8_block is not None]
+
+    def _project(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        if linear.fp8_block is not None:
+            return linear.fused(x)
+        return torch.empty((x.shape[0], linear.out_features), dtype=self.dtype)
 
 
 def step(seqs: list[tuple[int, int]], block_size: int) -> StepBatch:
@@ -217,11 +248,10 @@ def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig
                 with_warm_up: bool = True, seed: int = 0) -> list[Variant]:
     whole = ModelConfig.from_hf(shape)
     model_config = replace(whole, num_hidden_layers=1)
-    if whole.quantization == "fp8" and not fp8.codes_readable(divmod(arch, 10)):  # its experts dequantized there
-        model_config = replace(model_config, quantization=None)
     max_model_len = config.max_model_len or model_config.max_positions
     windows = sorted({whole.window_of(i) for i in range(whole.num_hidden_layers)}, key=lambda w: w or 0)
-    model = LayerLaunches(model_config, dtype, max_model_len, windows)
+    with built_for(divmod(arch, 10)):  # FP8 weights kept (or dequantized) as that device keeps them
+        model = LayerLaunches(model_config, dtype, max_model_len, windows)
     cpu = torch.device("cpu")
     backend = TritonPagedBackend(sms=ARCHS[arch].sms)
     runner = ModelRunner(model, KVCache(model_config, 8, config.block_size, dtype, cpu), backend, cpu)

@@ -6,8 +6,9 @@ key tiles for that many splits, and a two-token chunk after one earlier token (t
 kernel, which the flash-attn backend also uses for chunks). Nothing is stored (every slot is
 PAD_SLOT), every table names block 0 and the hidden states are dropped. Every rank of a
 tensor-parallel group runs the same steps, so their all-reduces pair up. A model with sparse MoE
-layers also runs its experts' kernels once per tile size (`fused_moe.BLOCK_M_SIZES`), whatever the
-attention backend: every sparse layer has the same shapes."""
+layers also runs its experts' kernels once per tile size (`fused_moe.BLOCK_M_SIZES`), and one whose
+projections are FP8 each shape of them once per tile shape of the W8A16 GEMM (`fp8_linear.TILES`),
+whatever the attention backend."""
 from __future__ import annotations
 
 import logging
@@ -17,7 +18,8 @@ import torch
 
 from splitserve.engine.attention.metadata import PAD_SLOT
 from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts
-from splitserve.engine.model import fused_moe
+from splitserve.engine.model import fp8_linear, fused_moe
+from splitserve.engine.model.linear import Linear
 from splitserve.engine.model.moe import SparseMoeBlock
 from splitserve.engine.model_runner import ModelRunner, StepBatch
 
@@ -28,6 +30,7 @@ def warm_up(runner: ModelRunner) -> None:
     """Compile the Triton variants (with a fixed `num_splits`, only that one); other attention
     backends have none."""
     warm_up_experts(runner.model)
+    warm_up_projections(runner.model, runner.kv_cache.data.dtype)
     backend = runner.backend
     if not isinstance(backend, TritonPagedBackend):
         return
@@ -56,6 +59,17 @@ def warm_up_experts(model: torch.nn.Module) -> int:
     for block_m in fused_moe.BLOCK_M_SIZES:
         block.experts.fused(x, weights, experts, block_m=block_m)
     return len(fused_moe.BLOCK_M_SIZES)
+
+
+def warm_up_projections(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Run each FP8 projection shape (input and output features, blocks) on `dtype` activations
+    once per tile shape; the number of runs."""
+    shapes = {(m.in_features, m.out_features, m.fp8_block): m for m in model.modules()
+              if isinstance(m, Linear) and m.fp8_block is not None}
+    for linear in shapes.values():
+        for tokens in fp8_linear.tile_examples():
+            linear.fused(torch.zeros((tokens, linear.in_features), dtype=dtype, device=linear.weight.device))
+    return len(shapes) * len(fp8_linear.TILES)
 
 
 def warm_up_step(decode_context: int, block_size: int) -> StepBatch:

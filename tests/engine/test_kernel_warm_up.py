@@ -74,3 +74,31 @@ def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monke
     monkeypatch.setattr(fused_moe, "fused_experts", spy)
     warm_up(runner)
     assert tiles == list(fused_moe.BLOCK_M_SIZES)
+
+
+def test_fp8_projections_run_once_per_tile_shape(tmp_path, monkeypatch):
+    """A Qwen3 FP8 checkpoint built as on an H100: each shape of its projections (QKV, o_proj,
+    gate-up, down) runs the W8A16 GEMM once at a token count of each tile shape; equal shapes once."""
+    from tests.engine.hf_checkpoints import ENGINE_ARGS, train_tokenizer, write_checkpoint
+    from tests.engine.test_fp8 import quantize_checkpoint
+
+    from splitserve.engine import fp8
+    from splitserve.engine.model import fp8_linear
+
+    write_checkpoint(tmp_path, "qwen3_qk_norm", {False: train_tokenizer(), True: train_tokenizer(qwen2=True)})
+    quantize_checkpoint(tmp_path)
+    monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
+    runner = LLM(str(tmp_path), **ENGINE_ARGS).engine.runner
+    monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
+    launches, real = [], fp8_linear.matmul
+
+    def spy(x, weight, scale, block):
+        launches.append((x.shape[0], tuple(weight.shape)))
+        return real(x, weight, scale, block)
+
+    monkeypatch.setattr(fp8_linear, "matmul", spy)
+    warm_up(runner)
+    shapes = {(128 + 64 + 64, 64), (64, 128)}  # [out, in]: QKV and gate-up alike (256 rows), o_proj and down alike
+    assert sorted(launches) == sorted((t, s) for s in shapes for t in fp8_linear.tile_examples())
+    assert fp8_linear.tile_examples() == [16, 64, 65]
+
