@@ -141,10 +141,10 @@ def print_table(result: dict) -> None:
         speedup = f"{r['speedup_vs_dense']:.2f}x" if "speedup_vs_dense" in r else "-"
         diff = f"{r['max_rel_diff']:.1e}" if "max_rel_diff" in r else "-"
         print(f"| {r['tokens']} | {r['experts_hit']} | {r['format']} | {r['step_ms']:.3f} | {speedup} | "
-              f"{_pct(r['mbu'])} | {_pct(r['mfu'])} | {diff} |")
+              f"{pct(r['mbu'])} | {pct(r['mfu'])} | {diff} |")
 
 
-def _pct(value: float | None) -> str:
+def pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 

@@ -4,11 +4,12 @@
 # a few of splitserve's packages, which travel as wheels in the git-ignored .whl/).
 #   bash scripts/gpu_check.sh wheels             # here, once: those packages into .whl/
 #   bash scripts/gpu_check.sh tests [SECONDS]    # there (carry .whl): the kernels (compiled) and gpu tests (300 s)
-#   bash scripts/gpu_check.sh moe                # there: scripts/bench_moe.py, gpt-oss-20b's and Qwen3-30B-A3B's experts
+#   bash scripts/gpu_check.sh quantized          # there: scripts/bench_moe.py (gpt-oss-20b's and Qwen3-30B-A3B's
+#                                                # experts), scripts/bench_fp8_linear.py (Qwen3-8B's projections)
 #   bash scripts/gpu_check.sh bench [ARGS...]    # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
-#   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), moe (at most 90 s), then bench ARGS in what
-#                                                # is left of 570 s
-# Logs, gpu.json and moe-*.json go to $OUT where it is set, else to gpu-check/.
+#   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), quantized (at most 100 s), then bench
+#                                                # ARGS in what is left of 570 s
+# Logs, gpu.json, moe-*.json and fp8-linear.json go to $OUT where it is set, else to gpu-check/.
 # A session has 15 device minutes, the machine's start included, and a machine goes back 30 s after
 # a call: `all --repeats 2` as one call of timeout_s 600 is the whole check in one start.
 set -euo pipefail
@@ -44,12 +45,13 @@ case "${1:-}" in
     rest=$(grep -rlE "mark\.(gpu|kernels)|marks=pytest\.mark\.gpu" tests | sort | grep -vxF "${first// /$'\n'}")
     timeout "${2:-300}" python3 -m pytest -q -rfE --durations 15 --timeout 150 -m "gpu or kernels" -p no:cacheprovider \
       $first $rest 2>&1 | tee "$out/tests.log" ;;
-  moe)
+  quantized)
     install_carried
     mkdir -p "$out"
     for shape in gpt-oss-20b qwen3-30b-a3b; do
-      timeout 45 python3 scripts/bench_moe.py --shape $shape --json "$out/moe-$shape.json" 2>&1 | tee -a "$out/moe.log"
-    done ;;
+      timeout 35 python3 scripts/bench_moe.py --shape $shape --json "$out/moe-$shape.json" 2>&1 | tee -a "$out/moe.log"
+    done
+    timeout 30 python3 scripts/bench_fp8_linear.py --json "$out/fp8-linear.json" 2>&1 | tee "$out/fp8-linear.log" ;;
   bench)
     install_carried
     mkdir -p "$out"
@@ -61,10 +63,10 @@ case "${1:-}" in
     shift
     status=0
     bash scripts/gpu_check.sh tests 240 || status=$?
-    bash scripts/gpu_check.sh moe || status=$?
+    bash scripts/gpu_check.sh quantized || status=$?
     bash scripts/gpu_check.sh bench --budget $((570 - SECONDS)) "$@" || status=$?
     exit $status ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh wheels | tests [SECONDS] | moe | bench [bench_gpu.py args] | all [bench_gpu.py args]" >&2
+    echo "usage: bash scripts/gpu_check.sh wheels | tests [SECONDS] | quantized | bench [bench_gpu.py args] | all [bench_gpu.py args]" >&2
     exit 2 ;;
 esac

@@ -1,6 +1,8 @@
 """What a decode or prefill step of a model reads and computes, and the device peaks it is measured
 against (bench_gpu.py's MBU and MFU). `c` is a config.json dict: dense or sparse (MoE) layers,
-sliding windows, MXFP4 experts (17/32 of a byte a weight: half a byte and a scale byte per 32)."""
+sliding windows, MXFP4 experts (17/32 of a byte a weight: half a byte and a scale byte per 32),
+block-wise FP8 projections and experts (a byte a weight and its share of its block's float32
+scale, as a GPU whose Triton reads e4m3 keeps them)."""
 from __future__ import annotations
 
 from splitserve.engine.config import ModelConfig
@@ -24,11 +26,20 @@ def experts_hit(c: dict, tokens: int) -> float:
     return m.num_experts * (1 - (1 - m.num_experts_per_tok / m.num_experts) ** tokens)
 
 
-def _attention_params(m: ModelConfig) -> int:
+def matrix_bytes(m: ModelConfig, element: int) -> float:
+    """Bytes a projection's weight takes per value: FP8 blocks' (a code and its share of its
+    block's scale), else `element`."""
+    if m.quantization == "fp8" and m.weight_block_size:
+        return 1 + 4 / (m.weight_block_size[0] * m.weight_block_size[1])
+    return element
+
+
+def _attention_params(m: ModelConfig) -> tuple[int, int]:
+    """(its projections' matrix weights, its other parameters: biases, sinks, Q and K norms)."""
     heads, kv, d = m.num_attention_heads, m.num_key_value_heads, m.head_dim
-    params = m.hidden_size * (heads + 2 * kv) * d + heads * d * m.hidden_size
-    params += (heads + 2 * kv) * d * m.attention_bias + m.hidden_size * m.attention_out_bias
-    return params + heads * m.attention_sinks + 2 * d * m.qk_norm
+    matrices = m.hidden_size * (heads + 2 * kv) * d + heads * d * m.hidden_size
+    others = (heads + 2 * kv) * d * m.attention_bias + m.hidden_size * m.attention_out_bias
+    return matrices, others + heads * m.attention_sinks + 2 * d * m.qk_norm
 
 
 def _norms(m: ModelConfig) -> int:
@@ -41,27 +52,31 @@ def _expert_params(m: ModelConfig) -> tuple[int, int]:
     return 3 * m.hidden_size * width, (2 * width + m.hidden_size) * (m.architecture == "GptOssForCausalLM")
 
 
-def _sparse_fixed_params(m: ModelConfig) -> int:
-    """A sparse layer's parameters every token reads: the router (with GPT-OSS's bias) and
-    Qwen2-MoE's shared expert and its gate."""
+def _sparse_fixed_params(m: ModelConfig) -> tuple[int, int]:
+    """A sparse layer's parameters every token reads: (Qwen2-MoE's shared expert's matrices, the
+    router (with GPT-OSS's bias) and the shared expert's gate)."""
     router = m.num_experts * m.hidden_size + m.num_experts * (m.architecture == "GptOssForCausalLM")
     shared = m.shared_expert_intermediate_size
-    return router + (3 * m.hidden_size * shared + m.hidden_size if shared else 0)
+    return 3 * m.hidden_size * shared, router + (m.hidden_size if shared else 0)
 
 
 def weight_bytes(c: dict, element: int, experts: float | None = None) -> float:
     """Bytes of every layer's weights (a sparse layer's `experts` of them; None: all), the final
-    norm and the LM head, in `element`-byte values (MXFP4 experts at MXFP4_BYTES)."""
+    norm and the LM head, in `element`-byte values (MXFP4 experts at MXFP4_BYTES, FP8 blocks'
+    projections and experts at `matrix_bytes`)."""
     m = ModelConfig.from_hf(c)
     matrix, biases = _expert_params(m)
-    expert = matrix * (MXFP4_BYTES if m.quantization == "mxfp4" else element) + biases * element
+    projection = matrix_bytes(m, element)
+    expert = matrix * (MXFP4_BYTES if m.quantization == "mxfp4" else projection) + biases * element
+    attention = _attention_params(m)
     total = 0.0
     for layer in range(m.num_hidden_layers):
-        total += (_attention_params(m) + _norms(m)) * element
+        total += attention[0] * projection + (attention[1] + _norms(m)) * element
         if m.is_moe_layer(layer):
-            total += _sparse_fixed_params(m) * element + (m.num_experts if experts is None else experts) * expert
+            shared, others = _sparse_fixed_params(m)
+            total += shared * projection + others * element + (m.num_experts if experts is None else experts) * expert
         else:
-            total += 3 * m.hidden_size * m.intermediate_size * element
+            total += 3 * m.hidden_size * m.intermediate_size * projection
     return total + (m.hidden_size + m.vocab_size * m.hidden_size) * element
 
 
@@ -88,10 +103,10 @@ def prefill_flops(c: dict, n: int) -> float:
     total = 0.0
     for layer in range(m.num_hidden_layers):
         if m.is_moe_layer(layer):
-            mlp = _sparse_fixed_params(m) + m.num_experts_per_tok * _expert_params(m)[0]
+            mlp = sum(_sparse_fixed_params(m)) + m.num_experts_per_tok * _expert_params(m)[0]
         else:
             mlp = 3 * m.hidden_size * m.intermediate_size
         window = m.window_of(layer)
         pairs = n * n / 2 if window is None or window >= n else n * window - window * window / 2
-        total += 2 * n * (_attention_params(m) + _norms(m) + mlp) + 4 * pairs * m.num_attention_heads * m.head_dim
+        total += 2 * n * (sum(_attention_params(m)) + _norms(m) + mlp) + 4 * pairs * m.num_attention_heads * m.head_dim
     return total + 2 * m.vocab_size * m.hidden_size

@@ -9,6 +9,14 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voca
              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
              "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001}
+# Qwen3-8B's layers (Q and K normed per head), and its FP8 release: every attention and MLP projection in
+# float8 e4m3 with a scale per 128x128 block, kept so on a GPU whose Triton reads e4m3 (a byte a weight)
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645}
+FP8_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+QWEN3_8B_FP8 = {**QWEN3_8B, "quantization_config": FP8_BLOCKS}
 # sparse MoE: 128 experts 768 wide, top 8 renormalized, every layer sparse
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
                  "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
@@ -16,9 +24,8 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                  "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
                  "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645}
-# its FP8 release: block-wise FP8 weights, the experts kept FP8 (a byte a weight), the rest dequantized to bf16
-QWEN3_30B_A3B_FP8 = {**QWEN3_30B_A3B, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                                              "fmt": "e4m3", "weight_block_size": [128, 128]}}
+# its FP8 release: block-wise FP8 weights, kept FP8 (experts and projections) on a GPU whose Triton reads e4m3
+QWEN3_30B_A3B_FP8 = {**QWEN3_30B_A3B, "quantization_config": FP8_BLOCKS}
 # sparse MoE: 8 experts 14336 wide, top 2
 MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
                 "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -47,5 +54,5 @@ GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", 
 # the 20B's layers, 36 of them with 128 experts each (its 61 GB of MXFP4 experts fit one 80 GB GPU packed)
 GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
                 "layer_types": ["sliding_attention", "full_attention"] * 18}
-SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-30b-a3b-fp8": QWEN3_30B_A3B_FP8,
+SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B, "qwen3-8b-fp8": QWEN3_8B_FP8, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-30b-a3b-fp8": QWEN3_30B_A3B_FP8,
           "mixtral-8x7b": MIXTRAL_8X7B, "gemma2-9b": GEMMA2_9B, "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}

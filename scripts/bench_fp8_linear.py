@@ -1,0 +1,135 @@
+"""One decoder layer's projections (QKV, o_proj, gate-up, down) of a dense model shape, in bf16
+through torch's matmul (cuBLAS) and as FP8 codes in 128 x 128 blocks through the W8A16 Triton GEMM
+(`fp8_linear.matmul`, as the CUDA engine runs a block-wise FP8 checkpoint's) side by side: time at
+decode and prefill token counts, what each reads per second against the HBM peak (MBU) and its
+FLOPs against the dense bf16 peak (MFU), and each FP8 output's largest difference from its own
+weights dequantized through cuBLAS (a check of the compiled kernel on the device).
+
+    python scripts/bench_fp8_linear.py --json fp8-linear.json    # CUDA: Qwen3-8B's layer
+    python scripts/bench_fp8_linear.py --shape llama3-8b         # another dense shape of engine/shapes.py
+    python scripts/bench_fp8_linear.py --tiny                    # tiny projections on the CPU (Triton's interpreter)
+
+Bytes read = the weight (bf16: 2 a value; FP8: a code a value and a float32 scale a block) + the
+input and output rows; FLOPs = 2 x tokens x inputs x outputs. Each row is the median of --iters
+calls after a warm-up (CUDA events on a GPU); a `layer` row sums the four projections.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench_moe import pct, time_calls  # this script's folder
+from gpu_roofline import peaks
+
+from splitserve.engine import fp8
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.shapes import SHAPES
+
+BLOCK = (128, 128)  # Qwen3's and DeepSeek's FP8 releases' blocks
+TOKENS = (1, 16, 64, 256, 2048, 8192)
+TINY = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+TINY_TOKENS = (1, 32)
+TINY_BLOCK = (32, 32)
+
+
+def projections(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[outputs, inputs] of each projection of a layer (QKV and gate-up merged, as the engine runs them)."""
+    heads, kv, d, hidden = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
+    return {"qkv": ((heads + 2 * kv) * d, hidden), "o_proj": (hidden, heads * d),
+            "gate_up": (2 * c.intermediate_size, hidden), "down": (hidden, c.intermediate_size)}
+
+
+def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device, dtype: torch.dtype,
+            block: tuple[int, int], hbm: float | None, flops_peak: float | None) -> list[dict]:
+    from splitserve.engine.model import fp8_linear  # after TRITON_INTERPRET is settled
+
+    g, weights = torch.Generator().manual_seed(0), {}
+    for name, shape in projections(c).items():
+        codes, scales = fp8.quantize(torch.randn(shape, generator=g) * 0.02, block)
+        codes, scales = codes.to(device), scales.to(device)
+        weights[name] = (codes, scales, fp8.dequantize(codes, scales, block, dtype))
+    rows, cuda = [], device.type == "cuda"
+    for t in tokens:
+        layer = {"bf16": [0.0, 0, 0], "fp8": [0.0, 0, 0]}  # seconds, bytes, flops
+        for name, (codes, scales, dense) in weights.items():
+            x = torch.randn(t, codes.shape[1], generator=g).to(device, dtype)
+            calls = {"bf16": lambda: F.linear(x, dense),
+                     "fp8": lambda: fp8_linear.matmul(x, codes, scales, block)}
+            stored = {"bf16": dense.nbytes, "fp8": codes.nbytes + scales.nbytes}
+            flops = 2 * t * codes.shape[0] * codes.shape[1]
+            for fmt, call in calls.items():
+                seconds = time_calls(call, iters, cuda)
+                read = stored[fmt] + x.nbytes + t * codes.shape[0] * x.element_size()
+                rows.append(row(name, fmt, t, seconds, read, flops, hbm, flops_peak))
+                layer[fmt] = [a + b for a, b in zip(layer[fmt], (seconds, read, flops))]
+            exact = calls["bf16"]().float()
+            rows[-1]["max_rel_diff"] = ((calls["fp8"]().float() - exact).abs().max() / exact.abs().max()).item()
+            rows[-1]["speedup_vs_bf16"] = rows[-2]["step_ms"] / rows[-1]["step_ms"]
+        for fmt, (seconds, read, flops) in layer.items():
+            rows.append(row("layer", fmt, t, seconds, read, flops, hbm, flops_peak))
+        rows[-1]["speedup_vs_bf16"] = rows[-2]["step_ms"] / rows[-1]["step_ms"]
+    return rows
+
+
+def row(name: str, fmt: str, tokens: int, seconds: float, read: int, flops: int, hbm: float | None,
+        flops_peak: float | None) -> dict:
+    return {"projection": name, "format": fmt, "tokens": tokens, "step_ms": seconds * 1e3, "bytes": read,
+            "flops": flops, "mbu": read / seconds / hbm if hbm else None,
+            "mfu": flops / seconds / flops_peak if flops_peak else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    dense = [name for name, shape in SHAPES.items() if not ModelConfig.from_hf(shape).num_experts]
+    p.add_argument("--shape", default="qwen3-8b", choices=dense, help="a dense shape of engine/shapes.py")
+    p.add_argument("--tiny", action="store_true", help="tiny projections on the CPU, under Triton's interpreter")
+    p.add_argument("--tokens", help=f"comma-separated token counts (default: {','.join(map(str, TOKENS))}; "
+                                    f"--tiny: {','.join(map(str, TINY_TOKENS))})")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per row")
+    p.add_argument("--hbm-tbs", type=float, help="HBM peak in TB/s (default: from the device's name)")
+    p.add_argument("--bf16-tflops", type=float, help="dense bf16 peak in TFLOP/s (default: from the device's name)")
+    p.add_argument("--json", type=Path, help="write the result here")
+    args = p.parse_args(argv)
+    if args.tiny:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first decorated
+        # the interpreter's tl.dot misreads bfloat16, so the tiny projections run in float16
+        device, dtype, shape, name, block = torch.device("cpu"), torch.float16, TINY, "tiny Qwen3 layer", TINY_BLOCK
+    elif not torch.cuda.is_available():
+        p.error("no CUDA device: run with --tiny for the CPU version")
+    else:
+        device, dtype, shape, name, block = torch.device("cuda"), torch.bfloat16, SHAPES[args.shape], args.shape, BLOCK
+    if device.type == "cuda" and not fp8.projections_kept(torch.cuda.get_device_capability(device)):
+        p.error("this GPU's Triton reads no float8 e4m3 (sm_89 and later do): the engine dequantizes FP8 here")
+    tokens = [int(n) for n in args.tokens.split(",")] if args.tokens else list(TINY_TOKENS if args.tiny else TOKENS)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    hbm, flops_peak = peaks(device_name, args.hbm_tbs, args.bf16_tflops)
+    result = {"device": device_name, "shape": name, "block": list(block), "dtype": str(dtype).removeprefix("torch."),
+              "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak,
+              "rows": measure(ModelConfig.from_hf(shape), tokens, args.iters, device, dtype, block, hbm, flops_peak)}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"Device: {device_name}; {name}'s projections, FP8 in {block[0]}x{block[1]} blocks, activations "
+          f"{result['dtype']}")
+    print_table(result["rows"])
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| tokens | projection | weights | ms | speed-up vs bf16 | MBU | MFU | max rel. diff vs bf16 of its codes |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        speedup = f"{r['speedup_vs_bf16']:.2f}x" if "speedup_vs_bf16" in r else "-"
+        diff = f"{r['max_rel_diff']:.1e}" if "max_rel_diff" in r else "-"
+        print(f"| {r['tokens']} | {r['projection']} | {r['format']} | {r['step_ms']:.3f} | {speedup} | "
+              f"{pct(r['mbu'])} | {pct(r['mfu'])} | {diff} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
