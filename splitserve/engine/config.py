@@ -27,8 +27,12 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
-# quantized checkpoint formats served: GPT-OSS's MXFP4 experts (engine/mxfp4.py), FP8 weights (engine/fp8.py)
-QUANTIZATIONS = {arch: ("mxfp4",) if arch == "GptOssForCausalLM" else ("fp8",) for arch in SUPPORTED_ARCHITECTURES}
+# quantized checkpoint formats served: GPT-OSS's MXFP4 experts (engine/mxfp4.py), FP8 weights (engine/fp8.py),
+# as `fp8` stores them or as compressed-tensors does (llm-compressor's FP8 releases)
+QUANTIZATIONS = {arch: ("mxfp4",) if arch == "GptOssForCausalLM" else ("fp8", "compressed-tensors")
+                 for arch in SUPPORTED_ARCHITECTURES}
+FP8_STRATEGIES = ("tensor", "channel", "block")  # compressed-tensors' weight scales: one, one a row, one a block
+COMPRESSED_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors' formats of FP8 weights
 MXFP4_GROUP = 32  # values a scale covers (mxfp4.GROUP)
 MAX_PATTERNS = 4096  # of a quantization_config's modules_to_not_convert
 
@@ -99,6 +103,7 @@ class ModelConfig:
     quantization: str | None = None  # the checkpoint's weights' format (QUANTIZATIONS); None: the model's dtype
     weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: the tensor)
     unquantized_modules: tuple[str, ...] = ()  # FP8: modules_to_not_convert, the modules stored unquantized
+    weight_scale_suffix: str = "_scale_inv"  # FP8: a weight's scales are `<weight><suffix>` (compressed-tensors: _scale)
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -241,6 +246,8 @@ def _quantization(cfg: dict, arch: str, source: str) -> dict:
     if method == "fp8":
         return dict(quantization=method, weight_block_size=_fp8_block(quant, source),
                     unquantized_modules=_patterns(quant, "modules_to_not_convert", source))
+    if method == "compressed-tensors":
+        return _compressed_fp8(quant, source)
     for name in ("hidden_size", "intermediate_size"):  # MXFP4 (GPT-OSS): the experts' inputs and width
         if int(cfg.get(name) or 0) % MXFP4_GROUP:
             raise ConfigError(f"{source}: {name}={cfg.get(name)} is not a multiple of {MXFP4_GROUP}, "
@@ -260,6 +267,63 @@ def _patterns(quant: dict, name: str, source: str) -> tuple[str, ...]:
             raise ConfigError(f"{source}: quantization_config {name} {pattern!r} is not a regular expression "
                               f"({exc})") from exc
     return tuple(patterns)
+
+
+def _compressed_fp8(quant: dict, source: str) -> dict:
+    """A compressed-tensors checkpoint's fields where its weights are FP8 (e4m3, symmetric: one
+    scale a tensor, a row or a block, `weight_scale`) in every Linear but those it ignores; other
+    schemes (INT4/INT8 packs, NVFP4, sparsity, transforms) are refused naming what differs. Its
+    activation scheme is not used: activations stay in the serving dtype."""
+    where = f"{source}: quantization_config"
+    for key, allowed in (("quantization_status", ("compressed",)), ("sparsity_config", (None, {})),
+                         ("transform_config", (None, {}))):
+        if quant.get(key, allowed[0]) not in allowed:
+            raise ConfigError(f"{where} {key} {quant[key]!r} is not supported (FP8 weights, compressed, only)")
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{where} config_groups must be a non-empty object")
+    schemes = set()
+    for name, group in groups.items():
+        at = f"{where} config_groups.{name}"
+        if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
+            raise ConfigError(f"{at} targets must be [\"Linear\"] (every projection), got "
+                              f"{group.get('targets') if isinstance(group, dict) else group!r}")
+        form = group.get("format") or quant.get("format")
+        if form not in COMPRESSED_FORMATS:
+            raise ConfigError(f"{at} format {form!r} is not supported (FP8 weights: {', '.join(COMPRESSED_FORMATS)})")
+        if group.get("output_activations") is not None:
+            raise ConfigError(f"{at} output_activations are not supported")
+        schemes.add(_fp8_weights(group.get("weights"), f"quantization_config.config_groups.{name}.weights", source))
+    if len(schemes) > 1:
+        raise ConfigError(f"{where} config_groups quantize weights differently: {sorted(schemes, key=str)}")
+    ignore = quant.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise ConfigError(f"{where} ignore must be a list of module names and 're:' patterns")
+    patterns = [p[3:] if p.startswith("re:") else re.escape(p) for p in ignore]
+    return dict(quantization="fp8", weight_block_size=schemes.pop(), weight_scale_suffix="_scale",
+                unquantized_modules=_patterns({"ignore": patterns}, "ignore", source))
+
+
+def _fp8_weights(weights, name: str, source: str) -> tuple[int, int] | None:
+    """The block of an FP8 weight scheme's scales (None: one a tensor or a row, as their shapes say)."""
+    at = f"{source}: {name}"
+    if not isinstance(weights, dict):
+        raise ConfigError(f"{at} must be an object (weights unquantized are not a compressed FP8 checkpoint)")
+    expected = {"num_bits": 8, "type": "float", "symmetric": True}
+    for key, value in expected.items():
+        if weights.get(key, value) != value:
+            raise ConfigError(f"{at}.{key} {weights[key]!r} is not supported (FP8 weights: num_bits 8, type "
+                              "float, symmetric)")
+    strategy = weights.get("strategy")
+    if strategy not in FP8_STRATEGIES:
+        raise ConfigError(f"{at}.strategy {strategy!r} is not supported (supported: {', '.join(FP8_STRATEGIES)})")
+    if strategy != "block":
+        return None
+    block = weights.get("block_structure")
+    if not isinstance(block, list) or len(block) != 2:
+        raise ConfigError(f"{at}.block_structure must be [rows, cols], got {block!r}")
+    return (_positive_int(block[0], f"{name}.block_structure[0]", source),
+            _positive_int(block[1], f"{name}.block_structure[1]", source))
 
 
 def _fp8_block(quant: dict, source: str) -> tuple[int, int] | None:

@@ -2,7 +2,9 @@
 linear layer's `<name>.weight` in float8 e4m3 beside `<name>.weight_scale_inv` float32, one scale
 per block of `weight_block_size` [rows, cols] (the last blocks of a dim partial), or one for the
 whole tensor without a block size (AutoFP8's checkpoints name it `weight_scale`, beside the
-`input_scale` of their static activation scheme); each value is its code times its block's scale.
+`input_scale` of their static activation scheme). compressed-tensors' FP8 checkpoints
+(llm-compressor's) name theirs `weight_scale`: one a tensor, one a row ([rows, 1]) or one a block.
+Each value is its code times its block's (row's, tensor's) scale.
 Activations stay in the serving dtype. Where the blocks allow, a sparse layer's experts stay FP8
 (`Stacked`; the fused MoE kernels read the codes) and so, on a GPU whose Triton reads e4m3, do the
 dense projections (`model.linear`; the W8A16 GEMM `model.fp8_linear`); other weights are
@@ -17,20 +19,25 @@ SCALE_SUFFIXES = ("_scale_inv", "_scale")  # of a weight's name: its scales
 KERNEL_K = 32  # fused_moe's k tile, which must lie within one block of columns
 CODES_CAPABILITY = (8, 9)  # Triton reads float8 e4m3 on Ada and Hopper GPUs on; an A100's experts are dequantized
 DUMMY_SCALE = 2.0 ** -8  # dummy weights' scale: normal(0, 0.02) values are codes of about 5, well within e4m3
-IGNORED_SUFFIXES = (".input_scale",)  # a static activation scheme's: activations are not quantized here
+# a static activation scheme's scales, and a KV-cache scheme's: activations and the cache are not quantized here
+IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                dtype: torch.dtype) -> torch.Tensor:
     """[rows, cols] of `dtype` from float8 codes [rows, cols] and float32 scales
-    [ceil(rows / block rows), ceil(cols / block cols)] (one scale without a block)."""
+    [ceil(rows / block rows), ceil(cols / block cols)] (without a block, one scale or one a row,
+    [rows, 1])."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(f"an FP8 weight must be float8_e4m3fn [rows, cols], got {weight.dtype} {tuple(weight.shape)}")
     rows, cols = weight.shape
     if block is None:
-        if scale.numel() != 1:
-            raise ValueError(f"a tensor-wise FP8 scale must be one value, got shape {tuple(scale.shape)}")
-        return (weight.float() * scale.float().reshape(())).to(dtype)
+        if scale.numel() == 1:
+            return (weight.float() * scale.float().reshape(())).to(dtype)
+        if tuple(scale.shape) != (rows, 1):
+            raise ValueError(f"FP8 scales for a {rows}x{cols} weight without blocks must be one value or one a "
+                             f"row ({rows}x1), got shape {tuple(scale.shape)}")
+        return (weight.float() * scale.float()).to(dtype)
     grid = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale.shape) != grid:
         raise ValueError(f"FP8 scales for a {rows}x{cols} weight in {block[0]}x{block[1]} blocks must be "

@@ -252,8 +252,8 @@ def _other_half(base: str, halves: dict[str, torch.Tensor], config: ModelConfig 
     """The name of the half a quantized tensor lacks."""
     if "scale" in halves:
         return f"{base} (float8)"
-    if "weight" in halves:  # block-wise scales are named _scale_inv; a tensor's, _scale or that
-        return base + fp8.SCALE_SUFFIXES[0 if config.weight_block_size else 1]
+    if "weight" in halves:  # a tensor's scale may be named either way
+        return base + (config.weight_scale_suffix if config.weight_block_size else fp8.SCALE_SUFFIXES[1])
     return base + ("_scales" if "blocks" in halves else "_blocks")
 
 

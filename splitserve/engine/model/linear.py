@@ -3,9 +3,9 @@
 features are split over the tensor-parallel ranks (partial sums, all-reduced).
 
 Each holds its weight in the serving dtype or, from a block-wise FP8 checkpoint where `fp8_block`
-allows, as the checkpoint stores it: float8 e4m3 codes `weight` [out, in] and float32
-`weight_scale_inv`, one per block (a merged projection's parts' scale rows stacked like their
-rows), a byte a weight. On CUDA the W8A16 GEMM (`fp8_linear`) reads the codes; the CPU path
+allows, as the checkpoint stores it: float8 e4m3 codes `weight` [out, in] and float32 scales,
+one per block (`weight_scale_inv`, or as the checkpoint names them; a merged projection's parts'
+scale rows stacked like their rows), a byte a weight. On CUDA the W8A16 GEMM (`fp8_linear`) reads the codes; the CPU path
 dequantizes them as it multiplies.
 """
 from __future__ import annotations
@@ -47,15 +47,22 @@ def fp8_block(c: ModelConfig, modules: Iterable[str], rows: Iterable[int] = (),
 
 class Linear(nn.Linear):
     """x @ W.T (+ b), W in the serving dtype or, with `fp8_block`, the checkpoint's FP8 codes and
-    block scales."""
+    block scales (the parameter `scale_name`)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, fp8_block: tuple[int, int] | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, fp8_block: tuple[int, int] | None = None,
+                 scale_name: str = "weight" + fp8.SCALE_SUFFIXES[0]):
         super().__init__(in_features, out_features, bias=bias)
-        self.fp8_block = fp8_block
+        self.fp8_block, self.scale_name = fp8_block, scale_name
         if fp8_block is not None:
             rows, cols = fp8_block
             self.weight = frozen(out_features, in_features, dtype=torch.float8_e4m3fn)
-            self.weight_scale_inv = frozen(-(-out_features // rows), -(-in_features // cols), dtype=torch.float32)
+            self.register_parameter(scale_name, frozen(-(-out_features // rows), -(-in_features // cols),
+                                                       dtype=torch.float32))
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The FP8 block scales."""
+        return getattr(self, self.scale_name)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.fp8_block is None:
@@ -63,22 +70,23 @@ class Linear(nn.Linear):
         if x.is_cuda:
             out = self.fused(x)
         else:
-            out = F.linear(x, fp8.dequantize(self.weight, self.weight_scale_inv, self.fp8_block, x.dtype))
+            out = F.linear(x, fp8.dequantize(self.weight, self.scale, self.fp8_block, x.dtype))
         return out if bias is None else out + bias
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """The FP8 product through the Triton GEMM (CUDA, or Triton's interpreter)."""
         from splitserve.engine.model import fp8_linear  # triton: CUDA builds of torch bring it
 
-        return fp8_linear.matmul(x, self.weight, self.weight_scale_inv, self.fp8_block)
+        return fp8_linear.matmul(x, self.weight, self.scale, self.fp8_block)
 
 
 class MergedLinear(Linear):
     """Several projections of the same input as one matmul: the weight is theirs stacked by rows."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool,
-                 slices: dict[str, ShardSlice] | None = None, fp8_block: tuple[int, int] | None = None):
-        super().__init__(in_features, sum(parts.values()), bias, fp8_block)
+                 slices: dict[str, ShardSlice] | None = None, fp8_block: tuple[int, int] | None = None,
+                 scale_name: str = "weight" + fp8.SCALE_SUFFIXES[0]):
+        super().__init__(in_features, sum(parts.values()), bias, fp8_block, scale_name)
         self.parts = parts  # the checkpoint's name of each projection -> its output rows, in order
         self.slices = slices or {}  # with tensor parallelism: the checkpoint rows each part holds
 
@@ -103,7 +111,7 @@ class MergedLinear(Linear):
             if self.bias is not None:
                 yield f"{prefix}.{part}.bias", where
             if self.fp8_block is not None:
-                yield f"{prefix}.{part}.weight{fp8.SCALE_SUFFIXES[0]}", where.in_units(self.fp8_block[0])
+                yield f"{prefix}.{part}.{self.scale_name}", where.in_units(self.fp8_block[0])
 
 
 class RowParallelLinear(Linear):
@@ -111,8 +119,9 @@ class RowParallelLinear(Linear):
     the bias (whole on every rank) added once."""
 
     def __init__(self, in_features: int, out_features: int, shard_slice: ShardSlice | None, reduce: Reduce | None,
-                 bias: bool = False, fp8_block: tuple[int, int] | None = None):
-        super().__init__(in_features, out_features, bias, fp8_block)
+                 bias: bool = False, fp8_block: tuple[int, int] | None = None,
+                 scale_name: str = "weight" + fp8.SCALE_SUFFIXES[0]):
+        super().__init__(in_features, out_features, bias, fp8_block, scale_name)
         self.shard_slice, self.reduce = shard_slice, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,4 +134,4 @@ class RowParallelLinear(Linear):
             return
         yield f"{owner}.weight", self.shard_slice
         if self.fp8_block is not None:
-            yield f"{owner}.weight{fp8.SCALE_SUFFIXES[0]}", self.shard_slice.in_units(self.fp8_block[1])
+            yield f"{owner}.{self.scale_name}", self.shard_slice.in_units(self.fp8_block[1])
