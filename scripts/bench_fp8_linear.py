@@ -1,6 +1,7 @@
 """One decoder layer's projections (QKV, o_proj, gate-up, down) of a dense model shape, in bf16
 through torch's matmul (cuBLAS) and as FP8 codes in 128 x 128 blocks through the W8A16 Triton GEMM
-(`fp8_linear.matmul`, as the CUDA engine runs a block-wise FP8 checkpoint's) side by side: time at
+(`fp8_linear.matmul`, as the CUDA engine runs an FP8 checkpoint's; `--scales row`: one scale a row,
+as llm-compressor's FP8-dynamic releases store them) side by side: time at
 decode and prefill token counts, what each reads per second against the HBM peak (MBU) and its
 FLOPs against the dense bf16 peak (MFU), and each FP8 output's largest difference from its own
 weights dequantized through cuBLAS (a check of the compiled kernel on the device).
@@ -52,7 +53,8 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
 
     g, weights = torch.Generator().manual_seed(0), {}
     for name, shape in projections(c).items():
-        codes, scales = fp8.quantize(torch.randn(shape, generator=g) * 0.02, block)
+        scale_block = (1, shape[1]) if block == fp8.ROWS else block  # ROWS: one [rows, 1] scale a row
+        codes, scales = fp8.quantize(torch.randn(shape, generator=g) * 0.02, scale_block)
         codes, scales = codes.to(device), scales.to(device)
         weights[name] = (codes, scales, fp8.dequantize(codes, scales, block, dtype))
     rows, cuda = [], device.type == "cuda"
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny projections on the CPU, under Triton's interpreter")
     p.add_argument("--tokens", help=f"comma-separated token counts (default: {','.join(map(str, TOKENS))}; "
                                     f"--tiny: {','.join(map(str, TINY_TOKENS))})")
+    p.add_argument("--scales", choices=("block", "row"), default="block",
+                   help="one scale per 128 x 128 block (32 x 32 with --tiny), or one a row")
     p.add_argument("--iters", type=int, default=50, help="timed calls per row")
     p.add_argument("--hbm-tbs", type=float, help="HBM peak in TB/s (default: from the device's name)")
     p.add_argument("--bf16-tflops", type=float, help="dense bf16 peak in TFLOP/s (default: from the device's name)")
@@ -105,18 +109,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no CUDA device: run with --tiny for the CPU version")
     else:
         device, dtype, shape, name, block = torch.device("cuda"), torch.bfloat16, SHAPES[args.shape], args.shape, BLOCK
+    block = fp8.ROWS if args.scales == "row" else block
     if device.type == "cuda" and not fp8.projections_kept(torch.cuda.get_device_capability(device)):
         p.error("this GPU's Triton reads no float8 e4m3 (sm_89 and later do): the engine dequantizes FP8 here")
     tokens = [int(n) for n in args.tokens.split(",")] if args.tokens else list(TINY_TOKENS if args.tiny else TOKENS)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     hbm, flops_peak = peaks(device_name, args.hbm_tbs, args.bf16_tflops)
-    result = {"device": device_name, "shape": name, "block": list(block), "dtype": str(dtype).removeprefix("torch."),
+    result = {"device": device_name, "shape": name, "scales": args.scales, "block": list(block), "dtype": str(dtype).removeprefix("torch."),
               "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak,
               "rows": measure(ModelConfig.from_hf(shape), tokens, args.iters, device, dtype, block, hbm, flops_peak)}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"Device: {device_name}; {name}'s projections, FP8 in {block[0]}x{block[1]} blocks, activations "
-          f"{result['dtype']}")
+    scales = "one scale a row" if block == fp8.ROWS else f"{block[0]}x{block[1]} blocks"
+    print(f"Device: {device_name}; {name}'s projections, FP8 with {scales}, activations {result['dtype']}")
     print_table(result["rows"])
     return 0
 

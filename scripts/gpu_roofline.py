@@ -1,8 +1,8 @@
 """What a decode or prefill step of a model reads and computes, and the device peaks it is measured
 against (bench_gpu.py's MBU and MFU). `c` is a config.json dict: dense or sparse (MoE) layers,
 sliding windows, MXFP4 experts (17/32 of a byte a weight: half a byte and a scale byte per 32),
-block-wise FP8 projections and experts (a byte a weight and its share of its block's float32
-scale, as a GPU whose Triton reads e4m3 keeps them)."""
+FP8 projections and experts (a byte a weight and its share of its block's float32 scale, as a GPU
+whose Triton reads e4m3 keeps them)."""
 from __future__ import annotations
 
 from splitserve.engine.config import ModelConfig
@@ -27,11 +27,11 @@ def experts_hit(c: dict, tokens: int) -> float:
 
 
 def matrix_bytes(m: ModelConfig, element: int) -> float:
-    """Bytes a projection's weight takes per value: FP8 blocks' (a code and its share of its
-    block's scale), else `element`."""
-    if m.quantization == "fp8" and m.weight_block_size:
-        return 1 + 4 / (m.weight_block_size[0] * m.weight_block_size[1])
-    return element
+    """Bytes a projection's weight takes per value: FP8's (a code and its share of its block's
+    scale; scales of a row or a tensor, under 0.1%, not counted), else `element`."""
+    if m.quantization != "fp8":
+        return element
+    return 1 + 4 / (m.weight_block_size[0] * m.weight_block_size[1]) if m.weight_block_size else 1
 
 
 def _attention_params(m: ModelConfig) -> tuple[int, int]:

@@ -103,7 +103,6 @@ class ModelConfig:
     quantization: str | None = None  # the checkpoint's weights' format (QUANTIZATIONS); None: the model's dtype
     weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: the tensor)
     unquantized_modules: tuple[str, ...] = ()  # FP8: modules_to_not_convert, the modules stored unquantized
-    weight_scale_suffix: str = "_scale_inv"  # FP8: a weight's scales are `<weight><suffix>` (compressed-tensors: _scale)
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -300,7 +299,7 @@ def _compressed_fp8(quant: dict, source: str) -> dict:
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise ConfigError(f"{where} ignore must be a list of module names and 're:' patterns")
     patterns = [p[3:] if p.startswith("re:") else re.escape(p) for p in ignore]
-    return dict(quantization="fp8", weight_block_size=schemes.pop(), weight_scale_suffix="_scale",
+    return dict(quantization="fp8", weight_block_size=schemes.pop(),
                 unquantized_modules=_patterns({"ignore": patterns}, "ignore", source))
 
 

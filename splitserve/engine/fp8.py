@@ -18,6 +18,7 @@ import torch
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # of a weight's name: its scales
 KERNEL_K = 32  # fused_moe's k tile, which must lie within one block of columns
 CODES_CAPABILITY = (8, 9)  # Triton reads float8 e4m3 on Ada and Hopper GPUs on; an A100's experts are dequantized
+ROWS = (1, 1 << 30)  # a kept projection's block where each row has one scale (or the tensor one): all its columns
 DUMMY_SCALE = 2.0 ** -8  # dummy weights' scale: normal(0, 0.02) values are codes of about 5, well within e4m3
 # a static activation scheme's scales, and a KV-cache scheme's: activations and the cache are not quantized here
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
@@ -42,8 +43,9 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     if tuple(scale.shape) != grid:
         raise ValueError(f"FP8 scales for a {rows}x{cols} weight in {block[0]}x{block[1]} blocks must be "
                          f"{grid[0]}x{grid[1]}, got {tuple(scale.shape)}")
-    expanded = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return (weight.float() * expanded).to(dtype)
+    row_blocks = torch.arange(rows, device=scale.device) // block[0]
+    col_blocks = torch.arange(cols, device=scale.device) // block[1]
+    return (weight.float() * scale.float()[row_blocks][:, col_blocks]).to(dtype)
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:

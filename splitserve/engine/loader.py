@@ -77,6 +77,7 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
             ours = _model_name(file, name, config)
             if ours is None or ours.endswith(ignored):
                 continue
+            ours = _kept_scale_name(ours, targets, config)
             dequantized, half = None, _quantized_half(file, ours, handle, name, config, targets)
             if (half[0] if half else ours) in absent:
                 continue
@@ -93,6 +94,8 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
                 found.append((target, part, part.full_shape(target.shape) if part else tuple(target.shape)))
             shape = tuple(handle.get_slice(name).get_shape() if dequantized is None else dequantized.shape)
             whole = (sum(full[0] for *_, full in found), *found[0][2][1:])  # fused parts are stacked by rows
+            if dequantized is None and _tensor_scale_for_rows(ours, shape, whole):  # kept one a row (fp8.ROWS)
+                dequantized, shape = handle.get_tensor(name).reshape(1, 1).expand(whole), whole
             if shape != whole:
                 raise CheckpointError(f"{file}: tensor {name!r} has shape {shape}, the model expects {whole}")
             first_row = 0
@@ -248,12 +251,29 @@ def _quantized_half(file: Path, name: str, handle, checkpoint_name: str, config:
     return None
 
 
+def _kept_scale_name(name: str, targets: dict[str, torch.Tensor], config: ModelConfig | None) -> str:
+    """The model's name of FP8 scales it keeps (`<weight>_scale_inv`, a fused tensor's parts'),
+    which a checkpoint may name `<weight>_scale` (AutoFP8's, compressed-tensors'); any other name
+    as it is."""
+    suffix = next((s for s in fp8.SCALE_SUFFIXES if name.endswith(s)), None)
+    if suffix is None or name in targets:
+        return name
+    kept = name.removesuffix(suffix) + fp8.SCALE_SUFFIXES[0]
+    return kept if any(n in targets for n in [kept] + (_fused_parts(kept, config) or [])) else name
+
+
+def _tensor_scale_for_rows(name: str, shape: tuple, whole: tuple) -> bool:
+    """Whether `name` is an FP8 weight's one scale (AutoFP8's, compressed-tensors' tensor-wise)
+    where the model keeps one a row ([rows, 1])."""
+    return name.endswith(fp8.SCALE_SUFFIXES) and len(whole) == 2 and whole[1] == 1 and shape in ((), (1,), (1, 1))
+
+
 def _other_half(base: str, halves: dict[str, torch.Tensor], config: ModelConfig | None) -> str:
     """The name of the half a quantized tensor lacks."""
     if "scale" in halves:
         return f"{base} (float8)"
-    if "weight" in halves:  # a tensor's scale may be named either way
-        return base + (config.weight_scale_suffix if config.weight_block_size else fp8.SCALE_SUFFIXES[1])
+    if "weight" in halves:
+        return f"{base}{fp8.SCALE_SUFFIXES[0]} (or {fp8.SCALE_SUFFIXES[1]})"
     return base + ("_scales" if "blocks" in halves else "_blocks")
 
 

@@ -17,6 +17,14 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab
             "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645}
 FP8_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
 QWEN3_8B_FP8 = {**QWEN3_8B, "quantization_config": FP8_BLOCKS}
+# its FP8-dynamic release (llm-compressor's compressed-tensors): FP8 projections with one scale a row, kept so on a
+# GPU whose Triton reads e4m3 (its dynamic per-token activation scales unused: activations stay bf16)
+LLAMA3_8B_FP8_DYNAMIC = {**LLAMA3_8B, "quantization_config": {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                              "dynamic": True}}}}}
 # sparse MoE: 128 experts 768 wide, top 8 renormalized, every layer sparse
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
                  "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
@@ -54,5 +62,7 @@ GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", 
 # the 20B's layers, 36 of them with 128 experts each (its 61 GB of MXFP4 experts fit one 80 GB GPU packed)
 GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
                 "layer_types": ["sliding_attention", "full_attention"] * 18}
-SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B, "qwen3-8b-fp8": QWEN3_8B_FP8, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-30b-a3b-fp8": QWEN3_30B_A3B_FP8,
-          "mixtral-8x7b": MIXTRAL_8X7B, "gemma2-9b": GEMMA2_9B, "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-8b-fp8-dynamic": LLAMA3_8B_FP8_DYNAMIC, "qwen3-8b": QWEN3_8B,
+          "qwen3-8b-fp8": QWEN3_8B_FP8, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-30b-a3b-fp8": QWEN3_30B_A3B_FP8,
+          "mixtral-8x7b": MIXTRAL_8X7B, "gemma2-9b": GEMMA2_9B, "gpt-oss-20b": GPT_OSS_20B,
+          "gpt-oss-120b": GPT_OSS_120B}

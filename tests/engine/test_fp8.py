@@ -105,16 +105,21 @@ def test_an_fp8_checkpoint_gives_transformers_logits(tmp_path, tokenizers_by_kin
     assert ref.std().item() > 1.0 and max_diff(ours, ref) <= 1e-4, max_diff(ours, ref)
 
 
-def test_autofp8_s_static_checkpoints_load_alike(tmp_path, tokenizers_by_kind):
+@pytest.mark.parametrize("capability", [None, (9, 0)], ids=["dequantized", "kept"])
+def test_autofp8_s_static_checkpoints_load_alike(tmp_path, tokenizers_by_kind, monkeypatch, capability):
     """Tensor-wise scales named `weight_scale`, beside `input_scale`s (unused: activations stay in
-    the serving dtype), give the logits of the same codes with their scales named as above."""
+    the serving dtype), give the logits of the same codes with their scales named as above, both
+    dequantized at load and, as on an H100, kept (each part's scale repeated for its rows)."""
+    monkeypatch.setattr(fp8, "build_capability", lambda: capability)
     logits = []
     for static in (False, True):
         path = tmp_path / str(static)
         hf = write_checkpoint(path, "qwen3_qk_norm", tokenizers_by_kind)
         quantize_checkpoint(path, None, static=static)
         ids = prompt_ids(1, 37, hf.config.vocab_size)
-        logits.append(prefill_logits(LLMEngine(str(path), dtype="float32", **ENGINE_ARGS), ids))
+        engine = LLMEngine(str(path), dtype="float32", **ENGINE_ARGS)
+        assert engine.runner.model.model.layers[0].self_attn.qkv_proj.fp8_block == (capability and fp8.ROWS)
+        logits.append(prefill_logits(engine, ids))
     assert torch.equal(*logits)
 
 
@@ -122,7 +127,7 @@ def test_a_weight_without_its_scales_is_named(tmp_path, tokenizers_by_kind):
     write_checkpoint(tmp_path, "qwen3_qk_norm", tokenizers_by_kind)
     quantize_checkpoint(tmp_path, drop="model.layers.1.mlp.down_proj.weight_scale_inv")
     with pytest.raises(CheckpointError,
-                       match=r"lack their other half: \['model.layers.1.mlp.down_proj.weight_scale_inv'\]"):
+                       match=r"lack their other half: \['model.layers.1.mlp.down_proj.weight_scale_inv \(or _scale\)'\]"):
         LLMEngine(str(tmp_path), **ENGINE_ARGS)
 
 

@@ -61,6 +61,18 @@ def test_the_fp8_gemm_equals_the_dequantized_oracle(dtype, n, k, block, tokens):
     check(x, codes, scales, block)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("tokens", [1, 20, 70])
+def test_one_scale_a_row(dtype, tokens):
+    """`fp8.ROWS`: each row's one scale spans its 100 columns (no whole 32s: the last k tile masked)."""
+    g = torch.Generator().manual_seed(tokens)
+    values = torch.randn(48, 100, generator=g) * 2.0 ** torch.randint(-2, 3, (48, 1), generator=g).float()
+    codes, scales = fp8.quantize(values, (1, 100))
+    assert scales.shape == (48, 1)
+    x = torch.randn(tokens, 100, generator=g).to(dtype)
+    check(x, codes, scales, fp8.ROWS)
+
+
 def test_strided_rows_and_leading_dims():
     """x a column slice of wider rows, and inputs with more leading dims."""
     codes, scales = weight(64, 96, (32, 32), seed=1)
@@ -87,16 +99,18 @@ def test_tiles_follow_the_token_count():
     assert fp8_linear.tile_for(1)[:2] == fp8_linear.tile_for(16)[:2] == (16, 32)  # decode batches
     assert fp8_linear.tile_for(64)[:2] == (64, 64)
     assert fp8_linear.tile_for(8192)[:2] == (128, 128)
-    assert fp8_linear.block_k_for((128, 128)) == 64 and fp8_linear.block_k_for((32, 32)) == 32
+    assert fp8_linear.block_k_for((128, 128)) == fp8_linear.block_k_for(fp8.ROWS) == 64
+    assert fp8_linear.block_k_for((32, 32)) == 32
 
 
-@pytest.mark.parametrize("name", ["qwen3_qk_norm", "qwen3_moe"])
-def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch, name):
-    """A Qwen3 and a Qwen3-MoE FP8 checkpoint built as on an H100 (its dense projections and its
-    experts kept FP8) generate the same tokens with every projection through the W8A16 kernel as
-    through the dequantized oracle (what the CPU path runs)."""
+@pytest.mark.parametrize("name, block", [("qwen3_qk_norm", 32), ("qwen3_qk_norm", None), ("qwen3_moe", 32)])
+def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch, name, block):
+    """A Qwen3 (block-wise, and tensor-wise: kept one scale a row) and a Qwen3-MoE FP8 checkpoint
+    built as on an H100 (its dense projections and its experts kept FP8) generate the same tokens
+    with every projection through the W8A16 kernel as through the dequantized oracle (what the CPU
+    path runs)."""
     hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
-    quantize_checkpoint(tmp_path)
+    quantize_checkpoint(tmp_path, block)
     monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = generation_prompts(hf.config.vocab_size)[:3]

@@ -35,6 +35,16 @@ def test_the_tiny_projections_run_both_formats_and_count_their_bytes(tmp_path):
     assert all(r["step_ms"] > 0 and r["mbu"] is None for r in result["rows"])  # no peak for a CPU
 
 
+def test_one_scale_a_row_counts_a_float32_scale_a_row(tmp_path):
+    out = tmp_path / "fp8.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--scales", "row", "--tokens", "1", "--iters", "1",
+                    "--json", str(out)], check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    rows = {r["projection"]: r for r in result["rows"] if r["format"] == "fp8"}
+    assert result["scales"] == "row" and rows["down"]["bytes"] == 128 * 256 + 4 * 128 + (256 + 128) * 2
+    assert all(r["max_rel_diff"] < 1e-2 for name, r in rows.items() if name != "layer")
+
+
 def test_an_moe_shape_is_refused():
     done = subprocess.run([sys.executable, str(SCRIPT), "--shape", "qwen3-30b-a3b"], capture_output=True, text=True,
                           timeout=120)

@@ -167,17 +167,18 @@ def test_mxfp4_experts_read_17_32_of_a_byte_a_weight():
     assert gpu_roofline.weight_bytes(c, 2) - gpu_roofline.weight_bytes(quantized, 2) == matrices * (2 - 17 / 32)
 
 
-@pytest.mark.parametrize("kind", ["dense", "qwen2_moe"])
-def test_fp8_blocks_read_a_byte_a_weight_and_their_scales(kind):
+@pytest.mark.parametrize("kind, block", [("dense", [32, 32]), ("qwen2_moe", [32, 32]), ("dense", None)])
+def test_fp8_weights_read_a_byte_a_weight_and_their_scales(kind, block):
     """Every projection's and expert's matrix (the shared expert's too; not the router, the
-    embedding, the LM head) at a byte and a float32 scale per 32x32 block instead of 2 bytes."""
+    embedding, the LM head) at a byte and a float32 scale per 32x32 block (scales of a row or a
+    tensor not counted) instead of 2 bytes."""
     c = bench_gpu.TINY if kind == "dense" else hf_moe(kind)[1]
     model = hf_model(c) if kind == "dense" else hf_moe(kind)[0]
     matrices = sum(p.numel() for name, p in model.named_parameters()
                    if name.endswith("proj.weight") or (".experts." in name and "bias" not in name))
-    quantized = {**c, "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}
+    quantized = {**c, "quantization_config": {"quant_method": "fp8", "weight_block_size": block}}
     saved = gpu_roofline.weight_bytes(c, 2) - gpu_roofline.weight_bytes(quantized, 2)
-    assert saved == pytest.approx(matrices * (2 - 1 - 4 / 32 ** 2), rel=1e-12)
+    assert saved == pytest.approx(matrices * (2 - 1 - (4 / 32 ** 2 if block else 0)), rel=1e-12)
 
 
 def test_a_decode_reads_the_experts_its_tokens_hit_and_a_windowed_layers_window():

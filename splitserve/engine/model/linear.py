@@ -3,9 +3,9 @@
 features are split over the tensor-parallel ranks (partial sums, all-reduced).
 
 Each holds its weight in the serving dtype or, from a block-wise FP8 checkpoint where `fp8_block`
-allows, as the checkpoint stores it: float8 e4m3 codes `weight` [out, in] and float32 scales,
-one per block (`weight_scale_inv`, or as the checkpoint names them; a merged projection's parts'
-scale rows stacked like their rows), a byte a weight. On CUDA the W8A16 GEMM (`fp8_linear`) reads the codes; the CPU path
+allows, as the checkpoint stores it: float8 e4m3 codes `weight` [out, in] and float32
+`weight_scale_inv`, one per block or row (a merged projection's parts' scale rows stacked like
+their rows), a byte a weight. On CUDA the W8A16 GEMM (`fp8_linear`) reads the codes; the CPU path
 dequantizes them as it multiplies.
 """
 from __future__ import annotations
@@ -31,38 +31,31 @@ def frozen(*shape: int, dtype: torch.dtype = torch.uint8) -> nn.Parameter:
 def fp8_block(c: ModelConfig, modules: Iterable[str], rows: Iterable[int] = (),
               cols: Iterable[int] = ()) -> tuple[int, int] | None:
     """The block size a projection of the checkpoint's `modules` (a merged one's parts) keeps its
-    FP8 codes in, or None where its weight takes the serving dtype: no block-wise FP8 checkpoint, a
-    device whose Triton cannot read e4m3 (`fp8.projections_kept`), a part stored unquantized, k
-    tiles that would straddle a block's columns, or a cut inside a block: of the rows (`rows`: the
-    parts' bounds, on this rank and in the checkpoint) or of the columns (`cols`)."""
-    block = c.weight_block_size
-    if c.quantization != "fp8" or block is None or block[1] % fp8.KERNEL_K:
+    FP8 codes in (`fp8.ROWS` for scales of a row or a tensor, kept one a row), or None where its
+    weight takes the serving dtype: no FP8 checkpoint, a device whose Triton cannot read e4m3
+    (`fp8.projections_kept`), a part stored unquantized, k tiles that would straddle a block's
+    columns, or a cut inside a block: of the rows (`rows`: the parts' bounds, on this rank and in
+    the checkpoint) or of the columns (`cols`)."""
+    if c.quantization != "fp8" or not fp8.projections_kept(fp8.build_capability()):
         return None
-    if not fp8.projections_kept(fp8.build_capability()) or any(c.stored_unquantized(m) for m in modules):
+    if any(c.stored_unquantized(m) for m in modules):
         return None
-    if any(r % block[0] for r in rows) or any(k % block[1] for k in cols):
-        return None
-    return block
+    block = c.weight_block_size or fp8.ROWS  # a row's scale spans its columns: no cut splits one
+    cuts = [r % block[0] for r in rows] + ([k % block[1] for k in cols] if block != fp8.ROWS else [])
+    return None if block[1] % fp8.KERNEL_K or any(cuts) else block
 
 
 class Linear(nn.Linear):
     """x @ W.T (+ b), W in the serving dtype or, with `fp8_block`, the checkpoint's FP8 codes and
-    block scales (the parameter `scale_name`)."""
+    block scales."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, fp8_block: tuple[int, int] | None = None,
-                 scale_name: str = "weight" + fp8.SCALE_SUFFIXES[0]):
+    def __init__(self, in_features: int, out_features: int, bias: bool, fp8_block: tuple[int, int] | None = None):
         super().__init__(in_features, out_features, bias=bias)
-        self.fp8_block, self.scale_name = fp8_block, scale_name
+        self.fp8_block = fp8_block
         if fp8_block is not None:
             rows, cols = fp8_block
             self.weight = frozen(out_features, in_features, dtype=torch.float8_e4m3fn)
-            self.register_parameter(scale_name, frozen(-(-out_features // rows), -(-in_features // cols),
-                                                       dtype=torch.float32))
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """The FP8 block scales."""
-        return getattr(self, self.scale_name)
+            self.weight_scale_inv = frozen(-(-out_features // rows), -(-in_features // cols), dtype=torch.float32)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.fp8_block is None:
@@ -70,23 +63,22 @@ class Linear(nn.Linear):
         if x.is_cuda:
             out = self.fused(x)
         else:
-            out = F.linear(x, fp8.dequantize(self.weight, self.scale, self.fp8_block, x.dtype))
+            out = F.linear(x, fp8.dequantize(self.weight, self.weight_scale_inv, self.fp8_block, x.dtype))
         return out if bias is None else out + bias
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """The FP8 product through the Triton GEMM (CUDA, or Triton's interpreter)."""
         from splitserve.engine.model import fp8_linear  # triton: CUDA builds of torch bring it
 
-        return fp8_linear.matmul(x, self.weight, self.scale, self.fp8_block)
+        return fp8_linear.matmul(x, self.weight, self.weight_scale_inv, self.fp8_block)
 
 
 class MergedLinear(Linear):
     """Several projections of the same input as one matmul: the weight is theirs stacked by rows."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool,
-                 slices: dict[str, ShardSlice] | None = None, fp8_block: tuple[int, int] | None = None,
-                 scale_name: str = "weight" + fp8.SCALE_SUFFIXES[0]):
-        super().__init__(in_features, sum(parts.values()), bias, fp8_block, scale_name)
+                 slices: dict[str, ShardSlice] | None = None, fp8_block: tuple[int, int] | None = None):
+        super().__init__(in_features, sum(parts.values()), bias, fp8_block)
         self.parts = parts  # the checkpoint's name of each projection -> its output rows, in order
         self.slices = slices or {}  # with tensor parallelism: the checkpoint rows each part holds
 
@@ -111,7 +103,7 @@ class MergedLinear(Linear):
             if self.bias is not None:
                 yield f"{prefix}.{part}.bias", where
             if self.fp8_block is not None:
-                yield f"{prefix}.{part}.{self.scale_name}", where.in_units(self.fp8_block[0])
+                yield f"{prefix}.{part}.weight{fp8.SCALE_SUFFIXES[0]}", where.in_units(self.fp8_block[0])
 
 
 class RowParallelLinear(Linear):
@@ -119,9 +111,8 @@ class RowParallelLinear(Linear):
     the bias (whole on every rank) added once."""
 
     def __init__(self, in_features: int, out_features: int, shard_slice: ShardSlice | None, reduce: Reduce | None,
-                 bias: bool = False, fp8_block: tuple[int, int] | None = None,
-                 scale_name: str = "weight" + fp8.SCALE_SUFFIXES[0]):
-        super().__init__(in_features, out_features, bias, fp8_block, scale_name)
+                 bias: bool = False, fp8_block: tuple[int, int] | None = None):
+        super().__init__(in_features, out_features, bias, fp8_block)
         self.shard_slice, self.reduce = shard_slice, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,4 +125,5 @@ class RowParallelLinear(Linear):
             return
         yield f"{owner}.weight", self.shard_slice
         if self.fp8_block is not None:
-            yield f"{owner}.{self.scale_name}", self.shard_slice.in_units(self.fp8_block[1])
+            if self.fp8_block != fp8.ROWS:  # a row's scale: whole on every rank
+                yield f"{owner}.weight{fp8.SCALE_SUFFIXES[0]}", self.shard_slice.in_units(self.fp8_block[1])

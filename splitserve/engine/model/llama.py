@@ -80,15 +80,14 @@ class LlamaAttention(nn.Module):
                                              "v_proj": ShardSlice(0, kv_lo * d, kv_hi * d, kv_total)}
         kv = self.num_kv_heads * d
         q_cuts, kv_cuts = (q_lo * d, q_hi * d, q_total), (kv_lo * d, kv_hi * d, kv_total)
-        scale = "weight" + c.weight_scale_suffix  # FP8 scales' name
         self.qkv_proj = MergedLinear(c.hidden_size, {"q_proj": self.num_heads * d, "k_proj": kv, "v_proj": kv},
                                      bias=c.attention_bias, slices=slices,
                                      fp8_block=fp8_block(c, [f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")],
-                                                         rows=q_cuts + kv_cuts), scale_name=scale)
+                                                         rows=q_cuts + kv_cuts))
         self.o_proj = RowParallelLinear(self.num_heads * d, c.hidden_size,
                                         ShardSlice(1, q_lo * d, q_hi * d, q_total) if shard.size > 1 else None, reduce,
                                         bias=c.attention_out_bias,
-                                        fp8_block=fp8_block(c, [f"{prefix}.o_proj"], cols=q_cuts), scale_name=scale)
+                                        fp8_block=fp8_block(c, [f"{prefix}.o_proj"], cols=q_cuts))
         # GPT-OSS: a logit per query head that joins its softmax (this rank's heads)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if c.attention_sinks else None
         self.sink_slice = ShardSlice(0, q_lo, q_hi, c.num_attention_heads) if shard.size > 1 else None
@@ -125,12 +124,11 @@ class LlamaMLP(nn.Module):
         part = ShardSlice(0, lo, hi, width)
         slices = {"gate_proj": part, "up_proj": part} if sharded else {}
         gate_up_block = fp8_block(c, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], rows=(lo, hi, width))
-        scale = "weight" + c.weight_scale_suffix  # FP8 scales' name
         self.gate_up_proj = MergedLinear(c.hidden_size, {"gate_proj": hi - lo, "up_proj": hi - lo}, bias=False,
-                                         slices=slices, fp8_block=gate_up_block, scale_name=scale)
+                                         slices=slices, fp8_block=gate_up_block)
         down_block = fp8_block(c, [f"{prefix}.down_proj"], cols=(lo, hi, width))
         self.down_proj = RowParallelLinear(hi - lo, c.hidden_size, ShardSlice(1, lo, hi, width) if sharded else None,
-                                           reduce, fp8_block=down_block, scale_name=scale)
+                                           reduce, fp8_block=down_block)
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

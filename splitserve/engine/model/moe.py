@@ -109,7 +109,6 @@ class Experts(nn.Module):
         self.format = c.quantization if unit and total % unit == 0 and total // unit >= shard.size else None
         lo, hi = shard.split_in(total, unit) if self.format else shard.split(total)
         self.names, self.width, self.act = names, hi - lo, gated_act(c)
-        self.scale_suffix = c.weight_scale_suffix  # FP8 scales': `<weight><suffix>`
         self.slice = ShardSlice(0, lo, hi, total) if shard.size > 1 else None
         experts, hidden = c.num_experts, c.hidden_size
         if self.format == "mxfp4":
@@ -170,7 +169,7 @@ class Experts(nn.Module):
             else:
                 yield f"{owner}.{name}", param.transpose(1, 2)
             return
-        suffix = ".weight" + (self.scale_suffix if kind.endswith("_scale") else "")  # FP8's block scales
+        suffix = ".weight" + (fp8.SCALE_SUFFIXES[0] if kind.endswith("_scale") else "")  # FP8's block scales
         for e in range(param.shape[0]):
             if kind.startswith("w13"):  # gate rows (or their scales' rows), then up's
                 half = param.shape[1] // 2
@@ -199,7 +198,7 @@ class Experts(nn.Module):
         parts = {".weight": (self.slice, ShardSlice(1, lo, hi, total))}  # (gate and up, down)
         if self.format == "fp8":  # their scales': rows of blocks, and down's columns of them
             rows, cols = self.block
-            parts[".weight" + self.scale_suffix] = (ShardSlice(0, lo // rows, hi // rows, total // rows),
+            parts[".weight" + fp8.SCALE_SUFFIXES[0]] = (ShardSlice(0, lo // rows, hi // rows, total // rows),
                                                         ShardSlice(1, lo // cols, hi // cols, total // cols))
         for e in range(self.w13.shape[0]):
             for suffix, (gate_up, down) in parts.items():
