@@ -20,12 +20,11 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench_moe import pct, time_calls  # this script's folder
+from bench_moe import add_run_args, pct, time_calls  # this script's folder
 from gpu_roofline import peaks
 
 from splitserve.engine import fp8
@@ -92,14 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     dense = [name for name, shape in SHAPES.items() if not ModelConfig.from_hf(shape).num_experts]
     p.add_argument("--shape", default="qwen3-8b", choices=dense, help="a dense shape of engine/shapes.py")
     p.add_argument("--tiny", action="store_true", help="tiny projections on the CPU, under Triton's interpreter")
-    p.add_argument("--tokens", help=f"comma-separated token counts (default: {','.join(map(str, TOKENS))}; "
-                                    f"--tiny: {','.join(map(str, TINY_TOKENS))})")
     p.add_argument("--scales", choices=("block", "row"), default="block",
                    help="one scale per 128 x 128 block (32 x 32 with --tiny), or one a row")
-    p.add_argument("--iters", type=int, default=50, help="timed calls per row")
-    p.add_argument("--hbm-tbs", type=float, help="HBM peak in TB/s (default: from the device's name)")
-    p.add_argument("--bf16-tflops", type=float, help="dense bf16 peak in TFLOP/s (default: from the device's name)")
-    p.add_argument("--json", type=Path, help="write the result here")
+    add_run_args(p, TOKENS, TINY_TOKENS)
     args = p.parse_args(argv)
     if args.tiny:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first decorated

@@ -148,17 +148,22 @@ def pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
+def add_run_args(p: argparse.ArgumentParser, tokens: tuple[int, ...], tiny_tokens: tuple[int, ...]) -> None:
+    """The options a kernel benchmark's run takes: token counts, timed calls, device peaks, output."""
+    p.add_argument("--tokens", help=f"comma-separated token counts (default: {','.join(map(str, tokens))}; "
+                                    f"--tiny: {','.join(map(str, tiny_tokens))})")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per row")
+    p.add_argument("--hbm-tbs", type=float, help="HBM peak in TB/s (default: from the device's name)")
+    p.add_argument("--bf16-tflops", type=float, help="dense bf16 peak in TFLOP/s (default: from the device's name)")
+    p.add_argument("--json", type=Path, help="write the result here")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     moe_shapes = [name for name, shape in SHAPES.items() if ModelConfig.from_hf(shape).num_experts]
     p.add_argument("--shape", default="gpt-oss-20b", choices=moe_shapes, help="an MoE shape of engine/shapes.py")
     p.add_argument("--tiny", action="store_true", help="a tiny layer on the CPU, under Triton's interpreter")
-    p.add_argument("--tokens", help=f"comma-separated token counts (default: {','.join(map(str, TOKENS))}; "
-                                    f"--tiny: {','.join(map(str, TINY_TOKENS))})")
-    p.add_argument("--iters", type=int, default=50, help="timed calls per row")
-    p.add_argument("--hbm-tbs", type=float, help="HBM peak in TB/s (default: from the device's name)")
-    p.add_argument("--bf16-tflops", type=float, help="dense bf16 peak in TFLOP/s (default: from the device's name)")
-    p.add_argument("--json", type=Path, help="write the result here")
+    add_run_args(p, TOKENS, TINY_TOKENS)
     args = p.parse_args(argv)
     if args.tiny:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first decorated

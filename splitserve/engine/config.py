@@ -34,7 +34,7 @@ QUANTIZATIONS = {arch: ("mxfp4",) if arch == "GptOssForCausalLM" else ("fp8", "c
 FP8_STRATEGIES = ("tensor", "channel", "block")  # compressed-tensors' weight scales: one, one a row, one a block
 COMPRESSED_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors' formats of FP8 weights
 MXFP4_GROUP = 32  # values a scale covers (mxfp4.GROUP)
-MAX_PATTERNS = 4096  # of a quantization_config's modules_to_not_convert
+MAX_PATTERNS = 4096  # of a quantization_config's modules_to_not_convert (or compressed-tensors' ignore)
 
 
 class ConfigError(ValueError):
@@ -101,8 +101,8 @@ class ModelConfig:
     weights_prefix: str = ""       # a multimodal checkpoint's: what its language model's tensor names start with
     skipped_weights: tuple[str, ...] = ()  # ... and the prefixes of the tensors it does not serve (the vision tower)
     quantization: str | None = None  # the checkpoint's weights' format (QUANTIZATIONS); None: the model's dtype
-    weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: the tensor)
-    unquantized_modules: tuple[str, ...] = ()  # FP8: modules_to_not_convert, the modules stored unquantized
+    weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: a tensor or row)
+    unquantized_modules: tuple[str, ...] = ()  # FP8: the modules stored unquantized (modules_to_not_convert, ignore)
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None

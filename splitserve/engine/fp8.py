@@ -16,7 +16,7 @@ import math
 import torch
 
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # of a weight's name: its scales
-KERNEL_K = 32  # fused_moe's k tile, which must lie within one block of columns
+KERNEL_K = 32  # the Triton GEMMs' (least) k tile, which must lie within one block of columns
 CODES_CAPABILITY = (8, 9)  # Triton reads float8 e4m3 on Ada and Hopper GPUs on; an A100's experts are dequantized
 ROWS = (1, 1 << 30)  # a kept projection's block where each row has one scale (or the tensor one): all its columns
 DUMMY_SCALE = 2.0 ** -8  # dummy weights' scale: normal(0, 0.02) values are codes of about 5, well within e4m3

@@ -240,7 +240,7 @@ def _quantized_half(file: Path, name: str, handle, checkpoint_name: str, config:
     kept = next((targets[n] for n in [name] + (_fused_parts(name, config) or []) if n in targets), None)
     if kept is not None and kept.dtype == torch.float8_e4m3fn and not stored.startswith("F8"):
         raise CheckpointError(f"{file}: tensor {name!r} is stored as {stored}, not float8 as quantization_config "
-                              "says (list its module in quantization_config.modules_to_not_convert)")
+                              "says (list its module in its modules_to_not_convert, or compressed-tensors' ignore)")
     if kept is not None and (kept.dtype == torch.float8_e4m3fn or name.endswith(fp8.SCALE_SUFFIXES)):
         return None
     suffix = next((s for s in fp8.SCALE_SUFFIXES if name.endswith(s)), None)

@@ -2,8 +2,8 @@
 (their weights stacked by rows: Q, K and V; gate and up), and `RowParallelLinear`, whose input
 features are split over the tensor-parallel ranks (partial sums, all-reduced).
 
-Each holds its weight in the serving dtype or, from a block-wise FP8 checkpoint where `fp8_block`
-allows, as the checkpoint stores it: float8 e4m3 codes `weight` [out, in] and float32
+Each holds its weight in the serving dtype or, from an FP8 checkpoint where `fp8_block` allows,
+as the checkpoint stores it: float8 e4m3 codes `weight` [out, in] and float32
 `weight_scale_inv`, one per block or row (a merged projection's parts' scale rows stacked like
 their rows), a byte a weight. On CUDA the W8A16 GEMM (`fp8_linear`) reads the codes; the CPU path
 dequantizes them as it multiplies.
@@ -124,6 +124,5 @@ class RowParallelLinear(Linear):
         if self.shard_slice is None:
             return
         yield f"{owner}.weight", self.shard_slice
-        if self.fp8_block is not None:
-            if self.fp8_block != fp8.ROWS:  # a row's scale: whole on every rank
-                yield f"{owner}.weight{fp8.SCALE_SUFFIXES[0]}", self.shard_slice.in_units(self.fp8_block[1])
+        if self.fp8_block not in (None, fp8.ROWS):  # a row's scale is whole on every rank
+            yield f"{owner}.weight{fp8.SCALE_SUFFIXES[0]}", self.shard_slice.in_units(self.fp8_block[1])
