@@ -53,8 +53,7 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
     g, weights = torch.Generator().manual_seed(0), {}
     for name, shape in projections(c).items():
         scale_block = (1, shape[1]) if block == fp8.ROWS else block  # ROWS: one [rows, 1] scale a row
-        codes, scales = fp8.quantize(torch.randn(shape, generator=g) * 0.02, scale_block)
-        codes, scales = codes.to(device), scales.to(device)
+        codes, scales = fp8.quantize((torch.randn(shape, generator=g) * 0.02).to(device), scale_block)
         weights[name] = (codes, scales, fp8.dequantize(codes, scales, block, dtype))
     rows, cuda = [], device.type == "cuda"
     for t in tokens:

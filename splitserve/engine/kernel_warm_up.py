@@ -6,9 +6,9 @@ key tiles for that many splits, and a two-token chunk after one earlier token (t
 kernel, which the flash-attn backend also uses for chunks). Nothing is stored (every slot is
 PAD_SLOT), every table names block 0 and the hidden states are dropped. Every rank of a
 tensor-parallel group runs the same steps, so their all-reduces pair up. A model with sparse MoE
-layers also runs its experts' kernels once per tile size (`fused_moe.BLOCK_M_SIZES`), and one whose
-projections are FP8 each shape of them once per tile shape of the W8A16 GEMM (`fp8_linear.TILES`),
-whatever the attention backend."""
+layers also runs its experts' kernels once per tile size (`fused_moe.BLOCK_M_SIZES`), and a model
+whose projections stay FP8 runs each shape of them once per tile shape of the W8A16 GEMM
+(`fp8_linear.TILES`), whatever the attention backend."""
 from __future__ import annotations
 
 import logging

@@ -108,7 +108,7 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
     """A Qwen3 (block-wise, and tensor-wise: kept one scale a row) and a Qwen3-MoE FP8 checkpoint
     built as on an H100 (its dense projections and its experts kept FP8) generate the same tokens
     with every projection through the W8A16 kernel as through the dequantized oracle (what the CPU
-    path runs)."""
+    path runs), on the device the kernels run on (CUDA where it is)."""
     hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
     quantize_checkpoint(tmp_path, block)
     monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
@@ -116,10 +116,15 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
     prompts = generation_prompts(hf.config.vocab_size)[:3]
 
     def greedy():
-        llm = LLM(str(tmp_path), **ENGINE_ARGS)
+        llm = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type})
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [o.outputs[0].token_ids for o in outs]
 
+    def oracle(self, x, bias=None):
+        assert self.fp8_block is not None
+        return F.linear(x, fp8.dequantize(self.weight, self.weight_scale_inv, self.fp8_block, x.dtype), bias)
+
+    monkeypatch.setattr(Linear, "project", oracle)
     reference, calls = greedy(), []
 
     def fused(self, x, bias=None):

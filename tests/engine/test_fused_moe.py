@@ -175,7 +175,8 @@ def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_ki
     """A Mixtral and a GPT-OSS checkpoint written by transformers (and a GPT-OSS with its experts
     in MXFP4, kept packed, and a Qwen3-MoE in FP8, its experts kept FP8) generate the same tokens
     with their experts run by the fused kernels and their attention (GPT-OSS's sinks and window)
-    by the Triton kernels as by the torch oracles (what the CPU engine runs)."""
+    by the Triton kernels as by the torch oracles (what the CPU engine runs), on the device the
+    kernels run on (CUDA where it is)."""
     hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
     if kept == "mxfp4":
         quantize_experts(tmp_path, width=64, scale_shift=-5)
@@ -185,10 +186,14 @@ def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_ki
     prompts = generation_prompts(hf.config.vocab_size)[:3]
 
     def greedy(backend="torch"):
-        llm = LLM(str(tmp_path), **ENGINE_ARGS, attention_backend=backend)
+        llm = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type}, attention_backend=backend)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [o.outputs[0].token_ids for o in outs]
 
+    def oracle(self, x, weights, experts):
+        return experts_reference(x, *self.stacks(x.dtype), weights, experts, self.act, self.b13)
+
+    monkeypatch.setattr(Experts, "forward", oracle)
     reference = greedy()
     calls = []
 

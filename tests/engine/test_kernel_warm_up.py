@@ -18,6 +18,7 @@ from splitserve.engine.llm import LLM  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 ENGINE = {"num_kv_blocks": 64, "max_model_len": 512}
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the kernels run
 
 
 def _spy_splits(backend, monkeypatch) -> list[int]:
@@ -62,7 +63,7 @@ def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monke
     from splitserve.engine.model import fused_moe
 
     write_checkpoint(tmp_path, "qwen3_moe", {False: train_tokenizer(), True: train_tokenizer(qwen2=True)})
-    runner = LLM(str(tmp_path), **ENGINE_ARGS).engine.runner
+    runner = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type}).engine.runner
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
     tiles, real = [], fused_moe.fused_experts
 
@@ -88,7 +89,7 @@ def test_fp8_projections_run_once_per_tile_shape(tmp_path, monkeypatch):
     write_checkpoint(tmp_path, "qwen3_qk_norm", {False: train_tokenizer(), True: train_tokenizer(qwen2=True)})
     quantize_checkpoint(tmp_path)
     monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
-    runner = LLM(str(tmp_path), **ENGINE_ARGS).engine.runner
+    runner = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type}).engine.runner
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
     launches, real = [], fp8_linear.matmul
 
