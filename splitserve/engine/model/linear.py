@@ -50,12 +50,14 @@ class Linear(nn.Linear):
     block scales."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fp8_block: tuple[int, int] | None = None):
-        super().__init__(in_features, out_features, bias=bias)
+        kept = fp8_block is not None  # a weight in the serving dtype is never allocated
+        super().__init__(in_features, out_features, bias=bias, device="meta" if kept else None)
         self.fp8_block = fp8_block
-        if fp8_block is not None:
+        if kept:
             rows, cols = fp8_block
             self.weight = frozen(out_features, in_features, dtype=torch.float8_e4m3fn)
             self.weight_scale_inv = frozen(-(-out_features // rows), -(-in_features // cols), dtype=torch.float32)
+            self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.fp8_block is None:
