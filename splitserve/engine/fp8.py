@@ -87,11 +87,12 @@ def projections_kept(capability: tuple[int, int] | None) -> bool:
 
 def experts_unit(block: tuple[int, int] | None) -> int | None:
     """What a rank's slice of the experts' width is whole multiples of for the experts to stay FP8
-    (the gate's and up's scale rows, down's scale columns); None where they cannot: tensor-wise
-    scales, or blocks whose columns the kernels' k tiles would straddle."""
-    if block is None or block[1] % KERNEL_K:
-        return None
-    return math.lcm(*block)
+    (the gate's and up's scale rows, down's scale columns): any slice for scales of a row or a
+    tensor (None: kept one a row, `ROWS`); None where they cannot: blocks whose columns the
+    kernels' k tiles would straddle."""
+    if block is None:
+        return 1
+    return None if block[1] % KERNEL_K else math.lcm(*block)
 
 
 class Stacked:

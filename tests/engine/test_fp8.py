@@ -92,7 +92,8 @@ def prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     return run_plan(engine, [ScheduledSeq(seq, len(ids))])["a"]
 
 
-@pytest.mark.parametrize("name, block", [("qwen3_qk_norm", BLOCK), ("qwen3_qk_norm", None), ("qwen3_moe", BLOCK)])
+@pytest.mark.parametrize("name, block", [("qwen3_qk_norm", BLOCK), ("qwen3_qk_norm", None), ("qwen3_moe", BLOCK),
+                                         ("qwen3_moe", None)])
 def test_an_fp8_checkpoint_gives_transformers_logits(tmp_path, tokenizers_by_kind, name, block):
     write_checkpoint(tmp_path, name, tokenizers_by_kind)
     quantize_checkpoint(tmp_path, block)
@@ -252,8 +253,9 @@ def test_modules_stored_unquantized_stay_in_their_dtype(tmp_path, tokenizers_by_
     assert max_diff(ours, ref) <= 1e-4, max_diff(ours, ref)
 
 
-def write_qwen3_moe(path, width: int = 96) -> None:
-    """A tiny Qwen3-MoE, its experts `width` wide (three 32-row blocks), in FP8 blocks of 32."""
+def write_qwen3_moe(path, width: int = 96, block: int | None = BLOCK) -> None:
+    """A tiny Qwen3-MoE, its experts `width` wide (three 32-row blocks), in FP8 blocks of 32 (None:
+    one scale a tensor)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
@@ -261,7 +263,7 @@ def write_qwen3_moe(path, width: int = 96) -> None:
                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
     Qwen3MoeForCausalLM(config).save_pretrained(path)
-    quantize_checkpoint(path)
+    quantize_checkpoint(path, block)
 
 
 def load(path, shard=Shard()) -> LlamaForCausalLM:
@@ -282,6 +284,25 @@ def test_experts_stay_fp8_in_whole_blocks_and_ranks_add_up(tmp_path, size, width
     assert whole.experts.w13_scale.shape == (4, 2 * 96 // 32, 64 // 32)
     ranks = [load(tmp_path, Shard(r, size)).model.layers[0].mlp.experts for r in range(size)]
     assert [r.width for r in ranks] == widths and {r.format for r in ranks} == {"fp8" if size < 4 else None}
+    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(1))
+    weights, ids = route(whole.gate(x), 2, renormalize=True)
+    expected = whole.experts(x, weights, ids)
+    torch.testing.assert_close(sum(r(x, weights, ids) for r in ranks), expected, rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("size", [1, 3, 4])
+def test_experts_keep_one_scale_a_row_on_any_split(tmp_path, size):
+    """Tensor-wise scales are kept one a row (each expert's projection's one scale repeated): a
+    rank's slice of the width is any (96 over 4: 24 each), its gate and up rows' scales its own and
+    down's whole; the ranks' partial sums add up to the whole layer's experts."""
+    write_qwen3_moe(tmp_path, block=None)
+    whole = load(tmp_path).model.layers[0].mlp
+    assert whole.experts.format == "fp8" and whole.experts.block == fp8.ROWS
+    assert whole.experts.w13_scale.shape == (4, 2 * 96, 1) and whole.experts.w2_scale.shape == (4, 64, 1)
+    ranks = [load(tmp_path, Shard(r, size)).model.layers[0].mlp.experts for r in range(size)]
+    assert {r.format for r in ranks} == {"fp8"} and sum(r.width for r in ranks) == 96
+    assert all(torch.equal(r.w2_scale, whole.experts.w2_scale) for r in ranks)
     x = torch.randn(10, 64, generator=torch.Generator().manual_seed(1))
     weights, ids = route(whole.gate(x), 2, renormalize=True)
     expected = whole.experts(x, weights, ids)

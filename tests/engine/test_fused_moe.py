@@ -109,11 +109,12 @@ def fp8_stack(experts: int, rows: int, cols: int, block: tuple[int, int], seed: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-@pytest.mark.parametrize("block", [(32, 32), (64, 32), (32, 64)])
+@pytest.mark.parametrize("block", [(32, 32), (64, 32), (32, 64), fp8.ROWS])
 @pytest.mark.parametrize("tokens, block_m", [(3, 16), (40, 64)])
 def test_fp8_experts_equal_the_dequantized_oracle(dtype, block, tokens, block_m):
     """Experts kept as FP8 codes compute what their dequantized weights do: block scales of rows
-    and columns (the last ones partial: hidden 96 in 64s), 8 experts of which some idle."""
+    and columns (the last ones partial: hidden 96 in 64s), or one scale a row; 8 experts of which
+    some idle."""
     experts, hidden, width = 8, 96, 64
     g = torch.Generator().manual_seed(5)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)

@@ -8,10 +8,11 @@ The experts' weights are two stacked tensors, `w13` [experts, 2 * width, hidden]
 gate rows, then its up rows; GPT-OSS's alternate gate, up, as its checkpoints store them) and `w2`
 [experts, hidden, width], so one kernel serves all experts (`fused_moe` on CUDA). An MXFP4
 checkpoint's experts (GPT-OSS's release) stay packed as it stores them, rows alike (`mxfp4.Packed`:
-`w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales`), 4.25 bits a weight; a block-wise FP8
-checkpoint's stay FP8 (`fp8.Stacked`: `w13`, `w2` float8 and `w13_scale`, `w2_scale`). With
-tensor parallelism each rank's slice of the width is then whole units (32-value groups; FP8's
-blocks) (`Shard.split_in`: ranks' widths may differ by a unit, as partial sums they add up alike);
+`w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales`), 4.25 bits a weight; an FP8 checkpoint's
+stay FP8 (`fp8.Stacked`: `w13`, `w2` float8 and `w13_scale`, `w2_scale`, one a block, or one a row
+for scales of a row or a tensor: `fp8.ROWS`). With tensor parallelism each rank's slice of the
+width is then whole units (32-value groups; FP8's blocks; any, for scales of a row, down's then
+whole on every rank) (`Shard.split_in`: ranks' widths may differ by a unit, as partial sums they add up alike);
 a width of fewer units than ranks, or of a part of one, is dequantized at load instead.
 `checkpoint_tensors` names each expert's slices as the checkpoint stores them (GPT-OSS's stacked,
 [experts, in, out]). With tensor parallelism every rank holds every expert's slice [lo, hi) of the
@@ -104,7 +105,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 class Experts(nn.Module):
     def __init__(self, c: ModelConfig, names: ExpertNames, shard: Shard = Shard()):
         super().__init__()
-        total, self.block, unit = c.moe_intermediate_size, c.weight_block_size, _kept_unit(c)
+        # FP8's scales: one a block, or one a row (a tensor's repeated)
+        total, self.block, unit = c.moe_intermediate_size, c.weight_block_size or fp8.ROWS, _kept_unit(c)
         # the checkpoint's format, kept where every rank's slice is whole units; None: the model's dtype
         self.format = c.quantization if unit and total % unit == 0 and total // unit >= shard.size else None
         lo, hi = shard.split_in(total, unit) if self.format else shard.split(total)
@@ -121,7 +123,8 @@ class Experts(nn.Module):
             self.w13_scale = frozen(experts, 2 * self.width // block_rows, -(-hidden // block_cols),
                                      dtype=torch.float32)
             self.w2 = frozen(experts, hidden, self.width, dtype=code)
-            self.w2_scale = frozen(experts, -(-hidden // block_rows), self.width // block_cols, dtype=torch.float32)
+            self.w2_scale = frozen(experts, -(-hidden // block_rows), -(-self.width // block_cols),
+                                   dtype=torch.float32)
         else:
             self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width, c.hidden_size))
             self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, self.width))
@@ -196,15 +199,17 @@ class Experts(nn.Module):
             return
         lo, hi, total = self.slice.start, self.slice.stop, self.slice.total
         parts = {".weight": (self.slice, ShardSlice(1, lo, hi, total))}  # (gate and up, down)
-        if self.format == "fp8":  # their scales': rows of blocks, and down's columns of them
+        if self.format == "fp8":  # their scales': rows of blocks, and down's columns of them (a row's: whole)
             rows, cols = self.block
-            parts[".weight" + fp8.SCALE_SUFFIXES[0]] = (ShardSlice(0, lo // rows, hi // rows, total // rows),
-                                                        ShardSlice(1, lo // cols, hi // cols, total // cols))
+            parts[".weight" + fp8.SCALE_SUFFIXES[0]] = (
+                ShardSlice(0, lo // rows, hi // rows, total // rows),
+                None if self.block == fp8.ROWS else ShardSlice(1, lo // cols, hi // cols, total // cols))
         for e in range(self.w13.shape[0]):
             for suffix, (gate_up, down) in parts.items():
                 yield f"{owner}.{e}.{self.names.gate}{suffix}", gate_up
                 yield f"{owner}.{e}.{self.names.up}{suffix}", gate_up
-                yield f"{owner}.{e}.{self.names.down}{suffix}", down
+                if down is not None:
+                    yield f"{owner}.{e}.{self.names.down}{suffix}", down
 
 
 def _kept_unit(c: ModelConfig) -> int | None:
