@@ -320,6 +320,19 @@ def test_dummy_fp8_experts_are_codes_of_the_dummy_spread(tmp_path):
     assert 0.018 < values.std().item() < 0.022
 
 
+@pytest.mark.parametrize("block", [BLOCK, None])
+def test_dummy_fp8_projections_are_codes_of_the_dummy_spread(tmp_path, gpu_reads_fp8, block):
+    """Dummy weights (`load_format: dummy`, the GPU benchmark's) for projections kept FP8: codes of
+    normal(0, 0.02) at the dummy scale, one a block or one a row."""
+    write_qwen3_moe(tmp_path, block=block)
+    model = LlamaForCausalLM(load_model_config(tmp_path), max_model_len=64)
+    init_dummy_weights(model, seed=3)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.fp8_block == ((BLOCK, BLOCK) if block else fp8.ROWS) and torch.all(qkv.weight_scale_inv == DUMMY_SCALE)
+    values = dequantize(qkv.weight, qkv.weight_scale_inv, qkv.fp8_block, torch.float32)
+    assert 0.018 < values.std().item() < 0.022
+
+
 @pytest.mark.parametrize("capability, kept", [((8, 0), None), ((8, 9), "fp8"), ((9, 0), "fp8")])
 def test_experts_stay_fp8_only_where_triton_reads_the_codes(tmp_path, monkeypatch, capability, kept):
     """Triton converts float8 e4m3 on sm_89 and later (Ada, Hopper): built for an A100, the experts
