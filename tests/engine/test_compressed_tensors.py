@@ -93,6 +93,22 @@ def test_codes_are_kept_on_a_gpu_that_reads_them(tmp_path, tokenizers_by_kind, g
     assert max_diff(ours, ref) <= 1e-4, max_diff(ours, ref)
 
 
+@pytest.mark.parametrize("strategy", ["tensor", "block"])
+def test_a_fused_projection_keeps_its_parts_scales(tmp_path, tokenizers_by_kind, gpu_reads_fp8, strategy):
+    """Phi-3 stores Q, K and V (and gate and up) as one tensor with one `weight_scale` (a tensor's,
+    or its blocks'): kept under the model's name for its parts, it gives transformers' logits."""
+    pytest.importorskip("compressed_tensors")
+    write_checkpoint(tmp_path, "phi3_fused_partial", tokenizers_by_kind)
+    compress_checkpoint(tmp_path, strategy, activations=False)
+    engine = LLMEngine(str(tmp_path), dtype="float32", **ENGINE_ARGS)
+    qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.fp8_block == ((BLOCK, BLOCK) if strategy == "block" else fp8.ROWS)
+    hf = reference(tmp_path)
+    ids = prompt_ids(1, 37, hf.config.vocab_size)
+    ours, ref = prefill_logits(engine, ids), hf_logits(hf, ids)
+    assert max_diff(ours, ref) <= 1e-4, max_diff(ours, ref)
+
+
 @pytest.mark.parametrize("size", [2, 4])
 def test_a_rank_keeps_its_rows_scales_and_every_row_parallel_one(tmp_path, tokenizers_by_kind, gpu_reads_fp8, size):
     """One scale a row: a rank holds its rows' scales of the column-parallel projections (its
