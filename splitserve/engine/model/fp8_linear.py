@@ -1,5 +1,5 @@
-"""A W8A16 GEMM in Triton for the dense projections of a block-wise FP8 checkpoint on CUDA:
-out = x @ W.T where W is the checkpoint's float8 e4m3 codes [N, K] times their blocks' scales,
+"""A W8A16 GEMM in Triton for the dense projections of an FP8 checkpoint on CUDA: out = x @ W.T
+where W is the checkpoint's float8 e4m3 codes [N, K] times their blocks' (or rows', `fp8.ROWS`) scales,
 read as stored (a byte a weight, half of bf16's: what a memory-bound decode step reads) and
 widened tile by tile to the activations' dtype for the tensor cores (`triton_tiles.weight_tile`,
 each code times its block's scale rounded as `fp8.dequantize` rounds it). Products accumulate in
