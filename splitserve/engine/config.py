@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 
+from splitserve.engine.config_error import ConfigError, positive_int
+from splitserve.engine.quantization_config import parse_quantization, stored_unquantized
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
@@ -27,18 +28,6 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
-# quantized checkpoint formats served: GPT-OSS's MXFP4 experts (engine/mxfp4.py), FP8 weights (engine/fp8.py),
-# as `fp8` stores them or as compressed-tensors does (llm-compressor's FP8 releases)
-QUANTIZATIONS = {arch: ("mxfp4",) if arch == "GptOssForCausalLM" else ("fp8", "compressed-tensors")
-                 for arch in SUPPORTED_ARCHITECTURES}
-FP8_STRATEGIES = ("tensor", "channel", "block")  # compressed-tensors' weight scales: one, one a row, one a block
-COMPRESSED_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors' formats of FP8 weights
-MXFP4_GROUP = 32  # values a scale covers (mxfp4.GROUP)
-MAX_PATTERNS = 4096  # of a quantization_config's modules_to_not_convert (or compressed-tensors' ignore)
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing or unsupported; the message names the field and the source."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +91,7 @@ class ModelConfig:
     skipped_weights: tuple[str, ...] = ()  # ... and the prefixes of the tensors it does not serve (the vision tower)
     quantization: str | None = None  # the checkpoint's weights' format (QUANTIZATIONS); None: the model's dtype
     weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: a tensor or row)
-    unquantized_modules: tuple[str, ...] = ()  # FP8: the modules stored unquantized (modules_to_not_convert, ignore)
+    unquantized_modules: tuple[str, ...] = ()  # FP8: the modules stored unquantized (`quantization_config`)
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -123,10 +112,8 @@ class ModelConfig:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     def stored_unquantized(self, module: str) -> bool:
-        """Whether the checkpoint stores module `module` ("model.layers.0.self_attn.q_proj") in its
-        own dtype: an `unquantized_modules` pattern matches it from the start up to a module boundary
-        ("model.layers.0" or "model.layers.*.mlp", not "model.layers.1" for layer 10), or ends it."""
-        return any(re.match(f"(?:{p})(?=\\.|$)", module) or module.endswith(p) for p in self.unquantized_modules)
+        """Whether the checkpoint stores module `module` in its own dtype (`unquantized_modules`)."""
+        return stored_unquantized(self.unquantized_modules, module)
 
     @property
     def long_rope_from(self) -> int | None:
@@ -160,7 +147,7 @@ class ModelConfig:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        quantization = _quantization(cfg, arch, source)
+        quantization = parse_quantization(cfg, arch, source)
         if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias"):
             raise ConfigError(f"{source}: attention_bias=true is not supported for {arch} (it would put a "
                               "bias on o_proj too); released Qwen3 checkpoints have none")
@@ -231,113 +218,6 @@ def _parse_gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict
                       local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))))
 
 
-def _quantization(cfg: dict, arch: str, source: str) -> dict:
-    """The quantization fields: the quant_method of a quantized checkpoint, which loads only in a
-    format `QUANTIZATIONS` lists for its architecture, and FP8's weight_block_size and modules
-    stored unquantized; none for an unquantized checkpoint."""
-    quant = cfg.get("quantization_config")
-    if quant is None:
-        return {}
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if method not in QUANTIZATIONS.get(arch, ()):
-        raise ConfigError(f"{source}: quantization_config quant_method {method!r} is not supported for {arch} "
-                          f"(supported: {', '.join(QUANTIZATIONS[arch])}); serve the unquantized checkpoint")
-    if method == "fp8":
-        return dict(quantization=method, weight_block_size=_fp8_block(quant, source),
-                    unquantized_modules=_patterns(quant, "modules_to_not_convert", source))
-    if method == "compressed-tensors":
-        return _compressed_fp8(quant, source)
-    for name in ("hidden_size", "intermediate_size"):  # MXFP4 (GPT-OSS): the experts' inputs and width
-        if int(cfg.get(name) or 0) % MXFP4_GROUP:
-            raise ConfigError(f"{source}: {name}={cfg.get(name)} is not a multiple of {MXFP4_GROUP}, "
-                              "MXFP4's group of values")
-    return dict(quantization=method)
-
-
-def _patterns(quant: dict, name: str, source: str) -> tuple[str, ...]:
-    """A list of module-name patterns (regular expressions), each checked."""
-    patterns = quant.get(name) or []
-    if not isinstance(patterns, list) or len(patterns) > MAX_PATTERNS or not all(isinstance(p, str) for p in patterns):
-        raise ConfigError(f"{source}: quantization_config {name} must be a list of at most {MAX_PATTERNS} strings")
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ConfigError(f"{source}: quantization_config {name} {pattern!r} is not a regular expression "
-                              f"({exc})") from exc
-    return tuple(patterns)
-
-
-def _compressed_fp8(quant: dict, source: str) -> dict:
-    """A compressed-tensors checkpoint's fields where its weights are FP8 (e4m3, symmetric: one
-    scale a tensor, a row or a block, `weight_scale`) in every Linear but those it ignores; other
-    schemes (INT4/INT8 packs, NVFP4, sparsity, transforms) are refused naming what differs. Its
-    activation scheme is not used: activations stay in the serving dtype."""
-    where = f"{source}: quantization_config"
-    for key, allowed in (("quantization_status", ("compressed",)), ("sparsity_config", (None, {})),
-                         ("transform_config", (None, {}))):
-        if quant.get(key, allowed[0]) not in allowed:
-            raise ConfigError(f"{where} {key} {quant[key]!r} is not supported (FP8 weights, compressed, only)")
-    groups = quant.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ConfigError(f"{where} config_groups must be a non-empty object")
-    schemes = set()
-    for name, group in groups.items():
-        at = f"{where} config_groups.{name}"
-        if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
-            raise ConfigError(f"{at} targets must be [\"Linear\"] (every projection), got "
-                              f"{group.get('targets') if isinstance(group, dict) else group!r}")
-        form = group.get("format") or quant.get("format")
-        if form not in COMPRESSED_FORMATS:
-            raise ConfigError(f"{at} format {form!r} is not supported (FP8 weights: {', '.join(COMPRESSED_FORMATS)})")
-        if group.get("output_activations") is not None:
-            raise ConfigError(f"{at} output_activations are not supported")
-        schemes.add(_fp8_weights(group.get("weights"), f"quantization_config.config_groups.{name}.weights", source))
-    if len(schemes) > 1:
-        raise ConfigError(f"{where} config_groups quantize weights differently: {sorted(schemes, key=str)}")
-    ignore = quant.get("ignore") or []
-    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
-        raise ConfigError(f"{where} ignore must be a list of module names and 're:' patterns")
-    patterns = [p[3:] if p.startswith("re:") else re.escape(p) for p in ignore]
-    return dict(quantization="fp8", weight_block_size=schemes.pop(),
-                unquantized_modules=_patterns({"ignore": patterns}, "ignore", source))
-
-
-def _fp8_weights(weights, name: str, source: str) -> tuple[int, int] | None:
-    """The block of an FP8 weight scheme's scales (None: one a tensor or a row, as their shapes say)."""
-    at = f"{source}: {name}"
-    if not isinstance(weights, dict):
-        raise ConfigError(f"{at} must be an object (weights unquantized are not a compressed FP8 checkpoint)")
-    expected = {"num_bits": 8, "type": "float", "symmetric": True}
-    for key, value in expected.items():
-        if weights.get(key, value) != value:
-            raise ConfigError(f"{at}.{key} {weights[key]!r} is not supported (FP8 weights: num_bits 8, type "
-                              "float, symmetric)")
-    strategy = weights.get("strategy")
-    if strategy not in FP8_STRATEGIES:
-        raise ConfigError(f"{at}.strategy {strategy!r} is not supported (supported: {', '.join(FP8_STRATEGIES)})")
-    if strategy != "block":
-        return None
-    block = weights.get("block_structure")
-    if not isinstance(block, list) or len(block) != 2:
-        raise ConfigError(f"{at}.block_structure must be [rows, cols], got {block!r}")
-    return (_positive_int(block[0], f"{name}.block_structure[0]", source),
-            _positive_int(block[1], f"{name}.block_structure[1]", source))
-
-
-def _fp8_block(quant: dict, source: str) -> tuple[int, int] | None:
-    """FP8's weight_block_size (null or absent: one scale a tensor); its weights are float8 e4m3."""
-    if quant.get("fmt", "e4m3") != "e4m3":
-        raise ConfigError(f"{source}: quantization_config fmt {quant['fmt']!r} is not supported (FP8 e4m3 only)")
-    block = quant.get("weight_block_size")
-    if block is None:
-        return None
-    if not isinstance(block, list) or len(block) != 2:
-        raise ConfigError(f"{source}: quantization_config weight_block_size must be [rows, cols], got {block!r}")
-    return (_positive_int(block[0], "quantization_config.weight_block_size[0]", source),
-            _positive_int(block[1], "quantization_config.weight_block_size[1]", source))
-
-
 def _positive(cfg: dict, name: str, default: float | None, source: str) -> float | None:
     """A positive number, null (none), or absent (transformers' default)."""
     value = cfg.get(name, default)
@@ -371,14 +251,6 @@ def _rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str) -> int:
     return rotary_dim
 
 
-def _positive_int(value, name: str, source: str, least: int = 1):
-    """`value` when it is an integer of at least `least`; else ConfigError naming the field."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        kind = "a positive integer" if least == 1 else f"an integer >= {least}"
-        raise ConfigError(f"{source}: {name} must be {kind}, got {value!r}")
-    return value
-
-
 def _parse_window(cfg: dict, arch: str, source: str, layers: int) -> dict:
     """ModelConfig's sliding_window and sliding_layers: a Qwen has a window only with
     use_sliding_window; the layers with it are as config.json's layer_types says (transformers 5
@@ -389,7 +261,7 @@ def _parse_window(cfg: dict, arch: str, source: str, layers: int) -> dict:
     window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
     if window is None:
         return {}
-    return dict(sliding_window=_positive_int(window, "sliding_window", source),
+    return dict(sliding_window=positive_int(window, "sliding_window", source),
                 sliding_layers=_sliding_layers(cfg, arch, source, layers, qwen))
 
 
@@ -417,8 +289,8 @@ def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
     or off the decoder_sparse_step; Qwen2-MoE's sparse layers also have a shared expert."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     top_k = cfg.get("num_experts_per_tok")
-    _positive_int(experts, "num_experts", source)
-    _positive_int(top_k, "num_experts_per_tok", source)
+    positive_int(experts, "num_experts", source)
+    positive_int(top_k, "num_experts_per_tok", source)
     if top_k > experts:
         raise ConfigError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
     if arch == "MixtralForCausalLM":
@@ -427,13 +299,13 @@ def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
         return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]),
                     swiglu_limit=_positive(cfg, "swiglu_limit", 7.0, source),
                     swiglu_alpha=_positive_float(cfg, "swiglu_alpha", 1.702, source))
-    width = _positive_int(cfg.get("moe_intermediate_size"), "moe_intermediate_size", source)
-    step = _positive_int(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
+    width = positive_int(cfg.get("moe_intermediate_size"), "moe_intermediate_size", source)
+    step = positive_int(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")
     dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-    shared = _positive_int(cfg.get("shared_expert_intermediate_size"), "shared_expert_intermediate_size", source,
+    shared = positive_int(cfg.get("shared_expert_intermediate_size"), "shared_expert_intermediate_size", source,
                            least=0) if arch == "Qwen2MoeForCausalLM" else 0
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.config import MXFP4_GROUP
+from splitserve.engine.quantization_config import MXFP4_GROUP
 
 SUFFIXES = ("_blocks", "_scales")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
