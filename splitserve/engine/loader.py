@@ -122,9 +122,10 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
 
     Biases get zeros, other 1-D parameters (norm weights) ones (Gemma's, which scale by 1 + weight,
     zeros), matrices and embeddings normal(0, 0.02); MXFP4 experts uniformly random codes, every
-    scale `mxfp4.DUMMY_SCALE`; FP8 experts the codes of normal(0, 0.02) at `fp8.DUMMY_SCALE`.
-    Values are drawn on the CPU in float32 (MXFP4 codes as bytes), so a seed gives the same weights
-    on every device and dtype (a prompt worker on one kind of GPU, its token worker on another).
+    scale `mxfp4.DUMMY_SCALE`; FP8 weights (experts, kept projections) the codes of normal(0, 0.02)
+    at `fp8.DUMMY_SCALE`. Values are drawn on the CPU in float32 (MXFP4 codes as bytes), so a seed
+    gives the same weights on every device and dtype (a prompt worker on one kind of GPU, its token
+    worker on another).
     `runs`: each run of DUMMY_CHUNK values has a generator of its own, seeded by (seed, tensor name,
     offset), and torch's threads draw the runs at once (an 8B model's 8e9 values take about a
     minute on one core); without it one generator draws every tensor in turn (the demo model's
@@ -230,20 +231,21 @@ def _quantized_half(file: Path, name: str, handle, checkpoint_name: str, config:
                     targets: dict[str, torch.Tensor]) -> tuple[str, str] | None:
     """(the tensor it is half of, which half) for half of a quantized tensor the model dequantizes:
     MXFP4's blocks or scales, FP8's float8 weight or its scales, where the model does not keep them
-    so (its parameter in the codes' dtype, or the scales'); None for any other tensor."""
+    so (its parameter in the codes' dtype, or the scales'); None for any other tensor. A float8
+    parameter the checkpoint stores unquantized raises CheckpointError naming the tensor."""
     if name.endswith(mxfp4.SUFFIXES) and name not in targets:
         base, _, half = name.rpartition("_")
         return base, half
     if config is None or config.quantization != "fp8":
         return None
     stored = handle.get_slice(checkpoint_name).get_dtype()
-    kept = next((targets[n] for n in [name] + (_fused_parts(name, config) or []) if n in targets), None)
+    kept = next((targets[n] for n in _filled(name, config) if n in targets), None)
     if kept is not None and kept.dtype == torch.float8_e4m3fn and not stored.startswith("F8"):
         raise CheckpointError(f"{file}: tensor {name!r} is stored as {stored}, not float8 as quantization_config "
                               "says (list its module in its modules_to_not_convert, or compressed-tensors' ignore)")
     if kept is not None and (kept.dtype == torch.float8_e4m3fn or name.endswith(fp8.SCALE_SUFFIXES)):
         return None
-    suffix = next((s for s in fp8.SCALE_SUFFIXES if name.endswith(s)), None)
+    suffix = _scale_suffix(name)
     if suffix is not None:
         return name.removesuffix(suffix), "scale"
     if stored.startswith("F8"):
@@ -255,11 +257,21 @@ def _kept_scale_name(name: str, targets: dict[str, torch.Tensor], config: ModelC
     """The model's name of FP8 scales it keeps (`<weight>_scale_inv`, a fused tensor's parts'),
     which a checkpoint may name `<weight>_scale` (AutoFP8's, compressed-tensors'); any other name
     as it is."""
-    suffix = next((s for s in fp8.SCALE_SUFFIXES if name.endswith(s)), None)
+    suffix = _scale_suffix(name)
     if suffix is None or name in targets:
         return name
     kept = name.removesuffix(suffix) + fp8.SCALE_SUFFIXES[0]
-    return kept if any(n in targets for n in [kept] + (_fused_parts(kept, config) or [])) else name
+    return kept if any(n in targets for n in _filled(kept, config)) else name
+
+
+def _scale_suffix(name: str) -> str | None:
+    """Which of FP8's scale suffixes ends `name`, if one does."""
+    return next((s for s in fp8.SCALE_SUFFIXES if name.endswith(s)), None)
+
+
+def _filled(name: str, config: ModelConfig | None) -> list[str]:
+    """The model's names a checkpoint tensor fills: its own, and a fused tensor's parts'."""
+    return [name] + (_fused_parts(name, config) or [])
 
 
 def _tensor_scale_for_rows(name: str, shape: tuple, whole: tuple) -> bool:
@@ -287,8 +299,7 @@ def _joined(file: Path, base: str, half: str, tensor: torch.Tensor, packed: dict
     if len(halves) < 2:
         return base, None
     del packed[base]
-    names = [base] + (_fused_parts(base, config) or [])  # a fused tensor's parameters are its parts'
-    target = next((targets[n] for n in names if n in targets), None)
+    target = next((targets[n] for n in _filled(base, config) if n in targets), None)
     if target is None:
         raise CheckpointError(f"{file}: quantized tensor {base!r} has no matching parameter")
     device, dtype = target.device, target.dtype
