@@ -188,7 +188,8 @@ class LayerLaunches(torch.nn.Module):
         rotate_in_place(positions, q, self.cos, self.sin)
         rotate_in_place(positions, k, self.cos, self.sin)
         for window in self.windows:
-            backend.forward(q, k, v, kv_layers[0], meta, window, attention.scale, attention.softcap, self.sinks)
+            backend.forward(q, k, v, kv_layers[0], meta, window, attention.scale, attention.softcap, self.sinks,
+                            attention.kv_scale)
         self._project(attention.o_proj, torch.empty((t, attention.o_proj.in_features), dtype=self.dtype))
         h, _ = add_rms_norm(x, h, self.weight, c.rms_norm_eps, c.gemma_norms)
         if self.moe is not None:

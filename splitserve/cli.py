@@ -8,6 +8,7 @@ from importlib import import_module
 from pathlib import Path
 
 from splitserve.api import chat_parsers
+from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.policies import POLICY_CLASSES
 
 
@@ -81,6 +82,8 @@ def _add_generate(commands) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past EOS (forced output lengths)")
     p.add_argument("--policy", default="mixed", choices=[x for x in POLICY_CLASSES if x != "prompt"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto (the serving dtype) or fp8: K and V stored as float8 e4m3 codes, twice the tokens")
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.set_defaults(run=_run_generate)
@@ -93,7 +96,8 @@ def _run_generate(args) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                                 ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, policy=args.policy, dtype=args.dtype, device=args.device, load_format=args.load_format)
+        llm = LLM(args.model, policy=args.policy, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                  device=args.device, load_format=args.load_format)
         outputs = llm.generate(args.prompt, params)
     except ValueError as error:
         print(f"splitserve generate: {error}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""`splitserve serve`'s flags reach the cluster config it serves (the launcher itself is stood in for)."""
+"""`splitserve serve`'s flags reach the cluster config it serves (the launcher itself is stood in for);
+`splitserve generate`'s reach its engine."""
 import pytest
 
 import splitserve.cluster.launcher as launcher
@@ -23,3 +24,14 @@ def test_a_bad_name_is_refused_before_anything_starts(monkeypatch, capsys):
     monkeypatch.setattr(launcher, "serve_until_interrupted", lambda *args: pytest.fail("started"))
     assert main(["serve", "--served-model-name", "same", "same"]) == 2
     assert "served_model_name" in capsys.readouterr().err
+
+
+
+def test_generate_builds_its_engine_with_the_kv_cache_dtype(monkeypatch, capsys):
+    import splitserve
+    from splitserve import LLM
+
+    built = []
+    monkeypatch.setattr(splitserve, "LLM", lambda *args, **kwargs: built.append(LLM(*args, **kwargs)) or built[-1])
+    assert main(["generate", "--prompt", "paged attention", "--max-tokens", "6", "--kv-cache-dtype", "fp8"]) == 0
+    assert built[0].engine.kv_cache.encoding == "fp8_e4m3" and "[6 tokens" in capsys.readouterr().out

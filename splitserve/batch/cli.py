@@ -10,6 +10,7 @@ from pathlib import Path
 from splitserve.api import chat_parsers
 from splitserve.batch.blend.feeder import ORDERS, BlendOptions
 from splitserve.command import report_errors
+from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.config import ConfigError
 
 
@@ -27,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="node-split recompute budget, as a fraction of the unique prompt tokens")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size (default: from memory)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto (the serving dtype) or fp8: K and V stored as float8 e4m3 codes, twice the tokens")
     p.add_argument("--device", default="auto")
     p.add_argument("--stats", type=Path, default=None, help="write the run's statistics here (JSON)")
     chat_parsers.add_arguments(p, config_fallback=False)
@@ -46,7 +49,8 @@ def _run(args) -> None:
 
     lines = parse_input(args.input.read_bytes())
     options = BlendOptions(args.order, args.sample_fraction, args.split_threshold)
-    engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, num_kv_blocks=args.num_kv_blocks)
+    engine = LLMEngine(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+                       num_kv_blocks=args.num_kv_blocks)
     errors_path = args.errors or args.output.with_name(args.output.name.removesuffix(".jsonl") + ".errors.jsonl")
     with ResultLog(args.output) as output, ResultLog(errors_path) as errors:
         done = len(output.done) + len(errors.done)

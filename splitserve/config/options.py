@@ -122,6 +122,10 @@ class EngineOptions(StrictModel):
     enable_prefix_caching: bool = Field(True, description="Share the KV of full blocks between prompts with the same "
                                         "prefix.")
     dtype: str = Field("auto", description="auto (the checkpoint's torch_dtype), float32, bfloat16 or float16.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto", description="auto (the serving dtype) or fp8 (= fp8_e4m3): K and V stored as float8 e4m3 codes, "
+        "twice the tokens in the same memory; each layer's K and V scales come from the checkpoint (k_scale, "
+        "v_scale) or are 1.0. Prompt and token workers must agree.")
     device: str = Field("auto", description="auto, cpu or cuda[:N].")
     attention_backend: Literal["auto", "torch", "triton", "flash-attn"] = Field(
         "auto", description="auto (Triton kernels on CUDA, torch on CPU), torch (the reference), triton, or "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.config import ConfigError
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 
@@ -26,6 +27,7 @@ class EngineConfig:
     chunk_token_budget: int = 512              # MixedPolicy: tokens per hybrid iteration
     enable_prefix_caching: bool = True
     dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"               # auto (the serving dtype) | fp8 | fp8_e4m3 (see attention.fp8_kv)
     device: str = "auto"                       # auto | cpu | cuda | cuda:N
     load_format: str = "auto"                  # auto | safetensors | dummy
     attention_backend: str = "auto"            # auto | torch | triton | flash-attn (see engine.attention)
@@ -51,6 +53,8 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -30,7 +30,7 @@ def warm_up(runner: ModelRunner) -> None:
     """Compile the Triton variants (with a fixed `num_splits`, only that one); other attention
     backends have none."""
     warm_up_experts(runner.model)
-    warm_up_projections(runner.model, runner.kv_cache.data.dtype)
+    warm_up_projections(runner.model, runner.kv_cache.dtype)
     backend = runner.backend
     if not isinstance(backend, TritonPagedBackend):
         return

@@ -1,4 +1,5 @@
-"""The paged KV cache tensors: per layer, K and V as [num_blocks, block_size, kv_heads, head_dim].
+"""The paged KV cache tensors: per layer, K and V as [num_blocks, block_size, kv_heads, head_dim],
+in the serving dtype or, with kv_cache_dtype fp8, as e4m3 codes (`attention.fp8_kv`: uint8).
 
 Block ids come from the `BlockManager`; this class only stores. A KV transfer reads and writes it
 through `splitserve.transfer.codec`. Its size: `memory_profile.kv_cache_budget`.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.engine.attention import fp8_kv
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model.sharding import Shard, kv_head_range
 
@@ -19,19 +21,22 @@ def local_kv_heads(config: ModelConfig, shard: Shard) -> int:
 
 
 class KVCache:
-    """One rank's cache: with tensor parallelism, only the KV heads that rank holds (`shard`)."""
+    """One rank's cache: with tensor parallelism, only the KV heads that rank holds (`shard`).
+    `dtype`: the serving dtype, what attention reads the cache as."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 shard: Shard = Shard()):
-        self.block_size, self.shard = block_size, shard
+                 shard: Shard = Shard(), kv_cache_dtype: str = "auto"):
+        self.block_size, self.shard, self.dtype = block_size, shard, dtype
+        self.encoding = "fp8_e4m3" if fp8_kv.is_fp8(kv_cache_dtype) else str(dtype).removeprefix("torch.")
         shape = (config.num_hidden_layers, 2, num_blocks, block_size, local_kv_heads(config, shard), config.head_dim)
         # zeros, not empty: masked-out slots are multiplied by zero probabilities, and NaN * 0 is NaN
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.data = torch.zeros(shape, dtype=fp8_kv.storage_dtype(kv_cache_dtype, dtype), device=device)
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard = Shard()) -> int:
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard = Shard(),
+                        kv_cache_dtype: str = "auto") -> int:
         per_token = 2 * config.num_hidden_layers * local_kv_heads(config, shard) * config.head_dim
-        return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+        return per_token * block_size * fp8_kv.storage_dtype(kv_cache_dtype, dtype).itemsize
 
     @property
     def num_blocks(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -75,6 +76,8 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
     with torch.no_grad():
         for file, name, handle in _iter_with_files(path):
             ours = _model_name(file, name, config)
+            if ours is not None and _load_kv_scale(model, ours, file, name, handle):
+                continue
             if ours is None or ours.endswith(ignored):
                 continue
             ours = _kept_scale_name(ours, targets, config)
@@ -215,6 +218,29 @@ def _model_name(file: Path, name: str, config: ModelConfig | None) -> str | None
         raise CheckpointError(f"{file}: tensor {name!r} is neither the language model's "
                               f"({config.weights_prefix}...) nor skipped ({', '.join(config.skipped_weights)})")
     return name.removeprefix(config.weights_prefix)
+
+
+def _load_kv_scale(model: nn.Module, ours: str, file: Path, name: str, handle) -> bool:
+    """Whether `ours` is an attention layer's FP8 KV-cache scale (`<attn>.k_scale` / `.v_scale`
+    as compressed-tensors and Quark save them, `<attn>.k_proj.k_scale` / `.v_proj.v_scale` as
+    ModelOpt does), and if so sets it on that layer's `kv_scale`: one positive number."""
+    base, _, leaf = ours.rpartition(".")
+    if leaf not in ("k_scale", "v_scale"):
+        return False
+    try:
+        attention = model.get_submodule(base.removesuffix(f".{leaf[0]}_proj"))
+    except AttributeError:
+        return False
+    if not hasattr(attention, "kv_scale"):
+        return False
+    value = handle.get_tensor(name)
+    if value.numel() != 1 or not 0 < value.float().item() < math.inf:
+        raise CheckpointError(f"{file}: tensor {name!r} must be one positive, finite KV-cache scale, "
+                              f"got shape {tuple(value.shape)}")
+    scales = list(attention.kv_scale)
+    scales[leaf == "v_scale"] = value.float().item()
+    attention.kv_scale = tuple(scales)
+    return True
 
 
 def _fused_parts(name: str, config: ModelConfig | None) -> list[str] | None:

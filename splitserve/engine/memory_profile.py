@@ -63,14 +63,14 @@ def kv_cache_budget(config: EngineConfig, loaded: LoadedModel, backend: Attentio
         return CPU_KV_CACHE_BYTES
     lengths = profile_lengths(config, loaded.max_model_len)
     try:
-        profile = measure(loaded.device, lambda: run_largest_step(loaded, lengths, config.block_size, backend, shard))
+        profile = measure(loaded.device, lambda: run_largest_step(loaded, lengths, config, backend, shard))
     except torch.cuda.OutOfMemoryError as error:
         raise ConfigError(f"the largest iteration ({sum(lengths)} tokens, {len(lengths)} sequences) does not fit "
                           f"on {loaded.device} beside the model; lower max_num_seqs, prompt_token_budget, "
                           "chunk_token_budget or max_model_len") from error
     headroom = headroom_bytes(config, loaded.config, loaded.dtype, loaded.max_model_len, shard)
     budget = kv_budget(profile, config.gpu_memory_utilization, headroom)
-    block_bytes = KVCache.bytes_per_block(loaded.config, config.block_size, loaded.dtype, shard)
+    block_bytes = KVCache.bytes_per_block(loaded.config, config.block_size, loaded.dtype, shard, config.kv_cache_dtype)
     log.info("KV cache on %s (rank %d of %d): weights %.2f GiB, peak activations %.2f GiB (%d tokens, %d "
              "sequences), headroom %.2f GiB, KV cache %.2f GiB = %d blocks = %d tokens", loaded.device, shard.rank,
              shard.size, profile.weights / GiB, profile.activations / GiB, sum(lengths), len(lengths),
@@ -93,13 +93,14 @@ def profile_lengths(config: EngineConfig, max_model_len: int) -> list[int]:
     return sorted(lengths)
 
 
-def run_largest_step(loaded: LoadedModel, lengths: list[int], block_size: int, backend: AttentionBackend,
+def run_largest_step(loaded: LoadedModel, lengths: list[int], config: EngineConfig, backend: AttentionBackend,
                      shard: Shard) -> None:
     """One iteration of fresh prompts `lengths` long through this rank's part of serving: the
     forward on every rank; on rank 0 also the logits, a pass of prompt logprobs and the sampler,
     as `LLMEngine._run`. KV goes to a throwaway one-block cache (all slots alias: only memory
     matters); the model is only read, and nothing of the iteration outlives the call."""
-    cache = KVCache(loaded.config, 1, block_size, loaded.dtype, loaded.device, shard)
+    block_size = config.block_size
+    cache = KVCache(loaded.config, 1, block_size, loaded.dtype, loaded.device, shard, config.kv_cache_dtype)
     runner = ModelRunner(loaded.model, cache, backend, loaded.device)
     params = costliest_params(loaded.config)
     seqs = [Sequence(f"profile-{i}", [0] * n, params) for i, n in enumerate(lengths)]
@@ -141,7 +142,7 @@ def headroom_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype,
     """gpu_reserve_bytes, and a KV transfer's receive buffer: one layer of the longest prompt on the
     wire (`transfer.codec.wire_shape` with this rank's KV heads), which the transport allocates as
     the layer arrives. The reserve also absorbs a short prompt's one-shot push of every layer."""
-    layer_token_bytes = KVCache.bytes_per_block(model, 1, dtype, shard) // model.num_hidden_layers
+    layer_token_bytes = KVCache.bytes_per_block(model, 1, dtype, shard, config.kv_cache_dtype) // model.num_hidden_layers
     return config.gpu_reserve_bytes + layer_token_bytes * max_model_len
 
 

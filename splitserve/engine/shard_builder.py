@@ -42,14 +42,15 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
     loaded = build_model(model, config, shard, group.all_reduce if group is not None else None)
     backend = select_backend(loaded.device, config.attention_backend)
     num_blocks = config.num_kv_blocks or kv_cache_budget(config, loaded, backend, shard) // KVCache.bytes_per_block(
-        loaded.config, config.block_size, loaded.dtype, shard)
+        loaded.config, config.block_size, loaded.dtype, shard, config.kv_cache_dtype)
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     if num_blocks * config.block_size < loaded.max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len="
                           f"{loaded.max_model_len}; raise kv_cache_memory_bytes (on CUDA, gpu_memory_utilization) or "
                           "lower max_model_len")
-    kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device, shard)
+    kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device, shard,
+                       config.kv_cache_dtype)
     runner = ModelRunner(loaded.model, kv_cache, backend, loaded.device, channel)
     if loaded.device.type == "cuda":
         from splitserve.engine.kernel_warm_up import warm_up  # triton: CUDA builds of torch bring it

@@ -12,13 +12,14 @@ is also checked against transformers' GPT-OSS eager attention.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 
 import pytest
 import torch
 
-from splitserve.engine.attention import AttentionMetadata, TorchPagedBackend, select_backend
+from splitserve.engine.attention import AttentionMetadata, TorchPagedBackend, fp8_kv, select_backend
 
 
 def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -106,9 +107,11 @@ def _num_decodes(seqs: list[tuple[int, int]]) -> int:
 
 def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, seed=0, extra_blocks=0,
                num_decodes=None, backend=None, dtype=torch.float32, tolerance=1e-5, device="cpu", window=None,
-               scale=None, softcap=None, sinks=None):
+               scale=None, softcap=None, sinks=None, kv_scale=None):
     """`backend` (default: the torch oracle) against the reference, in `dtype` (the reference
-    computes in float64 from the same, rounded, inputs); the backend runs on `device`."""
+    computes in float64 from the same, rounded, inputs); the backend runs on `device`. With
+    `kv_scale` (K's, V's), the cache holds FP8 codes (torch's float8_e4m3fn of value / scale), and
+    the reference attends to what they stand for, this step's own keys and values too."""
     needed = sum(-(-c // block_size) + extra_blocks for c, _ in seqs)
     num_blocks = num_blocks or needed + 5
     q, k, v, k_cache, v_cache, meta, full, (expected_k, expected_v) = build_case(
@@ -116,13 +119,20 @@ def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, 
     q, k, v, k_cache, v_cache, expected_k, expected_v = (
         t.to(dtype) for t in (q, k, v, k_cache, v_cache, expected_k, expected_v))
     full = [(keys.to(dtype), values.to(dtype)) for keys, values in full]
+    stored_k = stored_v = lambda x: x  # noqa: E731
+    if kv_scale is not None:
+        stored_k, stored_v = (functools.partial(fp8_kv.quantize, scale=s) for s in kv_scale)
+        full = [(fp8_kv.stored(keys, kv_scale[0]), fp8_kv.stored(values, kv_scale[1])) for keys, values in full]
+        k_cache, v_cache, expected_k, expected_v = (
+            stored_k(k_cache), stored_v(v_cache), stored_k(expected_k), stored_v(expected_v))
     kv_cache = torch.stack((k_cache, v_cache)).to(device)  # one layer: [2, num_blocks, block_size, kv_heads, dim]
     on_device = dataclasses.replace(meta, **{name: getattr(meta, name).to(device) for name in
                                              ("slot_mapping", "block_tables", "context_lens", "query_start_tensor")})
     sinks = None if sinks is None else torch.tensor(sinks, dtype=torch.float32)
     out = (backend or TorchPagedBackend()).forward(q.to(device), k.to(device), v.to(device), kv_cache, on_device,
                                                    window, scale, softcap,
-                                                   None if sinks is None else sinks.to(device)).cpu()
+                                                   None if sinks is None else sinks.to(device),
+                                                   kv_scale or (1.0, 1.0)).cpu()
     k_cache, v_cache = kv_cache.cpu()
     assert out.shape == q.shape and out.dtype == q.dtype
     for i, (keys, values) in enumerate(full):
@@ -134,8 +144,8 @@ def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, 
     assert torch.equal(k_cache, expected_k)
     assert torch.equal(v_cache, expected_v)
     flat_k = k_cache.view(-1, kv_heads, dim)
-    assert torch.equal(flat_k[meta.slot_mapping], k)
-    assert torch.equal(v_cache.view(-1, kv_heads, dim)[meta.slot_mapping], v)
+    assert torch.equal(flat_k[meta.slot_mapping], stored_k(k))
+    assert torch.equal(v_cache.view(-1, kv_heads, dim)[meta.slot_mapping], stored_v(v))
 
 
 def test_backend_selection_on_cpu():
@@ -168,6 +178,13 @@ def test_single_token_chunk_in_the_prefill_section():
 
 def test_a_one_token_prompt_in_the_decode_section():
     check_case([(1, 1), (1, 1), (6, 1)])
+
+
+@pytest.mark.parametrize("kv_scale", [(1.0, 1.0), (0.05, 3.0)])
+def test_an_fp8_cache(kv_scale):
+    """Codes stored, values read back (scaled both ways), fresh prompts, chunks, decodes, a window."""
+    check_case([(7, 1), (33, 1), (20, 5), (6, 6), (40, 17)], num_decodes=2, kv_scale=kv_scale)
+    check_case([(9, 1), (30, 30), (25, 4)], window=6, kv_scale=kv_scale, dtype=torch.bfloat16, tolerance=2e-2)
 
 
 def test_padded_block_tables_with_unused_blocks():

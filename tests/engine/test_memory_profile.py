@@ -85,7 +85,7 @@ def test_profiling_forward_runs_the_largest_iteration_and_leaves_nothing(monkeyp
     monkeypatch.setattr(memory_profile, "KVCache", RecordedCache)
     tokens, rows, _ = watch(loaded.model)
     lengths = profile_lengths(config, loaded.max_model_len)
-    run_largest_step(loaded, lengths, config.block_size, TorchPagedBackend(), Shard())
+    run_largest_step(loaded, lengths, config, TorchPagedBackend(), Shard())
     assert tokens == [7 + 199]  # every other sequence's decode and one longest prompt
     assert rows == [8, 198]  # a row per sequence to sample, then the prompt's logprobs
     gc.collect()
@@ -97,7 +97,7 @@ def test_prompt_logprobs_pass_is_one_pass():
     config = EngineConfig(policy="prefill_first", max_model_len=2 * ROWS_PER_PASS, **{**CPU, "max_num_seqs": 1})
     loaded = build_model("demo", config)
     _, rows, _ = watch(loaded.model)
-    run_largest_step(loaded, profile_lengths(config, loaded.max_model_len), config.block_size,
+    run_largest_step(loaded, profile_lengths(config, loaded.max_model_len), config,
                      TorchPagedBackend(), Shard())
     assert rows == [1, ROWS_PER_PASS]
 
@@ -109,7 +109,7 @@ def test_tensor_parallel_ranks_run_the_same_forward_and_only_rank_0_samples():
     for rank in (0, 1):
         loaded = build_model("demo", config, Shard(rank, 2), reduce=lambda x: x)  # no peer: an identity sum
         tokens, rows, reduced = watch(loaded.model)
-        run_largest_step(loaded, profile_lengths(config, loaded.max_model_len), config.block_size,
+        run_largest_step(loaded, profile_lengths(config, loaded.max_model_len), config,
                          TorchPagedBackend(), Shard(rank, 2))
         seen.append((tokens, rows, reduced))
     (tokens0, rows0, reduced0), (tokens1, rows1, reduced1) = seen
@@ -151,6 +151,8 @@ def test_headroom_is_the_reserve_and_one_layer_of_the_longest_prompt_on_the_wire
     config = EngineConfig(gpu_reserve_bytes=100)
     assert headroom_bytes(config, model, torch.float16, 2048, Shard()) == 100 + 2 * 4 * 32 * 2 * 2048
     assert headroom_bytes(config, model, torch.float16, 2048, Shard(1, 2)) == 100 + 2 * 2 * 32 * 2 * 2048
+    fp8 = EngineConfig(gpu_reserve_bytes=100, kv_cache_dtype="fp8")  # a byte a value on the wire
+    assert headroom_bytes(fp8, model, torch.float16, 2048, Shard()) == 100 + 2 * 4 * 32 * 1 * 2048
 
 
 def test_measure_reads_the_peak_above_what_stays(monkeypatch):

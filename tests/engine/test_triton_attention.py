@@ -3,9 +3,9 @@
 (the `kernels` mark: scripts/gpu_check.sh runs these there):
 GQA ratios 1, 4 and 8, block sizes 16 and 32, ragged contexts, chunks with earlier context and
 prefix-cache hits, decode split over the context and not, sliding windows, soft-capped scores,
-attention sinks (the flash-attn backend leaving them to the Triton kernel), float32 and bfloat16;
-and a tiny model's
-greedy output with the Triton backend equal to the torch backend's."""
+attention sinks (the flash-attn backend leaving them to the Triton kernel), an FP8 cache (every
+e4m3 code widened as torch reads it), float32 and bfloat16; and a tiny model's greedy output with
+the Triton backend equal to the torch backend's, with either cache."""
 from __future__ import annotations
 
 import functools
@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from splitserve.engine.attention import AttentionMetadata  # noqa: E402
 from splitserve.engine.attention.base import write_kv  # noqa: E402
 from splitserve.engine.attention.metadata import PAD_SLOT  # noqa: E402
 from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts, store_kv  # noqa: E402
@@ -104,6 +105,43 @@ def test_sinks_in_half_precision_and_the_flash_attn_backend(monkeypatch):
           dtype=torch.float16, tolerance=2e-2, backend=cuda.FlashAttnBackend(**SMALL, num_splits=4), sinks=SINKS * 2)
 
 
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_an_fp8_cache(heads, kv_heads, splits):
+    """e4m3 codes widened in the kernels equal torch's float8_e4m3fn values times the scales:
+    decodes split and not, fresh prompts, a chunk with earlier context, a prefix hit, block size 32."""
+    check([(9, 1), (77, 1), (40, 1), (31, 31), (50, 19), (70, 3)], heads=heads, kv_heads=kv_heads, dim=32,
+          block_size=32, num_decodes=3, backend=TritonPagedBackend(**SMALL, num_splits=splits), kv_scale=(0.05, 3.0))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_an_fp8_cache_in_half_precision_and_the_flash_attn_backend(dtype, monkeypatch):
+    """Fresh half-precision prompts over an FP8 cache go to the Triton kernel (flash-attn would
+    read this step's keys unquantized); a window, GQA groups of 8, split decodes."""
+    from splitserve.engine.attention import cuda
+
+    monkeypatch.setattr(cuda, "flash_attn_varlen_func", lambda *args, **kwargs: pytest.fail("flash-attn ran"))
+    check([(77, 1), (9, 1), (31, 31), (5, 5)], heads=16, kv_heads=2, dim=32, block_size=16, num_decodes=2,
+          dtype=dtype, tolerance=2e-2, backend=cuda.FlashAttnBackend(**SMALL, num_splits=4), window=40,
+          kv_scale=(1.0, 1.0))
+
+
+def test_every_e4m3_code_widens_to_torchs_value():
+    """All 254 finite codes (the NaNs 0x7f, 0xff aside): the kernels' bit moves against torch's
+    float8_e4m3fn, with a scale of 1, so the decode's output row is the one value each."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float()
+    kv_cache = torch.zeros((2, len(codes), 16, 1, 16), dtype=torch.uint8)
+    kv_cache[:, :, 0, 0, 0] = codes  # each code the only key and value of a one-token context
+    n = len(codes)
+    meta = AttentionMetadata(torch.full((n,), PAD_SLOT, device=DEVICE), torch.arange(n, device=DEVICE)[:, None],
+                             torch.ones(n, dtype=torch.long, device=DEVICE), list(range(n + 1)), [1] * n, n,
+                             query_start_tensor=torch.arange(n + 1, device=DEVICE))
+    q = torch.zeros((n, 1, 16), device=DEVICE)
+    out = TritonPagedBackend(**SMALL, num_splits=1).forward(q, q, q, kv_cache.to(DEVICE), meta)
+    assert torch.equal(out[:, 0, 0].cpu(), values)
+
+
 def test_a_chosen_split_count_is_the_largest_power_of_two_within_its_bounds():
     """Two programs per multiprocessor at most, MAX_SPLITS, the key tiles; a power of two, so that
     there are few kernel variants (`split_counts`) for kernel_warm_up to compile."""
@@ -129,10 +167,12 @@ def test_random_batches(seed):
           backend=TritonPagedBackend(**SMALL, num_splits=rng.choice([1, 2, 5])))
 
 
-def test_a_tiny_model_generates_the_same_greedy_tokens_with_either_backend():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_tiny_model_generates_the_same_greedy_tokens_with_either_backend(kv_cache_dtype):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [[256] + list(range(40, 70)), [256, 72, 105], [256] + [7] * 50]
-    engine_args = {"num_kv_blocks": 64, "max_model_len": 512, "chunk_token_budget": 32, "policy": "mixed"}
+    engine_args = {"num_kv_blocks": 64, "max_model_len": 512, "chunk_token_budget": 32, "policy": "mixed",
+                   "kv_cache_dtype": kv_cache_dtype}
     torch_out = LLM("demo", **engine_args).generate(prompts, params)
     triton_llm = LLM("demo", attention_backend="triton", **engine_args)
     assert triton_llm.engine.runner.backend.name == "triton"

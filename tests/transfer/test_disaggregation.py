@@ -14,10 +14,10 @@ SHORT = [256] + [ord(c) for c in "a short prompt, under the layer-wise threshold
 LONG = [256] + [(i * 7 + 3) % 256 for i in range(700)]  # over the 512-token threshold: streamed per layer
 
 
-def colocated(cluster, prompts, params=GREEDY):
+def colocated(cluster, prompts, params=GREEDY, **engine_args):
     """The same prompts on one engine, on the workers' device, prefilled whole as the prompt worker does."""
     llm = LLM("demo", policy="prefill_first", device=workers.device_for(cluster.backend),
-              **workers.engine_args_for(cluster.backend))
+              **workers.engine_args_for(cluster.backend), **engine_args)
     return [out.token_ids for out in llm.generate(prompts, params)]
 
 
@@ -66,3 +66,26 @@ def test_two_prompt_workers_into_one_token_worker(cluster):
     assert run(cluster, prompts, prompt_workers=("p0", "p1")) == colocated(cluster, prompts)
     for worker in ("p0", "p1", "t0"):
         assert_clean(cluster, worker)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_an_fp8_cache_travels_as_its_codes(backend):
+    """Both workers keep FP8 KV: the codes cross as bytes (a message, or written into the token
+    worker's cache) and decode as the colocated FP8 engine does."""
+    fp8 = Cluster(backend, engine_args={"kv_cache_dtype": "fp8"})
+    try:
+        prompts = [LONG, SHORT]
+        assert run(fp8, prompts) == colocated(fp8, prompts, kv_cache_dtype="fp8")
+        assert_clean(fp8, "t0")
+    finally:
+        fp8.close()
+
+
+def test_an_fp8_worker_and_a_float32_one_have_different_kv_layouts():
+    """What the handshake compares (a mismatch is refused naming both: tests/cluster)."""
+    from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.transfer.handoff import kv_layout
+
+    fp8, plain = kv_layout(LLMEngine("demo", kv_cache_dtype="fp8")), kv_layout(LLMEngine("demo"))
+    assert "dtype=fp8_e4m3" in fp8 and "dtype=float32" in plain
+    assert fp8.replace("fp8_e4m3", "float32") == plain

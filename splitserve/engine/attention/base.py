@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve.engine.attention import fp8_kv
 from splitserve.engine.attention.metadata import AttentionMetadata
 
 
@@ -17,8 +18,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, window: int | None = None, scale: float | None = None,
-                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: one layer's [2 (K, V), num_blocks, block_size, KVH, D].
+                softcap: float | None = None, sinks: torch.Tensor | None = None,
+                kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: one layer's [2 (K, V), num_blocks, block_size, KVH, D],
+        values in q's dtype or, uint8, FP8 codes of them (`fp8_kv`; `kv_scale`: K's and V's scales).
         Writes k, v at meta.slot_mapping, returns causal attention output [T, H, D]. `window`: a
         query at position p attends only to positions > p - window (a sliding-window layer);
         `scale`: of q.k (None: head_dim ** -0.5); `softcap`: scores become softcap * tanh(scores / softcap);
@@ -26,7 +29,10 @@ class AttentionBackend(ABC):
         also counts a key of score sinks[h] that has no value (GPT-OSS)."""
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
+    if fp8_kv.holds_codes(kv_cache):
+        k, v = fp8_kv.quantize(k, kv_scale[0]), fp8_kv.quantize(v, kv_scale[1])
     kv_cache[0].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 

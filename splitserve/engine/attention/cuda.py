@@ -1,11 +1,12 @@
 """The Triton backend with flash-attn's varlen kernel for steps whose prefills are all fresh
 prompts (no earlier context in the cache), where the optional `flash-attn` package is installed
-(`attention_backend: flash-attn`); chunks, prefix-cache hits and attention sinks (which
-flash-attn 2 lacks) take the Triton kernel."""
+(`attention_backend: flash-attn`); chunks, prefix-cache hits, attention sinks and an FP8 cache
+(which flash-attn 2 lacks) take the Triton kernel."""
 from __future__ import annotations
 
 import torch
 
+from splitserve.engine.attention import fp8_kv
 from splitserve.engine.attention.base import Scoring
 from splitserve.engine.attention.metadata import AttentionMetadata
 from splitserve.engine.attention.triton_paged import TritonPagedBackend
@@ -27,11 +28,13 @@ class FlashAttnBackend(TritonPagedBackend):
         super().__init__(**kwargs)
 
     def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor,
-                        window: int | None = None, scoring: Scoring = Scoring()) -> None:
+                        window: int | None = None, scoring: Scoring = Scoring(),
+                        kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
         first, starts = meta.num_decodes, meta.query_starts
         fresh = all(starts[i + 1] - starts[i] == meta.context_lens_list[i] for i in range(first, meta.num_seqs))
-        if not fresh or q.dtype not in (torch.float16, torch.bfloat16) or scoring.sinks is not None:
-            return self.prefill(q, kv_cache, meta, out, window, scoring)
+        if (not fresh or q.dtype not in (torch.float16, torch.bfloat16) or scoring.sinks is not None
+                or fp8_kv.holds_codes(kv_cache)):
+            return self.prefill(q, kv_cache, meta, out, window, scoring, kv_scale)
         lo = starts[first]  # prefill tokens follow the decodes, contiguous
         cu = (meta.query_start_tensor[first:] - lo).to(torch.int32)
         longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))

@@ -4,12 +4,13 @@ Decodes are batched, one SDPA call per group of similar context lengths, over th
 length-masked KV; prefill chunks run one SDPA call each, with a causal mask offset by the
 chunk's start when earlier chunks' KV is in the cache. A sliding window masks the keys at or
 before position p - window for the query at p; `Scoring` gives the scores' scale and soft cap,
-and the sinks' logits.
+and the sinks' logits. An FP8 cache is read dequantized (`fp8_kv`), this step's own K and V too.
 """
 from __future__ import annotations
 
 import torch
 
+from splitserve.engine.attention import fp8_kv
 from splitserve.engine.attention.base import AttentionBackend, Scoring, write_kv
 from splitserve.engine.attention.metadata import AttentionMetadata
 
@@ -19,28 +20,28 @@ class TorchPagedBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
                 scale: float | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+                sinks: torch.Tensor | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
+        if fp8_kv.holds_codes(kv_cache):
+            k, v = fp8_kv.stored(k, kv_scale[0]), fp8_kv.stored(v, kv_scale[1])
         out = torch.empty_like(q)
         scoring = Scoring(scale, softcap, sinks)
         for first, end in meta.decode_groups:
-            out[first:end] = self.decode(q[first:end], kv_cache, meta, first, window, scoring)
-        self.run_prefills(q, k, v, kv_cache, meta, out, range(meta.num_decodes, meta.num_seqs), window, scoring)
+            out[first:end] = self.decode(q[first:end], kv_cache, meta, first, window, scoring, kv_scale)
+        for i in range(meta.num_decodes, meta.num_seqs):
+            lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
+            out[lo:hi] = self.prefill_chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta, i, window, scoring,
+                                            kv_scale)
         return out
 
-    def run_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out, seqs, window: int | None = None,
-                     scoring: Scoring | None = None) -> None:
-        for i in seqs:
-            lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
-            out[lo:hi] = self.prefill_chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta, i, window, scoring)
-
     def decode(self, q, kv_cache, meta: AttentionMetadata, first: int = 0, window: int | None = None,
-               scoring: Scoring | None = None) -> torch.Tensor:
+               scoring: Scoring | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """Single-token queries of sequences first .. first + len(q), batched in one SDPA call."""
         end = first + q.shape[0]
         max_len = max(meta.context_lens_list[first:end])
         tables = meta.block_tables[first:end, : -(-max_len // kv_cache.shape[2])]
-        keys, values = _gather(kv_cache, tables)[:, :, :max_len].transpose(2, 3)  # each [n, KVH, L, D]
+        keys, values = (_read(x[:, :max_len].transpose(1, 2), q.dtype, s)  # each [n, KVH, L, D]
+                        for x, s in zip(_gather(kv_cache, tables), kv_scale))
         positions = torch.arange(max_len, device=q.device)[None, :]
         contexts = meta.context_lens[first:end, None]
         mask = positions < contexts
@@ -50,7 +51,8 @@ class TorchPagedBackend(AttentionBackend):
         return out.squeeze(2)
 
     def prefill_chunk(self, q, k, v, kv_cache, meta: AttentionMetadata, i: int, window: int | None = None,
-                      scoring: Scoring | None = None) -> torch.Tensor:
+                      scoring: Scoring | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """k, v: this chunk's, as the cache returns them."""
         n, context, scoring = q.shape[0], meta.context_lens_list[i], scoring or Scoring()
         if n == context and (window is None or window >= n):
             return _tokens_first(scoring.attend, q, k, v, is_causal=True)  # no earlier KV, nothing out of the window
@@ -58,7 +60,7 @@ class TorchPagedBackend(AttentionBackend):
             keys, values = k, v
         else:
             table = meta.block_tables[i : i + 1, : -(-context // kv_cache.shape[2])]
-            keys, values = _gather(kv_cache, table)[:, 0, :context]
+            keys, values = (_read(x[0, :context], q.dtype, s) for x, s in zip(_gather(kv_cache, table), kv_scale))
         query_pos = torch.arange(context - n, context, device=q.device)[:, None]
         key_pos = torch.arange(context, device=q.device)[None, :]
         mask = key_pos <= query_pos
@@ -79,3 +81,8 @@ def _gather(kv_cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     two): [2, num_blocks, bs, KVH, D] -> [2, B, nb * bs, KVH, D]."""
     b, nb = tables.shape
     return kv_cache[:, tables].view(2, b, nb * kv_cache.shape[2], *kv_cache.shape[3:])
+
+
+def _read(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Gathered K or V as values: FP8 codes dequantized, values as they are."""
+    return fp8_kv.dequantize(x, scale, dtype) if fp8_kv.holds_codes(x) else x

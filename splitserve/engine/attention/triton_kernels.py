@@ -4,7 +4,10 @@ over the whole context or a sliding window (`window` > 0: the query at p attends
 > p - window; the key tiles wholly before it are not read), with scores soft-capped where a model
 says so (SOFTCAP: softcap * tanh(scores / softcap), Gemma 2) and attention sinks where it has them
 (SINKS: head h's softmax also counts a logit sinks[h] with no value, GPT-OSS; it joins the running
-max and sum once, after the keys, or at the merge of a split decode).
+max and sum once, after the keys, or at the merge of a split decode). An FP8 cache (FP8_KV: uint8
+e4m3 codes, `fp8_kv`) is read a byte a value and widened in registers: code times the layer's
+scale in float32, rounded to the queries' dtype, as `fp8_kv.dequantize` does; the widening is
+integer bit moves, so it needs no float8 support from the GPU (an A100 reads it too).
 
 Layouts (the engine's): one layer's cache is [2 (K, V), num_blocks, block_size, kv_heads, head_dim],
 contiguous; queries are [tokens, heads, head_dim]; block tables [seqs, max_pages] (padded with 0,
@@ -69,6 +72,25 @@ def _key_tile(cache_ptr, tables_ptr, seq, stride_table, start, context, kv_head,
 
 
 @triton.jit
+def _values(k, v, k_scale, v_scale, like, FP8_KV: tl.constexpr):
+    """A key tile as values in `like`'s dtype: FP8 codes widened (`_e4m3`) and scaled."""
+    if FP8_KV:
+        k = (_e4m3(k) * k_scale).to(like.dtype)
+        v = (_e4m3(v) * v_scale).to(like.dtype)
+    return k, v
+
+
+@triton.jit
+def _e4m3(codes):
+    """float32 values of e4m3 codes (uint8). Sign to bit 15 and the 7 exponent and mantissa bits to
+    bits 7..13 make the float16 of value / 2**8 (e4m3's exponent bias is 7, float16's 15), subnormals
+    included; times 2**8 is exact. Codes 0x7f / 0xff (NaN) read as +-480; the cache never holds them."""
+    bits = codes.to(tl.uint16)
+    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 256.0
+
+
+@triton.jit
 def _add_sink(m, l, sink):
     """(factor, sum): the online softmax of max m, sum l, with one more logit `sink` of no value;
     the accumulator is multiplied by factor. Rescaled to max(m, sink), so nothing overflows, and m
@@ -89,11 +111,11 @@ def _soft_cap(s, softcap, SOFTCAP: tl.constexpr):
 @_step_jit
 def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr,
                         stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
-                        stride_ot, stride_oh, num_heads, scale, window, softcap,
+                        stride_ot, stride_oh, num_heads, scale, window, softcap, k_scale, v_scale,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                        SINKS: tl.constexpr):
+                        SINKS: tl.constexpr, FP8_KV: tl.constexpr):
     """One program per (decode sequence, kv head, split): the GROUP query heads that share this KV
     head attend to this split's key tiles. One split writes the output, sinks counted; several
     write partial (unnormalized accumulator, max, sum; no sinks) for `merge_splits_kernel`. Each
@@ -120,6 +142,7 @@ def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part
     for tile in range(first, last):
         k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
                                    kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N, BLOCK_SIZE)
+        k, v = _values(k, v, k_scale, v_scale, q, FP8_KV)
         s = _soft_cap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, softcap, SOFTCAP)
         s = tl.where(nmask[None, :] & (n[None, :] >= oldest), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -173,10 +196,10 @@ def merge_splits_kernel(part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, num_seqs,
 @_step_jit
 def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts_ptr, out_ptr, sinks_ptr, first_seq,
                          stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
-                         stride_ot, stride_oh, scale, window, softcap, GROUP: tl.constexpr,
+                         stride_ot, stride_oh, scale, window, softcap, k_scale, v_scale, GROUP: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                         SINKS: tl.constexpr):
+                         SINKS: tl.constexpr, FP8_KV: tl.constexpr):
     """One program per (prefill sequence, query head, BLOCK_M queries). A chunk's queries sit at the
     end of its context (earlier chunks and prefix-cache hits are already in the cache, this chunk's
     own K and V were just stored), so query i attends to positions <= context - query_len + i."""
@@ -203,6 +226,7 @@ def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts
             k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
                                        kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N,
                                        BLOCK_SIZE)
+            k, v = _values(k, v, k_scale, v_scale, q, FP8_KV)
             s = _soft_cap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, softcap, SOFTCAP)
             s = tl.where((n[None, :] <= positions[:, None]) & (n[None, :] >= oldest[:, None]) & nmask[None, :], s,
                          float("-inf"))

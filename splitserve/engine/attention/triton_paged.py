@@ -1,7 +1,8 @@
 """Paged attention with Triton kernels (`triton_kernels.py`): the default on CUDA. Every step is
 three launches per layer at most, whatever the batch: store this step's K and V, attend all
 decodes (split over the context when the batch is too small to fill the GPU, then merged), and
-attend all prefill chunks; nothing is copied out of the cache and nothing waits on the host."""
+attend all prefill chunks; nothing is copied out of the cache and nothing waits on the host. An
+FP8 cache's codes are made by torch when stored (`fp8_kv.quantize`) and widened by the kernels."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,7 @@ import math
 import torch
 import triton
 
+from splitserve.engine.attention import fp8_kv
 from splitserve.engine.attention import triton_kernels as kernels
 from splitserve.engine.attention.base import AttentionBackend, Scoring
 from splitserve.engine.attention.metadata import AttentionMetadata
@@ -29,22 +31,23 @@ class TritonPagedBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
                 scale: float | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+                sinks: torch.Tensor | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        store_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
         out = torch.empty_like(q)
         scoring = Scoring(scale, softcap, sinks)
         if meta.num_decodes:
-            self.decode(q, kv_cache, meta, out, window, scoring)
+            self.decode(q, kv_cache, meta, out, window, scoring, kv_scale)
         if meta.num_seqs > meta.num_decodes:
-            self.attend_prefills(q, k, v, kv_cache, meta, out, window, scoring)
+            self.attend_prefills(q, k, v, kv_cache, meta, out, window, scoring, kv_scale)
         return out
 
     def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor,
-                        window: int | None = None, scoring: Scoring = Scoring()) -> None:
-        self.prefill(q, kv_cache, meta, out, window, scoring)
+                        window: int | None = None, scoring: Scoring = Scoring(),
+                        kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
+        self.prefill(q, kv_cache, meta, out, window, scoring, kv_scale)
 
     def decode(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None,
-               scoring: Scoring = Scoring()) -> None:
+               scoring: Scoring = Scoring(), kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
         n, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         keys = min(max(meta.context_lens_list[:n]), window or max(meta.context_lens_list[:n]))
@@ -58,7 +61,7 @@ class TritonPagedBackend(AttentionBackend):
             q, kv_cache, meta.block_tables, meta.context_lens, out, part_acc, part_ml, _sinks(scoring, out),
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
             out.stride(0), out.stride(1), heads, scoring.scale or 1 / math.sqrt(head_dim), window or 0,
-            scoring.softcap or 0.0, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            scoring.softcap or 0.0, *kv_scale, FP8_KV=fp8_kv.holds_codes(kv_cache), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_N=self.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q),
             SOFTCAP=scoring.softcap is not None, SINKS=scoring.sinks is not None)
         if splits > 1:
@@ -68,7 +71,7 @@ class TritonPagedBackend(AttentionBackend):
                 SINKS=scoring.sinks is not None)
 
     def prefill(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None,
-                scoring: Scoring = Scoring()) -> None:
+                scoring: Scoring = Scoring(), kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
         first, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         starts = meta.query_starts
@@ -78,7 +81,7 @@ class TritonPagedBackend(AttentionBackend):
             q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, _sinks(scoring, out),
             first, q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
             out.stride(0), out.stride(1), scoring.scale or 1 / math.sqrt(head_dim), window or 0, scoring.softcap or 0.0,
-            GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
+            *kv_scale, FP8_KV=fp8_kv.holds_codes(kv_cache), GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
             SINKS=scoring.sinks is not None, BLOCK_D=_block_d(head_dim), BLOCK_M=self.block_m,
             BLOCK_N=_prefill_block_n(self.block_n, head_dim), BLOCK_SIZE=block_size, PRECISION=_precision(q),
             num_warps=PREFILL_WARPS)
@@ -104,8 +107,12 @@ def split_counts() -> list[int]:
     return [1 << i for i in range(MAX_SPLITS.bit_length())]
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, kv_heads, head_dim] into one layer's cache at `slot_mapping` (flat slots)."""
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
+    """k, v: [T, kv_heads, head_dim] into one layer's cache at `slot_mapping` (flat slots), as FP8
+    codes where the cache holds them."""
+    if fp8_kv.holds_codes(kv_cache):
+        k, v = fp8_kv.quantize(k, kv_scale[0]), fp8_kv.quantize(v, kv_scale[1])
     head_dim = k.shape[2]
     kernels.store_kv_kernel[(k.shape[0], k.shape[1])](
         k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),

@@ -90,6 +90,7 @@ class LlamaAttention(nn.Module):
                                         fp8_block=fp8_block(c, [f"{prefix}.o_proj"], cols=q_cuts))
         # GPT-OSS: a logit per query head that joins its softmax (this rank's heads)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if c.attention_sinks else None
+        self.kv_scale = (1.0, 1.0)  # an FP8 cache's K and V scales: the checkpoint's k_scale, v_scale (loader)
         self.sink_slice = ShardSlice(0, q_lo, q_hi, c.num_attention_heads) if shard.size > 1 else None
         # one weight per head dim, the same for every head: whole on every rank
         self.q_norm = RMSNorm(d, c.rms_norm_eps, c.gemma_norms) if c.qk_norm else None
@@ -101,7 +102,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap, self.sinks)
+        out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap, self.sinks, self.kv_scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
