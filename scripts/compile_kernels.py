@@ -16,6 +16,7 @@ gives a block, or is first compiled while serving.
 
     python scripts/compile_kernels.py --arch 90 --json kernels.json
     python scripts/compile_kernels.py --shape qwen3-30b-a3b   # with the fused-MoE kernels
+    python scripts/compile_kernels.py --kv-cache-dtype fp8    # attention over an FP8 cache
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from splitserve.engine import fp8  # noqa: E402
+from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES  # noqa: E402
 from splitserve.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from splitserve.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
 from splitserve.engine.config import ModelConfig  # noqa: E402
@@ -255,7 +257,8 @@ def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig
         model = LayerLaunches(model_config, dtype, max_model_len, windows)
     cpu = torch.device("cpu")
     backend = TritonPagedBackend(sms=ARCHS[arch].sms)
-    runner = ModelRunner(model, KVCache(model_config, 8, config.block_size, dtype, cpu), backend, cpu)
+    cache = KVCache(model_config, 8, config.block_size, dtype, cpu, kv_cache_dtype=config.kv_cache_dtype)
+    runner = ModelRunner(model, cache, backend, cpu)
     phase, variants = ["start-up"], {}
     with compile_only(arch, phase, variants), torch.inference_mode():
         if with_warm_up:
@@ -288,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--shape", default="llama3-8b",
                         help=f"a config.json, or one of {', '.join(SHAPES)} (default: llama3-8b)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="fp8: the attention kernels' variants that read e4m3 codes")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200, help="random prefill / mixed steps of the serving mix")
@@ -297,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the variants here")
     args = parser.parse_args(argv)
     shape = SHAPES.get(args.shape) or json.loads(Path(args.shape).read_text())
-    config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs)
-    report, failed = {"dtype": args.dtype, "archs": {}}, False
+    config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype)
+    report, failed = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "archs": {}}, False
     os.environ["TRITON_CACHE_DIR"] = str(args.cache_dir or tempfile.mkdtemp(prefix="splitserve-triton-"))
     for arch in args.arch or [90, 80]:
         variants = compile_all(arch, shape, DTYPES[args.dtype], config, args.steps, not args.no_warm_up)
@@ -306,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         failed |= bool(found)
         report["archs"][f"sm_{arch}"] = {"device": ARCHS[arch].name, "variants": [v.__dict__ for v in variants],
                                          "problems": found}
-        print(f"sm_{arch} ({ARCHS[arch].name}), {args.dtype}: {len(variants)} variants, "
+        print(f"sm_{arch} ({ARCHS[arch].name}), {args.dtype}, KV {args.kv_cache_dtype}: {len(variants)} variants, "
               f"{sum(v.compile_s for v in variants):.1f} s of compiling on this machine")
         for v in variants:
             print(f"  {v.phase:8} {v.kernel:22} {v.compile_s:6.2f} s  {v.registers:3} regs  {v.spill_bytes:4} B spilled"

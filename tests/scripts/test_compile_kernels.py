@@ -76,6 +76,19 @@ def test_gemma2_compiles_its_variants_at_start_up_without_spills(tmp_path, arch)
     assert "GEMMA=True" in specs["_add_rms_norm_kernel"]
 
 
+@pytest.mark.parametrize("arch", ["90", "80"])
+def test_an_fp8_cache_compiles_its_variants_at_start_up_without_spills(tmp_path, arch):
+    """The attention kernels' e4m3 widening is integer bit moves: an A100, which has no float8,
+    compiles it too."""
+    code, archs = _run(tmp_path, "--kv-cache-dtype", "fp8", "--arch", arch, "--steps", "20")
+    report = archs[f"sm_{arch}"]
+    assert code == 0 and not report["problems"]
+    assert {v["phase"] for v in report["variants"]} == {"start-up"}
+    for v in report["variants"]:
+        if v["kernel"] in ("paged_decode_kernel", "paged_prefill_kernel"):
+            assert "FP8_KV=True" in v["spec"], v
+
+
 def test_without_the_warm_up_serving_compiles_and_the_script_fails(tmp_path):
     code, archs = _run(tmp_path, "--arch", "90", "--steps", "40", "--no-warm-up")
     assert code == 1

@@ -72,12 +72,12 @@ def _key_tile(cache_ptr, tables_ptr, seq, stride_table, start, context, kv_head,
 
 
 @triton.jit
-def _values(k, v, k_scale, v_scale, like, FP8_KV: tl.constexpr):
-    """A key tile as values in `like`'s dtype: FP8 codes widened (`_e4m3`) and scaled."""
+def _widened(x, scale, like, FP8_KV: tl.constexpr):
+    """A K or V tile as values in `like`'s dtype: FP8 codes widened (`_e4m3`) and scaled. V is
+    widened only for its dot, so the two widened tiles are never live at once (registers)."""
     if FP8_KV:
-        k = (_e4m3(k) * k_scale).to(like.dtype)
-        v = (_e4m3(v) * v_scale).to(like.dtype)
-    return k, v
+        x = (_e4m3(x) * scale).to(like.dtype)
+    return x
 
 
 @triton.jit
@@ -142,14 +142,14 @@ def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part
     for tile in range(first, last):
         k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
                                    kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N, BLOCK_SIZE)
-        k, v = _values(k, v, k_scale, v_scale, q, FP8_KV)
+        k = _widened(k, k_scale, q, FP8_KV)
         s = _soft_cap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, softcap, SOFTCAP)
         s = tl.where(nmask[None, :] & (n[None, :] >= oldest), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widened(v, v_scale, q, FP8_KV), input_precision=PRECISION)
         m = m_new
     out_mask = gmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
@@ -226,7 +226,7 @@ def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts
             k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
                                        kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N,
                                        BLOCK_SIZE)
-            k, v = _values(k, v, k_scale, v_scale, q, FP8_KV)
+            k = _widened(k, k_scale, q, FP8_KV)
             s = _soft_cap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, softcap, SOFTCAP)
             s = tl.where((n[None, :] <= positions[:, None]) & (n[None, :] >= oldest[:, None]) & nmask[None, :], s,
                          float("-inf"))
@@ -237,7 +237,8 @@ def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts
             p = tl.exp(s - base[:, None])
             alpha = tl.exp(m - base)
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            v = _widened(v, v_scale, q, FP8_KV)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
             m = m_new
         if SINKS:
             factor, l = _add_sink(m, l, tl.load(sinks_ptr + head).to(tl.float32))

@@ -49,9 +49,11 @@ class TritonPagedBackend(AttentionBackend):
     def decode(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None,
                scoring: Scoring = Scoring(), kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
         n, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
-        kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+        kv_heads, block_size, fp8 = kv_cache.shape[3], kv_cache.shape[2], fp8_kv.holds_codes(kv_cache)
+        # over an FP8 cache, key tiles half as long: with whole ones the kernel spills registers on sm_90
+        block_n = max(16, self.block_n // 2) if fp8 else self.block_n
         keys = min(max(meta.context_lens_list[:n]), window or max(meta.context_lens_list[:n]))
-        splits = self._splits(n * kv_heads, triton.cdiv(keys, self.block_n) + (window is not None), q.device)
+        splits = self._splits(n * kv_heads, triton.cdiv(keys, block_n) + (window is not None), q.device)
         group, block_d = heads // kv_heads, _block_d(head_dim)
         part_acc = part_ml = out  # unused with one split
         if splits > 1:
@@ -61,9 +63,10 @@ class TritonPagedBackend(AttentionBackend):
             q, kv_cache, meta.block_tables, meta.context_lens, out, part_acc, part_ml, _sinks(scoring, out),
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
             out.stride(0), out.stride(1), heads, scoring.scale or 1 / math.sqrt(head_dim), window or 0,
-            scoring.softcap or 0.0, *kv_scale, FP8_KV=fp8_kv.holds_codes(kv_cache), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_N=self.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q),
-            SOFTCAP=scoring.softcap is not None, SINKS=scoring.sinks is not None)
+            scoring.softcap or 0.0, *kv_scale, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
+            PRECISION=_precision(q), SOFTCAP=scoring.softcap is not None, SINKS=scoring.sinks is not None,
+            FP8_KV=fp8)
         if splits > 1:
             kernels.merge_splits_kernel[(n, heads)](
                 part_acc, part_ml, _sinks(scoring, out), out, n, heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
@@ -76,15 +79,16 @@ class TritonPagedBackend(AttentionBackend):
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         starts = meta.query_starts
         longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
-        grid = (meta.num_seqs - first, heads, triton.cdiv(longest, self.block_m))
+        fp8 = fp8_kv.holds_codes(kv_cache)
+        block_m, block_n = _prefill_tiles(self.block_m, self.block_n, head_dim, fp8)
+        grid = (meta.num_seqs - first, heads, triton.cdiv(longest, block_m))
         kernels.paged_prefill_kernel[grid](
             q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, _sinks(scoring, out),
             first, q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
             out.stride(0), out.stride(1), scoring.scale or 1 / math.sqrt(head_dim), window or 0, scoring.softcap or 0.0,
-            *kv_scale, FP8_KV=fp8_kv.holds_codes(kv_cache), GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
-            SINKS=scoring.sinks is not None, BLOCK_D=_block_d(head_dim), BLOCK_M=self.block_m,
-            BLOCK_N=_prefill_block_n(self.block_n, head_dim), BLOCK_SIZE=block_size, PRECISION=_precision(q),
-            num_warps=PREFILL_WARPS)
+            *kv_scale, GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
+            SINKS=scoring.sinks is not None, BLOCK_D=_block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_SIZE=block_size, PRECISION=_precision(q), FP8_KV=fp8, num_warps=PREFILL_WARPS)
 
     def _splits(self, programs: int, tiles: int, device: torch.device) -> int:
         """A power of two (each split count is a kernel variant: `split_counts` bounds them), at most
@@ -126,10 +130,12 @@ def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
     return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
 
 
-def _prefill_block_n(block_n: int, head_dim: int) -> int:
-    """Key tiles half as long for heads over 128 dims (Gemma's 256): with whole ones the prefill
-    kernel spills registers on sm_90 (scripts/compile_kernels.py --shape gemma2-9b)."""
-    return block_n if head_dim <= 128 else max(16, block_n // 2)
+def _prefill_tiles(block_m: int, block_n: int, head_dim: int, fp8: bool) -> tuple[int, int]:
+    """(query rows, keys) of a prefill tile: key tiles half as long for heads over 128 dims
+    (Gemma's 256), query tiles half as tall over an FP8 cache (its widened key tiles take
+    registers); with whole ones the kernel spills registers on sm_90, and over an FP8 cache on
+    sm_80 too (scripts/compile_kernels.py --shape gemma2-9b; --kv-cache-dtype fp8)."""
+    return (max(16, block_m // 2) if fp8 else block_m), (block_n if head_dim <= 128 else max(16, block_n // 2))
 
 
 def _sinks(scoring: Scoring, out: torch.Tensor) -> torch.Tensor:
