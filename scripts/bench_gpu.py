@@ -31,6 +31,8 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
    `throughput_ratio_vs_hf` = ours / theirs in output tokens per second.
 4. transfer: a prompt and a token worker (`kv_pair.py`), both on this GPU, the KV written into the
    token worker's cache through CUDA IPC: visible / serialized transfer for 2k and 8k prompts.
+5. decode-fp8: the decode rows again over an FP8 KV cache (`kv_cache_dtype: fp8`, a byte a K or
+   V value), its KV bytes counted at a byte; last, so a short --budget cuts it first.
 
 Peaks (vendor data sheets, dense bf16 without sparsity) come from the device's name; --hbm-tbs and
 --bf16-tflops give others. Targets (an H100, the Llama-3-8B shape): decode MBU >= 60% at batch 1 and
@@ -140,23 +142,28 @@ class ForwardClock:
 
 
 # ---- sections, each in its own process --------------------------------------------------------
-def decode_section(model: str, s: dict, args) -> list[dict]:
+def decode_section(model: str, s: dict, args, kv_cache_dtype: str = "auto") -> list[dict]:
     from splitserve import LLMEngine, SamplingParams
 
     c, warm = s["config"], 3
     engine, startup = started(lambda: LLMEngine(
         model, policy="token", load_format="dummy", enable_prefix_caching=False, max_num_seqs=max(s["batches"]),
-        max_model_len=max(s["contexts"]) + warm + args.steps + 16, **s["engine"]))
-    engine.kv_cache.data.normal_()
+        max_model_len=max(s["contexts"]) + warm + args.steps + 16, kv_cache_dtype=kv_cache_dtype, **s["engine"]))
+    cache = engine.kv_cache
+    if cache.data.dtype == torch.uint8:
+        cache.data.random_(0, 256)  # FP8 codes, any
+    else:
+        cache.data.normal_()
     clock = ForwardClock(engine.runner)
     capacity = engine.block_manager.num_free_blocks * engine.kv_cache.block_size
-    element = engine.kv_cache.data.element_size()
+    element, kv_element = cache.dtype.itemsize, cache.data.element_size()
     # as a cluster's token worker runs a request without stop strings: the ingress decodes the ids
     params = SamplingParams(temperature=0, max_tokens=warm + args.steps + 2, ignore_eos=True).ids_only()
     rng, rows = random.Random(0), []
     for context in s["contexts"]:
         for batch in s["batches"]:
-            row = {"section": "decode", "batch": batch, "context": context, "startup_s": startup}
+            row = {"section": "decode" if kv_cache_dtype == "auto" else f"decode-{kv_cache_dtype}", "batch": batch,
+                   "context": context, "kv_cache": cache.encoding, "startup_s": startup}
             needed = batch * -(-(context + warm + args.steps + 1) // engine.kv_cache.block_size) * engine.kv_cache.block_size
             if needed > capacity:
                 rows.append({**row, "skipped": f"needs {needed} KV tokens; the cache holds {capacity}"})
@@ -173,12 +180,16 @@ def decode_section(model: str, s: dict, args) -> list[dict]:
                 engine.abort(request_id)
             step = statistics.median(times)
             read = decode_weight_bytes(c, batch, element) + decode_kv_bytes(c, batch, context + warm + args.steps / 2,
-                                                                            element)
+                                                                            kv_element)
             rows.append({**row, "step_ms": step * 1e3, "step_ms_min": min(times) * 1e3,
                          "step_ms_max": max(times) * 1e3, "forward_ms": forward * 1e3,
                          "outside_forward_ms": statistics.median(t - f for t, f in zip(times, clock.steps)) * 1e3,
                          "tokens_per_s": batch / step, "bytes_per_step": read, "bytes_per_s": read / step})
     return rows
+
+
+def fp8_decode_section(model: str, s: dict, args) -> list[dict]:
+    return decode_section(model, s, args, "fp8")
 
 
 def prefill_section(model: str, s: dict, args) -> list[dict]:
@@ -280,7 +291,7 @@ def transfer_section(model: str, s: dict, args) -> list[dict]:
 
 
 SECTIONS = {"decode": decode_section, "prefill": prefill_section, "throughput-ours": ours_section,
-            "throughput-hf": hf_section, "transfer": transfer_section}
+            "throughput-hf": hf_section, "transfer": transfer_section, "decode-fp8": fp8_decode_section}
 
 
 def _run_section(name: str, section, model: str, s: dict, args, conn) -> None:

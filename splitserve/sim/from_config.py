@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.config import ClusterConfig, PoolConfig
+from splitserve.engine.attention import fp8_kv
 from splitserve.engine.demo import demo_model_config
 from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES
 from splitserve.engine.loader import load_model_config
@@ -90,21 +91,24 @@ def perf_model_for(pool: PoolConfig, target: SimTarget) -> PerfModel:
     return models[key]
 
 
-def model_shape(model: str) -> ModelShape:
-    """Layers and KV bytes per token: the paper models as splitwise-sim sizes them, or a model this
-    engine loads (the demo; a checkpoint directory), at float32 on CPU."""
+def model_shape(model: str, kv_cache_dtype: str = "auto") -> ModelShape:
+    """Layers and KV bytes per token: the paper models as splitwise-sim sizes them (bf16), or a
+    model this engine loads (the demo; a checkpoint directory), at float32 on CPU; with an FP8
+    cache (`kv_cache_dtype`), a byte a value."""
     if model in MODEL_SHAPES:
-        return MODEL_SHAPES[model]
+        shape = MODEL_SHAPES[model]
+        return ModelShape(shape.num_layers, shape.kv_bytes_per_token // 2) if fp8_kv.is_fp8(kv_cache_dtype) else shape
     config = demo_model_config() if model == "demo" else load_model_config(model)
-    per_layer = 2 * config.num_key_value_heads * config.head_dim * CPU_DTYPE_BYTES
-    return ModelShape(config.num_hidden_layers, config.num_hidden_layers * per_layer)
+    element = 1 if fp8_kv.is_fp8(kv_cache_dtype) else CPU_DTYPE_BYTES
+    return ModelShape(config.num_hidden_layers, config.num_hidden_layers * 2 * config.num_key_value_heads
+                      * config.head_dim * element)
 
 
 def kv_budget_tokens(config: ClusterConfig, target: SimTarget, tensor_parallel: int) -> int:
     """A worker's KV budget: the config's if it sets one; else, for a paper model, what
     `tensor_parallel` GPUs leave after the weights, and for a model this engine runs on CPU, the
     engine's own CPU default."""
-    per_token = model_shape(target.model).kv_bytes_per_token
+    per_token = model_shape(target.model, config.engine.kv_cache_dtype).kv_bytes_per_token
     if config.engine.kv_cache_memory_bytes:
         return config.engine.kv_cache_memory_bytes // per_token
     if target.model not in WEIGHT_BYTES:
@@ -113,7 +117,7 @@ def kv_budget_tokens(config: ClusterConfig, target: SimTarget, tensor_parallel: 
 
 
 def transfer_model(config: ClusterConfig, target: SimTarget) -> TransferModel:
-    shape = model_shape(target.model)
+    shape = model_shape(target.model, config.engine.kv_cache_dtype)
     return TransferModel(bandwidth_bytes_per_s=target.bandwidth_gbps * 1e9 / 8, latency_s=target.latency_s,
                          kv_bytes_per_token=shape.kv_bytes_per_token, num_layers=shape.num_layers,
                          layerwise_threshold=config.transfer.layerwise_threshold)

@@ -38,12 +38,20 @@ def test_tiny_run_writes_every_section(tmp_path):
     rows = result["rows"]
     assert result["device"] == "cpu" and result["targets"] is None and result["throughput_ratio_vs_hf"] > 0
     assert not [r for r in rows if "error" in r]
-    assert {(r["batch"], r["context"]) for r in rows if r["section"] == "decode"} == {(1, 64), (4, 64), (1, 256),
-                                                                                      (4, 256)}
+    for section, cache in (("decode", "float32"), ("decode-fp8", "fp8_e4m3")):
+        decodes = [r for r in rows if r["section"] == section]
+        assert {(r["batch"], r["context"]) for r in decodes} == {(1, 64), (4, 64), (1, 256), (4, 256)}
+        assert {r["kv_cache"] for r in decodes} == {cache}
+    # the same weights, the KV at a byte a value instead of four
+    pairs = {(r["batch"], r["context"], r["section"]): r["bytes_per_step"] for r in rows if "decode" in r["section"]}
+    for (batch, context, section), read in pairs.items():
+        if section == "decode":
+            kv = read - pairs[batch, context, "decode-fp8"]
+            assert kv == pytest.approx(3 / 4 * gpu_roofline.decode_kv_bytes(bench_gpu.TINY, batch, context + 3 + 1.5, 4))
     assert [r["context"] for r in rows if r["section"] == "prefill"] == [128, 512]
     assert {r["engine"] for r in rows if r["section"] == "throughput"} == {"splitserve", "transformers"}
     assert [(r["backend"], r["context"]) for r in rows if r["section"] == "transfer"] == [("ipc", 128), ("ipc", 512)]
-    for row in (r for r in rows if r["section"] == "decode"):
+    for row in (r for r in rows if r["section"].startswith("decode")):
         assert 0 < row["forward_ms"] < row["step_ms"] and 0 < row["outside_forward_ms"] < row["step_ms"]
     for row in rows:
         assert row["device"] == "cpu" and row.get("mbu") is None and row.get("mfu") is None  # no CPU peak

@@ -60,6 +60,16 @@ def test_an_explicit_kv_budget_holds_for_every_pool():
     assert {scenario.kv_budget_tokens_of(p) for p in scenario.pools} == {2 ** 35 // PER_TOKEN}
 
 
+def test_an_fp8_kv_cache_holds_twice_the_tokens_and_sends_half_the_bytes():
+    """The same GPUs and weights as bf16 KV; transfers of a byte a K or V value."""
+    fp8 = config(("prompt", "h100", 1), ("token", "h100", 1), engine={"kv_cache_dtype": "fp8"})
+    scenario = scenario_from_config(fp8)
+    assert scenario.kv_budget_tokens == int((8 * 72e9 - 140e9) // (PER_TOKEN // 2))
+    assert scenario.transfer.kv_bytes_per_token == PER_TOKEN // 2
+    bf16 = config(("prompt", "h100", 1), ("token", "h100", 1))
+    assert scenario_from_config(bf16).transfer.kv_bytes_per_token == PER_TOKEN
+
+
 @pytest.mark.parametrize("pools, target, message", [
     ((("prompt", "h100", 16), ("token", "a100", 8)), SimTarget(),
      r"the prompt pool \(h100, tensor_parallel_size 16\) has no performance profile for .*'h100-80gb', 16\)"),
