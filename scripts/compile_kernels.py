@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the variants here")
     args = parser.parse_args(argv)
     shape = SHAPES.get(args.shape) or json.loads(Path(args.shape).read_text())
-    config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype)
+    config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                          kv_cache_dtype=args.kv_cache_dtype)
     report, failed = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "archs": {}}, False
     os.environ["TRITON_CACHE_DIR"] = str(args.cache_dir or tempfile.mkdtemp(prefix="splitserve-triton-"))
     for arch in args.arch or [90, 80]:

@@ -54,7 +54,8 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -142,7 +142,8 @@ def headroom_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype,
     """gpu_reserve_bytes, and a KV transfer's receive buffer: one layer of the longest prompt on the
     wire (`transfer.codec.wire_shape` with this rank's KV heads), which the transport allocates as
     the layer arrives. The reserve also absorbs a short prompt's one-shot push of every layer."""
-    layer_token_bytes = KVCache.bytes_per_block(model, 1, dtype, shard, config.kv_cache_dtype) // model.num_hidden_layers
+    token_bytes = KVCache.bytes_per_block(model, 1, dtype, shard, config.kv_cache_dtype)
+    layer_token_bytes = token_bytes // model.num_hidden_layers
     return config.gpu_reserve_bytes + layer_token_bytes * max_model_len
 
 

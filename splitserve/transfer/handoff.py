@@ -73,10 +73,10 @@ class TransferStats:
 
 def kv_layout(engine) -> str:
     """What must match for one engine's KV to be another's: the model (name and a hash of its
-    config, and the weights' seed where they are dummy), the KV dtype (fp8_e4m3 for an FP8 cache) and the per-token layout of
-    the whole model. Not the block size (the wire is token-major, so the two caches may page
-    differently), nor the TP size (parts carry each rank its own heads). `engine`: an LLMEngine or
-    a TPFollower."""
+    config, and the weights' seed where they are dummy), the KV dtype (fp8_e4m3 for an FP8 cache)
+    and the per-token layout of the whole model. Not the block size (the wire is token-major, so
+    the two caches may page differently), nor the TP size (parts carry each rank its own heads).
+    `engine`: an LLMEngine or a TPFollower."""
     config, model = engine.config, engine.model_config
     identity = json.dumps([engine.model_name, dataclasses.asdict(model), config.load_format,
                            config.seed if config.load_format == "dummy" else None], sort_keys=True, default=str)
