@@ -23,6 +23,7 @@ from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
     write_checkpoint,
 )
 from tests.engine.runner_helpers import append, max_diff, new_seq, run_plan
+from tests.engine.tp_helpers import tp_engine
 
 # GQA and tied embeddings; soft caps and windows (Gemma 2); sinks, a window, YaRN (GPT-OSS)
 NAMES = ["llama3_gqa_tied", "gemma2", "gpt_oss"]
@@ -91,6 +92,28 @@ def test_greedy_generation_matches_transformers_with_the_prefix_cache(scaled_ckp
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     again = llm.generate(prompts, params)  # full blocks from the prefix cache: stored codes, reused
     assert [o.token_ids for o in again] == expected and sum(o.num_cached_tokens for o in again) > 0
+
+
+def test_two_ranks_each_keep_their_heads_codes_and_match_one_rank(scaled_ckpt):
+    """Tensor parallelism: each rank stores its KV heads' codes with the checkpoint's scales."""
+    path, hf = scaled_ckpt
+    args = dict(ENGINE_ARGS, dtype="float32", kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = generation_prompts(hf.config.vocab_size)[:3]
+    single = LLM(path, **args).generate(prompts, params)
+    with tp_engine(path, 2, **args) as (engine, followers):
+        assert engine.kv_cache.data.dtype == torch.uint8 and engine.kv_cache.data.shape[-2] == 1
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert not followers.errors
+    for i, whole in enumerate(single):
+        got, want = done[str(i)].outputs[0], whole.outputs[0]
+        assert got.token_ids == want.token_ids
+        for g, w in zip(got.logprobs, want.logprobs):
+            assert max(abs(g[k] - w[k]) for k in w) < 1e-4
 
 
 def test_the_same_bytes_hold_twice_the_tokens_of_bfloat16():
