@@ -147,6 +147,14 @@ def test_an_unknown_kv_cache_dtype_names_the_choices():
         EngineConfig(kv_cache_dtype="int8")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_code_dequantizes_to_torchs_float8_value_times_the_scale(dtype):
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    for scale in (1.0, 0.37, 1 / 128, 3.0e-3):
+        want = (codes.view(torch.float8_e4m3fn).float() * scale).to(dtype)
+        assert torch.equal(fp8_kv.dequantize(codes, scale, dtype), want)
+
+
 def test_quantize_saturates_and_rounds_as_torch():
     x = torch.tensor([1000.0, -1000.0, 0.3, 1e-9, 17.0])
     codes = fp8_kv.quantize(x, 0.5)
