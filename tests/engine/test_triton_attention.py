@@ -142,6 +142,27 @@ def test_every_e4m3_code_widens_to_torchs_value():
     assert torch.equal(out[:, 0, 0].cpu(), values)
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_the_fp8_store_rounds_as_torch(scale):
+    """The store's integer rounding to e4m3 against torch's float8_e4m3fn conversion (`write_kv`):
+    every code's value, the midpoints between neighbours (ties to even) and a float32 ulp either
+    side, subnormals, zeros of both signs, values past 448, and random ones over 2**-12 .. 2**10."""
+    grid = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (grid[:-1] + grid[1:]) / 2
+    special = torch.tensor([0.0, -0.0, -1e-9, 1e-9, 447.0, 449.0, 464.0, 500.0, -1e6, 2.0 ** -10, 3 * 2.0 ** -10])
+    g = torch.Generator().manual_seed(0)
+    rand = torch.exp2(torch.empty(1500).uniform_(-12, 10, generator=g)) * torch.randn(1500, generator=g).sign()
+    values = torch.cat((grid, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e3)), special,
+                        rand)) * scale
+    values = torch.cat((values, -values))
+    values = torch.cat((values, torch.zeros(-len(values) % 128))).view(-1, 1, 128)
+    slots = torch.arange(len(values))
+    caches = [torch.zeros((2, len(values), 1, 1, 128), dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+    write_kv(values, values.flip(0), caches[0], slots, (scale, scale))
+    store_kv(values.to(DEVICE), values.flip(0).to(DEVICE), caches[1], slots.to(DEVICE), (scale, scale))
+    assert torch.equal(caches[1].cpu(), caches[0].cpu())
+
+
 def test_a_chosen_split_count_is_the_largest_power_of_two_within_its_bounds():
     """Two programs per multiprocessor at most, MAX_SPLITS, the key tiles; a power of two, so that
     there are few kernel variants (`split_counts`) for kernel_warm_up to compile."""

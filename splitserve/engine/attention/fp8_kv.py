@@ -32,8 +32,9 @@ def holds_codes(kv_cache: torch.Tensor) -> bool:
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """e4m3 codes (uint8) of x / scale, rounded to nearest even and saturated at +-448."""
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(CODES)
+    """e4m3 codes (uint8) of x / scale, rounded to nearest even and saturated at +-448. The
+    division is a float32 multiply by 1 / scale (a float32), as the Triton store computes it."""
+    return (x.float() * (1.0 / scale)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(CODES)
 
 
 def dequantize(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -41,9 +41,11 @@ def _step_jit(fn):
 
 @_step_jit
 def store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh, kv_offset,
-                    stride_slot, stride_head, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (token, kv head): K and V of this token into its cache slot. A negative slot
-    (PAD_SLOT: a padding row of a captured batch) is stored nowhere."""
+                    stride_slot, stride_head, k_inverse, v_inverse, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    FP8_KV: tl.constexpr):
+    """One program per (token, kv head): K and V of this token into its cache slot, with FP8_KV as
+    the e4m3 codes of K * k_inverse and V * v_inverse (1 / the scales). A negative slot (PAD_SLOT: a
+    padding row of a captured batch) is stored nowhere."""
     token, head = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -52,9 +54,28 @@ def store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_kh, st
     mask = d < tl.where(slot >= 0, HEAD_DIM, 0)
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
+    if FP8_KV:
+        k, v = _e4m3_codes(k.to(tl.float32) * k_inverse), _e4m3_codes(v.to(tl.float32) * v_inverse)
     base = cache_ptr + slot * stride_slot + head * stride_head + d
     tl.store(base, k, mask=mask)
     tl.store(base + kv_offset, v, mask=mask)
+
+
+@triton.jit
+def _e4m3_codes(x):
+    """e4m3 codes (uint8) of float32 x, rounded to nearest even and saturated at +-448, as torch's
+    float8_e4m3fn conversion of x clamped (`fp8_kv.quantize`), in integer and float32 arithmetic
+    every GPU has. A normal value's 23 mantissa bits are rounded to 3 (half an ulp plus the kept
+    bit's parity breaks ties to even; a carry moves into the exponent), and its exponent re-biased
+    from 127 to 7; below 2**-6 (e4m3's subnormals) the code is the nearest multiple of 2**-9,
+    rounded by adding 2**23, where float32's spacing is 1. The sign is x's own (-0.0 is 0x80)."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(a < 0.015625, subnormal, normal)
+    sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return (code | sign).to(tl.uint8)
 
 
 @triton.jit

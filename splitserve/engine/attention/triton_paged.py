@@ -2,7 +2,7 @@
 three launches per layer at most, whatever the batch: store this step's K and V, attend all
 decodes (split over the context when the batch is too small to fill the GPU, then merged), and
 attend all prefill chunks; nothing is copied out of the cache and nothing waits on the host. An
-FP8 cache's codes are made by torch when stored (`fp8_kv.quantize`) and widened by the kernels."""
+FP8 cache's codes are made by the store and widened by the attention kernels."""
 from __future__ import annotations
 
 import math
@@ -114,13 +114,12 @@ def split_counts() -> list[int]:
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
     """k, v: [T, kv_heads, head_dim] into one layer's cache at `slot_mapping` (flat slots), as FP8
-    codes where the cache holds them."""
-    if fp8_kv.holds_codes(kv_cache):
-        k, v = fp8_kv.quantize(k, kv_scale[0]), fp8_kv.quantize(v, kv_scale[1])
+    codes where the cache holds them (quantized in the kernel, as `fp8_kv.quantize` does)."""
     head_dim = k.shape[2]
     kernels.store_kv_kernel[(k.shape[0], k.shape[1])](
         k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),
-        kv_cache.stride(2), kv_cache.stride(3), HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
+        kv_cache.stride(2), kv_cache.stride(3), 1.0 / kv_scale[0], 1.0 / kv_scale[1], HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim), FP8_KV=fp8_kv.holds_codes(kv_cache))
 
 
 def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
