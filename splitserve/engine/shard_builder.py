@@ -2,9 +2,12 @@
 Without tensor parallelism the one rank holds everything."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from splitserve.engine.attention import AttentionBackend, select_backend
+from torch import nn
+
+from splitserve.engine.attention import AttentionBackend, fp8_kv, select_backend
 from splitserve.engine.config import ConfigError
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.engine_config import EngineConfig
@@ -14,6 +17,8 @@ from splitserve.engine.model.sharding import Shard
 from splitserve.engine.model_builder import LoadedModel, build_model
 from splitserve.engine.model_runner import ModelRunner, StepChannel
 from splitserve.engine.tensor_parallel import TPGroup
+
+log = logging.getLogger("splitserve.engine")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
                           "lower max_model_len")
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device, shard,
                        config.kv_cache_dtype)
+    if fp8_kv.is_fp8(config.kv_cache_dtype):
+        log_fp8_scales(loaded.model)
     runner = ModelRunner(loaded.model, kv_cache, backend, loaded.device, channel)
     if loaded.device.type == "cuda":
         from splitserve.engine.kernel_warm_up import warm_up  # triton: CUDA builds of torch bring it
@@ -62,6 +69,14 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
                                      config.block_size)
         runner.graphs.capture()
     return EngineShard(loaded, kv_cache, runner)
+
+
+def log_fp8_scales(model: nn.Module) -> None:
+    """How many layers' FP8 KV scales the checkpoint set: with 1.0 a K or V value over 448 saturates."""
+    scales = [m.kv_scale for m in model.modules() if hasattr(m, "kv_scale")]
+    scaled = sum(scale != (1.0, 1.0) for scale in scales)
+    log.info("FP8 KV cache (e4m3): %d of %d attention layers scaled by the checkpoint's k_scale / v_scale, the "
+             "others by 1.0 (values past +-448 saturate)", scaled, len(scales))
 
 
 def _captures_graphs(config: EngineConfig, loaded: LoadedModel, backend: AttentionBackend,

@@ -254,6 +254,14 @@ def test_a_worker_engine_is_sized_for_every_policy_a_pool_move_may_give_it():
     assert (config.policy, config.switch_policies) == ("mixed", ("mixed",))
 
 
+def test_every_worker_engine_gets_the_kv_cache_dtype_and_a_wrong_one_is_named():
+    config = ClusterConfig.model_validate({"pools": [{"role": "prompt"}, {"role": "token"}],
+                                           "engine": {"kv_cache_dtype": "fp8"}})
+    assert {config.engine_config(role).kv_cache_dtype for role in ("prompt", "token")} == {"fp8"}
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        ClusterConfig.model_validate({"engine": {"kv_cache_dtype": "int8"}})
+
+
 def test_served_model_names_are_one_or_several_aliases():
     assert ClusterConfig().model_names == ("demo",) and ClusterConfig().model_name == "demo"
     assert ClusterConfig(served_model_name="llama").model_names == ("llama",)

@@ -4,6 +4,7 @@ them (torch's float8_e4m3fn of value / scale, times the scale), the checkpoint's
 loaded under both names checkpoints use; the cache's size in bytes; and the engine's options."""
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -126,11 +127,17 @@ def test_the_same_bytes_hold_twice_the_tokens_of_bfloat16():
     assert len(LLM("demo", kv_cache_dtype="fp8", **args).generate([[256, 72, 105]], params)[0].token_ids) == 8
 
 
-def test_scales_default_to_one_without_the_checkpoints(tmp_path, tokenizers_by_kind):
+def test_scales_default_to_one_without_the_checkpoints_and_the_start_up_says_so(tmp_path, tokenizers_by_kind,
+                                                                                scaled_ckpt, caplog):
     write_checkpoint(tmp_path, "llama_mha", tokenizers_by_kind)
-    engine = LLMEngine(str(tmp_path), dtype="float32", kv_cache_dtype="fp8_e4m3", **ENGINE_ARGS)
+    with caplog.at_level(logging.INFO, logger="splitserve.engine"):
+        engine = LLMEngine(str(tmp_path), dtype="float32", kv_cache_dtype="fp8_e4m3", **ENGINE_ARGS)
+        LLMEngine(scaled_ckpt[0], dtype="float32", kv_cache_dtype="fp8", **ENGINE_ARGS)
     assert {layer.self_attn.kv_scale for layer in engine.runner.model.model.layers} == {(1.0, 1.0)}
     assert engine.kv_cache.encoding == "fp8_e4m3"
+    said = [r.getMessage() for r in caplog.records if "FP8 KV cache" in r.getMessage()]
+    assert [line.split(" attention layers")[0] for line in said] == ["FP8 KV cache (e4m3): 0 of 3",
+                                                                    "FP8 KV cache (e4m3): 2 of 2"]
 
 
 @pytest.mark.parametrize("bad", [torch.tensor(0.0), torch.tensor(float("inf")), torch.tensor([0.5, 0.5])])
