@@ -58,6 +58,16 @@ def test_replayed_decodes_equal_eager_ones_and_padding_writes_nothing():
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
 
 
+def test_an_fp8_cache_replays_the_eager_tokens_and_padding_stores_no_codes():
+    """Over e4m3 codes (the store rounds them, the attention widens them) as over values."""
+    eager, captured = LLM("demo", **ENGINE, kv_cache_dtype="fp8"), LLM("demo", **ENGINE, kv_cache_dtype="fp8")
+    replayed = with_graphs(captured, max_batch=8)
+    got, expected = captured.generate(PROMPTS, PARAMS), eager.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected] and set(replayed) == {4, 3, 2, 1}
+    ours, theirs = captured.engine.kv_cache.data, eager.engine.kv_cache.data
+    assert ours.dtype == torch.uint8 and torch.equal(ours == 0, theirs == 0)
+
+
 def test_batches_larger_than_the_largest_graph_run_eagerly():
     oracle = LLM("demo", **{**ENGINE, "attention_backend": "torch"})
     captured = LLM("demo", **ENGINE)
