@@ -105,7 +105,7 @@ def _widened(x, scale, like, FP8_KV: tl.constexpr):
 def _e4m3(codes):
     """float32 values of e4m3 codes (uint8). Sign to bit 15 and the 7 exponent and mantissa bits to
     bits 7..13 make the float16 of value / 2**8 (e4m3's exponent bias is 7, float16's 15), subnormals
-    included; times 2**8 is exact. Codes 0x7f / 0xff (NaN, stored only for a NaN) read as +-480."""
+    included; times 2**8 is exact. Codes 0x7f / 0xff (NaN) read as +-480."""
     bits = codes.to(tl.uint16)
     half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
     return half.to(tl.float32) * 256.0
