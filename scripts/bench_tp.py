@@ -175,7 +175,7 @@ def _steps(engine, spec, port, conn, follower_spent: list[dict]) -> None:
 def _prompt_side(engine, spec, port, conn, _) -> None:
     """("push", ticket, prompt): prefill with the exporter; reply (start, first token, stream s)."""
     from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.transfer.handoff import KVExporter
+    from splitserve.transfer.exporter import KVExporter
 
     exporter = KVExporter(engine, _transport(engine, spec["worker"], port))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -190,7 +190,7 @@ def _prompt_side(engine, spec, port, conn, _) -> None:
 def _token_side(engine, spec, port, conn, _) -> None:
     """("reserve", id, prompt, threshold, prompt tp): reply the ticket, then when every part landed."""
     from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.transfer.handoff import KVImporter
+    from splitserve.transfer.importer import KVImporter
 
     importer = KVImporter(engine, _transport(engine, spec["worker"], port), spec["worker"])
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -55,7 +55,7 @@ def _transport(engine, worker_id: str, port: int, backend: str):
 
 def prompt_process(model: str, port: int, backend: str, engine_args: dict, conn) -> None:
     from splitserve import LLMEngine, SamplingParams
-    from splitserve.transfer.handoff import KVExporter
+    from splitserve.transfer.exporter import KVExporter
 
     torch.set_num_threads(1)
     engine = LLMEngine(model, policy="prompt", **engine_args)
@@ -80,7 +80,7 @@ def prompt_process(model: str, port: int, backend: str, engine_args: dict, conn)
 
 def token_process(model: str, port: int, backend: str, engine_args: dict, conn) -> None:
     from splitserve import LLMEngine, SamplingParams
-    from splitserve.transfer.handoff import KVImporter
+    from splitserve.transfer.importer import KVImporter
 
     torch.set_num_threads(1)
     engine = LLMEngine(model, policy="token", **engine_args)

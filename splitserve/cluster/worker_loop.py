@@ -31,7 +31,8 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement.load import load_of, prefix_delta_of
 from splitserve.placement.state import PrefixDelta, WorkerLoad
-from splitserve.transfer.handoff import KVExporter, KVImporter
+from splitserve.transfer.exporter import KVExporter
+from splitserve.transfer.importer import KVImporter
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
 IDLE_WAIT_S = 0.05    # nothing to run: block on the command queue this long

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.engine.outputs import StepStats
-from splitserve.transfer.handoff import TransferStats
+from splitserve.transfer.exporter import TransferStats
 
 
 @dataclass(frozen=True)

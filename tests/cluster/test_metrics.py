@@ -9,7 +9,7 @@ from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBo
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.engine.outputs import StepStats
 from splitserve.placement.state import Role, WorkerLoad
-from splitserve.transfer.handoff import TransferStats
+from splitserve.transfer.exporter import TransferStats
 
 
 @pytest.fixture

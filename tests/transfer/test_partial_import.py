@@ -20,7 +20,9 @@ import torch.distributed as dist
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer.grpc_link import GrpcFabric
-from splitserve.transfer.handoff import KVExporter, KVImporter, make_transport
+from splitserve.transfer.exporter import KVExporter
+from splitserve.transfer.handoff import make_transport
+from splitserve.transfer.importer import KVImporter
 from splitserve.transfer.torch_link import TorchFabric
 from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixture, module-wide)
 from tests.transfer.cluster import _free_port

@@ -90,7 +90,7 @@ def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_
     import torch
 
     from splitserve import LLMEngine
-    from splitserve.transfer.handoff import KVImporter
+    from splitserve.transfer.importer import KVImporter
 
     torch.set_num_threads(1)
     engine = LLMEngine("demo", policy="token", device=device_for(backend, "token"), **engine_args)
@@ -121,7 +121,7 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
     import torch
 
     from splitserve import LLMEngine
-    from splitserve.transfer.handoff import KVExporter
+    from splitserve.transfer.exporter import KVExporter
     from splitserve.transfer.link import TransferError
 
     torch.set_num_threads(1)

@@ -1,0 +1,213 @@
+"""The prompt worker's side of a handoff (`KVExporter`): pushes each layer's KV as the prefill
+writes it, then the first token; how the pushes overlapped the compute (`TransferStats`).
+The whole protocol: `handoff`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.policies import Plan
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transfer.codec import slot_index
+from splitserve.transfer.handoff import parts_of
+from splitserve.transfer.link import TransferError
+from splitserve.transfer.rank_commands import FinishExport, PushLayers, RankReport
+from splitserve.transfer.rank_kv import RankKV
+from splitserve.transfer.transport import KVTransport, TransferTicket
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """One step's pushes: what they added to the critical path (packing and pushing on the compute
+    thread, which never waits for them to leave) against their whole span (first push to the last
+    leaving)."""
+
+    visible_seconds: float
+    span_seconds: float
+
+    @property
+    def overlap_ratio(self) -> float:
+        """Fraction of the transfer hidden behind compute (0: fully serialized)."""
+        if self.span_seconds <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.visible_seconds / self.span_seconds))
+
+
+@dataclass(frozen=True)
+class _Sending:
+    tickets: dict[str, TransferTicket]
+    first_push: float
+    visible_seconds: float
+
+
+class KVExporter:
+    def __init__(self, engine: LLMEngine, transport: KVTransport, lease_s: float = float("inf")):
+        self.engine, self.transport, self.lease_s = engine, transport, lease_s
+        self.rank = RankKV(transport, engine.kv_cache, engine.model_config.num_key_value_heads)
+        self.leader = engine.tp_leader
+        if self.leader is not None:
+            self.leader.listeners.append(self._take_reports)
+        self._deadlines: dict[str, float] = {}
+        self.leases_expired = 0
+        self._tickets: dict[str, TransferTicket] = {}
+        self._slots: dict[str, torch.Tensor] = {}
+        self._failures: list[tuple[str, TransferError]] = []
+        self._pushed: dict[str, TransferTicket] = {}  # this step's pushes
+        self._sending: list[_Sending] = []  # steps whose pushes have not all left, oldest first
+        self.stream_seconds = 0.0  # last step: time the compute thread spent packing and pushing layers
+        self.bytes_pushed = 0      # KV bytes pushed by rank 0, ever
+        self._transfers: list[TransferStats] = []  # steps whose pushes have all left, since `take_transfers`
+        self._first_push: float | None = None
+
+    def add(self, ticket: TransferTicket, prompt_token_ids: list[int], params: SamplingParams,
+            arrival_time: float | None = None) -> None:
+        """Raises IncompatibleKV (before any work) when the ticket's token worker holds another
+        layout, and TransferError when it gave a direct transfer up already."""
+        self.transport.check_compatible(ticket)
+        for part in self._own(ticket):
+            self.transport.claim(part)
+        self.engine.add_request(ticket.request_id, prompt_token_ids, params, arrival_time, hand_off=True)
+        self._tickets[ticket.request_id] = ticket
+        self._deadlines[ticket.request_id] = time.monotonic() + self.lease_s
+
+    def step(self) -> list[RequestOutput]:
+        """One prefill iteration with layer-wise pushes; returns outputs carrying first tokens.
+        Never waits for pushes to leave: earlier steps' are looked at (`reap`) before and after."""
+        self._expire_leases()
+        self.reap()
+        self.stream_seconds, self._first_push = 0.0, None
+        outputs = self.engine.step(after_layer=self._after_layer,
+                                   before_forward=self._before_forward if self.leader is not None else None)
+        for out in outputs:
+            if out.request_id in self._tickets:
+                self._hand_off(out)
+        if self._pushed:
+            self._sending.append(_Sending(self._pushed, self._first_push, self.stream_seconds))
+            self._pushed = {}
+        if self.leader is not None and self.leader.has_commands:
+            self.leader.sync()  # the other ranks finish their hand-offs now, not at the next prefill
+        self.reap()
+        for request_id, _ in self._failures:  # freed only now: never in the middle of a forward pass
+            self.engine.abort(request_id)
+        return outputs
+
+    def reap(self) -> None:
+        """Without waiting: a broken peer fails every request pushed to it still in flight; a step
+        whose pushes have all left gets its TransferStats (visible: the compute thread's time
+        packing and pushing; span: from its first push until all had left)."""
+        for error in self.transport.reap():
+            for sending in self._sending:
+                self._failures += [(r, error) for r, t in sending.tickets.items()
+                                   if any(p.token_peer == error.peer for p in parts_of(t))]
+        while self._sending and self.transport.all_sent(
+                {p.token_peer for t in self._sending[0].tickets.values() for p in self._own(t)}):
+            sending = self._sending.pop(0)
+            self._transfers.append(TransferStats(sending.visible_seconds, time.perf_counter() - sending.first_push))
+
+    def take_transfers(self) -> list[TransferStats]:
+        """The steps whose pushes have all left since the last call."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
+
+    def abort(self, request_id: str) -> None:
+        ticket = self._forget(request_id)
+        self.engine.abort(request_id)
+        if ticket is not None:
+            self._cancel(ticket)
+
+    def failures(self) -> list[tuple[str, TransferError]]:
+        """Requests whose transfer failed since the last call (their blocks are already freed)."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, deadline in self._deadlines.items() if deadline <= now]:
+            ticket = self._tickets[request_id]
+            self.abort(request_id)
+            self.leases_expired += 1
+            self._failures.append((request_id, TransferError(
+                ticket.token_peer, f"lease expired: not prefilled and handed off within {self.lease_s:g} s")))
+
+    def _before_forward(self, plan: Plan) -> None:
+        """Tell the other ranks which parts to push layer by layer in this step."""
+        by_rank: dict[int, list] = {}
+        for ticket in self._layerwise(plan):
+            slots = self._slots_for(ticket).tolist()
+            for part in parts_of(ticket):
+                if part.prompt_rank:
+                    by_rank.setdefault(part.prompt_rank, []).append((part, slots))
+        for rank, parts in by_rank.items():
+            self.leader.post(rank, PushLayers(parts))
+
+    def _after_layer(self, plan: Plan, layer: int) -> None:
+        start = time.perf_counter()
+        for ticket in self._layerwise(plan):
+            for part in self._own(ticket):
+                self._try(ticket, lambda: self.rank.push_layer(part, layer, self._slots_for(ticket)))
+        self.stream_seconds += time.perf_counter() - start
+
+    def _layerwise(self, plan: Plan) -> list[TransferTicket]:
+        """The layer-wise transfers this step completes the prefill of (pushed as its layers land)."""
+        tickets = (self._tickets.get(item.seq.seq_id) for item in plan.scheduled if item.samples)
+        return [t for t in tickets if t is not None and t.layerwise]
+
+    def _hand_off(self, out: RequestOutput) -> None:
+        ticket = self._tickets[out.request_id]
+        if out.finished:  # the first token already ended it (EOS, max_tokens=1): nothing to decode
+            self._forget(ticket.request_id)
+            self._cancel(ticket)
+            return
+        slots = self._slots_for(ticket)
+        self._forget(ticket.request_id)
+        for part in parts_of(ticket):
+            if part.prompt_rank:
+                self.leader.post(part.prompt_rank, FinishExport(part, slots.tolist()))
+            else:
+                if not part.layerwise:
+                    self._try(ticket, lambda: self.rank.push_all(part, slots))
+                self._try(ticket, lambda: self.transport.complete(part, out.token_ids[0]))
+        self.engine.release_request(ticket.request_id)
+
+    def _cancel(self, ticket: TransferTicket) -> None:
+        """Rank 0's parts say CANCEL; part (0 -> 0) among them makes the token side drop every part."""
+        for part in self._own(ticket):
+            self._try(ticket, lambda: self.transport.cancel(part))
+
+    def _take_reports(self, reports: list[RankReport]) -> None:
+        for report in reports:
+            for part, error in report.push_failures:
+                if self._tickets.get(part.request_id) is not None:
+                    self._forget(part.request_id)
+                    self._failures.append((part.request_id, error))
+
+    @staticmethod
+    def _own(ticket: TransferTicket) -> list[TransferTicket]:
+        return [part for part in parts_of(ticket) if part.prompt_rank == 0]
+
+    def _slots_for(self, ticket: TransferTicket) -> torch.Tensor:
+        if ticket.request_id not in self._slots:
+            table = self.engine.block_manager.block_table(ticket.request_id)
+            self._slots[ticket.request_id] = slot_index(table, self.engine.kv_cache.block_size, ticket.num_tokens,
+                                                        self.engine.kv_cache.data.device, ticket.start_token)
+        return self._slots[ticket.request_id]
+
+    def _forget(self, request_id: str) -> TransferTicket | None:
+        self._slots.pop(request_id, None)
+        self._deadlines.pop(request_id, None)
+        return self._tickets.pop(request_id, None)
+
+    def _try(self, ticket: TransferTicket, push) -> None:
+        """A failed push fails only its own request: recorded here, its blocks freed after the step."""
+        try:
+            if self._first_push is None:
+                self._first_push = time.perf_counter()
+            self.bytes_pushed += push() or 0
+            self._pushed[ticket.request_id] = ticket
+        except TransferError as error:
+            self._failures.append((ticket.request_id, error))
+            self._forget(ticket.request_id)
