@@ -60,7 +60,7 @@ from gpu_report import print_table, report
 from gpu_roofline import decode_kv_bytes, decode_weight_bytes, peaks, prefill_flops
 from kv_pair import Pair, kv_bytes_per_token, measure
 
-from splitserve.engine.loader import write_shape_checkpoint
+from splitserve.engine.dummy_weights import write_shape_checkpoint
 from splitserve.engine.shapes import LLAMA3_8B, SHAPES
 
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,

@@ -36,7 +36,7 @@ import torch
 from call_timer import timed  # this script's folder
 
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.loader import write_shape_checkpoint
+from splitserve.engine.dummy_weights import write_shape_checkpoint
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.shapes import LLAMA3_8B
 

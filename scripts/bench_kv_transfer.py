@@ -20,7 +20,7 @@ import torch
 
 from kv_pair import Pair, kv_bytes_per_token, measure
 
-from splitserve.engine.loader import write_shape_checkpoint
+from splitserve.engine.dummy_weights import write_shape_checkpoint
 
 LARGER = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408,
           "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 4160,

@@ -46,7 +46,7 @@ from call_timer import timed
 from kv_pair import NEVER, kv_bytes_per_token
 
 from splitserve.cluster.worker_loop import IMPORT_WAIT_S
-from splitserve.engine.loader import write_shape_checkpoint
+from splitserve.engine.dummy_weights import write_shape_checkpoint
 
 TIMEOUT = 120.0
 DECODE_CONTEXT = 256

@@ -9,7 +9,8 @@ import torch
 from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.demo import DEMO_SEED, demo_model_config, demo_tokenizer
 from splitserve.engine.engine_config import EngineConfig
-from splitserve.engine.loader import init_dummy_weights, load_model_config, load_weights
+from splitserve.engine.dummy_weights import init_dummy_weights
+from splitserve.engine.loader import load_model_config, load_weights
 from splitserve.engine.model.llama import LlamaForCausalLM, Reduce
 from splitserve.engine.model.sharding import Shard, check_shardable
 from splitserve.engine.tokenizer import Tokenizer, load_tokenizer

@@ -13,7 +13,7 @@ SUFFIXES = ("_blocks", "_scales")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
 GROUP = MXFP4_GROUP  # values a scale covers
-DUMMY_SCALE = SCALE_BIAS - 7  # uniformly random codes (rms 2.93) then have an rms of 0.023, near loader.DUMMY_STD
+DUMMY_SCALE = SCALE_BIAS - 7  # uniformly random codes (rms 2.93) then have an rms of 0.023, near dummy_weights.DUMMY_STD
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -13,7 +13,8 @@ from splitserve.engine import fp8
 from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.fp8 import DUMMY_SCALE, dequantize, quantize
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.loader import CheckpointError, init_dummy_weights, load_model_config, load_weights
+from splitserve.engine.dummy_weights import init_dummy_weights
+from splitserve.engine.loader import CheckpointError, load_model_config, load_weights
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.moe import route
 from splitserve.engine.model.sharding import Shard, kv_head_range

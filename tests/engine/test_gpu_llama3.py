@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.loader import write_shape_checkpoint
+from splitserve.engine.dummy_weights import write_shape_checkpoint
 from splitserve.engine.model.llama import checkpoint_tensors
 from splitserve.engine.shapes import LLAMA3_8B
 

@@ -9,13 +9,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCaus
 
 from splitserve.engine.config import ConfigError
 from splitserve.engine.demo import DEMO_MODEL_CONFIG, demo_model_config, demo_tokenizer
-from splitserve.engine.loader import (
-    CheckpointError,
-    init_dummy_weights,
-    iter_checkpoint_tensors,
-    load_model_config,
-    load_weights,
-)
+from splitserve.engine.dummy_weights import init_dummy_weights
+from splitserve.engine.loader import CheckpointError, iter_checkpoint_tensors, load_model_config, load_weights
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -239,7 +234,7 @@ def test_dummy_init_is_deterministic_per_seed():
 
 
 def test_dummy_runs_are_independent_draws_whatever_the_thread_count(monkeypatch):
-    monkeypatch.setattr("splitserve.engine.loader.DUMMY_CHUNK", 100)  # the embedding (64 x 32) is 21 runs, the last cut short
+    monkeypatch.setattr("splitserve.engine.dummy_weights.DUMMY_CHUNK", 100)  # the embedding (64 x 32) is 21 runs, the last cut short
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from splitserve.engine.config import ConfigError
-from splitserve.engine.loader import CheckpointError, init_dummy_weights, load_model_config, load_weights
+from splitserve.engine.dummy_weights import init_dummy_weights
+from splitserve.engine.loader import CheckpointError, load_model_config, load_weights
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.moe import route
 from splitserve.engine.model.sharding import Shard
