@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -31,6 +30,7 @@ from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_builder import load_metadata, resolve_dtype
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.machine import cpu_name
 
 CACHES = ("auto", "fp8")
 
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "output_tokens_per_s": summary([x["output_tokens_per_s"] for x in r])}
             for cache, r in runs.items()}
     result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "kv_cache_bytes": budget, "hardware": {"cpu": platform.processor() or platform.machine(),
-                                                     "torch": torch.__version__, "threads": torch.get_num_threads()},
+              "kv_cache_bytes": budget, "hardware": {"cpu": cpu_name(), "torch": torch.__version__,
+                                                     "threads": torch.get_num_threads()},
               "caches": rows,
               "throughput_ratio_fp8_vs_auto": rows["fp8"]["output_tokens_per_s"]["median"]
               / rows["auto"]["output_tokens_per_s"]["median"],

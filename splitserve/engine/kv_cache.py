@@ -27,7 +27,6 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  shard: Shard = Shard(), kv_cache_dtype: str = "auto"):
         self.block_size, self.shard, self.dtype = block_size, shard, dtype
-        self.encoding = "fp8_e4m3" if fp8_kv.is_fp8(kv_cache_dtype) else str(dtype).removeprefix("torch.")
         shape = (config.num_hidden_layers, 2, num_blocks, block_size, local_kv_heads(config, shard), config.head_dim)
         # zeros, not empty: masked-out slots are multiplied by zero probabilities, and NaN * 0 is NaN
         self.data = torch.zeros(shape, dtype=fp8_kv.storage_dtype(kv_cache_dtype, dtype), device=device)
@@ -37,6 +36,11 @@ class KVCache:
                         kv_cache_dtype: str = "auto") -> int:
         per_token = 2 * config.num_hidden_layers * local_kv_heads(config, shard) * config.head_dim
         return per_token * block_size * fp8_kv.storage_dtype(kv_cache_dtype, dtype).itemsize
+
+    @property
+    def encoding(self) -> str:
+        """What the cache holds, as the KV layout handshake names it: fp8_e4m3, or the serving dtype."""
+        return "fp8_e4m3" if fp8_kv.holds_codes(self.data) else str(self.dtype).removeprefix("torch.")
 
     @property
     def num_blocks(self) -> int:

@@ -105,6 +105,11 @@ def _num_decodes(seqs: list[tuple[int, int]]) -> int:
     return count
 
 
+def stored(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as a read of an FP8 cache returns it: its e4m3 code (torch's conversion) times the scale."""
+    return fp8_kv.dequantize(fp8_kv.quantize(x, scale), scale, x.dtype)
+
+
 def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, seed=0, extra_blocks=0,
                num_decodes=None, backend=None, dtype=torch.float32, tolerance=1e-5, device="cpu", window=None,
                scale=None, softcap=None, sinks=None, kv_scale=None):
@@ -122,7 +127,7 @@ def check_case(seqs, heads=4, kv_heads=2, dim=8, block_size=4, num_blocks=None, 
     stored_k = stored_v = lambda x: x  # noqa: E731
     if kv_scale is not None:
         stored_k, stored_v = (functools.partial(fp8_kv.quantize, scale=s) for s in kv_scale)
-        full = [(fp8_kv.stored(keys, kv_scale[0]), fp8_kv.stored(values, kv_scale[1])) for keys, values in full]
+        full = [(stored(keys, kv_scale[0]), stored(values, kv_scale[1])) for keys, values in full]
         k_cache, v_cache, expected_k, expected_v = (
             stored_k(k_cache), stored_v(v_cache), stored_k(expected_k), stored_v(expected_v))
     kv_cache = torch.stack((k_cache, v_cache)).to(device)  # one layer: [2, num_blocks, block_size, kv_heads, dim]

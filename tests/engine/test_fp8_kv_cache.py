@@ -24,6 +24,7 @@ from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
     write_checkpoint,
 )
 from tests.engine.runner_helpers import append, max_diff, new_seq, run_plan
+from tests.engine.test_attention import stored
 from tests.engine.tp_helpers import tp_engine
 
 # GQA and tied embeddings; soft caps and windows (Gemma 2); sinks, a window, YaRN (GPT-OSS)
@@ -58,7 +59,7 @@ def hf_reads_fp8(monkeypatch):
 
         def rounded(attention, query, key, value, *args, **kwargs):
             k_scale, v_scale = scales[attention.layer_idx]
-            return eager(attention, query, fp8_kv.stored(key, k_scale), fp8_kv.stored(value, v_scale), *args, **kwargs)
+            return eager(attention, query, stored(key, k_scale), stored(value, v_scale), *args, **kwargs)
 
         monkeypatch.setattr(module, "eager_attention_forward", rounded)
     return patch

@@ -30,11 +30,17 @@ class AttentionBackend(ABC):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
+             kv_scale: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v into the cache at `slot_mapping`, as FP8 codes where it holds them; returns them as a
+    read of the cache returns them."""
+    stored = k, v
     if fp8_kv.holds_codes(kv_cache):
-        k, v = fp8_kv.quantize(k, kv_scale[0]), fp8_kv.quantize(v, kv_scale[1])
+        codes = fp8_kv.quantize(k, kv_scale[0]), fp8_kv.quantize(v, kv_scale[1])
+        stored = tuple(fp8_kv.dequantize(c, s, k.dtype) for c, s in zip(codes, kv_scale))
+        k, v = codes
     kv_cache[0].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    return stored
 
 
 @dataclass(frozen=True, eq=False)

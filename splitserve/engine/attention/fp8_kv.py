@@ -45,8 +45,3 @@ def dequantize(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
     bits = codes.to(torch.int16)
     half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).view(torch.float16)
     return half.to(torch.float32).mul_(256.0 * scale).to(dtype)
-
-
-def stored(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x as a read of the FP8 cache returns it."""
-    return dequantize(quantize(x, scale), scale, x.dtype)

@@ -21,9 +21,7 @@ class TorchPagedBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
                 scale: float | None = None, softcap: float | None = None,
                 sinks: torch.Tensor | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
-        if fp8_kv.holds_codes(kv_cache):
-            k, v = fp8_kv.stored(k, kv_scale[0]), fp8_kv.stored(v, kv_scale[1])
+        k, v = write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
         out = torch.empty_like(q)
         scoring = Scoring(scale, softcap, sinks)
         for first, end in meta.decode_groups:
