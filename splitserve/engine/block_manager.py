@@ -17,11 +17,21 @@ Invariants (checked by `check_integrity`):
 - the prefix delta (what the cluster-level scheduler is told next) is net: hashes cached since the
   last take are all still cached, hashes evicted since are none of them. Only caching and eviction
   record it, so with prefix caching off it costs nothing.
-- a sequence's table list only grows (by appending) while the sequence holds it; a new allocation
-  is a new list (the model runner's host mirror of the tables relies on this).
+- a sequence's table list only grows (by appending) while the sequence holds it, but for released
+  entries (below); a new allocation is a new list (the model runner's host mirror of the tables
+  relies on this: it keeps a released entry's old id, masked out of every query's window).
 - a chain starts at `root_of(seq)`: where a model computes the same tokens' KV differently by
   sequence (LongRoPE's long prompts), those sequences chain from another root and share nothing
   with the rest.
+
+With a `window` (a model whose every layer attends to the latest `window` positions), a table's
+leading blocks that no later query can reach are released as the sequence advances: their entries
+become NULL_BLOCK, an id never handed out, so a table holds about a window's blocks however long
+its sequence grows. Released entries lead the table (`_released` of them) and are the only
+NULL_BLOCKs in it; entries only change in place from an id to NULL_BLOCK. A prefix hit then
+needs only the cached blocks within the window of its end. Blocks of a sequence that is handed
+off (exported to a token worker) are not released: the export reads them all, and the importer
+caches what it receives.
 """
 from __future__ import annotations
 
@@ -39,6 +49,9 @@ def long_rope_root(long_from: int | None) -> Callable[[Sequence], int]:
     return lambda seq: chain_root(seq.num_tokens, long_from)
 
 
+NULL_BLOCK = 0  # with a window: the reserved id that stands in a table for a released block
+
+
 class OutOfBlocksError(RuntimeError):
     """The KV cache has too few free blocks for the request."""
 
@@ -51,19 +64,26 @@ class _CachedBlock:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 root_of: Callable[[Sequence], int] = lambda seq: ROOT):
+                 root_of: Callable[[Sequence], int] = lambda seq: ROOT, window: int | None = None):
+        """`num_blocks`: the cache's blocks; with a `window`, one of them is NULL_BLOCK."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        if window is not None and (window < 1 or num_blocks < 2):
+            raise ValueError(f"a window needs window >= 1 and num_blocks >= 2, got {window}, {num_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self._root_of = root_of
         self._num_blocks = num_blocks
-        self._fresh: deque[int] = deque(range(num_blocks))  # free, no cached content; oldest freed first
+        self._reserved = int(window is not None)  # NULL_BLOCK's one, or none
+        # free, no cached content; oldest freed first
+        self._fresh: deque[int] = deque(range(self._reserved, num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free hashed blocks, LRU order
         self._hashed: dict[int, _CachedBlock] = {}  # block id -> its key and ref count
         self._cached: dict[int, int] = {}           # hash(key) -> block id
         self._tables: dict[str, list[int]] = {}     # seq_id -> block ids
         self._chain: dict[str, tuple[int, int]] = {}  # seq_id -> (blocks hashed, hash of the last or ROOT)
+        self._released: dict[str, int] = {}  # seq_id -> its table's leading NULL_BLOCKs (with a window)
         self._newly_cached: dict[int, None] = {}  # prefix delta: hashes cached since the last take, in order
         self._evicted: set[int] = set()  # prefix delta: hashes evicted since the last take
         self.num_cache_hit_blocks = 0
@@ -71,7 +91,8 @@ class BlockManager:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return self._num_blocks
+        """The blocks sequences can hold."""
+        return self._num_blocks - self._reserved
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,10 +100,14 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self._num_blocks - self.num_free_blocks
+        return self.num_blocks - self.num_free_blocks
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id]
+
+    def num_held_blocks(self, seq_id: str) -> int:
+        """The blocks a sequence holds (its table's entries but the released ones)."""
+        return len(self._tables[seq_id]) - self._released.get(seq_id, 0)
 
     def owners(self) -> list[str]:
         return list(self._tables)
@@ -95,7 +120,8 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, reserve_blocks: int = 0) -> bool:
         """Whether `allocate(seq)` would succeed, leaving `reserve_blocks` free (a watermark)."""
-        return self._free_blocks_needed(seq, self._prefix_hits(seq)) + reserve_blocks <= self.num_free_blocks
+        released, hits, _ = self._prefix_hits(seq)
+        return self._free_blocks_needed(seq, released, hits) + reserve_blocks <= self.num_free_blocks
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self._extra_blocks(seq.seq_id, num_tokens) <= self.num_free_blocks
@@ -108,16 +134,19 @@ class BlockManager:
         """
         if seq.seq_id in self._tables:
             raise ValueError(f"sequence {seq.seq_id!r} already holds blocks")
-        hits = self._prefix_hits(seq) if use_prefix_cache else []
-        if self._free_blocks_needed(seq, hits) > self.num_free_blocks:
+        released, hits, parent = self._prefix_hits(seq) if use_prefix_cache else (0, [], self._root_of(seq))
+        if self._free_blocks_needed(seq, released, hits) > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id!r} needs more KV blocks than are free "
                                    f"({self.num_free_blocks})")
         for block_id in hits:
             self._take(block_id)
-        self._tables[seq.seq_id] = list(hits)
-        self._chain[seq.seq_id] = (len(hits), hash(self._hashed[hits[-1]].key) if hits else self._root_of(seq))
-        self.num_cache_hit_blocks += len(hits)
-        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        cached = released + len(hits)
+        self._tables[seq.seq_id] = [NULL_BLOCK] * released + hits
+        self._chain[seq.seq_id] = (cached, parent)
+        if self.window is not None:
+            self._released[seq.seq_id] = released
+        self.num_cache_hit_blocks += cached
+        seq.num_cached_tokens = seq.num_computed_tokens = cached * self.block_size
         self.grow(seq, seq.num_tokens)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
@@ -138,9 +167,15 @@ class BlockManager:
         return True
 
     def commit(self, seq: Sequence) -> None:
-        """Hash the full blocks whose KV is now computed, so later requests can share them."""
-        if not self.enable_prefix_caching:
-            return
+        """Hash the full blocks whose KV is now computed, so later requests can share them; with a
+        window, then release the blocks wholly before the window of the next query (at position
+        num_computed_tokens or later), unless the sequence is handed off."""
+        if self.enable_prefix_caching:
+            self._hash_computed(seq)
+        if self.window is not None and not seq.hand_off:
+            self._release_out_of_window(seq)
+
+    def _hash_computed(self, seq: Sequence) -> None:
         table = self._tables[seq.seq_id]
         done, parent = self._chain[seq.seq_id]
         full = min(seq.num_computed_tokens // self.block_size, len(table))
@@ -158,32 +193,52 @@ class BlockManager:
         if full > done:
             self._chain[seq.seq_id] = (full, parent)
 
+    def _release_out_of_window(self, seq: Sequence) -> None:
+        """A query at p >= num_computed_tokens reads positions > p - window: the blocks that end at
+        or before num_computed_tokens - window + 1 are never read again. Hashing comes first, so a
+        released block that was cached stays cached (evictable) for later prefix hits."""
+        table, released = self._tables[seq.seq_id], self._released[seq.seq_id]
+        reach = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size
+        for i in range(released, reach):
+            self._drop(table[i])
+            table[i] = NULL_BLOCK
+        if reach > released:
+            self._released[seq.seq_id] = reach
+
+    def _drop(self, block_id: int) -> None:
+        """One table lets `block_id` go: a private block is fresh again, a cached one evictable
+        once no table holds it."""
+        block = self._hashed.get(block_id)
+        if block is None:
+            self._fresh.append(block_id)
+            return
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._evictable[block_id] = None
+
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks (tail first, so a prefix stays cached longest)."""
         table = self._tables.pop(seq_id, None)
         if table is None:
             return
         done, _ = self._chain.pop(seq_id)
-        self._fresh.extend(reversed(table[done:]))  # past the hashed prefix: unhashed, private
-        for block_id in reversed(table[:done]):
-            block = self._hashed.get(block_id)
-            if block is None:
-                self._fresh.append(block_id)  # a duplicate of cached content: private
-                continue
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._evictable[block_id] = None
+        released = self._released.pop(seq_id, 0)
+        self._fresh.extend(reversed(table[max(done, released):]))  # past the hashed prefix: unhashed, private
+        for block_id in reversed(table[released:done]):
+            self._drop(block_id)  # unhashed where it duplicates cached content
 
     def export_blocks(self, seq_id: str) -> list[int]:
-        """The block ids holding a sequence's KV, in token order (for a KV transfer out)."""
+        """The block ids holding a sequence's KV, in token order (for a KV transfer out: a
+        handed-off sequence, which holds them all)."""
         return list(self._tables[seq_id])
 
     def reserve_for_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[int]:
         """Blocks for a sequence whose KV a transfer in writes. With `reuse_prefix`, cached full
         blocks of its prefix are shared (held, so never evicted meanwhile) and
-        `seq.num_computed_tokens` is the number of leading tokens they hold: the transfer must write
-        only the positions from there on (never the last token's, `_prefix_hits`). Without, every
-        block is fresh and the transfer writes them all."""
+        `seq.num_computed_tokens` is the number of leading tokens they hold (with a window, the
+        leading ones out of its reach are NULL_BLOCK): the transfer must write only the positions
+        from there on (never the last token's, `_prefix_hits`). Without, every block is fresh and
+        the transfer writes them all."""
         self.allocate(seq, use_prefix_cache=reuse_prefix)
         return list(self._tables[seq.seq_id])
 
@@ -203,24 +258,44 @@ class BlockManager:
     def _extra_blocks(self, seq_id: str, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self._tables[seq_id]))
 
-    def _free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
+    def _free_blocks_needed(self, seq: Sequence, released: int, hits: list[int]) -> int:
         revived = sum(1 for b in hits if self._hashed[b].ref_count == 0)  # cached but free
-        return self.blocks_for(seq.num_tokens) - len(hits) + revived
+        return self.blocks_for(seq.num_tokens) - released - len(hits) + revived
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks matching the sequence's leading full blocks. The last token is never
-        covered, so a step always computes at least one token and produces logits."""
+    def _prefix_hits(self, seq: Sequence) -> tuple[int, list[int], int]:
+        """(released, hits, parent): the sequence's first released + len(hits) blocks come from the
+        cache; `hits` are the cached blocks holding the last len(hits) of them, the first
+        `released` are not needed (out of the window's reach: none without a window), `parent` the
+        hash the chain goes on from. The last token is never covered, so a step always computes at
+        least one token and produces logits."""
+        root = self._root_of(seq)
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
-            return []
-        hits, parent = [], self._root_of(seq)
+            return 0, [], root
+        found, parents, parent = [], [], root
         for i in range(num_reusable_blocks(seq.num_tokens, self.block_size)):
             key = block_key(parent, seq.token_ids, i, self.block_size)
             parent = hash(key)
             block_id = self._cached.get(parent)
             if block_id is None or self._hashed[block_id].key != key:
-                break
-            hits.append(block_id)
-        return hits
+                if self.window is None:
+                    break
+                block_id = None  # a gap: a later hit needs a window that starts past it
+            found.append(block_id)
+            parents.append(parent)
+        best, gap = 0, -1  # the longest prefix whose needed blocks are all cached; the last miss so far
+        for i, block_id in enumerate(found):
+            if block_id is None:
+                gap = i
+            if self._first_needed(i + 1) > gap:
+                best = i + 1
+        first = self._first_needed(best)
+        return first, found[first:best], parents[best - 1] if best else root
+
+    def _first_needed(self, blocks: int) -> int:
+        """The first block a query right after `blocks` computed blocks can read."""
+        if self.window is None:
+            return 0
+        return max(0, blocks * self.block_size - self.window + 1) // self.block_size
 
     def _take_fresh(self, count: int) -> list[int]:
         """`count` free blocks for new content: fresh ones first, then evicted ones (their cache
@@ -252,16 +327,22 @@ class BlockManager:
     def check_integrity(self) -> None:
         """Raise `RuntimeError` naming the first broken invariant."""
         refs = [0] * self._num_blocks
-        for seq_id, table in self._tables.items():
+        for seq_id, whole in self._tables.items():
+            released = self._released.get(seq_id, 0)
+            table = whole[released:]
+            if any(block_id != NULL_BLOCK for block_id in whole[:released]) or \
+                    (self._reserved and NULL_BLOCK in table):
+                raise RuntimeError(f"block table of {seq_id!r} is not {released} released entries, then held blocks")
             if len(set(table)) != len(table):
-                raise RuntimeError(f"block table of {seq_id!r} holds a block twice: {table}")
+                raise RuntimeError(f"block table of {seq_id!r} holds a block twice: {whole}")
             done = self._chain[seq_id][0]
-            if any(block_id in self._hashed for block_id in table[done:]):
+            if any(block_id in self._hashed for block_id in whole[max(done, released):]):
                 raise RuntimeError(f"block table of {seq_id!r} has a hashed block past its hashed prefix ({done})")
             for block_id in table:
                 refs[block_id] += 1
         free = [*self._fresh, *self._evictable]
-        if len(set(free)) != len(free):
+        free_set = set(free)
+        if len(free_set) != len(free):
             raise RuntimeError("a block is on the free lists twice")
         for block_id in free:
             if refs[block_id]:
@@ -269,8 +350,9 @@ class BlockManager:
         for block_id in self._fresh:
             if block_id in self._hashed:
                 raise RuntimeError(f"block {block_id} is fresh but holds cached content")
-        free_set = set(free)
-        for block_id, count in enumerate(refs):
+        if self._reserved and (NULL_BLOCK in free_set or NULL_BLOCK in self._hashed):
+            raise RuntimeError("NULL_BLOCK is on the free lists or cached")
+        for block_id, count in enumerate(refs[self._reserved:], self._reserved):
             block = self._hashed.get(block_id)
             if block is not None and block.ref_count != count:
                 raise RuntimeError(f"block {block_id}: ref_count {block.ref_count} but held by {count} tables")

@@ -108,6 +108,12 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         return self.sliding_window if layer in self.sliding_layers else None
 
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has it (the KV cache then keeps only a window's blocks of a
+        sequence: `BlockManager`), else None."""
+        return self.sliding_window if len(self.sliding_layers) == self.num_hidden_layers else None
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 

@@ -5,8 +5,10 @@ batch's context (256 sequences at 2k tokens: 32k ids), while a decode step adds 
 per sequence. So each sequence keeps a row of a host array, and a step copies into it only the
 ids appended since the last one. This relies on the block manager's invariant: a sequence's
 table list only grows while the sequence holds it, and a new allocation is a new list (which is
-copied whole). Rows of sequences that have left are reclaimed when the rows run out; a row's
-entries past its table's end are 0.
+copied whole). An entry the block manager releases (a sliding window's) keeps its old id here:
+no attention output depends on it (keys out of the window are skipped or masked). Rows of
+sequences that have left are reclaimed when the rows run out; a row's entries past its table's
+end are 0.
 """
 from __future__ import annotations
 

@@ -50,8 +50,9 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
         loaded.config, config.block_size, loaded.dtype, shard, config.kv_cache_dtype)
     if group is not None:
         num_blocks = group.min_int(num_blocks)
-    if num_blocks * config.block_size < loaded.max_model_len:
-        raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len="
+    usable = num_blocks - (loaded.config.uniform_window is not None)  # less BlockManager's NULL_BLOCK
+    if usable * config.block_size < loaded.max_model_len:
+        raise ConfigError(f"the KV cache holds {usable * config.block_size} tokens, fewer than max_model_len="
                           f"{loaded.max_model_len}; raise kv_cache_memory_bytes (on CUDA, gpu_memory_utilization) or "
                           "lower max_model_len")
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device, shard,

@@ -14,9 +14,9 @@ SHORT = [256] + [ord(c) for c in "a short prompt, under the layer-wise threshold
 LONG = [256] + [(i * 7 + 3) % 256 for i in range(700)]  # over the 512-token threshold: streamed per layer
 
 
-def colocated(cluster, prompts, params=GREEDY, **engine_args):
+def colocated(cluster, prompts, params=GREEDY, model="demo", **engine_args):
     """The same prompts on one engine, on the workers' device, prefilled whole as the prompt worker does."""
-    llm = LLM("demo", policy="prefill_first", device=workers.device_for(cluster.backend),
+    llm = LLM(model, policy="prefill_first", device=workers.device_for(cluster.backend),
               **workers.engine_args_for(cluster.backend), **engine_args)
     return [out.token_ids for out in llm.generate(prompts, params)]
 
@@ -79,6 +79,26 @@ def test_an_fp8_cache_travels_as_its_codes(backend):
         assert_clean(fp8, "t0")
     finally:
         fp8.close()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_sliding_window_model_hands_off_whole_and_decodes_in_its_window(backend, tmp_path):
+    """Every layer slides (Mistral's layout): the prompt worker keeps all its blocks for the export
+    (one-shot exports read them after the step), the token worker takes them all and releases those
+    out of the window as it decodes; what it caches of them serves a later prompt's window."""
+    from splitserve.engine.demo import DEMO_MODEL_CONFIG
+    from splitserve.engine.dummy_weights import write_shape_checkpoint
+
+    model = write_shape_checkpoint(tmp_path / "mistral", {**DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"],
+                                                          "model_type": "mistral", "sliding_window": 16})
+    windowed = Cluster(backend, engine_args={"model": model, "load_format": "dummy"})
+    try:
+        one_shot = [256] + [(i * 5 + 1) % 256 for i in range(400)]
+        for prompts in ([LONG, SHORT, one_shot], [one_shot[:200] + SHORT[1:]]):  # the last hits one_shot's blocks
+            assert run(windowed, prompts) == colocated(windowed, prompts, model=model, load_format="dummy")
+        assert_clean(windowed, "t0")
+    finally:
+        windowed.close()
 
 
 def test_an_fp8_worker_and_a_float32_one_have_different_kv_layouts():

@@ -93,7 +93,9 @@ def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_
     from splitserve.transfer.importer import KVImporter
 
     torch.set_num_threads(1)
-    engine = LLMEngine("demo", policy="token", device=device_for(backend, "token"), **engine_args)
+    engine_args = dict(engine_args)
+    engine = LLMEngine(engine_args.pop("model", "demo"), policy="token", device=device_for(backend, "token"),
+                       **engine_args)
     importer = KVImporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory), worker_id)
 
     def handle(cmd):
@@ -125,7 +127,9 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
     from splitserve.transfer.link import TransferError
 
     torch.set_num_threads(1)
-    engine = LLMEngine("demo", policy="prompt", device=device_for(backend, "prompt"), **engine_args)
+    engine_args = dict(engine_args)
+    engine = LLMEngine(engine_args.pop("model", "demo"), policy="prompt", device=device_for(backend, "prompt"),
+                       **engine_args)
     exporter = KVExporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory))
     stalled = []
 

@@ -199,7 +199,7 @@ class AccelGenPolicy(Policy):
                        and c.seq.seq_id not in preempted and c.slack_s > cand.slack_s), key=lambda c: -c.slack_s)
 
     def _reclaimable(self, victims: list[Candidate]) -> int:
-        return sum(len(self.blocks.block_table(v.seq.seq_id)) for v in victims)
+        return sum(self.blocks.num_held_blocks(v.seq.seq_id) for v in victims)
 
     def _blocks_needed(self, cand: Candidate) -> int:
         if cand.waiting:
