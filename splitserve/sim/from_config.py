@@ -63,7 +63,8 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
                     chunk_token_budget=engine.chunk_token_budget, hardware=hardware, overhead=target.overhead,
                     slo=engine.slo_scheduling.options(),
                     role_policies={role.value: engine.policy_for(role.value) for role in Role},
-                    prefix_caching=engine.enable_prefix_caching, prefix=config.prefix_options())
+                    prefix_caching=engine.enable_prefix_caching, prefix=config.prefix_options(),
+                    sliding_window=model_shape(target.model).window)
 
 
 def pool_spec(pool: PoolConfig, config: ClusterConfig, target: SimTarget) -> PoolSpec:
@@ -101,7 +102,7 @@ def model_shape(model: str, kv_cache_dtype: str = "auto") -> ModelShape:
     config = demo_model_config() if model == "demo" else load_model_config(model)
     element = 1 if fp8_kv.is_fp8(kv_cache_dtype) else CPU_DTYPE_BYTES
     return ModelShape(config.num_hidden_layers, config.num_hidden_layers * 2 * config.num_key_value_heads
-                      * config.head_dim * element)
+                      * config.head_dim * element, config.uniform_window)
 
 
 def kv_budget_tokens(config: ClusterConfig, target: SimTarget, tensor_parallel: int) -> int:

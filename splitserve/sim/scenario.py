@@ -58,7 +58,9 @@ class Scenario:
     `role_policies`: the engine policy a worker runs while in each pool, on start and after every pool
     move (the cluster's `engine.policy_for`; a pool not named runs the policy of its own name).
     `prefix_caching`: the workers cache prefixes, which matters only for requests whose prompts
-    share blocks (`RequestSpec.prefix_blocks`); `prefix`: how placement and imports use them."""
+    share blocks (`RequestSpec.prefix_blocks`); `prefix`: how placement and imports use them.
+    `sliding_window`: the model's window where every layer has one (its workers keep a window's
+    blocks of a sequence, and one block is the block manager's NULL_BLOCK)."""
 
     pools: tuple[PoolSpec, ...]
     perf_models: Mapping[str, PerfModel]
@@ -78,6 +80,7 @@ class Scenario:
     role_policies: Mapping[str, str] = field(default_factory=dict)
     prefix_caching: bool = True
     prefix: PrefixOptions = PrefixOptions()
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))
@@ -92,7 +95,7 @@ class Scenario:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for pool in self.pools:
-            if self.num_blocks_of(pool) * self.block_size < self.max_model_len:
+            if (self.num_blocks_of(pool) - (self.sliding_window is not None)) * self.block_size < self.max_model_len:
                 owner = f"the {pool.role.value} pool's " if pool.kv_budget_tokens is not None else ""
                 raise ValueError(f"{owner}kv_budget_tokens={self.kv_budget_tokens_of(pool)} holds fewer tokens "
                                  f"than max_model_len={self.max_model_len}; raise kv_budget_tokens or lower "

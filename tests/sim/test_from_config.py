@@ -91,7 +91,7 @@ def test_a_measured_profile_serves_tp_1_pools_and_only_its_own_tp_otherwise(tmp_
     write_cpu_profile(profile)  # rows at tensor_parallel 1
     target = SimTarget("demo", 8, profile)  # the stand-in TP is for the paper's profiles only
     scenario = scenario_from_config(config(("mixed", "cpu", 1)), target)
-    assert scenario.perf_models["cpu"].tensor_parallel == 1
+    assert scenario.perf_models["cpu"].tensor_parallel == 1 and scenario.sliding_window is None
     with pytest.raises(ValueError, match=r"the mixed pool \(cpu, tensor_parallel_size 2\).*\('demo', 'cpu', 2\)"):
         scenario_from_config(config(("mixed", "cpu", 2)), target)
 
@@ -104,3 +104,15 @@ def test_pool_specs_key_their_setup_by_tp():
     with pytest.raises(ValueError, match="no model for hardware hw/tp2"):
         Scenario((PoolSpec(Role.MIXED, 1, "hw", 2),), {"hw": LinearPerf()}, kv_budget_tokens=4096,
                  max_model_len=2048)
+
+
+def test_a_model_whose_every_layer_slides_has_its_window_in_the_shape(tmp_path):
+    """What the simulated workers' block managers release by (`Scenario.sliding_window`)."""
+    from splitserve.engine.demo import DEMO_MODEL_CONFIG
+    from splitserve.engine.dummy_weights import write_shape_checkpoint
+    from splitserve.sim.from_config import model_shape
+
+    mistral = write_shape_checkpoint(tmp_path / "m", {**DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"],
+                                                      "model_type": "mistral", "sliding_window": 64})
+    assert model_shape(mistral).window == 64
+    assert model_shape("demo").window is None and model_shape("llama2-70b").window is None

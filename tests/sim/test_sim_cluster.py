@@ -208,3 +208,17 @@ def test_scenario_rejects_bad_values(overrides, message):
 def test_scenario_needs_a_model_for_every_hardware():
     with pytest.raises(ValueError, match="no model for hardware other"):
         Scenario((PoolSpec(Role.MIXED, 1, "other"),), {"hw": LinearPerf()}, kv_budget_tokens=4096)
+
+
+def test_a_sliding_window_model_keeps_a_window_of_blocks_per_request():
+    """The workers' block managers release what a window model's layers can no longer read, as the
+    engine's do: eight long decodes that outgrow a 2048-token cache (refused or preempted) fit in it."""
+    requests = [spec(i, 0.3 * i, 200, 800) for i in range(8)]
+    served, preemptions = {}, {}
+    for window in (None, 128):
+        sim = Simulation(mixed(kv_budget_tokens=2048, max_model_len=1024, sliding_window=window), requests)
+        records = sim.run().records
+        served[window] = sum(r.status == 200 and len(r.token_times_s) == 800 for r in records)
+        preemptions[window] = sum(w.policy.num_preemptions for w in sim.workers.values())
+    assert (served[128], preemptions[128]) == (8, 0)
+    assert served[None] < 8 or preemptions[None] > 0
