@@ -66,7 +66,13 @@ def run(args, cache: str, budget: int, prompts: list[list[int]]) -> dict:
     engine = LLMEngine(args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=cache, policy="mixed",
                        kv_cache_memory_bytes=budget, block_size=args.block_size, max_num_seqs=len(prompts),
                        max_model_len=args.prompt_len + args.output_len + args.block_size, enable_prefix_caching=False)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    return drive(engine, prompts, args.output_len)
+
+
+def drive(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
+    """Send every prompt at once (greedy, `output_len` tokens each) and step until all are done,
+    counting each step's running sequences."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     gc.collect()
@@ -76,7 +82,7 @@ def run(args, cache: str, budget: int, prompts: list[list[int]]) -> dict:
         running.append(len(engine.policy.running))
         done.update((out.request_id, out.outputs[0].token_ids) for out in outputs if out.finished)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "output_tokens_per_s": len(prompts) * args.output_len / seconds,
+    return {"seconds": seconds, "output_tokens_per_s": len(prompts) * output_len / seconds,
             "kv_blocks": engine.kv_cache.num_blocks, "peak_running": max(running),
             "mean_running": statistics.mean(running), "steps": len(running),
             "preemptions": engine.policy.num_preemptions, "tokens": [done[str(i)] for i in range(len(prompts))]}
@@ -84,6 +90,24 @@ def run(args, cache: str, budget: int, prompts: list[list[int]]) -> dict:
 
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def row_of(runs: list[dict]) -> dict:
+    """One engine's repeats of `drive`: the first run's counts, the others' spread."""
+    return {"kv_blocks": runs[0]["kv_blocks"], "peak_running": runs[0]["peak_running"],
+            "mean_running": summary([x["mean_running"] for x in runs]),
+            "preemptions": summary([x["preemptions"] for x in runs]), "steps": summary([x["steps"] for x in runs]),
+            "output_tokens_per_s": summary([x["output_tokens_per_s"] for x in runs])}
+
+
+def print_rows(rows: dict[str, dict], label: str) -> None:
+    print(f"| {label} | blocks | peak running | mean running | preemptions | steps | output tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, row in rows.items():
+        tps = row["output_tokens_per_s"]
+        print(f"| {name} | {row['kv_blocks']} | {row['peak_running']} | {row['mean_running']['median']:.1f} | "
+              f"{row['preemptions']['median']:.0f} | {row['steps']['median']:.0f} | "
+              f"{tps['median']:.0f} [{tps['min']:.0f}-{tps['max']:.0f}] |")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -100,11 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs[cache].append(run(args, cache, budget, prompts))
     first = {cache: runs[cache][0]["tokens"] for cache in CACHES}
     same = sum(a == b for x, y in zip(first["auto"], first["fp8"]) for a, b in zip(x, y))
-    rows = {cache: {"kv_blocks": r[0]["kv_blocks"], "peak_running": r[0]["peak_running"],
-                    "mean_running": summary([x["mean_running"] for x in r]),
-                    "preemptions": summary([x["preemptions"] for x in r]), "steps": summary([x["steps"] for x in r]),
-                    "output_tokens_per_s": summary([x["output_tokens_per_s"] for x in r])}
-            for cache, r in runs.items()}
+    rows = {cache: row_of(r) for cache, r in runs.items()}
     result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "kv_cache_bytes": budget, "hardware": {"cpu": cpu_name(), "torch": torch.__version__,
                                                      "threads": torch.get_num_threads()},
@@ -114,13 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
               "greedy_tokens_equal_fraction": same / (args.requests * args.output_len)}
     print(f"KV cache: {budget / 2**20:.1f} MiB ({args.fit} sequences of {args.prompt_len + args.output_len} tokens "
           f"in {args.dtype}); {args.requests} requests at once")
-    print("| cache | blocks | peak running | mean running | preemptions | steps | output tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for cache, row in rows.items():
-        tps = row["output_tokens_per_s"]
-        print(f"| {cache} | {row['kv_blocks']} | {row['peak_running']} | {row['mean_running']['median']:.1f} | "
-              f"{row['preemptions']['median']:.0f} | {row['steps']['median']:.0f} | "
-              f"{tps['median']:.0f} [{tps['min']:.0f}-{tps['max']:.0f}] |")
+    print_rows(rows, "cache")
     print(f"fp8 / auto throughput: {result['throughput_ratio_fp8_vs_auto']:.2f}x; greedy tokens equal: "
           f"{result['greedy_tokens_equal_fraction']:.1%}")
     if args.json:

@@ -1,0 +1,115 @@
+"""A model whose every layer slides (Mistral's layout) in the same KV memory, keeping a window's
+blocks of each sequence (what the engine does: `BlockManager(window=...)`) and keeping every block
+(what it did before): how many sequences run at once, how often one is preempted, and what that
+does to throughput.
+
+The model is the demo's shape as a Mistral with a --window (dummy weights), unless --model names a
+checkpoint directory whose every layer slides. One engine per layout (mixed policy, `max_num_seqs`
+= the number of requests, so only the KV cache limits the batch), the same KV blocks for both:
+enough for --fit sequences' whole prompt and output. Every request is sent at once with a forced
+output length. The engines run side by side in one process, interleaved (window, whole, ...)
+after a warm-up, medians with [min-max] over --repeats. Releasing blocks changes no arithmetic, so
+the two layouts' greedy tokens must be equal; the script fails if they are not.
+
+    python scripts/bench_sliding_window_kv.py --json window.json          # on CPU, float32
+    python scripts/bench_sliding_window_kv.py --model /path/to/mistral --device cuda --dtype bfloat16 --fit 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench_kv_cache_dtype import drive, print_rows, row_of  # this script's folder
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.demo import DEMO_MODEL_CONFIG
+from splitserve.engine.dummy_weights import write_shape_checkpoint
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.loader import load_model_config
+from splitserve.engine.policies import make_policy
+from splitserve.machine import cpu_name
+
+LAYOUTS = ("window", "whole")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a checkpoint directory whose every layer slides (default: the demo's shape as a "
+                                   "Mistral with --window, dummy weights)")
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=384)
+    p.add_argument("--fit", type=int, default=8, help="sequences whose whole length the KV blocks hold")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch CPU threads")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    if min(args.window, args.requests, args.prompt_len, args.output_len, args.fit, args.repeats, args.threads) < 1:
+        p.error("--window, --requests, --prompt-len, --output-len, --fit, --repeats and --threads must be >= 1")
+    return args
+
+
+def keep_every_block(engine: LLMEngine) -> None:
+    """The engine as it was before windows released blocks: a block manager without the window
+    (which also hands out NULL_BLOCK, one block more)."""
+    engine.block_manager = BlockManager(engine.kv_cache.num_blocks, engine.config.block_size,
+                                        engine.config.enable_prefix_caching)
+    engine.policy = make_policy(engine.config.policy, engine.block_manager, engine.policy.limits)
+
+
+def run(args, model: str, layout: str, prompts: list[list[int]]) -> dict:
+    blocks = args.fit * -(-(args.prompt_len + args.output_len) // args.block_size) + 1  # + NULL_BLOCK
+    engine = LLMEngine(model, device=args.device, dtype=args.dtype, load_format="auto" if args.model else "dummy",
+                       policy="mixed", num_kv_blocks=blocks, block_size=args.block_size, max_num_seqs=len(prompts),
+                       max_model_len=args.prompt_len + args.output_len + args.block_size, enable_prefix_caching=False)
+    window = engine.block_manager.window
+    if layout == "whole":
+        keep_every_block(engine)
+    return {**drive(engine, prompts, args.output_len), "window": window}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    with tempfile.TemporaryDirectory() as scratch:
+        model = args.model or write_shape_checkpoint(scratch, {
+            **DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "sliding_window": args.window, "max_position_embeddings": args.prompt_len + args.output_len + 64})
+        if load_model_config(model).uniform_window is None:
+            raise SystemExit(f"{model}: not every layer has a sliding window, so there is nothing to release")
+        for layout in LAYOUTS:  # warm-up, not counted: torch's first steps are slower
+            run(args, model, layout, prompts[:2])
+        runs = {layout: [] for layout in LAYOUTS}
+        for _ in range(args.repeats):
+            for layout in LAYOUTS:
+                runs[layout].append(run(args, model, layout, prompts))
+    if any(r["tokens"] != runs["window"][0]["tokens"] for rs in runs.values() for r in rs):
+        raise SystemExit("the layouts' greedy tokens differ: releasing blocks changed what attention read")
+    rows = {layout: row_of(r) for layout, r in runs.items()}
+    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "hardware": {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+              "window": runs["window"][0]["window"], "layouts": rows,
+              "throughput_ratio_window_vs_whole": rows["window"]["output_tokens_per_s"]["median"]
+              / rows["whole"]["output_tokens_per_s"]["median"]}
+    print(f"KV cache: {rows['window']['kv_blocks']} blocks of {args.block_size} ({args.fit} sequences of "
+          f"{args.prompt_len + args.output_len} tokens); window {result['window']}; {args.requests} requests at once")
+    print_rows(rows, "layout")
+    print(f"window / whole throughput: {result['throughput_ratio_window_vs_whole']:.2f}x; greedy tokens equal")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
