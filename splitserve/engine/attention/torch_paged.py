@@ -3,8 +3,10 @@
 Decodes are batched, one SDPA call per group of similar context lengths, over their gathered,
 length-masked KV; prefill chunks run one SDPA call each, with a causal mask offset by the
 chunk's start when earlier chunks' KV is in the cache. A sliding window masks the keys at or
-before position p - window for the query at p; `Scoring` gives the scores' scale and soft cap,
-and the sinks' logits. An FP8 cache is read dequantized (`fp8_kv`), this step's own K and V too.
+before position p - window for the query at p, and the blocks wholly before every query's window
+are not gathered (so a windowed layer's cost follows its window, not the context, and the blocks
+a block manager released are never read); `Scoring` gives the scores' scale and soft cap, and
+the sinks' logits. An FP8 cache is read dequantized (`fp8_kv`), this step's own K and V too.
 """
 from __future__ import annotations
 
@@ -35,12 +37,14 @@ class TorchPagedBackend(AttentionBackend):
     def decode(self, q, kv_cache, meta: AttentionMetadata, first: int = 0, window: int | None = None,
                scoring: Scoring | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """Single-token queries of sequences first .. first + len(q), batched in one SDPA call."""
-        end = first + q.shape[0]
-        max_len = max(meta.context_lens_list[first:end])
-        tables = meta.block_tables[first:end, : -(-max_len // kv_cache.shape[2])]
-        keys, values = (_read(x[:, :max_len].transpose(1, 2), q.dtype, s)  # each [n, KVH, L, D]
+        end, bs = first + q.shape[0], kv_cache.shape[2]
+        lens = meta.context_lens_list[first:end]
+        max_len = max(lens)
+        lo = _first_block(min(lens) - 1, window, bs)  # the query at p reads keys > p - window
+        tables = meta.block_tables[first:end, lo : -(-max_len // bs)]
+        keys, values = (_read(x[:, :max_len - lo * bs].transpose(1, 2), q.dtype, s)  # each [n, KVH, L, D]
                         for x, s in zip(_gather(kv_cache, tables), kv_scale))
-        positions = torch.arange(max_len, device=q.device)[None, :]
+        positions = torch.arange(lo * bs, max_len, device=q.device)[None, :]
         contexts = meta.context_lens[first:end, None]
         mask = positions < contexts
         if window is not None:
@@ -54,17 +58,27 @@ class TorchPagedBackend(AttentionBackend):
         n, context, scoring = q.shape[0], meta.context_lens_list[i], scoring or Scoring()
         if n == context and (window is None or window >= n):
             return _tokens_first(scoring.attend, q, k, v, is_causal=True)  # no earlier KV, nothing out of the window
+        start = 0
         if n == context:
             keys, values = k, v
         else:
-            table = meta.block_tables[i : i + 1, : -(-context // kv_cache.shape[2])]
-            keys, values = (_read(x[0, :context], q.dtype, s) for x, s in zip(_gather(kv_cache, table), kv_scale))
+            bs = kv_cache.shape[2]
+            lo = _first_block(context - n, window, bs)
+            start = lo * bs
+            table = meta.block_tables[i : i + 1, lo : -(-context // bs)]
+            keys, values = (_read(x[0, :context - start], q.dtype, s)
+                            for x, s in zip(_gather(kv_cache, table), kv_scale))
         query_pos = torch.arange(context - n, context, device=q.device)[:, None]
-        key_pos = torch.arange(context, device=q.device)[None, :]
+        key_pos = torch.arange(start, context, device=q.device)[None, :]
         mask = key_pos <= query_pos
         if window is not None:
             mask &= key_pos > query_pos - window
         return _tokens_first(scoring.attend, q, keys, values, mask=mask)
+
+
+def _first_block(query_pos: int, window: int | None, block_size: int) -> int:
+    """The first block a query at `query_pos` (or later) reads: keys > query_pos - window."""
+    return 0 if window is None else max(0, query_pos - window + 1) // block_size
 
 
 def _tokens_first(attend, q, k, v, **kwargs) -> torch.Tensor:
