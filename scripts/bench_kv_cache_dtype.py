@@ -21,6 +21,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -88,6 +89,19 @@ def drive(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
             "preemptions": engine.policy.num_preemptions, "tokens": [done[str(i)] for i in range(len(prompts))]}
 
 
+def interleaved(variants: tuple[str, ...], repeats: int, prompts: list[list[int]],
+                run_one: Callable[[str, list[list[int]]], dict]) -> dict[str, list[dict]]:
+    """Each variant's `repeats` runs of `prompts`, taken in turn (a, b, a, b, ...) after a warm-up
+    of each on two prompts, not counted: torch's first steps are slower."""
+    for variant in variants:
+        run_one(variant, prompts[:2])
+    runs = {variant: [] for variant in variants}
+    for _ in range(repeats):
+        for variant in variants:
+            runs[variant].append(run_one(variant, prompts))
+    return runs
+
+
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -116,12 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 256) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     budget = kv_bytes(args)
-    for cache in CACHES:  # warm-up, not counted: torch's first steps are slower
-        run(args, cache, budget, prompts[:2])
-    runs = {cache: [] for cache in CACHES}
-    for _ in range(args.repeats):
-        for cache in CACHES:
-            runs[cache].append(run(args, cache, budget, prompts))
+    runs = interleaved(CACHES, args.repeats, prompts, lambda cache, some: run(args, cache, budget, some))
     first = {cache: runs[cache][0]["tokens"] for cache in CACHES}
     same = sum(a == b for x, y in zip(first["auto"], first["fp8"]) for a, b in zip(x, y))
     rows = {cache: row_of(r) for cache, r in runs.items()}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench_kv_cache_dtype import drive, print_rows, row_of  # this script's folder
+from bench_kv_cache_dtype import drive, interleaved, print_rows, row_of  # this script's folder
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.demo import DEMO_MODEL_CONFIG
 from splitserve.engine.dummy_weights import write_shape_checkpoint
@@ -88,12 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
             "sliding_window": args.window, "max_position_embeddings": args.prompt_len + args.output_len + 64})
         if load_model_config(model).uniform_window is None:
             raise SystemExit(f"{model}: not every layer has a sliding window, so there is nothing to release")
-        for layout in LAYOUTS:  # warm-up, not counted: torch's first steps are slower
-            run(args, model, layout, prompts[:2])
-        runs = {layout: [] for layout in LAYOUTS}
-        for _ in range(args.repeats):
-            for layout in LAYOUTS:
-                runs[layout].append(run(args, model, layout, prompts))
+        runs = interleaved(LAYOUTS, args.repeats, prompts, lambda layout, some: run(args, model, layout, some))
     if any(r["tokens"] != runs["window"][0]["tokens"] for rs in runs.values() for r in rs):
         raise SystemExit("the layouts' greedy tokens differ: releasing blocks changed what attention read")
     rows = {layout: row_of(r) for layout, r in runs.items()}

@@ -29,9 +29,9 @@ leading blocks that no later query can reach are released as the sequence advanc
 become NULL_BLOCK, an id never handed out, so a table holds about a window's blocks however long
 its sequence grows. Released entries lead the table (`_released` of them) and are the only
 NULL_BLOCKs in it; entries only change in place from an id to NULL_BLOCK. A prefix hit then
-needs only the cached blocks within the window of its end. Blocks of a sequence that is handed
-off (exported to a token worker) are not released: the export reads them all, and the importer
-caches what it receives.
+needs only the cached blocks within the window of its end. A sequence that is handed off
+(exported to a token worker) holds every block, released none and took its hit whole: the
+export reads them all, and the importer caches what it receives.
 """
 from __future__ import annotations
 
@@ -268,7 +268,7 @@ class BlockManager:
         `released` are not needed (out of the window's reach: none without a window), `parent` the
         hash the chain goes on from. The last token is never covered, so a step always computes at
         least one token and produces logits."""
-        root = self._root_of(seq)
+        root, window = self._root_of(seq), None if seq.hand_off else self.window
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return 0, [], root
         found, parents, parent = [], [], root
@@ -277,7 +277,7 @@ class BlockManager:
             parent = hash(key)
             block_id = self._cached.get(parent)
             if block_id is None or self._hashed[block_id].key != key:
-                if self.window is None:
+                if window is None:
                     break
                 block_id = None  # a gap: a later hit needs a window that starts past it
             found.append(block_id)
@@ -286,16 +286,16 @@ class BlockManager:
         for i, block_id in enumerate(found):
             if block_id is None:
                 gap = i
-            if self._first_needed(i + 1) > gap:
+            if self._first_needed(i + 1, window) > gap:
                 best = i + 1
-        first = self._first_needed(best)
+        first = self._first_needed(best, window)
         return first, found[first:best], parents[best - 1] if best else root
 
-    def _first_needed(self, blocks: int) -> int:
+    def _first_needed(self, blocks: int, window: int | None) -> int:
         """The first block a query right after `blocks` computed blocks can read."""
-        if self.window is None:
+        if window is None:
             return 0
-        return max(0, blocks * self.block_size - self.window + 1) // self.block_size
+        return max(0, blocks * self.block_size - window + 1) // self.block_size
 
     def _take_fresh(self, count: int) -> list[int]:
         """`count` free blocks for new content: fresh ones first, then evicted ones (their cache

@@ -5,7 +5,8 @@ itself: every slot written by a "step" (or an import transfer) records an id of 
 prefix* up to and including that position (the KV of a token depends on every token before it).
 After each operation, every computed position of every running sequence must read back its own
 prefix id from its block table. That catches any wrong sharing, including sharing a block whose
-tokens match but whose preceding context differs.
+tokens match but whose preceding context differs. With a window, the positions checked are those
+the sequence's next query can read (and all of a handed-off sequence's, which keeps its blocks).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import random
 
 import pytest
 
-from splitserve.engine.block_manager import BlockManager, OutOfBlocksError
+from splitserve.engine.block_manager import NULL_BLOCK, BlockManager, OutOfBlocksError
 from splitserve.engine.sequence import Sequence
 from tests.engine.block_helpers import BS, make_seq
 
@@ -42,9 +43,10 @@ class _KVSim:
         for p in range(start, end):
             self.slots[table[p // self.bs]][p % self.bs] = ids[p]
 
-    def check(self, seq: Sequence, table: list[int]) -> None:
+    def check(self, seq: Sequence, table: list[int], first: int = 0) -> None:
+        """Positions `first` on hold their own prefix's KV."""
         ids = self.prefix_ids(seq.token_ids[:seq.num_computed_tokens])
-        for p, want in enumerate(ids):
+        for p, want in enumerate(ids[first:], first):
             got = self.slots[table[p // self.bs]][p % self.bs]
             assert got == want, (
                 f"{seq.seq_id}: KV at position {p} (block {table[p // self.bs]}) was computed for "
@@ -59,14 +61,15 @@ class _EngineSim:
     """
 
     def __init__(self, seed: int, enable_prefix_caching: bool = True, num_blocks: int = 24,
-                 block_size: int = BS):
+                 block_size: int = BS, window: int | None = None):
         self.seed = seed
         self.rng = random.Random(seed)
         self.bs = block_size
-        self.num_blocks = num_blocks
+        self.window = window
         self.enable_prefix_caching = enable_prefix_caching
         self.bm = BlockManager(num_blocks, block_size=block_size,
-                               enable_prefix_caching=enable_prefix_caching)
+                               enable_prefix_caching=enable_prefix_caching, window=window)
+        self.num_blocks = self.bm.num_blocks  # less NULL_BLOCK with a window
         self.kv = _KVSim(num_blocks, block_size)
         # block-sized chunks, shared across prompts at various positions, plus shared prefixes
         self.chunks = [[self.rng.randrange(8) for _ in range(block_size)] for _ in range(5)]
@@ -76,7 +79,7 @@ class _EngineSim:
         self.running: list[Sequence] = []  # admission order: the youngest is last
         self.counter = 0
         self.stats = dict(admitted=0, hits=0, hit_tokens=0, preempted=0, finished=0, imported=0,
-                          steps=0, shared_seen=0, out_of_blocks_admit=0)
+                          steps=0, shared_seen=0, out_of_blocks_admit=0, released=0)
 
     # -- the operation loop --------------------------------------------------------------------
 
@@ -125,8 +128,9 @@ class _EngineSim:
         if not tokens:
             tokens = [rng.randrange(8)]
         tokens = tokens[: (self.num_blocks // 2) * bs]
-        return make_seq(f"s{self.seed}-{self.counter}", tokens,
-                        max_tokens=rng.randint(1, 3 * bs))
+        seq = make_seq(f"s{self.seed}-{self.counter}", tokens, max_tokens=rng.randint(1, 3 * bs))
+        seq.hand_off = self.window is not None and rng.random() < 0.2  # keeps every block
+        return seq
 
     def preempt(self, seq: Sequence) -> None:
         self.bm.free(seq.seq_id)
@@ -196,7 +200,7 @@ class _EngineSim:
         ids = bm.reserve_for_import(seq)
         assert seq.num_computed_tokens == 0
         assert ids == bm.block_table(seq.seq_id)
-        others = {b for s in self.running for b in bm.block_table(s.seq_id)}
+        others = {b for s in self.running for b in bm.block_table(s.seq_id)} - {NULL_BLOCK}
         assert not set(ids) & others, "reserve_for_import shared a block"
         self.waiting.remove(seq)
         self.running.append(seq)
@@ -232,6 +236,7 @@ class _EngineSim:
         bs, bm = self.bs, self.bm
         for p in range(start, end):
             block = table[p // bs]
+            assert self.window is None or block != NULL_BLOCK, f"{seq.seq_id} writes position {p} into NULL_BLOCK"
             holders = [s.seq_id for s in self.running
                        if s is not seq and block in bm.block_table(s.seq_id)]
             assert not holders, f"{seq.seq_id} writes position {p} into block {block} shared with {holders}"
@@ -245,8 +250,12 @@ class _EngineSim:
             table = bm.block_table(s.seq_id)
             assert len(table) == bm.blocks_for(s.num_tokens)
             assert 0 <= s.num_computed_tokens < s.num_tokens
-            self.kv.check(s, table)
-            for i, b in enumerate(table):
+            held = len(table) - bm.num_held_blocks(s.seq_id)  # the released (leading) entries
+            first = 0 if self.window is None else max(0, s.num_computed_tokens - self.window + 1)
+            assert held == (0 if s.hand_off else first // self.bs)
+            self.stats["released"] += held
+            self.kv.check(s, table, 0 if s.hand_off else first)
+            for i, b in enumerate(table[held:], held):
                 holders.setdefault(b, []).append((s, i))
                 used.add(b)
         for s in self.waiting:
@@ -275,8 +284,8 @@ class _EngineSim:
 
 
 def _run_engine_sim(seed: int, num_ops: int, enable_prefix_caching: bool = True,
-                    num_blocks: int = 24, block_size: int = BS) -> dict:
-    return _EngineSim(seed, enable_prefix_caching, num_blocks, block_size).run(num_ops)
+                    num_blocks: int = 24, block_size: int = BS, window: int | None = None) -> dict:
+    return _EngineSim(seed, enable_prefix_caching, num_blocks, block_size, window).run(num_ops)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -294,3 +303,17 @@ def test_engine_simulation_stress_no_prefix_caching():
     stats = _run_engine_sim(7, 1500, enable_prefix_caching=False)
     assert stats["hits"] == 0 and stats["shared_seen"] == 0
     assert stats["preempted"] > 5 and stats["finished"] > 20, stats
+
+
+@pytest.mark.parametrize("seed,window", [(3, 5), (4, 8), (5, 13)])
+def test_engine_simulation_stress_with_a_window(seed, window):
+    """Released blocks go back to the pool and prefix hits take only a window's blocks: every
+    position a sequence's next query reads still holds its own prefix's KV."""
+    stats = _run_engine_sim(seed, 3000, window=window)
+    assert stats["released"] > 100 and stats["hits"] > 20 and stats["shared_seen"] > 20, stats
+    assert stats["preempted"] > 5 and stats["imported"] > 5, stats
+
+
+def test_engine_simulation_stress_with_a_window_no_prefix_caching():
+    stats = _run_engine_sim(8, 1500, enable_prefix_caching=False, window=6)
+    assert stats["hits"] == 0 and stats["shared_seen"] == 0 and stats["released"] > 100, stats

@@ -53,12 +53,19 @@ def test_a_sequence_holds_about_a_window_of_blocks_however_long_it_grows(caching
 
 
 def test_a_handed_off_sequence_keeps_every_block_for_its_export():
+    """Its export reads every position: it releases none, and its prefix hit is whole."""
     bm = BlockManager(32, BS, window=WINDOW)
     seq = make_seq("a", seq_range(0, 40))
     seq.hand_off = True
     bm.allocate(seq)
     compute_all(bm, seq)
     assert NULL_BLOCK not in bm.export_blocks("a") and bm.num_held_blocks("a") == 10
+    bm.free("a")
+    again = make_seq("b", seq_range(0, 44))
+    again.hand_off = True
+    bm.allocate(again)
+    assert again.num_computed_tokens == 40 and NULL_BLOCK not in bm.export_blocks("b")
+    bm.check_integrity()
 
 
 def cache_40_tokens_then_evict(window: int | None, evicted: int) -> BlockManager:
