@@ -1,5 +1,5 @@
 """A model whose every layer slides (Mistral's layout) in the same KV memory, keeping a window's
-blocks of each sequence (what the engine does: `BlockManager(window=...)`) and keeping every block
+blocks of each sequence (what the engine does: `BlockManager(windows=...)`) and keeping every block
 (what it did before): how many sequences run at once, how often one is preempted, and what that
 does to throughput.
 
@@ -71,7 +71,7 @@ def run(args, model: str, layout: str, prompts: list[list[int]]) -> dict:
     engine = LLMEngine(model, device=args.device, dtype=args.dtype, load_format="auto" if args.model else "dummy",
                        policy="mixed", num_kv_blocks=blocks, block_size=args.block_size, max_num_seqs=len(prompts),
                        max_model_len=args.prompt_len + args.output_len + args.block_size, enable_prefix_caching=False)
-    window = engine.block_manager.window
+    window = engine.block_manager.windows[0]
     if layout == "whole":
         keep_every_block(engine)
     return {**drive(engine, prompts, args.output_len), "window": window}

@@ -23,7 +23,7 @@ def fail_next_steps(engine: LLMEngine, times: int = 1, leak_block: bool = False)
             return execute(*args, **kwargs)
         left[0] -= 1
         if leak_block:
-            engine.block_manager._take_fresh(1)  # off the free lists, in no block table
+            engine.block_manager._pool.take_fresh(1)  # off the free lists, in no block table
         raise InjectedFault("injected step failure (as a CUDA out-of-memory error would raise)")
 
     engine.runner.execute = failing

@@ -60,7 +60,7 @@ class LLMEngine:
         self.kv_cache, self.runner = shard.kv_cache, shard.runner
         self._long_rope_from = loaded.config.long_rope_from
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          long_rope_root(self._long_rope_from), loaded.config.uniform_window)
+                                          long_rope_root(self._long_rope_from), (loaded.config.uniform_window,))
         limits = config.scheduler_limits(self.max_model_len)
         self.policy = make_policy(config.policy, self.block_manager, limits)
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))

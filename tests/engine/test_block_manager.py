@@ -216,21 +216,21 @@ def _populated() -> tuple[BlockManager, Sequence, Sequence]:
 
 def test_check_integrity_ref_count_bumped():
     bm, a, _ = _populated()
-    bm._hashed[bm.block_table("a")[0]].ref_count += 1
+    bm._pool.hashed[bm.block_table("a")[0]].ref_count += 1
     with pytest.raises(RuntimeError, match="ref_count"):
         bm.check_integrity()
 
 
 def test_check_integrity_ref_count_dropped_on_shared_block():
     bm, a, _ = _populated()
-    bm._hashed[bm.block_table("a")[0]].ref_count -= 1
+    bm._pool.hashed[bm.block_table("a")[0]].ref_count -= 1
     with pytest.raises(RuntimeError):
         bm.check_integrity()
 
 
 def test_check_integrity_used_block_on_free_list():
     bm, a, _ = _populated()
-    bm._fresh.append(bm.block_table("a")[2])
+    bm._pool.fresh.append(bm.block_table("a")[2])
     with pytest.raises(RuntimeError):
         bm.check_integrity()
 
@@ -239,16 +239,16 @@ def test_check_integrity_free_block_missing_from_free_list():
     bm, _, _ = _populated()
     used = set(bm.block_table("a")) | set(bm.block_table("b"))
     free_id = next(i for i in range(bm.num_blocks) if i not in used)
-    bm._fresh.remove(free_id)
+    bm._pool.fresh.remove(free_id)
     with pytest.raises(RuntimeError):
         bm.check_integrity()
 
 
 def test_check_integrity_block_twice_in_a_table():
     bm, _, _ = _populated()
-    table = bm._tables["a"]
+    table = bm.block_table("a")
     table.append(table[0])
-    bm._hashed[table[0]].ref_count += 1
+    bm._pool.hashed[table[0]].ref_count += 1
     with pytest.raises(RuntimeError, match="twice"):
         bm.check_integrity()
 
@@ -256,14 +256,14 @@ def test_check_integrity_block_twice_in_a_table():
 def test_check_integrity_shared_unhashed_block():
     bm, _, _ = _populated()
     victim = bm.block_table("a")[2]  # unhashed, held by a only
-    bm._tables["b"].append(victim)
+    bm.block_table("b").append(victim)
     with pytest.raises(RuntimeError, match="shared"):
         bm.check_integrity()
 
 
 def test_check_integrity_stale_cache_entry():
     bm, a, _ = _populated()
-    block = bm._hashed[bm.block_table("a")[0]]
+    block = bm._pool.hashed[bm.block_table("a")[0]]
     block.key = (None, (123, 456, 789, 0))  # the cache entry now points at other content
     with pytest.raises(RuntimeError, match="cache"):
         bm.check_integrity()

@@ -5,8 +5,10 @@ itself: every slot written by a "step" (or an import transfer) records an id of 
 prefix* up to and including that position (the KV of a token depends on every token before it).
 After each operation, every computed position of every running sequence must read back its own
 prefix id from its block table. That catches any wrong sharing, including sharing a block whose
-tokens match but whose preceding context differs. With a window, the positions checked are those
-the sequence's next query can read (and all of a handed-off sequence's, which keeps its blocks).
+tokens match but whose preceding context differs. With layer groups (`windows`), each group's
+table is checked, a slot recording its group too (a block of one group never serves another);
+in a windowed group the positions checked are those the sequence's next query can read (and all
+of a handed-off sequence's, which keeps its blocks).
 """
 from __future__ import annotations
 
@@ -38,15 +40,17 @@ class _KVSim:
             out.append(prev)
         return out
 
-    def write(self, table: list[int], tokens: list[int], start: int, end: int) -> None:
+    def write(self, tables: list[list[int]], tokens: list[int], start: int, end: int) -> None:
         ids = self.prefix_ids(tokens[:end])
-        for p in range(start, end):
-            self.slots[table[p // self.bs]][p % self.bs] = ids[p]
+        for group, table in enumerate(tables):
+            for p in range(start, end):
+                self.slots[table[p // self.bs]][p % self.bs] = (group, ids[p])
 
-    def check(self, seq: Sequence, table: list[int], first: int = 0) -> None:
-        """Positions `first` on hold their own prefix's KV."""
+    def check(self, seq: Sequence, table: list[int], group: int, first: int = 0) -> None:
+        """Positions `first` on of the group's table hold their own prefix's KV, of that group."""
         ids = self.prefix_ids(seq.token_ids[:seq.num_computed_tokens])
         for p, want in enumerate(ids[first:], first):
+            want = (group, want)
             got = self.slots[table[p // self.bs]][p % self.bs]
             assert got == want, (
                 f"{seq.seq_id}: KV at position {p} (block {table[p // self.bs]}) was computed for "
@@ -61,14 +65,14 @@ class _EngineSim:
     """
 
     def __init__(self, seed: int, enable_prefix_caching: bool = True, num_blocks: int = 24,
-                 block_size: int = BS, window: int | None = None):
+                 block_size: int = BS, windows: tuple[int | None, ...] = (None,)):
         self.seed = seed
         self.rng = random.Random(seed)
         self.bs = block_size
-        self.window = window
+        self.windows = windows
         self.enable_prefix_caching = enable_prefix_caching
         self.bm = BlockManager(num_blocks, block_size=block_size,
-                               enable_prefix_caching=enable_prefix_caching, window=window)
+                               enable_prefix_caching=enable_prefix_caching, windows=windows)
         self.num_blocks = self.bm.num_blocks  # less NULL_BLOCK with a window
         self.kv = _KVSim(num_blocks, block_size)
         # block-sized chunks, shared across prompts at various positions, plus shared prefixes
@@ -127,9 +131,9 @@ class _EngineSim:
         tokens += [rng.randrange(8) for _ in range(rng.randrange(bs + 1))]
         if not tokens:
             tokens = [rng.randrange(8)]
-        tokens = tokens[: (self.num_blocks // 2) * bs]
+        tokens = tokens[: (self.num_blocks // (2 * len(self.windows))) * bs]  # half the cache at most
         seq = make_seq(f"s{self.seed}-{self.counter}", tokens, max_tokens=rng.randint(1, 3 * bs))
-        seq.hand_off = self.window is not None and rng.random() < 0.2  # keeps every block
+        seq.hand_off = windows_any(self.windows) and rng.random() < 0.2  # keeps every block
         return seq
 
     def preempt(self, seq: Sequence) -> None:
@@ -191,7 +195,7 @@ class _EngineSim:
     def import_seq(self, seq: Sequence) -> None:
         bm = self.bm
         seq.append_token(self.rng.randrange(8))  # the first token, sampled by the prefill instance
-        if bm.blocks_for(seq.num_tokens) > bm.num_free_blocks:
+        if bm.blocks_for(seq.num_tokens) * bm.num_groups > bm.num_free_blocks:
             with pytest.raises(OutOfBlocksError):
                 bm.reserve_for_import(seq)
             seq.token_ids.pop()
@@ -200,12 +204,15 @@ class _EngineSim:
         ids = bm.reserve_for_import(seq)
         assert seq.num_computed_tokens == 0
         assert ids == bm.block_table(seq.seq_id)
-        others = {b for s in self.running for b in bm.block_table(s.seq_id)} - {NULL_BLOCK}
-        assert not set(ids) & others, "reserve_for_import shared a block"
+        tables = bm.block_tables(seq.seq_id)
+        mine = [b for table in tables for b in table]
+        others = {b for s in self.running for table in bm.block_tables(s.seq_id) for b in table} - {NULL_BLOCK}
+        assert len(set(mine)) == len(mine) and not set(mine) & others, "reserve_for_import shared a block"
+        assert not windows_any(self.windows) or NULL_BLOCK not in mine
         self.waiting.remove(seq)
         self.running.append(seq)
         # the transfer writes the KV of every token but the new one
-        self.kv.write(ids, seq.token_ids, 0, seq.num_tokens - 1)
+        self.kv.write(tables, seq.token_ids, 0, seq.num_tokens - 1)
         seq.num_computed_tokens = seq.num_tokens - 1
         bm.commit(seq)
         self.stats["imported"] += 1
@@ -217,9 +224,10 @@ class _EngineSim:
         n = rng.randint(1, min(seq.num_uncomputed_tokens, 2 * self.bs + 1))
         if not self.grow_or_preempt(seq, c + n):
             return
-        table = bm.block_table(seq.seq_id)
-        self.assert_private_writes(seq, table, c, c + n)
-        self.kv.write(table, seq.token_ids, c, c + n)
+        tables = bm.block_tables(seq.seq_id)
+        for table in tables:
+            self.assert_private_writes(seq, table, c, c + n)
+        self.kv.write(tables, seq.token_ids, c, c + n)
         seq.num_computed_tokens = c + n
         bm.commit(seq)
         if seq.num_computed_tokens == seq.num_tokens:  # sampled a token
@@ -236,28 +244,32 @@ class _EngineSim:
         bs, bm = self.bs, self.bm
         for p in range(start, end):
             block = table[p // bs]
-            assert self.window is None or block != NULL_BLOCK, f"{seq.seq_id} writes position {p} into NULL_BLOCK"
+            assert not windows_any(self.windows) or block != NULL_BLOCK, f"{seq.seq_id} writes into NULL_BLOCK"
             holders = [s.seq_id for s in self.running
-                       if s is not seq and block in bm.block_table(s.seq_id)]
+                       if s is not seq and any(block in table for table in bm.block_tables(s.seq_id))]
             assert not holders, f"{seq.seq_id} writes position {p} into block {block} shared with {holders}"
 
     def check_all(self) -> None:
         bm = self.bm
         bm.check_integrity()
-        holders: dict[int, list[tuple[Sequence, int]]] = {}
+        holders: dict[int, list[tuple[Sequence, int, int]]] = {}
         used = set()
         for s in self.running:
-            table = bm.block_table(s.seq_id)
-            assert len(table) == bm.blocks_for(s.num_tokens)
             assert 0 <= s.num_computed_tokens < s.num_tokens
-            held = len(table) - bm.num_held_blocks(s.seq_id)  # the released (leading) entries
-            first = 0 if self.window is None else max(0, s.num_computed_tokens - self.window + 1)
-            assert held == (0 if s.hand_off else first // self.bs)
-            self.stats["released"] += held
-            self.kv.check(s, table, 0 if s.hand_off else first)
-            for i, b in enumerate(table[held:], held):
-                holders.setdefault(b, []).append((s, i))
-                used.add(b)
+            held = 0
+            for group, (table, window) in enumerate(zip(bm.block_tables(s.seq_id), self.windows)):
+                assert len(table) == bm.blocks_for(s.num_tokens)
+                first = 0 if window is None or s.hand_off else max(0, s.num_computed_tokens - window + 1)
+                released = first // self.bs  # the leading entries out of reach
+                assert table[:released] == [NULL_BLOCK] * released
+                assert not windows_any(self.windows) or NULL_BLOCK not in table[released:]
+                self.stats["released"] += released
+                self.kv.check(s, table, group, first)
+                for i, b in enumerate(table[released:], released):
+                    holders.setdefault(b, []).append((s, group, i))
+                    used.add(b)
+                held += len(table) - released
+            assert bm.num_held_blocks(s.seq_id) == held
         for s in self.waiting:
             assert not bm.has_blocks(s.seq_id) and s.num_computed_tokens == 0
         assert bm.num_used_blocks == len(used)
@@ -266,15 +278,15 @@ class _EngineSim:
             if len(hs) >= 2:
                 self.check_shared_block(b, hs)
 
-    def check_shared_block(self, b: int, hs: list[tuple[Sequence, int]]) -> None:
-        """Block `b` is held by every (sequence, index) in `hs`: it must be the same fully
-        computed block after the very same prefix in each."""
+    def check_shared_block(self, b: int, hs: list[tuple[Sequence, int, int]]) -> None:
+        """Block `b` is held by every (sequence, group, index) in `hs`: it must be the same fully
+        computed block of the same group after the very same prefix in each."""
         bs = self.bs
         self.stats["shared_seen"] += 1
         assert self.enable_prefix_caching, f"block {b} shared with prefix caching disabled"
-        s0, i0 = hs[0]
-        for s, i in hs[1:]:
-            assert i == i0, f"block {b} is block {i0} of {s0.seq_id} but block {i} of {s.seq_id}"
+        s0, g0, i0 = hs[0]
+        for s, g, i in hs[1:]:
+            assert (g, i) == (g0, i0), f"block {b} is block {i0} of group {g0} of {s0.seq_id} but {i} of {g}"
             end = (i + 1) * bs
             assert end <= s0.num_computed_tokens and end <= s.num_computed_tokens, (
                 f"shared block {b} not fully computed in both {s0.seq_id} and {s.seq_id}")
@@ -283,9 +295,13 @@ class _EngineSim:
                 f"shared block {b} follows different prefixes in {s0.seq_id} and {s.seq_id}")
 
 
-def _run_engine_sim(seed: int, num_ops: int, enable_prefix_caching: bool = True,
-                    num_blocks: int = 24, block_size: int = BS, window: int | None = None) -> dict:
-    return _EngineSim(seed, enable_prefix_caching, num_blocks, block_size, window).run(num_ops)
+def windows_any(windows: tuple[int | None, ...]) -> bool:
+    return any(w is not None for w in windows)
+
+
+def _run_engine_sim(seed: int, num_ops: int, enable_prefix_caching: bool = True, num_blocks: int = 24,
+                    block_size: int = BS, windows: tuple[int | None, ...] = (None,)) -> dict:
+    return _EngineSim(seed, enable_prefix_caching, num_blocks, block_size, windows).run(num_ops)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -309,11 +325,20 @@ def test_engine_simulation_stress_no_prefix_caching():
 def test_engine_simulation_stress_with_a_window(seed, window):
     """Released blocks go back to the pool and prefix hits take only a window's blocks: every
     position a sequence's next query reads still holds its own prefix's KV."""
-    stats = _run_engine_sim(seed, 3000, window=window)
+    stats = _run_engine_sim(seed, 3000, windows=(window,))
     assert stats["released"] > 100 and stats["hits"] > 20 and stats["shared_seen"] > 20, stats
     assert stats["preempted"] > 5 and stats["imported"] > 5, stats
 
 
 def test_engine_simulation_stress_with_a_window_no_prefix_caching():
-    stats = _run_engine_sim(8, 1500, enable_prefix_caching=False, window=6)
+    stats = _run_engine_sim(8, 1500, enable_prefix_caching=False, windows=(6,))
     assert stats["hits"] == 0 and stats["shared_seen"] == 0 and stats["released"] > 100, stats
+
+
+@pytest.mark.parametrize("seed,windows", [(9, (None, 5)), (10, (None, 8, 8)), (11, (6, None))])
+def test_engine_simulation_stress_with_layer_groups(seed, windows):
+    """Full and windowed layer groups on one pool: each group's table holds its own KV, its
+    windowed ones release, and a hit is one every group can serve."""
+    stats = _run_engine_sim(seed, 3000, num_blocks=48, windows=windows)
+    assert stats["released"] > 100 and stats["hits"] > 20 and stats["shared_seen"] > 20, stats
+    assert stats["preempted"] > 5 and stats["imported"] > 5, stats

@@ -26,7 +26,7 @@ def step(bm: BlockManager, seq, tokens: int = 1) -> None:
 
 
 def test_null_block_is_never_handed_out():
-    bm = BlockManager(6, BS, window=WINDOW)
+    bm = BlockManager(6, BS, windows=(WINDOW,))
     assert bm.num_blocks == 5 and bm.num_free_blocks == 5
     seq = make_seq("a", seq_range(0, 5 * BS))
     bm.allocate(seq)
@@ -36,7 +36,7 @@ def test_null_block_is_never_handed_out():
 
 @pytest.mark.parametrize("caching", [True, False])
 def test_a_sequence_holds_about_a_window_of_blocks_however_long_it_grows(caching):
-    bm = BlockManager(32, BS, enable_prefix_caching=caching, window=WINDOW)
+    bm = BlockManager(32, BS, enable_prefix_caching=caching, windows=(WINDOW,))
     seq = make_seq("a", seq_range(0, 3))
     bm.allocate(seq)
     for computed in range(3, 100):
@@ -54,7 +54,7 @@ def test_a_sequence_holds_about_a_window_of_blocks_however_long_it_grows(caching
 
 def test_a_handed_off_sequence_keeps_every_block_for_its_export():
     """Its export reads every position: it releases none, and its prefix hit is whole."""
-    bm = BlockManager(32, BS, window=WINDOW)
+    bm = BlockManager(32, BS, windows=(WINDOW,))
     seq = make_seq("a", seq_range(0, 40))
     seq.hand_off = True
     bm.allocate(seq)
@@ -73,7 +73,7 @@ def cache_40_tokens_then_evict(window: int | None, evicted: int) -> BlockManager
     `evicted` cached ones, least recently freed first, and left too. With a window A's blocks 0-7
     were freed first (released in order as it advanced), then 9 and 8 (a table is freed tail
     first); without, 9 down to 0."""
-    bm = BlockManager(24, BS, window=window)
+    bm = BlockManager(24, BS, windows=(window,))
     cached(bm, "a", seq_range(0, 40))
     bm.free("a")
     bm.allocate(make_seq("filler", seq_range(1000, (bm.num_free_blocks - 10 + evicted) * BS)))
@@ -106,7 +106,7 @@ def test_a_hit_needs_only_the_cached_blocks_in_the_window_of_its_end(window, evi
 def test_a_hit_takes_only_its_window_blocks_from_the_pool(window):
     """B (14 blocks) hits A's 10 cached ones. With a window it takes the two within reach and 4
     new ones, 6 of the 12 blocks; without, the whole hit and 4 new ones are 14: it does not fit."""
-    bm = BlockManager(12 + (window is not None), BS, window=window)
+    bm = BlockManager(12 + (window is not None), BS, windows=(window,))
     tokens = seq_range(0, 40)
     cached(bm, "a", tokens)
     bm.free("a")

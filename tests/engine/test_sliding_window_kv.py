@@ -31,7 +31,7 @@ def test_long_generations_in_a_small_cache_match_hf(mistral, policy):
     expected = [hf_greedy(hf, p, NEW) for p in prompts]
     engine = LLMEngine(path, **{**ENGINE_ARGS, "num_kv_blocks": BLOCKS}, policy=policy, chunk_token_budget=16,
                        prompt_token_budget=48, dtype="float32", max_model_len=128)
-    assert engine.block_manager.window == window and engine.block_manager.num_blocks == BLOCKS - 1
+    assert engine.block_manager.windows == (window,) and engine.block_manager.num_blocks == BLOCKS - 1
     params = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
