@@ -1,10 +1,11 @@
-"""A model whose every layer slides (Mistral's layout) in the same KV memory, keeping a window's
-blocks of each sequence (what the engine does: `BlockManager(windows=...)`) and keeping every block
-(what it did before): how many sequences run at once, how often one is preempted, and what that
-does to throughput.
+"""A model with sliding windows in the same KV memory, its windowed layers keeping a window's blocks
+of each sequence (what the engine does: `BlockManager(windows=...)`) and keeping every block (what
+it did before): how many sequences run at once, how often one is preempted, and what that does to
+throughput.
 
-The model is the demo's shape as a Mistral with a --window (dummy weights), unless --model names a
-checkpoint directory whose every layer slides. One engine per layout (mixed policy, `max_num_seqs`
+The model is the demo's shape as a Mistral with a --window on every layer (Mistral's layout) or
+on every other one (`--layers alternate`: Gemma 2's and GPT-OSS's, two layer groups), dummy
+weights, unless --model names a checkpoint directory with windows. One engine per layout (mixed policy, `max_num_seqs`
 = the number of requests, so only the KV cache limits the batch), the same KV blocks for both:
 enough for --fit sequences' whole prompt and output. Every request is sent at once with a forced
 output length. The engines run side by side in one process, interleaved (window, whole, ...)
@@ -12,6 +13,7 @@ after a warm-up, medians with [min-max] over --repeats. Releasing blocks changes
 the two layouts' greedy tokens must be equal; the script fails if they are not.
 
     python scripts/bench_sliding_window_kv.py --json window.json          # on CPU, float32
+    python scripts/bench_sliding_window_kv.py --layers alternate --json window-alternate.json
     python scripts/bench_sliding_window_kv.py --model /path/to/mistral --device cuda --dtype bfloat16 --fit 64
 """
 from __future__ import annotations
@@ -29,19 +31,23 @@ from bench_kv_cache_dtype import drive, interleaved, print_rows, row_of  # this 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.demo import DEMO_MODEL_CONFIG
 from splitserve.engine.dummy_weights import write_shape_checkpoint
+from splitserve.engine.kv_groups import kv_groups
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_model_config
 from splitserve.engine.policies import make_policy
 from splitserve.machine import cpu_name
 
 LAYOUTS = ("window", "whole")
+KINDS = {"every": ("sliding_attention",) * 2, "alternate": ("full_attention", "sliding_attention")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="a checkpoint directory whose every layer slides (default: the demo's shape as a "
+    p.add_argument("--model", help="a checkpoint directory with sliding windows (default: the demo's shape as a "
                                    "Mistral with --window, dummy weights)")
     p.add_argument("--window", type=int, default=128)
+    p.add_argument("--layers", choices=("every", "alternate"), default="every",
+                   help="the demo Mistral's layers with the window: every one, or every other one")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--requests", type=int, default=32)
@@ -59,19 +65,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def keep_every_block(engine: LLMEngine) -> None:
-    """The engine as it was before windows released blocks: a block manager without the window
-    (which also hands out NULL_BLOCK, one block more)."""
+    """The engine as it was before windows released blocks: a block manager whose layer groups
+    have no window (which also hands out NULL_BLOCK, one block more)."""
     engine.block_manager = BlockManager(engine.kv_cache.num_blocks, engine.config.block_size,
-                                        engine.config.enable_prefix_caching)
+                                        engine.config.enable_prefix_caching,
+                                        windows=(None,) * engine.block_manager.num_groups)
     engine.policy = make_policy(engine.config.policy, engine.block_manager, engine.policy.limits)
 
 
 def run(args, model: str, layout: str, prompts: list[list[int]]) -> dict:
-    blocks = args.fit * -(-(args.prompt_len + args.output_len) // args.block_size) + 1  # + NULL_BLOCK
+    groups = kv_groups(load_model_config(model)).num_groups  # a token block takes a block of each
+    blocks = args.fit * groups * -(-(args.prompt_len + args.output_len) // args.block_size) + 1  # + NULL_BLOCK
     engine = LLMEngine(model, device=args.device, dtype=args.dtype, load_format="auto" if args.model else "dummy",
                        policy="mixed", num_kv_blocks=blocks, block_size=args.block_size, max_num_seqs=len(prompts),
                        max_model_len=args.prompt_len + args.output_len + args.block_size, enable_prefix_caching=False)
-    window = engine.block_manager.windows[0]
+    window = max(w or 0 for w in engine.block_manager.windows)
     if layout == "whole":
         keep_every_block(engine)
     return {**drive(engine, prompts, args.output_len), "window": window}
@@ -85,9 +93,11 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model or write_shape_checkpoint(scratch, {
             **DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-            "sliding_window": args.window, "max_position_embeddings": args.prompt_len + args.output_len + 64})
-        if load_model_config(model).uniform_window is None:
-            raise SystemExit(f"{model}: not every layer has a sliding window, so there is nothing to release")
+            "sliding_window": args.window, "max_position_embeddings": args.prompt_len + args.output_len + 64,
+            "layer_types": [kind for _ in range(DEMO_MODEL_CONFIG["num_hidden_layers"] // 2)
+                            for kind in KINDS[args.layers]]})
+        if all(w is None for w in kv_groups(load_model_config(model)).windows):
+            raise SystemExit(f"{model}: no layer group has a sliding window, so there is nothing to release")
         runs = interleaved(LAYOUTS, args.repeats, prompts, lambda layout, some: run(args, model, layout, some))
     if any(r["tokens"] != runs["window"][0]["tokens"] for rs in runs.values() for r in rs):
         raise SystemExit("the layouts' greedy tokens differ: releasing blocks changed what attention read")
@@ -98,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
               "throughput_ratio_window_vs_whole": rows["window"]["output_tokens_per_s"]["median"]
               / rows["whole"]["output_tokens_per_s"]["median"]}
     print(f"KV cache: {rows['window']['kv_blocks']} blocks of {args.block_size} ({args.fit} sequences of "
-          f"{args.prompt_len + args.output_len} tokens); window {result['window']}; {args.requests} requests at once")
+          f"{args.prompt_len + args.output_len} tokens); window {result['window']} on {args.layers} layer; "
+          f"{args.requests} requests at once")
     print_rows(rows, "layout")
     print(f"window / whole throughput: {result['throughput_ratio_window_vs_whole']:.2f}x; greedy tokens equal")
     if args.json:

@@ -182,8 +182,8 @@ class LayerLaunches(torch.nn.Module):
                 self.moe = SparseMoeBlock(config, expert_names(config))
             self.moe.to_empty(device="cpu")
 
-    def __call__(self, ids, positions, kv_layers, meta: AttentionMetadata, backend, after_layer=None):
-        t, c, attention = ids.shape[0], self.config, self.attention
+    def __call__(self, ids, positions, kv_layers, metas: list[AttentionMetadata], backend, after_layer=None):
+        t, c, attention, meta = ids.shape[0], self.config, self.attention, metas[0]
         x = torch.empty((t, c.hidden_size), dtype=self.dtype)
         h, _ = add_rms_norm(x, None, self.weight, c.rms_norm_eps, c.gemma_norms)
         q, k, v = attention.heads(self._project(attention.qkv_proj, h))
@@ -214,7 +214,7 @@ class LayerLaunches(torch.nn.Module):
         return torch.empty((x.shape[0], linear.out_features), dtype=self.dtype)
 
 
-def step(seqs: list[tuple[int, int]], block_size: int) -> StepBatch:
+def step(seqs: list[tuple[int, int]], block_size: int, groups: int) -> StepBatch:
     """A step of (context after the step, new tokens) per sequence, decodes first, as the model
     runner prepares it (slots and block ids are arbitrary: nothing runs)."""
     seqs = sorted(seqs, key=lambda s: (s[1] != 1, -s[0]))
@@ -225,8 +225,9 @@ def step(seqs: list[tuple[int, int]], block_size: int) -> StepBatch:
         starts.append(starts[-1] + new)
         tables.append(list(range(-(-context // block_size))))
     width = max(len(t) for t in tables)
-    return StepBatch(tokens, positions, list(range(len(tokens))), starts, [c for c, _ in seqs],
-                     torch.tensor([t + [0] * (width - len(t)) for t in tables]), sum(1 for _, new in seqs if new == 1))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return StepBatch(tokens, positions, [list(range(len(tokens)))] * groups, starts, [c for c, _ in seqs],
+                     padded[None].repeat(groups, 1, 1), sum(1 for _, new in seqs if new == 1))
 
 
 def serving_mix(rng: random.Random, config: EngineConfig, max_model_len: int, steps: int):
@@ -263,15 +264,14 @@ def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig
     with compile_only(arch, phase, variants), torch.inference_mode():
         if with_warm_up:
             warm_up(runner)  # then the graphs, as build_shard does (without a GPU a capture runs at its first replay)
-        graphs = DecodeGraphs(model, runner.kv_cache.layers(), backend, cpu, min(config.cuda_graph_max_batch,
-                              config.max_num_seqs), max_model_len, config.block_size)
+        graphs = DecodeGraphs(runner, backend, min(config.cuda_graph_max_batch, config.max_num_seqs), max_model_len)
         graphs.capture()
         for size in graphs.sizes:
-            graphs.run(step([(2, 1)] * size, config.block_size))
+            graphs.run(step([(2, 1)] * size, config.block_size, cache.groups.num_groups))
         runner.graphs = graphs
         phase[0] = "serving"
         for seqs in serving_mix(random.Random(seed), config, max_model_len, steps):
-            runner.forward(step(seqs, config.block_size))
+            runner.forward(step(seqs, config.block_size, cache.groups.num_groups))
     return list(variants.values())
 
 

@@ -75,7 +75,7 @@ def run_batch(engine: LLMEngine, items: list[tuple[list[int], SamplingParams]], 
     todo = [offline_request(key, prompt, params) for key, (prompt, params) in enumerate(items) if key not in finished]
     known = [offline_request(key, items[key][0], items[key][1]) for key in finished]
     model = ModelShape.of(engine.model_config)
-    kv_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
+    kv_tokens = engine.block_manager.tokens_of(engine.block_manager.num_blocks)
     feeder = BatchFeeder(todo + known, options, model, kv_tokens, engine.block_manager.block_size, finished)
     cost = CostModel(model, ACCELERATORS[options.accelerator])
     stats = BatchStats(options.order)

@@ -241,7 +241,7 @@ def connect_transport(cfg: ClusterConfig, worker_id: str, engine, rendezvous: Re
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
     store.set(f"splitserve/grpc/{worker_id}", f"{ray.util.get_node_ip_address()}:{_free_port()}")
     cache = engine.kv_cache
-    largest = cache.data.element_size() * cache.data.shape[0] * math.prod(wire_shape(cache, engine.max_model_len))
+    largest = cache.data.element_size() * cache.num_layers * math.prod(wire_shape(cache, engine.max_model_len))
     fabric = GrpcFabric(worker_id, lambda peer: _grpc_address(store, peer), timeout, secret=secret,
                         max_message_bytes=largest + 4096)  # + the message's own header
     return make_transport(engine, fabric, timeout)

@@ -139,6 +139,10 @@ class BlockManager:
         """The entries of a table holding `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
+    def tokens_of(self, blocks: int) -> int:
+        """The tokens `blocks` free blocks hold, a block of every group's a token block."""
+        return blocks // self.num_groups * self.block_size
+
     def can_allocate(self, seq: Sequence, reserve_blocks: int = 0) -> bool:
         """Whether `allocate(seq)` would succeed, leaving `reserve_blocks` free (a watermark)."""
         return self._free_blocks_needed(seq, self._prefix_hit(seq)) + reserve_blocks <= self.num_free_blocks
@@ -209,20 +213,20 @@ class BlockManager:
             for block_id in reversed(table[released:held.done]):
                 pool.drop(block_id)  # unhashed where it duplicates cached content
 
-    def export_blocks(self, seq_id: str) -> list[int]:
-        """The block ids holding a sequence's KV, in token order (for a KV transfer out: a
-        handed-off sequence, which holds them all)."""
-        return list(self.block_table(seq_id))
+    def export_blocks(self, seq_id: str) -> list[list[int]]:
+        """Per layer group, the block ids holding a sequence's KV, in token order (for a KV
+        transfer out: a handed-off sequence, which holds them all)."""
+        return [list(table) for table in self.block_tables(seq_id)]
 
-    def reserve_for_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[int]:
+    def reserve_for_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[list[int]]:
         """Blocks for a sequence whose KV a transfer in writes. With `reuse_prefix`, cached full
         blocks of its prefix are shared (held, so never evicted meanwhile) and
         `seq.num_computed_tokens` is the number of leading tokens they hold (in a windowed group,
         the leading ones out of its reach are NULL_BLOCK): the transfer must write only the
         positions from there on (never the last token's, `_prefix_hit`). Without, every block is
-        fresh and the transfer writes them all."""
+        fresh and the transfer writes them all. Returns every group's table."""
         self.allocate(seq, use_prefix_cache=reuse_prefix)
-        return list(self.block_table(seq.seq_id))
+        return self.export_blocks(seq.seq_id)
 
     def take_prefix_delta(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The prefix cache's net change since the last take (or snapshot): the hashes cached,

@@ -4,8 +4,8 @@ hundred. A step of n decodes runs the smallest captured size >= n; the rows past
 
 Invariants a replay relies on:
 - inputs live in persistent device buffers the graphs were captured on; a step writes its rows
-  there with two non-blocking copies (ids, positions, slots and context lengths as one [4, g]
-  block; the block tables' used columns as another);
+  there with two non-blocking copies (ids, positions, context lengths and each layer group's
+  slots as one [3 + groups, g] block; the groups' block tables' used columns as another);
 - a padding row has slot PAD_SLOT (its K and V are stored nowhere), context length 1 and token 0,
   so it reads one key of whatever block its stale table row names (a valid id) and writes nothing;
 - table entries past a sequence's context are never read, so stale columns need no clearing;
@@ -25,12 +25,11 @@ import torch
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.attention.metadata import PAD_SLOT
-from splitserve.engine.model.llama import LlamaForCausalLM
-from splitserve.engine.model_runner import StepBatch
+from splitserve.engine.model_runner import ModelRunner, StepBatch
 from splitserve.engine.step_inputs import upload
 
-IDS, POSITIONS, SLOTS, CONTEXTS = range(4)  # rows of the [4, max batch] input block
-PADDING = (0, 0, PAD_SLOT, 1)  # a padding row's value in each
+IDS, POSITIONS, CONTEXTS, SLOTS = range(4)  # rows of the [3 + groups, max batch] input block: SLOTS + group
+PADDING = (0, 0, 1, PAD_SLOT)  # a padding row's value in each (every group's slots: PAD_SLOT)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -39,14 +38,17 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaForCausalLM, kv_layers: list[torch.Tensor], backend: AttentionBackend,
-                 device: torch.device, max_batch: int, max_model_len: int, block_size: int):
+    def __init__(self, runner: ModelRunner, backend: AttentionBackend, max_batch: int, max_model_len: int):
         if not backend.graph_safe:
             raise ValueError(f"attention backend {backend.name!r} reads host-side metadata; it cannot be captured")
-        self.model, self.kv_layers, self.backend, self.device = model, kv_layers, backend, device
+        cache, device = runner.kv_cache, runner.device
+        self.runner, self.kv_layers, self.backend, self.device = runner, cache.layers(), backend, device
         self.sizes, self.max_model_len = capture_sizes(max_batch), max_model_len
-        self._inputs = torch.tensor(PADDING, dtype=torch.long, device=device)[:, None].repeat(1, max_batch)
-        self._tables = torch.zeros((max_batch, -(-max_model_len // block_size)), dtype=torch.long, device=device)
+        groups = cache.groups.num_groups
+        padding = PADDING + (PAD_SLOT,) * (groups - 1)
+        self._inputs = torch.tensor(padding, dtype=torch.long, device=device)[:, None].repeat(1, max_batch)
+        self._tables = torch.zeros((groups, max_batch, -(-max_model_len // cache.block_size)), dtype=torch.long,
+                                   device=device)
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
 
     @property
@@ -69,18 +71,20 @@ class DecodeGraphs:
         """Final hidden states [n, hidden] of a decode-only batch of n <= max_batch sequences."""
         n = len(batch.token_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        rows = [batch.token_ids, batch.positions, batch.slots, batch.context_lens]
-        padded = [row + [pad] * (size - n) for row, pad in zip(rows, PADDING)]
+        rows = [batch.token_ids, batch.positions, batch.context_lens, *batch.slots]
+        padded = [row + [pad] * (size - n) for row, pad in zip(rows, PADDING + (PAD_SLOT,) * len(batch.slots))]
         upload(torch.tensor(padded, dtype=torch.long), self.device, self._inputs[:, :size])
-        upload(batch.block_tables, self.device, self._tables[:n, :batch.block_tables.shape[1]])
+        upload(batch.block_tables, self.device, self._tables[:, :n, :batch.block_tables.shape[2]])
         return self._replays[size]()[:n]
 
     def _forward(self, size: int) -> torch.Tensor:
         inputs = self._inputs[:, :size]
-        meta = AttentionMetadata(slot_mapping=inputs[SLOTS], block_tables=self._tables[:size],
-                                 context_lens=inputs[CONTEXTS], query_starts=list(range(size + 1)),
-                                 context_lens_list=[self.max_model_len] * size, num_decodes=size)
-        return self.model(inputs[IDS], inputs[POSITIONS], self.kv_layers, meta, self.backend)
+        metas = [AttentionMetadata(slot_mapping=slots, block_tables=tables[:size], context_lens=inputs[CONTEXTS],
+                                   query_starts=list(range(size + 1)), context_lens_list=[self.max_model_len] * size,
+                                   num_decodes=size)
+                 for slots, tables in zip(inputs[SLOTS:], self._tables)]
+        return self.runner.model(inputs[IDS], inputs[POSITIONS], self.kv_layers, self.runner.layer_metas(metas),
+                                 self.backend)
 
     def _capture(self, size: int, pool) -> Callable[[], torch.Tensor]:
         if self.device.type != "cuda":

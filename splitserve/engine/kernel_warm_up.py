@@ -39,7 +39,8 @@ def warm_up(runner: ModelRunner) -> None:
     try:
         for splits in counts:
             backend.num_splits = splits
-            runner.forward(warm_up_step(splits * backend.block_n, runner.kv_cache.block_size))
+            runner.forward(warm_up_step(splits * backend.block_n, runner.kv_cache.block_size,
+                                        runner.kv_cache.groups.num_groups))
     finally:
         backend.num_splits = fixed
     log.info("Triton kernels ready on %s: %d warm-up steps (decode split counts %s) in %.1f s, compiling what "
@@ -72,8 +73,8 @@ def warm_up_projections(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return len(shapes) * len(fp8_linear.TILES)
 
 
-def warm_up_step(decode_context: int, block_size: int) -> StepBatch:
+def warm_up_step(decode_context: int, block_size: int, groups: int) -> StepBatch:
     width = -(-decode_context // block_size)
-    return StepBatch(token_ids=[0] * 3, positions=[0] * 3, slots=[PAD_SLOT] * 3, query_starts=[0, 1, 3],
-                     context_lens=[decode_context, 3], block_tables=torch.zeros((2, width), dtype=torch.long),
+    return StepBatch(token_ids=[0] * 3, positions=[0] * 3, slots=[[PAD_SLOT] * 3] * groups, query_starts=[0, 1, 3],
+                     context_lens=[decode_context, 3], block_tables=torch.zeros((groups, 2, width), dtype=torch.long),
                      num_decodes=1)

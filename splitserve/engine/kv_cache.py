@@ -1,5 +1,7 @@
 """The paged KV cache tensors: per layer, K and V as [num_blocks, block_size, kv_heads, head_dim],
 in the serving dtype or, with kv_cache_dtype fp8, as e4m3 codes (`attention.fp8_kv`: uint8).
+A block holds the KV of one layer group's layers (`kv_groups`: every layer, unless some slide and
+others do not), so the data is [group size, 2, ...] and a layer is its slot's view.
 
 Block ids come from the `BlockManager`; this class only stores. A KV transfer reads and writes it
 through `splitserve.transfer.codec`. Its size: `memory_profile.kv_cache_budget`.
@@ -10,6 +12,7 @@ import torch
 
 from splitserve.engine.attention import fp8_kv
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.kv_groups import kv_groups
 from splitserve.engine.model.sharding import Shard, kv_head_range
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # default KV budget on CPU (small models; set kv_cache_memory_bytes for more)
@@ -27,14 +30,15 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  shard: Shard = Shard(), kv_cache_dtype: str = "auto"):
         self.block_size, self.shard, self.dtype = block_size, shard, dtype
-        shape = (config.num_hidden_layers, 2, num_blocks, block_size, local_kv_heads(config, shard), config.head_dim)
+        self.groups = kv_groups(config)
+        shape = (self.groups.size, 2, num_blocks, block_size, local_kv_heads(config, shard), config.head_dim)
         # zeros, not empty: masked-out slots are multiplied by zero probabilities, and NaN * 0 is NaN
         self.data = torch.zeros(shape, dtype=fp8_kv.storage_dtype(kv_cache_dtype, dtype), device=device)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard = Shard(),
                         kv_cache_dtype: str = "auto") -> int:
-        per_token = 2 * config.num_hidden_layers * local_kv_heads(config, shard) * config.head_dim
+        per_token = 2 * kv_groups(config).size * local_kv_heads(config, shard) * config.head_dim
         return per_token * block_size * fp8_kv.storage_dtype(kv_cache_dtype, dtype).itemsize
 
     @property
@@ -46,6 +50,15 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.data.shape[2]
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.groups.slot_of)
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """A [2 (K, V), num_blocks, block_size, kv_heads, head_dim] view: the layer's slot, read
+        through its group's block tables."""
+        return self.data[self.groups.slot_of[layer]]
+
     def layers(self) -> list[torch.Tensor]:
-        """Per layer, a [2 (K, V), num_blocks, block_size, kv_heads, head_dim] view."""
-        return list(self.data)
+        """Every layer's `layer` view."""
+        return [self.data[slot] for slot in self.groups.slot_of]

@@ -60,7 +60,7 @@ class LLMEngine:
         self.kv_cache, self.runner = shard.kv_cache, shard.runner
         self._long_rope_from = loaded.config.long_rope_from
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          long_rope_root(self._long_rope_from), (loaded.config.uniform_window,))
+                                          long_rope_root(self._long_rope_from), self.kv_cache.groups.windows)
         limits = config.scheduler_limits(self.max_model_len)
         self.policy = make_policy(config.policy, self.block_manager, limits)
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
@@ -142,7 +142,7 @@ class LLMEngine:
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = start
-        tables = {item.seq.seq_id: self.block_manager.block_table(item.seq.seq_id) for item in plan.scheduled}
+        tables = {item.seq.seq_id: self.block_manager.block_tables(item.seq.seq_id) for item in plan.scheduled}
         hook = None if after_layer is None else (lambda i: after_layer(plan, i))
         forward = self.runner.execute(plan, tables, hook)
         for rows in forward.prompt_rows:
@@ -163,8 +163,8 @@ class LLMEngine:
         return outputs
 
     # ---- KV handoff --------------------------------------------------------------------
-    def export_request(self, request_id: str) -> tuple[Sequence, list[int]]:
-        """A prefilled request (prompt role): its sequence and the blocks holding its KV."""
+    def export_request(self, request_id: str) -> tuple[Sequence, list[list[int]]]:
+        """A prefilled request (prompt role): its sequence and the blocks holding its KV (per layer group)."""
         seq = self._requests[request_id].seq
         if seq.status is not SequenceStatus.PREFILLED:
             raise ValueError(f"request {request_id!r} is {seq.status.value}, not prefilled; nothing to export")
@@ -175,14 +175,16 @@ class LLMEngine:
         self.abort(request_id)
 
     def reserve_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                       arrival_time: float | None = None, reuse_prefix: bool = False) -> tuple[Sequence, list[int]]:
+                       arrival_time: float | None = None,
+                       reuse_prefix: bool = False) -> tuple[Sequence, list[list[int]]]:
         """Reserve blocks for a prompt whose KV another engine computes; returns its sequence and
-        the block ids to fill. With `reuse_prefix`, the KV of the first `seq.num_computed_tokens`
-        prompt tokens comes from this engine's prefix cache: fill only the positions after them."""
+        the block tables to fill (per layer group). With `reuse_prefix`, the KV of the first
+        `seq.num_computed_tokens` prompt tokens comes from this engine's prefix cache: fill only the
+        positions after them."""
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
-        block_ids = self.policy.reserve_import(req.seq, reuse_prefix)
+        tables = self.policy.reserve_import(req.seq, reuse_prefix)
         self._requests[request_id] = req
-        return req.seq, block_ids
+        return req.seq, tables
 
     def complete_import(self, request_id: str, first_token_id: int,
                         first_logprobs: dict[int, float] | None = None) -> RequestOutput:

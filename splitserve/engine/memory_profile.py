@@ -105,7 +105,7 @@ def run_largest_step(loaded: LoadedModel, lengths: list[int], config: EngineConf
     params = costliest_params(loaded.config)
     seqs = [Sequence(f"profile-{i}", [0] * n, params) for i, n in enumerate(lengths)]
     plan = Plan(tuple(ScheduledSeq(seq, seq.num_tokens) for seq in seqs))
-    tables = {seq.seq_id: [0] * -(-seq.num_tokens // block_size) for seq in seqs}
+    tables = {seq.seq_id: [[0] * -(-seq.num_tokens // block_size)] * cache.groups.num_groups for seq in seqs}
     if shard.rank != 0:  # as TPFollower.serve
         runner.forward(runner.prepare(list(plan.scheduled), tables))
         return

@@ -30,13 +30,14 @@ if TYPE_CHECKING:
 class StepBatch:
     """One iteration's inputs (what a tensor-parallel leader sends its other ranks). Sequences are
     ordered decodes first (see AttentionMetadata). `positions` are each token's rows of the rotary
-    tables (`RotaryEmbedding.table_rows`: its position, unless LongRoPE turns it long).
-    `block_tables` is a host int64 tensor [num_seqs, width], width the most blocks a sequence's
-    context covers; a row's entries past its sequence's context are block ids or 0, never read."""
+    tables (`RotaryEmbedding.table_rows`: its position, unless LongRoPE turns it long). Per layer
+    group (`kv_groups`), `slots` has each token's cache slot and `block_tables` (a host int64
+    tensor [groups, num_seqs, width], width the most blocks a sequence's context covers) the
+    sequences' tables; a row's entries past its sequence's context are block ids or 0, never read."""
 
     token_ids: list[int]
     positions: list[int]
-    slots: list[int]
+    slots: list[list[int]]
     query_starts: list[int]
     context_lens: list[int]
     block_tables: torch.Tensor
@@ -73,10 +74,10 @@ class ModelRunner:
         self.channel = channel
         self.graphs: DecodeGraphs | None = None  # set once captured (one rank, CUDA: see shard_builder)
         self._kv_layers = kv_cache.layers()
-        self._host_tables = HostBlockTables()
+        self._host_tables = [HostBlockTables() for _ in kv_cache.groups.windows]
 
     @torch.inference_mode()
-    def execute(self, plan: Plan, block_tables: dict[str, list[int]],
+    def execute(self, plan: Plan, block_tables: dict[str, list[list[int]]],
                 after_layer: Callable[[int], None] | None = None) -> Forward:
         """Run one iteration."""
         # single-token queries first, longest context first, so decode_groups are contiguous runs
@@ -103,33 +104,37 @@ class ModelRunner:
         if after_layer is None and self.graphs is not None and self.graphs.covers(batch):
             return self.graphs.run(batch)
         inputs = StepTensors.upload(batch, self.device)
-        meta = AttentionMetadata(
-            slot_mapping=inputs.slots,
-            block_tables=inputs.block_tables,
-            context_lens=inputs.context_lens,
-            query_starts=batch.query_starts,
-            context_lens_list=batch.context_lens,
-            num_decodes=batch.num_decodes,
-            decode_groups=group_by_length(batch.context_lens[:batch.num_decodes]),
-            query_start_tensor=inputs.query_starts,
-        )
-        return self.model(inputs.token_ids, inputs.positions, self._kv_layers, meta, self.backend, after_layer)
+        decode_groups = group_by_length(batch.context_lens[:batch.num_decodes])
+        metas = [AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=inputs.context_lens,
+                                   query_starts=batch.query_starts, context_lens_list=batch.context_lens,
+                                   num_decodes=batch.num_decodes, decode_groups=decode_groups,
+                                   query_start_tensor=inputs.query_starts)
+                 for slots, tables in zip(inputs.slots, inputs.block_tables)]
+        return self.model(inputs.token_ids, inputs.positions, self._kv_layers, self.layer_metas(metas), self.backend,
+                          after_layer)
 
-    def prepare(self, items: list[ScheduledSeq], block_tables: dict[str, list[int]]) -> StepBatch:
-        bs, rotary = self.kv_cache.block_size, self.model.rotary
-        tokens, positions, slots, starts, context_lens, ids, tables = [], [], [], [0], [], [], []
+    def layer_metas(self, metas: list[AttentionMetadata]) -> list[AttentionMetadata]:
+        """Per layer, its group's metadata."""
+        return [metas[group] for group in self.kv_cache.groups.group_of]
+
+    def prepare(self, items: list[ScheduledSeq], block_tables: dict[str, list[list[int]]]) -> StepBatch:
+        bs, rotary, groups = self.kv_cache.block_size, self.model.rotary, len(self._host_tables)
+        tokens, positions, starts, context_lens, ids = [], [], [0], [], []
+        slots, tables = [[] for _ in range(groups)], [[] for _ in range(groups)]
         for item in items:
             seq, end = item.seq, item.start + item.num_new_tokens
-            table = block_tables[seq.seq_id]
             tokens += seq.token_ids[item.start:end]
             positions += rotary.table_rows(item.start, end, seq.num_tokens)
-            slots += [table[p // bs] * bs + p % bs for p in range(item.start, end)]
+            for group, table in enumerate(block_tables[seq.seq_id]):
+                slots[group] += [table[p // bs] * bs + p % bs for p in range(item.start, end)]
+                tables[group].append(table)
             starts.append(starts[-1] + item.num_new_tokens)
             context_lens.append(end)
             ids.append(seq.seq_id)
-            tables.append(table)
         width = -(-max(context_lens) // bs)
-        return StepBatch(tokens, positions, slots, starts, context_lens, self._host_tables.gather(ids, tables, width),
+        gathered = [host.gather(ids, group_tables, width) for host, group_tables in zip(self._host_tables, tables)]
+        return StepBatch(tokens, positions, slots, starts, context_lens,
+                         gathered[0][None] if groups == 1 else torch.stack(gathered),
                          sum(1 for item in items if item.num_new_tokens == 1))
 
 

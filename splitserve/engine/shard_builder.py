@@ -12,6 +12,7 @@ from splitserve.engine.config import ConfigError
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_groups import kv_groups
 from splitserve.engine.memory_profile import kv_cache_budget
 from splitserve.engine.model.sharding import Shard
 from splitserve.engine.model_builder import LoadedModel, build_model
@@ -50,9 +51,11 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
         loaded.config, config.block_size, loaded.dtype, shard, config.kv_cache_dtype)
     if group is not None:
         num_blocks = group.min_int(num_blocks)
-    usable = num_blocks - (loaded.config.uniform_window is not None)  # less BlockManager's NULL_BLOCK
-    if usable * config.block_size < loaded.max_model_len:
-        raise ConfigError(f"the KV cache holds {usable * config.block_size} tokens, fewer than max_model_len="
+    groups = kv_groups(loaded.config)
+    # a token takes a block of each layer group's (BlockManager); a window takes NULL_BLOCK
+    tokens = (num_blocks - any(w is not None for w in groups.windows)) // groups.num_groups * config.block_size
+    if tokens < loaded.max_model_len:
+        raise ConfigError(f"the KV cache holds {tokens} tokens, fewer than max_model_len="
                           f"{loaded.max_model_len}; raise kv_cache_memory_bytes (on CUDA, gpu_memory_utilization) or "
                           "lower max_model_len")
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device, shard,
@@ -65,9 +68,8 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
 
         warm_up(runner)
     if _captures_graphs(config, loaded, backend, group):
-        runner.graphs = DecodeGraphs(loaded.model, kv_cache.layers(), backend, loaded.device,
-                                     min(config.cuda_graph_max_batch, config.max_num_seqs), loaded.max_model_len,
-                                     config.block_size)
+        runner.graphs = DecodeGraphs(runner, backend, min(config.cuda_graph_max_batch, config.max_num_seqs),
+                                     loaded.max_model_len)
         runner.graphs.capture()
     return EngineShard(loaded, kv_cache, runner)
 

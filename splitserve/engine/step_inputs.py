@@ -37,17 +37,18 @@ class StepTensors:
 
     token_ids: torch.Tensor     # [T]
     positions: torch.Tensor     # [T]
-    slots: torch.Tensor         # [T]
+    slots: torch.Tensor         # [groups, T]
     query_starts: torch.Tensor  # [num_seqs + 1]
     context_lens: torch.Tensor  # [num_seqs]
-    block_tables: torch.Tensor  # [num_seqs, width]
+    block_tables: torch.Tensor  # [groups, num_seqs, width]
 
     @classmethod
     def upload(cls, batch: StepBatch, device: torch.device) -> StepTensors:
         tokens, seqs = len(batch.token_ids), len(batch.context_lens)
-        width = batch.block_tables.shape[1]
-        lists = torch.tensor(list(chain(batch.token_ids, batch.positions, batch.slots, batch.query_starts,
+        groups, _, width = batch.block_tables.shape
+        lists = torch.tensor(list(chain(batch.token_ids, batch.positions, *batch.slots, batch.query_starts,
                                         batch.context_lens)), dtype=torch.long)
         flat = torch.cat([lists, batch.block_tables.flatten()])
-        parts = upload(flat, device).split([tokens, tokens, tokens, seqs + 1, seqs, seqs * width])
-        return cls(*parts[:5], parts[5].view(seqs, width))
+        ids, positions, slots, starts, lens, tables = upload(flat, device).split(
+            [tokens, tokens, groups * tokens, seqs + 1, seqs, groups * seqs * width])
+        return cls(ids, positions, slots.view(groups, tokens), starts, lens, tables.view(groups, seqs, width))

@@ -10,14 +10,13 @@ from splitserve.placement.state import PrefixDelta, WorkerLoad
 def load_of(policy: Policy, blocks: BlockManager) -> WorkerLoad:
     """Prompt tokens still to prefill here (handed-off ones included); decode load: sequences that
     decode here, imports included (their KV is arriving)."""
-    size = blocks.block_size
     queued = [*policy.waiting, *policy.running]
     local = [s for s in (*queued, *policy.held.values()) if not s.hand_off]
     return WorkerLoad(
         pending_prompt_tokens=sum(s.num_uncomputed_tokens for s in queued if not s.is_decoding),
         decode_tokens=sum(s.num_tokens for s in local), num_decoding=len(local),
-        num_waiting=len(policy.waiting), free_kv_tokens=blocks.num_free_blocks * size,
-        total_kv_tokens=blocks.num_blocks * size)
+        num_waiting=len(policy.waiting), free_kv_tokens=blocks.tokens_of(blocks.num_free_blocks),
+        total_kv_tokens=blocks.tokens_of(blocks.num_blocks))
 
 
 def prefix_delta_of(blocks: BlockManager, snapshot: bool) -> PrefixDelta:

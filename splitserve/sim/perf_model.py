@@ -42,7 +42,9 @@ MIN_DECODE_FRACTION = 0.5  # a short context never makes decode faster than this
 class ModelShape:
     num_layers: int
     kv_bytes_per_token: int
-    window: int | None = None  # every layer's sliding window (ModelConfig.uniform_window), if it has one
+    # every layer's sliding window (ModelConfig.uniform_window), if it has one; the simulator keeps
+    # every block of a model where only some layers slide (its layer groups are not simulated)
+    window: int | None = None
 
 
 def _sim_shape(num_layers: int, hidden_size: int, dtype_bytes: int = 2) -> ModelShape:

@@ -72,8 +72,7 @@ class SimWorker:
         self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
         self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
         self.prefill_extra = overhead.prefill_scale - 1.0  # of a prefill's profiled time, added to it
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
-                                   windows=(window,))
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, windows=(window,))
         if limits.slo.pivot_time_s is None:  # SLO-aware policies: the pivot's time from this worker's model
             pivot = limits.slo.pivot_tokens
             limits = replace(limits, slo=replace(limits.slo, pivot_time_s=perf.prefill_time(pivot)))

@@ -190,15 +190,16 @@ class DirectLink(Link):
     # ---- sender ------------------------------------------------------------------------------
     def write(self, source, source_slots, layers, source_heads, dest, start) -> int:
         peer = self._live_cache()
-        slots = self._dest_slots(dest, start, len(source_slots), peer)
+        slots = self._dest_slots(dest, start, source_slots.shape[-1], peer)
+        data, groups = source.data, source.groups  # the peer's cache is laid out alike: the same model
         if self._copy is None:
-            return copy_kv(source, source_slots, peer, slots, layers, source_heads, _heads(dest.heads))
-        for device in {source.device, peer.device}:  # after the layer's KV, and the slots, were written
+            return copy_kv(data, source_slots, peer, slots, layers, groups, source_heads, _heads(dest.heads))
+        for device in {data.device, peer.device}:  # after the layer's KV, and the slots, were written
             self._copy.wait_stream(torch.cuda.current_stream(device))
         for index in (source_slots, slots):  # made on other streams: not reused before the copy read them
             index.record_stream(self._copy)
         with torch.cuda.stream(self._copy):
-            return copy_kv(source, source_slots, peer, slots, layers, source_heads, _heads(dest.heads))
+            return copy_kv(data, source_slots, peer, slots, layers, groups, source_heads, _heads(dest.heads))
 
     def seal(self) -> None:
         if self._copy is not None:
@@ -253,12 +254,13 @@ class DirectLink(Link):
         key = (dest, start, num_sent)
         if key not in self._slots:
             _, _, num_blocks, block_size, heads, _ = peer.shape
-            if any(not 0 <= b < num_blocks for b in dest.blocks) or \
+            if any(not 0 <= b < num_blocks for table in dest.blocks for b in table) or \
                     (dest.heads is not None and not 0 <= dest.heads[0] < dest.heads[1] <= heads):
                 raise TransferError(self.peer, f"the ticket names blocks or heads outside its cache "
                                                f"({num_blocks} blocks, {heads} KV heads)")
             try:
-                slots = slot_index(list(dest.blocks), block_size, start + num_sent, peer.device, start)
+                slots = slot_index([list(table) for table in dest.blocks], block_size, start + num_sent, peer.device,
+                                   start)
             except ValueError as error:
                 raise TransferError(self.peer, f"the ticket's blocks do not fit the KV sent: {error}") from error
             if len(self._slots) >= _SLOT_CACHE:

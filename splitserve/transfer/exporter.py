@@ -191,8 +191,8 @@ class KVExporter:
 
     def _slots_for(self, ticket: TransferTicket) -> torch.Tensor:
         if ticket.request_id not in self._slots:
-            table = self.engine.block_manager.block_table(ticket.request_id)
-            self._slots[ticket.request_id] = slot_index(table, self.engine.kv_cache.block_size, ticket.num_tokens,
+            tables = self.engine.block_manager.block_tables(ticket.request_id)
+            self._slots[ticket.request_id] = slot_index(tables, self.engine.kv_cache.block_size, ticket.num_tokens,
                                                         self.engine.kv_cache.data.device, ticket.start_token)
         return self._slots[ticket.request_id]
 

@@ -57,5 +57,5 @@ class FollowerKV:
         except TransferError as error:
             self._report.push_failures.append((part, error))
 
-    def _slots(self, slots: list[int]) -> torch.Tensor:
+    def _slots(self, slots: list[list[int]]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.long, device=self._device)

@@ -61,7 +61,7 @@ def kv_layout(engine) -> str:
 def make_transport(engine, fabric: Fabric, timeout: float = 60.0) -> KVTransport:
     """A rank's transport (`engine`: an LLMEngine or a TPFollower)."""
     cache = engine.kv_cache
-    return KVTransport(fabric, lambda n, heads: wire_shape(cache, n, heads=heads), cache.data.shape[0],
+    return KVTransport(fabric, lambda n, heads: wire_shape(cache, n, heads=heads), cache.num_layers,
                        cache.data.dtype, cache.data.device, timeout, kv_layout(engine), engine.max_model_len,
                        cache.data.shape[-2])
 

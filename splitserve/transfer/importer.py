@@ -60,19 +60,19 @@ class KVImporter:
         """Reserve blocks for the prompt (raises OutOfBlocksError / EngineFullError when full);
         `prompt_tp` is the prompt worker's TP size (which of its ranks send which heads)."""
         cache, num_tokens = self.engine.kv_cache, len(prompt_token_ids)
-        seq, block_ids = self.engine.reserve_import(request_id, prompt_token_ids, params, arrival_time,
-                                                    self.reuse_prefix)
+        seq, tables = self.engine.reserve_import(request_id, prompt_token_ids, params, arrival_time,
+                                                 self.reuse_prefix)
         start = seq.num_computed_tokens  # held here already (prefix cache); never the last token
-        slots = slot_index(block_ids, cache.block_size, num_tokens, cache.data.device, start)
+        slots = slot_index(tables, cache.block_size, num_tokens, cache.data.device, start)
         ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, num_tokens,
                                 num_tokens - start >= self.layerwise_threshold, self.transport.layout, start)
         parts = split_ticket(ticket, self.engine.model_config.num_key_value_heads, prompt_tp, self.tp_size)
         stamped = []
         for part in parts:
             if part.token_rank:
-                self.leader.post(part.token_rank, Expect(part, slots.tolist(), block_ids))
+                self.leader.post(part.token_rank, Expect(part, slots.tolist(), tables))
             else:
-                stamped.append(self.rank.expect(part, slots, block_ids))
+                stamped.append(self.rank.expect(part, slots, tables))
         if len(stamped) < len(parts):
             self.leader.sync()  # the other ranks stamp theirs
             stamped += [self._stamped.pop((request_id, *_route(part))) for part in parts if part.token_rank]

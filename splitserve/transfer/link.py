@@ -17,8 +17,12 @@ last message, and the receiver `fence`s when it reads that message.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from splitserve.engine.kv_cache import KVCache
 
 
 class TransferError(RuntimeError):
@@ -71,11 +75,11 @@ class Link(ABC):
         """After `close`: waits up to `timeout` for the threads the link still runs. A process
         that exits while one of them is inside torch aborts (std::terminate)."""
 
-    def write(self, source: torch.Tensor, source_slots: torch.Tensor, layers: slice, source_heads: slice | None,
+    def write(self, source: KVCache, source_slots: torch.Tensor, layers: slice, source_heads: slice | None,
               dest, start: int) -> int:
-        """Direct links: write the KV at `source_slots` of `source` (this rank's cache data) for
-        `layers` into the receiver's cache, where `dest` (a transport.CacheDest) holds positions
-        `start` on; returns the bytes written."""
+        """Direct links: write the KV at `source_slots` (per layer group) of `source` (this rank's
+        cache) for `layers` into the receiver's cache, where `dest` (a transport.CacheDest) holds
+        positions `start` on; returns the bytes written."""
         raise TransferError(self.peer, "this link sends KV; it cannot write into the peer's cache")
 
     def seal(self) -> None:

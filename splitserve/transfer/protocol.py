@@ -33,7 +33,7 @@ class IncompatibleKV(ProtocolError):
 class CacheDest:
     """Where a direct transfer's KV goes in the token rank's cache."""
 
-    blocks: tuple[int, ...]  # the reservation's block table, from position 0
+    blocks: tuple[tuple[int, ...], ...]  # the reservation's block tables (per layer group), from position 0
     heads: tuple[int, int] | None = None  # the part's KV heads among the rank's own; None: all
     claim_by: float = 0.0  # the sender claims the transfer by this time.monotonic() (one node: one clock)
 

@@ -25,12 +25,13 @@ class FinishExport:
 
 @dataclass(frozen=True)
 class Expect:
-    """Receive this part into these slots (of the reservation's `blocks`); report it stamped with
-    its link epoch (and its destination, where the prompt rank writes into this rank's cache)."""
+    """Receive this part into these slots (per layer group, of the reservation's `blocks`); report
+    it stamped with its link epoch (and its destination, where the prompt rank writes into this
+    rank's cache)."""
 
     part: TransferTicket
-    slots: list[int]
-    blocks: list[int]
+    slots: list[list[int]]
+    blocks: list[list[int]]
 
 
 @dataclass(frozen=True)

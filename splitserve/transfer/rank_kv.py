@@ -27,23 +27,23 @@ class RankKV:
     def push_layer(self, part: TransferTicket, layer: int, slots: torch.Tensor) -> int:
         """Returns the bytes pushed."""
         if part.dest is not None:
-            return self.transport.write_kv(part, layer, self.cache.data, slots, self.heads(part))
+            return self.transport.write_kv(part, layer, self.cache, slots, self.heads(part))
         payload = pack_layer(self.cache, layer, slots, self.heads(part))
         self.transport.push_layer(part, layer, payload)
         return payload.nbytes
 
     def push_all(self, part: TransferTicket, slots: torch.Tensor) -> int:
         if part.dest is not None:
-            return self.transport.write_kv(part, ALL, self.cache.data, slots, self.heads(part))
+            return self.transport.write_kv(part, ALL, self.cache, slots, self.heads(part))
         payload = pack_all(self.cache, slots, self.heads(part))
         self.transport.push_all(part, payload)
         return payload.nbytes
 
     # ---- receiving ------------------------------------------------------------------------
-    def expect(self, part: TransferTicket, slots: torch.Tensor, blocks: list[int]) -> TransferTicket:
+    def expect(self, part: TransferTicket, slots: torch.Tensor, tables: list[list[int]]) -> TransferTicket:
         """Returns the part stamped with its link's epoch (what the prompt side pushes against),
-        and with its destination when the prompt rank writes into this cache itself; `blocks`
-        is the reservation's block table."""
+        and with its destination when the prompt rank writes into this cache itself; `tables`
+        are the reservation's block tables (a layer group's each)."""
         heads = self.heads(part)
-        dest = CacheDest(tuple(blocks), None if heads is None else (heads.start, heads.stop))
+        dest = CacheDest(tuple(map(tuple, tables)), None if heads is None else (heads.start, heads.stop))
         return self.transport.expect(part, lambda layer, wire: unpack_layer(self.cache, layer, slots, wire, heads), dest)

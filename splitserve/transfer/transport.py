@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from splitserve.engine.kv_cache import KVCache
 from splitserve.transfer.link import Fabric, Link, TransferError
 from splitserve.transfer.protocol import (ALL, CANCEL, DONE, HELLO, LAYOUT_BYTES, CacheDest, IncompatibleKV,
                                           TransferTicket, announce_retired, header, layout_tensor)
@@ -123,14 +124,16 @@ class KVTransport:
             raise TransferError(ticket.token_peer, "it gave the transfer up before this worker claimed it")
         self._claims.add(key)
 
-    def write_kv(self, ticket: TransferTicket, kind: int, source: torch.Tensor, slots: torch.Tensor,
+    def write_kv(self, ticket: TransferTicket, kind: int, source: KVCache, slots: torch.Tensor,
                  heads: slice | None) -> int:
-        """A direct ticket: writes layer `kind` (or ALL layers) of this rank's cache data at
-        `slots`, `heads` of its own, into the token worker's blocks, then announces it. Returns the bytes."""
+        """A direct ticket: writes layer `kind` (or ALL layers) of this rank's cache at `slots`
+        (per layer group), `heads` of its own, into the token worker's blocks, then announces it.
+        Returns the bytes."""
         self.claim(ticket)
         link = self._link_to(ticket)
         layers = slice(None) if kind == ALL else slice(kind, kind + 1)
-        num_heads = source.shape[-2] if heads is None else len(range(source.shape[-2])[heads])
+        kv_heads = source.data.shape[-2]
+        num_heads = kv_heads if heads is None else len(range(kv_heads)[heads])
         try:
             written = link.write(source, slots, layers, heads, ticket.dest, ticket.start_token)
             link.send_meta(header(ticket.tag, kind, ticket.num_sent_tokens, num_heads))

@@ -22,7 +22,7 @@ def run_plan(engine: LLMEngine, items: list[ScheduledSeq]) -> dict[str, torch.Te
     advance its num_computed_tokens as the policy would."""
     plan = Plan(tuple(items))
     ordered = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # as ModelRunner.execute
-    tables = {item.seq.seq_id: engine.block_manager.block_table(item.seq.seq_id) for item in ordered}
+    tables = {item.seq.seq_id: engine.block_manager.block_tables(item.seq.seq_id) for item in ordered}
     runner = engine.runner
     batch = runner.prepare(ordered, tables)
     logits = runner.model.compute_logits(runner.forward(batch)).float()

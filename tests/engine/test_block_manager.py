@@ -163,7 +163,7 @@ def test_export_blocks_returns_table_in_order():
     a = make_seq("a", seq_range(0, 10))
     bm.allocate(a)
     bm.grow(a, 13)
-    exported = bm.export_blocks("a")
+    [exported] = bm.export_blocks("a")
     assert exported == bm.block_table("a")
     assert len(exported) == 4
     # a copy: mutating it does not touch the manager
@@ -181,8 +181,8 @@ def test_reserve_for_import_allocates_fresh_blocks():
 
     b = make_seq("b", prompt + [77])
     free_before = bm.num_free_blocks
-    ids = bm.reserve_for_import(b)
-    assert ids == bm.block_table("b") == bm.export_blocks("b")
+    [ids] = bm.reserve_for_import(b)
+    assert [ids] == [bm.block_table("b")] == bm.export_blocks("b")
     assert len(ids) == bm.blocks_for(b.num_tokens)
     assert not set(ids) & set(bm.block_table("a"))
     assert b.num_computed_tokens == 0 and b.num_cached_tokens == 0

@@ -19,7 +19,7 @@ def test_import_shares_the_cached_prefix_and_reserves_fresh_blocks_for_the_rest(
     cached(bm, "a", TURN_1)
     free_before = bm.num_free_blocks
     b = make_seq("b", TURN_2)
-    ids = bm.reserve_for_import(b, reuse_prefix=True)
+    [ids] = bm.reserve_for_import(b, reuse_prefix=True)
     assert ids == bm.block_table("b") and len(ids) == bm.blocks_for(b.num_tokens)
     assert ids[:2] == bm.block_table("a")[:2] and not set(ids[2:]) & set(bm.block_table("a"))
     assert b.num_computed_tokens == b.num_cached_tokens == 2 * BS
@@ -32,7 +32,7 @@ def test_without_reuse_every_block_is_fresh():
     bm = BlockManager(16, block_size=BS)
     cached(bm, "a", TURN_1)
     b = make_seq("b", TURN_2)
-    ids = bm.reserve_for_import(b)
+    [ids] = bm.reserve_for_import(b)
     assert not set(ids) & set(bm.block_table("a"))
     assert b.num_computed_tokens == b.num_cached_tokens == 0 and bm.num_cache_hit_blocks == 0
     bm.check_integrity()
@@ -61,7 +61,7 @@ def test_shared_blocks_are_held_so_no_allocation_evicts_them_meanwhile():
     bm = BlockManager(8, block_size=BS)
     a = cached(bm, "a", TURN_1)
     b = make_seq("b", TURN_2)
-    ids = bm.reserve_for_import(b, reuse_prefix=True)  # 2 shared + 3 fresh
+    [ids] = bm.reserve_for_import(b, reuse_prefix=True)  # 2 shared + 3 fresh
     bm.free(a.seq_id)  # the turn that cached the prefix ends: only the import holds it now
     filler = make_seq("filler", seq_range(500, bm.num_free_blocks * BS))
     bm.allocate(filler)  # every free block, evicting whatever cached content is not held

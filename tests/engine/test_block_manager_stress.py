@@ -203,7 +203,7 @@ class _EngineSim:
             return
         ids = bm.reserve_for_import(seq)
         assert seq.num_computed_tokens == 0
-        assert ids == bm.block_table(seq.seq_id)
+        assert ids == bm.block_tables(seq.seq_id)
         tables = bm.block_tables(seq.seq_id)
         mine = [b for table in tables for b in table]
         others = {b for s in self.running for table in bm.block_tables(s.seq_id) for b in table} - {NULL_BLOCK}

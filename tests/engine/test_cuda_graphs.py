@@ -27,8 +27,7 @@ PARAMS = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in 
 def with_graphs(llm: LLM, max_batch: int, backend=None) -> list[int]:
     """Captures graphs for `llm`'s runner; returns the list that records each replayed batch's size."""
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.kv_cache.layers(), backend or runner.backend, runner.device,
-                          max_batch, llm.engine.max_model_len, llm.engine.config.block_size)
+    graphs = DecodeGraphs(runner, backend or runner.backend, max_batch, llm.engine.max_model_len)
     graphs.capture()
     replayed, run = [], graphs.run
     graphs.run = lambda batch: (replayed.append(len(batch.token_ids)), run(batch))[1]
@@ -68,6 +67,22 @@ def test_an_fp8_cache_replays_the_eager_tokens_and_padding_stores_no_codes():
     assert ours.dtype == torch.uint8 and torch.equal(ours == 0, theirs == 0)
 
 
+def test_layer_groups_replay_the_eager_tokens(tmp_path):
+    """Full and windowed layers (two layer groups: a slot row and block tables each), with a
+    window short enough that the windowed tables release blocks while the graphs replay."""
+    from splitserve.engine.demo import DEMO_MODEL_CONFIG
+    from splitserve.engine.dummy_weights import write_shape_checkpoint
+
+    model = write_shape_checkpoint(tmp_path / "m", {**DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"],
+                                                    "model_type": "mistral", "sliding_window": 16,
+                                                    "layer_types": ["full_attention", "sliding_attention"] * 2})
+    eager, captured = (LLM(model, **ENGINE, load_format="dummy") for _ in range(2))
+    assert captured.engine.block_manager.windows == (None, 16)
+    replayed = with_graphs(captured, max_batch=8)
+    got, expected = captured.generate(PROMPTS, PARAMS), eager.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected] and set(replayed) == {4, 3, 2, 1}
+
+
 def test_batches_larger_than_the_largest_graph_run_eagerly():
     oracle = LLM("demo", **{**ENGINE, "attention_backend": "torch"})
     captured = LLM("demo", **ENGINE)
@@ -90,7 +105,7 @@ def test_a_backend_that_reads_host_metadata_is_refused():
     llm = LLM("demo", **{**ENGINE, "attention_backend": "torch"})
     runner = llm.engine.runner
     with pytest.raises(ValueError, match="cannot be captured"):
-        DecodeGraphs(runner.model, runner.kv_cache.layers(), TorchPagedBackend(), runner.device, 4, 256, 16)
+        DecodeGraphs(runner, TorchPagedBackend(), 4, 256)
 
 
 @pytest.mark.gpu

@@ -115,7 +115,7 @@ def test_sequence_aborted_while_its_step_runs_is_skipped():
 def test_reserve_and_complete_import(name):
     p = make(name)
     s = make_seq("s", 9)
-    block_ids = p.reserve_import(s)
+    [block_ids] = p.reserve_import(s)
     assert len(block_ids) == 3 and block_ids == p.blocks.block_table("s")
     assert s.status is SequenceStatus.IMPORTING and s.num_computed_tokens == 0 and p.held["s"] is s
     assert not p.schedule() and not p.has_work()  # not schedulable before its KV lands

@@ -306,8 +306,8 @@ def test_random_simulation_prompt_to_token_handoff(prompt_name, seed):
                 continue
             if len(token.running) + len(token.held) >= token.limits.max_num_seqs:
                 continue
-            src_ids = prompt_blocks.export_blocks(seq.seq_id)
-            dst_ids = token.reserve_import(dst)
+            [src_ids] = prompt_blocks.export_blocks(seq.seq_id)
+            [dst_ids] = token.reserve_import(dst)
             assert len(src_ids) == len(dst_ids) == token_blocks.blocks_for(seq.num_prompt_tokens)
             prompt_kv.check(seq, seq.num_prompt_tokens)
             for pos in range(seq.num_prompt_tokens):  # the block copy

@@ -6,8 +6,10 @@ from splitserve.engine.step_inputs import StepTensors
 
 
 def test_every_list_of_a_batch_comes_back_as_its_own_view():
-    batch = StepBatch(token_ids=[5, 6, 7, 8], positions=[9, 0, 1, 2], slots=[41, 16, 17, 18],
-                      query_starts=[0, 1, 4], context_lens=[10, 3], block_tables=torch.tensor([[0, 2], [1, 0]]), num_decodes=1)
+    """Two layer groups: each has its slots and block tables."""
+    batch = StepBatch(token_ids=[5, 6, 7, 8], positions=[9, 0, 1, 2], slots=[[41, 16, 17, 18], [3, 4, 5, 6]],
+                      query_starts=[0, 1, 4], context_lens=[10, 3],
+                      block_tables=torch.tensor([[[0, 2], [1, 0]], [[7, 8], [9, 0]]]), num_decodes=1)
     got = StepTensors.upload(batch, torch.device("cpu"))
     assert got.token_ids.tolist() == batch.token_ids
     assert got.positions.tolist() == batch.positions

@@ -57,7 +57,7 @@ def last_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     seq = Sequence("logits", list(prompt), SamplingParams(max_tokens=1))
     engine.block_manager.allocate(seq, use_prefix_cache=False)
     plan = Plan((ScheduledSeq(seq, len(prompt)),))
-    logits = engine.runner.execute(plan, {"logits": engine.block_manager.block_table("logits")}).logits
+    logits = engine.runner.execute(plan, {"logits": engine.block_manager.block_tables("logits")}).logits
     engine.block_manager.free("logits")
     return logits
 

@@ -20,8 +20,8 @@ def caches(src_block_size: int, dst_block_size: int):
 def test_one_shot_round_trip_across_block_sizes(src_bs, dst_bs):
     src, dst = caches(src_bs, dst_bs)
     n = 37
-    src_slots = slot_index([9, 2, 11, 0, 5, 7, 3, 1, 4, 6][: -(-n // src_bs)], src_bs, n, CPU)
-    dst_slots = slot_index(list(range(63, 63 - -(-n // dst_bs), -1)), dst_bs, n, CPU)
+    src_slots = slot_index([[9, 2, 11, 0, 5, 7, 3, 1, 4, 6][: -(-n // src_bs)]], src_bs, n, CPU)
+    dst_slots = slot_index([list(range(63, 63 - -(-n // dst_bs), -1))], dst_bs, n, CPU)
     wire = pack_all(src, src_slots)
     assert wire.shape == wire_shape(src, n, CONFIG.num_hidden_layers)
     unpack_all(dst, dst_slots, wire)
@@ -31,24 +31,24 @@ def test_one_shot_round_trip_across_block_sizes(src_bs, dst_bs):
 
 def test_layer_by_layer_writes_only_the_reserved_slots():
     src, dst = caches(16, 8)
-    src_slots, dst_slots = slot_index([3, 1], 16, 20, CPU), slot_index([7, 0, 5], 8, 20, CPU)
+    src_slots, dst_slots = slot_index([[3, 1]], 16, 20, CPU), slot_index([[7, 0, 5]], 8, 20, CPU)
     for layer in range(CONFIG.num_hidden_layers):
         unpack_layer(dst, layer, dst_slots, pack_layer(src, layer, src_slots))
     untouched = torch.ones(dst.data.shape[2] * dst.block_size, dtype=torch.bool)
-    untouched[dst_slots] = False
+    untouched[dst_slots[0]] = False
     assert torch.count_nonzero(dst.data.flatten(2, 3)[:, :, untouched]) == 0
 
 
 def test_too_few_blocks_names_the_problem():
     with pytest.raises(ValueError, match="cannot hold 40 tokens"):
-        slot_index([0, 1], 16, 40, CPU)
+        slot_index([[0, 1]], 16, 40, CPU)
 
 
 def test_whole_blocks_round_trip_between_two_caches_with_different_ids():
     src = KVCache(CONFIG, 10, 16, torch.float32, CPU)
     dst = KVCache(CONFIG, 12, 16, torch.float32, CPU)
     src.data.normal_()
-    unpack_all(dst, slot_index([0, 11, 3], 16, 48, CPU), pack_all(src, slot_index([7, 2, 5], 16, 48, CPU)))
+    unpack_all(dst, slot_index([[0, 11, 3]], 16, 48, CPU), pack_all(src, slot_index([[7, 2, 5]], 16, 48, CPU)))
     for s, d in zip([7, 2, 5], [0, 11, 3]):
         assert torch.equal(dst.data[:, :, d], src.data[:, :, s])
     assert torch.count_nonzero(dst.data[:, :, [1, 2, 4, 5, 6, 7, 8, 9, 10]]) == 0
@@ -58,14 +58,34 @@ def test_layers_round_trip_into_another_dtype():
     src = KVCache(CONFIG, 6, 16, torch.float32, CPU)
     dst = KVCache(CONFIG, 6, 16, torch.bfloat16, CPU)
     src.data.normal_()
-    src_slots, dst_slots = slot_index([0, 3], 16, 32, CPU), slot_index([4, 1], 16, 32, CPU)
+    src_slots, dst_slots = slot_index([[0, 3]], 16, 32, CPU), slot_index([[4, 1]], 16, 32, CPU)
     for layer in range(CONFIG.num_hidden_layers):
         unpack_layer(dst, layer, dst_slots, pack_layer(src, layer, src_slots))
     assert torch.equal(dst.data[:, :, [4, 1]], src.data[:, :, [0, 3]].to(torch.bfloat16))
 
 
 def test_slots_from_a_start_position_are_the_tail_of_the_whole_prompts():
-    whole = slot_index([5, 2, 9], 4, 11, CPU)
-    assert torch.equal(slot_index([5, 2, 9], 4, 11, CPU, start=6), whole[6:])
+    whole = slot_index([[5, 2, 9], [1, 3, 4]], 4, 11, CPU)
+    assert torch.equal(slot_index([[5, 2, 9], [1, 3, 4]], 4, 11, CPU, start=6), whole[:, 6:])
     with pytest.raises(ValueError, match="start 12"):
-        slot_index([5, 2, 9], 4, 11, CPU, start=12)
+        slot_index([[5, 2, 9]], 4, 11, CPU, start=12)
+
+
+def test_layer_groups_each_read_and_write_at_their_own_slots():
+    """A model with full and windowed layers (two groups, a block holding half the layers): a layer
+    travels from its group's slots on one side to its group's on the other."""
+    from dataclasses import replace
+
+    hybrid = replace(CONFIG, sliding_window=8, sliding_layers=(1, 3))
+    src, dst = KVCache(hybrid, 8, 4, torch.float32, CPU), KVCache(hybrid, 8, 4, torch.float32, CPU)
+    assert src.groups.num_groups == 2 and src.data.shape[0] == 2
+    src.data.normal_(generator=torch.Generator().manual_seed(1))
+    src_slots = slot_index([[1, 2], [3, 4]], 4, 6, CPU)
+    dst_slots = slot_index([[7, 6], [5, 0]], 4, 6, CPU)
+    wire = pack_all(src, src_slots)
+    assert wire.shape == wire_shape(src, 6, CONFIG.num_hidden_layers)
+    unpack_all(dst, dst_slots, wire)
+    for layer in range(CONFIG.num_hidden_layers):
+        group, slot = src.groups.group_of[layer], src.groups.slot_of[layer]
+        assert torch.equal(dst.data[slot].flatten(1, 2)[:, dst_slots[group]],
+                           src.data[slot].flatten(1, 2)[:, src_slots[group]])

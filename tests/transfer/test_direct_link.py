@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from splitserve.engine.kv_groups import KVGroups
 from splitserve.transfer.codec import copy_kv, pack_layer, slot_index, unpack_layer
 from splitserve.transfer.direct_link import DirectFabric
 from splitserve.transfer import shared_kv
@@ -22,9 +23,14 @@ from splitserve.transfer.transport import ALL, CacheDest, KVTransport, TransferT
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 2, 6, 4, 2, 3
 
 
-class _Cache:  # what codec's pack/unpack read: `.data`
+class _Cache:  # what codec's pack/unpack and a direct write read: one layer group of every layer
     def __init__(self, data):
         self.data = data
+        self.num_layers = data.shape[0]
+        self.groups = KVGroups((None,), (0,) * self.num_layers, tuple(range(self.num_layers)), self.num_layers)
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self.data[layer]
 
 
 @pytest.fixture
@@ -110,12 +116,12 @@ def test_a_cache_larger_than_the_free_shared_memory_is_refused_before_any_write(
 def test_copy_kv_equals_pack_then_unpack_across_block_sizes_and_heads():
     src = torch.randn(LAYERS, 2, 5, 4, 4, DIM)
     expected, got = torch.zeros(LAYERS, 2, 3, 8, 2, DIM), torch.zeros(LAYERS, 2, 3, 8, 2, DIM)
-    src_slots = slot_index([4, 0, 2], 4, 11, torch.device("cpu"), start=3)
-    dst_slots = slot_index([2, 0], 8, 11, torch.device("cpu"), start=3)
+    src_slots = slot_index([[4, 0, 2]], 4, 11, torch.device("cpu"), start=3)
+    dst_slots = slot_index([[2, 0]], 8, 11, torch.device("cpu"), start=3)
     for layer in range(LAYERS):
         wire = pack_layer(_Cache(src), layer, src_slots, slice(2, 3))
         unpack_layer(_Cache(expected), layer, dst_slots, wire, slice(1, 2))
-    written = copy_kv(src, src_slots, got, dst_slots, slice(None), slice(2, 3), slice(1, 2))
+    written = copy_kv(src, src_slots, got, dst_slots, slice(None), _Cache(src).groups, slice(2, 3), slice(1, 2))
     assert torch.equal(got, expected) and written == LAYERS * 2 * 8 * 1 * DIM * 4
 
 
@@ -136,17 +142,17 @@ def test_first_come_decides_between_a_claim_and_a_give_up(store):
 def test_a_direct_transfer_lands_in_the_reserved_blocks_and_only_headers_travel(transports):
     source, target = caches()
     prompt, token = transports(source, target)
-    blocks = (5, 1, 3)
+    blocks = ((5, 1, 3),)
     ticket = token.expect(TransferTicket("r", 0, "p0", "t0", 10, True, "test-layout", start_token=2),
                           lambda *_: pytest.fail("a direct transfer carries no payload"), CacheDest(blocks))
     assert ticket.dest.blocks == blocks and ticket.dest.claim_by > 0
-    src_slots = slot_index([0, 2, 4], BLOCK, 10, torch.device("cpu"), start=2)
+    src_slots = slot_index([[0, 2, 4]], BLOCK, 10, torch.device("cpu"), start=2)
     for layer in range(LAYERS):
-        prompt.write_kv(ticket, layer, source, src_slots, None)
+        prompt.write_kv(ticket, layer, _Cache(source), src_slots, None)
     prompt.complete(ticket, 42)
     assert token.poll(timeout=10) == [(ticket, 42)]
-    dst_slots = slot_index(list(blocks), BLOCK, 10, torch.device("cpu"), start=2)
-    assert torch.equal(target.flatten(2, 3)[:, :, dst_slots], source.flatten(2, 3)[:, :, src_slots])
+    dst_slots = slot_index([list(blocks[0])], BLOCK, 10, torch.device("cpu"), start=2)[0]
+    assert torch.equal(target.flatten(2, 3)[:, :, dst_slots], source.flatten(2, 3)[:, :, src_slots[0]])
     untouched = torch.ones(BLOCKS * BLOCK, dtype=torch.bool)
     untouched[dst_slots] = False
     assert target.flatten(2, 3)[:, :, untouched].eq(0).all()
@@ -158,7 +164,7 @@ def test_a_cache_no_other_process_can_map_takes_the_fallback_links(transports):
     token.fabric.ipc_refused = "refused in this test"  # as a CUDA worker on a platform that refuses CUDA IPC
     landed = []
     ticket = token.expect(TransferTicket("r", 0, "p0", "t0", 10, True, "test-layout"),
-                          lambda layer, payload: landed.append((layer, payload.clone())), CacheDest((5, 1, 3)))
+                          lambda layer, payload: landed.append((layer, payload.clone())), CacheDest(((5, 1, 3),)))
     assert ticket.dest is None  # no block table: the prompt worker sends the KV over the fallback link
     payloads = torch.randn(LAYERS, 2, 10, HEADS, DIM)
     for layer in range(LAYERS):
@@ -173,23 +179,23 @@ def test_a_claimed_transfer_given_up_is_held_until_its_sender_ends_it(store, tra
     source, target = caches()
     prompt, token = transports(source, target)
     ticket = token.expect(TransferTicket("r", 0, "p0", "t0", 8, False, "test-layout"), lambda *_: None,
-                          CacheDest((0, 1)))
+                          CacheDest(((0, 1),)))
     prompt.claim(ticket)
     assert not token.abandon(ticket)  # the writer may still write: held
-    prompt.write_kv(ticket, ALL, source, slot_index([2, 3], BLOCK, 8, torch.device("cpu")), None)
+    prompt.write_kv(ticket, ALL, _Cache(source), slot_index([[2, 3]], BLOCK, 8, torch.device("cpu")), None)
     assert token.take_released() == []
     prompt.cancel(ticket)
     token.poll(timeout=10)  # wakes on the release
     assert token.take_released() == [ticket] and not store.check(["splitserve/kv-claim/t0/0"])
 
 
-@pytest.mark.parametrize("dest, match", [(CacheDest((0, BLOCKS)), "outside its cache"),
-                                         (CacheDest((0, 1), heads=(1, 3)), "outside its cache"),
-                                         (CacheDest((0,)), "do not fit")])
+@pytest.mark.parametrize("dest, match", [(CacheDest(((0, BLOCKS),)), "outside its cache"),
+                                         (CacheDest(((0, 1),), heads=(1, 3)), "outside its cache"),
+                                         (CacheDest(((0,),)), "do not fit")])
 def test_a_writer_never_writes_outside_the_receivers_cache(transports, dest, match):
     source, target = caches()
     prompt, token = transports(source, target)
     ticket = token.expect(TransferTicket("r", 0, "p0", "t0", 8, False, "test-layout"), lambda *_: None, dest)
     with pytest.raises(TransferError, match=match):
-        prompt.write_kv(ticket, ALL, source, torch.arange(8), None)
+        prompt.write_kv(ticket, ALL, _Cache(source), torch.arange(8)[None], None)
     assert target.eq(0).all()

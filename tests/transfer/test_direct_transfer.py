@@ -32,7 +32,7 @@ def wait_clean(cluster, worker_id, timeout=30.0):
 def test_tickets_name_the_token_workers_blocks_and_its_output_is_colocated(cluster):
     ticket = cluster.route("r", LONG, GREEDY)
     [part] = ticket.parts
-    assert part.dest is not None and len(part.dest.blocks) * 16 >= len(LONG) and part.dest.claim_by > 0
+    assert part.dest is not None and len(part.dest.blocks[0]) * 16 >= len(LONG) and part.dest.claim_by > 0
     done = cluster.collect("t0", ("done", "failed"), 1)["r"]
     assert done[0] == "done" and done[2] == colocated(cluster, [LONG], GREEDY)[0]
     wait_clean(cluster, "t0")

@@ -81,16 +81,21 @@ def test_an_fp8_cache_travels_as_its_codes(backend):
         fp8.close()
 
 
+@pytest.mark.parametrize("layers", ["every", "alternate"])
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
-def test_a_sliding_window_model_hands_off_whole_and_decodes_in_its_window(backend, tmp_path):
-    """Every layer slides (Mistral's layout): the prompt worker keeps all its blocks for the export
-    (one-shot exports read them after the step), the token worker takes them all and releases those
-    out of the window as it decodes; what it caches of them serves a later prompt's window."""
+def test_a_sliding_window_model_hands_off_whole_and_decodes_in_its_window(backend, layers, tmp_path):
+    """Every layer slides (Mistral's layout), or every other one (Gemma 2's and GPT-OSS's: two layer
+    groups, each layer travelling at its group's blocks): the prompt worker keeps all its blocks for
+    the export (one-shot exports read them after the step), the token worker takes them all and
+    releases those out of the window as it decodes; what it caches of them serves a later prompt's
+    window."""
     from splitserve.engine.demo import DEMO_MODEL_CONFIG
     from splitserve.engine.dummy_weights import write_shape_checkpoint
 
+    kinds = {"every": ["sliding_attention"] * 4, "alternate": ["full_attention", "sliding_attention"] * 2}[layers]
     model = write_shape_checkpoint(tmp_path / "mistral", {**DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"],
-                                                          "model_type": "mistral", "sliding_window": 16})
+                                                          "model_type": "mistral", "sliding_window": 16,
+                                                          "layer_types": kinds})
     windowed = Cluster(backend, engine_args={"model": model, "load_format": "dummy"})
     try:
         one_shot = [256] + [(i * 5 + 1) % 256 for i in range(400)]

@@ -203,14 +203,15 @@ class LlamaForCausalLM(nn.Module):
         return frozenset() if self.lm_head is not None else frozenset({"lm_head.weight"})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend,
+                metas: list[AttentionMetadata], backend: AttentionBackend,
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; KV of every token is written to the cache.
+        `kv_caches` and `metas`: per layer (a layer group's metadata names its own block tables).
         `after_layer(i)` runs once layer i's KV is in the cache (layer-wise KV streaming starts there)."""
         x, residual = self.model.embed_tokens(input_ids), None
         if self.config.gemma_norms:  # Gemma scales by sqrt(hidden_size), rounded to the activations' dtype
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
-        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+        for i, (layer, kv, meta) in enumerate(zip(self.model.layers, kv_caches, metas)):
             x, residual = layer(x, residual, positions, self.rotary_of[i], kv, meta, backend)
             if after_layer is not None:
                 after_layer(i)

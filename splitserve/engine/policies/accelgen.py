@@ -158,7 +158,7 @@ class AccelGenPolicy(Policy):
 
     def _free_kv_tokens(self) -> int:
         watermark = self._watermark if self.running else 0
-        return max(0, self.blocks.num_free_blocks - watermark) * self.blocks.block_size
+        return self.blocks.tokens_of(max(0, self.blocks.num_free_blocks - watermark))
 
     def _fits_kv(self, cand: Candidate, batch: list[Candidate], candidates: list[Candidate],
                  preempted: dict[str, Sequence]) -> bool:
@@ -203,8 +203,8 @@ class AccelGenPolicy(Policy):
 
     def _blocks_needed(self, cand: Candidate) -> int:
         if cand.waiting:
-            return self.blocks.blocks_for(cand.seq.num_tokens)
-        return 1
+            return self.blocks.blocks_for(cand.seq.num_tokens) * self.blocks.num_groups
+        return self.blocks.num_groups
 
     def _admit_seq(self, seq: Sequence) -> None:
         self.waiting.remove(seq)

@@ -112,18 +112,18 @@ class Policy(ABC):
         seq.status = SequenceStatus.PREFILLED
         self.held[seq.seq_id] = seq
 
-    def reserve_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[int]:
-        """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block ids. With
+    def reserve_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[list[int]]:
+        """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block tables. With
         `reuse_prefix` the KV of the first `seq.num_computed_tokens` is already here (prefix cache),
         and only the rest must arrive (`BlockManager.reserve_for_import`).
         Raises EngineFullError when max_num_seqs sequences are already running or importing."""
         if len(self.running) + len(self.held) >= self.limits.max_num_seqs:
             raise EngineFullError(f"cannot import {seq.seq_id!r}: max_num_seqs={self.limits.max_num_seqs} "
                                   "sequences are already running or importing")
-        block_ids = self.blocks.reserve_for_import(seq, reuse_prefix)
+        tables = self.blocks.reserve_for_import(seq, reuse_prefix)
         seq.status = SequenceStatus.IMPORTING
         self.held[seq.seq_id] = seq
-        return block_ids
+        return tables
 
     def complete_import(self, seq_id: str, first_token_id: int) -> Sequence:
         """The prompt's KV has landed: the sequence decodes from its first token on."""
