@@ -29,7 +29,7 @@ from splitserve.engine.model_runner import ModelRunner, StepBatch
 from splitserve.engine.step_inputs import upload
 
 IDS, POSITIONS, CONTEXTS, SLOTS = range(4)  # rows of the [3 + groups, max batch] input block: SLOTS + group
-PADDING = (0, 0, 1, PAD_SLOT)  # a padding row's value in each (every group's slots: PAD_SLOT)
+PADDING = (0, 0, 1)  # a padding row's id, position and context; its slots in every group: PAD_SLOT
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -45,8 +45,8 @@ class DecodeGraphs:
         self.runner, self.kv_layers, self.backend, self.device = runner, cache.layers(), backend, device
         self.sizes, self.max_model_len = capture_sizes(max_batch), max_model_len
         groups = cache.groups.num_groups
-        padding = PADDING + (PAD_SLOT,) * (groups - 1)
-        self._inputs = torch.tensor(padding, dtype=torch.long, device=device)[:, None].repeat(1, max_batch)
+        self._padding = PADDING + (PAD_SLOT,) * groups
+        self._inputs = torch.tensor(self._padding, dtype=torch.long, device=device)[:, None].repeat(1, max_batch)
         self._tables = torch.zeros((groups, max_batch, -(-max_model_len // cache.block_size)), dtype=torch.long,
                                    device=device)
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
@@ -72,7 +72,7 @@ class DecodeGraphs:
         n = len(batch.token_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         rows = [batch.token_ids, batch.positions, batch.context_lens, *batch.slots]
-        padded = [row + [pad] * (size - n) for row, pad in zip(rows, PADDING + (PAD_SLOT,) * len(batch.slots))]
+        padded = [row + [pad] * (size - n) for row, pad in zip(rows, self._padding)]
         upload(torch.tensor(padded, dtype=torch.long), self.device, self._inputs[:, :size])
         upload(batch.block_tables, self.device, self._tables[:, :n, :batch.block_tables.shape[2]])
         return self._replays[size]()[:n]
