@@ -72,18 +72,23 @@ def run(args, cache: str, budget: int, prompts: list[list[int]]) -> dict:
 
 def drive(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
     """Send every prompt at once (greedy, `output_len` tokens each) and step until all are done,
-    counting each step's running sequences."""
+    counting each step's running sequences and timing each request's first token."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     gc.collect()
-    running, done, start = [], {}, time.perf_counter()
+    running, done, first, start = [], {}, {}, time.perf_counter()
     while engine.has_unfinished_requests():
         outputs = engine.step()
+        now = time.perf_counter() - start
         running.append(len(engine.policy.running))
+        for out in outputs:
+            first.setdefault(out.request_id, now)
         done.update((out.request_id, out.outputs[0].token_ids) for out in outputs if out.finished)
     seconds = time.perf_counter() - start
+    ttft = statistics.quantiles(first.values(), n=10, method="inclusive") if len(first) > 1 else [seconds] * 9
     return {"seconds": seconds, "output_tokens_per_s": len(prompts) * output_len / seconds,
+            "ttft_p50_s": ttft[4], "ttft_p90_s": ttft[8],
             "kv_blocks": engine.kv_cache.num_blocks, "peak_running": max(running),
             "mean_running": statistics.mean(running), "steps": len(running),
             "preemptions": engine.policy.num_preemptions, "tokens": [done[str(i)] for i in range(len(prompts))]}
@@ -111,16 +116,19 @@ def row_of(runs: list[dict]) -> dict:
     return {"kv_blocks": runs[0]["kv_blocks"], "peak_running": runs[0]["peak_running"],
             "mean_running": summary([x["mean_running"] for x in runs]),
             "preemptions": summary([x["preemptions"] for x in runs]), "steps": summary([x["steps"] for x in runs]),
+            "ttft_p50_s": summary([x["ttft_p50_s"] for x in runs]), "ttft_p90_s": summary([x["ttft_p90_s"] for x in runs]),
             "output_tokens_per_s": summary([x["output_tokens_per_s"] for x in runs])}
 
 
 def print_rows(rows: dict[str, dict], label: str) -> None:
-    print(f"| {label} | blocks | peak running | mean running | preemptions | steps | output tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| {label} | blocks | peak running | mean running | preemptions | steps | TTFT p50 / p90 s | "
+          "output tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         tps = row["output_tokens_per_s"]
         print(f"| {name} | {row['kv_blocks']} | {row['peak_running']} | {row['mean_running']['median']:.1f} | "
               f"{row['preemptions']['median']:.0f} | {row['steps']['median']:.0f} | "
+              f"{row['ttft_p50_s']['median']:.2f} / {row['ttft_p90_s']['median']:.2f} | "
               f"{tps['median']:.0f} [{tps['min']:.0f}-{tps['max']:.0f}] |")
 
 

@@ -1,7 +1,8 @@
 """A model with sliding windows in the same KV memory, its windowed layers keeping a window's blocks
-of each sequence (what the engine does: `BlockManager(windows=...)`) and keeping every block (what
-it did before): how many sequences run at once, how often one is preempted, and what that does to
-throughput.
+of each sequence (what the engine does: `BlockManager(windows=...)`) against `--against`: keeping
+every block (`whole`), or keeping a window's but taking all of a prompt's blocks when it is
+admitted (`prompts-whole`) rather than chunk by chunk as the engine does: how many sequences run at
+once, how often one is preempted, how soon first tokens come, and what that does to throughput.
 
 The model is the demo's shape as a Mistral with a --window on every layer (Mistral's layout) or
 on every other one (`--layers alternate`: Gemma 2's and GPT-OSS's, two layer groups), dummy
@@ -14,6 +15,8 @@ the two layouts' greedy tokens must be equal; the script fails if they are not.
 
     python scripts/bench_sliding_window_kv.py --json window.json          # on CPU, float32
     python scripts/bench_sliding_window_kv.py --layers alternate --json window-alternate.json
+    python scripts/bench_sliding_window_kv.py --against prompts-whole --prompt-len 1024 --output-len 64 \
+        --chunk 128 --fit 2 --json window-prompts.json
     python scripts/bench_sliding_window_kv.py --model /path/to/mistral --device cuda --dtype bfloat16 --fit 64
 """
 from __future__ import annotations
@@ -35,9 +38,9 @@ from splitserve.engine.kv_groups import kv_groups
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_model_config
 from splitserve.engine.policies import make_policy
+from splitserve.engine.policies.mixed import MixedPolicy
 from splitserve.machine import cpu_name
 
-LAYOUTS = ("window", "whole")
 KINDS = {"every": ("sliding_attention",) * 2, "alternate": ("full_attention", "sliding_attention")}
 
 
@@ -48,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--layers", choices=("every", "alternate"), default="every",
                    help="the demo Mistral's layers with the window: every one, or every other one")
+    p.add_argument("--against", choices=("whole", "prompts-whole"), default="whole",
+                   help="the layout the engine's is measured against: every block kept, or a prompt's taken at once")
+    p.add_argument("--chunk", type=int, default=512, help="the mixed policy's token budget (chunk_token_budget)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--requests", type=int, default=32)
@@ -59,8 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch CPU threads")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    if min(args.window, args.requests, args.prompt_len, args.output_len, args.fit, args.repeats, args.threads) < 1:
-        p.error("--window, --requests, --prompt-len, --output-len, --fit, --repeats and --threads must be >= 1")
+    if min(args.window, args.requests, args.prompt_len, args.output_len, args.fit, args.repeats, args.threads,
+           args.chunk) < 1:
+        p.error("--window, --requests, --prompt-len, --output-len, --fit, --repeats, --threads and --chunk must be "
+                ">= 1")
     return args
 
 
@@ -73,15 +81,24 @@ def keep_every_block(engine: LLMEngine) -> None:
     engine.policy = make_policy(engine.config.policy, engine.block_manager, engine.policy.limits)
 
 
+class PromptsWholeMixed(MixedPolicy):
+    """The mixed policy as it admitted a prompt before: with every one of its blocks."""
+
+    prefill_chunk_tokens = None
+
+
 def run(args, model: str, layout: str, prompts: list[list[int]]) -> dict:
     groups = kv_groups(load_model_config(model)).num_groups  # a token block takes a block of each
     blocks = args.fit * groups * -(-(args.prompt_len + args.output_len) // args.block_size) + 1  # + NULL_BLOCK
     engine = LLMEngine(model, device=args.device, dtype=args.dtype, load_format="auto" if args.model else "dummy",
                        policy="mixed", num_kv_blocks=blocks, block_size=args.block_size, max_num_seqs=len(prompts),
-                       max_model_len=args.prompt_len + args.output_len + args.block_size, enable_prefix_caching=False)
+                       max_model_len=args.prompt_len + args.output_len + args.block_size, enable_prefix_caching=False,
+                       chunk_token_budget=args.chunk)
     window = max(w or 0 for w in engine.block_manager.windows)
     if layout == "whole":
         keep_every_block(engine)
+    elif layout == "prompts-whole":
+        engine.policy = PromptsWholeMixed(engine.block_manager, engine.policy.limits)
     return {**drive(engine, prompts, args.output_len), "window": window}
 
 
@@ -98,20 +115,21 @@ def main(argv: list[str] | None = None) -> dict:
                             for kind in KINDS[args.layers]]})
         if all(w is None for w in kv_groups(load_model_config(model)).windows):
             raise SystemExit(f"{model}: no layer group has a sliding window, so there is nothing to release")
-        runs = interleaved(LAYOUTS, args.repeats, prompts, lambda layout, some: run(args, model, layout, some))
+        layouts = ("window", args.against)
+        runs = interleaved(layouts, args.repeats, prompts, lambda layout, some: run(args, model, layout, some))
     if any(r["tokens"] != runs["window"][0]["tokens"] for rs in runs.values() for r in rs):
         raise SystemExit("the layouts' greedy tokens differ: releasing blocks changed what attention read")
     rows = {layout: row_of(r) for layout, r in runs.items()}
+    ratio = rows["window"]["output_tokens_per_s"]["median"] / rows[args.against]["output_tokens_per_s"]["median"]
     result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "hardware": {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()},
               "window": runs["window"][0]["window"], "layouts": rows,
-              "throughput_ratio_window_vs_whole": rows["window"]["output_tokens_per_s"]["median"]
-              / rows["whole"]["output_tokens_per_s"]["median"]}
+              f"throughput_ratio_window_vs_{args.against.replace('-', '_')}": ratio}
     print(f"KV cache: {rows['window']['kv_blocks']} blocks of {args.block_size} ({args.fit} sequences of "
           f"{args.prompt_len + args.output_len} tokens); window {result['window']} on {args.layers} layer; "
-          f"{args.requests} requests at once")
+          f"{args.requests} requests at once; chunks of {args.chunk} tokens")
     print_rows(rows, "layout")
-    print(f"window / whole throughput: {result['throughput_ratio_window_vs_whole']:.2f}x; greedy tokens equal")
+    print(f"window / {args.against} throughput: {ratio:.2f}x; greedy tokens equal")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -33,6 +33,15 @@ cached blocks within that group's reach from the hit's end: all of them for a fu
 window's for a windowed one. A sequence that is handed off (exported to a token worker) holds
 every block, releases none and takes its hit whole: the export reads them all, and the importer
 caches what it receives.
+
+A prompt of a model with a windowed group that is prefilled in chunks (`allocate(chunk_tokens=C)`)
+takes its blocks chunk by chunk (`grow` before each) rather than all at admission: a windowed
+table then never holds more than a window and a chunk's blocks, where a prompt taken whole would
+hold all of them until the step that computes them. Admission still guarantees the rest of its
+prefill: the most blocks it can hold at once while prefilling (`_peak`) less those it holds are
+*promised* to it, counted out of `num_free_blocks`, and its `grow`s draw on them first; so its
+chunks find their blocks as a whole prompt's do (but for the rare case `_keep_promise` names).
+A promise is always free blocks: their sum never passes the pool's free blocks.
 """
 from __future__ import annotations
 
@@ -65,6 +74,9 @@ class _Held:
     released: list[int]      # per group: the table's leading NULL_BLOCKs
     done: int                # leading blocks hashed, in every group (the chain's progress)
     parent: int              # hash of block done - 1's key, or the chain's root
+    chunk: int = 0           # taken chunk by chunk, at most this many tokens a step (0: not, or done)
+    prefill_to: int = 0      # ... until this many tokens are computed
+    promised: int = 0        # free blocks kept for the rest of its prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +108,7 @@ class BlockManager:
         self._root_of = root_of
         self._pool = BlockPool(num_blocks, reserved, len(windows))
         self._held: dict[str, _Held] = {}
+        self._promised = 0  # the sum of the held sequences' promises
         self.num_cache_hit_blocks = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -110,7 +123,8 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._pool.num_free
+        """Free blocks not promised to a prompt being prefilled chunk by chunk."""
+        return self._pool.num_free - self._promised
 
     @property
     def num_used_blocks(self) -> int:
@@ -125,9 +139,9 @@ class BlockManager:
         return self._held[seq_id].tables
 
     def num_held_blocks(self, seq_id: str) -> int:
-        """The blocks a sequence holds (its tables' entries but the released ones)."""
+        """The blocks a sequence holds (its tables' entries but the released ones) or is promised."""
         held = self._held[seq_id]
-        return sum(len(table) for table in held.tables) - sum(held.released)
+        return self._count(held) + held.promised
 
     def owners(self) -> list[str]:
         return list(self._held)
@@ -143,33 +157,66 @@ class BlockManager:
         """The tokens `blocks` free blocks hold, a block of every group's a token block."""
         return blocks // self.num_groups * self.block_size
 
-    def can_allocate(self, seq: Sequence, reserve_blocks: int = 0) -> bool:
-        """Whether `allocate(seq)` would succeed, leaving `reserve_blocks` free (a watermark)."""
-        return self._free_blocks_needed(seq, self._prefix_hit(seq)) + reserve_blocks <= self.num_free_blocks
+    def can_allocate(self, seq: Sequence, reserve_blocks: int = 0, chunk_tokens: int | None = None) -> bool:
+        """Whether `allocate(seq, chunk_tokens=...)` would succeed, leaving `reserve_blocks` free (a
+        watermark)."""
+        return self.blocks_to_admit(seq, chunk_tokens) + reserve_blocks <= self.num_free_blocks
+
+    def blocks_to_admit(self, seq: Sequence, chunk_tokens: int | None = None, use_prefix_cache: bool = True) -> int:
+        """The free blocks `allocate` takes or promises for `seq`."""
+        hit = self._prefix_hit(seq) if use_prefix_cache else self._no_hit(seq)
+        return self._free_blocks_needed(seq, hit, self._chunk_of(seq, chunk_tokens))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self._extra_blocks(seq.seq_id, num_tokens) <= self.num_free_blocks
 
     # ---- mutations -----------------------------------------------------------------------
-    def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> None:
-        """Give `seq` blocks for all its tokens, reusing cached full blocks of its prefix.
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True, chunk_tokens: int | None = None) -> None:
+        """Give `seq` blocks for all its tokens, reusing cached full blocks of its prefix. With
+        `chunk_tokens`, where a group has a window and the sequence is not handed off, the rest
+        are promised instead: the caller `grow`s the tables before each chunk of at most
+        `chunk_tokens` tokens.
 
         Sets `seq.num_computed_tokens` to the tokens whose KV came from the cache.
         """
         if seq.seq_id in self._held:
             raise ValueError(f"sequence {seq.seq_id!r} already holds blocks")
         hit = self._prefix_hit(seq) if use_prefix_cache else self._no_hit(seq)
-        if self._free_blocks_needed(seq, hit) > self.num_free_blocks:
+        chunk = self._chunk_of(seq, chunk_tokens)
+        if self._free_blocks_needed(seq, hit, chunk) > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id!r} needs more KV blocks than are free "
                                    f"({self.num_free_blocks})")
         for hits in hit.hits:
             for block_id in hits:
                 self._pool.take(block_id)
         tables = [[NULL_BLOCK] * released + hits for released, hits in zip(hit.released, hit.hits)]
-        self._held[seq.seq_id] = _Held(tables, list(hit.released), hit.blocks, hit.parent)
+        held = self._held[seq.seq_id] = _Held(tables, list(hit.released), hit.blocks, hit.parent)
         self.num_cache_hit_blocks += hit.blocks
         seq.num_cached_tokens = seq.num_computed_tokens = hit.blocks * self.block_size
-        self.grow(seq, seq.num_tokens)
+        if chunk is None:
+            self.grow(seq, seq.num_tokens)
+        else:
+            held.chunk, held.prefill_to = chunk, seq.num_tokens
+            self._keep_promise(held)
+
+    def rechunk(self, seq: Sequence, chunk_tokens: int | None) -> bool:
+        """A prompt being prefilled chunk by chunk goes on in chunks of at most `chunk_tokens`, its
+        promise resized; with None it takes the rest of its blocks now. For a scheduling policy
+        switch. False, changing nothing, when the free blocks cannot cover that."""
+        held = self._held[seq.seq_id]
+        if not held.chunk:
+            return True  # it holds all its blocks
+        chunk = self._chunk_of(seq, chunk_tokens)
+        if chunk is None:
+            if not self.try_grow(seq, held.prefill_to):
+                return False
+            held.chunk = 0
+        elif self._peak(held.prefill_to, held.released, chunk) - self._count(held) > self._unpromised(held):
+            return False
+        else:
+            held.chunk = chunk
+        self._keep_promise(held)
+        return True
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Make the block tables hold at least `num_tokens` token slots."""
@@ -178,15 +225,19 @@ class BlockManager:
                                    f"more KV blocks, {self.num_free_blocks} free")
 
     def try_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """`grow` if the free blocks allow it (True), else change nothing (False)."""
-        tables, need = self._held[seq.seq_id].tables, -(-num_tokens // self.block_size)
+        """`grow` if the free blocks allow it (True), else change nothing (False). A prompt's
+        promised blocks come first."""
+        held = self._held[seq.seq_id]
+        tables, need = held.tables, -(-num_tokens // self.block_size)
         extra = need - len(tables[0])  # every table covers the same tokens
         if extra <= 0:
             return True
-        if extra * len(tables) > self._pool.num_free:
+        if extra * len(tables) > held.promised + self.num_free_blocks:
             return False
         for table in tables:
             table += self._pool.take_fresh(extra)
+        if held.chunk:
+            self._keep_promise(held)
         return True
 
     def commit(self, seq: Sequence) -> None:
@@ -201,12 +252,17 @@ class BlockManager:
         for group, window in enumerate(self.windows):
             if window is not None:
                 self._release_out_of_reach(seq, held, group, window)
+        if held.chunk:
+            if seq.num_computed_tokens >= held.prefill_to:
+                held.chunk = 0  # prefilled: it grows as decodes do
+            self._keep_promise(held)
 
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks (tail first, so a prefix stays cached longest)."""
         held = self._held.pop(seq_id, None)
         if held is None:
             return
+        self._promised -= held.promised
         pool = self._pool
         for table, released in zip(held.tables, held.released):
             pool.fresh.extend(reversed(table[max(held.done, released):]))  # past the hashed prefix: private
@@ -262,14 +318,52 @@ class BlockManager:
             held.released[group] = reach
 
     def _extra_blocks(self, seq_id: str, num_tokens: int) -> int:
-        tables = self._held[seq_id].tables
-        return max(0, self.blocks_for(num_tokens) - len(tables[0])) * len(tables)
+        held = self._held[seq_id]
+        extra = max(0, self.blocks_for(num_tokens) - len(held.tables[0])) * len(held.tables)
+        return max(0, extra - held.promised)
 
-    def _free_blocks_needed(self, seq: Sequence, hit: _Hit) -> int:
+    def _chunk_of(self, seq: Sequence, chunk_tokens: int | None) -> int | None:
+        """The chunk bound a sequence is allocated by: None (all at once) unless a group has a
+        window it will release (the sequence is not handed off)."""
+        if chunk_tokens is None or seq.hand_off or all(w is None for w in self.windows):
+            return None
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        return chunk_tokens
+
+    def _peak(self, num_tokens: int, released: Seq[int], chunk: int | None) -> int:
+        """The most blocks a prompt of `num_tokens` holds at once while it is prefilled in chunks
+        of at most `chunk` tokens (None: at once), its tables' leading `released` entries per
+        group released. A chunk [s, e) in a windowed group needs the blocks from the one holding
+        s - window + 1 to the one holding e - 1: at most blocks_for(chunk + window - 1) + 1."""
+        whole = self.blocks_for(num_tokens)
+        return sum(whole - r if chunk is None or w is None else min(whole - r, self.blocks_for(chunk + w - 1) + 1)
+                   for w, r in zip(self.windows, released))
+
+    @staticmethod
+    def _count(held: _Held) -> int:
+        return sum(len(table) for table in held.tables) - sum(held.released)
+
+    def _unpromised(self, held: _Held) -> int:
+        """The free blocks not promised to other sequences than `held`'s."""
+        return self._pool.num_free - self._promised + held.promised
+
+    def _keep_promise(self, held: _Held) -> None:
+        """Promise a sequence prefilled chunk by chunk what its peak needs beyond what it holds,
+        as far as the free blocks not promised to others allow: every promise is free blocks.
+        It falls short only where the sequence released windowed blocks that others still hold
+        (prefix hits), which freed nothing (`Policy._chunk` preempts it if that bites)."""
+        promised = 0
+        if held.chunk:
+            need = self._peak(held.prefill_to, held.released, held.chunk) - self._count(held)
+            promised = max(0, min(need, self._unpromised(held)))
+        self._promised += promised - held.promised
+        held.promised = promised
+
+    def _free_blocks_needed(self, seq: Sequence, hit: _Hit, chunk: int | None = None) -> int:
         hashed = self._pool.hashed
         revived = sum(1 for hits in hit.hits for b in hits if hashed[b].ref_count == 0)  # cached but free
-        return self.blocks_for(seq.num_tokens) * self.num_groups - sum(hit.released) \
-            - sum(len(hits) for hits in hit.hits) + revived
+        return self._peak(seq.num_tokens, hit.released, chunk) - sum(len(hits) for hits in hit.hits) + revived
 
     def _no_hit(self, seq: Sequence) -> _Hit:
         return _Hit(0, [0] * self.num_groups, [[] for _ in self.windows], self._root_of(seq))
@@ -313,7 +407,12 @@ class BlockManager:
         """Raise `RuntimeError` naming the first broken invariant."""
         pool = self._pool
         refs, groups = [0] * pool.num_blocks, [set() for _ in range(pool.num_blocks)]
+        if self._promised != sum(held.promised for held in self._held.values()) or self._promised > pool.num_free:
+            raise RuntimeError(f"{self._promised} blocks promised: not the sequences' promises, or more than the "
+                               f"{pool.num_free} free")
         for seq_id, held in self._held.items():
+            if held.promised and not held.chunk:
+                raise RuntimeError(f"{seq_id!r} is promised blocks but is not prefilled chunk by chunk")
             if len({len(table) for table in held.tables}) != 1:
                 raise RuntimeError(f"block tables of {seq_id!r} cover different tokens")
             for group, (whole, released) in enumerate(zip(held.tables, held.released)):

@@ -11,7 +11,7 @@ from splitserve.engine.block_manager import NULL_BLOCK
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
-    ENGINE_ARGS, generation_prompts, hf_greedy, tokenizers_by_kind, write_checkpoint,
+    ENGINE_ARGS, generation_prompts, hf_greedy, prompt_ids, tokenizers_by_kind, write_checkpoint,
 )
 
 NEW = 40
@@ -51,3 +51,34 @@ def test_long_generations_in_a_small_cache_match_hf(windowed, policy):
                     assert len(table) - reach <= -(-window // size) + 2
     assert [done[str(i)] for i in range(len(prompts))] == expected
     assert engine.policy.num_preemptions == 0 and bm.num_used_blocks == 0
+
+
+def test_long_prompts_prefilled_chunk_by_chunk_hold_a_window_and_a_chunk_and_match_hf(windowed):
+    """The mixed policy admits a prompt by the blocks it holds at once as its chunks go: a
+    windowed table never holds more than a chunk and a window's blocks. Where every layer slides,
+    the second of two prompts each longer than half the cache starts in the step that ends the
+    first's prefill (taken whole, it would wait for the first's blocks to be released)."""
+    name, path, hf = windowed
+    window, size, chunk = hf.config.sliding_window, ENGINE_ARGS["block_size"], 16
+    vocab = hf.config.vocab_size
+    prompts = [prompt_ids(40, 100, vocab), prompt_ids(41, 90, vocab), prompt_ids(42, 5, vocab)]
+    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    groups = 1 if name == "mistral_window" else 2
+    engine = LLMEngine(path, **{**ENGINE_ARGS, "num_kv_blocks": 16 * groups + 1}, policy="mixed", dtype="float32",
+                       chunk_token_budget=chunk, max_model_len=128)
+    bm = engine.block_manager
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8))
+    done, overlap = {}, None
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out.token_ids) for out in engine.step() if out.finished)
+        engine.check_integrity()
+        first, second = engine.policy.find("0"), engine.policy.find("1")
+        if overlap is None and first is not None and first.num_output_tokens:
+            overlap = second.num_computed_tokens > 0
+        for seq in [s for s in engine.policy.running if not s.is_decoding]:
+            for table, group_window in zip(bm.block_tables(seq.seq_id), bm.windows):
+                if group_window:
+                    assert len(table) - table.count(NULL_BLOCK) <= bm.blocks_for(chunk + window - 1) + 1
+    assert [done[str(i)] for i in range(len(prompts))] == expected
+    assert overlap == (name == "mistral_window")  # with a full layer group, its blocks are too many

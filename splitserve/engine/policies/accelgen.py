@@ -20,8 +20,9 @@ defaults in `SLOOptions`). Each iteration:
    exactly S_b tokens when there is work. ERA: one long prompt (>= long_prompt_tokens) in prefill
    at a time, the one already started or else the least slack.
 
-A prompt's KV blocks are allocated whole at admission (the engine's block manager), so its KV
-demand is its whole prompt, counted once. Latency model: T(S_f) = T_pf x S_f / S_pf, with T_pf
+A prompt's KV blocks are allocated at admission (the engine's block manager: all of them, or for
+a model with sliding windows the most it holds at once as its chunks go, promised), so its KV
+demand is counted once, then. Latency model: T(S_f) = T_pf x S_f / S_pf, with T_pf
 given or learned (an average over observed iterations of at least half the pivot size).
 """
 from __future__ import annotations
@@ -66,6 +67,10 @@ class AccelGenPolicy(Policy):
     @property
     def options(self) -> SLOOptions:
         return self.limits.slo
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        return self.options.max_budget_tokens
 
     @staticmethod
     def max_step_tokens(limits: SchedulerLimits) -> int:
@@ -148,10 +153,14 @@ class AccelGenPolicy(Policy):
             since = seq.arrival_time if first else self.last_token_at.get(seq.seq_id, now)
             remaining = seq.num_uncomputed_tokens
             chunks = math.ceil(remaining / self.budget)
-            kv = 0 if seq.status is SequenceStatus.RUNNING else \
-                self.blocks.blocks_for(seq.num_tokens) * self.blocks.block_size
+            kv = 0 if seq.status is SequenceStatus.RUNNING else self._admission_kv_tokens(seq)
             out.append(Candidate(seq, slo - (now - since) - chunks * t_max, slo, remaining, kv))
         return out
+
+    def _admission_kv_tokens(self, seq: Sequence) -> int:
+        """The KV a waiting prompt's admission takes (prefix hits aside), in block-rounded tokens."""
+        blocks = self.blocks.blocks_to_admit(seq, self.prefill_chunk_tokens, use_prefix_cache=False)
+        return self.blocks.tokens_of(blocks + self.blocks.num_groups - 1)
 
     def _is_long(self, seq: Sequence) -> bool:
         return len(seq.prompt_token_ids) >= self.options.long_prompt_tokens
@@ -171,7 +180,7 @@ class AccelGenPolicy(Policy):
         elif seq.is_decoding:
             fits = lambda: self.blocks.can_grow(seq, seq.num_tokens)  # noqa: E731
         else:
-            return True  # a running prompt already holds all its blocks
+            return True  # a running prompt already holds (or is promised) its blocks
         if fits():
             victims = []
         else:  # only now: the common case, where it fits, sorts nothing
@@ -187,7 +196,7 @@ class AccelGenPolicy(Policy):
         if not fits():
             return False
         if cand.waiting:
-            self._admit_seq(seq)
+            self._admit(seq)
         else:
             self.blocks.grow(seq, seq.num_tokens)
         return True
@@ -203,14 +212,8 @@ class AccelGenPolicy(Policy):
 
     def _blocks_needed(self, cand: Candidate) -> int:
         if cand.waiting:
-            return self.blocks.blocks_for(cand.seq.num_tokens) * self.blocks.num_groups
+            return self.blocks.blocks_to_admit(cand.seq, self.prefill_chunk_tokens)
         return self.blocks.num_groups
-
-    def _admit_seq(self, seq: Sequence) -> None:
-        self.waiting.remove(seq)
-        self.blocks.allocate(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
 
     def _select(self, batch: list[Candidate], rest: list[Candidate], budget: int) -> int:
         """Algorithm 2, filling the budget the urgent batch left, window by window: the candidates
@@ -239,7 +242,7 @@ class AccelGenPolicy(Policy):
             if pick.waiting:
                 if not self._can_admit(pick.seq):
                     continue
-                self._admit_seq(pick.seq)
+                self._admit(pick.seq)
             elif pick.seq.is_decoding:
                 if not self.blocks.can_grow(pick.seq, pick.seq.num_tokens):
                     continue
@@ -261,8 +264,12 @@ class AccelGenPolicy(Policy):
         left = self.budget - len(items)
         for c in batch:
             if not c.seq.is_decoding and left > 0:
-                items.append(ScheduledSeq(c.seq, min(c.seq.num_uncomputed_tokens, left)))
-                left -= items[-1].num_new_tokens
+                item = self._chunk(c.seq, min(c.seq.num_uncomputed_tokens, left))
+                if item is None:
+                    preempted += (c.seq,)
+                    continue
+                items.append(item)
+                left -= item.num_new_tokens
         return Plan(tuple(items), preempted)
 
 

@@ -31,6 +31,7 @@ class Policy(ABC):
 
     name: str
     hands_off_by_default = False
+    prefill_chunk_tokens: int | None = None  # the most prompt tokens of one sequence a step computes (None: all)
 
     def __init__(self, blocks: BlockManager, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic):
         self.blocks = blocks
@@ -102,9 +103,14 @@ class Policy(ABC):
         return updated
 
     def adopt(self, previous: "Policy") -> None:
-        """Take over another policy's sequences and counters (a role switch on a live engine)."""
+        """Take over another policy's sequences and counters (a role switch on a live engine). A
+        prompt the previous policy prefilled chunk by chunk goes on in this one's chunks; one whose
+        blocks this policy's chunks need are not free is preempted."""
         self.waiting, self.running, self.held = previous.waiting, previous.running, previous.held
         self.num_preemptions = previous.num_preemptions
+        for seq in list(self.running):
+            if not seq.is_decoding and not self.blocks.rechunk(seq, self.prefill_chunk_tokens):
+                self.preempt(seq)
 
     # ---- KV handoff between a prompt engine and a token engine ---------------------------
     def hold_prefilled(self, seq: Sequence) -> None:
@@ -140,8 +146,8 @@ class Policy(ABC):
 
     # ---- building blocks for schedule() --------------------------------------------------
     def _admit(self, seq: Sequence) -> None:
-        self.waiting.popleft()
-        self.blocks.allocate(seq)
+        self.waiting.remove(seq)  # the first waiting one but for AccelGen's picks
+        self.blocks.allocate(seq, chunk_tokens=self.prefill_chunk_tokens)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -149,7 +155,17 @@ class Policy(ABC):
         """Room in the batch and in KV memory. The watermark only guards running sequences'
         growth, so with nothing running a prompt may take the whole cache."""
         watermark = self._watermark if self.running else 0
-        return len(self.running) < self.limits.max_num_seqs and self.blocks.can_allocate(seq, watermark)
+        return len(self.running) < self.limits.max_num_seqs and \
+            self.blocks.can_allocate(seq, watermark, self.prefill_chunk_tokens)
+
+    def _chunk(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq | None:
+        """A prefill chunk, its blocks taken (a prompt prefilled chunk by chunk has them promised).
+        None, the sequence preempted, in the rare case they are not free: the prompt released
+        windowed blocks that other sequences' prefix hits still hold, so its promise fell short."""
+        if self.blocks.try_grow(seq, seq.num_computed_tokens + num_new_tokens):
+            return ScheduledSeq(seq, num_new_tokens)
+        self.preempt(seq)
+        return None
 
     def preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the KV, requeue at the front; prompt + output is prefilled again."""

@@ -3,31 +3,44 @@
 Each iteration, under one token budget: every running decode first, then the next chunk of each
 prompt already in progress, then new prompts (FCFS) in chunks. A chunk attends to the KV of the
 earlier chunks. Admission is KV-aware: a prompt is admitted only when blocks for all of it are
-free (above a watermark); when a decode cannot grow, the youngest running sequence is preempted
-by recompute and no new prompt is admitted in that iteration.
+free (above a watermark; for a model with sliding windows, the blocks it holds at once as its
+chunks go, `BlockManager.allocate`); when a decode cannot grow, the youngest running sequence is
+preempted by recompute and no new prompt is admitted in that iteration.
 """
 from splitserve.engine.policies.base import Policy
 from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
+from splitserve.engine.sequence import Sequence
 
 
 class MixedPolicy(Policy):
     name = "mixed"
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        return self.limits.chunk_token_budget
 
     def schedule(self) -> Plan:
         budget = self.limits.chunk_token_budget
         preempted = self._reserve_decode_slots()
         items, _ = self._running_items()
         used = len(items)
-        for seq in self.running:
-            if not seq.is_decoding and used < budget:
-                items.append(ScheduledSeq(seq, min(seq.num_uncomputed_tokens, budget - used)))
-                used += items[-1].num_new_tokens
+        for seq in [s for s in self.running if not s.is_decoding]:
+            if used < budget:
+                used += self._add_chunk(items, preempted, seq, min(seq.num_uncomputed_tokens, budget - used))
         while not preempted and self.waiting and used < budget and self._can_admit(self.waiting[0]):
             seq = self.waiting[0]
             self._admit(seq)
-            items.append(ScheduledSeq(seq, min(seq.num_uncomputed_tokens, budget - used)))
-            used += items[-1].num_new_tokens
+            used += self._add_chunk(items, preempted, seq, min(seq.num_uncomputed_tokens, budget - used))
         return Plan(tuple(items), tuple(preempted))
+
+    def _add_chunk(self, items: list[ScheduledSeq], preempted: list[Sequence], seq: Sequence, num_new_tokens: int) -> int:
+        """Schedule a chunk of `seq` (or record its preemption); returns the tokens scheduled."""
+        item = self._chunk(seq, num_new_tokens)
+        if item is None:
+            preempted.append(seq)
+            return 0
+        items.append(item)
+        return num_new_tokens
 
     @staticmethod
     def max_step_tokens(limits: SchedulerLimits) -> int:
