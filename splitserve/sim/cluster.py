@@ -146,7 +146,7 @@ class Simulation:
                 worker = SimWorker(worker_id, scenario.policy_for(pool.role), scenario.perf_models[pool.setup],
                                    scenario.num_blocks_of(pool), scenario.block_size, scenario.limits,
                                    self.token_times, scenario.overhead, lambda: self.now, self.caching,
-                                   scenario.sliding_window)
+                                   scenario.kv_windows)
                 self.workers[worker_id], self._hardware_of[worker_id] = worker, pool.hardware
                 self.cls.add_worker(worker_id, pool.role, profiles[pool.setup], worker.load())
                 worker.changed = False

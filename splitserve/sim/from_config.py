@@ -21,8 +21,10 @@ from pathlib import Path
 
 from splitserve.config import ClusterConfig, PoolConfig
 from splitserve.engine.attention import fp8_kv
+from splitserve.engine.config import ModelConfig
 from splitserve.engine.demo import demo_model_config
 from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES
+from splitserve.engine.kv_groups import kv_groups
 from splitserve.engine.loader import load_model_config
 from splitserve.placement.state import Role
 from splitserve.sim.overhead import ServingOverhead
@@ -55,6 +57,7 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
     hardware = {spec.setup: config.worker_hardware(pool) for spec, pool in zip(pools, config.pools)}
     engine = config.engine
     budget = kv_budget_tokens(config, target, target.tensor_parallel)
+    shape = model_shape(target.model)
     return Scenario(pools=pools, perf_models=models, kv_budget_tokens=budget,
                     placement=config.scheduler.policy, thresholds=config.scheduler.thresholds(),
                     transfer=transfer_model(config, target), block_size=engine.block_size,
@@ -64,7 +67,7 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
                     slo=engine.slo_scheduling.options(),
                     role_policies={role.value: engine.policy_for(role.value) for role in Role},
                     prefix_caching=engine.enable_prefix_caching, prefix=config.prefix_options(),
-                    sliding_window=model_shape(target.model).window)
+                    kv_windows=shape.kv_windows, kv_group_share=shape.kv_group_share)
 
 
 def pool_spec(pool: PoolConfig, config: ClusterConfig, target: SimTarget) -> PoolSpec:
@@ -100,9 +103,14 @@ def model_shape(model: str, kv_cache_dtype: str = "auto") -> ModelShape:
         shape = MODEL_SHAPES[model]
         return ModelShape(shape.num_layers, shape.kv_bytes_per_token // 2) if fp8_kv.is_fp8(kv_cache_dtype) else shape
     config = demo_model_config() if model == "demo" else load_model_config(model)
-    element = 1 if fp8_kv.is_fp8(kv_cache_dtype) else CPU_DTYPE_BYTES
-    return ModelShape(config.num_hidden_layers, config.num_hidden_layers * 2 * config.num_key_value_heads
-                      * config.head_dim * element, config.uniform_window)
+    return shape_of(config, 1 if fp8_kv.is_fp8(kv_cache_dtype) else CPU_DTYPE_BYTES)
+
+
+def shape_of(config: ModelConfig, element_bytes: int) -> ModelShape:
+    """A model this engine loads, its KV `element_bytes` a value, in the engine's layer groups."""
+    layers, groups = config.num_hidden_layers, kv_groups(config)
+    return ModelShape(layers, layers * 2 * config.num_key_value_heads * config.head_dim * element_bytes,
+                      groups.windows, groups.size / layers)
 
 
 def kv_budget_tokens(config: ClusterConfig, target: SimTarget, tensor_parallel: int) -> int:

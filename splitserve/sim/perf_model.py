@@ -42,9 +42,11 @@ MIN_DECODE_FRACTION = 0.5  # a short context never makes decode faster than this
 class ModelShape:
     num_layers: int
     kv_bytes_per_token: int
-    # every layer's sliding window (ModelConfig.uniform_window), if it has one; the simulator keeps
-    # every block of a model where only some layers slide (its layer groups are not simulated)
-    window: int | None = None
+    # the engine's KV layer groups (engine/kv_groups.py): each one's window (None: the whole
+    # context), and the share of a token's KV bytes a block of one group holds (its layers, padding
+    # included, over all the model's: 1 with one group)
+    kv_windows: tuple[int | None, ...] = (None,)
+    kv_group_share: float = 1.0
 
 
 def _sim_shape(num_layers: int, hidden_size: int, dtype_bytes: int = 2) -> ModelShape:

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from splitserve.engine.engine_config import EngineConfig
-from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_builder import load_metadata
 from splitserve.engine.outputs import StepStats
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.sim.from_config import shape_of
 from splitserve.sim.perf_model import CSV_COLUMNS, PREFIX_COLUMN, ModelShape
 
 REFERENCE_PROMPT = 512  # Splitwise's reference prompt size
@@ -174,9 +174,9 @@ def write_csv(rows: tuple[dict, ...], path: str | Path) -> Path:
 
 
 def model_shape(engine: LLMEngine) -> ModelShape:
-    """Layers and KV bytes per token of the engine's model, as the simulator's transfer model needs."""
-    dtype = engine.kv_cache.data.dtype
-    return ModelShape(engine.model_config.num_hidden_layers, KVCache.bytes_per_block(engine.model_config, 1, dtype))
+    """Layers and KV bytes per token of the engine's model (every layer's, its layer groups aside),
+    as the simulator's transfer model needs."""
+    return shape_of(engine.model_config, engine.kv_cache.data.dtype.itemsize)
 
 
 def summary_table(rows: tuple[dict, ...]) -> str:

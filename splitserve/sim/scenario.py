@@ -59,8 +59,10 @@ class Scenario:
     move (the cluster's `engine.policy_for`; a pool not named runs the policy of its own name).
     `prefix_caching`: the workers cache prefixes, which matters only for requests whose prompts
     share blocks (`RequestSpec.prefix_blocks`); `prefix`: how placement and imports use them.
-    `sliding_window`: the model's window where every layer has one (its workers keep a window's
-    blocks of a sequence, and one block is the block manager's NULL_BLOCK)."""
+    `kv_windows`, `kv_group_share`: the model's KV layer groups (`perf_model.ModelShape`): a
+    sequence holds a block of each group per block of tokens, a windowed group's only within its
+    window (and one block is the block manager's NULL_BLOCK); a block holds `kv_group_share` of a
+    token's KV bytes, so the budget holds 1 / kv_group_share blocks per token block."""
 
     pools: tuple[PoolSpec, ...]
     perf_models: Mapping[str, PerfModel]
@@ -80,7 +82,8 @@ class Scenario:
     role_policies: Mapping[str, str] = field(default_factory=dict)
     prefix_caching: bool = True
     prefix: PrefixOptions = PrefixOptions()
-    sliding_window: int | None = None
+    kv_windows: tuple[int | None, ...] = (None,)
+    kv_group_share: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))
@@ -94,8 +97,16 @@ class Scenario:
         for name in ("block_size", "max_num_seqs", "max_model_len", "prompt_token_budget", "chunk_token_budget"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        object.__setattr__(self, "kv_windows", tuple(self.kv_windows))
+        if not self.kv_windows or any(w is not None and (not isinstance(w, int) or w < 1) for w in self.kv_windows):
+            raise ValueError(f"kv_windows must be one per layer group, each None or an integer >= 1, got "
+                             f"{self.kv_windows!r}")
+        if not (isinstance(self.kv_group_share, (int, float)) and 0 < self.kv_group_share <= 1):
+            raise ValueError(f"kv_group_share must be in (0, 1], got {self.kv_group_share!r}")
+        reserved = any(w is not None for w in self.kv_windows)  # NULL_BLOCK
         for pool in self.pools:
-            if (self.num_blocks_of(pool) - (self.sliding_window is not None)) * self.block_size < self.max_model_len:
+            tokens = (self.num_blocks_of(pool) - reserved) // len(self.kv_windows) * self.block_size
+            if tokens < self.max_model_len:
                 owner = f"the {pool.role.value} pool's " if pool.kv_budget_tokens is not None else ""
                 raise ValueError(f"{owner}kv_budget_tokens={self.kv_budget_tokens_of(pool)} holds fewer tokens "
                                  f"than max_model_len={self.max_model_len}; raise kv_budget_tokens or lower "
@@ -115,8 +126,8 @@ class Scenario:
         return self.kv_budget_tokens if pool.kv_budget_tokens is None else pool.kv_budget_tokens
 
     def num_blocks_of(self, pool: PoolSpec) -> int:
-        """KV blocks of each worker of `pool`."""
-        return self.kv_budget_tokens_of(pool) // self.block_size
+        """KV blocks of each worker of `pool` (of one layer group's)."""
+        return int(self.kv_budget_tokens_of(pool) // self.block_size / self.kv_group_share + 1e-9)  # float error
 
     @property
     def limits(self) -> SchedulerLimits:

@@ -68,11 +68,11 @@ class SimWorker:
     def __init__(self, worker_id: str, policy: str, perf: PerfModel, num_blocks: int, block_size: int,
                  limits: SchedulerLimits, token_times: dict[str, list[float]],
                  overhead: ServingOverhead = NO_OVERHEAD, clock: Callable[[], float] = lambda: 0.0,
-                 prefix_caching: bool = False, window: int | None = None):
+                 prefix_caching: bool = False, windows: tuple[int | None, ...] = (None,)):
         self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
         self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
         self.prefill_extra = overhead.prefill_scale - 1.0  # of a prefill's profiled time, added to it
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, windows=(window,))
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, windows=windows)
         if limits.slo.pivot_time_s is None:  # SLO-aware policies: the pivot's time from this worker's model
             pivot = limits.slo.pivot_tokens
             limits = replace(limits, slo=replace(limits.slo, pivot_time_s=perf.prefill_time(pivot)))

@@ -91,7 +91,7 @@ def test_a_measured_profile_serves_tp_1_pools_and_only_its_own_tp_otherwise(tmp_
     write_cpu_profile(profile)  # rows at tensor_parallel 1
     target = SimTarget("demo", 8, profile)  # the stand-in TP is for the paper's profiles only
     scenario = scenario_from_config(config(("mixed", "cpu", 1)), target)
-    assert scenario.perf_models["cpu"].tensor_parallel == 1 and scenario.sliding_window is None
+    assert scenario.perf_models["cpu"].tensor_parallel == 1 and scenario.kv_windows == (None,)
     with pytest.raises(ValueError, match=r"the mixed pool \(cpu, tensor_parallel_size 2\).*\('demo', 'cpu', 2\)"):
         scenario_from_config(config(("mixed", "cpu", 2)), target)
 
@@ -106,13 +106,21 @@ def test_pool_specs_key_their_setup_by_tp():
                  max_model_len=2048)
 
 
-def test_a_model_whose_every_layer_slides_has_its_window_in_the_shape(tmp_path):
-    """What the simulated workers' block managers release by (`Scenario.sliding_window`)."""
+def test_a_models_layer_groups_are_in_its_shape(tmp_path):
+    """What the simulated workers' block managers release by (`Scenario.kv_windows`), and how
+    many blocks their budget holds (`kv_group_share`): the engine's layer groups."""
     from splitserve.engine.demo import DEMO_MODEL_CONFIG
     from splitserve.engine.dummy_weights import write_shape_checkpoint
     from splitserve.sim.from_config import model_shape
 
-    mistral = write_shape_checkpoint(tmp_path / "m", {**DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"],
-                                                      "model_type": "mistral", "sliding_window": 64})
-    assert model_shape(mistral).window == 64
-    assert model_shape("demo").window is None and model_shape("llama2-70b").window is None
+    mistral = {**DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+               "sliding_window": 64}
+    every = model_shape(write_shape_checkpoint(tmp_path / "m", mistral))
+    assert (every.kv_windows, every.kv_group_share) == ((64,), 1.0)
+    layers = DEMO_MODEL_CONFIG["num_hidden_layers"]
+    alternate = model_shape(write_shape_checkpoint(tmp_path / "a", {
+        **mistral, "layer_types": ["full_attention", "sliding_attention"] * (layers // 2)}))
+    assert (alternate.kv_windows, alternate.kv_group_share) == ((None, 64), 0.5)
+    assert alternate.kv_bytes_per_token == every.kv_bytes_per_token  # every layer's KV, whatever its group
+    for plain in (model_shape("demo"), model_shape("llama2-70b")):
+        assert (plain.kv_windows, plain.kv_group_share) == ((None,), 1.0)

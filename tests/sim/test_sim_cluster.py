@@ -199,7 +199,14 @@ def test_hardware_speeds_follow_the_models():
 
 @pytest.mark.parametrize("overrides, message", [({"kv_budget_tokens": 1000}, "max_model_len"),
                                                 ({"placement": "random"}, "placement"),
-                                                ({"report_interval_s": 0}, "report_interval_s")])
+                                                ({"report_interval_s": 0}, "report_interval_s"),
+                                                ({"kv_windows": ()}, "kv_windows"),
+                                                ({"kv_windows": (None, 0)}, "kv_windows"),
+                                                ({"kv_group_share": 0}, "kv_group_share"),
+                                                ({"kv_group_share": 1.5}, "kv_group_share"),
+                                                # two groups: the 4096 tokens' blocks hold 2048 tokens
+                                                ({"kv_windows": (None, 64), "max_model_len": 2048 + 1},
+                                                 "max_model_len")])
 def test_scenario_rejects_bad_values(overrides, message):
     with pytest.raises(ValueError, match=message):
         mixed(**overrides)
@@ -216,9 +223,27 @@ def test_a_sliding_window_model_keeps_a_window_of_blocks_per_request():
     requests = [spec(i, 0.3 * i, 200, 800) for i in range(8)]
     served, preemptions = {}, {}
     for window in (None, 128):
-        sim = Simulation(mixed(kv_budget_tokens=2048, max_model_len=1024, sliding_window=window), requests)
+        sim = Simulation(mixed(kv_budget_tokens=2048, max_model_len=1024, kv_windows=(window,)), requests)
         records = sim.run().records
         served[window] = sum(r.status == 200 and len(r.token_times_s) == 800 for r in records)
         preemptions[window] = sum(w.policy.num_preemptions for w in sim.workers.values())
     assert (served[128], preemptions[128]) == (8, 0)
     assert served[None] < 8 or preemptions[None] > 0
+
+
+def test_a_model_where_some_layers_slide_keeps_a_window_of_blocks_in_their_groups():
+    """Two layer groups, each block half a token's KV: the windowed group's tables stay at a
+    window's blocks, so the same bytes run the long decodes with fewer preemptions than keeping
+    every block; with no window at all the cache is the one-group model's."""
+    requests = [spec(i, 0.3 * i, 200, 800) for i in range(8)]
+    preemptions, blocks = {}, {}
+    for windows in ((None,), (None, None), (None, 128)):
+        share = 1 / len(windows)
+        sim = Simulation(mixed(kv_budget_tokens=4096, max_model_len=1024, kv_windows=windows, kv_group_share=share),
+                         requests)
+        records = sim.run().records
+        assert all(r.status == 200 and len(r.token_times_s) == 800 for r in records)
+        worker = next(iter(sim.workers.values()))
+        preemptions[windows], blocks[windows] = worker.policy.num_preemptions, worker.blocks.num_blocks
+    assert blocks[(None,)] * 2 == blocks[(None, None)] == blocks[(None, 128)] + 1  # + NULL_BLOCK
+    assert preemptions[(None,)] == preemptions[(None, None)] > preemptions[(None, 128)]
