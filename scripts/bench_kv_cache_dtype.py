@@ -116,7 +116,8 @@ def row_of(runs: list[dict]) -> dict:
     return {"kv_blocks": runs[0]["kv_blocks"], "peak_running": runs[0]["peak_running"],
             "mean_running": summary([x["mean_running"] for x in runs]),
             "preemptions": summary([x["preemptions"] for x in runs]), "steps": summary([x["steps"] for x in runs]),
-            "ttft_p50_s": summary([x["ttft_p50_s"] for x in runs]), "ttft_p90_s": summary([x["ttft_p90_s"] for x in runs]),
+            "ttft_p50_s": summary([x["ttft_p50_s"] for x in runs]),
+            "ttft_p90_s": summary([x["ttft_p90_s"] for x in runs]),
             "output_tokens_per_s": summary([x["output_tokens_per_s"] for x in runs])}
 
 

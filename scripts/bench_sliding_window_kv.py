@@ -15,8 +15,8 @@ the two layouts' greedy tokens must be equal; the script fails if they are not.
 
     python scripts/bench_sliding_window_kv.py --json window.json          # on CPU, float32
     python scripts/bench_sliding_window_kv.py --layers alternate --json window-alternate.json
-    python scripts/bench_sliding_window_kv.py --against prompts-whole --prompt-len 1024 --output-len 64 \
-        --chunk 128 --fit 2 --json window-prompts.json
+    python scripts/bench_sliding_window_kv.py --against prompts-whole --prompt-len 1024 --output-len 256 \
+        --chunk 128 --fit 2 --requests 16 --json window-prompts.json
     python scripts/bench_sliding_window_kv.py --model /path/to/mistral --device cuda --dtype bfloat16 --fit 64
 """
 from __future__ import annotations

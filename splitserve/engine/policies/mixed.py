@@ -33,7 +33,8 @@ class MixedPolicy(Policy):
             used += self._add_chunk(items, preempted, seq, min(seq.num_uncomputed_tokens, budget - used))
         return Plan(tuple(items), tuple(preempted))
 
-    def _add_chunk(self, items: list[ScheduledSeq], preempted: list[Sequence], seq: Sequence, num_new_tokens: int) -> int:
+    def _add_chunk(self, items: list[ScheduledSeq], preempted: list[Sequence], seq: Sequence,
+                   num_new_tokens: int) -> int:
         """Schedule a chunk of `seq` (or record its preemption); returns the tokens scheduled."""
         item = self._chunk(seq, num_new_tokens)
         if item is None:
