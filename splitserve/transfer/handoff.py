@@ -8,7 +8,9 @@ written it (the push is asynchronous, so layer i + 1 computes while layer i trav
 under the threshold go in one push after the prefill. Then the first token is pushed and the
 prompt engine frees the request: the pushed KV is a copy, so the blocks are free at once. The
 next step does not wait for those pushes to leave: a peer that stops reading fails its link
-after the transport's timeout.
+after the transport's timeout. Once the first token is handed off, the token side decides the
+transfer (the caller hears of the request from there): it lands when every message was read,
+even if the sender gave the link up meanwhile, and fails when the link breaks first.
 
 Token worker (`KVImporter`): reserves blocks before the prefill starts and issues the ticket the
 prompt worker pushes against; layers land straight in those blocks; the request joins the
