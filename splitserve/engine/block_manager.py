@@ -31,8 +31,9 @@ NULL_BLOCK, an id never handed out. Released entries lead the table and are the 
 in it; entries only change in place from an id to NULL_BLOCK. A prefix hit needs every group's
 cached blocks within that group's reach from the hit's end: all of them for a full group, a
 window's for a windowed one. A sequence that is handed off (exported to a token worker) holds
-every block, releases none and takes its hit whole: the export reads them all, and the importer
-caches what it receives.
+every block, releases none and takes its hit whole: the export reads them all. The importer's
+windowed tables reserve only what its first decode reaches (`reserve_for_import`): their leading
+entries are NULL_BLOCK from the start, and it caches the blocks it holds.
 
 A prompt of a model with a windowed group that is prefilled in chunks (`allocate(chunk_tokens=C)`)
 takes its blocks chunk by chunk (`grow` before each) rather than all at admission: a windowed
@@ -179,10 +180,14 @@ class BlockManager:
 
         Sets `seq.num_computed_tokens` to the tokens whose KV came from the cache.
         """
+        hit = self._prefix_hit(seq) if use_prefix_cache else self._no_hit(seq)
+        self._take(seq, hit, self._chunk_of(seq, chunk_tokens))
+
+    def _take(self, seq: Sequence, hit: _Hit, chunk: int | None) -> None:
+        """`allocate` with its hit: per group, `hit.released` leading NULL_BLOCKs, then the hit's
+        blocks; then fresh blocks to the end of the prompt (`chunk`: promised)."""
         if seq.seq_id in self._held:
             raise ValueError(f"sequence {seq.seq_id!r} already holds blocks")
-        hit = self._prefix_hit(seq) if use_prefix_cache else self._no_hit(seq)
-        chunk = self._chunk_of(seq, chunk_tokens)
         if self._free_blocks_needed(seq, hit, chunk) > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id!r} needs more KV blocks than are free "
                                    f"({self.num_free_blocks})")
@@ -228,14 +233,15 @@ class BlockManager:
         """`grow` if the free blocks allow it (True), else change nothing (False). A prompt's
         promised blocks come first."""
         held = self._held[seq.seq_id]
-        tables, need = held.tables, -(-num_tokens // self.block_size)
-        extra = need - len(tables[0])  # every table covers the same tokens
+        need = self.blocks_for(num_tokens)
+        extra = self._table_growth(held, need)
         if extra <= 0:
             return True
-        if extra * len(tables) > held.promised + self.num_free_blocks:
+        if extra > held.promised + self.num_free_blocks:
             return False
-        for table in tables:
-            table += self._pool.take_fresh(extra)
+        for table in held.tables:
+            if len(table) < need:
+                table += self._pool.take_fresh(need - len(table))
         if held.chunk:
             self._keep_promise(held)
         return True
@@ -277,11 +283,17 @@ class BlockManager:
     def reserve_for_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[list[int]]:
         """Blocks for a sequence whose KV a transfer in writes. With `reuse_prefix`, cached full
         blocks of its prefix are shared (held, so never evicted meanwhile) and
-        `seq.num_computed_tokens` is the number of leading tokens they hold (in a windowed group,
-        the leading ones out of its reach are NULL_BLOCK): the transfer must write only the
-        positions from there on (never the last token's, `_prefix_hit`). Without, every block is
-        fresh and the transfer writes them all. Returns every group's table."""
-        self.allocate(seq, use_prefix_cache=reuse_prefix)
+        `seq.num_computed_tokens` is the number of leading tokens they hold: the transfer must
+        write only the positions from there on (never the last token's, `_prefix_hit`). Without,
+        every block is fresh and the transfer writes them all. A windowed group reserves only the
+        blocks its first decode can read: the leading ones out of its reach are NULL_BLOCK from
+        the start (writes there land in the reserved block, which no query reads), as `commit`
+        releases them once the import completes. Returns every group's table."""
+        hit = self._prefix_hit(seq) if reuse_prefix else self._no_hit(seq)
+        windows = [None] * self.num_groups if seq.hand_off else self.windows
+        released = [max(r, self._first_needed(seq.num_tokens, w)) for r, w in zip(hit.released, windows)]
+        hits = [hits[max(0, out - r):] for hits, r, out in zip(hit.hits, hit.released, released)]
+        self._take(seq, _Hit(hit.blocks, released, hits, hit.parent), None)
         return self.export_blocks(seq.seq_id)
 
     def take_prefix_delta(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -301,7 +313,8 @@ class BlockManager:
             key = block_key(parent, seq.token_ids, i, self.block_size)
             parent = hash(key)  # the chain follows content, registered or not
             for group, table in enumerate(held.tables):
-                register(group, table[i], key, parent)
+                if i >= held.released[group]:  # an import's windowed tables reserve no block out of reach
+                    register(group, table[i], key, parent)
         if full > held.done:
             held.done, held.parent = full, parent
 
@@ -310,7 +323,7 @@ class BlockManager:
         at or before num_computed_tokens - window + 1 are never read again. Hashing comes first,
         so a released block that was cached stays cached (evictable) for later prefix hits."""
         table, released = held.tables[group], held.released[group]
-        reach = max(0, seq.num_computed_tokens - window + 1) // self.block_size
+        reach = self._first_needed(seq.num_computed_tokens, window)
         for i in range(released, reach):
             self._pool.drop(table[i])
             table[i] = NULL_BLOCK
@@ -319,8 +332,13 @@ class BlockManager:
 
     def _extra_blocks(self, seq_id: str, num_tokens: int) -> int:
         held = self._held[seq_id]
-        extra = max(0, self.blocks_for(num_tokens) - len(held.tables[0])) * len(held.tables)
-        return max(0, extra - held.promised)
+        return max(0, self._table_growth(held, self.blocks_for(num_tokens)) - held.promised)
+
+    @staticmethod
+    def _table_growth(held: _Held, entries: int) -> int:
+        """The blocks that make every table `entries` long (an import's tables may start shorter
+        where a windowed group's reach begins past the prefix hit)."""
+        return sum(max(0, entries - len(table)) for table in held.tables)
 
     def _chunk_of(self, seq: Sequence, chunk_tokens: int | None) -> int | None:
         """The chunk bound a sequence is allocated by: None (all at once) unless a group has a
@@ -391,17 +409,18 @@ class BlockManager:
                     gaps[group] = i
             if any(gap >= 0 and window is None for gap, window in zip(gaps, windows)):
                 break  # a full group misses a block: no longer prefix has it
-            if all(self._first_needed(i + 1, window) > gap for gap, window in zip(gaps, windows)):
+            if all(self._first_needed((i + 1) * self.block_size, window) > gap for gap, window in zip(gaps, windows)):
                 best = i + 1
-        released = [self._first_needed(best, window) for window in windows]
+        released = [self._first_needed(best * self.block_size, window) for window in windows]
         hits = [blocks[first:best] for blocks, first in zip(found, released)]
         return _Hit(best, released, hits, parents[best - 1] if best else root)
 
-    def _first_needed(self, blocks: int, window: int | None) -> int:
-        """The first block a query right after `blocks` computed blocks can read."""
+    def _first_needed(self, num_tokens: int, window: int | None) -> int:
+        """The first block a query right after `num_tokens` computed tokens (at that position or
+        later) can read."""
         if window is None:
             return 0
-        return max(0, blocks * self.block_size - window + 1) // self.block_size
+        return max(0, num_tokens - window + 1) // self.block_size
 
     def check_integrity(self) -> None:
         """Raise `RuntimeError` naming the first broken invariant."""

@@ -1,11 +1,12 @@
 """`BlockManager.reserve_for_import` through the prefix cache (pure Python, CPU only): an import
 shares the cached full blocks of its prompt's prefix, holds them until it ends, and leaves the
-rest (at least the last token) for the transfer to write."""
+rest (at least the last token) for the transfer to write; a windowed layer group reserves only
+what the first decode reaches."""
 from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.block_manager import BlockManager, OutOfBlocksError
+from splitserve.engine.block_manager import NULL_BLOCK, BlockManager, OutOfBlocksError
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 from tests.engine.block_helpers import BS, cached, compute_all, make_seq, seq_range
@@ -98,4 +99,27 @@ def test_ending_a_partial_import_releases_its_blocks_and_keeps_the_prefix_cached
     c = make_seq("c", TURN_2 + [7])
     bm.reserve_for_import(c, reuse_prefix=True)
     assert c.num_computed_tokens == (4 if completed else 2) * BS  # a completed import extends the cache
+    bm.check_integrity()
+
+
+def test_a_windowed_group_reserves_only_what_the_first_decode_reaches():
+    """Beside a full group, a windowed table's leading entries out of the first decode's reach are
+    NULL_BLOCK from the start, cached blocks among them are not taken, and completing the import
+    releases nothing more; its blocks in reach are cached for a later prompt's hit."""
+    bm = BlockManager(40, block_size=BS, windows=(None, 2 * BS))
+    cached(bm, "a", seq_range(0, 6 * BS))  # full group: 6 blocks; windowed: blocks 4 and 5 (0-3 released, cached)
+    b = make_seq("b", seq_range(0, 6 * BS) + seq_range(100, 3 * BS + 1))  # 10 blocks, the last holding one token
+    free_before = bm.num_free_blocks
+    full, windowed = bm.reserve_for_import(b, reuse_prefix=True)
+    reach = (b.num_tokens - 2 * BS + 1) // BS  # the first decode, at position num_tokens, reads from block 7
+    assert b.num_computed_tokens == 6 * BS and full[:6] == bm.block_table("a")[:6]
+    assert windowed[:reach] == [NULL_BLOCK] * reach and NULL_BLOCK not in windowed[reach:] and len(windowed) == 10
+    assert free_before - bm.num_free_blocks == 4 + (10 - reach)  # fresh: the full group's 4, the window's 3
+    bm.check_integrity()
+    compute_all(bm, b)  # the KV landed: `Policy.complete_import` commits it
+    assert bm.block_tables("b") == [full, windowed] and free_before - bm.num_free_blocks == 4 + (10 - reach)
+    bm.check_integrity()
+    c = make_seq("c", b.token_ids + [7] * 3)
+    bm.allocate(c)
+    assert c.num_computed_tokens == 9 * BS  # the window's blocks 7 and 8 came from the import
     bm.check_integrity()

@@ -86,7 +86,7 @@ class _EngineSim:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # admission order: the youngest is last
         self.counter = 0
-        self.stats = dict(admitted=0, hits=0, hit_tokens=0, preempted=0, finished=0, imported=0,
+        self.stats = dict(admitted=0, hits=0, hit_tokens=0, preempted=0, finished=0, imported=0, import_hits=0,
                           steps=0, shared_seen=0, out_of_blocks_admit=0, released=0, chunked=0, short=0)
 
     # -- the operation loop --------------------------------------------------------------------
@@ -206,29 +206,39 @@ class _EngineSim:
         return self.chunk is not None and windows_any(self.windows) and not seq.hand_off
 
     def import_seq(self, seq: Sequence) -> None:
-        bm = self.bm
-        seq.append_token(self.rng.randrange(8))  # the first token, sampled by the prefill instance
-        if bm.blocks_for(seq.num_tokens) * bm.num_groups > bm.num_free_blocks:
-            with pytest.raises(OutOfBlocksError):
-                bm.reserve_for_import(seq)
-            seq.token_ids.pop()
+        """As `Policy.reserve_import` (through the prefix cache or not), then `complete_import` once
+        the transfer wrote the rest of the prompt's KV (into the reserved block where a windowed
+        group's reach starts later)."""
+        bm, num_prompt = self.bm, seq.num_tokens
+        reach = [0 if w is None or seq.hand_off else max(0, num_prompt - w + 1) // self.bs for w in self.windows]
+        reuse = self.enable_prefix_caching and self.rng.random() < 0.5
+        others = {b for s in self.running for table in bm.block_tables(s.seq_id) for b in table}
+        others -= {NULL_BLOCK} if windows_any(self.windows) else set()
+        free_before = bm.num_free_blocks
+        try:
+            ids = bm.reserve_for_import(seq, reuse_prefix=reuse)
+        except OutOfBlocksError:  # a prefix hit only lowers the need
+            assert sum(bm.blocks_for(num_prompt) - r for r in reach) > free_before
             assert not bm.has_blocks(seq.seq_id)
             return
-        ids = bm.reserve_for_import(seq)
-        assert seq.num_computed_tokens == 0
-        assert ids == bm.block_tables(seq.seq_id)
+        hit = seq.num_computed_tokens
+        assert hit == 0 or reuse
         tables = bm.block_tables(seq.seq_id)
-        mine = [b for table in tables for b in table]
-        others = {b for s in self.running for table in bm.block_tables(s.seq_id) for b in table} - {NULL_BLOCK}
-        assert len(set(mine)) == len(mine) and not set(mine) & others, "reserve_for_import shared a block"
-        assert not windows_any(self.windows) or NULL_BLOCK not in mine
+        assert ids == tables
+        assert [table[:r] for table, r in zip(tables, reach)] == [[NULL_BLOCK] * r for r in reach]
+        mine = [b for table, r in zip(tables, reach) for b in table[r:]]
+        assert len(set(mine)) == len(mine) and not (windows_any(self.windows) and NULL_BLOCK in mine)
+        assert free_before - bm.num_free_blocks == len(set(mine) - others), "an import took a held block"
+        assert all(i < hit // self.bs for table in tables for i, b in enumerate(table) if b in others), \
+            "an import shares a block it is to write"
         self.waiting.remove(seq)
         self.running.append(seq)
-        # the transfer writes the KV of every token but the new one
-        self.kv.write(tables, seq.token_ids, 0, seq.num_tokens - 1)
-        seq.num_computed_tokens = seq.num_tokens - 1
+        self.kv.write(tables, seq.token_ids, hit, num_prompt)
+        seq.num_computed_tokens = num_prompt
         bm.commit(seq)
+        seq.append_token(self.rng.randrange(8))  # the first token, sampled by the prefill instance
         self.stats["imported"] += 1
+        self.stats["import_hits"] += hit > 0
 
     def step(self, seq: Sequence) -> None:
         rng, bm = self.rng, self.bm
@@ -357,7 +367,7 @@ def test_engine_simulation_stress_with_a_window(seed, window):
     position a sequence's next query reads still holds its own prefix's KV."""
     stats = _run_engine_sim(seed, 3000, windows=(window,))
     assert stats["released"] > 100 and stats["hits"] > 20 and stats["shared_seen"] > 20, stats
-    assert stats["preempted"] > 5 and stats["imported"] > 5, stats
+    assert stats["preempted"] > 5 and stats["imported"] > 5 and stats["import_hits"] > 2, stats
 
 
 def test_engine_simulation_stress_with_a_window_no_prefix_caching():
@@ -371,7 +381,7 @@ def test_engine_simulation_stress_with_layer_groups(seed, windows):
     windowed ones release, and a hit is one every group can serve."""
     stats = _run_engine_sim(seed, 3000, num_blocks=48, windows=windows)
     assert stats["released"] > 100 and stats["hits"] > 20 and stats["shared_seen"] > 20, stats
-    assert stats["preempted"] > 5 and stats["imported"] > 5, stats
+    assert stats["preempted"] > 5 and stats["imported"] > 5 and stats["import_hits"] > 2, stats
 
 
 @pytest.mark.parametrize("seed,windows,chunk", [(12, (5,), 3), (13, (8,), 9), (14, (None, 6), 4), (15, (7, None), 16)])

@@ -2,7 +2,7 @@
 groups (every layer of a Mistral; Gemma 2's, Gemma 3's and GPT-OSS's windowed layers beside their
 full ones): long generations in a cache far too small for their whole tables still match
 transformers, with no preemption, and each windowed table's released blocks are exactly those out
-of every later query's reach."""
+of every later query's reach; a token engine imports a long prompt into a window's blocks."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,7 @@ import pytest
 from splitserve.engine.block_manager import NULL_BLOCK
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transfer.codec import pack_all, slot_index, unpack_all
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
     ENGINE_ARGS, generation_prompts, hf_greedy, prompt_ids, tokenizers_by_kind, write_checkpoint,
 )
@@ -82,3 +83,47 @@ def test_long_prompts_prefilled_chunk_by_chunk_hold_a_window_and_a_chunk_and_mat
                     assert len(table) - table.count(NULL_BLOCK) <= bm.blocks_for(chunk + window - 1) + 1
     assert [done[str(i)] for i in range(len(prompts))] == expected
     assert overlap == (name == "mistral_window")  # with a full layer group, its blocks are too many
+
+
+def test_a_token_engine_imports_long_prompts_into_a_windows_blocks_and_matches_hf(windowed):
+    """A handed-off prompt's KV lands in a token engine whose windowed tables reserve only what
+    its first decode reaches (the positions before land in the reserved block): two prompts whose
+    whole tables would not fit in its cache are imported at once and decode as transformers does."""
+    name, path, hf = windowed
+    window, size, new = hf.config.sliding_window, ENGINE_ARGS["block_size"], 8
+    prompts = [prompt_ids(50, 100, hf.config.vocab_size), prompt_ids(51, 90, hf.config.vocab_size)]
+    expected = [hf_greedy(hf, p, new) for p in prompts]
+    groups, max_len = (1 if name == "mistral_window" else 2), 128
+    full = sum(-(-(len(p) + new) // size) for p in prompts) if groups == 2 else 0
+    # a window's blocks per sequence while it decodes; the cache holds at least max_model_len tokens (start-up)
+    windowed_blocks = max(len(prompts) * (-(-window // size) + 2), max_len // size * groups - full)
+    assert windowed_blocks < sum(-(-len(p) // size) for p in prompts)  # whole windowed tables would not fit
+    args = {**ENGINE_ARGS, "dtype": "float32", "max_model_len": max_len}
+    prompt_engine = LLMEngine(path, **args, policy="prompt", prompt_token_budget=128)
+    token_engine = LLMEngine(path, **{**args, "num_kv_blocks": 1 + full + windowed_blocks}, policy="token")
+    params = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new)
+    for i, prompt in enumerate(prompts):
+        prompt_engine.add_request(str(i), prompt, params)
+    while prompt_engine.has_unfinished_requests():
+        prompt_engine.step()
+    bm, src, dst = token_engine.block_manager, prompt_engine.kv_cache, token_engine.kv_cache
+    landing = []  # both reserved before either lands, as concurrent transfers are
+    for i, prompt in enumerate(prompts):
+        seq, blocks = prompt_engine.export_request(str(i))
+        kv = pack_all(src, slot_index(blocks, size, len(prompt), src.data.device))
+        _, tables = token_engine.reserve_import(str(i), prompt, params)
+        for table, group_window in zip(tables, bm.windows):
+            reach = 0 if group_window is None else (len(prompt) - window + 1) // size
+            assert table[:reach] == [NULL_BLOCK] * reach and NULL_BLOCK not in table[reach:]
+        landing.append((str(i), slot_index(tables, size, len(prompt), dst.data.device), kv, seq.output_token_ids[0]))
+        prompt_engine.release_request(str(i))
+    token_engine.check_integrity()
+    for request_id, slots, kv, first in landing:
+        unpack_all(dst, slots, kv)
+        token_engine.complete_import(request_id, first)
+    done = {}
+    while token_engine.has_unfinished_requests():
+        done.update((out.request_id, out.token_ids) for out in token_engine.step() if out.finished)
+        token_engine.check_integrity()
+    assert [done[str(i)] for i in range(len(prompts))] == expected
+    assert token_engine.policy.num_preemptions == 0 and bm.num_used_blocks == 0

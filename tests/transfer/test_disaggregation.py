@@ -86,9 +86,9 @@ def test_an_fp8_cache_travels_as_its_codes(backend):
 def test_a_sliding_window_model_hands_off_whole_and_decodes_in_its_window(backend, layers, tmp_path):
     """Every layer slides (Mistral's layout), or every other one (Gemma 2's and GPT-OSS's: two layer
     groups, each layer travelling at its group's blocks): the prompt worker keeps all its blocks for
-    the export (one-shot exports read them after the step), the token worker takes them all and
-    releases those out of the window as it decodes; what it caches of them serves a later prompt's
-    window."""
+    the export (one-shot exports read them after the step), the token worker reserves in a windowed
+    group only what its first decode reaches (the rest lands in the reserved block) and releases
+    more as it decodes; what it caches of them serves a later prompt's window."""
     from splitserve.engine.demo import DEMO_MODEL_CONFIG
     from splitserve.engine.dummy_weights import write_shape_checkpoint
 
