@@ -261,16 +261,11 @@ class AccelGenPolicy(Policy):
     def _plan(self, batch: list[Candidate], preempted: tuple[Sequence, ...]) -> Plan:
         decodes = [c for c in batch if c.seq.is_decoding]
         items = [ScheduledSeq(c.seq, 1) for c in decodes]
-        left = self.budget - len(items)
+        left, preempted = self.budget - len(items), list(preempted)
         for c in batch:
             if not c.seq.is_decoding and left > 0:
-                item = self._chunk(c.seq, min(c.seq.num_uncomputed_tokens, left))
-                if item is None:
-                    preempted += (c.seq,)
-                    continue
-                items.append(item)
-                left -= item.num_new_tokens
-        return Plan(tuple(items), preempted)
+                left -= self._chunk(c.seq, min(c.seq.num_uncomputed_tokens, left), items, preempted)
+        return Plan(tuple(items), tuple(preempted))
 
 
 class AccelGenPromptPolicy(AccelGenPolicy):

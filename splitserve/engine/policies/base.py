@@ -158,14 +158,18 @@ class Policy(ABC):
         return len(self.running) < self.limits.max_num_seqs and \
             self.blocks.can_allocate(seq, watermark, self.prefill_chunk_tokens)
 
-    def _chunk(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq | None:
-        """A prefill chunk, its blocks taken (a prompt prefilled chunk by chunk has them promised).
-        None, the sequence preempted, in the rare case they are not free: the prompt released
-        windowed blocks that other sequences' prefix hits still hold, so its promise fell short."""
+    def _chunk(self, seq: Sequence, num_new_tokens: int, items: list[ScheduledSeq],
+               preempted: list[Sequence]) -> int:
+        """Schedule a prefill chunk into `items`, its blocks taken (a prompt prefilled chunk by chunk
+        has them promised); returns the tokens scheduled. 0, the sequence preempted into
+        `preempted`, in the rare case they are not free: the prompt released windowed blocks that
+        other sequences' prefix hits still hold, so its promise fell short."""
         if self.blocks.try_grow(seq, seq.num_computed_tokens + num_new_tokens):
-            return ScheduledSeq(seq, num_new_tokens)
+            items.append(ScheduledSeq(seq, num_new_tokens))
+            return num_new_tokens
         self.preempt(seq)
-        return None
+        preempted.append(seq)
+        return 0
 
     def preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the KV, requeue at the front; prompt + output is prefilled again."""

@@ -8,8 +8,7 @@ chunks go, `BlockManager.allocate`); when a decode cannot grow, the youngest run
 preempted by recompute and no new prompt is admitted in that iteration.
 """
 from splitserve.engine.policies.base import Policy
-from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
-from splitserve.engine.sequence import Sequence
+from splitserve.engine.policies.plan import Plan, SchedulerLimits
 
 
 class MixedPolicy(Policy):
@@ -26,22 +25,12 @@ class MixedPolicy(Policy):
         used = len(items)
         for seq in [s for s in self.running if not s.is_decoding]:
             if used < budget:
-                used += self._add_chunk(items, preempted, seq, min(seq.num_uncomputed_tokens, budget - used))
+                used += self._chunk(seq, min(seq.num_uncomputed_tokens, budget - used), items, preempted)
         while not preempted and self.waiting and used < budget and self._can_admit(self.waiting[0]):
             seq = self.waiting[0]
             self._admit(seq)
-            used += self._add_chunk(items, preempted, seq, min(seq.num_uncomputed_tokens, budget - used))
+            used += self._chunk(seq, min(seq.num_uncomputed_tokens, budget - used), items, preempted)
         return Plan(tuple(items), tuple(preempted))
-
-    def _add_chunk(self, items: list[ScheduledSeq], preempted: list[Sequence], seq: Sequence,
-                   num_new_tokens: int) -> int:
-        """Schedule a chunk of `seq` (or record its preemption); returns the tokens scheduled."""
-        item = self._chunk(seq, num_new_tokens)
-        if item is None:
-            preempted.append(seq)
-            return 0
-        items.append(item)
-        return num_new_tokens
 
     @staticmethod
     def max_step_tokens(limits: SchedulerLimits) -> int:
