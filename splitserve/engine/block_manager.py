@@ -39,10 +39,9 @@ A prompt of a model with a windowed group that is prefilled in chunks (`allocate
 takes its blocks chunk by chunk (`grow` before each) rather than all at admission: a windowed
 table then never holds more than a window and a chunk's blocks, where a prompt taken whole would
 hold all of them until the step that computes them. Admission still guarantees the rest of its
-prefill: the most blocks it can hold at once while prefilling (`_peak`) less those it holds are
-*promised* to it, counted out of `num_free_blocks`, and its `grow`s draw on them first; so its
-chunks find their blocks as a whole prompt's do (but for the rare case `_keep_promise` names).
-A promise is always free blocks: their sum never passes the pool's free blocks.
+prefill: blocks are *promised* to it (`block_promises`), counted out of `num_free_blocks`, and
+its `grow`s draw on them first; so its chunks find their blocks as a whole prompt's do (but for
+the rare case `BlockPromises.settle` names).
 """
 from __future__ import annotations
 
@@ -50,6 +49,7 @@ from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 
 from splitserve.engine.block_pool import BlockPool
+from splitserve.engine.block_promises import BlockPromises
 from splitserve.engine.prefix_hash import ROOT, block_key, chain_root, num_reusable_blocks
 from splitserve.engine.sequence import Sequence
 
@@ -109,7 +109,7 @@ class BlockManager:
         self._root_of = root_of
         self._pool = BlockPool(num_blocks, reserved, len(windows))
         self._held: dict[str, _Held] = {}
-        self._promised = 0  # the sum of the held sequences' promises
+        self._promises = BlockPromises(self._pool, windows, block_size)
         self.num_cache_hit_blocks = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -125,7 +125,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Free blocks not promised to a prompt being prefilled chunk by chunk."""
-        return self._pool.num_free - self._promised
+        return self._pool.num_free - self._promises.total
 
     @property
     def num_used_blocks(self) -> int:
@@ -216,7 +216,7 @@ class BlockManager:
             if not self.try_grow(seq, held.prefill_to):
                 return False
             held.chunk = 0
-        elif self._peak(held.prefill_to, held.released, chunk) - self._count(held) > self._unpromised(held):
+        elif self._need(held, chunk) > self._promises.unpromised(held.promised):
             return False
         else:
             held.chunk = chunk
@@ -268,7 +268,7 @@ class BlockManager:
         held = self._held.pop(seq_id, None)
         if held is None:
             return
-        self._promised -= held.promised
+        self._promises.settle(held.promised, 0)
         pool = self._pool
         for table, released in zip(held.tables, held.released):
             pool.fresh.extend(reversed(table[max(held.done, released):]))  # past the hashed prefix: private
@@ -349,39 +349,22 @@ class BlockManager:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         return chunk_tokens
 
-    def _peak(self, num_tokens: int, released: Seq[int], chunk: int | None) -> int:
-        """The most blocks a prompt of `num_tokens` holds at once while it is prefilled in chunks
-        of at most `chunk` tokens (None: at once), its tables' leading `released` entries per
-        group released. A chunk [s, e) in a windowed group needs the blocks from the one holding
-        s - window + 1 to the one holding e - 1: at most blocks_for(chunk + window - 1) + 1."""
-        whole = self.blocks_for(num_tokens)
-        return sum(whole - r if chunk is None or w is None else min(whole - r, self.blocks_for(chunk + w - 1) + 1)
-                   for w, r in zip(self.windows, released))
-
     @staticmethod
     def _count(held: _Held) -> int:
         return sum(len(table) for table in held.tables) - sum(held.released)
 
-    def _unpromised(self, held: _Held) -> int:
-        """The free blocks not promised to other sequences than `held`'s."""
-        return self._pool.num_free - self._promised + held.promised
+    def _need(self, held: _Held, chunk: int) -> int:
+        """The blocks a prompt's prefill in chunks of at most `chunk` tokens takes beyond those it holds."""
+        return self._promises.peak(held.prefill_to, held.released, chunk) - self._count(held)
 
     def _keep_promise(self, held: _Held) -> None:
-        """Promise a sequence prefilled chunk by chunk what its peak needs beyond what it holds,
-        as far as the free blocks not promised to others allow: every promise is free blocks.
-        It falls short only where the sequence released windowed blocks that others still hold
-        (prefix hits), which freed nothing (`Policy._chunk` preempts it if that bites)."""
-        promised = 0
-        if held.chunk:
-            need = self._peak(held.prefill_to, held.released, held.chunk) - self._count(held)
-            promised = max(0, min(need, self._unpromised(held)))
-        self._promised += promised - held.promised
-        held.promised = promised
+        """A sequence prefilled chunk by chunk is promised what its prefill still needs."""
+        held.promised = self._promises.settle(held.promised, self._need(held, held.chunk) if held.chunk else 0)
 
     def _free_blocks_needed(self, seq: Sequence, hit: _Hit, chunk: int | None = None) -> int:
         hashed = self._pool.hashed
         revived = sum(1 for hits in hit.hits for b in hits if hashed[b].ref_count == 0)  # cached but free
-        return self._peak(seq.num_tokens, hit.released, chunk) - sum(len(hits) for hits in hit.hits) + revived
+        return self._promises.peak(seq.num_tokens, hit.released, chunk) - sum(len(hits) for hits in hit.hits) + revived
 
     def _no_hit(self, seq: Sequence) -> _Hit:
         return _Hit(0, [0] * self.num_groups, [[] for _ in self.windows], self._root_of(seq))
@@ -426,9 +409,7 @@ class BlockManager:
         """Raise `RuntimeError` naming the first broken invariant."""
         pool = self._pool
         refs, groups = [0] * pool.num_blocks, [set() for _ in range(pool.num_blocks)]
-        if self._promised != sum(held.promised for held in self._held.values()) or self._promised > pool.num_free:
-            raise RuntimeError(f"{self._promised} blocks promised: not the sequences' promises, or more than the "
-                               f"{pool.num_free} free")
+        self._promises.check([held.promised for held in self._held.values()])
         for seq_id, held in self._held.items():
             if held.promised and not held.chunk:
                 raise RuntimeError(f"{seq_id!r} is promised blocks but is not prefilled chunk by chunk")
