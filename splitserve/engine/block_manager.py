@@ -150,6 +150,12 @@ class BlockManager:
     def has_blocks(self, seq_id: str) -> bool:
         return seq_id in self._held
 
+    @property
+    def window_tokens(self) -> int:
+        """The most token slots a windowed group's table of a decoding sequence holds: from the
+        block its next query reaches back to through the one it writes (0: no windowed group)."""
+        return max(((self.blocks_for(w - 1) + 1) * self.block_size for w in self.windows if w is not None), default=0)
+
     def blocks_for(self, num_tokens: int) -> int:
         """The entries of a table holding `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)

@@ -39,7 +39,9 @@ class PlacementPolicy(ABC):
 
 
 def has_kv_room(worker: WorkerState, tokens: int) -> bool:
-    return worker.load.total_kv_tokens == 0 or worker.free_kv_tokens() >= tokens
+    """Whether a sequence of `tokens` tokens fits in the worker's free KV (as it last reported, less
+    what was placed on it since)."""
+    return worker.load.total_kv_tokens == 0 or worker.free_kv_tokens() >= worker.load.kv_tokens(tokens)
 
 
 def can_prompt(worker: WorkerState, thresholds: PlacementThresholds, exclude: frozenset[str]) -> bool:
@@ -85,10 +87,11 @@ def least_token_queue(workers: Sequence[WorkerState], thresholds: PlacementThres
     best, best_queue = None, thresholds.max_decode_queue_tokens
     kv_needed = request.num_prompt_tokens + 1
     for worker in workers:
-        load, placed = worker.load, worker.placed_decode_tokens
-        queue = (load.decode_tokens + placed) / worker.hardware.token_speed
-        if (queue < best_queue and (load.total_kv_tokens == 0 or load.free_kv_tokens - placed >= kv_needed)
-                and worker.worker_id not in exclude):
+        load = worker.load
+        queue = (load.decode_tokens + worker.placed_decode_tokens) / worker.hardware.token_speed
+        if (queue < best_queue and worker.worker_id not in exclude
+                and (load.total_kv_tokens == 0 or load.free_kv_tokens - worker.placed_kv_tokens
+                     >= (load.kv_tokens(kv_needed) if load.kv_window_tokens else kv_needed))):
             best, best_queue = worker, queue
     return best
 
@@ -109,8 +112,9 @@ def least_loaded_whole(workers: Sequence[WorkerState], thresholds: PlacementThre
         token_queue = (load.decode_tokens + placed_decode) / worker.hardware.token_speed
         combined = prompt_queue * prompt_scale + token_queue * token_scale
         if (combined < best_load and prompt_queue < prompt_bound and token_queue < token_bound
-                and (load.total_kv_tokens == 0 or load.free_kv_tokens - placed_decode >= kv_needed)
-                and worker.worker_id not in exclude):
+                and worker.worker_id not in exclude
+                and (load.total_kv_tokens == 0 or load.free_kv_tokens - worker.placed_kv_tokens
+                     >= (load.kv_tokens(kv_needed) if load.kv_window_tokens else kv_needed))):
             best, best_load = worker, combined
     return best
 

@@ -94,7 +94,7 @@ class ClusterState:
         if prefix is not None and self.prefix.aware:
             self.prefix_index.apply(worker_id, prefix)
         worker.load = load
-        worker.placed_prompt_tokens = worker.placed_decode_tokens = 0
+        worker.placed_prompt_tokens = worker.placed_decode_tokens = worker.placed_kv_tokens = 0
         worker.reported_at = now
         return self._apply_all(self.policy.rebalance(self, now, worker), now)
 
@@ -116,7 +116,9 @@ class ClusterState:
             # Until their next reports, the chosen workers' queues count this request, and the
             # prefix index counts its prompt's blocks as theirs.
             self._worker(placement.prompt_worker).placed_prompt_tokens += request.num_prompt_tokens
-            self._worker(placement.token_worker).placed_decode_tokens += request.num_prompt_tokens + request.max_tokens
+            token, decode_tokens = self._worker(placement.token_worker), request.num_prompt_tokens + request.max_tokens
+            token.placed_decode_tokens += decode_tokens
+            token.placed_kv_tokens += token.load.kv_tokens(decode_tokens)
             if request.prefix_hashes and self.prefix.aware:
                 self.prefix_index.placed(placement.prompt_worker, request.prefix_hashes)
                 if placement.token_worker != placement.prompt_worker:
@@ -182,6 +184,7 @@ class ClusterState:
             "home": worker.home.value, "pool": worker.pool.value, "hardware": worker.hardware.name,
             **dataclasses.asdict(worker.load),
             "placed_prompt_tokens": worker.placed_prompt_tokens, "placed_decode_tokens": worker.placed_decode_tokens,
+            "placed_kv_tokens": worker.placed_kv_tokens,
             "prompt_queue": worker.prompt_queue(), "token_queue": worker.token_queue(),
             "combined_load": combined_load(worker, self.thresholds),
             "mixed_since": worker.mixed_since, "reported_at": worker.reported_at,

@@ -41,12 +41,28 @@ class WorkerLoad:
     decode_tokens: int = 0  # context tokens (prompt + generated) of sequences decoding or importing KV on it
     num_decoding: int = 0  # sequences decoding or importing on it
     num_waiting: int = 0
-    free_kv_tokens: int = 0
+    free_kv_tokens: int = 0  # a token is a block slot in every layer group
     total_kv_tokens: int = 0  # 0: KV capacity not reported yet, so placement skips the KV room check
+    # What a sequence holds of them (`kv_tokens`): a model with sliding-window layers has them in
+    # groups of their own (engine.kv_groups), whose tables stop growing at `kv_window_tokens`
+    # slots (0: no windowed group); the other `kv_full_groups` of its `kv_groups` hold every token.
+    kv_groups: int = 1
+    kv_full_groups: int = 1
+    kv_window_tokens: int = 0
 
     def __post_init__(self) -> None:
-        _require_non_negative_ints(self, ("pending_prompt_tokens", "decode_tokens", "num_decoding",
-                                          "num_waiting", "free_kv_tokens", "total_kv_tokens"))
+        _require_non_negative_ints(self, ("pending_prompt_tokens", "decode_tokens", "num_decoding", "num_waiting",
+                                          "free_kv_tokens", "total_kv_tokens", "kv_full_groups", "kv_window_tokens"))
+        if not isinstance(self.kv_groups, int) or not 1 <= self.kv_groups or self.kv_full_groups > self.kv_groups:
+            raise ValueError(f"kv_groups must be an integer >= 1 and >= kv_full_groups={self.kv_full_groups}, "
+                             f"got {self.kv_groups!r}")
+
+    def kv_tokens(self, num_tokens: int) -> int:
+        """The free KV tokens a sequence of `num_tokens` tokens holds here at most."""
+        if not self.kv_window_tokens:
+            return num_tokens
+        windowed = (self.kv_groups - self.kv_full_groups) * min(num_tokens, self.kv_window_tokens)
+        return -(-(self.kv_full_groups * num_tokens + windowed) // self.kv_groups)
 
     @property
     def idle(self) -> bool:
@@ -167,6 +183,7 @@ class WorkerState:
     load: WorkerLoad
     placed_prompt_tokens: int = 0  # placed here since its last report (a report replaces the estimate)
     placed_decode_tokens: int = 0
+    placed_kv_tokens: int = 0  # the KV (load.kv_tokens) of the sequences placed_decode_tokens counts
     mixed_since: float | None = None  # when it entered the mixed pool as a guest (None: not a guest there)
     reported_at: float = 0.0  # time of its last report (or of joining)
 
@@ -177,4 +194,4 @@ class WorkerState:
         return (self.load.decode_tokens + self.placed_decode_tokens) / self.hardware.token_speed
 
     def free_kv_tokens(self) -> int:
-        return self.load.free_kv_tokens - self.placed_decode_tokens
+        return self.load.free_kv_tokens - self.placed_kv_tokens

@@ -2,6 +2,7 @@
 reports, eligibility (exclusion, backpressure, KV room), the mixed-only baseline, and the API edges."""
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -86,6 +87,21 @@ def test_token_worker_needs_kv_room_for_the_prompt_and_first_token(policy):
     assert pair(state, request(100, 50)) == ("p0", "t1")  # t0 is emptier but has 100 < 101 free
     assert state.workers["t1"].free_kv_tokens() == 101 - 150
     assert pair(state, request(100, 50)) is None  # placed tokens count against free KV until a report
+
+
+def test_a_sliding_window_token_worker_has_room_for_prompts_longer_than_its_free_kv():
+    """Every layer windowed: a sequence holds a window's KV however long (272 slots here); every
+    other layer: half its tokens and half a window's. Placed requests count as much until a report."""
+    every = replace(load(free=1000, total=4000), kv_groups=1, kv_full_groups=0, kv_window_tokens=272)
+    other = replace(load(free=2000, total=4000), kv_groups=2, kv_full_groups=1, kv_window_tokens=272)
+    state = cluster("jsq", prompt=[idle("p0")], token=[("t0", H100, every), ("t1", H100, other)])
+    assert pair(state, request(3000, 50)) == ("p0", "t0")
+    assert state.workers["t0"].placed_kv_tokens == 272 and state.workers["t0"].placed_decode_tokens == 3050
+    assert pair(state, request(3000, 50), exclude={"t0"}) == ("p0", "t1")
+    assert state.workers["t1"].placed_kv_tokens == -(-(3050 + 272) // 2)  # 1661 of its 2000 free
+    assert pair(state, request(3000, 50), exclude={"t0"}) is None
+    full = cluster("jsq", prompt=[idle("p0")], token=[("t0", H100, load(free=1000, total=4000))])
+    assert pair(full, request(3000, 50)) is None  # a full-attention worker needs every token's
 
 
 def test_kv_check_is_skipped_until_capacity_is_reported():
@@ -175,6 +191,9 @@ def test_policies_by_name():
     (lambda: PlacementRequest("r", 10, -1), "max_tokens"),
     (lambda: PlacementRequest("", 10, 1), "request_id"),
     (lambda: WorkerLoad(decode_tokens=-5), "decode_tokens"),
+    (lambda: WorkerLoad(kv_groups=0, kv_full_groups=0), "kv_groups"),
+    (lambda: WorkerLoad(kv_groups=1, kv_full_groups=2), "kv_groups"),
+    (lambda: WorkerLoad(kv_window_tokens=-1), "kv_window_tokens"),
     (lambda: PlacementThresholds(mixed_prompt_tokens=0), "mixed_prompt_tokens"),
     (lambda: PlacementThresholds(repurpose_after_s=-1), "repurpose_after_s"),
     (lambda: ClusterState("jsq", thresholds={"max_queue_tokens": 5}), "thresholds"),

@@ -1,6 +1,7 @@
 """The inlined hot-path scans in placement/base.py agree with the readable eligibility rules."""
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -17,13 +18,17 @@ from splitserve.placement.base import (
 from tests.placement.placement_helpers import A100, H100, LIMITS, cluster, load, request
 
 def random_workers(rng: random.Random):
+    windows = [{}, dict(kv_groups=1, kv_full_groups=0, kv_window_tokens=rng.randint(1, 600)),  # every layer slides
+               dict(kv_groups=2, kv_full_groups=1, kv_window_tokens=rng.randint(1, 600))]  # every other one
     specs = [(f"w{i:02d}", rng.choice([H100, A100]),
-              load(pending=rng.choice([0, 100, rng.randint(0, 3500)]), decode=rng.choice([0, rng.randint(0, 25000)]),
-                   free=rng.randint(0, 3000), total=rng.choice([0, 3000])))
+              replace(load(pending=rng.choice([0, 100, rng.randint(0, 3500)]),
+                           decode=rng.choice([0, rng.randint(0, 25000)]), free=rng.randint(0, 3000),
+                           total=rng.choice([0, 3000])), **rng.choice(windows)))
              for i in range(rng.randint(0, 12))]
     state = cluster("jsq", mixed=specs, thresholds=LIMITS)
     for worker in state.members(Role.MIXED):
         worker.placed_prompt_tokens, worker.placed_decode_tokens = rng.randint(0, 300), rng.randint(0, 300)
+        worker.placed_kv_tokens = worker.load.kv_tokens(worker.placed_decode_tokens)
     return state.members(Role.MIXED)
 
 
