@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.engine.block_manager import OutOfBlocksError
 from splitserve.engine.policies import POLICY_CLASSES
-from splitserve.engine.policies.base import WATERMARK_FRACTION
+from splitserve.engine.policies.base import WATERMARK_FRACTION, EngineFullError
 from splitserve.engine.policies.orca import MAX_SKIPS
 from splitserve.engine.sequence import SequenceStatus
 from tests.engine.policy_helpers import complete, import_seq, make, make_seq, shape, step
@@ -146,6 +147,9 @@ def test_token_preempts_youngest_first_by_recompute_and_reprefills_later():
     assert c.num_computed_tokens == 0 and c.num_preemptions == 1 and p.num_preemptions == 1
     assert not p.blocks.has_blocks("c") and c.output_token_ids == [3, 13]
     assert d.status is SequenceStatus.WAITING
+    with pytest.raises(EngineFullError, match="preempted sequence waits"):  # c goes first: no import takes its blocks
+        p.reserve_import(make_seq("e", 2, start=400))
+    assert not p.blocks.has_blocks("e") and "e" not in p.held
     # c cannot come back while a and b hold the cache; they decode on
     plan, _ = step(p, tokens={"a": 31, "b": 32})
     assert shape(plan) == [("a", 1), ("b", 1)]
@@ -155,6 +159,8 @@ def test_token_preempts_youngest_first_by_recompute_and_reprefills_later():
     assert shape(plan) == [("b", 1), ("c", 11), ("d", 1)]
     assert c.output_token_ids == [3, 13, 43] and c.status is SequenceStatus.RUNNING
     assert c.is_decoding and d.is_decoding
+    with pytest.raises(OutOfBlocksError):  # c runs again: only the free blocks limit imports now
+        p.reserve_import(make_seq("e", 2, start=400))
 
 
 def test_token_preempts_the_asking_sequence_when_it_is_the_youngest():
