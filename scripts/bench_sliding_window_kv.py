@@ -72,6 +72,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def windowed_checkpoint(args, scratch: str) -> str:
+    """`--model`, or the demo's shape as a Mistral with `--window` on `--layers` (dummy weights);
+    exits if no layer group has a window."""
+    model = args.model or write_shape_checkpoint(scratch, {
+        **DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+        "sliding_window": args.window, "max_position_embeddings": args.prompt_len + args.output_len + 64,
+        "layer_types": [kind for _ in range(DEMO_MODEL_CONFIG["num_hidden_layers"] // 2)
+                        for kind in KINDS[args.layers]]})
+    if all(w is None for w in kv_groups(load_model_config(model)).windows):
+        raise SystemExit(f"{model}: no layer group has a sliding window, so there is nothing to release")
+    return model
+
+
 def keep_every_block(engine: LLMEngine) -> None:
     """The engine as it was before windows released blocks: a block manager whose layer groups
     have no window (which also hands out NULL_BLOCK, one block more)."""
@@ -108,13 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 256) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     with tempfile.TemporaryDirectory() as scratch:
-        model = args.model or write_shape_checkpoint(scratch, {
-            **DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-            "sliding_window": args.window, "max_position_embeddings": args.prompt_len + args.output_len + 64,
-            "layer_types": [kind for _ in range(DEMO_MODEL_CONFIG["num_hidden_layers"] // 2)
-                            for kind in KINDS[args.layers]]})
-        if all(w is None for w in kv_groups(load_model_config(model)).windows):
-            raise SystemExit(f"{model}: no layer group has a sliding window, so there is nothing to release")
+        model = windowed_checkpoint(args, scratch)
         layouts = ("window", args.against)
         runs = interleaved(layouts, args.repeats, prompts, lambda layout, some: run(args, model, layout, some))
     if any(r["tokens"] != runs["window"][0]["tokens"] for rs in runs.values() for r in rs):

@@ -189,12 +189,13 @@ class BlockManager:
         hit = self._prefix_hit(seq) if use_prefix_cache else self._no_hit(seq)
         self._take(seq, hit, self._chunk_of(seq, chunk_tokens))
 
-    def _take(self, seq: Sequence, hit: _Hit, chunk: int | None) -> None:
+    def _take(self, seq: Sequence, hit: _Hit, chunk: int | None, headroom: int = 0) -> None:
         """`allocate` with its hit: per group, `hit.released` leading NULL_BLOCKs, then the hit's
-        blocks; then fresh blocks to the end of the prompt (`chunk`: promised)."""
+        blocks; then fresh blocks to the end of the prompt (`chunk`: promised). Refused unless
+        `headroom` more blocks are free."""
         if seq.seq_id in self._held:
             raise ValueError(f"sequence {seq.seq_id!r} already holds blocks")
-        if self._free_blocks_needed(seq, hit, chunk) > self.num_free_blocks:
+        if self._free_blocks_needed(seq, hit, chunk) + headroom > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id!r} needs more KV blocks than are free "
                                    f"({self.num_free_blocks})")
         for hits in hit.hits:
@@ -294,12 +295,18 @@ class BlockManager:
         every block is fresh and the transfer writes them all. A windowed group reserves only the
         blocks its first decode can read: the leading ones out of its reach are NULL_BLOCK from
         the start (writes there land in the reserved block, which no query reads), as `commit`
-        releases them once the import completes. Returns every group's table."""
+        releases them once the import completes. Admission asks for those it skips too, up to
+        what the full groups grow by over the sequence's max_tokens: it never comes later than a
+        whole reservation's, and the full groups' growth is not left to preemptions. Returns every
+        group's table."""
         hit = self._prefix_hit(seq) if reuse_prefix else self._no_hit(seq)
         windows = [None] * self.num_groups if seq.hand_off else self.windows
         released = [max(r, self._first_needed(seq.num_tokens, w)) for r, w in zip(hit.released, windows)]
         hits = [hits[max(0, out - r):] for hits, r, out in zip(hit.hits, hit.released, released)]
-        self._take(seq, _Hit(hit.blocks, released, hits, hit.parent), None)
+        skipped = sum(released) - sum(hit.released)
+        growth = self.windows.count(None) * (self.blocks_for(seq.num_tokens + seq.params.max_tokens)
+                                            - self.blocks_for(seq.num_tokens))
+        self._take(seq, _Hit(hit.blocks, released, hits, hit.parent), None, min(skipped, growth))
         return self.export_blocks(seq.seq_id)
 
     def take_prefix_delta(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -123,3 +123,21 @@ def test_a_windowed_group_reserves_only_what_the_first_decode_reaches():
     bm.allocate(c)
     assert c.num_computed_tokens == 9 * BS  # the window's blocks 7 and 8 came from the import
     bm.check_integrity()
+
+
+@pytest.mark.parametrize("max_tokens, needed", [(3 * BS, 10 + 2 + 3), (25 * BS, 10 + 10)])
+def test_a_windowed_import_is_admitted_with_room_for_its_full_groups_growth(max_tokens, needed):
+    """40 tokens beside a 2-block window: it holds 10 + 2 blocks, and admission asks for its full
+    group's growth over max_tokens too (3 blocks), never more than the 8 it skips: no later than a
+    whole reservation's 20."""
+    for free in (needed - 1, needed):
+        bm = BlockManager(free + 1, block_size=BS, windows=(None, 2 * BS))
+        seq = make_seq("s", seq_range(0, 10 * BS), max_tokens=max_tokens)
+        if free < needed:
+            with pytest.raises(OutOfBlocksError):
+                bm.reserve_for_import(seq)
+            assert not bm.has_blocks("s") and bm.num_free_blocks == free
+        else:
+            bm.reserve_for_import(seq)
+            assert bm.num_free_blocks == free - 12
+        bm.check_integrity()

@@ -217,8 +217,10 @@ class _EngineSim:
         free_before = bm.num_free_blocks
         try:
             ids = bm.reserve_for_import(seq, reuse_prefix=reuse)
-        except OutOfBlocksError:  # a prefix hit only lowers the need
-            assert sum(bm.blocks_for(num_prompt) - r for r in reach) > free_before
+        except OutOfBlocksError:  # a prefix hit only lowers the need; room asked for the full groups' growth
+            growth = self.windows.count(None) * (bm.blocks_for(num_prompt + seq.params.max_tokens)
+                                                 - bm.blocks_for(num_prompt))
+            assert sum(bm.blocks_for(num_prompt) - r for r in reach) + min(sum(reach), growth) > free_before
             assert not bm.has_blocks(seq.seq_id)
             return
         hit = seq.num_computed_tokens
