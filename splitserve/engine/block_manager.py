@@ -156,6 +156,11 @@ class BlockManager:
         block its next query reaches back to through the one it writes (0: no windowed group)."""
         return max(((self.blocks_for(w - 1) + 1) * self.block_size for w in self.windows if w is not None), default=0)
 
+    def full_growth(self, seq: Sequence) -> int:
+        """The blocks the full layer groups' tables of `seq` take from now to its max_tokens."""
+        final = seq.num_prompt_tokens + seq.params.max_tokens
+        return self.windows.count(None) * max(0, self.blocks_for(final) - self.blocks_for(seq.num_tokens))
+
     def blocks_for(self, num_tokens: int) -> int:
         """The entries of a table holding `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
@@ -287,7 +292,7 @@ class BlockManager:
         transfer out: a handed-off sequence, which holds them all)."""
         return [list(table) for table in self.block_tables(seq_id)]
 
-    def reserve_for_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[list[int]]:
+    def reserve_for_import(self, seq: Sequence, reuse_prefix: bool = False, others_growth: int = 0) -> list[list[int]]:
         """Blocks for a sequence whose KV a transfer in writes. With `reuse_prefix`, cached full
         blocks of its prefix are shared (held, so never evicted meanwhile) and
         `seq.num_computed_tokens` is the number of leading tokens they hold: the transfer must
@@ -296,16 +301,16 @@ class BlockManager:
         blocks its first decode can read: the leading ones out of its reach are NULL_BLOCK from
         the start (writes there land in the reserved block, which no query reads), as `commit`
         releases them once the import completes. Admission asks for those it skips too, up to
-        what the full groups grow by over the sequence's max_tokens: it never comes later than a
-        whole reservation's, and the full groups' growth is not left to preemptions. Returns every
+        what the full groups grow by over the sequence's max_tokens (`full_growth`) and
+        `others_growth` (the running sequences'): it never comes later than a whole
+        reservation's, and the full groups' growth is not left to preemptions. Returns every
         group's table."""
         hit = self._prefix_hit(seq) if reuse_prefix else self._no_hit(seq)
         windows = [None] * self.num_groups if seq.hand_off else self.windows
         released = [max(r, self._first_needed(seq.num_tokens, w)) for r, w in zip(hit.released, windows)]
         hits = [hits[max(0, out - r):] for hits, r, out in zip(hit.hits, hit.released, released)]
         skipped = sum(released) - sum(hit.released)
-        growth = self.windows.count(None) * (self.blocks_for(seq.num_tokens + seq.params.max_tokens)
-                                            - self.blocks_for(seq.num_tokens))
+        growth = self.full_growth(seq) + others_growth
         self._take(seq, _Hit(hit.blocks, released, hits, hit.parent), None, min(skipped, growth))
         return self.export_blocks(seq.seq_id)
 

@@ -125,19 +125,21 @@ def test_a_windowed_group_reserves_only_what_the_first_decode_reaches():
     bm.check_integrity()
 
 
-@pytest.mark.parametrize("max_tokens, needed", [(3 * BS, 10 + 2 + 3), (25 * BS, 10 + 10)])
-def test_a_windowed_import_is_admitted_with_room_for_its_full_groups_growth(max_tokens, needed):
+@pytest.mark.parametrize("max_tokens, others, needed", [(3 * BS, 0, 10 + 2 + 3), (3 * BS, 2, 10 + 2 + 5),
+                                                        (25 * BS, 0, 10 + 10), (3 * BS, 6, 10 + 10)])
+def test_a_windowed_import_is_admitted_with_room_for_the_full_groups_growth(max_tokens, others, needed):
     """40 tokens beside a 2-block window: it holds 10 + 2 blocks, and admission asks for its full
-    group's growth over max_tokens too (3 blocks), never more than the 8 it skips: no later than a
-    whole reservation's 20."""
+    group's growth over max_tokens (3 blocks) and the running sequences' (`others`) too, never more
+    than the 8 it skips: no later than a whole reservation's 20."""
     for free in (needed - 1, needed):
         bm = BlockManager(free + 1, block_size=BS, windows=(None, 2 * BS))
         seq = make_seq("s", seq_range(0, 10 * BS), max_tokens=max_tokens)
+        assert bm.full_growth(seq) == (max_tokens + BS - 1) // BS
         if free < needed:
             with pytest.raises(OutOfBlocksError):
-                bm.reserve_for_import(seq)
+                bm.reserve_for_import(seq, others_growth=others)
             assert not bm.has_blocks("s") and bm.num_free_blocks == free
         else:
-            bm.reserve_for_import(seq)
+            bm.reserve_for_import(seq, others_growth=others)
             assert bm.num_free_blocks == free - 12
         bm.check_integrity()

@@ -1,15 +1,16 @@
 """Policies over a block manager with a windowed layer group (pure Python, no model): a prompt
 the mixed or SLO-aware policy prefills takes its blocks chunk by chunk, a promise that falls
 short preempts it, and a switch to a whole-prompt policy takes the rest of its blocks or preempts
-it. Driven as in test_policies.py."""
+it; a token worker's windowed imports wait for room for the running decodes' growth. Driven as in
+test_policies.py."""
 from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.block_manager import BlockManager, OutOfBlocksError
 from splitserve.engine.policies import SchedulerLimits, make_policy
 from splitserve.engine.policies.plan import SLOOptions
-from tests.engine.policy_helpers import BS, complete, make_seq, shape, step
+from tests.engine.policy_helpers import BS, complete, import_seq, make_seq, shape, step
 
 
 def windowed(name: str, num_blocks: int, window: int, **limits):
@@ -81,3 +82,19 @@ def test_a_switch_to_a_whole_prompt_policy_takes_a_chunked_prompts_blocks_or_pre
             assert shape(plan) == [("a", 11 * BS)]
         else:
             assert a in orca.waiting and a.num_computed_tokens == 0 and orca.num_preemptions == 1
+
+
+def test_a_token_worker_admits_a_windowed_import_with_room_for_the_running_decodes_growth():
+    """Beside a full layer group, an import reserves 10 + 2 blocks; the running decode's full
+    group still grows by 8 blocks to its max_tokens, so the next import waits though its 12 (and
+    its own growth, 1) would fit; once that decode ends, it is taken."""
+    p = make_policy("token", BlockManager(32, BS, windows=(None, 2 * BS)), SchedulerLimits())
+    a = import_seq(p, make_seq("a", 10 * BS, max_tokens=8 * BS))
+    assert p.blocks.num_free_blocks == 31 - 12
+    b = make_seq("b", 10 * BS, start=500, max_tokens=BS)
+    with pytest.raises(OutOfBlocksError):
+        p.reserve_import(b)
+    assert not p.blocks.has_blocks("b")
+    p.finish(a, "stop")
+    import_seq(p, b)
+    assert p.blocks.num_free_blocks == 31 - 12

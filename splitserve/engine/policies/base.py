@@ -121,15 +121,17 @@ class Policy(ABC):
     def reserve_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[list[int]]:
         """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block tables. With
         `reuse_prefix` the KV of the first `seq.num_computed_tokens` is already here (prefix cache),
-        and only the rest must arrive (`BlockManager.reserve_for_import`).
-        Raises EngineFullError when max_num_seqs sequences are already running or importing, or
-        while a preempted sequence waits for blocks here (an import would take them first)."""
+        and only the rest must arrive (`BlockManager.reserve_for_import`, which for a windowed model
+        also asks for room for the running sequences' growth). Raises OutOfBlocksError, or
+        EngineFullError when max_num_seqs sequences are already running or importing, or while a
+        preempted sequence waits for blocks here (an import would take them first)."""
         if len(self.running) + len(self.held) >= self.limits.max_num_seqs:
             raise EngineFullError(f"cannot import {seq.seq_id!r}: max_num_seqs={self.limits.max_num_seqs} "
                                   "sequences are already running or importing")
         if any(waiting.num_preemptions for waiting in self.waiting):
             raise EngineFullError(f"cannot import {seq.seq_id!r}: a preempted sequence waits for KV blocks here")
-        tables = self.blocks.reserve_for_import(seq, reuse_prefix)
+        growth = sum(self.blocks.full_growth(running) for running in self.running)
+        tables = self.blocks.reserve_for_import(seq, reuse_prefix, growth)
         seq.status = SequenceStatus.IMPORTING
         self.held[seq.seq_id] = seq
         return tables
