@@ -32,7 +32,8 @@ def test_make_policy_names():
 
 def test_prompt_batches_whole_prompts_fcfs_up_to_budget():
     p = make("prompt", prompt_token_budget=100)
-    seqs = {n: make_seq(n, size, start=1000 * i) for i, (n, size) in enumerate([("a", 40), ("b", 40), ("c", 30), ("d", 10)])}
+    sizes = [("a", 40), ("b", 40), ("c", 30), ("d", 10)]
+    seqs = {n: make_seq(n, size, start=1000 * i) for i, (n, size) in enumerate(sizes)}
     for s in seqs.values():
         p.add(s)
     plan = p.schedule()
@@ -108,7 +109,8 @@ def test_prompt_max_tokens_one_finishes_instead_of_holding():
 
 def test_token_decodes_every_running_sequence_each_step():
     p = make("token")
-    seqs = [import_seq(p, make_seq(n, size, start=100 * i)) for i, (n, size) in enumerate([("a", 5), ("b", 9), ("c", 3)])]
+    sizes = [("a", 5), ("b", 9), ("c", 3)]
+    seqs = [import_seq(p, make_seq(n, size, start=100 * i)) for i, (n, size) in enumerate(sizes)]
     for i in range(3):
         plan, updated = step(p)
         assert shape(plan) == [("a", 1), ("b", 1), ("c", 1)]
@@ -132,7 +134,7 @@ def test_token_admits_whole_prompts_with_decodes():
 def test_token_preempts_youngest_first_by_recompute_and_reprefills_later():
     p = make("token", num_blocks=7, prefix=False)
     a = import_seq(p, make_seq("a", 7), first_token=1)          # 2 blocks
-    b = import_seq(p, make_seq("b", 7, start=100), first_token=2)  # 2 blocks
+    import_seq(p, make_seq("b", 7, start=100), first_token=2)  # 2 blocks
     c = import_seq(p, make_seq("c", 9, start=200), first_token=3)  # 3 blocks
     assert p.blocks.num_free_blocks == 0
     plan, _ = step(p, tokens={"a": 11, "b": 12, "c": 13})  # every next slot is inside a held block

@@ -60,7 +60,7 @@ def test_long_prompts_prefilled_chunk_by_chunk_hold_a_window_and_a_chunk_and_mat
     the second of two prompts each longer than half the cache starts in the step that ends the
     first's prefill (taken whole, it would wait for the first's blocks to be released)."""
     name, path, hf = windowed
-    window, size, chunk = hf.config.sliding_window, ENGINE_ARGS["block_size"], 16
+    window, chunk = hf.config.sliding_window, 16
     vocab = hf.config.vocab_size
     prompts = [prompt_ids(40, 100, vocab), prompt_ids(41, 90, vocab), prompt_ids(42, 5, vocab)]
     expected = [hf_greedy(hf, p, 8) for p in prompts]
