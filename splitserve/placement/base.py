@@ -50,13 +50,20 @@ def can_prompt(worker: WorkerState, thresholds: PlacementThresholds, exclude: fr
 
 def can_decode(worker: WorkerState, thresholds: PlacementThresholds, request: PlacementRequest,
                exclude: frozenset[str]) -> bool:
+    """The token side of a pair: `has_decode_room`, and no sequence waits there after a
+    preemption (the worker takes no import until they run again: `Policy.reserve_import`)."""
+    return has_decode_room(worker, thresholds, request, exclude) and worker.load.num_preempted == 0
+
+
+def has_decode_room(worker: WorkerState, thresholds: PlacementThresholds, request: PlacementRequest,
+                    exclude: frozenset[str]) -> bool:
     return (worker.token_queue() < thresholds.max_decode_queue_tokens
             and has_kv_room(worker, request.num_prompt_tokens + 1) and worker.worker_id not in exclude)
 
 
 def can_run_whole(worker: WorkerState, thresholds: PlacementThresholds, request: PlacementRequest,
                   exclude: frozenset[str]) -> bool:
-    return can_prompt(worker, thresholds, exclude) and can_decode(worker, thresholds, request, exclude)
+    return can_prompt(worker, thresholds, exclude) and has_decode_room(worker, thresholds, request, exclude)
 
 
 def combined_load(worker: WorkerState, thresholds: PlacementThresholds, saved_prompt: float = 0.0,
@@ -89,7 +96,7 @@ def least_token_queue(workers: Sequence[WorkerState], thresholds: PlacementThres
     for worker in workers:
         load = worker.load
         queue = (load.decode_tokens + worker.placed_decode_tokens) / worker.hardware.token_speed
-        if (queue < best_queue and worker.worker_id not in exclude
+        if (queue < best_queue and worker.worker_id not in exclude and not load.num_preempted
                 and (load.total_kv_tokens == 0 or load.free_kv_tokens - worker.placed_kv_tokens
                      >= (load.kv_tokens(kv_needed) if load.kv_window_tokens else kv_needed))):
             best, best_queue = worker, queue

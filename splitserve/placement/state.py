@@ -41,6 +41,7 @@ class WorkerLoad:
     decode_tokens: int = 0  # context tokens (prompt + generated) of sequences decoding or importing KV on it
     num_decoding: int = 0  # sequences decoding or importing on it
     num_waiting: int = 0
+    num_preempted: int = 0  # of them, preempted ones: the worker takes no import until they run again
     free_kv_tokens: int = 0  # a token is a block slot in every layer group
     total_kv_tokens: int = 0  # 0: KV capacity not reported yet, so placement skips the KV room check
     # What a sequence holds of them (`kv_tokens`): a model with sliding-window layers has them in
@@ -52,7 +53,8 @@ class WorkerLoad:
 
     def __post_init__(self) -> None:
         _require_non_negative_ints(self, ("pending_prompt_tokens", "decode_tokens", "num_decoding", "num_waiting",
-                                          "free_kv_tokens", "total_kv_tokens", "kv_full_groups", "kv_window_tokens"))
+                                          "num_preempted", "free_kv_tokens", "total_kv_tokens", "kv_full_groups",
+                                          "kv_window_tokens"))
         if not isinstance(self.kv_groups, int) or not 1 <= self.kv_groups or self.kv_full_groups > self.kv_groups:
             raise ValueError(f"kv_groups must be an integer >= 1 and >= kv_full_groups={self.kv_full_groups}, "
                              f"got {self.kv_groups!r}")

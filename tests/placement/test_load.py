@@ -39,3 +39,15 @@ def test_a_full_attention_worker_counts_every_token():
     blocks = BlockManager(64, BS)
     load = load_of(make_policy("token", blocks, SchedulerLimits()), blocks)
     assert load.kv_window_tokens == 0 and load.kv_tokens(1000) == 1000
+
+
+def test_preempted_sequences_waiting_are_reported():
+    blocks = BlockManager(64, BS)
+    policy = make_policy("token", blocks, SchedulerLimits())
+    seq = make_seq("s", list(range(9)))
+    policy.reserve_import(seq)
+    policy.complete_import("s", 1)
+    policy.add(make_seq("fresh", [1, 2, 3]))
+    assert (load_of(policy, blocks).num_waiting, load_of(policy, blocks).num_preempted) == (1, 0)
+    policy.preempt(seq)
+    assert (load_of(policy, blocks).num_waiting, load_of(policy, blocks).num_preempted) == (2, 1)

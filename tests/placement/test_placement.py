@@ -104,6 +104,17 @@ def test_a_sliding_window_token_worker_has_room_for_prompts_longer_than_its_free
     assert pair(full, request(3000, 50)) is None  # a full-attention worker needs every token's
 
 
+def test_a_token_worker_with_a_preempted_sequence_waiting_takes_no_import():
+    """It would refuse the reservation (Policy.reserve_import) until that sequence runs again; a
+    whole request may still run there."""
+    waiting = replace(load(free=1000, total=1000), num_waiting=1, num_preempted=1)
+    state = cluster("jsq", prompt=[idle("p0")], token=[("t0", H100, waiting), ("t1", H100, load(decode=500))])
+    assert pair(state, request(100, 10)) == ("p0", "t1")  # t0's queue is shorter
+    assert pair(state, request(100, 10), exclude={"t1"}) is None
+    whole = cluster("jsq", mixed=[("m0", H100, waiting)])
+    assert pair(whole, request(100, 10)) == ("m0", "m0")
+
+
 def test_kv_check_is_skipped_until_capacity_is_reported():
     state = cluster("jsq", prompt=[idle("p0")], token=[("t0", H100, load(free=0, total=0))])
     assert pair(state, request(4000, 10)) == ("p0", "t0")
@@ -194,6 +205,7 @@ def test_policies_by_name():
     (lambda: WorkerLoad(kv_groups=0, kv_full_groups=0), "kv_groups"),
     (lambda: WorkerLoad(kv_groups=1, kv_full_groups=2), "kv_groups"),
     (lambda: WorkerLoad(kv_window_tokens=-1), "kv_window_tokens"),
+    (lambda: WorkerLoad(num_preempted=-1), "num_preempted"),
     (lambda: PlacementThresholds(mixed_prompt_tokens=0), "mixed_prompt_tokens"),
     (lambda: PlacementThresholds(repurpose_after_s=-1), "repurpose_after_s"),
     (lambda: ClusterState("jsq", thresholds={"max_queue_tokens": 5}), "thresholds"),

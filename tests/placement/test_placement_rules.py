@@ -23,7 +23,7 @@ def random_workers(rng: random.Random):
     specs = [(f"w{i:02d}", rng.choice([H100, A100]),
               replace(load(pending=rng.choice([0, 100, rng.randint(0, 3500)]),
                            decode=rng.choice([0, rng.randint(0, 25000)]), free=rng.randint(0, 3000),
-                           total=rng.choice([0, 3000])), **rng.choice(windows)))
+                           total=rng.choice([0, 3000])), num_preempted=rng.choice([0, 0, 0, 1]), **rng.choice(windows)))
              for i in range(rng.randint(0, 12))]
     state = cluster("jsq", mixed=specs, thresholds=LIMITS)
     for worker in state.members(Role.MIXED):
