@@ -84,17 +84,21 @@ def test_a_switch_to_a_whole_prompt_policy_takes_a_chunked_prompts_blocks_or_pre
             assert a in orca.waiting and a.num_computed_tokens == 0 and orca.num_preemptions == 1
 
 
-def test_a_token_worker_admits_a_windowed_import_with_room_for_the_running_decodes_growth():
-    """Beside a full layer group, an import reserves 10 + 2 blocks; the running decode's full
-    group still grows by 8 blocks to its max_tokens, so the next import waits though its 12 (and
-    its own growth, 1) would fit; once that decode ends, it is taken."""
+def test_a_token_worker_admits_a_windowed_import_with_room_for_the_other_decodes_growth():
+    """Beside a full layer group, an import reserves 10 + 2 blocks; the other one's full group
+    still grows by 8 blocks to its max_tokens, importing or decoding, so the next import waits
+    though its 12 (and its own growth, 1) would fit; once that decode ends, it is taken."""
     p = make_policy("token", BlockManager(32, BS, windows=(None, 2 * BS)), SchedulerLimits())
-    a = import_seq(p, make_seq("a", 10 * BS, max_tokens=8 * BS))
+    a = make_seq("a", 10 * BS, max_tokens=8 * BS)
+    p.reserve_import(a)
     assert p.blocks.num_free_blocks == 31 - 12
     b = make_seq("b", 10 * BS, start=500, max_tokens=BS)
-    with pytest.raises(OutOfBlocksError):
-        p.reserve_import(b)
-    assert not p.blocks.has_blocks("b")
+    for _ in ("importing", "decoding"):
+        with pytest.raises(OutOfBlocksError):
+            p.reserve_import(b)
+        assert not p.blocks.has_blocks("b")
+        if a.seq_id in p.held:
+            a = p.complete_import(a.seq_id, 7)
     p.finish(a, "stop")
     import_seq(p, b)
     assert p.blocks.num_free_blocks == 31 - 12

@@ -122,7 +122,7 @@ class Policy(ABC):
         """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block tables. With
         `reuse_prefix` the KV of the first `seq.num_computed_tokens` is already here (prefix cache),
         and only the rest must arrive (`BlockManager.reserve_for_import`, which for a windowed model
-        also asks for room for the running sequences' growth). Raises OutOfBlocksError, or
+        also asks for room for the running and importing sequences' growth). Raises OutOfBlocksError, or
         EngineFullError when max_num_seqs sequences are already running or importing, or while a
         preempted sequence waits for blocks here (an import would take them first)."""
         if len(self.running) + len(self.held) >= self.limits.max_num_seqs:
@@ -130,7 +130,8 @@ class Policy(ABC):
                                   "sequences are already running or importing")
         if any(waiting.num_preemptions for waiting in self.waiting):
             raise EngineFullError(f"cannot import {seq.seq_id!r}: a preempted sequence waits for KV blocks here")
-        growth = sum(self.blocks.full_growth(running) for running in self.running)
+        growth = sum(self.blocks.full_growth(other) for other in (*self.running, *self.held.values())
+                     if not other.hand_off)  # what the decodes here, running or importing, still grow by
         tables = self.blocks.reserve_for_import(seq, reuse_prefix, growth)
         seq.status = SequenceStatus.IMPORTING
         self.held[seq.seq_id] = seq
