@@ -70,28 +70,45 @@ def run(args, cache: str, budget: int, prompts: list[list[int]]) -> dict:
     return drive(engine, prompts, args.output_len)
 
 
+class StepLog:
+    """An engine's steps from now on: the sequences running after each, when each request's first
+    output came, and the finished requests' tokens."""
+
+    def __init__(self):
+        gc.collect()
+        self.start, self.running, self.first, self.done = time.perf_counter(), [], {}, {}
+
+    def step(self, engine: LLMEngine) -> None:
+        outputs = engine.step()
+        now = time.perf_counter() - self.start
+        self.running.append(len(engine.policy.running))
+        for out in outputs:
+            self.first.setdefault(out.request_id, now)
+        self.done.update((out.request_id, out.outputs[0].token_ids) for out in outputs if out.finished)
+
+    def result(self, engine: LLMEngine, num_requests: int, output_len: int, first: str) -> dict:
+        """Throughput, the first outputs' p50 and p90 (as `first`_p50_s, `first`_p90_s), the
+        counts, and the tokens of requests "0" .. `num_requests` - 1."""
+        seconds = time.perf_counter() - self.start
+        waits = statistics.quantiles(self.first.values(), n=10, method="inclusive") if len(self.first) > 1 \
+            else [seconds] * 9
+        return {"seconds": seconds, "output_tokens_per_s": num_requests * output_len / seconds,
+                f"{first}_p50_s": waits[4], f"{first}_p90_s": waits[8], "kv_blocks": engine.kv_cache.num_blocks,
+                "peak_running": max(self.running), "mean_running": statistics.mean(self.running),
+                "steps": len(self.running), "preemptions": engine.policy.num_preemptions,
+                "tokens": [self.done[str(i)] for i in range(num_requests)]}
+
+
 def drive(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
     """Send every prompt at once (greedy, `output_len` tokens each) and step until all are done,
     counting each step's running sequences and timing each request's first token."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    gc.collect()
-    running, done, first, start = [], {}, {}, time.perf_counter()
+    log = StepLog()
     while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter() - start
-        running.append(len(engine.policy.running))
-        for out in outputs:
-            first.setdefault(out.request_id, now)
-        done.update((out.request_id, out.outputs[0].token_ids) for out in outputs if out.finished)
-    seconds = time.perf_counter() - start
-    ttft = statistics.quantiles(first.values(), n=10, method="inclusive") if len(first) > 1 else [seconds] * 9
-    return {"seconds": seconds, "output_tokens_per_s": len(prompts) * output_len / seconds,
-            "ttft_p50_s": ttft[4], "ttft_p90_s": ttft[8],
-            "kv_blocks": engine.kv_cache.num_blocks, "peak_running": max(running),
-            "mean_running": statistics.mean(running), "steps": len(running),
-            "preemptions": engine.policy.num_preemptions, "tokens": [done[str(i)] for i in range(len(prompts))]}
+        log.step(engine)
+    return log.result(engine, len(prompts), output_len, "ttft")
 
 
 def interleaved(variants: tuple[str, ...], repeats: int, prompts: list[list[int]],
@@ -111,25 +128,25 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def row_of(runs: list[dict]) -> dict:
-    """One engine's repeats of `drive`: the first run's counts, the others' spread."""
+FIRST_OUTPUTS = {"ttft": "TTFT", "second_token": "2nd token"}  # StepLog.result's `first`: its column
+
+
+def row_of(runs: list[dict], first: str = "ttft") -> dict:
+    """One engine's repeats of `drive` (or a `StepLog.result`): the first run's counts, the others' spread."""
+    keys = ("mean_running", "preemptions", "steps", f"{first}_p50_s", f"{first}_p90_s", "output_tokens_per_s")
     return {"kv_blocks": runs[0]["kv_blocks"], "peak_running": runs[0]["peak_running"],
-            "mean_running": summary([x["mean_running"] for x in runs]),
-            "preemptions": summary([x["preemptions"] for x in runs]), "steps": summary([x["steps"] for x in runs]),
-            "ttft_p50_s": summary([x["ttft_p50_s"] for x in runs]),
-            "ttft_p90_s": summary([x["ttft_p90_s"] for x in runs]),
-            "output_tokens_per_s": summary([x["output_tokens_per_s"] for x in runs])}
+            **{key: summary([x[key] for x in runs]) for key in keys}}
 
 
-def print_rows(rows: dict[str, dict], label: str) -> None:
-    print(f"| {label} | blocks | peak running | mean running | preemptions | steps | TTFT p50 / p90 s | "
-          "output tok/s |")
+def print_rows(rows: dict[str, dict], label: str, first: str = "ttft") -> None:
+    print(f"| {label} | blocks | peak running | mean running | preemptions | steps | "
+          f"{FIRST_OUTPUTS[first]} p50 / p90 s | output tok/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         tps = row["output_tokens_per_s"]
         print(f"| {name} | {row['kv_blocks']} | {row['peak_running']} | {row['mean_running']['median']:.1f} | "
               f"{row['preemptions']['median']:.0f} | {row['steps']['median']:.0f} | "
-              f"{row['ttft_p50_s']['median']:.2f} / {row['ttft_p90_s']['median']:.2f} | "
+              f"{row[f'{first}_p50_s']['median']:.2f} / {row[f'{first}_p90_s']['median']:.2f} | "
               f"{tps['median']:.0f} [{tps['min']:.0f}-{tps['max']:.0f}] |")
 
 

@@ -44,32 +44,41 @@ from splitserve.machine import cpu_name
 KINDS = {"every": ("sliding_attention",) * 2, "alternate": ("full_attention", "sliding_attention")}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def window_args(p: argparse.ArgumentParser, requests: int, prompt_len: int, output_len: int, fit: int) -> None:
+    """The options of the sliding-window benches (this one and bench_windowed_imports.py)."""
     p.add_argument("--model", help="a checkpoint directory with sliding windows (default: the demo's shape as a "
                                    "Mistral with --window, dummy weights)")
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--layers", choices=("every", "alternate"), default="every",
                    help="the demo Mistral's layers with the window: every one, or every other one")
-    p.add_argument("--against", choices=("whole", "prompts-whole"), default="whole",
-                   help="the layout the engine's is measured against: every block kept, or a prompt's taken at once")
-    p.add_argument("--chunk", type=int, default=512, help="the mixed policy's token budget (chunk_token_budget)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=384)
-    p.add_argument("--fit", type=int, default=8, help="sequences whose whole length the KV blocks hold")
+    p.add_argument("--requests", type=int, default=requests)
+    p.add_argument("--prompt-len", type=int, default=prompt_len)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--fit", type=int, default=fit, help="sequences whose whole length the KV blocks hold")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch CPU threads")
     p.add_argument("--json", type=Path)
+
+
+def parsed(p: argparse.ArgumentParser, argv: list[str] | None, positive: tuple[str, ...]) -> argparse.Namespace:
+    """`p`'s arguments; exits naming them unless `window_args`' counts and `positive` are all >= 1."""
     args = p.parse_args(argv)
-    if min(args.window, args.requests, args.prompt_len, args.output_len, args.fit, args.repeats, args.threads,
-           args.chunk) < 1:
-        p.error("--window, --requests, --prompt-len, --output-len, --fit, --repeats, --threads and --chunk must be "
-                ">= 1")
+    names = ("window", "requests", "prompt_len", "output_len", "fit", "repeats", "threads", *positive)
+    if min(getattr(args, name) for name in names) < 1:
+        p.error(", ".join("--" + name.replace("_", "-") for name in names) + " must be >= 1")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    window_args(p, requests=32, prompt_len=128, output_len=384, fit=8)
+    p.add_argument("--against", choices=("whole", "prompts-whole"), default="whole",
+                   help="the layout the engine's is measured against: every block kept, or a prompt's taken at once")
+    p.add_argument("--chunk", type=int, default=512, help="the mixed policy's token budget (chunk_token_budget)")
+    return parsed(p, argv, ("chunk",))
 
 
 def windowed_checkpoint(args, scratch: str) -> str:
@@ -115,28 +124,41 @@ def run(args, model: str, layout: str, prompts: list[list[int]]) -> dict:
     return {**drive(engine, prompts, args.output_len), "window": window}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def prompts_for(args) -> list[list[int]]:
+    """--requests random prompts of --prompt-len tokens (the same every run), torch on --threads."""
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 256) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    return [[rng.randrange(3, 256) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    prompts = prompts_for(args)
     with tempfile.TemporaryDirectory() as scratch:
         model = windowed_checkpoint(args, scratch)
         layouts = ("window", args.against)
         runs = interleaved(layouts, args.repeats, prompts, lambda layout, some: run(args, model, layout, some))
+    window = runs["window"][0]["window"]
+    return report(args, runs, args.against, "layout", "ttft", window,
+                  f"KV cache: {runs['window'][0]['kv_blocks']} blocks of {args.block_size} ({args.fit} sequences of "
+                  f"{args.prompt_len + args.output_len} tokens); window {window} on {args.layers} layer; "
+                  f"{args.requests} requests at once; chunks of {args.chunk} tokens")
+
+
+def report(args, runs: dict[str, list[dict]], against: str, label: str, first: str, window: int, heading: str) -> dict:
+    """The layouts' rows (`label`: their column; `first`: `StepLog.result`'s) and the window /
+    `against` throughput ratio, printed under `heading`, written to --json and returned; exits if
+    the layouts' greedy tokens differ (which blocks are held must not change what attention reads)."""
     if any(r["tokens"] != runs["window"][0]["tokens"] for rs in runs.values() for r in rs):
-        raise SystemExit("the layouts' greedy tokens differ: releasing blocks changed what attention read")
-    rows = {layout: row_of(r) for layout, r in runs.items()}
-    ratio = rows["window"]["output_tokens_per_s"]["median"] / rows[args.against]["output_tokens_per_s"]["median"]
+        raise SystemExit("the layouts' greedy tokens differ: the blocks held changed what attention read")
+    rows = {layout: row_of(r, first) for layout, r in runs.items()}
+    ratio = rows["window"]["output_tokens_per_s"]["median"] / rows[against]["output_tokens_per_s"]["median"]
     result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "hardware": {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-              "window": runs["window"][0]["window"], "layouts": rows,
-              f"throughput_ratio_window_vs_{args.against.replace('-', '_')}": ratio}
-    print(f"KV cache: {rows['window']['kv_blocks']} blocks of {args.block_size} ({args.fit} sequences of "
-          f"{args.prompt_len + args.output_len} tokens); window {result['window']} on {args.layers} layer; "
-          f"{args.requests} requests at once; chunks of {args.chunk} tokens")
-    print_rows(rows, "layout")
-    print(f"window / {args.against} throughput: {ratio:.2f}x; greedy tokens equal")
+              "window": window, "layouts": rows, f"throughput_ratio_window_vs_{against.replace('-', '_')}": ratio}
+    print(heading)
+    print_rows(rows, label, first)
+    print(f"window / {against} throughput: {ratio:.2f}x; greedy tokens equal")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

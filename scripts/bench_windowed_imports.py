@@ -22,20 +22,13 @@ fails if not). The clock counts the token engine only (reservations, KV copies, 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import os
-import random
-import statistics
 import tempfile
-import time
 from collections import deque
-from pathlib import Path
 
 import torch
 
-from bench_kv_cache_dtype import interleaved, summary  # this script's folder
-from bench_sliding_window_kv import windowed_checkpoint
+from bench_kv_cache_dtype import StepLog, interleaved  # this script's folder
+from bench_sliding_window_kv import parsed, prompts_for, report, window_args, windowed_checkpoint
 from splitserve.engine.block_manager import BlockManager, OutOfBlocksError
 from splitserve.engine.kv_groups import kv_groups
 from splitserve.engine.llm_engine import LLMEngine
@@ -43,7 +36,6 @@ from splitserve.engine.loader import load_model_config
 from splitserve.engine.policies import make_policy
 from splitserve.engine.policies.base import EngineFullError
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.machine import cpu_name
 from splitserve.transfer.codec import pack_all, slot_index, unpack_all
 
 LAYOUTS = ("window", "whole")
@@ -51,29 +43,10 @@ LAYOUTS = ("window", "whole")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="a checkpoint directory with sliding windows (default: the demo's shape as a "
-                                   "Mistral with --window, dummy weights)")
-    p.add_argument("--window", type=int, default=128)
-    p.add_argument("--layers", choices=("every", "alternate"), default="every",
-                   help="the demo Mistral's layers with the window: every one, or every other one")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--fit", type=int, default=2, help="sequences whose whole length the token worker's KV holds")
-    p.add_argument("--block-size", type=int, default=16)
+    window_args(p, requests=16, prompt_len=1024, output_len=128, fit=2)
     p.add_argument("--prefill-steps", type=int, default=4,
                    help="decode steps the prompt worker takes to prefill and send one prompt")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch CPU threads")
-    p.add_argument("--json", type=Path)
-    args = p.parse_args(argv)
-    if min(args.window, args.requests, args.prompt_len, args.output_len, args.fit, args.repeats, args.threads,
-           args.prefill_steps) < 1:
-        p.error("--window, --requests, --prompt-len, --output-len, --fit, --repeats, --threads and --prefill-steps "
-                "must be >= 1")
-    return args
+    return parsed(p, argv, ("prefill_steps",))
 
 
 class WholeImports(BlockManager):
@@ -127,10 +100,9 @@ def drive(engine: LLMEngine, prompts: list[list[int]], handed: list[tuple[torch.
     `prefill_steps` decode steps (at once when nothing decodes); step; until every request is
     done. Times each request's second token from the start."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    cache, pending, reserved = engine.kv_cache, list(range(len(prompts))), deque()
-    gc.collect()
-    tables, running, done, second, next_landing = {}, [], {}, {}, prefill_steps
-    start = time.perf_counter()
+    cache, pending, reserved, tables = engine.kv_cache, list(range(len(prompts))), deque(), {}
+    next_landing = prefill_steps
+    log = StepLog()
     while pending or reserved or engine.has_unfinished_requests():
         while pending:
             try:
@@ -138,67 +110,29 @@ def drive(engine: LLMEngine, prompts: list[list[int]], handed: list[tuple[torch.
             except (OutOfBlocksError, EngineFullError):
                 break
             reserved.append(pending.pop(0))
-        if reserved and (len(running) >= next_landing or not engine.has_unfinished_requests()):
+        if reserved and (len(log.running) >= next_landing or not engine.has_unfinished_requests()):
             i = reserved.popleft()
             unpack_all(cache, slot_index(tables.pop(i), cache.block_size, len(prompts[i]), cache.data.device),
                        handed[i][0])
             engine.complete_import(str(i), handed[i][1])
-            next_landing = len(running) + prefill_steps
-        outputs = engine.step()
-        now = time.perf_counter() - start
-        running.append(len(engine.policy.running))
-        for out in outputs:
-            second.setdefault(out.request_id, now)
-        done.update((out.request_id, out.outputs[0].token_ids) for out in outputs if out.finished)
-    seconds = time.perf_counter() - start
-    waits = statistics.quantiles(second.values(), n=10, method="inclusive") if len(second) > 1 else [seconds] * 9
-    return {"seconds": seconds, "output_tokens_per_s": len(prompts) * output_len / seconds,
-            "second_token_p50_s": waits[4], "second_token_p90_s": waits[8], "kv_blocks": cache.num_blocks,
-            "peak_running": max(running), "mean_running": statistics.mean(running), "steps": len(running),
-            "preemptions": engine.policy.num_preemptions, "tokens": [done[str(i)] for i in range(len(prompts))]}
-
-
-def row_of(runs: list[dict]) -> dict:
-    return {"kv_blocks": runs[0]["kv_blocks"], "peak_running": runs[0]["peak_running"],
-            **{key: summary([r[key] for r in runs]) for key in ("mean_running", "preemptions", "steps",
-                                                                 "second_token_p50_s", "second_token_p90_s",
-                                                                 "output_tokens_per_s")}}
+            next_landing = len(log.running) + prefill_steps
+        log.step(engine)
+    return log.result(engine, len(prompts), output_len, "second_token")
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 256) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    prompts = prompts_for(args)
     with tempfile.TemporaryDirectory() as scratch:
         model = windowed_checkpoint(args, scratch)
         handed = prefill(args, model, prompts)
         runs = interleaved(LAYOUTS, args.repeats, prompts,
                            lambda layout, some: run(args, model, layout, some, handed[:len(some)]))
         window = max(w or 0 for w in kv_groups(load_model_config(model)).windows)
-    if any(r["tokens"] != runs["window"][0]["tokens"] for rs in runs.values() for r in rs):
-        raise SystemExit("the layouts' greedy tokens differ: the reservation changed what attention read")
-    rows = {layout: row_of(r) for layout, r in runs.items()}
-    ratio = rows["window"]["output_tokens_per_s"]["median"] / rows["whole"]["output_tokens_per_s"]["median"]
-    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "hardware": {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-              "window": window, "layouts": rows, "throughput_ratio_window_vs_whole": ratio}
-    print(f"token worker KV: {rows['window']['kv_blocks']} blocks of {args.block_size} ({args.fit} sequences of "
-          f"{args.prompt_len + args.output_len} tokens); window {window} on {args.layers} layer; "
-          f"{args.requests} imports of {args.prompt_len}-token prompts at once")
-    print("| reservation | blocks | peak running | mean running | preemptions | steps | 2nd token p50 / p90 s | "
-          "output tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, row in rows.items():
-        tps = row["output_tokens_per_s"]
-        print(f"| {name} | {row['kv_blocks']} | {row['peak_running']} | {row['mean_running']['median']:.1f} | "
-              f"{row['preemptions']['median']:.0f} | {row['steps']['median']:.0f} | "
-              f"{row['second_token_p50_s']['median']:.2f} / {row['second_token_p90_s']['median']:.2f} | "
-              f"{tps['median']:.0f} [{tps['min']:.0f}-{tps['max']:.0f}] |")
-    print(f"window / whole throughput: {ratio:.2f}x; greedy tokens equal")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return report(args, runs, "whole", "reservation", "second_token", window,
+                  f"token worker KV: {runs['window'][0]['kv_blocks']} blocks of {args.block_size} ({args.fit} "
+                  f"sequences of {args.prompt_len + args.output_len} tokens); window {window} on {args.layers} "
+                  f"layer; {args.requests} imports of {args.prompt_len}-token prompts at once")
 
 
 if __name__ == "__main__":
