@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class WholeImports(BlockManager):
     """The block manager as it reserved an import before: every block of the prompt in every group."""
 
-    def reserve_for_import(self, seq, reuse_prefix: bool = False, others_growth: int = 0) -> list[list[int]]:
+    def reserve_for_import(self, seq, reuse_prefix: bool = False, others=()) -> list[list[int]]:
         self.allocate(seq, use_prefix_cache=reuse_prefix)
         return self.export_blocks(seq.seq_id)
 

@@ -45,7 +45,7 @@ the rare case `BlockPromises.settle` names).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass
 
 from splitserve.engine.block_pool import BlockPool
@@ -292,7 +292,8 @@ class BlockManager:
         transfer out: a handed-off sequence, which holds them all)."""
         return [list(table) for table in self.block_tables(seq_id)]
 
-    def reserve_for_import(self, seq: Sequence, reuse_prefix: bool = False, others_growth: int = 0) -> list[list[int]]:
+    def reserve_for_import(self, seq: Sequence, reuse_prefix: bool = False,
+                           others: Iterable[Sequence] = ()) -> list[list[int]]:
         """Blocks for a sequence whose KV a transfer in writes. With `reuse_prefix`, cached full
         blocks of its prefix are shared (held, so never evicted meanwhile) and
         `seq.num_computed_tokens` is the number of leading tokens they hold: the transfer must
@@ -301,8 +302,8 @@ class BlockManager:
         blocks its first decode can read: the leading ones out of its reach are NULL_BLOCK from
         the start (writes there land in the reserved block, which no query reads), as `commit`
         releases them once the import completes. Admission asks for those it skips too, up to
-        what the full groups grow by over the sequence's max_tokens (`full_growth`) and
-        `others_growth` (the running sequences'): it never comes later than a whole
+        what the full groups grow by over the max_tokens of the sequence and of `others` (the
+        other decodes here: read only then, `full_growth`): it never comes later than a whole
         reservation's, and the full groups' growth is not left to preemptions. Returns every
         group's table."""
         hit = self._prefix_hit(seq) if reuse_prefix else self._no_hit(seq)
@@ -310,8 +311,8 @@ class BlockManager:
         released = [max(r, self._first_needed(seq.num_tokens, w)) for r, w in zip(hit.released, windows)]
         hits = [hits[max(0, out - r):] for hits, r, out in zip(hit.hits, hit.released, released)]
         skipped = sum(released) - sum(hit.released)
-        growth = self.full_growth(seq) + others_growth
-        self._take(seq, _Hit(hit.blocks, released, hits, hit.parent), None, min(skipped, growth))
+        headroom = min(skipped, self.full_growth(seq) + sum(map(self.full_growth, others))) if skipped else 0
+        self._take(seq, _Hit(hit.blocks, released, hits, hit.parent), None, headroom)
         return self.export_blocks(seq.seq_id)
 
     def take_prefix_delta(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -15,7 +15,7 @@ def load_of(policy: Policy, blocks: BlockManager) -> WorkerLoad:
     return WorkerLoad(
         pending_prompt_tokens=sum(s.num_uncomputed_tokens for s in queued if not s.is_decoding),
         decode_tokens=sum(s.num_tokens for s in local), num_decoding=len(local),
-        num_waiting=len(policy.waiting), num_preempted=sum(1 for s in policy.waiting if s.num_preemptions),
+        num_waiting=len(policy.waiting), num_preempted=policy.num_preempted_waiting,
         free_kv_tokens=blocks.tokens_of(blocks.num_free_blocks),
         total_kv_tokens=blocks.tokens_of(blocks.num_blocks), kv_groups=blocks.num_groups,
         kv_full_groups=blocks.windows.count(None), kv_window_tokens=blocks.window_tokens)

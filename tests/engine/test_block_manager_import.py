@@ -135,11 +135,12 @@ def test_a_windowed_import_is_admitted_with_room_for_the_full_groups_growth(max_
         bm = BlockManager(free + 1, block_size=BS, windows=(None, 2 * BS))
         seq = make_seq("s", seq_range(0, 10 * BS), max_tokens=max_tokens)
         assert bm.full_growth(seq) == (max_tokens + BS - 1) // BS
+        decodes = [make_seq("other", seq_range(900, BS), max_tokens=others * BS)] if others else []  # grows `others`
         if free < needed:
             with pytest.raises(OutOfBlocksError):
-                bm.reserve_for_import(seq, others_growth=others)
+                bm.reserve_for_import(seq, others=decodes)
             assert not bm.has_blocks("s") and bm.num_free_blocks == free
         else:
-            bm.reserve_for_import(seq, others_growth=others)
+            bm.reserve_for_import(seq, others=decodes)
             assert bm.num_free_blocks == free - 12
         bm.check_integrity()

@@ -252,7 +252,7 @@ def test_random_simulation_runs_to_completion(name, seed):
             seq = seqs.setdefault(str(arrived), sim.new_seq(arrived))
             arrived += 1
             has_room = (len(policy.running) + len(policy.held) < policy.limits.max_num_seqs
-                        and not any(s.num_preemptions for s in policy.waiting))  # those go first
+                        and not policy.num_preempted_waiting)  # those go first
             if (name in ("token", "accelgen") and has_room and sim.rng.random() < 0.7
                     and blocks.num_free_blocks >= blocks.blocks_for(seq.num_tokens)):
                 # the KV arrives from a prompt machine: reserve, "transfer", complete next step
@@ -306,7 +306,7 @@ def test_random_simulation_prompt_to_token_handoff(prompt_name, seed):
             if token_blocks.num_free_blocks < token_blocks.blocks_for(dst.num_tokens):  # imports take fresh blocks
                 continue
             if len(token.running) + len(token.held) >= token.limits.max_num_seqs \
-                    or any(s.num_preemptions for s in token.waiting):  # a preempted sequence goes first
+                    or token.num_preempted_waiting:  # a preempted sequence goes first
                 continue
             [src_ids] = prompt_blocks.export_blocks(seq.seq_id)
             [dst_ids] = token.reserve_import(dst)

@@ -118,6 +118,11 @@ class Policy(ABC):
         seq.status = SequenceStatus.PREFILLED
         self.held[seq.seq_id] = seq
 
+    @property
+    def num_preempted_waiting(self) -> int:
+        """Waiting sequences that were preempted: they go before any new import."""
+        return sum(1 for seq in self.waiting if seq.num_preemptions)
+
     def reserve_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[list[int]]:
         """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block tables. With
         `reuse_prefix` the KV of the first `seq.num_computed_tokens` is already here (prefix cache),
@@ -128,11 +133,10 @@ class Policy(ABC):
         if len(self.running) + len(self.held) >= self.limits.max_num_seqs:
             raise EngineFullError(f"cannot import {seq.seq_id!r}: max_num_seqs={self.limits.max_num_seqs} "
                                   "sequences are already running or importing")
-        if any(waiting.num_preemptions for waiting in self.waiting):
+        if self.num_preempted_waiting:
             raise EngineFullError(f"cannot import {seq.seq_id!r}: a preempted sequence waits for KV blocks here")
-        growth = sum(self.blocks.full_growth(other) for other in (*self.running, *self.held.values())
-                     if not other.hand_off)  # what the decodes here, running or importing, still grow by
-        tables = self.blocks.reserve_for_import(seq, reuse_prefix, growth)
+        decodes = (other for other in (*self.running, *self.held.values()) if not other.hand_off)
+        tables = self.blocks.reserve_for_import(seq, reuse_prefix, decodes)
         seq.status = SequenceStatus.IMPORTING
         self.held[seq.seq_id] = seq
         return tables
