@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+NULL_BLOCK = 0  # with a windowed group: the reserved id that stands in a table for a released block
+
 
 @dataclass(slots=True)
 class CachedBlock:
