@@ -7,6 +7,8 @@ straight into the token worker's cache: shared memory on CPU, CUDA IPC on a GPU)
 time.monotonic(), which is system-wide on Linux and so comparable across the processes; on CUDA
 the token worker synchronizes its device before it calls a transfer landed.
 
+- sent_bytes: the KV bytes the prompt worker sent for the prompt (a model with windowed layers
+  sends those layers only from the first block their window reaches; kv_bytes: the prompt's whole);
 - prefill_ms: the colocated prefill step (TTFT of the colocated engine);
 - serialized_transfer_ms: one-shot push after the prefill, until the last byte has landed and the
   token worker holds the request (first token sampled -> KV landed);
@@ -71,10 +73,10 @@ def prompt_process(model: str, port: int, backend: str, engine_args: dict, conn)
             second = colocated.step()[0].token_timestamps[1]
             conn.send((first - start, second - first))
         else:  # ("push", ticket, prompt)
-            start = time.monotonic()
+            start, pushed = time.monotonic(), exporter.bytes_pushed
             exporter.add(cmd[1], cmd[2], params, start)
             first = exporter.step()[0].token_timestamps[0]
-            conn.send((start, first, exporter.stream_seconds))
+            conn.send((start, first, exporter.stream_seconds, exporter.bytes_pushed - pushed))
     exporter.transport.close()  # its links end, and with them the token side's receive loops
 
 
@@ -135,9 +137,10 @@ class Pair:
         request_id = f"r{self.count}"
         self.token.send(("reserve", request_id, prompt, threshold))
         self.prompt.send(("push", self._recv(self.token), prompt))
-        start, first, streaming = self._recv(self.prompt)
+        start, first, streaming, sent = self._recv(self.prompt)
         landed, second = self._recv(self.token)
-        return {"start": start, "first": first, "streaming": streaming, "landed": landed, "second": second}
+        return {"start": start, "first": first, "streaming": streaming, "landed": landed, "second": second,
+                "sent_bytes": sent}
 
     def colocated(self, prompt: list[int]) -> tuple[float, float]:
         self.count += 1
@@ -169,7 +172,8 @@ def _wait_exit(proc: mp.Process, timeout: float) -> None:
 def measure(pairs: list[Pair], model: str, n: int, repeats: int, kv_bytes_per_token: int) -> list[dict]:
     """One row per pair (backend); the pairs' runs interleaved."""
     prompt = [1] + [(7 * i) % 250 + 3 for i in range(n - 1)]
-    rows = {pair.backend: {k: [] for k in ("prefill", "coloc_second", "serialized", "visible", "ttft", "second")}
+    rows = {pair.backend: {k: [] for k in ("prefill", "coloc_second", "serialized", "visible", "ttft", "second",
+                                           "sent_bytes")}
             for pair in pairs}
     for pair in pairs:
         pair.colocated(prompt)  # warm-up: both engines' first steps, and the link's set-up, are not measured
@@ -187,12 +191,17 @@ def measure(pairs: list[Pair], model: str, n: int, repeats: int, kv_bytes_per_to
             got["visible"].append(layered["landed"] - layered["first"] + layered["streaming"])
             got["ttft"].append(layered["first"] - layered["start"])
             got["second"].append(layered["second"] - layered["first"])
+            got["sent_bytes"] += [one_shot["sent_bytes"], layered["sent_bytes"]]
     return [_row(backend, got, model, n, repeats, kv_bytes_per_token) for backend, got in rows.items()]
 
 
 def _row(backend: str, rows: dict, model: str, n: int, repeats: int, kv_bytes_per_token: int) -> dict:
+    sent = set(rows.pop("sent_bytes"))
+    if len(sent) != 1:
+        raise RuntimeError(f"{backend}: the runs of one prompt sent different KV bytes: {sorted(sent)}")
     med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
     return {"backend": backend, "model": model, "prompt_tokens": n, "kv_bytes": n * kv_bytes_per_token,
+            "sent_bytes": sent.pop(),
             "prefill_ms": med["prefill"], "serialized_transfer_ms": med["serialized"],
             "visible_transfer_ms": med["visible"], "visible_fraction": med["visible"] / med["serialized"],
             "ttft_ms": med["ttft"], "colocated_ttft_ms": med["prefill"],

@@ -300,8 +300,8 @@ class BlockManager:
         write only the positions from there on (never the last token's, `_prefix_hit`). Without,
         every block is fresh and the transfer writes them all. A windowed group reserves only the
         blocks its first decode can read: the leading ones out of its reach are NULL_BLOCK from
-        the start (writes there land in the reserved block, which no query reads), as `commit`
-        releases them once the import completes. Admission asks for those it skips too, up to
+        the start, as `commit` releases them once the import completes (the transfer sends that
+        group's KV from its first held block on). Admission asks for those it skips too, up to
         what the full groups grow by over the max_tokens of the sequence and of `others` (the
         other decodes here: read only then, `full_growth`): it never comes later than a whole
         reservation's, and the full groups' growth is not left to preemptions. Returns every

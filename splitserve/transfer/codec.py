@@ -4,46 +4,74 @@ On the wire a layer is token-major: [2 (K, V), num_tokens, kv_heads, head_dim], 
 a range of positions (from a ticket's start_token to the prompt's end). Each side
 translates token positions to its own slots (block id * block size + offset), so the two caches
 may use different block ids and different block sizes. A cache's layer groups (`kv_groups`) each
-have their block tables, so slots are per group ([groups, tokens]) and a layer is read at its
-group's. All of a layer's blocks travel as one message (contiguous on the wire whatever their
-ids). With tensor parallelism a message carries some of a rank's KV heads (`heads`, a slice of
-the rank's own); None: all of them.
+have their block tables, so slots are per group (`Slots`) and a layer is read at its group's; a
+windowed group's may start later (a ticket's `group_starts`: the positions its first decode
+reaches), so its layers are shorter on the wire. All of a layer's blocks travel as one message
+(contiguous on the wire whatever their ids); a one-shot (ALL) message is every layer's, one after
+the other, flat. With tensor parallelism a message carries some of a rank's KV heads (`heads`, a
+slice of the rank's own); None: all of them.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
+from splitserve.engine.block_pool import NULL_BLOCK
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_groups import KVGroups
 
+Slots = tuple[torch.Tensor, ...]  # per layer group: the flat cache slots of the positions it sends
+
 
 def slot_index(tables: list[list[int]], block_size: int, num_tokens: int, device: torch.device,
-               start: int = 0) -> torch.Tensor:
-    """[groups, num_tokens - start]: the flat cache slots of tokens start .. num_tokens-1 held by
-    each group's table (from token 0)."""
+               start: int | Sequence[int] = 0) -> Slots:
+    """Per group: the flat cache slots of tokens start .. num_tokens-1 held by its table (from
+    token 0); `start` is every group's, or each group's."""
+    starts = [start] * len(tables) if isinstance(start, int) else list(start)
+    if len(starts) != len(tables):
+        raise ValueError(f"{len(starts)} starts for {len(tables)} tables")
     if any(len(table) * block_size < num_tokens for table in tables):
         raise ValueError(f"tables of {[len(t) for t in tables]} blocks of {block_size} cannot hold {num_tokens} tokens")
-    if not 0 <= start <= num_tokens:
+    if not all(0 <= s <= num_tokens for s in starts):
         raise ValueError(f"start {start} is outside tokens 0 .. {num_tokens}")
-    positions = torch.arange(start, num_tokens, device=device)
-    blocks = torch.tensor(tables, dtype=torch.long, device=device)
-    return blocks[:, positions // block_size] * block_size + positions % block_size
+    slots = []
+    for table, first in zip(tables, starts):
+        positions = torch.arange(first, num_tokens, device=device)
+        blocks = torch.tensor(table, dtype=torch.long, device=device)
+        slots.append(blocks[positions // block_size] * block_size + positions % block_size)
+    return tuple(slots)
 
 
-def pack_layer(cache: KVCache, layer: int, slots: torch.Tensor, heads: slice | None = None) -> torch.Tensor:
+def as_lists(slots: Slots) -> list[list[int]]:
+    """`slots` as they travel to another rank (`rank_commands`)."""
+    return [group.tolist() for group in slots]
+
+
+def held_from(tables: list[list[int]], windows: Sequence[int | None], block_size: int, start: int,
+              num_tokens: int) -> tuple[int, ...]:
+    """Per group: the first position whose block a reservation's table holds (a windowed group's
+    leading entries out of reach are NULL_BLOCK), at least `start` and at most the last token's."""
+    lead = [0 if window is None else next((i for i, block in enumerate(table) if block != NULL_BLOCK), len(table))
+            for table, window in zip(tables, windows)]
+    return tuple(min(num_tokens - 1, max(start, n * block_size)) for n in lead)
+
+
+def pack_layer(cache: KVCache, layer: int, slots: Slots, heads: slice | None = None) -> torch.Tensor:
     """A copy of one layer's K and V at its group's `slots`: [2, tokens, kv_heads, head_dim]."""
     flat = cache.layer(layer).flatten(1, 2)  # [2, num_blocks * block_size, kv_heads, head_dim]
     return _heads(flat.index_select(1, slots[cache.groups.group_of[layer]]), heads).contiguous()
 
 
-def pack_all(cache: KVCache, slots: torch.Tensor, heads: slice | None = None) -> torch.Tensor:
-    """Every layer: [layers, 2, tokens, kv_heads, head_dim] (one gather where one group holds them all)."""
+def pack_all(cache: KVCache, slots: Slots, heads: slice | None = None) -> torch.Tensor:
+    """Every layer's `pack_layer`, one after the other, flat (one gather where one group holds them all)."""
     if cache.groups.num_groups == 1:
-        return _heads(cache.data.flatten(2, 3).index_select(2, slots[0]), heads).contiguous()
-    return torch.stack([pack_layer(cache, layer, slots, heads) for layer in range(cache.num_layers)])
+        return _heads(cache.data.flatten(2, 3).index_select(2, slots[0]), heads).contiguous().view(-1)
+    return torch.cat([pack_layer(cache, layer, slots, heads).view(-1) for layer in range(cache.num_layers)])
 
 
-def unpack_layer(cache: KVCache, layer: int, slots: torch.Tensor, wire: torch.Tensor,
+def unpack_layer(cache: KVCache, layer: int, slots: Slots, wire: torch.Tensor,
                  heads: slice | None = None) -> None:
     flat, slots = cache.layer(layer).flatten(1, 2), slots[cache.groups.group_of[layer]]
     if heads is None:
@@ -52,12 +80,23 @@ def unpack_layer(cache: KVCache, layer: int, slots: torch.Tensor, wire: torch.Te
         flat[:, slots, heads] = wire.to(flat.dtype)
 
 
-def unpack_all(cache: KVCache, slots: torch.Tensor, wire: torch.Tensor, heads: slice | None = None) -> None:
-    for layer in range(wire.shape[0]):
-        unpack_layer(cache, layer, slots, wire[layer], heads)
+def unpack_all(cache: KVCache, slots: Slots, wire: torch.Tensor, heads: slice | None = None) -> None:
+    """Lands a `pack_all` payload."""
+    num_heads = count_heads(cache.data.shape[-2], heads)
+    shapes = [wire_shape(cache, len(slots[group]), heads=num_heads) for group in cache.groups.group_of]
+    for layer, payload in enumerate(split_layers(wire.view(-1), shapes)):
+        unpack_layer(cache, layer, slots, payload, heads)
 
 
-def copy_kv(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor,
+def split_layers(wire: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """A flat ALL payload as its layers' views, of `shapes`."""
+    sizes = [math.prod(shape) for shape in shapes]
+    if sum(sizes) != wire.numel():
+        raise ValueError(f"an ALL payload of {wire.numel()} elements is not layers of {list(shapes)}")
+    return [piece.view(shape) for piece, shape in zip(wire.split(sizes), shapes)]
+
+
+def copy_kv(src: torch.Tensor, src_slots: Slots, dst: torch.Tensor, dst_slots: Slots,
             layers: slice, groups: KVGroups, src_heads: slice | None = None, dst_heads: slice | None = None) -> int:
     """Same-node transfer with no wire: the KV at `src_slots` of the sender's cache data (every
     rank's cache is [group size, 2, blocks, block_size, kv_heads, head_dim], laid out by `groups`
@@ -85,6 +124,11 @@ def wire_shape(cache: KVCache, num_tokens: int, layers: int | None = None, heads
     _, _, _, _, kv_heads, head_dim = cache.data.shape
     layer_shape = (2, num_tokens, kv_heads if heads is None else heads, head_dim)
     return layer_shape if layers is None else (layers, *layer_shape)
+
+
+def count_heads(kv_heads: int, heads: slice | None) -> int:
+    """The KV heads `heads` selects of a rank's `kv_heads`."""
+    return kv_heads if heads is None else len(range(kv_heads)[heads])
 
 
 def _heads(wire: torch.Tensor, heads: slice | None) -> torch.Tensor:

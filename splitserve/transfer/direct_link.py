@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from splitserve.transfer.codec import copy_kv, slot_index
+from splitserve.transfer.codec import Slots, copy_kv, slot_index
 from splitserve.transfer.link import Fabric, Link, TransferError
 from splitserve.transfer.shared_kv import mapping_refused, memory_domain, open_shared, share, visible_devices
 from splitserve.transfer.torch_link import TorchFabric
@@ -188,9 +188,9 @@ class DirectLink(Link):
             raise
 
     # ---- sender ------------------------------------------------------------------------------
-    def write(self, source, source_slots, layers, source_heads, dest, start) -> int:
+    def write(self, source, source_slots, layers, source_heads, dest, starts, num_tokens) -> int:
         peer = self._live_cache()
-        slots = self._dest_slots(dest, start, source_slots.shape[-1], peer)
+        slots = self._dest_slots(dest, starts, num_tokens, peer)
         data, groups = source.data, source.groups  # the peer's cache is laid out alike: the same model
         if self._copy is None:
             return copy_kv(data, source_slots, peer, slots, layers, groups, source_heads, _heads(dest.heads))
@@ -248,10 +248,10 @@ class DirectLink(Link):
             raise TransferError(self.peer, "the link is closed")
         return self._peer_cache
 
-    def _dest_slots(self, dest, start: int, num_sent: int, peer: torch.Tensor) -> torch.Tensor:
-        """The receiver's slots of positions start .. start + num_sent - 1; never outside its
-        cache or heads."""
-        key = (dest, start, num_sent)
+    def _dest_slots(self, dest, starts: tuple[int, ...], num_tokens: int, peer: torch.Tensor) -> Slots:
+        """The receiver's slots of positions starts[group] .. num_tokens - 1 per layer group; never
+        outside its cache or heads."""
+        key = (dest, starts, num_tokens)
         if key not in self._slots:
             _, _, num_blocks, block_size, heads, _ = peer.shape
             if any(not 0 <= b < num_blocks for table in dest.blocks for b in table) or \
@@ -259,8 +259,7 @@ class DirectLink(Link):
                 raise TransferError(self.peer, f"the ticket names blocks or heads outside its cache "
                                                f"({num_blocks} blocks, {heads} KV heads)")
             try:
-                slots = slot_index([list(table) for table in dest.blocks], block_size, start + num_sent, peer.device,
-                                   start)
+                slots = slot_index([list(table) for table in dest.blocks], block_size, num_tokens, peer.device, starts)
             except ValueError as error:
                 raise TransferError(self.peer, f"the ticket's blocks do not fit the KV sent: {error}") from error
             if len(self._slots) >= _SLOT_CACHE:

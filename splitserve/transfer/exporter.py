@@ -6,13 +6,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.policies import Plan
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.transfer.codec import slot_index
+from splitserve.transfer.codec import Slots, as_lists, slot_index
 from splitserve.transfer.handoff import parts_of
 from splitserve.transfer.link import TransferError
 from splitserve.transfer.rank_commands import FinishExport, PushLayers, RankReport
@@ -54,7 +52,7 @@ class KVExporter:
         self._deadlines: dict[str, float] = {}
         self.leases_expired = 0
         self._tickets: dict[str, TransferTicket] = {}
-        self._slots: dict[str, torch.Tensor] = {}
+        self._slots: dict[str, Slots] = {}
         self._failures: list[tuple[str, TransferError]] = []
         self._pushed: dict[str, TransferTicket] = {}  # this step's pushes
         self._sending: list[_Sending] = []  # steps whose pushes have not all left, oldest first
@@ -137,7 +135,7 @@ class KVExporter:
         """Tell the other ranks which parts to push layer by layer in this step."""
         by_rank: dict[int, list] = {}
         for ticket in self._layerwise(plan):
-            slots = self._slots_for(ticket).tolist()
+            slots = as_lists(self._slots_for(ticket))
             for part in parts_of(ticket):
                 if part.prompt_rank:
                     by_rank.setdefault(part.prompt_rank, []).append((part, slots))
@@ -166,7 +164,7 @@ class KVExporter:
         self._forget(ticket.request_id)
         for part in parts_of(ticket):
             if part.prompt_rank:
-                self.leader.post(part.prompt_rank, FinishExport(part, slots.tolist()))
+                self.leader.post(part.prompt_rank, FinishExport(part, as_lists(slots)))
             else:
                 if not part.layerwise:
                     self._try(ticket, lambda: self.rank.push_all(part, slots))
@@ -189,11 +187,11 @@ class KVExporter:
     def _own(ticket: TransferTicket) -> list[TransferTicket]:
         return [part for part in parts_of(ticket) if part.prompt_rank == 0]
 
-    def _slots_for(self, ticket: TransferTicket) -> torch.Tensor:
+    def _slots_for(self, ticket: TransferTicket) -> Slots:
         if ticket.request_id not in self._slots:
-            tables = self.engine.block_manager.block_tables(ticket.request_id)
-            self._slots[ticket.request_id] = slot_index(tables, self.engine.kv_cache.block_size, ticket.num_tokens,
-                                                        self.engine.kv_cache.data.device, ticket.start_token)
+            tables, cache = self.engine.block_manager.block_tables(ticket.request_id), self.engine.kv_cache
+            self._slots[ticket.request_id] = slot_index(tables, cache.block_size, ticket.num_tokens, cache.data.device,
+                                                        ticket.starts(len(tables)))
         return self._slots[ticket.request_id]
 
     def _forget(self, request_id: str) -> TransferTicket | None:

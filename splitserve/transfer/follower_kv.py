@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.tp_step import TPFollower
+from splitserve.transfer.codec import Slots
 from splitserve.transfer.link import TransferError
 from splitserve.transfer.rank_commands import Abandon, Expect, FinishExport, PushLayers, RankReport
 from splitserve.transfer.rank_kv import RankKV
@@ -57,5 +58,5 @@ class FollowerKV:
         except TransferError as error:
             self._report.push_failures.append((part, error))
 
-    def _slots(self, slots: list[list[int]]) -> torch.Tensor:
-        return torch.tensor(slots, dtype=torch.long, device=self._device)
+    def _slots(self, slots: list[list[int]]) -> Slots:
+        return tuple(torch.tensor(group, dtype=torch.long, device=self._device) for group in slots)

@@ -19,7 +19,9 @@ reserved blocks (a direct transfer's once its sender has stopped writing into th
 transport). With `reuse_prefix` the reservation goes through the token worker's prefix cache:
 the cached full blocks of the prompt's prefix (an earlier turn of the conversation, say) are
 shared, and the ticket's `start_token` asks for the KV of the positions after them only; the
-prompt worker packs and pushes just those (the layer-wise threshold counts them alone).
+prompt worker packs and pushes just those. A windowed layer group's KV travels from the first
+block its window reaches on (the ticket's `group_starts`); the layer-wise threshold counts the
+tokens a layer sends, on average over the layers.
 
 Tensor parallelism: a transfer travels as parts, one per (prompt rank, token rank) route
 (`kv_routes`); each rank pushes or lands its own KV heads (`RankKV`). Rank 0 runs everything
@@ -44,19 +46,21 @@ from splitserve.transfer.link import Fabric
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
 LAYERWISE_THRESHOLD = 512  # tokens whose KV travels; below it one transfer after the prefill (Splitwise IV-C)
+WIRE_VERSION = 2  # of the messages' format (2: windowed layer groups send only what they reach; ALL is flat)
 
 
 def kv_layout(engine) -> str:
-    """What must match for one engine's KV to be another's: the model (name and a hash of its
-    config, and the weights' seed where they are dummy), the KV dtype (fp8_e4m3 for an FP8 cache)
-    and the per-token layout of the whole model. Not the block size (the wire is token-major, so
-    the two caches may page differently), nor the TP size (parts carry each rank its own heads).
+    """What must match for one engine's KV to be another's: the wire format's version, the model
+    (name and a hash of its config, and the weights' seed where they are dummy), the KV dtype
+    (fp8_e4m3 for an FP8 cache) and the per-token layout of the whole model. Not the block size
+    (the wire is token-major, so the two caches may page differently), nor the TP size (parts
+    carry each rank its own heads).
     `engine`: an LLMEngine or a TPFollower."""
     config, model = engine.config, engine.model_config
     identity = json.dumps([engine.model_name, dataclasses.asdict(model), config.load_format,
                            config.seed if config.load_format == "dummy" else None], sort_keys=True, default=str)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return (f"model={engine.model_name} config={digest} dtype={engine.kv_cache.encoding} "
+    return (f"wire={WIRE_VERSION} model={engine.model_name} config={digest} dtype={engine.kv_cache.encoding} "
             f"layers={model.num_hidden_layers} kv_heads={model.num_key_value_heads} head_dim={model.head_dim}")
 
 
@@ -65,7 +69,7 @@ def make_transport(engine, fabric: Fabric, timeout: float = 60.0) -> KVTransport
     cache = engine.kv_cache
     return KVTransport(fabric, lambda n, heads: wire_shape(cache, n, heads=heads), cache.num_layers,
                        cache.data.dtype, cache.data.device, timeout, kv_layout(engine), engine.max_model_len,
-                       cache.data.shape[-2])
+                       cache.data.shape[-2], cache.groups.group_of)
 
 
 def parts_of(ticket: TransferTicket) -> tuple[TransferTicket, ...]:

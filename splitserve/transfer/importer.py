@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.transfer.codec import slot_index
+from splitserve.transfer.codec import as_lists, held_from, slot_index
 from splitserve.transfer.handoff import LAYERWISE_THRESHOLD
 from splitserve.transfer.kv_routes import split_ticket
 from splitserve.transfer.link import TransferError
@@ -63,14 +63,17 @@ class KVImporter:
         seq, tables = self.engine.reserve_import(request_id, prompt_token_ids, params, arrival_time,
                                                  self.reuse_prefix)
         start = seq.num_computed_tokens  # held here already (prefix cache); never the last token
-        slots = slot_index(tables, cache.block_size, num_tokens, cache.data.device, start)
-        ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, num_tokens,
-                                num_tokens - start >= self.layerwise_threshold, self.transport.layout, start)
+        starts = held_from(tables, cache.groups.windows, cache.block_size, start, num_tokens)
+        slots = slot_index(tables, cache.block_size, num_tokens, cache.data.device, starts)
+        group_of = cache.groups.group_of  # a layer's tokens travel from its group's start: the threshold is their mean
+        layerwise = sum(num_tokens - starts[group] for group in group_of) >= self.layerwise_threshold * len(group_of)
+        ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, num_tokens, layerwise,
+                                self.transport.layout, start, group_starts=starts if set(starts) != {start} else ())
         parts = split_ticket(ticket, self.engine.model_config.num_key_value_heads, prompt_tp, self.tp_size)
         stamped = []
         for part in parts:
             if part.token_rank:
-                self.leader.post(part.token_rank, Expect(part, slots.tolist(), tables))
+                self.leader.post(part.token_rank, Expect(part, as_lists(slots), tables))
             else:
                 stamped.append(self.rank.expect(part, slots, tables))
         if len(stamped) < len(parts):

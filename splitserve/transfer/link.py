@@ -23,6 +23,7 @@ import torch
 
 if TYPE_CHECKING:
     from splitserve.engine.kv_cache import KVCache
+    from splitserve.transfer.codec import Slots
 
 
 class TransferError(RuntimeError):
@@ -75,11 +76,12 @@ class Link(ABC):
         """After `close`: waits up to `timeout` for the threads the link still runs. A process
         that exits while one of them is inside torch aborts (std::terminate)."""
 
-    def write(self, source: KVCache, source_slots: torch.Tensor, layers: slice, source_heads: slice | None,
-              dest, start: int) -> int:
-        """Direct links: write the KV at `source_slots` (per layer group) of `source` (this rank's
-        cache) for `layers` into the receiver's cache, where `dest` (a transport.CacheDest) holds
-        positions `start` on; returns the bytes written."""
+    def write(self, source: KVCache, source_slots: Slots, layers: slice, source_heads: slice | None,
+              dest, starts: tuple[int, ...], num_tokens: int) -> int:
+        """Direct links: write the KV at `source_slots` (codec.Slots: per layer group) of `source`
+        (this rank's cache) for `layers` into the receiver's cache, where `dest` (a
+        transport.CacheDest) holds positions starts[group] .. num_tokens-1 of each group's; returns
+        the bytes written."""
         raise TransferError(self.peer, "this link sends KV; it cannot write into the peer's cache")
 
     def seal(self) -> None:

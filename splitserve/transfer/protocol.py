@@ -11,7 +11,7 @@ import torch
 
 from splitserve.transfer.link import Fabric, TransferError
 
-# A header is int64[4] = (tag, kind, num_sent_tokens, value); kind >= 0 is a layer index
+# A header is int64[4] = (tag, kind, num_tokens, value); kind >= 0 is a layer index (`message_tokens`)
 ALL, DONE, CANCEL, HELLO = -1, -2, -3, -4
 LAYOUT_BYTES = 512  # HELLO's payload: the layout string, utf-8, zero-padded
 log = logging.getLogger("splitserve.transfer")
@@ -54,16 +54,38 @@ class TransferTicket:
     heads: tuple[int, int] | None = None
     parts: tuple["TransferTicket", ...] = ()  # a whole transfer: its parts (`kv_routes.split_ticket`)
     dest: CacheDest | None = None  # a direct part: written into these blocks (stamped by `expect`)
+    # per layer group (engine.kv_groups): the first position whose KV its layers send, where a
+    # windowed group's first decode reaches back less far than start_token; (): start_token for all
+    group_starts: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not 0 <= self.start_token < self.num_tokens:  # at least the last token's KV travels
             raise ValueError(f"TransferTicket start_token must be in [0, num_tokens={self.num_tokens}), "
                              f"got {self.start_token}")
+        if not all(isinstance(s, int) and self.start_token <= s < self.num_tokens for s in self.group_starts):
+            raise ValueError(f"TransferTicket group_starts must be in [start_token={self.start_token}, "
+                             f"num_tokens={self.num_tokens}), got {self.group_starts}")
 
     @property
     def num_sent_tokens(self) -> int:
-        """Tokens whose KV travels: positions start_token .. num_tokens-1."""
+        """Tokens whose KV travels in the layers of a group sending the most: positions
+        start_token .. num_tokens-1."""
         return self.num_tokens - self.start_token
+
+    def start_of(self, group: int) -> int:
+        """The first position whose KV the layers of `group` send."""
+        return self.group_starts[group] if self.group_starts else self.start_token
+
+    def starts(self, num_groups: int) -> tuple[int, ...]:
+        """`start_of` every group."""
+        return self.group_starts or (self.start_token,) * num_groups
+
+
+def message_tokens(ticket: TransferTicket, kind: int, layer_groups: tuple[int, ...]) -> int:
+    """The tokens a KV message announces (`layer_groups`: each layer's group): a layer's, or for
+    ALL every layer's, summed (its payload is the layers' one after the other)."""
+    layers = layer_groups if kind == ALL else (layer_groups[kind],)
+    return sum(ticket.num_tokens - ticket.start_of(group) for group in layers)
 
 
 def header(tag: int, kind: int, num_tokens: int, value: int) -> torch.Tensor:

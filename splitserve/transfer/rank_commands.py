@@ -12,7 +12,7 @@ from splitserve.transfer.transport import TransferTicket
 class PushLayers:
     """During this round's forward pass, push each layer of these parts as it is written."""
 
-    parts: list[tuple[TransferTicket, list[int]]]
+    parts: list[tuple[TransferTicket, list[list[int]]]]  # each with its slots, per layer group
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class FinishExport:
     """The prefill is done and its first token sampled: push the whole KV (one-shot parts), then DONE."""
 
     part: TransferTicket
-    slots: list[int]
+    slots: list[list[int]]  # per layer group
 
 
 @dataclass(frozen=True)

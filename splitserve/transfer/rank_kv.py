@@ -4,11 +4,9 @@ own heads. Parts come from `kv_routes.split_ticket`; a worker of one rank sends 
 part per transfer, with all its heads."""
 from __future__ import annotations
 
-import torch
-
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.sharding import kv_head_range
-from splitserve.transfer.codec import pack_all, pack_layer, unpack_layer
+from splitserve.transfer.codec import Slots, count_heads, pack_all, pack_layer, unpack_layer
 from splitserve.transfer.transport import ALL, CacheDest, KVTransport, TransferTicket
 
 
@@ -24,7 +22,7 @@ class RankKV:
         return slice(part.heads[0] - self._own[0], part.heads[1] - self._own[0])
 
     # ---- sending --------------------------------------------------------------------------
-    def push_layer(self, part: TransferTicket, layer: int, slots: torch.Tensor) -> int:
+    def push_layer(self, part: TransferTicket, layer: int, slots: Slots) -> int:
         """Returns the bytes pushed."""
         if part.dest is not None:
             return self.transport.write_kv(part, layer, self.cache, slots, self.heads(part))
@@ -32,15 +30,16 @@ class RankKV:
         self.transport.push_layer(part, layer, payload)
         return payload.nbytes
 
-    def push_all(self, part: TransferTicket, slots: torch.Tensor) -> int:
+    def push_all(self, part: TransferTicket, slots: Slots) -> int:
+        heads = self.heads(part)
         if part.dest is not None:
-            return self.transport.write_kv(part, ALL, self.cache, slots, self.heads(part))
-        payload = pack_all(self.cache, slots, self.heads(part))
-        self.transport.push_all(part, payload)
+            return self.transport.write_kv(part, ALL, self.cache, slots, heads)
+        payload = pack_all(self.cache, slots, heads)
+        self.transport.push_all(part, payload, count_heads(self.cache.data.shape[-2], heads))
         return payload.nbytes
 
     # ---- receiving ------------------------------------------------------------------------
-    def expect(self, part: TransferTicket, slots: torch.Tensor, tables: list[list[int]]) -> TransferTicket:
+    def expect(self, part: TransferTicket, slots: Slots, tables: list[list[int]]) -> TransferTicket:
         """Returns the part stamped with its link's epoch (what the prompt side pushes against),
         and with its destination when the prompt rank writes into this cache itself; `tables`
         are the reservation's block tables (a layer group's each)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -24,10 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.transfer.codec import split_layers
 from splitserve.transfer.direct_writes import DirectWrites
 from splitserve.transfer.link import Fabric, Link, TransferError
 from splitserve.transfer.protocol import (ALL, CANCEL, DONE, HELLO, LAYOUT_BYTES, CacheDest, IncompatibleKV,
-                                          ProtocolError, TransferTicket, announce_retired, layout_from_tensor)
+                                          ProtocolError, TransferTicket, announce_retired, layout_from_tensor,
+                                          message_tokens)
 
 log = logging.getLogger("splitserve.transfer")
 IDLE_RECV_S = 7 * 24 * 3600.0  # a receive loop waits this long for a header (a dead peer breaks the wait)
@@ -41,13 +44,14 @@ class _Incoming:
 
 
 class KVReceiver:
-    def __init__(self, fabric: Fabric, wire_layer_shape: Callable[[int, int], tuple[int, ...]], num_layers: int,
-                 dtype: torch.dtype, device: torch.device, timeout: float, layout: str, max_tokens: int,
-                 max_heads: int):
+    def __init__(self, fabric: Fabric, wire_layer_shape: Callable[[int, int], tuple[int, ...]],
+                 layer_groups: tuple[int, ...], dtype: torch.dtype, device: torch.device, timeout: float, layout: str,
+                 max_tokens: int, max_heads: int):
         """The arguments are `KVTransport`'s."""
         self.fabric, self.timeout, self.layout = fabric, timeout, layout
         self.max_tokens, self.max_heads = max_tokens, max_heads
-        self._layer_shape, self._num_layers, self._dtype, self._device = wire_layer_shape, num_layers, dtype, device
+        self._layer_shape, self._groups, self._dtype, self._device = wire_layer_shape, layer_groups, dtype, device
+        self._num_layers = len(layer_groups)
         self._epochs: dict[str, int] = {}  # the epoch of the link from each prompt peer
         self._heard: dict[tuple[str, int], float] = {}  # when each (peer, epoch) link last delivered
         self._incoming: dict[int, _Incoming] = {}
@@ -169,8 +173,7 @@ class KVReceiver:
             self._check_size(link.peer, tag, kind, num_tokens, value)
             if not link.direct:
                 shape = self._layer_shape(num_tokens, value)
-                payload = torch.empty(shape if kind >= 0 else (self._num_layers, *shape), dtype=self._dtype,
-                                      device=self._device)
+                payload = torch.empty(shape if kind >= 0 else math.prod(shape), dtype=self._dtype, device=self._device)
                 link.recv(payload, self.timeout)
         if kind == DONE or kind == CANCEL:
             link.fence()  # the transfer's direct writes come before what follows
@@ -181,8 +184,10 @@ class KVReceiver:
                 if kind >= 0:
                     incoming.write_layer(kind, payload)
                 elif kind == ALL:
-                    for layer in range(payload.shape[0]):
-                        incoming.write_layer(layer, payload[layer])
+                    shapes = [self._layer_shape(message_tokens(incoming.ticket, layer, self._groups), value)
+                              for layer in range(self._num_layers)]
+                    for layer, wire in enumerate(split_layers(payload, shapes)):
+                        incoming.write_layer(layer, wire)
         if kind == DONE or kind == CANCEL:
             result = value if kind == DONE else TransferError(link.peer, "cancelled by the prompt worker")
             self._finish(tag, result)
@@ -209,14 +214,16 @@ class KVReceiver:
         with self._lock:
             incoming = self._incoming.get(tag)
         ticket = incoming.ticket if incoming is not None else None
-        unlike = ticket is not None and (ticket.num_sent_tokens != num_tokens
-                                         or _num_heads(ticket) not in (None, num_heads))
-        if unlike or not (0 < num_tokens <= self.max_tokens and 0 < num_heads <= self.max_heads) \
-                or kind >= self._num_layers:
-            held = "" if ticket is None else (f"; the reservation expects {ticket.num_sent_tokens} tokens (from "
-                                              f"position {ticket.start_token}) of heads {ticket.heads}")
+        most = self.max_tokens * (self._num_layers if kind == ALL else 1)
+        if kind >= self._num_layers:
+            raise ProtocolError(peer, f"message for tag {tag} names layer {kind} of {self._num_layers}")
+        expected = None if ticket is None else message_tokens(ticket, kind, self._groups)
+        if expected not in (None, num_tokens) or (ticket is not None and _num_heads(ticket) not in (None, num_heads)) \
+                or not (0 < num_tokens <= most and 0 < num_heads <= self.max_heads):
+            held = "" if ticket is None else (f"; the reservation expects {expected} tokens (from position "
+                                              f"{ticket.start_token}) of heads {ticket.heads}")
             raise ProtocolError(peer, f"message for tag {tag} (kind {kind}) announces {num_tokens} tokens of "
-                                      f"{num_heads} KV heads{held} (at most {self.max_tokens} tokens of "
+                                      f"{num_heads} KV heads{held} (at most {most} tokens of "
                                       f"{self.max_heads} heads)")
 
     def _finish(self, tag: int, result: int | TransferError) -> None:

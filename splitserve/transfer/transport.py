@@ -11,10 +11,13 @@ Semantics:
   never learns the token side's block ids.
 - Push: per layer (`push_layer`, as each layer's KV is computed) or one shot (`push_all`, after
   the prefill), then `complete` with the first token. `cancel` tells the token side to give up.
-- Every message is a header int64[4] = (tag, kind, num_sent_tokens, value), a CPU tensor on the
+- Every message is a header int64[4] = (tag, kind, num_tokens, value), a CPU tensor on the
   link's metadata channel (read without waiting for the device), and, for KV kinds, a payload in
   the codec's wire format on the data path (value: its number of KV heads). kind >= 0 is a layer
-  index; ALL, DONE (value: the first token) and CANCEL below.
+  index; ALL (every layer's payload, flat), DONE (value: the first token) and CANCEL below.
+- Windowed layer groups: the ticket's `group_starts` say from which position each layer group's
+  KV travels (the token side's windowed groups hold only what their first decode reaches), so a
+  layer's payload carries `message_tokens` tokens and a long prompt's windowed layers are short.
 - With tensor parallelism every rank has a transport of its own and a transfer travels as parts,
   one per (prompt rank, token rank) route (`kv_routes`); this class moves parts and knows nothing
   of ranks.
@@ -57,27 +60,33 @@ from collections.abc import Callable, Iterable
 import torch
 
 from splitserve.engine.kv_cache import KVCache
+from splitserve.transfer.codec import Slots, count_heads
 from splitserve.transfer.link import Fabric, Link, TransferError
 from splitserve.transfer.protocol import (ALL, CANCEL, DONE, HELLO, LAYOUT_BYTES, CacheDest, IncompatibleKV,
-                                          TransferTicket, announce_retired, header, layout_tensor)
+                                          ProtocolError, TransferTicket, announce_retired, header, layout_tensor,
+                                          message_tokens)
 from splitserve.transfer.receiver import KVReceiver
 
 
 class KVTransport:
     def __init__(self, fabric: Fabric, wire_layer_shape: Callable[[int, int], tuple[int, ...]], num_layers: int,
                  dtype: torch.dtype, device: torch.device, timeout: float = 60.0, layout: str = "",
-                 max_tokens: int = 2**31 - 1, max_heads: int = 2**31 - 1):
+                 max_tokens: int = 2**31 - 1, max_heads: int = 2**31 - 1, layer_groups: tuple[int, ...] = ()):
         """`wire_layer_shape(num_tokens, num_heads)` is one layer's payload shape (see
         codec.wire_shape); `layout` what must match on the other side (handoff.kv_layout);
         `max_tokens` the longest prompt a reservation can hold and `max_heads` the KV heads this
-        rank holds (a payload is sized by its ticket, never past these)."""
+        rank holds (a payload is sized by its ticket, never past these); `layer_groups` each
+        layer's KV group (engine.kv_groups; (): one group)."""
         if len(layout.encode()) > LAYOUT_BYTES:
             raise ValueError(f"layout is longer than {LAYOUT_BYTES} bytes: {layout!r}")
+        self._groups = layer_groups or (0,) * num_layers
+        if len(self._groups) != num_layers:
+            raise ValueError(f"layer_groups names {len(self._groups)} layers, not {num_layers}")
         self._out: dict[str, tuple[int, Link]] = {}  # prompt side: (epoch, link) to each token peer
         self._failed_out: dict[str, int] = {}  # prompt side: the newest epoch to a token peer that failed
         self._epoch_seen: dict[tuple[str, int], float] = {}  # prompt side: when a link not yet opened was first named
         self._claims: set[tuple[str, int]] = set()  # prompt side: (token peer, tag) of direct transfers it claimed
-        self._receiver = KVReceiver(fabric, wire_layer_shape, num_layers, dtype, device, timeout, layout,
+        self._receiver = KVReceiver(fabric, wire_layer_shape, self._groups, dtype, device, timeout, layout,
                                     max_tokens, max_heads)  # the token side
 
     # One fabric, layout and timeout serve both sides: the receiver holds them, this side reads them there
@@ -103,14 +112,19 @@ class KVTransport:
         first seen (the token side waits `timeout` from about then for that link to open)."""
         if ticket.kv_layout != self.layout:
             raise IncompatibleKV(ticket.token_peer, ticket.prompt_peer, self.layout, ticket.kv_layout)
+        if len(ticket.group_starts) not in (0, 1 + max(self._groups)):
+            raise ProtocolError(ticket.token_peer, f"its ticket names {len(ticket.group_starts)} KV layer groups' "
+                                                   f"starts; this worker's KV has {1 + max(self._groups)} groups")
         if ticket.token_peer not in self._out or self._out[ticket.token_peer][0] != ticket.link_epoch:
             self._epoch_seen.setdefault((ticket.token_peer, ticket.link_epoch), time.monotonic())
 
     def push_layer(self, ticket: TransferTicket, layer: int, payload: torch.Tensor) -> None:
+        """`payload`: [2, message_tokens, KV heads, head_dim] (codec.pack_layer)."""
         self._send(ticket, layer, payload, payload.shape[-2])
 
-    def push_all(self, ticket: TransferTicket, payload: torch.Tensor) -> None:
-        self._send(ticket, ALL, payload, payload.shape[-2])
+    def push_all(self, ticket: TransferTicket, payload: torch.Tensor, num_heads: int) -> None:
+        """`payload`: every layer's, of `num_heads` KV heads, one after the other (codec.pack_all)."""
+        self._send(ticket, ALL, payload.reshape(-1), num_heads)
 
     def claim(self, ticket: TransferTicket) -> None:
         """A direct ticket: take it before the first write (done by `write_kv` if not before);
@@ -124,7 +138,7 @@ class KVTransport:
             raise TransferError(ticket.token_peer, "it gave the transfer up before this worker claimed it")
         self._claims.add(key)
 
-    def write_kv(self, ticket: TransferTicket, kind: int, source: KVCache, slots: torch.Tensor,
+    def write_kv(self, ticket: TransferTicket, kind: int, source: KVCache, slots: Slots,
                  heads: slice | None) -> int:
         """A direct ticket: writes layer `kind` (or ALL layers) of this rank's cache at `slots`
         (per layer group), `heads` of its own, into the token worker's blocks, then announces it.
@@ -132,11 +146,11 @@ class KVTransport:
         self.claim(ticket)
         link = self._link_to(ticket)
         layers = slice(None) if kind == ALL else slice(kind, kind + 1)
-        kv_heads = source.data.shape[-2]
-        num_heads = kv_heads if heads is None else len(range(kv_heads)[heads])
+        num_heads = count_heads(source.data.shape[-2], heads)
         try:
-            written = link.write(source, slots, layers, heads, ticket.dest, ticket.start_token)
-            link.send_meta(header(ticket.tag, kind, ticket.num_sent_tokens, num_heads))
+            written = link.write(source, slots, layers, heads, ticket.dest, ticket.starts(1 + max(self._groups)),
+                                 ticket.num_tokens)
+            link.send_meta(header(ticket.tag, kind, message_tokens(ticket, kind, self._groups), num_heads))
         except TransferError:
             self._drop_out(ticket.token_peer)
             raise
@@ -212,7 +226,8 @@ class KVTransport:
             if kind in (DONE, CANCEL):  # a transfer's last message: its direct writes come before it
                 link.seal()
                 self._claims.discard((ticket.token_peer, ticket.tag))
-            link.send_meta(header(ticket.tag, kind, ticket.num_sent_tokens, value))
+            tokens = ticket.num_sent_tokens if payload is None else message_tokens(ticket, kind, self._groups)
+            link.send_meta(header(ticket.tag, kind, tokens, value))
             if payload is not None:
                 link.send(payload)
         except TransferError:

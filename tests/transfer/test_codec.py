@@ -1,10 +1,14 @@
 """The wire format lets the two sides use different block ids and block sizes."""
+import math
+
 import pytest
 import torch
 
+from splitserve.engine.block_pool import NULL_BLOCK
 from splitserve.engine.demo import demo_model_config
 from splitserve.engine.kv_cache import KVCache
-from splitserve.transfer.codec import pack_all, pack_layer, slot_index, unpack_all, unpack_layer, wire_shape
+from splitserve.transfer.codec import (held_from, pack_all, pack_layer, slot_index, split_layers, unpack_all,
+                                       unpack_layer, wire_shape)
 
 CPU = torch.device("cpu")
 CONFIG = demo_model_config()
@@ -23,7 +27,8 @@ def test_one_shot_round_trip_across_block_sizes(src_bs, dst_bs):
     src_slots = slot_index([[9, 2, 11, 0, 5, 7, 3, 1, 4, 6][: -(-n // src_bs)]], src_bs, n, CPU)
     dst_slots = slot_index([list(range(63, 63 - -(-n // dst_bs), -1))], dst_bs, n, CPU)
     wire = pack_all(src, src_slots)
-    assert wire.shape == wire_shape(src, n, CONFIG.num_hidden_layers)
+    assert wire.shape == (math.prod(wire_shape(src, n, CONFIG.num_hidden_layers)),)
+    assert torch.equal(wire.view(wire_shape(src, n, CONFIG.num_hidden_layers))[1], pack_layer(src, 1, src_slots))
     unpack_all(dst, dst_slots, wire)
     for layer in range(CONFIG.num_hidden_layers):
         assert torch.equal(pack_layer(dst, layer, dst_slots), pack_layer(src, layer, src_slots))
@@ -66,9 +71,47 @@ def test_layers_round_trip_into_another_dtype():
 
 def test_slots_from_a_start_position_are_the_tail_of_the_whole_prompts():
     whole = slot_index([[5, 2, 9], [1, 3, 4]], 4, 11, CPU)
-    assert torch.equal(slot_index([[5, 2, 9], [1, 3, 4]], 4, 11, CPU, start=6), whole[:, 6:])
+    assert torch.equal(whole[1], torch.tensor([4, 5, 6, 7, 12, 13, 14, 15, 16, 17, 18]))
+    for got, want in zip(slot_index([[5, 2, 9], [1, 3, 4]], 4, 11, CPU, start=6), whole):
+        assert torch.equal(got, want[6:])
+    ragged = slot_index([[5, 2, 9], [0, 0, 4]], 4, 11, CPU, start=(6, 9))
+    assert torch.equal(ragged[0], whole[0][6:]) and torch.equal(ragged[1], torch.tensor([17, 18]))
     with pytest.raises(ValueError, match="start 12"):
         slot_index([[5, 2, 9]], 4, 11, CPU, start=12)
+    with pytest.raises(ValueError, match="2 starts for 1 tables"):
+        slot_index([[5, 2, 9]], 4, 11, CPU, start=(0, 1))
+
+
+def test_held_from_is_where_each_windowed_table_holds_blocks():
+    """A windowed group's leading NULL_BLOCK entries hold nothing; a full group's block 0 is a block
+    (no pool reserves it then)."""
+    tables = [[0, 7, 3], [NULL_BLOCK, NULL_BLOCK, 5], [NULL_BLOCK, NULL_BLOCK, NULL_BLOCK]]
+    assert held_from(tables, (None, 8, 8), 4, 0, 11) == (0, 8, 10)  # all out of reach: the last token's
+    assert held_from(tables, (None, 8, 8), 4, 9, 11) == (9, 9, 10)  # a prefix hit past the reach
+    assert held_from([[0, 1]], (None,), 16, 0, 20) == (0,)
+
+
+def test_windowed_layers_travel_shorter_in_one_shot():
+    """Layer groups sending from different positions: an ALL payload is each layer at its group's
+    length, one after the other, and lands every layer where it belongs."""
+    from dataclasses import replace
+
+    hybrid = replace(CONFIG, sliding_window=8, sliding_layers=(1, 3))
+    src, dst = KVCache(hybrid, 8, 4, torch.float32, CPU), KVCache(hybrid, 8, 4, torch.float32, CPU)
+    src.data.normal_(generator=torch.Generator().manual_seed(2))
+    windowed = src.groups.group_of[1]
+    starts = (0, 8) if windowed == 1 else (8, 0)
+    src_slots = slot_index([[1, 2, 3], [4, 5, 6]], 4, 11, CPU, starts)
+    dst_slots = slot_index([[7, 6, 5], [4, 3, 1]], 4, 11, CPU, starts)
+    wire = pack_all(src, src_slots)
+    layer_tokens = [len(src_slots[src.groups.group_of[layer]]) for layer in range(CONFIG.num_hidden_layers)]
+    assert sorted(set(layer_tokens)) == [3, 11]
+    assert wire.numel() == sum(math.prod(wire_shape(src, n)) for n in layer_tokens)
+    unpack_all(dst, dst_slots, wire)
+    for layer in range(CONFIG.num_hidden_layers):
+        assert torch.equal(pack_layer(dst, layer, dst_slots), pack_layer(src, layer, src_slots))
+    with pytest.raises(ValueError, match="not layers of"):
+        split_layers(wire[1:], [wire_shape(src, n) for n in layer_tokens])
 
 
 def test_layer_groups_each_read_and_write_at_their_own_slots():
@@ -83,7 +126,7 @@ def test_layer_groups_each_read_and_write_at_their_own_slots():
     src_slots = slot_index([[1, 2], [3, 4]], 4, 6, CPU)
     dst_slots = slot_index([[7, 6], [5, 0]], 4, 6, CPU)
     wire = pack_all(src, src_slots)
-    assert wire.shape == wire_shape(src, 6, CONFIG.num_hidden_layers)
+    assert wire.shape == (math.prod(wire_shape(src, 6, CONFIG.num_hidden_layers)),)
     unpack_all(dst, dst_slots, wire)
     for layer in range(CONFIG.num_hidden_layers):
         group, slot = src.groups.group_of[layer], src.groups.slot_of[layer]

@@ -39,10 +39,13 @@ def cluster(request):
     c.close()
 
 
-def run(cluster, prompts, prompt_workers=("p0",)):
+def run(cluster, prompts, prompt_workers=("p0",), tickets=None):
+    """Each prompt's greedy output; `tickets` (a list) gets the transfers' tickets."""
     ids = [f"r{next(REQUEST_IDS)}" for _ in prompts]
     for i, (request_id, prompt) in enumerate(zip(ids, prompts)):
-        cluster.route(request_id, prompt, GREEDY, prompt_worker=prompt_workers[i % len(prompt_workers)])
+        ticket = cluster.route(request_id, prompt, GREEDY, prompt_worker=prompt_workers[i % len(prompt_workers)])
+        if tickets is not None:
+            tickets.append(ticket)
     done = cluster.collect("t0", ("done", "failed"), len(ids))
     assert all(done[i][0] == "done" for i in ids), done
     return [done[i][2] for i in ids]
@@ -87,21 +90,33 @@ def test_a_sliding_window_model_hands_off_whole_and_decodes_in_its_window(backen
     """Every layer slides (Mistral's layout), or every other one (Gemma 2's and GPT-OSS's: two layer
     groups, each layer travelling at its group's blocks): the prompt worker keeps all its blocks for
     the export (one-shot exports read them after the step), the token worker reserves in a windowed
-    group only what its first decode reaches (the rest lands in the reserved block) and releases
-    more as it decodes; what it caches of them serves a later prompt's window."""
+    group only what its first decode reaches, and only that travels: a windowed layer sends from
+    the first block its window reaches; the token worker releases more as it decodes, and what it
+    caches of them serves a later prompt's window."""
     from splitserve.engine.demo import DEMO_MODEL_CONFIG
     from splitserve.engine.dummy_weights import write_shape_checkpoint
 
+    window, block = 16, 16
     kinds = {"every": ["sliding_attention"] * 4, "alternate": ["full_attention", "sliding_attention"] * 2}[layers]
     model = write_shape_checkpoint(tmp_path / "mistral", {**DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"],
-                                                          "model_type": "mistral", "sliding_window": 16,
+                                                          "model_type": "mistral", "sliding_window": window,
                                                           "layer_types": kinds})
-    windowed = Cluster(backend, engine_args={"model": model, "load_format": "dummy"})
+    windowed = Cluster(backend, engine_args={"model": model, "load_format": "dummy", "block_size": block})
     try:
-        one_shot = [256] + [(i * 5 + 1) % 256 for i in range(400)]
+        one_shot, tickets = [256] + [(i * 5 + 1) % 256 for i in range(400)], []
         for prompts in ([LONG, SHORT, one_shot], [one_shot[:200] + SHORT[1:]]):  # the last hits one_shot's blocks
-            assert run(windowed, prompts) == colocated(windowed, prompts, model=model, load_format="dummy")
+            assert run(windowed, prompts, tickets=tickets) == colocated(windowed, prompts, model=model,
+                                                                        load_format="dummy")
         assert_clean(windowed, "t0")
+        # a layer's KV travels from the block its window reaches (or after the prefix hit); full layers' whole
+        sent = [t.num_tokens - (t.start_token if kind == "full_attention" else
+                                max(t.start_token, (t.num_tokens - window + 1) // block * block))
+                for t in tickets for kind in kinds]
+        per_token = 2 * DEMO_MODEL_CONFIG["num_key_value_heads"] * (256 // 8) * 4  # K and V, heads, head_dim, fp32
+        windowed.send("p0", "pushed")
+        assert windowed.expect("p0", "pushed")[2] == sum(sent) * per_token
+        whole = sum(t.num_sent_tokens for t in tickets) * len(kinds)
+        assert sum(sent) < whole * (0.6 if layers == "alternate" else 0.2)
     finally:
         windowed.close()
 

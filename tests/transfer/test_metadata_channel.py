@@ -81,9 +81,9 @@ class RecordingFabric(Fabric):
         return RecordingLink(peer, meta, data)
 
 
-def transport(fabric: Fabric) -> KVTransport:
+def transport(fabric: Fabric, layer_groups: tuple[int, ...] = ()) -> KVTransport:
     return KVTransport(fabric, lambda n, heads: (2, n, heads, DIM), LAYERS, torch.float32, torch.device("cpu"), 5.0,
-                       layout="test-layout")
+                       layout="test-layout", layer_groups=layer_groups)
 
 
 def test_headers_hello_and_first_token_ride_the_metadata_channel_as_cpu_tensors():
@@ -108,7 +108,7 @@ def test_a_link_whose_sends_stop_leaving_is_reaped_without_waiting():
     wires: dict = {}
     prompt = transport(RecordingFabric("p0", wires, stuck=True))
     ticket = TransferTicket("r", 1, "p0", "t0", 3, False, "test-layout")
-    prompt.push_all(ticket, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))
+    prompt.push_all(ticket, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM), KV_HEADS)
     assert not prompt.all_sent({"t0"})
     errors = prompt.reap()
     assert [e.peer for e in errors] == ["t0"] and "stopped reading" in str(errors[0])
@@ -231,7 +231,7 @@ def test_a_broken_link_costs_its_transfers_and_the_pair_meets_again_on_the_next_
     assert first.link_epoch == 0 and failed == first and "connection closed" in str(error)
     second = token.expect(TransferTicket("r1", 2, "p0", "t0", 3, False, "test-layout"), lambda *_: None)
     assert second.link_epoch == 1
-    prompt.push_all(second, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))
+    prompt.push_all(second, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM), KV_HEADS)
     prompt.complete(second, first_token_id=5)
     assert token.poll(timeout=5.0) == [(second, 5)] and opened == [0, 1]
 
@@ -248,10 +248,10 @@ def test_a_silent_peer_fails_the_transfer_waiting_on_it_not_the_link():
     [(failed, error)] = token.poll()
     assert failed == stalled and "nothing received" in str(error)
     token.abandon(stalled)
-    prompt.push_all(stalled, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))  # the peer wakes up: drained, dropped
+    prompt.push_all(stalled, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM), KV_HEADS)  # the peer wakes up: drained, dropped
     prompt.complete(stalled, first_token_id=1)
     later = token.expect(TransferTicket("r1", 2, "p0", "t0", 3, False, "test-layout"), lambda *_: None)
-    prompt.push_all(later, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))
+    prompt.push_all(later, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM), KV_HEADS)
     prompt.complete(later, first_token_id=7)
     assert later.link_epoch == 0 and token.poll(timeout=5.0) == [(later, 7)]
 
@@ -264,7 +264,7 @@ prompt = transport(TorchFabric(dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_m
                                torch.device("cpu"), 10.0))
 for i in range(3):
     ticket = TransferTicket(f"r{i}", i, "p0", "t0", 3, False, "test-layout")
-    prompt.push_all(ticket, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM))
+    prompt.push_all(ticket, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM), KV_HEADS)
     prompt.complete(ticket, first_token_id=i)
 prompt.close()  # and the process exits at once
 """

@@ -29,7 +29,7 @@ from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixtur
 from tests.engine.hf_checkpoints import prompt_ids, tokenizers_by_kind, write_checkpoint  # noqa: F401
 from tests.engine.tp_helpers import Followers, join, store_server
 
-ENGINE = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
+ENGINE = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=64, max_model_len=128)
 LAYERWISE = 24  # prompts this long or longer stream layer by layer
 TIMEOUT = 10.0
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -160,6 +160,41 @@ def test_later_turns_travel_from_the_token_workers_cached_prefix_on(server, mode
             prompt = prompt + tokens(deltas)  # the answer: its KV, but its last token's, is cached now
             reused += start
         assert run(token_worker.loop, lambda: token_worker.loop.importer.kv_tokens_reused) == reused
+        assert_clean(prompt_worker.loop)
+        assert_clean(token_worker.loop)
+    finally:
+        prompt_worker.close()
+        token_worker.close()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_windowed_layers_travel_from_their_windows_reach_on_every_rank(
+        server, tmp_path, tokenizers_by_kind, backend):  # noqa: F811
+    """Gemma 2 (a window of 16 on every other layer: two layer groups), prompt TP 2 -> token TP 2:
+    each part carries the windowed layers from the block their first decode reaches, the full
+    ones whole, one-shot and layer-wise; the output is the one-rank engine's. The layer-wise
+    threshold counts a layer's tokens on average: 26 tokens, (26 + 18) / 2 of them a layer, go in
+    one shot."""
+    path = str(tmp_path / "gemma2")
+    write_checkpoint(path, "gemma2", tokenizers_by_kind)
+    reference = LLMEngine(path, **ENGINE)
+    n = next(_names)
+    prompt_worker = TPWorker(server, path, f"p{n}", "prompt", 2, backend=backend)
+    token_worker = TPWorker(server, path, f"t{n}", "token", 2, backend=backend)
+    try:
+        for i, length in enumerate((26, 41)):  # one-shot, then layer-wise
+            prompt = prompt_ids(i + 30, length, 300)
+            ticket, _, token_sink = disaggregate(prompt_worker, token_worker, 2, f"r{i}", prompt)
+            reach = (length - 16 + 1) // ENGINE["block_size"] * ENGINE["block_size"]
+            windowed = reference.kv_cache.groups.windows.index(16)
+            assert reach and {p.group_starts[windowed] for p in (ticket, *ticket.parts)} == {reach}
+            assert {p.group_starts[1 - windowed] for p in (ticket, *ticket.parts)} == {0}
+            assert ticket.parts[0].layerwise == (length == 41)
+            deltas = token_sink.until_final()
+            reference.add_request(f"r{i}", prompt, GREEDY)
+            while reference.has_unfinished_requests():
+                want = [o for o in reference.step() if o.finished]
+            assert deltas[-1].error is None and tokens(deltas) == want[0].token_ids
         assert_clean(prompt_worker.loop)
         assert_clean(token_worker.loop)
     finally:

@@ -140,6 +140,8 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
             crash_after_layer_pushes(exporter.transport, cmd[1])
         if cmd[0] == "freeze_after_layers":
             freeze_after_layer_pushes(exporter.transport, cmd[1])
+        if cmd[0] == "pushed":
+            outbox.put(("pushed", worker_id, exporter.bytes_pushed))
         if cmd[0] == "add":
             _, ticket, prompt, params = cmd
             if stalled:  # prefill happens, the KV never leaves: the token side must time out
