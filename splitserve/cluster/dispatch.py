@@ -28,10 +28,20 @@ from splitserve.placement.state import MAX_PREFIX_BLOCKS
 log = logging.getLogger("splitserve.dispatch")
 REPLACE_WAIT_S = 0.5    # a failover that finds no room waits this long before asking again
 REPLACE_TRIES = 20
+REFUSED_TRIES = 3  # placements an attempt makes while the chosen token workers refuse the reservation
 
 
 class Overloaded(Exception):
     """The cluster cannot admit the request now (the client should retry later: 429)."""
+
+
+class _Refused(Overloaded):
+    """The token worker had no room for the reservation after all (the CLS placed by its last
+    load report, which the decodes since may have outgrown)."""
+
+    def __init__(self, message: str, worker: str):
+        super().__init__(message)
+        self.worker = worker
 
 
 class RequestFailed(Exception):
@@ -136,22 +146,31 @@ class Run:
 
     # ---- one attempt ------------------------------------------------------------------------
     async def _start_attempt(self, failover: bool, exclude: frozenset[str] = frozenset()) -> None:
-        self._worker_request_id = f"{self.request_id}.{next(self._attempts)}"
+        """Places and starts the request; a token worker that refuses the reservation is left out
+        of the next placement, up to REFUSED_TRIES placements (then Overloaded)."""
         prompt, params = self.prompt + self.tokens, self._remaining_params()
-        request = PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens,
-                                   None if failover else self.follow, self._prefix_hashes(prompt, params))
-        self.placement = self.prompt_handle = self.token_handle = None
-        for _ in range(REPLACE_TRIES if failover else 1):
-            self.placement = await self.workers.cls.place.remote(request, exclude)
-            if self.placement is not None:
-                break
-            await asyncio.sleep(REPLACE_WAIT_S)
-        if self.placement is None:
-            raise Overloaded("no worker can take the request now") if not failover else \
-                RequestFailed("no worker could take the request over after a failure")
-        self.prompt_handle = await self.workers.get(self.placement.prompt_worker)
-        self.token_handle = await self.workers.get(self.placement.token_worker)
-        await self._launch(prompt, params)
+        for tries in range(1, REFUSED_TRIES + 1):
+            self._worker_request_id = f"{self.request_id}.{next(self._attempts)}"
+            request = PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens,
+                                       None if failover else self.follow, self._prefix_hashes(prompt, params))
+            self.placement = self.prompt_handle = self.token_handle = None
+            for _ in range(REPLACE_TRIES if failover else 1):
+                self.placement = await self.workers.cls.place.remote(request, exclude)
+                if self.placement is not None:
+                    break
+                await asyncio.sleep(REPLACE_WAIT_S)
+            if self.placement is None:
+                raise Overloaded("no worker can take the request now") if not failover else \
+                    RequestFailed("no worker could take the request over after a failure")
+            self.prompt_handle = await self.workers.get(self.placement.prompt_worker)
+            self.token_handle = await self.workers.get(self.placement.token_worker)
+            try:
+                return await self._launch(prompt, params)
+            except _Refused as refused:
+                if tries == REFUSED_TRIES:
+                    raise
+                log.info("request %s: %s; placing it again without that worker", self.request_id, refused)
+                exclude = exclude | {refused.worker}
 
     async def _launch(self, prompt: list[int], params: SamplingParams) -> None:
         rid, placement, feeds = self._worker_request_id, self.placement, self.workers.feeds
@@ -169,7 +188,8 @@ class Run:
                                                             feeds.subscriber)
         except RayTaskError as error:  # the token worker has no room after all (blocks, batch)
             feeds.close(placement.token_worker, rid)
-            raise Overloaded(f"worker {placement.token_worker} cannot take the request: {error.cause}") from None
+            raise _Refused(f"worker {placement.token_worker} cannot take the request: {error.cause}",
+                           placement.token_worker) from None
         except RayActorError:
             raise _AttemptFailed("worker died at admission", placement.token_worker, dead=True) from None
         self._first = asyncio.ensure_future(self.prompt_handle.prefill.remote(ticket, prompt, params))

@@ -1,6 +1,6 @@
 """What the ingress asks the CLS for a request (no Ray: a stand-in CLS and workers): the prompt's
-block hashes for prefix-aware placement, which are the ones the engines' block managers cache; and
-an attempt whose prompt worker refuses the ticket."""
+block hashes for prefix-aware placement, which are the ones the engines' block managers cache; an
+attempt whose prompt worker refuses the ticket; token workers that refuse the reservation."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +8,9 @@ import asyncio
 import pytest
 from ray.exceptions import RayTaskError
 
-from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
+from splitserve.cluster.dispatch import REFUSED_TRIES, Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.policies.base import EngineFullError
 from splitserve.engine.prefix_hash import PrefixNaming
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement import Placement
@@ -114,3 +115,51 @@ def test_a_prompt_worker_that_refuses_the_ticket_fails_the_attempt_over_and_free
     with pytest.raises(RequestFailed, match="prompt worker refused the transfer: .*gave the transfer up first"):
         asyncio.run(drive())
     assert calls.count("abort") == 2  # the failed attempt is aborted on both workers
+
+
+class _ExcludingCLS(_PlacingCLS):
+    """Places on the first token worker of `order` not excluded (None when none is left), and
+    keeps what each placement excluded."""
+
+    def __init__(self, workers: dict, order: list[str]):
+        super().__init__(workers)
+        self.order, self.excluded, self.place = order, [], self
+
+    def remote(self, *args):
+        if len(args) == 1:  # worker_handle.remote(worker_id)
+            return super().remote(*args)
+        request, exclude = args
+        self.excluded.append(set(exclude))
+        left = [t for t in self.order if t not in exclude]
+
+        async def answer():
+            return Placement("p", left[0]) if left else None
+        return answer()
+
+
+def _full(worker: str) -> RayTaskError:
+    return RayTaskError("reserve", "traceback", EngineFullError(f"{worker} has no KV room"))
+
+
+def test_a_token_worker_that_refuses_the_reservation_is_left_out_of_the_next_placement():
+    """The CLS placed by a stale load report: the reservation is refused, and the request is
+    placed again without that worker instead of answering 429."""
+    calls: list = []
+    workers = {"p": _Worker(calls, prefill="first"), "t1": _Worker(calls, reserve=_full("t1")),
+               "t2": _Worker(calls, reserve="ticket")}
+    cls = _ExcludingCLS(workers, ["t1", "t2"])
+    run = Run("r", [1, 2, 3], SamplingParams(max_tokens=4), WorkerDirectory(cls), max_attempts=1)
+    asyncio.run(run.admit())
+    assert cls.excluded == [set(), {"t1"}] and run.placement == Placement("p", "t2")
+    assert calls[:3] == ["reserve", "reserve", "prefill"] and run.failures == 0
+
+
+def test_refusals_end_in_overloaded_after_a_bounded_number_of_placements():
+    calls: list = []
+    order = [f"t{i}" for i in range(REFUSED_TRIES + 2)]
+    workers = {"p": _Worker(calls), **{t: _Worker(calls, reserve=_full(t)) for t in order}}
+    cls = _ExcludingCLS(workers, order)
+    run = Run("r", [1, 2, 3], SamplingParams(max_tokens=4), WorkerDirectory(cls), max_attempts=1)
+    with pytest.raises(Overloaded, match=f"worker t{REFUSED_TRIES - 1} cannot take the request: .*no KV room"):
+        asyncio.run(run.admit())
+    assert len(cls.excluded) == REFUSED_TRIES and calls == ["reserve"] * REFUSED_TRIES
