@@ -139,6 +139,13 @@ class BlockManager:
         """Every group's table."""
         return self._held[seq_id].tables
 
+    def held_from(self, seq: Sequence) -> tuple[int, ...]:
+        """Per group: the first position past the sequence's computed tokens whose block its table
+        holds (a windowed group's released entries lead it), at most its last token's. An import
+        receives each group's KV from there on."""
+        first, last = seq.num_computed_tokens, seq.num_tokens - 1
+        return tuple(min(last, max(first, released * self.block_size)) for released in self._held[seq.seq_id].released)
+
     def num_held_blocks(self, seq_id: str) -> int:
         """The blocks a sequence holds (its tables' entries but the released ones) or is promised."""
         held = self._held[seq_id]

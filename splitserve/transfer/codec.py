@@ -6,7 +6,7 @@ translates token positions to its own slots (block id * block size + offset), so
 may use different block ids and different block sizes. A cache's layer groups (`kv_groups`) each
 have their block tables, so slots are per group (`Slots`) and a layer is read at its group's; a
 windowed group's may start later (a ticket's `group_starts`: the positions its first decode
-reaches), so its layers are shorter on the wire. All of a layer's blocks travel as one message
+reaches: `BlockManager.held_from`), so its layers are shorter on the wire. All of a layer's blocks travel as one message
 (contiguous on the wire whatever their ids); a one-shot (ALL) message is every layer's, one after
 the other, flat. With tensor parallelism a message carries some of a rank's KV heads (`heads`, a
 slice of the rank's own); None: all of them.
@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.engine.block_pool import NULL_BLOCK
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_groups import KVGroups
 
@@ -47,15 +46,6 @@ def slot_index(tables: list[list[int]], block_size: int, num_tokens: int, device
 def as_lists(slots: Slots) -> list[list[int]]:
     """`slots` as they travel to another rank (`rank_commands`)."""
     return [group.tolist() for group in slots]
-
-
-def held_from(tables: list[list[int]], windows: Sequence[int | None], block_size: int, start: int,
-              num_tokens: int) -> tuple[int, ...]:
-    """Per group: the first position whose block a reservation's table holds (a windowed group's
-    leading entries out of reach are NULL_BLOCK), at least `start` and at most the last token's."""
-    lead = [0 if window is None else next((i for i, block in enumerate(table) if block != NULL_BLOCK), len(table))
-            for table, window in zip(tables, windows)]
-    return tuple(min(num_tokens - 1, max(start, n * block_size)) for n in lead)
 
 
 def pack_layer(cache: KVCache, layer: int, slots: Slots, heads: slice | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.transfer.codec import as_lists, held_from, slot_index
+from splitserve.transfer.codec import as_lists, slot_index
 from splitserve.transfer.handoff import LAYERWISE_THRESHOLD
 from splitserve.transfer.kv_routes import split_ticket
 from splitserve.transfer.link import TransferError
@@ -63,7 +63,7 @@ class KVImporter:
         seq, tables = self.engine.reserve_import(request_id, prompt_token_ids, params, arrival_time,
                                                  self.reuse_prefix)
         start = seq.num_computed_tokens  # held here already (prefix cache); never the last token
-        starts = held_from(tables, cache.groups.windows, cache.block_size, start, num_tokens)
+        starts = self.engine.block_manager.held_from(seq)
         slots = slot_index(tables, cache.block_size, num_tokens, cache.data.device, starts)
         group_of = cache.groups.group_of  # a layer's tokens travel from its group's start: the threshold is their mean
         layerwise = sum(num_tokens - starts[group] for group in group_of) >= self.layerwise_threshold * len(group_of)

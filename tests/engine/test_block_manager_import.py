@@ -115,6 +115,7 @@ def test_a_windowed_group_reserves_only_what_the_first_decode_reaches():
     assert b.num_computed_tokens == 6 * BS and full[:6] == bm.block_table("a")[:6]
     assert windowed[:reach] == [NULL_BLOCK] * reach and NULL_BLOCK not in windowed[reach:] and len(windowed) == 10
     assert free_before - bm.num_free_blocks == 4 + (10 - reach)  # fresh: the full group's 4, the window's 3
+    assert bm.held_from(b) == (6 * BS, reach * BS)  # the KV the import receives: after the hit, and in reach
     bm.check_integrity()
     compute_all(bm, b)  # the KV landed: `Policy.complete_import` commits it
     assert bm.block_tables("b") == [full, windowed] and free_before - bm.num_free_blocks == 4 + (10 - reach)
@@ -144,3 +145,17 @@ def test_a_windowed_import_is_admitted_with_room_for_the_full_groups_growth(max_
             bm.reserve_for_import(seq, others=decodes)
             assert bm.num_free_blocks == free - 12
         bm.check_integrity()
+
+
+def test_held_from_starts_past_the_prefix_hit_and_ends_at_the_last_token():
+    """A hit past a window's reach starts that group at the hit too; a window of one token reaches
+    only the block the first decode writes, and where that is past the prompt's blocks, the last
+    token's KV still travels (into NULL_BLOCK: never read)."""
+    bm = BlockManager(40, block_size=BS, windows=(None, 2 * BS, 1))
+    cached(bm, "a", seq_range(0, 6 * BS))
+    b = make_seq("b", seq_range(0, 6 * BS) + seq_range(100, BS // 2))
+    bm.reserve_for_import(b, reuse_prefix=True)
+    assert bm.held_from(b) == (6 * BS, 6 * BS, 6 * BS)
+    c = make_seq("c", seq_range(200, 4 * BS))  # no hit, a whole number of blocks
+    bm.reserve_for_import(c)
+    assert bm.held_from(c) == (0, (4 * BS - 2 * BS + 1) // BS * BS, 4 * BS - 1)

@@ -10,7 +10,7 @@ import pytest
 from splitserve.engine.block_manager import NULL_BLOCK
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.transfer.codec import held_from, pack_all, slot_index, unpack_all
+from splitserve.transfer.codec import pack_all, slot_index, unpack_all
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
     ENGINE_ARGS, generation_prompts, hf_greedy, prompt_ids, tokenizers_by_kind, write_checkpoint,
 )
@@ -87,8 +87,8 @@ def test_long_prompts_prefilled_chunk_by_chunk_hold_a_window_and_a_chunk_and_mat
 
 def test_a_token_engine_imports_long_prompts_into_a_windows_blocks_and_matches_hf(windowed):
     """A handed-off prompt's KV lands in a token engine whose windowed tables reserve only what
-    its first decode reaches, and only those positions travel (`held_from`: nothing lands in the
-    reserved block): two prompts whose whole tables would not fit in its cache are imported at once
+    its first decode reaches, and only those positions travel (`BlockManager.held_from`: nothing
+    lands in the reserved block): two prompts whose whole tables would not fit in its cache are imported at once
     and decode as transformers does."""
     name, path, hf = windowed
     window, size, new = hf.config.sliding_window, ENGINE_ARGS["block_size"], 8
@@ -111,11 +111,11 @@ def test_a_token_engine_imports_long_prompts_into_a_windows_blocks_and_matches_h
     landing = []  # both reserved before either lands, as concurrent transfers are
     for i, prompt in enumerate(prompts):
         seq, blocks = prompt_engine.export_request(str(i))
-        _, tables = token_engine.reserve_import(str(i), prompt, params)
+        imported, tables = token_engine.reserve_import(str(i), prompt, params)
         for table, group_window in zip(tables, bm.windows):
             reach = 0 if group_window is None else (len(prompt) - window + 1) // size
             assert table[:reach] == [NULL_BLOCK] * reach and NULL_BLOCK not in table[reach:]
-        starts = held_from(tables, bm.windows, size, 0, len(prompt))
+        starts = bm.held_from(imported)
         assert starts == tuple(0 if w is None else (len(prompt) - window + 1) // size * size for w in bm.windows)
         kv = pack_all(src, slot_index(blocks, size, len(prompt), src.data.device, starts))
         landing.append((str(i), slot_index(tables, size, len(prompt), dst.data.device, starts), kv,

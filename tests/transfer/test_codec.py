@@ -4,11 +4,10 @@ import math
 import pytest
 import torch
 
-from splitserve.engine.block_pool import NULL_BLOCK
 from splitserve.engine.demo import demo_model_config
 from splitserve.engine.kv_cache import KVCache
-from splitserve.transfer.codec import (held_from, pack_all, pack_layer, slot_index, split_layers, unpack_all,
-                                       unpack_layer, wire_shape)
+from splitserve.transfer.codec import (pack_all, pack_layer, slot_index, split_layers, unpack_all, unpack_layer,
+                                       wire_shape)
 
 CPU = torch.device("cpu")
 CONFIG = demo_model_config()
@@ -80,15 +79,6 @@ def test_slots_from_a_start_position_are_the_tail_of_the_whole_prompts():
         slot_index([[5, 2, 9]], 4, 11, CPU, start=12)
     with pytest.raises(ValueError, match="2 starts for 1 tables"):
         slot_index([[5, 2, 9]], 4, 11, CPU, start=(0, 1))
-
-
-def test_held_from_is_where_each_windowed_table_holds_blocks():
-    """A windowed group's leading NULL_BLOCK entries hold nothing; a full group's block 0 is a block
-    (no pool reserves it then)."""
-    tables = [[0, 7, 3], [NULL_BLOCK, NULL_BLOCK, 5], [NULL_BLOCK, NULL_BLOCK, NULL_BLOCK]]
-    assert held_from(tables, (None, 8, 8), 4, 0, 11) == (0, 8, 10)  # all out of reach: the last token's
-    assert held_from(tables, (None, 8, 8), 4, 9, 11) == (9, 9, 10)  # a prefix hit past the reach
-    assert held_from([[0, 1]], (None,), 16, 0, 20) == (0,)
 
 
 def test_windowed_layers_travel_shorter_in_one_shot():
