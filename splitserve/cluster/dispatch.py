@@ -23,12 +23,11 @@ from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.prefix_hash import PrefixNaming
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement import Placement, PlacementRequest
-from splitserve.placement.state import MAX_PREFIX_BLOCKS
+from splitserve.placement.state import MAX_PREFIX_BLOCKS, REFUSED_TRIES
 
 log = logging.getLogger("splitserve.dispatch")
 REPLACE_WAIT_S = 0.5    # a failover that finds no room waits this long before asking again
 REPLACE_TRIES = 20
-REFUSED_TRIES = 3  # placements an attempt makes while the chosen token workers refuse the reservation
 
 
 class Overloaded(Exception):
@@ -148,7 +147,7 @@ class Run:
     async def _start_attempt(self, failover: bool, exclude: frozenset[str] = frozenset()) -> None:
         """Places and starts the request; a token worker that refuses the reservation is left out
         of the next placement, up to REFUSED_TRIES placements (then Overloaded)."""
-        prompt, params = self.prompt + self.tokens, self._remaining_params()
+        prompt, params, refusals = self.prompt + self.tokens, self._remaining_params(), ""
         for tries in range(1, REFUSED_TRIES + 1):
             self._worker_request_id = f"{self.request_id}.{next(self._attempts)}"
             request = PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens,
@@ -160,8 +159,8 @@ class Run:
                     break
                 await asyncio.sleep(REPLACE_WAIT_S)
             if self.placement is None:
-                raise Overloaded("no worker can take the request now") if not failover else \
-                    RequestFailed("no worker could take the request over after a failure")
+                raise Overloaded("no worker can take the request now" + refusals) if not failover else \
+                    RequestFailed("no worker could take the request over after a failure" + refusals)
             self.prompt_handle = await self.workers.get(self.placement.prompt_worker)
             self.token_handle = await self.workers.get(self.placement.token_worker)
             try:
@@ -170,7 +169,7 @@ class Run:
                 if tries == REFUSED_TRIES:
                     raise
                 log.info("request %s: %s; placing it again without that worker", self.request_id, refused)
-                exclude = exclude | {refused.worker}
+                exclude, refusals = exclude | {refused.worker}, f"{refusals}; {refused}"
 
     async def _launch(self, prompt: list[int], params: SamplingParams) -> None:
         rid, placement, feeds = self._worker_request_id, self.placement, self.workers.feeds

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from splitserve.placement.hardware import HardwareProfile
 
 MAX_PREFIX_BLOCKS = 2048  # block hashes a request names at most (its first ones: still a chain)
+# placements a request gets while the token workers chosen refuse its reservation (the CLS placed
+# by load reports the decodes since have outgrown): each excludes the ones before, then a 429
+REFUSED_TRIES = 3
 
 
 class Role(str, enum.Enum):

@@ -50,7 +50,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence as EngineSequence
 from splitserve.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
 from splitserve.placement.load import prefix_delta_of
-from splitserve.placement.state import MAX_PREFIX_BLOCKS, PrefixOptions
+from splitserve.placement.state import MAX_PREFIX_BLOCKS, REFUSED_TRIES, PrefixOptions
 from splitserve.sim.contention import STACK, SharedHost, request_run
 from splitserve.sim.records import SimRecords
 from splitserve.sim.scenario import Scenario
@@ -124,7 +124,8 @@ class Simulation:
         self._reporting = [(w, self.cls.workers[w.worker_id]) for _, w in sorted(self.workers.items())]
         self.pool_moves = dict.fromkeys(self.workers, 0)
         self._awaiting_kv: dict[str, SimWorker] = {}  # split requests' token workers, until the KV lands
-        self._to_send: dict[str, int] = {}  # split requests not handed off yet: prompt tokens whose KV travels
+        # split requests not handed off yet: prompt tokens whose KV travels, and per KV layer group
+        self._to_send: dict[str, tuple[int, tuple[int, ...]]] = {}
         self.kv_tokens_sent = self.kv_tokens_reused = 0
         self._waking: set[str] = set()
         self._heap: list = []
@@ -205,24 +206,33 @@ class Simulation:
         seq_id, slot = f"r{spec.index}", self.records.slot_of(spec.index)
         prompt = self._prompt_of(spec)
         hashes = prompt_block_hashes(prompt, self.scenario.block_size, MAX_PREFIX_BLOCKS) if self.aware else ()
-        placement, moves = self.cls.place(PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens,
-                                                           prefix_hashes=hashes), self.now)
-        self._apply(moves)
-        if placement is None:
-            self.records.refuse(slot, 429, "no worker can take the request now")
-            return
-        prompt_worker, token_worker = self.workers[placement.prompt_worker], self.workers[placement.token_worker]
-        prompt_worker.changed = token_worker.changed = True  # the CLS counts the request on both
-        params = self._params_of(spec)
-        if not placement.local:
+        request, params, refused = PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens,
+                                                    prefix_hashes=hashes), self._params_of(spec), {}
+        for tries in range(1, REFUSED_TRIES + 1):  # as the ingress does (cluster/dispatch.py)
+            placement, moves = self.cls.place(request, self.now, refused)
+            self._apply(moves)
+            if placement is None:
+                self.records.refuse(slot, 429, "no worker can take the request now" + "".join(
+                    f"; {worker} cannot take it: {error}" for worker, error in refused.items()))
+                return
+            prompt_worker, token_worker = self.workers[placement.prompt_worker], self.workers[placement.token_worker]
+            prompt_worker.changed = token_worker.changed = True  # the CLS counts the request on both
+            if placement.local:
+                break
             imported = EngineSequence(seq_id, prompt, params, self.now)
             try:
                 token_worker.reserve_import(imported, self.aware)
-            except (EngineFullError, OutOfBlocksError) as error:
-                self.records.refuse(slot, 429, f"worker {token_worker.worker_id} cannot take the request: {error}")
-                return
+            except (EngineFullError, OutOfBlocksError) as error:  # its last report was stale
+                if tries == REFUSED_TRIES:
+                    self.records.refuse(slot, 429, f"worker {token_worker.worker_id} cannot take the request: "
+                                                   f"{error}")
+                    return
+                refused[token_worker.worker_id] = error
+                continue
             self._awaiting_kv[seq_id] = token_worker
-            self._to_send[seq_id] = spec.prompt_tokens - imported.num_computed_tokens
+            self._to_send[seq_id] = (spec.prompt_tokens - imported.num_computed_tokens,
+                                     token_worker.import_sends(imported))
+            break
         self.token_times[seq_id], self._slots[seq_id] = [], slot
         prompt_worker.add(EngineSequence(seq_id, prompt, params, self.now), hand_off=not placement.local)
         self._wake_soon(prompt_worker)
@@ -292,10 +302,10 @@ class Simulation:
         result = worker.finish_iteration(self.now)
         if result is not NOTHING_HAPPENED:
             for seq in result.handed_off:
-                sent = self._to_send.pop(seq.seq_id)
+                sent, by_group = self._to_send.pop(seq.seq_id)
                 self.kv_tokens_sent += sent
                 self.kv_tokens_reused += seq.num_prompt_tokens - sent
-                visible = self.scenario.transfer.visible_time(sent, worker.iteration_s)
+                visible = self.scenario.transfer.visible_time(by_group, worker.iteration_s)
                 self._push(self.now + visible, self._kv_landed, seq.seq_id)
             for seq in result.finished:
                 self._cancel_import(seq.seq_id)  # a split request whose first token was its last

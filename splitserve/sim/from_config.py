@@ -110,7 +110,7 @@ def shape_of(config: ModelConfig, element_bytes: int) -> ModelShape:
     """A model this engine loads, its KV `element_bytes` a value, in the engine's layer groups."""
     layers, groups = config.num_hidden_layers, kv_groups(config)
     return ModelShape(layers, layers * 2 * config.num_key_value_heads * config.head_dim * element_bytes,
-                      groups.windows, groups.size / layers)
+                      groups.windows, groups.size / layers, groups.group_of)
 
 
 def kv_budget_tokens(config: ClusterConfig, target: SimTarget, tensor_parallel: int) -> int:
@@ -129,4 +129,4 @@ def transfer_model(config: ClusterConfig, target: SimTarget) -> TransferModel:
     shape = model_shape(target.model, config.engine.kv_cache_dtype)
     return TransferModel(bandwidth_bytes_per_s=target.bandwidth_gbps * 1e9 / 8, latency_s=target.latency_s,
                          kv_bytes_per_token=shape.kv_bytes_per_token, num_layers=shape.num_layers,
-                         layerwise_threshold=config.transfer.layerwise_threshold)
+                         layerwise_threshold=config.transfer.layerwise_threshold, layer_groups=shape.kv_layer_groups)

@@ -47,6 +47,7 @@ class ModelShape:
     # included, over all the model's: 1 with one group)
     kv_windows: tuple[int | None, ...] = (None,)
     kv_group_share: float = 1.0
+    kv_layer_groups: tuple[int, ...] = ()  # per layer: its group (): one group of every layer
 
 
 def _sim_shape(num_layers: int, hidden_size: int, dtype_bytes: int = 2) -> ModelShape:

@@ -103,6 +103,9 @@ class Scenario:
                              f"{self.kv_windows!r}")
         if not (isinstance(self.kv_group_share, (int, float)) and 0 < self.kv_group_share <= 1):
             raise ValueError(f"kv_group_share must be in (0, 1], got {self.kv_group_share!r}")
+        if self.transfer.layer_groups and 1 + max(self.transfer.layer_groups) != len(self.kv_windows):
+            raise ValueError(f"transfer.layer_groups names {1 + max(self.transfer.layer_groups)} KV layer groups, "
+                             f"kv_windows {len(self.kv_windows)}")
         reserved = any(w is not None for w in self.kv_windows)  # NULL_BLOCK
         for pool in self.pools:
             tokens = (self.num_blocks_of(pool) - reserved) // len(self.kv_windows) * self.block_size

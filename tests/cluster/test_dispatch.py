@@ -8,12 +8,13 @@ import asyncio
 import pytest
 from ray.exceptions import RayTaskError
 
-from splitserve.cluster.dispatch import REFUSED_TRIES, Overloaded, RequestFailed, Run, WorkerDirectory
+from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies.base import EngineFullError
 from splitserve.engine.prefix_hash import PrefixNaming
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement import Placement
+from splitserve.placement.state import REFUSED_TRIES
 from splitserve.transfer.link import TransferError
 from tests.engine.block_helpers import cached
 

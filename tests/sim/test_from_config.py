@@ -107,8 +107,8 @@ def test_pool_specs_key_their_setup_by_tp():
 
 
 def test_a_models_layer_groups_are_in_its_shape(tmp_path):
-    """What the simulated workers' block managers release by (`Scenario.kv_windows`), and how
-    many blocks their budget holds (`kv_group_share`): the engine's layer groups."""
+    """What the simulated workers' block managers release by (`Scenario.kv_windows`), how many
+    blocks their budget holds (`kv_group_share`) and what each layer sends: the engine's layer groups."""
     from splitserve.engine.demo import DEMO_MODEL_CONFIG
     from splitserve.engine.dummy_weights import write_shape_checkpoint
     from splitserve.sim.from_config import model_shape
@@ -122,5 +122,8 @@ def test_a_models_layer_groups_are_in_its_shape(tmp_path):
         **mistral, "layer_types": ["full_attention", "sliding_attention"] * (layers // 2)}))
     assert (alternate.kv_windows, alternate.kv_group_share) == ((None, 64), 0.5)
     assert alternate.kv_bytes_per_token == every.kv_bytes_per_token  # every layer's KV, whatever its group
+    # which group each layer's KV travels with (`TransferModel.layer_groups`)
+    assert (every.kv_layer_groups, alternate.kv_layer_groups) == ((0,) * layers, (0, 1) * (layers // 2))
     for plain in (model_shape("demo"), model_shape("llama2-70b")):
         assert (plain.kv_windows, plain.kv_group_share) == ((None,), 1.0)
+    assert model_shape("llama2-70b").kv_layer_groups == ()

@@ -1,4 +1,5 @@
 """The event loop: hand-computed timelines, conservation, determinism, pool moves, rejections."""
+import dataclasses
 import gc
 import random
 
@@ -10,6 +11,7 @@ from splitserve.sim.cluster import Simulation, simulate
 from splitserve.sim.scenario import PoolSpec, Scenario
 from splitserve.sim.transfer import TransferModel
 from tests.sim.test_sim_worker import LinearPerf
+from tests.sim.test_transfer_model import pipeline_visible
 
 # 100 tokens take 0.1 s on the wire (+ 10 ms); 10 layers
 TRANSFER = TransferModel(bandwidth_bytes_per_s=1e6, latency_s=0.01, kv_bytes_per_token=1000, num_layers=10)
@@ -172,9 +174,15 @@ def test_everything_full_rejects_with_429():
 
 
 def test_token_worker_without_a_free_slot_rejects_at_reservation():
+    """The CLS's view is a report old: the reservation is refused, and the request placed again
+    without that worker (as the ingress does), on another token worker if one has room."""
     result = simulate(split(max_num_seqs=1), [spec(0, 0.0, 100, 2), spec(1, 0.0, 100, 2)])
     assert [r.status for r in result.records] == [200, 429]
-    assert "token-000 cannot take the request" in result.records[1].error
+    assert "no worker can take the request now; token-000 cannot take it" in result.records[1].error
+    # the last one goes to token-000 by its queue (two 10-token sequences against one of 1000) and
+    # is refused there (max_num_seqs), then placed on token-001
+    result = simulate(split(token=2, max_num_seqs=2), [spec(i, 0.0, n, 2) for i, n in enumerate((10, 1000, 10, 10))])
+    assert [r.status for r in result.records] == [200] * 4
 
 
 def test_prompt_of_max_model_len_is_refused():
@@ -206,7 +214,9 @@ def test_hardware_speeds_follow_the_models():
                                                 ({"kv_group_share": 1.5}, "kv_group_share"),
                                                 # two groups: the 4096 tokens' blocks hold 2048 tokens
                                                 ({"kv_windows": (None, 64), "max_model_len": 2048 + 1},
-                                                 "max_model_len")])
+                                                 "max_model_len"),
+                                                ({"kv_windows": (None, 64), "transfer": dataclasses.replace(
+                                                    TRANSFER, layer_groups=(0,) * 10)}, "layer_groups")])
 def test_scenario_rejects_bad_values(overrides, message):
     with pytest.raises(ValueError, match=message):
         mixed(**overrides)
@@ -229,6 +239,27 @@ def test_a_sliding_window_model_keeps_a_window_of_blocks_per_request():
         preemptions[window] = sum(w.policy.num_preemptions for w in sim.workers.values())
     assert (served[128], preemptions[128]) == (8, 0)
     assert served[None] < 8 or preemptions[None] > 0
+
+
+@pytest.mark.parametrize("windows, layer_groups", [((256,), (0,) * 10), ((None, 256), (0, 1) * 5)])
+def test_a_windowed_models_kv_travels_only_within_the_window(windows, layer_groups):
+    """A split request's first token is the token worker's once its KV has landed (as Splitwise's
+    simulator counts it): a windowed group's layers send only the positions the token worker's
+    window reaches (from the first block it reads, at 16 tokens a block)."""
+    transfer, ttft = dataclasses.replace(TRANSFER, layer_groups=layer_groups), {}
+    for windowed in (False, True):
+        options = dict(kv_windows=windows, transfer=transfer, kv_group_share=1 / len(windows)) if windowed else {}
+        [record] = simulate(split(**options), [spec(0, 0.0, 2000, 2)]).records
+        ttft[windowed] = record.ttft_s
+    # a 2 s prefill (LinearPerf: 1 ms a token); 10 layers, 1000 B a token over 1 MB/s
+    assert ttft[False] == pytest.approx(2.0 + pipeline_visible(TRANSFER, 2000, 2.0))
+    reach = 2000 - (2000 - 256 + 1) // 16 * 16  # 256 tokens a windowed layer
+    if len(windows) == 1:  # 256 tokens a layer: one message after the prefill, as a 256-token prompt's
+        assert ttft[True] == pytest.approx(2.0 + 0.01 + 256 * 1000 / 1e6)
+    else:  # (2000 + 256) / 2 a layer: layer by layer, the windowed ones short
+        layers = [2000 if group == 0 else reach for group in layer_groups]
+        assert ttft[True] == pytest.approx(2.0 + pipeline_visible(transfer, layers, 2.0))
+        assert ttft[True] < ttft[False]
 
 
 def test_a_model_where_some_layers_slide_keeps_a_window_of_blocks_in_their_groups():

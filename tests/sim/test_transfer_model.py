@@ -1,4 +1,6 @@
 """The KV transfer model: serialized below the threshold, the layer pipeline above it."""
+import dataclasses
+
 import pytest
 
 from splitserve.sim.transfer import TransferModel
@@ -8,13 +10,14 @@ SLOW = TransferModel(bandwidth_bytes_per_s=1e6, latency_s=0.01, kv_bytes_per_tok
 FAST = TransferModel(bandwidth_bytes_per_s=1e9, latency_s=0.01, kv_bytes_per_token=1000, num_layers=10)
 
 
-def pipeline_visible(model: TransferModel, num_tokens: int, prefill_s: float) -> float:
-    """Layer by layer, as the docstring describes it: layer i ready at d (i+1) / L, one link."""
-    layer_s = model.link_time(num_tokens) / model.num_layers
+def pipeline_visible(model: TransferModel, num_tokens: int | list[int], prefill_s: float) -> float:
+    """Layer by layer, as the docstring describes it: layer i ready at d (i+1) / L, one link;
+    `num_tokens`: every layer's, or each layer's."""
+    layers = [num_tokens] * model.num_layers if isinstance(num_tokens, int) else num_tokens
     through = 0.0
-    for i in range(model.num_layers):
+    for i, tokens in enumerate(layers):
         ready = prefill_s * (i + 1) / model.num_layers
-        through = max(ready, through) + layer_s
+        through = max(ready, through) + model.link_time(tokens) / model.num_layers
     return model.latency_s + through - prefill_s
 
 
@@ -57,9 +60,29 @@ def test_visible_never_below_latency_plus_one_layer():
         assert SLOW.visible_time(2000, prefill_s) >= 0.01 + SLOW.link_time(2000) / 10 - 1e-12
 
 
+@pytest.mark.parametrize("sent", [(1000, 200), (4000, 1024), (600, 600)])
+@pytest.mark.parametrize("prefill_s", [0.0, 0.3, 1.0, 8.0])
+def test_windowed_layers_pipeline_at_their_own_sizes(sent, prefill_s):
+    """Layers 1, 3, .. in a windowed group sending fewer tokens than the full layers' group."""
+    model = dataclasses.replace(SLOW, layer_groups=(0, 1) * 5)
+    layers = [sent[group] for group in model.layer_groups]
+    assert model.visible_time(sent, prefill_s) == pytest.approx(pipeline_visible(model, layers, prefill_s))
+    assert model.visible_time((sent[0],) * 2, prefill_s) == model.visible_time(sent[0], prefill_s)
+
+
+def test_the_layerwise_threshold_counts_a_layers_mean_tokens():
+    model = dataclasses.replace(SLOW, layer_groups=(0, 1) * 5)
+    # (600 + 100) / 2 = 350 tokens a layer: one message after the prefill, 350 x 1000 B / 1e6 B/s + 10 ms
+    assert model.visible_time((600, 100), prefill_s=5.0) == pytest.approx(0.36)
+    assert model.visible_time((924, 100), prefill_s=5.0) < 0.36  # 512 a layer: layer-wise, hidden
+    with pytest.raises(ValueError, match="3 groups' tokens"):
+        model.visible_time((1, 2, 3), 0.0)
+
+
 @pytest.mark.parametrize("field, value", [("bandwidth_bytes_per_s", 0), ("latency_s", -0.1),
                                           ("kv_bytes_per_token", 0), ("num_layers", 0), ("num_layers", 2.5),
-                                          ("layerwise_threshold", 0)])
+                                          ("layerwise_threshold", 0), ("layer_groups", (0, 1)),
+                                          ("layer_groups", (0,) * 9 + (-1,))])
 def test_rejects_bad_parameters(field, value):
     with pytest.raises(ValueError, match=field):
         TransferModel(**{field: value})
