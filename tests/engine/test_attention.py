@@ -15,11 +15,12 @@ import dataclasses
 import functools
 import math
 import random
+import types
 
 import pytest
 import torch
 
-from splitserve.engine.attention import AttentionMetadata, TorchPagedBackend, fp8_kv, select_backend
+from splitserve.engine.attention import AttentionMetadata, TorchPagedBackend, fp8_kv, select_backend, torch_paged
 
 
 def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -238,6 +239,24 @@ def test_attention_sinks(window):
     """GPT-OSS's sinks, per query head, GQA groups of 4: decodes, fresh prompts, chunks."""
     check_case([(7, 1), (30, 1), (1, 1), (12, 12), (40, 9), (9, 2)], heads=8, kv_heads=2, num_decodes=3,
                window=window, sinks=SINKS)
+
+
+@pytest.mark.parametrize("window, scoring", [(None, {"softcap": 2.0}), (None, {"sinks": SINKS}), (1, {}), (5, {}),
+                                             (16, {}), (6, {"softcap": 2.0, "scale": 0.2}), (6, {"sinks": SINKS})])
+def test_long_chunks_attend_a_tile_of_queries_at_a_time(monkeypatch, window, scoring):
+    """Tiles of 8 queries (4 at least with a window): fresh prompts and chunks longer than a tile,
+    each tile reading only the keys within its reach (a window's band), equal the whole chunk's
+    attention; a fresh prompt SDPA's causal kernel can take (no window binding, no scores made
+    here) is never tiled."""
+    monkeypatch.setattr(torch_paged, "QUERY_TILE", 8)
+    monkeypatch.setattr(torch_paged, "MIN_TILE", 4)
+    check_case([(7, 1), (30, 1), (30, 30), (9, 9), (50, 21), (26, 13)], heads=8, kv_heads=2, num_decodes=2,
+               window=window, **scoring)
+    calls = []
+    monkeypatch.setattr(torch_paged, "_tokens_first", lambda *args, **kwargs: calls.append(kwargs) or args[1])
+    TorchPagedBackend().prefill_chunk(torch.zeros(30, 8, 4), torch.zeros(30, 2, 4), torch.zeros(30, 2, 4), None,
+                                      types.SimpleNamespace(context_lens_list=[30]), 0)
+    assert calls == [{"is_causal": True}]
 
 
 @pytest.mark.parametrize("causal", [True, False])

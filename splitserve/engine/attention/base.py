@@ -54,9 +54,14 @@ class Scoring:
     softcap: float | None = None
     sinks: torch.Tensor | None = None
 
+    @property
+    def fused(self) -> bool:
+        """SDPA makes the scores: none are held here."""
+        return self.softcap is None and self.sinks is None
+
     def attend(self, q, k, v, mask=None, is_causal: bool = False) -> torch.Tensor:
         """q [B, H, Lq, D], k and v [B, KVH, Lk, D] (KVH divides H); mask broadcast to [B, H, Lq, Lk]."""
-        if self.softcap is None and self.sinks is None:
+        if self.fused:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
                                                   enable_gqa=True)
         group = q.shape[1] // k.shape[1]

@@ -7,6 +7,10 @@ before position p - window for the query at p, and the blocks wholly before ever
 are not gathered (so a windowed layer's cost follows its window, not the context, and the blocks
 a block manager released are never read); `Scoring` gives the scores' scale and soft cap, and
 the sinks' logits. An FP8 cache is read dequantized (`fp8_kv`), this step's own K and V too.
+A chunk longer than a query tile (`QUERY_TILE`, or about a window) that SDPA's causal kernel
+cannot take whole attends a tile of queries at a time, each to the keys within its reach: a
+window's long prompt costs its length times about two windows, not its length squared, and
+scores made here (soft caps, sinks) are held a tile's worth at a time.
 """
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ import torch
 from splitserve.engine.attention import fp8_kv
 from splitserve.engine.attention.base import AttentionBackend, Scoring, write_kv
 from splitserve.engine.attention.metadata import AttentionMetadata
+
+QUERY_TILE = 1024  # queries attended at once, at most
+MIN_TILE = 64  # ... and at least (a window shorter than this still takes tiles this long)
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -56,24 +63,31 @@ class TorchPagedBackend(AttentionBackend):
                       scoring: Scoring | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """k, v: this chunk's, as the cache returns them."""
         n, context, scoring = q.shape[0], meta.context_lens_list[i], scoring or Scoring()
-        if n == context and (window is None or window >= n):
+        tile = QUERY_TILE if window is None else max(MIN_TILE, min(window, QUERY_TILE))
+        if n == context and (window is None or window >= n) and (scoring.fused or n <= tile):
             return _tokens_first(scoring.attend, q, k, v, is_causal=True)  # no earlier KV, nothing out of the window
-        start = 0
+        first, start = context - n, 0  # the chunk's first position; the first key held in keys / values
         if n == context:
             keys, values = k, v
         else:
             bs = kv_cache.shape[2]
-            lo = _first_block(context - n, window, bs)
+            lo = _first_block(first, window, bs)
             start = lo * bs
             table = meta.block_tables[i : i + 1, lo : -(-context // bs)]
             keys, values = (_read(x[0, :context - start], q.dtype, s)
                             for x, s in zip(_gather(kv_cache, table), kv_scale))
-        query_pos = torch.arange(context - n, context, device=q.device)[:, None]
-        key_pos = torch.arange(start, context, device=q.device)[None, :]
-        mask = key_pos <= query_pos
-        if window is not None:
-            mask &= key_pos > query_pos - window
-        return _tokens_first(scoring.attend, q, keys, values, mask=mask)
+        out = torch.empty_like(q)
+        for a in range(0, n, tile):
+            b = min(n, a + tile)
+            reach = start if window is None else max(start, first + a - window + 1)  # the tile's first key
+            query_pos = torch.arange(first + a, first + b, device=q.device)[:, None]
+            key_pos = torch.arange(reach, first + b, device=q.device)[None, :]
+            mask = key_pos <= query_pos
+            if window is not None:
+                mask &= key_pos > query_pos - window
+            held = slice(reach - start, first + b - start)
+            out[a:b] = _tokens_first(scoring.attend, q[a:b], keys[held], values[held], mask=mask)
+        return out
 
 
 def _first_block(query_pos: int, window: int | None, block_size: int) -> int:
