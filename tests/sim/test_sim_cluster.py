@@ -260,6 +260,9 @@ def test_a_windowed_models_kv_travels_only_within_the_window(windows, layer_grou
         layers = [2000 if group == 0 else reach for group in layer_groups]
         assert ttft[True] == pytest.approx(2.0 + pipeline_visible(transfer, layers, 2.0))
         assert ttft[True] < ttft[False]
+        # a transfer model that does not say which layers each group holds sends every position
+        [record] = simulate(split(kv_windows=windows, kv_group_share=0.5), [spec(0, 0.0, 2000, 2)]).records
+        assert record.ttft_s == ttft[False]
 
 
 def test_a_model_where_some_layers_slide_keeps_a_window_of_blocks_in_their_groups():
