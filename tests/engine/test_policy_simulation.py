@@ -130,6 +130,7 @@ class Sim:
         self.check_state(policy)
 
     def check_plan(self, policy, plan, running_before, waiting_before) -> None:
+        """Every policy's invariants, then its own rules."""
         items = plan.scheduled
         ids = [item.seq.seq_id for item in items]
         assert len(set(ids)) == len(ids)
@@ -153,36 +154,26 @@ class Sim:
             assert not new, "a prompt was admitted in a step that preempted"
         kinds = ["new" if i.seq.seq_id in waiting_before else
                  "decode" if running_before[i.seq.seq_id] else "partial" for i in items]
-        served = set(ids) | {s.seq_id for s in plan.preempted}
+        self.check_rules(policy, plan, kinds, new, running_before)
+
+    def check_rules(self, policy, plan, kinds, new, running_before) -> None:
+        """The policy's own rules; `kinds`: each scheduled item's (new, decode or partial)."""
+        served = {i.seq.seq_id for i in plan.scheduled} | {s.seq_id for s in plan.preempted}
         if self.name in ("token", "mixed"):
             # every sequence that was decoding is decoded (or preempted)
             assert all(sid in served for sid, dec in running_before.items() if dec)
-            assert all(i.num_new_tokens == 1 for i, k in zip(items, kinds) if k == "decode")
+            assert all(i.num_new_tokens == 1 for i, k in zip(plan.scheduled, kinds) if k == "decode")
         if self.name.startswith("accelgen"):
-            # within the budget (once the decodes fit); one long prompt in prefill (ERA)
-            if kinds.count("decode") <= policy.budget:
-                assert plan.num_tokens <= policy.budget <= limits.slo.max_budget_tokens
-            long = [s for s in policy.running if not s.is_decoding and s.num_prompt_tokens >= 20]
-            assert len(long) <= 1
+            self.check_accelgen(policy, plan, kinds)
             return
         if self.name == "mixed":
-            order = {"decode": 0, "partial": 1, "new": 2}
-            assert [order[k] for k in kinds] == sorted(order[k] for k in kinds)
-            budget = limits.chunk_token_budget
-            num_decodes = kinds.count("decode")
-            if num_decodes <= budget:
-                assert plan.num_tokens <= budget
-            used = num_decodes
-            for item, kind in zip(items, kinds):
-                if kind != "decode":
-                    assert item.num_new_tokens == min(item.seq.num_tokens - item.start, budget - used)
-                    used += item.num_new_tokens
+            self.check_mixed(policy, plan, kinds)
         else:
             # whole prompts only: every non-decode item runs to the end and samples
-            assert all(i.samples for i in items)
+            assert all(i.samples for i in plan.scheduled)
             assert "partial" not in kinds
             if len(new) > 1:
-                assert sum(i.num_new_tokens for i in new) <= limits.prompt_token_budget
+                assert sum(i.num_new_tokens for i in new) <= policy.limits.prompt_token_budget
         if self.name == "orca":
             self.check_orca(policy, plan, kinds, running_before)
         if self.name == "prefill_first":
@@ -191,6 +182,29 @@ class Sim:
                 assert all(sid in served for sid, dec in running_before.items() if dec)
         if self.name == "prompt":
             assert kinds == ["new"] * len(kinds)
+
+    @staticmethod
+    def check_accelgen(policy, plan, kinds) -> None:
+        """Within the budget (once the decodes fit); one long prompt in prefill (ERA)."""
+        if kinds.count("decode") <= policy.budget:
+            assert plan.num_tokens <= policy.budget <= policy.limits.slo.max_budget_tokens
+        long = [s for s in policy.running if not s.is_decoding and s.num_prompt_tokens >= 20]
+        assert len(long) <= 1
+
+    @staticmethod
+    def check_mixed(policy, plan, kinds) -> None:
+        """Decodes, then partial prefills, then new ones; each prefill chunk as large as the budget left."""
+        order = {"decode": 0, "partial": 1, "new": 2}
+        assert [order[k] for k in kinds] == sorted(order[k] for k in kinds)
+        budget = policy.limits.chunk_token_budget
+        num_decodes = kinds.count("decode")
+        if num_decodes <= budget:
+            assert plan.num_tokens <= budget
+        used = num_decodes
+        for item, kind in zip(plan.scheduled, kinds):
+            if kind != "decode":
+                assert item.num_new_tokens == min(item.seq.num_tokens - item.start, budget - used)
+                used += item.num_new_tokens
 
     @staticmethod
     def check_orca(policy, plan, kinds, running_before) -> None:
