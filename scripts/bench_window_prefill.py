@@ -61,10 +61,12 @@ def measure(args, folder: Path) -> list[dict]:
         prompt = [1] + [(7 * i) % 250 + 3 for i in range(n - 1)]
         times, firsts = {case: [] for case in CASES}, {}
         for case in CASES:  # warm-up
-            prefill_s(*runs[case][:1], prompt, runs[case][1])
+            engine, tiles = runs[case]
+            prefill_s(engine, prompt, tiles)
         for _ in range(args.repeats):
             for case in CASES:
-                seconds, firsts[case] = prefill_s(runs[case][0], prompt, runs[case][1])
+                engine, tiles = runs[case]
+                seconds, firsts[case] = prefill_s(engine, prompt, tiles)
                 times[case].append(seconds)
         if firsts["tiles"] != firsts["one band"]:
             raise SystemExit(f"{n} tokens: tiles sampled {firsts['tiles']}, one band {firsts['one band']}")

@@ -230,10 +230,8 @@ class Simulation:
                 refused[token_worker.worker_id] = error
                 continue
             self._awaiting_kv[seq_id] = token_worker
-            sent, by_group = spec.prompt_tokens - imported.num_computed_tokens, token_worker.import_sends(imported)
-            if len(by_group) > 1 and not self.scenario.transfer.layer_groups:  # its groups' layers unknown: all
-                by_group = (sent,)
-            self._to_send[seq_id] = (sent, by_group)
+            self._to_send[seq_id] = (spec.prompt_tokens - imported.num_computed_tokens,
+                                     token_worker.import_sends(imported))
             break
         self.token_times[seq_id], self._slots[seq_id] = [], slot
         prompt_worker.add(EngineSequence(seq_id, prompt, params, self.now), hand_off=not placement.local)

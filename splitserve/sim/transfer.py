@@ -75,13 +75,14 @@ class TransferModel:
     def visible_time(self, num_tokens: int | Sequence[int], prefill_s: float) -> float:
         """Seconds from the end of the prefill iteration (of `prefill_s` seconds) to the KV of a
         prompt having landed on the token worker (the module docstring); `num_tokens`: the tokens
-        whose KV travels, in every layer or per layer group."""
+        whose KV travels, in every layer or per layer group (without `layer_groups`, which layers
+        each group holds is unknown: every layer sends the most any group sends)."""
         if isinstance(num_tokens, int):
             return self._visible(num_tokens, prefill_s)
-        if len(num_tokens) != 1 + max(self.layer_groups, default=0):
+        if not self.layer_groups or len(set(num_tokens)) == 1:
+            return self._visible(max(num_tokens), prefill_s)
+        if len(num_tokens) != 1 + max(self.layer_groups):
             raise ValueError(f"{len(num_tokens)} groups' tokens for layer groups {sorted(set(self.layer_groups))}")
-        if len(set(num_tokens)) == 1:
-            return self._visible(num_tokens[0], prefill_s)
         layers = [num_tokens[group] for group in self.layer_groups]
         mean = sum(layers) / self.num_layers
         if not self.layerwise(mean):

@@ -68,7 +68,7 @@ class KVImporter:
         group_of = cache.groups.group_of  # a layer's tokens travel from its group's start: the threshold is their mean
         layerwise = sum(num_tokens - starts[group] for group in group_of) >= self.layerwise_threshold * len(group_of)
         ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, num_tokens, layerwise,
-                                self.transport.layout, start, group_starts=starts if set(starts) != {start} else ())
+                                self.transport.layout, start, group_starts=starts)
         parts = split_ticket(ticket, self.engine.model_config.num_key_value_heads, prompt_tp, self.tp_size)
         stamped = []
         for part in parts:

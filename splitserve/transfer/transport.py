@@ -82,6 +82,7 @@ class KVTransport:
         self._groups = layer_groups or (0,) * num_layers
         if len(self._groups) != num_layers:
             raise ValueError(f"layer_groups names {len(self._groups)} layers, not {num_layers}")
+        self._num_groups = 1 + max(self._groups)
         self._out: dict[str, tuple[int, Link]] = {}  # prompt side: (epoch, link) to each token peer
         self._failed_out: dict[str, int] = {}  # prompt side: the newest epoch to a token peer that failed
         self._epoch_seen: dict[tuple[str, int], float] = {}  # prompt side: when a link not yet opened was first named
@@ -112,9 +113,9 @@ class KVTransport:
         first seen (the token side waits `timeout` from about then for that link to open)."""
         if ticket.kv_layout != self.layout:
             raise IncompatibleKV(ticket.token_peer, ticket.prompt_peer, self.layout, ticket.kv_layout)
-        if len(ticket.group_starts) not in (0, 1 + max(self._groups)):
+        if len(ticket.group_starts) not in (0, self._num_groups):
             raise ProtocolError(ticket.token_peer, f"its ticket names {len(ticket.group_starts)} KV layer groups' "
-                                                   f"starts; this worker's KV has {1 + max(self._groups)} groups")
+                                                   f"starts; this worker's KV has {self._num_groups} groups")
         if ticket.token_peer not in self._out or self._out[ticket.token_peer][0] != ticket.link_epoch:
             self._epoch_seen.setdefault((ticket.token_peer, ticket.link_epoch), time.monotonic())
 
@@ -148,7 +149,7 @@ class KVTransport:
         layers = slice(None) if kind == ALL else slice(kind, kind + 1)
         num_heads = count_heads(source.data.shape[-2], heads)
         try:
-            written = link.write(source, slots, layers, heads, ticket.dest, ticket.starts(1 + max(self._groups)),
+            written = link.write(source, slots, layers, heads, ticket.dest, ticket.starts(self._num_groups),
                                  ticket.num_tokens)
             link.send_meta(header(ticket.tag, kind, message_tokens(ticket, kind, self._groups), num_heads))
         except TransferError:
