@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from splitserve.engine.block_integrity import check_tables
 from splitserve.engine.block_pool import NULL_BLOCK, BlockPool
 from splitserve.engine.block_promises import BlockPromises
-from splitserve.engine.prefix_hash import ROOT, block_key, chain_root, num_reusable_blocks
+from splitserve.engine.prefix_hash import ROOT, block_key, chain_root
+from splitserve.engine.prefix_hit import PrefixHit, find_hit, first_needed, no_hit
 from splitserve.engine.sequence import Sequence
 
 
@@ -59,8 +60,6 @@ def long_rope_root(long_from: int | None) -> Callable[[Sequence], int]:
     """`root_of` for a model: with LongRoPE, a sequence of more than `long_from` tokens (whose KV
     turns long) chains from LONG_ROPE_ROOT (`prefix_hash.chain_root`, as the ingress names it)."""
     return lambda seq: chain_root(seq.num_tokens, long_from)
-
-
 
 
 class OutOfBlocksError(RuntimeError):
@@ -78,17 +77,6 @@ class _Held:
     chunk: int = 0           # taken chunk by chunk, at most this many tokens a step (0: not, or done)
     prefill_to: int = 0      # ... until this many tokens are computed
     promised: int = 0        # free blocks kept for the rest of its prefill
-
-
-@dataclass(frozen=True, slots=True)
-class _Hit:
-    """A prefix-cache hit: the first `blocks` blocks' KV is cached; per group, the first
-    `released[g]` of them are out of reach and `hits[g]` hold the rest."""
-
-    blocks: int
-    released: list[int]
-    hits: list[list[int]]
-    parent: int
 
 
 class BlockManager:
@@ -201,7 +189,7 @@ class BlockManager:
         hit = self._prefix_hit(seq) if use_prefix_cache else self._no_hit(seq)
         self._take(seq, hit, self._chunk_of(seq, chunk_tokens))
 
-    def _take(self, seq: Sequence, hit: _Hit, chunk: int | None, headroom: int = 0) -> None:
+    def _take(self, seq: Sequence, hit: PrefixHit, chunk: int | None, headroom: int = 0) -> None:
         """`allocate` with its hit: per group, `hit.released` leading NULL_BLOCKs, then the hit's
         blocks; then fresh blocks to the end of the prompt (`chunk`: promised). Refused unless
         `headroom` more blocks are free."""
@@ -304,7 +292,7 @@ class BlockManager:
         """Blocks for a sequence whose KV a transfer in writes. With `reuse_prefix`, cached full
         blocks of its prefix are shared (held, so never evicted meanwhile) and
         `seq.num_computed_tokens` is the number of leading tokens they hold: the transfer must
-        write only the positions from there on (never the last token's, `_prefix_hit`). Without,
+        write only the positions from there on (never the last token's, `prefix_hit`). Without,
         every block is fresh and the transfer writes them all. A windowed group reserves only the
         blocks its first decode can read: the leading ones out of its reach are NULL_BLOCK from
         the start, as `commit` releases them once the import completes (the transfer sends that
@@ -319,7 +307,7 @@ class BlockManager:
         hits = [hits[max(0, out - r):] for hits, r, out in zip(hit.hits, hit.released, released)]
         skipped = sum(released) - sum(hit.released)
         headroom = min(skipped, self.full_growth(seq) + sum(map(self.full_growth, others))) if skipped else 0
-        self._take(seq, _Hit(hit.blocks, released, hits, hit.parent), None, headroom)
+        self._take(seq, PrefixHit(hit.blocks, released, hits, hit.parent), None, headroom)
         return self.export_blocks(seq.seq_id)
 
     def take_prefix_delta(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -387,49 +375,24 @@ class BlockManager:
         """A sequence prefilled chunk by chunk is promised what its prefill still needs."""
         held.promised = self._promises.settle(held.promised, self._need(held, held.chunk) if held.chunk else 0)
 
-    def _free_blocks_needed(self, seq: Sequence, hit: _Hit, chunk: int | None = None) -> int:
+    def _free_blocks_needed(self, seq: Sequence, hit: PrefixHit, chunk: int | None = None) -> int:
         hashed = self._pool.hashed
         revived = sum(1 for hits in hit.hits for b in hits if hashed[b].ref_count == 0)  # cached but free
         return self._promises.peak(seq.num_tokens, hit.released, chunk) - sum(len(hits) for hits in hit.hits) + revived
 
-    def _no_hit(self, seq: Sequence) -> _Hit:
-        return _Hit(0, [0] * self.num_groups, [[] for _ in self.windows], self._root_of(seq))
+    def _no_hit(self, seq: Sequence) -> PrefixHit:
+        return no_hit(self.num_groups, self._root_of(seq))
 
-    def _prefix_hit(self, seq: Sequence) -> _Hit:
-        """The longest cached prefix of the sequence's full blocks that every group can serve: a
-        group needs its cached blocks from the first one a query right after the prefix can
-        read (`_first_needed`). The last token is never covered, so a step always computes at
-        least one token and produces logits."""
+    def _prefix_hit(self, seq: Sequence) -> PrefixHit:
+        """`prefix_hit.find_hit` where the prefix cache serves the sequence; a handed-off one takes
+        its hit whole (every group as a full one: the export reads every block)."""
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return self._no_hit(seq)
         windows = [None] * self.num_groups if seq.hand_off else self.windows
-        root = parent = self._root_of(seq)
-        found = [[] for _ in windows]  # per group: the cached block of each leading block, or None
-        gaps = [-1] * len(windows)     # per group: its last uncached block so far
-        parents, best, lookup = [], 0, self._pool.lookup
-        for i in range(num_reusable_blocks(seq.num_tokens, self.block_size)):
-            key = block_key(parent, seq.token_ids, i, self.block_size)
-            parent = hash(key)
-            parents.append(parent)
-            for group, blocks in enumerate(found):
-                block_id = lookup(group, key, parent)
-                blocks.append(block_id)
-                if block_id is None:
-                    gaps[group] = i
-            if any(gap >= 0 and window is None for gap, window in zip(gaps, windows)):
-                break  # a full group misses a block: no longer prefix has it
-            if all(self._first_needed((i + 1) * self.block_size, window) > gap for gap, window in zip(gaps, windows)):
-                best = i + 1
-        released = [self._first_needed(best * self.block_size, window) for window in windows]
-        hits = [blocks[first:best] for blocks, first in zip(found, released)]
-        return _Hit(best, released, hits, parents[best - 1] if best else root)
+        return find_hit(self._pool, seq, windows, self.block_size, self._root_of(seq))
 
     def _first_needed(self, num_tokens: int, window: int | None) -> int:
-        """The first block a query right after `num_tokens` computed tokens (at that position or
-        later) can read."""
-        if window is None:
-            return 0
-        return max(0, num_tokens - window + 1) // self.block_size
+        return first_needed(num_tokens, window, self.block_size)
 
     def check_integrity(self) -> None:
         """Raise `RuntimeError` naming the first broken invariant (the module's, and the pool's)."""
