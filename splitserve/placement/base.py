@@ -48,22 +48,27 @@ def can_prompt(worker: WorkerState, thresholds: PlacementThresholds, exclude: fr
     return worker.prompt_queue() < thresholds.max_queue_tokens and worker.worker_id not in exclude
 
 
+def has_import_room(worker: WorkerState, request: PlacementRequest) -> bool:
+    """Whether the worker's free KV takes the request's prompt and first token as an import
+    (`WorkerLoad.import_tokens`: a windowed model's growth headroom too)."""
+    load = worker.load
+    return load.total_kv_tokens == 0 or worker.free_kv_tokens() >= load.import_tokens(request.num_prompt_tokens + 1,
+                                                                                       request.max_tokens)
+
+
 def can_decode(worker: WorkerState, thresholds: PlacementThresholds, request: PlacementRequest,
                exclude: frozenset[str]) -> bool:
-    """The token side of a pair: `has_decode_room`, and no sequence waits there after a
-    preemption (the worker takes no import until they run again: `Policy.reserve_import`)."""
-    return has_decode_room(worker, thresholds, request, exclude) and worker.load.num_preempted == 0
-
-
-def has_decode_room(worker: WorkerState, thresholds: PlacementThresholds, request: PlacementRequest,
-                    exclude: frozenset[str]) -> bool:
-    return (worker.token_queue() < thresholds.max_decode_queue_tokens
-            and has_kv_room(worker, request.num_prompt_tokens + 1) and worker.worker_id not in exclude)
+    """The token side of a pair: room in its token queue and for the import, and no sequence waits
+    there after a preemption (the worker takes no import until they run again: `Policy.reserve_import`)."""
+    return (worker.token_queue() < thresholds.max_decode_queue_tokens and has_import_room(worker, request)
+            and worker.worker_id not in exclude and worker.load.num_preempted == 0)
 
 
 def can_run_whole(worker: WorkerState, thresholds: PlacementThresholds, request: PlacementRequest,
                   exclude: frozenset[str]) -> bool:
-    return can_prompt(worker, thresholds, exclude) and has_decode_room(worker, thresholds, request, exclude)
+    """Both queues have room, and its free KV the prompt and first token (no import: no headroom)."""
+    return (can_prompt(worker, thresholds, exclude) and worker.token_queue() < thresholds.max_decode_queue_tokens
+            and has_kv_room(worker, request.num_prompt_tokens + 1))
 
 
 def combined_load(worker: WorkerState, thresholds: PlacementThresholds, saved_prompt: float = 0.0,
@@ -92,13 +97,13 @@ def least_prompt_queue(workers: Sequence[WorkerState], thresholds: PlacementThre
 def least_token_queue(workers: Sequence[WorkerState], thresholds: PlacementThresholds, request: PlacementRequest,
                       exclude: frozenset[str]) -> WorkerState | None:
     best, best_queue = None, thresholds.max_decode_queue_tokens
-    kv_needed = request.num_prompt_tokens + 1
+    kv_needed, max_tokens = request.num_prompt_tokens + 1, request.max_tokens
     for worker in workers:
         load = worker.load
         queue = (load.decode_tokens + worker.placed_decode_tokens) / worker.hardware.token_speed
         if (queue < best_queue and worker.worker_id not in exclude and not load.num_preempted
                 and (load.total_kv_tokens == 0 or load.free_kv_tokens - worker.placed_kv_tokens
-                     >= (load.kv_tokens(kv_needed) if load.kv_window_tokens else kv_needed))):
+                     >= (load.import_tokens(kv_needed, max_tokens) if load.kv_window_tokens else kv_needed))):
             best, best_queue = worker, queue
     return best
 

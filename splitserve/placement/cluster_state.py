@@ -6,7 +6,7 @@ import dataclasses
 from bisect import insort
 from collections.abc import Collection
 
-from splitserve.placement.base import PlacementPolicy, can_decode, can_prompt, combined_load
+from splitserve.placement.base import PlacementPolicy, can_decode, can_prompt, can_run_whole, combined_load
 from splitserve.placement.hardware import HardwareProfile, hardware_profile
 from splitserve.placement.prefix_index import PrefixIndex
 from splitserve.placement.registry import make_placement_policy
@@ -134,15 +134,18 @@ class ClusterState:
         return SavedWork(cached, self.prefix) if cached else None
 
     def _followed(self, request: PlacementRequest, exclude: frozenset[str]) -> Placement | None:
-        """The followed placement, if both its workers are still here and qualify."""
+        """The followed placement, if both its workers are still here and qualify (as one running
+        it whole where it is local)."""
         follow = request.follow
         if follow is None:
             return None
         prompt, token = self.workers.get(follow.prompt_worker), self.workers.get(follow.token_worker)
-        if prompt is None or token is None or not can_prompt(prompt, self.thresholds, exclude) \
-                or not can_decode(token, self.thresholds, request, exclude):
+        if prompt is None or token is None:
             return None
-        return follow
+        if follow.local:
+            return follow if can_run_whole(prompt, self.thresholds, request, exclude) else None
+        qualify = can_prompt(prompt, self.thresholds, exclude) and can_decode(token, self.thresholds, request, exclude)
+        return follow if qualify else None
 
     def _apply_all(self, moves: list[PoolMove], now: float) -> list[PoolMove]:
         for move in moves:

@@ -9,7 +9,8 @@ from splitserve.placement.state import PrefixDelta, WorkerLoad
 
 def load_of(policy: Policy, blocks: BlockManager) -> WorkerLoad:
     """Prompt tokens still to prefill here (handed-off ones included); decode load: sequences that
-    decode here, imports included (their KV is arriving)."""
+    decode here, imports included (their KV is arriving); their full layer groups' growth to their
+    max_tokens, in KV tokens rounded up (what a windowed import leaves room for)."""
     queued = [*policy.waiting, *policy.running]
     local = [s for s in (*queued, *policy.held.values()) if not s.hand_off]
     return WorkerLoad(
@@ -18,7 +19,8 @@ def load_of(policy: Policy, blocks: BlockManager) -> WorkerLoad:
         num_waiting=len(policy.waiting), num_preempted=policy.num_preempted_waiting,
         free_kv_tokens=blocks.tokens_of(blocks.num_free_blocks),
         total_kv_tokens=blocks.tokens_of(blocks.num_blocks), kv_groups=blocks.num_groups,
-        kv_full_groups=blocks.windows.count(None), kv_window_tokens=blocks.window_tokens)
+        kv_full_groups=blocks.windows.count(None), kv_window_tokens=blocks.window_tokens,
+        kv_growth_tokens=-(-sum(map(blocks.full_growth, policy.decodes())) // blocks.num_groups) * blocks.block_size)
 
 
 def prefix_delta_of(blocks: BlockManager, snapshot: bool) -> PrefixDelta:

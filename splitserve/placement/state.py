@@ -53,11 +53,12 @@ class WorkerLoad:
     kv_groups: int = 1
     kv_full_groups: int = 1
     kv_window_tokens: int = 0
+    kv_growth_tokens: int = 0  # what the full groups of the sequences decoding here take to their max_tokens
 
     def __post_init__(self) -> None:
         _require_non_negative_ints(self, ("pending_prompt_tokens", "decode_tokens", "num_decoding", "num_waiting",
                                           "num_preempted", "free_kv_tokens", "total_kv_tokens", "kv_full_groups",
-                                          "kv_window_tokens"))
+                                          "kv_window_tokens", "kv_growth_tokens"))
         if not isinstance(self.kv_groups, int) or not 1 <= self.kv_groups or self.kv_full_groups > self.kv_groups:
             raise ValueError(f"kv_groups must be an integer >= 1 and >= kv_full_groups={self.kv_full_groups}, "
                              f"got {self.kv_groups!r}")
@@ -68,6 +69,16 @@ class WorkerLoad:
             return num_tokens
         windowed = (self.kv_groups - self.kv_full_groups) * min(num_tokens, self.kv_window_tokens)
         return -(-(self.kv_full_groups * num_tokens + windowed) // self.kv_groups)
+
+    def import_tokens(self, num_tokens: int, max_tokens: int) -> int:
+        """The free KV tokens an import of `num_tokens` tokens that may generate `max_tokens` asks
+        here: what it holds, and with a windowed group room for the full groups' growth, its own and
+        the decodes' here, at most what its window skips: never more than a whole prompt's
+        (`Policy.reserve_import`)."""
+        if not self.kv_window_tokens:
+            return num_tokens
+        growth = -(-self.kv_full_groups * max_tokens // self.kv_groups) + self.kv_growth_tokens
+        return min(num_tokens, self.kv_tokens(num_tokens) + growth)
 
     @property
     def idle(self) -> bool:

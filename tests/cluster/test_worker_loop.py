@@ -242,9 +242,9 @@ def test_load_of_a_local_request(idle_pair):
     loop.generate("r", FORTY, GREEDY, Sink())
     assert loop.load() == WorkerLoad(pending_prompt_tokens=40, decode_tokens=40, num_decoding=1, num_waiting=1,
                                      free_kv_tokens=total, total_kv_tokens=total)
-    loop.engine.step()  # prefill: 40 prompt tokens + 1 sampled, in 3 blocks
+    loop.engine.step()  # prefill: 40 prompt tokens + 1 sampled, in 3 blocks; max_tokens=10 take a 4th
     assert loop.load() == WorkerLoad(pending_prompt_tokens=0, decode_tokens=41, num_decoding=1, num_waiting=0,
-                                     free_kv_tokens=total - 3 * BLOCK, total_kv_tokens=total)
+                                     free_kv_tokens=total - 3 * BLOCK, total_kv_tokens=total, kv_growth_tokens=BLOCK)
 
 
 def test_load_of_a_request_to_prefill_and_hand_off(idle_pair):
@@ -257,9 +257,9 @@ def test_load_of_a_request_to_prefill_and_hand_off(idle_pair):
 
 def test_load_of_a_reserved_import(idle_pair):
     loop, total = idle_pair.token, ENGINE["num_kv_blocks"] * BLOCK
-    loop.reserve("r", FORTY, GREEDY, "p0", Sink())
+    loop.reserve("r", FORTY, GREEDY, "p0", Sink())  # an import decodes here: it grows by a block
     assert loop.load() == WorkerLoad(pending_prompt_tokens=0, decode_tokens=40, num_decoding=1, num_waiting=0,
-                                     free_kv_tokens=total - 3 * BLOCK, total_kv_tokens=total)
+                                     free_kv_tokens=total - 3 * BLOCK, total_kv_tokens=total, kv_growth_tokens=BLOCK)
 
 
 def test_prefix_delta_names_the_blocks_the_ingress_names(idle_pair):

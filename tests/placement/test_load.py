@@ -1,14 +1,16 @@
 """`load_of`: a worker's KV report. A decoding sequence holds no more of its free KV than the load's
 `kv_tokens` says of its tokens rounded up to whole blocks, and as much at times, with full layer
-groups or windowed ones."""
+groups or windowed ones; an import the report has room for (`import_tokens`) the worker takes."""
 from __future__ import annotations
+
+import random
 
 import pytest
 
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.block_manager import BlockManager, OutOfBlocksError
 from splitserve.engine.policies import SchedulerLimits, make_policy
 from splitserve.placement.load import load_of
-from tests.engine.block_helpers import BS, make_seq
+from tests.engine.block_helpers import BS, make_seq, seq_range
 
 
 @pytest.mark.parametrize("windows", [(None,), (8,), (None, 8), (13, None), (None, 5, 5)])
@@ -33,6 +35,36 @@ def test_a_decoding_sequence_holds_what_the_load_says(windows):
         assert load.kv_tokens(120) == load.kv_window_tokens < 120 // 2  # a window's, however long it runs
     elif len(windows) > windows.count(None):
         assert load.kv_tokens(120) < 120
+
+
+@pytest.mark.parametrize("windows", [(None,), (8,), (None, 8), (13, None), (None, 5, 5), (None, 30)])
+def test_the_cls_places_an_import_only_where_the_token_worker_reserves_it(windows):
+    """Random token workers (free blocks, decodes of random lengths and max_tokens) and imports: where
+    the report's free KV covers `import_tokens`, `Policy.reserve_import` succeeds (with a windowed
+    group it also asks room for the full groups' growth); it refuses no more than a few that fit
+    (the report rounds to whole blocks per group)."""
+    rng, refused_fitting = random.Random(0), 0
+    for _ in range(500):
+        blocks = BlockManager(rng.randint(10, 120), BS, windows=windows)
+        policy = make_policy("token", blocks, SchedulerLimits())
+        for i in range(rng.randint(0, 3)):
+            decode = make_seq(f"d{i}", seq_range(100 * i, rng.randint(1, 40)), max_tokens=rng.randint(1, 60))
+            try:
+                policy.reserve_import(decode)
+            except OutOfBlocksError:
+                break
+            if rng.random() < 0.7:  # the others still import
+                policy.complete_import(decode.seq_id, 1)
+        load = load_of(policy, blocks)
+        seq = make_seq("s", seq_range(5000, rng.randint(1, 80)), max_tokens=rng.randint(1, 80))
+        placed = load.free_kv_tokens >= load.import_tokens(seq.num_tokens + 1, seq.params.max_tokens)
+        try:
+            policy.reserve_import(seq)
+        except OutOfBlocksError:
+            assert not placed, (load, seq.num_tokens, seq.params.max_tokens)
+        else:
+            refused_fitting += not placed
+    assert refused_fitting <= 10
 
 
 def test_a_full_attention_worker_counts_every_token():

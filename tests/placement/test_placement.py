@@ -104,6 +104,23 @@ def test_a_sliding_window_token_worker_has_room_for_prompts_longer_than_its_free
     assert pair(full, request(3000, 50)) is None  # a full-attention worker needs every token's
 
 
+@pytest.mark.parametrize("policy", ["round-robin", "jsq"])
+def test_a_windowed_import_asks_room_for_the_full_groups_growth(policy):
+    """Every other layer windowed: the import of 3000 tokens holds 1637 of the free KV, and the token
+    worker asks room for the full groups' growth too, its own (25 of 50 tokens) and its decodes'
+    (`kv_growth_tokens`), at most a whole prompt's 3001. A whole request runs without that headroom."""
+    windowed = dict(kv_groups=2, kv_full_groups=1, kv_window_tokens=272)
+    growing = replace(load(free=2000, total=4000), **windowed, kv_growth_tokens=400)
+    steady = replace(load(decode=500, free=2000, total=4000), **windowed, kv_growth_tokens=300)
+    state = cluster(policy, prompt=[idle("p0")], token=[("t0", H100, growing), ("t1", H100, steady)])
+    assert steady.import_tokens(3001, 50) == 1637 + 25 + 300 and growing.import_tokens(3001, 50) == 1637 + 25 + 400
+    assert pair(state, request(3000, 50), exclude={"t1"}) is None  # 2062 > 2000 free
+    assert pair(state, request(3000, 50)) == ("p0", "t1")  # 1962 of its 2000
+    assert replace(growing, kv_growth_tokens=10**6).import_tokens(3001, 50) == 3001
+    whole = cluster(policy, mixed=[("m0", H100, growing)])
+    assert pair(whole, request(3000, 50)) == ("m0", "m0")
+
+
 def test_a_token_worker_with_a_preempted_sequence_waiting_takes_no_import():
     """It would refuse the reservation (Policy.reserve_import) until that sequence runs again; a
     whole request may still run there."""
@@ -256,3 +273,14 @@ def test_a_following_request_goes_to_the_workers_it_follows_while_they_qualify()
     assert pair(full, following) == ("p2", "t1")
     state.remove_worker("p1")
     assert pair(state, following)[0] == "p2"
+
+
+def test_a_local_placement_is_followed_while_its_worker_can_run_the_request_whole():
+    """No import there: a preempted sequence waiting, or a windowed decode's growth, does not stop it
+    (though the other worker's queues are shorter)."""
+    waiting = replace(load(pending=500, free=1000, total=4000), num_preempted=1, num_waiting=1, kv_groups=2, kv_full_groups=1,
+                      kv_window_tokens=272, kv_growth_tokens=10**6)
+    state = cluster("jsq", mixed=[("m0", H100, waiting), ("m1", H100, load())])
+    following = PlacementRequest("r", 1000, 10, follow=Placement("m0", "m0"))
+    assert pair(state, following) == ("m0", "m0")
+    assert pair(state, PlacementRequest("r", 2000, 10, follow=Placement("m0", "m0"))) == ("m1", "m1")  # no KV room

@@ -19,7 +19,8 @@ from tests.placement.placement_helpers import A100, H100, LIMITS, cluster, load,
 
 def random_workers(rng: random.Random):
     windows = [{}, dict(kv_groups=1, kv_full_groups=0, kv_window_tokens=rng.randint(1, 600)),  # every layer slides
-               dict(kv_groups=2, kv_full_groups=1, kv_window_tokens=rng.randint(1, 600))]  # every other one
+               dict(kv_groups=2, kv_full_groups=1, kv_window_tokens=rng.randint(1, 600),  # every other one
+                    kv_growth_tokens=rng.choice([0, rng.randint(0, 2000)]))]
     specs = [(f"w{i:02d}", rng.choice([H100, A100]),
               replace(load(pending=rng.choice([0, 100, rng.randint(0, 3500)]),
                            decode=rng.choice([0, rng.randint(0, 25000)]), free=rng.randint(0, 3000),

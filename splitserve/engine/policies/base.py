@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
@@ -65,6 +65,11 @@ class Policy(ABC):
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def decodes(self) -> Iterator[Sequence]:
+        """The sequences that decode here, running or importing (not prompts held for a hand-off):
+        a windowed import leaves room for their growth (`reserve_import`)."""
+        return (seq for seq in (*self.running, *self.held.values()) if not seq.hand_off)
 
     def find(self, seq_id: str) -> Sequence | None:
         if seq_id in self.held:
@@ -135,8 +140,7 @@ class Policy(ABC):
                                   "sequences are already running or importing")
         if self.num_preempted_waiting:
             raise EngineFullError(f"cannot import {seq.seq_id!r}: a preempted sequence waits for KV blocks here")
-        decodes = (other for other in (*self.running, *self.held.values()) if not other.hand_off)
-        tables = self.blocks.reserve_for_import(seq, reuse_prefix, decodes)
+        tables = self.blocks.reserve_for_import(seq, reuse_prefix, self.decodes())
         seq.status = SequenceStatus.IMPORTING
         self.held[seq.seq_id] = seq
         return tables
