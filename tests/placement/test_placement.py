@@ -278,8 +278,8 @@ def test_a_following_request_goes_to_the_workers_it_follows_while_they_qualify()
 def test_a_local_placement_is_followed_while_its_worker_can_run_the_request_whole():
     """No import there: a preempted sequence waiting, or a windowed decode's growth, does not stop it
     (though the other worker's queues are shorter)."""
-    waiting = replace(load(pending=500, free=1000, total=4000), num_preempted=1, num_waiting=1, kv_groups=2, kv_full_groups=1,
-                      kv_window_tokens=272, kv_growth_tokens=10**6)
+    waiting = replace(load(pending=500, free=1000, total=4000), num_preempted=1, num_waiting=1, kv_groups=2,
+                      kv_full_groups=1, kv_window_tokens=272, kv_growth_tokens=10**6)
     state = cluster("jsq", mixed=[("m0", H100, waiting), ("m1", H100, load())])
     following = PlacementRequest("r", 1000, 10, follow=Placement("m0", "m0"))
     assert pair(state, following) == ("m0", "m0")
