@@ -89,6 +89,7 @@ class Run:
     token_handle: object = None
     _attempts: itertools.count = field(default_factory=itertools.count)
     failures: int = 0  # attempts that failed (each one placed the request again, if attempts were left)
+    refusals: int = 0  # reservations token workers refused (the CLS placed by a stale load report)
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None  # from the first attempt that computed them
     follow: Placement | None = None  # the first attempt goes where this placement went, if it still qualifies
     prefix: PrefixNaming = PrefixNaming()  # how to name the prompt's blocks to the CLS (by default: not at all)
@@ -166,6 +167,7 @@ class Run:
             try:
                 return await self._launch(prompt, params)
             except _Refused as refused:
+                self.refusals += 1
                 if tries == REFUSED_TRIES:
                     raise
                 log.info("request %s: %s; placing it again without that worker", self.request_id, refused)

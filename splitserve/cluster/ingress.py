@@ -160,9 +160,10 @@ class Ingress:
     def _refusal(self, error: RequestFailed | Overloaded, run: Run) -> Response:
         """A 503 for a request no worker could run, a 429 with Retry-After when the cluster is full."""
         if isinstance(error, RequestFailed):
-            self._observations.add(RequestObservation("failed", len(run.prompt), restarts=run.failures))
+            self._observations.add(RequestObservation("failed", len(run.prompt), restarts=run.failures,
+                                                      refused_placements=run.refusals))
             return error_response(RequestError(str(error), status=503, type="service_unavailable"))
-        self._observations.add(RequestObservation("rejected", len(run.prompt)))
+        self._observations.add(RequestObservation("rejected", len(run.prompt), refused_placements=run.refusals))
         retry = self.config.ingress.retry_after_s
         return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
                                            status=429, type="rate_limit_exceeded"), {"Retry-After": str(retry)})

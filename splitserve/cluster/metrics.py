@@ -37,6 +37,7 @@ class RequestObservation:
     tbt: tuple[float, ...] = ()
     e2e: float | None = None
     restarts: int = 0
+    refused_placements: int = 0  # placements whose token worker refused the reservation
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class ClusterMetrics:
                                registry=self.registry)
         self.restarted = Counter("splitserve_requests_restarted", "Requests placed again after a failure",
                                  ("model",), registry=self.registry).labels(m)
+        self.refused_placements = Counter("splitserve_placements_refused", "Placements whose token worker refused "
+                                          "the reservation (the CLS placed by a stale load report): the request was "
+                                          "placed again, or answered 429", ("model",), registry=self.registry).labels(m)
         for outcome in OUTCOMES:
             self.requests.labels(m, outcome)
         for slo in SLOS:
@@ -142,6 +146,7 @@ class ClusterMetrics:
             self.prompt_tokens.inc(obs.prompt_tokens)
             self.generation_tokens.inc(obs.generated_tokens)
             self.restarted.inc(obs.restarts)
+            self.refused_placements.inc(obs.refused_placements)
             if obs.outcome == "completed":
                 self._record_latencies(obs)
 

@@ -45,7 +45,8 @@ class RunResponse:
         return RequestObservation(outcome, len(self.run.prompt), len(self.run.tokens),
                                   ttft=times[0] - self.started if times else None,
                                   tbt=tuple(b - a for a, b in zip(times, times[1:])),
-                                  e2e=end - self.started, restarts=self.run.failures)
+                                  e2e=end - self.started, restarts=self.run.failures,
+                                  refused_placements=self.run.refusals)
 
     async def pieces(self, every_delta: bool = False) -> AsyncIterator[tuple[str, str | None]]:
         """(text delta, finish reason) until done; a stop string seen here ends the run. Tokens

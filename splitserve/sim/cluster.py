@@ -81,6 +81,7 @@ class SimResult:
     seed: int  # as given: the simulation draws no random numbers, so every seed gives the same run
     kv_tokens_sent: int = 0    # prompt tokens whose KV went from a prompt worker to a token worker
     kv_tokens_reused: int = 0  # prompt tokens of split requests whose KV the token worker's cache held
+    placements_refused: int = 0  # placements whose token worker refused the reservation (a stale report)
 
     def summary(self, slo: SLOSpec | None = None, baseline: Baseline | None = None) -> dict:
         """`splitserve.bench.report.summarize` of the records: the report a real run gives."""
@@ -126,7 +127,7 @@ class Simulation:
         self._awaiting_kv: dict[str, SimWorker] = {}  # split requests' token workers, until the KV lands
         # split requests not handed off yet: prompt tokens whose KV travels, and per KV layer group
         self._to_send: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self.kv_tokens_sent = self.kv_tokens_reused = 0
+        self.kv_tokens_sent = self.kv_tokens_reused = self.placements_refused = 0
         self._waking: set[str] = set()
         self._heap: list = []
         cores = scenario.overhead.host_cores  # > 0: the workers share one host's cores
@@ -223,6 +224,7 @@ class Simulation:
             try:
                 token_worker.reserve_import(imported, self.aware)
             except (EngineFullError, OutOfBlocksError) as error:  # its last report was stale
+                self.placements_refused += 1
                 if tries == REFUSED_TRIES:
                     self.records.refuse(slot, 429, f"worker {token_worker.worker_id} cannot take the request: "
                                                    f"{error}")
@@ -359,7 +361,7 @@ class Simulation:
     def _result(self, seed: int) -> SimResult:
         workers = tuple(self._worker_stats(w, s) for w, s in self._reporting)
         return SimResult(self.records, workers, self.records.end_s() - self.requests[0].arrival_s, self.num_events,
-                         seed, self.kv_tokens_sent, self.kv_tokens_reused)
+                         seed, self.kv_tokens_sent, self.kv_tokens_reused, self.placements_refused)
 
     def _worker_stats(self, worker: SimWorker, state: WorkerState) -> WorkerStats:
         return WorkerStats(worker.worker_id, self._hardware_of[worker.worker_id], state.home.value, state.pool.value,

@@ -117,7 +117,8 @@ def run(args) -> dict:
     summary = {**result.summary(), "simulated_s": result.duration_s, "wall_time_s": wall,
                "simulated_requests_per_wall_s": len(requests) / wall,
                "prefill_tokens_computed": sum(w.prefill_tokens for w in result.workers),
-               "kv_tokens_sent": result.kv_tokens_sent, "kv_tokens_reused": result.kv_tokens_reused}
+               "kv_tokens_sent": result.kv_tokens_sent, "kv_tokens_reused": result.kv_tokens_reused,
+               "placements_refused": result.placements_refused}
     if args.out:
         out = Path(args.out)
         write_outputs(out, result.records, summary, f"simulated: {args.trace}")

@@ -152,7 +152,7 @@ def test_a_token_worker_that_refuses_the_reservation_is_left_out_of_the_next_pla
     run = Run("r", [1, 2, 3], SamplingParams(max_tokens=4), WorkerDirectory(cls), max_attempts=1)
     asyncio.run(run.admit())
     assert cls.excluded == [set(), {"t1"}] and run.placement == Placement("p", "t2")
-    assert calls[:3] == ["reserve", "reserve", "prefill"] and run.failures == 0
+    assert calls[:3] == ["reserve", "reserve", "prefill"] and (run.failures, run.refusals) == (0, 1)
 
 
 def test_refusals_end_in_overloaded_after_a_bounded_number_of_placements():
@@ -163,4 +163,4 @@ def test_refusals_end_in_overloaded_after_a_bounded_number_of_placements():
     run = Run("r", [1, 2, 3], SamplingParams(max_tokens=4), WorkerDirectory(cls), max_attempts=1)
     with pytest.raises(Overloaded, match=f"worker t{REFUSED_TRIES - 1} cannot take the request: .*no KV room"):
         asyncio.run(run.admit())
-    assert len(cls.excluded) == REFUSED_TRIES and calls == ["reserve"] * REFUSED_TRIES
+    assert len(cls.excluded) == REFUSED_TRIES == run.refusals and calls == ["reserve"] * REFUSED_TRIES

@@ -35,6 +35,7 @@ def test_every_family_is_prefixed_and_rare_events_start_at_zero(metrics):
     assert names and all(n.startswith("splitserve_") for n in names)
     assert value(metrics, "splitserve_requests_total", outcome="failed") == 0
     assert value(metrics, "splitserve_requests_restarted_total") == 0
+    assert value(metrics, "splitserve_placements_refused_total") == 0
     assert value(metrics, "splitserve_pool_transitions_total", from_pool="token", to_pool="mixed") == 0
     assert value(metrics, "splitserve_worker_failures_total") == 0
 
@@ -42,7 +43,8 @@ def test_every_family_is_prefixed_and_rare_events_start_at_zero(metrics):
 def test_request_observations_fill_latencies_tokens_and_slo_attainment(metrics):
     fast = RequestObservation("completed", 10, 3, ttft=0.2, tbt=(0.01, 0.03), e2e=0.3)
     slow = RequestObservation("completed", 20, 2, ttft=0.9, tbt=(0.2,), e2e=1.2, restarts=1)
-    metrics.record_requests([fast, slow, RequestObservation("rejected", 5), RequestObservation("aborted", 7, 1)])
+    metrics.record_requests([fast, slow, RequestObservation("rejected", 5, refused_placements=3),
+                             RequestObservation("aborted", 7, 1)])
     assert value(metrics, "splitserve_requests_total", outcome="completed") == 2
     assert value(metrics, "splitserve_requests_total", outcome="rejected") == 1
     assert value(metrics, "splitserve_prompt_tokens_total") == 42 and value(metrics, "splitserve_generation_tokens_total") == 6
@@ -54,6 +56,7 @@ def test_request_observations_fill_latencies_tokens_and_slo_attainment(metrics):
     assert [value(metrics, "splitserve_slo_met_total", slo=s) for s in ("ttft", "tbt", "e2e")] == [1, 1, 2]
     assert value(metrics, "splitserve_slo_requests_total", slo="tbt") == 2
     assert value(metrics, "splitserve_requests_restarted_total") == 1
+    assert value(metrics, "splitserve_placements_refused_total") == 3
 
 
 def worker_stats(**overrides) -> WorkerStats:

@@ -39,6 +39,7 @@ METRICS = {
     "splitserve_slo_requests_total": ("counter", ("model", "slo")),
     "splitserve_slo_met_total": ("counter", ("model", "slo")),
     "splitserve_requests_restarted_total": ("counter", ("model",)),
+    "splitserve_placements_refused_total": ("counter", ("model",)),
     # per worker
     "splitserve_worker_pending_prompt_tokens": ("gauge", WORKER),
     "splitserve_worker_decode_tokens": ("gauge", WORKER),

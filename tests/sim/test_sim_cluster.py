@@ -177,12 +177,12 @@ def test_token_worker_without_a_free_slot_rejects_at_reservation():
     """The CLS's view is a report old: the reservation is refused, and the request placed again
     without that worker (as the ingress does), on another token worker if one has room."""
     result = simulate(split(max_num_seqs=1), [spec(0, 0.0, 100, 2), spec(1, 0.0, 100, 2)])
-    assert [r.status for r in result.records] == [200, 429]
+    assert [r.status for r in result.records] == [200, 429] and result.placements_refused == 1
     assert "no worker can take the request now; token-000 cannot take it" in result.records[1].error
     # the last one goes to token-000 by its queue (two 10-token sequences against one of 1000) and
     # is refused there (max_num_seqs), then placed on token-001
     result = simulate(split(token=2, max_num_seqs=2), [spec(i, 0.0, n, 2) for i, n in enumerate((10, 1000, 10, 10))])
-    assert [r.status for r in result.records] == [200] * 4
+    assert [r.status for r in result.records] == [200] * 4 and result.placements_refused == 1
 
 
 def test_prompt_of_max_model_len_is_refused():
