@@ -119,6 +119,12 @@ class EngineOptions(StrictModel):
     prompt_token_budget: int = Field(2048, description="Prompt tokens per prompt-pool iteration (Splitwise's MLS).")
     chunk_token_budget: int = Field(512, description="Tokens per mixed-pool iteration (Sarathi-Serve's chunk "
                                     "budget).")
+    prompt_chunk_tokens: int = Field(8192, description="Prompt and token workers prefill a longer prompt (a token "
+                                     "worker: a preempted sequence's recompute) in chunks of this many tokens: the "
+                                     "largest iteration, and so the activation memory the KV cache leaves room for, "
+                                     "stays bounded whatever max_model_len, and a recompute never stalls the decodes "
+                                     "for a whole prompt. A prompt worker streams the KV layer by layer during the "
+                                     "last chunk.")
     enable_prefix_caching: bool = Field(True, description="Share the KV of full blocks between prompts with the same "
                                         "prefix.")
     dtype: str = Field("auto", description="auto (the checkpoint's torch_dtype), float32, bfloat16 or float16.")

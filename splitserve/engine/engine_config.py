@@ -25,6 +25,7 @@ class EngineConfig:
     max_model_len: int | None = None           # default: the model's max_position_embeddings
     prompt_token_budget: int = 2048            # PromptPolicy / prefill-first: tokens per prefill batch
     chunk_token_budget: int = 512              # MixedPolicy: tokens per hybrid iteration
+    prompt_chunk_tokens: int = 8192            # Prompt/TokenPolicy: a longer prompt is prefilled in chunks of this many
     enable_prefix_caching: bool = True
     dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"               # auto (the serving dtype) | fp8 | fp8_e4m3 (see attention.fp8_kv)
@@ -41,7 +42,7 @@ class EngineConfig:
         for name, policy in named:
             if policy not in POLICY_CLASSES:
                 raise ConfigError(f"{name} must be one of {', '.join(POLICY_CLASSES)}, got {policy!r}")
-        for name in ("block_size", "max_num_seqs", "prompt_token_budget", "chunk_token_budget",
+        for name in ("block_size", "max_num_seqs", "prompt_token_budget", "chunk_token_budget", "prompt_chunk_tokens",
                      "kv_cache_memory_bytes", "num_kv_blocks"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -64,4 +65,4 @@ class EngineConfig:
 
     def scheduler_limits(self, max_model_len: int) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, max_model_len, self.prompt_token_budget, self.chunk_token_budget,
-                               self.slo)
+                               self.slo, self.prompt_chunk_tokens)

@@ -76,6 +76,7 @@ class Scenario:
     max_model_len: int = 16384
     prompt_token_budget: int = 2048
     chunk_token_budget: int = 512
+    prompt_chunk_tokens: int = 8192
     hardware: Mapping[str, HardwareProfile] = field(default_factory=dict)
     overhead: ServingOverhead = ServingOverhead()
     slo: SLOOptions = SLOOptions()  # the accelgen policies' settings (pivot time: each worker's model)
@@ -94,7 +95,8 @@ class Scenario:
             raise ValueError(f"perf_models has no model for hardware {', '.join(missing)}")
         if self.placement not in PLACEMENT_POLICIES:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENT_POLICIES)}, got {self.placement!r}")
-        for name in ("block_size", "max_num_seqs", "max_model_len", "prompt_token_budget", "chunk_token_budget"):
+        for name in ("block_size", "max_num_seqs", "max_model_len", "prompt_token_budget", "chunk_token_budget",
+                     "prompt_chunk_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         object.__setattr__(self, "kv_windows", tuple(self.kv_windows))
@@ -135,7 +137,7 @@ class Scenario:
     @property
     def limits(self) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, self.max_model_len, self.prompt_token_budget,
-                               self.chunk_token_budget, self.slo)
+                               self.chunk_token_budget, self.slo, self.prompt_chunk_tokens)
 
     def hardware_profiles(self) -> dict[str, HardwareProfile]:
         """Speed profiles of the pools' setups: the given ones, else derived from the models."""

@@ -96,7 +96,8 @@ class Sim:
                          window_s=0.05, long_prompt_tokens=20, default_ttft_s=0.2, default_tbt_s=0.1)
         return SchedulerLimits(max_num_seqs=rng.choice([2, 6, 64]), max_model_len=self.MAX_MODEL_LEN,
                                prompt_token_budget=rng.choice([8, 32, 128]),
-                               chunk_token_budget=rng.choice([3, 16, 64]), slo=slo)
+                               chunk_token_budget=rng.choice([3, 16, 64]), slo=slo,
+                               prompt_chunk_tokens=rng.choice([8192, 5, 24]))
 
     def blocks(self, block_size: int | None = None) -> BlockManager:
         rng = self.rng
@@ -168,6 +169,8 @@ class Sim:
             return
         if self.name == "mixed":
             self.check_mixed(policy, plan, kinds)
+        elif self.name in ("prompt", "token"):
+            self.check_chunks(policy, plan, kinds, new)
         else:
             # whole prompts only: every non-decode item runs to the end and samples
             assert all(i.samples for i in plan.scheduled)
@@ -180,8 +183,16 @@ class Sim:
             assert set(kinds) <= {"new"} or set(kinds) <= {"decode"}
             if not new:  # a step without prefills decodes every decoding sequence
                 assert all(sid in served for sid, dec in running_before.items() if dec)
-        if self.name == "prompt":
-            assert kinds == ["new"] * len(kinds)
+
+    @staticmethod
+    def check_chunks(policy, plan, kinds, new) -> None:
+        """Whole prompts up to the budget, and a prompt longer than a chunk a chunk at a time."""
+        chunk = policy.limits.prompt_chunk_tokens
+        for item, kind in zip(plan.scheduled, kinds):
+            if kind != "decode":
+                assert item.num_new_tokens <= chunk and (item.samples or item.num_new_tokens == chunk)
+        if len(new) > 1:
+            assert sum(i.num_new_tokens for i in new) <= policy.limits.prompt_token_budget
 
     @staticmethod
     def check_accelgen(policy, plan, kinds) -> None:

@@ -72,6 +72,22 @@ def test_two_prompt_workers_into_one_token_worker(cluster):
 
 
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_prompt_worker_prefills_a_long_prompt_in_chunks(backend):
+    """Prompts longer than prompt_chunk_tokens take several prefill steps on the prompt worker; the
+    last one streams every layer's whole KV (or sends it at once) and the output is unchanged."""
+    chunked = Cluster(backend, engine_args={"prompt_chunk_tokens": 96, "prompt_token_budget": 96})
+    try:
+        prompts = [LONG, SHORT, LONG[:300]]
+        assert run(chunked, prompts) == colocated(chunked, prompts)
+        chunked.send("p0", "peak")
+        assert chunked.expect("p0", "peak")[2]["prefill_tokens"] == 96  # never a whole 300- or 701-token prompt
+        for worker in ("p0", "t0"):
+            assert_clean(chunked, worker)
+    finally:
+        chunked.close()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_an_fp8_cache_travels_as_its_codes(backend):
     """Both workers keep FP8 KV: the codes cross as bytes (a message, or written into the token
     worker's cache) and decode as the colocated FP8 engine does."""

@@ -131,7 +131,7 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
     engine = LLMEngine(engine_args.pop("model", "demo"), policy="prompt", device=device_for(backend, "prompt"),
                        **engine_args)
     exporter = KVExporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory))
-    stalled = []
+    stalled, peak = [], {"blocks": 0, "prefill_tokens": 0}  # the most KV blocks held, prompt tokens a step
 
     def handle(cmd):
         if cmd[0] == "stall":
@@ -142,6 +142,8 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
             freeze_after_layer_pushes(exporter.transport, cmd[1])
         if cmd[0] == "pushed":
             outbox.put(("pushed", worker_id, exporter.bytes_pushed))
+        if cmd[0] == "peak":
+            outbox.put(("peak", worker_id, dict(peak)))
         if cmd[0] == "add":
             _, ticket, prompt, params = cmd
             if stalled:  # prefill happens, the KV never leaves: the token side must time out
@@ -154,6 +156,8 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
 
     def tick():
         outputs = exporter.step()
+        peak["blocks"] = max(peak["blocks"], engine.block_manager.num_used_blocks)
+        peak["prefill_tokens"] = max(peak["prefill_tokens"], engine.last_step.prefill_tokens)
         for out in outputs:
             if len(out.token_ids) == 1:
                 outbox.put(("first", out.request_id, out.token_ids[0]))

@@ -94,6 +94,7 @@ class SchedulerLimits:
     prompt_token_budget: int = 2048  # prompt / prefill-first / token policies: prefill tokens per iteration
     chunk_token_budget: int = 512    # mixed policy: all tokens per iteration (Sarathi-Serve)
     slo: SLOOptions = SLOOptions()   # the accelgen policies
+    prompt_chunk_tokens: int = 8192  # prompt / token policies: a longer prompt is prefilled in chunks of this many
 
     @property
     def longest_sequence(self) -> int:
