@@ -3,15 +3,11 @@
 check after a failure run it, never the engine step)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from splitserve.engine.block_pool import NULL_BLOCK, BlockPool
-
-if TYPE_CHECKING:
-    from splitserve.engine.block_manager import _Held
+from splitserve.engine.held_blocks import HeldBlocks
 
 
-def check_tables(pool: BlockPool, held_by: dict[str, _Held]) -> None:
+def check_tables(pool: BlockPool, held_by: dict[str, HeldBlocks]) -> None:
     """Raise `RuntimeError` naming the first broken invariant of the sequences' tables (`held_by`)
     over `pool`."""
     refs, groups = [0] * pool.num_blocks, [set() for _ in range(pool.num_blocks)]

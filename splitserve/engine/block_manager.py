@@ -16,7 +16,7 @@ Invariants (checked by `check_integrity`, with the pool's):
   ref count equals the number of block tables that hold it, all of its group, and an unhashed
   block is held by at most one table;
 - every block is held by a table or free, never both;
-- the blocks of a table past its hashed prefix (`_Held.done`) are unhashed, so freeing a table
+- the blocks of a table past its hashed prefix (`HeldBlocks.done`) are unhashed, so freeing a table
   that was never hashed touches no block one by one;
 - a sequence's table lists only grow (by appending) while the sequence holds them, but for
   released entries (below); a new allocation is new lists (the model runner's host mirror of the
@@ -30,8 +30,9 @@ of a table that no later query can reach as the sequence advances: their entries
 NULL_BLOCK, an id never handed out. Released entries lead the table and are the only NULL_BLOCKs
 in it; entries only change in place from an id to NULL_BLOCK. A prefix hit needs every group's
 cached blocks within that group's reach from the hit's end: all of them for a full group, a
-window's for a windowed one. A sequence that is handed off (exported to a token worker) holds
-every block, releases none and takes its hit whole: the export reads them all. The importer's
+window's for a windowed one. A sequence that is handed off (exported to a token worker) takes its
+hit whole and keeps every block its export reads (`Sequence.export_from`: the token worker's
+reach; all without it), releasing only those before both that and its own reach. The importer's
 windowed tables reserve only what its first decode reaches (`reserve_for_import`): their leading
 entries are NULL_BLOCK from the start, and it caches the blocks it holds.
 
@@ -46,13 +47,13 @@ the rare case `BlockPromises.settle` names).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence as Seq
-from dataclasses import dataclass
 
 from splitserve.engine.block_integrity import check_tables
 from splitserve.engine.block_pool import NULL_BLOCK, BlockPool
 from splitserve.engine.block_promises import BlockPromises
+from splitserve.engine.held_blocks import HeldBlocks
 from splitserve.engine.prefix_hash import ROOT, block_key, chain_root
-from splitserve.engine.prefix_hit import PrefixHit, find_hit, first_needed, no_hit
+from splitserve.engine.prefix_hit import PrefixHit, find_hit, first_needed, handed_off_hit, no_hit, released_to
 from splitserve.engine.sequence import Sequence
 
 
@@ -64,19 +65,6 @@ def long_rope_root(long_from: int | None) -> Callable[[Sequence], int]:
 
 class OutOfBlocksError(RuntimeError):
     """The KV cache has too few free blocks for the request."""
-
-
-@dataclass(slots=True)
-class _Held:
-    """One sequence's blocks."""
-
-    tables: list[list[int]]  # per group: block ids in token order
-    released: list[int]      # per group: the table's leading NULL_BLOCKs
-    done: int                # leading blocks hashed, in every group (the chain's progress)
-    parent: int              # hash of block done - 1's key, or the chain's root
-    chunk: int = 0           # taken chunk by chunk, at most this many tokens a step (0: not, or done)
-    prefill_to: int = 0      # ... until this many tokens are computed
-    promised: int = 0        # free blocks kept for the rest of its prefill
 
 
 class BlockManager:
@@ -96,7 +84,7 @@ class BlockManager:
         self.windows = windows
         self._root_of = root_of
         self._pool = BlockPool(num_blocks, reserved, len(windows))
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, HeldBlocks] = {}
         self._promises = BlockPromises(self._pool, windows, block_size)
         self.num_cache_hit_blocks = 0
 
@@ -202,7 +190,8 @@ class BlockManager:
             for block_id in hits:
                 self._pool.take(block_id)
         tables = [[NULL_BLOCK] * released + hits for released, hits in zip(hit.released, hit.hits)]
-        held = self._held[seq.seq_id] = _Held(tables, list(hit.released), hit.blocks, hit.parent)
+        held = self._held[seq.seq_id] = HeldBlocks(tables, list(hit.released), hit.blocks, hit.parent,
+                                              keep=self._keep_of(seq))
         self.num_cache_hit_blocks += hit.blocks
         seq.num_cached_tokens = seq.num_computed_tokens = hit.blocks * self.block_size
         if chunk is None:
@@ -256,12 +245,10 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """Hash the full blocks whose KV is now computed, so later requests can share them; then,
         in windowed groups, release the blocks wholly before the window of the next query (at
-        position num_computed_tokens or later), unless the sequence is handed off."""
+        position num_computed_tokens or later), but for those a handed-off sequence's export reads."""
         held = self._held[seq.seq_id]
         if self.enable_prefix_caching:
             self._hash_computed(seq, held)
-        if seq.hand_off:
-            return
         for group, window in enumerate(self.windows):
             if window is not None:
                 self._release_out_of_reach(seq, held, group, window)
@@ -284,7 +271,7 @@ class BlockManager:
 
     def export_blocks(self, seq_id: str) -> list[list[int]]:
         """Per layer group, the block ids holding a sequence's KV, in token order (for a KV
-        transfer out: a handed-off sequence, which holds them all)."""
+        transfer out: a handed-off sequence, which holds them from its `export_from` on)."""
         return [list(table) for table in self.block_tables(seq_id)]
 
     def reserve_for_import(self, seq: Sequence, reuse_prefix: bool = False,
@@ -303,11 +290,10 @@ class BlockManager:
         group's table."""
         hit = self._prefix_hit(seq) if reuse_prefix else self._no_hit(seq)
         windows = [None] * self.num_groups if seq.hand_off else self.windows
-        released = [max(r, self._first_needed(seq.num_tokens, w)) for r, w in zip(hit.released, windows)]
-        hits = [hits[max(0, out - r):] for hits, r, out in zip(hit.hits, hit.released, released)]
-        skipped = sum(released) - sum(hit.released)
+        reserved = released_to(hit, [self._first_needed(seq.num_tokens, w) for w in windows])
+        skipped = sum(reserved.released) - sum(hit.released)
         headroom = min(skipped, self.full_growth(seq) + sum(map(self.full_growth, others))) if skipped else 0
-        self._take(seq, PrefixHit(hit.blocks, released, hits, hit.parent), None, headroom)
+        self._take(seq, reserved, None, headroom)
         return self.export_blocks(seq.seq_id)
 
     def take_prefix_delta(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -320,7 +306,7 @@ class BlockManager:
         return self._pool.take_snapshot()
 
     # ---- internals -----------------------------------------------------------------------
-    def _hash_computed(self, seq: Sequence, held: _Held) -> None:
+    def _hash_computed(self, seq: Sequence, held: HeldBlocks) -> None:
         full = min(seq.num_computed_tokens // self.block_size, len(held.tables[0]))
         parent, register = held.parent, self._pool.register
         for i in range(held.done, full):
@@ -332,12 +318,14 @@ class BlockManager:
         if full > held.done:
             held.done, held.parent = full, parent
 
-    def _release_out_of_reach(self, seq: Sequence, held: _Held, group: int, window: int) -> None:
+    def _release_out_of_reach(self, seq: Sequence, held: HeldBlocks, group: int, window: int) -> None:
         """A query at p >= num_computed_tokens reads positions > p - window: the blocks that end
         at or before num_computed_tokens - window + 1 are never read again. Hashing comes first,
         so a released block that was cached stays cached (evictable) for later prefix hits."""
         table, released = held.tables[group], held.released[group]
         reach = self._first_needed(seq.num_computed_tokens, window)
+        if held.keep is not None:
+            reach = min(reach, held.keep[group])
         for i in range(released, reach):
             self._pool.drop(table[i])
             table[i] = NULL_BLOCK
@@ -349,47 +337,57 @@ class BlockManager:
         return max(0, self._table_growth(held, self.blocks_for(num_tokens)) - held.promised)
 
     @staticmethod
-    def _table_growth(held: _Held, entries: int) -> int:
+    def _table_growth(held: HeldBlocks, entries: int) -> int:
         """The blocks that make every table `entries` long (an import's tables may start shorter
         where a windowed group's reach begins past the prefix hit)."""
         return sum(max(0, entries - len(table)) for table in held.tables)
 
     def _chunk_of(self, seq: Sequence, chunk_tokens: int | None) -> int | None:
         """The chunk bound a sequence is allocated by: None (all at once) unless a group has a
-        window it will release (the sequence is not handed off)."""
-        if chunk_tokens is None or seq.hand_off or all(w is None for w in self.windows):
+        window it will release (a handed-off sequence: one naming where its export reads from)."""
+        if chunk_tokens is None or (seq.hand_off and not seq.export_from) or all(w is None for w in self.windows):
             return None
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         return chunk_tokens
 
     @staticmethod
-    def _count(held: _Held) -> int:
+    def _count(held: HeldBlocks) -> int:
         return sum(len(table) for table in held.tables) - sum(held.released)
 
-    def _need(self, held: _Held, chunk: int) -> int:
+    def _need(self, held: HeldBlocks, chunk: int) -> int:
         """The blocks a prompt's prefill in chunks of at most `chunk` tokens takes beyond those it holds."""
-        return self._promises.peak(held.prefill_to, held.released, chunk) - self._count(held)
+        return self._promises.peak(held.prefill_to, held.released, chunk, held.keep) - self._count(held)
 
-    def _keep_promise(self, held: _Held) -> None:
+    def _keep_promise(self, held: HeldBlocks) -> None:
         """A sequence prefilled chunk by chunk is promised what its prefill still needs."""
         held.promised = self._promises.settle(held.promised, self._need(held, held.chunk) if held.chunk else 0)
 
     def _free_blocks_needed(self, seq: Sequence, hit: PrefixHit, chunk: int | None = None) -> int:
         hashed = self._pool.hashed
         revived = sum(1 for hits in hit.hits for b in hits if hashed[b].ref_count == 0)  # cached but free
-        return self._promises.peak(seq.num_tokens, hit.released, chunk) - sum(len(hits) for hits in hit.hits) + revived
+        peak = self._promises.peak(seq.num_tokens, hit.released, chunk, self._keep_of(seq))
+        return peak - sum(len(hits) for hits in hit.hits) + revived
 
     def _no_hit(self, seq: Sequence) -> PrefixHit:
         return no_hit(self.num_groups, self._root_of(seq))
 
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
         """`prefix_hit.find_hit` where the prefix cache serves the sequence; a handed-off one takes
-        its hit whole (every group as a full one: the export reads every block)."""
+        its hit whole (every group as a full one: the export may read every block), then releases
+        what is out of reach and before `_keep_of`."""
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return self._no_hit(seq)
-        windows = [None] * self.num_groups if seq.hand_off else self.windows
-        return find_hit(self._pool, seq, windows, self.block_size, self._root_of(seq))
+        if not seq.hand_off:
+            return find_hit(self._pool, seq, self.windows, self.block_size, self._root_of(seq))
+        return handed_off_hit(self._pool, seq, self.windows, self.block_size, self._root_of(seq), self._keep_of(seq))
+
+    def _keep_of(self, seq: Sequence) -> tuple[int, ...] | None:
+        """Per group, the first block a sequence never releases: for a handed-off one the block of
+        its `export_from` (0 without: it keeps every block); None for the rest (no bound)."""
+        if not seq.hand_off:
+            return None
+        return tuple(start // self.block_size for start in seq.export_from) or (0,) * self.num_groups
 
     def _first_needed(self, num_tokens: int, window: int | None) -> int:
         return first_needed(num_tokens, window, self.block_size)

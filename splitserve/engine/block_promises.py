@@ -18,15 +18,18 @@ class BlockPromises:
         self._pool, self._windows, self._block_size = pool, tuple(windows), block_size
         self.total = 0  # the sum of the sequences' promises
 
-    def peak(self, num_tokens: int, released: Seq[int], chunk: int | None) -> int:
+    def peak(self, num_tokens: int, released: Seq[int], chunk: int | None, keep: Seq[int] | None = None) -> int:
         """The most blocks a prompt of `num_tokens` holds at once while it is prefilled in chunks
         of at most `chunk` tokens (None: at once), its tables' leading `released` entries per
         group released. A chunk [s, e) in a windowed group needs the blocks from the one holding
-        s - window + 1 to the one holding e - 1: at most blocks_for(chunk + window - 1) + 1."""
+        s - window + 1 to the one holding e - 1: at most blocks_for(chunk + window - 1) + 1; where
+        `keep` names a first block the group never releases, it holds from there to the end too."""
         size = self._block_size
         whole = -(-num_tokens // size)
-        return sum(whole - r if chunk is None or w is None else min(whole - r, -(-(chunk + w - 1) // size) + 1)
-                   for w, r in zip(self._windows, released))
+        keep = keep or [whole] * len(released)
+        return sum(whole - r if chunk is None or w is None else
+                   min(whole - r, max(-(-(chunk + w - 1) // size) + 1, whole - k))
+                   for w, r, k in zip(self._windows, released, keep))
 
     def unpromised(self, promised: int) -> int:
         """The free blocks not promised to other sequences than one promised `promised`."""

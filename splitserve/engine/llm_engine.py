@@ -70,12 +70,20 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, hand_off: bool | None = None) -> Sequence:
+                    arrival_time: float | None = None, hand_off: bool | None = None,
+                    export_from: tuple[int, ...] = ()) -> Sequence:
         """Queue a request. Invalid input raises ValueError naming the field, and changes nothing.
-        `hand_off`: prefill only and hold the KV for export (default: what the policy's role does)."""
+        `hand_off`: prefill only and hold the KV for export (default: what the policy's role does);
+        `export_from`: per KV layer group, the first position the export sends (a windowed group
+        releases the blocks before it as its window passes them; (): keep every block)."""
         req = self._new_request(request_id, prompt, params, arrival_time)
+        if export_from and (len(export_from) != self.block_manager.num_groups
+                            or not all(isinstance(s, int) and 0 <= s < req.seq.num_tokens for s in export_from)):
+            raise ValueError(f"export_from must name a position in the prompt for each of the "
+                             f"{self.block_manager.num_groups} KV layer groups, got {export_from!r}")
         if req.seq.params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * req.seq.num_prompt_tokens
+        req.seq.export_from = tuple(export_from)
         self.policy.add(req.seq, hand_off)
         self._requests[request_id] = req
         return req.seq

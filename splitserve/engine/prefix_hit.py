@@ -32,6 +32,22 @@ def first_needed(num_tokens: int, window: int | None, block_size: int) -> int:
     return max(0, num_tokens - window + 1) // block_size
 
 
+def handed_off_hit(pool: BlockPool, seq: Sequence, windows: Seq[int | None], block_size: int, root: int,
+                   keep: Seq[int]) -> PrefixHit:
+    """A handed-off sequence's hit: taken whole (every group as a full one, as its export may read
+    any block), then each windowed group releases what is out of reach but before block `keep[g]`."""
+    hit = find_hit(pool, seq, [None] * len(windows), block_size, root)
+    end = hit.blocks * block_size
+    return released_to(hit, [min(first_needed(end, w, block_size), k) for w, k in zip(windows, keep)])
+
+
+def released_to(hit: PrefixHit, released: Seq[int]) -> PrefixHit:
+    """`hit` with each group's leading blocks out of reach up to `released` (or its own, if more)."""
+    out = [max(r, first) for r, first in zip(hit.released, released)]
+    hits = [blocks[max(0, o - r):] for blocks, r, o in zip(hit.hits, hit.released, out)]
+    return PrefixHit(hit.blocks, out, hits, hit.parent)
+
+
 def no_hit(num_groups: int, root: int) -> PrefixHit:
     return PrefixHit(0, [0] * num_groups, [[] for _ in range(num_groups)], root)
 

@@ -39,6 +39,9 @@ class Sequence:
     num_skips: int = 0  # iterations in a row this decode was left out of a full batch (orca)
     first_scheduled_time: float | None = None  # when its first step ran (arrival to this: queue time)
     hand_off: bool = False  # prefill here, decode elsewhere: after its first token it is held with its KV for export
+    # handed off: per KV layer group, the first position its export sends (the token worker's reach);
+    # a windowed group releases the blocks before it as the prefill passes them. (): it keeps all
+    export_from: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.token_ids:

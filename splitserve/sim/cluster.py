@@ -209,6 +209,7 @@ class Simulation:
         hashes = prompt_block_hashes(prompt, self.scenario.block_size, MAX_PREFIX_BLOCKS) if self.aware else ()
         request, params, refused = PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens,
                                                     prefix_hashes=hashes), self._params_of(spec), {}
+        starts: tuple[int, ...] = ()  # split: per KV layer group, the first position the token worker receives
         for tries in range(1, REFUSED_TRIES + 1):  # as the ingress does (cluster/dispatch.py)
             placement, moves = self.cls.place(request, self.now, refused)
             self._apply(moves)
@@ -232,11 +233,14 @@ class Simulation:
                 refused[token_worker.worker_id] = error
                 continue
             self._awaiting_kv[seq_id] = token_worker
+            starts = token_worker.import_starts(imported)
             self._to_send[seq_id] = (spec.prompt_tokens - imported.num_computed_tokens,
-                                     token_worker.import_sends(imported))
+                                     tuple(spec.prompt_tokens - start for start in starts))
             break
         self.token_times[seq_id], self._slots[seq_id] = [], slot
-        prompt_worker.add(EngineSequence(seq_id, prompt, params, self.now), hand_off=not placement.local)
+        seq = EngineSequence(seq_id, prompt, params, self.now)
+        seq.export_from = starts  # the prompt worker releases the windowed blocks its export never reads
+        prompt_worker.add(seq, hand_off=not placement.local)
         self._wake_soon(prompt_worker)
 
     def _prompt_of(self, spec: RequestSpec) -> list[int]:

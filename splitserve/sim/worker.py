@@ -102,10 +102,10 @@ class SimWorker:
         self.policy.reserve_import(seq, reuse_prefix)
         self.changed = True
 
-    def import_sends(self, seq: Sequence) -> tuple[int, ...]:
-        """Per KV layer group: the prompt tokens whose KV a reserved import receives (a windowed
-        group's only within its window: `BlockManager.held_from`)."""
-        return tuple(seq.num_tokens - start for start in self.blocks.held_from(seq))
+    def import_starts(self, seq: Sequence) -> tuple[int, ...]:
+        """Per KV layer group: the first prompt position whose KV a reserved import receives (a
+        windowed group's only within its window: `BlockManager.held_from`)."""
+        return self.blocks.held_from(seq)
 
     def complete_import(self, seq_id: str, first_token: int, now: float) -> Sequence:
         """The KV and the first token have landed at `now`: the sequence decodes from here on."""

@@ -68,7 +68,8 @@ class KVExporter:
         self.transport.check_compatible(ticket)
         for part in self._own(ticket):
             self.transport.claim(part)
-        self.engine.add_request(ticket.request_id, prompt_token_ids, params, arrival_time, hand_off=True)
+        self.engine.add_request(ticket.request_id, prompt_token_ids, params, arrival_time, hand_off=True,
+                                export_from=ticket.starts(self.engine.block_manager.num_groups))
         self._tickets[ticket.request_id] = ticket
         self._deadlines[ticket.request_id] = time.monotonic() + self.lease_s
 

@@ -97,6 +97,36 @@ def test_the_peak_bounds_every_chunking_of_every_prompt():
         assert prefill(bm, seq, [rng.randint(1, chunk) for _ in range(5)]) <= peak
 
 
+def test_a_handed_off_prompt_keeps_the_windowed_blocks_its_export_reads_and_releases_the_rest():
+    """A prompt handed off with `export_from` (where the token worker's window starts receiving):
+    its windowed tables release what their window passed, but never a block holding a position
+    the export sends; prefilled in chunks of any sizes, with or without a prefix hit (taken whole
+    first), it holds no more than it was promised at admission."""
+    rng = random.Random(1)
+    for _ in range(300):
+        window, chunk = rng.randint(1, 20), rng.randint(1, 20)
+        windows = rng.choice([(window,), (None, window), (window, window + 3)])
+        bm = BlockManager(200, BS, windows=windows)
+        prefix = seq_range(0, rng.randint(0, 6 * BS))
+        if prefix:
+            cached(bm, "cached", prefix + [99])
+            bm.free("cached")
+        seq = make_seq("a", prefix + seq_range(300, rng.randint(1, 12 * BS)))
+        seq.hand_off, seq.export_from = True, tuple(rng.randrange(seq.num_tokens) for _ in windows)
+        need = bm.blocks_to_admit(seq, chunk)
+        assert need <= bm.blocks_to_admit(seq)
+        bm.allocate(seq, chunk_tokens=chunk)
+        peak = bm.num_held_blocks("a")
+        assert prefill(bm, seq, [rng.randint(1, chunk) for _ in range(5)]) <= peak
+        for table, window, start in zip(bm.block_tables("a"), windows, seq.export_from):
+            released = 0 if window is None else min(max(0, seq.num_tokens - window + 1) // BS, start // BS)
+            assert table[:released] == [NULL_BLOCK] * released and NULL_BLOCK not in table[released:]
+            assert len(table) == bm.blocks_for(seq.num_tokens)
+        bm.free("a")
+        assert bm.num_free_blocks == bm.num_blocks
+        bm.check_integrity()
+
+
 def test_rechunk_takes_the_rest_now_or_resizes_the_promise():
     bm = BlockManager(20, BS, windows=(WINDOW,))  # 19 usable blocks
     seq = make_seq("a", seq_range(0, 12 * BS))

@@ -100,6 +100,42 @@ def test_an_fp8_cache_travels_as_its_codes(backend):
         fp8.close()
 
 
+WINDOW = 16
+
+
+def windowed_model(tmp_path, layers: str) -> tuple[str, list[str]]:
+    """A demo-shaped Mistral checkpoint (dummy weights) whose every or every other layer slides."""
+    from splitserve.engine.demo import DEMO_MODEL_CONFIG
+    from splitserve.engine.dummy_weights import write_shape_checkpoint
+
+    kinds = {"every": ["sliding_attention"] * 4, "alternate": ["full_attention", "sliding_attention"] * 2}[layers]
+    return write_shape_checkpoint(tmp_path / "mistral", {**DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"],
+                                                         "model_type": "mistral", "sliding_window": WINDOW,
+                                                         "layer_types": kinds}), kinds
+
+
+@pytest.mark.parametrize("layers", ["every", "alternate"])
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_sliding_window_prompt_worker_keeps_in_chunks_only_what_its_export_reads(backend, layers, tmp_path):
+    """Long prompts prefilled in 64-token chunks: a windowed layer group holds a window and a
+    chunk of each, and past the prefill only the blocks the token worker's window reaches (what
+    the export sends), never the whole prompt's; the output is the colocated engine's."""
+    model, kinds = windowed_model(tmp_path, layers)
+    chunked = Cluster(backend, engine_args={"model": model, "load_format": "dummy", "block_size": 16,
+                                            "prompt_chunk_tokens": 64, "prompt_token_budget": 64})
+    try:
+        prompts = [LONG, SHORT, LONG[:600]]
+        assert run(chunked, prompts) == colocated(chunked, prompts, model=model, load_format="dummy")
+        chunked.send("p0", "peak")
+        blocks = -(-len(LONG) // 16)  # 44: LONG's, in a table that keeps every block (88 alternating, before)
+        window_and_chunk = -(-(64 + WINDOW - 1) // 16) + 1  # 6: the blocks a 64-token chunk and its window span
+        assert chunked.expect("p0", "peak")[2]["blocks"] == ("full_attention" in kinds) * blocks + window_and_chunk
+        for worker in ("p0", "t0"):
+            assert_clean(chunked, worker)
+    finally:
+        chunked.close()
+
+
 @pytest.mark.parametrize("layers", ["every", "alternate"])
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_a_sliding_window_model_hands_off_whole_and_decodes_in_its_window(backend, layers, tmp_path):
@@ -110,13 +146,9 @@ def test_a_sliding_window_model_hands_off_whole_and_decodes_in_its_window(backen
     the first block its window reaches; the token worker releases more as it decodes, and what it
     caches of them serves a later prompt's window."""
     from splitserve.engine.demo import DEMO_MODEL_CONFIG
-    from splitserve.engine.dummy_weights import write_shape_checkpoint
 
-    window, block = 16, 16
-    kinds = {"every": ["sliding_attention"] * 4, "alternate": ["full_attention", "sliding_attention"] * 2}[layers]
-    model = write_shape_checkpoint(tmp_path / "mistral", {**DEMO_MODEL_CONFIG, "architectures": ["MistralForCausalLM"],
-                                                          "model_type": "mistral", "sliding_window": window,
-                                                          "layer_types": kinds})
+    window, block = WINDOW, 16
+    model, kinds = windowed_model(tmp_path, layers)
     windowed = Cluster(backend, engine_args={"model": model, "load_format": "dummy", "block_size": block})
     try:
         one_shot, tickets = [256] + [(i * 5 + 1) % 256 for i in range(400)], []
