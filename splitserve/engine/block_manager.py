@@ -191,7 +191,7 @@ class BlockManager:
                 self._pool.take(block_id)
         tables = [[NULL_BLOCK] * released + hits for released, hits in zip(hit.released, hit.hits)]
         held = self._held[seq.seq_id] = HeldBlocks(tables, list(hit.released), hit.blocks, hit.parent,
-                                              keep=self._keep_of(seq))
+                                                   keep=self._keep_of(seq))
         self.num_cache_hit_blocks += hit.blocks
         seq.num_cached_tokens = seq.num_computed_tokens = hit.blocks * self.block_size
         if chunk is None:
