@@ -75,7 +75,9 @@ def prompt_process(model: str, port: int, backend: str, engine_args: dict, conn)
         else:  # ("push", ticket, prompt)
             start, pushed = time.monotonic(), exporter.bytes_pushed
             exporter.add(cmd[1], cmd[2], params, start)
-            first = exporter.step()[0].token_timestamps[0]
+            while not (outputs := exporter.step()):  # a prompt longer than prompt_chunk_tokens: its chunks
+                pass
+            first = outputs[0].token_timestamps[0]
             conn.send((start, first, exporter.stream_seconds, exporter.bytes_pushed - pushed))
     exporter.transport.close()  # its links end, and with them the token side's receive loops
 
@@ -109,9 +111,9 @@ def token_process(model: str, port: int, backend: str, engine_args: dict, conn) 
 
 # ---- measuring -------------------------------------------------------------------------------
 class Pair:
-    def __init__(self, model: str, backend: str, engine_args: dict):
+    def __init__(self, model: str, backend: str, engine_args: dict, label: str | None = None):
         ctx = mp.get_context("spawn")
-        self.backend = backend
+        self.backend, self.label = backend, label or backend  # a row's name: pairs of one backend differ by label
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.prompt, prompt_end = ctx.Pipe()
         self.token, token_end = ctx.Pipe()
@@ -170,9 +172,9 @@ def _wait_exit(proc: mp.Process, timeout: float) -> None:
 
 
 def measure(pairs: list[Pair], model: str, n: int, repeats: int, kv_bytes_per_token: int) -> list[dict]:
-    """One row per pair (backend); the pairs' runs interleaved."""
+    """One row per pair (its label: the backend unless given); the pairs' runs interleaved."""
     prompt = [1] + [(7 * i) % 250 + 3 for i in range(n - 1)]
-    rows = {pair.backend: {k: [] for k in ("prefill", "coloc_second", "serialized", "visible", "ttft", "second",
+    rows = {pair.label: {k: [] for k in ("prefill", "coloc_second", "serialized", "visible", "ttft", "second",
                                            "sent_bytes")}
             for pair in pairs}
     for pair in pairs:
@@ -184,7 +186,7 @@ def measure(pairs: list[Pair], model: str, n: int, repeats: int, kv_bytes_per_to
             ttft, second = pair.colocated(prompt)
             one_shot = pair.disaggregated(prompt, NEVER)
             layered = pair.disaggregated(prompt, 0)
-            got = rows[pair.backend]
+            got = rows[pair.label]
             got["prefill"].append(ttft)
             got["coloc_second"].append(second)
             got["serialized"].append(one_shot["landed"] - one_shot["first"])
