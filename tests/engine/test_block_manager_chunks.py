@@ -76,19 +76,24 @@ def test_a_full_attention_model_or_a_handed_off_prompt_takes_every_block_at_admi
     bm.check_integrity()
 
 
+def random_prompt(rng: random.Random):
+    """A block manager of random windowed layer groups, a prompt whose random prefix it may hold
+    cached (freed), and a random chunk bound: (manager, prompt, chunk)."""
+    window, chunk = rng.randint(1, 20), rng.randint(1, 20)
+    bm = BlockManager(200, BS, windows=rng.choice([(window,), (None, window), (window, window + 3)]))
+    prefix = seq_range(0, rng.randint(0, 6 * BS))
+    if prefix:
+        cached(bm, "cached", prefix + [99])
+        bm.free("cached")
+    return bm, make_seq("a", prefix + seq_range(300, rng.randint(1, 12 * BS))), chunk
+
+
 def test_the_peak_bounds_every_chunking_of_every_prompt():
     """Chunks of any sizes up to the bound, with or without a prefix hit: the blocks held never
     pass what was promised at admission, so no grow fails."""
     rng = random.Random(0)
     for _ in range(300):
-        window, chunk = rng.randint(1, 20), rng.randint(1, 20)
-        windows = rng.choice([(window,), (None, window), (window, window + 3)])
-        bm = BlockManager(200, BS, windows=windows)
-        prefix = seq_range(0, rng.randint(0, 6 * BS))
-        if prefix:
-            cached(bm, "cached", prefix + [99])
-            bm.free("cached")
-        seq = make_seq("a", prefix + seq_range(300, rng.randint(1, 12 * BS)))
+        bm, seq, chunk = random_prompt(rng)
         need, free = bm.blocks_to_admit(seq, chunk), bm.num_free_blocks
         assert need <= bm.blocks_to_admit(seq)  # never more than taking every block now
         bm.allocate(seq, chunk_tokens=chunk)
@@ -104,21 +109,14 @@ def test_a_handed_off_prompt_keeps_the_windowed_blocks_its_export_reads_and_rele
     first), it holds no more than it was promised at admission."""
     rng = random.Random(1)
     for _ in range(300):
-        window, chunk = rng.randint(1, 20), rng.randint(1, 20)
-        windows = rng.choice([(window,), (None, window), (window, window + 3)])
-        bm = BlockManager(200, BS, windows=windows)
-        prefix = seq_range(0, rng.randint(0, 6 * BS))
-        if prefix:
-            cached(bm, "cached", prefix + [99])
-            bm.free("cached")
-        seq = make_seq("a", prefix + seq_range(300, rng.randint(1, 12 * BS)))
-        seq.hand_off, seq.export_from = True, tuple(rng.randrange(seq.num_tokens) for _ in windows)
+        bm, seq, chunk = random_prompt(rng)
+        seq.hand_off, seq.export_from = True, tuple(rng.randrange(seq.num_tokens) for _ in bm.windows)
         need = bm.blocks_to_admit(seq, chunk)
         assert need <= bm.blocks_to_admit(seq)
         bm.allocate(seq, chunk_tokens=chunk)
         peak = bm.num_held_blocks("a")
         assert prefill(bm, seq, [rng.randint(1, chunk) for _ in range(5)]) <= peak
-        for table, window, start in zip(bm.block_tables("a"), windows, seq.export_from):
+        for table, window, start in zip(bm.block_tables("a"), bm.windows, seq.export_from):
             released = 0 if window is None else min(max(0, seq.num_tokens - window + 1) // BS, start // BS)
             assert table[:released] == [NULL_BLOCK] * released and NULL_BLOCK not in table[released:]
             assert len(table) == bm.blocks_for(seq.num_tokens)
