@@ -25,7 +25,7 @@ class ScriptedRun:
     def __init__(self, deltas, error: Exception | None = None, params: SamplingParams = SamplingParams(max_tokens=64)):
         self.request_id, self.prompt, self.tokens, self.params = "cmpl-test", PROMPT, [], params
         self._deltas, self._error, self.aborted = deltas, error, False
-        self.finish_reason, self.failures, self.prompt_logprobs = None, 0, None
+        self.finish_reason, self.failures, self.refusals, self.prompt_logprobs = None, 0, 0, None
 
     async def deltas(self):
         for delta in self._deltas:
