@@ -218,17 +218,21 @@ class Policy(ABC):
                     break
         return preempted
 
-    def _admit_whole_prompts(self, items: list[ScheduledSeq], budget: int, used: int = 0) -> int:
-        """FCFS: admit waiting sequences whole while KV allows and the batch's tokens (`used` of
-        them already taken) fit the budget. A prompt alone in a batch may exceed the budget, so
-        no prompt starves. Returns the batch's tokens after admission."""
-        while self.waiting and self._can_admit(self.waiting[0]):
+    def _admit_prompts(self, items: list[ScheduledSeq], budget: int, used: int = 0, chunk: int | None = None,
+                       preempted: list[Sequence] | None = None) -> int:
+        """FCFS: admit waiting sequences while KV allows and the batch's tokens (`used` of them
+        already taken) fit the budget, each computing its whole prompt or, with `chunk`, at most
+        that many tokens of it (`_chunk`; one whose promise fell short goes to `preempted`, and
+        admission stops). A prompt alone in a batch may exceed the budget, so no prompt starves.
+        Returns the batch's tokens after admission."""
+        preempted = [] if preempted is None else preempted
+        while not preempted and self.waiting and self._can_admit(self.waiting[0]):
             seq = self.waiting[0]
             if used and used + seq.num_tokens > budget:
                 break
             self._admit(seq)
-            items.append(ScheduledSeq(seq, seq.num_uncomputed_tokens))
-            used += seq.num_uncomputed_tokens
+            rest = seq.num_uncomputed_tokens
+            used += self._chunk(seq, rest if chunk is None else min(rest, chunk), items, preempted)
         return used
 
     def check_integrity(self) -> None:

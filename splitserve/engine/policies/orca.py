@@ -26,7 +26,7 @@ class OrcaPolicy(Policy):
         starved = [item for item in decodes if item.seq.num_skips >= MAX_SKIPS]
         used = len(starved) + sum(item.num_new_tokens for item in prompts)
         if not preempted:
-            used = self._admit_whole_prompts(prompts, budget, used)
+            used = self._admit_prompts(prompts, budget, used)
         room = max(budget - used, 0)
         rest = [item for item in decodes if item.seq.num_skips < MAX_SKIPS]
         chosen = starved + rest[:room]

@@ -9,7 +9,7 @@ class PrefillFirstPolicy(Policy):
 
     def schedule(self) -> Plan:
         _, items = self._running_items()
-        self._admit_whole_prompts(items, self.limits.prompt_token_budget)
+        self._admit_prompts(items, self.limits.prompt_token_budget)
         if items:
             return Plan(tuple(items))
         preempted = self._reserve_decode_slots()

@@ -24,12 +24,7 @@ class TokenPolicy(Policy):
         used = 0
         for item in prefills:  # prompts mid-prefill: their next chunk
             used += self._chunk(item.seq, min(item.num_new_tokens, chunk), items, preempted)
-        while not preempted and self.waiting and self._can_admit(self.waiting[0]):
-            seq = self.waiting[0]
-            if used and used + seq.num_tokens > budget:
-                break
-            self._admit(seq)
-            used += self._chunk(seq, min(seq.num_uncomputed_tokens, chunk), items, preempted)
+        self._admit_prompts(items, budget, used, chunk, preempted)
         return Plan(tuple(items), tuple(preempted))
 
     @staticmethod
