@@ -1,6 +1,6 @@
 """A prompt worker prefilling long prompts whole against in chunks (`prompt_chunk_tokens`), the KV
 handed to a token worker over gloo (CPU): what chunking costs the time to first token, and how
-much of the transfer stays visible when the layers stream during the last chunk only.
+much of the transfer stays visible when each chunk's layers stream as they land.
 
 One prompt and token worker pair per chunk size (`kv_pair.py`, where every column is defined),
 one torch thread each, their runs interleaved; the reference is a colocated engine prefilling the

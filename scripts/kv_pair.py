@@ -73,12 +73,12 @@ def prompt_process(model: str, port: int, backend: str, engine_args: dict, conn)
             second = colocated.step()[0].token_timestamps[1]
             conn.send((first - start, second - first))
         else:  # ("push", ticket, prompt)
-            start, pushed = time.monotonic(), exporter.bytes_pushed
+            start, pushed, streaming = time.monotonic(), exporter.bytes_pushed, 0.0
             exporter.add(cmd[1], cmd[2], params, start)
             while not (outputs := exporter.step()):  # a prompt longer than prompt_chunk_tokens: its chunks
-                pass
+                streaming += exporter.stream_seconds  # (each chunk's layers stream as they land)
             first = outputs[0].token_timestamps[0]
-            conn.send((start, first, exporter.stream_seconds, exporter.bytes_pushed - pushed))
+            conn.send((start, first, streaming + exporter.stream_seconds, exporter.bytes_pushed - pushed))
     exporter.transport.close()  # its links end, and with them the token side's receive loops
 
 

@@ -1,15 +1,16 @@
 """Maps a sequence's KV between a paged cache and the wire format.
 
 On the wire a layer is token-major: [2 (K, V), num_tokens, kv_heads, head_dim], for the tokens of
-a range of positions (from a ticket's start_token to the prompt's end). Each side
-translates token positions to its own slots (block id * block size + offset), so the two caches
-may use different block ids and different block sizes. A cache's layer groups (`kv_groups`) each
-have their block tables, so slots are per group (`Slots`) and a layer is read at its group's; a
-windowed group's may start later (a ticket's `group_starts`: the positions its first decode
-reaches: `BlockManager.held_from`), so its layers are shorter on the wire. All of a layer's blocks travel as one message
-(contiguous on the wire whatever their ids); a one-shot (ALL) message is every layer's, one after
-the other, flat. With tensor parallelism a message carries some of a rank's KV heads (`heads`, a
-slice of the rank's own); None: all of them.
+a range of positions (from a ticket's start_token to the prompt's end, or a piece of that range:
+`protocol.Span`). Each side translates token positions to its own slots (block id * block size +
+offset), so the two caches may use different block ids and different block sizes. A cache's
+layer groups (`kv_groups`) each have their block tables, so slots are per group (`Slots`) and a
+layer is read at its group's; a windowed group's may start later (a ticket's `group_starts`: the
+positions its first decode reaches: `BlockManager.held_from`), so its layers are shorter on the
+wire. A layer's (or piece's) blocks travel as one message (contiguous on the wire whatever their
+ids); a one-shot (ALL) message is every layer's, one after the other, flat. With tensor
+parallelism a message carries some of a rank's KV heads (`heads`, a slice of the rank's own);
+None: all of them.
 """
 from __future__ import annotations
 
@@ -62,8 +63,10 @@ def pack_all(cache: KVCache, slots: Slots, heads: slice | None = None) -> torch.
 
 
 def unpack_layer(cache: KVCache, layer: int, slots: Slots, wire: torch.Tensor,
-                 heads: slice | None = None) -> None:
-    flat, slots = cache.layer(layer).flatten(1, 2), slots[cache.groups.group_of[layer]]
+                 heads: slice | None = None, offset: int = 0) -> None:
+    """Lands a layer's KV, or a piece of it: at its group's slots from `offset` on."""
+    flat = cache.layer(layer).flatten(1, 2)
+    slots = slots[cache.groups.group_of[layer]][offset:offset + wire.shape[1]]
     if heads is None:
         flat.index_copy_(1, slots, wire.to(flat.dtype))
     else:

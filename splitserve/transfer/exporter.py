@@ -1,6 +1,7 @@
 """The prompt worker's side of a handoff (`KVExporter`): pushes each layer's KV as the prefill
-writes it, then the first token; how the pushes overlapped the compute (`TransferStats`).
-The whole protocol: `handoff`."""
+writes it (a prompt prefilled in chunks: each step's new positions, a piece of every layer), then
+the first token; how the pushes overlapped the compute (`TransferStats`). The whole protocol:
+`handoff`."""
 from __future__ import annotations
 
 import time
@@ -13,6 +14,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer.codec import Slots, as_lists, slot_index
 from splitserve.transfer.handoff import parts_of
 from splitserve.transfer.link import TransferError
+from splitserve.transfer.protocol import Span
 from splitserve.transfer.rank_commands import FinishExport, PushLayers, RankReport
 from splitserve.transfer.rank_kv import RankKV
 from splitserve.transfer.transport import KVTransport, TransferTicket
@@ -36,6 +38,15 @@ class TransferStats:
 
 
 @dataclass(frozen=True)
+class _Piece:
+    """What a step pushes of a layer-wise transfer: every layer's positions in `span`, at `slots`."""
+
+    ticket: TransferTicket
+    slots: Slots
+    span: Span
+
+
+@dataclass(frozen=True)
 class _Sending:
     tickets: dict[str, TransferTicket]
     first_push: float
@@ -52,7 +63,8 @@ class KVExporter:
         self._deadlines: dict[str, float] = {}
         self.leases_expired = 0
         self._tickets: dict[str, TransferTicket] = {}
-        self._slots: dict[str, Slots] = {}
+        self._pushed_to: dict[str, int] = {}  # layer-wise transfers: positions before this were pushed
+        self._pieces: list[_Piece] = []  # this step's
         self._failures: list[tuple[str, TransferError]] = []
         self._pushed: dict[str, TransferTicket] = {}  # this step's pushes
         self._sending: list[_Sending] = []  # steps whose pushes have not all left, oldest first
@@ -79,8 +91,8 @@ class KVExporter:
         self._expire_leases()
         self.reap()
         self.stream_seconds, self._first_push = 0.0, None
-        outputs = self.engine.step(after_layer=self._after_layer,
-                                   before_forward=self._before_forward if self.leader is not None else None)
+        outputs = self.engine.step(after_layer=self._after_layer, before_forward=self._before_forward)
+        self._pieces = []
         for out in outputs:
             if out.request_id in self._tickets:
                 self._hand_off(out)
@@ -133,27 +145,40 @@ class KVExporter:
                 ticket.token_peer, f"lease expired: not prefilled and handed off within {self.lease_s:g} s")))
 
     def _before_forward(self, plan: Plan) -> None:
-        """Tell the other ranks which parts to push layer by layer in this step."""
+        """This step's pieces of layer-wise transfers (the positions it computes, and any before
+        them not pushed yet: a prefix hit's), which the other ranks push too."""
+        self._pieces = []
+        num_groups, device = self.engine.block_manager.num_groups, self.engine.kv_cache.data.device
+        for item in plan.scheduled:
+            ticket = self._tickets.get(item.seq.seq_id)
+            end = item.start + item.num_new_tokens
+            pushed = self._pushed_to.get(item.seq.seq_id, 0)
+            if ticket is None or not ticket.layerwise or end <= pushed:  # (a recompute of pushed positions)
+                continue
+            self._pushed_to[ticket.request_id] = end
+            span = Span(tuple(min(max(start, pushed), end) for start in ticket.starts(num_groups)), end)
+            tables = self.engine.block_manager.block_tables(ticket.request_id)
+            self._pieces.append(_Piece(ticket, slot_index(tables, self.engine.kv_cache.block_size, end, device,
+                                                          span.starts), span))
+        if self.leader is None:
+            return
         by_rank: dict[int, list] = {}
-        for ticket in self._layerwise(plan):
-            slots = as_lists(self._slots_for(ticket))
-            for part in parts_of(ticket):
+        for piece in self._pieces:
+            slots = as_lists(piece.slots)
+            for part in parts_of(piece.ticket):
                 if part.prompt_rank:
-                    by_rank.setdefault(part.prompt_rank, []).append((part, slots))
+                    by_rank.setdefault(part.prompt_rank, []).append((part, slots, piece.span))
         for rank, parts in by_rank.items():
             self.leader.post(rank, PushLayers(parts))
 
     def _after_layer(self, plan: Plan, layer: int) -> None:
         start = time.perf_counter()
-        for ticket in self._layerwise(plan):
-            for part in self._own(ticket):
-                self._try(ticket, lambda: self.rank.push_layer(part, layer, self._slots_for(ticket)))
+        for piece in self._pieces:
+            ticket = piece.ticket
+            if self._tickets.get(ticket.request_id) is ticket:  # not failed at an earlier layer
+                for part in self._own(ticket):
+                    self._try(ticket, lambda: self.rank.push_layer(part, layer, piece.slots, piece.span))
         self.stream_seconds += time.perf_counter() - start
-
-    def _layerwise(self, plan: Plan) -> list[TransferTicket]:
-        """The layer-wise transfers this step completes the prefill of (pushed as its layers land)."""
-        tickets = (self._tickets.get(item.seq.seq_id) for item in plan.scheduled if item.samples)
-        return [t for t in tickets if t is not None and t.layerwise]
 
     def _hand_off(self, out: RequestOutput) -> None:
         ticket = self._tickets[out.request_id]
@@ -161,7 +186,7 @@ class KVExporter:
             self._forget(ticket.request_id)
             self._cancel(ticket)
             return
-        slots = self._slots_for(ticket)
+        slots = () if ticket.layerwise else self._whole_slots(ticket)
         self._forget(ticket.request_id)
         for part in parts_of(ticket):
             if part.prompt_rank:
@@ -188,15 +213,12 @@ class KVExporter:
     def _own(ticket: TransferTicket) -> list[TransferTicket]:
         return [part for part in parts_of(ticket) if part.prompt_rank == 0]
 
-    def _slots_for(self, ticket: TransferTicket) -> Slots:
-        if ticket.request_id not in self._slots:
-            tables, cache = self.engine.block_manager.block_tables(ticket.request_id), self.engine.kv_cache
-            self._slots[ticket.request_id] = slot_index(tables, cache.block_size, ticket.num_tokens, cache.data.device,
-                                                        ticket.starts(len(tables)))
-        return self._slots[ticket.request_id]
+    def _whole_slots(self, ticket: TransferTicket) -> Slots:
+        tables, cache = self.engine.block_manager.block_tables(ticket.request_id), self.engine.kv_cache
+        return slot_index(tables, cache.block_size, ticket.num_tokens, cache.data.device, ticket.starts(len(tables)))
 
     def _forget(self, request_id: str) -> TransferTicket | None:
-        self._slots.pop(request_id, None)
+        self._pushed_to.pop(request_id, None)
         self._deadlines.pop(request_id, None)
         return self._tickets.pop(request_id, None)
 

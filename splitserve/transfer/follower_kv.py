@@ -22,7 +22,7 @@ class FollowerKV:
 
     def on_command(self, command) -> None:
         if isinstance(command, PushLayers):
-            self._layer_parts = [(part, self._slots(slots)) for part, slots in command.parts]
+            self._layer_parts = [(part, self._slots(slots), span) for part, slots, span in command.parts]
         elif isinstance(command, FinishExport):
             self._try(command.part, lambda: self._finish(command))
         elif isinstance(command, Expect):
@@ -34,8 +34,8 @@ class FollowerKV:
             raise TypeError(f"unknown KV command {command!r}")
 
     def after_layer(self, layer: int) -> None:
-        for part, slots in self._layer_parts:
-            self._try(part, lambda: self.rank.push_layer(part, layer, slots))
+        for part, slots, span in self._layer_parts:
+            self._try(part, lambda: self.rank.push_layer(part, layer, slots, span))
 
     def report(self) -> RankReport:
         """What finished since the last round; pushes whose link broke fail their transfer on the

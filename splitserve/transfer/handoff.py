@@ -46,7 +46,7 @@ from splitserve.transfer.link import Fabric
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
 LAYERWISE_THRESHOLD = 512  # tokens whose KV travels; below it one transfer after the prefill (Splitwise IV-C)
-WIRE_VERSION = 2  # of the messages' format (2: windowed layer groups send only what they reach; ALL is flat)
+WIRE_VERSION = 3  # of the messages' format (2: windowed groups send only what they reach; 3: layers in pieces)
 
 
 def kv_layout(engine) -> str:

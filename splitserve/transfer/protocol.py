@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from splitserve.transfer.link import Fabric, TransferError
 
-# A header is int64[4] = (tag, kind, num_tokens, value); kind >= 0 is a layer index (`message_tokens`)
+# A header is int64[4] = (tag, kind, num_tokens, value); kind >= 0 is a layer index (a piece of it: `Span`)
 ALL, DONE, CANCEL, HELLO = -1, -2, -3, -4
 LAYOUT_BYTES = 512  # HELLO's payload: the layout string, utf-8, zero-padded
 log = logging.getLogger("splitserve.transfer")
@@ -27,6 +28,19 @@ class IncompatibleKV(ProtocolError):
     def __init__(self, peer: str, this_worker: str, ours: str, theirs: str):
         super().__init__(peer, f"worker {this_worker!r} has KV layout [{ours}] but worker {peer!r} has "
                                f"[{theirs}]: they serve different models or settings and cannot exchange KV")
+
+
+class Span(NamedTuple):
+    """The positions a layer message carries: for a layer of group g, starts[g] .. end - 1. A
+    layer-wise transfer sends each layer as pieces in position order, one per prefill step that
+    computed some of it (a prompt prefilled in chunks streams each chunk's KV as it lands); the
+    token side writes each piece where the layer's previous one ended."""
+
+    starts: tuple[int, ...]  # per layer group
+    end: int
+
+    def tokens(self, group: int) -> int:
+        return self.end - self.starts[group]
 
 
 @dataclass(frozen=True)
@@ -80,10 +94,14 @@ class TransferTicket:
         """`start_of` every group."""
         return self.group_starts or (self.start_token,) * num_groups
 
+    def span(self, num_groups: int) -> Span:
+        """All it sends: every layer whole."""
+        return Span(self.starts(num_groups), self.num_tokens)
+
 
 def message_tokens(ticket: TransferTicket, kind: int, layer_groups: tuple[int, ...]) -> int:
-    """The tokens a KV message announces (`layer_groups`: each layer's group): a layer's, or for
-    ALL every layer's, summed (its payload is the layers' one after the other)."""
+    """The tokens a whole-layer KV message announces (`layer_groups`: each layer's group): a
+    layer's, or for ALL every layer's, summed (its payload is the layers' one after the other)."""
     layers = layer_groups if kind == ALL else (layer_groups[kind],)
     return sum(ticket.num_tokens - ticket.start_of(group) for group in layers)
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.transfer.link import TransferError
+from splitserve.transfer.protocol import Span
 from splitserve.transfer.transport import TransferTicket
 
 
 @dataclass(frozen=True)
 class PushLayers:
-    """During this round's forward pass, push each layer of these parts as it is written."""
+    """During this round's forward pass, push each layer's piece of these parts as it is written."""
 
-    parts: list[tuple[TransferTicket, list[list[int]]]]  # each with its slots, per layer group
+    parts: list[tuple[TransferTicket, list[list[int]], Span]]  # each with its piece's slots (per layer group)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.sharding import kv_head_range
 from splitserve.transfer.codec import Slots, count_heads, pack_all, pack_layer, unpack_layer
+from splitserve.transfer.protocol import Span
 from splitserve.transfer.transport import ALL, CacheDest, KVTransport, TransferTicket
 
 
@@ -22,10 +23,13 @@ class RankKV:
         return slice(part.heads[0] - self._own[0], part.heads[1] - self._own[0])
 
     # ---- sending --------------------------------------------------------------------------
-    def push_layer(self, part: TransferTicket, layer: int, slots: Slots) -> int:
-        """Returns the bytes pushed."""
+    def push_layer(self, part: TransferTicket, layer: int, slots: Slots, span: Span) -> int:
+        """Pushes the layer's piece `span`, held at `slots` (nothing where its group has none of
+        it); returns the bytes pushed."""
+        if span.tokens(self.cache.groups.group_of[layer]) <= 0:
+            return 0
         if part.dest is not None:
-            return self.transport.write_kv(part, layer, self.cache, slots, self.heads(part))
+            return self.transport.write_kv(part, layer, self.cache, slots, self.heads(part), span)
         payload = pack_layer(self.cache, layer, slots, self.heads(part))
         self.transport.push_layer(part, layer, payload)
         return payload.nbytes
@@ -45,4 +49,5 @@ class RankKV:
         are the reservation's block tables (a layer group's each)."""
         heads = self.heads(part)
         dest = CacheDest(tuple(map(tuple, tables)), None if heads is None else (heads.start, heads.stop))
-        return self.transport.expect(part, lambda layer, wire: unpack_layer(self.cache, layer, slots, wire, heads), dest)
+        return self.transport.expect(
+            part, lambda layer, wire, offset: unpack_layer(self.cache, layer, slots, wire, heads, offset), dest)

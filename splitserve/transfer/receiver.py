@@ -7,8 +7,10 @@ Invariants:
   (dropped), so a sender never waits on a reader that stopped.
 - A link's failure retires its epoch and fails every transfer still waiting on it; a silent peer
   fails only the transfers waiting on it (`poll`), never the link.
-- Nothing is allocated for a payload larger than its reservation (`_check_size`), and nothing is
-  written for a transfer once `abandon` returned (writes happen under the lock).
+- Nothing is allocated for a payload larger than what its reservation has left (`_check_size`),
+  and nothing is written for a transfer once `abandon` returned (writes happen under the lock).
+- A layer lands in pieces, each where the layer's last one ended (`_Incoming.cursors`); a
+  transfer completes only once every layer has landed whole.
 - A direct transfer's blocks are freed only once its sender cannot write into them any more
   (`DirectWrites`); so a direct link that broke the protocol is read on until its sender closes it.
 """
@@ -39,8 +41,15 @@ IDLE_RECV_S = 7 * 24 * 3600.0  # a receive loop waits this long for a header (a 
 @dataclass(frozen=True)
 class _Incoming:
     ticket: TransferTicket
-    write_layer: Callable[[int, torch.Tensor], None]  # unpacks one layer into the reserved blocks
+    write_layer: Callable[[int, torch.Tensor, int], None]  # unpacks a layer's piece at an offset into its slots
     since: float  # when it was expected (monotonic)
+    cursors: list[int]  # per layer: the next position to land (the receive loop's, under the lock)
+
+    def missing(self) -> str | None:
+        """What has not landed, or None."""
+        short = [(layer, c) for layer, c in enumerate(self.cursors) if c < self.ticket.num_tokens]
+        return None if not short else (f"{len(short)} layers' KV incomplete (layer {short[0][0]} landed up to "
+                                       f"position {short[0][1]} of {self.ticket.num_tokens})")
 
 
 class KVReceiver:
@@ -63,9 +72,10 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._landed = threading.Condition(self._lock)  # notified when a result is appended
 
-    def expect(self, ticket: TransferTicket, write_layer: Callable[[int, torch.Tensor], None],
+    def expect(self, ticket: TransferTicket, write_layer: Callable[[int, torch.Tensor, int], None],
                dest: CacheDest | None = None) -> TransferTicket:
-        """Register a reserved transfer; its layers are written by `write_layer` as they land, or,
+        """Register a reserved transfer; its layers are written by `write_layer(layer, payload,
+        offset)` as they land (a piece `offset` positions after the layer's first), or,
         where the prompt peer shares this worker's memory, by the peer itself into `dest`.
         Returns the ticket stamped with the epoch of the link it comes on (and `dest` where the
         peer writes): give the prompt side that one."""
@@ -78,7 +88,8 @@ class KVReceiver:
             self._next_epoch(peer, epoch)
         with self._lock:
             ticket = dataclasses.replace(ticket, link_epoch=self._epochs.get(peer, 0))
-            self._incoming[ticket.tag] = _Incoming(ticket, write_layer, time.monotonic())
+            cursors = [ticket.start_of(group) for group in self._groups]
+            self._incoming[ticket.tag] = _Incoming(ticket, write_layer, time.monotonic(), cursors)
             loop = (peer, ticket.link_epoch)
             start = loop not in self._loops
             self._loops.add(loop)
@@ -169,6 +180,7 @@ class KVReceiver:
         header = torch.empty(4, dtype=torch.int64)
         link.recv_meta(header, IDLE_RECV_S)  # silence is judged per transfer, in `poll`
         tag, kind, num_tokens, value = header.tolist()
+        payload = None  # a direct link's KV is in the cache already
         if kind >= 0 or kind == ALL:
             self._check_size(link.peer, tag, kind, num_tokens, value)
             if not link.direct:
@@ -180,18 +192,29 @@ class KVReceiver:
         with self._lock:  # writes happen under the lock: once abandon() returns, none lands
             self._heard[link.peer, epoch] = time.monotonic()
             incoming = self._incoming.get(tag)
-            if incoming is not None and not link.direct:
-                if kind >= 0:
-                    incoming.write_layer(kind, payload)
-                elif kind == ALL:
-                    shapes = [self._layer_shape(message_tokens(incoming.ticket, layer, self._groups), value)
-                              for layer in range(self._num_layers)]
-                    for layer, wire in enumerate(split_layers(payload, shapes)):
-                        incoming.write_layer(layer, wire)
+            if incoming is not None and (kind >= 0 or kind == ALL):
+                self._land(incoming, kind, num_tokens, value, payload)
         if kind == DONE or kind == CANCEL:
-            result = value if kind == DONE else TransferError(link.peer, "cancelled by the prompt worker")
-            self._finish(tag, result)
+            self._finish(tag, _result(link.peer, kind, value, incoming))
             self._direct.sender_done(tag)
+
+    def _land(self, incoming: _Incoming, kind: int, num_tokens: int, num_heads: int,
+              payload: torch.Tensor | None) -> None:
+        """Under the lock: a checked KV message moves its layers' cursors on, and its payload (if it
+        travelled) lands where they were."""
+        ticket = incoming.ticket
+        if kind >= 0:
+            offset = incoming.cursors[kind] - ticket.start_of(self._groups[kind])
+            incoming.cursors[kind] += num_tokens
+            if payload is not None:
+                incoming.write_layer(kind, payload, offset)
+            return
+        incoming.cursors[:] = [ticket.num_tokens] * self._num_layers
+        if payload is not None:
+            shapes = [self._layer_shape(message_tokens(ticket, layer, self._groups), num_heads)
+                      for layer in range(self._num_layers)]
+            for layer, wire in enumerate(split_layers(payload, shapes)):
+                incoming.write_layer(layer, wire, 0)
 
     def _drain(self, link: Link) -> None:
         """A direct link that broke the protocol is read on, every message dropped, until its
@@ -209,19 +232,29 @@ class KVReceiver:
                 self._direct.sender_done(tag)
 
     def _check_size(self, peer: str, tag: int, kind: int, num_tokens: int, num_heads: int) -> None:
-        """A payload is as large as its reservation: a header that says otherwise is a broken or
-        foreign sender, and nothing is allocated for it."""
-        with self._lock:
-            incoming = self._incoming.get(tag)
-        ticket = incoming.ticket if incoming is not None else None
-        most = self.max_tokens * (self._num_layers if kind == ALL else 1)
+        """A payload fits what its reservation has left to land (a layer's piece, at most the rest of
+        the layer; ALL, every layer whole, before any piece): a header that says otherwise is a
+        broken or foreign sender, and nothing is allocated for it."""
         if kind >= self._num_layers:
             raise ProtocolError(peer, f"message for tag {tag} names layer {kind} of {self._num_layers}")
-        expected = None if ticket is None else message_tokens(ticket, kind, self._groups)
-        if expected not in (None, num_tokens) or (ticket is not None and _num_heads(ticket) not in (None, num_heads)) \
-                or not (0 < num_tokens <= most and 0 < num_heads <= self.max_heads):
-            held = "" if ticket is None else (f"; the reservation expects {expected} tokens (from position "
-                                              f"{ticket.start_token}) of heads {ticket.heads}")
+        with self._lock:
+            incoming = self._incoming.get(tag)
+            cursors = None if incoming is None else list(incoming.cursors)
+        ticket = None if incoming is None else incoming.ticket
+        most = self.max_tokens * (self._num_layers if kind == ALL else 1)
+        held, fits = "", 0 < num_tokens <= most and 0 < num_heads <= self.max_heads
+        if ticket is not None:
+            if kind == ALL:
+                expected = message_tokens(ticket, ALL, self._groups)
+                fits &= num_tokens == expected and cursors == [ticket.start_of(g) for g in self._groups]
+                held = f"; the reservation expects every layer whole, {expected} tokens,"
+            else:
+                left = ticket.num_tokens - cursors[kind]
+                fits &= num_tokens <= left
+                held = f"; the reservation has {left} tokens of the layer left (from position {cursors[kind]})"
+            fits &= _num_heads(ticket) in (None, num_heads)
+            held += f" of heads {ticket.heads}"
+        if not fits:
             raise ProtocolError(peer, f"message for tag {tag} (kind {kind}) announces {num_tokens} tokens of "
                                       f"{num_heads} KV heads{held} (at most {most} tokens of "
                                       f"{self.max_heads} heads)")
@@ -272,6 +305,14 @@ class KVReceiver:
             peer, epoch = incoming.ticket.prompt_peer, incoming.ticket.link_epoch
             if now - max(incoming.since, self._heard.get((peer, epoch), 0.0)) > self.timeout:
                 self._finish_locked(tag, TransferError(peer, f"nothing received from it for {self.timeout:g} s"))
+
+
+def _result(peer: str, kind: int, value: int, incoming: _Incoming | None) -> int | TransferError:
+    """What a DONE (value: the first token) or CANCEL ends its transfer with."""
+    if kind == CANCEL:
+        return TransferError(peer, "cancelled by the prompt worker")
+    missing = None if incoming is None else incoming.missing()
+    return value if missing is None else ProtocolError(peer, f"it completed a transfer with {missing}")
 
 
 def _num_heads(ticket: TransferTicket) -> int | None:

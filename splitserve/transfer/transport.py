@@ -11,13 +11,16 @@ Semantics:
   never learns the token side's block ids.
 - Push: per layer (`push_layer`, as each layer's KV is computed) or one shot (`push_all`, after
   the prefill), then `complete` with the first token. `cancel` tells the token side to give up.
+  A layer may go in pieces (`protocol.Span`), in position order: a prompt prefilled in chunks
+  pushes each chunk's KV as it lands; the token side writes each piece where the layer's last
+  one ended, and a transfer completes only once every layer has all its positions.
 - Every message is a header int64[4] = (tag, kind, num_tokens, value), a CPU tensor on the
   link's metadata channel (read without waiting for the device), and, for KV kinds, a payload in
   the codec's wire format on the data path (value: its number of KV heads). kind >= 0 is a layer
   index; ALL (every layer's payload, flat), DONE (value: the first token) and CANCEL below.
 - Windowed layer groups: the ticket's `group_starts` say from which position each layer group's
   KV travels (the token side's windowed groups hold only what their first decode reaches), so a
-  layer's payload carries `message_tokens` tokens and a long prompt's windowed layers are short.
+  whole layer carries `message_tokens` tokens and a long prompt's windowed layers are short.
 - With tensor parallelism every rank has a transport of its own and a transfer travels as parts,
   one per (prompt rank, token rank) route (`kv_routes`); this class moves parts and knows nothing
   of ranks.
@@ -63,8 +66,8 @@ from splitserve.engine.kv_cache import KVCache
 from splitserve.transfer.codec import Slots, count_heads
 from splitserve.transfer.link import Fabric, Link, TransferError
 from splitserve.transfer.protocol import (ALL, CANCEL, DONE, HELLO, LAYOUT_BYTES, CacheDest, IncompatibleKV,
-                                          ProtocolError, TransferTicket, announce_retired, header, layout_tensor,
-                                          message_tokens)
+                                          ProtocolError, Span, TransferTicket, announce_retired, header,
+                                          layout_tensor, message_tokens)
 from splitserve.transfer.receiver import KVReceiver
 
 
@@ -120,7 +123,8 @@ class KVTransport:
             self._epoch_seen.setdefault((ticket.token_peer, ticket.link_epoch), time.monotonic())
 
     def push_layer(self, ticket: TransferTicket, layer: int, payload: torch.Tensor) -> None:
-        """`payload`: [2, message_tokens, KV heads, head_dim] (codec.pack_layer)."""
+        """`payload`: [2, tokens, KV heads, head_dim] (codec.pack_layer): the layer's next piece, or
+        all of it."""
         self._send(ticket, layer, payload, payload.shape[-2])
 
     def push_all(self, ticket: TransferTicket, payload: torch.Tensor, num_heads: int) -> None:
@@ -140,18 +144,19 @@ class KVTransport:
         self._claims.add(key)
 
     def write_kv(self, ticket: TransferTicket, kind: int, source: KVCache, slots: Slots,
-                 heads: slice | None) -> int:
+                 heads: slice | None, span: Span | None = None) -> int:
         """A direct ticket: writes layer `kind` (or ALL layers) of this rank's cache at `slots`
-        (per layer group), `heads` of its own, into the token worker's blocks, then announces it.
-        Returns the bytes."""
+        (per layer group), `heads` of its own, into the token worker's blocks, then announces it;
+        `span`: the layer's piece those slots hold (None: all of it). Returns the bytes."""
         self.claim(ticket)
         link = self._link_to(ticket)
+        span = span or ticket.span(self._num_groups)  # the token side checks that a piece follows the last
         layers = slice(None) if kind == ALL else slice(kind, kind + 1)
         num_heads = count_heads(source.data.shape[-2], heads)
+        tokens = message_tokens(ticket, ALL, self._groups) if kind == ALL else span.tokens(self._groups[kind])
         try:
-            written = link.write(source, slots, layers, heads, ticket.dest, ticket.starts(self._num_groups),
-                                 ticket.num_tokens)
-            link.send_meta(header(ticket.tag, kind, message_tokens(ticket, kind, self._groups), num_heads))
+            written = link.write(source, slots, layers, heads, ticket.dest, span.starts, span.end)
+            link.send_meta(header(ticket.tag, kind, tokens, num_heads))
         except TransferError:
             self._drop_out(ticket.token_peer)
             raise
@@ -227,7 +232,8 @@ class KVTransport:
             if kind in (DONE, CANCEL):  # a transfer's last message: its direct writes come before it
                 link.seal()
                 self._claims.discard((ticket.token_peer, ticket.tag))
-            tokens = ticket.num_sent_tokens if payload is None else message_tokens(ticket, kind, self._groups)
+            tokens = ticket.num_sent_tokens if payload is None else \
+                message_tokens(ticket, ALL, self._groups) if kind == ALL else payload.shape[-3]
             link.send_meta(header(ticket.tag, kind, tokens, value))
             if payload is not None:
                 link.send(payload)

@@ -16,6 +16,7 @@ from splitserve.transfer.codec import copy_kv, pack_layer, slot_index, unpack_la
 from splitserve.transfer.direct_link import DirectFabric
 from splitserve.transfer import shared_kv
 from splitserve.transfer.link import TransferError
+from splitserve.transfer.protocol import Span
 from splitserve.transfer.shared_kv import SharedCache, mapping_refused, open_shared, share
 from splitserve.transfer.torch_link import TorchFabric
 from splitserve.transfer.transport import ALL, CacheDest, KVTransport, TransferTicket
@@ -139,7 +140,9 @@ def test_first_come_decides_between_a_claim_and_a_give_up(store):
     assert not store.check(["splitserve/kv-claim/t0/4"])
 
 
-def test_a_direct_transfer_lands_in_the_reserved_blocks_and_only_headers_travel(transports):
+@pytest.mark.parametrize("pieces", [[(2, 10)], [(2, 5), (5, 6), (6, 10)]])
+def test_a_direct_transfer_lands_in_the_reserved_blocks_and_only_headers_travel(transports, pieces):
+    """Whole layers, or each layer in pieces (a prompt prefilled in chunks): the same KV lands."""
     source, target = caches()
     prompt, token = transports(source, target)
     blocks = ((5, 1, 3),)
@@ -147,8 +150,9 @@ def test_a_direct_transfer_lands_in_the_reserved_blocks_and_only_headers_travel(
                           lambda *_: pytest.fail("a direct transfer carries no payload"), CacheDest(blocks))
     assert ticket.dest.blocks == blocks and ticket.dest.claim_by > 0
     src_slots = slot_index([[0, 2, 4]], BLOCK, 10, torch.device("cpu"), start=2)
-    for layer in range(LAYERS):
-        prompt.write_kv(ticket, layer, _Cache(source), src_slots, None)
+    for lo, hi in pieces:
+        for layer in range(LAYERS):
+            prompt.write_kv(ticket, layer, _Cache(source), (src_slots[0][lo - 2:hi - 2],), None, Span((lo,), hi))
     prompt.complete(ticket, 42)
     assert token.poll(timeout=10) == [(ticket, 42)]
     dst_slots = slot_index([list(blocks[0])], BLOCK, 10, torch.device("cpu"), start=2)[0]
@@ -164,7 +168,7 @@ def test_a_cache_no_other_process_can_map_takes_the_fallback_links(transports):
     token.fabric.ipc_refused = "refused in this test"  # as a CUDA worker on a platform that refuses CUDA IPC
     landed = []
     ticket = token.expect(TransferTicket("r", 0, "p0", "t0", 10, True, "test-layout"),
-                          lambda layer, payload: landed.append((layer, payload.clone())), CacheDest(((5, 1, 3),)))
+                          lambda layer, payload, _: landed.append((layer, payload.clone())), CacheDest(((5, 1, 3),)))
     assert ticket.dest is None  # no block table: the prompt worker sends the KV over the fallback link
     payloads = torch.randn(LAYERS, 2, 10, HEADS, DIM)
     for layer in range(LAYERS):

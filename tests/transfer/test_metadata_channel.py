@@ -91,7 +91,7 @@ def test_headers_hello_and_first_token_ride_the_metadata_channel_as_cpu_tensors(
     prompt, token = transport(RecordingFabric("p0", wires)), transport(RecordingFabric("t0", wires))
     ticket = TransferTicket("r", 7, "p0", "t0", 3, True, "test-layout")
     written = {}
-    token.expect(ticket, lambda layer, wire: written.setdefault(layer, wire.clone()))
+    token.expect(ticket, lambda layer, wire, _: written.setdefault(layer, wire.clone()))
     layers = [torch.randn(2, 3, KV_HEADS, DIM) for _ in range(LAYERS)]
     for layer, payload in enumerate(layers):
         prompt.push_layer(ticket, layer, payload)
@@ -180,7 +180,7 @@ def test_an_error_in_one_message_fails_that_peers_transfers_instead_of_leaving_t
     prompt, token = transport(RecordingFabric("p0", wires)), transport(RecordingFabric("t0", wires))
     ticket = TransferTicket("r", 3, "p0", "t0", 3, True, "test-layout")
 
-    def broken_write(layer, wire):
+    def broken_write(layer, wire, offset):
         raise RuntimeError("the cache write failed")
 
     token.expect(ticket, broken_write)

@@ -58,9 +58,11 @@ class TPWorker:
     """One worker of `size` ranks in `role`: a WorkerLoop on rank 0, followers on threads."""
 
     def __init__(self, server, model: str, worker_id: str, role: str, size: int, dies: bool = False,
-                 backend: str = "gloo"):
-        """`dies`: rank 1 leaves its loop at the first command it gets."""
-        config = EngineConfig(policy=role, **ENGINE)
+                 backend: str = "gloo", chunk: int | None = None):
+        """`dies`: rank 1 leaves its loop at the first command it gets; `chunk`: prompts longer than
+        this prefill in chunks of it."""
+        chunks = {} if chunk is None else {"prompt_chunk_tokens": chunk, "prompt_token_budget": chunk}
+        config = EngineConfig(policy=role, **ENGINE, **chunks)
         self.followers = None
         group = None
         if size > 1:
@@ -167,19 +169,21 @@ def test_later_turns_travel_from_the_token_workers_cached_prefix_on(server, mode
         token_worker.close()
 
 
+@pytest.mark.parametrize("chunk", [None, 16], ids=["whole", "chunks"])
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_windowed_layers_travel_from_their_windows_reach_on_every_rank(
-        server, tmp_path, tokenizers_by_kind, backend):  # noqa: F811
+        server, tmp_path, tokenizers_by_kind, backend, chunk):  # noqa: F811
     """Gemma 2 (a window of 16 on every other layer: two layer groups), prompt TP 2 -> token TP 2:
     each part carries the windowed layers from the block their first decode reaches, the full
     ones whole, one-shot and layer-wise; the output is the one-rank engine's. The layer-wise
     threshold counts a layer's tokens on average: 26 tokens, (26 + 18) / 2 of them a layer, go in
-    one shot."""
+    one shot. With 16-token chunks every rank streams each chunk's pieces (the windowed layers'
+    from position 24 on: none in the first chunk)."""
     path = str(tmp_path / "gemma2")
     write_checkpoint(path, "gemma2", tokenizers_by_kind)
     reference = LLMEngine(path, **ENGINE)
     n = next(_names)
-    prompt_worker = TPWorker(server, path, f"p{n}", "prompt", 2, backend=backend)
+    prompt_worker = TPWorker(server, path, f"p{n}", "prompt", 2, backend=backend, chunk=chunk)
     token_worker = TPWorker(server, path, f"t{n}", "token", 2, backend=backend)
     try:
         for i, length in enumerate((26, 41)):  # one-shot, then layer-wise

@@ -33,7 +33,7 @@ def test_windowed_groups_send_each_layer_from_its_own_start():
     one_shot = dataclasses.replace(layerwise, request_id="b", tag=2, layerwise=False)
     written: dict = {}
     for ticket in (layerwise, one_shot):
-        token.expect(ticket, lambda layer, wire, r=ticket.request_id: written.setdefault((r, layer), wire.clone()))
+        token.expect(ticket, lambda layer, wire, _, r=ticket.request_id: written.setdefault((r, layer), wire.clone()))
     layers = [torch.randn(2, 8, KV_HEADS, DIM), torch.randn(2, 3, KV_HEADS, DIM)]
     for layer, payload in enumerate(layers):
         prompt.push_layer(layerwise, layer, payload)
@@ -56,7 +56,7 @@ def test_a_windowed_layer_sent_whole_fails_the_link():
     token.expect(ticket, lambda *_: None)
     prompt.push_layer(dataclasses.replace(ticket, group_starts=()), 1, torch.zeros(2, 10, KV_HEADS, DIM))
     [(failed, error)] = token.poll(timeout=5.0)
-    assert failed == ticket and "announces 10 tokens" in str(error) and "expects 3 tokens" in str(error)
+    assert failed == ticket and "announces 10 tokens" in str(error) and "has 3 tokens of the layer left" in str(error)
 
 
 def test_a_ticket_naming_other_layer_groups_is_refused_before_any_work():
@@ -70,7 +70,7 @@ def test_a_partial_transfer_announces_and_lands_only_the_positions_it_sends():
     prompt, token = transport(RecordingFabric("p0", wires)), transport(RecordingFabric("t0", wires))
     ticket = TransferTicket("r", 7, "p0", "t0", 10, False, "test-layout", start_token=6)
     written = {}
-    token.expect(ticket, lambda layer, wire: written.setdefault(layer, wire.clone()))
+    token.expect(ticket, lambda layer, wire, _: written.setdefault(layer, wire.clone()))
     payload = torch.randn(LAYERS, 2, 4, KV_HEADS, DIM)
     prompt.push_all(ticket, payload, KV_HEADS)
     prompt.complete(ticket, first_token_id=42)  # ALL announces every layer's tokens
@@ -88,4 +88,4 @@ def test_a_payload_of_the_whole_prompt_for_a_partial_ticket_fails_the_link():
                       torch.zeros(2, 10, KV_HEADS, DIM))
     [(failed, error)] = token.poll(timeout=5.0)
     assert failed == partial and isinstance(error, TransferError)
-    assert "announces 10 tokens" in str(error) and "expects 4 tokens (from position 6)" in str(error)
+    assert "announces 10 tokens" in str(error) and "has 4 tokens of the layer left (from position 6)" in str(error)

@@ -131,7 +131,8 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
     engine = LLMEngine(engine_args.pop("model", "demo"), policy="prompt", device=device_for(backend, "prompt"),
                        **engine_args)
     exporter = KVExporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory))
-    stalled, peak = [], {"blocks": 0, "prefill_tokens": 0}  # the most KV blocks held, prompt tokens a step
+    # the most KV blocks held and prompt tokens a step; how many steps pushed KV
+    stalled, peak = [], {"blocks": 0, "prefill_tokens": 0, "pushing_steps": 0}
 
     def handle(cmd):
         if cmd[0] == "stall":
@@ -155,7 +156,9 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
                 outbox.put(("failed", ticket.request_id, str(error)))
 
     def tick():
+        pushed = exporter.bytes_pushed
         outputs = exporter.step()
+        peak["pushing_steps"] += exporter.bytes_pushed > pushed
         peak["blocks"] = max(peak["blocks"], engine.block_manager.num_used_blocks)
         peak["prefill_tokens"] = max(peak["prefill_tokens"], engine.last_step.prefill_tokens)
         for out in outputs:
