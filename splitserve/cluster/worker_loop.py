@@ -80,7 +80,7 @@ class WorkerLoop:
         """`reuse_prefix`: imports take the prompt blocks this engine's prefix cache holds, and only
         the rest of the KV travels."""
         self.engine, self.worker_id = engine, worker_id
-        self.exporter = KVExporter(engine, transport, lease_s) if transport else None
+        self.exporter = KVExporter(engine, transport, lease_s, layerwise_threshold) if transport else None
         self.importer = (KVImporter(engine, transport, worker_id, layerwise_threshold, lease_s, reuse_prefix)
                          if transport else None)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -123,8 +123,8 @@ class EngineOptions(StrictModel):
                                      "worker: a preempted sequence's recompute) in chunks of this many tokens: the "
                                      "largest iteration, and so the activation memory the KV cache leaves room for, "
                                      "stays bounded whatever max_model_len, and a recompute never stalls the decodes "
-                                     "for a whole prompt. A prompt worker streams the KV layer by layer during the "
-                                     "last chunk.")
+                                     "for a whole prompt. A prompt worker streams each chunk's KV layer by layer as "
+                                     "the chunk computes.")
     enable_prefix_caching: bool = Field(True, description="Share the KV of full blocks between prompts with the same "
                                         "prefix.")
     dtype: str = Field("auto", description="auto (the checkpoint's torch_dtype), float32, bfloat16 or float16.")
@@ -177,7 +177,9 @@ class TransferOptions(StrictModel):
                              "on its receiver, or a new link on its peer, before that transfer (or link) fails.")
     layerwise_threshold: int = Field(512, ge=1, description="Prompt tokens from which the KV streams layer by layer "
                                      "during the prefill; shorter prompts send it in one push after. Counts the "
-                                     "tokens sent: not those the token worker's prefix cache already holds.")
+                                     "tokens sent: not those the token worker's prefix cache already holds. A prompt "
+                                     "prefilled in chunks streams once this many new positions are pending (fewer "
+                                     "cost more in messages than they hide) and at its last chunk.")
     lease_s: float = Field(120.0, gt=0, description="Lease of a KV reservation: a transfer not completed this long "
                            "after the token worker reserved the blocks (or after the prompt worker took the prefill) "
                            "is cancelled and its blocks freed on both sides. Must cover the prompt queue's wait.")

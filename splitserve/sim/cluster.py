@@ -54,6 +54,7 @@ from splitserve.placement.state import MAX_PREFIX_BLOCKS, REFUSED_TRIES, PrefixO
 from splitserve.sim.contention import STACK, SharedHost, request_run
 from splitserve.sim.records import SimRecords
 from splitserve.sim.scenario import Scenario
+from splitserve.sim.transfer import KVExport
 from splitserve.sim.worker import FILLER_TOKEN, NOTHING_HAPPENED, SimWorker
 
 Progress = Callable[[int, int], None]  # (requests done or refused, all requests)
@@ -125,8 +126,8 @@ class Simulation:
         self._reporting = [(w, self.cls.workers[w.worker_id]) for _, w in sorted(self.workers.items())]
         self.pool_moves = dict.fromkeys(self.workers, 0)
         self._awaiting_kv: dict[str, SimWorker] = {}  # split requests' token workers, until the KV lands
-        # split requests not handed off yet: prompt tokens whose KV travels, and per KV layer group
-        self._to_send: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._to_send: dict[str, KVExport] = {}  # split requests not handed off yet
+        self._exporting: dict[str, int] = dict.fromkeys(self.workers, 0)  # per worker: its prefills of those
         self.kv_tokens_sent = self.kv_tokens_reused = self.placements_refused = 0
         self._waking: set[str] = set()
         self._heap: list = []
@@ -234,8 +235,9 @@ class Simulation:
                 continue
             self._awaiting_kv[seq_id] = token_worker
             starts = token_worker.import_starts(imported)
-            self._to_send[seq_id] = (spec.prompt_tokens - imported.num_computed_tokens,
-                                     tuple(spec.prompt_tokens - start for start in starts))
+            self._to_send[seq_id] = KVExport(spec.prompt_tokens, imported.num_computed_tokens, starts,
+                                              prompt_worker.worker_id)
+            self._exporting[prompt_worker.worker_id] += 1
             break
         self.token_times[seq_id], self._slots[seq_id] = [], slot
         seq = EngineSequence(seq_id, prompt, params, self.now)
@@ -305,18 +307,36 @@ class Simulation:
         self._iteration_end(worker)
 
     def _iteration_end(self, worker: SimWorker) -> None:
+        if self._exporting[worker.worker_id]:
+            self._stream_chunks(worker)
         result = worker.finish_iteration(self.now)
         if result is not NOTHING_HAPPENED:
             for seq in result.handed_off:
-                sent, by_group = self._to_send.pop(seq.seq_id)
+                export = self._drop_export(seq.seq_id)
+                sent = seq.num_prompt_tokens - export.start_token
                 self.kv_tokens_sent += sent
                 self.kv_tokens_reused += seq.num_prompt_tokens - sent
-                visible = self.scenario.transfer.visible_time(by_group, worker.iteration_s)
+                visible = export.visible_time(self.scenario.transfer, self.now - worker.iteration_s,
+                                              worker.iteration_s)
                 self._push(self.now + visible, self._kv_landed, seq.seq_id)
             for seq in result.finished:
                 self._cancel_import(seq.seq_id)  # a split request whose first token was its last
                 self._finish(seq.seq_id)
         self._start(worker)
+
+    def _stream_chunks(self, worker: SimWorker) -> None:
+        """Layer-wise split requests whose chunk before the last the ending iteration computed: its
+        pieces stream now."""
+        model, start = self.scenario.transfer, self.now - worker.iteration_s
+        for item in worker.plan.scheduled:
+            export = self._to_send.get(item.seq.seq_id)
+            if export is not None and not item.samples and export.layerwise(model):
+                export.chunk_done(model, start, worker.iteration_s, item.start + item.num_new_tokens)
+
+    def _drop_export(self, seq_id: str) -> KVExport:
+        export = self._to_send.pop(seq_id)
+        self._exporting[export.prompt_worker] -= 1
+        return export
 
     def _kv_landed(self, seq_id: str) -> None:
         worker = self._awaiting_kv.pop(seq_id)
@@ -327,7 +347,8 @@ class Simulation:
 
     def _cancel_import(self, seq_id: str) -> None:
         worker = self._awaiting_kv.pop(seq_id, None)
-        self._to_send.pop(seq_id, None)
+        if seq_id in self._to_send:
+            self._drop_export(seq_id)
         if worker is not None:
             worker.abort(seq_id)
             self._wake_soon(worker)  # the freed blocks may admit a waiting prompt

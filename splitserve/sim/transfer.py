@@ -19,6 +19,12 @@ A link much faster than compute leaves latency + t_l; a link much slower leaves 
 serialized time minus the (L-1)/L of the prefill it overlapped. Every prompt has a link of its
 own (no contention between transfers).
 
+A prompt prefilled in chunks (`prompt_chunk_tokens`) streams each chunk's piece of every layer
+as the chunk's iteration computes it (`KVExport`): the pieces cross the link one after another,
+each leaving once computed and once the link is through with the ones before (`stream`: the same
+pipeline, carried across iterations), so at the hand-off only what the last iteration's pieces
+add, and any backlog, is visible.
+
 A model with sliding-window layers sends each KV layer group's layers from its own position on
 (`BlockManager.held_from`: a windowed group only what the token worker's window reaches), so its
 layers differ in size: layer i takes t_i, its share of T, and the last is through at
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LAYERWISE_THRESHOLD = 512  # the same default as splitserve.transfer.handoff
 
@@ -93,9 +99,70 @@ class TransferModel:
             through = max(through, step * (i + 1) + tail)
         return self.latency_s + through - prefill_s
 
+    def layer_tokens(self, num_tokens: Sequence[float]) -> list[float]:
+        """Per layer: the tokens its group sends (`num_tokens`: per group; without `layer_groups`,
+        every layer sends the most any group sends)."""
+        if not self.layer_groups:
+            return [max(num_tokens)] * self.num_layers
+        return [num_tokens[group] for group in self.layer_groups]
+
+    def stream(self, through: float, start: float, prefill_s: float, layer_tokens: Sequence[float]) -> float:
+        """When the link is through with the pieces one iteration computes (`layer_tokens`: each
+        layer's; the iteration runs `prefill_s` from `start`, layer after layer) behind the pieces
+        before them (through at `through`): a piece leaves once computed and once the link is free."""
+        step = prefill_s / self.num_layers
+        for i, tokens in enumerate(layer_tokens):
+            if tokens > 0:
+                through = max(through, start + step * (i + 1)) + self.link_time(tokens) / self.num_layers
+        return through
+
     def _visible(self, num_tokens: float, prefill_s: float) -> float:
         total = self.link_time(num_tokens)
         if not self.layerwise(num_tokens):
             return self.latency_s + total
         layers = self.num_layers
         return self.latency_s + max(total / layers, total - prefill_s * (layers - 1) / layers)
+
+
+@dataclass
+class KVExport:
+    """A split request's KV from its placement to its hand-off: what travels, and, for a layer-wise
+    one prefilled in chunks, what the chunks before the last have streamed (as the real prompt
+    worker does: `splitserve.transfer.protocol.Span`)."""
+
+    prompt_tokens: int
+    start_token: int  # the first position whose KV travels (the token worker's cache holds those before)
+    starts: tuple[int, ...]  # per KV layer group: the first position it sends
+    prompt_worker: str
+    pushed_to: int = 0  # positions before this were streamed by earlier iterations
+    through: float = field(default=-math.inf)  # when the link is through with them
+
+    @property
+    def by_group(self) -> tuple[int, ...]:
+        """Per KV layer group: the tokens whose KV travels."""
+        return tuple(self.prompt_tokens - start for start in self.starts)
+
+    def layerwise(self, model: TransferModel) -> bool:
+        """As the token worker decides: the mean tokens a layer sends, against the threshold."""
+        return model.layerwise(sum(model.layer_tokens(self.by_group)) / model.num_layers)
+
+    def chunk_done(self, model: TransferModel, start: float, prefill_s: float, end: int) -> None:
+        """An iteration from `start` computed a chunk before the last, up to `end`: its pieces
+        stream once `layerwise_threshold` positions are pending (as the prompt worker's
+        `min_piece_tokens`), else with a later iteration's."""
+        if end - self.pushed_to >= model.layerwise_threshold:
+            self._stream(model, start, prefill_s, end)
+
+    def _stream(self, model: TransferModel, start: float, prefill_s: float, end: int) -> None:
+        """Each layer's positions from where the last piece ended (or its group's start) to `end`."""
+        pieces = [end - min(max(first, self.pushed_to), end) for first in self.starts]
+        self.through = model.stream(self.through, start, prefill_s, model.layer_tokens(pieces))
+        self.pushed_to = max(self.pushed_to, end)
+
+    def visible_time(self, model: TransferModel, start: float, prefill_s: float) -> float:
+        """From the end of the iteration that completed the prefill (from `start`, `prefill_s` long)
+        to the KV having landed; a prompt with no earlier pieces is `TransferModel.visible_time`."""
+        if self.through == -math.inf:
+            return model.visible_time(self.by_group, prefill_s)
+        self._stream(model, start, prefill_s, self.prompt_tokens)
+        return model.latency_s + self.through - (start + prefill_s)

@@ -12,7 +12,7 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.policies import Plan
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer.codec import Slots, as_lists, slot_index
-from splitserve.transfer.handoff import parts_of
+from splitserve.transfer.handoff import LAYERWISE_THRESHOLD, parts_of
 from splitserve.transfer.link import TransferError
 from splitserve.transfer.protocol import Span
 from splitserve.transfer.rank_commands import FinishExport, PushLayers, RankReport
@@ -54,8 +54,12 @@ class _Sending:
 
 
 class KVExporter:
-    def __init__(self, engine: LLMEngine, transport: KVTransport, lease_s: float = float("inf")):
-        self.engine, self.transport, self.lease_s = engine, transport, lease_s
+    def __init__(self, engine: LLMEngine, transport: KVTransport, lease_s: float = float("inf"),
+                 min_piece_tokens: int = LAYERWISE_THRESHOLD):
+        """`min_piece_tokens`: a step that does not complete a layer-wise prefill pushes its pieces
+        once this many positions are pending (a piece costs a message per layer, whatever its size);
+        the step that completes it pushes the rest."""
+        self.engine, self.transport, self.lease_s, self.min_piece_tokens = engine, transport, lease_s, min_piece_tokens
         self.rank = RankKV(transport, engine.kv_cache, engine.model_config.num_key_value_heads)
         self.leader = engine.tp_leader
         if self.leader is not None:
@@ -111,9 +115,12 @@ class KVExporter:
         whose pushes have all left gets its TransferStats (visible: the compute thread's time
         packing and pushing; span: from its first push until all had left)."""
         for error in self.transport.reap():
-            for sending in self._sending:
-                self._failures += [(r, error) for r, t in sending.tickets.items()
-                                   if any(p.token_peer == error.peer for p in parts_of(t))]
+            failed = {r: error for sending in self._sending for r, t in sending.tickets.items()
+                      if any(p.token_peer == error.peer for p in parts_of(t))}  # a chunked prompt's: in several
+            known = {r for r, _ in self._failures}
+            for request_id in (r for r in failed if r not in known):
+                self._forget(request_id)  # a prefill still in chunks pushes no more
+                self._failures.append((request_id, error))
         while self._sending and self.transport.all_sent(
                 {p.token_peer for t in self._sending[0].tickets.values() for p in self._own(t)}):
             sending = self._sending.pop(0)
@@ -146,15 +153,15 @@ class KVExporter:
 
     def _before_forward(self, plan: Plan) -> None:
         """This step's pieces of layer-wise transfers (the positions it computes, and any before
-        them not pushed yet: a prefix hit's), which the other ranks push too."""
+        them not pushed yet: a prefix hit's, a smaller step's), which the other ranks push too."""
         self._pieces = []
         num_groups, device = self.engine.block_manager.num_groups, self.engine.kv_cache.data.device
         for item in plan.scheduled:
             ticket = self._tickets.get(item.seq.seq_id)
             end = item.start + item.num_new_tokens
             pushed = self._pushed_to.get(item.seq.seq_id, 0)
-            if ticket is None or not ticket.layerwise or end <= pushed:  # (a recompute of pushed positions)
-                continue
+            if ticket is None or not ticket.layerwise or end - pushed < (1 if item.samples else self.min_piece_tokens):
+                continue  # (end <= pushed: a recompute of pushed positions)
             self._pushed_to[ticket.request_id] = end
             span = Span(tuple(min(max(start, pushed), end) for start in ticket.starts(num_groups)), end)
             tables = self.engine.block_manager.block_tables(ticket.request_id)

@@ -4,8 +4,10 @@ transport, a ticket's parts.
 
 Prompt worker (`KVExporter`, an engine in any role; requests added through it are handed off):
 while a prompt's prefill runs, each layer's KV is packed and pushed as soon as that layer has
-written it (the push is asynchronous, so layer i + 1 computes while layer i travels); prompts
-under the threshold go in one push after the prefill. Then the first token is pushed and the
+written it (the push is asynchronous, so layer i + 1 computes while layer i travels); a prompt
+prefilled in chunks pushes each step's new positions of every layer, a piece a layer, so only
+the last chunk's pieces remain at the hand-off; prompts under the threshold go in one push after
+the prefill. Then the first token is pushed and the
 prompt engine frees the request: the pushed KV is a copy, so the blocks are free at once. The
 next step does not wait for those pushes to leave: a peer that stops reading fails its link
 after the transport's timeout. Once the first token is handed off, the token side decides the

@@ -55,6 +55,21 @@ def test_one_layerwise_split_request():
     assert record.token_times_s == pytest.approx((0.67, 0.69))
 
 
+def test_a_layerwise_split_request_prefilled_in_chunks_streams_each_chunk():
+    """2000 tokens in chunks of 500 (0.5 s each), a layer-wise threshold of 500: each chunk's 500
+    tokens take 0.5 s on the wire, 0.05 s a layer, so the link keeps pace with the compute and only
+    the last layer's piece is left at the hand-off: 0.01 + 0.05 (the whole KV behind the last chunk
+    would leave 0.01 + 2.0 - 0.45). With the threshold at 512 the pieces go every other chunk: the
+    first 1000 tokens' by 1.55 s, the last 1000 tokens' 1.0 s after their last chunk began."""
+    streamed = dataclasses.replace(TRANSFER, layerwise_threshold=500)
+    for transfer, first in ((streamed, 2.06), (TRANSFER, 2.56)):
+        chunked = split(prompt_chunk_tokens=500, prompt_token_budget=500, transfer=transfer)
+        [record] = simulate(chunked, [spec(0, 0.0, 2000, 2)]).records
+        assert record.token_times_s == pytest.approx((first, first + 0.02))
+    [whole] = simulate(split(), [spec(0, 0.0, 2000, 2)]).records
+    assert whole.ttft_s == pytest.approx(2.0 + pipeline_visible(TRANSFER, 2000, 2.0)) == pytest.approx(2.21)
+
+
 def test_two_requests_batched_on_a_mixed_worker():
     result = simulate(mixed(), [spec(0, 0.0, 100, 2), spec(1, 0.0, 200, 3)])
     # one prefill of 300 tokens (0.3 s), then decodes of both together

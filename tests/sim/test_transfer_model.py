@@ -1,9 +1,10 @@
-"""The KV transfer model: serialized below the threshold, the layer pipeline above it."""
+"""The KV transfer model: serialized below the threshold, the layer pipeline above it (across
+the iterations of a prompt prefilled in chunks)."""
 import dataclasses
 
 import pytest
 
-from splitserve.sim.transfer import TransferModel
+from splitserve.sim.transfer import KVExport, TransferModel
 
 # 1000 bytes a token, 10 layers, 10 ms latency; the bandwidth sets how fast the link is
 SLOW = TransferModel(bandwidth_bytes_per_s=1e6, latency_s=0.01, kv_bytes_per_token=1000, num_layers=10)
@@ -86,3 +87,41 @@ def test_the_layerwise_threshold_counts_a_layers_mean_tokens():
 def test_rejects_bad_parameters(field, value):
     with pytest.raises(ValueError, match=field):
         TransferModel(**{field: value})
+
+
+def pipeline_through(model: TransferModel, iterations: list[tuple[float, float, list[float]]]) -> float:
+    """When the link is through with pieces that iterations (start, duration, each layer's tokens)
+    computed, layer after layer, the pieces crossing one link one after another."""
+    through = float("-inf")
+    for start, duration, layers in iterations:
+        for i, tokens in enumerate(layers):
+            if tokens:
+                ready = start + duration * (i + 1) / model.num_layers
+                through = max(ready, through) + model.link_time(tokens) / model.num_layers
+    return through
+
+
+@pytest.mark.parametrize("chunk", [300, 700, 2000])
+@pytest.mark.parametrize("layer_groups, starts", [((), (0,)), ((0, 1) * 5, (0, 1500))])
+def test_a_prompt_prefilled_in_chunks_streams_each_chunks_pieces(chunk, layer_groups, starts):
+    """A 2000-token prompt in chunks of `chunk`, each iteration chunk / 1000 s: once 512 positions
+    are pending (the layer-wise threshold; chunks of 300: every other one), a piece of each layer
+    (a windowed group's from position 1500 on) joins the pipeline as it is computed, so the hand-off
+    leaves only what the link still owes; one chunk is `visible_time`'s whole prompt."""
+    model = dataclasses.replace(SLOW, layer_groups=layer_groups)
+    export = KVExport(2000, 0, starts, "p0")
+    iterations, start, pushed = [], 0.0, 0
+    for lo in range(0, 2000, chunk):
+        hi, duration = min(lo + chunk, 2000), min(chunk, 2000 - lo) / 1000
+        if hi == 2000 or hi - pushed >= 512:
+            pieces = [hi - min(max(first, pushed), hi) for first in starts]
+            iterations.append((start, duration, model.layer_tokens(pieces)))
+            pushed = hi
+        if hi < 2000:
+            export.chunk_done(model, start, duration, hi)
+        start += duration
+    visible = export.visible_time(model, start - duration, duration)
+    assert len(iterations) == {300: 4, 700: 3, 2000: 1}[chunk]
+    assert visible == pytest.approx(model.latency_s + pipeline_through(model, iterations) - start)
+    whole = model.visible_time(export.by_group, duration)  # every layer's whole KV behind the last chunk
+    assert visible == pytest.approx(whole) if chunk == 2000 else visible < whole

@@ -74,16 +74,18 @@ def test_two_prompt_workers_into_one_token_worker(cluster):
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_a_prompt_worker_prefills_a_long_prompt_in_chunks(backend):
     """Prompts longer than prompt_chunk_tokens take several prefill steps on the prompt worker; a
-    layer-wise one (LONG) streams each step's piece of every layer as it lands, a one-shot one sends
-    its KV after its last chunk, and the output is unchanged."""
+    layer-wise one (LONG) streams a piece of every layer once 192 positions are pending (every
+    other step) and the rest at its last chunk, a one-shot one sends its KV after its last chunk,
+    and the output is unchanged."""
     chunked = Cluster(backend, engine_args={"prompt_chunk_tokens": 96, "prompt_token_budget": 96})
     try:
+        chunked.send("p0", "min_piece_tokens", 192)
         prompts = [LONG, SHORT, LONG[:300]]
         assert run(chunked, prompts) == colocated(chunked, prompts)
         chunked.send("p0", "peak")
         peak = chunked.expect("p0", "peak")[2]
         assert peak["prefill_tokens"] == 96  # never a whole 300- or 701-token prompt
-        assert peak["pushing_steps"] >= -(-len(LONG) // 96)  # every step of LONG's 8 pushed (3 in all, whole)
+        assert peak["layer_messages"] == 4 * 4  # 4 layers, in pieces to 192, 384, 576 and 701 (4 if whole)
         for worker in ("p0", "t0"):
             assert_clean(chunked, worker)
     finally:

@@ -82,14 +82,17 @@ def test_a_transfer_given_up_mid_push_leaves_the_pair_working(make_cluster):
     assert_clean(cluster, "p0")
 
 
+@pytest.mark.parametrize("chunk", [None, 96], ids=["whole", "chunks"])
 @pytest.mark.parametrize("make_cluster", ["gloo"], indirect=True)  # gRPC buffers what a frozen reader has not taken
-def test_a_link_that_broke_between_live_workers_heals_on_the_next_transfer(make_cluster):
+def test_a_link_that_broke_between_live_workers_heals_on_the_next_transfer(make_cluster, chunk):
     """The token worker freezes past the timeout: the prompt side gives the link up and fails the
-    transfer; once the token worker runs again the pair meets on a fresh link (epoch 1). The
-    handed-off transfer is the token side's to decide (the router hears of it from there): it
-    fails, or lands with the colocated tokens when every message had reached the token worker
-    before the sender's link was gone (gloo may still serve posted sends after the give-up)."""
-    cluster = make_cluster(timeout=3)
+    transfer, once (a prompt prefilled in chunks pushed in several steps); once the token worker
+    runs again the pair meets on a fresh link (epoch 1). The handed-off transfer is the token
+    side's to decide (the router hears of it from there): it fails, or lands with the colocated
+    tokens when every message had reached the token worker before the sender's link was gone
+    (gloo may still serve posted sends after the give-up)."""
+    chunks = {} if chunk is None else {"prompt_chunk_tokens": chunk, "prompt_token_budget": chunk}
+    cluster = make_cluster(timeout=3, engine_args=chunks)
     cluster.route("warm", SHORT, GREEDY)
     assert cluster.collect("t0", ("done",), 1)["warm"][0] == "done"
     cluster.send("t0", "reserve", "frozen", LONG, GREEDY, "p0")
@@ -110,3 +113,4 @@ def test_a_link_that_broke_between_live_workers_heals_on_the_next_transfer(make_
     assert (ticket.parts[0].link_epoch, healed.parts[0].link_epoch) == (0, 1)
     assert_clean(cluster, "t0")
     assert_clean(cluster, "p0")
+    assert [m for m in cluster.backlog.get("p0", []) if m[0] == "failed"] == []  # no second failure

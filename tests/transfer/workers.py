@@ -11,6 +11,8 @@ Commands a worker takes from its inbox, and what it puts in its outbox:
 - prompt: ("stall",) stops pushing: later requests are prefilled but never sent (a hung peer)
 - prompt: ("die_after_layers", n) crashes right after its n-th layer push has left (mid-transfer);
           ("freeze_after_layers", n) stops itself (SIGSTOP) there instead, until SIGCONT
+- prompt: ("min_piece_tokens", n) sets its exporter's; ("peak",) -> ("peak", worker_id, {the most KV
+          blocks held, the most prompt tokens a step, the layer messages pushed})
 """
 from __future__ import annotations
 
@@ -119,6 +121,18 @@ def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_
     _serve(engine, inbox, outbox, worker_id, handle, tick)
 
 
+def count_layer_messages(transport, counts: dict) -> None:
+    """counts["layer_messages"]: a layer's KV (or a piece of it) pushed, or written into the peer's cache."""
+    def counted(method, is_layer):
+        def push(*args):
+            counts["layer_messages"] += is_layer(*args)
+            return method(*args)
+        return push
+
+    transport.push_layer = counted(transport.push_layer, lambda *args: True)
+    transport.write_kv = counted(transport.write_kv, lambda ticket, kind, *rest: kind >= 0)
+
+
 def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_args, grpc_directory=None):
     import torch
 
@@ -131,8 +145,9 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
     engine = LLMEngine(engine_args.pop("model", "demo"), policy="prompt", device=device_for(backend, "prompt"),
                        **engine_args)
     exporter = KVExporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory))
-    # the most KV blocks held and prompt tokens a step; how many steps pushed KV
-    stalled, peak = [], {"blocks": 0, "prefill_tokens": 0, "pushing_steps": 0}
+    # the most KV blocks held and prompt tokens a step; the layer messages (pieces) pushed
+    stalled, peak = [], {"blocks": 0, "prefill_tokens": 0, "layer_messages": 0}
+    count_layer_messages(exporter.transport, peak)
 
     def handle(cmd):
         if cmd[0] == "stall":
@@ -143,6 +158,8 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
             freeze_after_layer_pushes(exporter.transport, cmd[1])
         if cmd[0] == "pushed":
             outbox.put(("pushed", worker_id, exporter.bytes_pushed))
+        if cmd[0] == "min_piece_tokens":
+            exporter.min_piece_tokens = cmd[1]
         if cmd[0] == "peak":
             outbox.put(("peak", worker_id, dict(peak)))
         if cmd[0] == "add":
@@ -156,9 +173,7 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
                 outbox.put(("failed", ticket.request_id, str(error)))
 
     def tick():
-        pushed = exporter.bytes_pushed
         outputs = exporter.step()
-        peak["pushing_steps"] += exporter.bytes_pushed > pushed
         peak["blocks"] = max(peak["blocks"], engine.block_manager.num_used_blocks)
         peak["prefill_tokens"] = max(peak["prefill_tokens"], engine.last_step.prefill_tokens)
         for out in outputs:

@@ -1,6 +1,6 @@
 """Splitwise prompt machine (IV-B): FCFS, whole prompts batched up to a prompt-token budget; a
 prompt longer than `prompt_chunk_tokens` is prefilled a chunk at a time (a layer-wise transfer
-streams during the last chunk)."""
+streams each chunk's KV as it lands)."""
 from splitserve.engine.policies.token import TokenPolicy
 
 
