@@ -316,8 +316,7 @@ class Simulation:
                 sent = seq.num_prompt_tokens - export.start_token
                 self.kv_tokens_sent += sent
                 self.kv_tokens_reused += seq.num_prompt_tokens - sent
-                visible = export.visible_time(self.scenario.transfer, self.now - worker.iteration_s,
-                                              worker.iteration_s)
+                visible = export.hand_off(self.scenario.transfer, self.now - worker.iteration_s, worker.iteration_s)
                 self._push(self.now + visible, self._kv_landed, seq.seq_id)
             for seq in result.finished:
                 self._cancel_import(seq.seq_id)  # a split request whose first token was its last

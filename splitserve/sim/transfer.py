@@ -159,9 +159,10 @@ class KVExport:
         self.through = model.stream(self.through, start, prefill_s, model.layer_tokens(pieces))
         self.pushed_to = max(self.pushed_to, end)
 
-    def visible_time(self, model: TransferModel, start: float, prefill_s: float) -> float:
-        """From the end of the iteration that completed the prefill (from `start`, `prefill_s` long)
-        to the KV having landed; a prompt with no earlier pieces is `TransferModel.visible_time`."""
+    def hand_off(self, model: TransferModel, start: float, prefill_s: float) -> float:
+        """The iteration from `start`, `prefill_s` long, completed the prefill: the rest streams.
+        Returns the time from its end to the KV having landed (a prompt with no earlier pieces:
+        `TransferModel.visible_time`)."""
         if self.through == -math.inf:
             return model.visible_time(self.by_group, prefill_s)
         self._stream(model, start, prefill_s, self.prompt_tokens)

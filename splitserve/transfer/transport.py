@@ -232,8 +232,12 @@ class KVTransport:
             if kind in (DONE, CANCEL):  # a transfer's last message: its direct writes come before it
                 link.seal()
                 self._claims.discard((ticket.token_peer, ticket.tag))
-            tokens = ticket.num_sent_tokens if payload is None else \
-                message_tokens(ticket, ALL, self._groups) if kind == ALL else payload.shape[-3]
+            if payload is None:
+                tokens = ticket.num_sent_tokens
+            elif kind == ALL:
+                tokens = message_tokens(ticket, ALL, self._groups)
+            else:  # the layer's piece
+                tokens = payload.shape[-3]
             link.send_meta(header(ticket.tag, kind, tokens, value))
             if payload is not None:
                 link.send(payload)

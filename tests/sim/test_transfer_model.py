@@ -120,7 +120,7 @@ def test_a_prompt_prefilled_in_chunks_streams_each_chunks_pieces(chunk, layer_gr
         if hi < 2000:
             export.chunk_done(model, start, duration, hi)
         start += duration
-    visible = export.visible_time(model, start - duration, duration)
+    visible = export.hand_off(model, start - duration, duration)
     assert len(iterations) == {300: 4, 700: 3, 2000: 1}[chunk]
     assert visible == pytest.approx(model.latency_s + pipeline_through(model, iterations) - start)
     whole = model.visible_time(export.by_group, duration)  # every layer's whole KV behind the last chunk
