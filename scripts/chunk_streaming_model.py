@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append({"prompt_tokens": n, "gbps": gbps, "prefill_s": prefill, "visible_streamed_s": streamed,
                          "visible_last_chunk_s": last_only,
                          "ttft_ratio": (prefill + streamed) / (prefill + last_only)})
-            print(f"| {n} | {gbps:g} | {prefill:.2f} | {streamed:.3f} | {last_only:.3f} | {rows[-1]['ttft_ratio']:.2f} |")
+            print(f"| {n} | {gbps:g} | {prefill:.2f} | {streamed:.3f} | {last_only:.3f} "
+                  f"| {rows[-1]['ttft_ratio']:.2f} |")
     return rows
 
 

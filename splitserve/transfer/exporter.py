@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.policies import Plan
@@ -39,10 +41,12 @@ class TransferStats:
 
 @dataclass(frozen=True)
 class _Piece:
-    """What a step pushes of a layer-wise transfer: every layer's positions in `span`, at `slots`."""
+    """What a step pushes of a layer-wise transfer: every layer's positions in `span`, at `slots`
+    (on the cache's device; `host_slots` the same, for the other ranks: no device sync to read)."""
 
     ticket: TransferTicket
     slots: Slots
+    host_slots: Slots
     span: Span
 
 
@@ -155,7 +159,7 @@ class KVExporter:
         """This step's pieces of layer-wise transfers (the positions it computes, and any before
         them not pushed yet: a prefix hit's, a smaller step's), which the other ranks push too."""
         self._pieces = []
-        num_groups, device = self.engine.block_manager.num_groups, self.engine.kv_cache.data.device
+        num_groups, cache = self.engine.block_manager.num_groups, self.engine.kv_cache
         for item in plan.scheduled:
             ticket = self._tickets.get(item.seq.seq_id)
             end = item.start + item.num_new_tokens
@@ -165,13 +169,13 @@ class KVExporter:
             self._pushed_to[ticket.request_id] = end
             span = Span(tuple(min(max(start, pushed), end) for start in ticket.starts(num_groups)), end)
             tables = self.engine.block_manager.block_tables(ticket.request_id)
-            self._pieces.append(_Piece(ticket, slot_index(tables, self.engine.kv_cache.block_size, end, device,
-                                                          span.starts), span))
+            host = slot_index(tables, cache.block_size, end, torch.device("cpu"), span.starts)
+            self._pieces.append(_Piece(ticket, tuple(group.to(cache.data.device) for group in host), host, span))
         if self.leader is None:
             return
         by_rank: dict[int, list] = {}
         for piece in self._pieces:
-            slots = as_lists(piece.slots)
+            slots = as_lists(piece.host_slots)
             for part in parts_of(piece.ticket):
                 if part.prompt_rank:
                     by_rank.setdefault(part.prompt_rank, []).append((part, slots, piece.span))
