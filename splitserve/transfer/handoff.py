@@ -2,17 +2,16 @@
 imports (`importer.py`); here, what both use: the KV layout two workers must share, a rank's
 transport, a ticket's parts.
 
-Prompt worker (`KVExporter`, an engine in any role; requests added through it are handed off):
-while a prompt's prefill runs, each layer's KV is packed and pushed as soon as that layer has
-written it (the push is asynchronous, so layer i + 1 computes while layer i travels); a prompt
-prefilled in chunks pushes each step's new positions of every layer, a piece a layer, so only
-the last chunk's pieces remain at the hand-off; prompts under the threshold go in one push after
-the prefill. Then the first token is pushed and the
-prompt engine frees the request: the pushed KV is a copy, so the blocks are free at once. The
-next step does not wait for those pushes to leave: a peer that stops reading fails its link
-after the transport's timeout. Once the first token is handed off, the token side decides the
-transfer (the caller hears of the request from there): it lands when every message was read,
-even if the sender gave the link up meanwhile, and fails when the link breaks first.
+Prompt worker (`KVExporter`, an engine in any role; requests added through it are handed off): while
+a prompt's prefill runs, each layer's KV is packed and pushed as soon as that layer has written it
+(the push is asynchronous, so layer i + 1 computes while layer i travels); a prompt prefilled in
+chunks pushes its new positions of every layer as its steps compute them, a piece a layer, so little
+remains at the hand-off; prompts under the threshold go in one push after the prefill. Then the
+first token is pushed and the prompt engine frees the request: the pushed KV is a copy, so the
+blocks are free at once. The next step does not wait for those pushes to leave: a peer that stops
+reading fails its link after the transport's timeout. Once the first token is handed off, the token
+side decides the transfer (the caller hears of the request from there): it lands when every message
+was read, even if the sender gave the link up meanwhile, and fails when the link breaks first.
 
 Token worker (`KVImporter`): reserves blocks before the prefill starts and issues the ticket the
 prompt worker pushes against; layers land straight in those blocks; the request joins the
