@@ -99,7 +99,8 @@ class KVExporter:
         self._expire_leases()
         self.reap()
         self.stream_seconds, self._first_push = 0.0, None
-        outputs = self.engine.step(after_layer=self._after_layer, before_forward=self._before_forward)
+        outputs = self.engine.step(after_layer=self._after_layer,  # no transfers here: nothing to look for
+                                   before_forward=self._before_forward if self._tickets else None)
         self._pieces = []
         for out in outputs:
             if out.request_id in self._tickets:
@@ -168,6 +169,8 @@ class KVExporter:
                 continue  # (end <= pushed: a recompute of pushed positions)
             self._pushed_to[ticket.request_id] = end
             span = Span(tuple(min(max(start, pushed), end) for start in ticket.starts(num_groups)), end)
+            if all(start == end for start in span.starts):  # every group sends from later on
+                continue
             tables = self.engine.block_manager.block_tables(ticket.request_id)
             host = slot_index(tables, cache.block_size, end, torch.device("cpu"), span.starts)
             self._pieces.append(_Piece(ticket, tuple(group.to(cache.data.device) for group in host), host, span))

@@ -20,20 +20,28 @@ def freeze_after_layer_pushes(transport: KVTransport, n: int) -> None:
     _after_layer_pushes(transport, n, lambda: os.kill(os.getpid(), signal.SIGSTOP))
 
 
-def _after_layer_pushes(transport: KVTransport, n: int, then) -> None:
-    """Layer pushes: `push_layer` (a payload) or a layer's `write_kv` (into a same-node peer's cache)."""
-    count = [0]
-
-    def counted(method, is_layer):
-        def push_then_maybe(*args):
+def watch_layer_pushes(transport: KVTransport, after_push) -> None:
+    """`after_push()` runs after each layer push (a layer's KV or a piece of it): `push_layer` (a
+    payload) or a layer's `write_kv` (into a same-node peer's cache)."""
+    def watched(method, is_layer):
+        def push(*args):
             result = method(*args)
             if is_layer(*args):
-                count[0] += 1
-                if count[0] == n:
-                    transport.flush()
-                    then()
+                after_push()
             return result
-        return push_then_maybe
+        return push
 
-    transport.push_layer = counted(transport.push_layer, lambda *args: True)
-    transport.write_kv = counted(transport.write_kv, lambda ticket, kind, *rest: kind >= 0)
+    transport.push_layer = watched(transport.push_layer, lambda *args: True)
+    transport.write_kv = watched(transport.write_kv, lambda ticket, kind, *rest: kind >= 0)
+
+
+def _after_layer_pushes(transport: KVTransport, n: int, then) -> None:
+    count = [0]
+
+    def counted() -> None:
+        count[0] += 1
+        if count[0] == n:
+            transport.flush()
+            then()
+
+    watch_layer_pushes(transport, counted)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import queue
 
-from splitserve.transfer.faults import crash_after_layer_pushes, freeze_after_layer_pushes
+from splitserve.transfer.faults import crash_after_layer_pushes, freeze_after_layer_pushes, watch_layer_pushes
 
 POLL_S = 0.002
 
@@ -121,18 +121,6 @@ def token_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_
     _serve(engine, inbox, outbox, worker_id, handle, tick)
 
 
-def count_layer_messages(transport, counts: dict) -> None:
-    """counts["layer_messages"]: a layer's KV (or a piece of it) pushed, or written into the peer's cache."""
-    def counted(method, is_layer):
-        def push(*args):
-            counts["layer_messages"] += is_layer(*args)
-            return method(*args)
-        return push
-
-    transport.push_layer = counted(transport.push_layer, lambda *args: True)
-    transport.write_kv = counted(transport.write_kv, lambda ticket, kind, *rest: kind >= 0)
-
-
 def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine_args, grpc_directory=None):
     import torch
 
@@ -147,7 +135,7 @@ def prompt_worker(worker_id, backend, store_port, timeout, inbox, outbox, engine
     exporter = KVExporter(engine, connect(backend, worker_id, store_port, engine, timeout, grpc_directory))
     # the most KV blocks held and prompt tokens a step; the layer messages (pieces) pushed
     stalled, peak = [], {"blocks": 0, "prefill_tokens": 0, "layer_messages": 0}
-    count_layer_messages(exporter.transport, peak)
+    watch_layer_pushes(exporter.transport, lambda: peak.update(layer_messages=peak["layer_messages"] + 1))
 
     def handle(cmd):
         if cmd[0] == "stall":
