@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
+from splitserve.cluster.background import background
 from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken, detached
 from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.prefix_hash import PrefixNaming
@@ -61,6 +62,7 @@ class WorkerDirectory:
         self.cls = cls
         self.feeds = DeltaFeeds()
         self._handles: dict[str, object] = {}
+        self._calls: set[asyncio.Task] = set()  # best-effort calls in flight, held until they end
 
     async def get(self, worker_id: str):
         if worker_id not in self._handles:
@@ -73,6 +75,12 @@ class WorkerDirectory:
     def forget(self, worker_id: str) -> None:
         self._handles.pop(worker_id, None)
         self.feeds.forget(worker_id)
+
+    def call_quietly(self, method, *args) -> None:
+        """`_quietly(method, *args)` in the background: nobody waits for its answer."""
+        task = background(_quietly(method, *args))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
 
 
 @dataclass
@@ -200,10 +208,11 @@ class Run:
         if self._first is not None:  # the prompt worker's first token: sooner than the stream's
             first = await self._await_first()
             emitted = len(first.token_ids)
+            if first.final:  # the caller reads no further: free what the token worker holds first
+                self.workers.feeds.close(self.placement.token_worker, self._worker_request_id)
+                self.workers.call_quietly(self.token_handle.abort, self._worker_request_id)
             yield self._record(first)
             if first.final:
-                self.workers.feeds.close(self.placement.token_worker, self._worker_request_id)
-                await _quietly(self.token_handle.abort, self._worker_request_id)
                 return
         async for batch in self._token_batches():
             for delta in batch:
@@ -243,8 +252,9 @@ class Run:
                 broken = batch[-1]
                 raise _AttemptFailed(broken.reason, self.placement.token_worker, dead=broken.dead)
             final = batch[-1].final
+            if final:  # closed before the caller sees it: a caller stops reading at the final delta
+                self.workers.feeds.close(self.placement.token_worker, self._worker_request_id)
             yield batch
-        self.workers.feeds.close(self.placement.token_worker, self._worker_request_id)
 
     def _record(self, delta: TokenDelta) -> TokenDelta:
         if self.prompt_logprobs is None:

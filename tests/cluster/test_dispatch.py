@@ -1,6 +1,7 @@
 """What the ingress asks the CLS for a request (no Ray: a stand-in CLS and workers): the prompt's
 block hashes for prefix-aware placement, which are the ones the engines' block managers cache; an
-attempt whose prompt worker refuses the ticket; token workers that refuse the reservation."""
+attempt whose prompt worker refuses the ticket; token workers that refuse the reservation; a
+request that ends leaves no queue behind in the replica's token feeds."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import pytest
 from ray.exceptions import RayTaskError
 
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
+from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies.base import EngineFullError
 from splitserve.engine.prefix_hash import PrefixNaming
@@ -164,3 +166,47 @@ def test_refusals_end_in_overloaded_after_a_bounded_number_of_placements():
     with pytest.raises(Overloaded, match=f"worker t{REFUSED_TRIES - 1} cannot take the request: .*no KV room"):
         asyncio.run(run.admit())
     assert len(cls.excluded) == REFUSED_TRIES == run.refusals and calls == ["reserve"] * REFUSED_TRIES
+
+
+class _Feed:
+    """`handle.feed.remote(subscriber)`: sends `batches` of (request id, delta), then stays open."""
+
+    def __init__(self, *batches):
+        self.batches = batches
+
+    def remote(self, subscriber):
+        async def feed():
+            for batch in self.batches:
+                answer = asyncio.get_running_loop().create_future()
+                answer.set_result(batch)
+                yield answer
+            await asyncio.Event().wait()
+        return feed()
+
+
+async def _read_until_final(run: Run) -> list[int]:
+    """As a response does: reads deltas until the final one, and no further."""
+    await run.admit()
+    tokens = []
+    async for delta in run.deltas():
+        tokens += delta.token_ids
+        if delta.finish_reason:
+            break
+    await asyncio.sleep(0.01)  # the best-effort calls in the background
+    return tokens
+
+
+@pytest.mark.parametrize("first_final", [False, True])
+def test_a_request_that_ends_leaves_no_queue_in_the_token_feeds(first_final):
+    """Its deltas' queue goes before the caller sees the final one (a caller reads no further):
+    after the token worker's last delta, or a first token that already ends it (then the token
+    worker is told to drop its reservation)."""
+    calls: list = []
+    first = TokenDelta((4,), "length" if first_final else None)
+    workers = {"p": _Worker(calls, prefill=first), "t": _Worker(calls, reserve="ticket")}
+    workers["t"].feed = _Feed([("r.0", TokenDelta((4, 5)))], [("r.0", TokenDelta((6,), "length"))])
+    directory = WorkerDirectory(_PlacingCLS(workers))
+    run = Run("r", [1, 2, 3], SamplingParams(max_tokens=1 if first_final else 3), directory, max_attempts=1)
+    assert asyncio.run(_read_until_final(run)) == ([4] if first_final else [4, 5, 6])
+    assert directory.feeds._queues == {"t": {}}
+    assert calls == ["reserve", "prefill"] + ["abort"] * first_final
