@@ -150,6 +150,15 @@ class WorkerLoop:
         return ticket
 
     def abort(self, request_id: str) -> None:
+        """Stops the request (its client's call): its sink gets a final delta, "abort" (a prefill's
+        caller waits for one)."""
+        sink = self._sinks.get(request_id)
+        self._drop(request_id)
+        if sink is not None:
+            sink(TokenDelta(finish_reason="abort"))
+
+    def _drop(self, request_id: str) -> None:
+        """Frees what the request holds here (and cancels its transfer); its sink hears nothing."""
         if request_id in self._sinks:
             self.stats.aborted_requests += 1
         if request_id in self._importing:
@@ -259,7 +268,7 @@ class WorkerLoop:
         """Free what the request holds here (and cancel its transfer), then send its sink the error."""
         sink = self._sinks.get(request_id)
         try:
-            self.abort(request_id)
+            self._drop(request_id)
         except Exception:  # the state is checked right after; one bad request must not stop the others
             log.exception("worker %s: aborting %s failed", self.worker_id, request_id)
             self._forget(request_id)

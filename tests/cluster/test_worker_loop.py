@@ -215,7 +215,7 @@ def test_abort_of_a_reserved_import_frees_its_blocks(pair):
     assert isinstance(ticket, TransferTicket) and ticket.token_peer == "t0" and ticket.prompt_peer == "p0"
     run(pair.token, pair.token.abort, "r")
     assert_clean(pair.token)
-    assert sink.pending() == []
+    assert sink.pending() == [TokenDelta(finish_reason="abort")]
 
 
 def test_abort_of_a_running_local_request_stops_its_deltas(pair, offline):
@@ -224,11 +224,25 @@ def test_abort_of_a_running_local_request_stops_its_deltas(pair, offline):
     run(pair.token, pair.token.generate, "r", LONG, params, sink)
     started = [sink.next(), sink.next()]
     run(pair.token, pair.token.abort, "r")
-    before_abort = started + sink.pending()
+    *before_abort, last = started + sink.pending()
     assert not any(d.final for d in before_abort) and len(tokens(before_abort)) < 300
+    assert last == TokenDelta(finish_reason="abort")
     run(pair.token, pair.token.generate, "later", SHORT, GREEDY, other)  # several steps after the abort
     assert tokens(other.until_final()) == offline(SHORT)
     assert sink.pending() == []
+    assert_clean(pair.token)
+
+
+def test_abort_of_a_prefill_before_its_first_token_ends_its_callers_wait(pair):
+    """The prompt worker's caller waits for one delta (the first token): an abort sends it the
+    final one; the token side's reservation goes with the transfer's CANCEL."""
+    prompt_sink, token_sink = Sink(), Sink()
+    ticket = run(pair.token, pair.token.reserve, "r", LONG, GREEDY, "p0", token_sink)
+    run(pair.prompt, lambda: (pair.prompt.prefill(ticket, LONG, GREEDY, prompt_sink), pair.prompt.abort("r")))
+    assert prompt_sink.next() == TokenDelta(finish_reason="abort")
+    assert token_sink.next().error is not None  # the ingress dropped this one's queue before its abort
+    assert prompt_sink.pending() == [] and token_sink.pending() == []
+    assert_clean(pair.prompt)
     assert_clean(pair.token)
 
 
