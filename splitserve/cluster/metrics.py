@@ -204,9 +204,13 @@ class ClusterMetrics:
         self._worker_labels[worker_id] = labels
 
     def remove_worker(self, worker_id: str) -> None:
+        """Its series go (a replacement comes under a new id: kept, they would pile up)."""
         labels = self._worker_labels.pop(worker_id, None)
         if labels is not None:
             self._drop_series(labels)
+        for metric in (self.kv_bytes, self.prefill_tokens, self.kv_reused, self.kv_visible, self.kv_overlap,
+                       self.kv_failures, self.leases_expired, self.step_failures, self.worker_aborts):
+            _remove(metric, (self.model, worker_id))
         self._totals.pop(worker_id, None)
 
     def _drop_series(self, labels: tuple[str, ...]) -> None:

@@ -94,8 +94,10 @@ def test_a_worker_that_changes_pool_or_dies_drops_its_old_series(metrics):
     names = samples(metrics)
     pools = {dict(k[1]).get("pool") for k in names if k[0] == "splitserve_worker_running_requests"}
     assert pools == {"mixed"}
-    metrics.remove_worker("t0")
-    assert not [k for k in samples(metrics) if k[0] == "splitserve_worker_running_requests"]
+    metrics.record_worker("t1", Role.TOKEN, "a100", WorkerLoad(), worker_stats())
+    metrics.remove_worker("t0")  # replaced under a new id: none of its series stays
+    assert not [k for k in samples(metrics) if ("worker", "t0") in k[1]]
+    assert value(metrics, "splitserve_kv_transfer_bytes_total", worker="t1") == 1000
 
 
 def test_pools_and_transitions(metrics):
