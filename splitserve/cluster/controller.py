@@ -70,6 +70,7 @@ class Controller:
         self._draining = False
         self._retiring: set[str] = set()
         self._prefix_resync: set[str] = set()  # workers whose next report must be a prefix snapshot
+        self._gone: dict[str, set[str]] = {}  # per worker: workers removed since its last report (to let go of)
         self._placed = asyncio.Event()  # set by a placement; cleared when a poll begins
 
     @property
@@ -179,9 +180,9 @@ class Controller:
         handle = self.handles.get(worker_id)
         if handle is None or worker_id in self._retiring:
             return
-        snapshot = worker_id in self._prefix_resync
+        snapshot, gone = worker_id in self._prefix_resync, tuple(sorted(self._gone.pop(worker_id, ())))
         try:
-            load, stats, prefix = await asyncio.wait_for(handle.report.remote(snapshot), self._poll_timeout_s)
+            load, stats, prefix = await asyncio.wait_for(handle.report.remote(snapshot, gone), self._poll_timeout_s)
         except (RayError, asyncio.TimeoutError):  # dead, unhealthy (the loop refuses), or slow
             self._prefix_resync.add(worker_id)  # a slow report still runs there, and its delta is lost
             await self.worker_failed(worker_id)
@@ -230,6 +231,9 @@ class Controller:
         self.handles.pop(worker_id, None)
         self._prefix_resync.discard(worker_id)
         pool, slot = self.slots.pop(worker_id)
+        self._gone.pop(worker_id, None)
+        for other in self.slots:
+            self._gone.setdefault(other, set()).add(worker_id)
         if worker_id in self.state.workers:
             self.state.remove_worker(worker_id)
         self.metrics.remove_worker(worker_id)

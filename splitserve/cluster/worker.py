@@ -142,12 +142,15 @@ class Worker:
     async def load(self) -> WorkerLoad:
         return await self._call(self.loop.load)
 
-    async def report(self, prefix_snapshot: bool = False) -> tuple[WorkerLoad, WorkerStats, PrefixDelta | None]:
+    async def report(self, prefix_snapshot: bool = False,
+                     gone: tuple[str, ...] = ()) -> tuple[WorkerLoad, WorkerStats, PrefixDelta | None]:
         """Load for placement, what happened since the last report for the metrics, and with
         prefix-aware placement the prefix cache's change since the last report (`prefix_snapshot`:
-        all it holds instead, after a report that was lost)."""
+        all it holds instead, after a report that was lost). `gone`: workers removed from the
+        cluster since the last report (this worker's links to them close)."""
         def report():
             self.loop.require_healthy()  # an unhealthy worker fails its poll, so the controller replaces it
+            self.loop.forget_peers(gone)
             prefix = self.loop.prefix_delta(prefix_snapshot) if self._reports_prefix else None
             return self.loop.load(), self.loop.drain_stats(), prefix
         return await self._call(report)

@@ -33,6 +33,7 @@ from splitserve.placement.load import load_of, prefix_delta_of
 from splitserve.placement.state import PrefixDelta, WorkerLoad
 from splitserve.transfer.exporter import KVExporter
 from splitserve.transfer.importer import KVImporter
+from splitserve.transfer.kv_routes import rank_peers
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
 IDLE_WAIT_S = 0.05    # nothing to run: block on the command queue this long
@@ -168,6 +169,11 @@ class WorkerLoop:
         else:
             self.engine.abort(request_id)
         self._forget(request_id)
+
+    def forget_peers(self, worker_ids: tuple[str, ...]) -> None:
+        """Workers that left the cluster for good: this worker's links to them close."""
+        if worker_ids and self.exporter is not None:
+            self.exporter.forget_peers(rank_peers(worker_ids))
 
     def set_role(self, policy: str) -> None:
         self.engine.set_policy(policy)

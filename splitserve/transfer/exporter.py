@@ -17,7 +17,7 @@ from splitserve.transfer.codec import Slots, as_lists, slot_index
 from splitserve.transfer.handoff import LAYERWISE_THRESHOLD, parts_of
 from splitserve.transfer.link import TransferError
 from splitserve.transfer.protocol import Span
-from splitserve.transfer.rank_commands import FinishExport, PushLayers, RankReport
+from splitserve.transfer.rank_commands import FinishExport, ForgetPeers, PushLayers, RankReport
 from splitserve.transfer.rank_kv import RankKV
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
@@ -141,6 +141,12 @@ class KVExporter:
         self.engine.abort(request_id)
         if ticket is not None:
             self._cancel(ticket)
+
+    def forget_peers(self, peers: frozenset[str]) -> None:
+        """Peers that left the cluster for good: every rank's transport lets go of them."""
+        self.transport.forget_peers(peers)
+        for rank in range(1, self.leader.group.size if self.leader is not None else 1):
+            self.leader.post(rank, ForgetPeers(peers))
 
     def failures(self) -> list[tuple[str, TransferError]]:
         """Requests whose transfer failed since the last call (their blocks are already freed)."""

@@ -7,7 +7,7 @@ import torch
 from splitserve.engine.tp_step import TPFollower
 from splitserve.transfer.codec import Slots
 from splitserve.transfer.link import TransferError
-from splitserve.transfer.rank_commands import Abandon, Expect, FinishExport, PushLayers, RankReport
+from splitserve.transfer.rank_commands import Abandon, Expect, FinishExport, ForgetPeers, PushLayers, RankReport
 from splitserve.transfer.rank_kv import RankKV
 from splitserve.transfer.transport import KVTransport
 
@@ -30,6 +30,8 @@ class FollowerKV:
         elif isinstance(command, Abandon):
             if self.transport.abandon(command.part) and command.part.dest is not None:
                 self._report.released.append(command.part)
+        elif isinstance(command, ForgetPeers):
+            self.transport.forget_peers(command.peers)
         else:
             raise TypeError(f"unknown KV command {command!r}")
 

@@ -30,6 +30,11 @@ def rank_peer(worker_id: str, rank: int) -> str:
     return worker_id if rank == 0 else f"{worker_id}/tp{rank}"
 
 
+def rank_peers(worker_ids) -> frozenset[str]:
+    """The transport ids of every rank these workers may have."""
+    return frozenset(rank_peer(worker_id, rank) for worker_id in worker_ids for rank in range(MAX_RANKS))
+
+
 def holders(head: int, num_kv_heads: int, size: int) -> list[int]:
     """The ranks of a TP-`size` worker that hold KV head `head`."""
     ranges = (kv_head_range(num_kv_heads, rank, size) for rank in range(size))

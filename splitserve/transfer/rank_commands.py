@@ -43,6 +43,13 @@ class Abandon:
 
 
 @dataclass(frozen=True)
+class ForgetPeers:
+    """These peers left the cluster: the rank's transport lets go of them (`KVTransport.forget_peers`)."""
+
+    peers: frozenset[str]
+
+
+@dataclass(frozen=True)
 class RankReport:
     stamped: list[TransferTicket] = field(default_factory=list)  # parts expected this round
     landed: list[tuple[TransferTicket, int | TransferError]] = field(default_factory=list)  # finished receives

@@ -199,6 +199,18 @@ class KVTransport:
                 self._drop_out(peer)
         return errors
 
+    def forget_peers(self, peers: Iterable[str]) -> None:
+        """`peers` left the cluster for good (worker ids are never reused): the links this side
+        sends on to them close, and what it kept about them goes. (A link to a peer that died with
+        nothing in flight never fails a send, so nothing else would close it: a long-lived prompt
+        worker outlives many token workers.) The links they sent on end as their processes did."""
+        gone = set(peers)
+        for peer in gone & set(self._out):
+            self._out.pop(peer)[1].close()
+        self._failed_out = {peer: epoch for peer, epoch in self._failed_out.items() if peer not in gone}
+        self._epoch_seen = {key: seen for key, seen in self._epoch_seen.items() if key[0] not in gone}
+        self._claims = {claim for claim in self._claims if claim[0] not in gone}
+
     # ---- token side: `KVReceiver`'s (documented there) -----------------------------------
     def expect(self, ticket: TransferTicket, write_layer: Callable[[int, torch.Tensor], None],
                dest: CacheDest | None = None) -> TransferTicket:

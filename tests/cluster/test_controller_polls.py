@@ -1,8 +1,8 @@
 """The controller's poll loop outlives a failure in handling one worker's report: the other
 workers' reports keep landing, and the failure is counted and logged; it polls idle workers at the
 idle cadence, busy ones at the fast one, and a placement wakes it; reports carry the workers'
-prefix-cache deltas into the placement's index, and a lost report makes the next one a snapshot
-(no Ray: stand-in handles)."""
+prefix-cache deltas into the placement's index, and a lost report makes the next one a snapshot;
+each worker's next report after a worker left names it once (no Ray: stand-in handles)."""
 from __future__ import annotations
 
 import asyncio
@@ -132,7 +132,7 @@ def test_reports_feed_the_prefix_index_and_a_lost_report_asks_for_a_snapshot():
     handle.report.result = (WorkerLoad(), WorkerStats(), PrefixDelta(16, 100, added=(11,), snapshot=True))
     asyncio.run(controller._poll("mixed-0.0"))
     asyncio.run(controller._poll("mixed-0.0"))
-    assert handle.report.calls == [(False,), (False,), (True,), (False,)]
+    assert handle.report.calls == [(False, ()), (False, ()), (True, ()), (False, ())]
     assert controller.state.prefix_index.cached_tokens((11, 12, 13)) == {"mixed-0.0": 16}
 
 
@@ -140,3 +140,21 @@ def test_without_prefix_caching_placement_is_blind():
     config = {"pools": [{"role": "mixed"}], "engine": {"enable_prefix_caching": False}}
     assert not Controller(config).state.prefix.aware
     assert not Controller({"pools": [{"role": "mixed"}], "scheduler": {"prefix_aware": False}}).state.prefix.aware
+
+
+def test_the_next_report_of_every_worker_names_the_workers_removed_since_its_last():
+    """So each lets go of its links to them (ids are never reused: a link to a dead peer that
+    nothing is sent on would never fail, and a long-lived worker outlives many peers)."""
+    controller = Controller({"pools": [{"role": "mixed", "num_workers": 3}]})
+    for slot, worker_id in enumerate(("mixed-0.0", "mixed-1.1", "mixed-2.2")):
+        controller.handles[worker_id] = _Handle()
+        controller.slots[worker_id] = (controller.config.pools[0], slot)
+        controller.state.add_worker(worker_id, Role.MIXED, controller.config.hardware("cpu"), WorkerLoad(), 0.0)
+    asyncio.run(controller._poll("mixed-0.0"))
+    controller._remove("mixed-1.1", replace=False)
+    controller._remove("mixed-2.2", replace=False)
+    asyncio.run(controller._poll("mixed-0.0"))
+    asyncio.run(controller._poll("mixed-0.0"))
+    assert controller.handles["mixed-0.0"].report.calls == [(False, ()), (False, ("mixed-1.1", "mixed-2.2")),
+                                                          (False, ())]
+    assert controller._gone == {}  # nothing kept for removed workers

@@ -285,3 +285,24 @@ def test_a_process_exits_cleanly_once_it_closed_its_gloo_transport():
     token.close()
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(landed, key=lambda r: r[1]) == [(ticket, i) for i, ticket in enumerate(tickets)]
+
+
+def test_forgetting_a_peer_closes_the_link_to_it_and_the_thread_it_ran():
+    """A token worker that left the cluster: the prompt side's link to it (a gloo group, a store
+    connection and a sender thread), which nothing sends on any more, is closed."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    token = transport(TorchFabric(store, "t0", torch.device("cpu"), 10.0))
+    prompt = transport(TorchFabric(dist.TCPStore("127.0.0.1", store.port, is_master=False), "p0",
+                                   torch.device("cpu"), 10.0))
+    before = set(threading.enumerate())
+    ticket = token.expect(TransferTicket("r", 1, "p0", "t0", 3, False, "test-layout"), lambda *_: None)
+    prompt.push_all(ticket, torch.zeros(LAYERS, 2, 3, KV_HEADS, DIM), KV_HEADS)
+    prompt.complete(ticket, first_token_id=7)
+    assert token.poll(timeout=10.0) == [(ticket, 7)]
+    [sender] = [t for t in set(threading.enumerate()) - before if t.name == "kv-send-t0"]
+    prompt.forget_peers({"t1", "t0/tp1"})  # others: nothing closes
+    assert sender.is_alive()
+    prompt.forget_peers({"t0", "t0/tp1"})
+    sender.join(5.0)
+    assert not sender.is_alive()
+    token.close()
