@@ -8,9 +8,12 @@ these (a timeout, a stream cut without an error): it must be 0. At the end every
 checks its invariants and counts its KV blocks in use (`leaked_blocks`, must be 0), and each
 process's resident memory growth is reported: the ingress, the controller and the CLS between the
 10% and the 100% marks, and each worker from when it was first seen past the 10% mark (workers
-are killed and replaced along the way) to the end.
+are killed and replaced along the way) to the end; and each one's growth over the second half of
+that time (a leak keeps growing; a warm-up levels off). Kills alternate between the prompt and
+the token pool.
 
     python scripts/soak.py --minutes 30 --json soak.json
+    python scripts/soak.py --minutes 10 --prompt-chunk-tokens 128 --layerwise-threshold 64 --backend ipc
 """
 from __future__ import annotations
 
@@ -176,11 +179,11 @@ async def load(args, url: str, model: str, rate: float, tally: Tally, marks: dic
             now = time.monotonic()
             if now >= ten_percent and now >= marks.get("next_sample", 0):
                 sample = await asyncio.to_thread(cluster_processes, url)
-                for name, pid in sample.items():  # first seen at or after the 10% mark: its start
-                    marks.setdefault("first", {}).setdefault((name, pid), (rss_mb(pid), now))
+                for name, pid in sample.items():  # from the 10% mark on: each process's resident memory
+                    marks.setdefault("rss", {}).setdefault((name, pid), []).append((now, rss_mb(pid)))
                 marks["next_sample"] = now + 30
             if now >= next_kill and now < end - 20:
-                killed = await asyncio.to_thread(kill_a_worker, url, rng)
+                killed = await asyncio.to_thread(kill_a_worker, url, rng, ("prompt", "token")[kills % 2])
                 kills += killed
                 tally.kills_at += [time.monotonic()] * killed
                 next_kill = now + args.kill_every_s
@@ -188,14 +191,25 @@ async def load(args, url: str, model: str, rate: float, tally: Tally, marks: dic
     return kills
 
 
-def kill_a_worker(url: str, rng: random.Random) -> int:
+def kill_a_worker(url: str, rng: random.Random, role: str) -> int:
+    """SIGKILLs one of the `role` pool's workers (any worker when none of them is up)."""
     pids = worker_pids(url)
     if not pids:
         return 0
-    worker_id = rng.choice(sorted(pids))
+    worker_id = rng.choice(sorted(w for w in pids if w.startswith(role)) or sorted(pids))
     os.kill(pids[worker_id], signal.SIGKILL)
     print(f"soak: SIGKILL worker {worker_id} (pid {pids[worker_id]})", flush=True)
     return 1
+
+
+def rss_growth(samples: list[tuple[float, float | None]], end: float, end_mb: float) -> dict:
+    """A process's resident growth from its first sample to the end, and over the second half of
+    that time alone (from the sample nearest its middle): a leak keeps growing, a warm-up levels off."""
+    (since, first_mb), middle = samples[0], (samples[0][0] + end) / 2
+    mid_at, mid_mb = min(samples, key=lambda sample: abs(sample[0] - middle))
+    return {"mb": round(end_mb - first_mb, 1), "second_half_mb": round(end_mb - mid_mb, 1) if mid_mb else None,
+            "second_half_min": round((end - mid_at) / 60, 1), "rss_mb": round(end_mb, 1),
+            "over_min": round((end - since) / 60, 1)}
 
 
 def leaked_blocks(url: str, timeout: float = 120) -> dict[str, int]:
@@ -232,7 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    config = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 20, "lease_s": 60},
+    engine = {**ENGINE, **({"prompt_chunk_tokens": args.prompt_chunk_tokens} if args.prompt_chunk_tokens else {})}
+    config = {"engine": engine, "transfer": {"backend": args.backend, "timeout_s": 20, "lease_s": 60,
+                                             "layerwise_threshold": args.layerwise_threshold},
               "scheduler": {"report_interval_s": 0.05}}
     try:
         serve.run(build_app(config), name="soak", route_prefix="/", blocking=False)
@@ -251,11 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
         measured, rate, kills = asyncio.run(run())
         end, end_pids = time.monotonic(), cluster_processes(url)
         growth = {}
-        for (name, pid), (mb, since) in marks.get("first", {}).items():
-            now_mb = rss_mb(pid) if end_pids.get(name) == pid else None
-            if mb is not None and now_mb is not None:
-                growth[name] = {"mb": round(now_mb - mb, 1), "rss_mb": round(now_mb, 1),
-                                "over_min": round((end - since) / 60, 1)}
+        for (name, pid), samples in marks.get("rss", {}).items():
+            end_mb = rss_mb(pid) if end_pids.get(name) == pid else None
+            if end_mb is not None and samples[0][1] is not None:
+                growth[name] = rss_growth(samples, end, end_mb)
         held = leaked_blocks(url)
         restarted = counter_total(url, "splitserve_requests_restarted_total")  # placed again after a failure
     finally:
@@ -270,8 +285,10 @@ def main(argv: list[str] | None = None) -> dict:
               "statuses": {str(k): v for k, v in sorted(tally.statuses.items())},
               "refused_within_60s_after_a_kill": sum(any(0 <= t - k <= 60 for k in tally.kills_at)
                                                     for t in tally.refused_at),
-              "requests_restarted": int(restarted), "leaked_blocks": sum(held.values()), "blocks_held": held, "rss_growth_mb": growth,
-              "hardware": cpu_name()}
+              "requests_restarted": int(restarted), "leaked_blocks": sum(held.values()), "blocks_held": held,
+              "rss_growth_mb": growth,
+              "backend": args.backend, "prompt_chunk_tokens": engine.get("prompt_chunk_tokens"),
+              "layerwise_threshold": args.layerwise_threshold, "hardware": cpu_name()}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -290,6 +307,12 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--request-timeout-s", type=float, default=120)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8031)
+    parser.add_argument("--backend", choices=("gloo", "ipc"), default="gloo",
+                        help="KV transfer: a gloo pair, or written into the token worker's cache (shared memory)")
+    parser.add_argument("--prompt-chunk-tokens", type=int,
+                        help="prefill prompts in chunks of this many tokens (default: the engine's)")
+    parser.add_argument("--layerwise-threshold", type=int, default=512,
+                        help="prompt tokens from which the KV streams layer by layer (pieces of at least this many)")
     return parser.parse_args(argv)
 
 
