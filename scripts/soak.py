@@ -207,7 +207,8 @@ def rss_growth(samples: list[tuple[float, float | None]], end: float, end_mb: fl
     that time alone (from the sample nearest its middle): a leak keeps growing, a warm-up levels off."""
     (since, first_mb), middle = samples[0], (samples[0][0] + end) / 2
     mid_at, mid_mb = min(samples, key=lambda sample: abs(sample[0] - middle))
-    return {"mb": round(end_mb - first_mb, 1), "second_half_mb": round(end_mb - mid_mb, 1) if mid_mb else None,
+    return {"mb": round(end_mb - first_mb, 1),
+            "second_half_mb": round(end_mb - mid_mb, 1) if mid_mb is not None else None,
             "second_half_min": round((end - mid_at) / 60, 1), "rss_mb": round(end_mb, 1),
             "over_min": round((end - since) / 60, 1)}
 

@@ -7,6 +7,11 @@ worker, the rest from the token worker. Local placement: one worker runs the who
 When a worker dies, or a transfer breaks, the next attempt prefills the prompt plus the tokens
 already streamed, on other workers, so the client sees one unbroken stream (greedy output is
 identical). Invariant: `tokens` holds exactly what the client has been sent.
+
+The calls that start a request on its workers are sent outside the Serve request's Ray context
+(`detached`): a client that goes away cancels the request here, whose abort stops it on the
+workers; were they its children, Ray would cancel them too, and a cancelled prefill would look
+like a failed attempt and place a request nobody waits for again.
 """
 from __future__ import annotations
 
@@ -186,22 +191,22 @@ class Run:
         self._deltas = feeds.open(placement.token_worker, self.token_handle, rid)  # before the worker can send
         if placement.local:
             try:
-                await self.token_handle.generate.remote(rid, prompt, params, feeds.subscriber)
+                await detached(self.token_handle.generate, rid, prompt, params, feeds.subscriber)
             except RayTaskError as error:
                 raise _AttemptFailed(f"worker failed to start it: {error.cause}", placement.token_worker) from None
             except RayActorError:
                 raise _AttemptFailed("worker died at admission", placement.token_worker, dead=True) from None
             return
         try:
-            ticket = await self.token_handle.reserve.remote(rid, prompt, params, placement.prompt_worker,
-                                                            feeds.subscriber)
+            ticket = await detached(self.token_handle.reserve, rid, prompt, params, placement.prompt_worker,
+                                    feeds.subscriber)
         except RayTaskError as error:  # the token worker has no room after all (blocks, batch)
             feeds.close(placement.token_worker, rid)
             raise _Refused(f"worker {placement.token_worker} cannot take the request: {error.cause}",
                            placement.token_worker) from None
         except RayActorError:
             raise _AttemptFailed("worker died at admission", placement.token_worker, dead=True) from None
-        self._first = asyncio.ensure_future(self.prompt_handle.prefill.remote(ticket, prompt, params))
+        self._first = asyncio.ensure_future(detached(self.prompt_handle.prefill, ticket, prompt, params))
 
     async def _attempt_deltas(self) -> AsyncIterator[TokenDelta]:
         emitted = position = 0  # this attempt's tokens passed on / seen in the token stream
@@ -299,13 +304,13 @@ class Run:
 
     async def _drop_attempt(self) -> None:
         """Free what the failed attempt still holds on the workers that are alive."""
-        if self._first is not None:
-            self._first.cancel()
-            self._first = None
         if self.placement is not None:
             await self._abort_on_workers()
 
     async def _abort_on_workers(self) -> None:
+        if self._first is not None:  # nobody waits for the prompt worker's first token any more
+            self._first.cancel()
+            self._first = None
         self.workers.feeds.close(self.placement.token_worker, self._worker_request_id)
         handles = [self.token_handle] if self.placement.local else [self.token_handle, self.prompt_handle]
         for handle in handles:
