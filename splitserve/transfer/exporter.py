@@ -75,11 +75,11 @@ class KVExporter:
         self._pieces: list[_Piece] = []  # this step's
         self._failures: list[tuple[str, TransferError]] = []
         self._pushed: dict[str, TransferTicket] = {}  # this step's pushes
+        self._first_push = 0.0  # when the first of them began (set with `_pushed`'s first entry)
         self._sending: list[_Sending] = []  # steps whose pushes have not all left, oldest first
         self.stream_seconds = 0.0  # last step: time the compute thread spent packing and pushing layers
         self.bytes_pushed = 0      # KV bytes pushed by rank 0, ever
         self._transfers: list[TransferStats] = []  # steps whose pushes have all left, since `take_transfers`
-        self._first_push: float | None = None
 
     def add(self, ticket: TransferTicket, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
@@ -98,14 +98,14 @@ class KVExporter:
         Never waits for pushes to leave: earlier steps' are looked at (`reap`) before and after."""
         self._expire_leases()
         self.reap()
-        self.stream_seconds, self._first_push = 0.0, None
+        self.stream_seconds = 0.0
         outputs = self.engine.step(after_layer=self._after_layer,  # no transfers here: nothing to look for
                                    before_forward=self._before_forward if self._tickets else None)
         self._pieces = []
         for out in outputs:
             if out.request_id in self._tickets:
                 self._hand_off(out)
-        if self._pushed:
+        if self._pushed:  # (with any pushed between steps: an abort's CANCEL)
             self._sending.append(_Sending(self._pushed, self._first_push, self.stream_seconds))
             self._pushed = {}
         if self.leader is not None and self.leader.has_commands:
@@ -244,11 +244,13 @@ class KVExporter:
 
     def _try(self, ticket: TransferTicket, push) -> None:
         """A failed push fails only its own request: recorded here, its blocks freed after the step."""
+        started = time.perf_counter()
         try:
-            if self._first_push is None:
-                self._first_push = time.perf_counter()
             self.bytes_pushed += push() or 0
-            self._pushed[ticket.request_id] = ticket
         except TransferError as error:
             self._failures.append((ticket.request_id, error))
             self._forget(ticket.request_id)
+            return
+        if not self._pushed:
+            self._first_push = started
+        self._pushed[ticket.request_id] = ticket

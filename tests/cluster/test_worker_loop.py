@@ -233,14 +233,19 @@ def test_abort_of_a_running_local_request_stops_its_deltas(pair, offline):
     assert_clean(pair.token)
 
 
-def test_abort_of_a_prefill_before_its_first_token_ends_its_callers_wait(pair):
+def test_abort_of_a_prefill_before_its_first_token_ends_its_callers_wait(pair, offline):
     """The prompt worker's caller waits for one delta (the first token): an abort sends it the
-    final one; the token side's reservation goes with the transfer's CANCEL."""
-    prompt_sink, token_sink = Sink(), Sink()
+    final one; the token side's reservation goes with the transfer's CANCEL. The CANCEL, pushed
+    between steps, counts with the next step's pushes, even in steps that push nothing (a request
+    decoding there, untouched)."""
+    prompt_sink, token_sink, local = Sink(), Sink(), Sink()
     ticket = run(pair.token, pair.token.reserve, "r", LONG, GREEDY, "p0", token_sink)
-    run(pair.prompt, lambda: (pair.prompt.prefill(ticket, LONG, GREEDY, prompt_sink), pair.prompt.abort("r")))
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    run(pair.prompt, lambda: (pair.prompt.generate("local", FORTY, params, local),
+                              pair.prompt.prefill(ticket, LONG, GREEDY, prompt_sink), pair.prompt.abort("r")))
     assert prompt_sink.next() == TokenDelta(finish_reason="abort")
     assert token_sink.next().error is not None  # the ingress dropped this one's queue before its abort
+    assert tokens(local.until_final()) == offline(FORTY, params)
     assert prompt_sink.pending() == [] and token_sink.pending() == []
     assert_clean(pair.prompt)
     assert_clean(pair.token)
