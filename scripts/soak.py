@@ -14,6 +14,7 @@ the token pool.
 
     python scripts/soak.py --minutes 30 --json soak.json
     python scripts/soak.py --minutes 10 --prompt-chunk-tokens 128 --layerwise-threshold 64 --backend ipc
+    python scripts/soak.py --minutes 40 --kill-every-s 100000 --trace-memory /tmp/snaps   # where memory grows
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+from memory_trace import memory_growth, setup_hook  # this script's folder
 
 from splitserve.machine import cpu_name
 
@@ -245,7 +247,12 @@ def main(argv: list[str] | None = None) -> dict:
     from splitserve.cluster.launcher import wait_until_healthy
 
     args = parse_args(argv)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    runtime_env = {}
+    if args.trace_memory:
+        Path(args.trace_memory).mkdir(parents=True, exist_ok=True)
+        runtime_env["worker_process_setup_hook"] = setup_hook(str(Path(args.trace_memory).resolve()),
+                                                              args.trace_every_s, args.trace_frames)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     engine = {**ENGINE, **({"prompt_chunk_tokens": args.prompt_chunk_tokens} if args.prompt_chunk_tokens else {})}
     config = {"engine": engine, "transfer": {"backend": args.backend, "timeout_s": 20, "lease_s": 60,
@@ -267,11 +274,14 @@ def main(argv: list[str] | None = None) -> dict:
         started = time.monotonic()
         measured, rate, kills = asyncio.run(run())
         end, end_pids = time.monotonic(), cluster_processes(url)
-        growth = {}
+        growth, memory_traces, unix_offset = {}, {}, time.time() - time.monotonic()
         for (name, pid), samples in marks.get("rss", {}).items():
             end_mb = rss_mb(pid) if end_pids.get(name) == pid else None
             if end_mb is not None and samples[0][1] is not None:
                 growth[name] = rss_growth(samples, end, end_mb)
+                if args.trace_memory:  # over the same second half
+                    memory_traces[name] = memory_growth(args.trace_memory, pid,
+                                                        unix_offset + (samples[0][0] + end) / 2)
         held = leaked_blocks(url)
         restarted = counter_total(url, "splitserve_requests_restarted_total")  # placed again after a failure
     finally:
@@ -287,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
               "refused_within_60s_after_a_kill": sum(any(0 <= t - k <= 60 for k in tally.kills_at)
                                                     for t in tally.refused_at),
               "requests_restarted": int(restarted), "leaked_blocks": sum(held.values()), "blocks_held": held,
-              "rss_growth_mb": growth,
+              "rss_growth_mb": growth, **({"memory_trace": memory_traces} if args.trace_memory else {}),
               "backend": args.backend, "prompt_chunk_tokens": engine.get("prompt_chunk_tokens"),
               "layerwise_threshold": args.layerwise_threshold, "hardware": cpu_name()}
     print(json.dumps(result, indent=2))
@@ -314,6 +324,12 @@ def parse_args(argv: list[str] | None):
                         help="prefill prompts in chunks of this many tokens (default: the engine's)")
     parser.add_argument("--layerwise-threshold", type=int, default=512,
                         help="prompt tokens from which the KV streams layer by layer (pieces of at least this many)")
+    parser.add_argument("--trace-memory", metavar="DIR",
+                        help="each Ray process writes its heap's state (and traced allocations) into DIR; "
+                             "report what grew over each process's second half")
+    parser.add_argument("--trace-every-s", type=float, default=300, help="interval of --trace-memory")
+    parser.add_argument("--trace-frames", type=int, default=6,
+                        help="frames traced per Python allocation (0: the heap's counts alone, at full speed)")
     return parser.parse_args(argv)
 
 
