@@ -1,0 +1,113 @@
+"""Does a long-lived Ray streaming call hold native memory per item? An async actor hands small
+batches (like a token feed's) to a caller in three ways: one streaming call for the whole run
+(`stream`, as splitserve's token feeds do), a new streaming call every `--every` items (`rotate`),
+or one plain call per item (`calls`). Reported per item, from the run's first quarter to its end:
+each side's growth of resident memory and of glibc's heap in use (`mallinfo2`).
+
+    python scripts/ray_stream_memory.py --items 160000 --json stream-memory.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+
+def heap() -> dict:
+    """This process's resident memory and glibc heap (MB): bytes in use, and free but kept."""
+    import ctypes  # here, so the actor can be pickled: ctypes fields cannot
+    import os
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"rss": rss / 2**20, "in_use": (info.uordblks + info.hblkhd) / 2**20, "free": info.fordblks / 2**20}
+
+
+def source_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Source:
+        def __init__(self):
+            self.queue = asyncio.Queue()
+
+        async def put(self, n: int) -> None:
+            for i in range(n):
+                self.queue.put_nowait([(f"request-{i}", ("some text", i))])
+
+        async def feed(self, n: int | None = None):
+            sent = 0
+            while n is None or sent < n:
+                yield await self.queue.get()
+                sent += 1
+
+        async def one(self, i: int) -> list:
+            return [(f"request-{i}", ("some text", i))]
+
+        def heap(self) -> dict:
+            return heap()
+
+    return Source
+
+
+async def measure(mode: str, items: int, every: int) -> dict:
+    source = source_class().remote()
+    await source.heap.remote()
+    stream = source.feed.remote() if mode == "stream" else None
+    marks, done = [], 0
+    while done < items:
+        if mode == "calls":
+            for i in range(every):
+                await source.one.remote(i)
+        else:
+            await source.put.remote(every)
+            if mode == "rotate":
+                async for ref in source.feed.remote(every):
+                    await ref
+            else:
+                for _ in range(every):
+                    await (await stream.__anext__())
+        done += every
+        marks.append((done, heap(), await source.heap.remote()))
+    (first_n, caller_0, callee_0), (last_n, caller_1, callee_1) = marks[len(marks) // 4], marks[-1]
+    per_item = {side: {f"{key}_bytes": round((end[key] - start[key]) * 2**20 / (last_n - first_n), 1) for key in end}
+                for side, start, end in (("caller", caller_0, caller_1), ("callee", callee_0, callee_1))}
+    return {"mode": mode, "items": last_n, "every": every, "items_measured": last_n - first_n, **per_item,
+            "caller_in_use_mb": round(caller_1["in_use"], 1), "callee_in_use_mb": round(callee_1["in_use"], 1)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import ray
+
+    from splitserve.machine import cpu_name
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--items", type=int, default=80000)
+    parser.add_argument("--every", type=int, default=5000, help="items a call (rotate), and between measurements")
+    parser.add_argument("--modes", default="stream,rotate,calls")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rows = []
+        for mode in args.modes.split(","):
+            rows.append(asyncio.run(measure(mode, args.items, args.every)))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        ray.shutdown()
+    result = {"rows": rows, "ray": ray.__version__, "hardware": cpu_name()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
