@@ -1,7 +1,7 @@
-"""Where a long-running process's memory grows: every Ray worker process traces its Python
-allocations (tracemalloc) and, at a fixed interval, dumps a snapshot with its heap's state beside
-it; afterwards two of a process's snapshots are compared by the call site that allocated what is
-still held.
+"""Where a long-running process's memory grows: every Ray worker process writes its heap's state
+at a fixed interval, and where asked traces its Python allocations (tracemalloc), a snapshot
+beside each state; afterwards two of a process's snapshots are compared by the call site that
+allocated what is still held.
 
 tracemalloc sees only Python's allocations; glibc's heap counts (`mallinfo2`) add what C and C++
 code (Ray's core, torch) holds through malloc, and what malloc keeps free but has not returned to
@@ -18,7 +18,10 @@ def setup_hook(directory: str, every_s: float, frames: int = 6):
     """A `worker_process_setup_hook` for `ray.init(runtime_env=...)`: every `every_s`, the process
     writes its heap's state (MB) into `directory` as `<pid>-<unix seconds>.json`; with `frames`, it
     also traces that many frames per allocation, its snapshot beside the state as `.snap` (tracing
-    slows a process severalfold; without it, the heap's counts cost nothing)."""
+    slows a process severalfold; without it, the heap's counts cost nothing). Names are whole
+    seconds, so the interval is at least one: no state overwrites another."""
+    every_s = max(every_s, 1.0)
+
     def hook() -> None:  # nested, so Ray pickles it by value: workers cannot import this file
         import ctypes
         import json
