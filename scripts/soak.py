@@ -215,6 +215,19 @@ def rss_growth(samples: list[tuple[float, float | None]], end: float, end_mb: fl
             "over_min": round((end - since) / 60, 1)}
 
 
+def growth_by_process(samples_of: dict, end: float, end_pids: dict[str, int], trace_dir: str | None):
+    """Each process still up at `end` (monotonic): its resident growth (`rss_growth`), and with
+    `trace_dir` what its own records say grew over the same second half."""
+    growth, traces, unix_offset = {}, {}, time.time() - time.monotonic()
+    for (name, pid), samples in samples_of.items():
+        end_mb = rss_mb(pid) if end_pids.get(name) == pid else None
+        if end_mb is not None and samples[0][1] is not None:
+            growth[name] = rss_growth(samples, end, end_mb)
+            if trace_dir:
+                traces[name] = memory_growth(trace_dir, pid, unix_offset + (samples[0][0] + end) / 2)
+    return growth, traces
+
+
 def leaked_blocks(url: str, timeout: float = 120) -> dict[str, int]:
     """KV blocks each worker holds once the load is over (after replacements have come up)."""
     import ray
@@ -273,15 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         started = time.monotonic()
         measured, rate, kills = asyncio.run(run())
-        end, end_pids = time.monotonic(), cluster_processes(url)
-        growth, memory_traces, unix_offset = {}, {}, time.time() - time.monotonic()
-        for (name, pid), samples in marks.get("rss", {}).items():
-            end_mb = rss_mb(pid) if end_pids.get(name) == pid else None
-            if end_mb is not None and samples[0][1] is not None:
-                growth[name] = rss_growth(samples, end, end_mb)
-                if args.trace_memory:  # over the same second half
-                    memory_traces[name] = memory_growth(args.trace_memory, pid,
-                                                        unix_offset + (samples[0][0] + end) / 2)
+        end = time.monotonic()
+        growth, memory_traces = growth_by_process(marks.get("rss", {}), end, cluster_processes(url), args.trace_memory)
         held = leaked_blocks(url)
         restarted = counter_total(url, "splitserve_requests_restarted_total")  # placed again after a failure
     finally:
