@@ -1,7 +1,9 @@
 """The token deltas of a subscriber's requests (an ingress replica's, a batch run's), one feed per
 worker: a single streaming call to the worker's `feed` carries every request's deltas, and each
 delta goes to the queue of the request it belongs to. A step that makes tokens for many requests
-is one message, not one per request.
+is one message, not one per request. Every `rotate_every` batches the feed opens its next call and
+reads the current one to its end (the worker ends it where the next begins, `FeedOutbox`): Ray
+holds native memory on both ends for each item of a streaming call until the call ends.
 
 Invariants: a request's queue is registered before the call that opens it on the worker, so no
 delta of it is missed; a delta for a request not registered (aborted, or a failed attempt's) is
@@ -36,9 +38,13 @@ class FeedBroken:
     dead: bool
 
 
+ROTATE_EVERY = 1000  # batches per feed call: at 50 a second, a call every 20 s
+
+
 class DeltaFeeds:
-    def __init__(self, subscriber: str | None = None):
+    def __init__(self, subscriber: str | None = None, rotate_every: int = ROTATE_EVERY):
         self.subscriber = subscriber or f"sub-{uuid.uuid4().hex}"
+        self.rotate_every = rotate_every
         self._pumps: dict[str, asyncio.Task] = {}  # worker id -> the task reading its feed
         self._queues: dict[str, dict[str, asyncio.Queue]] = {}  # worker id -> request id -> its deltas
 
@@ -65,12 +71,9 @@ class DeltaFeeds:
 
     async def _pump(self, worker_id: str, handle) -> None:
         try:
-            async for ref in handle.feed.remote(self.subscriber):
-                queues = self._queues.get(worker_id, {})
-                for request_id, delta in await ref:
-                    queue = queues.get(request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
+            call = handle.feed.remote(self.subscriber)
+            while call is not None:
+                call = await self._read(worker_id, handle, call)
             broken = FeedBroken(f"worker {worker_id} ended its token feed", dead=False)
         except RayActorError:
             broken = FeedBroken(f"worker {worker_id} died", dead=True)
@@ -79,6 +82,21 @@ class DeltaFeeds:
             log.warning("token feed from %s failed: %s", worker_id, cause, exc_info=not isinstance(error, RayError))
             broken = FeedBroken(f"worker {worker_id}'s token feed failed: {cause}", dead=False)
         self._break(worker_id, broken)
+
+    async def _read(self, worker_id: str, handle, call):
+        """Delivers `call`'s batches until it ends; returns the call that takes over from it (opened
+        after `rotate_every` batches), or None if it ended of itself."""
+        batches, following = 0, None
+        async for ref in call:
+            queues = self._queues.get(worker_id, {})
+            for request_id, delta in await ref:
+                queue = queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+            batches += 1
+            if batches == self.rotate_every:
+                following = handle.feed.remote(self.subscriber)
+        return following
 
     def _break(self, worker_id: str, broken: FeedBroken) -> None:
         for queue in self._queues.pop(worker_id, {}).values():

@@ -4,9 +4,9 @@ the controller places beside it (one placement group), meeting it under `tp_pref
 
 The engine runs on its own thread (`WorkerLoop`); the actor's asyncio loop serves calls from the
 ingress (requests, token feeds) and the controller (role changes, load reports). Tokens go back
-through one feed per subscriber (an ingress replica, the batch manager): an asyncio queue the engine
-thread fills with every request's deltas, streamed in batches by one long-lived call (`feed`), so
-a step's tokens for many requests cost one message, not one per request.
+through one feed per subscriber (an ingress replica, the batch manager): a queue the engine thread
+fills with every request's deltas, streamed in batches by a long-lived call (`feed`; `FeedOutbox`),
+so a step's tokens for many requests cost one message, not one per request.
 
 `report` goes through the engine loop (so a poll that returns proves the loop turns); `health`
 does not (it reads the loop's heartbeat), so the controller can tell a busy worker from a stuck
@@ -16,6 +16,7 @@ config enables them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -26,6 +27,7 @@ import socket
 import ray
 import torch.distributed as dist
 
+from splitserve.cluster.feed_outbox import FeedOutbox
 from splitserve.cluster.worker_loop import TokenDelta, WorkerLoop
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.config import ClusterConfig
@@ -84,8 +86,7 @@ class Worker:
         self.loop = WorkerLoop(engine, transport, worker_id, cfg.transfer.layerwise_threshold, cfg.transfer.lease_s,
                                reuse_prefix=self._reports_prefix)
         self.loop.start()
-        self._feeds: dict[str, asyncio.Queue] = {}  # subscriber -> (request id, delta) in the order made
-        self._subscriber_of: dict[str, str] = {}  # open request -> the subscriber its deltas go to
+        self._outbox = FeedOutbox(lambda request_id: self._call(self.loop.abort, request_id))
 
     async def info(self) -> dict:
         engine = self.loop.engine
@@ -107,32 +108,21 @@ class Worker:
     async def prefill(self, ticket: TransferTicket, prompt: list[int], params: SamplingParams) -> TokenDelta:
         """Prefill and push the KV to `ticket.token_peer`; returns the first token (or the error)."""
         deltas: asyncio.Queue = asyncio.Queue()
-        await self._call(self.loop.prefill, ticket, prompt, params, self._sink(deltas))
+        loop = asyncio.get_running_loop()
+        await self._call(self.loop.prefill, ticket, prompt, params,
+                         lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta))
         return await deltas.get()
 
     async def feed(self, subscriber: str):
         """Every delta of `subscriber`'s requests, as (request id, delta) pairs in batches of what
-        has come, until the subscriber goes away: then its requests still open are aborted."""
-        feed = self._feed(subscriber)
-        try:
-            while True:
-                batch = [await feed.get()]
-                while not feed.empty():
-                    batch.append(feed.get_nowait())
-                for request_id, delta in batch:
-                    if delta.final:
-                        self._subscriber_of.pop(request_id, None)
+        has come, until the subscriber's next feed call takes over, or the subscriber goes away:
+        then its requests still open are aborted."""
+        async with contextlib.aclosing(self._outbox.stream(subscriber)) as batches:
+            async for batch in batches:
                 yield batch
-        finally:
-            if self._feeds.get(subscriber) is feed:
-                del self._feeds[subscriber]
-            orphans = [rid for rid, owner in self._subscriber_of.items() if owner == subscriber]
-            for request_id in orphans:
-                del self._subscriber_of[request_id]
-                await self._call(self.loop.abort, request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._subscriber_of.pop(request_id, None)
+        self._outbox.drop(request_id)
         await self._call(self.loop.abort, request_id)
 
     # ---- control ---------------------------------------------------------------------------
@@ -196,24 +186,12 @@ class Worker:
         return self._peer_tp[worker_id]
 
     async def _open(self, request_id: str, subscriber: str, fn, *args):
-        feed = self._feed(subscriber)
-        self._subscriber_of[request_id] = subscriber
+        sink = self._outbox.sink(subscriber, request_id)
         try:
-            return await self._call(fn, *args, self._sink(feed, request_id))
+            return await self._call(fn, *args, sink)
         except BaseException:
-            self._subscriber_of.pop(request_id, None)
+            self._outbox.drop(request_id)
             raise
-
-    def _feed(self, subscriber: str) -> asyncio.Queue:
-        """The subscriber's feed queue, made by whichever comes first: its feed call or a request."""
-        return self._feeds.setdefault(subscriber, asyncio.Queue())
-
-    def _sink(self, queue: asyncio.Queue, request_id: str | None = None):
-        """A sink the engine thread calls: its deltas into `queue` (keyed by `request_id` if given)."""
-        loop = asyncio.get_running_loop()
-        if request_id is None:
-            return lambda delta: loop.call_soon_threadsafe(queue.put_nowait, delta)
-        return lambda delta: loop.call_soon_threadsafe(queue.put_nowait, (request_id, delta))
 
     async def _call(self, fn, *args):
         return await asyncio.wrap_future(self.loop.call(fn, *args))

@@ -9,6 +9,7 @@ import contextvars
 from ray.exceptions import RayActorError, RayTaskError
 
 from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken, detached
+from splitserve.cluster.feed_outbox import FeedOutbox
 from splitserve.cluster.worker_loop import TokenDelta
 
 
@@ -62,6 +63,55 @@ def test_each_delta_reaches_its_request_through_one_feed_per_worker():
     assert subscribers == ["ingress-1"]  # one call carries both requests
     assert [(d.token_ids, d.finish_reason) for d in a] == [((1,), None), ((4,), "stop")]
     assert [(d.token_ids, d.finish_reason) for d in b] == [((2,), None), ((6,), "length")]
+
+
+class _OutboxWorker:
+    """`handle.feed.remote(subscriber)` on a worker's real `FeedOutbox`, run eagerly as Ray runs a
+    streaming call: the call reads the outbox from when it is sent, whether or not its caller reads yet."""
+
+    def __init__(self):
+        self.outbox = FeedOutbox(self._abort)
+        self.aborted: list[str] = []
+        self.calls = 0
+        self.feed = self
+
+    async def _abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def remote(self, subscriber: str):
+        self.calls += 1
+        refs: asyncio.Queue = asyncio.Queue()
+
+        async def run():
+            async for batch in self.outbox.stream(subscriber):
+                ref = asyncio.get_running_loop().create_future()
+                ref.set_result(batch)
+                refs.put_nowait(ref)
+            refs.put_nowait(None)
+        asyncio.get_running_loop().create_task(run())
+
+        async def stream():
+            while (ref := await refs.get()) is not None:
+                yield ref
+        return stream()
+
+
+def test_a_feed_hands_over_to_its_next_call_every_few_batches_and_loses_nothing():
+    async def scenario():
+        feeds, worker = DeltaFeeds(rotate_every=2), _OutboxWorker()
+        queues = {rid: feeds.open("w", worker, rid) for rid in "ab"}
+        sinks = {rid: worker.outbox.sink(feeds.subscriber, rid) for rid in "ab"}
+        for token in range(20):
+            sinks["ab"[token % 2]](TokenDelta((token,)))
+            if token % 2:  # batches of two deltas
+                await settle()
+        await settle()
+        return {rid: drain(queue) for rid, queue in queues.items()}, worker.calls, list(worker.aborted)
+
+    got, calls, aborted = asyncio.run(scenario())
+    assert [d.token_ids for d in got["a"]] == [(t,) for t in range(0, 20, 2)]
+    assert [d.token_ids for d in got["b"]] == [(t,) for t in range(1, 20, 2)]
+    assert calls >= 4 and aborted == []
 
 
 def test_a_dead_worker_fails_every_waiting_request_and_the_next_request_opens_a_new_feed():
