@@ -14,6 +14,25 @@ import tracemalloc
 from pathlib import Path
 
 
+def heap_state() -> dict:
+    """This process's resident memory and glibc's heap, all arenas (bytes): in use (in arenas, and
+    mmap'd chunks), and freed but kept in arenas. It runs in Ray workers, which cannot import this
+    file: a script that ships it registers this module with Ray's cloudpickle to travel by value."""
+    import ctypes  # here: a ctypes structure cannot be pickled, so it is built where it runs
+    import os
+
+    class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2, every field a size_t
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    mallinfo2.restype = MallInfo2
+    heap = mallinfo2()
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"rss": rss, "malloc_in_use": heap.uordblks + heap.hblkhd, "malloc_free": heap.fordblks}
+
+
 def setup_hook(directory: str, every_s: float, frames: int = 6):
     """A `worker_process_setup_hook` for `ray.init(runtime_env=...)`: every `every_s`, the process
     writes its heap's state (MB) into `directory` as `<pid>-<unix seconds>.json`; with `frames`, it
@@ -22,20 +41,13 @@ def setup_hook(directory: str, every_s: float, frames: int = 6):
     seconds, so the interval is at least one: no state overwrites another."""
     every_s = max(every_s, 1.0)
 
-    def hook() -> None:  # nested, so Ray pickles it by value: workers cannot import this file
-        import ctypes
+    def hook() -> None:  # nested, so Ray pickles it by value with its settings
         import json
         import os
         import threading
         import time
         import tracemalloc
 
-        class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2, every field a size_t
-            _fields_ = [(name, ctypes.c_size_t) for name in
-                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-        mallinfo2.restype = MallInfo2
         if frames:
             tracemalloc.start(frames)
 
@@ -45,11 +57,7 @@ def setup_hook(directory: str, every_s: float, frames: int = 6):
                 stem = f"{directory}/{os.getpid()}-{int(time.time())}"
                 if frames:
                     tracemalloc.take_snapshot().dump(f"{stem}.snap")
-                heap = mallinfo2()  # all arenas: bytes in use (in arenas, and mmap'd chunks), free in arenas
-                with open("/proc/self/statm") as statm:
-                    rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-                state = {"rss": rss, "malloc_in_use": heap.uordblks + heap.hblkhd, "malloc_free": heap.fordblks,
-                         "traced": tracemalloc.get_traced_memory()[0]}
+                state = {**heap_state(), "traced": tracemalloc.get_traced_memory()[0]}
                 with open(f"{stem}.tmp", "w") as out:  # then renamed: a state on disk is whole
                     json.dump({key: round(value / 2**20, 2) for key, value in state.items()}, out)
                 os.replace(f"{stem}.tmp", f"{stem}.json")

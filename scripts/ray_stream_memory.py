@@ -13,22 +13,13 @@ import asyncio
 import json
 from pathlib import Path
 
+import memory_trace  # this script's folder
+
 
 def heap() -> dict:
     """This process's resident memory and glibc heap (MB): bytes in use, and free but kept."""
-    import ctypes  # here, so the actor can be pickled: ctypes fields cannot
-    import os
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    mallinfo2.restype = MallInfo2
-    info = mallinfo2()
-    with open("/proc/self/statm") as statm:
-        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"rss": rss / 2**20, "in_use": (info.uordblks + info.hblkhd) / 2**20, "free": info.fordblks / 2**20}
+    state = memory_trace.heap_state()
+    return {"rss": state["rss"] / 2**20, "in_use": state["malloc_in_use"] / 2**20, "free": state["malloc_free"] / 2**20}
 
 
 def source_class():
@@ -86,8 +77,11 @@ async def measure(mode: str, items: int, every: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     import ray
+    from ray import cloudpickle
 
     from splitserve.machine import cpu_name
+
+    cloudpickle.register_pickle_by_value(memory_trace)  # the actor's heap() runs it; workers cannot import it
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=80000)

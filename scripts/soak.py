@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from memory_trace import memory_growth, setup_hook  # this script's folder
+import memory_trace  # this script's folder
 
 from splitserve.machine import cpu_name
 
@@ -224,7 +224,7 @@ def growth_by_process(samples_of: dict, end: float, end_pids: dict[str, int], tr
         if end_mb is not None and samples[0][1] is not None:
             growth[name] = rss_growth(samples, end, end_mb)
             if trace_dir:
-                traces[name] = memory_growth(trace_dir, pid, unix_offset + (samples[0][0] + end) / 2)
+                traces[name] = memory_trace.memory_growth(trace_dir, pid, unix_offset + (samples[0][0] + end) / 2)
     return growth, traces
 
 
@@ -254,7 +254,7 @@ def counter_total(url: str, name: str) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     import ray
-    from ray import serve
+    from ray import cloudpickle, serve
 
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
@@ -262,9 +262,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     runtime_env = {}
     if args.trace_memory:
+        cloudpickle.register_pickle_by_value(memory_trace)  # its hook runs in workers, which cannot import it
         Path(args.trace_memory).mkdir(parents=True, exist_ok=True)
-        runtime_env["worker_process_setup_hook"] = setup_hook(str(Path(args.trace_memory).resolve()),
-                                                              args.trace_every_s, args.trace_frames)
+        runtime_env["worker_process_setup_hook"] = memory_trace.setup_hook(
+            str(Path(args.trace_memory).resolve()), args.trace_every_s, args.trace_frames)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     engine = {**ENGINE, **({"prompt_chunk_tokens": args.prompt_chunk_tokens} if args.prompt_chunk_tokens else {})}

@@ -15,9 +15,15 @@ memory_trace = load_script("memory_trace")
 
 
 @pytest.mark.parametrize("frames", [6, 0])
-def test_the_hook_runs_where_its_file_cannot_be_imported_and_writes_heap_states_and_snapshots(tmp_path, frames):
+def test_the_hook_runs_where_its_file_cannot_be_imported_and_writes_heap_states_and_snapshots(tmp_path, frames,
+                                                                                              monkeypatch):
     cloudpickle = pytest.importorskip("ray.cloudpickle")
-    hook = cloudpickle.dumps(memory_trace.setup_hook(str(tmp_path), every_s=0.05, frames=frames))  # raised to 1 s
+    monkeypatch.setitem(sys.modules, "memory_trace", memory_trace)  # imported, and shipped, as the soak does
+    cloudpickle.register_pickle_by_value(memory_trace)
+    try:
+        hook = cloudpickle.dumps(memory_trace.setup_hook(str(tmp_path), every_s=0.05, frames=frames))  # raised to 1 s
+    finally:
+        cloudpickle.unregister_pickle_by_value(memory_trace)
     code = ("import os, sys, time, pickle; pickle.loads(sys.stdin.buffer.read())(); "
             f"import tracemalloc; assert tracemalloc.is_tracing() == {bool(frames)}; deadline = time.time() + 30\n"
             "while sum(name.endswith('.json') for name in os.listdir('.')) < 3 and time.time() < deadline:\n"
