@@ -4,8 +4,9 @@
 GQA ratios 1, 4 and 8, block sizes 16 and 32, ragged contexts, chunks with earlier context and
 prefix-cache hits, decode split over the context and not, sliding windows, soft-capped scores,
 attention sinks (the flash-attn backend leaving them to the Triton kernel), an FP8 cache (every
-e4m3 code widened as torch reads it), float32 and bfloat16; and a tiny model's greedy output with
-the Triton backend equal to the torch backend's, with either cache."""
+e4m3 code widened as torch reads it), float32 and bfloat16; random batches over any block size and
+head sizes to 256; and a tiny model's greedy output with the Triton backend equal to the torch
+backend's, with either cache."""
 from __future__ import annotations
 
 import functools
@@ -177,15 +178,25 @@ def test_a_chosen_split_count_is_the_largest_power_of_two_within_its_bounds():
     assert TritonPagedBackend(num_splits=16)._splits(8, 3, cpu) == 2  # past the key tiles: as chosen
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(10))
 def test_random_batches(seed):
+    """Random mixes of decodes, fresh prompts, chunks and prefix hits (one new token over a long
+    context) over random shapes: head sizes to 256, any block size (a key's block is its position //
+    the block size: 8 to 64 here, not only powers of two), tile sizes, split counts, a window, soft
+    caps, sinks, an FP8 cache, half precision."""
     rng = random.Random(2000 + seed)
-    heads, kv_heads = rng.choice(GQA)
-    decodes = [(rng.randint(1, 80), 1) for _ in range(rng.randint(0, 4))]
-    prefills = [(c, rng.choice([c, rng.randint(1, c)])) for c in (rng.randint(1, 80) for _ in range(rng.randint(1, 3)))]
-    check(decodes + prefills, heads=heads, kv_heads=kv_heads, dim=32, block_size=rng.choice([16, 32]),
-          seed=seed, num_decodes=len(decodes),
-          backend=TritonPagedBackend(**SMALL, num_splits=rng.choice([1, 2, 5])))
+    heads, kv_heads = rng.choice(GQA + [(8, 1), (8, 8)])
+    decodes = [(rng.randint(1, 150), 1) for _ in range(rng.randint(0, 4))]
+    contexts = [rng.randint(1, 150) for _ in range(rng.randint(1, 3))]
+    prefills = [(c, rng.choice([c, rng.randint(1, c), 1])) for c in contexts]
+    options = {"window": rng.randint(1, 100), "softcap": 30.0, "sinks": (SINKS * 2)[:heads],
+               "kv_scale": (0.37, 0.5), "dtype": torch.float16}
+    chosen = {name: options[name] for name in rng.sample(sorted(options), rng.randint(0, 2))}
+    check(decodes + prefills, heads=heads, kv_heads=kv_heads, dim=rng.choice([16, 24, 64, 128, 256]),
+          block_size=rng.choice([8, 12, 16, 32, 64]), seed=seed, num_decodes=len(decodes), **chosen,
+          tolerance=2e-2 if "dtype" in chosen else 1e-5, extra_blocks=rng.choice([0, 2]),
+          backend=TritonPagedBackend(block_m=rng.choice([16, 32]), block_n=rng.choice([16, 32]),
+                                     num_splits=rng.choice([None, 1, 2, 5])))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
