@@ -18,15 +18,15 @@ from splitserve.placement.registry import PLACEMENT_POLICIES, make_placement_pol
 from splitserve.placement.round_robin import RoundRobinPolicy
 from splitserve.placement.splitwise import SplitwisePolicy
 from splitserve.placement.state import (
-                                                Placement,
-                                                PlacementRequest,
-                                                PlacementThresholds,
-                                                PoolMove,
-                                                PrefixDelta,
-                                                PrefixOptions,
-                                                Role,
-                                                WorkerLoad,
-                                                WorkerState,
+    Placement,
+    PlacementRequest,
+    PlacementThresholds,
+    PoolMove,
+    PrefixDelta,
+    PrefixOptions,
+    Role,
+    WorkerLoad,
+    WorkerState,
 )
 
 __all__ = [
