@@ -16,12 +16,6 @@ from pathlib import Path
 import memory_trace  # this script's folder
 
 
-def heap() -> dict:
-    """This process's resident memory and glibc heap (MB): bytes in use, and free but kept."""
-    state = memory_trace.heap_state()
-    return {"rss": state["rss"] / 2**20, "in_use": state["malloc_in_use"] / 2**20, "free": state["malloc_free"] / 2**20}
-
-
 def source_class():
     import ray
 
@@ -44,7 +38,7 @@ def source_class():
             return [(f"request-{i}", ("some text", i))]
 
         def heap(self) -> dict:
-            return heap()
+            return memory_trace.heap_state()
 
     return Source
 
@@ -67,12 +61,13 @@ async def measure(mode: str, items: int, every: int) -> dict:
                 for _ in range(every):
                     await (await stream.__anext__())
         done += every
-        marks.append((done, heap(), await source.heap.remote()))
+        marks.append((done, memory_trace.heap_state(), await source.heap.remote()))
     (first_n, caller_0, callee_0), (last_n, caller_1, callee_1) = marks[len(marks) // 4], marks[-1]
-    per_item = {side: {f"{key}_bytes": round((end[key] - start[key]) * 2**20 / (last_n - first_n), 1) for key in end}
+    per_item = {side: {f"{key}_bytes": round((end[key] - start[key]) / (last_n - first_n), 1) for key in end}
                 for side, start, end in (("caller", caller_0, caller_1), ("callee", callee_0, callee_1))}
     return {"mode": mode, "items": last_n, "every": every, "items_measured": last_n - first_n, **per_item,
-            "caller_in_use_mb": round(caller_1["in_use"], 1), "callee_in_use_mb": round(callee_1["in_use"], 1)}
+            "caller_in_use_mb": round(caller_1["malloc_in_use"] / 2**20, 1),
+            "callee_in_use_mb": round(callee_1["malloc_in_use"] / 2**20, 1)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from splitserve.machine import cpu_name
 
-    cloudpickle.register_pickle_by_value(memory_trace)  # the actor's heap() runs it; workers cannot import it
+    cloudpickle.register_pickle_by_value(memory_trace)  # the actor runs its heap_state; workers cannot import it
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=80000)
