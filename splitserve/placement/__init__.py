@@ -17,17 +17,8 @@ from splitserve.placement.jsq import JSQPolicy
 from splitserve.placement.registry import PLACEMENT_POLICIES, make_placement_policy
 from splitserve.placement.round_robin import RoundRobinPolicy
 from splitserve.placement.splitwise import SplitwisePolicy
-from splitserve.placement.state import (
-    Placement,
-    PlacementRequest,
-    PlacementThresholds,
-    PoolMove,
-    PrefixDelta,
-    PrefixOptions,
-    Role,
-    WorkerLoad,
-    WorkerState,
-)
+from splitserve.placement.state import (Placement, PlacementRequest, PlacementThresholds, PoolMove, PrefixDelta,
+                                        PrefixOptions, Role, WorkerLoad, WorkerState)
 
 __all__ = [
     "PLACEMENT_POLICIES", "ClusterState", "JSQPolicy", "Placement", "PlacementPolicy", "PlacementRequest",
