@@ -1,6 +1,8 @@
 """The batch API's behaviour (files, batches, their lifecycle), independent of HTTP and of where
-requests run. One batch runs at a time, in creation order; on start, batches a previous process
-left active are resumed from their result logs.
+requests run. One batch runs at a time, in creation order. One server at a time owns a store
+(`StoreLock`); the owner resumes the batches a previous one left active, from their result logs. A
+server that finds the store owned serves reads, refuses changes with 503 and takes the store over
+when the owner stops.
 
 Lifecycle: validating -> in_progress -> finalizing -> completed, or failed (the input file is
 invalid), or cancelling -> cancelled (results so far are kept in the output file).
@@ -8,6 +10,8 @@ invalid), or cancelling -> cancelled (results so far are kept in the output file
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -18,6 +22,10 @@ from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.lines import ENDPOINTS, BatchLine, InputFileError, parse_input
 from splitserve.batch.results import ResultLog
 from splitserve.batch.store import ACTIVE, PURPOSES, BatchStore
+from splitserve.batch.store_lock import StoreLock
+
+TAKE_OVER_EVERY_S = 2.0  # how often a server that finds the store owned tries again
+log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -33,21 +41,49 @@ class BatchService:
         self._queue: asyncio.Queue[str] | None = None
         self._cancelled: set[str] = set()
         self._worker: asyncio.Task | None = None
+        self._lock = StoreLock(store.root)
+        self._stopping = False
 
     async def start(self) -> None:
-        """Begin running batches; resume those a previous process left active (oldest first)."""
+        """Begin running batches, now if this server can own the store, else once its owner stops."""
         self._queue = asyncio.Queue()
+        owned = self._take_over()
+        if not owned:
+            log.warning("batch store %s is owned by another server: its batch API answers reads only until "
+                        "that server stops", self.store.root)
+        self._worker = asyncio.create_task(self._run_all(owned))
+
+    async def stop(self) -> None:
+        """Stop running batches and give the store up. A running batch stops at its executor's next
+        step, its results so far kept in its logs for the next owner; the lock goes only after the
+        executor has returned, so two servers never write one store."""
+        self._stopping = True
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        self._lock.release()
+
+    def _take_over(self) -> bool:
+        """Own the store and queue the batches a previous owner left active (oldest first); False
+        while another server owns it. Nothing queues a batch before this returns True."""
+        if not self._lock.try_acquire():
+            return False
         for batch in reversed(self.store.batches()):
             if batch["status"] in ACTIVE:
                 self._queue.put_nowait(batch["id"])
-        self._worker = asyncio.create_task(self._run_all())
+        return True
 
-    async def stop(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
+    def _check_owner(self) -> None:
+        if not self._lock.held:
+            raise RequestError(f"the batch store {self.store.root} is owned by another server (another splitserve on "
+                               "the same batch.dir, or the previous cluster during an upgrade): this one serves reads "
+                               "only, and takes the store over when that server stops", status=503,
+                               type="service_unavailable", code="batch_store_owned")
 
     # ---- files ---------------------------------------------------------------------------
     def create_file(self, content: bytes, filename: str, purpose: str) -> dict:
+        self._check_owner()
         if purpose != "batch":
             raise RequestError(f"purpose must be 'batch' (this server runs batches only), got {purpose!r}",
                                param="purpose")
@@ -65,11 +101,13 @@ class BatchService:
         return self.store.content_path(file_id).read_bytes()
 
     def delete_file(self, file_id: str) -> dict:
+        self._check_owner()
         return self.store.delete_file(file_id)
 
     # ---- batches -------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict | None = None) -> dict:
+        self._check_owner()
         if endpoint not in ENDPOINTS:
             raise RequestError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
         if completion_window != "24h":
@@ -101,6 +139,7 @@ class BatchService:
                 "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
 
     def cancel_batch(self, batch_id: str) -> dict:
+        self._check_owner()
         batch = self.store.batch(batch_id)
         if batch["status"] not in ("validating", "in_progress"):
             raise RequestError(f"batch {batch_id} is {batch['status']}; only a validating or in-progress batch "
@@ -109,7 +148,11 @@ class BatchService:
         return self.store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
 
     # ---- running -------------------------------------------------------------------------
-    async def _run_all(self) -> None:
+    async def _run_all(self, owned: bool) -> None:
+        if not owned:
+            while not self._take_over():
+                await asyncio.sleep(TAKE_OVER_EVERY_S)
+            log.warning("batch store %s: its owner stopped, this server took it over", self.store.root)
         while True:
             batch_id = await self._queue.get()
             await self._run(batch_id)
@@ -141,8 +184,13 @@ class BatchService:
                 counts["completed" if ok else "failed"] += 1
                 self.store.update_batch(batch_id, request_counts=dict(counts))
 
-            await self.executor.run(lines, output, errors, self.options, lambda: batch_id in self._cancelled,
-                                    on_result)
+            run = asyncio.ensure_future(self.executor.run(
+                lines, output, errors, self.options, lambda: self._stopping or batch_id in self._cancelled, on_result))
+            try:
+                await asyncio.shield(run)
+            except asyncio.CancelledError:
+                await run  # stop() is waiting: the executor returns at its next step
+                raise
         self._finish(batch_id, counts)
 
     def _finish(self, batch_id: str, counts: dict) -> None:

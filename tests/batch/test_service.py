@@ -1,8 +1,10 @@
 """The batch API over HTTP with the official `openai` client, on a server that is killed (SIGKILL)
 in the middle of a batch and started again on the same directory: the batch finishes with every
-line exactly once and the outputs an undisturbed engine gives."""
+line exactly once and the outputs an undisturbed engine gives. A second server on a directory
+another one owns serves reads, refuses changes, and finishes the batch once the owner stops."""
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -10,12 +12,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import openai
 import pytest
 
+from splitserve.batch.service import BatchService
+from splitserve.batch.store import BatchStore
 from tests.batch.batch_helpers import as_jsonl, batch_lines, expected_texts
 
 
@@ -43,11 +48,15 @@ def wait_for(client, batch_id, done, timeout=120):
     raise AssertionError(f"batch {batch_id} never got there: {batch}")
 
 
-@pytest.fixture
-def port():
+def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def port():
+    return free_port()
 
 
 def test_round_trip_and_restart_mid_batch(tmp_path, port):
@@ -85,6 +94,43 @@ def test_round_trip_and_restart_mid_batch(tmp_path, port):
         server.wait()
 
 
+def test_a_second_server_on_the_directory_reads_until_the_owner_stops_then_finishes_its_batch(tmp_path, port):
+    lines = batch_lines(120, max_tokens=24)
+    owner = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=3, timeout=30)
+    second_port = free_port()
+    second = openai.OpenAI(base_url=f"http://127.0.0.1:{second_port}/v1", api_key="unused", max_retries=0, timeout=30)
+    servers = [start_server(tmp_path, port)]
+    try:
+        servers.append(start_server(tmp_path, second_port))
+        upload = owner.files.create(file=("in.jsonl", io.BytesIO(as_jsonl(lines))), purpose="batch")
+        batch = owner.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        wait_for(owner, batch.id, lambda b: b.request_counts.completed >= 5)
+        assert second.batches.retrieve(batch.id).status == "in_progress"
+        assert second.files.retrieve(upload.id).bytes == len(as_jsonl(lines))
+        for change in (lambda: second.files.create(file=("x.jsonl", io.BytesIO(b"")), purpose="batch"),
+                       lambda: second.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                                     completion_window="24h"),
+                       lambda: second.batches.cancel(batch.id), lambda: second.files.delete(upload.id)):
+            with pytest.raises(openai.InternalServerError, match="batch.dir") as refused:
+                change()
+            assert refused.value.status_code == 503 and refused.value.code == "batch_store_owned"
+        partway = owner.batches.retrieve(batch.id)
+        assert partway.status == "in_progress" and partway.request_counts.completed < 120
+        os.killpg(servers[0].pid, signal.SIGTERM)  # uvicorn stops gracefully, then re-raises the signal
+        assert servers[0].wait(timeout=60) == -signal.SIGTERM
+        batch = wait_for(second, batch.id, lambda b: b.status in ("completed", "failed", "cancelled"))
+        assert batch.status == "completed" and batch.request_counts.completed == 120
+        results = [json.loads(x) for x in second.files.content(batch.output_file_id).text.splitlines()]
+        assert sorted(r["custom_id"] for r in results) == sorted(line["custom_id"] for line in lines)
+        assert {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in results} == expected_texts(lines)
+        assert second.files.delete(upload.id).deleted  # the store is the second server's now
+    finally:
+        for server in servers:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
 def test_errors_cancel_and_listing(tmp_path, port):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     server = start_server(tmp_path, port)
@@ -113,3 +159,49 @@ def test_errors_cancel_and_listing(tmp_path, port):
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+
+
+class ThreadExecutor:
+    """Answers a line a step in a thread, as the engine executor runs, checking stop() each step."""
+
+    def __init__(self, step_s: float):
+        self.step_s, self.started, self.returned = step_s, threading.Event(), threading.Event()
+
+    async def run(self, lines, output, errors, options, stop, on_result):
+        def steps():
+            self.started.set()
+            for line in lines:
+                if stop():
+                    break
+                time.sleep(self.step_s)
+                if line.custom_id not in output.done:
+                    output.append({"custom_id": line.custom_id, "response": {"status_code": 200, "body": {}}})
+                    on_result(True)
+            self.returned.set()
+
+        await asyncio.to_thread(steps)
+
+
+def test_stop_gives_the_store_up_only_once_the_running_batch_has_stopped(tmp_path):
+    async def scenario():
+        store = BatchStore(tmp_path)
+        first = BatchService(store, ThreadExecutor(step_s=0.05))
+        await first.start()
+        upload = first.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
+        batch_id = first.create_batch(upload["id"], "/v1/completions", "24h")["id"]
+        while not first.executor.started.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        await first.stop()
+        assert first.executor.returned.is_set()  # no write after the store is given up
+        stopped = store.batch(batch_id)
+        assert stopped["status"] == "in_progress" and 0 < stopped["request_counts"]["completed"] < 40
+        second = BatchService(store, ThreadExecutor(step_s=0))
+        await second.start()  # owns the store at once and resumes the batch
+        while store.batch(batch_id)["status"] != "completed":
+            await asyncio.sleep(0.01)
+        await second.stop()
+        output = store.content_path(store.batch(batch_id)["output_file_id"]).read_text().splitlines()
+        assert sorted(json.loads(x)["custom_id"] for x in output) == sorted(f"req-{i}" for i in range(40))
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
