@@ -4,7 +4,8 @@ the controller deployment and the OpenAI ingress in front of it.
 
 The controller deployment (one replica) owns the CLS actor, which holds the one placement state
 and owns the workers; Serve manages its life (a failed health check restarts it, and with it the
-CLS and the workers). Ingress replicas call the CLS actor directly: a plain actor call costs a
+CLS and the workers). It owns the batch API's actor too, which runs on the head node: `batch.dir`
+is a directory there (on Kubernetes, the head pod's batches volume), wherever the replica runs. Ingress replicas call the CLS actor directly: a plain actor call costs a
 fraction of a Serve handle call, and placement sits on every request's path.
 """
 from __future__ import annotations
@@ -18,6 +19,8 @@ from splitserve.cluster.ingress import Ingress
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
 from splitserve.config import ClusterConfig
 
+HEAD_NODE = "node:__internal_head__"  # a resource only Ray's head node has (Ray pins its own state actors with it)
+
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, health_check_period_s=5)
 class ClusterController:
@@ -28,7 +31,8 @@ class ClusterController:
             max_concurrency=MAX_CONCURRENT_CALLS).remote(config, app)
         self.cls.start.remote()
         self.batches = ray.remote(BatchManager).options(
-            name=f"{app}-batches", namespace=WORKER_NAMESPACE, num_cpus=0).remote(config, self.cls)
+            name=f"{app}-batches", namespace=WORKER_NAMESPACE, num_cpus=0,
+            resources={HEAD_NODE: 0.001}).remote(config, self.cls)
         self.batches.start.remote()
 
     def handle(self):

@@ -1,7 +1,8 @@
 """The batch API of a real local cluster through the official `openai` client: upload, create,
 poll, download; greedy results equal the offline engine's; a bad line lands in the error file; a
 line with any option of its endpoint (choices, several prompts, logprobs, echo, structured output,
-tools) is answered as the endpoint answers it, and as a batch on the offline engine does."""
+tools) is answered as the endpoint answers it, and as a batch on the offline engine does; the batch
+actor runs on the head node, where `batch.dir` is."""
 from __future__ import annotations
 
 import io
@@ -10,13 +11,23 @@ import math
 import time
 
 import httpx
+from ray.util.state import list_actors, list_nodes
 
 from splitserve import SamplingParams
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_executor import run_lines
 from splitserve.batch.lines import parse_input
 from splitserve.batch.results import ResultLog
+from splitserve.cluster.app import HEAD_NODE
+from splitserve.cluster.controller import WORKER_NAMESPACE
 from tests.batch.batch_helpers import as_jsonl, comparable, option_lines
+
+def test_the_batch_actor_is_placed_on_the_head_node(server):
+    [actor] = list_actors(filters=[("name", "=", "main-batches"), ("ray_namespace", "=", WORKER_NAMESPACE)],
+                          detail=True)
+    [head] = list_nodes(filters=[("is_head_node", "=", True)])
+    assert actor.required_resources.get(HEAD_NODE) and actor.node_id == head.node_id
+
 
 PROMPTS = ["Shared system prompt. " * 4 + f"Question {i}?" for i in range(6)]
 
