@@ -276,8 +276,9 @@ class SLOOptions(StrictModel):
 class BatchAPIOptions(StrictModel):
     """/v1/files and /v1/batches: where they persist and how batches are ordered (BlendServe)."""
 
-    dir: str = Field("~/.cache/splitserve/batches", description="Where files and batches persist; on Kubernetes a "
-                     "persistent volume, so a restart loses nothing.")
+    dir: str = Field("~/.cache/splitserve/batches", description="Where files and batches persist, on the head node "
+                     "(the batch API's actor runs there); one server owns it at a time. On Kubernetes, the head pod's "
+                     "volume (the chart's head.batchesClaimName), so a restart loses nothing.")
     order: Literal["blend", "dfs", "fcfs"] = Field("blend", description="Order of a batch's requests: blend "
                                                    "(BlendServe), dfs (prefix-tree order) or fcfs (file order).")
     sample_fraction: float = Field(0.01, ge=0, le=1, description="Share of requests run first to estimate output "

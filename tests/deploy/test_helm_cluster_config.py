@@ -1,6 +1,6 @@
 """The chart's Serve app args are a splitserve ClusterConfig that its worker groups can run, checked
 against Ray Serve's config schema and a hand-written table of what each preset is meant to deploy;
-the presets deploy deploy/*.yaml; the model sources."""
+the presets deploy deploy/*.yaml; the model sources; the batch API's store on the head pod."""
 from __future__ import annotations
 
 import pytest
@@ -85,3 +85,19 @@ def test_model_sources():
         assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in \
             template["spec"]["volumes"]
         assert "initContainers" not in template["spec"]
+
+
+def test_the_batch_store_is_a_volume_of_the_head_pod():
+    for sets, volume in [((), {"name": "batches", "emptyDir": {}}),
+                         (("head.batchesClaimName=batches", "cluster.batch.order=dfs"),
+                          {"name": "batches", "persistentVolumeClaim": {"claimName": "batches"}})]:
+        service = rayservice(None, *sets)
+        config = cluster_config(service)
+        assert config.batch.dir == "/batches"
+        assert config.batch.order == ("dfs" if sets else "blend")
+        templates = pod_templates(service)
+        head = templates.pop("head")["spec"]
+        assert volume in head["volumes"]
+        assert {"name": "batches", "mountPath": "/batches"} in head["containers"][0]["volumeMounts"]
+        for template in templates.values():  # the batch actor runs on the head only
+            assert "batches" not in str(template["spec"].get("volumes"))

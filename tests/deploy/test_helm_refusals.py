@@ -22,8 +22,9 @@ from tests.deploy.helm_helpers import render_error
     (("pools.prompt.cpusPerRank=1.5",), "pools.prompt.cpusPerRank=1.5: use a whole number"),
     (("pools.prompt.cpusPerWorker=4",), "pools.prompt.cpusPerWorker: renamed cpusPerRank"),
     (("cluster.pools=x",), "cluster.pools: set it through the chart's model and pools values"),
+    (("cluster.batch.dir=/data",), "cluster.batch.dir: the chart keeps the batch API's store at /batches"),
 ], ids=["no-model", "two-models", "pvc-without-path", "tp-not-dividing-1-gpu", "tp-not-dividing-8-gpus",
         "tp-0", "tp-negative", "tp-fractional", "prompt-without-token", "no-gpus", "fractional-cpus",
-        "cpus-per-worker-renamed", "pools-in-cluster"])
+        "cpus-per-worker-renamed", "pools-in-cluster", "batch-dir-in-cluster"])
 def test_refuses(sets, message):
     assert message in render_error(None, *sets)

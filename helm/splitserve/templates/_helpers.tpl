@@ -66,6 +66,9 @@ splitserve-{{ . }}
 {{- if ne (int $sources) 1 -}}
 {{- fail (printf "model: set exactly one model source, found %d: model.demo=true (smoke install), model.huggingface.id, or model.pvc.claimName (with model.pvc.path)" (int $sources)) -}}
 {{- end -}}
+{{- if (.Values.cluster.batch | default dict).dir -}}
+{{- fail "cluster.batch.dir: the chart keeps the batch API's store at /batches on the head pod; give head.batchesClaimName a claim to keep it across restarts" -}}
+{{- end -}}
 {{- if and $model.pvc.claimName (not $model.pvc.path) -}}
 {{- fail "model.pvc.path: set the checkpoint directory inside the claim (it holds config.json)" -}}
 {{- end -}}
@@ -140,5 +143,6 @@ demo
 {{- $config := dict "model" (include "splitserve.modelDir" .) "pools" $pools -}}
 {{- with include "splitserve.servedModelName" . }}{{ $_ := set $config "served_model_name" . }}{{ end -}}
 {{- range $key, $value := .Values.cluster }}{{ if $value }}{{ $_ := set $config $key $value }}{{ end }}{{ end -}}
+{{- $_ := set $config "batch" (merge (dict "dir" "/batches") (.Values.cluster.batch | default dict)) -}}
 {{- toYaml $config -}}
 {{- end -}}

@@ -25,7 +25,7 @@ tolerations:
 {{- end -}}
 
 {{/* The Ray container's image, security context, environment and mounts (head and workers:
-     results on the head, the compile cache on workers). */}}
+     benchmark results and the batch API's store on the head, the compile cache on workers). */}}
 {{- define "splitserve.rayContainer" -}}
 {{- $root := .root -}}
 image: {{ include "splitserve.image" $root }}
@@ -44,13 +44,14 @@ env:
     value: /compile-cache/triton
   {{- end }}
 {{- end }}
-{{- if or (not $root.Values.model.demo) .results .compileCache }}
+{{- if or (not $root.Values.model.demo) .head .compileCache }}
 volumeMounts:
   {{- if not $root.Values.model.demo }}
   - {name: model, mountPath: /models, readOnly: true}
   {{- end }}
-  {{- if .results }}
+  {{- if .head }}
   - {name: results, mountPath: /results}
+  - {name: batches, mountPath: /batches}  # the ClusterConfig's batch.dir
   {{- end }}
   {{- if .compileCache }}
   - {name: compile-cache, mountPath: /compile-cache}
@@ -58,10 +59,10 @@ volumeMounts:
 {{- end }}
 {{- end -}}
 
-{{/* Where workers keep compiled kernels: the release's shared claim, or an emptyDir of the pod. */}}
-{{- define "splitserve.compileCacheVolume" -}}
-- name: compile-cache
-  {{- with .Values.compileCache.claimName }}
+{{/* A pod volume (list NAME CLAIM): the existing claim, or an emptyDir of the pod where it is "". */}}
+{{- define "splitserve.claimOrEmptyDir" -}}
+- name: {{ index . 0 }}
+  {{- with index . 1 }}
   persistentVolumeClaim: {claimName: {{ . }}}
   {{- else }}
   emptyDir: {}
@@ -191,5 +192,5 @@ volumeMounts:
         {{- with include "splitserve.modelVolume" $root | trim }}
         {{- . | nindent 8 }}
         {{- end }}
-        {{- include "splitserve.compileCacheVolume" $root | nindent 8 }}
+        {{- include "splitserve.claimOrEmptyDir" (list "compile-cache" $root.Values.compileCache.claimName) | nindent 8 }}
 {{- end -}}
