@@ -31,13 +31,13 @@ class BatchManager:
         await self.service.start()
 
     async def call(self, method: str, *args) -> tuple:
-        """("ok", result) or ("error", status, message, param, code): errors cross Ray as data."""
+        """("ok", result) or ("error", status, message, param, code, type): errors cross Ray as data."""
         try:
             return "ok", getattr(self.service, method)(*args)
         except RequestError as error:
-            return "error", error.status, error.message, error.param, error.code
+            return "error", error.status, error.message, error.param, error.code, error.type
         except NotFound as missing:
-            return "error", 404, missing.message, "id", None
+            return "error", 404, missing.message, "id", None, "invalid_request_error"
 
 
 class RemoteBatches:
@@ -52,8 +52,8 @@ class RemoteBatches:
                 self._handle = await self._get_handle()
             outcome = await self._handle.call.remote(method, *args)
             if outcome[0] == "error":
-                _, status, message, param, code = outcome
-                raise RequestError(message, status=status, param=param, code=code)
+                _, status, message, param, code, kind = outcome
+                raise RequestError(message, status=status, param=param, type=kind, code=code)
             return outcome[1]
 
         return call

@@ -113,7 +113,8 @@ def test_a_second_server_on_the_directory_reads_until_the_owner_stops_then_finis
                        lambda: second.batches.cancel(batch.id), lambda: second.files.delete(upload.id)):
             with pytest.raises(openai.InternalServerError, match="batch.dir") as refused:
                 change()
-            assert refused.value.status_code == 503 and refused.value.code == "batch_store_owned"
+            assert (refused.value.status_code, refused.value.type, refused.value.code) == \
+                (503, "service_unavailable", "batch_store_owned")
         partway = owner.batches.retrieve(batch.id)
         assert partway.status == "in_progress" and partway.request_counts.completed < 120
         os.killpg(servers[0].pid, signal.SIGTERM)  # uvicorn stops gracefully, then re-raises the signal
