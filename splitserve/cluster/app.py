@@ -5,8 +5,9 @@ the controller deployment and the OpenAI ingress in front of it.
 The controller deployment (one replica) owns the CLS actor, which holds the one placement state
 and owns the workers; Serve manages its life (a failed health check restarts it, and with it the
 CLS and the workers). It owns the batch API's actor too, which runs on the head node: `batch.dir`
-is a directory there (on Kubernetes, the head pod's batches volume), wherever the replica runs. Ingress replicas call the CLS actor directly: a plain actor call costs a
-fraction of a Serve handle call, and placement sits on every request's path.
+is a directory there (on Kubernetes, the head pod's batches volume), wherever the replica runs.
+Ingress replicas call the CLS actor directly: a plain actor call costs a fraction of a Serve
+handle call, and placement sits on every request's path.
 """
 from __future__ import annotations
 

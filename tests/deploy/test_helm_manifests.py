@@ -41,9 +41,9 @@ def test_lint_strict(preset):
 
 # Values the presets leave alone: another model source and the optional settings.
 OPTIONS = ("model.demo=false", "model.pvc.claimName=weights", "model.pvc.path=llama", "apiKeySecret.name=keys",
-           "head.resultsClaimName=results", "head.batchesClaimName=batches", "imagePullSecrets[0].name=registry", "rayAuth.existingSecret=token",
-           "networkPolicy.serveFrom[0].namespaceSelector.matchLabels.team=ml", "pools.prompt.acceleratorType=H100",
-           "compileCache.claimName=kernels")
+           "head.resultsClaimName=results", "head.batchesClaimName=batches", "imagePullSecrets[0].name=registry",
+           "rayAuth.existingSecret=token", "networkPolicy.serveFrom[0].namespaceSelector.matchLabels.team=ml",
+           "pools.prompt.acceleratorType=H100", "compileCache.claimName=kernels")
 
 
 @pytest.mark.parametrize("preset, sets", [*((p, MONITORS) for p in ALL), (None, OPTIONS)],

@@ -22,6 +22,7 @@ from splitserve.cluster.app import HEAD_NODE
 from splitserve.cluster.controller import WORKER_NAMESPACE
 from tests.batch.batch_helpers import as_jsonl, comparable, option_lines
 
+
 def test_the_batch_actor_is_placed_on_the_head_node(server):
     [actor] = list_actors(filters=[("name", "=", "main-batches"), ("ray_namespace", "=", WORKER_NAMESPACE)],
                           detail=True)
