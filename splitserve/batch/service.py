@@ -5,7 +5,8 @@ server that finds the store owned serves reads, refuses changes with 503 and tak
 when the owner stops.
 
 Lifecycle: validating -> in_progress -> finalizing -> completed, or failed (the input file is
-invalid), or cancelling -> cancelled (results so far are kept in the output file).
+invalid, or its run raised RUNS_PER_BATCH times: results so far are kept in its files), or
+cancelling -> cancelled (results so far are kept in the output file).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from splitserve.batch.store import ACTIVE, PURPOSES, BatchStore
 from splitserve.batch.store_lock import StoreLock
 
 TAKE_OVER_EVERY_S = 2.0  # how often a server that finds the store owned tries again
+RUNS_PER_BATCH = 3  # a batch whose run raises is resumed from its logs until it has raised this often
+RERUN_AFTER_S = 5.0
 log = logging.getLogger(__name__)
 
 
@@ -155,7 +158,24 @@ class BatchService:
             log.warning("batch store %s: its owner stopped, this server took it over", self.store.root)
         while True:
             batch_id = await self._queue.get()
-            await self._run(batch_id)
+            await self._run_or_fail(batch_id)
+
+    async def _run_or_fail(self, batch_id: str) -> None:
+        """One batch's fault (its executor or the disk raising) never stops the batches after it:
+        the batch is resumed from its logs, and fails after RUNS_PER_BATCH faults."""
+        for run in range(1, RUNS_PER_BATCH + 1):
+            try:
+                await self._run(batch_id)
+                return
+            except Exception as error:
+                log.exception("batch %s: run %d of %d raised", batch_id, run, RUNS_PER_BATCH)
+                fault = error
+            if run < RUNS_PER_BATCH:
+                await asyncio.sleep(RERUN_AFTER_S)
+        try:
+            self._fail(batch_id, fault)
+        except Exception:
+            log.exception("batch %s: could not be marked failed", batch_id)
 
     async def _run(self, batch_id: str) -> None:
         batch = self.store.batch(batch_id)
@@ -200,13 +220,24 @@ class BatchService:
         now = int(time.time())
         if not cancelled and self.store.batch(batch_id)["status"] != "finalizing":
             self.store.update_batch(batch_id, status="finalizing", finalizing_at=now, request_counts=counts)
+        done = {"status": "cancelled", "cancelled_at": now} if cancelled else {"status": "completed",
+                                                                                 "completed_at": now}
+        self.store.update_batch(batch_id, **self._adopt_logs(batch_id), **done)
+        self._cancelled.discard(batch_id)
+
+    def _fail(self, batch_id: str, fault: Exception) -> None:
+        error = {"code": "internal_error", "message": f"the batch's run raised {RUNS_PER_BATCH} times, last: "
+                 f"{type(fault).__name__}: {fault}", "param": None, "line": None}
+        self.store.update_batch(batch_id, **self._adopt_logs(batch_id), status="failed", failed_at=int(time.time()),
+                                errors={"object": "list", "data": [error]})
+        self._cancelled.discard(batch_id)
+
+    def _adopt_logs(self, batch_id: str) -> dict:
+        """The result logs as the batch's output and error files (None for an empty one)."""
         files = {}
         for key, path, kind in zip(("output_file_id", "error_file_id"), self.store.log_paths(batch_id),
                                    ("output", "error")):
             file = self.store.adopt_file(path, f"file-{batch_id.removeprefix('batch_')}-{kind}",
                                          f"{batch_id}_{kind}.jsonl", "batch_output")
             files[key] = file and file["id"]
-        done = {"status": "cancelled", "cancelled_at": now} if cancelled else {"status": "completed",
-                                                                                 "completed_at": now}
-        self.store.update_batch(batch_id, **files, **done)
-        self._cancelled.discard(batch_id)
+        return files

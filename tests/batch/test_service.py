@@ -1,7 +1,8 @@
 """The batch API over HTTP with the official `openai` client, on a server that is killed (SIGKILL)
 in the middle of a batch and started again on the same directory: the batch finishes with every
 line exactly once and the outputs an undisturbed engine gives. A second server on a directory
-another one owns serves reads, refuses changes, and finishes the batch once the owner stops."""
+another one owns serves reads, refuses changes, and finishes the batch once the owner stops. A
+batch whose run raises is resumed, and failed after the third fault, without stopping the next."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from splitserve.batch import service as service_module
 from splitserve.batch.service import BatchService
 from splitserve.batch.store import BatchStore
 from tests.batch.batch_helpers import as_jsonl, batch_lines, expected_texts
@@ -206,3 +208,53 @@ def test_stop_gives_the_store_up_only_once_the_running_batch_has_stopped(tmp_pat
         assert sorted(json.loads(x)["custom_id"] for x in output) == sorted(f"req-{i}" for i in range(40))
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+class FaultyExecutor:
+    """Answers a batch's first `answer` lines, then raises, `faults` times per batch (keyed by its
+    size); a run after those answers every line left."""
+
+    def __init__(self, faults: dict[int, int], answer: int = 2):
+        self.faults, self.answer, self.runs = dict(faults), answer, []
+
+    async def run(self, lines, output, errors, options, stop, on_result):
+        self.runs.append(len(lines))
+        left = [line for line in lines if line.custom_id not in output.done]
+        failing = self.faults.get(len(lines), 0) > 0
+        for line in left[:self.answer] if failing else left:
+            output.append({"custom_id": line.custom_id, "response": {"status_code": 200, "body": {}}})
+            on_result(True)
+        if failing:
+            self.faults[len(lines)] -= 1
+            raise OSError(f"disk trouble after {len(output.done)} lines")
+
+
+def test_a_batch_whose_run_raises_is_resumed_then_failed_and_the_next_one_still_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(service_module, "RERUN_AFTER_S", 0)
+
+    async def scenario(executor, directory):
+        service = BatchService(BatchStore(directory), executor)
+        await service.start()
+        ids = [service.create_batch(service.create_file(as_jsonl(batch_lines(n)), "in.jsonl", "batch")["id"],
+                                    "/v1/completions", "24h")["id"] for n in (9, 5)]
+        while any(service.get_batch(i)["status"] not in ("completed", "failed") for i in ids):
+            await asyncio.sleep(0.01)
+        batches = [service.get_batch(i) for i in ids]
+        outputs = [sorted(json.loads(x)["custom_id"] for x in service.file_content(b["output_file_id"]).splitlines())
+                   for b in batches]
+        await service.stop()
+        return batches, outputs
+
+    # two faults: the third run finishes the batch, every line once
+    executor = FaultyExecutor({9: 2})
+    (first, second), (out_first, out_second) = asyncio.run(asyncio.wait_for(scenario(executor, tmp_path / "a"), 30))
+    assert first["status"] == second["status"] == "completed" and executor.runs == [9, 9, 9, 5]
+    assert out_first == sorted(f"req-{i}" for i in range(9)) and first["request_counts"]["completed"] == 9
+    # three faults: failed, with the lines answered before them as its output; the next batch runs
+    executor = FaultyExecutor({9: 3})
+    (first, second), (out_first, out_second) = asyncio.run(asyncio.wait_for(scenario(executor, tmp_path / "b"), 30))
+    assert first["status"] == "failed" and first["failed_at"] and executor.runs == [9, 9, 9, 5]
+    [error] = first["errors"]["data"]
+    assert error["code"] == "internal_error" and "OSError: disk trouble after 6 lines" in error["message"]
+    assert out_first == sorted(f"req-{i}" for i in range(6))
+    assert second["status"] == "completed" and out_second == sorted(f"req-{i}" for i in range(5))
