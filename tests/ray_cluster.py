@@ -44,7 +44,7 @@ HARDENING = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 30, 
 TINY = {"num_cpus": 0.01}  # this app's ranks take the 7th CPU the head is told of (the others' workers take 6)
 TP = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "scheduler": {"report_interval_s": 0.05},
       "pools": [{"role": "prompt", "tensor_parallel_size": 2, "resources": TINY},
-                {"role": "token", "resources": TINY}]}
+                {"role": "token", "resources": TINY}], "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
 
 
 def _free_port() -> int:
