@@ -1,21 +1,27 @@
-"""One ASGI middleware in front of every route: the API key and the body-size bounds.
+"""One ASGI middleware in front of every route: the API key, the body-size bounds, and OpenAI's
+error body for a route's own failure.
 
 - The key (`app.state.api_key`; None: no authentication) is required on every route but the open
   ones (`/health` for probes, `/metrics` for scrapes), compared in constant time. A wrong or
   missing key is a 401 with OpenAI's error body, before the route runs (so before its body is read).
 - A body larger than its bound (`app.state.limits`: uploads to /v1/files have their own) is a 413:
   at once when Content-Length says so, or as soon as a streamed body passes the bound.
+- An exception a route does not turn into a response (a bug, a full disk) is logged with its
+  traceback and answered with a 500 in OpenAI's shape (`server_error`), not the server's bare text;
+  once a response has started (a stream), it ends the response instead.
 """
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.limits import RequestLimits
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 UPLOAD_PREFIX = "/v1/files"
+log = logging.getLogger(__name__)
 
 
 class BodyTooLarge(Exception):
@@ -61,6 +67,12 @@ class ApiGuard:
             if started:
                 raise
             await _send_error(send, _too_large(bound))
+        except Exception as error:
+            if started:
+                raise
+            log.exception("%s %s failed", scope.get("method"), path)
+            await _send_error(send, RequestError(f"the server failed on this request ({type(error).__name__}); its "
+                                                 "log has the cause", status=500, type="server_error"))
 
 
 def _route_path(scope) -> str:

@@ -1,8 +1,12 @@
 """ApiGuard, in front of a small FastAPI app (no Ray): the key on every route but /health and
 /metrics, compared whole; body bounds declared or streamed; the app's mount prefix (Serve's
-route_prefix arrives as root_path) does not change which routes are open."""
+route_prefix arrives as root_path) does not change which routes are open; a route's own failure
+is a 500 in OpenAI's shape, which the `openai` client raises with its message."""
+import httpx
+import openai
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
 from splitserve.api.guard import ApiGuard
@@ -26,7 +30,19 @@ def make_app(key: str | None, root_path: str = "") -> TestClient:
     async def files(request: Request):
         return {"size": len(await request.body())}
 
-    return TestClient(app, root_path=root_path)
+    @app.get("/v1/models")
+    async def broken():
+        raise OSError("No space left on device")
+
+    @app.get("/v1/stream")
+    async def stream():
+        async def chunks():
+            yield b"data: 1\n\n"
+            raise OSError("gone mid-stream")
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return TestClient(app, root_path=root_path, raise_server_exceptions=False)
 
 
 @pytest.mark.parametrize("root_path", ["", "/pools"])
@@ -55,3 +71,16 @@ def test_bodies_over_their_bound_are_413_declared_or_streamed():
     assert streamed.status_code == 413
     assert client.post("/v1/files", content=b"x" * 4096).status_code == 200  # uploads have their own bound
     assert client.post("/v1/files", content=b"x" * 4097).status_code == 413
+
+
+def test_a_route_that_raises_is_a_500_in_openais_shape_and_a_started_stream_just_ends():
+    client = make_app(None)
+    failed = client.get("/v1/models")
+    assert failed.status_code == 500 and failed.headers["content-type"] == "application/json"
+    assert failed.json()["error"]["type"] == "server_error" and "OSError" in failed.json()["error"]["message"]
+    transport = httpx.MockTransport(lambda request: httpx.Response(500, json=failed.json()))
+    with pytest.raises(openai.InternalServerError, match="the server failed on this request"):
+        openai.OpenAI(api_key="x", base_url="http://test/v1", max_retries=0,
+                      http_client=httpx.Client(transport=transport)).models.list()
+    cut = client.get("/v1/stream")  # started: the stream ends where it failed, no second response
+    assert (cut.status_code, cut.text) == (200, "data: 1\n\n")
