@@ -27,7 +27,7 @@ from splitserve.batch.store_lock import StoreLock
 
 TAKE_OVER_EVERY_S = 2.0  # how often a server that finds the store owned tries again
 RUNS_PER_BATCH = 3  # a batch whose run raises is resumed from its logs until it has raised this often
-RERUN_AFTER_S = 5.0
+RERUN_AFTER_S = 5.0  # between those runs
 log = logging.getLogger(__name__)
 
 
