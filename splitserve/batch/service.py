@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -39,8 +40,9 @@ class Executor(Protocol):
 
 class BatchService:
     def __init__(self, store: BatchStore, executor: Executor, options: BlendOptions = BlendOptions(),
-                 max_lines: int = RequestLimits.max_batch_lines):
+                 max_lines: int = RequestLimits.max_batch_lines, min_free_bytes: int = 0):
         self.store, self.executor, self.options, self.max_lines = store, executor, options, max_lines
+        self.min_free_bytes = min_free_bytes
         self._queue: asyncio.Queue[str] | None = None
         self._cancelled: set[str] = set()
         self._worker: asyncio.Task | None = None
@@ -90,6 +92,12 @@ class BatchService:
         if purpose != "batch":
             raise RequestError(f"purpose must be 'batch' (this server runs batches only), got {purpose!r}",
                                param="purpose")
+        free = shutil.disk_usage(self.store.root).free
+        if free - len(content) < self.min_free_bytes:
+            raise RequestError(f"the batch store's filesystem has {free} bytes free; this upload of {len(content)} "
+                               f"would leave less than batch.min_free_bytes ({self.min_free_bytes}), which running "
+                               "batches keep for their results: delete files (DELETE /v1/files/{id}) or give the "
+                               "store more room", status=503, type="service_unavailable", code="batch_store_full")
         return self.store.add_file(content, filename, purpose)
 
     def list_files(self, purpose: str | None = None) -> dict:

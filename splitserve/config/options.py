@@ -279,6 +279,9 @@ class BatchAPIOptions(StrictModel):
     dir: str = Field("~/.cache/splitserve/batches", description="Where files and batches persist, on the head node "
                      "(the batch API's actor runs there); one server owns it at a time. On Kubernetes, the head pod's "
                      "volume (the chart's head.batchesClaimName), so a restart loses nothing.")
+    min_free_bytes: int = Field(1 << 30, ge=0, description="An upload that would leave the store's filesystem with "
+                                "less free space than this is refused (503), so running batches keep room for their "
+                                "results.")
     order: Literal["blend", "dfs", "fcfs"] = Field("blend", description="Order of a batch's requests: blend "
                                                    "(BlendServe), dfs (prefix-tree order) or fcfs (file order).")
     sample_fraction: float = Field(0.01, ge=0, le=1, description="Share of requests run first to estimate output "

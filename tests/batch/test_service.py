@@ -2,11 +2,13 @@
 in the middle of a batch and started again on the same directory: the batch finishes with every
 line exactly once and the outputs an undisturbed engine gives. A second server on a directory
 another one owns serves reads, refuses changes, and finishes the batch once the owner stops. A
-batch whose run raises is resumed, and failed after the third fault, without stopping the next."""
+batch whose run raises is resumed, and failed after the third fault, without stopping the next. An
+upload that would leave the store's filesystem short of `min_free_bytes` is refused."""
 from __future__ import annotations
 
 import asyncio
 import io
+import shutil
 import json
 import os
 import signal
@@ -20,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from splitserve.api.errors import RequestError
 from splitserve.batch import service as service_module
 from splitserve.batch.service import BatchService
 from splitserve.batch.store import BatchStore
@@ -258,3 +261,21 @@ def test_a_batch_whose_run_raises_is_resumed_then_failed_and_the_next_one_still_
     assert error["code"] == "internal_error" and "OSError: disk trouble after 6 lines" in error["message"]
     assert out_first == sorted(f"req-{i}" for i in range(6))
     assert second["status"] == "completed" and out_second == sorted(f"req-{i}" for i in range(5))
+
+
+def test_an_upload_that_would_leave_too_little_free_space_is_refused(tmp_path):
+    async def scenario():
+        free = shutil.disk_usage(tmp_path).free
+        short = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0), min_free_bytes=free + (1 << 40))
+        await short.start()
+        with pytest.raises(RequestError) as refused:
+            short.create_file(b"{}\n", "in.jsonl", "batch")
+        assert (refused.value.status, refused.value.code) == (503, "batch_store_full")
+        assert "batch.min_free_bytes" in refused.value.message and short.list_files()["data"] == []
+        await short.stop()
+        roomy = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0), min_free_bytes=1 << 20)
+        await roomy.start()
+        assert roomy.create_file(b"{}\n", "in.jsonl", "batch")["bytes"] == 3
+        await roomy.stop()
+
+    asyncio.run(scenario())
