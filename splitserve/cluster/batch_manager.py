@@ -34,10 +34,11 @@ class BatchManager:
         """("ok", result) or ("error", status, message, param, code, type): errors cross Ray as data."""
         try:
             return "ok", getattr(self.service, method)(*args)
-        except RequestError as error:
-            return "error", error.status, error.message, error.param, error.code, error.type
+        except RequestError as raised:
+            error = raised
         except NotFound as missing:
-            return "error", 404, missing.message, "id", None, "invalid_request_error"
+            error = RequestError(missing.message, status=404, param="id")
+        return "error", error.status, error.message, error.param, error.code, error.type
 
 
 class RemoteBatches:
