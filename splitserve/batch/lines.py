@@ -143,6 +143,14 @@ def error_line(custom_id: str, error: RequestError) -> dict:
     return result_line(custom_id, error.status, error_body(error))
 
 
+def expired_line(custom_id: str) -> dict:
+    """The error file's line for a request its batch's window ended before (OpenAI's shape: no
+    response, the error `batch_expired`)."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": "batch_expired", "message": "the batch's completion window ended before this request "
+                      "ran"}}
+
+
 def completion_tokens(line: dict) -> int:
     """A result line's output length (0 for an error)."""
     usage = (line.get("response") or {}).get("body", {}).get("usage") or {}

@@ -23,6 +23,7 @@ class BatchCreate(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict | None = None
+    output_expires_after: dict | None = None
 
 
 async def _call(request: Request, method: str, *args):
@@ -50,7 +51,9 @@ async def create_file(request: Request):
         return error_response(RequestError("file: missing (send it as a multipart file field)", param="file"))
     if not isinstance(purpose, str):
         return error_response(RequestError("purpose: missing", param="purpose"))
-    return await _call(request, "create_file", await upload.read(), upload.filename or "upload.jsonl", purpose)
+    policy = {key: form.get(f"expires_after[{key}]") for key in ("anchor", "seconds")}  # OpenAI's client nests so
+    return await _call(request, "create_file", await upload.read(), upload.filename or "upload.jsonl", purpose,
+                       policy if any(value is not None for value in policy.values()) else None)
 
 
 @router.get("/v1/files")
@@ -80,7 +83,7 @@ async def create_batch(request: Request):
     except (RequestError, ValidationError) as error:
         return error_response(error if isinstance(error, RequestError) else RequestError(str(error)))
     return await _call(request, "create_batch", body.input_file_id, body.endpoint, body.completion_window,
-                       body.metadata)
+                       body.metadata, body.output_expires_after)
 
 
 @router.get("/v1/batches")

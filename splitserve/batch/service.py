@@ -6,7 +6,12 @@ when the owner stops.
 
 Lifecycle: validating -> in_progress -> finalizing -> completed, or failed (the input file is
 invalid, or its run raised RUNS_PER_BATCH times: results so far are kept in its files), or
-cancelling -> cancelled (results so far are kept in the output file).
+cancelling -> cancelled (results so far are kept in the output file), or expired (its 24 h window
+ended first: results so far are kept, the other lines are `batch_expired` errors).
+
+Files expire as their policy says (`expires_after`, `output_expires_after`, else the server's
+default): the owner removes them every SWEEP_EVERY_S, but an active batch's input, which it reads
+again when resumed.
 """
 from __future__ import annotations
 
@@ -14,14 +19,14 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.batch.blend.feeder import BlendOptions
-from splitserve.batch.lines import ENDPOINTS, BatchLine, InputFileError, parse_input
+from splitserve.batch.expiry import expiry_seconds
+from splitserve.batch.lines import ENDPOINTS, BatchLine, InputFileError, expired_line, parse_input
 from splitserve.batch.results import ResultLog
 from splitserve.batch.store import ACTIVE, PURPOSES, BatchStore
 from splitserve.batch.store_lock import StoreLock
@@ -29,6 +34,8 @@ from splitserve.batch.store_lock import StoreLock
 TAKE_OVER_EVERY_S = 2.0  # how often a server that finds the store owned tries again
 RUNS_PER_BATCH = 3  # a batch whose run raises is resumed from its logs until it has raised this often
 RERUN_AFTER_S = 5.0  # between those runs
+SWEEP_EVERY_S = 60.0  # how often the owner expires waiting batches past their window and removes expired files
+WAITING = ("validating", "in_progress")  # a batch in the queue, or the running one
 log = logging.getLogger(__name__)
 
 
@@ -40,12 +47,16 @@ class Executor(Protocol):
 
 class BatchService:
     def __init__(self, store: BatchStore, executor: Executor, options: BlendOptions = BlendOptions(),
-                 max_lines: int = RequestLimits.max_batch_lines, min_free_bytes: int = 0):
+                 max_lines: int = RequestLimits.max_batch_lines, min_free_bytes: int = 0,
+                 file_expiry_s: int | None = None):
+        """`file_expiry_s`: how long a file without an expiration policy is kept (None: until deleted)."""
         self.store, self.executor, self.options, self.max_lines = store, executor, options, max_lines
-        self.min_free_bytes = min_free_bytes
+        self.min_free_bytes, self.file_expiry_s = min_free_bytes, file_expiry_s
         self._queue: asyncio.Queue[str] | None = None
         self._cancelled: set[str] = set()
+        self._running: str | None = None
         self._worker: asyncio.Task | None = None
+        self._sweeper: asyncio.Task | None = None
         self._lock = StoreLock(store.root)
         self._stopping = False
 
@@ -57,16 +68,18 @@ class BatchService:
             log.warning("batch store %s is owned by another server: its batch API answers reads only until "
                         "that server stops", self.store.root)
         self._worker = asyncio.create_task(self._run_all(owned))
+        self._sweeper = asyncio.create_task(self._sweep_every())
 
     async def stop(self) -> None:
         """Stop running batches and give the store up. A running batch stops at its executor's next
         step, its results so far kept in its logs for the next owner; the lock goes only after the
         executor has returned, so two servers never write one store."""
         self._stopping = True
-        if self._worker is not None:
-            self._worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
+        for task in (self._sweeper, self._worker):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self._lock.release()
 
     def _take_over(self) -> bool:
@@ -87,18 +100,19 @@ class BatchService:
                                type="service_unavailable", code="batch_store_owned")
 
     # ---- files ---------------------------------------------------------------------------
-    def create_file(self, content: bytes, filename: str, purpose: str) -> dict:
+    def create_file(self, content: bytes, filename: str, purpose: str, expires_after: dict | None = None) -> dict:
         self._check_owner()
         if purpose != "batch":
             raise RequestError(f"purpose must be 'batch' (this server runs batches only), got {purpose!r}",
                                param="purpose")
+        expires_after_s = expiry_seconds(expires_after, "expires_after")
         free = shutil.disk_usage(self.store.root).free
         if free - len(content) < self.min_free_bytes:
             raise RequestError(f"the batch store's filesystem has {free} bytes free; this upload of {len(content)} "
                                f"would leave less than batch.min_free_bytes ({self.min_free_bytes}), which running "
                                "batches keep for their results: delete files (DELETE /v1/files/{id}) or give the "
                                "store more room", status=503, type="service_unavailable", code="batch_store_full")
-        return self.store.add_file(content, filename, purpose)
+        return self.store.add_file(content, filename, purpose, self._or_default(expires_after_s))
 
     def list_files(self, purpose: str | None = None) -> dict:
         if purpose is not None and purpose not in PURPOSES:
@@ -117,7 +131,7 @@ class BatchService:
 
     # ---- batches -------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict | None = None) -> dict:
+                     metadata: dict | None = None, output_expires_after: dict | None = None) -> dict:
         self._check_owner()
         if endpoint not in ENDPOINTS:
             raise RequestError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
@@ -127,9 +141,11 @@ class BatchService:
         if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
             raise RequestError("metadata must be at most 16 string keys with string values", param="metadata")
+        output_expires_after_s = expiry_seconds(output_expires_after, "output_expires_after")
         if self.store.file(input_file_id)["purpose"] != "batch":
             raise RequestError(f"file {input_file_id} was not uploaded with purpose 'batch'", param="input_file_id")
-        batch = self.store.new_batch(input_file_id, endpoint, completion_window, metadata)
+        batch = self.store.new_batch(input_file_id, endpoint, completion_window, metadata,
+                                     self._or_default(output_expires_after_s))
         self._queue.put_nowait(batch["id"])
         return batch
 
@@ -156,7 +172,53 @@ class BatchService:
             raise RequestError(f"batch {batch_id} is {batch['status']}; only a validating or in-progress batch "
                                "can be cancelled", status=409, param="batch_id")
         self._cancelled.add(batch_id)
-        return self.store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
+        return self.store.update_batch(batch_id, status="cancelling", cancelling_at=self.store.now())
+
+    def _or_default(self, expires_after_s: int | None) -> int | None:
+        return self.file_expiry_s if expires_after_s is None else expires_after_s
+
+    # ---- expiry --------------------------------------------------------------------------
+    def sweep(self) -> None:
+        """Expire the batches waiting past their window (the running one expires at its next
+        step), then remove the expired files but the inputs of active batches."""
+        for batch in self.store.batches():
+            if batch["status"] in WAITING and batch["id"] != self._running and self._past_window(batch):
+                self._expire_waiting(batch)
+        keep = {batch["input_file_id"] for batch in self.store.batches() if batch["status"] in ACTIVE}
+        for file_id in self.store.sweep(keep):
+            log.info("batch store %s: file %s expired and was removed", self.store.root, file_id)
+
+    async def _sweep_every(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            if self._lock.held:
+                try:
+                    self.sweep()
+                except Exception:
+                    log.exception("batch store %s: the sweep raised", self.store.root)
+
+    def _past_window(self, batch: dict) -> bool:
+        return self.store.now() >= batch["expires_at"]
+
+    def _expire_waiting(self, batch: dict) -> None:
+        lines = self._lines(batch)
+        if lines is None:
+            return
+        with self._logs(batch["id"], lines) as (output, errors, counts):
+            expired = self._expire_pending(batch, lines, output, errors, counts)
+        self._finish(batch["id"], counts, expired)
+
+    def _expire_pending(self, batch: dict, lines: list[BatchLine], output: ResultLog, errors: ResultLog,
+                        counts: dict) -> bool:
+        """Past the batch's window, give every line without a result a batch_expired error; whether
+        any line has one (so a batch expired before a crash is expired again when resumed)."""
+        if not self._past_window(batch):
+            return False
+        for line in lines:
+            if line.custom_id not in output.done and line.custom_id not in errors.done:
+                errors.append(expired_line(line.custom_id))
+                counts["failed"] += 1
+        return any((result.get("error") or {}).get("code") == "batch_expired" for result in errors.done.values())
 
     # ---- running -------------------------------------------------------------------------
     async def _run_all(self, owned: bool) -> None:
@@ -187,56 +249,83 @@ class BatchService:
 
     async def _run(self, batch_id: str) -> None:
         batch = self.store.batch(batch_id)
+        if batch["status"] not in ACTIVE:  # the sweep expired it while it waited
+            return
         if batch["status"] == "cancelling":
             self._cancelled.add(batch_id)
-        try:
-            lines = parse_input(self.store.content_path(batch["input_file_id"]).read_bytes(), batch["endpoint"],
-                                self.max_lines)
-        except (InputFileError, KeyError) as problem:
-            errors = getattr(problem, "errors", None) or [{"code": "invalid_file", "message": str(problem),
-                                                          "param": "input_file_id", "line": None}]
-            self.store.update_batch(batch_id, status="failed", failed_at=int(time.time()),
-                                    errors={"object": "list", "data": errors})
+        lines = self._lines(batch)
+        if lines is None:
             return
         if batch["status"] == "finalizing":  # a crash while finalizing: the results are complete
             self._finish(batch_id, batch["request_counts"])
             return
+        self._running = batch_id
+        try:
+            with self._logs(batch_id, lines) as (output, errors, counts):
+                if batch["status"] == "validating":
+                    self.store.update_batch(batch_id, status="in_progress", in_progress_at=self.store.now())
+
+                def on_result(ok: bool) -> None:
+                    counts["completed" if ok else "failed"] += 1
+                    self.store.update_batch(batch_id, request_counts=dict(counts))
+
+                def stop() -> bool:
+                    return self._stopping or batch_id in self._cancelled or self._past_window(batch)
+
+                if not stop():
+                    run = asyncio.ensure_future(self.executor.run(lines, output, errors, self.options, stop,
+                                                                  on_result))
+                    try:
+                        await asyncio.shield(run)
+                    except asyncio.CancelledError:
+                        await run  # stop() is waiting: the executor returns at its next step
+                        raise
+                expired = batch_id not in self._cancelled and self._expire_pending(batch, lines, output, errors,
+                                                                                   counts)
+            self._finish(batch_id, counts, expired)
+        finally:
+            self._running = None
+
+    def _lines(self, batch: dict) -> list[BatchLine] | None:
+        """The batch's input lines, or None once it is failed for an invalid or missing input."""
+        try:
+            data = self.store.content_path(batch["input_file_id"], expired_too=True).read_bytes()
+            return parse_input(data, batch["endpoint"], self.max_lines)
+        except (InputFileError, KeyError) as problem:
+            errors = getattr(problem, "errors", None) or [{"code": "invalid_file", "message": str(problem),
+                                                          "param": "input_file_id", "line": None}]
+            self.store.update_batch(batch["id"], status="failed", failed_at=self.store.now(),
+                                    errors={"object": "list", "data": errors})
+            return None
+
+    @contextlib.contextmanager
+    def _logs(self, batch_id: str, lines: list[BatchLine]) -> Iterator[tuple[ResultLog, ResultLog, dict]]:
+        """The batch's result logs and its request counts as they stand (saved)."""
         output_path, errors_path = self.store.log_paths(batch_id)
         with ResultLog(output_path) as output, ResultLog(errors_path) as errors:
             counts = {"total": len(lines), "completed": len(output.done), "failed": len(errors.done)}
-            if batch["status"] == "validating":
-                self.store.update_batch(batch_id, status="in_progress", in_progress_at=int(time.time()))
             self.store.update_batch(batch_id, request_counts=dict(counts))
+            yield output, errors, counts
 
-            def on_result(ok: bool) -> None:
-                counts["completed" if ok else "failed"] += 1
-                self.store.update_batch(batch_id, request_counts=dict(counts))
-
-            run = asyncio.ensure_future(self.executor.run(
-                lines, output, errors, self.options, lambda: self._stopping or batch_id in self._cancelled, on_result))
-            try:
-                await asyncio.shield(run)
-            except asyncio.CancelledError:
-                await run  # stop() is waiting: the executor returns at its next step
-                raise
-        self._finish(batch_id, counts)
-
-    def _finish(self, batch_id: str, counts: dict) -> None:
+    def _finish(self, batch_id: str, counts: dict, expired: bool = False) -> None:
         """Turn the logs into the output and error files. Their ids follow from the batch's, so
         finishing again after a crash finds what was already moved."""
-        cancelled = batch_id in self._cancelled
-        now = int(time.time())
-        if not cancelled and self.store.batch(batch_id)["status"] != "finalizing":
-            self.store.update_batch(batch_id, status="finalizing", finalizing_at=now, request_counts=counts)
-        done = {"status": "cancelled", "cancelled_at": now} if cancelled else {"status": "completed",
-                                                                                 "completed_at": now}
+        now = self.store.now()
+        if batch_id in self._cancelled:
+            done = {"status": "cancelled", "cancelled_at": now}
+        elif expired:
+            done = {"status": "expired", "expired_at": now, "request_counts": counts}
+        else:
+            if self.store.batch(batch_id)["status"] != "finalizing":
+                self.store.update_batch(batch_id, status="finalizing", finalizing_at=now, request_counts=counts)
+            done = {"status": "completed", "completed_at": now}
         self.store.update_batch(batch_id, **self._adopt_logs(batch_id), **done)
         self._cancelled.discard(batch_id)
 
     def _fail(self, batch_id: str, fault: Exception) -> None:
         error = {"code": "internal_error", "message": f"the batch's run raised {RUNS_PER_BATCH} times, last: "
                  f"{type(fault).__name__}: {fault}", "param": None, "line": None}
-        self.store.update_batch(batch_id, **self._adopt_logs(batch_id), status="failed", failed_at=int(time.time()),
+        self.store.update_batch(batch_id, **self._adopt_logs(batch_id), status="failed", failed_at=self.store.now(),
                                 errors={"object": "list", "data": [error]})
         self._cancelled.discard(batch_id)
 
@@ -246,6 +335,7 @@ class BatchService:
         for key, path, kind in zip(("output_file_id", "error_file_id"), self.store.log_paths(batch_id),
                                    ("output", "error")):
             file = self.store.adopt_file(path, f"file-{batch_id.removeprefix('batch_')}-{kind}",
-                                         f"{batch_id}_{kind}.jsonl", "batch_output")
+                                         f"{batch_id}_{kind}.jsonl", "batch_output",
+                                         self.store.output_expires_after_s(batch_id))
             files[key] = file and file["id"]
         return files

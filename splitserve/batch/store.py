@@ -1,5 +1,6 @@
 """Files and batches of the batch API on disk, in the shapes OpenAI returns. Every metadata write
 replaces its file atomically (write, fsync, rename), so a crash leaves the old or the new state.
+A file past its `expires_at` is gone for readers at once; `sweep` removes it from disk.
 
 Layout: files/<id> (content) and files/<id>.json (the file object); batches/<id>.json (the batch
 object) with batches/<id>.output.jsonl and .errors.jsonl growing while it runs (`ResultLog`).
@@ -11,10 +12,13 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # a restart resumes these
 PURPOSES = ("batch", "batch_output")
+WINDOW_S = 24 * 3600  # completion_window "24h": a batch not done by then expires
+PRIVATE = "_"  # a batch's settings the API does not return start with it
 
 
 class NotFound(KeyError):
@@ -24,20 +28,25 @@ class NotFound(KeyError):
 
 
 class BatchStore:
-    def __init__(self, root: str | Path):
-        self.root = Path(root).expanduser()
+    def __init__(self, root: str | Path, clock: Callable[[], float] = time.time):
+        self.root, self.clock = Path(root).expanduser(), clock
         for sub in ("files", "batches"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()  # batch objects are updated from the executor's thread too
 
+    def now(self) -> int:
+        return int(self.clock())
+
     # ---- files ---------------------------------------------------------------------------
-    def add_file(self, content: bytes, filename: str, purpose: str) -> dict:
+    def add_file(self, content: bytes, filename: str, purpose: str, expires_after_s: int | None = None) -> dict:
+        """A new file, expiring `expires_after_s` after its creation (None: kept until deleted)."""
         file_id = f"file-{uuid.uuid4().hex}"
         path = self.root / "files" / file_id
         _write_atomic(path, content)
-        return self._describe_file(file_id, path, filename, purpose)
+        return self._describe_file(file_id, path, filename, purpose, expires_after_s)
 
-    def adopt_file(self, path: Path, file_id: str, filename: str, purpose: str) -> dict | None:
+    def adopt_file(self, path: Path, file_id: str, filename: str, purpose: str,
+                   expires_after_s: int | None = None) -> dict | None:
         """Move a finished log into the files as `file_id` (None when it is empty or absent).
         Idempotent: a second call after a crash finds the file already moved."""
         target = self.root / "files" / file_id
@@ -49,24 +58,37 @@ class BatchStore:
         if not target.exists():
             return None
         meta = target.with_name(file_id + ".json")
-        return json.loads(meta.read_bytes()) if meta.exists() else self._describe_file(file_id, target, filename,
-                                                                                        purpose)
+        if meta.exists():
+            return json.loads(meta.read_bytes())
+        return self._describe_file(file_id, target, filename, purpose, expires_after_s)
 
-    def _describe_file(self, file_id: str, path: Path, filename: str, purpose: str) -> dict:
-        meta = {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": int(time.time()),
-                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
+    def _describe_file(self, file_id: str, path: Path, filename: str, purpose: str,
+                       expires_after_s: int | None) -> dict:
+        now = self.now()
+        meta = {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": now,
+                "expires_at": None if expires_after_s is None else now + expires_after_s, "filename": filename,
+                "purpose": purpose, "status": "processed", "status_details": None}
         _write_atomic(path.with_name(file_id + ".json"), json.dumps(meta).encode())
         return meta
 
     def file(self, file_id: str) -> dict:
-        return self._read("files", file_id, "File")
+        meta = self._read("files", file_id, "File")
+        if self._expired(meta):
+            raise NotFound("file", file_id)
+        return meta
 
     def files(self, purpose: str | None = None) -> list[dict]:
         found = [json.loads(p.read_bytes()) for p in (self.root / "files").glob("file-*.json")]
-        return sorted((f for f in found if purpose in (None, f["purpose"])), key=lambda f: -f["created_at"])
+        return sorted((f for f in found if purpose in (None, f["purpose"]) and not self._expired(f)),
+                      key=lambda f: -f["created_at"])
 
-    def content_path(self, file_id: str) -> Path:
-        self.file(file_id)
+    def content_path(self, file_id: str, expired_too: bool = False) -> Path:
+        """Where a file's content is; `expired_too`: also one expired but not yet swept (a running
+        batch's input, which `sweep` keeps)."""
+        if expired_too:
+            self._read("files", file_id, "File")
+        else:
+            self.file(file_id)
         return self.root / "files" / file_id
 
     def delete_file(self, file_id: str) -> dict:
@@ -75,33 +97,51 @@ class BatchStore:
         (self.root / "files" / file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
+    def sweep(self, keep: Collection[str] = ()) -> list[str]:
+        """Remove the expired files but those in `keep`; their ids."""
+        gone = []
+        for path in (self.root / "files").glob("file-*.json"):
+            meta = json.loads(path.read_bytes())
+            if self._expired(meta) and meta["id"] not in keep:
+                path.unlink()
+                path.with_suffix("").unlink(missing_ok=True)
+                gone.append(meta["id"])
+        return gone
+
+    def _expired(self, meta: dict) -> bool:
+        return meta.get("expires_at") is not None and meta["expires_at"] <= self.now()
+
     # ---- batches -------------------------------------------------------------------------
-    def new_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> dict:
-        now = int(time.time())
+    def new_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None,
+                  output_expires_after_s: int | None = None) -> dict:
+        """A validating batch; its output and error files will expire `output_expires_after_s`
+        after they are written (None: kept until deleted)."""
+        now = self.now()
         batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
                  "input_file_id": input_file_id, "completion_window": window, "status": "validating",
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-                 "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                 "expires_at": now + WINDOW_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
-        self.save_batch(batch)
-        return batch
-
-    def save_batch(self, batch: dict) -> None:
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
+                 PRIVATE + "output_expires_after_s": output_expires_after_s}
         with self._lock:
             _write_atomic(self.root / "batches" / f"{batch['id']}.json", json.dumps(batch).encode())
+        return _public(batch)
 
     def update_batch(self, batch_id: str, **changes) -> dict:
         with self._lock:
-            batch = {**self.batch(batch_id), **changes}
+            batch = {**self._read("batches", batch_id, "Batch"), **changes}
             _write_atomic(self.root / "batches" / f"{batch_id}.json", json.dumps(batch).encode())
-        return batch
+        return _public(batch)
 
     def batch(self, batch_id: str) -> dict:
-        return self._read("batches", batch_id, "Batch")
+        return _public(self._read("batches", batch_id, "Batch"))
+
+    def output_expires_after_s(self, batch_id: str) -> int | None:
+        return self._read("batches", batch_id, "Batch").get(PRIVATE + "output_expires_after_s")
 
     def batches(self) -> list[dict]:
-        found = [json.loads(p.read_bytes()) for p in (self.root / "batches").glob("batch_*.json")]
+        found = [_public(json.loads(p.read_bytes())) for p in (self.root / "batches").glob("batch_*.json")]
         return sorted(found, key=lambda b: (-b["created_at"], b["id"]))
 
     def log_paths(self, batch_id: str) -> tuple[Path, Path]:
@@ -113,6 +153,10 @@ class BatchStore:
         if "/" in object_id or not object_id or not path.is_file():
             raise NotFound(kind.lower(), object_id)
         return json.loads(path.read_bytes())
+
+
+def _public(batch: dict) -> dict:
+    return {key: value for key, value in batch.items() if not key.startswith(PRIVATE)}
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -25,7 +25,7 @@ class BatchManager:
                                    prefix=PrefixNaming(config.prefix_block_size(), model_config.long_rope_from),
                                    parsers=config.chat_parsers)
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
-                                    limits.max_batch_lines, config.batch.min_free_bytes)
+                                    limits.max_batch_lines, config.batch.min_free_bytes, config.batch.file_expiry_s)
 
     async def start(self) -> None:
         await self.service.start()

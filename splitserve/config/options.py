@@ -282,6 +282,10 @@ class BatchAPIOptions(StrictModel):
     min_free_bytes: int = Field(1 << 30, ge=0, description="An upload that would leave the store's filesystem with "
                                 "less free space than this is refused (503), so running batches keep room for their "
                                 "results.")
+    file_expiry_s: int | None = Field(30 * 24 * 3600, ge=3600, description="How long a file uploaded without "
+                                      "expires_after, or a batch's output and error files without its "
+                                      "output_expires_after, is kept (OpenAI keeps batch files 30 days); null keeps "
+                                      "them until deleted.")
     order: Literal["blend", "dfs", "fcfs"] = Field("blend", description="Order of a batch's requests: blend "
                                                    "(BlendServe), dfs (prefix-tree order) or fcfs (file order).")
     sample_fraction: float = Field(0.01, ge=0, le=1, description="Share of requests run first to estimate output "

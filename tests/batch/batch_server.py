@@ -1,5 +1,6 @@
 """A batch API server on one in-process demo engine, for the restart test:
-`python -m tests.batch.batch_server DIR PORT` (killed and started again on DIR)."""
+`python -m tests.batch.batch_server DIR PORT` (killed and started again on DIR). `make_app` serves
+any service (the expiry tests give it a clock of their own)."""
 from __future__ import annotations
 
 import sys
@@ -17,10 +18,7 @@ from splitserve.batch.store import BatchStore
 from splitserve.engine.llm_engine import LLMEngine
 
 
-def make_app(directory: str) -> FastAPI:
-    service = BatchService(BatchStore(directory), EngineExecutor(LLMEngine("demo"), "demo"),
-                           BlendOptions(sample_fraction=0.1))
-
+def make_app(service: BatchService) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         await service.start()
@@ -35,4 +33,6 @@ def make_app(directory: str) -> FastAPI:
 
 
 if __name__ == "__main__":
-    uvicorn.run(make_app(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+    demo = BatchService(BatchStore(sys.argv[1]), EngineExecutor(LLMEngine("demo"), "demo"),
+                        BlendOptions(sample_fraction=0.1))
+    uvicorn.run(make_app(demo), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")

@@ -2,7 +2,7 @@
 poll, download; greedy results equal the offline engine's; a bad line lands in the error file; a
 line with any option of its endpoint (choices, several prompts, logprobs, echo, structured output,
 tools) is answered as the endpoint answers it, and as a batch on the offline engine does; the batch
-actor runs on the head node, where `batch.dir` is."""
+actor runs on the head node, where `batch.dir` is; expiration policies reach it."""
 from __future__ import annotations
 
 import io
@@ -11,6 +11,7 @@ import math
 import time
 
 import httpx
+import openai
 from ray.util.state import list_actors, list_nodes
 
 from splitserve import SamplingParams
@@ -39,7 +40,9 @@ def test_batch_round_trip_through_the_cluster(client, offline):
              for i, p in enumerate(PROMPTS)]
     lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/completions",
                   "body": {"model": "demo", "prompt": "x", "max_tokens": 0}})
-    batch = finished(client, submit(client, lines, "/v1/completions"))
+    batch = finished(client, submit(client, lines, "/v1/completions", {"anchor": "created_at", "seconds": 7200}))
+    output = client.files.retrieve(batch.output_file_id)
+    assert output.expires_at == output.created_at + 7200 and batch.expires_at == batch.created_at + 24 * 3600
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (7, 6, 1)
     results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
     expected = offline.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
@@ -90,10 +93,14 @@ def assert_close(got, expected, where: str) -> None:
         assert got == expected, (where, got, expected)
 
 
-def submit(client, lines: list[dict], endpoint: str):
-    upload = client.files.create(file=("batch.jsonl", io.BytesIO(as_jsonl(lines))), purpose="batch")
+def submit(client, lines: list[dict], endpoint: str, expires_after=openai.omit):
+    """The batch of `lines`; `expires_after`: the policy of its input and of its output files."""
+    upload = client.files.create(file=("batch.jsonl", io.BytesIO(as_jsonl(lines))), purpose="batch",
+                                 expires_after=expires_after)
+    if expires_after is not openai.omit:
+        assert upload.expires_at == upload.created_at + expires_after["seconds"]
     return client.batches.create(input_file_id=upload.id, endpoint=endpoint, completion_window="24h",
-                                 metadata={"job": "test"})
+                                 metadata={"job": "test"}, output_expires_after=expires_after)
 
 
 def finished(client, batch, timeout_s: float = 120):
