@@ -1,5 +1,6 @@
 """One ASGI middleware in front of every route: the API key, the body-size bounds, and OpenAI's
-error body for a route's own failure.
+error body for a route's own failure; `guard(app)` installs it, and answers FastAPI's own refusals
+in OpenAI's shape too.
 
 - The key (`app.state.api_key`; None: no authentication) is required on every route but the open
   ones (`/health` for probes, `/metrics` for scrapes), compared in constant time. A wrong or
@@ -9,6 +10,8 @@ error body for a route's own failure.
 - An exception a route does not turn into a response (a bug, a full disk) is logged with its
   traceback and answered with a 500 in OpenAI's shape (`server_error`), not the server's bare text;
   once a response has started (a stream), it ends the response instead.
+- A query or path value that does not parse (`?limit=ten`) is a 400 naming it (FastAPI's is a 422
+  of its own shape); an unknown route is a 404 and a wrong method a 405, with OpenAI's body.
 """
 from __future__ import annotations
 
@@ -16,7 +19,11 @@ import hmac
 import json
 import logging
 
-from splitserve.api.errors import RequestError, error_body
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
+from splitserve.api.errors import RequestError, error_body, error_response
 from splitserve.api.limits import RequestLimits
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -26,6 +33,25 @@ log = logging.getLogger(__name__)
 
 class BodyTooLarge(Exception):
     pass
+
+
+def guard(app: FastAPI) -> FastAPI:
+    """`app` behind ApiGuard, with FastAPI's own refusals answered in OpenAI's shape."""
+    app.add_middleware(ApiGuard)
+    app.add_exception_handler(RequestValidationError, _unparsed_value)
+    app.add_exception_handler(HTTPException, _refused)
+    return app
+
+
+async def _unparsed_value(request: Request, error: RequestValidationError):
+    first = error.errors()[0]
+    param = ".".join(str(part) for part in first["loc"][1:]) or None  # loc: ("query", "limit")
+    return error_response(RequestError(f"{param}: {first['msg']}", param=param))
+
+
+async def _refused(request: Request, error: HTTPException):
+    return error_response(RequestError(f"{error.detail} ({request.method} {request.url.path})",
+                                       status=error.status_code), headers=error.headers)
 
 
 class ApiGuard:

@@ -19,7 +19,7 @@ from ray.exceptions import RayTaskError
 
 from splitserve.api import response_bodies as R
 from splitserve.api.errors import RequestError, error_response
-from splitserve.api.guard import ApiGuard
+from splitserve.api.guard import guard
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.prepared_request import prepare_request
 from splitserve.api.request_models import check_model, parse_request
@@ -34,9 +34,8 @@ from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import load_metadata
 from splitserve.engine.prefix_hash import PrefixNaming
 
-api = FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster")
+api = guard(FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster"))
 api.include_router(batch_routes.router)
-api.add_middleware(ApiGuard)
 
 
 @serve.deployment(max_ongoing_requests=1024)

@@ -1,7 +1,8 @@
 """ApiGuard, in front of a small FastAPI app (no Ray): the key on every route but /health and
 /metrics, compared whole; body bounds declared or streamed; the app's mount prefix (Serve's
 route_prefix arrives as root_path) does not change which routes are open; a route's own failure
-is a 500 in OpenAI's shape, which the `openai` client raises with its message."""
+is a 500 in OpenAI's shape, which the `openai` client raises with its message; FastAPI's own
+refusals (a query value that does not parse, an unknown route, a wrong method) are OpenAI's too."""
 import httpx
 import openai
 import pytest
@@ -9,13 +10,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
-from splitserve.api.guard import ApiGuard
+from splitserve.api.guard import guard
 from splitserve.api.limits import RequestLimits
 
 
 def make_app(key: str | None, root_path: str = "") -> TestClient:
-    app = FastAPI()
-    app.add_middleware(ApiGuard)
+    app = guard(FastAPI())
     app.state.api_key, app.state.limits = key, RequestLimits(max_request_bytes=1024, max_upload_bytes=4096)
 
     @app.get("/health")
@@ -33,6 +33,10 @@ def make_app(key: str | None, root_path: str = "") -> TestClient:
     @app.get("/v1/models")
     async def broken():
         raise OSError("No space left on device")
+
+    @app.get("/v1/items")
+    async def items(limit: int = 20, ascending: bool = False):
+        return {"limit": limit, "ascending": ascending}
 
     @app.get("/v1/stream")
     async def stream():
@@ -84,3 +88,21 @@ def test_a_route_that_raises_is_a_500_in_openais_shape_and_a_started_stream_just
                       http_client=httpx.Client(transport=transport)).models.list()
     cut = client.get("/v1/stream")  # started: the stream ends where it failed, no second response
     assert (cut.status_code, cut.text) == (200, "data: 1\n\n")
+
+
+def test_fastapis_own_refusals_are_openais_errors_naming_the_field():
+    client = make_app(None)
+    assert client.get("/v1/items?limit=5&ascending=true").json() == {"limit": 5, "ascending": True}
+    for query, param in (("limit=ten", "limit"), ("limit=5&ascending=maybe", "ascending")):
+        refused = client.get(f"/v1/items?{query}")
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == param
+        assert error["type"] == "invalid_request_error" and param in error["message"]
+    api = openai.OpenAI(api_key="x", base_url="http://testserver/v1", max_retries=0, http_client=client)
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.get("/items", options={"params": {"limit": "ten"}}, cast_to=object)
+    assert bad.value.param == "limit"
+    with pytest.raises(openai.NotFoundError, match="GET /v1/nowhere"):
+        api.get("/nowhere", cast_to=object)
+    wrong = client.delete("/v1/items")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET" and "DELETE" in wrong.json()["error"]["message"]

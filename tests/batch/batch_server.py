@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from splitserve.api.guard import ApiGuard
+from splitserve.api.guard import guard
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_executor import EngineExecutor
 from splitserve.batch.routes import router
@@ -25,9 +25,8 @@ def make_app(service: BatchService) -> FastAPI:
         yield
         await service.stop()
 
-    app = FastAPI(lifespan=lifespan)
+    app = guard(FastAPI(lifespan=lifespan))
     app.include_router(router)
-    app.add_middleware(ApiGuard)
     app.state.batches, app.state.api_key = service, None
     return app
 

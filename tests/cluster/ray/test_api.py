@@ -1,6 +1,6 @@
 """The OpenAI API of a real local cluster, through the official `openai` client: completions,
 chat, streaming with usage, greedy output equal to the offline engine's (with penalties and biases
-too), and clear 4xx errors."""
+too), and clear 4xx errors, those Serve's router gives (a query value, a route, a method) too."""
 from __future__ import annotations
 
 import httpx
@@ -180,6 +180,17 @@ def test_bad_requests_get_openai_error_bodies(server, body, status, needle):
     assert response.status_code == status
     error = response.json()["error"]
     assert needle in error["message"] and error["type"]
+
+
+@pytest.mark.parametrize("method, path, status, needle", [
+    ("GET", "/v1/batches?limit=ten", 400, "limit"),
+    ("POST", "/v1/cluster/workers/w/drain?replace=maybe", 400, "replace"),
+    ("GET", "/v1/nowhere", 404, "GET /v1/nowhere"),
+    ("DELETE", "/v1/models", 405, "DELETE /v1/models"),
+])
+def test_requests_the_router_refuses_get_openai_error_bodies_through_serve(server, method, path, status, needle):
+    response = httpx.request(method, f"{server}{path}")
+    assert response.status_code == status and needle in response.json()["error"]["message"]
 
 
 def test_client_sees_typed_errors(client):
