@@ -57,8 +57,9 @@ async def create_file(request: Request):
 
 
 @router.get("/v1/files")
-async def list_files(request: Request, purpose: str | None = None):
-    return await _call(request, "list_files", purpose)
+async def list_files(request: Request, purpose: str | None = None, limit: int | None = None,
+                     after: str | None = None, order: str = "desc"):
+    return await _call(request, "list_files", purpose, limit, after, order)
 
 
 @router.get("/v1/files/{file_id}")
@@ -87,7 +88,7 @@ async def create_batch(request: Request):
 
 
 @router.get("/v1/batches")
-async def list_batches(request: Request, limit: int = 20, after: str | None = None):
+async def list_batches(request: Request, limit: int | None = None, after: str | None = None):
     return await _call(request, "list_batches", limit, after)
 
 

@@ -36,6 +36,7 @@ RUNS_PER_BATCH = 3  # a batch whose run raises is resumed from its logs until it
 RERUN_AFTER_S = 5.0  # between those runs
 SWEEP_EVERY_S = 60.0  # how often the owner expires waiting batches past their window and removes expired files
 WAITING = ("validating", "in_progress")  # a batch in the queue, or the running one
+MAX_FILES_PAGE, MAX_BATCHES_PAGE = 10_000, 100  # OpenAI's bounds on a list's `limit` (and the files' default)
 log = logging.getLogger(__name__)
 
 
@@ -114,10 +115,17 @@ class BatchService:
                                "store more room", status=503, type="service_unavailable", code="batch_store_full")
         return self.store.add_file(content, filename, purpose, self._or_default(expires_after_s))
 
-    def list_files(self, purpose: str | None = None) -> dict:
+    def list_files(self, purpose: str | None = None, limit: int | None = None, after: str | None = None,
+                   order: str = "desc") -> dict:
+        """A page of the files (`limit`: at most 10,000, the default), newest first (`order` "asc":
+        oldest first), after the file `after`."""
         if purpose is not None and purpose not in PURPOSES:
             raise RequestError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose")
-        return {"object": "list", "data": self.store.files(purpose), "has_more": False}
+        if order not in ("asc", "desc"):
+            raise RequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        files = self.store.files(purpose)
+        return _page(files[::-1] if order == "asc" else files, MAX_FILES_PAGE if limit is None else limit, after,
+                     MAX_FILES_PAGE)
 
     def get_file(self, file_id: str) -> dict:
         return self.store.file(file_id)
@@ -152,18 +160,10 @@ class BatchService:
     def get_batch(self, batch_id: str) -> dict:
         return self.store.batch(batch_id)
 
-    def list_batches(self, limit: int = 20, after: str | None = None) -> dict:
-        if not 1 <= limit <= 100:
-            raise RequestError(f"limit must be between 1 and 100, got {limit}", param="limit")
-        batches = self.store.batches()
-        if after is not None:
-            ids = [b["id"] for b in batches]
-            if after not in ids:
-                raise RequestError(f"after: no batch {after!r}", param="after")
-            batches = batches[ids.index(after) + 1:]
-        page = batches[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
+    def list_batches(self, limit: int | None = None, after: str | None = None) -> dict:
+        """A page of the batches (`limit`: at most 100, 20 by default), newest first, after the
+        batch `after`."""
+        return _page(self.store.batches(), 20 if limit is None else limit, after, MAX_BATCHES_PAGE)
 
     def cancel_batch(self, batch_id: str) -> dict:
         self._check_owner()
@@ -339,3 +339,17 @@ class BatchService:
                                          self.store.output_expires_after_s(batch_id))
             files[key] = file and file["id"]
         return files
+
+
+def _page(objects: list[dict], limit: int, after: str | None, most: int) -> dict:
+    """OpenAI's cursor page: up to `limit` (1 to `most`) objects after the one with id `after`."""
+    if not 1 <= limit <= most:
+        raise RequestError(f"limit must be between 1 and {most}, got {limit}", param="limit")
+    if after is not None:
+        ids = [item["id"] for item in objects]
+        if after not in ids:
+            raise RequestError(f"after: no object {after!r} in this list (deleted, or expired?)", param="after")
+        objects = objects[ids.index(after) + 1:]
+    page = objects[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(objects) > limit}

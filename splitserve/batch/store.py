@@ -80,7 +80,7 @@ class BatchStore:
     def files(self, purpose: str | None = None) -> list[dict]:
         found = [json.loads(p.read_bytes()) for p in (self.root / "files").glob("file-*.json")]
         return sorted((f for f in found if purpose in (None, f["purpose"]) and not self._expired(f)),
-                      key=lambda f: -f["created_at"])
+                      key=lambda f: (-f["created_at"], f["id"]))
 
     def content_path(self, file_id: str, expired_too: bool = False) -> Path:
         """Where a file's content is; `expired_too`: also one expired but not yet swept (a running

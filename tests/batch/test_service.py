@@ -3,7 +3,8 @@ in the middle of a batch and started again on the same directory: the batch fini
 line exactly once and the outputs an undisturbed engine gives. A second server on a directory
 another one owns serves reads, refuses changes, and finishes the batch once the owner stops. A
 batch whose run raises is resumed, and failed after the third fault, without stopping the next. An
-upload that would leave the store's filesystem short of `min_free_bytes` is refused."""
+upload that would leave the store's filesystem short of `min_free_bytes` is refused. Files list in
+OpenAI's cursor pages, which the client walks."""
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +22,14 @@ import time
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from splitserve.api.errors import RequestError
 from splitserve.batch import service as service_module
 from splitserve.batch.service import BatchService
 from splitserve.batch.store import BatchStore
 from tests.batch.batch_helpers import as_jsonl, batch_lines, expected_texts
+from tests.batch.batch_server import make_app
 
 
 def start_server(directory, port):
@@ -279,3 +282,22 @@ def test_an_upload_that_would_leave_too_little_free_space_is_refused(tmp_path):
         await roomy.stop()
 
     asyncio.run(scenario())
+
+
+def test_files_list_in_cursor_pages_the_client_walks(tmp_path):
+    service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0))
+    with TestClient(make_app(service)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        ids = {client.files.create(file=(f"{i}.jsonl", io.BytesIO(b"{}\n")), purpose="batch").id for i in range(7)}
+        newest_first = [f.id for f in client.files.list().data]
+        assert set(newest_first) == ids and not client.files.list().has_more
+        first = client.files.list(limit=3)
+        assert [f.id for f in first.data] == newest_first[:3] and first.has_more
+        assert [f.id for f in client.files.list(after=newest_first[4]).data] == newest_first[5:]
+        assert len(list(first.iter_pages())) == 3 and [f.id for f in client.files.list(limit=3)] == newest_first
+        assert [f.id for f in client.files.list(limit=2, order="asc")] == newest_first[::-1]
+        for query, param in (({"limit": 0}, "limit"), ({"limit": 10_001}, "limit"), ({"order": "up"}, "order"),
+                             ({"after": "file-gone"}, "after"), ({"limit": "ten"}, "limit")):
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.files.list(**query)
+            assert bad.value.param == param
