@@ -134,9 +134,8 @@ def prepare_pending(lines: list[BatchLine], tokenizer, model: str | tuple[str, .
 
 def result_line(custom_id: str, status_code: int, body: dict) -> dict:
     """One output (or error) file line; `body` is the endpoint's response or error body."""
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-            "response": {"status_code": status_code, "request_id": body.get("id", f"req_{uuid.uuid4().hex}"),
-                         "body": body}, "error": None}
+    return _line(custom_id, {"status_code": status_code, "request_id": body.get("id", f"req_{uuid.uuid4().hex}"),
+                             "body": body})
 
 
 def error_line(custom_id: str, error: RequestError) -> dict:
@@ -146,9 +145,12 @@ def error_line(custom_id: str, error: RequestError) -> dict:
 def expired_line(custom_id: str) -> dict:
     """The error file's line for a request its batch's window ended before (OpenAI's shape: no
     response, the error `batch_expired`)."""
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
-            "error": {"code": "batch_expired", "message": "the batch's completion window ended before this request "
-                      "ran"}}
+    return _line(custom_id, None, {"code": "batch_expired",
+                                   "message": "the batch's completion window ended before this request ran"})
+
+
+def _line(custom_id: str, response: dict | None, error: dict | None = None) -> dict:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}
 
 
 def completion_tokens(line: dict) -> int:

@@ -181,10 +181,12 @@ class BatchService:
     def sweep(self) -> None:
         """Expire the batches waiting past their window (the running one expires at its next
         step), then remove the expired files but the inputs of active batches."""
+        keep = set()
         for batch in self.store.batches():
             if batch["status"] in WAITING and batch["id"] != self._running and self._past_window(batch):
                 self._expire_waiting(batch)
-        keep = {batch["input_file_id"] for batch in self.store.batches() if batch["status"] in ACTIVE}
+            elif batch["status"] in ACTIVE:
+                keep.add(batch["input_file_id"])
         for file_id in self.store.sweep(keep):
             log.info("batch store %s: file %s expired and was removed", self.store.root, file_id)
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from splitserve.api.limits import RequestLimits
 from splitserve.batch.blend.feeder import BlendOptions
+from splitserve.batch.expiry import MAX_S as MAX_EXPIRY_S, MIN_S as MIN_EXPIRY_S
 from splitserve.engine.config import ConfigError
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.model.sharding import MAX_RANKS
@@ -282,7 +283,7 @@ class BatchAPIOptions(StrictModel):
     min_free_bytes: int = Field(1 << 30, ge=0, description="An upload that would leave the store's filesystem with "
                                 "less free space than this is refused (503), so running batches keep room for their "
                                 "results.")
-    file_expiry_s: int | None = Field(30 * 24 * 3600, ge=3600, description="How long a file uploaded without "
+    file_expiry_s: int | None = Field(MAX_EXPIRY_S, ge=MIN_EXPIRY_S, description="How long a file uploaded without "
                                       "expires_after, or a batch's output and error files without its "
                                       "output_expires_after, is kept (OpenAI keeps batch files 30 days); null keeps "
                                       "them until deleted.")

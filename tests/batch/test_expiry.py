@@ -9,6 +9,7 @@ import asyncio
 import io
 import json
 import threading
+import time
 
 import openai
 import pytest
@@ -85,7 +86,7 @@ def wait_until(done, timeout=30):
     for _ in range(int(timeout / 0.01)):
         if done():
             return
-        threading.Event().wait(0.01)
+        time.sleep(0.01)
     raise AssertionError("timed out")
 
 
