@@ -11,7 +11,7 @@ from splitserve.api import response_bodies as R
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
 from splitserve.api.request_models import ChatCompletionRequest, GenerationRequest
-from splitserve.api.reasoning import GPT_OSS, prompt_opens_thinking, split_reasoning
+from splitserve.api.reasoning import GPT_OSS, prompt_opens_thinking, reasoning_splitter, split_reasoning
 from splitserve.api.tool_calls import HERMES, LLAMA3_JSON, find_tool_calls
 from splitserve.api.visible_text import TextStream
 from splitserve.engine.output_constraint import HARMONY
@@ -39,6 +39,9 @@ class ChoiceText:
         self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs come (best_of ranks by it)
         self._entries: list[Entry] = []  # of the text not yet handed out
         self._text_offset = 0  # completions' text_offset of the next token
+        self.reasoning_tokens = 0  # usage's: the output's tokens through the last whose text is reasoning
+        self._counter = None if thinking is None else reasoning_splitter(thinking)  # fed one token at a time
+        self._counted = 0  # tokens fed to it
 
     def add(self, token_ids: Sequence[int], logprobs: Sequence[dict[int, float]] | None, finish_reason: str | None,
             prompt_logprobs: Sequence[dict[int, float] | None] | None = None) -> tuple[str, str | None]:
@@ -51,7 +54,20 @@ class ChoiceText:
         if self.num_top is not None and logprobs is not None:
             self._entries += zip(token_ids[:taken], logprobs[:taken])
         reason = "stop" if self.text.stopped else finish_reason
+        if self._counter is not None:
+            self._count_reasoning(final=reason is not None)
         return echoed + self.text.delta(final=reason is not None), reason
+
+    def _count_reasoning(self, final: bool) -> None:
+        """Each new token's text through the counting splitter: a token whose text (or a tag held
+        until it) comes out as reasoning makes every token up to it a reasoning token."""
+        ends, text = self.text.token_ends, self.text.visible(final=True)
+        for i in range(self._counted, len(ends)):
+            if self._counter.feed(text[ends[i - 1] if i else 0:ends[i]])[0]:
+                self.reasoning_tokens = i + 1
+        self._counted = len(ends)
+        if final and self._counter.feed("", final=True)[0]:
+            self.reasoning_tokens = len(ends)
 
     def _take_echo(self, prompt_logprobs) -> str:
         """The echoed prompt, once (its logprobs join the entries; the first prompt token has none)."""

@@ -7,6 +7,7 @@ import uuid
 from typing import Literal
 
 from splitserve.api.errors import RequestError, error_body
+from splitserve.api.usage import Usage
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 SSE_DONE: bytes = b"data: [DONE]\n\n"
@@ -16,11 +17,6 @@ ID_PREFIXES = {"completion": "cmpl", "chat": "chatcmpl"}
 
 def new_request_id(kind: Literal["completion", "chat"]) -> str:
     return f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _envelope(object_name: str, request_id: str, model: str, created: int, choices: list[dict]) -> dict:
@@ -47,17 +43,17 @@ def _reasoning(text: str | None) -> dict:
 
 
 def response_body(kind: Literal["completion", "chat"], request_id: str, model: str, created: int, choices: list[dict],
-                  prompt_tokens: int, completion_tokens: int) -> dict:
-    """A whole response of one or several choices (`n`); usage counts the prompt once."""
+                  usage: Usage) -> dict:
+    """A whole response of one or several choices (`n`)."""
     body = _envelope("text_completion" if kind == "completion" else "chat.completion", request_id, model, created,
                      choices)
-    return {**body, "usage": usage(prompt_tokens, completion_tokens)}
+    return {**body, "usage": usage.body()}
 
 
 def completion_response(request_id: str, model: str, created: int, text: str, finish_reason: FinishReason,
-                        prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict:
+                        usage: Usage, logprobs: dict | None = None) -> dict:
     return response_body("completion", request_id, model, created, [completion_choice(text, finish_reason, logprobs)],
-                         prompt_tokens, completion_tokens)
+                         usage)
 
 
 def completion_chunk(request_id: str, model: str, created: int, text: str,
@@ -67,10 +63,9 @@ def completion_chunk(request_id: str, model: str, created: int, text: str,
 
 
 def chat_response(request_id: str, model: str, created: int, content: str | None, finish_reason: FinishReason,
-                  prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None,
-                  tool_calls: list[dict] | None = None) -> dict:
+                  usage: Usage, logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     return response_body("chat", request_id, model, created, [chat_choice(content, finish_reason, logprobs, tool_calls)],
-                         prompt_tokens, completion_tokens)
+                         usage)
 
 
 def chat_chunk(request_id: str, model: str, created: int, *, role: str | None = None, content: str | None = None,
@@ -84,11 +79,10 @@ def chat_chunk(request_id: str, model: str, created: int, *, role: str | None = 
     return _envelope("chat.completion.chunk", request_id, model, created, [choice])
 
 
-def usage_chunk(kind: Literal["completion", "chat"], request_id: str, model: str, created: int,
-                prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(kind: Literal["completion", "chat"], request_id: str, model: str, created: int, usage: Usage) -> dict:
     """The chunk sent before `[DONE]` when `stream_options.include_usage` is set: no choices."""
     body = _envelope(CHUNK_OBJECTS[kind], request_id, model, created, [])
-    return {**body, "usage": usage(prompt_tokens, completion_tokens)}
+    return {**body, "usage": usage.body()}
 
 
 # Characters JSON may leave raw but that str.splitlines (and clients that split a stream with it,

@@ -18,6 +18,7 @@ class TextStream:
         self._stops = params.stop
         self._sent = 0
         self.stopped = False  # a stop string ended the text
+        self.token_ends: list[int] = []  # per token taken: the text's length once it was added
 
     def append(self, token_ids: tuple[int, ...] | list[int], ends_stop: bool = False) -> int:
         """How many of `token_ids` made it into the text (none after a stop string). `ends_stop`:
@@ -28,6 +29,7 @@ class TextStream:
             if self.stopped:
                 return taken
             self.stopped = self._detokenizer.append(token_id, ends_stop and taken == last)
+            self.token_ends.append(len(self._detokenizer.text))
         return len(token_ids)
 
     def token_text(self, token_id: int) -> str:

@@ -15,6 +15,7 @@ from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import PreparedRequest
 from splitserve.api.request_sampling import choice_params
+from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_runner import BatchStats, run_batch
@@ -64,9 +65,9 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str,
 def response(kind: str, prepared: PreparedRequest, outs: list[RequestOutput], tokenizer: Tokenizer,
              parsers: ChatParsers = ChatParsers()) -> dict:
     """The endpoint's response body from the engine's outputs of every computed choice, prompt by
-    prompt (prompt k's choice i at k x computed + i)."""
+    prompt (prompt k's choice i at k x computed + i); a prompt's cache hit is its first choice's."""
     computed, returned = prepared.request.num_choices()
-    choices, completion_tokens = [], 0
+    choices, completion_tokens, reasoning_tokens = [], 0, 0
     for k, (prompt, params) in enumerate(zip(prepared.prompts, prepared.params)):
         options = choice_options(prepared.request, k, prompt, tokenizer, parsers)
         mine, ranks = [], []
@@ -77,9 +78,11 @@ def response(kind: str, prepared: PreparedRequest, outs: list[RequestOutput], to
             mine.append(text.choice(piece, reason))
             ranks.append(text.cumulative_logprob)
             completion_tokens += len(out.token_ids) if options["generated"] else 0
+            reasoning_tokens += text.reasoning_tokens
         choices += best_choices(mine, ranks, returned, k * returned)
+    cached_tokens = sum(out.num_cached_tokens for out in outs[::computed])
     return R.response_body(kind, R.new_request_id(kind), prepared.request.model, int(time.time()), choices,
-                           sum(map(len, prepared.prompts)), completion_tokens)
+                           Usage(sum(map(len, prepared.prompts)), completion_tokens, cached_tokens, reasoning_tokens))
 
 
 class EngineExecutor:

@@ -12,6 +12,7 @@ from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import PreparedRequest
+from splitserve.api.usage import Usage
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.batch.blend.cost import ModelShape
 from splitserve.batch.blend.feeder import BatchFeeder, BlendOptions
@@ -71,7 +72,7 @@ class ClusterExecutor:
                 try:
                     reply, choices = await self._prompt(line, prepared, k,
                                                         lambda: (feeder.prefilled(key), changed.set()))
-                    answer.parts[k], tokens = (reply, choices), reply.usage[1]
+                    answer.parts[k], tokens = (reply, choices), reply.usage.completion_tokens
                 except RequestFailed as failure:
                     answer.failed = True
                     errors.append(_failed_line(line, failure))
@@ -135,7 +136,7 @@ class _LineAnswer:
         first = replies[0]
         return R.response_body(first.kind, first.response_id, first.model, first.created,
                                [c for k in range(self.prompts) for c in self.parts[k][1]],
-                               sum(r.usage[0] for r in replies), sum(r.usage[1] for r in replies))
+                               sum((r.usage for r in replies), Usage()))
 
 
 async def _after_first_token(run: Run, then: Callable[[], None]) -> None:

@@ -18,6 +18,7 @@ from splitserve.api.choice_text import best_choices, choice_options
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.request_models import GenerationRequest
 from splitserve.api.request_sampling import choice_params
+from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
 from splitserve.cluster.metrics import RequestObservation
@@ -36,15 +37,17 @@ class ChoicesResponse:
         self.kind, self.response_id, self.model, self.created = first.kind, first.response_id, first.model, first.created
 
     @property
-    def usage(self) -> tuple[int, int]:
-        """Each prompt once; every choice's tokens, returned or not (best_of's are computed too)."""
-        return sum(len(g[0].run.prompt) for g in self.groups), sum(r.completion_tokens for r in self.replies)
+    def usage(self) -> Usage:
+        """Each prompt (and its cache hit) once, from its first choice; every choice's output and
+        reasoning tokens, returned or not (best_of's are computed too)."""
+        firsts, every = sum((g[0].usage for g in self.groups), Usage()), sum((r.usage for r in self.replies), Usage())
+        return Usage(firsts.prompt_tokens, every.completion_tokens, firsts.cached_tokens, every.reasoning_tokens)
 
     async def body(self) -> dict:
         """The whole response body; RequestFailed if a choice failed (the others are stopped). A
         cancelled caller stops them all."""
         return R.response_body(self.kind, self.response_id, self.model, self.created, await self.choices(),
-                               *self.usage)
+                               self.usage)
 
     async def choices(self) -> list[dict]:
         """The returned choices, numbered as OpenAI numbers them; raises as `body` does."""
@@ -75,7 +78,7 @@ class ChoicesResponse:
                 async for chunk in chunks:
                     yield R.sse_event(chunk)
             if include_usage:
-                yield R.sse_event(R.usage_chunk(self.kind, self.response_id, self.model, self.created, *self.usage))
+                yield R.sse_event(R.usage_chunk(self.kind, self.response_id, self.model, self.created, self.usage))
             yield R.SSE_DONE
         except RequestFailed as error:
             yield R.sse_error(RequestError(str(error), status=503, type="service_unavailable"))

@@ -8,6 +8,7 @@ from splitserve.api import response_bodies as R
 from splitserve.api.choice_text import ChoiceText
 from splitserve.api.reasoning import reasoning_splitter
 from splitserve.api.tool_calls import LLAMA3_JSON, StreamedCalls, ToolCall
+from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
 from splitserve.cluster.metrics import RequestObservation
@@ -66,6 +67,13 @@ class RunResponse:
     def completion_tokens(self) -> int:
         return len(self.run.tokens) if self.choice.generated else 0
 
+    @property
+    def usage(self) -> Usage:
+        """This choice's prompt, output, cached prompt and reasoning tokens (no cache hit known
+        before its first token)."""
+        return Usage(len(self.run.prompt), self.completion_tokens, self.run.cached_tokens or 0,
+                     self.choice.reasoning_tokens)
+
     def take_logprobs(self) -> dict | None:
         return self.choice.take_logprobs()
 
@@ -116,7 +124,7 @@ class RunResponse:
                     chunks.append(self._chunk(piece, reason))
                 for chunk in chunks:
                     if continuous_usage:
-                        chunk["usage"] = R.usage(len(self.run.prompt), self.completion_tokens)
+                        chunk["usage"] = self.usage.body()
                     yield chunk
             finished, outcome = True, "completed"
         except RequestFailed:

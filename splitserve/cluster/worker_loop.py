@@ -55,6 +55,7 @@ class TokenDelta:
     logprobs: tuple[dict[int, float], ...] | None = None  # per token: {id: logprob}, the sampled one and the top
     # with a request's first token, when asked for: per prompt position (None at 0), the same shape
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
+    cached_tokens: int | None = None  # with a request's first delta: prompt tokens the prefix cache held
 
     @property
     def final(self) -> bool:
@@ -344,7 +345,7 @@ class WorkerLoop:
         logprobs = None if logprobs is None else tuple(logprobs[sent:len(out.token_ids)])
         prompt_logprobs = tuple(out.prompt_logprobs) if sent == 0 and out.prompt_logprobs is not None else None
         sink(TokenDelta(new, out.finish_reason if out.finished else None, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs))
+                        prompt_logprobs=prompt_logprobs, cached_tokens=out.num_cached_tokens if sent == 0 else None))
 
     def _fail(self, request_id: str, message: str) -> None:
         sink = self._sinks.get(request_id)

@@ -193,7 +193,9 @@ class BlockManager:
         held = self._held[seq.seq_id] = HeldBlocks(tables, list(hit.released), hit.blocks, hit.parent,
                                                    keep=self._keep_of(seq))
         self.num_cache_hit_blocks += hit.blocks
-        seq.num_cached_tokens = seq.num_computed_tokens = hit.blocks * self.block_size
+        seq.num_computed_tokens = hit.blocks * self.block_size
+        if not seq.num_preemptions:  # a recompute hits the blocks it wrote itself: not the prompt's cache hit
+            seq.num_cached_tokens = seq.num_computed_tokens
         if chunk is None:
             self.grow(seq, seq.num_tokens)
         else:

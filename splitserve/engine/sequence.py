@@ -32,7 +32,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hit at the last allocation
+    num_cached_tokens: int = 0  # prefix-cache hit at the first allocation (what usage reports cached)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0

@@ -18,9 +18,9 @@ from splitserve.api.response_bodies import (
     new_request_id,
     sse_error,
     sse_event,
-    usage,
     usage_chunk,
 )
+from splitserve.api.usage import Usage
 
 openai = pytest.importorskip("openai")
 import httpx  # noqa: E402  (a dependency of openai)
@@ -52,13 +52,15 @@ def test_request_ids():
 
 
 def test_usage():
-    parsed = parse(CompletionUsage, usage(7, 3))
+    parsed = parse(CompletionUsage, Usage(7, 3, 4).body())
     assert (parsed.prompt_tokens, parsed.completion_tokens, parsed.total_tokens) == (7, 3, 10)
+    assert parsed.prompt_tokens_details.cached_tokens == 4
+    assert Usage(7, 3, 4) + Usage(5, 1, 0) == Usage(12, 4, 4)
 
 
 @pytest.mark.parametrize("finish_reason", ["stop", "length"])
 def test_completion_response(finish_reason):
-    body = completion_response("cmpl-1", "demo", CREATED, "text", finish_reason, 5, 2)
+    body = completion_response("cmpl-1", "demo", CREATED, "text", finish_reason, Usage(5, 2))
     parsed = parse(Completion, body)
     assert parsed.object == "text_completion" and parsed.id == "cmpl-1" and parsed.model == "demo"
     assert parsed.created == CREATED and parsed.usage.total_tokens == 7
@@ -76,7 +78,7 @@ def test_completion_chunks():
 
 
 def test_chat_response():
-    parsed = parse(ChatCompletion, chat_response("chatcmpl-1", "demo", CREATED, "hello", "stop", 4, 1))
+    parsed = parse(ChatCompletion, chat_response("chatcmpl-1", "demo", CREATED, "hello", "stop", Usage(4, 1)))
     assert parsed.object == "chat.completion" and parsed.usage.completion_tokens == 1
     choice, = parsed.choices
     assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", "hello", "stop")
@@ -96,8 +98,9 @@ def test_chat_chunks():
 
 @pytest.mark.parametrize("kind, model_cls", [("completion", Completion), ("chat", ChatCompletionChunk)])
 def test_usage_chunk(kind, model_cls):
-    parsed = parse(model_cls, usage_chunk(kind, "id-1", "demo", CREATED, 5, 6))
+    parsed = parse(model_cls, usage_chunk(kind, "id-1", "demo", CREATED, Usage(5, 6, 2)))
     assert parsed.choices == [] and parsed.usage.total_tokens == 11
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 2
 
 
 def test_error_body():

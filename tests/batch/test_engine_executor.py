@@ -17,7 +17,7 @@ from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_executor import run_lines
 from splitserve.batch.lines import parse_input, prepare
 from splitserve.batch.results import ResultLog
-from tests.batch.batch_helpers import ADD, SCHEMA, as_jsonl, option_lines
+from tests.batch.batch_helpers import ADD, PREFIX, SCHEMA, as_jsonl, batch_lines, option_lines
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,22 @@ def test_several_prompts_are_answered_prompt_by_prompt(llm, results):
         best = max(runs, key=lambda run: sum(lps[t] for t, lps in zip(run.token_ids, run.outputs[0].logprobs)))
         texts.append(echo + best.text)
     assert [c["index"] for c in got["choices"]] == [0, 1] and [c["text"] for c in got["choices"]] == texts
-    assert got["usage"] == {"prompt_tokens": 14 + 3, "completion_tokens": 4 * 5, "total_tokens": 37}
+    assert got["usage"] == {"prompt_tokens": 14 + 3, "completion_tokens": 4 * 5, "total_tokens": 37,
+                            "prompt_tokens_details": {"cached_tokens": 0},  # neither prompt fills a block
+                            "completion_tokens_details": {"reasoning_tokens": 0}}
+
+
+def test_a_lines_usage_counts_its_prompts_cache_hit(llm, tmp_path):
+    """Lines sharing a prefix: those prefilled after the first's blocks are cached say so in
+    usage.prompt_tokens_details (whole blocks of the shared prefix: BOS and PREFIX, 85 tokens)."""
+    shared = (len(PREFIX.encode()) + 1) // 16 * 16
+    with ResultLog(tmp_path / "out.jsonl") as output, ResultLog(tmp_path / "errors.jsonl") as errors:
+        stats = run_lines(llm.engine, parse_input(as_jsonl(batch_lines(12))), "demo", output, errors,
+                          BlendOptions("dfs"))
+    usages = [Completion.model_validate(line["response"]["body"]).usage for line in output.done.values()]
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    assert len(cached) == 12 and set(cached) <= {0, shared} and shared in cached
+    assert sum(cached) == stats.cached_tokens and sum(u.prompt_tokens for u in usages) == stats.prompt_tokens
 
 
 def test_echo_scores_the_prompt_and_puts_it_in_front(llm, results):
@@ -152,6 +167,8 @@ def test_a_batch_run_with_reasoning_and_hermes_parsers_reads_chat_lines_as_the_e
     choice = output.done["think-call"]["response"]["body"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["reasoning"].isalpha()
+    usage = output.done["think-call"]["response"]["body"]["usage"]  # byte tokens: one per character
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == len("<think>" + choice["message"]["reasoning"])
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "add"
     thinking = output.done["think-json"]["response"]["body"]["choices"][0]
     assert thinking["finish_reason"] == "length" and thinking["message"]["content"] is None

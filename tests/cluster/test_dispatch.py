@@ -200,13 +200,15 @@ async def _read_until_final(run: Run) -> list[int]:
 def test_a_request_that_ends_leaves_no_queue_in_the_token_feeds(first_final):
     """Its deltas' queue goes before the caller sees the final one (a caller reads no further):
     after the token worker's last delta, or a first token that already ends it (then the token
-    worker is told to drop its reservation)."""
+    worker is told to drop its reservation). The prompt's cache hit is the prefill's, not the
+    token worker's import's."""
     calls: list = []
-    first = TokenDelta((4,), "length" if first_final else None)
+    first = TokenDelta((4,), "length" if first_final else None, cached_tokens=16)
     workers = {"p": _Worker(calls, prefill=first), "t": _Worker(calls, reserve="ticket")}
-    workers["t"].feed = _Feed([("r.0", TokenDelta((4, 5)))], [("r.0", TokenDelta((6,), "length"))])
+    workers["t"].feed = _Feed([("r.0", TokenDelta((4, 5), cached_tokens=0))], [("r.0", TokenDelta((6,), "length"))])
     directory = WorkerDirectory(_PlacingCLS(workers))
     run = Run("r", [1, 2, 3], SamplingParams(max_tokens=1 if first_final else 3), directory, max_attempts=1)
     assert asyncio.run(_read_until_final(run)) == ([4] if first_final else [4, 5, 6])
+    assert run.cached_tokens == 16
     assert directory.feeds._queues == {"t": {}}
     assert calls == ["reserve", "prefill"] + ["abort"] * first_final

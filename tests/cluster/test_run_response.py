@@ -26,12 +26,15 @@ class ScriptedRun:
         self.request_id, self.prompt, self.tokens, self.params = "cmpl-test", PROMPT, [], params
         self._deltas, self._error, self.aborted = deltas, error, False
         self.finish_reason, self.failures, self.refusals, self.prompt_logprobs = None, 0, 0, None
+        self.cached_tokens = None
 
     async def deltas(self):
         for delta in self._deltas:
             if self.aborted:
                 return
             self.tokens += delta.token_ids
+            if self.cached_tokens is None:
+                self.cached_tokens = delta.cached_tokens
             yield delta
         if self._error:
             raise self._error
@@ -81,10 +84,11 @@ def test_a_partial_stop_string_is_held_back_and_the_stop_ends_the_run():
 
 def test_continuous_usage_times_every_delta_even_without_text():
     # 0xC3 alone is an incomplete UTF-8 character: no text yet, but the chunk still counts its token
-    run = ScriptedRun([TokenDelta((0xC3,)), TokenDelta((0xA9,)), TokenDelta(byte_ids("!"), "length")])
+    run = ScriptedRun([TokenDelta((0xC3,), cached_tokens=2), TokenDelta((0xA9,)), TokenDelta(byte_ids("!"), "length")])
     out = events(reply_for(run), include_usage=False, continuous_usage=True)
     chunks = [e for e in out if e != "[DONE]"]
     assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
+    assert [c["usage"]["prompt_tokens_details"]["cached_tokens"] for c in chunks] == [2, 2, 2]
     assert "".join(c["choices"][0]["text"] for c in chunks) == "é!"
 
 
@@ -157,7 +161,8 @@ def test_several_prompts_number_their_choices_by_prompt_and_best_of_picks_within
         runs = []
         for i, (text, lp) in enumerate(zip(texts, logprob)):
             ids = byte_ids(text)
-            run = ScriptedRun([TokenDelta(ids, "length", logprobs=tuple({t: lp} for t in ids))])
+            cached = 1 + prompt if i == 0 else 3  # a later choice's hit is its first's prefill: not counted
+            run = ScriptedRun([TokenDelta(ids, "length", logprobs=tuple({t: lp} for t in ids), cached_tokens=cached)])
             runs.append(RunResponse("completion", run, "demo", TextStream(ByteTokenizer(), run.params, PROMPT),
                                     index=prompt * returned + i, num_top=None))
         return runs
@@ -166,14 +171,18 @@ def test_several_prompts_number_their_choices_by_prompt_and_best_of_picks_within
     best = ChoicesResponse([group(0, ["aa", "bb"], [-2.0, -1.0], 1), group(1, ["cc", "dd"], [-1.0, -3.0], 1)], 1)
     body = asyncio.run(best.body())
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "bb"), (1, "cc")]
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14}
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14,
+                             "prompt_tokens_details": {"cached_tokens": 3},
+                             "completion_tokens_details": {"reasoning_tokens": 0}}
     # n 2, streamed: prompt k's choices are 2k and 2k + 1
     streamed = ChoicesResponse([group(0, ["aa", "bb"], [0.0, 0.0], 2), group(1, ["cc", "dd"], [0.0, 0.0], 2)], 2)
     texts = {}
-    for event in events(streamed, include_usage=True)[:-2]:
+    *chunks, last, done = events(streamed, include_usage=True)
+    for event in chunks:
         [choice] = event["choices"]
         texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {0: "aa", 1: "bb", 2: "cc", 3: "dd"}
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 3} and done == "[DONE]"
 
 
 def reading_reply(output: str, **options) -> ChoicesResponse:
@@ -222,6 +231,27 @@ def test_streamed_harmony_channels_add_up_to_the_whole_choice(continuous):
     assert calls[0]["function"]["name"] == "add" and calls[1]["function"]["arguments"] == '{"a": 2}'
     assert chunks[-1]["finish_reason"] == "tool_calls"
     assert "".join(c["delta"].get("reasoning", "") for c in chunks) == "Use add."
+
+
+HARMONY_OUTPUT = "<|channel|>analysis<|message|>Sum it.<|end|><|start|>assistant<|channel|>final<|message|>It is 5."
+
+
+@pytest.mark.parametrize("output, thinking, reasoning", [
+    ("Sum it.</think>\n\nIt is 5.", True, "Sum it."),
+    ("<think>a<b</think>It is 5.", False, "<think>a<b"),  # a `<` that is no tag is thinking too
+    ("It is 5.", False, ""),
+    ("Not done thinking", True, "Not done thinking"),  # never closed: all of it
+    (HARMONY_OUTPUT, HARMONY, "<|channel|>analysis<|message|>Sum it."),
+], ids=["opened-by-prompt", "opened-by-output", "no-thinking", "never-closed", "harmony"])
+def test_usage_counts_the_tokens_through_the_last_one_of_the_reasoning(output, thinking, reasoning):
+    """completion_tokens_details.reasoning_tokens: one byte token per character here, so the count
+    is the length of the output through its reasoning (tags that open it included)."""
+    want = {"reasoning_tokens": len(reasoning.encode())}
+    whole = json.loads(asyncio.run(reading_reply(output, thinking=thinking).whole()).body)
+    assert whole["usage"]["completion_tokens_details"] == want
+    assert whole["usage"]["completion_tokens"] == len(output.encode()) + 1  # and EOS
+    *_, last, _ = events(reading_reply(output, thinking=thinking), include_usage=True)
+    assert last["usage"]["completion_tokens_details"] == want
 
 
 def test_a_thinking_the_prompt_did_not_open_is_plain_content_when_the_output_does_not_open_it():

@@ -164,10 +164,24 @@ def test_disaggregated_request_equals_offline(pair, offline, prompt, layerwise):
     want = offline(prompt)
     assert tokens(deltas) == want and deltas[-1].finish_reason == "length"
     assert deltas[0].token_ids[0] == want[0]
-    assert prompt_sink.next() == TokenDelta((want[0],))
+    assert prompt_sink.next() == TokenDelta((want[0],), cached_tokens=0)
     assert_clean(pair.prompt)
     assert_clean(pair.token)
     assert prompt_sink.pending() == []  # the first token was all the prompt worker sent
+
+
+def test_the_first_delta_names_the_prompt_tokens_the_prefix_cache_held(pair, offline):
+    """Usage's cached_tokens: the first delta of a request (the prompt worker's first token when
+    disaggregated) carries its prefill's prefix-cache hit, every later delta None."""
+    for turn, hit in enumerate((0, 3 * BLOCK)):  # LONG is 60 tokens: 3 full blocks come back
+        ticket, prompt_sink, token_sink = pair.disaggregate(f"d{turn}", LONG)
+        assert prompt_sink.next() == TokenDelta((offline(LONG)[0],), cached_tokens=hit)
+        assert tokens(token_sink.until_final()) == offline(LONG)
+        sink = Sink()
+        run(pair.token, pair.token.generate, f"l{turn}", FORTY, GREEDY, sink)
+        deltas = sink.until_final()
+        assert deltas[0].cached_tokens == (0, 2 * BLOCK)[turn]  # 40 tokens: 2 full blocks
+        assert tokens(deltas) == offline(FORTY) and {d.cached_tokens for d in deltas[1:]} == {None}
 
 
 def test_requests_of_every_kind_in_flight_at_once(pair, offline):

@@ -176,7 +176,7 @@ class EngineSim:
         self.running.append(seq)
         stats["admitted"] += 1
         n = seq.num_computed_tokens
-        assert n == seq.num_cached_tokens
+        assert n == seq.num_cached_tokens or seq.num_preemptions
         assert n % self.bs == 0 and n < seq.num_tokens
         if not self.enable_prefix_caching:
             assert n == 0

@@ -113,8 +113,11 @@ def test_preemption_keeps_outputs():
     for policy in ("mixed", "prefill_first", "token"):
         # 6 blocks of 16 = 96 slots >= max_model_len: one request always fits, five do not
         llm = LLM(policy=policy, max_model_len=80, num_kv_blocks=6, chunk_token_budget=32)
-        assert_same(llm.generate(prompts, params), want)
+        got = llm.generate(prompts, params)
+        assert_same(got, want)
         assert llm.engine.policy.num_preemptions > 0, policy
+        # a recompute's hits on the blocks it wrote itself are not the prompt's cache hit
+        assert [o.num_cached_tokens for o in got] == [o.num_cached_tokens for o in want] == [0] * 5, policy
         assert_all_free(llm.engine)
 
 

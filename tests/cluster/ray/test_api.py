@@ -3,6 +3,8 @@ chat, streaming with usage, greedy output equal to the offline engine's (with pe
 too), and clear 4xx errors, those Serve's router gives (a query value, a route, a method) too."""
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import openai
 import pytest
@@ -55,6 +57,19 @@ def test_streaming_completion_with_usage(client, offline):
     assert text == offline_text(offline, PROMPT, 20)[0]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI and vLLM report it: a prompt sent again
+    is prefilled from the prefix cache, all its whole blocks but the one holding its last token
+    (BOS and 100 bytes: 101 tokens, 6 blocks of 16)."""
+    prompt = f"Sent twice ({uuid.uuid4().hex}) ".ljust(100, "z")
+    first = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)
+    assert (first.usage.prompt_tokens, first.usage.prompt_tokens_details.cached_tokens) == (101, 0)
+    stream = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    usage = list(stream)[-1].usage
+    assert (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens) == (101, 96)
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, "y" * 700], ids=["one-shot", "layer-wise"])

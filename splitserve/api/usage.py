@@ -1,0 +1,27 @@
+"""A response's token counts and OpenAI's `usage` body for them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Every prompt counted once; every computed choice's output (best_of's unreturned ones too);
+    `cached_tokens`: the prompt tokens whose KV the prefix cache held (counted once per prompt, from
+    its first choice: later choices of one prompt reuse its prefill by design); `reasoning_tokens`:
+    of the completion tokens, those a reasoning parser read as thinking (`ChoiceText`)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens,
+                     self.cached_tokens + other.cached_tokens, self.reasoning_tokens + other.reasoning_tokens)
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
