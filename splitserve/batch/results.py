@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
 class ResultLog:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, on_line: Callable[[dict], None] = lambda line: None):
+        """`on_line`: sees every line in the log, those read back on opening, then each appended."""
         self.path = Path(path)
+        self.on_line = on_line
         self.done: dict[str, dict] = {}  # custom_id -> its result line
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = self.path.read_bytes() if self.path.exists() else b""
@@ -18,6 +21,7 @@ class ResultLog:
         for raw in whole.splitlines():
             line = json.loads(raw)
             self.done[line["custom_id"]] = line
+            on_line(line)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if len(whole) < len(data):
             os.ftruncate(self._fd, len(whole))
@@ -28,6 +32,7 @@ class ResultLog:
         os.write(self._fd, (json.dumps(line, ensure_ascii=False) + "\n").encode())
         os.fsync(self._fd)
         self.done[line["custom_id"]] = line
+        self.on_line(line)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -30,6 +30,7 @@ from splitserve.batch.lines import ENDPOINTS, BatchLine, InputFileError, expired
 from splitserve.batch.results import ResultLog
 from splitserve.batch.store import ACTIVE, PURPOSES, BatchStore
 from splitserve.batch.store_lock import StoreLock
+from splitserve.batch.usage import BatchUsage
 
 TAKE_OVER_EVERY_S = 2.0  # how often a server that finds the store owned tries again
 RUNS_PER_BATCH = 3  # a batch whose run raises is resumed from its logs until it has raised this often
@@ -206,7 +207,7 @@ class BatchService:
         lines = self._lines(batch)
         if lines is None:
             return
-        with self._logs(batch["id"], lines) as (output, errors, counts):
+        with self._logs(batch["id"], lines) as (output, errors, counts, _):
             expired = self._expire_pending(batch, lines, output, errors, counts)
         self._finish(batch["id"], counts, expired)
 
@@ -263,13 +264,13 @@ class BatchService:
             return
         self._running = batch_id
         try:
-            with self._logs(batch_id, lines) as (output, errors, counts):
+            with self._logs(batch_id, lines) as (output, errors, counts, usage):
                 if batch["status"] == "validating":
                     self.store.update_batch(batch_id, status="in_progress", in_progress_at=self.store.now())
 
                 def on_result(ok: bool) -> None:
                     counts["completed" if ok else "failed"] += 1
-                    self.store.update_batch(batch_id, request_counts=dict(counts))
+                    self.store.update_batch(batch_id, request_counts=dict(counts), usage=usage.body())
 
                 def stop() -> bool:
                     return self._stopping or batch_id in self._cancelled or self._past_window(batch)
@@ -301,13 +302,16 @@ class BatchService:
             return None
 
     @contextlib.contextmanager
-    def _logs(self, batch_id: str, lines: list[BatchLine]) -> Iterator[tuple[ResultLog, ResultLog, dict]]:
-        """The batch's result logs and its request counts as they stand (saved)."""
+    def _logs(self, batch_id: str, lines: list[BatchLine]
+              ) -> Iterator[tuple[ResultLog, ResultLog, dict, BatchUsage]]:
+        """The batch's result logs, its request counts and its usage as they stand (saved); the
+        usage counts each line logged to the output."""
         output_path, errors_path = self.store.log_paths(batch_id)
-        with ResultLog(output_path) as output, ResultLog(errors_path) as errors:
+        usage = BatchUsage()
+        with ResultLog(output_path, usage.add) as output, ResultLog(errors_path) as errors:
             counts = {"total": len(lines), "completed": len(output.done), "failed": len(errors.done)}
-            self.store.update_batch(batch_id, request_counts=dict(counts))
-            yield output, errors, counts
+            self.store.update_batch(batch_id, request_counts=dict(counts), usage=usage.body())
+            yield output, errors, counts, usage
 
     def _finish(self, batch_id: str, counts: dict, expired: bool = False) -> None:
         """Turn the logs into the output and error files. Their ids follow from the batch's, so

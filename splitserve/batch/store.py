@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from splitserve.batch.usage import BatchUsage
+
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # a restart resumes these
 PURPOSES = ("batch", "batch_output")
 WINDOW_S = 24 * 3600  # completion_window "24h": a batch not done by then expires
@@ -122,7 +124,8 @@ class BatchStore:
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                  "expires_at": now + WINDOW_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "usage": BatchUsage().body(),
+                 "metadata": metadata,
                  PRIVATE + "output_expires_after_s": output_expires_after_s}
         with self._lock:
             _write_atomic(self.root / "batches" / f"{batch['id']}.json", json.dumps(batch).encode())

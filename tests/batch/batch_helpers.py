@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+from splitserve.api.usage import Usage
+
 PREFIX = "You grade answers. Reply with one letter. " * 2
 
 
@@ -11,6 +13,16 @@ def batch_lines(n: int, max_tokens: int = 4) -> list[dict]:
              "body": {"model": "demo", "prompt": PREFIX + f"Question {i}: {i * 7919 % 1000}?",
                       "max_tokens": max_tokens if i % 5 else 4 * max_tokens, "temperature": 0, "ignore_eos": True}}
             for i in range(n)]
+
+
+LINE_USAGE = Usage(prompt_tokens=90, completion_tokens=4, cached_tokens=80, reasoning_tokens=1)
+
+
+def answered(custom_id: str) -> dict:
+    """A result line as an executor logs it, its body reduced to LINE_USAGE (for the service
+    tests' executors, which stand in for an engine)."""
+    return {"custom_id": custom_id, "response": {"status_code": 200, "body": {"usage": LINE_USAGE.body()}},
+            "error": None}
 
 
 def as_jsonl(lines: list[dict]) -> bytes:

@@ -20,7 +20,7 @@ from splitserve.batch import service as service_module
 from splitserve.batch.expiry import MAX_S, MIN_S, expiry_seconds
 from splitserve.batch.service import BatchService
 from splitserve.batch.store import ACTIVE, WINDOW_S, BatchStore, NotFound
-from tests.batch.batch_helpers import as_jsonl, batch_lines
+from tests.batch.batch_helpers import answered, as_jsonl, batch_lines
 from tests.batch.batch_server import make_app
 
 HOUR = 3600
@@ -53,8 +53,7 @@ class ClockedExecutor:
                 if stop():
                     return
                 if line.custom_id not in output.done and line.custom_id not in errors.done:
-                    output.append({"custom_id": line.custom_id, "response": {"status_code": 200, "body": {}},
-                                   "error": None})
+                    output.append(answered(line.custom_id))
                     on_result(True)
                     self.clock.now += self.step_s
 

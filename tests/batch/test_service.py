@@ -28,7 +28,7 @@ from splitserve.api.errors import RequestError
 from splitserve.batch import service as service_module
 from splitserve.batch.service import BatchService
 from splitserve.batch.store import BatchStore
-from tests.batch.batch_helpers import as_jsonl, batch_lines, expected_texts
+from tests.batch.batch_helpers import LINE_USAGE, answered, as_jsonl, batch_lines, expected_texts
 from tests.batch.batch_server import make_app
 
 
@@ -94,6 +94,13 @@ def test_round_trip_and_restart_mid_batch(tmp_path, port):
         assert sorted(ids) == sorted(line["custom_id"] for line in lines)  # each once: nothing lost or repeated
         got = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in results}
         assert got == expected_texts(lines)
+        # the batch's usage: its lines', the restarted server's and those it read back from the log
+        lines_usage = [openai.types.Completion.model_validate(r["response"]["body"]).usage for r in results]
+        assert batch.usage.input_tokens == sum(u.prompt_tokens for u in lines_usage)
+        assert batch.usage.output_tokens == sum(u.completion_tokens for u in lines_usage) == 60 * 24 + 12 * 3 * 24
+        cached = sum(u.prompt_tokens_details.cached_tokens for u in lines_usage)
+        assert batch.usage.input_tokens_details.cached_tokens == cached > 0  # the lines share a prefix
+        assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
         [error] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
         assert error["custom_id"] == "bad" and error["response"]["status_code"] == 404
         assert batch.output_file_id in [f.id for f in client.files.list(purpose="batch_output").data]
@@ -184,7 +191,7 @@ class ThreadExecutor:
                     break
                 time.sleep(self.step_s)
                 if line.custom_id not in output.done:
-                    output.append({"custom_id": line.custom_id, "response": {"status_code": 200, "body": {}}})
+                    output.append(answered(line.custom_id))
                     on_result(True)
             self.returned.set()
 
@@ -228,7 +235,7 @@ class FaultyExecutor:
         left = [line for line in lines if line.custom_id not in output.done]
         failing = self.faults.get(len(lines), 0) > 0
         for line in left[:self.answer] if failing else left:
-            output.append({"custom_id": line.custom_id, "response": {"status_code": 200, "body": {}}})
+            output.append(answered(line.custom_id))
             on_result(True)
         if failing:
             self.faults[len(lines)] -= 1
@@ -256,6 +263,7 @@ def test_a_batch_whose_run_raises_is_resumed_then_failed_and_the_next_one_still_
     (first, second), (out_first, out_second) = asyncio.run(asyncio.wait_for(scenario(executor, tmp_path / "a"), 30))
     assert first["status"] == second["status"] == "completed" and executor.runs == [9, 9, 9, 5]
     assert out_first == sorted(f"req-{i}" for i in range(9)) and first["request_counts"]["completed"] == 9
+    assert_usage_of_lines(first, 9)  # the lines of three runs, two of them read back from the log
     # three faults: failed, with the lines answered before them as its output; the next batch runs
     executor = FaultyExecutor({9: 3})
     (first, second), (out_first, out_second) = asyncio.run(asyncio.wait_for(scenario(executor, tmp_path / "b"), 30))
@@ -264,6 +272,17 @@ def test_a_batch_whose_run_raises_is_resumed_then_failed_and_the_next_one_still_
     assert error["code"] == "internal_error" and "OSError: disk trouble after 6 lines" in error["message"]
     assert out_first == sorted(f"req-{i}" for i in range(6))
     assert second["status"] == "completed" and out_second == sorted(f"req-{i}" for i in range(5))
+    assert_usage_of_lines(first, 6)  # a failed batch's usage: the lines in its output
+
+
+def assert_usage_of_lines(batch: dict, lines: int) -> None:
+    """The Batch object's usage, read by the official client, is its output lines' usage summed."""
+    usage = openai.types.Batch.model_validate(batch).usage
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (
+        lines * LINE_USAGE.prompt_tokens, lines * LINE_USAGE.completion_tokens,
+        lines * (LINE_USAGE.prompt_tokens + LINE_USAGE.completion_tokens))
+    assert usage.input_tokens_details.cached_tokens == lines * LINE_USAGE.cached_tokens
+    assert usage.output_tokens_details.reasoning_tokens == lines * LINE_USAGE.reasoning_tokens
 
 
 def test_an_upload_that_would_leave_too_little_free_space_is_refused(tmp_path):

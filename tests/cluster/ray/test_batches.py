@@ -48,6 +48,8 @@ def test_batch_round_trip_through_the_cluster(client, offline):
     expected = offline.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     got = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in results}
     assert got == {f"q{i}": out.text for i, out in enumerate(expected)}
+    usage = batch.usage  # the six lines' usage; the 400 computed nothing
+    assert (usage.input_tokens, usage.output_tokens) == (sum(len(out.prompt_token_ids) for out in expected), 36)
     error = json.loads(client.files.content(batch.error_file_id).text)
     assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400
     assert batch.id in [b.id for b in client.batches.list(limit=10).data]
