@@ -33,6 +33,7 @@ class RequestObservation:
     outcome: str
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of its prompt tokens, those whose KV the prefix cache held
     ttft: float | None = None
     tbt: tuple[float, ...] = ()
     e2e: float | None = None
@@ -74,6 +75,9 @@ class ClusterMetrics:
                                      registry=self.registry).labels(m)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Generated tokens", ("model",),
                                          registry=self.registry).labels(m)
+        self.cached_prompt_tokens = Counter("splitserve_prompt_cached_tokens", "Prompt tokens whose KV the prefill's "
+                                            "prefix cache held (usage's cached_tokens)", ("model",),
+                                            registry=self.registry).labels(m)
         self.slo_requests = Counter("splitserve_slo_requests", "Completed requests checked against an SLO",
                                     ("model", "slo"), registry=self.registry)
         self.slo_met = Counter("splitserve_slo_met", "Completed requests within an SLO", ("model", "slo"),
@@ -145,6 +149,7 @@ class ClusterMetrics:
             self.requests.labels(self.model, obs.outcome).inc()
             self.prompt_tokens.inc(obs.prompt_tokens)
             self.generation_tokens.inc(obs.generated_tokens)
+            self.cached_prompt_tokens.inc(obs.cached_prompt_tokens)
             self.restarted.inc(obs.restarts)
             self.refused_placements.inc(obs.refused_placements)
             if obs.outcome == "completed":

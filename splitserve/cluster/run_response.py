@@ -43,7 +43,7 @@ class RunResponse:
 
     def observation(self, outcome: str) -> RequestObservation:
         times, end = self.token_times, time.monotonic()
-        return RequestObservation(outcome, len(self.run.prompt), len(self.run.tokens),
+        return RequestObservation(outcome, len(self.run.prompt), len(self.run.tokens), self.run.cached_tokens or 0,
                                   ttft=times[0] - self.started if times else None,
                                   tbt=tuple(b - a for a, b in zip(times, times[1:])),
                                   e2e=end - self.started, restarts=self.run.failures,

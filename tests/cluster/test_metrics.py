@@ -41,13 +41,14 @@ def test_every_family_is_prefixed_and_rare_events_start_at_zero(metrics):
 
 
 def test_request_observations_fill_latencies_tokens_and_slo_attainment(metrics):
-    fast = RequestObservation("completed", 10, 3, ttft=0.2, tbt=(0.01, 0.03), e2e=0.3)
+    fast = RequestObservation("completed", 10, 3, 8, ttft=0.2, tbt=(0.01, 0.03), e2e=0.3)
     slow = RequestObservation("completed", 20, 2, ttft=0.9, tbt=(0.2,), e2e=1.2, restarts=1)
     metrics.record_requests([fast, slow, RequestObservation("rejected", 5, refused_placements=3),
                              RequestObservation("aborted", 7, 1)])
     assert value(metrics, "splitserve_requests_total", outcome="completed") == 2
     assert value(metrics, "splitserve_requests_total", outcome="rejected") == 1
     assert value(metrics, "splitserve_prompt_tokens_total") == 42 and value(metrics, "splitserve_generation_tokens_total") == 6
+    assert value(metrics, "splitserve_prompt_cached_tokens_total") == 8
     assert value(metrics, "splitserve_request_ttft_seconds_count") == 2
     assert value(metrics, "splitserve_request_ttft_seconds_sum") == pytest.approx(1.1)
     assert value(metrics, "splitserve_request_tbt_seconds_count") == 3

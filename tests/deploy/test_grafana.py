@@ -36,6 +36,7 @@ METRICS = {
     "splitserve_requests_total": ("counter", ("model", "outcome")),
     "splitserve_prompt_tokens_total": ("counter", ("model",)),
     "splitserve_generation_tokens_total": ("counter", ("model",)),
+    "splitserve_prompt_cached_tokens_total": ("counter", ("model",)),
     "splitserve_slo_requests_total": ("counter", ("model", "slo")),
     "splitserve_slo_met_total": ("counter", ("model", "slo")),
     "splitserve_requests_restarted_total": ("counter", ("model",)),

@@ -224,6 +224,8 @@ def test_counters_agree_with_what_the_clients_saw(prometheus, load):
     dropped_prompt = len(DROPPED[0].encode()) + 1  # the demo model's byte tokenizer, plus BOS
     assert prompt_tokens <= moved(sel("splitserve_prompt_tokens_total")) <= prompt_tokens + dropped_prompt + 8
     assert generated <= moved(sel("splitserve_generation_tokens_total")) <= generated + DROPPED[1]
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in load.usages)
+    assert cached <= moved(sel("splitserve_prompt_cached_tokens_total")) <= cached + dropped_prompt
     for histogram in ("ttft", "e2e"):  # the dropped stream had its first token and may count
         assert completed <= moved(sel(f"splitserve_request_{histogram}_seconds_count")) <= completed + 1
     assert moved(sel("splitserve_request_tbt_seconds_count")) > 0
