@@ -175,6 +175,7 @@ def test_the_first_delta_names_the_prompt_tokens_the_prefix_cache_held(pair, off
     disaggregated) carries its prefill's prefix-cache hit, every later delta None."""
     for turn, hit in enumerate((0, 3 * BLOCK)):  # LONG is 60 tokens: 3 full blocks come back
         ticket, prompt_sink, token_sink = pair.disaggregate(f"d{turn}", LONG)
+        assert ticket.start_token == hit  # the token worker holds them too: they do not travel again
         assert prompt_sink.next() == TokenDelta((offline(LONG)[0],), cached_tokens=hit)
         assert tokens(token_sink.until_final()) == offline(LONG)
         sink = Sink()
