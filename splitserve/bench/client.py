@@ -70,38 +70,42 @@ async def send(http: httpx.AsyncClient, url: str, model: str, spec: RequestSpec,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     start = time.perf_counter()
     times: list[float] = []
-    status, error = None, None
+    status, error, cached = None, None, None
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
             status = response.status_code
             if status != 200:
                 error = (await response.aread()).decode(errors="replace")[:500]
             else:
-                error = await _read_stream(response, start, times)
+                error, cached = await _read_stream(response, start, times)
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     end = time.perf_counter()
     return RequestRecord(index=spec.index, prompt_tokens=spec.prompt_tokens, output_tokens=len(times),
                          requested_output_tokens=spec.output_tokens, start_s=start - t0,
                          ttft_s=times[0] if times else None, token_times_s=tuple(times),
-                         e2e_s=end - start if error is None else None, error=error, status=status)
+                         e2e_s=end - start if error is None else None, error=error, status=status,
+                         cached_tokens=cached)
 
 
-async def _read_stream(response: httpx.Response, start: float, times: list[float]) -> str | None:
-    """Append each token's arrival time; returns an error message, or None when the stream ended well."""
+async def _read_stream(response: httpx.Response, start: float, times: list[float]) -> tuple[str | None, int | None]:
+    """Append each token's arrival time; returns an error message (None when the stream ended
+    well) and the prompt tokens the server's usage said its prefix cache held (None: it did not say)."""
+    cached = None
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
             continue
         if line == "data: [DONE]":
-            return None
+            return None, cached
         now = time.perf_counter() - start
         event = json.loads(line[6:])
         if "error" in event:
-            return event["error"].get("message", "stream error")
+            return event["error"].get("message", "stream error"), cached
         usage = event.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
         if event.get("choices") and "completion_tokens" in usage:
             times.extend([now] * (usage["completion_tokens"] - len(times)))
-    return "the stream ended without [DONE]"
+    return "the stream ended without [DONE]", cached
 
 
 async def replay(url: str, requests: list[RequestSpec], model: str, seed: int = 0, api_key: str | None = None,

@@ -36,6 +36,7 @@ class RequestRecord:
     e2e_s: float | None
     error: str | None = None
     status: int | None = None           # HTTP status; 429 counts as rejected
+    cached_tokens: int | None = None    # prompt tokens the server's prefix cache held (usage's); None: not said
 
     @property
     def tbt_s(self) -> tuple[float, ...]:
@@ -66,6 +67,7 @@ class RunColumns:
     ttft_s: np.ndarray        # float, per completed record
     e2e_s: np.ndarray         # float, per completed record
     tbt_s: np.ndarray         # float, every gap between tokens of the completed records
+    cached_tokens: np.ndarray | None = None  # int, per record, -1 where the server did not say; None: unknown
 
     @classmethod
     def of(cls, records: Sequence[RequestRecord]) -> RunColumns:
@@ -74,7 +76,17 @@ class RunColumns:
                    np.array([r.prompt_tokens for r in records], dtype=np.int64),
                    np.array([r.output_tokens for r in records], dtype=np.int64),
                    np.array([r.ttft_s for r in done], dtype=float), np.array([r.e2e_s for r in done], dtype=float),
-                   np.array([gap for r in done for gap in r.tbt_s], dtype=float))
+                   np.array([gap for r in done for gap in r.tbt_s], dtype=float),
+                   np.array([-1 if r.cached_tokens is None else r.cached_tokens for r in records], dtype=np.int64))
+
+    def cached_share(self) -> float | None:
+        """Of the completed requests' prompt tokens, the share the server's prefix cache held, over
+        those whose usage said; None when none did (or a simulation, which does not model it)."""
+        if self.cached_tokens is None:
+            return None
+        said = self.ok & (self.cached_tokens >= 0)
+        prompt = int(self.prompt_tokens[said].sum())
+        return int(self.cached_tokens[said].sum()) / prompt if prompt else None
 
 
 def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> dict:
@@ -110,6 +122,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLOSpec 
         "ttft_s": percentiles(columns.ttft_s),
         "tbt_s": percentiles(columns.tbt_s),
         "e2e_s": percentiles(columns.e2e_s),
+        "prompt_cached_share": columns.cached_share(),
     }
     if slo is not None or baseline is not None:
         summary["slo"] = attainment(records, slo or SLOSpec(), baseline)
@@ -154,6 +167,8 @@ def markdown_table(summary: dict) -> str:
               "| total tokens/s |")
     lines += ["", header, "|" + "---:|" * len(counts),
               "| " + " | ".join(_fmt(summary[c]) for c in counts) + " |"]
+    if summary["prompt_cached_share"] is not None:
+        lines += ["", f"Prompt tokens the server's prefix cache held: {summary['prompt_cached_share']:.1%}."]
     if "slo" in summary:
         lines += ["", *_slo_lines(summary["slo"])]
     return "\n".join(lines)

@@ -39,7 +39,13 @@ def test_bench_replays_the_mooncake_trace_with_its_shared_prefixes(server, tmp_p
     # its first 8 rows arrive at once and all start with block 0 (a system prompt of 10 tokens here)
     assert main(["--url", server, "--trace", "mooncake", "--num-requests", "8", "--length-scale", "0.02",
                  "--no-calibrate", "--no-progress", "--out", str(out)]) == 0
-    check_summary(json.loads((out / "summary.json").read_text()), 8)
+    summary = json.loads((out / "summary.json").read_text())
+    check_summary(summary, 8)
+    # the server's usage says how many prompt tokens its prefix cache held (whole blocks of 16)
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    cached = [r["cached_tokens"] for r in records]
+    assert all(isinstance(c, int) and c % 16 == 0 for c in cached)
+    assert summary["prompt_cached_share"] == sum(cached) / sum(r["prompt_tokens"] for r in records)
 
 
 def test_capacity_search_probes_rates(server, tmp_path):

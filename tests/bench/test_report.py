@@ -51,6 +51,17 @@ def test_summarize_counts_throughput_and_latencies():
     assert summary["tbt_s"] == pytest.approx({"p50": 0.25, "p90": 0.425, "p99": 0.4925, "mean": 0.25, "max": 0.5})
     assert summary["e2e_s"] == pytest.approx({"p50": 1.25, "p90": 1.45, "p99": 1.495, "mean": 1.25, "max": 1.5})
     assert "slo" not in summary
+    assert summary["prompt_cached_share"] is None  # no usage said it
+
+
+def test_the_cached_share_counts_the_completed_requests_whose_usage_said_it():
+    said = [RequestRecord(0, 64, 1, 1, 0.0, 0.5, (0.5,), 0.5, cached_tokens=48),
+            RequestRecord(1, 32, 1, 1, 0.0, 0.5, (0.5,), 0.5, cached_tokens=0),
+            RequestRecord(2, 100, 1, 1, 0.0, 0.5, (0.5,), 0.5),  # a server that does not report it
+            RequestRecord(3, 64, 1, 4, 0.0, 0.5, (0.5,), None, error="stream broke", cached_tokens=48)]
+    summary = summarize(said, duration_s=1.0)
+    assert summary["prompt_cached_share"] == 48 / (64 + 32)
+    assert "prefix cache held: 50.0%" in markdown_table(summary)
 
 
 def test_summarize_with_a_baseline_checks_table_vi():
