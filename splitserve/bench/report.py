@@ -67,7 +67,7 @@ class RunColumns:
     ttft_s: np.ndarray        # float, per completed record
     e2e_s: np.ndarray         # float, per completed record
     tbt_s: np.ndarray         # float, every gap between tokens of the completed records
-    cached_tokens: np.ndarray | None = None  # int, per record, -1 where the server did not say; None: unknown
+    cached_tokens: np.ndarray  # int, per record: prompt tokens the prefix cache held; -1 where not said
 
     @classmethod
     def of(cls, records: Sequence[RequestRecord]) -> RunColumns:
@@ -81,9 +81,7 @@ class RunColumns:
 
     def cached_share(self) -> float | None:
         """Of the completed requests' prompt tokens, the share the server's prefix cache held, over
-        those whose usage said; None when none did (or a simulation, which does not model it)."""
-        if self.cached_tokens is None:
-            return None
+        those whose usage said (in a simulation, every one); None when none did."""
         said = self.ok & (self.cached_tokens >= 0)
         prompt = int(self.prompt_tokens[said].sum())
         return int(self.cached_tokens[said].sum()) / prompt if prompt else None

@@ -119,6 +119,7 @@ class Simulation:
         self.records = SimRecords(self.requests)
         self.token_times: dict[str, list[float]] = {}  # requests in flight: when each token was sampled
         self._slots: dict[str, int] = {}  # requests in flight: their slots in `records`
+        self._prefills: dict[str, EngineSequence] = {}  # requests in flight: their prefill's sequence (its cache hit)
         self._params: dict[tuple, SamplingParams] = {}  # shared by requests alike (SamplingParams is frozen)
         self.workers: dict[str, SimWorker] = {}
         self._hardware_of: dict[str, str] = {}
@@ -240,7 +241,7 @@ class Simulation:
             self._exporting[prompt_worker.worker_id] += 1
             break
         self.token_times[seq_id], self._slots[seq_id] = [], slot
-        seq = EngineSequence(seq_id, prompt, params, self.now)
+        seq = self._prefills[seq_id] = EngineSequence(seq_id, prompt, params, self.now)
         seq.export_from = starts  # the prompt worker releases the windowed blocks its export never reads
         prompt_worker.add(seq, hand_off=not placement.local)
         self._wake_soon(prompt_worker)
@@ -355,7 +356,8 @@ class Simulation:
     def _finish(self, seq_id: str) -> None:
         if seq_id not in self._slots:
             raise RuntimeError(f"request {seq_id} finished twice (simulator bug)")
-        self.records.finish(self._slots.pop(seq_id), self.token_times.pop(seq_id), self._token_delay_s)
+        self.records.finish(self._slots.pop(seq_id), self.token_times.pop(seq_id), self._token_delay_s,
+                            self._prefills.pop(seq_id).num_cached_tokens)
 
     def _report(self, tick: int) -> None:
         for worker, state in self._reporting:

@@ -33,20 +33,21 @@ class SimRecords(Sequence[RequestRecord]):
         self._times = np.zeros(self._first[-1])  # seconds from the request's start, as the client saw them
         self._count = np.zeros(len(ordered), dtype=np.int64)  # tokens received
         self._status = np.full(len(ordered), UNRESOLVED, dtype=np.int16)
+        self._cached = np.full(len(ordered), -1, dtype=np.int64)  # prompt tokens its prefill found cached
         self._errors: dict[int, str] = {}  # by slot, for refused requests
 
     def slot_of(self, index: int) -> int:
         return int(np.searchsorted(self._index, index))
 
     # ---- recording -----------------------------------------------------------------------
-    def finish(self, slot: int, times: list[float], delay_s: float) -> None:
+    def finish(self, slot: int, times: list[float], delay_s: float, cached_tokens: int) -> None:
         """The request's tokens were sampled at `times` (simulated seconds) and reached the client
-        `delay_s` later."""
+        `delay_s` later; its prefill found `cached_tokens` of its prompt in the prefix cache."""
         if self._status[slot] != UNRESOLVED:
             raise RuntimeError(f"request {self._index[slot]} ended twice (simulator bug)")
         first, count = self._first[slot], len(times)
         self._times[first:first + count] = np.add(times, delay_s - self._start_s[slot])
-        self._count[slot], self._status[slot] = count, OK
+        self._count[slot], self._status[slot], self._cached[slot] = count, OK, cached_tokens
 
     def refuse(self, slot: int, status: int, error: str) -> None:
         self._status[slot], self._errors[slot] = status, error
@@ -67,12 +68,13 @@ class SimRecords(Sequence[RequestRecord]):
             return RequestRecord(index, prompt, 0, requested, start, None, (), None, self._errors.get(slot), status)
         first = self._first[slot]
         times = tuple(self._times[first:first + self._count[slot]].tolist())
-        return RequestRecord(index, prompt, len(times), requested, start, times[0], times, times[-1], status=OK)
+        return RequestRecord(index, prompt, len(times), requested, start, times[0], times, times[-1], status=OK,
+                             cached_tokens=int(self._cached[slot]))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SimRecords):
             return NotImplemented
-        arrays = ("_index", "_prompt_tokens", "_requested", "_start_s", "_times", "_count", "_status")
+        arrays = ("_index", "_prompt_tokens", "_requested", "_start_s", "_times", "_count", "_status", "_cached")
         return self._errors == other._errors and all(np.array_equal(getattr(self, a), getattr(other, a))
                                                      for a in arrays)
 
@@ -92,4 +94,4 @@ class SimRecords(Sequence[RequestRecord]):
             np.subtract(self._times[start + 1:start + n], self._times[start:start + n - 1], out=tbt[end:end + n - 1])
             end += n - 1
         return RunColumns(self._status == OK, self._status == REJECTED, self._prompt_tokens, self._count,
-                          self._times[first], self._times[first + count - 1], tbt)
+                          self._times[first], self._times[first + count - 1], tbt, self._cached)

@@ -39,6 +39,9 @@ def test_aware_placement_reuses_each_earlier_turn_on_both_sides():
     assert aware.kv_tokens_reused == 3 * 2 * BLOCK and aware.kv_tokens_sent == total - 3 * 2 * BLOCK
     assert blind.kv_tokens_reused == 0 and blind.kv_tokens_sent == total
     assert all(r.status == 200 for r in aware.records)
+    # what a client's usage would say: each turn 2's prompt found turn 1's two blocks cached
+    assert [r.cached_tokens for r in aware.records] == [0, 2 * BLOCK] * 3
+    assert aware.summary()["prompt_cached_share"] == 3 * 2 * BLOCK / total
 
 
 def test_a_long_cached_prefix_beats_a_slightly_shorter_queue():

@@ -35,6 +35,6 @@ def test_rejections_are_counted_and_records_read_back_in_index_order():
 
 def test_a_request_ends_once():
     records = SimRecords([spec(0, 0.0, 10, 2)])
-    records.finish(0, [0.5, 0.75], delay_s=0.0)
+    records.finish(0, [0.5, 0.75], delay_s=0.0, cached_tokens=0)
     with pytest.raises(RuntimeError, match="ended twice"):
-        records.finish(0, [0.5, 0.75], delay_s=0.0)
+        records.finish(0, [0.5, 0.75], delay_s=0.0, cached_tokens=0)
