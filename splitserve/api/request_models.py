@@ -28,7 +28,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "continue_final_message", "reasoning_effort")
 
 
-def _only(*allowed, reason: str) -> AfterValidator:
+def only_values(*allowed, reason: str) -> AfterValidator:
     """A validator refusing every value but `allowed` (the values that change nothing)."""
     def check(value):
         if value not in allowed:
@@ -237,7 +237,7 @@ class CompletionRequest(GenerationRequest):
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None  # the top alternatives per token
     echo: bool | None = False  # the prompt in front of the text, with its logprobs when those are asked for
     best_of: Annotated[int | None, Field(ge=1, le=MAX_CHOICES)] = None  # choices computed; the n likeliest return
-    suffix: Annotated[str | None, _only(None, reason=NOT_SUPPORTED)] = None
+    suffix: Annotated[str | None, only_values(None, reason=NOT_SUPPORTED)] = None
 
     def requested_logprobs(self) -> int | None:
         """How many top alternatives per token the client wants logprobs of; None: no logprobs."""
@@ -277,7 +277,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: Annotated[list[Tool] | None, Field(max_length=MAX_TOOLS)] = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool | None = None  # several calls in one answer when the model writes them; a forced one is one
-    modalities: Annotated[list[str] | None, _only(None, ["text"], reason="only text output is supported")] = None
+    modalities: Annotated[list[str] | None, only_values(None, ["text"], reason="only text output is supported")] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the model goes on with the last message (a prefilled answer)
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None

@@ -1,4 +1,5 @@
-"""A response's token counts and OpenAI's `usage` body for them."""
+"""A response's token counts and OpenAI's `usage` bodies for them (the chat and completions shape,
+and the input/output shape of the Responses and Batch objects)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,19 +10,31 @@ class Usage:
     """Every prompt counted once; every computed choice's output (best_of's unreturned ones too);
     `cached_tokens`: the prompt tokens whose KV the prefix cache held (counted once per prompt, from
     its first choice: later choices of one prompt reuse its prefill by design); `reasoning_tokens`:
-    of the completion tokens, those a reasoning parser read as thinking (`ChoiceText`)."""
+    of the completion tokens, those a reasoning parser read as thinking (`ChoiceText`);
+    `cache_write_tokens`: the prompt tokens whose KV the prefills added to the prefix cache."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    cache_write_tokens: int = 0
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens,
-                     self.cached_tokens + other.cached_tokens, self.reasoning_tokens + other.reasoning_tokens)
+                     self.cached_tokens + other.cached_tokens, self.reasoning_tokens + other.reasoning_tokens,
+                     self.cache_write_tokens + other.cache_write_tokens)
 
     def body(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "prompt_tokens_details": self._input_details(),
                 "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
+
+    def input_output_body(self) -> dict:
+        return {"input_tokens": self.prompt_tokens, "input_tokens_details": self._input_details(),
+                "output_tokens": self.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def _input_details(self) -> dict:
+        return {"cached_tokens": self.cached_tokens, "cache_write_tokens": self.cache_write_tokens}

@@ -65,7 +65,8 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str,
 def response(kind: str, prepared: PreparedRequest, outs: list[RequestOutput], tokenizer: Tokenizer,
              parsers: ChatParsers = ChatParsers()) -> dict:
     """The endpoint's response body from the engine's outputs of every computed choice, prompt by
-    prompt (prompt k's choice i at k x computed + i); a prompt's cache hit is its first choice's."""
+    prompt (prompt k's choice i at k x computed + i); a prompt's cache hit is its first choice's,
+    its cache writes every choice's."""
     computed, returned = prepared.request.num_choices()
     choices, completion_tokens, reasoning_tokens = [], 0, 0
     for k, (prompt, params) in enumerate(zip(prepared.prompts, prepared.params)):
@@ -81,8 +82,9 @@ def response(kind: str, prepared: PreparedRequest, outs: list[RequestOutput], to
             reasoning_tokens += text.reasoning_tokens
         choices += best_choices(mine, ranks, returned, k * returned)
     cached_tokens = sum(out.num_cached_tokens for out in outs[::computed])
-    return R.response_body(kind, R.new_request_id(kind), prepared.request.model, int(time.time()), choices,
-                           Usage(sum(map(len, prepared.prompts)), completion_tokens, cached_tokens, reasoning_tokens))
+    usage = Usage(sum(map(len, prepared.prompts)), completion_tokens, cached_tokens, reasoning_tokens,
+                  sum(out.num_cache_write_tokens for out in outs))
+    return R.response_body(kind, R.new_request_id(kind), prepared.request.model, int(time.time()), choices, usage)
 
 
 class EngineExecutor:

@@ -2,22 +2,20 @@
 are logged. Lines in the error file computed nothing a client is told of, and count none."""
 from __future__ import annotations
 
+from splitserve.api.usage import Usage
+
 
 class BatchUsage:
     def __init__(self):
-        self.input_tokens = self.cached_tokens = self.output_tokens = self.reasoning_tokens = 0
+        self.total = Usage()
 
     def add(self, line: dict) -> None:
         """Count one output line (a 200 response whose body has the endpoint's usage); lines logged
         before usage had its details count none in them."""
         usage = line["response"]["body"]["usage"]
-        self.input_tokens += usage["prompt_tokens"]
-        self.output_tokens += usage["completion_tokens"]
-        self.cached_tokens += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        self.reasoning_tokens += usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
+        prompt, completion = usage.get("prompt_tokens_details", {}), usage.get("completion_tokens_details", {})
+        self.total += Usage(usage["prompt_tokens"], usage["completion_tokens"], prompt.get("cached_tokens", 0),
+                            completion.get("reasoning_tokens", 0), prompt.get("cache_write_tokens", 0))
 
     def body(self) -> dict:
-        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
-                "output_tokens": self.output_tokens,
-                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-                "total_tokens": self.input_tokens + self.output_tokens}
+        return self.total.input_output_body()

@@ -18,6 +18,7 @@ from splitserve.api.choice_text import best_choices, choice_options
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.request_models import GenerationRequest
 from splitserve.api.request_sampling import choice_params
+from splitserve.api.responses_events import ResponseEvents, sse_event
 from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
@@ -38,10 +39,11 @@ class ChoicesResponse:
 
     @property
     def usage(self) -> Usage:
-        """Each prompt (and its cache hit) once, from its first choice; every choice's output and
-        reasoning tokens, returned or not (best_of's are computed too)."""
+        """Each prompt (and its cache hit) once, from its first choice; every choice's output,
+        reasoning tokens and cache writes, returned or not (best_of's are computed too)."""
         firsts, every = sum((g[0].usage for g in self.groups), Usage()), sum((r.usage for r in self.replies), Usage())
-        return Usage(firsts.prompt_tokens, every.completion_tokens, firsts.cached_tokens, every.reasoning_tokens)
+        return Usage(firsts.prompt_tokens, every.completion_tokens, firsts.cached_tokens, every.reasoning_tokens,
+                     every.cache_write_tokens)
 
     async def body(self) -> dict:
         """The whole response body; RequestFailed if a choice failed (the others are stopped). A
@@ -82,6 +84,21 @@ class ChoicesResponse:
             yield R.SSE_DONE
         except RequestFailed as error:
             yield R.sse_error(RequestError(str(error), status=503, type="service_unavailable"))
+
+    async def response_events(self, events: ResponseEvents) -> AsyncIterator[bytes]:
+        """This one choice as a `/v1/responses` stream (`responses_events`)."""
+        for event in events.start():
+            yield sse_event(event)
+        try:
+            async with aclosing(self.replies[0].chunks()) as chunks:
+                async for chunk in chunks:
+                    for event in events.chunk(chunk):
+                        yield sse_event(event)
+            for event in events.finish(self.usage):
+                yield sse_event(event)
+        except RequestFailed as error:
+            for event in events.fail(str(error)):
+                yield sse_event(event)
 
     def _chunks(self, continuous_usage: bool) -> AsyncIterator[dict]:
         """Every choice's chunks; one choice streams straight through, several are interleaved."""

@@ -105,6 +105,7 @@ class Run:
     refusals: int = 0  # reservations token workers refused (the CLS placed by a stale load report)
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None  # from the first attempt that computed them
     cached_tokens: int | None = None  # of the prompt, in the prefix cache of the first attempt that answered
+    cache_write_tokens: int | None = None  # of the prompt, added to that prefix cache by its prefill
     follow: Placement | None = None  # the first attempt goes where this placement went, if it still qualifies
     prefix: PrefixNaming = PrefixNaming()  # how to name the prompt's blocks to the CLS (by default: not at all)
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first token, or when it ends without
@@ -232,7 +233,8 @@ class Run:
                     logprobs = None if delta.logprobs is None else delta.logprobs[seen:]
                     yield self._record(TokenDelta(tuple(new), delta.finish_reason, logprobs=logprobs,
                                                   prompt_logprobs=delta.prompt_logprobs,
-                                                  cached_tokens=delta.cached_tokens))
+                                                  cached_tokens=delta.cached_tokens,
+                                                  cache_write_tokens=delta.cache_write_tokens))
 
     async def _await_first(self) -> TokenDelta:
         task, self._first = self._first, None
@@ -267,7 +269,7 @@ class Run:
         if self.prompt_logprobs is None:
             self.prompt_logprobs = delta.prompt_logprobs
         if self.cached_tokens is None:
-            self.cached_tokens = delta.cached_tokens
+            self.cached_tokens, self.cache_write_tokens = delta.cached_tokens, delta.cache_write_tokens
         self.started.set()
         self.tokens += delta.token_ids
         self.finish_reason = delta.finish_reason

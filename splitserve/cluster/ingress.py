@@ -21,12 +21,15 @@ from splitserve.api import response_bodies as R
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.guard import guard
 from splitserve.api.lazy_grammar import LazyGrammar
-from splitserve.api.prepared_request import prepare_request
+from splitserve.api.prepared_request import PreparedRequest, prepare_request
 from splitserve.api.request_models import check_model, parse_request
+from splitserve.api.responses_bodies import new_id, output_items, response_object, status_of
+from splitserve.api.responses_events import ResponseEvents
+from splitserve.api.responses_request import as_responses_error, chat_body
 from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from splitserve.batch import routes as batch_routes
 from splitserve.cluster.batch_manager import RemoteBatches
-from splitserve.cluster.choices_response import choices_for
+from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
@@ -121,15 +124,55 @@ class Ingress:
     async def chat_completions(self, request: Request):
         return await self._handle(request, "chat")
 
+    @api.post("/v1/responses")
+    async def responses(self, request: Request):
+        """OpenAI's Responses API, answered as the chat completion it asks for (`responses_request`)."""
+        started = time.monotonic()
+        try:
+            ask, chat = await asyncio.to_thread(chat_body, await request.body())
+        except RequestError as error:
+            return error_response(error)
+        try:
+            prepared = await asyncio.to_thread(self._prepare, "chat", chat)
+        except RequestError as error:
+            return error_response(as_responses_error(error))
+        reply = await self._admit("chat", prepared, started)
+        if isinstance(reply, Response):
+            return reply
+        response_id, created = new_id("resp"), int(time.time())
+        if ask.stream:
+            return StreamingResponse(reply.response_events(ResponseEvents(ask, response_id, created)),
+                                     media_type="text/event-stream")
+        try:
+            [choice] = await reply.choices()
+        except RequestFailed as error:
+            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+        return JSONResponse(response_object(ask, response_id, created, status_of(choice["finish_reason"]),
+                                            output_items(choice), reply.usage))
+
     # ---- one request -------------------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):
         started = time.monotonic()
         try:
-            prepared = await asyncio.to_thread(prepare_request, kind, await request.body(), self.tokenizer,
-                                               self.model_names, self.max_model_len, self.limits, self._grammar.check,
-                                               self.config.chat_parsers)
+            prepared = await asyncio.to_thread(self._prepare, kind, await request.body())
         except RequestError as error:
             return error_response(error)
+        reply = await self._admit(kind, prepared, started)
+        if isinstance(reply, Response):
+            return reply
+        body = prepared.request
+        if body.stream:
+            options = body.stream_options
+            stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return await reply.whole()
+
+    def _prepare(self, kind: str, raw: bytes) -> PreparedRequest:
+        return prepare_request(kind, raw, self.tokenizer, self.model_names, self.max_model_len, self.limits,
+                               self._grammar.check, self.config.chat_parsers)
+
+    async def _admit(self, kind: str, prepared: PreparedRequest, started: float) -> ChoicesResponse | Response:
+        """Every prompt's first choice admitted (or none: the refusal), and the response they make."""
         workers = await self._workers()
         self._observations.start(workers.cls)
         rid = R.new_request_id(kind)
@@ -147,14 +190,8 @@ class Ingress:
             if admitted < len(leaders):  # every prompt's first choice runs, or none
                 for earlier in leaders[:admitted]:
                     await earlier.abort()
-        body = prepared.request
-        reply = choices_for(kind, body, leaders, self.tokenizer, started, self._observations.add,
-                            parsers=self.config.chat_parsers)
-        if body.stream:
-            options = body.stream_options
-            stream = reply.sse(bool(options and options.include_usage), bool(options and options.continuous_usage_stats))
-            return StreamingResponse(stream, media_type="text/event-stream")
-        return await reply.whole()
+        return choices_for(kind, prepared.request, leaders, self.tokenizer, started, self._observations.add,
+                           parsers=self.config.chat_parsers)
 
     def _refusal(self, error: RequestFailed | Overloaded, run: Run) -> Response:
         """A 503 for a request no worker could run, a 429 with Retry-After when the cluster is full."""

@@ -69,10 +69,10 @@ class RunResponse:
 
     @property
     def usage(self) -> Usage:
-        """This choice's prompt, output, cached prompt and reasoning tokens (no cache hit known
-        before its first token)."""
+        """This choice's prompt, output, cached prompt and reasoning tokens (no cache hit or write
+        known before its first token)."""
         return Usage(len(self.run.prompt), self.completion_tokens, self.run.cached_tokens or 0,
-                     self.choice.reasoning_tokens)
+                     self.choice.reasoning_tokens, self.run.cache_write_tokens or 0)
 
     def take_logprobs(self) -> dict | None:
         return self.choice.take_logprobs()

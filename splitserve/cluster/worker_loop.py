@@ -56,6 +56,7 @@ class TokenDelta:
     # with a request's first token, when asked for: per prompt position (None at 0), the same shape
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
     cached_tokens: int | None = None  # with a request's first delta: prompt tokens the prefix cache held
+    cache_write_tokens: int | None = None  # ... and those its prefill added to the prefix cache
 
     @property
     def final(self) -> bool:
@@ -343,9 +344,11 @@ class WorkerLoop:
         logprobs = out.outputs[0].logprobs
         # the engine's lists are live: a step after this output was made may have appended to them
         logprobs = None if logprobs is None else tuple(logprobs[sent:len(out.token_ids)])
-        prompt_logprobs = tuple(out.prompt_logprobs) if sent == 0 and out.prompt_logprobs is not None else None
+        first = sent == 0  # the prompt's facts travel with a request's first delta
+        prompt_logprobs = tuple(out.prompt_logprobs) if first and out.prompt_logprobs is not None else None
         sink(TokenDelta(new, out.finish_reason if out.finished else None, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs, cached_tokens=out.num_cached_tokens if sent == 0 else None))
+                        prompt_logprobs=prompt_logprobs, cached_tokens=out.num_cached_tokens if first else None,
+                        cache_write_tokens=out.num_cache_write_tokens if first else None))
 
     def _fail(self, request_id: str, message: str) -> None:
         sink = self._sinks.get(request_id)

@@ -316,7 +316,10 @@ class BlockManager:
             parent = hash(key)  # the chain follows content, registered or not
             for group, table in enumerate(held.tables):
                 if i >= held.released[group]:  # an import's windowed tables reserve no block out of reach
-                    register(group, table[i], key, parent)
+                    written = register(group, table[i], key, parent)
+                    if written and not group and (i + 1) * self.block_size <= seq.num_prompt_tokens \
+                            and not seq.num_preemptions:
+                        seq.num_cache_write_tokens += self.block_size
         if full > held.done:
             held.done, held.parent = full, parent
 

@@ -47,20 +47,21 @@ class BlockPool:
         block_id = self.cached[group].get(key_hash)
         return block_id if block_id is not None and self.hashed[block_id].key == key else None
 
-    def register(self, group: int, block_id: int, key: tuple, key_hash: int) -> None:
+    def register(self, group: int, block_id: int, key: tuple, key_hash: int) -> bool:
         """Cache a held block under `key`, unless the group caches that content already (then it
-        stays private)."""
+        stays private); whether it was cached."""
         cached = self.cached[group]
         if key_hash in cached:
-            return
+            return False
         self.hashed[block_id] = CachedBlock(key, group)
         cached[key_hash] = block_id
         if group:
-            return
+            return True
         if key_hash in self._evicted:
             self._evicted.discard(key_hash)
         else:
             self._newly_cached[key_hash] = None
+        return True
 
     def take_fresh(self, count: int) -> list[int]:
         """`count` free blocks for new content: fresh ones first, then evicted ones (their cache

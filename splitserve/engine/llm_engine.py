@@ -269,4 +269,5 @@ class LLMEngine:
         text = "" if detokenizer is None else detokenizer.text
         completion = CompletionOutput(0, text, req.output_ids, seq.finish_reason, req.logprobs, req.timestamps)
         return RequestOutput(seq.seq_id, req.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             seq.arrival_time, seq.num_cached_tokens, seq.first_scheduled_time, req.prompt_logprobs)
+                             seq.arrival_time, seq.num_cached_tokens, seq.num_cache_write_tokens,
+                             seq.first_scheduled_time, req.prompt_logprobs)

@@ -28,6 +28,7 @@ class RequestOutput:
     finished: bool
     arrival_time: float
     num_cached_tokens: int = 0
+    num_cache_write_tokens: int = 0  # prompt tokens its prefill added to the prefix cache
     first_scheduled_time: float | None = None  # time.monotonic() of its first step (None: imported KV)
     # per prompt position: {token id: logprob}, the prompt's token included; None at position 0.
     # None when not asked for, and on a token worker (the prompt worker computed them)

@@ -33,6 +33,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at the first allocation (what usage reports cached)
+    num_cache_write_tokens: int = 0  # prompt tokens its first prefill added to the prefix cache (whole blocks)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0

@@ -15,7 +15,7 @@ def batch_lines(n: int, max_tokens: int = 4) -> list[dict]:
             for i in range(n)]
 
 
-LINE_USAGE = Usage(prompt_tokens=90, completion_tokens=4, cached_tokens=80, reasoning_tokens=1)
+LINE_USAGE = Usage(prompt_tokens=90, completion_tokens=4, cached_tokens=64, reasoning_tokens=1, cache_write_tokens=16)
 
 
 def answered(custom_id: str) -> dict:
@@ -83,10 +83,10 @@ def option_lines() -> dict[str, list[dict]]:
 
 def comparable(body: dict) -> dict:
     """A response body without what differs between two answers to one request: its id, creation
-    time and tool call ids."""
+    time and tool call ids, and the prefix cache's part in its usage (what ran before decides it)."""
     def strip(value):
         if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in ("id", "created")}
+            return {k: strip(v) for k, v in value.items() if k not in ("id", "created", "prompt_tokens_details")}
         if isinstance(value, list):
             return [strip(v) for v in value]
         return value

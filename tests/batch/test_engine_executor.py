@@ -85,7 +85,7 @@ def test_several_prompts_are_answered_prompt_by_prompt(llm, results):
         texts.append(echo + best.text)
     assert [c["index"] for c in got["choices"]] == [0, 1] and [c["text"] for c in got["choices"]] == texts
     assert got["usage"] == {"prompt_tokens": 14 + 3, "completion_tokens": 4 * 5, "total_tokens": 37,
-                            "prompt_tokens_details": {"cached_tokens": 0},  # neither prompt fills a block
+                            "prompt_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},  # no full block
                             "completion_tokens_details": {"reasoning_tokens": 0}}
 
 

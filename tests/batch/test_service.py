@@ -282,6 +282,7 @@ def assert_usage_of_lines(batch: dict, lines: int) -> None:
         lines * LINE_USAGE.prompt_tokens, lines * LINE_USAGE.completion_tokens,
         lines * (LINE_USAGE.prompt_tokens + LINE_USAGE.completion_tokens))
     assert usage.input_tokens_details.cached_tokens == lines * LINE_USAGE.cached_tokens
+    assert usage.input_tokens_details.cache_write_tokens == lines * LINE_USAGE.cache_write_tokens
     assert usage.output_tokens_details.reasoning_tokens == lines * LINE_USAGE.reasoning_tokens
 
 

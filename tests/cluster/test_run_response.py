@@ -26,7 +26,7 @@ class ScriptedRun:
         self.request_id, self.prompt, self.tokens, self.params = "cmpl-test", PROMPT, [], params
         self._deltas, self._error, self.aborted = deltas, error, False
         self.finish_reason, self.failures, self.refusals, self.prompt_logprobs = None, 0, 0, None
-        self.cached_tokens = None
+        self.cached_tokens = self.cache_write_tokens = None
 
     async def deltas(self):
         for delta in self._deltas:
@@ -34,7 +34,7 @@ class ScriptedRun:
                 return
             self.tokens += delta.token_ids
             if self.cached_tokens is None:
-                self.cached_tokens = delta.cached_tokens
+                self.cached_tokens, self.cache_write_tokens = delta.cached_tokens, delta.cache_write_tokens
             yield delta
         if self._error:
             raise self._error
@@ -172,7 +172,7 @@ def test_several_prompts_number_their_choices_by_prompt_and_best_of_picks_within
     body = asyncio.run(best.body())
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "bb"), (1, "cc")]
     assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14,
-                             "prompt_tokens_details": {"cached_tokens": 3},
+                             "prompt_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0},
                              "completion_tokens_details": {"reasoning_tokens": 0}}
     # n 2, streamed: prompt k's choices are 2k and 2k + 1
     streamed = ChoicesResponse([group(0, ["aa", "bb"], [0.0, 0.0], 2), group(1, ["cc", "dd"], [0.0, 0.0], 2)], 2)
@@ -182,7 +182,8 @@ def test_several_prompts_number_their_choices_by_prompt_and_best_of_picks_within
         [choice] = event["choices"]
         texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {0: "aa", 1: "bb", 2: "cc", 3: "dd"}
-    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 3} and done == "[DONE]"
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 3, "cache_write_tokens": 0}
+    assert done == "[DONE]"
 
 
 def reading_reply(output: str, **options) -> ChoicesResponse:

@@ -164,24 +164,27 @@ def test_disaggregated_request_equals_offline(pair, offline, prompt, layerwise):
     want = offline(prompt)
     assert tokens(deltas) == want and deltas[-1].finish_reason == "length"
     assert deltas[0].token_ids[0] == want[0]
-    assert prompt_sink.next() == TokenDelta((want[0],), cached_tokens=0)
+    assert prompt_sink.next() == TokenDelta((want[0],), cached_tokens=0,
+                                            cache_write_tokens=len(prompt) // BLOCK * BLOCK)
     assert_clean(pair.prompt)
     assert_clean(pair.token)
     assert prompt_sink.pending() == []  # the first token was all the prompt worker sent
 
 
 def test_the_first_delta_names_the_prompt_tokens_the_prefix_cache_held(pair, offline):
-    """Usage's cached_tokens: the first delta of a request (the prompt worker's first token when
-    disaggregated) carries its prefill's prefix-cache hit, every later delta None."""
+    """Usage's cached_tokens and cache_write_tokens: the first delta of a request (the prompt
+    worker's first token when disaggregated) carries its prefill's prefix-cache hit and the prompt
+    tokens it added to the cache, every later delta None."""
     for turn, hit in enumerate((0, 3 * BLOCK)):  # LONG is 60 tokens: 3 full blocks come back
         ticket, prompt_sink, token_sink = pair.disaggregate(f"d{turn}", LONG)
         assert ticket.start_token == hit  # the token worker holds them too: they do not travel again
-        assert prompt_sink.next() == TokenDelta((offline(LONG)[0],), cached_tokens=hit)
+        assert prompt_sink.next() == TokenDelta((offline(LONG)[0],), cached_tokens=hit,
+                                                cache_write_tokens=3 * BLOCK - hit)
         assert tokens(token_sink.until_final()) == offline(LONG)
         sink = Sink()
         run(pair.token, pair.token.generate, f"l{turn}", FORTY, GREEDY, sink)
         deltas = sink.until_final()
-        assert deltas[0].cached_tokens == (0, 2 * BLOCK)[turn]  # 40 tokens: 2 full blocks
+        assert (deltas[0].cached_tokens, deltas[0].cache_write_tokens) == ((0, 2 * BLOCK), (2 * BLOCK, 0))[turn]
         assert tokens(deltas) == offline(FORTY) and {d.cached_tokens for d in deltas[1:]} == {None}
 
 

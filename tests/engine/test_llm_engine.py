@@ -143,15 +143,16 @@ def test_prefix_caching_reuses_blocks_and_keeps_outputs():
     second = shared + [rng.randrange(256) for _ in range(10)]
     engine = LLMEngine(**ENGINE)
     out1 = run_engine(engine, {"a": (first, GREEDY)})["a"]
-    assert out1.num_cached_tokens == 0
+    assert (out1.num_cached_tokens, out1.num_cache_write_tokens) == (0, 96)  # its 103 tokens fill 6 blocks
     hits = engine.block_manager.num_cache_hit_blocks
     out2 = run_engine(engine, {"b": (second, GREEDY)})["b"]
     assert out2.num_cached_tokens == 96  # six full blocks of 16 of the shared 100 tokens
+    assert out2.num_cache_write_tokens == 0  # its 110 tokens: the same 6 full blocks, a 7th partial one
     assert engine.block_manager.num_cache_hit_blocks == hits + 6
     assert_all_free(engine)
     fresh = LLMEngine(enable_prefix_caching=False, **ENGINE)
     want = run_engine(fresh, {"b": (second, GREEDY)})["b"]
-    assert want.num_cached_tokens == 0 and fresh.block_manager.num_cache_hit_blocks == 0
+    assert want.num_cached_tokens == want.num_cache_write_tokens == 0 and fresh.block_manager.num_cache_hit_blocks == 0
     assert out2.token_ids == want.token_ids
     # the very same prompt again: all but its last block come from the cache
     out3 = run_engine(engine, {"c": (second, GREEDY)})["c"]

@@ -1,0 +1,74 @@
+"""OpenAI's Response object and its output items, made from the chat choice that answered a
+`/v1/responses` request: the choice's reasoning is a `reasoning` item, its text a `message` item
+(one `output_text` part), each of its tool calls a `function_call` item, in that order. A choice
+cut by the length limit makes the response `incomplete` (`max_output_tokens`)."""
+from __future__ import annotations
+
+import uuid
+
+from splitserve.api.responses_request import NamedFunction, ResponsesRequest
+from splitserve.api.usage import Usage
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def status_of(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def response_object(request: ResponsesRequest, response_id: str, created: int, status: str, output: list[dict],
+                    usage: Usage | None = None, error: dict | None = None) -> dict:
+    """The Response object in `status` ("in_progress", "completed", "incomplete", "failed"); it
+    repeats the request's settings as OpenAI's does."""
+    choice = request.tool_choice
+    text_format = request.text.format if request.text is not None and request.text.format is not None else None
+    return {
+        "id": response_id, "object": "response", "created_at": created, "status": status, "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+        "model": request.model, "output": output,
+        "parallel_tool_calls": request.parallel_tool_calls is not False, "previous_response_id": None,
+        "reasoning": {"effort": request.reasoning and request.reasoning.effort, "summary": None},
+        "store": False, "temperature": request.temperature, "top_p": request.top_p,
+        "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
+                 else {"type": "text"}},
+        "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else choice or "auto",
+        "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()],
+        "truncation": "disabled", "usage": None if usage is None else usage.input_output_body(),
+        "metadata": request.metadata or {}, "user": request.user,
+    }
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict:
+    """An assistant message; `text` None: its part is not opened yet (a stream's first event)."""
+    content = [] if text is None else [output_text(text)]
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def output_items(choice: dict) -> list[dict]:
+    """A whole chat choice's message as output items."""
+    message, status = choice["message"], status_of(choice["finish_reason"])
+    items = []
+    if message.get("reasoning") is not None:
+        items.append(reasoning_item(new_id("rs"), message["reasoning"], "completed"))
+    if message.get("content"):
+        items.append(message_item(new_id("msg"), message["content"], status))
+    items += [function_call_item(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"],
+                                 "completed") for call in message.get("tool_calls") or ()]
+    return items

@@ -1,0 +1,263 @@
+"""OpenAI's `/v1/responses` request, taken as the chat completion it asks for: `to_chat` turns its
+instructions and input items into chat messages, its function tools, `text.format` and
+`reasoning.effort` into the chat fields, so one validated path (`prepare_request("chat", ...)`)
+tokenizes and bounds both. A chat field a refusal names is named back as this request's field
+(`chat_param`).
+
+This server keeps no responses: `previous_response_id` and `background` are refused (send the
+whole conversation in `input`), and `store` is accepted as chat's is. Input is text: an image or
+file part is a 400 naming it. A reasoning item sent back in `input` is the thinking of the
+assistant turn it precedes, as the chat template sees an assistant message's `reasoning`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from splitserve.api.errors import RequestError
+from splitserve.api.request_models import NOT_SUPPORTED, only_values, parse_request
+from splitserve.api.strict_model import STRICT
+from splitserve.api.tool_models import MAX_TOOLS, FunctionDefinition
+
+MAX_INPUT_ITEMS = 2048  # every item is a chat message at most: the chat bounds (max_chat_messages) apply too
+
+
+class InputText(BaseModel):
+    """A text part of an input message (`input_text`; `output_text` in an earlier answer)."""
+    model_config = ConfigDict(extra="ignore", strict=True)  # an output_text's annotations and logprobs say nothing
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+def _text_parts(value):
+    """Names the first part that is not text (an image, a file) rather than pydantic's union error."""
+    for part in value if isinstance(value, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in ("input_text", "output_text"):
+            raise ValueError(f"only text content parts are supported, got a part of type {kind!r}")
+    return value
+
+
+TextContent = Annotated[str | list[InputText], BeforeValidator(_text_parts)]
+
+
+class Item(BaseModel):
+    """An input item; one an earlier response output and the client sent back has its id and status."""
+    model_config = STRICT
+    id: str | None = None
+    status: str | None = None
+
+
+class MessageItem(Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: TextContent
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(Item):
+    """A call the model made in an earlier turn."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(Item):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: TextContent
+
+
+class ReasoningText(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(Item):
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: Annotated[str | None, only_values(None, reason="this server writes no encrypted reasoning")
+                                 ] = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in (self.content or self.summary))
+
+
+def _typed(item):
+    """A message may leave its type out (`{"role": "user", "content": "Hi"}`, as clients send it)."""
+    return {**item, "type": "message"} if isinstance(item, dict) and "type" not in item and "role" in item else item
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      Field(discriminator="type"), BeforeValidator(_typed)]
+
+
+def _as_items(value):
+    """A string input is one user message."""
+    return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
+class FunctionTool(FunctionDefinition):
+    """A function offered, as the Responses API spells it (chat's definition with its type beside)."""
+    type: Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_function(cls, value):
+        """Names a hosted tool (web_search, file_search, ...) rather than the fields it lacks."""
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind != "function":
+            raise ValueError(f"only function tools are supported, got a tool of type {kind!r}")
+        return value
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: Annotated[dict | None, Field(alias="schema")] = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextOptions(BaseModel):
+    model_config = STRICT
+    format: TextFormat | None = None
+
+
+class ReasoningOptions(BaseModel):
+    model_config = STRICT
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: Annotated[str | None, only_values(None, reason="this server writes no reasoning summaries")] = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = STRICT
+    model: str
+    input: Annotated[list[InputItem], BeforeValidator(_as_items), Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    stream: bool | None = False
+    tools: Annotated[list[FunctionTool] | None, Field(max_length=MAX_TOOLS)] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    # accepted and ignored, as chat's: they ask nothing of the output (prefix caching needs no key)
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    truncation: Annotated[str | None, only_values(None, "disabled", reason="only 'disabled' is supported")] = None
+    previous_response_id: Annotated[str | None, only_values(
+        None, reason="this server keeps no responses; send the conversation in input")] = None
+    background: Annotated[bool | None, only_values(None, False, reason=NOT_SUPPORTED)] = None
+    include: Annotated[list[str] | None, only_values(None, [], reason=NOT_SUPPORTED)] = None
+    top_logprobs: Annotated[int | None, only_values(None, 0, reason=NOT_SUPPORTED)] = None
+
+    def to_chat(self) -> dict[str, Any]:
+        """The chat completions body this request asks for (streamed with its usage when streamed)."""
+        chat = {"model": self.model, "messages": self.messages(), "temperature": self.temperature,
+                "top_p": self.top_p, "max_completion_tokens": self.max_output_tokens, "stream": self.stream,
+                "parallel_tool_calls": self.parallel_tool_calls, "metadata": self.metadata, "user": self.user,
+                "store": self.store, "service_tier": self.service_tier,
+                "reasoning_effort": self.reasoning and self.reasoning.effort}
+        if self.tools:
+            chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+        if isinstance(self.tool_choice, NamedFunction):
+            chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        else:
+            chat["tool_choice"] = self.tool_choice
+        if self.text is not None and self.text.format is not None:
+            chat["response_format"] = _response_format(self.text.format)
+        return {key: value for key, value in chat.items() if value is not None}
+
+    def messages(self) -> list[dict]:
+        """Instructions as the system message, then the input's items as chat messages: an assistant
+        turn's reasoning, text and calls (consecutive items) make one assistant message."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        turn: dict | None = None  # the assistant message being gathered
+        for item in self.input:
+            if isinstance(item, (ReasoningItem, FunctionCallItem)) or (isinstance(item, MessageItem)
+                                                                        and item.role == "assistant"):
+                if turn is None:
+                    turn = {"role": "assistant", "content": None}
+                    messages.append(turn)
+                _add_to_turn(turn, item)
+                continue
+            turn = None
+            if isinstance(item, FunctionCallOutputItem):
+                output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            else:
+                messages.append({"role": item.role, "content": item.text()})
+        return messages
+
+
+def _add_to_turn(turn: dict, item: ReasoningItem | FunctionCallItem | MessageItem) -> None:
+    if isinstance(item, ReasoningItem):
+        turn["reasoning"] = turn.get("reasoning", "") + item.text()
+    elif isinstance(item, FunctionCallItem):
+        call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        turn.setdefault("tool_calls", []).append(call)
+    else:
+        turn["content"] = (turn["content"] or "") + item.text()
+
+
+def _response_format(text_format: TextFormat) -> dict:
+    if text_format.type != "json_schema":
+        return {"type": text_format.type}
+    schema = {"name": text_format.name, "schema": text_format.schema_, "description": text_format.description,
+              "strict": text_format.strict}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+
+
+# the chat field a refusal names -> this request's
+_PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
+           ("reasoning_effort", "reasoning.effort"), ("tools", "tools"))
+
+
+def chat_param(param: str | None) -> str | None:
+    """The field of a Responses request that a refusal of its chat body names (`messages.2.content`
+    is somewhere in `input`; `tools.0.function.name` is `tools.0.name`)."""
+    if param is None:
+        return None
+    for chat, ours in _PARAMS:
+        if param == chat or param.startswith(chat + "."):
+            if chat == "messages":
+                return ours
+            return ours + param[len(chat):].replace(".function.", ".").replace(".json_schema.", ".")
+    return param
+
+
+def as_responses_error(error: RequestError) -> RequestError:
+    """A refusal of the chat body, naming this request's field instead of the chat one."""
+    param = chat_param(error.param)
+    message = error.message
+    if error.param is not None and message.startswith(error.param):
+        message = param + message[len(error.param):]
+    return RequestError(message, error.status, param, error.type, error.code)
+
+
+def chat_body(raw: bytes) -> tuple[ResponsesRequest, bytes]:
+    """The validated request and its chat body (JSON), from an HTTP body; RequestError on a bad one."""
+    request = parse_request(ResponsesRequest, raw)
+    return request, json.dumps(request.to_chat()).encode()

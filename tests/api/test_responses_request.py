@@ -1,0 +1,98 @@
+"""A `/v1/responses` request as the chat completion it asks for, built from the bodies the official
+`openai` client sends (its `responses.create` through a transport that keeps the body)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from splitserve.api.errors import RequestError
+from splitserve.api.responses_request import as_responses_error, chat_body
+
+ADD = {"type": "function", "name": "add", "description": "Add two numbers",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "strict": True}
+
+
+def sent_body(**create) -> bytes:
+    """The body `client.responses.create(**create)` sends."""
+    sent = []
+
+    def keep(request: httpx.Request) -> httpx.Response:
+        sent.append(request.content)
+        return httpx.Response(400, json={"error": {"message": "kept", "type": "invalid_request_error"}})
+
+    client = openai.OpenAI(base_url="http://test/v1", api_key="unused", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(keep)))
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="demo", **create)
+    return sent[0]
+
+
+def chat_of(**create) -> dict:
+    return json.loads(chat_body(sent_body(**create))[1])
+
+
+def test_a_string_input_with_instructions_is_a_system_and_a_user_message():
+    chat = chat_of(input="Hi", instructions="Be brief.", max_output_tokens=7, temperature=0.5, top_p=0.9)
+    assert chat == {"model": "demo", "messages": [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "Hi"}],
+                    "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "stream": False}
+
+
+def test_an_earlier_turn_sent_back_is_one_assistant_message_with_its_reasoning_and_calls():
+    conversation = [
+        {"role": "developer", "content": "Use the tools."},
+        {"role": "user", "content": [{"type": "input_text", "text": "2 + 3"}, {"type": "input_text", "text": "?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Add."}]},
+        {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "Adding.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "add", "arguments": '{"a": 2}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+    ]
+    chat = chat_of(input=conversation, tools=[ADD], tool_choice={"type": "function", "name": "add"},
+                   reasoning={"effort": "low"}, parallel_tool_calls=False)
+    assert chat["messages"] == [
+        {"role": "developer", "content": "Use the tools."},
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": "Adding.", "reasoning": "Add.",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    assert chat["tools"] == [{"type": "function", "function": {k: v for k, v in ADD.items() if k != "type"}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "add"}}
+    assert chat["reasoning_effort"] == "low" and chat["parallel_tool_calls"] is False
+
+
+def test_text_format_is_chats_response_format():
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    chat = chat_of(input="x", text={"format": {"type": "json_schema", "name": "pt", "schema": schema, "strict": True}})
+    assert chat["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "pt", "schema": schema, "strict": True}}
+    assert chat_of(input="x", text={"format": {"type": "json_object"}})["response_format"] == {"type": "json_object"}
+
+
+@pytest.mark.parametrize("create, param", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+     "input.0.message.content"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input.0"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": "x", "extra_body": {"n": 2}}, "n"),
+])
+def test_what_this_server_cannot_honour_is_a_400_naming_the_field(create, param):
+    with pytest.raises(RequestError) as refused:
+        chat_body(sent_body(**create))
+    assert refused.value.param == param and refused.value.status == 400
+
+
+def test_a_refusal_of_the_chat_body_names_the_responses_field():
+    error = as_responses_error(RequestError("max_completion_tokens: must be at least 1", param="max_completion_tokens"))
+    assert (error.param, error.message) == ("max_output_tokens", "max_output_tokens: must be at least 1")
+    assert as_responses_error(RequestError("messages.3.content: too long", param="messages.3.content")).param == "input"
+    assert as_responses_error(RequestError("x", param="tools.1.function.parameters")).param == "tools.1.parameters"
+    schema = RequestError("x", param="response_format.json_schema.schema")
+    assert as_responses_error(schema).param == "text.format.schema"

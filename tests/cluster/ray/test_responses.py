@@ -1,0 +1,69 @@
+"""OpenAI's Responses API (`/v1/responses`) through a real local cluster, with the official `openai`
+client: a response is the chat completion it asks for (text, status, usage), streamed as events the
+client's stream helper accepts; a forced function call comes back as a `function_call` item, and
+its output sent back in `input` continues the conversation; `text.format` holds the output to a
+schema; what this server cannot honour is a 400 naming the field."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+ADD = {"type": "function", "name": "add", "description": "Add two numbers",
+       "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                      "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}}}}
+ASK = "What is 2 + 3?"
+
+
+def test_a_response_is_the_chat_completion_it_asks_for(client):
+    chat = client.chat.completions.create(model="demo", max_completion_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK}])
+    got = client.responses.create(model="demo", instructions="Be brief.", input=ASK, max_output_tokens=12,
+                                  temperature=0)
+    [choice] = chat.choices
+    assert got.output_text == choice.message.content and got.id.startswith("resp_")
+    assert got.status == ("incomplete" if choice.finish_reason == "length" else "completed")
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    events = list(client.responses.create(model="demo", instructions="Be brief.", input=ASK, max_output_tokens=12,
+                                          temperature=0, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{got.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == got.output_text
+    assert events[-1].response.usage.output_tokens == got.usage.output_tokens
+
+
+def test_a_forced_call_streamed_then_its_output_sent_back(client):
+    args = dict(model="demo", tools=[ADD], tool_choice={"type": "function", "name": "add"}, max_output_tokens=120)
+    with client.responses.stream(input=ASK, **args) as stream:
+        final = stream.get_final_response()  # the helper rebuilds it from the events, in order
+    [call] = [item for item in final.output if item.type == "function_call"]
+    assert call.name == "add" and call.call_id.startswith("call_") and final.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), ADD["parameters"])
+    turn = [{"role": "user", "content": ASK}, {"type": "function_call", "call_id": call.call_id, "name": "add",
+                                               "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
+    answer = client.responses.create(model="demo", input=turn, tools=[ADD], max_output_tokens=8, temperature=0)
+    assert answer.usage.input_tokens > final.usage.input_tokens  # the call and its output are in the prompt
+
+
+def test_text_format_holds_the_output_to_its_schema(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
+              "properties": {"answer": {"enum": ["yes", "no"]}}}
+    got = client.responses.create(model="demo", input="Is 2 + 3 five?", max_output_tokens=40, temperature=0,
+                                  text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    jsonschema.validate(json.loads(got.output_text), schema)
+
+
+@pytest.mark.parametrize("create, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+     "input.0.message.content"),
+])
+def test_what_this_server_cannot_honour_is_a_400_naming_the_field(client, create, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**{"model": "demo", "input": ASK, **create})
+    assert refused.value.param == param
