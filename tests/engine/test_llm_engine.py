@@ -159,6 +159,15 @@ def test_prefix_caching_reuses_blocks_and_keeps_outputs():
     assert out3.num_cached_tokens == 96 and out3.token_ids == want.token_ids
 
 
+def test_one_prompt_prefilled_twice_at_once_writes_its_blocks_to_the_cache_once():
+    """Usage's cache_write_tokens: neither finds the other's blocks cached (they are computed in
+    the same step), and only the first to finish its blocks adds them."""
+    prompt = [(3 * i + 1) % 256 for i in range(40)]  # 2 full blocks of 16
+    outs = run_engine(LLMEngine(**ENGINE), {"a": (prompt, GREEDY), "b": (prompt, GREEDY)})
+    assert [outs[r].num_cached_tokens for r in "ab"] == [0, 0]
+    assert sorted(outs[r].num_cache_write_tokens for r in "ab") == [0, 32]
+
+
 # ---------------------------------------------------------------------------------------------
 # abort and capacity
 # ---------------------------------------------------------------------------------------------
