@@ -83,7 +83,8 @@ def run(args) -> dict:
     if args.capacity:
         return _capacity(args, target, workload, slo, baseline, out)
     records, summary = asyncio.run(run_once(target, workload, slo, baseline, not args.no_progress))
-    summary["workload"] = {k: v for k, v in vars(args).items() if k not in ("api_key", "run")}
+    # the arguments, but the key and the callables a command line sets (`splitserve bench`'s run, make_runner)
+    summary["workload"] = {k: v for k, v in vars(args).items() if k != "api_key" and not callable(v)}
     write_outputs(out, records, summary, f"{args.trace} at {args.rate or 'trace'} req/s")
     print(markdown_table(summary))
     print(f"results in {out}/ (summary.json, requests.jsonl, report.md, plots)")

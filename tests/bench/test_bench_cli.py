@@ -48,6 +48,18 @@ def test_bench_replays_the_mooncake_trace_with_its_shared_prefixes(server, tmp_p
     assert summary["prompt_cached_share"] == sum(cached) / sum(r["prompt_tokens"] for r in records)
 
 
+def test_the_splitserve_command_runs_the_bench_as_python_m_does(server, tmp_path):
+    """`splitserve bench` (the README's command) writes the same outputs as `python -m splitserve.bench`."""
+    from splitserve.cli import main as splitserve
+
+    out = tmp_path / "command"
+    assert splitserve(["bench", "--url", server, "--trace", "fixed", "--prompt-tokens", "32", "--output-tokens", "4",
+                       "--num-requests", "3", "--rate", "6", "--no-calibrate", "--no-progress", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    check_summary(summary, 3)
+    assert summary["workload"]["trace"] == "fixed" and "api_key" not in summary["workload"]
+
+
 def test_capacity_search_probes_rates(server, tmp_path):
     out = tmp_path / "capacity"
     code = main(["--url", server, "--trace", "fixed", "--prompt-tokens", "32", "--output-tokens", "8",
