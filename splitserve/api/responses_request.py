@@ -173,7 +173,7 @@ class ResponsesRequest(BaseModel):
     top_logprobs: Annotated[int | None, only_values(None, 0, reason=NOT_SUPPORTED)] = None
 
     def to_chat(self) -> dict[str, Any]:
-        """The chat completions body this request asks for (streamed with its usage when streamed)."""
+        """The chat completions body this request asks for."""
         chat = {"model": self.model, "messages": self.messages(), "temperature": self.temperature,
                 "top_p": self.top_p, "max_completion_tokens": self.max_output_tokens, "stream": self.stream,
                 "parallel_tool_calls": self.parallel_tool_calls, "metadata": self.metadata, "user": self.user,
