@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from splitserve.api import response_bodies as R
 from splitserve.api.chat_parsers import ChatParsers
-from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import PreparedRequest
 from splitserve.api.usage import Usage
@@ -146,4 +145,4 @@ async def _after_first_token(run: Run, then: Callable[[], None]) -> None:
 
 def _failed_line(line: BatchLine, failure: RequestFailed) -> dict:
     """A line the cluster could not finish (every attempt failed): a 503, as the API answers."""
-    return error_line(line.custom_id, RequestError(str(failure), 503, type="service_unavailable"))
+    return error_line(line.custom_id, failure.as_error())

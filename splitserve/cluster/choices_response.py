@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from splitserve.api import response_bodies as R
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.choice_text import best_choices, choice_options
-from splitserve.api.errors import RequestError, error_response
+from splitserve.api.errors import error_response
 from splitserve.api.request_models import GenerationRequest
 from splitserve.api.request_sampling import choice_params
 from splitserve.api.responses_events import ResponseEvents, sse_event
@@ -70,7 +70,7 @@ class ChoicesResponse:
         try:
             return JSONResponse(await self.body())
         except RequestFailed as error:
-            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+            return error_response(error.as_error())
 
     async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
         """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
@@ -83,7 +83,7 @@ class ChoicesResponse:
                 yield R.sse_event(R.usage_chunk(self.kind, self.response_id, self.model, self.created, self.usage))
             yield R.SSE_DONE
         except RequestFailed as error:
-            yield R.sse_error(RequestError(str(error), status=503, type="service_unavailable"))
+            yield R.sse_error(error.as_error())
 
     async def response_events(self, events: ResponseEvents) -> AsyncIterator[bytes]:
         """This one choice as a `/v1/responses` stream (`responses_events`)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
+from splitserve.api.errors import RequestError
 from splitserve.cluster.background import background
 from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken, detached
 from splitserve.cluster.worker_loop import TokenDelta
@@ -51,6 +52,10 @@ class _Refused(Overloaded):
 
 class RequestFailed(Exception):
     """The request could not be completed (its attempts ran out)."""
+
+    def as_error(self) -> RequestError:
+        """What the client is told: a 503, as the API answers a request no worker could finish."""
+        return RequestError(str(self), status=503, type="service_unavailable")
 
 
 class _AttemptFailed(Exception):

@@ -146,7 +146,7 @@ class Ingress:
         try:
             [choice] = await reply.choices()
         except RequestFailed as error:
-            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+            return error_response(error.as_error())
         return JSONResponse(response_object(ask, response_id, created, status_of(choice["finish_reason"]),
                                             output_items(choice), reply.usage))
 
@@ -198,7 +198,7 @@ class Ingress:
         if isinstance(error, RequestFailed):
             self._observations.add(RequestObservation("failed", len(run.prompt), restarts=run.failures,
                                                       refused_placements=run.refusals))
-            return error_response(RequestError(str(error), status=503, type="service_unavailable"))
+            return error_response(error.as_error())
         self._observations.add(RequestObservation("rejected", len(run.prompt), refused_placements=run.refusals))
         retry = self.config.ingress.retry_after_s
         return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
