@@ -1,6 +1,7 @@
 """A generation body taken as its endpoint takes it, by the ingress and by batch lines alike: parsed
 and validated, the model name and the bounds checked, every prompt tokenized (a chat's through its
-template; completions may send several) with its own sampling settings."""
+template; completions may send several) with its own sampling settings. A `/v1/responses` body is
+prepared as the chat completion it asks for (`responses_request`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from splitserve.api.request_models import (
 )
 from splitserve.api.reasoning import GPT_OSS, constraint_thinking
 from splitserve.api.request_sampling import sampling_params
+from splitserve.api.responses_request import ResponsesRequest, as_responses_error, chat_body
 from splitserve.api.tool_calls import MISTRAL
 from splitserve.engine.output_constraint import HARMONY, OutputConstraint
 from splitserve.engine.sampling_params import SamplingParams
@@ -32,6 +34,7 @@ class PreparedRequest:
     request: GenerationRequest  # the body, validated
     prompts: list[list[int]]  # each prompt's token ids, in the request's order
     params: list[SamplingParams]  # each prompt's settings (its max_tokens default depends on its length)
+    responses: ResponsesRequest | None = None  # the Responses request `request` is the chat of, if any
 
     @property
     def num_runs(self) -> int:
@@ -42,12 +45,19 @@ class PreparedRequest:
 def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ...], max_model_len: int,
                     limits: RequestLimits, check_constraint: ConstraintCheck | None = None,
                     parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
-    """`kind`: "completion" or "chat"; RequestError (a 4xx naming the field) on a bad body.
+    """`kind`: "completion", "chat" or "responses"; RequestError (a 4xx naming the field) on a bad body.
     `check_constraint` compiles a structured-output constraint, so one that does not is a 400 now.
     With a reasoning parser, a chat's constraint holds its answer, after a free thinking (GPT-OSS's:
     after its analysis messages, in its final one); with the mistral tool-call parser, a chat offering tools keeps special
     tokens in its text (vLLM's rule: `[TOOL_CALLS]` is one), and with GPT-OSS's reasoning parser
     every chat does (its channels are special tokens)."""
+    if kind == "responses":  # as its chat; a refusal names the Responses field
+        ask, chat = chat_body(raw)
+        try:
+            prepared = prepare_request("chat", chat, tokenizer, model, max_model_len, limits, check_constraint, parsers)
+        except RequestError as error:
+            raise as_responses_error(error) from None
+        return replace(prepared, responses=ask)
     body = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, raw)
     check_model(body.model, model)
     limits.check(body)

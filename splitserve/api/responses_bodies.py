@@ -41,6 +41,13 @@ def response_object(request: ResponsesRequest, response_id: str, created: int, s
     }
 
 
+def response_from_chat(request: ResponsesRequest, body: dict) -> dict:
+    """The whole Response answering `request`, from the chat completion body computed for it."""
+    [choice] = body["choices"]
+    return response_object(request, new_id("resp"), body["created"], status_of(choice["finish_reason"]),
+                           output_items(choice), Usage.from_body(body["usage"]))
+
+
 def reasoning_item(item_id: str, text: str, status: str) -> dict:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
             "status": status}

@@ -24,6 +24,18 @@ class Usage:
                      self.cached_tokens + other.cached_tokens, self.reasoning_tokens + other.reasoning_tokens,
                      self.cache_write_tokens + other.cache_write_tokens)
 
+    @classmethod
+    def from_body(cls, body: dict) -> Usage:
+        """The counts of a usage body of either shape; details a body lacks count 0."""
+        if "input_tokens" in body:
+            inputs, outputs = body.get("input_tokens_details", {}), body.get("output_tokens_details", {})
+            prompt, completion = body["input_tokens"], body["output_tokens"]
+        else:
+            inputs, outputs = body.get("prompt_tokens_details", {}), body.get("completion_tokens_details", {})
+            prompt, completion = body["prompt_tokens"], body["completion_tokens"]
+        return cls(prompt, completion, inputs.get("cached_tokens", 0), outputs.get("reasoning_tokens", 0),
+                   inputs.get("cache_write_tokens", 0))
+
     def body(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,

@@ -19,7 +19,7 @@ from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_runner import BatchStats, run_batch
-from splitserve.batch.lines import BatchLine, prepare_pending, result_line
+from splitserve.batch.lines import BatchLine, answer_line, prepare_pending
 from splitserve.batch.results import ResultLog
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
@@ -55,8 +55,8 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str,
         outs[run] = out
         if len(outs) == runs[job]:
             del ended[job]
-            body = response(line.kind, prepared, [outs[i] for i in range(runs[job])], engine.tokenizer, parsers)
-            output.append(result_line(line.custom_id, 200, body))
+            body = response(line.runs_as, prepared, [outs[i] for i in range(runs[job])], engine.tokenizer, parsers)
+            output.append(answer_line(line, prepared, body))
             on_result(True)
 
     return run_batch(engine, items, options, record, finished, stop=stop)

@@ -11,9 +11,11 @@ from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import ConstraintCheck, PreparedRequest, prepare_request
+from splitserve.api.responses_bodies import response_from_chat
+from splitserve.api.usage import Usage
 from splitserve.batch.results import ResultLog
 
-ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 MAX_REPORTED_ERRORS = 100
 
 
@@ -21,8 +23,13 @@ MAX_REPORTED_ERRORS = 100
 class BatchLine:
     line: int  # 1-based line number in the input file
     custom_id: str
-    kind: str  # "completion" | "chat"
+    kind: str  # "completion" | "chat" | "responses"
     body: dict
+
+    @property
+    def runs_as(self) -> str:
+        """The kind of request its prompts run as: a Responses line's, the chat completion it asks for."""
+        return "chat" if self.kind == "responses" else self.kind
 
 
 class InputFileError(ValueError):
@@ -138,6 +145,13 @@ def result_line(custom_id: str, status_code: int, body: dict) -> dict:
                              "body": body})
 
 
+def answer_line(line: BatchLine, prepared: PreparedRequest, body: dict) -> dict:
+    """A line's output line, from the completion or chat response body computed for it (a Responses
+    line's: the Response made of it)."""
+    return result_line(line.custom_id, 200, body if prepared.responses is None
+                       else response_from_chat(prepared.responses, body))
+
+
 def error_line(custom_id: str, error: RequestError) -> dict:
     return result_line(custom_id, error.status, error_body(error))
 
@@ -155,5 +169,5 @@ def _line(custom_id: str, response: dict | None, error: dict | None = None) -> d
 
 def completion_tokens(line: dict) -> int:
     """A result line's output length (0 for an error)."""
-    usage = (line.get("response") or {}).get("body", {}).get("usage") or {}
-    return int(usage.get("completion_tokens", 0))
+    usage = (line.get("response") or {}).get("body", {}).get("usage")
+    return Usage.from_body(usage).completion_tokens if usage else 0

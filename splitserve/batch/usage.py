@@ -10,12 +10,9 @@ class BatchUsage:
         self.total = Usage()
 
     def add(self, line: dict) -> None:
-        """Count one output line (a 200 response whose body has the endpoint's usage); lines logged
-        before usage had its details count none in them."""
-        usage = line["response"]["body"]["usage"]
-        prompt, completion = usage.get("prompt_tokens_details", {}), usage.get("completion_tokens_details", {})
-        self.total += Usage(usage["prompt_tokens"], usage["completion_tokens"], prompt.get("cached_tokens", 0),
-                            completion.get("reasoning_tokens", 0), prompt.get("cache_write_tokens", 0))
+        """Count one output line (a 200 response whose body has the endpoint's usage, in either
+        shape); lines logged before usage had its details count none in them."""
+        self.total += Usage.from_body(line["response"]["body"]["usage"])
 
     def body(self) -> dict:
         return self.total.input_output_body()

@@ -16,7 +16,7 @@ from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.batch.blend.cost import ModelShape
 from splitserve.batch.blend.feeder import BatchFeeder, BlendOptions
 from splitserve.batch.engine_runner import offline_request
-from splitserve.batch.lines import BatchLine, error_line, prepare_pending, result_line
+from splitserve.batch.lines import BatchLine, answer_line, error_line, prepare_pending
 from splitserve.batch.results import ResultLog
 from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
@@ -78,7 +78,7 @@ class ClusterExecutor:
                     on_result(False)
             feeder.finished(key, tokens)
             if len(answer.parts) == answer.prompts:
-                output.append(result_line(line.custom_id, 200, answer.body()))
+                output.append(answer_line(line, prepared, answer.body()))
                 on_result(True)
             changed.set()
 
@@ -106,14 +106,14 @@ class ClusterExecutor:
         """Prompt `k` of a line: placed (retried while the cluster is full), its choices collected
         as the endpoint numbers them. RequestFailed when every attempt failed."""
         while True:
-            run = Run(R.new_request_id(line.kind), prepared.prompts[k], prepared.params[k], self.workers,
+            run = Run(R.new_request_id(line.runs_as), prepared.prompts[k], prepared.params[k], self.workers,
                       self.max_attempts, prefix=self.prefix)
             try:
                 await run.admit()
                 break
             except Overloaded:
                 await asyncio.sleep(self.retry_s)
-        reply = choices_for(line.kind, prepared.request, [run], self.tokenizer, follower_retry_s=self.retry_s,
+        reply = choices_for(line.runs_as, prepared.request, [run], self.tokenizer, follower_retry_s=self.retry_s,
                             first_prompt=k, parsers=self.parsers)
         first = asyncio.ensure_future(_after_first_token(run, on_first))
         try:

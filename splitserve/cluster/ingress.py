@@ -25,7 +25,6 @@ from splitserve.api.prepared_request import PreparedRequest, prepare_request
 from splitserve.api.request_models import check_model, parse_request
 from splitserve.api.responses_bodies import new_id, output_items, response_object, status_of
 from splitserve.api.responses_events import ResponseEvents
-from splitserve.api.responses_request import as_responses_error, chat_body
 from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from splitserve.batch import routes as batch_routes
 from splitserve.cluster.batch_manager import RemoteBatches
@@ -129,16 +128,13 @@ class Ingress:
         """OpenAI's Responses API, answered as the chat completion it asks for (`responses_request`)."""
         started = time.monotonic()
         try:
-            ask, chat = await asyncio.to_thread(chat_body, await request.body())
+            prepared = await asyncio.to_thread(self._prepare, "responses", await request.body())
         except RequestError as error:
             return error_response(error)
-        try:
-            prepared = await asyncio.to_thread(self._prepare, "chat", chat)
-        except RequestError as error:
-            return error_response(as_responses_error(error))
         reply = await self._admit("chat", prepared, started)
         if isinstance(reply, Response):
             return reply
+        ask = prepared.responses
         response_id, created = new_id("resp"), int(time.time())
         if ask.stream:
             return StreamingResponse(reply.response_events(ResponseEvents(ask, response_id, created)),

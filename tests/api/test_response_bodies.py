@@ -58,6 +58,12 @@ def test_usage():
     assert Usage(7, 3, 4) + Usage(5, 1, 0) == Usage(12, 4, 4)
 
 
+def test_usage_reads_back_from_either_body_shape():
+    usage = Usage(90, 4, 64, 1, 16)
+    assert Usage.from_body(usage.body()) == usage == Usage.from_body(usage.input_output_body())
+    assert Usage.from_body({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}) == Usage(7, 3)
+
+
 @pytest.mark.parametrize("finish_reason", ["stop", "length"])
 def test_completion_response(finish_reason):
     body = completion_response("cmpl-1", "demo", CREATED, "text", finish_reason, Usage(5, 2))

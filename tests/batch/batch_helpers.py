@@ -47,11 +47,13 @@ ADD = {"name": "add", "description": "Add two numbers",
                       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                      "b": {"type": "integer", "minimum": 0, "maximum": 9}}}}
 ASK = [{"role": "user", "content": "Is 2 + 3 five?"}]
+CALL = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'}
 
 
 def option_lines() -> dict[str, list[dict]]:
     """Per endpoint, lines that use every option a batch line takes (all reproducible: greedy or
-    seeded), keyed by custom_id, and one whose constraint does not compile (`bad-regex`)."""
+    seeded), custom_ids unique across them; one whose constraint does not compile (`bad-regex`)
+    and one a Responses line's bound refuses (`bad-output-bound`) are 400s."""
     def line(custom_id: str, url: str, **body) -> dict:
         return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "demo", **body}}
 
@@ -78,15 +80,34 @@ def option_lines() -> dict[str, list[dict]]:
              tools=[{"type": "function", "function": ADD}]),
         line("chat-n", "/v1/chat/completions", messages=ASK, n=2, seed=5, max_tokens=6, ignore_eos=True),
     ]
-    return {"/v1/completions": completions, "/v1/chat/completions": chat}
+    responses = [
+        line("resp-text", "/v1/responses", instructions="Be terse.", input="Is 2 + 3 five?", max_output_tokens=16,
+             temperature=0),
+        line("resp-turns", "/v1/responses", input=[*ASK, CALL, {"type": "function_call_output", "call_id": "call_1",
+                                                                "output": "5"}],
+             tools=[{"type": "function", **ADD}], max_output_tokens=8, temperature=0),
+        line("resp-schema", "/v1/responses", input=ASK, max_output_tokens=60, temperature=0,
+             text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}}),
+        line("resp-tools", "/v1/responses", input=ASK, max_output_tokens=60, tool_choice="required", temperature=0,
+             tools=[{"type": "function", **ADD}]),
+        line("bad-output-bound", "/v1/responses", input="x", max_output_tokens=0),
+    ]
+    return {"/v1/completions": completions, "/v1/chat/completions": chat, "/v1/responses": responses}
+
+
+FAILING = ("bad-regex", "bad-output-bound")  # the option lines that are 400s
+
+
+UNCOMPARABLE = ("id", "created", "created_at", "call_id", "prompt_tokens_details", "input_tokens_details")
 
 
 def comparable(body: dict) -> dict:
     """A response body without what differs between two answers to one request: its id, creation
-    time and tool call ids, and the prefix cache's part in its usage (what ran before decides it)."""
+    time and tool call ids (a Response's and its items' too), and the prefix cache's part in its
+    usage (what ran before decides it)."""
     def strip(value):
         if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in ("id", "created", "prompt_tokens_details")}
+            return {k: strip(v) for k, v in value.items() if k not in UNCOMPARABLE}
         if isinstance(value, list):
             return [strip(v) for v in value]
         return value

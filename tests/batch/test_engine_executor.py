@@ -1,7 +1,7 @@
 """A batch on one in-process engine answers each line as its endpoint would: several choices with
 their seeds (best_of keeping the likeliest), several prompts, logprobs and echo, structured output and tool calls,
-in the shapes the official `openai` client parses; a constraint that does not compile is the
-line's 400."""
+Responses lines as the Response of the chat they ask for, in the shapes the official `openai` client
+parses; a constraint that does not compile is the line's 400."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 
 from splitserve import LLM, SamplingParams
 from splitserve.api.chat_parsers import ChatParsers
@@ -17,7 +18,7 @@ from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_executor import run_lines
 from splitserve.batch.lines import parse_input, prepare
 from splitserve.batch.results import ResultLog
-from tests.batch.batch_helpers import ADD, PREFIX, SCHEMA, as_jsonl, batch_lines, option_lines
+from tests.batch.batch_helpers import ADD, FAILING, PREFIX, SCHEMA, as_jsonl, batch_lines, option_lines
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,11 @@ def body(results, custom_id: str) -> dict:
 def test_every_line_has_a_result_in_the_openai_client_shapes(results):
     assert len(results) == sum(len(group) for group in option_lines().values())
     for custom_id, line in results.items():
-        if custom_id == "bad-regex":
+        if custom_id in FAILING:
             continue
         assert line["response"]["status_code"] == 200
-        kind = ChatCompletion if line["response"]["body"]["object"] == "chat.completion" else Completion
+        kind = {"chat.completion": ChatCompletion, "text_completion": Completion,
+                "response": Response}[line["response"]["body"]["object"]]
         # echoed logprobs start with the first prompt token's null, as OpenAI's API gives it; the types deny it
         if custom_id not in ("echo-scored", "prompts"):
             kind.model_validate(line["response"]["body"])
@@ -139,6 +141,34 @@ def test_structured_output_and_a_forced_tool_call_validate_against_their_schemas
     jsonschema.validate(json.loads(call["function"]["arguments"]), ADD["parameters"])
     [regex] = body(results, "regex")["choices"]
     assert regex["finish_reason"] == "stop" and len(regex["text"]) == 6 and regex["text"][3] == "-"
+
+
+def test_a_responses_line_is_the_response_of_the_chat_it_asks_for(llm, results, tmp_path):
+    """Its text, status and usage are the chat completion's of the same messages (its instructions
+    the system message), its usage in the Responses shape; a forced call is a `function_call` item
+    and a schema holds the text; a refusal names the Responses field."""
+    chat = {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "demo", "messages": [{"role": "system", "content": "Be terse."},
+                                                    {"role": "user", "content": "Is 2 + 3 five?"}],
+                     "max_completion_tokens": 16, "temperature": 0}}
+    with ResultLog(tmp_path / "out.jsonl") as output, ResultLog(tmp_path / "errors.jsonl") as errors:
+        run_lines(llm.engine, parse_input(as_jsonl([chat])), "demo", output, errors, BlendOptions("dfs"))
+    expected = ChatCompletion.model_validate(output.done["chat"]["response"]["body"])
+    got = Response.model_validate(body(results, "resp-text"))
+    assert got.output_text == expected.choices[0].message.content and got.output_text
+    assert (got.status, got.incomplete_details.reason, expected.choices[0].finish_reason) == (
+        "incomplete", "max_output_tokens", "length")
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (expected.usage.prompt_tokens, 16)
+    assert results["resp-text"]["response"]["request_id"] == got.id and got.id.startswith("resp_")
+    [call] = Response.model_validate(body(results, "resp-tools")).output
+    assert call.type == "function_call" and call.name == "add" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), ADD["parameters"])
+    schema = Response.model_validate(body(results, "resp-schema"))
+    assert schema.status == "completed"
+    jsonschema.validate(json.loads(schema.output_text), SCHEMA)
+    assert Response.model_validate(body(results, "resp-turns")).output[0].type == "message"
+    error = results["bad-output-bound"]["response"]
+    assert error["status_code"] == 400 and error["body"]["error"]["param"] == "max_output_tokens"
 
 
 def test_a_constraint_that_does_not_compile_is_the_lines_400(results):

@@ -58,6 +58,25 @@ def test_prepare_checks_a_body_like_its_endpoint():
     assert caught.value.status == 400
 
 
+def test_a_responses_line_is_prepared_as_the_chat_it_asks_for():
+    """Its prompt is the chat's of the same messages; a refusal names the Responses field."""
+    def line(url: str, **body) -> dict:
+        return {"custom_id": url, "method": "POST", "url": url, "body": {"model": "demo", **body}}
+
+    asked, chat = parse_input(as_jsonl([
+        line("/v1/responses", instructions="Be terse.", input="Hi?", max_output_tokens=5),
+        line("/v1/chat/completions", messages=[{"role": "system", "content": "Be terse."},
+                                               {"role": "user", "content": "Hi?"}], max_completion_tokens=5)]))
+    assert (asked.kind, asked.runs_as, chat.runs_as) == ("responses", "chat", "chat")
+    prepared, expected = (prepare(x, demo_tokenizer(), "demo", 2048) for x in (asked, chat))
+    assert prepared.prompts == expected.prompts and prepared.params[0].max_tokens == 5
+    assert prepared.responses.instructions == "Be terse." and expected.responses is None
+    [bad] = parse_input(as_jsonl([line("/v1/responses", input="x", text={"format": {"type": "json_schema"}})]))
+    with pytest.raises(RequestError) as caught:
+        prepare(bad, demo_tokenizer(), "demo", 2048)
+    assert caught.value.status == 400 and caught.value.param.startswith("text.format")
+
+
 def test_prepare_takes_every_option_of_the_endpoint_and_compiles_constraints_up_front():
     [line] = parse_input(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {
         "model": "demo", "prompt": "hi", "n": 2, "best_of": 3, "logprobs": 2, "echo": True}}).encode())

@@ -1,5 +1,5 @@
 """Property-based fuzzing of the HTTP API on a real cluster (hypothesis): generated bodies for
-/v1/completions, /v1/chat/completions and /v1/batches, from raw bytes and arbitrary JSON to
+/v1/completions, /v1/chat/completions, /v1/responses and /v1/batches, from raw bytes and arbitrary JSON to
 near-valid requests with hostile values. No answer is a 5xx, every 4xx carries OpenAI's error
 body, and the cluster serves an ordinary request afterwards.
 
@@ -51,10 +51,38 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "ass
                                                             "text": st.text(max_size=20)}), max_size=3)})
 
 
-def _near_valid(required: dict) -> st.SearchStrategy:
+RESPONSES_OPTIONS = {
+    "instructions": _field(st.text(max_size=60)), "max_output_tokens": _field(small_ints),
+    "temperature": _field(st.floats(0, 2)), "top_p": _field(st.floats(0, 1)), "stream": _field(st.booleans()),
+    "text": _field(st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "grammar"])},
+        optional={"name": st.text(max_size=10), "schema": json_values, "strict": st.booleans()})})),
+    "tools": _field(st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]),
+                                                    "name": st.text(max_size=10)},
+                                                   optional={"parameters": json_values}), max_size=3)),
+    "tool_choice": _field(st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
+        {"type": st.just("function"), "name": st.text(max_size=10)})),
+    "reasoning": _field(st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "high", "max"]),
+                                                            "summary": st.sampled_from(["auto", None])})),
+    "previous_response_id": _field(st.text(max_size=10)), "truncation": _field(st.sampled_from(["auto", "disabled"])),
+}
+ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "developer", "assistant", "tool"]),
+                           "content": st.text(max_size=60) | st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                "text": st.text(max_size=20)}), max_size=3)},
+                          optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=8),
+                           "name": st.text(max_size=8), "arguments": st.text(max_size=30)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(max_size=8),
+                           "output": st.text(max_size=30)}),
+    st.fixed_dictionaries({"type": st.just("reasoning")}, optional={"content": json_values, "summary": json_values}))
+
+
+def _near_valid(required: dict, options: dict = SAMPLING) -> st.SearchStrategy:
     return st.builds(lambda base, extra, junk: {**base, **extra, **junk},
                      st.fixed_dictionaries(required),
-                     st.fixed_dictionaries({}, optional=SAMPLING),
+                     st.fixed_dictionaries({}, optional=options),
                      st.dictionaries(st.text(max_size=10), json_values, max_size=2))
 
 
@@ -68,6 +96,9 @@ COMPLETIONS = _bodies(_near_valid({"model": _field(st.just("demo"), 8), "prompt"
     st.text(min_size=1, max_size=200) | st.lists(st.integers(-2, 300), min_size=1, max_size=50))}))
 CHAT = _bodies(_near_valid({"model": _field(st.just("demo"), 8),
                             "messages": _field(st.lists(MESSAGE, min_size=1, max_size=10))}))
+RESPONSES = _bodies(_near_valid({"model": _field(st.just("demo"), 8),
+                                 "input": _field(st.text(max_size=100) | st.lists(ITEM, min_size=1, max_size=8))},
+                                RESPONSES_OPTIONS))
 
 
 def check_answer(response: httpx.Response) -> None:
@@ -99,7 +130,8 @@ def batch_file(hardening_server, http):
     return response.json()["id"]
 
 
-@pytest.mark.parametrize("path, bodies", [("/v1/completions", COMPLETIONS), ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize("path, bodies", [("/v1/completions", COMPLETIONS), ("/v1/chat/completions", CHAT),
+                                          ("/v1/responses", RESPONSES)])
 def test_generation_endpoints(hardening_server, http, path, bodies):
     @SETTINGS
     @given(body=bodies)
@@ -111,7 +143,8 @@ def test_generation_endpoints(hardening_server, http, path, bodies):
 def test_batches(hardening_server, http, batch_file):
     fields = st.fixed_dictionaries(
         {"input_file_id": _field(st.sampled_from([batch_file, "file-nope"]), 4),
-         "endpoint": _field(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]))},
+         "endpoint": _field(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                             "/v1/embeddings"]))},
         optional={"completion_window": _field(st.sampled_from(["24h", "1h"])), "metadata": json_values})
 
     @SETTINGS

@@ -21,7 +21,7 @@ from splitserve.batch.lines import parse_input
 from splitserve.batch.results import ResultLog
 from splitserve.cluster.app import HEAD_NODE
 from splitserve.cluster.controller import WORKER_NAMESPACE
-from tests.batch.batch_helpers import as_jsonl, comparable, option_lines
+from tests.batch.batch_helpers import FAILING, as_jsonl, comparable, option_lines
 
 
 def test_the_batch_actor_is_placed_on_the_head_node(server):
@@ -61,7 +61,7 @@ def test_lines_with_every_option_are_answered_as_their_endpoint_answers(client, 
     got = {}
     for endpoint, batch in batches.items():
         batch = finished(client, batch)
-        failed = sum(line["custom_id"] == "bad-regex" for line in groups[endpoint])
+        failed = sum(line["custom_id"] in FAILING for line in groups[endpoint])
         assert (batch.request_counts.completed, batch.request_counts.failed) == (len(groups[endpoint]) - failed, failed)
         for file_id in (batch.output_file_id, batch.error_file_id):
             if file_id:
