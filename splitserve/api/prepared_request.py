@@ -4,6 +4,7 @@ template; completions may send several) with its own sampling settings. A `/v1/r
 prepared as the chat completion it asks for (`responses_request`)."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -21,7 +22,7 @@ from splitserve.api.request_models import (
 )
 from splitserve.api.reasoning import GPT_OSS, constraint_thinking
 from splitserve.api.request_sampling import sampling_params
-from splitserve.api.responses_request import ResponsesRequest, as_responses_error, chat_body
+from splitserve.api.responses_request import ResponsesRequest, as_responses_error
 from splitserve.api.tool_calls import MISTRAL
 from splitserve.engine.output_constraint import HARMONY, OutputConstraint
 from splitserve.engine.sampling_params import SamplingParams
@@ -51,13 +52,12 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
     after its analysis messages, in its final one); with the mistral tool-call parser, a chat offering tools keeps special
     tokens in its text (vLLM's rule: `[TOOL_CALLS]` is one), and with GPT-OSS's reasoning parser
     every chat does (its channels are special tokens)."""
-    if kind == "responses":  # as its chat; a refusal names the Responses field
-        ask, chat = chat_body(raw)
-        try:
-            prepared = prepare_request("chat", chat, tokenizer, model, max_model_len, limits, check_constraint, parsers)
-        except RequestError as error:
-            raise as_responses_error(error) from None
-        return replace(prepared, responses=ask)
+    if kind == "responses":  # whole: no stored response to continue here (the ingress continues them)
+        ask = parse_request(ResponsesRequest, raw)
+        if ask.previous_response_id is not None:
+            raise RequestError("previous_response_id: a batch line continues no stored response; send the "
+                               "conversation in input", param="previous_response_id")
+        return prepare_responses(ask, tokenizer, model, max_model_len, limits, check_constraint, parsers)
     body = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, raw)
     check_model(body.model, model)
     limits.check(body)
@@ -73,6 +73,18 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
     if harmony or (kind == "chat" and parsers.tool_calls == MISTRAL and body.tool_functions()):
         params = [replace(p, skip_special_tokens=False) for p in params]
     return PreparedRequest(body, prompts, params)
+
+
+def prepare_responses(ask: ResponsesRequest, tokenizer, model: str | tuple[str, ...], max_model_len: int,
+                      limits: RequestLimits, check_constraint: ConstraintCheck | None = None,
+                      parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
+    """A Responses request as the chat completion it asks for; a refusal names the Responses field."""
+    chat = json.dumps(ask.to_chat()).encode()
+    try:
+        prepared = prepare_request("chat", chat, tokenizer, model, max_model_len, limits, check_constraint, parsers)
+    except RequestError as error:
+        raise as_responses_error(error) from None
+    return replace(prepared, responses=ask)
 
 
 def _kept_tokens(truncate: int, max_model_len: int) -> int:

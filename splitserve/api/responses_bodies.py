@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import uuid
 
-from splitserve.api.responses_request import NamedFunction, ResponsesRequest
+from splitserve.api.responses_request import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    NamedFunction,
+    ReasoningItem,
+    ResponsesRequest,
+)
 from splitserve.api.usage import Usage
 
 
@@ -19,9 +26,9 @@ def status_of(finish_reason: str | None) -> str:
 
 
 def response_object(request: ResponsesRequest, response_id: str, created: int, status: str, output: list[dict],
-                    usage: Usage | None = None, error: dict | None = None) -> dict:
+                    usage: Usage | None = None, error: dict | None = None, stored: bool = False) -> dict:
     """The Response object in `status` ("in_progress", "completed", "incomplete", "failed"); it
-    repeats the request's settings as OpenAI's does."""
+    repeats the request's settings as OpenAI's does; `stored`: whether this server keeps it."""
     choice = request.tool_choice
     text_format = request.text.format if request.text is not None and request.text.format is not None else None
     return {
@@ -29,9 +36,10 @@ def response_object(request: ResponsesRequest, response_id: str, created: int, s
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
         "model": request.model, "output": output,
-        "parallel_tool_calls": request.parallel_tool_calls is not False, "previous_response_id": None,
+        "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "previous_response_id": request.previous_response_id,
         "reasoning": {"effort": request.reasoning and request.reasoning.effort, "summary": None},
-        "store": False, "temperature": request.temperature, "top_p": request.top_p,
+        "store": stored, "temperature": request.temperature, "top_p": request.top_p,
         "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
                  else {"type": "text"}},
         "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else choice or "auto",
@@ -79,3 +87,24 @@ def output_items(choice: dict) -> list[dict]:
     items += [function_call_item(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"],
                                  "completed") for call in message.get("tool_calls") or ()]
     return items
+
+
+def input_items(request: ResponsesRequest) -> list[dict]:
+    """The request's own input as the items a stored response lists, each with an id (its own if
+    it came back from an earlier output) and its text as content parts."""
+    return [_input_item(item, item.status or "completed") for item in request.input]
+
+
+def _input_item(item: MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, status: str) -> dict:
+    if isinstance(item, MessageItem):
+        parts = [(item.content, "output_text" if item.role == "assistant" else "input_text")] if isinstance(
+            item.content, str) else [(part.text, part.type) for part in item.content]
+        return {"type": "message", "id": item.id or new_id("msg"), "role": item.role, "status": status,
+                "content": [output_text(text) if kind == "output_text" else {"type": kind, "text": text}
+                            for text, kind in parts]}
+    if isinstance(item, FunctionCallItem):
+        return function_call_item(item.id or new_id("fc"), item.call_id, item.name, item.arguments, status)
+    if isinstance(item, FunctionCallOutputItem):
+        return {"type": "function_call_output", "id": item.id or new_id("fco"), "call_id": item.call_id,
+                "output": item.text(), "status": status}
+    return reasoning_item(item.id or new_id("rs"), item.text(), status)

@@ -25,8 +25,9 @@ from splitserve.api.usage import Usage
 
 
 class ResponseEvents:
-    def __init__(self, request: ResponsesRequest, response_id: str, created: int):
-        self.request, self.response_id, self.created = request, response_id, created
+    def __init__(self, request: ResponsesRequest, response_id: str, created: int, stored: bool = False):
+        self.request, self.response_id, self.created, self.stored = request, response_id, created, stored
+        self.whole: dict | None = None  # the whole response, once the last events are made
         self.output: list[dict] = []  # the items done, in order
         self._open: dict | None = None  # the item being streamed (its `type`, `id`, `call_id`, `name`)
         self._text = ""  # the open item's text, or its call's arguments, so far
@@ -34,7 +35,8 @@ class ResponseEvents:
         self._finish_reason: str | None = None
 
     def start(self) -> list[dict]:
-        snapshot = response_object(self.request, self.response_id, self.created, "in_progress", [])
+        snapshot = response_object(self.request, self.response_id, self.created, "in_progress", [],
+                                   stored=self.stored)
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]
 
@@ -60,15 +62,17 @@ class ResponseEvents:
         """The last events: the open item done, then the whole response."""
         status = status_of(self._finish_reason)
         events = self._close(status)
-        whole = response_object(self.request, self.response_id, self.created, status, self.output, usage)
-        return events + [self._event(f"response.{status}", response=whole)]
+        self.whole = response_object(self.request, self.response_id, self.created, status, self.output, usage,
+                                     stored=self.stored)
+        return events + [self._event(f"response.{status}", response=self.whole)]
 
     def fail(self, message: str) -> list[dict]:
         """A failed choice: an error event, then the response failed (the items done so far in it)."""
         error = {"code": "server_error", "message": message}
-        failed = response_object(self.request, self.response_id, self.created, "failed", self.output, error=error)
+        self.whole = response_object(self.request, self.response_id, self.created, "failed", self.output,
+                                     error=error, stored=self.stored)
         return [self._event("error", code="server_error", message=message, param=None),
-                self._event("response.failed", response=failed)]
+                self._event("response.failed", response=self.whole)]
 
     # ---- items ------------------------------------------------------------------------------
     def _append(self, kind: str, text: str) -> list[dict]:

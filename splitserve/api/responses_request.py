@@ -4,24 +4,26 @@ instructions and input items into chat messages, its function tools, `text.forma
 tokenizes and bounds both. A chat field a refusal names is named back as this request's field
 (`chat_param`).
 
-This server keeps no responses: `previous_response_id` and `background` are refused (send the
-whole conversation in `input`), and `store` is accepted as chat's is. Input is text: an image or
-file part is a 400 naming it. A reasoning item sent back in `input` is the thinking of the
-assistant turn it precedes, as the chat template sees an assistant message's `reasoning`.
+A request that names `previous_response_id` continues a stored response (`response_store`): the
+conversation that response read and its output come before this request's `input`
+(`continuing`); its instructions do not carry over, as OpenAI's do not. `background` is refused.
+Input is text: an image or file part is a 400 naming it. A reasoning item sent back in `input` is
+the thinking of the assistant turn it precedes, as the chat template sees an assistant message's
+`reasoning`.
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import NOT_SUPPORTED, only_values, parse_request
+from splitserve.api.request_models import NOT_SUPPORTED, only_values
 from splitserve.api.strict_model import STRICT
 from splitserve.api.tool_models import MAX_TOOLS, FunctionDefinition
 
 MAX_INPUT_ITEMS = 2048  # every item is a chat message at most: the chat bounds (max_chat_messages) apply too
+MAX_ID_CHARS = 256
 
 
 class InputText(BaseModel):
@@ -72,6 +74,9 @@ class FunctionCallOutputItem(Item):
     call_id: str
     output: TextContent
 
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
 
 class ReasoningText(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -97,6 +102,9 @@ def _typed(item):
 
 InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
                       Field(discriminator="type"), BeforeValidator(_typed)]
+
+
+_ITEMS = TypeAdapter(list[InputItem])
 
 
 def _as_items(value):
@@ -158,19 +166,23 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
+    store: bool | None = None  # keep the response (OpenAI's default), where this server keeps responses
+    previous_response_id: Annotated[str | None, Field(max_length=MAX_ID_CHARS)] = None
     # accepted and ignored, as chat's: they ask nothing of the output (prefix caching needs no key)
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    store: bool | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     truncation: Annotated[str | None, only_values(None, "disabled", reason="only 'disabled' is supported")] = None
-    previous_response_id: Annotated[str | None, only_values(
-        None, reason="this server keeps no responses; send the conversation in input")] = None
     background: Annotated[bool | None, only_values(None, False, reason=NOT_SUPPORTED)] = None
     include: Annotated[list[str] | None, only_values(None, [], reason=NOT_SUPPORTED)] = None
     top_logprobs: Annotated[int | None, only_values(None, 0, reason=NOT_SUPPORTED)] = None
+
+    def continuing(self, context: list[dict]) -> ResponsesRequest:
+        """This request with `context` (a stored response's conversation items) before its input."""
+        items = _ITEMS.validate_python(context)
+        return self.model_copy(update={"input": items + self.input}) if items else self
 
     def to_chat(self) -> dict[str, Any]:
         """The chat completions body this request asks for."""
@@ -205,8 +217,7 @@ class ResponsesRequest(BaseModel):
                 continue
             turn = None
             if isinstance(item, FunctionCallOutputItem):
-                output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
             else:
                 messages.append({"role": item.role, "content": item.text()})
         return messages
@@ -256,8 +267,3 @@ def as_responses_error(error: RequestError) -> RequestError:
         message = param + message[len(error.param):]
     return RequestError(message, error.status, param, error.type, error.code)
 
-
-def chat_body(raw: bytes) -> tuple[ResponsesRequest, bytes]:
-    """The validated request and its chat body (JSON), from an HTTP body; RequestError on a bad one."""
-    request = parse_request(ResponsesRequest, raw)
-    return request, json.dumps(request.to_chat()).encode()

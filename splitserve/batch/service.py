@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
+from splitserve.api.cursor_page import cursor_page, in_order
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.batch.blend.feeder import BlendOptions
@@ -122,11 +123,8 @@ class BatchService:
         oldest first), after the file `after`."""
         if purpose is not None and purpose not in PURPOSES:
             raise RequestError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose")
-        if order not in ("asc", "desc"):
-            raise RequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
-        files = self.store.files(purpose)
-        return _page(files[::-1] if order == "asc" else files, MAX_FILES_PAGE if limit is None else limit, after,
-                     MAX_FILES_PAGE)
+        files = in_order(self.store.files(purpose), order)
+        return cursor_page(files, MAX_FILES_PAGE if limit is None else limit, after, MAX_FILES_PAGE)
 
     def get_file(self, file_id: str) -> dict:
         return self.store.file(file_id)
@@ -164,7 +162,7 @@ class BatchService:
     def list_batches(self, limit: int | None = None, after: str | None = None) -> dict:
         """A page of the batches (`limit`: at most 100, 20 by default), newest first, after the
         batch `after`."""
-        return _page(self.store.batches(), 20 if limit is None else limit, after, MAX_BATCHES_PAGE)
+        return cursor_page(self.store.batches(), 20 if limit is None else limit, after, MAX_BATCHES_PAGE)
 
     def cancel_batch(self, batch_id: str) -> dict:
         self._check_owner()
@@ -345,17 +343,3 @@ class BatchService:
                                          self.store.output_expires_after_s(batch_id))
             files[key] = file and file["id"]
         return files
-
-
-def _page(objects: list[dict], limit: int, after: str | None, most: int) -> dict:
-    """OpenAI's cursor page: up to `limit` (1 to `most`) objects after the one with id `after`."""
-    if not 1 <= limit <= most:
-        raise RequestError(f"limit must be between 1 and {most}, got {limit}", param="limit")
-    if after is not None:
-        ids = [item["id"] for item in objects]
-        if after not in ids:
-            raise RequestError(f"after: no object {after!r} in this list (deleted, or expired?)", param="after")
-        objects = objects[ids.index(after) + 1:]
-    page = objects[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(objects) > limit}

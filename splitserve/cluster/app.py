@@ -5,7 +5,8 @@ the controller deployment and the OpenAI ingress in front of it.
 The controller deployment (one replica) owns the CLS actor, which holds the one placement state
 and owns the workers; Serve manages its life (a failed health check restarts it, and with it the
 CLS and the workers). It owns the batch API's actor too, which runs on the head node: `batch.dir`
-is a directory there (on Kubernetes, the head pod's batches volume), wherever the replica runs.
+is a directory there (on Kubernetes, the head pod's batches volume), wherever the replica runs;
+and the store of /v1/responses answers (in memory: a restart loses them).
 Ingress replicas call the CLS actor directly: a plain actor call costs a fraction of a Serve
 handle call, and placement sits on every request's path.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ray
 from ray import serve
 
+from splitserve.api.response_store import ResponseStore
 from splitserve.cluster.batch_manager import BatchManager
 from splitserve.cluster.controller import WORKER_NAMESPACE, Controller
 from splitserve.cluster.ingress import Ingress
@@ -35,6 +37,10 @@ class ClusterController:
             name=f"{app}-batches", namespace=WORKER_NAMESPACE, num_cpus=0,
             resources={HEAD_NODE: 0.001}).remote(config, self.cls)
         self.batches.start.remote()
+        ingress = ClusterConfig.model_validate(config).ingress
+        self.responses = ray.remote(ResponseStore).options(
+            name=f"{app}-responses", namespace=WORKER_NAMESPACE, num_cpus=0).remote(
+            ingress.stored_responses, ingress.stored_response_bytes)
 
     def handle(self):
         """The CLS actor, for the ingress to call directly."""
@@ -43,6 +49,10 @@ class ClusterController:
     def batches_handle(self):
         """The batch API's actor (/v1/files, /v1/batches)."""
         return self.batches
+
+    def responses_handle(self):
+        """The store of /v1/responses answers."""
+        return self.responses
 
     async def check_health(self) -> None:
         await self.cls.health.remote()  # raises if the CLS actor died: Serve restarts this replica

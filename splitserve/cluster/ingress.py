@@ -21,12 +21,14 @@ from splitserve.api import response_bodies as R
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.guard import guard
 from splitserve.api.lazy_grammar import LazyGrammar
-from splitserve.api.prepared_request import PreparedRequest, prepare_request
+from splitserve.api.prepared_request import PreparedRequest, prepare_request, prepare_responses
 from splitserve.api.request_models import check_model, parse_request
-from splitserve.api.responses_bodies import new_id, output_items, response_object, status_of
+from splitserve.api.responses_bodies import input_items, new_id, output_items, response_object, status_of
 from splitserve.api.responses_events import ResponseEvents
+from splitserve.api.responses_request import ResponsesRequest
 from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from splitserve.batch import routes as batch_routes
+from splitserve.cluster import stored_responses
 from splitserve.cluster.batch_manager import RemoteBatches
 from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
@@ -38,6 +40,7 @@ from splitserve.engine.prefix_hash import PrefixNaming
 
 api = guard(FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster"))
 api.include_router(batch_routes.router)
+api.include_router(stored_responses.router)
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -58,6 +61,9 @@ class Ingress:
         self._prefix = PrefixNaming(self.config.prefix_block_size(), model_config.long_rope_from)
         api.state.api_key, api.state.limits = self.api_key, self.limits
         api.state.batches = RemoteBatches(self._batches_handle)
+        self._stored = stored_responses.StoredResponses(self._controller.responses_handle.remote,
+                                                        self.config.ingress.stored_responses > 0)
+        api.state.stored_responses = self._stored
 
     # ---- endpoints ---------------------------------------------------------------------------
     @api.get("/health")
@@ -125,26 +131,34 @@ class Ingress:
 
     @api.post("/v1/responses")
     async def responses(self, request: Request):
-        """OpenAI's Responses API, answered as the chat completion it asks for (`responses_request`)."""
+        """OpenAI's Responses API, answered as the chat completion it asks for (`responses_request`),
+        after the stored conversation it continues (`previous_response_id`); kept unless `store` is false."""
         started = time.monotonic()
         try:
-            prepared = await asyncio.to_thread(self._prepare, "responses", await request.body())
+            ask = await asyncio.to_thread(parse_request, ResponsesRequest, await request.body())
+            prepared = await asyncio.to_thread(self._prepare_responses, ask, await self._stored.context(ask))
         except RequestError as error:
             return error_response(error)
         reply = await self._admit("chat", prepared, started)
         if isinstance(reply, Response):
             return reply
-        ask = prepared.responses
+        ask, kept = prepared.responses, self._stored.keeps(ask)
         response_id, created = new_id("resp"), int(time.time())
+        items = await asyncio.to_thread(input_items, ask) if kept else []
         if ask.stream:
-            return StreamingResponse(reply.response_events(ResponseEvents(ask, response_id, created)),
+            stream = ResponseEvents(ask, response_id, created, kept)
+            events = reply.response_events(stream)
+            return StreamingResponse(self._stored.kept(events, stream, items) if kept else events,
                                      media_type="text/event-stream")
         try:
             [choice] = await reply.choices()
         except RequestFailed as error:
             return error_response(error.as_error())
-        return JSONResponse(response_object(ask, response_id, created, status_of(choice["finish_reason"]),
-                                            output_items(choice), reply.usage))
+        whole = response_object(ask, response_id, created, status_of(choice["finish_reason"]), output_items(choice),
+                                reply.usage, stored=kept)
+        if kept:
+            await self._stored.keep(whole, items)
+        return JSONResponse(whole)
 
     # ---- one request -------------------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):
@@ -166,6 +180,11 @@ class Ingress:
     def _prepare(self, kind: str, raw: bytes) -> PreparedRequest:
         return prepare_request(kind, raw, self.tokenizer, self.model_names, self.max_model_len, self.limits,
                                self._grammar.check, self.config.chat_parsers)
+
+    def _prepare_responses(self, ask: ResponsesRequest, context: list[dict]) -> PreparedRequest:
+        """`ask` after the stored conversation it continues, as its chat."""
+        return prepare_responses(ask.continuing(context), self.tokenizer, self.model_names, self.max_model_len, self.limits,
+                                 self._grammar.check, self.config.chat_parsers)
 
     async def _admit(self, kind: str, prepared: PreparedRequest, started: float) -> ChoicesResponse | Response:
         """Every prompt's first choice admitted (or none: the refusal), and the response they make."""

@@ -261,6 +261,10 @@ class IngressOptions(StrictModel):
                              "of prompts).")
     max_upload_bytes: int = Field(200 << 20, ge=1024, description="Largest /v1/files upload (413 above it).")
     max_batch_lines: int = Field(50_000, ge=1, description="Most requests in one batch input file.")
+    stored_responses: int = Field(10_000, ge=0, description="Most /v1/responses answers kept in memory for "
+                                  "previous_response_id and GET (the least recently used go first); 0 keeps none.")
+    stored_response_bytes: int = Field(256 << 20, ge=0, description="Most bytes of JSON the kept responses hold "
+                                       "together (each with the conversation it read).")
 
     def limits(self) -> RequestLimits:
         return RequestLimits(**{f.name: getattr(self, f.name) for f in fields(RequestLimits)})

@@ -2,14 +2,14 @@
 `openai` client sends (its `responses.create` through a transport that keeps the body)."""
 from __future__ import annotations
 
-import json
 
 import httpx
 import openai
 import pytest
 
 from splitserve.api.errors import RequestError
-from splitserve.api.responses_request import as_responses_error, chat_body
+from splitserve.api.request_models import parse_request
+from splitserve.api.responses_request import ResponsesRequest, as_responses_error
 
 ADD = {"type": "function", "name": "add", "description": "Add two numbers",
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "strict": True}
@@ -31,7 +31,7 @@ def sent_body(**create) -> bytes:
 
 
 def chat_of(**create) -> dict:
-    return json.loads(chat_body(sent_body(**create))[1])
+    return parse_request(ResponsesRequest, sent_body(**create)).to_chat()
 
 
 def test_a_string_input_with_instructions_is_a_system_and_a_user_message():
@@ -73,7 +73,6 @@ def test_text_format_is_chats_response_format():
 
 
 @pytest.mark.parametrize("create, param", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
@@ -85,7 +84,7 @@ def test_text_format_is_chats_response_format():
 ])
 def test_what_this_server_cannot_honour_is_a_400_naming_the_field(create, param):
     with pytest.raises(RequestError) as refused:
-        chat_body(sent_body(**create))
+        parse_request(ResponsesRequest, sent_body(**create))
     assert refused.value.param == param and refused.value.status == 400
 
 

@@ -2,7 +2,9 @@
 client: a response is the chat completion it asks for (text, status, usage), streamed as events the
 client's stream helper accepts; a forced function call comes back as a `function_call` item, and
 its output sent back in `input` continues the conversation; `text.format` holds the output to a
-schema; what this server cannot honour is a 400 naming the field."""
+schema; what this server cannot honour is a 400 naming the field. Stored responses: retrieved,
+continued by `previous_response_id` as the chat of the whole conversation, their input items
+listed in pages, deleted; a streamed one kept; `store: false` keeps none."""
 from __future__ import annotations
 
 import json
@@ -57,8 +59,40 @@ def test_text_format_holds_the_output_to_its_schema(client):
     jsonschema.validate(json.loads(got.output_text), schema)
 
 
+def test_a_stored_response_is_retrieved_continued_listed_and_deleted(client):
+    first = client.responses.create(model="demo", instructions="Be terse.", input="Is 2 + 3 five?",
+                                    max_output_tokens=8, temperature=0)
+    assert first.store and client.responses.retrieve(first.id) == first and first.output_text
+    follow = client.responses.create(model="demo", previous_response_id=first.id, input="And 3 + 4?",
+                                     max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model="demo", max_completion_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "Is 2 + 3 five?"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And 3 + 4?"}])  # the instructions do not carry over, as OpenAI's do not
+    assert follow.output_text == chat.choices[0].message.content and follow.previous_response_id == first.id
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+    items = list(client.responses.input_items.list(follow.id, order="asc", limit=1))  # the client walks the pages
+    assert [item.type for item in items] == ["message"] * 3 and items[1].id == first.output[0].id
+    assert [item.content[0].text for item in items] == ["Is 2 + 3 five?", first.output_text, "And 3 + 4?"]
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model="demo", previous_response_id=first.id, input="?", max_output_tokens=2)
+    assert missing.value.param == "previous_response_id"
+    again = client.responses.create(model="demo", previous_response_id=follow.id, input="Ok.", max_output_tokens=2)
+    assert again.usage.input_tokens > follow.usage.input_tokens  # follow kept its own copy of the conversation
+
+
+def test_a_streamed_response_is_kept_and_store_false_keeps_none(client):
+    events = list(client.responses.create(model="demo", input=ASK, max_output_tokens=6, temperature=0, stream=True))
+    assert client.responses.retrieve(events[-1].response.id) == events[-1].response
+    unkept = client.responses.create(model="demo", input=ASK, max_output_tokens=2, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
 @pytest.mark.parametrize("create, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input.0.message.content"),

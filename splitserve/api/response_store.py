@@ -1,0 +1,63 @@
+"""The responses this server keeps (`store`), for `previous_response_id` and for retrieving,
+deleting and listing a response's input items. An entry is a Response object and the conversation
+items it read (the stored context it continued, then its own input), so a continuation never
+depends on an earlier entry that may have gone. Bounded: past `max_responses` entries or
+`max_bytes` of their JSON, the least recently used go first; an entry larger than `max_bytes`
+is not kept. Plain data in and out, so it can run as one actor that every ingress replica calls."""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+from splitserve.api.cursor_page import cursor_page, in_order
+
+MAX_ITEMS_PAGE = 100
+
+
+class ResponseStore:
+    def __init__(self, max_responses: int, max_bytes: int):
+        self.max_responses, self.max_bytes = max_responses, max_bytes
+        self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()  # id -> response, items, size
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response: dict, items: list[dict]) -> bool:
+        """Keep `response`, which read `items`; False when it is too large to keep."""
+        size = len(json.dumps(response)) + len(json.dumps(items))
+        self.delete(response["id"])
+        if size > self.max_bytes or self.max_responses == 0:
+            return False
+        self._entries[response["id"]] = response, items, size
+        self.bytes += size
+        while len(self._entries) > self.max_responses or self.bytes > self.max_bytes:
+            _, (_, _, dropped) = self._entries.popitem(last=False)
+            self.bytes -= dropped
+        return True
+
+    def get(self, response_id: str) -> dict | None:
+        entry = self._use(response_id)
+        return entry and entry[0]
+
+    def context(self, response_id: str) -> list[dict] | None:
+        """The conversation a continuation of the response reads: its items, then its output."""
+        entry = self._use(response_id)
+        return entry and entry[1] + entry[0]["output"]
+
+    def input_items(self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+                    ) -> dict | None:
+        """A cursor page of the items the response read (OpenAI's default: newest first)."""
+        entry = self._use(response_id)
+        return entry and cursor_page(in_order(entry[1][::-1], order), limit, after, MAX_ITEMS_PAGE)
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry[2]
+        return entry is not None
+
+    def _use(self, response_id: str) -> tuple[dict, list[dict], int] | None:
+        if response_id in self._entries:
+            self._entries.move_to_end(response_id)
+        return self._entries.get(response_id)

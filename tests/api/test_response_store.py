@@ -1,0 +1,71 @@
+"""The response store: a continuation reads the conversation and the output of the response it
+names; bounded by count and by bytes, least recently used first; input items in OpenAI's pages."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitserve.api.errors import RequestError
+from splitserve.api.response_store import ResponseStore
+
+
+def response(response_id: str, text: str = "ok") -> dict:
+    return {"id": response_id, "object": "response", "output": [
+        {"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}]}
+
+
+def items(*texts: str) -> list[dict]:
+    return [{"type": "message", "id": f"msg_in{i}", "role": "user", "status": "completed",
+             "content": [{"type": "input_text", "text": text}]} for i, text in enumerate(texts)]
+
+
+def test_a_continuation_reads_the_items_then_the_output():
+    store = ResponseStore(10, 1 << 20)
+    assert store.put(response("resp_a", "five"), items("2+3?"))
+    assert store.get("resp_a") == response("resp_a", "five")
+    assert store.context("resp_a") == items("2+3?") + response("resp_a", "five")["output"]
+    assert store.get("resp_b") is store.context("resp_b") is store.input_items("resp_b") is None
+
+
+def test_past_its_count_the_least_recently_used_go_first():
+    store = ResponseStore(2, 1 << 20)
+    store.put(response("resp_a"), [])
+    store.put(response("resp_b"), [])
+    store.get("resp_a")  # used: resp_b is now the oldest
+    store.put(response("resp_c"), [])
+    assert [r for r in ("resp_a", "resp_b", "resp_c") if store.get(r)] == ["resp_a", "resp_c"]
+
+
+def test_past_its_bytes_the_oldest_go_and_one_too_large_is_not_kept():
+    one = len(json.dumps(response("resp_0"))) + len(json.dumps(items("x" * 100)))
+    store = ResponseStore(100, 3 * one)
+    for i in range(5):
+        assert store.put(response(f"resp_{i}"), items("x" * 100))
+    assert len(store) == 3 and store.bytes == 3 * one and store.get("resp_1") is None
+    assert not store.put(response("resp_big"), items("x" * 4 * one)) and store.get("resp_big") is None
+    assert ResponseStore(0, 1 << 20).put(response("resp_a"), []) is False
+
+
+def test_a_response_kept_again_replaces_itself_and_a_deleted_one_is_gone():
+    store = ResponseStore(10, 1 << 20)
+    store.put(response("resp_a", "first"), [])
+    store.put(response("resp_a", "second"), items("x"))
+    assert len(store) == 1 and store.get("resp_a")["output"][0]["content"][0]["text"] == "second"
+    assert store.delete("resp_a") and not store.delete("resp_a")
+    assert store.get("resp_a") is None and store.bytes == 0
+
+
+def test_input_items_come_in_cursor_pages_newest_first_by_default():
+    store = ResponseStore(10, 1 << 20)
+    store.put(response("resp_a"), items("a", "b", "c"))
+    page = store.input_items("resp_a", limit=2)
+    assert [i["id"] for i in page["data"]] == ["msg_in2", "msg_in1"] and page["has_more"]
+    rest = store.input_items("resp_a", limit=2, after=page["last_id"])
+    assert [i["id"] for i in rest["data"]] == ["msg_in0"] and not rest["has_more"]
+    assert [i["id"] for i in store.input_items("resp_a", order="asc")["data"]] == ["msg_in0", "msg_in1", "msg_in2"]
+    for bad, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
+        with pytest.raises(RequestError) as refused:
+            store.input_items("resp_a", **bad)
+        assert refused.value.param == param
