@@ -52,11 +52,12 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
     after its analysis messages, in its final one); with the mistral tool-call parser, a chat offering tools keeps special
     tokens in its text (vLLM's rule: `[TOOL_CALLS]` is one), and with GPT-OSS's reasoning parser
     every chat does (its channels are special tokens)."""
-    if kind == "responses":  # whole: no stored response to continue here (the ingress continues them)
+    if kind == "responses":  # a batch line's: no stored responses to continue, none kept in the background
         ask = parse_request(ResponsesRequest, raw)
-        if ask.previous_response_id is not None:
-            raise RequestError("previous_response_id: a batch line continues no stored response; send the "
-                               "conversation in input", param="previous_response_id")
+        for param in ("previous_response_id", "background"):
+            if getattr(ask, param):
+                raise RequestError(f"{param}: a batch line keeps no responses; send the conversation in input",
+                                   param=param)
         return prepare_responses(ask, tokenizer, model, max_model_len, limits, check_constraint, parsers)
     body = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, raw)
     check_model(body.model, model)

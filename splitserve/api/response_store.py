@@ -3,13 +3,16 @@ deleting and listing a response's input items. An entry is a Response object and
 items it read (the stored context it continued, then its own input), so a continuation never
 depends on an earlier entry that may have gone. Bounded: past `max_responses` entries or
 `max_bytes` of their JSON, the least recently used go first; an entry larger than `max_bytes`
-is not kept. Plain data in and out, so it can run as one actor that every ingress replica calls."""
+is not kept. A background response is kept in progress, then settled with its end unless it
+was cancelled or deleted meanwhile. Plain data in and out, so it can run as one actor that every
+ingress replica calls."""
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
 
 from splitserve.api.cursor_page import cursor_page, in_order
+from splitserve.api.errors import RequestError
 
 MAX_ITEMS_PAGE = 100
 
@@ -50,6 +53,35 @@ class ResponseStore:
         """A cursor page of the items the response read (OpenAI's default: newest first)."""
         entry = self._use(response_id)
         return entry and cursor_page(in_order(entry[1][::-1], order), limit, after, MAX_ITEMS_PAGE)
+
+    def status(self, response_id: str) -> str | None:
+        entry = self._entries.get(response_id)
+        return entry and entry[0]["status"]
+
+    def statuses(self, response_ids: list[str]) -> list[str | None]:
+        return [self.status(response_id) for response_id in response_ids]
+
+    def settle(self, response: dict) -> bool:
+        """A background response's end, kept in place of its in-progress state; False (and not
+        kept) when it was cancelled or is gone."""
+        entry = self._entries.get(response["id"])
+        if entry is None or entry[0]["status"] != "in_progress":
+            return False
+        return self.put(response, entry[1])
+
+    def cancel(self, response_id: str) -> dict | None:
+        """The background response cancelled (again: as it is); a RequestError for one that is not
+        a background response in progress."""
+        entry = self._use(response_id)
+        if entry is None:
+            return None
+        response, items, _ = entry
+        if response["status"] == "in_progress" and response.get("background"):
+            self.put({**response, "status": "cancelled"}, items)
+        elif response["status"] != "cancelled":
+            raise RequestError(f"only a background response in progress can be cancelled; {response_id!r} is "
+                               f"{response['status']}", param="response_id")
+        return self.get(response_id)
 
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)

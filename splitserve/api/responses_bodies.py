@@ -33,6 +33,7 @@ def response_object(request: ResponsesRequest, response_id: str, created: int, s
     text_format = request.text.format if request.text is not None and request.text.format is not None else None
     return {
         "id": response_id, "object": "response", "created_at": created, "status": status, "error": error,
+        "background": bool(request.background),
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
         "model": request.model, "output": output,

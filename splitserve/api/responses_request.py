@@ -6,7 +6,8 @@ tokenizes and bounds both. A chat field a refusal names is named back as this re
 
 A request that names `previous_response_id` continues a stored response (`response_store`): the
 conversation that response read and its output come before this request's `input`
-(`continuing`); its instructions do not carry over, as OpenAI's do not. `background` is refused.
+(`continuing`); its instructions do not carry over, as OpenAI's do not. A `background` one is
+answered at once, in progress, and kept when it ends (`stored_responses`).
 Input is text: an image or file part is a 400 naming it. A reasoning item sent back in `input` is
 the thinking of the assistant turn it precedes, as the chat template sees an assistant message's
 `reasoning`.
@@ -168,6 +169,7 @@ class ResponsesRequest(BaseModel):
     reasoning: ReasoningOptions | None = None
     store: bool | None = None  # keep the response (OpenAI's default), where this server keeps responses
     previous_response_id: Annotated[str | None, Field(max_length=MAX_ID_CHARS)] = None
+    background: bool | None = None
     # accepted and ignored, as chat's: they ask nothing of the output (prefix caching needs no key)
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -175,7 +177,6 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     truncation: Annotated[str | None, only_values(None, "disabled", reason="only 'disabled' is supported")] = None
-    background: Annotated[bool | None, only_values(None, False, reason=NOT_SUPPORTED)] = None
     include: Annotated[list[str] | None, only_values(None, [], reason=NOT_SUPPORTED)] = None
     top_logprobs: Annotated[int | None, only_values(None, 0, reason=NOT_SUPPORTED)] = None
 

@@ -132,7 +132,8 @@ class Ingress:
     @api.post("/v1/responses")
     async def responses(self, request: Request):
         """OpenAI's Responses API, answered as the chat completion it asks for (`responses_request`),
-        after the stored conversation it continues (`previous_response_id`); kept unless `store` is false."""
+        after the stored conversation it continues (`previous_response_id`); kept unless `store` is
+        false; a `background` one answered in progress at once (`stored_responses`)."""
         started = time.monotonic()
         try:
             ask = await asyncio.to_thread(parse_request, ResponsesRequest, await request.body())
@@ -150,12 +151,14 @@ class Ingress:
             events = reply.response_events(stream)
             return StreamingResponse(self._stored.kept(events, stream, items) if kept else events,
                                      media_type="text/event-stream")
+        end = self._whole_response(ask, reply, response_id, created, kept)
+        if ask.background:
+            pending = response_object(ask, response_id, created, "in_progress", [], stored=True)
+            return JSONResponse(await self._stored.run_in_background(pending, items, end))
         try:
-            [choice] = await reply.choices()
+            whole = await end
         except RequestFailed as error:
             return error_response(error.as_error())
-        whole = response_object(ask, response_id, created, status_of(choice["finish_reason"]), output_items(choice),
-                                reply.usage, stored=kept)
         if kept:
             await self._stored.keep(whole, items)
         return JSONResponse(whole)
@@ -180,6 +183,15 @@ class Ingress:
     def _prepare(self, kind: str, raw: bytes) -> PreparedRequest:
         return prepare_request(kind, raw, self.tokenizer, self.model_names, self.max_model_len, self.limits,
                                self._grammar.check, self.config.chat_parsers)
+
+    @staticmethod
+    async def _whole_response(ask: ResponsesRequest, reply: ChoicesResponse, response_id: str, created: int,
+                              stored: bool) -> dict:
+        """The Response of the one choice, once it ends; RequestFailed when it failed. (A method: a
+        module function defined after the class was a NameError in the Serve replica.)"""
+        [choice] = await reply.choices()
+        return response_object(ask, response_id, created, status_of(choice["finish_reason"]), output_items(choice),
+                               reply.usage, stored=stored)
 
     def _prepare_responses(self, ask: ResponsesRequest, context: list[dict]) -> PreparedRequest:
         """`ask` after the stored conversation it continues, as its chat."""

@@ -1,12 +1,18 @@
 """Stored responses in a cluster: the store (`api/response_store.py`) is one actor the controller
 deployment owns, which every ingress replica reaches through `StoredResponses`; the routes that
-read and delete them: GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items.
+read, cancel and delete them: GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items,
+POST /v1/responses/{id}/cancel.
 
 A response is kept when it ends (`store` not false and the store not sized 0): a whole one once
-answered, a streamed one after its last event (a failed one too: its id was sent). A response a
-client never got (a 4xx, a whole response that failed) is not."""
+answered, a streamed one before its last events are sent (a failed one too: its id was sent). A
+response a client never got (a 4xx, a whole response that failed) is not. A background one is
+kept in progress when admitted, and settled by a task of the replica that admitted it, which is
+cancelled (stopping its runs) once the store says the response was cancelled, on any replica, or
+deleted. That replica dying leaves it in progress."""
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Request
@@ -16,19 +22,29 @@ from ray.exceptions import RayTaskError
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
+from splitserve.cluster.background import background
+from splitserve.cluster.dispatch import RequestFailed
 
 router = APIRouter()
+log = logging.getLogger(__name__)
+CANCEL_POLL_S = 0.5
 
 
 class StoredResponses:
     def __init__(self, store_handle: Callable[[], Awaitable], enabled: bool):
         self._get_handle, self._handle, self.enabled = store_handle, None, enabled
+        self._running: dict[str, asyncio.Task] = {}  # background responses this replica settles, by id
+        self._poller: asyncio.Task | None = None
 
     def keeps(self, request: ResponsesRequest) -> bool:
         return self.enabled and request.store is not False
 
     async def context(self, request: ResponsesRequest) -> list[dict]:
-        """The conversation `previous_response_id` continues ([] when it names none)."""
+        """The conversation `previous_response_id` continues ([] when it names none); a 400 for a
+        background request this server cannot keep, or one that streams."""
+        if request.background and (request.stream or not self.keeps(request)):
+            raise RequestError("background: a background response is kept and polled (GET /v1/responses/{id}); "
+                               "it needs store and no stream", param="background")
         response_id = request.previous_response_id
         if response_id is None:
             return []
@@ -54,6 +70,46 @@ class StoredResponses:
                 kept = True
             yield event
 
+    async def run_in_background(self, pending: dict, items: list[dict], end: Awaitable[dict]) -> dict:
+        """`pending` (in progress) kept and returned; `end` (the whole response, or a RequestFailed)
+        runs on in a task that settles it."""
+        await self.keep(pending, items)
+        self._running[pending["id"]] = background(self._settle(pending, end))
+        if self._poller is None or self._poller.done():
+            self._poller = background(self._stop_cancelled())
+        return pending
+
+    async def _settle(self, pending: dict, end: Awaitable[dict]) -> None:
+        try:
+            try:
+                whole = await end
+            except RequestFailed as error:  # every attempt failed
+                whole = _failed(pending, str(error))
+            except Exception as error:
+                log.exception("background response %s failed", pending["id"])
+                whole = _failed(pending, f"the server failed answering it: {error!r}")
+            await self.call("settle", whole)
+        except Exception:
+            log.exception("background response %s: its end could not be kept", pending["id"])
+        finally:
+            self._running.pop(pending["id"], None)
+
+    async def _stop_cancelled(self) -> None:
+        """While background responses run here: every CANCEL_POLL_S, one call asks the store which
+        of them are no longer in progress (cancelled on any replica, deleted), and their tasks are
+        cancelled, which stops their runs."""
+        while self._running:
+            await asyncio.sleep(CANCEL_POLL_S)
+            ids = list(self._running)
+            try:
+                statuses = await self.call("statuses", ids)
+            except Exception:
+                log.exception("the response store could not be asked about %d background responses", len(ids))
+                continue
+            for response_id, status in zip(ids, statuses):
+                if status != "in_progress" and response_id in self._running:
+                    self._running[response_id].cancel()
+
     async def call(self, method: str, *args):
         """The store's answer; a RequestError it raised (a bad page query) is raised here."""
         if self._handle is None:
@@ -64,6 +120,10 @@ class StoredResponses:
             if isinstance(error.cause, RequestError):
                 raise error.cause from None
             raise
+
+
+def _failed(pending: dict, message: str) -> dict:
+    return {**pending, "status": "failed", "error": {"code": "server_error", "message": message}}
 
 
 def _missing(response_id: str, param: str = "response_id") -> RequestError:
@@ -89,6 +149,11 @@ async def retrieve(request: Request, response_id: str):
 async def input_items(request: Request, response_id: str, limit: int = 20, order: str = "desc",
                       after: str | None = None):
     return await _answer(request, response_id, "input_items", limit, order, after)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel(request: Request, response_id: str):
+    return await _answer(request, response_id, "cancel")
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -1,5 +1,6 @@
 """The response store: a continuation reads the conversation and the output of the response it
-names; bounded by count and by bytes, least recently used first; input items in OpenAI's pages."""
+names; bounded by count and by bytes, least recently used first; input items in OpenAI's pages; a
+background response settled with its end unless cancelled or deleted meanwhile."""
 from __future__ import annotations
 
 import json
@@ -69,3 +70,24 @@ def test_input_items_come_in_cursor_pages_newest_first_by_default():
         with pytest.raises(RequestError) as refused:
             store.input_items("resp_a", **bad)
         assert refused.value.param == param
+
+
+def test_a_background_response_settles_unless_cancelled_or_deleted_meanwhile():
+    store = ResponseStore(10, 1 << 20)
+    pending = {**response("resp_a"), "status": "in_progress", "background": True, "output": []}
+    store.put(pending, items("2+3?"))
+    assert store.status("resp_a") == "in_progress"
+    assert store.settle({**response("resp_a", "five"), "status": "completed"})
+    assert store.get("resp_a")["status"] == "completed" and store.context("resp_a")[0] == items("2+3?")[0]
+    with pytest.raises(RequestError, match="completed"):
+        store.cancel("resp_a")
+    store.put({**pending, "id": "resp_b"}, [])
+    assert store.cancel("resp_b")["status"] == "cancelled" == store.cancel("resp_b")["status"]
+    assert not store.settle({**response("resp_b"), "status": "completed"}) and store.status("resp_b") == "cancelled"
+    store.put({**pending, "id": "resp_c"}, [])
+    store.delete("resp_c")
+    assert not store.settle({**response("resp_c"), "status": "completed"}) and store.get("resp_c") is None
+    store.put({**response("resp_d"), "status": "in_progress"}, [])  # not a background one
+    with pytest.raises(RequestError, match="background"):
+        store.cancel("resp_d")
+    assert store.cancel("resp_x") is None and store.statuses(["resp_b", "resp_x"]) == ["cancelled", None]

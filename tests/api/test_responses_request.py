@@ -73,7 +73,6 @@ def test_text_format_is_chats_response_format():
 
 
 @pytest.mark.parametrize("create, param", [
-    ({"input": "x", "background": True}, "background"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},

@@ -98,13 +98,13 @@ def option_lines() -> dict[str, list[dict]]:
 FAILING = ("bad-regex", "bad-output-bound")  # the option lines that are 400s
 
 
-UNCOMPARABLE = ("id", "created", "created_at", "call_id", "prompt_tokens_details", "input_tokens_details")
+UNCOMPARABLE = ("id", "created", "created_at", "call_id", "prompt_tokens_details", "input_tokens_details", "store")
 
 
 def comparable(body: dict) -> dict:
     """A response body without what differs between two answers to one request: its id, creation
-    time and tool call ids (a Response's and its items' too), and the prefix cache's part in its
-    usage (what ran before decides it)."""
+    time and tool call ids (a Response's and its items' too), the prefix cache's part in its
+    usage (what ran before decides it), and whether a Response is kept (a batch's are not)."""
     def strip(value):
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items() if k not in UNCOMPARABLE}

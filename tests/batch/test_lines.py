@@ -60,7 +60,7 @@ def test_prepare_checks_a_body_like_its_endpoint():
 
 def test_a_responses_line_is_prepared_as_the_chat_it_asks_for():
     """Its prompt is the chat's of the same messages; a refusal names the Responses field; it
-    continues no stored response (the batch has none to read)."""
+    continues no stored response and runs in no background (a batch keeps no responses)."""
     def line(url: str, **body) -> dict:
         return {"custom_id": url, "method": "POST", "url": url, "body": {"model": "demo", **body}}
 
@@ -76,10 +76,11 @@ def test_a_responses_line_is_prepared_as_the_chat_it_asks_for():
     with pytest.raises(RequestError) as caught:
         prepare(bad, demo_tokenizer(), "demo", 2048)
     assert caught.value.status == 400 and caught.value.param.startswith("text.format")
-    [continuing] = parse_input(as_jsonl([line("/v1/responses", input="x", previous_response_id="resp_1")]))
-    with pytest.raises(RequestError) as caught:
-        prepare(continuing, demo_tokenizer(), "demo", 2048)
-    assert caught.value.param == "previous_response_id"
+    for param, value in (("previous_response_id", "resp_1"), ("background", True)):
+        [kept] = parse_input(as_jsonl([line("/v1/responses", input="x", **{param: value})]))
+        with pytest.raises(RequestError) as caught:
+            prepare(kept, demo_tokenizer(), "demo", 2048)
+        assert caught.value.param == param
 
 
 def test_prepare_takes_every_option_of_the_endpoint_and_compiles_constraints_up_front():

@@ -4,11 +4,14 @@ client's stream helper accepts; a forced function call comes back as a `function
 its output sent back in `input` continues the conversation; `text.format` holds the output to a
 schema; what this server cannot honour is a 400 naming the field. Stored responses: retrieved,
 continued by `previous_response_id` as the chat of the whole conversation, their input items
-listed in pages, deleted; a streamed one kept; `store: false` keeps none."""
+listed in pages, deleted; a streamed one kept; `store: false` keeps none; a background one polled
+to the foreground's answer, and one cancelled stops running."""
 from __future__ import annotations
 
 import json
+import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -90,6 +93,49 @@ def test_a_streamed_response_is_kept_and_store_false_keeps_none(client):
     assert unkept.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unkept.id)
+
+
+def test_a_background_response_is_polled_and_a_cancelled_one_stops(client, server):
+    ask = dict(model="demo", instructions="Be terse.", input="Is 2 + 3 five?", temperature=0)
+    fore = client.responses.create(max_output_tokens=8, **ask)
+    back = client.responses.create(max_output_tokens=8, background=True, **ask)
+    assert (back.status, back.background, back.output) == ("in_progress", True, [])
+    done = polled(client, back.id)
+    assert (done.status, done.output_text, done.usage.output_tokens) == (fore.status, fore.output_text, 8)
+    long = client.responses.create(max_output_tokens=1900, background=True, **ask)
+    cancelled = when_workers(server, busy=True)
+    assert client.responses.cancel(long.id).status == "cancelled"
+    stopped = when_workers(server, busy=False) - cancelled  # its runs stopped
+    started = time.monotonic()
+    client.responses.create(max_output_tokens=1900, **ask)  # what it would have taken
+    assert stopped < (time.monotonic() - started) / 2
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(fore.id)  # not a background response
+    for refused in ({"stream": True}, {"store": False}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(max_output_tokens=2, background=True, **ask, **refused)
+        assert caught.value.param == "background"
+
+
+def polled(client, response_id: str, timeout_s: float = 60):
+    deadline = time.monotonic() + timeout_s
+    while (response := client.responses.retrieve(response_id)).status == "in_progress":
+        assert time.monotonic() < deadline, response
+        time.sleep(0.1)
+    return response
+
+
+def when_workers(server: str, busy: bool, timeout_s: float = 60) -> float:
+    """When the workers' load reports (every 50 ms) first show a request decoding (`busy`), or
+    nothing decoding or waiting."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = httpx.get(f"{server}/v1/cluster/status").json()["workers"].values()
+        if busy == any(w["num_decoding"] or w["num_waiting"] or w["pending_prompt_tokens"] for w in workers):
+            return time.monotonic()
+        time.sleep(0.05)
+    raise TimeoutError(f"the workers never became {'busy' if busy else 'idle'}")
 
 
 @pytest.mark.parametrize("create, param", [
