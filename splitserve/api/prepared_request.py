@@ -79,7 +79,12 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
 def prepare_responses(ask: ResponsesRequest, tokenizer, model: str | tuple[str, ...], max_model_len: int,
                       limits: RequestLimits, check_constraint: ConstraintCheck | None = None,
                       parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
-    """A Responses request as the chat completion it asks for; a refusal names the Responses field."""
+    """A Responses request as the chat completion it asks for; a refusal names the Responses field.
+    Its output text's logprobs are chat's, every token's: refused where tokens may be a reasoning
+    parser's thinking or a tool call's."""
+    if ask.wants_logprobs() and (parsers.reasoning is not None or (ask.tools and ask.tool_choice != "none")):
+        raise RequestError("include: the output text's logprobs are not served with a reasoning parser or tools "
+                           "(chat's logprobs cover the thinking and the calls too)", param="include")
     chat = json.dumps(ask.to_chat()).encode()
     try:
         prepared = prepare_request("chat", chat, tokenizer, model, max_model_len, limits, check_constraint, parsers)

@@ -62,14 +62,15 @@ def reasoning_item(item_id: str, text: str, status: str) -> dict:
             "status": status}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict:
+def message_item(item_id: str, text: str | None, status: str, logprobs: list[dict] | None = None) -> dict:
     """An assistant message; `text` None: its part is not opened yet (a stream's first event)."""
-    content = [] if text is None else [output_text(text)]
+    content = [] if text is None else [output_text(text, logprobs)]
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict] | None = None) -> dict:
+    """`logprobs`: chat's logprobs `content` entries, the same shape (token, logprob, bytes, top_logprobs)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -84,7 +85,8 @@ def output_items(choice: dict) -> list[dict]:
     if message.get("reasoning") is not None:
         items.append(reasoning_item(new_id("rs"), message["reasoning"], "completed"))
     if message.get("content"):
-        items.append(message_item(new_id("msg"), message["content"], status))
+        logprobs = (choice.get("logprobs") or {}).get("content")
+        items.append(message_item(new_id("msg"), message["content"], status, logprobs))
     items += [function_call_item(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"],
                                  "completed") for call in message.get("tool_calls") or ()]
     return items

@@ -31,6 +31,8 @@ class ResponseEvents:
         self.output: list[dict] = []  # the items done, in order
         self._open: dict | None = None  # the item being streamed (its `type`, `id`, `call_id`, `name`)
         self._text = ""  # the open item's text, or its call's arguments, so far
+        self._logprobs: list[dict] = []  # the open message's, so far
+        self._held: list[dict] = []  # logprobs of tokens whose text is not out yet (held for a stop string)
         self._sequence = 0
         self._finish_reason: str | None = None
 
@@ -45,6 +47,7 @@ class ResponseEvents:
         events = []
         for choice in chunk["choices"]:
             delta = choice["delta"]
+            self._held += (choice.get("logprobs") or {}).get("content") or ()
             if delta.get("reasoning"):
                 events += self._append("reasoning", delta["reasoning"])
             if delta.get("content"):
@@ -88,10 +91,13 @@ class ResponseEvents:
             return events + [self._event("response.function_call_arguments.delta", delta=text, **place)]
         if kind == "reasoning":
             return events + [self._event("response.reasoning_text.delta", content_index=0, delta=text, **place)]
-        return events + [self._event("response.output_text.delta", content_index=0, delta=text, logprobs=[], **place)]
+        logprobs, self._held = self._held, []
+        self._logprobs += logprobs
+        return events + [self._event("response.output_text.delta", content_index=0, delta=text, logprobs=logprobs,
+                                     **place)]
 
     def _add(self, item: dict) -> list[dict]:
-        self._open, self._text = item, ""
+        self._open, self._text, self._logprobs = item, "", []
         added = [self._event("response.output_item.added", output_index=len(self.output),
                              item=self._item("in_progress"))]
         if item["type"] == "message":
@@ -110,8 +116,11 @@ class ResponseEvents:
         elif kind == "reasoning":
             events = [self._event("response.reasoning_text.done", content_index=0, text=text, **place)]
         else:
-            events = [self._event("response.output_text.done", content_index=0, text=text, logprobs=[], **place),
-                      self._event("response.content_part.done", content_index=0, part=output_text(text), **place)]
+            self._logprobs, self._held = self._logprobs + self._held, []
+            events = [self._event("response.output_text.done", content_index=0, text=text, logprobs=self._logprobs,
+                                  **place),
+                      self._event("response.content_part.done", content_index=0, part=output_text(text, self._logprobs),
+                                  **place)]
         item = self._item(status if kind == "message" else "completed")
         events.append(self._event("response.output_item.done", output_index=len(self.output), item=item))
         self.output.append(item)
@@ -124,7 +133,7 @@ class ResponseEvents:
             return function_call_item(item["id"], item["call_id"], item["name"], text, status)
         if item["type"] == "reasoning":
             return reasoning_item(item["id"], text, status)
-        return message_item(item["id"], text if status != "in_progress" else None, status)
+        return message_item(item["id"], text if status != "in_progress" else None, status, self._logprobs)
 
     def _place(self) -> dict:
         return {"item_id": self._open["id"], "output_index": len(self.output)}

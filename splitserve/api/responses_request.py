@@ -8,7 +8,8 @@ A request that names `previous_response_id` continues a stored response (`respon
 conversation that response read and its output come before this request's `input`
 (`continuing`); its instructions do not carry over, as OpenAI's do not. A `background` one is
 answered at once, in progress, and kept when it ends (`stored_responses`).
-Input is text: an image or file part is a 400 naming it. A reasoning item sent back in `input` is
+Input is text: an image or file part is a 400 naming it. `include: ["message.output_text.logprobs"]`
+(with `top_logprobs` alternatives) asks chat's `logprobs`. A reasoning item sent back in `input` is
 the thinking of the assistant turn it precedes, as the chat template sees an assistant message's
 `reasoning`.
 """
@@ -19,12 +20,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import NOT_SUPPORTED, only_values
+from splitserve.api.request_models import only_values
 from splitserve.api.strict_model import STRICT
 from splitserve.api.tool_models import MAX_TOOLS, FunctionDefinition
+from splitserve.engine.sampling_params import MAX_LOGPROBS
 
 MAX_INPUT_ITEMS = 2048  # every item is a chat message at most: the chat bounds (max_chat_messages) apply too
 MAX_ID_CHARS = 256
+LOGPROBS = "message.output_text.logprobs"
 
 
 class InputText(BaseModel):
@@ -177,8 +180,13 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     truncation: Annotated[str | None, only_values(None, "disabled", reason="only 'disabled' is supported")] = None
-    include: Annotated[list[str] | None, only_values(None, [], reason=NOT_SUPPORTED)] = None
-    top_logprobs: Annotated[int | None, only_values(None, 0, reason=NOT_SUPPORTED)] = None
+    include: Annotated[list[Annotated[str, only_values(LOGPROBS, reason=f"only {LOGPROBS!r} is supported")]] | None,
+                       Field(max_length=8)] = None
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
+
+    def wants_logprobs(self) -> bool:
+        """The output text's logprobs were asked for (`include`, or alternatives in `top_logprobs`)."""
+        return LOGPROBS in (self.include or ()) or bool(self.top_logprobs)
 
     def continuing(self, context: list[dict]) -> ResponsesRequest:
         """This request with `context` (a stored response's conversation items) before its input."""
@@ -192,6 +200,8 @@ class ResponsesRequest(BaseModel):
                 "parallel_tool_calls": self.parallel_tool_calls, "metadata": self.metadata, "user": self.user,
                 "store": self.store, "service_tier": self.service_tier,
                 "reasoning_effort": self.reasoning and self.reasoning.effort}
+        if self.wants_logprobs():
+            chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0
         if self.tools:
             chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]
@@ -244,7 +254,7 @@ def _response_format(text_format: TextFormat) -> dict:
 
 # the chat field a refusal names -> this request's
 _PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
-           ("reasoning_effort", "reasoning.effort"), ("tools", "tools"))
+           ("reasoning_effort", "reasoning.effort"), ("tools", "tools"), ("logprobs", "include"))
 
 
 def chat_param(param: str | None) -> str | None:

@@ -104,3 +104,14 @@ def test_truncate_prompt_tokens_bounds(value):
     with pytest.raises(RequestError) as refused:
         prepare("completion", prompt="abc", truncate_prompt_tokens=value)
     assert (refused.value.status, refused.value.param) == (400, "truncate_prompt_tokens")
+
+
+def test_a_responses_output_texts_logprobs_are_refused_where_chats_would_cover_other_tokens():
+    asked = {"input": "x", "include": ["message.output_text.logprobs"], "max_output_tokens": 4}
+    assert prepare("responses", **asked).params[0].logprobs == 0
+    tool = {"type": "function", "name": "add", "parameters": {"type": "object"}}
+    assert prepare("responses", tools=[tool], tool_choice="none", **asked).params[0].logprobs == 0
+    for refused in ({"tools": [tool]}, {"parsers": ChatParsers("qwen3")}):
+        with pytest.raises(RequestError) as caught:
+            prepare("responses", **asked, **refused)
+        assert caught.value.param == "include"

@@ -73,7 +73,7 @@ def test_text_format_is_chats_response_format():
 
 
 @pytest.mark.parametrize("create, param", [
-    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include.0"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input.0.message.content"),
@@ -85,6 +85,16 @@ def test_what_this_server_cannot_honour_is_a_400_naming_the_field(create, param)
     with pytest.raises(RequestError) as refused:
         parse_request(ResponsesRequest, sent_body(**create))
     assert refused.value.param == param and refused.value.status == 400
+
+
+def test_output_text_logprobs_ask_chats_logprobs():
+    chat = chat_of(input="x", include=["message.output_text.logprobs"], top_logprobs=3)
+    assert (chat["logprobs"], chat["top_logprobs"]) == (True, 3)
+    assert chat_of(input="x", include=["message.output_text.logprobs"])["top_logprobs"] == 0
+    assert "logprobs" not in chat_of(input="x")
+    with pytest.raises(RequestError) as refused:
+        parse_request(ResponsesRequest, sent_body(input="x", top_logprobs=21))
+    assert refused.value.param == "top_logprobs"
 
 
 def test_a_refusal_of_the_chat_body_names_the_responses_field():

@@ -90,6 +90,8 @@ def option_lines() -> dict[str, list[dict]]:
              text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}}),
         line("resp-tools", "/v1/responses", input=ASK, max_output_tokens=60, tool_choice="required", temperature=0,
              tools=[{"type": "function", **ADD}]),
+        line("resp-logprobs", "/v1/responses", instructions="Be terse.", input="Is 2 + 3 five?", max_output_tokens=6,
+             temperature=0, include=["message.output_text.logprobs"], top_logprobs=2),
         line("bad-output-bound", "/v1/responses", input="x", max_output_tokens=0),
     ]
     return {"/v1/completions": completions, "/v1/chat/completions": chat, "/v1/responses": responses}

@@ -21,7 +21,7 @@ from splitserve.cluster.run_response import RunResponse
 from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import ByteTokenizer
-from tests.cluster.test_run_response import PROMPT, ScriptedRun, byte_ids
+from tests.cluster.test_run_response import PROMPT, ScriptedRun, byte_ids, logprob_deltas
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
 OUTPUTS = {
@@ -101,6 +101,34 @@ def test_each_kind_of_output_is_its_item():
     assert cut["output"][0]["status"] == "incomplete"
     usage = whole(reply(*OUTPUTS["reasoning"]), request)["usage"]
     assert usage["output_tokens_details"]["reasoning_tokens"] == len("Sum it.")
+
+
+def test_the_output_texts_logprobs_are_chats_whole_and_streamed_with_their_text():
+    """Stop string "END": the text after it never comes (the logprobs of the tokens through it do,
+    as chat's); the tokens held while "E" might start it bring theirs with the text that follows,
+    and those of the stop string's, which no text follows, come with the text's done event."""
+    request = ResponsesRequest(model="demo", input="x", include=["message.output_text.logprobs"], top_logprobs=2)
+    params = SamplingParams(max_tokens=64, stop=["END"], logprobs=2)
+
+    def choice() -> ChoicesResponse:
+        text = TextStream(ByteTokenizer(), params, PROMPT)
+        run = ScriptedRun(logprob_deltas("Hi Eve END no", 2), params=params)
+        return ChoicesResponse([[RunResponse("chat", run, "demo", text, num_top=2)]], 1)
+
+    [chat] = asyncio.run(choice().choices())
+    got = whole(choice(), request)
+    [text] = got["output"][0]["content"]
+    assert text["text"] == "Hi Eve " and text["logprobs"] == chat["logprobs"]["content"]
+    assert [entry["token"] for entry in text["logprobs"]] == list("Hi Eve END")
+    assert all(len(entry["top_logprobs"]) == 2 for entry in text["logprobs"])
+    body = streamed(choice(), request)
+    events = [json.loads(line[6:]) for line in body.decode().split("\n") if line.startswith("data: ")]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [lp for e in deltas for lp in e["logprobs"]] == text["logprobs"][:-2]  # "N", "D" bring no text
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == text["logprobs"]
+    final = Response.model_validate(events[-1]["response"])
+    assert final.output[0].content[0].model_dump()["logprobs"] == text["logprobs"]
 
 
 def test_a_failed_choice_ends_the_stream_with_an_error_and_the_response_failed():

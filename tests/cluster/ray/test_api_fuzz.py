@@ -65,7 +65,10 @@ RESPONSES_OPTIONS = {
     "reasoning": _field(st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "high", "max"]),
                                                             "summary": st.sampled_from(["auto", None])})),
     "previous_response_id": _field(st.text(max_size=10)), "truncation": _field(st.sampled_from(["auto", "disabled"])),
-}
+    "include": _field(st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content"]),
+                               max_size=2)),
+    "top_logprobs": _field(st.integers(-1, 21)), "store": _field(st.booleans()),
+}  # not `background`: its runs would outlive the test
 ITEM = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "developer", "assistant", "tool"]),
                            "content": st.text(max_size=60) | st.lists(st.fixed_dictionaries(

@@ -40,6 +40,20 @@ def test_a_response_is_the_chat_completion_it_asks_for(client):
     assert events[-1].response.usage.output_tokens == got.usage.output_tokens
 
 
+def test_the_output_texts_logprobs_are_the_chat_completions(client):
+    chat = client.chat.completions.create(model="demo", max_completion_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=2, messages=[{"role": "system", "content": "Be terse."},
+                                                                    {"role": "user", "content": "Is 2 + 3 five?"}])
+    got = client.responses.create(model="demo", instructions="Be terse.", input="Is 2 + 3 five?", max_output_tokens=8,
+                                  temperature=0, include=["message.output_text.logprobs"], top_logprobs=2)
+    [text] = got.output[0].content
+    expected = chat.choices[0].logprobs.content
+    assert [t.token for t in text.logprobs] == [t.token for t in expected] and len(expected) == 8
+    assert [t.logprob for t in text.logprobs] == pytest.approx([t.logprob for t in expected], abs=1e-4)
+    assert [[a.token for a in t.top_logprobs] for t in text.logprobs] == [
+        [a.token for a in t.top_logprobs] for t in expected]
+
+
 def test_a_forced_call_streamed_then_its_output_sent_back(client):
     args = dict(model="demo", tools=[ADD], tool_choice={"type": "function", "name": "add"}, max_output_tokens=120)
     with client.responses.stream(input=ASK, **args) as stream:
