@@ -44,8 +44,12 @@ class ResponseStore:
         return entry and entry[0]
 
     def context(self, response_id: str) -> list[dict] | None:
-        """The conversation a continuation of the response reads: its items, then its output."""
+        """The conversation a continuation of the response reads: its items, then its output; a
+        RequestError while it is in progress (a background one not yet ended)."""
         entry = self._use(response_id)
+        if entry is not None and entry[0]["status"] == "in_progress":
+            raise RequestError(f"previous_response_id: {response_id!r} is still in progress; continue it once it "
+                               "has ended", param="previous_response_id")
         return entry and entry[1] + entry[0]["output"]
 
     def input_items(self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None

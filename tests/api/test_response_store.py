@@ -12,7 +12,7 @@ from splitserve.api.response_store import ResponseStore
 
 
 def response(response_id: str, text: str = "ok") -> dict:
-    return {"id": response_id, "object": "response", "output": [
+    return {"id": response_id, "object": "response", "status": "completed", "output": [
         {"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
          "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}]}
 
@@ -77,6 +77,9 @@ def test_a_background_response_settles_unless_cancelled_or_deleted_meanwhile():
     pending = {**response("resp_a"), "status": "in_progress", "background": True, "output": []}
     store.put(pending, items("2+3?"))
     assert store.status("resp_a") == "in_progress"
+    with pytest.raises(RequestError, match="still in progress") as refused:
+        store.context("resp_a")
+    assert refused.value.param == "previous_response_id"
     assert store.settle({**response("resp_a", "five"), "status": "completed"})
     assert store.get("resp_a")["status"] == "completed" and store.context("resp_a")[0] == items("2+3?")[0]
     with pytest.raises(RequestError, match="completed"):

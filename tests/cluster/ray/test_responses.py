@@ -90,6 +90,9 @@ def test_a_stored_response_is_retrieved_continued_listed_and_deleted(client):
     items = list(client.responses.input_items.list(follow.id, order="asc", limit=1))  # the client walks the pages
     assert [item.type for item in items] == ["message"] * 3 and items[1].id == first.output[0].id
     assert [item.content[0].text for item in items] == ["Is 2 + 3 five?", first.output_text, "And 3 + 4?"]
+    with pytest.raises(openai.BadRequestError) as refused:  # the store's refusal, across its actor
+        client.responses.input_items.list(follow.id, limit=0)
+    assert refused.value.param == "limit"
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
