@@ -50,11 +50,17 @@ def response_object(request: ResponsesRequest, response_id: str, created: int, s
     }
 
 
+def response_of_choice(request: ResponsesRequest, response_id: str, created: int, choice: dict, usage: Usage,
+                       stored: bool = False) -> dict:
+    """The whole Response answering `request`, from the one chat choice computed for it."""
+    return response_object(request, response_id, created, status_of(choice["finish_reason"]), output_items(choice),
+                           usage, stored=stored)
+
+
 def response_from_chat(request: ResponsesRequest, body: dict) -> dict:
     """The whole Response answering `request`, from the chat completion body computed for it."""
     [choice] = body["choices"]
-    return response_object(request, new_id("resp"), body["created"], status_of(choice["finish_reason"]),
-                           output_items(choice), Usage.from_body(body["usage"]))
+    return response_of_choice(request, new_id("resp"), body["created"], choice, Usage.from_body(body["usage"]))
 
 
 def reasoning_item(item_id: str, text: str, status: str) -> dict:

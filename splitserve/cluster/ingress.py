@@ -23,7 +23,7 @@ from splitserve.api.guard import guard
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.prepared_request import PreparedRequest, prepare_request, prepare_responses
 from splitserve.api.request_models import check_model, parse_request
-from splitserve.api.responses_bodies import input_items, new_id, output_items, response_object, status_of
+from splitserve.api.responses_bodies import input_items, new_id, response_object, response_of_choice
 from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
 from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
@@ -190,8 +190,7 @@ class Ingress:
         """The Response of the one choice, once it ends; RequestFailed when it failed. (A method: a
         module function defined after the class was a NameError in the Serve replica.)"""
         [choice] = await reply.choices()
-        return response_object(ask, response_id, created, status_of(choice["finish_reason"]), output_items(choice),
-                               reply.usage, stored=stored)
+        return response_of_choice(ask, response_id, created, choice, reply.usage, stored)
 
     def _prepare_responses(self, ask: ResponsesRequest, context: list[dict]) -> PreparedRequest:
         """`ask` after the stored conversation it continues, as its chat."""

@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai.types.responses import Response
 
-from splitserve.api.responses_bodies import output_items, response_object, status_of
+from splitserve.api.responses_bodies import response_of_choice, status_of
 from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
 from splitserve.api.visible_text import TextStream
@@ -57,7 +57,7 @@ def streamed(choice: ChoicesResponse, request: ResponsesRequest) -> bytes:
 
 def whole(choice: ChoicesResponse, request: ResponsesRequest) -> dict:
     [body] = asyncio.run(choice.choices())
-    return response_object(request, "resp_1", 7, status_of(body["finish_reason"]), output_items(body), choice.usage)
+    return response_of_choice(request, "resp_1", 7, body, choice.usage)
 
 
 def comparable(response: dict) -> dict:
