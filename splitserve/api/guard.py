@@ -9,7 +9,8 @@ in OpenAI's shape too.
   at once when Content-Length says so, or as soon as a streamed body passes the bound.
 - An exception a route does not turn into a response (a bug, a full disk) is logged with its
   traceback and answered with a 500 in OpenAI's shape (`server_error`), not the server's bare text;
-  once a response has started (a stream), it ends the response instead.
+  once a response has started (a stream), it ends the response instead. A RequestError a route
+  raises (a 503 while an actor it needs restarts) is answered as that error.
 - A query or path value that does not parse (`?limit=ten`) is a 400 naming it (FastAPI's is a 422
   of its own shape); an unknown route is a 404 and a wrong method a 405, with OpenAI's body.
 """
@@ -40,6 +41,7 @@ def guard(app: FastAPI) -> FastAPI:
     app.add_middleware(ApiGuard)
     app.add_exception_handler(RequestValidationError, _unparsed_value)
     app.add_exception_handler(HTTPException, _refused)
+    app.add_exception_handler(RequestError, _raised)
     return app
 
 
@@ -47,6 +49,11 @@ async def _unparsed_value(request: Request, error: RequestValidationError):
     first = error.errors()[0]
     param = ".".join(str(part) for part in first["loc"][1:]) or None  # loc: ("query", "limit")
     return error_response(RequestError(f"{param}: {first['msg']}", param=param))
+
+
+async def _raised(request: Request, error: RequestError):
+    """A RequestError a route did not catch (an actor it needs is restarting, say): its answer."""
+    return error_response(error)
 
 
 async def _refused(request: Request, error: HTTPException):

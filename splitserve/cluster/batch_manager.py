@@ -8,6 +8,7 @@ from splitserve.batch.blend.cost import ModelShape
 from splitserve.batch.service import BatchService
 from splitserve.batch.store import BatchStore, NotFound
 from splitserve.cluster.batch_executor import ClusterExecutor
+from splitserve.cluster.owned_actor import OwnedActor
 from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import load_metadata
 from splitserve.engine.prefix_hash import PrefixNaming
@@ -44,14 +45,12 @@ class BatchManager:
 class RemoteBatches:
     """The service's interface for the routes, each call forwarded to the manager actor."""
 
-    def __init__(self, manager_handle):
-        self._get_handle, self._handle = manager_handle, None
+    def __init__(self, manager: OwnedActor):
+        self._manager = manager
 
     def __getattr__(self, method: str):
         async def call(*args):
-            if self._handle is None:
-                self._handle = await self._get_handle()
-            outcome = await self._handle.call.remote(method, *args)
+            outcome = await self._manager.call("call", method, *args)
             if outcome[0] == "error":
                 _, status, message, param, code, kind = outcome
                 raise RequestError(message, status=status, param=param, type=kind, code=code)

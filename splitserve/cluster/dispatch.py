@@ -66,17 +66,22 @@ class _AttemptFailed(Exception):
 
 class WorkerDirectory:
     """Worker actor handles by id, asked of the CLS once per worker (per ingress replica), and the
-    token feeds this replica's requests stream through (one per worker)."""
+    token feeds this replica's requests stream through (one per worker). `dead` once a call found
+    the CLS dead: its workers died with it, and the ingress replaces the directory."""
 
     def __init__(self, cls):
         self.cls = cls
+        self.dead = False
         self.feeds = DeltaFeeds()
         self._handles: dict[str, object] = {}
         self._calls: set[asyncio.Task] = set()  # best-effort calls in flight, held until they end
 
+    async def place(self, request: PlacementRequest, exclude: frozenset[str]) -> Placement | None:
+        return await self._ask_cls("place", request, exclude)
+
     async def get(self, worker_id: str):
         if worker_id not in self._handles:
-            handle = await self.cls.worker_handle.remote(worker_id)
+            handle = await self._ask_cls("worker_handle", worker_id)
             if handle is None:
                 raise _AttemptFailed("worker is gone", worker_id, dead=True)
             self._handles[worker_id] = handle
@@ -85,6 +90,14 @@ class WorkerDirectory:
     def forget(self, worker_id: str) -> None:
         self._handles.pop(worker_id, None)
         self.feeds.forget(worker_id)
+
+    async def _ask_cls(self, method: str, *args):
+        try:
+            return await getattr(self.cls, method).remote(*args)
+        except RayActorError:
+            self.dead = True
+            raise RequestFailed("the cluster controller (CLS) died, and its workers with it; Serve is restarting it: "
+                                "retry shortly") from None
 
     def call_quietly(self, method, *args) -> None:
         """`_quietly(method, *args)` in the background: nobody waits for its answer."""
@@ -175,7 +188,7 @@ class Run:
                                        None if failover else self.follow, self._prefix_hashes(prompt, params))
             self.placement = self.prompt_handle = self.token_handle = None
             for _ in range(REPLACE_TRIES if failover else 1):
-                self.placement = await self.workers.cls.place.remote(request, exclude)
+                self.placement = await self.workers.place(request, exclude)
                 if self.placement is not None:
                     break
                 await asyncio.sleep(REPLACE_WAIT_S)

@@ -34,6 +34,7 @@ from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
+from splitserve.cluster.owned_actor import OwnedActor
 from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import load_metadata
 from splitserve.engine.prefix_hash import PrefixNaming
@@ -53,22 +54,23 @@ class Ingress:
         self._grammar = LazyGrammar(self.tokenizer, model_config.vocab_size)
         self.model_names = self.config.model_names
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
-        self._controller = controller
         self._directory: WorkerDirectory | None = None
         self._observations = ObservationBuffer()
         self.created = int(time.time())
         self.limits = self.config.ingress.limits()
         self._prefix = PrefixNaming(self.config.prefix_block_size(), model_config.long_rope_from)
         api.state.api_key, api.state.limits = self.api_key, self.limits
-        api.state.batches = RemoteBatches(self._batches_handle)
-        self._stored = stored_responses.StoredResponses(self._controller.responses_handle.remote,
+        self._cls = OwnedActor(controller.handle.remote, "cluster controller (CLS)")
+        api.state.batches = RemoteBatches(OwnedActor(controller.batches_handle.remote, "batch API's actor"))
+        self._stored = stored_responses.StoredResponses(OwnedActor(controller.responses_handle.remote,
+                                                                   "response store"),
                                                         self.config.ingress.stored_responses > 0)
         api.state.stored_responses = self._stored
 
     # ---- endpoints ---------------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        state = await (await self._cluster()).health.remote()
+        state = await self._cls.call("health")
         return JSONResponse(state, status_code=200 if state["ready"] else 503)
 
     @api.get("/v1/models")
@@ -101,20 +103,19 @@ class Ingress:
     @api.get("/metrics")
     async def metrics(self) -> Response:
         """The whole cluster's metrics (any replica gives the same view); no API key, like /health."""
-        cls = await self._cluster()
-        await self._observations.flush(cls)
-        return Response(await cls.metrics_text.remote(), media_type=CONTENT_TYPE_LATEST)
+        await self._observations.flush(self._cls)
+        return Response(await self._cls.call("metrics_text"), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/v1/cluster/status")
     async def status(self) -> JSONResponse:
-        return JSONResponse(await (await self._cluster()).status.remote())
+        return JSONResponse(await self._cls.call("status"))
 
     @api.post("/v1/cluster/workers/{worker_id}/drain")
     async def drain_worker(self, worker_id: str, replace: bool = True) -> JSONResponse:
         """Take a worker out of service gracefully (before its node goes down, say): it takes no
         new requests, finishes what it runs, then stops; `replace` starts a new one in its place."""
         try:
-            return JSONResponse(await (await self._cluster()).retire.remote(worker_id, replace))
+            return JSONResponse(await self._cls.call("retire", worker_id, replace))
         except RayTaskError as error:
             if isinstance(error.cause, KeyError):
                 return error_response(RequestError(f"no worker {worker_id!r} in the pools", status=404,
@@ -197,10 +198,12 @@ class Ingress:
         return prepare_responses(ask.continuing(context), self.tokenizer, self.model_names, self.max_model_len, self.limits,
                                  self._grammar.check, self.config.chat_parsers)
 
-    async def _admit(self, kind: str, prepared: PreparedRequest, started: float) -> ChoicesResponse | Response:
-        """Every prompt's first choice admitted (or none: the refusal), and the response they make."""
+    async def _admit(self, kind: str, prepared: PreparedRequest, started: float, again: bool = False
+                     ) -> ChoicesResponse | Response:
+        """Every prompt's first choice admitted (or none: the refusal), and the response they make.
+        Refused because the CLS this replica knew is dead: once more, through the one that replaced it."""
         workers = await self._workers()
-        self._observations.start(workers.cls)
+        self._observations.start(self._cls)
         rid = R.new_request_id(kind)
         leaders = [Run(rid if k == 0 else f"{rid}-p{k}", prompt, params, workers, self.config.scheduler.max_attempts,
                        prefix=self._prefix)
@@ -211,11 +214,17 @@ class Ingress:
                 await run.admit()
                 admitted += 1
         except (RequestFailed, Overloaded) as error:
-            return self._refusal(error, leaders[admitted])
+            refused = error
+        else:
+            refused = None
         finally:
             if admitted < len(leaders):  # every prompt's first choice runs, or none
                 for earlier in leaders[:admitted]:
                     await earlier.abort()
+        if refused is not None:
+            if workers.dead and not again:
+                return await self._admit(kind, prepared, started, again=True)
+            return self._refusal(refused, leaders[admitted])
         return choices_for(kind, prepared.request, leaders, self.tokenizer, started, self._observations.add,
                            parsers=self.config.chat_parsers)
 
@@ -237,14 +246,12 @@ class Ingress:
         except RequestError as error:
             return error_response(error)
 
-    async def _batches_handle(self):
-        return await self._controller.batches_handle.remote()
-
-    async def _cluster(self):
-        return (await self._workers()).cls
-
     async def _workers(self) -> WorkerDirectory:
-        """The CLS actor (asked once of the controller deployment) and the worker handles."""
-        if self._directory is None:
-            self._directory = WorkerDirectory(await self._controller.handle.remote())
+        """The CLS actor and its workers' handles; a new directory once a call found that CLS dead
+        (Serve restarts the controller, with a new CLS and new workers)."""
+        if self._directory is not None and self._directory.dead:
+            self._cls.forget(self._directory.cls)
+        cls = await self._cls.get()
+        if self._directory is None or self._directory.cls is not cls:
+            self._directory = WorkerDirectory(cls)
         return self._directory

@@ -8,12 +8,13 @@ answered, a streamed one before its last events are sent (a failed one too: its 
 response a client never got (a 4xx, a whole response that failed) is not. A background one is
 kept in progress when admitted, and settled by a task of the replica that admitted it, which is
 cancelled (stopping its runs) once the store says the response was cancelled, on any replica, or
-deleted. That replica dying leaves it in progress."""
+deleted. That replica dying leaves it in progress. The store is the controller's actor: after a
+restart the next call finds the new one (`OwnedActor`)."""
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -24,6 +25,7 @@ from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
 from splitserve.cluster.background import background
 from splitserve.cluster.dispatch import RequestFailed
+from splitserve.cluster.owned_actor import OwnedActor
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -31,8 +33,8 @@ CANCEL_POLL_S = 0.5
 
 
 class StoredResponses:
-    def __init__(self, store_handle: Callable[[], Awaitable], enabled: bool):
-        self._get_handle, self._handle, self.enabled = store_handle, None, enabled
+    def __init__(self, store: OwnedActor, enabled: bool):
+        self._store, self.enabled = store, enabled
         self._running: dict[str, asyncio.Task] = {}  # background responses this replica settles, by id
         self._poller: asyncio.Task | None = None
 
@@ -112,10 +114,8 @@ class StoredResponses:
 
     async def call(self, method: str, *args):
         """The store's answer; a RequestError it raised (a bad page query) is raised here."""
-        if self._handle is None:
-            self._handle = await self._get_handle()
         try:
-            return await getattr(self._handle, method).remote(*args)
+            return await self._store.call(method, *args)
         except RayTaskError as error:
             if isinstance(error.cause, RequestError):
                 raise error.cause from None

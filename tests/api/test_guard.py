@@ -1,7 +1,7 @@
 """ApiGuard, in front of a small FastAPI app (no Ray): the key on every route but /health and
 /metrics, compared whole; body bounds declared or streamed; the app's mount prefix (Serve's
 route_prefix arrives as root_path) does not change which routes are open; a route's own failure
-is a 500 in OpenAI's shape, which the `openai` client raises with its message; FastAPI's own
+is a 500 in OpenAI's shape (a RequestError it raises, that error), which the `openai` client raises with its message; FastAPI's own
 refusals (a query value that does not parse, an unknown route, a wrong method) are OpenAI's too."""
 import httpx
 import openai
@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
+from splitserve.api.errors import RequestError
 from splitserve.api.guard import guard
 from splitserve.api.limits import RequestLimits
 
@@ -33,6 +34,11 @@ def make_app(key: str | None, root_path: str = "") -> TestClient:
     @app.get("/v1/models")
     async def broken():
         raise OSError("No space left on device")
+
+    @app.get("/v1/cluster/status")
+    async def restarting():
+        raise RequestError("the cluster controller (CLS) is restarting; retry shortly", status=503,
+                           type="service_unavailable")
 
     @app.get("/v1/items")
     async def items(limit: int = 20, ascending: bool = False):
@@ -88,6 +94,13 @@ def test_a_route_that_raises_is_a_500_in_openais_shape_and_a_started_stream_just
                       http_client=httpx.Client(transport=transport)).models.list()
     cut = client.get("/v1/stream")  # started: the stream ends where it failed, no second response
     assert (cut.status_code, cut.text) == (200, "data: 1\n\n")
+
+
+def test_a_request_error_a_route_raises_is_its_own_answer():
+    answer = make_app(None).get("/v1/cluster/status")
+    assert answer.status_code == 503
+    assert answer.json()["error"] == {"message": "the cluster controller (CLS) is restarting; retry shortly",
+                                      "type": "service_unavailable", "param": None, "code": None}
 
 
 def test_fastapis_own_refusals_are_openais_errors_naming_the_field():

@@ -11,6 +11,7 @@ import pytest
 from splitserve.api.errors import RequestError
 from splitserve.batch.store import NotFound
 from splitserve.cluster.batch_manager import BatchManager, RemoteBatches
+from splitserve.cluster.owned_actor import OwnedActor
 
 
 class Service:
@@ -32,7 +33,7 @@ def remote() -> RemoteBatches:
     async def get_handle():
         return handle
 
-    return RemoteBatches(get_handle)
+    return RemoteBatches(OwnedActor(get_handle, "batch API's actor"))
 
 
 def test_errors_keep_every_field_and_results_pass_through():

@@ -1,13 +1,14 @@
 """What the ingress asks the CLS for a request (no Ray: a stand-in CLS and workers): the prompt's
 block hashes for prefix-aware placement, which are the ones the engines' block managers cache; an
 attempt whose prompt worker refuses the ticket; token workers that refuse the reservation; a
-request that ends leaves no queue behind in the replica's token feeds."""
+request that ends leaves no queue behind in the replica's token feeds; a dead CLS fails the
+request with a 503 and marks the directory for the ingress to replace."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from ray.exceptions import RayTaskError
+from ray.exceptions import ActorDiedError, RayTaskError
 
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.worker_loop import TokenDelta
@@ -212,3 +213,42 @@ def test_a_request_that_ends_leaves_no_queue_in_the_token_feeds(first_final):
     assert run.cached_tokens == 16
     assert directory.feeds._queues == {"t": {}}
     assert calls == ["reserve", "prefill"] + ["abort"] * first_final
+
+
+class _DyingCLS(_PlacingCLS):
+    """Places the first attempt; then it is dead (its controller replica stopped)."""
+
+    def __init__(self, workers: dict):
+        super().__init__(workers)
+        self.placements = [Placement("p", "t"), ActorDiedError()]
+        self.place = self
+
+    def remote(self, *args):
+        if len(args) == 1:
+            return super().remote(*args)
+        answer = asyncio.get_running_loop().create_future()
+        placement = self.placements.pop(0)
+        answer.set_exception(placement) if isinstance(placement, BaseException) else answer.set_result(placement)
+        return answer
+
+
+@pytest.mark.parametrize("at_failover", [False, True])
+def test_a_dead_cls_fails_the_request_as_a_503_and_marks_the_directory_dead(at_failover):
+    """At admission, or when the failover of a request whose prompt worker died (with the CLS) asks
+    it for new workers: a RequestFailed naming it (a 503), never Ray's ActorDiedError (a 500)."""
+    calls: list = []
+    workers = {"p": _Worker(calls, prefill=ActorDiedError()), "t": _Worker(calls, reserve="ticket")}
+    cls = _DyingCLS(workers)
+    if not at_failover:
+        cls.placements.pop(0)
+    directory = WorkerDirectory(cls)
+    run = Run("r", [1, 2, 3], SamplingParams(max_tokens=4), directory, max_attempts=3)
+
+    async def drive():
+        await run.admit()
+        return [delta async for delta in run.deltas()]
+
+    with pytest.raises(RequestFailed, match="cluster controller .CLS. died") as failed:
+        asyncio.run(drive())
+    assert failed.value.as_error().status == 503 and directory.dead
+    assert run.failures == at_failover
