@@ -4,23 +4,29 @@ items it read (the stored context it continued, then its own input), so a contin
 depends on an earlier entry that may have gone. Bounded: past `max_responses` entries or
 `max_bytes` of their JSON, the least recently used go first; an entry larger than `max_bytes`
 is not kept. A background response is kept in progress, then settled with its end unless it
-was cancelled or deleted meanwhile. Plain data in and out, so it can run as one actor that every
-ingress replica calls."""
+was cancelled or deleted meanwhile; the replica running it renews its lease (`statuses`, asked
+every half second), and one whose lease lapses (that replica is gone) ends failed rather than in
+progress forever. Plain data in and out, so it can run as one actor that every ingress replica
+calls. Every entry kept or dropped passes `_kept` or `_dropped`, which a store on disk overrides."""
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from splitserve.api.cursor_page import cursor_page, in_order
 from splitserve.api.errors import RequestError
 
 MAX_ITEMS_PAGE = 100
+LEASE_S = 15.0  # a background response nobody renewed for this long has lost the replica that ran it
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int, max_bytes: int):
-        self.max_responses, self.max_bytes = max_responses, max_bytes
+    def __init__(self, max_responses: int, max_bytes: int, clock: Callable[[], float] = time.monotonic):
+        self.max_responses, self.max_bytes, self.clock = max_responses, max_bytes, clock
         self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()  # id -> response, items, size
+        self._leases: dict[str, float] = {}  # background responses in progress -> when their lease lapses
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -28,15 +34,21 @@ class ResponseStore:
 
     def put(self, response: dict, items: list[dict]) -> bool:
         """Keep `response`, which read `items`; False when it is too large to keep."""
-        size = len(json.dumps(response)) + len(json.dumps(items))
-        self.delete(response["id"])
+        response_id, size = response["id"], len(json.dumps(response)) + len(json.dumps(items))
+        earlier = self._entries.pop(response_id, None)
+        self._leases.pop(response_id, None)
+        self.bytes -= earlier[2] if earlier else 0
         if size > self.max_bytes or self.max_responses == 0:
+            if earlier:
+                self._dropped(response_id)
             return False
-        self._entries[response["id"]] = response, items, size
+        self._entries[response_id] = response, items, size
         self.bytes += size
+        if response["status"] == "in_progress" and response.get("background"):
+            self._leases[response_id] = self.clock() + LEASE_S
+        self._kept(response, items)
         while len(self._entries) > self.max_responses or self.bytes > self.max_bytes:
-            _, (_, _, dropped) = self._entries.popitem(last=False)
-            self.bytes -= dropped
+            self.delete(next(iter(self._entries)))
         return True
 
     def get(self, response_id: str) -> dict | None:
@@ -59,11 +71,20 @@ class ResponseStore:
         return entry and cursor_page(in_order(entry[1][::-1], order), limit, after, MAX_ITEMS_PAGE)
 
     def status(self, response_id: str) -> str | None:
+        self._lapse()
+        return self._status(response_id)
+
+    def _status(self, response_id: str) -> str | None:
         entry = self._entries.get(response_id)
         return entry and entry[0]["status"]
 
     def statuses(self, response_ids: list[str]) -> list[str | None]:
-        return [self.status(response_id) for response_id in response_ids]
+        """Their statuses, asked by the replica running them: the leases of those in progress renewed."""
+        self._lapse()
+        for response_id in response_ids:
+            if response_id in self._leases:
+                self._leases[response_id] = self.clock() + LEASE_S
+        return [self._status(response_id) for response_id in response_ids]
 
     def settle(self, response: dict) -> bool:
         """A background response's end, kept in place of its in-progress state; False (and not
@@ -89,11 +110,29 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
+        self._leases.pop(response_id, None)
         if entry is not None:
             self.bytes -= entry[2]
+            self._dropped(response_id)
         return entry is not None
 
     def _use(self, response_id: str) -> tuple[dict, list[dict], int] | None:
+        self._lapse()
         if response_id in self._entries:
             self._entries.move_to_end(response_id)
         return self._entries.get(response_id)
+
+    def _lapse(self) -> None:
+        """Background responses whose lease lapsed end failed."""
+        now = self.clock()
+        for response_id in [r for r, lapses in self._leases.items() if lapses <= now]:
+            response, items, _ = self._entries[response_id]
+            self.put({**response, "status": "failed", "error": {
+                "code": "server_error", "message": "the server stopped running this background response before it "
+                "ended (the replica that ran it, or the cluster's controller, was restarted); send it again"}}, items)
+
+    def _kept(self, response: dict, items: list[dict]) -> None:
+        """`response` (with the `items` it read) is kept now, in place of any earlier state of it."""
+
+    def _dropped(self, response_id: str) -> None:
+        """The response is no longer kept (deleted, or dropped to stay within the bounds)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 
 
@@ -30,6 +31,16 @@ class StoreLock:
                 os.close(fd)
                 return False
             self._fd = fd
+        return True
+
+    def acquire_within(self, timeout_s: float, every_s: float = 0.2) -> bool:
+        """Take the lock, trying every `every_s` for up to `timeout_s` (a holder that is exiting,
+        say the process of a store being replaced, gives it up in a moment)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.try_acquire():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(every_s)
         return True
 
     def release(self) -> None:

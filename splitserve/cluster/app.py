@@ -6,22 +6,28 @@ The controller deployment (one replica) owns the CLS actor, which holds the one 
 and owns the workers; Serve manages its life (a failed health check restarts it, and with it the
 CLS and the workers). It owns the batch API's actor too, which runs on the head node: `batch.dir`
 is a directory there (on Kubernetes, the head pod's batches volume), wherever the replica runs;
-and the store of /v1/responses answers (in memory: a restart loses them).
+and the store of /v1/responses answers, on the head node too (its files in `batch.dir`/responses).
 Ingress replicas call the CLS actor directly: a plain actor call costs a fraction of a Serve
-handle call, and placement sits on every request's path.
+handle call, and placement sits on every request's path. They ask this deployment for its actors
+again once they find one dead (`owned_actor.py`), so a replaced controller is found.
 """
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import ray
 from ray import serve
+from ray.exceptions import RayError
 
-from splitserve.api.response_store import ResponseStore
 from splitserve.cluster.batch_manager import BatchManager
 from splitserve.cluster.controller import WORKER_NAMESPACE, Controller
 from splitserve.cluster.ingress import Ingress
+from splitserve.cluster.persisted_responses import PersistedResponseStore
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
 from splitserve.config import ClusterConfig
 
+log = logging.getLogger(__name__)
 HEAD_NODE = "node:__internal_head__"  # a resource only Ray's head node has (Ray pins its own state actors with it)
 
 
@@ -37,10 +43,12 @@ class ClusterController:
             name=f"{app}-batches", namespace=WORKER_NAMESPACE, num_cpus=0,
             resources={HEAD_NODE: 0.001}).remote(config, self.cls)
         self.batches.start.remote()
-        ingress = ClusterConfig.model_validate(config).ingress
-        self.responses = ray.remote(ResponseStore).options(
-            name=f"{app}-responses", namespace=WORKER_NAMESPACE, num_cpus=0).remote(
-            ingress.stored_responses, ingress.stored_response_bytes)
+        cluster = ClusterConfig.model_validate(config)
+        files = Path(cluster.batch.dir) / "responses" if cluster.ingress.persist_stored_responses else None
+        self.responses = ray.remote(PersistedResponseStore).options(  # a restart reads its files again
+            name=f"{app}-responses", namespace=WORKER_NAMESPACE, num_cpus=0, resources={HEAD_NODE: 0.001},
+            max_restarts=-1).remote(cluster.ingress.stored_responses, cluster.ingress.stored_response_bytes, files)
+        self._responses_owned = False  # the store owns its directory (or needs none)
 
     def handle(self):
         """The CLS actor, for the ingress to call directly."""
@@ -56,6 +64,11 @@ class ClusterController:
 
     async def check_health(self) -> None:
         await self.cls.health.remote()  # raises if the CLS actor died: Serve restarts this replica
+        if not self._responses_owned:  # another server held its directory: it tries again now
+            try:
+                self._responses_owned = await self.responses.take_over.remote()
+            except RayError:
+                log.exception("the response store could not be asked to take its directory over")
 
     async def __del__(self) -> None:
         """Serve calls this when the app is deleted or the replica replaced: the workers finish

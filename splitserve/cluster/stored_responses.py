@@ -8,8 +8,9 @@ answered, a streamed one before its last events are sent (a failed one too: its 
 response a client never got (a 4xx, a whole response that failed) is not. A background one is
 kept in progress when admitted, and settled by a task of the replica that admitted it, which is
 cancelled (stopping its runs) once the store says the response was cancelled, on any replica, or
-deleted. That replica dying leaves it in progress. The store is the controller's actor: after a
-restart the next call finds the new one (`OwnedActor`)."""
+deleted. Asking renews its lease: were that replica to die, the response ends failed once the
+lease lapses (`api/response_store.py`). The store is the controller's actor: after a restart the
+next call finds the new one (`OwnedActor`), which has every response kept on disk."""
 from __future__ import annotations
 
 import asyncio

@@ -261,10 +261,13 @@ class IngressOptions(StrictModel):
                              "of prompts).")
     max_upload_bytes: int = Field(200 << 20, ge=1024, description="Largest /v1/files upload (413 above it).")
     max_batch_lines: int = Field(50_000, ge=1, description="Most requests in one batch input file.")
-    stored_responses: int = Field(10_000, ge=0, description="Most /v1/responses answers kept in memory for "
+    stored_responses: int = Field(10_000, ge=0, description="Most /v1/responses answers kept for "
                                   "previous_response_id and GET (the least recently used go first); 0 keeps none.")
     stored_response_bytes: int = Field(256 << 20, ge=0, description="Most bytes of JSON the kept responses hold "
                                        "together (each with the conversation it read).")
+    persist_stored_responses: bool = Field(True, description="Keep the stored responses on disk too, in "
+                                           "`batch.dir`/responses on the head node, so a restart loses none; false "
+                                           "keeps them in memory only.")
 
     def limits(self) -> RequestLimits:
         return RequestLimits(**{f.name: getattr(self, f.name) for f in fields(RequestLimits)})
@@ -282,7 +285,8 @@ class BatchAPIOptions(StrictModel):
     """/v1/files and /v1/batches: where they persist and how batches are ordered (BlendServe)."""
 
     dir: str = Field("~/.cache/splitserve/batches", description="Where files and batches persist, on the head node "
-                     "(the batch API's actor runs there); one server owns it at a time. On Kubernetes, the head pod's "
+                     "(the batch API's actor runs there), and stored responses in its `responses` folder; one server "
+                     "owns it at a time. On Kubernetes, the head pod's "
                      "volume (the chart's head.batchesClaimName), so a restart loses nothing.")
     min_free_bytes: int = Field(1 << 30, ge=0, description="An upload that would leave the store's filesystem with "
                                 "less free space than this is refused (503), so running batches keep room for their "

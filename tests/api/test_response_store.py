@@ -1,6 +1,7 @@
 """The response store: a continuation reads the conversation and the output of the response it
 names; bounded by count and by bytes, least recently used first; input items in OpenAI's pages; a
-background response settled with its end unless cancelled or deleted meanwhile."""
+background response settled with its end unless cancelled or deleted meanwhile, and failed once
+the replica running it stops renewing its lease."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from splitserve.api.errors import RequestError
-from splitserve.api.response_store import ResponseStore
+from splitserve.api.response_store import LEASE_S, ResponseStore
 
 
 def response(response_id: str, text: str = "ok") -> dict:
@@ -94,3 +95,24 @@ def test_a_background_response_settles_unless_cancelled_or_deleted_meanwhile():
     with pytest.raises(RequestError, match="background"):
         store.cancel("resp_d")
     assert store.cancel("resp_x") is None and store.statuses(["resp_b", "resp_x"]) == ["cancelled", None]
+
+
+def test_a_background_response_whose_lease_lapses_ends_failed_and_a_renewed_one_does_not():
+    now = [0.0]
+    store = ResponseStore(10, 1 << 20, clock=lambda: now[0])
+    pending = {**response("resp_a"), "status": "in_progress", "background": True, "output": []}
+    store.put(pending, items("2+3?"))
+    store.put({**pending, "id": "resp_b"}, [])
+    for _ in range(3):  # the replica running resp_b asks about it every half second; nobody asks about resp_a
+        now[0] += LEASE_S * 0.6
+        assert store.statuses(["resp_b"]) == ["in_progress"]
+    lapsed = store.get("resp_a")
+    assert lapsed["status"] == "failed" and lapsed["error"]["code"] == "server_error"
+    assert "send it again" in lapsed["error"]["message"] and store.context("resp_a")[0] == items("2+3?")[0]
+    assert not store.settle({**response("resp_a"), "status": "completed"})  # too late: failed stays
+    assert store.settle({**response("resp_b", "five"), "status": "completed"})
+    now[0] += LEASE_S * 2  # an ended one has no lease left to lapse
+    assert store.get("resp_b")["status"] == "completed"
+    store.put({**response("resp_c"), "status": "in_progress"}, [])  # a foreground one holds no lease
+    now[0] += LEASE_S * 2
+    assert store.status("resp_c") == "in_progress"

@@ -18,6 +18,7 @@ import pytest
 import ray
 
 from tests.cluster.ray.test_failover import expected, status, wait_for_pools, worker_in
+from tests.cluster.ray.test_responses import polled
 from tests.ray_cluster import worker_actor
 
 APP = "hardening"
@@ -217,6 +218,54 @@ def test_deleting_the_app_lets_a_running_stream_finish(url, hclient, offline):
         time.sleep(1)
     assert not left()
     _deploy(url.rsplit("/", 1)[0], APP, HARDENING)
+
+
+def test_a_dead_controller_is_replaced_and_the_ingress_finds_its_new_actors(url, hclient, offline):
+    """The CLS actor killed: Serve replaces the controller replica (its health check goes through
+    the CLS), which makes a new CLS with new workers, a new batch actor and a new response store.
+    The ingress replica survives with the dead handles. Idle meanwhile, its first request is placed
+    through the new CLS, not refused, and a response kept before is read back from disk. Busy
+    meanwhile, /health is a 503 (never a 500) until the new workers serve, every route answers
+    after, and a background response that was running ends failed (its workers died) instead of
+    staying in progress."""
+    wait_for_pools(url, {"prompt": 1, "token": 1})
+    kept = hclient.responses.create(model="demo", input=PROMPT, max_output_tokens=6, temperature=0)
+    time.sleep(1.5)  # its observation sent: the ingress calls nothing while the controller is replaced
+    replace_the_controller()
+    assert hclient.completions.create(model="demo", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text == \
+        expected(offline, PROMPT, 8)
+    assert hclient.responses.retrieve(kept.id) == kept
+
+    running = hclient.responses.create(model="demo", input=PROMPT, max_output_tokens=1900, background=True,
+                                       temperature=0)
+    time.sleep(1)  # it decodes
+    replace_the_controller(wait=False)
+    answers, deadline = [], time.monotonic() + 120
+    while (health := httpx.get(f"{url}/health", timeout=60)).status_code != 200:
+        answers.append(health.status_code)
+        assert time.monotonic() < deadline, answers
+        time.sleep(0.5)
+    assert set(answers) <= {503}, answers
+    assert "splitserve_requests" in httpx.get(f"{url}/metrics", timeout=30).text
+    assert httpx.get(f"{url}/v1/batches", timeout=30).json()["object"] == "list"
+    ended = polled(hclient, running.id, timeout_s=90)
+    assert ended.status == "failed" and ended.error.code == "server_error", ended
+
+
+def replace_the_controller(wait: bool = True, timeout_s: float = 120) -> None:
+    """Kill the app's CLS actor; with `wait`, until a new one is ready, asked of Ray (not of the ingress)."""
+    dead = ray.get_actor(f"{APP}-controller", namespace="splitserve")
+    ray.kill(dead)
+    deadline = time.monotonic() + timeout_s
+    while wait:
+        assert time.monotonic() < deadline, "no new CLS"
+        try:
+            cls = ray.get_actor(f"{APP}-controller", namespace="splitserve")
+            if cls._actor_id != dead._actor_id and ray.get(cls.health.remote(), timeout=30)["ready"]:
+                return
+        except (ValueError, ray.exceptions.RayError):  # not there yet, or not started yet
+            pass
+        time.sleep(0.5)
 
 
 # ---- bounds: each a 4xx with OpenAI's error body -----------------------------------------------

@@ -1,0 +1,113 @@
+"""The response store on disk: a store opened again on its directory (a restarted controller)
+answers as the one before it did (responses, continuations, input items, LRU order by last kept);
+deletes, bounds and a shrunk bound at restart leave no file behind; an in-progress background
+response comes back with a fresh lease; a store replacing one waits for its lock, while a second
+server on the same directory keeps its responses in memory until it takes the directory over (its
+own newer than the files'); a file that does not read is left out, and left there; one that
+cannot be written leaves its response in memory."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from splitserve.api.response_store import LEASE_S
+from splitserve.cluster import persisted_responses
+from splitserve.cluster.persisted_responses import PersistedResponseStore
+from tests.api.test_response_store import items, response
+
+
+def files(root) -> set[str]:
+    return {path.name for path in root.iterdir()} - {".lock"}
+
+
+def test_a_store_opened_again_answers_as_the_one_before_it(tmp_path):
+    first = PersistedResponseStore(10, 1 << 20, tmp_path)
+    for n in range(3):
+        first.put(response(f"resp_{n}", f"answer {n}"), items(f"question {n}", "and more"))
+    first.delete("resp_1")
+    answers = {r: (first.get(r), first.context(r), first.input_items(r, limit=1)) for r in ("resp_0", "resp_2")}
+    first._lock.release()  # the process that held it exited
+    again = PersistedResponseStore(10, 1 << 20, tmp_path)
+    assert {r: (again.get(r), again.context(r), again.input_items(r, limit=1)) for r in answers} == answers
+    assert again.get("resp_1") is None and files(tmp_path) == {"resp_0.json", "resp_2.json"}
+    assert len(again) == 2 and again.bytes == first.bytes
+
+
+def test_the_bounds_drop_files_too_and_a_smaller_bound_at_restart_keeps_the_latest(tmp_path):
+    store = PersistedResponseStore(3, 1 << 20, tmp_path)
+    for n in range(5):  # kept within one tick of the file system's clock: the order is the files' own
+        store.put(response(f"resp_{n}"), [])
+    assert files(tmp_path) == {"resp_2.json", "resp_3.json", "resp_4.json"}
+    store.put(response("resp_2", "kept again"), [])  # a re-keep replaces its file, and is the latest now
+    assert json.loads((tmp_path / "resp_2.json").read_text())["response"]["output"][0]["content"][0]["text"] == \
+        "kept again"
+    store._lock.release()
+    smaller = PersistedResponseStore(2, 1 << 20, tmp_path)
+    assert files(tmp_path) == {"resp_2.json", "resp_4.json"} and smaller.get("resp_3") is None
+
+
+def test_an_in_progress_background_response_comes_back_with_a_fresh_lease(tmp_path):
+    first = PersistedResponseStore(10, 1 << 20, tmp_path)
+    for response_id in ("resp_a", "resp_b"):
+        first.put({**response(response_id), "status": "in_progress", "background": True, "output": []}, items("?"))
+    first._lock.release()
+    now = [1000.0]
+    again = PersistedResponseStore(10, 1 << 20, tmp_path, clock=lambda: now[0])
+    now[0] += LEASE_S * 0.9
+    assert again.statuses(["resp_a"]) == ["in_progress"]  # the replica that runs it renews it
+    now[0] += LEASE_S * 0.2
+    assert again.status("resp_b") == "failed"  # nobody runs it any more
+    assert again.settle({**response("resp_a", "five"), "status": "completed"})
+    again._lock.release()
+    back = PersistedResponseStore(10, 1 << 20, tmp_path)
+    assert [back.status(r) for r in ("resp_a", "resp_b")] == ["completed", "failed"]
+
+
+def test_a_store_that_replaces_one_waits_for_it_to_give_the_directory_up(tmp_path):
+    old = PersistedResponseStore(10, 1 << 20, tmp_path)
+    old.put(response("resp_a"), [])
+    threading.Timer(0.3, old._lock.release).start()  # its process exits a moment after the new one starts
+    assert PersistedResponseStore(10, 1 << 20, tmp_path).get("resp_a") == response("resp_a")
+
+
+def test_a_second_server_keeps_its_responses_in_memory_until_it_takes_the_directory_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(persisted_responses, "TAKE_OVER_WAIT_S", 0.2)
+    owner = PersistedResponseStore(10, 1 << 20, tmp_path)
+    other = PersistedResponseStore(10, 1 << 20, tmp_path)
+    other.put(response("resp_b"), [])
+    assert other.directory is None and other.get("resp_b") and files(tmp_path) == set()
+    owner.put(response("resp_a"), [])
+    owner.put(response("resp_c", "older"), [])
+    assert files(tmp_path) == {"resp_a.json", "resp_c.json"} and not other.take_over()
+    other.put(response("resp_c", "newer"), [])
+    owner._lock.release()  # the old cluster is gone
+    assert other.take_over() and other.directory == tmp_path
+    assert [other.get(r) for r in ("resp_a", "resp_b", "resp_c")] == \
+        [response("resp_a"), response("resp_b"), response("resp_c", "newer")]
+    assert files(tmp_path) == {"resp_a.json", "resp_b.json", "resp_c.json"}
+    other._lock.release()
+    assert PersistedResponseStore(10, 1 << 20, tmp_path).get("resp_c") == response("resp_c", "newer")
+
+
+def test_a_file_that_does_not_read_is_left_out_and_left_there_and_a_torn_write_removed(tmp_path):
+    (tmp_path / "resp_bad.json").write_text('{"response": ')
+    (tmp_path / ".resp_c.json.tmp").write_text("{")
+    store = PersistedResponseStore(10, 1 << 20, tmp_path)
+    assert len(store) == 0 and files(tmp_path) == {"resp_bad.json"}
+
+
+def test_without_a_directory_it_keeps_them_in_memory():
+    store = PersistedResponseStore(10, 1 << 20, None)
+    assert store.put(response("resp_a"), []) and store.get("resp_a") and store.directory is None
+
+
+def test_a_file_that_cannot_be_written_leaves_the_response_kept_in_memory(tmp_path, monkeypatch):
+    store = PersistedResponseStore(10, 1 << 20, tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    assert store.put(response("resp_a"), []) and store.get("resp_a") == response("resp_a")
+    assert files(tmp_path) == set()
