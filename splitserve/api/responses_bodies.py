@@ -110,7 +110,7 @@ def _input_item(item: MessageItem | FunctionCallItem | FunctionCallOutputItem | 
             item.content, str) else [(part.text, part.type) for part in item.content]
         return {"type": "message", "id": item.id or new_id("msg"), "role": item.role, "status": status,
                 "content": [output_text(text) if kind == "output_text" else {"type": kind, "text": text}
-                            for text, kind in parts]}
+                            for text, kind in parts], **({"phase": item.phase} if item.phase else {})}
     if isinstance(item, FunctionCallItem):
         return function_call_item(item.id or new_id("fc"), item.call_id, item.name, item.arguments, status)
     if isinstance(item, FunctionCallOutputItem):

@@ -60,17 +60,26 @@ class MessageItem(Item):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: TextContent
+    phase: Literal["commentary", "final_answer"] | None = None  # OpenAI's label of an assistant message: the
+    # chat template has no place for it, so a conversation renders the same with or without
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+NOT_HOSTED = "this server runs no tools itself: a call is the model's, made directly"
+
+
 class FunctionCallItem(Item):
-    """A call the model made in an earlier turn."""
+    """A call the model made in an earlier turn. OpenAI's hosted-tool fields are taken when they
+    say nothing (null), as a client that serializes an earlier output whole sends them."""
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
+    namespace: Annotated[str | None, only_values(None, reason=NOT_HOSTED)] = None
+    caller: Annotated[dict | None, only_values(None, reason=NOT_HOSTED)] = None
+    run_async: Annotated[bool | None, only_values(None, False, reason=NOT_HOSTED)] = Field(None, alias="async")
 
 
 class FunctionCallOutputItem(Item):

@@ -15,7 +15,7 @@ TURNS = [{"role": "developer", "content": "Use tools."}, {"role": "user", "conte
          {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "add"}]},
          {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2}'},
          {"type": "function_call_output", "call_id": "call_1", "output": "5"},
-         {"role": "assistant", "content": "Five."},
+         {"role": "assistant", "content": "Five.", "phase": "final_answer"},
          {"role": "user", "content": [{"type": "input_text", "text": "And "}, {"type": "input_text", "text": "3+4?"}]}]
 
 
@@ -28,6 +28,7 @@ def test_input_items_are_openais_item_shapes_with_ids():
                                                  "function_call_output", "message", "message"]
     assert items[2]["id"] == "rs_1" and len({item["id"] for item in items}) == len(items)
     assert items[5]["content"][0]["type"] == "output_text" and items[6]["content"][1]["text"] == "3+4?"
+    assert items[5]["phase"] == "final_answer" and "phase" not in items[6]  # kept as the client sent it
     TypeAdapter(list[ResponseItem]).validate_python(items)
 
 

@@ -64,6 +64,48 @@ def test_an_earlier_turn_sent_back_is_one_assistant_message_with_its_reasoning_a
     assert chat["reasoning_effort"] == "low" and chat["parallel_tool_calls"] is False
 
 
+def earlier_output():
+    """An earlier response's output as the client's own objects: a reasoning item, a final answer
+    (OpenAI labels its `phase`), a call."""
+    from openai.types.responses import (ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText,
+                                        ResponseReasoningItem)
+    from openai.types.responses.response_reasoning_item import Content
+    return [ResponseReasoningItem(id="rs_1", type="reasoning", summary=[],
+                                  content=[Content(type="reasoning_text", text="Add.")]),
+            ResponseOutputMessage(id="msg_1", type="message", role="assistant", status="completed", phase="final_answer",
+                                  content=[ResponseOutputText(type="output_text", text="Adding.", annotations=[],
+                                                              logprobs=[])]),
+            ResponseFunctionToolCall(id="fc_1", type="function_call", call_id="call_1", name="add",
+                                     arguments='{"a": 2}', status="completed")]
+
+
+@pytest.mark.parametrize("sent", ["objects", "dumped whole", "dumped without nulls"])
+def test_an_earlier_output_sent_back_as_the_client_holds_it_is_taken(sent):
+    """`input=previous.output + [...]`, or each item dumped (nulls and all: `phase`, and the
+    hosted-tool fields `namespace`, `caller`, `async` of a call); `phase` changes nothing."""
+    items = {"objects": earlier_output(),
+             "dumped whole": [item.model_dump(by_alias=True) for item in earlier_output()],
+             "dumped without nulls": [item.model_dump(by_alias=True, exclude_none=True) for item in earlier_output()]
+             }[sent]
+    turn = [{"role": "user", "content": "2 + 3?"}, *items, {"type": "function_call_output", "call_id": "call_1",
+                                                            "output": "5"}]
+    chat = chat_of(input=turn, tools=[ADD])
+    assert chat["messages"][1] == {"role": "assistant", "content": "Adding.", "reasoning": "Add.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]}
+    without_phase = [{**item, "phase": None} if item.get("type") == "message" else item
+                     for item in [i if isinstance(i, dict) else i.model_dump(by_alias=True) for i in turn]]
+    assert chat_of(input=without_phase, tools=[ADD]) == chat
+
+
+@pytest.mark.parametrize("field, value", [("namespace", "billing"), ("async", True),
+                                          ("caller", {"type": "program", "id": "x"})])
+def test_a_hosted_tool_field_that_says_something_is_a_400_naming_it(field, value):
+    call = {**earlier_output()[2].model_dump(by_alias=True, exclude_none=True), field: value}
+    with pytest.raises(RequestError) as refused:
+        parse_request(ResponsesRequest, sent_body(input=[{"role": "user", "content": "?"}, call], tools=[ADD]))
+    assert refused.value.param == f"input.1.function_call.{field}" and "runs no tools itself" in refused.value.message
+
+
 def test_text_format_is_chats_response_format():
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
     chat = chat_of(input="x", text={"format": {"type": "json_schema", "name": "pt", "schema": schema, "strict": True}})
