@@ -1,0 +1,115 @@
+"""Benchmark the response store: what keeping responses on disk (`ingress.persist_stored_responses`)
+costs per call of the store actor, against the same store in memory, and how long a restarted
+store takes to read its directory back.
+
+Each response is a Response with one message of --text-chars characters that read a conversation
+of --turns items of the same size (a continuation's copy of its earlier turns). The two stores
+take the same calls interleaved (put to one, then the other), each call timed; then every kept
+response is read once (`get`, then `context` as a continuation does); then a new store opens the
+directory. The store's bound (--keep) is below --responses, so the last puts also drop the oldest.
+
+    python scripts/bench_response_store.py                 # ~10 s on 2 shared cores
+    python scripts/bench_response_store.py --responses 20000 --json response_store.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from splitserve.api.response_store import ResponseStore
+from splitserve.cluster.persisted_responses import PersistedResponseStore
+from splitserve.machine import cpu_name
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--responses", type=int, default=3000, help="responses kept (3000)")
+    p.add_argument("--keep", type=int, default=2000, help="the store's bound on responses (2000)")
+    p.add_argument("--text-chars", type=int, default=2000, help="characters of each message (2000)")
+    p.add_argument("--turns", type=int, default=4, help="conversation items each response read (4)")
+    p.add_argument("--dir", type=Path, help="directory for the files (a fresh temporary one)")
+    p.add_argument("--json", type=Path, help="write the rows here")
+    return p.parse_args(argv)
+
+
+def message(item_id: str, role: str, kind: str, text: str) -> dict:
+    return {"type": "message", "id": item_id, "role": role, "status": "completed",
+            "content": [{"type": kind, "text": text, **({"annotations": []} if kind == "output_text" else {})}]}
+
+
+def response(n: int, text: str) -> dict:
+    return {"id": f"resp_{n:08d}", "object": "response", "created_at": 1796000000 + n, "status": "completed",
+            "model": "demo", "background": False, "store": True,
+            "output": [message(f"msg_out{n}", "assistant", "output_text", text)],
+            "usage": {"input_tokens": 512, "output_tokens": 128, "total_tokens": 640}}
+
+
+def percentiles(samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    return {"p50_us": round(statistics.median(ordered) * 1e6, 1),
+            "p99_us": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6, 1)}
+
+
+def timed(call, *args) -> float:
+    started = time.perf_counter()
+    call(*args)
+    return time.perf_counter() - started
+
+
+def run(args: argparse.Namespace, root: Path) -> dict:
+    text = ("splitserve keeps this " * (args.text_chars // 22 + 1))[:args.text_chars]
+    items = [message(f"msg_in{k}", "user" if k % 2 == 0 else "assistant",
+                     "input_text" if k % 2 == 0 else "output_text", text) for k in range(args.turns)]
+    bound = 1 << 40  # bytes: the count bound is the one exercised
+    stores = {"memory": ResponseStore(args.keep, bound), "disk": PersistedResponseStore(args.keep, bound, root)}
+    put = {name: [] for name in stores}
+    read = {name: [] for name in stores}
+    for n in range(args.responses):
+        for name, store in stores.items():
+            put[name].append(timed(store.put, response(n, text), items))
+    kept = [f"resp_{n:08d}" for n in range(args.responses - args.keep, args.responses)]
+    for response_id in kept:
+        for name, store in stores.items():
+            read[name].append(timed(lambda: (store.get(response_id), store.context(response_id))))
+    stores["disk"]._lock.release()  # as its process would on exit
+    started = time.perf_counter()
+    reopened = PersistedResponseStore(args.keep, bound, root)
+    load_s = time.perf_counter() - started
+    files = list(root.glob("*.json"))
+    rows = [{"store": name, "puts": len(put[name]), "reads": len(read[name]),
+             **{f"put_{k}": v for k, v in percentiles(put[name]).items()},
+             **{f"read_{k}": v for k, v in percentiles(read[name]).items()}} for name in stores]
+    return {"cpu": cpu_name(), "python": platform.python_version(), "responses": args.responses, "keep": args.keep,
+            "entry_bytes": reopened.bytes // max(len(reopened), 1), "rows": rows,
+            "put_ratio_disk_vs_memory": round(rows[1]["put_p50_us"] / rows[0]["put_p50_us"], 2),
+            "files": len(files), "directory_bytes": sum(path.stat().st_size for path in files),
+            "reopen_s": round(load_s, 3), "reopened": len(reopened),
+            "reopened_equal": all(reopened.get(r) == stores["memory"].get(r) for r in kept)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="response-store-") as scratch:
+        result = run(args, args.dir or Path(scratch))
+    print(f"CPU: {result['cpu']}; {result['responses']} responses of {result['entry_bytes']} bytes, "
+          f"the store bound to {result['keep']}")
+    print("| store | put p50 us | put p99 us | get+context p50 us | get+context p99 us |")
+    print("|---|---|---|---|---|")
+    for row in result["rows"]:
+        print(f"| {row['store']} | {row['put_p50_us']} | {row['put_p99_us']} | {row['read_p50_us']} | "
+              f"{row['read_p99_us']} |")
+    print(f"disk/memory put (p50): {result['put_ratio_disk_vs_memory']}x; {result['files']} files, "
+          f"{result['directory_bytes'] / 1e6:.1f} MB, read back in {result['reopen_s']} s "
+          f"({result['reopened']} responses, equal: {result['reopened_equal']})")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
