@@ -13,6 +13,7 @@ again once they find one dead (`owned_actor.py`), so a replaced controller is fo
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
 from splitserve.config import ClusterConfig
 
 log = logging.getLogger(__name__)
+TEND_TIMEOUT_S = 2.0  # well inside Serve's health-check timeout
 HEAD_NODE = "node:__internal_head__"  # a resource only Ray's head node has (Ray pins its own state actors with it)
 
 
@@ -39,16 +41,15 @@ class ClusterController:
             name=f"{app}-controller", namespace=WORKER_NAMESPACE, num_cpus=0,
             max_concurrency=MAX_CONCURRENT_CALLS).remote(config, app)
         self.cls.start.remote()
-        self.batches = ray.remote(BatchManager).options(
+        self.batches = ray.remote(BatchManager).options(  # a restart resumes its active batches (`_tend`)
             name=f"{app}-batches", namespace=WORKER_NAMESPACE, num_cpus=0,
-            resources={HEAD_NODE: 0.001}).remote(config, self.cls)
+            resources={HEAD_NODE: 0.001}, max_restarts=-1).remote(config, self.cls)
         self.batches.start.remote()
         cluster = ClusterConfig.model_validate(config)
         files = Path(cluster.batch.dir) / "responses" if cluster.ingress.persist_stored_responses else None
         self.responses = ray.remote(PersistedResponseStore).options(  # a restart reads its files again
             name=f"{app}-responses", namespace=WORKER_NAMESPACE, num_cpus=0, resources={HEAD_NODE: 0.001},
             max_restarts=-1).remote(cluster.ingress.stored_responses, cluster.ingress.stored_response_bytes, files)
-        self._responses_owned = False  # the store owns its directory (or needs none)
 
     def handle(self):
         """The CLS actor, for the ingress to call directly."""
@@ -64,11 +65,18 @@ class ClusterController:
 
     async def check_health(self) -> None:
         await self.cls.health.remote()  # raises if the CLS actor died: Serve restarts this replica
-        if not self._responses_owned:  # another server held its directory: it tries again now
+        await self._tend()
+
+    async def _tend(self) -> None:
+        """The batch actor and the response store outlive a crash of theirs (Ray restarts them,
+        not this replica): a restarted batch actor is started again, which resumes its active
+        batches, and a store that found its directory owned takes it over once it can. Both calls
+        are idempotent and cheap; neither fails this health check."""
+        for name, call in (("batch API's actor", self.batches.start), ("response store", self.responses.take_over)):
             try:
-                self._responses_owned = await self.responses.take_over.remote()
-            except RayError:
-                log.exception("the response store could not be asked to take its directory over")
+                await asyncio.wait_for(call.remote(), TEND_TIMEOUT_S)
+            except (RayError, asyncio.TimeoutError) as error:  # restarting: the next check tries again
+                log.warning("the %s did not answer the controller's health check: %r", name, error)
 
     async def __del__(self) -> None:
         """Serve calls this when the app is deleted or the replica replaced: the workers finish

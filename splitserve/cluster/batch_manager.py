@@ -1,6 +1,7 @@
 """The batch API in a Ray cluster: one actor (owned by the controller deployment, so it lives and
-restarts with it) holds the store and runs batches through the cluster; every ingress replica
-reaches it through `RemoteBatches`. A restarted actor resumes the active batches on disk."""
+restarts with it, and restarted by Ray after a crash of its own) holds the store and runs batches
+through the cluster; every ingress replica reaches it through `RemoteBatches`. A restarted actor
+resumes the active batches on disk once started."""
 from __future__ import annotations
 
 from splitserve.api.errors import RequestError
@@ -27,9 +28,14 @@ class BatchManager:
                                    parsers=config.chat_parsers)
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
                                     limits.max_batch_lines, config.batch.min_free_bytes, config.batch.file_expiry_s)
+        self._started = False
 
     async def start(self) -> None:
-        await self.service.start()
+        """Run the batch service; idempotent (the controller calls it at every health check, so an
+        actor Ray restarted starts again and resumes its active batches)."""
+        if not self._started:
+            self._started = True
+            await self.service.start()
 
     async def call(self, method: str, *args) -> tuple:
         """("ok", result) or ("error", status, message, param, code, type): errors cross Ray as data."""

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from ray.util.state import list_actors, list_nodes
 
 from splitserve import SamplingParams
@@ -24,8 +25,9 @@ from splitserve.cluster.controller import WORKER_NAMESPACE
 from tests.batch.batch_helpers import FAILING, as_jsonl, comparable, option_lines
 
 
-def test_the_batch_actor_is_placed_on_the_head_node(server):
-    [actor] = list_actors(filters=[("name", "=", "main-batches"), ("ray_namespace", "=", WORKER_NAMESPACE)],
+@pytest.mark.parametrize("name", ["main-batches", "main-responses"])  # their files are the head node's
+def test_the_batch_actor_and_the_response_store_are_placed_on_the_head_node(server, name):
+    [actor] = list_actors(filters=[("name", "=", name), ("ray_namespace", "=", WORKER_NAMESPACE)],
                           detail=True)
     [head] = list_nodes(filters=[("is_head_node", "=", True)])
     assert actor.required_resources.get(HEAD_NODE) and actor.node_id == head.node_id

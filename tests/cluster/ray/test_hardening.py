@@ -18,6 +18,7 @@ import pytest
 import ray
 
 from tests.cluster.ray.test_failover import expected, status, wait_for_pools, worker_in
+from tests.cluster.ray.test_batches import submit
 from tests.cluster.ray.test_responses import polled
 from tests.ray_cluster import worker_actor
 
@@ -250,6 +251,38 @@ def test_a_dead_controller_is_replaced_and_the_ingress_finds_its_new_actors(url,
     assert httpx.get(f"{url}/v1/batches", timeout=30).json()["object"] == "list"
     ended = polled(hclient, running.id, timeout_s=90)
     assert ended.status == "failed" and ended.error.code == "server_error", ended
+
+
+def test_a_dead_batch_actor_or_response_store_is_restarted_and_loses_nothing(url, hclient):
+    """Each crashes alone (killed, Ray's restart allowed), not the controller: the store comes back
+    with every response it kept; the batch actor comes back started by the controller's next health
+    check and finishes the batch it was running, every line answered once, in full."""
+    kept = hclient.responses.create(model="demo", input=PROMPT, max_output_tokens=6, temperature=0)
+    ray.kill(ray.get_actor(f"{APP}-responses", namespace="splitserve"), no_restart=False)
+    assert hclient.responses.retrieve(kept.id) == kept
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "demo", "prompt": f"{PROMPT} {i}", "max_tokens": 1200, "ignore_eos": True}}
+             for i in range(4)]
+    batch = submit(hclient, lines, "/v1/completions")
+    while hclient.batches.retrieve(batch.id).status != "in_progress":
+        time.sleep(0.2)
+    time.sleep(1)  # its first lines decode
+    ray.kill(ray.get_actor(f"{APP}-batches", namespace="splitserve"), no_restart=False)
+    deadline = time.monotonic() + 180
+    while True:
+        assert time.monotonic() < deadline, "the batch never ended"
+        try:
+            batch = hclient.batches.retrieve(batch.id)
+        except openai.APIStatusError as error:  # the actor restarting
+            assert error.status_code == 503, error
+            continue
+        if batch.status not in ("validating", "in_progress", "finalizing"):
+            break
+        time.sleep(0.5)
+    assert batch.status == "completed" and batch.request_counts.completed == 4, batch
+    results = [json.loads(line) for line in hclient.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in results) == ["r0", "r1", "r2", "r3"]
+    assert {r["response"]["body"]["usage"]["completion_tokens"] for r in results} == {1200}
 
 
 def replace_the_controller(wait: bool = True, timeout_s: float = 120) -> None:
