@@ -1,14 +1,20 @@
 """An actor the controller deployment owns (the CLS, the batch API's actor, the response store),
 as an ingress replica reaches it: asked of the deployment once and cached. Serve restarts the
-controller replica when its CLS dies, and the new replica makes new actors; a call that finds the
-cached one dead forgets it and asks the deployment again."""
+controller replica when its CLS dies, and the new replica makes new actors; Ray restarts the batch
+actor or the store when one crashes. A call that finds the cached one dead or restarting forgets
+it, asks the deployment again and tries again, for a few seconds."""
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 from ray.exceptions import RayActorError
 
 from splitserve.api.errors import RequestError
+
+RESTART_WAIT_S = 5.0  # an actor Ray restarts is back in a second or two (the store reads its files)
+RETRY_S = 0.25
 
 
 class OwnedActor:
@@ -26,14 +32,19 @@ class OwnedActor:
             self._handle = None
 
     async def call(self, method: str, *args):
-        """The actor's answer (a method that raised: its RayTaskError). A dead actor is asked of the
-        deployment again and called once more (the call did not run, or its effect died with it); a
-        503 RequestError when that one is dead too (the controller is still being replaced)."""
-        for _ in range(2):
+        """The actor's answer (a method that raised: its RayTaskError). A dead or restarting actor
+        is asked of the deployment again and called again, every RETRY_S for up to RESTART_WAIT_S
+        (Ray restarting it, or Serve replacing the controller: the call did not run, or its effect
+        died with it); then a 503 RequestError."""
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
             handle = await self.get()
             try:
                 return await getattr(handle, method).remote(*args)
             except RayActorError:
                 self.forget(handle)
-        raise RequestError(f"the {self.name} is restarting (Serve replaces the controller and its actors when "
-                           "one dies); retry shortly", status=503, type="service_unavailable")
+            if time.monotonic() >= deadline:
+                raise RequestError(f"the {self.name} is restarting (Serve replaces the controller and its actors "
+                                   "when one dies, Ray restarts an actor that crashed); retry shortly", status=503,
+                                   type="service_unavailable")
+            await asyncio.sleep(RETRY_S)

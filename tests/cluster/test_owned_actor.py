@@ -1,7 +1,7 @@
 """An actor of the controller deployment as the ingress reaches it (no Ray: stand-in handles): asked
-of the deployment once; a call that finds it dead asks again and tries once more, so a restarted
-controller's new actor is found (a 503 while the deployment still has only the dead one); a method
-that raised passes its error through."""
+of the deployment once; a call that finds it dead asks again and tries again for a while, so a
+restarted controller's new actor is found (a 503 once the wait is over); a method that raised
+passes its error through."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +11,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from splitserve.api.errors import RequestError
+from splitserve.cluster import owned_actor
 from splitserve.cluster.owned_actor import OwnedActor
 
 
@@ -22,25 +23,32 @@ def handle(answer):
     return SimpleNamespace(status=SimpleNamespace(remote=remote))
 
 
-def test_a_dead_actor_is_asked_for_again_and_a_503_while_the_new_one_is_not_there_yet():
+@pytest.mark.parametrize("dead_for", [3, 10**9])
+def test_a_dead_actor_is_asked_for_again_until_the_new_one_answers_or_the_wait_is_over(dead_for, monkeypatch):
+    monkeypatch.setattr(owned_actor, "RETRY_S", 0.001)
+    monkeypatch.setattr(owned_actor, "RESTART_WAIT_S", 0.2)
     dead = handle(ActorDiedError())
-    handles = [dead, dead, dead, handle(lambda: "new")]  # the deployment still hands out the dead one at first
     asked = []
 
-    async def resolve():
+    async def resolve():  # the deployment hands out the dead one a while, then the new one
         asked.append(1)
-        return handles[len(asked) - 1]
+        return dead if len(asked) <= dead_for else handle(lambda: "new")
 
     actor = OwnedActor(resolve, "cluster controller (CLS)")
 
     async def calls():
-        with pytest.raises(RequestError) as gone:
-            await actor.call("status")
-        return gone.value, await actor.call("status"), await actor.call("status")
+        try:
+            first = await actor.call("status")
+        except RequestError as gone:
+            first = gone
+        return first, await actor.call("status") if dead_for == 3 else None
 
-    gone, *answers = asyncio.run(calls())
-    assert (gone.status, gone.type) == (503, "service_unavailable") and "cluster controller (CLS)" in gone.message
-    assert answers == ["new", "new"] and len(asked) == 4  # once per dead handle, then cached
+    first, second = asyncio.run(calls())
+    if dead_for == 3:
+        assert (first, second) == ("new", "new") and len(asked) == 4  # asked again per dead handle, then cached
+    else:
+        assert (first.status, first.type) == (503, "service_unavailable") and "cluster controller (CLS)" in first.message
+        assert len(asked) > 3  # it kept asking until the wait was over
 
 
 def test_a_method_that_raised_keeps_the_handle_and_passes_its_error():
