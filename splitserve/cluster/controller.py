@@ -36,6 +36,7 @@ import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from splitserve.cluster.background import background
+from splitserve.cluster.dispatch import ClusterUnavailable
 from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
 from splitserve.cluster.worker_actors import WorkerActors, start_worker_actors
@@ -119,9 +120,13 @@ class Controller:
 
     # ---- placement -------------------------------------------------------------------------
     async def place(self, request: PlacementRequest, exclude: Collection[str] = ()) -> Placement | None:
-        """Worker ids only: handles are costly to send, so callers cache them (`worker_handle`)."""
+        """Worker ids only: handles are costly to send, so callers cache them (`worker_handle`).
+        None when no worker has room; ClusterUnavailable when none is ready or the cluster drains."""
         if self._draining:
-            return None
+            raise ClusterUnavailable("the cluster is shutting down: it finishes what it runs and takes no new "
+                                     "requests")
+        if not (self._ready and self.state.workers):
+            raise ClusterUnavailable("no worker is ready yet (the cluster is starting, or replacing its workers)")
         placement, moves = self.state.place(request, time.monotonic(), exclude)
         self._placed.set()
         await self._apply(moves)

@@ -50,6 +50,12 @@ class _Refused(Overloaded):
         self.worker = worker
 
 
+class ClusterUnavailable(Overloaded):
+    """The CLS places nothing now: no worker is ready (the cluster is starting) or it is shutting
+    down. Raised by the CLS. Waited on as a full cluster is (a batch line, a failover), but a new
+    request is told 503, not 429: nothing is full."""
+
+
 class RequestFailed(Exception):
     """The request could not be completed (its attempts ran out)."""
 
@@ -94,6 +100,10 @@ class WorkerDirectory:
     async def _ask_cls(self, method: str, *args):
         try:
             return await getattr(self.cls, method).remote(*args)
+        except RayTaskError as error:
+            if isinstance(error.cause, ClusterUnavailable):
+                raise error.cause from None
+            raise
         except RayActorError:
             self.dead = True
             raise RequestFailed("the cluster controller (CLS) died, and its workers with it; Serve is restarting it: "
@@ -188,7 +198,12 @@ class Run:
                                        None if failover else self.follow, self._prefix_hashes(prompt, params))
             self.placement = self.prompt_handle = self.token_handle = None
             for _ in range(REPLACE_TRIES if failover else 1):
-                self.placement = await self.workers.place(request, exclude)
+                try:
+                    self.placement = await self.workers.place(request, exclude)
+                except ClusterUnavailable:
+                    if not failover:
+                        raise
+                    # a failover waits for replacements as it waits for room
                 if self.placement is not None:
                     break
                 await asyncio.sleep(REPLACE_WAIT_S)

@@ -31,7 +31,7 @@ from splitserve.batch import routes as batch_routes
 from splitserve.cluster import stored_responses
 from splitserve.cluster.batch_manager import RemoteBatches
 from splitserve.cluster.choices_response import ChoicesResponse, choices_for
-from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
+from splitserve.cluster.dispatch import ClusterUnavailable, Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
 from splitserve.cluster.owned_actor import OwnedActor
@@ -229,15 +229,20 @@ class Ingress:
                            parsers=self.config.chat_parsers)
 
     def _refusal(self, error: RequestFailed | Overloaded, run: Run) -> Response:
-        """A 503 for a request no worker could run, a 429 with Retry-After when the cluster is full."""
+        """A 503 for a request no worker could run, a 429 with Retry-After when the cluster is full,
+        a 503 with Retry-After when it has no worker ready or is shutting down."""
         if isinstance(error, RequestFailed):
             self._observations.add(RequestObservation("failed", len(run.prompt), restarts=run.failures,
                                                       refused_placements=run.refusals))
             return error_response(error.as_error())
         self._observations.add(RequestObservation("rejected", len(run.prompt), refused_placements=run.refusals))
         retry = self.config.ingress.retry_after_s
-        return error_response(RequestError(f"the cluster is at capacity ({error}); retry after {retry} s",
-                                           status=429, type="rate_limit_exceeded"), {"Retry-After": str(retry)})
+        if isinstance(error, ClusterUnavailable):
+            refusal = RequestError(f"{error}; retry after {retry} s", status=503, type="service_unavailable")
+        else:
+            refusal = RequestError(f"the cluster is at capacity ({error}); retry after {retry} s", status=429,
+                                   type="rate_limit_exceeded")
+        return error_response(refusal, {"Retry-After": str(retry)})
 
     async def _tokenizer_call(self, request: Request, model_cls, answer) -> JSONResponse:
         raw = await request.body()

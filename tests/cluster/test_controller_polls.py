@@ -2,13 +2,18 @@
 workers' reports keep landing, and the failure is counted and logged; it polls idle workers at the
 idle cadence, busy ones at the fast one, and a placement wakes it; reports carry the workers'
 prefix-cache deltas into the placement's index, and a lost report makes the next one a snapshot;
-each worker's next report after a worker left names it once (no Ray: stand-in handles)."""
+each worker's next report after a worker left names it once; it places nothing before a worker is
+ready or while draining, which it says is unavailability, not a full cluster (no Ray: stand-in
+handles)."""
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
+
 from splitserve.cluster.controller import Controller
+from splitserve.cluster.dispatch import ClusterUnavailable
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.placement.state import PlacementRequest, PrefixDelta, Role, WorkerLoad
 
@@ -38,12 +43,25 @@ class _Handle:
 
 
 def _controller(scheduler: dict, load: WorkerLoad = WorkerLoad()) -> Controller:
-    """Two mixed workers behind stand-in handles that report `load`."""
+    """Two mixed workers behind stand-in handles that report `load`, started."""
     controller = Controller({"pools": [{"role": "mixed", "num_workers": 2}], "scheduler": scheduler})
     for worker_id in ("mixed-0.0", "mixed-1.1"):
         controller.handles[worker_id] = _Handle(load=load)
         controller.state.add_worker(worker_id, Role.MIXED, controller.config.hardware("cpu"), WorkerLoad(), 0.0)
+    controller._ready = True
     return controller
+
+
+def test_placing_before_any_worker_is_ready_or_while_draining_is_unavailable_not_full():
+    request = PlacementRequest("r1", num_prompt_tokens=8, max_tokens=4)
+    starting = Controller({"pools": [{"role": "mixed"}]})
+    with pytest.raises(ClusterUnavailable, match="no worker is ready"):
+        asyncio.run(starting.place(request))
+    draining = _controller({})
+    assert asyncio.run(draining.place(request)) is not None
+    draining._draining = True
+    with pytest.raises(ClusterUnavailable, match="shutting down"):
+        asyncio.run(draining.place(request))
 
 
 def test_a_report_whose_handling_raises_does_not_stop_the_polls():

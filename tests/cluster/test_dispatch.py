@@ -2,7 +2,8 @@
 block hashes for prefix-aware placement, which are the ones the engines' block managers cache; an
 attempt whose prompt worker refuses the ticket; token workers that refuse the reservation; a
 request that ends leaves no queue behind in the replica's token feeds; a dead CLS fails the
-request with a 503 and marks the directory for the ingress to replace."""
+request with a 503 and marks the directory for the ingress to replace; a CLS with no worker ready
+refuses a new request as unavailable, and a failover waits for it as it waits for room."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,8 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
+from splitserve.cluster import dispatch
+from splitserve.cluster.dispatch import ClusterUnavailable, Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies.base import EngineFullError
@@ -252,3 +254,27 @@ def test_a_dead_cls_fails_the_request_as_a_503_and_marks_the_directory_dead(at_f
         asyncio.run(drive())
     assert failed.value.as_error().status == 503 and directory.dead
     assert run.failures == at_failover
+
+
+def test_no_worker_ready_refuses_a_new_request_and_a_failover_waits_for_one(monkeypatch):
+    monkeypatch.setattr(dispatch, "REPLACE_WAIT_S", 0.01)
+    unavailable = RayTaskError("place", "traceback", ClusterUnavailable("no worker is ready yet"))
+    calls: list = []
+    workers = {"p": _Worker(calls, prefill=ActorDiedError()), "t": _Worker(calls, reserve="ticket"),
+               "p2": _Worker(calls, prefill=TokenDelta((4,), "length")), "t2": _Worker(calls, reserve="ticket")}
+    cls = _DyingCLS(workers)
+    cls.placements = [unavailable]
+    refused = Run("r", [1, 2, 3], SamplingParams(max_tokens=1), WorkerDirectory(cls), max_attempts=3)
+    with pytest.raises(ClusterUnavailable, match="no worker is ready") as caught:
+        asyncio.run(refused.admit())
+    assert isinstance(caught.value, Overloaded)  # what a batch line waits on
+
+    cls.placements = [Placement("p", "t"), unavailable, unavailable, Placement("p2", "t2")]
+    run = Run("r", [1, 2, 3], SamplingParams(max_tokens=1), WorkerDirectory(cls), max_attempts=3)
+
+    async def drive():
+        await run.admit()
+        return [delta async for delta in run.deltas()]
+
+    assert [delta.token_ids for delta in asyncio.run(drive())] == [(4,)]
+    assert run.failures == 1 and not cls.placements

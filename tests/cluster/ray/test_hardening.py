@@ -228,7 +228,7 @@ def test_a_dead_controller_is_replaced_and_the_ingress_finds_its_new_actors(url,
     through the new CLS, not refused, and a response kept before is read back from disk. Busy
     meanwhile, /health is a 503 (never a 500) until the new workers serve, every route answers
     after, and a background response that was running ends failed (its workers died) instead of
-    staying in progress."""
+    staying in progress; a request meanwhile is a 503 (no worker is ready), never a 429 or a 500."""
     wait_for_pools(url, {"prompt": 1, "token": 1})
     kept = hclient.responses.create(model="demo", input=PROMPT, max_output_tokens=6, temperature=0)
     time.sleep(1.5)  # its observation sent: the ingress calls nothing while the controller is replaced
@@ -241,12 +241,14 @@ def test_a_dead_controller_is_replaced_and_the_ingress_finds_its_new_actors(url,
                                        temperature=0)
     time.sleep(1)  # it decodes
     replace_the_controller(wait=False)
-    answers, deadline = [], time.monotonic() + 120
+    answers, refusals, deadline = [], [], time.monotonic() + 120
     while (health := httpx.get(f"{url}/health", timeout=60)).status_code != 200:
         answers.append(health.status_code)
+        refusals.append(httpx.post(f"{url}/v1/completions", json={"model": "demo", "prompt": PROMPT, "max_tokens": 2},
+                                   timeout=60).status_code)
         assert time.monotonic() < deadline, answers
         time.sleep(0.5)
-    assert set(answers) <= {503}, answers
+    assert set(answers) == {503} and 503 in refusals and set(refusals) <= {200, 503}, (answers, refusals)
     assert "splitserve_requests" in httpx.get(f"{url}/metrics", timeout=30).text
     assert httpx.get(f"{url}/v1/batches", timeout=30).json()["object"] == "list"
     ended = polled(hclient, running.id, timeout_s=90)
