@@ -6,8 +6,10 @@ depends on an earlier entry that may have gone. Bounded: past `max_responses` en
 is not kept. A background response is kept in progress, then settled with its end unless it
 was cancelled or deleted meanwhile; the replica running it renews its lease (`statuses`, asked
 every half second), and one whose lease lapses (that replica is gone) ends failed rather than in
-progress forever. Plain data in and out, so it can run as one actor that every ingress replica
-calls. Every entry kept or dropped passes `_kept` or `_dropped`, which a store on disk overrides."""
+progress forever. A background response that streams has its events recorded too (in memory, with
+the entry, counted in its bytes) for any replica to stream again from a sequence number. Plain
+data in and out, so it can run as one actor that every ingress replica calls. Every entry kept or
+dropped passes `_kept` or `_dropped`, which a store on disk overrides."""
 from __future__ import annotations
 
 import json
@@ -27,6 +29,8 @@ class ResponseStore:
         self.max_responses, self.max_bytes, self.clock = max_responses, max_bytes, clock
         self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()  # id -> response, items, size
         self._leases: dict[str, float] = {}  # background responses in progress -> when their lease lapses
+        self._events: dict[str, list[str]] = {}  # a streamed background response's SSE events, in order
+        self._event_bytes: dict[str, int] = {}
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -39,6 +43,7 @@ class ResponseStore:
         self._leases.pop(response_id, None)
         self.bytes -= earlier[2] if earlier else 0
         if size > self.max_bytes or self.max_responses == 0:
+            self._forget_events(response_id)
             if earlier:
                 self._dropped(response_id)
             return False
@@ -108,9 +113,42 @@ class ResponseStore:
                                f"{response['status']}", param="response_id")
         return self.get(response_id)
 
+    def append_events(self, response_id: str, first: int, events: list[str]) -> int:
+        """Record a background stream's events, the first of them number `first`; the number the
+        store holds after. Fewer than `first` (a restarted store lost them): the replica sends
+        again from there. -1: the response is gone or no longer in progress."""
+        entry = self._entries.get(response_id)
+        if entry is None or entry[0]["status"] != "in_progress":
+            return -1
+        recorded = self._events.setdefault(response_id, [])
+        if first <= len(recorded):
+            new = events[len(recorded) - first:]
+            recorded += new
+            added = sum(map(len, new))
+            self._event_bytes[response_id] = self._event_bytes.get(response_id, 0) + added
+            self.bytes += added
+            while self.bytes > self.max_bytes and self._entries:
+                self.delete(next(iter(self._entries)))
+        return len(self._events[response_id]) if response_id in self._entries else -1
+
+    def events(self, response_id: str, after: int = -1) -> tuple[list[str], bool] | None:
+        """A background stream's events after number `after`, and whether it has ended; None when
+        no such response is kept; a RequestError when none of its events are (its stream records
+        an empty list first)."""
+        if after < -1:
+            raise RequestError(f"starting_after: must be 0 or more, got {after}", param="starting_after")
+        entry = self._use(response_id)
+        if entry is None:
+            return None
+        if response_id not in self._events:
+            raise RequestError(f"no stream of {response_id!r} is kept (it was not created with background and "
+                               "stream, or the store restarted since): retrieve it without stream", param="stream")
+        return self._events[response_id][after + 1:], entry[0]["status"] != "in_progress"
+
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
         self._leases.pop(response_id, None)
+        self._forget_events(response_id)
         if entry is not None:
             self.bytes -= entry[2]
             self._dropped(response_id)
@@ -130,6 +168,10 @@ class ResponseStore:
             self.put({**response, "status": "failed", "error": {
                 "code": "server_error", "message": "the server stopped running this background response before it "
                 "ended (the replica that ran it, or the cluster's controller, was restarted); send it again"}}, items)
+
+    def _forget_events(self, response_id: str) -> None:
+        self._events.pop(response_id, None)
+        self.bytes -= self._event_bytes.pop(response_id, 0)
 
     def _kept(self, response: dict, items: list[dict]) -> None:
         """`response` (with the `items` it read) is kept now, in place of any earlier state of it."""

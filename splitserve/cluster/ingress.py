@@ -134,7 +134,8 @@ class Ingress:
     async def responses(self, request: Request):
         """OpenAI's Responses API, answered as the chat completion it asks for (`responses_request`),
         after the stored conversation it continues (`previous_response_id`); kept unless `store` is
-        false; a `background` one answered in progress at once (`stored_responses`)."""
+        false; a `background` one answered in progress at once, or streamed as it runs on whether
+        its client stays or not (`stored_responses`)."""
         started = time.monotonic()
         try:
             ask = await asyncio.to_thread(parse_request, ResponsesRequest, await request.body())
@@ -147,14 +148,18 @@ class Ingress:
         ask, kept = prepared.responses, self._stored.keeps(ask)
         response_id, created = new_id("resp"), int(time.time())
         items = await asyncio.to_thread(input_items, ask) if kept else []
+        pending = response_object(ask, response_id, created, "in_progress", [], stored=True) if ask.background \
+            else None
         if ask.stream:
             stream = ResponseEvents(ask, response_id, created, kept)
             events = reply.response_events(stream)
-            return StreamingResponse(self._stored.kept(events, stream, items) if kept else events,
-                                     media_type="text/event-stream")
+            if ask.background:
+                events = await self._stored.stream_in_background(pending, items, events, stream)
+            elif kept:
+                events = self._stored.kept(events, stream, items)
+            return StreamingResponse(events, media_type="text/event-stream")
         end = self._whole_response(ask, reply, response_id, created, kept)
         if ask.background:
-            pending = response_object(ask, response_id, created, "in_progress", [], stored=True)
             return JSONResponse(await self._stored.run_in_background(pending, items, end))
         try:
             whole = await end

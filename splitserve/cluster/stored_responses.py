@@ -1,7 +1,8 @@
 """Stored responses in a cluster: the store (`api/response_store.py`) is one actor the controller
 deployment owns, which every ingress replica reaches through `StoredResponses`; the routes that
 read, cancel and delete them: GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items,
-POST /v1/responses/{id}/cancel.
+POST /v1/responses/{id}/cancel; and GET /v1/responses/{id}?stream=true&starting_after=N, which
+streams a background response's events again, from any replica.
 
 A response is kept when it ends (`store` not false and the store not sized 0): a whole one once
 answered, a streamed one before its last events are sent (a failed one too: its id was sent). A
@@ -9,16 +10,20 @@ response a client never got (a 4xx, a whole response that failed) is not. A back
 kept in progress when admitted, and settled by a task of the replica that admitted it, which is
 cancelled (stopping its runs) once the store says the response was cancelled, on any replica, or
 deleted. Asking renews its lease: were that replica to die, the response ends failed once the
-lease lapses (`api/response_store.py`). The store is the controller's actor: after a restart the
-next call finds the new one (`OwnedActor`), which has every response kept on disk."""
+lease lapses (`api/response_store.py`). A background one that streams sends its client the events
+as that task makes them, and the task records them in the store; the client may go away and read
+them again. The store is the controller's actor: after a restart the next call finds the new one
+(`OwnedActor`), which has every response kept on disk (not the events: a running stream's task
+records them again)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing, suppress
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray.exceptions import RayTaskError
 
 from splitserve.api.errors import RequestError, error_response
@@ -31,6 +36,8 @@ from splitserve.cluster.owned_actor import OwnedActor
 router = APIRouter()
 log = logging.getLogger(__name__)
 CANCEL_POLL_S = 0.5
+EVENT_FLUSH_S = 0.1  # a background stream's events reach the store at least this often
+RESUME_POLL_S = 0.1  # a background stream read again asks the store for new events this often
 
 
 class StoredResponses:
@@ -44,10 +51,10 @@ class StoredResponses:
 
     async def context(self, request: ResponsesRequest) -> list[dict]:
         """The conversation `previous_response_id` continues ([] when it names none); a 400 for a
-        background request this server cannot keep, or one that streams."""
-        if request.background and (request.stream or not self.keeps(request)):
+        background request this server cannot keep."""
+        if request.background and not self.keeps(request):
             raise RequestError("background: a background response is kept and polled (GET /v1/responses/{id}); "
-                               "it needs store and no stream", param="background")
+                               "it needs store", param="background")
         response_id = request.previous_response_id
         if response_id is None:
             return []
@@ -77,10 +84,41 @@ class StoredResponses:
         """`pending` (in progress) kept and returned; `end` (the whole response, or a RequestFailed)
         runs on in a task that settles it."""
         await self.keep(pending, items)
+        self._run(pending, end)
+        return pending
+
+    async def stream_in_background(self, pending: dict, items: list[dict], events: AsyncIterator[bytes],
+                                   stream: ResponseEvents) -> AsyncIterator[bytes]:
+        """`pending` kept; `events` (its stream) run on in a task that records them in the store, for
+        any replica to stream again (`replay`), and settles it. What is returned streams them to the
+        client that asked, who may go away without stopping them."""
+        await self.keep(pending, items)
+        await self.call("append_events", pending["id"], 0, [])  # its stream can be read from now on
+        recording = _Recording()
+        self._run(pending, self._record(pending["id"], events, stream, recording))
+        return recording.read()
+
+    async def replay(self, response_id: str, after: int, first: tuple[list[str], bool]) -> AsyncIterator[bytes]:
+        """A background stream read again: `first` (the store's events after number `after`), then
+        those recorded since, asked every RESUME_POLL_S, until the response ends or is gone."""
+        answer = first
+        while answer is not None:
+            events, ended = answer
+            for event in events:
+                yield event.encode()
+            after += len(events)
+            if ended:
+                return
+            await asyncio.sleep(RESUME_POLL_S)
+            try:
+                answer = await self.call("events", response_id, after)
+            except RequestError:  # a restarted store lost them: this stream ends, a new one reads them again
+                return
+
+    def _run(self, pending: dict, end: Awaitable[dict]) -> None:
         self._running[pending["id"]] = background(self._settle(pending, end))
         if self._poller is None or self._poller.done():
             self._poller = background(self._stop_cancelled())
-        return pending
 
     async def _settle(self, pending: dict, end: Awaitable[dict]) -> None:
         try:
@@ -96,6 +134,46 @@ class StoredResponses:
             log.exception("background response %s: its end could not be kept", pending["id"])
         finally:
             self._running.pop(pending["id"], None)
+
+    async def _record(self, response_id: str, events: AsyncIterator[bytes], stream: ResponseEvents,
+                      recording: _Recording) -> dict:
+        """The whole response, once every event of `events` is in `recording` and in the store (sent
+        every EVENT_FLUSH_S while it runs, the rest before the end is settled, so a reader that sees
+        the end has every event)."""
+        sent = 0
+
+        async def send_every():
+            nonlocal sent
+            while True:
+                await asyncio.sleep(EVENT_FLUSH_S)
+                sent = await self._send(response_id, sent, recording.events)
+
+        sender = asyncio.ensure_future(send_every())
+        try:
+            async with aclosing(events):
+                async for event in events:
+                    recording.add(event)
+        finally:
+            recording.end()
+            sender.cancel()
+            with suppress(asyncio.CancelledError):
+                await sender
+        await self._send(response_id, sent, recording.events)  # from before a send cut short: the store
+        if stream.whole is None:  # keeps only what it lacks
+            raise RuntimeError("the stream ended without its response")
+        return stream.whole
+
+    async def _send(self, response_id: str, sent: int, events: list[bytes]) -> int:
+        """The events from number `sent` on, to the store; how many it holds (from where it stands
+        when it holds fewer: a restarted store). On a failed call, `sent`: the next send retries."""
+        try:
+            held = await self.call("append_events", response_id, sent, [event.decode() for event in events[sent:]])
+            if 0 <= held < sent:
+                held = await self.call("append_events", response_id, held, [event.decode() for event in events[held:]])
+            return held if held >= 0 else sent
+        except Exception:
+            log.exception("background stream %s: events could not be recorded", response_id)
+            return sent
 
     async def _stop_cancelled(self) -> None:
         """While background responses run here: every CANCEL_POLL_S, one call asks the store which
@@ -123,6 +201,34 @@ class StoredResponses:
             raise
 
 
+class _Recording:
+    """A background stream's events as this replica makes them, for the client that asked to read."""
+
+    def __init__(self):
+        self.events: list[bytes] = []
+        self.ended = False
+        self._changed = asyncio.Event()
+
+    def add(self, event: bytes) -> None:
+        self.events.append(event)
+        self._changed.set()
+
+    def end(self) -> None:
+        self.ended = True
+        self._changed.set()
+
+    async def read(self) -> AsyncIterator[bytes]:
+        sent = 0
+        while True:
+            while sent < len(self.events):
+                yield self.events[sent]
+                sent += 1
+            if self.ended:
+                return
+            self._changed.clear()
+            await self._changed.wait()
+
+
 def _failed(pending: dict, message: str) -> dict:
     return {**pending, "status": "failed", "error": {"code": "server_error", "message": message}}
 
@@ -142,8 +248,19 @@ async def _answer(request: Request, response_id: str, method: str, *args) -> JSO
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve(request: Request, response_id: str):
-    return await _answer(request, response_id, "get")
+async def retrieve(request: Request, response_id: str, stream: bool = False, starting_after: int | None = None):
+    """The response; with `stream`, a background one's events after `starting_after` (all of them
+    without it), as they are recorded, until it ends."""
+    if not stream:
+        return await _answer(request, response_id, "get")
+    stored, after = request.app.state.stored_responses, -1 if starting_after is None else starting_after
+    try:
+        first = await stored.call("events", response_id, after)
+    except RequestError as error:
+        return error_response(error)
+    if first is None:
+        return error_response(_missing(response_id))
+    return StreamingResponse(stored.replay(response_id, after, first), media_type="text/event-stream")
 
 
 @router.get("/v1/responses/{response_id}/input_items")

@@ -1,7 +1,8 @@
 """The response store: a continuation reads the conversation and the output of the response it
 names; bounded by count and by bytes, least recently used first; input items in OpenAI's pages; a
 background response settled with its end unless cancelled or deleted meanwhile, and failed once
-the replica running it stops renewing its lease."""
+the replica running it stops renewing its lease; a background stream's events recorded in order
+(sent again after a restarted store lost them), read from a number on, counted in the bounds."""
 from __future__ import annotations
 
 import json
@@ -116,3 +117,53 @@ def test_a_background_response_whose_lease_lapses_ends_failed_and_a_renewed_one_
     store.put({**response("resp_c"), "status": "in_progress"}, [])  # a foreground one holds no lease
     now[0] += LEASE_S * 2
     assert store.status("resp_c") == "in_progress"
+
+
+def streaming(store: ResponseStore, response_id: str = "resp_a") -> dict:
+    pending = {**response(response_id), "status": "in_progress", "background": True, "output": []}
+    store.put(pending, items("2+3?"))
+    return pending
+
+
+def test_a_background_streams_events_are_read_from_a_number_on_until_it_ends():
+    store = ResponseStore(10, 1 << 20)
+    streaming(store)
+    with pytest.raises(RequestError):
+        store.events("resp_a")  # not known to stream yet
+    assert store.append_events("resp_a", 0, []) == 0  # as its stream starts
+    assert store.events("resp_a") == ([], False)  # nothing recorded yet: a reader waits
+    assert store.append_events("resp_a", 0, ["e0", "e1"]) == 2
+    assert store.append_events("resp_a", 1, ["e1", "e2", "e3"]) == 4  # a resend overlaps: the new part kept
+    assert store.append_events("resp_a", 6, ["e6"]) == 4  # a gap: send again from 4
+    assert store.events("resp_a") == (["e0", "e1", "e2", "e3"], False)
+    assert store.events("resp_a", after=1) == (["e2", "e3"], False) and store.events("resp_a", 9) == ([], False)
+    assert store.settle({**response("resp_a", "five"), "status": "completed"})
+    assert store.events("resp_a", after=2) == (["e3"], True)  # the events stay with the ended response
+    assert store.append_events("resp_a", 4, ["late"]) == -1 and store.append_events("resp_x", 0, ["e"]) == -1
+    assert store.events("resp_x") is None
+    with pytest.raises(RequestError) as refused:
+        store.events("resp_a", after=-2)
+    assert refused.value.param == "starting_after"
+
+
+def test_a_response_that_was_not_streamed_in_background_has_no_events_to_stream():
+    store = ResponseStore(10, 1 << 20)
+    store.put(response("resp_a"), [])
+    with pytest.raises(RequestError, match="not created with background and stream") as refused:
+        store.events("resp_a")
+    assert refused.value.param == "stream"
+
+
+def test_recorded_events_count_in_the_bounds_and_go_with_their_response():
+    store = ResponseStore(10, 3000)
+    streaming(store)
+    base = store.bytes
+    store.append_events("resp_a", 0, ["x" * 500])
+    assert store.bytes == base + 500
+    store.put(response("resp_b"), [])
+    store.append_events("resp_a", 1, ["x" * 3000])  # past the bound: the least recently used go first
+    assert store.get("resp_a") is None and store.bytes == len(json.dumps(response("resp_b"))) + 2
+    streaming(store, "resp_c")
+    store.append_events("resp_c", 0, ["y" * 100])
+    store.delete("resp_c")
+    assert store.bytes == len(json.dumps(response("resp_b"))) + 2 and store.events("resp_c") is None

@@ -5,7 +5,8 @@ its output sent back in `input` continues the conversation; `text.format` holds 
 schema; what this server cannot honour is a 400 naming the field. Stored responses: retrieved,
 continued by `previous_response_id` as the chat of the whole conversation, their input items
 listed in pages, deleted; a streamed one kept; `store: false` keeps none; a background one polled
-to the foreground's answer, and one cancelled stops running."""
+to the foreground's answer, and one cancelled stops running; a background stream outlives its
+client and is streamed again from any event."""
 from __future__ import annotations
 
 import json
@@ -129,10 +130,36 @@ def test_a_background_response_is_polled_and_a_cancelled_one_stops(client, serve
     assert client.responses.retrieve(long.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(fore.id)  # not a background response
-    for refused in ({"stream": True}, {"store": False}):
-        with pytest.raises(openai.BadRequestError) as caught:
-            client.responses.create(max_output_tokens=2, background=True, **ask, **refused)
-        assert caught.value.param == "background"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(max_output_tokens=2, background=True, store=False, **ask)
+    assert caught.value.param == "background"
+
+
+def test_a_background_stream_goes_on_without_its_client_and_is_read_again_from_any_event(client, server):
+    """The client reads a few events of a background stream and goes away; the response runs to
+    its end, and `retrieve(stream=True, starting_after=n)` streams the rest, which with the first
+    few are the foreground stream's events (same order and text); from the start, all of them."""
+    ask = dict(model="demo", instructions="Be terse.", input="Is 2 + 3 five?", max_output_tokens=48, temperature=0)
+    fore = list(client.responses.create(stream=True, **ask))
+    stream = client.responses.create(stream=True, background=True, **ask)
+    first = [event for _, event in zip(range(5), stream)]
+    stream.close()
+    response_id = first[0].response.id
+    assert first[0].response.background and first[0].response.status == "in_progress"
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(fore)))
+    assert [e.type for e in events] == [e.type for e in fore]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        "".join(e.delta for e in fore if e.type == "response.output_text.delta")
+    ended = client.responses.retrieve(response_id)
+    assert (ended.status, ended.usage.output_tokens, ended.output_text) == \
+        (fore[-1].response.status, 48, fore[-1].response.output_text)
+    again = list(client.responses.retrieve(response_id, stream=True))  # after it ended: every event
+    assert [e.sequence_number for e in again] == list(range(len(fore))) and again[-1].response == ended
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.retrieve(fore[-1].response.id, stream=True)  # not a background stream
+    assert refused.value.param == "stream"
 
 
 def polled(client, response_id: str, timeout_s: float = 60):

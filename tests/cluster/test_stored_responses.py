@@ -1,0 +1,150 @@
+"""A background stream through `StoredResponses` (no Ray: the store is a local ResponseStore behind
+a stand-in for its actor): its client may read a few events and go away while it runs on; every
+event reaches the store before the end is settled, so a replay from any number gives the rest; a
+store that restarted mid-stream (its events lost) is sent them again; a cancel stops the stream's
+run within the poll and ends it for its client."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from splitserve.api.errors import RequestError
+from splitserve.api.response_store import ResponseStore
+from splitserve.cluster import stored_responses
+from splitserve.cluster.stored_responses import StoredResponses
+
+EVENTS = 12
+
+
+class LocalStore:
+    """The store actor's `call`, answered by a local ResponseStore (which a test may replace)."""
+
+    def __init__(self):
+        self.store = ResponseStore(100, 1 << 20)
+
+    async def call(self, method: str, *args):
+        await asyncio.sleep(0)
+        return getattr(self.store, method)(*args)
+
+
+def pending(response_id: str = "resp_a") -> dict:
+    return {"id": response_id, "object": "response", "status": "in_progress", "background": True, "output": []}
+
+
+def made_events(stream, gap_s: float = 0.01, closed: list | None = None):
+    """EVENTS events, a gap apart; the whole response set before the last, as ResponseEvents does."""
+    async def events():
+        try:
+            for n in range(EVENTS):
+                await asyncio.sleep(gap_s)
+                if n == EVENTS - 1:
+                    stream.whole = {**pending(), "status": "completed", "output": [{"n": n}]}
+                yield f"event: e\ndata: {n}\n\n".encode()
+        finally:
+            if closed is not None:
+                closed.append(True)
+    return events()
+
+
+async def read(stream, count: int | None = None) -> list[bytes]:
+    got = []
+    async for event in stream:
+        got.append(event)
+        if len(got) == count:
+            break
+    await stream.aclose()
+    return got
+
+
+async def settled(local: LocalStore, response_id: str = "resp_a", timeout_s: float = 5) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (response := local.store.get(response_id))["status"] == "in_progress":
+        assert asyncio.get_running_loop().time() < deadline, response
+        await asyncio.sleep(0.01)
+    return response
+
+
+def test_the_client_goes_away_and_the_stream_runs_on_for_a_replay_from_any_event(monkeypatch):
+    monkeypatch.setattr(stored_responses, "EVENT_FLUSH_S", 0.02)
+    monkeypatch.setattr(stored_responses, "RESUME_POLL_S", 0.01)
+    local = LocalStore()
+    stored = StoredResponses(local, enabled=True)
+    stream = SimpleNamespace(whole=None)
+
+    async def scenario():
+        client = await stored.stream_in_background(pending(), [], made_events(stream), stream)
+        first = await read(client, 3)  # then the client goes away
+        after = await stored.call("events", "resp_a", 2)
+        rest = await read(stored.replay("resp_a", 2, after))  # waits for what is not recorded yet
+        return first, rest, await settled(local)
+
+    first, rest, ended = asyncio.run(scenario())
+    assert [e.decode().split("data: ")[1].strip() for e in first + rest] == [str(n) for n in range(EVENTS)]
+    assert ended["status"] == "completed" and ended["output"] == [{"n": EVENTS - 1}]
+    assert local.store.events("resp_a") == ([e.decode() for e in first + rest], True)
+
+
+def test_a_store_that_restarted_mid_stream_is_sent_every_event_again(monkeypatch):
+    monkeypatch.setattr(stored_responses, "EVENT_FLUSH_S", 0.02)
+    local = LocalStore()
+    stored = StoredResponses(local, enabled=True)
+    stream = SimpleNamespace(whole=None)
+
+    async def scenario():
+        client = await stored.stream_in_background(pending(), [], made_events(stream, gap_s=0.02), stream)
+        got = []
+        async for event in client:
+            got.append(event)
+            if len(got) == EVENTS // 2:  # the store restarts: the response read back from disk, no events
+                restarted = ResponseStore(100, 1 << 20)
+                restarted.put(local.store.get("resp_a"), [])
+                local.store = restarted
+        return got, await settled(local)
+
+    got, ended = asyncio.run(scenario())
+    assert len(got) == EVENTS and ended["status"] == "completed"
+    assert local.store.events("resp_a") == ([e.decode() for e in got], True)
+
+
+def test_one_send_to_a_store_that_lost_its_events_sends_them_all_again():
+    """As the last send before the end is settled must: no later send would make up for it."""
+    local = LocalStore()
+    local.store.put(pending(), [])
+    stored = StoredResponses(local, enabled=True)
+    events = [f"data: {n}\n\n".encode() for n in range(5)]
+    assert asyncio.run(stored._send("resp_a", 3, events)) == 5  # it had recorded 3; the store has none
+    assert local.store.events("resp_a") == ([e.decode() for e in events], False)
+
+
+def test_a_cancel_stops_the_run_and_ends_the_clients_stream(monkeypatch):
+    monkeypatch.setattr(stored_responses, "CANCEL_POLL_S", 0.02)
+    local = LocalStore()
+    stored = StoredResponses(local, enabled=True)
+    stream, closed = SimpleNamespace(whole=None), []
+
+    async def scenario():
+        client = await stored.stream_in_background(pending(), [], made_events(stream, 0.05, closed), stream)
+        got = []
+        async for event in client:
+            got.append(event)
+            if len(got) == 2:
+                local.store.cancel("resp_a")
+        return got
+
+    got = asyncio.run(scenario())
+    assert 2 <= len(got) < EVENTS and closed == [True]  # the events' generator closed: its run aborted
+    assert local.store.get("resp_a")["status"] == "cancelled"
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_only_a_kept_response_may_run_in_background(background):
+    stored = StoredResponses(LocalStore(), enabled=False)
+    request = SimpleNamespace(background=background, store=None, previous_response_id=None)
+    if background:
+        with pytest.raises(RequestError) as refused:
+            asyncio.run(stored.context(request))
+        assert refused.value.param == "background"
+    else:
+        assert asyncio.run(stored.context(request)) == []
