@@ -66,6 +66,11 @@ class ChoicesResponse:
                                      k * self.num_returned)
         return returned
 
+    async def abort(self) -> None:
+        """Stop every run: a response nobody will read (a background one the store could not keep)."""
+        for reply in self.replies:
+            await reply.run.abort()
+
     async def whole(self) -> JSONResponse:
         try:
             return JSONResponse(await self.body())

@@ -154,15 +154,15 @@ class Ingress:
             stream = ResponseEvents(ask, response_id, created, kept)
             events = reply.response_events(stream)
             if ask.background:
-                events = await self._stored.stream_in_background(pending, items, events, stream)
+                events = await self._stored.stream_in_background(pending, items, events, stream, reply.abort)
             elif kept:
                 events = self._stored.kept(events, stream, items)
             return StreamingResponse(events, media_type="text/event-stream")
-        end = self._whole_response(ask, reply, response_id, created, kept)
         if ask.background:
-            return JSONResponse(await self._stored.run_in_background(pending, items, end))
+            return JSONResponse(await self._stored.run_in_background(
+                pending, items, lambda: self._whole_response(ask, reply, response_id, created, kept), reply.abort))
         try:
-            whole = await end
+            whole = await self._whole_response(ask, reply, response_id, created, kept)
         except RequestFailed as error:
             return error_response(error.as_error())
         if kept:

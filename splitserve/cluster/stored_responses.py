@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
 
 from fastapi import APIRouter, Request
@@ -80,20 +80,21 @@ class StoredResponses:
                 kept = True
             yield event
 
-    async def run_in_background(self, pending: dict, items: list[dict], end: Awaitable[dict]) -> dict:
-        """`pending` (in progress) kept and returned; `end` (the whole response, or a RequestFailed)
-        runs on in a task that settles it."""
-        await self.keep(pending, items)
-        self._run(pending, end)
+    async def run_in_background(self, pending: dict, items: list[dict], end: Callable[[], Awaitable[dict]],
+                                abort: Callable[[], Awaitable]) -> dict:
+        """`pending` (in progress) kept and returned; `end()` (the whole response, or a
+        RequestFailed) runs on in a task that settles it. Not kept (the store unavailable): `abort()`
+        stops the runs nobody would read, and the store's error is raised."""
+        await self._keep_or(abort, pending, items)
+        self._run(pending, end())
         return pending
 
     async def stream_in_background(self, pending: dict, items: list[dict], events: AsyncIterator[bytes],
-                                   stream: ResponseEvents) -> AsyncIterator[bytes]:
-        """`pending` kept; `events` (its stream) run on in a task that records them in the store, for
-        any replica to stream again (`replay`), and settles it. What is returned streams them to the
-        client that asked, who may go away without stopping them."""
-        await self.keep(pending, items)
-        await self.call("append_events", pending["id"], 0, [])  # its stream can be read from now on
+                                   stream: ResponseEvents, abort: Callable[[], Awaitable]) -> AsyncIterator[bytes]:
+        """`pending` kept (or `abort()`, as above); `events` (its stream) run on in a task that
+        records them in the store, for any replica to stream again (`replay`), and settles it. What
+        is returned streams them to the client that asked, who may go away without stopping them."""
+        await self._keep_or(abort, pending, items, streams=True)
         recording = _Recording()
         self._run(pending, self._record(pending["id"], events, stream, recording))
         return recording.read()
@@ -114,6 +115,18 @@ class StoredResponses:
                 answer = await self.call("events", response_id, after)
             except RequestError:  # a restarted store lost them: this stream ends, a new one reads them again
                 return
+
+    async def _keep_or(self, abort: Callable[[], Awaitable], pending: dict, items: list[dict],
+                       streams: bool = False) -> None:
+        """`pending` kept (with an empty event record when it streams, so its stream can be read at
+        once); `abort()` and the error raised when the store cannot keep it."""
+        try:
+            await self.keep(pending, items)
+            if streams:
+                await self.call("append_events", pending["id"], 0, [])
+        except Exception:
+            await abort()
+            raise
 
     def _run(self, pending: dict, end: Awaitable[dict]) -> None:
         self._running[pending["id"]] = background(self._settle(pending, end))

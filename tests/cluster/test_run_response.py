@@ -121,6 +121,15 @@ def test_a_client_that_goes_away_aborts_the_run():
     assert run.aborted
 
 
+def test_abort_stops_every_choices_run():
+    runs = [ScriptedRun([TokenDelta(byte_ids("Hi"))]) for _ in range(2)]
+    params = SamplingParams(max_tokens=64)
+    reply = ChoicesResponse([[RunResponse("completion", run, "demo", TextStream(ByteTokenizer(), params, PROMPT))
+                              for run in runs]], 2)
+    asyncio.run(reply.abort())
+    assert [run.aborted for run in runs] == [True, True]
+
+
 def logprob_deltas(text: str, per_delta: int):
     """Byte-token deltas of `text`, each token with logprob -index/10 and its two runners-up."""
     ids = byte_ids(text)

@@ -2,7 +2,8 @@
 a stand-in for its actor): its client may read a few events and go away while it runs on; every
 event reaches the store before the end is settled, so a replay from any number gives the rest; a
 store that restarted mid-stream (its events lost) is sent them again; a cancel stops the stream's
-run within the poll and ends it for its client."""
+run within the poll and ends it for its client; a background response the store cannot keep has
+its runs stopped."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,11 @@ class LocalStore:
     async def call(self, method: str, *args):
         await asyncio.sleep(0)
         return getattr(self.store, method)(*args)
+
+
+async def nothing() -> None:
+    """The abort of a background response that was kept: never called."""
+    raise AssertionError("aborted")
 
 
 def pending(response_id: str = "resp_a") -> dict:
@@ -74,7 +80,7 @@ def test_the_client_goes_away_and_the_stream_runs_on_for_a_replay_from_any_event
     stream = SimpleNamespace(whole=None)
 
     async def scenario():
-        client = await stored.stream_in_background(pending(), [], made_events(stream), stream)
+        client = await stored.stream_in_background(pending(), [], made_events(stream), stream, nothing)
         first = await read(client, 3)  # then the client goes away
         after = await stored.call("events", "resp_a", 2)
         rest = await read(stored.replay("resp_a", 2, after))  # waits for what is not recorded yet
@@ -93,7 +99,7 @@ def test_a_store_that_restarted_mid_stream_is_sent_every_event_again(monkeypatch
     stream = SimpleNamespace(whole=None)
 
     async def scenario():
-        client = await stored.stream_in_background(pending(), [], made_events(stream, gap_s=0.02), stream)
+        client = await stored.stream_in_background(pending(), [], made_events(stream, gap_s=0.02), stream, nothing)
         got = []
         async for event in client:
             got.append(event)
@@ -125,7 +131,7 @@ def test_a_cancel_stops_the_run_and_ends_the_clients_stream(monkeypatch):
     stream, closed = SimpleNamespace(whole=None), []
 
     async def scenario():
-        client = await stored.stream_in_background(pending(), [], made_events(stream, 0.05, closed), stream)
+        client = await stored.stream_in_background(pending(), [], made_events(stream, 0.05, closed), stream, nothing)
         got = []
         async for event in client:
             got.append(event)
@@ -136,6 +142,34 @@ def test_a_cancel_stops_the_run_and_ends_the_clients_stream(monkeypatch):
     got = asyncio.run(scenario())
     assert 2 <= len(got) < EVENTS and closed == [True]  # the events' generator closed: its run aborted
     assert local.store.get("resp_a")["status"] == "cancelled"
+
+
+class FullStore(LocalStore):
+    async def call(self, method: str, *args):
+        raise RequestError("the response store is restarting; retry shortly", status=503)
+
+
+@pytest.mark.parametrize("streams", [False, True])
+def test_a_background_response_the_store_cannot_keep_has_its_runs_stopped(streams):
+    """Its client is told 503 and nobody would read its runs: they are aborted, and its end (or its
+    stream) is never started."""
+    stored, aborted, started = StoredResponses(FullStore(), enabled=True), [], []
+
+    async def abort():
+        aborted.append(True)
+
+    async def end():
+        started.append(True)
+        return {}
+
+    stream = SimpleNamespace(whole=None)
+    events = made_events(stream)
+    keep = stored.stream_in_background(pending(), [], events, stream, abort) if streams else \
+        stored.run_in_background(pending(), [], end, abort)
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(keep)
+    assert refused.value.status == 503 and aborted == [True] and not started and not stored._running
+    asyncio.run(events.aclose())
 
 
 @pytest.mark.parametrize("background", [True, False])
