@@ -30,8 +30,7 @@ class ResponseStore:
         self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()  # id -> response, items, size
         self._leases: dict[str, float] = {}  # background responses in progress -> when their lease lapses
         self._events: dict[str, list[str]] = {}  # a streamed background response's SSE events, in order
-        self._event_bytes: dict[str, int] = {}
-        self.bytes = 0
+        self.bytes = 0  # the entries' JSON and the recorded events
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -52,8 +51,7 @@ class ResponseStore:
         if response["status"] == "in_progress" and response.get("background"):
             self._leases[response_id] = self.clock() + LEASE_S
         self._kept(response, items)
-        while len(self._entries) > self.max_responses or self.bytes > self.max_bytes:
-            self.delete(next(iter(self._entries)))
+        self._evict()
         return True
 
     def get(self, response_id: str) -> dict | None:
@@ -124,11 +122,8 @@ class ResponseStore:
         if first <= len(recorded):
             new = events[len(recorded) - first:]
             recorded += new
-            added = sum(map(len, new))
-            self._event_bytes[response_id] = self._event_bytes.get(response_id, 0) + added
-            self.bytes += added
-            while self.bytes > self.max_bytes and self._entries:
-                self.delete(next(iter(self._entries)))
+            self.bytes += sum(map(len, new))
+            self._evict()
         return len(self._events[response_id]) if response_id in self._entries else -1
 
     def events(self, response_id: str, after: int = -1) -> tuple[list[str], bool] | None:
@@ -169,9 +164,16 @@ class ResponseStore:
                 "code": "server_error", "message": "the server stopped running this background response before it "
                 "ended (the replica that ran it, or the cluster's controller, was restarted); send it again"}}, items)
 
+    def _evict(self) -> None:
+        """The least recently used go until the store is within its bounds."""
+        while len(self._entries) > self.max_responses or self.bytes > self.max_bytes:
+            self.delete(next(iter(self._entries)))
+
     def _forget_events(self, response_id: str) -> None:
-        self._events.pop(response_id, None)
-        self.bytes -= self._event_bytes.pop(response_id, 0)
+        self.bytes -= sum(map(len, self._events.pop(response_id, ())))
+
+    def event_bytes(self) -> int:
+        return sum(len(event) for events in self._events.values() for event in events)
 
     def _kept(self, response: dict, items: list[dict]) -> None:
         """`response` (with the `items` it read) is kept now, in place of any earlier state of it."""

@@ -55,7 +55,7 @@ class PersistedResponseStore(ResponseStore):
         meanwhile = [(response, items) for response, items, _ in self._entries.values()]
         self._entries.clear()
         self._leases.clear()
-        self.bytes = sum(self._event_bytes.values())  # streams recorded meanwhile stay, in memory
+        self.bytes = self.event_bytes()  # streams recorded meanwhile stay, in memory
         self._read(self._root)
         self.directory = self._root
         for response, items in meanwhile:
