@@ -85,14 +85,18 @@ def usage_chunk(kind: Literal["completion", "chat"], request_id: str, model: str
     return {**body, "usage": usage.body()}
 
 
-# Characters JSON may leave raw but that str.splitlines (and clients that split a stream with it,
-# httpx's iter_lines among them) takes for line ends: escaped, so every event stays one line.
+# Characters JSON may leave raw but that str.splitlines (and clients that split a stream or a JSONL
+# file with it, httpx's iter_lines among them) takes for line ends: escaped, so a line stays one.
 _LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
+def one_line_json(data, separators: tuple[str, str] | None = None) -> str:
+    """`data` as JSON text (UTF-8 left raw) that every line splitter reads as one line."""
+    return json.dumps(data, ensure_ascii=False, separators=separators).translate(_LINE_BREAKING)
+
+
 def sse_event(data: dict) -> bytes:
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKING)
-    return b"data: " + text.encode() + b"\n\n"
+    return b"data: " + one_line_json(data, (",", ":")).encode() + b"\n\n"
 
 
 def sse_error(error: RequestError) -> bytes:

@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from splitserve.api.response_bodies import one_line_json
+
 
 class ResultLog:
     def __init__(self, path: str | Path, on_line: Callable[[dict], None] = lambda line: None):
@@ -29,7 +31,7 @@ class ResultLog:
     def append(self, line: dict) -> None:
         if line["custom_id"] in self.done:
             raise ValueError(f"custom_id {line['custom_id']!r} already has a result in {self.path}")
-        os.write(self._fd, (json.dumps(line, ensure_ascii=False) + "\n").encode())
+        os.write(self._fd, (one_line_json(line) + "\n").encode())
         os.fsync(self._fd)
         self.done[line["custom_id"]] = line
         self.on_line(line)

@@ -1,4 +1,5 @@
-"""`splitserve batch`: a whole run, and a rerun after a crash that left a torn last line."""
+"""`splitserve batch`: a whole run, and a rerun after a crash that left a torn last line; each result one
+line whatever its text holds."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,17 @@ def test_result_log_refuses_a_second_result_for_a_line(tmp_path):
             assert "already has a result" in str(error)
         else:
             raise AssertionError("a duplicate result was written")
+
+
+def test_a_result_is_one_line_for_any_line_splitter(tmp_path):
+    """A model's text may hold U+0085, U+2028 or U+2029, which str.splitlines takes for line ends."""
+    text = "a\x85b\u2028c\u2029d é"
+    with ResultLog(tmp_path / "log.jsonl") as log:
+        log.append({"custom_id": "a", "text": text})
+        log.append({"custom_id": "b", "text": text})
+    assert [line["text"] for line in read(tmp_path / "log.jsonl")] == [text, text]
+    assert "é" in (tmp_path / "log.jsonl").read_text()  # other characters stay raw UTF-8
+    assert list(ResultLog(tmp_path / "log.jsonl").done) == ["a", "b"]
 
 
 def test_bad_input_is_a_one_line_error(tmp_path, capsys):
