@@ -101,6 +101,9 @@ def _metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_metadata)]
+
+
 def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -173,7 +176,7 @@ class GenerationRequest(StructuredOutputFields):
     # accepted and ignored, as they ask nothing of the output: this server keeps no completions
     # (store, and metadata to find them by) and has one service tier
     store: bool | None = None
-    metadata: Annotated[dict[str, str] | None, AfterValidator(_metadata)] = None
+    metadata: Metadata = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     presence_penalty: float | None = 0
     frequency_penalty: float | None = 0
@@ -282,6 +285,11 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False  # the model goes on with the last message (a prefilled answer)
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # the chat template's variable (GPT-OSS's)
+    # accepted and ignored, as the Responses API's: hints about caching and abuse monitoring, which ask
+    # nothing of the output (the prefix cache finds shared prefixes itself and keeps them while memory allows)
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
 
     @model_validator(mode="after")
     def _continue_or_start_a_message(self):

@@ -66,6 +66,8 @@ def test_missing_and_unknown_fields():
      "modalities: only text output is supported, got ['text', 'audio']"),
     (CompletionRequest, COMPLETION, "metadata", {f"k{i}": "v" for i in range(17)},
      "metadata: at most 16 pairs, keys of at most 64 characters and values of at most 512"),
+    (ChatCompletionRequest, CHAT, "prompt_cache_retention", "forever",
+     "prompt_cache_retention: Input should be 'in_memory' or '24h'"),
     (ChatCompletionRequest, CHAT, "service_tier", "fastest",
      "service_tier: Input should be 'auto', 'default', 'flex', 'scale' or 'priority'"),
 ])
@@ -81,7 +83,8 @@ def test_values_that_change_nothing_are_accepted():
     request = chat(n=1, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, logprobs=False, top_logprobs=None,
                    response_format={"type": "text"}, tools=[], tool_choice="none", user="u1", seed=-1)
     assert request.n == 1 and request.user == "u1"
-    chat(store=False, metadata={"job": "eval"}, service_tier="auto", modalities=["text"])
+    chat(store=False, metadata={"job": "eval"}, service_tier="auto", modalities=["text"], prompt_cache_key="k",
+         prompt_cache_retention="24h", safety_identifier="user-hash")
     completion(store=True, metadata={}, service_tier="default")
     assert completion(best_of=1, echo=False, suffix=None, logprobs=None).best_of == 1
 
