@@ -54,7 +54,7 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
     every chat does (its channels are special tokens)."""
     if kind == "responses":  # a batch line's: no stored responses to continue, none kept in the background
         ask = parse_request(ResponsesRequest, raw)
-        for param in ("previous_response_id", "background"):
+        for param in ("previous_response_id", "conversation", "background"):
             if getattr(ask, param):
                 raise RequestError(f"{param}: a batch line keeps no responses; send the conversation in input",
                                    param=param)

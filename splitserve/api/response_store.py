@@ -9,7 +9,8 @@ every half second), and one whose lease lapses (that replica is gone) ends faile
 progress forever. A background response that streams has its events recorded too (in memory, with
 the entry, counted in its bytes) for any replica to stream again from a sequence number. Plain
 data in and out, so it can run as one actor that every ingress replica calls. Every entry kept or
-dropped passes `_kept` or `_dropped`, which a store on disk overrides."""
+dropped passes `_kept` or `_dropped`, which a store on disk overrides. The same actor keeps the
+conversations (`conversation`), so one call reaches either."""
 from __future__ import annotations
 
 import json
@@ -17,16 +18,21 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from splitserve.api.conversation_store import ConversationStore
 from splitserve.api.cursor_page import cursor_page, in_order
 from splitserve.api.errors import RequestError
 
 MAX_ITEMS_PAGE = 100
 LEASE_S = 15.0  # a background response nobody renewed for this long has lost the replica that ran it
+CONVERSATION_CALLS = frozenset({"create", "get", "update", "delete", "add", "items", "item", "delete_item", "context"})
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int, max_bytes: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_responses: int, max_bytes: int, clock: Callable[[], float] = time.monotonic,
+                 conversations: ConversationStore | None = None):
+        """`conversations`: none kept without."""
         self.max_responses, self.max_bytes, self.clock = max_responses, max_bytes, clock
+        self.conversations = ConversationStore(0, 0) if conversations is None else conversations
         self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()  # id -> response, items, size
         self._leases: dict[str, float] = {}  # background responses in progress -> when their lease lapses
         self._events: dict[str, list[str]] = {}  # a streamed background response's SSE events, in order
@@ -148,6 +154,12 @@ class ResponseStore:
             self.bytes -= entry[2]
             self._dropped(response_id)
         return entry is not None
+
+    def conversation(self, method: str, *args):
+        """`ConversationStore.<method>(*args)`, one of CONVERSATION_CALLS."""
+        if method not in CONVERSATION_CALLS:
+            raise ValueError(f"no conversation call {method!r}")
+        return getattr(self.conversations, method)(*args)
 
     def _use(self, response_id: str) -> tuple[dict, list[dict], int] | None:
         self._lapse()

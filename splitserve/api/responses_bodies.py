@@ -39,6 +39,7 @@ def response_object(request: ResponsesRequest, response_id: str, created: int, s
         "model": request.model, "output": output,
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "previous_response_id": request.previous_response_id,
+        "conversation": {"id": request.conversation} if request.conversation is not None else None,
         "reasoning": {"effort": request.reasoning and request.reasoning.effort, "summary": None},
         "store": stored, "temperature": request.temperature, "top_p": request.top_p,
         "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
@@ -99,9 +100,14 @@ def output_items(choice: dict) -> list[dict]:
 
 
 def input_items(request: ResponsesRequest) -> list[dict]:
-    """The request's own input as the items a stored response lists, each with an id (its own if
+    """The request's own input as the items a stored response lists (`stored_items`)."""
+    return stored_items(request.input)
+
+
+def stored_items(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]) -> list[dict]:
+    """Input items as a store keeps them (a response's, a conversation's), each with an id (its own if
     it came back from an earlier output) and its text as content parts."""
-    return [_input_item(item, item.status or "completed") for item in request.input]
+    return [_input_item(item, item.status or "completed") for item in items]
 
 
 def _input_item(item: MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, status: str) -> dict:

@@ -6,7 +6,9 @@ tokenizes and bounds both. A chat field a refusal names is named back as this re
 
 A request that names `previous_response_id` continues a stored response (`response_store`): the
 conversation that response read and its output come before this request's `input`
-(`continuing`); its instructions do not carry over, as OpenAI's do not. A `background` one is
+(`continuing`); its instructions do not carry over, as OpenAI's do not. One that names a
+`conversation` reads that conversation's items first (`conversation_store`) and adds its input and
+output to it once it ends. A `background` one is
 answered at once, in progress, and kept when it ends (`stored_responses`).
 Input is text: an image or file part is a 400 naming it. `include: ["message.output_text.logprobs"]`
 (with `top_logprobs` alternatives) asks chat's `logprobs`. A reasoning item sent back in `input` is
@@ -20,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import only_values
+from splitserve.api.request_models import Metadata, only_values
 from splitserve.api.strict_model import STRICT
 from splitserve.api.tool_models import MAX_TOOLS, FunctionDefinition
 from splitserve.engine.sampling_params import MAX_LOGPROBS
@@ -165,6 +167,20 @@ class ReasoningOptions(BaseModel):
     summary: Annotated[str | None, only_values(None, reason="this server writes no reasoning summaries")] = None
 
 
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_obfuscation: bool | None = None
+
+
+def _conversation_id(value):
+    """A conversation is named by its id or by an object holding only it (`{"id": ...}`)."""
+    if isinstance(value, dict):
+        if set(value) != {"id"}:
+            raise ValueError('must be a conversation id or {"id": <conversation id>}')
+        return value["id"]
+    return value
+
+
 class ResponsesRequest(BaseModel):
     model_config = STRICT
     model: str
@@ -181,12 +197,16 @@ class ResponsesRequest(BaseModel):
     reasoning: ReasoningOptions | None = None
     store: bool | None = None  # keep the response (OpenAI's default), where this server keeps responses
     previous_response_id: Annotated[str | None, Field(max_length=MAX_ID_CHARS)] = None
+    conversation: Annotated[str | None, BeforeValidator(_conversation_id), Field(max_length=MAX_ID_CHARS)] = None
     background: bool | None = None
     # accepted and ignored, as chat's: they ask nothing of the output (prefix caching needs no key)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    max_tool_calls: Annotated[int | None, Field(ge=1)] = None  # bounds hosted-tool calls: this server runs none
+    stream_options: StreamOptions | None = None  # this server sends no `obfuscation` padding either way
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     truncation: Annotated[str | None, only_values(None, "disabled", reason="only 'disabled' is supported")] = None
     include: Annotated[list[Annotated[str, only_values(LOGPROBS, reason=f"only {LOGPROBS!r} is supported")]] | None,

@@ -47,9 +47,12 @@ class ClusterController:
         self.batches.start.remote()
         cluster = ClusterConfig.model_validate(config)
         files = Path(cluster.batch.dir) / "responses" if cluster.ingress.persist_stored_responses else None
+        ingress = cluster.ingress
         self.responses = ray.remote(PersistedResponseStore).options(  # a restart reads its files again
             name=f"{app}-responses", namespace=WORKER_NAMESPACE, num_cpus=0, resources={HEAD_NODE: 0.001},
-            max_restarts=-1).remote(cluster.ingress.stored_responses, cluster.ingress.stored_response_bytes, files)
+            max_restarts=-1).remote(ingress.stored_responses, ingress.stored_response_bytes, files,
+                                    max_conversations=ingress.stored_conversations,
+                                    max_conversation_bytes=ingress.stored_conversation_bytes)
 
     def handle(self):
         """The CLS actor, for the ingress to call directly."""
@@ -60,7 +63,7 @@ class ClusterController:
         return self.batches
 
     def responses_handle(self):
-        """The store of /v1/responses answers."""
+        """The store of /v1/responses answers and /v1/conversations."""
         return self.responses
 
     async def check_health(self) -> None:

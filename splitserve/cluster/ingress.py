@@ -28,7 +28,7 @@ from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
 from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from splitserve.batch import routes as batch_routes
-from splitserve.cluster import stored_responses
+from splitserve.cluster import stored_conversations, stored_responses
 from splitserve.cluster.batch_manager import RemoteBatches
 from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import ClusterUnavailable, Overloaded, RequestFailed, Run, WorkerDirectory
@@ -42,6 +42,7 @@ from splitserve.engine.prefix_hash import PrefixNaming
 api = guard(FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster"))
 api.include_router(batch_routes.router)
 api.include_router(stored_responses.router)
+api.include_router(stored_conversations.router)
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -139,7 +140,8 @@ class Ingress:
         started = time.monotonic()
         try:
             ask = await asyncio.to_thread(parse_request, ResponsesRequest, await request.body())
-            prepared = await asyncio.to_thread(self._prepare_responses, ask, await self._stored.context(ask))
+            context = await self._stored.context(ask)
+            prepared = await asyncio.to_thread(self._prepare_responses, ask, context)
         except RequestError as error:
             return error_response(error)
         reply = await self._admit("chat", prepared, started)
@@ -147,26 +149,27 @@ class Ingress:
             return reply
         ask, kept = prepared.responses, self._stored.keeps(ask)
         response_id, created = new_id("resp"), int(time.time())
-        items = await asyncio.to_thread(input_items, ask) if kept else []
+        items = await asyncio.to_thread(input_items, ask) if kept or ask.conversation is not None else []
+        turn = items[len(context):] if ask.conversation is not None else None  # its own input, for its conversation
         pending = response_object(ask, response_id, created, "in_progress", [], stored=True) if ask.background \
             else None
         if ask.stream:
             stream = ResponseEvents(ask, response_id, created, kept)
             events = reply.response_events(stream)
             if ask.background:
-                events = await self._stored.stream_in_background(pending, items, events, stream, reply.abort)
-            elif kept:
-                events = self._stored.kept(events, stream, items)
+                events = await self._stored.stream_in_background(pending, items, turn, events, stream, reply.abort)
+            elif kept or turn is not None:
+                events = self._stored.ending(events, stream, items, turn, kept)
             return StreamingResponse(events, media_type="text/event-stream")
         if ask.background:
             return JSONResponse(await self._stored.run_in_background(
-                pending, items, lambda: self._whole_response(ask, reply, response_id, created, kept), reply.abort))
+                pending, items, turn, lambda: self._whole_response(ask, reply, response_id, created, kept),
+                reply.abort))
         try:
             whole = await self._whole_response(ask, reply, response_id, created, kept)
         except RequestFailed as error:
             return error_response(error.as_error())
-        if kept:
-            await self._stored.keep(whole, items)
+        await self._stored.end(whole, items, turn, kept)
         return JSONResponse(whole)
 
     # ---- one request -------------------------------------------------------------------------

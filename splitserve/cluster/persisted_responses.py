@@ -1,11 +1,10 @@
-"""The response store on disk: each kept response is a file, `<dir>/<id>.json` (the Response, the
-items it read, and a sequence number that orders the files by when each was kept), written whole
-and renamed into place. So a restarted store (the actor restarted by Ray, the controller replica
-replaced, the cluster restarted) has every response it kept, and an in-progress background one a
-fresh lease for the replica that runs it to renew (or it ends failed). After a restart the least
-recently kept go first (reads since were not written down). Not fsynced: a killed process loses
-nothing, a machine that loses power may lose the last writes; a file that cannot be written (a full
-disk) leaves its response kept in memory.
+"""The response store on disk: each kept response is a file of `JsonFiles` (the Response and the
+items it read), so a restarted store (the actor restarted by Ray, the controller replica replaced,
+the cluster restarted) has every response it kept, and an in-progress background one a fresh lease
+for the replica that runs it to renew (or it ends failed). After a restart the least recently kept
+go first (reads since were not written down). A file that cannot be written (a full disk) leaves
+its response kept in memory. The conversations the same actor keeps are files too, in
+`<dir>/conversations` (`persisted_conversations`).
 
 The directory is the head node's (`batch.dir`/responses, on Kubernetes the head pod's volume). One
 server owns it at a time (a lock, as the batch store's; a new store waits a moment for the one it
@@ -14,15 +13,15 @@ and takes the directory over once it is given up (the old cluster of an upgrade 
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from splitserve.api.response_store import ResponseStore
 from splitserve.batch.store_lock import StoreLock
+from splitserve.cluster.json_files import JsonFiles
+from splitserve.cluster.persisted_conversations import PersistedConversations
 
 log = logging.getLogger(__name__)
 TAKE_OVER_WAIT_S = 10.0  # a replaced controller's store gives the directory up as its process exits
@@ -30,11 +29,13 @@ TAKE_OVER_WAIT_S = 10.0  # a replaced controller's store gives the directory up 
 
 class PersistedResponseStore(ResponseStore):
     def __init__(self, max_responses: int, max_bytes: int, directory: str | Path | None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_conversations: int = 0,
+                 max_conversation_bytes: int = 0):
         """`directory` None: in memory only."""
-        super().__init__(max_responses, max_bytes, clock)
+        super().__init__(max_responses, max_bytes, clock, PersistedConversations(max_conversations,
+                                                                                 max_conversation_bytes))
         self.directory: Path | None = None  # set once this store owns it (and has read it)
-        self._sequence = 0  # the last file's
+        self._files: JsonFiles | None = None
         self._root = None if directory is None else Path(directory).expanduser()
         if self._root is not None:
             self._root.mkdir(parents=True, exist_ok=True)
@@ -56,44 +57,28 @@ class PersistedResponseStore(ResponseStore):
         self._entries.clear()
         self._leases.clear()
         self.bytes = self.event_bytes()  # streams recorded meanwhile stay, in memory
-        self._read(self._root)
-        self.directory = self._root
+        files = JsonFiles(self._root)
+        read = []
+        for name, entry in files.read():
+            try:
+                self.put(dict(entry["response"]), list(entry["items"]))
+            except (KeyError, TypeError, ValueError):
+                log.exception("stored response %s does not read; left out (and left there)", name)
+                continue
+            read.append(name)
+        for name in read:
+            if name not in self._entries:  # past the bounds, which may have shrunk
+                files.remove(name)
+        self.directory, self._files = self._root, files
         for response, items in meanwhile:
             self.put(response, items)
+        self.conversations.attach(JsonFiles(self._root / "conversations"))
         return True
 
-    def _read(self, root: Path) -> None:
-        read: dict[Path, dict] = {}
-        for path in root.glob("*.json"):
-            try:
-                entry = json.loads(path.read_bytes())
-                read[path] = {"sequence": int(entry["sequence"]), "response": dict(entry["response"]),
-                              "items": list(entry["items"])}
-            except (OSError, ValueError, KeyError, TypeError):
-                log.exception("stored response %s does not read; left out (and left there)", path)
-        for entry in sorted(read.values(), key=lambda entry: entry["sequence"]):
-            self.put(entry["response"], entry["items"])
-            self._sequence = entry["sequence"]
-        for path, entry in read.items():
-            if entry["response"].get("id") not in self._entries:  # past the bounds, which may have shrunk
-                path.unlink(missing_ok=True)
-        for path in root.glob(".*.tmp"):  # a write the process did not finish
-            path.unlink(missing_ok=True)
-
     def _kept(self, response: dict, items: list[dict]) -> None:
-        if self.directory is not None:
-            path = self.directory / f"{response['id']}.json"
-            temporary = path.with_name(f".{path.name}.tmp")
-            self._sequence += 1
-            try:
-                temporary.write_text(json.dumps({"sequence": self._sequence, "response": response, "items": items}))
-                os.replace(temporary, path)
-            except OSError:  # a full disk: kept in memory still, and the request that kept it goes on
-                log.exception("stored response %s could not be written to %s", response["id"], self.directory)
+        if self._files is not None:
+            self._files.write(response["id"], {"response": response, "items": items})
 
     def _dropped(self, response_id: str) -> None:
-        if self.directory is not None:
-            try:
-                (self.directory / f"{response_id}.json").unlink(missing_ok=True)
-            except OSError:
-                log.exception("stored response %s could not be removed from %s", response_id, self.directory)
+        if self._files is not None:
+            self._files.remove(response_id)

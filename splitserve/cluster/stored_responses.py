@@ -14,7 +14,11 @@ lease lapses (`api/response_store.py`). A background one that streams sends its 
 as that task makes them, and the task records them in the store; the client may go away and read
 them again. The store is the controller's actor: after a restart the next call finds the new one
 (`OwnedActor`), which has every response kept on disk (not the events: a running stream's task
-records them again)."""
+records them again).
+
+A response in a conversation (`conversation`) reads its items first, and once it completed (or was
+cut short) adds its own input and output to it (`end`, `ending`; a background one once settled,
+not when cancelled): before its answer, or its stream's last events, is sent."""
 from __future__ import annotations
 
 import asyncio
@@ -55,6 +59,8 @@ class StoredResponses:
         if request.background and not self.keeps(request):
             raise RequestError("background: a background response is kept and polled (GET /v1/responses/{id}); "
                                "it needs store", param="background")
+        if request.conversation is not None:
+            return await self._conversation(request)
         response_id = request.previous_response_id
         if response_id is None:
             return []
@@ -66,37 +72,70 @@ class StoredResponses:
             raise _missing(response_id, "previous_response_id")
         return context
 
+    async def _conversation(self, request: ResponsesRequest) -> list[dict]:
+        """The items of the conversation the request is in; a 400 for an input item already in it."""
+        if request.previous_response_id is not None:
+            raise RequestError("conversation: a response continues either a conversation or a previous response, "
+                               "not both; leave previous_response_id out", param="conversation")
+        context = await self.call("conversation", "context", request.conversation)
+        clash = {item.id for item in request.input} & {item["id"] for item in context}
+        if clash:
+            raise RequestError(f"input: item {min(clash)!r} is already in the conversation, which the response "
+                               "reads before its input; send only what is new", param="input")
+        return context
+
     async def keep(self, response: dict, items: list[dict]) -> None:
         await self.call("put", response, items)
 
-    async def kept(self, events: AsyncIterator[bytes], stream: ResponseEvents, items: list[dict]
-                   ) -> AsyncIterator[bytes]:
-        """`events`, the stream's response kept once it is whole, before its last events are sent
-        (so a client that read them finds it)."""
-        kept = False
+    async def end(self, response: dict, items: list[dict], turn: list[dict] | None, kept: bool) -> None:
+        """A response that ended: kept (`kept`: with the `items` it read) and, in a conversation
+        (`turn`: its own input items), added to it."""
+        if kept:
+            await self.keep(response, items)
+        await self._add_to_conversation(response, turn)
+
+    async def ending(self, events: AsyncIterator[bytes], stream: ResponseEvents, items: list[dict],
+                     turn: list[dict] | None, kept: bool) -> AsyncIterator[bytes]:
+        """`events`, the stream's response ended (`end`) once it is whole, before its last events
+        are sent (so a client that read them finds it)."""
+        ended = False
         async for event in events:
-            if stream.whole is not None and not kept:
-                await self.keep(stream.whole, items)
-                kept = True
+            if stream.whole is not None and not ended:
+                await self.end(stream.whole, items, turn, kept)
+                ended = True
             yield event
 
-    async def run_in_background(self, pending: dict, items: list[dict], end: Callable[[], Awaitable[dict]],
-                                abort: Callable[[], Awaitable]) -> dict:
+    async def _add_to_conversation(self, response: dict, turn: list[dict] | None) -> None:
+        """In a conversation, a response that completed (or was cut short) adds its input items
+        (`turn`) and output to it. One that cannot (the conversation deleted meanwhile, or past the
+        store's bounds) is still answered: logged, not raised."""
+        if turn is None or response["status"] not in ("completed", "incomplete"):
+            return
+        conversation_id = response["conversation"]["id"]
+        try:
+            await self.call("conversation", "add", conversation_id, turn + response["output"])
+        except Exception:
+            log.exception("response %s could not be added to conversation %s", response["id"], conversation_id)
+
+    async def run_in_background(self, pending: dict, items: list[dict], turn: list[dict] | None,
+                                end: Callable[[], Awaitable[dict]], abort: Callable[[], Awaitable]) -> dict:
         """`pending` (in progress) kept and returned; `end()` (the whole response, or a
-        RequestFailed) runs on in a task that settles it. Not kept (the store unavailable): `abort()`
-        stops the runs nobody would read, and the store's error is raised."""
+        RequestFailed) runs on in a task that settles it (and adds it to its conversation, `turn`).
+        Not kept (the store unavailable): `abort()` stops the runs nobody would read, and the
+        store's error is raised."""
         await self._keep_or(abort, pending, items)
-        self._run(pending, end())
+        self._run(pending, end(), turn)
         return pending
 
-    async def stream_in_background(self, pending: dict, items: list[dict], events: AsyncIterator[bytes],
-                                   stream: ResponseEvents, abort: Callable[[], Awaitable]) -> AsyncIterator[bytes]:
+    async def stream_in_background(self, pending: dict, items: list[dict], turn: list[dict] | None,
+                                   events: AsyncIterator[bytes], stream: ResponseEvents,
+                                   abort: Callable[[], Awaitable]) -> AsyncIterator[bytes]:
         """`pending` kept (or `abort()`, as above); `events` (its stream) run on in a task that
         records them in the store, for any replica to stream again (`replay`), and settles it. What
         is returned streams them to the client that asked, who may go away without stopping them."""
         await self._keep_or(abort, pending, items, streams=True)
         recording = _Recording()
-        self._run(pending, self._record(pending["id"], events, stream, recording))
+        self._run(pending, self._record(pending["id"], events, stream, recording), turn)
         return recording.read()
 
     async def replay(self, response_id: str, after: int, first: tuple[list[str], bool]) -> AsyncIterator[bytes]:
@@ -128,12 +167,12 @@ class StoredResponses:
             await abort()
             raise
 
-    def _run(self, pending: dict, end: Awaitable[dict]) -> None:
-        self._running[pending["id"]] = background(self._settle(pending, end))
+    def _run(self, pending: dict, end: Awaitable[dict], turn: list[dict] | None) -> None:
+        self._running[pending["id"]] = background(self._settle(pending, end, turn))
         if self._poller is None or self._poller.done():
             self._poller = background(self._stop_cancelled())
 
-    async def _settle(self, pending: dict, end: Awaitable[dict]) -> None:
+    async def _settle(self, pending: dict, end: Awaitable[dict], turn: list[dict] | None) -> None:
         try:
             try:
                 whole = await end
@@ -142,7 +181,8 @@ class StoredResponses:
             except Exception as error:
                 log.exception("background response %s failed", pending["id"])
                 whole = _failed(pending, f"the server failed answering it: {error!r}")
-            await self.call("settle", whole)
+            if await self.call("settle", whole):  # not cancelled meanwhile
+                await self._add_to_conversation(whole, turn)
         except Exception:
             log.exception("background response %s: its end could not be kept", pending["id"])
         finally:

@@ -265,9 +265,14 @@ class IngressOptions(StrictModel):
                                   "previous_response_id and GET (the least recently used go first); 0 keeps none.")
     stored_response_bytes: int = Field(256 << 20, ge=0, description="Most bytes of JSON the kept responses hold "
                                        "together (each with the conversation it read).")
-    persist_stored_responses: bool = Field(True, description="Keep the stored responses on disk too, in "
-                                           "`batch.dir`/responses on the head node, so a restart loses none; false "
-                                           "keeps them in memory only.")
+    stored_conversations: int = Field(10_000, ge=0, description="Most /v1/conversations kept (the least "
+                                      "recently used go first); 0 keeps none.")
+    stored_conversation_bytes: int = Field(256 << 20, ge=0, description="Most bytes of JSON the kept "
+                                           "conversations hold together; a change that would make one larger is "
+                                           "refused.")
+    persist_stored_responses: bool = Field(True, description="Keep the stored responses and conversations on disk "
+                                           "too, in `batch.dir`/responses on the head node, so a restart loses "
+                                           "none; false keeps them in memory only.")
 
     def limits(self) -> RequestLimits:
         return RequestLimits(**{f.name: getattr(self, f.name) for f in fields(RequestLimits)})

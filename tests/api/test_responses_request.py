@@ -122,6 +122,8 @@ def test_text_format_is_chats_response_format():
     ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input.0"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": "x", "extra_body": {"n": 2}}, "n"),
+    ({"input": "x", "metadata": {f"k{n}": "v" for n in range(17)}}, "metadata"),
+    ({"input": "x", "conversation": {"id": "conv_1", "name": "x"}}, "conversation"),
 ])
 def test_what_this_server_cannot_honour_is_a_400_naming_the_field(create, param):
     with pytest.raises(RequestError) as refused:
@@ -146,3 +148,16 @@ def test_a_refusal_of_the_chat_body_names_the_responses_field():
     assert as_responses_error(RequestError("x", param="tools.1.function.parameters")).param == "tools.1.parameters"
     schema = RequestError("x", param="response_format.json_schema.schema")
     assert as_responses_error(schema).param == "text.format.schema"
+
+
+@pytest.mark.parametrize("conversation", ["conv_1", {"id": "conv_1"}])
+def test_a_conversation_is_named_by_its_id_or_an_object_holding_it(conversation):
+    assert parse_request(ResponsesRequest, sent_body(input="x", conversation=conversation)).conversation == "conv_1"
+    assert parse_request(ResponsesRequest, sent_body(input="x")).conversation is None
+
+
+def test_hints_that_ask_nothing_of_the_output_are_accepted():
+    """What the client sends for OpenAI's caching, abuse monitoring and hosted tools."""
+    chat = chat_of(input="x", prompt_cache_key="k", prompt_cache_retention="in_memory", safety_identifier="u",
+                   max_tool_calls=3, stream=True, stream_options={"include_obfuscation": False})
+    assert chat["messages"] == [{"role": "user", "content": "x"}] and chat["stream"] is True

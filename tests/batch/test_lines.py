@@ -76,7 +76,7 @@ def test_a_responses_line_is_prepared_as_the_chat_it_asks_for():
     with pytest.raises(RequestError) as caught:
         prepare(bad, demo_tokenizer(), "demo", 2048)
     assert caught.value.status == 400 and caught.value.param.startswith("text.format")
-    for param, value in (("previous_response_id", "resp_1"), ("background", True)):
+    for param, value in (("previous_response_id", "resp_1"), ("conversation", "conv_1"), ("background", True)):
         [kept] = parse_input(as_jsonl([line("/v1/responses", input="x", **{param: value})]))
         with pytest.raises(RequestError) as caught:
             prepare(kept, demo_tokenizer(), "demo", 2048)

@@ -3,7 +3,8 @@ a stand-in for its actor): its client may read a few events and go away while it
 event reaches the store before the end is settled, so a replay from any number gives the rest; a
 store that restarted mid-stream (its events lost) is sent them again; a cancel stops the stream's
 run within the poll and ends it for its client; a background response the store cannot keep has
-its runs stopped."""
+its runs stopped. A response in a conversation reads its items first and adds its own input and
+output once it completes (a background one once settled), not when it failed or was cancelled."""
 from __future__ import annotations
 
 import asyncio
@@ -12,9 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from splitserve.api.errors import RequestError
+from splitserve.api.conversation_store import ConversationStore
 from splitserve.api.response_store import ResponseStore
+from splitserve.api.responses_request import ResponsesRequest
 from splitserve.cluster import stored_responses
 from splitserve.cluster.stored_responses import StoredResponses
+from tests.api.test_conversation_store import message
 
 EVENTS = 12
 
@@ -23,7 +27,7 @@ class LocalStore:
     """The store actor's `call`, answered by a local ResponseStore (which a test may replace)."""
 
     def __init__(self):
-        self.store = ResponseStore(100, 1 << 20)
+        self.store = ResponseStore(100, 1 << 20, conversations=ConversationStore(10, 1 << 20))
 
     async def call(self, method: str, *args):
         await asyncio.sleep(0)
@@ -80,7 +84,7 @@ def test_the_client_goes_away_and_the_stream_runs_on_for_a_replay_from_any_event
     stream = SimpleNamespace(whole=None)
 
     async def scenario():
-        client = await stored.stream_in_background(pending(), [], made_events(stream), stream, nothing)
+        client = await stored.stream_in_background(pending(), [], None, made_events(stream), stream, nothing)
         first = await read(client, 3)  # then the client goes away
         after = await stored.call("events", "resp_a", 2)
         rest = await read(stored.replay("resp_a", 2, after))  # waits for what is not recorded yet
@@ -99,7 +103,8 @@ def test_a_store_that_restarted_mid_stream_is_sent_every_event_again(monkeypatch
     stream = SimpleNamespace(whole=None)
 
     async def scenario():
-        client = await stored.stream_in_background(pending(), [], made_events(stream, gap_s=0.02), stream, nothing)
+        client = await stored.stream_in_background(pending(), [], None, made_events(stream, gap_s=0.02), stream,
+                                                   nothing)
         got = []
         async for event in client:
             got.append(event)
@@ -131,7 +136,8 @@ def test_a_cancel_stops_the_run_and_ends_the_clients_stream(monkeypatch):
     stream, closed = SimpleNamespace(whole=None), []
 
     async def scenario():
-        client = await stored.stream_in_background(pending(), [], made_events(stream, 0.05, closed), stream, nothing)
+        client = await stored.stream_in_background(pending(), [], None, made_events(stream, 0.05, closed), stream,
+                                                   nothing)
         got = []
         async for event in client:
             got.append(event)
@@ -164,8 +170,8 @@ def test_a_background_response_the_store_cannot_keep_has_its_runs_stopped(stream
 
     stream = SimpleNamespace(whole=None)
     events = made_events(stream)
-    keep = stored.stream_in_background(pending(), [], events, stream, abort) if streams else \
-        stored.run_in_background(pending(), [], end, abort)
+    keep = stored.stream_in_background(pending(), [], None, events, stream, abort) if streams else \
+        stored.run_in_background(pending(), [], None, end, abort)
     with pytest.raises(RequestError) as refused:
         asyncio.run(keep)
     assert refused.value.status == 503 and aborted == [True] and not started and not stored._running
@@ -175,10 +181,75 @@ def test_a_background_response_the_store_cannot_keep_has_its_runs_stopped(stream
 @pytest.mark.parametrize("background", [True, False])
 def test_only_a_kept_response_may_run_in_background(background):
     stored = StoredResponses(LocalStore(), enabled=False)
-    request = SimpleNamespace(background=background, store=None, previous_response_id=None)
+    request = SimpleNamespace(background=background, store=None, previous_response_id=None, conversation=None)
     if background:
         with pytest.raises(RequestError) as refused:
             asyncio.run(stored.context(request))
         assert refused.value.param == "background"
     else:
         assert asyncio.run(stored.context(request)) == []
+
+
+def in_conversation(local: LocalStore, **fields) -> tuple[str, ResponsesRequest]:
+    cid = local.store.conversation("create", {}, [message("msg_earlier")])["id"]
+    return cid, ResponsesRequest.model_validate({"model": "m", "input": "and now?", "conversation": cid, **fields})
+
+
+def ended(response_id: str, cid: str, status: str = "completed") -> dict:
+    return {**pending(response_id), "background": False, "status": status, "conversation": {"id": cid},
+            "output": [message(f"msg_out_{response_id}")]}
+
+
+def test_a_response_in_a_conversation_reads_it_and_adds_its_turn_once_it_completed():
+    local = LocalStore()
+    stored = StoredResponses(local, enabled=True)
+    cid, request = in_conversation(local, store=False)
+    assert asyncio.run(stored.context(request)) == [message("msg_earlier")]
+    turn = [message("msg_turn")]
+    asyncio.run(stored.end(ended("resp_a", cid, "failed"), [], turn, kept=False))
+    assert [i["id"] for i in local.store.conversation("context", cid)] == ["msg_earlier"]
+    asyncio.run(stored.end(ended("resp_b", cid), [], turn, kept=False))
+    assert [i["id"] for i in local.store.conversation("context", cid)] == ["msg_earlier", "msg_turn", "msg_out_resp_b"]
+    assert local.store.get("resp_b") is None  # store false: the conversation keeps it, not the response store
+    local.store.conversation("delete", cid)  # deleted meanwhile: the response is still answered
+    asyncio.run(stored.end(ended("resp_c", cid), [], [message("msg_c")], kept=True))
+    assert local.store.get("resp_c")["status"] == "completed"
+
+
+def test_a_conversation_with_a_previous_response_or_an_item_it_holds_is_a_400():
+    local = LocalStore()
+    stored = StoredResponses(local, enabled=True)
+    for fields, param in (({"previous_response_id": "resp_x"}, "conversation"),
+                          ({"input": [message("msg_earlier")]}, "input")):
+        with pytest.raises(RequestError) as refused:
+            asyncio.run(stored.context(in_conversation(local, **fields)[1]))
+        assert (refused.value.status, refused.value.param) == (400, param)
+    request = ResponsesRequest.model_validate({"model": "m", "input": "hi", "conversation": {"id": "conv_gone"}})
+    with pytest.raises(RequestError) as missing:
+        asyncio.run(stored.context(request))
+    assert (missing.value.status, missing.value.param) == (404, "conversation")
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_background_response_adds_its_turn_once_settled_unless_cancelled(cancelled):
+    local = LocalStore()
+    stored = StoredResponses(local, enabled=True)
+    cid = in_conversation(local)[0]
+    release = asyncio.Event()
+
+    async def end():
+        await release.wait()
+        return {**ended("resp_a", cid), "background": True}
+
+    async def scenario():
+        await stored.run_in_background({**pending(), "conversation": {"id": cid}}, [], [message("msg_turn")], end,
+                                       nothing)
+        if cancelled:
+            local.store.cancel("resp_a")
+        release.set()
+        await asyncio.gather(*stored._running.values(), return_exceptions=True)
+
+    asyncio.run(scenario())
+    expected = ["msg_earlier"] if cancelled else ["msg_earlier", "msg_turn", "msg_out_resp_a"]
+    assert [i["id"] for i in local.store.conversation("context", cid)] == expected
+    assert local.store.get("resp_a")["status"] == ("cancelled" if cancelled else "completed")

@@ -1,5 +1,6 @@
 """Property-based fuzzing of the HTTP API on a real cluster (hypothesis): generated bodies for
-/v1/completions, /v1/chat/completions, /v1/responses and /v1/batches, from raw bytes and arbitrary JSON to
+/v1/completions, /v1/chat/completions, /v1/responses, /v1/batches and /v1/conversations (new ones,
+and items added to one), from raw bytes and arbitrary JSON to
 near-valid requests with hostile values. No answer is a 5xx, every 4xx carries OpenAI's error
 body, and the cluster serves an ordinary request afterwards.
 
@@ -64,7 +65,9 @@ RESPONSES_OPTIONS = {
         {"type": st.just("function"), "name": st.text(max_size=10)})),
     "reasoning": _field(st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "high", "max"]),
                                                             "summary": st.sampled_from(["auto", None])})),
-    "previous_response_id": _field(st.text(max_size=10)), "truncation": _field(st.sampled_from(["auto", "disabled"])),
+    "previous_response_id": _field(st.text(max_size=10)),
+    "conversation": _field(st.text(max_size=10) | st.fixed_dictionaries({"id": st.text(max_size=10)})),
+    "truncation": _field(st.sampled_from(["auto", "disabled"])),
     "include": _field(st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content"]),
                                max_size=2)),
     "top_logprobs": _field(st.integers(-1, 21)), "store": _field(st.booleans()),
@@ -154,6 +157,21 @@ def test_batches(hardening_server, http, batch_file):
     @given(body=_bodies(fields))
     def run(body):
         check_answer(post(http, f"{hardening_server}/v1/batches", body))
+    run()
+
+
+def test_conversations(hardening_server, http):
+    conversation = http.post(f"{hardening_server}/v1/conversations", json={}).json()["id"]
+    items = _field(st.lists(ITEM, max_size=22))
+    new = _bodies(st.fixed_dictionaries({}, optional={"items": items, "metadata": _field(st.dictionaries(
+        st.text(max_size=70), st.text(max_size=20), max_size=18))}))
+    added = _bodies(st.fixed_dictionaries({"items": items}))
+
+    @SETTINGS
+    @given(body=new, more=added)
+    def run(body, more):
+        check_answer(post(http, f"{hardening_server}/v1/conversations", body))
+        check_answer(post(http, f"{hardening_server}/v1/conversations/{conversation}/items", more))
     run()
 
 

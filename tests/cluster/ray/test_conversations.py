@@ -1,0 +1,74 @@
+"""OpenAI's Conversations API (`/v1/conversations`) through a real local cluster, with the official
+`openai` client: a conversation is created with items and metadata; a response created in it reads
+its items before its input (the same answer as the chat of the whole conversation) and adds its
+input and output to it, streamed or not; its items are listed in pages (the client walks them),
+read and deleted one by one; its metadata replaced; once deleted it is a 404, for a response too.
+What it refuses is a 4xx naming the field."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+ASK = "Is 2 + 3 five?"
+
+
+def chat_text(client, messages: list[dict], max_tokens: int) -> tuple[str, int]:
+    chat = client.chat.completions.create(model="demo", max_completion_tokens=max_tokens, temperature=0,
+                                          messages=messages)
+    return chat.choices[0].message.content, chat.usage.prompt_tokens
+
+
+def test_a_conversation_is_extended_by_its_responses_listed_and_deleted(client):
+    conversation = client.conversations.create(items=[{"type": "message", "role": "user", "content": ASK}],
+                                               metadata={"topic": "sums"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "sums"}
+    first = client.responses.create(model="demo", conversation=conversation.id, input="Answer briefly.",
+                                    max_output_tokens=8, temperature=0, store=False)
+    said = [{"role": "user", "content": ASK}, {"role": "user", "content": "Answer briefly."}]
+    assert (first.output_text, first.usage.input_tokens) == chat_text(client, said, 8)
+    assert first.conversation.id == conversation.id
+    events = list(client.responses.create(model="demo", conversation={"id": conversation.id}, input="And 3 + 4?",
+                                          max_output_tokens=6, temperature=0, stream=True))
+    second = events[-1].response
+    said += [{"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And 3 + 4?"}]
+    assert (second.output_text, second.usage.input_tokens) == chat_text(client, said, 6)
+    items = list(client.conversations.items.list(conversation.id, order="asc", limit=2))  # three pages
+    assert [item.type for item in items] == ["message"] * 5
+    assert [item.content[0].text for item in items] == [ASK, "Answer briefly.", first.output_text, "And 3 + 4?",
+                                                        second.output_text]
+    assert [items[2].id, items[4].id] == [first.output[0].id, second.output[0].id]
+    assert client.conversations.items.retrieve(items[1].id, conversation_id=conversation.id) == items[1]
+    assert client.conversations.items.delete(items[1].id, conversation_id=conversation.id).id == conversation.id
+    assert [item.id for item in client.conversations.items.list(conversation.id)] == [
+        item.id for item in items[::-1] if item.id != items[1].id]
+    added = client.conversations.items.create(conversation.id, items=[{"role": "user", "content": "Thanks."}])
+    assert [item.content[0].text for item in added.data] == ["Thanks."] and added.first_id == added.last_id
+    updated = client.conversations.update(conversation.id, metadata={"topic": "more sums"})
+    assert updated.metadata == {"topic": "more sums"} and client.conversations.retrieve(conversation.id) == updated
+    assert client.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conversation.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model="demo", conversation=conversation.id, input="?", max_output_tokens=2)
+    assert missing.value.param == "conversation"
+
+
+def test_what_a_conversation_refuses_is_a_4xx_naming_the_field(client):
+    conversation = client.conversations.create(items=[{"type": "message", "role": "user", "content": ASK}])
+    [item] = client.conversations.items.list(conversation.id).data
+    refusals = [
+        (lambda: client.conversations.create(items=[{"role": "user", "content": "x"}] * 21), "items"),
+        (lambda: client.conversations.create(metadata={f"k{n}": "v" for n in range(17)}), "metadata"),
+        (lambda: client.conversations.items.create(conversation.id, items=[
+            {"type": "message", "id": item.id, "role": "user", "content": "again"}]), "items"),
+        (lambda: client.conversations.items.list(conversation.id, include=["file_search_call.results"]), "include"),
+        (lambda: client.responses.create(model="demo", conversation=conversation.id, previous_response_id="resp_x",
+                                         input="?", max_output_tokens=2), "conversation"),
+    ]
+    for call, param in refusals:
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert refused.value.param == param
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.conversations.items.retrieve("msg_none", conversation_id=conversation.id)
+    assert missing.value.param == "item_id"
