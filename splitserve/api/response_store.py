@@ -5,7 +5,9 @@ depends on an earlier entry that may have gone. Bounded: past `max_responses` en
 `max_bytes` of their JSON, the least recently used go first; an entry larger than `max_bytes`
 is not kept. A background response is kept in progress, then settled with its end unless it
 was cancelled or deleted meanwhile; the replica running it renews its lease (`statuses`, asked
-every half second), and one whose lease lapses (that replica is gone) ends failed rather than in
+every half second). One whose lease lapses (that replica is gone) is run again from the start by
+another replica (`adopt`), at most MAX_RUNS times in all, when its request was kept for that
+(`rerun`: not a streamed one, whose events were sent); otherwise it ends failed rather than in
 progress forever. A background response that streams has its events recorded too (in memory, with
 the entry, counted in its bytes) for any replica to stream again from a sequence number. Plain
 data in and out, so it can run as one actor that every ingress replica calls. Every entry kept or
@@ -24,6 +26,7 @@ from splitserve.api.errors import RequestError
 
 MAX_ITEMS_PAGE = 100
 LEASE_S = 15.0  # a background response nobody renewed for this long has lost the replica that ran it
+MAX_RUNS = 3  # a background response whose replica died this often may be what kills them: it fails
 CONVERSATION_CALLS = frozenset({"create", "get", "update", "delete", "add", "items", "item", "delete_item", "context"})
 
 
@@ -36,16 +39,21 @@ class ResponseStore:
         self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()  # id -> response, items, size
         self._leases: dict[str, float] = {}  # background responses in progress -> when their lease lapses
         self._events: dict[str, list[str]] = {}  # a streamed background response's SSE events, in order
+        # a background response in progress that may run again -> its rerun (request, turn, runs so far);
+        # one without a lease awaits a replica to adopt it
+        self._reruns: dict[str, dict] = {}
         self.bytes = 0  # the entries' JSON and the recorded events
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict, items: list[dict]) -> bool:
-        """Keep `response`, which read `items`; False when it is too large to keep."""
+    def put(self, response: dict, items: list[dict], rerun: dict | None = None) -> bool:
+        """Keep `response`, which read `items`; False when it is too large to keep. A background one
+        in progress with a `rerun` (what running it again takes) may be adopted by another replica."""
         response_id, size = response["id"], len(json.dumps(response)) + len(json.dumps(items))
         earlier = self._entries.pop(response_id, None)
         self._leases.pop(response_id, None)
+        self._reruns.pop(response_id, None)
         self.bytes -= earlier[2] if earlier else 0
         if size > self.max_bytes or self.max_responses == 0:
             self._forget_events(response_id)
@@ -56,6 +64,8 @@ class ResponseStore:
         self.bytes += size
         if response["status"] == "in_progress" and response.get("background"):
             self._leases[response_id] = self.clock() + LEASE_S
+            if rerun is not None:
+                self._reruns[response_id] = {**rerun, "runs": 1}
         self._kept(response, items)
         self._evict()
         return True
@@ -103,6 +113,18 @@ class ResponseStore:
             return False
         return self.put(response, entry[1])
 
+    def adopt(self, most: int) -> list[tuple[dict, list[dict], dict]]:
+        """Up to `most` background responses whose replica is gone, each with the items it read and
+        its rerun, for the replica that asks to run again from the start: leased to it now."""
+        self._lapse()
+        adopted = []
+        for response_id in [r for r in self._reruns if r not in self._leases][:most]:
+            self._reruns[response_id]["runs"] += 1
+            self._leases[response_id] = self.clock() + LEASE_S
+            response, items, _ = self._entries[response_id]
+            adopted.append((response, items, self._reruns[response_id]))
+        return adopted
+
     def cancel(self, response_id: str) -> dict | None:
         """The background response cancelled (again: as it is); a RequestError for one that is not
         a background response in progress."""
@@ -149,6 +171,7 @@ class ResponseStore:
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
         self._leases.pop(response_id, None)
+        self._reruns.pop(response_id, None)
         self._forget_events(response_id)
         if entry is not None:
             self.bytes -= entry[2]
@@ -168,9 +191,13 @@ class ResponseStore:
         return self._entries.get(response_id)
 
     def _lapse(self) -> None:
-        """Background responses whose lease lapsed end failed."""
+        """Background responses whose lease lapsed await a replica to run them again (`adopt`), or,
+        with no rerun left, end failed."""
         now = self.clock()
         for response_id in [r for r, lapses in self._leases.items() if lapses <= now]:
+            del self._leases[response_id]
+            if self._reruns.get(response_id, {"runs": MAX_RUNS})["runs"] < MAX_RUNS:
+                continue
             response, items, _ = self._entries[response_id]
             self.put({**response, "status": "failed", "error": {
                 "code": "server_error", "message": "the server stopped running this background response before it "

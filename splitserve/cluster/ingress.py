@@ -65,7 +65,7 @@ class Ingress:
         api.state.batches = RemoteBatches(OwnedActor(controller.batches_handle.remote, "batch API's actor"))
         self._stored = stored_responses.StoredResponses(OwnedActor(controller.responses_handle.remote,
                                                                    "response store"),
-                                                        self.config.ingress.stored_responses > 0)
+                                                        self.config.ingress.stored_responses > 0, self._run_again)
         api.state.stored_responses = self._stored
 
     # ---- endpoints ---------------------------------------------------------------------------
@@ -161,10 +161,11 @@ class Ingress:
             elif kept or turn is not None:
                 events = self._stored.ending(events, stream, items, turn, kept)
             return StreamingResponse(events, media_type="text/event-stream")
-        if ask.background:
+        if ask.background:  # any replica may run it again, from `ask` as JSON, should this one die
+            request = await asyncio.to_thread(ask.model_dump, mode="json", by_alias=True, exclude_none=True)
             return JSONResponse(await self._stored.run_in_background(
                 pending, items, turn, lambda: self._whole_response(ask, reply, response_id, created, kept),
-                reply.abort))
+                reply.abort, request))
         try:
             whole = await self._whole_response(ask, reply, response_id, created, kept)
         except RequestFailed as error:
@@ -200,6 +201,18 @@ class Ingress:
         module function defined after the class was a NameError in the Serve replica.)"""
         [choice] = await reply.choices()
         return response_of_choice(ask, response_id, created, choice, reply.usage, stored)
+
+    async def _run_again(self, pending: dict, rerun: dict) -> dict:
+        """A background response whose replica died, run here from the start (`rerun["request"]`:
+        its request, the conversation it continued included): the whole response, or RequestFailed,
+        a refusal (the cluster full or unavailable) included."""
+        ask = await asyncio.to_thread(ResponsesRequest.model_validate, rerun["request"])
+        prepared = await asyncio.to_thread(self._prepare_responses, ask, [])
+        reply = await self._admit("chat", prepared, time.monotonic())
+        if isinstance(reply, Response):
+            raise RequestFailed(f"the replica that ran it died, and running it again was refused: "
+                                f"{reply.body.decode(errors='replace')}")
+        return await self._whole_response(ask, reply, pending["id"], pending["created_at"], True)
 
     def _prepare_responses(self, ask: ResponsesRequest, context: list[dict]) -> PreparedRequest:
         """`ask` after the stored conversation it continues, as its chat."""

@@ -9,8 +9,9 @@ answered, a streamed one before its last events are sent (a failed one too: its 
 response a client never got (a 4xx, a whole response that failed) is not. A background one is
 kept in progress when admitted, and settled by a task of the replica that admitted it, which is
 cancelled (stopping its runs) once the store says the response was cancelled, on any replica, or
-deleted. Asking renews its lease: were that replica to die, the response ends failed once the
-lease lapses (`api/response_store.py`). A background one that streams sends its client the events
+deleted. Asking renews its lease: were that replica to die, another adopts the response once the
+lease lapses and runs it again from its request (`run_again`; not a streamed one, which ends
+failed: `api/response_store.py`). A background one that streams sends its client the events
 as that task makes them, and the task records them in the store; the client may go away and read
 them again. The store is the controller's actor: after a restart the next call finds the new one
 (`OwnedActor`), which has every response kept on disk (not the events: a running stream's task
@@ -42,13 +43,19 @@ log = logging.getLogger(__name__)
 CANCEL_POLL_S = 0.5
 EVENT_FLUSH_S = 0.1  # a background stream's events reach the store at least this often
 RESUME_POLL_S = 0.1  # a background stream read again asks the store for new events this often
+ADOPT_POLL_S = 1.0  # each replica asks the store this often for background responses whose replica died
+ADOPT_MOST = 4  # ... and takes at most this many at a time
+RunAgain = Callable[[dict, dict], Awaitable[dict]]
 
 
 class StoredResponses:
-    def __init__(self, store: OwnedActor, enabled: bool):
-        self._store, self.enabled = store, enabled
+    def __init__(self, store: OwnedActor, enabled: bool, run_again: RunAgain | None = None):
+        """`run_again(pending, rerun)`: a background response whose replica died, run here from
+        the start (its whole response, or a RequestFailed); without, this replica adopts none."""
+        self._store, self.enabled, self._run_again = store, enabled, run_again
         self._running: dict[str, asyncio.Task] = {}  # background responses this replica settles, by id
         self._poller: asyncio.Task | None = None
+        self._adopter: asyncio.Task | None = None
 
     def keeps(self, request: ResponsesRequest) -> bool:
         return self.enabled and request.store is not False
@@ -84,8 +91,8 @@ class StoredResponses:
                                "reads before its input; send only what is new", param="input")
         return context
 
-    async def keep(self, response: dict, items: list[dict]) -> None:
-        await self.call("put", response, items)
+    async def keep(self, response: dict, items: list[dict], rerun: dict | None = None) -> None:
+        await self.call("put", response, items, rerun)
 
     async def end(self, response: dict, items: list[dict], turn: list[dict] | None, kept: bool) -> None:
         """A response that ended: kept (`kept`: with the `items` it read) and, in a conversation
@@ -118,12 +125,15 @@ class StoredResponses:
             log.exception("response %s could not be added to conversation %s", response["id"], conversation_id)
 
     async def run_in_background(self, pending: dict, items: list[dict], turn: list[dict] | None,
-                                end: Callable[[], Awaitable[dict]], abort: Callable[[], Awaitable]) -> dict:
+                                end: Callable[[], Awaitable[dict]], abort: Callable[[], Awaitable],
+                                request: dict | None = None) -> dict:
         """`pending` (in progress) kept and returned; `end()` (the whole response, or a
         RequestFailed) runs on in a task that settles it (and adds it to its conversation, `turn`).
-        Not kept (the store unavailable): `abort()` stops the runs nobody would read, and the
-        store's error is raised."""
-        await self._keep_or(abort, pending, items)
+        With `request` (the Responses request it runs, as JSON), a replica may run it again should
+        this one die. Not kept (the store unavailable): `abort()` stops the runs nobody would read,
+        and the store's error is raised."""
+        rerun = None if request is None else {"request": request, "turn": turn}
+        await self._keep_or(abort, pending, items, rerun=rerun)
         self._run(pending, end(), turn)
         return pending
 
@@ -156,11 +166,11 @@ class StoredResponses:
                 return
 
     async def _keep_or(self, abort: Callable[[], Awaitable], pending: dict, items: list[dict],
-                       streams: bool = False) -> None:
+                       streams: bool = False, rerun: dict | None = None) -> None:
         """`pending` kept (with an empty event record when it streams, so its stream can be read at
         once); `abort()` and the error raised when the store cannot keep it."""
         try:
-            await self.keep(pending, items)
+            await self.keep(pending, items, rerun)
             if streams:
                 await self.call("append_events", pending["id"], 0, [])
         except Exception:
@@ -244,8 +254,29 @@ class StoredResponses:
                 if status != "in_progress" and response_id in self._running:
                     self._running[response_id].cancel()
 
+    def _watch_orphans(self) -> None:
+        """This replica's loop that adopts background responses whose replica died, started by its
+        first call of the store (a poll of a response, from a client whose replica died, is one)."""
+        if self.enabled and self._run_again is not None and (self._adopter is None or self._adopter.done()):
+            self._adopter = background(self._adopt())
+
+    async def _adopt(self) -> None:
+        """Every ADOPT_POLL_S, the store's orphans run here, as if admitted here (`_run`)."""
+        while True:
+            await asyncio.sleep(ADOPT_POLL_S)
+            try:
+                orphans = await self._store.call("adopt", ADOPT_MOST)
+            except Exception:
+                log.exception("the response store could not be asked for background responses to adopt")
+                continue
+            for pending, _, rerun in orphans:
+                log.warning("background response %s lost the replica that ran it: run %d starts here",
+                            pending["id"], rerun["runs"])
+                self._run(pending, self._run_again(pending, rerun), rerun["turn"])
+
     async def call(self, method: str, *args):
         """The store's answer; a RequestError it raised (a bad page query) is raised here."""
+        self._watch_orphans()
         try:
             return await self._store.call(method, *args)
         except RayTaskError as error:

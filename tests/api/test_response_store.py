@@ -1,7 +1,8 @@
 """The response store: a continuation reads the conversation and the output of the response it
 names; bounded by count and by bytes, least recently used first; input items in OpenAI's pages; a
-background response settled with its end unless cancelled or deleted meanwhile, and failed once
-the replica running it stops renewing its lease; a background stream's events recorded in order
+background response settled with its end unless cancelled or deleted meanwhile, adopted by another
+replica once the one running it stops renewing its lease (failed when it kept no rerun, or has run
+MAX_RUNS times); a background stream's events recorded in order
 (sent again after a restarted store lost them), read from a number on, counted in the bounds."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import pytest
 
 from splitserve.api.errors import RequestError
-from splitserve.api.response_store import LEASE_S, ResponseStore
+from splitserve.api.response_store import LEASE_S, MAX_RUNS, ResponseStore
 
 
 def response(response_id: str, text: str = "ok") -> dict:
@@ -123,6 +124,30 @@ def streaming(store: ResponseStore, response_id: str = "resp_a") -> dict:
     pending = {**response(response_id), "status": "in_progress", "background": True, "output": []}
     store.put(pending, items("2+3?"))
     return pending
+
+
+def test_one_whose_replica_died_is_adopted_by_another_at_most_max_runs_times_in_all():
+    now = [0.0]
+    store = ResponseStore(10, 1 << 20, clock=lambda: now[0])
+    pending = {**response("resp_a"), "status": "in_progress", "background": True, "output": []}
+    rerun = {"request": {"model": "demo", "input": "2+3?"}, "turn": None}
+    store.put(pending, items("2+3?"), rerun)
+    assert store.adopt(4) == []  # its replica holds it
+    for runs in range(2, MAX_RUNS + 1):
+        now[0] += LEASE_S + 1  # that replica died
+        assert store.status("resp_a") == "in_progress"
+        [(adopted, read, again)] = store.adopt(4)
+        assert (adopted, read, again) == (pending, items("2+3?"), {**rerun, "runs": runs})
+        assert store.adopt(4) == [] and store.statuses(["resp_a"]) == ["in_progress"]  # the adopter holds it
+    now[0] += LEASE_S + 1  # it may be what kills them
+    assert store.adopt(4) == [] and store.get("resp_a")["status"] == "failed"
+    store.put({**pending, "id": "resp_b"}, [], rerun)
+    now[0] += LEASE_S + 1
+    assert store.cancel("resp_b")["status"] == "cancelled" and store.adopt(4) == []  # a cancelled orphan stays so
+    store.put({**pending, "id": "resp_c"}, [], rerun)
+    assert store.settle({**response("resp_c"), "status": "completed"})
+    now[0] += LEASE_S + 1
+    assert store.adopt(4) == [] and store.get("resp_c")["status"] == "completed"
 
 
 def test_a_background_streams_events_are_read_from_a_number_on_until_it_ends():

@@ -2,6 +2,7 @@
 `openai` client sends (its `responses.create` through a transport that keeps the body)."""
 from __future__ import annotations
 
+import json
 
 import httpx
 import openai
@@ -161,3 +162,20 @@ def test_hints_that_ask_nothing_of_the_output_are_accepted():
     chat = chat_of(input="x", prompt_cache_key="k", prompt_cache_retention="in_memory", safety_identifier="u",
                    max_tool_calls=3, stream=True, stream_options={"include_obfuscation": False})
     assert chat["messages"] == [{"role": "user", "content": "x"}] and chat["stream"] is True
+
+
+def test_a_request_as_json_is_the_same_request_again():
+    """What a replica runs again of a background response whose replica died: its request, the
+    stored conversation it continued included, as JSON."""
+    earlier = [item.model_dump(by_alias=True) for item in earlier_output()]
+    ask = parse_request(ResponsesRequest, sent_body(
+        input=[*earlier, {"type": "function_call_output", "call_id": "call_1", "output": "5"}], tools=[ADD],
+        tool_choice={"type": "function", "name": "add"}, reasoning={"effort": "low"}, metadata={"k": "v"},
+        text={"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}, top_logprobs=2,
+        include=["message.output_text.logprobs"], conversation={"id": "conv_1"}, background=True,
+        instructions="Be brief.", max_output_tokens=9, temperature=0.5))
+    ask = ask.continuing([{"type": "message", "id": "msg_0", "role": "user", "status": "completed",
+                           "content": [{"type": "input_text", "text": "2 + 3?"}]}])
+    again = parse_request(ResponsesRequest, json.dumps(ask.model_dump(mode="json", by_alias=True,
+                                                                      exclude_none=True)).encode())
+    assert again == ask and again.to_chat() == ask.to_chat()

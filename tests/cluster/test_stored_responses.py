@@ -4,7 +4,8 @@ event reaches the store before the end is settled, so a replay from any number g
 store that restarted mid-stream (its events lost) is sent them again; a cancel stops the stream's
 run within the poll and ends it for its client; a background response the store cannot keep has
 its runs stopped. A response in a conversation reads its items first and adds its own input and
-output once it completes (a background one once settled), not when it failed or was cancelled."""
+output once it completes (a background one once settled), not when it failed or was cancelled. A
+background response whose replica died is run again by another."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ from splitserve.api.errors import RequestError
 from splitserve.api.conversation_store import ConversationStore
 from splitserve.api.response_store import ResponseStore
 from splitserve.api.responses_request import ResponsesRequest
+from splitserve.api import response_store
 from splitserve.cluster import stored_responses
 from splitserve.cluster.stored_responses import StoredResponses
 from tests.api.test_conversation_store import message
@@ -253,3 +255,38 @@ def test_a_background_response_adds_its_turn_once_settled_unless_cancelled(cance
     expected = ["msg_earlier"] if cancelled else ["msg_earlier", "msg_turn", "msg_out_resp_a"]
     assert [i["id"] for i in local.store.conversation("context", cid)] == expected
     assert local.store.get("resp_a")["status"] == ("cancelled" if cancelled else "completed")
+
+
+def test_a_background_response_whose_replica_died_is_run_again_by_another(monkeypatch):
+    """Replica A admitted it and died (its tasks gone, nobody renews its lease); replica B, once it
+    calls the store (a client's poll), adopts it within ADOPT_POLL_S of the lapse and settles it,
+    adding its turn to its conversation."""
+    monkeypatch.setattr(response_store, "LEASE_S", 0.2)
+    monkeypatch.setattr(stored_responses, "ADOPT_POLL_S", 0.02)
+    local = LocalStore()
+    cid, request = in_conversation(local, background=True)
+    asked = []
+
+    async def run_again(pending: dict, rerun: dict) -> dict:
+        asked.append(rerun)
+        return {**ended(pending["id"], cid), "background": True}
+
+    async def never() -> dict:
+        await asyncio.Event().wait()
+
+    async def scenario():
+        replica_a = StoredResponses(local, enabled=True)
+        turn = [message("msg_turn")]
+        await replica_a.run_in_background({**pending(), "conversation": {"id": cid}}, [], turn, never, nothing,
+                                          request.model_dump(mode="json", exclude_none=True))
+        await asyncio.sleep(0.01)  # it runs
+        for task in [*replica_a._running.values(), replica_a._poller]:  # replica A dies
+            task.cancel()
+        replica_b = StoredResponses(local, enabled=True, run_again=run_again)
+        assert (await replica_b.call("get", "resp_a"))["status"] == "in_progress"
+        return await settled(local)
+
+    assert asyncio.run(scenario())["output"] == [message("msg_out_resp_a")]
+    [rerun] = asked
+    assert rerun["runs"] == 2 and rerun["request"]["conversation"] == cid and rerun["turn"] == [message("msg_turn")]
+    assert [i["id"] for i in local.store.conversation("context", cid)] == ["msg_earlier", "msg_turn", "msg_out_resp_a"]

@@ -289,6 +289,37 @@ def test_a_dead_batch_actor_or_response_store_is_restarted_and_loses_nothing(url
     assert {r["response"]["body"]["usage"]["completion_tokens"] for r in results} == {1200}
 
 
+def test_a_background_response_whose_ingress_replica_died_is_run_again_by_the_next(url, hclient):
+    """The ingress replica that admitted it is killed while it runs: Serve starts another, which,
+    once a client polls through it, adopts the response when its lease lapses (LEASE_S) and runs it
+    again from the start. It completes with the greedy answer and joins its conversation; the dead
+    replica's run leaves no KV block behind."""
+    from ray.util.state import list_actors
+
+    wait_for_pools(url, {"prompt": 1, "token": 1})
+    conversation = hclient.conversations.create()
+    ask = dict(model="demo", input=PROMPT, max_output_tokens=300, temperature=0)
+    running = hclient.responses.create(**ask, background=True, conversation=conversation.id)
+    time.sleep(1)  # it decodes
+    [replica] = list_actors(filters=[("class_name", "=", f"ServeReplica:{APP}:Ingress"), ("state", "=", "ALIVE")])
+    ray.kill(ray.get_actor(replica.name, namespace="serve"))
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "the background response never ended"
+        try:
+            ended = hclient.responses.retrieve(running.id)
+        except (openai.APIConnectionError, openai.InternalServerError):  # no replica yet
+            ended = None
+        if ended is not None and ended.status != "in_progress":
+            break
+        time.sleep(0.5)
+    foreground = hclient.responses.create(**ask)
+    assert ended.status == foreground.status and ended.output_text == foreground.output_text, ended
+    items = hclient.conversations.items.list(conversation.id, order="asc").data
+    assert [item.content[0].text for item in items] == [PROMPT, foreground.output_text]
+    wait_until_no_blocks(url, timeout=30)
+
+
 def replace_the_controller(wait: bool = True, timeout_s: float = 120) -> None:
     """Kill the app's CLS actor; with `wait`, until a new one is ready, asked of Ray (not of the ingress)."""
     dead = ray.get_actor(f"{APP}-controller", namespace="splitserve")
