@@ -8,6 +8,11 @@ take the same calls interleaved (put to one, then the other), each call timed; t
 response is read once (`get`, then `context` as a continuation does); then a new store opens the
 directory. The store's bound (--keep) is below --responses, so the last puts also drop the oldest.
 
+Then one conversation (`/v1/conversations`) grows by --conversation-turns turns (a user item and an
+assistant item of --text-chars each, as a response in it adds them), in memory and on disk, where
+each change rewrites the conversation's file whole: the add's cost at the first and the last tenth
+of the turns shows how that grows with the conversation.
+
     python scripts/bench_response_store.py                 # ~10 s on 2 shared cores
     python scripts/bench_response_store.py --responses 20000 --json response_store.json
 """
@@ -21,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from splitserve.api.conversation_store import ConversationStore
 from splitserve.api.response_store import ResponseStore
 from splitserve.cluster.persisted_responses import PersistedResponseStore
 from splitserve.machine import cpu_name
@@ -32,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=2000, help="the store's bound on responses (2000)")
     p.add_argument("--text-chars", type=int, default=2000, help="characters of each message (2000)")
     p.add_argument("--turns", type=int, default=4, help="conversation items each response read (4)")
+    p.add_argument("--conversation-turns", type=int, default=500, help="turns one conversation grows by (500)")
     p.add_argument("--dir", type=Path, help="directory for the files (a fresh temporary one)")
     p.add_argument("--json", type=Path, help="write the rows here")
     return p.parse_args(argv)
@@ -89,13 +96,34 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             "put_ratio_disk_vs_memory": round(rows[1]["put_p50_us"] / rows[0]["put_p50_us"], 2),
             "files": len(files), "directory_bytes": sum(path.stat().st_size for path in files),
             "reopen_s": round(load_s, 3), "reopened": len(reopened),
-            "reopened_equal": all(reopened.get(r) == stores["memory"].get(r) for r in kept)}
+            "reopened_equal": all(reopened.get(r) == stores["memory"].get(r) for r in kept), "text": text}
+
+
+def grow_conversation(args: argparse.Namespace, root: Path, text: str) -> list[dict]:
+    """One conversation's adds, in memory and on disk (a store of its own in `root`/grow)."""
+    bound = 1 << 40
+    stores = {"memory": ResponseStore(10, bound, conversations=ConversationStore(10, bound)),
+              "disk": PersistedResponseStore(10, bound, root / "grow", max_conversations=10,
+                                             max_conversation_bytes=bound)}
+    ids = {name: store.conversation("create", {}, [])["id"] for name, store in stores.items()}
+    adds = {name: [] for name in stores}
+    for turn in range(args.conversation_turns):
+        items = [message(f"msg_u{turn}", "user", "input_text", text),
+                 message(f"msg_a{turn}", "assistant", "output_text", text)]
+        for name, store in stores.items():
+            adds[name].append(timed(store.conversation, "add", ids[name], items))
+    tenth = max(1, args.conversation_turns // 10)
+    size = stores["memory"].conversations.bytes
+    return [{"store": name, "turns": args.conversation_turns, "conversation_bytes": size,
+             **{f"first_add_{k}": v for k, v in percentiles(adds[name][:tenth]).items()},
+             **{f"last_add_{k}": v for k, v in percentiles(adds[name][-tenth:]).items()}} for name in stores]
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="response-store-") as scratch:
         result = run(args, args.dir or Path(scratch))
+        result["conversation_rows"] = grow_conversation(args, args.dir or Path(scratch), result.pop("text"))
     print(f"CPU: {result['cpu']}; {result['responses']} responses of {result['entry_bytes']} bytes, "
           f"the store bound to {result['keep']}")
     print("| store | put p50 us | put p99 us | get+context p50 us | get+context p99 us |")
@@ -106,6 +134,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"disk/memory put (p50): {result['put_ratio_disk_vs_memory']}x; {result['files']} files, "
           f"{result['directory_bytes'] / 1e6:.1f} MB, read back in {result['reopen_s']} s "
           f"({result['reopened']} responses, equal: {result['reopened_equal']})")
+    print(f"one conversation grown by {args.conversation_turns} turns "
+          f"({result['conversation_rows'][0]['conversation_bytes'] / 1e6:.1f} MB of JSON at the end):")
+    print("| store | add p50 us, first tenth | add p50 us, last tenth | add p99 us, last tenth |")
+    print("|---|---|---|---|")
+    for row in result["conversation_rows"]:
+        print(f"| {row['store']} | {row['first_add_p50_us']} | {row['last_add_p50_us']} | {row['last_add_p99_us']} |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result

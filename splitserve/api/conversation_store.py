@@ -3,9 +3,10 @@ created_at, metadata) and its items in order, each with an id unique in the conv
 response created with `conversation` reads its items before its own input and, once it ends,
 adds that input and its output to it. Bounded as the response store is: past `max_conversations`
 or `max_bytes` of their JSON, the least recently used go first; a change that would make one
-conversation larger than `max_bytes` is refused (a 400). Plain data in and out; the response
-store's actor keeps it (`ResponseStore.conversation`). Every conversation kept or dropped passes
-`_kept` or `_dropped`, which a store on disk overrides."""
+conversation larger than `max_bytes` is refused (a 400). A conversation's size is its JSON's, kept
+up to date by each change (an add costs what it adds, not what the conversation holds). Plain data
+in and out; the response store's actor keeps it (`ResponseStore.conversation`). Every conversation
+kept, grown or dropped passes `_kept`, `_added` or `_dropped`, which a store on disk overrides."""
 from __future__ import annotations
 
 import json
@@ -37,16 +38,17 @@ class ConversationStore:
         _check_new(items, set())
         conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
                         "metadata": metadata}
-        self._put(conversation, items, "items")
+        self._put(conversation, items, "items", json_size(conversation, *items))
         return conversation
 
     def get(self, conversation_id: str) -> dict:
         return self._use(conversation_id)[0]
 
     def update(self, conversation_id: str, metadata: dict[str, str]) -> dict:
-        _, items, _ = self._use(conversation_id)
-        self._put({**self.get(conversation_id), "metadata": metadata}, items, "metadata")
-        return self.get(conversation_id)
+        conversation, items, size = self._use(conversation_id)
+        updated = {**conversation, "metadata": metadata}
+        self._put(updated, items, "metadata", size - json_size(conversation) + json_size(updated))
+        return updated
 
     def delete(self, conversation_id: str) -> dict:
         self._use(conversation_id)
@@ -55,9 +57,9 @@ class ConversationStore:
 
     def add(self, conversation_id: str, items: list[dict]) -> dict:
         """`items` added after the conversation's own: the list of them, as OpenAI answers it."""
-        conversation, earlier, _ = self._use(conversation_id)
+        conversation, earlier, size = self._use(conversation_id)
         _check_new(items, {item["id"] for item in earlier})
-        self._put(conversation, earlier + items, "items")
+        self._put(conversation, earlier + items, "items", size + json_size(*items), added=items)
         return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
                 "last_id": items[-1]["id"] if items else None, "has_more": False}
 
@@ -72,9 +74,9 @@ class ConversationStore:
 
     def delete_item(self, conversation_id: str, item_id: str) -> dict:
         """The conversation, without the item."""
-        conversation, items, _ = self._use(conversation_id)
+        conversation, items, size = self._use(conversation_id)
         index = _index(items, item_id)
-        self._put(conversation, items[:index] + items[index + 1:], "item_id")
+        self._put(conversation, items[:index] + items[index + 1:], "item_id", size - json_size(items[index]))
         return conversation
 
     def context(self, conversation_id: str) -> list[dict]:
@@ -88,16 +90,20 @@ class ConversationStore:
         self._entries.move_to_end(conversation_id)
         return self._entries[conversation_id]
 
-    def _put(self, conversation: dict, items: list[dict], param: str) -> None:
-        """Kept (the latest used); a RequestError naming `param` when it alone is past the bounds."""
-        size = len(json.dumps(conversation)) + len(json.dumps(items))
+    def _put(self, conversation: dict, items: list[dict], param: str, size: int, added: list[dict] | None = None
+             ) -> None:
+        """Kept (the latest used), `size` bytes of JSON, grown by `added` (None: changed otherwise);
+        a RequestError naming `param` when it alone is past the bounds."""
         if size > self.max_bytes:
             raise RequestError(f"{param}: the conversation would hold {size} bytes of JSON, more than this server "
                                f"keeps ({self.max_bytes}, ingress.stored_conversation_bytes)", param=param)
         earlier = self._entries.pop(conversation["id"], None)
         self.bytes += size - (earlier[2] if earlier else 0)
         self._entries[conversation["id"]] = conversation, items, size
-        self._kept(conversation, items)
+        if added is None:
+            self._kept(conversation, items)
+        else:
+            self._added(conversation, added)
         while len(self._entries) > self.max_conversations or self.bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
 
@@ -108,8 +114,16 @@ class ConversationStore:
     def _kept(self, conversation: dict, items: list[dict]) -> None:
         """`conversation` (with its `items`) is kept now, in place of any earlier state of it."""
 
+    def _added(self, conversation: dict, items: list[dict]) -> None:
+        """`items` were added to `conversation`, as it was kept before."""
+
     def _dropped(self, conversation_id: str) -> None:
         """The conversation is no longer kept (deleted, or dropped to stay within the bounds)."""
+
+
+def json_size(*values) -> int:
+    """The bytes of JSON of `values`, one after another."""
+    return sum(len(json.dumps(value)) for value in values)
 
 
 def _check_new(items: list[dict], ids: set[str]) -> None:

@@ -1,8 +1,10 @@
-"""A directory of entries kept as JSON files, `<dir>/<name>.json`, each written whole and renamed
-into place with a sequence number that orders the files by when each was written (so a store that
-reads them again knows which were kept last). Not fsynced: a killed process loses nothing, a
-machine that loses power may lose the last writes. A file that cannot be written (a full disk) or
-read is logged, never raised: the entry stays in memory, or is left out of what is read."""
+"""A directory of entries kept as files of JSON lines, `<dir>/<name><suffix>`: an entry is written
+whole (temporary file renamed into place) or grown by appended lines, each line carrying a sequence
+number so the files order by when each was last written (a store that reads them again knows which
+were kept last). Not fsynced: a killed process loses nothing, a machine that loses power may lose
+the last writes; a line a crash cut short is cut off when the file is read. A file that cannot be
+written (a full disk) or read is logged, never raised: the entry stays in memory, or is left out of
+what is read."""
 from __future__ import annotations
 
 import json
@@ -14,39 +16,70 @@ log = logging.getLogger(__name__)
 
 
 class JsonFiles:
-    def __init__(self, directory: Path):
-        self.directory = directory
+    def __init__(self, directory: Path, suffix: str = ".json"):
+        self.directory, self.suffix = directory, suffix
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._sequence = 0  # the last file's
+        self._sequence = 0  # the last line's
 
-    def read(self) -> list[tuple[str, dict]]:
-        """Every entry that reads, as (name, entry), the last written last; a write the process did
-        not finish is removed."""
-        read: list[tuple[int, str, dict]] = []
-        for path in self.directory.glob("*.json"):
+    def read(self) -> list[tuple[str, list[dict]]]:
+        """Every entry that reads, as (name, its lines without their sequence numbers), the last
+        written last; a write the process did not finish is removed, a torn last line cut off."""
+        read: list[tuple[int, str, list[dict]]] = []
+        for path in self.directory.glob(f"*{self.suffix}"):
             try:
-                entry = json.loads(path.read_bytes())
-                read.append((int(entry.pop("sequence")), path.stem, entry))
+                lines = [json.loads(line) for line in self._whole_lines(path)]
+                sequence = max(int(line.pop("sequence")) for line in lines)
+                read.append((sequence, path.name[:-len(self.suffix)], lines))
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 log.exception("stored entry %s does not read; left out (and left there)", path)
         for path in self.directory.glob(".*.tmp"):
             path.unlink(missing_ok=True)
         read.sort(key=lambda found: found[0])
         self._sequence = max(self._sequence, read[-1][0] if read else 0)
-        return [(name, entry) for _, name, entry in read]
+        return [(name, lines) for _, name, lines in read]
 
-    def write(self, name: str, entry: dict) -> None:
-        path = self.directory / f"{name}.json"
+    def write(self, name: str, *lines: dict) -> None:
+        """The entry `name` is `lines` now."""
+        path = self.directory / f"{name}{self.suffix}"
         temporary = path.with_name(f".{path.name}.tmp")
-        self._sequence += 1
         try:
-            temporary.write_text(json.dumps({"sequence": self._sequence, **entry}))
+            temporary.write_text("".join(self._line(line) for line in lines))
             os.replace(temporary, path)
         except OSError:  # a full disk: kept in memory still, and the request that kept it goes on
             log.exception("stored entry %s could not be written to %s", name, self.directory)
 
+    def append(self, name: str, line: dict) -> None:
+        """`line` after the entry's lines (written whole before)."""
+        try:
+            with open(self.directory / f"{name}{self.suffix}", "a") as file:
+                file.write(self._line(line))
+        except OSError:
+            log.exception("stored entry %s could not be appended to in %s", name, self.directory)
+
     def remove(self, name: str) -> None:
         try:
-            (self.directory / f"{name}.json").unlink(missing_ok=True)
+            (self.directory / f"{name}{self.suffix}").unlink(missing_ok=True)
         except OSError:
             log.exception("stored entry %s could not be removed from %s", name, self.directory)
+
+    def _line(self, line: dict) -> str:
+        self._sequence += 1
+        return json.dumps({"sequence": self._sequence, **line}) + "\n"
+
+    @staticmethod
+    def _whole_lines(path: Path) -> list[str]:
+        """The file's lines; a last one that does not read (an append a crash cut short) is cut off
+        the file too, so the next append starts a line of its own. A file of one line may lack its
+        newline (as this store wrote responses before it wrote lines)."""
+        text = path.read_text()
+        lines = text.split("\n")
+        tail = lines.pop()
+        if tail:
+            try:
+                json.loads(tail)
+                lines.append(tail)
+            except ValueError:
+                if not lines:
+                    raise
+                os.truncate(path, len(text.encode()) - len(tail.encode()))
+        return lines

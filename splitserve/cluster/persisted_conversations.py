@@ -1,12 +1,14 @@
-"""The conversations on disk: each a file of `JsonFiles` (the Conversation and its items), written
-whole at each change, so a restarted store has every conversation it kept, the least recently
-changed dropped first. The response store's actor keeps them in a directory beside its own, once it
-owns its directory (`attach`); until then, in memory."""
+"""The conversations on disk: each a file of `JsonFiles` lines, the Conversation and its items as
+one line, then a line of the items each add appended (an add costs what it adds: a long
+conversation is not written again at each turn); a change of its metadata or a deleted item writes
+it whole again. So a restarted store has every conversation it kept, the least recently changed
+dropped first. The response store's actor keeps them in a directory beside its own, once it owns
+its directory (`attach`); until then, in memory."""
 from __future__ import annotations
 
 import logging
 
-from splitserve.api.conversation_store import ConversationStore
+from splitserve.api.conversation_store import ConversationStore, json_size
 from splitserve.api.errors import RequestError
 from splitserve.cluster.json_files import JsonFiles
 
@@ -25,9 +27,11 @@ class PersistedConversations(ConversationStore):
         self._entries.clear()
         self.bytes = 0
         read = []
-        for name, entry in files.read():
+        for name, lines in files.read():
             try:
-                self._put(dict(entry["conversation"]), list(entry["items"]), "items")
+                conversation = dict(lines[0]["conversation"])
+                items = [item for line in lines for item in line["items"]]
+                self._put(conversation, items, "items", json_size(conversation, *items))
             except (KeyError, TypeError, ValueError):
                 log.exception("stored conversation %s does not read; left out (and left there)", name)
                 continue
@@ -39,11 +43,15 @@ class PersistedConversations(ConversationStore):
                 files.remove(name)
         self.files = files
         for conversation, items in meanwhile:
-            self._put(conversation, items, "items")
+            self._put(conversation, items, "items", json_size(conversation, *items))
 
     def _kept(self, conversation: dict, items: list[dict]) -> None:
         if self.files is not None:
             self.files.write(conversation["id"], {"conversation": conversation, "items": items})
+
+    def _added(self, conversation: dict, items: list[dict]) -> None:
+        if self.files is not None:
+            self.files.append(conversation["id"], {"items": items})
 
     def _dropped(self, conversation_id: str) -> None:
         if self.files is not None:

@@ -59,8 +59,9 @@ class PersistedResponseStore(ResponseStore):
         self.bytes = self.event_bytes()  # streams recorded meanwhile stay, in memory
         files = JsonFiles(self._root)
         read = []
-        for name, entry in files.read():
+        for name, lines in files.read():
             try:
+                [entry] = lines
                 self.put(dict(entry["response"]), list(entry["items"]))
             except (KeyError, TypeError, ValueError):
                 log.exception("stored response %s does not read; left out (and left there)", name)
@@ -72,7 +73,7 @@ class PersistedResponseStore(ResponseStore):
         self.directory, self._files = self._root, files
         for response, items in meanwhile:
             self.put(response, items)
-        self.conversations.attach(JsonFiles(self._root / "conversations"))
+        self.conversations.attach(JsonFiles(self._root / "conversations", ".jsonl"))
         return True
 
     def _kept(self, response: dict, items: list[dict]) -> None:

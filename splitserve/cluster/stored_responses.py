@@ -270,6 +270,8 @@ class StoredResponses:
                 log.exception("the response store could not be asked for background responses to adopt")
                 continue
             for pending, _, rerun in orphans:
+                if pending["id"] in self._running:  # still running here, only late to renew: it goes on
+                    continue
                 log.warning("background response %s lost the replica that ran it: run %d starts here",
                             pending["id"], rerun["runs"])
                 self._run(pending, self._run_again(pending, rerun), rerun["turn"])

@@ -111,3 +111,13 @@ def test_a_file_that_cannot_be_written_leaves_the_response_kept_in_memory(tmp_pa
     monkeypatch.setattr(Path, "write_text", full)
     assert store.put(response("resp_a"), []) and store.get("resp_a") == response("resp_a")
     assert files(tmp_path) == set()
+
+
+def test_a_file_written_before_files_were_lines_reads(tmp_path):
+    """A response's file from before: one JSON object, no newline at its end."""
+    (tmp_path / "resp_a.json").write_text(json.dumps({"sequence": 7, "response": response("resp_a"), "items": []}))
+    store = PersistedResponseStore(10, 1 << 20, tmp_path)
+    assert store.get("resp_a") == response("resp_a")
+    store.put(response("resp_b"), [])
+    store._lock.release()
+    assert [r for r in PersistedResponseStore(1, 1 << 20, tmp_path)._entries] == ["resp_b"]  # written after it
