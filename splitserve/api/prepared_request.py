@@ -85,12 +85,44 @@ def prepare_responses(ask: ResponsesRequest, tokenizer, model: str | tuple[str, 
     if ask.wants_logprobs() and (parsers.reasoning is not None or (ask.tools and ask.tool_choice != "none")):
         raise RequestError("include: the output text's logprobs are not served with a reasoning parser or tools "
                            "(chat's logprobs cover the thinking and the calls too)", param="include")
-    chat = json.dumps(ask.to_chat()).encode()
+    def prepare(request: ResponsesRequest) -> PreparedRequest:
+        chat = json.dumps(request.to_chat()).encode()
+        return prepare_request("chat", chat, tokenizer, model, max_model_len, limits, check_constraint, parsers)
+
     try:
-        prepared = prepare_request("chat", chat, tokenizer, model, max_model_len, limits, check_constraint, parsers)
+        prepared = prepare(ask)
     except RequestError as error:
-        raise as_responses_error(error) from None
+        if ask.truncation != "auto" or not _too_long(error):
+            raise as_responses_error(error) from None
+        prepared = _truncated(ask, prepare, error)
     return replace(prepared, responses=ask)
+
+
+def _too_long(refusal: RequestError) -> bool:
+    """A refusal that dropping the first items may lift: past the context length, or past the
+    bounds on a chat's messages (their count, their characters)."""
+    return refusal.code == "context_length_exceeded" or refusal.param == "messages"
+
+
+def _truncated(ask: ResponsesRequest, prepare: Callable[[ResponsesRequest], PreparedRequest],
+               refusal: RequestError) -> PreparedRequest:
+    """`truncation: "auto"` (OpenAI's): the first items dropped, the fewest whole turns that make
+    the request fit, found by a binary search over where turns start; `refusal` when even its last
+    turn does not fit. Its instructions are kept."""
+    starts, fits = ask.turn_starts(), None
+    low, high = 0, len(starts) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        try:
+            fits = prepare(ask.without_first(starts[middle]))
+            high = middle - 1
+        except RequestError as error:
+            if not _too_long(error):
+                raise as_responses_error(error) from None
+            low = middle + 1
+    if fits is None:
+        raise as_responses_error(refusal) from None
+    return fits
 
 
 def _kept_tokens(truncate: int, max_model_len: int) -> int:

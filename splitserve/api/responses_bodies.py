@@ -46,7 +46,7 @@ def response_object(request: ResponsesRequest, response_id: str, created: int, s
                  else {"type": "text"}},
         "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else choice or "auto",
         "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()],
-        "truncation": "disabled", "usage": None if usage is None else usage.input_output_body(),
+        "truncation": request.truncation or "disabled", "usage": None if usage is None else usage.input_output_body(),
         "metadata": request.metadata or {}, "user": request.user,
     }
 

@@ -208,7 +208,7 @@ class ResponsesRequest(BaseModel):
     max_tool_calls: Annotated[int | None, Field(ge=1)] = None  # bounds hosted-tool calls: this server runs none
     stream_options: StreamOptions | None = None  # this server sends no `obfuscation` padding either way
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    truncation: Annotated[str | None, only_values(None, "disabled", reason="only 'disabled' is supported")] = None
+    truncation: Literal["auto", "disabled"] | None = None  # auto: first turns dropped to fit (`prepare_responses`)
     include: Annotated[list[Annotated[str, only_values(LOGPROBS, reason=f"only {LOGPROBS!r} is supported")]] | None,
                        Field(max_length=8)] = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
@@ -216,6 +216,14 @@ class ResponsesRequest(BaseModel):
     def wants_logprobs(self) -> bool:
         """The output text's logprobs were asked for (`include`, or alternatives in `top_logprobs`)."""
         return LOGPROBS in (self.include or ()) or bool(self.top_logprobs)
+
+    def turn_starts(self) -> list[int]:
+        """Where the input's turns after the first start: each message that is not the assistant's."""
+        return [k for k, item in enumerate(self.input)
+                if k and isinstance(item, MessageItem) and item.role != "assistant"]
+
+    def without_first(self, count: int) -> ResponsesRequest:
+        return self.model_copy(update={"input": self.input[count:]})
 
     def continuing(self, context: list[dict]) -> ResponsesRequest:
         """This request with `context` (a stored response's conversation items) before its input."""

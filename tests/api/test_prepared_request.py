@@ -115,3 +115,36 @@ def test_a_responses_output_texts_logprobs_are_refused_where_chats_would_cover_o
         with pytest.raises(RequestError) as caught:
             prepare("responses", **asked, **refused)
         assert caught.value.param == "include"
+
+
+TURNS = [item for n in range(6) for item in ({"role": "user", "content": f"question {n}?"},
+                                             {"role": "assistant", "content": f"answer {n}."})]
+
+
+def chat_prompt(messages: list[dict], max_model_len: int = 512) -> list[int]:
+    return prepare("chat", max_model_len=max_model_len, messages=messages, max_tokens=4).prompts[0]
+
+
+@pytest.mark.parametrize("limits, max_model_len", [(RequestLimits(), 80), (RequestLimits(max_chat_messages=5), 512)])
+def test_truncation_auto_drops_the_fewest_first_turns_that_make_it_fit(limits, max_model_len):
+    """Past the context length, or past the bound on a chat's messages: whole turns go from the
+    start, the instructions stay; the request keeps every item (a stored response lists them)."""
+    ask = {"instructions": "Be brief.", "input": TURNS + [{"role": "user", "content": "and now?"}],
+           "max_output_tokens": 4}
+    with pytest.raises(RequestError) as refused:
+        prepare("responses", limits, max_model_len, **ask)
+    assert refused.value.param in ("input", "max_output_tokens")
+    prepared = prepare("responses", limits, max_model_len, truncation="auto", **ask)
+    system = [{"role": "system", "content": "Be brief."}]
+    kept = [k for k in range(0, len(TURNS) + 1, 2)
+            if prepared.prompts[0] == chat_prompt(system + ask["input"][k:])]
+    assert kept and kept[0] > 0 and len(prepared.responses.input) == len(ask["input"])
+    with pytest.raises(RequestError):  # one turn more does not fit
+        prepare("responses", limits, max_model_len, **{**ask, "input": ask["input"][kept[0] - 2:]})
+
+
+def test_truncation_auto_refuses_what_even_its_last_turn_cannot_fit():
+    long = {"input": TURNS + [{"role": "user", "content": "x" * 100}], "max_output_tokens": 4, "truncation": "auto"}
+    with pytest.raises(RequestError) as refused:
+        prepare("responses", max_model_len=64, **long)
+    assert (refused.value.status, refused.value.param, refused.value.code) == (400, "input", "context_length_exceeded")

@@ -3,7 +3,8 @@
 its items before its input (the same answer as the chat of the whole conversation) and adds its
 input and output to it, streamed or not; its items are listed in pages (the client walks them),
 read and deleted one by one; its metadata replaced; once deleted it is a 404, for a response too.
-What it refuses is a 4xx naming the field."""
+What it refuses is a 4xx naming the field. One grown past the bounds on a chat (the `hardening`
+app's 8 messages) is read by `truncation: "auto"` from its latest turns."""
 from __future__ import annotations
 
 import openai
@@ -71,3 +72,19 @@ def test_what_a_conversation_refuses_is_a_4xx_naming_the_field(client):
     with pytest.raises(openai.NotFoundError) as missing:
         client.conversations.items.retrieve("msg_none", conversation_id=conversation.id)
     assert missing.value.param == "item_id"
+
+
+def test_truncation_auto_reads_a_conversation_past_the_bounds_from_its_latest_turns(hardening_server):
+    client = openai.OpenAI(base_url=f"{hardening_server}/v1", api_key="unused", max_retries=0, timeout=120)
+    turns = [{"role": role, "content": f"{role} turn {n}"} for n in range(5) for role in ("user", "assistant")]
+    conversation = client.conversations.create(items=turns)
+    ask = dict(model="demo", conversation=conversation.id, input="And now?", max_output_tokens=4, temperature=0)
+    with pytest.raises(openai.BadRequestError) as refused:  # 11 messages, past the app's 8
+        client.responses.create(**ask)
+    assert refused.value.param == "input"
+    fitted = client.responses.create(**ask, truncation="auto")
+    latest = turns[4:] + [{"role": "user", "content": "And now?"}]  # 7 messages: 8 would start with an answer
+    chat = client.chat.completions.create(model="demo", messages=latest, max_completion_tokens=4, temperature=0)
+    assert fitted.truncation == "auto" and fitted.usage.input_tokens == chat.usage.prompt_tokens
+    assert fitted.output_text == (chat.choices[0].message.content or "")
+    assert len(client.conversations.items.list(conversation.id, limit=100).data) == 11 + len(fitted.output)
