@@ -121,7 +121,8 @@ def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequen
         thinking = HARMONY if parsers.reasoning == GPT_OSS else prompt_opens_thinking(prompt, tokenizer)
     tool_parser = LLAMA3_JSON if field == "tool_choice" else HERMES if thinking == HARMONY else parsers.tool_calls
     return dict(echo=echo, generated=not request.scores_prompt_only(),
-                tool_names=frozenset(f["name"] for f in request.tool_functions()), num_top=request.requested_logprobs(),
+                tool_names=frozenset(f["name"] for f in request.callable_functions()),
+                num_top=request.requested_logprobs(),
                 tool_parser=tool_parser, thinking=thinking, call_ids=parsers.tool_calls)
 
 

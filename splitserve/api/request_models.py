@@ -18,7 +18,7 @@ from splitserve.api.errors import RequestError
 from splitserve.api.output_format import StructuredOutputFields
 from splitserve.api.strict_model import STRICT
 from splitserve.api.tool_calls import forced_call_constraint
-from splitserve.api.tool_models import MAX_TOOLS, AssistantToolCall, NamedToolChoice, Tool
+from splitserve.api.tool_models import MAX_TOOLS, AllowedToolsChoice, AssistantToolCall, NamedToolChoice, Tool
 from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.sampling_params import MAX_LOGPROBS
 from splitserve.engine.tokenizer import Tokenizer
@@ -218,6 +218,10 @@ class GenerationRequest(StructuredOutputFields):
         """The functions offered to the model (chat's `tools`)."""
         return []
 
+    def callable_functions(self) -> list[dict]:
+        """The functions the model may call."""
+        return []
+
     def num_choices(self) -> tuple[int, int]:
         """(choices computed, choices returned): n, or completions' best_of and n."""
         return self.n or 1, self.n or 1
@@ -278,7 +282,7 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
     tools: Annotated[list[Tool] | None, Field(max_length=MAX_TOOLS)] = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None  # None: auto
     parallel_tool_calls: bool | None = None  # several calls in one answer when the model writes them; a forced one is one
     modalities: Annotated[list[str] | None, only_values(None, ["text"], reason="only text output is supported")] = None
     add_generation_prompt: bool = True
@@ -300,23 +304,35 @@ class ChatCompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self):
-        named = self.tool_choice.function["name"] if isinstance(self.tool_choice, NamedToolChoice) else None
-        if self.tool_choice not in (None, "none") and not self.tools:
+        choice = self.tool_choice
+        named = {choice.function["name"]} if isinstance(choice, NamedToolChoice) else \
+            choice.allowed_tools.names() if isinstance(choice, AllowedToolsChoice) else set()
+        if choice not in (None, "none") and not self.tools:
             raise RequestError("tool_choice: needs tools", param="tool_choice")
-        if named is not None and named not in {t.function.name for t in self.tools}:
-            raise RequestError(f"tool_choice: no tool is named {named!r}", param="tool_choice")
+        if unknown := named - {t.function.name for t in self.tools or ()}:
+            raise RequestError(f"tool_choice: no tool is named {min(unknown)!r}", param="tool_choice")
         return self
 
     def tool_functions(self) -> list[dict]:
-        """The functions offered (as templates and the constraint see them); none with tool_choice none."""
+        """The functions offered (as templates see them); none with tool_choice none."""
         if not self.tools or self.tool_choice == "none":
             return []
         return [t.function.model_dump(exclude_none=True) for t in self.tools]
 
+    def callable_functions(self) -> list[dict]:
+        """The functions the model may call (as the constraint and the call parser see them): those
+        offered, or the `allowed_tools` of them."""
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            allowed = self.tool_choice.allowed_tools.names()
+            return [f for f in self.tool_functions() if f["name"] in allowed]
+        return self.tool_functions()
+
     def output_constraint(self) -> tuple[OutputConstraint | None, str | None]:
         constraint, field = super().output_constraint()
-        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
-        forced = forced_call_constraint(self.tool_functions(), choice) if self.tools else None
+        choice = self.tool_choice
+        if isinstance(choice, (NamedToolChoice, AllowedToolsChoice)):
+            choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice.allowed_tools.mode
+        forced = forced_call_constraint(self.callable_functions(), choice) if self.tools else None
         if forced is None:
             return constraint, field
         if constraint is not None:

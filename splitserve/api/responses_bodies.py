@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 
 from splitserve.api.responses_request import (
+    AllowedFunctions,
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
@@ -44,7 +45,8 @@ def response_object(request: ResponsesRequest, response_id: str, created: int, s
         "store": stored, "temperature": request.temperature, "top_p": request.top_p,
         "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
                  else {"type": "text"}},
-        "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else choice or "auto",
+        "tool_choice": choice.model_dump() if isinstance(choice, (NamedFunction, AllowedFunctions))
+        else choice or "auto",
         "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()],
         "truncation": request.truncation or "disabled", "usage": None if usage is None else usage.input_output_body(),
         "metadata": request.metadata or {}, "user": request.user,

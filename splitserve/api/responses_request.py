@@ -147,6 +147,14 @@ class NamedFunction(BaseModel):
     name: str
 
 
+class AllowedFunctions(BaseModel):
+    """The functions the model may call, of those offered (chat's `allowed_tools`)."""
+    model_config = STRICT
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[NamedFunction], Field(min_length=1, max_length=MAX_TOOLS)]
+
+
 class TextFormat(BaseModel):
     model_config = STRICT
     type: Literal["text", "json_object", "json_schema"]
@@ -191,7 +199,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = 1.0
     stream: bool | None = False
     tools: Annotated[list[FunctionTool] | None, Field(max_length=MAX_TOOLS)] = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | AllowedFunctions | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
@@ -244,6 +252,9 @@ class ResponsesRequest(BaseModel):
                              for t in self.tools]
         if isinstance(self.tool_choice, NamedFunction):
             chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif isinstance(self.tool_choice, AllowedFunctions):
+            chat["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {"mode": self.tool_choice.mode, "tools": [
+                {"type": "function", "function": {"name": tool.name}} for tool in self.tool_choice.tools]}}
         else:
             chat["tool_choice"] = self.tool_choice
         if self.text is not None and self.text.format is not None:

@@ -44,3 +44,20 @@ class NamedToolChoice(BaseModel):
     model_config = STRICT
     type: Literal["function"]
     function: dict[Literal["name"], str]
+
+
+class AllowedTools(BaseModel):
+    """The tools the model may call, of those offered: all of them stay in the prompt (as OpenAI's
+    do, so a prompt cached with them still matches); `mode` as tool_choice's "auto" or "required"."""
+    model_config = STRICT
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[NamedToolChoice], Field(min_length=1, max_length=MAX_TOOLS)]
+
+    def names(self) -> set[str]:
+        return {tool.function["name"] for tool in self.tools}
+
+
+class AllowedToolsChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools

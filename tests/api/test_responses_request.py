@@ -179,3 +179,10 @@ def test_a_request_as_json_is_the_same_request_again():
     again = parse_request(ResponsesRequest, json.dumps(ask.model_dump(mode="json", by_alias=True,
                                                                       exclude_none=True)).encode())
     assert again == ask and again.to_chat() == ask.to_chat()
+
+
+def test_allowed_tools_are_chats():
+    chat = chat_of(input="x", tools=[ADD], tool_choice={"type": "allowed_tools", "mode": "required",
+                                                        "tools": [{"type": "function", "name": "add"}]})
+    assert chat["tool_choice"] == {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "add"}}]}}

@@ -1,12 +1,15 @@
 """Tools in a chat request: the functions offered, the forced-call constraint of `tool_choice`,
-and the refusals naming the field."""
+`allowed_tools` (every tool in the prompt, only those allowed callable), and the refusals naming
+the field."""
 import json
 
 import pytest
 
+from splitserve.api.choice_text import choice_options
 from splitserve.api.errors import RequestError
 from splitserve.api.request_models import ChatCompletionRequest, parse_request
 from splitserve.api.request_sampling import sampling_params
+from splitserve.engine.demo import demo_tokenizer
 from tests.api.request_helpers import CHAT, chat
 
 
@@ -26,7 +29,28 @@ def test_tool_choice_required_or_named_forces_a_call_and_auto_or_none_do_not():
     assert chat(tools=[TOOL]).tool_functions() == [TOOL["function"]]
 
 
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+def allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+        {"type": "function", "function": {"name": name}} for name in names]}}
+
+
+def test_allowed_tools_keep_every_tool_in_the_prompt_and_only_those_allowed_callable():
+    required = chat(tools=[TOOL, ADD], tool_choice=allowed("required", "add"))
+    assert [f["name"] for f in required.tool_functions()] == ["weather", "add"]  # the prompt stays the same
+    assert [f["name"] for f in required.callable_functions()] == ["add"]
+    forced, field = required.output_constraint()
+    assert field == "tool_choice" and json.loads(forced.spec)["properties"]["name"] == {"const": "add"}
+    auto = chat(tools=[TOOL, ADD], tool_choice=allowed("auto", "weather"))
+    assert auto.output_constraint()[0] is None and [f["name"] for f in auto.callable_functions()] == ["weather"]
+    assert choice_options(auto, 0, [1, 2], demo_tokenizer())["tool_names"] == {"weather"}  # a call of add is text
+
+
 @pytest.mark.parametrize("fields, needle", [
+    ({"tools": [TOOL], "tool_choice": allowed("auto", "weather", "other")}, "no tool is named"),
+    ({"tools": [TOOL], "tool_choice": allowed("sometimes", "weather")}, "auto"),
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "no tool is named"),
     ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "send one"),

@@ -69,6 +69,17 @@ def test_a_forced_call_streamed_then_its_output_sent_back(client):
     assert answer.usage.input_tokens > final.usage.input_tokens  # the call and its output are in the prompt
 
 
+def test_allowed_tools_call_only_those_named(client):
+    weather = {"type": "function", "name": "weather", "description": "The weather in a city now",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                              "required": ["city"], "additionalProperties": False}}
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "weather"}]}
+    got = client.responses.create(model="demo", input=ASK, tools=[ADD, weather], tool_choice=choice,
+                                  max_output_tokens=120)
+    [call] = [item for item in got.output if item.type == "function_call"]
+    assert call.name == "weather" and got.tool_choice.type == "allowed_tools" and got.tool_choice.mode == "required"
+
+
 def test_text_format_holds_the_output_to_its_schema(client):
     schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
               "properties": {"answer": {"enum": ["yes", "no"]}}}

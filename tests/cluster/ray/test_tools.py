@@ -2,7 +2,8 @@
 call (tool_choice "required" or named) comes back as OpenAI's `tool_calls`, whole and streamed in
 OpenAI's delta shapes, with arguments that validate against the function's schema; on a cluster
 configured for Qwen3 (reasoning and hermes parsers), its thinking comes back as `reasoning`, its
-`<tool_call>` blocks as `tool_calls`, and structured output waits for the thinking."""
+`<tool_call>` blocks as `tool_calls`, and structured output waits for the thinking. `allowed_tools`
+calls only the tools it names."""
 from __future__ import annotations
 
 import json
@@ -53,6 +54,21 @@ def test_a_named_call_and_the_conversation_after_it(client):
     after = client.chat.completions.create(model="demo", messages=history, tools=TOOLS, tool_choice="none",
                                            max_tokens=8).choices[0]
     assert after.finish_reason == "length" and after.message.tool_calls is None
+
+
+def test_allowed_tools_keep_every_tool_offered_and_call_only_those_allowed(client):
+    """The prompt holds every tool (its prefix the same whichever are allowed); the call is one of
+    the allowed ones, and the prompt the same size as without the choice."""
+    for name in ("weather", "add"):
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+            {"type": "function", "function": {"name": name}}]}}
+        reply = client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                               max_tokens=120, seed=2)
+        [call] = reply.choices[0].message.tool_calls
+        assert call.function.name == name
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[name])
+        plain = client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, max_tokens=1)
+        assert reply.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
 @tool
