@@ -62,7 +62,10 @@ RESPONSES_OPTIONS = {
                                                     "name": st.text(max_size=10)},
                                                    optional={"parameters": json_values}), max_size=3)),
     "tool_choice": _field(st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
-        {"type": st.just("function"), "name": st.text(max_size=10)})),
+        {"type": st.just("function"), "name": st.text(max_size=10)}) | st.fixed_dictionaries(
+        {"type": st.just("allowed_tools"), "mode": st.sampled_from(["auto", "required", "any"]),
+         "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": st.text(max_size=10)}),
+                           max_size=3)})),
     "reasoning": _field(st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "high", "max"]),
                                                             "summary": st.sampled_from(["auto", None])})),
     "previous_response_id": _field(st.text(max_size=10)),
