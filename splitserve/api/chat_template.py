@@ -10,8 +10,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import ChatCompletionRequest
 from splitserve.engine.tokenizer import Tokenizer
 
 # For models without a template of their own (the demo model): the tools and the calls made, as JSON.

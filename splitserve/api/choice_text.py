@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 from splitserve.api import response_bodies as R
 from splitserve.api.chat_parsers import ChatParsers
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
-from splitserve.api.request_models import ChatCompletionRequest, GenerationRequest
+from splitserve.api.request_models import GenerationRequest
 from splitserve.api.reasoning import GPT_OSS, prompt_opens_thinking, reasoning_splitter, split_reasoning
 from splitserve.api.tool_calls import HERMES, LLAMA3_JSON, find_tool_calls
 from splitserve.api.visible_text import TextStream

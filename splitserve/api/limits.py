@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from splitserve.api.request_models import CompletionRequest, GenerationRequest
 
 
 @dataclass(frozen=True)

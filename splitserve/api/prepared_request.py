@@ -9,11 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from splitserve.api.chat_parsers import ChatParsers
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.api.request_models import (
-    ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     check_model,

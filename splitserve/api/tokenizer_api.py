@@ -8,9 +8,10 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
+from splitserve.api.chat_request import ChatCompletionRequest, ChatMessage
 from splitserve.api.chat_template import DEFAULT_CHAT_TEMPLATE, chat_prompt_token_ids
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import ChatCompletionRequest, ChatMessage, check_in_vocabulary, check_model
+from splitserve.api.request_models import check_in_vocabulary, check_model
 from splitserve.api.strict_model import STRICT
 from splitserve.engine.tokenizer import Tokenizer
 

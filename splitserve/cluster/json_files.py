@@ -38,12 +38,12 @@ class JsonFiles:
         self._sequence = max(self._sequence, read[-1][0] if read else 0)
         return [(name, lines) for _, name, lines in read]
 
-    def write(self, name: str, *lines: dict) -> None:
-        """The entry `name` is `lines` now."""
+    def write(self, name: str, line: dict) -> None:
+        """The entry `name` is this one line now."""
         path = self.directory / f"{name}{self.suffix}"
         temporary = path.with_name(f".{path.name}.tmp")
         try:
-            temporary.write_text("".join(self._line(line) for line in lines))
+            temporary.write_text(self._line(line))
             os.replace(temporary, path)
         except OSError:  # a full disk: kept in memory still, and the request that kept it goes on
             log.exception("stored entry %s could not be written to %s", name, self.directory)

@@ -3,8 +3,9 @@ import json
 
 import pytest
 
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import ChatCompletionRequest, CompletionRequest, parse_request
+from splitserve.api.request_models import CompletionRequest, parse_request
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "demo", "prompt": "hello"}

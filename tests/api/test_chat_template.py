@@ -5,6 +5,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     chat_prompt_token_ids,
@@ -14,7 +15,6 @@ from splitserve.api.chat_template import (
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.choice_text import choice_options
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import ChatCompletionRequest
 from splitserve.engine.tokenizer import ByteTokenizer, HFTokenizer
 
 LLAMA3_TEMPLATE = (  # Meta-Llama-3-8B-Instruct's, verbatim

@@ -8,8 +8,9 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from splitserve.api.chat_parsers import ChatParsers
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.choice_text import ChoiceText, best_choices, choice_options
-from splitserve.api.request_models import ChatCompletionRequest, CompletionRequest, parse_request
+from splitserve.api.request_models import CompletionRequest, parse_request
 from splitserve.api.visible_text import TextStream
 from splitserve.engine.demo import demo_tokenizer
 from splitserve.engine.sampling_params import SamplingParams

@@ -1,9 +1,10 @@
 """RequestLimits: each bound refuses one past it, naming the field, 413 for sizes and 400 for counts."""
 import pytest
 
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
-from splitserve.api.request_models import ChatCompletionRequest, CompletionRequest
+from splitserve.api.request_models import CompletionRequest
 
 LIMITS = RequestLimits(max_prompt_chars=10, max_stop_strings=2, max_stop_string_chars=3, max_stop_token_ids=2,
                        max_chat_messages=2, max_prompts=2)

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import ChatCompletionRequest, CompletionRequest, parse_request
+from splitserve.api.request_models import CompletionRequest, parse_request
 from splitserve.api.request_sampling import sampling_params
 from tests.api.request_helpers import CHAT, COMPLETION
 

@@ -7,11 +7,12 @@ import json
 import pytest
 
 from splitserve.api.chat_parsers import ChatParsers
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import prepare_request
-from splitserve.api.request_models import ChatCompletionRequest, parse_request
+from splitserve.api.request_models import parse_request
 from splitserve.engine.demo import demo_tokenizer
 
 TOKENIZER = demo_tokenizer()

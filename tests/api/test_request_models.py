@@ -4,14 +4,9 @@ import json
 
 import pytest
 
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_model,
-    parse_request,
-    prompt_token_ids_of,
-)
+from splitserve.api.request_models import CompletionRequest, check_model, parse_request, prompt_token_ids_of
 from splitserve.engine.tokenizer import ByteTokenizer
 
 from tests.api.request_helpers import CHAT, COMPLETION, chat, completion, refusal

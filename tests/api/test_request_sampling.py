@@ -5,8 +5,9 @@ import json
 
 import pytest
 
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import ChatCompletionRequest, CompletionRequest, parse_request
+from splitserve.api.request_models import CompletionRequest, parse_request
 from splitserve.api.request_sampling import choice_params, sampling_params
 from splitserve.engine.sampling_params import SamplingParams
 from tests.api.request_helpers import CHAT, COMPLETION, chat, completion, refusal

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
+from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.choice_text import choice_options
 from splitserve.api.errors import RequestError
-from splitserve.api.request_models import ChatCompletionRequest, parse_request
+from splitserve.api.request_models import parse_request
 from splitserve.api.request_sampling import sampling_params
 from splitserve.engine.demo import demo_tokenizer
 from tests.api.request_helpers import CHAT, chat
