@@ -4,6 +4,11 @@ their pools and the one placement state every ingress replica asks.
 - Workers are Ray actors it creates per pool (resources from the pool's config), named
   `<role>-<slot>.<incarnation>` (the actor: `<app>-<worker id>`): a replacement gets a new
   incarnation, hence fresh transfer links.
+- Adoption: workers and the rendezvous store are detached actors, so they outlive a CLS that dies.
+  The next one (Serve replaces the controller) adopts the workers it finds (`worker_group`) that
+  run its config and store, with the requests they run: each goes back to its home pool and first
+  reports a full prefix snapshot; the empty slots get new workers. It is ready at once with
+  adopted workers. Workers no CLS calls stop themselves (`orphan_lease`).
 - Load: it polls every worker each `report_interval_s` (a report per interval, not per
   iteration); the poll doubles as the liveness check. While no worker has work it polls each
   `idle_report_interval_s` instead, and a placement brings the fast cadence back at once.
@@ -23,29 +28,28 @@ their pools and the one placement state every ingress replica asks.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import itertools
 import logging
-import secrets
 import time
 from collections import Counter
 from collections.abc import Collection
 
 import ray
-import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from splitserve.cluster.adoption import adopt_workers
 from splitserve.cluster.background import background
 from splitserve.cluster.dispatch import ClusterUnavailable
 from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
+from splitserve.cluster.rendezvous import Rendezvous, open_rendezvous
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
-from splitserve.cluster.worker_actors import WorkerActors, start_worker_actors
+from splitserve.cluster.worker_actors import start_worker_actors
+from splitserve.cluster.worker_group import WORKER_NAMESPACE, WorkerActors
 from splitserve.config import ClusterConfig, PoolConfig
 from splitserve.placement import ClusterState, Placement, PlacementRequest, PoolMove
 from splitserve.placement.state import Role
 
 log = logging.getLogger("splitserve.controller")
-WORKER_NAMESPACE = "splitserve"  # where the worker actors are named (ray.get_actor)
 CALL_TIMEOUT_S = 10.0  # a poll not answered in this long makes the controller look at the worker's health
 STALE_HEARTBEAT_S = 30.0  # an engine loop that has not begun an iteration for this long, outside a step, is hung
 
@@ -63,8 +67,9 @@ class Controller:
         self.counters: Counter = Counter()
         self.start_errors: list[str] = []
         self._incarnations = itertools.count()
-        self._secret = secrets.token_urlsafe(32)  # authenticates workers to each other's gRPC KV servers
-        self._store = self._rendezvous_store() if self.config.needs_rendezvous else None
+        self._rendezvous: Rendezvous | None = None  # the store's address and the transfer secret
+        self._store = None  # the rendezvous store's actor, where the cluster needs one
+        self._store_renewed = 0.0
         self._actors: dict[str, WorkerActors] = {}  # each worker's actors (all its ranks), by worker id
         self._started: asyncio.Task | None = None
         self._ready = False
@@ -81,22 +86,34 @@ class Controller:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start every pool's workers in the background; `health` says when they are up."""
+        """Adopt or start every pool's workers in the background; `health` says when they are up."""
         if self._started is None:
             self._started = background(self._start_all())
 
     async def _start_all(self) -> None:
-        slots = [(pool, slot) for pool in self.config.pools for slot in range(pool.num_workers)]
-        await asyncio.gather(*(self._start_worker(pool, slot) for pool, slot in slots))
+        """Adopt what a dead CLS left, then start every empty slot while polling the workers up."""
+        if self.config.needs_rendezvous:
+            try:
+                self._store, self._rendezvous = await open_rendezvous(
+                    self.app_name, self.config.transfer.timeout_s, self.config.scheduler.orphan_timeout_s)
+            except RayError as error:  # no worker can start: /health says why
+                self.start_errors.append(f"rendezvous store: {error}")
+                log.error("the rendezvous store did not start: %s", error)
+                return
+        await self._adopt_all()
         self._ready = bool(self.handles)
-        await self._poll_forever()
+        polling = background(self._poll_forever())
+        taken = {(pool.role, slot) for pool, slot in self.slots.values()}
+        await asyncio.gather(*(self._start_worker(pool, slot) for pool in self.config.pools
+                               for slot in range(pool.num_workers) if (pool.role, slot) not in taken))
+        self._ready = bool(self.handles)
+        await polling
 
     async def _start_worker(self, pool: PoolConfig, slot: int) -> None:
         worker_id = f"{pool.role}-{slot}.{next(self._incarnations)}"
-        options = {**pool.resources.ray_options(), "name": f"{self.app_name}-{worker_id}",
+        options = {**pool.resources.ray_options(), "name": f"{self.app_name}-{worker_id}", "lifetime": "detached",
                    "namespace": WORKER_NAMESPACE, "max_concurrency": MAX_CONCURRENT_CALLS, "max_restarts": 0}
-        rendezvous = (self._store_host, self._store.port, self._secret) if self._store else None
-        actors = await start_worker_actors(pool, worker_id, options, self.config.model_dump(), rendezvous)
+        actors = await start_worker_actors(pool, worker_id, options, self.config.model_dump(), self._rendezvous)
         handle = actors.handle
         try:
             await handle.info.remote()
@@ -106,9 +123,20 @@ class Controller:
             log.error("worker %s failed to start: %s", worker_id, error)
             actors.kill()
             return
-        self.handles[worker_id], self.slots[worker_id], self._actors[worker_id] = handle, (pool, slot), actors
-        self.state.add_worker(worker_id, Role(pool.role), self.config.worker_hardware(pool), load, time.monotonic())
+        self._add(worker_id, pool, slot, actors, load)
         log.info("worker %s up (%s, %s)", worker_id, pool.role, pool.hardware)
+
+    def _add(self, worker_id: str, pool: PoolConfig, slot: int, actors: WorkerActors, load) -> None:
+        self.handles[worker_id], self.slots[worker_id], self._actors[worker_id] = actors.handle, (pool, slot), actors
+        self.state.add_worker(worker_id, Role(pool.role), self.config.worker_hardware(pool), load, time.monotonic())
+
+    async def _adopt_all(self) -> None:
+        adopted, newest = await adopt_workers(self.app_name, self.config, self._rendezvous)
+        self._incarnations = itertools.count(newest + 1)  # worker ids are never reused
+        for worker in adopted:
+            self._add(worker.found.worker_id, worker.pool, worker.found.slot, worker.actors, worker.load)
+            self._prefix_resync.add(worker.found.worker_id)  # the prefix index starts empty here
+            self.counters["workers_adopted"] += 1
 
     async def health(self) -> dict:
         """Ready once workers are up and passed their last poll (which goes through each engine
@@ -151,6 +179,7 @@ class Controller:
         while True:
             started = time.monotonic()
             self._placed.clear()
+            self._renew_store()
             polled = list(self.handles)
             results = await asyncio.gather(*(self._poll(w) for w in polled), return_exceptions=True)
             for worker_id, result in zip(polled, results):
@@ -176,6 +205,13 @@ class Controller:
         except asyncio.TimeoutError:
             return
         await asyncio.sleep(scheduler.report_interval_s)
+
+    def _renew_store(self) -> None:
+        """The rendezvous store's orphan lease, renewed a few times per lease (its answer unread)."""
+        if self._store is not None and time.monotonic() - self._store_renewed > \
+                self.config.scheduler.orphan_timeout_s / 8:
+            self._store_renewed = time.monotonic()
+            self._store.address.remote()
 
     def _poll_error(self, what: str, error: Exception) -> None:
         self.counters["poll_errors"] += 1
@@ -268,10 +304,13 @@ class Controller:
         return {"worker_id": worker_id, "unfinished": left}
 
     async def drain(self) -> dict:
-        """Shutdown: refuse new requests, let every worker finish what it runs, then stop them."""
+        """Shutdown: refuse new requests, let every worker finish what it runs, then stop them
+        and the rendezvous store."""
         self._draining = True
         retired = await asyncio.gather(*(self.retire(w, replace=False) for w in list(self.handles)),
                                        return_exceptions=True)
+        if self._store is not None:
+            ray.kill(self._store, no_restart=True)
         return {"unfinished": sum(r["unfinished"] for r in retired if isinstance(r, dict))}
 
     async def _in_flight(self, handle) -> int:
@@ -294,12 +333,3 @@ class Controller:
 
     async def worker_handle(self, worker_id: str):
         return self.handles.get(worker_id)
-
-    # ---- internals ---------------------------------------------------------------------------
-    def _rendezvous_store(self) -> dist.TCPStore:
-        """The store workers meet through to open KV links (torch pair groups, gRPC addresses)."""
-        self._store_host = ray.util.get_node_ip_address()
-        return dist.TCPStore(self._store_host, 0, is_master=True, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=self.config.transfer.timeout_s))
-
-

@@ -1,7 +1,7 @@
 """A tensor-parallel worker's rank > 0, as a Ray actor: its shard of the model and of the KV cache,
 stepping on a thread of its own as rank 0 (the `Worker` actor) says, with a KV transport of its
 own where the cluster exchanges KV. The controller places it in its worker's placement group and
-kills it with its worker."""
+kills it with its worker (or rank 0 does, orphaned)."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,8 @@ import threading
 
 import torch.distributed as dist
 
-from splitserve.cluster.worker import Rendezvous, connect_transport, join_store, tp_prefix
+from splitserve.cluster.rendezvous import Rendezvous
+from splitserve.cluster.worker import connect_transport, join_store, tp_prefix
 from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import resolve_device
 from splitserve.engine.tensor_parallel import TPGroup

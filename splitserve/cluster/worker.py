@@ -12,6 +12,10 @@ so a step's tokens for many requests cost one message, not one per request.
 does not (it reads the loop's heartbeat), so the controller can tell a busy worker from a stuck
 or unhealthy one when a poll does not return. Fault-injection hooks refuse unless the cluster
 config enables them.
+
+The actor is detached: it outlives a CLS that dies, whose successor adopts it (`info` says
+whether it can: same config, same rendezvous store). Every call from a CLS renews its orphan
+lease; one no CLS calls for `scheduler.orphan_timeout_s` stops itself with its other ranks.
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ import ray
 import torch.distributed as dist
 
 from splitserve.cluster.feed_outbox import FeedOutbox
+from splitserve.cluster.orphan_lease import OrphanLease
+from splitserve.cluster.rendezvous import Rendezvous
+from splitserve.cluster.worker_group import WorkerActors
 from splitserve.cluster.worker_loop import TokenDelta, WorkerLoop
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.config import ClusterConfig
@@ -43,9 +50,6 @@ from splitserve.transfer.handoff import make_transport
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
 MAX_CONCURRENT_CALLS = 4096  # calls in flight: feeds (one per subscriber), prefills, reservations, control
-
-
-Rendezvous = tuple[str, int, str]  # the controller's store (host, port) and the cluster's transfer secret
 
 
 class FaultInjectionDisabled(PermissionError):
@@ -70,6 +74,7 @@ class Worker:
                  tensor_parallel_size: int = 1):
         cfg = ClusterConfig.model_validate(config)
         self.worker_id, self.hardware, self._config = worker_id, hardware, cfg
+        self._rendezvous, self._tp_size = rendezvous, tensor_parallel_size
         self._reports_prefix = cfg.prefix_options().aware
         engine_config = cfg.engine_config(role)
         self._store = join_store(rendezvous, cfg.transfer.timeout_s) if rendezvous else None
@@ -87,12 +92,17 @@ class Worker:
                                reuse_prefix=self._reports_prefix)
         self.loop.start()
         self._outbox = FeedOutbox(lambda request_id: self._call(self.loop.abort, request_id))
+        self._lease = OrphanLease(cfg.scheduler.orphan_timeout_s, self._orphaned, worker_id).start()
 
     async def info(self) -> dict:
+        """What it is; `config_digest` and `rendezvous` (the store's host and port) tell a new CLS
+        whether it can adopt this worker."""
+        self._lease.renew()
         engine = self.loop.engine
         return {"worker_id": self.worker_id, "hardware": self.hardware, "pid": os.getpid(),
                 "device": str(engine.kv_cache.data.device), "max_model_len": engine.max_model_len,
-                "node_ip": ray.util.get_node_ip_address()}
+                "node_ip": ray.util.get_node_ip_address(), "config_digest": self._config.digest(),
+                "rendezvous": list(self._rendezvous[:2]) if self._rendezvous else None}
 
     # ---- requests --------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, subscriber: str) -> None:
@@ -127,9 +137,11 @@ class Worker:
 
     # ---- control ---------------------------------------------------------------------------
     async def set_role(self, role: str) -> None:
+        self._lease.renew()
         await self._call(self.loop.set_role, engine_policy(role, self._config))
 
     async def load(self) -> WorkerLoad:
+        self._lease.renew()
         return await self._call(self.loop.load)
 
     async def report(self, prefix_snapshot: bool = False,
@@ -138,6 +150,8 @@ class Worker:
         prefix-aware placement the prefix cache's change since the last report (`prefix_snapshot`:
         all it holds instead, after a report that was lost). `gone`: workers removed from the
         cluster since the last report (this worker's links to them close)."""
+        self._lease.renew()
+
         def report():
             self.loop.require_healthy()  # an unhealthy worker fails its poll, so the controller replaces it
             self.loop.forget_peers(gone)
@@ -148,10 +162,12 @@ class Worker:
     async def health(self) -> dict:
         """The engine loop's own account of itself (heartbeat, step in progress), read without
         waiting for the loop: the controller asks when a poll does not come back."""
+        self._lease.renew()
         return dataclasses.asdict(self.loop.health())
 
     async def in_flight(self) -> int:
-        """Requests this worker still streams to (through the loop)."""
+        """Requests this worker still streams to (through the loop): a CLS retiring it asks."""
+        self._lease.renew()
         return await self._call(lambda: len(self.loop.tracked))
 
     async def check_integrity(self) -> dict:
@@ -178,6 +194,10 @@ class Worker:
         await self._call(hooks[kind])
 
     # ---- internals -------------------------------------------------------------------------
+    def _orphaned(self) -> None:
+        """No CLS for the orphan timeout: this worker's actors and placement group go (this one last)."""
+        WorkerActors.find(ray.get_runtime_context().get_actor_name(), self._tp_size).kill()
+
     def _tensor_parallel_size(self, worker_id: str) -> int:
         """A peer's TP size, as it published it when it started (worker ids are never reused)."""
         if worker_id not in self._peer_tp:

@@ -6,6 +6,7 @@ A Serve config file (`deploy/*.yaml`) carries it as the `args` of the splitserve
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Literal
 
@@ -145,6 +146,10 @@ class ClusterConfig(StrictModel):
         """The block size requests name their prompts' blocks in to the CLS (the engines'); 0 when
         prefix-aware placement does not act, so they name none."""
         return self.engine.block_size if self.prefix_options().aware else 0
+
+    def digest(self) -> str:
+        """Equal for equal configs: a new CLS adopts only workers started with its own."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
     def worker_hardware(self, pool: PoolConfig) -> HardwareProfile:
         """What the CLS weighs a worker of `pool` by: its class's speeds for its tensor_parallel_size."""

@@ -212,6 +212,10 @@ class SchedulerOptions(StrictModel):
                                 "stuck: the worker is killed (its requests fail over) and replaced.")
     drain_timeout_s: float = Field(30.0, gt=0, description="On shutdown or a drain, how long running requests may "
                                    "take to finish before their worker stops anyway.")
+    orphan_timeout_s: float = Field(120.0, ge=10, description="Workers outlive a CLS that dies, and the new one "
+                                    "(Serve replaces the controller) adopts them with what they run; a worker no "
+                                    "CLS has called for this long stops itself (its app was deleted while its CLS "
+                                    "was dead). At least 4 x idle_report_interval_s.")
     prefix_aware: bool = Field(True, description="jsq and splitwise weigh what each worker's prefix cache holds of "
                                "the prompt: a worker's queue counts less the work its cached prefix saves, within the "
                                "same eligibility and thresholds (workers report their cached blocks with their load). "
@@ -233,6 +237,9 @@ class SchedulerOptions(StrictModel):
         if self.idle_report_interval_s < self.report_interval_s:
             raise ValueError(f"idle_report_interval_s ({self.idle_report_interval_s}) must be at least "
                              f"report_interval_s ({self.report_interval_s})")
+        if self.orphan_timeout_s < 4 * self.idle_report_interval_s:
+            raise ValueError(f"orphan_timeout_s ({self.orphan_timeout_s}) must be at least 4 x "
+                             f"idle_report_interval_s ({self.idle_report_interval_s}): polled workers never orphan")
         return self
 
     def thresholds(self) -> PlacementThresholds:

@@ -16,30 +16,15 @@ from splitserve.cluster.controller import Controller
 from splitserve.cluster.dispatch import ClusterUnavailable
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.placement.state import PlacementRequest, PrefixDelta, Role, WorkerLoad
+from tests.cluster.remote_method import RemoteMethod
 
 HEALTHY = {"alive": True, "healthy": True, "reason": None, "heartbeat_age_s": 0.0, "step_running_s": 0.0}
 
 
-class _Method:
-    """A remote method answering `result` (raising it, if it is an exception); records its args."""
-
-    def __init__(self, result):
-        self.result, self.calls = result, []
-
-    def remote(self, *args):
-        self.calls.append(args)
-
-        async def answer():
-            if isinstance(self.result, BaseException):
-                raise self.result
-            return self.result
-        return answer()
-
-
 class _Handle:
     def __init__(self, prefix: PrefixDelta | None = None, load: WorkerLoad = WorkerLoad()):
-        self.report = _Method((load, WorkerStats(), prefix))
-        self.health = _Method(HEALTHY)
+        self.report = RemoteMethod((load, WorkerStats(), prefix))
+        self.health = RemoteMethod(HEALTHY)
 
 
 def _controller(scheduler: dict, load: WorkerLoad = WorkerLoad()) -> Controller:

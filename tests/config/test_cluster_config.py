@@ -184,6 +184,9 @@ INVALID = {
     "empty prefix index": ({"scheduler": {"prefix_index_blocks": 0}}, r"scheduler\.prefix_index_blocks"),
     "idle polls faster": ({"scheduler": {"report_interval_s": 0.5, "idle_report_interval_s": 0.2}},
                           r"scheduler\n.*idle_report_interval_s \(0\.2\) must be at least report_interval_s \(0\.5\)"),
+    "orphans before a poll": ({"scheduler": {"idle_report_interval_s": 5, "orphan_timeout_s": 15}},
+                              r"scheduler\n.*orphan_timeout_s \(15\.0\) must be at least 4 x idle_report_interval_s"),
+    "orphan timeout too short": ({"scheduler": {"orphan_timeout_s": 1}}, r"scheduler\.orphan_timeout_s\n.*10"),
 }
 
 
@@ -196,6 +199,12 @@ def test_invalid_config_names_the_field(tmp_path, args, message):
         load_cluster_config(write(tmp_path, serve_file))
     with pytest.raises(ValidationError, match=message):  # and through the Serve builder
         build_app(args)
+
+
+def test_the_digest_tells_configs_apart():
+    """A new CLS adopts only workers whose config digest is its own."""
+    assert ClusterConfig().digest() == ClusterConfig.model_validate({}).digest()
+    assert ClusterConfig().digest() != ClusterConfig.model_validate({"engine": {"block_size": 32}}).digest()
 
 
 # ---------------------------------------------------------------------------------------------

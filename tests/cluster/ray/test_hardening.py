@@ -221,38 +221,49 @@ def test_deleting_the_app_lets_a_running_stream_finish(url, hclient, offline):
     _deploy(url.rsplit("/", 1)[0], APP, HARDENING)
 
 
-def test_a_dead_controller_is_replaced_and_the_ingress_finds_its_new_actors(url, hclient, offline):
+def test_a_dead_controller_is_replaced_and_the_new_one_adopts_the_workers_with_what_they_run(url, hclient, offline):
     """The CLS actor killed: Serve replaces the controller replica (its health check goes through
-    the CLS), which makes a new CLS with new workers, a new batch actor and a new response store.
-    The ingress replica survives with the dead handles. Idle meanwhile, its first request is placed
-    through the new CLS, not refused, and a response kept before is read back from disk. Busy
-    meanwhile, /health is a 503 (never a 500) until the new workers serve, every route answers
-    after, and a background response that was running ends failed (its workers died) instead of
-    staying in progress; a request meanwhile is a 503 (no worker is ready), never a 429 or a 500."""
-    wait_for_pools(url, {"prompt": 1, "token": 1})
+    the CLS), which makes a new CLS, a new batch actor and a new response store. The workers are
+    detached: they outlive the dead CLS and the new one adopts them, so a stream and a background
+    response running meanwhile complete with their greedy text, the same workers serve after, and
+    no KV block is left. The ingress replica survives with the dead handles: idle meanwhile, its
+    first request is placed through the new CLS, not refused, and a response kept before is read
+    back from disk; busy meanwhile, /health is a 503 (never a 500) until the new CLS answers (ready at
+    once: its workers are adopted, not started), every route answers after, and a request meanwhile
+    is a 200 or a 503, never a 429 or a 500."""
+    workers = set(wait_for_pools(url, {"prompt": 1, "token": 1})["workers"])
     kept = hclient.responses.create(model="demo", input=PROMPT, max_output_tokens=6, temperature=0)
     time.sleep(1.5)  # its observation sent: the ingress calls nothing while the controller is replaced
     replace_the_controller()
     assert hclient.completions.create(model="demo", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text == \
         expected(offline, PROMPT, 8)
     assert hclient.responses.retrieve(kept.id) == kept
+    assert set(status(url)["workers"]) == workers and status(url)["counters"]["workers_adopted"] == 2
 
-    running = hclient.responses.create(model="demo", input=PROMPT, max_output_tokens=1900, background=True,
-                                       temperature=0)
-    time.sleep(1)  # it decodes
+    ask = dict(model="demo", input=PROMPT, max_output_tokens=400, temperature=0)
+    running = hclient.responses.create(**ask, background=True)
+    stream = hclient.completions.create(model="demo", prompt=PROMPT, max_tokens=300, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+    text = "".join(next(stream).choices[0].text for _ in range(3))
+    assert hclient.responses.retrieve(running.id).status == "in_progress"
     replace_the_controller(wait=False)
     answers, refusals, deadline = [], [], time.monotonic() + 120
-    while (health := httpx.get(f"{url}/health", timeout=60)).status_code != 200:
-        answers.append(health.status_code)
+    while True:
         refusals.append(httpx.post(f"{url}/v1/completions", json={"model": "demo", "prompt": PROMPT, "max_tokens": 2},
                                    timeout=60).status_code)
+        if (health := httpx.get(f"{url}/health", timeout=60)).status_code == 200:
+            break
+        answers.append(health.status_code)
         assert time.monotonic() < deadline, answers
         time.sleep(0.5)
-    assert set(answers) == {503} and 503 in refusals and set(refusals) <= {200, 503}, (answers, refusals)
+    assert set(answers) <= {503} and set(refusals) <= {200, 503}, (answers, refusals)
+    assert text + "".join(chunk.choices[0].text for chunk in stream) == expected(offline, PROMPT, 300)
     assert "splitserve_requests" in httpx.get(f"{url}/metrics", timeout=30).text
     assert httpx.get(f"{url}/v1/batches", timeout=30).json()["object"] == "list"
-    ended = polled(hclient, running.id, timeout_s=90)
-    assert ended.status == "failed" and ended.error.code == "server_error", ended
+    ended, foreground = polled(hclient, running.id, timeout_s=90), hclient.responses.create(**ask)
+    assert ended.status == foreground.status and ended.output_text == foreground.output_text, ended
+    assert set(status(url)["workers"]) == workers
+    wait_until_no_blocks(url, timeout=30)
 
 
 def test_a_dead_batch_actor_or_response_store_is_restarted_and_loses_nothing(url, hclient):
@@ -321,9 +332,13 @@ def test_a_background_response_whose_ingress_replica_died_is_run_again_by_the_ne
 
 
 def replace_the_controller(wait: bool = True, timeout_s: float = 120) -> None:
-    """Kill the app's CLS actor; with `wait`, until a new one is ready, asked of Ray (not of the ingress)."""
+    """Kill the app's CLS actor, until it is dead; with `wait`, until a new one is ready, asked of Ray
+    (not of the ingress)."""
     dead = ray.get_actor(f"{APP}-controller", namespace="splitserve")
     ray.kill(dead)
+    with pytest.raises(ray.exceptions.RayActorError):
+        while True:  # ray.kill returns before the actor is gone
+            ray.get(dead.health.remote(), timeout=30)
     deadline = time.monotonic() + timeout_s
     while wait:
         assert time.monotonic() < deadline, "no new CLS"
