@@ -10,17 +10,21 @@ process's resident memory growth is reported: the ingress, the controller and th
 10% and the 100% marks, and each worker from when it was first seen past the 10% mark (workers
 are killed and replaced along the way) to the end; and each one's growth over the second half of
 that time (a leak keeps growing; a warm-up levels off). Kills alternate between the prompt and
-the token pool.
+the token pool. `--kill-controller-every-s` also SIGKILLs the CLS (Serve replaces it, and the new one
+adopts the workers): requests refused or failed in the minute after count in
+`failed_within_60s_after_a_controller_kill`.
 
     python scripts/soak.py --minutes 30 --json soak.json
     python scripts/soak.py --minutes 10 --prompt-chunk-tokens 128 --layerwise-threshold 64 --backend ipc
     python scripts/soak.py --minutes 40 --kill-every-s 100000 --trace-memory /tmp/snaps   # where memory grows
+    python scripts/soak.py --minutes 4 --kill-every-s 100000 --kill-controller-every-s 60   # the CLS dies
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -49,7 +53,9 @@ class Tally:
         self.outcomes: Counter = Counter()
         self.statuses: Counter = Counter()
         self.refused_at: list[float] = []  # monotonic times of 429s
+        self.failed_at: list[float] = []  # monotonic times of refusals (4xx/5xx) and error events
         self.kills_at: list[float] = []
+        self.controller_kills_at: list[float] = []
         self.lost_reasons: Counter = Counter()
         self.lost_examples: list[str] = []
 
@@ -80,6 +86,7 @@ async def one_request(http: httpx.AsyncClient, url: str, path: str, body: dict, 
             if response.status_code != 200:
                 await response.aread()
                 tally.outcomes["failed_with_error"] += 1
+                tally.failed_at.append(time.monotonic())
                 return
             events, done, error, last = 0, False, False, ""
             async for event in sse_events(response):
@@ -91,6 +98,8 @@ async def one_request(http: httpx.AsyncClient, url: str, path: str, body: dict, 
                     return
             if done or error:
                 tally.outcomes["completed" if done else "failed_with_error"] += 1
+                if not done:
+                    tally.failed_at.append(time.monotonic())
             else:
                 tally.lost("stream ended without [DONE] or an error", f"{path} {json.dumps(body)} last: {last!r}")
     except json.JSONDecodeError as problem:
@@ -117,8 +126,8 @@ def worker_pids(url: str) -> dict[str, int]:
 
     from splitserve.cluster.controller import WORKER_NAMESPACE
 
-    pids = {}
-    for worker_id in httpx.get(f"{url}/v1/cluster/status", timeout=30).json()["workers"]:
+    pids, status = {}, httpx.get(f"{url}/v1/cluster/status", timeout=30)
+    for worker_id in status.json()["workers"] if status.status_code == 200 else ():  # not while the CLS is replaced
         try:
             actor = ray.get_actor(f"soak-{worker_id}", namespace=WORKER_NAMESPACE)
             pids[worker_id] = ray.get(actor.info.remote(), timeout=30)["pid"]
@@ -169,6 +178,7 @@ async def load(args, url: str, model: str, rate: float, tally: Tally, marks: dic
     rng, tasks, kills = random.Random(args.seed), set(), 0
     start = time.monotonic()
     end, next_kill, ten_percent = start + args.minutes * 60, start + args.kill_every_s, start + args.minutes * 6
+    next_cls_kill = start + (args.kill_controller_every_s or math.inf)
     async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=httpx.Limits(max_connections=512)) as http:
         now = start
         while now < end:
@@ -189,6 +199,9 @@ async def load(args, url: str, model: str, rate: float, tally: Tally, marks: dic
                 kills += killed
                 tally.kills_at += [time.monotonic()] * killed
                 next_kill = now + args.kill_every_s
+            if now >= next_cls_kill and now < end - 20:
+                tally.controller_kills_at.append(await asyncio.to_thread(kill_the_controller, url))
+                next_cls_kill = now + args.kill_controller_every_s
         await asyncio.gather(*tasks)
     return kills
 
@@ -202,6 +215,14 @@ def kill_a_worker(url: str, rng: random.Random, role: str) -> int:
     os.kill(pids[worker_id], signal.SIGKILL)
     print(f"soak: SIGKILL worker {worker_id} (pid {pids[worker_id]})", flush=True)
     return 1
+
+
+def kill_the_controller(url: str) -> float:
+    """SIGKILLs the CLS actor's process; when it died (monotonic)."""
+    pid = cluster_processes(url)["Controller"]
+    os.kill(pid, signal.SIGKILL)
+    print(f"soak: SIGKILL the CLS (pid {pid})", flush=True)
+    return time.monotonic()
 
 
 def rss_growth(samples: list[tuple[float, float | None]], end: float, end_mb: float) -> dict:
@@ -303,6 +324,9 @@ def main(argv: list[str] | None = None) -> dict:
               "statuses": {str(k): v for k, v in sorted(tally.statuses.items())},
               "refused_within_60s_after_a_kill": sum(any(0 <= t - k <= 60 for k in tally.kills_at)
                                                     for t in tally.refused_at),
+              "controller_kills": len(tally.controller_kills_at),
+              "failed_within_60s_after_a_controller_kill": sum(any(0 <= t - k <= 60 for k in tally.controller_kills_at)
+                                                               for t in tally.failed_at),
               "requests_restarted": int(restarted), "leaked_blocks": sum(held.values()), "blocks_held": held,
               "rss_growth_mb": growth, **({"memory_trace": memory_traces} if args.trace_memory else {}),
               "backend": args.backend, "prompt_chunk_tokens": engine.get("prompt_chunk_tokens"),
@@ -321,6 +345,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--load-fraction", type=float, default=0.7)
     parser.add_argument("--calibrate-s", type=float, default=20, help="how long to measure capacity")
     parser.add_argument("--kill-every-s", type=float, default=180, help="SIGKILL a random worker this often")
+    parser.add_argument("--kill-controller-every-s", type=float,
+                        help="SIGKILL the CLS this often (default: never)")
     parser.add_argument("--disconnect-fraction", type=float, default=0.1, help="share of clients that hang up")
     parser.add_argument("--request-timeout-s", type=float, default=120)
     parser.add_argument("--seed", type=int, default=0)

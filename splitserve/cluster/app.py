@@ -3,10 +3,12 @@ RayService's `serveConfigV2` and `splitserve serve`. It validates its arguments 
 the controller deployment and the OpenAI ingress in front of it.
 
 The controller deployment (one replica) owns the CLS actor, which holds the one placement state
-and owns the workers; Serve manages its life (a failed health check restarts it, and with it the
-CLS and the workers). It owns the batch API's actor too, which runs on the head node: `batch.dir`
-is a directory there (on Kubernetes, the head pod's batches volume), wherever the replica runs;
-and the store of /v1/responses answers, on the head node too (its files in `batch.dir`/responses).
+and starts the workers (detached: they outlive it, and the next CLS adopts them). Ray restarts a
+CLS that crashed, in place; Serve manages the replica's life (a health check that finds the CLS
+gone for good replaces it, and with it the CLS). It owns the batch API's actor too, which runs on
+the head node: `batch.dir` is a directory there (on Kubernetes, the head pod's batches volume),
+wherever the replica runs; and the store of /v1/responses answers, on the head node too (its
+files in `batch.dir`/responses).
 Ingress replicas call the CLS actor directly: a plain actor call costs a fraction of a Serve
 handle call, and placement sits on every request's path. They ask this deployment for its actors
 again once they find one dead (`owned_actor.py`), so a replaced controller is found.
@@ -24,6 +26,7 @@ from ray.exceptions import RayError
 from splitserve.cluster.batch_manager import BatchManager
 from splitserve.cluster.controller import WORKER_NAMESPACE, Controller
 from splitserve.cluster.ingress import Ingress
+from splitserve.cluster.owned_actor import through_restart
 from splitserve.cluster.persisted_responses import PersistedResponseStore
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
 from splitserve.config import ClusterConfig
@@ -37,9 +40,9 @@ HEAD_NODE = "node:__internal_head__"  # a resource only Ray's head node has (Ray
 class ClusterController:
     def __init__(self, config: dict):
         app = serve.get_replica_context().app_name
-        self.cls = ray.remote(Controller).options(
-            name=f"{app}-controller", namespace=WORKER_NAMESPACE, num_cpus=0,
-            max_concurrency=MAX_CONCURRENT_CALLS).remote(config, app)
+        self.cls = ray.remote(Controller).options(  # a crash: Ray restarts it in place, and it adopts the workers
+            name=f"{app}-controller", namespace=WORKER_NAMESPACE, num_cpus=0, max_restarts=-1,
+            max_concurrency=MAX_CONCURRENT_CALLS).remote(config, app, True)
         self.cls.start.remote()
         self.batches = ray.remote(BatchManager).options(  # a restart resumes its active batches (`_tend`)
             name=f"{app}-batches", namespace=WORKER_NAMESPACE, num_cpus=0,
@@ -67,7 +70,9 @@ class ClusterController:
         return self.responses
 
     async def check_health(self) -> None:
-        await self.cls.health.remote()  # raises if the CLS actor died: Serve restarts this replica
+        """Fails (Serve replaces this replica) only when the CLS is gone for good, not while Ray
+        restarts it: that would drain the workers the restarted CLS adopts."""
+        await through_restart(self.cls.health)
         await self._tend()
 
     async def _tend(self) -> None:

@@ -5,10 +5,11 @@ their pools and the one placement state every ingress replica asks.
   `<role>-<slot>.<incarnation>` (the actor: `<app>-<worker id>`): a replacement gets a new
   incarnation, hence fresh transfer links.
 - Adoption: workers and the rendezvous store are detached actors, so they outlive a CLS that dies.
-  The next one (Serve replaces the controller) adopts the workers it finds (`worker_group`) that
-  run its config and store, with the requests they run: each goes back to its home pool and first
-  reports a full prefix snapshot; the empty slots get new workers. It is ready at once with
-  adopted workers. Workers no CLS calls stop themselves (`orphan_lease`).
+  The next one (Ray restarts a crashed CLS in place; Serve replaces the controller of one killed)
+  adopts the workers it finds (`adoption`) that run its config and store, with the requests they
+  run: each goes back to its home pool and first reports a full prefix snapshot; the empty slots
+  get new workers. It is ready at once with adopted workers. Workers no CLS calls stop themselves
+  (`orphan_lease`).
 - Load: it polls every worker each `report_interval_s` (a report per interval, not per
   iteration); the poll doubles as the liveness check. While no worker has work it polls each
   `idle_report_interval_s` instead, and a placement brings the fast cadence back at once.
@@ -28,6 +29,7 @@ their pools and the one placement state every ingress replica asks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -55,9 +57,12 @@ STALE_HEARTBEAT_S = 30.0  # an engine loop that has not begun an iteration for t
 
 
 class Controller:
-    def __init__(self, config: dict, app_name: str = "splitserve"):
+    def __init__(self, config: dict, app_name: str = "splitserve", start_on_call: bool = False):
+        """`start_on_call`: `health` and `place` start it if nobody has (a CLS Ray restarted after a
+        crash runs this again, and nobody calls `start`), and answer once it has adopted its workers."""
         self.config = ClusterConfig.model_validate(config)
         self.app_name = app_name  # worker actors are named `<app>-<worker id>`
+        self._start_on_call = start_on_call
         self.state = ClusterState(self.config.scheduler.policy, self.config.scheduler.thresholds(),
                                   self.config.prefix_options())
         self.handles: dict[str, object] = {}
@@ -72,6 +77,7 @@ class Controller:
         self._store_renewed = 0.0
         self._actors: dict[str, WorkerActors] = {}  # each worker's actors (all its ranks), by worker id
         self._started: asyncio.Task | None = None
+        self._adopted = asyncio.Event()  # set once the workers a dead CLS left are adopted (or none were)
         self._ready = False
         self._draining = False
         self._retiring: set[str] = set()
@@ -90,6 +96,14 @@ class Controller:
         if self._started is None:
             self._started = background(self._start_all())
 
+    async def _adoption(self) -> None:
+        """With `start_on_call`: started, and past adoption (bounded)."""
+        if not self._start_on_call:
+            return
+        await self.start()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._adopted.wait(), CALL_TIMEOUT_S)
+
     async def _start_all(self) -> None:
         """Adopt what a dead CLS left, then start every empty slot while polling the workers up."""
         if self.config.needs_rendezvous:
@@ -99,8 +113,10 @@ class Controller:
             except RayError as error:  # no worker can start: /health says why
                 self.start_errors.append(f"rendezvous store: {error}")
                 log.error("the rendezvous store did not start: %s", error)
+                self._adopted.set()
                 return
         await self._adopt_all()
+        self._adopted.set()
         self._ready = bool(self.handles)
         polling = background(self._poll_forever())
         taken = {(pool.role, slot) for pool, slot in self.slots.values()}
@@ -141,6 +157,7 @@ class Controller:
     async def health(self) -> dict:
         """Ready once workers are up and passed their last poll (which goes through each engine
         loop), and not while draining."""
+        await self._adoption()
         pools = self.state.pools()
         return {"ready": self._ready and bool(self.state.workers) and not self._draining,
                 "draining": self._draining, "workers": len(self.state.workers),
@@ -150,6 +167,7 @@ class Controller:
     async def place(self, request: PlacementRequest, exclude: Collection[str] = ()) -> Placement | None:
         """Worker ids only: handles are costly to send, so callers cache them (`worker_handle`).
         None when no worker has room; ClusterUnavailable when none is ready or the cluster drains."""
+        await self._adoption()
         if self._draining:
             raise ClusterUnavailable("the cluster is shutting down: it finishes what it runs and takes no new "
                                      "requests")

@@ -26,6 +26,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from splitserve.api.errors import RequestError
 from splitserve.cluster.background import background
 from splitserve.cluster.delta_feeds import DeltaFeeds, FeedBroken, detached
+from splitserve.cluster.owned_actor import through_restart
 from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.prefix_hash import PrefixNaming
 from splitserve.engine.sampling_params import SamplingParams
@@ -73,7 +74,8 @@ class _AttemptFailed(Exception):
 class WorkerDirectory:
     """Worker actor handles by id, asked of the CLS once per worker (per ingress replica), and the
     token feeds this replica's requests stream through (one per worker). `dead` once a call found
-    the CLS dead: its workers died with it, and the ingress replaces the directory."""
+    the CLS gone for good: the ingress asks the controller deployment for the new one, and replaces
+    the directory."""
 
     def __init__(self, cls):
         self.cls = cls
@@ -98,15 +100,16 @@ class WorkerDirectory:
         self.feeds.forget(worker_id)
 
     async def _ask_cls(self, method: str, *args):
+        """Through a restart of the CLS (it crashed); one gone for good makes this directory dead."""
         try:
-            return await getattr(self.cls, method).remote(*args)
+            return await through_restart(getattr(self.cls, method), *args)
         except RayTaskError as error:
             if isinstance(error.cause, ClusterUnavailable):
                 raise error.cause from None
             raise
         except RayActorError:
             self.dead = True
-            raise RequestFailed("the cluster controller (CLS) died, and its workers with it; Serve is restarting it: "
+            raise RequestFailed("the cluster controller (CLS) died; Serve is replacing it (its workers serve on): "
                                 "retry shortly") from None
 
     def call_quietly(self, method, *args) -> None:

@@ -273,8 +273,8 @@ class Ingress:
             return error_response(error)
 
     async def _workers(self) -> WorkerDirectory:
-        """The CLS actor and its workers' handles; a new directory once a call found that CLS dead
-        (Serve restarts the controller, with a new CLS and new workers)."""
+        """The CLS actor and its workers' handles; a new directory once a call found that CLS gone
+        for good (Serve replaced the controller: a new CLS, which adopts the workers)."""
         if self._directory is not None and self._directory.dead:
             self._cls.forget(self._directory.cls)
         cls = await self._cls.get()

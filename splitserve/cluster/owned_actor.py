@@ -1,19 +1,20 @@
 """An actor the controller deployment owns (the CLS, the batch API's actor, the response store),
-as an ingress replica reaches it: asked of the deployment once and cached. Serve restarts the
-controller replica when its CLS dies, and the new replica makes new actors; Ray restarts the batch
-actor or the store when one crashes. A call that finds the cached one dead or restarting forgets
-it, asks the deployment again and tries again, for a few seconds."""
+as an ingress replica reaches it: asked of the deployment once and cached. Ray restarts any of
+them that crashes, in place (the same handle answers again); Serve replaces the controller replica
+when its CLS is gone for good (killed), and the new replica makes new actors. A call that finds
+the cached one dead or restarting forgets it, asks the deployment again and tries again, for a few
+seconds."""
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from splitserve.api.errors import RequestError
 
-RESTART_WAIT_S = 5.0  # an actor Ray restarts is back in a second or two (the store reads its files)
+RESTART_WAIT_S = 10.0  # an actor Ray restarts is back in seconds (a new process: ~3 s on 2 busy cores)
 RETRY_S = 0.25
 
 
@@ -48,3 +49,16 @@ class OwnedActor:
                                    "when one dies, Ray restarts an actor that crashed); retry shortly", status=503,
                                    type="service_unavailable")
             await asyncio.sleep(RETRY_S)
+
+
+async def through_restart(method, *args):
+    """`method.remote(*args)`, asked again every RETRY_S while Ray restarts the actor (it crashed:
+    ActorUnavailableError), for up to RESTART_WAIT_S. An actor gone for good raises at once."""
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while True:
+        try:
+            return await method.remote(*args)
+        except ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(RETRY_S)

@@ -1,7 +1,8 @@
 """A new CLS adopts the workers a dead one left only where they can serve it: the slot exists in
 its config, the worker runs that config and joined this app's rendezvous store, all its ranks live,
 and no newer incarnation fills the slot. An adopted worker is sent back to its home pool; any other
-is stopped, with the reason logged (no Ray: stand-in actors)."""
+is stopped, with the reason logged. A CLS Ray restarted starts itself and answers once it has
+adopted its workers (no Ray: stand-in actors)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,11 @@ import pytest
 from ray.exceptions import RayActorError
 
 from splitserve.cluster import adoption
+from splitserve.cluster import controller as controller_module
 from splitserve.cluster.worker_group import WorkerActors, parse_worker
+from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.config import ClusterConfig
+from splitserve.placement import PlacementRequest
 from splitserve.placement.state import WorkerLoad
 from tests.cluster.remote_method import RemoteMethod
 
@@ -72,3 +76,29 @@ def test_a_worker_that_cannot_serve_this_cls_is_stopped_with_the_reason(monkeypa
 
 def test_nothing_found_adopts_nothing(monkeypatch):
     assert _adopt(monkeypatch, {}) == ([], -1, [])
+
+
+def test_a_cls_ray_restarted_places_its_first_request_on_the_workers_it_adopts(monkeypatch):
+    """Nobody calls `start` on a CLS Ray restarted after a crash: with `start_on_call` its first
+    `place` starts it and waits for the adoption, instead of refusing (no worker ready)."""
+    config = {"pools": [{"role": "mixed"}]}
+    rank0 = _Rank0(config_digest=ClusterConfig.model_validate(config).digest(), rendezvous=None)
+    rank0.report = RemoteMethod((LOAD, WorkerStats(), None))
+    found = parse_worker("app", "app-mixed-0.3")
+
+    async def adopt_workers(app, cluster, rendezvous):
+        await asyncio.sleep(0.2)  # asking Ray and the workers takes a moment
+        return [adoption.Adopted(found, cluster.pools[0], WorkerActors(rank0), LOAD)], 3
+
+    monkeypatch.setattr(controller_module, "adopt_workers", adopt_workers)
+
+    async def run():
+        cls = controller_module.Controller(config, "app", start_on_call=True)
+        placement = await cls.place(PlacementRequest("r1", num_prompt_tokens=8, max_tokens=4))
+        health = await cls.health()
+        cls._started.cancel()
+        return cls, placement, health
+
+    cls, placement, health = asyncio.run(run())
+    assert placement.prompt_worker == "mixed-0.3" and health["ready"] and health["workers"] == 1
+    assert cls.counters["workers_adopted"] == 1 and next(cls._incarnations) == 4

@@ -8,7 +8,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from ray.exceptions import ActorDiedError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from splitserve.api.errors import RequestError
 from splitserve.cluster import owned_actor
@@ -87,3 +87,40 @@ def test_forget_drops_only_the_handle_found_dead():
         return await actor.get()
 
     assert asyncio.run(steps()) is second
+
+
+@pytest.mark.parametrize("restarting_for, answered", [(3, True), (10**9, False)])
+def test_an_actor_ray_restarts_is_asked_again_through_its_restart_and_a_dead_one_once(restarting_for, answered,
+                                                                                        monkeypatch):
+    """`through_restart`: the same handle answers once Ray has restarted the actor (a crash), within
+    RESTART_WAIT_S; an actor gone for good is not asked twice."""
+    monkeypatch.setattr(owned_actor, "RETRY_S", 0.001)
+    monkeypatch.setattr(owned_actor, "RESTART_WAIT_S", 0.2)
+    calls = []
+
+    class Method:
+        @staticmethod
+        async def remote(*args):
+            calls.append(args)
+            if len(calls) <= restarting_for:
+                raise ActorUnavailableError("restarting", b"\0" * 16)
+            return "back"
+
+    if answered:
+        assert asyncio.run(owned_actor.through_restart(Method, 7)) == "back" and calls == [(7,)] * 4
+    else:
+        with pytest.raises(ActorUnavailableError):
+            asyncio.run(owned_actor.through_restart(Method, 7))
+        assert 10 < len(calls) < 10**9
+    calls.clear()  # from now on: gone for good
+    Method.remote = staticmethod(_dead(calls))
+    with pytest.raises(ActorDiedError):
+        asyncio.run(owned_actor.through_restart(Method, 7))
+    assert calls == [(7,)]
+
+
+def _dead(calls: list):
+    async def remote(*args):
+        calls.append(args)
+        raise ActorDiedError()
+    return remote

@@ -266,6 +266,35 @@ def test_a_dead_controller_is_replaced_and_the_new_one_adopts_the_workers_with_w
     wait_until_no_blocks(url, timeout=30)
 
 
+def test_a_crashed_cls_is_restarted_in_place_and_serves_at_once_with_the_workers_it_adopts(url, hclient, offline):
+    """The CLS's process SIGKILLed (a crash; not ray.kill, which forbids a restart): Ray restarts the
+    actor in place, so every handle to it stays good and the controller replica (with its batch
+    actor and response store) is not replaced. The restarted CLS adopts the workers: a stream
+    running meanwhile completes with its greedy text, and requests sent right after the crash are
+    all served, none refused."""
+    from ray.util.state import list_actors
+
+    def alive(**filters):
+        return list_actors(filters=[*((k, "=", v) for k, v in filters.items()), ("state", "=", "ALIVE")])
+
+    workers = set(wait_for_pools(url, {"prompt": 1, "token": 1})["workers"])
+    [cls] = alive(name=f"{APP}-controller")
+    [replica] = alive(class_name=f"ServeReplica:{APP}:ClusterController")
+    stream = hclient.completions.create(model="demo", prompt=PROMPT, max_tokens=300, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+    text = "".join(next(stream).choices[0].text for _ in range(3))
+    os.kill(cls.pid, signal.SIGKILL)
+    statuses = [httpx.post(f"{url}/v1/completions", json={"model": "demo", "prompt": PROMPT, "max_tokens": 2},
+                           timeout=60).status_code for _ in range(5)]
+    assert statuses == [200] * 5
+    assert text + "".join(chunk.choices[0].text for chunk in stream) == expected(offline, PROMPT, 300)
+    [restarted] = alive(name=f"{APP}-controller")
+    assert restarted.actor_id == cls.actor_id and restarted.pid != cls.pid
+    assert alive(class_name=f"ServeReplica:{APP}:ClusterController") == [replica]
+    assert set(status(url)["workers"]) == workers and status(url)["counters"]["workers_adopted"] == 2
+    wait_until_no_blocks(url, timeout=30)
+
+
 def test_a_dead_batch_actor_or_response_store_is_restarted_and_loses_nothing(url, hclient):
     """Each crashes alone (killed, Ray's restart allowed), not the controller: the store comes back
     with every response it kept; the batch actor comes back started by the controller's next health
