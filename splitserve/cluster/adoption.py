@@ -4,7 +4,8 @@ serving what they run, and the new CLS starts only the slots nobody fills.
 A worker is adopted when the config has its slot (role and slot number), it runs this very config
 (`ClusterConfig.digest`), it joined this app's rendezvous store (so it can reach the workers the
 new CLS starts), all its ranks are alive, and no newer incarnation fills its slot. It goes back to
-its home pool (the policy moves it again if it must). Any other is stopped: it could not serve."""
+its home pool (the policy moves it again if it must). Any other is stopped: it could not serve;
+so are the other ranks of a worker whose rank 0 is gone."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from ray.exceptions import RayError
 
-from splitserve.cluster.worker_group import NamedWorker, WorkerActors, find_workers
+from splitserve.cluster.worker_group import NamedWorker, WorkerActors, find_workers, stop_strays
 from splitserve.config import ClusterConfig, PoolConfig
 from splitserve.placement.state import WorkerLoad
 
@@ -30,7 +31,10 @@ class Adopted:
 
 
 async def adopt_workers(app: str, config: ClusterConfig, rendezvous) -> tuple[list[Adopted], int]:
-    """The workers adopted, and the newest incarnation found (-1: none)."""
+    """The workers adopted, and the newest incarnation found (-1: none). Ranks whose rank 0 is
+    gone are stopped."""
+    for name in stop_strays(app):
+        log.warning("%s: its worker's rank 0 is gone; it stops", name)
     found = find_workers(app)
     newest = {(w.role, w.slot): w for w in found}  # `found` is oldest first: the newest per slot stays
     adopted = await asyncio.gather(*(_adopt(w, config, rendezvous, newest[w.role, w.slot] is not w) for w in found))

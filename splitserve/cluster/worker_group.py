@@ -17,6 +17,8 @@ from ray.util.placement_group import PlacementGroup, get_placement_group, remove
 
 WORKER_NAMESPACE = "splitserve"  # where the worker actors are named (ray.get_actor)
 _WORKER_ID = re.compile(r"(prompt|token|mixed)-(\d+)\.(\d+)")
+_OTHER_RANK = re.compile(r"(.+)-tp\d+")
+_GROUP = "-ranks"
 
 
 def shard_name(name: str, rank: int) -> str:
@@ -24,7 +26,7 @@ def shard_name(name: str, rank: int) -> str:
 
 
 def group_name(name: str) -> str:
-    return f"{name}-ranks"
+    return name + _GROUP
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,33 @@ def parse_worker(app: str, name: str) -> NamedWorker | None:
 
 def find_workers(app: str) -> list[NamedWorker]:
     """`app`'s live workers (rank 0s), oldest incarnation first."""
-    named = (parse_worker(app, actor["name"]) for actor in ray.util.list_named_actors(all_namespaces=True)
-             if actor["namespace"] == WORKER_NAMESPACE)
+    named = (parse_worker(app, name) for name in _named())
     return sorted((w for w in named if w is not None), key=lambda w: w.incarnation)
+
+
+def stop_strays(app: str) -> list[str]:
+    """Stops the other ranks, and removes the placement groups, of `app`'s workers whose rank 0 is
+    gone (it died while no CLS ran: nothing else would stop them); their names."""
+    names = _named()
+
+    def stray(rank0: str) -> bool:
+        return parse_worker(app, rank0) is not None and rank0 not in names
+    ranks = [name for name in names if (other := _OTHER_RANK.fullmatch(name)) and stray(other.group(1))]
+    for name in ranks:
+        try:
+            _kill(ray.get_actor(name, namespace=WORKER_NAMESPACE))
+        except ValueError:  # gone meanwhile
+            pass
+    groups = [g["name"] for g in placement_group_table().values()
+              if g["state"] != "REMOVED" and g["name"].endswith(_GROUP) and stray(g["name"].removesuffix(_GROUP))]
+    for name in groups:
+        remove_placement_group(get_placement_group(name))
+    return ranks + groups
+
+
+def _named() -> set[str]:
+    return {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+            if actor["namespace"] == WORKER_NAMESPACE}
 
 
 @dataclass

@@ -38,6 +38,7 @@ def _adopt(monkeypatch, workers: dict[str, tuple[_Rank0, int]]):
     killed = []
     found = sorted((parse_worker("app", name) for name in workers), key=lambda w: w.incarnation)
     monkeypatch.setattr(adoption, "find_workers", lambda app: found if app == "app" else [])
+    monkeypatch.setattr(adoption, "stop_strays", lambda app: [])
     monkeypatch.setattr(WorkerActors, "find", classmethod(
         lambda cls, name, size: cls(workers[name][0], [object()] * (workers[name][1] - 1))))
     names = {id(rank0): name for name, (rank0, _) in workers.items()}

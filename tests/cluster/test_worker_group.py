@@ -31,3 +31,25 @@ def test_find_workers_lists_an_apps_workers_in_the_worker_namespace_oldest_first
              {"name": "SERVE_CONTROLLER_ACTOR", "namespace": "serve"}]
     monkeypatch.setattr(ray.util, "list_named_actors", lambda all_namespaces: named if all_namespaces else [])
     assert [w.worker_id for w in find_workers("app")] == ["prompt-0.2", "token-1.9"]
+
+
+def test_other_ranks_and_groups_whose_rank_0_is_gone_are_stopped_and_no_others(monkeypatch):
+    from splitserve.cluster import worker_group
+
+    named = ["app-prompt-0.2", "app-prompt-0.2-tp1", "app-prompt-0.1-tp1", "app-prompt-0.1-tp2",
+             "other-prompt-0.1-tp1", "app-controller"]
+    groups = {"a": {"name": "app-prompt-0.2-ranks", "state": "CREATED"},
+              "b": {"name": "app-prompt-0.1-ranks", "state": "CREATED"},
+              "c": {"name": "app-token-0.0-ranks", "state": "REMOVED"}}
+    killed, removed = [], []
+    monkeypatch.setattr(ray.util, "list_named_actors",
+                        lambda all_namespaces: [{"name": n, "namespace": "splitserve"} for n in named])
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace: f"handle of {name}")
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor))
+    monkeypatch.setattr(worker_group, "placement_group_table", lambda: groups)
+    monkeypatch.setattr(worker_group, "get_placement_group", lambda name: f"group {name}")
+    monkeypatch.setattr(worker_group, "remove_placement_group", removed.append)
+    stopped = worker_group.stop_strays("app")
+    assert sorted(stopped) == ["app-prompt-0.1-ranks", "app-prompt-0.1-tp1", "app-prompt-0.1-tp2"]
+    assert sorted(killed) == ["handle of app-prompt-0.1-tp1", "handle of app-prompt-0.1-tp2"]
+    assert removed == ["group app-prompt-0.1-ranks"]
