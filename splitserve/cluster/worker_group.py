@@ -68,8 +68,7 @@ def stop_strays(app: str) -> list[str]:
             _kill(ray.get_actor(name, namespace=WORKER_NAMESPACE))
         except ValueError:  # gone meanwhile
             pass
-    groups = [g["name"] for g in placement_group_table().values()
-              if g["state"] != "REMOVED" and g["name"].endswith(_GROUP) and stray(g["name"].removesuffix(_GROUP))]
+    groups = [name for name in _live_groups() if name.endswith(_GROUP) and stray(name.removesuffix(_GROUP))]
     for name in groups:
         remove_placement_group(get_placement_group(name))
     return ranks + groups
@@ -78,6 +77,10 @@ def stop_strays(app: str) -> list[str]:
 def _named() -> set[str]:
     return {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
             if actor["namespace"] == WORKER_NAMESPACE}
+
+
+def _live_groups() -> set[str]:
+    return {g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"}
 
 
 @dataclass
@@ -95,8 +98,7 @@ class WorkerActors:
                 shards.append(ray.get_actor(shard_name(name, rank), namespace=WORKER_NAMESPACE))
             except ValueError:  # dead: the worker is incomplete, and its TP steps fail
                 pass
-        live = {g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"}
-        group = get_placement_group(group_name(name)) if size > 1 and group_name(name) in live else None
+        group = get_placement_group(group_name(name)) if size > 1 and group_name(name) in _live_groups() else None
         return cls(ray.get_actor(name, namespace=WORKER_NAMESPACE), shards, group)
 
     def kill(self) -> None:
