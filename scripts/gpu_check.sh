@@ -9,7 +9,8 @@
 #   bash scripts/gpu_check.sh bench [ARGS...]    # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
 #   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), quantized (at most 100 s), then bench
 #                                                # ARGS in what is left of 570 s
-# Logs, gpu.json, moe-*.json and fp8-linear.json go to $OUT where it is set, else to gpu-check/.
+# Logs, gpu.json, moe-*.json and fp8-linear.json go to $OUT where it is set, else to gpu-check/: 8 files,
+# the most a device call brings back.
 # A session has 15 device minutes, the machine's start included, and a machine goes back 30 s after
 # a call: `all --repeats 2` as one call of timeout_s 600 is the whole check in one start.
 set -euo pipefail
@@ -49,9 +50,9 @@ case "${1:-}" in
     install_carried
     mkdir -p "$out"
     for shape in gpt-oss-20b qwen3-30b-a3b; do
-      timeout 35 python3 scripts/bench_moe.py --shape $shape --json "$out/moe-$shape.json" 2>&1 | tee -a "$out/moe.log"
+      timeout 35 python3 scripts/bench_moe.py --shape $shape --json "$out/moe-$shape.json" 2>&1 | tee -a "$out/quantized.log"
     done
-    timeout 30 python3 scripts/bench_fp8_linear.py --json "$out/fp8-linear.json" 2>&1 | tee "$out/fp8-linear.log" ;;
+    timeout 30 python3 scripts/bench_fp8_linear.py --json "$out/fp8-linear.json" 2>&1 | tee -a "$out/quantized.log" ;;
   bench)
     install_carried
     mkdir -p "$out"
