@@ -11,7 +11,10 @@ Invariants a replay relies on:
 - table entries past a sequence's context are never read, so stale columns need no clearing;
 - launches depend only on the batch size: the decode kernel divides each sequence's keys over
   the splits on the device, and captures with every context at max_model_len, the bound the
-  split count is chosen for.
+  split count is chosen for;
+- nothing is garbage-collected while a graph is captured: freeing another graph or an event then
+  (what an earlier engine of the process left) invalidates the capture, so garbage is collected
+  before and the collector is off during.
 
 Without CUDA (how CI checks the buffers and the padding) a "capture" is an eager run on the same
 buffers, replayed by running it again.
@@ -19,7 +22,9 @@ buffers, replayed by running it again.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -59,8 +64,9 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Largest first, so the smaller graphs reuse the memory pool the largest one grew."""
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        for size in reversed(self.sizes):
-            self._replays[size] = self._capture(size, pool)
+        with _collector_off():
+            for size in reversed(self.sizes):
+                self._replays[size] = self._capture(size, pool)
 
     def covers(self, batch: StepBatch) -> bool:
         n = len(batch.token_ids)
@@ -98,3 +104,15 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=pool):
             out = self._forward(size)
         return lambda: (graph.replay(), out)[1]
+
+
+@contextmanager
+def _collector_off() -> Iterator[None]:
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

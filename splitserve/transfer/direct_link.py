@@ -196,7 +196,7 @@ class DirectLink(Link):
             return copy_kv(data, source_slots, peer, slots, layers, groups, source_heads, _heads(dest.heads))
         for device in {data.device, peer.device}:  # after the layer's KV, and the slots, were written
             self._copy.wait_stream(torch.cuda.current_stream(device))
-        for index in (source_slots, slots):  # made on other streams: not reused before the copy read them
+        for index in (*source_slots, *slots):  # made on other streams: not reused before the copy read them
             index.record_stream(self._copy)
         with torch.cuda.stream(self._copy):
             return copy_kv(data, source_slots, peer, slots, layers, groups, source_heads, _heads(dest.heads))

@@ -4,6 +4,8 @@ replay depends on: the buffers, the padding rows, and launches that depend only 
 Where CUDA is (the `kernels` mark), the same tests capture and replay real graphs."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -106,6 +108,26 @@ def test_a_backend_that_reads_host_metadata_is_refused():
     runner = llm.engine.runner
     with pytest.raises(ValueError, match="cannot be captured"):
         DecodeGraphs(runner, TorchPagedBackend(), 4, 256)
+
+
+def test_garbage_is_collected_before_the_captures_and_never_during(monkeypatch):
+    """Freeing an earlier engine's graph or event during a capture invalidates it (CUDA's global
+    capture mode): such garbage, a reference cycle, goes before the first capture."""
+    llm = LLM("demo", **ENGINE)
+    graphs = DecodeGraphs(llm.engine.runner, llm.engine.runner.backend, 4, llm.engine.max_model_len)
+    freed, seen, capture = [], [], graphs._capture
+
+    class Garbage:
+        def __del__(self):
+            freed.append(True)
+
+    cycle = Garbage()
+    cycle.me = cycle
+    del cycle
+    monkeypatch.setattr(graphs, "_capture", lambda size, pool: (seen.append((gc.isenabled(), bool(freed))),
+                                                                  capture(size, pool))[1])
+    graphs.capture()
+    assert seen == [(False, True)] * len(capture_sizes(4)) and gc.isenabled()
 
 
 @pytest.mark.gpu

@@ -52,7 +52,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(pair):
             if token != top.indices[0].item():  # only where transformers itself nearly ties
                 assert (top.values[0] - top.values[1]).item() < NEAR_TIE, (len(prompt), step, token, top)
                 break  # past a tie the two continuations may differ
-            for alternative, logprob in out.logprobs[step].items():
+            for alternative, logprob in out.outputs[0].logprobs[step].items():
                 assert abs(logprob - reference[step, alternative].item()) < LOGPROB_ATOL, (len(prompt), step)
             count += 1
         agreed.append(count)

@@ -51,7 +51,7 @@ def test_one_step_per_split_count_and_nothing_stored(monkeypatch, caplog, fixed)
 
 
 def test_the_torch_backend_has_nothing_to_warm_up(monkeypatch):
-    runner = LLM("demo", **ENGINE).engine.runner
+    runner = LLM("demo", attention_backend="torch", **ENGINE).engine.runner
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
     warm_up(runner)
 

@@ -158,7 +158,7 @@ def test_the_fp8_store_rounds_as_torch(scale):
     values = torch.cat((values, -values))
     values = torch.cat((values, torch.zeros(-len(values) % 128))).view(-1, 1, 128)
     slots = torch.arange(len(values))
-    caches = [torch.zeros((2, len(values), 1, 1, 128), dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+    caches = [torch.zeros((2, len(values), 1, 1, 128), dtype=torch.uint8, device=d) for d in ("cpu", DEVICE)]
     write_kv(values, values.flip(0), caches[0], slots, (scale, scale))
     store_kv(values.to(DEVICE), values.flip(0).to(DEVICE), caches[1], slots.to(DEVICE), (scale, scale))
     assert torch.equal(caches[1].cpu(), caches[0].cpu())
