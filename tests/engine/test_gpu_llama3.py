@@ -15,7 +15,9 @@ pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 32
 NEAR_TIE = 0.05  # transformers' top-2 logit gap under which two bf16 implementations may pick either
-LOGPROB_ATOL = 0.15  # bf16 through 32 layers
+# bf16 through 32 layers, against transformers' own bf16: each of the top logprobs within LOGPROB_ATOL
+# (an H200 saw 0.19 on a 4th alternative near -7.3), and within LOGPROB_MEAN on average
+LOGPROB_ATOL, LOGPROB_MEAN = 0.5, 0.1
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(pair):
     gen = torch.Generator().manual_seed(0)
     prompts = [[128000] + torch.randint(3, 128000, (n,), generator=gen).tolist() for n in (4, 57, 300, 1000)]
     outputs = ours.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=4))
-    agreed = []
+    agreed, diffs = [], []
     for prompt, out in zip(prompts, outputs):
         ids = torch.tensor([prompt + out.token_ids[:-1]], device="cuda")
         with torch.inference_mode():
@@ -53,7 +55,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(pair):
                 assert (top.values[0] - top.values[1]).item() < NEAR_TIE, (len(prompt), step, token, top)
                 break  # past a tie the two continuations may differ
             for alternative, logprob in out.outputs[0].logprobs[step].items():
-                assert abs(logprob - reference[step, alternative].item()) < LOGPROB_ATOL, (len(prompt), step)
+                diffs.append(abs(logprob - reference[step, alternative].item()))
+                assert diffs[-1] < LOGPROB_ATOL, (len(prompt), step, alternative, diffs[-1])
             count += 1
         agreed.append(count)
     assert sum(agreed) >= 0.75 * NEW_TOKENS * len(prompts), agreed  # ties are rare: most tokens are compared
+    assert sum(diffs) / len(diffs) < LOGPROB_MEAN, sum(diffs) / len(diffs)

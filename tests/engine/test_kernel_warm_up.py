@@ -63,7 +63,8 @@ def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monke
     from splitserve.engine.model import fused_moe
 
     write_checkpoint(tmp_path, "qwen3_moe", {False: train_tokenizer(), True: train_tokenizer(qwen2=True)})
-    runner = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type}).engine.runner
+    # the torch attention backend (the CUDA default is Triton's): no warm-up steps, the experts still
+    runner = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type, "attention_backend": "torch"}).engine.runner
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
     tiles, real = [], fused_moe.fused_experts
 
@@ -89,7 +90,8 @@ def test_fp8_projections_run_once_per_tile_shape(tmp_path, monkeypatch):
     write_checkpoint(tmp_path, "qwen3_qk_norm", {False: train_tokenizer(), True: train_tokenizer(qwen2=True)})
     quantize_checkpoint(tmp_path)
     monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
-    runner = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type}).engine.runner
+    # the torch attention backend (the CUDA default is Triton's): no warm-up steps, the experts still
+    runner = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type, "attention_backend": "torch"}).engine.runner
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
     launches, real = [], fp8_linear.matmul
 
