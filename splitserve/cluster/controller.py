@@ -83,6 +83,7 @@ class Controller:
         self._retiring: set[str] = set()
         self._prefix_resync: set[str] = set()  # workers whose next report must be a prefix snapshot
         self._gone: dict[str, set[str]] = {}  # per worker: workers removed since its last report (to let go of)
+        self._adopted_unsynced: set[str] = set()  # adopted workers yet to be told the live workers (`_poll`)
         self._placed = asyncio.Event()  # set by a placement; cleared when a poll begins
 
     @property
@@ -152,6 +153,7 @@ class Controller:
         for worker in adopted:
             self._add(worker.found.worker_id, worker.pool, worker.found.slot, worker.actors, worker.load)
             self._prefix_resync.add(worker.found.worker_id)  # the prefix index starts empty here
+            self._adopted_unsynced.add(worker.found.worker_id)  # its peers may have died while no CLS ran
             self.counters["workers_adopted"] += 1
 
     async def health(self) -> dict:
@@ -240,13 +242,16 @@ class Controller:
         if handle is None or worker_id in self._retiring:
             return
         snapshot, gone = worker_id in self._prefix_resync, tuple(sorted(self._gone.pop(worker_id, ())))
+        live = tuple(sorted(self.slots)) if worker_id in self._adopted_unsynced else None
         try:
-            load, stats, prefix = await asyncio.wait_for(handle.report.remote(snapshot, gone), self._poll_timeout_s)
+            load, stats, prefix = await asyncio.wait_for(handle.report.remote(snapshot, gone, live),
+                                                         self._poll_timeout_s)
         except (RayError, asyncio.TimeoutError):  # dead, unhealthy (the loop refuses), or slow
             self._prefix_resync.add(worker_id)  # a slow report still runs there, and its delta is lost
             await self.worker_failed(worker_id)
             return
         self._prefix_resync.discard(worker_id)
+        self._adopted_unsynced.discard(worker_id)
         await self._apply(self.state.report(worker_id, load, time.monotonic(), prefix))
         worker = self.state.workers.get(worker_id)
         if worker is not None:
@@ -289,6 +294,7 @@ class Controller:
             return
         self.handles.pop(worker_id, None)
         self._prefix_resync.discard(worker_id)
+        self._adopted_unsynced.discard(worker_id)
         pool, slot = self.slots.pop(worker_id)
         self._gone.pop(worker_id, None)
         for other in self.slots:

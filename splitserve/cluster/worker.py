@@ -144,17 +144,20 @@ class Worker:
         self._lease.renew()
         return await self._call(self.loop.load)
 
-    async def report(self, prefix_snapshot: bool = False,
-                     gone: tuple[str, ...] = ()) -> tuple[WorkerLoad, WorkerStats, PrefixDelta | None]:
+    async def report(self, prefix_snapshot: bool = False, gone: tuple[str, ...] = (),
+                     live: tuple[str, ...] | None = None) -> tuple[WorkerLoad, WorkerStats, PrefixDelta | None]:
         """Load for placement, what happened since the last report for the metrics, and with
         prefix-aware placement the prefix cache's change since the last report (`prefix_snapshot`:
         all it holds instead, after a report that was lost). `gone`: workers removed from the
-        cluster since the last report (this worker's links to them close)."""
+        cluster since the last report (this worker's links to them close); `live`, from a CLS that
+        adopted this worker: every worker of the cluster (its links to any other close)."""
         self._lease.renew()
 
         def report():
             self.loop.require_healthy()  # an unhealthy worker fails its poll, so the controller replaces it
             self.loop.forget_peers(gone)
+            if live is not None:
+                self.loop.keep_peers(live)
             prefix = self.loop.prefix_delta(prefix_snapshot) if self._reports_prefix else None
             return self.loop.load(), self.loop.drain_stats(), prefix
         return await self._call(report)

@@ -33,7 +33,7 @@ from splitserve.placement.load import load_of, prefix_delta_of
 from splitserve.placement.state import PrefixDelta, WorkerLoad
 from splitserve.transfer.exporter import KVExporter
 from splitserve.transfer.importer import KVImporter
-from splitserve.transfer.kv_routes import rank_peers
+from splitserve.transfer.kv_routes import rank_peers, worker_of
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
 IDLE_WAIT_S = 0.05    # nothing to run: block on the command queue this long
@@ -176,6 +176,14 @@ class WorkerLoop:
         """Workers that left the cluster for good: this worker's links to them close."""
         if worker_ids and self.exporter is not None:
             self.exporter.forget_peers(rank_peers(worker_ids))
+
+    def keep_peers(self, live: tuple[str, ...]) -> None:
+        """`live`: every worker of the cluster. This worker's links to any other (one that left
+        while no controller ran to say so) close. Rank 0 links to every worker its ranks send to
+        (the route 0 -> 0 carries each transfer's first token)."""
+        if self.exporter is not None:
+            linked = {worker_of(peer) for peer in self.exporter.transport.peers()}
+            self.forget_peers(tuple(linked - set(live)))
 
     def set_role(self, policy: str) -> None:
         self.engine.set_policy(policy)

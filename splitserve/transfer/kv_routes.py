@@ -30,6 +30,12 @@ def rank_peer(worker_id: str, rank: int) -> str:
     return worker_id if rank == 0 else f"{worker_id}/tp{rank}"
 
 
+def worker_of(peer: str) -> str:
+    """The worker a rank's transport id (`rank_peer`) belongs to."""
+    worker_id, tp, rank = peer.rpartition("/tp")
+    return worker_id if tp and rank.isdigit() else peer
+
+
 def rank_peers(worker_ids) -> frozenset[str]:
     """The transport ids of every rank these workers may have."""
     return frozenset(rank_peer(worker_id, rank) for worker_id in worker_ids for rank in range(MAX_RANKS))

@@ -199,6 +199,10 @@ class KVTransport:
                 self._drop_out(peer)
         return errors
 
+    def peers(self) -> frozenset[str]:
+        """The peers this side holds a link to send on."""
+        return frozenset(self._out)
+
     def forget_peers(self, peers: Iterable[str]) -> None:
         """`peers` left the cluster for good (worker ids are never reused): the links this side
         sends on to them close, and what it kept about them goes. (A link to a peer that died with

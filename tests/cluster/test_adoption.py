@@ -2,7 +2,8 @@
 its config, the worker runs that config and joined this app's rendezvous store, all its ranks live,
 and no newer incarnation fills the slot. An adopted worker is sent back to its home pool; any other
 is stopped, with the reason logged. A CLS Ray restarted starts itself and answers once it has
-adopted its workers (no Ray: stand-in actors)."""
+adopted its workers, and tells each the live workers in its first report (no Ray: stand-in
+actors)."""
 from __future__ import annotations
 
 import asyncio
@@ -103,3 +104,30 @@ def test_a_cls_ray_restarted_places_its_first_request_on_the_workers_it_adopts(m
     cls, placement, health = asyncio.run(run())
     assert placement.prompt_worker == "mixed-0.3" and health["ready"] and health["workers"] == 1
     assert cls.counters["workers_adopted"] == 1 and next(cls._incarnations) == 4
+
+
+def test_an_adopted_workers_first_report_names_every_live_worker(monkeypatch):
+    """So it closes its links to workers that died while no CLS ran (nobody named them gone); a
+    worker this CLS started is never told."""
+    config = {"pools": [{"role": "mixed", "num_workers": 2}]}
+    adopted, started = _Rank0(), _Rank0()
+    for rank0 in (adopted, started):
+        rank0.report = RemoteMethod((LOAD, WorkerStats(), None))
+
+    async def adopt_workers(app, cluster, rendezvous):
+        found = parse_worker("app", "app-mixed-0.3")
+        return [adoption.Adopted(found, cluster.pools[0], WorkerActors(adopted), LOAD)], 3
+
+    monkeypatch.setattr(controller_module, "adopt_workers", adopt_workers)
+
+    async def run():
+        cls = controller_module.Controller(config, "app")
+        await cls._adopt_all()
+        cls._add("mixed-1.4", cls.config.pools[0], 1, WorkerActors(started), LOAD)
+        for _ in range(2):
+            await cls._poll("mixed-0.3")
+            await cls._poll("mixed-1.4")
+
+    asyncio.run(run())
+    assert adopted.report.calls == [(True, (), ("mixed-0.3", "mixed-1.4")), (False, (), None)]
+    assert started.report.calls == [(False, (), None)] * 2

@@ -135,7 +135,7 @@ def test_reports_feed_the_prefix_index_and_a_lost_report_asks_for_a_snapshot():
     handle.report.result = (WorkerLoad(), WorkerStats(), PrefixDelta(16, 100, added=(11,), snapshot=True))
     asyncio.run(controller._poll("mixed-0.0"))
     asyncio.run(controller._poll("mixed-0.0"))
-    assert handle.report.calls == [(False, ()), (False, ()), (True, ()), (False, ())]
+    assert handle.report.calls == [(False, (), None), (False, (), None), (True, (), None), (False, (), None)]
     assert controller.state.prefix_index.cached_tokens((11, 12, 13)) == {"mixed-0.0": 16}
 
 
@@ -158,6 +158,6 @@ def test_the_next_report_of_every_worker_names_the_workers_removed_since_its_las
     controller._remove("mixed-2.2", replace=False)
     asyncio.run(controller._poll("mixed-0.0"))
     asyncio.run(controller._poll("mixed-0.0"))
-    assert controller.handles["mixed-0.0"].report.calls == [(False, ()), (False, ("mixed-1.1", "mixed-2.2")),
-                                                          (False, ())]
+    removed = ("mixed-1.1", "mixed-2.2")
+    assert controller.handles["mixed-0.0"].report.calls == [(False, (), None), (False, removed, None), (False, (), None)]
     assert controller._gone == {}  # nothing kept for removed workers

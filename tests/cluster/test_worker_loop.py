@@ -171,6 +171,21 @@ def test_disaggregated_request_equals_offline(pair, offline, prompt, layerwise):
     assert prompt_sink.pending() == []  # the first token was all the prompt worker sent
 
 
+def test_keeping_the_live_peers_closes_the_links_to_the_others(pair):
+    """What an adopted worker's first report asks for: its links to workers that died while no
+    controller ran (none named them gone) close; links to live ones stay."""
+    _, _, token_sink = pair.disaggregate("r", SHORT)
+    token_sink.until_final()
+
+    def linked():  # read on the loop's thread
+        return pair.prompt.exporter.transport.peers()
+
+    run(pair.prompt, pair.prompt.keep_peers, ("p0", "t0", "t7"))  # t7: a live worker never linked to
+    assert run(pair.prompt, linked) == {"t0"}
+    run(pair.prompt, pair.prompt.keep_peers, ("p0",))
+    assert run(pair.prompt, linked) == frozenset()
+
+
 def test_the_first_delta_names_the_prompt_tokens_the_prefix_cache_held(pair, offline):
     """Usage's cached_tokens and cache_write_tokens: the first delta of a request (the prompt
     worker's first token when disaggregated) carries its prefill's prefix-cache hit and the prompt

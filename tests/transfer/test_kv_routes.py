@@ -1,9 +1,10 @@
-"""`kv_routes.split_ticket`: a transfer's parts between tensor-parallel workers."""
+"""`kv_routes.split_ticket`: a transfer's parts between tensor-parallel workers; a rank's
+transport id and back."""
 import dataclasses
 
 import pytest
 
-from splitserve.transfer.kv_routes import split_ticket
+from splitserve.transfer.kv_routes import rank_peer, split_ticket, worker_of
 from splitserve.transfer.transport import TransferTicket
 
 
@@ -14,3 +15,8 @@ def test_every_part_asks_for_the_positions_its_transfer_asks_for(prompt_tp, toke
     assert len(parts) == max(prompt_tp, token_tp)
     assert {(p.start_token, p.num_sent_tokens) for p in parts} == {(24, 16)}
     assert [dataclasses.replace(p, start_token=0) for p in parts] == list(split_ticket(whole, 4, prompt_tp, token_tp))
+
+
+@pytest.mark.parametrize("worker_id", ["t0", "app-token-3.12", "odd/tpx", "app/tp-token-0.1"])
+def test_a_ranks_transport_id_names_its_worker(worker_id):
+    assert [worker_of(rank_peer(worker_id, rank)) for rank in range(4)] == [worker_id] * 4
