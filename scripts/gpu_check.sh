@@ -4,13 +4,14 @@
 # a few of splitserve's packages, which travel as wheels in the git-ignored .whl/).
 #   bash scripts/gpu_check.sh wheels             # here, once: those packages into .whl/
 #   bash scripts/gpu_check.sh tests [SECONDS]    # there (carry .whl): the kernels (compiled) and gpu tests (300 s)
-#   bash scripts/gpu_check.sh quantized          # there: scripts/bench_moe.py (gpt-oss-20b's and Qwen3-30B-A3B's
+#   bash scripts/gpu_check.sh kernels            # there: scripts/bench_attention.py (the prefill tile configurations,
+#                                                # decode), scripts/bench_moe.py (gpt-oss-20b's and Qwen3-30B-A3B's
 #                                                # experts), scripts/bench_fp8_linear.py (Qwen3-8B's projections)
 #   bash scripts/gpu_check.sh bench [ARGS...]    # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
-#   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), quantized (at most 100 s), then bench
+#   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), kernels (at most 140 s), then bench
 #                                                # ARGS in what is left of 570 s
-# Logs, gpu.json, moe-*.json and fp8-linear.json go to $OUT where it is set, else to gpu-check/: 8 files,
-# the most a device call brings back.
+# Logs (tests.log with the device first), gpu.json, attention.json, moe-*.json and fp8-linear.json go to $OUT
+# where it is set, else to gpu-check/: 8 files, the most a device call brings back.
 # A session has 15 device minutes, the machine's start included, and a machine goes back 30 s after
 # a call: `all --repeats 2` as one call of timeout_s 600 is the whole check in one start.
 set -euo pipefail
@@ -39,20 +40,21 @@ case "${1:-}" in
     mkdir -p "$out"
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
-    } | tee "$out/device.txt"
+    } | tee "$out/tests.log"
     # only the files that hold such tests (others import packages the image lacks: jsonschema), those
     # the issue names first: the run is cut at SECONDS; the slowest tests are listed, to plan the next
     first="tests/transfer/test_direct_link.py tests/engine/test_gpu_llama3.py tests/transfer/test_disaggregation.py"
     rest=$(grep -rlE "mark\.(gpu|kernels)|marks=pytest\.mark\.gpu" tests | sort | grep -vxF "${first// /$'\n'}")
     timeout "${2:-300}" python3 -m pytest -q -rfE --durations 15 --timeout 150 -m "gpu or kernels" -p no:cacheprovider \
-      $first $rest 2>&1 | tee "$out/tests.log" ;;
-  quantized)
+      $first $rest 2>&1 | tee -a "$out/tests.log" ;;
+  kernels)
     install_carried
     mkdir -p "$out"
+    timeout 40 python3 scripts/bench_attention.py --json "$out/attention.json" 2>&1 | tee -a "$out/kernels.log"
     for shape in gpt-oss-20b qwen3-30b-a3b; do
-      timeout 35 python3 scripts/bench_moe.py --shape $shape --json "$out/moe-$shape.json" 2>&1 | tee -a "$out/quantized.log"
+      timeout 35 python3 scripts/bench_moe.py --shape $shape --json "$out/moe-$shape.json" 2>&1 | tee -a "$out/kernels.log"
     done
-    timeout 30 python3 scripts/bench_fp8_linear.py --json "$out/fp8-linear.json" 2>&1 | tee -a "$out/quantized.log" ;;
+    timeout 30 python3 scripts/bench_fp8_linear.py --json "$out/fp8-linear.json" 2>&1 | tee -a "$out/kernels.log" ;;
   bench)
     install_carried
     mkdir -p "$out"
@@ -64,10 +66,10 @@ case "${1:-}" in
     shift
     status=0
     bash scripts/gpu_check.sh tests 240 || status=$?
-    bash scripts/gpu_check.sh quantized || status=$?
+    bash scripts/gpu_check.sh kernels || status=$?
     bash scripts/gpu_check.sh bench --budget $((570 - SECONDS)) "$@" || status=$?
     exit $status ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh wheels | tests [SECONDS] | quantized | bench [bench_gpu.py args] | all [bench_gpu.py args]" >&2
+    echo "usage: bash scripts/gpu_check.sh wheels | tests [SECONDS] | kernels | bench [bench_gpu.py args] | all [bench_gpu.py args]" >&2
     exit 2 ;;
 esac

@@ -23,11 +23,14 @@ class TritonPagedBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
 
-    def __init__(self, block_m: int = 64, block_n: int = 64, num_splits: int | None = None, sms: int | None = None):
+    def __init__(self, block_m: int = 64, block_n: int = 64, num_splits: int | None = None, sms: int | None = None,
+                 prefill_warps: int = PREFILL_WARPS):
         """`num_splits`: decode splits over the context; None chooses them per step so the decode
         programs fill the device's `sms` multiprocessors (read from a CUDA device when None; on
-        another device, 1 split)."""
+        another device, 1 split). `block_m`, `block_n`, `prefill_warps`: the prefill's tiles and
+        warps (scripts/bench_attention.py compares them)."""
         self.block_m, self.block_n, self.num_splits, self.sms = block_m, block_n, num_splits, sms
+        self.prefill_warps = prefill_warps
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
                 scale: float | None = None, softcap: float | None = None,
@@ -88,7 +91,7 @@ class TritonPagedBackend(AttentionBackend):
             out.stride(0), out.stride(1), scoring.scale or 1 / math.sqrt(head_dim), window or 0, scoring.softcap or 0.0,
             *kv_scale, GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
             SINKS=scoring.sinks is not None, BLOCK_D=_block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_SIZE=block_size, PRECISION=_precision(q), FP8_KV=fp8, num_warps=PREFILL_WARPS)
+            BLOCK_SIZE=block_size, PRECISION=_precision(q), FP8_KV=fp8, num_warps=self.prefill_warps)
 
     def _splits(self, programs: int, tiles: int, device: torch.device) -> int:
         """A power of two (each split count is a kernel variant: `split_counts` bounds them), at most

@@ -1,0 +1,176 @@
+"""The Triton attention kernels alone, on one layer of a shape (Llama-3-8B's by default): a prompt of
+N tokens prefilled over the paged cache with each prefill configuration (query rows x keys a tile,
+warps), against torch's scaled_dot_product_attention on the same queries, keys and values laid
+out contiguously (flash attention on CUDA: the bar a paged kernel aims at); and B sequences of C
+tokens decoded, against the bytes their keys and values take. A configuration costs a compile and
+milliseconds here, not an engine's start: tune the prefill tiles with it.
+
+    python scripts/bench_attention.py --json attn.json     # CUDA: seconds a configuration
+    python scripts/bench_attention.py --tiny               # a tiny layer on the CPU (Triton's interpreter)
+
+FLOPs of a causal prefill: 4 x N(N + 1)/2 x heads x head_dim (QK^T and PV over the keys at or before
+each query); bytes of a decode: B x C x 2 x kv_heads x head_dim x the element size, what the kernel
+must read. Each row is the median of --iters calls after one untimed call (CUDA events on a GPU),
+and says how far the kernel's output is from SDPA's on the same keys (a check of the compiled kernel).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from bench_moe import add_run_args, pct, time_calls  # this script's folder
+from gpu_roofline import peaks
+
+from splitserve.engine.attention.metadata import AttentionMetadata
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.shapes import SHAPES
+
+BLOCK_SIZE = 16  # the engine's default KV block
+TINY = {"heads": 4, "kv_heads": 2, "head_dim": 16}
+PREFILLS, TINY_PREFILLS = (2048, 8192), (64, 100)
+DECODES, TINY_DECODES = "1x4096,64x4096,256x1024", "3x80"
+CONFIGS = "64x64x8,128x64x8,64x128x8,128x128x8,64x64x4,128x64x4"
+TINY_CONFIGS = "16x16x4,32x16x4"
+
+
+def _meta(contexts: list[int], queries: list[int], device: torch.device) -> AttentionMetadata:
+    """Sequences laid out one after another in the cache (each its own whole blocks)."""
+    width, tables, start = max(-(-c // BLOCK_SIZE) for c in contexts), [], 0
+    for context in contexts:
+        blocks = -(-context // BLOCK_SIZE)
+        tables.append(list(range(start, start + blocks)) + [0] * (width - blocks))
+        start += blocks
+    starts = [0]
+    for n in queries:
+        starts.append(starts[-1] + n)
+    num_decodes = sum(1 for n in queries if n == 1)
+    return AttentionMetadata(torch.empty(0, dtype=torch.long, device=device), torch.tensor(tables, device=device),
+                             torch.tensor(contexts, device=device), starts, contexts, num_decodes,
+                             query_start_tensor=torch.tensor(starts, device=device))
+
+
+def prefill_rows(shape: dict, lengths: list[int], configs: list[tuple[int, int, int]], iters: int,
+                 device: torch.device, dtype: torch.dtype, flops_peak: float | None) -> list[dict]:
+    from splitserve.engine.attention.triton_paged import TritonPagedBackend
+
+    heads, kv_heads, dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    cuda, rows = device.type == "cuda", []
+    for n in lengths:
+        q = torch.randn(n, heads, dim, device=device, dtype=dtype)
+        k, v = (torch.randn(n, kv_heads, dim, device=device, dtype=dtype) for _ in range(2))
+        cache = torch.empty(2, -(-n // BLOCK_SIZE), BLOCK_SIZE, kv_heads, dim, device=device, dtype=dtype)
+        cache[0].view(-1, kv_heads, dim)[:n], cache[1].view(-1, kv_heads, dim)[:n] = k, v
+        meta, flops = _meta([n], [n], device), 4 * n * (n + 1) // 2 * heads * dim
+        contiguous = [x.transpose(0, 1)[None] for x in (q, k, v)]  # [1, heads, n, dim]
+        reference = F.scaled_dot_product_attention(*contiguous, is_causal=True, enable_gqa=True)
+        sdpa = time_calls(lambda: F.scaled_dot_product_attention(*contiguous, is_causal=True, enable_gqa=True),
+                          iters, cuda)
+        rows.append(_prefill_row("sdpa", n, None, sdpa, flops, flops_peak, sdpa))
+        for block_m, block_n, warps in configs:
+            backend, out = TritonPagedBackend(block_m, block_n, prefill_warps=warps), torch.empty_like(q)
+            seconds = time_calls(lambda: backend.prefill(q, cache, meta, out), iters, cuda)
+            diff = (out.transpose(0, 1)[None].float() - reference.float()).abs().max().item()
+            rows.append({**_prefill_row("triton", n, (block_m, block_n, warps), seconds, flops, flops_peak, sdpa),
+                         "max_abs_diff_vs_sdpa": diff})
+    return rows
+
+
+def _prefill_row(kernel: str, n: int, config: tuple[int, int, int] | None, seconds: float, flops: int,
+                 flops_peak: float | None, sdpa_seconds: float) -> dict:
+    tiles, warps = (None, None) if config is None else (f"{config[0]}x{config[1]}", config[2])
+    return {"kind": "prefill", "kernel": kernel, "tokens": n, "tiles": tiles, "warps": warps,
+            "ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
+            "mfu": flops / seconds / flops_peak if flops_peak else None, "speedup_vs_sdpa": sdpa_seconds / seconds}
+
+
+def decode_rows(shape: dict, decodes: list[tuple[int, int]], iters: int, device: torch.device, dtype: torch.dtype,
+                hbm: float | None) -> list[dict]:
+    from splitserve.engine.attention.triton_paged import TritonPagedBackend
+
+    heads, kv_heads, dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    backend, rows = TritonPagedBackend(), []
+    for batch, context in decodes:
+        meta = _meta([context] * batch, [1] * batch, device)
+        cache = torch.randn(2, batch * -(-context // BLOCK_SIZE), BLOCK_SIZE, kv_heads, dim, device=device, dtype=dtype)
+        q = torch.randn(batch, heads, dim, device=device, dtype=dtype)
+        out = torch.empty_like(q)
+        seconds = time_calls(lambda: backend.decode(q, cache, meta, out), iters, device.type == "cuda")
+        keys, values = (cache[i].view(batch, -1, kv_heads, dim)[:, :context].transpose(1, 2) for i in (0, 1))
+        reference = F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]
+        read = batch * context * 2 * kv_heads * dim * cache.element_size()
+        rows.append({"kind": "decode", "kernel": "triton", "batch": batch, "context": context, "ms": seconds * 1e3,
+                     "bytes": read, "gb_per_s": read / seconds / 1e9, "mbu": read / seconds / hbm if hbm else None,
+                     "max_abs_diff_vs_sdpa": (out.float() - reference.float()).abs().max().item()})
+    return rows
+
+
+def print_table(result: dict) -> None:
+    print(f"Device: {result['device']}; {result['shape']}: {result['heads']} heads, {result['kv_heads']} KV heads, "
+          f"head_dim {result['head_dim']}, {result['dtype']}, KV blocks of {BLOCK_SIZE}")
+    print("| kind | kernel | tiles, warps | tokens / batch x context | ms | TFLOP/s or GB/s | MFU or MBU "
+          "| vs SDPA | max abs diff vs SDPA |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
+    for r in result["rows"]:
+        if r["kind"] == "prefill":
+            tiles = "-" if r["tiles"] is None else f"{r['tiles']}, {r['warps']}"
+            diff = f"{r['max_abs_diff_vs_sdpa']:.1e}" if "max_abs_diff_vs_sdpa" in r else "-"
+            print(f"| prefill | {r['kernel']} | {tiles} | {r['tokens']} | {r['ms']:.3f} | {r['tflops']:.1f} "
+                  f"| {pct(r['mfu'])} | {r['speedup_vs_sdpa']:.2f}x | {diff} |")
+        else:
+            print(f"| decode | {r['kernel']} | - | {r['batch']} x {r['context']} | {r['ms']:.3f} "
+                  f"| {r['gb_per_s']:.0f} | {pct(r['mbu'])} | - | {r['max_abs_diff_vs_sdpa']:.1e} |")
+
+
+def _items(text: str, parts: int) -> list[tuple[int, ...]]:
+    """"AxB,CxD" -> [(A, B), (C, D)]; ValueError unless every item is `parts` positive integers."""
+    items = [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
+    if any(len(item) != parts or min(item) < 1 for item in items):
+        raise ValueError(text)
+    return items
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="a shape of engine/shapes.py")
+    p.add_argument("--tiny", action="store_true", help="a tiny layer on the CPU, under Triton's interpreter")
+    p.add_argument("--configs", help=f"prefill configurations, ROWSxKEYSxWARPS, comma-separated (default {CONFIGS})")
+    p.add_argument("--decodes", help=f"decode batches, BATCHxCONTEXT, comma-separated (default {DECODES})")
+    add_run_args(p, PREFILLS, TINY_PREFILLS)
+    args = p.parse_args(argv)
+    if args.tiny:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first decorated
+        # the interpreter's tl.dot misreads bfloat16, so the tiny layer runs in float16
+        device, dtype, shape, name = torch.device("cpu"), torch.float16, TINY, "tiny layer"
+    elif not torch.cuda.is_available():
+        p.error("no CUDA device: run with --tiny for the CPU version")
+    else:
+        c = ModelConfig.from_hf(SHAPES[args.shape])
+        device, dtype, name = torch.device("cuda"), torch.bfloat16, args.shape
+        shape = {"heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim}
+    try:
+        configs = _items(args.configs or (TINY_CONFIGS if args.tiny else CONFIGS), 3)
+        decodes = _items(args.decodes or (TINY_DECODES if args.tiny else DECODES), 2)
+    except ValueError as error:
+        p.error(f"--configs takes ROWSxKEYSxWARPS items and --decodes BATCHxCONTEXT items, comma-separated; "
+                f"got {error}")
+    lengths = [int(n) for n in args.tokens.split(",")] if args.tokens else list(TINY_PREFILLS if args.tiny
+                                                                                   else PREFILLS)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    hbm, flops_peak = peaks(device_name, args.hbm_tbs, args.bf16_tflops)
+    rows = prefill_rows(shape, lengths, configs, args.iters, device, dtype, flops_peak)
+    rows += decode_rows(shape, decodes, args.iters, device, dtype, hbm)
+    result = {"device": device_name, "shape": name, **shape, "dtype": str(dtype).removeprefix("torch."),
+              "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak, "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

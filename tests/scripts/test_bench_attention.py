@@ -1,0 +1,39 @@
+"""bench_attention.py: the tiny layer runs end to end on the CPU (Triton's interpreter): SDPA and
+each prefill configuration per prompt length, then each decode batch, every kernel's output within
+half precision of SDPA's on the same keys, the FLOPs of a causal prefill and the bytes of a decode
+as its docstring counts them; malformed configurations are refused."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_attention.py"
+
+
+def test_the_tiny_layer_runs_every_configuration_against_sdpa(tmp_path):
+    out = tmp_path / "attention.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--iters", "1", "--tokens", "40,100",
+                    "--configs", "16x16x4,32x16x2", "--decodes", "3x80,1x17", "--json", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["device"] == "cpu" and (result["heads"], result["kv_heads"], result["head_dim"]) == (4, 2, 16)
+    assert [(r["kind"], r["kernel"], r.get("tokens"), r.get("tiles"), r.get("warps")) for r in rows[:6]] == [
+        ("prefill", kernel, n, tiles, warps) for n in (40, 100)
+        for kernel, tiles, warps in (("sdpa", None, None), ("triton", "16x16", 4), ("triton", "32x16", 2))]
+    assert [(r["batch"], r["context"]) for r in rows[6:]] == [(3, 80), (1, 17)]
+    for r in rows[:6]:
+        assert r["tflops"] * 1e12 * r["ms"] / 1e3 == pytest.approx(4 * r["tokens"] * (r["tokens"] + 1) // 2 * 4 * 16)
+    assert [r["bytes"] for r in rows[6:]] == [3 * 80 * 2 * 2 * 16 * 2, 17 * 2 * 2 * 16 * 2]  # float16
+    assert all(r["max_abs_diff_vs_sdpa"] < 1e-2 for r in rows if r["kernel"] == "triton")
+    assert all(r["mfu" if r["kind"] == "prefill" else "mbu"] is None for r in rows)  # no peak for a CPU
+
+
+@pytest.mark.parametrize("args", [["--configs", "16x16"], ["--decodes", "3x0"], ["--configs", "16xax4"]])
+def test_a_malformed_configuration_is_refused(args):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--configs takes ROWSxKEYSxWARPS items" in done.stderr
