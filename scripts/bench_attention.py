@@ -38,8 +38,9 @@ CONFIGS = "64x64x8,128x64x8,64x128x8,128x128x8,64x64x4,128x64x4"
 TINY_CONFIGS = "16x16x4,32x16x4"
 
 
-def _meta(contexts: list[int], queries: list[int], device: torch.device) -> AttentionMetadata:
-    """Sequences laid out one after another in the cache (each its own whole blocks)."""
+def _meta(contexts: list[int], queries: list[int], num_decodes: int, device: torch.device) -> AttentionMetadata:
+    """Sequences laid out one after another in the cache (each its own whole blocks), the first
+    `num_decodes` of them decodes."""
     width, tables, start = max(-(-c // BLOCK_SIZE) for c in contexts), [], 0
     for context in contexts:
         blocks = -(-context // BLOCK_SIZE)
@@ -48,7 +49,6 @@ def _meta(contexts: list[int], queries: list[int], device: torch.device) -> Atte
     starts = [0]
     for n in queries:
         starts.append(starts[-1] + n)
-    num_decodes = sum(1 for n in queries if n == 1)
     return AttentionMetadata(torch.empty(0, dtype=torch.long, device=device), torch.tensor(tables, device=device),
                              torch.tensor(contexts, device=device), starts, contexts, num_decodes,
                              query_start_tensor=torch.tensor(starts, device=device))
@@ -56,7 +56,7 @@ def _meta(contexts: list[int], queries: list[int], device: torch.device) -> Atte
 
 def prefill_rows(shape: dict, lengths: list[int], configs: list[tuple[int, int, int]], iters: int,
                  device: torch.device, dtype: torch.dtype, flops_peak: float | None) -> list[dict]:
-    from splitserve.engine.attention.triton_paged import TritonPagedBackend
+    from splitserve.engine.attention.triton_paged import TritonPagedBackend  # once --tiny set TRITON_INTERPRET
 
     heads, kv_heads, dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
     cuda, rows = device.type == "cuda", []
@@ -65,7 +65,7 @@ def prefill_rows(shape: dict, lengths: list[int], configs: list[tuple[int, int, 
         k, v = (torch.randn(n, kv_heads, dim, device=device, dtype=dtype) for _ in range(2))
         cache = torch.empty(2, -(-n // BLOCK_SIZE), BLOCK_SIZE, kv_heads, dim, device=device, dtype=dtype)
         cache[0].view(-1, kv_heads, dim)[:n], cache[1].view(-1, kv_heads, dim)[:n] = k, v
-        meta, flops = _meta([n], [n], device), 4 * n * (n + 1) // 2 * heads * dim
+        meta, flops = _meta([n], [n], 0, device), 4 * n * (n + 1) // 2 * heads * dim
         contiguous = [x.transpose(0, 1)[None] for x in (q, k, v)]  # [1, heads, n, dim]
         reference = F.scaled_dot_product_attention(*contiguous, is_causal=True, enable_gqa=True)
         sdpa = time_calls(lambda: F.scaled_dot_product_attention(*contiguous, is_causal=True, enable_gqa=True),
@@ -95,7 +95,7 @@ def decode_rows(shape: dict, decodes: list[tuple[int, int]], iters: int, device:
     heads, kv_heads, dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
     backend, rows = TritonPagedBackend(), []
     for batch, context in decodes:
-        meta = _meta([context] * batch, [1] * batch, device)
+        meta = _meta([context] * batch, [1] * batch, batch, device)
         cache = torch.randn(2, batch * -(-context // BLOCK_SIZE), BLOCK_SIZE, kv_heads, dim, device=device, dtype=dtype)
         q = torch.randn(batch, heads, dim, device=device, dtype=dtype)
         out = torch.empty_like(q)
