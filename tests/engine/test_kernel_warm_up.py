@@ -90,7 +90,7 @@ def test_fp8_projections_run_once_per_tile_shape(tmp_path, monkeypatch):
     write_checkpoint(tmp_path, "qwen3_qk_norm", {False: train_tokenizer(), True: train_tokenizer(qwen2=True)})
     quantize_checkpoint(tmp_path)
     monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
-    # the torch attention backend (the CUDA default is Triton's): no warm-up steps, the experts still
+    # the torch attention backend (the CUDA default is Triton's): no warm-up steps, the projections still
     runner = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type, "attention_backend": "torch"}).engine.runner
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
     launches, real = [], fp8_linear.matmul
