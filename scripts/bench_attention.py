@@ -16,15 +16,14 @@ and says how far the kernel's output is from SDPA's on the same keys (a check of
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from bench_moe import add_run_args, pct, time_calls  # this script's folder
-from gpu_roofline import peaks
+from bench_moe import (  # this script's folder
+    add_run_args, device_peaks, emit, pct, print_markdown, ratio, run_device, sci, time_calls, token_counts,
+)
 
 from splitserve.engine.attention.metadata import AttentionMetadata
 from splitserve.engine.config import ModelConfig
@@ -112,18 +111,18 @@ def decode_rows(shape: dict, decodes: list[tuple[int, int]], iters: int, device:
 def print_table(result: dict) -> None:
     print(f"Device: {result['device']}; {result['shape']}: {result['heads']} heads, {result['kv_heads']} KV heads, "
           f"head_dim {result['head_dim']}, {result['dtype']}, KV blocks of {BLOCK_SIZE}")
-    print("| kind | kernel | tiles, warps | tokens / batch x context | ms | TFLOP/s or GB/s | MFU or MBU "
-          "| vs SDPA | max abs diff vs SDPA |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|")
-    for r in result["rows"]:
-        if r["kind"] == "prefill":
-            tiles = "-" if r["tiles"] is None else f"{r['tiles']}, {r['warps']}"
-            diff = f"{r['max_abs_diff_vs_sdpa']:.1e}" if "max_abs_diff_vs_sdpa" in r else "-"
-            print(f"| prefill | {r['kernel']} | {tiles} | {r['tokens']} | {r['ms']:.3f} | {r['tflops']:.1f} "
-                  f"| {pct(r['mfu'])} | {r['speedup_vs_sdpa']:.2f}x | {diff} |")
-        else:
-            print(f"| decode | {r['kernel']} | - | {r['batch']} x {r['context']} | {r['ms']:.3f} "
-                  f"| {r['gb_per_s']:.0f} | {pct(r['mbu'])} | - | {r['max_abs_diff_vs_sdpa']:.1e} |")
+    print_markdown(["kind", "kernel", "tiles, warps", "tokens / batch x context", "ms:", "TFLOP/s or GB/s:",
+                    "MFU or MBU:", "vs SDPA:", "max abs diff vs SDPA:"], [_cells(r) for r in result["rows"]])
+
+
+def _cells(r: dict) -> list:
+    diff = sci(r.get("max_abs_diff_vs_sdpa"))
+    if r["kind"] == "decode":
+        return ["decode", r["kernel"], "-", f"{r['batch']} x {r['context']}", f"{r['ms']:.3f}", f"{r['gb_per_s']:.0f}",
+                pct(r["mbu"]), "-", diff]
+    tiles = "-" if r["tiles"] is None else f"{r['tiles']}, {r['warps']}"
+    return ["prefill", r["kernel"], tiles, r["tokens"], f"{r['ms']:.3f}", f"{r['tflops']:.1f}", pct(r["mfu"]),
+            ratio(r["speedup_vs_sdpa"]), diff]
 
 
 def _items(text: str, parts: int) -> list[tuple[int, ...]]:
@@ -142,15 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decodes", help=f"decode batches, BATCHxCONTEXT, comma-separated (default {DECODES})")
     add_run_args(p, PREFILLS, TINY_PREFILLS)
     args = p.parse_args(argv)
+    device, dtype = run_device(p, args)
     if args.tiny:
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first decorated
-        # the interpreter's tl.dot misreads bfloat16, so the tiny layer runs in float16
-        device, dtype, shape, name = torch.device("cpu"), torch.float16, TINY, "tiny layer"
-    elif not torch.cuda.is_available():
-        p.error("no CUDA device: run with --tiny for the CPU version")
+        shape, name = TINY, "tiny layer"
     else:
-        c = ModelConfig.from_hf(SHAPES[args.shape])
-        device, dtype, name = torch.device("cuda"), torch.bfloat16, args.shape
+        c, name = ModelConfig.from_hf(SHAPES[args.shape]), args.shape
         shape = {"heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim}
     try:
         configs = _items(args.configs or (TINY_CONFIGS if args.tiny else CONFIGS), 3)
@@ -158,18 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         p.error(f"--configs takes ROWSxKEYSxWARPS items and --decodes BATCHxCONTEXT items, comma-separated; "
                 f"got {error}")
-    lengths = [int(n) for n in args.tokens.split(",")] if args.tokens else list(TINY_PREFILLS if args.tiny
-                                                                                   else PREFILLS)
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    hbm, flops_peak = peaks(device_name, args.hbm_tbs, args.bf16_tflops)
+    lengths = token_counts(args, PREFILLS, TINY_PREFILLS)
+    device_name, hbm, flops_peak = device_peaks(device, args)
     rows = prefill_rows(shape, lengths, configs, args.iters, device, dtype, flops_peak)
     rows += decode_rows(shape, decodes, args.iters, device, dtype, hbm)
     result = {"device": device_name, "shape": name, **shape, "dtype": str(dtype).removeprefix("torch."),
               "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak, "rows": rows}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print_table(result)
-    return 0
+    return emit(args, result, print_table)
 
 
 if __name__ == "__main__":

@@ -17,15 +17,14 @@ calls after a warm-up (CUDA events on a GPU); a `layer` row sums the four projec
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from bench_moe import add_run_args, pct, time_calls  # this script's folder
-from gpu_roofline import peaks
+from bench_moe import (  # this script's folder
+    add_run_args, device_peaks, emit, pct, print_markdown, ratio, run_device, sci, time_calls, token_counts,
+)
 
 from splitserve.engine import fp8
 from splitserve.engine.config import ModelConfig
@@ -94,39 +93,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="one scale per 128 x 128 block (32 x 32 with --tiny), or one a row")
     add_run_args(p, TOKENS, TINY_TOKENS)
     args = p.parse_args(argv)
-    if args.tiny:
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first decorated
-        # the interpreter's tl.dot misreads bfloat16, so the tiny projections run in float16
-        device, dtype, shape, name, block = torch.device("cpu"), torch.float16, TINY, "tiny Qwen3 layer", TINY_BLOCK
-    elif not torch.cuda.is_available():
-        p.error("no CUDA device: run with --tiny for the CPU version")
-    else:
-        device, dtype, shape, name, block = torch.device("cuda"), torch.bfloat16, SHAPES[args.shape], args.shape, BLOCK
-    block = fp8.ROWS if args.scales == "row" else block
+    device, dtype = run_device(p, args)
+    shape, name = (TINY, "tiny Qwen3 layer") if args.tiny else (SHAPES[args.shape], args.shape)
+    block = fp8.ROWS if args.scales == "row" else TINY_BLOCK if args.tiny else BLOCK
     if device.type == "cuda" and not fp8.projections_kept(torch.cuda.get_device_capability(device)):
         p.error("this GPU's Triton reads no float8 e4m3 (sm_89 and later do): the engine dequantizes FP8 here")
-    tokens = [int(n) for n in args.tokens.split(",")] if args.tokens else list(TINY_TOKENS if args.tiny else TOKENS)
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    hbm, flops_peak = peaks(device_name, args.hbm_tbs, args.bf16_tflops)
-    result = {"device": device_name, "shape": name, "scales": args.scales, "block": list(block), "dtype": str(dtype).removeprefix("torch."),
-              "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak,
+    tokens = token_counts(args, TOKENS, TINY_TOKENS)
+    device_name, hbm, flops_peak = device_peaks(device, args)
+    result = {"device": device_name, "shape": name, "scales": args.scales, "block": list(block),
+              "dtype": str(dtype).removeprefix("torch."), "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak,
               "rows": measure(ModelConfig.from_hf(shape), tokens, args.iters, device, dtype, block, hbm, flops_peak)}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    scales = "one scale a row" if block == fp8.ROWS else f"{block[0]}x{block[1]} blocks"
-    print(f"Device: {device_name}; {name}'s projections, FP8 with {scales}, activations {result['dtype']}")
-    print_table(result["rows"])
-    return 0
+    return emit(args, result, print_table)
 
 
-def print_table(rows: list[dict]) -> None:
-    print("| tokens | projection | weights | ms | speed-up vs bf16 | MBU | MFU | max rel. diff vs bf16 of its codes |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        speedup = f"{r['speedup_vs_bf16']:.2f}x" if "speedup_vs_bf16" in r else "-"
-        diff = f"{r['max_rel_diff']:.1e}" if "max_rel_diff" in r else "-"
-        print(f"| {r['tokens']} | {r['projection']} | {r['format']} | {r['step_ms']:.3f} | {speedup} | "
-              f"{pct(r['mbu'])} | {pct(r['mfu'])} | {diff} |")
+def print_table(result: dict) -> None:
+    block = result["block"]
+    scales = "one scale a row" if tuple(block) == fp8.ROWS else f"{block[0]}x{block[1]} blocks"
+    print(f"Device: {result['device']}; {result['shape']}'s projections, FP8 with {scales}, "
+          f"activations {result['dtype']}")
+    print_markdown(["tokens:", "projection", "weights", "ms:", "speed-up vs bf16:", "MBU:", "MFU:",
+                    "max rel. diff vs bf16 of its codes:"],
+                   [[r["tokens"], r["projection"], r["format"], f"{r['step_ms']:.3f}", ratio(r.get("speedup_vs_bf16")),
+                     pct(r["mbu"]), pct(r["mfu"]), sci(r.get("max_rel_diff"))] for r in result["rows"]])
 
 
 if __name__ == "__main__":

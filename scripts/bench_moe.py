@@ -134,14 +134,27 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
 def print_table(result: dict) -> None:
     print(f"Device: {result['device']}; {result['shape']}: {result['experts']} experts, top {result['top_k']}, "
           f"hidden {result['hidden']}, width {result['width']}, activations {result['dtype']}")
-    print("| tokens | experts hit | weights | ms | speed-up vs dense | MBU | MFU "
-          "| max rel. diff vs its weights dequantized |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
-    for r in result["rows"]:
-        speedup = f"{r['speedup_vs_dense']:.2f}x" if "speedup_vs_dense" in r else "-"
-        diff = f"{r['max_rel_diff']:.1e}" if "max_rel_diff" in r else "-"
-        print(f"| {r['tokens']} | {r['experts_hit']} | {r['format']} | {r['step_ms']:.3f} | {speedup} | "
-              f"{pct(r['mbu'])} | {pct(r['mfu'])} | {diff} |")
+    print_markdown(["tokens:", "experts hit:", "weights", "ms:", "speed-up vs dense:", "MBU:", "MFU:",
+                    "max rel. diff vs its weights dequantized:"],
+                   [[r["tokens"], r["experts_hit"], r["format"], f"{r['step_ms']:.3f}",
+                     ratio(r.get("speedup_vs_dense")), pct(r["mbu"]), pct(r["mfu"]), sci(r.get("max_rel_diff"))]
+                    for r in result["rows"]])
+
+
+def print_markdown(columns: list[str], rows: list[list]) -> None:
+    """A markdown table; a column named with a trailing ':' is right-aligned (the ':' not shown)."""
+    print("| " + " | ".join(c.removesuffix(":") for c in columns) + " |")
+    print("|" + "|".join("---:" if c.endswith(":") else "---" for c in columns) + "|")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+
+
+def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def sci(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
 
 
 def pct(value: float | None) -> str:
@@ -158,6 +171,35 @@ def add_run_args(p: argparse.ArgumentParser, tokens: tuple[int, ...], tiny_token
     p.add_argument("--json", type=Path, help="write the result here")
 
 
+def run_device(p: argparse.ArgumentParser, args) -> tuple[torch.device, torch.dtype]:
+    """--tiny: the CPU under Triton's interpreter, in float16 (the interpreter's tl.dot misreads
+    bfloat16); else CUDA in bfloat16, or a usage error without it."""
+    if args.tiny:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first decorated
+        return torch.device("cpu"), torch.float16
+    if not torch.cuda.is_available():
+        p.error("no CUDA device: run with --tiny for the CPU version")
+    return torch.device("cuda"), torch.bfloat16
+
+
+def token_counts(args, tokens: tuple[int, ...], tiny_tokens: tuple[int, ...]) -> list[int]:
+    return [int(n) for n in args.tokens.split(",")] if args.tokens else list(tiny_tokens if args.tiny else tokens)
+
+
+def emit(args, result: dict, show) -> int:
+    """The result written to --json where asked, then shown (`show(result)`); the exit status."""
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    show(result)
+    return 0
+
+
+def device_peaks(device: torch.device, args) -> tuple[str, float | None, float | None]:
+    """(the device's name, its HBM peak, its dense bf16 peak): --hbm-tbs / --bf16-tflops, else its data sheet's."""
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    return (name, *peaks(name, args.hbm_tbs, args.bf16_tflops))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     moe_shapes = [name for name, shape in SHAPES.items() if ModelConfig.from_hf(shape).num_experts]
@@ -165,26 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a tiny layer on the CPU, under Triton's interpreter")
     add_run_args(p, TOKENS, TINY_TOKENS)
     args = p.parse_args(argv)
-    if args.tiny:
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first decorated
-        # the interpreter's tl.dot misreads bfloat16, so the tiny layer runs in float16
-        device, dtype, shape, name = torch.device("cpu"), torch.float16, TINY, "tiny GPT-OSS layer"
-    elif not torch.cuda.is_available():
-        p.error("no CUDA device: run with --tiny for the CPU version")
-    else:
-        device, dtype, shape, name = torch.device("cuda"), torch.bfloat16, SHAPES[args.shape], args.shape
-    tokens = [int(n) for n in args.tokens.split(",")] if args.tokens else list(TINY_TOKENS if args.tiny else TOKENS)
+    device, dtype = run_device(p, args)
+    shape, name = (TINY, "tiny GPT-OSS layer") if args.tiny else (SHAPES[args.shape], args.shape)
+    tokens = token_counts(args, TOKENS, TINY_TOKENS)
     c = ModelConfig.from_hf(shape)
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    hbm, flops_peak = peaks(device_name, args.hbm_tbs, args.bf16_tflops)
+    device_name, hbm, flops_peak = device_peaks(device, args)
     result = {"device": device_name, "shape": name, "experts": c.num_experts, "top_k": c.num_experts_per_tok,
               "hidden": c.hidden_size, "width": c.moe_intermediate_size, "dtype": str(dtype).removeprefix("torch."),
               "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak,
               "rows": measure(c, tokens, args.iters, device, dtype, hbm, flops_peak)}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print_table(result)
-    return 0
+    return emit(args, result, print_table)
 
 
 if __name__ == "__main__":
