@@ -1,6 +1,7 @@
 """Compiles, on a machine without a GPU, every variant of the Triton kernels that the CUDA engine
 launches for a model shape, for a GPU architecture; reports each variant's compile time,
-registers, spills and shared memory (from the cubin, with the cuobjdump that Triton ships).
+registers, spills and shared memory (from the cubin, with the cuobjdump that Triton ships) and
+its innermost loops' instructions by kind (`sass_loops.py`: an attention kernel's key tile).
 
 Triton compiles a kernel once per variant: per constexpr set, and per integer argument that is 1
 or a multiple of 16 and per pointer that is 16-byte aligned, unless the kernel says not to
@@ -39,6 +40,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+from sass_loops import describe, disassemble, innermost_loops  # noqa: E402  (this script's folder)
 
 from splitserve.engine import fp8  # noqa: E402
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES  # noqa: E402
@@ -97,6 +100,7 @@ class Variant:
     registers: int
     spill_bytes: int
     shared_bytes: int
+    loops: list[dict[str, int]]  # per innermost loop: instructions a thread issues an iteration, by kind
 
 
 @contextmanager
@@ -142,7 +146,8 @@ def _variant(fn: JITFunction, kernel, phase: str, seconds: float) -> Variant:
              if any(name == "tt.divisibility" for name, _ in attrs)]
     usage = _resource_usage(kernel.asm["cubin"])
     return Variant(kernel.name, " ".join(spec), phase, round(seconds, 3), usage["REG"],
-                   usage["STACK"] + usage["LOCAL"], kernel.metadata.shared)
+                   usage["STACK"] + usage["LOCAL"], kernel.metadata.shared,
+                   innermost_loops(disassemble(kernel.asm["cubin"])))
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
@@ -257,7 +262,7 @@ def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig
     with built_for(divmod(arch, 10)):  # FP8 weights kept (or dequantized) as that device keeps them
         model = LayerLaunches(model_config, dtype, max_model_len, windows)
     cpu = torch.device("cpu")
-    backend = TritonPagedBackend(sms=ARCHS[arch].sms)
+    backend = TritonPagedBackend(sms=ARCHS[arch].sms, capability=divmod(arch, 10))
     cache = KVCache(model_config, 8, config.block_size, dtype, cpu, kv_cache_dtype=config.kv_cache_dtype)
     runner = ModelRunner(model, cache, backend, cpu)
     phase, variants = ["start-up"], {}
@@ -317,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             print(f"  {v.phase:8} {v.kernel:22} {v.compile_s:6.2f} s  {v.registers:3} regs  {v.spill_bytes:4} B spilled"
                   f"  {v.shared_bytes:6} B shared  {v.spec}")
+            if v.loops:
+                print(f"{'':12}loops: {describe(v.loops)}")
         for line in found:
             print("  PROBLEM:", line)
     if args.json:

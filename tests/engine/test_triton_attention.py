@@ -4,7 +4,8 @@
 GQA ratios 1, 4 and 8, block sizes 16 and 32, ragged contexts, chunks with earlier context and
 prefix-cache hits, decode split over the context and not, sliding windows, soft-capped scores,
 attention sinks (the flash-attn backend leaving them to the Triton kernel), an FP8 cache (every
-e4m3 code widened as torch reads it), float32 and bfloat16; random batches over any block size and
+e4m3 code widened as torch reads it, by bit moves and by Triton's e4m3 conversion), float32 and
+bfloat16; random batches over any block size and
 head sizes to 256; and a tiny model's greedy output with the Triton backend equal to the torch
 backend's, with either cache."""
 from __future__ import annotations
@@ -31,6 +32,10 @@ check = functools.partial(check_case, device=DEVICE)
 # small tiles keep the interpreter quick; the kernels take any multiple of 16
 SMALL = {"block_m": 16, "block_n": 16}
 GQA = [(4, 4), (8, 2), (16, 2)]  # ratios 1, 4, 8
+# e4m3 conversion: in the interpreter, and on GPUs from sm_89 (an A100 has none)
+HAS_E4M3 = DEVICE.type == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
+# the capabilities whose FP8 widening each runs: bit moves (sm_80), e4m3 conversion (sm_89)
+WIDENINGS = [(8, 0), pytest.param((8, 9), marks=pytest.mark.skipif(not HAS_E4M3, reason="no e4m3 conversion"))]
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA)
@@ -108,11 +113,14 @@ def test_sinks_in_half_precision_and_the_flash_attn_backend(monkeypatch):
 
 @pytest.mark.parametrize("heads,kv_heads", GQA)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_an_fp8_cache(heads, kv_heads, splits):
-    """e4m3 codes widened in the kernels equal torch's float8_e4m3fn values times the scales:
-    decodes split and not, fresh prompts, a chunk with earlier context, a prefix hit, block size 32."""
+@pytest.mark.parametrize("capability", WIDENINGS)
+def test_an_fp8_cache(heads, kv_heads, splits, capability):
+    """e4m3 codes widened in the kernels (by bit moves, or the GPU's conversion), times the scales,
+    equal torch's float8_e4m3fn values times them: decodes split and not, fresh prompts, a chunk with
+    earlier context, a prefix hit, block size 32."""
     check([(9, 1), (77, 1), (40, 1), (31, 31), (50, 19), (70, 3)], heads=heads, kv_heads=kv_heads, dim=32,
-          block_size=32, num_decodes=3, backend=TritonPagedBackend(**SMALL, num_splits=splits), kv_scale=(0.05, 3.0))
+          block_size=32, num_decodes=3, backend=TritonPagedBackend(**SMALL, num_splits=splits, capability=capability),
+          kv_scale=(0.05, 3.0))
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -127,9 +135,11 @@ def test_an_fp8_cache_in_half_precision_and_the_flash_attn_backend(dtype, monkey
           kv_scale=(1.0, 1.0))
 
 
-def test_every_e4m3_code_widens_to_torchs_value():
-    """All 254 finite codes (the NaNs 0x7f, 0xff aside): the kernels' bit moves against torch's
-    float8_e4m3fn, with a scale of 1, so the decode's output row is the one value each."""
+@pytest.mark.parametrize("capability", WIDENINGS)
+def test_every_e4m3_code_widens_to_torchs_value(capability):
+    """All 254 finite codes (the NaNs 0x7f, 0xff aside): the kernels' bit moves, and Triton's e4m3
+    conversion, against torch's float8_e4m3fn, with a scale of 1, so the decode's output row is the
+    one value each."""
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     values = codes.view(torch.float8_e4m3fn).float()
     kv_cache = torch.zeros((2, len(codes), 16, 1, 16), dtype=torch.uint8)
@@ -139,7 +149,8 @@ def test_every_e4m3_code_widens_to_torchs_value():
                              torch.ones(n, dtype=torch.long, device=DEVICE), list(range(n + 1)), [1] * n, n,
                              query_start_tensor=torch.arange(n + 1, device=DEVICE))
     q = torch.zeros((n, 1, 16), device=DEVICE)
-    out = TritonPagedBackend(**SMALL, num_splits=1).forward(q, q, q, kv_cache.to(DEVICE), meta)
+    out = TritonPagedBackend(**SMALL, num_splits=1, capability=capability).forward(q, q, q, kv_cache.to(DEVICE),
+                                                                                 meta)
     assert torch.equal(out[:, 0, 0].cpu(), values)
 
 
@@ -183,7 +194,7 @@ def test_random_batches(seed):
     """Random mixes of decodes, fresh prompts, chunks and prefix hits (one new token over a long
     context) over random shapes: head sizes to 256, any block size (a key's block is its position //
     the block size: 8 to 64 here, not only powers of two), tile sizes, split counts, a window, soft
-    caps, sinks, an FP8 cache, half precision."""
+    caps, sinks, an FP8 cache (either widening), half precision."""
     rng = random.Random(2000 + seed)
     heads, kv_heads = rng.choice(GQA + [(8, 1), (8, 8)])
     decodes = [(rng.randint(1, 150), 1) for _ in range(rng.randint(0, 4))]
@@ -196,7 +207,8 @@ def test_random_batches(seed):
           block_size=rng.choice([8, 12, 16, 32, 64]), seed=seed, num_decodes=len(decodes), **chosen,
           tolerance=2e-2 if "dtype" in chosen else 1e-5, extra_blocks=rng.choice([0, 2]),
           backend=TritonPagedBackend(block_m=rng.choice([16, 32]), block_n=rng.choice([16, 32]),
-                                     num_splits=rng.choice([None, 1, 2, 5])))
+                                     num_splits=rng.choice([None, 1, 2, 5]),
+                                     capability=rng.choice([(8, 0), (8, 9)][:1 + HAS_E4M3])))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

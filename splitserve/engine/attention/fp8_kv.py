@@ -39,9 +39,10 @@ def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def dequantize(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """The values codes (uint8) stand for: code times scale in float32, rounded once to `dtype`.
-    Widened with integer bit moves, as the Triton kernels do (`triton_kernels._e4m3`: the sign and
-    the 7 exponent and mantissa bits placed in a float16 make value / 2**8), which CPU torch runs
-    vectorized, about twice as fast as its float8 conversion; the values are the same."""
+    Widened with integer bit moves, as the Triton kernels do on GPUs without an e4m3 conversion
+    (`triton_kernels._e4m3_halves`: the sign and the 7 exponent and mantissa bits placed in a
+    float16 make value / 2**8), which CPU torch runs vectorized, about twice as fast as its float8
+    conversion; the values are the same."""
     bits = codes.to(torch.int16)
     half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).view(torch.float16)
     return half.to(torch.float32).mul_(256.0 * scale).to(dtype)

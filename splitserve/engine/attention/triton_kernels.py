@@ -5,9 +5,15 @@ over the whole context or a sliding window (`window` > 0: the query at p attends
 says so (SOFTCAP: softcap * tanh(scores / softcap), Gemma 2) and attention sinks where it has them
 (SINKS: head h's softmax also counts a logit sinks[h] with no value, GPT-OSS; it joins the running
 max and sum once, after the keys, or at the merge of a split decode). An FP8 cache (FP8_KV: uint8
-e4m3 codes, `fp8_kv`) is read a byte a value and widened in registers: code times the layer's
-scale in float32, rounded to the queries' dtype, as `fp8_kv.dequantize` does; the widening is
-integer bit moves, so it needs no float8 support from the GPU (an A100 reads it too).
+e4m3 codes, `fp8_kv`) is read a byte a value and widened in registers, unscaled: by the GPU's own
+e4m3 conversion where it has one (NATIVE_FP8: sm_89 and later), else by integer bit moves to the
+values / 2**8 (an A100); the layer's K scale (over that unit) joins the score scale and its V
+scale multiplies the output once, so no scale costs a multiply per key.
+
+Softmax runs in base 2: a score's log2 weight is its dot times `to_log2` (the score scale times
+log2(e), or log2(e) alone after a soft cap, which applies the scale itself), so with the running
+max subtracted it is one fused multiply-add before exp2. The scale is positive, so the max of the
+dots scaled is the scaled max.
 
 Layouts (the engine's): one layer's cache is [2 (K, V), num_blocks, block_size, kv_heads, head_dim],
 contiguous; queries are [tokens, heads, head_dim]; block tables [seqs, max_pages] (padded with 0,
@@ -28,6 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)
 STEP_INTS = ["stride_table", "first_seq", "num_seqs", "window"]  # window: per layer, not per step
 STEP_POINTERS = ["slots_ptr", "tables_ptr", "context_ptr", "query_starts_ptr"]
 
@@ -93,53 +100,59 @@ def _key_tile(cache_ptr, tables_ptr, seq, stride_table, start, context, kv_head,
 
 
 @triton.jit
-def _widened(x, scale, like, FP8_KV: tl.constexpr):
-    """A K or V tile as values in `like`'s dtype: FP8 codes widened (`_e4m3`) and scaled. V is
+def _widened(x, like, FP8_KV: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """A K or V tile in `like`'s dtype: FP8 codes widened unscaled, to their values (NATIVE_FP8) or
+    to the values / 2**8 (`_e4m3_halves`), either exact in float16, bfloat16 and float32. V is
     widened only for its dot, so the two widened tiles are never live at once (registers)."""
     if FP8_KV:
-        x = (_e4m3(x) * scale).to(like.dtype)
+        if NATIVE_FP8:
+            x = x.to(tl.float8e4nv, bitcast=True).to(like.dtype)
+        else:
+            x = _e4m3_halves(x).to(like.dtype)
     return x
 
 
 @triton.jit
-def _e4m3(codes):
-    """float32 values of e4m3 codes (uint8). Sign to bit 15 and the 7 exponent and mantissa bits to
-    bits 7..13 make the float16 of value / 2**8 (e4m3's exponent bias is 7, float16's 15), subnormals
-    included; times 2**8 is exact. Codes 0x7f / 0xff (NaN) read as +-480."""
+def _e4m3_halves(codes):
+    """float16 of e4m3 codes' values / 2**8, in integer bit moves any GPU has: sign to bit 15 and the
+    7 exponent and mantissa bits to bits 7..13 (e4m3's exponent bias is 7, float16's 15), subnormals
+    included. Codes 0x7f / 0xff (NaN) read as +-480 / 2**8."""
     bits = codes.to(tl.uint16)
-    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
-    return half.to(tl.float32) * 256.0
+    return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def _add_sink(m, l, sink):
-    """(factor, sum): the online softmax of max m, sum l, with one more logit `sink` of no value;
-    the accumulator is multiplied by factor. Rescaled to max(m, sink), so nothing overflows, and m
-    may be -inf (no key)."""
+    """(factor, sum): the online softmax of max m, sum l, with one more logit `sink` of no value
+    (m and sink in log2 units); the accumulator is multiplied by factor. Rescaled to max(m, sink),
+    so nothing overflows, and m may be -inf (no key)."""
     top = tl.maximum(m, sink)
-    factor = tl.exp(m - top)
-    return factor, l * factor + tl.exp(sink - top)
+    factor = tl.math.exp2(m - top)
+    return factor, l * factor + tl.math.exp2(sink - top)
 
 
 @triton.jit
-def _soft_cap(s, softcap, SOFTCAP: tl.constexpr):
-    """softcap * tanh(s / softcap), tanh as 1 - 2 / (exp(2x) + 1) (exact at both infinities)."""
+def _scores(q, k, scale, softcap, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q . k for each query and key: as they are (the caller's `to_log2` scales them), or with
+    SOFTCAP scaled and capped, softcap * tanh(s * scale / softcap), tanh as 1 - 2 / (exp(2x) + 1)
+    (exact at both infinities)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if SOFTCAP:
-        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s * scale / softcap) + 1.0))
     return s
 
 
 @_step_jit
 def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr,
                         stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
-                        stride_ot, stride_oh, num_heads, scale, window, softcap, k_scale, v_scale,
+                        stride_ot, stride_oh, num_heads, scale, to_log2, window, softcap, v_scale,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                        SINKS: tl.constexpr, FP8_KV: tl.constexpr):
+                        SINKS: tl.constexpr, FP8_KV: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """One program per (decode sequence, kv head, split): the GROUP query heads that share this KV
     head attend to this split's key tiles. One split writes the output, sinks counted; several
-    write partial (unnormalized accumulator, max, sum; no sinks) for `merge_splits_kernel`. Each
+    write partial (unnormalized accumulator, max in log2 units, sum; no sinks) for `merge_splits_kernel`. Each
     sequence's key tiles are divided over the splits by its own context (read on the device), so a
     launch depends only on the batch size and NUM_SPLITS, which a captured CUDA graph fixes; a
     split past a short context has no keys."""
@@ -163,20 +176,20 @@ def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part
     for tile in range(first, last):
         k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
                                    kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N, BLOCK_SIZE)
-        k = _widened(k, k_scale, q, FP8_KV)
-        s = _soft_cap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, softcap, SOFTCAP)
+        s = _scores(q, _widened(k, q, FP8_KV, NATIVE_FP8), scale, softcap, PRECISION, SOFTCAP)
         s = tl.where(nmask[None, :] & (n[None, :] >= oldest), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        m_new = tl.maximum(m, tl.max(s, 1) * to_log2)  # every tile holds a key: m_new is finite
+        p = tl.math.exp2(s * to_log2 - m_new[:, None])
+        alpha = tl.math.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        v = _widened(v, v_scale, q, FP8_KV)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widened(v, q, FP8_KV, NATIVE_FP8),
+                                            input_precision=PRECISION)
         m = m_new
+    acc = acc * v_scale
     out_mask = gmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
         if SINKS:
-            factor, l = _add_sink(m, l, tl.load(sinks_ptr + heads, mask=gmask, other=0.0).to(tl.float32))
+            factor, l = _add_sink(m, l, tl.load(sinks_ptr + heads, mask=gmask, other=0.0).to(tl.float32) * LOG2E)
             acc = acc * factor[:, None]
         out = acc / l[:, None]
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -193,8 +206,8 @@ def merge_splits_kernel(part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, num_seqs,
                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     """One program per (decode sequence, head): the splits' partial softmaxes rescaled to a common
-    max and summed (a split with no keys has max -inf and weighs nothing); with SINKS, the head's
-    sink logit joins the common max and adds exp(sink - max) to the sum, once."""
+    max (log2 units) and summed (a split with no keys has max -inf and weighs nothing); with SINKS,
+    the head's sink logit joins the common max and adds its weight to the sum, once."""
     seq, head = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -205,12 +218,12 @@ def merge_splits_kernel(part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, num_seqs,
     acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
     top = tl.max(m, 0)
     if SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
         top = tl.maximum(top, sink)
-    weight = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
+    weight = tl.where(m > float("-inf"), tl.math.exp2(m - top), 0.0)
     total = tl.sum(l * weight, 0)
     if SINKS:
-        total += tl.exp(sink - top)
+        total += tl.math.exp2(sink - top)
     out = tl.sum(acc * weight[:, None], 0) / total
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -218,15 +231,18 @@ def merge_splits_kernel(part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, num_seqs,
 @_step_jit
 def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts_ptr, out_ptr, sinks_ptr, first_seq,
                          stride_qt, stride_qh, stride_table, kv_offset, stride_block, stride_slot, stride_head,
-                         stride_ot, stride_oh, scale, window, softcap, k_scale, v_scale, GROUP: tl.constexpr,
+                         stride_ot, stride_oh, scale, to_log2, window, softcap, v_scale, GROUP: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                         SINKS: tl.constexpr, FP8_KV: tl.constexpr):
-    """One program per (prefill sequence, query head, BLOCK_M queries). A chunk's queries sit at the
-    end of its context (earlier chunks and prefix-cache hits are already in the cache, this chunk's
-    own K and V were just stored), so query i attends to positions <= context - query_len + i."""
+                         SINKS: tl.constexpr, FP8_KV: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """One program per (prefill sequence, query head, BLOCK_M queries), the query tiles with the most
+    keys launched first (the grid's last tiles are its tail). A chunk's queries sit at the end of
+    its context (earlier chunks and prefix-cache hits are already in the cache, this chunk's own K
+    and V were just stored), so query i attends to positions <= context - query_len + i. The key
+    tiles every row sees whole (below the tile's first query, inside its last query's window) skip
+    the masking; those at the diagonal and at a window's start are masked."""
     seq = first_seq + tl.program_id(0)
-    head, mblock = tl.program_id(1), tl.program_id(2)
+    head, mblock = tl.program_id(1), tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(query_starts_ptr + seq)
     q_len = tl.load(query_starts_ptr + seq + 1) - q_start
     if mblock * BLOCK_M < q_len:
@@ -237,34 +253,58 @@ def paged_prefill_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, query_starts
         q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0)
         positions = context - q_len + rows
-        kv_head = head // GROUP
+        oldest = tl.where(window > 0, positions - window + 1, 0)  # each row's first key
+        top = context - q_len + mblock * BLOCK_M  # the first row's position, and the last real row's:
+        bottom = context - q_len + tl.minimum(q_len, (mblock + 1) * BLOCK_M) - 1
+        first = tl.where(window > 0, tl.maximum(top - window + 1, 0) // BLOCK_N, 0)
+        end = tl.cdiv(bottom + 1, BLOCK_N)  # past the tile's causal horizon
+        whole = tl.where(window > 0, tl.cdiv(tl.maximum(bottom - window + 1, 0), BLOCK_N), 0)
+        whole = tl.minimum(tl.maximum(whole, first), end)  # the first tile every row sees whole
+        past = tl.minimum(tl.maximum((top + 1) // BLOCK_N, whole), end)  # the first at the diagonal
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        last = tl.minimum(context, context - q_len + (mblock + 1) * BLOCK_M)  # the tile's causal horizon
-        oldest = tl.where(window > 0, positions - window + 1, 0)  # each row's first key
-        first = tl.where(window > 0, tl.maximum(context - q_len + mblock * BLOCK_M - window + 1, 0) // BLOCK_N, 0)
-        for tile in range(first, tl.cdiv(last, BLOCK_N)):
-            k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
-                                       kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N,
-                                       BLOCK_SIZE)
-            k = _widened(k, k_scale, q, FP8_KV)
-            s = _soft_cap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, softcap, SOFTCAP)
-            s = tl.where((n[None, :] <= positions[:, None]) & (n[None, :] >= oldest[:, None]) & nmask[None, :], s,
-                         float("-inf"))
-            # a row may have no key yet (its window starts past this tile): its max stays -inf, and
-            # exp(-inf - -inf) would be nan, so the exponent base is 0 until it has one
-            m_new = tl.maximum(m, tl.max(s, 1))
-            base = tl.where(m_new > float("-inf"), m_new, 0.0)
-            p = tl.exp(s - base[:, None])
-            alpha = tl.exp(m - base)
-            l = l * alpha + tl.sum(p, 1)
-            v = _widened(v, v_scale, q, FP8_KV)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-            m = m_new
+        for masked in tl.static_range(2):  # the tiles whole .. past, then the rest: first .. whole, past .. end
+            lo, hi, gap = (first, whole + end - past, past - whole) if masked else (whole, past, 0)
+            m, l, acc = _prefill_tiles(m, l, acc, q, lo, hi, whole, gap, positions, oldest, cache_ptr,
+                                       tables_ptr, seq, stride_table, context, head // GROUP, kv_offset,
+                                       stride_block, stride_slot, stride_head, d, dmask, scale, to_log2, softcap,
+                                       masked == 1, BLOCK_N, BLOCK_SIZE, PRECISION, SOFTCAP, FP8_KV, NATIVE_FP8)
+        acc = acc * v_scale
         if SINKS:
-            factor, l = _add_sink(m, l, tl.load(sinks_ptr + head).to(tl.float32))
+            factor, l = _add_sink(m, l, tl.load(sinks_ptr + head).to(tl.float32) * LOG2E)
             acc = acc * factor[:, None]
         out = acc / l[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _prefill_tiles(m, l, acc, q, lo, hi, gap_at, gap, positions, oldest, cache_ptr, tables_ptr, seq, stride_table,
+                   context, kv_head, kv_offset, stride_block, stride_slot, stride_head, d, dmask, scale, to_log2,
+                   softcap, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """The online softmax (max m in log2 units, sum l, accumulator acc) of a query tile carried over
+    key tiles lo .. hi, skipping `gap` tiles at `gap_at`; MASKED, each row sees only the keys from
+    its `oldest` to its position."""
+    for i in range(lo, hi):
+        tile = i + tl.where(i >= gap_at, gap, 0)
+        k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
+                                   kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N, BLOCK_SIZE)
+        s = _scores(q, _widened(k, q, FP8_KV, NATIVE_FP8), scale, softcap, PRECISION, SOFTCAP)
+        if MASKED:
+            s = tl.where((n[None, :] <= positions[:, None]) & (n[None, :] >= oldest[:, None]) & nmask[None, :], s,
+                         float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1) * to_log2)
+        base = m_new
+        if MASKED:
+            # a row may have no key yet (its window starts past this tile): its max stays -inf, and
+            # exp2(-inf - -inf) would be nan, so the exponent base is 0 until it has one
+            base = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.math.exp2(s * to_log2 - base[:, None])
+        alpha = tl.math.exp2(m - base)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widened(v, q, FP8_KV, NATIVE_FP8),
+                                            input_precision=PRECISION)
+        m = m_new
+    return m, l, acc

@@ -15,6 +15,7 @@ from splitserve.engine.attention import triton_kernels as kernels
 from splitserve.engine.attention.base import AttentionBackend, Scoring
 from splitserve.engine.attention.metadata import AttentionMetadata
 
+LOG2E = math.log2(math.e)
 MAX_SPLITS = 16
 PREFILL_WARPS = 8  # with Triton's default 4, the prefill kernel spills registers on sm_80 (scripts/compile_kernels.py)
 
@@ -23,14 +24,17 @@ class TritonPagedBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
 
-    def __init__(self, block_m: int = 64, block_n: int = 64, num_splits: int | None = None, sms: int | None = None,
-                 prefill_warps: int = PREFILL_WARPS):
+    def __init__(self, block_m: int | None = None, block_n: int = 64, num_splits: int | None = None,
+                 sms: int | None = None, prefill_warps: int = PREFILL_WARPS, capability: tuple[int, int] | None = None):
         """`num_splits`: decode splits over the context; None chooses them per step so the decode
         programs fill the device's `sms` multiprocessors (read from a CUDA device when None; on
         another device, 1 split). `block_m`, `block_n`, `prefill_warps`: the prefill's tiles and
-        warps (scripts/bench_attention.py compares them)."""
+        warps (scripts/bench_attention.py compares them; block_m None: `_prefill_tiles` chooses).
+        `capability`: the CUDA compute capability the kernels are built for (None: the device's;
+        (0, 0) off CUDA); from sm_89 they widen an FP8 cache's codes with the GPU's e4m3
+        conversion (the interpreter has it too)."""
         self.block_m, self.block_n, self.num_splits, self.sms = block_m, block_n, num_splits, sms
-        self.prefill_warps = prefill_warps
+        self.prefill_warps, self.capability = prefill_warps, capability
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
                 scale: float | None = None, softcap: float | None = None,
@@ -53,11 +57,11 @@ class TritonPagedBackend(AttentionBackend):
                scoring: Scoring = Scoring(), kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
         n, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         kv_heads, block_size, fp8 = kv_cache.shape[3], kv_cache.shape[2], fp8_kv.holds_codes(kv_cache)
-        # over an FP8 cache, key tiles half as long: with whole ones the kernel spills registers on sm_90
-        block_n = max(16, self.block_n // 2) if fp8 else self.block_n
+        # over an FP8 cache, heads over 128 dims take key tiles half as long (whole ones spill on sm_80)
+        block_n = max(16, self.block_n // 2) if fp8 and head_dim > 128 else self.block_n
         keys = min(max(meta.context_lens_list[:n]), window or max(meta.context_lens_list[:n]))
         splits = self._splits(n * kv_heads, triton.cdiv(keys, block_n) + (window is not None), q.device)
-        group, block_d = heads // kv_heads, _block_d(head_dim)
+        group, block_d, native = heads // kv_heads, _block_d(head_dim), self._capability(q.device) >= (8, 9)
         part_acc = part_ml = out  # unused with one split
         if splits > 1:
             part_acc = torch.empty((splits, n, heads, block_d), dtype=torch.float32, device=q.device)
@@ -65,11 +69,10 @@ class TritonPagedBackend(AttentionBackend):
         kernels.paged_decode_kernel[(n, kv_heads, splits)](
             q, kv_cache, meta.block_tables, meta.context_lens, out, part_acc, part_ml, _sinks(scoring, out),
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
-            out.stride(0), out.stride(1), heads, scoring.scale or 1 / math.sqrt(head_dim), window or 0,
-            scoring.softcap or 0.0, *kv_scale, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-            PRECISION=_precision(q), SOFTCAP=scoring.softcap is not None, SINKS=scoring.sinks is not None,
-            FP8_KV=fp8)
+            out.stride(0), out.stride(1), heads, *_scales(scoring, head_dim, fp8, native, kv_scale, window),
+            GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q),
+            SOFTCAP=scoring.softcap is not None, SINKS=scoring.sinks is not None, FP8_KV=fp8, NATIVE_FP8=native)
         if splits > 1:
             kernels.merge_splits_kernel[(n, heads)](
                 part_acc, part_ml, _sinks(scoring, out), out, n, heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
@@ -82,16 +85,22 @@ class TritonPagedBackend(AttentionBackend):
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         starts = meta.query_starts
         longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
-        fp8 = fp8_kv.holds_codes(kv_cache)
-        block_m, block_n = _prefill_tiles(self.block_m, self.block_n, head_dim, fp8)
+        fp8, capability = fp8_kv.holds_codes(kv_cache), self._capability(q.device)
+        block_m, block_n = _prefill_tiles(self.block_m, self.block_n, head_dim, fp8, capability)
         grid = (meta.num_seqs - first, heads, triton.cdiv(longest, block_m))
         kernels.paged_prefill_kernel[grid](
             q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, _sinks(scoring, out),
             first, q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
-            out.stride(0), out.stride(1), scoring.scale or 1 / math.sqrt(head_dim), window or 0, scoring.softcap or 0.0,
-            *kv_scale, GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
+            out.stride(0), out.stride(1), *_scales(scoring, head_dim, fp8, capability >= (8, 9), kv_scale, window),
+            GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
             SINKS=scoring.sinks is not None, BLOCK_D=_block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_SIZE=block_size, PRECISION=_precision(q), FP8_KV=fp8, num_warps=self.prefill_warps)
+            BLOCK_SIZE=block_size, PRECISION=_precision(q), FP8_KV=fp8, NATIVE_FP8=capability >= (8, 9),
+            num_warps=self.prefill_warps)
+
+    def _capability(self, device: torch.device) -> tuple[int, int]:
+        if self.capability is None:
+            self.capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+        return self.capability
 
     def _splits(self, programs: int, tiles: int, device: torch.device) -> int:
         """A power of two (each split count is a kernel variant: `split_counts` bounds them), at most
@@ -132,12 +141,34 @@ def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
     return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
 
 
-def _prefill_tiles(block_m: int, block_n: int, head_dim: int, fp8: bool) -> tuple[int, int]:
-    """(query rows, keys) of a prefill tile: key tiles half as long for heads over 128 dims
-    (Gemma's 256), query tiles half as tall over an FP8 cache (its widened key tiles take
-    registers); with whole ones the kernel spills registers on sm_90, and over an FP8 cache on
-    sm_80 too (scripts/compile_kernels.py --shape gemma2-9b; --kv-cache-dtype fp8)."""
-    return (max(16, block_m // 2) if fp8 else block_m), (block_n if head_dim <= 128 else max(16, block_n // 2))
+def _scales(scoring: Scoring, head_dim: int, fp8: bool, native: bool, kv_scale: tuple[float, float],
+            window: int | None) -> tuple[float, float, int, float, float]:
+    """The kernels' (scale, to_log2, window, softcap, v_scale). Widened FP8 codes are values times a
+    unit (1 widened natively, 2**-8 by bit moves): the score scale takes K's scale over it, the
+    output V's. to_log2 turns a kernel's scores into log2 units: the scale times log2(e), or
+    log2(e) alone where a soft cap scales its scores itself."""
+    unit = 1.0 if native or not fp8 else 2.0 ** -8
+    scale = (scoring.scale or 1 / math.sqrt(head_dim)) * (kv_scale[0] / unit if fp8 else 1.0)
+    if scale <= 0:
+        raise ValueError(f"attention scale {scale} must be positive")
+    to_log2 = LOG2E * (1.0 if scoring.softcap is not None else scale)
+    return scale, to_log2, window or 0, scoring.softcap or 0.0, kv_scale[1] / unit if fp8 else 1.0
+
+
+def _prefill_tiles(block_m: int | None, block_n: int, head_dim: int, fp8: bool,
+                   capability: tuple[int, int]) -> tuple[int, int]:
+    """(query rows, keys) of a prefill tile. Query rows (block_m None): 128 from sm_90 for heads up
+    to 128 dims over a cache of the serving dtype (two warp groups of 64; a key tile then issues
+    half the instructions a FLOP that 64 rows do: scripts/compile_kernels.py's loops), else 64,
+    and 32 over an FP8 cache with heads over 128 dims. Key tiles half as long for heads over 128
+    dims (Gemma's 256). With more, the kernel spills registers: 128 rows on sm_80 and with
+    256-dim heads, 64 over an FP8 cache with them, whole key tiles of 256 dims on sm_90; over an
+    FP8 cache 128 rows take 254 registers on sm_90, the edge (scripts/compile_kernels.py
+    --arch 80; --shape gemma2-9b; --kv-cache-dtype fp8)."""
+    if block_m is None:
+        block_m = 128 if capability >= (9, 0) and head_dim <= 128 and not fp8 else 64
+        block_m //= 2 if fp8 and head_dim > 128 else 1
+    return block_m, (block_n if head_dim <= 128 else max(16, block_n // 2))
 
 
 def _sinks(scoring: Scoring, out: torch.Tensor) -> torch.Tensor:
