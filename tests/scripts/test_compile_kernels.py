@@ -2,9 +2,12 @@
 engine launches for the Llama-3-8B shape on sm_90 and sm_80: the start-up (kernel_warm_up and the
 graph capture) compiles all of them, so a serving mix compiles none; none spills registers or needs
 more shared memory than a block may have; a second start on the same Triton cache compiles nothing;
-an MoE shape's expert kernels (GPT-OSS's read as MXFP4 bytes) and Gemma 2's variants
-(soft-capped scores, its norm, 256-dim heads) are compiled at start-up too, none spilling. Without the warm-up, serving compiles; in float32 the
-attention kernels spill: the script fails on both."""
+the prefill's query tiles are 128 rows on sm_90 and 64 on sm_80, and its loop over the key tiles
+every row sees whole issues fewer instructions than its masked loop; an MoE shape's expert kernels
+(GPT-OSS's read as MXFP4 bytes) and Gemma 2's variants (soft-capped scores, its norm, 256-dim
+heads), over either cache, are compiled at start-up too, none spilling; an FP8 cache is widened by
+e4m3 conversion on sm_90 and bit moves on sm_80. Without the warm-up, serving compiles; in float32
+the attention kernels spill: the script fails on both."""
 import json
 import subprocess
 import sys
@@ -44,6 +47,10 @@ def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
                         if v["kernel"] == "paged_decode_kernel")
         assert splits == [1, 2, 4, 8, 16], arch  # one variant per split count, whatever the step
         assert max(v["shared_bytes"] for v in variants) > 40_000 and all(v["registers"] > 0 for v in variants)
+        [prefill] = [v for v in variants if v["kernel"] == "paged_prefill_kernel"]
+        assert f"BLOCK_M={128 if arch == 'sm_90' else 64} " in prefill["spec"]
+        whole, masked = prefill["loops"]  # one key tile each: the same dots, without and with the masks
+        assert whole["mma"] == masked["mma"] > 0 and whole["instructions"] < masked["instructions"]
 
     compiled = _files(cache)
     assert compiled
@@ -66,8 +73,10 @@ def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["90", "80"])
-def test_gemma2_compiles_its_variants_at_start_up_without_spills(tmp_path, arch):
-    code, archs = _run(tmp_path, "--shape", "gemma2-9b", "--arch", arch, "--steps", "10")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_gemma2_compiles_its_variants_at_start_up_without_spills(tmp_path, arch, kv_cache_dtype):
+    code, archs = _run(tmp_path, "--shape", "gemma2-9b", "--arch", arch, "--steps", "10", "--kv-cache-dtype",
+                       kv_cache_dtype)
     report = archs[f"sm_{arch}"]
     assert code == 0 and not report["problems"]
     assert {v["phase"] for v in report["variants"]} == {"start-up"}
@@ -78,15 +87,15 @@ def test_gemma2_compiles_its_variants_at_start_up_without_spills(tmp_path, arch)
 
 @pytest.mark.parametrize("arch", ["90", "80"])
 def test_an_fp8_cache_compiles_its_variants_at_start_up_without_spills(tmp_path, arch):
-    """The attention kernels' e4m3 widening is integer bit moves: an A100, which has no float8,
-    compiles it too."""
+    """The attention kernels widen e4m3 codes by the GPU's conversion from sm_89, by integer bit
+    moves before (an A100 has no float8)."""
     code, archs = _run(tmp_path, "--kv-cache-dtype", "fp8", "--arch", arch, "--steps", "20")
     report = archs[f"sm_{arch}"]
     assert code == 0 and not report["problems"]
     assert {v["phase"] for v in report["variants"]} == {"start-up"}
     for v in report["variants"]:
         if v["kernel"] in ("paged_decode_kernel", "paged_prefill_kernel"):
-            assert "FP8_KV=True" in v["spec"], v
+            assert "FP8_KV=True" in v["spec"] and f"NATIVE_FP8={arch == '90'}" in v["spec"], v
 
 
 def test_without_the_warm_up_serving_compiles_and_the_script_fails(tmp_path):
