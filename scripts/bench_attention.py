@@ -2,7 +2,8 @@
 N tokens prefilled over the paged cache with each prefill configuration (query rows x keys a tile,
 warps), against torch's scaled_dot_product_attention on the same queries, keys and values laid
 out contiguously (flash attention on CUDA: the bar a paged kernel aims at); and B sequences of C
-tokens decoded, against the bytes their keys and values take. A configuration costs a compile and
+tokens decoded over a cache of the serving dtype and over an FP8 cache (e4m3 codes, half the
+bytes), against the bytes their keys and values take. A configuration costs a compile and
 milliseconds here, not an engine's start: tune the prefill tiles with it.
 
     python scripts/bench_attention.py --json attn.json     # CUDA: seconds a configuration
@@ -11,7 +12,8 @@ milliseconds here, not an engine's start: tune the prefill tiles with it.
 FLOPs of a causal prefill: 4 x N(N + 1)/2 x heads x head_dim (QK^T and PV over the keys at or before
 each query); bytes of a decode: B x C x 2 x kv_heads x head_dim x the element size, what the kernel
 must read. Each row is the median of --iters calls after one untimed call (CUDA events on a GPU),
-and says how far the kernel's output is from SDPA's on the same keys (a check of the compiled kernel).
+and says how far the kernel's output is from SDPA's on the same keys (a check of the compiled
+kernel; over an FP8 cache, SDPA reads the values its codes stand for).
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ from bench_moe import (  # this script's folder
     add_run_args, device_peaks, emit, pct, print_markdown, ratio, run_device, sci, time_calls, token_counts,
 )
 
+from splitserve.engine.attention import fp8_kv
 from splitserve.engine.attention.metadata import AttentionMetadata
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.shapes import SHAPES
 
 BLOCK_SIZE = 16  # the engine's default KV block
+FP8_SCALES = (0.02, 0.01)  # K's and V's, so the standard normal keys and values use most of e4m3's codes
 TINY = {"heads": 4, "kv_heads": 2, "head_dim": 16}
 PREFILLS, TINY_PREFILLS = (2048, 8192), (64, 100)
 DECODES, TINY_DECODES = "1x4096,64x4096,256x1024", "3x80"
@@ -93,17 +97,23 @@ def decode_rows(shape: dict, decodes: list[tuple[int, int]], iters: int, device:
 
     heads, kv_heads, dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
     backend, rows = TritonPagedBackend(), []
-    for batch, context in decodes:
+    for (batch, context), fp8 in ((d, fp8) for d in decodes for fp8 in (False, True)):
         meta = _meta([context] * batch, [1] * batch, batch, device)
-        cache = torch.randn(2, batch * -(-context // BLOCK_SIZE), BLOCK_SIZE, kv_heads, dim, device=device, dtype=dtype)
+        values = torch.randn(2, batch * -(-context // BLOCK_SIZE), BLOCK_SIZE, kv_heads, dim, device=device,
+                             dtype=dtype)
+        cache, scales = values, (1.0, 1.0)
+        if fp8:
+            cache, scales = torch.stack([fp8_kv.quantize(values[i], FP8_SCALES[i]) for i in (0, 1)]), FP8_SCALES
+            values = torch.stack([fp8_kv.dequantize(cache[i], FP8_SCALES[i], dtype) for i in (0, 1)])
         q = torch.randn(batch, heads, dim, device=device, dtype=dtype)
         out = torch.empty_like(q)
-        seconds = time_calls(lambda: backend.decode(q, cache, meta, out), iters, device.type == "cuda")
-        keys, values = (cache[i].view(batch, -1, kv_heads, dim)[:, :context].transpose(1, 2) for i in (0, 1))
-        reference = F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]
+        seconds = time_calls(lambda: backend.decode(q, cache, meta, out, kv_scale=scales), iters, device.type == "cuda")
+        keys, vals = (values[i].view(batch, -1, kv_heads, dim)[:, :context].transpose(1, 2) for i in (0, 1))
+        reference = F.scaled_dot_product_attention(q[:, :, None], keys, vals, enable_gqa=True)[:, :, 0]
         read = batch * context * 2 * kv_heads * dim * cache.element_size()
-        rows.append({"kind": "decode", "kernel": "triton", "batch": batch, "context": context, "ms": seconds * 1e3,
-                     "bytes": read, "gb_per_s": read / seconds / 1e9, "mbu": read / seconds / hbm if hbm else None,
+        rows.append({"kind": "decode", "kernel": "triton", "kv_cache": "fp8" if fp8 else "auto", "batch": batch,
+                     "context": context, "ms": seconds * 1e3, "bytes": read, "gb_per_s": read / seconds / 1e9,
+                     "mbu": read / seconds / hbm if hbm else None,
                      "max_abs_diff_vs_sdpa": (out.float() - reference.float()).abs().max().item()})
     return rows
 
@@ -118,8 +128,8 @@ def print_table(result: dict) -> None:
 def _cells(r: dict) -> list:
     diff = sci(r.get("max_abs_diff_vs_sdpa"))
     if r["kind"] == "decode":
-        return ["decode", r["kernel"], "-", f"{r['batch']} x {r['context']}", f"{r['ms']:.3f}", f"{r['gb_per_s']:.0f}",
-                pct(r["mbu"]), "-", diff]
+        return ["decode" + (", FP8 KV" if r["kv_cache"] == "fp8" else ""), r["kernel"], "-",
+                f"{r['batch']} x {r['context']}", f"{r['ms']:.3f}", f"{r['gb_per_s']:.0f}", pct(r["mbu"]), "-", diff]
     tiles = "-" if r["tiles"] is None else f"{r['tiles']}, {r['warps']}"
     return ["prefill", r["kernel"], tiles, r["tokens"], f"{r['ms']:.3f}", f"{r['tflops']:.1f}", pct(r["mfu"]),
             ratio(r["speedup_vs_sdpa"]), diff]

@@ -1,7 +1,8 @@
 """bench_attention.py: the tiny layer runs end to end on the CPU (Triton's interpreter): SDPA and
-each prefill configuration per prompt length, then each decode batch, every kernel's output within
-half precision of SDPA's on the same keys, the FLOPs of a causal prefill and the bytes of a decode
-as its docstring counts them; malformed configurations are refused."""
+each prefill configuration per prompt length, then each decode batch over a float16 cache and an
+FP8 one, every kernel's output within half precision of SDPA's on the same keys (the values FP8
+codes stand for), the FLOPs of a causal prefill and the bytes of a decode as its docstring counts
+them (a byte a value over FP8); malformed configurations are refused."""
 import json
 import subprocess
 import sys
@@ -25,10 +26,12 @@ def test_the_tiny_layer_runs_every_configuration_against_sdpa(tmp_path):
     assert [(r["kind"], r["kernel"], r.get("tokens"), r.get("tiles"), r.get("warps")) for r in rows[:6]] == [
         ("prefill", kernel, n, tiles, warps) for n in (40, 100)
         for kernel, tiles, warps in (("sdpa", None, None), ("triton", "16x16", 4), ("triton", "32x16", 2))]
-    assert [(r["batch"], r["context"]) for r in rows[6:]] == [(3, 80), (1, 17)]
+    assert [(r["batch"], r["context"], r["kv_cache"]) for r in rows[6:]] == [
+        (3, 80, "auto"), (3, 80, "fp8"), (1, 17, "auto"), (1, 17, "fp8")]
     for r in rows[:6]:
         assert r["tflops"] * 1e12 * r["ms"] / 1e3 == pytest.approx(4 * r["tokens"] * (r["tokens"] + 1) // 2 * 4 * 16)
-    assert [r["bytes"] for r in rows[6:]] == [3 * 80 * 2 * 2 * 16 * 2, 17 * 2 * 2 * 16 * 2]  # float16
+    assert [r["bytes"] for r in rows[6:]] == [3 * 80 * 2 * 2 * 16 * 2, 3 * 80 * 2 * 2 * 16, 17 * 2 * 2 * 16 * 2,
+                                              17 * 2 * 2 * 16]  # float16, e4m3 codes
     assert all(r["max_abs_diff_vs_sdpa"] < 1e-2 for r in rows if r["kernel"] == "triton")
     assert all(r["mfu" if r["kind"] == "prefill" else "mbu"] is None for r in rows)  # no peak for a CPU
 
