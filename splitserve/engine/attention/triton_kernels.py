@@ -179,11 +179,7 @@ def paged_decode_kernel(q_ptr, cache_ptr, tables_ptr, context_ptr, out_ptr, part
         s = _scores(q, _widened(k, q, FP8_KV, NATIVE_FP8), scale, softcap, PRECISION, SOFTCAP)
         s = tl.where(nmask[None, :] & (n[None, :] >= oldest), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1) * to_log2)  # every tile holds a key: m_new is finite
-        p = tl.math.exp2(s * to_log2 - m_new[:, None])
-        alpha = tl.math.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widened(v, q, FP8_KV, NATIVE_FP8),
-                                            input_precision=PRECISION)
+        l, acc = _softmax_step(m, m_new, l, acc, s, v, q, to_log2, PRECISION, FP8_KV, NATIVE_FP8)
         m = m_new
     acc = acc * v_scale
     out_mask = gmask[:, None] & dmask[None, :]
@@ -301,10 +297,19 @@ def _prefill_tiles(m, l, acc, q, lo, hi, gap_at, gap, positions, oldest, cache_p
             # a row may have no key yet (its window starts past this tile): its max stays -inf, and
             # exp2(-inf - -inf) would be nan, so the exponent base is 0 until it has one
             base = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.math.exp2(s * to_log2 - base[:, None])
-        alpha = tl.math.exp2(m - base)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widened(v, q, FP8_KV, NATIVE_FP8),
-                                            input_precision=PRECISION)
+        l, acc = _softmax_step(m, base, l, acc, s, v, q, to_log2, PRECISION, FP8_KV, NATIVE_FP8)
         m = m_new
     return m, l, acc
+
+
+@triton.jit
+def _softmax_step(m, base, l, acc, s, v, q, to_log2, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
+                  NATIVE_FP8: tl.constexpr):
+    """(sum, accumulator) of the online softmax over one more key tile: its keys weighted
+    exp2(s * to_log2 - base), base the running max after the tile (log2 units), what was summed
+    before rescaled from the max m before it."""
+    p = tl.math.exp2(s * to_log2 - base[:, None])
+    alpha = tl.math.exp2(m - base)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), _widened(v, q, FP8_KV, NATIVE_FP8), input_precision=PRECISION)
+    return l, acc
