@@ -15,8 +15,8 @@ from splitserve.engine.attention import triton_kernels as kernels
 from splitserve.engine.attention.base import AttentionBackend, Scoring
 from splitserve.engine.attention.metadata import AttentionMetadata
 
-LOG2E = math.log2(math.e)
 MAX_SPLITS = 16
+E4M3_CAPABILITY = (8, 9)  # the first CUDA capability whose Triton converts float8 e4m3
 PREFILL_WARPS = 8  # with Triton's default 4, the prefill kernel spills registers on sm_80 (scripts/compile_kernels.py)
 
 
@@ -61,7 +61,7 @@ class TritonPagedBackend(AttentionBackend):
         block_n = max(16, self.block_n // 2) if fp8 and head_dim > 128 else self.block_n
         keys = min(max(meta.context_lens_list[:n]), window or max(meta.context_lens_list[:n]))
         splits = self._splits(n * kv_heads, triton.cdiv(keys, block_n) + (window is not None), q.device)
-        group, block_d, native = heads // kv_heads, _block_d(head_dim), self._capability(q.device) >= (8, 9)
+        group, block_d, native = heads // kv_heads, _block_d(head_dim), self._capability(q.device) >= E4M3_CAPABILITY
         part_acc = part_ml = out  # unused with one split
         if splits > 1:
             part_acc = torch.empty((splits, n, heads, block_d), dtype=torch.float32, device=q.device)
@@ -86,15 +86,16 @@ class TritonPagedBackend(AttentionBackend):
         starts = meta.query_starts
         longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
         fp8, capability = fp8_kv.holds_codes(kv_cache), self._capability(q.device)
+        native = capability >= E4M3_CAPABILITY
         block_m, block_n = _prefill_tiles(self.block_m, self.block_n, head_dim, fp8, capability)
         grid = (meta.num_seqs - first, heads, triton.cdiv(longest, block_m))
         kernels.paged_prefill_kernel[grid](
             q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, _sinks(scoring, out),
             first, q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
-            out.stride(0), out.stride(1), *_scales(scoring, head_dim, fp8, capability >= (8, 9), kv_scale, window),
+            out.stride(0), out.stride(1), *_scales(scoring, head_dim, fp8, native, kv_scale, window),
             GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
             SINKS=scoring.sinks is not None, BLOCK_D=_block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_SIZE=block_size, PRECISION=_precision(q), FP8_KV=fp8, NATIVE_FP8=capability >= (8, 9),
+            BLOCK_SIZE=block_size, PRECISION=_precision(q), FP8_KV=fp8, NATIVE_FP8=native,
             num_warps=self.prefill_warps)
 
     def _capability(self, device: torch.device) -> tuple[int, int]:
@@ -151,7 +152,7 @@ def _scales(scoring: Scoring, head_dim: int, fp8: bool, native: bool, kv_scale: 
     scale = (scoring.scale or 1 / math.sqrt(head_dim)) * (kv_scale[0] / unit if fp8 else 1.0)
     if scale <= 0:
         raise ValueError(f"attention scale {scale} must be positive")
-    to_log2 = LOG2E * (1.0 if scoring.softcap is not None else scale)
+    to_log2 = kernels.LOG2E.value * (1.0 if scoring.softcap is not None else scale)
     return scale, to_log2, window or 0, scoring.softcap or 0.0, kv_scale[1] / unit if fp8 else 1.0
 
 
