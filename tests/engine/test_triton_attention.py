@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 from splitserve.engine.attention import AttentionMetadata  # noqa: E402
 from splitserve.engine.attention.base import write_kv  # noqa: E402
 from splitserve.engine.attention.metadata import PAD_SLOT  # noqa: E402
-from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts, store_kv  # noqa: E402
+from splitserve.engine.attention.triton_paged import (  # noqa: E402
+    E4M3_CAPABILITY, TritonPagedBackend, split_counts, store_kv)
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.test_attention import SINKS, check_case  # noqa: E402
@@ -33,9 +34,9 @@ check = functools.partial(check_case, device=DEVICE)
 SMALL = {"block_m": 16, "block_n": 16}
 GQA = [(4, 4), (8, 2), (16, 2)]  # ratios 1, 4, 8
 # e4m3 conversion: in the interpreter, and on GPUs from sm_89 (an A100 has none)
-HAS_E4M3 = DEVICE.type == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
+HAS_E4M3 = DEVICE.type == "cpu" or torch.cuda.get_device_capability() >= E4M3_CAPABILITY
 # the capabilities whose FP8 widening each runs: bit moves (sm_80), e4m3 conversion (sm_89)
-WIDENINGS = [(8, 0), pytest.param((8, 9), marks=pytest.mark.skipif(not HAS_E4M3, reason="no e4m3 conversion"))]
+WIDENINGS = [(8, 0), pytest.param(E4M3_CAPABILITY, marks=pytest.mark.skipif(not HAS_E4M3, reason="no e4m3 conversion"))]
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA)
@@ -208,7 +209,7 @@ def test_random_batches(seed):
           tolerance=2e-2 if "dtype" in chosen else 1e-5, extra_blocks=rng.choice([0, 2]),
           backend=TritonPagedBackend(block_m=rng.choice([16, 32]), block_n=rng.choice([16, 32]),
                                      num_splits=rng.choice([None, 1, 2, 5]),
-                                     capability=rng.choice([(8, 0), (8, 9)][:1 + HAS_E4M3])))
+                                     capability=rng.choice([(8, 0), E4M3_CAPABILITY][:1 + HAS_E4M3])))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
