@@ -52,6 +52,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from splitserve.engine.engine_config import EngineConfig  # noqa: E402
 from splitserve.engine.kernel_warm_up import warm_up  # noqa: E402
 from splitserve.engine.kv_cache import KVCache  # noqa: E402
+from splitserve.engine.model import fp8_linear  # noqa: E402
 from splitserve.engine.model.linear import Linear  # noqa: E402
 from splitserve.engine.model.llama import LlamaAttention, LlamaMLP  # noqa: E402
 from splitserve.engine.model.moe import SparseMoeBlock, expert_names  # noqa: E402
@@ -106,9 +107,10 @@ class Variant:
 @contextmanager
 def compile_only(arch: int, phase: list[str], variants: dict[str, Variant]):
     """Every Triton launch compiles (or finds) its variant and returns without running; a new
-    variant is recorded with the phase it was first met in. Triton's driver stays `arch`'s for the
-    rest of the process (without a GPU there is no other to go back to)."""
-    real_run = JITFunction.run
+    variant is recorded with the phase it was first met in; the W8A16 GEMM splits its decode tiles
+    for `arch`'s multiprocessors. Triton's driver stays `arch`'s for the rest of the process
+    (without a GPU there is no other to go back to)."""
+    real_run, real_multiprocessors = JITFunction.run, fp8_linear.multiprocessors
 
     def run(self, *args, grid, warmup, **kwargs):
         start = time.perf_counter()
@@ -119,10 +121,11 @@ def compile_only(arch: int, phase: list[str], variants: dict[str, Variant]):
 
     driver.set_active(TargetDriver(arch))
     JITFunction.run = run
+    fp8_linear.multiprocessors = lambda device: ARCHS[arch].sms
     try:
         yield
     finally:
-        JITFunction.run = real_run
+        JITFunction.run, fp8_linear.multiprocessors = real_run, real_multiprocessors
 
 
 @contextmanager

@@ -95,10 +95,38 @@ def test_no_tokens_and_bad_operands():
         fp8_linear.matmul(torch.randn(1, 64), codes.float(), scales, (32, 32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("n, k, block", [
+    (96, 320, (32, 32)),     # ten 32-wide k tiles
+    (200, 320, (128, 128)),  # five 64-wide k tiles, partial blocks both ways
+    (48, 100, fp8.ROWS)])    # one scale a row: the last split's k tile masked
+@pytest.mark.parametrize("tokens", [1, 5, 40])  # the 16- and 64-row tiles
+@pytest.mark.parametrize("splits", [2, 3, 16])  # even, uneven (the last split shorter), more than k tiles
+def test_a_decode_tile_split_over_k_equals_the_oracle(dtype, n, k, block, tokens, splits):
+    """Each split's float32 sums added by the tile's last split, its counters put back to 0."""
+    codes, scales = weight(n, k, block, seed=n + splits) if block != fp8.ROWS else fp8.quantize(
+        torch.randn(n, k, generator=torch.Generator().manual_seed(splits)), (1, k))
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    out = fp8_linear.matmul(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), block, splits=splits).cpu()
+    expected = oracle(x, codes, scales, block)
+    assert (out.float() - expected).abs().max().item() <= TOLERANCE[dtype] * expected.abs().max().item()
+    assert not fp8_linear.counters(DEVICE).any()
+
+
+def test_splits_fill_the_multiprocessors():
+    """About two programs a multiprocessor, each split at least MIN_SPLIT_STEPS k tiles long."""
+    assert fp8_linear.split_count(32, 64, None) == 1  # not a GPU
+    assert fp8_linear.split_count(32, 64, 132) == 9  # o_proj of a 4096-wide model on an H100: 288 programs
+    assert fp8_linear.split_count(224, 64, 132) == 2
+    assert fp8_linear.split_count(300, 64, 132) == 1  # enough tiles already
+    assert fp8_linear.split_count(1, 6, 132) == 1  # too few k tiles to share
+    assert fp8_linear.split_count(1, 4096, 132) == fp8_linear.MAX_SPLITS
+
+
 def test_tiles_follow_the_token_count():
-    assert fp8_linear.tile_for(1)[:2] == fp8_linear.tile_for(16)[:2] == (16, 32)  # decode batches
-    assert fp8_linear.tile_for(64)[:2] == (64, 64)
-    assert fp8_linear.tile_for(8192)[:2] == (128, 128)
+    assert fp8_linear.tile_for(1) == fp8_linear.tile_for(16) == (16, 128, 4, True)  # decode batches
+    assert fp8_linear.tile_for(64) == (64, 128, 4, True)
+    assert fp8_linear.tile_for(8192) == (128, 128, 8, False)  # prefills: never split
     assert fp8_linear.block_k_for((128, 128)) == fp8_linear.block_k_for(fp8.ROWS) == 64
     assert fp8_linear.block_k_for((32, 32)) == 32
 
@@ -108,7 +136,8 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
     """A Qwen3 (block-wise, and tensor-wise: kept one scale a row) and a Qwen3-MoE FP8 checkpoint
     built as on an H100 (its dense projections and its experts kept FP8) generate the same tokens
     with every projection through the W8A16 kernel as through the dequantized oracle (what the CPU
-    path runs), on the device the kernels run on (CUDA where it is)."""
+    path runs), on the device the kernels run on (CUDA where it is), its decode tiles split over K
+    (as short splits as can be, on a device of 64 multiprocessors)."""
     hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
     quantize_checkpoint(tmp_path, block)
     monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
@@ -136,5 +165,16 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
         return out if bias is None else out + bias
 
     monkeypatch.setattr(Linear, "project", fused)
+    monkeypatch.setattr(fp8_linear, "MIN_SPLIT_STEPS", 1)
+    monkeypatch.setattr(fp8_linear, "multiprocessors", lambda device: 64)
+    splits, kernel = [], fp8_linear._fp8_matmul_kernel
+
+    class Counted:  # each launch's splits (its grid's third axis)
+        def __getitem__(self, grid):
+            splits.append(grid[2])
+            return kernel[grid]
+
+    monkeypatch.setattr(fp8_linear, "_fp8_matmul_kernel", Counted())
     assert greedy() == reference
+    assert max(splits) > 1
     assert calls and min(calls) == len(prompts) < max(calls)  # decode steps and prefills

@@ -3,13 +3,19 @@ where W is the checkpoint's float8 e4m3 codes [N, K] times their blocks' (or row
 read as stored (a byte a weight, half of bf16's: what a memory-bound decode step reads) and
 widened tile by tile to the activations' dtype for the tensor cores (`triton_tiles.weight_tile`,
 each code times its block's scale rounded as `fp8.dequantize` rounds it). Products accumulate in
-float32, rounded once. Nothing waits on the host and the launch depends only on the token count,
-so a decode step through it is captured in a CUDA graph like any other.
+float32, rounded once. A decode batch's one row of tiles leaves most multiprocessors idle when the
+outputs are few (4096 make 32 programs for an H100's 132), so its launch also splits over K: each
+split stores its float32 sums, and the tile's last split to finish adds them in split order (the
+same sum whichever finishes last) and rounds them once. Nothing waits on the host and the launch
+depends only on the token count, so a decode step through it is captured in a CUDA graph like any
+other.
 
 The torch oracle is `fp8.dequantize` then `F.linear` (what the CPU path runs); on CPU the kernel
 runs only under Triton's interpreter (how the tests check it).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -18,33 +24,53 @@ import triton.language as tl
 from splitserve.engine import fp8
 from splitserve.engine.model.triton_tiles import input_tile, weight_tile
 
-# (most tokens, BLOCK_M, BLOCK_N, warps): decode batches take thin 16-row tiles and 32 columns (more
-# programs, so every SM streams weights), prefills square 128 tiles that reuse each weight tile
-TILES = ((16, 16, 32, 4), (64, 64, 64, 4), (None, 128, 128, 8))
+# (most tokens, BLOCK_M, BLOCK_N, warps, splits over K): decode batches take tiles 128 columns wide
+# (each program's fixed cost spread over more codes; the split keeps every SM streaming weights),
+# prefills square 128 tiles that reuse each weight tile (docs/results/kernels-compiled.md)
+TILES = ((16, 16, 128, 4, True), (64, 64, 128, 4, True), (None, 128, 128, 8, False))
+MIN_SPLIT_STEPS = 4  # k tiles a split reads at least, so its sums' store is a small share of its reads
+MAX_SPLITS = 16
+COUNTERS = 4096  # tiles one split launch may have: each counts its splits done (back to 0 after)
 
 
 @triton.jit(do_not_specialize=["tokens"])
-def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tokens, n, k, stride_x, stride_w, stride_s, stride_out,
-                       block_rows, block_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PRECISION: tl.constexpr):
-    """One program per (BLOCK_M tokens, BLOCK_N outputs): out = x @ (codes * scales).T over k in
-    BLOCK_K steps, each within one block of columns (block_cols a multiple of BLOCK_K)."""
+def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, count_ptr, tokens, n, k, k_split, stride_x,
+                       stride_w, stride_s, stride_out, block_rows, block_cols, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """One program per (BLOCK_M tokens, BLOCK_N outputs, split): out = x @ (codes * scales).T over
+    its split's `k_split` columns of k (a multiple of BLOCK_K) in BLOCK_K steps, each within one
+    block of columns (block_cols a multiple of BLOCK_K). With SPLIT, `partial_ptr` holds float32
+    [splits, tokens, n] and `count_ptr` one zeroed counter a tile."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = rows < tokens
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
+    first = tl.program_id(2) * k_split
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
+    for start in range(first, tl.minimum(k, first + k_split), BLOCK_K):
         a = input_tile(x_ptr, rows, stride_x, start, k, valid, BLOCK_K)
         w = weight_tile(w_ptr, s_ptr, cols, start, k, stride_w, stride_s, block_rows, block_cols, col_ok, a.dtype,
                         BLOCK_K, True)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & col_ok[None, :])
+    mask = valid[:, None] & col_ok[None, :]
+    out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    if SPLIT:
+        at = rows[:, None] * n + cols[None, :]
+        tl.store(partial_ptr + tl.program_id(2) * tokens * n + at, acc, mask=mask)
+        tl.debug_barrier()  # every thread's sums stored before the counter says so
+        counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:  # the tile's last split
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in range(0, tl.num_programs(2)):  # from L2 (.cg): an L1 may hold an earlier launch's sums
+                acc += tl.load(partial_ptr + split * tokens * n + at, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def tile_for(tokens: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) of a launch over `tokens` rows."""
+def tile_for(tokens: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, warps, splits over K) of a launch over `tokens` rows."""
     return next(tuple(tile) for most, *tile in TILES if most is None or tokens <= most)
 
 
@@ -58,9 +84,40 @@ def block_k_for(block: tuple[int, int]) -> int:
     return 64 if block[1] % 64 == 0 else fp8.KERNEL_K
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def split_count(tiles: int, steps: int, sms: int | None) -> int:
+    """Splits over k for a launch of `tiles` tiles over `steps` k tiles on `sms` multiprocessors
+    (None: not a GPU, 1): about two programs a multiprocessor, each reading MIN_SPLIT_STEPS k tiles at least."""
+    if sms is None:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-2 * sms // tiles), steps // MIN_SPLIT_STEPS))
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int | None:
+    """A CUDA device's multiprocessors, what a decode launch's splits fill; None on other devices."""
+    return _cuda_multiprocessors(device.index) if device.type == "cuda" else None
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's split counters: every launch leaves them 0, and a device's launches run in one
+    stream's order. Made by the first launch (the engine's kernel warm-up, before any CUDA graph)."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+           splits: int | None = None) -> torch.Tensor:
     """x [..., K] @ W.T for W = `weight` (float8 e4m3 [N, K]) times `scale` (float32, one per block
-    of `block` [rows, cols], the last blocks partial); [..., N] in x's dtype."""
+    of `block` [rows, cols], the last blocks partial); [..., N] in x's dtype. `splits`: a decode
+    tile's splits over K (None: `split_count` for the device; the prefill tile never splits)."""
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1 or scale.stride(1) != 1:
         raise ValueError("an FP8 linear needs float8_e4m3fn codes and float32 scales, rows contiguous")
@@ -74,9 +131,19 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
     tokens = rows.shape[0]
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tokens:
-        block_m, block_n, warps = tile_for(tokens)
-        _fp8_matmul_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))](
-            rows, weight, scale, out, tokens, n, k, rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-            block[0], block[1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k_for(block),
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
+        block_m, block_n, warps, splittable = tile_for(tokens)
+        block_k = block_k_for(block)
+        grid, steps = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n)), triton.cdiv(k, block_k)
+        if not splittable or grid[0] * grid[1] > COUNTERS:
+            splits = 1
+        elif splits is None:
+            splits = split_count(grid[0] * grid[1], steps, multiprocessors(x.device))
+        k_split = triton.cdiv(steps, splits) * block_k
+        splits = triton.cdiv(k, k_split)  # none empty
+        partials = torch.empty((splits, tokens, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+        _fp8_matmul_kernel[(*grid, splits)](
+            rows, weight, scale, out, partials, counters(x.device), tokens, n, k, k_split, rows.stride(0),
+            weight.stride(0), scale.stride(0), out.stride(0), block[0], block[1], BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
+            num_warps=warps)
     return out.view(*x.shape[:-1], n)
