@@ -4,7 +4,9 @@ through torch's matmul (cuBLAS) and as FP8 codes in 128 x 128 blocks through the
 as llm-compressor's FP8-dynamic releases store them) side by side: time at
 decode and prefill token counts, what each reads per second against the HBM peak (MBU) and its
 FLOPs against the dense bf16 peak (MFU), and each FP8 output's largest difference from its own
-weights dequantized through cuBLAS (a check of the compiled kernel on the device).
+weights dequantized through cuBLAS (a check of the compiled kernel on the device). Where the
+GEMM splits a decode tile over K (for the device's multiprocessors, or --multiprocessors), every
+projection at that token count also runs unsplit ("fp8 unsplit"): what the split gains.
 
     python scripts/bench_fp8_linear.py --json fp8-linear.json    # CUDA: Qwen3-8B's layer
     python scripts/bench_fp8_linear.py --shape llama3-8b         # another dense shape of engine/shapes.py
@@ -46,9 +48,12 @@ def projections(c: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device, dtype: torch.dtype,
-            block: tuple[int, int], hbm: float | None, flops_peak: float | None) -> list[dict]:
+            block: tuple[int, int], hbm: float | None, flops_peak: float | None, sms: int | None) -> list[dict]:
+    """Rows of each projection and of the layer; `sms`: the multiprocessors decode tiles split for
+    (None: the device's)."""
     from splitserve.engine.model import fp8_linear  # after TRITON_INTERPRET is settled
 
+    sms = sms or fp8_linear.multiprocessors(device)
     g, weights = torch.Generator().manual_seed(0), {}
     for name, shape in projections(c).items():
         scale_block = (1, shape[1]) if block == fp8.ROWS else block  # ROWS: one [rows, 1] scale a row
@@ -56,24 +61,32 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
         weights[name] = (codes, scales, fp8.dequantize(codes, scales, block, dtype))
     rows, cuda = [], device.type == "cuda"
     for t in tokens:
-        layer = {"bf16": [0.0, 0, 0], "fp8": [0.0, 0, 0]}  # seconds, bytes, flops
+        layer = {}  # format: [seconds, bytes, flops]
+        plans = {name: fp8_linear.split_plan(t, *codes.shape, block, sms)[0] for name, (codes, _, _) in weights.items()}
         for name, (codes, scales, dense) in weights.items():
             x = torch.randn(t, codes.shape[1], generator=g).to(device, dtype)
+            splits = plans[name]
             calls = {"bf16": lambda: F.linear(x, dense),
-                     "fp8": lambda: fp8_linear.matmul(x, codes, scales, block)}
-            stored = {"bf16": dense.nbytes, "fp8": codes.nbytes + scales.nbytes}
+                     "fp8": lambda: fp8_linear.matmul(x, codes, scales, block, splits=splits)}
+            if max(plans.values()) > 1:
+                calls["fp8 unsplit"] = lambda: fp8_linear.matmul(x, codes, scales, block, splits=1)
+            stored = codes.nbytes + scales.nbytes
             flops = 2 * t * codes.shape[0] * codes.shape[1]
+            exact = calls["bf16"]().float()
             for fmt, call in calls.items():
                 seconds = time_calls(call, iters, cuda)
-                read = stored[fmt] + x.nbytes + t * codes.shape[0] * x.element_size()
+                read = (dense.nbytes if fmt == "bf16" else stored) + x.nbytes + t * codes.shape[0] * x.element_size()
                 rows.append(row(name, fmt, t, seconds, read, flops, hbm, flops_peak))
-                layer[fmt] = [a + b for a, b in zip(layer[fmt], (seconds, read, flops))]
-            exact = calls["bf16"]().float()
-            rows[-1]["max_rel_diff"] = ((calls["fp8"]().float() - exact).abs().max() / exact.abs().max()).item()
-            rows[-1]["speedup_vs_bf16"] = rows[-2]["step_ms"] / rows[-1]["step_ms"]
+                layer[fmt] = [a + b for a, b in zip(layer.get(fmt, [0.0, 0, 0]), (seconds, read, flops))]
+                if fmt != "bf16":
+                    rows[-1]["splits"] = 1 if fmt == "fp8 unsplit" else splits
+                    rows[-1]["max_rel_diff"] = ((call().float() - exact).abs().max() / exact.abs().max()).item()
         for fmt, (seconds, read, flops) in layer.items():
             rows.append(row("layer", fmt, t, seconds, read, flops, hbm, flops_peak))
-        rows[-1]["speedup_vs_bf16"] = rows[-2]["step_ms"] / rows[-1]["step_ms"]
+    bf16 = {(r["projection"], r["tokens"]): r["step_ms"] for r in rows if r["format"] == "bf16"}
+    for r in rows:
+        if r["format"] != "bf16":
+            r["speedup_vs_bf16"] = bf16[r["projection"], r["tokens"]] / r["step_ms"]
     return rows
 
 
@@ -91,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny projections on the CPU, under Triton's interpreter")
     p.add_argument("--scales", choices=("block", "row"), default="block",
                    help="one scale per 128 x 128 block (32 x 32 with --tiny), or one a row")
+    p.add_argument("--multiprocessors", type=int,
+                   help="split decode tiles over K for this many multiprocessors (default: the GPU's; none on a CPU)")
     add_run_args(p, TOKENS, TINY_TOKENS)
     args = p.parse_args(argv)
     device, dtype = run_device(p, args)
@@ -102,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     device_name, hbm, flops_peak = device_peaks(device, args)
     result = {"device": device_name, "shape": name, "scales": args.scales, "block": list(block),
               "dtype": str(dtype).removeprefix("torch."), "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak,
-              "rows": measure(ModelConfig.from_hf(shape), tokens, args.iters, device, dtype, block, hbm, flops_peak)}
+              "rows": measure(ModelConfig.from_hf(shape), tokens, args.iters, device, dtype, block, hbm, flops_peak,
+                              args.multiprocessors)}
     return emit(args, result, print_table)
 
 
@@ -111,10 +127,11 @@ def print_table(result: dict) -> None:
     scales = "one scale a row" if tuple(block) == fp8.ROWS else f"{block[0]}x{block[1]} blocks"
     print(f"Device: {result['device']}; {result['shape']}'s projections, FP8 with {scales}, "
           f"activations {result['dtype']}")
-    print_markdown(["tokens:", "projection", "weights", "ms:", "speed-up vs bf16:", "MBU:", "MFU:",
+    print_markdown(["tokens:", "projection", "weights", "splits over K:", "ms:", "speed-up vs bf16:", "MBU:", "MFU:",
                     "max rel. diff vs bf16 of its codes:"],
-                   [[r["tokens"], r["projection"], r["format"], f"{r['step_ms']:.3f}", ratio(r.get("speedup_vs_bf16")),
-                     pct(r["mbu"]), pct(r["mfu"]), sci(r.get("max_rel_diff"))] for r in result["rows"]])
+                   [[r["tokens"], r["projection"], r["format"], r.get("splits", "-"), f"{r['step_ms']:.3f}",
+                     ratio(r.get("speedup_vs_bf16")), pct(r["mbu"]), pct(r["mfu"]), sci(r.get("max_rel_diff"))]
+                    for r in result["rows"]])
 
 
 if __name__ == "__main__":

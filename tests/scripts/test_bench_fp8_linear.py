@@ -1,7 +1,7 @@
 """bench_fp8_linear.py: the tiny projections run end to end on the CPU (Triton's interpreter), bf16
 and FP8 per projection and token count, each FP8 output equal to its codes dequantized within half
 precision, and the bytes it counts are the weights' own: 2 a value in bf16, a code a value and a
-float32 scale per 32 x 32 block (or per row) as FP8."""
+float32 scale per 32 x 32 block (or per row) as FP8; split decode tiles timed beside unsplit ones."""
 import json
 
 import pytest
@@ -41,6 +41,20 @@ def test_one_scale_a_row_counts_a_float32_scale_a_row(tmp_path):
     rows = {r["projection"]: r for r in result["rows"] if r["format"] == "fp8"}
     assert result["scales"] == "row" and rows["down"]["bytes"] == 128 * 256 + 4 * 128 + (256 + 128) * 2
     assert all(r["max_rel_diff"] < 1e-2 for name, r in rows.items() if name != "layer")
+
+
+def test_split_decode_tiles_run_beside_unsplit_ones(tmp_path):
+    """For 8 multiprocessors the down projection's 256 inputs split in two (four k tiles each at
+    least); every projection then also runs unsplit, and the layer sums those."""
+    result = run_tiny(tmp_path, "--multiprocessors", "8", "--tokens", "1")
+    rows = {(r["projection"], r["format"]): r for r in result["rows"]}
+    assert rows["down", "fp8"]["splits"] == 2 and rows["qkv", "fp8"]["splits"] == 1
+    names = ("qkv", "o_proj", "gate_up", "down")
+    assert all(rows[name, "fp8 unsplit"]["splits"] == 1 for name in names)
+    assert all(rows[name, fmt]["max_rel_diff"] < 1e-2 for name in names for fmt in ("fp8", "fp8 unsplit"))
+    unsplit = rows["layer", "fp8 unsplit"]
+    assert unsplit["step_ms"] == pytest.approx(sum(rows[name, "fp8 unsplit"]["step_ms"] for name in names))
+    assert unsplit["speedup_vs_bf16"] == pytest.approx(rows["layer", "bf16"]["step_ms"] / unsplit["step_ms"])
 
 
 def test_an_moe_shape_is_refused():

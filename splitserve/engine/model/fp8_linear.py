@@ -113,6 +113,21 @@ def counters(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
+def split_plan(tokens: int, n: int, k: int, block: tuple[int, int], sms: int | None,
+               splits: int | None = None) -> tuple[int, int]:
+    """(splits, the k columns each reads) of a launch over `tokens` rows of an [n, k] weight on `sms`
+    multiprocessors (`splits` as `matmul` takes it): whole k tiles a split, none empty."""
+    block_m, block_n, _, splittable = tile_for(tokens)
+    block_k = block_k_for(block)
+    tiles, steps = triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    if not splittable or tiles > COUNTERS:
+        splits = 1
+    elif splits is None:
+        splits = split_count(tiles, steps, sms)
+    k_split = triton.cdiv(steps, splits) * block_k
+    return triton.cdiv(k, k_split), k_split
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
            splits: int | None = None) -> torch.Tensor:
     """x [..., K] @ W.T for W = `weight` (float8 e4m3 [N, K]) times `scale` (float32, one per block
@@ -131,15 +146,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
     tokens = rows.shape[0]
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tokens:
-        block_m, block_n, warps, splittable = tile_for(tokens)
+        block_m, block_n, warps, _ = tile_for(tokens)
         block_k = block_k_for(block)
-        grid, steps = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n)), triton.cdiv(k, block_k)
-        if not splittable or grid[0] * grid[1] > COUNTERS:
-            splits = 1
-        elif splits is None:
-            splits = split_count(grid[0] * grid[1], steps, multiprocessors(x.device))
-        k_split = triton.cdiv(steps, splits) * block_k
-        splits = triton.cdiv(k, k_split)  # none empty
+        grid = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
+        splits, k_split = split_plan(tokens, n, k, block, multiprocessors(x.device), splits)
         partials = torch.empty((splits, tokens, n), dtype=torch.float32, device=x.device) if splits > 1 else out
         _fp8_matmul_kernel[(*grid, splits)](
             rows, weight, scale, out, partials, counters(x.device), tokens, n, k, k_split, rows.stride(0),
