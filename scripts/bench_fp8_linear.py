@@ -34,7 +34,7 @@ from splitserve.engine.shapes import SHAPES
 
 BLOCK = (128, 128)  # Qwen3's and DeepSeek's FP8 releases' blocks
 TOKENS = (1, 16, 64, 256, 2048, 8192)
-TINY = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 128, "intermediate_size": 256,
+TINY = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 128, "intermediate_size": 512,
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 TINY_TOKENS = (1, 32)
 TINY_BLOCK = (32, 32)

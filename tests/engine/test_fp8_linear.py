@@ -114,13 +114,20 @@ def test_a_decode_tile_split_over_k_equals_the_oracle(dtype, n, k, block, tokens
 
 
 def test_splits_fill_the_multiprocessors():
-    """About two programs a multiprocessor, each split at least MIN_SPLIT_STEPS k tiles long."""
+    """About two programs a multiprocessor, each split at least MIN_SPLIT_STEPS k tiles long, and
+    long enough that its float32 sums are at most a quarter of the codes it reads (the 64-row tile:
+    16 k tiles of 64)."""
     assert fp8_linear.split_count(32, 64, None) == 1  # not a GPU
     assert fp8_linear.split_count(32, 64, 132) == 9  # o_proj of a 4096-wide model on an H100: 288 programs
     assert fp8_linear.split_count(224, 64, 132) == 2
     assert fp8_linear.split_count(300, 64, 132) == 1  # enough tiles already
     assert fp8_linear.split_count(1, 6, 132) == 1  # too few k tiles to share
     assert fp8_linear.split_count(1, 4096, 132) == fp8_linear.MAX_SPLITS
+    assert fp8_linear.split_count(32, 64, 132, min_steps=16) == 4
+    # Llama-3-8B's o_proj on an H100 (32 tiles of 128 outputs; 64 k tiles of 64): 8 splits of 512
+    # columns for up to 16 tokens, 4 of 1024 for up to 64, whatever the tokens within a tile
+    plans = {tokens: fp8_linear.split_plan(tokens, 4096, 4096, (128, 128), 132) for tokens in (1, 16, 17, 64, 65)}
+    assert plans == {1: (8, 512), 16: (8, 512), 17: (4, 1024), 64: (4, 1024), 65: (1, 4096)}
 
 
 def test_tiles_follow_the_token_count():
@@ -166,6 +173,7 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
 
     monkeypatch.setattr(Linear, "project", fused)
     monkeypatch.setattr(fp8_linear, "MIN_SPLIT_STEPS", 1)
+    monkeypatch.setattr(fp8_linear, "SUMS_SHARE", 0)
     monkeypatch.setattr(fp8_linear, "multiprocessors", lambda device: 64)
     splits, kernel = [], fp8_linear._fp8_matmul_kernel
 

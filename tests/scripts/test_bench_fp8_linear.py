@@ -22,7 +22,7 @@ def test_the_tiny_projections_run_both_formats_and_count_their_bytes(tmp_path):
     result = run_tiny(tmp_path, "--tokens", "1,32")
     rows = {(r["tokens"], r["projection"], r["format"]): r for r in result["rows"]}
     assert result["device"] == "cpu" and result["block"] == [32, 32] and len(rows) == 2 * 5 * 2
-    shapes = {"qkv": (256, 128), "o_proj": (128, 128), "gate_up": (512, 128), "down": (128, 256)}  # [out, in]
+    shapes = {"qkv": (256, 128), "o_proj": (128, 128), "gate_up": (1024, 128), "down": (128, 512)}  # [out, in]
     for name, (n, k) in shapes.items():
         rows_in_out = 32 * (k + n) * 2  # x and out, float16
         assert rows[32, name, "bf16"]["bytes"] == 2 * n * k + rows_in_out
@@ -39,13 +39,14 @@ def test_the_tiny_projections_run_both_formats_and_count_their_bytes(tmp_path):
 def test_one_scale_a_row_counts_a_float32_scale_a_row(tmp_path):
     result = run_tiny(tmp_path, "--scales", "row", "--tokens", "1")
     rows = {r["projection"]: r for r in result["rows"] if r["format"] == "fp8"}
-    assert result["scales"] == "row" and rows["down"]["bytes"] == 128 * 256 + 4 * 128 + (256 + 128) * 2
+    assert result["scales"] == "row" and rows["down"]["bytes"] == 128 * 512 + 4 * 128 + (512 + 128) * 2
     assert all(r["max_rel_diff"] < 1e-2 for name, r in rows.items() if name != "layer")
 
 
 def test_split_decode_tiles_run_beside_unsplit_ones(tmp_path):
-    """For 8 multiprocessors the down projection's 256 inputs split in two (four k tiles each at
-    least); every projection then also runs unsplit, and the layer sums those."""
+    """For 8 multiprocessors the down projection's 512 inputs split in two (the 16-row tile's
+    splits read 8 k tiles of 32 at least: four times its float32 sums); every projection then also
+    runs unsplit, and the layer sums those."""
     result = run_tiny(tmp_path, "--multiprocessors", "8", "--tokens", "1")
     rows = {(r["projection"], r["format"]): r for r in result["rows"]}
     assert rows["down", "fp8"]["splits"] == 2 and rows["qkv", "fp8"]["splits"] == 1

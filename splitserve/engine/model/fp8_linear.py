@@ -28,7 +28,8 @@ from splitserve.engine.model.triton_tiles import input_tile, weight_tile
 # (each program's fixed cost spread over more codes; the split keeps every SM streaming weights),
 # prefills square 128 tiles that reuse each weight tile (docs/results/kernels-compiled.md)
 TILES = ((16, 16, 128, 4, True), (64, 64, 128, 4, True), (None, 128, 128, 8, False))
-MIN_SPLIT_STEPS = 4  # k tiles a split reads at least, so its sums' store is a small share of its reads
+MIN_SPLIT_STEPS = 4  # k tiles a split reads at least (a program's fixed cost)
+SUMS_SHARE = 4  # a split reads at least this many times the bytes of its tile's float32 sums in codes
 MAX_SPLITS = 16
 COUNTERS = 4096  # tiles one split launch may have: each counts its splits done (back to 0 after)
 
@@ -84,12 +85,12 @@ def block_k_for(block: tuple[int, int]) -> int:
     return 64 if block[1] % 64 == 0 else fp8.KERNEL_K
 
 
-def split_count(tiles: int, steps: int, sms: int | None) -> int:
+def split_count(tiles: int, steps: int, sms: int | None, min_steps: int = MIN_SPLIT_STEPS) -> int:
     """Splits over k for a launch of `tiles` tiles over `steps` k tiles on `sms` multiprocessors
-    (None: not a GPU, 1): about two programs a multiprocessor, each reading MIN_SPLIT_STEPS k tiles at least."""
+    (None: not a GPU, 1): about two programs a multiprocessor, each reading `min_steps` k tiles at least."""
     if sms is None:
         return 1
-    return max(1, min(MAX_SPLITS, -(-2 * sms // tiles), steps // MIN_SPLIT_STEPS))
+    return max(1, min(MAX_SPLITS, -(-2 * sms // tiles), steps // min_steps))
 
 
 @functools.cache
@@ -116,14 +117,16 @@ def counters(device: torch.device) -> torch.Tensor:
 def split_plan(tokens: int, n: int, k: int, block: tuple[int, int], sms: int | None,
                splits: int | None = None) -> tuple[int, int]:
     """(splits, the k columns each reads) of a launch over `tokens` rows of an [n, k] weight on `sms`
-    multiprocessors (`splits` as `matmul` takes it): whole k tiles a split, none empty."""
+    multiprocessors (`splits` as `matmul` takes it): whole k tiles a split, none empty. Whether a
+    shape splits depends on its tile, not on how many of the tile's rows are tokens, so each tile
+    of a shape is one variant (compiled at start-up)."""
     block_m, block_n, _, splittable = tile_for(tokens)
     block_k = block_k_for(block)
     tiles, steps = triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     if not splittable or tiles > COUNTERS:
         splits = 1
     elif splits is None:
-        splits = split_count(tiles, steps, sms)
+        splits = split_count(tiles, steps, sms, max(MIN_SPLIT_STEPS, triton.cdiv(SUMS_SHARE * 4 * block_m, block_k)))
     k_split = triton.cdiv(steps, splits) * block_k
     return triton.cdiv(k, k_split), k_split
 
