@@ -6,7 +6,10 @@ decode and prefill token counts, what each reads per second against the HBM peak
 FLOPs against the dense bf16 peak (MFU), and each FP8 output's largest difference from its own
 weights dequantized through cuBLAS (a check of the compiled kernel on the device). Where the
 GEMM splits a decode tile over K (for the device's multiprocessors, or --multiprocessors), every
-projection at that token count also runs unsplit ("fp8 unsplit"): what the split gains.
+projection at that token count also runs unsplit ("fp8 unsplit"): what the split gains. Every
+token count also runs the path the GEMM does not take there: the weight dequantized first, then
+cuBLAS, below `fp8_linear.DEQUANTIZE_TOKENS` ("fp8 dequantized"), the tiled kernel from it ("fp8
+tiled"): where the one overtakes the other.
 
     python scripts/bench_fp8_linear.py --json fp8-linear.json    # CUDA: Qwen3-8B's layer
     python scripts/bench_fp8_linear.py --shape llama3-8b         # another dense shape of engine/shapes.py
@@ -38,6 +41,7 @@ TINY = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 TINY_TOKENS = (1, 32)
 TINY_BLOCK = (32, 32)
+SPLITS = {None: "dequantized", "-": "-"}  # how the table shows a row's `splits`: dequantized first; bf16
 
 
 def projections(c: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -70,6 +74,9 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
                      "fp8": lambda: fp8_linear.matmul(x, codes, scales, block, splits=splits)}
             if max(plans.values()) > 1:
                 calls["fp8 unsplit"] = lambda: fp8_linear.matmul(x, codes, scales, block, splits=1)
+            widens = t >= fp8_linear.DEQUANTIZE_TOKENS
+            calls["fp8 tiled" if widens else "fp8 dequantized"] = \
+                lambda: fp8_linear.matmul(x, codes, scales, block, splits=splits, dequantize_first=not widens)
             stored = codes.nbytes + scales.nbytes
             flops = 2 * t * codes.shape[0] * codes.shape[1]
             exact = calls["bf16"]().float()
@@ -79,7 +86,8 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
                 rows.append(row(name, fmt, t, seconds, read, flops, hbm, flops_peak))
                 layer[fmt] = [a + b for a, b in zip(layer.get(fmt, [0.0, 0, 0]), (seconds, read, flops))]
                 if fmt != "bf16":
-                    rows[-1]["splits"] = 1 if fmt == "fp8 unsplit" else splits
+                    dequantized = fmt == "fp8 dequantized" or fmt == "fp8" and widens
+                    rows[-1]["splits"] = None if dequantized else 1 if fmt == "fp8 unsplit" else splits
                     rows[-1]["max_rel_diff"] = ((call().float() - exact).abs().max() / exact.abs().max()).item()
         for fmt, (seconds, read, flops) in layer.items():
             rows.append(row("layer", fmt, t, seconds, read, flops, hbm, flops_peak))
@@ -127,10 +135,11 @@ def print_table(result: dict) -> None:
     scales = "one scale a row" if tuple(block) == fp8.ROWS else f"{block[0]}x{block[1]} blocks"
     print(f"Device: {result['device']}; {result['shape']}'s projections, FP8 with {scales}, "
           f"activations {result['dtype']}")
-    print_markdown(["tokens:", "projection", "weights", "splits over K:", "ms:", "speed-up vs bf16:", "MBU:", "MFU:",
-                    "max rel. diff vs bf16 of its codes:"],
-                   [[r["tokens"], r["projection"], r["format"], r.get("splits", "-"), f"{r['step_ms']:.3f}",
-                     ratio(r.get("speedup_vs_bf16")), pct(r["mbu"]), pct(r["mfu"]), sci(r.get("max_rel_diff"))]
+    print_markdown(["tokens:", "projection", "weights", "splits over K (or dequantized first):", "ms:",
+                    "speed-up vs bf16:", "MBU:", "MFU:", "max rel. diff vs bf16 of its codes:"],
+                   [[r["tokens"], r["projection"], r["format"], SPLITS.get(r.get("splits", "-"), r.get("splits")),
+                     f"{r['step_ms']:.3f}", ratio(r.get("speedup_vs_bf16")), pct(r["mbu"]), pct(r["mfu"]),
+                     sci(r.get("max_rel_diff"))]
                     for r in result["rows"]])
 
 

@@ -7,8 +7,9 @@ kernel, which the flash-attn backend also uses for chunks). Nothing is stored (e
 PAD_SLOT), every table names block 0 and the hidden states are dropped. Every rank of a
 tensor-parallel group runs the same steps, so their all-reduces pair up. A model with sparse MoE
 layers also runs its experts' kernels once per tile size (`fused_moe.BLOCK_M_SIZES`), and a model
-whose projections stay FP8 runs each shape of them once per tile shape of the W8A16 GEMM
-(`fp8_linear.TILES`), whatever the attention backend."""
+whose projections stay FP8 runs each shape of them once per launch shape of the W8A16 GEMM
+(`fp8_linear.tile_examples`: each tile, and the dequantization of prefills' weights), whatever the
+attention backend."""
 from __future__ import annotations
 
 import logging
@@ -64,13 +65,13 @@ def warm_up_experts(model: torch.nn.Module) -> int:
 
 def warm_up_projections(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Run each FP8 projection shape (input and output features, blocks) on `dtype` activations
-    once per tile shape; the number of runs."""
+    once per launch shape; the number of runs."""
     shapes = {(m.in_features, m.out_features, m.fp8_block): m for m in model.modules()
               if isinstance(m, Linear) and m.fp8_block is not None}
     for linear in shapes.values():
         for tokens in fp8_linear.tile_examples():
             linear.fused(torch.zeros((tokens, linear.in_features), dtype=dtype, device=linear.weight.device))
-    return len(shapes) * len(fp8_linear.TILES)
+    return len(shapes) * len(fp8_linear.tile_examples())
 
 
 def warm_up_step(decode_context: int, block_size: int, groups: int) -> StepBatch:

@@ -113,6 +113,47 @@ def test_a_decode_tile_split_over_k_equals_the_oracle(dtype, n, k, block, tokens
     assert not fp8_linear.counters(DEVICE).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("n, k, block", [
+    (70, 100, (32, 32)),     # the last row and column of blocks partial
+    (200, 320, (128, 128)),  # 64-wide k tiles, partial both ways
+    (48, 128, (16, 64)),     # blocks of fewer rows than a program's
+    (70, 100, fp8.ROWS)])    # one scale a row
+def test_the_device_dequantization_equals_fp8_dequantize(dtype, n, k, block):
+    """Bit for bit: each code times its block's scale in float32, rounded once (the interpreter
+    truncates float32 to bfloat16 where a GPU rounds to nearest, so bfloat16 is checked on CUDA)."""
+    codes, scales = weight(n, k, block, seed=n) if block != fp8.ROWS else fp8.quantize(
+        torch.randn(n, k, generator=torch.Generator().manual_seed(n)), (1, k))
+    out = fp8_linear.dequantize(codes.to(DEVICE), scales.to(DEVICE), block, dtype).cpu()
+    assert torch.equal(out, fp8.dequantize(codes, scales, None if block == fp8.ROWS else block, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_from_dequantize_tokens_the_weight_is_dequantized_once_then_multiplied(monkeypatch, dtype):
+    """Fewer tokens run the tiled kernel; from DEQUANTIZE_TOKENS one dequantization of the weight,
+    then torch's matmul: the oracle's own product (`dequantize_first` forces either)."""
+    codes, scales = weight(200, 320, (128, 128), seed=5)
+    widened, tiled = [], []
+    monkeypatch.setattr(fp8_linear, "DEQUANTIZE_TOKENS", 8)
+    dequantize, kernel = fp8_linear.dequantize, fp8_linear._fp8_matmul_kernel
+    monkeypatch.setattr(fp8_linear, "dequantize", lambda *args: widened.append(args[0].shape) or dequantize(*args))
+
+    class Counted:
+        def __getitem__(self, grid):
+            tiled.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(fp8_linear, "_fp8_matmul_kernel", Counted())
+    for tokens, first, path in [(7, None, "tiled"), (8, None, "widened"), (1, True, "widened"), (70, False, "tiled")]:
+        widened.clear(), tiled.clear()
+        x = torch.randn(tokens, 320, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        out = fp8_linear.matmul(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), (128, 128),
+                                dequantize_first=first).cpu()
+        assert (widened, len(tiled)) == (([(200, 320)], 0) if path == "widened" else ([], 1)), tokens
+        expected = oracle(x, codes, scales, (128, 128))
+        assert (out.float() - expected).abs().max().item() <= TOLERANCE[dtype] * expected.abs().max().item()
+
+
 def test_splits_fill_the_multiprocessors():
     """About two programs a multiprocessor, each split at least MIN_SPLIT_STEPS k tiles long, and
     long enough that its float32 sums are at most a quarter of the codes it reads (the 64-row tile:
@@ -144,7 +185,8 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
     built as on an H100 (its dense projections and its experts kept FP8) generate the same tokens
     with every projection through the W8A16 kernel as through the dequantized oracle (what the CPU
     path runs), on the device the kernels run on (CUDA where it is), its decode tiles split over K
-    (as short splits as can be, on a device of 64 multiprocessors)."""
+    (as short splits as can be, on a device of 64 multiprocessors), its prefills' weights dequantized
+    first (from more tokens than a decode step's)."""
     hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
     quantize_checkpoint(tmp_path, block)
     monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
@@ -175,7 +217,9 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
     monkeypatch.setattr(fp8_linear, "MIN_SPLIT_STEPS", 1)
     monkeypatch.setattr(fp8_linear, "SUMS_SHARE", 0)
     monkeypatch.setattr(fp8_linear, "multiprocessors", lambda device: 64)
-    splits, kernel = [], fp8_linear._fp8_matmul_kernel
+    monkeypatch.setattr(fp8_linear, "DEQUANTIZE_TOKENS", len(prompts) + 1)
+    splits, kernel, dequantize, widened = [], fp8_linear._fp8_matmul_kernel, fp8_linear.dequantize, []
+    monkeypatch.setattr(fp8_linear, "dequantize", lambda *args: widened.append(1) or dequantize(*args))
 
     class Counted:  # each launch's splits (its grid's third axis)
         def __getitem__(self, grid):
@@ -184,5 +228,5 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
 
     monkeypatch.setattr(fp8_linear, "_fp8_matmul_kernel", Counted())
     assert greedy() == reference
-    assert max(splits) > 1
+    assert max(splits) > 1 and widened
     assert calls and min(calls) == len(prompts) < max(calls)  # decode steps and prefills

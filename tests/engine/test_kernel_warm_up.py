@@ -78,9 +78,10 @@ def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monke
     assert tiles == list(fused_moe.BLOCK_M_SIZES)
 
 
-def test_fp8_projections_run_once_per_tile_shape(tmp_path, monkeypatch):
+def test_fp8_projections_run_once_per_launch_shape(tmp_path, monkeypatch):
     """A Qwen3 FP8 checkpoint built as on an H100: each shape of its projections (QKV, o_proj,
-    gate-up, down) runs the W8A16 GEMM once at a token count of each tile shape; equal shapes once."""
+    gate-up, down) runs the W8A16 GEMM once at a token count of each tile shape, and once where it
+    dequantizes the weight first; equal shapes once."""
     from tests.engine.hf_checkpoints import ENGINE_ARGS, train_tokenizer, write_checkpoint
     from tests.engine.test_fp8 import quantize_checkpoint
 
@@ -103,5 +104,5 @@ def test_fp8_projections_run_once_per_tile_shape(tmp_path, monkeypatch):
     warm_up(runner)
     shapes = {(128 + 64 + 64, 64), (64, 128)}  # [out, in]: QKV and gate-up alike (256 rows), o_proj and down alike
     assert sorted(launches) == sorted((t, s) for s in shapes for t in fp8_linear.tile_examples())
-    assert fp8_linear.tile_examples() == [16, 64, 65]
+    assert fp8_linear.tile_examples() == [16, 64, 65, fp8_linear.DEQUANTIZE_TOKENS]
 

@@ -1,7 +1,8 @@
 """bench_fp8_linear.py: the tiny projections run end to end on the CPU (Triton's interpreter), bf16
 and FP8 per projection and token count, each FP8 output equal to its codes dequantized within half
 precision, and the bytes it counts are the weights' own: 2 a value in bf16, a code a value and a
-float32 scale per 32 x 32 block (or per row) as FP8; split decode tiles timed beside unsplit ones."""
+float32 scale per 32 x 32 block (or per row) as FP8; split decode tiles timed beside unsplit ones,
+and each token count's path beside the other (the weight dequantized first, or the tiled kernel)."""
 import json
 
 import pytest
@@ -21,7 +22,7 @@ def run_tiny(tmp_path, *args: str) -> dict:
 def test_the_tiny_projections_run_both_formats_and_count_their_bytes(tmp_path):
     result = run_tiny(tmp_path, "--tokens", "1,32")
     rows = {(r["tokens"], r["projection"], r["format"]): r for r in result["rows"]}
-    assert result["device"] == "cpu" and result["block"] == [32, 32] and len(rows) == 2 * 5 * 2
+    assert result["device"] == "cpu" and result["block"] == [32, 32] and len(rows) == 2 * 5 * 3
     shapes = {"qkv": (256, 128), "o_proj": (128, 128), "gate_up": (1024, 128), "down": (128, 512)}  # [out, in]
     for name, (n, k) in shapes.items():
         rows_in_out = 32 * (k + n) * 2  # x and out, float16
@@ -34,6 +35,24 @@ def test_the_tiny_projections_run_both_formats_and_count_their_bytes(tmp_path):
         assert layer["bytes"] == sum(rows[32, name, fmt]["bytes"] for name in shapes)
         assert layer["step_ms"] == pytest.approx(sum(rows[32, name, fmt]["step_ms"] for name in shapes))
     assert all(r["step_ms"] > 0 and r["mbu"] is None for r in result["rows"])  # no peak for a CPU
+
+
+def test_each_token_count_runs_the_other_path_beside_its_own(tmp_path):
+    """Below DEQUANTIZE_TOKENS the GEMM runs tiled and the weight dequantized first beside it; from
+    there the other way round; both equal the codes dequantized through torch's matmul."""
+    from splitserve.engine.model.fp8_linear import DEQUANTIZE_TOKENS
+
+    result = run_tiny(tmp_path, "--tokens", f"1,{DEQUANTIZE_TOKENS}")
+    rows = {(r["tokens"], r["projection"], r["format"]): r for r in result["rows"]}
+    names = ("qkv", "o_proj", "gate_up", "down")
+    for name in names:
+        assert rows[1, name, "fp8"]["splits"] == 1 and rows[1, name, "fp8 dequantized"]["splits"] is None
+        assert rows[DEQUANTIZE_TOKENS, name, "fp8"]["splits"] is None
+        assert rows[DEQUANTIZE_TOKENS, name, "fp8 tiled"]["splits"] == 1
+        assert rows[1, name, "fp8 dequantized"]["max_rel_diff"] == 0  # the oracle's own product
+        assert rows[DEQUANTIZE_TOKENS, name, "fp8"]["max_rel_diff"] == 0
+        assert rows[DEQUANTIZE_TOKENS, name, "fp8 tiled"]["max_rel_diff"] < 1e-2
+    assert (1, "layer", "fp8 tiled") not in rows and (DEQUANTIZE_TOKENS, "layer", "fp8 dequantized") not in rows
 
 
 def test_one_scale_a_row_counts_a_float32_scale_a_row(tmp_path):

@@ -8,7 +8,12 @@ outputs are few (4096 make 32 programs for an H100's 132), so its launch also sp
 split stores its float32 sums, and the tile's last split to finish adds them in split order (the
 same sum whichever finishes last) and rounds them once. Nothing waits on the host and the launch
 depends only on the token count, so a decode step through it is captured in a CUDA graph like any
-other.
+other. From `DEQUANTIZE_TOKENS` tokens a product is bound by the tensor cores, not by
+reading the codes, and widening every code again in each 128-row tile (beside the tensor cores)
+would cost more than one pass over them: the weight is dequantized once into the activations'
+dtype (a transient copy, which the engine's memory profile sees at its largest step; a CUDA
+graph's capture keeps the tiled kernel, since the graph's pool would hold the copy for good) and
+cuBLAS multiplies.
 
 The torch oracle is `fp8.dequantize` then `F.linear` (what the CPU path runs); on CPU the kernel
 runs only under Triton's interpreter (how the tests check it).
@@ -32,6 +37,11 @@ MIN_SPLIT_STEPS = 4  # k tiles a split reads at least (a program's fixed cost)
 SUMS_SHARE = 4  # a split reads at least this many times the bytes of its tile's float32 sums in codes
 MAX_SPLITS = 16
 COUNTERS = 4096  # tiles one split launch may have: each counts its splits done (back to 0 after)
+# from this many tokens the weight is dequantized once and cuBLAS multiplies: by the H200's figures (75% MFU for
+# cuBLAS bf16, the tiled GEMM at about half of it in prefills) the extra pass over the weight (a byte read, two
+# written) costs less than the tiled GEMM's widening from about 512 tokens on
+DEQUANTIZE_TOKENS = 512
+DEQUANTIZE_ROWS = 64  # weight rows a dequantizing program widens, over one k tile
 
 
 @triton.jit(do_not_specialize=["tokens"])
@@ -70,14 +80,30 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, count_ptr, tok
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, n, k, stride_w, stride_s, stride_out, block_rows, block_cols,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per (BLOCK_N rows, k tile within one block of columns): out = codes times their
+    block's scale, rounded once to out's dtype."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n
+    start = tl.program_id(1) * BLOCK_K
+    tile = weight_tile(w_ptr, s_ptr, rows, start, k, stride_w, stride_s, block_rows, block_cols, row_ok,
+                       out_ptr.dtype.element_ty, BLOCK_K, True)  # [BLOCK_K, BLOCK_N]
+    cols = start + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None], tile,
+             mask=(cols < k)[:, None] & row_ok[None, :])
+
+
 def tile_for(tokens: int) -> tuple[int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, warps, splits over K) of a launch over `tokens` rows."""
     return next(tuple(tile) for most, *tile in TILES if most is None or tokens <= most)
 
 
 def tile_examples() -> list[int]:
-    """A token count of each tile shape (the most it takes; past the last bound, one more)."""
-    return [most or TILES[-2][0] + 1 for most, *_ in TILES]
+    """A token count of each launch shape: of each tile (the most it takes; past the last bound, one
+    more), and the first that dequantizes the weight instead."""
+    return [most or TILES[-2][0] + 1 for most, *_ in TILES] + [DEQUANTIZE_TOKENS]
 
 
 def block_k_for(block: tuple[int, int]) -> int:
@@ -131,11 +157,24 @@ def split_plan(tokens: int, n: int, k: int, block: tuple[int, int], sms: int | N
     return triton.cdiv(k, k_split), k_split
 
 
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """What `fp8.dequantize` computes ([N, K] in `dtype`), in one pass over the codes on their device."""
+    n, k = weight.shape
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    block_k = block_k_for(block)
+    _dequantize_kernel[(triton.cdiv(n, DEQUANTIZE_ROWS), triton.cdiv(k, block_k))](
+        weight, scale, out, n, k, weight.stride(0), scale.stride(0), out.stride(0), block[0], block[1],
+        BLOCK_N=DEQUANTIZE_ROWS, BLOCK_K=block_k)
+    return out
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-           splits: int | None = None) -> torch.Tensor:
+           splits: int | None = None, dequantize_first: bool | None = None) -> torch.Tensor:
     """x [..., K] @ W.T for W = `weight` (float8 e4m3 [N, K]) times `scale` (float32, one per block
     of `block` [rows, cols], the last blocks partial); [..., N] in x's dtype. `splits`: a decode
-    tile's splits over K (None: `split_count` for the device; the prefill tile never splits)."""
+    tile's splits over K (None: `split_count` for the device; the prefill tile never splits).
+    `dequantize_first`: W dequantized, then torch's matmul (None: from `DEQUANTIZE_TOKENS` tokens,
+    except in a CUDA graph's capture)."""
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1 or scale.stride(1) != 1:
         raise ValueError("an FP8 linear needs float8_e4m3fn codes and float32 scales, rows contiguous")
@@ -148,7 +187,11 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
         rows = rows.contiguous()
     tokens = rows.shape[0]
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
-    if tokens:
+    if dequantize_first is None:  # a captured graph's pool would hold the dequantized weight for good
+        dequantize_first = tokens >= DEQUANTIZE_TOKENS and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    if tokens and dequantize_first:
+        torch.mm(rows, dequantize(weight, scale, block, x.dtype).t(), out=out)
+    elif tokens:
         block_m, block_n, warps, _ = tile_for(tokens)
         block_k = block_k_for(block)
         grid = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
