@@ -3,7 +3,10 @@ engine runs them), dense (bf16), as MXFP4 bytes and as FP8 codes side by side: t
 decode and prefill token counts, what it reads per second against the HBM peak (MBU) and its FLOPs
 against the dense bf16 peak (MFU). The dense weights are the MXFP4 ones dequantized, the FP8 ones
 those in 128 x 128 blocks; each quantized row also says how far its output is from its own weights
-dequantized through the dense kernels (a check of the compiled kernels on the device).
+dequantized through the dense kernels (a check of the compiled kernels on the device). Each
+quantized format runs both ways at every token count: its codes read by the kernels, and its
+stack dequantized first (`fused_moe.dequantizes`); the row of the path the engine does not take
+there says so (where the one overtakes the other).
 
     python scripts/bench_moe.py --json moe.json                 # CUDA: gpt-oss-20b's layer, seconds
     python scripts/bench_moe.py --shape qwen3-30b-a3b           # another MoE shape of engine/shapes.py
@@ -38,6 +41,9 @@ TINY = {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size":
         "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 7.0}
 TOKENS = (1, 16, 64, 256, 2048, 8192)
 FORMATS = ("dense", "mxfp4", "fp8")
+# (dequantized first, the path the engine takes at that token count): how the table names a row's path
+PATHS = {(False, True): "as read", (True, True): "dequantized first", (False, False): "as read (not taken)",
+         (True, False): "dequantized first (not taken)"}
 FP8_BLOCK = (128, 128)  # Qwen3's and DeepSeek's FP8 releases' blocks
 TINY_TOKENS = (1, 4, 32)
 
@@ -109,17 +115,21 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
                                  c.norm_topk_prob)
         hit = experts.unique().numel()
         dense_ms = None
-        for fmt in formats:  # dense first
+        taken = {fmt: fused_moe.dequantizes(fmt, experts.numel(), c.num_experts, x) for fmt in formats}
+        paths = [(fmt, first) for fmt in formats  # dense first; each quantized format's path, then the other
+                 for first in ([False] if fmt == "dense" else [taken[fmt], not taken[fmt]])]
+        for fmt, first in paths:
             w13, w2 = stacks[fmt]
 
-            def call(w13=w13, w2=w2):
-                return fused_moe.fused_experts(x, w13, w2, weights, experts, act=act, b13=b13)
+            def call(w13=w13, w2=w2, first=first):
+                return fused_moe.fused_experts(x, w13, w2, weights, experts, act=act, b13=b13, dequantize_first=first)
 
             seconds = time_calls(call, iters, device.type == "cuda")
             read = weight_bytes(w13, w2, b13, hit) + 2 * x.nbytes
             flops = 6 * t * c.num_experts_per_tok * c.hidden_size * c.moe_intermediate_size
-            row = {"format": fmt, "tokens": t, "experts_hit": hit, "step_ms": seconds * 1e3, "bytes": read,
-                   "flops": flops, "mbu": read / seconds / hbm if hbm else None,
+            row = {"format": fmt, "dequantized": first, "default": first == taken[fmt], "tokens": t,
+                   "experts_hit": hit, "step_ms": seconds * 1e3, "bytes": read, "flops": flops,
+                   "mbu": read / seconds / hbm if hbm else None,
                    "mfu": flops / seconds / flops_peak if flops_peak else None}
             if dense_ms is None:
                 dense_ms = row["step_ms"]
@@ -134,9 +144,10 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
 def print_table(result: dict) -> None:
     print(f"Device: {result['device']}; {result['shape']}: {result['experts']} experts, top {result['top_k']}, "
           f"hidden {result['hidden']}, width {result['width']}, activations {result['dtype']}")
-    print_markdown(["tokens:", "experts hit:", "weights", "ms:", "speed-up vs dense:", "MBU:", "MFU:",
+    print_markdown(["tokens:", "experts hit:", "weights", "path", "ms:", "speed-up vs dense:", "MBU:", "MFU:",
                     "max rel. diff vs its weights dequantized:"],
-                   [[r["tokens"], r["experts_hit"], r["format"], f"{r['step_ms']:.3f}",
+                   [[r["tokens"], r["experts_hit"], r["format"], PATHS[r["dequantized"], r["default"]],
+                     f"{r['step_ms']:.3f}",
                      ratio(r.get("speedup_vs_dense")), pct(r["mbu"]), pct(r["mfu"]), sci(r.get("max_rel_diff"))]
                     for r in result["rows"]])
 

@@ -130,6 +130,71 @@ def test_fp8_experts_equal_the_dequantized_oracle(dtype, block, tokens, block_m)
     torch.testing.assert_close(out.cpu(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
 
 
+def quantized_stacks(fmt: str, experts: int, hidden: int, width: int, dtype: torch.dtype) -> tuple:
+    """(w13, w2) as MXFP4 bytes (scales from 2**-11 to 2**-3) or FP8 codes in 32 x 32 blocks."""
+    shapes = ((2 * width, hidden), (hidden, width))
+    if fmt == "mxfp4":
+        return tuple(Packed(blocks, scales - 8, dtype) for blocks, scales in
+                     (packed((experts, rows, cols // 32), seed) for seed, (rows, cols) in enumerate(shapes)))
+    return tuple(fp8.Stacked(*fp8_stack(experts, rows, cols, (32, 32), seed), (32, 32), dtype)
+                 for seed, (rows, cols) in enumerate(shapes))
+
+
+def to_device(w):
+    if isinstance(w, Packed):
+        return Packed(w.blocks.to(DEVICE), w.scales.to(DEVICE), w.dtype)
+    return fp8.Stacked(w.weight.to(DEVICE), w.scale.to(DEVICE), w.block, w.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_a_stack_dequantizes_on_the_device_as_its_oracle_does(fmt, dtype):
+    """Bit for bit, a slice of experts at a time (the interpreter truncates float32 to bfloat16
+    where a GPU rounds to nearest, so bfloat16 is checked on CUDA)."""
+    w13, _ = quantized_stacks(fmt, 8, 96, 64, dtype)
+    out = fused_moe.dequantize_experts(to_device(w13), 2, 5, dtype).cpu()
+    assert out.shape == (5, 128, 96) and torch.equal(out, torch.stack([w13[e] for e in range(2, 7)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("act", [GatedAct(), GatedAct(interleaved=True, alpha=1.702, limit=7.0)],
+                         ids=["silu", "gpt-oss"])
+def test_quantized_experts_dequantized_a_chunk_at_a_time_equal_the_oracle(monkeypatch, fmt, dtype, act):
+    """A stack dequantized first, a chunk of experts at a time (one launch of each kernel a chunk,
+    each running only its experts' tiles), computes what the dequantized weights do."""
+    experts, hidden, width = 8, 96, 64
+    w13, w2 = quantized_stacks(fmt, experts, hidden, width, dtype)
+    monkeypatch.setattr(fused_moe, "DEQUANTIZE_BYTES", 3 * 2 * width * hidden * dtype.itemsize)
+    chunks, real = [], fused_moe.dequantize_experts
+    monkeypatch.setattr(fused_moe, "dequantize_experts", lambda w, first, count, dt: chunks.append(
+        (w.shape[1], first, count)) or real(w, first, count, dt))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(40, hidden, generator=g).to(dtype)
+    b13 = torch.randn(experts, 2 * width, generator=g).to(dtype) if act.interleaved else None
+    weights, ids = route(torch.randn(40, experts, generator=g), 2, renormalize=True)
+    out = fused_moe.fused_experts(*on_device(x), to_device(w13), to_device(w2), *on_device(weights, ids), None, act,
+                                  None if b13 is None else b13.to(DEVICE), dequantize_first=True)
+    # w13's experts [128, 96] in chunks of 3; w2's [96, 64], half the size, of 6
+    assert chunks == [(2 * width, 0, 3), (2 * width, 3, 3), (2 * width, 6, 2), (hidden, 0, 6), (hidden, 6, 2)]
+    expected = experts_reference(x, w13, w2, weights, ids, act, b13)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+
+
+def test_quantized_stacks_dequantize_from_their_formats_load_per_expert():
+    """From DEQUANTIZE_ASSIGNMENTS an expert on average (MXFP4 sooner than FP8); tensors never."""
+    x = torch.empty(1)
+    for fmt, per_expert in fused_moe.DEQUANTIZE_ASSIGNMENTS.items():
+        assert fused_moe.dequantizes(fmt, per_expert * 32, 32, x)
+        assert not fused_moe.dequantizes(fmt, per_expert * 32 - 1, 32, x)
+    assert fused_moe.DEQUANTIZE_ASSIGNMENTS["mxfp4"] < fused_moe.DEQUANTIZE_ASSIGNMENTS["fp8"]
+    assert not fused_moe.dequantizes("dense", 1 << 20, 32, x)
+    # gpt-oss-120b's w13 (128 experts of 5760 x 2880, bf16): 32 experts a GiB chunk
+    w13 = torch.empty((128, 5760, 2880), device="meta")
+    assert fused_moe.expert_chunks(w13, torch.bfloat16) == [(0, 32), (32, 32), (64, 32), (96, 32)]
+
+
 def test_packed_and_dense_stacks_do_not_mix():
     x, w13, w2, weights, ids = problem(2, 4, 2, 32, 32)
     with pytest.raises(ValueError, match=r"in one format \(tensors, MXFP4 or FP8\)"):
@@ -177,7 +242,7 @@ def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_ki
     in MXFP4, kept packed, and a Qwen3-MoE in FP8, its experts kept FP8) generate the same tokens
     with their experts run by the fused kernels and their attention (GPT-OSS's sinks and window)
     by the Triton kernels as by the torch oracles (what the CPU engine runs), on the device the
-    kernels run on (CUDA where it is)."""
+    kernels run on (CUDA where it is); quantized experts are dequantized first in prefills."""
     hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
     if kept == "mxfp4":
         quantize_experts(tmp_path, width=64, scale_shift=-5)
@@ -204,5 +269,10 @@ def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_ki
         return self.fused(x, weights, experts)
 
     monkeypatch.setattr(Experts, "forward", fused)
+    # quantized experts dequantized for more assignments than a decode step's 3 tokens x top 2 make
+    monkeypatch.setattr(fused_moe, "DEQUANTIZE_ASSIGNMENTS", {"mxfp4": 2, "fp8": 1})
+    widened, real = [], fused_moe.dequantize_experts
+    monkeypatch.setattr(fused_moe, "dequantize_experts", lambda *args: widened.append(1) or real(*args))
     assert greedy("triton") == reference
     assert calls and max(calls) > 1 and min(calls) >= 1
+    assert bool(widened) == (kept is not None)

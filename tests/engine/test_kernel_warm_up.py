@@ -57,25 +57,33 @@ def test_the_torch_backend_has_nothing_to_warm_up(monkeypatch):
 
 
 
-def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kept", [None, "fp8"])
+def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monkeypatch, kept):
+    """Experts kept FP8 (built as on an H100) also run once dequantized first, as prefills run them."""
     from tests.engine.hf_checkpoints import ENGINE_ARGS, train_tokenizer, write_checkpoint
+    from tests.engine.test_fp8 import quantize_checkpoint
 
+    from splitserve.engine import fp8
     from splitserve.engine.model import fused_moe
 
     write_checkpoint(tmp_path, "qwen3_moe", {False: train_tokenizer(), True: train_tokenizer(qwen2=True)})
+    if kept:
+        quantize_checkpoint(tmp_path)
+        monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
     # the torch attention backend (the CUDA default is Triton's): no warm-up steps, the experts still
     runner = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type, "attention_backend": "torch"}).engine.runner
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
     tiles, real = [], fused_moe.fused_experts
 
-    def spy(x, w13, w2, weights, experts, block_m=None, *variant):
-        tiles.append(block_m)
+    def spy(x, w13, w2, weights, experts, block_m=None, act=None, b13=None, dequantize_first=None):
+        tiles.append((block_m, dequantize_first))
         assert experts.shape == (1, 2) and w13.shape[0] == 8  # the model's top-k of its 8 experts
-        return real(x, w13, w2, weights, experts, block_m, *variant)
+        assert isinstance(w13, fp8.Stacked) == (kept == "fp8")
+        return real(x, w13, w2, weights, experts, block_m, act, b13, dequantize_first)
 
     monkeypatch.setattr(fused_moe, "fused_experts", spy)
     warm_up(runner)
-    assert tiles == list(fused_moe.BLOCK_M_SIZES)
+    assert tiles == [(m, None) for m in fused_moe.BLOCK_M_SIZES] + ([(64, True)] if kept else [])
 
 
 def test_fp8_projections_run_once_per_launch_shape(tmp_path, monkeypatch):

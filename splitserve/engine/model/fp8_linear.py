@@ -81,10 +81,14 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, count_ptr, tok
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, out_ptr, n, k, stride_w, stride_s, stride_out, block_rows, block_cols,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program per (BLOCK_N rows, k tile within one block of columns): out = codes times their
-    block's scale, rounded once to out's dtype."""
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, n, k, stride_w, stride_s, stride_out, stride_we, stride_se, stride_oe,
+                       block_rows, block_cols, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per (BLOCK_N rows, k tile within one block of columns, weight of a stack):
+    out = codes times their block's scale, rounded once to out's dtype."""
+    stacked = tl.program_id(2).to(tl.int64)
+    w_ptr += stacked * stride_we
+    s_ptr += stacked * stride_se
+    out_ptr += stacked * stride_oe
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
     start = tl.program_id(1) * BLOCK_K
@@ -158,12 +162,14 @@ def split_plan(tokens: int, n: int, k: int, block: tuple[int, int], sms: int | N
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """What `fp8.dequantize` computes ([N, K] in `dtype`), in one pass over the codes on their device."""
-    n, k = weight.shape
-    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    """What `fp8.dequantize` computes ([N, K] in `dtype`; of a stack's codes [E, N, K] and scales
+    [E, ...], each weight's), in one pass over the codes on their device."""
+    *stack, n, k = weight.shape
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     block_k = block_k_for(block)
-    _dequantize_kernel[(triton.cdiv(n, DEQUANTIZE_ROWS), triton.cdiv(k, block_k))](
-        weight, scale, out, n, k, weight.stride(0), scale.stride(0), out.stride(0), block[0], block[1],
+    strides = [t.stride(0) if stack else 0 for t in (weight, scale, out)]
+    _dequantize_kernel[(triton.cdiv(n, DEQUANTIZE_ROWS), triton.cdiv(k, block_k), *stack)](
+        weight, scale, out, n, k, weight.stride(-2), scale.stride(-2), out.stride(-2), *strides, block[0], block[1],
         BLOCK_N=DEQUANTIZE_ROWS, BLOCK_K=block_k)
     return out
 

@@ -8,7 +8,12 @@ a decode step with experts is captured in a CUDA graph like any other. MXFP4 exp
 are read as their bytes: per 32-value group, each nibble's E2M1 value times the group's power of two
 (rounded to the activations' dtype, as `mxfp4.dequantize` rounds it) meets the even or odd inputs
 on the tensor cores. FP8 experts (`fp8.Stacked`) likewise: each code times its block's scale (a k
-tile lies within one block's columns), rounded to the activations' dtype.
+tile lies within one block's columns), rounded to the activations' dtype. From
+`DEQUANTIZE_ASSIGNMENTS` an expert (prefills) widening the codes again in every tile costs more
+than one pass over them: a quantized stack is dequantized the same way into the activations' dtype,
+a chunk of experts at a time (at most `DEQUANTIZE_BYTES`, transient: the engine's memory profile
+sees it at its largest step), and the kernels read each chunk as tensors, one launch a chunk (a
+tile of another chunk's expert returns at once).
 
 `moe.experts_reference` is the oracle; on CPU the kernels run only under Triton's interpreter
 (how the tests check them). Products accumulate in float32 and each kernel rounds once, where
@@ -16,11 +21,14 @@ the oracle rounds gate and up, then the activation, to the activations' dtype.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from splitserve.engine import fp8, mxfp4
+from splitserve.engine.model import fp8_linear
 from splitserve.engine.model.moe import SILU, GatedAct
 from splitserve.engine.model.triton_tiles import input_tile, weight_tile
 
@@ -28,6 +36,13 @@ BLOCK_N = 64
 BLOCK_K = fp8.KERNEL_K
 BLOCK_M_SIZES = (16, 64)  # a tile of one expert's assignments: 16 while experts get few tokens each
 PACKED_WIDE_BLOCK_N = 32  # gate-up of a 64-row tile of MXFP4 experts: at 64 (or with 8 warps) it spills on sm_80
+# from this many assignments an expert (on average) a quantized stack is dequantized, a chunk of experts at a time,
+# and the kernels read it as tensors: widening the codes again in every tile costs more there (the H200, gpt-oss-20b's
+# experts: MXFP4 3.2 ms at 256 tokens against bf16's 1.0, FP8 10.1 ms at 8192 against 7.2; a pass over the stack
+# costs about 0.6 ms)
+DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": 256}
+DEQUANTIZE_BYTES = 1 << 30  # the most one chunk of dequantized experts takes (transient)
+DEQUANTIZE_ROWS = 64  # rows a dequantizing program widens, over one group
 
 
 @triton.jit
@@ -62,13 +77,32 @@ def _mxfp4_group(acc, a_even, a_odd, blocks, scales, rows, group, stride_row, st
     return tl.dot(a_odd, (_e2m1(codes >> 4) * scale).to(a_odd.dtype), acc, input_precision=PRECISION)
 
 
-@triton.jit(do_not_specialize=["num_assignments"])
+@triton.jit
+def _dequantize_packed_kernel(blocks_ptr, scales_ptr, out_ptr, rows, stride_be, stride_br, stride_se, stride_sr,
+                              stride_oe, stride_or, BLOCK_R: tl.constexpr):
+    """One program per (expert, BLOCK_R rows, 32-value group): each nibble's E2M1 value times the
+    group's power of two (as `_mxfp4_group` widens them), rounded once to out's dtype, the low nibble first."""
+    expert, group = tl.program_id(0).to(tl.int64), tl.program_id(2)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < rows
+    codes = tl.load(blocks_ptr + expert * stride_be + r[:, None] * stride_br + group * 16 + tl.arange(0, 16)[None, :],
+                    mask=ok[:, None], other=0).to(tl.int32)
+    exponent = tl.load(scales_ptr + expert * stride_se + r * stride_sr + group, mask=ok, other=0).to(tl.int32)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)[:, None]
+    values = tl.reshape(tl.join(_e2m1(codes & 15) * scale, _e2m1(codes >> 4) * scale), (BLOCK_R, 32))
+    cols = group * 32 + tl.arange(0, 32)
+    tl.store(out_ptr + expert * stride_oe + r[:, None] * stride_or + cols[None, :], values.to(out_ptr.dtype.element_ty),
+             mask=ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden,
                     width, stride_x, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols, stride_be,
-                    row_step, up_offset, alpha, limit, stride_out, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    row_step, up_offset, alpha, limit, stride_out, first_expert, num_experts, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr,
                     OSS: tl.constexpr, CLAMP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr):
-    """One program per (tile of one expert's assignments, BLOCK_N of the width):
+    """One program per (tile of one expert's assignments, BLOCK_N of the width), for the tiles of
+    experts [first_expert, first_expert + num_experts), whose weights w13 (and scales) stack:
     out[a] = act(x[token] @ gate.T, x[token] @ up.T) for each assignment a of the tile. Gate column
     c is w13's row c * row_step, up's that plus up_offset (1, width: halves; 2, 1: interleaved);
     with BIAS the same entries of b13 are added. act: silu(gate) * up, or with OSS
@@ -76,18 +110,18 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
     PACKED: w13 is MXFP4 bytes (rows of hidden / 2) and s_ptr its scales (rows of hidden / 32);
     FP8: w13 is float8 codes and s_ptr the scales of its blocks of block_rows x block_cols."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
-    if expert >= NUM_EXPERTS:  # past the last group
+    if (expert < first_expert) | (expert >= first_expert + num_experts):  # another launch's, or past the last group
         return
     rows = tl.load(sorted_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < num_assignments  # the padding holds num_assignments
     tokens = (rows // top_k).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < width
-    w = w_ptr + expert.to(tl.int64) * stride_we
+    w = w_ptr + (expert - first_expert).to(tl.int64) * stride_we
     gate_rows, up_rows = cols * row_step, cols * row_step + up_offset
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    s = s_ptr + expert.to(tl.int64) * stride_se  # the expert's scales (PACKED, FP8)
+    s = s_ptr + (expert - first_expert).to(tl.int64) * stride_se  # the expert's scales (PACKED, FP8)
     if PACKED:  # hidden is whole groups
         for group in range(0, hidden // 32):
             a_even, a_odd = _group_inputs(x_ptr, tokens, stride_x, group, valid)
@@ -117,24 +151,24 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
              mask=valid[:, None] & col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_assignments"])
+@triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts"])
 def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_assignments, width,
                  hidden, stride_act, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols, stride_out,
-                 NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 first_expert, num_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr):
-    """One program per (tile of one expert's assignments, BLOCK_N of hidden):
-    out[a] = weight[a] * (act[a] @ down.T); PACKED and FP8 as in `_gate_up_kernel`, over the width."""
+    """One program per (tile of one expert's assignments, BLOCK_N of hidden), experts as in
+    `_gate_up_kernel`: out[a] = weight[a] * (act[a] @ down.T); PACKED and FP8 as there, over the width."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
-    if expert >= NUM_EXPERTS:
+    if (expert < first_expert) | (expert >= first_expert + num_experts):
         return
     rows = tl.load(sorted_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < num_assignments
     at = rows.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    w = w_ptr + expert.to(tl.int64) * stride_we
+    w = w_ptr + (expert - first_expert).to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    s = s_ptr + expert.to(tl.int64) * stride_se
+    s = s_ptr + (expert - first_expert).to(tl.int64) * stride_se
     if PACKED:  # the width is whole groups
         for group in range(0, width // 32):
             a_even, a_odd = _group_inputs(act_ptr, at, stride_act, group, valid)
@@ -200,13 +234,58 @@ def _format(w: torch.Tensor | mxfp4.Packed | fp8.Stacked) -> str:
     return "mxfp4" if isinstance(w, mxfp4.Packed) else "fp8" if isinstance(w, fp8.Stacked) else "dense"
 
 
+def dequantize_packed(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What `mxfp4.dequantize` computes ([experts, rows, groups * 32] in `dtype`) from a stack's bytes
+    [experts, rows, groups, 16] and scales [experts, rows, groups], in one pass on their device."""
+    experts, rows, groups = scales.shape
+    out = torch.empty((experts, rows, groups * mxfp4.GROUP), dtype=dtype, device=blocks.device)
+    _dequantize_packed_kernel[(experts, triton.cdiv(rows, DEQUANTIZE_ROWS), groups)](
+        blocks, scales, out, rows, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
+        out.stride(0), out.stride(1), BLOCK_R=DEQUANTIZE_ROWS)
+    return out
+
+
+def dequantize_experts(w: mxfp4.Packed | fp8.Stacked, first: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """Experts [first, first + count) of a quantized stack, dequantized to `dtype` [count, rows, cols]."""
+    if isinstance(w, mxfp4.Packed):
+        return dequantize_packed(w.blocks[first:first + count], w.scales[first:first + count], dtype)
+    return fp8_linear.dequantize(w.weight[first:first + count], w.scale[first:first + count], w.block, dtype)
+
+
+def dequantizes(kind: str, assignments: int, num_experts: int, x: torch.Tensor) -> bool:
+    """Whether a call with this many assignments dequantizes its experts first (`DEQUANTIZE_ASSIGNMENTS`;
+    never in a CUDA graph's capture, whose pool would hold the dequantized experts for good)."""
+    return (kind in DEQUANTIZE_ASSIGNMENTS and assignments >= DEQUANTIZE_ASSIGNMENTS[kind] * num_experts
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def expert_chunks(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """(first expert, experts) of each chunk a stack dequantizes in: at most DEQUANTIZE_BYTES, one expert at least."""
+    num_experts, rows, cols = w.shape
+    size = max(1, DEQUANTIZE_BYTES // (rows * cols * dtype.itemsize))
+    return [(first, min(size, num_experts - first)) for first in range(0, num_experts, size)]
+
+
+def _launches(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, dtype: torch.dtype, dequantize_first: bool,
+              launch: Callable[[tuple, int, int, str], None]) -> None:
+    """Run `launch(operands, first expert, experts, format)` over the whole stack as stored, or chunk
+    by chunk dequantized to `dtype` (each chunk freed before the next is made)."""
+    if not dequantize_first:
+        launch(_operands(w), 0, w.shape[0], _format(w))
+        return
+    for first, count in expert_chunks(w, dtype):
+        launch(_operands(dequantize_experts(w, first, count, dtype)), first, count, "dense")
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
                   w2: torch.Tensor | mxfp4.Packed | fp8.Stacked, weights: torch.Tensor, experts: torch.Tensor,
-                  block_m: int | None = None, act: GatedAct = SILU, b13: torch.Tensor | None = None) -> torch.Tensor:
+                  block_m: int | None = None, act: GatedAct = SILU, b13: torch.Tensor | None = None,
+                  dequantize_first: bool | None = None) -> torch.Tensor:
     """What `moe.experts_reference` computes, for x [T, hidden], w13 [E, 2 * width, hidden],
     w2 [E, hidden, width] (tensors, or both MXFP4, or both FP8), weights (float32) and experts
     [T, k], `act` and the gate and up biases `b13` [E, 2 * width]; block_m: the tile rows (by
-    default `block_m_for`)."""
+    default `block_m_for`); `dequantize_first`: quantized experts dequantized, a chunk at a time,
+    for the kernels to read as tensors (None: as `dequantizes` says)."""
     tokens, hidden = x.shape
     num_experts, width = w13.shape[0], w2.shape[2]
     top_k = experts.shape[1]
@@ -216,28 +295,38 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
     kind = _format(w13)
     if _format(w2) != kind:
         raise ValueError("fused_experts takes w13 and w2 in one format (tensors, MXFP4 or FP8)")
-    packed, fp8_codes = kind == "mxfp4", kind == "fp8"
     if x.stride(1) != 1 or (b13 is not None and b13.stride(1) != 1):
         raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
-    up_operands, down_operands = _operands(w13), _operands(w2)
+    for w in (w13, w2):  # each stack's layout checked before any launch
+        _operands(w)
+    if dequantize_first is None or kind == "dense":  # a stack of tensors has nothing to dequantize
+        dequantize_first = dequantizes(kind, count, num_experts, x)
     block_m = block_m or block_m_for(count, num_experts)
     sorted_ids, block_expert = align(experts, num_experts, block_m)
-    tiles = block_expert.numel()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    gate_up_n = PACKED_WIDE_BLOCK_N if packed and block_m == BLOCK_M_SIZES[1] else BLOCK_N
+    tiles, precision = block_expert.numel(), "ieee" if x.dtype == torch.float32 else "tf32"
     row_step, up_offset = (2, 1) if act.interleaved else (1, width)
     gated = torch.empty((count, width), dtype=x.dtype, device=x.device)
-    w, scales, *strides = up_operands
-    _gate_up_kernel[(tiles, triton.cdiv(width, gate_up_n))](
-        x, w, scales, w if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k, hidden, width,
-        x.stride(0), *strides, 0 if b13 is None else b13.stride(0), row_step, up_offset,
-        act.alpha or 0.0, act.limit or 0.0, gated.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m,
-        BLOCK_N=gate_up_n, BLOCK_K=BLOCK_K, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
-        CLAMP=act.limit is not None, PACKED=packed, FP8=fp8_codes)
+
+    def gate_up(operands: tuple, first: int, experts: int, fmt: str) -> None:
+        w, scales, *strides = operands
+        block_n = PACKED_WIDE_BLOCK_N if fmt == "mxfp4" and block_m == BLOCK_M_SIZES[1] else BLOCK_N
+        _gate_up_kernel[(tiles, triton.cdiv(width, block_n))](
+            x, w, scales, w if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k,
+            hidden, width, x.stride(0), *strides, 0 if b13 is None else b13.stride(0), row_step, up_offset,
+            act.alpha or 0.0, act.limit or 0.0, gated.stride(0), first, experts, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=BLOCK_K, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
+            CLAMP=act.limit is not None, PACKED=fmt == "mxfp4", FP8=fmt == "fp8")
+
     out = torch.empty((count, hidden), dtype=x.dtype, device=x.device)
-    w, scales, *strides = down_operands
-    _down_kernel[(tiles, triton.cdiv(hidden, BLOCK_N))](
-        gated, w, scales, out, weights.float().contiguous(), sorted_ids, block_expert, count, width, hidden,
-        gated.stride(0), *strides, out.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, PRECISION=precision, PACKED=packed, FP8=fp8_codes)
+    routing_weights = weights.float().contiguous()
+
+    def down(operands: tuple, first: int, experts: int, fmt: str) -> None:
+        w, scales, *strides = operands
+        _down_kernel[(tiles, triton.cdiv(hidden, BLOCK_N))](
+            gated, w, scales, out, routing_weights, sorted_ids, block_expert, count, width, hidden,
+            gated.stride(0), *strides, out.stride(0), first, experts, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K, PRECISION=precision, PACKED=fmt == "mxfp4", FP8=fmt == "fp8")
+
+    _launches(w13, x.dtype, dequantize_first, gate_up)
+    _launches(w2, x.dtype, dequantize_first, down)
     return out.view(tokens, top_k, hidden).sum(dim=1)

@@ -148,12 +148,13 @@ class Experts(nn.Module):
             return self.fused(x, weights, experts)
         return experts_reference(x, *self.stacks(x.dtype), weights, experts, self.act, self.b13)
 
-    def fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-              block_m: int | None = None) -> torch.Tensor:
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, block_m: int | None = None,
+              dequantize_first: bool | None = None) -> torch.Tensor:
         """The same through the Triton kernels (`fused_moe`: CUDA, or Triton's interpreter)."""
         from splitserve.engine.model import fused_moe  # triton: CUDA builds of torch bring it
 
-        return fused_moe.fused_experts(x, *self.stacks(x.dtype), weights, experts, block_m, self.act, self.b13)
+        return fused_moe.fused_experts(x, *self.stacks(x.dtype), weights, experts, block_m, self.act, self.b13,
+                                       dequantize_first)
 
     def down_bias(self, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
         """[T, hidden]: each token's experts' down biases, weighted as their outputs are (None without)."""
