@@ -38,8 +38,8 @@ BLOCK_M_SIZES = (16, 64)  # a tile of one expert's assignments: 16 while experts
 PACKED_WIDE_BLOCK_N = 32  # gate-up of a 64-row tile of MXFP4 experts: at 64 (or with 8 warps) it spills on sm_80
 # from this many assignments an expert (on average) a quantized stack is dequantized, a chunk of experts at a time,
 # and the kernels read it as tensors: widening the codes again in every tile costs more there (the H200, gpt-oss-20b's
-# experts: MXFP4 3.2 ms at 256 tokens against bf16's 1.0, FP8 10.1 ms at 8192 against 7.2; a pass over the stack
-# costs about 0.6 ms)
+# experts: MXFP4 3.2 ms at 256 tokens against bf16's 1.0, FP8 10.1 ms at 8192 against 7.2; a pass over the stack,
+# its codes read and bf16 written, about 0.5 ms)
 DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": 256}
 DEQUANTIZE_BYTES = 1 << 30  # the most one chunk of dequantized experts takes (transient)
 DEQUANTIZE_ROWS = 64  # rows a dequantizing program widens, over one group
