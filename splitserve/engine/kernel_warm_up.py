@@ -6,8 +6,9 @@ key tiles for that many splits, and a two-token chunk after one earlier token (t
 kernel, which the flash-attn backend also uses for chunks). Nothing is stored (every slot is
 PAD_SLOT), every table names block 0 and the hidden states are dropped. Every rank of a
 tensor-parallel group runs the same steps, so their all-reduces pair up. A model with sparse MoE
-layers also runs its experts' kernels once per tile size (`fused_moe.BLOCK_M_SIZES`) and, where
-its experts are quantized, once over them dequantized (as prefills run them), and a model
+layers also runs its experts' kernels once per tile size they take (`fused_moe.warm_up_tiles`:
+where they are quantized, the 16- and 64-row tiles as stored and the 64- and 128-row ones
+dequantized first, as prefills run them), and a model
 whose projections stay FP8 runs each shape of them once per launch shape of the W8A16 GEMM
 (`fp8_linear.tile_examples`: each tile, and the dequantization of prefills' weights), whatever the
 attention backend."""
@@ -51,8 +52,7 @@ def warm_up(runner: ModelRunner) -> None:
 
 
 def warm_up_experts(model: torch.nn.Module) -> int:
-    """Run the first sparse layer's experts on one token per tile size, and dequantized where they
-    are quantized; the number of runs."""
+    """Run the first sparse layer's experts on one token per tile size they take; the number of runs."""
     block = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
     if block is None:
         return 0
@@ -60,12 +60,10 @@ def warm_up_experts(model: torch.nn.Module) -> int:
     x = torch.zeros((1, router.shape[1]), dtype=router.dtype, device=router.device)
     weights = torch.ones((1, block.top_k), device=router.device)
     experts = torch.arange(block.top_k, device=router.device).view(1, -1)
-    for block_m in fused_moe.BLOCK_M_SIZES:
-        block.experts.fused(x, weights, experts, block_m=block_m)
-    if block.experts.format not in fused_moe.DEQUANTIZE_ASSIGNMENTS:
-        return len(fused_moe.BLOCK_M_SIZES)
-    block.experts.fused(x, weights, experts, block_m=fused_moe.BLOCK_M_SIZES[-1], dequantize_first=True)
-    return len(fused_moe.BLOCK_M_SIZES) + 1
+    runs = fused_moe.warm_up_tiles(block.experts.format in fused_moe.DEQUANTIZE_ASSIGNMENTS)
+    for block_m, dequantize_first in runs:
+        block.experts.fused(x, weights, experts, block_m=block_m, dequantize_first=dequantize_first)
+    return len(runs)
 
 
 def warm_up_projections(model: torch.nn.Module, dtype: torch.dtype) -> int:

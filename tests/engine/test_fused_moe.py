@@ -160,7 +160,8 @@ def test_a_stack_dequantizes_on_the_device_as_its_oracle_does(fmt, dtype):
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 @pytest.mark.parametrize("act", [GatedAct(), GatedAct(interleaved=True, alpha=1.702, limit=7.0)],
                          ids=["silu", "gpt-oss"])
-def test_quantized_experts_dequantized_a_chunk_at_a_time_equal_the_oracle(monkeypatch, fmt, dtype, act):
+@pytest.mark.parametrize("tokens", [40, 520])  # 10 and 130 assignments an expert: the 16- and 128-row tiles
+def test_quantized_experts_dequantized_a_chunk_at_a_time_equal_the_oracle(monkeypatch, fmt, dtype, act, tokens):
     """A stack dequantized first, a chunk of experts at a time (one launch of each kernel a chunk,
     each running only its experts' tiles), computes what the dequantized weights do."""
     experts, hidden, width = 8, 96, 64
@@ -170,9 +171,9 @@ def test_quantized_experts_dequantized_a_chunk_at_a_time_equal_the_oracle(monkey
     monkeypatch.setattr(fused_moe, "dequantize_experts", lambda w, first, count, dt: chunks.append(
         (w.shape[1], first, count)) or real(w, first, count, dt))
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(40, hidden, generator=g).to(dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
     b13 = torch.randn(experts, 2 * width, generator=g).to(dtype) if act.interleaved else None
-    weights, ids = route(torch.randn(40, experts, generator=g), 2, renormalize=True)
+    weights, ids = route(torch.randn(tokens, experts, generator=g), 2, renormalize=True)
     out = fused_moe.fused_experts(*on_device(x), to_device(w13), to_device(w2), *on_device(weights, ids), None, act,
                                   None if b13 is None else b13.to(DEVICE), dequantize_first=True)
     # w13's experts [128, 96] in chunks of 3; w2's [96, 64], half the size, of 6
@@ -231,8 +232,24 @@ def test_align_groups_every_assignment_once_in_whole_tiles(block_m):
 def test_the_block_size_follows_the_load_per_expert():
     assert fused_moe.block_m_for(8 * 1, 128) == 16       # one decode of Qwen3-30B-A3B
     assert fused_moe.block_m_for(8 * 256, 128) == 16     # 256 decodes: 16 per expert
-    assert fused_moe.block_m_for(8 * 2048, 128) == 64    # a 2k prefill
-    assert fused_moe.block_m_for(2 * 2048, 8) == 64      # Mixtral
+    assert fused_moe.block_m_for(8 * 1024, 128) == 64    # a 1k prefill: 64 per expert
+    assert fused_moe.block_m_for(8 * 2048, 128) == 128   # a 2k prefill: 128 per expert
+    assert fused_moe.block_m_for(8 * 2048, 128, tensors=False) == 64  # as stored: 64 rows at most
+    assert fused_moe.block_m_for(2 * 2048, 8) == 128     # Mixtral
+
+
+def test_launch_shapes_per_tile_and_format():
+    """Tensors' prefill tiles take 64-wide k steps, the 128-row one 8 warps and 128 columns of
+    down; stacks read as stored keep their tiles and never take the 128-row one; warm-up runs every
+    (tile, dequantized first) a serving step may."""
+    assert fused_moe.launch_config(16, "dense") == (64, 64, 32, 4)
+    assert fused_moe.launch_config(64, "dense") == (64, 64, 64, 4)
+    assert fused_moe.launch_config(128, "dense") == (64, 128, 64, 8)
+    assert fused_moe.launch_config(64, "mxfp4") == (32, 64, 32, 4) and fused_moe.launch_config(64, "fp8")[0] == 64
+    with pytest.raises(ValueError, match="the 128-row tile reads tensors"):
+        fused_moe.launch_config(128, "fp8")
+    assert fused_moe.warm_up_tiles(False) == [(16, False), (64, False), (128, False)]
+    assert fused_moe.warm_up_tiles(True) == [(16, False), (64, False), (64, True), (128, True)]
 
 
 @pytest.mark.parametrize("name, kept", [("mixtral_moe", None), ("gpt_oss", None), ("gpt_oss", "mxfp4"),

@@ -59,7 +59,8 @@ def test_the_torch_backend_has_nothing_to_warm_up(monkeypatch):
 
 @pytest.mark.parametrize("kept", [None, "fp8"])
 def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monkeypatch, kept):
-    """Experts kept FP8 (built as on an H100) also run once dequantized first, as prefills run them."""
+    """Each tile size once; experts kept FP8 (built as on an H100) read as stored in the 16- and
+    64-row tiles, and dequantized first, as prefills run them, in the 64- and 128-row ones."""
     from tests.engine.hf_checkpoints import ENGINE_ARGS, train_tokenizer, write_checkpoint
     from tests.engine.test_fp8 import quantize_checkpoint
 
@@ -83,7 +84,8 @@ def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monke
 
     monkeypatch.setattr(fused_moe, "fused_experts", spy)
     warm_up(runner)
-    assert tiles == [(m, None) for m in fused_moe.BLOCK_M_SIZES] + ([(64, True)] if kept else [])
+    as_stored = [(16, False), (64, False)]  # FP8 codes as read: no 128-row tile; dequantized first: 64 and 128
+    assert tiles == (as_stored + [(64, True), (128, True)] if kept else as_stored + [(128, False)])
 
 
 def test_fp8_projections_run_once_per_launch_shape(tmp_path, monkeypatch):

@@ -62,6 +62,10 @@ def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
     assert _files(cache) == compiled
 
 
+def _tile(spec: str) -> int:
+    return int(spec.split("BLOCK_M=")[1].split()[0])
+
+
 def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(tmp_path):
     code, archs = _run(tmp_path, "--shape", "qwen3-30b-a3b", "--arch", "90", "--steps", "10")
     report = archs["sm_90"]
@@ -69,7 +73,7 @@ def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(tmp_path):
     assert {v["kernel"] for v in report["variants"]} == KERNELS | {"_gate_up_kernel", "_down_kernel"}
     assert {v["phase"] for v in report["variants"]} == {"start-up"}
     moe = [v["spec"] for v in report["variants"] if v["kernel"] == "_gate_up_kernel"]
-    assert sorted(int(spec.split("BLOCK_M=")[1].split()[0]) for spec in moe) == [16, 64]
+    assert sorted(int(spec.split("BLOCK_M=")[1].split()[0]) for spec in moe) == [16, 64, 128]
 
 
 @pytest.mark.parametrize("arch", ["90", "80"])
@@ -114,15 +118,15 @@ def test_a_variant_that_spills_fails_the_script(tmp_path):
 
 def test_gpt_oss_compiles_its_variants_at_start_up_without_spills(tmp_path):
     """Its experts read as MXFP4 bytes (their 64-row gate-up tile spilled on sm_80 until it took 32
-    columns), and dequantized first (prefills: the tensors' 64-row variants, the dequantization); its
-    windowed layers' 128 keys cap the warm-up's split counts at the power of two a serving step
-    picks (they once compiled a 3-split decode nothing else launches)."""
+    columns), and dequantized first (prefills: the tensors' 64- and 128-row variants, the
+    dequantization); its windowed layers' 128 keys cap the warm-up's split counts at the power of
+    two a serving step picks (they once compiled a 3-split decode nothing else launches)."""
     code, archs = _run(tmp_path, "--shape", "gpt-oss-20b", "--arch", "80", "--steps", "10")
     report = archs["sm_80"]
     assert code == 0 and not report["problems"]
     moe = [v["spec"] for v in report["variants"] if v["kernel"] in ("_gate_up_kernel", "_down_kernel")]
-    assert sorted("PACKED=True" in spec for spec in moe) == [False] * 2 + [True] * 4
-    assert all("BLOCK_M=64" in spec for spec in moe if "PACKED=False" in spec)
+    assert sorted(_tile(spec) for spec in moe if "PACKED=True" in spec) == [16, 16, 64, 64]
+    assert sorted(_tile(spec) for spec in moe if "PACKED=False" in spec) == [64, 64, 128, 128]
     assert sum(v["kernel"] == "_dequantize_packed_kernel" for v in report["variants"]) == 1
     assert {v["phase"] for v in report["variants"]} == {"start-up"}
     splits = sorted(int(v["spec"].split("NUM_SPLITS=")[1].split()[0]) for v in report["variants"]
@@ -134,13 +138,15 @@ def test_fp8_experts_compile_where_triton_reads_float8_and_are_dense_elsewhere(t
     """Qwen3-30B-A3B-FP8's experts and attention projections stay FP8 on sm_90 (their kernels, the
     W8A16 GEMM's once per tile shape, compiled at start-up, none spilling; its projections' few
     outputs split the decode tiles over K; prefills dequantize both first, so the dense experts'
-    64-row variants and the dequantization too); on sm_80, where Triton has no e4m3, they are
+    64- and 128-row variants and the dequantization too); on sm_80, where Triton has no e4m3, they are
     dequantized at load, so the dense experts' variants and cuBLAS."""
     code, archs = _run(tmp_path, "--shape", "qwen3-30b-a3b-fp8", "--steps", "10")
     assert code == 0 and not archs["sm_90"]["problems"] and not archs["sm_80"]["problems"]
     for arch, fp8 in (("sm_90", True), ("sm_80", False)):
         moe = [v["spec"] for v in archs[arch]["variants"] if v["kernel"] in ("_gate_up_kernel", "_down_kernel")]
-        assert sorted(f"FP8={fp8}" in spec for spec in moe) == ([False] * 2 + [True] * 4 if fp8 else [True] * 4)
+        codes, tensors = ([_tile(spec) for spec in moe if f"FP8={kind}" in spec] for kind in (True, False))
+        assert sorted(codes) == ([16, 16, 64, 64] if fp8 else []), arch
+        assert sorted(tensors) == ([64, 64, 128, 128] if fp8 else [16, 16, 64, 64, 128, 128]), arch
         assert sum(v["kernel"] == "_dequantize_kernel" for v in archs[arch]["variants"]) == (2 if fp8 else 0), arch
         gemm = sorted((v["spec"].split("BLOCK_M=")[1].split()[0], v["spec"].split("SPLIT=")[1].split()[0])
                       for v in archs[arch]["variants"] if v["kernel"] == "_fp8_matmul_kernel")

@@ -34,13 +34,22 @@ from splitserve.engine.model.triton_tiles import input_tile, weight_tile
 
 BLOCK_N = 64
 BLOCK_K = fp8.KERNEL_K
-BLOCK_M_SIZES = (16, 64)  # a tile of one expert's assignments: 16 while experts get few tokens each
+# a tile of one expert's assignments: 16 rows while experts average at most 16 each, 128 from LARGE_TILE_ASSIGNMENTS
+# on a stack of tensors (or experts dequantized first), 64 between and for stacks read as stored
+BLOCK_M_SIZES = (16, 64, 128)
+LARGE_TILE_ASSIGNMENTS = 128
 PACKED_WIDE_BLOCK_N = 32  # gate-up of a 64-row tile of MXFP4 experts: at 64 (or with 8 warps) it spills on sm_80
+# (BLOCK_N of gate-up, of down, BLOCK_K, warps) of each tile over tensors. A prefill's tiles read each k step's
+# operands from L2 (an expert's weights serve all its tiles, its rows all the width's), so wider tiles multiply more
+# per byte: 64 x 64 gate-up and down tiles with 32-wide k steps made 44 and 32 FLOPs a byte; the 128-row tile, with
+# 64 columns of gate and of up and 128 of down, 66 both (gpt-oss-20b's bf16 experts ran at 23% MFU at 8192 tokens on
+# the H200, as L2-bound as that). Wider ones spill on sm_80 (docs/results/kernels-compiled.md).
+TENSOR_TILES = {16: (BLOCK_N, BLOCK_N, BLOCK_K, 4), 64: (BLOCK_N, BLOCK_N, 64, 4), 128: (64, 128, 64, 8)}
 # from this many assignments an expert (on average) a quantized stack is dequantized, a chunk of experts at a time,
 # and the kernels read it as tensors: widening the codes again in every tile costs more there (the H200, gpt-oss-20b's
-# experts: MXFP4 3.2 ms at 256 tokens against bf16's 1.0, FP8 10.1 ms at 8192 against 7.2; a pass over the stack,
-# its codes read and bf16 written, about 0.5 ms)
-DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": 256}
+# experts: MXFP4 3.2 ms at 256 tokens against bf16's 1.0, FP8 2.8 and 10.1 ms at 2048 and 8192 against 2.0 and 7.2,
+# before the 128-row tile; a pass over the stack, its codes read and bf16 written, about 0.5 ms)
+DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": LARGE_TILE_ASSIGNMENTS}
 DEQUANTIZE_BYTES = 1 << 30  # the most one chunk of dequantized experts takes (transient)
 DEQUANTIZE_ROWS = 64  # rows a dequantizing program widens, over one group
 
@@ -184,9 +193,28 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_
              mask=valid[:, None] & col_ok[None, :])
 
 
-def block_m_for(assignments: int, num_experts: int) -> int:
-    """16-row tiles while experts average at most 16 assignments (decode), 64 beyond (prefill)."""
-    return BLOCK_M_SIZES[0] if assignments <= BLOCK_M_SIZES[0] * num_experts else BLOCK_M_SIZES[1]
+def block_m_for(assignments: int, num_experts: int, tensors: bool = True) -> int:
+    """16-row tiles while experts average at most 16 assignments (decode), 128 from
+    LARGE_TILE_ASSIGNMENTS over `tensors` (not a stack read as stored), 64 otherwise."""
+    if assignments <= BLOCK_M_SIZES[0] * num_experts:
+        return BLOCK_M_SIZES[0]
+    return BLOCK_M_SIZES[2] if tensors and assignments >= LARGE_TILE_ASSIGNMENTS * num_experts else BLOCK_M_SIZES[1]
+
+
+def warm_up_tiles(quantized: bool) -> list[tuple[int, bool]]:
+    """(tile rows, dequantized first) of every launch shape a stack's serving steps may take."""
+    if not quantized:
+        return [(block_m, False) for block_m in BLOCK_M_SIZES]
+    return [(block_m, False) for block_m in BLOCK_M_SIZES[:2]] + [(block_m, True) for block_m in BLOCK_M_SIZES[1:]]
+
+
+def launch_config(block_m: int, fmt: str) -> tuple[int, int, int, int]:
+    """(BLOCK_N of gate-up, of down, BLOCK_K, warps) of a `block_m`-row tile over a stack of `fmt`."""
+    if fmt == "dense":
+        return TENSOR_TILES[block_m]
+    if block_m == BLOCK_M_SIZES[2]:
+        raise ValueError(f"the {block_m}-row tile reads tensors (or experts dequantized first), not {fmt} stacks")
+    return PACKED_WIDE_BLOCK_N if fmt == "mxfp4" and block_m == BLOCK_M_SIZES[1] else BLOCK_N, BLOCK_N, BLOCK_K, 4
 
 
 def align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,7 +329,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
         _operands(w)
     if dequantize_first is None or kind == "dense":  # a stack of tensors has nothing to dequantize
         dequantize_first = dequantizes(kind, count, num_experts, x)
-    block_m = block_m or block_m_for(count, num_experts)
+    block_m = block_m or block_m_for(count, num_experts, tensors=kind == "dense" or dequantize_first)
     sorted_ids, block_expert = align(experts, num_experts, block_m)
     tiles, precision = block_expert.numel(), "ieee" if x.dtype == torch.float32 else "tf32"
     row_step, up_offset = (2, 1) if act.interleaved else (1, width)
@@ -309,23 +337,24 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
 
     def gate_up(operands: tuple, first: int, experts: int, fmt: str) -> None:
         w, scales, *strides = operands
-        block_n = PACKED_WIDE_BLOCK_N if fmt == "mxfp4" and block_m == BLOCK_M_SIZES[1] else BLOCK_N
+        block_n, _, block_k, warps = launch_config(block_m, fmt)
         _gate_up_kernel[(tiles, triton.cdiv(width, block_n))](
             x, w, scales, w if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k,
             hidden, width, x.stride(0), *strides, 0 if b13 is None else b13.stride(0), row_step, up_offset,
             act.alpha or 0.0, act.limit or 0.0, gated.stride(0), first, experts, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=BLOCK_K, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
-            CLAMP=act.limit is not None, PACKED=fmt == "mxfp4", FP8=fmt == "fp8")
+            BLOCK_K=block_k, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
+            CLAMP=act.limit is not None, PACKED=fmt == "mxfp4", FP8=fmt == "fp8", num_warps=warps)
 
     out = torch.empty((count, hidden), dtype=x.dtype, device=x.device)
     routing_weights = weights.float().contiguous()
 
     def down(operands: tuple, first: int, experts: int, fmt: str) -> None:
         w, scales, *strides = operands
-        _down_kernel[(tiles, triton.cdiv(hidden, BLOCK_N))](
+        _, block_n, block_k, warps = launch_config(block_m, fmt)
+        _down_kernel[(tiles, triton.cdiv(hidden, block_n))](
             gated, w, scales, out, routing_weights, sorted_ids, block_expert, count, width, hidden,
-            gated.stride(0), *strides, out.stride(0), first, experts, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K, PRECISION=precision, PACKED=fmt == "mxfp4", FP8=fmt == "fp8")
+            gated.stride(0), *strides, out.stride(0), first, experts, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, PRECISION=precision, PACKED=fmt == "mxfp4", FP8=fmt == "fp8", num_warps=warps)
 
     _launches(w13, x.dtype, dequantize_first, gate_up)
     _launches(w2, x.dtype, dequantize_first, down)
