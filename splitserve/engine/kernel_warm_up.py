@@ -7,8 +7,8 @@ kernel, which the flash-attn backend also uses for chunks). Nothing is stored (e
 PAD_SLOT), every table names block 0 and the hidden states are dropped. Every rank of a
 tensor-parallel group runs the same steps, so their all-reduces pair up. A model with sparse MoE
 layers also runs its experts' kernels once per tile size they take (`fused_moe.warm_up_tiles`:
-where they are quantized, the 16- and 64-row tiles as stored and the 64- and 128-row ones
-dequantized first, as prefills run them), and a model
+where they are quantized, the 16- and 64-row tiles as stored and, where the engine's largest step
+reaches it, dequantized first, as prefills run them), and a model
 whose projections stay FP8 runs each shape of them once per launch shape of the W8A16 GEMM
 (`fp8_linear.tile_examples`: each tile, and the dequantization of prefills' weights), whatever the
 attention backend."""
@@ -29,11 +29,11 @@ from splitserve.engine.model_runner import ModelRunner, StepBatch
 log = logging.getLogger("splitserve.engine")
 
 
-def warm_up(runner: ModelRunner) -> None:
-    """Compile the Triton variants (with a fixed `num_splits`, only that one); other attention
-    backends have none."""
-    warm_up_experts(runner.model)
-    warm_up_projections(runner.model, runner.kv_cache.dtype)
+def warm_up(runner: ModelRunner, max_tokens: int | None = None) -> None:
+    """Compile the Triton variants (with a fixed `num_splits`, only that one) that steps of at most
+    `max_tokens` tokens launch (None: any); other attention backends have none."""
+    warm_up_experts(runner.model, max_tokens)
+    warm_up_projections(runner.model, runner.kv_cache.dtype, max_tokens)
     backend = runner.backend
     if not isinstance(backend, TritonPagedBackend):
         return
@@ -51,8 +51,9 @@ def warm_up(runner: ModelRunner) -> None:
              time.perf_counter() - start)
 
 
-def warm_up_experts(model: torch.nn.Module) -> int:
-    """Run the first sparse layer's experts on one token per tile size they take; the number of runs."""
+def warm_up_experts(model: torch.nn.Module, max_tokens: int | None = None) -> int:
+    """Run the first sparse layer's experts on one token per tile size they take in steps of at most
+    `max_tokens`; the number of runs."""
     block = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
     if block is None:
         return 0
@@ -60,21 +61,22 @@ def warm_up_experts(model: torch.nn.Module) -> int:
     x = torch.zeros((1, router.shape[1]), dtype=router.dtype, device=router.device)
     weights = torch.ones((1, block.top_k), device=router.device)
     experts = torch.arange(block.top_k, device=router.device).view(1, -1)
-    runs = fused_moe.warm_up_tiles(block.experts.format in fused_moe.DEQUANTIZE_ASSIGNMENTS)
+    most = None if max_tokens is None else max_tokens * block.top_k / router.shape[0]
+    runs = fused_moe.warm_up_tiles(block.experts.format or "dense", most)
     for block_m, dequantize_first in runs:
         block.experts.fused(x, weights, experts, block_m=block_m, dequantize_first=dequantize_first)
     return len(runs)
 
 
-def warm_up_projections(model: torch.nn.Module, dtype: torch.dtype) -> int:
+def warm_up_projections(model: torch.nn.Module, dtype: torch.dtype, max_tokens: int | None = None) -> int:
     """Run each FP8 projection shape (input and output features, blocks) on `dtype` activations
-    once per launch shape; the number of runs."""
+    once per launch shape of steps of at most `max_tokens`; the number of runs."""
     shapes = {(m.in_features, m.out_features, m.fp8_block): m for m in model.modules()
               if isinstance(m, Linear) and m.fp8_block is not None}
     for linear in shapes.values():
-        for tokens in fp8_linear.tile_examples():
+        for tokens in fp8_linear.tile_examples(max_tokens):
             linear.fused(torch.zeros((tokens, linear.in_features), dtype=dtype, device=linear.weight.device))
-    return len(shapes) * len(fp8_linear.tile_examples())
+    return len(shapes) * len(fp8_linear.tile_examples(max_tokens))
 
 
 def warm_up_step(decode_context: int, block_size: int, groups: int) -> StepBatch:

@@ -13,7 +13,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_groups import kv_groups
-from splitserve.engine.memory_profile import kv_cache_budget
+from splitserve.engine.memory_profile import kv_cache_budget, profile_lengths
 from splitserve.engine.model.sharding import Shard
 from splitserve.engine.model_builder import LoadedModel, build_model
 from splitserve.engine.model_runner import ModelRunner, StepChannel
@@ -66,7 +66,7 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
     if loaded.device.type == "cuda":
         from splitserve.engine.kernel_warm_up import warm_up  # triton: CUDA builds of torch bring it
 
-        warm_up(runner)
+        warm_up(runner, sum(profile_lengths(config, loaded.max_model_len)))  # the largest step's tokens
     if _captures_graphs(config, loaded, backend, group):
         runner.graphs = DecodeGraphs(runner, backend, min(config.cuda_graph_max_batch, config.max_num_seqs),
                                      loaded.max_model_len)

@@ -241,15 +241,19 @@ def test_the_block_size_follows_the_load_per_expert():
 def test_launch_shapes_per_tile_and_format():
     """Tensors' prefill tiles take 64-wide k steps, the 128-row one 8 warps and 128 columns of
     down; stacks read as stored keep their tiles and never take the 128-row one; warm-up runs every
-    (tile, dequantized first) a serving step may."""
+    (tile, dequantized first) a serving step may, dequantized only where a step reaches it."""
     assert fused_moe.launch_config(16, "dense") == (64, 64, 32, 4)
     assert fused_moe.launch_config(64, "dense") == (64, 64, 64, 4)
     assert fused_moe.launch_config(128, "dense") == (64, 128, 64, 8)
     assert fused_moe.launch_config(64, "mxfp4") == (32, 64, 32, 4) and fused_moe.launch_config(64, "fp8")[0] == 64
     with pytest.raises(ValueError, match="the 128-row tile reads tensors"):
         fused_moe.launch_config(128, "fp8")
-    assert fused_moe.warm_up_tiles(False) == [(16, False), (64, False), (128, False)]
-    assert fused_moe.warm_up_tiles(True) == [(16, False), (64, False), (64, True), (128, True)]
+    assert fused_moe.warm_up_tiles("dense") == fused_moe.warm_up_tiles("dense", 1) == \
+        [(16, False), (64, False), (128, False)]
+    assert fused_moe.warm_up_tiles("mxfp4") == fused_moe.warm_up_tiles("mxfp4", 32) == \
+        [(16, False), (64, False), (64, True), (128, True)]  # dequantized from 32 an expert: both tensor tiles
+    assert fused_moe.warm_up_tiles("fp8") == [(16, False), (64, False), (128, True)]  # from 128: the 128-row one
+    assert fused_moe.warm_up_tiles("fp8", 127.9) == fused_moe.warm_up_tiles("mxfp4", 31) == [(16, False), (64, False)]
 
 
 @pytest.mark.parametrize("name, kept", [("mixtral_moe", None), ("gpt_oss", None), ("gpt_oss", "mxfp4"),

@@ -57,10 +57,12 @@ def test_the_torch_backend_has_nothing_to_warm_up(monkeypatch):
 
 
 
-@pytest.mark.parametrize("kept", [None, "fp8"])
-def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monkeypatch, kept):
+@pytest.mark.parametrize("kept, max_tokens", [(None, None), ("fp8", None), ("fp8", 512), ("fp8", 511)])
+def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monkeypatch, kept, max_tokens):
     """Each tile size once; experts kept FP8 (built as on an H100) read as stored in the 16- and
-    64-row tiles, and dequantized first, as prefills run them, in the 64- and 128-row ones."""
+    64-row tiles, and dequantized first, as prefills run them, in the 128-row one, unless the
+    engine's largest step cannot reach DEQUANTIZE_ASSIGNMENTS an expert (512 tokens x top 2 over 8
+    experts: 128 an expert)."""
     from tests.engine.hf_checkpoints import ENGINE_ARGS, train_tokenizer, write_checkpoint
     from tests.engine.test_fp8 import quantize_checkpoint
 
@@ -83,15 +85,17 @@ def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monke
         return real(x, w13, w2, weights, experts, block_m, act, b13, dequantize_first)
 
     monkeypatch.setattr(fused_moe, "fused_experts", spy)
-    warm_up(runner)
-    as_stored = [(16, False), (64, False)]  # FP8 codes as read: no 128-row tile; dequantized first: 64 and 128
-    assert tiles == (as_stored + [(64, True), (128, True)] if kept else as_stored + [(128, False)])
+    warm_up(runner, max_tokens)
+    as_stored = [(16, False), (64, False)]  # FP8 codes as read: no 128-row tile
+    dequantized = [(128, True)] if max_tokens != 511 else []  # from 128 an expert: the 128-row tile only
+    assert tiles == (as_stored + dequantized if kept else as_stored + [(128, False)])
 
 
-def test_fp8_projections_run_once_per_launch_shape(tmp_path, monkeypatch):
+@pytest.mark.parametrize("max_tokens", [None, 511])
+def test_fp8_projections_run_once_per_launch_shape(tmp_path, monkeypatch, max_tokens):
     """A Qwen3 FP8 checkpoint built as on an H100: each shape of its projections (QKV, o_proj,
     gate-up, down) runs the W8A16 GEMM once at a token count of each tile shape, and once where it
-    dequantizes the weight first; equal shapes once."""
+    dequantizes the weight first, unless the engine's largest step is shorter; equal shapes once."""
     from tests.engine.hf_checkpoints import ENGINE_ARGS, train_tokenizer, write_checkpoint
     from tests.engine.test_fp8 import quantize_checkpoint
 
@@ -111,8 +115,10 @@ def test_fp8_projections_run_once_per_launch_shape(tmp_path, monkeypatch):
         return real(x, weight, scale, block)
 
     monkeypatch.setattr(fp8_linear, "matmul", spy)
-    warm_up(runner)
+    warm_up(runner, max_tokens)
     shapes = {(128 + 64 + 64, 64), (64, 128)}  # [out, in]: QKV and gate-up alike (256 rows), o_proj and down alike
-    assert sorted(launches) == sorted((t, s) for s in shapes for t in fp8_linear.tile_examples())
-    assert fp8_linear.tile_examples() == [16, 64, 65, fp8_linear.DEQUANTIZE_TOKENS]
+    examples = [16, 64, 65] + ([fp8_linear.DEQUANTIZE_TOKENS] if max_tokens is None else [])
+    assert sorted(launches) == sorted((t, s) for s in shapes for t in examples)
+    assert fp8_linear.tile_examples(max_tokens) == examples
+    assert fp8_linear.tile_examples(fp8_linear.DEQUANTIZE_TOKENS) == [16, 64, 65, fp8_linear.DEQUANTIZE_TOKENS]
 

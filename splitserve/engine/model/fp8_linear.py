@@ -104,10 +104,13 @@ def tile_for(tokens: int) -> tuple[int, int, int, bool]:
     return next(tuple(tile) for most, *tile in TILES if most is None or tokens <= most)
 
 
-def tile_examples() -> list[int]:
-    """A token count of each launch shape: of each tile (the most it takes; past the last bound, one
-    more), and the first that dequantizes the weight instead."""
-    return [most or TILES[-2][0] + 1 for most, *_ in TILES] + [DEQUANTIZE_TOKENS]
+def tile_examples(max_tokens: int | None = None) -> list[int]:
+    """A token count of each launch shape of steps of at most `max_tokens` (None: any): of each tile
+    (the most it takes; past the last bound, one more), and the first that dequantizes the weight
+    instead where a step reaches it (the warm-up's transient copy is then one the memory profile's
+    largest step made too)."""
+    tiles = [most or TILES[-2][0] + 1 for most, *_ in TILES]
+    return tiles + ([DEQUANTIZE_TOKENS] if max_tokens is None or max_tokens >= DEQUANTIZE_TOKENS else [])
 
 
 def block_k_for(block: tuple[int, int]) -> int:

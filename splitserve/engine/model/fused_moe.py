@@ -201,11 +201,18 @@ def block_m_for(assignments: int, num_experts: int, tensors: bool = True) -> int
     return BLOCK_M_SIZES[2] if tensors and assignments >= LARGE_TILE_ASSIGNMENTS * num_experts else BLOCK_M_SIZES[1]
 
 
-def warm_up_tiles(quantized: bool) -> list[tuple[int, bool]]:
-    """(tile rows, dequantized first) of every launch shape a stack's serving steps may take."""
-    if not quantized:
+def warm_up_tiles(fmt: str, most_per_expert: float | None = None) -> list[tuple[int, bool]]:
+    """(tile rows, dequantized first) of every launch shape a stack of `fmt` may take in steps of at
+    most `most_per_expert` assignments an expert on average (None: any): dequantized first only
+    where a step reaches DEQUANTIZE_ASSIGNMENTS (the warm-up's transient chunk is then one the memory
+    profile's largest step made too), in the 64-row tile only below LARGE_TILE_ASSIGNMENTS."""
+    if fmt not in DEQUANTIZE_ASSIGNMENTS:
         return [(block_m, False) for block_m in BLOCK_M_SIZES]
-    return [(block_m, False) for block_m in BLOCK_M_SIZES[:2]] + [(block_m, True) for block_m in BLOCK_M_SIZES[1:]]
+    as_stored = [(block_m, False) for block_m in BLOCK_M_SIZES[:2]]
+    if most_per_expert is not None and most_per_expert < DEQUANTIZE_ASSIGNMENTS[fmt]:
+        return as_stored
+    return as_stored + [(block_m, True) for block_m in BLOCK_M_SIZES[1:]
+                        if block_m == BLOCK_M_SIZES[2] or DEQUANTIZE_ASSIGNMENTS[fmt] < LARGE_TILE_ASSIGNMENTS]
 
 
 def launch_config(block_m: int, fmt: str) -> tuple[int, int, int, int]:
