@@ -164,6 +164,11 @@ def split_plan(tokens: int, n: int, k: int, block: tuple[int, int], sms: int | N
     return triton.cdiv(k, k_split), k_split
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether `x`'s stream is capturing a CUDA graph, whose pool would hold a dequantized weight for good."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """What `fp8.dequantize` computes ([N, K] in `dtype`; of a stack's codes [E, N, K] and scales
     [E, ...], each weight's), in one pass over the codes on their device."""
@@ -196,8 +201,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
         rows = rows.contiguous()
     tokens = rows.shape[0]
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
-    if dequantize_first is None:  # a captured graph's pool would hold the dequantized weight for good
-        dequantize_first = tokens >= DEQUANTIZE_TOKENS and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    if dequantize_first is None:
+        dequantize_first = tokens >= DEQUANTIZE_TOKENS and not capturing(x)
     if tokens and dequantize_first:
         torch.mm(rows, dequantize(weight, scale, block, x.dtype).t(), out=out)
     elif tokens:

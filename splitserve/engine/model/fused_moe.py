@@ -291,7 +291,7 @@ def dequantizes(kind: str, assignments: int, num_experts: int, x: torch.Tensor) 
     """Whether a call with this many assignments dequantizes its experts first (`DEQUANTIZE_ASSIGNMENTS`;
     never in a CUDA graph's capture, whose pool would hold the dequantized experts for good)."""
     return (kind in DEQUANTIZE_ASSIGNMENTS and assignments >= DEQUANTIZE_ASSIGNMENTS[kind] * num_experts
-            and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+            and not fp8_linear.capturing(x))
 
 
 def expert_chunks(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, dtype: torch.dtype) -> list[tuple[int, int]]:
@@ -301,12 +301,13 @@ def expert_chunks(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, dtype: torch.dty
     return [(first, min(size, num_experts - first)) for first in range(0, num_experts, size)]
 
 
-def _launches(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, dtype: torch.dtype, dequantize_first: bool,
-              launch: Callable[[tuple, int, int, str], None]) -> None:
-    """Run `launch(operands, first expert, experts, format)` over the whole stack as stored, or chunk
-    by chunk dequantized to `dtype` (each chunk freed before the next is made)."""
+def _launches(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, operands: tuple, kind: str, dtype: torch.dtype,
+              dequantize_first: bool, launch: Callable[[tuple, int, int, str], None]) -> None:
+    """Run `launch(operands, first expert, experts, format)` over the whole stack as stored (its
+    `operands`, of format `kind`), or chunk by chunk dequantized to `dtype` (each chunk freed before
+    the next is made)."""
     if not dequantize_first:
-        launch(_operands(w), 0, w.shape[0], _format(w))
+        launch(operands, 0, w.shape[0], kind)
         return
     for first, count in expert_chunks(w, dtype):
         launch(_operands(dequantize_experts(w, first, count, dtype)), first, count, "dense")
@@ -332,8 +333,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
         raise ValueError("fused_experts takes w13 and w2 in one format (tensors, MXFP4 or FP8)")
     if x.stride(1) != 1 or (b13 is not None and b13.stride(1) != 1):
         raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
-    for w in (w13, w2):  # each stack's layout checked before any launch
-        _operands(w)
+    up_operands, down_operands = _operands(w13), _operands(w2)  # each stack's layout checked before any launch
     if dequantize_first is None or kind == "dense":  # a stack of tensors has nothing to dequantize
         dequantize_first = dequantizes(kind, count, num_experts, x)
     block_m = block_m or block_m_for(count, num_experts, tensors=kind == "dense" or dequantize_first)
@@ -363,6 +363,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
             gated.stride(0), *strides, out.stride(0), first, experts, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, PRECISION=precision, PACKED=fmt == "mxfp4", FP8=fmt == "fp8", num_warps=warps)
 
-    _launches(w13, x.dtype, dequantize_first, gate_up)
-    _launches(w2, x.dtype, dequantize_first, down)
+    _launches(w13, up_operands, kind, x.dtype, dequantize_first, gate_up)
+    _launches(w2, down_operands, kind, x.dtype, dequantize_first, down)
     return out.view(tokens, top_k, hidden).sum(dim=1)
