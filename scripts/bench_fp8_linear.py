@@ -8,8 +8,10 @@ weights dequantized through cuBLAS (a check of the compiled kernel on the device
 GEMM splits a decode tile over K (for the device's multiprocessors, or --multiprocessors), every
 projection at that token count also runs unsplit ("fp8 unsplit"): what the split gains. Every
 token count also runs the path the GEMM does not take there: the weight dequantized first, then
-cuBLAS, below `fp8_linear.DEQUANTIZE_TOKENS` ("fp8 dequantized"), the tiled kernel from it ("fp8
-tiled"): where the one overtakes the other.
+cuBLAS ("fp8 dequantized"), the tiled kernel ("fp8 tiled") and, where the device has FP8 tensor
+cores (or on the CPU, interpreted), the activations quantized for W8A8 ("fp8 w8a8"; its difference
+from bf16 is also the activations' rounding to e4m3, a few percent): where one overtakes another,
+for `fp8_linear.PREFILL_TOKENS`. Each FP8 row names its `path`.
 
     python scripts/bench_fp8_linear.py --json fp8-linear.json    # CUDA: Qwen3-8B's layer
     python scripts/bench_fp8_linear.py --shape llama3-8b         # another dense shape of engine/shapes.py
@@ -40,8 +42,7 @@ TOKENS = (1, 16, 64, 256, 2048, 8192)
 TINY = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 128, "intermediate_size": 512,
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 TINY_TOKENS = (1, 32)
-TINY_BLOCK = (32, 32)
-SPLITS = {None: "dequantized", "-": "-"}  # how the table shows a row's `splits`: dequantized first; bf16
+TINY_BLOCK = (32, 128)  # blocks of whole W8A8 groups of columns
 
 
 def projections(c: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -49,6 +50,15 @@ def projections(c: ModelConfig) -> dict[str, tuple[int, int]]:
     heads, kv, d, hidden = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
     return {"qkv": ((heads + 2 * kv) * d, hidden), "o_proj": (hidden, heads * d),
             "gate_up": (2 * c.intermediate_size, hidden), "down": (hidden, c.intermediate_size)}
+
+
+def other_paths(taken: str, device: torch.device, block: tuple[int, int]) -> list[str]:
+    """The FP8 paths a product does not take that `device` runs: W8A8 where it has FP8 tensor cores
+    (or on the CPU, under Triton's interpreter) and the blocks whole groups of columns."""
+    from splitserve.engine.model import fp8_linear, fp8_w8a8  # after TRITON_INTERPRET is settled
+
+    w8a8 = fp8_w8a8.supported(device, block) or device.type == "cpu" and block[1] % fp8_w8a8.GROUP == 0
+    return [path for path in fp8_linear.PATHS if path != taken and (path != "w8a8" or w8a8)]
 
 
 def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device, dtype: torch.dtype,
@@ -72,11 +82,13 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
             splits = plans[name]
             calls = {"bf16": lambda: F.linear(x, dense),
                      "fp8": lambda: fp8_linear.matmul(x, codes, scales, block, splits=splits)}
+            paths = {"fp8": fp8_linear.path_for(t, x, block)}
             if max(plans.values()) > 1:
-                calls["fp8 unsplit"] = lambda: fp8_linear.matmul(x, codes, scales, block, splits=1)
-            widens = t >= fp8_linear.DEQUANTIZE_TOKENS
-            calls["fp8 tiled" if widens else "fp8 dequantized"] = \
-                lambda: fp8_linear.matmul(x, codes, scales, block, splits=splits, dequantize_first=not widens)
+                calls["fp8 unsplit"], paths["fp8 unsplit"] = \
+                    lambda: fp8_linear.matmul(x, codes, scales, block, splits=1), "tiled"
+            for path in other_paths(paths["fp8"], device, block):
+                calls[f"fp8 {path}"], paths[f"fp8 {path}"] = \
+                    lambda path=path: fp8_linear.matmul(x, codes, scales, block, splits=splits, path=path), path
             stored = codes.nbytes + scales.nbytes
             flops = 2 * t * codes.shape[0] * codes.shape[1]
             exact = calls["bf16"]().float()
@@ -86,8 +98,8 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
                 rows.append(row(name, fmt, t, seconds, read, flops, hbm, flops_peak))
                 layer[fmt] = [a + b for a, b in zip(layer.get(fmt, [0.0, 0, 0]), (seconds, read, flops))]
                 if fmt != "bf16":
-                    dequantized = fmt == "fp8 dequantized" or fmt == "fp8" and widens
-                    rows[-1]["splits"] = None if dequantized else 1 if fmt == "fp8 unsplit" else splits
+                    rows[-1]["path"] = paths[fmt]
+                    rows[-1]["splits"] = None if paths[fmt] != "tiled" else 1 if fmt == "fp8 unsplit" else splits
                     rows[-1]["max_rel_diff"] = ((call().float() - exact).abs().max() / exact.abs().max()).item()
         for fmt, (seconds, read, flops) in layer.items():
             rows.append(row("layer", fmt, t, seconds, read, flops, hbm, flops_peak))
@@ -111,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="qwen3-8b", choices=dense, help="a dense shape of engine/shapes.py")
     p.add_argument("--tiny", action="store_true", help="tiny projections on the CPU, under Triton's interpreter")
     p.add_argument("--scales", choices=("block", "row"), default="block",
-                   help="one scale per 128 x 128 block (32 x 32 with --tiny), or one a row")
+                   help="one scale per 128 x 128 block (32 x 128 with --tiny), or one a row")
     p.add_argument("--multiprocessors", type=int,
                    help="split decode tiles over K for this many multiprocessors (default: the GPU's; none on a CPU)")
     add_run_args(p, TOKENS, TINY_TOKENS)
@@ -135,9 +147,9 @@ def print_table(result: dict) -> None:
     scales = "one scale a row" if tuple(block) == fp8.ROWS else f"{block[0]}x{block[1]} blocks"
     print(f"Device: {result['device']}; {result['shape']}'s projections, FP8 with {scales}, "
           f"activations {result['dtype']}")
-    print_markdown(["tokens:", "projection", "weights", "splits over K (or dequantized first):", "ms:",
+    print_markdown(["tokens:", "projection", "weights", "path", "splits over K:", "ms:",
                     "speed-up vs bf16:", "MBU:", "MFU:", "max rel. diff vs bf16 of its codes:"],
-                   [[r["tokens"], r["projection"], r["format"], SPLITS.get(r.get("splits", "-"), r.get("splits")),
+                   [[r["tokens"], r["projection"], r["format"], r.get("path", "-"), r.get("splits") or "-",
                      f"{r['step_ms']:.3f}", ratio(r.get("speedup_vs_bf16")), pct(r["mbu"]), pct(r["mfu"]),
                      sci(r.get("max_rel_diff"))]
                     for r in result["rows"]])

@@ -21,7 +21,7 @@ NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdis
 KINDS = ("mma", "mufu", "float", "integer", "uniform", "convert", "memory", "other")
 _PREFIXES = (  # first match wins
     ("other", ("SHFL", "FENCE")),
-    ("mma", ("HMMA", "HGMMA", "IMMA", "QGMMA", "OMMA")),
+    ("mma", ("HMMA", "HGMMA", "IMMA", "QMMA", "QGMMA", "OMMA")),
     ("mufu", ("MUFU",)),
     ("convert", ("F2F", "F2I", "I2F")),
     ("memory", ("LD", "ST", "ATOM", "RED", "UTMA")),

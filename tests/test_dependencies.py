@@ -23,6 +23,8 @@ EXTRA_MODULES = {"splitserve/engine/attention/triton_kernels.py": "gpu",
                  "splitserve/engine/model/triton_ops.py": "gpu",
                  "splitserve/engine/model/fused_moe.py": "gpu",
                  "splitserve/engine/model/fp8_linear.py": "gpu",
+                 "splitserve/engine/model/fp8_w8a8.py": "gpu",
+                 "splitserve/engine/triton_e4m3.py": "gpu",
                  "splitserve/engine/model/triton_tiles.py": "gpu"}
 USED_WITHOUT_IMPORT = {
     "python-multipart": "FastAPI parses the multipart forms of /v1/files with it",

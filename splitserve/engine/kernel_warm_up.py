@@ -10,8 +10,8 @@ layers also runs its experts' kernels once per tile size they take (`fused_moe.w
 where they are quantized, the 16- and 64-row tiles as stored and, where the engine's largest step
 reaches it, dequantized first, as prefills run them), and a model
 whose projections stay FP8 runs each shape of them once per launch shape of the W8A16 GEMM
-(`fp8_linear.tile_examples`: each tile, and the dequantization of prefills' weights), whatever the
-attention backend."""
+(`fp8_linear.tile_examples`: each tile, and prefills' path, W8A8 or the weight dequantized, where
+the engine's largest step reaches it), whatever the attention backend."""
 from __future__ import annotations
 
 import logging

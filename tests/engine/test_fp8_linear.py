@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from splitserve.engine import fp8  # noqa: E402
 from splitserve.engine.llm import LLM  # noqa: E402
-from splitserve.engine.model import fp8_linear  # noqa: E402
+from splitserve.engine.model import fp8_linear, fp8_w8a8  # noqa: E402
 from splitserve.engine.model.linear import Linear  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.hf_checkpoints import (  # noqa: E402,F401 (fixture)
@@ -129,29 +129,54 @@ def test_the_device_dequantization_equals_fp8_dequantize(dtype, n, k, block):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-def test_from_dequantize_tokens_the_weight_is_dequantized_once_then_multiplied(monkeypatch, dtype):
-    """Fewer tokens run the tiled kernel; from DEQUANTIZE_TOKENS one dequantization of the weight,
-    then torch's matmul: the oracle's own product (`dequantize_first` forces either)."""
-    codes, scales = weight(200, 320, (128, 128), seed=5)
-    widened, tiled = [], []
-    monkeypatch.setattr(fp8_linear, "DEQUANTIZE_TOKENS", 8)
-    dequantize, kernel = fp8_linear.dequantize, fp8_linear._fp8_matmul_kernel
-    monkeypatch.setattr(fp8_linear, "dequantize", lambda *args: widened.append(args[0].shape) or dequantize(*args))
+def test_from_prefill_tokens_the_weight_is_dequantized_once_or_the_activations_quantized(monkeypatch, dtype):
+    """Fewer tokens run the tiled kernel; from PREFILL_TOKENS one dequantization of the weight, then
+    torch's matmul (the oracle's own product), or W8A8 where the device has FP8 tensor cores
+    (`path` forces any of them)."""
+    codes, scales = weight(200, 384, (128, 128), seed=5)
+    launches = {"tiled": [], "dequantized": [], "w8a8": []}
+    monkeypatch.setattr(fp8_linear, "PREFILL_TOKENS", 8)
+    dequantize, kernel, w8a8 = fp8_linear.dequantize, fp8_linear._fp8_matmul_kernel, fp8_w8a8.matmul
+    monkeypatch.setattr(fp8_linear, "dequantize",
+                        lambda *args: launches["dequantized"].append(1) or dequantize(*args))
+    monkeypatch.setattr(fp8_w8a8, "matmul", lambda *args: launches["w8a8"].append(1) or w8a8(*args))
 
     class Counted:
         def __getitem__(self, grid):
-            tiled.append(grid)
+            launches["tiled"].append(1)
             return kernel[grid]
 
     monkeypatch.setattr(fp8_linear, "_fp8_matmul_kernel", Counted())
-    for tokens, first, path in [(7, None, "tiled"), (8, None, "widened"), (1, True, "widened"), (70, False, "tiled")]:
-        widened.clear(), tiled.clear()
-        x = torch.randn(tokens, 320, generator=torch.Generator().manual_seed(tokens)).to(dtype)
-        out = fp8_linear.matmul(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), (128, 128),
-                                dequantize_first=first).cpu()
-        assert (widened, len(tiled)) == (([(200, 320)], 0) if path == "widened" else ([], 1)), tokens
-        expected = oracle(x, codes, scales, (128, 128))
-        assert (out.float() - expected).abs().max().item() <= TOLERANCE[dtype] * expected.abs().max().item()
+    for tokens, path, fp8_cores, taken in [(7, None, True, "tiled"), (8, None, False, "dequantized"),
+                                           (8, None, True, "w8a8"), (1, "dequantized", False, "dequantized"),
+                                           (2, "w8a8", False, "w8a8"), (70, "tiled", True, "tiled")]:
+        monkeypatch.setattr(fp8_w8a8, "supported", lambda device, block: fp8_cores)
+        for calls in launches.values():
+            calls.clear()
+        x = torch.randn(tokens, 384, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        out = fp8_linear.matmul(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), (128, 128), path=path).cpu()
+        assert {name: len(calls) for name, calls in launches.items()} == {
+            name: int(name == taken) for name in launches}, (tokens, path)
+        if taken == "w8a8":
+            expected = fp8_w8a8.reference(x, codes, scales, (128, 128))
+        else:
+            expected = oracle(x, codes, scales, (128, 128))
+        assert (out.double() - expected).abs().max().item() <= TOLERANCE[dtype] * expected.abs().max().item()
+
+
+def test_prefills_path_follows_the_device_and_the_blocks(monkeypatch):
+    x = torch.zeros(1, 32)
+    big = fp8_linear.PREFILL_TOKENS
+    assert fp8_linear.path_for(big - 1, x, (128, 128)) == "tiled"
+    assert fp8_linear.path_for(big, x, (128, 128)) == "dequantized"  # the CPU has no FP8 tensor cores
+    monkeypatch.setattr(fp8_w8a8, "capability", lambda device: (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert fp8_w8a8.supported(cuda, (128, 128)) and fp8_w8a8.supported(cuda, fp8.ROWS)
+    assert not fp8_w8a8.supported(cuda, (128, 64))  # a k step would straddle two blocks of columns
+    monkeypatch.setattr(fp8_w8a8, "capability", lambda device: (8, 0))
+    assert not fp8_w8a8.supported(cuda, (128, 128))  # an A100: no FP8 tensor cores
+    with pytest.raises(ValueError, match="path must be one of tiled, dequantized, w8a8"):
+        fp8_linear.matmul(x, *weight(16, 32, (16, 32), seed=1), (16, 32), path="fast")
 
 
 def test_splits_fill_the_multiprocessors():
@@ -179,14 +204,18 @@ def test_tiles_follow_the_token_count():
     assert fp8_linear.block_k_for((32, 32)) == 32
 
 
-@pytest.mark.parametrize("name, block", [("qwen3_qk_norm", 32), ("qwen3_qk_norm", None), ("qwen3_moe", 32)])
-def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch, name, block):
+@pytest.mark.parametrize("name, block, prefills", [("qwen3_qk_norm", 32, "dequantized"),
+                                                   ("qwen3_qk_norm", None, "dequantized"),
+                                                   ("qwen3_qk_norm", None, "w8a8"), ("qwen3_moe", 32, "dequantized")])
+def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch, name, block,
+                                                       prefills):
     """A Qwen3 (block-wise, and tensor-wise: kept one scale a row) and a Qwen3-MoE FP8 checkpoint
     built as on an H100 (its dense projections and its experts kept FP8) generate the same tokens
     with every projection through the W8A16 kernel as through the dequantized oracle (what the CPU
     path runs), on the device the kernels run on (CUDA where it is), its decode tiles split over K
-    (as short splits as can be, on a device of 64 multiprocessors), its prefills' weights dequantized
-    first (from more tokens than a decode step's)."""
+    (as short splits as can be, on a device of 64 multiprocessors), its prefills (more tokens than a
+    decode step's) with their weights dequantized first, or W8A8 (whose oracle quantizes the
+    activations in torch: `fp8_w8a8.reference`; one scale a row, blocks of whole groups)."""
     hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
     quantize_checkpoint(tmp_path, block)
     monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
@@ -201,6 +230,11 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
 
     def oracle(self, x, bias=None):
         assert self.fp8_block is not None
+        rows = x.reshape(-1, x.shape[-1])
+        if prefills == "w8a8" and rows.shape[0] > len(prompts):
+            out = fp8_w8a8.reference(rows, self.weight, self.weight_scale_inv, self.fp8_block).to(x.dtype)
+            out = out.view(*x.shape[:-1], -1)
+            return out if bias is None else out + bias
         return F.linear(x, fp8.dequantize(self.weight, self.weight_scale_inv, self.fp8_block, x.dtype), bias)
 
     monkeypatch.setattr(Linear, "project", oracle)
@@ -217,9 +251,12 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
     monkeypatch.setattr(fp8_linear, "MIN_SPLIT_STEPS", 1)
     monkeypatch.setattr(fp8_linear, "SUMS_SHARE", 0)
     monkeypatch.setattr(fp8_linear, "multiprocessors", lambda device: 64)
-    monkeypatch.setattr(fp8_linear, "DEQUANTIZE_TOKENS", len(prompts) + 1)
-    splits, kernel, dequantize, widened = [], fp8_linear._fp8_matmul_kernel, fp8_linear.dequantize, []
-    monkeypatch.setattr(fp8_linear, "dequantize", lambda *args: widened.append(1) or dequantize(*args))
+    monkeypatch.setattr(fp8_linear, "PREFILL_TOKENS", len(prompts) + 1)
+    monkeypatch.setattr(fp8_w8a8, "supported", lambda device, block: prefills == "w8a8")
+    splits, kernel, dequantize, w8a8, widened = [], fp8_linear._fp8_matmul_kernel, fp8_linear.dequantize, \
+        fp8_w8a8.matmul, []
+    monkeypatch.setattr(fp8_linear, "dequantize", lambda *args: widened.append("dequantized") or dequantize(*args))
+    monkeypatch.setattr(fp8_w8a8, "matmul", lambda *args: widened.append("w8a8") or w8a8(*args))
 
     class Counted:  # each launch's splits (its grid's third axis)
         def __getitem__(self, grid):
@@ -228,5 +265,5 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
 
     monkeypatch.setattr(fp8_linear, "_fp8_matmul_kernel", Counted())
     assert greedy() == reference
-    assert max(splits) > 1 and widened
+    assert max(splits) > 1 and widened and set(widened) == {prefills}
     assert calls and min(calls) == len(prompts) < max(calls)  # decode steps and prefills

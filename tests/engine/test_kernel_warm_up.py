@@ -94,8 +94,9 @@ def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monke
 @pytest.mark.parametrize("max_tokens", [None, 511])
 def test_fp8_projections_run_once_per_launch_shape(tmp_path, monkeypatch, max_tokens):
     """A Qwen3 FP8 checkpoint built as on an H100: each shape of its projections (QKV, o_proj,
-    gate-up, down) runs the W8A16 GEMM once at a token count of each tile shape, and once where it
-    dequantizes the weight first, unless the engine's largest step is shorter; equal shapes once."""
+    gate-up, down) runs the W8A16 GEMM once at a token count of each tile shape, and once at
+    prefills' (W8A8, or the weight dequantized first), unless the engine's largest step is shorter;
+    equal shapes once."""
     from tests.engine.hf_checkpoints import ENGINE_ARGS, train_tokenizer, write_checkpoint
     from tests.engine.test_fp8 import quantize_checkpoint
 
@@ -117,8 +118,8 @@ def test_fp8_projections_run_once_per_launch_shape(tmp_path, monkeypatch, max_to
     monkeypatch.setattr(fp8_linear, "matmul", spy)
     warm_up(runner, max_tokens)
     shapes = {(128 + 64 + 64, 64), (64, 128)}  # [out, in]: QKV and gate-up alike (256 rows), o_proj and down alike
-    examples = [16, 64, 65] + ([fp8_linear.DEQUANTIZE_TOKENS] if max_tokens is None else [])
+    examples = [16, 64, 65] + ([fp8_linear.PREFILL_TOKENS] if max_tokens is None else [])
     assert sorted(launches) == sorted((t, s) for s in shapes for t in examples)
     assert fp8_linear.tile_examples(max_tokens) == examples
-    assert fp8_linear.tile_examples(fp8_linear.DEQUANTIZE_TOKENS) == [16, 64, 65, fp8_linear.DEQUANTIZE_TOKENS]
+    assert fp8_linear.tile_examples(fp8_linear.PREFILL_TOKENS) == [16, 64, 65, fp8_linear.PREFILL_TOKENS]
 

@@ -137,9 +137,9 @@ def test_gpt_oss_compiles_its_variants_at_start_up_without_spills(tmp_path):
 def test_fp8_experts_compile_where_triton_reads_float8_and_are_dense_elsewhere(tmp_path):
     """Qwen3-30B-A3B-FP8's experts and attention projections stay FP8 on sm_90 (their kernels, the
     W8A16 GEMM's once per tile shape, compiled at start-up, none spilling; its projections' few
-    outputs split the decode tiles over K; prefills dequantize both first, so the tensors'
-    128-row variants and the dequantizations too); on sm_80, where Triton has no e4m3, they are
-    dequantized at load, so the dense experts' variants and cuBLAS."""
+    outputs split the decode tiles over K; prefills dequantize the experts first, so the tensors'
+    128-row variants and the dequantizations too, and run the projections W8A8); on sm_80, where
+    Triton has no e4m3, they are dequantized at load, so the dense experts' variants and cuBLAS."""
     code, archs = _run(tmp_path, "--shape", "qwen3-30b-a3b-fp8", "--steps", "10")
     assert code == 0 and not archs["sm_90"]["problems"] and not archs["sm_80"]["problems"]
     for arch, fp8 in (("sm_90", True), ("sm_80", False)):
@@ -148,6 +148,24 @@ def test_fp8_experts_compile_where_triton_reads_float8_and_are_dense_elsewhere(t
         assert sorted(codes) == ([16, 16, 64, 64] if fp8 else []), arch
         assert sorted(tensors) == ([128, 128] if fp8 else [16, 16, 64, 64, 128, 128]), arch
         assert sum(v["kernel"] == "_dequantize_kernel" for v in archs[arch]["variants"]) == (2 if fp8 else 0), arch
+        for kernel in ("_quantize_kernel", "_w8a8_kernel"):
+            assert sum(v["kernel"] == kernel for v in archs[arch]["variants"]) == fp8, (arch, kernel)
         gemm = sorted((v["spec"].split("BLOCK_M=")[1].split()[0], v["spec"].split("SPLIT=")[1].split()[0])
                       for v in archs[arch]["variants"] if v["kernel"] == "_fp8_matmul_kernel")
         assert gemm == ([("128", "False"), ("16", "True"), ("64", "True")] if fp8 else []), arch
+
+
+def test_fp8_projections_compile_w8a8_where_the_gpu_has_fp8_tensor_cores(tmp_path):
+    """Llama-3-8B FP8-dynamic's projections (one scale a row) on an L40S (sm_89: FP8 mma, 99 KiB of
+    shared memory a block) and an H100: prefills quantize their activations and run the W8A8 GEMM
+    (its weight scales applied once, after the k loop), both compiled at start-up, fitting, none
+    spilling, the GEMM's loop on the FP8 tensor cores; nothing dequantizes the projections."""
+    code, archs = _run(tmp_path, "--shape", "llama3-8b-fp8-dynamic", "--arch", "89", "--arch", "90", "--steps", "2")
+    assert code == 0
+    for arch in ("sm_89", "sm_90"):
+        report = archs[arch]
+        assert not report["problems"] and {v["phase"] for v in report["variants"]} == {"start-up"}
+        gemm = [v for v in report["variants"] if v["kernel"] == "_w8a8_kernel"]
+        assert len(gemm) == 1 and "W_SCALES=column" in gemm[0]["spec"] and gemm[0]["loops"][0]["mma"] > 0
+        assert sum(v["kernel"] == "_quantize_kernel" for v in report["variants"]) == 1
+        assert not any(v["kernel"] == "_dequantize_kernel" for v in report["variants"])

@@ -34,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from splitserve.engine.triton_e4m3 import e4m3_codes
+
 LOG2E = tl.constexpr(1.4426950408889634)
 STEP_INTS = ["stride_table", "first_seq", "num_seqs", "window"]  # window: per layer, not per step
 STEP_POINTERS = ["slots_ptr", "tables_ptr", "context_ptr", "query_starts_ptr"]
@@ -62,27 +64,10 @@ def store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_kh, st
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
     if FP8_KV:
-        k, v = _e4m3_codes(k.to(tl.float32) * k_inverse), _e4m3_codes(v.to(tl.float32) * v_inverse)
+        k, v = e4m3_codes(k.to(tl.float32) * k_inverse), e4m3_codes(v.to(tl.float32) * v_inverse)
     base = cache_ptr + slot * stride_slot + head * stride_head + d
     tl.store(base, k, mask=mask)
     tl.store(base + kv_offset, v, mask=mask)
-
-
-@triton.jit
-def _e4m3_codes(x):
-    """e4m3 codes (uint8) of float32 x, rounded to nearest even and saturated at +-448, as torch's
-    float8_e4m3fn conversion of x clamped (`fp8_kv.quantize`), in integer and float32 arithmetic
-    every GPU has. A normal value's 23 mantissa bits are rounded to 3 (half an ulp plus the kept
-    bit's parity breaks ties to even; a carry moves into the exponent), and its exponent re-biased
-    from 127 to 7; below 2**-6 (e4m3's subnormals) the code is the nearest multiple of 2**-9,
-    rounded by adding 2**23, where float32's spacing is 1. The sign is x's own (-0.0 is 0x80)."""
-    a = tl.minimum(tl.abs(x), 448.0)
-    bits = a.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - 7) << 3)
-    subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    code = tl.where(a < 0.015625, subnormal, normal)
-    sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
-    return (code | sign).to(tl.uint8)
 
 
 @triton.jit

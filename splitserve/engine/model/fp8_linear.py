@@ -8,12 +8,14 @@ outputs are few (4096 make 32 programs for an H100's 132), so its launch also sp
 split stores its float32 sums, and the tile's last split to finish adds them in split order (the
 same sum whichever finishes last) and rounds them once. Nothing waits on the host and the launch
 depends only on the token count, so a decode step through it is captured in a CUDA graph like any
-other. From `DEQUANTIZE_TOKENS` tokens a product is bound by the tensor cores, not by
-reading the codes, and widening every code again in each 128-row tile (beside the tensor cores)
-would cost more than one pass over them: the weight is dequantized once into the activations'
-dtype (a transient copy, which the engine's memory profile sees at its largest step; a CUDA
-graph's capture keeps the tiled kernel, since the graph's pool would hold the copy for good) and
-cuBLAS multiplies.
+other. From `PREFILL_TOKENS` tokens a product is bound by the tensor cores, not by reading
+the codes, and widening every code again in each 128-row tile (beside the tensor cores) would cost
+more than one pass over them. On a GPU with FP8 tensor cores the activations are then quantized
+and the codes multiplied as they are (`fp8_w8a8`, twice bf16's rate); elsewhere (or where a block
+splits a group of columns) the weight is dequantized once into the activations' dtype and cuBLAS
+multiplies. Either allocates a transient (the activations' codes, or the weight's copy) that the
+engine's memory profile sees at its largest step; a CUDA graph's capture keeps the tiled kernel,
+since the graph's pool would hold a transient for good.
 
 The torch oracle is `fp8.dequantize` then `F.linear` (what the CPU path runs); on CPU the kernel
 runs only under Triton's interpreter (how the tests check it).
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from splitserve.engine import fp8
+from splitserve.engine.model import fp8_w8a8
 from splitserve.engine.model.triton_tiles import input_tile, weight_tile
 
 # (most tokens, BLOCK_M, BLOCK_N, warps, splits over K): decode batches take tiles 128 columns wide
@@ -37,10 +40,11 @@ MIN_SPLIT_STEPS = 4  # k tiles a split reads at least (a program's fixed cost)
 SUMS_SHARE = 4  # a split reads at least this many times the bytes of its tile's float32 sums in codes
 MAX_SPLITS = 16
 COUNTERS = 4096  # tiles one split launch may have: each counts its splits done (back to 0 after)
-# from this many tokens the weight is dequantized once and cuBLAS multiplies: by the H200's figures (75% MFU for
-# cuBLAS bf16, the tiled GEMM at about half of it in prefills) the extra pass over the weight (a byte read, two
-# written) costs less than the tiled GEMM's widening from about 512 tokens on
-DEQUANTIZE_TOKENS = 512
+# from this many tokens a product runs W8A8, or dequantizes the weight once for cuBLAS: by the H200's figures (75%
+# MFU for cuBLAS bf16, the tiled GEMM at about half of it in prefills) the extra pass over the weight (a byte read,
+# two written) costs less than the tiled GEMM's widening from about 512 tokens on
+PREFILL_TOKENS = 512
+PATHS = ("tiled", "dequantized", "w8a8")  # the W8A16 GEMM; the weight dequantized, then cuBLAS; `fp8_w8a8`
 DEQUANTIZE_ROWS = 64  # weight rows a dequantizing program widens, over one k tile
 
 
@@ -106,11 +110,10 @@ def tile_for(tokens: int) -> tuple[int, int, int, bool]:
 
 def tile_examples(max_tokens: int | None = None) -> list[int]:
     """A token count of each launch shape of steps of at most `max_tokens` (None: any): of each tile
-    (the most it takes; past the last bound, one more), and the first that dequantizes the weight
-    instead where a step reaches it (the warm-up's transient copy is then one the memory profile's
-    largest step made too)."""
+    (the most it takes; past the last bound, one more), and the first of prefills' path where a
+    step reaches it (the warm-up's transient is then one the memory profile's largest step made too)."""
     tiles = [most or TILES[-2][0] + 1 for most, *_ in TILES]
-    return tiles + ([DEQUANTIZE_TOKENS] if max_tokens is None or max_tokens >= DEQUANTIZE_TOKENS else [])
+    return tiles + ([PREFILL_TOKENS] if max_tokens is None or max_tokens >= PREFILL_TOKENS else [])
 
 
 def block_k_for(block: tuple[int, int]) -> int:
@@ -165,7 +168,8 @@ def split_plan(tokens: int, n: int, k: int, block: tuple[int, int], sms: int | N
 
 
 def capturing(x: torch.Tensor) -> bool:
-    """Whether `x`'s stream is capturing a CUDA graph, whose pool would hold a dequantized weight for good."""
+    """Whether `x`'s stream is capturing a CUDA graph, whose pool would hold a transient (a dequantized
+    weight, quantized activations) for good."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -182,13 +186,21 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return out
 
 
+def path_for(tokens: int, x: torch.Tensor, block: tuple[int, int]) -> str:
+    """Which of `PATHS` a product of `tokens` rows like `x` takes: from `PREFILL_TOKENS`, W8A8 where the
+    device has FP8 tensor cores and `block` whole groups of columns, else the weight dequantized;
+    below it, or in a CUDA graph's capture, the tiled GEMM."""
+    if tokens < PREFILL_TOKENS or capturing(x):
+        return "tiled"
+    return "w8a8" if fp8_w8a8.supported(x.device, block) else "dequantized"
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-           splits: int | None = None, dequantize_first: bool | None = None) -> torch.Tensor:
+           splits: int | None = None, path: str | None = None) -> torch.Tensor:
     """x [..., K] @ W.T for W = `weight` (float8 e4m3 [N, K]) times `scale` (float32, one per block
     of `block` [rows, cols], the last blocks partial); [..., N] in x's dtype. `splits`: a decode
     tile's splits over K (None: `split_count` for the device; the prefill tile never splits).
-    `dequantize_first`: W dequantized, then torch's matmul (None: from `DEQUANTIZE_TOKENS` tokens,
-    except in a CUDA graph's capture)."""
+    `path`: one of `PATHS` (None: `path_for` the launch)."""
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1 or scale.stride(1) != 1:
         raise ValueError("an FP8 linear needs float8_e4m3fn codes and float32 scales, rows contiguous")
@@ -201,9 +213,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
         rows = rows.contiguous()
     tokens = rows.shape[0]
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
-    if dequantize_first is None:
-        dequantize_first = tokens >= DEQUANTIZE_TOKENS and not capturing(x)
-    if tokens and dequantize_first:
+    path = path or path_for(tokens, x, block)
+    if path not in PATHS:
+        raise ValueError(f"an FP8 linear's path must be one of {', '.join(PATHS)}, got {path!r}")
+    if tokens and path == "w8a8":
+        fp8_w8a8.matmul(rows, weight, scale, block, out)
+    elif tokens and path == "dequantized":
         torch.mm(rows, dequantize(weight, scale, block, x.dtype).t(), out=out)
     elif tokens:
         block_m, block_n, warps, _ = tile_for(tokens)
