@@ -27,8 +27,13 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
    layer (a windowed one's within its window). Prompts past a shape's context are left out.
 3. throughput: 64 prompts of 512 tokens, 256 greedy output tokens each, all in flight: ours
    (`LLM.generate`) against `transformers` `generate` (one static batch of 64, the same shape, its
-   own random weights, its default attention), median of --repeats runs each after a warm-up;
-   `throughput_ratio_vs_hf` = ours / theirs in output tokens per second.
+   own random weights, its default attention), median of --repeats runs each after one untimed
+   run of the same work (its caches and allocator warm); `throughput_ratio_vs_hf` = ours / theirs
+   in output tokens per second. Each row also has the workload's roofline floor (prefill FLOPs at
+   the compute peak, then the decode steps' weight and KV bytes at the HBM peak:
+   `gpu_roofline.throughput_floor_s`) and its `floor_share` (floor / seconds), and the result the
+   highest ratio to transformers any engine could reach, `throughput_ratio_ceiling_vs_hf`
+   (transformers' seconds / the floor).
 4. transfer: a prompt and a token worker (`kv_pair.py`), both on this GPU, the KV written into the
    token worker's cache through CUDA IPC: visible / serialized transfer for 2k and 8k prompts.
 5. decode-fp8: the decode rows again over an FP8 KV cache (`kv_cache_dtype: fp8`, a byte a K or
@@ -57,7 +62,7 @@ import torch
 
 from call_timer import timed  # this script's folder, as the two below
 from gpu_report import print_table, report
-from gpu_roofline import decode_kv_bytes, decode_weight_bytes, peaks, prefill_flops
+from gpu_roofline import decode_kv_bytes, decode_weight_bytes, peaks, prefill_flops, throughput_floor_s
 from kv_pair import Pair, kv_bytes_per_token, measure
 
 from splitserve.engine.dummy_weights import write_shape_checkpoint
@@ -229,8 +234,8 @@ def ours_section(model: str, s: dict, args) -> list[dict]:
                                        max_num_seqs=s["in_flight"], max_model_len=s["prompt"] + s["output"] + 16,
                                        **s["engine"]))
     prompts = throughput_prompts(s)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     params = SamplingParams(temperature=0, max_tokens=s["output"], ignore_eos=True)
+    llm.generate(prompts, params)  # warm-up: the same work
     return [{**_throughput_row("splitserve", lambda: llm.generate(prompts, params), s, args.repeats),
              "startup_s": startup}]
 
@@ -259,7 +264,7 @@ def hf_section(model: str, s: dict, args) -> list[dict]:
             torch.cuda.synchronize()
         return out
 
-    run(8)  # warm-up
+    run(s["output"])  # warm-up: the same work (its cache grown to full length once, the allocator warm)
     return [{**_throughput_row("transformers", lambda: run(s["output"]), s, args.repeats), "startup_s": startup}]
 
 
@@ -345,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no CUDA device: run with --tiny for the CPU version")
     device = device_name(s["engine"])
     hbm_flops = peaks(device, args.hbm_tbs, args.bf16_tflops)
+    element = torch.tensor([], dtype=getattr(torch, s["engine"]["dtype"])).element_size()
+    floor = throughput_floor_s(s["config"], s["in_flight"], s["prompt"], s["output"], element, *hbm_flops)
     rows, started_at = [], time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         model = write_shape_checkpoint(Path(tmp) / "model", s["config"])
@@ -353,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             got = run_section(name, model, s, args, min(args.section_timeout, left)) if left >= MIN_SECTION_S else [
                 {"section": name, "skipped": f"{left:.0f} s of the --budget left"}]
             rows += got
-            result = report(rows, device, *hbm_flops, s["shape"], targets=not args.tiny and args.shape == "llama3-8b")
+            result = report(rows, device, *hbm_flops, s["shape"], targets=not args.tiny and args.shape == "llama3-8b",
+                            throughput_floor=floor)
             if args.json:
                 args.json.write_text(json.dumps(result, indent=2) + "\n")
             print(f"section {name}: {json.dumps(got)}", flush=True)

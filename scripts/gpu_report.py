@@ -2,18 +2,27 @@
 targets met or not, and the table it prints."""
 from __future__ import annotations
 
-def report(rows: list[dict], device: str, hbm: float | None, flops: float | None, model: str, targets: bool) -> dict:
-    """The result: `rows` with MBU and MFU, the throughput ratio, and (for the issue's shape) its targets."""
+def report(rows: list[dict], device: str, hbm: float | None, flops: float | None, model: str, targets: bool,
+           throughput_floor: float | None = None) -> dict:
+    """The result: `rows` with MBU and MFU, the throughput ratio, and (for the issue's shape) its
+    targets; with the throughput workload's roofline floor (seconds), each throughput row's share
+    of it and the highest ratio to transformers it leaves."""
     for row in rows:
         row["device"] = device
         if "bytes_per_s" in row:
             row["mbu"] = row["bytes_per_s"] / hbm if hbm else None
         if "flops_per_s" in row:
             row["mfu"] = row["flops_per_s"] / flops if flops else None
-    tps = {r["engine"]: r["output_tokens_per_s"] for r in rows if r["section"] == "throughput" and "engine" in r}
-    ratio = tps["splitserve"] / tps["transformers"] if len(tps) == 2 else None
+        if row["section"] == "throughput" and "seconds" in row and throughput_floor:
+            row["floor_s"], row["floor_share"] = throughput_floor, throughput_floor / row["seconds"]
+    done = {r["engine"]: r for r in rows if r["section"] == "throughput" and "seconds" in r}
+    ratio = (done["splitserve"]["output_tokens_per_s"] / done["transformers"]["output_tokens_per_s"]
+             if len(done) == 2 else None)
+    ceiling = (done["transformers"]["seconds"] / throughput_floor
+               if "transformers" in done and throughput_floor else None)
     return {"device": device, "model": model, "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops,
-            "throughput_ratio_vs_hf": ratio, "targets": met(rows, ratio) if targets else None, "rows": rows}
+            "throughput_ratio_vs_hf": ratio, "throughput_floor_s": throughput_floor,
+            "throughput_ratio_ceiling_vs_hf": ceiling, "targets": met(rows, ratio) if targets else None, "rows": rows}
 
 
 def met(rows: list[dict], ratio: float | None) -> dict:
@@ -37,8 +46,10 @@ def _all_at_most(values: list, ceiling: float) -> bool | None:
 
 
 def print_table(result: dict) -> None:
+    ceiling, floor = result["throughput_ratio_ceiling_vs_hf"], result["throughput_floor_s"]
     print(f"Device: {result['device']}; {result['model']}; throughput vs transformers: "
-          f"{_fmt(result['throughput_ratio_vs_hf'], '.2f')}x")
+          f"{_fmt(result['throughput_ratio_vs_hf'], '.2f')}x (at most {_fmt(ceiling, '.2f')}x for any engine: "
+          f"the workload's roofline floor is {_fmt(floor, '.2f')} s)")
     print("| section | engine/backend | batch | context | step ms (min-max) | MBU | MFU | visible / serialized |")
     print("|---|---|---:|---:|---|---:|---:|---:|")
     for r in result["rows"]:
@@ -48,7 +59,8 @@ def print_table(result: dict) -> None:
             continue
         outside = f", {r['outside_forward_ms']:.2f} outside the forward" if "outside_forward_ms" in r else ""
         step = (f"{r['step_ms']:.2f} ({r['step_ms_min']:.2f}-{r['step_ms_max']:.2f}){outside}" if "step_ms" in r else
-                f"{r['seconds']:.2f} s, {r['output_tokens_per_s']:.0f} tok/s" if "seconds" in r else
+                f"{r['seconds']:.2f} s, {r['output_tokens_per_s']:.0f} tok/s, {_fmt(r.get('floor_share'), '.0%')} "
+                "of the floor's speed" if "seconds" in r else
                 f"serialized {r['serialized_transfer_ms']:.2f}, visible {r['visible_transfer_ms']:.2f}")
         print(f"| {r['section']} | {r.get('engine') or r.get('backend', '')} | {r['batch']} | {r['context']} | {step} "
               f"| {_fmt(r.get('mbu'), '.0%')} | {_fmt(r.get('mfu'), '.0%')} | {_fmt(r.get('visible_fraction'), '.0%')} |")

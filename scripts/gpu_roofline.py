@@ -110,3 +110,18 @@ def prefill_flops(c: dict, n: int) -> float:
         pairs = n * n / 2 if window is None or window >= n else n * window - window * window / 2
         total += 2 * n * (sum(_attention_params(m)) + _norms(m) + mlp) + 4 * pairs * m.num_attention_heads * m.head_dim
     return total + 2 * m.vocab_size * m.hidden_size
+
+
+def throughput_floor_s(c: dict, prompts: int, prompt: int, output: int, element: int, hbm: float | None,
+                       flops: float | None) -> float | None:
+    """The least time `prompts` prompts of `prompt` tokens, each then decoding to `output` tokens,
+    take when they are prefilled, then decoded together (as a static batch runs them), each phase
+    at its roofline: the prefills' FLOPs at the compute peak, then `output - 1` decode steps (the
+    prefill samples the first token), each reading the weights and every sequence's KV, at the HBM
+    peak. None without the peaks."""
+    if not hbm or not flops:
+        return None
+    decode = sum(decode_weight_bytes(c, prompts, element) + decode_kv_bytes(c, prompts, prompt + step, element)
+                 for step in range(1, output))
+    return prompts * prefill_flops(c, prompt) / flops + decode / hbm
+

@@ -37,6 +37,7 @@ def test_tiny_run_writes_every_section(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert result["device"] == "cpu" and result["targets"] is None and result["throughput_ratio_vs_hf"] > 0
+    assert result["throughput_floor_s"] is None and result["throughput_ratio_ceiling_vs_hf"] is None  # no CPU peak
     assert not [r for r in rows if "error" in r]
     for section, cache in (("decode", "float32"), ("decode-fp8", "fp8_e4m3")):
         decodes = [r for r in rows if r["section"] == section]
@@ -104,6 +105,27 @@ def test_the_peak_follows_the_device_name_and_flags_override_it():
     assert bench_gpu.peaks("NVIDIA H100 80GB HBM3", None, None) == (3.35e12, 989e12)
     assert bench_gpu.peaks("NVIDIA H200", None, None) == (4.8e12, 989e12)
     assert bench_gpu.peaks("cpu", 1.0, 2.0) == (1e12, 2e12) and bench_gpu.peaks("cpu", None, None) == (None, None)
+
+
+def test_the_throughput_floor_is_the_prefills_flops_then_each_decode_steps_bytes_at_the_peaks():
+    c, hbm, flops = bench_gpu.TINY, 1e12, 1e14
+    weights = bench_gpu.decode_weight_bytes(c, 4, 2)
+    steps = [weights + bench_gpu.decode_kv_bytes(c, 4, 32 + i, 2) for i in (1, 2)]  # tokens 2 and 3
+    expected = 4 * bench_gpu.prefill_flops(c, 32) / flops + sum(steps) / hbm
+    assert gpu_roofline.throughput_floor_s(c, 4, 32, 3, 2, hbm, flops) == pytest.approx(expected, rel=1e-12)
+    assert gpu_roofline.throughput_floor_s(c, 4, 32, 3, 2, None, flops) is None
+    # Llama-3-8B's 64 x (512 + 256) on an H200: 0.47 s of prefill, 1.08 s of decode
+    h200 = bench_gpu.peaks("NVIDIA H200", None, None)
+    assert gpu_roofline.throughput_floor_s(bench_gpu.LLAMA3_8B, 64, 512, 256, 2, *h200) == pytest.approx(1.55, abs=0.01)
+
+
+def test_the_report_gives_each_throughput_row_its_share_of_the_floor_and_the_ratio_it_leaves():
+    rows = [{"section": "throughput", "engine": "splitserve", "seconds": 3.0, "output_tokens_per_s": 100.0},
+            {"section": "throughput", "engine": "transformers", "seconds": 6.0, "output_tokens_per_s": 50.0}]
+    result = bench_gpu.report(rows, "NVIDIA H200", 4.8e12, 989e12, "llama3-8b", targets=True, throughput_floor=1.5)
+    assert [r["floor_share"] for r in result["rows"]] == [0.5, 0.25]
+    assert result["throughput_ratio_vs_hf"] == 2.0 and result["throughput_ratio_ceiling_vs_hf"] == 4.0
+    assert result["targets"]["throughput_ge_5x_hf"] is False
 
 
 def hf_model(c: dict) -> LlamaForCausalLM:
