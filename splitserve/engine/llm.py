@@ -4,19 +4,27 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from splitserve.engine.llm_engine import LLMEngine, PromptInput
+from splitserve.engine.model_builder import resolve_device
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
+
+# an offline batch's mixed steps on a GPU: no token waits on its latency, so the prompts' chunks share steps
+# as wide as a GPU's matmuls run near their peak (Sarathi-Serve's 512, `EngineConfig`'s default, bounds a
+# served decode's time between tokens; vLLM's LLM class takes 16384 on large GPUs, 8192 on others)
+OFFLINE_CHUNK_TOKENS = 8192
 
 
 class LLM:
     """`model` is "demo" or a Hugging Face checkpoint directory; keyword arguments are
-    `EngineConfig` fields (policy, block_size, dtype, device, load_format, ...)."""
+    `EngineConfig` fields (policy, block_size, dtype, device, load_format, ...), with
+    `offline_defaults`' chunk budget on a GPU."""
 
     def __init__(self, model: str = "demo", **engine_args):
         if engine_args.get("policy") in ("prompt", "accelgen_prompt"):
             raise ValueError(f"policy {engine_args['policy']!r} only prefills and hands the KV on; LLM needs a policy "
                              "that finishes requests: mixed, prefill_first, orca, accelgen or token")
-        self.engine = LLMEngine(model, **engine_args)
+        device = resolve_device(str(engine_args.get("device", "auto"))).type
+        self.engine = LLMEngine(model, **offline_defaults(engine_args, device))
         self._counter = 0
 
     def get_tokenizer(self):
@@ -48,6 +56,14 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         return ids
+
+
+def offline_defaults(engine_args: dict, device_type: str) -> dict:
+    """`engine_args` with the mixed policy's chunk budget `OFFLINE_CHUNK_TOKENS` on a GPU, where
+    they do not set it."""
+    if device_type == "cuda" and "chunk_token_budget" not in engine_args:
+        return {**engine_args, "chunk_token_budget": OFFLINE_CHUNK_TOKENS}
+    return engine_args
 
 
 def _is_token_list(value) -> bool:

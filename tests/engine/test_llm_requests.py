@@ -9,7 +9,8 @@ import json
 import pytest
 
 from splitserve.engine.config import ConfigError
-from splitserve.engine.llm import LLM
+from splitserve.engine.engine_config import EngineConfig
+from splitserve.engine.llm import LLM, offline_defaults
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import ENGINE, GREEDY, PROMPTS, assert_all_free, assert_same, run_engine
@@ -261,6 +262,15 @@ def test_llm_generate_with_one_bad_prompt_adds_none(reference):
         llm.generate([PROMPTS[0], PROMPTS[1]], [GREEDY, "greedy"])
     assert llm.engine.num_requests == 0
     assert_same(llm.generate(PROMPTS, GREEDY), reference)
+
+
+def test_an_offline_batch_on_a_gpu_takes_wide_chunks_unless_told_otherwise():
+    """LLM's mixed steps on a GPU take OFFLINE_CHUNK_TOKENS (nothing waits on a token's latency);
+    a budget given is kept, and the CPU keeps EngineConfig's."""
+    assert offline_defaults({"policy": "mixed"}, "cuda") == {"policy": "mixed", "chunk_token_budget": 8192}
+    assert offline_defaults({"chunk_token_budget": 512}, "cuda") == {"chunk_token_budget": 512}
+    assert offline_defaults({"policy": "mixed"}, "cpu") == {"policy": "mixed"}
+    assert LLM(**ENGINE).engine.config.chunk_token_budget == EngineConfig().chunk_token_budget == 512
 
 
 # ---------------------------------------------------------------------------------------------
