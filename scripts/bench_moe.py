@@ -4,9 +4,10 @@ decode and prefill token counts, what it reads per second against the HBM peak (
 against the dense bf16 peak (MFU). The dense weights are the MXFP4 ones dequantized, the FP8 ones
 those in 128 x 128 blocks; each quantized row also says how far its output is from its own weights
 dequantized through the dense kernels (a check of the compiled kernels on the device). Each
-quantized format runs both ways at every token count: its codes read by the kernels, and its
-stack dequantized first (`fused_moe.dequantizes`); the row of the path the engine does not take
-there says so (where the one overtakes the other).
+quantized format runs every way at every token count: its codes read by the kernels, its stack
+dequantized first (`fused_moe.dequantizes`) and, for FP8 where the GPU has FP8 tensor cores (or on
+the CPU, interpreted), W8A8 (its difference also the activations' e4m3 rounding, a few percent);
+a row's `path` says which, and `default` whether the engine takes it there.
 
     python scripts/bench_moe.py --json moe.json                 # CUDA: gpt-oss-20b's layer, seconds
     python scripts/bench_moe.py --shape qwen3-30b-a3b           # another MoE shape of engine/shapes.py
@@ -41,9 +42,8 @@ TINY = {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size":
         "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 7.0}
 TOKENS = (1, 16, 64, 256, 2048, 8192)
 FORMATS = ("dense", "mxfp4", "fp8")
-# (dequantized first, the path the engine takes at that token count): how the table names a row's path
-PATHS = {(False, True): "as read", (True, True): "dequantized first", (False, False): "as read (not taken)",
-         (True, False): "dequantized first (not taken)"}
+# a quantized stack's paths: codes widened in the kernels, the stack dequantized first, codes times codes
+PATHS = ("as read", "dequantized", "w8a8")
 FP8_BLOCK = (128, 128)  # Qwen3's and DeepSeek's FP8 releases' blocks
 TINY_TOKENS = (1, 4, 32)
 
@@ -100,6 +100,24 @@ def time_calls(call, iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def engine_path(fmt: str, assignments: int, num_experts: int, x: torch.Tensor) -> str:
+    """The path `fused_moe.fused_experts` takes for a stack of `fmt` (FP8 ones in FP8_BLOCK)."""
+    from splitserve.engine.model import fp8_w8a8, fused_moe  # after TRITON_INTERPRET is settled
+
+    if not fused_moe.dequantizes(fmt, assignments, num_experts, x):
+        return "as read"
+    return "w8a8" if fmt == "fp8" and fp8_w8a8.supported(x.device, FP8_BLOCK) else "dequantized"
+
+
+def runnable(fmt: str, device: torch.device) -> list[str]:
+    """The paths a quantized stack of `fmt` can take on `device`: W8A8 only FP8, where the device has
+    FP8 tensor cores or runs Triton's interpreter (the CPU)."""
+    from splitserve.engine.model import fp8_w8a8  # after TRITON_INTERPRET is settled
+
+    w8a8 = fmt == "fp8" and (device.type == "cpu" or fp8_w8a8.supported(device, FP8_BLOCK))
+    return [path for path in PATHS if path != "w8a8" or w8a8]
+
+
 def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device, dtype: torch.dtype,
             hbm: float | None, flops_peak: float | None) -> list[dict]:
     from splitserve.engine.model import fused_moe  # after TRITON_INTERPRET is settled
@@ -115,26 +133,28 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
                                  c.norm_topk_prob)
         hit = experts.unique().numel()
         dense_ms = None
-        taken = {fmt: fused_moe.dequantizes(fmt, experts.numel(), c.num_experts, x) for fmt in formats}
-        paths = [(fmt, first) for fmt in formats  # dense first; each quantized format's path, then the other
-                 for first in ([False] if fmt == "dense" else [taken[fmt], not taken[fmt]])]
-        for fmt, first in paths:
+        taken = {fmt: engine_path(fmt, experts.numel(), c.num_experts, x) for fmt in formats}
+        paths = [(fmt, path) for fmt in formats  # dense first; each quantized format's path, then the others
+                 for path in (["as read"] if fmt == "dense" else
+                              [taken[fmt]] + [p for p in runnable(fmt, device) if p != taken[fmt]])]
+        for fmt, path in paths:
             w13, w2 = stacks[fmt]
 
-            def call(w13=w13, w2=w2, first=first):
-                return fused_moe.fused_experts(x, w13, w2, weights, experts, act=act, b13=b13, dequantize_first=first)
+            def call(w13=w13, w2=w2, path=path):
+                return fused_moe.fused_experts(x, w13, w2, weights, experts, act=act, b13=b13,
+                                               dequantize_first=path != "as read", w8a8=path == "w8a8")
 
             seconds = time_calls(call, iters, device.type == "cuda")
             read = weight_bytes(w13, w2, b13, hit) + 2 * x.nbytes
             flops = 6 * t * c.num_experts_per_tok * c.hidden_size * c.moe_intermediate_size
-            row = {"format": fmt, "dequantized": first, "default": first == taken[fmt], "tokens": t,
+            row = {"format": fmt, "path": path, "default": path == taken[fmt], "tokens": t,
                    "experts_hit": hit, "step_ms": seconds * 1e3, "bytes": read, "flops": flops,
                    "mbu": read / seconds / hbm if hbm else None,
                    "mfu": flops / seconds / flops_peak if flops_peak else None}
             if dense_ms is None:
                 dense_ms = row["step_ms"]
             else:  # against its own weights dequantized, through the dense kernels
-                exact = call(*(torch.stack([w[e] for e in range(c.num_experts)]) for w in (w13, w2))).float()
+                exact = call(*(torch.stack([w[e] for e in range(c.num_experts)]) for w in (w13, w2)), "as read").float()
                 row["speedup_vs_dense"] = dense_ms / row["step_ms"]
                 row["max_rel_diff"] = ((call().float() - exact).abs().max() / exact.abs().max().clamp_min(1e-30)).item()
             rows.append(row)
@@ -146,7 +166,7 @@ def print_table(result: dict) -> None:
           f"hidden {result['hidden']}, width {result['width']}, activations {result['dtype']}")
     print_markdown(["tokens:", "experts hit:", "weights", "path", "ms:", "speed-up vs dense:", "MBU:", "MFU:",
                     "max rel. diff vs its weights dequantized:"],
-                   [[r["tokens"], r["experts_hit"], r["format"], PATHS[r["dequantized"], r["default"]],
+                   [[r["tokens"], r["experts_hit"], r["format"], r["path"] + ("" if r["default"] else " (not taken)"),
                      f"{r['step_ms']:.3f}",
                      ratio(r.get("speedup_vs_dense")), pct(r["mbu"]), pct(r["mfu"]), sci(r.get("max_rel_diff"))]
                     for r in result["rows"]])

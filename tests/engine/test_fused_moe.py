@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine import fp8  # noqa: E402
 from splitserve.engine.mxfp4 import Packed, dequantize  # noqa: E402
-from splitserve.engine.model import fused_moe  # noqa: E402
+from splitserve.engine.model import fp8_w8a8, fused_moe  # noqa: E402
 from splitserve.engine.model.moe import Experts, GatedAct, experts_reference, route  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.hf_checkpoints import (  # noqa: E402,F401 (fixture)
@@ -128,6 +129,86 @@ def test_fp8_experts_equal_the_dequantized_oracle(dtype, block, tokens, block_m)
                                                    for w in (w13, w2)), *on_device(weights, ids), block_m)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.cpu(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+
+
+def quantized_values(rows: torch.Tensor) -> torch.Tensor:
+    """Activations as W8A8 multiplies them: their e4m3 codes times their group scales (float32)."""
+    codes, scales = fp8_w8a8.quantize_reference(rows)
+    return codes.float() * scales.t().repeat_interleave(fp8_w8a8.GROUP, 1)[:, :rows.shape[1]]
+
+
+def w8a8_reference(x, w13, w2, weights, ids, act=GatedAct(), b13=None) -> torch.Tensor:
+    """`experts_reference` with x, and each assignment's gated activations (rounded to x's dtype,
+    as the gate-up kernel stores them), quantized as the W8A8 kernels take them."""
+    out, top_k, flat, values = torch.zeros_like(x), ids.shape[1], ids.flatten(), quantized_values(x)
+    for e in range(w13.shape[0]):
+        assignments = (flat == e).nonzero().flatten()
+        if not len(assignments):
+            continue
+        tokens = assignments // top_k
+        gate, up = act.split(F.linear(values[tokens], w13[e].float(), None if b13 is None else b13[e].float()))
+        gated = quantized_values(act(gate, up).to(x.dtype))
+        out.index_add_(0, tokens, (F.linear(gated, w2[e].float()) * weights.flatten()[assignments, None]).to(x.dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("block, act, width", [
+    ((128, 128), GatedAct(), 256),   # gate's and up's tiles each in one block of rows: a scale a tile a k step
+    ((128, 128), GatedAct(), 160),   # up's rows start mid-block (each row's scale); the width a group and a part
+    ((32, 128), GatedAct(), 160),    # blocks of fewer rows than a tile's
+    (fp8.ROWS, GatedAct(), 160),     # one scale a row
+    ((128, 128), GatedAct(interleaved=True, alpha=1.702, limit=7.0), 160)], ids=["tile", "rows", "32", "row", "oss"])
+@pytest.mark.parametrize("tokens", [3, 130])  # the 16-row tile, and the 128-row one (520 assignments of 8 experts)
+def test_fp8_experts_w8a8_equal_the_oracle_of_their_quantized_activations(dtype, block, act, width, tokens):
+    """W8A8 experts (x and the gated activations quantized per token and 128 columns, codes times
+    codes) compute what the dequantized weights do on the activations so quantized (hidden 256);
+    and land within the activations' e4m3 rounding of the W8A16 oracle."""
+    experts, hidden = 8, 256
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13, w2 = (fp8.Stacked(*fp8_stack(experts, rows, cols, (1, cols) if block == fp8.ROWS else block, seed),
+                           block, dtype) for seed, rows, cols in ((6, 2 * width, hidden), (7, hidden, width)))
+    b13 = torch.randn(experts, 2 * width, generator=g).to(dtype) * 0.1 if act.interleaved else None
+    weights, ids = route(torch.randn(tokens, experts, generator=g), 4, renormalize=True)
+    out = fused_moe.fused_experts(*on_device(x), *(to_device(w) for w in (w13, w2)), *on_device(weights, ids),
+                                  act=act, b13=None if b13 is None else b13.to(DEVICE), w8a8=True).cpu()
+    expected = w8a8_reference(x, w13, w2, weights, ids, act, b13)
+    # a gated value within float error of an e4m3 rounding boundary may take the other code: a few
+    # elements of the output differ by a step of the gated activations' codes, the rest by float error
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    close = (out - expected).abs() <= tol * (expected.abs().max() + expected.abs())
+    error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+    assert close.float().mean().item() > 0.99 and error < (1e-3 if dtype == torch.float32 else 2e-2)
+    exact = experts_reference(x, w13, w2, weights, ids, act, b13).float()
+    assert 1e-3 < ((out.float() - exact).norm() / exact.norm()).item() < 0.06
+
+
+def test_prefills_of_fp8_experts_run_w8a8_where_the_gpu_has_fp8_tensor_cores(monkeypatch):
+    """From DEQUANTIZE_ASSIGNMENTS an expert, W8A8 where `fp8_w8a8.supported` (no dequantization),
+    else the stack dequantized first; below it, the codes widened in the kernels."""
+    experts, hidden, width = 4, 128, 128
+    g = torch.Generator().manual_seed(3)
+    w13, w2 = (to_device(fp8.Stacked(*fp8_stack(experts, rows, cols, (128, 128), seed), (128, 128), torch.float32))
+               for seed, rows, cols in ((1, 2 * width, hidden), (2, hidden, width)))
+    quantized, dequantized = [], []
+    real_quantize, real_dequantize = fp8_w8a8.quantize, fused_moe.dequantize_experts
+    monkeypatch.setattr(fp8_w8a8, "quantize", lambda rows: quantized.append(rows.shape) or real_quantize(rows))
+    monkeypatch.setattr(fused_moe, "dequantize_experts", lambda *a: dequantized.append(1) or real_dequantize(*a))
+    monkeypatch.setattr(fused_moe, "DEQUANTIZE_ASSIGNMENTS", {**fused_moe.DEQUANTIZE_ASSIGNMENTS, "fp8": 4})
+    for tokens, fp8_cores, path in [(8, True, "w8a8"), (8, False, "dequantized"), (7, True, "widened")]:
+        monkeypatch.setattr(fp8_w8a8, "supported", lambda device, block: fp8_cores)
+        quantized.clear(), dequantized.clear()
+        x = torch.randn(tokens, hidden, generator=g)
+        weights, ids = route(torch.randn(tokens, experts, generator=g), 2, renormalize=True)
+        fused_moe.fused_experts(*on_device(x), w13, w2, *on_device(weights, ids))
+        assert (len(quantized), bool(dequantized)) == {"w8a8": (2, False), "dequantized": (0, True),
+                                                      "widened": (0, False)}[path], tokens
+    with pytest.raises(ValueError, match="whole 128-column groups"):
+        fused_moe.fused_experts(*on_device(x), *(to_device(fp8.Stacked(*fp8_stack(experts, r, c, (32, 32), 0),
+                                                                       (32, 32), torch.float32))
+                                                 for r, c in ((2 * width, hidden), (hidden, width))),
+                                *on_device(weights, ids), w8a8=True)
 
 
 def quantized_stacks(fmt: str, experts: int, hidden: int, width: int, dtype: torch.dtype) -> tuple:

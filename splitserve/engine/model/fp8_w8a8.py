@@ -165,7 +165,7 @@ def quantize_reference(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = padded.view(tokens, groups, GROUP).abs().amax(-1).clamp_min(MIN_AMAX)
     scales = amax / E4M3_MAX
     codes = (padded.view(tokens, groups, GROUP) / scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
-    return codes.to(torch.float8_e4m3fn).view(tokens, -1)[:, :k].contiguous(), scales.t().contiguous()
+    return codes.to(torch.float8_e4m3fn).view(tokens, groups * GROUP)[:, :k].contiguous(), scales.t().contiguous()
 
 
 def reference(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -13,7 +13,9 @@ tile lies within one block's columns), rounded to the activations' dtype. From
 than one pass over them: a quantized stack is dequantized the same way into the activations' dtype,
 a chunk of experts at a time (at most `DEQUANTIZE_BYTES`, transient: the engine's memory profile
 sees it at its largest step), and the kernels read each chunk as tensors, one launch a chunk (a
-tile of another chunk's expert returns at once).
+tile of another chunk's expert returns at once); FP8 experts on a GPU with FP8 tensor cores run
+W8A8 there instead (`fp8_w8a8`): the tokens' activations, then the gated ones, quantized per token
+and 128 columns, the kernels multiplying codes by codes (`_w8a8_dots`), nothing dequantized.
 
 `moe.experts_reference` is the oracle; on CPU the kernels run only under Triton's interpreter
 (how the tests check them). Products accumulate in float32 and each kernel rounds once, where
@@ -28,9 +30,9 @@ import triton
 import triton.language as tl
 
 from splitserve.engine import fp8, mxfp4
-from splitserve.engine.model import fp8_linear
+from splitserve.engine.model import fp8_linear, fp8_w8a8
 from splitserve.engine.model.moe import SILU, GatedAct
-from splitserve.engine.model.triton_tiles import input_tile, weight_tile
+from splitserve.engine.model.triton_tiles import input_tile, weight_scales, weight_tile
 
 BLOCK_N = 64
 BLOCK_K = fp8.KERNEL_K
@@ -45,6 +47,8 @@ PACKED_WIDE_BLOCK_N = 32  # gate-up of a 64-row tile of MXFP4 experts: at 64 (or
 # 64 columns of gate and of up and 128 of down, 66 both (gpt-oss-20b's bf16 experts ran at 23% MFU at 8192 tokens on
 # the H200, as L2-bound as that). Wider ones spill on sm_80 (docs/results/kernels-compiled.md).
 TENSOR_TILES = {16: (BLOCK_N, BLOCK_N, BLOCK_K, 4), 64: (BLOCK_N, BLOCK_N, 64, 4), 128: (64, 128, 64, 8)}
+# W8A8's: the same columns, k steps a whole group (128) wide, each step's scaling spread over twice the products
+W8A8_TILES = {rows: (gate_up, down, fp8_w8a8.GROUP, warps) for rows, (gate_up, down, _, warps) in TENSOR_TILES.items()}
 # from this many assignments an expert (on average) a quantized stack is dequantized, a chunk of experts at a time,
 # and the kernels read it as tensors: widening the codes again in every tile costs more there (the H200, gpt-oss-20b's
 # experts: MXFP4 3.2 ms at 256 tokens against bf16's 1.0, FP8 2.8 and 10.1 ms at 2048 and 8192 against 2.0 and 7.2,
@@ -52,6 +56,7 @@ TENSOR_TILES = {16: (BLOCK_N, BLOCK_N, BLOCK_K, 4), 64: (BLOCK_N, BLOCK_N, 64, 4
 DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": LARGE_TILE_ASSIGNMENTS}
 DEQUANTIZE_BYTES = 1 << 30  # the most one chunk of dequantized experts takes (transient)
 DEQUANTIZE_ROWS = 64  # rows a dequantizing program widens, over one group
+GROUP = tl.constexpr(fp8_w8a8.GROUP)  # W8A8: activation columns a scale covers (a whole number of k tiles)
 
 
 @triton.jit
@@ -104,12 +109,66 @@ def _dequantize_packed_kernel(blocks_ptr, scales_ptr, out_ptr, rows, stride_be, 
              mask=ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts"])
+@triton.jit
+def _w8a8_dots(gate, up, a_ptr, rows, stride_a, valid, as_ptr, stride_as, w, s, gate_rows, up_rows, col_ok, k,
+               stride_wn, stride_sn, block_rows, block_cols, gate_scale_row, up_scale_row, BLOCK_K: tl.constexpr,
+               TWO: tl.constexpr, TILE_SCALES: tl.constexpr, EVEN_K: tl.constexpr):
+    """W8A8 over k in BLOCK_K steps: gate (and with TWO, up) += dot(codes of a's rows `rows`, codes
+    of w's rows `gate_rows` (`up_rows`)) * the rows' group scales (as_ptr [groups, stride_as]) * w's
+    block scales: with TILE_SCALES one a k step for the whole tile (rows `gate_scale_row`,
+    `up_scale_row` of the scales), else each row's. Rows not `valid` or not `col_ok` read row 0
+    (any valid address: they are not stored); with EVEN_K, k is whole steps and loads take no masks."""
+    kk = tl.arange(0, BLOCK_K)
+    safe_rows = tl.where(valid, rows, 0)
+    a_ptrs = a_ptr + safe_rows[:, None] * stride_a + kk[None, :]
+    g_ptrs = w + tl.where(col_ok, gate_rows, 0)[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    u_ptrs = w + tl.where(col_ok, up_rows, 0)[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    as_ptrs = as_ptr + safe_rows
+    for start in range(0, k, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(start + kk < k)[None, :], other=0.0)
+        a_scale = tl.load(as_ptrs + (start // GROUP) * stride_as)
+        gate += tl.dot(a, _codes(g_ptrs, start, k, kk, EVEN_K)) * _step_scales(
+            a_scale, s, gate_rows, gate_scale_row, start, stride_sn, block_rows, block_cols, col_ok, TILE_SCALES)
+        if TWO:
+            up += tl.dot(a, _codes(u_ptrs, start, k, kk, EVEN_K)) * _step_scales(
+                a_scale, s, up_rows, up_scale_row, start, stride_sn, block_rows, block_cols, col_ok, TILE_SCALES)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    return gate, up
+
+
+@triton.jit
+def _codes(ptrs, start, k, kk, EVEN_K: tl.constexpr):
+    """A [BLOCK_K, N] tile of weight codes at `ptrs` (columns past k read as 0 unless EVEN_K)."""
+    if EVEN_K:
+        codes = tl.load(ptrs)
+    else:
+        codes = tl.load(ptrs, mask=(start + kk < k)[:, None], other=0.0)
+    return codes
+
+
+@triton.jit
+def _step_scales(a_scale, s, rows, scale_row, start, stride_sn, block_rows, block_cols, col_ok,
+                 TILE_SCALES: tl.constexpr):
+    """[M, 1] or [M, N]: what a W8A8 k step's dot is scaled by, a's group scales times w's block scales."""
+    if TILE_SCALES:  # one return: the branches' shapes differ ([M, 1], [M, N]), as compiled Triton allows only so
+        scales = (a_scale * tl.load(s + scale_row * stride_sn + start // block_cols))[:, None]
+    else:
+        scales = a_scale[:, None] * weight_scales(s, rows, start, stride_sn, block_rows, block_cols, col_ok)[None, :]
+    return scales
+
+
+@triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts", "stride_as"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden,
                     width, stride_x, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols, stride_be,
-                    row_step, up_offset, alpha, limit, stride_out, first_expert, num_experts, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr,
-                    OSS: tl.constexpr, CLAMP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr):
+                    row_step, up_offset, alpha, limit, stride_out, first_expert, num_experts, as_ptr, stride_as,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                    BIAS: tl.constexpr, OSS: tl.constexpr, CLAMP: tl.constexpr, PACKED: tl.constexpr,
+                    FP8: tl.constexpr, W8A8: tl.constexpr, TILE_SCALES: tl.constexpr, EVEN_K: tl.constexpr):
     """One program per (tile of one expert's assignments, BLOCK_N of the width), for the tiles of
     experts [first_expert, first_expert + num_experts), whose weights w13 (and scales) stack:
     out[a] = act(x[token] @ gate.T, x[token] @ up.T) for each assignment a of the tile. Gate column
@@ -117,7 +176,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
     with BIAS the same entries of b13 are added. act: silu(gate) * up, or with OSS
     (up + 1) * gate * sigmoid(alpha * gate), with CLAMP gate <= limit and |up| <= limit first.
     PACKED: w13 is MXFP4 bytes (rows of hidden / 2) and s_ptr its scales (rows of hidden / 32);
-    FP8: w13 is float8 codes and s_ptr the scales of its blocks of block_rows x block_cols."""
+    FP8: w13 is float8 codes and s_ptr the scales of its blocks of block_rows x block_cols. W8A8:
+    so are w13 and x (`fp8_w8a8.quantize`'s codes, as_ptr its scales [groups, stride_as]), multiplied
+    as codes, each k step's dot scaled by the tokens' group scales and the rows' block scales
+    (`_w8a8_dots`; TILE_SCALES: one block of rows holds the tile's gate rows, and one its up rows)."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if (expert < first_expert) | (expert >= first_expert + num_experts):  # another launch's, or past the last group
         return
@@ -136,6 +198,11 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
             a_even, a_odd = _group_inputs(x_ptr, tokens, stride_x, group, valid)
             gate = _mxfp4_group(gate, a_even, a_odd, w, s, gate_rows, group, stride_wn, stride_sn, col_ok, PRECISION)
             up = _mxfp4_group(up, a_even, a_odd, w, s, up_rows, group, stride_wn, stride_sn, col_ok, PRECISION)
+    elif W8A8:
+        first_row = tl.program_id(1) * BLOCK_N * row_step
+        gate, up = _w8a8_dots(gate, up, x_ptr, tokens, stride_x, valid, as_ptr, stride_as, w, s, gate_rows, up_rows,
+                              col_ok, hidden, stride_wn, stride_sn, block_rows, block_cols, first_row // block_rows,
+                              (first_row + up_offset) // block_rows, BLOCK_K, True, TILE_SCALES, EVEN_K)
     else:
         for start in range(0, hidden, BLOCK_K):
             a = input_tile(x_ptr, tokens, stride_x, start, hidden, valid, BLOCK_K)
@@ -160,13 +227,14 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
              mask=valid[:, None] & col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts"])
+@triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts", "stride_as"])
 def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_assignments, width,
                  hidden, stride_act, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols, stride_out,
-                 first_expert, num_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr):
+                 first_expert, num_experts, as_ptr, stride_as, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr,
+                 W8A8: tl.constexpr, TILE_SCALES: tl.constexpr, EVEN_K: tl.constexpr):
     """One program per (tile of one expert's assignments, BLOCK_N of hidden), experts as in
-    `_gate_up_kernel`: out[a] = weight[a] * (act[a] @ down.T); PACKED and FP8 as there, over the width."""
+    `_gate_up_kernel`: out[a] = weight[a] * (act[a] @ down.T); PACKED, FP8 and W8A8 as there, over the width."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if (expert < first_expert) | (expert >= first_expert + num_experts):
         return
@@ -182,6 +250,11 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_
         for group in range(0, width // 32):
             a_even, a_odd = _group_inputs(act_ptr, at, stride_act, group, valid)
             acc = _mxfp4_group(acc, a_even, a_odd, w, s, cols, group, stride_wn, stride_sn, col_ok, PRECISION)
+    elif W8A8:
+        first_row = tl.program_id(1) * BLOCK_N
+        acc, _ = _w8a8_dots(acc, acc, act_ptr, at, stride_act, valid, as_ptr, stride_as, w, s, cols, cols, col_ok,
+                            width, stride_wn, stride_sn, block_rows, block_cols, first_row // block_rows,
+                            first_row // block_rows, BLOCK_K, False, TILE_SCALES, EVEN_K)
     else:
         for start in range(0, width, BLOCK_K):
             a = input_tile(act_ptr, at, stride_act, start, width, valid, BLOCK_K)
@@ -216,9 +289,10 @@ def warm_up_tiles(fmt: str, most_per_expert: float | None = None) -> list[tuple[
 
 
 def launch_config(block_m: int, fmt: str) -> tuple[int, int, int, int]:
-    """(BLOCK_N of gate-up, of down, BLOCK_K, warps) of a `block_m`-row tile over a stack of `fmt`."""
-    if fmt == "dense":
-        return TENSOR_TILES[block_m]
+    """(BLOCK_N of gate-up, of down, BLOCK_K, warps) of a `block_m`-row tile over a stack of `fmt`
+    ("w8a8": FP8 codes times codes, tiled as tensors are)."""
+    if fmt in ("dense", "w8a8"):
+        return (TENSOR_TILES if fmt == "dense" else W8A8_TILES)[block_m]
     if block_m == BLOCK_M_SIZES[2]:
         raise ValueError(f"the {block_m}-row tile reads tensors (or experts dequantized first), not {fmt} stacks")
     return PACKED_WIDE_BLOCK_N if fmt == "mxfp4" and block_m == BLOCK_M_SIZES[1] else BLOCK_N, BLOCK_N, BLOCK_K, 4
@@ -316,12 +390,15 @@ def _launches(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, operands: tuple, kin
 def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
                   w2: torch.Tensor | mxfp4.Packed | fp8.Stacked, weights: torch.Tensor, experts: torch.Tensor,
                   block_m: int | None = None, act: GatedAct = SILU, b13: torch.Tensor | None = None,
-                  dequantize_first: bool | None = None) -> torch.Tensor:
+                  dequantize_first: bool | None = None, w8a8: bool | None = None) -> torch.Tensor:
     """What `moe.experts_reference` computes, for x [T, hidden], w13 [E, 2 * width, hidden],
     w2 [E, hidden, width] (tensors, or both MXFP4, or both FP8), weights (float32) and experts
     [T, k], `act` and the gate and up biases `b13` [E, 2 * width]; block_m: the tile rows (by
-    default `block_m_for`); `dequantize_first`: quantized experts dequantized, a chunk at a time,
-    for the kernels to read as tensors (None: as `dequantizes` says)."""
+    default `block_m_for`); `dequantize_first`: quantized experts take prefills' path (None: as
+    `dequantizes` says): dequantized, a chunk at a time, for the kernels to read as tensors, or
+    FP8 ones W8A8 where `w8a8` (None: where `fp8_w8a8.supported` on the device): x and the gated
+    activations quantized per token and 128 columns (`fp8_w8a8.quantize`), the tensor cores
+    multiplying codes by codes. `w8a8` True runs FP8 experts so whatever the call's size."""
     tokens, hidden = x.shape
     num_experts, width = w13.shape[0], w2.shape[2]
     top_k = experts.shape[1]
@@ -336,33 +413,46 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
     up_operands, down_operands = _operands(w13), _operands(w2)  # each stack's layout checked before any launch
     if dequantize_first is None or kind == "dense":  # a stack of tensors has nothing to dequantize
         dequantize_first = dequantizes(kind, count, num_experts, x)
-    block_m = block_m or block_m_for(count, num_experts, tensors=kind == "dense" or dequantize_first)
+    if w8a8 is None:
+        w8a8 = dequantize_first and kind == "fp8" and fp8_w8a8.supported(x.device, w13.block)
+    if w8a8 and (kind != "fp8" or w13.block[1] % fp8_w8a8.GROUP or w2.block[1] % fp8_w8a8.GROUP):
+        raise ValueError(f"W8A8 experts are FP8 ones in blocks of whole {fp8_w8a8.GROUP}-column groups")
+    dequantize_first = dequantize_first and not w8a8
+    block_m = block_m or block_m_for(count, num_experts, tensors=kind == "dense" or dequantize_first or w8a8)
     sorted_ids, block_expert = align(experts, num_experts, block_m)
     tiles, precision = block_expert.numel(), "ieee" if x.dtype == torch.float32 else "tf32"
     row_step, up_offset = (2, 1) if act.interleaved else (1, width)
     gated = torch.empty((count, width), dtype=x.dtype, device=x.device)
+    a, a_scales = fp8_w8a8.quantize(x) if w8a8 else (x, x)
 
     def gate_up(operands: tuple, first: int, experts: int, fmt: str) -> None:
         w, scales, *strides = operands
-        block_n, _, block_k, warps = launch_config(block_m, fmt)
+        block_n, _, block_k, warps = launch_config(block_m, "w8a8" if w8a8 else fmt)
+        rows = w13.block[0] if w8a8 else 1  # W8A8 scales one a tile: gate's and up's tiles each in one block of rows
+        tile_scales = w8a8 and rows % block_n == 0 and row_step == 1 and up_offset % rows == 0
         _gate_up_kernel[(tiles, triton.cdiv(width, block_n))](
-            x, w, scales, w if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k,
-            hidden, width, x.stride(0), *strides, 0 if b13 is None else b13.stride(0), row_step, up_offset,
-            act.alpha or 0.0, act.limit or 0.0, gated.stride(0), first, experts, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
-            CLAMP=act.limit is not None, PACKED=fmt == "mxfp4", FP8=fmt == "fp8", num_warps=warps)
+            a, w, scales, w if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k,
+            hidden, width, a.stride(0), *strides, 0 if b13 is None else b13.stride(0), row_step, up_offset,
+            act.alpha or 0.0, act.limit or 0.0, gated.stride(0), first, experts, a_scales, tokens, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
+            CLAMP=act.limit is not None, PACKED=fmt == "mxfp4", FP8=fmt == "fp8" and not w8a8, W8A8=w8a8,
+            TILE_SCALES=tile_scales, EVEN_K=w8a8 and hidden % block_k == 0, num_warps=warps)
 
+    _launches(w13, up_operands, kind, x.dtype, dequantize_first, gate_up)
     out = torch.empty((count, hidden), dtype=x.dtype, device=x.device)
     routing_weights = weights.float().contiguous()
+    act_in, act_scales = fp8_w8a8.quantize(gated) if w8a8 else (gated, gated)
 
     def down(operands: tuple, first: int, experts: int, fmt: str) -> None:
         w, scales, *strides = operands
-        _, block_n, block_k, warps = launch_config(block_m, fmt)
+        _, block_n, block_k, warps = launch_config(block_m, "w8a8" if w8a8 else fmt)
+        tile_scales = w8a8 and w2.block[0] % block_n == 0
         _down_kernel[(tiles, triton.cdiv(hidden, block_n))](
-            gated, w, scales, out, routing_weights, sorted_ids, block_expert, count, width, hidden,
-            gated.stride(0), *strides, out.stride(0), first, experts, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, PRECISION=precision, PACKED=fmt == "mxfp4", FP8=fmt == "fp8", num_warps=warps)
+            act_in, w, scales, out, routing_weights, sorted_ids, block_expert, count, width, hidden,
+            act_in.stride(0), *strides, out.stride(0), first, experts, act_scales, count, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, PACKED=fmt == "mxfp4",
+            FP8=fmt == "fp8" and not w8a8, W8A8=w8a8, TILE_SCALES=tile_scales, EVEN_K=w8a8 and width % block_k == 0,
+            num_warps=warps)
 
-    _launches(w13, up_operands, kind, x.dtype, dequantize_first, gate_up)
     _launches(w2, down_operands, kind, x.dtype, dequantize_first, down)
     return out.view(tokens, top_k, hidden).sum(dim=1)
