@@ -15,7 +15,7 @@ a chunk of experts at a time (at most `DEQUANTIZE_BYTES`, transient: the engine'
 sees it at its largest step), and the kernels read each chunk as tensors, one launch a chunk (a
 tile of another chunk's expert returns at once); FP8 experts on a GPU with FP8 tensor cores run
 W8A8 there instead (`fp8_w8a8`): the tokens' activations, then the gated ones, quantized per token
-and 128 columns, the kernels multiplying codes by codes (`_w8a8_dots`), nothing dequantized.
+and 128 columns, the kernels multiplying codes by codes (`w8a8_tiles.w8a8_dots`), nothing dequantized.
 
 `moe.experts_reference` is the oracle; on CPU the kernels run only under Triton's interpreter
 (how the tests check them). Products accumulate in float32 and each kernel rounds once, where
@@ -32,7 +32,8 @@ import triton.language as tl
 from splitserve.engine import fp8, mxfp4
 from splitserve.engine.model import fp8_linear, fp8_w8a8
 from splitserve.engine.model.moe import SILU, GatedAct
-from splitserve.engine.model.triton_tiles import input_tile, weight_scales, weight_tile
+from splitserve.engine.model.triton_tiles import input_tile, weight_tile
+from splitserve.engine.model.w8a8_tiles import w8a8_dots
 
 BLOCK_N = 64
 BLOCK_K = fp8.KERNEL_K
@@ -56,7 +57,6 @@ W8A8_TILES = {rows: (gate_up, down, fp8_w8a8.GROUP, warps) for rows, (gate_up, d
 DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": LARGE_TILE_ASSIGNMENTS}
 DEQUANTIZE_BYTES = 1 << 30  # the most one chunk of dequantized experts takes (transient)
 DEQUANTIZE_ROWS = 64  # rows a dequantizing program widens, over one group
-GROUP = tl.constexpr(fp8_w8a8.GROUP)  # W8A8: activation columns a scale covers (a whole number of k tiles)
 
 
 @triton.jit
@@ -109,59 +109,6 @@ def _dequantize_packed_kernel(blocks_ptr, scales_ptr, out_ptr, rows, stride_be, 
              mask=ok[:, None])
 
 
-@triton.jit
-def _w8a8_dots(gate, up, a_ptr, rows, stride_a, valid, as_ptr, stride_as, w, s, gate_rows, up_rows, col_ok, k,
-               stride_wn, stride_sn, block_rows, block_cols, gate_scale_row, up_scale_row, BLOCK_K: tl.constexpr,
-               TWO: tl.constexpr, TILE_SCALES: tl.constexpr, EVEN_K: tl.constexpr):
-    """W8A8 over k in BLOCK_K steps: gate (and with TWO, up) += dot(codes of a's rows `rows`, codes
-    of w's rows `gate_rows` (`up_rows`)) * the rows' group scales (as_ptr [groups, stride_as]) * w's
-    block scales: with TILE_SCALES one a k step for the whole tile (rows `gate_scale_row`,
-    `up_scale_row` of the scales), else each row's. Rows not `valid` or not `col_ok` read row 0
-    (any valid address: they are not stored); with EVEN_K, k is whole steps and loads take no masks."""
-    kk = tl.arange(0, BLOCK_K)
-    safe_rows = tl.where(valid, rows, 0)
-    a_ptrs = a_ptr + safe_rows[:, None] * stride_a + kk[None, :]
-    g_ptrs = w + tl.where(col_ok, gate_rows, 0)[None, :].to(tl.int64) * stride_wn + kk[:, None]
-    u_ptrs = w + tl.where(col_ok, up_rows, 0)[None, :].to(tl.int64) * stride_wn + kk[:, None]
-    as_ptrs = as_ptr + safe_rows
-    for start in range(0, k, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=(start + kk < k)[None, :], other=0.0)
-        a_scale = tl.load(as_ptrs + (start // GROUP) * stride_as)
-        gate += tl.dot(a, _codes(g_ptrs, start, k, kk, EVEN_K)) * _step_scales(
-            a_scale, s, gate_rows, gate_scale_row, start, stride_sn, block_rows, block_cols, col_ok, TILE_SCALES)
-        if TWO:
-            up += tl.dot(a, _codes(u_ptrs, start, k, kk, EVEN_K)) * _step_scales(
-                a_scale, s, up_rows, up_scale_row, start, stride_sn, block_rows, block_cols, col_ok, TILE_SCALES)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    return gate, up
-
-
-@triton.jit
-def _codes(ptrs, start, k, kk, EVEN_K: tl.constexpr):
-    """A [BLOCK_K, N] tile of weight codes at `ptrs` (columns past k read as 0 unless EVEN_K)."""
-    if EVEN_K:
-        codes = tl.load(ptrs)
-    else:
-        codes = tl.load(ptrs, mask=(start + kk < k)[:, None], other=0.0)
-    return codes
-
-
-@triton.jit
-def _step_scales(a_scale, s, rows, scale_row, start, stride_sn, block_rows, block_cols, col_ok,
-                 TILE_SCALES: tl.constexpr):
-    """[M, 1] or [M, N]: what a W8A8 k step's dot is scaled by, a's group scales times w's block scales."""
-    if TILE_SCALES:  # one return: the branches' shapes differ ([M, 1], [M, N]), as compiled Triton allows only so
-        scales = (a_scale * tl.load(s + scale_row * stride_sn + start // block_cols))[:, None]
-    else:
-        scales = a_scale[:, None] * weight_scales(s, rows, start, stride_sn, block_rows, block_cols, col_ok)[None, :]
-    return scales
-
-
 @triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts", "stride_as"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden,
                     width, stride_x, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols, stride_be,
@@ -179,7 +126,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
     FP8: w13 is float8 codes and s_ptr the scales of its blocks of block_rows x block_cols. W8A8:
     so are w13 and x (`fp8_w8a8.quantize`'s codes, as_ptr its scales [groups, stride_as]), multiplied
     as codes, each k step's dot scaled by the tokens' group scales and the rows' block scales
-    (`_w8a8_dots`; TILE_SCALES: one block of rows holds the tile's gate rows, and one its up rows)."""
+    (`w8a8_tiles.w8a8_dots`; TILE_SCALES: one block of rows holds the tile's gate rows, and one its up rows)."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if (expert < first_expert) | (expert >= first_expert + num_experts):  # another launch's, or past the last group
         return
@@ -200,7 +147,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
             up = _mxfp4_group(up, a_even, a_odd, w, s, up_rows, group, stride_wn, stride_sn, col_ok, PRECISION)
     elif W8A8:
         first_row = tl.program_id(1) * BLOCK_N * row_step
-        gate, up = _w8a8_dots(gate, up, x_ptr, tokens, stride_x, valid, as_ptr, stride_as, w, s, gate_rows, up_rows,
+        gate, up = w8a8_dots(gate, up, x_ptr, tokens, stride_x, valid, as_ptr, stride_as, w, s, gate_rows, up_rows,
                               col_ok, hidden, stride_wn, stride_sn, block_rows, block_cols, first_row // block_rows,
                               (first_row + up_offset) // block_rows, BLOCK_K, True, TILE_SCALES, EVEN_K)
     else:
@@ -252,7 +199,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_
             acc = _mxfp4_group(acc, a_even, a_odd, w, s, cols, group, stride_wn, stride_sn, col_ok, PRECISION)
     elif W8A8:
         first_row = tl.program_id(1) * BLOCK_N
-        acc, _ = _w8a8_dots(acc, acc, act_ptr, at, stride_act, valid, as_ptr, stride_as, w, s, cols, cols, col_ok,
+        acc, _ = w8a8_dots(acc, acc, act_ptr, at, stride_act, valid, as_ptr, stride_as, w, s, cols, cols, col_ok,
                             width, stride_wn, stride_sn, block_rows, block_cols, first_row // block_rows,
                             first_row // block_rows, BLOCK_K, False, TILE_SCALES, EVEN_K)
     else:
