@@ -57,8 +57,7 @@ def other_paths(taken: str, device: torch.device, block: tuple[int, int]) -> lis
     (or on the CPU, under Triton's interpreter) and the blocks whole groups of columns."""
     from splitserve.engine.model import fp8_linear, fp8_w8a8  # after TRITON_INTERPRET is settled
 
-    w8a8 = fp8_w8a8.supported(device, block) or device.type == "cpu" and block[1] % fp8_w8a8.GROUP == 0
-    return [path for path in fp8_linear.PATHS if path != taken and (path != "w8a8" or w8a8)]
+    return [path for path in fp8_linear.PATHS if path != taken and (path != "w8a8" or fp8_w8a8.runs_on(device, block))]
 
 
 def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device, dtype: torch.dtype,

@@ -42,8 +42,6 @@ TINY = {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size":
         "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 7.0}
 TOKENS = (1, 16, 64, 256, 2048, 8192)
 FORMATS = ("dense", "mxfp4", "fp8")
-# a quantized stack's paths: codes widened in the kernels, the stack dequantized first, codes times codes
-PATHS = ("as read", "dequantized", "w8a8")
 FP8_BLOCK = (128, 128)  # Qwen3's and DeepSeek's FP8 releases' blocks
 TINY_TOKENS = (1, 4, 32)
 
@@ -100,22 +98,12 @@ def time_calls(call, iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def engine_path(fmt: str, assignments: int, num_experts: int, x: torch.Tensor) -> str:
-    """The path `fused_moe.fused_experts` takes for a stack of `fmt` (FP8 ones in FP8_BLOCK)."""
+def runnable(fmt: str, device: torch.device) -> list[str]:
+    """The paths a quantized stack of `fmt` (FP8 ones in FP8_BLOCK) can take on `device`."""
     from splitserve.engine.model import fp8_w8a8, fused_moe  # after TRITON_INTERPRET is settled
 
-    if not fused_moe.dequantizes(fmt, assignments, num_experts, x):
-        return "as read"
-    return "w8a8" if fmt == "fp8" and fp8_w8a8.supported(x.device, FP8_BLOCK) else "dequantized"
-
-
-def runnable(fmt: str, device: torch.device) -> list[str]:
-    """The paths a quantized stack of `fmt` can take on `device`: W8A8 only FP8, where the device has
-    FP8 tensor cores or runs Triton's interpreter (the CPU)."""
-    from splitserve.engine.model import fp8_w8a8  # after TRITON_INTERPRET is settled
-
-    w8a8 = fmt == "fp8" and (device.type == "cpu" or fp8_w8a8.supported(device, FP8_BLOCK))
-    return [path for path in PATHS if path != "w8a8" or w8a8]
+    w8a8 = fmt == "fp8" and fp8_w8a8.runs_on(device, FP8_BLOCK)
+    return [path for path in fused_moe.PATHS if path != "w8a8" or w8a8]
 
 
 def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device, dtype: torch.dtype,
@@ -133,7 +121,7 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
                                  c.norm_topk_prob)
         hit = experts.unique().numel()
         dense_ms = None
-        taken = {fmt: engine_path(fmt, experts.numel(), c.num_experts, x) for fmt in formats}
+        taken = {fmt: fused_moe.path_for(fmt, experts.numel(), c.num_experts, x, FP8_BLOCK) for fmt in formats}
         paths = [(fmt, path) for fmt in formats  # dense first; each quantized format's path, then the others
                  for path in (["as read"] if fmt == "dense" else
                               [taken[fmt]] + [p for p in runnable(fmt, device) if p != taken[fmt]])]

@@ -90,6 +90,8 @@ def test_blocks_narrower_than_a_group_are_refused():
 
 def test_only_cuda_gpus_with_fp8_tensor_cores_run_it():
     assert not fp8_w8a8.supported(torch.device("cpu"), (128, 128))
+    # forced, the interpreter runs it on the CPU too, in whole groups of columns
+    assert fp8_w8a8.runs_on(torch.device("cpu"), (128, 128)) and not fp8_w8a8.runs_on(torch.device("cpu"), (64, 64))
     if torch.cuda.is_available():
         fp8_cores = torch.cuda.get_device_capability() >= fp8_w8a8.CAPABILITY
         assert fp8_w8a8.supported(torch.device("cuda", 0), fp8.ROWS) == fp8_cores

@@ -186,7 +186,7 @@ def test_fp8_experts_w8a8_equal_the_oracle_of_their_quantized_activations(dtype,
 
 def test_prefills_of_fp8_experts_run_w8a8_where_the_gpu_has_fp8_tensor_cores(monkeypatch):
     """From DEQUANTIZE_ASSIGNMENTS an expert, W8A8 where `fp8_w8a8.supported` (no dequantization),
-    else the stack dequantized first; below it, the codes widened in the kernels."""
+    else the stack dequantized first; below it, the codes widened in the kernels (`path_for` names each)."""
     experts, hidden, width = 4, 128, 128
     g = torch.Generator().manual_seed(3)
     w13, w2 = (to_device(fp8.Stacked(*fp8_stack(experts, rows, cols, (128, 128), seed), (128, 128), torch.float32))
@@ -196,14 +196,15 @@ def test_prefills_of_fp8_experts_run_w8a8_where_the_gpu_has_fp8_tensor_cores(mon
     monkeypatch.setattr(fp8_w8a8, "quantize", lambda rows: quantized.append(rows.shape) or real_quantize(rows))
     monkeypatch.setattr(fused_moe, "dequantize_experts", lambda *a: dequantized.append(1) or real_dequantize(*a))
     monkeypatch.setattr(fused_moe, "DEQUANTIZE_ASSIGNMENTS", {**fused_moe.DEQUANTIZE_ASSIGNMENTS, "fp8": 4})
-    for tokens, fp8_cores, path in [(8, True, "w8a8"), (8, False, "dequantized"), (7, True, "widened")]:
+    for tokens, fp8_cores, path in [(8, True, "w8a8"), (8, False, "dequantized"), (7, True, "as read")]:
         monkeypatch.setattr(fp8_w8a8, "supported", lambda device, block: fp8_cores)
         quantized.clear(), dequantized.clear()
         x = torch.randn(tokens, hidden, generator=g)
         weights, ids = route(torch.randn(tokens, experts, generator=g), 2, renormalize=True)
         fused_moe.fused_experts(*on_device(x), w13, w2, *on_device(weights, ids))
         assert (len(quantized), bool(dequantized)) == {"w8a8": (2, False), "dequantized": (0, True),
-                                                      "widened": (0, False)}[path], tokens
+                                                      "as read": (0, False)}[path], tokens
+        assert fused_moe.path_for("fp8", ids.numel(), experts, x, w13.block) == path
     with pytest.raises(ValueError, match="whole 128-column groups"):
         fused_moe.fused_experts(*on_device(x), *(to_device(fp8.Stacked(*fp8_stack(experts, r, c, (32, 32), 0),
                                                                        (32, 32), torch.float32))
@@ -272,6 +273,9 @@ def test_quantized_stacks_dequantize_from_their_formats_load_per_expert():
         assert not fused_moe.dequantizes(fmt, per_expert * 32 - 1, 32, x)
     assert fused_moe.DEQUANTIZE_ASSIGNMENTS["mxfp4"] < fused_moe.DEQUANTIZE_ASSIGNMENTS["fp8"]
     assert not fused_moe.dequantizes("dense", 1 << 20, 32, x)
+    assert fused_moe.path_for("dense", 1 << 20, 32, x, None, dequantize_first=True) == "as read"
+    assert fused_moe.path_for("mxfp4", 1, 32, x, None, dequantize_first=True) == "dequantized"
+    assert fused_moe.path_for("fp8", 1, 32, x, (128, 128), w8a8=True) == "w8a8"
     # gpt-oss-120b's w13 (128 experts of 5760 x 2880, bf16): 32 experts a GiB chunk
     w13 = torch.empty((128, 5760, 2880), device="meta")
     assert fused_moe.expert_chunks(w13, torch.bfloat16) == [(0, 32), (32, 32), (64, 32), (96, 32)]

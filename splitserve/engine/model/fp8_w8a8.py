@@ -124,6 +124,12 @@ def supported(device: torch.device, block: tuple[int, int]) -> bool:
     return found is not None and found >= CAPABILITY and block[1] % GROUP == 0
 
 
+def runs_on(device: torch.device, block: tuple[int, int]) -> bool:
+    """Whether the W8A8 kernels run at all on `device` for `block` (a benchmark's or a test's forced
+    path): where `supported`, and on the CPU under Triton's interpreter with whole groups of columns."""
+    return supported(device, block) or device.type == "cpu" and block[1] % GROUP == 0
+
+
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [T, K] float8 e4m3, scales [ceil(K / GROUP), T] float32) of activations [T, K] (rows
     contiguous): each token's GROUP columns divided by their scale."""

@@ -57,6 +57,8 @@ W8A8_TILES = {rows: (gate_up, down, fp8_w8a8.GROUP, warps) for rows, (gate_up, d
 DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": LARGE_TILE_ASSIGNMENTS}
 DEQUANTIZE_BYTES = 1 << 30  # the most one chunk of dequantized experts takes (transient)
 DEQUANTIZE_ROWS = 64  # rows a dequantizing program widens, over one group
+# how fused_experts runs a stack (`path_for`): codes widened in the kernels, the stack dequantized first, codes times codes
+PATHS = ("as read", "dequantized", "w8a8")
 
 
 @triton.jit
@@ -315,6 +317,18 @@ def dequantizes(kind: str, assignments: int, num_experts: int, x: torch.Tensor) 
             and not fp8_linear.capturing(x))
 
 
+def path_for(kind: str, assignments: int, num_experts: int, x: torch.Tensor, block: tuple[int, int] | None,
+             dequantize_first: bool | None = None, w8a8: bool | None = None) -> str:
+    """Which of `PATHS` a call on a stack of `kind` (FP8 ones in `block`) takes, `fused_experts`'
+    overrides applied: a stack of tensors as read; a quantized one as read below
+    `DEQUANTIZE_ASSIGNMENTS`, from it dequantized first, or FP8 W8A8 where `fp8_w8a8.supported`."""
+    if dequantize_first is None or kind == "dense":  # a stack of tensors has nothing to dequantize
+        dequantize_first = dequantizes(kind, assignments, num_experts, x)
+    if w8a8 is None:
+        w8a8 = dequantize_first and kind == "fp8" and fp8_w8a8.supported(x.device, block)
+    return "w8a8" if w8a8 else "dequantized" if dequantize_first else "as read"
+
+
 def expert_chunks(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, dtype: torch.dtype) -> list[tuple[int, int]]:
     """(first expert, experts) of each chunk a stack dequantizes in: at most DEQUANTIZE_BYTES, one expert at least."""
     num_experts, rows, cols = w.shape
@@ -358,13 +372,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
     if x.stride(1) != 1 or (b13 is not None and b13.stride(1) != 1):
         raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
     up_operands, down_operands = _operands(w13), _operands(w2)  # each stack's layout checked before any launch
-    if dequantize_first is None or kind == "dense":  # a stack of tensors has nothing to dequantize
-        dequantize_first = dequantizes(kind, count, num_experts, x)
-    if w8a8 is None:
-        w8a8 = dequantize_first and kind == "fp8" and fp8_w8a8.supported(x.device, w13.block)
+    path = path_for(kind, count, num_experts, x, w13.block if kind == "fp8" else None, dequantize_first, w8a8)
+    w8a8, dequantize_first = path == "w8a8", path == "dequantized"
     if w8a8 and (kind != "fp8" or w13.block[1] % fp8_w8a8.GROUP or w2.block[1] % fp8_w8a8.GROUP):
         raise ValueError(f"W8A8 experts are FP8 ones in blocks of whole {fp8_w8a8.GROUP}-column groups")
-    dequantize_first = dequantize_first and not w8a8
     block_m = block_m or block_m_for(count, num_experts, tensors=kind == "dense" or dequantize_first or w8a8)
     sorted_ids, block_expert = align(experts, num_experts, block_m)
     tiles, precision = block_expert.numel(), "ieee" if x.dtype == torch.float32 else "tf32"
