@@ -56,7 +56,7 @@ from splitserve.engine.model import fp8_linear, fp8_w8a8  # noqa: E402
 from splitserve.engine.model.linear import Linear  # noqa: E402
 from splitserve.engine.model.llama import LlamaAttention, LlamaMLP  # noqa: E402
 from splitserve.engine.model.moe import SparseMoeBlock, expert_names  # noqa: E402
-from splitserve.engine.model.triton_ops import add_rms_norm, rotate_in_place  # noqa: E402
+from splitserve.engine.model.triton_ops import add_rms_norm, gated, rotate_in_place  # noqa: E402
 from splitserve.engine.model_builder import default_dtype  # noqa: E402
 from splitserve.engine.model_runner import ModelRunner, StepBatch  # noqa: E402
 from splitserve.engine.shapes import SHAPES  # noqa: E402
@@ -199,8 +199,7 @@ class LayerLaunches(torch.nn.Module):
         x = torch.empty((t, c.hidden_size), dtype=self.dtype)
         h, _ = add_rms_norm(x, None, self.weight, c.rms_norm_eps, c.gemma_norms)
         q, k, v = attention.heads(self._project(attention.qkv_proj, h))
-        rotate_in_place(positions, q, self.cos, self.sin)
-        rotate_in_place(positions, k, self.cos, self.sin)
+        rotate_in_place(positions, q, k, self.cos, self.sin)
         for window in self.windows:
             backend.forward(q, k, v, kv_layers[0], meta, window, attention.scale, attention.softcap, self.sinks,
                             attention.kv_scale)
@@ -210,8 +209,8 @@ class LayerLaunches(torch.nn.Module):
             k = self.moe.top_k
             self.moe.experts.fused(h, torch.ones((t, k)), torch.arange(k).repeat(t, 1))
         else:
-            self._project(self.mlp.gate_up_proj, h)
-            self._project(self.mlp.down_proj, torch.empty((t, self.mlp.down_proj.in_features), dtype=self.dtype))
+            gate, up = self.mlp.gate_up_proj.split(self._project(self.mlp.gate_up_proj, h))
+            self._project(self.mlp.down_proj, gated(gate, up, self.mlp.gelu))
         return h
 
     def _projections(self) -> list[Linear]:

@@ -1,17 +1,19 @@
 """The fused elementwise kernels the model runs on CUDA (`model/triton_ops.py`) against the model's
-torch code on the CPU; the kernels run under Triton's interpreter on CPU, compiled on CUDA where it
+torch code on the CPU (and the gated activation against torch's own ops); the kernels run under Triton's interpreter on CPU, compiled on CUDA where it
 is (the `kernels` mark)."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
 from splitserve.engine.config import ModelConfig  # noqa: E402
 from splitserve.engine.model.llama import RMSNorm  # noqa: E402
 from splitserve.engine.model.rotary import RotaryEmbedding  # noqa: E402
-from splitserve.engine.model.triton_ops import add_rms_norm, rotate_in_place  # noqa: E402
+from splitserve.engine.model import triton_ops  # noqa: E402
+from splitserve.engine.model.triton_ops import add_rms_norm, gated, rotate_in_place  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,7 +70,7 @@ def test_norm_of_each_head_of_a_merged_projection():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim, rotary_dim", [(32, 32), (24, 24), (32, 16)])  # the last: partial (Phi-4-mini)
 def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim, rotary_dim):
-    """As `RotaryEmbedding` runs it on CUDA: each head's leading `rotary_dim` dims, in place."""
+    """As `RotaryEmbedding` runs it on CUDA: each head's leading `rotary_dim` dims, q's and k's in one launch."""
     torch.manual_seed(2)
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=4 * head_dim,
                          intermediate_size=8, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -83,8 +85,50 @@ def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim, rotary
 
     expected_q, expected_k = rotary(positions, *(t.clone() for t in views(qkv)))  # the torch code, on the CPU
     q, k = views(qkv.to(DEVICE))
-    for rows in (q, k):
-        rotate_in_place(positions.to(DEVICE), rows[..., :rotary_dim], rotary.cos.to(DEVICE), rotary.sin.to(DEVICE))
+    rotate_in_place(positions.to(DEVICE), q[..., :rotary_dim], k[..., :rotary_dim], rotary.cos.to(DEVICE),
+                    rotary.sin.to(DEVICE))
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(q.cpu(), expected_q, atol=tol, rtol=tol)
     torch.testing.assert_close(k.cpu(), expected_k, atol=tol, rtol=tol)
+
+
+def test_rotary_of_q_and_k_that_are_not_one_tensor():
+    """Qwen3's q and k come out of their norms as tensors of their own: each is rotated where it is."""
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=64, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                         max_position_embeddings=32)
+    rotary = RotaryEmbedding(config, 32)
+    positions = torch.tensor([3, 31])
+    q, k = torch.randn(2, 4, 16), torch.randn(2, 1, 16)
+    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
+    q, k = q.to(DEVICE), k.to(DEVICE)
+    rotate_in_place(positions.to(DEVICE), q, k, rotary.cos.to(DEVICE), rotary.sin.to(DEVICE))
+    torch.testing.assert_close(q.cpu(), expected_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k.cpu(), expected_k, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="same tokens, dims and dtype"):
+        rotate_in_place(positions.to(DEVICE), q, k[..., :8], rotary.cos.to(DEVICE), rotary.sin.to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("width", [48, 2 * triton_ops.GATED_BLOCK + 40])  # one program a row, and three
+@pytest.mark.parametrize("gelu", [False, True])  # Llama's SiLU, Gemma's tanh GELU
+def test_gated_activation_of_a_merged_projections_views(dtype, width, gelu):
+    """act(gate) * up as `LlamaMLP` computes it with torch's ops, gate and up the halves of one output."""
+    torch.manual_seed(4)
+    merged = torch.randn(5, 2 * width, dtype=dtype) * 4  # past both activations' bends
+    merged[0, :width] = torch.linspace(-60, 60, width)  # far out on both sides: no exp overflows
+    gate, up = merged.split([width, width], dim=-1)
+    expected = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+    out = gated(*merged.to(DEVICE).split([width, width], dim=-1), gelu=gelu)
+    assert out.dtype == dtype and out.shape == (5, width) and out.is_contiguous()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.cpu(), expected, atol=tol, rtol=tol)
+
+
+def test_gated_activation_refuses_mismatched_halves_and_takes_no_rows():
+    merged = torch.randn(3, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="one dtype"):
+        gated(merged[:, :16], merged[:, 16:30])
+    with pytest.raises(ValueError, match="columns contiguous"):
+        gated(merged[:, 0::2], merged[:, 1::2])
+    assert gated(torch.empty(0, 16, device=DEVICE), torch.empty(0, 16, device=DEVICE)).shape == (0, 16)

@@ -133,7 +133,10 @@ class LlamaMLP(nn.Module):
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """On CUDA the gated activation is one Triton kernel (`triton_ops.gated`)."""
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        if x.is_cuda:
+            return self.down_proj(_cuda_ops().gated(gate, up, self.gelu))
         return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 

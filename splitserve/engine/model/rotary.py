@@ -104,13 +104,12 @@ class RotaryEmbedding:
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, KVH, D] rotated (their first `dims` dims) by the table rows
-        `positions` [T] (`table_rows`); on CUDA in place, by one Triton kernel each (`triton_ops`)."""
+        `positions` [T] (`table_rows`); on CUDA in place, both in one Triton kernel (`triton_ops`)."""
         d = self.dims
         if q.is_cuda:
             from splitserve.engine.model import triton_ops
 
-            triton_ops.rotate_in_place(positions, q[..., :d], self.cos, self.sin)
-            triton_ops.rotate_in_place(positions, k[..., :d], self.cos, self.sin)
+            triton_ops.rotate_in_place(positions, q[..., :d], k[..., :d], self.cos, self.sin)
             return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]

@@ -1,13 +1,15 @@
 """Triton kernels for the decoder's elementwise work on CUDA, where each separate torch op of a
-small decode batch is a launch of its own: the residual add and RMSNorm in one pass, and the
-rotary embedding of q and k in place. The torch code in `llama.RMSNorm` and `rotary` is the
-oracle; on CPU these run only under Triton's interpreter (how the tests check them).
+small decode batch is a launch of its own: the residual add and RMSNorm in one pass, the rotary
+embedding of q and k in place in one launch, and an MLP's gated activation, act(gate) * up, in
+one pass over the gate-up projection's output. The torch code in `llama.RMSNorm`, `rotary` and
+`llama.LlamaMLP` is the oracle; on CPU these run only under Triton's interpreter (how the tests
+check them).
 
 Rounding follows the oracle where it decides the result's dtype: the residual sum is rounded to
 the activations' dtype before it is normalized, and the normalized row is rounded before it is
 scaled by the weight (as Hugging Face's Llama does; Gemma's norm scales by 1 + weight and rounds
-only the result). The rotation is computed in float32 and
-rounded once, where the oracle rounds each product.
+only the result); the activation is rounded before it multiplies up, and the product once. The
+rotation is computed in float32 and rounded once, where the oracle rounds each product.
 """
 from __future__ import annotations
 
@@ -58,28 +60,78 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr"])  # a view into a step's inputs: any offset
-def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_table,
-                   HALF: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per (token, head): the rotate-half rotation of that head at its position."""
+def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                   q_heads, stride_table, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (token, head of q then of k): the rotate-half rotation of that head at its position."""
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     position = tl.load(positions_ptr + token).to(tl.int64)
     i = tl.arange(0, BLOCK)
     mask = i < HALF
     cos = tl.load(cos_ptr + position * stride_table + i, mask=mask, other=0.0)  # both halves of a row are equal
     sin = tl.load(sin_ptr + position * stride_table + i, mask=mask, other=0.0)
-    base = x_ptr + token * stride_t + head * stride_h
+    if head < q_heads:
+        base = q_ptr + token * stride_qt + head * stride_qh
+    else:
+        base = k_ptr + token * stride_kt + (head - q_heads) * stride_kh
     x1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF + i, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base + i, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + HALF + i, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + i, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + HALF + i, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def rotate_in_place(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """x: [T, heads, head_dim] (head_dim contiguous) rotated at `positions` by float32 tables
-    [max_len, head_dim] whose two halves are equal."""
-    tokens, heads, head_dim = x.shape
-    if x.stride(2) != 1 or cos.stride(1) != 1:
-        raise ValueError("rotary needs head_dim contiguous in x and in the tables")
+def rotate_in_place(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> None:
+    """q [T, heads, dims] and k [T, kv_heads, dims] (dims contiguous, as many in both) rotated at
+    `positions` by float32 tables [max_len, dims] whose two halves are equal, in one launch."""
+    tokens, heads, dims = q.shape
+    if k.shape[0] != tokens or k.shape[2] != dims or k.dtype != q.dtype:
+        raise ValueError(f"rotary needs q and k of the same tokens, dims and dtype, got {tuple(q.shape)} "
+                         f"{q.dtype} and {tuple(k.shape)} {k.dtype}")
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1:
+        raise ValueError("rotary needs the rotated dims contiguous in q, k and the tables")
     if tokens:
-        _rotary_kernel[(tokens, heads)](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-                                        HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim // 2))
+        _rotary_kernel[(tokens, heads + k.shape[1])](
+            q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads, cos.stride(0),
+            HALF=dims // 2, BLOCK=triton.next_power_of_2(dims // 2))
+
+
+GATED_BLOCK = 1024  # the most columns a program of `gated` takes
+
+
+@triton.jit
+def _gated_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, width, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (row, BLOCK columns): act(gate) rounded to the dtype, times up, rounded."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    # exp only of -|.|, which cannot overflow: sigmoid(g) = 1 / (1 + e) or e / (1 + e), e = exp(-|g|), and
+    # tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
+    if GELU:  # the tanh approximation
+        y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        e = tl.exp(-2.0 * tl.abs(y))
+        tanh = (1.0 - e) / (1.0 + e)
+        act = 0.5 * gate * (1.0 + tl.where(y < 0, -tanh, tanh))
+    else:
+        e = tl.exp(-tl.abs(gate))
+        act = gate * tl.where(gate < 0, e, 1.0) / (1.0 + e)
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * width + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """silu(gate) * up (`gelu`: gelu(gate, approximate="tanh") * up) for gate and up [T, width]
+    (columns contiguous: a merged projection's views), as a new [T, width] tensor."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dim() != 2:
+        raise ValueError(f"gate and up must be [T, width] of one dtype, got {tuple(gate.shape)} {gate.dtype} "
+                         f"and {tuple(up.shape)} {up.dtype}")
+    if gate.stride(1) != 1 or up.stride(1) != 1:
+        raise ValueError("the gated activation needs gate's and up's columns contiguous")
+    tokens, width = gate.shape
+    out = torch.empty((tokens, width), dtype=gate.dtype, device=gate.device)
+    block = min(GATED_BLOCK, triton.next_power_of_2(width))
+    if tokens:
+        _gated_kernel[(tokens, triton.cdiv(width, block))](gate, up, out, gate.stride(0), up.stride(0), width,
+                                                          GELU=gelu, BLOCK=block)
+    return out
