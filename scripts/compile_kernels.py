@@ -199,7 +199,9 @@ class LayerLaunches(torch.nn.Module):
         x = torch.empty((t, c.hidden_size), dtype=self.dtype)
         h, _ = add_rms_norm(x, None, self.weight, c.rms_norm_eps, c.gemma_norms)
         q, k, v = attention.heads(self._project(attention.qkv_proj, h))
-        rotate_in_place(positions, q, k, self.cos, self.sin)
+        weight = torch.empty(c.head_dim, dtype=self.dtype)
+        norms = None if attention.q_norm is None else (weight, weight, c.rms_norm_eps, c.gemma_norms)  # Qwen3's q, k
+        rotate_in_place(positions, q, k, self.cos, self.sin, norms)
         for window in self.windows:
             backend.forward(q, k, v, kv_layers[0], meta, window, attention.scale, attention.softcap, self.sinks,
                             attention.kv_scale)

@@ -92,6 +92,34 @@ def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim, rotary
     torch.testing.assert_close(k.cpu(), expected_k, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gemma", [False, True])  # Qwen3's norms; Gemma 3's, times (1 + weight)
+def test_heads_normalized_then_rotated_in_one_launch(dtype, gemma):
+    """Qwen3's q and k norms and the rotation, as `RotaryEmbedding` runs them on CUDA (in place on
+    the merged projection's views) against its torch code on the CPU (the norms, then the rotation)."""
+    torch.manual_seed(5)
+    config = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=16, hidden_size=64, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=64)
+    rotary = RotaryEmbedding(config, 64)
+    norms = norm(32, dtype, gemma), norm(32, dtype, gemma)
+    positions = torch.tensor([0, 7, 63])
+    qkv = torch.randn(3, 8 * 32, dtype=dtype) * 3
+    q, k, _ = qkv.split([4 * 32, 2 * 32, 2 * 32], dim=-1)
+    expected_q, expected_k = rotary(positions, q.reshape(3, 4, 32), k.reshape(3, 2, 32), norms)
+    merged = qkv.to(DEVICE)
+    q, k = merged[:, :4 * 32].view(3, 4, 32), merged[:, 4 * 32:6 * 32].view(3, 2, 32)
+    weights = (norms[0].weight.to(DEVICE), norms[1].weight.to(DEVICE), norms[0].eps, gemma)
+    rotate_in_place(positions.to(DEVICE), q, k, rotary.cos.to(DEVICE), rotary.sin.to(DEVICE), weights)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(q.cpu(), expected_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k.cpu(), expected_k, atol=tol, rtol=tol)
+    torch.testing.assert_close(merged[:, 6 * 32:].cpu(), qkv[:, 6 * 32:], atol=0, rtol=0)  # v untouched
+    with pytest.raises(ValueError, match="weight of 32 values"):
+        rotate_in_place(positions.to(DEVICE), q, k, rotary.cos.to(DEVICE), rotary.sin.to(DEVICE),
+                        (weights[0][:16], weights[1], 1e-6, gemma))
+
+
 def test_rotary_of_q_and_k_that_are_not_one_tensor():
     """Qwen3's q and k come out of their norms as tensors of their own: each is rotated where it is."""
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=64, intermediate_size=8,

@@ -99,9 +99,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x, positions, rotary: RotaryEmbedding, kv: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         q, k, v = self.heads(self.qkv_proj(x))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k, None if self.q_norm is None else (self.q_norm, self.k_norm))
         out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap, self.sinks, self.kv_scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 

@@ -8,10 +8,14 @@ reads the row `table_rows` gives it: which set depends on its sequence's length
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from splitserve.engine.config import ModelConfig, RopeScaling
+
+if TYPE_CHECKING:
+    from splitserve.engine.model.llama import RMSNorm
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling, long: bool = False) -> torch.Tensor:
@@ -102,15 +106,25 @@ class RotaryEmbedding:
             return range(start, end)
         return range(start + self.long_offset, end + self.long_offset)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D] rotated (their first `dims` dims) by the table rows
-        `positions` [T] (`table_rows`); on CUDA in place, both in one Triton kernel (`triton_ops`)."""
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 norms: tuple[RMSNorm, RMSNorm] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D], each head normalized by `norms` first where given (Qwen3's
+        q and k norms), rotated (their first `dims` dims) by the table rows `positions` [T]
+        (`table_rows`); on CUDA in place, both in one Triton kernel (`triton_ops`), which normalizes
+        them too where the rotation covers whole heads."""
         d = self.dims
         if q.is_cuda:
             from splitserve.engine.model import triton_ops
 
-            triton_ops.rotate_in_place(positions, q[..., :d], k[..., :d], self.cos, self.sin)
+            fused = norms is not None and d == q.shape[-1] and norms[0].eps == norms[1].eps \
+                and norms[0].gemma == norms[1].gemma and all(n.weight.dtype == q.dtype for n in norms)
+            if norms is not None and not fused:
+                q, k = norms[0](q), norms[1](k)
+            weights = (norms[0].weight, norms[1].weight, norms[0].eps, norms[0].gemma) if fused else None
+            triton_ops.rotate_in_place(positions, q[..., :d], k[..., :d], self.cos, self.sin, weights)
             return q, k
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         if d == q.shape[-1]:

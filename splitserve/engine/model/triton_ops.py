@@ -1,6 +1,7 @@
 """Triton kernels for the decoder's elementwise work on CUDA, where each separate torch op of a
 small decode batch is a launch of its own: the residual add and RMSNorm in one pass, the rotary
-embedding of q and k in place in one launch, and an MLP's gated activation, act(gate) * up, in
+embedding of q and k in place in one launch (with Qwen3's per-head q and k norms before it), and
+an MLP's gated activation, act(gate) * up, in
 one pass over the gate-up projection's output. The torch code in `llama.RMSNorm`, `rotary` and
 `llama.LlamaMLP` is the oracle; on CPU these run only under Triton's interpreter (how the tests
 check them).
@@ -60,9 +61,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr"])  # a view into a step's inputs: any offset
-def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                   q_heads, stride_table, HALF: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per (token, head of q then of k): the rotate-half rotation of that head at its position."""
+def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, stride_qt, stride_qh,
+                   stride_kt, stride_kh, q_heads, stride_table, eps, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                   NORM: tl.constexpr, GEMMA: tl.constexpr):
+    """One program per (token, head of q then of k): the rotate-half rotation of that head at its
+    position; NORM, the head RMS-normalized by q's or k's weight first."""
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     position = tl.load(positions_ptr + token).to(tl.int64)
     i = tl.arange(0, BLOCK)
@@ -70,29 +73,51 @@ def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, stride_qt, str
     cos = tl.load(cos_ptr + position * stride_table + i, mask=mask, other=0.0)  # both halves of a row are equal
     sin = tl.load(sin_ptr + position * stride_table + i, mask=mask, other=0.0)
     if head < q_heads:
-        base = q_ptr + token * stride_qt + head * stride_qh
+        base, weight_ptr = q_ptr + token * stride_qt + head * stride_qh, q_weight_ptr
     else:
-        base = k_ptr + token * stride_kt + (head - q_heads) * stride_kh
+        base, weight_ptr = k_ptr + token * stride_kt + (head - q_heads) * stride_kh, k_weight_ptr
     x1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _normed_halves(x1, x2, weight_ptr, i, mask, eps, q_ptr.dtype.element_ty, HALF, GEMMA)
     tl.store(base + i, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(base + HALF + i, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _normed_halves(x1, x2, weight_ptr, i, mask, eps, dtype: tl.constexpr, HALF: tl.constexpr, GEMMA: tl.constexpr):
+    """A head's two halves (float32) RMS-normalized over the whole head and scaled by its weight,
+    rounded to `dtype` as `_add_rms_norm_kernel` rounds them."""
+    inverse = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+    w1 = tl.load(weight_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        x1, x2 = (1.0 + w1) * (x1 * inverse), (1.0 + w2) * (x2 * inverse)
+    else:
+        x1, x2 = w1 * (x1 * inverse).to(dtype).to(tl.float32), w2 * (x2 * inverse).to(dtype).to(tl.float32)
+    return x1.to(dtype).to(tl.float32), x2.to(dtype).to(tl.float32)
+
+
 def rotate_in_place(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> None:
+                    sin: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> None:
     """q [T, heads, dims] and k [T, kv_heads, dims] (dims contiguous, as many in both) rotated at
-    `positions` by float32 tables [max_len, dims] whose two halves are equal, in one launch."""
+    `positions` by float32 tables [max_len, dims] whose two halves are equal, in one launch.
+    `norms`: (q's weight, k's weight, eps, gemma) of per-head RMS norms each head takes first, as
+    `add_rms_norm` computes them (the rotation then covers whole heads; weights in q's dtype)."""
     tokens, heads, dims = q.shape
     if k.shape[0] != tokens or k.shape[2] != dims or k.dtype != q.dtype:
         raise ValueError(f"rotary needs q and k of the same tokens, dims and dtype, got {tuple(q.shape)} "
                          f"{q.dtype} and {tuple(k.shape)} {k.dtype}")
     if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1:
         raise ValueError("rotary needs the rotated dims contiguous in q, k and the tables")
+    q_weight, k_weight, eps, gemma = norms or (cos, cos, 0.0, False)  # without norms the weights are never read
+    if norms is not None and any(w.shape != (dims,) or w.dtype != q.dtype for w in (q_weight, k_weight)):
+        raise ValueError(f"the heads' norms need a weight of {dims} values in {q.dtype} each")
     if tokens:
         _rotary_kernel[(tokens, heads + k.shape[1])](
-            q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads, cos.stride(0),
-            HALF=dims // 2, BLOCK=triton.next_power_of_2(dims // 2))
+            q, k, positions, cos, sin, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads,
+            cos.stride(0), eps, HALF=dims // 2, BLOCK=triton.next_power_of_2(dims // 2), NORM=norms is not None,
+            GEMMA=gemma)
 
 
 GATED_BLOCK = 1024  # the most columns a program of `gated` takes
