@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine import fp8  # noqa: E402
 from splitserve.engine.mxfp4 import Packed, dequantize  # noqa: E402
-from splitserve.engine.model import fp8_w8a8, fused_moe  # noqa: E402
+from splitserve.engine.model import expert_dequantize, fp8_w8a8, fused_moe  # noqa: E402
 from splitserve.engine.model.moe import Experts, GatedAct, experts_reference, route  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.hf_checkpoints import (  # noqa: E402,F401 (fixture)
@@ -192,9 +192,9 @@ def test_prefills_of_fp8_experts_run_w8a8_where_the_gpu_has_fp8_tensor_cores(mon
     w13, w2 = (to_device(fp8.Stacked(*fp8_stack(experts, rows, cols, (128, 128), seed), (128, 128), torch.float32))
                for seed, rows, cols in ((1, 2 * width, hidden), (2, hidden, width)))
     quantized, dequantized = [], []
-    real_quantize, real_dequantize = fp8_w8a8.quantize, fused_moe.dequantize_experts
+    real_quantize, real_dequantize = fp8_w8a8.quantize, expert_dequantize.dequantize_experts
     monkeypatch.setattr(fp8_w8a8, "quantize", lambda rows: quantized.append(rows.shape) or real_quantize(rows))
-    monkeypatch.setattr(fused_moe, "dequantize_experts", lambda *a: dequantized.append(1) or real_dequantize(*a))
+    monkeypatch.setattr(expert_dequantize, "dequantize_experts", lambda *a: dequantized.append(1) or real_dequantize(*a))
     monkeypatch.setattr(fused_moe, "DEQUANTIZE_ASSIGNMENTS", {**fused_moe.DEQUANTIZE_ASSIGNMENTS, "fp8": 4})
     for tokens, fp8_cores, path in [(8, True, "w8a8"), (8, False, "dequantized"), (7, True, "as read")]:
         monkeypatch.setattr(fp8_w8a8, "supported", lambda device, block: fp8_cores)
@@ -234,7 +234,7 @@ def test_a_stack_dequantizes_on_the_device_as_its_oracle_does(fmt, dtype):
     """Bit for bit, a slice of experts at a time (the interpreter truncates float32 to bfloat16
     where a GPU rounds to nearest, so bfloat16 is checked on CUDA)."""
     w13, _ = quantized_stacks(fmt, 8, 96, 64, dtype)
-    out = fused_moe.dequantize_experts(to_device(w13), 2, 5, dtype).cpu()
+    out = expert_dequantize.dequantize_experts(to_device(w13), 2, 5, dtype).cpu()
     assert out.shape == (5, 128, 96) and torch.equal(out, torch.stack([w13[e] for e in range(2, 7)]))
 
 
@@ -248,9 +248,9 @@ def test_quantized_experts_dequantized_a_chunk_at_a_time_equal_the_oracle(monkey
     each running only its experts' tiles), computes what the dequantized weights do."""
     experts, hidden, width = 8, 96, 64
     w13, w2 = quantized_stacks(fmt, experts, hidden, width, dtype)
-    monkeypatch.setattr(fused_moe, "DEQUANTIZE_BYTES", 3 * 2 * width * hidden * dtype.itemsize)
-    chunks, real = [], fused_moe.dequantize_experts
-    monkeypatch.setattr(fused_moe, "dequantize_experts", lambda w, first, count, dt: chunks.append(
+    monkeypatch.setattr(expert_dequantize, "DEQUANTIZE_BYTES", 3 * 2 * width * hidden * dtype.itemsize)
+    chunks, real = [], expert_dequantize.dequantize_experts
+    monkeypatch.setattr(expert_dequantize, "dequantize_experts", lambda w, first, count, dt: chunks.append(
         (w.shape[1], first, count)) or real(w, first, count, dt))
     g = torch.Generator().manual_seed(8)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
@@ -278,7 +278,7 @@ def test_quantized_stacks_dequantize_from_their_formats_load_per_expert():
     assert fused_moe.path_for("fp8", 1, 32, x, (128, 128), w8a8=True) == "w8a8"
     # gpt-oss-120b's w13 (128 experts of 5760 x 2880, bf16): 32 experts a GiB chunk
     w13 = torch.empty((128, 5760, 2880), device="meta")
-    assert fused_moe.expert_chunks(w13, torch.bfloat16) == [(0, 32), (32, 32), (64, 32), (96, 32)]
+    assert expert_dequantize.expert_chunks(w13, torch.bfloat16) == [(0, 32), (32, 32), (64, 32), (96, 32)]
 
 
 def test_packed_and_dense_stacks_do_not_mix():
@@ -377,8 +377,8 @@ def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_ki
     monkeypatch.setattr(Experts, "forward", fused)
     # quantized experts dequantized for more assignments than a decode step's 3 tokens x top 2 make
     monkeypatch.setattr(fused_moe, "DEQUANTIZE_ASSIGNMENTS", {"mxfp4": 2, "fp8": 1})
-    widened, real = [], fused_moe.dequantize_experts
-    monkeypatch.setattr(fused_moe, "dequantize_experts", lambda *args: widened.append(1) or real(*args))
+    widened, real = [], expert_dequantize.dequantize_experts
+    monkeypatch.setattr(expert_dequantize, "dequantize_experts", lambda *args: widened.append(1) or real(*args))
     assert greedy("triton") == reference
     assert calls and max(calls) > 1 and min(calls) >= 1
     assert bool(widened) == (kept is not None)

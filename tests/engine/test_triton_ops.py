@@ -1,6 +1,6 @@
 """The fused elementwise kernels the model runs on CUDA (`model/triton_ops.py`) against the model's
-torch code on the CPU (and the gated activation against torch's own ops); the kernels run under Triton's interpreter on CPU, compiled on CUDA where it
-is (the `kernels` mark)."""
+torch code on the CPU (the gated activation against torch's own ops); the kernels run under
+Triton's interpreter on CPU, compiled on CUDA where it is (the `kernels` mark)."""
 from __future__ import annotations
 
 import pytest

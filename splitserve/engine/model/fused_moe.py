@@ -11,9 +11,8 @@ on the tensor cores. FP8 experts (`fp8.Stacked`) likewise: each code times its b
 tile lies within one block's columns), rounded to the activations' dtype. From
 `DEQUANTIZE_ASSIGNMENTS` an expert (prefills) widening the codes again in every tile costs more
 than one pass over them: a quantized stack is dequantized the same way into the activations' dtype,
-a chunk of experts at a time (at most `DEQUANTIZE_BYTES`, transient: the engine's memory profile
-sees it at its largest step), and the kernels read each chunk as tensors, one launch a chunk (a
-tile of another chunk's expert returns at once); FP8 experts on a GPU with FP8 tensor cores run
+a chunk of experts at a time (`expert_dequantize`), and the kernels read each chunk as tensors, one
+launch a chunk (a tile of another chunk's expert returns at once); FP8 experts on a GPU with FP8 tensor cores run
 W8A8 there instead (`fp8_w8a8`): the tokens' activations, then the gated ones, quantized per token
 and 128 columns, the kernels multiplying codes by codes (`w8a8_tiles.w8a8_dots`), nothing dequantized.
 
@@ -30,7 +29,8 @@ import triton
 import triton.language as tl
 
 from splitserve.engine import fp8, mxfp4
-from splitserve.engine.model import fp8_linear, fp8_w8a8
+from splitserve.engine.model import expert_dequantize, fp8_linear, fp8_w8a8
+from splitserve.engine.model.expert_dequantize import e2m1
 from splitserve.engine.model.moe import SILU, GatedAct
 from splitserve.engine.model.triton_tiles import input_tile, weight_tile
 from splitserve.engine.model.w8a8_tiles import w8a8_dots
@@ -55,20 +55,9 @@ W8A8_TILES = {rows: (gate_up, down, fp8_w8a8.GROUP, warps) for rows, (gate_up, d
 # experts: MXFP4 3.2 ms at 256 tokens against bf16's 1.0, FP8 2.8 and 10.1 ms at 2048 and 8192 against 2.0 and 7.2,
 # before the 128-row tile; a pass over the stack, its codes read and bf16 written, about 0.5 ms)
 DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": LARGE_TILE_ASSIGNMENTS}
-DEQUANTIZE_BYTES = 1 << 30  # the most one chunk of dequantized experts takes (transient)
-DEQUANTIZE_ROWS = 64  # rows a dequantizing program widens, over one group
-# how fused_experts runs a stack (`path_for`): codes widened in the kernels, the stack dequantized first, codes times codes
+# how fused_experts runs a stack (`path_for`): codes widened in the kernels, the stack dequantized first,
+# codes times codes
 PATHS = ("as read", "dequantized", "w8a8")
-
-
-@triton.jit
-def _e2m1(codes):
-    """float32 values of 4-bit E2M1 codes: sign, two exponent bits (bias 1), one mantissa bit."""
-    exponent = (codes >> 1) & 3
-    mantissa = (codes & 1).to(tl.float32) * 0.5
-    power = (1 << exponent).to(tl.float32) * 0.5
-    value = tl.where(exponent == 0, mantissa, (1.0 + mantissa) * power)
-    return tl.where(codes >= 8, -value, value)
 
 
 @triton.jit
@@ -89,26 +78,8 @@ def _mxfp4_group(acc, a_even, a_odd, blocks, scales, rows, group, stride_row, st
                     other=0).to(tl.int32)
     exponent = tl.load(scales + rows * stride_scale_row + group, mask=row_ok, other=0).to(tl.int32)
     scale = (exponent << 23).to(tl.float32, bitcast=True)[None, :]  # 2 ** (e - 127); e = 0 reads as 0
-    acc = tl.dot(a_even, (_e2m1(codes & 15) * scale).to(a_even.dtype), acc, input_precision=PRECISION)
-    return tl.dot(a_odd, (_e2m1(codes >> 4) * scale).to(a_odd.dtype), acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _dequantize_packed_kernel(blocks_ptr, scales_ptr, out_ptr, rows, stride_be, stride_br, stride_se, stride_sr,
-                              stride_oe, stride_or, BLOCK_R: tl.constexpr):
-    """One program per (expert, BLOCK_R rows, 32-value group): each nibble's E2M1 value times the
-    group's power of two (as `_mxfp4_group` widens them), rounded once to out's dtype, the low nibble first."""
-    expert, group = tl.program_id(0).to(tl.int64), tl.program_id(2)
-    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = r < rows
-    codes = tl.load(blocks_ptr + expert * stride_be + r[:, None] * stride_br + group * 16 + tl.arange(0, 16)[None, :],
-                    mask=ok[:, None], other=0).to(tl.int32)
-    exponent = tl.load(scales_ptr + expert * stride_se + r * stride_sr + group, mask=ok, other=0).to(tl.int32)
-    scale = (exponent << 23).to(tl.float32, bitcast=True)[:, None]
-    values = tl.reshape(tl.join(_e2m1(codes & 15) * scale, _e2m1(codes >> 4) * scale), (BLOCK_R, 32))
-    cols = group * 32 + tl.arange(0, 32)
-    tl.store(out_ptr + expert * stride_oe + r[:, None] * stride_or + cols[None, :], values.to(out_ptr.dtype.element_ty),
-             mask=ok[:, None])
+    acc = tl.dot(a_even, (e2m1(codes & 15) * scale).to(a_even.dtype), acc, input_precision=PRECISION)
+    return tl.dot(a_odd, (e2m1(codes >> 4) * scale).to(a_odd.dtype), acc, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts", "stride_as"])
@@ -292,24 +263,6 @@ def _format(w: torch.Tensor | mxfp4.Packed | fp8.Stacked) -> str:
     return "mxfp4" if isinstance(w, mxfp4.Packed) else "fp8" if isinstance(w, fp8.Stacked) else "dense"
 
 
-def dequantize_packed(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What `mxfp4.dequantize` computes ([experts, rows, groups * 32] in `dtype`) from a stack's bytes
-    [experts, rows, groups, 16] and scales [experts, rows, groups], in one pass on their device."""
-    experts, rows, groups = scales.shape
-    out = torch.empty((experts, rows, groups * mxfp4.GROUP), dtype=dtype, device=blocks.device)
-    _dequantize_packed_kernel[(experts, triton.cdiv(rows, DEQUANTIZE_ROWS), groups)](
-        blocks, scales, out, rows, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
-        out.stride(0), out.stride(1), BLOCK_R=DEQUANTIZE_ROWS)
-    return out
-
-
-def dequantize_experts(w: mxfp4.Packed | fp8.Stacked, first: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """Experts [first, first + count) of a quantized stack, dequantized to `dtype` [count, rows, cols]."""
-    if isinstance(w, mxfp4.Packed):
-        return dequantize_packed(w.blocks[first:first + count], w.scales[first:first + count], dtype)
-    return fp8_linear.dequantize(w.weight[first:first + count], w.scale[first:first + count], w.block, dtype)
-
-
 def dequantizes(kind: str, assignments: int, num_experts: int, x: torch.Tensor) -> bool:
     """Whether a call with this many assignments dequantizes its experts first (`DEQUANTIZE_ASSIGNMENTS`;
     never in a CUDA graph's capture, whose pool would hold the dequantized experts for good)."""
@@ -329,13 +282,6 @@ def path_for(kind: str, assignments: int, num_experts: int, x: torch.Tensor, blo
     return "w8a8" if w8a8 else "dequantized" if dequantize_first else "as read"
 
 
-def expert_chunks(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, dtype: torch.dtype) -> list[tuple[int, int]]:
-    """(first expert, experts) of each chunk a stack dequantizes in: at most DEQUANTIZE_BYTES, one expert at least."""
-    num_experts, rows, cols = w.shape
-    size = max(1, DEQUANTIZE_BYTES // (rows * cols * dtype.itemsize))
-    return [(first, min(size, num_experts - first)) for first in range(0, num_experts, size)]
-
-
 def _launches(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, operands: tuple, kind: str, dtype: torch.dtype,
               dequantize_first: bool, launch: Callable[[tuple, int, int, str], None]) -> None:
     """Run `launch(operands, first expert, experts, format)` over the whole stack as stored (its
@@ -344,8 +290,8 @@ def _launches(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, operands: tuple, kin
     if not dequantize_first:
         launch(operands, 0, w.shape[0], kind)
         return
-    for first, count in expert_chunks(w, dtype):
-        launch(_operands(dequantize_experts(w, first, count, dtype)), first, count, "dense")
+    for first, count in expert_dequantize.expert_chunks(w, dtype):
+        launch(_operands(expert_dequantize.dequantize_experts(w, first, count, dtype)), first, count, "dense")
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
