@@ -10,10 +10,16 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from splitserve.engine.config import ModelConfig  # noqa: E402
+from splitserve.engine.llm_engine import LLMEngine  # noqa: E402
+from splitserve.engine.model import triton_dispatch  # noqa: E402
+from splitserve.engine.policies import ScheduledSeq  # noqa: E402
 from splitserve.engine.model.llama import RMSNorm  # noqa: E402
 from splitserve.engine.model.rotary import RotaryEmbedding  # noqa: E402
 from splitserve.engine.model import triton_ops  # noqa: E402
 from splitserve.engine.model.triton_ops import add_rms_norm, gated, rotate_in_place  # noqa: E402
+from tests.engine.hf_checkpoints import ENGINE_ARGS, hf_logits, prompt_ids, write_checkpoint  # noqa: E402
+from tests.engine.hf_checkpoints import tokenizers_by_kind  # noqa: E402, F401 (a fixture)
+from tests.engine.runner_helpers import append, max_diff, new_seq, run_plan  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -160,3 +166,27 @@ def test_gated_activation_refuses_mismatched_halves_and_takes_no_rows():
     with pytest.raises(ValueError, match="columns contiguous"):
         gated(merged[:, 0::2], merged[:, 1::2])
     assert gated(torch.empty(0, 16, device=DEVICE), torch.empty(0, 16, device=DEVICE)).shape == (0, 16)
+
+
+# Llama's norms and SiLU; Qwen3's q and k norms inside the rotation; Phi-3's half-rotated heads (the
+# norms apart); Gemma 2's GELU and norms; Gemma 3's norms on q and k; Qwen2-MoE's shared expert (an MLP)
+@pytest.mark.parametrize("name", ["llama3_gqa_tied", "qwen3_qk_norm", "phi3_fused_partial", "gemma2", "gemma3",
+                                  "qwen2_moe"])
+def test_the_models_kernel_path_gives_transformers_logits(tmp_path, tokenizers_by_kind, monkeypatch, name):
+    """The elementwise kernels a CUDA device runs, taken through the model's own code on the CPU
+    (interpreted), give transformers' logits as the torch path does: a prefill, then a decode."""
+    hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
+    engine = LLMEngine(str(tmp_path), dtype="float32", **ENGINE_ARGS)
+    launched = []
+    real_ops = triton_dispatch.ops()
+    monkeypatch.setattr(triton_dispatch, "runs_kernels", lambda x: True)
+    for kernel in ("add_rms_norm", "rotate_in_place", "gated"):
+        monkeypatch.setattr(real_ops, kernel, lambda *a, real=getattr(real_ops, kernel), kernel=kernel, **k:
+                            launched.append(kernel) or real(*a, **k))
+    ids = prompt_ids(6, 21, hf.config.vocab_size)
+    seq = new_seq(engine, "a", ids[:-1])
+    prefill = run_plan(engine, [ScheduledSeq(seq, len(ids) - 1)])["a"]
+    append(engine, seq, ids[-1])
+    logits = torch.cat([prefill, run_plan(engine, [ScheduledSeq(seq, 1)])["a"]])
+    assert {"add_rms_norm", "rotate_in_place", "gated"} <= set(launched)
+    assert max_diff(logits, hf_logits(hf, ids)) <= 1e-4

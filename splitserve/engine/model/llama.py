@@ -24,6 +24,7 @@ from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.config import ModelConfig, RopeScaling
+from splitserve.engine.model import triton_dispatch
 from splitserve.engine.model.linear import MergedLinear, Reduce, RowParallelLinear, fp8_block
 from splitserve.engine.model.moe import Experts, SparseMoeBlock, expert_names
 from splitserve.engine.model.rotary import RotaryEmbedding
@@ -41,8 +42,8 @@ class RMSNorm(nn.Module):
         """norm(x) * weight over the last dim; given the residual stream (x and residual [T, size]),
         (norm(x + residual) * weight, x + residual). On CUDA one Triton kernel (`triton_ops`) does
         the add and the norm."""
-        if x.is_cuda:
-            out, summed = _cuda_ops().add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
+        if triton_dispatch.runs_kernels(x):
+            out, summed = triton_dispatch.ops().add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
             return out if residual is None else (out, summed)
         if residual is None:
             return self._norm(x)
@@ -55,12 +56,6 @@ class RMSNorm(nn.Module):
         if self.gemma:
             return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
-
-
-def _cuda_ops():
-    from splitserve.engine.model import triton_ops  # CUDA builds of torch bring triton; CPU installs may not
-
-    return triton_ops
 
 
 class LlamaAttention(nn.Module):
@@ -133,8 +128,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """On CUDA the gated activation is one Triton kernel (`triton_ops.gated`)."""
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        if x.is_cuda:
-            return self.down_proj(_cuda_ops().gated(gate, up, self.gelu))
+        if triton_dispatch.runs_kernels(x):
+            return self.down_proj(triton_dispatch.ops().gated(gate, up, self.gelu))
         return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitserve.engine.config import ModelConfig, RopeScaling
+from splitserve.engine.model import triton_dispatch
 
 if TYPE_CHECKING:
     from splitserve.engine.model.llama import RMSNorm
@@ -113,15 +114,13 @@ class RotaryEmbedding:
         (`table_rows`); on CUDA in place, both in one Triton kernel (`triton_ops`), which normalizes
         them too where the rotation covers whole heads."""
         d = self.dims
-        if q.is_cuda:
-            from splitserve.engine.model import triton_ops
-
+        if triton_dispatch.runs_kernels(q):
             fused = norms is not None and d == q.shape[-1] and norms[0].eps == norms[1].eps \
                 and norms[0].gemma == norms[1].gemma and all(n.weight.dtype == q.dtype for n in norms)
             if norms is not None and not fused:
                 q, k = norms[0](q), norms[1](k)
             weights = (norms[0].weight, norms[1].weight, norms[0].eps, norms[0].gemma) if fused else None
-            triton_ops.rotate_in_place(positions, q[..., :d], k[..., :d], self.cos, self.sin, weights)
+            triton_dispatch.ops().rotate_in_place(positions, q[..., :d], k[..., :d], self.cos, self.sin, weights)
             return q, k
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
