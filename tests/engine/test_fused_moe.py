@@ -296,24 +296,6 @@ def test_all_tokens_on_one_expert_and_no_tokens():
     assert empty.shape == (0, 32)
 
 
-@pytest.mark.parametrize("block_m", fused_moe.BLOCK_M_SIZES)
-def test_align_groups_every_assignment_once_in_whole_tiles(block_m):
-    ids = torch.tensor([[2, 0], [2, 5], [0, 2], [5, 1]])
-    sorted_ids, block_expert = fused_moe.align(ids, 6, block_m)
-    count, flat = ids.numel(), ids.flatten()
-    assert sorted_ids.numel() % block_m == 0 and block_expert.numel() == sorted_ids.numel() // block_m
-    assert sorted(sorted_ids[sorted_ids < count].tolist()) == list(range(count))
-    for tile, expert in enumerate(block_expert.tolist()):
-        rows = sorted_ids[tile * block_m:(tile + 1) * block_m]
-        real = rows[rows < count]
-        if expert == 6:  # past the groups: padding only
-            assert real.numel() == 0
-        else:
-            assert real.numel() > 0 and (flat[real.long()] == expert).all()
-    groups = [e for e in block_expert.tolist() if e < 6]
-    assert groups == sorted(groups) == [0, 1, 2, 5]  # one tile each, in expert order; 3 and 4 idle
-
-
 def test_the_block_size_follows_the_load_per_expert():
     assert fused_moe.block_m_for(8 * 1, 128) == 16       # one decode of Qwen3-30B-A3B
     assert fused_moe.block_m_for(8 * 256, 128) == 16     # 256 decodes: 16 per expert

@@ -31,6 +31,7 @@ import triton.language as tl
 from splitserve.engine import fp8, mxfp4
 from splitserve.engine.model import expert_dequantize, fp8_linear, fp8_w8a8
 from splitserve.engine.model.expert_dequantize import e2m1
+from splitserve.engine.model.moe_align import align
 from splitserve.engine.model.moe import SILU, GatedAct
 from splitserve.engine.model.triton_tiles import input_tile, weight_tile
 from splitserve.engine.model.w8a8_tiles import w8a8_dots
@@ -216,28 +217,6 @@ def launch_config(block_m: int, fmt: str) -> tuple[int, int, int, int]:
     if block_m == BLOCK_M_SIZES[2]:
         raise ValueError(f"the {block_m}-row tile reads tensors (or experts dequantized first), not {fmt} stacks")
     return PACKED_WIDE_BLOCK_N if fmt == "mxfp4" and block_m == BLOCK_M_SIZES[1] else BLOCK_N, BLOCK_N, BLOCK_K, 4
-
-
-def align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted, block_expert) for experts [T, k]: `sorted` lists the assignments (token * k + slot)
-    grouped by expert in expert order, each group padded with T * k to a multiple of block_m;
-    `block_expert[b]` is the expert of tile b (sorted[b * block_m:(b + 1) * block_m]), num_experts for
-    tiles past the last group. Sizes depend on T alone: T * k + min(E, T * k) * (block_m - 1) rows
-    hold any routing, rounded up to whole tiles."""
-    flat = experts.flatten()
-    count = flat.numel()
-    per_expert = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
-    padded = (per_expert + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = flat.argsort(stable=True)
-    grouped = flat[order]
-    rank = torch.arange(count, device=flat.device) - (per_expert.cumsum(0) - per_expert)[grouped]
-    tiles = -(-(count + min(num_experts, count) * (block_m - 1)) // block_m)
-    sorted_ids = torch.full((tiles * block_m,), count, dtype=torch.int32, device=flat.device)
-    sorted_ids.scatter_(0, (ends - padded)[grouped] + rank, order.to(torch.int32))
-    tile_starts = torch.arange(0, tiles * block_m, block_m, device=flat.device)
-    return sorted_ids, torch.searchsorted(ends, tile_starts, right=True).to(torch.int32)
 
 
 def _operands(w: torch.Tensor | mxfp4.Packed | fp8.Stacked) -> tuple:
