@@ -56,6 +56,7 @@ from splitserve.engine.model import fp8_linear, fp8_w8a8  # noqa: E402
 from splitserve.engine.model.linear import Linear  # noqa: E402
 from splitserve.engine.model.llama import LlamaAttention, LlamaMLP  # noqa: E402
 from splitserve.engine.model.moe import SparseMoeBlock, expert_names  # noqa: E402
+from splitserve.engine.model.moe_routing import route  # noqa: E402
 from splitserve.engine.model.triton_ops import add_rms_norm, gated, rotate_in_place  # noqa: E402
 from splitserve.engine.model_builder import default_dtype  # noqa: E402
 from splitserve.engine.model_runner import ModelRunner, StepBatch  # noqa: E402
@@ -209,7 +210,8 @@ class LayerLaunches(torch.nn.Module):
         h, _ = add_rms_norm(x, h, self.weight, c.rms_norm_eps, c.gemma_norms)
         if self.moe is not None:
             k = self.moe.top_k
-            self.moe.experts.fused(h, torch.ones((t, k)), torch.arange(k).repeat(t, 1))
+            route(torch.empty((t, c.num_experts), dtype=self.dtype), k, self.moe.renormalize)  # ids not read here:
+            self.moe.experts.fused(h, torch.ones((t, k)), torch.arange(k).repeat(t, 1))  # nothing runs
         else:
             gate, up = self.mlp.gate_up_proj.split(self._project(self.mlp.gate_up_proj, h))
             self._project(self.mlp.down_proj, gated(gate, up, self.mlp.gelu))

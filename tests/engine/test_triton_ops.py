@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from splitserve.engine.config import ModelConfig  # noqa: E402
 from splitserve.engine.llm_engine import LLMEngine  # noqa: E402
-from splitserve.engine.model import triton_dispatch  # noqa: E402
+from splitserve.engine.model import moe_routing, triton_dispatch  # noqa: E402
 from splitserve.engine.policies import ScheduledSeq  # noqa: E402
 from splitserve.engine.model.llama import RMSNorm  # noqa: E402
 from splitserve.engine.model.rotary import RotaryEmbedding  # noqa: E402
@@ -168,25 +168,32 @@ def test_gated_activation_refuses_mismatched_halves_and_takes_no_rows():
     assert gated(torch.empty(0, 16, device=DEVICE), torch.empty(0, 16, device=DEVICE)).shape == (0, 16)
 
 
+DENSE = {"add_rms_norm", "rotate_in_place", "gated"}
+SPARSE = {"add_rms_norm", "rotate_in_place", "route"}
+
+
 # Llama's norms and SiLU; Qwen3's q and k norms inside the rotation; Phi-3's half-rotated heads (the
 # norms apart); Gemma 2's GELU and norms; Gemma 3's norms on q and k; Qwen2-MoE's shared expert (an MLP)
-@pytest.mark.parametrize("name", ["llama3_gqa_tied", "qwen3_qk_norm", "phi3_fused_partial", "gemma2", "gemma3",
-                                  "qwen2_moe"])
-def test_the_models_kernel_path_gives_transformers_logits(tmp_path, tokenizers_by_kind, monkeypatch, name):
+# and routing (`moe_routing`), Mixtral's renormalized, GPT-OSS's
+@pytest.mark.parametrize("name, kernels", [("llama3_gqa_tied", DENSE), ("qwen3_qk_norm", DENSE),
+                                           ("phi3_fused_partial", DENSE), ("gemma2", DENSE), ("gemma3", DENSE),
+                                           ("qwen2_moe", DENSE | SPARSE), ("mixtral_moe", SPARSE),
+                                           ("gpt_oss", SPARSE)])
+def test_the_models_kernel_path_gives_transformers_logits(tmp_path, tokenizers_by_kind, monkeypatch, name, kernels):
     """The elementwise kernels a CUDA device runs, taken through the model's own code on the CPU
     (interpreted), give transformers' logits as the torch path does: a prefill, then a decode."""
     hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
     engine = LLMEngine(str(tmp_path), dtype="float32", **ENGINE_ARGS)
     launched = []
-    real_ops = triton_dispatch.ops()
     monkeypatch.setattr(triton_dispatch, "runs_kernels", lambda x: True)
-    for kernel in ("add_rms_norm", "rotate_in_place", "gated"):
-        monkeypatch.setattr(real_ops, kernel, lambda *a, real=getattr(real_ops, kernel), kernel=kernel, **k:
+    for module, kernel in ((triton_dispatch.ops(), "add_rms_norm"), (triton_dispatch.ops(), "rotate_in_place"),
+                           (triton_dispatch.ops(), "gated"), (moe_routing, "route")):
+        monkeypatch.setattr(module, kernel, lambda *a, real=getattr(module, kernel), kernel=kernel, **k:
                             launched.append(kernel) or real(*a, **k))
     ids = prompt_ids(6, 21, hf.config.vocab_size)
     seq = new_seq(engine, "a", ids[:-1])
     prefill = run_plan(engine, [ScheduledSeq(seq, len(ids) - 1)])["a"]
     append(engine, seq, ids[-1])
     logits = torch.cat([prefill, run_plan(engine, [ScheduledSeq(seq, 1)])["a"]])
-    assert {"add_rms_norm", "rotate_in_place", "gated"} <= set(launched)
+    assert set(launched) == kernels
     assert max_diff(logits, hf_logits(hf, ids)) <= 1e-4

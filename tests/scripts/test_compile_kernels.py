@@ -72,7 +72,7 @@ def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(tmp_path):
     assert code == 0 and not report["problems"]
     # its experts' kernels gate in their own pass: no dense MLP's
     assert {v["kernel"] for v in report["variants"]} == \
-        KERNELS - {"_gated_kernel"} | {"_align_kernel", "_gate_up_kernel", "_down_kernel"}
+        KERNELS - {"_gated_kernel"} | {"_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel"}
     assert {v["phase"] for v in report["variants"]} == {"start-up"}
     moe = [v["spec"] for v in report["variants"] if v["kernel"] == "_gate_up_kernel"]
     assert sorted(int(spec.split("BLOCK_M=")[1].split()[0]) for spec in moe) == [16, 64, 128]

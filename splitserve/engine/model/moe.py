@@ -31,6 +31,7 @@ from torch import nn
 
 from splitserve.engine import fp8, mxfp4
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.model import triton_dispatch
 from splitserve.engine.model.linear import frozen
 from splitserve.engine.model.sharding import Shard, ShardSlice
 
@@ -95,7 +96,12 @@ def gated_act(config: ModelConfig) -> GatedAct:
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [T, k], experts int64 [T, k]): each token's top-k experts by the softmax of
-    its router logits (computed in float32), their probabilities renormalized to sum to one or not."""
+    its router logits (computed in float32), their probabilities renormalized to sum to one or not.
+    Where the elementwise work runs as Triton kernels (`triton_dispatch`), one launch (`moe_routing`)."""
+    if triton_dispatch.runs_kernels(logits):
+        from splitserve.engine.model import moe_routing  # triton: CUDA builds of torch bring it
+
+        return moe_routing.route(logits, top_k, renormalize)
     weights, experts = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
