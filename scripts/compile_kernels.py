@@ -210,8 +210,9 @@ class LayerLaunches(torch.nn.Module):
         h, _ = add_rms_norm(x, h, self.weight, c.rms_norm_eps, c.gemma_norms)
         if self.moe is not None:
             k = self.moe.top_k
-            route(torch.empty((t, c.num_experts), dtype=self.dtype), k, self.moe.renormalize)  # ids not read here:
-            self.moe.experts.fused(h, torch.ones((t, k)), torch.arange(k).repeat(t, 1))  # nothing runs
+            # the routing launched as the engine launches it; the experts take fixed ids (nothing runs here)
+            route(torch.empty((t, c.num_experts), dtype=self.dtype), k, self.moe.renormalize)
+            self.moe.experts.fused(h, torch.ones((t, k)), torch.arange(k).repeat(t, 1))
         else:
             gate, up = self.mlp.gate_up_proj.split(self._project(self.mlp.gate_up_proj, h))
             self._project(self.mlp.down_proj, gated(gate, up, self.mlp.gelu))

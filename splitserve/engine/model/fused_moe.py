@@ -31,8 +31,8 @@ import triton.language as tl
 from splitserve.engine import fp8, mxfp4
 from splitserve.engine.model import expert_dequantize, fp8_linear, fp8_w8a8
 from splitserve.engine.model.expert_dequantize import e2m1
-from splitserve.engine.model.moe_align import align
 from splitserve.engine.model.moe import SILU, GatedAct
+from splitserve.engine.model.moe_align import align
 from splitserve.engine.model.triton_tiles import input_tile, weight_tile
 from splitserve.engine.model.w8a8_tiles import w8a8_dots
 

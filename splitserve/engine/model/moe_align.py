@@ -2,10 +2,10 @@
 (`fused_moe`): which assignments each tile of rows holds, and each tile's expert.
 
 Up to `FUSED_ASSIGNMENTS` (decode steps, small prefills) one Triton program does it all in one
-launch, where the torch ops of `align_reference` are about twenty, each a launch, a layer: on a
-sparse model's decode step those launches, not the experts' bytes, would be most of its time.
-Beyond it (prefills, whose expert GEMMs dwarf a few launches) the torch ops run. Both give the
-same tensors; on CPU the kernel runs only under Triton's interpreter (how the tests check it)."""
+launch, where the torch ops of `align_reference` are about twenty, each a launch, a layer (about
+a thousand a Qwen3-30B-A3B decode step). Beyond it (prefills, whose expert GEMMs dwarf a few
+launches) the torch ops run. Both give the same tensors; on CPU the kernel runs only under
+Triton's interpreter (how the tests check it)."""
 from __future__ import annotations
 
 import torch

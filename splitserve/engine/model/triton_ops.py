@@ -1,10 +1,9 @@
 """Triton kernels for the decoder's elementwise work on CUDA, where each separate torch op of a
 small decode batch is a launch of its own: the residual add and RMSNorm in one pass, the rotary
 embedding of q and k in place in one launch (with Qwen3's per-head q and k norms before it), and
-an MLP's gated activation, act(gate) * up, in
-one pass over the gate-up projection's output. The torch code in `llama.RMSNorm`, `rotary` and
-`llama.LlamaMLP` is the oracle; on CPU these run only under Triton's interpreter (how the tests
-check them).
+an MLP's gated activation, act(gate) * up, in one pass over the gate-up projection's output. The
+torch code in `llama.RMSNorm`, `rotary` and `llama.LlamaMLP` is the oracle; on CPU these run only
+under Triton's interpreter (how the tests check them; `triton_dispatch` says where they run).
 
 Rounding follows the oracle where it decides the result's dtype: the residual sum is rounded to
 the activations' dtype before it is normalized, and the normalized row is rounded before it is
