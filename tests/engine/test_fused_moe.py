@@ -194,7 +194,8 @@ def test_prefills_of_fp8_experts_run_w8a8_where_the_gpu_has_fp8_tensor_cores(mon
     quantized, dequantized = [], []
     real_quantize, real_dequantize = fp8_w8a8.quantize, expert_dequantize.dequantize_experts
     monkeypatch.setattr(fp8_w8a8, "quantize", lambda rows: quantized.append(rows.shape) or real_quantize(rows))
-    monkeypatch.setattr(expert_dequantize, "dequantize_experts", lambda *a: dequantized.append(1) or real_dequantize(*a))
+    monkeypatch.setattr(expert_dequantize, "dequantize_experts",
+                        lambda *a: dequantized.append(1) or real_dequantize(*a))
     monkeypatch.setattr(fused_moe, "DEQUANTIZE_ASSIGNMENTS", {**fused_moe.DEQUANTIZE_ASSIGNMENTS, "fp8": 4})
     for tokens, fp8_cores, path in [(8, True, "w8a8"), (8, False, "dequantized"), (7, True, "as read")]:
         monkeypatch.setattr(fp8_w8a8, "supported", lambda device, block: fp8_cores)
