@@ -1,8 +1,9 @@
-"""Where the decoder's elementwise work (the norms, the rotary embedding, the gated activation in
-`triton_ops`; a sparse layer's routing in `moe_routing`) runs as Triton kernels: on CUDA tensors,
-a launch each, where the torch code (the CPU path, and the kernels' oracle) takes several small
-ops. One rule for all of them, so a test can turn it on for CPU tensors and run the kernels under
-Triton's interpreter through the model's own code."""
+"""Where the decoder's Triton kernels outside attention and the projections run (the norms, the
+rotary embedding, the gated activation in `triton_ops`; a sparse layer's routing in
+`moe_routing` and its experts in `fused_moe`): on CUDA tensors, a launch each, where the torch
+code (the CPU path, and the kernels' oracle) takes several ops. One rule for all of them, so a
+test can turn it on for CPU tensors and run the kernels under Triton's interpreter through the
+model's own code."""
 from __future__ import annotations
 
 import torch
