@@ -115,8 +115,8 @@ class RotaryEmbedding:
         them too where the rotation covers whole heads."""
         d = self.dims
         if triton_dispatch.runs_kernels(q):
-            fused = norms is not None and d == q.shape[-1] and norms[0].eps == norms[1].eps \
-                and norms[0].gemma == norms[1].gemma and all(n.weight.dtype == q.dtype for n in norms)
+            # the attention builds q's and k's norms alike (one eps, one kind): one kernel takes both
+            fused = norms is not None and d == q.shape[-1] and all(n.weight.dtype == q.dtype for n in norms)
             if norms is not None and not fused:
                 q, k = norms[0](q), norms[1](k)
             weights = (norms[0].weight, norms[1].weight, norms[0].eps, norms[0].gemma) if fused else None
