@@ -17,8 +17,16 @@ is measured twice: as a cluster's token worker runs requests without stop string
 ingress decodes the ids, `SamplingParams.ids_only`), and with the engine decoding the text
 ("text": `LLM.generate`, or a request with stop strings).
 
+Each is also run both ways of scheduling (`EngineConfig.async_scheduling`, --scheduling): "sync",
+where a step is built after the last one's outputs, and "async", where it is queued before them.
+What a GPU would wait on is the host's work between reading one iteration's sampled ids and
+starting the next one's forward: `device_idle_ms`, the median of that gap (on a GPU the forward,
+logits and sampling are queued in microseconds, and the rest of the step's host work overlaps
+the device's). `host_ms` is all of the step's host work, wherever it falls.
+
     python scripts/bench_host.py --json host.json          # about 2 minutes on 2 cores
     python scripts/bench_host.py --batches 1,16 --output-len 64   # a quick look
+    python scripts/bench_host.py --modes text --scheduling sync,async   # what async scheduling hides
 """
 from __future__ import annotations
 
@@ -35,8 +43,9 @@ from pathlib import Path
 import torch
 from call_timer import timed  # this script's folder
 
-from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.dummy_weights import write_shape_checkpoint
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampler import Drawn
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.shapes import LLAMA3_8B
 
@@ -61,6 +70,34 @@ class ModelClock:
         return seconds
 
 
+class IdleClock:
+    """The gaps between an iteration's sampled ids read on the host and the next forward's start."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.gaps: list[float] = []
+        self._read_at: float | None = None
+        forward, read = model.forward, Drawn.read
+
+        def forward_started(*args, **kwargs):
+            if self._read_at is not None:
+                self.gaps.append(time.perf_counter() - self._read_at)
+                self._read_at = None
+            return forward(*args, **kwargs)
+
+        def read_ended(drawn: Drawn):
+            try:
+                return read(drawn)
+            finally:
+                self._read_at = time.perf_counter()
+
+        model.forward, Drawn.read = forward_started, read_ended
+        self.restore = lambda: setattr(Drawn, "read", read)
+
+    def take(self) -> list[float]:
+        gaps, self.gaps = self.gaps, []
+        return gaps
+
+
 def timed_steps(engine: LLMEngine, clock: ModelClock, count: int) -> tuple[list[float], list[float]]:
     """(host seconds, model seconds) of `count` steps."""
     host, model = [], []
@@ -74,19 +111,31 @@ def timed_steps(engine: LLMEngine, clock: ModelClock, count: int) -> tuple[list[
     return host, model
 
 
-def row(mode: str, batch: int, context: int, output_position: int, host: list[float], model: list[float]) -> dict:
+def row(mode: str, scheduling: str, batch: int, context: int, output_position: int, host: list[float],
+        model: list[float], idle: list[float]) -> dict:
     ordered = sorted(host)
-    return {"mode": mode, "batch": batch, "context": context, "output_position": output_position,
-            "host_ms": statistics.median(host) * 1e3, "host_ms_p90": ordered[int(0.9 * (len(ordered) - 1))] * 1e3,
-            "host_us_per_seq": statistics.median(host) * 1e6 / batch, "model_ms": statistics.median(model) * 1e3}
+    return {"mode": mode, "scheduling": scheduling, "batch": batch, "context": context,
+            "output_position": output_position, "host_ms": statistics.median(host) * 1e3,
+            "host_ms_p90": ordered[int(0.9 * (len(ordered) - 1))] * 1e3,
+            "host_us_per_seq": statistics.median(host) * 1e6 / batch, "model_ms": statistics.median(model) * 1e3,
+            "device_idle_ms": statistics.median(idle) * 1e3}
 
 
-def measure(model_dir: str, mode: str, batch: int, context: int, args) -> list[dict]:
+def measure(model_dir: str, mode: str, scheduling: str, batch: int, context: int, args) -> list[dict]:
     max_len = context + args.output_len + args.steps + 8
     engine = LLMEngine(model_dir, policy="token", load_format="dummy", enable_prefix_caching=False, device="cpu",
                        dtype="float32", max_num_seqs=batch, max_model_len=max_len,
-                       num_kv_blocks=batch * -(-max_len // 16))
-    clock = ModelClock(engine.runner.model)
+                       num_kv_blocks=batch * -(-max_len // 16), async_scheduling=scheduling == "async")
+    clock, idle = ModelClock(engine.runner.model), IdleClock(engine.runner.model)
+    try:
+        return _measure(engine, clock, idle, mode, scheduling, batch, context, args)
+    finally:
+        idle.restore()
+
+
+def _measure(engine: LLMEngine, clock: ModelClock, idle: IdleClock, mode: str, scheduling: str, batch: int,
+             context: int, args) -> list[dict]:
+    max_len = engine.max_model_len
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=max_len - context, ignore_eos=True)
     params = params.ids_only() if mode == "ids" else params
@@ -94,16 +143,20 @@ def measure(model_dir: str, mode: str, batch: int, context: int, args) -> list[d
         engine.reserve_import(f"r{i}", [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(context)], params)
         engine.complete_import(f"r{i}", rng.randrange(3, SHAPE["vocab_size"]))
     timed_steps(engine, clock, 3)
-    rows = [row(mode, batch, context, 4, *timed_steps(engine, clock, args.steps))]
+    idle.take()
+    rows = [row(mode, scheduling, batch, context, 4, *timed_steps(engine, clock, args.steps), idle.take())]
     for _ in range(args.output_len - 4 - args.steps):
         engine.step()
-    rows.append(row(mode, batch, context, args.output_len, *timed_steps(engine, clock, args.steps)))
+    idle.take()
+    rows.append(row(mode, scheduling, batch, context, args.output_len, *timed_steps(engine, clock, args.steps),
+                    idle.take()))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default="ids,text", help="ids (a cluster worker), text (the engine decodes it)")
+    p.add_argument("--scheduling", default="sync,async", help="sync, async (EngineConfig.async_scheduling)")
     p.add_argument("--batches", default="1,64,256", help="running sequences per step (1,64,256)")
     p.add_argument("--context", type=int, default=1024, help="tokens of context each sequence enters with (1024)")
     p.add_argument("--output-len", type=int, default=1024, help="output tokens at the second measurement (1024)")
@@ -114,15 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--output-len must be at least --steps + 4")
     if not set(args.modes.split(",")) <= {"ids", "text"}:
         p.error(f"--modes takes ids and text, got {args.modes!r}")
+    if not set(args.scheduling.split(",")) <= {"sync", "async"}:
+        p.error(f"--scheduling takes sync and async, got {args.scheduling!r}")
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape_checkpoint(Path(tmp) / "model", SHAPE)
         for mode in args.modes.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
-                for got in measure(model_dir, mode, batch, args.context, args):
-                    rows.append(got)
-                    print(json.dumps(got), flush=True)
+                for scheduling in args.scheduling.split(","):
+                    for got in measure(model_dir, mode, scheduling, batch, args.context, args):
+                        rows.append(got)
+                        print(json.dumps(got), flush=True)
     result = {"hardware": platform.processor() or platform.machine(), "python": sys.version.split()[0],
               "torch": torch.__version__, "rows": rows}
     if args.json:

@@ -139,6 +139,11 @@ class EngineOptions(StrictModel):
         "flash-attn (Triton, with flash-attn for fresh prompts; needs the gpu extra).")
     cuda_graph_max_batch: int = Field(256, ge=0, description="On CUDA, decode-only steps of up to this many "
                                       "sequences replay CUDA graphs captured at start-up; 0 runs every step eagerly.")
+    async_scheduling: bool | None = Field(
+        None, description="Each step queues the next iteration on the device before it builds its own outputs "
+        "(detokenizing, streaming), so the host's work on one token overlaps the device's on the next; a request "
+        "that arrives meanwhile joins one iteration later. null: on for CUDA workers, off on CPU. Prompt "
+        "workers, whose steps stream KV layer by layer, always run step by step.")
     load_format: str = Field("auto", description="auto or safetensors (the checkpoint's weights), or dummy (seeded "
                              "random weights for any config.json).")
     seed: int = Field(0, description="Seed of the dummy weights and of the engine's sampler.")

@@ -33,6 +33,7 @@ class EngineConfig:
     load_format: str = "auto"                  # auto | safetensors | dummy
     attention_backend: str = "auto"            # auto | torch | triton | flash-attn (see engine.attention)
     cuda_graph_max_batch: int = 256            # CUDA: decode steps up to this many sequences replay a graph; 0: eager
+    async_scheduling: bool | None = None       # queue step N+1 before building N's outputs; None: on CUDA
     seed: int = 0
     slo: SLOOptions = SLOOptions()             # the SLO-aware (accelgen) policies' settings
 

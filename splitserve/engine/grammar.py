@@ -23,7 +23,7 @@ import torch
 
 from splitserve.engine.output_constraint import HARMONY, THINK_CLOSE, THINK_OPEN, OutputConstraint
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.step_inputs import upload_list
+from splitserve.engine.step_inputs import upload, upload_list
 from splitserve.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger("splitserve.grammar")
@@ -76,7 +76,7 @@ class GrammarMasks:
         vocab = logits.shape[1]
         if refused.shape[1] < vocab:  # ids past the tokenizer's vocabulary (padding) are never allowed
             refused = torch.nn.functional.pad(refused, (0, vocab - refused.shape[1]), value=True)
-        refused = refused[:, :vocab].to(logits.device)
+        refused = upload(refused[:, :vocab].contiguous(), logits.device)
         if len(rows) == len(seqs):
             return logits.masked_fill_(refused, float("-inf"))
         index = upload_list(rows, torch.long, logits.device)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from splitserve.engine.block_manager import BlockManager, long_rope_root
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
+from splitserve.engine.in_flight import InFlight
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from splitserve.engine.policies import Plan, make_policy
 from splitserve.engine.prompt_logprobs import prompt_logprobs
@@ -33,6 +34,11 @@ class _Request:
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; [0] stays None
 
+    @property
+    def stops_on_text(self) -> bool:
+        """Its outputs' text can end it (stop strings): recording a token may finish it."""
+        return self.detokenizer is not None and bool(self.seq.params.stop)
+
 
 class StepFailed(RuntimeError):
     """An iteration raised (a CUDA OOM, a bug): the requests it ran were aborted, their blocks
@@ -42,6 +48,14 @@ class StepFailed(RuntimeError):
     def __init__(self, request_ids: list[str] | None, cause: BaseException):
         super().__init__(f"step failed: {type(cause).__name__}: {cause}")
         self.request_ids, self.cause = request_ids, cause
+
+
+class _NotQueued(Exception):
+    """A scheduled iteration raised before it was queued whole; its requests are not aborted yet."""
+
+    def __init__(self, plan: Plan, cause: BaseException):
+        super().__init__(str(cause))
+        self.plan, self.cause = plan, cause
 
 
 class LLMEngine:
@@ -67,6 +81,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self.last_step = StepStats()  # what the last non-empty step computed, and how long it took
+        device_is_cuda = self.runner.device.type == "cuda"
+        self.async_scheduling = device_is_cuda if config.async_scheduling is None else config.async_scheduling
+        self._in_flight: InFlight | None = None  # queued by the last step (async scheduling)
+        self._failed: StepFailed | None = None   # the queuing of that next iteration failed: the next step raises
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
@@ -91,6 +109,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None and not req.seq.is_finished:
+            if self._in_flight is not None and self._in_flight.runs(req.seq):
+                self._in_flight.wait()  # its blocks may be handed on only once nothing writes them
             self.policy.finish(req.seq, "abort")
         self.sampler.forget(request_id)
 
@@ -103,7 +123,7 @@ class LLMEngine:
         self.policy = policy
 
     def has_unfinished_requests(self) -> bool:
-        return self.policy.has_work()
+        return self.policy.has_work() or self._in_flight is not None or self._failed is not None
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if scheduler queues, block ownership and tracked requests disagree,
@@ -127,48 +147,101 @@ class LLMEngine:
              before_forward: Callable[[Plan], None] | None = None) -> list[RequestOutput]:
         """Run one iteration; return the requests that got a token (cumulative outputs).
         `before_forward(plan)` runs once the iteration is scheduled; `after_layer(plan, i)` once
-        layer i's KV for this iteration is in the cache."""
+        layer i's KV for this iteration is in the cache. With async scheduling, a call without
+        hooks queues the next iteration on the device before it builds this one's outputs, and
+        the next call returns that iteration's: a request added in between joins the one after."""
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+        pipelined = self.async_scheduling and after_layer is None and before_forward is None
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            try:
+                in_flight = self._launch(after_layer, before_forward)
+            except _NotQueued as error:
+                raise self._fail(error.plan, error.cause) from error.cause
+        return [] if in_flight is None else self._complete(in_flight, pipelined)
+
+    def _launch(self, after_layer: Callable[[Plan, int], None] | None = None,
+                before_forward: Callable[[Plan], None] | None = None) -> InFlight | None:
+        """Schedule an iteration and queue its forward and sampling on the device (None: no work).
+        Raises StepFailed when scheduling fails, _NotQueued when the iteration does."""
         start = time.monotonic()
         try:
             plan = self.policy.schedule()
         except Exception as error:
             raise StepFailed(None, error) from error
         if not plan:
-            return []
+            return None
         try:
             if before_forward is not None:
                 before_forward(plan)
-            return self._run(plan, start, after_layer)
+            work = plan.work()
+            for item in plan.scheduled:
+                if item.seq.first_scheduled_time is None:
+                    item.seq.first_scheduled_time = start
+            tables = {item.seq.seq_id: self.block_manager.block_tables(item.seq.seq_id) for item in plan.scheduled}
+            hook = None if after_layer is None else (lambda i: after_layer(plan, i))
+            forward = self.runner.execute(plan, tables, hook)
+            return InFlight.queued(plan, work, start, forward, self.sampler.draw(forward.logits, forward.seqs))
         except Exception as error:
-            ids = [item.seq.seq_id for item in plan.scheduled]
-            for request_id in ids:
-                self.abort(request_id)
-            raise StepFailed(ids, error) from error
+            raise _NotQueued(plan, error) from error
 
-    def _run(self, plan: Plan, start: float, after_layer: Callable[[Plan, int], None] | None) -> list[RequestOutput]:
-        work = plan.work()
-        for item in plan.scheduled:
-            if item.seq.first_scheduled_time is None:
-                item.seq.first_scheduled_time = start
-        tables = {item.seq.seq_id: self.block_manager.block_tables(item.seq.seq_id) for item in plan.scheduled}
-        hook = None if after_layer is None else (lambda i: after_layer(plan, i))
-        forward = self.runner.execute(plan, tables, hook)
-        for rows in forward.prompt_rows:
-            found = self._requests[rows.seq.seq_id].prompt_logprobs
-            if found is not None:  # None: an import reserved here, whose prompt worker computes them
-                found[rows.first_position:rows.first_position + len(rows.hidden)] = \
-                    prompt_logprobs(self.runner.model.compute_logits, rows)
-        sampled = dict(zip((s.seq_id for s in forward.seqs), self.sampler.sample(forward.logits, forward.seqs)))
-        now = time.monotonic()
-        self.policy.observe(plan, now - start)
-        updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
-        self.last_step = replace(work, seconds=now - start)
-        outputs = [self._record(self._requests[seq.seq_id], sampled[seq.seq_id].token_id,
-                                sampled[seq.seq_id].logprobs, now) for seq in updated]
-        if self._long_rope_from is not None:
-            for seq in updated:
-                self._turn_long_rope(seq)
-        return outputs
+    def _complete(self, in_flight: InFlight, pipelined: bool) -> list[RequestOutput]:
+        """Read an iteration's tokens and record them. Pipelined, the next iteration is queued as
+        soon as the scheduler knows every way these tokens end sequences (ids, lengths, stop
+        strings, LongRoPE's turn), before the other outputs are built."""
+        plan = in_flight.plan
+        try:
+            forward = in_flight.forward
+            for rows in forward.prompt_rows:
+                found = self._requests[rows.seq.seq_id].prompt_logprobs
+                if found is not None:  # None: an import reserved here, whose prompt worker computes them
+                    found[rows.first_position:rows.first_position + len(rows.hidden)] = \
+                        prompt_logprobs(self.runner.model.compute_logits, rows)
+            sampled = dict(zip((s.seq_id for s in forward.seqs), in_flight.drawn.read()))
+            now = time.monotonic()
+            self.policy.observe(plan, now - in_flight.start)
+            updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
+            self.last_step = replace(in_flight.work, seconds=now - in_flight.start)
+
+            def record(req: _Request) -> RequestOutput:
+                token = sampled[req.seq.seq_id]
+                return self._record(req, token.token_id, token.logprobs, now)
+
+            requests = [self._requests[seq.seq_id] for seq in updated]
+            first, later = [], []  # recorded before the next iteration is queued, and after
+            for req in requests:
+                (later if pipelined and not req.stops_on_text else first).append(req)
+            outputs = {req.seq.seq_id: record(req) for req in first}
+            if self._long_rope_from is not None:
+                for seq in updated:
+                    self._turn_long_rope(seq)
+        except Exception as error:
+            raise self._fail(plan, error) from error
+        not_queued = None
+        if pipelined:
+            try:
+                self._in_flight = self._launch()
+            except StepFailed as failed:  # this iteration's outputs still go out; the next call raises
+                self._failed = failed
+            except _NotQueued as error:
+                not_queued = error
+        try:
+            outputs.update((req.seq.seq_id, record(req)) for req in later)
+        except Exception as error:
+            raise self._fail(plan, error) from error
+        finally:
+            if not_queued is not None:  # aborted once this iteration's tokens are recorded
+                self._failed = self._fail(not_queued.plan, not_queued.cause)
+        return [outputs[seq.seq_id] for seq in updated]
+
+    def _fail(self, plan: Plan, error: BaseException) -> StepFailed:
+        """Abort the iteration's requests (their blocks freed): the engine's others are untouched."""
+        ids = [item.seq.seq_id for item in plan.scheduled]
+        for request_id in ids:
+            self.abort(request_id)
+        return StepFailed(ids, error)
 
     # ---- KV handoff --------------------------------------------------------------------
     def export_request(self, request_id: str) -> tuple[Sequence, list[list[int]]]:

@@ -20,7 +20,7 @@ from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.policies import Plan, ScheduledSeq
 from splitserve.engine.prompt_logprobs import PromptRows
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.step_inputs import StepTensors
+from splitserve.engine.step_inputs import StepTensors, upload_list
 
 if TYPE_CHECKING:
     from splitserve.engine.cuda_graphs import DecodeGraphs
@@ -94,7 +94,7 @@ class ModelRunner:
                 raise
             self.channel.end()
         rows = [batch.query_starts[i + 1] - 1 for i, item in enumerate(items) if item.samples]
-        logits = self.model.compute_logits(hidden[rows]).float()
+        logits = self.model.compute_logits(hidden[_row_index(rows, hidden.device)]).float()
         return Forward([item.seq for item in items if item.samples], logits, _prompt_rows(items, batch, hidden))
 
     @torch.inference_mode()
@@ -136,6 +136,14 @@ class ModelRunner:
         return StepBatch(tokens, positions, slots, starts, context_lens,
                          gathered[0][None] if groups == 1 else torch.stack(gathered),
                          sum(1 for item in items if item.num_new_tokens == 1))
+
+
+def _row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """`rows` as an index that does not wait for the device: a slice when they are consecutive (a
+    decode-only step's), else uploaded without blocking (indexing by a list copies it synchronously)."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1:  # ascending and distinct, so consecutive
+        return slice(rows[0], rows[-1] + 1)
+    return upload_list(rows, torch.long, device)
 
 
 def _prompt_rows(items: list[ScheduledSeq], batch: StepBatch, hidden: torch.Tensor) -> list[PromptRows]:

@@ -40,6 +40,18 @@ class SampledToken:
         return {**(self.top_logprobs or {}), self.token_id: self.logprob}
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """A batch's draws, still on the device: `read` is the step's one wait for it."""
+
+    token_ids: torch.Tensor
+    raw_logprobs: torch.Tensor | None
+    seqs: list[Sequence]
+
+    def read(self) -> list[SampledToken]:
+        return _results(self.token_ids, self.raw_logprobs, self.seqs)
+
+
 class Sampler:
     """Samples a batch. A seeded request's draws depend on its seed and positions alone, not on the
     rest of the batch; `forget` drops a request's grammar state when it ends.
@@ -66,6 +78,10 @@ class Sampler:
             self._grammar.forget(seq_id)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        return self.draw(logits, seqs).read()
+
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> Drawn:
+        """The batch's tokens chosen on the device; nothing is read back until `Drawn.read`."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must have shape [len(seqs)={len(seqs)}, vocab], "
                              f"got {tuple(logits.shape)}")
@@ -82,7 +98,7 @@ class Sampler:
             sampled = self._sample_random(logits[rows], [seqs[i] for i in random_rows])
             # decided on the device, so reading the ids back is the step's only wait for it
             token_ids[rows] = torch.where(torch.isfinite(logits[rows]).any(dim=-1), sampled, token_ids[rows])
-        return _results(token_ids, raw_logprobs, seqs)
+        return Drawn(token_ids, raw_logprobs, seqs)
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temperatures = upload_list([s.params.temperature for s in seqs], torch.float32, logits.device)
