@@ -13,9 +13,11 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
 1. decode: B sequences with C tokens of context each enter the token-policy engine through its
    import path (blocks reserved, the first token given: the KV arrives as from a prompt worker, so
    nothing is prefilled; the cache holds random values), then --steps decode-only steps are timed
-   (CUDA graphs replay them; the engine decodes no text, as on a token worker). Each row also
-   has the device time of the model's forward (CUDA events around it) and the rest of the step
-   outside it: the host's own work, which the device waits for, plus the LM head and sampling.
+   (CUDA graphs replay them; the engine decodes no text, as on a token worker; with async
+   scheduling, CUDA's default, also on the CPU: a step queues the next iteration before it
+   returns, so a step's time is the period between iterations). Each row also has the device time of the model's forward
+   (CUDA events around it) and the rest of the step outside it: the host's work the device waits
+   for, plus the LM head and sampling.
    MBU = (weight bytes + KV bytes read per step) / step time / the device's HBM peak. Weight bytes:
    every layer (a sparse layer's experts: those B tokens hit, as uniform routing would), the final
    norm and the LM head (the embedding reads B rows); KV bytes: B x mean context x bytes per token
@@ -37,7 +39,9 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
 4. transfer: a prompt and a token worker (`kv_pair.py`), both on this GPU, the KV written into the
    token worker's cache through CUDA IPC: visible / serialized transfer for 2k and 8k prompts.
 5. decode-fp8: the decode rows again over an FP8 KV cache (`kv_cache_dtype: fp8`, a byte a K or
-   V value), its KV bytes counted at a byte; last, so a short --budget cuts it first.
+   V value), its KV bytes counted at a byte.
+6. decode-sync: the decode rows again with async scheduling off (each iteration built after the
+   last one's outputs): what it gains. The last two come last, so a short --budget cuts them first.
 
 Peaks (vendor data sheets, dense bf16 without sparsity) come from the device's name; --hbm-tbs and
 --bf16-tflops give others. Targets (an H100, the Llama-3-8B shape): decode MBU >= 60% at batch 1 and
@@ -118,11 +122,12 @@ def timed_steps(engine, count: int, clock: ForwardClock | None = None) -> list[f
 
 
 class ForwardClock:
-    """Seconds of each step the model runner's forward took: on CUDA between events recorded on
-    the stream around it (read after the step, whose sampled ids have synced it), else wall time."""
+    """Seconds of the forwards each step ran (with async scheduling, the next iteration's, queued
+    before the step returned): on CUDA between events recorded on the stream around them, read
+    once `steps` is asked for (it waits for the device), else wall time."""
 
     def __init__(self, runner):
-        self.steps: list[float] = []
+        self._steps: list[list] = []
         self._pending: list = []
         forward = runner.forward
 
@@ -137,23 +142,34 @@ class ForwardClock:
         runner.forward = timed_on_device if runner.device.type == "cuda" else timed(forward, self._pending.append)
 
     def close_step(self) -> None:
-        self.steps.append(sum(p if isinstance(p, float) else p[0].elapsed_time(p[1]) / 1e3 for p in self._pending))
+        self._steps.append(list(self._pending))
         self._pending.clear()  # in place: the wrapper appends to this list
+
+    @property
+    def steps(self) -> list[float]:
+        return [sum(p if isinstance(p, float) else _elapsed(*p) for p in step) for step in self._steps]
 
     def reset(self) -> None:
         """Forget every forward so far, the untimed steps' too (they were never closed)."""
-        self.steps.clear()
+        self._steps.clear()
         self._pending.clear()
 
 
+def _elapsed(start, end) -> float:
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 # ---- sections, each in its own process --------------------------------------------------------
-def decode_section(model: str, s: dict, args, kv_cache_dtype: str = "auto") -> list[dict]:
+def decode_section(model: str, s: dict, args, kv_cache_dtype: str = "auto", async_scheduling: bool = True,
+                   section: str = "decode") -> list[dict]:
     from splitserve import LLMEngine, SamplingParams
 
     c, warm = s["config"], 3
     engine, startup = started(lambda: LLMEngine(
         model, policy="token", load_format="dummy", enable_prefix_caching=False, max_num_seqs=max(s["batches"]),
-        max_model_len=max(s["contexts"]) + warm + args.steps + 16, kv_cache_dtype=kv_cache_dtype, **s["engine"]))
+        max_model_len=max(s["contexts"]) + warm + args.steps + 16, kv_cache_dtype=kv_cache_dtype,
+        async_scheduling=async_scheduling, **s["engine"]))
     cache = engine.kv_cache
     if cache.data.dtype == torch.uint8:
         cache.data.random_(0, 256)  # FP8 codes, any
@@ -167,8 +183,8 @@ def decode_section(model: str, s: dict, args, kv_cache_dtype: str = "auto") -> l
     rng, rows = random.Random(0), []
     for context in s["contexts"]:
         for batch in s["batches"]:
-            row = {"section": "decode" if kv_cache_dtype == "auto" else f"decode-{kv_cache_dtype}", "batch": batch,
-                   "context": context, "kv_cache": cache.encoding, "startup_s": startup}
+            row = {"section": section, "batch": batch, "context": context, "kv_cache": cache.encoding,
+                   "async_scheduling": async_scheduling, "startup_s": startup}
             needed = batch * -(-(context + warm + args.steps + 1) // engine.kv_cache.block_size) * engine.kv_cache.block_size
             if needed > capacity:
                 rows.append({**row, "skipped": f"needs {needed} KV tokens; the cache holds {capacity}"})
@@ -194,7 +210,11 @@ def decode_section(model: str, s: dict, args, kv_cache_dtype: str = "auto") -> l
 
 
 def fp8_decode_section(model: str, s: dict, args) -> list[dict]:
-    return decode_section(model, s, args, "fp8")
+    return decode_section(model, s, args, "fp8", section="decode-fp8")
+
+
+def sync_decode_section(model: str, s: dict, args) -> list[dict]:
+    return decode_section(model, s, args, async_scheduling=False, section="decode-sync")
 
 
 def prefill_section(model: str, s: dict, args) -> list[dict]:
@@ -296,7 +316,8 @@ def transfer_section(model: str, s: dict, args) -> list[dict]:
 
 
 SECTIONS = {"decode": decode_section, "prefill": prefill_section, "throughput-ours": ours_section,
-            "throughput-hf": hf_section, "transfer": transfer_section, "decode-fp8": fp8_decode_section}
+            "throughput-hf": hf_section, "transfer": transfer_section, "decode-fp8": fp8_decode_section,
+            "decode-sync": sync_decode_section}
 
 
 def _run_section(name: str, section, model: str, s: dict, args, conn) -> None:

@@ -39,10 +39,11 @@ def test_tiny_run_writes_every_section(tmp_path):
     assert result["device"] == "cpu" and result["targets"] is None and result["throughput_ratio_vs_hf"] > 0
     assert result["throughput_floor_s"] is None and result["throughput_ratio_ceiling_vs_hf"] is None  # no CPU peak
     assert not [r for r in rows if "error" in r]
-    for section, cache in (("decode", "float32"), ("decode-fp8", "fp8_e4m3")):
+    for section, cache, pipelined in (("decode", "float32", True), ("decode-fp8", "fp8_e4m3", True),
+                                      ("decode-sync", "float32", False)):
         decodes = [r for r in rows if r["section"] == section]
         assert {(r["batch"], r["context"]) for r in decodes} == {(1, 64), (4, 64), (1, 256), (4, 256)}
-        assert {r["kv_cache"] for r in decodes} == {cache}
+        assert {r["kv_cache"] for r in decodes} == {cache} and {r["async_scheduling"] for r in decodes} == {pipelined}
     # the same weights, the KV at a byte a value instead of four
     pairs = {(r["batch"], r["context"], r["section"]): r["bytes_per_step"] for r in rows if "decode" in r["section"]}
     for (batch, context, section), read in pairs.items():
