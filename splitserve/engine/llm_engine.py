@@ -119,6 +119,8 @@ class LLMEngine:
         every queued, running and held sequence carries over. On CUDA the KV cache left room for the
         iterations of `config.policy` and `config.switch_policies`: another may form larger ones."""
         policy = make_policy(name, self.block_manager, self.policy.limits)
+        if self._in_flight is not None:
+            self._in_flight.wait()  # adopting may preempt a prompt mid-prefill: nothing may write its blocks then
         policy.adopt(self.policy)
         self.policy = policy
 

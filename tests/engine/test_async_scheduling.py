@@ -145,3 +145,23 @@ def test_a_step_with_hooks_leaves_nothing_in_flight():
 def test_the_default_is_on_only_for_cuda():
     assert LLMEngine(**ENGINE).async_scheduling is False
     assert LLMEngine(async_scheduling=True, **ENGINE).async_scheduling is True
+
+
+@pytest.mark.parametrize("switch_to", ["prefill_first", "token", "orca"])
+def test_a_role_switch_with_an_iteration_in_flight_changes_no_tokens(switch_to):
+    """The switch may preempt a prompt the in-flight iteration is prefilling (its chunks no longer
+    fit the new policy's): it waits for that iteration, and every request still gets its tokens."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = {}
+    for pipelined in (False, True):
+        engine = LLMEngine(policy="mixed", chunk_token_budget=16, async_scheduling=pipelined, **ENGINE)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, params)
+        for _ in range(3):
+            engine.step()
+        engine.set_policy(switch_to)
+        engine.check_integrity()
+        finished = run_engine(engine, {})
+        got[pipelined] = {request_id: out.token_ids for request_id, out in finished.items()}
+        assert_all_free(engine)
+    assert got[True] == got[False] and len(got[True]) == len(PROMPTS)
