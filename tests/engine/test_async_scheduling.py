@@ -165,3 +165,26 @@ def test_a_role_switch_with_an_iteration_in_flight_changes_no_tokens(switch_to):
         got[pipelined] = {request_id: out.token_ids for request_id, out in finished.items()}
         assert_all_free(engine)
     assert got[True] == got[False] and len(got[True]) == len(PROMPTS)
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs_every_request_gets_what_the_synchronous_engine_gives_it():
+    """Where it is on by default: decode graphs replay while the host builds outputs, and an abort
+    waits on the iteration in flight. Skipped without CUDA."""
+    params = [_params(i) for i in range(len(PROMPTS))]
+    engine_args = dict(device="cuda", dtype="float32", chunk_token_budget=64, **ENGINE)
+    reference = LLM(async_scheduling=False, **engine_args).generate(PROMPTS, params)
+    llm = LLM(**engine_args)
+    assert llm.engine.async_scheduling and llm.engine.runner.graphs is not None
+    outputs = llm.generate(PROMPTS, params)
+    assert [(o.token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs] == \
+        [(o.token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in reference]
+    engine = llm.engine
+    for request_id, prompt in zip("abc", PROMPTS[1:4]):
+        engine.add_request(request_id, prompt, _params(0))
+    engine.step()
+    engine.step()
+    engine.abort("b")
+    finished = run_engine(engine, {})
+    assert sorted(finished) == ["a", "c"]
+    assert_all_free(engine)
