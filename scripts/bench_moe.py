@@ -49,7 +49,7 @@ TINY_TOKENS = (1, 4, 32)
 def layer(c: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
     """`c`'s sparse layer's experts per format, (w13, w2): random MXFP4 ones (uniform codes, scales
     near DUMMY_SCALE), the same dequantized to `dtype` (dense), and those in FP8 blocks; and
-    GPT-OSS's gate and up biases (None for others)."""
+    GPT-OSS's gate-up and down biases (None for others)."""
     g = torch.Generator().manual_seed(seed)
     formats = {"dense": [], "mxfp4": [], "fp8": []}
     for rows, cols in ((2 * c.moe_intermediate_size, c.hidden_size), (c.hidden_size, c.moe_intermediate_size)):
@@ -63,19 +63,19 @@ def layer(c: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 
         formats["dense"].append(dense)
         formats["fp8"].append(fp8.Stacked(*fp8.quantize(dense, FP8_BLOCK), FP8_BLOCK, dtype))
     biased = c.architecture == "GptOssForCausalLM"
-    b13 = (torch.randn(c.num_experts, 2 * c.moe_intermediate_size, generator=g) * 0.02).to(device, dtype) \
-        if biased else None
-    return {**{name: tuple(stacks) for name, stacks in formats.items()}, "b13": b13}
+    b13, b2 = ((torch.randn(c.num_experts, n, generator=g) * 0.02).to(device, dtype) if biased else None
+               for n in (2 * c.moe_intermediate_size, c.hidden_size))
+    return {**{name: tuple(stacks) for name, stacks in formats.items()}, "b13": b13, "b2": b2}
 
 
-def weight_bytes(w13, w2, b13, experts: int) -> int:
+def weight_bytes(w13, w2, biases: tuple, experts: int) -> int:
     """Bytes of `experts` experts' weights (MXFP4: bytes and scales; FP8: codes and scales) and
-    gate/up biases."""
+    `biases` (None where absent)."""
     def tensors(w):
         return (w.blocks, w.scales) if isinstance(w, mxfp4.Packed) else (w.weight, w.scale) \
             if isinstance(w, fp8.Stacked) else (w,)
 
-    total = sum(t.nbytes for w in (w13, w2) for t in tensors(w)) + (b13.nbytes if b13 is not None else 0)
+    total = sum(t.nbytes for w in (w13, w2) for t in tensors(w)) + sum(b.nbytes for b in biases if b is not None)
     return total * experts // w13.shape[0]
 
 
@@ -113,7 +113,7 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
     stacks, act, rows = layer(c, device, dtype), gated_act(c), []
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     formats = [f for f in FORMATS if f != "fp8" or fp8.codes_readable(capability)]  # no e4m3 before sm_89
-    b13 = stacks["b13"]
+    b13, b2 = stacks["b13"], stacks["b2"]
     for t in tokens:
         g = torch.Generator().manual_seed(t)
         x = torch.randn(t, c.hidden_size, generator=g).to(device, dtype)
@@ -130,10 +130,10 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
 
             def call(w13=w13, w2=w2, path=path):
                 return fused_moe.fused_experts(x, w13, w2, weights, experts, act=act, b13=b13,
-                                               dequantize_first=path != "as read", w8a8=path == "w8a8")
+                                               dequantize_first=path != "as read", w8a8=path == "w8a8", b2=b2)
 
             seconds = time_calls(call, iters, device.type == "cuda")
-            read = weight_bytes(w13, w2, b13, hit) + 2 * x.nbytes
+            read = weight_bytes(w13, w2, (b13, b2), hit) + 2 * x.nbytes
             flops = 6 * t * c.num_experts_per_tok * c.hidden_size * c.moe_intermediate_size
             row = {"format": fmt, "path": path, "default": path == taken[fmt], "tokens": t,
                    "experts_hit": hit, "step_ms": seconds * 1e3, "bytes": read, "flops": flops,

@@ -37,7 +37,7 @@ def problem(tokens: int, experts: int, top_k: int, hidden: int, width: int, dtyp
 
 
 def on_device(*tensors):
-    return [t.to(DEVICE) for t in tensors]
+    return [None if t is None else t.to(DEVICE) for t in tensors]
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, width", [
@@ -66,13 +66,18 @@ def test_half_precision_and_strided_rows():
 @pytest.mark.parametrize("limit", [2.0, None], ids=["clamped", "unclamped"])
 def test_gpt_oss_experts_equal_the_oracle(limit):
     """GPT-OSS's experts: gate and up rows interleaved, with biases, the clamped SwiGLU (its limit
-    binds for some of these values)."""
+    binds for some of these values), and down biases weighted as each expert's output is."""
     x, w13, w2, weights, ids = problem(20, 4, 2, 32, 48)
-    b13 = torch.randn(4, 96, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    b13, b2 = torch.randn(4, 96, generator=g), torch.randn(4, 32, generator=g)
     act = GatedAct(interleaved=True, alpha=1.702, limit=limit)
     assert (torch.einsum("th,eoh->teo", x, w13) + b13).abs().max() > 2.0
-    out = fused_moe.fused_experts(*on_device(x, w13, w2, weights, ids), act=act, b13=b13.to(DEVICE))
-    torch.testing.assert_close(out.cpu(), experts_reference(x, w13, w2, weights, ids, act, b13), atol=1e-5, rtol=1e-5)
+    out = fused_moe.fused_experts(*on_device(x, w13, w2, weights, ids), act=act, b13=b13.to(DEVICE), b2=b2.to(DEVICE))
+    expected = experts_reference(x, w13, w2, weights, ids, act, b13, b2)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    # the down biases, weighted: what the output would miss without them (each token's weights sum to 1)
+    without = experts_reference(x, w13, w2, weights, ids, act, b13)
+    torch.testing.assert_close(expected - without, (weights[..., None] * b2[ids]).sum(dim=1), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
@@ -88,14 +93,14 @@ def test_mxfp4_experts_equal_the_dequantized_oracle(dtype, act, tokens, block_m)
     halves = [packed((experts, rows, cols // 32), seed) for seed, rows, cols in ((4, 2 * width, hidden),
                                                                                    (5, hidden, width))]
     w13, w2 = (Packed(blocks, scales - 8, dtype) for blocks, scales in halves)
-    b13 = torch.randn(experts, 2 * width, generator=g).to(dtype) if act.interleaved else None
+    b13, b2 = (torch.randn(experts, n, generator=g).to(dtype) if act.interleaved else None for n in (2 * width, hidden))
     weights, ids = route(torch.randn(tokens, experts, generator=g), 2, renormalize=True)
-    expected = experts_reference(x, w13, w2, weights, ids, act, b13)
+    expected = experts_reference(x, w13, w2, weights, ids, act, b13, b2)
     dense = [dequantize(w.blocks, w.scales, dtype) for w in (w13, w2)]
-    assert torch.equal(expected, experts_reference(x, *dense, weights, ids, act, b13))
+    assert torch.equal(expected, experts_reference(x, *dense, weights, ids, act, b13, b2))
     out = fused_moe.fused_experts(*on_device(x), *(Packed(w.blocks.to(DEVICE), w.scales.to(DEVICE), dtype)
                                                    for w in (w13, w2)), *on_device(weights, ids), block_m, act,
-                                  None if b13 is None else b13.to(DEVICE))
+                                  *on_device(b13), b2=on_device(b2)[0])
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.cpu(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
 
@@ -137,7 +142,7 @@ def quantized_values(rows: torch.Tensor) -> torch.Tensor:
     return codes.float() * scales.t().repeat_interleave(fp8_w8a8.GROUP, 1)[:, :rows.shape[1]]
 
 
-def w8a8_reference(x, w13, w2, weights, ids, act=GatedAct(), b13=None) -> torch.Tensor:
+def w8a8_reference(x, w13, w2, weights, ids, act=GatedAct(), b13=None, b2=None) -> torch.Tensor:
     """`experts_reference` with x, and each assignment's gated activations (rounded to x's dtype,
     as the gate-up kernel stores them), quantized as the W8A8 kernels take them."""
     out, top_k, flat, values = torch.zeros_like(x), ids.shape[1], ids.flatten(), quantized_values(x)
@@ -148,7 +153,8 @@ def w8a8_reference(x, w13, w2, weights, ids, act=GatedAct(), b13=None) -> torch.
         tokens = assignments // top_k
         gate, up = act.split(F.linear(values[tokens], w13[e].float(), None if b13 is None else b13[e].float()))
         gated = quantized_values(act(gate, up).to(x.dtype))
-        out.index_add_(0, tokens, (F.linear(gated, w2[e].float()) * weights.flatten()[assignments, None]).to(x.dtype))
+        down = F.linear(gated, w2[e].float(), None if b2 is None else b2[e].float())
+        out.index_add_(0, tokens, (down * weights.flatten()[assignments, None]).to(x.dtype))
     return out
 
 
@@ -169,18 +175,19 @@ def test_fp8_experts_w8a8_equal_the_oracle_of_their_quantized_activations(dtype,
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     w13, w2 = (fp8.Stacked(*fp8_stack(experts, rows, cols, (1, cols) if block == fp8.ROWS else block, seed),
                            block, dtype) for seed, rows, cols in ((6, 2 * width, hidden), (7, hidden, width)))
-    b13 = torch.randn(experts, 2 * width, generator=g).to(dtype) * 0.1 if act.interleaved else None
+    b13, b2 = (torch.randn(experts, n, generator=g).to(dtype) * 0.1 if act.interleaved else None
+               for n in (2 * width, hidden))
     weights, ids = route(torch.randn(tokens, experts, generator=g), 4, renormalize=True)
     out = fused_moe.fused_experts(*on_device(x), *(to_device(w) for w in (w13, w2)), *on_device(weights, ids),
-                                  act=act, b13=None if b13 is None else b13.to(DEVICE), w8a8=True).cpu()
-    expected = w8a8_reference(x, w13, w2, weights, ids, act, b13)
+                                  act=act, b13=on_device(b13)[0], w8a8=True, b2=on_device(b2)[0]).cpu()
+    expected = w8a8_reference(x, w13, w2, weights, ids, act, b13, b2)
     # a gated value within float error of an e4m3 rounding boundary may take the other code: a few
     # elements of the output differ by a step of the gated activations' codes, the rest by float error
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     close = (out - expected).abs() <= tol * (expected.abs().max() + expected.abs())
     error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
     assert close.float().mean().item() > 0.99 and error < (1e-3 if dtype == torch.float32 else 2e-2)
-    exact = experts_reference(x, w13, w2, weights, ids, act, b13).float()
+    exact = experts_reference(x, w13, w2, weights, ids, act, b13, b2).float()
     assert 1e-3 < ((out.float() - exact).norm() / exact.norm()).item() < 0.06
 
 
@@ -255,13 +262,13 @@ def test_quantized_experts_dequantized_a_chunk_at_a_time_equal_the_oracle(monkey
         (w.shape[1], first, count)) or real(w, first, count, dt))
     g = torch.Generator().manual_seed(8)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    b13 = torch.randn(experts, 2 * width, generator=g).to(dtype) if act.interleaved else None
+    b13, b2 = (torch.randn(experts, n, generator=g).to(dtype) if act.interleaved else None for n in (2 * width, hidden))
     weights, ids = route(torch.randn(tokens, experts, generator=g), 2, renormalize=True)
     out = fused_moe.fused_experts(*on_device(x), to_device(w13), to_device(w2), *on_device(weights, ids), None, act,
-                                  None if b13 is None else b13.to(DEVICE), dequantize_first=True)
+                                  *on_device(b13), dequantize_first=True, b2=on_device(b2)[0])
     # w13's experts [128, 96] in chunks of 3; w2's [96, 64], half the size, of 6
     assert chunks == [(2 * width, 0, 3), (2 * width, 3, 3), (2 * width, 6, 2), (hidden, 0, 6), (hidden, 6, 2)]
-    expected = experts_reference(x, w13, w2, weights, ids, act, b13)
+    expected = experts_reference(x, w13, w2, weights, ids, act, b13, b2)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.cpu(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
 
@@ -346,7 +353,7 @@ def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_ki
         return [o.outputs[0].token_ids for o in outs]
 
     def oracle(self, x, weights, experts):
-        return experts_reference(x, *self.stacks(x.dtype), weights, experts, self.act, self.b13)
+        return experts_reference(x, *self.stacks(x.dtype), weights, experts, self.act, self.b13, self.down_biases)
 
     monkeypatch.setattr(Experts, "forward", oracle)
     reference = greedy()

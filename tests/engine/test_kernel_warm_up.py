@@ -78,11 +78,11 @@ def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monke
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
     tiles, real = [], fused_moe.fused_experts
 
-    def spy(x, w13, w2, weights, experts, block_m=None, act=None, b13=None, dequantize_first=None):
+    def spy(x, w13, w2, weights, experts, block_m=None, act=None, b13=None, dequantize_first=None, b2=None):
         tiles.append((block_m, dequantize_first))
         assert experts.shape == (1, 2) and w13.shape[0] == 8  # the model's top-k of its 8 experts
         assert isinstance(w13, fp8.Stacked) == (kept == "fp8")
-        return real(x, w13, w2, weights, experts, block_m, act, b13, dequantize_first)
+        return real(x, w13, w2, weights, experts, block_m, act, b13, dequantize_first, b2=b2)
 
     monkeypatch.setattr(fused_moe, "fused_experts", spy)
     warm_up(runner, max_tokens)

@@ -32,7 +32,7 @@ def test_the_tiny_layer_runs_every_format_and_path_and_counts_their_bytes(tmp_pa
     assert [r["default"] for r in rows.values()] == [True, True, False, True, False, False] * 2
     assert rows[1, "dense", "as read"]["experts_hit"] == 2 and rows[64, "dense", "as read"]["experts_hit"] == 4
     weights = 4 * 3 * 64 * 64  # experts x (gate, up, down) x hidden x width
-    biases, rows_in_out = 4 * 2 * 64 * 2, 2 * 64 * 64 * 2  # gate/up biases; x and out, float16
+    biases, rows_in_out = 4 * (2 * 64 + 64) * 2, 2 * 64 * 64 * 2  # gate/up and down biases; x and out, float16
     assert rows[64, "dense", "as read"]["bytes"] == 2 * weights + biases + rows_in_out
     for path in ("as read", "dequantized"):
         assert rows[64, "mxfp4", path]["bytes"] == weights // 2 + weights // 32 + biases + rows_in_out

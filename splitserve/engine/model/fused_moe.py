@@ -149,13 +149,15 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
 
 
 @triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts", "stride_as"])
-def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_assignments, width,
-                 hidden, stride_act, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols, stride_out,
-                 first_expert, num_experts, as_ptr, stride_as, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr,
-                 W8A8: tl.constexpr, TILE_SCALES: tl.constexpr, EVEN_K: tl.constexpr):
+def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_assignments,
+                 width, hidden, stride_act, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols,
+                 stride_be, stride_out, first_expert, num_experts, as_ptr, stride_as, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr,
+                 PACKED: tl.constexpr, FP8: tl.constexpr, W8A8: tl.constexpr, TILE_SCALES: tl.constexpr,
+                 EVEN_K: tl.constexpr):
     """One program per (tile of one expert's assignments, BLOCK_N of hidden), experts as in
-    `_gate_up_kernel`: out[a] = weight[a] * (act[a] @ down.T); PACKED, FP8 and W8A8 as there, over the width."""
+    `_gate_up_kernel`: out[a] = weight[a] * (act[a] @ down.T + b2[expert] with BIAS); PACKED, FP8 and
+    W8A8 as there, over the width."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if (expert < first_expert) | (expert >= first_expert + num_experts):
         return
@@ -182,6 +184,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_
             d = weight_tile(w, s, cols, start, width, stride_wn, stride_sn, block_rows, block_cols, col_ok, a.dtype,
                             BLOCK_K, FP8)
             acc = tl.dot(a, d, acc, input_precision=PRECISION)
+    if BIAS:
+        acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     acc = acc * tl.load(weights_ptr + at, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + at[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
@@ -276,10 +280,12 @@ def _launches(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, operands: tuple, kin
 def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
                   w2: torch.Tensor | mxfp4.Packed | fp8.Stacked, weights: torch.Tensor, experts: torch.Tensor,
                   block_m: int | None = None, act: GatedAct = SILU, b13: torch.Tensor | None = None,
-                  dequantize_first: bool | None = None, w8a8: bool | None = None) -> torch.Tensor:
+                  dequantize_first: bool | None = None, w8a8: bool | None = None,
+                  b2: torch.Tensor | None = None) -> torch.Tensor:
     """What `moe.experts_reference` computes, for x [T, hidden], w13 [E, 2 * width, hidden],
     w2 [E, hidden, width] (tensors, or both MXFP4, or both FP8), weights (float32) and experts
-    [T, k], `act` and the gate and up biases `b13` [E, 2 * width]; block_m: the tile rows (by
+    [T, k], `act`, the gate and up biases `b13` [E, 2 * width] and the down biases `b2`
+    [E, hidden]; block_m: the tile rows (by
     default `block_m_for`); `dequantize_first`: quantized experts take prefills' path (None: as
     `dequantizes` says): dequantized, a chunk at a time, for the kernels to read as tensors, or
     FP8 ones W8A8 where `w8a8` (None: where `fp8_w8a8.supported` on the device): x and the gated
@@ -294,7 +300,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
     kind = _format(w13)
     if _format(w2) != kind:
         raise ValueError("fused_experts takes w13 and w2 in one format (tensors, MXFP4 or FP8)")
-    if x.stride(1) != 1 or (b13 is not None and b13.stride(1) != 1):
+    if x.stride(1) != 1 or any(b is not None and b.stride(1) != 1 for b in (b13, b2)):
         raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
     up_operands, down_operands = _operands(w13), _operands(w2)  # each stack's layout checked before any launch
     path = path_for(kind, count, num_experts, x, w13.block if kind == "fp8" else None, dequantize_first, w8a8)
@@ -331,9 +337,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
         _, block_n, block_k, warps = launch_config(block_m, "w8a8" if w8a8 else fmt)
         tile_scales = w8a8 and w2.block[0] % block_n == 0
         _down_kernel[(tiles, triton.cdiv(hidden, block_n))](
-            act_in, w, scales, out, routing_weights, sorted_ids, block_expert, count, width, hidden,
-            act_in.stride(0), *strides, out.stride(0), first, experts, act_scales, count, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, PACKED=fmt == "mxfp4",
+            act_in, w, scales, w if b2 is None else b2, out, routing_weights, sorted_ids, block_expert, count, width,
+            hidden, act_in.stride(0), *strides, 0 if b2 is None else b2.stride(0), out.stride(0), first, experts,
+            act_scales, count, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+            BIAS=b2 is not None, PACKED=fmt == "mxfp4",
             FP8=fmt == "fp8" and not w8a8, W8A8=w8a8, TILE_SCALES=tile_scales, EVEN_K=w8a8 and width % block_k == 0,
             num_warps=warps)
 

@@ -109,8 +109,8 @@ class MergedLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """A projection whose input features are split over the ranks: partial sums, all-reduced, then
-    the bias (whole on every rank) added once."""
+    """A projection whose input features are split over the ranks: partial sums, all-reduced. The
+    bias (whole on every rank) is rank 0's alone, added in its product, so the sum counts it once."""
 
     def __init__(self, in_features: int, out_features: int, shard_slice: ShardSlice | None, reduce: Reduce | None,
                  bias: bool = False, fp8_block: tuple[int, int] | None = None):
@@ -118,9 +118,8 @@ class RowParallelLinear(Linear):
         self.shard_slice, self.reduce = shard_slice, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.project(x)
-        out = out if self.reduce is None else self.reduce(out)
-        return out if self.bias is None else out + self.bias
+        out = self.project(x, self.bias if self.shard_slice is None or self.shard_slice.start == 0 else None)
+        return out if self.reduce is None else self.reduce(out)
 
     def shard_slices(self, owner: str) -> Iterable[tuple[str, ShardSlice]]:
         if self.shard_slice is None:

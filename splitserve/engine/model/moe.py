@@ -134,9 +134,10 @@ class Experts(nn.Module):
         else:
             self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width, c.hidden_size))
             self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, self.width))
-        biased = names.stacked  # GPT-OSS; b2 is added once, after the reduce (`down_bias`)
+        biased = names.stacked  # GPT-OSS
         self.b13 = nn.Parameter(torch.empty(c.num_experts, 2 * self.width)) if biased else None
         self.b2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size)) if biased else None
+        self.adds_b2 = shard.rank == 0  # the ranks' partial sums are reduced: the down biases counted once
 
     def stacks(self, dtype: torch.dtype) -> tuple:
         """(w13, w2): the parameters, or their MXFP4 bytes or FP8 codes, which dequantize to `dtype`."""
@@ -149,10 +150,14 @@ class Experts(nn.Module):
         return self.w13, self.w2
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """This rank's sum over each token's experts, without the down biases (on CUDA, `fused`)."""
+        """This rank's sum over each token's experts (on CUDA, `fused`); rank 0's has the down biases."""
         if triton_dispatch.runs_kernels(x):
             return self.fused(x, weights, experts)
-        return experts_reference(x, *self.stacks(x.dtype), weights, experts, self.act, self.b13)
+        return experts_reference(x, *self.stacks(x.dtype), weights, experts, self.act, self.b13, self.down_biases)
+
+    @property
+    def down_biases(self) -> torch.Tensor | None:
+        return self.b2 if self.adds_b2 else None
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, block_m: int | None = None,
               dequantize_first: bool | None = None) -> torch.Tensor:
@@ -160,13 +165,7 @@ class Experts(nn.Module):
         from splitserve.engine.model import fused_moe  # triton: CUDA builds of torch bring it
 
         return fused_moe.fused_experts(x, *self.stacks(x.dtype), weights, experts, block_m, self.act, self.b13,
-                                       dequantize_first)
-
-    def down_bias(self, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
-        """[T, hidden]: each token's experts' down biases, weighted as their outputs are (None without)."""
-        if self.b2 is None:
-            return None
-        return (weights[..., None] * self.b2[experts].float()).sum(dim=1)
+                                       dequantize_first, b2=self.down_biases)
 
     def checkpoint_tensors(self, owner: str, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, view) of each expert's projections held in parameter `kind`."""
@@ -247,16 +246,15 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, weights, experts)
         if self.shared_expert is not None:  # the gate is per token, so it scales a partial sum exactly
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        out = out if self.reduce is None else self.reduce(out)
-        bias = self.experts.down_bias(weights, experts)
-        return out if bias is None else out + bias.to(out.dtype)
+        return out if self.reduce is None else self.reduce(out)
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
                       w2: torch.Tensor | mxfp4.Packed | fp8.Stacked, weights: torch.Tensor,
-                      experts: torch.Tensor, act: GatedAct = SILU, b13: torch.Tensor | None = None) -> torch.Tensor:
+                      experts: torch.Tensor, act: GatedAct = SILU, b13: torch.Tensor | None = None,
+                      b2: torch.Tensor | None = None) -> torch.Tensor:
     """sum over each token's k experts of weight * down(act(gate(x), up(x))) (gate and up with the
-    biases `b13`), one matmul per expert over the tokens routed to it (`w13[e]`, `w2[e]`: a quantized
+    biases `b13`, down with `b2`), one matmul per expert over the tokens routed to it (`w13[e]`, `w2[e]`: a quantized
     stack dequantizes that expert's alone); each expert's share is rounded to x's dtype as it is added."""
     out, top_k = torch.zeros_like(x), experts.shape[1]
     flat = experts.flatten()
@@ -269,6 +267,6 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.St
         start += count
         tokens = assignments // top_k
         gate, up = act.split(F.linear(x[tokens], w13[e], None if b13 is None else b13[e]))
-        y = F.linear(act(gate, up), w2[e]) * weights.flatten()[assignments, None]
+        y = F.linear(act(gate, up), w2[e], None if b2 is None else b2[e]) * weights.flatten()[assignments, None]
         out.index_add_(0, tokens, y.to(x.dtype))
     return out
