@@ -94,9 +94,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
     experts [first_expert, first_expert + num_experts), whose weights w13 (and scales) stack:
     out[a] = act(x[token] @ gate.T, x[token] @ up.T) for each assignment a of the tile. Gate column
     c is w13's row c * row_step, up's that plus up_offset (1, width: halves; 2, 1: interleaved);
-    with BIAS the same entries of b13 are added. act: silu(gate) * up, or with OSS
-    (up + 1) * gate * sigmoid(alpha * gate), with CLAMP gate <= limit and |up| <= limit first.
-    PACKED: w13 is MXFP4 bytes (rows of hidden / 2) and s_ptr its scales (rows of hidden / 32);
+    with BIAS the same entries of b13 are added. act: `_gated`. PACKED: w13 is MXFP4 bytes (rows of hidden / 2) and s_ptr its scales (rows of hidden / 32);
     FP8: w13 is float8 codes and s_ptr the scales of its blocks of block_rows x block_cols. W8A8:
     so are w13 and x (`fp8_w8a8.quantize`'s codes, as_ptr its scales [groups, stride_as]), multiplied
     as codes, each k step's dot scaled by the tokens' group scales and the rows' block scales
@@ -137,6 +135,15 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
         b = b_ptr + expert.to(tl.int64) * stride_be
         gate += tl.load(b + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(b + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    act = _gated(gate, up, alpha, limit, OSS, CLAMP)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], act.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gated(gate, up, alpha, limit, OSS: tl.constexpr, CLAMP: tl.constexpr):
+    """silu(gate) * up, or with OSS (up + 1) * gate * sigmoid(alpha * gate), with CLAMP gate <= limit
+    and |up| <= limit first. An exponential past float32's range is inf, and x / inf is 0: no NaN."""
     if OSS:
         if CLAMP:
             gate = tl.minimum(gate, limit)
@@ -144,8 +151,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
         act = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
     else:
         act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], act.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & col_ok[None, :])
+    return act
 
 
 @triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts", "stride_as"])
@@ -242,6 +248,17 @@ def _operands(w: torch.Tensor | mxfp4.Packed | fp8.Stacked) -> tuple:
     return w, w, w.stride(0), w.stride(1), 0, 0, 1, 1
 
 
+def _checked_operands(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
+                      w2: torch.Tensor | mxfp4.Packed | fp8.Stacked, b13: torch.Tensor | None,
+                      b2: torch.Tensor | None) -> tuple[tuple, tuple]:
+    """The two stacks' kernel operands, every layout checked before any launch."""
+    if _format(w2) != _format(w13):
+        raise ValueError("fused_experts takes w13 and w2 in one format (tensors, MXFP4 or FP8)")
+    if x.stride(1) != 1 or any(b is not None and b.stride(1) != 1 for b in (b13, b2)):
+        raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
+    return _operands(w13), _operands(w2)
+
+
 def _format(w: torch.Tensor | mxfp4.Packed | fp8.Stacked) -> str:
     return "mxfp4" if isinstance(w, mxfp4.Packed) else "fp8" if isinstance(w, fp8.Stacked) else "dense"
 
@@ -285,8 +302,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
     """What `moe.experts_reference` computes, for x [T, hidden], w13 [E, 2 * width, hidden],
     w2 [E, hidden, width] (tensors, or both MXFP4, or both FP8), weights (float32) and experts
     [T, k], `act`, the gate and up biases `b13` [E, 2 * width] and the down biases `b2`
-    [E, hidden]; block_m: the tile rows (by
-    default `block_m_for`); `dequantize_first`: quantized experts take prefills' path (None: as
+    [E, hidden]; block_m: the tile rows (by default `block_m_for`); `dequantize_first`: quantized
+    experts take prefills' path (None: as
     `dequantizes` says): dequantized, a chunk at a time, for the kernels to read as tensors, or
     FP8 ones W8A8 where `w8a8` (None: where `fp8_w8a8.supported` on the device): x and the gated
     activations quantized per token and 128 columns (`fp8_w8a8.quantize`), the tensor cores
@@ -298,11 +315,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
     if count == 0:
         return torch.zeros_like(x)
     kind = _format(w13)
-    if _format(w2) != kind:
-        raise ValueError("fused_experts takes w13 and w2 in one format (tensors, MXFP4 or FP8)")
-    if x.stride(1) != 1 or any(b is not None and b.stride(1) != 1 for b in (b13, b2)):
-        raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
-    up_operands, down_operands = _operands(w13), _operands(w2)  # each stack's layout checked before any launch
+    up_operands, down_operands = _checked_operands(x, w13, w2, b13, b2)
     path = path_for(kind, count, num_experts, x, w13.block if kind == "fp8" else None, dequantize_first, w8a8)
     w8a8, dequantize_first = path == "w8a8", path == "dequantized"
     if w8a8 and (kind != "fp8" or w13.block[1] % fp8_w8a8.GROUP or w2.block[1] % fp8_w8a8.GROUP):
