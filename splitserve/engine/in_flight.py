@@ -6,7 +6,7 @@ iteration is in flight: N+1 is scheduled from N's tokens, so N's are read first.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +24,7 @@ class InFlight:
     start: float     # when it was scheduled (time.monotonic)
     forward: Forward
     drawn: Drawn
-    done: torch.cuda.Event | None = field(default=None)  # recorded after its last op (CUDA only)
+    done: torch.cuda.Event | None = None  # recorded after its last op (CUDA only)
 
     @classmethod
     def queued(cls, plan: Plan, work: StepStats, start: float, forward: Forward, drawn: Drawn) -> InFlight:
