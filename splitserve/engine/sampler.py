@@ -1,5 +1,5 @@
 """Turns one row of logits per sequence into its next token: penalties and biases (`penalties`),
-then greedy, or temperature / top-k / top-p / min-p.
+then greedy, or temperature / top-k / top-p / min-p (`token_filters`).
 
 All rows are processed together; only seeded rows touch Python one by one, to draw their
 uniform on the host from a generator set for their seed and output position. Random rows sample
@@ -22,6 +22,7 @@ from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.penalties import apply_penalties
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import upload_list
+from splitserve.engine.token_filters import filter_tokens
 
 _GOLDEN_64 = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd: seed -> seed x this spreads every bit
 
@@ -103,9 +104,8 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temperatures = upload_list([s.params.temperature for s in seqs], torch.float32, logits.device)
         shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0, the row's top token at 0
-        logits = apply_top_k_top_p(shifted / temperatures.unsqueeze(1),
-                                   [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
-        logits = apply_min_p(logits, [s.params.min_p for s in seqs])
+        logits = filter_tokens(shifted / temperatures.unsqueeze(1), [s.params.top_k for s in seqs],
+                               [s.params.top_p for s in seqs], [s.params.min_p for s in seqs])
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         # u in (0, 1] scaled to the row's total picks the first token whose cdf reaches it, so a
         # token of probability 0 (cdf equal to its predecessor's) is never chosen; rounding can put
@@ -158,45 +158,6 @@ def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
     logits = logits.clone()
     logits[upload_list(rows, torch.long, logits.device), upload_list(cols, torch.long, logits.device)] = float("-inf")
     return logits
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Masks to -inf what top-k (-1: off) and then top-p (1.0: off) drop, per row, as
-    transformers' `TopKLogitsWarper` and `TopPLogitsWarper` do."""
-    if any(k != -1 for k in top_k):
-        logits = _apply_top_k(logits, top_k)
-    if any(p < 1 for p in top_p):
-        logits = _apply_top_p(logits, top_p)
-    return logits
-
-
-def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    """Masks to -inf the tokens less likely than min_p times the row's top token (0: off), as
-    transformers' `MinPLogitsWarper` does; the top token always stays."""
-    if not any(p > 0 for p in min_p):
-        return logits
-    probs = logits.softmax(dim=-1)
-    floor = probs.amax(dim=-1, keepdim=True) * upload_list(min_p, torch.float32, logits.device).unsqueeze(1)
-    return logits.masked_fill(probs < floor, float("-inf"))
-
-
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Keeps values >= the row's k-th largest (ties included); a topk, not a full sort."""
-    vocab, device = logits.shape[1], logits.device
-    ks = [min(k, vocab) if k != -1 else 1 for k in top_k]
-    k = upload_list(ks, torch.long, device)
-    kth_largest = logits.topk(max(ks), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-    kth_largest.masked_fill_(upload_list(top_k, torch.long, device).eq(-1).unsqueeze(1), float("-inf"))
-    return logits.masked_fill(logits < kth_largest, float("-inf"))
-
-
-def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Keeps the smallest most-likely set whose mass reaches top_p, and always the top token."""
-    ascending, order = logits.sort(dim=-1)
-    mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
-    drop = mass_below <= 1 - upload_list(top_p, torch.float32, logits.device).unsqueeze(1)
-    drop[:, -1] = False
-    return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
 def _results(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,

@@ -1,14 +1,13 @@
-"""Biases and penalties on a batch's logits (the sampler's `apply_penalties` and `apply_min_p`)
+"""Biases and penalties on a batch's logits (the sampler's `apply_penalties`)
 against transformers' logits processors and OpenAI's documented frequency / presence formula."""
 from collections import Counter
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    SequenceBiasLogitsProcessor)
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from splitserve.engine.penalties import apply_penalties
-from splitserve.engine.sampler import Sampler, apply_min_p
+from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 
@@ -54,20 +53,6 @@ def test_rows_without_penalties_are_untouched_in_a_mixed_batch():
     got = apply_penalties(raw, [seq("a"), seq("b", presence_penalty=1.0), seq("c")])
     assert torch.equal(got[0], raw[0]) and torch.equal(got[2], raw[2]) and not torch.equal(got[1], raw[1])
     assert apply_penalties(raw, [seq("a"), seq("b"), seq("c")]) is raw
-
-
-@pytest.mark.parametrize("min_p", [0.05, 0.2, 0.9])
-def test_min_p_keeps_the_same_tokens_as_transformers(min_p):
-    raw = logits(4, seed=7)
-    theirs = MinPLogitsWarper(min_p)(None, raw.clone())
-    assert torch.equal(apply_min_p(raw, [min_p] * 4).isfinite(), theirs.isfinite())
-
-
-def test_sampling_with_min_p_stays_inside_the_kept_set():
-    raw = logits(1, seed=3).repeat(200, 1)
-    kept = apply_min_p(raw[:1], [0.3]).isfinite()[0]
-    seqs = [seq(f"s{i}", temperature=1.0, min_p=0.3) for i in range(200)]
-    assert all(kept[t.token_id] for t in Sampler(seed=1).sample(raw, seqs))
 
 
 def test_a_strong_bias_decides_a_greedy_token():
