@@ -1,6 +1,7 @@
 """kernel_warm_up on a tiny model under Triton's interpreter: one step per decode split count, each
 attending its decode with that many splits, nothing stored in the KV cache, the backend's own
-`num_splits` kept; no steps for the torch backend; an MoE model's experts once per tile size. That
+`num_splits` kept; no steps for the torch backend; an MoE model's experts once per tile size; the
+sampler's filter kernel once over the vocabulary. That
 these steps leave no variant to compile while serving is checked compiled, for sm_90 and sm_80, in
 tests/scripts/test_compile_kernels.py."""
 from __future__ import annotations
@@ -50,10 +51,20 @@ def test_one_step_per_split_count_and_nothing_stored(monkeypatch, caplog, fixed)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.layers()))
 
 
-def test_the_torch_backend_has_nothing_to_warm_up(monkeypatch):
+def test_the_torch_backend_has_no_steps_and_the_sampler_filters_a_row_of_the_vocabulary(monkeypatch):
+    from splitserve.engine import triton_token_filters
+
     runner = LLM("demo", attention_backend="torch", **ENGINE).engine.runner
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
+    filtered, real = [], triton_token_filters.filter_in_place
+
+    def spy(x, top_k, top_p, min_logp):
+        real(x, top_k, top_p, min_logp)
+        filtered.append((tuple(x.shape), x.isfinite().sum().item()))
+
+    monkeypatch.setattr(triton_token_filters, "filter_in_place", spy)
     warm_up(runner)
+    assert filtered == [((1, runner.model.config.vocab_size), runner.model.config.vocab_size)]  # ties all kept
 
 
 
