@@ -6,9 +6,10 @@
 #   bash scripts/gpu_check.sh tests [SECONDS]    # there (carry .whl): the kernels (compiled) and gpu tests (300 s)
 #   bash scripts/gpu_check.sh kernels            # there: scripts/bench_attention.py (the prefill tile configurations,
 #                                                # decode), scripts/bench_moe.py (gpt-oss-20b's and Qwen3-30B-A3B's
-#                                                # experts), scripts/bench_fp8_linear.py (Qwen3-8B's projections)
+#                                                # experts), scripts/bench_fp8_linear.py (Qwen3-8B's projections),
+#                                                # scripts/bench_sampler.py (top-k / top-p / min-p, torch and Triton)
 #   bash scripts/gpu_check.sh bench [ARGS...]    # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
-#   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), kernels (at most 205 s), then bench
+#   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), kernels (at most 235 s), then bench
 #                                                # ARGS in what is left of 570 s
 # Logs (tests.log with the device first), gpu.json, attention.json, moe-*.json and fp8-linear.json go to $OUT
 # where it is set, else to gpu-check/: 8 files, the most a device call brings back.
@@ -54,7 +55,9 @@ case "${1:-}" in
     for shape in gpt-oss-20b qwen3-30b-a3b; do
       timeout 50 python3 scripts/bench_moe.py --shape $shape --json "$out/moe-$shape.json" 2>&1 | tee -a "$out/kernels.log"
     done
-    timeout 65 python3 scripts/bench_fp8_linear.py --json "$out/fp8-linear.json" 2>&1 | tee -a "$out/kernels.log" ;;
+    timeout 65 python3 scripts/bench_fp8_linear.py --json "$out/fp8-linear.json" 2>&1 | tee -a "$out/kernels.log"
+    # its table in kernels.log alone: a ninth file would not come back
+    timeout 30 python3 scripts/bench_sampler.py --iters 20 2>&1 | tee -a "$out/kernels.log" ;;
   bench)
     install_carried
     mkdir -p "$out"
