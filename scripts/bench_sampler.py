@@ -1,17 +1,18 @@
-"""Top-k, top-p and min-p over a batch of vocabulary-wide rows, the torch path (a topk, a sort of
-every row for top-p) against the Triton kernel that finds each row's threshold without sorting
-(`engine/triton_token_filters.py`), on the same rows: the filters alone, and the sampler's whole
-draw for requests that set them (temperature 0.8, a seed each), which is what a decode step pays
-after its forward. Each row says in how many rows the two paths kept different tokens (0 expected:
-the kernel is checked against the torch path) and whether the draws gave the same tokens.
+"""The sampler's draw for a batch of randomly sampled vocabulary-wide rows (temperature 0.8, with
+top-k, top-p or min-p, or none), the torch path (a gather, shift, division, filters with a sort of
+every row for top-p, softmax, cumulative sum and search) against the Triton kernel that draws
+every row in one launch (`engine/triton_sampling.py`): what a decode step pays after its forward
+for requests that sample. Each row also says for how many of its rows the two paths drew
+different tokens from the same seeded uniforms (0 expected: the kernel is checked against the
+torch path; a target within rounding of a boundary between two tokens may differ).
 
     python scripts/bench_sampler.py --json sampler.json    # CUDA: Llama-3's vocabulary, batches 1 to 256
     python scripts/bench_sampler.py --tiny                 # a small vocabulary on the CPU (Triton's interpreter)
 
-Rows are random logits (standard normal times 3), shifted to a maximum of 0 as the sampler shifts
-them; each time is the median of --iters calls after one untimed call (CUDA events on a GPU).
-`token_filters.KERNEL_ROWS`, the batch from which the engine takes the kernel, should sit where
-the `speedup` column crosses 1.
+Rows are random logits (standard normal times 3); each time is the median of --iters draws after
+one untimed draw (CUDA events on a GPU), of requests without a seed (a seed's uniform is drawn on
+the host, the same for both paths). `sampler.KERNEL_ROWS`, the batch from which the engine takes
+the kernel, should sit where the `speedup` column crosses 1.
 """
 from __future__ import annotations
 
@@ -24,61 +25,54 @@ import torch
 
 from bench_moe import emit, print_markdown, ratio, run_device, time_calls  # this script's folder
 
-from splitserve.engine import token_filters
+from splitserve.engine import sampler
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 
-FILTERS = {"top-p": (-1, 0.9, 0.0), "top-k": (50, 1.0, 0.0), "top-k+top-p": (50, 0.9, 0.0), "min-p": (-1, 1.0, 0.05),
-           "top-p 0.99": (-1, 0.99, 0.0)}
+FILTERS = {"none": (-1, 1.0, 0.0), "top-p": (-1, 0.9, 0.0), "top-k": (50, 1.0, 0.0), "top-k+top-p": (50, 0.9, 0.0),
+           "min-p": (-1, 1.0, 0.05), "top-p 0.99": (-1, 0.99, 0.0)}
 BATCHES, TINY_BATCHES = "1,8,16,32,64,128,256", "1,4"
 VOCAB, TINY_VOCAB = 128256, 3000  # Llama-3's
 
 
 @contextmanager
 def kernel_path(on: bool):
-    """`filter_tokens` through the kernel at any batch (on), or never."""
-    rows, runs = token_filters.KERNEL_ROWS, token_filters.runs_kernels
-    token_filters.KERNEL_ROWS = 1 if on else sys.maxsize
-    token_filters.runs_kernels = lambda x: True
+    """The sampler's random rows through the kernel at any batch (on), or never."""
+    rows, runs = sampler.KERNEL_ROWS, sampler.runs_kernels
+    sampler.KERNEL_ROWS = 1 if on else sys.maxsize
+    sampler.runs_kernels = lambda x: True
     try:
         yield
     finally:
-        token_filters.KERNEL_ROWS, token_filters.runs_kernels = rows, runs
+        sampler.KERNEL_ROWS, sampler.runs_kernels = rows, runs
 
 
 def measure(name: str, batch: int, vocab: int, iters: int, device: torch.device) -> dict:
     top_k, top_p, min_p = FILTERS[name]
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)).mul_(3).to(device)
-    scaled = logits - logits.amax(dim=-1, keepdim=True)
-    settings = ([top_k] * batch, [top_p] * batch, [min_p] * batch)
-    seqs = [Sequence(f"s{i}", [1], SamplingParams(max_tokens=8, temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p,
-                                                   seed=i)) for i in range(batch)]
-    row = {"filter": name, "batch": batch, "vocab": vocab}
-    kept, tokens = {}, {}
+
+    def requests(seeded: bool) -> list[Sequence]:
+        return [Sequence(f"s{i}", [1], SamplingParams(max_tokens=8, temperature=0.8, top_k=top_k, top_p=top_p,
+                                                       min_p=min_p, seed=i if seeded else None)) for i in range(batch)]
+
+    row, tokens, timed = {"filter": name, "batch": batch, "vocab": vocab}, {}, requests(False)
     for path, on in (("torch", False), ("kernel", True)):
         with kernel_path(on):
-            kept[path] = token_filters.filter_tokens(scaled.clone(), *settings).isfinite()
-            work = scaled.clone()  # the kernel filters in place; filtered again, a row stays as it is
-            row[f"{path}_ms"] = time_calls(lambda: token_filters.filter_tokens(work, *settings), iters,
+            drawer = Sampler()
+            row[f"{path}_ms"] = time_calls(lambda: drawer.draw(logits, timed).token_ids, iters,
                                            device.type == "cuda") * 1e3
-            row[f"sampler_{path}_ms"] = time_calls(lambda: Sampler().draw(logits, seqs).token_ids, iters,
-                                                   device.type == "cuda") * 1e3
-            tokens[path] = [t.token_id for t in Sampler().sample(logits, seqs)]
-    row["rows_differing"] = int((kept["torch"] != kept["kernel"]).any(dim=-1).sum())
-    row["same_tokens"] = tokens["torch"] == tokens["kernel"]
+            tokens[path] = [t.token_id for t in Sampler().sample(logits, requests(True))]
+    row["tokens_differing"] = sum(a != b for a, b in zip(tokens["torch"], tokens["kernel"]))
     row["speedup"] = row["torch_ms"] / row["kernel_ms"]
-    row["sampler_speedup"] = row["sampler_torch_ms"] / row["sampler_kernel_ms"]
     return row
 
 
 def print_table(result: dict) -> None:
     print(f"Device: {result['device']}; vocabulary {result['vocab']}, float32 rows")
-    print_markdown(["filter", "batch", "torch ms:", "kernel ms:", "speedup:", "sampler torch ms:",
-                    "sampler kernel ms:", "sampler speedup:", "rows differing:", "same tokens"],
+    print_markdown(["filter", "batch", "torch ms:", "kernel ms:", "speedup:", "tokens differing:"],
                    [[r["filter"], r["batch"], f"{r['torch_ms']:.3f}", f"{r['kernel_ms']:.3f}", ratio(r["speedup"]),
-                     f"{r['sampler_torch_ms']:.3f}", f"{r['sampler_kernel_ms']:.3f}", ratio(r["sampler_speedup"]),
-                     r["rows_differing"], r["same_tokens"]] for r in result["rows"]])
+                     r["tokens_differing"]] for r in result["rows"]])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,8 @@ engine's start-up runs first (`kernel_warm_up` and the CUDA-graph capture, as `b
 them; not the memory profile, which a configured KV size skips), then a seeded serving mix
 (prefills, chunks at offsets, mixed and decode-only steps of every batch size, short and long
 contexts) through the real model runner, step inputs, graphs and attention backend, with one
-decoder layer's launches standing in for the model (`LayerLaunches`), and the sampler's top-k /
-top-p / min-p kernel over batches of the vocabulary.
+decoder layer's launches standing in for the model (`LayerLaunches`), and the sampler's draw (temperature,
+top-k, top-p, min-p) over batches of the vocabulary.
 
 Exits non-zero if a variant spills registers, needs more shared memory than the architecture
 gives a block, or is first compiled while serving.
@@ -44,7 +44,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from sass_loops import describe, disassemble, innermost_loops  # noqa: E402  (this script's folder)
 
-from splitserve.engine import fp8, token_filters  # noqa: E402
+from splitserve.engine import fp8, sampler  # noqa: E402
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES  # noqa: E402
 from splitserve.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from splitserve.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
@@ -62,7 +62,7 @@ from splitserve.engine.model.triton_ops import add_rms_norm, gated, rotate_in_pl
 from splitserve.engine.model_builder import default_dtype  # noqa: E402
 from splitserve.engine.model_runner import ModelRunner, StepBatch  # noqa: E402
 from splitserve.engine.shapes import SHAPES  # noqa: E402
-from splitserve.engine.triton_token_filters import filter_in_place  # noqa: E402
+from splitserve.engine.triton_sampling import draw  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -290,9 +290,9 @@ def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig
         phase[0] = "serving"
         for seqs in serving_mix(random.Random(seed), config, max_model_len, steps):
             runner.forward(step(seqs, config.block_size, cache.groups.num_groups))
-        for rows in sorted({1, token_filters.KERNEL_ROWS, config.max_num_seqs}):  # the sampler's filters
-            filter_in_place(torch.zeros((rows, model_config.vocab_size)), torch.ones(rows, dtype=torch.int32),
-                            torch.full((rows,), 0.5), torch.zeros(rows))
+        for rows in sorted({1, sampler.KERNEL_ROWS, config.max_num_seqs}):  # the sampler's draws
+            draw(torch.zeros((rows, model_config.vocab_size)), torch.arange(rows), torch.ones(rows), [1] * rows,
+                 [0.5] * rows, [0.1] * rows, torch.full((rows,), 0.5), torch.zeros(rows, dtype=torch.long))
     return list(variants.values())
 
 

@@ -30,6 +30,7 @@ EXTRA_MODULES = {"splitserve/engine/attention/triton_kernels.py": "gpu",
                  "splitserve/engine/model/w8a8_tiles.py": "gpu",
                  "splitserve/engine/triton_e4m3.py": "gpu",
                  "splitserve/engine/triton_token_filters.py": "gpu",
+                 "splitserve/engine/triton_sampling.py": "gpu",
                  "splitserve/engine/model/triton_tiles.py": "gpu"}
 USED_WITHOUT_IMPORT = {
     "python-multipart": "FastAPI parses the multipart forms of /v1/files with it",

@@ -11,8 +11,8 @@ where they are quantized, the 16- and 64-row tiles as stored and, where the engi
 reaches it, dequantized first, as prefills run them), and a model
 whose projections stay FP8 runs each shape of them once per launch shape of the W8A16 GEMM
 (`fp8_linear.tile_examples`: each tile, and prefills' path, W8A8 or the weight dequantized, where
-the engine's largest step reaches it), whatever the attention backend; and the sampler's top-k /
-top-p / min-p kernel over the model's vocabulary."""
+the engine's largest step reaches it), whatever the attention backend; and the sampler's draw
+(temperature, top-k, top-p, min-p) over the model's vocabulary."""
 from __future__ import annotations
 
 import functools
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from splitserve.engine import triton_token_filters
+from splitserve.engine import triton_sampling
 from splitserve.engine.attention.metadata import PAD_SLOT
 from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts
 from splitserve.engine.model import fp8_linear, fused_moe
@@ -37,7 +37,7 @@ def warm_up(runner: ModelRunner, max_tokens: int | None = None) -> None:
     `max_tokens` tokens launch (None: any); other attention backends have none."""
     warm_up_experts(runner.model, max_tokens)
     warm_up_projections(runner.model, runner.kv_cache.dtype, max_tokens)
-    warm_up_token_filters(runner.model.config.vocab_size, runner.device)
+    warm_up_sampling(runner.model.config.vocab_size, runner.device)
     backend = runner.backend
     if not isinstance(backend, TritonPagedBackend):
         return
@@ -83,12 +83,12 @@ def warm_up_projections(model: torch.nn.Module, dtype: torch.dtype, max_tokens: 
     return len(shapes) * len(fp8_linear.tile_examples(max_tokens))
 
 
-def warm_up_token_filters(vocab: int, device: torch.device) -> None:
-    """Filter a row of the vocabulary with top-k, top-p and min-p: the sampler's kernel
-    (`token_filters`) has one variant a vocabulary."""
+def warm_up_sampling(vocab: int, device: torch.device) -> None:
+    """Draw from a row of the vocabulary with top-k, top-p and min-p: the sampler's kernel
+    (`triton_sampling`) has one variant a vocabulary."""
     one = functools.partial(torch.full, (1,), device=device)
-    triton_token_filters.filter_in_place(torch.zeros((1, vocab), device=device), one(1, dtype=torch.int32),
-                                         one(0.5, dtype=torch.float32), one(-1.0, dtype=torch.float32))
+    triton_sampling.draw(torch.zeros((1, vocab), device=device), one(0, dtype=torch.long), one(1.0), [1], [0.5], [0.1],
+                         one(0.5), one(0, dtype=torch.long))
 
 
 def warm_up_step(decode_context: int, block_size: int, groups: int) -> StepBatch:

@@ -4,7 +4,8 @@ then greedy, or temperature / top-k / top-p / min-p (`token_filters`).
 All rows are processed together; only seeded rows touch Python one by one, to draw their
 uniform on the host from a generator set for their seed and output position. Random rows sample
 by inverse CDF: one uniform per row and a `searchsorted` over the cumulative probabilities, so the
-noise is one number per row, not per token.
+noise is one number per row, not per token; on CUDA, from KERNEL_ROWS of them, one kernel draws
+them all (`triton_sampling`).
 
 Numerically safe whatever the logits hold: NaN counts as -inf, +inf as the largest float, a row
 is shifted by its maximum before it is divided by the temperature (so nothing overflows and the
@@ -19,12 +20,18 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.grammar import GrammarMasks
+from splitserve.engine.model.triton_dispatch import runs_kernels
 from splitserve.engine.penalties import apply_penalties
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import upload_list
 from splitserve.engine.token_filters import filter_tokens
 
 _GOLDEN_64 = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd: seed -> seed x this spreads every bit
+# random rows a step from which CUDA draws through `triton_sampling`'s kernel. An estimate until
+# bench_sampler.py measures it on a GPU: a row takes the kernel about 0.4 ms of one multiprocessor
+# with top-p (its compiled loops), torch's sort about 18 us a row at 128 rows of 131k values (vLLM's
+# published figures); below it the torch path's passes, each spread over the whole GPU, are as fast
+KERNEL_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -94,24 +101,33 @@ class Sampler:
             logits = self.grammar.apply(logits, seqs)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if random_rows:
-            rows = upload_list(random_rows, torch.long, logits.device)
-            sampled = self._sample_random(logits[rows], [seqs[i] for i in random_rows])
-            # decided on the device, so reading the ids back is the step's only wait for it
-            token_ids[rows] = torch.where(torch.isfinite(logits[rows]).any(dim=-1), sampled, token_ids[rows])
+        if random_rows:  # decided on the device, so reading the ids back is the step's only wait for them
+            self._sample_random(logits, token_ids, random_rows, [seqs[i] for i in random_rows])
         return Drawn(token_ids, raw_logprobs, seqs)
 
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        temperatures = upload_list([s.params.temperature for s in seqs], torch.float32, logits.device)
-        shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0, the row's top token at 0
-        logits = filter_tokens(shifted / temperatures.unsqueeze(1), [s.params.top_k for s in seqs],
-                               [s.params.top_p for s in seqs], [s.params.min_p for s in seqs])
-        cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    def _sample_random(self, logits: torch.Tensor, token_ids: torch.Tensor, random_rows: list[int],
+                       seqs: list[Sequence]) -> None:
+        """Draws token_ids' random rows (a row with no finite logit keeps its greedy id): through
+        one kernel on CUDA from KERNEL_ROWS rows, else torch."""
+        device = logits.device
+        rows = upload_list(random_rows, torch.long, device)
+        temperatures = upload_list([s.params.temperature for s in seqs], torch.float32, device)
+        filters = [s.params.top_k for s in seqs], [s.params.top_p for s in seqs], [s.params.min_p for s in seqs]
+        uniforms = self._uniforms(seqs, device)
+        if runs_kernels(logits) and len(seqs) >= KERNEL_ROWS:
+            from splitserve.engine import triton_sampling
+
+            triton_sampling.draw(logits, rows, temperatures, *filters, uniforms, token_ids)
+            return
+        picked = logits[rows]
+        shifted = picked - picked.amax(dim=-1, keepdim=True)  # <= 0, the row's top token at 0
+        cdf = filter_tokens(shifted / temperatures.unsqueeze(1), *filters).softmax(dim=-1).cumsum(dim=-1)
         # u in (0, 1] scaled to the row's total picks the first token whose cdf reaches it, so a
         # token of probability 0 (cdf equal to its predecessor's) is never chosen; rounding can put
         # the target past the last cdf value, hence the clamp.
-        targets = self._uniforms(seqs, logits.device).mul_(cdf[:, -1])
-        return torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=logits.shape[1] - 1)
+        targets = uniforms.mul_(cdf[:, -1])
+        sampled = torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=logits.shape[1] - 1)
+        token_ids[rows] = torch.where(torch.isfinite(picked).any(dim=-1), sampled, token_ids[rows])
 
     def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         """One draw in (0, 1] per row. A seeded row's draw is a function of its seed and the output

@@ -3,9 +3,9 @@ then min-p, as transformers' `TopKLogitsWarper`, `TopPLogitsWarper` and `MinPLog
 them. Each keeps a row's values from a threshold up, so a value tied with the least one kept is
 kept too (transformers splits such ties in its sort's order).
 
-On CUDA from `KERNEL_ROWS` rows, one Triton kernel finds the thresholds without sorting and
-without a host sync (`triton_token_filters`); otherwise, and as that kernel's oracle, torch: a top-k
-for top-k, a sort of the row for top-p.
+This is the CPU path and the oracle of the CUDA path's kernel (`triton_sampling`, which finds the
+same thresholds without sorting: `triton_token_filters`): a top-k for top-k, a sort of the row
+for top-p.
 """
 from __future__ import annotations
 
@@ -13,31 +13,12 @@ import math
 
 import torch
 
-from splitserve.engine.model.triton_dispatch import runs_kernels
 from splitserve.engine.step_inputs import upload_list
-
-SMALLEST_TOP_P = 1e-30  # > 0 in float32, and below any top token's share (>= 1 / vocab)
-# below it a sort is about as fast, by an estimate until bench_sampler.py measures it on a GPU: a row
-# takes the kernel about 0.4 ms of one multiprocessor (its compiled loops), torch's sort about 18 us
-# a row at 128 rows of 131k values (vLLM's published figures)
-KERNEL_ROWS = 32
 
 
 def filter_tokens(scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """scaled: a batch's rows of logits over their temperatures, each shifted to a maximum of 0, with
-    what the filters drop set to -inf (in place on CUDA); top_k -1, top_p 1.0 and min_p 0 are off."""
-    if all(k == -1 for k in top_k) and all(p >= 1 for p in top_p) and all(p <= 0 for p in min_p):
-        return scaled
-    if runs_kernels(scaled) and scaled.shape[0] >= KERNEL_ROWS:
-        from splitserve.engine import triton_token_filters
-
-        device, vocab = scaled.device, scaled.shape[1]
-        # a k of the whole vocabulary keeps it all; a top_p too small for float32 keeps the top token alone
-        ks = [k if 0 < k < vocab else -1 for k in top_k]
-        ps = [max(p, SMALLEST_TOP_P) for p in top_p]
-        triton_token_filters.filter_in_place(scaled, upload_list(ks, torch.int32, device),
-                                             upload_list(ps, torch.float32, device), _min_logp(min_p, device))
-        return scaled
+    what the filters drop set to -inf; top_k -1, top_p 1.0 and min_p 0 are off."""
     return apply_min_p(apply_top_k_top_p(scaled, top_k, top_p), min_p)
 
 
@@ -55,11 +36,11 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     as logits (ln(min_p) below the row's maximum); the top token always stays."""
     if not any(p > 0 for p in min_p):
         return logits
-    floor = logits.amax(dim=-1, keepdim=True) + _min_logp(min_p, logits.device).unsqueeze(1)
+    floor = logits.amax(dim=-1, keepdim=True) + min_logp(min_p, logits.device).unsqueeze(1)
     return logits.masked_fill(logits < floor, float("-inf"))
 
 
-def _min_logp(min_p: list[float], device: torch.device) -> torch.Tensor:
+def min_logp(min_p: list[float], device: torch.device) -> torch.Tensor:
     """ln(min_p) per row, float32 (-inf where off), the one both paths compare against."""
     return upload_list([math.log(p) if p > 0 else -math.inf for p in min_p], torch.float32, device)
 

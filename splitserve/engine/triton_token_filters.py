@@ -1,39 +1,61 @@
-"""Top-k, top-p and min-p on CUDA without sorting the vocabulary and without a host sync
-(`token_filters` is the torch path and this kernel's oracle).
+"""Top-k, top-p and min-p on CUDA without sorting the vocabulary and without a host sync: the
+device functions `triton_sampling`'s draw finds a row's threshold with (`token_filters` is the
+torch path and their oracle).
 
-One program per row finds the row's threshold, the least value it keeps, then drops what is
-below it. A float32's bits, with every bit but the sign flipped on negatives (and -0.0 taken as
-+0.0), are an int32 key in the floats' order, so the threshold is the key where a running total
-from the top first reaches a target: the k-th largest key for top-k (counting every value), the
-key where the mass, exp of the values at or above top-k's threshold, reaches top_p of their whole
-mass for top-p. That key is found by a radix descent, four bits a pass over the row: each pass
-sums the bucket's values by their next digit (16 bins) and keeps the bin where the total from the
-top crosses the target, so eight passes leave one key. Counts are exact; masses are float sums,
-so a top-p boundary can differ from the sorted cumulative sum's where the two round differently.
-Min-p's threshold is a value: the row's maximum is 0 (rows come shifted), so it keeps values at
-or above ln(min_p).
+A row's values are its logits shifted by their maximum and divided by the temperature, as the
+torch path computes them (the same two rounded float32 operations), read from the logits on the
+fly. A float32's bits, with every bit but the sign flipped on negatives (and -0.0 taken as +0.0),
+are an int32 key in the floats' order, so the threshold, the least value kept, is the key where a
+running total from the top first reaches a target: the k-th largest key for top-k (counting every
+value), the key where the mass, exp of the values at or above top-k's threshold, reaches top_p of
+their whole mass for top-p. That key is found by a radix descent, four bits a pass over the row:
+each pass sums the bucket's values by their next digit (16 bins) and keeps the bin where the
+total from the top crosses the target, so eight passes leave one key. Counts are exact; masses are
+float sums, so a top-p boundary can differ from the sorted cumulative sum's where the two round
+differently. Min-p's threshold is a value: a row's maximum is 0, so it keeps values at or above
+ln(min_p).
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-BLOCK = 512           # values of a row binned at a time
-DIGIT_BITS = 4        # a pass's digit: 16 bins
-WARPS = 16            # a value a thread: with two (8 warps) ptxas spilled on sm_89
+DIGIT_BITS = 4  # a pass's digit: 16 bins
 
 
 @triton.jit
-def _key(x):
+def key(x):
     """The int32 key of float32 values, in their order (-0.0 keyed as +0.0)."""
     bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return tl.where(key == -1, 0, key)
+    flipped = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(flipped == -1, 0, flipped)
 
 
 @triton.jit
-def _descend(row_ptr, vocab, floor, goal, MASS: tl.constexpr, BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr):
+def scaled(row_ptr, offsets, vocab, row_max, temperature):
+    """The row's values at `offsets` (-inf past the vocabulary): (logit - row_max) / temperature,
+    divided as torch divides (rounded to nearest)."""
+    x = tl.load(row_ptr + offsets, mask=offsets < vocab, other=float("-inf"))
+    return tl.math.div_rn(x - row_max, temperature)
+
+
+@triton.jit
+def threshold(row_ptr, vocab, row_max, temperature, k, p, min_logp, BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr):
+    """The key of the least value the row keeps: the greatest of top-k's (k in [1, vocab), else
+    off), top-p's over what top-k keeps (p < 1, else off) and min-p's (min_logp = ln(min_p), -inf
+    off)."""
+    least = key(min_logp)
+    floor = tl.full([], -2**31, tl.int32)
+    if (k >= 1) & (k < vocab):
+        floor = _descend(row_ptr, vocab, row_max, temperature, floor, k.to(tl.float32), False, BLOCK, DIGIT_BITS)
+    if p < 1.0:
+        least = tl.maximum(least, _descend(row_ptr, vocab, row_max, temperature, floor, p, True, BLOCK, DIGIT_BITS))
+    return tl.maximum(least, floor)
+
+
+@triton.jit
+def _descend(row_ptr, vocab, row_max, temperature, floor, goal, MASS: tl.constexpr, BLOCK: tl.constexpr,
+             DIGIT_BITS: tl.constexpr):
     """The largest key t with total(keys >= t) >= target, over the row's keys >= floor: counts with
     target = goal, or (MASS) masses exp(value) with target = goal * their sum. Where rounding leaves
     no bin reaching it, the descent takes the lowest bin (keeps more). Digits are read from the
@@ -49,10 +71,10 @@ def _descend(row_ptr, vocab, floor, goal, MASS: tl.constexpr, BLOCK: tl.constexp
         binned = tl.zeros([BLOCK, BINS], tl.float32)  # summed over its rows once a pass
         for start in range(0, vocab, BLOCK):
             offsets = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + offsets, mask=offsets < vocab, other=float("-inf"))
-            key = _key(x)
-            ordered = key ^ (-2**31)
-            member = (offsets < vocab) & (key >= floor)
+            x = scaled(row_ptr, offsets, vocab, row_max, temperature)
+            keys = key(x)
+            ordered = keys ^ (-2**31)
+            member = (offsets < vocab) & (keys >= floor)
             if p > 0:
                 member = member & (((ordered ^ prefix) >> (shift + DIGIT_BITS)) == 0)
             if tl.max(member.to(tl.int32), axis=0) > 0:
@@ -67,35 +89,3 @@ def _descend(row_ptr, vocab, floor, goal, MASS: tl.constexpr, BLOCK: tl.constexp
         above += tl.sum(tl.where(bins > chosen, sums, 0.0), axis=0)
         prefix = prefix | (chosen << shift)
     return prefix ^ (-2**31)
-
-
-@triton.jit
-def token_filter_kernel(x_ptr, top_k_ptr, top_p_ptr, min_logp_ptr, vocab, stride_row, BLOCK: tl.constexpr,
-                        DIGIT_BITS: tl.constexpr):
-    """Row r of x (its maximum 0) with the values below its threshold set to -inf, in place: top-k
-    (top_k[r] in [1, vocab), else off), top-p over what top-k keeps (top_p[r] < 1, else off),
-    min-p (min_logp[r] = ln(min_p), -inf off); the threshold is the greatest of the three."""
-    row_ptr = x_ptr + tl.program_id(0).to(tl.int64) * stride_row
-    k = tl.load(top_k_ptr + tl.program_id(0))
-    p = tl.load(top_p_ptr + tl.program_id(0))
-    threshold = _key(tl.load(min_logp_ptr + tl.program_id(0)))
-    floor = tl.full([], -2**31, tl.int32)
-    if (k >= 1) & (k < vocab):
-        floor = _descend(row_ptr, vocab, floor, k.to(tl.float32), False, BLOCK, DIGIT_BITS)
-    if p < 1.0:
-        threshold = tl.maximum(threshold, _descend(row_ptr, vocab, floor, p, True, BLOCK, DIGIT_BITS))
-    threshold = tl.maximum(threshold, floor)
-    for start in range(0, vocab, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + offsets, mask=offsets < vocab)
-        tl.store(row_ptr + offsets, tl.where(_key(x) < threshold, float("-inf"), x), mask=offsets < vocab)
-
-
-def filter_in_place(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_logp: torch.Tensor) -> None:
-    """x: [rows, vocab] float32, rows shifted to a maximum of 0; top_k int32 (-1 off), top_p and
-    min_logp float32, one per row."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"filter_in_place needs float32 rows with contiguous values, got {x.dtype} {tuple(x.shape)}")
-    if x.shape[0]:
-        token_filter_kernel[(x.shape[0],)](x, top_k, top_p, min_logp, x.shape[1], x.stride(0), BLOCK=BLOCK,
-                                           DIGIT_BITS=DIGIT_BITS, num_warps=WARPS)

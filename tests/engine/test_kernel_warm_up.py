@@ -51,20 +51,20 @@ def test_one_step_per_split_count_and_nothing_stored(monkeypatch, caplog, fixed)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.layers()))
 
 
-def test_the_torch_backend_has_no_steps_and_the_sampler_filters_a_row_of_the_vocabulary(monkeypatch):
-    from splitserve.engine import triton_token_filters
+def test_the_torch_backend_has_no_steps_and_the_sampler_draws_from_a_row_of_the_vocabulary(monkeypatch):
+    from splitserve.engine import triton_sampling
 
     runner = LLM("demo", attention_backend="torch", **ENGINE).engine.runner
     monkeypatch.setattr(runner, "forward", lambda batch: pytest.fail("a warm-up step ran"))
-    filtered, real = [], triton_token_filters.filter_in_place
+    drawn, real = [], triton_sampling.draw
 
-    def spy(x, top_k, top_p, min_logp):
-        real(x, top_k, top_p, min_logp)
-        filtered.append((tuple(x.shape), x.isfinite().sum().item()))
+    def spy(logits, rows, temperatures, top_k, top_p, min_p, uniforms, token_ids):
+        real(logits, rows, temperatures, top_k, top_p, min_p, uniforms, token_ids)
+        drawn.append((tuple(logits.shape), top_k, top_p, min_p, 0 <= token_ids.item() < logits.shape[1]))
 
-    monkeypatch.setattr(triton_token_filters, "filter_in_place", spy)
+    monkeypatch.setattr(triton_sampling, "draw", spy)
     warm_up(runner)
-    assert filtered == [((1, runner.model.config.vocab_size), runner.model.config.vocab_size)]  # ties all kept
+    assert drawn == [((1, runner.model.config.vocab_size), [1], [0.5], [0.1], True)]  # every filter on
 
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compile_kernels.py"
 KERNELS = {"_add_rms_norm_kernel", "_rotary_kernel", "store_kv_kernel", "paged_decode_kernel", "merge_splits_kernel",
-           "paged_prefill_kernel", "_gated_kernel", "token_filter_kernel"}
+           "paged_prefill_kernel", "_gated_kernel", "draw_kernel"}
 
 
 def _run(tmp_path, *args) -> tuple[int, dict]:
