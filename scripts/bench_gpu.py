@@ -31,11 +31,12 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
    (`LLM.generate`) against `transformers` `generate` (one static batch of 64, the same shape, its
    own random weights, its default attention), median of --repeats runs each after one untimed
    run of the same work (its caches and allocator warm); `throughput_ratio_vs_hf` = ours / theirs
-   in output tokens per second. Each row also has the workload's roofline floor (prefill FLOPs at
-   the compute peak, then the decode steps' weight and KV bytes at the HBM peak:
-   `gpu_roofline.throughput_floor_s`) and its `floor_share` (floor / seconds), and the result the
-   highest ratio to transformers any engine could reach, `throughput_ratio_ceiling_vs_hf`
-   (transformers' seconds / the floor).
+   in output tokens per second. Ours runs the same prompts sampled too, "splitserve sampled"
+   (temperature 0.8, top-p 0.9: from 32 rows the sampler's kernel draws them): what sampling
+   costs. Each row also has the workload's roofline floor (prefill FLOPs at the compute peak, then
+   the decode steps' weight and KV bytes at the HBM peak: `gpu_roofline.throughput_floor_s`) and
+   its `floor_share` (floor / seconds), and the result the highest ratio to transformers any
+   engine could reach, `throughput_ratio_ceiling_vs_hf` (transformers' seconds / the floor).
 4. transfer: a prompt and a token worker (`kv_pair.py`), both on this GPU, the KV written into the
    token worker's cache through CUDA IPC: visible / serialized transfer for 2k and 8k prompts.
 5. decode-fp8: the decode rows again over an FP8 KV cache (`kv_cache_dtype: fp8`, a byte a K or
@@ -254,11 +255,14 @@ def ours_section(model: str, s: dict, args) -> list[dict]:
     llm, startup = started(lambda: LLM(model, load_format="dummy", enable_prefix_caching=False,
                                        max_num_seqs=s["in_flight"], max_model_len=s["prompt"] + s["output"] + 16,
                                        **s["engine"]))
-    prompts = throughput_prompts(s)
-    params = SamplingParams(temperature=0, max_tokens=s["output"], ignore_eos=True)
-    llm.generate(prompts, params)  # warm-up: the same work
-    return [{**_throughput_row("splitserve", lambda: llm.generate(prompts, params), s, args.repeats),
-             "startup_s": startup}]
+    prompts, rows = throughput_prompts(s), []
+    for engine, params in (("splitserve", SamplingParams(temperature=0, max_tokens=s["output"], ignore_eos=True)),
+                           ("splitserve sampled", SamplingParams(temperature=0.8, top_p=0.9, max_tokens=s["output"],
+                                                                 ignore_eos=True))):
+        llm.generate(prompts, params)  # warm-up: the same work
+        rows.append({**_throughput_row(engine, lambda: llm.generate(prompts, params), s, args.repeats),
+                     "startup_s": startup})
+    return rows
 
 
 def hf_section(model: str, s: dict, args) -> list[dict]:

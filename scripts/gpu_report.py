@@ -17,7 +17,7 @@ def report(rows: list[dict], device: str, hbm: float | None, flops: float | None
             row["floor_s"], row["floor_share"] = throughput_floor, throughput_floor / row["seconds"]
     done = {r["engine"]: r for r in rows if r["section"] == "throughput" and "seconds" in r}
     ratio = (done["splitserve"]["output_tokens_per_s"] / done["transformers"]["output_tokens_per_s"]
-             if len(done) == 2 else None)
+             if {"splitserve", "transformers"} <= done.keys() else None)
     ceiling = (done["transformers"]["seconds"] / throughput_floor
                if "transformers" in done and throughput_floor else None)
     return {"device": device, "model": model, "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops,

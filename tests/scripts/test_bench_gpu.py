@@ -52,7 +52,9 @@ def test_tiny_run_writes_every_section(tmp_path):
             whole = gpu_roofline.decode_kv_bytes(bench_gpu.TINY, batch, context + 3 + 1.5, 4)  # warm 3, steps 3
             assert kv == pytest.approx(3 / 4 * whole)
     assert [r["context"] for r in rows if r["section"] == "prefill"] == [128, 512]
-    assert {r["engine"] for r in rows if r["section"] == "throughput"} == {"splitserve", "transformers"}
+    throughput = {r["engine"]: r for r in rows if r["section"] == "throughput"}
+    assert set(throughput) == {"splitserve", "splitserve sampled", "transformers"}
+    assert throughput["splitserve sampled"]["output_tokens"] == throughput["splitserve"]["output_tokens"]
     assert [(r["backend"], r["context"]) for r in rows if r["section"] == "transfer"] == [("ipc", 128), ("ipc", 512)]
     for row in (r for r in rows if r["section"].startswith("decode")):
         assert 0 < row["forward_ms"] < row["step_ms"] and 0 < row["outside_forward_ms"] < row["step_ms"]
