@@ -60,7 +60,8 @@ def _descend(row_ptr, vocab, row_max, temperature, floor, goal, MASS: tl.constex
     target = goal, or (MASS) masses exp(value) with target = goal * their sum. Where rounding leaves
     no bin reaching it, the descent takes the lowest bin (keeps more). Digits are read from the
     keys with the sign bit flipped (unsigned order); a block with no key in the bucket (most, once
-    the bucket is narrow) is not binned."""
+    the bucket is narrow) is not binned. Counts are binned by Triton's histogram (warp votes, a few
+    instructions a value), masses by a compare, a select and an add a value and bin."""
     BINS: tl.constexpr = 1 << DIGIT_BITS
     bins = tl.arange(0, BINS)
     prefix = tl.full([], 0, tl.int32)  # the digits chosen so far, at their bits
@@ -68,7 +69,8 @@ def _descend(row_ptr, vocab, row_max, temperature, floor, goal, MASS: tl.constex
     target = goal
     for p in tl.static_range(32 // DIGIT_BITS):
         shift = 32 - DIGIT_BITS * (p + 1)
-        binned = tl.zeros([BLOCK, BINS], tl.float32)  # summed over its rows once a pass
+        binned = tl.zeros([BLOCK, BINS], tl.float32)  # masses, summed over its rows once a pass
+        counted = tl.zeros([BINS], tl.int32)
         for start in range(0, vocab, BLOCK):
             offsets = start + tl.arange(0, BLOCK)
             x = scaled(row_ptr, offsets, vocab, row_max, temperature)
@@ -78,10 +80,13 @@ def _descend(row_ptr, vocab, row_max, temperature, floor, goal, MASS: tl.constex
             if p > 0:
                 member = member & (((ordered ^ prefix) >> (shift + DIGIT_BITS)) == 0)
             if tl.max(member.to(tl.int32), axis=0) > 0:
-                weight = tl.where(member, tl.exp(x) if MASS else 1.0, 0.0)
                 digit = (ordered >> shift) & (BINS - 1)
-                binned += tl.where(digit[:, None] == bins[None, :], weight[:, None], 0.0)
-        sums = tl.sum(binned, axis=0)
+                if MASS:
+                    weight = tl.where(member, tl.exp(x), 0.0)
+                    binned += tl.where(digit[:, None] == bins[None, :], weight[:, None], 0.0)
+                else:
+                    counted += tl.histogram(digit, BINS, mask=member)
+        sums = tl.sum(binned, axis=0) if MASS else counted.to(tl.float32)
         from_top = tl.cumsum(sums, axis=0, reverse=True)
         if MASS and p == 0:
             target = goal * tl.sum(sums, axis=0)
