@@ -8,6 +8,7 @@ torch path; a target within rounding of a boundary between two tokens may differ
 
     python scripts/bench_sampler.py --json sampler.json    # CUDA: Llama-3's vocabulary, batches 1 to 256
     python scripts/bench_sampler.py --tiny                 # a small vocabulary on the CPU (Triton's interpreter)
+    python scripts/bench_sampler.py --warps 8              # the kernel in 8 warps, the engine's 16 halved
 
 Rows are random logits (standard normal times 3); each time is the median of --iters draws after
 one untimed draw (CUDA events on a GPU), of requests without a seed (a seed's uniform is drawn on
@@ -25,7 +26,7 @@ import torch
 
 from bench_moe import emit, print_markdown, ratio, run_device, time_calls  # this script's folder
 
-from splitserve.engine import sampler
+from splitserve.engine import sampler, triton_sampling
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
@@ -69,7 +70,8 @@ def measure(name: str, batch: int, vocab: int, iters: int, device: torch.device)
 
 
 def print_table(result: dict) -> None:
-    print(f"Device: {result['device']}; vocabulary {result['vocab']}, float32 rows")
+    print(f"Device: {result['device']}; vocabulary {result['vocab']}, float32 rows; "
+          f"the kernel in {result['warps']} warps")
     print_markdown(["filter", "batch", "torch ms:", "kernel ms:", "speedup:", "tokens differing:"],
                    [[r["filter"], r["batch"], f"{r['torch_ms']:.3f}", f"{r['kernel_ms']:.3f}", ratio(r["speedup"]),
                      r["tokens_differing"]] for r in result["rows"]])
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, help=f"default {VOCAB}; --tiny: {TINY_VOCAB}")
     p.add_argument("--filters", default=",".join(FILTERS), help=f"comma-separated, of {', '.join(FILTERS)}")
     p.add_argument("--iters", type=int, default=50, help="timed calls per row")
+    p.add_argument("--warps", type=int, default=triton_sampling.WARPS, help="the kernel's warps a row "
+                   f"(default {triton_sampling.WARPS}, the engine's)")
     p.add_argument("--json", type=Path, help="write the result here")
     args = p.parse_args(argv)
     names = args.filters.split(",")
@@ -89,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--filters takes {', '.join(FILTERS)}; got {args.filters}")
     batches = [int(b) for b in (args.batches or (TINY_BATCHES if args.tiny else BATCHES)).split(",")]
     device, _ = run_device(p, args)
+    triton_sampling.WARPS = args.warps
     vocab = args.vocab or (TINY_VOCAB if args.tiny else VOCAB)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows = [measure(f, b, vocab, args.iters, device) for f in names for b in batches]
-    return emit(args, {"device": name, "vocab": vocab, "rows": rows}, print_table)
+    return emit(args, {"device": name, "vocab": vocab, "warps": args.warps, "rows": rows}, print_table)
 
 
 if __name__ == "__main__":
