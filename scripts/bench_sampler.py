@@ -8,7 +8,7 @@ torch path; a target within rounding of a boundary between two tokens may differ
 
     python scripts/bench_sampler.py --json sampler.json    # CUDA: Llama-3's vocabulary, batches 1 to 256
     python scripts/bench_sampler.py --tiny                 # a small vocabulary on the CPU (Triton's interpreter)
-    python scripts/bench_sampler.py --warps 8              # the kernel in 8 warps, the engine's 16 halved
+    python scripts/bench_sampler.py --warps 16             # the kernel in 16 warps, twice the engine's 8
 
 Rows are random logits (standard normal times 3); each time is the median of --iters draws after
 one untimed draw (CUDA events on a GPU), of requests without a seed (a seed's uniform is drawn on

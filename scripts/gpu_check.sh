@@ -58,7 +58,7 @@ case "${1:-}" in
     timeout 65 python3 scripts/bench_fp8_linear.py --json "$out/fp8-linear.json" 2>&1 | tee -a "$out/kernels.log"
     # its table in kernels.log alone: a ninth file would not come back
     timeout 18 python3 scripts/bench_sampler.py --iters 20 --batches 1,16,32,64,256 2>&1 | tee -a "$out/kernels.log"
-    timeout 12 python3 scripts/bench_sampler.py --iters 20 --batches 32,256 --warps 8 2>&1 | tee -a "$out/kernels.log" ;;
+    timeout 12 python3 scripts/bench_sampler.py --iters 20 --batches 32,256 --warps 16 2>&1 | tee -a "$out/kernels.log" ;;
   bench)
     install_carried
     mkdir -p "$out"

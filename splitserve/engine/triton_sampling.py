@@ -31,8 +31,8 @@ from splitserve.engine.triton_token_filters import DIGIT_BITS, key, scaled, thre
 
 BLOCK = 512          # values the filters' descent bins at a time, a value a thread
 STREAM_BLOCK = 2048  # values a streaming pass (maximum, mass, draw) reads at a time (4096 spilled on sm_90)
-WARPS = 16  # a value a thread in the descent; with 8 (two), 6-32% fewer warp instructions a value but half
-            # the warps to hide latency with: which is faster needs a GPU (bench_sampler.py --warps)
+WARPS = 8  # two values a thread in the descent: with 16 (one) triton 3.6 spilled registers on sm_90, and
+           # the loops issued more warp instructions a value (bench_sampler.py --warps 16 times them)
 SMALLEST_TOP_P = 1e-30  # > 0 in float32, and below any top token's share (>= 1 / vocab)
 
 

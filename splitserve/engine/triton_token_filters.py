@@ -61,31 +61,35 @@ def _descend(row_ptr, vocab, row_max, temperature, floor, goal, MASS: tl.constex
     no bin reaching it, the descent takes the lowest bin (keeps more). Digits are read from the
     keys with the sign bit flipped (unsigned order); a block with no key in the bucket (most, once
     the bucket is narrow) is not binned. Counts are binned by Triton's histogram (warp votes, a few
-    instructions a value), masses by a compare, a select and an add a value and bin."""
+    instructions a value), masses by a compare, a select and an add a value and bin. Once the
+    bucket holds at most one key, the passes left read nothing: its remaining digits stay 0, and
+    its lowest key keeps what the key itself would (no other key lies in the bucket)."""
     BINS: tl.constexpr = 1 << DIGIT_BITS
     bins = tl.arange(0, BINS)
     prefix = tl.full([], 0, tl.int32)  # the digits chosen so far, at their bits
     above = 0.0                        # the total of the keys above the bucket
     target = goal
+    narrow = tl.full([], 0, tl.int32)  # 1 once the bucket holds at most one key
     for p in tl.static_range(32 // DIGIT_BITS):
         shift = 32 - DIGIT_BITS * (p + 1)
         binned = tl.zeros([BLOCK, BINS], tl.float32)  # masses, summed over its rows once a pass
         counted = tl.zeros([BINS], tl.int32)
-        for start in range(0, vocab, BLOCK):
-            offsets = start + tl.arange(0, BLOCK)
-            x = scaled(row_ptr, offsets, vocab, row_max, temperature)
-            keys = key(x)
-            ordered = keys ^ (-2**31)
-            member = (offsets < vocab) & (keys >= floor)
-            if p > 0:
-                member = member & (((ordered ^ prefix) >> (shift + DIGIT_BITS)) == 0)
-            if tl.max(member.to(tl.int32), axis=0) > 0:
-                digit = (ordered >> shift) & (BINS - 1)
-                if MASS:
-                    weight = tl.where(member, tl.exp(x), 0.0)
-                    binned += tl.where(digit[:, None] == bins[None, :], weight[:, None], 0.0)
-                else:
+        if narrow == 0:
+            for start in range(0, vocab, BLOCK):
+                offsets = start + tl.arange(0, BLOCK)
+                x = scaled(row_ptr, offsets, vocab, row_max, temperature)
+                keys = key(x)
+                ordered = keys ^ (-2**31)
+                member = (offsets < vocab) & (keys >= floor)
+                if p > 0:
+                    member = member & (((ordered ^ prefix) >> (shift + DIGIT_BITS)) == 0)
+                if tl.max(member.to(tl.int32), axis=0) > 0:
+                    digit = (ordered >> shift) & (BINS - 1)
                     counted += tl.histogram(digit, BINS, mask=member)
+                    if MASS:
+                        weight = tl.where(member, tl.exp(x), 0.0)
+                        binned += tl.where(digit[:, None] == bins[None, :], weight[:, None], 0.0)
+        # a narrow bucket's passes bin nothing: no bin reaches the target, so its digit is 0
         sums = tl.sum(binned, axis=0) if MASS else counted.to(tl.float32)
         from_top = tl.cumsum(sums, axis=0, reverse=True)
         if MASS and p == 0:
@@ -93,4 +97,5 @@ def _descend(row_ptr, vocab, row_max, temperature, floor, goal, MASS: tl.constex
         chosen = tl.max(tl.where(above + from_top >= target, bins, 0), axis=0)
         above += tl.sum(tl.where(bins > chosen, sums, 0.0), axis=0)
         prefix = prefix | (chosen << shift)
+        narrow = tl.where(tl.sum(tl.where(bins == chosen, counted, 0), axis=0) <= 1, 1, 0)
     return prefix ^ (-2**31)

@@ -86,6 +86,18 @@ def test_ties_masked_tokens_and_signed_zeros():
     assert got[:, :2].isfinite().all()
 
 
+def test_the_least_value_kept_one_float_above_the_greatest_dropped():
+    """Their keys share every digit but the last, so the descent must read the bucket to its last
+    digit: the top token 0, -1 and the float just below -1 far above the rest (-40 to -60)."""
+    settings = [(2, 1.0, 0.0), (3, 1.0, 0.0), (-1, 0.7, 0.0), (-1, 1.0, 0.0)]
+    x = -40 - 20 * torch.rand(len(settings), 900, generator=torch.Generator().manual_seed(4))
+    x[:, 0], x[:, 100] = 0.0, -1.0
+    x[:, 200] = torch.nextafter(torch.tensor(-1.0), torch.tensor(-2.0))
+    got, expected = both_paths(x.to(DEVICE), settings)
+    assert torch.equal(got.isfinite(), expected.isfinite())
+    assert got[:, 200].isfinite().tolist() == [False, True, False, True]
+
+
 def test_rows_of_one_value_keep_every_token():
     got, _ = both_paths(torch.zeros(len(SETTINGS), 300, device=DEVICE))
     assert got.isfinite().all()
