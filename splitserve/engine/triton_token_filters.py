@@ -62,14 +62,14 @@ def _descend(row_ptr, vocab, row_max, temperature, floor, goal, MASS: tl.constex
     keys with the sign bit flipped (unsigned order); a block with no key in the bucket (most, once
     the bucket is narrow) is not binned. Counts are binned by Triton's histogram (warp votes, a few
     instructions a value), masses by a compare, a select and an add a value and bin. Once the
-    bucket holds at most one key, the passes left read nothing: its remaining digits stay 0, and
-    its lowest key keeps what the key itself would (no other key lies in the bucket)."""
+    bucket holds at most one value, the passes left read nothing: its remaining digits stay 0, and
+    its lowest key keeps what the value's own key would (no other value lies in the bucket)."""
     BINS: tl.constexpr = 1 << DIGIT_BITS
     bins = tl.arange(0, BINS)
     prefix = tl.full([], 0, tl.int32)  # the digits chosen so far, at their bits
     above = 0.0                        # the total of the keys above the bucket
     target = goal
-    narrow = tl.full([], 0, tl.int32)  # 1 once the bucket holds at most one key
+    narrow = tl.full([], 0, tl.int32)  # 1 once the bucket holds at most one value
     for p in tl.static_range(32 // DIGIT_BITS):
         shift = 32 - DIGIT_BITS * (p + 1)
         binned = tl.zeros([BLOCK, BINS], tl.float32)  # masses, summed over its rows once a pass
