@@ -29,7 +29,7 @@ from splitserve.engine.token_filters import filter_tokens
 _GOLDEN_64 = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd: seed -> seed x this spreads every bit
 # random rows a step from which CUDA draws through `triton_sampling`'s kernel. An estimate until
 # bench_sampler.py measures it on a GPU: a row takes the kernel about 0.5 ms of one multiprocessor
-# with top-p, 50 us without filters (its compiled loops), torch's sort about 18 us a row at 128 rows
+# with top-p, 40 us without filters (its compiled loops), torch's sort about 18 us a row at 128 rows
 # of 131k values (vLLM's published figures); below it the torch path's passes, each spread over the
 # whole GPU, are as fast
 KERNEL_ROWS = 32

@@ -5,8 +5,9 @@ divides them, filters them, takes a softmax, its cumulative sum and a search, ea
 [rows, vocab] in memory.
 
 One program per row:
-- the row's maximum (a pass); a row with no finite logit keeps the id the caller put there, its
-  greedy one, as the torch path keeps it;
+- the row's maximum, read at the greedy id the caller put in the output (its argmax, which the
+  sampler takes for every row anyway); a row with no finite logit keeps that id, as the torch path
+  keeps it;
 - the filters' threshold (`triton_token_filters`: no pass without filters, eight for top-k, eight
   for top-p), on the values (logit - maximum) / temperature computed as torch computes them;
 - the mass of the values kept, exp(value) (a pass);
@@ -30,7 +31,7 @@ from splitserve.engine.token_filters import min_logp
 from splitserve.engine.triton_token_filters import DIGIT_BITS, key, scaled, threshold
 
 BLOCK = 512          # values the filters' descent bins at a time, a value a thread
-STREAM_BLOCK = 2048  # values a streaming pass (maximum, mass, draw) reads at a time (4096 spilled on sm_90)
+STREAM_BLOCK = 2048  # values a streaming pass (mass, draw) reads at a time (4096 spilled on sm_90)
 WARPS = 8  # two values a thread in the descent: with 16 (one) triton 3.6 spilled registers on sm_90, and
            # the loops issued more warp instructions a value (bench_sampler.py --warps 16 times them)
 SMALLEST_TOP_P = 1e-30  # > 0 in float32, and below any top token's share (>= 1 / vocab)
@@ -41,15 +42,11 @@ def draw_kernel(logits_ptr, rows_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min
                 vocab, stride_row, BLOCK: tl.constexpr, STREAM_BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr):
     """out[rows[i]] = a draw from logits row rows[i] at temperature[i] (> 0) with top_k[i] (in
     [1, vocab), else off), top_p[i] (< 1, else off) and min_logp[i] (ln(min_p), -inf off), for
-    u = uniform[i] in (0, 1]."""
+    u = uniform[i] in (0, 1]; out[rows[i]] holds the row's argmax on entry, where its maximum is read."""
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i)
     row_ptr = logits_ptr + row * stride_row
-    top = tl.full([STREAM_BLOCK], float("-inf"), tl.float32)
-    for start in range(0, vocab, STREAM_BLOCK):
-        offsets = start + tl.arange(0, STREAM_BLOCK)
-        top = tl.maximum(top, tl.load(row_ptr + offsets, mask=offsets < vocab, other=float("-inf")))
-    row_max = tl.max(top, axis=0)
+    row_max = tl.load(row_ptr + tl.load(out_ptr + row))
     if row_max > float("-inf"):
         temperature = tl.load(temperature_ptr + i)
         least = threshold(row_ptr, vocab, row_max, temperature, tl.load(top_k_ptr + i), tl.load(top_p_ptr + i),
@@ -83,8 +80,8 @@ def _kept_mass(row_ptr, offsets, vocab, row_max, temperature, least):
 def draw(logits: torch.Tensor, rows: torch.Tensor, temperatures: torch.Tensor, top_k: list[int], top_p: list[float],
          min_p: list[float], uniforms: torch.Tensor, token_ids: torch.Tensor) -> None:
     """token_ids[rows[i]] = a draw from logits[rows[i]] (float32, values contiguous) at temperatures[i]
-    with top_k[i] (-1 off), top_p[i] (1.0 off), min_p[i] (0 off) for uniforms[i] in (0, 1]; a row
-    with no finite logit keeps its id."""
+    with top_k[i] (-1 off), top_p[i] (1.0 off), min_p[i] (0 off) for uniforms[i] in (0, 1].
+    token_ids holds each row's argmax on entry (the greedy ids); a row with no finite logit keeps it."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"draw needs float32 rows with contiguous values, got {logits.dtype} {tuple(logits.shape)}")
     if rows.shape[0]:
