@@ -1,5 +1,6 @@
 """Compiles a small loop for an architecture with Triton's own compiler (no GPU) and prints its
-innermost loops as sass_loops.py counts them, as JSON: `python sass_loops_kernel.py ARCH SOFTMAX`.
+innermost loops as sass_loops.py counts them, as JSON: `python sass_loops_kernel.py ARCH SOFTMAX STAGES`
+(STAGES: Triton's software pipelining stages).
 A process of its own: the tests' process runs Triton as the interpreter, which compiles nothing."""
 import json
 import os
@@ -32,8 +33,9 @@ def attend(q_ptr, k_ptr, out_ptr, n_tiles, SOFTMAX: tl.constexpr):
 
 
 if __name__ == "__main__":
-    arch, softmax = int(sys.argv[1]), sys.argv[2] == "1"
+    arch, softmax, stages = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
     signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "out_ptr": "*fp32", "n_tiles": "i32", "SOFTMAX": "constexpr"}
-    kernel = triton.compile(ASTSource(attend, signature, constexprs={"SOFTMAX": softmax}),
-                            target=GPUTarget("cuda", arch, 32))
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(3)}  # the pointers, as torch allocates them
+    kernel = triton.compile(ASTSource(attend, signature, constexprs={"SOFTMAX": softmax}, attrs=aligned),
+                            target=GPUTarget("cuda", arch, 32), options={"num_stages": stages})
     print(json.dumps(sass_loops.innermost_loops(sass_loops.disassemble(kernel.asm["cubin"]))))

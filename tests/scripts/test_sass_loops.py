@@ -2,7 +2,9 @@
 by kind: on a hand-written listing (a loop nested in another, a forward branch, a branch to
 itself), and on kernels that Triton's own compiler builds for sm_90 and sm_80 without a GPU, whose
 loop of dots and exponentials shows its tensor-core and MUFU instructions, and whose loop without
-them shows none."""
+them shows none. A loop's copy slack: on listings, and on the loop of dots compiled at 2, 3 and 4
+software pipelining stages, which Triton's pipeliner runs its loads 1, 2 and 3 iterations ahead
+(slack 0, 1, 2); the loop without dots copies nothing asynchronously."""
 import json
 import subprocess
 import sys
@@ -41,20 +43,43 @@ LISTING = """
 def test_the_innermost_loop_of_a_listing_and_its_kinds():
     loops = sass_loops.innermost_loops(LISTING)
     assert loops == [{"instructions": 7, "mma": 1, "mufu": 1, "float": 1, "integer": 0, "uniform": 1, "convert": 1,
-                      "memory": 1, "other": 1}]  # the outer loop holds it; .L_x_2 branches to itself, no loop
+                      "memory": 1, "other": 1, "copy_slack": None}]  # the outer loop holds it; .L_x_2 is no loop
     assert sass_loops.describe(loops) == "7 (1 mma, 1 mufu)"
     opcodes = ("IMAD", "SHFL", "FENCE", "F2F", "I2FP", "HGMMA", "FMNMX", "LDS", "UMOV", "BAR")
     assert [sass_loops.kind(op) for op in opcodes] == \
         ["integer", "other", "other", "convert", "convert", "mma", "float", "memory", "uniform", "other"]
 
 
+def _copying_loop(commits: int, wait: str) -> str:
+    """A loop that commits `commits` groups of asynchronous copies an iteration and waits with `wait`."""
+    copies = "".join(f"        /*00{i}0*/                   LDGDEPBAR ;\n" for i in range(2, 2 + commits))
+    return (".L_x_0:\n"
+            f"        /*0000*/                   {wait} ;\n"
+            "        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;\n"
+            f"{copies}        /*00f0*/               @P0 BRA `(.L_x_0) ;\n")
+
+
+@pytest.mark.parametrize("commits, wait, slack", [
+    (3, "DEPBAR.LE SB0, 0x0", 0),   # waits for every copy in flight: the ones the iteration before asked for
+    (3, "DEPBAR.LE SB0, 0x3", 1),   # the last iteration's three groups may stay in flight
+    (2, "DEPBAR.LE SB0, 0x5", 2),
+    (1, "WARPGROUP.DEPBAR.LE gsb0, 0x0", None),  # a wait for the tensor cores, not for copies
+    (0, "DEPBAR.LE SB0, 0x1", None),  # waits for copies it does not ask for
+])
+def test_the_copy_slack_of_a_listing(commits, wait, slack):
+    [loop] = sass_loops.innermost_loops(_copying_loop(commits, wait))
+    assert loop["copy_slack"] == slack and loop["mma"] == 1
+    assert sass_loops.describe([loop]).endswith("1 mma, 0 mufu" + ("" if slack is None else f", copy slack {slack}") + ")")
+
+
 @pytest.mark.parametrize("arch", [90, 80])
-@pytest.mark.parametrize("softmax", [True, False])
-def test_a_compiled_loop_of_dots_and_exponentials(arch, softmax):
-    done = subprocess.run([sys.executable, str(KERNEL), str(arch), str(int(softmax))], capture_output=True, text=True,
-                          timeout=300)
+@pytest.mark.parametrize("softmax, stages", [(True, 2), (True, 3), (True, 4), (False, 3)])
+def test_a_compiled_loop_of_dots_and_exponentials(arch, softmax, stages):
+    done = subprocess.run([sys.executable, str(KERNEL), str(arch), str(int(softmax)), str(stages)],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     [loop] = json.loads(done.stdout)
-    assert loop["instructions"] == sum(loop[k] for k in loop if k != "instructions")
+    assert loop["instructions"] == sum(loop[k] for k in sass_loops.KINDS)
     assert loop["memory"] > 0
     assert (loop["mma"] > 0, loop["mufu"] > 0) == (softmax, softmax)
+    assert loop["copy_slack"] == (stages - 2 if softmax else None)
