@@ -1,7 +1,8 @@
 """Compiles, on a machine without a GPU, every variant of the Triton kernels that the CUDA engine
 launches for a model shape, for a GPU architecture; reports each variant's compile time,
 registers, spills and shared memory (from the cubin, with the cuobjdump that Triton ships) and
-its innermost loops' instructions by kind (`sass_loops.py`: an attention kernel's key tile).
+its innermost loops' instructions by kind and how far ahead they copy what they load
+(`sass_loops.py`: an attention kernel's loop is over key tiles).
 
 Triton compiles a kernel once per variant: per constexpr set, and per integer argument that is 1
 or a multiple of 16 and per pointer that is 16-byte aligned, unless the kernel says not to
@@ -105,7 +106,8 @@ class Variant:
     registers: int
     spill_bytes: int
     shared_bytes: int
-    loops: list[dict[str, int]]  # per innermost loop: instructions a thread issues an iteration, by kind
+    loops: list[dict[str, int | None]]  # per innermost loop: instructions a thread issues an iteration, by kind,
+    # and its copy slack (sass_loops.py)
 
 
 @contextmanager
@@ -275,7 +277,8 @@ def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig
     with built_for(divmod(arch, 10)):  # FP8 weights kept (or dequantized) as that device keeps them
         model = LayerLaunches(model_config, dtype, max_model_len, windows)
     cpu = torch.device("cpu")
-    backend = TritonPagedBackend(sms=ARCHS[arch].sms, capability=divmod(arch, 10))
+    backend = TritonPagedBackend(sms=ARCHS[arch].sms, capability=divmod(arch, 10),
+                                 shared_bytes=ARCHS[arch].block_shared)
     cache = KVCache(model_config, 8, config.block_size, dtype, cpu, kv_cache_dtype=config.kv_cache_dtype)
     runner = ModelRunner(model, cache, backend, cpu)
     phase, variants = ["start-up"], {}

@@ -22,7 +22,7 @@ from splitserve.engine.attention import AttentionMetadata  # noqa: E402
 from splitserve.engine.attention.base import write_kv  # noqa: E402
 from splitserve.engine.attention.metadata import PAD_SLOT  # noqa: E402
 from splitserve.engine.attention.triton_paged import (  # noqa: E402
-    E4M3_CAPABILITY, TritonPagedBackend, split_counts, store_kv)
+    E4M3_CAPABILITY, FEWER_STAGES, PREFILL_STAGES, TritonPagedBackend, _prefill_stages, split_counts, store_kv)
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.test_attention import SINKS, check_case  # noqa: E402
@@ -188,6 +188,20 @@ def test_a_chosen_split_count_is_the_largest_power_of_two_within_its_bounds():
     assert TritonPagedBackend()._splits(8, 100, cpu) == 1  # no multiprocessor count off CUDA
     assert TritonPagedBackend(num_splits=3)._splits(8, 100, cpu) == 3  # a fixed count as given
     assert TritonPagedBackend(num_splits=16)._splits(8, 3, cpu) == 2  # past the key tiles: as chosen
+
+
+def test_the_prefill_pipelines_two_key_tiles_ahead_where_a_block_has_the_shared_memory():
+    """Llama's 128 x 64 tiles of 128-dim heads: 130 KiB, within an H100's 227 KiB a block, not an
+    L40S's 99; over an FP8 cache 66 KiB, within both. Gemma's 64 x 32 tiles of 256 dims: 129 KiB,
+    within an A100's 163. Off CUDA (no limit) the interpreter ignores stages."""
+    h100, a100, l40s = 227 * 1024, 163 * 1024, 99 * 1024
+    assert (PREFILL_STAGES, FEWER_STAGES) == (5, 3)
+    assert _prefill_stages(128, 64, 128, 2, 2, h100) == PREFILL_STAGES
+    assert _prefill_stages(128, 64, 128, 2, 2, l40s) == FEWER_STAGES
+    assert _prefill_stages(64, 64, 128, 2, 1, l40s) == PREFILL_STAGES
+    assert _prefill_stages(64, 32, 256, 2, 2, a100) == PREFILL_STAGES
+    assert _prefill_stages(64, 32, 256, 2, 2, l40s) == FEWER_STAGES
+    assert _prefill_stages(128, 128, 256, 2, 2, None) == PREFILL_STAGES
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -2,10 +2,12 @@
 engine launches for the Llama-3-8B shape on sm_90 and sm_80: the start-up (kernel_warm_up and the
 graph capture) compiles all of them, so a serving mix compiles none; none spills registers or needs
 more shared memory than a block may have; a second start on the same Triton cache compiles nothing;
-the prefill's query tiles are 128 rows on sm_90 and 64 on sm_80, and its loop over the key tiles
-every row sees whole issues fewer instructions than its masked loop; an MoE shape's expert kernels
+the prefill's query tiles are 128 rows on sm_90 and 64 on sm_80, its loop over the key tiles
+every row sees whole issues fewer instructions than its masked loop, and both ask for a tile's K
+and V a whole iteration before they wait for them (copy slack 1); an MoE shape's expert kernels
 (GPT-OSS's read as MXFP4 bytes) and Gemma 2's variants (soft-capped scores, its norm, 256-dim
-heads), over either cache, are compiled at start-up too, none spilling; an FP8 cache is widened by
+heads), over either cache, are compiled at start-up too, none spilling, Gemma's prefill copying
+as far ahead where a third K and V buffer fits a block's shared memory (not an L40S's); an FP8 cache is widened by
 e4m3 conversion on sm_90 and bit moves on sm_80. Without the warm-up, serving compiles; in float32
 the attention kernels spill: the script fails on both."""
 import json
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+
+from splitserve.engine.attention.triton_paged import prefill_shared_bytes  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compile_kernels.py"
 KERNELS = {"_add_rms_norm_kernel", "_rotary_kernel", "store_kv_kernel", "paged_decode_kernel", "merge_splits_kernel",
@@ -51,6 +55,8 @@ def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
         assert f"BLOCK_M={128 if arch == 'sm_90' else 64} " in prefill["spec"]
         whole, masked = prefill["loops"]  # one key tile each: the same dots, without and with the masks
         assert whole["mma"] == masked["mma"] > 0 and whole["instructions"] < masked["instructions"]
+        assert whole["copy_slack"] == masked["copy_slack"] == 1, arch
+        _check_prefill_shared(prefill, cache_bytes=2)
 
     compiled = _files(cache)
     assert compiled
@@ -62,8 +68,15 @@ def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
     assert _files(cache) == compiled
 
 
-def _tile(spec: str) -> int:
-    return int(spec.split("BLOCK_M=")[1].split()[0])
+def _tile(spec: str, name: str = "BLOCK_M") -> int:
+    return int(spec.split(f"{name}=")[1].split()[0])
+
+
+def _check_prefill_shared(prefill: dict, cache_bytes: int) -> None:
+    """The engine's estimate of the pipelined prefill's shared memory, which chooses its stages,
+    bounds what Triton compiled (bfloat16 queries)."""
+    tiles = (_tile(prefill["spec"], name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D"))
+    assert prefill_shared_bytes(*tiles, q_bytes=2, cache_bytes=cache_bytes) >= prefill["shared_bytes"]
 
 
 def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(tmp_path):
@@ -78,8 +91,8 @@ def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(tmp_path):
     assert sorted(int(spec.split("BLOCK_M=")[1].split()[0]) for spec in moe) == [16, 64, 128]
 
 
-@pytest.mark.parametrize("arch", ["90", "80"])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("arch, kv_cache_dtype", [("90", "auto"), ("90", "fp8"), ("80", "auto"), ("80", "fp8"),
+                                                  ("89", "auto")])
 def test_gemma2_compiles_its_variants_at_start_up_without_spills(tmp_path, arch, kv_cache_dtype):
     code, archs = _run(tmp_path, "--shape", "gemma2-9b", "--arch", arch, "--steps", "10", "--kv-cache-dtype",
                        kv_cache_dtype)
@@ -89,6 +102,12 @@ def test_gemma2_compiles_its_variants_at_start_up_without_spills(tmp_path, arch,
     specs = {v["kernel"]: v["spec"] for v in report["variants"]}
     assert "SOFTCAP=True" in specs["paged_prefill_kernel"] and "BLOCK_N=32" in specs["paged_prefill_kernel"]
     assert "GEMMA=True" in specs["_add_rms_norm_kernel"]
+    [prefill] = [v for v in report["variants"] if v["kernel"] == "paged_prefill_kernel"]
+    # three buffers of 32 keys' 256-dim K and V and the query tile: 129 KiB, over an L40S's 99 KiB a block
+    slack = 0 if (arch, kv_cache_dtype) == ("89", "auto") else 1
+    assert {loop["copy_slack"] for loop in prefill["loops"]} == {slack}
+    if slack:
+        _check_prefill_shared(prefill, cache_bytes=1 if kv_cache_dtype == "fp8" else 2)
 
 
 @pytest.mark.parametrize("arch", ["90", "80"])

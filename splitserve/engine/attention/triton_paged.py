@@ -18,6 +18,7 @@ from splitserve.engine.attention.metadata import AttentionMetadata
 MAX_SPLITS = 16
 E4M3_CAPABILITY = (8, 9)  # the first CUDA capability whose Triton converts float8 e4m3
 PREFILL_WARPS = 8  # with Triton's default 4, the prefill kernel spills registers on sm_80 (scripts/compile_kernels.py)
+PREFILL_STAGES, FEWER_STAGES = 5, 3  # `_prefill_stages`; 3 is Triton's default
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -25,16 +26,20 @@ class TritonPagedBackend(AttentionBackend):
     graph_safe = True
 
     def __init__(self, block_m: int | None = None, block_n: int = 64, num_splits: int | None = None,
-                 sms: int | None = None, prefill_warps: int = PREFILL_WARPS, capability: tuple[int, int] | None = None):
+                 sms: int | None = None, prefill_warps: int = PREFILL_WARPS, capability: tuple[int, int] | None = None,
+                 prefill_stages: int | None = None, shared_bytes: int | None = None):
         """`num_splits`: decode splits over the context; None chooses them per step so the decode
         programs fill the device's `sms` multiprocessors (read from a CUDA device when None; on
         another device, 1 split). `block_m`, `block_n`, `prefill_warps`: the prefill's tiles and
         warps (scripts/bench_attention.py compares them; block_m None: `_prefill_tiles` chooses).
         `capability`: the CUDA compute capability the kernels are built for (None: the device's;
         (0, 0) off CUDA); from sm_89 they widen an FP8 cache's codes with the GPU's e4m3
-        conversion (the interpreter has it too)."""
+        conversion (the interpreter has it too). `prefill_stages`: the prefill loop's software
+        pipelining stages (None: `_prefill_stages` chooses, within `shared_bytes`, the shared
+        memory a block may have: None reads the device's)."""
         self.block_m, self.block_n, self.num_splits, self.sms = block_m, block_n, num_splits, sms
         self.prefill_warps, self.capability = prefill_warps, capability
+        self.prefill_stages, self.shared_bytes = prefill_stages, shared_bytes
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
                 scale: float | None = None, softcap: float | None = None,
@@ -88,6 +93,8 @@ class TritonPagedBackend(AttentionBackend):
         fp8, capability = fp8_kv.holds_codes(kv_cache), self._capability(q.device)
         native = capability >= E4M3_CAPABILITY
         block_m, block_n = _prefill_tiles(self.block_m, self.block_n, head_dim, fp8, capability)
+        stages = self.prefill_stages or _prefill_stages(block_m, block_n, _block_d(head_dim), q.element_size(),
+                                                        kv_cache.element_size(), self._shared_bytes(q.device))
         grid = (meta.num_seqs - first, heads, triton.cdiv(longest, block_m))
         kernels.paged_prefill_kernel[grid](
             q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, _sinks(scoring, out),
@@ -96,12 +103,19 @@ class TritonPagedBackend(AttentionBackend):
             GROUP=heads // kv_heads, HEAD_DIM=head_dim, SOFTCAP=scoring.softcap is not None,
             SINKS=scoring.sinks is not None, BLOCK_D=_block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_SIZE=block_size, PRECISION=_precision(q), FP8_KV=fp8, NATIVE_FP8=native,
-            num_warps=self.prefill_warps)
+            num_warps=self.prefill_warps, num_stages=stages)
 
     def _capability(self, device: torch.device) -> tuple[int, int]:
         if self.capability is None:
             self.capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
         return self.capability
+
+    def _shared_bytes(self, device: torch.device) -> int | None:
+        """The shared memory a block may have (opted in), as Triton checks a launch against it."""
+        if self.shared_bytes is None and device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.shared_bytes = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+        return self.shared_bytes
 
     def _splits(self, programs: int, tiles: int, device: torch.device) -> int:
         """A power of two (each split count is a kernel variant: `split_counts` bounds them), at most
@@ -170,6 +184,26 @@ def _prefill_tiles(block_m: int | None, block_n: int, head_dim: int, fp8: bool,
         block_m = 128 if capability >= (9, 0) and head_dim <= 128 and not fp8 else 64
         block_m //= 2 if fp8 and head_dim > 128 else 1
     return block_m, (block_n if head_dim <= 128 else max(16, block_n // 2))
+
+
+def _prefill_stages(block_m: int, block_n: int, block_d: int, q_bytes: int, cache_bytes: int,
+                    shared_bytes: int | None) -> int:
+    """Software pipelining stages for the prefill's key loop. A key tile's gather is two loads deep
+    (its pages' block ids, then K and V at them), and Triton's pipeliner shares a loop's stages - 1
+    between a chain's loads: with its default 3 each is one iteration ahead, so the K and V of a
+    tile are asked for at the end of the iteration before and waited for at once, their latency
+    exposed every tile (a copy slack of 0: scripts/sass_loops.py). With 5 they are asked for two
+    iterations ahead and a whole tile's work hides each (slack 1), for a third K and V buffer in
+    shared memory beside the query tile; where that does not fit a block's `shared_bytes`, 3. Off
+    CUDA (`shared_bytes` None) Triton's interpreter has no stages."""
+    wanted = prefill_shared_bytes(block_m, block_n, block_d, q_bytes, cache_bytes)
+    return PREFILL_STAGES if shared_bytes is None or wanted <= shared_bytes else FEWER_STAGES
+
+
+def prefill_shared_bytes(block_m: int, block_n: int, block_d: int, q_bytes: int, cache_bytes: int) -> int:
+    """At least the shared memory the prefill takes at PREFILL_STAGES: the query tile, three key
+    tiles' K, V and block ids, and 1 KiB for the compiler's own (scripts/compile_kernels.py compiles it)."""
+    return block_m * block_d * q_bytes + (PREFILL_STAGES + 1) // 2 * block_n * (2 * block_d * cache_bytes + 4) + 1024
 
 
 def _sinks(scoring: Scoring, out: torch.Tensor) -> torch.Tensor:
