@@ -1,10 +1,11 @@
 """The Triton attention kernels alone, on one layer of a shape (Llama-3-8B's by default): a prompt of
 N tokens prefilled over the paged cache with each prefill configuration (query rows x keys a tile,
-warps), against torch's scaled_dot_product_attention on the same queries, keys and values laid
-out contiguously (flash attention on CUDA: the bar a paged kernel aims at); and B sequences of C
-tokens decoded over a cache of the serving dtype and over an FP8 cache (e4m3 codes, half the
-bytes), against the bytes their keys and values take. A configuration costs a compile and
-milliseconds here, not an engine's start: tune the prefill tiles with it.
+warps, software pipelining stages; one whose buffers do not fit a block's shared memory is
+reported as such), against torch's scaled_dot_product_attention on the same queries, keys and
+values laid out contiguously (flash attention on CUDA: the bar a paged kernel aims at); and B
+sequences of C tokens decoded over a cache of the serving dtype and over an FP8 cache (e4m3
+codes, half the bytes), against the bytes their keys and values take. A configuration costs a
+compile and milliseconds here, not an engine's start: tune the prefill tiles with it.
 
     python scripts/bench_attention.py --json attn.json     # CUDA: seconds a configuration
     python scripts/bench_attention.py --tiny               # a tiny layer on the CPU (Triton's interpreter)
@@ -22,6 +23,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from bench_moe import (  # this script's folder
     add_run_args, device_peaks, emit, pct, print_markdown, ratio, run_device, sci, time_calls, token_counts,
@@ -37,8 +39,10 @@ FP8_SCALES = (0.02, 0.01)  # K's and V's, so the standard normal keys and values
 TINY = {"heads": 4, "kv_heads": 2, "head_dim": 16}
 PREFILLS, TINY_PREFILLS = (2048, 8192), (64, 100)
 DECODES, TINY_DECODES = "1x4096,64x4096,256x1024", "3x80"
-CONFIGS = "64x64x8,128x64x8,64x128x8,128x128x8,64x64x4,128x64x4"
-TINY_CONFIGS = "16x16x4,32x16x4"
+# the engine's sm_80 and sm_90 tiles at Triton's default 3 stages and at the engine's 5 (key tiles
+# copied two ahead), deeper, and longer key tiles (3 stages: 5 would not fit 227 KiB of shared memory)
+CONFIGS = "64x64x8x3,64x64x8x5,128x64x8x3,128x64x8x5,128x64x8x7,128x128x8x3"
+TINY_CONFIGS = "16x16x4x3,32x16x4x5"
 
 
 def _meta(contexts: list[int], queries: list[int], num_decodes: int, device: torch.device) -> AttentionMetadata:
@@ -57,7 +61,7 @@ def _meta(contexts: list[int], queries: list[int], num_decodes: int, device: tor
                              query_start_tensor=torch.tensor(starts, device=device))
 
 
-def prefill_rows(shape: dict, lengths: list[int], configs: list[tuple[int, int, int]], iters: int,
+def prefill_rows(shape: dict, lengths: list[int], configs: list[tuple[int, int, int, int]], iters: int,
                  device: torch.device, dtype: torch.dtype, flops_peak: float | None) -> list[dict]:
     from splitserve.engine.attention.triton_paged import TritonPagedBackend  # once --tiny set TRITON_INTERPRET
 
@@ -74,21 +78,30 @@ def prefill_rows(shape: dict, lengths: list[int], configs: list[tuple[int, int, 
         sdpa = time_calls(lambda: F.scaled_dot_product_attention(*contiguous, is_causal=True, enable_gqa=True),
                           iters, cuda)
         rows.append(_prefill_row("sdpa", n, None, sdpa, flops, flops_peak, sdpa))
-        for block_m, block_n, warps in configs:
-            backend, out = TritonPagedBackend(block_m, block_n, prefill_warps=warps), torch.empty_like(q)
-            seconds = time_calls(lambda: backend.prefill(q, cache, meta, out), iters, cuda)
+        for block_m, block_n, warps, stages in configs:
+            backend = TritonPagedBackend(block_m, block_n, prefill_warps=warps, prefill_stages=stages)
+            out = torch.empty_like(q)
+            try:
+                seconds = time_calls(lambda: backend.prefill(q, cache, meta, out), iters, cuda)
+            except OutOfResources as error:  # Triton checks a variant's shared memory when it launches
+                rows.append({**_prefill_row("triton", n, (block_m, block_n, warps, stages)), "error": str(error)})
+                continue
             diff = (out.transpose(0, 1)[None].float() - reference.float()).abs().max().item()
-            rows.append({**_prefill_row("triton", n, (block_m, block_n, warps), seconds, flops, flops_peak, sdpa),
-                         "max_abs_diff_vs_sdpa": diff})
+            rows.append({**_prefill_row("triton", n, (block_m, block_n, warps, stages), seconds, flops, flops_peak,
+                                        sdpa), "max_abs_diff_vs_sdpa": diff})
     return rows
 
 
-def _prefill_row(kernel: str, n: int, config: tuple[int, int, int] | None, seconds: float, flops: int,
-                 flops_peak: float | None, sdpa_seconds: float) -> dict:
-    tiles, warps = (None, None) if config is None else (f"{config[0]}x{config[1]}", config[2])
-    return {"kind": "prefill", "kernel": kernel, "tokens": n, "tiles": tiles, "warps": warps,
-            "ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
-            "mfu": flops / seconds / flops_peak if flops_peak else None, "speedup_vs_sdpa": sdpa_seconds / seconds}
+def _prefill_row(kernel: str, n: int, config: tuple[int, int, int, int] | None, seconds: float | None = None,
+                 flops: int = 0, flops_peak: float | None = None, sdpa_seconds: float = 0.0) -> dict:
+    """A prefill's row; without `seconds` (a configuration that did not run), its times are None."""
+    tiles, warps, stages = (None, None, None) if config is None else (f"{config[0]}x{config[1]}", *config[2:])
+    row = {"kind": "prefill", "kernel": kernel, "tokens": n, "tiles": tiles, "warps": warps, "stages": stages,
+           "ms": None, "tflops": None, "mfu": None, "speedup_vs_sdpa": None}
+    if seconds is not None:
+        row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+                   mfu=flops / seconds / flops_peak if flops_peak else None, speedup_vs_sdpa=sdpa_seconds / seconds)
+    return row
 
 
 def decode_rows(shape: dict, decodes: list[tuple[int, int]], iters: int, device: torch.device, dtype: torch.dtype,
@@ -121,7 +134,7 @@ def decode_rows(shape: dict, decodes: list[tuple[int, int]], iters: int, device:
 def print_table(result: dict) -> None:
     print(f"Device: {result['device']}; {result['shape']}: {result['heads']} heads, {result['kv_heads']} KV heads, "
           f"head_dim {result['head_dim']}, {result['dtype']}, KV blocks of {BLOCK_SIZE}")
-    print_markdown(["kind", "kernel", "tiles, warps", "tokens / batch x context", "ms:", "TFLOP/s or GB/s:",
+    print_markdown(["kind", "kernel", "tiles, warps, stages", "tokens / batch x context", "ms:", "TFLOP/s or GB/s:",
                     "MFU or MBU:", "vs SDPA:", "max abs diff vs SDPA:"], [_cells(r) for r in result["rows"]])
 
 
@@ -130,7 +143,9 @@ def _cells(r: dict) -> list:
     if r["kind"] == "decode":
         return ["decode" + (", FP8 KV" if r["kv_cache"] == "fp8" else ""), r["kernel"], "-",
                 f"{r['batch']} x {r['context']}", f"{r['ms']:.3f}", f"{r['gb_per_s']:.0f}", pct(r["mbu"]), "-", diff]
-    tiles = "-" if r["tiles"] is None else f"{r['tiles']}, {r['warps']}"
+    tiles = "-" if r["tiles"] is None else f"{r['tiles']}, {r['warps']}, {r['stages']}"
+    if r["ms"] is None:
+        return ["prefill", r["kernel"], tiles, r["tokens"], "does not fit", "-", "-", "-", "-"]
     return ["prefill", r["kernel"], tiles, r["tokens"], f"{r['ms']:.3f}", f"{r['tflops']:.1f}", pct(r["mfu"]),
             ratio(r["speedup_vs_sdpa"]), diff]
 
@@ -147,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="a shape of engine/shapes.py")
     p.add_argument("--tiny", action="store_true", help="a tiny layer on the CPU, under Triton's interpreter")
-    p.add_argument("--configs", help=f"prefill configurations, ROWSxKEYSxWARPS, comma-separated (default {CONFIGS})")
+    p.add_argument("--configs", help=f"prefill configurations, ROWSxKEYSxWARPSxSTAGES, comma-separated "
+                                      f"(default {CONFIGS})")
     p.add_argument("--decodes", help=f"decode batches, BATCHxCONTEXT, comma-separated (default {DECODES})")
     add_run_args(p, PREFILLS, TINY_PREFILLS)
     args = p.parse_args(argv)
@@ -158,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         c, name = ModelConfig.from_hf(SHAPES[args.shape]), args.shape
         shape = {"heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim}
     try:
-        configs = _items(args.configs or (TINY_CONFIGS if args.tiny else CONFIGS), 3)
+        configs = _items(args.configs or (TINY_CONFIGS if args.tiny else CONFIGS), 4)
         decodes = _items(args.decodes or (TINY_DECODES if args.tiny else DECODES), 2)
     except ValueError as error:
-        p.error(f"--configs takes ROWSxKEYSxWARPS items and --decodes BATCHxCONTEXT items, comma-separated; "
+        p.error(f"--configs takes ROWSxKEYSxWARPSxSTAGES items and --decodes BATCHxCONTEXT items, comma-separated; "
                 f"got {error}")
     lengths = token_counts(args, PREFILLS, TINY_PREFILLS)
     device_name, hbm, flops_peak = device_peaks(device, args)
