@@ -7,9 +7,9 @@ every row sees whole issues fewer instructions than its masked loop, and both as
 and V a whole iteration before they wait for them (copy slack 1); an MoE shape's expert kernels
 (GPT-OSS's read as MXFP4 bytes) and Gemma 2's variants (soft-capped scores, its norm, 256-dim
 heads), over either cache, are compiled at start-up too, none spilling, Gemma's prefill copying
-as far ahead where a third K and V buffer fits a block's shared memory (not an L40S's); an FP8 cache is widened by
-e4m3 conversion on sm_90 and bit moves on sm_80. Without the warm-up, serving compiles; in float32
-the attention kernels spill: the script fails on both."""
+as far ahead where a third K and V buffer fits a block's shared memory (not an L40S's); an FP8
+cache is widened by e4m3 conversion on sm_90 and bit moves on sm_80. Without the warm-up, serving
+compiles; in float32 the attention kernels spill: the script fails on both."""
 import json
 import subprocess
 import sys
