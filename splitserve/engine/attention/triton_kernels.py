@@ -72,13 +72,16 @@ def store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_kh, st
 
 @triton.jit
 def _key_tile(cache_ptr, tables_ptr, seq, stride_table, start, context, kv_head, kv_offset, stride_block,
-              stride_slot, stride_head, d, dmask, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """K and V ([BLOCK_N, BLOCK_D] each) of positions start .. start + BLOCK_N, gathered across pages."""
+              stride_slot, stride_head, d, dmask, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+              WHOLE: tl.constexpr = False):
+    """K and V ([BLOCK_N, BLOCK_D] each) of positions start .. start + BLOCK_N, gathered across pages.
+    WHOLE: the caller knows every position is below `context`, so the loads are not masked by it."""
     n = start + tl.arange(0, BLOCK_N)
     nmask = n < context
-    blocks = tl.load(tables_ptr + seq * stride_table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    blocks = tl.load(tables_ptr + seq * stride_table + n // BLOCK_SIZE, mask=None if WHOLE else nmask,
+                     other=None if WHOLE else 0).to(tl.int64)
     offsets = blocks[:, None] * stride_block + (n % BLOCK_SIZE)[:, None] * stride_slot + kv_head * stride_head
-    mask = nmask[:, None] & dmask[None, :]
+    mask = dmask[None, :] if WHOLE else nmask[:, None] & dmask[None, :]
     k = tl.load(cache_ptr + offsets + d[None, :], mask=mask, other=0.0)
     v = tl.load(cache_ptr + kv_offset + offsets + d[None, :], mask=mask, other=0.0)
     return k, v, n, nmask
@@ -271,7 +274,8 @@ def _prefill_tiles(m, l, acc, q, lo, hi, gap_at, gap, positions, oldest, cache_p
     for i in range(lo, hi):
         tile = i + tl.where(i >= gap_at, gap, 0)
         k, v, n, nmask = _key_tile(cache_ptr, tables_ptr, seq, stride_table, tile * BLOCK_N, context, kv_head,
-                                   kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N, BLOCK_SIZE)
+                                   kv_offset, stride_block, stride_slot, stride_head, d, dmask, BLOCK_N, BLOCK_SIZE,
+                                   not MASKED)  # the tiles every row sees whole are below the context
         s = _scores(q, _widened(k, q, FP8_KV, NATIVE_FP8), scale, softcap, PRECISION, SOFTCAP)
         if MASKED:
             s = tl.where((n[None, :] <= positions[:, None]) & (n[None, :] >= oldest[:, None]) & nmask[None, :], s,
