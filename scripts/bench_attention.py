@@ -4,8 +4,10 @@ warps, software pipelining stages; one whose buffers do not fit a block's shared
 reported as such), against torch's scaled_dot_product_attention on the same queries, keys and
 values laid out contiguously (flash attention on CUDA: the bar a paged kernel aims at); and B
 sequences of C tokens decoded over a cache of the serving dtype and over an FP8 cache (e4m3
-codes, half the bytes), against the bytes their keys and values take. A configuration costs a
-compile and milliseconds here, not an engine's start: tune the prefill tiles with it.
+codes, half the bytes), at each count of pipelining stages, against the bytes their keys and
+values take. A configuration costs a compile and milliseconds here, not an engine's start: tune
+the prefill tiles and the decode's stages with it. Each row is printed as it is measured (a JSON
+line), so a run cut short keeps the rows before.
 
     python scripts/bench_attention.py --json attn.json     # CUDA: seconds a configuration
     python scripts/bench_attention.py --tiny               # a tiny layer on the CPU (Triton's interpreter)
@@ -19,6 +21,7 @@ kernel; over an FP8 cache, SDPA reads the values its codes stand for).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -39,6 +42,7 @@ FP8_SCALES = (0.02, 0.01)  # K's and V's, so the standard normal keys and values
 TINY = {"heads": 4, "kv_heads": 2, "head_dim": 16}
 PREFILLS, TINY_PREFILLS = (2048, 8192), (64, 100)
 DECODES, TINY_DECODES = "1x4096,64x4096,256x1024", "3x80"
+DECODE_STAGES = "3,5"  # the engine's (Triton's default: one key tile copied ahead), and two ahead
 # the engine's sm_80 and sm_90 tiles at Triton's default 3 stages and at the engine's 5 (key tiles
 # copied two ahead), deeper, and longer key tiles (3 stages: 5 would not fit 227 KiB of shared memory)
 CONFIGS = "64x64x8x3,64x64x8x5,128x64x8x3,128x64x8x5,128x64x8x7,128x128x8x3"
@@ -77,19 +81,24 @@ def prefill_rows(shape: dict, lengths: list[int], configs: list[tuple[int, int, 
         reference = F.scaled_dot_product_attention(*contiguous, is_causal=True, enable_gqa=True)
         sdpa = time_calls(lambda: F.scaled_dot_product_attention(*contiguous, is_causal=True, enable_gqa=True),
                           iters, cuda)
-        rows.append(_prefill_row("sdpa", n, None, sdpa, flops, flops_peak, sdpa))
+        _keep(rows, _prefill_row("sdpa", n, None, sdpa, flops, flops_peak, sdpa))
         for block_m, block_n, warps, stages in configs:
             backend = TritonPagedBackend(block_m, block_n, prefill_warps=warps, prefill_stages=stages)
             out = torch.empty_like(q)
             try:
                 seconds = time_calls(lambda: backend.prefill(q, cache, meta, out), iters, cuda)
             except OutOfResources as error:  # Triton checks a variant's shared memory when it launches
-                rows.append({**_prefill_row("triton", n, (block_m, block_n, warps, stages)), "error": str(error)})
+                _keep(rows, {**_prefill_row("triton", n, (block_m, block_n, warps, stages)), "error": str(error)})
                 continue
             diff = (out.transpose(0, 1)[None].float() - reference.float()).abs().max().item()
-            rows.append({**_prefill_row("triton", n, (block_m, block_n, warps, stages), seconds, flops, flops_peak,
+            _keep(rows, {**_prefill_row("triton", n, (block_m, block_n, warps, stages), seconds, flops, flops_peak,
                                         sdpa), "max_abs_diff_vs_sdpa": diff})
     return rows
+
+
+def _keep(rows: list[dict], row: dict) -> None:
+    rows.append(row)
+    print(json.dumps(row), flush=True)
 
 
 def _prefill_row(kernel: str, n: int, config: tuple[int, int, int, int] | None, seconds: float | None = None,
@@ -104,13 +113,14 @@ def _prefill_row(kernel: str, n: int, config: tuple[int, int, int, int] | None, 
     return row
 
 
-def decode_rows(shape: dict, decodes: list[tuple[int, int]], iters: int, device: torch.device, dtype: torch.dtype,
-                hbm: float | None) -> list[dict]:
+def decode_rows(shape: dict, decodes: list[tuple[int, int]], stages: list[int], iters: int, device: torch.device,
+                dtype: torch.dtype, hbm: float | None) -> list[dict]:
     from splitserve.engine.attention.triton_paged import TritonPagedBackend
 
     heads, kv_heads, dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    backend, rows = TritonPagedBackend(), []
-    for (batch, context), fp8 in ((d, fp8) for d in decodes for fp8 in (False, True)):
+    rows = []
+    for (batch, context), fp8, count in ((d, fp8, n) for d in decodes for fp8 in (False, True) for n in stages):
+        backend = TritonPagedBackend(decode_stages=count)
         meta = _meta([context] * batch, [1] * batch, batch, device)
         values = torch.randn(2, batch * -(-context // BLOCK_SIZE), BLOCK_SIZE, kv_heads, dim, device=device,
                              dtype=dtype)
@@ -124,8 +134,8 @@ def decode_rows(shape: dict, decodes: list[tuple[int, int]], iters: int, device:
         keys, vals = (values[i].view(batch, -1, kv_heads, dim)[:, :context].transpose(1, 2) for i in (0, 1))
         reference = F.scaled_dot_product_attention(q[:, :, None], keys, vals, enable_gqa=True)[:, :, 0]
         read = batch * context * 2 * kv_heads * dim * cache.element_size()
-        rows.append({"kind": "decode", "kernel": "triton", "kv_cache": "fp8" if fp8 else "auto", "batch": batch,
-                     "context": context, "ms": seconds * 1e3, "bytes": read, "gb_per_s": read / seconds / 1e9,
+        _keep(rows, {"kind": "decode", "kernel": "triton", "kv_cache": "fp8" if fp8 else "auto", "batch": batch,
+                     "context": context, "stages": count, "ms": seconds * 1e3, "bytes": read, "gb_per_s": read / seconds / 1e9,
                      "mbu": read / seconds / hbm if hbm else None,
                      "max_abs_diff_vs_sdpa": (out.float() - reference.float()).abs().max().item()})
     return rows
@@ -141,7 +151,7 @@ def print_table(result: dict) -> None:
 def _cells(r: dict) -> list:
     diff = sci(r.get("max_abs_diff_vs_sdpa"))
     if r["kind"] == "decode":
-        return ["decode" + (", FP8 KV" if r["kv_cache"] == "fp8" else ""), r["kernel"], "-",
+        return ["decode" + (", FP8 KV" if r["kv_cache"] == "fp8" else ""), r["kernel"], f"-, -, {r['stages']}",
                 f"{r['batch']} x {r['context']}", f"{r['ms']:.3f}", f"{r['gb_per_s']:.0f}", pct(r["mbu"]), "-", diff]
     tiles = "-" if r["tiles"] is None else f"{r['tiles']}, {r['warps']}, {r['stages']}"
     if r["ms"] is None:
@@ -165,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", help=f"prefill configurations, ROWSxKEYSxWARPSxSTAGES, comma-separated "
                                       f"(default {CONFIGS})")
     p.add_argument("--decodes", help=f"decode batches, BATCHxCONTEXT, comma-separated (default {DECODES})")
+    p.add_argument("--decode-stages", default=DECODE_STAGES, help=f"the decode's pipelining stages, comma-separated "
+                                                                 f"(default {DECODE_STAGES})")
     add_run_args(p, PREFILLS, TINY_PREFILLS)
     args = p.parse_args(argv)
     device, dtype = run_device(p, args)
@@ -176,13 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = _items(args.configs or (TINY_CONFIGS if args.tiny else CONFIGS), 4)
         decodes = _items(args.decodes or (TINY_DECODES if args.tiny else DECODES), 2)
+        stages = [n for (n,) in _items(args.decode_stages, 1)]
     except ValueError as error:
-        p.error(f"--configs takes ROWSxKEYSxWARPSxSTAGES items and --decodes BATCHxCONTEXT items, comma-separated; "
-                f"got {error}")
+        p.error(f"--configs takes ROWSxKEYSxWARPSxSTAGES items, --decodes BATCHxCONTEXT items and --decode-stages "
+                f"positive integers, comma-separated; got {error}")
     lengths = token_counts(args, PREFILLS, TINY_PREFILLS)
     device_name, hbm, flops_peak = device_peaks(device, args)
     rows = prefill_rows(shape, lengths, configs, args.iters, device, dtype, flops_peak)
-    rows += decode_rows(shape, decodes, args.iters, device, dtype, hbm)
+    rows += decode_rows(shape, decodes, stages, args.iters, device, dtype, hbm)
     result = {"device": device_name, "shape": name, **shape, "dtype": str(dtype).removeprefix("torch."),
               "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak, "rows": rows}
     return emit(args, result, print_table)

@@ -22,7 +22,7 @@ from splitserve.engine.attention import AttentionMetadata  # noqa: E402
 from splitserve.engine.attention.base import write_kv  # noqa: E402
 from splitserve.engine.attention.metadata import PAD_SLOT  # noqa: E402
 from splitserve.engine.attention.triton_paged import (  # noqa: E402
-    E4M3_CAPABILITY, FEWER_STAGES, PREFILL_STAGES, TritonPagedBackend, _prefill_stages, split_counts, store_kv)
+    E4M3_CAPABILITY, TRITON_STAGES, PREFILL_STAGES, TritonPagedBackend, _prefill_stages, split_counts, store_kv)
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.test_attention import SINKS, check_case  # noqa: E402
@@ -195,12 +195,12 @@ def test_the_prefill_pipelines_two_key_tiles_ahead_where_a_block_has_the_shared_
     L40S's 99; over an FP8 cache 66 KiB, within both. Gemma's 64 x 32 tiles of 256 dims: 129 KiB,
     within an A100's 163. Off CUDA (no limit) the interpreter ignores stages."""
     h100, a100, l40s = 227 * 1024, 163 * 1024, 99 * 1024
-    assert (PREFILL_STAGES, FEWER_STAGES) == (5, 3)
+    assert (PREFILL_STAGES, TRITON_STAGES) == (5, 3)
     assert _prefill_stages(128, 64, 128, 2, 2, h100) == PREFILL_STAGES
-    assert _prefill_stages(128, 64, 128, 2, 2, l40s) == FEWER_STAGES
+    assert _prefill_stages(128, 64, 128, 2, 2, l40s) == TRITON_STAGES
     assert _prefill_stages(64, 64, 128, 2, 1, l40s) == PREFILL_STAGES
     assert _prefill_stages(64, 32, 256, 2, 2, a100) == PREFILL_STAGES
-    assert _prefill_stages(64, 32, 256, 2, 2, l40s) == FEWER_STAGES
+    assert _prefill_stages(64, 32, 256, 2, 2, l40s) == TRITON_STAGES
     assert _prefill_stages(128, 128, 256, 2, 2, None) == PREFILL_STAGES
 
 
@@ -209,7 +209,8 @@ def test_random_batches(seed):
     """Random mixes of decodes, fresh prompts, chunks and prefix hits (one new token over a long
     context) over random shapes: head sizes to 256, any block size (a key's block is its position //
     the block size: 8 to 64 here, not only powers of two), tile sizes, split counts, a window, soft
-    caps, sinks, an FP8 cache (either widening), half precision."""
+    caps, sinks, an FP8 cache (either widening), half precision, the decode at 3 or 5 stages
+    (compiled, on a GPU)."""
     rng = random.Random(2000 + seed)
     heads, kv_heads = rng.choice(GQA + [(8, 1), (8, 8)])
     decodes = [(rng.randint(1, 150), 1) for _ in range(rng.randint(0, 4))]
@@ -223,7 +224,8 @@ def test_random_batches(seed):
           tolerance=2e-2 if "dtype" in chosen else 1e-5, extra_blocks=rng.choice([0, 2]),
           backend=TritonPagedBackend(block_m=rng.choice([16, 32]), block_n=rng.choice([16, 32]),
                                      num_splits=rng.choice([None, 1, 2, 5]),
-                                     capability=rng.choice([(8, 0), E4M3_CAPABILITY][:1 + HAS_E4M3])))
+                                     capability=rng.choice([(8, 0), E4M3_CAPABILITY][:1 + HAS_E4M3]),
+                                     decode_stages=rng.choice([None, 5])))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

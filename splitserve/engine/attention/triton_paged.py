@@ -18,7 +18,7 @@ from splitserve.engine.attention.metadata import AttentionMetadata
 MAX_SPLITS = 16
 E4M3_CAPABILITY = (8, 9)  # the first CUDA capability whose Triton converts float8 e4m3
 PREFILL_WARPS = 8  # with Triton's default 4, the prefill kernel spills registers on sm_80 (scripts/compile_kernels.py)
-PREFILL_STAGES, FEWER_STAGES = 5, 3  # `_prefill_stages`; 3 is Triton's default
+PREFILL_STAGES, TRITON_STAGES = 5, 3  # `_prefill_stages`; Triton's default
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -27,7 +27,8 @@ class TritonPagedBackend(AttentionBackend):
 
     def __init__(self, block_m: int | None = None, block_n: int = 64, num_splits: int | None = None,
                  sms: int | None = None, prefill_warps: int = PREFILL_WARPS, capability: tuple[int, int] | None = None,
-                 prefill_stages: int | None = None, shared_bytes: int | None = None):
+                 prefill_stages: int | None = None, shared_bytes: int | None = None,
+                 decode_stages: int | None = None):
         """`num_splits`: decode splits over the context; None chooses them per step so the decode
         programs fill the device's `sms` multiprocessors (read from a CUDA device when None; on
         another device, 1 split). `block_m`, `block_n`, `prefill_warps`: the prefill's tiles and
@@ -36,10 +37,12 @@ class TritonPagedBackend(AttentionBackend):
         (0, 0) off CUDA); from sm_89 they widen an FP8 cache's codes with the GPU's e4m3
         conversion (the interpreter has it too). `prefill_stages`: the prefill loop's software
         pipelining stages (None: `_prefill_stages` chooses, within `shared_bytes`, the shared
-        memory a block may have: None reads the device's)."""
+        memory a block may have: None reads the device's). `decode_stages`: the decode loop's
+        (None: Triton's default 3, one key tile copied ahead; bench_attention.py times more)."""
         self.block_m, self.block_n, self.num_splits, self.sms = block_m, block_n, num_splits, sms
         self.prefill_warps, self.capability = prefill_warps, capability
         self.prefill_stages, self.shared_bytes = prefill_stages, shared_bytes
+        self.decode_stages = decode_stages or TRITON_STAGES
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
                 scale: float | None = None, softcap: float | None = None,
@@ -77,7 +80,8 @@ class TritonPagedBackend(AttentionBackend):
             out.stride(0), out.stride(1), heads, *_scales(scoring, head_dim, fp8, native, kv_scale, window),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q),
-            SOFTCAP=scoring.softcap is not None, SINKS=scoring.sinks is not None, FP8_KV=fp8, NATIVE_FP8=native)
+            SOFTCAP=scoring.softcap is not None, SINKS=scoring.sinks is not None, FP8_KV=fp8, NATIVE_FP8=native,
+            num_stages=self.decode_stages)
         if splits > 1:
             kernels.merge_splits_kernel[(n, heads)](
                 part_acc, part_ml, _sinks(scoring, out), out, n, heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
@@ -197,7 +201,7 @@ def _prefill_stages(block_m: int, block_n: int, block_d: int, q_bytes: int, cach
     shared memory beside the query tile; where that does not fit a block's `shared_bytes`, 3. Off
     CUDA (`shared_bytes` None) Triton's interpreter has no stages."""
     wanted = prefill_shared_bytes(block_m, block_n, block_d, q_bytes, cache_bytes)
-    return PREFILL_STAGES if shared_bytes is None or wanted <= shared_bytes else FEWER_STAGES
+    return PREFILL_STAGES if shared_bytes is None or wanted <= shared_bytes else TRITON_STAGES
 
 
 def prefill_shared_bytes(block_m: int, block_n: int, block_d: int, q_bytes: int, cache_bytes: int) -> int:
