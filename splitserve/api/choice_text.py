@@ -85,7 +85,7 @@ class ChoiceText:
             return None
         entries, self._entries = self._entries, []
         if self.kind == "chat":
-            return chat_logprobs(entries, self.num_top, self.text.token_text)
+            return chat_logprobs(entries, self.num_top, self.text.token_text, self.text.token_bytes)
         body = completion_logprobs(entries, self.num_top, self.text.token_text, self._text_offset)
         self._text_offset += sum(len(t) for t in body["tokens"])
         return body

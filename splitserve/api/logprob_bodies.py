@@ -1,6 +1,7 @@
 """OpenAI's `logprobs` objects from the engine's per-token logprobs: the legacy completions shape
 (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and the chat shape (`content`: one entry
-per token with its bytes and its `top_logprobs`).
+per token with its bytes, the token's own where its text cannot show them (part of a UTF-8
+character), and its `top_logprobs`).
 
 An entry is (sampled token id, {token id: logprob}) where the dict holds the `num_top` most likely
 tokens and the sampled one (None for an echoed prompt's first token, which nothing predicts), log-softmax of the raw logits (before temperature and penalties, as
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 Entry = tuple[int, dict[int, float] | None]
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 def completion_logprobs(entries: Sequence[Entry], num_top: int, token_text: TokenText, offset: int = 0) -> dict:
@@ -29,10 +31,9 @@ def completion_logprobs(entries: Sequence[Entry], num_top: int, token_text: Toke
             "text_offset": offsets}
 
 
-def chat_logprobs(entries: Sequence[Entry], num_top: int, token_text: TokenText) -> dict:
+def chat_logprobs(entries: Sequence[Entry], num_top: int, token_text: TokenText, token_bytes: TokenBytes) -> dict:
     def item(token_id: int, logprob: float) -> dict:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": token_text(token_id), "logprob": logprob, "bytes": list(token_bytes(token_id))}
 
     return {"content": [{**item(token_id, lps[token_id]), "top_logprobs": [item(t, lp) for t, lp in _top(lps, num_top)]}
                         for token_id, lps in entries]}

@@ -36,6 +36,9 @@ class TextStream:
         """One token's own text (special tokens spelled out), as logprobs name it."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._tokenizer.token_bytes(token_id)
+
     def visible(self, final: bool) -> str:
         text = self._detokenizer.text
         if final or self.stopped:

@@ -10,6 +10,7 @@ import tokenizers
 
 from splitserve.engine.loader import CheckpointError, read_json
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.token_bytes import TokenBytes
 
 # Prompt tokens decoded in front of the output, so that tokenizers whose decoding depends on the
 # left context (SentencePiece's leading space) render the first output token as they would mid-text.
@@ -22,6 +23,10 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (part of a UTF-8 character, for some), as logprobs report them."""
 
     @property
     @abstractmethod
@@ -65,6 +70,11 @@ class ByteTokenizer(Tokenizer):
         parts.append(pending.decode("utf-8", errors="replace"))
         return "".join(parts)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < 256:
+            return bytes([token_id])
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     @property
     def vocab_size(self) -> int:
         return 259
@@ -101,12 +111,16 @@ class HFTokenizer(Tokenizer):
         eos = self._token_id(cfg, "eos_token", cfg_file)
         self._eos = () if eos is None else (eos,)
         self._chat_template = _read_chat_template(root, cfg)
+        self._token_bytes = TokenBytes(self._tok)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._token_bytes.of(token_id)
 
     def to_json(self) -> str:
         """The tokenizer.json text (for libraries that build their own view of the vocabulary)."""

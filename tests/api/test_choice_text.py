@@ -74,6 +74,17 @@ def test_a_chat_choice_with_reasoning_and_hermes_calls():
     assert "reasoning" not in plain.choice(output, "stop")["message"]  # no parser: the text as it is
 
 
+def test_chat_logprobs_give_each_tokens_own_bytes_where_it_holds_part_of_a_character():
+    """The demo's tokens are bytes: alone, each of these decodes to U+FFFD; joined, the bytes are the text."""
+    text = ChoiceText("chat", TextStream(TOKENIZER, SamplingParams(), []), [], num_top=1)
+    ids = TOKENIZER.encode("日🙂", add_special_tokens=False)
+    delta, _ = text.add(ids, [{t: -0.5} for t in ids], "length")
+    content = text.take_logprobs()["content"]
+    assert delta == "日🙂" and {c["token"] for c in content} == {"\ufffd"}
+    assert [c["bytes"] for c in content] == [[b] for b in "日🙂".encode()]
+    assert bytes(b for c in content for b in c["bytes"]).decode() == "日🙂"
+
+
 def test_the_stop_token_that_ends_a_choice_adds_no_text_even_spelled_out():
     """vLLM's rule: EOS (or a stop_token_id) ends the text without its own, unless
     include_stop_str_in_output; a stop string ending in the last token is still cut there."""
