@@ -3,6 +3,7 @@ and on Ctrl-C / SIGTERM tear down what it started."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 import urllib.error
@@ -57,13 +58,27 @@ def teardown(joined: bool) -> None:
     ray.shutdown()
 
 
-def _interrupt(*_) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does, even while it is still deploying
+class _Stop:
+    """The SIGINT and SIGTERM handler: the first signal stops the server (KeyboardInterrupt, even
+    while it is still deploying); any later one only says so, so the teardown always runs to its end
+    (a second Ctrl-C, or a supervisor that signals the whole process group, cannot cut it short)."""
+
+    def __init__(self):
+        self.stopping = False
+
+    def __call__(self, *_) -> None:
+        if self.stopping:
+            os.write(1, b"splitserve: still shutting down\n")  # print is not safe in a handler (reentrancy)
+            return
+        self.stopping = True  # before raising: a signal from here on finds it set
+        raise KeyboardInterrupt
 
 
 def serve_until_interrupted(config: ClusterConfig, host: str, port: int, address: str | None) -> None:
+    stop = _Stop()
+    signal.signal(signal.SIGINT, stop)
     try:
-        url = deploy(config, host, port, address, on_sigterm=_interrupt)
+        url = deploy(config, host, port, address, on_sigterm=stop)
         pools = ", ".join(f"{p.num_workers} {p.role} ({p.hardware})" for p in config.pools)
         print(f"splitserve: serving model {config.model_name!r} at {url}/v1  [{pools}]", flush=True)
         print("splitserve: press Ctrl-C to stop", flush=True)
@@ -72,6 +87,6 @@ def serve_until_interrupted(config: ClusterConfig, host: str, port: int, address
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the teardown short
+        stop.stopping = True  # set already unless deploying failed
         print("splitserve: shutting down", flush=True)
         teardown(joined=address is not None)
