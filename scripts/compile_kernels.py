@@ -269,7 +269,7 @@ def serving_mix(rng: random.Random, config: EngineConfig, max_model_len: int, st
 
 
 def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig, steps: int,
-                with_warm_up: bool = True, seed: int = 0) -> list[Variant]:
+                with_warm_up: bool = True, seed: int = 0, decode_stages: int | None = None) -> list[Variant]:
     whole = ModelConfig.from_hf(shape)
     model_config = replace(whole, num_hidden_layers=1)
     max_model_len = config.max_model_len or model_config.max_positions
@@ -278,7 +278,7 @@ def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig
         model = LayerLaunches(model_config, dtype, max_model_len, windows)
     cpu = torch.device("cpu")
     backend = TritonPagedBackend(sms=ARCHS[arch].sms, capability=divmod(arch, 10),
-                                 shared_bytes=ARCHS[arch].block_shared)
+                                 shared_bytes=ARCHS[arch].block_shared, decode_stages=decode_stages)
     cache = KVCache(model_config, 8, config.block_size, dtype, cpu, kv_cache_dtype=config.kv_cache_dtype)
     runner = ModelRunner(model, cache, backend, cpu)
     phase, variants = ["start-up"], {}
@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200, help="random prefill / mixed steps of the serving mix")
+    parser.add_argument("--decode-stages", type=int, help="the decode kernel's pipelining stages (default: the "
+                        "engine's, 5 over an FP8 cache and 3 over others)")
     parser.add_argument("--no-warm-up", action="store_true", help="start up without kernel_warm_up (what it saves)")
     parser.add_argument("--cache-dir", type=Path, help="Triton's cache to compile into (default: a fresh one, so the "
                         "times are a cold start's; give the same one twice to time a warm start)")
@@ -331,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     report, failed = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "archs": {}}, False
     os.environ["TRITON_CACHE_DIR"] = str(args.cache_dir or tempfile.mkdtemp(prefix="splitserve-triton-"))
     for arch in args.arch or [90, 80]:
-        variants = compile_all(arch, shape, DTYPES[args.dtype], config, args.steps, not args.no_warm_up)
+        variants = compile_all(arch, shape, DTYPES[args.dtype], config, args.steps, not args.no_warm_up,
+                               decode_stages=args.decode_stages)
         found = problems(variants, arch)
         failed |= bool(found)
         report["archs"][f"sm_{arch}"] = {"device": ARCHS[arch].name, "variants": [v.__dict__ for v in variants],

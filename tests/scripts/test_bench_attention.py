@@ -1,8 +1,9 @@
 """bench_attention.py: the tiny layer runs end to end on the CPU (Triton's interpreter): SDPA and
 each prefill configuration per prompt length, then each decode batch over a float16 cache and an
-FP8 one at each count of stages, every row printed as it is measured, every kernel's output within half precision of SDPA's on the same keys (the values FP8
-codes stand for), the FLOPs of a causal prefill and the bytes of a decode as its docstring counts
-them (a byte a value over FP8); a configuration Triton cannot launch (its shared memory) is
+FP8 one at each count of stages, every row printed as it is measured, every kernel's output
+within half precision of SDPA's on the same keys (the values FP8 codes stand for), the FLOPs of a
+causal prefill and the bytes of a decode as its docstring counts them (a byte a value over FP8); a
+configuration Triton cannot launch (its shared memory) is
 reported and the others run; malformed configurations are refused."""
 import json
 import subprocess

@@ -8,8 +8,10 @@ and V a whole iteration before they wait for them (copy slack 1); an MoE shape's
 (GPT-OSS's read as MXFP4 bytes) and Gemma 2's variants (soft-capped scores, its norm, 256-dim
 heads), over either cache, are compiled at start-up too, none spilling, Gemma's prefill copying
 as far ahead where a third K and V buffer fits a block's shared memory (not an L40S's); an FP8
-cache is widened by e4m3 conversion on sm_90 and bit moves on sm_80. Without the warm-up, serving
-compiles; in float32 the attention kernels spill: the script fails on both."""
+cache is widened by e4m3 conversion on sm_90 and bit moves on sm_80, and its decode asks for a tile
+two iterations before it waits for it (5 stages), as a bf16 cache's decode does at 5 stages (what
+bench_attention.py times against the engine's 3). Without the
+warm-up, serving compiles; in float32 the attention kernels spill: the script fails on both."""
 import json
 import subprocess
 import sys
@@ -57,6 +59,9 @@ def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
         assert whole["mma"] == masked["mma"] > 0 and whole["instructions"] < masked["instructions"]
         assert whole["copy_slack"] == masked["copy_slack"] == 1, arch
         _check_prefill_shared(prefill, cache_bytes=2)
+        # over a bf16 cache the decode keeps Triton's 3 stages: a tile asked for as it is waited for
+        assert {loop["copy_slack"] for v in variants if v["kernel"] == "paged_decode_kernel" for loop in v["loops"]} \
+            == {0}, arch
 
     compiled = _files(cache)
     assert compiled
@@ -121,6 +126,16 @@ def test_an_fp8_cache_compiles_its_variants_at_start_up_without_spills(tmp_path,
     for v in report["variants"]:
         if v["kernel"] in ("paged_decode_kernel", "paged_prefill_kernel"):
             assert "FP8_KV=True" in v["spec"] and f"NATIVE_FP8={arch == '90'}" in v["spec"], v
+        if v["kernel"] == "paged_decode_kernel":
+            assert [loop["copy_slack"] for loop in v["loops"]] == [1], v
+
+
+def test_the_decode_at_five_stages_asks_for_a_tile_a_whole_iteration_before_it_waits(tmp_path):
+    code, archs = _run(tmp_path, "--arch", "90", "--steps", "0", "--decode-stages", "5")
+    report = archs["sm_90"]
+    decodes = [v for v in report["variants"] if v["kernel"] == "paged_decode_kernel"]
+    assert code == 0 and not report["problems"] and len(decodes) == 5  # a variant per split count
+    assert all(loop["copy_slack"] == 1 for v in decodes for loop in v["loops"])
 
 
 def test_without_the_warm_up_serving_compiles_and_the_script_fails(tmp_path):

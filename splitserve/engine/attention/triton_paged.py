@@ -19,6 +19,11 @@ MAX_SPLITS = 16
 E4M3_CAPABILITY = (8, 9)  # the first CUDA capability whose Triton converts float8 e4m3
 PREFILL_WARPS = 8  # with Triton's default 4, the prefill kernel spills registers on sm_80 (scripts/compile_kernels.py)
 PREFILL_STAGES, TRITON_STAGES = 5, 3  # `_prefill_stages`; Triton's default
+# The decode over an FP8 cache asks for each key tile two iterations ahead: its registers already
+# hold a multiprocessor to 2-3 blocks, so the second buffer (40 KB a block, under every GPU's 48 KB
+# without opt-in) costs no occupancy and doubles the bytes in flight (docs/results/kernels-compiled.md).
+# Over a bf16 cache the second buffer would cost blocks (5 -> 3 on sm_90), so it keeps Triton's 3.
+FP8_DECODE_STAGES = 5
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -38,11 +43,11 @@ class TritonPagedBackend(AttentionBackend):
         conversion (the interpreter has it too). `prefill_stages`: the prefill loop's software
         pipelining stages (None: `_prefill_stages` chooses, within `shared_bytes`, the shared
         memory a block may have: None reads the device's). `decode_stages`: the decode loop's
-        (None: Triton's default 3, one key tile copied ahead; bench_attention.py times more)."""
+        (None: FP8_DECODE_STAGES over an FP8 cache, else Triton's 3; bench_attention.py times both)."""
         self.block_m, self.block_n, self.num_splits, self.sms = block_m, block_n, num_splits, sms
         self.prefill_warps, self.capability = prefill_warps, capability
         self.prefill_stages, self.shared_bytes = prefill_stages, shared_bytes
-        self.decode_stages = decode_stages or TRITON_STAGES
+        self.decode_stages = decode_stages
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
                 scale: float | None = None, softcap: float | None = None,
@@ -81,7 +86,7 @@ class TritonPagedBackend(AttentionBackend):
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits, PRECISION=_precision(q),
             SOFTCAP=scoring.softcap is not None, SINKS=scoring.sinks is not None, FP8_KV=fp8, NATIVE_FP8=native,
-            num_stages=self.decode_stages)
+            num_stages=self.decode_stages or (FP8_DECODE_STAGES if fp8 else TRITON_STAGES))
         if splits > 1:
             kernels.merge_splits_kernel[(n, heads)](
                 part_acc, part_ml, _sinks(scoring, out), out, n, heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
