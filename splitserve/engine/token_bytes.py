@@ -38,10 +38,11 @@ class TokenBytes:
     def __init__(self, tok: tokenizers.Tokenizer):
         self._tok = tok
         self._added = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
-        kinds = _decoder_kinds(None if tok.decoder is None else json.loads(tok.decoder.__getstate__()))
+        decoder = "{}" if tok.decoder is None else tok.decoder.__getstate__().decode()
+        kinds = _decoder_types(json.loads(decoder))
         self._byte_level = "ByteLevel" in kinds
         self._fallback = "ByteFallback" in kinds
-        self._metaspace = "Metaspace" in kinds or METASPACE in kinds
+        self._metaspace = METASPACE in decoder  # a Metaspace decoder, or a Replace of it by a space
 
     def of(self, token_id: int) -> bytes:
         if token_id in self._added:
@@ -56,13 +57,6 @@ class TokenBytes:
         return (token.replace(METASPACE, " ") if self._metaspace else token).encode()
 
 
-def _decoder_kinds(decoder: dict | None) -> set[str]:
-    """The decoder's types, a Sequence's parts included, and the strings its Replace parts replace."""
-    if decoder is None:
-        return set()
-    kinds = {decoder.get("type", "")}
-    if decoder.get("type") == "Replace":
-        kinds.add(decoder.get("pattern", {}).get("String", ""))
-    for part in decoder.get("decoders") or []:
-        kinds |= _decoder_kinds(part)
-    return kinds
+def _decoder_types(decoder: dict) -> set[str]:
+    """The decoder's type and, for a Sequence, its parts' types."""
+    return {decoder.get("type", ""), *(t for part in decoder.get("decoders") or [] for t in _decoder_types(part))}

@@ -9,11 +9,11 @@ import time
 import pytest
 
 SERVER = """
+import signal
 import time
 from splitserve.cluster import launcher
 
 def deploy(config, host, port, address, on_sigterm=None):
-    import signal
     signal.signal(signal.SIGTERM, on_sigterm)  # as the real one does once Ray is up
     return "http://127.0.0.1:8000"
 
