@@ -2,7 +2,9 @@
 N tokens prefilled over the paged cache with each prefill configuration (query rows x keys a tile,
 warps, software pipelining stages; one whose buffers do not fit a block's shared memory is
 reported as such), against torch's scaled_dot_product_attention on the same queries, keys and
-values laid out contiguously (flash attention on CUDA: the bar a paged kernel aims at); and B
+values laid out contiguously (flash attention on CUDA: the bar a paged kernel aims at) and the
+FlashAttention-2 varlen kernel the engine runs fresh prompts with where torch has it
+(`torch_flash`, kernel "torch-flash"); and B
 sequences of C tokens decoded over a cache of the serving dtype and over an FP8 cache (e4m3
 codes, half the bytes), at each count of pipelining stages, against the bytes their keys and
 values take. A configuration costs a compile and milliseconds here, not an engine's start: tune
@@ -32,7 +34,8 @@ from bench_moe import (  # this script's folder
     add_run_args, device_peaks, emit, pct, print_markdown, ratio, run_device, sci, time_calls, token_counts,
 )
 
-from splitserve.engine.attention import fp8_kv
+from splitserve.engine.attention import fp8_kv, torch_flash
+from splitserve.engine.attention.base import Scoring
 from splitserve.engine.attention.metadata import AttentionMetadata
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.shapes import SHAPES
@@ -84,6 +87,13 @@ def prefill_rows(shape: dict, lengths: list[int], configs: list[tuple[int, int, 
         sdpa = time_calls(lambda: F.scaled_dot_product_attention(*contiguous, is_causal=True, enable_gqa=True),
                           iters, cuda)
         _keep(rows, _prefill_row("sdpa", n, None, sdpa, flops, flops_peak, sdpa))
+        if torch_flash.runs_on(device) and torch_flash.takes(q, Scoring()):  # the engine's kernel for fresh prompts
+            cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+            flash = time_calls(lambda: torch_flash.attend(q, k, v, cu, n, Scoring(), None), iters, cuda)
+            diff = (torch_flash.attend(q, k, v, cu, n, Scoring(), None).transpose(0, 1)[None].float()
+                    - reference.float()).abs().max().item()
+            _keep(rows, {**_prefill_row("torch-flash", n, None, flash, flops, flops_peak, sdpa),
+                         "max_abs_diff_vs_sdpa": diff})
         for block_m, block_n, warps, stages in configs:
             backend = TritonPagedBackend(block_m, block_n, prefill_warps=warps, prefill_stages=stages)
             out = torch.empty_like(q)

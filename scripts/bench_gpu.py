@@ -26,7 +26,9 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
 2. prefill: one prompt of N tokens in one step (prefill_first, budget N). MFU = model FLOPs / step
    time / the dense bf16 peak; model FLOPs = 2 N x layer parameters (a sparse layer's top-k
    experts) + 2 x the LM head (the sampled row) + causal attention, 2 N^2 x heads x head size per
-   layer (a windowed one's within its window). Prompts past a shape's context are left out.
+   layer (a windowed one's within its window). Prompts past a shape's context are left out. Its
+   engine's attention backend is `auto`'s (on a GPU that runs FlashAttention-2, fresh prompts
+   take it); each row names it (`attention`).
 3. throughput: 64 prompts of 512 tokens, 256 greedy output tokens each, all in flight: ours
    (`LLM.generate`) against `transformers` `generate` (one static batch of 64, the same shape, its
    own random weights, its default attention), median of --repeats runs each after one untimed
@@ -39,10 +41,12 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
    engine could reach, `throughput_ratio_ceiling_vs_hf` (transformers' seconds / the floor).
 4. transfer: a prompt and a token worker (`kv_pair.py`), both on this GPU, the KV written into the
    token worker's cache through CUDA IPC: visible / serialized transfer for 2k and 8k prompts.
-5. decode-fp8: the decode rows again over an FP8 KV cache (`kv_cache_dtype: fp8`, a byte a K or
+5. prefill-triton: the prefill rows again with `attention_backend: triton` (the Triton kernel
+   for fresh prompts too).
+6. decode-fp8: the decode rows again over an FP8 KV cache (`kv_cache_dtype: fp8`, a byte a K or
    V value), its KV bytes counted at a byte.
-6. decode-sync: the decode rows again with async scheduling off (each iteration built after the
-   last one's outputs): what it gains. The last two come last, so a short --budget cuts them first.
+7. decode-sync: the decode rows again with async scheduling off (each iteration built after the
+   last one's outputs): what it gains. The last three come last, so a short --budget cuts them first.
 
 Peaks (vendor data sheets, dense bf16 without sparsity) come from the device's name; --hbm-tbs and
 --bf16-tflops give others. Targets (an H100, the Llama-3-8B shape): decode MBU >= 60% at batch 1 and
@@ -55,6 +59,7 @@ import argparse
 import json
 import math
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -219,13 +224,15 @@ def sync_decode_section(model: str, s: dict, args) -> list[dict]:
     return decode_section(model, s, args, async_scheduling=False, section="decode-sync")
 
 
-def prefill_section(model: str, s: dict, args) -> list[dict]:
+def prefill_section(model: str, s: dict, args, attention_backend: str = "auto",
+                    section: str = "prefill") -> list[dict]:
     from splitserve import LLMEngine, SamplingParams
 
     c = s["config"]
     engine, startup = started(lambda: LLMEngine(
         model, policy="prefill_first", load_format="dummy", enable_prefix_caching=False, max_num_seqs=1,
-        prompt_token_budget=max(s["prefill"]), max_model_len=max(s["prefill"]) + 16, **s["engine"]))
+        prompt_token_budget=max(s["prefill"]), max_model_len=max(s["prefill"]) + 16,
+        **{**s["engine"], "attention_backend": attention_backend}))
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     rng, rows, count = random.Random(1), [], 0
     for n in s["prefill"]:
@@ -238,10 +245,18 @@ def prefill_section(model: str, s: dict, args) -> list[dict]:
                 raise RuntimeError(f"a {n}-token prompt did not prefill in one step")
         times = times[1:]
         step = statistics.median(times)
-        rows.append({"section": "prefill", "batch": 1, "context": n, "startup_s": startup, "step_ms": step * 1e3,
+        rows.append({"section": section, "attention": engine.runner.backend.name, "batch": 1, "context": n,
+                     "startup_s": startup, "step_ms": step * 1e3,
                      "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3, "tokens_per_s": n / step,
                      "flops": prefill_flops(c, n), "flops_per_s": prefill_flops(c, n) / step})
     return rows
+
+
+def triton_prefill_section(model: str, s: dict, args) -> list[dict]:
+    if s["engine"]["device"] == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return [{"section": "prefill-triton",
+                 "skipped": "the Triton kernels run on a CPU only under TRITON_INTERPRET=1"}]
+    return prefill_section(model, s, args, "triton", "prefill-triton")
 
 
 def throughput_prompts(s: dict) -> list[list[int]]:
@@ -321,8 +336,8 @@ def transfer_section(model: str, s: dict, args) -> list[dict]:
 
 
 SECTIONS = {"decode": decode_section, "prefill": prefill_section, "throughput-ours": ours_section,
-            "throughput-hf": hf_section, "transfer": transfer_section, "decode-fp8": fp8_decode_section,
-            "decode-sync": sync_decode_section}
+            "throughput-hf": hf_section, "transfer": transfer_section, "prefill-triton": triton_prefill_section,
+            "decode-fp8": fp8_decode_section, "decode-sync": sync_decode_section}
 
 
 def _run_section(name: str, section, model: str, s: dict, args, conn) -> None:

@@ -50,7 +50,8 @@ def print_table(result: dict) -> None:
     print(f"Device: {result['device']}; {result['model']}; throughput vs transformers: "
           f"{_fmt(result['throughput_ratio_vs_hf'], '.2f')}x (at most {_fmt(ceiling, '.2f')}x for any engine: "
           f"the workload's roofline floor is {_fmt(floor, '.2f')} s)")
-    print("| section | engine/backend | batch | context | step ms (min-max) | MBU | MFU | visible / serialized |")
+    print("| section | engine/backend/attention | batch | context | step ms (min-max) | MBU | MFU "
+          "| visible / serialized |")
     print("|---|---|---:|---:|---|---:|---:|---:|")
     for r in result["rows"]:
         if "error" in r or "skipped" in r:
@@ -62,7 +63,8 @@ def print_table(result: dict) -> None:
                 f"{r['seconds']:.2f} s, {r['output_tokens_per_s']:.0f} tok/s, {_fmt(r.get('floor_share'), '.0%')} "
                 "of the floor's speed" if "seconds" in r else
                 f"serialized {r['serialized_transfer_ms']:.2f}, visible {r['visible_transfer_ms']:.2f}")
-        print(f"| {r['section']} | {r.get('engine') or r.get('backend', '')} | {r['batch']} | {r['context']} | {step} "
+        what = r.get("engine") or r.get("backend") or r.get("attention", "")
+        print(f"| {r['section']} | {what} | {r['batch']} | {r['context']} | {step} "
               f"| {_fmt(r.get('mbu'), '.0%')} | {_fmt(r.get('mfu'), '.0%')} | {_fmt(r.get('visible_fraction'), '.0%')} |")
     startup = {}
     for r in result["rows"]:

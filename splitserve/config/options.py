@@ -135,8 +135,10 @@ class EngineOptions(StrictModel):
         "v_scale) or are 1.0. Prompt and token workers must agree.")
     device: str = Field("auto", description="auto, cpu or cuda[:N].")
     attention_backend: Literal["auto", "torch", "triton", "flash-attn"] = Field(
-        "auto", description="auto (Triton kernels on CUDA, torch on CPU), torch (the reference), triton, or "
-        "flash-attn (Triton, with flash-attn for fresh prompts; needs the gpu extra).")
+        "auto", description="auto (on CUDA flash-attn where a FlashAttention-2 kernel runs, else triton; "
+        "torch on CPU), torch (the reference), triton (Triton kernels), or flash-attn (Triton, with "
+        "FlashAttention-2 for steps of fresh prompts: flash-attn's package where installed, else torch's own "
+        "on sm_80 to sm_90 GPUs).")
     cuda_graph_max_batch: int = Field(256, ge=0, description="On CUDA, decode-only steps of up to this many "
                                       "sequences replay CUDA graphs captured at start-up; 0 runs every step eagerly.")
     async_scheduling: bool | None = Field(

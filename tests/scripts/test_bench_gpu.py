@@ -51,7 +51,9 @@ def test_tiny_run_writes_every_section(tmp_path):
             kv = read - pairs[batch, context, "decode-fp8"]
             whole = gpu_roofline.decode_kv_bytes(bench_gpu.TINY, batch, context + 3 + 1.5, 4)  # warm 3, steps 3
             assert kv == pytest.approx(3 / 4 * whole)
-    assert [r["context"] for r in rows if r["section"] == "prefill"] == [128, 512]
+    for section, backend in (("prefill", "torch"), ("prefill-triton", "triton")):  # on CPU auto is torch
+        assert [(r["context"], r["attention"]) for r in rows if r["section"] == section] == [(128, backend),
+                                                                                             (512, backend)]
     throughput = {r["engine"]: r for r in rows if r["section"] == "throughput"}
     assert set(throughput) == {"splitserve", "splitserve sampled", "transformers"}
     assert throughput["splitserve sampled"]["output_tokens"] == throughput["splitserve"]["output_tokens"]

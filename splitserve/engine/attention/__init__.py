@@ -1,10 +1,11 @@
 """Attention backends behind one interface.
 
 - `torch`: pure-torch paged attention, the correctness oracle and the CPU path.
-- `triton`: Triton kernels over the paged cache, the default on CUDA (on CPU only under Triton's
+- `triton`: Triton kernels over the paged cache, on CUDA (on CPU only under Triton's
   interpreter, `TRITON_INTERPRET=1`, which is how the tests check it).
-- `flash-attn`: the Triton backend with flash-attn's varlen kernel for steps whose prefills are
-  all fresh prompts, where the optional `flash-attn` package is installed.
+- `flash-attn`: the Triton backend with a FlashAttention-2 varlen kernel for steps whose prefills
+  are all fresh prompts: the optional `flash-attn` package's, else the one CUDA builds of torch
+  ship (sm_80 to sm_90). `auto` takes it on a GPU either runs on, else `triton`.
 """
 import os
 
@@ -17,17 +18,17 @@ from splitserve.engine.config import ConfigError
 
 
 def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+    if name == "auto" and device.type != "cuda":
+        name = "torch"
     if name == "torch":
         return TorchPagedBackend()
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(f"attention_backend {name!r} needs CUDA (on CPU it runs only under Triton's "
                           "interpreter, TRITON_INTERPRET=1); use 'torch' or 'auto'")
-    if name == "flash-attn":
-        from splitserve.engine.attention.cuda import FlashAttnBackend
+    from splitserve.engine.attention.cuda import FlashAttnBackend, has_flash_kernel
 
-        return FlashAttnBackend()
+    if name == "flash-attn" or (name == "auto" and has_flash_kernel(device)):
+        return FlashAttnBackend(device)
     from splitserve.engine.attention.triton_paged import TritonPagedBackend
 
     return TritonPagedBackend()

@@ -1,12 +1,14 @@
-"""The Triton backend with flash-attn's varlen kernel for steps whose prefills are all fresh
-prompts (no earlier context in the cache), where the optional `flash-attn` package is installed
-(`attention_backend: flash-attn`); chunks, prefix-cache hits, attention sinks and an FP8 cache
-(which flash-attn 2 lacks) take the Triton kernel."""
+"""The Triton backend with a FlashAttention-2 varlen kernel for steps whose prefills are all fresh
+prompts (no earlier context in the cache): flash-attn's where the optional `flash-attn` package
+is installed, else the one CUDA builds of torch ship (`torch_flash`), which needs nothing more;
+`attention_backend: flash-attn`, and `auto`'s choice on a GPU either runs on. Chunks, prefix-cache
+hits, attention sinks and an FP8 cache (which FlashAttention-2 lacks), and soft caps with torch's
+kernel, take the Triton kernel."""
 from __future__ import annotations
 
 import torch
 
-from splitserve.engine.attention import fp8_kv
+from splitserve.engine.attention import fp8_kv, torch_flash
 from splitserve.engine.attention.base import Scoring
 from splitserve.engine.attention.metadata import AttentionMetadata
 from splitserve.engine.attention.triton_paged import TritonPagedBackend
@@ -14,17 +16,41 @@ from splitserve.engine.config import ConfigError
 
 try:
     from flash_attn import flash_attn_varlen_func
-except ImportError:  # flash-attn is the optional `gpu` extra
+except ImportError:  # flash-attn is the optional `flash-attn` extra
     flash_attn_varlen_func = None
+
+
+class _FlashAttnPackage:
+    """flash-attn's varlen kernel: soft caps too."""
+
+    @staticmethod
+    def takes(q: torch.Tensor, scoring: Scoring) -> bool:
+        return True
+
+    @staticmethod
+    def attend(q, k, v, cu: torch.Tensor, longest: int, scoring: Scoring, window: int | None) -> torch.Tensor:
+        return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, softmax_scale=scoring.scale,
+                                      softcap=scoring.softcap or 0.0,
+                                      window_size=(-1, -1) if window is None else (window - 1, 0))
+
+
+def has_flash_kernel(device: torch.device) -> bool:
+    """A FlashAttention-2 kernel runs fresh prompts on `device`: flash-attn's, or torch's own."""
+    return flash_attn_varlen_func is not None or torch_flash.runs_on(device)
 
 
 class FlashAttnBackend(TritonPagedBackend):
     name = "flash-attn"
 
-    def __init__(self, **kwargs):
-        if flash_attn_varlen_func is None:
-            raise ConfigError("attention_backend 'flash-attn' needs the flash-attn package "
-                              "(pip install 'splitserve[gpu]'); 'triton' needs nothing more")
+    def __init__(self, device: torch.device | None = None, **kwargs):
+        """`device`: where it runs (None: the current CUDA device); flash-attn's kernel where the
+        package is installed, else torch's where that device runs it."""
+        device = device or torch.device("cuda")
+        if not has_flash_kernel(device):
+            raise ConfigError("attention_backend 'flash-attn' needs the flash-attn package (pip install "
+                              "'splitserve[flash-attn]') or a CUDA build of torch with FlashAttention on an sm_80 "
+                              "to sm_90 GPU; 'triton' needs nothing more")
+        self.fresh = _FlashAttnPackage if flash_attn_varlen_func is not None else torch_flash
         super().__init__(**kwargs)
 
     def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor,
@@ -33,11 +59,9 @@ class FlashAttnBackend(TritonPagedBackend):
         first, starts = meta.num_decodes, meta.query_starts
         fresh = all(starts[i + 1] - starts[i] == meta.context_lens_list[i] for i in range(first, meta.num_seqs))
         if (not fresh or q.dtype not in (torch.float16, torch.bfloat16) or scoring.sinks is not None
-                or fp8_kv.holds_codes(kv_cache)):
+                or fp8_kv.holds_codes(kv_cache) or not self.fresh.takes(q, scoring)):
             return self.prefill(q, kv_cache, meta, out, window, scoring, kv_scale)
         lo = starts[first]  # prefill tokens follow the decodes, contiguous
         cu = (meta.query_start_tensor[first:] - lo).to(torch.int32)
         longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
-        out[lo:] = flash_attn_varlen_func(q[lo:], k[lo:], v[lo:], cu, cu, longest, longest, causal=True,
-                                          softmax_scale=scoring.scale, softcap=scoring.softcap or 0.0,
-                                          window_size=(-1, -1) if window is None else (window - 1, 0))
+        out[lo:] = self.fresh.attend(q[lo:], k[lo:], v[lo:], cu, longest, scoring, window)
