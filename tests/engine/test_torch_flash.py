@@ -38,7 +38,7 @@ def stand_in(calls, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, ret
     assert (dropout_p, is_causal, return_debug_mask, window_size_right) == (0.0, True, False, 0)
     bounds = cu_q.tolist()
     assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:])) and bounds[-1] == q.shape[0]
-    calls.append(window_size_left)
+    calls.append((len(bounds) - 1, window_size_left))
     out = torch.empty_like(q)
     for lo, hi in zip(bounds, bounds[1:]):
         p = torch.arange(hi - lo)
@@ -68,14 +68,27 @@ def test_fresh_prompts_take_torchs_kernel(calls, heads, kv_heads, window):
     check_case([(40, 1), (9, 1), (31, 31), (5, 5), (24, 24)], heads=heads, kv_heads=kv_heads, dim=32, block_size=16,
                num_decodes=2, dtype=torch.float16, tolerance=2e-2, window=window, scale=0.3,
                backend=cuda.FlashAttnBackend(**SMALL, num_splits=2))
-    assert calls == [-1 if window is None else window - 1]
+    assert calls == [(3, -1 if window is None else window - 1)]
+
+
+@pytest.mark.parametrize("seqs,fresh_at_end", [
+    ([(50, 19), (70, 3), (31, 31), (5, 5)], 2),  # as the runner orders them: chunks with earlier context first
+    ([(31, 31), (50, 19), (5, 5), (24, 24)], 2),  # a fresh prompt before a chunk: the Triton kernel's
+])
+def test_chunks_before_the_fresh_prompts_take_triton(calls, seqs, fresh_at_end):
+    """In one step with decodes: the chunks with earlier context (a chunk at an offset, a prefix hit),
+    and whatever comes before the last of them, through the Triton kernel; the fresh prompts after
+    it through torch's, in one call."""
+    check_case([(40, 1), (9, 1)] + seqs, heads=8, kv_heads=2, dim=32, block_size=16, num_decodes=2,
+               dtype=torch.float16, tolerance=2e-2, backend=cuda.FlashAttnBackend(**SMALL, num_splits=2))
+    assert calls == [(fresh_at_end, -1)]
 
 
 @pytest.mark.parametrize("case", ["chunk", "softcap", "odd head size", "float32"])
 def test_what_it_does_not_take_goes_to_triton(calls, case):
-    """A chunk with earlier context, a soft cap (which torch's kernel lacks), a head size that is not a
-    multiple of 8, float32: the Triton kernel's, against the same reference."""
-    seqs = [(9, 1), (50, 19) if case == "chunk" else (31, 31)]
+    """A chunk with earlier context last, a soft cap (which torch's kernel lacks), a head size that is
+    not a multiple of 8, float32: the Triton kernel's, against the same reference."""
+    seqs = [(9, 1), (31, 31), (50, 19) if case == "chunk" else (24, 24)]
     dim = 20 if case == "odd head size" else 32
     dtype, tolerance = (torch.float32, 1e-5) if case == "float32" else (torch.float16, 2e-2)
     check_case(seqs, heads=8, kv_heads=2, dim=dim, block_size=16, num_decodes=1, dtype=dtype, tolerance=tolerance,

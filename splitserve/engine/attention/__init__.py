@@ -3,9 +3,9 @@
 - `torch`: pure-torch paged attention, the correctness oracle and the CPU path.
 - `triton`: Triton kernels over the paged cache, on CUDA (on CPU only under Triton's
   interpreter, `TRITON_INTERPRET=1`, which is how the tests check it).
-- `flash-attn`: the Triton backend with a FlashAttention-2 varlen kernel for steps whose prefills
-  are all fresh prompts: the optional `flash-attn` package's, else the one CUDA builds of torch
-  ship (sm_80 to sm_90). `auto` takes it on a GPU either runs on, else `triton`.
+- `flash-attn`: the Triton backend with a FlashAttention-2 varlen kernel for a step's fresh
+  prompts: the optional `flash-attn` package's, else the one CUDA builds of torch ship (sm_80 to
+  sm_90). `auto` takes it on a GPU either runs on, else `triton`.
 """
 import os
 

@@ -1,9 +1,9 @@
-"""The Triton backend with a FlashAttention-2 varlen kernel for steps whose prefills are all fresh
-prompts (no earlier context in the cache): flash-attn's where the optional `flash-attn` package
-is installed, else the one CUDA builds of torch ship (`torch_flash`), which needs nothing more;
-`attention_backend: flash-attn`, and `auto`'s choice on a GPU either runs on. Chunks, prefix-cache
-hits, attention sinks and an FP8 cache (which FlashAttention-2 lacks), and soft caps with torch's
-kernel, take the Triton kernel."""
+"""The Triton backend with a FlashAttention-2 varlen kernel for a step's fresh prompts (no earlier
+context in the cache): flash-attn's where the optional `flash-attn` package is installed, else the
+one CUDA builds of torch ship (`torch_flash`), which needs nothing more; `attention_backend:
+flash-attn`, and `auto`'s choice on a GPU either runs on. Chunks with earlier context (prefix-cache
+hits too) take the Triton kernel, and so does every prompt of a step with attention sinks or an
+FP8 cache (which FlashAttention-2 lacks), or a soft cap with torch's kernel."""
 from __future__ import annotations
 
 import torch
@@ -56,12 +56,17 @@ class FlashAttnBackend(TritonPagedBackend):
     def attend_prefills(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor,
                         window: int | None = None, scoring: Scoring = Scoring(),
                         kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
-        first, starts = meta.num_decodes, meta.query_starts
-        fresh = all(starts[i + 1] - starts[i] == meta.context_lens_list[i] for i in range(first, meta.num_seqs))
-        if (not fresh or q.dtype not in (torch.float16, torch.bfloat16) or scoring.sinks is not None
+        """The fresh prompts at the batch's end (the runner puts chunks with earlier context before
+        them) to the FlashAttention kernel where it takes them, the chunks before to Triton's."""
+        starts, split = meta.query_starts, meta.num_seqs
+        while split > meta.num_decodes and starts[split] - starts[split - 1] == meta.context_lens_list[split - 1]:
+            split -= 1
+        if (split == meta.num_seqs or q.dtype not in (torch.float16, torch.bfloat16) or scoring.sinks is not None
                 or fp8_kv.holds_codes(kv_cache) or not self.fresh.takes(q, scoring)):
             return self.prefill(q, kv_cache, meta, out, window, scoring, kv_scale)
-        lo = starts[first]  # prefill tokens follow the decodes, contiguous
-        cu = (meta.query_start_tensor[first:] - lo).to(torch.int32)
-        longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
+        if split > meta.num_decodes:
+            self.prefill(q, kv_cache, meta, out, window, scoring, kv_scale, end=split)
+        lo = starts[split]  # the fresh prompts' tokens, contiguous to the end
+        cu = (meta.query_start_tensor[split:] - lo).to(torch.int32)
+        longest = max(starts[i + 1] - starts[i] for i in range(split, meta.num_seqs))
         out[lo:] = self.fresh.attend(q[lo:], k[lo:], v[lo:], cu, longest, scoring, window)

@@ -94,17 +94,20 @@ class TritonPagedBackend(AttentionBackend):
                 SINKS=scoring.sinks is not None)
 
     def prefill(self, q, kv_cache, meta: AttentionMetadata, out: torch.Tensor, window: int | None = None,
-                scoring: Scoring = Scoring(), kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
+                scoring: Scoring = Scoring(), kv_scale: tuple[float, float] = (1.0, 1.0),
+                end: int | None = None) -> None:
+        """The prefill chunks of sequences num_decodes .. `end` (None: the last)."""
         first, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
+        end = meta.num_seqs if end is None else end
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         starts = meta.query_starts
-        longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
+        longest = max(starts[i + 1] - starts[i] for i in range(first, end))
         fp8, capability = fp8_kv.holds_codes(kv_cache), self._capability(q.device)
         native = capability >= E4M3_CAPABILITY
         block_m, block_n = _prefill_tiles(self.block_m, self.block_n, head_dim, fp8, capability)
         stages = self.prefill_stages or _prefill_stages(block_m, block_n, _block_d(head_dim), q.element_size(),
                                                         kv_cache.element_size(), self._shared_bytes(q.device))
-        grid = (meta.num_seqs - first, heads, triton.cdiv(longest, block_m))
+        grid = (end - first, heads, triton.cdiv(longest, block_m))
         kernels.paged_prefill_kernel[grid](
             q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_tensor, out, _sinks(scoring, out),
             first, q.stride(0), q.stride(1), meta.block_tables.stride(0), *_cache_strides(kv_cache),
