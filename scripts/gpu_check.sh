@@ -4,11 +4,12 @@
 # a few of splitserve's packages, which travel as wheels in the git-ignored .whl/).
 #   bash scripts/gpu_check.sh wheels             # here, once: those packages into .whl/
 #   bash scripts/gpu_check.sh tests [SECONDS]    # there (carry .whl): the kernels (compiled) and gpu tests (300 s)
-#   bash scripts/gpu_check.sh kernels            # there: scripts/bench_attention.py (the prefill tile configurations,
-#                                                # decode at 3 and 5 stages), scripts/bench_moe.py (gpt-oss-20b's
-#                                                # and Qwen3-30B-A3B's experts), scripts/bench_fp8_linear.py
-#                                                # (Qwen3-8B's projections), scripts/bench_sampler.py (the
-#                                                # sampler's draw, torch and Triton)
+#   bash scripts/gpu_check.sh kernels            # there: scripts/bench_attention.py (the prefill tile configurations
+#                                                # beside torch's FlashAttention-2, decode at 3 and 5 stages),
+#                                                # scripts/bench_moe.py (gpt-oss-20b's and Qwen3-30B-A3B's
+#                                                # experts), scripts/bench_fp8_linear.py (Qwen3-8B's
+#                                                # projections), scripts/bench_sampler.py (the sampler's
+#                                                # draw, torch and Triton)
 #   bash scripts/gpu_check.sh bench [ARGS...]    # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
 #   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), kernels (at most 255 s), then bench
 #                                                # ARGS in what is left of 570 s
