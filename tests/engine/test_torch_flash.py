@@ -84,6 +84,15 @@ def test_chunks_before_the_fresh_prompts_take_triton(calls, seqs, fresh_at_end):
     assert calls == [(fresh_at_end, -1)]
 
 
+def test_over_an_fp8_cache_it_reads_what_the_cache_gives_back(calls):
+    """The fresh prompts' keys and values as their codes stand for them, scales that saturate some
+    (the reference attends to what the codes stand for); a chunk before them, through Triton's."""
+    check_case([(40, 1), (50, 19), (31, 31), (24, 24)], heads=8, kv_heads=2, dim=32, block_size=16, num_decodes=1,
+               dtype=torch.float16, tolerance=2e-2, kv_scale=(0.004, 0.01),
+               backend=cuda.FlashAttnBackend(**SMALL, num_splits=2))
+    assert calls == [(2, -1)]
+
+
 @pytest.mark.parametrize("case", ["chunk", "softcap", "odd head size", "float32"])
 def test_what_it_does_not_take_goes_to_triton(calls, case):
     """A chunk with earlier context last, a soft cap (which torch's kernel lacks), a head size that is

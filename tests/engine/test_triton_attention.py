@@ -125,14 +125,10 @@ def test_an_fp8_cache(heads, kv_heads, splits, capability):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_an_fp8_cache_in_half_precision_and_the_flash_attn_backend(dtype, monkeypatch):
-    """Fresh half-precision prompts over an FP8 cache go to the Triton kernel (flash-attn would
-    read this step's keys unquantized); a window, GQA groups of 8, split decodes."""
-    from splitserve.engine.attention import cuda
-
-    monkeypatch.setattr(cuda, "flash_attn_varlen_func", lambda *args, **kwargs: pytest.fail("flash-attn ran"))
+def test_an_fp8_cache_in_half_precision(dtype):
+    """Fresh half-precision prompts over an FP8 cache, a window, GQA groups of 8, split decodes."""
     check([(77, 1), (9, 1), (31, 31), (5, 5)], heads=16, kv_heads=2, dim=32, block_size=16, num_decodes=2,
-          dtype=dtype, tolerance=2e-2, backend=cuda.FlashAttnBackend(**SMALL, num_splits=4), window=40,
+          dtype=dtype, tolerance=2e-2, backend=TritonPagedBackend(**SMALL, num_splits=4), window=40,
           kv_scale=(1.0, 1.0))
 
 

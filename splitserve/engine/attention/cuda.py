@@ -1,9 +1,10 @@
 """The Triton backend with a FlashAttention-2 varlen kernel for a step's fresh prompts (no earlier
 context in the cache): flash-attn's where the optional `flash-attn` package is installed, else the
 one CUDA builds of torch ship (`torch_flash`), which needs nothing more; `attention_backend:
-flash-attn`, and `auto`'s choice on a GPU either runs on. Chunks with earlier context (prefix-cache
-hits too) take the Triton kernel, and so does every prompt of a step with attention sinks or an
-FP8 cache (which FlashAttention-2 lacks), or a soft cap with torch's kernel."""
+flash-attn`, and `auto`'s choice on a GPU either runs on. Over an FP8 cache it reads the prompts'
+K and V as the cache gives them back (their codes' values, rounded). Chunks with earlier context
+(prefix-cache hits too) take the Triton kernel, and so does every prompt of a step with attention
+sinks (which FlashAttention-2 lacks), or a soft cap with torch's kernel."""
 from __future__ import annotations
 
 import torch
@@ -62,11 +63,14 @@ class FlashAttnBackend(TritonPagedBackend):
         while split > meta.num_decodes and starts[split] - starts[split - 1] == meta.context_lens_list[split - 1]:
             split -= 1
         if (split == meta.num_seqs or q.dtype not in (torch.float16, torch.bfloat16) or scoring.sinks is not None
-                or fp8_kv.holds_codes(kv_cache) or not self.fresh.takes(q, scoring)):
+                or not self.fresh.takes(q, scoring)):
             return self.prefill(q, kv_cache, meta, out, window, scoring, kv_scale)
         if split > meta.num_decodes:
             self.prefill(q, kv_cache, meta, out, window, scoring, kv_scale, end=split)
         lo = starts[split]  # the fresh prompts' tokens, contiguous to the end
+        keys, values = k[lo:], v[lo:]
+        if fp8_kv.holds_codes(kv_cache):  # what a read of the cache returns: the codes' values, rounded
+            keys, values = (fp8_kv.rounded(x, scale) for x, scale in zip((keys, values), kv_scale))
         cu = (meta.query_start_tensor[split:] - lo).to(torch.int32)
         longest = max(starts[i + 1] - starts[i] for i in range(split, meta.num_seqs))
-        out[lo:] = self.fresh.attend(q[lo:], k[lo:], v[lo:], cu, longest, scoring, window)
+        out[lo:] = self.fresh.attend(q[lo:], keys, values, cu, longest, scoring, window)

@@ -37,6 +37,11 @@ def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() * (1.0 / scale)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(CODES)
 
 
+def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as a read of the cache returns it once stored: its codes' values, in x's dtype."""
+    return dequantize(quantize(x, scale), scale, x.dtype)
+
+
 def dequantize(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """The values codes (uint8) stand for: code times scale in float32, rounded once to `dtype`.
     Widened with integer bit moves, as the Triton kernels do on GPUs without an e4m3 conversion

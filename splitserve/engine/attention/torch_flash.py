@@ -2,8 +2,8 @@
 the kernel under SDPA's flash backend and `torch.nn.attention.varlen`): causal attention of fresh
 prompts over their own K and V, GQA and a sliding window included, with nothing to install or
 compile. It runs fp16 and bf16 heads of up to 256 dims (a multiple of 8) on sm_80 to sm_90 GPUs
-(A100, L40S, H100, H200) and has no soft cap (nor sinks, nor FP8 keys, which the caller keeps from
-every FlashAttention kernel): such prompts take the Triton kernel.
+(A100, L40S, H100, H200) and has no soft cap (nor sinks, which the caller keeps from every
+FlashAttention kernel): such prompts take the Triton kernel. It reads values, never FP8 codes.
 
 The op is called directly, with only the arguments its schema has had since torch 2.5 (the
 installed torch's is checked in CI): `varlen_attn`'s own signature changed between 2.11 and 2.13."""
