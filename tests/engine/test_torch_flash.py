@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from splitserve.engine.attention import cuda, select_backend, torch_flash  # noqa: E402
 from splitserve.engine.attention.base import Scoring  # noqa: E402
-from tests.engine.test_attention import check_case  # noqa: E402
+from tests.engine.test_attention import build_case, check_case  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 CUDA = torch.device("cuda")
@@ -82,6 +82,20 @@ def test_chunks_before_the_fresh_prompts_take_triton(calls, seqs, fresh_at_end):
     check_case([(40, 1), (9, 1)] + seqs, heads=8, kv_heads=2, dim=32, block_size=16, num_decodes=2,
                dtype=torch.float16, tolerance=2e-2, backend=cuda.FlashAttnBackend(**SMALL, num_splits=2))
     assert calls == [(fresh_at_end, -1)]
+
+
+@pytest.mark.parametrize("seqs,num_decodes,first,offsets,longest", [
+    ([(40, 1), (50, 19), (31, 31), (5, 5)], 1, 2, [0, 31, 36], 31),
+    ([(40, 1), (9, 1)], 2, 2, [0], 0),  # decodes alone: none
+    ([(31, 31), (50, 19)], 0, 2, [0], 0),  # a chunk last: none
+    ([(7, 7), (12, 12)], 0, 0, [0, 7, 19], 12),  # fresh prompts alone
+])
+def test_the_step_finds_its_fresh_prompts_once(seqs, num_decodes, first, offsets, longest):
+    """Where the fresh prompts at the batch's end begin, their offsets and longest length: worked
+    out once per step (the metadata keeps them), not in every layer."""
+    meta = build_case(seqs, 2, 1, 8, 16, 64, seed=0, num_decodes=num_decodes)[5]
+    assert (meta.fresh_from, meta.fresh_query_starts.tolist(), meta.fresh_longest) == (first, offsets, longest)
+    assert meta.fresh_query_starts.dtype == torch.int32 and meta.fresh_query_starts is meta.fresh_query_starts
 
 
 def test_over_an_fp8_cache_it_reads_what_the_cache_gives_back(calls):

@@ -59,18 +59,15 @@ class FlashAttnBackend(TritonPagedBackend):
                         kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
         """The fresh prompts at the batch's end (the runner puts chunks with earlier context before
         them) to the FlashAttention kernel where it takes them, the chunks before to Triton's."""
-        starts, split = meta.query_starts, meta.num_seqs
-        while split > meta.num_decodes and starts[split] - starts[split - 1] == meta.context_lens_list[split - 1]:
-            split -= 1
+        split = meta.fresh_from
         if (split == meta.num_seqs or q.dtype not in (torch.float16, torch.bfloat16) or scoring.sinks is not None
                 or not self.fresh.takes(q, scoring)):
             return self.prefill(q, kv_cache, meta, out, window, scoring, kv_scale)
         if split > meta.num_decodes:
             self.prefill(q, kv_cache, meta, out, window, scoring, kv_scale, end=split)
-        lo = starts[split]  # the fresh prompts' tokens, contiguous to the end
+        lo = meta.query_starts[split]  # the fresh prompts' tokens, contiguous to the end
         keys, values = k[lo:], v[lo:]
         if fp8_kv.holds_codes(kv_cache):  # what a read of the cache returns: the codes' values, rounded
             keys, values = (fp8_kv.rounded(x, scale) for x, scale in zip((keys, values), kv_scale))
-        cu = (meta.query_start_tensor[split:] - lo).to(torch.int32)
-        longest = max(starts[i + 1] - starts[i] for i in range(split, meta.num_seqs))
-        out[lo:] = self.fresh.attend(q[lo:], keys, values, cu, longest, scoring, window)
+        out[lo:] = self.fresh.attend(q[lo:], keys, values, meta.fresh_query_starts, meta.fresh_longest, scoring,
+                                     window)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -39,6 +40,28 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens_list)
+
+    @cached_property
+    def fresh_from(self) -> int:
+        """The first of the fresh prompts (prefill chunks that are their sequence's whole context)
+        at the batch's end, where the runner puts them after chunks with earlier context;
+        num_seqs where the last sequence is not one. Once per step, not per layer."""
+        starts, first = self.query_starts, self.num_seqs
+        while first > self.num_decodes and starts[first] - starts[first - 1] == self.context_lens_list[first - 1]:
+            first -= 1
+        return first
+
+    @cached_property
+    def fresh_query_starts(self) -> torch.Tensor:
+        """The fresh prompts' query offsets, counted from the first one's first token (int32 on the
+        device, the varlen kernels' cu_seqlens)."""
+        return (self.query_start_tensor[self.fresh_from:] - self.query_starts[self.fresh_from]).to(torch.int32)
+
+    @cached_property
+    def fresh_longest(self) -> int:
+        """The longest fresh prompt's length (0 where none)."""
+        starts = self.query_starts
+        return max((starts[i + 1] - starts[i] for i in range(self.fresh_from, self.num_seqs)), default=0)
 
 
 def group_by_length(context_lens: list[int], min_ratio: float = 0.6) -> tuple[tuple[int, int], ...]:
