@@ -28,6 +28,7 @@ def load_script(name: str):
 
 bench_gpu = load_script("bench_gpu")
 gpu_roofline = load_script("gpu_roofline")
+gpu_step_sections = load_script("gpu_step_sections")
 
 
 def test_tiny_run_writes_every_section(tmp_path):
@@ -76,7 +77,7 @@ def test_the_forward_clock_times_only_the_steps_after_a_reset():
             time.sleep(seconds)
 
     runner = Runner()
-    clock = bench_gpu.ForwardClock(runner)
+    clock = gpu_step_sections.ForwardClock(runner)
     for _ in range(3):
         runner.forward(0.02)  # warm-up steps, not timed
     clock.reset()
@@ -107,20 +108,20 @@ def test_a_section_whose_process_dies_is_an_error_row_at_once(monkeypatch):
 
 
 def test_the_peak_follows_the_device_name_and_flags_override_it():
-    assert bench_gpu.peaks("NVIDIA H100 80GB HBM3", None, None) == (3.35e12, 989e12)
-    assert bench_gpu.peaks("NVIDIA H200", None, None) == (4.8e12, 989e12)
-    assert bench_gpu.peaks("cpu", 1.0, 2.0) == (1e12, 2e12) and bench_gpu.peaks("cpu", None, None) == (None, None)
+    assert gpu_roofline.peaks("NVIDIA H100 80GB HBM3", None, None) == (3.35e12, 989e12)
+    assert gpu_roofline.peaks("NVIDIA H200", None, None) == (4.8e12, 989e12)
+    assert gpu_roofline.peaks("cpu", 1.0, 2.0) == (1e12, 2e12) and gpu_roofline.peaks("cpu", None, None) == (None, None)
 
 
 def test_the_throughput_floor_is_the_prefills_flops_then_each_decode_steps_bytes_at_the_peaks():
     c, hbm, flops = bench_gpu.TINY, 1e12, 1e14
-    weights = bench_gpu.decode_weight_bytes(c, 4, 2)
-    steps = [weights + bench_gpu.decode_kv_bytes(c, 4, 32 + i, 2) for i in (1, 2)]  # tokens 2 and 3
-    expected = 4 * bench_gpu.prefill_flops(c, 32) / flops + sum(steps) / hbm
+    weights = gpu_roofline.decode_weight_bytes(c, 4, 2)
+    steps = [weights + gpu_roofline.decode_kv_bytes(c, 4, 32 + i, 2) for i in (1, 2)]  # tokens 2 and 3
+    expected = 4 * gpu_roofline.prefill_flops(c, 32) / flops + sum(steps) / hbm
     assert gpu_roofline.throughput_floor_s(c, 4, 32, 3, 2, hbm, flops) == pytest.approx(expected, rel=1e-12)
     assert gpu_roofline.throughput_floor_s(c, 4, 32, 3, 2, None, flops) is None
     # Llama-3-8B's 64 x (512 + 256) on an H200: 0.47 s of prefill, 1.08 s of decode
-    h200 = bench_gpu.peaks("NVIDIA H200", None, None)
+    h200 = gpu_roofline.peaks("NVIDIA H200", None, None)
     assert gpu_roofline.throughput_floor_s(bench_gpu.LLAMA3_8B, 64, 512, 256, 2, *h200) == pytest.approx(1.55, abs=0.01)
 
 
@@ -143,7 +144,7 @@ def test_the_weights_a_decode_step_reads_are_the_models_parameters_but_the_embed
     c = bench_gpu.TINY
     model = hf_model(c)
     read = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    assert bench_gpu.decode_weight_bytes(c, batch=4, element=2) == 2 * (read + 4 * c["hidden_size"])
+    assert gpu_roofline.decode_weight_bytes(c, batch=4, element=2) == 2 * (read + 4 * c["hidden_size"])
 
 
 @pytest.mark.parametrize("n", [64, 200])
@@ -157,7 +158,7 @@ def test_prefill_flops_are_transformers_counted_flops_with_causal_attention_and_
     assert counter.get_total_flops() > layers * 4 * n * n * heads * head  # attention was counted
     expected = (counter.get_total_flops() - layers * 2 * n * n * heads * head
                 - 2 * (n - 1) * c["vocab_size"] * c["hidden_size"] + layers * 2 * n * 2 * c["hidden_size"])
-    assert bench_gpu.prefill_flops(c, n) == pytest.approx(expected, rel=1e-9)
+    assert gpu_roofline.prefill_flops(c, n) == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.parametrize("tiny, shape", [(True, "llama3-8b")] + [(False, shape) for shape in bench_gpu.SHAPES])
