@@ -100,7 +100,8 @@ def decode_section(model: str, s: dict, args, kv_cache_dtype: str = "auto", asyn
         for batch in s["batches"]:
             row = {"section": section, "batch": batch, "context": context, "kv_cache": cache.encoding,
                    "async_scheduling": async_scheduling, "startup_s": startup}
-            needed = batch * -(-(context + warm + args.steps + 1) // engine.kv_cache.block_size) * engine.kv_cache.block_size
+            block = engine.kv_cache.block_size
+            needed = batch * -(-(context + warm + args.steps + 1) // block) * block
             if needed > capacity:
                 rows.append({**row, "skipped": f"needs {needed} KV tokens; the cache holds {capacity}"})
                 continue

@@ -60,8 +60,12 @@ class AttentionMetadata:
     @cached_property
     def fresh_longest(self) -> int:
         """The longest fresh prompt's length (0 where none)."""
+        return self.longest_query(self.fresh_from, self.num_seqs)
+
+    def longest_query(self, first: int, end: int) -> int:
+        """The most query tokens any of sequences first .. end has (0 where none)."""
         starts = self.query_starts
-        return max((starts[i + 1] - starts[i] for i in range(self.fresh_from, self.num_seqs)), default=0)
+        return max((starts[i + 1] - starts[i] for i in range(first, end)), default=0)
 
 
 def group_by_length(context_lens: list[int], min_ratio: float = 0.6) -> tuple[tuple[int, int], ...]:

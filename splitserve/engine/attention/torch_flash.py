@@ -30,7 +30,8 @@ def runs_on(device: torch.device) -> bool:
 def takes(q: torch.Tensor, scoring: Scoring) -> bool:
     """Whether these queries' attention (fp16 or bf16, given no sinks) is one it computes."""
     dim = q.shape[-1]
-    return q.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= MAX_HEAD_DIM and scoring.softcap is None
+    return (q.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= MAX_HEAD_DIM
+            and scoring.softcap is None)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scoring: Scoring,

@@ -100,8 +100,7 @@ class TritonPagedBackend(AttentionBackend):
         first, heads, head_dim = meta.num_decodes, q.shape[1], q.shape[2]
         end = meta.num_seqs if end is None else end
         kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-        starts = meta.query_starts
-        longest = max(starts[i + 1] - starts[i] for i in range(first, end))
+        longest = meta.longest_query(first, end)
         fp8, capability = fp8_kv.holds_codes(kv_cache), self._capability(q.device)
         native = capability >= E4M3_CAPABILITY
         block_m, block_n = _prefill_tiles(self.block_m, self.block_n, head_dim, fp8, capability)
