@@ -40,6 +40,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled, not interpreted: read when
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.cache import get_cache_manager  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -159,7 +160,15 @@ def _variant(fn: JITFunction, kernel, phase: str, seconds: float) -> Variant:
     usage = _resource_usage(kernel.asm["cubin"])
     return Variant(kernel.name, " ".join(spec), phase, round(seconds, 3), usage["REG"],
                    usage["STACK"] + usage["LOCAL"], kernel.metadata.shared,
-                   innermost_loops(disassemble(kernel.asm["cubin"])))
+                   innermost_loops(_sass(kernel)))
+
+
+def _sass(kernel) -> str:
+    """The variant's SASS, kept in Triton's cache beside its cubin: a start on a warm cache runs no
+    nvdisasm (half a second each, however small the kernel)."""
+    cache, name = get_cache_manager(kernel.hash), f"{kernel.name}.sass"
+    path = cache.get_file(name) or cache.put(disassemble(kernel.asm["cubin"]), name, binary=False)
+    return Path(path).read_text()
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
@@ -238,16 +247,16 @@ def step(seqs: list[tuple[int, int]], block_size: int, groups: int) -> StepBatch
     """A step of (context after the step, new tokens) per sequence, decodes first, as the model
     runner prepares it (slots and block ids are arbitrary: nothing runs)."""
     seqs = sorted(seqs, key=lambda s: (s[1] != 1, -s[0]))
-    tokens, positions, starts, tables = [], [], [0], []
+    tokens, positions, starts = [], [], [0]
     for context, new in seqs:
         positions += range(context - new, context)
         tokens += [0] * new
         starts.append(starts[-1] + new)
-        tables.append(list(range(-(-context // block_size))))
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    blocks = torch.tensor([-(-context // block_size) for context, _ in seqs])
+    columns = torch.arange(int(blocks.max()))
+    tables = torch.where(columns < blocks[:, None], columns, 0)  # a sequence's blocks, then zeros
     return StepBatch(tokens, positions, [list(range(len(tokens)))] * groups, starts, [c for c, _ in seqs],
-                     padded[None].repeat(groups, 1, 1), sum(1 for _, new in seqs if new == 1))
+                     tables[None].repeat(groups, 1, 1), sum(1 for _, new in seqs if new == 1))
 
 
 def serving_mix(rng: random.Random, config: EngineConfig, max_model_len: int, steps: int):

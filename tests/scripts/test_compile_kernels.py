@@ -28,6 +28,19 @@ KERNELS = {"_add_rms_norm_kernel", "_rotary_kernel", "store_kv_kernel", "paged_d
            "paged_prefill_kernel", "_gated_kernel", "draw_kernel"}
 
 
+@pytest.fixture(scope="module")
+def triton_cache(tmp_path_factory) -> Path:
+    """One Triton cache for the module: a variant another test compiled is found, not compiled
+    again. What the tests check does not depend on it (the script records a variant's phase when
+    its process first meets it, cached or not)."""
+    return tmp_path_factory.mktemp("triton-cache")
+
+
+@pytest.fixture
+def run(tmp_path, triton_cache):
+    return lambda *args: _run(tmp_path, "--cache-dir", str(triton_cache), *args)
+
+
 def _run(tmp_path, *args) -> tuple[int, dict]:
     out = tmp_path / "kernels.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out), *args], capture_output=True, text=True,
@@ -40,9 +53,8 @@ def _files(folder: Path) -> list[Path]:
     return sorted(f.relative_to(folder) for f in folder.rglob("*") if f.is_file())
 
 
-def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
-    cache = tmp_path / "triton-cache"
-    code, archs = _run(tmp_path, "--steps", "40", "--cache-dir", str(cache))
+def test_the_start_up_compiles_every_variant_a_serving_mix_launches(run, triton_cache):
+    code, archs = run("--steps", "40")
     assert code == 0 and set(archs) == {"sm_90", "sm_80"}
     for arch, report in archs.items():
         variants = report["variants"]
@@ -63,14 +75,14 @@ def test_the_start_up_compiles_every_variant_a_serving_mix_launches(tmp_path):
         assert {loop["copy_slack"] for v in variants if v["kernel"] == "paged_decode_kernel" for loop in v["loops"]} \
             == {0}, arch
 
-    compiled = _files(cache)
+    compiled = _files(triton_cache)
     assert compiled
-    code, warm = _run(tmp_path, "--steps", "0", "--cache-dir", str(cache))
+    code, warm = run("--steps", "0")
     assert code == 0
     for arch, report in warm.items():  # the same variants, all found in the cache: it gained no file
         assert {(v["kernel"], v["spec"]) for v in report["variants"]} == \
             {(v["kernel"], v["spec"]) for v in archs[arch]["variants"]}
-    assert _files(cache) == compiled
+    assert _files(triton_cache) == compiled
 
 
 def _tile(spec: str, name: str = "BLOCK_M") -> int:
@@ -84,8 +96,8 @@ def _check_prefill_shared(prefill: dict, cache_bytes: int) -> None:
     assert prefill_shared_bytes(*tiles, q_bytes=2, cache_bytes=cache_bytes) >= prefill["shared_bytes"]
 
 
-def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(tmp_path):
-    code, archs = _run(tmp_path, "--shape", "qwen3-30b-a3b", "--arch", "90", "--steps", "10")
+def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(run):
+    code, archs = run("--shape", "qwen3-30b-a3b", "--arch", "90", "--steps", "10")
     report = archs["sm_90"]
     assert code == 0 and not report["problems"]
     # its experts' kernels gate in their own pass: no dense MLP's
@@ -98,8 +110,8 @@ def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(tmp_path):
 
 @pytest.mark.parametrize("arch, kv_cache_dtype", [("90", "auto"), ("90", "fp8"), ("80", "auto"), ("80", "fp8"),
                                                   ("89", "auto")])
-def test_gemma2_compiles_its_variants_at_start_up_without_spills(tmp_path, arch, kv_cache_dtype):
-    code, archs = _run(tmp_path, "--shape", "gemma2-9b", "--arch", arch, "--steps", "10", "--kv-cache-dtype",
+def test_gemma2_compiles_its_variants_at_start_up_without_spills(run, arch, kv_cache_dtype):
+    code, archs = run("--shape", "gemma2-9b", "--arch", arch, "--steps", "10", "--kv-cache-dtype",
                        kv_cache_dtype)
     report = archs[f"sm_{arch}"]
     assert code == 0 and not report["problems"]
@@ -116,10 +128,10 @@ def test_gemma2_compiles_its_variants_at_start_up_without_spills(tmp_path, arch,
 
 
 @pytest.mark.parametrize("arch", ["90", "80"])
-def test_an_fp8_cache_compiles_its_variants_at_start_up_without_spills(tmp_path, arch):
+def test_an_fp8_cache_compiles_its_variants_at_start_up_without_spills(run, arch):
     """The attention kernels widen e4m3 codes by the GPU's conversion from sm_89, by integer bit
     moves before (an A100 has no float8)."""
-    code, archs = _run(tmp_path, "--kv-cache-dtype", "fp8", "--arch", arch, "--steps", "20")
+    code, archs = run("--kv-cache-dtype", "fp8", "--arch", arch, "--steps", "20")
     report = archs[f"sm_{arch}"]
     assert code == 0 and not report["problems"]
     assert {v["phase"] for v in report["variants"]} == {"start-up"}
@@ -130,34 +142,34 @@ def test_an_fp8_cache_compiles_its_variants_at_start_up_without_spills(tmp_path,
             assert [loop["copy_slack"] for loop in v["loops"]] == [1], v
 
 
-def test_the_decode_at_five_stages_asks_for_a_tile_a_whole_iteration_before_it_waits(tmp_path):
-    code, archs = _run(tmp_path, "--arch", "90", "--steps", "0", "--decode-stages", "5")
+def test_the_decode_at_five_stages_asks_for_a_tile_a_whole_iteration_before_it_waits(run):
+    code, archs = run("--arch", "90", "--steps", "0", "--decode-stages", "5")
     report = archs["sm_90"]
     decodes = [v for v in report["variants"] if v["kernel"] == "paged_decode_kernel"]
     assert code == 0 and not report["problems"] and len(decodes) == 5  # a variant per split count
     assert all(loop["copy_slack"] == 1 for v in decodes for loop in v["loops"])
 
 
-def test_without_the_warm_up_serving_compiles_and_the_script_fails(tmp_path):
-    code, archs = _run(tmp_path, "--arch", "90", "--steps", "40", "--no-warm-up")
+def test_without_the_warm_up_serving_compiles_and_the_script_fails(run):
+    code, archs = run("--arch", "90", "--steps", "40", "--no-warm-up")
     assert code == 1
     assert any("paged_prefill_kernel" in p and "first compiled while serving" in p for p in archs["sm_90"]["problems"])
 
 
-def test_a_variant_that_spills_fails_the_script(tmp_path):
-    code, archs = _run(tmp_path, "--arch", "80", "--dtype", "float32", "--steps", "0")
+def test_a_variant_that_spills_fails_the_script(run):
+    code, archs = run("--arch", "80", "--dtype", "float32", "--steps", "0")
     assert code == 1
     spilled = [v for v in archs["sm_80"]["variants"] if v["spill_bytes"]]
     problems = archs["sm_80"]["problems"]
     assert spilled and all(any(v["kernel"] in p and "spilled" in p for p in problems) for v in spilled)
 
 
-def test_gpt_oss_compiles_its_variants_at_start_up_without_spills(tmp_path):
+def test_gpt_oss_compiles_its_variants_at_start_up_without_spills(run):
     """Its experts read as MXFP4 bytes (their 64-row gate-up tile spilled on sm_80 until it took 32
     columns), and dequantized first (prefills: the tensors' 64- and 128-row variants, the
     dequantization); its windowed layers' 128 keys cap the warm-up's split counts at the power of
     two a serving step picks (they once compiled a 3-split decode nothing else launches)."""
-    code, archs = _run(tmp_path, "--shape", "gpt-oss-20b", "--arch", "80", "--steps", "10")
+    code, archs = run("--shape", "gpt-oss-20b", "--arch", "80", "--steps", "10")
     report = archs["sm_80"]
     assert code == 0 and not report["problems"]
     moe = [v["spec"] for v in report["variants"] if v["kernel"] in ("_gate_up_kernel", "_down_kernel")]
@@ -170,13 +182,13 @@ def test_gpt_oss_compiles_its_variants_at_start_up_without_spills(tmp_path):
     assert splits == [1, 2, 4, 8, 16]
 
 
-def test_fp8_experts_compile_where_triton_reads_float8_and_are_dense_elsewhere(tmp_path):
+def test_fp8_experts_compile_where_triton_reads_float8_and_are_dense_elsewhere(run):
     """Qwen3-30B-A3B-FP8's experts and attention projections stay FP8 on sm_90 (their kernels, the
     W8A16 GEMM's once per tile shape, compiled at start-up, none spilling; its projections' few
     outputs split the decode tiles over K; prefills run both W8A8: the experts' 128-row variants
     multiply codes by codes, with no dequantization); on sm_80, where Triton has no e4m3, they are
     dequantized at load, so the dense experts' variants and cuBLAS."""
-    code, archs = _run(tmp_path, "--shape", "qwen3-30b-a3b-fp8", "--steps", "10")
+    code, archs = run("--shape", "qwen3-30b-a3b-fp8", "--steps", "10")
     assert code == 0 and not archs["sm_90"]["problems"] and not archs["sm_80"]["problems"]
     for arch, fp8 in (("sm_90", True), ("sm_80", False)):
         moe = [v["spec"] for v in archs[arch]["variants"] if v["kernel"] in ("_gate_up_kernel", "_down_kernel")]
@@ -192,12 +204,12 @@ def test_fp8_experts_compile_where_triton_reads_float8_and_are_dense_elsewhere(t
         assert gemm == ([("128", "False"), ("16", "True"), ("64", "True")] if fp8 else []), arch
 
 
-def test_fp8_projections_compile_w8a8_where_the_gpu_has_fp8_tensor_cores(tmp_path):
+def test_fp8_projections_compile_w8a8_where_the_gpu_has_fp8_tensor_cores(run):
     """Llama-3-8B FP8-dynamic's projections (one scale a row) on an L40S (sm_89: FP8 mma, 99 KiB of
     shared memory a block) and an H100: prefills quantize their activations and run the W8A8 GEMM
     (its weight scales applied once, after the k loop), both compiled at start-up, fitting, none
     spilling, the GEMM's loop on the FP8 tensor cores; nothing dequantizes the projections."""
-    code, archs = _run(tmp_path, "--shape", "llama3-8b-fp8-dynamic", "--arch", "89", "--arch", "90", "--steps", "2")
+    code, archs = run("--shape", "llama3-8b-fp8-dynamic", "--arch", "89", "--arch", "90", "--steps", "2")
     assert code == 0
     for arch in ("sm_89", "sm_90"):
         report = archs[arch]
