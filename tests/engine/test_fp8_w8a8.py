@@ -66,7 +66,10 @@ def test_the_w8a8_gemm_equals_the_float64_oracle_of_its_codes(dtype, n, k, block
     out = torch.empty((tokens, n), dtype=dtype, device=DEVICE)
     fp8_w8a8.matmul(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), block, out)
     expected = fp8_w8a8.reference(x, codes, scales, block)
-    tolerance = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    # FP8 tensor cores sum a 128-deep dot at about 14 bits of mantissa (DeepSeek-V3's report of
+    # Hopper; Triton leaves sm_90's fp8 dots so): float32's bound is float error only on the CPU
+    exact = 1e-5 if DEVICE.type == "cpu" else 2e-3
+    tolerance = {torch.float32: exact, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     assert (out.cpu().double() - expected).abs().max().item() <= tolerance * expected.abs().max().item()
 
 
