@@ -197,7 +197,8 @@ class LLMEngine:
         try:
             forward = in_flight.forward
             for rows in forward.prompt_rows:
-                found = self._requests[rows.seq.seq_id].prompt_logprobs
+                req = self._requests.get(rows.seq.seq_id)  # None: aborted while its chunk ran
+                found = None if req is None else req.prompt_logprobs
                 if found is not None:  # None: an import reserved here, whose prompt worker computes them
                     found[rows.first_position:rows.first_position + len(rows.hidden)] = \
                         prompt_logprobs(self.runner.model.compute_logits, rows)

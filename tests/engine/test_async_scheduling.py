@@ -101,6 +101,18 @@ def test_an_abort_between_steps_drops_the_request_from_the_iteration_in_flight()
     assert_all_free(engine)
 
 
+def test_an_abort_mid_prefill_of_a_request_with_prompt_logprobs_fails_nothing_else():
+    engine = LLMEngine(async_scheduling=True, policy="mixed", chunk_token_budget=16, **ENGINE)
+    engine.add_request("a", PROMPTS[1][:5], _params(0))
+    engine.add_request("b", (PROMPTS[2] * 8)[:100], SamplingParams(max_tokens=4, prompt_logprobs=1))
+    engine.step()  # b's next 16-token chunk is in flight
+    engine.abort("b")
+    assert [out.request_id for out in engine.step()] == ["a"]
+    finished = run_engine(engine, {})
+    assert list(finished) == ["a"] and len(finished["a"].token_ids) == 12
+    assert_all_free(engine)
+
+
 def test_a_request_added_between_steps_joins_the_iteration_after_the_one_in_flight():
     engine = LLMEngine(async_scheduling=True, **ENGINE)
     log = ForwardLog(engine)
