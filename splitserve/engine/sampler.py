@@ -122,10 +122,13 @@ class Sampler:
             return
         picked = logits[rows]
         shifted = picked - picked.amax(dim=-1, keepdim=True)  # <= 0, the row's top token at 0
-        cdf = filter_tokens(shifted / temperatures.unsqueeze(1), *filters).softmax(dim=-1).cumsum(dim=-1)
+        probs = filter_tokens(shifted / temperatures.unsqueeze(1), *filters).softmax(dim=-1)
+        # A token of probability 0 takes its predecessor's cdf: CUDA sums a single row (CUB's scan)
+        # in another order than its own rounding of each step, so a 0 there may step the sum up.
+        cdf = torch.where(probs > 0, probs.cumsum(dim=-1), 0.0).cummax(dim=-1).values
         # u in (0, 1] scaled to the row's total picks the first token whose cdf reaches it, so a
-        # token of probability 0 (cdf equal to its predecessor's) is never chosen; rounding can put
-        # the target past the last cdf value, hence the clamp.
+        # token of probability 0 is never chosen; rounding can put the target past the last cdf
+        # value, hence the clamp.
         targets = uniforms.mul_(cdf[:, -1])
         sampled = torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=logits.shape[1] - 1)
         token_ids[rows] = torch.where(torch.isfinite(picked).any(dim=-1), sampled, token_ids[rows])

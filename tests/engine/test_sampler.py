@@ -53,6 +53,19 @@ def test_sampling_with_min_p_stays_inside_the_kept_set():
     assert all(kept[t.token_id] for t in out) and len({t.token_id for t in out}) > 1
 
 
+def test_a_filtered_token_is_never_drawn_where_a_sum_steps_at_zeros(monkeypatch):
+    """CUDA's scan of a single row adds in another order than a running sum, so a token of
+    probability 0 may get a cdf above its predecessor's; a cumsum that steps at every 0 (far more
+    than rounding does) must still never give a token top-k dropped."""
+    cumsum = torch.Tensor.cumsum
+    monkeypatch.setattr(torch.Tensor, "cumsum", lambda self, dim: cumsum(self + (self == 0) * 1e-3, dim))
+    logits = random_logits(1, vocab=1000, seed=2)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    sampler = Sampler(seed=1)
+    drawn = {sampler.sample(logits, [make_seq("s", top_k=3)])[0].token_id for _ in range(200)}
+    assert drawn <= allowed and len(drawn) > 1
+
+
 def test_seeded_request_does_not_depend_on_the_batch():
     flat = torch.zeros(1, 1000)  # uniform: every token equally likely, so seeds show clearly
     alone_sampler, batch_sampler = Sampler(seed=0), Sampler(seed=123)
