@@ -60,8 +60,8 @@ class LLM:
 
 def offline_defaults(engine_args: dict, device_type: str) -> dict:
     """`engine_args` with the mixed policy's chunk budget `OFFLINE_CHUNK_TOKENS` on a GPU, where
-    they do not set it."""
-    if device_type == "cuda" and "chunk_token_budget" not in engine_args:
+    they do not set it (an `EngineConfig` given as `config` sets every field)."""
+    if device_type == "cuda" and not {"chunk_token_budget", "config"} & engine_args.keys():
         return {**engine_args, "chunk_token_budget": OFFLINE_CHUNK_TOKENS}
     return engine_args
 

@@ -266,9 +266,11 @@ def test_llm_generate_with_one_bad_prompt_adds_none(reference):
 
 def test_an_offline_batch_on_a_gpu_takes_wide_chunks_unless_told_otherwise():
     """LLM's mixed steps on a GPU take OFFLINE_CHUNK_TOKENS (nothing waits on a token's latency);
-    a budget given is kept, and the CPU keeps EngineConfig's."""
+    a budget given is kept, as is a whole EngineConfig's, and the CPU keeps EngineConfig's."""
     assert offline_defaults({"policy": "mixed"}, "cuda") == {"policy": "mixed", "chunk_token_budget": 8192}
     assert offline_defaults({"chunk_token_budget": 512}, "cuda") == {"chunk_token_budget": 512}
+    config = EngineConfig(device="cpu", chunk_token_budget=256)
+    assert offline_defaults({"config": config}, "cuda") == {"config": config}
     assert offline_defaults({"policy": "mixed"}, "cpu") == {"policy": "mixed"}
     assert LLM(**ENGINE).engine.config.chunk_token_budget == EngineConfig().chunk_token_budget == 512
 
