@@ -148,11 +148,23 @@ def test_nothing_left_is_an_error_that_says_what_to_change():
 
 def test_headroom_is_the_reserve_and_one_layer_of_the_longest_prompt_on_the_wire():
     model = demo_model_config()  # 4 KV heads of 32
-    config = EngineConfig(gpu_reserve_bytes=100)
+    config = EngineConfig(gpu_reserve_bytes=100, async_scheduling=False)
     assert headroom_bytes(config, model, torch.float16, 2048, Shard()) == 100 + 2 * 4 * 32 * 2 * 2048
     assert headroom_bytes(config, model, torch.float16, 2048, Shard(1, 2)) == 100 + 2 * 2 * 32 * 2 * 2048
-    fp8 = EngineConfig(gpu_reserve_bytes=100, kv_cache_dtype="fp8")  # a byte a value on the wire
+    fp8 = EngineConfig(gpu_reserve_bytes=100, kv_cache_dtype="fp8", async_scheduling=False)  # a byte a value
     assert headroom_bytes(fp8, model, torch.float16, 2048, Shard()) == 100 + 2 * 4 * 32 * 1 * 2048
+
+
+def test_async_scheduling_adds_what_an_iteration_in_flight_holds_on_rank_0():
+    """Its logits (the model's dtype) and float32 logprobs, a row for each of max_num_seqs."""
+    model = demo_model_config()
+    wire = 2 * 4 * 32 * 2 * 2048
+    config = EngineConfig(gpu_reserve_bytes=100, max_num_seqs=8)  # None: on, as on CUDA
+    held = 8 * model.vocab_size * (2 + 4)
+    assert headroom_bytes(config, model, torch.float16, 2048, Shard()) == 100 + wire + held
+    assert headroom_bytes(replace(config, async_scheduling=True), model, torch.float16, 2048, Shard()) == \
+        100 + wire + held
+    assert headroom_bytes(config, model, torch.float16, 2048, Shard(1, 2)) == 100 + wire // 2  # no logits
 
 
 def test_measure_reads_the_peak_above_what_stays(monkeypatch):
