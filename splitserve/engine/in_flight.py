@@ -31,7 +31,7 @@ class InFlight:
         done = None
         if forward.logits.is_cuda:
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(forward.logits.device))  # its device's, whichever is current
         return cls(plan, work, start, forward, drawn, done)
 
     def runs(self, seq: Sequence) -> bool:
