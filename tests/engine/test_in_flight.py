@@ -19,8 +19,8 @@ class _Event:
         self.calls = []
         _Event.made.append(self)
 
-    def record(self):
-        self.calls.append("record")
+    def record(self, stream=None):
+        self.calls.append(("record", stream))
 
     def synchronize(self):
         self.calls.append("synchronize")
@@ -35,11 +35,12 @@ def _queued(logits) -> in_flight.InFlight:
 
 def test_on_cuda_it_waits_for_the_event_recorded_after_its_last_op(monkeypatch):
     monkeypatch.setattr(in_flight.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(in_flight.torch.cuda, "current_stream", lambda device: f"current stream of {device}")
     _Event.made.clear()
-    queued = _queued(SimpleNamespace(is_cuda=True))
-    assert [event.calls for event in _Event.made] == [["record"]]
+    queued = _queued(SimpleNamespace(is_cuda=True, device="cuda:1"))  # on its device's stream, whichever is current
+    assert [event.calls for event in _Event.made] == [[("record", "current stream of cuda:1")]]
     queued.wait()
-    assert _Event.made[0].calls == ["record", "synchronize"]
+    assert _Event.made[0].calls == [("record", "current stream of cuda:1"), "synchronize"]
     assert queued.runs(queued.plan.scheduled[0].seq) and not queued.runs(SimpleNamespace(seq_id="a"))
 
 
