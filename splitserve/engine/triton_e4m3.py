@@ -14,11 +14,13 @@ def e4m3_codes(x):
     every GPU has. A normal value's 23 mantissa bits are rounded to 3 (half an ulp plus the kept
     bit's parity breaks ties to even; a carry moves into the exponent), and its exponent re-biased
     from 127 to 7; below 2**-6 (e4m3's subnormals) the code is the nearest multiple of 2**-9,
-    rounded by adding 2**23, where float32's spacing is 1. The sign is x's own (-0.0 is 0x80)."""
+    rounded by adding 2**23, where float32's spacing is 1. The sign is x's own (-0.0 is 0x80); a NaN
+    is e4m3's NaN (0x7F, with its sign), as torch converts it."""
     a = tl.minimum(tl.abs(x), 448.0)
     bits = a.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - 7) << 3)
     subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
     code = tl.where(a < 0.015625, subnormal, normal)
+    code = tl.where(x != x, 0x7F, code)  # NaN: tl.minimum above returned 448 for it (GPUs and the interpreter alike)
     sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
     return (code | sign).to(tl.uint8)
