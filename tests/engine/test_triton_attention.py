@@ -10,6 +10,7 @@ head sizes to 256; and a tiny model's greedy output with the Triton backend equa
 backend's, with either cache."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
@@ -25,7 +26,7 @@ from splitserve.engine.attention.triton_paged import (  # noqa: E402
     E4M3_CAPABILITY, PREFILL_STAGES, TRITON_STAGES, TritonPagedBackend, _prefill_stages, split_counts, store_kv)
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
-from tests.engine.test_attention import SINKS, check_case  # noqa: E402
+from tests.engine.test_attention import SINKS, build_case, check_case  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -155,10 +156,12 @@ def test_every_e4m3_code_widens_to_torchs_value(capability):
 def test_the_fp8_store_rounds_as_torch(scale):
     """The store's integer rounding to e4m3 against torch's float8_e4m3fn conversion (`write_kv`):
     every code's value, the midpoints between neighbours (ties to even) and a float32 ulp either
-    side, subnormals, zeros of both signs, values past 448, and random ones over 2**-12 .. 2**10."""
+    side, subnormals, zeros of both signs, values past 448, infinities, NaN (e4m3's NaN, not 448), and
+    random ones over 2**-12 .. 2**10."""
     grid = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
     mids = (grid[:-1] + grid[1:]) / 2
-    special = torch.tensor([0.0, -0.0, -1e-9, 1e-9, 447.0, 449.0, 464.0, 500.0, -1e6, 2.0 ** -10, 3 * 2.0 ** -10])
+    special = torch.tensor([0.0, -0.0, -1e-9, 1e-9, 447.0, 449.0, 464.0, 500.0, -1e6, 2.0 ** -10, 3 * 2.0 ** -10,
+                            float("inf"), float("nan")])
     g = torch.Generator().manual_seed(0)
     rand = torch.exp2(torch.empty(1500).uniform_(-12, 10, generator=g)) * torch.randn(1500, generator=g).sign()
     values = torch.cat((grid, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e3)), special,
@@ -263,3 +266,23 @@ def test_the_store_skips_padding_slots():
     write_kv(k[[0, 2]], v[[0, 2]], expected, torch.tensor([5, 20], device=DEVICE))
     store_kv(k, v, cache, torch.tensor([5, PAD_SLOT, 20], device=DEVICE))
     assert torch.equal(cache, expected)
+
+
+def test_token_rows_past_two_to_the_31_elements_are_read_where_they_lie():
+    """A step's q, k and v rows 2**30 elements apart (as Llama-3's fused QKV rows of 6,144 values lie
+    past 2**31 elements from the 349,526th token on): the store addresses a token's row with an int64
+    offset (the prefill's come from the step's int64 query starts), so the results equal a
+    contiguous copy's, not a wrapped address's."""
+    q, k, v, k_cache, v_cache, meta, _, _ = build_case([(20, 3)], 2, 1, 16, 16, 4, seed=0)
+    q, k, v, kv_cache = (t.half() for t in (q, k, v, torch.stack((k_cache, v_cache))))
+    meta = dataclasses.replace(meta, **{name: getattr(meta, name).to(DEVICE) for name in
+                                        ("slot_mapping", "block_tables", "context_lens", "query_start_tensor")})
+    # 4 GiB of half-precision values, 3 rows of q, k and v touched (on CPU the rest is never committed)
+    buffer = torch.empty(2 ** 31 + 256, dtype=torch.half, device=DEVICE)
+    far = [buffer[at:].as_strided(x.shape, (2 ** 30, *x.stride()[1:])) for at, x in ((0, q), (64, k), (128, v))]
+    for view, x in zip(far, (q, k, v)):
+        view.copy_(x)
+    backend, near_cache = TritonPagedBackend(**SMALL), kv_cache.to(DEVICE)
+    far_cache = near_cache.clone()
+    near = backend.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), near_cache, meta)
+    assert torch.equal(backend.forward(*far, far_cache, meta), near) and torch.equal(far_cache, near_cache)

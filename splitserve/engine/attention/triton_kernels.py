@@ -55,7 +55,7 @@ def store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_kh, st
     """One program per (token, kv head): K and V of this token into its cache slot, with FP8_KV as
     the e4m3 codes of K * k_inverse and V * v_inverse (1 / the scales). A negative slot (PAD_SLOT: a
     padding row of a captured batch) is stored nowhere."""
-    token, head = tl.program_id(0), tl.program_id(1)
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)  # token * stride passes 2**31 in long steps
     slot = tl.load(slots_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     # A padding slot has no lanes. The slot test is folded into the lane bound so the mask is one
