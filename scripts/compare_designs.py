@@ -130,6 +130,9 @@ def parse_args(argv: list[str] | None):
                           help="seconds of arrivals per probe (rate x this many requests)")
     capacity.add_argument("--min-requests", type=int, default=40, help="requests per probe at the least")
     capacity.add_argument("--engine-profile", help="a `splitserve profile` CSV of this machine (default: measure one)")
+    capacity.add_argument("--overhead-repeats", type=int, default=3,
+                          help="runs of each prompt size and concurrency each design's serving overhead is fitted "
+                               "on (fewer: measured sooner, noisier)")
     capacity.add_argument("--out", help="a folder for the latency-against-load and CDF plots")
     capacity.add_argument("--resimulate", metavar="JSON", help="a saved --capacity --json result: run only its "
                           "simulated searches again (its probes, overheads, engine profile and arguments; no Ray)")
@@ -139,19 +142,21 @@ def parse_args(argv: list[str] | None):
     unknown = set(args.designs) - set(DESIGNS)
     if unknown:
         parser.error(f"--designs: unknown {sorted(unknown)}; choose from {', '.join(DESIGNS)}")
+    if args.overhead_repeats < 1:
+        parser.error(f"--overhead-repeats must be >= 1, got {args.overhead_repeats}")
     return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    import ray
-    from ray import serve
-
     args = parse_args(argv)
     if args.resimulate:
         return resimulate_main(args)
     hardware = f"{cpu_name()}, {args.workers} workers x 1 CPU, demo model"
     if args.capacity:
         return capacity_main(args, hardware)
+    import ray
+    from ray import serve
+
     ray.init(num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     rows, baseline, slo = [], None, SLOSpec()
@@ -189,7 +194,8 @@ def capacity_main(args, hardware: str) -> list[dict]:
             for design in args.designs:
                 url = deploy_design(design, args, args.port)
                 measured.append(measured_capacity(design, url, configs[design], profile, spec,
-                                                  progress=not args.no_progress))
+                                                  progress=not args.no_progress,
+                                                  overhead_repeats=args.overhead_repeats))
                 serve.delete(design)
         finally:
             serve.shutdown()

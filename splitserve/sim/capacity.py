@@ -70,20 +70,23 @@ class Capacity:
     records_at_capacity: list[RequestRecord] | None
 
 
-def capacity_overhead(url: str, config: ClusterConfig, engine_profile: Path) -> ServingOverhead:
+def capacity_overhead(url: str, config: ClusterConfig, engine_profile: Path,
+                      repeats: int = OVERHEAD_REPEATS) -> ServingOverhead:
     """The serving overhead of the cluster at `url` (deployed with `config`, on this host), which
-    the simulated search adds to `engine_profile`'s times."""
+    the simulated search adds to `engine_profile`'s times; fitted on `repeats` groups of each
+    prompt size at each concurrency (fewer: sooner measured, noisier)."""
     return measure_serving_overhead(url, config, engine_profile, DEFAULT_PROMPT_SIZES, DEFAULT_OUTPUT_TOKENS,
-                                    OVERHEAD_REPEATS, shared_host=True)[0]
+                                    repeats, shared_host=True)[0]
 
 
 def measured_capacity(name: str, url: str, config: ClusterConfig, engine_profile: Path, spec: CapacitySpec,
-                      log=print, progress: bool = False, overhead: ServingOverhead | None = None) -> Capacity:
-    """The cluster at `url` (deployed with `config`): its serving overhead (`capacity_overhead`,
-    measured now unless given: it does not depend on the SLOs), then the real search."""
+                      log=print, progress: bool = False, overhead: ServingOverhead | None = None,
+                      overhead_repeats: int = OVERHEAD_REPEATS) -> Capacity:
+    """The cluster at `url` (deployed with `config`): its serving overhead (`capacity_overhead` of
+    `overhead_repeats`, measured now unless given: it does not depend on the SLOs), then the real search."""
     info = asyncio.run(fetch_server_info(url, None))
     if overhead is None:
-        overhead = capacity_overhead(url, config, engine_profile)
+        overhead = capacity_overhead(url, config, engine_profile, overhead_repeats)
     target, records = Target(url), {}
 
     def measured(rate: float) -> dict:

@@ -27,15 +27,24 @@ def test_tiny_comparison_writes_every_row(tmp_path):
 
 
 def test_tiny_capacity_search_writes_measured_and_simulated(tmp_path):
+    """A small engine profile, measured here, and the overhead fitted on one run of each point:
+    with SLOs nothing misses, the search ends at the top rate whatever they come to."""
     pytest.importorskip("ray")
+    from splitserve.sim.profile import ProfileSpec, run_profile, write_csv
+
+    spec = ProfileSpec("demo", "cpu", repeats=1, prompt_sizes=(32, 128, 512), batch_sizes=(1, 2, 4))
+    profile = write_csv(run_profile(spec).rows, tmp_path / "engine.csv")
     out = tmp_path / "capacity.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--capacity", "--designs", "splitwise", "--rate-low", "1",
                            "--rate-high", "2", "--iterations", "0", "--capacity-duration", "2", "--min-requests", "2",
                            "--tbt-slo", "60", "--ttft-slo", "60", "--length-scale", "0.05", "--port", "8024",
+                           "--engine-profile", str(profile), "--overhead-repeats", "1",
                            "--no-progress", "--json", str(out), "--out", str(tmp_path / "plots")],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
+    saved = json.loads(out.read_text())
+    assert saved["engine_profile_csv"] == profile.read_text()  # the given profile, not one measured anew
+    (row,) = saved["rows"]
     assert row["design"] == "splitwise" and row["capacity_rps"] == row["simulated_capacity_rps"] == 2.0
     assert [p["rate"] for p in row["probes"]] == [p["rate"] for p in row["simulated_probes"]] == [1.0, 2.0]
     assert row["overhead"]["request_s"] > 0
