@@ -46,12 +46,15 @@ def min_logp(min_p: list[float], device: torch.device) -> torch.Tensor:
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Keeps values >= the row's k-th largest (ties included); a topk, not a full sort."""
+    """Keeps values >= the row's k-th largest (ties included); a topk, not a full sort. A k of at
+    least the vocabulary keeps every value, as -1 does (and is never uploaded: it may pass int64)."""
     vocab, device = logits.shape[1], logits.device
-    ks = [min(k, vocab) if k != -1 else 1 for k in top_k]
-    k = upload_list(ks, torch.long, device)
-    kth_largest = logits.topk(max(ks), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-    kth_largest.masked_fill_(upload_list(top_k, torch.long, device).eq(-1).unsqueeze(1), float("-inf"))
+    off = [not 0 < k < vocab for k in top_k]
+    if all(off):
+        return logits
+    ks = [1 if o else k for k, o in zip(top_k, off)]
+    kth_largest = logits.topk(max(ks), dim=-1).values.gather(1, upload_list(ks, torch.long, device).unsqueeze(1) - 1)
+    kth_largest.masked_fill_(upload_list(off, torch.bool, device).unsqueeze(1), float("-inf"))
     return logits.masked_fill(logits < kth_largest, float("-inf"))
 
 

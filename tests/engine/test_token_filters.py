@@ -50,6 +50,14 @@ def test_min_p_keeps_the_same_tokens_as_transformers(min_p):
     assert torch.equal(apply_min_p(raw, [min_p] * 4).isfinite(), theirs.isfinite())
 
 
+def test_a_top_k_past_the_vocabulary_or_int64_is_off_for_its_row_alone():
+    logits = random_logits(3, seed=3)
+    ours = apply_top_k_top_p(logits, [VOCAB, 2 ** 63, 3], [1.0] * 3)
+    assert torch.equal(ours[:2], logits[:2])
+    assert torch.equal(ours[2:], apply_top_k_top_p(logits[2:], [3], [1.0]))
+    assert torch.equal(apply_top_k_top_p(logits, [2 ** 70] * 3, [1.0] * 3), logits)
+
+
 def test_values_tied_with_the_least_kept_are_all_kept():
     """Top-p's boundary inside a run of equal values keeps the whole run (transformers keeps the
     part its sort order puts last), and so does top-k's."""
