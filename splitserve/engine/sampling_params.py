@@ -12,6 +12,9 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's bound)
+# Temperatures reach the device as float32: one past its largest value would divide -inf by inf
+# (NaN, a row nothing can be drawn from).
+MAX_TEMPERATURE = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,8 @@ class SamplingParams:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
-               f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+               f"temperature must be a number in [0, {MAX_TEMPERATURE:.4g}] (float32's), got {self.temperature!r}")
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")

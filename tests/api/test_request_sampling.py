@@ -83,7 +83,8 @@ def test_prompt_plus_completion_longer_than_the_context():
 
 
 @pytest.mark.parametrize("fields, param, message", [
-    ({"temperature": -1}, "temperature", "temperature must be a finite number >= 0, got -1.0"),
+    ({"temperature": -1}, "temperature", "temperature must be a number in [0, 3.403e+38] (float32's), got -1.0"),
+    ({"temperature": 1e39}, "temperature", "temperature must be a number in [0, 3.403e+38] (float32's), got 1e+39"),
     ({"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0.0"),
     ({"top_k": 0}, "top_k", "top_k must be -1 (disabled) or >= 1, got 0"),
     ({"min_tokens": 20}, "min_tokens", "min_tokens must be an integer in [0, max_tokens=16], got 20"),
