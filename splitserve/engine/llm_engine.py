@@ -197,8 +197,8 @@ class LLMEngine:
         try:
             forward = in_flight.forward
             for rows in forward.prompt_rows:
-                req = self._requests.get(rows.seq.seq_id)  # None: aborted while its chunk ran
-                found = None if req is None else req.prompt_logprobs
+                req = self._requests.get(rows.seq.seq_id)  # None, or a new one of its id: aborted while its chunk ran
+                found = req.prompt_logprobs if req is not None and req.seq is rows.seq else None
                 if found is not None:  # None: an import reserved here, whose prompt worker computes them
                     found[rows.first_position:rows.first_position + len(rows.hidden)] = \
                         prompt_logprobs(self.runner.model.compute_logits, rows)

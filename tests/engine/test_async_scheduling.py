@@ -113,6 +113,21 @@ def test_an_abort_mid_prefill_of_a_request_with_prompt_logprobs_fails_nothing_el
     assert_all_free(engine)
 
 
+def test_a_new_request_of_an_aborted_ones_id_gets_only_its_own_prompt_logprobs():
+    """The aborted request's chunk in flight is not written into the new one's list (26 entries
+    for a 10-token prompt, before the check was by sequence, not by id)."""
+    prompt, params = PROMPTS[1][:10], SamplingParams(max_tokens=2, prompt_logprobs=1)
+    alone = run_engine(LLMEngine(async_scheduling=True, **ENGINE), {"b": (prompt, params)})["b"]
+    engine = LLMEngine(async_scheduling=True, policy="mixed", chunk_token_budget=16, **ENGINE)
+    engine.add_request("b", (PROMPTS[2] * 8)[:100], params)
+    engine.step()  # its next 16-token chunk is in flight
+    engine.abort("b")
+    reused = run_engine(engine, {"b": (prompt, params)})["b"]
+    assert len(reused.prompt_logprobs) == len(prompt)
+    assert reused.prompt_logprobs == pytest.approx(alone.prompt_logprobs)
+    assert_all_free(engine)
+
+
 def test_a_request_added_between_steps_joins_the_iteration_after_the_one_in_flight():
     engine = LLMEngine(async_scheduling=True, **ENGINE)
     log = ForwardLog(engine)
