@@ -142,13 +142,14 @@ def headroom_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype,
     """gpu_reserve_bytes, and a KV transfer's receive buffer: one layer of the longest prompt on the
     wire (`transfer.codec.wire_shape` with this rank's KV heads), which the transport allocates as
     the layer arrives. The reserve also absorbs a short prompt's one-shot push of every layer.
-    With async scheduling (CUDA's default), rank 0 also holds an iteration's logits and float32
-    logprobs, a row a sequence, while the next iteration, the profiled peak, runs."""
+    With async scheduling (CUDA's default), rank 0 also holds an iteration's logits and logprobs
+    (both float32, `model_runner.Forward`), a row a sequence, while the next iteration, the
+    profiled peak, runs."""
     token_bytes = KVCache.bytes_per_block(model, 1, dtype, shard, config.kv_cache_dtype)
     layer_token_bytes = token_bytes // model.num_hidden_layers
     held = 0
     if config.async_scheduling is not False and shard.rank == 0:
-        held = config.max_num_seqs * model.vocab_size * (dtype.itemsize + torch.float32.itemsize)
+        held = config.max_num_seqs * model.vocab_size * 2 * torch.float32.itemsize
     return config.gpu_reserve_bytes + layer_token_bytes * max_model_len + held
 
 

@@ -156,11 +156,11 @@ def test_headroom_is_the_reserve_and_one_layer_of_the_longest_prompt_on_the_wire
 
 
 def test_async_scheduling_adds_what_an_iteration_in_flight_holds_on_rank_0():
-    """Its logits (the model's dtype) and float32 logprobs, a row for each of max_num_seqs."""
+    """Its logits and logprobs, float32 whatever the model's dtype, a row for each of max_num_seqs."""
     model = demo_model_config()
     wire = 2 * 4 * 32 * 2 * 2048
     config = EngineConfig(gpu_reserve_bytes=100, max_num_seqs=8)  # None: on, as on CUDA
-    held = 8 * model.vocab_size * (2 + 4)
+    held = 8 * model.vocab_size * (4 + 4)
     assert headroom_bytes(config, model, torch.float16, 2048, Shard()) == 100 + wire + held
     assert headroom_bytes(replace(config, async_scheduling=True), model, torch.float16, 2048, Shard()) == \
         100 + wire + held
