@@ -4,6 +4,7 @@ the first token; how the pushes overlapped the compute (`TransferStats`). The wh
 `handoff`."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from splitserve.transfer.codec import Slots, as_lists, slot_index
 from splitserve.transfer.handoff import LAYERWISE_THRESHOLD, parts_of
 from splitserve.transfer.link import TransferError
 from splitserve.transfer.protocol import Span
-from splitserve.transfer.rank_commands import FinishExport, ForgetPeers, PushLayers, RankReport
+from splitserve.transfer.rank_commands import CancelExport, FinishExport, ForgetPeers, PushLayers, RankReport
 from splitserve.transfer.rank_kv import RankKV
 from splitserve.transfer.transport import KVTransport, TransferTicket
 
@@ -86,8 +87,12 @@ class KVExporter:
         """Raises IncompatibleKV (before any work) when the ticket's token worker holds another
         layout, and TransferError when it gave a direct transfer up already."""
         self.transport.check_compatible(ticket)
-        for part in self._own(ticket):
-            self.transport.claim(part)
+        try:
+            for part in self._own(ticket):
+                self.transport.claim(part)
+        except TransferError:
+            self._release(ticket)
+            raise
         self.engine.add_request(ticket.request_id, prompt_token_ids, params, arrival_time, hand_off=True,
                                 export_from=ticket.starts(self.engine.block_manager.num_groups))
         self._tickets[ticket.request_id] = ticket
@@ -124,8 +129,7 @@ class KVExporter:
                       if any(p.token_peer == error.peer for p in parts_of(t))}  # a chunked prompt's: in several
             known = {r for r, _ in self._failures}
             for request_id in (r for r in failed if r not in known):
-                self._forget(request_id)  # a prefill still in chunks pushes no more
-                self._failures.append((request_id, error))
+                self._fail(request_id, error)  # a prefill still in chunks pushes no more
         while self._sending and self.transport.all_sent(
                 {p.token_peer for t in self._sending[0].tickets.values() for p in self._own(t)}):
             sending = self._sending.pop(0)
@@ -218,16 +222,27 @@ class KVExporter:
         self.engine.release_request(ticket.request_id)
 
     def _cancel(self, ticket: TransferTicket) -> None:
-        """Rank 0's parts say CANCEL; part (0 -> 0) among them makes the token side drop every part."""
+        """Rank 0's parts say CANCEL; part (0 -> 0) among them makes the token side drop every part.
+        The other ranks' direct parts say it too (`_release`)."""
         for part in self._own(ticket):
             self._try(ticket, lambda: self.transport.cancel(part))
+        self._release(ticket)
+
+    def _release(self, ticket: TransferTicket) -> None:
+        """The export ended without a hand-off: each direct part a rank claimed says CANCEL, or the
+        token side holds its blocks while that rank's link lives (the other ranks': next round)."""
+        for part in parts_of(ticket):
+            if part.prompt_rank:
+                self.leader.post(part.prompt_rank, CancelExport(part))
+            else:
+                with contextlib.suppress(TransferError):  # its link failed: that released it
+                    self.transport.release(part)
 
     def _take_reports(self, reports: list[RankReport]) -> None:
         for report in reports:
             for part, error in report.push_failures:
                 if self._tickets.get(part.request_id) is not None:
-                    self._forget(part.request_id)
-                    self._failures.append((part.request_id, error))
+                    self._fail(part.request_id, error)
 
     @staticmethod
     def _own(ticket: TransferTicket) -> list[TransferTicket]:
@@ -242,14 +257,20 @@ class KVExporter:
         self._deadlines.pop(request_id, None)
         return self._tickets.pop(request_id, None)
 
+    def _fail(self, request_id: str, error: TransferError) -> None:
+        """Its blocks are freed after the step; its other parts are released now."""
+        self._failures.append((request_id, error))
+        ticket = self._forget(request_id)
+        if ticket is not None:
+            self._release(ticket)
+
     def _try(self, ticket: TransferTicket, push) -> None:
         """A failed push fails only its own request: recorded here, its blocks freed after the step."""
         started = time.perf_counter()
         try:
             self.bytes_pushed += push() or 0
         except TransferError as error:
-            self._failures.append((ticket.request_id, error))
-            self._forget(ticket.request_id)
+            self._fail(ticket.request_id, error)
             return
         if not self._pushed:
             self._first_push = started

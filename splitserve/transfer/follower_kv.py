@@ -7,7 +7,8 @@ import torch
 from splitserve.engine.tp_step import TPFollower
 from splitserve.transfer.codec import Slots
 from splitserve.transfer.link import TransferError
-from splitserve.transfer.rank_commands import Abandon, Expect, FinishExport, ForgetPeers, PushLayers, RankReport
+from splitserve.transfer.rank_commands import (Abandon, CancelExport, Expect, FinishExport, ForgetPeers, PushLayers,
+                                               RankReport)
 from splitserve.transfer.rank_kv import RankKV
 from splitserve.transfer.transport import KVTransport
 
@@ -25,6 +26,8 @@ class FollowerKV:
             self._layer_parts = [(part, self._slots(slots), span) for part, slots, span in command.parts]
         elif isinstance(command, FinishExport):
             self._try(command.part, lambda: self._finish(command))
+        elif isinstance(command, CancelExport):
+            self._try(command.part, lambda: self.transport.release(command.part))
         elif isinstance(command, Expect):
             self._report.stamped.append(self.rank.expect(command.part, self._slots(command.slots), command.blocks))
         elif isinstance(command, Abandon):

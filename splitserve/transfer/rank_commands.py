@@ -25,6 +25,15 @@ class FinishExport:
 
 
 @dataclass(frozen=True)
+class CancelExport:
+    """The export ended without a hand-off (the first token ended the request, an abort, an expired
+    lease, a failed part): if this rank claimed the part, it says CANCEL, so the token side frees
+    the blocks it would otherwise hold until this rank's link ends."""
+
+    part: TransferTicket
+
+
+@dataclass(frozen=True)
 class Expect:
     """Receive this part into these slots (per layer group, of the reservation's `blocks`); report
     it stamped with its link epoch (and its destination, where the prompt rank writes into this

@@ -168,6 +168,13 @@ class KVTransport:
     def cancel(self, ticket: TransferTicket) -> None:
         self._send(ticket, CANCEL, None)
 
+    def release(self, ticket: TransferTicket) -> None:
+        """A direct ticket this side claimed and will not finish: CANCEL, so the token side frees
+        its blocks (it holds them until then, or until this link ends); nothing for a ticket this
+        side never claimed, or whose link failed (that link's end released it)."""
+        if (ticket.token_peer, ticket.tag) in self._claims:
+            self.cancel(ticket)
+
     def reap(self) -> list[TransferError]:
         """Without waiting: the links whose sends failed, or have not left within `timeout`
         (each closed for good, as on the receiving side)."""

@@ -3,8 +3,9 @@ the token ranks' caches (ipc: shared memory): each worker's rank 0 a WorkerLoop,
 TPFollowers on threads, every rank with a transport of its own. For prompt / token TP (1, 2),
 (2, 1), (2, 2) and (4, 2), one-shot and layer-wise, the disaggregated output equals the colocated
 one-rank engine's, and both sides end clean (no request, every block free); later turns of a
-conversation travel from the token worker's cached prefix on; a prompt rank that dies fails the
-transfer on the token side with no block leaked (direct: once the prompt worker is gone)."""
+conversation travel from the token worker's cached prefix on; an export ended without a hand-off
+leaves no block held for any prompt rank's direct part; a prompt rank that dies fails the transfer
+on the token side with no block leaked (direct: once the prompt worker is gone)."""
 from __future__ import annotations
 
 import datetime
@@ -199,6 +200,33 @@ def test_windowed_layers_travel_from_their_windows_reach_on_every_rank(
             while reference.has_unfinished_requests():
                 want = [o for o in reference.step() if o.finished]
             assert deltas[-1].error is None and tokens(deltas) == want[0].token_ids
+        assert_clean(prompt_worker.loop)
+        assert_clean(token_worker.loop)
+    finally:
+        prompt_worker.close()
+        token_worker.close()
+
+
+@pytest.mark.parametrize("prompt_tp, token_tp", [(2, 1), (2, 2)])
+def test_an_export_ended_without_hand_off_releases_every_ranks_direct_part(server, model, prompt_tp, token_tp):
+    """Direct, layer-wise: the first token ends the request (max_tokens=1), so rank 0 cancels the
+    transfer after prompt rank 1 claimed its part and wrote into the token ranks' caches. Rank 1
+    cancels its part too, so the token side holds no block for it (it would wait for that
+    sender's last message, or its link's end, for as long as the prompt worker lives)."""
+    n = next(_names)
+    prompt_worker = TPWorker(server, model, f"p{n}", "prompt", prompt_tp, backend="ipc")
+    token_worker = TPWorker(server, model, f"t{n}", "token", token_tp, backend="ipc")
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        for i in range(2):
+            prompt = prompt_ids(i + 11, 40, 300)
+            token_sink, prompt_sink = Sink(), Sink()
+            ticket = run(token_worker.loop, lambda *a: token_worker.loop.reserve(*a, prompt_tp=prompt_tp),
+                         f"r{i}", prompt, one, prompt_worker.loop.worker_id, token_sink)
+            assert ticket.layerwise and any(part.prompt_rank == 1 and part.dest for part in ticket.parts)
+            run(prompt_worker.loop, prompt_worker.loop.prefill, ticket, prompt, one, prompt_sink)
+            assert prompt_sink.until_final()[-1].finish_reason == "length"
+            wait_until(lambda: run(token_worker.loop, lambda: token_worker.loop.importer.num_held) == 0)
         assert_clean(prompt_worker.loop)
         assert_clean(token_worker.loop)
     finally:
