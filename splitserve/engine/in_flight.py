@@ -6,6 +6,7 @@ iteration is in flight: N+1 is scheduled from N's tokens, so N's are read first.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -41,3 +42,11 @@ class InFlight:
         """Until the device has run it: its KV writes land in its sequences' blocks until then."""
         if self.done is not None:
             self.done.synchronize()
+
+
+def drain(device: torch.device) -> None:
+    """Until the device has run what is queued on its current stream: an iteration that failed
+    part-queued may still write its sequences' blocks. A device that failed runs nothing more."""
+    if device.type == "cuda":
+        with contextlib.suppress(RuntimeError):  # (torch.AcceleratorError is one)
+            torch.cuda.current_stream(device).synchronize()

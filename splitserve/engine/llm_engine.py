@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from splitserve.engine.block_manager import BlockManager, long_rope_root
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
-from splitserve.engine.in_flight import InFlight
+from splitserve.engine.in_flight import InFlight, drain
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from splitserve.engine.policies import Plan, make_policy
 from splitserve.engine.prompt_logprobs import prompt_logprobs
@@ -240,7 +240,9 @@ class LLMEngine:
         return [outputs[seq.seq_id] for seq in updated]
 
     def _fail(self, plan: Plan, error: BaseException) -> StepFailed:
-        """Abort the iteration's requests (their blocks freed): the engine's others are untouched."""
+        """Abort the iteration's requests (their blocks freed once nothing it queued can write them):
+        the engine's others are untouched."""
+        drain(self.kv_cache.data.device)
         ids = [item.seq.seq_id for item in plan.scheduled]
         for request_id in ids:
             self.abort(request_id)
