@@ -29,7 +29,8 @@ class FollowerKV:
         elif isinstance(command, CancelExport):
             self._try(command.part, lambda: self.transport.release(command.part))
         elif isinstance(command, Expect):
-            self._report.stamped.append(self.rank.expect(command.part, self._slots(command.slots), command.blocks))
+            self._report.stamped.append(self.rank.expect(command.part, self._slots(command.slots, torch.device("cpu")),
+                                                         command.blocks))
         elif isinstance(command, Abandon):
             if self.transport.abandon(command.part) and command.part.dest is not None:
                 self._report.released.append(command.part)
@@ -63,5 +64,5 @@ class FollowerKV:
         except TransferError as error:
             self._report.push_failures.append((part, error))
 
-    def _slots(self, slots: list[list[int]]) -> Slots:
-        return tuple(torch.tensor(group, dtype=torch.long, device=self._device) for group in slots)
+    def _slots(self, slots: list[list[int]], device: torch.device | None = None) -> Slots:
+        return tuple(torch.tensor(group, dtype=torch.long, device=device or self._device) for group in slots)

@@ -8,6 +8,8 @@ import itertools
 import time
 from dataclasses import dataclass
 
+import torch
+
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
@@ -64,7 +66,7 @@ class KVImporter:
                                                  self.reuse_prefix)
         start = seq.num_computed_tokens  # held here already (prefix cache); never the last token
         starts = self.engine.block_manager.held_from(seq)
-        slots = slot_index(tables, cache.block_size, num_tokens, cache.data.device, starts)
+        slots = slot_index(tables, cache.block_size, num_tokens, torch.device("cpu"), starts)  # (RankKV.expect)
         group_of = cache.groups.group_of  # a layer's tokens travel from its group's start: the threshold is their mean
         layerwise = sum(num_tokens - starts[group] for group in group_of) >= self.layerwise_threshold * len(group_of)
         ticket = TransferTicket(request_id, next(self._tags), prompt_peer, self.worker_id, num_tokens, layerwise,

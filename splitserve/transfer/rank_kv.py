@@ -43,11 +43,12 @@ class RankKV:
         return payload.nbytes
 
     # ---- receiving ------------------------------------------------------------------------
-    def expect(self, part: TransferTicket, slots: Slots, tables: list[list[int]]) -> TransferTicket:
+    def expect(self, part: TransferTicket, host_slots: Slots, tables: list[list[int]]) -> TransferTicket:
         """Returns the part stamped with its link's epoch (what the prompt side pushes against),
-        and with its destination when the prompt rank writes into this cache itself; `tables`
-        are the reservation's block tables (a layer group's each)."""
+        and with its destination when the prompt rank writes into this cache itself; `host_slots`
+        (on the CPU) where it lands, `tables` the reservation's block tables (a layer group's each)."""
         heads = self.heads(part)
+        slots = self.transport.device_slots(host_slots)
         dest = CacheDest(tuple(map(tuple, tables)), None if heads is None else (heads.start, heads.stop))
         return self.transport.expect(
             part, lambda layer, wire, offset: unpack_layer(self.cache, layer, slots, wire, heads, offset), dest)

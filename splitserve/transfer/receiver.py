@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.transfer.codec import split_layers
+from splitserve.transfer.codec import Slots, split_layers
 from splitserve.transfer.direct_writes import DirectWrites
 from splitserve.transfer.link import Fabric, Link, TransferError
 from splitserve.transfer.protocol import (ALL, CANCEL, DONE, HELLO, LAYOUT_BYTES, CacheDest, IncompatibleKV,
@@ -106,7 +106,17 @@ class KVReceiver:
         still write), `take_released` returns the ticket once they may."""
         with self._lock:
             self._incoming.pop(ticket.tag, None)
+        self._order_after([self._writes_done()])  # its writes queued so far land before the blocks' next use
         return self._direct.give_up(ticket)
+
+    def device_slots(self, host: Slots) -> Slots:
+        """Host slots as the receive loop writes through them: CUDA, copied on the receive stream,
+        so its writes follow the copy without waiting for the caller's stream (a decode step in
+        flight), and their memory is reused only after the stream's work."""
+        if self._recv_stream is None:
+            return tuple(group.to(self._device) for group in host)
+        with torch.cuda.stream(self._recv_stream):
+            return tuple(group.pin_memory().to(self._device, non_blocking=True) for group in host)
 
     def take_released(self) -> list[TransferTicket]:
         """Held transfers whose senders have stopped writing; the caller's stream is ordered after

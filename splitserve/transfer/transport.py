@@ -230,6 +230,9 @@ class KVTransport:
     def abandon(self, ticket: TransferTicket) -> bool:
         return self._receiver.abandon(ticket)
 
+    def device_slots(self, host: Slots) -> Slots:
+        return self._receiver.device_slots(host)
+
     def take_released(self) -> list[TransferTicket]:
         return self._receiver.take_released()
 
