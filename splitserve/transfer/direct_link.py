@@ -30,7 +30,9 @@ from __future__ import annotations
 import heapq
 import logging
 import pickle
+import threading
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,11 @@ from splitserve.transfer.torch_link import TorchFabric
 log = logging.getLogger("splitserve.transfer")
 EVENT_BYTES = 64  # a CUDA IPC event handle (zeros on CPU)
 _SLOT_CACHE = 256  # destinations whose slots a sender keeps (a transfer's layers reuse them)
+# Closed links' interprocess events, each kept its link's timeout after the close: the receiver
+# fences on the event as it reads the last messages (using an imported event its exporter destroyed
+# is undefined), and reads them within that time or fails the link.
+_closed_events: deque[tuple[float, torch.cuda.Event]] = deque()
+_closed_lock = threading.Lock()
 
 
 class DirectFabric(Fabric):
@@ -167,7 +174,7 @@ class DirectLink(Link):
         """Sender: `peer_cache` is the receiver's cache, mapped, and `device` this worker's;
         receiver: None, and `device` its cache's."""
         super().__init__(meta.peer)
-        self._meta, self._peer_cache, self._device = meta, peer_cache, device
+        self._meta, self._peer_cache, self._device, self._timeout = meta, peer_cache, device, timeout
         self._slots: dict = {}
         cuda = device.type == "cuda" if peer_cache is None else peer_cache.device.type == "cuda"
         self._copy = self._sealed = self._peer_sealed = None
@@ -225,6 +232,7 @@ class DirectLink(Link):
         """The receiver may reuse every block this link wrote once it sees the link closed."""
         if self._copy is not None:
             self._copy.synchronize()
+            _keep_closed(self._sealed, self._timeout)
         self._peer_cache = None
         self._meta.close()
 
@@ -266,6 +274,14 @@ class DirectLink(Link):
                 self._slots.pop(next(iter(self._slots)))
             self._slots[key] = slots
         return self._slots[key]
+
+
+def _keep_closed(event: torch.cuda.Event, seconds: float) -> None:
+    now = time.monotonic()
+    with _closed_lock:
+        while _closed_events and _closed_events[0][0] < now:
+            _closed_events.popleft()
+        _closed_events.append((now + seconds, event))
 
 
 def _heads(heads: tuple[int, int] | None) -> slice | None:
