@@ -18,6 +18,8 @@ import torch
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import upload, upload_list
 
+DEVICE_BYTES_PER_TOKEN = 8 + 4  # a counted token's int64 index and float32 one, while `_counts` runs
+
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
@@ -41,15 +43,16 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] occurrences of each id (one scatter over the padded lists)."""
-    width = max(1, max(len(t) for t in token_lists))
-    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)  # vocab: a column dropped below
-    for row, tokens in enumerate(token_lists):
-        padded[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    padded = upload(padded.clamp_(0, vocab), device)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
-    return counts[:, :vocab]
+    """[rows, vocab] occurrences of each id: one index_add over the lists laid end to end (row r's id
+    t at r * vocab + t; an id outside the vocabulary is dropped). Its device memory follows the lists'
+    total length (`DEVICE_BYTES_PER_TOKEN`), not rows x the longest."""
+    rows = len(token_lists)
+    ids = torch.cat([torch.tensor(tokens, dtype=torch.long) for tokens in token_lists])
+    offsets = torch.arange(rows).repeat_interleave(torch.tensor([len(t) for t in token_lists])) * vocab
+    flat = upload((ids + offsets)[(ids >= 0) & (ids < vocab)], device)
+    counts = torch.zeros(rows * vocab, device=device)
+    counts.index_add_(0, flat, torch.ones(1, device=device).expand(len(flat)))
+    return counts.view(rows, vocab)
 
 
 def _add_biases(part: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -48,6 +48,23 @@ def test_frequency_and_presence_follow_openais_formula_over_the_output_only(freq
     assert got[0, 3] == raw[0, 3]  # in the prompt only: untouched
 
 
+def test_ragged_rows_are_each_counted_over_their_own_tokens():
+    """Rows of different lengths, one with no output yet: each as transformers' repetition and
+    OpenAI's formula give it alone (the counts lay the rows end to end)."""
+    lists = [([5], []), ([1] * 40 + [7], [7, 2]), (PROMPT, OUTPUT)]
+    seqs = [Sequence(f"s{i}", prompt, SamplingParams(max_tokens=64, repetition_penalty=1.3, frequency_penalty=0.25,
+                                                      presence_penalty=0.5), token_ids=prompt + output)
+            for i, (prompt, output) in enumerate(lists)]
+    raw = logits(3)
+    repetition = RepetitionPenaltyLogitsProcessor(1.3)
+    expected = torch.cat([repetition(torch.tensor([prompt + output]), raw[row:row + 1].clone())
+                          for row, (prompt, output) in enumerate(lists)])
+    for row, (_, output) in enumerate(lists):
+        for token, count in Counter(output).items():
+            expected[row, token] -= count * 0.25 + 0.5
+    assert torch.allclose(apply_penalties(raw, seqs), expected)
+
+
 def test_rows_without_penalties_are_untouched_in_a_mixed_batch():
     raw = logits(3)
     got = apply_penalties(raw, [seq("a"), seq("b", presence_penalty=1.0), seq("c")])
