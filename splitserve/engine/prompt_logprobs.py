@@ -34,7 +34,7 @@ def prompt_logprobs(compute_logits, rows: PromptRows) -> list[dict[int, float]]:
         logprobs = sanitized_logits(compute_logits(rows.hidden[a:a + ROWS_PER_PASS]).float()).log_softmax(dim=-1)
         wanted = torch.tensor(targets[a:a + ROWS_PER_PASS], device=logprobs.device)
         chosen = logprobs.gather(1, wanted.unsqueeze(1)).squeeze(1).tolist()
-        top_values, top_ids = (x.tolist() for x in logprobs.topk(num_top, dim=-1))
+        top_values, top_ids = (x.tolist() for x in logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1))
         for i, token_id in enumerate(wanted.tolist()):
             out.append({**dict(zip(top_ids[i], top_values[i])), token_id: chosen[i]})
     return out

@@ -96,7 +96,7 @@ class Sampler:
                              f"got {tuple(logits.shape)}")
         logits = sanitized_logits(logits.float())
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
-        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
+        raw_logprobs = _logprobs(logits) if wants_logprobs else None
         logits = apply_penalties(_mask_stop_tokens(logits, seqs), seqs)
         if any(s.params.constraint is not None for s in seqs):
             logits = self.grammar.apply(logits, seqs)
@@ -162,6 +162,11 @@ def sanitized_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
+def _logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax of sanitized logits; a row with no finite logit (all NaN) gives -inf, not NaN."""
+    return logits.log_softmax(dim=-1).nan_to_num_(nan=float("-inf"))
+
+
 def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Sets the stop ids (eos unless ignore_eos) of rows still below min_tokens to -inf."""
     rows, cols, vocab = [], [], logits.shape[1]
@@ -186,7 +191,7 @@ def _results(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
     if raw_logprobs is None:
         return [SampledToken(t, None, None) for t in ids]
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    num_top = max(s.params.logprobs or 0 for s in seqs)
+    num_top = min(max(s.params.logprobs or 0 for s in seqs), raw_logprobs.shape[1])  # a vocabulary under 20
     top_values, top_ids = (x.tolist() for x in raw_logprobs.topk(num_top, dim=-1))
     results = []
     for i, seq in enumerate(seqs):

@@ -57,6 +57,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
+        _check(all(t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be ids >= 0, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
@@ -72,7 +76,6 @@ class SamplingParams:
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         _check(all(s for s in self.stop), "stop strings must be non-empty")
-        _check(isinstance(self.detokenize, bool), f"detokenize must be a bool, got {self.detokenize!r}")
         _check(self.detokenize or not self.stop, "detokenize must be True with stop strings: finding them needs the text")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -108,12 +111,22 @@ class SamplingParams:
 
 
 def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
-    """(token id, bias) pairs from a dict or pairs: ids >= 0, biases in [-100, 100] (OpenAI's range)."""
-    pairs = tuple(value.items()) if isinstance(value, dict) else tuple(tuple(p) for p in value)
+    """(token id, bias) pairs from a dict or pairs (None: none): ids >= 0, each once (a repeated id
+    would add its biases up), biases in [-100, 100] (OpenAI's range)."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        pairs = tuple(value.items())
+    else:
+        _check(isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in value),
+               f"logit_bias must be a dict of token ids to biases or (token id, bias) pairs, got {value!r}")
+        pairs = tuple(tuple(p) for p in value)
     _check(len(pairs) <= MAX_LOGIT_BIAS, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
     for pair in pairs:
         _check(len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0 and _is_number(pair[1])
                and -100 <= pair[1] <= 100, f"logit_bias maps token ids >= 0 to numbers in [-100, 100], got {pair!r}")
+    ids = [t for t, _ in pairs]
+    _check(len(set(ids)) == len(ids), f"logit_bias names a token id more than once: {sorted(ids)!r}")
     return tuple(sorted((int(t), float(b)) for t, b in pairs))
 
 

@@ -198,6 +198,12 @@ def test_bad_sampling_params_name_the_field():
     for top_p in (0, 1.5):
         with pytest.raises(ValueError, match="top_p"):
             SamplingParams(top_p=top_p)
+    for field, value in [("logit_bias", [1, 2]), ("logit_bias", "x"), ("logit_bias", ((2, 100), (2, 100))),
+                         ("ignore_eos", "no"), ("skip_special_tokens", "no"), ("include_stop_str_in_output", None),
+                         ("detokenize", 1), ("stop_token_ids", [-1])]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+    assert SamplingParams(logit_bias=None).logit_bias == ()
 
 
 BAD_PROMPTS = [

@@ -183,6 +183,17 @@ def test_nan_logits_are_never_chosen_and_an_all_nan_row_still_gives_an_id():
     assert out[0].token_id == 5 and 0 <= out[1].token_id < VOCAB
 
 
+def test_logprobs_past_a_small_vocabulary_return_every_token():
+    logits = random_logits(1, vocab=10)
+    out = Sampler().sample(logits, [make_seq(temperature=0.0, logprobs=20)])[0]
+    assert sorted(out.top_logprobs) == list(range(10))
+
+
+def test_a_row_without_a_finite_logit_gives_minus_infinity_logprobs_not_nan():
+    out = Sampler().sample(torch.full((1, VOCAB), float("nan")), [make_seq(temperature=0.0, logprobs=2)])[0]
+    assert out.logprob == -math.inf and list(out.top_logprobs.values()) == [-math.inf, -math.inf]
+
+
 @settings(max_examples=300, deadline=None)
 @given(values=st.lists(st.sampled_from(HOSTILE_VALUES) | st.floats(allow_nan=True, allow_infinity=True,
                                                                     width=32), min_size=VOCAB, max_size=VOCAB),
@@ -200,6 +211,8 @@ def test_any_logits_and_settings_give_an_id_in_the_vocabulary(values, temperatur
                    logprobs=logprobs, **penalties)
     token = Sampler().sample(logits, [seq])[0]
     assert 0 <= token.token_id < VOCAB
+    if logprobs is not None:
+        assert not any(math.isnan(v) for v in [token.logprob, *token.top_logprobs.values()])
     candidates = ~(logits.isnan() | logits.isneginf())[0]
     if candidates.any() and not penalties:
         assert candidates[token.token_id]  # a NaN or -inf logit is drawn only when every logit is one
