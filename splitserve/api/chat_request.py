@@ -103,7 +103,7 @@ class ChatCompletionRequest(GenerationRequest):
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self):
         choice = self.tool_choice
-        named = {choice.function["name"]} if isinstance(choice, NamedToolChoice) else \
+        named = {choice.function.name} if isinstance(choice, NamedToolChoice) else \
             choice.allowed_tools.names() if isinstance(choice, AllowedToolsChoice) else set()
         if choice not in (None, "none") and not self.tools:
             raise RequestError("tool_choice: needs tools", param="tool_choice")

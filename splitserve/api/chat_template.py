@@ -10,6 +10,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from splitserve.api import client_json
 from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.errors import RequestError
 from splitserve.engine.tokenizer import Tokenizer
@@ -107,7 +108,7 @@ def messages_for_template(request: ChatCompletionRequest) -> list[dict]:
 
 def _template_call(call, where: str) -> dict:
     try:
-        arguments = json.loads(call.function.arguments)
+        arguments = client_json.loads(call.function.arguments)
     except ValueError:
         arguments = None
     if not isinstance(arguments, dict):

@@ -9,11 +9,11 @@ with the values that change nothing (`suffix` null).
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
+from splitserve.api import client_json
 from splitserve.api.errors import RequestError
 from splitserve.api.output_format import StructuredOutputFields
 from splitserve.api.strict_model import STRICT
@@ -62,7 +62,7 @@ def _token_biases(value: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's logit_bias: JSON object keys are token ids written as decimal strings."""
     biases = {}
     for key, bias in (value or {}).items():
-        if not key.isdecimal():
+        if not (key.isascii() and key.isdecimal()):
             raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
         biases[int(key)] = bias
     return biases
@@ -220,7 +220,7 @@ class CompletionRequest(GenerationRequest):
 def parse_request(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
     """`raw` (an HTTP body) validated as `model_cls`; any problem is a `RequestError`."""
     try:
-        body = json.loads(raw)
+        body = client_json.loads(raw)
     except ValueError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -228,16 +228,26 @@ def parse_request(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
-        raise _request_error(exc.errors(include_url=False)[0]) from None
+        raise _request_error(exc.errors(include_url=False)) from None
 
 
-def _request_error(error: dict) -> RequestError:
-    """One pydantic error as a `RequestError` naming the field path (`messages.0.content`)."""
-    path = ".".join(str(part) for part in error["loc"])
+def _request_error(errors: list[dict]) -> RequestError:
+    """The first field's pydantic error as a `RequestError` naming its path (`messages.0.content`).
+    A union field fails in each of its branches (`tool_choice`: a string, or one of two objects):
+    the error that reached deepest into the body is the branch the client meant."""
+    field = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
+    error, path = max(((e, _body_path(e["loc"])) for e in field), key=lambda found: len(found[1]))
+    path = ".".join(str(part) for part in path)
     if error["type"] == "extra_forbidden":
         return RequestError(f"{path}: unsupported parameter", param=path)
     message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
     return RequestError(f"{path}: {message}", param=path)
+
+
+def _body_path(loc: tuple) -> tuple:
+    """`loc` without pydantic's union branch tags (`literal['none','auto']`, a model's class name);
+    a dict's keys (`logit_bias.1`) stay."""
+    return tuple(p for p in loc if not isinstance(p, str) or not ("[" in p or p.isidentifier() and p[0].isupper()))
 
 
 def check_model(requested: str, served: str | tuple[str, ...]) -> None:

@@ -20,6 +20,7 @@ import string
 import uuid
 from dataclasses import dataclass
 
+from splitserve.api import client_json
 from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.output_constraint import OutputConstraint
 
@@ -78,7 +79,7 @@ def parse_tool_calls(text: str, names: set[str], ids: str = LLAMA3_JSON) -> list
     while at < len(body):
         try:
             value, end = decoder.raw_decode(body, at)
-        except ValueError:
+        except (ValueError, RecursionError):  # a model's output nested too deeply is no call either
             return None
         call = _call(value, names, ids)
         if call is None:
@@ -101,7 +102,7 @@ def parse_hermes_calls(text: str, names: set[str], ids: str = HERMES) -> tuple[s
         end = rest.find(HERMES_CLOSE)
         body = rest[len(HERMES_OPEN):] if end == -1 else rest[len(HERMES_OPEN):end]  # a call cut by a stop token
         try:
-            call = _call(json.loads(body), names, ids)
+            call = _call(client_json.loads(body), names, ids)
         except ValueError:
             return None
         if call is None:
@@ -145,7 +146,7 @@ def _mistral_values(part: str) -> list | None:
 def _whole_json(text: str):
     """The JSON value `text` is, or None."""
     try:
-        return json.loads(text)
+        return client_json.loads(text)
     except ValueError:
         return None
 

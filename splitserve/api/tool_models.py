@@ -40,10 +40,15 @@ class AssistantToolCall(BaseModel):
     function: CalledFunction
 
 
+class ChosenFunction(BaseModel):
+    model_config = STRICT
+    name: str
+
+
 class NamedToolChoice(BaseModel):
     model_config = STRICT
     type: Literal["function"]
-    function: dict[Literal["name"], str]
+    function: ChosenFunction
 
 
 class AllowedTools(BaseModel):
@@ -54,7 +59,7 @@ class AllowedTools(BaseModel):
     tools: Annotated[list[NamedToolChoice], Field(min_length=1, max_length=MAX_TOOLS)]
 
     def names(self) -> set[str]:
-        return {tool.function["name"] for tool in self.tools}
+        return {tool.function.name for tool in self.tools}
 
 
 class AllowedToolsChoice(BaseModel):

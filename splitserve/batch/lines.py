@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from splitserve.api import client_json
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.limits import RequestLimits
@@ -81,7 +82,7 @@ class _LineError(ValueError):
 
 def _parse_line(raw: str, number: int, endpoint: str | None, seen: set[str]) -> BatchLine:
     try:
-        item = json.loads(raw)
+        item = client_json.loads(raw)
     except ValueError as exc:
         raise _LineError(f"not valid JSON: {exc}") from None
     if not isinstance(item, dict):

@@ -109,6 +109,7 @@ def test_penalties_biases_and_min_p_map_to_the_engine():
 @pytest.mark.parametrize("body, message, param", [
     ({"logit_bias": {"x1": 5}}, "logit_bias: keys must be token ids (decimal strings), got 'x1'", "logit_bias"),
     ({"logit_bias": {"1": "5"}}, "logit_bias.1: Input should be a valid number", "logit_bias.1"),
+    ({"logit_bias": {"\u0663": 5}}, "logit_bias: keys must be token ids (decimal strings), got '\u0663'", "logit_bias"),
 ])
 def test_malformed_logit_bias_is_refused_naming_it(body, message, param):
     error = refusal(CompletionRequest, {**COMPLETION, **body})

@@ -11,7 +11,7 @@ from splitserve.api.errors import RequestError
 from splitserve.api.request_models import parse_request
 from splitserve.api.request_sampling import sampling_params
 from splitserve.engine.demo import demo_tokenizer
-from tests.api.request_helpers import CHAT, chat
+from tests.api.request_helpers import CHAT, chat, refusal
 
 
 TOOL = {"type": "function", "function": {"name": "weather", "description": "now",
@@ -47,6 +47,19 @@ def test_allowed_tools_keep_every_tool_in_the_prompt_and_only_those_allowed_call
     auto = chat(tools=[TOOL, ADD], tool_choice=allowed("auto", "weather"))
     assert auto.output_constraint()[0] is None and [f["name"] for f in auto.callable_functions()] == ["weather"]
     assert choice_options(auto, 0, [1, 2], demo_tokenizer())["tool_names"] == {"weather"}  # a call of add is text
+
+
+@pytest.mark.parametrize("tool_choice, message", [
+    ("bogus", "tool_choice: Input should be 'none', 'auto' or 'required'"),
+    ({"type": "function", "function": {}}, "tool_choice.function.name: Field required"),
+    ({"type": "function", "function": {"name": "weather"}, "x": 1}, "tool_choice.x: unsupported parameter"),
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {}}]}},
+     "tool_choice.allowed_tools.tools.0.function.name: Field required"),
+])
+def test_a_malformed_tool_choice_is_refused_naming_the_branch_the_client_meant(tool_choice, message):
+    """tool_choice is a string or one of two objects: the error is the one in what the client sent."""
+    error = refusal(ChatCompletionRequest, {**CHAT, "tools": [TOOL], "tool_choice": tool_choice})
+    assert (error.message, error.param, error.status) == (message, message.split(":")[0], 400)
 
 
 @pytest.mark.parametrize("fields, needle", [
