@@ -6,7 +6,9 @@ character), and its `top_logprobs`).
 An entry is (sampled token id, {token id: logprob}) where the dict holds the `num_top` most likely
 tokens and the sampled one (None for an echoed prompt's first token, which nothing predicts), log-softmax of the raw logits (before temperature and penalties, as
 vLLM reports them). The top list is the `num_top` best of the dict: were the sampled token not
-among them, it is the one left out, being no likelier than any of them.
+among them, it is the one left out, being no likelier than any of them. A logprob below
+`LOGPROB_FLOOR` (-inf: a token with no probability; NaN) is reported as the floor, as vLLM does:
+JSON has no infinities, and a JavaScript client's parser refuses them.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections.abc import Callable, Sequence
 Entry = tuple[int, dict[int, float] | None]
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
+LOGPROB_FLOOR = -9999.0
 
 
 def completion_logprobs(entries: Sequence[Entry], num_top: int, token_text: TokenText, offset: int = 0) -> dict:
@@ -25,7 +28,7 @@ def completion_logprobs(entries: Sequence[Entry], num_top: int, token_text: Toke
         offsets.append(at)
         at += len(text)
     return {"tokens": tokens,
-            "token_logprobs": [None if lps is None else lps[token_id] for token_id, lps in entries],
+            "token_logprobs": [None if lps is None else _reported(lps[token_id]) for token_id, lps in entries],
             "top_logprobs": [None if lps is None else {token_text(t): lp for t, lp in _top(lps, num_top)}
                              for _, lps in entries],
             "text_offset": offsets}
@@ -33,11 +36,15 @@ def completion_logprobs(entries: Sequence[Entry], num_top: int, token_text: Toke
 
 def chat_logprobs(entries: Sequence[Entry], num_top: int, token_text: TokenText, token_bytes: TokenBytes) -> dict:
     def item(token_id: int, logprob: float) -> dict:
-        return {"token": token_text(token_id), "logprob": logprob, "bytes": list(token_bytes(token_id))}
+        return {"token": token_text(token_id), "logprob": _reported(logprob), "bytes": list(token_bytes(token_id))}
 
     return {"content": [{**item(token_id, lps[token_id]), "top_logprobs": [item(t, lp) for t, lp in _top(lps, num_top)]}
                         for token_id, lps in entries]}
 
 
 def _top(logprobs: dict[int, float], num_top: int) -> list[tuple[int, float]]:
-    return sorted(logprobs.items(), key=lambda item: -item[1])[:num_top]
+    return [(t, _reported(lp)) for t, lp in sorted(logprobs.items(), key=lambda item: -_reported(item[1]))[:num_top]]
+
+
+def _reported(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares False: the floor too

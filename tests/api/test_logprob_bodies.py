@@ -1,0 +1,24 @@
+"""OpenAI's logprobs objects: a logprob JSON cannot carry (-inf, NaN) is reported as vLLM's floor,
+so the body stays strict JSON; finite ones pass unchanged and the top list stays ordered."""
+import json
+import math
+
+from splitserve.api.logprob_bodies import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
+
+ENTRIES = [(1, {1: -math.inf, 2: math.nan, 3: -0.5}), (2, {2: -1.25, 1: -20000.0})]
+
+
+def text(token_id: int) -> str:
+    return f"t{token_id}"
+
+
+def test_logprobs_json_cannot_carry_are_the_floor():
+    body = completion_logprobs(ENTRIES, 2, text)
+    assert body["token_logprobs"] == [LOGPROB_FLOOR, -1.25]
+    assert [list(top.items()) for top in body["top_logprobs"]] == [[("t3", -0.5), ("t1", LOGPROB_FLOOR)],
+                                                                    [("t2", -1.25), ("t1", LOGPROB_FLOOR)]]
+    chat = chat_logprobs(ENTRIES, 3, text, lambda t: text(t).encode())
+    assert [e["logprob"] for e in chat["content"]] == [LOGPROB_FLOOR, -1.25]
+    assert [e["logprob"] for e in chat["content"][0]["top_logprobs"]] == [-0.5, LOGPROB_FLOOR, LOGPROB_FLOOR]
+    for body in (body, chat):
+        json.dumps(body, allow_nan=False)  # strict JSON
