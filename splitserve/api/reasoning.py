@@ -91,11 +91,12 @@ def reasoning_splitter(thinking: bool | str) -> ReasoningSplitter | HarmonySplit
 
 
 def split_reasoning(text: str, thinking: bool | str) -> tuple[str | None, str | None]:
-    """A whole output's (reasoning, content): reasoning None when it never thought; content None
-    when it thought and gave no answer."""
+    """A whole output's (reasoning, content): reasoning None when it never thought or thought
+    nothing (`<think></think>`: a stream sends no reasoning then, so a whole body has none either);
+    content None when it thought and gave no answer."""
     splitter = reasoning_splitter(thinking)
     reasoning, content = splitter.feed(text, final=True)
     if not splitter.thought:
         return None, content
-    return reasoning, content or None
+    return reasoning or None, content or None
 

@@ -17,7 +17,7 @@ OUTPUTS = [  # (prompt opened the thinking, output, reasoning, content)
     (False, "It is 5.", None, "It is 5."),  # never opened: all content, as without a parser
     (False, " <thinking> is a tag", None, " <thinking> is a tag"),
     (True, "cut short by max_tok", "cut short by max_tok", None),  # never closed: all reasoning
-    (False, "<think></think>\n\nIt is 5.", "", "It is 5."),
+    (False, "<think></think>\n\nIt is 5.", None, "It is 5."),  # nothing thought: no reasoning, as streamed
     (False, "<think>a</think>  \n ", "a", None),  # no answer after the thinking
     (True, "a </think> b </think> c", "a ", "b </think> c"),  # the first close ends it
     (False, "", None, ""),

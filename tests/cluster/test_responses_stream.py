@@ -28,6 +28,7 @@ OUTPUTS = {
     "text": ("It is 5.", "stop", {}),
     "cut": ("It is", "length", {}),
     "reasoning": ("Sum it.</think>\n\nIt is 5.", "stop", {"thinking": True}),
+    "empty reasoning": ("<think></think>\n\nIt is 5.", "stop", {"thinking": False}),  # no item, whole or streamed
     "call": ("Sum it.</think>\n\nOn it.\n" + CALL, "stop",
              {"thinking": True, "tool_names": frozenset({"add"}), "tool_parser": "hermes"}),
 }
