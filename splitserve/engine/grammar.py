@@ -47,11 +47,15 @@ class GrammarMasks:
         self._matchers: dict[str, tuple[llg.LLMatcher, int]] = {}  # seq id -> (matcher, tokens consumed)
 
     def check(self, constraint: OutputConstraint) -> None:
-        """Raise InvalidConstraint unless the constraint compiles for this tokenizer."""
+        """Raise InvalidConstraint unless the constraint compiles for this tokenizer and something
+        can match it (a matcher that fails before its first token would end the request "stop"
+        with text that does not match)."""
         try:
             error = llg.LLMatcher.validate_grammar(_grammar(constraint, self._tag_tokens), self._tokenizer)
         except (ValueError, RuntimeError) as exc:
             error = str(exc)
+        if not error and _fails_at_once(self._new_matcher(constraint)):
+            error = "no text can match it"
         if error:
             raise InvalidConstraint(f"{constraint.kind}: {error}")
 
@@ -100,6 +104,12 @@ class GrammarMasks:
         return llg.LLMatcher(self._tokenizer, _grammar(constraint, self._tag_tokens), log_level=0)
 
 
+def _fails_at_once(matcher: llg.LLMatcher) -> bool:
+    """Whether the matcher fails on its first mask (it finds an empty language only computing one)."""
+    matcher.compute_bitmask()
+    return matcher.is_error()
+
+
 @lru_cache(maxsize=256)
 def _grammar(constraint: OutputConstraint, tag_tokens: tuple[bool, bool]) -> str:
     """The llguidance grammar text of a constraint (cached: schemas repeat across requests);
@@ -144,15 +154,36 @@ def _answer_grammar(constraint: OutputConstraint) -> str:
     return llg.LLMatcher.grammar_from_lark(spec)
 
 
+# the keywords whose values are schemas, lists of them, or maps to them (a const, an enum, a
+# default or an example is data, never rewritten)
+_SCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+           "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
 def _closed(schema):
     """The schema with `additionalProperties: false` wherever it lists properties and says nothing
     of others (xgrammar's strict mode, vLLM's default): the output still matches the original
-    schema, but never grows keys nobody asked for (a weak model would add them until max_tokens)."""
-    if isinstance(schema, list):
-        return [_closed(item) for item in schema]
+    schema, but never grows keys nobody asked for (a weak model would add them until max_tokens).
+    A schema with `allOf` anywhere (in its text: a key or a word) stays as it is: its parts each
+    list some of one object's properties, and closing one part would refuse the others'."""
+    return schema if "allOf" in json.dumps(schema) else _close(schema)
+
+
+def _close(schema):
     if not isinstance(schema, dict):
         return schema
-    closed = {key: _closed(value) for key, value in schema.items()}
+    closed = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: _close(value) for name, value in closed[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [_close(value) for value in closed[key]]
+    for key in _SCHEMA:
+        if isinstance(closed.get(key), dict):
+            closed[key] = _close(closed[key])
     if "properties" in closed and "additionalProperties" not in closed:
         closed["additionalProperties"] = False
     return closed

@@ -56,6 +56,8 @@ def _check_json(text: str, kind: type, message: str):
         value = json.loads(text)
     except ValueError as exc:
         raise ValueError(f"{message}: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{message}: nested too deeply") from None
     if not isinstance(value, kind):
         raise ValueError(message)
     return value

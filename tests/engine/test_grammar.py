@@ -91,15 +91,22 @@ def test_a_token_outside_the_grammar_leaves_only_eos():
 
 @pytest.mark.parametrize("kind, value, needle", [("regex", "[a-z", "unclosed"),
                                                   ("json_schema", {"type": "nonsense"}, "nonsense"),
-                                                  ("grammar", "start: (", "Expected")])
+                                                  ("grammar", "start: (", "Expected"),
+                                                  ("regex", r"[^\s\S]+", "no text can match it"),
+                                                  ("grammar", "start: /[^\\s\\S]/", "no text can match it")])
 def test_a_constraint_that_does_not_compile_is_refused_at_add_request(llm, kind, value, needle):
     with pytest.raises(InvalidConstraint, match=needle):
         llm.generate(["x"], constrained(kind, value))
     assert not llm.engine.has_unfinished_requests()
 
 
+DEEP = "[" * 5000 + "]" * 5000
+
+
 @pytest.mark.parametrize("kind, value, message", [("choice", [], "non-empty"), ("json_schema", "[1]", "object"),
-                                                   ("regex", "", "empty"), ("xml", "a", "kind")])
+                                                   ("regex", "", "empty"), ("xml", "a", "kind"),
+                                                   ("json_schema", DEEP, "nested too deeply"),
+                                                   ("choice", DEEP, "nested too deeply")])
 def test_malformed_constraints_fail_on_construction(kind, value, message):
     with pytest.raises(ValueError, match=message):
         OutputConstraint.of(kind, value)
@@ -118,6 +125,17 @@ def test_objects_hold_only_their_listed_properties_unless_others_are_allowed(llm
     outputs = llm.generate(["x"] * 8, [constrained("json_schema", listed, seed=i) for i in range(8)])
     assert all(set(json.loads(o.text)) <= {"k"} for o in outputs if o.finish_reason == "stop")
     assert sum(o.finish_reason == "stop" for o in outputs) >= 6
+
+
+def test_closing_objects_leaves_data_and_all_of_parts_as_they_are(llm):
+    """A const is data, not a schema: the output is the value as written. The parts of an allOf
+    each list some of one object's properties: closed, no object could hold both."""
+    value = {"properties": 1}
+    [out] = llm.generate(["x"], constrained("json_schema", {"const": value}, seed=0))
+    assert out.finish_reason == "stop" and json.loads(out.text) == value
+    both = {"allOf": [{"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"]},
+                      {"type": "object", "properties": {"b": {"const": 2}}, "required": ["b"]}]}
+    llm.engine.sampler.grammar.check(OutputConstraint.of("json_schema", both))  # satisfiable: {"a": 1, "b": 2}
 
 
 # ---- a reasoning model's free thinking before the constrained answer ------------------------
