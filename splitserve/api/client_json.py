@@ -19,9 +19,10 @@ _SURROGATE_ESCAPE = {bytes: re.compile(rb"\\u[dD][89a-fA-F]"), str: re.compile(r
 def loads(text: str | bytes):
     try:
         value = json.loads(text)
+        unicode = not _SURROGATE_ESCAPE[type(text)].search(text) or _is_unicode(value)
     except RecursionError:
         raise ValueError("nested too deeply") from None
-    if _SURROGATE_ESCAPE[type(text)].search(text) and not _is_unicode(value):
+    if not unicode:
         raise ValueError("a \\ud800-\\udfff escape without its pair (a lone surrogate) is not Unicode text")
     return value
 
