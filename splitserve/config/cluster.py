@@ -160,9 +160,19 @@ def load_cluster_config(path: str | Path) -> tuple[ClusterConfig, dict]:
     """A Serve config file (the splitserve application's `args`) or a bare cluster config.
     Returns the config and the file's `http_options` (empty for a bare config)."""
     raw = yaml.safe_load(Path(path).read_text()) or {}
+    _check_shape(isinstance(raw, dict), path, "the file", "a mapping", raw)
     if "applications" not in raw:
         return ClusterConfig.model_validate(raw), {}
-    apps = [a for a in raw["applications"] if a.get("import_path") == APP_IMPORT_PATH]
+    apps, http_options = raw["applications"], raw.get("http_options") or {}
+    _check_shape(isinstance(apps, list) and all(isinstance(a, dict) for a in apps), path, "applications",
+                 "a list of mappings", apps)
+    _check_shape(isinstance(http_options, dict), path, "http_options", "a mapping", http_options)
+    apps = [a for a in apps if a.get("import_path") == APP_IMPORT_PATH]
     if len(apps) != 1:
         raise ValueError(f"{path}: expected one application with import_path {APP_IMPORT_PATH}, found {len(apps)}")
-    return ClusterConfig.model_validate(apps[0].get("args") or {}), raw.get("http_options") or {}
+    return ClusterConfig.model_validate(apps[0].get("args") or {}), http_options
+
+
+def _check_shape(ok: bool, path, what: str, shape: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{path}: {what} must be {shape}, got {value!r}")

@@ -3,6 +3,7 @@ SLO bounds and the batch API. Every field's description is what the configuratio
 (docs/configuration.md) prints."""
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from typing import Literal
 
@@ -39,8 +40,8 @@ class WorkerResources(StrictModel):
         for name, amount in resources.items():
             if name in ("CPU", "GPU", "memory", "object_store_memory"):
                 raise ValueError(f"{name!r} is not a custom resource; use num_cpus / num_gpus")
-            if amount < 0:
-                raise ValueError(f"resource {name!r} must be >= 0, got {amount}")
+            if not 0 <= amount < math.inf:
+                raise ValueError(f"resource {name!r} must be a finite number >= 0, got {amount}")
         return resources
 
     def ray_options(self) -> dict:
@@ -148,7 +149,7 @@ class EngineOptions(StrictModel):
         "workers, whose steps stream KV layer by layer, always run step by step.")
     load_format: str = Field("auto", description="auto or safetensors (the checkpoint's weights), or dummy (seeded "
                              "random weights for any config.json).")
-    seed: int = Field(0, description="Seed of the dummy weights and of the engine's sampler.")
+    seed: int = Field(0, ge=0, lt=2**64, description="Seed of the dummy weights and of the engine's sampler.")
     mixed_policy: Literal["mixed", "prefill_first", "orca", "accelgen"] = Field(
         "mixed", description="How the mixed pool batches: mixed (Sarathi-Serve), prefill_first (vLLM's original), "
         "orca (Splitwise's mixed continuous batching) or accelgen (SLO-aware).")
@@ -260,7 +261,7 @@ class SchedulerOptions(StrictModel):
 class IngressOptions(StrictModel):
     num_replicas: int = Field(1, ge=1, description="Ingress replicas (they share one CLS).")
     num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves per ingress replica.")
-    api_key: str | None = Field(None, description="Bearer key every API route requires; null: $SPLITSERVE_API_KEY "
+    api_key: str | None = Field(None, min_length=1, description="Bearer key every API route requires; null: $SPLITSERVE_API_KEY "
                                 "if set, else no authentication.")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 answer, in seconds.")
     max_request_bytes: int = Field(4 << 20, ge=1024, description="Largest request body (413 above it), "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_int
@@ -142,37 +143,39 @@ class ModelConfig:
             supported = ", ".join(SUPPORTED_ARCHITECTURES + tuple(MULTIMODAL_ARCHITECTURES))
             raise ConfigError(f"{source}: unsupported architectures {archs!r}; supported: {supported}")
 
-        def need(name):
-            if name not in cfg or cfg[name] is None:
+        def need(name, default=None):
+            """A positive integer: the config's, or `default` where it has none (null or absent)."""
+            value = default if cfg.get(name) is None else cfg[name]
+            if value is None:
                 raise ConfigError(f"{source}: missing required field {name!r}")
-            return cfg[name]
+            return positive_int(value, name, source)
 
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        head_dim = cfg.get("head_dim") or hidden // heads
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        heads = need("num_attention_heads")
+        hidden = need("hidden_size")
+        head_dim = need("head_dim", hidden // heads)
+        kv_heads = need("num_key_value_heads", heads)
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         quantization = parse_quantization(cfg, arch, source)
         if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias"):
             raise ConfigError(f"{source}: attention_bias=true is not supported for {arch} (it would put a "
                               "bias on o_proj too); released Qwen3 checkpoints have none")
-        rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and scaling here
+        rope = _mapping(cfg, "rope_parameters", source)  # transformers 5 keeps rope_theta and scaling here
         gemma = arch in GEMMA_ARCHITECTURES
         if gemma:
             rope, gemma_fields = _parse_gemma(cfg, arch, source, int(head_dim))
-        scaling = cfg.get("rope_scaling") or rope
-        layers = int(need("num_hidden_layers"))
-        max_positions = int(cfg.get("max_position_embeddings") or 2048)
+        scaling = _mapping(cfg, "rope_scaling", source) or rope
+        layers = need("num_hidden_layers")
+        max_positions = need("max_position_embeddings", 2048)
         rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source)
         oss = arch == "GptOssForCausalLM"
         return cls(
-            architecture=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")), num_hidden_layers=layers,
+            architecture=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
+            intermediate_size=need("intermediate_size"), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
             max_position_embeddings=max_positions, rotary_dim=rotary_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_norm_eps=_positive_float(cfg, "rms_norm_eps", 1e-6, source),
+            rope_theta=_positive_float({"rope_theta": 10000.0, **cfg, **rope}, "rope_theta", 10000.0, source),
             rope_scaling=_parse_rope_scaling(scaling, source, max_positions,
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
@@ -209,7 +212,8 @@ def _parse_gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict
     if cfg.get("use_bidirectional_attention"):
         raise ConfigError(f"{source}: use_bidirectional_attention=true is not supported (an encoder's attention)")
     rope = cfg.get("rope_parameters") or {}
-    fields = dict(gemma_norms=True, attention_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5)
+    fields = dict(gemma_norms=True,
+                  attention_scale=(_positive(cfg, "query_pre_attn_scalar", None, source) or head_dim) ** -0.5)
     if arch == "Gemma2ForCausalLM":
         return rope, dict(fields, attn_logit_softcap=_positive(cfg, "attn_logit_softcapping", 50.0, source),
                           final_logit_softcap=_positive(cfg, "final_logit_softcapping", 30.0, source))
@@ -225,9 +229,10 @@ def _parse_gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict
 
 
 def _positive(cfg: dict, name: str, default: float | None, source: str) -> float | None:
-    """A positive number, null (none), or absent (transformers' default)."""
+    """A positive finite number, null (none), or absent (transformers' default)."""
     value = cfg.get(name, default)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value < math.inf):
         raise ConfigError(f"{source}: {name} must be a positive number or null, got {value!r}")
     return None if value is None else float(value)
 
@@ -237,6 +242,14 @@ def _positive_float(cfg: dict, name: str, default: float, source: str) -> float:
     value = _positive(cfg, name, default, source)
     if value is None:
         raise ConfigError(f"{source}: {name} must be a positive number, got None")
+    return value
+
+
+def _mapping(cfg: dict, name: str, source: str) -> dict:
+    """A JSON object, or {} where it is null or absent."""
+    value = cfg.get(name) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {name} must be an object or null, got {value!r}")
     return value
 
 
@@ -339,11 +352,15 @@ def _parse_rope_scaling(raw: dict | None, source: str, max_positions: int, top_l
         value = raw.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) is not (cast is bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{source}: rope_scaling {name}={value!r} is not a {cast.__name__}")
+        if isinstance(value, bool) is not (cast is bool) or not isinstance(value, (int, float)) \
+                or not -math.inf < value < math.inf:
+            raise ConfigError(f"{source}: rope_scaling {name}={value!r} is not a finite {cast.__name__}")
+        if name in ("factor", "original_max_position_embeddings") and value <= 0:
+            raise ConfigError(f"{source}: rope_scaling {name} must be positive, got {value!r}")
         known[name] = cast(value)
     if top_level_trained is not None:
-        known["original_max_position_embeddings"] = int(top_level_trained)
+        known["original_max_position_embeddings"] = positive_int(top_level_trained, "original_max_position_embeddings",
+                                                                 source)
     known.setdefault("original_max_position_embeddings", max_positions)
     if kind in ("yarn", "longrope") and "factor" not in known:
         known["factor"] = max_positions / known["original_max_position_embeddings"]

@@ -1,6 +1,7 @@
 """The engine's knobs, frozen and checked on construction (the model's shape: `config`)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
@@ -44,7 +45,7 @@ class EngineConfig:
             if policy not in POLICY_CLASSES:
                 raise ConfigError(f"{name} must be one of {', '.join(POLICY_CLASSES)}, got {policy!r}")
         for name in ("block_size", "max_num_seqs", "prompt_token_budget", "chunk_token_budget", "prompt_chunk_tokens",
-                     "kv_cache_memory_bytes", "num_kv_blocks"):
+                     "kv_cache_memory_bytes", "num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.cuda_graph_max_batch < 0:
@@ -58,6 +59,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 0 <= self.seed < 2**64:
+            raise ConfigError(f"seed must be in [0, 2**64), got {self.seed!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -154,6 +154,16 @@ def test_serve_file_without_the_splitserve_app_is_a_clear_error(tmp_path):
     assert config == ClusterConfig() and http == {}
 
 
+@pytest.mark.parametrize("document, message", [
+    (5, "the file must be a mapping, got 5"), ({"applications": None}, "applications must be a list of mappings"),
+    ({"applications": "foo"}, "applications must be a list of mappings"),
+    ({"applications": ["foo"]}, "applications must be a list of mappings"),
+    ({"applications": [], "http_options": "x"}, "http_options must be a mapping, got 'x'")])
+def test_a_serve_file_of_the_wrong_shape_is_a_clear_error(tmp_path, document, message):
+    with pytest.raises(ValueError, match=message):
+        load_cluster_config(write(tmp_path, document))
+
+
 # ---------------------------------------------------------------------------------------------
 # invalid configs name the field
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +186,13 @@ INVALID = {
     "builtin as custom resource": ({"pools": [{"role": "mixed", "resources": {"resources": {"GPU": 1}}}]},
                                    r"pools\.0\.resources\.resources\n.*'GPU' is not a custom resource"),
     "negative custom resource": ({"pools": [{"role": "mixed", "resources": {"resources": {"x": -2}}}]},
-                                 r"resource 'x' must be >= 0"),
+                                 r"resource 'x' must be a finite number >= 0"),
+    "NaN custom resource": ({"pools": [{"role": "mixed", "resources": {"resources": {"x": float("nan")}}}]},
+                            r"resource 'x' must be a finite number >= 0"),
+    "engine device": ({"engine": {"device": "tpu"}}, r"engine\n.*device must be auto, cpu, cuda or cuda:N"),
+    "engine max_model_len": ({"engine": {"max_model_len": -5}}, r"engine\n.*max_model_len must be >= 1"),
+    "engine seed": ({"engine": {"seed": 2**64}}, r"engine\.seed\n.*less than 18446744073709551616"),
+    "empty api key": ({"ingress": {"api_key": ""}}, r"ingress\.api_key\n.*at least 1 character"),
     "bad custom class": ({"hardware_classes": {"l4": {"prompt_speed": 0, "token_speed": 1}}},
                          r"hardware_classes\.l4\.prompt_speed\n.*greater than 0"),
     "negative saved weight": ({"scheduler": {"prefill_saved_weight": -1}},

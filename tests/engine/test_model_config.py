@@ -1,6 +1,7 @@
 """ModelConfig.from_hf on config.json files written by transformers' own `save_pretrained`:
 which layers have a sliding window, and Gemma 2's fields."""
 import json
+import re
 
 import pytest
 
@@ -72,3 +73,35 @@ def test_mxfp4_needs_whole_groups_of_32(field):
     assert ModelConfig.from_hf(raw).quantization == "mxfp4"
     with pytest.raises(ConfigError, match=f"{field}=48 is not a multiple of 32"):
         ModelConfig.from_hf({**raw, field: 48})
+
+
+BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ({"num_hidden_layers": -3}, "num_hidden_layers must be a positive integer"),
+    ({"num_key_value_heads": -2}, "num_key_value_heads must be a positive integer"),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+    ({"intermediate_size": 0}, "intermediate_size must be a positive integer"),
+    ({"hidden_size": [64]}, "hidden_size must be a positive integer"),
+    ({"max_position_embeddings": -10}, "max_position_embeddings must be a positive integer"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be a positive number"),
+    ({"rms_norm_eps": None}, "rms_norm_eps must be a positive number"),
+    ({"rope_theta": 0}, "rope_theta must be a positive number"),
+    ({"rope_scaling": "linear"}, "rope_scaling must be an object or null"),
+    ({"rope_parameters": "x"}, "rope_parameters must be an object or null"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope_scaling factor must be positive"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": float("nan")}}, "is not a finite float"),
+    ({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 0}},
+     "original_max_position_embeddings must be positive"),
+    ({"rope_scaling": {"rope_type": "yarn"}, "original_max_position_embeddings": 0},
+     "original_max_position_embeddings must be a positive integer"),
+    ({"architectures": ["Gemma2ForCausalLM"], "query_pre_attn_scalar": -1}, "query_pre_attn_scalar must be a positive"),
+])
+def test_a_shape_or_number_no_model_can_have_is_refused_naming_it(fields, message):
+    """Where it would divide by zero, build an empty model, or run and write garbage."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_hf({**BASE, **fields})
+    assert ModelConfig.from_hf(BASE).num_key_value_heads == 2

@@ -122,7 +122,7 @@ def test_unsupported_or_mistyped_rope_scaling_names_the_field():
     with pytest.raises(ConfigError, match="long_factor must be a list of 2 positive numbers"):
         ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.0],
                                                       "long_factor": [1.0, 2.0, 3.0]}})
-    with pytest.raises(ConfigError, match="factor='4' is not a float"):
+    with pytest.raises(ConfigError, match="factor='4' is not a finite float"):
         ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": "4"}})
 
 
