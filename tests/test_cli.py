@@ -35,3 +35,17 @@ def test_generate_builds_its_engine_with_the_kv_cache_dtype(monkeypatch, capsys)
     monkeypatch.setattr(splitserve, "LLM", lambda *args, **kwargs: built.append(LLM(*args, **kwargs)) or built[-1])
     assert main(["generate", "--prompt", "paged attention", "--max-tokens", "6", "--kv-cache-dtype", "fp8"]) == 0
     assert built[0].engine.kv_cache.encoding == "fp8_e4m3" and "[6 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device", ["tpu", "", "cuda:-1"])
+def test_generate_refuses_a_device_it_cannot_name_with_a_usage_error(device, capsys):
+    assert main(["generate", "--prompt", "x", "--device", device]) == 2
+    assert "device must be auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_config_file_of_the_wrong_shape(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(launcher, "serve_until_interrupted", lambda *args: pytest.fail("started"))
+    path = tmp_path / "serve.yaml"
+    path.write_text("applications: []\nhttp_options: x\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "http_options must be a mapping" in capsys.readouterr().err

@@ -59,8 +59,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
-        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_device(self.device)
         if not 0 <= self.seed < 2**64:
             raise ConfigError(f"seed must be in [0, 2**64), got {self.seed!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
@@ -72,3 +71,8 @@ class EngineConfig:
     def scheduler_limits(self, max_model_len: int) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, max_model_len, self.prompt_token_budget, self.chunk_token_budget,
                                self.slo, self.prompt_chunk_tokens)
+
+
+def check_device(name: str) -> None:
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", name):
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")

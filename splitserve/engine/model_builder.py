@@ -8,7 +8,7 @@ import torch
 
 from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.demo import DEMO_SEED, demo_model_config, demo_tokenizer
-from splitserve.engine.engine_config import EngineConfig
+from splitserve.engine.engine_config import EngineConfig, check_device
 from splitserve.engine.dummy_weights import init_dummy_weights
 from splitserve.engine.loader import load_model_config, load_weights
 from splitserve.engine.model.llama import LlamaForCausalLM, Reduce
@@ -29,6 +29,7 @@ class LoadedModel:
 
 
 def resolve_device(name: str) -> torch.device:
+    check_device(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
