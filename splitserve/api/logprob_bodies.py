@@ -43,7 +43,7 @@ def chat_logprobs(entries: Sequence[Entry], num_top: int, token_text: TokenText,
 
 
 def _top(logprobs: dict[int, float], num_top: int) -> list[tuple[int, float]]:
-    return [(t, _reported(lp)) for t, lp in sorted(logprobs.items(), key=lambda item: -_reported(item[1]))[:num_top]]
+    return sorted(((t, _reported(lp)) for t, lp in logprobs.items()), key=lambda item: -item[1])[:num_top]
 
 
 def _reported(logprob: float) -> float:

@@ -175,7 +175,7 @@ class ModelConfig:
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
             max_position_embeddings=max_positions, rotary_dim=rotary_dim,
             rms_norm_eps=_positive_float(cfg, "rms_norm_eps", 1e-6, source),
-            rope_theta=_positive_float({"rope_theta": 10000.0, **cfg, **rope}, "rope_theta", 10000.0, source),
+            rope_theta=_positive_float(rope if "rope_theta" in rope else cfg, "rope_theta", 10000.0, source),
             rope_scaling=_parse_rope_scaling(scaling, source, max_positions,
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
