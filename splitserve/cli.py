@@ -50,6 +50,7 @@ def _run_serve(args) -> int:
 
     from splitserve.cluster.launcher import serve_until_interrupted
     from splitserve.config import ClusterConfig, load_cluster_config
+    from splitserve.engine.model_builder import load_metadata
 
     try:
         config, http = load_cluster_config(args.config) if args.config else (ClusterConfig(), {})
@@ -59,6 +60,8 @@ def _run_serve(args) -> int:
         if args.api_key:
             overrides["ingress"] = {**config.ingress.model_dump(), "api_key": args.api_key}
         config = ClusterConfig.model_validate({**config.model_dump(), **overrides})
+        if args.address is None:  # a local cluster reads the model here: check it before anything starts
+            config.check_model(load_metadata(config.model, config.engine_config("token"))[0])
     except (OSError, ValueError, ValidationError) as error:
         print(f"splitserve serve: {error}", file=sys.stderr)
         return 2

@@ -43,6 +43,19 @@ def test_generate_refuses_a_device_it_cannot_name_with_a_usage_error(device, cap
     assert "device must be auto, cpu, cuda or cuda:N" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("pools, model, message", [
+    ('[{role: mixed, tensor_parallel_size: 3}]', "demo", "the mixed pool's tensor_parallel_size=3 does not divide"),
+    ('[{role: mixed}]', "/no/such/checkpoint", "/no/such/checkpoint"),
+])
+def test_serve_checks_the_model_a_local_cluster_would_load_before_it_starts(pools, model, message, tmp_path,
+                                                                           monkeypatch, capsys):
+    monkeypatch.setattr(launcher, "serve_until_interrupted", lambda *args: pytest.fail("started"))
+    path = tmp_path / "cluster.yaml"
+    path.write_text(f"model: {model}\npools: {pools}\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_serve_refuses_a_config_file_of_the_wrong_shape(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launcher, "serve_until_interrupted", lambda *args: pytest.fail("started"))
     path = tmp_path / "serve.yaml"

@@ -52,6 +52,7 @@ class Ingress:
         self.config = ClusterConfig.model_validate(config)
         model_config, self.tokenizer, self.max_model_len = load_metadata(self.config.model,
                                                                          self.config.engine.engine_config("token"))
+        self.config.check_model(model_config)
         self._grammar = LazyGrammar(self.tokenizer, model_config.vocab_size)
         self.model_names = self.config.model_names
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None

@@ -27,7 +27,9 @@ from splitserve.config.options import (
     StrictModel,
     TransferOptions,
 )
+from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.engine_config import EngineConfig
+from splitserve.engine.model.sharding import check_shardable
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
 from splitserve.placement.state import PrefixOptions
 
@@ -123,6 +125,15 @@ class ClusterConfig(StrictModel):
     def needs_rendezvous(self) -> bool:
         """Workers meet through the controller's store: to exchange KV, or to form TP groups."""
         return self.disaggregated or any(p.tensor_parallel_size > 1 for p in self.pools)
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise ConfigError naming the pool when `model` cannot be split over its tensor_parallel_size
+        (before any worker starts: each would fail to build its shard)."""
+        for pool in self.pools:
+            try:
+                check_shardable(model, pool.tensor_parallel_size)
+            except ConfigError as error:
+                raise ConfigError(f"pools: the {pool.role} pool's {error}") from None
 
     def hardware(self, name: str) -> HardwareProfile:
         if name in self.hardware_classes:

@@ -20,6 +20,8 @@ from ray.serve.schema import ServeDeploySchema
 from splitserve.cluster.app import build_app
 from splitserve.config import APP_IMPORT_PATH, ClusterConfig, load_cluster_config
 from splitserve.config.options import WorkerResources
+from splitserve.engine.config import ConfigError
+from splitserve.engine.demo import demo_model_config
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
 from splitserve.placement.state import PrefixOptions
 
@@ -307,3 +309,14 @@ def test_prefix_aware_placement_settings_reach_the_placement():
     # requests name their prompts' blocks in the engines' block size, or none when it does not act
     assert config.prefix_block_size() == config.engine.block_size
     assert ClusterConfig.model_validate({"scheduler": {"prefix_aware": False}}).prefix_block_size() == 0
+
+
+def test_a_pool_whose_tensor_parallel_size_cannot_split_the_model_is_named():
+    demo = demo_model_config()  # 8 attention heads, 4 KV heads
+    for size in (1, 2, 8):
+        ClusterConfig(pools=[{"role": "mixed", "tensor_parallel_size": size}]).check_model(demo)
+    split = ClusterConfig(pools=[{"role": "prompt", "tensor_parallel_size": 2},
+                                 {"role": "token", "tensor_parallel_size": 3}])
+    with pytest.raises(ConfigError, match="pools: the token pool's tensor_parallel_size=3 does not divide "
+                                          "num_attention_heads=8"):
+        split.check_model(demo)
