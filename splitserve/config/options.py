@@ -3,7 +3,6 @@ SLO bounds and the batch API. Every field's description is what the configuratio
 (docs/configuration.md) prints."""
 from __future__ import annotations
 
-import math
 from dataclasses import fields
 from typing import Literal
 
@@ -20,7 +19,8 @@ from splitserve.placement.state import PlacementThresholds
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are refused; so are inf and NaN in any float field (every bound is finite)."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class WorkerResources(StrictModel):
@@ -40,8 +40,8 @@ class WorkerResources(StrictModel):
         for name, amount in resources.items():
             if name in ("CPU", "GPU", "memory", "object_store_memory"):
                 raise ValueError(f"{name!r} is not a custom resource; use num_cpus / num_gpus")
-            if not 0 <= amount < math.inf:
-                raise ValueError(f"resource {name!r} must be a finite number >= 0, got {amount}")
+            if amount < 0:
+                raise ValueError(f"resource {name!r} must be >= 0, got {amount}")
         return resources
 
     def ray_options(self) -> dict:
