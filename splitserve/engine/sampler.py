@@ -21,7 +21,7 @@ import torch
 
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.model.triton_dispatch import runs_kernels
-from splitserve.engine.penalties import apply_penalties
+from splitserve.engine.penalties import Penalties
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import upload_list
 from splitserve.engine.token_filters import filter_tokens
@@ -73,6 +73,7 @@ class Sampler:
         self._seeded = torch.Generator()  # set anew for every seeded draw
         self._grammar_factory = grammar
         self._grammar: GrammarMasks | None = None
+        self._penalties = Penalties()
 
     @property
     def grammar(self) -> GrammarMasks:
@@ -97,7 +98,7 @@ class Sampler:
         logits = sanitized_logits(logits.float())
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = _logprobs(logits) if wants_logprobs else None
-        logits = apply_penalties(_mask_stop_tokens(logits, seqs), seqs)
+        logits = self._penalties.apply(_mask_stop_tokens(logits, seqs), seqs)
         if any(s.params.constraint is not None for s in seqs):
             logits = self.grammar.apply(logits, seqs)
         token_ids = logits.argmax(dim=-1)

@@ -1,4 +1,4 @@
-"""Biases and penalties on a batch's logits (the sampler's `apply_penalties`)
+"""Biases and penalties on a batch's logits (the sampler's `Penalties`)
 against transformers' logits processors and OpenAI's documented frequency / presence formula."""
 from collections import Counter
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
-from splitserve.engine.penalties import apply_penalties
+from splitserve.engine.penalties import Penalties
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
@@ -17,6 +17,10 @@ PROMPT, OUTPUT = [3, 4, 4, 9], [9, 9, 12, 4, 20]
 
 def seq(seq_id: str = "s", **params) -> Sequence:
     return Sequence(seq_id, PROMPT, SamplingParams(max_tokens=32, **params), token_ids=PROMPT + OUTPUT)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    return Penalties().apply(logits, seqs)
 
 
 def logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
@@ -83,3 +87,20 @@ def test_a_strong_bias_decides_a_greedy_token():
 def test_out_of_range_settings_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_one_penalties_over_many_steps_counts_what_each_step_appended():
+    """The kept token tensors grow with the sequences (past their buffers), let go of a sequence
+    that sits a step out and rebuild it when it returns: every step equals a fresh count."""
+    kept = Penalties()
+    params = SamplingParams(max_tokens=200, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
+    a, b = (Sequence(name, list(PROMPT), params) for name in "ab")
+    for step in range(150):
+        batch = [a] if step % 7 == 3 else [a, b]
+        raw = logits(len(batch), seed=step)
+        assert torch.equal(kept.apply(raw, batch), Penalties().apply(raw, batch))
+        assert set(kept._tokens) == set(batch)
+        for running in batch:
+            running.append_token((step * 7 + len(running.seq_id)) % VOCAB)
+    raw = logits()
+    assert kept.apply(raw, [seq("plain")]) is raw and not kept._tokens  # a batch without penalties holds nothing
