@@ -19,7 +19,7 @@ def expiry_seconds(policy: object, param: str) -> int | None:
                            param=f"{param}.anchor")
     raw = policy.get("seconds")
     seconds = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
-    if isinstance(raw, str) and raw.strip().isdigit():
+    if isinstance(raw, str) and raw.strip().isascii() and raw.strip().isdigit():
         seconds = int(raw)
     if seconds is None or not MIN_S <= seconds <= MAX_S:
         raise RequestError(f"{param}.seconds must be an integer from {MIN_S} (1 hour) to {MAX_S} (30 days), "

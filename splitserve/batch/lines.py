@@ -49,10 +49,11 @@ def parse_input(data: bytes, endpoint: str | None = None, max_lines: int = Reque
     `max_lines` of them)."""
     lines, errors, seen = [], [], set()
     try:
-        text = data.decode()
+        text = data.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of line 1
     except UnicodeDecodeError:
         raise InputFileError([_error("invalid_file", "the input file is not UTF-8 text")]) from None
-    for number, raw in enumerate(text.splitlines(), 1):
+    # lines end at \n alone (JSON Lines): \u2028 and the like are text inside a JSON string
+    for number, raw in enumerate(text.split("\n"), 1):
         if not raw.strip():
             continue
         if len(lines) + len(errors) >= max_lines:

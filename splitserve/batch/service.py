@@ -133,7 +133,12 @@ class BatchService:
         return self.store.content_path(file_id).read_bytes()
 
     def delete_file(self, file_id: str) -> dict:
+        """Refused (409) for the input of an active batch, which reads it again when resumed."""
         self._check_owner()
+        users = [b["id"] for b in self.store.batches() if b["status"] in ACTIVE and b["input_file_id"] == file_id]
+        if users:
+            raise RequestError(f"file {file_id} is the input of batch {users[0]}, which is {', '.join(ACTIVE)}: "
+                               "cancel the batch or wait for it to end", status=409, param="file_id")
         return self.store.delete_file(file_id)
 
     # ---- batches -------------------------------------------------------------------------
@@ -146,8 +151,10 @@ class BatchService:
             raise RequestError(f"completion_window must be '24h', got {completion_window!r}",
                                param="completion_window")
         if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-            raise RequestError("metadata must be at most 16 string keys with string values", param="metadata")
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in metadata.items())):
+            raise RequestError("metadata must be at most 16 string keys of up to 64 characters with string values of "
+                               "up to 512", param="metadata")
         output_expires_after_s = expiry_seconds(output_expires_after, "output_expires_after")
         if self.store.file(input_file_id)["purpose"] != "batch":
             raise RequestError(f"file {input_file_id} was not uploaded with purpose 'batch'", param="input_file_id")
@@ -165,13 +172,21 @@ class BatchService:
         return cursor_page(self.store.batches(), 20 if limit is None else limit, after, MAX_BATCHES_PAGE)
 
     def cancel_batch(self, batch_id: str) -> dict:
+        """A queued batch is cancelled at once; the running one is cancelling until its executor's
+        next step. Cancelling a cancelling batch again answers it as it is (a client's retry)."""
         self._check_owner()
         batch = self.store.batch(batch_id)
-        if batch["status"] not in ("validating", "in_progress"):
+        if batch["status"] == "cancelling":
+            return batch
+        if batch["status"] not in WAITING:
             raise RequestError(f"batch {batch_id} is {batch['status']}; only a validating or in-progress batch "
                                "can be cancelled", status=409, param="batch_id")
         self._cancelled.add(batch_id)
-        return self.store.update_batch(batch_id, status="cancelling", cancelling_at=self.store.now())
+        batch = self.store.update_batch(batch_id, status="cancelling", cancelling_at=self.store.now())
+        if batch_id == self._running:
+            return batch
+        self._finish(batch_id, batch["request_counts"])  # its logs hold what a previous owner ran of it
+        return self.store.batch(batch_id)
 
     def _or_default(self, expires_after_s: int | None) -> int | None:
         return self.file_expiry_s if expires_after_s is None else expires_after_s
@@ -252,13 +267,14 @@ class BatchService:
         batch = self.store.batch(batch_id)
         if batch["status"] not in ACTIVE:  # the sweep expired it while it waited
             return
+        ending = self.store.ending(batch_id)
+        if ending is not None:  # a crash while its logs were moving: end it as it was ending
+            self._end(batch_id, ending)
+            return
         if batch["status"] == "cancelling":
             self._cancelled.add(batch_id)
         lines = self._lines(batch)
         if lines is None:
-            return
-        if batch["status"] == "finalizing":  # a crash while finalizing: the results are complete
-            self._finish(batch_id, batch["request_counts"])
             return
         self._running = batch_id
         try:
@@ -293,10 +309,12 @@ class BatchService:
             data = self.store.content_path(batch["input_file_id"], expired_too=True).read_bytes()
             return parse_input(data, batch["endpoint"], self.max_lines)
         except (InputFileError, KeyError) as problem:
-            errors = getattr(problem, "errors", None) or [{"code": "invalid_file", "message": str(problem),
+            message = getattr(problem, "message", None) or str(problem)  # NotFound: the input file is gone
+            errors = getattr(problem, "errors", None) or [{"code": "invalid_file", "message": message,
                                                           "param": "input_file_id", "line": None}]
-            self.store.update_batch(batch["id"], status="failed", failed_at=self.store.now(),
-                                    errors={"object": "list", "data": errors})
+            self.store.update_batch(batch["id"], **self._adopt_logs(batch["id"]), status="failed",
+                                    failed_at=self.store.now(), errors={"object": "list", "data": errors})
+            self._cancelled.discard(batch["id"])
             return None
 
     @contextlib.contextmanager
@@ -312,17 +330,22 @@ class BatchService:
             yield output, errors, counts, usage
 
     def _finish(self, batch_id: str, counts: dict, expired: bool = False) -> None:
-        """Turn the logs into the output and error files. Their ids follow from the batch's, so
-        finishing again after a crash finds what was already moved."""
+        """End the batch: cancelled, expired or completed (finalizing first)."""
         now = self.store.now()
         if batch_id in self._cancelled:
             done = {"status": "cancelled", "cancelled_at": now}
         elif expired:
             done = {"status": "expired", "expired_at": now, "request_counts": counts}
         else:
-            if self.store.batch(batch_id)["status"] != "finalizing":
-                self.store.update_batch(batch_id, status="finalizing", finalizing_at=now, request_counts=counts)
+            self.store.update_batch(batch_id, status="finalizing", finalizing_at=now, request_counts=counts)
             done = {"status": "completed", "completed_at": now}
+        self._end(batch_id, done)
+
+    def _end(self, batch_id: str, done: dict) -> None:
+        """Turn the logs into the output and error files, then apply `done`. `done` is saved first
+        and the files' ids follow from the batch's, so after a crash `_run` ends it the same way and
+        finds what was already moved (a resumed run would open the moved logs anew, empty)."""
+        self.store.set_ending(batch_id, done)
         self.store.update_batch(batch_id, **self._adopt_logs(batch_id), **done)
         self._cancelled.discard(batch_id)
 

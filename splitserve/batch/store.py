@@ -8,7 +8,9 @@ object) with batches/<id>.output.jsonl and .errors.jsonl growing while it runs (
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -21,6 +23,8 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # a restart 
 PURPOSES = ("batch", "batch_output")
 WINDOW_S = 24 * 3600  # completion_window "24h": a batch not done by then expires
 PRIVATE = "_"  # a batch's settings the API does not return start with it
+ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # what an id may be (ours are file-<hex> and batch_<hex>)
+log = logging.getLogger(__name__)
 
 
 class NotFound(KeyError):
@@ -80,7 +84,7 @@ class BatchStore:
         return meta
 
     def files(self, purpose: str | None = None) -> list[dict]:
-        found = [json.loads(p.read_bytes()) for p in (self.root / "files").glob("file-*.json")]
+        found = self._read_all("files", "file-*.json")
         return sorted((f for f in found if purpose in (None, f["purpose"]) and not self._expired(f)),
                       key=lambda f: (-f["created_at"], f["id"]))
 
@@ -102,11 +106,11 @@ class BatchStore:
     def sweep(self, keep: Collection[str] = ()) -> list[str]:
         """Remove the expired files but those in `keep`; their ids."""
         gone = []
-        for path in (self.root / "files").glob("file-*.json"):
-            meta = json.loads(path.read_bytes())
+        for meta in self._read_all("files", "file-*.json"):
             if self._expired(meta) and meta["id"] not in keep:
-                path.unlink()
-                path.with_suffix("").unlink(missing_ok=True)
+                path = self.root / "files" / meta["id"]
+                path.with_name(meta["id"] + ".json").unlink()
+                path.unlink(missing_ok=True)
                 gone.append(meta["id"])
         return gone
 
@@ -143,8 +147,20 @@ class BatchStore:
     def output_expires_after_s(self, batch_id: str) -> int | None:
         return self._read("batches", batch_id, "Batch").get(PRIVATE + "output_expires_after_s")
 
+    def ending(self, batch_id: str) -> dict | None:
+        """The end an active batch was given before its logs moved (`set_ending`); a finalizing one
+        without (a store a version before wrote) is completing: its results are all logged."""
+        batch = self._read("batches", batch_id, "Batch")
+        if batch["status"] not in ACTIVE:
+            return None
+        completing = {"status": "completed", "completed_at": self.now()} if batch["status"] == "finalizing" else None
+        return batch.get(PRIVATE + "ending") or completing
+
+    def set_ending(self, batch_id: str, done: dict) -> None:
+        self.update_batch(batch_id, **{PRIVATE + "ending": done})
+
     def batches(self) -> list[dict]:
-        found = [_public(json.loads(p.read_bytes())) for p in (self.root / "batches").glob("batch_*.json")]
+        found = [_public(meta) for meta in self._read_all("batches", "batch_*.json")]
         return sorted(found, key=lambda b: (-b["created_at"], b["id"]))
 
     def log_paths(self, batch_id: str) -> tuple[Path, Path]:
@@ -153,9 +169,20 @@ class BatchStore:
 
     def _read(self, sub: str, object_id: str, kind: str) -> dict:
         path = self.root / sub / f"{object_id}.json"
-        if "/" in object_id or not object_id or not path.is_file():
+        if not ID.fullmatch(object_id) or not path.is_file():
             raise NotFound(kind.lower(), object_id)
         return json.loads(path.read_bytes())
+
+    def _read_all(self, sub: str, pattern: str) -> list[dict]:
+        """Every object in `sub`; one that cannot be read (a store copied or edited by hand) is
+        logged and left out, not a failure of every list."""
+        found = []
+        for path in (self.root / sub).glob(pattern):
+            try:
+                found.append(json.loads(path.read_bytes()))
+            except (OSError, ValueError) as error:
+                log.error("batch store %s: %s is unreadable, left out: %s", self.root, path.name, error)
+        return found
 
 
 def _public(batch: dict) -> dict:

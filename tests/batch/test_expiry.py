@@ -74,6 +74,7 @@ def test_a_policy_gives_its_seconds(given, seconds):
     ({"seconds": 3600}, "expires_after.anchor"), (policy(MIN_S - 1), "expires_after.seconds"),
     (policy(MAX_S + 1), "expires_after.seconds"), (policy(True), "expires_after.seconds"),
     (policy(3600.5), "expires_after.seconds"), (policy("1h"), "expires_after.seconds"),
+    (policy("³" * 4), "expires_after.seconds"),
     ({"anchor": "created_at"}, "expires_after.seconds")])
 def test_a_bad_policy_is_a_400_naming_its_field(given, param):
     with pytest.raises(RequestError) as bad:

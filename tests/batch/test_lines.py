@@ -36,6 +36,17 @@ def test_invalid_lines_are_reported_with_line_and_param(line, needle, param):
     assert error["line"] == 2 and needle in error["message"] and error["param"] == param
 
 
+def test_lines_end_at_newlines_alone_and_a_byte_order_mark_is_not_text():
+    """JSON Lines: U+2028, U+2029 and U+0085 are text inside a JSON string (`ensure_ascii=False`
+    writes them raw), which str.splitlines took for line ends; CRLF ends are fine."""
+    lines = batch_lines(3)
+    lines[1]["body"]["prompt"] = "one\u2028two\u2029three\x85four"
+    data = "".join(json.dumps(line, ensure_ascii=False) + "\r\n" for line in lines).encode()
+    parsed = parse_input(b"\xef\xbb\xbf" + data)
+    assert [x.custom_id for x in parsed] == ["req-0", "req-1", "req-2"] and [x.line for x in parsed] == [1, 2, 3]
+    assert parsed[1].body["prompt"] == lines[1]["body"]["prompt"]
+
+
 def test_duplicate_custom_ids_empty_files_and_endpoint_mismatch():
     lines = batch_lines(2)
     lines[1]["custom_id"] = "req-0"

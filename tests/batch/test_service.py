@@ -321,3 +321,86 @@ def test_files_list_in_cursor_pages_the_client_walks(tmp_path):
             with pytest.raises(openai.BadRequestError) as bad:
                 client.files.list(**query)
             assert bad.value.param == param
+
+
+def test_a_queued_batch_cancels_at_once_and_an_active_batchs_input_stays(tmp_path):
+    """Cancelling a batch that waits behind another ends it at once (it used to wait for the queue);
+    a retried cancel of a cancelling batch answers it; an active batch's input cannot be deleted
+    (a resumed batch reads it again)."""
+    async def scenario():
+        service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
+        await service.start()
+        inputs = [service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")["id"] for _ in range(2)]
+        running, queued = (service.create_batch(i, "/v1/completions", "24h")["id"] for i in inputs)
+        while not service.executor.started.is_set():
+            await asyncio.sleep(0.01)
+        for file_id in inputs:
+            with pytest.raises(RequestError) as refused:
+                service.delete_file(file_id)
+            assert (refused.value.status, refused.value.param) == (409, "file_id")
+        assert service.cancel_batch(queued)["status"] == "cancelled"
+        assert service.delete_file(inputs[1])["deleted"]
+        assert service.cancel_batch(running)["status"] == "cancelling"
+        assert service.cancel_batch(running)["status"] in ("cancelling", "cancelled")  # a retry: no 409
+        while service.get_batch(running)["status"] != "cancelled":
+            await asyncio.sleep(0.01)
+        with pytest.raises(RequestError) as ended:
+            service.cancel_batch(running)
+        assert ended.value.status == 409 and service.delete_file(inputs[0])["deleted"]
+        await service.stop()
+        return service.get_batch(running), service.get_batch(queued)
+
+    running, queued = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert 0 < running["request_counts"]["completed"] < 40 and running["output_file_id"]
+    assert queued["cancelled_at"] and queued["output_file_id"] is None
+
+
+def test_a_fault_while_the_logs_move_ends_the_batch_as_it_was_ending(tmp_path, monkeypatch):
+    """The end is saved before the logs become files: a run that raises (or a server that dies)
+    after moving the output log ends the batch the same way, its output kept (a cancelled batch
+    used to open its moved logs anew, empty, and end with no output)."""
+    monkeypatch.setattr(service_module, "RERUN_AFTER_S", 0)
+    adopt, faults = BatchService._adopt_logs, []
+
+    def adopt_then_die(self, batch_id):
+        files = adopt(self, batch_id)
+        if not faults:
+            faults.append(batch_id)
+            raise OSError("the server died while the logs moved")
+        return files
+
+    monkeypatch.setattr(BatchService, "_adopt_logs", adopt_then_die)
+
+    async def scenario():
+        service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
+        await service.start()
+        batch_id = service.create_batch(service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")["id"],
+                                        "/v1/completions", "24h")["id"]
+        while service.get_batch(batch_id)["request_counts"]["completed"] < 3:
+            await asyncio.sleep(0.01)
+        service.cancel_batch(batch_id)
+        while service.get_batch(batch_id)["status"] != "cancelled":
+            await asyncio.sleep(0.01)
+        await service.stop()
+        batch = service.get_batch(batch_id)
+        return batch, service.file_content(batch["output_file_id"]).splitlines()
+
+    batch, output = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert faults and len(output) == batch["request_counts"]["completed"] >= 3
+
+
+def test_ids_metadata_and_unreadable_objects_are_bounded(tmp_path, caplog):
+    service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0))
+    with TestClient(make_app(service)) as http:
+        for path in ("/v1/files/file-" + "a" * 300, "/v1/batches/batch_" + "a" * 300, "/v1/files/file-a%00b"):
+            answer = http.get(path)
+            assert answer.status_code == 404 and answer.json()["error"]["message"].startswith("No such")
+        file_id = service.create_file(as_jsonl(batch_lines(1)), "in.jsonl", "batch")["id"]
+        for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}):
+            answer = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                    "completion_window": "24h", "metadata": metadata})
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "metadata"
+        (tmp_path / "batches" / "batch_torn.json").write_bytes(b"")  # a store copied half-way
+        (tmp_path / "files" / "file-torn.json").write_bytes(b"{")
+        assert http.get("/v1/batches").status_code == 200 and len(http.get("/v1/files").json()["data"]) == 1
+    assert "batch_torn.json is unreadable" in caplog.text and "file-torn.json is unreadable" in caplog.text
