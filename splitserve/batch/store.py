@@ -46,7 +46,7 @@ class BatchStore:
     # ---- files ---------------------------------------------------------------------------
     def add_file(self, content: bytes, filename: str, purpose: str, expires_after_s: int | None = None) -> dict:
         """A new file, expiring `expires_after_s` after its creation (None: kept until deleted)."""
-        file_id = f"file-{uuid.uuid4().hex}"
+        file_id = _new_id("file-")
         path = self.root / "files" / file_id
         _write_atomic(path, content)
         return self._describe_file(file_id, path, filename, purpose, expires_after_s)
@@ -86,7 +86,7 @@ class BatchStore:
     def files(self, purpose: str | None = None) -> list[dict]:
         found = self._read_all("files", "file-*.json")
         return sorted((f for f in found if purpose in (None, f["purpose"]) and not self._expired(f)),
-                      key=lambda f: (-f["created_at"], f["id"]))
+                      key=_newest_first, reverse=True)
 
     def content_path(self, file_id: str, expired_too: bool = False) -> Path:
         """Where a file's content is; `expired_too`: also one expired but not yet swept (a running
@@ -123,7 +123,7 @@ class BatchStore:
         """A validating batch; its output and error files will expire `output_expires_after_s`
         after they are written (None: kept until deleted)."""
         now = self.now()
-        batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
+        batch = {"id": _new_id("batch_"), "object": "batch", "endpoint": endpoint, "errors": None,
                  "input_file_id": input_file_id, "completion_window": window, "status": "validating",
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                  "expires_at": now + WINDOW_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
@@ -161,7 +161,7 @@ class BatchStore:
 
     def batches(self) -> list[dict]:
         found = [_public(meta) for meta in self._read_all("batches", "batch_*.json")]
-        return sorted(found, key=lambda b: (-b["created_at"], b["id"]))
+        return sorted(found, key=_newest_first, reverse=True)
 
     def log_paths(self, batch_id: str) -> tuple[Path, Path]:
         base = self.root / "batches" / batch_id
@@ -183,6 +183,16 @@ class BatchStore:
             except (OSError, ValueError) as error:
                 log.error("batch store %s: %s is unreadable, left out: %s", self.root, path.name, error)
         return found
+
+
+def _new_id(prefix: str) -> str:
+    """32 hex digits, the first 16 the creation time in ns: ids made in one second sort in creation order."""
+    return f"{prefix}{time.time_ns():016x}{uuid.uuid4().hex[:16]}"
+
+
+def _newest_first(meta: dict) -> tuple[int, str]:
+    """The key, reversed, that lists objects newest first (and a restart resumes batches oldest first)."""
+    return meta["created_at"], meta["id"]
 
 
 def _public(batch: dict) -> dict:

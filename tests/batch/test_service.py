@@ -404,3 +404,10 @@ def test_ids_metadata_and_unreadable_objects_are_bounded(tmp_path, caplog):
         (tmp_path / "files" / "file-torn.json").write_bytes(b"{")
         assert http.get("/v1/batches").status_code == 200 and len(http.get("/v1/files").json()["data"]) == 1
     assert "batch_torn.json is unreadable" in caplog.text and "file-torn.json is unreadable" in caplog.text
+
+
+def test_objects_made_in_one_second_list_and_resume_in_creation_order(tmp_path):
+    store = BatchStore(tmp_path, clock=lambda: 1_800_000_000)
+    files = [store.add_file(b"{}\n", f"{i}.jsonl", "batch")["id"] for i in range(8)]
+    batches = [store.new_batch(files[0], "/v1/completions", "24h", None)["id"] for _ in range(8)]
+    assert [f["id"] for f in store.files()] == files[::-1] and [b["id"] for b in store.batches()] == batches[::-1]
