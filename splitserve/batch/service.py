@@ -160,6 +160,8 @@ class BatchService:
             raise RequestError(f"file {input_file_id} was not uploaded with purpose 'batch'", param="input_file_id")
         batch = self.store.new_batch(input_file_id, endpoint, completion_window, metadata,
                                      self._or_default(output_expires_after_s))
+        if self._lines(batch) is None:  # an invalid input fails now, not once the batches before it have run
+            return self.store.batch(batch["id"])
         self._queue.put_nowait(batch["id"])
         return batch
 

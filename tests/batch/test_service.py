@@ -411,3 +411,19 @@ def test_objects_made_in_one_second_list_and_resume_in_creation_order(tmp_path):
     files = [store.add_file(b"{}\n", f"{i}.jsonl", "batch")["id"] for i in range(8)]
     batches = [store.new_batch(files[0], "/v1/completions", "24h", None)["id"] for _ in range(8)]
     assert [f["id"] for f in store.files()] == files[::-1] and [b["id"] for b in store.batches()] == batches[::-1]
+
+
+def test_an_invalid_input_fails_its_batch_at_creation_not_behind_the_queue(tmp_path):
+    async def scenario():
+        service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
+        await service.start()
+        running = service.create_batch(service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")["id"],
+                                       "/v1/completions", "24h")["id"]
+        broken = service.create_batch(service.create_file(b"{oops\n", "bad.jsonl", "batch")["id"],
+                                      "/v1/completions", "24h")
+        assert service.get_batch(running)["status"] in ("validating", "in_progress")
+        await service.stop()
+        return broken
+
+    broken = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert broken["status"] == "failed" and broken["errors"]["data"][0]["line"] == 1
