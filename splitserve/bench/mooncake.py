@@ -16,6 +16,7 @@ MOONCAKE_BLOCK_TOKENS = 512
 MAX_FILE_BYTES = 256 << 20   # 85 times the shipped hour of conversations
 MAX_LINE_BYTES = 1 << 20     # about 100,000 hash ids, 50M tokens of prompt
 MAX_HASH_ID = 2 ** 63 - 1    # ids fit an int64
+MAX_LENGTH = 2 ** 63 - 1     # so do lengths
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 MooncakeRow = tuple[float, int, int, tuple[int, ...]]  # (timestamp ms, input, output, hash ids)
@@ -68,8 +69,8 @@ def _row(line: bytes, where: str) -> MooncakeRow:
     if not (_is_number(stamp) and math.isfinite(stamp)):
         raise ValueError(f"{where}: timestamp must be a number of milliseconds, got {stamp!r}")
     for name, length in (("input_length", prompt), ("output_length", output)):
-        if not (_is_int(length) and length >= 0):
-            raise ValueError(f"{where}: {name} must be a non-negative integer, got {length!r}")
+        if not (_is_int(length) and 0 <= length <= MAX_LENGTH):
+            raise ValueError(f"{where}: {name} must be a non-negative integer below 2^63, got {length!r}")
     if not (isinstance(hash_ids, list) and all(_is_int(h) and 0 <= h <= MAX_HASH_ID for h in hash_ids)):
         raise ValueError(f"{where}: hash_ids must be a list of integers in [0, 2^63)")
     blocks = -(-prompt // MOONCAKE_BLOCK_TOKENS)

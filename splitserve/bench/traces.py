@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import functools
+import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,8 @@ TRACE_FILES = {
     "mooncake": "mooncake_conversation_trace.jsonl",
 }
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")  # how an Azure TIMESTAMP starts (an epoch number does not)
+MAX_TOKENS = 2 ** 63 - 1  # token counts fit an int64
 LENGTH_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 
 
@@ -68,8 +72,11 @@ def _read_trace(path: str) -> TraceData:
         return _mooncake_trace(path)
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        columns = tuple(reader.fieldnames or ())
-        rows = list(reader)
+        try:
+            columns = tuple(reader.fieldnames or ())
+            rows = list(reader)
+        except csv.Error as e:
+            raise ValueError(f"trace: {path!r} is not valid CSV ({e})") from None
     if not rows:
         raise ValueError(f"trace: {path!r} has no rows")
     if set(AZURE_COLUMNS) <= set(columns):
@@ -84,6 +91,8 @@ def _read_trace(path: str) -> TraceData:
 
 def _mooncake_trace(path: str) -> TraceData:
     stamps_ms, prompt, output, hash_ids = zip(*read_mooncake(path))
+    if not math.isfinite(stamps_ms[-1] - stamps_ms[0]):
+        raise ValueError(f"trace: the timestamps of {path!r} span more milliseconds than a float holds")
     seconds = (np.array(stamps_ms) - stamps_ms[0]) / 1000
     return _frozen(TraceData(Path(path).name, np.array(prompt, dtype=np.int64), np.array(output, dtype=np.int64),
                              seconds, hash_ids, MOONCAKE_BLOCK_TOKENS))
@@ -91,15 +100,25 @@ def _mooncake_trace(path: str) -> TraceData:
 
 def _column(rows: list[dict], column: str, path: str) -> np.ndarray:
     try:
-        return np.array([int(row[column]) for row in rows], dtype=np.int64)
+        values = [int(row[column]) for row in rows]
     except (TypeError, ValueError) as e:
         raise ValueError(f"trace: column {column} of {path!r} must hold integers ({e})") from e
+    for number, value in enumerate(values, 1):
+        if not 0 <= value <= MAX_TOKENS:
+            raise ValueError(f"trace: column {column} of {path!r} row {number}: {value} is not a token count "
+                             f"(an integer in [0, 2^63))")
+    return np.array(values, dtype=np.int64)
 
 
 def _seconds_since_first(rows: list[dict], path: str) -> np.ndarray:
+    cells = [(row["TIMESTAMP"] or "").strip().replace(" ", "T") for row in rows]
+    for number, cell in enumerate(cells, 1):
+        if not ISO_DATE.match(cell):
+            raise ValueError(f"trace: column TIMESTAMP of {path!r} row {number}: {cell!r} is not an ISO date-time "
+                             "(YYYY-MM-DD hh:mm:ss)")
     try:
-        stamps = np.array([row["TIMESTAMP"].strip().replace(" ", "T") for row in rows], dtype="datetime64[ns]")
-    except (AttributeError, ValueError) as e:
+        stamps = np.array(cells, dtype="datetime64[ns]")
+    except ValueError as e:
         raise ValueError(f"trace: column TIMESTAMP of {path!r} must hold date-times ({e})") from e
     seconds = (stamps - stamps[0]).astype(np.int64) / 1e9
     if np.any(np.diff(seconds) < 0):

@@ -21,6 +21,7 @@ __all__ = ["ARRIVALS", "TRACE_FILES", "RequestSpec", "TraceData", "WorkloadSpec"
            "resolved_arrivals", "trace_stats"]
 
 ARRIVALS = ("poisson", "gamma", "trace")
+MAX_LENGTH = 2 ** 62  # the clip without a max_*_tokens: past any real length, and exact as a float and an int64
 
 
 @dataclass(frozen=True)
@@ -184,4 +185,6 @@ def _prefix_blocks(trace: TraceData, rows: np.ndarray, spec: WorkloadSpec) -> tu
 
 
 def _scaled(lengths: np.ndarray, spec: WorkloadSpec, maximum: int | None) -> np.ndarray:
-    return np.clip(np.rint(lengths * spec.length_scale).astype(np.int64), spec.min_tokens, maximum)
+    # clipped as floats: a scaled length past int64 (even inf) must clip to the maximum, not wrap in the cast
+    upper = MAX_LENGTH if maximum is None else min(maximum, MAX_LENGTH)
+    return np.clip(np.rint(lengths * spec.length_scale), spec.min_tokens, upper).astype(np.int64)

@@ -170,7 +170,10 @@ class ClusterConfig(StrictModel):
 def load_cluster_config(path: str | Path) -> tuple[ClusterConfig, dict]:
     """A Serve config file (the splitserve application's `args`) or a bare cluster config.
     Returns the config and the file's `http_options` (empty for a bare config)."""
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from None
     _check_shape(isinstance(raw, dict), path, "the file", "a mapping", raw)
     if "applications" not in raw:
         return ClusterConfig.model_validate(raw), {}

@@ -51,7 +51,7 @@ def run_command(args: argparse.Namespace) -> int:
             plan = search(chosen, goal, trace, args.iterations,
                           lambda probe: bar.update() or bar.set_postfix(P=probe.num_prompt, T=probe.num_token,
                                                                         rps=round(probe.rate_rps, 1)), runner)
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         print(f"splitserve plan: {error}", file=sys.stderr)
         return 2
     print(table(plan))

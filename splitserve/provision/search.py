@@ -134,7 +134,8 @@ def budget_splits(design: Design, goal: str, budget: float, step: int = 5) -> li
     """The (prompt, token) machine counts that fill `budget` (summary's formulas, e.g. iso-power
     A100 = int(44 x (40 - H) // 24.8)). Baselines: one count. Same hardware in both pools: the
     token count steps (step, 2 step, ...) and prompt machines take the rest; otherwise the
-    prompt count steps and token machines take the rest. Only splits with both counts >= 1."""
+    prompt count steps and token machines take the rest. Only splits with both counts >= 1 (a
+    baseline's count >= 1); a budget that leaves none is an error, not an empty plan."""
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step!r}")
     unit = _unit(goal)
@@ -142,12 +143,16 @@ def budget_splits(design: Design, goal: str, budget: float, step: int = 5) -> li
         raise ValueError(f"budget must be a positive number, got {budget!r}")
     p_unit, t_unit = unit[design.prompt_hw], unit[design.token_hw]
     if design.baseline:
-        return [(_fit(budget, p_unit), 0)]
-    if design.prompt_hw == design.token_hw:
+        splits = [(_fit(budget, p_unit), 0)]
+    elif design.prompt_hw == design.token_hw:
         splits = [(_fit(budget - t * t_unit, p_unit), t) for t in range(step, _fit(budget, t_unit) + 1, step)]
     else:
         splits = [(p, _fit(budget - p * p_unit, t_unit)) for p in range(step, _fit(budget, p_unit) + 1, step)]
-    return [(p, t) for p, t in splits if p >= 1 and t >= 1]
+    splits = [(p, t) for p, t in splits if p >= 1 and (t >= 1 or design.baseline)]
+    if not splits:
+        needs = "machine" if design.baseline else "split with both counts >= 1"
+        raise ValueError(f"budget {budget!r} at step {step} leaves no {needs} ({goal} of {design.name})")
+    return splits
 
 
 def _fit(budget: float, unit: float) -> int:
@@ -170,8 +175,9 @@ class Goal:
     def __post_init__(self) -> None:
         if self.kind not in GOALS:
             raise ValueError(f"kind must be one of {', '.join(GOALS)}, got {self.kind!r}")
-        if self.kind == "iso-throughput" and not (self.target_rps and self.target_rps > 0):
-            raise ValueError(f"target_rps must be > 0 for iso-throughput, got {self.target_rps!r}")
+        if self.kind == "iso-throughput" and not (self.target_rps and math.isfinite(self.target_rps)
+                                                  and self.target_rps > 0):
+            raise ValueError(f"target_rps must be a finite number > 0 for iso-throughput, got {self.target_rps!r}")
         if self.minimize not in ("cost", "power"):
             raise ValueError(f"minimize must be cost or power, got {self.minimize!r}")
         if self.step < 1:

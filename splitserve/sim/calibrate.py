@@ -76,7 +76,11 @@ def _replay(groups: dict[int, list[RequestRecord]]) -> tuple[list[RequestSpec], 
     for concurrency, records in sorted(groups.items()):
         if not records or len(records) % concurrency or not all(r.ok and len(r.tbt_s) >= 1 for r in records):
             raise ValueError(f"concurrency {concurrency}: expected whole groups of completed requests of >= 2 tokens")
-        levels.append((_median_gap(records), range(len(requests), len(requests) + len(records))))
+        gap = _median_gap(records)
+        if gap <= 0:  # the fit's errors are relative to it
+            raise ValueError(f"concurrency {concurrency}: the measured median token gap is 0 (the tokens arrived "
+                             "in one chunk, not one by one); nothing to fit from")
+        levels.append((gap, range(len(requests), len(requests) + len(records))))
         for first in range(0, len(records), concurrency):
             group = records[first:first + concurrency]
             requests += [RequestSpec(len(requests) + i, start, r.prompt_tokens, r.output_tokens)

@@ -30,13 +30,15 @@ Workers sleep while idle (no events), wake when they get work (after the other e
 instant, so requests arriving together batch), and run iterations back to back while they have work.
 Every `report_interval_s` each worker whose load may have changed reports it (an unchanged worker's
 report would repeat the last one: same load, nothing placed since, no rebalance unless it is a guest
-in the mixed pool, and guests always report); pool moves switch the moved workers' policies.
+in the mixed pool, and guests always report); pool moves switch the moved workers' policies. While no
+worker would report, the ticks until the next event are skipped (simulated idle time costs no ticks).
 """
 from __future__ import annotations
 
 import gc
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -99,6 +101,16 @@ def simulate(scenario: Scenario, requests: Sequence[RequestSpec], seed: int = 0,
     finally:
         if collecting:
             gc.enable()
+
+
+def _first_tick_at(time: float, interval: float) -> int:
+    """The least tick whose time (tick * interval, as `Simulation._report` computes it) is >= `time`."""
+    tick = math.ceil(time / interval)
+    while tick * interval < time:
+        tick += 1
+    while tick > 0 and (tick - 1) * interval >= time:
+        tick -= 1
+    return tick
 
 
 class Simulation:
@@ -374,7 +386,13 @@ class Simulation:
         if not self._heap:
             raise RuntimeError(f"simulation stalled at t={self.now:.3f}s: {len(self.requests) - resolved} requests "
                                "can never be scheduled (a prompt larger than a worker's KV cache?)")
-        self._push((tick + 1) * self.scenario.report_interval_s, self._report, tick + 1)
+        interval, tick = self.scenario.report_interval_s, tick + 1
+        if not any(worker.changed or (state.pool is Role.MIXED and state.home is not Role.MIXED)
+                   for worker, state in self._reporting):
+            # No worker would report before the next event: the ticks until it do nothing, so skip to the
+            # first tick at or after it (ticks stay at multiples of the interval, so the run is unchanged)
+            tick = max(tick, _first_tick_at(self._heap[0][0], interval))
+        self._push(tick * interval, self._report, tick)
 
     def _apply(self, moves: list[PoolMove]) -> None:
         for move in moves:

@@ -50,6 +50,11 @@ class SimTarget:
     latency_s: float = 0.005
     overhead: ServingOverhead = ServingOverhead()
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.tensor_parallel, int) and self.tensor_parallel >= 1):
+            raise ValueError(f"tensor_parallel (--tensor-parallel) must be an integer >= 1, "
+                             f"got {self.tensor_parallel!r}")
+
 
 def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget()) -> Scenario:
     pools = tuple(pool_spec(pool, config, target) for pool in config.pools)

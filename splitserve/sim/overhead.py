@@ -68,7 +68,8 @@ class ServingOverhead:
     def __post_init__(self) -> None:
         for name in TERMS:
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and value >= 0):
                 unit = " of seconds" if name.endswith("_s") else ""
                 raise ValueError(f"{name} must be a finite number{unit} >= 0, got {value!r}")
         if self.prefill_scale <= 0:

@@ -202,7 +202,10 @@ def read_profile(path: str | Path | None = None) -> list[ProfileRow]:
         missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or ())]
         if missing:
             raise ValueError(f"{path}: missing columns {', '.join(missing)}")
-        return [_parse_row(raw, f"{path} line {reader.line_num}") for raw in reader]
+        try:
+            return [_parse_row(raw, f"{path} line {reader.line_num}") for raw in reader]
+        except csv.Error as e:
+            raise ValueError(f"{path}: not valid CSV ({e})") from None
 
 
 def _parse_row(raw: dict, where: str) -> ProfileRow:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -94,7 +95,10 @@ def num_requests(args) -> int:
         return args.num_requests
     if args.rate is None or not args.duration > 0:
         raise ValueError(f"--duration needs --rate and a positive number of seconds, got {args.duration!r}")
-    return max(1, round(args.rate * args.duration))
+    count = args.rate * args.duration
+    if not math.isfinite(count):
+        raise ValueError(f"--rate x --duration must be a finite number of requests, got {count!r}")
+    return max(1, round(count))
 
 
 def run(args) -> dict:

@@ -36,9 +36,10 @@ def test_good_lines_give_lengths_seconds_and_blocks(tmp_path):
     ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "line 2: missing field hash_ids"),
     (line(timestamp="0"), "line 2: timestamp must be a number"),
     (line(timestamp=True), "line 2: timestamp must be a number"),
-    (line(input_length=-1, hash_ids=()), "line 2: input_length must be a non-negative integer, got -1"),
-    (line(output_length=-3), "line 2: output_length must be a non-negative integer, got -3"),
-    (line(output_length=2.5), "line 2: output_length must be a non-negative integer, got 2.5"),
+    (line(input_length=-1, hash_ids=()), "line 2: input_length must be a non-negative integer below 2\\^63, got -1"),
+    (line(output_length=-3), "line 2: output_length must be a non-negative integer below 2\\^63, got -3"),
+    (line(output_length=2.5), "line 2: output_length must be a non-negative integer below 2\\^63, got 2.5"),
+    (line(output_length=10 ** 22), "line 2: output_length must be a non-negative integer below 2\\^63, got 1"),
     (line(hash_ids=(0, "1")), r"line 2: hash_ids must be a list of integers in \[0, 2\^63\)"),
     (line(hash_ids=(0, -1)), "line 2: hash_ids must be a list"),
     (line(hash_ids=(0, 2 ** 63)), "line 2: hash_ids must be a list"),
@@ -50,6 +51,12 @@ def test_good_lines_give_lengths_seconds_and_blocks(tmp_path):
 def test_bad_lines_name_the_line_and_field(tmp_path, bad, problem):
     path = write_lines(tmp_path, line(), bad, line())
     with pytest.raises(ValueError, match=f"^trace: '.*trace.jsonl' {problem}"):
+        load_trace(path)
+
+
+def test_timestamps_spanning_more_than_a_float_are_refused(tmp_path):
+    path = write_lines(tmp_path, line(timestamp=-1e308), line(timestamp=1e308))
+    with pytest.raises(ValueError, match="^trace: the timestamps of '.*trace.jsonl' span more milliseconds"):
         load_trace(path)
 
 

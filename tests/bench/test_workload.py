@@ -125,6 +125,11 @@ def test_lengths_are_scaled_rounded_and_clipped():
     assert [r.output_tokens for r in workload] == [2, 2, 3, 2, 2]  # 1.25, 1, 3.375, 1.75, 1.5
 
 
+def test_a_huge_length_scale_clips_to_the_maximum_instead_of_wrapping():
+    spec = WorkloadSpec("code", 3, length_scale=1e300, max_prompt_tokens=600)
+    assert [(r.prompt_tokens, r.output_tokens) for r in make_workload(spec)] == [(600, 2 ** 62)] * 3
+
+
 def test_fixed_trace_sends_fixed_lengths():
     workload = make_workload(WorkloadSpec("fixed", 3, rate=1.0, fixed_prompt_tokens=64, fixed_output_tokens=16,
                                           max_output_tokens=10))
@@ -153,6 +158,23 @@ def test_trace_errors_name_the_problem(tmp_path):
     wrong.write_text("prompt,output\n1,2\n")
     with pytest.raises(ValueError, match="^trace: .* has columns prompt,output; expected TIMESTAMP"):
         load_trace(str(wrong))
+
+
+@pytest.mark.parametrize("rows, problem", [
+    ("2024-01-01 00:00:00,-3,4", r"column ContextTokens of .* row 1: -3 is not a token count"),
+    ("2024-01-01 00:00:00,3,-4", r"column GeneratedTokens of .* row 1: -4 is not a token count"),
+    ("2024-01-01 00:00:00,3,100000000000000000000000", r"column GeneratedTokens of .* row 1: 1000* is not a token"),
+    ("1700000000,3,4", r"column TIMESTAMP of .* row 1: '1700000000' is not an ISO date-time"),
+    ("2024-01-01 00:00:00,3,4\nNaT,3,4", r"column TIMESTAMP of .* row 2: 'NaT' is not an ISO date-time"),
+    ("2024-01-01 00:00:00,3,4\n,3,4", r"column TIMESTAMP of .* row 2: '' is not an ISO date-time"),
+    pytest.param("2024-01-01 00:00:00,3,4\n" + "x" * 140000 + ",3,4", r"is not valid CSV \(field larger",
+                 id="field-too-large"),
+])
+def test_bad_csv_cells_name_the_column_and_row(tmp_path, rows, problem):
+    path = tmp_path / "azure.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows + "\n")
+    with pytest.raises(ValueError, match=f"^trace: .*{problem}"):
+        load_trace(str(path))
 
 
 @pytest.mark.parametrize("field, value", [

@@ -166,6 +166,13 @@ def test_a_serve_file_of_the_wrong_shape_is_a_clear_error(tmp_path, document, me
         load_cluster_config(write(tmp_path, document))
 
 
+def test_a_file_that_is_not_yaml_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("pools: [\n")
+    with pytest.raises(ValueError, match="bad.yaml: not valid YAML"):
+        load_cluster_config(path)
+
+
 # ---------------------------------------------------------------------------------------------
 # invalid configs name the field
 # ---------------------------------------------------------------------------------------------

@@ -105,6 +105,26 @@ def test_iso_budgets_follow_the_summary_formulas():
     assert (30, 21) in budget_splits(DESIGNS["splitwise-ha"], "iso-cost", 190.4)
 
 
+def test_a_budget_without_a_split_is_an_error_not_an_empty_plan():
+    assert budget_splits(DESIGNS["splitwise-hh"], "iso-power", 88.0, 1) == [(1, 1)]  # 2 H100s at step 1 ...
+    with pytest.raises(ValueError, match="budget 88.0 at step 2 leaves no split with both counts >= 1"):
+        budget_splits(DESIGNS["splitwise-hh"], "iso-power", 88.0, 2)                # ... but none at step 2
+    with pytest.raises(ValueError, match="budget 10.0 at step 5 leaves no machine"):
+        budget_splits(DESIGNS["baseline-h100"], "iso-power", 10.0, 5)
+
+
+def test_plan_mistakes_exit_2_with_the_reason(tmp_path, capsys):
+    assert main(["plan", "--design", "splitwise-hh", "--goal", "iso-power", "--budget", "88", "--step", "2",
+                 "--serial"]) == 2
+    assert "leaves no split with both counts >= 1" in capsys.readouterr().err
+    assert main(["plan", "--design", "splitwise-hh", "--goal", "iso-throughput", "--target-rps", "inf",
+                 "--serial"]) == 2
+    assert "target_rps must be a finite number" in capsys.readouterr().err
+    assert main(["plan", "--design", "baseline-h100", "--goal", "iso-power", "--budget", "88", "--serial",
+                 "--trace", str(tmp_path / "missing.csv")]) == 2
+    assert "trace: no such file" in capsys.readouterr().err
+
+
 def test_iso_throughput_walks_the_staircase_to_the_cheapest_split():
     # HA at power <= 500 (H100 44, A100 24.8); the target needs p >= 3 and p + t >= 8 (monotone)
     probes = []
@@ -136,6 +156,8 @@ def test_bad_inputs_name_the_field():
         design("nope")
     with pytest.raises(ValueError, match="target_rps"):
         Goal("iso-throughput")
+    with pytest.raises(ValueError, match="target_rps must be a finite number"):
+        Goal("iso-throughput", target_rps=float("inf"))
     with pytest.raises(ValueError, match="num_token must be 0"):
         DESIGNS["baseline-h100"].scenario(2, 1)
     with pytest.raises(ValueError, match="mixed_policy must be"):

@@ -61,6 +61,13 @@ def test_groups_must_be_whole_and_completed():
         calibrate_decode(split(perf=BatchPerf()), {1: groups[1], 2: groups[2][:-1]}, TRUTH)
 
 
+def test_tokens_that_arrived_in_one_chunk_are_an_error():
+    groups = measured(split(perf=BatchPerf()), (1, 2))
+    chunked = [replace(r, token_times_s=(r.ttft_s,) * r.output_tokens) for r in groups[2]]
+    with pytest.raises(ValueError, match="concurrency 2: the measured median token gap is 0"):
+        calibrate_decode(split(perf=BatchPerf()), {1: groups[1], 2: chunked}, TRUTH)
+
+
 def test_measuring_needs_requests_alone_and_in_pairs(tmp_path):
     with pytest.raises(ValueError, match="concurrency must hold 1 and 2"):
         measure_serving_overhead("http://127.0.0.1:9", None, tmp_path / "engine.csv", (32,), 8, 1,

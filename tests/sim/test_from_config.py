@@ -81,6 +81,12 @@ def test_no_profile_rows_for_a_pool_s_tp_is_an_error_naming_the_pool(pools, targ
         scenario_from_config(config(*pools), target)
 
 
+@pytest.mark.parametrize("tp", [0, -8])
+def test_a_target_tp_below_1_is_refused(tp):
+    with pytest.raises(ValueError, match=f"tensor_parallel \\(--tensor-parallel\\) must be an integer >= 1, got {tp}"):
+        SimTarget(tensor_parallel=tp)
+
+
 def test_a_pool_whose_tp_leaves_no_room_for_the_kv_cache_is_named():
     with pytest.raises(ValueError, match="the token pool's kv_budget_tokens=.* fewer tokens than max_model_len"):
         scenario_from_config(config(("prompt", "h100", 8), ("token", "h100", 2)))  # 144 GB for 140 GB of weights

@@ -77,6 +77,9 @@ def test_file_round_trip_and_bad_files(tmp_path):
         ServingOverhead.from_dict({"peer_slowdown": 0.2}, "saved.json: baseline's overhead")  # a retired term
     with pytest.raises(ValueError, match="token_s"):
         ServingOverhead(token_s=-1.0)
+    (tmp_path / "bool.json").write_text('{"request_s": true}')
+    with pytest.raises(ValueError, match="request_s must be a finite number of seconds >= 0, got True"):
+        ServingOverhead.load(tmp_path / "bool.json")
 
 
 def test_simulator_applies_every_term():

@@ -150,6 +150,9 @@ def test_bad_values_name_the_field(tmp_path):
     bad.write_text("model,hardware,prompt_size\nm,hw,1\n")
     with pytest.raises(ValueError, match="missing columns batch_size, token_size"):
         load_perf_models(bad)
+    bad.write_text(",".join(perf_model.CSV_COLUMNS) + "\n" + "x" * 140000 + "\n")
+    with pytest.raises(ValueError, match="bad.csv: not valid CSV"):
+        load_perf_models(bad)
 
 
 def test_a_small_profile_by_hand(tmp_path):

@@ -103,6 +103,8 @@ def test_a_design_takes_the_decode_rule_and_the_mixed_policy():
      "num_token must be 0"),
     (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1", "--duration", "5",
       "--json", "x.json"], "--duration needs --rate"),
+    (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1", "--rate", "1e300",
+      "--duration", "1e300", "--json", "x.json"], "--rate x --duration must be a finite number of requests"),
     (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1"], "--out"),
 ])
 def test_design_mistakes_are_clear_errors(extra, message, capsys):

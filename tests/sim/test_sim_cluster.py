@@ -7,7 +7,7 @@ import pytest
 
 from splitserve.bench.workload import RequestSpec
 from splitserve.placement import PlacementThresholds, Role
-from splitserve.sim.cluster import Simulation, simulate
+from splitserve.sim.cluster import Simulation, _first_tick_at, simulate
 from splitserve.sim.scenario import PoolSpec, Scenario
 from splitserve.sim.transfer import TransferModel
 from tests.sim.test_sim_worker import LinearPerf
@@ -203,6 +203,22 @@ def test_token_worker_without_a_free_slot_rejects_at_reservation():
 def test_prompt_of_max_model_len_is_refused():
     [record] = simulate(mixed(), [spec(0, 0.0, 2048, 2)]).records
     assert record.status == 400 and "max_model_len" in record.error
+
+
+def test_idle_time_costs_no_report_ticks():
+    """Idle between sparse arrivals, the loop jumps to the tick at or after the next event instead of
+    ticking through the gap: the second request runs as the first did, in a few dozen events."""
+    result = simulate(split(), [spec(0, 0.0, 100, 3), spec(1, 1e5, 100, 3)])
+    first, second = result.records
+    assert first.ok and second.ok and second.ttft_s == pytest.approx(first.ttft_s)
+    assert result.num_events < 100
+
+
+@pytest.mark.parametrize("time, interval", [(0.3, 0.1), (0.30000000000000004, 0.1), (0.7, 0.1), (1e5 + 0.05, 0.1),
+                                            (0.0, 0.1), (2.0, 0.5)])
+def test_first_tick_at_is_the_least_tick_not_before_the_time(time, interval):
+    tick = _first_tick_at(time, interval)
+    assert tick * interval >= time and (tick == 0 or (tick - 1) * interval < time)
 
 
 def test_progress_reports_the_end():
