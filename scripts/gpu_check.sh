@@ -9,9 +9,9 @@
 #                                                # scripts/bench_moe.py (gpt-oss-20b's and Qwen3-30B-A3B's
 #                                                # experts), scripts/bench_fp8_linear.py (Qwen3-8B's
 #                                                # projections), scripts/bench_sampler.py (the sampler's
-#                                                # draw, torch and Triton)
+#                                                # draw, torch and Triton), scripts/bench_penalties.py
 #   bash scripts/gpu_check.sh bench [ARGS...]    # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
-#   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), kernels (at most 255 s), then bench
+#   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), kernels (at most 275 s), then bench
 #                                                # ARGS in what is left of 570 s
 # Logs (tests.log with the device first), gpu.json, attention.json, moe-*.json and fp8-linear.json go to $OUT
 # where it is set, else to gpu-check/: 8 files, the most a device call brings back.
@@ -60,7 +60,8 @@ case "${1:-}" in
     timeout 65 python3 scripts/bench_fp8_linear.py --json "$out/fp8-linear.json" 2>&1 | tee -a "$out/kernels.log"
     # its table in kernels.log alone: a ninth file would not come back
     timeout 18 python3 scripts/bench_sampler.py --iters 20 --batches 1,16,32,64,256 2>&1 | tee -a "$out/kernels.log"
-    timeout 12 python3 scripts/bench_sampler.py --iters 20 --batches 32,256 --warps 16 2>&1 | tee -a "$out/kernels.log" ;;
+    timeout 12 python3 scripts/bench_sampler.py --iters 20 --batches 32,256 --warps 16 2>&1 | tee -a "$out/kernels.log"
+    timeout 20 python3 scripts/bench_penalties.py --device cuda --iters 10 --batches 1,64,256 2>&1 | tee -a "$out/kernels.log" ;;
   bench)
     install_carried
     mkdir -p "$out"
