@@ -8,7 +8,7 @@ the kept tensors). Each step appends one token to every sequence, then applies t
 
 Contexts are random ids, each sequence's length drawn uniformly from 1 to --context (so a batch
 holds about batch x context / 2 tokens); each time is the median of --iters steps after one untimed
-step (CUDA events on a GPU).
+step (CUDA events on a GPU); `equal` says whether the two gave the same logits at the last step.
 """
 from __future__ import annotations
 
@@ -37,26 +37,28 @@ def batch_of(batch: int, context: int, vocab: int) -> list[Sequence]:
 
 def measure(batch: int, context: int, vocab: int, iters: int, device: torch.device) -> dict:
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)).to(device)
-    row = {"batch": batch, "context": context}
+    row, last = {"batch": batch, "context": context}, {}
     for name, fresh in (("kept", False), ("fresh", True)):
         seqs, kept = batch_of(batch, context, vocab), Penalties()
 
         def step() -> torch.Tensor:
             for seq in seqs:
                 seq.append_token(seq.num_tokens % vocab)
-            return (Penalties() if fresh else kept).apply(logits, seqs)
+            last[name] = (Penalties() if fresh else kept).apply(logits, seqs)
+            return last[name]
 
         row[f"{name}_ms"] = time_calls(step, iters, device.type == "cuda") * 1e3
     row["speedup"] = row["fresh_ms"] / row["kept_ms"]
+    row["equal"] = torch.equal(last["kept"], last["fresh"])  # the same steps on the same sequences
     return row
 
 
 def print_table(result: dict) -> None:
     print(f"Device: {result['device']}; vocabulary {result['vocab']}; a step's penalties, median of "
           f"{result['iters']} steps")
-    print_markdown(["batch", "context", "kept ms:", "fresh ms:", "speedup:"],
-                   [[r["batch"], r["context"], f"{r['kept_ms']:.2f}", f"{r['fresh_ms']:.2f}", ratio(r["speedup"])]
-                    for r in result["rows"]])
+    print_markdown(["batch", "context", "kept ms:", "fresh ms:", "speedup:", "equal"],
+                   [[r["batch"], r["context"], f"{r['kept_ms']:.2f}", f"{r['fresh_ms']:.2f}", ratio(r["speedup"]),
+                     r["equal"]] for r in result["rows"]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--json", type=Path, help="write the result here")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if args.device not in ("cpu", "cuda"):
+        p.error(f"--device takes cpu or cuda, got {args.device}")
+    if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
+    device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows = [measure(int(b), int(c), args.vocab, args.iters, device)
             for c in args.contexts.split(",") for b in args.batches.split(",")]
