@@ -94,7 +94,13 @@ def perf_model_for(pool: PoolConfig, target: SimTarget) -> PerfModel:
             raise ValueError(f"hardware class {hardware!r} has no Splitwise profile: measure one with "
                              f"`splitserve profile --hardware {hardware} --out FILE` and pass it as the profile")
         models = load_perf_models(target.profile)
-        key = next((k for k in models if k[1] == hardware and own in (1, k[2])), (target.model, hardware, own))
+        fits = [k for k in models if k[1] == hardware and own in (1, k[2])]
+        named = [k for k in fits if k[0] == target.model]
+        profiled = sorted({k[0] for k in fits})
+        if not named and len(profiled) > 1:
+            raise ValueError(f"the profile has {hardware} rows of several models ({', '.join(profiled)}) and none "
+                             f"of {target.model!r}: keep one model's rows or name it as the model")
+        key = (named or fits or [(target.model, hardware, own)])[0]
     if key not in models:
         raise ValueError(f"the {pool.role} pool ({hardware}, tensor_parallel_size {own}) has no performance "
                          f"profile for (model, hardware, tensor_parallel) = {key}; have {sorted(models)}")

@@ -7,7 +7,7 @@ from splitserve.config import ClusterConfig
 from splitserve.placement import Role
 from splitserve.placement.hardware import HARDWARE_CLASSES
 from splitserve.sim.cluster import Simulation
-from splitserve.sim.from_config import SimTarget, scenario_from_config
+from splitserve.sim.from_config import SimTarget, perf_model_for, scenario_from_config
 from splitserve.sim.perf_model import KV_BYTES_PER_TOKEN, load_perf_models
 from splitserve.sim.scenario import PoolSpec, Scenario
 from tests.sim.test_sim_cli import write_cpu_profile
@@ -100,6 +100,20 @@ def test_a_measured_profile_serves_tp_1_pools_and_only_its_own_tp_otherwise(tmp_
     assert scenario.perf_models["cpu"].tensor_parallel == 1 and scenario.kv_windows == (None,)
     with pytest.raises(ValueError, match=r"the mixed pool \(cpu, tensor_parallel_size 2\).*\('demo', 'cpu', 2\)"):
         scenario_from_config(config(("mixed", "cpu", 2)), target)
+
+
+def test_a_measured_profile_of_several_models_gives_the_targets_rows(tmp_path):
+    """The profile's `model` column picks the rows (the first model's rows were taken, whatever it was)."""
+    profile = tmp_path / "two.csv"
+    write_cpu_profile(profile)
+    demo_rows = profile.read_text().splitlines()[1:]
+    slow = [row.replace("demo,", "other,", 1) for row in demo_rows]
+    profile.write_text("\n".join([profile.read_text().splitlines()[0], *slow, *demo_rows]) + "\n")
+    pool = config(("mixed", "cpu", 1)).pools[0]
+    for model in ("demo", "other"):
+        assert perf_model_for(pool, SimTarget(model, 1, profile)).model == model
+    with pytest.raises(ValueError, match=r"several models \(demo, other\) and none of 'llama'"):
+        perf_model_for(pool, SimTarget("llama", 1, profile))
 
 
 def test_pool_specs_key_their_setup_by_tp():
