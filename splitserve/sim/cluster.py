@@ -265,8 +265,10 @@ class Simulation:
             return [0] * spec.prompt_tokens
         if not spec.prefix_blocks:
             return [-1 - spec.index] * spec.prompt_tokens
-        tokens = [token for block in spec.prefix_blocks for token in itertools.repeat(block, spec.block_tokens)]
-        return tokens[:spec.prompt_tokens]
+        tokens: list[int] = []
+        for block in spec.prefix_blocks:  # built to the prompt's length only (a block may be longer than it)
+            tokens += itertools.repeat(block, min(spec.block_tokens, spec.prompt_tokens - len(tokens)))
+        return tokens
 
     def _params_of(self, spec: RequestSpec) -> SamplingParams:
         """The request's forced length and targets; one (validated) instance per distinct value."""

@@ -66,3 +66,15 @@ def test_a_whole_request_on_a_mixed_worker_reuses_its_cache():
     requests = turns()
     result = simulate(scenario((Role.MIXED, 2, "hw"), placement="jsq"), requests)
     assert prefill_tokens(result) == pytest.approx(sum(r.prompt_tokens for r in requests) - 3 * 2 * BLOCK)
+
+
+def test_a_block_longer_than_its_prompt_is_cut_to_the_prompt():
+    """A trace scaled past its prompts (`--length-scale`) has blocks of more tokens than a prompt:
+    the prompt is built to its own length only (the blocks were built whole, then cut)."""
+    from splitserve.sim.cluster import Simulation
+
+    huge = RequestSpec(0, 0.0, 5, 1, prefix_blocks=(3, 4), block_tokens=10 ** 15)
+    run = Simulation(split(), [huge])
+    assert run.caching and run._prompt_of(huge) == [3] * 5
+    assert run._prompt_of(RequestSpec(1, 0.0, 5, 1, prefix_blocks=(3, 4), block_tokens=3)) == [3, 3, 3, 4, 4]
+    assert run._prompt_of(RequestSpec(2, 0.0, 9, 1, prefix_blocks=(3, 4), block_tokens=3)) == [3, 3, 3, 4, 4, 4]
