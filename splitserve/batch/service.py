@@ -135,9 +135,9 @@ class BatchService:
     def delete_file(self, file_id: str) -> dict:
         """Refused (409) for the input of an active batch, which reads it again when resumed."""
         self._check_owner()
-        users = [b["id"] for b in self.store.batches() if b["status"] in ACTIVE and b["input_file_id"] == file_id]
+        users = [b for b in self.store.batches() if b["status"] in ACTIVE and b["input_file_id"] == file_id]
         if users:
-            raise RequestError(f"file {file_id} is the input of batch {users[0]}, which is {', '.join(ACTIVE)}: "
+            raise RequestError(f"file {file_id} is the input of batch {users[0]['id']}, which is {users[0]['status']}: "
                                "cancel the batch or wait for it to end", status=409, param="file_id")
         return self.store.delete_file(file_id)
 

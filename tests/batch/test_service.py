@@ -334,10 +334,11 @@ def test_a_queued_batch_cancels_at_once_and_an_active_batchs_input_stays(tmp_pat
         running, queued = (service.create_batch(i, "/v1/completions", "24h")["id"] for i in inputs)
         while not service.executor.started.is_set():
             await asyncio.sleep(0.01)
-        for file_id in inputs:
+        for file_id, status in zip(inputs, ("in_progress", "validating")):
             with pytest.raises(RequestError) as refused:
                 service.delete_file(file_id)
             assert (refused.value.status, refused.value.param) == (409, "file_id")
+            assert f"which is {status}: cancel the batch" in refused.value.message
         assert service.cancel_batch(queued)["status"] == "cancelled"
         assert service.delete_file(inputs[1])["deleted"]
         assert service.cancel_batch(running)["status"] == "cancelling"
