@@ -47,11 +47,12 @@ def _run(args) -> None:
     from splitserve.batch.results import ResultLog
     from splitserve.engine.llm_engine import LLMEngine
 
+    errors_path = args.errors or args.output.with_name(args.output.name.removesuffix(".jsonl") + ".errors.jsonl")
+    _check_distinct({"INPUT": args.input, "OUTPUT": args.output, "the errors file": errors_path})
     lines = parse_input(args.input.read_bytes())
     options = BlendOptions(args.order, args.sample_fraction, args.split_threshold)
     engine = LLMEngine(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
                        num_kv_blocks=args.num_kv_blocks)
-    errors_path = args.errors or args.output.with_name(args.output.name.removesuffix(".jsonl") + ".errors.jsonl")
     with ResultLog(args.output) as output, ResultLog(errors_path) as errors:
         done = len(output.done) + len(errors.done)
         if done:
@@ -70,3 +71,14 @@ def _run(args) -> None:
         summary = {key: value for key, value in vars(stats).items() if key != "step_density"}
         args.stats.write_text(json.dumps({**summary, "throughput": stats.throughput, "sharing": stats.sharing},
                                          indent=2))
+
+
+def _check_distinct(paths: dict[str, Path]) -> None:
+    """The input, the output and the errors file must be three files: a result log reads what its
+    file holds as results (an input taken for one lost its lines and was written over)."""
+    seen: dict[Path, str] = {}
+    for name, path in paths.items():
+        real = path.resolve()
+        if real in seen:
+            raise ValueError(f"{name} ({path}) is the same file as {seen[real]}: give each its own path")
+        seen[real] = name

@@ -87,6 +87,8 @@ def run_batch(engine: LLMEngine, items: list[tuple[list[int], SamplingParams]], 
         if len(engine.policy.waiting) < max_waiting:
             for request in feeder.admit():
                 engine.add_request(str(request.key), list(request.prompt), items[request.key][1])
+        if feeder.done:  # blend: the sample was every request left (a rerun, a batch of one)
+            break
         if not engine.has_unfinished_requests():
             raise RuntimeError("the batch stalled: nothing is running and the feeder admits nothing")
         before = engine.last_step

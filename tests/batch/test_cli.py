@@ -58,3 +58,28 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
     source.write_text('{"custom_id": "a"}\n')
     assert main(["batch", str(source), str(tmp_path / "out.jsonl")]) == 2
     assert "line 1: method must be POST" in capsys.readouterr().err
+
+
+def test_the_input_output_and_errors_must_be_three_files(tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(as_jsonl(batch_lines(3)))
+    for out, errors, named in ((source, None, "OUTPUT"), (tmp_path / "out.jsonl", source, "the errors file"),
+                               (tmp_path / "x.jsonl", tmp_path / "x.jsonl", "the errors file")):
+        assert main(["batch", str(source), str(out), *(["--errors", str(errors)] if errors else [])]) == 2
+        assert f"{named} ({tmp_path}" in capsys.readouterr().err
+    assert source.read_bytes() == as_jsonl(batch_lines(3))  # untouched
+
+
+def test_blend_ends_when_nothing_is_left_to_run(tmp_path, capsys):
+    """A batch of one line (the sample is all of it), its rerun (every line done) and a batch whose
+    lines all fail validation end with exit 0 (they raised: a stall, a division by zero)."""
+    one, invalid, out = tmp_path / "one.jsonl", tmp_path / "invalid.jsonl", tmp_path / "out.jsonl"
+    one.write_bytes(as_jsonl(batch_lines(1)))
+    assert main(["batch", str(one), str(out)]) == 0 and len(read(out)) == 1
+    assert main(["batch", str(one), str(out)]) == 0 and "resuming: 1 of 1" in capsys.readouterr().out
+    lines = batch_lines(3)
+    for line in lines:
+        line["body"]["model"] = "another"
+    invalid.write_bytes(as_jsonl(lines))
+    assert main(["batch", str(invalid), str(tmp_path / "none.jsonl")]) == 0
+    assert "0 lines succeeded, 3 failed" in capsys.readouterr().out

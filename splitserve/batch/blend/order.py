@@ -40,7 +40,7 @@ def node_split(root: Node, threshold: float) -> list[Node]:
     units, stack = [], [(root, float(threshold))]
     while stack:
         node, budget = stack.pop()
-        if node.is_leaf or node.depth * len(node.children) > budget:
+        if node.is_leaf or not node.children or node.depth * len(node.children) > budget:
             units.append(node)
         else:
             share = budget / len(node.children)
