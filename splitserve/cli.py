@@ -163,6 +163,11 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _run_profile(args) -> int:
+    try:
+        _check_out(Path(args.out))
+    except (ValueError, OSError) as error:
+        print(f"splitserve profile: {error}", file=sys.stderr)
+        return 2
     if args.url:
         return _run_serving_profile(args)
     from tqdm import tqdm
@@ -185,7 +190,15 @@ def _run_profile(args) -> int:
     return 0
 
 
+def _check_out(path: Path) -> None:
+    """The file --out names can be written once the run ends: checked before it (a bad one lost the run)."""
+    if path.is_dir():
+        raise ValueError(f"--out {path} is a directory: name the file to write")
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+
 def _run_serving_profile(args) -> int:
+    import httpx
     from pydantic import ValidationError
 
     from splitserve.command import report_errors
@@ -205,7 +218,7 @@ def _run_serving_profile(args) -> int:
               f"{overhead.iteration_s * 1000:.2f} ms per iteration + {overhead.token_s * 1000:.2f} ms per token, "
               f"prefills x {overhead.prefill_scale:.2f}{shared}; wrote {path}")
 
-    return report_errors("profile", run, args, (ValueError, OSError, RuntimeError, ValidationError))
+    return report_errors("profile", run, args, (ValueError, OSError, RuntimeError, ValidationError, httpx.HTTPError))
 
 
 DELEGATED = {  # subcommands whose arguments and run live with their package: (module, help, description)

@@ -62,3 +62,18 @@ def test_serve_refuses_a_config_file_of_the_wrong_shape(tmp_path, monkeypatch, c
     path.write_text("applications: []\nhttp_options: x\n")
     assert main(["serve", "--config", str(path)]) == 2
     assert "http_options must be a mapping" in capsys.readouterr().err
+
+
+def test_profile_checks_its_out_path_and_server_before_it_runs(tmp_path, capsys):
+    from tests.sim.test_sim_cli import write_cpu_profile
+
+    (tmp_path / "a-file").write_text("")
+    assert main(["profile", "--out", str(tmp_path)]) == 2
+    assert "is a directory: name the file to write" in capsys.readouterr().err
+    assert main(["profile", "--out", str(tmp_path / "a-file" / "x.csv")]) == 2
+    assert "File exists" in capsys.readouterr().err
+    write_cpu_profile(tmp_path / "cpu.csv")
+    for url in ("http://127.0.0.1:9", "127.0.0.1:9"):  # refused; no scheme (httpx's tracebacks)
+        assert main(["profile", "--url", url, "--engine-profile", str(tmp_path / "cpu.csv"),
+                     "--out", str(tmp_path / "o.json")]) == 2
+        assert capsys.readouterr().err.startswith("splitserve profile: ")

@@ -66,7 +66,8 @@ def workload_of(args) -> WorkloadSpec:
 
 def slo_of(args) -> SLOSpec | None:
     """Table VI slowdowns unless the unloaded pass is skipped, plus any absolute P99 bounds."""
-    absolute = {name: {"p99": bound} for name, bound in (("ttft", args.ttft_slo), ("tbt", args.tbt_slo)) if bound}
+    absolute = {name: {"p99": bound} for name, bound in (("ttft", args.ttft_slo), ("tbt", args.tbt_slo))
+                if bound is not None}
     if args.no_calibrate:
         return SLOSpec(slowdown=None, absolute=absolute) if absolute else None
     return SLOSpec(absolute=absolute or None)
@@ -74,15 +75,20 @@ def slo_of(args) -> SLOSpec | None:
 
 def run(args) -> dict:
     target, workload, slo, out = Target(args.url, args.model, args.api_key), workload_of(args), slo_of(args), Path(args.out)
-    # a bad trace or workload is reported before the server is contacted (capacity: at its first rate)
+    # a bad trace, workload, URL or results folder is reported before the server is contacted (capacity: at
+    # its first rate)
     make_workload(dataclasses.replace(workload, rate=args.rate_low) if args.capacity else workload)
+    if args.capacity and args.tbt_slo is None:
+        raise ValueError("--capacity needs --tbt-slo (the P99 TBT bound, seconds)")
+    _check_url(args.url)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         baseline = None if args.no_calibrate else asyncio.run(measure_baseline(target, workload))
+        if args.capacity:
+            return _capacity(args, target, workload, slo, baseline, out)
+        records, summary = asyncio.run(run_once(target, workload, slo, baseline, not args.no_progress))
     except httpx.HTTPError as error:
         raise RuntimeError(f"cannot talk to {args.url}: {error}") from None
-    if args.capacity:
-        return _capacity(args, target, workload, slo, baseline, out)
-    records, summary = asyncio.run(run_once(target, workload, slo, baseline, not args.no_progress))
     # the arguments, but the key and the callables a command line sets (`splitserve bench`'s run, make_runner)
     summary["workload"] = {k: v for k, v in vars(args).items() if k != "api_key" and not callable(v)}
     write_outputs(out, records, summary, f"{args.trace} at {args.rate or 'trace'} req/s")
@@ -91,14 +97,20 @@ def run(args) -> dict:
     return summary
 
 
+def _check_url(url: str) -> None:
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as error:
+        raise ValueError(f"--url {url!r} is not a URL: {error}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"--url must be an http:// or https:// URL with a host, got {url!r}")
+
+
 def _capacity(args, target: Target, workload: WorkloadSpec, slo: SLOSpec, baseline, out: Path) -> dict:
-    if args.tbt_slo is None:
-        raise ValueError("--capacity needs --tbt-slo (the P99 TBT bound, seconds)")
     probe = run_at_rate(target, workload, slo, baseline, not args.no_progress)
     best, probes = capacity_search(probe, p99_tbt_within(args.tbt_slo), args.rate_low, args.rate_high, args.iterations)
     rows = [{**summary, "design": "server", "rate": rate} for rate, summary in sorted(probes, key=lambda p: p[0])]
     result = {"capacity_rps": best, "tbt_slo_s": args.tbt_slo, "probes": rows}
-    out.mkdir(parents=True, exist_ok=True)
     (out / "capacity.json").write_text(json.dumps(result, indent=2))
     if plots_available():
         latency_vs_load(rows, out / "latency_vs_load.png", f"{args.trace}: latency against load")

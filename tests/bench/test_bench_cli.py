@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from splitserve.bench.cli import main
 
 SUMMARY_KEYS = {"num_requests", "num_failed", "throughput_rps", "ttft_s", "tbt_s", "e2e_s"}
@@ -76,6 +78,30 @@ def test_bad_arguments_are_reported(server, tmp_path, capsys):
     assert "trace" in capsys.readouterr().err
     assert main(["--url", "http://127.0.0.1:9", "--trace", "conv", "--out", str(tmp_path)]) == 2
     assert "cannot talk to http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_a_bad_url_or_results_folder_is_reported_before_any_request(tmp_path, capsys):
+    """No server needed: each is refused up front (exit 2), where the folder used to fail only after
+    the whole run and an uncalibrated run against a dead server raised httpx's traceback."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    quick = ["--trace", "fixed", "--num-requests", "2", "--rate", "50", "--no-progress"]
+    for url, out, message in (("127.0.0.1:8000", tmp_path / "o", "--url must be an http:// or https:// URL"),
+                              ("http://[::1", tmp_path / "o", "is not a URL"),
+                              ("http://127.0.0.1:9", taken, "File exists"),
+                              ("http://127.0.0.1:9", tmp_path / "o", "cannot talk to http://127.0.0.1:9")):
+        assert main(["--url", url, *quick, "--no-calibrate", "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["--url", "http://127.0.0.1:9", *quick, "--capacity", "--out", str(tmp_path / "o")]) == 2
+    assert "--capacity needs --tbt-slo" in capsys.readouterr().err
+
+
+def test_a_zero_slo_bound_is_refused_not_dropped():
+    from splitserve.bench.cli import slo_of
+
+    args = type("Args", (), {"ttft_slo": 0.0, "tbt_slo": None, "no_calibrate": True})()
+    with pytest.raises(ValueError, match="the ttft p99 bound must be positive, got 0.0"):
+        slo_of(args)
 
 
 def test_ray_job_submit_runs_the_bench_on_the_head_node(head_node, server, tmp_path):
