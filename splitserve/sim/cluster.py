@@ -113,6 +113,11 @@ def _first_tick_at(time: float, interval: float) -> int:
     return tick
 
 
+def _would_report(worker: SimWorker, state: WorkerState) -> bool:
+    """A worker reports at a tick when its load may have changed, or when it is a guest in the mixed pool."""
+    return worker.changed or (state.pool is Role.MIXED and state.home is not Role.MIXED)
+
+
 class Simulation:
     """One run (`simulate` is the usual way in). After `run`, `workers` and `cls` hold the final state
     of every worker and of the cluster-level scheduler."""
@@ -375,7 +380,7 @@ class Simulation:
 
     def _report(self, tick: int) -> None:
         for worker, state in self._reporting:
-            if worker.changed or (state.pool is Role.MIXED and state.home is not Role.MIXED):
+            if _would_report(worker, state):
                 worker.changed = False
                 delta = prefix_delta_of(worker.blocks, snapshot=False) if self.aware else None
                 self._apply(self.cls.report(worker.worker_id, worker.load(), self.now, delta))
@@ -389,8 +394,7 @@ class Simulation:
             raise RuntimeError(f"simulation stalled at t={self.now:.3f}s: {len(self.requests) - resolved} requests "
                                "can never be scheduled (a prompt larger than a worker's KV cache?)")
         interval, tick = self.scenario.report_interval_s, tick + 1
-        if not any(worker.changed or (state.pool is Role.MIXED and state.home is not Role.MIXED)
-                   for worker, state in self._reporting):
+        if not any(_would_report(worker, state) for worker, state in self._reporting):
             # No worker would report before the next event: the ticks until it do nothing, so skip to the
             # first tick at or after it (ticks stay at multiples of the interval, so the run is unchanged)
             tick = max(tick, _first_tick_at(self._heap[0][0], interval))
