@@ -48,7 +48,8 @@ case "${1:-}" in
     # the issue names first: the run is cut at SECONDS; the slowest tests are listed, to plan the next
     first="tests/transfer/test_direct_link.py tests/engine/test_gpu_llama3.py tests/transfer/test_disaggregation.py"
     rest=$(grep -rlE "mark\.(gpu|kernels)|marks=pytest\.mark\.gpu" tests | sort | grep -vxF "${first// /$'\n'}")
-    timeout "${2:-300}" python3 -m pytest -q -rfE --durations 15 --timeout 150 -m "gpu or kernels" -p no:cacheprovider \
+    # SIGINT at the cut: pytest then still lists what failed so far
+    timeout -s INT -k 30 "${2:-300}" python3 -m pytest -q -rfE --durations 15 --timeout 150 -m "gpu or kernels" -p no:cacheprovider \
       $first $rest 2>&1 | tee -a "$out/tests.log" ;;
   kernels)
     install_carried
