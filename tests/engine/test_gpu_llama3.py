@@ -14,7 +14,9 @@ from splitserve.engine.shapes import LLAMA3_8B
 pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 32
-NEAR_TIE = 0.05  # transformers' top-2 logit gap under which two bf16 implementations may pick either
+# transformers' top-2 logit gap under which two bf16 implementations may pick either: 8 bf16 ulps of
+# a logit in [4, 8) (an H200 saw a pick at 0.094, 3 ulps), within the logprobs' own tolerance below
+NEAR_TIE = 0.25
 # bf16 through 32 layers, against transformers' own bf16: each of the top logprobs within LOGPROB_ATOL
 # (an H200 saw 0.19 on a 4th alternative near -7.3), and within LOGPROB_MEAN on average
 LOGPROB_ATOL, LOGPROB_MEAN = 0.5, 0.1
@@ -49,15 +51,15 @@ def test_greedy_tokens_and_logprobs_match_transformers(pair):
             logits = theirs(input_ids=ids).logits[0, len(prompt) - 1:].float()
         reference = torch.log_softmax(logits, dim=-1)
         count = 0
-        for step, token in enumerate(out.token_ids):
+        for step, token in enumerate(out.token_ids):  # transformers reads our tokens: every step compares
             top = logits[step].topk(2)
-            if token != top.indices[0].item():  # only where transformers itself nearly ties
-                assert (top.values[0] - top.values[1]).item() < NEAR_TIE, (len(prompt), step, token, top)
-                break  # past a tie the two continuations may differ
+            if token == top.indices[0].item():
+                count += 1
+            else:  # only where transformers itself nearly ties
+                assert (top.values[0] - logits[step, token]).item() < NEAR_TIE, (len(prompt), step, token, top)
             for alternative, logprob in out.outputs[0].logprobs[step].items():
                 diffs.append(abs(logprob - reference[step, alternative].item()))
                 assert diffs[-1] < LOGPROB_ATOL, (len(prompt), step, alternative, diffs[-1])
-            count += 1
         agreed.append(count)
-    assert sum(agreed) >= 0.75 * NEW_TOKENS * len(prompts), agreed  # ties are rare: most tokens are compared
+    assert sum(agreed) >= 0.75 * NEW_TOKENS * len(prompts), agreed  # ties are rare: most picks are transformers'
     assert sum(diffs) / len(diffs) < LOGPROB_MEAN, sum(diffs) / len(diffs)

@@ -1,8 +1,9 @@
 """Torch's built-in FlashAttention-2 for fresh prompts (`attention/torch_flash.py`), through the
-flash-attn backend: the op's schema in the installed torch takes the arguments it is given; on CPU a
+flash-attn backend: the op's schema in the installed torch takes the arguments it is given; a
 stand-in with the op's contract (torch's SDPA under a mask of each prompt's causal window) checks
-what it is given and the backend's use of it against the reference (tests/engine/test_attention.py);
-on a GPU it runs, the `kernels` mark (scripts/gpu_check.sh)."""
+what it is given and the backend's use of it against the reference (tests/engine/test_attention.py),
+the Triton kernels beside it interpreted on CPU and compiled on a GPU (the `kernels` mark,
+scripts/gpu_check.sh), where the op itself runs too."""
 from __future__ import annotations
 
 import functools
@@ -19,6 +20,7 @@ from tests.engine.test_attention import build_case, check_case  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 CUDA = torch.device("cuda")
+DEVICE = CUDA if torch.cuda.is_available() else torch.device("cpu")  # the Triton kernels compiled, or interpreted
 SMALL = {"block_m": 16, "block_n": 16}  # the Triton kernel's tiles (decodes, and what the op does not take)
 
 
@@ -41,7 +43,7 @@ def stand_in(calls, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, ret
     calls.append((len(bounds) - 1, window_size_left))
     out = torch.empty_like(q)
     for lo, hi in zip(bounds, bounds[1:]):
-        p = torch.arange(hi - lo)
+        p = torch.arange(hi - lo, device=q.device)
         allowed = (p[None, :] <= p[:, None]) & ((window_size_left < 0) | (p[None, :] >= p[:, None] - window_size_left))
         out[lo:hi] = F.scaled_dot_product_attention(*(x[lo:hi].transpose(0, 1) for x in (q, k, v)), attn_mask=allowed,
                                                     scale=scale, enable_gqa=True).transpose(0, 1)
@@ -67,7 +69,7 @@ def test_fresh_prompts_take_torchs_kernel(calls, heads, kv_heads, window):
     assert isinstance(backend, cuda.FlashAttnBackend) and backend.fresh is torch_flash
     check_case([(40, 1), (9, 1), (31, 31), (5, 5), (24, 24)], heads=heads, kv_heads=kv_heads, dim=32, block_size=16,
                num_decodes=2, dtype=torch.float16, tolerance=2e-2, window=window, scale=0.3,
-               backend=cuda.FlashAttnBackend(**SMALL, num_splits=2))
+               device=DEVICE, backend=cuda.FlashAttnBackend(**SMALL, num_splits=2))
     assert calls == [(3, -1 if window is None else window - 1)]
 
 
@@ -80,7 +82,7 @@ def test_chunks_before_the_fresh_prompts_take_triton(calls, seqs, fresh_at_end):
     and whatever comes before the last of them, through the Triton kernel; the fresh prompts after
     it through torch's, in one call."""
     check_case([(40, 1), (9, 1)] + seqs, heads=8, kv_heads=2, dim=32, block_size=16, num_decodes=2,
-               dtype=torch.float16, tolerance=2e-2, backend=cuda.FlashAttnBackend(**SMALL, num_splits=2))
+               dtype=torch.float16, tolerance=2e-2, device=DEVICE, backend=cuda.FlashAttnBackend(**SMALL, num_splits=2))
     assert calls == [(fresh_at_end, -1)]
 
 
@@ -103,7 +105,7 @@ def test_over_an_fp8_cache_it_reads_what_the_cache_gives_back(calls):
     (the reference attends to what the codes stand for); a chunk before them, through Triton's."""
     check_case([(40, 1), (50, 19), (31, 31), (24, 24)], heads=8, kv_heads=2, dim=32, block_size=16, num_decodes=1,
                dtype=torch.float16, tolerance=2e-2, kv_scale=(0.004, 0.01),
-               backend=cuda.FlashAttnBackend(**SMALL, num_splits=2))
+               device=DEVICE, backend=cuda.FlashAttnBackend(**SMALL, num_splits=2))
     assert calls == [(2, -1)]
 
 
@@ -115,7 +117,7 @@ def test_what_it_does_not_take_goes_to_triton(calls, case):
     dim = 20 if case == "odd head size" else 32
     dtype, tolerance = (torch.float32, 1e-5) if case == "float32" else (torch.float16, 2e-2)
     check_case(seqs, heads=8, kv_heads=2, dim=dim, block_size=16, num_decodes=1, dtype=dtype, tolerance=tolerance,
-               softcap=2.0 if case == "softcap" else None, backend=cuda.FlashAttnBackend(**SMALL))
+               softcap=2.0 if case == "softcap" else None, device=DEVICE, backend=cuda.FlashAttnBackend(**SMALL))
     assert calls == []
 
 

@@ -172,7 +172,11 @@ def test_the_fp8_store_rounds_as_torch(scale):
     caches = [torch.zeros((2, len(values), 1, 1, 128), dtype=torch.uint8, device=d) for d in ("cpu", DEVICE)]
     write_kv(values, values.flip(0), caches[0], slots, (scale, scale))
     store_kv(values.to(DEVICE), values.flip(0).to(DEVICE), caches[1], slots.to(DEVICE), (scale, scale))
-    assert torch.equal(caches[1].cpu(), caches[0].cpu())
+    got, want = caches[1].cpu(), caches[0]
+    wrong = (got != want).nonzero().tolist()  # [k or v, token, 0, 0, column]
+    inputs = [(values if kv == 0 else values.flip(0))[t, 0, c].item() for kv, t, _, _, c in wrong[:8]]
+    assert not wrong, f"{len(wrong)} codes differ; inputs, kernel's, torch's: " + ", ".join(
+        f"{x!r} {got[i].item():#04x} {want[i].item():#04x}" for x, i in zip(inputs, map(tuple, wrong)))
 
 
 def test_a_chosen_split_count_is_the_largest_power_of_two_within_its_bounds():
@@ -242,7 +246,6 @@ def test_a_tiny_model_generates_the_same_greedy_tokens_with_either_backend(kv_ca
 
 def test_backend_choice(monkeypatch):
     from splitserve.engine.attention import TorchPagedBackend, select_backend
-    from splitserve.engine.attention.cuda import FlashAttnBackend, flash_attn_varlen_func
     from splitserve.engine.config import ConfigError
 
     cpu = torch.device("cpu")
@@ -253,9 +256,6 @@ def test_backend_choice(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ConfigError, match="needs CUDA"):
         select_backend(cpu, "triton")
-    if flash_attn_varlen_func is None:
-        with pytest.raises(ConfigError, match="flash-attn package"):
-            FlashAttnBackend()
 
 
 def test_the_store_skips_padding_slots():

@@ -3,6 +3,8 @@ torch code on the CPU (the gated activation against torch's own ops); the kernel
 Triton's interpreter on CPU, compiled on CUDA where it is (the `kernels` mark)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,6 +177,8 @@ SPARSE = {"add_rms_norm", "rotate_in_place", "route"}
 # Llama's norms and SiLU; Qwen3's q and k norms inside the rotation; Phi-3's half-rotated heads (the
 # norms apart); Gemma 2's GELU and norms; Gemma 3's norms on q and k; Qwen2-MoE's shared expert (an MLP)
 # and routing (`moe_routing`), Mixtral's renormalized, GPT-OSS's
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the model on the CPU, its kernels interpreted (on CUDA: test_gpu.py's per-architecture test)")
 @pytest.mark.parametrize("name, kernels", [("llama3_gqa_tied", DENSE), ("qwen3_qk_norm", DENSE),
                                            ("phi3_fused_partial", DENSE), ("gemma2", DENSE), ("gemma3", DENSE),
                                            ("qwen2_moe", DENSE | SPARSE), ("mixtral_moe", SPARSE),
