@@ -40,7 +40,9 @@ its `startup_s` (weights drawn, memory profiled, kernels compiled, graphs captur
    its `floor_share` (floor / seconds), and the result the highest ratio to transformers any
    engine could reach, `throughput_ratio_ceiling_vs_hf` (transformers' seconds / the floor).
 4. transfer: a prompt and a token worker (`kv_pair.py`), both on this GPU, the KV written into the
-   token worker's cache through CUDA IPC: visible / serialized transfer for 2k and 8k prompts.
+   token worker's cache through CUDA IPC: visible / serialized transfer for 2k and 8k prompts (on a
+   GPU the visible part is the layered run's TTFT over the one-shot run's plus the tail from the first
+   token to the last layer landing: `kv_pair.py`).
 5. prefill-triton: the prefill rows again with `attention_backend: triton` (the Triton kernel
    for fresh prompts too).
 6. decode-fp8: the decode rows again over an FP8 KV cache (`kv_cache_dtype: fp8`, a byte a K or

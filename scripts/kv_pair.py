@@ -12,9 +12,12 @@ the token worker synchronizes its device before it calls a transfer landed.
 - prefill_ms: the colocated prefill step (TTFT of the colocated engine);
 - serialized_transfer_ms: one-shot push after the prefill, until the last byte has landed and the
   token worker holds the request (first token sampled -> KV landed);
-- visible_transfer_ms: with layer-wise streaming, what the transfer adds to the critical path in
-  the same run: the compute thread's time packing and pushing layers during the prefill, plus the
-  tail from the first token to the last layer landing (the part not hidden behind compute);
+- visible_transfer_ms: with layer-wise streaming, what the transfer adds to the critical path: the
+  tail from the first token to the last layer landing (tail_ms), plus what streaming delays the
+  first token by. On CPU that is the compute thread's time packing and pushing layers during the
+  prefill (streaming_host_ms); on a GPU the host packs and enqueues layers while the device is still
+  computing earlier ones, so it is the device's delay: the layered run's TTFT over the one-shot
+  run's (one_shot_ttft_ms), the same engine's, not below 0;
 - ttft_ms: disaggregated time to first token (prompt worker), against colocated ttft;
 - second_token_overhead: (second-token latency disaggregated / colocated) - 1, where the second
   token's latency is the time from the first token to the second one.
@@ -114,6 +117,7 @@ class Pair:
     def __init__(self, model: str, backend: str, engine_args: dict, label: str | None = None):
         ctx = mp.get_context("spawn")
         self.backend, self.label = backend, label or backend  # a row's name: pairs of one backend differ by label
+        self.on_gpu = str(engine_args.get("device", "cpu")).startswith("cuda")
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.prompt, prompt_end = ctx.Pipe()
         self.token, token_end = ctx.Pipe()
@@ -174,8 +178,8 @@ def _wait_exit(proc: mp.Process, timeout: float) -> None:
 def measure(pairs: list[Pair], model: str, n: int, repeats: int, kv_bytes_per_token: int) -> list[dict]:
     """One row per pair (its label: the backend unless given); the pairs' runs interleaved."""
     prompt = [1] + [(7 * i) % 250 + 3 for i in range(n - 1)]
-    rows = {pair.label: {k: [] for k in ("prefill", "coloc_second", "serialized", "visible", "ttft", "second",
-                                           "sent_bytes")}
+    rows = {pair.label: {k: [] for k in ("prefill", "coloc_second", "serialized", "visible", "tail", "streaming_host",
+                                           "ttft", "one_shot_ttft", "second", "sent_bytes")}
             for pair in pairs}
     for pair in pairs:
         pair.colocated(prompt)  # warm-up: both engines' first steps, and the link's set-up, are not measured
@@ -190,8 +194,12 @@ def measure(pairs: list[Pair], model: str, n: int, repeats: int, kv_bytes_per_to
             got["prefill"].append(ttft)
             got["coloc_second"].append(second)
             got["serialized"].append(one_shot["landed"] - one_shot["first"])
-            got["visible"].append(layered["landed"] - layered["first"] + layered["streaming"])
+            got["tail"].append(layered["landed"] - layered["first"])
+            got["streaming_host"].append(layered["streaming"])
             got["ttft"].append(layered["first"] - layered["start"])
+            got["one_shot_ttft"].append(one_shot["first"] - one_shot["start"])
+            delay = max(0.0, got["ttft"][-1] - got["one_shot_ttft"][-1]) if pair.on_gpu else layered["streaming"]
+            got["visible"].append(got["tail"][-1] + delay)
             got["second"].append(layered["second"] - layered["first"])
             got["sent_bytes"] += [one_shot["sent_bytes"], layered["sent_bytes"]]
     return [_row(backend, got, model, n, repeats, kv_bytes_per_token) for backend, got in rows.items()]
@@ -206,6 +214,8 @@ def _row(backend: str, rows: dict, model: str, n: int, repeats: int, kv_bytes_pe
             "sent_bytes": sent.pop(),
             "prefill_ms": med["prefill"], "serialized_transfer_ms": med["serialized"],
             "visible_transfer_ms": med["visible"], "visible_fraction": med["visible"] / med["serialized"],
+            "tail_ms": med["tail"], "streaming_host_ms": med["streaming_host"],
+            "one_shot_ttft_ms": med["one_shot_ttft"],
             "ttft_ms": med["ttft"], "colocated_ttft_ms": med["prefill"],
             "second_token_ms": med["second"], "colocated_second_token_ms": med["coloc_second"],
             "second_token_overhead": med["second"] / med["coloc_second"] - 1, "repeats": repeats}
