@@ -3,7 +3,8 @@
 # through the tool library's `device` entry: nothing can be fetched there, and its Python 3.12 lacks
 # a few of splitserve's packages, which travel as wheels in the git-ignored .whl/).
 #   bash scripts/gpu_check.sh wheels             # here, once: those packages into .whl/
-#   bash scripts/gpu_check.sh tests [SECONDS]    # there (carry .whl): the kernels (compiled) and gpu tests (300 s)
+#   bash scripts/gpu_check.sh tests [SECONDS [FILES...]]  # there (carry .whl): the kernels (compiled) and gpu
+#                                                # tests (300 s; FILES: those files alone, in that order)
 #   bash scripts/gpu_check.sh kernels            # there: scripts/bench_attention.py (the prefill tile configurations
 #                                                # beside torch's FlashAttention-2, decode at 3 and 5 stages),
 #                                                # scripts/bench_moe.py (gpt-oss-20b's and Qwen3-30B-A3B's
@@ -48,6 +49,7 @@ case "${1:-}" in
     # the issue names first: the run is cut at SECONDS; the slowest tests are listed, to plan the next
     first="tests/transfer/test_direct_link.py tests/engine/test_gpu_llama3.py tests/transfer/test_disaggregation.py"
     rest=$(grep -rlE "mark\.(gpu|kernels)|marks=pytest\.mark\.gpu" tests | sort | grep -vxF "${first// /$'\n'}")
+    if [ $# -gt 2 ]; then first="${*:3}" rest=""; fi
     # SIGINT at the cut: pytest then still lists what failed so far
     timeout -s INT -k 30 "${2:-300}" python3 -m pytest -q -rfE --durations 15 --timeout 150 -m "gpu or kernels" -p no:cacheprovider \
       $first $rest 2>&1 | tee -a "$out/tests.log" ;;
@@ -78,6 +80,6 @@ case "${1:-}" in
     bash scripts/gpu_check.sh bench --budget $((570 - SECONDS)) "$@" || status=$?
     exit $status ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh wheels | tests [SECONDS] | kernels | bench [bench_gpu.py args] | all [bench_gpu.py args]" >&2
+    echo "usage: bash scripts/gpu_check.sh wheels | tests [SECONDS [FILES...]] | kernels | bench [bench_gpu.py args] | all [bench_gpu.py args]" >&2
     exit 2 ;;
 esac
