@@ -116,11 +116,13 @@ def _template_call(call, where: str) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
-def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer,
+                          add_special_tokens: bool | None = None) -> list[int]:
     """The prompt tokens of a chat request. The tokenizer's own special tokens (BOS) are added only
     when the rendered text does not already start with BOS, so a template that writes BOS gets
     exactly one, and the plain default template still gets the BOS the model expects. A tokenizer
-    without BOS adds nothing, as in transformers' `apply_chat_template`."""
+    without BOS adds nothing, as in transformers' `apply_chat_template`. `add_special_tokens`
+    given: added, or not, whatever the text starts with."""
     bos = _token_text(tokenizer, tokenizer.bos_token_id)
     eos = _token_text(tokenizer, next(iter(tokenizer.eos_token_ids), None))
     # Like transformers, chat_template_kwargs may override the special tokens' strings.
@@ -131,7 +133,8 @@ def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) 
     text = render_chat(messages_for_template(request), tokenizer.chat_template,
                        add_generation_prompt=request.add_generation_prompt,
                        continue_final_message=request.continue_final_message, tools=tools, **variables)
-    return tokenizer.encode(text, add_special_tokens=not text.startswith(bos))
+    add = not text.startswith(bos) if add_special_tokens is None else add_special_tokens
+    return tokenizer.encode(text, add_special_tokens=add)
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:

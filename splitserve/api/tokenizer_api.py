@@ -17,11 +17,14 @@ from splitserve.engine.tokenizer import Tokenizer
 
 
 class TokenizeRequest(BaseModel):
-    """Either `prompt` (text) or `messages` (rendered by the chat template), not both."""
+    """Either `prompt` (text) or `messages` (rendered by the chat template), not both.
+    `add_special_tokens`: a prompt's default true; messages' unset gives the chat endpoint's tokens
+    (BOS where the template does not write it), true or false as vLLM (on top of the template's
+    text, or none)."""
     model_config = STRICT
     model: str | None = None
     prompt: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     messages: Annotated[list[ChatMessage] | None, Field(min_length=1)] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -39,12 +42,12 @@ def tokenize(request: TokenizeRequest, tokenizer: Tokenizer, served: tuple[str, 
     if (request.prompt is None) == (request.messages is None):
         raise RequestError("send exactly one of prompt and messages", param="prompt")
     if request.prompt is not None:
-        ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens is not False)
     else:
         chat = ChatCompletionRequest(model=served[0], messages=request.messages,
                                      add_generation_prompt=request.add_generation_prompt,
                                      continue_final_message=request.continue_final_message)
-        ids = chat_prompt_token_ids(chat, tokenizer)
+        ids = chat_prompt_token_ids(chat, tokenizer, request.add_special_tokens)
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
 

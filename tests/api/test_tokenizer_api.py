@@ -38,6 +38,26 @@ def test_tokenize_chat_messages_through_the_chat_template():
     assert bytes(tokens[1:]).decode() == "user: hi\nassistant: Yes: "
 
 
+def test_chat_messages_special_tokens_as_asked(tmp_path):
+    """Unset: the chat endpoint's tokens, one BOS whether the template writes it or not; true: the
+    tokenizer's on top of the template's text, false: none (vLLM's), as transformers encodes that text."""
+    from transformers import AutoTokenizer
+
+    from splitserve.engine.tokenizer import load_tokenizer
+    from tests.api.test_chat_template import save_checkpoint
+
+    path = save_checkpoint(tmp_path, "llama3")  # its template writes BOS, its tokenizer adds BOS too
+    ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": "hello there"}]
+    text = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith(theirs.bos_token)
+    for asked, want in ((None, theirs.encode(text, add_special_tokens=False)),
+                        (True, theirs.encode(text, add_special_tokens=True)),
+                        (False, theirs.encode(text, add_special_tokens=False))):
+        fields = {"messages": messages} if asked is None else {"messages": messages, "add_special_tokens": asked}
+        assert tokenize(body(TokenizeRequest, **fields), ours, SERVED, 2048)["tokens"] == want, asked
+
+
 @pytest.mark.parametrize("model_cls, fields, param", [
     (TokenizeRequest, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
     (TokenizeRequest, {}, "prompt"),
