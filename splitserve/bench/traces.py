@@ -117,10 +117,10 @@ def _seconds_since_first(rows: list[dict], path: str) -> np.ndarray:
             raise ValueError(f"trace: column TIMESTAMP of {path!r} row {number}: {cell!r} is not an ISO date-time "
                              "(YYYY-MM-DD hh:mm:ss)")
     try:
-        stamps = np.array(cells, dtype="datetime64[ns]")
+        stamps = np.array(cells, dtype="datetime64[us]")  # years 1 to 9999 (nanoseconds wrap outside 1678-2262)
     except ValueError as e:
         raise ValueError(f"trace: column TIMESTAMP of {path!r} must hold date-times ({e})") from e
-    seconds = (stamps - stamps[0]).astype(np.int64) / 1e9
+    seconds = (stamps - stamps[0]).astype(np.int64) / 1e6
     if np.any(np.diff(seconds) < 0):
         raise ValueError(f"trace: column TIMESTAMP of {path!r} must be in time order")
     return seconds
