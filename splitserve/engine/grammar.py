@@ -30,6 +30,7 @@ log = logging.getLogger("splitserve.grammar")
 JSON_OPTIONS = {"whitespace_flexible": False}
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 _BLANKS = r"/[ \t\r\n]*/"
+CHECKED_KEPT = 64  # matchers `check` built, kept unused for the requests that follow it
 
 
 class InvalidConstraint(ValueError):
@@ -45,6 +46,8 @@ class GrammarMasks:
         self._tag_tokens = (THINK_OPEN in added, THINK_CLOSE in added)
         self._words = (self._tokenizer.vocab_size + 31) // 32
         self._matchers: dict[str, tuple[llg.LLMatcher, int]] = {}  # seq id -> (matcher, tokens consumed)
+        # constraint -> a matcher `check` built, at its start (a mask leaves it there), the oldest first
+        self._checked: dict[OutputConstraint, llg.LLMatcher] = {}
 
     def check(self, constraint: OutputConstraint) -> None:
         """Raise InvalidConstraint unless the constraint compiles for this tokenizer and something
@@ -54,10 +57,15 @@ class GrammarMasks:
             error = llg.LLMatcher.validate_grammar(_grammar(constraint, self._tag_tokens), self._tokenizer)
         except (ValueError, RuntimeError) as exc:
             error = str(exc)
-        if not error and _fails_at_once(self._new_matcher(constraint)):
+        matcher = None if error else self._new_matcher(constraint)
+        if matcher is not None and _fails_at_once(matcher):
             error = "no text can match it"
         if error:
             raise InvalidConstraint(f"{constraint.kind}: {error}")
+        self._checked.pop(constraint, None)
+        self._checked[constraint] = matcher  # the request checked next takes it: one matcher, not two
+        if len(self._checked) > CHECKED_KEPT:
+            del self._checked[next(iter(self._checked))]
 
     def forget(self, seq_id: str) -> None:
         self._matchers.pop(seq_id, None)
@@ -89,7 +97,8 @@ class GrammarMasks:
 
     def _caught_up(self, seq: Sequence) -> llg.LLMatcher:
         constraint = seq.params.constraint
-        matcher, consumed = self._matchers.get(seq.seq_id) or (self._new_matcher(constraint), 0)
+        matcher, consumed = self._matchers.get(seq.seq_id) or (
+            self._checked.pop(constraint, None) or self._new_matcher(constraint), 0)
         start = seq.num_prompt_tokens - seq.params.resumed_tokens  # a resumed request's output is matched too
         for token_id in seq.token_ids[start + consumed:]:
             if not matcher.is_error() and not matcher.consume_token(token_id):

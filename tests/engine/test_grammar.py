@@ -14,7 +14,7 @@ import torch
 from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
-from splitserve.engine.grammar import GrammarMasks, InvalidConstraint
+from splitserve.engine.grammar import CHECKED_KEPT, GrammarMasks, InvalidConstraint
 from splitserve.engine.demo import demo_tokenizer
 from splitserve.engine.llm import LLM
 from splitserve.engine.output_constraint import OutputConstraint
@@ -80,6 +80,29 @@ def test_a_matcher_catches_up_on_tokens_it_did_not_sample():
     logits = masks.apply(torch.zeros(2, 259), [imported, resumed])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ord("b")]
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [ord("c"), ord("d")]
+
+
+def test_a_checked_constraints_matcher_serves_the_next_request_of_it(monkeypatch):
+    """The matcher `check` built (and masked once) is the one a request's first mask uses; a second
+    request of the same constraint, or the first again after its matcher is gone, builds its own."""
+    masks = GrammarMasks(demo_tokenizer(), 259)
+    built = []
+    monkeypatch.setattr(masks, "_new_matcher", lambda c, new=masks._new_matcher: built.append(c) or new(c))
+    constraint = OutputConstraint("choice", json.dumps(["abc", "abd"]))
+    masks.check(constraint)
+    seqs = [Sequence(name, [256], SamplingParams(constraint=constraint), eos_token_ids=frozenset({EOS}))
+            for name in "ab"]
+    for seq in seqs:
+        seq.append_token(ord("a"))
+    logits = masks.apply(torch.zeros(2, 259), seqs)
+    assert [torch.isfinite(row).nonzero().flatten().tolist() for row in logits] == [[ord("b")]] * 2
+    assert len(built) == 2  # check's, used by "a"; "b"'s own
+    masks.check(constraint)
+    for k in range(CHECKED_KEPT):  # as many others checked after it as are kept: its matcher goes
+        masks.check(OutputConstraint("regex", f"x{k}"))
+    masks.forget("a")
+    masks.apply(torch.zeros(1, 259), seqs[:1])
+    assert len(built) == 3 + CHECKED_KEPT + 1
 
 
 def test_a_token_outside_the_grammar_leaves_only_eos():
