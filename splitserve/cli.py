@@ -11,6 +11,8 @@ from splitserve.api import chat_parsers
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.policies import POLICY_CLASSES
 
+MAX_BATCH_SIZE = 4096  # `splitserve profile --batch-sizes`: the largest batch, its engine's max_num_seqs
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving (Splitwise) on Ray.")
@@ -123,7 +125,8 @@ def _add_profile(commands) -> None:
     p.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads")
     p.add_argument("--repeats", type=_positive_int, default=3, help="runs of each sweep point")
     p.add_argument("--prompt-sizes", type=_sizes, default=(32, 64, 128, 256, 512, 1024), help="comma-separated")
-    p.add_argument("--batch-sizes", type=_sizes, default=(1, 2, 4, 8, 16, 32), help="comma-separated")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=(1, 2, 4, 8, 16, 32),
+                   help=f"comma-separated, each at most {MAX_BATCH_SIZE}")
     p.add_argument("--token-size", type=_positive_int, default=32, help="output tokens per request (>= 2)")
     p.add_argument("--chunk-size", type=_positive_int, default=256, help="new tokens of a chunk-sweep prompt")
     p.add_argument("--chunk-contexts", type=_sizes_or_none, default=(256, 512, 1024),
@@ -150,6 +153,13 @@ def _positive_int(text: str) -> int:
     if len(sizes) != 1:
         raise argparse.ArgumentTypeError(f"expected one integer >= 1, got {text!r}")
     return sizes[0]
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    sizes = _sizes(text)
+    if max(sizes) > MAX_BATCH_SIZE:
+        raise argparse.ArgumentTypeError(f"each must be at most {MAX_BATCH_SIZE}, got {max(sizes)}")
+    return sizes
 
 
 def _sizes(text: str) -> tuple[int, ...]:

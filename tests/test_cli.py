@@ -77,3 +77,12 @@ def test_profile_checks_its_out_path_and_server_before_it_runs(tmp_path, capsys)
         assert main(["profile", "--url", url, "--engine-profile", str(tmp_path / "cpu.csv"),
                      "--out", str(tmp_path / "o.json")]) == 2
         assert capsys.readouterr().err.startswith("splitserve profile: ")
+
+
+def test_profile_refuses_a_batch_size_past_its_bound_with_a_usage_error(tmp_path, capsys):
+    """--batch-sizes 100000 was taken, and the profile's engine exhausted memory building that batch."""
+    with pytest.raises(SystemExit) as exit:
+        main(["profile", "--out", str(tmp_path / "p.csv"), "--batch-sizes", "1,100000"])
+    assert exit.value.code == 2
+    assert "argument --batch-sizes: each must be at most 4096, got 100000" in capsys.readouterr().err
+    assert not (tmp_path / "p.csv").exists()

@@ -23,14 +23,17 @@ from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
 from splitserve.command import report_errors
 
 TRACES = ("code", "conv", "sharegpt", "arxiv", "mooncake", "fixed")
+MAX_REQUESTS = 1_000_000  # every request's spec and record is held in memory for the whole run
+MAX_SPAN_S = 86_400.0     # a day: a rate whose requests take longer to arrive is a typo, not a benchmark
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="the server's base URL (without /v1), e.g. http://127.0.0.1:8000")
     p.add_argument("--trace", default="conv", help=f"{', '.join(TRACES)}, a CSV file (Azure or length columns) or a Mooncake .jsonl "
                                                    "(prompts share the blocks its hash_ids share)")
-    p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the trace's own arrivals)")
+    p.add_argument("--num-requests", type=int, default=100, help=f"at most {MAX_REQUESTS:,}")
+    p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the trace's own arrivals), "
+                                                            "at which the requests arrive within a day")
     p.add_argument("--arrivals", choices=ARRIVALS, default=None,
                    help="default: the trace's own for code/conv/mooncake without --rate, else poisson")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: CV of inter-arrival times")
@@ -77,6 +80,7 @@ def run(args) -> dict:
     target, workload, slo, out = Target(args.url, args.model, args.api_key), workload_of(args), slo_of(args), Path(args.out)
     # a bad trace, workload, URL or results folder is reported before the server is contacted (capacity: at
     # its first rate)
+    _check_load(args)
     make_workload(dataclasses.replace(workload, rate=args.rate_low) if args.capacity else workload)
     if args.capacity and args.tbt_slo is None:
         raise ValueError("--capacity needs --tbt-slo (the P99 TBT bound, seconds)")
@@ -95,6 +99,19 @@ def run(args) -> dict:
     print(markdown_table(summary))
     print(f"results in {out}/ (summary.json, requests.jsonl, report.md, plots)")
     return summary
+
+
+def _check_load(args) -> None:
+    """The run fits in memory and in a day at its slowest rate (capacity: --rate-low)."""
+    if args.num_requests > MAX_REQUESTS:
+        raise ValueError(f"--num-requests must be at most {MAX_REQUESTS:,}, got {args.num_requests:,}")
+    flag, rate = ("--rate-low", args.rate_low) if args.capacity else ("--rate", args.rate)
+    if rate is None or not rate > 0:  # the trace's own arrivals; or a rate WorkloadSpec refuses
+        return
+    span = (args.num_requests - 1) / rate  # the last arrival's mean time: the first is at 0
+    if span > MAX_SPAN_S:
+        raise ValueError(f"{flag} {rate:g}: the last of {args.num_requests:,} requests would arrive after about "
+                         f"{span:.3g} s, past {MAX_SPAN_S:g} s (a day); raise {flag} or lower --num-requests")
 
 
 def _check_url(url: str) -> None:

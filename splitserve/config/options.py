@@ -18,6 +18,9 @@ from splitserve.engine.policies import SLOOptions as PolicySLOOptions
 from splitserve.placement.state import PlacementThresholds
 
 
+MAX_KV_BLOCKS = 2**31 - 1  # every block id fits an int32 index
+
+
 class StrictModel(BaseModel):
     """Unknown fields are refused; so are inf and NaN in any float field (every bound is finite)."""
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -114,7 +117,7 @@ class EngineOptions(StrictModel):
     gpu_reserve_bytes: int = Field(512 * 2**20, ge=0, description="GPU memory kept out of the KV cache for what its "
                                    "profiling forward cannot see: NCCL communicators opened later (KV transfer "
                                    "links) and CUDA graph pools.")
-    num_kv_blocks: int | None = Field(None, description="KV blocks, instead of a size in bytes.")
+    num_kv_blocks: int | None = Field(None, le=MAX_KV_BLOCKS, description="KV blocks, instead of a size in bytes.")
     max_num_seqs: int = Field(256, description="Sequences in one worker's batch at most.")
     max_model_len: int | None = Field(None, description="Longest prompt plus output; null: the model's own "
                                       "(max_position_embeddings, or YaRN's stretched context).")

@@ -96,6 +96,23 @@ def test_a_bad_url_or_results_folder_is_reported_before_any_request(tmp_path, ca
     assert "--capacity needs --tbt-slo" in capsys.readouterr().err
 
 
+def test_a_run_longer_than_a_day_or_past_a_million_requests_is_refused(tmp_path, capsys):
+    """--rate 1e-9 slept for decades between arrivals, and --num-requests 100000000 built a list of
+    100M requests: both are refused up front (exit 2), naming the flag."""
+    base = ["--url", "http://127.0.0.1:9", "--trace", "fixed", "--no-calibrate", "--no-progress"]
+    for flags, message in ((["--num-requests", "3", "--rate", "1e-9"], "--rate 1e-09: the last of 3 requests"),
+                           (["--num-requests", "86402", "--rate", "1"], "--rate 1: the last of 86,402 requests"),
+                           (["--num-requests", "10", "--capacity", "--tbt-slo", "1", "--rate-low", "1e-6"],
+                            "--rate-low 1e-06: the last of 10 requests"),
+                           (["--num-requests", "100000000", "--rate", "1e6"], "--num-requests must be at most "
+                                                                               "1,000,000, got 100,000,000")):
+        assert main([*base, *flags, "--out", str(tmp_path / "o")]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything else
+    assert main([*base, "--num-requests", "1", "--rate", "1e-9", "--out", str(tmp_path / "o")]) == 2
+    assert "cannot talk to http://127.0.0.1:9" in capsys.readouterr().err  # past the check: one request, no gap
+
+
 def test_a_zero_slo_bound_is_refused_not_dropped():
     from splitserve.bench.cli import slo_of
 

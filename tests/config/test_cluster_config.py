@@ -203,6 +203,8 @@ INVALID = {
     "engine device": ({"engine": {"device": "tpu"}}, r"engine\n.*device must be auto, cpu, cuda or cuda:N"),
     "engine max_model_len": ({"engine": {"max_model_len": -5}}, r"engine\n.*max_model_len must be >= 1"),
     "engine seed": ({"engine": {"seed": 2**64}}, r"engine\.seed\n.*less than 18446744073709551616"),
+    "engine num_kv_blocks": ({"engine": {"num_kv_blocks": 10**11}},
+                             r"engine\.num_kv_blocks\n.*less than or equal to 2147483647"),
     "empty api key": ({"ingress": {"api_key": ""}}, r"ingress\.api_key\n.*at least 1 character"),
     "bad custom class": ({"hardware_classes": {"l4": {"prompt_speed": 0, "token_speed": 1}}},
                          r"hardware_classes\.l4\.prompt_speed\n.*greater than 0"),
