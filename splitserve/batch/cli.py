@@ -10,6 +10,7 @@ from pathlib import Path
 from splitserve.api import chat_parsers
 from splitserve.batch.blend.feeder import ORDERS, BlendOptions
 from splitserve.command import report_errors
+from splitserve.config.options import MAX_KV_BLOCKS
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.config import ConfigError
 
@@ -26,13 +27,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-fraction", type=float, default=0.01, help="requests run first to learn output lengths")
     p.add_argument("--split-threshold", type=float, default=0.01,
                    help="node-split recompute budget, as a fraction of the unique prompt tokens")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size (default: from memory)")
+    p.add_argument("--num-kv-blocks", type=_kv_blocks, default=None,
+                   help=f"KV cache size, at most {MAX_KV_BLOCKS} (default: from memory)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto (the serving dtype) or fp8: K and V stored as float8 e4m3 codes, twice the tokens")
     p.add_argument("--device", default="auto")
     p.add_argument("--stats", type=Path, default=None, help="write the run's statistics here (JSON)")
     chat_parsers.add_arguments(p, config_fallback=False)
+
+
+def _kv_blocks(text: str) -> int:
+    try:
+        blocks = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= blocks <= MAX_KV_BLOCKS:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_KV_BLOCKS}], got {blocks}")
+    return blocks
 
 
 def run_command(args) -> int:

@@ -1,6 +1,8 @@
 """An append-only JSONL of result lines that survives a crash: each line is written whole and
 synced before the next request's result; on reopening, a torn last line is cut off and the
-custom_ids already present are reported done, so a resumed run neither loses nor repeats a line."""
+custom_ids already present are reported done, so a resumed run neither loses nor repeats a line.
+A whole line that is not a result line (JSON with a string custom_id) is a ValueError naming the
+file and the line: only this class writes the log, so the file was damaged or is not one."""
 from __future__ import annotations
 
 import json
@@ -20,13 +22,27 @@ class ResultLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = self.path.read_bytes() if self.path.exists() else b""
         whole = data[:data.rfind(b"\n") + 1]
-        for raw in whole.splitlines():
-            line = json.loads(raw)
+        for number, raw in enumerate(whole.split(b"\n")[:-1], 1):  # lines end in \n alone (`append`)
+            line = self._parse(raw, number)
             self.done[line["custom_id"]] = line
             on_line(line)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if len(whole) < len(data):
             os.ftruncate(self._fd, len(whole))
+
+    def _parse(self, raw: bytes, number: int) -> dict:
+        """Line `number` (from 1), as `append` wrote it."""
+        try:
+            line = json.loads(raw)
+        except UnicodeDecodeError:
+            problem = "not UTF-8"
+        except json.JSONDecodeError as error:
+            problem = f"not valid JSON ({error.msg} at column {error.colno})"
+        else:
+            if isinstance(line, dict) and isinstance(line.get("custom_id"), str):
+                return line
+            problem = f"not a JSON object with a string custom_id: {raw[:80].decode(errors='replace')}"
+        raise ValueError(f"{self.path} line {number}: {problem}; the file is damaged or is not a result log")
 
     def append(self, line: dict) -> None:
         if line["custom_id"] in self.done:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from splitserve.batch.results import ResultLog
 from splitserve.cli import main
 from tests.batch.batch_helpers import as_jsonl, batch_lines, expected_texts
@@ -42,6 +44,25 @@ def test_result_log_refuses_a_second_result_for_a_line(tmp_path):
             raise AssertionError("a duplicate result was written")
 
 
+@pytest.mark.parametrize("line, problem", [
+    (b"[1]", "not a JSON object with a string custom_id: [1]"),
+    (b'"x"', 'not a JSON object with a string custom_id: "x"'),
+    (b"{}", "not a JSON object with a string custom_id: {}"),
+    (b'{"custom_id": 5}', 'not a JSON object with a string custom_id: {"custom_id": 5}'),
+    (b"", "not valid JSON (Expecting value at column 1)"),
+    (b'{"custom_id": "b"', "not valid JSON (Expecting ',' delimiter at column 18)"),
+    (b"\xff", "not UTF-8"),
+])
+def test_a_whole_line_that_is_not_a_result_is_a_value_error_naming_the_file_and_line(tmp_path, line, problem):
+    """It raised TypeError, KeyError or JSONDecodeError; the log is left as it was."""
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"custom_id": "a"}\n' + line + b'\n{"custom_id": "c"}\n{"custom_id": "torn')
+    with pytest.raises(ValueError) as error:
+        ResultLog(path)
+    assert str(error.value) == f"{path} line 2: {problem}; the file is damaged or is not a result log"
+    assert path.read_bytes().endswith(b'"torn')  # nothing cut
+
+
 def test_a_result_is_one_line_for_any_line_splitter(tmp_path):
     """A model's text may hold U+0085, U+2028 or U+2029, which str.splitlines takes for line ends."""
     text = "a\x85b\u2028c\u2029d é"
@@ -58,6 +79,26 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
     source.write_text('{"custom_id": "a"}\n')
     assert main(["batch", str(source), str(tmp_path / "out.jsonl")]) == 2
     assert "line 1: method must be POST" in capsys.readouterr().err
+
+
+def test_an_output_that_is_not_a_result_log_is_a_one_line_error(tmp_path, capsys):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(as_jsonl(batch_lines(1)))
+    out.write_text("[1]\n")
+    assert main(["batch", str(source), str(out)]) == 2
+    assert capsys.readouterr().err == (f"splitserve batch: {out} line 1: not a JSON object with a string custom_id: "
+                                       "[1]; the file is damaged or is not a result log\n")
+    assert out.read_text() == "[1]\n"
+
+
+def test_an_absurd_kv_cache_size_is_a_usage_error(tmp_path, capsys):
+    """--num-kv-blocks 100000000000 reached the engine, whose allocator raised a traceback."""
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(as_jsonl(batch_lines(1)))
+    with pytest.raises(SystemExit) as exit:
+        main(["batch", str(source), str(tmp_path / "out.jsonl"), "--num-kv-blocks", "100000000000"])
+    assert exit.value.code == 2
+    assert "argument --num-kv-blocks: must be in [1, 2147483647], got 100000000000" in capsys.readouterr().err
 
 
 def test_the_input_output_and_errors_must_be_three_files(tmp_path, capsys):

@@ -275,6 +275,30 @@ def test_a_batch_whose_run_raises_is_resumed_then_failed_and_the_next_one_still_
     assert_usage_of_lines(first, 6)  # a failed batch's usage: the lines in its output
 
 
+def test_a_batch_whose_result_log_is_damaged_fails_with_the_line_at_fault(tmp_path, monkeypatch):
+    """Its log is read on each run and raises ValueError: the batch fails with that message and
+    the next batch runs (the worker goes on)."""
+    monkeypatch.setattr(service_module, "RERUN_AFTER_S", 0)
+
+    async def scenario():
+        store = BatchStore(tmp_path)
+        upload = store.add_file(as_jsonl(batch_lines(3)), "in.jsonl", "batch")
+        damaged, after = (store.new_batch(upload["id"], "/v1/completions", "24h", None)["id"] for _ in range(2))
+        output_log = store.log_paths(damaged)[0]
+        output_log.write_bytes(as_jsonl([answered("req-0"), [1]]))
+        service = BatchService(store, ThreadExecutor(step_s=0))
+        await service.start()  # runs the batches the store holds, oldest first
+        while service.get_batch(after)["status"] != "completed":
+            await asyncio.sleep(0.01)
+        await service.stop()
+        return store.batch(damaged), output_log
+
+    batch, output_log = asyncio.run(asyncio.wait_for(scenario(), 30))
+    [error] = batch["errors"]["data"]
+    assert batch["status"] == "failed" and error["code"] == "internal_error"
+    assert f"ValueError: {output_log} line 2: not a JSON object with a string custom_id: [1]" in error["message"]
+
+
 def assert_usage_of_lines(batch: dict, lines: int) -> None:
     """The Batch object's usage, read by the official client, is its output lines' usage summed."""
     usage = openai.types.Batch.model_validate(batch).usage
