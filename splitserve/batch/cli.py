@@ -10,9 +10,9 @@ from pathlib import Path
 from splitserve.api import chat_parsers
 from splitserve.batch.blend.feeder import ORDERS, BlendOptions
 from splitserve.command import report_errors
-from splitserve.config.options import MAX_KV_BLOCKS
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.config import ConfigError
+from splitserve.engine.engine_config import MAX_KV_BLOCKS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,13 +12,10 @@ from splitserve.api.limits import RequestLimits
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.expiry import MAX_S as MAX_EXPIRY_S, MIN_S as MIN_EXPIRY_S
 from splitserve.engine.config import ConfigError
-from splitserve.engine.engine_config import EngineConfig
+from splitserve.engine.engine_config import MAX_KV_BLOCKS, EngineConfig
 from splitserve.engine.model.sharding import MAX_RANKS
 from splitserve.engine.policies import SLOOptions as PolicySLOOptions
 from splitserve.placement.state import PlacementThresholds
-
-
-MAX_KV_BLOCKS = 2**31 - 1  # every block id fits an int32 index
 
 
 class StrictModel(BaseModel):

@@ -9,6 +9,7 @@ from splitserve.engine.config import ConfigError
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+MAX_KV_BLOCKS = 2**31 - 1  # num_kv_blocks at most: every block id fits an int32 index
 
 
 @dataclass(frozen=True)
