@@ -20,7 +20,7 @@ from splitserve.bench.report import RequestRecord
 from splitserve.bench.slo import TABLE_VI, capacity_probes
 from splitserve.bench.workload import WorkloadSpec, make_workload
 from splitserve.jobs import Job, Runner, Search, SerialRunner
-from splitserve.sim.cluster import SimResult, simulate
+from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import (
     A100,
     COST,
@@ -30,6 +30,7 @@ from splitserve.sim.designs import (
     Design,
     perf_model,
 )
+from splitserve.sim.result import SimResult
 
 GOALS = ("iso-power", "iso-cost", "iso-throughput")
 REFERENCE_H100S = 40  # Splitwise's budgets: what 40 DGX-H100s cost or draw

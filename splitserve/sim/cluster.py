@@ -40,10 +40,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from splitserve.bench.report import summarize
-from splitserve.bench.slo import Baseline, SLOSpec
 from splitserve.bench.workload import RequestSpec
 from splitserve.engine.block_manager import OutOfBlocksError
 from splitserve.engine.policies.base import EngineFullError
@@ -55,40 +52,12 @@ from splitserve.placement.load import prefix_delta_of
 from splitserve.placement.state import MAX_PREFIX_BLOCKS, REFUSED_TRIES, PrefixOptions
 from splitserve.sim.contention import STACK, SharedHost, request_run
 from splitserve.sim.records import SimRecords
+from splitserve.sim.result import SimResult, WorkerStats
 from splitserve.sim.scenario import Scenario
 from splitserve.sim.transfer import KVExport
 from splitserve.sim.worker import FILLER_TOKEN, NOTHING_HAPPENED, SimWorker
 
 Progress = Callable[[int, int], None]  # (requests done or refused, all requests)
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    worker_id: str
-    hardware: str
-    home: str         # pool at the end (re-purposing changes it)
-    pool: str         # pool at the end
-    iterations: int
-    busy_s: float     # simulated seconds spent in iterations
-    num_prefills: int  # first tokens sampled here
-    pool_moves: int
-    prefill_tokens: int  # prompt tokens computed here (cached ones are not)
-
-
-@dataclass(frozen=True)
-class SimResult:
-    records: SimRecords  # one `RequestRecord` per request, in index order
-    workers: tuple[WorkerStats, ...]    # by worker id
-    duration_s: float                   # first arrival to the last token (or refusal), simulated
-    num_events: int
-    seed: int  # as given: the simulation draws no random numbers, so every seed gives the same run
-    kv_tokens_sent: int = 0    # prompt tokens whose KV went from a prompt worker to a token worker
-    kv_tokens_reused: int = 0  # prompt tokens of split requests whose KV the token worker's cache held
-    placements_refused: int = 0  # placements whose token worker refused the reservation (a stale report)
-
-    def summary(self, slo: SLOSpec | None = None, baseline: Baseline | None = None) -> dict:
-        """`splitserve.bench.report.summarize` of the records: the report a real run gives."""
-        return summarize(self.records, self.duration_s, slo, baseline, self.records.columns())
 
 
 def simulate(scenario: Scenario, requests: Sequence[RequestSpec], seed: int = 0,

@@ -18,8 +18,8 @@ from splitserve.provision.search import (
     slowdowns,
     staircase,
 )
-from splitserve.sim.cluster import SimResult
 from splitserve.sim.designs import A100, DESIGNS, design, perf_model
+from splitserve.sim.result import SimResult
 
 A = perf_model("llama2-70b", A100)
 TTFT0, TBT0 = A.prefill_time(1000), A.decode_time(1, 1000)
