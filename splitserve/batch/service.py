@@ -20,6 +20,7 @@ import contextlib
 import logging
 import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Protocol
 
 from splitserve.api.cursor_page import cursor_page, in_order
@@ -142,8 +143,8 @@ class BatchService:
         return self.store.delete_file(file_id)
 
     # ---- batches -------------------------------------------------------------------------
-    def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict | None = None, output_expires_after: dict | None = None) -> dict:
+    async def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
+                           metadata: dict | None = None, output_expires_after: dict | None = None) -> dict:
         self._check_owner()
         if endpoint not in ENDPOINTS:
             raise RequestError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
@@ -160,10 +161,9 @@ class BatchService:
             raise RequestError(f"file {input_file_id} was not uploaded with purpose 'batch'", param="input_file_id")
         batch = self.store.new_batch(input_file_id, endpoint, completion_window, metadata,
                                      self._or_default(output_expires_after_s))
-        if self._lines(batch) is None:  # an invalid input fails now, not once the batches before it have run
-            return self.store.batch(batch["id"])
-        self._queue.put_nowait(batch["id"])
-        return batch
+        if await self._lines(batch) is not None:  # an invalid input fails now, not behind the queue
+            self._queue.put_nowait(batch["id"])
+        return self.store.batch(batch["id"])  # as it is now: a cancel may have come while the input was read
 
     def get_batch(self, batch_id: str) -> dict:
         return self.store.batch(batch_id)
@@ -194,15 +194,13 @@ class BatchService:
         return self.file_expiry_s if expires_after_s is None else expires_after_s
 
     # ---- expiry --------------------------------------------------------------------------
-    def sweep(self) -> None:
+    async def sweep(self) -> None:
         """Expire the batches waiting past their window (the running one expires at its next
         step), then remove the expired files but the inputs of active batches."""
-        keep = set()
         for batch in self.store.batches():
             if batch["status"] in WAITING and batch["id"] != self._running and self._past_window(batch):
-                self._expire_waiting(batch)
-            elif batch["status"] in ACTIVE:
-                keep.add(batch["input_file_id"])
+                await self._expire_waiting(batch)
+        keep = {batch["input_file_id"] for batch in self.store.batches() if batch["status"] in ACTIVE}
         for file_id in self.store.sweep(keep):
             log.info("batch store %s: file %s expired and was removed", self.store.root, file_id)
 
@@ -211,17 +209,18 @@ class BatchService:
             await asyncio.sleep(SWEEP_EVERY_S)
             if self._lock.held:
                 try:
-                    self.sweep()
+                    await self.sweep()
                 except Exception:
                     log.exception("batch store %s: the sweep raised", self.store.root)
 
     def _past_window(self, batch: dict) -> bool:
         return self.store.now() >= batch["expires_at"]
 
-    def _expire_waiting(self, batch: dict) -> None:
-        lines = self._lines(batch)
-        if lines is None:
-            return
+    async def _expire_waiting(self, batch: dict) -> None:
+        lines = await self._lines(batch)
+        batch = self.store.batch(batch["id"])
+        if lines is None or batch["status"] not in WAITING or batch["id"] == self._running:
+            return  # failed for its input, or cancelled or taken up by its run while the input was read
         with self._logs(batch["id"], lines) as (output, errors, counts, _):
             expired = self._expire_pending(batch, lines, output, errors, counts)
         self._finish(batch["id"], counts, expired)
@@ -275,11 +274,12 @@ class BatchService:
             return
         if batch["status"] == "cancelling":
             self._cancelled.add(batch_id)
-        lines = self._lines(batch)
-        if lines is None:
-            return
-        self._running = batch_id
+        self._running = batch_id  # from here a cancel leaves the batch cancelling for this run, and the sweep leaves it
         try:
+            lines = await self._lines(batch)
+            if lines is None:
+                return
+            batch = self.store.batch(batch_id)  # a cancel may have come while the input was read
             with self._logs(batch_id, lines) as (output, errors, counts, usage):
                 if batch["status"] == "validating":
                     self.store.update_batch(batch_id, status="in_progress", in_progress_at=self.store.now())
@@ -305,17 +305,20 @@ class BatchService:
         finally:
             self._running = None
 
-    def _lines(self, batch: dict) -> list[BatchLine] | None:
-        """The batch's input lines, or None once it is failed for an invalid or missing input."""
+    async def _lines(self, batch: dict) -> list[BatchLine] | None:
+        """The batch's input lines, read and parsed in a thread (50,000 lines take seconds, which the
+        event loop, with the running batch's requests on it, does not wait), or None once it is failed
+        for an invalid or missing input (one that ended while its input was read stays as it ended)."""
         try:
-            data = self.store.content_path(batch["input_file_id"], expired_too=True).read_bytes()
-            return parse_input(data, batch["endpoint"], self.max_lines)
+            path = self.store.content_path(batch["input_file_id"], expired_too=True)
+            return await asyncio.to_thread(_parse_file, path, batch["endpoint"], self.max_lines)
         except (InputFileError, KeyError) as problem:
             message = getattr(problem, "message", None) or str(problem)  # NotFound: the input file is gone
             errors = getattr(problem, "errors", None) or [{"code": "invalid_file", "message": message,
                                                           "param": "input_file_id", "line": None}]
-            self.store.update_batch(batch["id"], **self._adopt_logs(batch["id"]), status="failed",
-                                    failed_at=self.store.now(), errors={"object": "list", "data": errors})
+            if self.store.batch(batch["id"])["status"] in ACTIVE:
+                self.store.update_batch(batch["id"], **self._adopt_logs(batch["id"]), status="failed",
+                                        failed_at=self.store.now(), errors={"object": "list", "data": errors})
             self._cancelled.discard(batch["id"])
             return None
 
@@ -368,3 +371,7 @@ class BatchService:
                                          self.store.output_expires_after_s(batch_id))
             files[key] = file and file["id"]
         return files
+
+
+def _parse_file(path: Path, endpoint: str, max_lines: int) -> list[BatchLine]:
+    return parse_input(path.read_bytes(), endpoint, max_lines)

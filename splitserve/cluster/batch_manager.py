@@ -4,6 +4,8 @@ through the cluster; every ingress replica reaches it through `RemoteBatches`. A
 resumes the active batches on disk once started."""
 from __future__ import annotations
 
+import inspect
+
 from splitserve.api.errors import RequestError
 from splitserve.batch.blend.cost import ModelShape
 from splitserve.batch.service import BatchService
@@ -40,7 +42,8 @@ class BatchManager:
     async def call(self, method: str, *args) -> tuple:
         """("ok", result) or ("error", status, message, param, code, type): errors cross Ray as data."""
         try:
-            return "ok", getattr(self.service, method)(*args)
+            result = getattr(self.service, method)(*args)
+            return "ok", await result if inspect.isawaitable(result) else result
         except RequestError as raised:
             error = raised
         except NotFound as missing:

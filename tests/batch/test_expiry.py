@@ -141,16 +141,16 @@ def test_a_batch_whose_window_ends_while_it_runs_expires_and_keeps_its_input_til
         service = BatchService(store, executor)
         await service.start()
         upload = service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch", policy(HOUR))
-        batch_id = service.create_batch(upload["id"], "/v1/completions", "24h")["id"]
+        batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
         await asyncio.to_thread(executor.held.wait)
-        service.sweep()  # the input expired 11 hours ago: hidden, but the running batch keeps it
+        await service.sweep()  # the input expired 11 hours ago: hidden, but the running batch keeps it
         with pytest.raises(NotFound):
             service.get_file(upload["id"])
         assert (tmp_path / "files" / upload["id"]).exists()
         executor.release.set()
         while store.batch(batch_id)["status"] in ACTIVE:
             await asyncio.sleep(0.01)
-        service.sweep()
+        await service.sweep()
         assert not (tmp_path / "files" / upload["id"]).exists()
         await service.stop()
         return store.batch(batch_id), clock.now
@@ -172,12 +172,12 @@ def test_a_batch_whose_window_ends_while_it_waits_is_expired_by_the_sweep(tmp_pa
         executor = ClockedExecutor(clock, step_s=0, hold_at=2)
         service = BatchService(store, executor)
         await service.start()
-        running, waiting = (service.create_batch(service.create_file(as_jsonl(batch_lines(n)), "in.jsonl",
-                                                                     "batch")["id"], "/v1/completions", "24h")["id"]
-                            for n in (5, 4))
+        running, waiting = [(await service.create_batch(
+            service.create_file(as_jsonl(batch_lines(n)), "in.jsonl", "batch")["id"], "/v1/completions", "24h"))["id"]
+            for n in (5, 4)]
         await asyncio.to_thread(executor.held.wait)
         clock.now += WINDOW_S
-        service.sweep()
+        await service.sweep()
         assert store.batch(running)["status"] == "in_progress"  # it expires at its own next step
         executor.release.set()
         while store.batch(running)["status"] in ACTIVE:
@@ -211,8 +211,8 @@ def test_a_batch_expired_before_its_finishing_was_interrupted_is_expired_when_re
         store = BatchStore(tmp_path, clock)
         service = BatchService(store, ClockedExecutor(clock, step_s=WINDOW_S / 4))
         await service.start()
-        batch_id = service.create_batch(service.create_file(as_jsonl(batch_lines(10)), "in.jsonl", "batch")["id"],
-                                        "/v1/completions", "24h")["id"]
+        upload = service.create_file(as_jsonl(batch_lines(10)), "in.jsonl", "batch")
+        batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
         while store.batch(batch_id)["status"] in ACTIVE:
             await asyncio.sleep(0.01)
         await service.stop()

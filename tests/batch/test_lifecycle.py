@@ -23,7 +23,7 @@ def test_a_queued_batch_cancels_at_once_and_an_active_batchs_input_stays(tmp_pat
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
         await service.start()
         inputs = [service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")["id"] for _ in range(2)]
-        running, queued = (service.create_batch(i, "/v1/completions", "24h")["id"] for i in inputs)
+        running, queued = [(await service.create_batch(i, "/v1/completions", "24h"))["id"] for i in inputs]
         while not service.executor.started.is_set():
             await asyncio.sleep(0.01)
         for file_id, status in zip(inputs, ("in_progress", "validating")):
@@ -67,8 +67,8 @@ def test_a_fault_while_the_logs_move_ends_the_batch_as_it_was_ending(tmp_path, m
     async def scenario():
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
         await service.start()
-        batch_id = service.create_batch(service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")["id"],
-                                        "/v1/completions", "24h")["id"]
+        upload = service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
+        batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
         while service.get_batch(batch_id)["request_counts"]["completed"] < 3:
             await asyncio.sleep(0.01)
         service.cancel_batch(batch_id)
@@ -86,10 +86,10 @@ def test_an_invalid_input_fails_its_batch_at_creation_not_behind_the_queue(tmp_p
     async def scenario():
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
         await service.start()
-        running = service.create_batch(service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")["id"],
-                                       "/v1/completions", "24h")["id"]
-        broken = service.create_batch(service.create_file(b"{oops\n", "bad.jsonl", "batch")["id"],
-                                      "/v1/completions", "24h")
+        upload = service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
+        running = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
+        broken = await service.create_batch(service.create_file(b"{oops\n", "bad.jsonl", "batch")["id"],
+                                            "/v1/completions", "24h")
         assert service.get_batch(running)["status"] in ("validating", "in_progress")
         await service.stop()
         return broken

@@ -204,7 +204,7 @@ def test_stop_gives_the_store_up_only_once_the_running_batch_has_stopped(tmp_pat
         first = BatchService(store, ThreadExecutor(step_s=0.05))
         await first.start()
         upload = first.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
-        batch_id = first.create_batch(upload["id"], "/v1/completions", "24h")["id"]
+        batch_id = (await first.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
         while not first.executor.started.is_set():
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
@@ -248,8 +248,8 @@ def test_a_batch_whose_run_raises_is_resumed_then_failed_and_the_next_one_still_
     async def scenario(executor, directory):
         service = BatchService(BatchStore(directory), executor)
         await service.start()
-        ids = [service.create_batch(service.create_file(as_jsonl(batch_lines(n)), "in.jsonl", "batch")["id"],
-                                    "/v1/completions", "24h")["id"] for n in (9, 5)]
+        uploads = [service.create_file(as_jsonl(batch_lines(n)), "in.jsonl", "batch")["id"] for n in (9, 5)]
+        ids = [(await service.create_batch(i, "/v1/completions", "24h"))["id"] for i in uploads]
         while any(service.get_batch(i)["status"] not in ("completed", "failed") for i in ids):
             await asyncio.sleep(0.01)
         batches = [service.get_batch(i) for i in ids]

@@ -24,6 +24,11 @@ class Service:
     def list_files(self, purpose=None):
         return {"object": "list", "data": [], "has_more": False}
 
+    async def create_batch(self, input_file_id, *args):  # the service's coroutines are awaited in the actor
+        if input_file_id == "file-missing":
+            raise NotFound("file", input_file_id)
+        return {"id": "batch_1", "input_file_id": input_file_id}
+
 
 def remote() -> RemoteBatches:
     manager = BatchManager.__new__(BatchManager)  # its constructor loads a model's metadata: not needed here
@@ -47,3 +52,7 @@ def test_errors_keep_every_field_and_results_pass_through():
     assert (missing.value.status, missing.value.param, missing.value.type) == (404, "id", "invalid_request_error")
     assert "batch_x" in missing.value.message
     assert asyncio.run(batches.list_files())["object"] == "list"
+    assert asyncio.run(batches.create_batch("file-1", "/v1/completions", "24h"))["input_file_id"] == "file-1"
+    with pytest.raises(RequestError) as awaited:
+        asyncio.run(batches.create_batch("file-missing", "/v1/completions", "24h"))
+    assert (awaited.value.status, awaited.value.param) == (404, "id")

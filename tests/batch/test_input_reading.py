@@ -1,0 +1,100 @@
+"""The service reads and parses a batch's input in a thread: the event loop (the running batch's
+requests, the API's other calls) goes on meanwhile, and a cancel that comes while the input is
+read ends the batch as a cancel does."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from splitserve.batch import service as service_module
+from splitserve.batch.lines import parse_input
+from splitserve.batch.service import BatchService
+from splitserve.batch.store import BatchStore
+from tests.batch.batch_helpers import as_jsonl, batch_lines
+from tests.batch.test_service import ThreadExecutor
+
+
+def test_the_event_loop_runs_while_a_large_input_is_parsed(tmp_path):
+    async def scenario():
+        service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
+        await service.start()
+        upload = service.create_file(as_jsonl(batch_lines(20_000)), "in.jsonl", "batch")
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0.05)
+        before, start = ticks, time.monotonic()
+        batch = await service.create_batch(upload["id"], "/v1/completions", "24h")
+        during, took = ticks - before, time.monotonic() - start
+        ticker.cancel()
+        await service.stop()
+        return batch, during, took
+
+    batch, during, took = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert batch["status"] == "validating" and batch["request_counts"]["total"] == 0
+    assert took > 0.1 and during >= 5, (took, during)  # parsing inline, the loop ticked not once
+
+
+def _parse_held_at(monkeypatch, call: int) -> tuple[threading.Event, threading.Event]:
+    """`parse_input` that, at its call-th call, says it is reading and waits to be released."""
+    reading, release, calls = threading.Event(), threading.Event(), []
+
+    def held(*args):
+        calls.append(args)
+        if len(calls) == call:
+            reading.set()
+            release.wait(10)
+        return parse_input(*args)
+
+    monkeypatch.setattr(service_module, "parse_input", held)
+    return reading, release
+
+
+def test_a_cancel_while_the_run_reads_the_input_ends_the_batch_before_any_line_runs(tmp_path, monkeypatch):
+    reading, release = _parse_held_at(monkeypatch, 2)  # the run's read, after the creation's
+
+    async def scenario():
+        service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0))
+        await service.start()
+        upload = service.create_file(as_jsonl(batch_lines(10)), "in.jsonl", "batch")
+        batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
+        assert await asyncio.to_thread(reading.wait, 10)
+        cancelling = service.cancel_batch(batch_id)["status"]
+        release.set()
+        while service.get_batch(batch_id)["status"] != "cancelled":
+            await asyncio.sleep(0.01)
+        await service.stop()
+        return cancelling, service.get_batch(batch_id), service.executor
+
+    cancelling, batch, executor = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert cancelling == "cancelling"  # the run has it: it ends it
+    assert not executor.started.is_set() and batch["request_counts"]["completed"] == 0
+    assert batch["output_file_id"] is None
+
+
+def test_a_batch_cancelled_while_its_invalid_input_is_read_at_creation_stays_cancelled(tmp_path, monkeypatch):
+    reading, release = _parse_held_at(monkeypatch, 1)
+
+    async def scenario():
+        service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0))
+        await service.start()
+        upload = service.create_file(b"{oops\n", "bad.jsonl", "batch")
+        creating = asyncio.ensure_future(service.create_batch(upload["id"], "/v1/completions", "24h"))
+        assert await asyncio.to_thread(reading.wait, 10)
+        (listed,) = service.list_batches()["data"]
+        cancelled = service.cancel_batch(listed["id"])["status"]
+        release.set()
+        created = await creating
+        await asyncio.sleep(0.1)  # the queue would have run it by now
+        await service.stop()
+        return cancelled, created, service.get_batch(listed["id"])
+
+    cancelled, created, batch = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert cancelled == created["status"] == batch["status"] == "cancelled" and batch["errors"] is None
