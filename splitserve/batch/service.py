@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -221,7 +221,7 @@ class BatchService:
         batch = self.store.batch(batch["id"])
         if lines is None or batch["status"] not in WAITING or batch["id"] == self._running:
             return  # failed for its input, or cancelled or taken up by its run while the input was read
-        with self._logs(batch["id"], lines) as (output, errors, counts, _):
+        async with self._logs(batch["id"], lines) as (output, errors, counts, _):
             expired = self._expire_pending(batch, lines, output, errors, counts)
         self._finish(batch["id"], counts, expired)
 
@@ -280,7 +280,7 @@ class BatchService:
             if lines is None:
                 return
             batch = self.store.batch(batch_id)  # a cancel may have come while the input was read
-            with self._logs(batch_id, lines) as (output, errors, counts, usage):
+            async with self._logs(batch_id, lines) as (output, errors, counts, usage):
                 if batch["status"] == "validating":
                     self.store.update_batch(batch_id, status="in_progress", in_progress_at=self.store.now())
 
@@ -322,14 +322,16 @@ class BatchService:
             self._cancelled.discard(batch["id"])
             return None
 
-    @contextlib.contextmanager
-    def _logs(self, batch_id: str, lines: list[BatchLine]
-              ) -> Iterator[tuple[ResultLog, ResultLog, dict, BatchUsage]]:
+    @contextlib.asynccontextmanager
+    async def _logs(self, batch_id: str, lines: list[BatchLine]
+                    ) -> AsyncIterator[tuple[ResultLog, ResultLog, dict, BatchUsage]]:
         """The batch's result logs, its request counts and its usage as they stand (saved); the
-        usage counts each line logged to the output."""
+        usage counts each line logged to the output. A resumed batch's logs are read back in a
+        thread, as its input is."""
         output_path, errors_path = self.store.log_paths(batch_id)
         usage = BatchUsage()
-        with ResultLog(output_path, usage.add) as output, ResultLog(errors_path) as errors:
+        output = await asyncio.to_thread(ResultLog, output_path, usage.add)
+        with output, await asyncio.to_thread(ResultLog, errors_path) as errors:
             counts = {"total": len(lines), "completed": len(output.done), "failed": len(errors.done)}
             self.store.update_batch(batch_id, request_counts=dict(counts), usage=usage.body())
             yield output, errors, counts, usage

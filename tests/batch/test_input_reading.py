@@ -1,6 +1,6 @@
-"""The service reads and parses a batch's input in a thread: the event loop (the running batch's
-requests, the API's other calls) goes on meanwhile, and a cancel that comes while the input is
-read ends the batch as a cancel does."""
+"""The service reads and parses a batch's input, and a resumed batch's result logs, in a thread:
+the event loop (the running batch's requests, the API's other calls) goes on meanwhile, and a
+cancel that comes while the input is read ends the batch as a cancel does."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +9,10 @@ import time
 
 from splitserve.batch import service as service_module
 from splitserve.batch.lines import parse_input
+from splitserve.batch.results import ResultLog
 from splitserve.batch.service import BatchService
 from splitserve.batch.store import BatchStore
-from tests.batch.batch_helpers import as_jsonl, batch_lines
+from tests.batch.batch_helpers import answered, as_jsonl, batch_lines
 from tests.batch.test_service import ThreadExecutor
 
 
@@ -40,6 +41,35 @@ def test_the_event_loop_runs_while_a_large_input_is_parsed(tmp_path):
     batch, during, took = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert batch["status"] == "validating" and batch["request_counts"]["total"] == 0
     assert took > 0.1 and during >= 5, (took, during)  # parsing inline, the loop ticked not once
+
+
+def test_a_resumed_batchs_logs_are_read_back_off_the_event_loops_thread(tmp_path, monkeypatch):
+    """A timed loop cannot tell this apart (the collector's pauses while 20,000 results load are
+    as long as the loop's ticks' spread): the thread that reads them is checked instead."""
+    store = BatchStore(tmp_path)
+    upload = store.add_file(as_jsonl(batch_lines(101)), "in.jsonl", "batch")
+    batch = store.new_batch(upload["id"], "/v1/completions", "24h", None)
+    output, _ = store.log_paths(batch["id"])
+    output.write_bytes(as_jsonl([answered(f"req-{i}") for i in range(100)]))  # a previous owner ran these
+    readers = []
+
+    class Log(ResultLog):
+        def __init__(self, *args):
+            readers.append(threading.current_thread())
+            super().__init__(*args)
+
+    monkeypatch.setattr(service_module, "ResultLog", Log)
+
+    async def scenario():
+        service = BatchService(store, ThreadExecutor(step_s=0))
+        await service.start()  # it resumes the batch
+        while store.batch(batch["id"])["status"] != "completed":
+            await asyncio.sleep(0.01)
+        await service.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert store.batch(batch["id"])["request_counts"] == {"total": 101, "completed": 101, "failed": 0}
+    assert len(readers) == 2 and threading.main_thread() not in readers  # asyncio.run's loop is the main thread's
 
 
 def _parse_held_at(monkeypatch, call: int) -> tuple[threading.Event, threading.Event]:
