@@ -13,6 +13,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_groups import kv_groups
+from splitserve.engine.kv_memory_check import check_kv_cache_fits
 from splitserve.engine.memory_profile import kv_cache_budget, profile_lengths
 from splitserve.engine.model.sharding import Shard
 from splitserve.engine.model_builder import LoadedModel, build_model
@@ -42,13 +43,14 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
     """This rank's model part, KV cache and runner. The cache is sized after the model is loaded
     (on CUDA by a memory profile, which every rank of a group runs in lockstep). With a group, every
     rank gets the same number of KV blocks (the fewest any rank's memory allows), so a block id
-    means the same on all. On CUDA the runner's Triton kernels are then compiled
+    means the same on all. A cache larger than the device's free memory is refused before it is
+    allocated (`kv_memory_check`). On CUDA the runner's Triton kernels are then compiled
     (`kernel_warm_up`, on every rank) and its decode graphs captured, before it serves."""
     shard = Shard(group.rank, group.size) if group is not None else Shard()
     loaded = build_model(model, config, shard, group.all_reduce if group is not None else None)
     backend = select_backend(loaded.device, config.attention_backend)
-    num_blocks = config.num_kv_blocks or kv_cache_budget(config, loaded, backend, shard) // KVCache.bytes_per_block(
-        loaded.config, config.block_size, loaded.dtype, shard, config.kv_cache_dtype)
+    block_bytes = KVCache.bytes_per_block(loaded.config, config.block_size, loaded.dtype, shard, config.kv_cache_dtype)
+    num_blocks = config.num_kv_blocks or kv_cache_budget(config, loaded, backend, shard) // block_bytes
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     groups = kv_groups(loaded.config)
@@ -58,6 +60,8 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
         raise ConfigError(f"the KV cache holds {tokens} tokens, fewer than max_model_len="
                           f"{loaded.max_model_len}; raise kv_cache_memory_bytes (on CUDA, gpu_memory_utilization) or "
                           "lower max_model_len")
+    # after min_int: the ranks have agreed, so a rank short of memory raises alone and strands none in it
+    check_kv_cache_fits(config, num_blocks, block_bytes, loaded.device, shard)
     kv_cache = KVCache(loaded.config, num_blocks, config.block_size, loaded.dtype, loaded.device, shard,
                        config.kv_cache_dtype)
     if fp8_kv.is_fp8(config.kv_cache_dtype):
