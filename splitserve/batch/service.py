@@ -62,6 +62,7 @@ class BatchService:
         self._worker: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         self._lock = StoreLock(store.root)
+        self._uploads = asyncio.Lock()  # one upload written at a time: each checks the room the one before left
         self._stopping = False
 
     async def start(self) -> None:
@@ -104,19 +105,24 @@ class BatchService:
                                type="service_unavailable", code="batch_store_owned")
 
     # ---- files ---------------------------------------------------------------------------
-    def create_file(self, content: bytes, filename: str, purpose: str, expires_after: dict | None = None) -> dict:
+    async def create_file(self, content: bytes, filename: str, purpose: str,
+                          expires_after: dict | None = None) -> dict:
+        """Written and synced in a thread (an upload of 200 MB takes seconds), off the event loop."""
         self._check_owner()
         if purpose != "batch":
             raise RequestError(f"purpose must be 'batch' (this server runs batches only), got {purpose!r}",
                                param="purpose")
         expires_after_s = expiry_seconds(expires_after, "expires_after")
-        free = shutil.disk_usage(self.store.root).free
-        if free - len(content) < self.min_free_bytes:
-            raise RequestError(f"the batch store's filesystem has {free} bytes free; this upload of {len(content)} "
-                               f"would leave less than batch.min_free_bytes ({self.min_free_bytes}), which running "
-                               "batches keep for their results: delete files (DELETE /v1/files/{id}) or give the "
-                               "store more room", status=503, type="service_unavailable", code="batch_store_full")
-        return self.store.add_file(content, filename, purpose, self._or_default(expires_after_s))
+        async with self._uploads:
+            free = shutil.disk_usage(self.store.root).free
+            if free - len(content) < self.min_free_bytes:
+                raise RequestError(f"the batch store's filesystem has {free} bytes free; this upload of "
+                                   f"{len(content)} would leave less than batch.min_free_bytes "
+                                   f"({self.min_free_bytes}), which running batches keep for their results: delete "
+                                   "files (DELETE /v1/files/{id}) or give the store more room", status=503,
+                                   type="service_unavailable", code="batch_store_full")
+            return await asyncio.to_thread(self.store.add_file, content, filename, purpose,
+                                           self._or_default(expires_after_s))
 
     def list_files(self, purpose: str | None = None, limit: int | None = None, after: str | None = None,
                    order: str = "desc") -> dict:
@@ -130,8 +136,9 @@ class BatchService:
     def get_file(self, file_id: str) -> dict:
         return self.store.file(file_id)
 
-    def file_content(self, file_id: str) -> bytes:
-        return self.store.content_path(file_id).read_bytes()
+    async def file_content(self, file_id: str) -> bytes:
+        """Read in a thread: an output file can hold 50,000 results."""
+        return await asyncio.to_thread(self.store.content_path(file_id).read_bytes)
 
     def delete_file(self, file_id: str) -> dict:
         """Refused (409) for the input of an active batch, which reads it again when resumed."""

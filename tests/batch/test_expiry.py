@@ -140,7 +140,7 @@ def test_a_batch_whose_window_ends_while_it_runs_expires_and_keeps_its_input_til
         executor = ClockedExecutor(clock, step_s=HOUR, hold_at=12)  # a line an hour: 24 fit in the window
         service = BatchService(store, executor)
         await service.start()
-        upload = service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch", policy(HOUR))
+        upload = await service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch", policy(HOUR))
         batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
         await asyncio.to_thread(executor.held.wait)
         await service.sweep()  # the input expired 11 hours ago: hidden, but the running batch keeps it
@@ -172,9 +172,8 @@ def test_a_batch_whose_window_ends_while_it_waits_is_expired_by_the_sweep(tmp_pa
         executor = ClockedExecutor(clock, step_s=0, hold_at=2)
         service = BatchService(store, executor)
         await service.start()
-        running, waiting = [(await service.create_batch(
-            service.create_file(as_jsonl(batch_lines(n)), "in.jsonl", "batch")["id"], "/v1/completions", "24h"))["id"]
-            for n in (5, 4)]
+        uploads = [(await service.create_file(as_jsonl(batch_lines(n)), "in.jsonl", "batch"))["id"] for n in (5, 4)]
+        running, waiting = [(await service.create_batch(i, "/v1/completions", "24h"))["id"] for i in uploads]
         await asyncio.to_thread(executor.held.wait)
         clock.now += WINDOW_S
         await service.sweep()
@@ -211,7 +210,7 @@ def test_a_batch_expired_before_its_finishing_was_interrupted_is_expired_when_re
         store = BatchStore(tmp_path, clock)
         service = BatchService(store, ClockedExecutor(clock, step_s=WINDOW_S / 4))
         await service.start()
-        upload = service.create_file(as_jsonl(batch_lines(10)), "in.jsonl", "batch")
+        upload = await service.create_file(as_jsonl(batch_lines(10)), "in.jsonl", "batch")
         batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
         while store.batch(batch_id)["status"] in ACTIVE:
             await asyncio.sleep(0.01)

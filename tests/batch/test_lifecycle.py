@@ -22,7 +22,7 @@ def test_a_queued_batch_cancels_at_once_and_an_active_batchs_input_stays(tmp_pat
     async def scenario():
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
         await service.start()
-        inputs = [service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")["id"] for _ in range(2)]
+        inputs = [(await service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch"))["id"] for _ in range(2)]
         running, queued = [(await service.create_batch(i, "/v1/completions", "24h"))["id"] for i in inputs]
         while not service.executor.started.is_set():
             await asyncio.sleep(0.01)
@@ -67,7 +67,7 @@ def test_a_fault_while_the_logs_move_ends_the_batch_as_it_was_ending(tmp_path, m
     async def scenario():
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
         await service.start()
-        upload = service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
+        upload = await service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
         batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
         while service.get_batch(batch_id)["request_counts"]["completed"] < 3:
             await asyncio.sleep(0.01)
@@ -76,7 +76,7 @@ def test_a_fault_while_the_logs_move_ends_the_batch_as_it_was_ending(tmp_path, m
             await asyncio.sleep(0.01)
         await service.stop()
         batch = service.get_batch(batch_id)
-        return batch, service.file_content(batch["output_file_id"]).splitlines()
+        return batch, (await service.file_content(batch["output_file_id"])).splitlines()
 
     batch, output = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert faults and len(output) == batch["request_counts"]["completed"] >= 3
@@ -86,9 +86,9 @@ def test_an_invalid_input_fails_its_batch_at_creation_not_behind_the_queue(tmp_p
     async def scenario():
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
         await service.start()
-        upload = service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
+        upload = await service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
         running = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
-        broken = await service.create_batch(service.create_file(b"{oops\n", "bad.jsonl", "batch")["id"],
+        broken = await service.create_batch((await service.create_file(b"{oops\n", "bad.jsonl", "batch"))["id"],
                                             "/v1/completions", "24h")
         assert service.get_batch(running)["status"] in ("validating", "in_progress")
         await service.stop()

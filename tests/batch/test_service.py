@@ -203,7 +203,7 @@ def test_stop_gives_the_store_up_only_once_the_running_batch_has_stopped(tmp_pat
         store = BatchStore(tmp_path)
         first = BatchService(store, ThreadExecutor(step_s=0.05))
         await first.start()
-        upload = first.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
+        upload = await first.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
         batch_id = (await first.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
         while not first.executor.started.is_set():
             await asyncio.sleep(0.01)
@@ -248,13 +248,13 @@ def test_a_batch_whose_run_raises_is_resumed_then_failed_and_the_next_one_still_
     async def scenario(executor, directory):
         service = BatchService(BatchStore(directory), executor)
         await service.start()
-        uploads = [service.create_file(as_jsonl(batch_lines(n)), "in.jsonl", "batch")["id"] for n in (9, 5)]
+        uploads = [(await service.create_file(as_jsonl(batch_lines(n)), "in.jsonl", "batch"))["id"] for n in (9, 5)]
         ids = [(await service.create_batch(i, "/v1/completions", "24h"))["id"] for i in uploads]
         while any(service.get_batch(i)["status"] not in ("completed", "failed") for i in ids):
             await asyncio.sleep(0.01)
         batches = [service.get_batch(i) for i in ids]
-        outputs = [sorted(json.loads(x)["custom_id"] for x in service.file_content(b["output_file_id"]).splitlines())
-                   for b in batches]
+        contents = [await service.file_content(b["output_file_id"]) for b in batches]
+        outputs = [sorted(json.loads(x)["custom_id"] for x in content.splitlines()) for content in contents]
         await service.stop()
         return batches, outputs
 
@@ -316,13 +316,13 @@ def test_an_upload_that_would_leave_too_little_free_space_is_refused(tmp_path):
         short = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0), min_free_bytes=free + (1 << 40))
         await short.start()
         with pytest.raises(RequestError) as refused:
-            short.create_file(b"{}\n", "in.jsonl", "batch")
+            await short.create_file(b"{}\n", "in.jsonl", "batch")
         assert (refused.value.status, refused.value.code) == (503, "batch_store_full")
         assert "batch.min_free_bytes" in refused.value.message and short.list_files()["data"] == []
         await short.stop()
         roomy = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0), min_free_bytes=1 << 20)
         await roomy.start()
-        assert roomy.create_file(b"{}\n", "in.jsonl", "batch")["bytes"] == 3
+        assert (await roomy.create_file(b"{}\n", "in.jsonl", "batch"))["bytes"] == 3
         await roomy.stop()
 
     asyncio.run(scenario())

@@ -1,12 +1,16 @@
-"""The service reads and parses a batch's input, and a resumed batch's result logs, in a thread:
-the event loop (the running batch's requests, the API's other calls) goes on meanwhile, and a
-cancel that comes while the input is read ends the batch as a cancel does."""
+"""The service's file work runs in threads: uploads written, a batch's input read and parsed, a
+resumed batch's result logs read back, output files read. The event loop (the running batch's
+requests, the API's other calls) goes on meanwhile; a cancel that comes while the input is read
+ends the batch as a cancel does; uploads are written one at a time, so each checks the room the
+ones before it left."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 
+from splitserve.api.errors import RequestError
 from splitserve.batch import service as service_module
 from splitserve.batch.lines import parse_input
 from splitserve.batch.results import ResultLog
@@ -20,7 +24,7 @@ def test_the_event_loop_runs_while_a_large_input_is_parsed(tmp_path):
     async def scenario():
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
         await service.start()
-        upload = service.create_file(as_jsonl(batch_lines(20_000)), "in.jsonl", "batch")
+        upload = await service.create_file(as_jsonl(batch_lines(20_000)), "in.jsonl", "batch")
         ticks = 0
 
         async def tick():
@@ -93,7 +97,7 @@ def test_a_cancel_while_the_run_reads_the_input_ends_the_batch_before_any_line_r
     async def scenario():
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0))
         await service.start()
-        upload = service.create_file(as_jsonl(batch_lines(10)), "in.jsonl", "batch")
+        upload = await service.create_file(as_jsonl(batch_lines(10)), "in.jsonl", "batch")
         batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
         assert await asyncio.to_thread(reading.wait, 10)
         cancelling = service.cancel_batch(batch_id)["status"]
@@ -115,7 +119,7 @@ def test_a_batch_cancelled_while_its_invalid_input_is_read_at_creation_stays_can
     async def scenario():
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0))
         await service.start()
-        upload = service.create_file(b"{oops\n", "bad.jsonl", "batch")
+        upload = await service.create_file(b"{oops\n", "bad.jsonl", "batch")
         creating = asyncio.ensure_future(service.create_batch(upload["id"], "/v1/completions", "24h"))
         assert await asyncio.to_thread(reading.wait, 10)
         (listed,) = service.list_batches()["data"]
@@ -128,3 +132,52 @@ def test_a_batch_cancelled_while_its_invalid_input_is_read_at_creation_stays_can
 
     cancelled, created, batch = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert cancelled == created["status"] == batch["status"] == "cancelled" and batch["errors"] is None
+
+
+def test_uploads_and_output_reads_run_off_the_event_loops_thread(tmp_path, monkeypatch):
+    store = BatchStore(tmp_path)
+    writers, readers = [], []
+    add_file, content_path = store.add_file, store.content_path
+
+    def written(*args):
+        writers.append(threading.current_thread())
+        return add_file(*args)
+
+    class ReadPath:
+        def __init__(self, path):
+            self.path = path
+
+        def read_bytes(self):
+            readers.append(threading.current_thread())
+            return self.path.read_bytes()
+
+    monkeypatch.setattr(store, "add_file", written)
+    monkeypatch.setattr(store, "content_path", lambda *args: ReadPath(content_path(*args)))
+
+    async def scenario():
+        service = BatchService(store, ThreadExecutor(step_s=0))
+        await service.start()
+        upload = await service.create_file(b"{}\n", "in.jsonl", "batch")
+        content = await service.file_content(upload["id"])
+        await service.stop()
+        return content
+
+    assert asyncio.run(scenario()) == b"{}\n"
+    assert len(writers) == len(readers) == 1 and threading.main_thread() not in writers + readers
+
+
+def test_two_uploads_at_once_leave_the_room_the_store_keeps(tmp_path):
+    size = 64 << 20
+
+    async def scenario():
+        free = shutil.disk_usage(tmp_path).free
+        service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0), min_free_bytes=free - 3 * size // 2)
+        await service.start()
+        uploads = [service.create_file(bytes(size), f"in-{i}.jsonl", "batch") for i in range(2)]
+        outcomes = await asyncio.gather(*uploads, return_exceptions=True)
+        await service.stop()
+        return outcomes
+
+    first, second = asyncio.run(scenario())
+    assert first["bytes"] == size  # the second one checked the room only once the first was written
+    assert isinstance(second, RequestError) and second.code == "batch_store_full"

@@ -2,6 +2,8 @@
 it cannot read left out of its lists."""
 from __future__ import annotations
 
+import asyncio
+
 from fastapi.testclient import TestClient
 
 from splitserve.batch.service import BatchService
@@ -17,7 +19,7 @@ def test_ids_metadata_and_unreadable_objects_are_bounded(tmp_path, caplog):
         for path in ("/v1/files/file-" + "a" * 300, "/v1/batches/batch_" + "a" * 300, "/v1/files/file-a%00b"):
             answer = http.get(path)
             assert answer.status_code == 404 and answer.json()["error"]["message"].startswith("No such")
-        file_id = service.create_file(as_jsonl(batch_lines(1)), "in.jsonl", "batch")["id"]
+        file_id = asyncio.run(service.create_file(as_jsonl(batch_lines(1)), "in.jsonl", "batch"))["id"]
         for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}):
             answer = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
                                                     "completion_window": "24h", "metadata": metadata})
