@@ -1,16 +1,23 @@
-"""An append-only JSONL of result lines that survives a crash: each line is written whole and
-synced before the next request's result; on reopening, a torn last line is cut off and the
-custom_ids already present are reported done, so a resumed run neither loses nor repeats a line.
+"""An append-only JSONL of result lines that survives a crash: each line is written whole (one
+write), so a killed process loses none; the file is synced at most SYNC_EVERY_S after a line is
+written (at the next append past that, else on close), so a machine that loses power loses at most
+the lines of the last SYNC_EVERY_S, whose requests a resumed run runs again. On reopening, a torn
+last line is cut off and the custom_ids present are reported done, so a resumed run neither loses
+nor repeats a line. Syncing each line capped a batch at about 1,000 results a second on a local
+disk (fewer on a network volume), every sync holding the caller's event loop.
 A whole line that is not a result line (JSON with a string custom_id) is a ValueError naming the
 file and the line: only this class writes the log, so the file was damaged or is not one."""
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from splitserve.api.response_bodies import one_line_json
+
+SYNC_EVERY_S = 0.5
 
 
 class ResultLog:
@@ -19,6 +26,7 @@ class ResultLog:
         self.path = Path(path)
         self.on_line = on_line
         self.done: dict[str, dict] = {}  # custom_id -> its result line
+        self._synced_at, self._unsynced = time.monotonic(), False
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = self.path.read_bytes() if self.path.exists() else b""
         whole = data[:data.rfind(b"\n") + 1]
@@ -48,12 +56,21 @@ class ResultLog:
         if line["custom_id"] in self.done:
             raise ValueError(f"custom_id {line['custom_id']!r} already has a result in {self.path}")
         os.write(self._fd, (one_line_json(line) + "\n").encode())
-        os.fsync(self._fd)
+        self._unsynced = True
+        if time.monotonic() - self._synced_at >= SYNC_EVERY_S:
+            self.sync()
         self.done[line["custom_id"]] = line
         self.on_line(line)
 
+    def sync(self) -> None:
+        """The lines written so far, on disk."""
+        if self._unsynced:
+            os.fsync(self._fd)
+        self._synced_at, self._unsynced = time.monotonic(), False
+
     def close(self) -> None:
         if self._fd >= 0:
+            self.sync()
             os.close(self._fd)
             self._fd = -1
 

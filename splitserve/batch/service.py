@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol
@@ -37,6 +38,7 @@ from splitserve.batch.usage import BatchUsage
 TAKE_OVER_EVERY_S = 2.0  # how often a server that finds the store owned tries again
 RUNS_PER_BATCH = 3  # a batch whose run raises is resumed from its logs until it has raised this often
 RERUN_AFTER_S = 5.0  # between those runs
+SAVE_EVERY_S = 0.5  # a running batch's counts and usage are saved at most this often, and when its run returns
 SWEEP_EVERY_S = 60.0  # how often the owner expires waiting batches past their window and removes expired files
 WAITING = ("validating", "in_progress")  # a batch in the queue, or the running one
 MAX_FILES_PAGE, MAX_BATCHES_PAGE = 10_000, 100  # OpenAI's bounds on a list's `limit` (and the files' default)
@@ -291,9 +293,17 @@ class BatchService:
                 if batch["status"] == "validating":
                     self.store.update_batch(batch_id, status="in_progress", in_progress_at=self.store.now())
 
-                def on_result(ok: bool) -> None:
-                    counts["completed" if ok else "failed"] += 1
+                saved_at = time.monotonic()
+
+                def save() -> None:
+                    nonlocal saved_at
                     self.store.update_batch(batch_id, request_counts=dict(counts), usage=usage.body())
+                    saved_at = time.monotonic()
+
+                def on_result(ok: bool) -> None:  # saving each result (a synced rename) capped a batch's rate
+                    counts["completed" if ok else "failed"] += 1
+                    if time.monotonic() - saved_at >= SAVE_EVERY_S:
+                        save()
 
                 def stop() -> bool:
                     return self._stopping or batch_id in self._cancelled or self._past_window(batch)
@@ -306,6 +316,8 @@ class BatchService:
                     except asyncio.CancelledError:
                         await run  # stop() is waiting: the executor returns at its next step
                         raise
+                    finally:
+                        save()
                 expired = batch_id not in self._cancelled and self._expire_pending(batch, lines, output, errors,
                                                                                    counts)
             self._finish(batch_id, counts, expired)

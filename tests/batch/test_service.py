@@ -345,3 +345,64 @@ def test_files_list_in_cursor_pages_the_client_walks(tmp_path):
             with pytest.raises(openai.BadRequestError) as bad:
                 client.files.list(**query)
             assert bad.value.param == param
+
+
+def _counting_saves(store: BatchStore, monkeypatch) -> list[dict]:
+    """The request counts of each save of a batch object."""
+    saves, update = [], store.update_batch
+
+    def counted(batch_id, **changes):
+        if "request_counts" in changes:
+            saves.append(changes["request_counts"])
+        return update(batch_id, **changes)
+
+    monkeypatch.setattr(store, "update_batch", counted)
+    return saves
+
+
+def test_a_running_batchs_counts_are_saved_a_few_times_a_second_not_per_result(tmp_path, monkeypatch):
+    store = BatchStore(tmp_path)
+    saves = _counting_saves(store, monkeypatch)
+
+    async def scenario():
+        service = BatchService(store, ThreadExecutor(step_s=0.002))
+        await service.start()
+        upload = await service.create_file(as_jsonl(batch_lines(300)), "in.jsonl", "batch")
+        batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
+        start = time.monotonic()
+        while service.get_batch(batch_id)["status"] != "completed":
+            await asyncio.sleep(0.01)
+        took = time.monotonic() - start
+        await service.stop()
+        return service.get_batch(batch_id), took
+
+    batch, took = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert batch["request_counts"] == {"total": 300, "completed": 300, "failed": 0}
+    assert batch["usage"]["output_tokens"] == 300 * LINE_USAGE.completion_tokens
+    assert len(saves) <= 3 + took / service_module.SAVE_EVERY_S, (len(saves), took)  # it was 300 and more
+
+
+def test_a_cancelled_batchs_counts_are_its_output_lines(tmp_path, monkeypatch):
+    """The counts are saved when the run returns, so those between saves are not lost."""
+    monkeypatch.setattr(service_module, "SAVE_EVERY_S", 3600.0)
+    store = BatchStore(tmp_path)
+
+    async def scenario():
+        service = BatchService(store, ThreadExecutor(step_s=0.01))
+        await service.start()
+        upload = await service.create_file(as_jsonl(batch_lines(100)), "in.jsonl", "batch")
+        batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
+        output, _ = store.log_paths(batch_id)
+        while not output.exists() or output.read_bytes().count(b"\n") < 5:
+            await asyncio.sleep(0.01)
+        service.cancel_batch(batch_id)
+        while service.get_batch(batch_id)["status"] != "cancelled":
+            await asyncio.sleep(0.01)
+        await service.stop()
+        batch = service.get_batch(batch_id)
+        return batch, (await service.file_content(batch["output_file_id"])).splitlines()
+
+    batch, output = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert batch["request_counts"]["completed"] == len(output) >= 5
+    assert batch["usage"]["output_tokens"] == len(output) * LINE_USAGE.completion_tokens
+
