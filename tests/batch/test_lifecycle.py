@@ -12,7 +12,7 @@ from splitserve.batch import service as service_module
 from splitserve.batch.service import BatchService
 from splitserve.batch.store import BatchStore
 from tests.batch.batch_helpers import as_jsonl, batch_lines
-from tests.batch.test_service import ThreadExecutor
+from tests.batch.test_service import ThreadExecutor, cancel_mid_run
 
 
 def test_a_queued_batch_cancels_at_once_and_an_active_batchs_input_stays(tmp_path):
@@ -67,16 +67,7 @@ def test_a_fault_while_the_logs_move_ends_the_batch_as_it_was_ending(tmp_path, m
     async def scenario():
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
         await service.start()
-        upload = await service.create_file(as_jsonl(batch_lines(40)), "in.jsonl", "batch")
-        batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
-        while service.get_batch(batch_id)["request_counts"]["completed"] < 3:
-            await asyncio.sleep(0.01)
-        service.cancel_batch(batch_id)
-        while service.get_batch(batch_id)["status"] != "cancelled":
-            await asyncio.sleep(0.01)
-        await service.stop()
-        batch = service.get_batch(batch_id)
-        return batch, (await service.file_content(batch["output_file_id"])).splitlines()
+        return await cancel_mid_run(service, 40, 3)
 
     batch, output = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert faults and len(output) == batch["request_counts"]["completed"] >= 3

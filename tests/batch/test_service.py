@@ -198,6 +198,22 @@ class ThreadExecutor:
         await asyncio.to_thread(steps)
 
 
+async def cancel_mid_run(service: BatchService, lines: int, after: int) -> tuple[dict, list[bytes]]:
+    """A batch of `lines` cancelled once `after` of its results are logged, then the service
+    stopped: the batch as it ended, and its output file's lines."""
+    upload = await service.create_file(as_jsonl(batch_lines(lines)), "in.jsonl", "batch")
+    batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
+    output, _ = service.store.log_paths(batch_id)
+    while not output.exists() or output.read_bytes().count(b"\n") < after:
+        await asyncio.sleep(0.01)
+    service.cancel_batch(batch_id)
+    while service.get_batch(batch_id)["status"] != "cancelled":
+        await asyncio.sleep(0.01)
+    await service.stop()
+    batch = service.get_batch(batch_id)
+    return batch, (await service.file_content(batch["output_file_id"])).splitlines()
+
+
 def test_stop_gives_the_store_up_only_once_the_running_batch_has_stopped(tmp_path):
     async def scenario():
         store = BatchStore(tmp_path)
@@ -390,17 +406,7 @@ def test_a_cancelled_batchs_counts_are_its_output_lines(tmp_path, monkeypatch):
     async def scenario():
         service = BatchService(store, ThreadExecutor(step_s=0.01))
         await service.start()
-        upload = await service.create_file(as_jsonl(batch_lines(100)), "in.jsonl", "batch")
-        batch_id = (await service.create_batch(upload["id"], "/v1/completions", "24h"))["id"]
-        output, _ = store.log_paths(batch_id)
-        while not output.exists() or output.read_bytes().count(b"\n") < 5:
-            await asyncio.sleep(0.01)
-        service.cancel_batch(batch_id)
-        while service.get_batch(batch_id)["status"] != "cancelled":
-            await asyncio.sleep(0.01)
-        await service.stop()
-        batch = service.get_batch(batch_id)
-        return batch, (await service.file_content(batch["output_file_id"])).splitlines()
+        return await cancel_mid_run(service, 100, 5)
 
     batch, output = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert batch["request_counts"]["completed"] == len(output) >= 5
