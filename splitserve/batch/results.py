@@ -3,8 +3,8 @@ write), so a killed process loses none; the file is synced at most SYNC_EVERY_S 
 written (at the next append past that, else on close), so a machine that loses power loses at most
 the lines of the last SYNC_EVERY_S, whose requests a resumed run runs again. On reopening, a torn
 last line is cut off and the custom_ids present are reported done, so a resumed run neither loses
-nor repeats a line. Syncing each line capped a batch at about 1,000 results a second on a local
-disk (fewer on a network volume), every sync holding the caller's event loop.
+nor repeats a line. Syncing each line held the caller's event loop at every result (0.3 ms on a
+local ext4 disk, milliseconds on a network volume).
 A whole line that is not a result line (JSON with a string custom_id) is a ValueError naming the
 file and the line: only this class writes the log, so the file was damaged or is not one."""
 from __future__ import annotations
