@@ -395,7 +395,7 @@ def test_a_running_batchs_counts_are_saved_a_few_times_a_second_not_per_result(t
     batch, took = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert batch["request_counts"] == {"total": 300, "completed": 300, "failed": 0}
     assert batch["usage"]["output_tokens"] == 300 * LINE_USAGE.completion_tokens
-    assert len(saves) <= 3 + took / service_module.SAVE_EVERY_S, (len(saves), took)  # it was 300 and more
+    assert len(saves) <= 5 + took / service_module.SAVE_EVERY_S, (len(saves), took)  # it was 300 and more
 
 
 def test_a_cancelled_batchs_counts_are_its_output_lines(tmp_path, monkeypatch):
