@@ -1,5 +1,7 @@
 """Tokenizers against transformers' AutoTokenizer, and incremental detokenization with stop strings."""
 import json
+import threading
+import time
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
@@ -57,6 +59,38 @@ def test_hf_tokenizer_matches_transformers(hf_dir):
     assert ours.bos_token_id == ref.bos_token_id and ours.eos_token_ids == (ref.eos_token_id,)
     assert ours.chat_template == "{{ messages }}"
 
+
+def test_long_inputs_take_the_batch_calls_with_the_same_result(hf_dir):
+    ours, ref = load_tokenizer(hf_dir), AutoTokenizer.from_pretrained(hf_dir)
+    text = " ".join(TEXTS) * (ours.RELEASE_GIL_CHARS // 10)
+    ids = ref.encode(text)
+    assert len(text) > ours.RELEASE_GIL_CHARS and len(ids) > ours.RELEASE_GIL_IDS
+    assert ours.encode(text) == ids
+    assert ours.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+    assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+def ticks_while(work) -> int:
+    """How often this thread wakes from 1 ms sleeps while `work` runs in another thread."""
+    worker, ticks = threading.Thread(target=work), 0
+    worker.start()
+    while worker.is_alive():
+        time.sleep(0.001)
+        ticks += 1
+    return ticks
+
+
+@pytest.mark.quiet
+def test_long_encode_and_decode_let_other_threads_run(tmp_path):
+    """A server encodes prompts in a thread so that its event loop goes on: the call must release
+    the GIL (the single calls hold it, and the loop woke 1-2 times in 1.7 s of encoding)."""
+    train_bpe().save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    text = CORPUS[0] * 40_000  # 1M characters, about 1 s to encode here
+    ids = []
+    assert ticks_while(lambda: ids.extend(tok.encode(text))) >= 20
+    assert ticks_while(lambda: tok.decode(ids * 4)) >= 5
 
 @pytest.mark.parametrize("add_bos", [True, False])
 def test_config_add_bos_token_is_ignored_like_transformers_5(tmp_path, add_bos):
