@@ -56,7 +56,7 @@ def run(args) -> list[dict]:
 
     from splitserve.cluster.app import build_app
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     rows = []
     try:

@@ -105,7 +105,7 @@ def start_clusters(port: int) -> dict[str, str]:
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(_floor_app(), name="serve-floor", route_prefix="/serve-floor", blocking=False)
     urls = {"serve-floor": f"http://127.0.0.1:{port}/serve-floor"}

@@ -89,7 +89,7 @@ def run_placement(args, placement: str) -> dict:
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    ray.init(num_cpus=args.prompt + args.token + 2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=args.prompt + args.token + 2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     try:
         serve.run(build_app(cluster_config(args, placement)), name=placement, route_prefix=f"/{placement}",

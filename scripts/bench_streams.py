@@ -90,7 +90,7 @@ def start_cluster(port: int) -> str:
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(CLUSTER), name="streams", route_prefix="/streams", blocking=False)
     url = f"http://127.0.0.1:{port}/streams"

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     rows, baseline, slo = [], None, SLOSpec()
     try:
@@ -187,7 +187,7 @@ def capacity_main(args, hardware: str) -> list[dict]:
     configs = {design: ClusterConfig.model_validate(design_args(design, args)) for design in args.designs}
     with tempfile.TemporaryDirectory() as folder:
         profile = engine_profile(args, configs[args.designs[0]], Path(folder), PROFILE_BATCHES)
-        ray.init(num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         measured = []
         try:

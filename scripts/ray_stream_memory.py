@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--modes", default="stream,rotate,calls")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         rows = []
         for mode in args.modes.split(","):
