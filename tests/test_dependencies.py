@@ -35,6 +35,7 @@ EXTRA_MODULES = {"splitserve/engine/attention/triton_kernels.py": "gpu",
 USED_WITHOUT_IMPORT = {
     "python-multipart": "FastAPI parses the multipart forms of /v1/files with it",
     "pytest-timeout": "a pytest plugin (the timeout in pyproject's pytest options)",
+    "pytest-xdist": "a pytest plugin (-n 2 in the README's test command; --dist in pyproject's pytest options)",
     "accelerate": "transformers loads an FP8 checkpoint (test_fp8.py's reference) only where it is installed",
     "compressed-tensors": "transformers decompresses a compressed-tensors checkpoint (test_compressed_tensors.py's "
                           "reference) with it",

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MAIN_JOB = 'pip install torch==2.13.0 -e ".[dev]" && splitserve serve  # the main job'
 TESTS = ('pip install torch==2.13.0 -e ".[dev]" && bash scripts/install_test_tools.sh && '
-         'python -m pytest -q  # the tests')
+         'python -m pytest -q -n 2 -m "not serial" && python -m pytest -q -m serial  # the tests')
 README_MAX_LINES = 250
 
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})(.*)$")  # any indent: fences inside list items count too

@@ -9,6 +9,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_ingress.py"
 
 
+@pytest.mark.serial  # its own local Ray
 def test_tiny_run_reports_every_path(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "ingress.json"

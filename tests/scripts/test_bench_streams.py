@@ -1,5 +1,7 @@
 """The streaming benchmark: its CPU accounting by process title on hand-made readings, and a tiny
 run end to end (its own local Ray, in a subprocess) that reports every column."""
+import pytest
+
 from tests.scripts.script_runner import load_script, run_ray_script
 
 bench_streams = load_script("bench_streams")
@@ -13,6 +15,7 @@ def test_cpu_is_counted_per_role_for_processes_alive_across_the_window():
     assert bench_streams.cpu_by_role(before, after) == {"token worker": 2.5, "ingress": 1.0, "proxy": 0.5}
 
 
+@pytest.mark.serial  # its own local Ray
 def test_tiny_run_reports_every_column(tmp_path):
     done, result = run_ray_script("bench_streams", tmp_path, "--concurrency", "2", "--max-tokens", "4", "--rounds", "1",
                                   "--port", "8027", timeout=400)

@@ -10,6 +10,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_designs.py"
 
 
+@pytest.mark.serial  # its own local Ray
 def test_tiny_comparison_writes_every_row(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "compare.json"
@@ -26,6 +27,7 @@ def test_tiny_comparison_writes_every_row(tmp_path):
     assert "| 4 | splitwise |" in done.stdout
 
 
+@pytest.mark.serial  # its own local Ray
 def test_tiny_capacity_search_writes_measured_and_simulated(tmp_path):
     """A small engine profile, measured here, and the overhead fitted on one run of each point:
     with SLOs nothing misses, the search ends at the top rate whatever they come to."""

@@ -2,9 +2,12 @@
 with hostile-but-valid parameters, clients hanging up, a worker SIGKILLed mid-run, then the CLS. No
 request is lost, none is placed again but those the kills hit, and no KV block is left in use at
 the end (the new CLS adopted the workers, so it checks the very blocks the load used)."""
+import pytest
+
 from tests.scripts.script_runner import run_ray_script
 
 
+@pytest.mark.serial  # its own local Ray
 def test_a_one_minute_soak_loses_nothing_and_leaks_nothing(tmp_path):
     _, result = run_ray_script("soak", tmp_path, "--minutes", "1", "--calibrate-s", "8", "--kill-every-s", "25",
                                "--kill-controller-every-s", "35", "--port", "8033", timeout=900)
