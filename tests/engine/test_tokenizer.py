@@ -92,6 +92,7 @@ def test_long_encode_and_decode_let_other_threads_run(tmp_path):
     assert ticks_while(lambda: ids.extend(tok.encode(text))) >= 20
     assert ticks_while(lambda: tok.decode(ids * 4)) >= 5
 
+
 @pytest.mark.parametrize("add_bos", [True, False])
 def test_config_add_bos_token_is_ignored_like_transformers_5(tmp_path, add_bos):
     train_bpe().save(str(tmp_path / "tokenizer.json"))  # no post-processor
