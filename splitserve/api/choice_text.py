@@ -79,6 +79,11 @@ class ChoiceText:
             self._entries += zip(self.prompt, (None, *prompt_logprobs[1:]))
         return echoed
 
+    @property
+    def pending_logprobs(self) -> int:
+        """Tokens whose logprobs the next `take_logprobs` (or `choice`) builds."""
+        return len(self._entries)
+
     def take_logprobs(self) -> dict | None:
         """The logprobs object of the tokens since the last call, in this endpoint's shape."""
         if self.num_top is None:

@@ -1,17 +1,24 @@
 """One choice of an OpenAI response (whole, or as stream chunks) made from a run's token deltas."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
 from splitserve.api import response_bodies as R
 from splitserve.api.choice_text import ChoiceText
-from splitserve.api.reasoning import reasoning_splitter
+from splitserve.api.harmony import HarmonySplitter
+from splitserve.api.reasoning import ReasoningSplitter, reasoning_splitter
 from splitserve.api.tool_calls import LLAMA3_JSON, StreamedCalls, ToolCall
 from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
 from splitserve.cluster.metrics import RequestObservation
+
+# A body holding more tokens' logprobs is built in a thread: building their dicts is pure Python (30-55 us a
+# token at top 5 for chat on a 2-core CPU, with garbage collection), which would hold the event loop from every
+# other request.
+LOGPROB_TOKENS_ON_LOOP = 256
 
 
 class RunResponse:
@@ -94,7 +101,7 @@ class RunResponse:
                 await self.run.abort()
                 self.on_done(self.observation("aborted"))
         self.on_done(self.observation("completed"))
-        return self.choice.choice("".join(parts), reason)
+        return await self._built(self.choice.choice, "".join(parts), reason)
 
     async def chunks(self, continuous_usage: bool = False) -> AsyncIterator[dict]:
         """This run's stream chunks (a chat's first names the role); RequestFailed if it failed.
@@ -108,23 +115,8 @@ class RunResponse:
             calls_filter = StreamedCalls(self.choice.tool_names, self.choice.tool_parser, self.choice.call_ids) \
                 if self.choice.tool_names else None
             async for piece, reason in self.pieces(every_delta=continuous_usage):
-                chunks = []
-                if thinking is not None:
-                    thought, piece = thinking.feed(piece, final=reason is not None)
-                    if thought:
-                        chunks.append(self._chunk("", None, reasoning=thought))
-                calls, holding = None, False
-                if calls_filter is not None:
-                    sent = calls_filter.feed(piece, reason)
-                    holding = sent is None
-                    piece, calls, reason = ("", None, None) if holding else sent
-                if calls:
-                    chunks += ([self._chunk(piece, None)] if piece else []) + self._call_chunks(calls)
-                elif piece or reason or (continuous_usage and not chunks and not holding):
-                    chunks.append(self._chunk(piece, reason))
-                for chunk in chunks:
-                    if continuous_usage:
-                        chunk["usage"] = self.usage.body()
+                for chunk in await self._built(self._piece_chunks, piece, reason, thinking, calls_filter,
+                                               continuous_usage):
                     yield chunk
             finished, outcome = True, "completed"
         except RequestFailed:
@@ -134,6 +126,36 @@ class RunResponse:
             if not finished:
                 await self.run.abort()
             self.on_done(self.observation(outcome))
+
+    async def _built(self, build: Callable, *args):
+        """`build(*args)`, in a thread when it builds more than LOGPROB_TOKENS_ON_LOOP tokens'
+        logprobs (nothing else touches this choice meanwhile: its stream or collect awaits it)."""
+        if self.choice.pending_logprobs <= LOGPROB_TOKENS_ON_LOOP:
+            return build(*args)
+        return await asyncio.to_thread(build, *args)
+
+    def _piece_chunks(self, piece: str, reason: str | None, thinking: ReasoningSplitter | HarmonySplitter | None,
+                      calls_filter: StreamedCalls | None, continuous_usage: bool) -> list[dict]:
+        """The chunks of one piece: its reasoning split off (`thinking`), tool calls held until whole
+        (`calls_filter`), the running usage in each with `continuous_usage`."""
+        chunks = []
+        if thinking is not None:
+            thought, piece = thinking.feed(piece, final=reason is not None)
+            if thought:
+                chunks.append(self._chunk("", None, reasoning=thought))
+        calls, holding = None, False
+        if calls_filter is not None:
+            sent = calls_filter.feed(piece, reason)
+            holding = sent is None
+            piece, calls, reason = ("", None, None) if holding else sent
+        if calls:
+            chunks += ([self._chunk(piece, None)] if piece else []) + self._call_chunks(calls)
+        elif piece or reason or (continuous_usage and not chunks and not holding):
+            chunks.append(self._chunk(piece, reason))
+        if continuous_usage:
+            for chunk in chunks:
+                chunk["usage"] = self.usage.body()
+        return chunks
 
     def _call_chunks(self, calls: list[ToolCall]) -> list[dict]:
         """OpenAI's streamed calls: per call its id and name first, then its arguments; then the
