@@ -50,15 +50,20 @@ class ClusterExecutor:
     async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,
                   stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
         """Every line without a result; each prompt of a line is a request of its own in the
-        feeder's order (its choices sharing one prefill), the line logged when its last ends."""
-        jobs, finished = prepare_pending(lines, self.tokenizer, self.model, self.max_model_len, output, errors,
-                                         on_result, self.limits, self.grammar.check, self.parsers)
+        feeder's order (its choices sharing one prefill), the line logged when its last ends. The
+        lines are tokenized, and the feeder built and ordered, in a thread: templates and tokenizers
+        take milliseconds a line, and the feeder seconds, which for 50,000 lines would hold the
+        actor's loop, and every batch call, for minutes."""
+        jobs, finished = await asyncio.to_thread(prepare_pending, lines, self.tokenizer, self.model,
+                                                 self.max_model_len, output, errors, on_result, self.limits,
+                                                 self.grammar.check, self.parsers)
         units = [(job, k) for job, (_, prepared) in enumerate(jobs) for k in range(len(prepared.prompts))]
         requests = [offline_request(key, jobs[job][1].prompts[k], jobs[job][1].params[k],
                                     jobs[job][1].request.num_choices()[0]) for key, (job, k) in enumerate(units)]
         resumed = {key: finished[job] / len(jobs[job][1].prompts) for key, (job, _) in enumerate(units)
                    if job in finished}  # a finished line's output, shared among its prompts
-        feeder = BatchFeeder(requests, options, self.shape, await self.kv_tokens(), self.block_size, resumed)
+        feeder = await asyncio.to_thread(BatchFeeder, requests, options, self.shape, await self.kv_tokens(),
+                                         self.block_size, resumed)
         answers = {job: _LineAnswer(len(prepared.prompts)) for job, (_, prepared) in enumerate(jobs)}
         changed = asyncio.Event()
         running: set[asyncio.Task] = set()
@@ -84,8 +89,10 @@ class ClusterExecutor:
 
         try:
             while not feeder.done and not stop():
-                for request in feeder.admit():
-                    running.add(asyncio.create_task(one(request.key)))
+                admitted = await asyncio.to_thread(feeder.admit) if feeder.blend_due else feeder.admit()
+                running.update(asyncio.create_task(one(request.key)) for request in admitted)
+                if feeder.done:  # blend: the sample was every request left (none valid, all run before a resume)
+                    break
                 if not running:
                     raise RuntimeError("the batch stalled: nothing is running and the feeder admits nothing")
                 changed.clear()
