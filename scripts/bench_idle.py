@@ -54,10 +54,11 @@ def run(args) -> list[dict]:
     import ray
     from ray import serve
 
+    from local_ray import start_serve  # this script's folder
+
     from splitserve.cluster.app import build_app
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    start_serve(4, args.port)
     rows = []
     try:
         for repeat in range(args.repeats):

@@ -99,14 +99,14 @@ def _floor_app():
 
 
 def start_clusters(port: int) -> dict[str, str]:
-    import ray
     from ray import serve
+
+    from local_ray import start_serve  # this script's folder
 
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve(4, port)
     serve.run(_floor_app(), name="serve-floor", route_prefix="/serve-floor", blocking=False)
     urls = {"serve-floor": f"http://127.0.0.1:{port}/serve-floor"}
     wait_until_healthy(urls["serve-floor"], timeout=300)

@@ -86,11 +86,12 @@ def run_placement(args, placement: str) -> dict:
     import ray
     from ray import serve
 
+    from local_ray import start_serve  # this script's folder
+
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    ray.init(address="local", num_cpus=args.prompt + args.token + 2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    start_serve(args.prompt + args.token + 2, args.port)
     try:
         serve.run(build_app(cluster_config(args, placement)), name=placement, route_prefix=f"/{placement}",
                   blocking=False)

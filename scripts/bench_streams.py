@@ -84,14 +84,14 @@ def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str
 
 
 def start_cluster(port: int) -> str:
-    import ray
     from ray import serve
+
+    from local_ray import start_serve  # this script's folder
 
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve(4, port)
     serve.run(build_app(CLUSTER), name="streams", route_prefix="/streams", blocking=False)
     url = f"http://127.0.0.1:{port}/streams"
     wait_until_healthy(url, timeout=300)

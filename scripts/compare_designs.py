@@ -157,8 +157,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import ray
     from ray import serve
 
-    ray.init(address="local", num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    from local_ray import start_serve  # this script's folder
+
+    start_serve(args.workers + 2, args.port)
     rows, baseline, slo = [], None, SLOSpec()
     try:
         for design in args.designs:
@@ -178,6 +179,7 @@ def capacity_main(args, hardware: str) -> list[dict]:
     from ray import serve
 
     from design_capacity import PROFILE_BATCHES, capacity_spec, row
+    from local_ray import start_serve
     from validate_sim import engine_profile
 
     from splitserve.config import ClusterConfig
@@ -187,8 +189,7 @@ def capacity_main(args, hardware: str) -> list[dict]:
     configs = {design: ClusterConfig.model_validate(design_args(design, args)) for design in args.designs}
     with tempfile.TemporaryDirectory() as folder:
         profile = engine_profile(args, configs[args.designs[0]], Path(folder), PROFILE_BATCHES)
-        ray.init(address="local", num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        start_serve(args.workers + 2, args.port)
         measured = []
         try:
             for design in args.designs:

@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
     from ray import cloudpickle
 
+    from local_ray import start_ray  # this script's folder
+
     from splitserve.machine import cpu_name
 
     cloudpickle.register_pickle_by_value(memory_trace)  # the actor runs its heap_state; workers cannot import it
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--modes", default="stream,rotate,calls")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(2)
     try:
         rows = []
         for mode in args.modes.split(","):

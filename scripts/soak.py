@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
     from ray import cloudpickle, serve
 
+    from local_ray import start_serve  # this script's folder
+
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
@@ -287,8 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.trace_memory).mkdir(parents=True, exist_ok=True)
         runtime_env["worker_process_setup_hook"] = memory_trace.setup_hook(
             str(Path(args.trace_memory).resolve()), args.trace_every_s, args.trace_frames)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    start_serve(4, args.port, runtime_env=runtime_env)
     engine = {**ENGINE, **({"prompt_chunk_tokens": args.prompt_chunk_tokens} if args.prompt_chunk_tokens else {})}
     config = {"engine": engine, "transfer": {"backend": args.backend, "timeout_s": 20, "lease_s": 60,
                                              "layerwise_threshold": args.layerwise_threshold},

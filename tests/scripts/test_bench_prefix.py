@@ -1,14 +1,9 @@
 """The prefix benchmark's clusters and report, without a cluster: each placement's config is a valid
 cluster config that turns prefix-aware placement (and partial imports) on or off."""
-import importlib.util
-from pathlib import Path
-
 from splitserve.config import ClusterConfig
+from tests.scripts.script_runner import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_prefix.py"
-_spec = importlib.util.spec_from_file_location("bench_prefix", SCRIPT)
-bench_prefix = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_prefix)
+bench_prefix = load_script("bench_prefix")
 
 
 def test_each_placement_is_a_split_cluster_with_prefix_caching():
