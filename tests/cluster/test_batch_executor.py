@@ -12,6 +12,7 @@ from splitserve.batch.results import ResultLog
 from splitserve.cluster.batch_executor import ClusterExecutor
 from splitserve.engine.tokenizer import ByteTokenizer
 from tests.batch.batch_helpers import answered, as_jsonl, batch_lines
+from tests.loop_ticks import loop_ticks_during
 
 
 class _CLS:
@@ -55,25 +56,12 @@ def test_a_batchs_lines_are_prepared_while_the_event_loop_runs(tmp_path):
     lines = parse_input(as_jsonl(batch_lines(5_000)), "/v1/completions", 5_000)
     results: list[tuple[bool, threading.Thread]] = []
 
-    async def scenario() -> int:
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.001)
-                ticks += 1
-
-        ticker = asyncio.ensure_future(tick())
-        await asyncio.sleep(0.01)
-        before = ticks
+    async def scenario() -> None:
         with ResultLog(tmp_path / "out.jsonl") as output, ResultLog(tmp_path / "errors.jsonl") as errors:
             await executor(max_model_len=16).run(lines, output, errors, BlendOptions(), lambda: False,
                                                  lambda ok: results.append((ok, threading.current_thread())))
-        ticker.cancel()
-        return ticks - before
 
-    ticks = asyncio.run(asyncio.wait_for(scenario(), 60))
+    ticks = asyncio.run(asyncio.wait_for(loop_ticks_during(scenario()), 60))
     assert len(results) == 5_000 and not any(ok for ok, _ in results)
     assert ticks >= 10
     assert threading.main_thread() not in {thread for _, thread in results}  # asyncio.run's loop is the main one

@@ -16,6 +16,7 @@ from splitserve.cluster.worker_loop import TokenDelta
 from splitserve.engine.output_constraint import HARMONY
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import ByteTokenizer
+from tests.loop_ticks import loop_ticks_during
 
 PROMPT = [256, 72, 105]
 
@@ -192,23 +193,8 @@ def test_building_many_tokens_logprobs_lets_the_event_loop_run(kind):
     """Building a body of 10k tokens' logprobs is about 0.2 s (completions) to 0.5 s (chat) of
     pure Python: the event loop keeps its turns meanwhile (other requests' streams go on). On the
     loop, it woke once."""
-    async def ticks_while_built() -> int:
-        ticks, reply = 0, reply_for(many_logprobs_run(10_000), kind=kind)
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.001)
-                ticks += 1
-
-        ticker = asyncio.ensure_future(tick())
-        await asyncio.sleep(0.01)
-        before = ticks
-        await reply.body()
-        ticker.cancel()
-        return ticks - before
-
-    assert asyncio.run(ticks_while_built()) >= 10
+    reply = reply_for(many_logprobs_run(10_000), kind=kind)
+    assert asyncio.run(loop_ticks_during(reply.body())) >= 10
 
 
 def test_no_logprobs_unless_asked():
