@@ -18,6 +18,7 @@ from splitserve.batch.service import BatchService
 from splitserve.batch.store import BatchStore
 from tests.batch.batch_helpers import answered, as_jsonl, batch_lines
 from tests.batch.test_service import ThreadExecutor
+from tests.loop_ticks import loop_ticks_during
 
 
 def test_the_event_loop_runs_while_a_large_input_is_parsed(tmp_path):
@@ -25,20 +26,11 @@ def test_the_event_loop_runs_while_a_large_input_is_parsed(tmp_path):
         service = BatchService(BatchStore(tmp_path), ThreadExecutor(step_s=0.05))
         await service.start()
         upload = await service.create_file(as_jsonl(batch_lines(20_000)), "in.jsonl", "batch")
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.005)
-                ticks += 1
-
-        ticker = asyncio.ensure_future(tick())
-        await asyncio.sleep(0.05)
-        before, start = ticks, time.monotonic()
-        batch = await service.create_batch(upload["id"], "/v1/completions", "24h")
-        during, took = ticks - before, time.monotonic() - start
-        ticker.cancel()
+        creating = asyncio.ensure_future(service.create_batch(upload["id"], "/v1/completions", "24h"))
+        start = time.monotonic()
+        during = await loop_ticks_during(creating)
+        took = time.monotonic() - start
+        batch = creating.result()
         await service.stop()
         return batch, during, took
 
