@@ -22,6 +22,7 @@ from splitserve.api.responses_events import ResponseEvents, sse_event
 from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
+from splitserve.cluster.large_bodies import built, logprob_tokens
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.run_response import RunResponse
 
@@ -73,9 +74,10 @@ class ChoicesResponse:
 
     async def whole(self) -> JSONResponse:
         try:
-            return JSONResponse(await self.body())
+            body = await self.body()
         except RequestFailed as error:
             return error_response(error.as_error())
+        return await built(logprob_tokens(body), JSONResponse, body)
 
     async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
         """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
@@ -83,7 +85,7 @@ class ChoicesResponse:
         try:
             async with aclosing(self._chunks(continuous_usage)) as chunks:
                 async for chunk in chunks:
-                    yield R.sse_event(chunk)
+                    yield await built(logprob_tokens(chunk), R.sse_event, chunk)
             if include_usage:
                 yield R.sse_event(R.usage_chunk(self.kind, self.response_id, self.model, self.created, self.usage))
             yield R.SSE_DONE

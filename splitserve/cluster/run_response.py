@@ -1,7 +1,6 @@
 """One choice of an OpenAI response (whole, or as stream chunks) made from a run's token deltas."""
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -13,12 +12,8 @@ from splitserve.api.tool_calls import LLAMA3_JSON, StreamedCalls, ToolCall
 from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
+from splitserve.cluster.large_bodies import built
 from splitserve.cluster.metrics import RequestObservation
-
-# A body holding more tokens' logprobs is built in a thread: building their dicts is pure Python (30-55 us a
-# token at top 5 for chat on a 2-core CPU, with garbage collection), which would hold the event loop from every
-# other request.
-LOGPROB_TOKENS_ON_LOOP = 256
 
 
 class RunResponse:
@@ -128,11 +123,9 @@ class RunResponse:
             self.on_done(self.observation(outcome))
 
     async def _built(self, build: Callable, *args):
-        """`build(*args)`, in a thread when it builds more than LOGPROB_TOKENS_ON_LOOP tokens'
-        logprobs (nothing else touches this choice meanwhile: its stream or collect awaits it)."""
-        if self.choice.pending_logprobs <= LOGPROB_TOKENS_ON_LOOP:
-            return build(*args)
-        return await asyncio.to_thread(build, *args)
+        """`build(*args)`, in a thread when the choice's pending logprobs are many (nothing else
+        touches this choice meanwhile: its stream or collect awaits it)."""
+        return await built(self.choice.pending_logprobs, build, *args)
 
     def _piece_chunks(self, piece: str, reason: str | None, thinking: ReasoningSplitter | HarmonySplitter | None,
                       calls_filter: StreamedCalls | None, continuous_usage: bool) -> list[dict]:

@@ -1,0 +1,26 @@
+"""Which bodies the ingress builds or encodes in a thread: counted by the tokens whose logprobs they carry."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from splitserve.cluster.large_bodies import LOGPROB_TOKENS_ON_LOOP, built, logprob_tokens
+
+
+def test_logprob_tokens_counts_every_choices_tokens_in_either_shape():
+    completion = {"logprobs": {"tokens": ["a", "b"], "token_logprobs": [0.0, -1.0], "top_logprobs": [{}, {}]}}
+    chat = {"logprobs": {"content": [{"token": "c"}] * 3, "refusal": None}}
+    refusal = {"logprobs": {"content": None, "refusal": [{"token": "no"}]}}
+    assert logprob_tokens({"choices": [completion, chat, refusal, {"logprobs": None}]}) == 6
+    assert logprob_tokens({"choices": [], "usage": {"prompt_tokens": 3}}) == 0  # the usage chunk
+    assert logprob_tokens({"choices": [{"delta": {"content": "x"}}]}) == 0
+
+
+def test_built_runs_past_the_threshold_in_a_thread():
+    def where(*args):
+        return threading.current_thread() is threading.main_thread(), args
+
+    async def both():
+        return await built(LOGPROB_TOKENS_ON_LOOP, where, 1), await built(LOGPROB_TOKENS_ON_LOOP + 1, where, 2)
+
+    assert asyncio.run(both()) == ((True, (1,)), (False, (2,)))
