@@ -4,7 +4,7 @@ How Prometheus finds them: every ingress replica serves `GET /metrics` on the Se
 and answers with this registry's text, so any replica gives the same cluster-wide view (scrape
 the Serve service, e.g. `http://127.0.0.1:8000/metrics`). Feeding it:
 - ingress replicas batch one `RequestObservation` per finished request and send them to the CLS
-  (each second, and before answering a scrape);
+  (each second, and before answering a scrape), its times between tokens already bucketed;
 - workers hand their `WorkerStats` to the CLS's load poll, with their load;
 - the CLS itself records pools, pool moves and worker failures.
 Series that only move on rare events (restarts, failures, transitions) start at zero.
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from splitserve.cluster.bucket_counts import BucketCounts, CountedHistogram
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.placement.state import Role, WorkerLoad
 
@@ -35,7 +36,7 @@ class RequestObservation:
     generated_tokens: int = 0
     cached_prompt_tokens: int = 0  # of its prompt tokens, those whose KV the prefix cache held
     ttft: float | None = None
-    tbt: tuple[float, ...] = ()
+    tbt: BucketCounts | None = None  # its times between tokens, over LATENCY_BUCKETS (None: no token)
     e2e: float | None = None
     restarts: int = 0
     refused_placements: int = 0  # placements whose token worker refused the reservation
@@ -65,7 +66,9 @@ class ClusterMetrics:
     def _define_requests(self) -> None:
         m = self.model
         self.ttft = self._histogram("splitserve_request_ttft_seconds", "Time to first token, at the ingress").labels(m)
-        self.tbt = self._histogram("splitserve_request_tbt_seconds", "Time between tokens, at the ingress").labels(m)
+        self.tbt = CountedHistogram("splitserve_request_tbt_seconds", "Time between tokens, at the ingress", ("model",),
+                                    LATENCY_BUCKETS, self.registry)
+        self.tbt.start((m,))
         self.e2e = self._histogram("splitserve_request_e2e_seconds", "End-to-end request latency").labels(m)
         self.queue = self._histogram("splitserve_request_queue_seconds",
                                      "Time a request waited in a worker's queue before its prefill").labels(m)
@@ -158,11 +161,11 @@ class ClusterMetrics:
     def _record_latencies(self, obs: RequestObservation) -> None:
         if obs.ttft is not None:
             self.ttft.observe(obs.ttft)
-        for gap in obs.tbt:
-            self.tbt.observe(gap)
+        if obs.tbt is not None:
+            self.tbt.add((self.model,), obs.tbt)
         if obs.e2e is not None:
             self.e2e.observe(obs.e2e)
-        mean_tbt = sum(obs.tbt) / len(obs.tbt) if obs.tbt else 0.0
+        mean_tbt = obs.tbt.mean if obs.tbt is not None else 0.0
         for slo, value, bound in (("ttft", obs.ttft, self.slo.ttft), ("tbt", mean_tbt, self.slo.tbt),
                                   ("e2e", obs.e2e, self.slo.e2e)):
             if value is not None:

@@ -11,9 +11,10 @@ from splitserve.api.reasoning import ReasoningSplitter, reasoning_splitter
 from splitserve.api.tool_calls import LLAMA3_JSON, StreamedCalls, ToolCall
 from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
+from splitserve.cluster.bucket_counts import BucketCounts
 from splitserve.cluster.dispatch import RequestFailed, Run
 from splitserve.cluster.large_bodies import built
-from splitserve.cluster.metrics import RequestObservation
+from splitserve.cluster.metrics import LATENCY_BUCKETS, RequestObservation
 
 
 class RunResponse:
@@ -37,25 +38,38 @@ class RunResponse:
         self.created = int(time.time())
         self.started = time.monotonic() if started is None else started
         self.on_done = on_done
-        self.token_times: list[float] = []
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.gaps = BucketCounts.over(LATENCY_BUCKETS)  # between tokens as they leave (a delta's own: 0)
 
     @property
     def cumulative_logprob(self) -> float:
         return self.choice.cumulative_logprob
 
     def observation(self, outcome: str) -> RequestObservation:
-        times, end = self.token_times, time.monotonic()
+        first = self.first_token_at
         return RequestObservation(outcome, len(self.run.prompt), len(self.run.tokens), self.run.cached_tokens or 0,
-                                  ttft=times[0] - self.started if times else None,
-                                  tbt=tuple(b - a for a, b in zip(times, times[1:])),
-                                  e2e=end - self.started, restarts=self.run.failures,
+                                  ttft=None if first is None else first - self.started,
+                                  tbt=None if first is None else self.gaps,
+                                  e2e=time.monotonic() - self.started, restarts=self.run.failures,
                                   refused_placements=self.run.refusals)
+
+    def _time(self, tokens: int) -> None:
+        """`tokens` tokens left now, in one delta."""
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.gaps.add(now - self.last_token_at)
+        self.gaps.add(0.0, tokens - 1)
+        self.last_token_at = now
 
     async def pieces(self, every_delta: bool = False) -> AsyncIterator[tuple[str, str | None]]:
         """(text delta, finish reason) until done; a stop string seen here ends the run. Tokens
         whose text is held back yield nothing unless `every_delta` (then an empty piece)."""
         async for delta in self.run.deltas():
-            self.token_times += [time.monotonic()] * len(delta.token_ids)
+            if delta.token_ids:
+                self._time(len(delta.token_ids))
             piece, reason = self.choice.add(delta.token_ids, delta.logprobs, delta.finish_reason,
                                             self.run.prompt_logprobs)
             if self.choice.text.stopped and delta.finish_reason is None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
+from splitserve.cluster.bucket_counts import BucketCounts
+from splitserve.cluster.metrics import LATENCY_BUCKETS, ClusterMetrics, RequestObservation, SLOBounds
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.engine.outputs import StepStats
 from splitserve.placement.state import Role, WorkerLoad
@@ -40,9 +41,16 @@ def test_every_family_is_prefixed_and_rare_events_start_at_zero(metrics):
     assert value(metrics, "splitserve_worker_failures_total") == 0
 
 
+def gaps(*seconds: float) -> BucketCounts:
+    counted = BucketCounts.over(LATENCY_BUCKETS)
+    for gap in seconds:
+        counted.add(gap)
+    return counted
+
+
 def test_request_observations_fill_latencies_tokens_and_slo_attainment(metrics):
-    fast = RequestObservation("completed", 10, 3, 8, ttft=0.2, tbt=(0.01, 0.03), e2e=0.3)
-    slow = RequestObservation("completed", 20, 2, ttft=0.9, tbt=(0.2,), e2e=1.2, restarts=1)
+    fast = RequestObservation("completed", 10, 3, 8, ttft=0.2, tbt=gaps(0.01, 0.03), e2e=0.3)
+    slow = RequestObservation("completed", 20, 2, ttft=0.9, tbt=gaps(0.2), e2e=1.2, restarts=1)
     metrics.record_requests([fast, slow, RequestObservation("rejected", 5, refused_placements=3),
                              RequestObservation("aborted", 7, 1)])
     assert value(metrics, "splitserve_requests_total", outcome="completed") == 2
