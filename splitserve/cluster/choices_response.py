@@ -100,9 +100,9 @@ class ChoicesResponse:
             async with aclosing(self.replies[0].chunks()) as chunks:
                 async for chunk in chunks:
                     for event in events.chunk(chunk):
-                        yield sse_event(event)
-            for event in events.finish(self.usage):
-                yield sse_event(event)
+                        yield await built(logprob_tokens(event), sse_event, event)
+            for event in events.finish(self.usage):  # each of the last four holds every logprob of the text
+                yield await built(logprob_tokens(event), sse_event, event)
         except RequestFailed as error:
             for event in events.fail(str(error)):
                 yield sse_event(event)

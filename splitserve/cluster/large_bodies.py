@@ -14,13 +14,24 @@ LOGPROB_TOKENS_ON_LOOP = 256
 T = TypeVar("T")
 
 
-def logprob_tokens(body: dict) -> int:
-    """Tokens whose logprobs a response body or stream chunk carries, over its choices."""
-    total = 0
-    for choice in body.get("choices", ()):
-        logprobs = choice.get("logprobs") or {}
-        total += sum(len(logprobs.get(key) or ()) for key in ("tokens", "content", "refusal"))
-    return total
+def logprob_tokens(body) -> int:
+    """Tokens whose logprobs a body, chunk or event carries, wherever they sit: chat's and
+    completions' choices, the Responses API's output text, its items and its stream events."""
+    if isinstance(body, dict):
+        return sum(_entries(value) if key == "logprobs" else logprob_tokens(value) for key, value in body.items())
+    if isinstance(body, list):
+        return sum(logprob_tokens(value) for value in body)
+    return 0
+
+
+def _entries(logprobs) -> int:
+    """A `logprobs` value's tokens: a list of entries (chat's and the Responses API's shape), or
+    completions' object (a list per field) or chat's (`content`, `refusal`)."""
+    if isinstance(logprobs, list):
+        return len(logprobs)
+    if isinstance(logprobs, dict):
+        return sum(len(logprobs.get(key) or ()) for key in ("tokens", "content", "refusal"))
+    return 0
 
 
 async def built(logprob_count: int, build: Callable[..., T], *args) -> T:

@@ -36,6 +36,7 @@ from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
 from splitserve.cluster.background import background
 from splitserve.cluster.dispatch import RequestFailed
+from splitserve.cluster.large_bodies import built, logprob_tokens
 from splitserve.cluster.owned_actor import OwnedActor
 
 router = APIRouter()
@@ -330,7 +331,9 @@ async def _answer(request: Request, response_id: str, method: str, *args) -> JSO
         found = await request.app.state.stored_responses.call(method, response_id, *args)
     except RequestError as error:
         return error_response(error)
-    return error_response(_missing(response_id)) if found is None else JSONResponse(found)
+    if found is None:
+        return error_response(_missing(response_id))
+    return await built(logprob_tokens(found), JSONResponse, found)
 
 
 @router.get("/v1/responses/{response_id}")

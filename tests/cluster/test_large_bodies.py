@@ -1,4 +1,5 @@
-"""Which bodies the ingress builds or encodes in a thread: counted by the tokens whose logprobs they carry."""
+"""Which bodies the ingress builds or encodes in a thread: counted by the tokens whose logprobs they
+carry, in either API's shapes."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,17 @@ def test_logprob_tokens_counts_every_choices_tokens_in_either_shape():
     assert logprob_tokens({"choices": [completion, chat, refusal, {"logprobs": None}]}) == 6
     assert logprob_tokens({"choices": [], "usage": {"prompt_tokens": 3}}) == 0  # the usage chunk
     assert logprob_tokens({"choices": [{"delta": {"content": "x"}}]}) == 0
+
+
+def test_logprob_tokens_finds_the_responses_apis_wherever_they_sit():
+    text = {"type": "output_text", "text": "ab", "annotations": [], "logprobs": [{"token": "a"}, {"token": "b"}]}
+    message = {"type": "message", "content": [text, {**text, "logprobs": []}]}
+    response = {"object": "response", "output": [{"type": "reasoning", "content": []}, message, message]}
+    assert logprob_tokens(response) == 4
+    assert logprob_tokens({"type": "response.completed", "response": response}) == 4
+    assert logprob_tokens({"type": "response.output_text.done", "text": "ab", "logprobs": text["logprobs"]}) == 2
+    assert logprob_tokens({"type": "response.content_part.done", "part": text}) == 2
+    assert logprob_tokens({"object": "list", "data": [message]}) == 2
 
 
 def test_built_runs_past_the_threshold_in_a_thread():

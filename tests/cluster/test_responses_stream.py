@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import openai
@@ -15,6 +16,7 @@ from splitserve.api.responses_bodies import response_of_choice, status_of
 from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
 from splitserve.api.visible_text import TextStream
+from splitserve.cluster import choices_response, large_bodies
 from splitserve.cluster.choices_response import ChoicesResponse
 from splitserve.cluster.dispatch import RequestFailed
 from splitserve.cluster.run_response import RunResponse
@@ -130,6 +132,30 @@ def test_the_output_texts_logprobs_are_chats_whole_and_streamed_with_their_text(
     assert done["logprobs"] == text["logprobs"]
     final = Response.model_validate(events[-1]["response"])
     assert final.output[0].content[0].model_dump()["logprobs"] == text["logprobs"]
+
+
+def test_the_events_holding_a_long_texts_logprobs_are_encoded_off_the_loop(monkeypatch):
+    """Each of the last four events carries every logprob of the text: past the threshold, each is
+    encoded in a thread; the deltas (16 tokens each) stay on the loop."""
+    request = ResponsesRequest(model="demo", input="x", include=["message.output_text.logprobs"], top_logprobs=2)
+    tokens = large_bodies.LOGPROB_TOKENS_ON_LOOP + 1
+    params = SamplingParams(max_tokens=tokens, logprobs=2)
+    run = ScriptedRun(logprob_deltas("".join(chr(97 + i % 26) for i in range(tokens)), 16), params=params)
+    choice = ChoicesResponse([[RunResponse("chat", run, "demo", TextStream(ByteTokenizer(), params, PROMPT),
+                                           num_top=2)]], 1)
+    encode, off_loop = choices_response.sse_event, []
+
+    def recorded(event: dict) -> bytes:
+        if threading.current_thread() is not threading.main_thread():
+            off_loop.append(event["type"])
+        return encode(event)
+
+    monkeypatch.setattr(choices_response, "sse_event", recorded)
+    events = [json.loads(line[6:]) for line in streamed(choice, request).decode().split("\n")
+              if line.startswith("data: ")]
+    assert off_loop == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                        "response.incomplete"]  # the run ends at its length
+    assert len(events[-1]["response"]["output"][0]["content"][0]["logprobs"]) == tokens
 
 
 def test_a_failed_choice_ends_the_stream_with_an_error_and_the_response_failed():
