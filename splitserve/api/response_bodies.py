@@ -7,6 +7,7 @@ import uuid
 from typing import Literal
 
 from splitserve.api.errors import RequestError, error_body
+from splitserve.api.json_pieces import dumps_in_pieces
 from splitserve.api.usage import Usage
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -95,8 +96,14 @@ def one_line_json(data, separators: tuple[str, str] | None = None) -> str:
     return json.dumps(data, ensure_ascii=False, separators=separators).translate(_LINE_BREAKING)
 
 
-def sse_event(data: dict) -> bytes:
-    return b"data: " + one_line_json(data, (",", ":")).encode() + b"\n\n"
+def sse_event(data: dict, in_pieces: bool = False) -> bytes:
+    """`in_pieces`: the JSON made by `dumps_in_pieces` (a large event, encoded in a thread)."""
+    text = dumps_in_pieces(data, _compact_line) if in_pieces else _compact_line(data)
+    return b"data: " + text.encode() + b"\n\n"
+
+
+def _compact_line(data) -> str:
+    return one_line_json(data, (",", ":"))
 
 
 def sse_error(error: RequestError) -> bytes:

@@ -144,6 +144,7 @@ class ResponseEvents:
         return event
 
 
-def sse_event(event: dict) -> bytes:
-    """One event as OpenAI frames it: its type on the `event:` line, then its JSON."""
-    return f"event: {event['type']}\n".encode() + R.sse_event(event)
+def sse_event(event: dict, in_pieces: bool = False) -> bytes:
+    """One event as OpenAI frames it: its type on the `event:` line, then its JSON (`in_pieces`:
+    as `response_bodies.sse_event`)."""
+    return f"event: {event['type']}\n".encode() + R.sse_event(event, in_pieces)

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from splitserve.api import response_bodies as R
 from splitserve.api.chat_parsers import ChatParsers
@@ -22,7 +22,7 @@ from splitserve.api.responses_events import ResponseEvents, sse_event
 from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
 from splitserve.cluster.dispatch import RequestFailed, Run
-from splitserve.cluster.large_bodies import built, logprob_tokens
+from splitserve.cluster.large_bodies import encoded, json_response
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.run_response import RunResponse
 
@@ -72,12 +72,12 @@ class ChoicesResponse:
         for reply in self.replies:
             await reply.run.abort()
 
-    async def whole(self) -> JSONResponse:
+    async def whole(self) -> Response:
         try:
             body = await self.body()
         except RequestFailed as error:
             return error_response(error.as_error())
-        return await built(logprob_tokens(body), JSONResponse, body)
+        return await encoded(body, json_response)
 
     async def sse(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
         """SSE chunks; `continuous_usage` (vLLM's extension) puts the running usage in every chunk
@@ -85,7 +85,7 @@ class ChoicesResponse:
         try:
             async with aclosing(self._chunks(continuous_usage)) as chunks:
                 async for chunk in chunks:
-                    yield await built(logprob_tokens(chunk), R.sse_event, chunk)
+                    yield await encoded(chunk, R.sse_event)
             if include_usage:
                 yield R.sse_event(R.usage_chunk(self.kind, self.response_id, self.model, self.created, self.usage))
             yield R.SSE_DONE
@@ -100,9 +100,9 @@ class ChoicesResponse:
             async with aclosing(self.replies[0].chunks()) as chunks:
                 async for chunk in chunks:
                     for event in events.chunk(chunk):
-                        yield await built(logprob_tokens(event), sse_event, event)
+                        yield await encoded(event, sse_event)
             for event in events.finish(self.usage):  # each of the last four holds every logprob of the text
-                yield await built(logprob_tokens(event), sse_event, event)
+                yield await encoded(event, sse_event)
         except RequestFailed as error:
             for event in events.fail(str(error)):
                 yield sse_event(event)

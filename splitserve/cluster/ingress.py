@@ -32,7 +32,7 @@ from splitserve.cluster import stored_conversations, stored_responses
 from splitserve.cluster.batch_manager import RemoteBatches
 from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import ClusterUnavailable, Overloaded, RequestFailed, Run, WorkerDirectory
-from splitserve.cluster.large_bodies import built, logprob_tokens
+from splitserve.cluster.large_bodies import encoded, json_response
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
 from splitserve.cluster.owned_actor import OwnedActor
@@ -173,7 +173,7 @@ class Ingress:
         except RequestFailed as error:
             return error_response(error.as_error())
         await self._stored.end(whole, items, turn, kept)
-        return await built(logprob_tokens(whole), JSONResponse, whole)
+        return await encoded(whole, json_response)
 
     # ---- one request -------------------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):

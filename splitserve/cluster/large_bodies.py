@@ -1,14 +1,20 @@
 """What the ingress builds or encodes in a thread rather than on its event loop, where every other
 stream of the replica would wait: a body or chunk carrying many tokens' logprobs (top 20 over 20k
-tokens is 400k alternatives, each a dict to build and encode)."""
+tokens is 400k alternatives, each a dict to build and encode). Such a body is encoded in pieces
+(`dumps_in_pieces`): one call of the C encoder would hold the GIL, and so the loop, throughout."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import TypeVar
 
-# Building or encoding a token's logprobs is pure Python (30-55 us a token at top 5 for chat on a 2-core CPU,
-# with garbage collection); a thread hop costs about 50 us, so smaller bodies stay on the loop.
+from fastapi.responses import JSONResponse, Response
+
+from splitserve.api.json_pieces import dumps_in_pieces
+
+# A token's logprobs at top 5 take 30-55 us of Python to build for chat (2-core CPU, with garbage collection) and
+# about 15 us to encode; a thread hop costs about 50 us, so smaller bodies stay on the loop.
 LOGPROB_TOKENS_ON_LOOP = 256
 
 T = TypeVar("T")
@@ -40,3 +46,22 @@ async def built(logprob_count: int, build: Callable[..., T], *args) -> T:
     if logprob_count <= LOGPROB_TOKENS_ON_LOOP:
         return build(*args)
     return await asyncio.to_thread(build, *args)
+
+
+async def encoded(body: dict, encode: Callable[..., T]) -> T:
+    """`encode(body)`; past the threshold, `encode(body, in_pieces=True)` in a thread."""
+    if logprob_tokens(body) <= LOGPROB_TOKENS_ON_LOOP:
+        return encode(body)
+    return await asyncio.to_thread(encode, body, in_pieces=True)
+
+
+def json_response(body: dict, in_pieces: bool = False) -> Response:
+    """`JSONResponse(body)`; `in_pieces`: the same bytes, made by `dumps_in_pieces`."""
+    if not in_pieces:
+        return JSONResponse(body)
+    return Response(dumps_in_pieces(body, _starlette_json).encode(), media_type="application/json")
+
+
+def _starlette_json(value) -> str:
+    """As JSONResponse renders."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import RayTaskError
 
 from splitserve.api.errors import RequestError, error_response
@@ -36,7 +36,7 @@ from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
 from splitserve.cluster.background import background
 from splitserve.cluster.dispatch import RequestFailed
-from splitserve.cluster.large_bodies import built, logprob_tokens
+from splitserve.cluster.large_bodies import encoded, json_response
 from splitserve.cluster.owned_actor import OwnedActor
 
 router = APIRouter()
@@ -325,7 +325,7 @@ def _missing(response_id: str, param: str = "response_id") -> RequestError:
                         "the store within its bounds)", status=404, param=param)
 
 
-async def _answer(request: Request, response_id: str, method: str, *args) -> JSONResponse:
+async def _answer(request: Request, response_id: str, method: str, *args) -> Response:
     """The store's answer, a 404 when it holds no such response."""
     try:
         found = await request.app.state.stored_responses.call(method, response_id, *args)
@@ -333,7 +333,7 @@ async def _answer(request: Request, response_id: str, method: str, *args) -> JSO
         return error_response(error)
     if found is None:
         return error_response(_missing(response_id))
-    return await built(logprob_tokens(found), JSONResponse, found)
+    return await encoded(found, json_response)
 
 
 @router.get("/v1/responses/{response_id}")

@@ -136,7 +136,7 @@ def test_the_output_texts_logprobs_are_chats_whole_and_streamed_with_their_text(
 
 def test_the_events_holding_a_long_texts_logprobs_are_encoded_off_the_loop(monkeypatch):
     """Each of the last four events carries every logprob of the text: past the threshold, each is
-    encoded in a thread; the deltas (16 tokens each) stay on the loop."""
+    encoded in pieces in a thread; the deltas (16 tokens each) stay on the loop."""
     request = ResponsesRequest(model="demo", input="x", include=["message.output_text.logprobs"], top_logprobs=2)
     tokens = large_bodies.LOGPROB_TOKENS_ON_LOOP + 1
     params = SamplingParams(max_tokens=tokens, logprobs=2)
@@ -145,10 +145,10 @@ def test_the_events_holding_a_long_texts_logprobs_are_encoded_off_the_loop(monke
                                            num_top=2)]], 1)
     encode, off_loop = choices_response.sse_event, []
 
-    def recorded(event: dict) -> bytes:
-        if threading.current_thread() is not threading.main_thread():
+    def recorded(event: dict, in_pieces: bool = False) -> bytes:
+        if in_pieces and threading.current_thread() is not threading.main_thread():
             off_loop.append(event["type"])
-        return encode(event)
+        return encode(event, in_pieces)
 
     monkeypatch.setattr(choices_response, "sse_event", recorded)
     events = [json.loads(line[6:]) for line in streamed(choice, request).decode().split("\n")
