@@ -67,17 +67,19 @@ class ScriptedRun:
         self.request_id, self.prompt, self.params, self.tokens = "cmpl-bench", prompt, params, []
         self.prompt_logprobs = self.cached_tokens = self.cache_write_tokens = None
         self.failures = self.refusals = 0
-        self._deltas = deltas
+        self._deltas, self.aborted = deltas, False
 
     async def deltas(self):
         for delta in self._deltas:
+            if self.aborted:  # as a worker stops streaming a run the ingress aborted
+                return
             self.tokens += delta.token_ids
             self.prompt_logprobs = delta.prompt_logprobs
             yield delta
             await asyncio.sleep(0)  # a worker's deltas arrive one event at a time
 
     async def abort(self) -> None:
-        pass
+        self.aborted = True
 
 
 def alternatives(token: int, top: int) -> dict[int, float]:
