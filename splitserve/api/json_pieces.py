@@ -11,31 +11,33 @@ LONG_LIST = 64  # a list longer than this is encoded PIECE elements at a time
 PIECE = 32  # elements of a long list per call of the encoder (a token's logprobs: ~15 us at top 5)
 
 
-def dumps_in_pieces(value, dumps: Callable[[object], str]) -> str:
-    """`dumps(value)`, where `dumps` writes compact JSON (separators "," and ":"; str keys)."""
+def dumps_in_pieces(value, dumps: Callable[[object], str], separators: tuple[str, str] = (",", ":")) -> str:
+    """`dumps(value)`, where `dumps` writes one line of JSON with `separators` (item, key) and
+    nothing else between tokens (no indent; str keys)."""
     parts: list[str] = []
-    _add(value, dumps, parts)
+    _add(value, dumps, separators, parts)
     return "".join(parts)
 
 
-def _add(value, dumps: Callable[[object], str], parts: list[str]) -> None:
+def _add(value, dumps: Callable[[object], str], separators: tuple[str, str], parts: list[str]) -> None:
+    item_separator, key_separator = separators
     if isinstance(value, (list, tuple)) and len(value) > LONG_LIST:
         pieces = (dumps(value[start:start + PIECE])[1:-1] for start in range(0, len(value), PIECE))
-        parts += ("[", ",".join(pieces), "]")
+        parts += ("[", item_separator.join(pieces), "]")
     elif isinstance(value, (list, tuple)):
         parts.append("[")
         for i, item in enumerate(value):
             if i:
-                parts.append(",")
-            _add(item, dumps, parts)
+                parts.append(item_separator)
+            _add(item, dumps, separators, parts)
         parts.append("]")
     elif isinstance(value, dict) and all(isinstance(key, str) for key in value):
         parts.append("{")
         for i, (key, item) in enumerate(value.items()):
             if i:
-                parts.append(",")
-            parts += (dumps(key), ":")
-            _add(item, dumps, parts)
+                parts.append(item_separator)
+            parts += (dumps(key), key_separator)
+            _add(item, dumps, separators, parts)
         parts.append("}")
     else:
         parts.append(dumps(value))

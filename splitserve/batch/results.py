@@ -15,9 +15,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from splitserve.api.json_pieces import dumps_in_pieces
 from splitserve.api.response_bodies import one_line_json
 
 SYNC_EVERY_S = 0.5
+JSON_SEPARATORS = (", ", ": ")  # json.dumps' own, which one_line_json keeps
+
+
+def line_text(line: dict, in_pieces: bool = False) -> str:
+    """`line` as the log writes it. `in_pieces`: the same text, made by `dumps_in_pieces` (a line
+    with a large body, encoded in a thread without holding the GIL throughout)."""
+    text = dumps_in_pieces(line, one_line_json, JSON_SEPARATORS) if in_pieces else one_line_json(line)
+    return text + "\n"
 
 
 class ResultLog:
@@ -52,10 +61,11 @@ class ResultLog:
             problem = f"not a JSON object with a string custom_id: {raw[:80].decode(errors='replace')}"
         raise ValueError(f"{self.path} line {number}: {problem}; the file is damaged or is not a result log")
 
-    def append(self, line: dict) -> None:
+    def append(self, line: dict, text: str | None = None) -> None:
+        """`text`: `line_text(line)`, where the caller made it beforehand (in a thread)."""
         if line["custom_id"] in self.done:
             raise ValueError(f"custom_id {line['custom_id']!r} already has a result in {self.path}")
-        os.write(self._fd, (one_line_json(line) + "\n").encode())
+        os.write(self._fd, (line_text(line) if text is None else text).encode())
         self._unsynced = True
         if time.monotonic() - self._synced_at >= SYNC_EVERY_S:
             self.sync()

@@ -40,6 +40,12 @@ def test_pieces_make_the_encoders_text(name):
     assert dumps_in_pieces(value, compact) == compact(value)
 
 
+@pytest.mark.parametrize("name", VALUES)
+def test_pieces_keep_the_encoders_default_separators(name):
+    value = VALUES[name]
+    assert dumps_in_pieces(value, json.dumps, (", ", ": ")) == json.dumps(value)
+
+
 @pytest.mark.parametrize("name", ["long lists, nested", "completions' shape", "empties and scalars"])
 def test_a_response_and_an_event_in_pieces_are_the_same_bytes(name):
     value = VALUES[name]

@@ -48,3 +48,16 @@ def test_a_log_left_unsynced_by_a_killed_process_reads_back_whole(tmp_path, monk
     assert list(resumed.done) == [f"req-{i}" for i in range(50)]
     resumed.close()
     written.close()
+
+
+def test_a_line_made_in_pieces_is_the_same_text_and_reads_back(tmp_path):
+    entries = [{"token": f"t\u2028{i}é", "logprob": -i / 7, "top_logprobs": [{"token": "\x85", "logprob": -1.5}]}
+               for i in range(500)]
+    line = answered("req-0")
+    line["response"]["body"]["choices"] = [{"index": 0, "logprobs": {"content": entries}}]
+    text = results.line_text(line, in_pieces=True)
+    assert text == results.line_text(line) and text.count("\n") == 1 and "\u2028" not in text
+    with ResultLog(tmp_path / "out.jsonl") as log:
+        log.append(line, text)
+    with ResultLog(tmp_path / "out.jsonl") as reread:
+        assert reread.done == {"req-0": line}

@@ -3,13 +3,17 @@ event loop (its other batches' requests and the API's batch calls go on meanwhil
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+from types import SimpleNamespace
+
+import pytest
 
 from splitserve.batch.blend.cost import ModelShape
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.lines import parse_input
 from splitserve.batch.results import ResultLog
-from splitserve.cluster.batch_executor import ClusterExecutor
+from splitserve.cluster.batch_executor import ClusterExecutor, _log_answer
 from splitserve.engine.tokenizer import ByteTokenizer
 from tests.batch.batch_helpers import answered, as_jsonl, batch_lines
 from tests.loop_ticks import loop_ticks_during
@@ -66,3 +70,21 @@ def test_a_batchs_lines_are_prepared_while_the_event_loop_runs(tmp_path):
     assert ticks >= 10
     assert threading.main_thread() not in {thread for _, thread in results}  # asyncio.run's loop is the main one
     assert len((tmp_path / "errors.jsonl").read_text().splitlines()) == 5_000
+
+
+@pytest.mark.quiet
+def test_logging_an_answer_with_many_tokens_logprobs_lets_the_event_loop_run(tmp_path):
+    """A line's answer with 20k tokens' logprobs at top 5 is encoded in a thread, in pieces: on the
+    batch actor's loop, one call of the encoder held it about 0.3 s (it did not tick once)."""
+    entry = {"token": "a", "logprob": -0.1, "bytes": [97],
+             "top_logprobs": [{"token": chr(48 + j), "logprob": -1.0 - j, "bytes": [48 + j]} for j in range(5)]}
+    body = {"object": "chat.completion", "choices": [{"index": 0, "logprobs": {"content": [dict(entry)] * 20_000}}]}
+    line = parse_input(as_jsonl(batch_lines(1)), "/v1/completions", 1)[0]
+
+    async def scenario() -> int:
+        with ResultLog(tmp_path / "out.jsonl") as output:
+            return await loop_ticks_during(_log_answer(output, line, SimpleNamespace(responses=None), body))
+
+    assert asyncio.run(scenario()) >= 10
+    logged = json.loads((tmp_path / "out.jsonl").read_text())
+    assert logged["custom_id"] == line.custom_id and logged["response"]["body"] == body
