@@ -18,6 +18,11 @@ holds it for, its times between tokens counted into the TBT buckets at the ingre
     python scripts/bench_loop_stalls.py                    # ~1 minute on 2 shared cores
     python scripts/bench_loop_stalls.py --tokens 20000 --top 5 --json loop_stalls.json
     python scripts/bench_loop_stalls.py --no-gc           # what is left without the collector's passes
+    python scripts/bench_loop_stalls.py --no-freeze       # a replica with RAY_SERVE_FREEZE_GC_ON_STARTUP=0
+
+The start-up heap (the imports: Ray, torch, FastAPI, ...) is frozen out of the collector's passes
+first, as Ray Serve does once a replica has started; unfrozen, each full pass also walks its
+~240k objects.
 """
 from __future__ import annotations
 
@@ -56,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="alternatives per token (5)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each case each way (3)")
     p.add_argument("--no-gc", action="store_true", help="the cyclic collector off: which stalls are its passes")
+    p.add_argument("--no-freeze", action="store_true",
+                   help="leave the start-up heap in the collector's passes (a replica that does not freeze it)")
     p.add_argument("--json", type=Path, help="write the rows here")
     return p.parse_args(argv)
 
@@ -190,12 +197,16 @@ def cls_record(tokens: int, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    gc.collect()
+    if not args.no_freeze:
+        gc.freeze()  # as a Serve replica at the end of its start-up (RAY_SERVE_FREEZE_GC_ON_STARTUP, on by default)
     if args.no_gc:
         gc.disable()
     try:
         rows = run(args)
     finally:
         gc.enable()
+        gc.unfreeze()
     cls = cls_record(args.tokens, args.repeats)
     print(f"{'case':<18}{'way':<8}{'response s':>11}{'longest gap s':>15}{'p99 gap s':>11}{'MB':>7}")
     for r in rows:
@@ -204,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CLS recording a {cls['tokens']}-token request: {cls['counted_ms']:.3f} ms with its gaps counted at "
           f"the ingress, {cls['each_gap_ms']:.2f} ms observing each gap")
     if args.json:
-        meta = {"cpu": cpu_name(), "python": platform.python_version(), "repeats": args.repeats, "gc": not args.no_gc}
+        meta = {"cpu": cpu_name(), "python": platform.python_version(), "repeats": args.repeats, "gc": not args.no_gc,
+                "start_up_heap_frozen": not args.no_freeze}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows, "cls_record": cls}, indent=1))
 
 

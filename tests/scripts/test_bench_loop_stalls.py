@@ -1,5 +1,6 @@
 """The event-loop stall benchmark runs end to end: every case both ways, the same bytes either way,
 the ingress's threshold as it was afterwards, and the CLS's recording timed both ways."""
+import gc
 import json
 
 from splitserve.cluster import large_bodies
@@ -19,4 +20,5 @@ def test_tiny_run_writes_every_case_both_ways(tmp_path, capsys):
         for row in (thread, loop):
             assert 0 < row["p99_gap_s"] <= row["longest_gap_s"] and row["response_s"] > 0
     assert large_bodies.LOGPROB_TOKENS_ON_LOOP == threshold
+    assert gc.get_freeze_count() == 0 and gc.isenabled() and result["meta"]["start_up_heap_frozen"]
     assert "echo stream" in capsys.readouterr().out
