@@ -7,6 +7,8 @@ of --turns items of the same size (a continuation's copy of its earlier turns). 
 take the same calls interleaved (put to one, then the other), each call timed; then every kept
 response is read once (`get`, then `context` as a continuation does); then a new store opens the
 directory. The store's bound (--keep) is below --responses, so the last puts also drop the oldest.
+With --logprob-tokens, each message also carries that many tokens' logprobs at top 5 (a response
+that asked for `message.output_text.logprobs`): 20,000 make an entry of about 6 MB.
 
 Then one conversation (`/v1/conversations`) grows by --conversation-turns turns (a user item and an
 assistant item of --text-chars each, as a response in it adds them), in memory and on disk, where
@@ -15,6 +17,7 @@ of the turns shows how that grows with the conversation.
 
     python scripts/bench_response_store.py                 # ~10 s on 2 shared cores
     python scripts/bench_response_store.py --responses 20000 --json response_store.json
+    python scripts/bench_response_store.py --responses 20 --keep 10 --logprob-tokens 20000   # large entries
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=2000, help="the store's bound on responses (2000)")
     p.add_argument("--text-chars", type=int, default=2000, help="characters of each message (2000)")
     p.add_argument("--turns", type=int, default=4, help="conversation items each response read (4)")
+    p.add_argument("--logprob-tokens", type=int, default=0, help="tokens' logprobs each message carries (0)")
     p.add_argument("--conversation-turns", type=int, default=500, help="turns one conversation grows by (500)")
     p.add_argument("--dir", type=Path, help="directory for the files (a fresh temporary one)")
     p.add_argument("--json", type=Path, help="write the rows here")
@@ -49,10 +53,19 @@ def message(item_id: str, role: str, kind: str, text: str) -> dict:
             "content": [{"type": kind, "text": text, **({"annotations": []} if kind == "output_text" else {})}]}
 
 
-def response(n: int, text: str) -> dict:
+def logprobs(tokens: int) -> list[dict]:
+    """The Responses API's logprobs of `tokens` tokens, each with 5 alternatives."""
+    return [{"token": "a", "logprob": -0.1, "bytes": [97],
+             "top_logprobs": [{"token": chr(48 + j), "logprob": -1.0 - j, "bytes": [48 + j]} for j in range(5)]}
+            for _ in range(tokens)]
+
+
+def response(n: int, text: str, logprob_tokens: int = 0) -> dict:
+    out = message(f"msg_out{n}", "assistant", "output_text", text)
+    if logprob_tokens:
+        out["content"][0]["logprobs"] = logprobs(logprob_tokens)
     return {"id": f"resp_{n:08d}", "object": "response", "created_at": 1796000000 + n, "status": "completed",
-            "model": "demo", "background": False, "store": True,
-            "output": [message(f"msg_out{n}", "assistant", "output_text", text)],
+            "model": "demo", "background": False, "store": True, "output": [out],
             "usage": {"input_tokens": 512, "output_tokens": 128, "total_tokens": 640}}
 
 
@@ -78,7 +91,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     read = {name: [] for name in stores}
     for n in range(args.responses):
         for name, store in stores.items():
-            put[name].append(timed(store.put, response(n, text), items))
+            put[name].append(timed(store.put, response(n, text, args.logprob_tokens), items))
     kept = [f"resp_{n:08d}" for n in range(args.responses - args.keep, args.responses)]
     for response_id in kept:
         for name, store in stores.items():

@@ -17,3 +17,9 @@ def test_tiny_run_writes_both_rows_and_reads_the_directory_back(tmp_path, capsys
     assert result["files"] == result["reopened"] == 20 and result["reopened_equal"]
     assert result["put_ratio_disk_vs_memory"] > 0 and result["entry_bytes"] > 100
     assert "| disk |" in capsys.readouterr().out
+
+
+def test_logprob_tokens_make_large_entries():
+    result = load_script("bench_response_store").main(["--responses", "3", "--keep", "2", "--text-chars", "10",
+                                                       "--logprob-tokens", "500", "--conversation-turns", "2"])
+    assert result["entry_bytes"] > 500 * 300 and result["reopened_equal"]  # each token's five alternatives
