@@ -50,7 +50,8 @@ class ResponseStore:
     def put(self, response: dict, items: list[dict], rerun: dict | None = None) -> bool:
         """Keep `response`, which read `items`; False when it is too large to keep. A background one
         in progress with a `rerun` (what running it again takes) may be adopted by another replica."""
-        response_id, size = response["id"], len(json.dumps(response)) + len(json.dumps(items))
+        encoded = {"response": json.dumps(response), "items": json.dumps(items)}
+        response_id, size = response["id"], sum(map(len, encoded.values()))
         earlier = self._entries.pop(response_id, None)
         self._leases.pop(response_id, None)
         self._reruns.pop(response_id, None)
@@ -66,7 +67,7 @@ class ResponseStore:
             self._leases[response_id] = self.clock() + LEASE_S
             if rerun is not None:
                 self._reruns[response_id] = {**rerun, "runs": 1}
-        self._kept(response, items)
+        self._kept(response, encoded)
         self._evict()
         return True
 
@@ -214,8 +215,9 @@ class ResponseStore:
     def event_bytes(self) -> int:
         return sum(len(event) for events in self._events.values() for event in events)
 
-    def _kept(self, response: dict, items: list[dict]) -> None:
-        """`response` (with the `items` it read) is kept now, in place of any earlier state of it."""
+    def _kept(self, response: dict, encoded: dict[str, str]) -> None:
+        """`response` is kept now, in place of any earlier state of it; `encoded`: it and the items
+        it read as JSON text, {"response": ..., "items": ...}."""
 
     def _dropped(self, response_id: str) -> None:
         """The response is no longer kept (deleted, or dropped to stay within the bounds)."""

@@ -40,10 +40,15 @@ class JsonFiles:
 
     def write(self, name: str, line: dict) -> None:
         """The entry `name` is this one line now."""
+        self.write_encoded(name, _encoded(line))
+
+    def write_encoded(self, name: str, fields: dict[str, str]) -> None:
+        """`write` of a line whose values the caller has as `json.dumps`' text already (a large
+        entry is encoded once, for its size and its file)."""
         path = self.directory / f"{name}{self.suffix}"
         temporary = path.with_name(f".{path.name}.tmp")
         try:
-            temporary.write_text(self._line(line))
+            temporary.write_text(self._line(fields))
             os.replace(temporary, path)
         except OSError:  # a full disk: kept in memory still, and the request that kept it goes on
             log.exception("stored entry %s could not be written to %s", name, self.directory)
@@ -52,7 +57,7 @@ class JsonFiles:
         """`line` after the entry's lines (written whole before)."""
         try:
             with open(self.directory / f"{name}{self.suffix}", "a") as file:
-                file.write(self._line(line))
+                file.write(self._line(_encoded(line)))
         except OSError:
             log.exception("stored entry %s could not be appended to in %s", name, self.directory)
 
@@ -62,9 +67,11 @@ class JsonFiles:
         except OSError:
             log.exception("stored entry %s could not be removed from %s", name, self.directory)
 
-    def _line(self, line: dict) -> str:
+    def _line(self, fields: dict[str, str]) -> str:
+        """`json.dumps({"sequence": next, **line})`'s text, from `line`'s values encoded."""
         self._sequence += 1
-        return json.dumps({"sequence": self._sequence, **line}) + "\n"
+        rest = "".join(f", {json.dumps(key)}: {text}" for key, text in fields.items())
+        return f'{{"sequence": {self._sequence}{rest}}}\n'
 
     @staticmethod
     def _whole_lines(path: Path) -> list[str]:
@@ -83,3 +90,7 @@ class JsonFiles:
                     raise
                 os.truncate(path, len(text.encode()) - len(tail.encode()))
         return lines
+
+
+def _encoded(line: dict) -> dict[str, str]:
+    return {key: json.dumps(value) for key, value in line.items()}

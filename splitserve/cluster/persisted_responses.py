@@ -76,9 +76,9 @@ class PersistedResponseStore(ResponseStore):
         self.conversations.attach(JsonFiles(self._root / "conversations", ".jsonl"))
         return True
 
-    def _kept(self, response: dict, items: list[dict]) -> None:
+    def _kept(self, response: dict, encoded: dict[str, str]) -> None:
         if self._files is not None:
-            self._files.write(response["id"], {"response": response, "items": items})
+            self._files.write_encoded(response["id"], encoded)
 
     def _dropped(self, response_id: str) -> None:
         if self._files is not None:

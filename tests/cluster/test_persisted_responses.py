@@ -121,3 +121,16 @@ def test_a_file_written_before_files_were_lines_reads(tmp_path):
     store.put(response("resp_b"), [])
     store._lock.release()
     assert [r for r in PersistedResponseStore(1, 1 << 20, tmp_path)._entries] == ["resp_b"]  # written after it
+
+
+def test_a_kept_response_is_encoded_once_for_its_size_and_its_file(tmp_path, monkeypatch):
+    """A response with 20k tokens' logprobs is about 0.3 s of encoding: a second pass doubled its put."""
+    encoded, dumps = [], json.dumps
+    monkeypatch.setattr(json, "dumps", lambda value, *args, **kwargs: encoded.append(value) or dumps(value, *args,
+                                                                                                      **kwargs))
+    store, kept = PersistedResponseStore(10, 1 << 20, tmp_path), response("resp_0", "answer")
+    store.put(kept, items("question"))
+    assert sum(value is kept or isinstance(value, dict) and any(v is kept for v in value.values())
+               for value in encoded) == 1  # alone, or in its file's line
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "resp_0.json").read_text())["response"] == kept
