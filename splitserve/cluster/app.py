@@ -25,6 +25,7 @@ from ray.exceptions import RayError
 
 from splitserve.cluster.batch_manager import BatchManager
 from splitserve.cluster.controller import WORKER_NAMESPACE, Controller
+from splitserve.cluster.frozen_heap import frozen_heap
 from splitserve.cluster.ingress import Ingress
 from splitserve.cluster.owned_actor import through_restart
 from splitserve.cluster.persisted_responses import PersistedResponseStore
@@ -40,18 +41,19 @@ HEAD_NODE = "node:__internal_head__"  # a resource only Ray's head node has (Ray
 class ClusterController:
     def __init__(self, config: dict):
         app = serve.get_replica_context().app_name
-        self.cls = ray.remote(Controller).options(  # a crash: Ray restarts it in place, and it adopts the workers
+        # a crash: Ray restarts it in place, and it adopts the workers
+        self.cls = ray.remote(frozen_heap(Controller)).options(
             name=f"{app}-controller", namespace=WORKER_NAMESPACE, num_cpus=0, max_restarts=-1,
             max_concurrency=MAX_CONCURRENT_CALLS).remote(config, app, True)
         self.cls.start.remote()
-        self.batches = ray.remote(BatchManager).options(  # a restart resumes its active batches (`_tend`)
+        self.batches = ray.remote(frozen_heap(BatchManager)).options(  # a restart resumes its active batches (`_tend`)
             name=f"{app}-batches", namespace=WORKER_NAMESPACE, num_cpus=0,
             resources={HEAD_NODE: 0.001}, max_restarts=-1).remote(config, self.cls)
         self.batches.start.remote()
         cluster = ClusterConfig.model_validate(config)
         files = Path(cluster.batch.dir) / "responses" if cluster.ingress.persist_stored_responses else None
         ingress = cluster.ingress
-        self.responses = ray.remote(PersistedResponseStore).options(  # a restart reads its files again
+        self.responses = ray.remote(frozen_heap(PersistedResponseStore)).options(  # a restart reads its files again
             name=f"{app}-responses", namespace=WORKER_NAMESPACE, num_cpus=0, resources={HEAD_NODE: 0.001},
             max_restarts=-1).remote(ingress.stored_responses, ingress.stored_response_bytes, files,
                                     max_conversations=ingress.stored_conversations,

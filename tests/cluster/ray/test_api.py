@@ -3,13 +3,16 @@ chat, streaming with usage, greedy output equal to the offline engine's (with pe
 too), and clear 4xx errors, those Serve's router gives (a query value, a route, a method) too."""
 from __future__ import annotations
 
+import gc
 import uuid
 
 import httpx
 import openai
 import pytest
+import ray
 
 from splitserve import SamplingParams
+from tests.ray_cluster import worker_actor
 
 PROMPT = "The disaggregated cluster says"
 
@@ -23,6 +26,13 @@ def test_health_and_models(server, client):
     health = httpx.get(f"{server}/health")
     assert health.status_code == 200 and health.json()["ready"]
     assert [m.id for m in client.models.list().data] == ["demo"]
+
+
+def test_the_clusters_own_actors_leave_their_start_up_heap_out_of_full_collections(server):
+    """The CLS, the batch actor and the response store, as Serve does for its replicas."""
+    for name in ("controller", "batches", "responses"):
+        frozen = worker_actor("main", name).__ray_call__.remote(lambda actor: gc.get_freeze_count())
+        assert ray.get(frozen, timeout=60) > 0, name
 
 
 def test_tokenizer_endpoints(server):
