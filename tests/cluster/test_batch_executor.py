@@ -16,6 +16,7 @@ from splitserve.batch.results import ResultLog
 from splitserve.cluster.batch_executor import ClusterExecutor, _log_answer
 from splitserve.engine.tokenizer import ByteTokenizer
 from tests.batch.batch_helpers import answered, as_jsonl, batch_lines
+from tests.cluster.test_run_response import chat_logprobs_body
 from tests.loop_ticks import loop_ticks_during
 
 
@@ -76,9 +77,7 @@ def test_a_batchs_lines_are_prepared_while_the_event_loop_runs(tmp_path):
 def test_logging_an_answer_with_many_tokens_logprobs_lets_the_event_loop_run(tmp_path):
     """A line's answer with 20k tokens' logprobs at top 5 is encoded in a thread, in pieces: on the
     batch actor's loop, one call of the encoder held it about 0.3 s (it did not tick once)."""
-    entry = {"token": "a", "logprob": -0.1, "bytes": [97],
-             "top_logprobs": [{"token": chr(48 + j), "logprob": -1.0 - j, "bytes": [48 + j]} for j in range(5)]}
-    body = {"object": "chat.completion", "choices": [{"index": 0, "logprobs": {"content": [dict(entry)] * 20_000}}]}
+    body = chat_logprobs_body(20_000)
     line = parse_input(as_jsonl(batch_lines(1)), "/v1/completions", 1)[0]
 
     async def scenario() -> int:

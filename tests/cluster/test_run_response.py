@@ -198,14 +198,19 @@ def test_building_many_tokens_logprobs_lets_the_event_loop_run(kind):
     assert asyncio.run(loop_ticks_during(reply.body())) >= 10
 
 
+def chat_logprobs_body(tokens: int) -> dict:
+    """A chat body carrying `tokens` tokens' logprobs at top 5."""
+    entry = {"token": "a", "logprob": -0.1, "bytes": [97],
+             "top_logprobs": [{"token": chr(48 + j), "logprob": -1.0 - j, "bytes": [48 + j]} for j in range(5)]}
+    return {"choices": [{"index": 0, "logprobs": {"content": [dict(entry) for _ in range(tokens)]}}]}
+
+
 @pytest.mark.quiet
 @pytest.mark.parametrize("stream", [False, True])
 def test_encoding_a_body_or_chunk_of_many_tokens_logprobs_lets_the_event_loop_run(stream):
     """One call of the C encoder holds the GIL throughout, in a thread or not (0.3 s for a 20k-token
     chat body at top 5): past the threshold, a body or chunk is encoded in pieces, in a thread."""
-    entry = {"token": "a", "logprob": -0.1, "bytes": [97],
-             "top_logprobs": [{"token": chr(48 + j), "logprob": -1.0 - j, "bytes": [48 + j]} for j in range(5)]}
-    body = {"choices": [{"index": 0, "logprobs": {"content": [dict(entry) for _ in range(20_000)]}}]}
+    body = chat_logprobs_body(20_000)
     encode = response_bodies.sse_event if stream else large_bodies.json_response
     assert asyncio.run(loop_ticks_during(large_bodies.encoded(body, encode))) >= 10
 
