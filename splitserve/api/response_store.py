@@ -47,10 +47,13 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict, items: list[dict], rerun: dict | None = None) -> bool:
+    def put(self, response: dict, items: list[dict], rerun: dict | None = None,
+            encoded: dict[str, str] | None = None) -> bool:
         """Keep `response`, which read `items`; False when it is too large to keep. A background one
-        in progress with a `rerun` (what running it again takes) may be adopted by another replica."""
-        encoded = {"response": json.dumps(response), "items": json.dumps(items)}
+        in progress with a `rerun` (what running it again takes) may be adopted by another replica.
+        `encoded`: the two's `json.dumps` text, {"response": ..., "items": ...}, where the caller
+        has it (a store reading its files back)."""
+        encoded = encoded or {"response": json.dumps(response), "items": json.dumps(items)}
         response_id, size = response["id"], sum(map(len, encoded.values()))
         earlier = self._entries.pop(response_id, None)
         self._leases.pop(response_id, None)

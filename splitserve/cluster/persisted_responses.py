@@ -59,10 +59,11 @@ class PersistedResponseStore(ResponseStore):
         self.bytes = self.event_bytes()  # streams recorded meanwhile stay, in memory
         files = JsonFiles(self._root)
         read = []
-        for name, lines in files.read():
+        for name, lines in files.read_fields():
             try:
                 [entry] = lines
-                self.put(dict(entry["response"]), list(entry["items"]))
+                (response, response_text), (items, items_text) = entry["response"], entry["items"]
+                self.put(dict(response), list(items), encoded={"response": response_text, "items": items_text})
             except (KeyError, TypeError, ValueError):
                 log.exception("stored response %s does not read; left out (and left there)", name)
                 continue

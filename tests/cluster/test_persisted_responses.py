@@ -11,6 +11,8 @@ import json
 import threading
 from pathlib import Path
 
+import pytest
+
 from splitserve.api.response_store import LEASE_S
 from splitserve.cluster import persisted_responses
 from splitserve.cluster.persisted_responses import PersistedResponseStore
@@ -134,3 +136,13 @@ def test_a_kept_response_is_encoded_once_for_its_size_and_its_file(tmp_path, mon
                for value in encoded) == 1  # alone, or in its file's line
     monkeypatch.undo()
     assert json.loads((tmp_path / "resp_0.json").read_text())["response"] == kept
+
+
+def test_a_store_reading_its_files_back_encodes_nothing(tmp_path, monkeypatch):
+    """Each kept response's size is its text in the file (20k tokens' logprobs: 0.3 s to encode again)."""
+    first = PersistedResponseStore(10, 1 << 20, tmp_path)
+    first.put(response("resp_0", "answer"), items("question"))
+    first._lock.release()
+    monkeypatch.setattr(json, "dumps", lambda *args, **kwargs: pytest.fail("encoded again"))
+    again = PersistedResponseStore(10, 1 << 20, tmp_path)
+    assert again.bytes == first.bytes and again.get("resp_0") == first.get("resp_0")
