@@ -7,14 +7,14 @@ written (a full disk) or read is logged, never raised: the entry stays in memory
 what is read."""
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
+
+from splitserve.engine.collector import collector_paused
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class JsonFiles:
         read: list[tuple[int, str, list[dict]]] = []
         for path in self.directory.glob(f"*{self.suffix}"):
             try:
-                with _collector_paused():
+                with collector_paused():  # JSON's values hold no cycles
                     parsed = [parse(line) for line in self._whole_lines(path)]
                 sequence = max(sequence for _, sequence in parsed)
                 read.append((sequence, path.name[:-len(self.suffix)], [line for line, _ in parsed]))
@@ -151,17 +151,3 @@ def fields_of(text: str) -> dict[str, tuple[object, str]]:
     if _SPACE.match(text, at + 1).end() != len(text):
         raise ValueError(f"extra data at {at + 1}")
     return line
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """JSON's values hold no cycles, so the collector has nothing to find in them; left on, each of
-    its full passes while a large entry is parsed walks everything parsed so far (a store's restart
-    took 2.4x as long)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import bisect
 import gc
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.attention.metadata import PAD_SLOT
+from splitserve.engine.collector import collector_paused
 from splitserve.engine.model_runner import ModelRunner, StepBatch
 from splitserve.engine.step_inputs import upload
 
@@ -64,7 +64,8 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Largest first, so the smaller graphs reuse the memory pool the largest one grew."""
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        with _collector_off():
+        gc.collect()
+        with collector_paused():
             for size in reversed(self.sizes):
                 self._replays[size] = self._capture(size, pool)
 
@@ -104,15 +105,3 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=pool):
             out = self._forward(size)
         return lambda: (graph.replay(), out)[1]
-
-
-@contextmanager
-def _collector_off() -> Iterator[None]:
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

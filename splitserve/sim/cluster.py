@@ -35,7 +35,6 @@ worker would report, the ticks until the next event are skipped (simulated idle 
 """
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
 import math
@@ -43,6 +42,7 @@ from collections.abc import Callable, Sequence
 
 from splitserve.bench.workload import RequestSpec
 from splitserve.engine.block_manager import OutOfBlocksError
+from splitserve.engine.collector import collector_paused
 from splitserve.engine.policies.base import EngineFullError
 from splitserve.engine.prefix_hash import prompt_block_hashes
 from splitserve.engine.sampling_params import SamplingParams
@@ -63,13 +63,8 @@ Progress = Callable[[int, int], None]  # (requests done or refused, all requests
 def simulate(scenario: Scenario, requests: Sequence[RequestSpec], seed: int = 0,
              progress: Progress | None = None) -> SimResult:
     """Run `requests` (arrival times in seconds from 0) through the cluster of `scenario`."""
-    collecting = gc.isenabled()
-    gc.disable()  # millions of short-lived objects, no cycles: the collector would only rescan the blocks
-    try:
+    with collector_paused():  # millions of short-lived objects, no cycles: it would only rescan the blocks
         return Simulation(scenario, requests).run(progress, seed)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _first_tick_at(time: float, interval: float) -> int:
