@@ -42,7 +42,7 @@ def test_what_json_refuses_fields_refuse(text):
         fields_of(text)
 
 
-def test_fields_are_an_objects():
+def test_fields_of_anything_but_an_object_are_refused():
     with pytest.raises(ValueError, match="not a JSON object"):
         fields_of("[1]")
 
