@@ -5,6 +5,7 @@ large body in one call stops the event loop's thread as surely as encoding it th
 pieces, the loop's thread gets the GIL back."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 LONG_LIST = 64  # a list longer than this is encoded PIECE elements at a time
@@ -17,6 +18,16 @@ def dumps_in_pieces(value, dumps: Callable[[object], str], separators: tuple[str
     parts: list[str] = []
     _add(value, dumps, separators, parts)
     return "".join(parts)
+
+
+def json_text(value, in_pieces: bool = False) -> str:
+    """`value` as one line of compact JSON, as Starlette's JSONResponse renders it; `in_pieces`:
+    the same text, made by `dumps_in_pieces`."""
+    return dumps_in_pieces(value, _compact) if in_pieces else _compact(value)
+
+
+def _compact(value) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
 
 
 def _add(value, dumps: Callable[[object], str], separators: tuple[str, str], parts: list[str]) -> None:

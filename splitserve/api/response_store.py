@@ -3,31 +3,58 @@ deleting and listing a response's input items. An entry is a Response object and
 items it read (the stored context it continued, then its own input), so a continuation never
 depends on an earlier entry that may have gone. Bounded: past `max_responses` entries or
 `max_bytes` of their JSON, the least recently used go first; an entry larger than `max_bytes`
-is not kept. A background response is kept in progress, then settled with its end unless it
-was cancelled or deleted meanwhile; the replica running it renews its lease (`statuses`, asked
-every half second). One whose lease lapses (that replica is gone) is run again from the start by
-another replica (`adopt`), at most MAX_RUNS times in all, when its request was kept for that
-(`rerun`: not a streamed one, whose events were sent); otherwise it ends failed rather than in
-progress forever. A background response that streams has its events recorded too (in memory, with
-the entry, counted in its bytes) for any replica to stream again from a sequence number. Plain
-data in and out, so it can run as one actor that every ingress replica calls. Every entry kept or
-dropped passes `_kept` or `_dropped`, which a store on disk overrides. The same actor keeps the
-conversations (`conversation`), so one call reaches either."""
+is not kept. Entries are kept as JSON text (`Stored`), which the callers (the ingress replicas)
+encode and decode: a response with 20k tokens' logprobs is 6.9 MB of text but 38 MB as Python
+objects, 700,000 of them for each full pass of the collector to walk, and a string crosses
+between processes with nothing inside to pickle. A background response is kept in progress, then
+settled with its end unless it was cancelled or deleted meanwhile; the replica running it renews
+its lease (`statuses`, asked every half second). One whose lease lapses (that replica is gone) is
+run again from the start by another replica (`adopt`), at most MAX_RUNS times in all, when its
+request was kept for that (`rerun`: not a streamed one, whose events were sent); otherwise it ends
+failed rather than in progress forever. A background response that streams has its events
+recorded too (in memory, with the entry, counted in its bytes) for any replica to stream again
+from a sequence number. Plain data in and out, so it can run as one actor that every ingress
+replica calls. Every entry kept or dropped passes `_kept` or `_dropped`, which a store on disk
+overrides. The same actor keeps the conversations (`conversation`), so one call reaches either."""
 from __future__ import annotations
 
 import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import NamedTuple
 
 from splitserve.api.conversation_store import ConversationStore
-from splitserve.api.cursor_page import cursor_page, in_order
 from splitserve.api.errors import RequestError
+from splitserve.api.json_pieces import json_text
 
 MAX_ITEMS_PAGE = 100
 LEASE_S = 15.0  # a background response nobody renewed for this long has lost the replica that ran it
 MAX_RUNS = 3  # a background response whose replica died this often may be what kills them: it fails
 CONVERSATION_CALLS = frozenset({"create", "get", "update", "delete", "add", "items", "item", "delete_item", "context"})
+
+
+class Stored(NamedTuple):
+    """A response as the store keeps it: its JSON text, and the fields of it the store reads."""
+    id: str
+    status: str
+    background: bool
+    text: str
+
+    @classmethod
+    def of(cls, response: dict, text: str) -> Stored:
+        """`response`, whose JSON is `text`; a TypeError or KeyError for one without an id and a status."""
+        if not isinstance(response["id"], str) or not isinstance(response["status"], str):
+            raise TypeError(f"a response's id and status are strings, not {response['id']!r}, {response['status']!r}")
+        return cls(response["id"], response["status"], bool(response.get("background")), text)
+
+    @classmethod
+    def encode(cls, response: dict) -> Stored:
+        return cls.of(response, json_text(response))
+
+    def changed(self, **fields) -> Stored:
+        """The response with `fields` set (decoded and encoded again: for a small one)."""
+        return Stored.encode({**json.loads(self.text), **fields})
 
 
 class ResponseStore:
@@ -36,7 +63,8 @@ class ResponseStore:
         """`conversations`: none kept without."""
         self.max_responses, self.max_bytes, self.clock = max_responses, max_bytes, clock
         self.conversations = ConversationStore(0, 0) if conversations is None else conversations
-        self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()  # id -> response, items, size
+        # id -> the response, the JSON of the items it read, and the two's size
+        self._entries: OrderedDict[str, tuple[Stored, str, int]] = OrderedDict()
         self._leases: dict[str, float] = {}  # background responses in progress -> when their lease lapses
         self._events: dict[str, list[str]] = {}  # a streamed background response's SSE events, in order
         # a background response in progress that may run again -> its rerun (request, turn, runs so far);
@@ -47,14 +75,11 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict, items: list[dict], rerun: dict | None = None,
-            encoded: dict[str, str] | None = None) -> bool:
-        """Keep `response`, which read `items`; False when it is too large to keep. A background one
-        in progress with a `rerun` (what running it again takes) may be adopted by another replica.
-        `encoded`: the two's `json.dumps` text, {"response": ..., "items": ...}, where the caller
-        has it (a store reading its files back)."""
-        encoded = encoded or {"response": json.dumps(response), "items": json.dumps(items)}
-        response_id, size = response["id"], sum(map(len, encoded.values()))
+    def put(self, response: Stored, items: str, rerun: dict | None = None) -> bool:
+        """Keep `response`, which read `items` (their JSON list); False when it is too large to keep. A
+        background one in progress with a `rerun` (what running it again takes) may be adopted by
+        another replica."""
+        response_id, size = response.id, len(response.text) + len(items)
         earlier = self._entries.pop(response_id, None)
         self._leases.pop(response_id, None)
         self._reruns.pop(response_id, None)
@@ -66,32 +91,32 @@ class ResponseStore:
             return False
         self._entries[response_id] = response, items, size
         self.bytes += size
-        if response["status"] == "in_progress" and response.get("background"):
+        if response.status == "in_progress" and response.background:
             self._leases[response_id] = self.clock() + LEASE_S
             if rerun is not None:
                 self._reruns[response_id] = {**rerun, "runs": 1}
-        self._kept(response, encoded)
+        self._kept(response, items)
         self._evict()
         return True
 
-    def get(self, response_id: str) -> dict | None:
+    def get(self, response_id: str) -> str | None:
+        """The response's JSON."""
         entry = self._use(response_id)
-        return entry and entry[0]
+        return entry and entry[0].text
 
-    def context(self, response_id: str) -> list[dict] | None:
-        """The conversation a continuation of the response reads: its items, then its output; a
-        RequestError while it is in progress (a background one not yet ended)."""
+    def context(self, response_id: str) -> tuple[str, str] | None:
+        """What a continuation of the response reads: the JSON of its items and of itself (its
+        output follows them); a RequestError while it is in progress (a background one not yet ended)."""
         entry = self._use(response_id)
-        if entry is not None and entry[0]["status"] == "in_progress":
+        if entry is not None and entry[0].status == "in_progress":
             raise RequestError(f"previous_response_id: {response_id!r} is still in progress; continue it once it "
                                "has ended", param="previous_response_id")
-        return entry and entry[1] + entry[0]["output"]
+        return entry and (entry[1], entry[0].text)
 
-    def input_items(self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
-                    ) -> dict | None:
-        """A cursor page of the items the response read (OpenAI's default: newest first)."""
+    def input_items(self, response_id: str) -> str | None:
+        """The JSON of the items the response read."""
         entry = self._use(response_id)
-        return entry and cursor_page(in_order(entry[1][::-1], order), limit, after, MAX_ITEMS_PAGE)
+        return entry and entry[1]
 
     def status(self, response_id: str) -> str | None:
         self._lapse()
@@ -99,7 +124,7 @@ class ResponseStore:
 
     def _status(self, response_id: str) -> str | None:
         entry = self._entries.get(response_id)
-        return entry and entry[0]["status"]
+        return entry and entry[0].status
 
     def statuses(self, response_ids: list[str]) -> list[str | None]:
         """Their statuses, asked by the replica running them: the leases of those in progress renewed."""
@@ -109,38 +134,37 @@ class ResponseStore:
                 self._leases[response_id] = self.clock() + LEASE_S
         return [self._status(response_id) for response_id in response_ids]
 
-    def settle(self, response: dict) -> bool:
+    def settle(self, response: Stored) -> bool:
         """A background response's end, kept in place of its in-progress state; False (and not
         kept) when it was cancelled or is gone."""
-        entry = self._entries.get(response["id"])
-        if entry is None or entry[0]["status"] != "in_progress":
+        entry = self._entries.get(response.id)
+        if entry is None or entry[0].status != "in_progress":
             return False
         return self.put(response, entry[1])
 
-    def adopt(self, most: int) -> list[tuple[dict, list[dict], dict]]:
-        """Up to `most` background responses whose replica is gone, each with the items it read and
-        its rerun, for the replica that asks to run again from the start: leased to it now."""
+    def adopt(self, most: int) -> list[tuple[str, dict]]:
+        """Up to `most` background responses whose replica is gone (each as JSON, in progress) with
+        their reruns, for the replica that asks to run them again from the start: leased to it now."""
         self._lapse()
         adopted = []
         for response_id in [r for r in self._reruns if r not in self._leases][:most]:
             self._reruns[response_id]["runs"] += 1
             self._leases[response_id] = self.clock() + LEASE_S
-            response, items, _ = self._entries[response_id]
-            adopted.append((response, items, self._reruns[response_id]))
+            adopted.append((self._entries[response_id][0].text, self._reruns[response_id]))
         return adopted
 
-    def cancel(self, response_id: str) -> dict | None:
-        """The background response cancelled (again: as it is); a RequestError for one that is not
-        a background response in progress."""
+    def cancel(self, response_id: str) -> str | None:
+        """The JSON of the background response cancelled (again: as it is); a RequestError for one
+        that is not a background response in progress."""
         entry = self._use(response_id)
         if entry is None:
             return None
         response, items, _ = entry
-        if response["status"] == "in_progress" and response.get("background"):
-            self.put({**response, "status": "cancelled"}, items)
-        elif response["status"] != "cancelled":
+        if response.status == "in_progress" and response.background:
+            self.put(response.changed(status="cancelled"), items)
+        elif response.status != "cancelled":
             raise RequestError(f"only a background response in progress can be cancelled; {response_id!r} is "
-                               f"{response['status']}", param="response_id")
+                               f"{response.status}", param="response_id")
         return self.get(response_id)
 
     def append_events(self, response_id: str, first: int, events: list[str]) -> int:
@@ -148,7 +172,7 @@ class ResponseStore:
         store holds after. Fewer than `first` (a restarted store lost them): the replica sends
         again from there. -1: the response is gone or no longer in progress."""
         entry = self._entries.get(response_id)
-        if entry is None or entry[0]["status"] != "in_progress":
+        if entry is None or entry[0].status != "in_progress":
             return -1
         recorded = self._events.setdefault(response_id, [])
         if first <= len(recorded):
@@ -170,7 +194,7 @@ class ResponseStore:
         if response_id not in self._events:
             raise RequestError(f"no stream of {response_id!r} is kept (it was not created with background and "
                                "stream, or the store restarted since): retrieve it without stream", param="stream")
-        return self._events[response_id][after + 1:], entry[0]["status"] != "in_progress"
+        return self._events[response_id][after + 1:], entry[0].status != "in_progress"
 
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
@@ -188,7 +212,7 @@ class ResponseStore:
             raise ValueError(f"no conversation call {method!r}")
         return getattr(self.conversations, method)(*args)
 
-    def _use(self, response_id: str) -> tuple[dict, list[dict], int] | None:
+    def _use(self, response_id: str) -> tuple[Stored, str, int] | None:
         self._lapse()
         if response_id in self._entries:
             self._entries.move_to_end(response_id)
@@ -203,9 +227,9 @@ class ResponseStore:
             if self._reruns.get(response_id, {"runs": MAX_RUNS})["runs"] < MAX_RUNS:
                 continue
             response, items, _ = self._entries[response_id]
-            self.put({**response, "status": "failed", "error": {
+            self.put(response.changed(status="failed", error={
                 "code": "server_error", "message": "the server stopped running this background response before it "
-                "ended (the replica that ran it, or the cluster's controller, was restarted); send it again"}}, items)
+                "ended (the replica that ran it, or the cluster's controller, was restarted); send it again"}), items)
 
     def _evict(self) -> None:
         """The least recently used go until the store is within its bounds."""
@@ -218,9 +242,8 @@ class ResponseStore:
     def event_bytes(self) -> int:
         return sum(len(event) for events in self._events.values() for event in events)
 
-    def _kept(self, response: dict, encoded: dict[str, str]) -> None:
-        """`response` is kept now, in place of any earlier state of it; `encoded`: it and the items
-        it read as JSON text, {"response": ..., "items": ...}."""
+    def _kept(self, response: Stored, items: str) -> None:
+        """`response` is kept now, in place of any earlier state of it; `items`: the JSON of those it read."""
 
     def _dropped(self, response_id: str) -> None:
         """The response is no longer kept (deleted, or dropped to stay within the bounds)."""

@@ -20,6 +20,7 @@ from ray.exceptions import RayTaskError
 from splitserve.api import response_bodies as R
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.guard import guard
+from splitserve.api.json_pieces import json_text
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.prepared_request import PreparedRequest, prepare_request, prepare_responses
 from splitserve.api.request_models import check_model, parse_request
@@ -32,7 +33,7 @@ from splitserve.cluster import stored_conversations, stored_responses
 from splitserve.cluster.batch_manager import RemoteBatches
 from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import ClusterUnavailable, Overloaded, RequestFailed, Run, WorkerDirectory
-from splitserve.cluster.large_bodies import encoded, json_response
+from splitserve.cluster.large_bodies import encoded, text_response
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
 from splitserve.cluster.owned_actor import OwnedActor
@@ -172,8 +173,9 @@ class Ingress:
             whole = await self._whole_response(ask, reply, response_id, created, kept)
         except RequestFailed as error:
             return error_response(error.as_error())
-        await self._stored.end(whole, items, turn, kept)
-        return await encoded(whole, json_response)
+        text = await encoded(whole, json_text)  # once, for its client and the store
+        await self._stored.end(whole, items, turn, kept, text)
+        return text_response(text)
 
     # ---- one request -------------------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):

@@ -56,12 +56,12 @@ class JsonFiles:
         self.write_encoded(name, _encoded(line))
 
     def write_encoded(self, name: str, fields: dict[str, str]) -> None:
-        """`write` of a line whose values the caller has as `json.dumps`' text already (a large
-        entry is encoded once, for its size and its file)."""
+        """`write` of a line whose values the caller has as JSON text already (a large entry is
+        encoded once, for its size, its file and its client)."""
         path = self.directory / f"{name}{self.suffix}"
         temporary = path.with_name(f".{path.name}.tmp")
         try:
-            temporary.write_text(self._line(fields))
+            temporary.write_text(self._line(fields), encoding="utf-8")
             os.replace(temporary, path)
         except OSError:  # a full disk: kept in memory still, and the request that kept it goes on
             log.exception("stored entry %s could not be written to %s", name, self.directory)
@@ -69,7 +69,7 @@ class JsonFiles:
     def append(self, name: str, line: dict) -> None:
         """`line` after the entry's lines (written whole before)."""
         try:
-            with open(self.directory / f"{name}{self.suffix}", "a") as file:
+            with open(self.directory / f"{name}{self.suffix}", "a", encoding="utf-8") as file:
                 file.write(self._line(_encoded(line)))
         except OSError:
             log.exception("stored entry %s could not be appended to in %s", name, self.directory)
@@ -91,7 +91,7 @@ class JsonFiles:
         """The file's lines; a last one that does not read (an append a crash cut short) is cut off
         the file too, so the next append starts a line of its own. A file of one line may lack its
         newline (as this store wrote responses before it wrote lines)."""
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         lines = text.split("\n")
         tail = lines.pop()
         if tail:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from splitserve.api.response_store import ResponseStore
+from splitserve.api.response_store import ResponseStore, Stored
 from splitserve.batch.store_lock import StoreLock
 from splitserve.cluster.json_files import JsonFiles
 from splitserve.cluster.persisted_conversations import PersistedConversations
@@ -63,7 +63,9 @@ class PersistedResponseStore(ResponseStore):
             try:
                 [entry] = lines
                 (response, response_text), (items, items_text) = entry["response"], entry["items"]
-                self.put(dict(response), list(items), encoded={"response": response_text, "items": items_text})
+                if not isinstance(items, list):
+                    raise TypeError(f"a response's items are a list, not {type(items).__name__}")
+                self.put(Stored.of(response, response_text), items_text)
             except (KeyError, TypeError, ValueError):
                 log.exception("stored response %s does not read; left out (and left there)", name)
                 continue
@@ -77,9 +79,9 @@ class PersistedResponseStore(ResponseStore):
         self.conversations.attach(JsonFiles(self._root / "conversations", ".jsonl"))
         return True
 
-    def _kept(self, response: dict, encoded: dict[str, str]) -> None:
+    def _kept(self, response: Stored, items: str) -> None:
         if self._files is not None:
-            self._files.write_encoded(response["id"], encoded)
+            self._files.write_encoded(response.id, {"response": response.text, "items": items})
 
     def _dropped(self, response_id: str) -> None:
         if self._files is not None:

@@ -15,7 +15,8 @@ failed: `api/response_store.py`). A background one that streams sends its client
 as that task makes them, and the task records them in the store; the client may go away and read
 them again. The store is the controller's actor: after a restart the next call finds the new one
 (`OwnedActor`), which has every response kept on disk (not the events: a running stream's task
-records them again).
+records them again). The store keeps each response as its JSON text: a replica encodes what it
+keeps and decodes what it reads (`large_bodies`), and answers a retrieve with the stored text as it is.
 
 A response in a conversation (`conversation`) reads its items first, and once it completed (or was
 cut short) adds its own input and output to it (`end`, `ending`; a background one once settled,
@@ -31,12 +32,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import RayTaskError
 
+from splitserve.api.cursor_page import cursor_page, in_order
 from splitserve.api.errors import RequestError, error_response
+from splitserve.api.json_pieces import json_text
+from splitserve.api.response_store import MAX_ITEMS_PAGE, Stored
 from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
 from splitserve.cluster.background import background
 from splitserve.cluster.dispatch import RequestFailed
-from splitserve.cluster.large_bodies import encoded, json_response
+from splitserve.cluster.large_bodies import decoded, encoded, json_response, text_response
 from splitserve.cluster.owned_actor import OwnedActor
 
 router = APIRouter()
@@ -78,7 +82,8 @@ class StoredResponses:
         context = await self.call("context", response_id)
         if context is None:
             raise _missing(response_id, "previous_response_id")
-        return context
+        items, response = context
+        return decoded(items) + decoded(response)["output"]
 
     async def _conversation(self, request: ResponsesRequest) -> list[dict]:
         """The items of the conversation the request is in; a 400 for an input item already in it."""
@@ -92,14 +97,18 @@ class StoredResponses:
                                "reads before its input; send only what is new", param="input")
         return context
 
-    async def keep(self, response: dict, items: list[dict], rerun: dict | None = None) -> None:
-        await self.call("put", response, items, rerun)
+    async def keep(self, response: dict, items: list[dict], rerun: dict | None = None, text: str | None = None
+                   ) -> None:
+        """`text`: the response's JSON (`json_text`), where the caller has it."""
+        text = await encoded(response, json_text) if text is None else text
+        await self.call("put", Stored.of(response, text), await encoded(items, json_text), rerun)
 
-    async def end(self, response: dict, items: list[dict], turn: list[dict] | None, kept: bool) -> None:
+    async def end(self, response: dict, items: list[dict], turn: list[dict] | None, kept: bool,
+                  text: str | None = None) -> None:
         """A response that ended: kept (`kept`: with the `items` it read) and, in a conversation
         (`turn`: its own input items), added to it."""
         if kept:
-            await self.keep(response, items)
+            await self.keep(response, items, text=text)
         await self._add_to_conversation(response, turn)
 
     async def ending(self, events: AsyncIterator[bytes], stream: ResponseEvents, items: list[dict],
@@ -192,7 +201,8 @@ class StoredResponses:
             except Exception as error:
                 log.exception("background response %s failed", pending["id"])
                 whole = _failed(pending, f"the server failed answering it: {error!r}")
-            if await self.call("settle", whole):  # not cancelled meanwhile
+            ended = Stored.of(whole, await encoded(whole, json_text))
+            if await self.call("settle", ended):  # not cancelled meanwhile
                 await self._add_to_conversation(whole, turn)
         except Exception:
             log.exception("background response %s: its end could not be kept", pending["id"])
@@ -270,7 +280,8 @@ class StoredResponses:
             except Exception:
                 log.exception("the response store could not be asked for background responses to adopt")
                 continue
-            for pending, _, rerun in orphans:
+            for pending, rerun in orphans:
+                pending = decoded(pending)
                 if pending["id"] in self._running:  # still running here, only late to renew: it goes on
                     continue
                 log.warning("background response %s lost the replica that ran it: run %d starts here",
@@ -325,15 +336,15 @@ def _missing(response_id: str, param: str = "response_id") -> RequestError:
                         "the store within its bounds)", status=404, param=param)
 
 
-async def _answer(request: Request, response_id: str, method: str, *args) -> Response:
-    """The store's answer, a 404 when it holds no such response."""
+async def _answer(request: Request, response_id: str, method: str) -> Response:
+    """The store's answer, the response's JSON as the store has it; a 404 when it holds no such response."""
     try:
-        found = await request.app.state.stored_responses.call(method, response_id, *args)
+        found = await request.app.state.stored_responses.call(method, response_id)
     except RequestError as error:
         return error_response(error)
     if found is None:
         return error_response(_missing(response_id))
-    return await encoded(found, json_response)
+    return text_response(found)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -355,7 +366,15 @@ async def retrieve(request: Request, response_id: str, stream: bool = False, sta
 @router.get("/v1/responses/{response_id}/input_items")
 async def input_items(request: Request, response_id: str, limit: int = 20, order: str = "desc",
                       after: str | None = None):
-    return await _answer(request, response_id, "input_items", limit, order, after)
+    """A cursor page of the items the response read (OpenAI's default: newest first)."""
+    try:
+        found = await request.app.state.stored_responses.call("input_items", response_id)
+        if found is None:
+            return error_response(_missing(response_id))
+        page = cursor_page(in_order(decoded(found)[::-1], order), limit, after, MAX_ITEMS_PAGE)
+    except RequestError as error:
+        return error_response(error)
+    return await encoded(page, json_response)
 
 
 @router.post("/v1/responses/{response_id}/cancel")

@@ -1,11 +1,14 @@
 """Which bodies the ingress builds or encodes in a thread: counted by the tokens whose logprobs they
-carry, in either API's shapes."""
+carry, in either API's shapes. A long text is decoded with no collection started inside, the
+collector on again after."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
 import threading
 
-from splitserve.cluster.large_bodies import LOGPROB_TOKENS_ON_LOOP, built, logprob_tokens
+from splitserve.cluster.large_bodies import LOGPROB_TOKENS_ON_LOOP, TEXT_CHARS_PAUSED, built, decoded, logprob_tokens
 
 
 def test_logprob_tokens_counts_every_choices_tokens_in_either_shape():
@@ -36,3 +39,23 @@ def test_built_runs_past_the_threshold_in_a_thread():
         return await built(LOGPROB_TOKENS_ON_LOOP, where, 1), await built(LOGPROB_TOKENS_ON_LOOP + 1, where, 2)
 
     assert asyncio.run(both()) == ((True, (1,)), (False, (2,)))
+
+
+def test_a_long_text_is_decoded_with_the_collector_paused_and_a_short_one_as_ever():
+    long_text = json.dumps([{"token": "a", "logprob": -0.5, "top_logprobs": [{"token": "b"}]}] * 20_000)
+    assert len(long_text) > TEXT_CHARS_PAUSED
+    started = []
+
+    def count(phase, info):
+        started.extend([info["generation"]] if phase == "start" else [])
+
+    gc.callbacks.append(count)
+    try:
+        value = decoded(long_text)
+        during = len(started)
+        started.clear()
+        assert value == json.loads(long_text) and gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+    assert during <= 2 < len(started)  # one as the collector is on again, at most; json.loads alone starts many
+    assert decoded('{"a": [1, 2]}') == {"a": [1, 2]}

@@ -5,17 +5,20 @@ store that restarted mid-stream (its events lost) is sent them again; a cancel s
 run within the poll and ends it for its client; a background response the store cannot keep has
 its runs stopped. A response in a conversation reads its items first and adds its own input and
 output once it completes (a background one once settled), not when it failed or was cancelled. A
-background response whose replica died is run again by another."""
+background response whose replica died is run again by another. A stored response's input items
+come in cursor pages."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
 
 from splitserve.api.errors import RequestError
 from splitserve.api.conversation_store import ConversationStore
-from splitserve.api.response_store import ResponseStore
+from splitserve.api.json_pieces import json_text
+from splitserve.api.response_store import ResponseStore, Stored
 from splitserve.api.responses_request import ResponsesRequest
 from splitserve.api import response_store
 from splitserve.cluster import stored_responses
@@ -34,6 +37,11 @@ class LocalStore:
     async def call(self, method: str, *args):
         await asyncio.sleep(0)
         return getattr(self.store, method)(*args)
+
+    def response(self, response_id: str) -> dict | None:
+        """The store's response, as a replica decodes it."""
+        text = self.store.get(response_id)
+        return None if text is None else json.loads(text)
 
 
 async def nothing() -> None:
@@ -72,7 +80,7 @@ async def read(stream, count: int | None = None) -> list[bytes]:
 
 async def settled(local: LocalStore, response_id: str = "resp_a", timeout_s: float = 5) -> dict:
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while (response := local.store.get(response_id))["status"] == "in_progress":
+    while (response := local.response(response_id))["status"] == "in_progress":
         assert asyncio.get_running_loop().time() < deadline, response
         await asyncio.sleep(0.01)
     return response
@@ -112,7 +120,7 @@ def test_a_store_that_restarted_mid_stream_is_sent_every_event_again(monkeypatch
             got.append(event)
             if len(got) == EVENTS // 2:  # the store restarts: the response read back from disk, no events
                 restarted = ResponseStore(100, 1 << 20)
-                restarted.put(local.store.get("resp_a"), [])
+                restarted.put(Stored.encode(local.response("resp_a")), "[]")
                 local.store = restarted
         return got, await settled(local)
 
@@ -124,7 +132,7 @@ def test_a_store_that_restarted_mid_stream_is_sent_every_event_again(monkeypatch
 def test_one_send_to_a_store_that_lost_its_events_sends_them_all_again():
     """As the last send before the end is settled must: no later send would make up for it."""
     local = LocalStore()
-    local.store.put(pending(), [])
+    local.store.put(Stored.encode(pending()), "[]")
     stored = StoredResponses(local, enabled=True)
     events = [f"data: {n}\n\n".encode() for n in range(5)]
     assert asyncio.run(stored._send("resp_a", 3, events)) == 5  # it had recorded 3; the store has none
@@ -149,7 +157,7 @@ def test_a_cancel_stops_the_run_and_ends_the_clients_stream(monkeypatch):
 
     got = asyncio.run(scenario())
     assert 2 <= len(got) < EVENTS and closed == [True]  # the events' generator closed: its run aborted
-    assert local.store.get("resp_a")["status"] == "cancelled"
+    assert local.response("resp_a")["status"] == "cancelled"
 
 
 class FullStore(LocalStore):
@@ -212,10 +220,10 @@ def test_a_response_in_a_conversation_reads_it_and_adds_its_turn_once_it_complet
     assert [i["id"] for i in local.store.conversation("context", cid)] == ["msg_earlier"]
     asyncio.run(stored.end(ended("resp_b", cid), [], turn, kept=False))
     assert [i["id"] for i in local.store.conversation("context", cid)] == ["msg_earlier", "msg_turn", "msg_out_resp_b"]
-    assert local.store.get("resp_b") is None  # store false: the conversation keeps it, not the response store
+    assert local.response("resp_b") is None  # store false: the conversation keeps it, not the response store
     local.store.conversation("delete", cid)  # deleted meanwhile: the response is still answered
     asyncio.run(stored.end(ended("resp_c", cid), [], [message("msg_c")], kept=True))
-    assert local.store.get("resp_c")["status"] == "completed"
+    assert local.response("resp_c")["status"] == "completed"
 
 
 def test_a_conversation_with_a_previous_response_or_an_item_it_holds_is_a_400():
@@ -254,7 +262,7 @@ def test_a_background_response_adds_its_turn_once_settled_unless_cancelled(cance
     asyncio.run(scenario())
     expected = ["msg_earlier"] if cancelled else ["msg_earlier", "msg_turn", "msg_out_resp_a"]
     assert [i["id"] for i in local.store.conversation("context", cid)] == expected
-    assert local.store.get("resp_a")["status"] == ("cancelled" if cancelled else "completed")
+    assert local.response("resp_a")["status"] == ("cancelled" if cancelled else "completed")
 
 
 def test_a_background_response_whose_replica_died_is_run_again_by_another(monkeypatch):
@@ -283,10 +291,31 @@ def test_a_background_response_whose_replica_died_is_run_again_by_another(monkey
         for task in [*replica_a._running.values(), replica_a._poller]:  # replica A dies
             task.cancel()
         replica_b = StoredResponses(local, enabled=True, run_again=run_again)
-        assert (await replica_b.call("get", "resp_a"))["status"] == "in_progress"
+        assert json.loads(await replica_b.call("get", "resp_a"))["status"] == "in_progress"
         return await settled(local)
 
     assert asyncio.run(scenario())["output"] == [message("msg_out_resp_a")]
     [rerun] = asked
     assert rerun["runs"] == 2 and rerun["request"]["conversation"] == cid and rerun["turn"] == [message("msg_turn")]
     assert [i["id"] for i in local.store.conversation("context", cid)] == ["msg_earlier", "msg_turn", "msg_out_resp_a"]
+
+
+def test_input_items_come_in_cursor_pages_newest_first_by_default():
+    local = LocalStore()
+    local.store.put(Stored.encode(pending()), json_text([message(f"msg_in{i}") for i in range(3)]))
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(stored_responses=StoredResponses(local, True))))
+
+    def page(response_id: str = "resp_a", **query) -> tuple[int, dict]:
+        answer = asyncio.run(stored_responses.input_items(request, response_id, **query))
+        return answer.status_code, json.loads(answer.body)
+
+    status, first = page(limit=2)
+    assert status == 200 and [i["id"] for i in first["data"]] == ["msg_in2", "msg_in1"] and first["has_more"]
+    status, rest = page(limit=2, after=first["last_id"])
+    assert [i["id"] for i in rest["data"]] == ["msg_in0"] and not rest["has_more"]
+    assert [i["id"] for i in page(order="asc")[1]["data"]] == ["msg_in0", "msg_in1", "msg_in2"]
+    for bad, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
+        status, error = page(**bad)
+        assert status == 400 and error["error"]["param"] == param
+    status, error = page("resp_x")
+    assert status == 404 and error["error"]["param"] == "response_id"
