@@ -1,6 +1,10 @@
 """Benchmark the response store: what keeping responses on disk (`ingress.persist_stored_responses`)
 costs per call of the store actor, against the same store in memory, and how long a restarted
-store takes to read its directory back.
+store takes to read its directory back. The store keeps JSON text: an ingress replica encodes
+each response it keeps and decodes what a continuation reads, timed here apart from the store's
+calls; one full pass of the collector over the process holding both stores is timed after the
+puts, and one response's size as the Python objects it decodes to is set beside its text's,
+with what pickling each (as Ray does between processes) costs both ways.
 
 Each response is a Response with one message of --text-chars characters that read a conversation
 of --turns items of the same size (a continuation's copy of its earlier turns). The two stores
@@ -18,19 +22,29 @@ of the turns shows how that grows with the conversation.
     python scripts/bench_response_store.py                 # ~10 s on 2 shared cores
     python scripts/bench_response_store.py --responses 20000 --json response_store.json
     python scripts/bench_response_store.py --responses 20 --keep 10 --logprob-tokens 20000   # large entries
+    python scripts/bench_response_store.py --responses 12 --keep 10 --logprob-tokens 20000 --ray
+
+With --ray, the store also runs as a Ray actor on a local cluster of its own (as the controller
+runs it), and a caller keeps --keep responses there and retrieves each once, as an ingress replica
+does: its put timed with the caller's encode, its retrieve until the body's bytes are in hand.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import pickle
 import platform
 import statistics
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 from splitserve.api.conversation_store import ConversationStore
-from splitserve.api.response_store import ResponseStore
+from splitserve.api.json_pieces import json_text
+from splitserve.api.response_store import ResponseStore, Stored
+from splitserve.cluster.large_bodies import decoded
 from splitserve.cluster.persisted_responses import PersistedResponseStore
 from splitserve.machine import cpu_name
 
@@ -44,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logprob-tokens", type=int, default=0, help="tokens' logprobs each message carries (0)")
     p.add_argument("--conversation-turns", type=int, default=500, help="turns one conversation grows by (500)")
     p.add_argument("--dir", type=Path, help="directory for the files (a fresh temporary one)")
+    p.add_argument("--ray", action="store_true", help="also time puts and retrieves through a Ray actor")
     p.add_argument("--json", type=Path, help="write the rows here")
     return p.parse_args(argv)
 
@@ -89,13 +104,23 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     stores = {"memory": ResponseStore(args.keep, bound), "disk": PersistedResponseStore(args.keep, bound, root)}
     put = {name: [] for name in stores}
     read = {name: [] for name in stores}
+    encode, decode = [], []  # an ingress replica's part
     for n in range(args.responses):
+        kept_response = response(n, text, args.logprob_tokens)
+        started = time.perf_counter()
+        stored, items_text = Stored.encode(kept_response), json_text(items)
+        encode.append(time.perf_counter() - started)
         for name, store in stores.items():
-            put[name].append(timed(store.put, response(n, text, args.logprob_tokens), items))
+            put[name].append(timed(store.put, stored, items_text))
+    started = time.perf_counter()
+    gc.collect()
+    collection_s = time.perf_counter() - started
     kept = [f"resp_{n:08d}" for n in range(args.responses - args.keep, args.responses)]
     for response_id in kept:
         for name, store in stores.items():
             read[name].append(timed(lambda: (store.get(response_id), store.context(response_id))))
+        decode.append(timed(lambda texts: decoded(texts[0]) + decoded(texts[1])["output"],
+                            stores["memory"].context(response_id)))
     stores["disk"]._lock.release()  # as its process would on exit
     started = time.perf_counter()
     reopened = PersistedResponseStore(args.keep, bound, root)
@@ -107,9 +132,43 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     return {"cpu": cpu_name(), "python": platform.python_version(), "responses": args.responses, "keep": args.keep,
             "entry_bytes": reopened.bytes // max(len(reopened), 1), "rows": rows,
             "put_ratio_disk_vs_memory": round(rows[1]["put_p50_us"] / rows[0]["put_p50_us"], 2),
+            **{f"replica_encode_{k}": v for k, v in percentiles(encode).items()},
+            **{f"replica_decode_{k}": v for k, v in percentiles(decode).items()},
+            "full_collection_s": round(collection_s, 3), **one_response(stores["memory"].get(kept[-1])),
             "files": len(files), "directory_bytes": sum(path.stat().st_size for path in files),
             "reopen_s": round(load_s, 3), "reopened": len(reopened),
             "reopened_equal": all(reopened.get(r) == stores["memory"].get(r) for r in kept), "text": text}
+
+
+def one_response(text: str) -> dict:
+    """One kept response as its text and as the objects it decodes to: their sizes, and a pickle
+    round trip of each (what crossing between processes costs, through Ray)."""
+    tracemalloc.start()
+    value = json.loads(text)
+    objects_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"text_bytes": len(text), "objects_bytes": objects_bytes,
+            "pickle_text_s": round(timed(lambda: pickle.loads(pickle.dumps(text, protocol=5))), 4),
+            "pickle_objects_s": round(timed(lambda: pickle.loads(pickle.dumps(value, protocol=5))), 4)}
+
+
+def through_ray(args: argparse.Namespace, text: str) -> dict:
+    """--keep responses kept in a store actor, then each retrieved once, as an ingress replica does."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        store = ray.remote(ResponseStore).remote(args.keep, 1 << 40)
+        ids = [f"resp_{n:08d}" for n in range(args.keep)]
+        ray.get(store.status.remote(ids[0]))  # started
+        puts = [timed(lambda kept: ray.get(store.put.remote(Stored.encode(kept), "[]")), response(n, text, tokens))
+                for n, tokens in enumerate([args.logprob_tokens] * args.keep)]
+        retrieves = [timed(lambda response_id: ray.get(store.get.remote(response_id)).encode(), response_id)
+                     for response_id in ids]
+    finally:
+        ray.shutdown()
+    return {**{f"ray_put_{k}": v for k, v in percentiles(puts).items()},
+            **{f"ray_retrieve_{k}": v for k, v in percentiles(retrieves).items()}}
 
 
 def grow_conversation(args: argparse.Namespace, root: Path, text: str) -> list[dict]:
@@ -136,7 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="response-store-") as scratch:
         result = run(args, args.dir or Path(scratch))
-        result["conversation_rows"] = grow_conversation(args, args.dir or Path(scratch), result.pop("text"))
+        text = result.pop("text")
+        result["conversation_rows"] = grow_conversation(args, args.dir or Path(scratch), text)
+    if args.ray:
+        result.update(through_ray(args, text))
     print(f"CPU: {result['cpu']}; {result['responses']} responses of {result['entry_bytes']} bytes, "
           f"the store bound to {result['keep']}")
     print("| store | put p50 us | put p99 us | get+context p50 us | get+context p99 us |")
@@ -144,6 +206,11 @@ def main(argv: list[str] | None = None) -> dict:
     for row in result["rows"]:
         print(f"| {row['store']} | {row['put_p50_us']} | {row['put_p99_us']} | {row['read_p50_us']} | "
               f"{row['read_p99_us']} |")
+    print(f"the replica's encode of a response and its items: p50 {result['replica_encode_p50_us']} us; its "
+          f"decode of a continuation's context: p50 {result['replica_decode_p50_us']} us")
+    print(f"a full collection over both stores: {result['full_collection_s']} s; one response: "
+          f"{result['text_bytes'] / 1e6:.2f} MB of text, {result['objects_bytes'] / 1e6:.2f} MB as objects; "
+          f"a pickle round trip: {result['pickle_text_s']} s as text, {result['pickle_objects_s']} s as objects")
     print(f"disk/memory put (p50): {result['put_ratio_disk_vs_memory']}x; {result['files']} files, "
           f"{result['directory_bytes'] / 1e6:.1f} MB, read back in {result['reopen_s']} s "
           f"({result['reopened']} responses, equal: {result['reopened_equal']})")
@@ -153,6 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
     print("|---|---|---|---|")
     for row in result["conversation_rows"]:
         print(f"| {row['store']} | {row['first_add_p50_us']} | {row['last_add_p50_us']} | {row['last_add_p99_us']} |")
+    if args.ray:
+        print(f"through a Ray actor: put p50 {result['ray_put_p50_us'] / 1e3:.1f} ms (p99 "
+              f"{result['ray_put_p99_us'] / 1e3:.1f}), retrieve p50 {result['ray_retrieve_p50_us'] / 1e3:.1f} ms "
+              f"(p99 {result['ray_retrieve_p99_us'] / 1e3:.1f})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result
