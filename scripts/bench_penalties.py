@@ -1,7 +1,8 @@
 """The sampler's penalties (repetition, frequency, presence) over decode steps: one `Penalties`
-kept across the steps, which converts only each sequence's new token from Python, against a fresh
-one per step, which converts every sequence's whole context again (what each step paid before
-the kept tensors). Each step appends one token to every sequence, then applies the penalties.
+kept across the steps, which counts only each sequence's new token into the counts it keeps on
+the device, against a fresh one per step, which counts every sequence's whole context again (what
+each step paid before the kept counts). Each step appends one token to every sequence, then
+applies the penalties.
 
     python scripts/bench_penalties.py                     # this machine's CPU, Llama-3's vocabulary
     python scripts/bench_penalties.py --device cuda --json penalties.json

@@ -9,8 +9,8 @@ sample, with the sampler's costliest float32 work (penalties, top-k over the who
 top-p, min-p, logprobs) and a pass of prompt logprobs. Activations grow with the tokens and the
 sampled rows, not with the contexts: the CUDA attention backends read the paged cache in place, so
 fresh prompts are as costly as anything. (The torch backend, the CPU oracle, copies each decode's
-context out of the cache; that is not covered. The penalties' token counts do grow with the
-contexts: the headroom holds them, `headroom_bytes`.)
+context out of the cache; that is not covered. The penalties' counts, kept across steps, are held
+outside any one iteration: the headroom holds them, `headroom_bytes`.)
 
 Tensor parallelism: every rank profiles its own shard, in lockstep. The batch follows from the
 config alone, so every rank runs the same forward without a message, and its all-reduces pair up;
@@ -33,7 +33,7 @@ from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES, KVCache
 from splitserve.engine.model.sharding import Shard
 from splitserve.engine.model_builder import LoadedModel
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.penalties import DEVICE_BYTES_PER_TOKEN
+from splitserve.engine.penalties import ROW_BYTES_PER_ID
 from splitserve.engine.policies import POLICY_CLASSES, Plan, ScheduledSeq
 from splitserve.engine.prompt_logprobs import ROWS_PER_PASS, prompt_logprobs
 from splitserve.engine.sampler import Sampler
@@ -144,16 +144,15 @@ def headroom_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype,
     """gpu_reserve_bytes, and a KV transfer's receive buffer: one layer of the longest prompt on the
     wire (`transfer.codec.wire_shape` with this rank's KV heads), which the transport allocates as
     the layer arrives. The reserve also absorbs a short prompt's one-shot push of every layer.
-    On rank 0, the penalties' token counts, which grow with the contexts the profile does not have:
-    max_num_seqs contexts of max_model_len tokens (`penalties.DEVICE_BYTES_PER_TOKEN`; prefix
-    caching lets the contexts outgrow the cache). With async scheduling (CUDA's default), rank 0 also
+    On rank 0, the penalties' counts, kept across steps: a row of the vocabulary for each of
+    max_num_seqs sequences (`penalties.ROW_BYTES_PER_ID`). With async scheduling (CUDA's default), rank 0 also
     holds an iteration's logits and logprobs (both float32, `model_runner.Forward`), a row a
     sequence, while the next iteration, the profiled peak, runs."""
     token_bytes = KVCache.bytes_per_block(model, 1, dtype, shard, config.kv_cache_dtype)
     layer_token_bytes = token_bytes // model.num_hidden_layers
     held = 0
     if shard.rank == 0:
-        held = config.max_num_seqs * max_model_len * DEVICE_BYTES_PER_TOKEN
+        held = config.max_num_seqs * model.vocab_size * ROW_BYTES_PER_ID
         if config.async_scheduling is not False:
             held += config.max_num_seqs * model.vocab_size * 2 * torch.float32.itemsize
     return config.gpu_reserve_bytes + layer_token_bytes * max_model_len + held

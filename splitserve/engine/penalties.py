@@ -13,36 +13,45 @@ Rows without any of these cost nothing; the others are gathered, changed and wri
 """
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import upload, upload_list
 
-DEVICE_BYTES_PER_TOKEN = 8 + 4  # a counted token's int64 index and float32 one, while `_counts` runs
+ROW_BYTES_PER_ID = 4 + 1  # a kept row's float32 count and bool mark of each vocabulary id
 
 
 class Penalties:
-    """Applies a batch's biases and penalties. It keeps each penalized sequence's tokens as a host
-    tensor, extended each step by what the sequence appended since (`token_ids` only grows): a step
-    converts its new tokens from Python, not every context again. It holds the latest call's
-    sequences alone, so a sequence that ends or sits a step out is let go."""
+    """Applies a batch's biases and penalties. It keeps each penalized sequence's counts on the
+    logits' device, a row of two pools: how often each id occurs in its output, and whether it
+    occurs at all (prompt or output). A step counts only what each sequence appended since
+    (`token_ids` only grows), so its host work and upload follow the new tokens, not the contexts.
+    It holds the latest call's sequences alone: one that ends or sits a step out gives its row
+    back, and is counted whole again if it returns. The pools grow to the most penalized sequences
+    of one step (at most max_num_seqs rows of the vocabulary, `ROW_BYTES_PER_ID`) and are let go
+    by a step with none."""
 
     def __init__(self) -> None:
-        self._tokens: dict[Sequence, tuple[torch.Tensor, int]] = {}  # seq -> (buffer, tokens filled)
+        self._let_go(0, torch.device("cpu"))
+
+    def _let_go(self, vocab: int, device: torch.device) -> None:
+        """No rows held: every sequence is counted whole when it comes."""
+        self._rows: dict[Sequence, tuple[int, int]] = {}  # seq -> (its row of the pools, its tokens counted)
+        self._output = torch.zeros(0, vocab, device=device)  # [rows, vocab] float32: each id's count in the output
+        self._seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)  # [rows, vocab]: in prompt or output
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
         if not rows:
-            self._tokens = {}
+            self._let_go(0, torch.device("cpu"))
             return logits
-        device, vocab = logits.device, logits.shape[1]
+        device = logits.device
         chosen = [seqs[i] for i in rows]
-        tokens = self._token_tensors(chosen)
-        index = upload_list(rows, torch.long, device)
+        index, slots = self._count(chosen, rows, logits.shape[1], device)
         part = _add_biases(logits[index], chosen)  # the bias first, as vLLM and transformers order them
-        generated = [t[s.num_prompt_tokens - s.params.resumed_tokens:] for s, t in zip(chosen, tokens)]
-        output_counts = _counts(generated, vocab, device)
-        seen = _counts(tokens, vocab, device).gt(0)  # in the prompt or the output
+        output_counts, seen = self._output[slots], self._seen[slots]
         repetition = _column([s.params.repetition_penalty for s in chosen], device)
         penalized = torch.where(part > 0, part / repetition, part * repetition)
         part = torch.where(seen, penalized, part)
@@ -53,35 +62,50 @@ class Penalties:
         logits[index] = torch.nan_to_num(part, nan=float("-inf"), posinf=big, neginf=float("-inf"))
         return logits
 
-    def _token_tensors(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Each sequence's `token_ids` as an int64 tensor (a view of its buffer, which at least doubles
-        when it fills)."""
-        held, self._tokens = self._tokens, {}
-        views = []
-        for seq in seqs:
-            buffer, filled = held.get(seq, (torch.empty(0, dtype=torch.long), 0))
-            total = seq.num_tokens
-            if total > len(buffer):
-                grown = torch.empty(max(total, 2 * len(buffer)), dtype=torch.long)
-                grown[:filled] = buffer[:filled]
-                buffer = grown
-            buffer[filled:total] = torch.tensor(seq.token_ids[filled:total], dtype=torch.long)
-            self._tokens[seq] = (buffer, total)
-            views.append(buffer[:total])
-        return views
-
-
-def _counts(token_lists: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] occurrences of each id: one index_add over the lists laid end to end (row r's id
-    t at r * vocab + t; an id outside the vocabulary is dropped). Its device memory follows the lists'
-    total length (`DEVICE_BYTES_PER_TOKEN`), not rows x the longest."""
-    rows = len(token_lists)
-    ids = torch.cat(token_lists)
-    offsets = torch.arange(rows).repeat_interleave(torch.tensor([len(t) for t in token_lists])) * vocab
-    flat = upload((ids + offsets)[(ids >= 0) & (ids < vocab)], device)
-    counts = torch.zeros(rows * vocab, device=device)
-    counts.index_add_(0, flat, torch.ones(1, device=device).expand(len(flat)))
-    return counts.view(rows, vocab)
+    def _count(self, seqs: list[Sequence], rows: list[int], vocab: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each of `seqs` appended since the last call, counted into its row (a new one's whole
+        context into a zeroed row); on the device, in one upload: the batch's `rows` and the pools'
+        rows of `seqs`. An id outside the vocabulary is not counted."""
+        if self._output.shape[1] != vocab or self._output.device != device:
+            self._let_go(vocab, device)
+        held, self._rows = self._rows, {}
+        kept = {held[seq][0] for seq in seqs if seq in held}
+        free = [row for row in range(len(self._output) - 1, -1, -1) if row not in kept]
+        if len(free) < len(seqs) - len(kept):
+            extra = len(seqs) - len(kept) - len(free)
+            free[:0] = range(len(self._output) + extra - 1, len(self._output) - 1, -1)
+            self._output = torch.cat([self._output, self._output.new_zeros(extra, vocab)])
+            self._seen = torch.cat([self._seen, self._seen.new_zeros(extra, vocab)])
+        slots, fresh, new = [], [], []  # `new`: each sequence's tokens from its first uncounted one, end to end
+        meta = [[], [], [], []]  # per sequence: its row's offset in the pools, its first uncounted token's
+        for seq in seqs:  # number, its first output token's number, how many are new
+            row, counted = held.get(seq, (None, 0))
+            if row is None:
+                row = free.pop()
+                fresh.append(row)
+            tokens = seq.token_ids
+            new += tokens[counted:]
+            for column, value in zip(meta, (row * vocab, counted, seq.num_prompt_tokens - seq.params.resumed_tokens,
+                                            len(tokens) - counted)):
+                column.append(value)
+            self._rows[seq] = (row, len(tokens))
+            slots.append(row)
+        offset, first, first_output, lengths = torch.tensor(meta, dtype=torch.long)
+        ids = torch.frombuffer(array("q", new), dtype=torch.long) if new else torch.zeros(0, dtype=torch.long)
+        starts = (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
+        numbers = torch.arange(len(ids)) - starts + first.repeat_interleave(lengths)  # each new token's in its sequence
+        valid = (ids >= 0) & (ids < vocab)
+        positions = ids + offset.repeat_interleave(lengths)
+        seen, output = positions[valid], positions[valid & (numbers >= first_output.repeat_interleave(lengths))]
+        lists = torch.tensor(rows + slots + fresh, dtype=torch.long)
+        index, slots_on, fresh_on, seen_on, output_on = upload(torch.cat([lists, seen, output]), device).split(
+            [len(rows), len(slots), len(fresh), len(seen), len(output)])
+        self._output[fresh_on] = 0
+        self._seen[fresh_on] = False
+        self._seen.view(-1)[seen_on] = True
+        self._output.view(-1).index_add_(0, output_on, self._output.new_ones(1).expand(len(output_on)))
+        return index, slots_on
 
 
 def _add_biases(part: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

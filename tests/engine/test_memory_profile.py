@@ -147,11 +147,11 @@ def test_nothing_left_is_an_error_that_says_what_to_change():
 
 
 def test_headroom_is_the_reserve_one_layer_of_the_longest_prompt_on_the_wire_and_the_penalties_counts():
-    """The counts only on rank 0, the one that samples: an int64 index and a float32 one for each
-    token of max_num_seqs contexts of max_model_len."""
+    """The counts only on rank 0, the one that samples: a float32 count and a bool mark of each
+    vocabulary id for each of max_num_seqs sequences, whatever their contexts."""
     model = demo_model_config()  # 4 KV heads of 32
     config = EngineConfig(gpu_reserve_bytes=100, max_num_seqs=8, async_scheduling=False)
-    counts = 8 * 2048 * (8 + 4)
+    counts = 8 * model.vocab_size * (4 + 1)
     assert headroom_bytes(config, model, torch.float16, 2048, Shard()) == 100 + 2 * 4 * 32 * 2 * 2048 + counts
     assert headroom_bytes(config, model, torch.float16, 2048, Shard(1, 2)) == 100 + 2 * 2 * 32 * 2 * 2048
     fp8 = replace(config, kv_cache_dtype="fp8")  # a byte a value
@@ -163,7 +163,7 @@ def test_async_scheduling_adds_what_an_iteration_in_flight_holds_on_rank_0():
     model = demo_model_config()
     wire = 2 * 4 * 32 * 2 * 2048
     config = EngineConfig(gpu_reserve_bytes=100, max_num_seqs=8)  # None: on, as on CUDA
-    held = 8 * model.vocab_size * (4 + 4) + 8 * 2048 * (8 + 4)  # and the penalties' counts
+    held = 8 * model.vocab_size * (4 + 4) + 8 * model.vocab_size * (4 + 1)  # and the penalties' counts
     assert headroom_bytes(config, model, torch.float16, 2048, Shard()) == 100 + wire + held
     assert headroom_bytes(replace(config, async_scheduling=True), model, torch.float16, 2048, Shard()) == \
         100 + wire + held

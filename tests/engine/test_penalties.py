@@ -89,18 +89,48 @@ def test_out_of_range_settings_are_refused_naming_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+def penalized_alone(raw: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
+    """Each row as transformers' repetition penalty (1.3) and OpenAI's formula (0.5, 0.25) give it
+    from the whole context, ids past the vocabulary left out."""
+    rows = []
+    for row, s in enumerate(batch):
+        context = [t for t in s.token_ids if t < VOCAB]
+        expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([context]), raw[row:row + 1].clone())
+        for token, count in Counter(t for t in s.token_ids[s.num_prompt_tokens:] if t < VOCAB).items():
+            expected[0, token] -= count * 0.5 + 0.25
+        rows.append(expected)
+    return torch.cat(rows)
+
+
 def test_one_penalties_over_many_steps_counts_what_each_step_appended():
-    """The kept token tensors grow with the sequences (past their buffers), let go of a sequence
-    that sits a step out and rebuild it when it returns: every step equals a fresh count."""
+    """The kept counts follow each step's new tokens (now and then two at once, once an id past the
+    vocabulary), give the row of a sequence that sits a step out to another and count it whole when
+    it returns: every step is what the whole contexts give. The pools hold the most rows one step
+    needed."""
     kept = Penalties()
-    params = SamplingParams(max_tokens=200, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
-    a, b = (Sequence(name, list(PROMPT), params) for name in "ab")
+    params = SamplingParams(max_tokens=300, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
+    a, b, c = (Sequence(name, PROMPT + [VOCAB + 5], params) for name in "abc")  # an id past the vocabulary
     for step in range(150):
-        batch = [a] if step % 7 == 3 else [a, b]
+        batch = [a, c] if step % 7 == 3 else [b, c, a] if step % 5 == 0 else [a, b, c]
         raw = logits(len(batch), seed=step)
-        assert torch.equal(kept.apply(raw, batch), Penalties().apply(raw, batch))
-        assert set(kept._tokens) == set(batch)
+        assert torch.allclose(kept.apply(raw, batch), penalized_alone(raw, batch))
+        assert set(kept._rows) == set(batch) and len(kept._output) == 3
         for running in batch:
-            running.append_token((step * 7 + len(running.seq_id)) % VOCAB)
+            for _ in range(1 + (step % 11 == 0)):
+                past = step == 20 and running is a  # as a checkpoint whose tokenizer outgrew its logits might
+                running.append_token(VOCAB + 2 if past else (step * 7 + ord(running.seq_id)) % VOCAB)
     raw = logits()
-    assert kept.apply(raw, [seq("plain")]) is raw and not kept._tokens  # a batch without penalties holds nothing
+    assert kept.apply(raw, [seq("plain")]) is raw and not kept._rows  # a batch without penalties holds nothing
+
+
+def test_a_resumed_requests_earlier_output_counts_as_output():
+    """A request failover resumed: its earlier output arrives in its prompt (`resumed_tokens`)."""
+    params = SamplingParams(max_tokens=32, frequency_penalty=0.5, resumed_tokens=len(OUTPUT))
+    resumed = Sequence("r", PROMPT + OUTPUT, params)
+    kept, raw = Penalties(), logits()
+    for step in range(3):
+        expected = raw.clone()
+        for token, count in Counter(resumed.token_ids[len(PROMPT):]).items():
+            expected[0, token] -= count * 0.5
+        assert torch.allclose(kept.apply(raw, [resumed]), expected)
+        resumed.append_token(step + 1)
