@@ -1,21 +1,21 @@
-"""The responses this server keeps (`store`), for `previous_response_id` and for retrieving,
-deleting and listing a response's input items. An entry is a Response object and the conversation
-items it read (the stored context it continued, then its own input), so a continuation never
-depends on an earlier entry that may have gone. Bounded: past `max_responses` entries or
-`max_bytes` of their JSON, the least recently used go first; an entry larger than `max_bytes`
-is not kept. Entries are kept as JSON text (`Stored`), which the callers (the ingress replicas)
-encode and decode: a response with 20k tokens' logprobs is 6.9 MB of text but 38 MB as Python
-objects, 700,000 of them for each full pass of the collector to walk, and a string crosses
+"""The responses this server keeps (`store`), for `previous_response_id` and for retrieving, deleting
+and listing a response's input items. An entry is a Response object and the conversation items it
+read (the stored context it continued, then its own input), so a continuation never depends on an
+earlier entry that may have gone. Bounded: past `max_responses` entries or `max_bytes` of their
+JSON, the least recently used go first; an entry larger than `max_bytes` is not kept. Entries are
+kept as JSON text (`Stored`), which the callers (the ingress replicas) encode and decode: a
+response with 20k tokens' logprobs at top 5 is 5.4 MB of text but 38 MB of Python objects, each for
+the collector's full passes to walk (`scripts/bench_response_store.py`), and a string crosses
 between processes with nothing inside to pickle. A background response is kept in progress, then
 settled with its end unless it was cancelled or deleted meanwhile; the replica running it renews
 its lease (`statuses`, asked every half second). One whose lease lapses (that replica is gone) is
 run again from the start by another replica (`adopt`), at most MAX_RUNS times in all, when its
 request was kept for that (`rerun`: not a streamed one, whose events were sent); otherwise it ends
-failed rather than in progress forever. A background response that streams has its events
-recorded too (in memory, with the entry, counted in its bytes) for any replica to stream again
-from a sequence number. Plain data in and out, so it can run as one actor that every ingress
-replica calls. Every entry kept or dropped passes `_kept` or `_dropped`, which a store on disk
-overrides. The same actor keeps the conversations (`conversation`), so one call reaches either."""
+failed rather than in progress forever. A background response that streams has its events recorded
+too (in memory, with the entry, counted in its bytes) for any replica to stream again from a
+sequence number. Plain data in and out, so it can run as one actor that every ingress replica
+calls. Every entry kept or dropped passes `_kept` or `_dropped`, which a store on disk overrides.
+The same actor keeps the conversations (`conversation`), so one call reaches either."""
 from __future__ import annotations
 
 import json

@@ -10,7 +10,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_penalties.py"
 
 
-def test_kept_and_fresh_token_tensors_give_the_same_logits(tmp_path):
+def test_kept_and_fresh_counts_give_the_same_logits(tmp_path):
     out = tmp_path / "penalties.json"
     subprocess.run([sys.executable, str(SCRIPT), "--iters", "3", "--batches", "1,5", "--contexts", "40,300",
                     "--vocab", "500", "--json", str(out)], check=True, capture_output=True, timeout=300)
