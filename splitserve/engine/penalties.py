@@ -45,7 +45,8 @@ class Penalties:
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
         if not rows:
-            self._let_go(0, torch.device("cpu"))
+            if self._rows:
+                self._let_go(0, torch.device("cpu"))
             return logits
         device = logits.device
         chosen = [seqs[i] for i in rows]
@@ -71,27 +72,29 @@ class Penalties:
             self._let_go(vocab, device)
         held, self._rows = self._rows, {}
         kept = {held[seq][0] for seq in seqs if seq in held}
-        free = [row for row in range(len(self._output) - 1, -1, -1) if row not in kept]
-        if len(free) < len(seqs) - len(kept):
-            extra = len(seqs) - len(kept) - len(free)
-            free[:0] = range(len(self._output) + extra - 1, len(self._output) - 1, -1)
+        free = [row for row in range(len(self._output)) if row not in kept]
+        extra = len(seqs) - len(kept) - len(free)
+        if extra > 0:
+            free += range(len(self._output), len(self._output) + extra)
             self._output = torch.cat([self._output, self._output.new_zeros(extra, vocab)])
             self._seen = torch.cat([self._seen, self._seen.new_zeros(extra, vocab)])
         slots, fresh, new = [], [], []  # `new`: each sequence's tokens from its first uncounted one, end to end
-        meta = [[], [], [], []]  # per sequence: its row's offset in the pools, its first uncounted token's
-        for seq in seqs:  # number, its first output token's number, how many are new
+        offsets, firsts, first_outputs, lengths = [], [], [], []  # per sequence, for its run of `new`
+        for seq in seqs:
             row, counted = held.get(seq, (None, 0))
             if row is None:
                 row = free.pop()
                 fresh.append(row)
             tokens = seq.token_ids
             new += tokens[counted:]
-            for column, value in zip(meta, (row * vocab, counted, seq.num_prompt_tokens - seq.params.resumed_tokens,
-                                            len(tokens) - counted)):
-                column.append(value)
+            offsets.append(row * vocab)  # its row's start in the flattened pools
+            firsts.append(counted)  # the number of its first new token
+            first_outputs.append(seq.num_prompt_tokens - seq.params.resumed_tokens)
+            lengths.append(len(tokens) - counted)
             self._rows[seq] = (row, len(tokens))
             slots.append(row)
-        offset, first, first_output, lengths = torch.tensor(meta, dtype=torch.long)
+        offset, first, first_output, lengths = torch.tensor([offsets, firsts, first_outputs, lengths],
+                                                            dtype=torch.long)
         ids = torch.frombuffer(array("q", new), dtype=torch.long) if new else torch.zeros(0, dtype=torch.long)
         starts = (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
         numbers = torch.arange(len(ids)) - starts + first.repeat_interleave(lengths)  # each new token's in its sequence
