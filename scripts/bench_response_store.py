@@ -44,7 +44,7 @@ from pathlib import Path
 from splitserve.api.conversation_store import ConversationStore
 from splitserve.api.json_pieces import json_text
 from splitserve.api.response_store import ResponseStore, Stored
-from splitserve.cluster.large_bodies import decoded
+from splitserve.cluster.stored_responses import continued
 from splitserve.cluster.persisted_responses import PersistedResponseStore
 from splitserve.machine import cpu_name
 
@@ -119,8 +119,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     for response_id in kept:
         for name, store in stores.items():
             read[name].append(timed(lambda: (store.get(response_id), store.context(response_id))))
-        decode.append(timed(lambda texts: decoded(texts[0]) + decoded(texts[1])["output"],
-                            stores["memory"].context(response_id)))
+        decode.append(timed(continued, *stores["memory"].context(response_id)))
     stores["disk"]._lock.release()  # as its process would on exit
     started = time.perf_counter()
     reopened = PersistedResponseStore(args.keep, bound, root)
@@ -161,8 +160,8 @@ def through_ray(args: argparse.Namespace, text: str) -> dict:
         store = ray.remote(ResponseStore).remote(args.keep, 1 << 40)
         ids = [f"resp_{n:08d}" for n in range(args.keep)]
         ray.get(store.status.remote(ids[0]))  # started
-        puts = [timed(lambda kept: ray.get(store.put.remote(Stored.encode(kept), "[]")), response(n, text, tokens))
-                for n, tokens in enumerate([args.logprob_tokens] * args.keep)]
+        puts = [timed(lambda kept: ray.get(store.put.remote(Stored.encode(kept), "[]")),
+                      response(n, text, args.logprob_tokens)) for n in range(args.keep)]
         retrieves = [timed(lambda response_id: ray.get(store.get.remote(response_id)).encode(), response_id)
                      for response_id in ids]
     finally:

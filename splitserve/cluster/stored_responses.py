@@ -82,8 +82,7 @@ class StoredResponses:
         context = await self.call("context", response_id)
         if context is None:
             raise _missing(response_id, "previous_response_id")
-        items, response = context
-        return decoded(items) + decoded(response)["output"]
+        return continued(*context)
 
     async def _conversation(self, request: ResponsesRequest) -> list[dict]:
         """The items of the conversation the request is in; a 400 for an input item already in it."""
@@ -100,8 +99,7 @@ class StoredResponses:
     async def keep(self, response: dict, items: list[dict], rerun: dict | None = None, text: str | None = None
                    ) -> None:
         """`text`: the response's JSON (`json_text`), where the caller has it."""
-        text = await encoded(response, json_text) if text is None else text
-        await self.call("put", Stored.of(response, text), await encoded(items, json_text), rerun)
+        await self.call("put", await _stored(response, text), await encoded(items, json_text), rerun)
 
     async def end(self, response: dict, items: list[dict], turn: list[dict] | None, kept: bool,
                   text: str | None = None) -> None:
@@ -201,8 +199,7 @@ class StoredResponses:
             except Exception as error:
                 log.exception("background response %s failed", pending["id"])
                 whole = _failed(pending, f"the server failed answering it: {error!r}")
-            ended = Stored.of(whole, await encoded(whole, json_text))
-            if await self.call("settle", ended):  # not cancelled meanwhile
+            if await self.call("settle", await _stored(whole)):  # not cancelled meanwhile
                 await self._add_to_conversation(whole, turn)
         except Exception:
             log.exception("background response %s: its end could not be kept", pending["id"])
@@ -325,6 +322,17 @@ class _Recording:
                 return
             self._changed.clear()
             await self._changed.wait()
+
+
+def continued(items: str, response: str) -> list[dict]:
+    """What a continuation reads, from the store's `context` (the JSON of the items the response
+    read, and of the response): those items, then its output."""
+    return decoded(items) + decoded(response)["output"]
+
+
+async def _stored(response: dict, text: str | None = None) -> Stored:
+    """`response` as the store keeps it; `text`: its JSON (`json_text`), where the caller has it."""
+    return Stored.of(response, await encoded(response, json_text) if text is None else text)
 
 
 def _failed(pending: dict, message: str) -> dict:

@@ -24,6 +24,7 @@ from splitserve.api import response_store
 from splitserve.cluster import stored_responses
 from splitserve.cluster.stored_responses import StoredResponses
 from tests.api.test_conversation_store import message
+from tests.api.test_response_store import get
 
 EVENTS = 12
 
@@ -37,11 +38,6 @@ class LocalStore:
     async def call(self, method: str, *args):
         await asyncio.sleep(0)
         return getattr(self.store, method)(*args)
-
-    def response(self, response_id: str) -> dict | None:
-        """The store's response, as a replica decodes it."""
-        text = self.store.get(response_id)
-        return None if text is None else json.loads(text)
 
 
 async def nothing() -> None:
@@ -80,7 +76,7 @@ async def read(stream, count: int | None = None) -> list[bytes]:
 
 async def settled(local: LocalStore, response_id: str = "resp_a", timeout_s: float = 5) -> dict:
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while (response := local.response(response_id))["status"] == "in_progress":
+    while (response := get(local.store, response_id))["status"] == "in_progress":
         assert asyncio.get_running_loop().time() < deadline, response
         await asyncio.sleep(0.01)
     return response
@@ -120,7 +116,7 @@ def test_a_store_that_restarted_mid_stream_is_sent_every_event_again(monkeypatch
             got.append(event)
             if len(got) == EVENTS // 2:  # the store restarts: the response read back from disk, no events
                 restarted = ResponseStore(100, 1 << 20)
-                restarted.put(Stored.encode(local.response("resp_a")), "[]")
+                restarted.put(Stored.encode(get(local.store, "resp_a")), "[]")
                 local.store = restarted
         return got, await settled(local)
 
@@ -157,7 +153,7 @@ def test_a_cancel_stops_the_run_and_ends_the_clients_stream(monkeypatch):
 
     got = asyncio.run(scenario())
     assert 2 <= len(got) < EVENTS and closed == [True]  # the events' generator closed: its run aborted
-    assert local.response("resp_a")["status"] == "cancelled"
+    assert get(local.store, "resp_a")["status"] == "cancelled"
 
 
 class FullStore(LocalStore):
@@ -220,10 +216,10 @@ def test_a_response_in_a_conversation_reads_it_and_adds_its_turn_once_it_complet
     assert [i["id"] for i in local.store.conversation("context", cid)] == ["msg_earlier"]
     asyncio.run(stored.end(ended("resp_b", cid), [], turn, kept=False))
     assert [i["id"] for i in local.store.conversation("context", cid)] == ["msg_earlier", "msg_turn", "msg_out_resp_b"]
-    assert local.response("resp_b") is None  # store false: the conversation keeps it, not the response store
+    assert get(local.store, "resp_b") is None  # store false: the conversation keeps it, not the response store
     local.store.conversation("delete", cid)  # deleted meanwhile: the response is still answered
     asyncio.run(stored.end(ended("resp_c", cid), [], [message("msg_c")], kept=True))
-    assert local.response("resp_c")["status"] == "completed"
+    assert get(local.store, "resp_c")["status"] == "completed"
 
 
 def test_a_conversation_with_a_previous_response_or_an_item_it_holds_is_a_400():
@@ -262,7 +258,7 @@ def test_a_background_response_adds_its_turn_once_settled_unless_cancelled(cance
     asyncio.run(scenario())
     expected = ["msg_earlier"] if cancelled else ["msg_earlier", "msg_turn", "msg_out_resp_a"]
     assert [i["id"] for i in local.store.conversation("context", cid)] == expected
-    assert local.response("resp_a")["status"] == ("cancelled" if cancelled else "completed")
+    assert get(local.store, "resp_a")["status"] == ("cancelled" if cancelled else "completed")
 
 
 def test_a_background_response_whose_replica_died_is_run_again_by_another(monkeypatch):
