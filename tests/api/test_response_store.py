@@ -32,8 +32,7 @@ def put(store: ResponseStore, response: dict, items: list[dict], rerun: dict | N
 
 
 def get(store: ResponseStore, response_id: str) -> dict | None:
-    text = store.get(response_id)
-    return None if text is None else json.loads(text)
+    return _decoded(store.get(response_id))
 
 
 def settle(store: ResponseStore, response: dict) -> bool:
@@ -41,7 +40,10 @@ def settle(store: ResponseStore, response: dict) -> bool:
 
 
 def cancel(store: ResponseStore, response_id: str) -> dict | None:
-    text = store.cancel(response_id)
+    return _decoded(store.cancel(response_id))
+
+
+def _decoded(text: str | None) -> dict | None:
     return None if text is None else json.loads(text)
 
 
