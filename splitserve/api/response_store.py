@@ -6,7 +6,9 @@ JSON, the least recently used go first; an entry larger than `max_bytes` is not 
 kept as JSON text (`Stored`), which the callers (the ingress replicas) encode and decode: a
 response with 20k tokens' logprobs at top 5 is 5.4 MB of text but 38 MB of Python objects, each for
 the collector's full passes to walk (`scripts/bench_response_store.py`), and a string crosses
-between processes with nothing inside to pickle. A background response is kept in progress, then
+between processes with nothing inside to pickle. A response whose output carries logprobs also
+keeps that output without them (`Stored.context`, counted in the bounds): a continuation decodes
+only what its prompt reads. A background response is kept in progress, then
 settled with its end unless it was cancelled or deleted meanwhile; the replica running it renews
 its lease (`statuses`, asked every half second). One whose lease lapses (that replica is gone) is
 run again from the start by another replica (`adopt`), at most MAX_RUNS times in all, when its
@@ -27,6 +29,7 @@ from typing import NamedTuple
 from splitserve.api.conversation_store import ConversationStore
 from splitserve.api.errors import RequestError
 from splitserve.api.json_pieces import json_text
+from splitserve.api.responses_bodies import read_back
 
 MAX_ITEMS_PAGE = 100
 LEASE_S = 15.0  # a background response nobody renewed for this long has lost the replica that ran it
@@ -35,18 +38,26 @@ CONVERSATION_CALLS = frozenset({"create", "get", "update", "delete", "add", "ite
 
 
 class Stored(NamedTuple):
-    """A response as the store keeps it: its JSON text, and the fields of it the store reads."""
+    """A response as the store keeps it: its JSON text, the fields of it the store reads, and the JSON
+    a continuation of it decodes (`context`: an object whose `output` is the response's as `read_back`
+    gives it; `text` itself where that is the response's own output)."""
     id: str
     status: str
     background: bool
     text: str
+    context: str
 
     @classmethod
     def of(cls, response: dict, text: str) -> Stored:
-        """`response`, whose JSON is `text`; a TypeError or KeyError for one without an id and a status."""
+        """`response`, whose JSON is `text`; a TypeError or KeyError for one without an id, a status
+        and a list of output items."""
         if not isinstance(response["id"], str) or not isinstance(response["status"], str):
             raise TypeError(f"a response's id and status are strings, not {response['id']!r}, {response['status']!r}")
-        return cls(response["id"], response["status"], bool(response.get("background")), text)
+        if not isinstance(response["output"], list) or not all(isinstance(item, dict) for item in response["output"]):
+            raise TypeError("a response's output is a list of items")
+        output = read_back(response["output"])
+        context = text if output is response["output"] else json_text({"output": output})
+        return cls(response["id"], response["status"], bool(response.get("background")), text, context)
 
     @classmethod
     def encode(cls, response: dict) -> Stored:
@@ -55,6 +66,11 @@ class Stored(NamedTuple):
     def changed(self, **fields) -> Stored:
         """The response with `fields` set (decoded and encoded again: for a small one)."""
         return Stored.encode({**json.loads(self.text), **fields})
+
+    @property
+    def size(self) -> int:
+        """The characters it holds: its text's, and its context's where that is another text."""
+        return len(self.text) + (0 if self.context is self.text else len(self.context))
 
 
 class ResponseStore:
@@ -79,7 +95,7 @@ class ResponseStore:
         """Keep `response`, which read `items` (their JSON list); False when it is too large to keep. A
         background one in progress with a `rerun` (what running it again takes) may be adopted by
         another replica."""
-        response_id, size = response.id, len(response.text) + len(items)
+        response_id, size = response.id, response.size + len(items)
         earlier = self._entries.pop(response_id, None)
         self._leases.pop(response_id, None)
         self._reruns.pop(response_id, None)
@@ -105,13 +121,13 @@ class ResponseStore:
         return entry and entry[0].text
 
     def context(self, response_id: str) -> tuple[str, str] | None:
-        """What a continuation of the response reads: the JSON of its items and of itself (its
+        """What a continuation of the response reads: the JSON of its items and its `context` (its
         output follows them); a RequestError while it is in progress (a background one not yet ended)."""
         entry = self._use(response_id)
         if entry is not None and entry[0].status == "in_progress":
             raise RequestError(f"previous_response_id: {response_id!r} is still in progress; continue it once it "
                                "has ended", param="previous_response_id")
-        return entry and (entry[1], entry[0].text)
+        return entry and (entry[1], entry[0].context)
 
     def input_items(self, response_id: str) -> str | None:
         """The JSON of the items the response read."""

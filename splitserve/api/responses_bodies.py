@@ -82,6 +82,19 @@ def output_text(text: str, logprobs: list[dict] | None = None) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
+def read_back(output: list[dict]) -> list[dict]:
+    """A response's output as a continuation reads it: its output texts without their logprobs, which
+    no prompt holds (20k tokens' at top 5 are 5.4 MB of JSON); `output` itself when none has any."""
+    if not any(part.get("logprobs") for item in output if item.get("type") == "message" for part in item["content"]):
+        return output
+    return [{**item, "content": [_without_logprobs(part) for part in item["content"]]} if item.get("type") == "message"
+            else item for item in output]
+
+
+def _without_logprobs(part: dict) -> dict:
+    return {**part, "logprobs": []} if part.get("logprobs") else part
+
+
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}

@@ -2,8 +2,8 @@
 stream of the replica would wait: a body or chunk carrying many tokens' logprobs (top 20 over 20k
 tokens is 400k alternatives, each a dict to build and encode). Such a body is encoded in pieces
 (`dumps_in_pieces`): one call of the C encoder would hold the GIL, and so the loop, throughout.
-What the ingress decodes (a stored response a continuation reads) is decoded on the loop, with
-the collector paused when it is long."""
+What the ingress decodes (what a continuation reads, a page of input items) is decoded on the
+loop, with the collector paused when it is long."""
 from __future__ import annotations
 
 import asyncio

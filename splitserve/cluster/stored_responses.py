@@ -324,10 +324,10 @@ class _Recording:
             await self._changed.wait()
 
 
-def continued(items: str, response: str) -> list[dict]:
+def continued(items: str, context: str) -> list[dict]:
     """What a continuation reads, from the store's `context` (the JSON of the items the response
-    read, and of the response): those items, then its output."""
-    return decoded(items) + decoded(response)["output"]
+    read, and `Stored.context`): those items, then its output."""
+    return decoded(items) + decoded(context)["output"]
 
 
 async def _stored(response: dict, text: str | None = None) -> Stored:

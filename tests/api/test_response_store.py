@@ -1,10 +1,10 @@
 """The response store: a continuation reads the conversation and the output of the response it
-names; bounded by count and by bytes, least recently used first; input items in OpenAI's pages; a
-background response settled with its end unless cancelled or deleted meanwhile, adopted by another
-replica once the one running it stops renewing its lease (failed when it kept no rerun, or has run
-MAX_RUNS times); a background stream's events recorded in order
-(sent again after a restarted store lost them), read from a number on, counted in the bounds. The
-store takes and gives JSON text, as an ingress replica encodes and decodes it."""
+names (without its output's logprobs); bounded by count and by bytes, least recently used first;
+input items in OpenAI's pages; a background response settled with its end unless cancelled or
+deleted meanwhile, adopted by another replica once the one running it stops renewing its lease
+(failed when it kept no rerun, or has run MAX_RUNS times); a background stream's events recorded
+in order (sent again after a restarted store lost them), read from a number on, counted in the
+bounds. The store takes and gives JSON text, as an ingress replica encodes and decodes it."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,14 @@ def response(response_id: str, text: str = "ok") -> dict:
     return {"id": response_id, "object": "response", "status": "completed", "output": [
         {"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
          "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}]}
+
+
+def with_logprobs(response_id: str, text: str = "ok") -> dict:
+    """A response whose output text carries its tokens' logprobs."""
+    kept = response(response_id, text)
+    kept["output"][0]["content"][0]["logprobs"] = [{"token": text, "logprob": -0.5, "bytes": list(text.encode()),
+                                                    "top_logprobs": [{"token": "x", "logprob": -2.0, "bytes": [120]}]}]
+    return kept
 
 
 def items(*texts: str) -> list[dict]:
@@ -65,13 +73,23 @@ def test_a_continuation_reads_the_items_then_the_output():
 def test_the_store_keeps_and_answers_the_text_it_was_given_and_reads_only_a_few_fields_of_it():
     store, text = ResponseStore(10, 1 << 20), json_text(response("resp_a", "é"))
     assert "é" in text and store.put(Stored.of(response("resp_a"), text), "[]")
-    assert store.get("resp_a") is text and store.context("resp_a") == ("[]", text)
+    assert store.get("resp_a") is text and store.context("resp_a")[1] is text and store.bytes == len(text) + 2
     pending = Stored.encode({**response("resp_b"), "status": "in_progress", "background": True})
     assert pending[:3] == ("resp_b", "in_progress", True)
     assert pending.changed(status="cancelled").text == json_text({**json.loads(pending.text), "status": "cancelled"})
     for bad in ({"id": 1, "status": "completed"}, {"id": "resp_c", "status": None}, {"id": "resp_c"}, ["resp_c"]):
         with pytest.raises((TypeError, KeyError)):
             Stored.encode(bad)
+
+
+def test_a_continuation_decodes_the_output_without_its_logprobs_which_count_in_the_bounds():
+    store, kept = ResponseStore(10, 1 << 20), with_logprobs("resp_a", "five")
+    assert put(store, kept, items("2+3?")) and get(store, "resp_a") == kept
+    assert context(store, "resp_a") == items("2+3?") + response("resp_a", "five")["output"]
+    stored = Stored.encode(kept)
+    assert store.bytes == len(stored.text) + len(json_text({"output": response("resp_a", "five")["output"]})) \
+        + len(json_text(items("2+3?")))
+    assert store.settle(stored) is False and store.delete("resp_a") and store.bytes == 0
 
 
 def test_past_its_count_the_least_recently_used_go_first():

@@ -3,11 +3,11 @@ item shapes (validated by the client's `ResponseItemList`), each with an id, and
 of them reads the same conversation the request did."""
 from __future__ import annotations
 
-from openai.types.responses import ResponseItem, ResponseItemList
+from openai.types.responses import ResponseItem, ResponseItemList, ResponseOutputItem
 from pydantic import TypeAdapter
 
 from splitserve.api.request_models import parse_request
-from splitserve.api.responses_bodies import input_items
+from splitserve.api.responses_bodies import function_call_item, input_items, message_item, read_back, reasoning_item
 from splitserve.api.responses_request import ResponsesRequest
 from tests.api.test_responses_request import ADD, sent_body
 
@@ -39,3 +39,16 @@ def test_a_continuation_of_the_items_reads_the_same_conversation_and_keeps_their
     continued = follow.continuing(items)
     assert continued.messages() == request.messages() + [{"role": "user", "content": "Thanks."}]
     assert input_items(continued)[:-1] == items
+
+
+def test_an_output_read_back_reads_the_same_conversation_without_its_logprobs():
+    logprobs = [{"token": "Five", "logprob": -0.25, "bytes": [70, 105, 118, 101], "top_logprobs": []}]
+    output = [reasoning_item("rs_1", "add", "completed"), message_item("msg_1", "Five", "completed", logprobs),
+              function_call_item("fc_1", "call_1", "add", '{"a": 2}', "completed")]
+    back = read_back(output)
+    TypeAdapter(list[ResponseOutputItem]).validate_python(back)
+    assert back[1] == message_item("msg_1", "Five", "completed") and output[1]["content"][0]["logprobs"] == logprobs
+    assert back[0] is output[0] and back[2] is output[2]
+    follow = parse_request(ResponsesRequest, sent_body(input="Thanks.", previous_response_id="resp_1", tools=[ADD]))
+    assert follow.continuing(back).messages() == follow.continuing(output).messages()
+    assert read_back(back) is back  # none left to leave out: the same list

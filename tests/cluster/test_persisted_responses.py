@@ -17,7 +17,7 @@ from splitserve.api.json_pieces import json_text
 from splitserve.api.response_store import LEASE_S, Stored
 from splitserve.cluster import persisted_responses
 from splitserve.cluster.persisted_responses import PersistedResponseStore
-from tests.api.test_response_store import get, items, put, response, settle
+from tests.api.test_response_store import get, items, put, response, settle, with_logprobs
 
 
 def files(root) -> set[str]:
@@ -27,7 +27,8 @@ def files(root) -> set[str]:
 def test_a_store_opened_again_answers_as_the_one_before_it(tmp_path):
     first = PersistedResponseStore(10, 1 << 20, tmp_path)
     for n in range(3):
-        put(first, response(f"resp_{n}", f"answer {n}"), items(f"question {n}", "and more"))
+        kept = (with_logprobs if n == 2 else response)(f"resp_{n}", f"answer {n}")
+        put(first, kept, items(f"question {n}", "and more"))
     first.delete("resp_1")
     answers = {r: (first.get(r), first.context(r), first.input_items(r)) for r in ("resp_0", "resp_2")}
     first._lock.release()  # the process that held it exited

@@ -24,7 +24,7 @@ from splitserve.api import response_store
 from splitserve.cluster import stored_responses
 from splitserve.cluster.stored_responses import StoredResponses
 from tests.api.test_conversation_store import message
-from tests.api.test_response_store import get
+from tests.api.test_response_store import get, items, put, response, with_logprobs
 
 EVENTS = 12
 
@@ -194,6 +194,14 @@ def test_only_a_kept_response_may_run_in_background(background):
         assert refused.value.param == "background"
     else:
         assert asyncio.run(stored.context(request)) == []
+
+
+def test_a_continuation_reads_the_previous_items_and_output_without_its_logprobs():
+    local = LocalStore()
+    stored = StoredResponses(local, enabled=True)
+    put(local.store, with_logprobs("resp_a", "five"), items("2+3?"))
+    request = ResponsesRequest.model_validate({"model": "m", "input": "and 4?", "previous_response_id": "resp_a"})
+    assert asyncio.run(stored.context(request)) == items("2+3?") + response("resp_a", "five")["output"]
 
 
 def in_conversation(local: LocalStore, **fields) -> tuple[str, ResponsesRequest]:
