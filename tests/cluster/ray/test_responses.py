@@ -3,10 +3,10 @@ client: a response is the chat completion it asks for (text, status, usage), str
 client's stream helper accepts; a forced function call comes back as a `function_call` item, and
 its output sent back in `input` continues the conversation; `text.format` holds the output to a
 schema; what this server cannot honour is a 400 naming the field. Stored responses: retrieved,
-continued by `previous_response_id` as the chat of the whole conversation, their input items
-listed in pages, deleted; a streamed one kept; `store: false` keeps none; a background one polled
-to the foreground's answer, and one cancelled stops running; a background stream outlives its
-client and is streamed again from any event."""
+continued by `previous_response_id` as the chat of the whole conversation (the earlier output's
+text, not its logprobs), their input items listed in pages, deleted; a streamed one kept; `store:
+false` keeps none; a background one polled to the foreground's answer, and one cancelled stops
+running; a background stream outlives its client and is streamed again from any event."""
 from __future__ import annotations
 
 import json
@@ -90,8 +90,9 @@ def test_text_format_holds_the_output_to_its_schema(client):
 
 def test_a_stored_response_is_retrieved_continued_listed_and_deleted(client):
     first = client.responses.create(model="demo", instructions="Be terse.", input="Is 2 + 3 five?",
-                                    max_output_tokens=8, temperature=0)
+                                    max_output_tokens=8, temperature=0, include=["message.output_text.logprobs"])
     assert first.store and client.responses.retrieve(first.id) == first and first.output_text
+    assert len(first.output[0].content[0].logprobs) == first.usage.output_tokens  # kept, and retrieved, whole
     follow = client.responses.create(model="demo", previous_response_id=first.id, input="And 3 + 4?",
                                      max_output_tokens=8, temperature=0)
     chat = client.chat.completions.create(model="demo", max_completion_tokens=8, temperature=0, messages=[
@@ -102,6 +103,7 @@ def test_a_stored_response_is_retrieved_continued_listed_and_deleted(client):
     items = list(client.responses.input_items.list(follow.id, order="asc", limit=1))  # the client walks the pages
     assert [item.type for item in items] == ["message"] * 3 and items[1].id == first.output[0].id
     assert [item.content[0].text for item in items] == ["Is 2 + 3 five?", first.output_text, "And 3 + 4?"]
+    assert items[1].content[0].logprobs == []  # the follow read the text
     with pytest.raises(openai.BadRequestError) as refused:  # the store's refusal, across its actor
         client.responses.input_items.list(follow.id, limit=0)
     assert refused.value.param == "limit"
