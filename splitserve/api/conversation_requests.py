@@ -32,8 +32,8 @@ class MetadataUpdate(BaseModel):
 
 
 def check_include(include: list[str] | None) -> None:
-    """Items are listed as kept: an assistant message's logprobs are in it when its response asked
-    for them; nothing else can be included."""
+    """An assistant message's logprobs (kept when its response asked for them) are listed only when
+    `include` asks for them; nothing else can be included."""
     for value in include or ():
         if value != LOGPROBS:
             raise RequestError(f"include: only {LOGPROBS!r} is supported, got {value!r}", param="include")

@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 from splitserve.api.cursor_page import cursor_page, in_order
 from splitserve.api.errors import RequestError
-from splitserve.api.responses_bodies import new_id
+from splitserve.api.responses_bodies import new_id, read_back
 
 MAX_ITEMS_PAGE = 100
 
@@ -63,14 +63,18 @@ class ConversationStore:
         return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
                 "last_id": items[-1]["id"] if items else None, "has_more": False}
 
-    def items(self, conversation_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> dict:
-        """A cursor page of its items (OpenAI's default: newest first)."""
+    def items(self, conversation_id: str, limit: int = 20, order: str = "desc", after: str | None = None,
+              logprobs: bool = False) -> dict:
+        """A cursor page of its items (OpenAI's default: newest first); their output texts' logprobs
+        only when asked (`logprobs`: `include`)."""
         items = self._use(conversation_id)[1]
-        return cursor_page(in_order(items[::-1], order), limit, after, MAX_ITEMS_PAGE)
+        page = cursor_page(in_order(items[::-1], order), limit, after, MAX_ITEMS_PAGE)
+        return page if logprobs else {**page, "data": read_back(page["data"])}
 
-    def item(self, conversation_id: str, item_id: str) -> dict:
+    def item(self, conversation_id: str, item_id: str, logprobs: bool = False) -> dict:
         items = self._use(conversation_id)[1]
-        return items[_index(items, item_id)]
+        item = items[_index(items, item_id)]
+        return item if logprobs else read_back([item])[0]
 
     def delete_item(self, conversation_id: str, item_id: str) -> dict:
         """The conversation, without the item."""
@@ -80,8 +84,9 @@ class ConversationStore:
         return conversation
 
     def context(self, conversation_id: str) -> list[dict]:
-        """What a response in the conversation reads before its own input: every item, in order."""
-        return self._use(conversation_id, param="conversation")[1]
+        """What a response in the conversation reads before its own input: every item, in order (their
+        text: without logprobs, which no prompt holds)."""
+        return read_back(self._use(conversation_id, param="conversation")[1])
 
     def _use(self, conversation_id: str, param: str = "conversation_id") -> tuple[dict, list[dict], int]:
         if conversation_id not in self._entries:

@@ -82,13 +82,14 @@ def output_text(text: str, logprobs: list[dict] | None = None) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def read_back(output: list[dict]) -> list[dict]:
-    """A response's output as a continuation reads it: its output texts without their logprobs, which
-    no prompt holds (20k tokens' at top 5 are 5.4 MB of JSON); `output` itself when none has any."""
-    if not any(part.get("logprobs") for item in output if item.get("type") == "message" for part in item["content"]):
-        return output
+def read_back(items: list[dict]) -> list[dict]:
+    """Items (a response's output, a conversation's) as a prompt reads them: their output texts without
+    the logprobs, which no prompt holds (20k tokens' at top 5 are 5.4 MB of JSON); `items` itself
+    when none has any."""
+    if not any(part.get("logprobs") for item in items if item.get("type") == "message" for part in item["content"]):
+        return items
     return [{**item, "content": [_without_logprobs(part) for part in item["content"]]} if item.get("type") == "message"
-            else item for item in output]
+            else item for item in items]
 
 
 def _without_logprobs(part: dict) -> dict:

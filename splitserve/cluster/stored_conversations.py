@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from splitserve.api.conversation_requests import MetadataUpdate, NewConversation, NewItems, check_include
+from splitserve.api.responses_request import LOGPROBS
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.request_models import parse_request
 from splitserve.api.responses_bodies import stored_items
@@ -25,13 +26,12 @@ async def _answer(request: Request, method: str, *args) -> JSONResponse:
         return error_response(error)
 
 
-def _include_error(request: Request) -> RequestError | None:
-    """A bad `include` (the openai client sends `include[]=...`)."""
-    try:
-        check_include(request.query_params.getlist("include") + request.query_params.getlist("include[]"))
-    except RequestError as error:
-        return error
-    return None
+def _logprobs(request: Request) -> bool:
+    """Whether `include` asks for the output texts' logprobs (the openai client sends `include[]=...`);
+    a RequestError for a bad one."""
+    include = request.query_params.getlist("include") + request.query_params.getlist("include[]")
+    check_include(include)
+    return LOGPROBS in include
 
 
 @router.post("/v1/conversations")
@@ -64,9 +64,8 @@ async def delete(request: Request, conversation_id: str):
 
 @router.post("/v1/conversations/{conversation_id}/items")
 async def add_items(request: Request, conversation_id: str):
-    if error := _include_error(request):
-        return error_response(error)
-    try:
+    try:  # the items added are answered as sent: they hold no logprobs to include
+        _logprobs(request)
         body = parse_request(NewItems, await request.body())
     except RequestError as error:
         return error_response(error)
@@ -76,16 +75,20 @@ async def add_items(request: Request, conversation_id: str):
 @router.get("/v1/conversations/{conversation_id}/items")
 async def list_items(request: Request, conversation_id: str, limit: int = 20, order: str = "desc",
                      after: str | None = None):
-    if error := _include_error(request):
+    try:
+        logprobs = _logprobs(request)
+    except RequestError as error:
         return error_response(error)
-    return await _answer(request, "items", conversation_id, limit, order, after)
+    return await _answer(request, "items", conversation_id, limit, order, after, logprobs)
 
 
 @router.get("/v1/conversations/{conversation_id}/items/{item_id}")
 async def retrieve_item(request: Request, conversation_id: str, item_id: str):
-    if error := _include_error(request):
+    try:
+        logprobs = _logprobs(request)
+    except RequestError as error:
         return error_response(error)
-    return await _answer(request, "item", conversation_id, item_id)
+    return await _answer(request, "item", conversation_id, item_id, logprobs)
 
 
 @router.delete("/v1/conversations/{conversation_id}/items/{item_id}")

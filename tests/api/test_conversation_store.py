@@ -1,8 +1,9 @@
 """The conversation store: a conversation's items in order, pages of them as OpenAI lists them,
-one item read or deleted, its metadata replaced; an item id appears once; a 404 naming the field
-for a conversation or item it does not hold; bounded by count and bytes, least recently used first,
-and a conversation that alone would pass the bytes refused; the response store's actor answers its
-calls (`conversation`), and only those."""
+one item read or deleted, its metadata replaced; an output's logprobs listed only when asked, and
+never read by a response; an item id appears once; a 404 naming the field for a conversation or
+item it does not hold; bounded by count and bytes, least recently used first, and a conversation
+that alone would pass the bytes refused; the response store's actor answers its calls
+(`conversation`), and only those."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import pytest
 from splitserve.api.conversation_store import ConversationStore
 from splitserve.api.errors import RequestError
 from splitserve.api.response_store import ResponseStore
-from tests.api.test_response_store import items
+from tests.api.test_response_store import items, response, with_logprobs
 
 
 def message(item_id: str, text: str = "hi") -> dict:
@@ -92,6 +93,17 @@ def test_a_conversation_that_alone_would_pass_the_bytes_is_refused_and_left_as_i
         store.add(cid, [message("msg_2", "x" * 3000)])
     assert refused.value.status == 400 and refused.value.param == "items"
     assert [i["id"] for i in store.context(cid)] == ["msg_1"] and len(store) == 1
+
+
+def test_an_outputs_logprobs_are_kept_and_listed_only_when_asked_and_never_read_by_a_response():
+    store = ConversationStore(10, 1 << 20)
+    cid = store.create({}, [message("msg_1")])["id"]
+    said, plain = with_logprobs("resp_a", "five")["output"], response("resp_a", "five")["output"]
+    store.add(cid, said)
+    assert store.context(cid) == [message("msg_1")] + plain
+    assert store.items(cid)["data"] == plain + [message("msg_1")] and store.item(cid, "msg_resp_a") == plain[0]
+    assert store.items(cid, logprobs=True)["data"] == said + [message("msg_1")]
+    assert store.item(cid, "msg_resp_a", logprobs=True) == said[0]
 
 
 def test_a_store_sized_0_keeps_none():

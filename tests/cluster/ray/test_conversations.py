@@ -1,16 +1,18 @@
 """OpenAI's Conversations API (`/v1/conversations`) through a real local cluster, with the official
 `openai` client: a conversation is created with items and metadata; a response created in it reads
 its items before its input (the same answer as the chat of the whole conversation) and adds its
-input and output to it, streamed or not; its items are listed in pages (the client walks them),
-read and deleted one by one; its metadata replaced; once deleted it is a 404, for a response too.
-What it refuses is a 4xx naming the field. One grown past the bounds on a chat (the `hardening`
-app's 8 messages) is read by `truncation: "auto"` from its latest turns."""
+input and output to it, streamed or not; its items are listed in pages (the client walks them; an
+output's logprobs when `include` asks), read and deleted one by one; its metadata replaced; once
+deleted it is a 404, for a response too. What it refuses is a 4xx naming the field. One grown past
+the bounds on a chat (the `hardening` app's 8 messages) is read by `truncation: "auto"` from its
+latest turns."""
 from __future__ import annotations
 
 import openai
 import pytest
 
 ASK = "Is 2 + 3 five?"
+LOGPROBS = "message.output_text.logprobs"
 
 
 def chat_text(client, messages: list[dict], max_tokens: int) -> tuple[str, int]:
@@ -24,7 +26,7 @@ def test_a_conversation_is_extended_by_its_responses_listed_and_deleted(client):
                                                metadata={"topic": "sums"})
     assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "sums"}
     first = client.responses.create(model="demo", conversation=conversation.id, input=ASK, max_output_tokens=8,
-                                    temperature=0, store=False)
+                                    temperature=0, store=False, include=[LOGPROBS])
     said = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": ASK}]
     assert (first.output_text, first.usage.input_tokens) == chat_text(client, said, 8) and first.output_text
     assert first.conversation.id == conversation.id
@@ -38,6 +40,11 @@ def test_a_conversation_is_extended_by_its_responses_listed_and_deleted(client):
         item.content[0].text for item in second.output]  # none when the model said nothing
     assert items[2].id == first.output[0].id and [item.id for item in items[4:]] == [i.id for i in second.output]
     assert client.conversations.items.retrieve(items[1].id, conversation_id=conversation.id) == items[1]
+    assert items[2].content[0].logprobs == []  # kept, listed when asked:
+    assert client.conversations.items.retrieve(items[2].id, conversation_id=conversation.id, include=[LOGPROBS]
+                                               ).content[0].logprobs == first.output[0].content[0].logprobs
+    listed = client.conversations.items.list(conversation.id, include=[LOGPROBS], order="asc")
+    assert listed.data[2].content[0].logprobs == first.output[0].content[0].logprobs
     assert client.conversations.items.delete(items[1].id, conversation_id=conversation.id).id == conversation.id
     assert [item.id for item in client.conversations.items.list(conversation.id)] == [
         item.id for item in items[::-1] if item.id != items[1].id]
