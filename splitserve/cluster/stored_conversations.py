@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from splitserve.api.conversation_requests import MetadataUpdate, NewConversation, NewItems, check_include
-from splitserve.api.responses_request import LOGPROBS
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.request_models import parse_request
 from splitserve.api.responses_bodies import stored_items
+from splitserve.api.responses_request import LOGPROBS
 
 router = APIRouter()
 
