@@ -36,7 +36,8 @@ def test_the_event_loop_runs_while_a_large_input_is_parsed(tmp_path):
 
     batch, during, took = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert batch["status"] == "validating" and batch["request_counts"]["total"] == 0
-    assert took > 0.1 and during >= 5, (took, during)  # parsing inline, the loop ticked not once
+    # parsing inline, the loop ticked not once (20k lines: 0.1 s on a fast core, 0.3 s on a busy one)
+    assert took > 0.02 and during >= 5, (took, during)
 
 
 def test_a_resumed_batchs_logs_are_read_back_off_the_event_loops_thread(tmp_path, monkeypatch):
