@@ -133,7 +133,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             "put_ratio_disk_vs_memory": round(rows[1]["put_p50_us"] / rows[0]["put_p50_us"], 2),
             **{f"replica_encode_{k}": v for k, v in percentiles(encode).items()},
             **{f"replica_decode_{k}": v for k, v in percentiles(decode).items()},
-            "full_collection_s": round(collection_s, 3), **one_response(stores["memory"].get(kept[-1])),
+            "full_collection_s": round(collection_s, 6), **one_response(stores["memory"].get(kept[-1])),
             "files": len(files), "directory_bytes": sum(path.stat().st_size for path in files),
             "reopen_s": round(load_s, 3), "reopened": len(reopened),
             "reopened_equal": all(reopened.get(r) == stores["memory"].get(r) for r in kept), "text": text}
