@@ -209,8 +209,9 @@ def chat_logprobs_body(tokens: int) -> dict:
 @pytest.mark.parametrize("stream", [False, True])
 def test_encoding_a_body_or_chunk_of_many_tokens_logprobs_lets_the_event_loop_run(stream):
     """One call of the C encoder holds the GIL throughout, in a thread or not (0.3 s for a 20k-token
-    chat body at top 5): past the threshold, a body or chunk is encoded in pieces, in a thread."""
-    body = chat_logprobs_body(20_000)
+    chat body at top 5 on a busy core, 0.09 s on a fast one): past the threshold, a body or chunk is
+    encoded in pieces, in a thread (40k tokens: about 22 turns of the loop on a fast core)."""
+    body = chat_logprobs_body(40_000)
     encode = response_bodies.sse_event if stream else large_bodies.json_response
     assert asyncio.run(loop_ticks_during(large_bodies.encoded(body, encode))) >= 10
 
