@@ -7,7 +7,7 @@ kept as JSON text (`Stored`), which the callers (the ingress replicas) encode an
 response with 20k tokens' logprobs at top 5 is 5.4 MB of text but 38 MB of Python objects, each for
 the collector's full passes to walk (`scripts/bench_response_store.py`), and a string crosses
 between processes with nothing inside to pickle. A response whose output carries logprobs also
-keeps that output without them (`Stored.context`, counted in the bounds): a continuation decodes
+keeps that output without them (`Stored.trimmed`, counted in the bounds): a continuation decodes
 only what its prompt reads. A background response is kept in progress, then
 settled with its end unless it was cancelled or deleted meanwhile; the replica running it renews
 its lease (`statuses`, asked every half second). One whose lease lapses (that replica is gone) is
@@ -38,14 +38,14 @@ CONVERSATION_CALLS = frozenset({"create", "get", "update", "delete", "add", "ite
 
 
 class Stored(NamedTuple):
-    """A response as the store keeps it: its JSON text, the fields of it the store reads, and the JSON
-    a continuation of it decodes (`context`: an object whose `output` is the response's as `read_back`
-    gives it; `text` itself where that is the response's own output)."""
+    """A response as the store keeps it: its JSON text, the fields of it the store reads, and what a
+    continuation of it decodes where that is not `text` (`trimmed`: an object whose `output` is the
+    response's as `read_back` gives it; "" where read_back leaves the output as it is)."""
     id: str
     status: str
     background: bool
     text: str
-    context: str
+    trimmed: str
 
     @classmethod
     def of(cls, response: dict, text: str) -> Stored:
@@ -56,8 +56,8 @@ class Stored(NamedTuple):
         if not isinstance(response["output"], list) or not all(isinstance(item, dict) for item in response["output"]):
             raise TypeError("a response's output is a list of items")
         output = read_back(response["output"])
-        context = text if output is response["output"] else json_text({"output": output})
-        return cls(response["id"], response["status"], bool(response.get("background")), text, context)
+        trimmed = "" if output is response["output"] else json_text({"output": output})
+        return cls(response["id"], response["status"], bool(response.get("background")), text, trimmed)
 
     @classmethod
     def encode(cls, response: dict) -> Stored:
@@ -68,9 +68,14 @@ class Stored(NamedTuple):
         return Stored.encode({**json.loads(self.text), **fields})
 
     @property
+    def context(self) -> str:
+        """The JSON a continuation decodes, whose `output` it reads."""
+        return self.trimmed or self.text
+
+    @property
     def size(self) -> int:
-        """The characters it holds: its text's, and its context's where that is another text."""
-        return len(self.text) + (0 if self.context is self.text else len(self.context))
+        """The characters it holds."""
+        return len(self.text) + len(self.trimmed)
 
 
 class ResponseStore:
