@@ -33,6 +33,12 @@ class PlacementPolicy(ABC):
                exclude: frozenset[str]) -> Decision:
         """Placement (None: cannot admit now) and the pool moves it needs; the state applies both."""
 
+    @abstractmethod
+    def choose_prompt_only(self, state: ClusterState, request: PlacementRequest, now: float,
+                           exclude: frozenset[str]) -> Decision:
+        """`choose` for a `request.prompt_only` one: whole on a prompt worker where one qualifies,
+        so it needs no token worker's room and sends no KV."""
+
     def rebalance(self, state: ClusterState, now: float, reporter: WorkerState) -> list[PoolMove]:
         """Pool moves to make after `reporter`'s report; by default pools never change."""
         return []

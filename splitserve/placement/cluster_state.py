@@ -110,7 +110,8 @@ class ClusterState:
         excluded = frozenset(exclude) if exclude else NOTHING_EXCLUDED
         placement, moves = self._followed(request, excluded), []
         if placement is None:
-            placement, moves = self.policy.choose(self, request, now, excluded)
+            choose = self.policy.choose_prompt_only if request.prompt_only else self.policy.choose
+            placement, moves = choose(self, request, now, excluded)
         self._apply_all(moves, now)
         if placement is not None:
             # Until their next reports, the chosen workers' queues count this request, and the

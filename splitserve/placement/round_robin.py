@@ -46,6 +46,18 @@ class RoundRobinPolicy(PlacementPolicy):
         self._last_chosen[Role.TOKEN] = token.worker_id
         return Placement(prompt.worker_id, token.worker_id), []
 
+    def choose_prompt_only(self, state: ClusterState, request: PlacementRequest, now: float,
+                           exclude: frozenset[str]) -> Decision:
+        """Whole on the prompt pool's next eligible worker (in a mixed-only cluster, as `choose`)."""
+        if mixed_only(state):
+            return self.choose(state, request, now, exclude)
+        thresholds = state.thresholds
+        prompt = self._next(state.members(Role.PROMPT), Role.PROMPT, lambda w: can_prompt(w, thresholds, exclude))
+        if prompt is None:
+            return None, []
+        self._last_chosen[Role.PROMPT] = prompt.worker_id
+        return Placement(prompt.worker_id, prompt.worker_id), []
+
     def _next(self, workers: Sequence[WorkerState], pool: Role,
               eligible: Callable[[WorkerState], bool]) -> WorkerState | None:
         """The first eligible worker after the last one chosen from `pool`, wrapping around."""

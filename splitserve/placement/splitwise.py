@@ -25,12 +25,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from splitserve.placement.base import Decision, least_prompt_queue, least_token_queue, run_whole_on
+from splitserve.placement.base import Decision, least_prompt_queue, least_token_queue, mixed_only, run_whole_on
 from splitserve.placement.jsq import JSQPolicy
 from splitserve.placement.saved_work import (
     SavedWork,
     least_loaded_saving,
-    prefer_cached_prompt,
     prefer_cached_token,
 )
 from splitserve.placement.state import Placement, PlacementRequest, PoolMove, Role, WorkerState
@@ -58,13 +57,11 @@ class SplitwisePolicy(JSQPolicy):
 
     def _split(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str]) -> Decision:
         thresholds, saved = state.thresholds, state.saved_work(request)
-        prompt = least_prompt_queue(state.members(Role.PROMPT), thresholds, exclude)
+        prompt = self._prompt_worker(state, exclude, saved, cap=thresholds.mixed_prompt_tokens)
         if prompt is None or prompt.prompt_queue() > thresholds.mixed_prompt_tokens:
             overflow = self._overflow_prompt(state, request, exclude, saved)
             if overflow is not None or prompt is None:
                 return overflow or (None, [])
-        elif saved is not None:
-            prompt = prefer_cached_prompt(state, prompt, saved, exclude, cap=thresholds.mixed_prompt_tokens)
         token = least_token_queue(state.members(Role.TOKEN), thresholds, request, exclude)
         if token is None or token.token_queue() > thresholds.mixed_decode_tokens:
             overflow = self._overflow_token(state, request, exclude, prompt, saved)
@@ -73,6 +70,23 @@ class SplitwisePolicy(JSQPolicy):
         elif saved is not None:
             token = prefer_cached_token(state, token, saved, request, exclude, cap=thresholds.mixed_decode_tokens)
         return Placement(prompt.worker_id, token.worker_id), []
+
+    def choose_prompt_only(self, state: ClusterState, request: PlacementRequest, now: float,
+                           exclude: frozenset[str]) -> Decision:
+        """The prompt side of `_split`: the prompt worker, or past `mixed_prompt_tokens` (or with no
+        candidate) the mixed pool's overflow; with no overflow target, the prompt worker still, or
+        with none (its pool empty or full) the mixed worker with the least prompt queue."""
+        if mixed_only(state):
+            return self.choose(state, request, now, exclude)
+        thresholds, saved = state.thresholds, state.saved_work(request)
+        prompt = self._prompt_worker(state, exclude, saved, cap=thresholds.mixed_prompt_tokens)
+        if prompt is None or prompt.prompt_queue() > thresholds.mixed_prompt_tokens:
+            overflow = self._overflow_prompt(state, request, exclude, saved)
+            if overflow is not None:
+                return overflow
+        if prompt is None:
+            prompt = least_prompt_queue(state.members(Role.MIXED), thresholds, exclude)
+        return run_whole_on(prompt)
 
     def _overflow_prompt(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str],
                          saved: SavedWork | None) -> Decision | None:

@@ -107,6 +107,12 @@ class PlacementRequest:
         if self.prefix_hashes:
             _require_hashes(self, "prefix_hashes", MAX_PREFIX_BLOCKS)
 
+    @property
+    def prompt_only(self) -> bool:
+        """Its one token is the one its prefill samples (max_tokens 1: a prompt scored, a one-token
+        answer): nothing decodes, so it runs whole on a prompt worker and no KV moves."""
+        return self.max_tokens <= 1
+
 
 @dataclass(frozen=True)
 class Placement:

@@ -284,3 +284,43 @@ def test_a_local_placement_is_followed_while_its_worker_can_run_the_request_whol
     following = PlacementRequest("r", 1000, 10, follow=Placement("m0", "m0"))
     assert pair(state, following) == ("m0", "m0")
     assert pair(state, PlacementRequest("r", 2000, 10, follow=Placement("m0", "m0"))) == ("m1", "m1")  # no KV room
+
+
+# ---- prompt-only requests (max_tokens 1) ----------------------------------------------------------
+@pytest.mark.parametrize("policy", ["round-robin", "jsq", "splitwise"])
+def test_a_prompt_only_request_runs_whole_on_a_prompt_worker_whatever_the_token_pool(policy):
+    """Its one token is its prefill's: it needs no token worker, so a token pool that is full, out
+    of KV or excluded refuses nothing; its accounting lands on that prompt worker alone."""
+    limits = PlacementThresholds(max_queue_tokens=1000, max_decode_queue_tokens=5000)
+    state = cluster(policy, prompt=[("p0", H100, load(pending=300)), idle("p1")],
+                    token=[("t0", H100, load(decode=5000, free=10, total=1000))], thresholds=limits)
+    first = "p0" if policy == "round-robin" else "p1"  # the cycle's first, or the shorter queue
+    assert pair(state, request(100, 1)) == (first, first)
+    assert (state.workers[first].placed_prompt_tokens, state.workers[first].placed_decode_tokens) == (100, 101)
+    assert state.workers["t0"].placed_decode_tokens == 0
+    assert pair(state, request(100, 0), exclude={"t0"}) is not None  # echo's max_tokens 0 too
+    assert pair(state, request(100, 1), exclude={"p0", "p1"}) is None
+    if policy != "splitwise":  # (which moves a prompt worker in to decode)
+        assert pair(state, request(100, 2)) is None  # a decode needs t0, which is full
+
+
+def test_a_prompt_only_request_follows_the_prompt_pools_rules():
+    """JSQ's shortest prompt queue (its cached prefix counts, `prefix.aware`); Splitwise past
+    `mixed_prompt_tokens` overflows it into the mixed pool as it would any request, or with no
+    overflow target keeps it on the prompt worker; a mixed-only cluster runs it as any other."""
+    state = cluster("jsq", prompt=[("pa", A100, load(pending=1000)), ("ph", H100, load(pending=1500))],
+                    token=[idle("t0")])
+    assert pair(state, request(100, 1)) == ("ph", "ph")  # 1500 < 1000 / 0.45
+    over = cluster("splitwise", prompt=[("p0", H100, load(pending=3000))], token=[idle("t0")])
+    placement, moves = over.place(request(100, 1), 0.0)
+    assert placement == Placement("t0", "t0") and [m.worker_id for m in moves] == ["t0"]
+    no_target = cluster("splitwise", prompt=[("p0", H100, load(pending=3000))], token=[idle("t0")])
+    assert pair(no_target, request(100, 1), exclude={"t0"}) == ("p0", "p0")  # never split: no KV to move
+    # the prompt pool's worker decodes as a mixed guest with a long prompt queue, the token pool is full
+    guest = cluster("splitwise", prompt=[("p0", H100, load(pending=3000))],
+                    token=[("t0", H100, load(decode=70000, free=10, total=1000))])
+    state_moves = guest.place(request(100, 8), 0.0)[1]
+    assert [(m.worker_id, m.to_pool) for m in state_moves] == [("p0", Role.MIXED)]
+    assert pair(guest, request(100, 1)) == ("p0", "p0")  # no prompt pool, no overflow target: the guest
+    mixed = cluster("jsq", mixed=[("m0", H100, load(pending=500)), idle("m1")])
+    assert pair(mixed, request(100, 1)) == ("m1", "m1")

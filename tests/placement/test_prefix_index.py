@@ -135,9 +135,9 @@ def test_the_cluster_state_feeds_the_index_from_reports_and_placements_only_when
     state.add_worker("t0", Role.TOKEN, "h100")
     state.report("p0", WorkerLoad(), 1.0, delta(CHAIN[:4]))
     state.report("ghost", WorkerLoad(), 1.0, delta(CHAIN[:4]))  # a worker already gone: ignored
-    hashed = PlacementRequest("r", 100, 1, prefix_hashes=CHAIN)
+    hashed = PlacementRequest("r", 100, 8, prefix_hashes=CHAIN)
     assert state.saved_work(hashed).cached == {"p0": 4 * BS}
-    assert state.saved_work(PlacementRequest("r", 100, 1)) is None
+    assert state.saved_work(PlacementRequest("r", 100, 8)) is None
     assert state.snapshot()["workers"]["p0"]["prefix_blocks"] == 4
     state.report("t0", WorkerLoad(), 1.0, delta())
     state.place(hashed, 1.5)  # both chosen workers now count the whole chain as theirs

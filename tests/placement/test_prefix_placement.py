@@ -143,3 +143,13 @@ def test_prefix_aware_off_is_the_blind_placement():
     blind = run_session(PrefixOptions(), informed=False)
     assert run_session(PrefixOptions(aware=False), informed=True) == blind
     assert run_session(PrefixOptions(), informed=True) != blind  # on, the same session places otherwise
+
+
+@pytest.mark.parametrize("policy", ["jsq", "splitwise"])
+def test_a_prompt_only_request_runs_whole_where_its_prefix_saves_the_most(policy):
+    """As a split request's prompt side: p1 (600 - 64 x 16 < 100) though its queue is longer."""
+    workers = {"p0": (P, H100, load(pending=100), 0), "p1": (P, H100, load(pending=600), 64),
+               "t0": (T, H100, load(), 64)}
+    assert pair(state_of(policy, workers), prefixed(max_tokens=1)) == ("p1", "p1")
+    workers["p1"] = (P, H100, load(pending=600), 2)
+    assert pair(state_of(policy, workers), prefixed(max_tokens=1)) == ("p0", "p0")
