@@ -4,7 +4,8 @@ Side by side, interleaved (A B C A B C ...), the same prompts one at a time:
 - engine: `LLMEngine` in this process (one torch thread, like a worker with num_cpus=1), the
   request added and stepped to completion;
 - mixed: a splitserve cluster of one mixed worker over HTTP (ingress + CLS + worker actor);
-- split: a cluster of one prompt + one token worker (adds the KV reservation and handoff);
+- split: a cluster of one prompt + one token worker (adds the KV reservation and handoff; a
+  one-token request runs whole on the prompt worker there, so `--max-tokens 1` times that);
 - serve-floor: a Serve HTTP endpoint that answers at once (what Ray Serve itself costs here).
 Each cluster is its own Serve app on one local Ray. Reported: p50 / p99 end-to-end latency and
 the overhead (cluster minus engine) per mode, plus the controller's placement round trip
@@ -169,7 +170,8 @@ def print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--max-tokens", type=int, default=1, help="1: time to the first (only) token")
+    parser.add_argument("--max-tokens", type=int, default=2,
+                        help="2: the first token and one decode (1 never reaches a token worker)")
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args(argv)
