@@ -100,25 +100,13 @@ async def case(url: str, chars: int, args, busy: int) -> dict:
             "pool_moves": moves}
 
 
-def start_cluster(port: int) -> str:
-    from local_ray import start_serve  # this script's folder
-    from ray import serve
-
-    from splitserve.cluster.app import build_app
-    from splitserve.cluster.launcher import wait_until_healthy
-
-    start_serve(4, port)
-    serve.run(build_app(CLUSTER), name="scoring", route_prefix="/scoring", blocking=False)
-    url = f"http://127.0.0.1:{port}/scoring"
-    wait_until_healthy(url, timeout=300)
-    return url
-
-
 def measure(args) -> list[dict]:
     import ray
     from ray import serve
 
-    url = start_cluster(args.port)
+    from local_ray import serve_cluster  # this script's folder
+
+    url = serve_cluster(CLUSTER, "scoring", args.port)
     rows = []
     try:
         asyncio.run(warm_up(url))

@@ -83,30 +83,17 @@ def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str
     return spent
 
 
-def start_cluster(port: int) -> str:
-    from ray import serve
-
-    from local_ray import start_serve  # this script's folder
-
-    from splitserve.cluster.app import build_app
-    from splitserve.cluster.launcher import wait_until_healthy
-
-    start_serve(4, port)
-    serve.run(build_app(CLUSTER), name="streams", route_prefix="/streams", blocking=False)
-    url = f"http://127.0.0.1:{port}/streams"
-    wait_until_healthy(url, timeout=300)
-    return url
-
-
 def measure(args) -> list[dict]:
     import ray
     from ray import serve
+
+    from local_ray import serve_cluster  # this script's folder
 
     from splitserve import LLMEngine
 
     torch.set_num_threads(1)
     engine = LLMEngine("demo", policy="mixed", **ENGINE)
-    url = start_cluster(args.port)
+    url = serve_cluster(CLUSTER, "streams", args.port)
     asyncio.run(flood(url, args.concurrency, 8))  # warm-up
     rounds = []
     try:

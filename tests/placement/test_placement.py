@@ -319,8 +319,8 @@ def test_a_prompt_only_request_follows_the_prompt_pools_rules():
     # the prompt pool's worker decodes as a mixed guest with a long prompt queue, the token pool is full
     guest = cluster("splitwise", prompt=[("p0", H100, load(pending=3000))],
                     token=[("t0", H100, load(decode=70000, free=10, total=1000))])
-    state_moves = guest.place(request(100, 8), 0.0)[1]
-    assert [(m.worker_id, m.to_pool) for m in state_moves] == [("p0", Role.MIXED)]
+    moves = guest.place(request(100, 8), 0.0)[1]
+    assert [(m.worker_id, m.to_pool) for m in moves] == [("p0", Role.MIXED)]
     assert pair(guest, request(100, 1)) == ("p0", "p0")  # no prompt pool, no overflow target: the guest
     mixed = cluster("jsq", mixed=[("m0", H100, load(pending=500)), idle("m1")])
     assert pair(mixed, request(100, 1)) == ("m1", "m1")
