@@ -6,7 +6,15 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from splitserve.placement.base import Decision, PlacementPolicy, can_decode, can_prompt, can_run_whole, mixed_only
+from splitserve.placement.base import (
+    Decision,
+    PlacementPolicy,
+    can_decode,
+    can_prompt,
+    can_run_whole,
+    mixed_only,
+    run_whole_on,
+)
 from splitserve.placement.state import Placement, PlacementRequest, Role, WorkerState
 
 if TYPE_CHECKING:
@@ -53,10 +61,9 @@ class RoundRobinPolicy(PlacementPolicy):
             return self.choose(state, request, now, exclude)
         thresholds = state.thresholds
         prompt = self._next(state.members(Role.PROMPT), Role.PROMPT, lambda w: can_prompt(w, thresholds, exclude))
-        if prompt is None:
-            return None, []
-        self._last_chosen[Role.PROMPT] = prompt.worker_id
-        return Placement(prompt.worker_id, prompt.worker_id), []
+        if prompt is not None:
+            self._last_chosen[Role.PROMPT] = prompt.worker_id
+        return run_whole_on(prompt)
 
     def _next(self, workers: Sequence[WorkerState], pool: Role,
               eligible: Callable[[WorkerState], bool]) -> WorkerState | None:
