@@ -157,6 +157,10 @@ class EngineOptions(StrictModel):
         "prompt", description="How the prompt pool batches: prompt (FCFS whole prompts) or accelgen_prompt.")
     slo_scheduling: SLOSchedulingOptions = Field(SLOSchedulingOptions(), description="The accelgen policies' "
                                                  "settings.")
+    lora_modules: dict[str, str] = Field({}, description="LoRA adapters, name: PEFT directory (adapter_config.json "
+                                         "and adapter_model.safetensors, readable on every worker's node). Each "
+                                         "name is a model clients send as `model`: the base model under that "
+                                         "adapter. All are loaded at start; a step runs several at once.")
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> "EngineOptions":

@@ -57,10 +57,11 @@ from splitserve.engine.prefix_hit import PrefixHit, find_hit, first_needed, hand
 from splitserve.engine.sequence import Sequence
 
 
-def long_rope_root(long_from: int | None) -> Callable[[Sequence], int]:
+def sequence_root(long_from: int | None) -> Callable[[Sequence], int]:
     """`root_of` for a model: with LongRoPE, a sequence of more than `long_from` tokens (whose KV
-    turns long) chains from LONG_ROPE_ROOT (`prefix_hash.chain_root`, as the ingress names it)."""
-    return lambda seq: chain_root(seq.num_tokens, long_from)
+    turns long) chains from LONG_ROPE_ROOT; one under a LoRA adapter from that root joined with
+    the adapter's (`prefix_hash.chain_root`, as the ingress names it)."""
+    return lambda seq: chain_root(seq.num_tokens, long_from, seq.params.lora)
 
 
 class OutOfBlocksError(RuntimeError):

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.config import ConfigError
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
+from splitserve.engine.sampling_params import MAX_LORA_NAME
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 MAX_KV_BLOCKS = 2**31 - 1  # num_kv_blocks at most: every block id fits an int32 index
+MAX_LORA_ADAPTERS = 64  # lora_modules at most (every adapter stays resident)
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,19 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256            # CUDA: decode steps up to this many sequences replay a graph; 0: eager
     async_scheduling: bool | None = None       # queue step N+1 before building N's outputs; None: on CUDA
     seed: int = 0
+    # LoRA adapters (name, PEFT directory), all loaded at start; a request names one in SamplingParams.lora
+    lora_modules: tuple[tuple[str, str], ...] = ()
     slo: SLOOptions = SLOOptions()             # the SLO-aware (accelgen) policies' settings
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "switch_policies", tuple(self.switch_policies))
+        pairs = self.lora_modules.items() if isinstance(self.lora_modules, dict) else self.lora_modules
+        object.__setattr__(self, "lora_modules", tuple((name, str(path)) for name, path in pairs))
+        names = [name for name, _ in self.lora_modules]
+        if len(names) > MAX_LORA_ADAPTERS or len(set(names)) != len(names) or \
+                any(not isinstance(n, str) or not 0 < len(n) <= MAX_LORA_NAME for n in names):
+            raise ConfigError(f"lora_modules must name at most {MAX_LORA_ADAPTERS} adapters, each by a distinct "
+                              f"name of 1 to {MAX_LORA_NAME} characters, got {names!r}")
         named = [("policy", self.policy)] + [("switch_policies", policy) for policy in self.switch_policies]
         for name, policy in named:
             if policy not in POLICY_CLASSES:

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from splitserve.engine.block_manager import BlockManager, long_rope_root
+from splitserve.engine.block_manager import BlockManager, sequence_root
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.in_flight import InFlight, drain
@@ -74,7 +74,7 @@ class LLMEngine:
         self.kv_cache, self.runner = shard.kv_cache, shard.runner
         self._long_rope_from = loaded.config.long_rope_from
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          long_rope_root(self._long_rope_from), self.kv_cache.groups.windows)
+                                          sequence_root(self._long_rope_from), self.kv_cache.groups.windows)
         limits = config.scheduler_limits(self.max_model_len)
         self.policy = make_policy(config.policy, self.block_manager, limits)
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
@@ -136,6 +136,11 @@ class LLMEngine:
         live = {seq.seq_id for seq in [*self.policy.running, *self.policy.waiting]} | set(self.policy.held)
         if live != set(self._requests):
             raise RuntimeError(f"engine tracks {sorted(self._requests)} but the scheduler holds {sorted(live)}")
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters a request may name (`SamplingParams.lora`), in load order."""
+        return tuple(self.runner.model.lora_slots.index)
 
     @property
     def num_requests(self) -> int:
@@ -296,6 +301,9 @@ class LLMEngine:
                              f"got {params.resumed_tokens}")
         if params.constraint is not None:
             self.sampler.grammar.check(params.constraint)
+        if params.lora is not None and params.lora not in self.lora_names:
+            raise ValueError(f"lora: no adapter named {params.lora!r} is loaded (loaded: "
+                             f"{', '.join(self.lora_names) or 'none'})")
         seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
                        self.eos_token_ids)
         detokenizer = Detokenizer(self.tokenizer, params, token_ids) if params.detokenize else None

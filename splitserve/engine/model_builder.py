@@ -11,7 +11,9 @@ from splitserve.engine.demo import DEMO_SEED, demo_model_config, demo_tokenizer
 from splitserve.engine.engine_config import EngineConfig, check_device
 from splitserve.engine.dummy_weights import init_dummy_weights
 from splitserve.engine.loader import load_model_config, load_weights
+from splitserve.engine.lora_adapter import load_adapter
 from splitserve.engine.model.llama import LlamaForCausalLM, Reduce
+from splitserve.engine.model.lora import LoraSlots, attach_adapters
 from splitserve.engine.model.sharding import Shard, check_shardable
 from splitserve.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -64,9 +66,14 @@ def load_metadata(model: str, engine: EngineConfig) -> tuple[ModelConfig, Tokeni
 
 def build_model(model: str, engine: EngineConfig, shard: Shard = Shard(), reduce: Reduce | None = None) -> LoadedModel:
     """The model, or with tensor parallelism this rank's `shard` of it (only its part is read from
-    the checkpoint). Each rank sees its own device as the default one (Ray gives an actor its GPU)."""
+    the checkpoint), with its LoRA adapters. Each rank sees its own device as the default one (Ray
+    gives an actor its GPU)."""
     config, tokenizer, max_len = load_metadata(model, engine)
     check_shardable(config, shard.size)
+    if engine.lora_modules and shard.size > 1:
+        raise ConfigError("lora_modules: LoRA adapters are not served with tensor parallelism yet "
+                          "(tensor_parallel_size must be 1)")
+    adapters = [load_adapter(name, path) for name, path in engine.lora_modules]
     device, dtype = resolve_device(engine.device), resolve_dtype(engine.dtype, config)
     with torch.device(device), default_dtype(dtype):
         net = LlamaForCausalLM(config, max_len, shard, reduce).eval()
@@ -75,6 +82,8 @@ def build_model(model: str, engine: EngineConfig, shard: Shard = Shard(), reduce
         init_dummy_weights(net, DEMO_SEED if model == "demo" else engine.seed, runs=model != "demo")
     else:
         load_weights(net, model)
+    net.lora_slots = LoraSlots([adapter.name for adapter in adapters])
+    attach_adapters(net, net.lora_slots, adapters, dtype, device)
     return LoadedModel(config, tokenizer, net, device, dtype, max_len)
 
 

@@ -17,6 +17,7 @@ from splitserve.engine.attention.metadata import group_by_length
 from splitserve.engine.host_block_tables import HostBlockTables
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.lora import NO_ADAPTER, adapter_slots
 from splitserve.engine.policies import Plan, ScheduledSeq
 from splitserve.engine.prompt_logprobs import PromptRows
 from splitserve.engine.sequence import Sequence
@@ -33,7 +34,8 @@ class StepBatch:
     tables (`RotaryEmbedding.table_rows`: its position, unless LongRoPE turns it long). Per layer
     group (`kv_groups`), `slots` has each token's cache slot and `block_tables` (a host int64
     tensor [groups, num_seqs, width], width the most blocks a sequence's context covers) the
-    sequences' tables; a row's entries past its sequence's context are block ids or 0, never read."""
+    sequences' tables; a row's entries past its sequence's context are block ids or 0, never read.
+    `adapters`: each sequence's LoRA adapter slot (`model.lora`; empty where the model has none)."""
 
     token_ids: list[int]
     positions: list[int]
@@ -42,6 +44,11 @@ class StepBatch:
     context_lens: list[int]
     block_tables: torch.Tensor
     num_decodes: int
+    adapters: tuple[int, ...] = ()
+
+    @property
+    def runs_adapters(self) -> bool:
+        return any(slot != NO_ADAPTER for slot in self.adapters)
 
 
 class StepChannel(Protocol):
@@ -100,8 +107,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: StepBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Final hidden states [T, hidden]; every token's KV is written to this rank's cache.
-        A captured graph runs no per-layer hook, so steps that stream KV layer by layer run eagerly."""
-        if after_layer is None and self.graphs is not None and self.graphs.covers(batch):
+        A captured graph runs no per-layer hook and no adapter, so steps that stream KV layer by
+        layer, or run a LoRA adapter, run eagerly."""
+        self.model.lora_slots.set(batch.adapters, batch.query_starts, self.device)
+        if after_layer is None and self.graphs is not None and not batch.runs_adapters and self.graphs.covers(batch):
             return self.graphs.run(batch)
         inputs = StepTensors.upload(batch, self.device)
         decode_groups = group_by_length(batch.context_lens[:batch.num_decodes])
@@ -135,7 +144,8 @@ class ModelRunner:
         gathered = [host.gather(ids, group_tables, width) for host, group_tables in zip(self._host_tables, tables)]
         return StepBatch(tokens, positions, slots, starts, context_lens,
                          gathered[0][None] if groups == 1 else torch.stack(gathered),
-                         sum(1 for item in items if item.num_new_tokens == 1))
+                         sum(1 for item in items if item.num_new_tokens == 1),
+                         adapter_slots(self.model.lora_slots, (item.seq.params.lora for item in items)))
 
 
 def _row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:

@@ -8,10 +8,13 @@ least one token, to produce logits).
 Cross-process invariant: the ingress, the CLS and every worker compute the same hashes, since the
 hash of a tuple of ints depends on the ints alone (it is not salted by PYTHONHASHSEED, unlike str
 and bytes; all processes run the same 64-bit CPython). The first block's parent is `ROOT`, an int:
-before Python 3.12, hash(None) is None's address, which differs between processes.
+before Python 3.12, hash(None) is None's address, which differs between processes. A LoRA
+adapter's KV differs from the base model's for the same tokens: its chains start from a root of
+its own (`adapter_root`, from its name through a fixed digest, not str's salted hash).
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,19 +31,26 @@ def num_reusable_blocks(num_tokens: int, block_size: int) -> int:
     return (num_tokens - 1) // block_size
 
 
-def chain_root(num_tokens: int, long_rope_from: int | None) -> int:
+def adapter_root(lora: str) -> int:
+    """The same int in every process for one adapter name."""
+    return int.from_bytes(hashlib.blake2b(lora.encode(), digest_size=8).digest(), "little")
+
+
+def chain_root(num_tokens: int, long_rope_from: int | None, lora: str | None = None) -> int:
     """The root a sequence of `num_tokens` chains its blocks from: LONG_ROPE_ROOT where a LongRoPE
-    model (trained context `long_rope_from`) turns it long, else ROOT."""
-    return LONG_ROPE_ROOT if long_rope_from is not None and num_tokens > long_rope_from else ROOT
+    model (trained context `long_rope_from`) turns it long, else ROOT; under a LoRA adapter, that
+    root joined with the adapter's."""
+    root = LONG_ROPE_ROOT if long_rope_from is not None and num_tokens > long_rope_from else ROOT
+    return root if lora is None else hash((root, adapter_root(lora)))
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int,
-                        long_rope_from: int | None = None) -> tuple[int, ...]:
-    """The hashes of the blocks a prefix-cache lookup of `token_ids` tries, in order (at most
-    `max_blocks`: the first ones, themselves a chain)."""
+                        long_rope_from: int | None = None, lora: str | None = None) -> tuple[int, ...]:
+    """The hashes of the blocks a prefix-cache lookup of `token_ids` (under adapter `lora`) tries,
+    in order (at most `max_blocks`: the first ones, themselves a chain)."""
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    hashes, parent = [], chain_root(len(token_ids), long_rope_from)
+    hashes, parent = [], chain_root(len(token_ids), long_rope_from, lora)
     for index in range(min(num_reusable_blocks(len(token_ids), block_size), max_blocks)):
         parent = hash(block_key(parent, token_ids, index, block_size))
         hashes.append(parent)
@@ -56,7 +66,7 @@ class PrefixNaming:
     block_size: int = 0
     long_rope_from: int | None = None
 
-    def hashes(self, token_ids: Sequence[int], max_blocks: int) -> tuple[int, ...]:
+    def hashes(self, token_ids: Sequence[int], max_blocks: int, lora: str | None = None) -> tuple[int, ...]:
         if not self.block_size:
             return ()
-        return prompt_block_hashes(token_ids, self.block_size, max_blocks, self.long_rope_from)
+        return prompt_block_hashes(token_ids, self.block_size, max_blocks, self.long_rope_from, lora)

@@ -12,6 +12,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's bound)
+MAX_LORA_NAME = 256  # characters in a LoRA adapter's name (as a served model name)
 # Temperatures reach the device as float32: one past its largest value would divide -inf by inf
 # (NaN, a row nothing can be drawn from).
 MAX_TEMPERATURE = 3.4028234663852886e38
@@ -53,6 +54,7 @@ class SamplingParams:
     # failover resumed it elsewhere): seeded draws, frequency and presence penalties and structured
     # output count them as output, so the request goes on as if it had never moved
     resumed_tokens: int = 0
+    lora: str | None = None  # the LoRA adapter (its name, as the engine loaded it) to run with; None: the base model
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -69,6 +71,8 @@ class SamplingParams:
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        _check(self.lora is None or (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME),
+               f"lora must be an adapter's name (1 to {MAX_LORA_NAME} characters) or None, got {self.lora!r}")
         _check(_is_int(self.resumed_tokens) and self.resumed_tokens >= 0,
                f"resumed_tokens must be an integer >= 0, got {self.resumed_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):

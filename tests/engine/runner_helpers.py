@@ -9,8 +9,8 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 
 
-def new_seq(engine: LLMEngine, seq_id: str, ids: list[int]) -> Sequence:
-    seq = Sequence(seq_id, list(ids), SamplingParams())
+def new_seq(engine: LLMEngine, seq_id: str, ids: list[int], params: SamplingParams = SamplingParams()) -> Sequence:
+    seq = Sequence(seq_id, list(ids), params)
     engine.block_manager.allocate(seq, use_prefix_cache=False)
     assert seq.num_computed_tokens == 0
     return seq

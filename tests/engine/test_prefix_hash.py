@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.engine.block_manager import BlockManager, long_rope_root
+from splitserve.engine.block_manager import BlockManager, sequence_root
 from splitserve.engine.prefix_hash import PrefixNaming, prompt_block_hashes
-from tests.engine.block_helpers import BS, cached, make_seq, seq_range
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import Sequence
+from tests.engine.block_helpers import BS, cached, compute_all, make_seq, seq_range
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +38,7 @@ def test_a_longrope_prompt_is_named_as_a_longrope_block_manager_caches_it(length
     """Past LongRoPE's trained context a prompt's KV differs, and so does its chain's root: the
     ingress names the blocks the workers hold, not a shorter prompt's."""
     trained = 3 * BS
-    bm = BlockManager(16, block_size=BS, root_of=long_rope_root(trained))
+    bm = BlockManager(16, block_size=BS, root_of=sequence_root(trained))
     tokens = seq_range(7, length)
     cached(bm, "a", tokens)
     naming = PrefixNaming(BS, trained)
@@ -44,6 +46,26 @@ def test_a_longrope_prompt_is_named_as_a_longrope_block_manager_caches_it(length
     assert hashes == bm.take_prefix_snapshot()[:len(hashes)] and len(hashes) == length // BS
     assert (hashes == prompt_block_hashes(tokens + [1], BS, 100)) == (length + 1 <= trained)
     assert PrefixNaming().hashes(tokens, 100) == ()
+
+
+def test_a_lora_adapters_blocks_are_named_apart_from_the_base_models():
+    """Under an adapter the same tokens' KV differs: its chain starts from a root of its own, named
+    alike by the ingress and the block manager, and no lookup crosses between them."""
+    bm = BlockManager(16, block_size=BS, root_of=sequence_root(None))
+    tokens = seq_range(7, 2 * BS)
+    adapted = Sequence("a", tokens, SamplingParams(lora="sql"))
+    bm.allocate(adapted)
+    compute_all(bm, adapted)
+    hashes = PrefixNaming(BS).hashes(tokens + [1], 100, lora="sql")
+    assert hashes == bm.take_prefix_snapshot()[:len(hashes)] and len(hashes) == 2
+    assert not set(hashes) & set(prompt_block_hashes(tokens + [1], BS, 100))
+    assert not set(hashes) & set(PrefixNaming(BS).hashes(tokens + [1], 100, lora="chat"))
+    base = make_seq("b", tokens + [1])
+    bm.allocate(base)
+    assert base.num_cached_tokens == 0  # the base model finds none of the adapter's blocks
+    again = Sequence("c", tokens + [1], SamplingParams(lora="sql"))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 2 * BS
 
 
 def test_the_last_token_is_never_covered_and_the_count_is_capped():
@@ -66,10 +88,11 @@ def test_a_block_hash_names_its_whole_prefix():
 def test_every_process_computes_the_same_hashes():
     """Not salted by PYTHONHASHSEED, nor by where None lies in memory (hash(None) before 3.12)."""
     code = "import json; from splitserve.engine.prefix_hash import prompt_block_hashes as h; " \
-           "print(json.dumps(h(list(range(100)), 16, 100)))"
+           "print(json.dumps(h(list(range(100)), 16, 100) + h(list(range(100)), 16, 100, lora='sql')))"
     seen = set()
     for seed in ("0", "1", "random"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         seen.add(tuple(json.loads(out.stdout)))
-    assert seen == {prompt_block_hashes(list(range(100)), 16, 100)}
+    assert seen == {prompt_block_hashes(list(range(100)), 16, 100) + prompt_block_hashes(list(range(100)), 16, 100,
+                                                                                         lora="sql")}

@@ -6,7 +6,8 @@ Each holds its weight in the serving dtype or, from an FP8 checkpoint where `fp8
 as the checkpoint stores it: float8 e4m3 codes `weight` [out, in] and float32
 `weight_scale_inv`, one per block or row (a merged projection's parts' scale rows stacked like
 their rows), a byte a weight. On CUDA the W8A16 GEMM (`fp8_linear`) reads the codes; the CPU path
-dequantizes them as it multiplies.
+dequantizes them as it multiplies. A projection some LoRA adapter adapts adds its product
+(`lora`, a `model.lora.LoraWeights`) to the output, before any all-reduce.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class Linear(nn.Linear):
         kept = fp8_block is not None  # a weight in the serving dtype is never allocated
         super().__init__(in_features, out_features, bias=bias, device="meta" if kept else None)
         self.fp8_block = fp8_block
+        self.lora = None  # model.lora.LoraWeights, set by attach_adapters
         if kept:
             rows, cols = fp8_block
             self.weight = frozen(out_features, in_features, dtype=torch.float8_e4m3fn)
@@ -60,6 +62,10 @@ class Linear(nn.Linear):
             self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = self._base(x, bias)
+        return out if self.lora is None else self.lora.add_to(x, out)
+
+    def _base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8_block is None:
             return F.linear(x, self.weight, bias)
         if x.is_cuda:

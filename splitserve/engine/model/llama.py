@@ -26,6 +26,7 @@ from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.config import ModelConfig, RopeScaling
 from splitserve.engine.model import triton_dispatch
 from splitserve.engine.model.linear import MergedLinear, Reduce, RowParallelLinear, fp8_block
+from splitserve.engine.model.lora import LoraSlots
 from splitserve.engine.model.moe import Experts, SparseMoeBlock, expert_names
 from splitserve.engine.model.rotary import RotaryEmbedding
 from splitserve.engine.model.sharding import Shard, ShardSlice, kv_head_range
@@ -179,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
         if shard.size > 1 and reduce is None:
             raise ValueError("a sharded model needs `reduce`, the all-reduce over its ranks")
         self.config, self.shard = config, shard
+        self.lora_slots = LoraSlots()  # the LoRA adapters the model loaded (model_builder), by name
         self.model = LlamaModel(config, shard, reduce)
         # the LM head lives where sampling happens (rank 0); a tied one is the replicated embedding
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) \

@@ -1,0 +1,138 @@
+"""LoRA adapters in the decoder's projections, several in one step: each token runs under its
+sequence's adapter, or none.
+
+`LoraSlots` (one per model) says which of a step's token rows run under which adapter; the runner
+sets it before every forward. Each adapted projection holds `LoraWeights`: every adapter's A
+stacked [adapters, parts * rank, in] and B [adapters, out, rank], a merged projection's parts
+each with their own rows of both. A part an adapter leaves alone, and the ranks past a smaller
+adapter's, hold zeros. A step adds, per adapter in it, B @ (A @ x) to its tokens' rows.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from splitserve.engine.config import ConfigError
+from splitserve.engine.model.linear import Linear, MergedLinear, RowParallelLinear
+from splitserve.engine.step_inputs import upload_list
+
+if TYPE_CHECKING:
+    from splitserve.engine.lora_adapter import LoraAdapter
+
+NO_ADAPTER = -1  # a sequence's slot when it runs on the base model
+
+
+class LoraSlots:
+    """The model's adapters by name (their slots, in load order) and this step's rows of each."""
+
+    def __init__(self, names: Sequence[str] = ()):
+        self.index = {name: slot for slot, name in enumerate(names)}
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []  # (slot, its token rows), adapters in the step
+
+    def set(self, adapters: Sequence[int], query_starts: Sequence[int], device: torch.device) -> None:
+        """`adapters`: each sequence's slot in the step's order (empty: none runs under one),
+        `query_starts` where each sequence's rows start."""
+        spans: dict[int, list[int]] = {}
+        for seq, slot in enumerate(adapters):
+            if slot != NO_ADAPTER:
+                spans.setdefault(slot, []).extend(range(query_starts[seq], query_starts[seq + 1]))
+        self.groups = [(slot, _row_index(rows, device)) for slot, rows in spans.items()]
+
+
+def _row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A slice where the rows are one run (a step of one adapter's sequences), else an index
+    uploaded without waiting for the device."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return slice(rows[0], rows[-1] + 1)
+    return upload_list(rows, torch.long, device)
+
+
+class LoraWeights(nn.Module):
+    """One projection's adapters (buffers: no checkpoint names them, the loader never fills them)."""
+
+    def __init__(self, slots: LoraSlots, a: torch.Tensor, b: torch.Tensor, part_rows: Sequence[int]):
+        super().__init__()
+        self.slots, self.rank, self.part_rows = slots, b.shape[-1], list(part_rows)
+        self.register_buffer("a", a, persistent=False)
+        self.register_buffer("b", b, persistent=False)
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` (x's projection [T, out]) with each adapter's product added to its rows, in place."""
+        r = self.rank
+        for slot, rows in self.slots.groups:
+            xa = x[rows] @ self.a[slot].T  # [t, parts * r]
+            b, deltas, start = self.b[slot], [], 0
+            for part, size in enumerate(self.part_rows):
+                deltas.append(xa[:, part * r:(part + 1) * r] @ b[start:start + size].T)
+                start += size
+            delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
+            if isinstance(rows, slice):
+                out[rows] += delta
+            else:
+                out.index_add_(0, rows, delta)
+        return out
+
+
+def attach_adapters(model: nn.Module, slots: LoraSlots, adapters: Sequence[LoraAdapter], dtype: torch.dtype,
+                    device: torch.device) -> None:
+    """Give each projection some adapter adapts its `LoraWeights` (in the serving `dtype`), after
+    the base weights are loaded. An adapter naming a projection the model lacks, or shaped unlike
+    it, raises ConfigError naming the adapter and the projection."""
+    targets = _adaptable(model)
+    modules_of: dict[Linear, list[tuple[str, int | None]]] = {}
+    for module, (linear, part) in targets.items():
+        modules_of.setdefault(linear, []).append((module, part))
+    for adapter in adapters:
+        for module in adapter.weights:
+            if module not in targets:
+                raise ConfigError(f"lora_modules: adapter {adapter.name!r} adapts {module}, which is not one of "
+                                  "this model's dense projections (attention's q, k, v, o; a dense MLP's gate, "
+                                  "up, down)")
+    rank = max((adapter.rank for adapter in adapters), default=0)
+    for linear in {targets[module][0] for adapter in adapters for module in adapter.weights}:
+        parts = list(linear.parts.values()) if isinstance(linear, MergedLinear) else [linear.out_features]
+        a = torch.zeros(len(adapters), len(parts) * rank, linear.in_features)
+        b = torch.zeros(len(adapters), linear.out_features, rank)
+        for slot, adapter in enumerate(adapters):
+            for module, part in modules_of[linear]:
+                if module in adapter.weights:
+                    _fill(a[slot], b[slot], adapter, module, parts, part, linear.in_features)
+        linear.lora = LoraWeights(slots, a.to(device, dtype), b.to(device, dtype), parts)
+
+
+def _fill(a: torch.Tensor, b: torch.Tensor, adapter: LoraAdapter, module: str, parts: list[int],
+          part: int | None, in_features: int) -> None:
+    """One adapted module's A and B into its projection's rows; `part` None: the checkpoint's fused
+    projection (Phi-3's qkv_proj), every part taking A and its rows of B."""
+    lora_a, lora_b = adapter.weights[module]
+    rows = sum(parts) if part is None else parts[part]
+    if lora_a.shape[1] != in_features or lora_b.shape[0] != rows:
+        raise ConfigError(f"lora_modules: adapter {adapter.name!r}: {module}'s A {tuple(lora_a.shape)} and B "
+                          f"{tuple(lora_b.shape)} do not fit the model's [{rows}, {in_features}] projection")
+    rank, full = lora_a.shape[0], b.shape[-1]
+    for p in range(len(parts)) if part is None else [part]:
+        start = sum(parts[:p])
+        a[p * full:p * full + rank] = lora_a
+        b_rows = lora_b[start:start + parts[p]] if part is None else lora_b
+        b[start:start + parts[p], :rank] = b_rows
+
+
+def _adaptable(model: nn.Module) -> dict[str, tuple[Linear, int | None]]:
+    """Checkpoint module name -> (projection, its part; None: all of a merged one's)."""
+    found: dict[str, tuple[Linear, int | None]] = {}
+    for owner, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            prefix = owner.rpartition(".")[0]
+            found.update((f"{prefix}.{name}", (module, p)) for p, name in enumerate(module.parts))
+            found[owner] = (module, None)
+        elif isinstance(module, RowParallelLinear):
+            found[owner] = (module, None)
+    return found
+
+
+def adapter_slots(slots: LoraSlots, names: Iterable[str | None]) -> tuple[int, ...]:
+    """Each name's slot (None: NO_ADAPTER); () when the model has no adapters."""
+    return tuple(NO_ADAPTER if name is None else slots.index[name] for name in names) if slots.index else ()
