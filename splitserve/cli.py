@@ -43,8 +43,18 @@ def _add_serve(commands) -> None:
                    help="the name(s) clients send as `model` (aliases; the first names the metrics); "
                         "default: the config's served_model_name, else the model")
     p.add_argument("--api-key", default=None, help="require this Bearer key (default: $SPLITSERVE_API_KEY, if set)")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories), each served as a model of its own named NAME; "
+                        "added to the config's engine.lora_modules")
     chat_parsers.add_arguments(p, config_fallback=True)
     p.set_defaults(run=_run_serve)
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    name, _, path = value.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
 
 
 def _run_serve(args) -> int:
@@ -52,6 +62,7 @@ def _run_serve(args) -> int:
 
     from splitserve.cluster.launcher import serve_until_interrupted
     from splitserve.config import ClusterConfig, load_cluster_config
+    from splitserve.engine.lora_adapter import load_adapter
     from splitserve.engine.model_builder import load_metadata
 
     try:
@@ -61,9 +72,14 @@ def _run_serve(args) -> int:
                                        ("tool_call_parser", args.tool_call_parser)) if v is not None}
         if args.api_key:
             overrides["ingress"] = {**config.ingress.model_dump(), "api_key": args.api_key}
+        if args.lora_modules:
+            overrides["engine"] = {**config.engine.model_dump(),
+                                   "lora_modules": {**config.engine.lora_modules, **dict(args.lora_modules)}}
         config = ClusterConfig.model_validate({**config.model_dump(), **overrides})
         if args.address is None:  # a local cluster reads the model here: check it before anything starts
             config.check_model(load_metadata(config.model, config.engine_config("token"))[0])
+            for name, path in config.engine.lora_modules.items():
+                load_adapter(name, path)
     except (OSError, ValueError, ValidationError) as error:
         print(f"splitserve serve: {error}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """One Ray head node for the whole test run, started as users start one (`ray start --head`),
 sized for 2 cores, with up to four splitserve apps: `main` at / (1 prompt + 1 token worker, like
-deploy/local-cpu.yaml), `pools` at /pools (the same shape with low thresholds, an API key and
+deploy/local-cpu.yaml, and two LoRA adapters of the demo model, `demo_adapters`), `pools` at /pools (the same shape with low thresholds, an API key and
 two ingress replicas sharing one CLS, for pool moves, backpressure and auth) and `hardening` at
 /hardening (short leases and stuck bound, small request bounds, for the failure tests) and `tp` at
 /tp (a prompt worker of 2 tensor-parallel ranks handing to a token worker of 1). Its dashboard takes
@@ -9,6 +9,7 @@ start it, and their modules run last; the session ends by stopping that cluster'
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -134,7 +135,8 @@ def server(ray_cluster):
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    serve.run(build_app(MAIN), name="main", route_prefix="/", blocking=False)
+    serve.run(build_app({**MAIN, "engine": {**ENGINE, "lora_modules": demo_adapters()}}), name="main",
+              route_prefix="/", blocking=False)
     wait_until_healthy(ray_cluster, timeout=180)
     return ray_cluster
 
@@ -174,10 +176,22 @@ def client(server):
 
 @pytest.fixture(scope="session")
 def offline():
-    """The offline engine the cluster's greedy output must equal."""
+    """The offline engine the cluster's greedy output must equal (the main app's adapters too)."""
     from splitserve import LLM
 
-    return LLM("demo", **ENGINE)
+    return LLM("demo", lora_modules=demo_adapters(), **ENGINE)
+
+
+@functools.cache
+def demo_adapters() -> dict[str, str]:
+    """Two LoRA adapters of the demo model, name: directory: one of attention's projections, one of
+    every dense projection."""
+    from splitserve.engine.demo import demo_model_config
+    from tests.engine.lora_files import projection_shapes, write_adapter
+
+    root, config = Path(tempfile.mkdtemp(prefix="splitserve-lora-")), demo_model_config()
+    return {"demo-sql": write_adapter(root / "sql", config, ["q_proj", "v_proj", "o_proj"], 8, 1, std=0.1),
+            "demo-chat": write_adapter(root / "chat", config, list(projection_shapes(config)), 4, 2, std=0.1)}
 
 
 def worker_actor(app: str, worker_id: str):

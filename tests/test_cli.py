@@ -20,6 +20,24 @@ def test_served_model_names_and_model_override_the_config(monkeypatch):
     assert served_config(monkeypatch).model_names == ("demo",)
 
 
+def test_lora_modules_are_served_as_models_and_a_bad_one_refused_before_anything_starts(tmp_path, monkeypatch,
+                                                                                       capsys):
+    from splitserve.engine.demo import demo_model_config
+    from tests.engine.lora_files import write_adapter
+
+    path = write_adapter(tmp_path / "sql", demo_model_config(), ["q_proj"], 2, 0)
+    config = served_config(monkeypatch, "--lora-modules", f"sql={path}")
+    assert config.served_models.all == ("demo", "sql") and config.engine_config("token").lora_modules == (("sql", path),)
+    monkeypatch.setattr(launcher, "serve_until_interrupted", lambda *args: pytest.fail("started"))
+    assert main(["serve", "--lora-modules", f"chat={tmp_path / 'none'}"]) == 2
+    assert "lora_modules: adapter 'chat'" in capsys.readouterr().err
+    assert main(["serve", "--lora-modules", f"demo={path}"]) == 2
+    assert "adapter names must differ from the model's" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--lora-modules", "sql"])
+    assert "expected NAME=PATH" in capsys.readouterr().err
+
+
 def test_a_bad_name_is_refused_before_anything_starts(monkeypatch, capsys):
     monkeypatch.setattr(launcher, "serve_until_interrupted", lambda *args: pytest.fail("started"))
     assert main(["serve", "--served-model-name", "same", "same"]) == 2

@@ -16,6 +16,7 @@ from splitserve.api.limits import RequestLimits
 from splitserve.api.request_models import (
     CompletionRequest,
     GenerationRequest,
+    ModelNames,
     check_model,
     parse_request,
     prompt_token_ids_of,
@@ -43,10 +44,11 @@ class PreparedRequest:
         return len(self.prompts) * self.request.num_choices()[0]
 
 
-def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ...], max_model_len: int,
+def prepare_request(kind: str, raw: bytes, tokenizer, model: ModelNames, max_model_len: int,
                     limits: RequestLimits, check_constraint: ConstraintCheck | None = None,
                     parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
     """`kind`: "completion", "chat" or "responses"; RequestError (a 4xx naming the field) on a bad body.
+    `model`: the names served (`ServedModels`: a LoRA adapter's runs the request under it).
     `check_constraint` compiles a structured-output constraint, so one that does not is a 400 now.
     With a reasoning parser, a chat's constraint holds its answer, after a free thinking (GPT-OSS's:
     after its analysis messages, in its final one); with the mistral tool-call parser, a chat offering tools keeps special
@@ -60,7 +62,7 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
                                    param=param)
         return prepare_responses(ask, tokenizer, model, max_model_len, limits, check_constraint, parsers)
     body = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, raw)
-    check_model(body.model, model)
+    lora = check_model(body.model, model)
     limits.check(body)
     prompts = prompt_token_ids_of(body, tokenizer) if kind == "completion" else [chat_prompt_token_ids(body, tokenizer)]
     if body.truncate_prompt_tokens is not None:
@@ -73,10 +75,12 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: str | tuple[str, ..
               for prompt in prompts]
     if harmony or (kind == "chat" and parsers.tool_calls == MISTRAL and body.tool_functions()):
         params = [replace(p, skip_special_tokens=False) for p in params]
+    if lora is not None:
+        params = [replace(p, lora=lora) for p in params]
     return PreparedRequest(body, prompts, params)
 
 
-def prepare_responses(ask: ResponsesRequest, tokenizer, model: str | tuple[str, ...], max_model_len: int,
+def prepare_responses(ask: ResponsesRequest, tokenizer, model: ModelNames, max_model_len: int,
                       limits: RequestLimits, check_constraint: ConstraintCheck | None = None,
                       parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
     """A Responses request as the chat completion it asks for; a refusal names the Responses field.

@@ -9,6 +9,7 @@ with the values that change nothing (`suffix` null).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationError, model_validator
@@ -250,13 +251,32 @@ def _body_path(loc: tuple) -> tuple:
     return tuple(p for p in loc if not isinstance(p, str) or not ("[" in p or p.isidentifier() and p[0].isupper()))
 
 
-def check_model(requested: str, served: str | tuple[str, ...]) -> None:
-    """`served`: the name, or every alias, this server answers to."""
-    names = (served,) if isinstance(served, str) else served
-    if requested not in names:
-        listed = ", ".join(f"`{n}`" for n in names)
+@dataclass(frozen=True)
+class ServedModels:
+    """What clients may send as `model`: the base model's names (aliases; the first names the
+    metrics) and each LoRA adapter's, which runs the base model with that adapter."""
+
+    names: tuple[str, ...]
+    adapters: tuple[str, ...] = ()
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return self.names + self.adapters
+
+
+ModelNames = str | tuple[str, ...] | ServedModels  # what a server answers to: one name, aliases, or those and adapters
+
+
+def check_model(requested: str, served: ModelNames) -> str | None:
+    """`served`: the name, or every alias, this server answers to, or those and its adapters'.
+    Returns the LoRA adapter `requested` names (None: the base model)."""
+    if not isinstance(served, ServedModels):
+        served = ServedModels((served,) if isinstance(served, str) else tuple(served))
+    if requested not in served.all:
+        listed = ", ".join(f"`{n}`" for n in served.all)
         raise RequestError(f"The model `{requested}` does not exist. This server serves {listed}.",
                            status=404, param="model", code="model_not_found")
+    return requested if requested in served.adapters else None
 
 
 def prompt_token_ids_of(request: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:

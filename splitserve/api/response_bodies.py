@@ -8,6 +8,7 @@ from typing import Literal
 
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.json_pieces import dumps_in_pieces
+from splitserve.api.request_models import ServedModels
 from splitserve.api.usage import Usage
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -111,14 +112,20 @@ def sse_error(error: RequestError) -> bytes:
     return sse_event(error_body(error))
 
 
-def models_list(models: str | tuple[str, ...], created: int, owned_by: str = "splitserve",
+def models_list(models: str | tuple[str, ...] | ServedModels, created: int, owned_by: str = "splitserve",
                 max_model_len: int | None = None) -> dict:
-    """`/v1/models`: one entry per name (aliases of one model)."""
-    names = (models,) if isinstance(models, str) else models
-    return {"object": "list", "data": [model_card(name, created, owned_by, max_model_len) for name in names]}
+    """`/v1/models`: one entry per name (aliases of one model), then one per LoRA adapter."""
+    served = models if isinstance(models, ServedModels) else \
+        ServedModels((models,) if isinstance(models, str) else tuple(models))
+    return {"object": "list", "data": [model_card(name, created, owned_by, max_model_len, served)
+                                       for name in served.all]}
 
 
-def model_card(name: str, created: int, owned_by: str = "splitserve", max_model_len: int | None = None) -> dict:
-    """One model object (`/v1/models/{model}`); `max_model_len` is vLLM's extra field."""
+def model_card(name: str, created: int, owned_by: str = "splitserve", max_model_len: int | None = None,
+               served: ServedModels | None = None) -> dict:
+    """One model object (`/v1/models/{model}`); `max_model_len` is vLLM's extra field, and so is an
+    adapter's `parent`, the base model's first name."""
     extra = {} if max_model_len is None else {"max_model_len": max_model_len}
+    if served is not None and name in served.adapters:
+        extra["parent"] = served.names[0]
     return {"id": name, "object": "model", "created": created, "owned_by": owned_by, **extra}

@@ -12,6 +12,7 @@ from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import ConstraintCheck, PreparedRequest, prepare_request
+from splitserve.api.request_models import ModelNames
 from splitserve.api.responses_bodies import response_from_chat
 from splitserve.api.usage import Usage
 from splitserve.batch.results import ResultLog
@@ -110,7 +111,7 @@ def _error(code: str, message: str, line: int | None = None, param: str | None =
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_len: int,
+def prepare(line: BatchLine, tokenizer, model: ModelNames, max_model_len: int,
             limits: RequestLimits = RequestLimits(), check_constraint: ConstraintCheck | None = None,
             parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
     """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
@@ -118,7 +119,7 @@ def prepare(line: BatchLine, tokenizer, model: str | tuple[str, ...], max_model_
                            check_constraint, parsers)
 
 
-def prepare_pending(lines: list[BatchLine], tokenizer, model: str | tuple[str, ...], max_model_len: int, output: ResultLog,
+def prepare_pending(lines: list[BatchLine], tokenizer, model: ModelNames, max_model_len: int, output: ResultLog,
                     errors: ResultLog, on_result: Callable[[bool], None], limits: RequestLimits = RequestLimits(),
                     check_constraint: ConstraintCheck | None = None, parsers: ChatParsers = ChatParsers()
                     ) -> tuple[list[tuple[BatchLine, PreparedRequest]], dict[int, int]]:

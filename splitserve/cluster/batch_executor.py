@@ -11,6 +11,7 @@ from splitserve.api import response_bodies as R
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import PreparedRequest
+from splitserve.api.request_models import ModelNames
 from splitserve.api.usage import Usage
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.batch.blend.cost import ModelShape
@@ -27,7 +28,7 @@ DECODING_POOLS = ("token", "mixed")
 
 
 class ClusterExecutor:
-    def __init__(self, cls, model_shape: ModelShape, tokenizer, vocab_size: int, model: str | tuple[str, ...],
+    def __init__(self, cls, model_shape: ModelShape, tokenizer, vocab_size: int, model: ModelNames,
                  max_model_len: int, block_size: int, max_attempts: int, retry_s: float = 1.0,
                  limits: RequestLimits = RequestLimits(), prefix: PrefixNaming = PrefixNaming(),
                  parsers: ChatParsers = ChatParsers()):

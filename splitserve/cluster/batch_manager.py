@@ -24,8 +24,8 @@ class BatchManager:
         model_config, tokenizer, max_model_len = load_metadata(config.model, engine)
         limits = config.ingress.limits()
         executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, model_config.vocab_size,
-                                   config.model_names, max_model_len, engine.block_size, config.scheduler.max_attempts,
-                                   limits=limits,
+                                   config.served_models, max_model_len, engine.block_size,
+                                   config.scheduler.max_attempts, limits=limits,
                                    prefix=PrefixNaming(config.prefix_block_size(), model_config.long_rope_from),
                                    parsers=config.chat_parsers)
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),

@@ -56,7 +56,7 @@ class Ingress:
                                                                          self.config.engine.engine_config("token"))
         self.config.check_model(model_config)
         self._grammar = LazyGrammar(self.tokenizer, model_config.vocab_size)
-        self.model_names = self.config.model_names
+        self.served = self.config.served_models
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         self._directory: WorkerDirectory | None = None
         self._observations = ObservationBuffer()
@@ -79,26 +79,26 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> JSONResponse:
-        return JSONResponse(R.models_list(self.model_names, self.created, max_model_len=self.max_model_len))
+        return JSONResponse(R.models_list(self.served, self.created, max_model_len=self.max_model_len))
 
     @api.get("/v1/models/{model:path}")
     async def model(self, model: str) -> JSONResponse:
         """OpenAI's retrieve: one name this cluster answers to (names may hold slashes), else a 404."""
         try:
-            check_model(model, self.model_names)
+            check_model(model, self.served)
         except RequestError as error:
             return error_response(error)
-        return JSONResponse(R.model_card(model, self.created, max_model_len=self.max_model_len))
+        return JSONResponse(R.model_card(model, self.created, max_model_len=self.max_model_len, served=self.served))
 
     @api.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
         return await self._tokenizer_call(request, TokenizeRequest, lambda body: tokenize(
-            body, self.tokenizer, self.model_names, self.max_model_len))
+            body, self.tokenizer, self.served.all, self.max_model_len))
 
     @api.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:
         return await self._tokenizer_call(request, DetokenizeRequest, lambda body: detokenize(
-            body, self.tokenizer, self.model_names))
+            body, self.tokenizer, self.served.all))
 
     @api.get("/tokenizer_info")
     async def tokenizer_info(self) -> JSONResponse:
@@ -195,7 +195,7 @@ class Ingress:
         return await reply.whole()
 
     def _prepare(self, kind: str, raw: bytes) -> PreparedRequest:
-        return prepare_request(kind, raw, self.tokenizer, self.model_names, self.max_model_len, self.limits,
+        return prepare_request(kind, raw, self.tokenizer, self.served, self.max_model_len, self.limits,
                                self._grammar.check, self.config.chat_parsers)
 
     @staticmethod
@@ -220,7 +220,7 @@ class Ingress:
 
     def _prepare_responses(self, ask: ResponsesRequest, context: list[dict]) -> PreparedRequest:
         """`ask` after the stored conversation it continues, as its chat."""
-        return prepare_responses(ask.continuing(context), self.tokenizer, self.model_names, self.max_model_len, self.limits,
+        return prepare_responses(ask.continuing(context), self.tokenizer, self.served, self.max_model_len, self.limits,
                                  self._grammar.check, self.config.chat_parsers)
 
     async def _admit(self, kind: str, prepared: PreparedRequest, started: float, again: bool = False

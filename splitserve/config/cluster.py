@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.reasoning import REASONING_PARSERS
+from splitserve.api.request_models import ServedModels
 from splitserve.api.tool_calls import LLAMA3_JSON, TOOL_CALL_PARSERS
 from splitserve.config.options import (
     BatchAPIOptions,
@@ -80,6 +81,16 @@ class ClusterConfig(StrictModel):
             self.hardware(pool.hardware)
         return self
 
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> "ClusterConfig":
+        clash = set(self.engine.lora_modules) & set(self.model_names)
+        if clash:
+            raise ValueError(f"engine.lora_modules: adapter names must differ from the model's, got {sorted(clash)}")
+        if self.engine.lora_modules and any(p.tensor_parallel_size > 1 for p in self.pools):
+            raise ValueError("engine.lora_modules: LoRA adapters are not served with tensor parallelism yet "
+                             "(every pool's tensor_parallel_size must be 1)")
+        return self
+
     @field_validator("served_model_name")
     @classmethod
     def _names(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -98,6 +109,11 @@ class ClusterConfig(StrictModel):
         if self.served_model_name is None:
             return (self.model,)
         return (self.served_model_name,) if isinstance(self.served_model_name, str) else tuple(self.served_model_name)
+
+    @property
+    def served_models(self) -> ServedModels:
+        """The model's names and its LoRA adapters' (each a model to clients)."""
+        return ServedModels(self.model_names, tuple(self.engine.lora_modules))
 
     @property
     def chat_parsers(self) -> ChatParsers:

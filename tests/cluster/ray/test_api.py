@@ -25,7 +25,9 @@ def offline_text(offline, prompt, max_tokens):
 def test_health_and_models(server, client):
     health = httpx.get(f"{server}/health")
     assert health.status_code == 200 and health.json()["ready"]
-    assert [m.id for m in client.models.list().data] == ["demo"]
+    models = client.models.list().data
+    assert [(m.id, (m.model_extra or {}).get("parent")) for m in models] == \
+        [("demo", None), ("demo-sql", "demo"), ("demo-chat", "demo")]
 
 
 def test_the_clusters_own_actors_leave_their_start_up_heap_out_of_full_collections(server):
