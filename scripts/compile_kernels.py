@@ -58,6 +58,7 @@ from splitserve.engine.kv_cache import KVCache  # noqa: E402
 from splitserve.engine.model import fp8_linear, fp8_w8a8  # noqa: E402
 from splitserve.engine.model.linear import Linear  # noqa: E402
 from splitserve.engine.model.llama import LlamaAttention, LlamaMLP  # noqa: E402
+from splitserve.engine.model.lora import LoraSlots  # noqa: E402
 from splitserve.engine.model.moe import SparseMoeBlock, expert_names  # noqa: E402
 from splitserve.engine.model.moe_routing import route  # noqa: E402
 from splitserve.engine.model.triton_ops import add_rms_norm, gated, rotate_in_place  # noqa: E402
@@ -199,6 +200,7 @@ class LayerLaunches(torch.nn.Module):
         for linear in self._projections():  # kept FP8: allocated on the CPU, never written
             linear.to_empty(device="cpu")
         self.config, self.dtype = config, dtype
+        self.lora_slots = LoraSlots()  # no adapters, as the runner asks of the model
         self.sinks = torch.zeros(self.attention.num_heads, dtype=dtype) if config.attention_sinks else None
         self.weight = torch.empty(config.hidden_size, dtype=dtype)
         self.cos = self.sin = torch.empty((max_model_len, config.head_dim), dtype=torch.float32)
