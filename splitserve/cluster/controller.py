@@ -21,7 +21,8 @@ their pools and the one placement state every ingress replica asks.
 - Failure: a worker that fails a call or a poll is diagnosed through `health` (the engine loop's
   heartbeat, read without waiting for the loop): dead, unhealthy (its engine state broke) or
   stuck (a step past `stuck_step_s`) workers leave their pool, are killed and replaced; a worker
-  merely busy with a long step stays.
+  merely busy with a long step stays. A replacement that fails to start is tried again, further
+  apart each time (`RESTART_BACKOFF_S`), until one starts: a slot is never left empty for good.
 - Drain: `retire` takes a worker out of placement, lets its running requests finish (at most
   `drain_timeout_s`), then stops it; `drain` does so for every worker on shutdown, while no
   new request is placed (the ingress answers 429).
@@ -54,6 +55,8 @@ from splitserve.placement.state import Role
 log = logging.getLogger("splitserve.controller")
 CALL_TIMEOUT_S = 10.0  # a poll not answered in this long makes the controller look at the worker's health
 STALE_HEARTBEAT_S = 30.0  # an engine loop that has not begun an iteration for this long, outside a step, is hung
+MAX_START_ERRORS = 20  # failed starts kept (/health shows the last five): a replacement may fail again and again
+RESTART_BACKOFF_S = (1.0, 60.0)  # a failed replacement is tried again after 1 s, then twice as long each time, to 60 s
 
 
 class Controller:
@@ -126,22 +129,35 @@ class Controller:
         self._ready = bool(self.handles)
         await polling
 
-    async def _start_worker(self, pool: PoolConfig, slot: int) -> None:
+    async def _start_worker(self, pool: PoolConfig, slot: int) -> bool:
+        """Whether a worker started in the slot; when not, /health says why (the model does not
+        load, its device's memory is still held by the worker it replaces, ...)."""
         worker_id = f"{pool.role}-{slot}.{next(self._incarnations)}"
         options = {**pool.resources.ray_options(), "name": f"{self.app_name}-{worker_id}", "lifetime": "detached",
                    "namespace": WORKER_NAMESPACE, "max_concurrency": MAX_CONCURRENT_CALLS, "max_restarts": 0}
-        actors = await start_worker_actors(pool, worker_id, options, self.config.model_dump(), self._rendezvous)
-        handle = actors.handle
+        actors = None
         try:
-            await handle.info.remote()
-            load = await handle.load.remote()
-        except RayActorError as error:  # e.g. the model does not load: /health says why
-            self.start_errors.append(f"{worker_id}: {error}")
+            actors = await start_worker_actors(pool, worker_id, options, self.config.model_dump(), self._rendezvous)
+            await actors.handle.info.remote()
+            load = await actors.handle.load.remote()
+        except RayError as error:
+            self.start_errors[:] = self.start_errors[-(MAX_START_ERRORS - 1):] + [f"{worker_id}: {error}"]
             log.error("worker %s failed to start: %s", worker_id, error)
-            actors.kill()
-            return
+            if actors is not None:
+                actors.kill()
+            return False
         self._add(worker_id, pool, slot, actors, load)
         log.info("worker %s up (%s, %s)", worker_id, pool.role, pool.hardware)
+        return True
+
+    async def _replace(self, pool: PoolConfig, slot: int) -> None:
+        """A new worker in a slot that lost its own, tried again after each failed start (what held
+        the slot may hold its device a while after it died) until one starts or the cluster drains."""
+        delay, most = RESTART_BACKOFF_S
+        while not await self._start_worker(pool, slot) and not self._draining:
+            self.counters["failed_restarts"] += 1
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, most)
 
     def _add(self, worker_id: str, pool: PoolConfig, slot: int, actors: WorkerActors, load) -> None:
         self.handles[worker_id], self.slots[worker_id], self._actors[worker_id] = actors.handle, (pool, slot), actors
@@ -304,7 +320,7 @@ class Controller:
         self.metrics.remove_worker(worker_id)
         if replace and not self._draining:
             self.counters["worker_replacements"] += 1
-            background(self._start_worker(pool, slot))
+            background(self._replace(pool, slot))
 
     # ---- drain -------------------------------------------------------------------------------
     async def retire(self, worker_id: str, replace: bool = True) -> dict:
