@@ -1,9 +1,10 @@
 """One Ray head node for the whole test run, started as users start one (`ray start --head`),
 sized for 2 cores, with up to four splitserve apps: `main` at / (1 prompt + 1 token worker, like
-deploy/local-cpu.yaml, and two LoRA adapters of the demo model, `demo_adapters`), `pools` at /pools (the same shape with low thresholds, an API key and
-two ingress replicas sharing one CLS, for pool moves, backpressure and auth) and `hardening` at
-/hardening (short leases and stuck bound, small request bounds, for the failure tests) and `tp` at
-/tp (a prompt worker of 2 tensor-parallel ranks handing to a token worker of 1). Its dashboard takes
+deploy/local-cpu.yaml, with two LoRA adapters of the demo model, `demo_adapters`), `pools` at
+/pools (the same shape with low thresholds, an API key and two ingress replicas sharing one CLS,
+for pool moves, backpressure and auth) and `hardening` at /hardening (short leases and stuck
+bound, small request bounds, for the failure tests) and `tp` at /tp (a prompt worker of 2
+tensor-parallel ranks handing to a token worker of 1, with the adapters too). Its dashboard takes
 `ray job submit`. A pytest plugin (tests/conftest.py): only tests that ask for these fixtures
 start it, and their modules run last; the session ends by stopping that cluster's processes."""
 from __future__ import annotations
@@ -165,7 +166,7 @@ def hardening_server(ray_cluster, server):
 
 @pytest.fixture(scope="session")
 def tp_server(ray_cluster, server):
-    return _deploy(ray_cluster, "tp", TP)
+    return _deploy(ray_cluster, "tp", {**TP, "engine": {**ENGINE, "lora_modules": demo_adapters()}})
 
 
 @pytest.fixture(scope="session")
@@ -187,7 +188,7 @@ def demo_adapters() -> dict[str, str]:
     """Two LoRA adapters of the demo model, name: directory: one of attention's projections, one of
     every dense projection."""
     from splitserve.engine.demo import demo_model_config
-    from tests.engine.lora_files import projection_shapes, write_adapter
+    from splitserve.engine.dummy_adapter import projection_shapes, write_adapter
 
     root, config = Path(tempfile.mkdtemp(prefix="splitserve-lora-")), demo_model_config()
     return {"demo-sql": write_adapter(root / "sql", config, ["q_proj", "v_proj", "o_proj"], 8, 1, std=0.1),

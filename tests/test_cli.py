@@ -23,7 +23,7 @@ def test_served_model_names_and_model_override_the_config(monkeypatch):
 def test_lora_modules_are_served_as_models_and_a_bad_one_refused_before_anything_starts(tmp_path, monkeypatch,
                                                                                        capsys):
     from splitserve.engine.demo import demo_model_config
-    from tests.engine.lora_files import write_adapter
+    from splitserve.engine.dummy_adapter import write_adapter
 
     path = write_adapter(tmp_path / "sql", demo_model_config(), ["q_proj"], 2, 0)
     config = served_config(monkeypatch, "--lora-modules", f"sql={path}")

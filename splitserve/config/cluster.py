@@ -82,13 +82,10 @@ class ClusterConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _adapters_fit(self) -> "ClusterConfig":
+    def _adapter_names_differ(self) -> "ClusterConfig":
         clash = set(self.engine.lora_modules) & set(self.model_names)
         if clash:
             raise ValueError(f"engine.lora_modules: adapter names must differ from the model's, got {sorted(clash)}")
-        if self.engine.lora_modules and any(p.tensor_parallel_size > 1 for p in self.pools):
-            raise ValueError("engine.lora_modules: LoRA adapters are not served with tensor parallelism yet "
-                             "(every pool's tensor_parallel_size must be 1)")
         return self
 
     @field_validator("served_model_name")

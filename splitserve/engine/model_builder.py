@@ -70,9 +70,6 @@ def build_model(model: str, engine: EngineConfig, shard: Shard = Shard(), reduce
     gives an actor its GPU)."""
     config, tokenizer, max_len = load_metadata(model, engine)
     check_shardable(config, shard.size)
-    if engine.lora_modules and shard.size > 1:
-        raise ConfigError("lora_modules: LoRA adapters are not served with tensor parallelism yet "
-                          "(tensor_parallel_size must be 1)")
     adapters = [load_adapter(name, path) for name, path in engine.lora_modules]
     device, dtype = resolve_device(engine.device), resolve_dtype(engine.dtype, config)
     with torch.device(device), default_dtype(dtype):

@@ -104,6 +104,33 @@ def test_a_merged_adapter_is_what_the_engine_computes(adapted):
     assert max_diff(run_plan(engine, [ScheduledSeq(seq, len(ids))])["a"], hf_logits(merged, ids)) <= 1e-4
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_tensor_parallel_ranks_hold_their_slices_of_each_adapter(adapted, size):
+    """Column-parallel parts keep their rows of B, row-parallel projections their columns of A (at
+    4 ranks two KV heads are each on two ranks): TP output equals one rank's under every adapter."""
+    from tests.engine.tp_helpers import tp_engine
+
+    path, dirs, _, base = adapted
+    prompts = generation_prompts(base.config.vocab_size)[:2]
+    args = dict(dtype="float32", lora_modules=dirs, **ENGINE_ARGS)
+    single = LLM(path, **args)
+    with tp_engine(path, size, **args) as (engine, followers):
+        for name in [None, *dirs]:
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, lora=name)
+            want = single.generate(prompts, params)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{name}-{i}", prompt, params)
+            got = {}
+            while engine.has_unfinished_requests():
+                got.update((out.request_id, out) for out in engine.step() if out.finished)
+            for i, ref in enumerate(want):
+                out = got[f"{name}-{i}"].outputs[0]
+                assert out.token_ids == ref.token_ids, name
+                pairs = list(zip(out.logprobs, ref.outputs[0].logprobs))
+                assert len(pairs) == 6 and all(abs(g[k] - w[k]) < 1e-4 for g, w in pairs for k in w)
+    assert not followers.errors
+
+
 def test_a_request_naming_no_loaded_adapter_is_refused(adapted):
     path, dirs, _, _ = adapted
     engine = LLMEngine(path, dtype="float32", lora_modules={"attn": dirs["attn"]}, **ENGINE_ARGS)

@@ -17,6 +17,7 @@ from torch import nn
 
 from splitserve.engine.config import ConfigError
 from splitserve.engine.model.linear import Linear, MergedLinear, RowParallelLinear
+from splitserve.engine.model.sharding import ShardSlice
 from splitserve.engine.step_inputs import upload_list
 
 if TYPE_CHECKING:
@@ -99,25 +100,43 @@ def attach_adapters(model: nn.Module, slots: LoraSlots, adapters: Sequence[LoraA
         for slot, adapter in enumerate(adapters):
             for module, part in modules_of[linear]:
                 if module in adapter.weights:
-                    _fill(a[slot], b[slot], adapter, module, parts, part, linear.in_features)
+                    _fill(a[slot], b[slot], adapter, module, linear, part)
         linear.lora = LoraWeights(slots, a.to(device, dtype), b.to(device, dtype), parts)
 
 
-def _fill(a: torch.Tensor, b: torch.Tensor, adapter: LoraAdapter, module: str, parts: list[int],
-          part: int | None, in_features: int) -> None:
-    """One adapted module's A and B into its projection's rows; `part` None: the checkpoint's fused
-    projection (Phi-3's qkv_proj), every part taking A and its rows of B."""
+def _fill(a: torch.Tensor, b: torch.Tensor, adapter: LoraAdapter, module: str, linear: Linear,
+          part: int | None) -> None:
+    """One adapted module's A and B into this rank's rows of its projection; `part` None: the
+    checkpoint's fused projection (Phi-3's qkv_proj), every part taking A and its rows of B. With
+    tensor parallelism a column-parallel part keeps its rows of B (A whole, as its input is), a
+    row-parallel projection its columns of A (B whole: the all-reduce sums the ranks' products)."""
     lora_a, lora_b = adapter.weights[module]
-    rows = sum(parts) if part is None else parts[part]
-    if lora_a.shape[1] != in_features or lora_b.shape[0] != rows:
+    parts = _part_rows(linear)
+    cols = linear.shard_slice if isinstance(linear, RowParallelLinear) else None  # this rank's input columns
+    full_in = linear.in_features if cols is None else cols.total
+    full_out = sum(total for total, _ in parts) if part is None else parts[part][0]
+    if lora_a.shape[1] != full_in or lora_b.shape[0] != full_out:
         raise ConfigError(f"lora_modules: adapter {adapter.name!r}: {module}'s A {tuple(lora_a.shape)} and B "
-                          f"{tuple(lora_b.shape)} do not fit the model's [{rows}, {in_features}] projection")
-    rank, full = lora_a.shape[0], b.shape[-1]
-    for p in range(len(parts)) if part is None else [part]:
-        start = sum(parts[:p])
-        a[p * full:p * full + rank] = lora_a
-        b_rows = lora_b[start:start + parts[p]] if part is None else lora_b
-        b[start:start + parts[p], :rank] = b_rows
+                          f"{tuple(lora_b.shape)} do not fit the model's [{full_out}, {full_in}] projection")
+    rank, width = lora_a.shape[0], b.shape[-1]
+    lora_a = lora_a if cols is None else cols.take(lora_a)
+    start, full_start = 0, 0
+    for p, (total, rows) in enumerate(parts):
+        if part is None or part == p:
+            full_b = lora_b[full_start:full_start + total] if part is None else lora_b
+            size = total if rows is None else rows.stop - rows.start
+            a[p * width:p * width + rank] = lora_a
+            b[start:start + size, :rank] = full_b if rows is None else rows.take(full_b)
+        start += total if rows is None else rows.stop - rows.start
+        full_start += total
+
+
+def _part_rows(linear: Linear) -> list[tuple[int, ShardSlice | None]]:
+    """Each part's rows in the checkpoint and, with tensor parallelism, the slice of them this rank holds."""
+    if not isinstance(linear, MergedLinear):
+        return [(linear.out_features, None)]
+    return [(linear.slices[name].total, linear.slices[name]) if name in linear.slices else (rows, None)
+            for name, rows in linear.parts.items()]
 
 
 def _adaptable(model: nn.Module) -> dict[str, tuple[Linear, int | None]]:

@@ -1,6 +1,6 @@
 """A prompt worker of 2 tensor-parallel ranks (a placement group of 2 bundles, gloo between the
 ranks) handing its KV to a token worker of 1, through the OpenAI API: greedy output and logprobs
-as the offline one-rank engine's."""
+as the offline one-rank engine's, on the base model and under a LoRA adapter."""
 from __future__ import annotations
 
 import pytest
@@ -8,14 +8,15 @@ import pytest
 from splitserve.engine.sampling_params import SamplingParams
 
 
-def test_tp2_prompt_worker_hands_to_tp1_token_worker(tp_server, offline):
+@pytest.mark.parametrize("model", ["demo", "demo-chat"])
+def test_tp2_prompt_worker_hands_to_tp1_token_worker(tp_server, offline, model):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{tp_server}/v1", api_key="unused", max_retries=0, timeout=120)
     for prompt in ("Tensor parallel prompt workers", "x" * 700):  # one-shot, then layer-wise (>= 512 tokens)
-        got = client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
                                         extra_body={"ignore_eos": True})
-        want = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                                         logprobs=1))[0]
+        want = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1,
+                                                         lora=None if model == "demo" else model))[0]
         assert got.choices[0].text == want.text
         theirs = [max(lp.values()) for lp in want.outputs[0].logprobs]
         assert max(abs(a - b) for a, b in zip(got.choices[0].logprobs.token_logprobs, theirs)) < 1e-4

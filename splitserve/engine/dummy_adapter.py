@@ -1,7 +1,7 @@
-"""LoRA adapters in PEFT's on-disk format (adapter_config.json, adapter_model.safetensors, tensors
-named as PEFT names them) for a model known only by its config, such as the built-in demo model,
-which PEFT cannot wrap. The engine's reading of the format is checked against PEFT's own files in
-test_lora.py."""
+"""Random LoRA adapters in PEFT's on-disk format (adapter_config.json, adapter_model.safetensors,
+tensors named as PEFT names them) for a model known by its config alone (the demo model, a shape
+checkpoint), for benchmarks and tests, as dummy weights are for models. The engine's reading of the
+format is checked against files PEFT itself saved (tests/engine/test_lora.py)."""
 from __future__ import annotations
 
 import json
