@@ -8,6 +8,7 @@ from importlib import import_module
 from pathlib import Path
 
 from splitserve.api import chat_parsers
+from splitserve.command import add_lora_modules
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.policies import POLICY_CLASSES
 
@@ -43,18 +44,9 @@ def _add_serve(commands) -> None:
                    help="the name(s) clients send as `model` (aliases; the first names the metrics); "
                         "default: the config's served_model_name, else the model")
     p.add_argument("--api-key", default=None, help="require this Bearer key (default: $SPLITSERVE_API_KEY, if set)")
-    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
-                   help="LoRA adapters (PEFT directories), each served as a model of its own named NAME; "
-                        "added to the config's engine.lora_modules")
+    add_lora_modules(p, "; added to the config's engine.lora_modules")
     chat_parsers.add_arguments(p, config_fallback=True)
     p.set_defaults(run=_run_serve)
-
-
-def _lora_module(value: str) -> tuple[str, str]:
-    name, _, path = value.partition("=")
-    if not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
-    return name, path
 
 
 def _run_serve(args) -> int:

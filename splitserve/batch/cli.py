@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 from splitserve.api import chat_parsers
+from splitserve.api.request_models import ServedModels
 from splitserve.batch.blend.feeder import ORDERS, BlendOptions
-from splitserve.command import report_errors
+from splitserve.command import add_lora_modules, report_errors
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.config import ConfigError
 from splitserve.engine.engine_config import MAX_KV_BLOCKS
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (the serving dtype) or fp8: K and V stored as float8 e4m3 codes, twice the tokens")
     p.add_argument("--device", default="auto")
     p.add_argument("--stats", type=Path, default=None, help="write the run's statistics here (JSON)")
+    add_lora_modules(p, " (a line's body.model)")
     chat_parsers.add_arguments(p, config_fallback=False)
 
 
@@ -63,14 +65,16 @@ def _run(args) -> None:
     _check_distinct({"INPUT": args.input, "OUTPUT": args.output, "the errors file": errors_path})
     lines = parse_input(args.input.read_bytes())
     options = BlendOptions(args.order, args.sample_fraction, args.split_threshold)
+    adapters = dict(args.lora_modules or ())
     engine = LLMEngine(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-                       num_kv_blocks=args.num_kv_blocks)
+                       num_kv_blocks=args.num_kv_blocks, lora_modules=adapters)
+    served = ServedModels((args.served_model_name or args.model,), tuple(adapters))
     with ResultLog(args.output) as output, ResultLog(errors_path) as errors:
         done = len(output.done) + len(errors.done)
         if done:
             print(f"resuming: {done} of {len(lines)} lines already have results")
         with tqdm(total=len(lines), initial=done, desc="batch", unit="line") as bar:
-            stats = run_lines(engine, lines, args.served_model_name or args.model, output, errors, options,
+            stats = run_lines(engine, lines, served, output, errors, options,
                               on_result=lambda ok: bar.update(),
                               parsers=chat_parsers.from_arguments(args))
         failed = len(errors.done)

@@ -14,6 +14,7 @@ from splitserve.api.choice_text import ChoiceText, best_choices, choice_options
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import PreparedRequest
+from splitserve.api.request_models import ModelNames
 from splitserve.api.request_sampling import choice_params
 from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
@@ -26,7 +27,7 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.tokenizer import Tokenizer
 
 
-def run_lines(engine: LLMEngine, lines: list[BatchLine], model: str | tuple[str, ...], output: ResultLog,
+def run_lines(engine: LLMEngine, lines: list[BatchLine], model: ModelNames, output: ResultLog,
               errors: ResultLog, options: BlendOptions, stop: Callable[[], bool] = lambda: False,
               on_result: Callable[[bool], None] = lambda ok: None, limits: RequestLimits = RequestLimits(),
               parsers: ChatParsers = ChatParsers()) -> BatchStats:

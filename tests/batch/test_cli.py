@@ -33,6 +33,32 @@ def test_batch_command_runs_resumes_and_reports(tmp_path, capsys):
     assert [r["id"] for r in again[:7]] == [r["id"] for r in first[:7]]
 
 
+def test_lines_naming_an_adapter_run_under_it(tmp_path):
+    """`--lora-modules`: a line whose body.model is an adapter's name runs under that adapter, the
+    others on the base model, as the offline engine answers them; an unknown model fails its line."""
+    from splitserve import LLM, SamplingParams
+    from splitserve.engine.demo import demo_model_config
+    from splitserve.engine.dummy_adapter import write_adapter
+
+    adapter = write_adapter(tmp_path / "sql", demo_model_config(), ["q_proj", "v_proj", "down_proj"], 8, 3, std=0.1)
+    lines = batch_lines(6)
+    for i, line in enumerate(lines):
+        line["body"]["model"] = ("demo", "sql", "nope")[i % 3]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(as_jsonl(lines))
+    assert main(["batch", str(source), str(out), "--lora-modules", f"sql={adapter}"]) == 0
+    texts = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in read(out)}
+    llm = LLM("demo", lora_modules={"sql": adapter})
+    served = [line for line in lines if line["body"]["model"] != "nope"]
+    want = llm.generate([line["body"]["prompt"] for line in served],
+                        [SamplingParams(max_tokens=line["body"]["max_tokens"], temperature=0, ignore_eos=True,
+                                        lora=None if line["body"]["model"] == "demo" else "sql") for line in served])
+    assert texts == {line["custom_id"]: o.text for line, o in zip(served, want)}
+    assert texts["req-1"] != expected_texts(lines[1:2])["req-1"]  # the adapter changed the answer
+    errors = read(tmp_path / "out.errors.jsonl")
+    assert sorted(e["custom_id"] for e in errors) == ["req-2", "req-5"]
+
+
 def test_result_log_refuses_a_second_result_for_a_line(tmp_path):
     with ResultLog(tmp_path / "log.jsonl") as log:
         log.append({"custom_id": "a"})
