@@ -99,12 +99,13 @@ def run_largest_step(loaded: LoadedModel, lengths: list[int], config: EngineConf
                      shard: Shard) -> None:
     """One iteration of fresh prompts `lengths` long through this rank's part of serving: the
     forward on every rank; on rank 0 also the logits, a pass of prompt logprobs and the sampler,
-    as `LLMEngine._run`. KV goes to a throwaway one-block cache (all slots alias: only memory
-    matters); the model is only read, and nothing of the iteration outlives the call."""
+    as `LLMEngine._run`, under a LoRA adapter where the model has some (its products' temporaries,
+    every adapter padded to one rank). KV goes to a throwaway one-block cache (all slots alias: only
+    memory matters); the model is only read, and nothing of the iteration outlives the call."""
     block_size = config.block_size
     cache = KVCache(loaded.config, 1, block_size, loaded.dtype, loaded.device, shard, config.kv_cache_dtype)
     runner = ModelRunner(loaded.model, cache, backend, loaded.device)
-    params = costliest_params(loaded.config)
+    params = replace(costliest_params(loaded.config), lora=next(iter(loaded.model.lora_slots.index), None))
     seqs = [Sequence(f"profile-{i}", [0] * n, params) for i, n in enumerate(lengths)]
     plan = Plan(tuple(ScheduledSeq(seq, seq.num_tokens) for seq in seqs))
     tables = {seq.seq_id: [[0] * -(-seq.num_tokens // block_size)] * cache.groups.num_groups for seq in seqs}

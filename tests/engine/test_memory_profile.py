@@ -93,6 +93,21 @@ def test_profiling_forward_runs_the_largest_iteration_and_leaves_nothing(monkeyp
     assert all(torch.equal(t, weights[name]) for name, t in loaded.model.state_dict().items())
 
 
+def test_a_model_with_adapters_profiles_its_step_under_one(tmp_path):
+    """Every token runs under the first adapter, so the peak holds the adapters' products too."""
+    from splitserve.engine.demo import demo_model_config
+    from splitserve.engine.dummy_adapter import write_adapter
+
+    adapter = write_adapter(tmp_path / "a", demo_model_config(), ["q_proj", "down_proj"], 4, 0)
+    config = EngineConfig(policy="token", max_model_len=200, lora_modules={"a": adapter}, **CPU)
+    loaded = build_model("demo", config)
+    seen = []
+    set_groups = loaded.model.lora_slots.set
+    loaded.model.lora_slots.set = lambda *args: set_groups(*args) or seen.append(list(loaded.model.lora_slots.groups))
+    run_largest_step(loaded, profile_lengths(config, loaded.max_model_len), config, TorchPagedBackend(), Shard())
+    assert seen == [[(0, slice(0, 7 + 199))]]
+
+
 def test_prompt_logprobs_pass_is_one_pass():
     config = EngineConfig(policy="prefill_first", max_model_len=2 * ROWS_PER_PASS, **{**CPU, "max_num_seqs": 1})
     loaded = build_model("demo", config)
