@@ -71,7 +71,8 @@ class Controller:
         self.handles: dict[str, object] = {}
         self.slots: dict[str, tuple[PoolConfig, int]] = {}
         slo = self.config.slo
-        self.metrics = ClusterMetrics(self.config.model_name, SLOBounds(slo.ttft_s, slo.tbt_s, slo.e2e_s))
+        self.metrics = ClusterMetrics(self.config.model_name, SLOBounds(slo.ttft_s, slo.tbt_s, slo.e2e_s),
+                                      self.config.served_models.adapters)
         self.counters: Counter = Counter()
         self.start_errors: list[str] = []
         self._incarnations = itertools.count()

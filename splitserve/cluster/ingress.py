@@ -258,9 +258,10 @@ class Ingress:
         a 503 with Retry-After when it has no worker ready or is shutting down."""
         if isinstance(error, RequestFailed):
             self._observations.add(RequestObservation("failed", len(run.prompt), restarts=run.failures,
-                                                      refused_placements=run.refusals))
+                                                      refused_placements=run.refusals, lora=run.params.lora))
             return error_response(error.as_error())
-        self._observations.add(RequestObservation("rejected", len(run.prompt), refused_placements=run.refusals))
+        self._observations.add(RequestObservation("rejected", len(run.prompt), refused_placements=run.refusals,
+                                                  lora=run.params.lora))
         retry = self.config.ingress.retry_after_s
         if isinstance(error, ClusterUnavailable):
             refusal = RequestError(f"{error}; retry after {retry} s", status=503, type="service_unavailable")

@@ -7,7 +7,8 @@ the Serve service, e.g. `http://127.0.0.1:8000/metrics`). Feeding it:
   (each second, and before answering a scrape), its times between tokens already bucketed;
 - workers hand their `WorkerStats` to the CLS's load poll, with their load;
 - the CLS itself records pools, pool moves and worker failures.
-Series that only move on rare events (restarts, failures, transitions) start at zero.
+Series that only move on rare events (restarts, failures, transitions) start at zero. Request
+series carry a `lora` label: the LoRA adapter the request named, "" for the base model.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 OUTCOMES = ("completed", "failed", "rejected", "aborted")
 SLOS = ("ttft", "tbt", "e2e")
 WORKER_LABELS = ("model", "worker", "pool", "hardware")
+REQUEST_LABELS = ("model", "lora")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class RequestObservation:
     e2e: float | None = None
     restarts: int = 0
     refused_placements: int = 0  # placements whose token worker refused the reservation
+    lora: str | None = None  # the LoRA adapter it ran under
 
 
 @dataclass(frozen=True)
@@ -50,10 +53,11 @@ class SLOBounds:
 
 
 class ClusterMetrics:
-    def __init__(self, model: str, slo: SLOBounds):
+    def __init__(self, model: str, slo: SLOBounds, adapters: tuple[str, ...] = ()):
+        """`adapters`: the LoRA adapters' names (their request series start at zero too)."""
         self.model, self.slo = model, slo
         self.registry = CollectorRegistry()
-        self._define_requests()
+        self._define_requests(adapters)
         self._define_workers()
         self._define_pools()
         self._worker_labels: dict[str, tuple[str, ...]] = {}
@@ -63,37 +67,42 @@ class ClusterMetrics:
     def _histogram(self, name: str, doc: str, labels=("model",), buckets=LATENCY_BUCKETS) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
-    def _define_requests(self) -> None:
-        m = self.model
-        self.ttft = self._histogram("splitserve_request_ttft_seconds", "Time to first token, at the ingress").labels(m)
-        self.tbt = CountedHistogram("splitserve_request_tbt_seconds", "Time between tokens, at the ingress", ("model",),
-                                    LATENCY_BUCKETS, self.registry)
-        self.tbt.start((m,))
-        self.e2e = self._histogram("splitserve_request_e2e_seconds", "End-to-end request latency").labels(m)
+    def _define_requests(self, adapters: tuple[str, ...]) -> None:
+        self.ttft = self._histogram("splitserve_request_ttft_seconds", "Time to first token, at the ingress",
+                                    REQUEST_LABELS)
+        self.tbt = CountedHistogram("splitserve_request_tbt_seconds", "Time between tokens, at the ingress",
+                                    REQUEST_LABELS, LATENCY_BUCKETS, self.registry)
+        self.e2e = self._histogram("splitserve_request_e2e_seconds", "End-to-end request latency", REQUEST_LABELS)
         self.queue = self._histogram("splitserve_request_queue_seconds",
-                                     "Time a request waited in a worker's queue before its prefill").labels(m)
-        self.requests = Counter("splitserve_requests", "Requests by outcome", ("model", "outcome"),
+                                     "Time a request waited in a worker's queue before its prefill").labels(self.model)
+        self.requests = Counter("splitserve_requests", "Requests by outcome", (*REQUEST_LABELS, "outcome"),
                                 registry=self.registry)
-        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens", ("model",),
-                                     registry=self.registry).labels(m)
-        self.generation_tokens = Counter("splitserve_generation_tokens", "Generated tokens", ("model",),
-                                         registry=self.registry).labels(m)
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens", REQUEST_LABELS,
+                                     registry=self.registry)
+        self.generation_tokens = Counter("splitserve_generation_tokens", "Generated tokens", REQUEST_LABELS,
+                                         registry=self.registry)
         self.cached_prompt_tokens = Counter("splitserve_prompt_cached_tokens", "Prompt tokens whose KV the prefill's "
-                                            "prefix cache held (usage's cached_tokens)", ("model",),
-                                            registry=self.registry).labels(m)
+                                            "prefix cache held (usage's cached_tokens)", REQUEST_LABELS,
+                                            registry=self.registry)
         self.slo_requests = Counter("splitserve_slo_requests", "Completed requests checked against an SLO",
-                                    ("model", "slo"), registry=self.registry)
-        self.slo_met = Counter("splitserve_slo_met", "Completed requests within an SLO", ("model", "slo"),
+                                    (*REQUEST_LABELS, "slo"), registry=self.registry)
+        self.slo_met = Counter("splitserve_slo_met", "Completed requests within an SLO", (*REQUEST_LABELS, "slo"),
                                registry=self.registry)
         self.restarted = Counter("splitserve_requests_restarted", "Requests placed again after a failure",
-                                 ("model",), registry=self.registry).labels(m)
+                                 REQUEST_LABELS, registry=self.registry)
         self.refused_placements = Counter("splitserve_placements_refused", "Placements whose token worker refused "
                                           "the reservation (the CLS placed by a stale load report): the request was "
-                                          "placed again, or answered 429", ("model",), registry=self.registry).labels(m)
-        for outcome in OUTCOMES:
-            self.requests.labels(m, outcome)
-        for slo in SLOS:
-            self.slo_requests.labels(m, slo), self.slo_met.labels(m, slo)
+                                          "placed again, or answered 429", REQUEST_LABELS, registry=self.registry)
+        for lora in ("", *adapters):
+            labels = (self.model, lora)
+            for family in (self.ttft, self.e2e, self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens,
+                           self.restarted, self.refused_placements):
+                family.labels(*labels)
+            self.tbt.start(labels)
+            for outcome in OUTCOMES:
+                self.requests.labels(*labels, outcome)
+            for slo in SLOS:
+                self.slo_requests.labels(*labels, slo), self.slo_met.labels(*labels, slo)
 
     def _define_workers(self) -> None:
         def gauge(name: str, doc: str) -> Gauge:
@@ -149,29 +158,30 @@ class ClusterMetrics:
     # ---- recording --------------------------------------------------------------------------
     def record_requests(self, observations: list[RequestObservation]) -> None:
         for obs in observations:
-            self.requests.labels(self.model, obs.outcome).inc()
-            self.prompt_tokens.inc(obs.prompt_tokens)
-            self.generation_tokens.inc(obs.generated_tokens)
-            self.cached_prompt_tokens.inc(obs.cached_prompt_tokens)
-            self.restarted.inc(obs.restarts)
-            self.refused_placements.inc(obs.refused_placements)
+            labels = (self.model, obs.lora or "")
+            self.requests.labels(*labels, obs.outcome).inc()
+            self.prompt_tokens.labels(*labels).inc(obs.prompt_tokens)
+            self.generation_tokens.labels(*labels).inc(obs.generated_tokens)
+            self.cached_prompt_tokens.labels(*labels).inc(obs.cached_prompt_tokens)
+            self.restarted.labels(*labels).inc(obs.restarts)
+            self.refused_placements.labels(*labels).inc(obs.refused_placements)
             if obs.outcome == "completed":
-                self._record_latencies(obs)
+                self._record_latencies(obs, labels)
 
-    def _record_latencies(self, obs: RequestObservation) -> None:
+    def _record_latencies(self, obs: RequestObservation, labels: tuple[str, str]) -> None:
         if obs.ttft is not None:
-            self.ttft.observe(obs.ttft)
+            self.ttft.labels(*labels).observe(obs.ttft)
         if obs.tbt is not None:
-            self.tbt.add((self.model,), obs.tbt)
+            self.tbt.add(labels, obs.tbt)
         if obs.e2e is not None:
-            self.e2e.observe(obs.e2e)
+            self.e2e.labels(*labels).observe(obs.e2e)
         mean_tbt = obs.tbt.mean if obs.tbt is not None else 0.0
         for slo, value, bound in (("ttft", obs.ttft, self.slo.ttft), ("tbt", mean_tbt, self.slo.tbt),
                                   ("e2e", obs.e2e, self.slo.e2e)):
             if value is not None:
-                self.slo_requests.labels(self.model, slo).inc()
+                self.slo_requests.labels(*labels, slo).inc()
                 if value <= bound:
-                    self.slo_met.labels(self.model, slo).inc()
+                    self.slo_met.labels(*labels, slo).inc()
 
     def record_worker(self, worker_id: str, pool: Role, hardware: str, load: WorkerLoad, stats: WorkerStats) -> None:
         labels = (self.model, worker_id, pool.value, hardware)

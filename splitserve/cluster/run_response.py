@@ -52,7 +52,7 @@ class RunResponse:
                                   ttft=None if first is None else first - self.started,
                                   tbt=None if first is None else self.gaps,
                                   e2e=time.monotonic() - self.started, restarts=self.run.failures,
-                                  refused_placements=self.run.refusals)
+                                  refused_placements=self.run.refusals, lora=self.run.params.lora)
 
     def _time(self, tokens: int) -> None:
         """`tokens` tokens left now, in one delta."""

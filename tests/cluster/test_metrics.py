@@ -31,12 +31,17 @@ def value(metrics, name, **labels) -> float:
     return samples(metrics)[name, tuple(sorted({"model": "demo", **labels}.items()))]
 
 
+def request_value(metrics, name, lora: str = "", **labels) -> float:
+    """A request series' value: the base model's (lora ""), or an adapter's."""
+    return value(metrics, name, lora=lora, **labels)
+
+
 def test_every_family_is_prefixed_and_rare_events_start_at_zero(metrics):
     names = {f.name for f in text_string_to_metric_families(metrics.render().decode())}
     assert names and all(n.startswith("splitserve_") for n in names)
-    assert value(metrics, "splitserve_requests_total", outcome="failed") == 0
-    assert value(metrics, "splitserve_requests_restarted_total") == 0
-    assert value(metrics, "splitserve_placements_refused_total") == 0
+    assert request_value(metrics, "splitserve_requests_total", outcome="failed") == 0
+    assert request_value(metrics, "splitserve_requests_restarted_total") == 0
+    assert request_value(metrics, "splitserve_placements_refused_total") == 0
     assert value(metrics, "splitserve_pool_transitions_total", from_pool="token", to_pool="mixed") == 0
     assert value(metrics, "splitserve_worker_failures_total") == 0
 
@@ -53,19 +58,19 @@ def test_request_observations_fill_latencies_tokens_and_slo_attainment(metrics):
     slow = RequestObservation("completed", 20, 2, ttft=0.9, tbt=gaps(0.2), e2e=1.2, restarts=1)
     metrics.record_requests([fast, slow, RequestObservation("rejected", 5, refused_placements=3),
                              RequestObservation("aborted", 7, 1)])
-    assert value(metrics, "splitserve_requests_total", outcome="completed") == 2
-    assert value(metrics, "splitserve_requests_total", outcome="rejected") == 1
-    assert value(metrics, "splitserve_prompt_tokens_total") == 42 and value(metrics, "splitserve_generation_tokens_total") == 6
-    assert value(metrics, "splitserve_prompt_cached_tokens_total") == 8
-    assert value(metrics, "splitserve_request_ttft_seconds_count") == 2
-    assert value(metrics, "splitserve_request_ttft_seconds_sum") == pytest.approx(1.1)
-    assert value(metrics, "splitserve_request_tbt_seconds_count") == 3
-    assert value(metrics, "splitserve_request_tbt_seconds_bucket", le="0.01") == 1
+    assert request_value(metrics, "splitserve_requests_total", outcome="completed") == 2
+    assert request_value(metrics, "splitserve_requests_total", outcome="rejected") == 1
+    assert request_value(metrics, "splitserve_prompt_tokens_total") == 42 and request_value(metrics, "splitserve_generation_tokens_total") == 6
+    assert request_value(metrics, "splitserve_prompt_cached_tokens_total") == 8
+    assert request_value(metrics, "splitserve_request_ttft_seconds_count") == 2
+    assert request_value(metrics, "splitserve_request_ttft_seconds_sum") == pytest.approx(1.1)
+    assert request_value(metrics, "splitserve_request_tbt_seconds_count") == 3
+    assert request_value(metrics, "splitserve_request_tbt_seconds_bucket", le="0.01") == 1
     # ttft: 0.2 met, 0.9 not; tbt means 0.02 met, 0.2 not; e2e both within 2.0
-    assert [value(metrics, "splitserve_slo_met_total", slo=s) for s in ("ttft", "tbt", "e2e")] == [1, 1, 2]
-    assert value(metrics, "splitserve_slo_requests_total", slo="tbt") == 2
-    assert value(metrics, "splitserve_requests_restarted_total") == 1
-    assert value(metrics, "splitserve_placements_refused_total") == 3
+    assert [request_value(metrics, "splitserve_slo_met_total", slo=s) for s in ("ttft", "tbt", "e2e")] == [1, 1, 2]
+    assert request_value(metrics, "splitserve_slo_requests_total", slo="tbt") == 2
+    assert request_value(metrics, "splitserve_requests_restarted_total") == 1
+    assert request_value(metrics, "splitserve_placements_refused_total") == 3
 
 
 def worker_stats(**overrides) -> WorkerStats:
@@ -73,6 +78,18 @@ def worker_stats(**overrides) -> WorkerStats:
                 queue_seconds=(0.002,), transfers=(TransferStats(0.01, 0.04),), preemptions=2,
                 kv_bytes_sent=1000, kv_failures=0, kv_blocks_used=10, kv_blocks_free=90)
     return WorkerStats(**{**base, **overrides})
+
+
+def test_a_request_under_an_adapter_counts_in_that_adapters_series():
+    metrics = ClusterMetrics("demo", SLOBounds(ttft=0.5, tbt=0.05, e2e=2.0), adapters=("sql",))
+    assert request_value(metrics, "splitserve_requests_total", lora="sql", outcome="failed") == 0
+    assert request_value(metrics, "splitserve_request_tbt_seconds_count", lora="sql") == 0
+    metrics.record_requests([RequestObservation("completed", 10, 3, ttft=0.2, tbt=gaps(0.01), e2e=0.3, lora="sql"),
+                             RequestObservation("completed", 4, 1, ttft=0.1, e2e=0.1)])
+    assert [request_value(metrics, "splitserve_prompt_tokens_total", lora=lora) for lora in ("", "sql")] == [4, 10]
+    assert request_value(metrics, "splitserve_request_tbt_seconds_count", lora="sql") == 1
+    assert request_value(metrics, "splitserve_request_tbt_seconds_count") == 0
+    assert request_value(metrics, "splitserve_slo_met_total", lora="sql", slo="ttft") == 1
 
 
 def test_worker_reports_set_gauges_histograms_and_counter_deltas(metrics):

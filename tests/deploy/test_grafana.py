@@ -26,21 +26,22 @@ PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 WORKER = ("model", "worker", "pool", "hardware")
+REQUEST = ("model", "lora")  # lora: the adapter a request ran under ("" for the base model)
 # name -> (type, label names): the metrics splitserve exports at GET /metrics.
 METRICS = {
     # client-visible, measured at the ingress
-    "splitserve_request_ttft_seconds": ("histogram", ("model",)),
-    "splitserve_request_tbt_seconds": ("histogram", ("model",)),
-    "splitserve_request_e2e_seconds": ("histogram", ("model",)),
+    "splitserve_request_ttft_seconds": ("histogram", REQUEST),
+    "splitserve_request_tbt_seconds": ("histogram", REQUEST),
+    "splitserve_request_e2e_seconds": ("histogram", REQUEST),
     "splitserve_request_queue_seconds": ("histogram", ("model",)),
-    "splitserve_requests_total": ("counter", ("model", "outcome")),
-    "splitserve_prompt_tokens_total": ("counter", ("model",)),
-    "splitserve_generation_tokens_total": ("counter", ("model",)),
-    "splitserve_prompt_cached_tokens_total": ("counter", ("model",)),
-    "splitserve_slo_requests_total": ("counter", ("model", "slo")),
-    "splitserve_slo_met_total": ("counter", ("model", "slo")),
-    "splitserve_requests_restarted_total": ("counter", ("model",)),
-    "splitserve_placements_refused_total": ("counter", ("model",)),
+    "splitserve_requests_total": ("counter", (*REQUEST, "outcome")),
+    "splitserve_prompt_tokens_total": ("counter", REQUEST),
+    "splitserve_generation_tokens_total": ("counter", REQUEST),
+    "splitserve_prompt_cached_tokens_total": ("counter", REQUEST),
+    "splitserve_slo_requests_total": ("counter", (*REQUEST, "slo")),
+    "splitserve_slo_met_total": ("counter", (*REQUEST, "slo")),
+    "splitserve_requests_restarted_total": ("counter", REQUEST),
+    "splitserve_placements_refused_total": ("counter", REQUEST),
     # per worker
     "splitserve_worker_pending_prompt_tokens": ("gauge", WORKER),
     "splitserve_worker_decode_tokens": ("gauge", WORKER),
@@ -220,6 +221,27 @@ def test_counters_and_histograms_are_rated_and_gauges_are_not():
                 assert rated, f"{where}: {kind} {name} used without rate()/increase()"
             if kind == "histogram":
                 assert name != base_name(name), f"{where}: histogram {name} needs _bucket, _sum or _count"
+
+
+def test_the_contract_is_what_the_app_exports():
+    """Each METRICS family the CLS's registry renders at start (the worker families once a worker
+    has reported) has the type and labels METRICS gives it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from splitserve.cluster.metrics import ClusterMetrics, SLOBounds
+    from splitserve.cluster.worker_stats import WorkerStats
+    from splitserve.placement.state import Role, WorkerLoad
+
+    metrics = ClusterMetrics("demo", SLOBounds(ttft=1.0, tbt=0.1, e2e=10.0), adapters=("sql",))
+    metrics.record_worker("p0", Role.PROMPT, "cpu", WorkerLoad(), WorkerStats())
+    seen = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = {key for sample in family.samples for key in sample.labels} - {"le"}
+        if name in METRICS and labels:
+            seen[name] = (family.type, labels)
+    assert seen == {name: (kind, set(labels)) for name, (kind, labels) in METRICS.items() if name in seen}
+    assert len(seen) >= 20
 
 
 def test_queries_use_only_labels_the_metrics_have():
