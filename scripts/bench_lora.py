@@ -1,0 +1,109 @@
+"""What LoRA adapters cost a decode step: the same batch of running sequences stepped on the base
+model, all under one adapter, and spread over several adapters (round robin, so each adapter's
+rows are not one run), every adapter of one rank on all seven dense projections. Each adapter in
+a step adds two small matmuls per projection (engine/model/lora.py).
+
+    python scripts/bench_lora.py                                  # this CPU, a small Llama shape
+    python scripts/bench_lora.py --shape llama3-8b --device cuda --json lora.json
+
+Dummy weights and adapters (no download); greedy, prefix caching off, steps timed by the wall
+clock around `LLMEngine.step` (median of --steps, after --warm-up untimed), with the engine's
+own scheduling (async on CUDA, where steps with an adapter run eagerly, without the decode graphs).
+The sweep runs --repeats times, its rows interleaved; a row reports the median run and the range.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.dummy_adapter import projection_shapes, write_adapter
+from splitserve.engine.dummy_weights import write_shape_checkpoint
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.shapes import LLAMA3_8B, SHAPES
+
+SMALL = {**LLAMA3_8B, "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 4,
+         "num_attention_heads": 16, "num_key_value_heads": 4, "torch_dtype": "float32"}
+
+
+def measure(model_dir: str, adapters: dict[str, str], batch: int, spread: int, args) -> dict:
+    """`spread`: 0 the base model, else how many adapters the batch's sequences take in turn."""
+    max_len = args.context + args.warm_up + args.steps + 8
+    engine = LLMEngine(model_dir, policy="token", load_format="dummy", enable_prefix_caching=False,
+                       device=args.device, max_num_seqs=batch, max_model_len=max_len,
+                       num_kv_blocks=batch * -(-max_len // 16), lora_modules=adapters)
+    names, rng, vocab = list(adapters), random.Random(0), engine.model_config.vocab_size
+    for i in range(batch):
+        params = SamplingParams(temperature=0, max_tokens=max_len - args.context, ignore_eos=True, detokenize=False,
+                                lora=names[i % spread] if spread else None)
+        engine.reserve_import(f"r{i}", [rng.randrange(3, vocab) for _ in range(args.context)], params)
+        engine.complete_import(f"r{i}", rng.randrange(3, vocab))
+    for _ in range(args.warm_up):
+        engine.step()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    # what the last step ran, as the model saw it
+    return {"batch": batch, "spread": spread, "adapters_in_step": len(engine.runner.model.lora_slots.groups),
+            "rank": args.rank, "context": args.context, "step_ms": statistics.median(times) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="small", choices=["small", *SHAPES], help="the model's shape (small: "
+                   "Llama-3's, 1024 wide and 4 layers deep)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--batches", default="1,16,64", help="running sequences per step")
+    p.add_argument("--spreads", default="0,1,4,16", help="adapters the batch takes in turn (0: the base model)")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--context", type=int, default=512, help="tokens of context each sequence enters with")
+    p.add_argument("--warm-up", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="steps timed per run")
+    p.add_argument("--repeats", type=int, default=3, help="runs of the sweep, interleaved")
+    p.add_argument("--json", type=Path, help="write the result here")
+    args = p.parse_args(argv)
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        p.error(f"--device takes cpu, or cuda where there is one; got {args.device}")
+    spreads = [int(s) for s in args.spreads.split(",")]
+    shape = SMALL if args.shape == "small" else SHAPES[args.shape]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_shape_checkpoint(Path(tmp) / "model", shape)
+        config = ModelConfig.from_hf(shape)
+        adapters = {f"a{i}": write_adapter(Path(tmp) / f"a{i}", config, list(projection_shapes(config)), args.rank, i)
+                    for i in range(max(spreads))}
+        for batch in (int(b) for b in args.batches.split(",")):
+            runs = {spread: [] for spread in spreads}
+            for _ in range(args.repeats):
+                for spread in spreads:
+                    runs[spread].append(measure(model_dir, adapters, batch, spread, args))
+            for spread in spreads:
+                times = sorted(run["step_ms"] for run in runs[spread])
+                row = {**runs[spread][-1], "step_ms": statistics.median(times), "step_ms_min": times[0],
+                       "step_ms_max": times[-1]}
+                base = statistics.median(run["step_ms"] for run in runs[0]) if 0 in runs else None
+                row["vs_base"] = None if base is None else row["step_ms"] / base
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    result = {"device": device, "shape": args.shape, "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
