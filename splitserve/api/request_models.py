@@ -263,6 +263,12 @@ class ServedModels:
     def all(self) -> tuple[str, ...]:
         return self.names + self.adapters
 
+    @classmethod
+    def of(cls, served: "ModelNames") -> "ServedModels":
+        if isinstance(served, ServedModels):
+            return served
+        return cls((served,) if isinstance(served, str) else tuple(served))
+
 
 ModelNames = str | tuple[str, ...] | ServedModels  # what a server answers to: one name, aliases, or those and adapters
 
@@ -270,8 +276,7 @@ ModelNames = str | tuple[str, ...] | ServedModels  # what a server answers to: o
 def check_model(requested: str, served: ModelNames) -> str | None:
     """`served`: the name, or every alias, this server answers to, or those and its adapters'.
     Returns the LoRA adapter `requested` names (None: the base model)."""
-    if not isinstance(served, ServedModels):
-        served = ServedModels((served,) if isinstance(served, str) else tuple(served))
+    served = ServedModels.of(served)
     if requested not in served.all:
         listed = ", ".join(f"`{n}`" for n in served.all)
         raise RequestError(f"The model `{requested}` does not exist. This server serves {listed}.",

@@ -8,7 +8,7 @@ from typing import Literal
 
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.json_pieces import dumps_in_pieces
-from splitserve.api.request_models import ServedModels
+from splitserve.api.request_models import ModelNames, ServedModels
 from splitserve.api.usage import Usage
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -112,11 +112,10 @@ def sse_error(error: RequestError) -> bytes:
     return sse_event(error_body(error))
 
 
-def models_list(models: str | tuple[str, ...] | ServedModels, created: int, owned_by: str = "splitserve",
+def models_list(models: ModelNames, created: int, owned_by: str = "splitserve",
                 max_model_len: int | None = None) -> dict:
     """`/v1/models`: one entry per name (aliases of one model), then one per LoRA adapter."""
-    served = models if isinstance(models, ServedModels) else \
-        ServedModels((models,) if isinstance(models, str) else tuple(models))
+    served = ServedModels.of(models)
     return {"object": "list", "data": [model_card(name, created, owned_by, max_model_len, served)
                                        for name in served.all]}
 

@@ -12,7 +12,7 @@ from splitserve.api.chat_template import chat_prompt_token_ids
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import prepare_request
-from splitserve.api.request_models import parse_request
+from splitserve.api.request_models import ServedModels, parse_request
 from splitserve.engine.demo import demo_tokenizer
 
 TOKENIZER = demo_tokenizer()
@@ -39,6 +39,20 @@ def test_a_chat_is_one_prompt_through_its_template():
 
 
 JSON = {"response_format": {"type": "json_object"}, "max_tokens": 8}
+
+
+@pytest.mark.parametrize("kind, body", [("completion", {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 4}),
+                                        ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+                                        ("responses", {"input": "hi", "max_output_tokens": 4})])
+def test_a_body_naming_an_adapter_runs_every_prompt_under_it(kind, body):
+    served = ServedModels(("demo", "alias"), ("sql",))
+    for model, lora in (("sql", "sql"), ("alias", None)):
+        raw = json.dumps({"model": model, **body}).encode()
+        prepared = prepare_request(kind, raw, TOKENIZER, served, 64, RequestLimits())
+        assert [p.lora for p in prepared.params] == [lora] * len(prepared.prompts)
+    with pytest.raises(RequestError) as refused:
+        prepare_request(kind, json.dumps({"model": "chat", **body}).encode(), TOKENIZER, served, 64, RequestLimits())
+    assert (refused.value.status, refused.value.param) == (404, "model") and "`sql`" in str(refused.value)
 
 
 @pytest.mark.parametrize("prefill, thinking", [(None, "optional"), ("<think>\n", "open"), ("<think>a</think>\n\n", "")])

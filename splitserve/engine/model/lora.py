@@ -120,15 +120,14 @@ def _fill(a: torch.Tensor, b: torch.Tensor, adapter: LoraAdapter, module: str, l
                           f"{tuple(lora_b.shape)} do not fit the model's [{full_out}, {full_in}] projection")
     rank, width = lora_a.shape[0], b.shape[-1]
     lora_a = lora_a if cols is None else cols.take(lora_a)
-    start, full_start = 0, 0
+    start, full_start = 0, 0  # where part p's rows begin on this rank, and in the checkpoint
     for p, (total, rows) in enumerate(parts):
+        here = total if rows is None else rows.stop - rows.start
         if part is None or part == p:
             full_b = lora_b[full_start:full_start + total] if part is None else lora_b
-            size = total if rows is None else rows.stop - rows.start
             a[p * width:p * width + rank] = lora_a
-            b[start:start + size, :rank] = full_b if rows is None else rows.take(full_b)
-        start += total if rows is None else rows.stop - rows.start
-        full_start += total
+            b[start:start + here, :rank] = full_b if rows is None else rows.take(full_b)
+        start, full_start = start + here, full_start + total
 
 
 def _part_rows(linear: Linear) -> list[tuple[int, ShardSlice | None]]:
