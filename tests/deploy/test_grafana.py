@@ -69,7 +69,7 @@ METRICS = {
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 UNITS = {"s", "reqps", "Bps", "percentunit", "short", "suffix: tok/s"}
 # Grafana's variables, replaced as Grafana would for one model over a short range.
-SUBSTITUTIONS = {"$__rate_interval": "1m", "$__range": "5m", "$model": "demo"}
+SUBSTITUTIONS = {"$__rate_interval": "1m", "$__range": "5m", "$model": "demo", "$lora": ".*"}  # lora: "All"
 
 NAME = re.compile(r"\bsplitserve_[a-z0-9_]*[a-z0-9]")
 MATCHER_LABEL = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
@@ -145,6 +145,17 @@ def test_datasource_and_model_variables():
     assert model["type"] == "query" and model["datasource"] == DATASOURCE
     query = model["query"]["query"] if isinstance(model["query"], dict) else model["query"]
     assert query == "label_values(splitserve_requests_total, model)"
+    lora = variables["lora"]  # the adapters of that model, several at once or all (the base model's have none)
+    assert (lora["type"], lora["datasource"], lora["multi"], lora["includeAll"], lora["allValue"]) == \
+        ("query", DATASOURCE, True, True, ".*")
+    assert lora["query"]["query"] == 'label_values(splitserve_requests_total{model="$model"}, lora)'
+
+
+def test_every_request_series_is_filtered_by_the_adapters_chosen():
+    for where, expr in queries():
+        for name, _, matchers in selectors(expr):
+            if "lora" in METRICS[base_name(name)][1]:
+                assert 'lora=~"$lora"' in (matchers or ""), f"{where}: {name} not filtered by $lora"
 
 
 def test_every_panel_and_target_uses_the_datasource_variable():
@@ -185,7 +196,7 @@ def test_client_latencies_have_p50_p90_p99_over_rate_interval_buckets():
     for metric in ("ttft", "tbt", "e2e"):
         for q in ("0.5", "0.9", "0.99"):
             want = (f"histogram_quantile({q}, sum by (le) (rate(splitserve_request_{metric}_seconds_bucket"
-                    '{model="$model"}[$__rate_interval])))')
+                    '{model="$model", lora=~"$lora"}[$__rate_interval])))')
             assert want in exprs, want
 
 
