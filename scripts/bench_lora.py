@@ -6,14 +6,17 @@ a step adds two small matmuls per projection (engine/model/lora.py).
     python scripts/bench_lora.py                                  # this CPU, a small Llama shape
     python scripts/bench_lora.py --shape llama3-8b --device cuda --json lora.json
 
-Dummy weights and adapters (no download); greedy, prefix caching off, steps timed by the wall
-clock around `LLMEngine.step` (median of --steps, after --warm-up untimed), with the engine's
-own scheduling (async on CUDA, where steps with an adapter run eagerly, without the decode graphs).
-The sweep runs --repeats times, its rows interleaved; a row reports the median run and the range.
+Dummy weights and adapters (no download), one engine with every adapter loaded: each row's batch
+enters decoding (its KV imported), is stepped, and leaves. Greedy, prefix caching off, steps timed
+by the wall clock around `LLMEngine.step` (median of --steps, after --warm-up untimed), with the
+engine's own scheduling (async on CUDA, where steps with an adapter run eagerly, without the
+decode graphs). The sweep runs --repeats times, its rows interleaved; a row reports the median
+run and the range.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import random
@@ -32,22 +35,29 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.shapes import LLAMA3_8B, SHAPES
 
+REQUEST_IDS = itertools.count()
 SMALL = {**LLAMA3_8B, "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 4,
          "num_attention_heads": 16, "num_key_value_heads": 4, "torch_dtype": "float32"}
 
 
-def measure(model_dir: str, adapters: dict[str, str], batch: int, spread: int, args) -> dict:
-    """`spread`: 0 the base model, else how many adapters the batch's sequences take in turn."""
+def build_engine(model_dir: str, adapters: dict[str, str], max_batch: int, args) -> LLMEngine:
+    """One engine for every row (every adapter loaded), its KV cache sized for the largest batch."""
     max_len = args.context + args.warm_up + args.steps + 8
-    engine = LLMEngine(model_dir, policy="token", load_format="dummy", enable_prefix_caching=False,
-                       device=args.device, max_num_seqs=batch, max_model_len=max_len,
-                       num_kv_blocks=batch * -(-max_len // 16), lora_modules=adapters)
-    names, rng, vocab = list(adapters), random.Random(0), engine.model_config.vocab_size
-    for i in range(batch):
-        params = SamplingParams(temperature=0, max_tokens=max_len - args.context, ignore_eos=True, detokenize=False,
-                                lora=names[i % spread] if spread else None)
-        engine.reserve_import(f"r{i}", [rng.randrange(3, vocab) for _ in range(args.context)], params)
-        engine.complete_import(f"r{i}", rng.randrange(3, vocab))
+    return LLMEngine(model_dir, policy="token", load_format="dummy", enable_prefix_caching=False,
+                     device=args.device, max_num_seqs=max_batch, max_model_len=max_len,
+                     num_kv_blocks=max_batch * -(-max_len // 16), lora_modules=adapters)
+
+
+def measure(engine: LLMEngine, batch: int, spread: int, args) -> dict:
+    """`spread`: 0 the base model, else how many adapters the batch's sequences take in turn. The
+    batch enters decoding (its KV imported), steps, and leaves the engine empty again."""
+    names, rng, vocab = list(engine.lora_names), random.Random(0), engine.model_config.vocab_size
+    ids = [f"b{batch}-s{spread}-{next(REQUEST_IDS)}" for _ in range(batch)]
+    for i, request_id in enumerate(ids):
+        params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - args.context, ignore_eos=True,
+                                detokenize=False, lora=names[i % spread] if spread else None)
+        engine.reserve_import(request_id, [rng.randrange(3, vocab) for _ in range(args.context)], params)
+        engine.complete_import(request_id, rng.randrange(3, vocab))
     for _ in range(args.warm_up):
         engine.step()
     times = []
@@ -55,9 +65,13 @@ def measure(model_dir: str, adapters: dict[str, str], batch: int, spread: int, a
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    # what the last step ran, as the model saw it
-    return {"batch": batch, "spread": spread, "adapters_in_step": len(engine.runner.model.lora_slots.groups),
-            "rank": args.rank, "context": args.context, "step_ms": statistics.median(times) * 1e3}
+    ran = len(engine.runner.model.lora_slots.groups)  # the adapters the last step ran, as the model saw them
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():  # an iteration async scheduling queued ahead
+        engine.step()
+    return {"batch": batch, "spread": spread, "adapters_in_step": ran, "rank": args.rank, "context": args.context,
+            "step_ms": statistics.median(times) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,16 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     spreads = [int(s) for s in args.spreads.split(",")]
     shape = SMALL if args.shape == "small" else SHAPES[args.shape]
     rows = []
+    batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape_checkpoint(Path(tmp) / "model", shape)
         config = ModelConfig.from_hf(shape)
         adapters = {f"a{i}": write_adapter(Path(tmp) / f"a{i}", config, list(projection_shapes(config)), args.rank, i)
                     for i in range(max(spreads))}
-        for batch in (int(b) for b in args.batches.split(",")):
+        engine = build_engine(model_dir, adapters, max(batches), args)
+        for batch in batches:
             runs = {spread: [] for spread in spreads}
             for _ in range(args.repeats):
                 for spread in spreads:
-                    runs[spread].append(measure(model_dir, adapters, batch, spread, args))
+                    runs[spread].append(measure(engine, batch, spread, args))
             for spread in spreads:
                 times = sorted(run["step_ms"] for run in runs[spread])
                 row = {**runs[spread][-1], "step_ms": statistics.median(times), "step_ms_min": times[0],

@@ -12,6 +12,8 @@
 #                                                # projections), scripts/bench_sampler.py (the sampler's
 #                                                # draw, torch and Triton), scripts/bench_penalties.py
 #   bash scripts/gpu_check.sh bench [ARGS...]    # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
+#   bash scripts/gpu_check.sh lora               # there: scripts/bench_lora.py on a Llama-3-8B shape (a decode
+#                                                # step on the base model, under 1 and 16 adapters), in lora.log
 #   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), kernels (at most 275 s), then bench
 #                                                # ARGS in what is left of 570 s
 # Logs (tests.log with the device first), gpu.json, attention.json, moe-*.json and fp8-linear.json go to $OUT
@@ -72,6 +74,11 @@ case "${1:-}" in
     # a section past 400 s (or the --budget) is cut short, within the device's 600 s a command; each
     # section's rows are kept as it ends
     python3 scripts/bench_gpu.py --json "$out/gpu.json" --section-timeout 400 "$@" 2>&1 | tee "$out/bench.log" ;;
+  lora)
+    install_carried
+    mkdir -p "$out"
+    timeout 120 python3 scripts/bench_lora.py --shape llama3-8b --device cuda --batches 1,64 --spreads 0,1,16 \
+      --repeats 2 --steps 10 2>&1 | tee "$out/lora.log" ;;
   all)
     shift
     status=0
@@ -80,6 +87,6 @@ case "${1:-}" in
     bash scripts/gpu_check.sh bench --budget $((570 - SECONDS)) "$@" || status=$?
     exit $status ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh wheels | tests [SECONDS [FILES...]] | kernels | bench [bench_gpu.py args] | all [bench_gpu.py args]" >&2
+    echo "usage: bash scripts/gpu_check.sh wheels | tests [SECONDS [FILES...]] | kernels | bench [bench_gpu.py args] | lora | all [bench_gpu.py args]" >&2
     exit 2 ;;
 esac
