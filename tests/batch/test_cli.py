@@ -57,6 +57,7 @@ def test_lines_naming_an_adapter_run_under_it(tmp_path):
     assert texts["req-1"] != expected_texts(lines[1:2])["req-1"]  # the adapter changed the answer
     errors = read(tmp_path / "out.errors.jsonl")
     assert sorted(e["custom_id"] for e in errors) == ["req-2", "req-5"]
+    assert main(["batch", str(source), str(tmp_path / "again.jsonl"), "--lora-modules", f"demo={adapter}"]) == 2
 
 
 def test_result_log_refuses_a_second_result_for_a_line(tmp_path):
