@@ -259,6 +259,11 @@ class ServedModels:
     names: tuple[str, ...]
     adapters: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        clash = set(self.names) & set(self.adapters)
+        if clash:
+            raise ValueError(f"adapter names must differ from the model's, got {sorted(clash)}")
+
     @property
     def all(self) -> tuple[str, ...]:
         return self.names + self.adapters

@@ -65,12 +65,10 @@ def _run(args) -> None:
     _check_distinct({"INPUT": args.input, "OUTPUT": args.output, "the errors file": errors_path})
     lines = parse_input(args.input.read_bytes())
     options = BlendOptions(args.order, args.sample_fraction, args.split_threshold)
-    adapters, model_name = dict(args.lora_modules or ()), args.served_model_name or args.model
-    if model_name in adapters:
-        raise ValueError(f"--lora-modules: an adapter's name must differ from the model's ({model_name!r})")
+    adapters = dict(args.lora_modules or ())
+    served = ServedModels((args.served_model_name or args.model,), tuple(adapters))  # ValueError on a clash
     engine = LLMEngine(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
                        num_kv_blocks=args.num_kv_blocks, lora_modules=adapters)
-    served = ServedModels((model_name,), tuple(adapters))
     with ResultLog(args.output) as output, ResultLog(errors_path) as errors:
         done = len(output.done) + len(errors.done)
         if done:

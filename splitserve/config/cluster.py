@@ -83,9 +83,10 @@ class ClusterConfig(StrictModel):
 
     @model_validator(mode="after")
     def _adapter_names_differ(self) -> "ClusterConfig":
-        clash = set(self.engine.lora_modules) & set(self.model_names)
-        if clash:
-            raise ValueError(f"engine.lora_modules: adapter names must differ from the model's, got {sorted(clash)}")
+        try:
+            self.served_models  # ServedModels refuses an adapter named as the model
+        except ValueError as error:
+            raise ValueError(f"engine.lora_modules: {error}") from None
         return self
 
     @field_validator("served_model_name")

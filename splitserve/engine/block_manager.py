@@ -22,8 +22,8 @@ Invariants (checked by `check_integrity`, with the pool's):
   released entries (below); a new allocation is new lists (the model runner's host mirror of the
   tables relies on this: it keeps a released entry's old id, masked out of every query's window);
 - a chain starts at `root_of(seq)`: where a model computes the same tokens' KV differently by
-  sequence (LongRoPE's long prompts), those sequences chain from another root and share nothing
-  with the rest.
+  sequence (LongRoPE's long prompts, a LoRA adapter's: `prefix_hash.sequence_root`), those
+  sequences chain from another root and share nothing with the rest.
 
 A windowed group (its layers attend to the latest `window` positions) releases the leading blocks
 of a table that no later query can reach as the sequence advances: their entries become
@@ -52,16 +52,9 @@ from splitserve.engine.block_integrity import check_tables
 from splitserve.engine.block_pool import NULL_BLOCK, BlockPool
 from splitserve.engine.block_promises import BlockPromises
 from splitserve.engine.held_blocks import HeldBlocks
-from splitserve.engine.prefix_hash import ROOT, block_key, chain_root
+from splitserve.engine.prefix_hash import ROOT, block_key
 from splitserve.engine.prefix_hit import PrefixHit, find_hit, first_needed, handed_off_hit, no_hit, released_to
 from splitserve.engine.sequence import Sequence
-
-
-def sequence_root(long_from: int | None) -> Callable[[Sequence], int]:
-    """`root_of` for a model: with LongRoPE, a sequence of more than `long_from` tokens (whose KV
-    turns long) chains from LONG_ROPE_ROOT; one under a LoRA adapter from that root joined with
-    the adapter's (`prefix_hash.chain_root`, as the ingress names it)."""
-    return lambda seq: chain_root(seq.num_tokens, long_from, seq.params.lora)
 
 
 class OutOfBlocksError(RuntimeError):

@@ -6,12 +6,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from splitserve.engine.block_manager import BlockManager, sequence_root
+from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.in_flight import InFlight, drain
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from splitserve.engine.policies import Plan, make_policy
+from splitserve.engine.prefix_hash import sequence_root
 from splitserve.engine.prompt_logprobs import prompt_logprobs
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ from splitserve.engine.attention.metadata import group_by_length
 from splitserve.engine.host_block_tables import HostBlockTables
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.llama import LlamaForCausalLM
-from splitserve.engine.model.lora import NO_ADAPTER, adapter_slots
+from splitserve.engine.model.lora import adapter_slots
 from splitserve.engine.policies import Plan, ScheduledSeq
 from splitserve.engine.prompt_logprobs import PromptRows
 from splitserve.engine.sequence import Sequence
@@ -45,10 +45,6 @@ class StepBatch:
     block_tables: torch.Tensor
     num_decodes: int
     adapters: tuple[int, ...] = ()
-
-    @property
-    def runs_adapters(self) -> bool:
-        return any(slot != NO_ADAPTER for slot in self.adapters)
 
 
 class StepChannel(Protocol):
@@ -109,8 +105,9 @@ class ModelRunner:
         """Final hidden states [T, hidden]; every token's KV is written to this rank's cache.
         A captured graph runs no per-layer hook and no adapter, so steps that stream KV layer by
         layer, or run a LoRA adapter, run eagerly."""
-        self.model.lora_slots.set(batch.adapters, batch.query_starts, self.device)
-        if after_layer is None and self.graphs is not None and not batch.runs_adapters and self.graphs.covers(batch):
+        lora = self.model.lora_slots
+        lora.set(batch.adapters, batch.query_starts, self.device)
+        if after_layer is None and self.graphs is not None and not lora.groups and self.graphs.covers(batch):
             return self.graphs.run(batch)
         inputs = StepTensors.upload(batch, self.device)
         decode_groups = group_by_length(batch.context_lens[:batch.num_decodes])

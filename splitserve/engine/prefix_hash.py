@@ -15,8 +15,12 @@ its own (`adapter_root`, from its name through a fixed digest, not str's salted 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splitserve.engine.sequence import Sequence as EngineSequence
 
 ROOT = 0  # the parent hash of a prompt's first block
 LONG_ROPE_ROOT = 1  # ... of a sequence a LongRoPE model turns long (the same tokens' KV differs from a short one's)
@@ -42,6 +46,13 @@ def chain_root(num_tokens: int, long_rope_from: int | None, lora: str | None = N
     root joined with the adapter's."""
     root = LONG_ROPE_ROOT if long_rope_from is not None and num_tokens > long_rope_from else ROOT
     return root if lora is None else hash((root, adapter_root(lora)))
+
+
+def sequence_root(long_from: int | None) -> Callable[[EngineSequence], int]:
+    """A block manager's `root_of` for a model: with LongRoPE, a sequence of more than `long_from`
+    tokens (whose KV turns long) chains from LONG_ROPE_ROOT; one under a LoRA adapter from that root
+    joined with the adapter's, as the ingress names them (`chain_root`)."""
+    return lambda seq: chain_root(seq.num_tokens, long_from, seq.params.lora)
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int,

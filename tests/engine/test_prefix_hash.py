@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.engine.block_manager import BlockManager, sequence_root
-from splitserve.engine.prefix_hash import PrefixNaming, prompt_block_hashes
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.prefix_hash import PrefixNaming, prompt_block_hashes, sequence_root
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 from tests.engine.block_helpers import BS, cached, compute_all, make_seq, seq_range

@@ -36,6 +36,9 @@ class LoraSlots:
     def set(self, adapters: Sequence[int], query_starts: Sequence[int], device: torch.device) -> None:
         """`adapters`: each sequence's slot in the step's order (empty: none runs under one),
         `query_starts` where each sequence's rows start."""
+        self.groups = []
+        if not adapters:  # a model without adapters: nothing to group, every step
+            return
         spans: dict[int, list[int]] = {}
         for seq, slot in enumerate(adapters):
             if slot != NO_ADAPTER:
