@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.config import ConfigError
+from splitserve.engine.lora_adapter import MAX_LORA_RANK
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
 from splitserve.engine.sampling_params import MAX_LORA_NAME
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 MAX_KV_BLOCKS = 2**31 - 1  # num_kv_blocks at most: every block id fits an int32 index
-MAX_LORA_ADAPTERS = 64  # lora_modules at most (every adapter stays resident)
+MAX_LORA_ADAPTERS = 64  # adapters resident at most (lora_modules, or max_loras)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class EngineConfig:
     seed: int = 0
     # LoRA adapters (name, PEFT directory), all loaded at start; a request names one in SamplingParams.lora
     lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 0       # > 0: slots for that many adapters, loaded at start or run time (LLMEngine.load_lora)
+    max_lora_rank: int = 16  # with max_loras: the largest rank an adapter may have
     slo: SLOOptions = SLOOptions()             # the SLO-aware (accelgen) policies' settings
 
     def __post_init__(self) -> None:
@@ -52,6 +55,11 @@ class EngineConfig:
                 any(not isinstance(n, str) or not 0 < len(n) <= MAX_LORA_NAME for n in names):
             raise ConfigError(f"lora_modules must name at most {MAX_LORA_ADAPTERS} adapters, each by a distinct "
                               f"name of 1 to {MAX_LORA_NAME} characters, got {names!r}")
+        if not 0 <= self.max_loras <= MAX_LORA_ADAPTERS or 0 < self.max_loras < len(names):
+            raise ConfigError(f"max_loras must be 0 (the lora_modules, fixed) or from the number of lora_modules "
+                              f"({len(names)}) to {MAX_LORA_ADAPTERS}, got {self.max_loras!r}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ConfigError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
         named = [("policy", self.policy)] + [("switch_policies", policy) for policy in self.switch_policies]
         for name, policy in named:
             if policy not in POLICY_CLASSES:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from splitserve.engine import lora_loading
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
@@ -75,7 +76,8 @@ class LLMEngine:
         self.kv_cache, self.runner = shard.kv_cache, shard.runner
         self._long_rope_from = loaded.config.long_rope_from
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          sequence_root(self._long_rope_from), self.kv_cache.groups.windows)
+                                          sequence_root(self._long_rope_from, self.runner.model.lora_slots.identity_of),
+                                          self.kv_cache.groups.windows)
         limits = config.scheduler_limits(self.max_model_len)
         self.policy = make_policy(config.policy, self.block_manager, limits)
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
@@ -142,6 +144,16 @@ class LLMEngine:
     def lora_names(self) -> tuple[str, ...]:
         """The LoRA adapters a request may name (`SamplingParams.lora`), in load order."""
         return tuple(self.runner.model.lora_slots.index)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` as `name`, between steps (`max_loras` > 0); see
+        `lora_loading.load` for what it raises."""
+        lora_loading.load(self.runner.model, name, path, (r.seq.adapter_slot for r in self._requests.values()),
+                          self.tp_leader)
+
+    def unload_lora(self, name: str) -> None:
+        """No new request may name `name`; those running under it finish (AdapterNotLoaded if none is)."""
+        lora_loading.unload(self.runner.model, name)
 
     @property
     def num_requests(self) -> int:
@@ -306,7 +318,7 @@ class LLMEngine:
             raise ValueError(f"lora: no adapter named {params.lora!r} is loaded (loaded: "
                              f"{', '.join(self.lora_names) or 'none'})")
         seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                       self.eos_token_ids)
+                       self.eos_token_ids, adapter_slot=self.runner.model.lora_slots.slot_of(params.lora))
         detokenizer = Detokenizer(self.tokenizer, params, token_ids) if params.detokenize else None
         return _Request(seq, text, detokenizer, logprobs=[] if params.logprobs is not None else None)
 

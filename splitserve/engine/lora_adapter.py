@@ -8,9 +8,15 @@ gate, up and down), named as the base checkpoint names them. An adapter that nee
 trained biases, modules_to_save, embeddings or the LM head, per-module rank or alpha patterns, an
 MoE layer's experts) is a ConfigError naming what it asks for: ignoring it would serve other
 weights than the ones trained.
+
+An adapter's identity names what its KV is computed under (its prefix-cache blocks chain from it):
+its name for one loaded at start, as the ingress names it too; for one loaded at run time, its
+name and a digest of its files, so the same name loaded again with other weights never meets the
+blocks of the old ones.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -39,66 +45,104 @@ class LoraAdapter:
     name: str
     rank: int
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    identity: str
 
 
-def load_adapter(name: str, path: str | Path) -> LoraAdapter:
-    """Read the adapter at `path`; a missing, malformed or unsupported one raises ConfigError naming
-    the adapter and what is wrong."""
-    root = Path(path)
+def load_adapter(name: str, path: str | Path, limits: RunTimeLimits | None = None) -> LoraAdapter:
+    """Read the adapter at `path`; `limits` for one named in a load request at run time (not in
+    lora_modules): its rank and file size are bounded before its weights are read. A missing,
+    malformed or unsupported one raises ConfigError naming the adapter and what is wrong."""
+    root, where = Path(path), "lora_path" if limits else "lora_modules"
     try:
-        config = read_json(root / CONFIG_FILE)
-        tensors = _read_weights(root)
+        return _read(name, root, limits)
     except CheckpointError as error:
-        raise ConfigError(f"lora_modules: adapter {name!r}: {error}") from None
+        raise ConfigError(f"{where}: adapter {name!r}: {error}") from None
+    except OSError as error:  # a directory this process may not read, say
+        raise ConfigError(f"{where}: adapter {name!r}: {root}: {error.strerror or error}") from None
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+@dataclass(frozen=True)
+class RunTimeLimits:
+    """What an adapter loaded at run time may be: its rank at most the slots', its weights file at
+    most `max_bytes`."""
+
+    max_rank: int
+    max_bytes: int
+
+
+def _read(name: str, root: Path, limits: RunTimeLimits | None) -> LoraAdapter:
+    config = read_json(root / CONFIG_FILE)
     rank, alpha = _checked_config(name, config)
+    if limits is not None and rank > limits.max_rank:
+        raise ConfigError(f"adapter {name!r} has rank {rank}, past max_lora_rank {limits.max_rank}")
+    weights_file = _weights_file(root)
+    if limits is not None and weights_file.stat().st_size > limits.max_bytes:
+        raise ConfigError(f"adapter {name!r}: {weights_file} holds {weights_file.stat().st_size} bytes, more than a "
+                          f"rank-{limits.max_rank} adapter of every projection of this model ({limits.max_bytes})")
+    tensors = _read_weights(weights_file)
+    identity = name if limits is None else f"{name}\0{_digest(root / CONFIG_FILE, weights_file)}"
     scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         found = _TENSOR.fullmatch(key)
         if found is None:
-            raise ConfigError(f"lora_modules: adapter {name!r} holds {key!r}, which is not a LoRA A or B weight "
+            raise ConfigError(f"adapter {name!r} holds {key!r}, which is not a LoRA A or B weight "
                               "of a projection (only those are served)")
         halves.setdefault(found["module"], {})[found["half"]] = tensor
     weights = {}
     for module, pair in halves.items():
         if set(pair) != {"A", "B"}:
-            raise ConfigError(f"lora_modules: adapter {name!r} has lora_{''.join(pair)} of {module} without the other")
+            raise ConfigError(f"adapter {name!r} has lora_{''.join(pair)} of {module} without the other")
         a, b = pair["A"].float(), pair["B"].float()
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
-            raise ConfigError(f"lora_modules: adapter {name!r}: {module}'s A {tuple(a.shape)} and B {tuple(b.shape)} "
+            raise ConfigError(f"adapter {name!r}: {module}'s A {tuple(a.shape)} and B {tuple(b.shape)} "
                               f"are not [r, in] and [out, r] with r={rank}")
         weights[module] = (a, b * scale)
     if not weights:
-        raise ConfigError(f"lora_modules: adapter {name!r} at {root} has no LoRA weights")
-    return LoraAdapter(name, rank, weights)
+        raise ConfigError(f"adapter {name!r} at {root} has no LoRA weights")
+    return LoraAdapter(name, rank, weights, identity)
 
 
 def _checked_config(name: str, config: dict) -> tuple[int, float]:
     """(r, lora_alpha), once the config asks for nothing this engine does not compute."""
     if config.get("peft_type", "LORA") != "LORA":
-        raise ConfigError(f"lora_modules: adapter {name!r} is a {config['peft_type']} adapter; only LoRA is served")
+        raise ConfigError(f"adapter {name!r} is a {config['peft_type']} adapter; only LoRA is served")
     for key, default in _UNSUPPORTED.items():
         value = config.get(key)
         if value is not None and value != default and value not in ({}, []):
-            raise ConfigError(f"lora_modules: adapter {name!r} sets {key}={config[key]!r}, which this engine does "
+            raise ConfigError(f"adapter {name!r} sets {key}={config[key]!r}, which this engine does "
                               f"not serve (only {default!r})")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_LORA_RANK:
-        raise ConfigError(f"lora_modules: adapter {name!r}: r must be an integer in [1, {MAX_LORA_RANK}], "
+        raise ConfigError(f"adapter {name!r}: r must be an integer in [1, {MAX_LORA_RANK}], "
                           f"got {rank!r}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise ConfigError(f"lora_modules: adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
+        raise ConfigError(f"adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
     return rank, float(alpha)
 
 
-def _read_weights(root: Path) -> dict[str, torch.Tensor]:
+def _digest(*files: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for file in files:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _weights_file(root: Path) -> Path:
     for file in (root / f for f in WEIGHT_FILES):
-        if not file.is_file():
-            continue
-        try:
-            if file.suffix == ".safetensors":
-                return load_file(str(file))
-            return torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as error:  # safetensors and torch raise their own types for a corrupt file
-            raise CheckpointError(f"{file}: not a readable weights file ({error})") from error
+        if file.is_file():
+            return file
     raise CheckpointError(f"{root}: no {' or '.join(WEIGHT_FILES)}")
+
+
+def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        if file.suffix == ".safetensors":
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # safetensors and torch raise their own types for a corrupt file
+        raise CheckpointError(f"{file}: not a readable weights file ({error})") from error

@@ -30,6 +30,7 @@ from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES, KVCache
+from splitserve.engine.model.lora import NO_ADAPTER, every_slot_live
 from splitserve.engine.model.sharding import Shard
 from splitserve.engine.model_builder import LoadedModel
 from splitserve.engine.model_runner import ModelRunner
@@ -99,20 +100,22 @@ def run_largest_step(loaded: LoadedModel, lengths: list[int], config: EngineConf
                      shard: Shard) -> None:
     """One iteration of fresh prompts `lengths` long through this rank's part of serving: the
     forward on every rank; on rank 0 also the logits, a pass of prompt logprobs and the sampler,
-    as `LLMEngine._run`, under a LoRA adapter where the model has some (its products' temporaries,
-    every adapter padded to one rank). KV goes to a throwaway one-block cache (all slots alias: only
+    as `LLMEngine._run`, under a LoRA adapter slot where the model has some (its products'
+    temporaries; every slot is padded to one rank, and computed here loaded or not). KV goes to a throwaway one-block cache (all slots alias: only
     memory matters); the model is only read, and nothing of the iteration outlives the call."""
     block_size = config.block_size
     cache = KVCache(loaded.config, 1, block_size, loaded.dtype, loaded.device, shard, config.kv_cache_dtype)
     runner = ModelRunner(loaded.model, cache, backend, loaded.device)
-    params = replace(costliest_params(loaded.config), lora=next(iter(loaded.model.lora_slots.index), None))
-    seqs = [Sequence(f"profile-{i}", [0] * n, params) for i, n in enumerate(lengths)]
+    slot = 0 if loaded.model.lora_slots.capacity else NO_ADAPTER
+    seqs = [Sequence(f"profile-{i}", [0] * n, costliest_params(loaded.config), adapter_slot=slot)
+            for i, n in enumerate(lengths)]
     plan = Plan(tuple(ScheduledSeq(seq, seq.num_tokens) for seq in seqs))
     tables = {seq.seq_id: [[0] * -(-seq.num_tokens // block_size)] * cache.groups.num_groups for seq in seqs}
-    if shard.rank != 0:  # as TPFollower.serve
-        runner.forward(runner.prepare(list(plan.scheduled), tables))
-        return
-    forward = runner.execute(plan, tables)
+    with every_slot_live(loaded.model):
+        if shard.rank != 0:  # as TPFollower.serve
+            runner.forward(runner.prepare(list(plan.scheduled), tables))
+            return
+        forward = runner.execute(plan, tables)
     for rows in forward.prompt_rows[:1]:  # one pass of at most ROWS_PER_PASS rows: no other pass is larger
         prompt_logprobs(loaded.model.compute_logits, replace(rows, hidden=rows.hidden[:ROWS_PER_PASS]))
     Sampler().sample(forward.logits, forward.seqs)

@@ -79,8 +79,11 @@ def build_model(model: str, engine: EngineConfig, shard: Shard = Shard(), reduce
         init_dummy_weights(net, DEMO_SEED if model == "demo" else engine.seed, runs=model != "demo")
     else:
         load_weights(net, model)
-    net.lora_slots = LoraSlots([adapter.name for adapter in adapters])
-    attach_adapters(net, net.lora_slots, adapters, dtype, device)
+    if engine.max_loras:  # slots for adapters loaded later too: every projection, at max_lora_rank
+        net.lora_slots = LoraSlots(engine.max_loras, engine.max_lora_rank, at_run_time=True)
+    else:
+        net.lora_slots = LoraSlots(len(adapters), max((adapter.rank for adapter in adapters), default=0))
+    attach_adapters(net, net.lora_slots, adapters, dtype, device, every_projection=engine.max_loras > 0)
     return LoadedModel(config, tokenizer, net, device, dtype, max_len)
 
 

@@ -17,7 +17,6 @@ from splitserve.engine.attention.metadata import group_by_length
 from splitserve.engine.host_block_tables import HostBlockTables
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model.llama import LlamaForCausalLM
-from splitserve.engine.model.lora import adapter_slots
 from splitserve.engine.policies import Plan, ScheduledSeq
 from splitserve.engine.prompt_logprobs import PromptRows
 from splitserve.engine.sequence import Sequence
@@ -142,7 +141,7 @@ class ModelRunner:
         return StepBatch(tokens, positions, slots, starts, context_lens,
                          gathered[0][None] if groups == 1 else torch.stack(gathered),
                          sum(1 for item in items if item.num_new_tokens == 1),
-                         adapter_slots(self.model.lora_slots, (item.seq.params.lora for item in items)))
+                         tuple(item.seq.adapter_slot for item in items) if self.model.lora_slots.capacity else ())
 
 
 def _row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:

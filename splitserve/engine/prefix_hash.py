@@ -10,7 +10,8 @@ hash of a tuple of ints depends on the ints alone (it is not salted by PYTHONHAS
 and bytes; all processes run the same 64-bit CPython). The first block's parent is `ROOT`, an int:
 before Python 3.12, hash(None) is None's address, which differs between processes. A LoRA
 adapter's KV differs from the base model's for the same tokens: its chains start from a root of
-its own (`adapter_root`, from its name through a fixed digest, not str's salted hash).
+its own (`adapter_root`, from its identity through a fixed digest, not str's salted hash; the
+identity of one loaded at start is its name, `lora_adapter`).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def num_reusable_blocks(num_tokens: int, block_size: int) -> int:
 
 
 def adapter_root(lora: str) -> int:
-    """The same int in every process for one adapter name."""
+    """The same int in every process for one adapter identity."""
     return int.from_bytes(hashlib.blake2b(lora.encode(), digest_size=8).digest(), "little")
 
 
@@ -48,11 +49,12 @@ def chain_root(num_tokens: int, long_rope_from: int | None, lora: str | None = N
     return root if lora is None else hash((root, adapter_root(lora)))
 
 
-def sequence_root(long_from: int | None) -> Callable[[EngineSequence], int]:
+def sequence_root(long_from: int | None, identity_of: Callable[[int], str | None] = lambda slot: None,
+                  ) -> Callable[[EngineSequence], int]:
     """A block manager's `root_of` for a model: with LongRoPE, a sequence of more than `long_from`
     tokens (whose KV turns long) chains from LONG_ROPE_ROOT; one under a LoRA adapter from that root
-    joined with the adapter's, as the ingress names them (`chain_root`)."""
-    return lambda seq: chain_root(seq.num_tokens, long_from, seq.params.lora)
+    joined with the adapter's (`identity_of` its slot), as the ingress names them (`chain_root`)."""
+    return lambda seq: chain_root(seq.num_tokens, long_from, identity_of(seq.adapter_slot))
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int,

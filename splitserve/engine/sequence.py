@@ -43,6 +43,7 @@ class Sequence:
     # handed off: per KV layer group, the first position its export sends (the token worker's reach);
     # a windowed group releases the blocks before it as the prefill passes them. (): it keeps all
     export_from: tuple[int, ...] = ()
+    adapter_slot: int = -1  # the LoRA adapter slot it runs under (model.lora.LoraSlots), bound at admission; -1: none
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -10,7 +10,7 @@ from splitserve.engine.sequence import Sequence
 
 
 def new_seq(engine: LLMEngine, seq_id: str, ids: list[int], params: SamplingParams = SamplingParams()) -> Sequence:
-    seq = Sequence(seq_id, list(ids), params)
+    seq = Sequence(seq_id, list(ids), params, adapter_slot=engine.runner.model.lora_slots.slot_of(params.lora))
     engine.block_manager.allocate(seq, use_prefix_cache=False)
     assert seq.num_computed_tokens == 0
     return seq

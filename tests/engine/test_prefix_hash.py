@@ -51,9 +51,9 @@ def test_a_longrope_prompt_is_named_as_a_longrope_block_manager_caches_it(length
 def test_a_lora_adapters_blocks_are_named_apart_from_the_base_models():
     """Under an adapter the same tokens' KV differs: its chain starts from a root of its own, named
     alike by the ingress and the block manager, and no lookup crosses between them."""
-    bm = BlockManager(16, block_size=BS, root_of=sequence_root(None))
+    bm = BlockManager(16, block_size=BS, root_of=sequence_root(None, {0: "sql", -1: None}.get))
     tokens = seq_range(7, 2 * BS)
-    adapted = Sequence("a", tokens, SamplingParams(lora="sql"))
+    adapted = Sequence("a", tokens, SamplingParams(lora="sql"), adapter_slot=0)
     bm.allocate(adapted)
     compute_all(bm, adapted)
     hashes = PrefixNaming(BS).hashes(tokens + [1], 100, lora="sql")
@@ -63,7 +63,7 @@ def test_a_lora_adapters_blocks_are_named_apart_from_the_base_models():
     base = make_seq("b", tokens + [1])
     bm.allocate(base)
     assert base.num_cached_tokens == 0  # the base model finds none of the adapter's blocks
-    again = Sequence("c", tokens + [1], SamplingParams(lora="sql"))
+    again = Sequence("c", tokens + [1], SamplingParams(lora="sql"), adapter_slot=0)
     bm.allocate(again)
     assert again.num_cached_tokens == 2 * BS
 

@@ -1,14 +1,21 @@
 """LoRA adapters in the decoder's projections, several in one step: each token runs under its
 sequence's adapter, or none.
 
-`LoraSlots` (one per model) says which of a step's token rows run under which adapter; the runner
-sets it before every forward. Each adapted projection holds `LoraWeights`: every adapter's A
-stacked [adapters, parts * rank, in] and B [adapters, out, rank], a merged projection's parts
-each with their own rows of both. A part an adapter leaves alone, and the ranks past a smaller
-adapter's, hold zeros. A step adds, per adapter in it, B @ (A @ x) to its tokens' rows.
+`LoraSlots` (one per model) holds the adapters by slot: which adapter each slot holds (its name
+while a new request may name it, and its identity, what its prefix-cache blocks chain from), and
+which of a step's token rows run under which slot; the runner sets the rows before every forward.
+Each adapted projection holds `LoraWeights`: every slot's A stacked [slots, parts * rank, in] and B
+[slots, out, rank], a merged projection's parts each with their own rows of both. A part an
+adapter leaves alone, and the ranks past a smaller adapter's, hold zeros. A step adds, per slot in
+it, B @ (A @ x) to its tokens' rows.
+
+A sequence is bound to its slot when admitted (`Sequence.adapter_slot`): an adapter unloaded at
+run time stops taking requests, but its slot keeps its weights, and its identity, until no
+sequence bound to it is left (`free_slot`), so what runs under it finishes as it began.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -27,11 +34,30 @@ NO_ADAPTER = -1  # a sequence's slot when it runs on the base model
 
 
 class LoraSlots:
-    """The model's adapters by name (their slots, in load order) and this step's rows of each."""
+    """`capacity` slots of adapters of rank at most `rank`; the adapters loaded, by name.
+    `at_run_time`: adapters may be loaded while serving (every projection holds slots)."""
 
-    def __init__(self, names: Sequence[str] = ()):
-        self.index = {name: slot for slot, name in enumerate(names)}
-        self.groups: list[tuple[int, slice | torch.Tensor]] = []  # (slot, its token rows), adapters in the step
+    def __init__(self, capacity: int = 0, rank: int = 0, at_run_time: bool = False):
+        self.capacity, self.rank, self.at_run_time = capacity, rank, at_run_time
+        self.index: dict[str, int] = {}  # the adapters a new request may name -> their slots, in load order
+        self.identity: list[str | None] = [None] * capacity  # per slot: its adapter's identity; None: empty
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []  # (slot, its token rows), slots in the step
+
+    def slot_of(self, name: str | None) -> int:
+        """A loaded adapter's slot (KeyError if none is loaded by that name); None: NO_ADAPTER."""
+        return NO_ADAPTER if name is None else self.index[name]
+
+    def identity_of(self, slot: int) -> str | None:
+        return None if slot == NO_ADAPTER else self.identity[slot]
+
+    def free_slot(self, bound: Iterable[int]) -> int | None:
+        """An empty slot, else one whose adapter was unloaded and holds no sequence (`bound`: the
+        slots of the sequences the engine holds); None when every slot is taken."""
+        empty = [slot for slot, identity in enumerate(self.identity) if identity is None]
+        if empty:
+            return empty[0]
+        taken = set(self.index.values()) | set(bound)
+        return next((slot for slot in range(self.capacity) if slot not in taken), None)
 
     def set(self, adapters: Sequence[int], query_starts: Sequence[int], device: torch.device) -> None:
         """`adapters`: each sequence's slot in the step's order (empty: none runs under one),
@@ -55,18 +81,27 @@ def _row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
 
 
 class LoraWeights(nn.Module):
-    """One projection's adapters (buffers: no checkpoint names them, the loader never fills them)."""
+    """One projection's adapters (buffers: no checkpoint names them, the loader never fills them).
+    `live`: the slots whose adapter adapts this projection (a step skips the others' zeros)."""
 
     def __init__(self, slots: LoraSlots, a: torch.Tensor, b: torch.Tensor, part_rows: Sequence[int]):
         super().__init__()
         self.slots, self.rank, self.part_rows = slots, b.shape[-1], list(part_rows)
+        self.live: set[int] = set()
         self.register_buffer("a", a, persistent=False)
         self.register_buffer("b", b, persistent=False)
+
+    def write(self, slot: int, a: torch.Tensor, b: torch.Tensor, adapted: bool) -> None:
+        self.a[slot].copy_(a)
+        self.b[slot].copy_(b)
+        (self.live.add if adapted else self.live.discard)(slot)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (x's projection [T, out]) with each adapter's product added to its rows, in place."""
         r = self.rank
         for slot, rows in self.slots.groups:
+            if slot not in self.live:
+                continue
             xa = x[rows] @ self.a[slot].T  # [t, parts * r]
             b, deltas, start = self.b[slot], [], 0
             for part, size in enumerate(self.part_rows):
@@ -81,30 +116,69 @@ class LoraWeights(nn.Module):
 
 
 def attach_adapters(model: nn.Module, slots: LoraSlots, adapters: Sequence[LoraAdapter], dtype: torch.dtype,
-                    device: torch.device) -> None:
-    """Give each projection some adapter adapts its `LoraWeights` (in the serving `dtype`), after
-    the base weights are loaded. An adapter naming a projection the model lacks, or shaped unlike
-    it, raises ConfigError naming the adapter and the projection."""
+                    device: torch.device, every_projection: bool = False) -> None:
+    """Give `slots.capacity` slots of `LoraWeights` (in the serving `dtype`) to each projection some
+    adapter adapts, or with `every_projection` to every one an adapter may (adapters loaded later),
+    and load `adapters` into the first slots; after the base weights are loaded."""
     targets = _adaptable(model)
+    for adapter in adapters:
+        _check_targets(adapter, targets)
+    if every_projection:
+        linears = {linear for linear, _ in targets.values()}
+    else:
+        linears = {targets[module][0] for adapter in adapters for module in adapter.weights}
+    for linear in linears:
+        parts = list(linear.parts.values()) if isinstance(linear, MergedLinear) else [linear.out_features]
+        a = torch.zeros(slots.capacity, len(parts) * slots.rank, linear.in_features, device=device, dtype=dtype)
+        b = torch.zeros(slots.capacity, linear.out_features, slots.rank, device=device, dtype=dtype)
+        linear.lora = LoraWeights(slots, a, b, parts)
+    for slot, adapter in enumerate(adapters):
+        write_adapter(model, slots, slot, adapter)
+        slots.index[adapter.name], slots.identity[slot] = slot, adapter.identity
+
+
+def write_adapter(model: nn.Module, slots: LoraSlots, slot: int, adapter: LoraAdapter) -> None:
+    """`adapter`'s weights into `slot` of every projection holding adapters (zeros where it adapts
+    none); a projection the model lacks or an adapter shaped unlike it is a ConfigError naming the
+    adapter and the projection, as is a rank past the slots'."""
+    if adapter.rank > slots.rank:
+        raise ConfigError(f"lora: adapter {adapter.name!r} has rank {adapter.rank}, past max_lora_rank "
+                          f"{slots.rank}")
+    targets = _adaptable(model)
+    _check_targets(adapter, targets)
     modules_of: dict[Linear, list[tuple[str, int | None]]] = {}
     for module, (linear, part) in targets.items():
         modules_of.setdefault(linear, []).append((module, part))
-    for adapter in adapters:
-        for module in adapter.weights:
-            if module not in targets:
-                raise ConfigError(f"lora_modules: adapter {adapter.name!r} adapts {module}, which is not one of "
-                                  "this model's dense projections (attention's q, k, v, o; a dense MLP's gate, "
-                                  "up, down)")
-    rank = max((adapter.rank for adapter in adapters), default=0)
-    for linear in {targets[module][0] for adapter in adapters for module in adapter.weights}:
-        parts = list(linear.parts.values()) if isinstance(linear, MergedLinear) else [linear.out_features]
-        a = torch.zeros(len(adapters), len(parts) * rank, linear.in_features)
-        b = torch.zeros(len(adapters), linear.out_features, rank)
-        for slot, adapter in enumerate(adapters):
-            for module, part in modules_of[linear]:
-                if module in adapter.weights:
-                    _fill(a[slot], b[slot], adapter, module, linear, part)
-        linear.lora = LoraWeights(slots, a.to(device, dtype), b.to(device, dtype), parts)
+    for linear, modules in modules_of.items():
+        if linear.lora is None:
+            continue
+        a, b = torch.zeros(linear.lora.a.shape[1:]), torch.zeros(linear.lora.b.shape[1:])
+        adapted = [(module, part) for module, part in modules if module in adapter.weights]
+        for module, part in adapted:
+            _fill(a, b, adapter, module, linear, part)
+        linear.lora.write(slot, a, b, bool(adapted))
+
+
+@contextlib.contextmanager
+def every_slot_live(model: nn.Module):
+    """Inside, every projection holding adapters computes slot 0's product, loaded or not (the
+    memory profile's largest step, before any adapter is loaded at run time)."""
+    weights = [module for module in model.modules() if isinstance(module, LoraWeights)]
+    kept = [set(w.live) for w in weights]
+    for w in weights:
+        w.live.add(0)
+    try:
+        yield
+    finally:
+        for w, live in zip(weights, kept):
+            w.live = live
+
+
+def _check_targets(adapter: LoraAdapter, targets: dict[str, tuple[Linear, int | None]]) -> None:
+    for module in adapter.weights:
+        if module not in targets:
+            raise ConfigError(f"lora: adapter {adapter.name!r} adapts {module}, which is not one of this model's "
+                              "dense projections (attention's q, k, v, o; a dense MLP's gate, up, down)")
 
 
 def _fill(a: torch.Tensor, b: torch.Tensor, adapter: LoraAdapter, module: str, linear: Linear,
@@ -152,8 +226,3 @@ def _adaptable(model: nn.Module) -> dict[str, tuple[Linear, int | None]]:
         elif isinstance(module, RowParallelLinear):
             found[owner] = (module, None)
     return found
-
-
-def adapter_slots(slots: LoraSlots, names: Iterable[str | None]) -> tuple[int, ...]:
-    """Each name's slot (None: NO_ADAPTER); () when the model has no adapters."""
-    return tuple(NO_ADAPTER if name is None else slots.index[name] for name in names) if slots.index else ()

@@ -1,0 +1,149 @@
+"""LoRA adapters loaded and unloaded while the engine serves, against PEFT: what a load computes,
+what runs under an unloaded adapter, a slot's reuse, a name loaded again with other weights, the
+tensor-parallel ranks' slices, and what a load refuses."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitserve.engine.config import ConfigError
+from splitserve.engine.llm import LLM
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.lora_loading import AdapterNotLoaded, NoAdapterSlot
+from splitserve.engine.policies import ScheduledSeq
+from splitserve.engine.sampling_params import SamplingParams
+from tests.engine.hf_checkpoints import ENGINE_ARGS, NEW_TOKENS, generation_prompts, hf_greedy, hf_logits, prompt_ids
+from tests.engine.hf_checkpoints import tokenizers_by_kind  # noqa: F401 (fixture)
+from tests.engine.runner_helpers import max_diff, new_seq, run_plan
+from tests.engine.test_lora import adapted  # noqa: F401 (fixture)
+
+KINDS = pytest.mark.parametrize("adapted", ["llama3_gqa_tied", "phi3_fused_partial"], indirect=True)
+RUN_TIME = dict(dtype="float32", max_lora_rank=8, **ENGINE_ARGS)
+
+
+def greedy(params_lora: str) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, lora=params_lora)
+
+
+@KINDS
+def test_adapters_loaded_at_run_time_compute_what_peft_does_beside_one_loaded_at_start(adapted):
+    path, dirs, models, base = adapted
+    engine = LLMEngine(path, lora_modules={"attn": dirs["attn"]}, max_loras=3, **RUN_TIME)
+    engine.load_lora("all", dirs["all"])
+    engine.load_lora("mlp", dirs["mlp"])
+    assert engine.lora_names == ("attn", "all", "mlp")
+    refs, items = [], []
+    for i, name in enumerate([None, "all", "attn", "mlp", "all"]):
+        ids = prompt_ids(40 + i, 19 + 3 * i, base.config.vocab_size)
+        refs.append(hf_logits(base if name is None else models[name], ids))
+        items.append(ScheduledSeq(new_seq(engine, str(i), ids[:-1], SamplingParams(lora=name)), len(ids) - 1))
+    out = run_plan(engine, items)
+    assert max(max_diff(out[str(i)], ref[:-1]) for i, ref in enumerate(refs)) <= 1e-4
+
+
+@KINDS
+def test_what_runs_under_an_unloaded_adapter_finishes_under_it_before_its_slot_is_reused(adapted):
+    path, dirs, models, base = adapted
+    prompt = generation_prompts(base.config.vocab_size)[0]
+    llm = LLM(path, max_loras=1, **RUN_TIME)
+    engine = llm.engine
+    engine.load_lora("x", dirs["attn"])
+    engine.add_request("running", prompt, greedy("x"))
+    engine.step()
+    engine.unload_lora("x")
+    assert engine.lora_names == ()
+    with pytest.raises(ValueError, match="no adapter named 'x' is loaded"):
+        engine.add_request("late", prompt, greedy("x"))
+    with pytest.raises(NoAdapterSlot, match="all 1 adapter slots"):
+        engine.load_lora("y", dirs["mlp"])  # the only slot still runs "running"
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert done["running"].outputs[0].token_ids == hf_greedy(models["attn"], prompt, NEW_TOKENS)
+    engine.load_lora("y", dirs["mlp"])
+    [out] = llm.generate([prompt], greedy("y"))
+    assert out.outputs[0].token_ids == hf_greedy(models["mlp"], prompt, NEW_TOKENS)
+
+
+@KINDS
+def test_a_name_loaded_again_with_other_weights_never_meets_the_old_ones_cached_blocks(adapted):
+    path, dirs, models, base = adapted
+    prompts = generation_prompts(base.config.vocab_size)[:3]
+    llm = LLM(path, max_loras=2, **RUN_TIME)
+    for adapter, cached in [("attn", False), ("all", False), ("all", True)]:
+        llm.engine.load_lora("x", dirs[adapter])
+        outputs = llm.generate(prompts, greedy("x"))
+        assert [o.token_ids for o in outputs] == [hf_greedy(models[adapter], p, NEW_TOKENS) for p in prompts]
+        # the same files loaded again are the same adapter: its blocks are reused
+        assert (sum(o.num_cached_tokens for o in outputs) > 0) == cached, adapter
+        llm.engine.unload_lora("x")
+
+
+@KINDS
+def test_tensor_parallel_ranks_load_their_slices_at_run_time(adapted):
+    from tests.engine.tp_helpers import tp_engine
+
+    path, dirs, _, base = adapted
+    prompts = generation_prompts(base.config.vocab_size)[:2]
+    single = LLM(path, lora_modules=dirs, **RUN_TIME)
+    with tp_engine(path, 2, max_loras=2, **RUN_TIME) as (engine, followers):
+        engine.load_lora("attn", dirs["attn"])
+        engine.load_lora("all", dirs["all"])
+        engine.unload_lora("attn")
+        engine.load_lora("mlp", dirs["mlp"])  # into the slot "attn" left
+        for name in ["all", "mlp", None]:
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, lora=name)
+            want = single.generate(prompts, params)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{name}-{i}", prompt, params)
+            got = {}
+            while engine.has_unfinished_requests():
+                got.update((out.request_id, out) for out in engine.step() if out.finished)
+            for i, ref in enumerate(want):
+                out = got[f"{name}-{i}"].outputs[0]
+                assert out.token_ids == ref.token_ids, name
+                pairs = list(zip(out.logprobs, ref.outputs[0].logprobs))
+                assert all(abs(g[k] - w[k]) < 1e-4 for g, w in pairs for k in w)
+    assert not followers.errors
+
+
+@KINDS
+def test_a_load_refuses_what_it_cannot_serve_and_changes_nothing(adapted, tmp_path):
+    path, dirs, _, _ = adapted
+    fixed = LLMEngine(path, lora_modules={"attn": dirs["attn"]}, **RUN_TIME)
+    with pytest.raises(ConfigError, match="max_loras is 0"):
+        fixed.load_lora("all", dirs["all"])
+    engine = LLMEngine(path, max_loras=2, **{**RUN_TIME, "max_lora_rank": 4})
+    with pytest.raises(ConfigError, match="lora_path: adapter 'big' has rank 8, past max_lora_rank 4"):
+        engine.load_lora("big", dirs["all"])
+    with pytest.raises(ConfigError, match="lora_path: adapter 'gone'.*adapter_config.json: file not found"):
+        engine.load_lora("gone", str(tmp_path / "nowhere"))
+    stuffed = tmp_path / "stuffed"
+    stuffed.mkdir()
+    (stuffed / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2}))
+    with open(stuffed / "adapter_model.safetensors", "wb") as f:
+        f.truncate(1 << 30)  # sparse: a gigabyte no rank-4 adapter of this model needs
+    with pytest.raises(ConfigError, match="holds 1073741824 bytes, more than a rank-4 adapter"):
+        engine.load_lora("stuffed", str(stuffed))
+    with pytest.raises(ConfigError, match="lora_name must be 1 to"):
+        engine.load_lora("", dirs["attn"])
+    engine.load_lora("attn", dirs["attn"])
+    with pytest.raises(ValueError, match="an adapter named 'attn' is already loaded"):
+        engine.load_lora("attn", dirs["mlp"])
+    with pytest.raises(AdapterNotLoaded, match="no adapter named 'mlp' is loaded"):
+        engine.unload_lora("mlp")
+    assert engine.lora_names == ("attn",)
+    engine.load_lora("mlp", dirs["mlp"])  # the refused loads took no slot
+    assert engine.lora_names == ("attn", "mlp")
+
+
+def test_max_loras_is_bounded_and_holds_the_lora_modules():
+    from splitserve.engine.engine_config import EngineConfig
+
+    with pytest.raises(ConfigError, match="max_loras must be 0"):
+        EngineConfig(max_loras=65)
+    with pytest.raises(ConfigError, match=r"from the number of lora_modules \(2\)"):
+        EngineConfig(lora_modules={"a": "x", "b": "y"}, max_loras=1)
+    with pytest.raises(ConfigError, match="max_lora_rank must be in"):
+        EngineConfig(max_loras=1, max_lora_rank=0)
