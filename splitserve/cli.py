@@ -45,6 +45,11 @@ def _add_serve(commands) -> None:
                         "default: the config's served_model_name, else the model")
     p.add_argument("--api-key", default=None, help="require this Bearer key (default: $SPLITSERVE_API_KEY, if set)")
     add_lora_modules(p, "; added to the config's engine.lora_modules")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="slots for N LoRA adapters, loaded at start or while serving (POST /v1/load_lora_adapter "
+                        "and /v1/unload_lora_adapter); default: the config's engine.max_loras (0: off)")
+    p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="with --max-loras, the largest rank an adapter may have (default: the config's, 16)")
     chat_parsers.add_arguments(p, config_fallback=True)
     p.set_defaults(run=_run_serve)
 
@@ -64,9 +69,12 @@ def _run_serve(args) -> int:
                                        ("tool_call_parser", args.tool_call_parser)) if v is not None}
         if args.api_key:
             overrides["ingress"] = {**config.ingress.model_dump(), "api_key": args.api_key}
+        engine = {k: v for k, v in (("max_loras", args.max_loras), ("max_lora_rank", args.max_lora_rank))
+                  if v is not None}
         if args.lora_modules:
-            overrides["engine"] = {**config.engine.model_dump(),
-                                   "lora_modules": {**config.engine.lora_modules, **dict(args.lora_modules)}}
+            engine["lora_modules"] = {**config.engine.lora_modules, **dict(args.lora_modules)}
+        if engine:
+            overrides["engine"] = {**config.engine.model_dump(), **engine}
         config = ClusterConfig.model_validate({**config.model_dump(), **overrides})
         if args.address is None:  # a local cluster reads the model here: check it before anything starts
             config.check_model(load_metadata(config.model, config.engine_config("token"))[0])

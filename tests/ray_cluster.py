@@ -1,8 +1,9 @@
 """One Ray head node for the whole test run, started as users start one (`ray start --head`),
 sized for 2 cores, with up to four splitserve apps: `main` at / (1 prompt + 1 token worker, like
-deploy/local-cpu.yaml, with two LoRA adapters of the demo model, `demo_adapters`), `pools` at
+deploy/local-cpu.yaml, with two LoRA adapters of the demo model, `demo_adapters`, and slots for two
+more loaded while serving), `pools` at
 /pools (the same shape with low thresholds, an API key and two ingress replicas sharing one CLS,
-for pool moves, backpressure and auth) and `hardening` at /hardening (short leases and stuck
+for pool moves, backpressure, auth and adapters loaded through one replica) and `hardening` at /hardening (short leases and stuck
 bound, small request bounds, for the failure tests) and `tp` at /tp (a prompt worker of 2
 tensor-parallel ranks handing to a token worker of 1, with the adapters too). Its dashboard takes
 `ray job submit`. A pytest plugin (tests/conftest.py): only tests that ask for these fixtures
@@ -27,9 +28,10 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 2048}
+RUN_TIME_LORA = {"max_loras": 4, "max_lora_rank": 8}  # main and tp: two adapters at start, two more slots; pools
 MAIN = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "fault_injection": True,
         "scheduler": {"report_interval_s": 0.05}, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
-POOLS = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "served_model_name": ["demo", "pools-alias"],
+POOLS = {"engine": {**ENGINE, **RUN_TIME_LORA}, "transfer": {"backend": "gloo", "timeout_s": 10}, "served_model_name": ["demo", "pools-alias"],
          "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
          "scheduler": {"report_interval_s": 0.05, "mixed_prompt_tokens": 600, "max_queue_tokens": 3000,
                        "max_decode_queue_tokens": 3000},
@@ -136,7 +138,7 @@ def server(ray_cluster):
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    serve.run(build_app({**MAIN, "engine": {**ENGINE, "lora_modules": demo_adapters()}}), name="main",
+    serve.run(build_app({**MAIN, "engine": {**ENGINE, **RUN_TIME_LORA, "lora_modules": demo_adapters()}}), name="main",
               route_prefix="/", blocking=False)
     wait_until_healthy(ray_cluster, timeout=180)
     return ray_cluster
@@ -166,7 +168,7 @@ def hardening_server(ray_cluster, server):
 
 @pytest.fixture(scope="session")
 def tp_server(ray_cluster, server):
-    return _deploy(ray_cluster, "tp", {**TP, "engine": {**ENGINE, "lora_modules": demo_adapters()}})
+    return _deploy(ray_cluster, "tp", {**TP, "engine": {**ENGINE, **RUN_TIME_LORA, "lora_modules": demo_adapters()}})
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from splitserve.batch.results import ResultLog, line_text
 from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.large_bodies import built, encoded, logprob_tokens
+from splitserve.cluster.served_adapters import ServedAdapters
 from splitserve.engine.prefix_hash import PrefixNaming
 
 DECODING_POOLS = ("token", "mixed")
@@ -31,7 +32,9 @@ class ClusterExecutor:
     def __init__(self, cls, model_shape: ModelShape, tokenizer, vocab_size: int, model: ModelNames,
                  max_model_len: int, block_size: int, max_attempts: int, retry_s: float = 1.0,
                  limits: RequestLimits = RequestLimits(), prefix: PrefixNaming = PrefixNaming(),
-                 parsers: ChatParsers = ChatParsers()):
+                 parsers: ChatParsers = ChatParsers(), adapters: ServedAdapters | None = None):
+        """`adapters`: the LoRA adapters served now, asked of the CLS as each batch starts (else `model`
+        and `prefix` as given)."""
         self.workers, self.limits = WorkerDirectory(cls), limits
         self.grammar = LazyGrammar(tokenizer, vocab_size)  # structured output's constraints compile up front
         self.prefix = prefix
@@ -39,6 +42,7 @@ class ClusterExecutor:
         self.shape, self.tokenizer, self.model = model_shape, tokenizer, model
         self.max_model_len, self.block_size = max_model_len, block_size
         self.max_attempts, self.retry_s = max_attempts, retry_s
+        self.adapters = adapters
 
     async def kv_tokens(self) -> int:
         """KV capacity of the decoding workers, waiting until they have reported it."""
@@ -56,6 +60,9 @@ class ClusterExecutor:
         lines are tokenized, and the feeder built and ordered, in a thread: templates and tokenizers
         take milliseconds a line, and the feeder seconds, which for 50,000 lines would hold the
         actor's loop, and every batch call, for minutes."""
+        if self.adapters is not None:
+            await self.adapters.refresh(self.workers.cls.lora_table.remote)
+            self.model, self.prefix = self.adapters.served, self.adapters.prefix
         jobs, finished = await asyncio.to_thread(prepare_pending, lines, self.tokenizer, self.model,
                                                  self.max_model_len, output, errors, on_result, self.limits,
                                                  self.grammar.check, self.parsers)

@@ -12,6 +12,7 @@ from splitserve.batch.service import BatchService
 from splitserve.batch.store import BatchStore, NotFound
 from splitserve.cluster.batch_executor import ClusterExecutor
 from splitserve.cluster.owned_actor import OwnedActor
+from splitserve.cluster.served_adapters import ServedAdapters
 from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import load_metadata
 from splitserve.engine.prefix_hash import PrefixNaming
@@ -23,11 +24,11 @@ class BatchManager:
         engine = config.engine.engine_config("token")
         model_config, tokenizer, max_model_len = load_metadata(config.model, engine)
         limits = config.ingress.limits()
+        adapters = ServedAdapters(config, PrefixNaming(config.prefix_block_size(), model_config.long_rope_from))
         executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, model_config.vocab_size,
-                                   config.served_models, max_model_len, engine.block_size,
-                                   config.scheduler.max_attempts, limits=limits,
-                                   prefix=PrefixNaming(config.prefix_block_size(), model_config.long_rope_from),
-                                   parsers=config.chat_parsers)
+                                   adapters.served, max_model_len, engine.block_size,
+                                   config.scheduler.max_attempts, limits=limits, prefix=adapters.prefix,
+                                   parsers=config.chat_parsers, adapters=adapters)
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
                                     limits.max_batch_lines, config.batch.min_free_bytes, config.batch.file_expiry_s)
         self._started = False

@@ -23,6 +23,9 @@ their pools and the one placement state every ingress replica asks.
   stuck (a step past `stuck_step_s`) workers leave their pool, are killed and replaced; a worker
   merely busy with a long step stays. A replacement that fails to start is tried again, further
   apart each time (`RESTART_BACKOFF_S`), until one starts: a slot is never left empty for good.
+- LoRA adapters loaded and unloaded while serving: the one table of what the cluster serves
+  (`lora_updates`): `place` admits no request under an adapter it does not hold, and every worker
+  that starts is given the table first.
 - Drain: `retire` takes a worker out of placement, lets its running requests finish (at most
   `drain_timeout_s`), then stops it; `drain` does so for every worker on shutdown, while no
   new request is placed (the ingress answers 429).
@@ -43,6 +46,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from splitserve.cluster.adoption import adopt_workers
 from splitserve.cluster.background import background
 from splitserve.cluster.dispatch import ClusterUnavailable
+from splitserve.cluster.lora_updates import RunTimeAdapters
 from splitserve.cluster.metrics import ClusterMetrics, RequestObservation, SLOBounds
 from splitserve.cluster.rendezvous import Rendezvous, open_rendezvous
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
@@ -73,6 +77,7 @@ class Controller:
         slo = self.config.slo
         self.metrics = ClusterMetrics(self.config.model_name, SLOBounds(slo.ttft_s, slo.tbt_s, slo.e2e_s),
                                       self.config.served_models.adapters)
+        self.lora = RunTimeAdapters(self.config)
         self.counters: Counter = Counter()
         self.start_errors: list[str] = []
         self._incarnations = itertools.count()
@@ -140,14 +145,15 @@ class Controller:
         try:
             actors = await start_worker_actors(pool, worker_id, options, self.config.model_dump(), self._rendezvous)
             await actors.handle.info.remote()
-            load = await actors.handle.load.remote()
-        except RayError as error:
+            async with self.lora.updates:  # no adapter loaded or unloaded between its `give` and its joining
+                await self.lora.give(actors.handle)
+                self._add(worker_id, pool, slot, actors, await actors.handle.load.remote())
+        except (RayError, asyncio.TimeoutError) as error:
             self.start_errors[:] = self.start_errors[-(MAX_START_ERRORS - 1):] + [f"{worker_id}: {error}"]
             log.error("worker %s failed to start: %s", worker_id, error)
             if actors is not None:
                 actors.kill()
             return False
-        self._add(worker_id, pool, slot, actors, load)
         log.info("worker %s up (%s, %s)", worker_id, pool.role, pool.hardware)
         return True
 
@@ -172,6 +178,7 @@ class Controller:
             self._prefix_resync.add(worker.found.worker_id)  # the prefix index starts empty here
             self._adopted_unsynced.add(worker.found.worker_id)  # its peers may have died while no CLS ran
             self.counters["workers_adopted"] += 1
+        await self.lora.adopt({worker.found.worker_id: worker.actors.handle for worker in adopted})
 
     async def health(self) -> dict:
         """Ready once workers are up and passed their last poll (which goes through each engine
@@ -183,10 +190,13 @@ class Controller:
                 "pools": {role.value: len(ids) for role, ids in pools.items()}, "errors": self.start_errors[-5:]}
 
     # ---- placement -------------------------------------------------------------------------
-    async def place(self, request: PlacementRequest, exclude: Collection[str] = ()) -> Placement | None:
+    async def place(self, request: PlacementRequest, exclude: Collection[str] = (),
+                    lora: str | None = None) -> Placement | None:
         """Worker ids only: handles are costly to send, so callers cache them (`worker_handle`).
-        None when no worker has room; ClusterUnavailable when none is ready or the cluster drains."""
+        None when no worker has room; ClusterUnavailable when none is ready or the cluster drains;
+        AdapterUnavailable when the request's LoRA adapter `lora` is not served (any more)."""
         await self._adoption()
+        self.lora.check(lora)
         if self._draining:
             raise ClusterUnavailable("the cluster is shutting down: it finishes what it runs and takes no new "
                                      "requests")
@@ -198,6 +208,21 @@ class Controller:
         if placement is None:
             self.counters["rejected"] += 1
         return placement
+
+    # ---- LoRA adapters -------------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load an adapter on every worker (LoraUpdateError if one refuses: none keeps it)."""
+        await self._adoption()
+        await self.lora.load(dict(self.handles), name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._adoption()
+        await self.lora.unload(dict(self.handles), name)
+
+    async def lora_table(self) -> dict[str, str]:
+        """The adapters served, name -> identity, for the ingress replicas."""
+        await self._adoption()
+        return self.lora.table()
 
     async def _apply(self, moves: list[PoolMove]) -> None:
         """Switch the moved workers' engines to their new pool's role (before they get work)."""

@@ -84,8 +84,9 @@ class WorkerDirectory:
         self._handles: dict[str, object] = {}
         self._calls: set[asyncio.Task] = set()  # best-effort calls in flight, held until they end
 
-    async def place(self, request: PlacementRequest, exclude: frozenset[str]) -> Placement | None:
-        return await self._ask_cls("place", request, exclude)
+    async def place(self, request: PlacementRequest, exclude: frozenset[str], lora: str | None = None
+                    ) -> Placement | None:
+        return await self._ask_cls("place", request, exclude, lora)
 
     async def get(self, worker_id: str):
         if worker_id not in self._handles:
@@ -104,7 +105,7 @@ class WorkerDirectory:
         try:
             return await through_restart(getattr(self.cls, method), *args)
         except RayTaskError as error:
-            if isinstance(error.cause, ClusterUnavailable):
+            if isinstance(error.cause, (ClusterUnavailable, RequestFailed)):  # RequestFailed: an adapter unloaded
                 raise error.cause from None
             raise
         except RayActorError:
@@ -202,7 +203,7 @@ class Run:
             self.placement = self.prompt_handle = self.token_handle = None
             for _ in range(REPLACE_TRIES if failover else 1):
                 try:
-                    self.placement = await self.workers.place(request, exclude)
+                    self.placement = await self.workers.place(request, exclude, params.lora)
                 except ClusterUnavailable:
                     if not failover:
                         raise

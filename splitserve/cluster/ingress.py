@@ -12,7 +12,7 @@ import os
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import RayTaskError
@@ -22,8 +22,9 @@ from splitserve.api.errors import RequestError, error_response
 from splitserve.api.guard import guard
 from splitserve.api.json_pieces import json_text
 from splitserve.api.lazy_grammar import LazyGrammar
+from splitserve.api.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from splitserve.api.prepared_request import PreparedRequest, prepare_request, prepare_responses
-from splitserve.api.request_models import check_model, parse_request
+from splitserve.api.request_models import ServedModels, check_model, parse_request
 from splitserve.api.responses_bodies import input_items, new_id, response_object, response_of_choice
 from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
@@ -34,9 +35,11 @@ from splitserve.cluster.batch_manager import RemoteBatches
 from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import ClusterUnavailable, Overloaded, RequestFailed, Run, WorkerDirectory
 from splitserve.cluster.large_bodies import encoded, text_response
+from splitserve.cluster.lora_updates import LoraUpdateError
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
 from splitserve.cluster.owned_actor import OwnedActor
+from splitserve.cluster.served_adapters import ServedAdapters
 from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import load_metadata
 from splitserve.engine.prefix_hash import PrefixNaming
@@ -56,13 +59,13 @@ class Ingress:
                                                                          self.config.engine.engine_config("token"))
         self.config.check_model(model_config)
         self._grammar = LazyGrammar(self.tokenizer, model_config.vocab_size)
-        self.served = self.config.served_models
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         self._directory: WorkerDirectory | None = None
         self._observations = ObservationBuffer()
         self.created = int(time.time())
         self.limits = self.config.ingress.limits()
-        self._prefix = PrefixNaming(self.config.prefix_block_size(), model_config.long_rope_from)
+        self._adapters = ServedAdapters(self.config, PrefixNaming(self.config.prefix_block_size(),
+                                                                  model_config.long_rope_from))
         api.state.api_key, api.state.limits = self.api_key, self.limits
         self._cls = OwnedActor(controller.handle.remote, "cluster controller (CLS)")
         api.state.batches = RemoteBatches(OwnedActor(controller.batches_handle.remote, "batch API's actor"))
@@ -70,6 +73,14 @@ class Ingress:
                                                                    "response store"),
                                                         self.config.ingress.stored_responses > 0, self._run_again)
         api.state.stored_responses = self._stored
+
+    @property
+    def served(self) -> ServedModels:
+        """What clients may send as `model`, as of this replica's last look (`ServedAdapters`)."""
+        return self._adapters.served
+
+    async def _refresh_adapters(self) -> None:
+        await self._adapters.refresh(lambda: self._cls.call("lora_table"))
 
     # ---- endpoints ---------------------------------------------------------------------------
     @api.get("/health")
@@ -79,11 +90,13 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> JSONResponse:
+        await self._refresh_adapters()
         return JSONResponse(R.models_list(self.served, self.created, max_model_len=self.max_model_len))
 
     @api.get("/v1/models/{model:path}")
     async def model(self, model: str) -> JSONResponse:
         """OpenAI's retrieve: one name this cluster answers to (names may hold slashes), else a 404."""
+        await self._refresh_adapters()
         try:
             check_model(model, self.served)
         except RequestError as error:
@@ -92,11 +105,13 @@ class Ingress:
 
     @api.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
+        await self._refresh_adapters()
         return await self._tokenizer_call(request, TokenizeRequest, lambda body: tokenize(
             body, self.tokenizer, self.served.all, self.max_model_len))
 
     @api.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:
+        await self._refresh_adapters()
         return await self._tokenizer_call(request, DetokenizeRequest, lambda body: detokenize(
             body, self.tokenizer, self.served.all))
 
@@ -126,6 +141,16 @@ class Ingress:
                                                    param="worker_id"))
             raise
 
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: load a PEFT adapter on every worker, served as a model of its own (engine.max_loras)."""
+        return await self._lora_update(request, LoadLoraAdapterRequest, "load_lora", "added")
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: clients may no longer name the adapter; what runs under it finishes."""
+        return await self._lora_update(request, UnloadLoraAdapterRequest, "unload_lora", "removed")
+
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._handle(request, "completion")
@@ -141,6 +166,7 @@ class Ingress:
         false; a `background` one answered in progress at once, or streamed as it runs on whether
         its client stays or not (`stored_responses`)."""
         started = time.monotonic()
+        await self._refresh_adapters()
         try:
             ask = await asyncio.to_thread(parse_request, ResponsesRequest, await request.body())
             context = await self._stored.context(ask)
@@ -180,6 +206,7 @@ class Ingress:
     # ---- one request -------------------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):
         started = time.monotonic()
+        await self._refresh_adapters()
         try:
             prepared = await asyncio.to_thread(self._prepare, kind, await request.body())
         except RequestError as error:
@@ -211,6 +238,7 @@ class Ingress:
         its request, the conversation it continued included): the whole response, or RequestFailed,
         a refusal (the cluster full or unavailable) included."""
         ask = await asyncio.to_thread(ResponsesRequest.model_validate, rerun["request"])
+        await self._refresh_adapters()
         prepared = await asyncio.to_thread(self._prepare_responses, ask, [])
         reply = await self._admit("chat", prepared, time.monotonic())
         if isinstance(reply, Response):
@@ -231,7 +259,7 @@ class Ingress:
         self._observations.start(self._cls)
         rid = R.new_request_id(kind)
         leaders = [Run(rid if k == 0 else f"{rid}-p{k}", prompt, params, workers, self.config.scheduler.max_attempts,
-                       prefix=self._prefix)
+                       prefix=self._adapters.prefix)
                    for k, (prompt, params) in enumerate(zip(prepared.prompts, prepared.params))]
         admitted = 0
         try:
@@ -269,6 +297,20 @@ class Ingress:
             refusal = RequestError(f"the cluster is at capacity ({error}); retry after {retry} s", status=429,
                                    type="rate_limit_exceeded")
         return error_response(refusal, {"Retry-After": str(retry)})
+
+    async def _lora_update(self, request: Request, model_cls, method: str, done: str) -> Response:
+        try:
+            body = parse_request(model_cls, await request.body())
+            try:
+                await self._cls.call(method, *body.model_dump().values())
+            except RayTaskError as error:
+                if isinstance(error.cause, LoraUpdateError):
+                    raise error.cause.as_error() from None
+                raise
+        except RequestError as error:
+            return error_response(error)
+        await self._adapters.refresh(lambda: self._cls.call("lora_table"), now=True)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' {done} successfully.")
 
     async def _tokenizer_call(self, request: Request, model_cls, answer) -> JSONResponse:
         raw = await request.body()

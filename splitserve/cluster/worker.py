@@ -88,6 +88,7 @@ class Worker:
             self._store.set(_tp_key(worker_id), str(tensor_parallel_size))
             transport = connect_transport(cfg, worker_id, engine, rendezvous)
         self._peer_tp: dict[str, int] = {}
+        self._lora_paths: dict[str, str] = {}  # the adapters loaded at run time, by name
         self.loop = WorkerLoop(engine, transport, worker_id, cfg.transfer.layerwise_threshold, cfg.transfer.lease_s,
                                reuse_prefix=self._reports_prefix)
         self.loop.start()
@@ -172,6 +173,25 @@ class Worker:
         """Requests this worker still streams to (through the loop): a CLS retiring it asks."""
         self._lease.renew()
         return await self._call(lambda: len(self.loop.tracked))
+
+    # ---- LoRA adapters loaded at run time (the controller's `lora_updates`) ----------------------
+    async def load_lora(self, name: str, path: str) -> str:
+        """Load the adapter between two steps (every rank its slice); its identity."""
+        self._lease.renew()
+        identity = await self._call(self.loop.engine.load_lora, name, path)
+        self._lora_paths[name] = path
+        return identity
+
+    async def unload_lora(self, name: str) -> None:
+        self._lease.renew()
+        await self._call(self.loop.engine.unload_lora, name)
+        self._lora_paths.pop(name, None)
+
+    async def lora_adapters(self) -> dict[str, tuple[str | None, str]]:
+        """Every adapter loaded, name -> (its path if loaded at run time, else None; its identity)."""
+        self._lease.renew()
+        identities = await self._call(lambda: self.loop.engine.lora_identities)
+        return {name: (self._lora_paths.get(name), identity) for name, identity in identities.items()}
 
     async def check_integrity(self) -> dict:
         """The engine's invariants (raises if one is broken), and its KV blocks in use."""

@@ -161,6 +161,10 @@ class EngineOptions(StrictModel):
                                          "and adapter_model.safetensors, readable on every worker's node). Each "
                                          "name is a model clients send as `model`: the base model under that "
                                          "adapter. All are loaded at start; a step runs several at once.")
+    max_loras: int = Field(0, ge=0, le=64, description="Slots for LoRA adapters loaded at start (lora_modules) or "
+                           "while serving (POST /v1/load_lora_adapter, /v1/unload_lora_adapter: off while 0). "
+                           "Every projection holds this many adapters' weights at max_lora_rank from the start.")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="With max_loras: the largest rank an adapter may have.")
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> "EngineOptions":

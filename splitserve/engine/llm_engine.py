@@ -145,10 +145,16 @@ class LLMEngine:
         """The LoRA adapters a request may name (`SamplingParams.lora`), in load order."""
         return tuple(self.runner.model.lora_slots.index)
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Load the PEFT adapter at `path` as `name`, between steps (`max_loras` > 0); see
-        `lora_loading.load` for what it raises."""
-        lora_loading.load(self.runner.model, name, path, (r.seq.adapter_slot for r in self._requests.values()),
+    @property
+    def lora_identities(self) -> dict[str, str]:
+        """Each adapter a request may name -> its identity (what its prefix-cache blocks chain from)."""
+        slots = self.runner.model.lora_slots
+        return {name: slots.identity[slot] for name, slot in slots.index.items()}
+
+    def load_lora(self, name: str, path: str) -> str:
+        """Load the PEFT adapter at `path` as `name`, between steps (`max_loras` > 0); its identity
+        (what its prefix-cache blocks chain from). See `lora_loading.load` for what it raises."""
+        return lora_loading.load(self.runner.model, name, path, (r.seq.adapter_slot for r in self._requests.values()),
                           self.tp_leader)
 
     def unload_lora(self, name: str) -> None:

@@ -47,9 +47,9 @@ class WriteAdapter:
         write_adapter(model, model.lora_slots, self.slot, load_adapter(self.name, self.path, self.limits))
 
 
-def load(model: nn.Module, name: str, path: str, bound: Iterable[int], tp_leader: TPLeader | None) -> None:
+def load(model: nn.Module, name: str, path: str, bound: Iterable[int], tp_leader: TPLeader | None) -> str:
     """Load the adapter at `path` as `name` into a free slot (`bound`: the slots of the sequences
-    the engine holds). A bad name, path or adapter is a ConfigError (nothing changes), a name
+    the engine holds); its identity. A bad name, path or adapter is a ConfigError (nothing changes), a name
     already loaded a ValueError, no free slot a NoAdapterSlot."""
     slots: LoraSlots = model.lora_slots
     if not slots.at_run_time:
@@ -74,6 +74,7 @@ def load(model: nn.Module, name: str, path: str, bound: Iterable[int], tp_leader
             tp_leader.post(rank, WriteAdapter(slot, name, path, limits))
         tp_leader.sync()
     slots.index[name], slots.identity[slot] = slot, adapter.identity
+    return adapter.identity
 
 
 def unload(model: nn.Module, name: str) -> None:

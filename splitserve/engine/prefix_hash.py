@@ -78,8 +78,11 @@ class PrefixNaming:
 
     block_size: int = 0
     long_rope_from: int | None = None
+    lora_identities: tuple[tuple[str, str], ...] = ()  # adapters loaded at run time: (name, identity)
 
     def hashes(self, token_ids: Sequence[int], max_blocks: int, lora: str | None = None) -> tuple[int, ...]:
+        """Under adapter `lora` (its name), its blocks as named from its identity (by default its name)."""
         if not self.block_size:
             return ()
-        return prompt_block_hashes(token_ids, self.block_size, max_blocks, self.long_rope_from, lora)
+        identity = dict(self.lora_identities).get(lora, lora) if lora is not None else None
+        return prompt_block_hashes(token_ids, self.block_size, max_blocks, self.long_rope_from, identity)

@@ -31,7 +31,7 @@ class _CLS:
         self.requests = []
         self.place = self
 
-    def remote(self, request, exclude):
+    def remote(self, request, exclude, lora):
         self.requests.append(request)
 
         async def answer():
@@ -134,7 +134,7 @@ class _ExcludingCLS(_PlacingCLS):
     def remote(self, *args):
         if len(args) == 1:  # worker_handle.remote(worker_id)
             return super().remote(*args)
-        request, exclude = args
+        request, exclude, _ = args
         self.excluded.append(set(exclude))
         left = [t for t in self.order if t not in exclude]
 

@@ -108,6 +108,22 @@ def test_a_model_with_adapters_profiles_its_step_under_one(tmp_path):
     assert seen == [[(0, slice(0, 7 + 199))]]
 
 
+def test_a_model_with_slots_for_adapters_profiles_its_step_under_one_before_any_is_loaded():
+    """max_loras: no adapter is loaded at start, yet the peak must hold an adapter's products:
+    every projection computes slot 0's during the profile, and none after."""
+    from splitserve.engine.model.lora import LoraWeights
+
+    config = EngineConfig(policy="token", max_model_len=200, max_loras=2, max_lora_rank=8, **CPU)
+    loaded = build_model("demo", config)
+    weights = [m for m in loaded.model.modules() if isinstance(m, LoraWeights)]
+    computed = []
+    for w in weights:
+        w.add_to = lambda x, out, w=w, add=w.add_to: computed.append(0 in w.live) or add(x, out)
+    run_largest_step(loaded, profile_lengths(config, loaded.max_model_len), config, TorchPagedBackend(), Shard())
+    assert len(computed) == len(weights) == 4 * loaded.config.num_hidden_layers and all(computed)
+    assert not any(w.live for w in weights)
+
+
 def test_prompt_logprobs_pass_is_one_pass():
     config = EngineConfig(policy="prefill_first", max_model_len=2 * ROWS_PER_PASS, **{**CPU, "max_num_seqs": 1})
     loaded = build_model("demo", config)
