@@ -115,20 +115,26 @@ def test_tensor_parallel_ranks_hold_their_slices_of_each_adapter(adapted, size):
     args = dict(dtype="float32", lora_modules=dirs, **ENGINE_ARGS)
     single = LLM(path, **args)
     with tp_engine(path, size, **args) as (engine, followers):
-        for name in [None, *dirs]:
-            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, lora=name)
-            want = single.generate(prompts, params)
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"{name}-{i}", prompt, params)
-            got = {}
-            while engine.has_unfinished_requests():
-                got.update((out.request_id, out) for out in engine.step() if out.finished)
-            for i, ref in enumerate(want):
-                out = got[f"{name}-{i}"].outputs[0]
-                assert out.token_ids == ref.token_ids, name
-                pairs = list(zip(out.logprobs, ref.outputs[0].logprobs))
-                assert len(pairs) == 6 and all(abs(g[k] - w[k]) < 1e-4 for g, w in pairs for k in w)
+        check_tp_equals_one_rank(engine, single, prompts, [None, *dirs])
     assert not followers.errors
+
+
+def check_tp_equals_one_rank(engine: LLMEngine, single: LLM, prompts: list, names: list) -> None:
+    """Under each adapter of `names` (None: the base), the TP engine's greedy tokens and logprobs
+    are the one-rank LLM's."""
+    for name in names:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, lora=name)
+        want = single.generate(prompts, params)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{name}-{i}", prompt, params)
+        got = {}
+        while engine.has_unfinished_requests():
+            got.update((out.request_id, out) for out in engine.step() if out.finished)
+        for i, ref in enumerate(want):
+            out = got[f"{name}-{i}"].outputs[0]
+            assert out.token_ids == ref.token_ids, name
+            pairs = list(zip(out.logprobs, ref.outputs[0].logprobs))
+            assert len(pairs) == 6 and all(abs(g[k] - w[k]) < 1e-4 for g, w in pairs for k in w)
 
 
 def test_a_request_naming_no_loaded_adapter_is_refused(adapted):

@@ -16,7 +16,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import ENGINE_ARGS, NEW_TOKENS, generation_prompts, hf_greedy, hf_logits, prompt_ids
 from tests.engine.hf_checkpoints import tokenizers_by_kind  # noqa: F401 (fixture)
 from tests.engine.runner_helpers import max_diff, new_seq, run_plan
-from tests.engine.test_lora import adapted  # noqa: F401 (fixture)
+from tests.engine.test_lora import adapted, check_tp_equals_one_rank  # noqa: F401 (fixture)
 
 KINDS = pytest.mark.parametrize("adapted", ["llama3_gqa_tied", "phi3_fused_partial"], indirect=True)
 RUN_TIME = dict(dtype="float32", max_lora_rank=8, **ENGINE_ARGS)
@@ -92,19 +92,7 @@ def test_tensor_parallel_ranks_load_their_slices_at_run_time(adapted):
         engine.load_lora("all", dirs["all"])
         engine.unload_lora("attn")
         engine.load_lora("mlp", dirs["mlp"])  # into the slot "attn" left
-        for name in ["all", "mlp", None]:
-            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, lora=name)
-            want = single.generate(prompts, params)
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"{name}-{i}", prompt, params)
-            got = {}
-            while engine.has_unfinished_requests():
-                got.update((out.request_id, out) for out in engine.step() if out.finished)
-            for i, ref in enumerate(want):
-                out = got[f"{name}-{i}"].outputs[0]
-                assert out.token_ids == ref.token_ids, name
-                pairs = list(zip(out.logprobs, ref.outputs[0].logprobs))
-                assert all(abs(g[k] - w[k]) < 1e-4 for g, w in pairs for k in w)
+        check_tp_equals_one_rank(engine, single, prompts, ["all", "mlp", None])
     assert not followers.errors
 
 
