@@ -8,6 +8,10 @@ Invariants a replay relies on:
   slots as one [3 + groups, g] block; the groups' block tables' used columns as another);
 - a padding row has slot PAD_SLOT (its K and V are stored nowhere), context length 1 and token 0,
   so it reads one key of whatever block its stale table row names (a valid id) and writes nothing;
+- a model with LoRA adapter slots has one more input row, each row's slot (NO_ADAPTER for a
+  padding row and a base-model row): the graphs run every projection's adapters by row
+  (`model.lora`), so a step under any adapters replays the same graph (a step under none still
+  launches them, and they return at once);
 - table entries past a sequence's context are never read, so stale columns need no clearing;
 - launches depend only on the batch size: the decode kernel divides each sequence's keys over
   the splits on the device, and captures with every context at max_model_len, the bound the
@@ -30,10 +34,11 @@ import torch
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.attention.metadata import PAD_SLOT
 from splitserve.engine.collector import collector_paused
+from splitserve.engine.model.lora import NO_ADAPTER
 from splitserve.engine.model_runner import ModelRunner, StepBatch
 from splitserve.engine.step_inputs import upload
 
-IDS, POSITIONS, CONTEXTS, SLOTS = range(4)  # rows of the [3 + groups, max batch] input block: SLOTS + group
+IDS, POSITIONS, CONTEXTS, SLOTS = range(4)  # rows of the [3 + groups (+ 1: adapters), max batch] inputs: SLOTS + group
 PADDING = (0, 0, 1)  # a padding row's id, position and context; its slots in every group: PAD_SLOT
 
 
@@ -50,7 +55,8 @@ class DecodeGraphs:
         self.runner, self.kv_layers, self.backend, self.device = runner, cache.layers(), backend, device
         self.sizes, self.max_model_len = capture_sizes(max_batch), max_model_len
         groups = cache.groups.num_groups
-        self._padding = PADDING + (PAD_SLOT,) * groups
+        self._lora = runner.model.lora_slots if runner.model.lora_slots.capacity else None
+        self._padding = PADDING + (PAD_SLOT,) * groups + ((NO_ADAPTER,) if self._lora else ())
         self._inputs = torch.tensor(self._padding, dtype=torch.long, device=device)[:, None].repeat(1, max_batch)
         self._tables = torch.zeros((groups, max_batch, -(-max_model_len // cache.block_size)), dtype=torch.long,
                                    device=device)
@@ -79,6 +85,8 @@ class DecodeGraphs:
         n = len(batch.token_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         rows = [batch.token_ids, batch.positions, batch.context_lens, *batch.slots]
+        if self._lora is not None:
+            rows.append(list(batch.adapters) or [NO_ADAPTER] * n)
         padded = [row + [pad] * (size - n) for row, pad in zip(rows, self._padding)]
         upload(torch.tensor(padded, dtype=torch.long), self.device, self._inputs[:, :size])
         upload(batch.block_tables, self.device, self._tables[:, :n, :batch.block_tables.shape[2]])
@@ -90,8 +98,14 @@ class DecodeGraphs:
                                    query_starts=list(range(size + 1)), context_lens_list=[self.max_model_len] * size,
                                    num_decodes=size)
                  for slots, tables in zip(inputs[SLOTS:], self._tables)]
-        return self.runner.model(inputs[IDS], inputs[POSITIONS], self.kv_layers, self.runner.layer_metas(metas),
-                                 self.backend)
+        if self._lora is not None:
+            self._lora.rows = inputs[-1]  # each row's adapter slot (the last input row)
+        try:
+            return self.runner.model(inputs[IDS], inputs[POSITIONS], self.kv_layers, self.runner.layer_metas(metas),
+                                     self.backend)
+        finally:
+            if self._lora is not None:
+                self._lora.rows = None  # eager steps group rows by adapter
 
     def _capture(self, size: int, pool) -> Callable[[], torch.Tensor]:
         if self.device.type != "cuda":

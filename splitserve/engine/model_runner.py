@@ -102,12 +102,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: StepBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Final hidden states [T, hidden]; every token's KV is written to this rank's cache.
-        A captured graph runs no per-layer hook and no adapter, so steps that stream KV layer by
-        layer, or run a LoRA adapter, run eagerly."""
-        lora = self.model.lora_slots
-        lora.set(batch.adapters, batch.query_starts, self.device)
-        if after_layer is None and self.graphs is not None and not lora.groups and self.graphs.covers(batch):
-            return self.graphs.run(batch)
+        A captured graph runs no per-layer hook, so steps that stream KV layer by layer run eagerly."""
+        if after_layer is None and self.graphs is not None and self.graphs.covers(batch):
+            return self.graphs.run(batch)  # adapters by row, from the graphs' inputs
+        self.model.lora_slots.set(batch.adapters, batch.query_starts, self.device)
         inputs = StepTensors.upload(batch, self.device)
         decode_groups = group_by_length(batch.context_lens[:batch.num_decodes])
         metas = [AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=inputs.context_lens,

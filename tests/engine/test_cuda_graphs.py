@@ -85,6 +85,35 @@ def test_layer_groups_replay_the_eager_tokens(tmp_path):
     assert [o.token_ids for o in got] == [o.token_ids for o in expected] and set(replayed) == {4, 3, 2, 1}
 
 
+@pytest.mark.parametrize("kernels", [False, True])  # the torch path by row, and the Triton kernels (interpreted)
+def test_steps_under_lora_adapters_replay_the_eager_tokens(tmp_path, monkeypatch, kernels):
+    """Rows under two adapters and the base model in one replayed batch, each row's slot an input
+    of the graph: the tokens the eager steps (rows grouped by adapter) give."""
+    from types import SimpleNamespace
+
+    from splitserve.engine.demo import demo_model_config
+    from splitserve.engine.dummy_adapter import projection_shapes, write_adapter
+    from splitserve.engine.model import lora as lora_module, triton_dispatch
+
+    config = demo_model_config()
+    adapters = {"q": write_adapter(tmp_path / "q", config, ["q_proj", "v_proj"], 4, 1, std=0.2),
+                "all": write_adapter(tmp_path / "all", config, list(projection_shapes(config)), 8, 2, std=0.2)}
+    args = {**ENGINE, "lora_modules": adapters, "max_loras": 3, "max_lora_rank": 8}
+    eager, captured = LLM("demo", **args), LLM("demo", **args)
+    params = [SamplingParams(max_tokens=p.max_tokens, temperature=0, ignore_eos=True, lora=lora)
+              for p, lora in zip(PARAMS, ["all", None, "q", "all"])]
+    expected = eager.generate(PROMPTS, params)
+    if kernels:
+        monkeypatch.setattr(lora_module, "triton_dispatch",
+                            SimpleNamespace(runs_kernels=lambda x: True, lora_ops=triton_dispatch.lora_ops))
+    replayed = with_graphs(captured, max_batch=8)
+    got = captured.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected] and set(replayed) == {4, 3, 2, 1}
+    base = eager.generate(PROMPTS, [SamplingParams(max_tokens=p.max_tokens, temperature=0, ignore_eos=True)
+                                    for p in PARAMS])
+    assert [o.token_ids for o in base] != [o.token_ids for o in expected]  # the adapters change the tokens
+
+
 def test_batches_larger_than_the_largest_graph_run_eagerly():
     oracle = LLM("demo", **{**ENGINE, "attention_backend": "torch"})
     captured = LLM("demo", **ENGINE)

@@ -6,8 +6,10 @@ while a new request may name it, and its identity, what its prefix-cache blocks 
 which of a step's token rows run under which slot; the runner sets the rows before every forward.
 Each adapted projection holds `LoraWeights`: every slot's A stacked [slots, parts * rank, in] and B
 [slots, out, rank], a merged projection's parts each with their own rows of both. A part an
-adapter leaves alone, and the ranks past a smaller adapter's, hold zeros. A step adds, per slot in
-it, B @ (A @ x) to its tokens' rows.
+adapter leaves alone, and the ranks past a smaller adapter's, hold zeros. An eager step adds, per
+slot in it, B @ (A @ x) to its tokens' rows; a captured decode step (`cuda_graphs`) reads each
+row's slot from a device tensor instead (`LoraSlots.rows`: Triton kernels on CUDA, `add_rows_torch`
+elsewhere), so its launches do not depend on which adapters run.
 
 A sequence is bound to its slot when admitted (`Sequence.adapter_slot`): an adapter unloaded at
 run time stops taking requests, but its slot keeps its weights, and its identity, until no
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.config import ConfigError
+from splitserve.engine.model import triton_dispatch
 from splitserve.engine.model.linear import Linear, MergedLinear, RowParallelLinear
 from splitserve.engine.model.sharding import ShardSlice
 from splitserve.engine.step_inputs import upload_list
@@ -42,6 +45,7 @@ class LoraSlots:
         self.index: dict[str, int] = {}  # the adapters a new request may name -> their slots, in load order
         self.identity: list[str | None] = [None] * capacity  # per slot: its adapter's identity; None: empty
         self.groups: list[tuple[int, slice | torch.Tensor]] = []  # (slot, its token rows), slots in the step
+        self.rows: torch.Tensor | None = None  # set: each row's slot [T] (-1: none), read on the device
 
     def slot_of(self, name: str | None) -> int:
         """A loaded adapter's slot (KeyError if none is loaded by that name); None: NO_ADAPTER."""
@@ -98,6 +102,11 @@ class LoraWeights(nn.Module):
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (x's projection [T, out]) with each adapter's product added to its rows, in place."""
+        rows = self.slots.rows
+        if rows is not None:
+            if triton_dispatch.runs_kernels(x):
+                return triton_dispatch.lora_ops().add_rows(x, out, self.a, self.b, rows, self.part_rows)
+            return add_rows_torch(x, out, self.a, self.b, rows, self.part_rows)
         r = self.rank
         for slot, rows in self.slots.groups:
             if slot not in self.live:
@@ -113,6 +122,22 @@ class LoraWeights(nn.Module):
             else:
                 out.index_add_(0, rows, delta)
         return out
+
+
+def add_rows_torch(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch.Tensor,
+                   part_rows: Sequence[int]) -> torch.Tensor:
+    """`triton_lora.add_rows` in torch (float32 products, as the kernels), gathering each row's A
+    and B: a captured step's path without CUDA, and the kernels' oracle."""
+    rank, live = b.shape[-1], row_slots >= 0
+    slots = row_slots.clamp(min=0)
+    xa = torch.einsum("tk,trk->tr", x.float(), a[slots].float())  # [T, parts * rank]
+    deltas, start = [], 0
+    for part, size in enumerate(part_rows):
+        deltas.append(torch.einsum("tj,tnj->tn", xa[:, part * rank:(part + 1) * rank],
+                                   b[slots, start:start + size].float()))
+        start += size
+    out.copy_(out.float() + torch.cat(deltas, dim=-1) * live[:, None])
+    return out
 
 
 def attach_adapters(model: nn.Module, slots: LoraSlots, adapters: Sequence[LoraAdapter], dtype: torch.dtype,

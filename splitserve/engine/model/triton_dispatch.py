@@ -1,6 +1,7 @@
 """Where the decoder's Triton kernels outside attention and the projections run (the norms, the
 rotary embedding, the gated activation in `triton_ops`; a sparse layer's routing in
-`moe_routing` and its experts in `fused_moe`): on CUDA tensors, a launch each, where the torch
+`moe_routing` and its experts in `fused_moe`; a captured step's LoRA adapters in `triton_lora`):
+on CUDA tensors, a launch each, where the torch
 code (the CPU path, and the kernels' oracle) takes several ops. One rule for all of them, so a
 test can turn it on for CPU tensors and run the kernels under Triton's interpreter through the
 model's own code."""
@@ -19,3 +20,10 @@ def ops():
     from splitserve.engine.model import triton_ops
 
     return triton_ops
+
+
+def lora_ops():
+    """`triton_lora` (LoRA adapters by row), imported on first use."""
+    from splitserve.engine.model import triton_lora
+
+    return triton_lora
