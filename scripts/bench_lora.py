@@ -1,16 +1,18 @@
 """What LoRA adapters cost a decode step: the same batch of running sequences stepped on the base
 model, all under one adapter, and spread over several adapters (round robin, so each adapter's
 rows are not one run), every adapter of one rank on all seven dense projections. Each adapter in
-a step adds two small matmuls per projection (engine/model/lora.py).
+an eager step adds two small matmuls per projection; a step a decode graph replays adds two
+kernels per projection, whatever the adapters (engine/model/lora.py).
 
     python scripts/bench_lora.py                                  # this CPU, a small Llama shape
     python scripts/bench_lora.py --shape llama3-8b --device cuda --json lora.json
+    python scripts/bench_lora.py --shape llama3-8b --device cuda --cuda-graph-max-batch 0   # eager steps
 
 Dummy weights and adapters (no download), one engine with every adapter loaded: each row's batch
 enters decoding (its KV imported), is stepped, and leaves. Greedy, prefix caching off, steps timed
 by the wall clock around `LLMEngine.step` (median of --steps, after --warm-up untimed), with the
-engine's own scheduling (async on CUDA, where steps with an adapter run eagerly, without the
-decode graphs). The sweep runs --repeats times, its rows interleaved; a row reports the median
+engine's own scheduling (async on CUDA, where decode steps replay graphs up to
+--cuda-graph-max-batch sequences). The sweep runs --repeats times, its rows interleaved; a row reports the median
 run and the range.
 """
 from __future__ import annotations
@@ -45,7 +47,8 @@ def build_engine(model_dir: str, adapters: dict[str, str], max_batch: int, args)
     max_len = args.context + args.warm_up + args.steps + 8
     return LLMEngine(model_dir, policy="token", load_format="dummy", enable_prefix_caching=False,
                      device=args.device, max_num_seqs=max_batch, max_model_len=max_len,
-                     num_kv_blocks=max_batch * -(-max_len // 16), lora_modules=adapters)
+                     num_kv_blocks=max_batch * -(-max_len // 16), lora_modules=adapters,
+                     cuda_graph_max_batch=args.cuda_graph_max_batch)
 
 
 def measure(engine: LLMEngine, batch: int, spread: int, args) -> dict:
@@ -65,12 +68,13 @@ def measure(engine: LLMEngine, batch: int, spread: int, args) -> dict:
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    ran = len(engine.runner.model.lora_slots.groups)  # the adapters the last step ran, as the model saw them
+    ran = len({seq.adapter_slot for seq in engine.policy.running} - {-1})  # the adapters its sequences run under
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished_requests():  # an iteration async scheduling queued ahead
         engine.step()
-    return {"batch": batch, "spread": spread, "adapters_in_step": ran, "rank": args.rank, "context": args.context,
+    return {"batch": batch, "spread": spread, "adapters_in_step": ran, "rank": args.rank,
+            "context": args.context, "graphs": args.device == "cuda" and batch <= args.cuda_graph_max_batch,
             "step_ms": statistics.median(times) * 1e3}
 
 
@@ -86,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-up", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="steps timed per run")
     p.add_argument("--repeats", type=int, default=3, help="runs of the sweep, interleaved")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=256, help="CUDA: decode steps of up to this many "
+                   "sequences replay graphs (0: every step eager)")
     p.add_argument("--json", type=Path, help="write the result here")
     args = p.parse_args(argv)
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):

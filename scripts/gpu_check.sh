@@ -13,7 +13,8 @@
 #                                                # draw, torch and Triton), scripts/bench_penalties.py
 #   bash scripts/gpu_check.sh bench [ARGS...]    # there: scripts/bench_gpu.py ARGS (e.g. --repeats 2)
 #   bash scripts/gpu_check.sh lora               # there: scripts/bench_lora.py on a Llama-3-8B shape (a decode
-#                                                # step on the base model, under 1 and 16 adapters), in lora.log
+#                                                # step on the base model, under 1 and 16 adapters; graphs
+#                                                # replayed, then eager steps), in lora.log
 #   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), kernels (at most 275 s), then bench
 #                                                # ARGS in what is left of 570 s
 # Logs (tests.log with the device first), gpu.json, attention.json, moe-*.json and fp8-linear.json go to $OUT
@@ -77,8 +78,10 @@ case "${1:-}" in
   lora)
     install_carried
     mkdir -p "$out"
-    timeout 120 python3 scripts/bench_lora.py --shape llama3-8b --device cuda --batches 1,64 --spreads 0,1,16 \
-      --repeats 2 --steps 10 2>&1 | tee "$out/lora.log" ;;
+    for graphs in 256 0; do  # decode steps replaying graphs (adapters by row), then eager (grouped by adapter)
+      timeout 120 python3 scripts/bench_lora.py --shape llama3-8b --device cuda --batches 1,64 --spreads 0,1,16 \
+        --repeats 2 --steps 10 --cuda-graph-max-batch "$graphs" 2>&1 | tee -a "$out/lora.log"
+    done ;;
   all)
     shift
     status=0

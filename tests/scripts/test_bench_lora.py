@@ -1,5 +1,5 @@
 """bench_lora.py: a small run on the CPU steps each batch on the base model and under one and
-several adapters, which the model's last step really ran; a device it cannot use is refused."""
+several adapters, which the engine's running sequences were bound to; a device it cannot use is refused."""
 import json
 
 import pytest
