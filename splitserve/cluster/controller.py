@@ -388,7 +388,7 @@ class Controller:
     # ---- introspection -----------------------------------------------------------------------
     async def status(self) -> dict:
         return {**self.state.snapshot(), "model": self.config.model_name, "ready": self._ready,
-                "counters": dict(self.counters)}
+                "counters": dict(self.counters), "lora_adapters": self.lora.listing()}
 
     async def record_requests(self, observations: list[RequestObservation]) -> None:
         self.metrics.record_requests(observations)

@@ -65,6 +65,10 @@ class RunTimeAdapters:
     def table(self) -> dict[str, str]:
         return dict(self.identities)
 
+    def listing(self) -> dict[str, str | None]:
+        """Each adapter served -> the path it was loaded from while serving (None: lora_modules)."""
+        return {name: self.paths.get(name) for name in self.identities}
+
     def check(self, lora: str | None) -> None:
         """`place`'s gate: AdapterUnavailable unless `lora` (None: the base model) is served."""
         if lora is not None and lora not in self.identities:

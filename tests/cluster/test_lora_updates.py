@@ -104,6 +104,7 @@ def test_a_worker_that_starts_later_is_given_the_table():
     asyncio.run(table.unload(workers, "code"))  # loaded at start: a new worker loads it, then unloads it
     new = _Worker({"chat": (None, "chat"), "code": (None, "code")})
     asyncio.run(_give(table, new))
+    assert table.listing() == {"chat": None, "sql": "/adapters/sql"}
     assert new.held == workers["a"].held == {"chat": (None, "chat"), "sql": ("/adapters/sql", "sql:/adapters/sql")}
     broken = _Worker({"chat": (None, "chat"), "code": (None, "code")}, refuse=ConfigError("gone"))
     with pytest.raises(RayTaskError):  # its start fails: the controller tries again

@@ -102,11 +102,11 @@ class LoraWeights(nn.Module):
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (x's projection [T, out]) with each adapter's product added to its rows, in place."""
-        rows = self.slots.rows
-        if rows is not None:
+        by_row = self.slots.rows
+        if by_row is not None:
             if triton_dispatch.runs_kernels(x):
-                return triton_dispatch.lora_ops().add_rows(x, out, self.a, self.b, rows, self.part_rows)
-            return add_rows_torch(x, out, self.a, self.b, rows, self.part_rows)
+                return triton_dispatch.lora_ops().add_rows(x, out, self.a, self.b, by_row, self.part_rows)
+            return add_rows_torch(x, out, self.a, self.b, by_row, self.part_rows)
         r = self.rank
         for slot, rows in self.slots.groups:
             if slot not in self.live:
