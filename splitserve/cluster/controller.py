@@ -24,8 +24,8 @@ their pools and the one placement state every ingress replica asks.
   merely busy with a long step stays. A replacement that fails to start is tried again, further
   apart each time (`RESTART_BACKOFF_S`), until one starts: a slot is never left empty for good.
 - LoRA adapters loaded and unloaded while serving: the one table of what the cluster serves
-  (`lora_updates`): `place` admits no request under an adapter it does not hold, and every worker
-  that starts is given the table first.
+  (`lora_updates`): `place` admits no request under an adapter it does not hold, every worker
+  that starts is given the table first, and a worker whose report shows other adapters is mended.
 - Drain: `retire` takes a worker out of placement, lets its running requests finish (at most
   `drain_timeout_s`), then stops it; `drain` does so for every worker on shutdown, while no
   new request is placed (the ingress answers 429).
@@ -77,8 +77,8 @@ class Controller:
         slo = self.config.slo
         self.metrics = ClusterMetrics(self.config.model_name, SLOBounds(slo.ttft_s, slo.tbt_s, slo.e2e_s),
                                       self.config.served_models.adapters)
-        self.lora = RunTimeAdapters(self.config)
         self.counters: Counter = Counter()
+        self.lora = RunTimeAdapters(self.config, self.counters)
         self.start_errors: list[str] = []
         self._incarnations = itertools.count()
         self._rendezvous: Rendezvous | None = None  # the store's address and the transfer secret
@@ -286,14 +286,15 @@ class Controller:
         snapshot, gone = worker_id in self._prefix_resync, tuple(sorted(self._gone.pop(worker_id, ())))
         live = tuple(sorted(self.slots)) if worker_id in self._adopted_unsynced else None
         try:
-            load, stats, prefix = await asyncio.wait_for(handle.report.remote(snapshot, gone, live),
-                                                         self._poll_timeout_s)
+            load, stats, prefix, adapters = await asyncio.wait_for(handle.report.remote(snapshot, gone, live),
+                                                                   self._poll_timeout_s)
         except (RayError, asyncio.TimeoutError):  # dead, unhealthy (the loop refuses), or slow
             self._prefix_resync.add(worker_id)  # a slow report still runs there, and its delta is lost
             await self.worker_failed(worker_id)
             return
         self._prefix_resync.discard(worker_id)
         self._adopted_unsynced.discard(worker_id)
+        self.lora.mend(worker_id, handle, adapters)
         await self._apply(self.state.report(worker_id, load, time.monotonic(), prefix))
         worker = self.state.workers.get(worker_id)
         if worker is not None:
@@ -335,6 +336,7 @@ class Controller:
         if worker_id not in self.slots:  # already removed (a retire and a failure raced)
             return
         self.handles.pop(worker_id, None)
+        self.lora.forget(worker_id)
         self._prefix_resync.discard(worker_id)
         self._adopted_unsynced.discard(worker_id)
         pool, slot = self.slots.pop(worker_id)

@@ -12,6 +12,9 @@
   that cannot load one fails its start (the controller tries again).
 - A CLS adopting the workers a dead one left serves the adapters all of them hold alike
   (`adopt`); the others are unloaded from the workers holding them.
+- A worker whose report shows adapters other than the table's (a load that reached it after its
+  CLS gave up on it: timed out, or died and was replaced) is mended (`mend`): what it should not
+  hold unloaded, what it lacks loaded, at most once per MEND_EVERY_S.
 Loads and unloads take turns (`updates`, a lock), and with each worker's start from its `give`
 until it joins the pools, so no worker misses one.
 """
@@ -19,10 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import Counter
 
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayError, RayTaskError
 
 from splitserve.api.errors import RequestError
+from splitserve.cluster.background import background
 from splitserve.cluster.dispatch import RequestFailed
 from splitserve.config import ClusterConfig
 from splitserve.engine.config import ConfigError
@@ -30,6 +36,7 @@ from splitserve.engine.lora_loading import AdapterNotLoaded, NoAdapterSlot
 
 log = logging.getLogger("splitserve.controller")
 LOAD_TIMEOUT_S = 120.0  # a worker reads the adapter's files between two steps
+MEND_EVERY_S = 10.0  # a worker that still differs after a mend is mended again this much later
 
 
 class LoraUpdateError(Exception):
@@ -54,12 +61,15 @@ class RunTimeAdapters:
     """The CLS's table: every adapter served, name -> identity (`lora_adapter`); those loaded at
     run time also by path."""
 
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, counters: Counter | None = None):
+        """`counters`: the controller's (`lora_mends` counts the workers mended)."""
         self.enabled = config.engine.max_loras > 0
         self._model_names = set(config.model_names)
         self._at_start = tuple(config.engine.lora_modules)  # every worker loads these as it starts
         self.identities = {name: name for name in self._at_start}  # loaded at start: named by their names
         self.paths: dict[str, str] = {}  # those loaded at run time
+        self.counters = Counter() if counters is None else counters
+        self._mended: dict[str, float] = {}  # worker -> when its last mend began
         self.updates = asyncio.Lock()
 
     def table(self) -> dict[str, str]:
@@ -137,6 +147,36 @@ class RunTimeAdapters:
             await asyncio.gather(*(_call(handle.unload_lora, name) for name in extra), return_exceptions=True)
         self.identities = {name: identity for name, (_, identity) in common.items()}
         self.paths = {name: path for name, (path, _) in common.items() if path is not None}
+
+
+    def mend(self, worker_id: str, handle, held: dict[str, str] | None) -> None:
+        """After a poll: mend the worker in the background if what it `held` (None: it does not
+        report adapters) differs from the table, and no update is under way (it would differ)."""
+        if held is None or held == self.identities or self.updates.locked():
+            return
+        if time.monotonic() - self._mended.get(worker_id, -MEND_EVERY_S) < MEND_EVERY_S:
+            return
+        self._mended[worker_id] = time.monotonic()
+        background(self._mend(worker_id, handle))
+
+    def forget(self, worker_id: str) -> None:
+        self._mended.pop(worker_id, None)
+
+    async def _mend(self, worker_id: str, handle) -> None:
+        async with self.updates:
+            try:
+                held = await _call(handle.lora_adapters)
+                for name, (_, identity) in held.items():
+                    if self.identities.get(name) != identity:
+                        await _call(handle.unload_lora, name)
+                for name, path in self.paths.items():
+                    if name not in held or held[name][1] != self.identities[name]:
+                        await _call(handle.load_lora, name, path)
+                self.counters["lora_mends"] += 1
+                log.warning("worker %s held adapters other than the cluster serves (%s); mended", worker_id,
+                            sorted(held))
+            except (LoraUpdateError, RayError) as error:  # tried again after MEND_EVERY_S, if it still differs
+                log.error("mending worker %s's adapters failed: %s", worker_id, error)
 
 
 async def _call(method, *args):

@@ -76,6 +76,7 @@ class Worker:
         self.worker_id, self.hardware, self._config = worker_id, hardware, cfg
         self._rendezvous, self._tp_size = rendezvous, tensor_parallel_size
         self._reports_prefix = cfg.prefix_options().aware
+        self._reports_adapters = cfg.engine.max_loras > 0
         engine_config = cfg.engine_config(role)
         self._store = join_store(rendezvous, cfg.transfer.timeout_s) if rendezvous else None
         group = None
@@ -146,10 +147,12 @@ class Worker:
         return await self._call(self.loop.load)
 
     async def report(self, prefix_snapshot: bool = False, gone: tuple[str, ...] = (),
-                     live: tuple[str, ...] | None = None) -> tuple[WorkerLoad, WorkerStats, PrefixDelta | None]:
-        """Load for placement, what happened since the last report for the metrics, and with
+                     live: tuple[str, ...] | None = None
+                     ) -> tuple[WorkerLoad, WorkerStats, PrefixDelta | None, dict[str, str] | None]:
+        """Load for placement, what happened since the last report for the metrics, with
         prefix-aware placement the prefix cache's change since the last report (`prefix_snapshot`:
-        all it holds instead, after a report that was lost). `gone`: workers removed from the
+        all it holds instead, after a report that was lost), and with adapters loaded while serving
+        the adapters it holds (name -> identity; the controller mends any that differ from its table). `gone`: workers removed from the
         cluster since the last report (this worker's links to them close); `live`, from a CLS that
         adopted this worker: every worker of the cluster (its links to any other close)."""
         self._lease.renew()
@@ -160,7 +163,8 @@ class Worker:
             if live is not None:
                 self.loop.keep_peers(live)
             prefix = self.loop.prefix_delta(prefix_snapshot) if self._reports_prefix else None
-            return self.loop.load(), self.loop.drain_stats(), prefix
+            adapters = self.loop.engine.lora_identities if self._reports_adapters else None
+            return self.loop.load(), self.loop.drain_stats(), prefix, adapters
         return await self._call(report)
 
     async def health(self) -> dict:

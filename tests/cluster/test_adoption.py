@@ -85,7 +85,7 @@ def test_a_cls_ray_restarted_places_its_first_request_on_the_workers_it_adopts(m
     `place` starts it and waits for the adoption, instead of refusing (no worker ready)."""
     config = {"pools": [{"role": "mixed"}]}
     rank0 = _Rank0(config_digest=ClusterConfig.model_validate(config).digest(), rendezvous=None)
-    rank0.report = RemoteMethod((LOAD, WorkerStats(), None))
+    rank0.report = RemoteMethod((LOAD, WorkerStats(), None, None))
     found = parse_worker("app", "app-mixed-0.3")
 
     async def adopt_workers(app, cluster, rendezvous):
@@ -112,7 +112,7 @@ def test_an_adopted_workers_first_report_names_every_live_worker(monkeypatch):
     config = {"pools": [{"role": "mixed", "num_workers": 2}]}
     adopted, started = _Rank0(), _Rank0()
     for rank0 in (adopted, started):
-        rank0.report = RemoteMethod((LOAD, WorkerStats(), None))
+        rank0.report = RemoteMethod((LOAD, WorkerStats(), None, None))
 
     async def adopt_workers(app, cluster, rendezvous):
         found = parse_worker("app", "app-mixed-0.3")

@@ -23,7 +23,7 @@ HEALTHY = {"alive": True, "healthy": True, "reason": None, "heartbeat_age_s": 0.
 
 class _Handle:
     def __init__(self, prefix: PrefixDelta | None = None, load: WorkerLoad = WorkerLoad()):
-        self.report = RemoteMethod((load, WorkerStats(), prefix))
+        self.report = RemoteMethod((load, WorkerStats(), prefix, None))
         self.health = RemoteMethod(HEALTHY)
 
 
@@ -132,7 +132,7 @@ def test_reports_feed_the_prefix_index_and_a_lost_report_asks_for_a_snapshot():
     handle.report.result = asyncio.TimeoutError()  # slow: it stays (healthy), but that delta is lost
     asyncio.run(controller._poll("mixed-0.0"))
     assert "mixed-0.0" in controller.state.workers
-    handle.report.result = (WorkerLoad(), WorkerStats(), PrefixDelta(16, 100, added=(11,), snapshot=True))
+    handle.report.result = (WorkerLoad(), WorkerStats(), PrefixDelta(16, 100, added=(11,), snapshot=True), None)
     asyncio.run(controller._poll("mixed-0.0"))
     asyncio.run(controller._poll("mixed-0.0"))
     assert handle.report.calls == [(False, (), None), (False, (), None), (True, (), None), (False, (), None)]

@@ -142,3 +142,42 @@ def test_the_cls_places_no_request_under_an_adapter_it_does_not_serve():
     controller = Controller({"engine": {"max_loras": 2}})
     with pytest.raises(AdapterUnavailable, match="`gone` does not exist"):
         asyncio.run(controller.place(PlacementRequest("r", 4, 4), (), "gone"))
+
+
+def test_a_worker_holding_other_adapters_than_the_table_is_mended():
+    """A load that reached a worker after the CLS gave up on it (or a CLS that died mid-load)."""
+    async def run():
+        table = _table(lora_modules={"chat": "/adapters/chat"})
+        workers = {"a": _Worker({"chat": (None, "chat")})}
+        await table.load(workers, "sql", "/adapters/sql")
+        stray = _Worker({"chat": (None, "chat"), "late": ("/adapters/late", "late:x"),
+                         "sql": ("/adapters/old", "sql:/adapters/old")})
+        table.mend("stray", stray, {name: identity for name, (_, identity) in stray.held.items()})
+        await asyncio.sleep(0.05)
+        assert stray.held == workers["a"].held and table.counters["lora_mends"] == 1
+        table.mend("stray", stray, {"chat": "chat"})  # differs again at once: not before MEND_EVERY_S
+        table.mend("fine", stray, table.table())  # holds what is served: nothing to do
+        async with table.updates:  # an update under way: a report may differ from the table meanwhile
+            table.mend("busy", stray, {})
+        await asyncio.sleep(0.05)
+        assert table.counters["lora_mends"] == 1
+    asyncio.run(run())
+
+
+def test_the_controllers_poll_mends_a_worker_whose_report_shows_other_adapters():
+    from splitserve.cluster.controller import Controller
+    from splitserve.cluster.worker_stats import WorkerStats
+    from splitserve.placement.state import Role, WorkerLoad
+    from tests.cluster.remote_method import RemoteMethod
+
+    controller = Controller({"engine": {"max_loras": 2}, "pools": [{"role": "mixed"}]})
+    worker = _Worker({"late": ("/adapters/late", "late:x")})
+    worker.report = RemoteMethod((WorkerLoad(), WorkerStats(), None, {"late": "late:x"}))
+    controller.handles["mixed-0.0"] = worker
+    controller.state.add_worker("mixed-0.0", Role.MIXED, controller.config.hardware("cpu"), WorkerLoad(), 0.0)
+
+    async def run():
+        await controller._poll("mixed-0.0")
+        await asyncio.sleep(0.05)
+    asyncio.run(run())
+    assert worker.held == {} and controller.counters["lora_mends"] == 1
