@@ -12,12 +12,15 @@ are killed and replaced along the way) to the end; and each one's growth over th
 that time (a leak keeps growing; a warm-up levels off). Kills alternate between the prompt and
 the token pool. `--kill-controller-every-s` also SIGKILLs the CLS (Serve replaces it, and the new one
 adopts the workers): requests refused or failed in the minute after count in
-`failed_within_60s_after_a_controller_kill`.
+`failed_within_60s_after_a_controller_kill`. `--lora-churn-s` unloads and loads LoRA adapters again
+while requests name them (`lora_churn.py`): its loads' and unloads' statuses, and whether every
+worker holds what the cluster serves at the end, are reported.
 
     python scripts/soak.py --minutes 30 --json soak.json
     python scripts/soak.py --minutes 10 --prompt-chunk-tokens 128 --layerwise-threshold 64 --backend ipc
     python scripts/soak.py --minutes 40 --kill-every-s 100000 --trace-memory /tmp/snaps   # where memory grows
     python scripts/soak.py --minutes 4 --kill-every-s 100000 --kill-controller-every-s 60   # the CLS dies
+    python scripts/soak.py --minutes 10 --kill-every-s 100 --lora-churn-s 20   # adapters come and go
 """
 from __future__ import annotations
 
@@ -33,7 +36,9 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-import memory_trace  # this script's folder
+import lora_churn  # this script's folder
+import memory_trace
+from lora_churn import LoraChurn
 
 from splitserve.machine import cpu_name
 
@@ -174,15 +179,16 @@ async def capacity(http: httpx.AsyncClient, url: str, model: str, seconds: float
     return tally.outcomes["completed"] / (time.monotonic() - start)
 
 
-async def load(args, url: str, model: str, rate: float, tally: Tally, marks: dict) -> int:
+async def load(args, url: str, model: str, rate: float, tally: Tally, marks: dict, churn: LoraChurn | None) -> int:
     rng, tasks, kills = random.Random(args.seed), set(), 0
     start = time.monotonic()
     end, next_kill, ten_percent = start + args.minutes * 60, start + args.kill_every_s, start + args.minutes * 6
     next_cls_kill = start + (args.kill_controller_every_s or math.inf)
+    next_churn = start + (args.lora_churn_s or math.inf)
     async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=httpx.Limits(max_connections=512)) as http:
         now = start
         while now < end:
-            path, body = request_body(rng, model)
+            path, body = request_body(rng, churn.model(rng) if churn else model)
             hang_up = rng.randint(1, 6) if rng.random() < args.disconnect_fraction else None
             task = asyncio.create_task(one_request(http, url, path, body, hang_up, tally))
             tasks.add(task)
@@ -199,6 +205,11 @@ async def load(args, url: str, model: str, rate: float, tally: Tally, marks: dic
                 kills += killed
                 tally.kills_at += [time.monotonic()] * killed
                 next_kill = now + args.kill_every_s
+            if churn is not None and now >= next_churn and now < end - 20:
+                task = asyncio.create_task(churn.turn(http, url))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                next_churn = now + args.lora_churn_s
             if now >= next_cls_kill and now < end - 20:
                 tally.controller_kills_at.append(await asyncio.to_thread(kill_the_controller, url))
                 next_cls_kill = now + args.kill_controller_every_s
@@ -290,7 +301,9 @@ def main(argv: list[str] | None = None) -> dict:
         runtime_env["worker_process_setup_hook"] = memory_trace.setup_hook(
             str(Path(args.trace_memory).resolve()), args.trace_every_s, args.trace_frames)
     start_serve(4, args.port, runtime_env=runtime_env)
-    engine = {**ENGINE, **({"prompt_chunk_tokens": args.prompt_chunk_tokens} if args.prompt_chunk_tokens else {})}
+    engine = {**ENGINE, **({"prompt_chunk_tokens": args.prompt_chunk_tokens} if args.prompt_chunk_tokens else {}),
+              **(lora_churn.ENGINE if args.lora_churn_s else {})}
+    churn = lora_churn.LoraChurn() if args.lora_churn_s else None
     config = {"engine": engine, "transfer": {"backend": args.backend, "timeout_s": 20, "lease_s": 60,
                                              "layerwise_threshold": args.layerwise_threshold},
               "scheduler": {"report_interval_s": 0.05}}
@@ -303,9 +316,11 @@ def main(argv: list[str] | None = None) -> dict:
         async def run() -> tuple[float, int]:
             async with httpx.AsyncClient(timeout=args.request_timeout_s) as http:
                 measured = await capacity(http, url, "demo", args.calibrate_s)
+                if churn is not None:
+                    await churn.start(http, url)
             rate = args.rate or args.load_fraction * measured
             print(f"soak: capacity {measured:.2f} req/s; offering {rate:.2f} req/s for {args.minutes} min", flush=True)
-            return measured, rate, await load(args, url, "demo", rate, tally, marks)
+            return measured, rate, await load(args, url, "demo", rate, tally, marks, churn)
 
         started = time.monotonic()
         measured, rate, kills = asyncio.run(run())
@@ -313,6 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
         growth, memory_traces = growth_by_process(marks.get("rss", {}), end, cluster_processes(url), args.trace_memory)
         held = leaked_blocks(url)
         restarted = counter_total(url, "splitserve_requests_restarted_total")  # placed again after a failure
+        adapters = lora_churn.workers_hold_what_is_served(url, "soak") if churn else None
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -330,6 +346,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                                for t in tally.failed_at),
               "requests_restarted": int(restarted), "leaked_blocks": sum(held.values()), "blocks_held": held,
               "rss_growth_mb": growth, **({"memory_trace": memory_traces} if args.trace_memory else {}),
+              **({"lora_churn": {"every_s": args.lora_churn_s, "statuses": dict(churn.statuses), **adapters}}
+                 if churn else {}),
               "backend": args.backend, "prompt_chunk_tokens": engine.get("prompt_chunk_tokens"),
               "layerwise_threshold": args.layerwise_threshold, "hardware": cpu_name()}
     print(json.dumps(result, indent=2))
@@ -348,6 +366,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--kill-every-s", type=float, default=180, help="SIGKILL a random worker this often")
     parser.add_argument("--kill-controller-every-s", type=float,
                         help="SIGKILL the CLS this often (default: never)")
+    parser.add_argument("--lora-churn-s", type=float,
+                        help="unload a LoRA adapter and load it again (other weights) this often, while requests "
+                             "name two adapters and the base model (default: no adapters)")
     parser.add_argument("--disconnect-fraction", type=float, default=0.1, help="share of clients that hang up")
     parser.add_argument("--request-timeout-s", type=float, default=120)
     parser.add_argument("--seed", type=int, default=0)
