@@ -213,11 +213,11 @@ class Controller:
     async def load_lora(self, name: str, path: str) -> None:
         """Load an adapter on every worker (LoraUpdateError if one refuses: none keeps it)."""
         await self._adoption()
-        await self.lora.load(dict(self.handles), name, path)
+        await self.lora.load(self.handles, name, path)
 
     async def unload_lora(self, name: str) -> None:
         await self._adoption()
-        await self.lora.unload(dict(self.handles), name)
+        await self.lora.unload(self.handles, name)
 
     async def lora_table(self) -> dict[str, str]:
         """The adapters served, name -> identity, for the ingress replicas."""

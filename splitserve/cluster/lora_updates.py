@@ -85,7 +85,9 @@ class RunTimeAdapters:
             raise AdapterUnavailable(f"The model `{lora}` does not exist: no LoRA adapter of that name is loaded "
                                      "(it was unloaded)")
 
-    async def load(self, handles: dict[str, object], name: str, path: str) -> None:
+    async def load(self, workers: dict[str, object], name: str, path: str) -> None:
+        """On every worker of `workers` (the controller's live handles, read once no other update
+        or worker start is under way)."""
         if not self.enabled:
             raise LoraUpdateError("loading LoRA adapters while serving is off: set engine.max_loras (slots for "
                                   "adapters) in the cluster config", status=404, code="not_enabled")
@@ -94,6 +96,7 @@ class RunTimeAdapters:
         async with self.updates:
             if name in self.identities:
                 raise LoraUpdateError(f"lora_name: an adapter named {name!r} is already loaded (unload it first)")
+            handles = dict(workers)
             results = await asyncio.gather(*(_call(h.load_lora, name, path) for h in handles.values()),
                                            return_exceptions=True)
             refusals = [r for r in results if isinstance(r, LoraUpdateError)]
@@ -109,7 +112,7 @@ class RunTimeAdapters:
             self.identities[name] = identities.pop() if identities else name  # no worker yet: `give` names it
             self.paths[name] = path
 
-    async def unload(self, handles: dict[str, object], name: str) -> None:
+    async def unload(self, workers: dict[str, object], name: str) -> None:
         if not self.enabled:
             raise LoraUpdateError("unloading LoRA adapters while serving is off: set engine.max_loras in the "
                                   "cluster config", status=404, code="not_enabled")
@@ -118,6 +121,7 @@ class RunTimeAdapters:
                 raise LoraUpdateError(f"lora_name: no adapter named {name!r} is loaded", status=404,
                                       code="lora_not_found")
             del self.identities[name]
+            handles = dict(workers)
             self.paths.pop(name, None)
             await asyncio.gather(*(_call(h.unload_lora, name) for h in handles.values()), return_exceptions=True)
 

@@ -181,3 +181,15 @@ def test_the_controllers_poll_mends_a_worker_whose_report_shows_other_adapters()
         await asyncio.sleep(0.05)
     asyncio.run(run())
     assert worker.held == {} and controller.counters["lora_mends"] == 1
+
+
+def test_a_load_waiting_on_a_workers_start_reaches_that_worker_too():
+    async def run():
+        table, workers = _table(), {"a": _Worker()}
+        async with table.updates:  # a worker starting: given the table, then joining the pools
+            loading = asyncio.ensure_future(table.load(workers, "sql", "/adapters/sql"))
+            await asyncio.sleep(0.01)
+            workers["b"] = _Worker()
+        await loading
+        assert all("sql" in w.held for w in workers.values())
+    asyncio.run(run())
