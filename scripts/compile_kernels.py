@@ -20,6 +20,7 @@ gives a block, or is first compiled while serving.
     python scripts/compile_kernels.py --arch 90 --json kernels.json
     python scripts/compile_kernels.py --shape qwen3-30b-a3b   # with the fused-MoE kernels
     python scripts/compile_kernels.py --kv-cache-dtype fp8    # attention over an FP8 cache
+    python scripts/compile_kernels.py --max-loras 4           # decode graphs with LoRA adapter slots
 """
 from __future__ import annotations
 
@@ -56,11 +57,12 @@ from splitserve.engine.engine_config import EngineConfig  # noqa: E402
 from splitserve.engine.kernel_warm_up import warm_up  # noqa: E402
 from splitserve.engine.kv_cache import KVCache  # noqa: E402
 from splitserve.engine.model import fp8_linear, fp8_w8a8  # noqa: E402
-from splitserve.engine.model.linear import Linear  # noqa: E402
+from splitserve.engine.model.linear import Linear, MergedLinear  # noqa: E402
 from splitserve.engine.model.llama import LlamaAttention, LlamaMLP  # noqa: E402
 from splitserve.engine.model.lora import LoraSlots  # noqa: E402
 from splitserve.engine.model.moe import SparseMoeBlock, expert_names  # noqa: E402
 from splitserve.engine.model.moe_routing import route  # noqa: E402
+from splitserve.engine.model.triton_lora import add_rows  # noqa: E402
 from splitserve.engine.model.triton_ops import add_rms_norm, gated, rotate_in_place  # noqa: E402
 from splitserve.engine.model_builder import default_dtype  # noqa: E402
 from splitserve.engine.model_runner import ModelRunner, StepBatch  # noqa: E402
@@ -188,10 +190,12 @@ class LayerLaunches(torch.nn.Module):
     without and with the residual, the rotary embedding of q and k (views of the fused QKV output),
     attention (once per `windows`, the model's kinds of layer: with its sliding window, whole
     context), a sparse layer's experts (every token on its first k experts), and the W8A16 GEMM of
-    each projection the device keeps FP8. Called as the model is, by the model runner and the CUDA
-    graphs."""
+    each projection the device keeps FP8, and with `lora` (slots, rank) each projection's
+    adapters by row where the CUDA graphs set the rows. Called as the model is, by the model
+    runner and the CUDA graphs."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_model_len: int, windows: list[int | None]):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_model_len: int, windows: list[int | None],
+                 lora: tuple[int, int] = (0, 0)):
         super().__init__()
         self.windows = windows
         with torch.device("meta"):
@@ -200,7 +204,8 @@ class LayerLaunches(torch.nn.Module):
         for linear in self._projections():  # kept FP8: allocated on the CPU, never written
             linear.to_empty(device="cpu")
         self.config, self.dtype = config, dtype
-        self.lora_slots = LoraSlots()  # no adapters, as the runner asks of the model
+        self.lora_slots = LoraSlots(*lora)  # the runner and the graphs ask the model for its adapter slots
+        self._adapters = {linear: self._adapter_weights(linear, *lora) for linear in self._linears()}
         self.sinks = torch.zeros(self.attention.num_heads, dtype=dtype) if config.attention_sinks else None
         self.weight = torch.empty(config.hidden_size, dtype=dtype)
         self.cos = self.sin = torch.empty((max_model_len, config.head_dim), dtype=torch.float32)
@@ -233,16 +238,29 @@ class LayerLaunches(torch.nn.Module):
             self._project(self.mlp.down_proj, gated(gate, up, self.mlp.gelu))
         return h
 
+    def _linears(self) -> list[Linear]:
+        found = [self.attention.qkv_proj, self.attention.o_proj]
+        return found + ([self.mlp.gate_up_proj, self.mlp.down_proj] if self.mlp is not None else [])
+
     def _projections(self) -> list[Linear]:
         """The projections kept FP8."""
-        found = [self.attention.qkv_proj, self.attention.o_proj]
-        found += [self.mlp.gate_up_proj, self.mlp.down_proj] if self.mlp is not None else []
-        return [linear for linear in found if linear.fp8_block is not None]
+        return [linear for linear in self._linears() if linear.fp8_block is not None]
+
+    def _adapter_weights(self, linear: Linear, slots: int, rank: int) -> tuple | None:
+        """A [slots, parts * rank, in], B [slots, out, rank] and the parts' rows (never written)."""
+        if not slots:
+            return None
+        parts = list(linear.parts.values()) if isinstance(linear, MergedLinear) else [linear.out_features]
+        return (torch.empty((slots, len(parts) * rank, linear.in_features), dtype=self.dtype),
+                torch.empty((slots, linear.out_features, rank), dtype=self.dtype), parts)
 
     def _project(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-        if linear.fp8_block is not None:
-            return linear.fused(x)
-        return torch.empty((x.shape[0], linear.out_features), dtype=self.dtype)
+        out = linear.fused(x) if linear.fp8_block is not None else \
+            torch.empty((x.shape[0], linear.out_features), dtype=self.dtype)
+        if self.lora_slots.rows is not None:  # a captured decode step of a model with adapter slots
+            a, b, parts = self._adapters[linear]
+            add_rows(x, out, a, b, self.lora_slots.rows, parts)
+        return out
 
 
 def step(seqs: list[tuple[int, int]], block_size: int, groups: int) -> StepBatch:
@@ -281,12 +299,13 @@ def serving_mix(rng: random.Random, config: EngineConfig, max_model_len: int, st
 
 def compile_all(arch: int, shape: dict, dtype: torch.dtype, config: EngineConfig, steps: int,
                 with_warm_up: bool = True, seed: int = 0, decode_stages: int | None = None) -> list[Variant]:
+    """`config.max_loras` and `max_lora_rank`: the decode graphs with that many adapter slots."""
     whole = ModelConfig.from_hf(shape)
     model_config = replace(whole, num_hidden_layers=1)
     max_model_len = config.max_model_len or model_config.max_positions
     windows = sorted({whole.window_of(i) for i in range(whole.num_hidden_layers)}, key=lambda w: w or 0)
     with built_for(divmod(arch, 10)):  # FP8 weights kept (or dequantized) as that device keeps them
-        model = LayerLaunches(model_config, dtype, max_model_len, windows)
+        model = LayerLaunches(model_config, dtype, max_model_len, windows, (config.max_loras, config.max_lora_rank))
     cpu = torch.device("cpu")
     backend = TritonPagedBackend(sms=ARCHS[arch].sms, capability=divmod(arch, 10),
                                  shared_bytes=ARCHS[arch].block_shared, decode_stages=decode_stages)
@@ -329,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="fp8: the attention kernels' variants that read e4m3 codes")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-loras", type=int, default=0, help="LoRA adapter slots (their kernels run in the decode "
+                        "graphs)")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200, help="random prefill / mixed steps of the serving mix")
     parser.add_argument("--decode-stages", type=int, help="the decode kernel's pipelining stages (default: the "
@@ -340,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape = SHAPES.get(args.shape) or json.loads(Path(args.shape).read_text())
     config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     report, failed = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "archs": {}}, False
     os.environ["TRITON_CACHE_DIR"] = str(args.cache_dir or tempfile.mkdtemp(prefix="splitserve-triton-"))
     for arch in args.arch or [90, 80]:

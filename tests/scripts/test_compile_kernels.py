@@ -10,7 +10,8 @@ heads), over either cache, are compiled at start-up too, none spilling, Gemma's 
 as far ahead where a third K and V buffer fits a block's shared memory (not an L40S's); an FP8
 cache is widened by e4m3 conversion on sm_90 and bit moves on sm_80, and its decode asks for a tile
 two iterations before it waits for it (5 stages), as a bf16 cache's decode does at 5 stages (what
-bench_attention.py times against the engine's 3). Without the
+bench_attention.py times against the engine's 3). With LoRA adapter slots, the
+decode graphs' adapter kernels are compiled at start-up too, without spills. Without the
 warm-up, serving compiles; in float32 the attention kernels spill: the script fails on both."""
 import json
 import subprocess
@@ -140,6 +141,18 @@ def test_an_fp8_cache_compiles_its_variants_at_start_up_without_spills(run, arch
             assert "FP8_KV=True" in v["spec"] and f"NATIVE_FP8={arch == '90'}" in v["spec"], v
         if v["kernel"] == "paged_decode_kernel":
             assert [loop["copy_slack"] for loop in v["loops"]] == [1], v
+
+
+@pytest.mark.parametrize("arch", ["90", "80"])
+def test_lora_adapter_slots_compile_their_kernels_at_start_up_without_spills(run, arch):
+    """With adapter slots the decode graphs run every projection's adapters by row: the shrink and
+    expand kernels are captured at start-up (a variant per projection's shape), serving compiles
+    none, and none spills."""
+    code, archs = run("--max-loras", "4", "--max-lora-rank", "16", "--arch", arch, "--steps", "10")
+    report = archs[f"sm_{arch}"]
+    assert code == 0 and not report["problems"]
+    assert {v["phase"] for v in report["variants"]} == {"start-up"}
+    assert {v["kernel"] for v in report["variants"]} == KERNELS | {"_shrink_kernel", "_expand_kernel"}
 
 
 def test_the_decode_at_five_stages_asks_for_a_tile_a_whole_iteration_before_it_waits(run):
