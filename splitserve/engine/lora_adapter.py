@@ -48,6 +48,15 @@ class LoraAdapter:
     identity: str
 
 
+@dataclass(frozen=True)
+class RunTimeLimits:
+    """What an adapter loaded at run time may be: its rank at most the slots', its weights file at
+    most `max_bytes`."""
+
+    max_rank: int
+    max_bytes: int
+
+
 def load_adapter(name: str, path: str | Path, limits: RunTimeLimits | None = None) -> LoraAdapter:
     """Read the adapter at `path`; `limits` for one named in a load request at run time (not in
     lora_modules): its rank and file size are bounded before its weights are read. A missing,
@@ -63,15 +72,6 @@ def load_adapter(name: str, path: str | Path, limits: RunTimeLimits | None = Non
         raise ConfigError(f"{where}: {error}") from None
 
 
-@dataclass(frozen=True)
-class RunTimeLimits:
-    """What an adapter loaded at run time may be: its rank at most the slots', its weights file at
-    most `max_bytes`."""
-
-    max_rank: int
-    max_bytes: int
-
-
 def _read(name: str, root: Path, limits: RunTimeLimits | None) -> LoraAdapter:
     config = read_json(root / CONFIG_FILE)
     rank, alpha = _checked_config(name, config)
@@ -81,9 +81,17 @@ def _read(name: str, root: Path, limits: RunTimeLimits | None) -> LoraAdapter:
     if limits is not None and weights_file.stat().st_size > limits.max_bytes:
         raise ConfigError(f"adapter {name!r}: {weights_file} holds {weights_file.stat().st_size} bytes, more than a "
                           f"rank-{limits.max_rank} adapter of every projection of this model ({limits.max_bytes})")
-    tensors = _read_weights(weights_file)
+    weights = _pairs(name, rank, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank),
+                     _read_weights(weights_file))
+    if not weights:
+        raise ConfigError(f"adapter {name!r} at {root} has no LoRA weights")
     identity = name if limits is None else f"{name}\0{_digest(root / CONFIG_FILE, weights_file)}"
-    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    return LoraAdapter(name, rank, weights, identity)
+
+
+def _pairs(name: str, rank: int, scale: float, tensors: dict[str, torch.Tensor]
+           ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The file's tensors as (A, B * scale) per adapted module, in float32."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         found = _TENSOR.fullmatch(key)
@@ -100,9 +108,7 @@ def _read(name: str, root: Path, limits: RunTimeLimits | None) -> LoraAdapter:
             raise ConfigError(f"adapter {name!r}: {module}'s A {tuple(a.shape)} and B {tuple(b.shape)} "
                               f"are not [r, in] and [out, r] with r={rank}")
         weights[module] = (a, b * scale)
-    if not weights:
-        raise ConfigError(f"adapter {name!r} at {root} has no LoRA weights")
-    return LoraAdapter(name, rank, weights, identity)
+    return weights
 
 
 def _checked_config(name: str, config: dict) -> tuple[int, float]:
