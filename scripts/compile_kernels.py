@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape = SHAPES.get(args.shape) or json.loads(Path(args.shape).read_text())
     config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                          kv_cache_dtype=args.kv_cache_dtype, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+                          kv_cache_dtype=args.kv_cache_dtype, max_loras=args.max_loras,
+                          max_lora_rank=args.max_lora_rank)
     report, failed = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "archs": {}}, False
     os.environ["TRITON_CACHE_DIR"] = str(args.cache_dir or tempfile.mkdtemp(prefix="splitserve-triton-"))
     for arch in args.arch or [90, 80]:

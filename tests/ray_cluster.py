@@ -1,13 +1,13 @@
 """One Ray head node for the whole test run, started as users start one (`ray start --head`),
 sized for 2 cores, with up to four splitserve apps: `main` at / (1 prompt + 1 token worker, like
 deploy/local-cpu.yaml, with two LoRA adapters of the demo model, `demo_adapters`, and slots for two
-more loaded while serving), `pools` at
-/pools (the same shape with low thresholds, an API key and two ingress replicas sharing one CLS,
-for pool moves, backpressure, auth and adapters loaded through one replica) and `hardening` at /hardening (short leases and stuck
-bound, small request bounds, for the failure tests) and `tp` at /tp (a prompt worker of 2
-tensor-parallel ranks handing to a token worker of 1, with the adapters too). Its dashboard takes
-`ray job submit`. A pytest plugin (tests/conftest.py): only tests that ask for these fixtures
-start it, and their modules run last; the session ends by stopping that cluster's processes."""
+more loaded while serving), `pools` at /pools (the same shape with low thresholds, an API key and
+two ingress replicas sharing one CLS, for pool moves, backpressure, auth and adapters loaded
+through one replica) and `hardening` at /hardening (short leases and stuck bound, small request
+bounds, for the failure tests) and `tp` at /tp (a prompt worker of 2 tensor-parallel ranks
+handing to a token worker of 1, with the adapters too). Its dashboard takes `ray job submit`. A
+pytest plugin (tests/conftest.py): only tests that ask for these fixtures start it, and their
+modules run last; the session ends by stopping that cluster's processes."""
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +31,8 @@ ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 2048}
 RUN_TIME_LORA = {"max_loras": 4, "max_lora_rank": 8}  # main and tp: two adapters at start, two more slots; pools
 MAIN = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "fault_injection": True,
         "scheduler": {"report_interval_s": 0.05}, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
-POOLS = {"engine": {**ENGINE, **RUN_TIME_LORA}, "transfer": {"backend": "gloo", "timeout_s": 10}, "served_model_name": ["demo", "pools-alias"],
+POOLS = {"engine": {**ENGINE, **RUN_TIME_LORA}, "transfer": {"backend": "gloo", "timeout_s": 10},
+         "served_model_name": ["demo", "pools-alias"],
          "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
          "scheduler": {"report_interval_s": 0.05, "mixed_prompt_tokens": 600, "max_queue_tokens": 3000,
                        "max_decode_queue_tokens": 3000},

@@ -79,8 +79,8 @@ class Ingress:
         """What clients may send as `model`, as of this replica's last look (`ServedAdapters`)."""
         return self._adapters.served
 
-    async def _refresh_adapters(self) -> None:
-        await self._adapters.refresh(lambda: self._cls.call("lora_table"))
+    async def _refresh_adapters(self, now: bool = False) -> None:
+        await self._adapters.refresh(lambda: self._cls.call("lora_table"), now)
 
     # ---- endpoints ---------------------------------------------------------------------------
     @api.get("/health")
@@ -309,7 +309,7 @@ class Ingress:
                 raise
         except RequestError as error:
             return error_response(error)
-        await self._adapters.refresh(lambda: self._cls.call("lora_table"), now=True)
+        await self._refresh_adapters(now=True)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' {done} successfully.")
 
     async def _tokenizer_call(self, request: Request, model_cls, answer) -> JSONResponse:

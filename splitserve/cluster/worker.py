@@ -152,9 +152,10 @@ class Worker:
         """Load for placement, what happened since the last report for the metrics, with
         prefix-aware placement the prefix cache's change since the last report (`prefix_snapshot`:
         all it holds instead, after a report that was lost), and with adapters loaded while serving
-        the adapters it holds (name -> identity; the controller mends any that differ from its table). `gone`: workers removed from the
-        cluster since the last report (this worker's links to them close); `live`, from a CLS that
-        adopted this worker: every worker of the cluster (its links to any other close)."""
+        the adapters it holds (name -> identity; the controller mends any that differ from its
+        table). `gone`: workers removed from the cluster since the last report (this worker's links
+        to them close); `live`, from a CLS that adopted this worker: every worker of the cluster
+        (its links to any other close)."""
         self._lease.renew()
 
         def report():

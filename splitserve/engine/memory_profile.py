@@ -101,8 +101,9 @@ def run_largest_step(loaded: LoadedModel, lengths: list[int], config: EngineConf
     """One iteration of fresh prompts `lengths` long through this rank's part of serving: the
     forward on every rank; on rank 0 also the logits, a pass of prompt logprobs and the sampler,
     as `LLMEngine._run`, under a LoRA adapter slot where the model has some (its products'
-    temporaries; every slot is padded to one rank, and computed here loaded or not). KV goes to a throwaway one-block cache (all slots alias: only
-    memory matters); the model is only read, and nothing of the iteration outlives the call."""
+    temporaries; every slot is padded to one rank, and computed here loaded or not). KV goes to a
+    throwaway one-block cache (all slots alias: only memory matters); the model is only read, and
+    nothing of the iteration outlives the call."""
     block_size = config.block_size
     cache = KVCache(loaded.config, 1, block_size, loaded.dtype, loaded.device, shard, config.kv_cache_dtype)
     runner = ModelRunner(loaded.model, cache, backend, loaded.device)
