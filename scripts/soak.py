@@ -284,6 +284,15 @@ def counter_total(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"{name}{{"))
 
 
+def cluster_config(args) -> dict:
+    """The soaked cluster: the demo model on one prompt and one token worker (the default pools)."""
+    engine = {**ENGINE, **({"prompt_chunk_tokens": args.prompt_chunk_tokens} if args.prompt_chunk_tokens else {}),
+              **(lora_churn.ENGINE if args.lora_churn_s else {})}
+    return {"engine": engine, "transfer": {"backend": args.backend, "timeout_s": 20, "lease_s": 60,
+                                           "layerwise_threshold": args.layerwise_threshold},
+            "scheduler": {"report_interval_s": 0.05}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     import ray
     from ray import cloudpickle, serve
@@ -301,12 +310,8 @@ def main(argv: list[str] | None = None) -> dict:
         runtime_env["worker_process_setup_hook"] = memory_trace.setup_hook(
             str(Path(args.trace_memory).resolve()), args.trace_every_s, args.trace_frames)
     start_serve(4, args.port, runtime_env=runtime_env)
-    engine = {**ENGINE, **({"prompt_chunk_tokens": args.prompt_chunk_tokens} if args.prompt_chunk_tokens else {}),
-              **(lora_churn.ENGINE if args.lora_churn_s else {})}
+    config = cluster_config(args)
     churn = lora_churn.LoraChurn() if args.lora_churn_s else None
-    config = {"engine": engine, "transfer": {"backend": args.backend, "timeout_s": 20, "lease_s": 60,
-                                             "layerwise_threshold": args.layerwise_threshold},
-              "scheduler": {"report_interval_s": 0.05}}
     try:
         serve.run(build_app(config), name="soak", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{args.port}"
@@ -348,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
               "rss_growth_mb": growth, **({"memory_trace": memory_traces} if args.trace_memory else {}),
               **({"lora_churn": {"every_s": args.lora_churn_s, "statuses": dict(churn.statuses), **adapters}}
                  if churn else {}),
-              "backend": args.backend, "prompt_chunk_tokens": engine.get("prompt_chunk_tokens"),
+              "backend": args.backend, "prompt_chunk_tokens": args.prompt_chunk_tokens,
               "layerwise_threshold": args.layerwise_threshold, "hardware": cpu_name()}
     print(json.dumps(result, indent=2))
     if args.json:

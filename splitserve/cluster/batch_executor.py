@@ -53,6 +53,12 @@ class ClusterExecutor:
                 return total
             await asyncio.sleep(self.retry_s)
 
+    async def _refresh_adapters(self) -> None:
+        """The LoRA adapters the CLS serves now, as a batch starts (with `adapters`)."""
+        if self.adapters is not None:
+            await self.adapters.refresh(self.workers.cls.lora_table.remote)
+            self.model, self.prefix = self.adapters.served, self.adapters.prefix
+
     async def run(self, lines: list[BatchLine], output: ResultLog, errors: ResultLog, options: BlendOptions,
                   stop: Callable[[], bool], on_result: Callable[[bool], None]) -> None:
         """Every line without a result; each prompt of a line is a request of its own in the
@@ -60,9 +66,7 @@ class ClusterExecutor:
         lines are tokenized, and the feeder built and ordered, in a thread: templates and tokenizers
         take milliseconds a line, and the feeder seconds, which for 50,000 lines would hold the
         actor's loop, and every batch call, for minutes."""
-        if self.adapters is not None:
-            await self.adapters.refresh(self.workers.cls.lora_table.remote)
-            self.model, self.prefix = self.adapters.served, self.adapters.prefix
+        await self._refresh_adapters()
         jobs, finished = await asyncio.to_thread(prepare_pending, lines, self.tokenizer, self.model,
                                                  self.max_model_len, output, errors, on_result, self.limits,
                                                  self.grammar.check, self.parsers)

@@ -24,9 +24,10 @@ REFRESH_S = 1.0
 
 class ServedAdapters:
     def __init__(self, config: ClusterConfig, prefix: PrefixNaming):
-        self.served, self.prefix = config.served_models, prefix  # prefix: names blocks under each adapter's identity
+        self.served = config.served_models
+        # names blocks under each adapter's identity; as served at start: lora_modules, each named by its name
+        self.prefix = replace(prefix, lora_identities=tuple((name, name) for name in config.engine.lora_modules))
         self._names, self._changes = config.model_names, config.engine.max_loras > 0
-        self._identities: dict[str, str] | None = None
         self._checked = -REFRESH_S
         self._lock = asyncio.Lock()
 
@@ -45,7 +46,6 @@ class ServedAdapters:
             except (RequestError, RayError) as error:
                 log.warning("the LoRA adapters served could not be asked of the CLS: %s", error)
                 return
-            if identities != self._identities:
-                self._identities = identities
+            if tuple(identities.items()) != self.prefix.lora_identities:
                 self.served = ServedModels(self._names, tuple(identities))
                 self.prefix = replace(self.prefix, lora_identities=tuple(identities.items()))
