@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from splitserve.engine import lora_loading
+from splitserve.engine.bad_words import BadWords
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
@@ -324,7 +325,8 @@ class LLMEngine:
             raise ValueError(f"lora: no adapter named {params.lora!r} is loaded (loaded: "
                              f"{', '.join(self.lora_names) or 'none'})")
         seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                       self.eos_token_ids, adapter_slot=self.runner.model.lora_slots.slot_of(params.lora))
+                       self.eos_token_ids, adapter_slot=self.runner.model.lora_slots.slot_of(params.lora),
+                       bad_words=BadWords.of(params.bad_words, self.tokenizer))
         detokenizer = Detokenizer(self.tokenizer, params, token_ids) if params.detokenize else None
         return _Request(seq, text, detokenizer, logprobs=[] if params.logprobs is not None else None)
 

@@ -126,7 +126,7 @@ def costliest_params(config: ModelConfig) -> SamplingParams:
     """Every float32 [rows, vocab] path of the sampler (structured output's masks aside)."""
     return SamplingParams(temperature=0.8, top_k=config.vocab_size, top_p=0.9, min_p=0.05, min_tokens=1,
                           stop_token_ids=(0,), repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5,
-                          logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS)
+                          logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS, allowed_token_ids=(0,))
 
 
 def measure(device: torch.device, run: Callable[[], None]) -> MemoryProfile:

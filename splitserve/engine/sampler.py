@@ -1,5 +1,5 @@
-"""Turns one row of logits per sequence into its next token: penalties and biases (`penalties`),
-then greedy, or temperature / top-k / top-p / min-p (`token_filters`).
+"""Turns one row of logits per sequence into its next token: banned tokens (`token_bans`),
+penalties and biases (`penalties`), then greedy, or temperature / top-k / top-p / min-p (`token_filters`).
 
 All rows are processed together; only seeded rows touch Python one by one, to draw their
 uniform on the host from a generator set for their seed and output position. Random rows sample
@@ -24,6 +24,7 @@ from splitserve.engine.model.triton_dispatch import runs_kernels
 from splitserve.engine.penalties import Penalties
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import upload_list
+from splitserve.engine.token_bans import TokenBans
 from splitserve.engine.token_filters import filter_tokens
 
 _GOLDEN_64 = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd: seed -> seed x this spreads every bit
@@ -74,6 +75,7 @@ class Sampler:
         self._grammar_factory = grammar
         self._grammar: GrammarMasks | None = None
         self._penalties = Penalties()
+        self._bans = TokenBans()
 
     @property
     def grammar(self) -> GrammarMasks:
@@ -98,7 +100,7 @@ class Sampler:
         logits = sanitized_logits(logits.float())
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = _logprobs(logits) if wants_logprobs else None
-        logits = self._penalties.apply(_mask_stop_tokens(logits, seqs), seqs)
+        logits = self._penalties.apply(self._bans.apply(_mask_stop_tokens(logits, seqs), seqs), seqs)
         if any(s.params.constraint is not None for s in seqs):
             logits = self.grammar.apply(logits, seqs)
         token_ids = logits.argmax(dim=-1)

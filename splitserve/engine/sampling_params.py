@@ -13,6 +13,8 @@ MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's bound)
 MAX_LORA_NAME = 256  # characters in a LoRA adapter's name (as a served model name)
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # ids in allowed_token_ids: more than the largest vocabularies'
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256  # words in bad_words, characters in one
 # Temperatures reach the device as float32: one past its largest value would divide -inf by inf
 # (NaN, a row nothing can be drawn from).
 MAX_TEMPERATURE = 3.4028234663852886e38
@@ -43,6 +45,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # transformers': divides (multiplies) the positive (negative) logit
     # of a token in the prompt or the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these ids may be sampled; None: any
+    bad_words: tuple[str, ...] = ()  # vLLM's: words the output may not contain (engine.bad_words)
     constraint: OutputConstraint | None = None  # structured output: what the text must match
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -88,6 +92,13 @@ class SamplingParams:
         _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", _allowed_ids(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", _as_tuple(self.bad_words, "bad_words", str))
+        _check(len(self.bad_words) <= MAX_BAD_WORDS, f"bad_words may hold at most {MAX_BAD_WORDS} words, "
+               f"got {len(self.bad_words)}")
+        _check(all(w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words),
+               f"bad_words must be words of 1 to {MAX_BAD_WORD_CHARS} characters, not only spaces, "
+               f"got {self.bad_words!r}")
         if self.constraint is not None:
             _check(isinstance(self.constraint, OutputConstraint),
                    f"constraint must be an OutputConstraint or None, got {self.constraint!r}")
@@ -132,6 +143,17 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
     ids = [t for t, _ in pairs]
     _check(len(set(ids)) == len(ids), f"logit_bias names a token id more than once: {sorted(ids)!r}")
     return tuple(sorted((int(t), float(b)) for t, b in pairs))
+
+
+def _allowed_ids(value) -> tuple[int, ...] | None:
+    """allowed_token_ids as sorted distinct ids >= 0; None: any id (an empty list would allow none)."""
+    if value is None:
+        return None
+    ids = _as_tuple(value, "allowed_token_ids", int)
+    _check(0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS and all(t >= 0 for t in ids),
+           f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} token ids >= 0, got {len(ids)} "
+           f"({ids[:8]!r}{'...' if len(ids) > 8 else ''})")
+    return tuple(sorted(set(ids)))
 
 
 def _check(ok: bool, message: str) -> None:

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from splitserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.bad_words import BadWords
 
 
 class SequenceStatus(enum.Enum):
@@ -44,6 +48,7 @@ class Sequence:
     # a windowed group releases the blocks before it as the prefill passes them. (): it keeps all
     export_from: tuple[int, ...] = ()
     adapter_slot: int = -1  # the LoRA adapter slot it runs under (model.lora.LoraSlots), bound at admission; -1: none
+    bad_words: BadWords | None = None  # params.bad_words in the engine's token ids (None: none)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

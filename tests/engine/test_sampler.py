@@ -203,7 +203,8 @@ def test_a_row_without_a_finite_logit_gives_minus_infinity_logprobs_not_nan():
        penalties=st.fixed_dictionaries({}, optional={
            "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "min_p": st.floats(0, 1),
            "repetition_penalty": st.sampled_from([1e-30, 0.5, 2.0, 10.0]),
-           "logit_bias": st.dictionaries(st.integers(0, VOCAB * 2), st.floats(-100, 100), max_size=4)}))
+           "logit_bias": st.dictionaries(st.integers(0, VOCAB * 2), st.floats(-100, 100), max_size=4),
+           "allowed_token_ids": st.lists(st.integers(0, VOCAB * 2), min_size=1, max_size=6)}))
 def test_any_logits_and_settings_give_an_id_in_the_vocabulary(values, temperature, top_k, top_p, seed, logprobs,
                                                                 penalties):
     logits = torch.tensor([values], dtype=torch.float32)
@@ -214,5 +215,8 @@ def test_any_logits_and_settings_give_an_id_in_the_vocabulary(values, temperatur
     if logprobs is not None:
         assert not any(math.isnan(v) for v in [token.logprob, *token.top_logprobs.values()])
     candidates = ~(logits.isnan() | logits.isneginf())[0]
+    allowed = [t for t in penalties.get("allowed_token_ids", ()) if t < VOCAB]
+    if candidates[allowed].any():
+        assert token.token_id in allowed  # no bias or penalty takes a banned id back
     if candidates.any() and not penalties:
         assert candidates[token.token_id]  # a NaN or -inf logit is drawn only when every logit is one

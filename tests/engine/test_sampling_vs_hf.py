@@ -1,13 +1,15 @@
 """Sampling options against Hugging Face transformers on tiny random checkpoints: logprobs and
-prompt logprobs against its log-softmax, a repetition penalty and biases against its `generate`,
-and structured output over a trained BPE vocabulary (outputs checked with `jsonschema`)."""
+prompt logprobs against its log-softmax, a repetition penalty, biases and banned tokens against its
+`generate`, and structured output over a trained BPE vocabulary (outputs checked with `jsonschema`)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
 import pytest
 
+from splitserve.engine.bad_words import BadWords
 from splitserve.engine.llm import LLM
 from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.sampling_params import SamplingParams
@@ -82,3 +84,24 @@ def test_greedy_generation_with_a_repetition_penalty_and_biases_matches_hf(ckpt,
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     plain = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     assert expected != plain
+
+
+def test_greedy_generation_with_bad_words_and_allowed_ids_matches_hf(ckpt):
+    """vLLM's `bad_words` and `allowed_token_ids` against transformers' `bad_words_ids` (the words'
+    spellings in ids, both ways) and `suppress_tokens` (every other id). The words are taken from
+    the unconstrained output, so the bans change it."""
+    path, hf = ckpt
+    prompts = generation_prompts(hf.config.vocab_size)
+    llm = LLM(path, policy="mixed", chunk_token_budget=16, prompt_token_budget=48, dtype="float32", **ENGINE_ARGS)
+    plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    first = llm.generate(prompts[:1], plain)[0].token_ids
+    words = [llm.get_tokenizer().decode(first[1:3]), llm.get_tokenizer().decode(first[5:6])]
+    spelled = BadWords.of(words, llm.get_tokenizer())
+    bad_ids = [[t] for t in spelled.always] + [list(ids) for group in spelled.after.values() for ids in group]
+    allowed = sorted(set(range(3, 60)) | set(first[:4]))
+    suppressed = [t for t in range(hf.config.vocab_size) if t not in allowed]
+    expected = [hf_greedy(hf, p, NEW_TOKENS, bad_words_ids=bad_ids, suppress_tokens=suppressed) for p in prompts]
+    params = dataclasses.replace(plain, bad_words=tuple(words), allowed_token_ids=tuple(allowed))
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == expected and got[0] != first
+    assert all(set(ids) <= set(allowed) for ids in got)
