@@ -132,6 +132,8 @@ class GenerationRequest(StructuredOutputFields):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # only these ids may be sampled
+    bad_words: list[str] | None = None  # words the output may not contain (engine/bad_words.py)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     slo: SLOTargets | None = None  # splitserve's extension (see SLOTargets)

@@ -22,11 +22,13 @@ def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_mode
                     check_constraint: Callable[[OutputConstraint, str], None] | None = None,
                     thinking: str = "") -> SamplingParams:
     """The engine's settings for `request`, whose prompt is `num_prompt_tokens` long (and whose
-    logit_bias must name ids under `vocab_size`, where given). `check_constraint(constraint,
-    field)` refuses a structured-output constraint that does not compile (the ingress's grammar);
-    `thinking`: the free thinking a constraint lets the model write first (OutputConstraint's)."""
+    logit_bias and allowed_token_ids must name ids under `vocab_size`, where given).
+    `check_constraint(constraint, field)` refuses a structured-output constraint that does not
+    compile (the ingress's grammar); `thinking`: the free thinking a constraint lets the model write
+    first (OutputConstraint's)."""
     max_tokens = _max_tokens(request, num_prompt_tokens, max_model_len)
     check_in_vocabulary(request.logit_bias or {}, vocab_size, "logit_bias")
+    check_in_vocabulary(request.allowed_token_ids or (), vocab_size, "allowed_token_ids")
     constraint, constraint_field = request.output_constraint()
     if constraint is not None and (request.ignore_eos or request.min_tokens):
         raise RequestError(f"{constraint_field}: structured output ends with EOS once the output matches; it "
@@ -46,6 +48,7 @@ def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_mode
             prompt_logprobs=request.requested_prompt_logprobs(), constraint=constraint,
             presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias or {},
+            allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words or (),
             **_slo_seconds(request.slo))
     except ValueError as exc:
         raise _sampling_error(str(exc)) from None

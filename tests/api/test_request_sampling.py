@@ -106,6 +106,29 @@ def test_penalties_biases_and_min_p_map_to_the_engine():
     assert sampling_params(chat(presence_penalty=None), 10, 100).presence_penalty == 0
 
 
+def test_allowed_token_ids_and_bad_words_map_to_the_engine():
+    params = sampling_params(completion(allowed_token_ids=[9, 3, 9], bad_words=["foo", " bar baz"]), 10, 100, 64)
+    assert (params.allowed_token_ids, params.bad_words) == ((3, 9), ("foo", " bar baz"))
+    plain = sampling_params(completion(), 10, 100, 64)
+    assert (plain.allowed_token_ids, plain.bad_words) == (None, ())
+
+
+@pytest.mark.parametrize("body, message, param", [
+    ({"allowed_token_ids": [3, 64]}, "allowed_token_ids: token id 64 is outside the vocabulary (ids 0..63)",
+     "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be 1 to 262144 token ids >= 0, got 0 (())",
+     "allowed_token_ids"),
+    ({"allowed_token_ids": [-2]}, "allowed_token_ids must be 1 to 262144 token ids >= 0, got 1 ((-2,))",
+     "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words must be words of 1 to 256 characters, not only spaces, got (' ',)", "bad_words"),
+    ({"bad_words": ["w"] * 129}, "bad_words may hold at most 128 words, got 129", "bad_words"),
+])
+def test_bad_allowed_token_ids_and_bad_words_are_400s_naming_them(body, message, param):
+    with pytest.raises(RequestError) as info:
+        sampling_params(parse_request(CompletionRequest, json.dumps({**COMPLETION, **body}).encode()), 10, 100, 64)
+    assert (info.value.message, info.value.param, info.value.status) == (message, param, 400)
+
+
 @pytest.mark.parametrize("body, message, param", [
     ({"logit_bias": {"x1": 5}}, "logit_bias: keys must be token ids (decimal strings), got 'x1'", "logit_bias"),
     ({"logit_bias": {"1": "5"}}, "logit_bias.1: Input should be a valid number", "logit_bias.1"),

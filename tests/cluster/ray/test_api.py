@@ -102,6 +102,19 @@ def test_penalties_and_biases_give_the_offline_engines_text_streamed_and_not(cli
     assert expected != offline_text(offline, prompt, 24)[0]
 
 
+def test_bad_words_and_allowed_token_ids_give_the_offline_engines_text(client, offline):
+    """Both workers ban: the first token on the prompt worker, the rest on the token worker; a bad
+    word's later tokens are banned after its first ones whichever worker sampled them."""
+    plain = offline_text(offline, PROMPT, 24)[0]
+    words, allowed = [plain[2:5], plain[9]], sorted({ord(c) for c in plain[:6] + "etaoin shrdlu"})
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, bad_words=words, allowed_token_ids=allowed)
+    expected = offline.generate([PROMPT], params)[0].text
+    extra = {"ignore_eos": True, "bad_words": words, "allowed_token_ids": allowed}
+    got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0, extra_body=extra)
+    assert got.choices[0].text == expected != plain
+    assert set(expected) <= {chr(t) for t in allowed} and not any(word in expected for word in words)
+
+
 @pytest.mark.parametrize("prompt", [PROMPT, "z" * 700], ids=["one-shot", "layer-wise"])
 def test_logprobs_equal_the_offline_engines_whole_and_streamed(client, offline, prompt):
     """The first token's logprobs come from the prompt worker, the rest from the token worker:
