@@ -220,6 +220,7 @@ class ResponsesRequest(BaseModel):
     include: Annotated[list[Annotated[str, only_values(LOGPROBS, reason=f"only {LOGPROBS!r} is supported")]] | None,
                        Field(max_length=8)] = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
+    cache_salt: str | None = None  # vLLM's, as chat's
 
     def wants_logprobs(self) -> bool:
         """The output text's logprobs were asked for (`include`, or alternatives in `top_logprobs`)."""
@@ -243,7 +244,7 @@ class ResponsesRequest(BaseModel):
         chat = {"model": self.model, "messages": self.messages(), "temperature": self.temperature,
                 "top_p": self.top_p, "max_completion_tokens": self.max_output_tokens, "stream": self.stream,
                 "parallel_tool_calls": self.parallel_tool_calls, "metadata": self.metadata, "user": self.user,
-                "store": self.store, "service_tier": self.service_tier,
+                "store": self.store, "service_tier": self.service_tier, "cache_salt": self.cache_salt,
                 "reasoning_effort": self.reasoning and self.reasoning.effort}
         if self.wants_logprobs():
             chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0

@@ -317,7 +317,7 @@ class Run:
         none when it is off or no cache would be used (prompt logprobs still to compute)."""
         if params.prompt_logprobs is not None:
             return ()
-        return self.prefix.hashes(prompt, MAX_PREFIX_BLOCKS, params.lora)
+        return self.prefix.hashes(prompt, MAX_PREFIX_BLOCKS, params.lora, params.cache_salt)
 
     def _remaining_params(self) -> SamplingParams:
         done, have_prompt_logprobs = len(self.tokens), self.prompt_logprobs is not None

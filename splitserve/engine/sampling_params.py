@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20  # top alternatives per token (vLLM's bound)
 MAX_LORA_NAME = 256  # characters in a LoRA adapter's name (as a served model name)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # ids in allowed_token_ids: more than the largest vocabularies'
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256  # words in bad_words, characters in one
+MAX_CACHE_SALT = 1024  # characters in a cache_salt
 # Temperatures reach the device as float32: one past its largest value would divide -inf by inf
 # (NaN, a row nothing can be drawn from).
 MAX_TEMPERATURE = 3.4028234663852886e38
@@ -59,6 +60,8 @@ class SamplingParams:
     # output count them as output, so the request goes on as if it had never moved
     resumed_tokens: int = 0
     lora: str | None = None  # the LoRA adapter (its name, as the engine loaded it) to run with; None: the base model
+    # vLLM's: prefix-cache blocks are shared only between requests of the same salt (prefix_hash.chain_root)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -77,6 +80,9 @@ class SamplingParams:
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
         _check(self.lora is None or (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME),
                f"lora must be an adapter's name (1 to {MAX_LORA_NAME} characters) or None, got {self.lora!r}")
+        _check(self.cache_salt is None
+               or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT),
+               f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters or None, got {self.cache_salt!r:.80}")
         _check(_is_int(self.resumed_tokens) and self.resumed_tokens >= 0,
                f"resumed_tokens must be an integer >= 0, got {self.resumed_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -68,6 +68,29 @@ def test_a_lora_adapters_blocks_are_named_apart_from_the_base_models():
     assert again.num_cached_tokens == 2 * BS
 
 
+def test_a_cache_salt_names_its_blocks_apart_and_only_the_same_salt_shares_them():
+    """vLLM's cache_salt: the ingress and the block manager name a salted prompt's blocks alike,
+    apart from the unsalted and other salts' (under an adapter too), so a lookup crosses no salt."""
+    bm = BlockManager(16, block_size=BS, root_of=sequence_root(None, {0: "sql", -1: None}.get))
+    tokens = seq_range(7, 2 * BS)
+    salted = Sequence("a", tokens, SamplingParams(cache_salt="tenant-1"))
+    bm.allocate(salted)
+    compute_all(bm, salted)
+    naming = PrefixNaming(BS)
+    hashes = naming.hashes(tokens + [1], 100, salt="tenant-1")
+    assert hashes == bm.take_prefix_snapshot()[:len(hashes)] and len(hashes) == 2
+    others = [naming.hashes(tokens + [1], 100), naming.hashes(tokens + [1], 100, salt="tenant-2"),
+              naming.hashes(tokens + [1], 100, lora="tenant-1"), naming.hashes(tokens + [1], 100, "sql", "tenant-1")]
+    assert all(not set(hashes) & set(other) for other in others)
+    for seq_id, params, slot, hit in [("b", SamplingParams(), -1, 0),
+                                      ("c", SamplingParams(cache_salt="tenant-2"), -1, 0),
+                                      ("d", SamplingParams(lora="sql", cache_salt="tenant-1"), 0, 0),
+                                      ("e", SamplingParams(cache_salt="tenant-1"), -1, 2 * BS)]:
+        again = Sequence(seq_id, tokens + [1], params, adapter_slot=slot)
+        bm.allocate(again)
+        assert again.num_cached_tokens == hit, seq_id
+
+
 def test_the_last_token_is_never_covered_and_the_count_is_capped():
     two_blocks = seq_range(0, 2 * BS)
     assert prompt_block_hashes(two_blocks, BS, 100) == prompt_block_hashes(two_blocks[:-1], BS, 100)
@@ -88,11 +111,11 @@ def test_a_block_hash_names_its_whole_prefix():
 def test_every_process_computes_the_same_hashes():
     """Not salted by PYTHONHASHSEED, nor by where None lies in memory (hash(None) before 3.12)."""
     code = "import json; from splitserve.engine.prefix_hash import prompt_block_hashes as h; " \
-           "print(json.dumps(h(list(range(100)), 16, 100) + h(list(range(100)), 16, 100, lora='sql')))"
+           "print(json.dumps(h(list(range(100)), 16, 100) + h(list(range(100)), 16, 100, lora='sql', salt='t')))"
     seen = set()
     for seed in ("0", "1", "random"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         seen.add(tuple(json.loads(out.stdout)))
     assert seen == {prompt_block_hashes(list(range(100)), 16, 100) + prompt_block_hashes(list(range(100)), 16, 100,
-                                                                                         lora="sql")}
+                                                                                         lora="sql", salt="t")}

@@ -84,6 +84,18 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client):
     assert (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens) == (101, 96)
 
 
+def test_a_cache_salt_shares_cached_blocks_only_with_requests_of_its_salt(client):
+    """vLLM's cache_salt: the same prompt under another salt, or none, finds none of its blocks."""
+    prompt = f"Salted ({uuid.uuid4().hex}) ".ljust(100, "z")
+
+    def cached_tokens(**salt) -> int:
+        answer = client.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0, extra_body=salt)
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached_tokens(cache_salt="a"), cached_tokens(cache_salt="b"), cached_tokens()] == [0, 0, 0]
+    assert [cached_tokens(cache_salt="a"), cached_tokens(cache_salt="b"), cached_tokens()] == [96, 96, 96]
+
+
 @pytest.mark.parametrize("prompt", [PROMPT, "y" * 700], ids=["one-shot", "layer-wise"])
 def test_penalties_and_biases_give_the_offline_engines_text_streamed_and_not(client, offline, prompt):
     """The first token is sampled on the prompt worker, the rest on the token worker: both apply

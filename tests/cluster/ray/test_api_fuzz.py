@@ -44,7 +44,7 @@ SAMPLING = {
     "repetition_penalty": _field(st.floats(0.5, 2)), "min_p": _field(st.floats(0, 1)),
     "logit_bias": _field(st.dictionaries(st.integers(-5, 300).map(str), st.floats(-100, 100), max_size=5)),
     "allowed_token_ids": _field(st.lists(st.integers(-5, 300), max_size=6)),
-    "bad_words": _field(st.lists(st.text(max_size=12), max_size=4)),
+    "bad_words": _field(st.lists(st.text(max_size=12), max_size=4)), "cache_salt": _field(st.text(max_size=12)),
     "user": _field(st.text(max_size=20)),
     "slo": _field(st.fixed_dictionaries({}, optional={"ttft_ms": st.floats(-1, 1e4), "tbt_ms": st.floats(-1, 1e4)})),
 }
