@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from splitserve.api import response_bodies as R
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.chat_request import ChatCompletionRequest
-from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs
+from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs, token_id_name
 from splitserve.api.request_models import GenerationRequest
 from splitserve.api.reasoning import GPT_OSS, prompt_opens_thinking, reasoning_splitter, split_reasoning
 from splitserve.api.tool_calls import HERMES, LLAMA3_JSON, find_tool_calls
@@ -28,13 +28,15 @@ class ChoiceText:
     forced call's JSON format does not change). `thinking`: with a reasoning parser, whether the
     prompt left the model thinking, or HARMONY (GPT-OSS's channels; None: no parser, the output is
     all content). `num_top`: the top alternatives per token the client asked logprobs of (None:
-    none; logprobs may still come, for best_of's ranking alone)."""
+    none; logprobs may still come, for best_of's ranking alone); `ids_as_tokens`: they name tokens
+    `token_id:{id}` (vLLM's return_tokens_as_token_ids)."""
 
     def __init__(self, kind: str, text: TextStream, prompt: Sequence[int], echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
                  num_top: int | None = None, tool_parser: str = LLAMA3_JSON, thinking: bool | str | None = None,
-                 call_ids: str = LLAMA3_JSON):
+                 call_ids: str = LLAMA3_JSON, ids_as_tokens: bool = False):
         self.kind, self.text, self.prompt, self.index, self.num_top = kind, text, prompt, index, num_top
+        self._name = token_id_name if ids_as_tokens else None
         self._echo, self.generated, self.tool_names = echo, generated, tool_names
         self.tool_parser, self.thinking, self.call_ids = tool_parser, thinking, call_ids
         self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs come (best_of ranks by it)
@@ -90,9 +92,9 @@ class ChoiceText:
             return None
         entries, self._entries = self._entries, []
         if self.kind == "chat":
-            return chat_logprobs(entries, self.num_top, self.text.token_text, self.text.token_bytes)
-        body = completion_logprobs(entries, self.num_top, self.text.token_text, self._text_offset)
-        self._text_offset += sum(len(t) for t in body["tokens"])
+            return chat_logprobs(entries, self.num_top, self._name or self.text.token_text, self.text.token_bytes)
+        body = completion_logprobs(entries, self.num_top, self.text.token_text, self._text_offset, self._name)
+        self._text_offset += sum(len(self.text.token_text(token_id)) for token_id, _ in entries)
         return body
 
     def choice(self, text: str, reason: str | None) -> dict:
@@ -111,8 +113,8 @@ class ChoiceText:
 
 def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequence[int], tokenizer: Tokenizer,
                    parsers: ChatParsers = ChatParsers()) -> dict:
-    """ChoiceText's `echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking` and
-    `call_ids` for the choices of one of `request`'s prompts (`prompt`: its token ids). With a
+    """ChoiceText's `echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking`,
+    `call_ids` and `ids_as_tokens` for the choices of one of `request`'s prompts (`prompt`: its token ids). With a
     reasoning parser a constrained output (structured outputs, a forced tool call) is thought like
     any other (the constraint holds the answer after it); a forced call is parsed in the JSON format
     the constraint writes, and GPT-OSS's calls as the hermes calls its splitter spells them."""
@@ -129,7 +131,8 @@ def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequen
     return dict(echo=echo, generated=not request.scores_prompt_only(),
                 tool_names=frozenset(f["name"] for f in request.callable_functions()),
                 num_top=request.requested_logprobs(),
-                tool_parser=tool_parser, thinking=thinking, call_ids=parsers.tool_calls)
+                tool_parser=tool_parser, thinking=thinking, call_ids=parsers.tool_calls,
+                ids_as_tokens=request.return_tokens_as_token_ids)
 
 
 def best_choices(choices: list[dict], cumulative_logprobs: list[float], num_returned: int, first_index: int = 0

@@ -4,11 +4,13 @@ per token with its bytes, the token's own where its text cannot show them (part 
 character), and its `top_logprobs`).
 
 An entry is (sampled token id, {token id: logprob}) where the dict holds the `num_top` most likely
-tokens and the sampled one (None for an echoed prompt's first token, which nothing predicts), log-softmax of the raw logits (before temperature and penalties, as
-vLLM reports them). The top list is the `num_top` best of the dict: were the sampled token not
+tokens and the sampled one (None for an echoed prompt's first token, which nothing predicts),
+log-softmax of the raw logits (before temperature and penalties, as vLLM reports them). The top list is the `num_top` best of the dict: were the sampled token not
 among them, it is the one left out, being no likelier than any of them. A logprob below
 `LOGPROB_FLOOR` (-inf: a token with no probability; NaN) is reported as the floor, as vLLM does:
-JSON has no infinities, and a JavaScript client's parser refuses them.
+JSON has no infinities, and a JavaScript client's parser refuses them. With vLLM's
+`return_tokens_as_token_ids` a token is named `token_id:{id}` (`token_id_name`), so tokens whose
+text is not valid UTF-8 on its own, or that share a text, stay apart; offsets and bytes stay the text's.
 """
 from __future__ import annotations
 
@@ -20,16 +22,22 @@ TokenBytes = Callable[[int], bytes]
 LOGPROB_FLOOR = -9999.0
 
 
-def completion_logprobs(entries: Sequence[Entry], num_top: int, token_text: TokenText, offset: int = 0) -> dict:
-    """`offset`: where the first token's text starts in the choice's text (streamed chunks go on)."""
-    tokens = [token_text(token_id) for token_id, _ in entries]
+def token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def completion_logprobs(entries: Sequence[Entry], num_top: int, token_text: TokenText, offset: int = 0,
+                        name: TokenText | None = None) -> dict:
+    """`offset`: where the first token's text starts in the choice's text (streamed chunks go on);
+    `name`: how the tokens are named (None: by their text)."""
+    name = name or token_text
     offsets, at = [], offset
-    for text in tokens:
+    for token_id, _ in entries:
         offsets.append(at)
-        at += len(text)
-    return {"tokens": tokens,
+        at += len(token_text(token_id))
+    return {"tokens": [name(token_id) for token_id, _ in entries],
             "token_logprobs": [None if lps is None else _reported(lps[token_id]) for token_id, lps in entries],
-            "top_logprobs": [None if lps is None else {token_text(t): lp for t, lp in _top(lps, num_top)}
+            "top_logprobs": [None if lps is None else {name(t): lp for t, lp in _top(lps, num_top)}
                              for _, lps in entries],
             "text_offset": offsets}
 

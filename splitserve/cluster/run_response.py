@@ -27,13 +27,14 @@ class RunResponse:
                  on_done: Callable[[RequestObservation], None] = lambda _: None, echo: str | None = None,
                  generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
                  response_id: str | None = None, num_top: int | None = None, tool_parser: str = LLAMA3_JSON,
-                 thinking: bool | str | None = None, call_ids: str = LLAMA3_JSON):
-        """`echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking`, `call_ids`: as ChoiceText's;
+                 thinking: bool | str | None = None, call_ids: str = LLAMA3_JSON, ids_as_tokens: bool = False):
+        """`echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking`, `call_ids`,
+        `ids_as_tokens`: as ChoiceText's;
         `index`, `response_id`: the choice's place and the response's id when several runs answer
         one request (`n`)."""
         self.kind, self.run, self.model = kind, run, model
         self.choice = ChoiceText(kind, text, run.prompt, echo, generated, tool_names, index, num_top, tool_parser,
-                                 thinking, call_ids)
+                                 thinking, call_ids, ids_as_tokens)
         self.index, self.response_id = index, response_id or run.request_id
         self.created = int(time.time())
         self.started = time.monotonic() if started is None else started

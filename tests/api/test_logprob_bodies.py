@@ -3,13 +3,19 @@ so the body stays strict JSON; finite ones pass unchanged and the top list stays
 import json
 import math
 
-from splitserve.api.logprob_bodies import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
+from splitserve.api.logprob_bodies import LOGPROB_FLOOR, chat_logprobs, completion_logprobs, token_id_name
 
 ENTRIES = [(1, {1: -math.inf, 2: math.nan, 3: -0.5}), (2, {2: -1.25, 1: -20000.0})]
 
 
 def text(token_id: int) -> str:
     return f"t{token_id}"
+
+
+def test_tokens_named_by_their_ids_keep_the_texts_offsets():
+    body = completion_logprobs(ENTRIES, 2, lambda t: "x" * (t + 1), offset=4, name=token_id_name)
+    assert body["tokens"] == ["token_id:1", "token_id:2"] and body["text_offset"] == [4, 6]
+    assert list(body["top_logprobs"][0]) == ["token_id:3", "token_id:1"]
 
 
 def test_logprobs_json_cannot_carry_are_the_floor():

@@ -127,6 +127,28 @@ def test_bad_words_and_allowed_token_ids_give_the_offline_engines_text(client, o
     assert set(expected) <= {chr(t) for t in allowed} and not any(word in expected for word in words)
 
 
+def test_tokens_named_by_their_ids_are_the_offline_engines_ids_streamed_and_not(client, offline):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token `token_id:{id}` (chat's and
+    completions', the alternatives too), with the text's offsets and bytes."""
+    out = offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))[0]
+    named = [f"token_id:{t}" for t in out.token_ids]
+    spelled = [offline.engine.tokenizer.decode([t], skip_special_tokens=False) for t in out.token_ids]
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    args = dict(model="demo", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2, extra_body=extra)
+    whole = client.completions.create(**args).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **args) if c.choices]
+    assert whole.tokens == [t for c in chunks for t in c.tokens] == named
+    assert whole.text_offset == [t for c in chunks for t in c.text_offset] == \
+        [sum(map(len, spelled[:i])) for i in range(len(spelled))]
+    assert all(set(top) <= {f"token_id:{t}" for t in range(259)} for top in whole.top_logprobs)
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body=extra)
+    content = chat.choices[0].logprobs.content
+    ids = [int(item.token.removeprefix("token_id:")) for item in content]
+    assert [bytes(item.bytes) for item in content] == [offline.engine.tokenizer.token_bytes(t) for t in ids]
+    assert all(top.token.startswith("token_id:") for item in content for top in item.top_logprobs)
+
+
 @pytest.mark.parametrize("prompt", [PROMPT, "z" * 700], ids=["one-shot", "layer-wise"])
 def test_logprobs_equal_the_offline_engines_whole_and_streamed(client, offline, prompt):
     """The first token's logprobs come from the prompt worker, the rest from the token worker:
