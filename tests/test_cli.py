@@ -20,6 +20,12 @@ def test_served_model_names_and_model_override_the_config(monkeypatch):
     assert served_config(monkeypatch).model_names == ("demo",)
 
 
+def test_the_scheduling_policy_reaches_the_engines_and_the_ingress(monkeypatch):
+    config = served_config(monkeypatch, "--scheduling-policy", "priority")
+    assert config.engine_config("prompt").scheduler_limits(64).by_priority and config.request_limits().priorities
+    assert not served_config(monkeypatch).request_limits().priorities
+
+
 def test_lora_modules_are_served_as_models_and_a_bad_one_refused_before_anything_starts(tmp_path, monkeypatch,
                                                                                        capsys):
     from splitserve.engine.demo import demo_model_config

@@ -21,6 +21,7 @@ class RequestLimits:
     max_prompts: int = 128
     max_upload_bytes: int = 200 << 20
     max_batch_lines: int = 50_000
+    priorities: bool = False  # the engines schedule by priority: a request may send a non-zero one
 
     def check(self, request: GenerationRequest) -> None:
         stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
@@ -28,6 +29,9 @@ class RequestLimits:
         longest = max((len(s) for s in stops), default=0)
         _at_most(longest, self.max_stop_string_chars, "stop", "characters in a stop string")
         _at_most(len(request.stop_token_ids or ()), self.max_stop_token_ids, "stop_token_ids", "stop token ids")
+        if request.priority and not self.priorities:
+            raise RequestError("priority: this server schedules first come, first served "
+                               "(engine.scheduling_policy: fcfs); a request's priority must be 0", param="priority")
         if isinstance(request, ChatCompletionRequest):
             _at_most(len(request.messages), self.max_chat_messages, "messages", "messages")
             chars = sum(_content_chars(m.content) + len(m.thinking or "") for m in request.messages)

@@ -136,6 +136,7 @@ class GenerationRequest(StructuredOutputFields):
     bad_words: list[str] | None = None  # words the output may not contain (engine/bad_words.py)
     cache_salt: str | None = None  # prefix-cache blocks are shared only with requests of the same salt
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}"
+    priority: int = 0  # with engine.scheduling_policy priority: a lower value is served first
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     slo: SLOTargets | None = None  # splitserve's extension (see SLOTargets)

@@ -49,7 +49,7 @@ def sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_mode
             presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias or {},
             allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words or (),
-            cache_salt=request.cache_salt,
+            cache_salt=request.cache_salt, priority=request.priority,
             **_slo_seconds(request.slo))
     except ValueError as exc:
         raise _sampling_error(str(exc)) from None

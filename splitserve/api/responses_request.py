@@ -221,6 +221,7 @@ class ResponsesRequest(BaseModel):
                        Field(max_length=8)] = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
     cache_salt: str | None = None  # vLLM's, as chat's
+    priority: int = 0  # vLLM's, as chat's
 
     def wants_logprobs(self) -> bool:
         """The output text's logprobs were asked for (`include`, or alternatives in `top_logprobs`)."""
@@ -245,6 +246,7 @@ class ResponsesRequest(BaseModel):
                 "top_p": self.top_p, "max_completion_tokens": self.max_output_tokens, "stream": self.stream,
                 "parallel_tool_calls": self.parallel_tool_calls, "metadata": self.metadata, "user": self.user,
                 "store": self.store, "service_tier": self.service_tier, "cache_salt": self.cache_salt,
+                "priority": self.priority or None,
                 "reasoning_effort": self.reasoning and self.reasoning.effort}
         if self.wants_logprobs():
             chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0

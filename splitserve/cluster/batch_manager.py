@@ -23,7 +23,7 @@ class BatchManager:
         config = ClusterConfig.model_validate(config)
         engine = config.engine.engine_config("token")
         model_config, tokenizer, max_model_len = load_metadata(config.model, engine)
-        limits = config.ingress.limits()
+        limits = config.request_limits()
         adapters = ServedAdapters(config, PrefixNaming(config.prefix_block_size(), model_config.long_rope_from))
         executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, model_config.vocab_size,
                                    adapters.served, max_model_len, engine.block_size,

@@ -63,7 +63,7 @@ class Ingress:
         self._directory: WorkerDirectory | None = None
         self._observations = ObservationBuffer()
         self.created = int(time.time())
-        self.limits = self.config.ingress.limits()
+        self.limits = self.config.request_limits()
         self._adapters = ServedAdapters(self.config, PrefixNaming(self.config.prefix_block_size(),
                                                                   model_config.long_rope_from))
         api.state.api_key, api.state.limits = self.api_key, self.limits

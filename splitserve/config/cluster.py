@@ -14,6 +14,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from splitserve.api.chat_parsers import ChatParsers
+from splitserve.api.limits import RequestLimits
 from splitserve.api.reasoning import REASONING_PARSERS
 from splitserve.api.request_models import ServedModels
 from splitserve.api.tool_calls import LLAMA3_JSON, TOOL_CALL_PARSERS
@@ -125,6 +126,10 @@ class ClusterConfig(StrictModel):
     def disaggregated(self) -> bool:
         """Prompt and token pools: workers exchange KV."""
         return any(p.role != "mixed" for p in self.pools)
+
+    def request_limits(self) -> RequestLimits:
+        """What one request may ask: the ingress's bounds, and a priority where the engines take one."""
+        return self.ingress.limits(priorities=self.engine.scheduling_policy == "priority")
 
     def engine_config(self, role: str) -> EngineConfig:
         """The engine settings of a worker starting in `role`, alike on each of its ranks (their

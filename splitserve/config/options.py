@@ -157,6 +157,12 @@ class EngineOptions(StrictModel):
         "prompt", description="How the prompt pool batches: prompt (FCFS whole prompts) or accelgen_prompt.")
     slo_scheduling: SLOSchedulingOptions = Field(SLOSchedulingOptions(), description="The accelgen policies' "
                                                  "settings.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs: every worker serves requests first come, first served, and a request's "
+        "`priority` must be 0 (vLLM's rule). priority (vLLM's): a worker's queue is ordered by `priority` (lower "
+        "first), then arrival; when KV runs out the lowest-priority running request is preempted first; and a "
+        "request that cannot be admitted preempts running ones of a strictly lower priority. Not with the "
+        "accelgen policies, which order by their latency targets.")
     lora_modules: dict[str, str] = Field({}, description="LoRA adapters, name: PEFT directory (adapter_config.json "
                                          "and adapter_model.safetensors, readable on every worker's node). Each "
                                          "name is a model clients send as `model`: the base model under that "
@@ -297,8 +303,10 @@ class IngressOptions(StrictModel):
                                            "too, in `batch.dir`/responses on the head node, so a restart loses "
                                            "none; false keeps them in memory only.")
 
-    def limits(self) -> RequestLimits:
-        return RequestLimits(**{f.name: getattr(self, f.name) for f in fields(RequestLimits)})
+    def limits(self, priorities: bool = False) -> RequestLimits:
+        """`priorities`: the engines schedule by priority (`engine.scheduling_policy`)."""
+        bounds = {f.name: getattr(self, f.name) for f in fields(RequestLimits) if f.name != "priorities"}
+        return RequestLimits(**bounds, priorities=priorities)
 
 
 class SLOOptions(StrictModel):

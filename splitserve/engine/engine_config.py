@@ -13,6 +13,7 @@ from splitserve.engine.sampling_params import MAX_LORA_NAME
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 MAX_KV_BLOCKS = 2**31 - 1  # num_kv_blocks at most: every block id fits an int32 index
 MAX_LORA_ADAPTERS = 64  # adapters resident at most (lora_modules, or max_loras)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class EngineConfig:
     max_loras: int = 0       # > 0: slots for that many adapters, loaded at start or run time (LLMEngine.load_lora)
     max_lora_rank: int = 16  # with max_loras: the largest rank an adapter may have
     slo: SLOOptions = SLOOptions()             # the SLO-aware (accelgen) policies' settings
+    scheduling_policy: str = "fcfs"            # fcfs | priority: requests' SamplingParams.priority orders them
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "switch_policies", tuple(self.switch_policies))
@@ -64,6 +66,12 @@ class EngineConfig:
         for name, policy in named:
             if policy not in POLICY_CLASSES:
                 raise ConfigError(f"{name} must be one of {', '.join(POLICY_CLASSES)}, got {policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        slack_ordered = [policy for _, policy in named if not POLICY_CLASSES[policy].takes_priorities]
+        if self.scheduling_policy == "priority" and slack_ordered:
+            raise ConfigError(f"scheduling_policy priority: the {slack_ordered[0]} policy orders requests by their "
+                              "latency targets' slack, not by priority")
         for name in ("block_size", "max_num_seqs", "prompt_token_budget", "chunk_token_budget", "prompt_chunk_tokens",
                      "kv_cache_memory_bytes", "num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -90,7 +98,7 @@ class EngineConfig:
 
     def scheduler_limits(self, max_model_len: int) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, max_model_len, self.prompt_token_budget, self.chunk_token_budget,
-                               self.slo, self.prompt_chunk_tokens)
+                               self.slo, self.prompt_chunk_tokens, self.scheduling_policy == "priority")
 
 
 def check_device(name: str) -> None:

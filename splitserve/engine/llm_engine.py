@@ -319,6 +319,9 @@ class LLMEngine:
         if params.resumed_tokens >= len(token_ids):
             raise ValueError(f"resumed_tokens must be shorter than the prompt ({len(token_ids)} tokens), "
                              f"got {params.resumed_tokens}")
+        if params.priority and not self.policy.limits.by_priority:
+            raise ValueError(f"priority: this engine schedules first come, first served (scheduling_policy fcfs); "
+                             f"a request's priority must be 0, got {params.priority}")
         if params.constraint is not None:
             self.sampler.grammar.check(params.constraint)
         if params.lora is not None and params.lora not in self.lora_names:

@@ -16,6 +16,7 @@ MAX_LORA_NAME = 256  # characters in a LoRA adapter's name (as a served model na
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # ids in allowed_token_ids: more than the largest vocabularies'
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256  # words in bad_words, characters in one
 MAX_CACHE_SALT = 1024  # characters in a cache_salt
+MAX_PRIORITY = 2**31 - 1  # a priority's magnitude at most
 # Temperatures reach the device as float32: one past its largest value would divide -inf by inf
 # (NaN, a row nothing can be drawn from).
 MAX_TEMPERATURE = 3.4028234663852886e38
@@ -62,6 +63,7 @@ class SamplingParams:
     lora: str | None = None  # the LoRA adapter (its name, as the engine loaded it) to run with; None: the base model
     # vLLM's: prefix-cache blocks are shared only between requests of the same salt (prefix_hash.chain_root)
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: with scheduling_policy priority, a lower value is scheduled first
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -83,6 +85,8 @@ class SamplingParams:
         _check(self.cache_salt is None
                or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT),
                f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters or None, got {self.cache_salt!r:.80}")
+        _check(_is_int(self.priority) and abs(self.priority) <= MAX_PRIORITY,
+               f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
         _check(_is_int(self.resumed_tokens) and self.resumed_tokens >= 0,
                f"resumed_tokens must be an integer >= 0, got {self.resumed_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):

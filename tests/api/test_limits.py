@@ -41,3 +41,12 @@ def test_at_the_bounds_passes():
     LIMITS.check(completion(prompt=["x" * 5, "y" * 5]))
     LIMITS.check(completion(prompt=["x" * 10, [1, 2, 3]]))
     LIMITS.check(chat([{"role": "user", "content": "x" * 5}, {"role": "assistant", "content": None}]))
+
+
+def test_a_priority_is_refused_unless_the_engines_schedule_by_priority():
+    with pytest.raises(RequestError) as refused:
+        LIMITS.check(completion(priority=-1))
+    assert (refused.value.param, refused.value.status) == ("priority", 400)
+    assert "first come, first served" in refused.value.message
+    LIMITS.check(completion(priority=0))
+    RequestLimits(priorities=True).check(completion(priority=-1))

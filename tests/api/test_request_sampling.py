@@ -112,6 +112,7 @@ def test_allowed_token_ids_and_bad_words_map_to_the_engine():
     plain = sampling_params(completion(), 10, 100, 64)
     assert (plain.allowed_token_ids, plain.bad_words, plain.cache_salt) == (None, (), None)
     assert sampling_params(chat(cache_salt="tenant-7"), 10, 100).cache_salt == "tenant-7"
+    assert sampling_params(chat(priority=-5), 10, 100).priority == -5
 
 
 @pytest.mark.parametrize("body, message, param", [
@@ -123,6 +124,7 @@ def test_allowed_token_ids_and_bad_words_map_to_the_engine():
      "allowed_token_ids"),
     ({"bad_words": [" "]}, "bad_words must be words of 1 to 256 characters, not only spaces, got (' ',)", "bad_words"),
     ({"bad_words": ["w"] * 129}, "bad_words may hold at most 128 words, got 129", "bad_words"),
+    ({"priority": 2**31}, "priority must be an integer in [-2147483647, 2147483647], got 2147483648", "priority"),
     ({"cache_salt": ""}, "cache_salt must be a string of 1 to 1024 characters or None, got ''", "cache_salt"),
 ])
 def test_bad_allowed_token_ids_and_bad_words_are_400s_naming_them(body, message, param):

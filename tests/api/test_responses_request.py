@@ -42,8 +42,9 @@ def test_a_string_input_with_instructions_is_a_system_and_a_user_message():
                     "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "stream": False}
 
 
-def test_a_cache_salt_goes_to_the_chat():
-    assert chat_of(input="Hi", extra_body={"cache_salt": "tenant-7"})["cache_salt"] == "tenant-7"
+def test_a_cache_salt_and_a_priority_go_to_the_chat():
+    chat = chat_of(input="Hi", extra_body={"cache_salt": "tenant-7", "priority": -3})
+    assert (chat["cache_salt"], chat["priority"]) == ("tenant-7", -3)
 
 
 def test_an_earlier_turn_sent_back_is_one_assistant_message_with_its_reasoning_and_calls():

@@ -55,6 +55,7 @@ class Candidate:
 
 class AccelGenPolicy(Policy):
     name = "accelgen"
+    takes_priorities = False  # ordered by slack
 
     def __init__(self, blocks: BlockManager, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic):
         super().__init__(blocks, limits, clock)

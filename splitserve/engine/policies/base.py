@@ -6,6 +6,12 @@ the plan and reports the sampled tokens back through `complete_step`.
 Queues: `waiting` (FIFO, no KV blocks) and `running` (admission order, oldest first, hold blocks).
 `held` keeps sequences that hold blocks but are not scheduled: PREFILLED (prompt role, waiting
 for export) and IMPORTING (blocks reserved for a KV transfer in).
+
+By priority (`SchedulerLimits.by_priority`, vLLM's priority scheduling): `waiting` is ordered by
+`rank` (a lower priority value first, then arrival), a preempted sequence going back to its
+place in it; when KV runs out the lowest-ranked running sequence is preempted first; and a
+waiting sequence that cannot be admitted preempts running ones of a strictly lower priority
+(`_preempt_for_priority`), so equal priorities never preempt each other.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ class Policy(ABC):
 
     name: str
     hands_off_by_default = False
+    takes_priorities = True  # orders by SamplingParams.priority when limits.by_priority
     prefill_chunk_tokens: int | None = None  # the most prompt tokens of one sequence a step computes (None: all)
 
     def __init__(self, blocks: BlockManager, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic):
@@ -61,7 +68,22 @@ class Policy(ABC):
         """Queue a sequence; `hand_off`: prefill only and hold its KV for export (default: the role's)."""
         seq.hand_off = self.hands_off_by_default if hand_off is None else hand_off
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    @staticmethod
+    def rank(seq: Sequence) -> tuple[int, float]:
+        """By priority, who goes first: the lower priority value, then the earlier arrival."""
+        return seq.params.priority, seq.arrival_time
+
+    def _enqueue(self, seq: Sequence, preempted: bool = False) -> None:
+        """Into `waiting`: by rank, after those of an equal one; else at the back, or with
+        `preempted` at the front."""
+        if not self.limits.by_priority:
+            (self.waiting.appendleft if preempted else self.waiting.append)(seq)
+            return
+        rank = self.rank(seq)
+        self.waiting.insert(next((i for i, other in enumerate(self.waiting) if self.rank(other) > rank),
+                                 len(self.waiting)), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -192,14 +214,28 @@ class Policy(ABC):
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, preempted=True)
         self.num_preemptions += 1
 
+    def _preempt_for_priority(self) -> list[Sequence]:
+        """By priority: while the first waiting sequence cannot be admitted, preempt the lowest-ranked
+        running sequence of a strictly lower priority. Returns those preempted (none by FCFS)."""
+        preempted = []
+        while self.limits.by_priority and self.waiting and not self._can_admit(self.waiting[0]):
+            victim = max(self.running, key=self.rank, default=None)
+            if victim is None or victim.params.priority <= self.waiting[0].params.priority:
+                break
+            self.preempt(victim)
+            preempted.append(victim)
+        return preempted
+
     def _reserve_decode_slots(self) -> list[Sequence]:
-        """Give every decoding sequence a slot for its next token, oldest first. When blocks run
-        out, preempt the youngest running sequence not yet served (possibly the one asking).
-        Returns the preempted sequences; `self.running` keeps the rest in order."""
-        preempted, pending, try_grow = [], list(self.running), self.blocks.try_grow
+        """Give every decoding sequence a slot for its next token, oldest first (by priority: by
+        rank). When blocks run out, preempt the youngest (lowest-ranked) running sequence not yet
+        served (possibly the one asking). Returns the preempted sequences; `self.running` keeps the
+        rest in order."""
+        pending = sorted(self.running, key=self.rank) if self.limits.by_priority else list(self.running)
+        preempted, try_grow = [], self.blocks.try_grow
         served, end = 0, len(pending)  # pending[served:end]: not served yet, nor preempted
         while served < end:
             seq = pending[served]

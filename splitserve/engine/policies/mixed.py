@@ -20,6 +20,7 @@ class MixedPolicy(Policy):
 
     def schedule(self) -> Plan:
         budget = self.limits.chunk_token_budget
+        outranked = self._preempt_for_priority()
         preempted = self._reserve_decode_slots()
         items, _ = self._running_items()
         used = len(items)
@@ -30,7 +31,7 @@ class MixedPolicy(Policy):
             seq = self.waiting[0]
             self._admit(seq)
             used += self._chunk(seq, min(seq.num_uncomputed_tokens, budget - used), items, preempted)
-        return Plan(tuple(items), tuple(preempted))
+        return Plan(tuple(items), tuple(outranked + preempted))
 
     @staticmethod
     def max_step_tokens(limits: SchedulerLimits) -> int:

@@ -21,6 +21,7 @@ class OrcaPolicy(Policy):
 
     def schedule(self) -> Plan:
         budget = self.limits.prompt_token_budget
+        outranked = self._preempt_for_priority()
         preempted = self._reserve_decode_slots()
         decodes, prompts = self._running_items()  # prompts: left half-prefilled by a chunking policy
         starved = [item for item in decodes if item.seq.num_skips >= MAX_SKIPS]
@@ -34,7 +35,7 @@ class OrcaPolicy(Policy):
             item.seq.num_skips = 0
         for item in rest[room:]:
             item.seq.num_skips += 1
-        return Plan(tuple(chosen + prompts), tuple(preempted))
+        return Plan(tuple(chosen + prompts), tuple(outranked + preempted))
 
     @staticmethod
     def max_step_tokens(limits: SchedulerLimits) -> int:

@@ -95,6 +95,7 @@ class SchedulerLimits:
     chunk_token_budget: int = 512    # mixed policy: all tokens per iteration (Sarathi-Serve)
     slo: SLOOptions = SLOOptions()   # the accelgen policies
     prompt_chunk_tokens: int = 8192  # prompt / token policies: a longer prompt is prefilled in chunks of this many
+    by_priority: bool = False  # vLLM's priority scheduling (`Policy.rank`); False: first come, first served
 
     @property
     def longest_sequence(self) -> int:

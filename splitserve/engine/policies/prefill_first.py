@@ -8,13 +8,14 @@ class PrefillFirstPolicy(Policy):
     name = "prefill_first"
 
     def schedule(self) -> Plan:
+        outranked = self._preempt_for_priority()
         _, items = self._running_items()
         self._admit_prompts(items, self.limits.prompt_token_budget)
         if items:
-            return Plan(tuple(items))
+            return Plan(tuple(items), tuple(outranked))
         preempted = self._reserve_decode_slots()
         decodes, _ = self._running_items()
-        return Plan(tuple(decodes), tuple(preempted))
+        return Plan(tuple(decodes), tuple(outranked + preempted))
 
     @staticmethod
     def max_step_tokens(limits: SchedulerLimits) -> int:

@@ -19,13 +19,14 @@ class TokenPolicy(Policy):
 
     def schedule(self) -> Plan:
         budget, chunk = self.limits.prompt_token_budget, self.limits.prompt_chunk_tokens
+        outranked = self._preempt_for_priority()
         preempted = self._reserve_decode_slots()
         items, prefills = self._running_items()
         used = 0
         for item in prefills:  # prompts mid-prefill: their next chunk
             used += self._chunk(item.seq, min(item.num_new_tokens, chunk), items, preempted)
         self._admit_prompts(items, budget, used, chunk, preempted)
-        return Plan(tuple(items), tuple(preempted))
+        return Plan(tuple(items), tuple(outranked + preempted))
 
     @staticmethod
     def max_step_tokens(limits: SchedulerLimits) -> int:

@@ -275,6 +275,7 @@ def test_stop_string_ends_the_text_at_the_ingress(client, offline):
     (b'{"model": "demo", "prompt": "hi", "n": 0}', 400, "n"),
     (b'{"model": "demo", "prompt": "hi", "suffix": "end"}', 400, "suffix"),
     (b'{"model": "demo", "prompt": "hi", "frobnicate": 1}', 400, "frobnicate"),
+    (b'{"model": "demo", "prompt": "hi", "priority": -1}', 400, "priority: this server schedules first come"),
     (b'{"model": "demo", "prompt": "' + b"y" * 2100 + b'"}', 400, "maximum context length"),
 ])
 def test_bad_requests_get_openai_error_bodies(server, body, status, needle):

@@ -45,6 +45,7 @@ SAMPLING = {
     "logit_bias": _field(st.dictionaries(st.integers(-5, 300).map(str), st.floats(-100, 100), max_size=5)),
     "allowed_token_ids": _field(st.lists(st.integers(-5, 300), max_size=6)),
     "bad_words": _field(st.lists(st.text(max_size=12), max_size=4)), "cache_salt": _field(st.text(max_size=12)),
+    "return_tokens_as_token_ids": _field(st.booleans()), "priority": _field(st.integers(-3, 3)),
     "user": _field(st.text(max_size=20)),
     "slo": _field(st.fixed_dictionaries({}, optional={"ttft_ms": st.floats(-1, 1e4), "tbt_ms": st.floats(-1, 1e4)})),
 }
