@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from splitserve.api import client_json
 from splitserve.api.chat_parsers import ChatParsers
@@ -113,24 +113,28 @@ def _error(code: str, message: str, line: int | None = None, param: str | None =
 
 def prepare(line: BatchLine, tokenizer, model: ModelNames, max_model_len: int,
             limits: RequestLimits = RequestLimits(), check_constraint: ConstraintCheck | None = None,
-            parsers: ChatParsers = ChatParsers()) -> PreparedRequest:
-    """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
-    return prepare_request(line.kind, json.dumps(line.body).encode(), tokenizer, model, max_model_len, limits,
-                           check_constraint, parsers)
+            parsers: ChatParsers = ChatParsers(), priority: int = 0) -> PreparedRequest:
+    """Tokenize and check one request as its endpoint would (RequestError on a bad body); one whose
+    body names no `priority` runs at `priority` (`batch.priority`)."""
+    prepared = prepare_request(line.kind, json.dumps(line.body).encode(), tokenizer, model, max_model_len, limits,
+                               check_constraint, parsers)
+    if not priority or "priority" in line.body:
+        return prepared
+    return replace(prepared, params=[replace(p, priority=priority) for p in prepared.params])
 
 
 def prepare_pending(lines: list[BatchLine], tokenizer, model: ModelNames, max_model_len: int, output: ResultLog,
                     errors: ResultLog, on_result: Callable[[bool], None], limits: RequestLimits = RequestLimits(),
-                    check_constraint: ConstraintCheck | None = None, parsers: ChatParsers = ChatParsers()
-                    ) -> tuple[list[tuple[BatchLine, PreparedRequest]], dict[int, int]]:
+                    check_constraint: ConstraintCheck | None = None, parsers: ChatParsers = ChatParsers(),
+                    priority: int = 0) -> tuple[list[tuple[BatchLine, PreparedRequest]], dict[int, int]]:
     """The lines that tokenize and check (a bad one's error is logged now, unless it already
     was), keyed by position, and the output lengths of those already done (to skip, and to serve
-    as samples)."""
+    as samples); `priority`: as `prepare`'s."""
     jobs, finished = [], {}
     for line in lines:
         done = output.done.get(line.custom_id) or errors.done.get(line.custom_id)
         try:
-            prepared = prepare(line, tokenizer, model, max_model_len, limits, check_constraint, parsers)
+            prepared = prepare(line, tokenizer, model, max_model_len, limits, check_constraint, parsers, priority)
         except RequestError as error:
             if done is None:
                 errors.append(error_line(line.custom_id, error))

@@ -32,9 +32,9 @@ class ClusterExecutor:
     def __init__(self, cls, model_shape: ModelShape, tokenizer, vocab_size: int, model: ModelNames,
                  max_model_len: int, block_size: int, max_attempts: int, retry_s: float = 1.0,
                  limits: RequestLimits = RequestLimits(), prefix: PrefixNaming = PrefixNaming(),
-                 parsers: ChatParsers = ChatParsers(), adapters: ServedAdapters | None = None):
+                 parsers: ChatParsers = ChatParsers(), adapters: ServedAdapters | None = None, priority: int = 0):
         """`adapters`: the LoRA adapters served now, asked of the CLS as each batch starts (else `model`
-        and `prefix` as given)."""
+        and `prefix` as given); `priority`: what a line that names none runs at (`batch.priority`)."""
         self.workers, self.limits = WorkerDirectory(cls), limits
         self.grammar = LazyGrammar(tokenizer, vocab_size)  # structured output's constraints compile up front
         self.prefix = prefix
@@ -42,7 +42,7 @@ class ClusterExecutor:
         self.shape, self.tokenizer, self.model = model_shape, tokenizer, model
         self.max_model_len, self.block_size = max_model_len, block_size
         self.max_attempts, self.retry_s = max_attempts, retry_s
-        self.adapters = adapters
+        self.adapters, self.priority = adapters, priority
 
     async def kv_tokens(self) -> int:
         """KV capacity of the decoding workers, waiting until they have reported it."""
@@ -69,7 +69,7 @@ class ClusterExecutor:
         await self._refresh_adapters()
         jobs, finished = await asyncio.to_thread(prepare_pending, lines, self.tokenizer, self.model,
                                                  self.max_model_len, output, errors, on_result, self.limits,
-                                                 self.grammar.check, self.parsers)
+                                                 self.grammar.check, self.parsers, self.priority)
         units = [(job, k) for job, (_, prepared) in enumerate(jobs) for k in range(len(prepared.prompts))]
         requests = [offline_request(key, jobs[job][1].prompts[k], jobs[job][1].params[k],
                                     jobs[job][1].request.num_choices()[0]) for key, (job, k) in enumerate(units)]

@@ -28,7 +28,7 @@ class BatchManager:
         executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, model_config.vocab_size,
                                    adapters.served, max_model_len, engine.block_size,
                                    config.scheduler.max_attempts, limits=limits, prefix=adapters.prefix,
-                                   parsers=config.chat_parsers, adapters=adapters)
+                                   parsers=config.chat_parsers, adapters=adapters, priority=config.batch.priority)
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
                                     limits.max_batch_lines, config.batch.min_free_bytes, config.batch.file_expiry_s)
         self._started = False

@@ -83,6 +83,13 @@ class ClusterConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _batch_priority_is_scheduled(self) -> "ClusterConfig":
+        if self.batch.priority and self.engine.scheduling_policy != "priority":
+            raise ValueError("batch.priority: the engines schedule first come, first served; set "
+                             "engine.scheduling_policy: priority for batches to run at a priority")
+        return self
+
+    @model_validator(mode="after")
     def _adapter_names_differ(self) -> "ClusterConfig":
         try:
             self.served_models  # ServedModels refuses an adapter named as the model

@@ -15,6 +15,7 @@ from splitserve.engine.config import ConfigError
 from splitserve.engine.engine_config import MAX_KV_BLOCKS, EngineConfig
 from splitserve.engine.model.sharding import MAX_RANKS
 from splitserve.engine.policies import SLOOptions as PolicySLOOptions
+from splitserve.engine.sampling_params import MAX_PRIORITY
 from splitserve.placement.state import PlacementThresholds
 
 
@@ -175,7 +176,7 @@ class EngineOptions(StrictModel):
     @model_validator(mode="after")
     def _engine_accepts(self) -> "EngineOptions":
         try:
-            self.engine_config("token")
+            self.engine_config("token", (self.mixed_policy, self.prompt_policy))  # every policy a worker may run
         except ConfigError as error:
             raise ValueError(str(error)) from None
         return self
@@ -338,6 +339,9 @@ class BatchAPIOptions(StrictModel):
     split_threshold: float = Field(0.01, ge=0, le=1, description="Prefix-tree nodes are split while the recomputed "
                                    "prefix stays under this share of unique prompt tokens.")
     memory_fraction: float = Field(0.9, gt=0, le=1, description="Share of the KV cache the dual scanner fills.")
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="The priority a batch's requests run "
+                          "at where their line names none; with engine.scheduling_policy priority only (e.g. 1: "
+                          "batches yield to interactive requests, which run at 0).")
 
     def blend_options(self) -> BlendOptions:
         return BlendOptions(self.order, self.sample_fraction, self.split_threshold, self.memory_fraction)

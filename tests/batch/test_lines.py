@@ -69,6 +69,17 @@ def test_prepare_checks_a_body_like_its_endpoint():
     assert caught.value.status == 400
 
 
+def test_a_line_naming_no_priority_runs_at_the_batchs():
+    from splitserve.api.limits import RequestLimits
+
+    plain, own = parse_input(as_jsonl([batch_lines(1)[0], {**batch_lines(2)[1], "body": {
+        **batch_lines(2)[1]["body"], "priority": -2}}]))
+    limits = RequestLimits(priorities=True)
+    assert [prepare(plain, demo_tokenizer(), "demo", 2048, limits, priority=3).params[0].priority,
+            prepare(own, demo_tokenizer(), "demo", 2048, limits, priority=3).params[0].priority,
+            prepare(plain, demo_tokenizer(), "demo", 2048, limits).params[0].priority] == [3, -2, 0]
+
+
 def test_a_responses_line_is_prepared_as_the_chat_it_asks_for():
     """Its prompt is the chat's of the same messages; a refusal names the Responses field; it
     continues no stored response and runs in no background (a batch keeps no responses)."""

@@ -216,6 +216,9 @@ INVALID = {
     "orphans before a poll": ({"scheduler": {"idle_report_interval_s": 5, "orphan_timeout_s": 15}},
                               r"scheduler\n.*orphan_timeout_s \(15\.0\) must be at least 4 x idle_report_interval_s"),
     "orphan timeout too short": ({"scheduler": {"orphan_timeout_s": 1}}, r"scheduler\.orphan_timeout_s\n.*10"),
+    "batch priority served first come": ({"batch": {"priority": 1}}, r"batch\.priority: the engines schedule first"),
+    "priority with accelgen": ({"engine": {"scheduling_policy": "priority", "mixed_policy": "accelgen"}},
+                               r"engine\n.*the accelgen policy orders requests by their latency targets"),
 }
 
 
