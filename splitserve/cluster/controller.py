@@ -39,6 +39,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Collection
+from dataclasses import replace
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -194,9 +195,10 @@ class Controller:
                     lora: str | None = None) -> Placement | None:
         """Worker ids only: handles are costly to send, so callers cache them (`worker_handle`).
         None when no worker has room; ClusterUnavailable when none is ready or the cluster drains;
-        AdapterUnavailable when the request's LoRA adapter `lora` is not served (any more)."""
+        AdapterUnavailable when the request's LoRA adapter `lora` is not served (any more); else the
+        placement names the adapter's identity, which the workers check (`SamplingParams.lora_identity`)."""
         await self._adoption()
-        self.lora.check(lora)
+        identity = self.lora.check(lora)
         if self._draining:
             raise ClusterUnavailable("the cluster is shutting down: it finishes what it runs and takes no new "
                                      "requests")
@@ -207,7 +209,7 @@ class Controller:
         await self._apply(moves)
         if placement is None:
             self.counters["rejected"] += 1
-        return placement
+        return placement if placement is None or identity is None else replace(placement, lora_identity=identity)
 
     # ---- LoRA adapters -------------------------------------------------------------------------
     async def load_lora(self, name: str, path: str) -> None:

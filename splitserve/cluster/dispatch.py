@@ -217,7 +217,7 @@ class Run:
             self.prompt_handle = await self.workers.get(self.placement.prompt_worker)
             self.token_handle = await self.workers.get(self.placement.token_worker)
             try:
-                return await self._launch(prompt, params)
+                return await self._launch(prompt, replace(params, lora_identity=self.placement.lora_identity))
             except _Refused as refused:
                 self.refusals += 1
                 if tries == REFUSED_TRIES:

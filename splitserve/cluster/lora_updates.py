@@ -79,11 +79,14 @@ class RunTimeAdapters:
         """Each adapter served -> the path it was loaded from while serving (None: lora_modules)."""
         return {name: self.paths.get(name) for name in self.identities}
 
-    def check(self, lora: str | None) -> None:
-        """`place`'s gate: AdapterUnavailable unless `lora` (None: the base model) is served."""
-        if lora is not None and lora not in self.identities:
+    def check(self, lora: str | None) -> str | None:
+        """`place`'s gate: AdapterUnavailable unless `lora` (None: the base model) is served; its identity."""
+        if lora is None:
+            return None
+        if lora not in self.identities:
             raise AdapterUnavailable(f"The model `{lora}` does not exist: no LoRA adapter of that name is loaded "
                                      "(it was unloaded)")
+        return self.identities[lora]
 
     async def load(self, workers: dict[str, object], name: str, path: str) -> None:
         """On every worker of `workers` (the controller's live handles, read once no other update

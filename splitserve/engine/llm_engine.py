@@ -327,6 +327,9 @@ class LLMEngine:
         if params.lora is not None and params.lora not in self.lora_names:
             raise ValueError(f"lora: no adapter named {params.lora!r} is loaded (loaded: "
                              f"{', '.join(self.lora_names) or 'none'})")
+        if params.lora_identity is not None and self.lora_identities[params.lora] != params.lora_identity:
+            raise ValueError(f"lora: the adapter named {params.lora!r} here is not the one the request was placed "
+                             "under (it was loaded again meanwhile)")
         seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
                        self.eos_token_ids, adapter_slot=self.runner.model.lora_slots.slot_of(params.lora),
                        bad_words=BadWords.of(params.bad_words, self.tokenizer))

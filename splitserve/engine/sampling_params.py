@@ -61,6 +61,9 @@ class SamplingParams:
     # output count them as output, so the request goes on as if it had never moved
     resumed_tokens: int = 0
     lora: str | None = None  # the LoRA adapter (its name, as the engine loaded it) to run with; None: the base model
+    # the identity of `lora` where the request was placed (a cluster's CLS): an engine holding
+    # another adapter under that name (loaded again meanwhile) refuses the request; None: any
+    lora_identity: str | None = None
     # vLLM's: prefix-cache blocks are shared only between requests of the same salt (prefix_hash.chain_root)
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: with scheduling_policy priority, a lower value is scheduled first
@@ -82,6 +85,8 @@ class SamplingParams:
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
         _check(self.lora is None or (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME),
                f"lora must be an adapter's name (1 to {MAX_LORA_NAME} characters) or None, got {self.lora!r}")
+        _check(self.lora_identity is None or (self.lora is not None and isinstance(self.lora_identity, str)),
+               f"lora_identity must be a string, with lora, or None, got {self.lora_identity!r:.80}")
         _check(self.cache_salt is None
                or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT),
                f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters or None, got {self.cache_salt!r:.80}")

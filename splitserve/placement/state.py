@@ -118,6 +118,7 @@ class PlacementRequest:
 class Placement:
     prompt_worker: str
     token_worker: str
+    lora_identity: str | None = None  # the LoRA adapter's identity the CLS placed the request under
 
     @property
     def local(self) -> bool:

@@ -67,9 +67,11 @@ class _Call:
 
     def __init__(self, result, calls: list, name: str):
         self.result, self.calls, self.name = result, calls, name
+        self.args: list[tuple] = []  # of every call
 
     def remote(self, *args):
         self.calls.append(self.name)
+        self.args.append(args)
         answer = asyncio.get_running_loop().create_future()
         if isinstance(self.result, BaseException):
             answer.set_exception(self.result)
@@ -121,6 +123,19 @@ def test_a_prompt_worker_that_refuses_the_ticket_fails_the_attempt_over_and_free
     with pytest.raises(RequestFailed, match="prompt worker refused the transfer: .*gave the transfer up first"):
         asyncio.run(drive())
     assert calls.count("abort") == 2  # the failed attempt is aborted on both workers
+
+
+def test_the_workers_get_the_adapter_identity_the_request_was_placed_under():
+    """The CLS names the identity of the request's adapter as it places it: both workers check it."""
+    calls: list = []
+    workers = {"p": _Worker(calls), "t": _Worker(calls, reserve="ticket")}
+    cls = _PlacingCLS(workers)
+    cls.place.result = Placement("p", "t", lora_identity="sql\0digest")
+    run = Run("r", [1, 2, 3], SamplingParams(max_tokens=4, lora="sql"), WorkerDirectory(cls), max_attempts=1)
+    asyncio.run(run.admit())
+    assert cls.place.args[0][2] == "sql"  # the adapter asked of the CLS by name
+    sent = [args[2] for args in workers["t"].reserve.args + workers["p"].prefill.args]
+    assert len(sent) == 2 and all(params.lora_identity == "sql\0digest" for params in sent)
 
 
 class _ExcludingCLS(_PlacingCLS):

@@ -57,8 +57,7 @@ def test_a_load_every_worker_takes_is_served_until_unloaded():
     table, workers = _table(), {"a": _Worker(), "b": _Worker()}
     asyncio.run(table.load(workers, "sql", "/adapters/sql"))
     assert table.table() == {"sql": "sql:/adapters/sql"} and all("sql" in w.held for w in workers.values())
-    table.check("sql")
-    table.check(None)
+    assert (table.check("sql"), table.check(None)) == ("sql:/adapters/sql", None)
     with pytest.raises(LoraUpdateError, match="already loaded") as again:
         asyncio.run(table.load(workers, "sql", "/adapters/other"))
     assert again.value.status == 400

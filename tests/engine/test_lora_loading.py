@@ -81,6 +81,24 @@ def test_a_name_loaded_again_with_other_weights_never_meets_the_old_ones_cached_
 
 
 @KINDS
+def test_a_request_placed_under_an_adapters_identity_is_refused_where_the_name_was_loaded_again(adapted):
+    """A cluster's CLS names the identity it placed a request under: an engine where that name was
+    loaded again with other files meanwhile refuses it, as neither worker may run other weights."""
+    path, dirs, _, base = adapted
+    prompt = generation_prompts(base.config.vocab_size)[0]
+    engine = LLMEngine(path, max_loras=2, **RUN_TIME)
+    placed = engine.load_lora("x", dirs["attn"])
+    engine.add_request("same", prompt, SamplingParams(lora="x", lora_identity=placed))
+    engine.unload_lora("x")
+    assert engine.load_lora("x", dirs["mlp"]) != placed
+    with pytest.raises(ValueError, match="not the one the request was placed under"):
+        engine.add_request("moved", prompt, SamplingParams(lora="x", lora_identity=placed))
+    engine.add_request("new", prompt, SamplingParams(lora="x", lora_identity=engine.lora_identities["x"]))
+    with pytest.raises(ValueError, match="lora_identity must be a string, with lora"):
+        SamplingParams(lora_identity=placed)
+
+
+@KINDS
 def test_tensor_parallel_ranks_load_their_slices_at_run_time(adapted):
     from tests.engine.tp_helpers import tp_engine
 
