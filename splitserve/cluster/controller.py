@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
 from collections import Counter
 from collections.abc import Collection
-from dataclasses import replace
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -209,7 +209,8 @@ class Controller:
         await self._apply(moves)
         if placement is None:
             self.counters["rejected"] += 1
-        return placement if placement is None or identity is None else replace(placement, lora_identity=identity)
+            return None
+        return placement if identity is None else dataclasses.replace(placement, lora_identity=identity)
 
     # ---- LoRA adapters -------------------------------------------------------------------------
     async def load_lora(self, name: str, path: str) -> None:
