@@ -199,7 +199,8 @@ class Run:
         for tries in range(1, REFUSED_TRIES + 1):
             self._worker_request_id = f"{self.request_id}.{next(self._attempts)}"
             request = PlacementRequest(self._worker_request_id, len(prompt), params.max_tokens,
-                                       None if failover else self.follow, self._prefix_hashes(prompt, params))
+                                       None if failover else self.follow, self._prefix_hashes(prompt, params),
+                                       params.priority)
             self.placement = self.prompt_handle = self.token_handle = None
             for _ in range(REPLACE_TRIES if failover else 1):
                 try:

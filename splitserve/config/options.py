@@ -220,6 +220,11 @@ class SchedulerOptions(StrictModel):
     max_queue_tokens: float = Field(16384, gt=0, description="Backpressure: a prompt queue above this takes no more "
                                     "work; when no worker can, the API answers 429.")
     max_decode_queue_tokens: float = Field(262144, gt=0, description="Backpressure: the same for a token queue.")
+    background_queue_share: float = Field(0.5, gt=0, le=1, description="With priority scheduling, a request of "
+                                          "priority above 0 (a batch's, at batch.priority 1) is placed only while "
+                                          "some prefilling worker's queue is under this share of max_queue_tokens "
+                                          "(else a 429): a backlog of background work leaves the rest of every "
+                                          "queue to requests of priority 0 and below.")
     repurpose_after_s: float = Field(60.0, gt=0, description="A worker mixed this long changes pool for good (at "
                                      "most one per period).")
     report_interval_s: float = Field(0.1, gt=0, description="How often the CLS polls each worker's load (also the "
@@ -270,7 +275,7 @@ class SchedulerOptions(StrictModel):
         return PlacementThresholds(
             mixed_prompt_tokens=self.mixed_prompt_tokens, mixed_decode_tokens=self.mixed_decode_tokens,
             max_queue_tokens=self.max_queue_tokens, max_decode_queue_tokens=self.max_decode_queue_tokens,
-            repurpose_after_s=self.repurpose_after_s)
+            repurpose_after_s=self.repurpose_after_s, background_share=self.background_queue_share)
 
 
 class IngressOptions(StrictModel):

@@ -108,6 +108,8 @@ class ClusterState:
         """Prompt and token workers for a request (None: cannot admit now), and the pool moves made
         for it. `exclude`: worker ids not to use (a retry after a failure)."""
         excluded = frozenset(exclude) if exclude else NOTHING_EXCLUDED
+        if request.priority > 0 and not self._room_for_background():
+            return None, []
         placement, moves = self._followed(request, excluded), []
         if placement is None:
             choose = self.policy.choose_prompt_only if request.prompt_only else self.policy.choose
@@ -125,6 +127,13 @@ class ClusterState:
                 if placement.token_worker != placement.prompt_worker:
                     self.prefix_index.placed(placement.token_worker, request.prefix_hashes)
         return placement, moves
+
+    def _room_for_background(self) -> bool:
+        """Whether some worker that prefills (prompt or mixed pool) has a prompt queue under the
+        background share of the backpressure bound."""
+        bound = self.thresholds.background_share * self.thresholds.max_queue_tokens
+        return any(worker.prompt_queue() < bound
+                   for role in (Role.PROMPT, Role.MIXED) for worker in self._members[role])
 
     def saved_work(self, request: PlacementRequest) -> SavedWork | None:
         """What the request's cached prefix saves on the workers holding it; None when nothing

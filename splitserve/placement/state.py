@@ -97,10 +97,13 @@ class PlacementRequest:
     # the hashes of the prompt's leading full blocks, as a prefix-cache lookup tries them
     # (engine/prefix_hash.py: prompt_block_hashes), for prefix-aware placement; () names none
     prefix_hashes: tuple[int, ...] = ()
+    priority: int = 0  # SamplingParams.priority: above 0, background work (`PlacementThresholds.background_share`)
 
     def __post_init__(self) -> None:
         if not self.request_id:
             raise ValueError("request_id must be a non-empty string")
+        if not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if not isinstance(self.num_prompt_tokens, int) or self.num_prompt_tokens < 1:
             raise ValueError(f"num_prompt_tokens must be an integer >= 1, got {self.num_prompt_tokens!r}")
         _require_non_negative_ints(self, ("max_tokens",))
@@ -145,6 +148,9 @@ class PlacementThresholds:
     max_queue_tokens: float = 16384  # backpressure: a worker whose prompt queue is this long takes nothing more
     repurpose_after_s: float = 60.0  # in the mixed pool this long without a break: home pool changes (one per period)
     max_decode_queue_tokens: float = 262144  # backpressure on token queues; above mixed_decode_tokens so overflow acts
+    # a request of priority above 0 is placed only while some worker's prompt queue is under this
+    # share of max_queue_tokens: the rest is kept for requests of priority 0 and below
+    background_share: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("mixed_prompt_tokens", "mixed_decode_tokens", "max_queue_tokens", "repurpose_after_s",
@@ -152,6 +158,8 @@ class PlacementThresholds:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (isinstance(self.background_share, (int, float)) and 0 < self.background_share <= 1):
+            raise ValueError(f"background_share must be in (0, 1], got {self.background_share!r}")
 
 
 @dataclass(frozen=True)

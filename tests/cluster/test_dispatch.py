@@ -134,8 +134,16 @@ def test_the_workers_get_the_adapter_identity_the_request_was_placed_under():
     run = Run("r", [1, 2, 3], SamplingParams(max_tokens=4, lora="sql"), WorkerDirectory(cls), max_attempts=1)
     asyncio.run(run.admit())
     assert cls.place.args[0][2] == "sql"  # the adapter asked of the CLS by name
+    assert cls.place.args[0][0].priority == 0
     sent = [args[2] for args in workers["t"].reserve.args + workers["p"].prefill.args]
     assert len(sent) == 2 and all(params.lora_identity == "sql\0digest" for params in sent)
+
+
+def test_the_placement_request_carries_the_priority():
+    cls = _PlacingCLS({"p": _Worker([]), "t": _Worker([], reserve="ticket")})
+    run = Run("r", [1, 2, 3], SamplingParams(max_tokens=4, priority=2), WorkerDirectory(cls), max_attempts=1)
+    asyncio.run(run.admit())
+    assert cls.place.args[0][0].priority == 2
 
 
 class _ExcludingCLS(_PlacingCLS):

@@ -80,6 +80,28 @@ def test_backpressure_refuses_when_every_queue_is_full(policy):
     assert full_token.workers["p0"].placed_prompt_tokens == 0  # a refusal places nothing
 
 
+@pytest.mark.parametrize("policy", ["round-robin", "jsq", "splitwise"])
+def test_background_requests_are_refused_past_their_share_of_the_prompt_queues(policy):
+    """Priority above 0 is placed only while some prefilling worker's queue is under
+    `background_share` of the bound; priority 0 and below get the whole bound. A refused
+    background request places nothing and moves no pool."""
+    limits = PlacementThresholds(max_queue_tokens=1000, background_share=0.5)
+
+    def state(*pending: int):
+        return cluster(policy, prompt=[(f"p{i}", H100, load(pending=p)) for i, p in enumerate(pending)],
+                       token=[idle("t0")], thresholds=limits)
+
+    background = PlacementRequest("b", 100, 10, priority=1)
+    busy = state(600, 500)
+    assert busy.place(background, 0.0) == (None, [])
+    assert busy.workers["p0"].placed_prompt_tokens == busy.workers["p1"].placed_prompt_tokens == 0
+    assert busy.place(PlacementRequest("i", 100, 10, priority=0), 0.0)[0] is not None
+    assert busy.place(PlacementRequest("u", 100, 10, priority=-4), 0.0)[0] is not None
+    assert state(600, 499).place(background, 0.0)[0] is not None
+    with pytest.raises(ValueError, match="background_share must be in"):
+        PlacementThresholds(background_share=0)
+
+
 @pytest.mark.parametrize("policy", ["round-robin", "jsq"])
 def test_token_worker_needs_kv_room_for_the_prompt_and_first_token(policy):
     state = cluster(policy, prompt=[idle("p0")], token=[("t0", H100, load(free=100, total=1000)),
