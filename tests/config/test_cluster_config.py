@@ -104,6 +104,15 @@ def test_local_cpu_is_the_default_cluster():
         [(role, "cpu", 1, {"num_cpus": 1.0, "num_gpus": 0.0}) for role in ("prompt", "token")]
 
 
+def test_priority_scheduling_reaches_the_engines_the_requests_and_placement():
+    config = ClusterConfig.model_validate({"engine": {"scheduling_policy": "priority"}, "batch": {"priority": 1},
+                                           "scheduler": {"background_queue_share": 0.3}})
+    assert all(config.engine_config(role).scheduler_limits(64).by_priority for role in ("prompt", "token", "mixed"))
+    assert config.request_limits().priorities and config.batch.priority == 1
+    assert config.scheduler.thresholds().background_share == 0.3
+    assert ClusterConfig().scheduler.thresholds().background_share == 0.5
+
+
 @pytest.mark.parametrize("name, prompt_hw, token_hw, token_gpu", [
     ("splitwise-ha.yaml", "h100", "a100", "A100"),
     ("splitwise-hhcap.yaml", "h100", "h100-cap", "H100"),

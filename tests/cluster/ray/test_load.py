@@ -1,6 +1,7 @@
 """Load on a real cluster: 64 concurrent streams with none lost, a prompt backlog that moves the
 token worker into the mixed pool and back (seen on the status endpoint), 429 with Retry-After
-when the cluster cannot admit, the optional API key, and served model aliases."""
+when the cluster cannot admit, interactive requests served during a background flood, the
+optional API key, and served model aliases."""
 from __future__ import annotations
 
 import asyncio
@@ -66,6 +67,28 @@ def test_overload_answers_429_with_retry_after(pools_server):
     assert refused and served and len(refused) + len(served) == len(responses)
     assert refused[0].headers["retry-after"] == "1" and "capacity" in refused[0].json()["error"]["message"]
     assert all(r.json()["usage"]["completion_tokens"] == 64 for r in served)
+
+
+def test_interactive_requests_sent_during_a_background_flood_are_served(pools_server):
+    """The pools app schedules by priority: a flood of background requests (priority 1) is partly
+    refused, and interactive ones (priority 0) sent while it runs are served. (Which share of the
+    queues each may fill is placement's rule, tests/placement/test_placement.py: here the queues
+    drain too fast to tell it apart.)"""
+    async def flood_then_ask():
+        async with httpx.AsyncClient(timeout=300, headers=POOLS_KEY) as http:
+            body = {"model": "demo", "prompt": "b" * 1500, "max_tokens": 32, "ignore_eos": True, "priority": 1}
+            flood = [asyncio.ensure_future(http.post(f"{pools_server}/v1/completions", json=body))
+                     for _ in range(16)]
+            while sum(f.done() for f in flood) < 8:  # the refusals come back at once
+                await asyncio.sleep(0.01)
+            asked = {"model": "demo", "prompt": "i" * 300, "max_tokens": 4, "ignore_eos": True, "priority": 0}
+            interactive = await asyncio.gather(*(http.post(f"{pools_server}/v1/completions", json=asked)
+                                                 for _ in range(2)))
+            return await asyncio.gather(*flood), interactive
+
+    background, interactive = asyncio.run(flood_then_ask())
+    assert {r.status_code for r in background} == {200, 429}
+    assert [r.status_code for r in interactive] == [200, 200]
 
 
 def test_api_key_is_required_when_configured(pools_server):
