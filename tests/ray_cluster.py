@@ -31,7 +31,8 @@ ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 2048}
 RUN_TIME_LORA = {"max_loras": 4, "max_lora_rank": 8}  # main and tp: two adapters at start, two more slots; pools
 MAIN = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "fault_injection": True,
         "scheduler": {"report_interval_s": 0.05}, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
-POOLS = {"engine": {**ENGINE, **RUN_TIME_LORA, "scheduling_policy": "priority"}, "transfer": {"backend": "gloo", "timeout_s": 10},
+POOLS = {"engine": {**ENGINE, **RUN_TIME_LORA, "scheduling_policy": "priority"},
+         "transfer": {"backend": "gloo", "timeout_s": 10},
          "served_model_name": ["demo", "pools-alias"],
          "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
          "scheduler": {"report_interval_s": 0.05, "mixed_prompt_tokens": 600, "max_queue_tokens": 3000,

@@ -114,8 +114,8 @@ class ChoiceText:
 def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequence[int], tokenizer: Tokenizer,
                    parsers: ChatParsers = ChatParsers()) -> dict:
     """ChoiceText's `echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking`,
-    `call_ids` and `ids_as_tokens` for the choices of one of `request`'s prompts (`prompt`: its token ids). With a
-    reasoning parser a constrained output (structured outputs, a forced tool call) is thought like
+    `call_ids` and `ids_as_tokens` for the choices of one of `request`'s prompts (`prompt`: its
+    token ids). With a reasoning parser a constrained output (structured outputs, a forced tool call) is thought like
     any other (the constraint holds the answer after it); a forced call is parsed in the JSON format
     the constraint writes, and GPT-OSS's calls as the hermes calls its splitter spells them."""
     echo = None

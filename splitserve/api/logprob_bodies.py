@@ -5,12 +5,13 @@ character), and its `top_logprobs`).
 
 An entry is (sampled token id, {token id: logprob}) where the dict holds the `num_top` most likely
 tokens and the sampled one (None for an echoed prompt's first token, which nothing predicts),
-log-softmax of the raw logits (before temperature and penalties, as vLLM reports them). The top list is the `num_top` best of the dict: were the sampled token not
-among them, it is the one left out, being no likelier than any of them. A logprob below
-`LOGPROB_FLOOR` (-inf: a token with no probability; NaN) is reported as the floor, as vLLM does:
-JSON has no infinities, and a JavaScript client's parser refuses them. With vLLM's
-`return_tokens_as_token_ids` a token is named `token_id:{id}` (`token_id_name`), so tokens whose
-text is not valid UTF-8 on its own, or that share a text, stay apart; offsets and bytes stay the text's.
+log-softmax of the raw logits (before temperature and penalties, as vLLM reports them). The top
+list is the `num_top` best of the dict: were the sampled token not among them, it is the one left
+out, being no likelier than any of them. A logprob below `LOGPROB_FLOOR` (-inf: a token with no
+probability; NaN) is reported as the floor, as vLLM does: JSON has no infinities, and a
+JavaScript client's parser refuses them. With vLLM's `return_tokens_as_token_ids` a token is
+named `token_id:{id}` (`token_id_name`), so tokens whose text is not valid UTF-8 on its own, or
+that share a text, stay apart; offsets and bytes stay the text's.
 """
 from __future__ import annotations
 
