@@ -68,6 +68,8 @@ async def send(http: httpx.AsyncClient, url: str, model: str, spec: RequestSpec,
     body = {"model": model, "prompt": prompt_ids(spec, seed), "max_tokens": spec.output_tokens, "stream": True,
             "ignore_eos": True, "temperature": temperature,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if spec.priority:
+        body["priority"] = spec.priority
     start = time.perf_counter()
     times: list[float] = []
     status, error, cached = None, None, None

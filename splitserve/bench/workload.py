@@ -38,6 +38,7 @@ class RequestSpec:
     # ids, equal tokens), padded with the request's own tokens past them; no blocks: all its own.
     prefix_blocks: tuple[int, ...] = ()
     block_tokens: int = 0
+    priority: int = 0  # sent as the request's `priority` where not 0 (priority scheduling)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.config import ConfigError
 from splitserve.engine.lora_adapter import MAX_LORA_RANK
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
+from splitserve.engine.policies.plan import SCHEDULING_POLICIES
 from splitserve.engine.sampling_params import MAX_LORA_NAME
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 MAX_KV_BLOCKS = 2**31 - 1  # num_kv_blocks at most: every block id fits an int32 index
 MAX_LORA_ADAPTERS = 64  # adapters resident at most (lora_modules, or max_loras)
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,8 @@ class Simulation:
         prompt = self._prompt_of(spec)
         hashes = prompt_block_hashes(prompt, self.scenario.block_size, MAX_PREFIX_BLOCKS) if self.aware else ()
         request, params, refused = PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens,
-                                                    prefix_hashes=hashes), self._params_of(spec), {}
+                                                    prefix_hashes=hashes, priority=spec.priority), \
+            self._params_of(spec), {}
         starts: tuple[int, ...] = ()  # split: per KV layer group, the first position the token worker receives
         for tries in range(1, REFUSED_TRIES + 1):  # as the ingress does (cluster/dispatch.py)
             placement, moves = self.cls.place(request, self.now, refused)
@@ -241,11 +242,12 @@ class Simulation:
 
     def _params_of(self, spec: RequestSpec) -> SamplingParams:
         """The request's forced length and targets; one (validated) instance per distinct value."""
-        key = (spec.output_tokens, spec.ttft_slo_s, spec.tbt_slo_s)
+        key = (spec.output_tokens, spec.ttft_slo_s, spec.tbt_slo_s, spec.priority)
         params = self._params.get(key)
         if params is None:
             params = self._params[key] = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True,
-                                                        ttft_slo_s=spec.ttft_slo_s, tbt_slo_s=spec.tbt_slo_s)
+                                                        ttft_slo_s=spec.ttft_slo_s, tbt_slo_s=spec.tbt_slo_s,
+                                                        priority=spec.priority)
         return params
 
     def _wake_soon(self, worker: SimWorker) -> None:

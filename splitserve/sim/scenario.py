@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
+from splitserve.engine.policies.plan import SCHEDULING_POLICIES
 from splitserve.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
 from splitserve.placement.hardware import HardwareProfile
 from splitserve.placement.state import PrefixOptions
@@ -85,6 +86,7 @@ class Scenario:
     prefix: PrefixOptions = PrefixOptions()
     kv_windows: tuple[int | None, ...] = (None,)
     kv_group_share: float = 1.0
+    scheduling_policy: str = "fcfs"  # or "priority": the engines order by RequestSpec.priority (EngineConfig's)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))
@@ -120,6 +122,11 @@ class Scenario:
             if role not in {r.value for r in Role} or policy not in POLICY_CLASSES:
                 raise ValueError(f"role_policies maps a pool ({', '.join(r.value for r in Role)}) to a policy "
                                  f"({', '.join(POLICY_CLASSES)}), got {role!r}: {policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        by_slack = [p for p in map(self.policy_for, Role) if not POLICY_CLASSES[p].takes_priorities]
+        if self.scheduling_policy == "priority" and by_slack:
+            raise ValueError(f"scheduling_policy priority: the {by_slack[0]} policy orders requests by slack")
         if not (math.isfinite(self.report_interval_s) and self.report_interval_s > 0):
             raise ValueError(f"report_interval_s must be a finite number > 0, got {self.report_interval_s!r}")
 
@@ -137,7 +144,8 @@ class Scenario:
     @property
     def limits(self) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, self.max_model_len, self.prompt_token_budget,
-                               self.chunk_token_budget, self.slo, self.prompt_chunk_tokens)
+                               self.chunk_token_budget, self.slo, self.prompt_chunk_tokens,
+                               self.scheduling_policy == "priority")
 
     def hardware_profiles(self) -> dict[str, HardwareProfile]:
         """Speed profiles of the pools' setups: the given ones, else derived from the models."""

@@ -38,6 +38,14 @@ def test_tp_1_pools_stand_in_for_the_target_s_tp_as_before():
     assert at_4.perf_models["h100"].tensor_parallel == 4 and at_4.kv_budget_tokens == dgx_budget(4)
 
 
+def test_a_config_scheduling_by_priority_is_simulated_so():
+    scenario = scenario_from_config(config(("prompt", "h100", 1), ("token", "a100", 1),
+                                           engine={"scheduling_policy": "priority"},
+                                           scheduler={"background_queue_share": 0.25}))
+    assert scenario.limits.by_priority and scenario.thresholds.background_share == 0.25
+    assert not scenario_from_config(config(("mixed", "h100", 1))).limits.by_priority
+
+
 def test_pools_of_one_class_at_different_tp_keep_their_own_models_budgets_and_speeds():
     scenario = scenario_from_config(config(("prompt", "h100", 4), ("token", "h100", 8), ("mixed", "h100", 1)),
                                     SimTarget(tensor_parallel=4))

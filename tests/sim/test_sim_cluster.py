@@ -88,6 +88,25 @@ def test_a_prompt_arriving_mid_decode(policy, second):
     assert late.token_times_s == pytest.approx(second)
 
 
+def test_priority_scheduling_serves_a_late_urgent_request_first_as_the_engines_do():
+    """One mixed worker, one sequence at a time (max_num_seqs 1): a backlog of two requests, then an
+    urgent one (priority -1). First come, first served it waits for both. By priority it preempts
+    the first once that step ends (0.1 s) and runs at once; the preempted one goes back ahead of the
+    second (it came first) and is prefilled again with its first token (101 tokens). The simulator
+    runs the engines' own policies, so this is the engine's behaviour."""
+    requests = [spec(0, 0.0, 100, 3), spec(1, 0.01, 100, 3), dataclasses.replace(spec(2, 0.02, 100, 3), priority=-1)]
+
+    def token_times(**options):
+        return [[r.start_s + t for t in r.token_times_s] for r in simulate(mixed(max_num_seqs=1, **options),
+                                                                           requests).records]
+
+    assert token_times() == [pytest.approx(t) for t in ([0.1, 0.12, 0.14], [0.24, 0.26, 0.28], [0.38, 0.4, 0.42])]
+    assert token_times(scheduling_policy="priority") == [
+        pytest.approx(t) for t in ([0.1, 0.341, 0.361], [0.461, 0.481, 0.501], [0.2, 0.22, 0.24])]
+    with pytest.raises(ValueError, match="the accelgen policy orders requests by slack"):
+        mixed(policy="accelgen", scheduling_policy="priority")
+
+
 def test_two_split_requests_batched_on_the_prompt_worker():
     result = simulate(split(), [spec(0, 0.0, 100, 3), spec(1, 0.0, 200, 2)])
     # one 0.3 s prefill; KV lands after 0.11 s and 0.21 s; each then decodes every 0.02 s

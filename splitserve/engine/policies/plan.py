@@ -87,6 +87,9 @@ class SLOOptions:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy: priority sets by_priority
+
+
 @dataclass(frozen=True)
 class SchedulerLimits:
     max_num_seqs: int = 256
