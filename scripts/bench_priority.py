@@ -39,7 +39,8 @@ def percentile(values: list[float], q: float) -> float:
 def run(policy: str, args) -> dict:
     """One engine through the whole workload: each class's TTFTs, the total time, the preemptions."""
     engine = LLMEngine(args.model, scheduling_policy=policy, max_num_seqs=args.max_num_seqs,
-                       enable_prefix_caching=False, max_model_len=args.backlog_prompt + args.backlog_tokens + 8)
+                       enable_prefix_caching=False, max_model_len=args.backlog_prompt + args.backlog_tokens + 8,
+                       num_kv_blocks=args.num_kv_blocks)
     vocab = engine.model_config.vocab_size
 
     def add(request_id: str, prompt: int, tokens: int, priority: int) -> None:  # at step `steps`
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-tokens", type=int, default=16)
     p.add_argument("--every", type=int, default=8, help="engine steps between interactive arrivals")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks of 16 tokens (default: the engine's CPU budget): fewer than the batch needs "
+                        "makes the engine preempt, by priority the backlog's requests first")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", type=Path, help="write the result here")
     args = p.parse_args(argv)
