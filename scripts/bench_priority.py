@@ -25,15 +25,11 @@ import torch
 
 from bench_moe import emit, print_markdown, ratio  # this script's folder
 
+from splitserve.bench.report import percentiles
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 
 POLICIES = ("fcfs", "priority")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run(policy: str, args) -> dict:
@@ -65,12 +61,12 @@ def run(policy: str, args) -> dict:
             if out.finished:
                 outputs[out.request_id] = out.token_ids
     total = time.perf_counter() - start
-    ttft = {kind: [first[r][0] - added[r][0] for r in added if r.startswith(kind)] for kind in ("chat", "backlog")}
+    chat, backlog = (percentiles([first[r][0] - added[r][0] for r in added if r.startswith(kind)], (50, 99))
+                     for kind in ("chat", "backlog"))
     chat_steps = [first[r][1] - added[r][1] for r in added if r.startswith("chat")]
     return {"policy": policy, "total_s": total, "steps": steps, "preemptions": engine.policy.num_preemptions,
-            "chat_ttft_p50_s": percentile(ttft["chat"], 0.5), "chat_ttft_p99_s": percentile(ttft["chat"], 0.99),
-            "backlog_ttft_p50_s": percentile(ttft["backlog"], 0.5), "chat_ttft_max_steps": max(chat_steps),
-            "outputs": outputs}
+            "chat_ttft_p50_s": chat["p50"], "chat_ttft_p99_s": chat["p99"], "backlog_ttft_p50_s": backlog["p50"],
+            "chat_ttft_max_steps": max(chat_steps), "outputs": outputs}
 
 
 def summarize(runs: list[dict]) -> list[dict]:

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.config import ConfigError
 from splitserve.engine.lora_adapter import MAX_LORA_RANK
-from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
-from splitserve.engine.policies.plan import SCHEDULING_POLICIES
+from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions, check_scheduling
 from splitserve.engine.sampling_params import MAX_LORA_NAME
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
@@ -66,12 +65,10 @@ class EngineConfig:
         for name, policy in named:
             if policy not in POLICY_CLASSES:
                 raise ConfigError(f"{name} must be one of {', '.join(POLICY_CLASSES)}, got {policy!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        slack_ordered = [policy for _, policy in named if not POLICY_CLASSES[policy].takes_priorities]
-        if self.scheduling_policy == "priority" and slack_ordered:
-            raise ConfigError(f"scheduling_policy priority: the {slack_ordered[0]} policy orders requests by their "
-                              "latency targets' slack, not by priority")
+        try:
+            check_scheduling(self.scheduling_policy, (policy for _, policy in named))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         for name in ("block_size", "max_num_seqs", "prompt_token_budget", "chunk_token_budget", "prompt_chunk_tokens",
                      "kv_cache_memory_bytes", "num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

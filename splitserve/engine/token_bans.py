@@ -20,15 +20,17 @@ class TokenBans:
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """`logits` [rows, vocab] with each row's banned ids at -inf (a new tensor where a row bans any)."""
-        allowed = [row for row, seq in enumerate(seqs) if seq.params.allowed_token_ids is not None]
-        self._allowed = {seqs[row]: self._allowed_row(seqs[row], logits) for row in allowed}
-        banned_rows, banned_cols = [], []
+        allowed, kept, banned_rows, banned_cols = [], {}, [], []
         for row, seq in enumerate(seqs):
+            if seq.params.allowed_token_ids is not None:
+                allowed.append(row)
+                kept[seq] = self._allowed_row(seq, logits)
             if seq.bad_words is not None:
                 ids = [t for t in seq.bad_words.banned(seq.token_ids, seq.num_prompt_tokens - seq.params.resumed_tokens)
                        if t < logits.shape[1]]
                 banned_rows += [row] * len(ids)
                 banned_cols += ids
+        self._allowed = kept
         if not allowed and not banned_rows:
             return logits
         keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)

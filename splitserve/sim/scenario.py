@@ -6,8 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions
-from splitserve.engine.policies.plan import SCHEDULING_POLICIES
+from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions, check_scheduling
 from splitserve.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
 from splitserve.placement.hardware import HardwareProfile
 from splitserve.placement.state import PrefixOptions
@@ -122,11 +121,7 @@ class Scenario:
             if role not in {r.value for r in Role} or policy not in POLICY_CLASSES:
                 raise ValueError(f"role_policies maps a pool ({', '.join(r.value for r in Role)}) to a policy "
                                  f"({', '.join(POLICY_CLASSES)}), got {role!r}: {policy!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        by_slack = [p for p in map(self.policy_for, Role) if not POLICY_CLASSES[p].takes_priorities]
-        if self.scheduling_policy == "priority" and by_slack:
-            raise ValueError(f"scheduling_policy priority: the {by_slack[0]} policy orders requests by slack")
+        check_scheduling(self.scheduling_policy, map(self.policy_for, Role))
         if not (math.isfinite(self.report_interval_s) and self.report_interval_s > 0):
             raise ValueError(f"report_interval_s must be a finite number > 0, got {self.report_interval_s!r}")
 

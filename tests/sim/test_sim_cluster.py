@@ -103,7 +103,7 @@ def test_priority_scheduling_serves_a_late_urgent_request_first_as_the_engines_d
     assert token_times() == [pytest.approx(t) for t in ([0.1, 0.12, 0.14], [0.24, 0.26, 0.28], [0.38, 0.4, 0.42])]
     assert token_times(scheduling_policy="priority") == [
         pytest.approx(t) for t in ([0.1, 0.341, 0.361], [0.461, 0.481, 0.501], [0.2, 0.22, 0.24])]
-    with pytest.raises(ValueError, match="the accelgen policy orders requests by slack"):
+    with pytest.raises(ValueError, match="the accelgen policy orders requests by their latency targets' slack"):
         mixed(policy="accelgen", scheduling_policy="priority")
 
 

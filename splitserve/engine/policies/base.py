@@ -15,6 +15,7 @@ waiting sequence that cannot be admitted preempts running ones of a strictly low
 """
 from __future__ import annotations
 
+import bisect
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -81,9 +82,7 @@ class Policy(ABC):
         if not self.limits.by_priority:
             (self.waiting.appendleft if preempted else self.waiting.append)(seq)
             return
-        rank = self.rank(seq)
-        self.waiting.insert(next((i for i, other in enumerate(self.waiting) if self.rank(other) > rank),
-                                 len(self.waiting)), seq)
+        self.waiting.insert(bisect.bisect_right(self.waiting, self.rank(seq), key=self.rank), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
