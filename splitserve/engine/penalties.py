@@ -52,6 +52,7 @@ class Penalties:
         chosen = [seqs[i] for i in rows]
         index, slots = self._count(chosen, rows, logits.shape[1], device)
         part = _add_biases(logits[index], chosen)  # the bias first, as vLLM and transformers order them
+        banned = part.isneginf()  # stays -inf (token_bans); any other logit stays finite, overflowed or not
         output_counts, seen = self._output[slots], self._seen[slots]
         repetition = _column([s.params.repetition_penalty for s in chosen], device)
         penalized = torch.where(part > 0, part / repetition, part * repetition)
@@ -60,7 +61,8 @@ class Penalties:
         part = part - _column([s.params.presence_penalty for s in chosen], device) * output_counts.gt(0)
         big = torch.finfo(part.dtype).max  # a penalty may overflow a huge logit: kept finite, as the sampler's input is
         logits = logits.clone()
-        logits[index] = torch.nan_to_num(part, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+        logits[index] = torch.nan_to_num(part, nan=float("-inf"), posinf=big, neginf=-big).masked_fill(banned,
+                                                                                                       float("-inf"))
         return logits
 
     def _count(self, seqs: list[Sequence], rows: list[int], vocab: int, device: torch.device

@@ -76,6 +76,19 @@ def test_rows_without_penalties_are_untouched_in_a_mixed_batch():
     assert apply_penalties(raw, [seq("a"), seq("b"), seq("c")]) is raw
 
 
+def test_a_penalty_overflowing_a_huge_logit_keeps_it_finite_and_a_banned_one_stays_banned():
+    """-3.4e38 (seen: 4 is in the prompt) times a repetition penalty of 2 is -inf in float32: kept
+    the most negative finite value, so the one id allowed (every other at -inf) is still drawn."""
+    raw = torch.full((1, VOCAB), float("-inf"))
+    raw[0, 4] = -3.4e38
+    out = apply_penalties(raw, [seq(repetition_penalty=2.0, frequency_penalty=1.0)])
+    assert out[0, 4] == -torch.finfo(torch.float32).max and out[0, 4:5].isfinite().all()
+    assert out[0, [i for i in range(VOCAB) if i != 4]].isneginf().all()
+    params = dict(repetition_penalty=2.0, temperature=0.0, allowed_token_ids=[4])
+    assert Sampler().sample(torch.full((1, VOCAB), float("nan")).index_fill_(1, torch.tensor([4]), -3.4e38),
+                            [seq(**params)])[0].token_id == 4
+
+
 def test_a_strong_bias_decides_a_greedy_token():
     assert Sampler().sample(logits(), [seq(temperature=0.0, logit_bias={17: 100.0})])[0].token_id == 17
 
