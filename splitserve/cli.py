@@ -50,6 +50,9 @@ def _add_serve(commands) -> None:
                         "and /v1/unload_lora_adapter); default: the config's engine.max_loras (0: off)")
     p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
                    help="with --max-loras, the largest rank an adapter may have (default: the config's, 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="with --max-loras, LoRA adapters held in host memory and swapped into the slots as their "
+                        "requests are admitted (default: the config's engine.max_cpu_loras, else --max-loras)")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help="priority: workers serve requests by their `priority` (lower first) and preempt lower ones "
                         "for them; default: the config's engine.scheduling_policy (fcfs)")
@@ -73,6 +76,7 @@ def _run_serve(args) -> int:
         if args.api_key:
             overrides["ingress"] = {**config.ingress.model_dump(), "api_key": args.api_key}
         engine = {k: v for k, v in (("max_loras", args.max_loras), ("max_lora_rank", args.max_lora_rank),
+                                    ("max_cpu_loras", args.max_cpu_loras),
                                     ("scheduling_policy", args.scheduling_policy)) if v is not None}
         if args.lora_modules:
             engine["lora_modules"] = {**config.engine.lora_modules, **dict(args.lora_modules)}

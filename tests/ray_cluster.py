@@ -28,7 +28,8 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 2048}
-RUN_TIME_LORA = {"max_loras": 4, "max_lora_rank": 8}  # main and tp: two adapters at start, two more slots; pools
+RUN_TIME_LORA = {"max_loras": 4, "max_lora_rank": 8}  # tp: two adapters at start, two more slots; pools
+SWAPPED_LORA = {"max_loras": 1, "max_cpu_loras": 4, "max_lora_rank": 8}  # main: its adapters take one slot in turns
 MAIN = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "fault_injection": True,
         "scheduler": {"report_interval_s": 0.05}, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
 POOLS = {"engine": {**ENGINE, **RUN_TIME_LORA, "scheduling_policy": "priority"},
@@ -140,7 +141,7 @@ def server(ray_cluster):
     from splitserve.cluster.app import build_app
     from splitserve.cluster.launcher import wait_until_healthy
 
-    serve.run(build_app({**MAIN, "engine": {**ENGINE, **RUN_TIME_LORA, "lora_modules": demo_adapters()}}), name="main",
+    serve.run(build_app({**MAIN, "engine": {**ENGINE, **SWAPPED_LORA, "lora_modules": demo_adapters()}}), name="main",
               route_prefix="/", blocking=False)
     wait_until_healthy(ray_cluster, timeout=180)
     return ray_cluster

@@ -26,6 +26,14 @@ def test_the_scheduling_policy_reaches_the_engines_and_the_ingress(monkeypatch):
     assert not served_config(monkeypatch).request_limits().priorities
 
 
+def test_adapter_slots_and_host_memory_reach_the_engines_and_a_bad_pair_is_refused(monkeypatch, capsys):
+    engine = served_config(monkeypatch, "--max-loras", "2", "--max-cpu-loras", "8").engine_config("token")
+    assert (engine.max_loras, engine.max_cpu_loras, engine.host_loras) == (2, 8, 8)
+    monkeypatch.setattr(launcher, "serve_until_interrupted", lambda *args: pytest.fail("started"))
+    assert main(["serve", "--max-loras", "4", "--max-cpu-loras", "2"]) == 2
+    assert "max_cpu_loras must be from max_loras (4" in capsys.readouterr().err
+
+
 def test_lora_modules_are_served_as_models_and_a_bad_one_refused_before_anything_starts(tmp_path, monkeypatch,
                                                                                        capsys):
     from splitserve.engine.demo import demo_model_config

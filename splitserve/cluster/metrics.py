@@ -122,6 +122,9 @@ class ClusterMetrics:
                                             (*WORKER_LABELS, "phase"))
         self.kv_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes sent", ("model", "worker"),
                                 registry=self.registry)
+        self.lora_swaps = Counter("splitserve_worker_lora_swaps", "LoRA adapters copied into a device slot from "
+                                  "host memory (engine.max_cpu_loras past max_loras)", ("model", "worker"),
+                                  registry=self.registry)
         self.prefill_tokens = Counter("splitserve_worker_prefill_tokens", "Prompt tokens prefilled (computed)",
                                       ("model", "worker"), registry=self.registry)
         self.kv_reused = Counter("splitserve_kv_import_reused_tokens", "Imported prompt tokens whose KV the token "
@@ -207,7 +210,8 @@ class ClusterMetrics:
         for counter, now, before in ((self.kv_failures, stats.kv_failures, last.kv_failures),
                                      (self.leases_expired, stats.leases_expired, last.leases_expired),
                                      (self.step_failures, stats.step_failures, last.step_failures),
-                                     (self.worker_aborts, stats.aborted_requests, last.aborted_requests)):
+                                     (self.worker_aborts, stats.aborted_requests, last.aborted_requests),
+                                     (self.lora_swaps, stats.lora_swaps, last.lora_swaps)):
             counter.labels(*sender).inc(max(0, now - before))
         for transfer in stats.transfers:
             self.kv_visible.labels(*sender).observe(transfer.visible_seconds)
@@ -227,7 +231,7 @@ class ClusterMetrics:
         if labels is not None:
             self._drop_series(labels)
         for metric in (self.kv_bytes, self.prefill_tokens, self.kv_reused, self.kv_visible, self.kv_overlap,
-                       self.kv_failures, self.leases_expired, self.step_failures, self.worker_aborts):
+                       self.kv_failures, self.leases_expired, self.step_failures, self.worker_aborts, self.lora_swaps):
             _remove(metric, (self.model, worker_id))
         self._totals.pop(worker_id, None)
 

@@ -209,8 +209,9 @@ class WorkerLoop:
         sent = self.exporter.bytes_pushed if self.exporter else 0
         reused = self.importer.kv_tokens_reused if self.importer else 0
         self.stats.leases_expired = (self.exporter.leases_expired + self.importer.leases_expired) if self.exporter else 0
-        return self.stats.drain(self.engine.policy.num_preemptions, sent, reused,
-                                blocks.num_blocks - blocks.num_free_blocks, blocks.num_free_blocks)
+        used = blocks.num_blocks - blocks.num_free_blocks
+        return self.stats.drain(self.engine.policy.num_preemptions, sent, reused, used, blocks.num_free_blocks,
+                                self.engine.lora_swaps)
 
     # ---- internals -----------------------------------------------------------------------
     def require_healthy(self) -> None:

@@ -169,9 +169,15 @@ class EngineOptions(StrictModel):
                                          "name is a model clients send as `model`: the base model under that "
                                          "adapter. All are loaded at start; a step runs several at once.")
     max_loras: int = Field(0, ge=0, le=64, description="Slots for LoRA adapters loaded at start (lora_modules) or "
-                           "while serving (POST /v1/load_lora_adapter, /v1/unload_lora_adapter: off while 0). "
-                           "Every projection holds this many adapters' weights at max_lora_rank from the start.")
+                           "while serving (POST /v1/load_lora_adapter, /v1/unload_lora_adapter: off while 0): "
+                           "how many adapters one step may run. Every projection holds this many adapters' weights "
+                           "at max_lora_rank from the start.")
     max_lora_rank: int = Field(16, ge=1, le=512, description="With max_loras: the largest rank an adapter may have.")
+    max_cpu_loras: int | None = Field(None, ge=1, le=1024, description="With max_loras: LoRA adapters held in host "
+                                      "memory (at least max_loras; default: max_loras). More adapters than slots "
+                                      "are served: a request's adapter is copied into a slot no running request "
+                                      "uses when the request is admitted, and a request waits while every slot "
+                                      "runs other adapters' requests.")
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> "EngineOptions":

@@ -12,7 +12,8 @@ from splitserve.engine.sampling_params import MAX_LORA_NAME
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 MAX_KV_BLOCKS = 2**31 - 1  # num_kv_blocks at most: every block id fits an int32 index
-MAX_LORA_ADAPTERS = 64  # adapters resident at most (lora_modules, or max_loras)
+MAX_LORA_ADAPTERS = 64  # adapter slots at most (max_loras, or lora_modules without it)
+MAX_CPU_LORAS = 1024  # adapters held in host memory at most (max_cpu_loras)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 0       # > 0: slots for that many adapters, loaded at start or run time (LLMEngine.load_lora)
     max_lora_rank: int = 16  # with max_loras: the largest rank an adapter may have
+    max_cpu_loras: int | None = None  # with max_loras: adapters held in host memory, swapped into slots (>= max_loras)
     slo: SLOOptions = SLOOptions()             # the SLO-aware (accelgen) policies' settings
     scheduling_policy: str = "fcfs"            # fcfs | priority: requests' SamplingParams.priority orders them
 
@@ -52,13 +54,19 @@ class EngineConfig:
         pairs = self.lora_modules.items() if isinstance(self.lora_modules, dict) else self.lora_modules
         object.__setattr__(self, "lora_modules", tuple((name, str(path)) for name, path in pairs))
         names = [name for name, _ in self.lora_modules]
-        if len(names) > MAX_LORA_ADAPTERS or len(set(names)) != len(names) or \
-                any(not isinstance(n, str) or not 0 < len(n) <= MAX_LORA_NAME for n in names):
-            raise ConfigError(f"lora_modules must name at most {MAX_LORA_ADAPTERS} adapters, each by a distinct "
-                              f"name of 1 to {MAX_LORA_NAME} characters, got {names!r}")
-        if not 0 <= self.max_loras <= MAX_LORA_ADAPTERS or 0 < self.max_loras < len(names):
-            raise ConfigError(f"max_loras must be 0 (the lora_modules, fixed) or from the number of lora_modules "
-                              f"({len(names)}) to {MAX_LORA_ADAPTERS}, got {self.max_loras!r}")
+        if not 0 <= self.max_loras <= MAX_LORA_ADAPTERS:
+            raise ConfigError(f"max_loras must be 0 (the lora_modules, fixed) to {MAX_LORA_ADAPTERS}, "
+                              f"got {self.max_loras!r}")
+        if self.max_cpu_loras is not None and not (0 < self.max_loras <= self.max_cpu_loras <= MAX_CPU_LORAS):
+            raise ConfigError(f"max_cpu_loras must be from max_loras ({self.max_loras}, which must be > 0) to "
+                              f"{MAX_CPU_LORAS}, got {self.max_cpu_loras!r}")
+        if len(set(names)) != len(names) or any(not isinstance(n, str) or not 0 < len(n) <= MAX_LORA_NAME
+                                                for n in names):
+            raise ConfigError(f"lora_modules must name each adapter by a distinct name of 1 to {MAX_LORA_NAME} "
+                              f"characters, got {names!r}")
+        most, bound = (self.host_loras, "max_cpu_loras") if self.max_loras else (MAX_LORA_ADAPTERS, "slots")
+        if len(names) > most:
+            raise ConfigError(f"lora_modules names {len(names)} adapters, past the {most} {bound} allows")
         if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
             raise ConfigError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
         named = [("policy", self.policy)] + [("switch_policies", policy) for policy in self.switch_policies]
@@ -92,6 +100,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                               f"got {self.attention_backend!r}")
+
+    @property
+    def host_loras(self) -> int:
+        """With max_loras: the adapters held in host memory at most (max_cpu_loras, by default max_loras)."""
+        return self.max_cpu_loras or self.max_loras
 
     def scheduler_limits(self, max_model_len: int) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, max_model_len, self.prompt_token_budget, self.chunk_token_budget,

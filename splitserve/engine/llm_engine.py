@@ -12,6 +12,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.in_flight import InFlight, drain
+from splitserve.engine.lora_residency import AdapterResidency
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from splitserve.engine.policies import Plan, make_policy
 from splitserve.engine.prefix_hash import sequence_root
@@ -77,10 +78,13 @@ class LLMEngine:
         self.kv_cache, self.runner = shard.kv_cache, shard.runner
         self._long_rope_from = loaded.config.long_rope_from
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          sequence_root(self._long_rope_from, self.runner.model.lora_slots.identity_of),
+                                          sequence_root(self._long_rope_from),
                                           self.kv_cache.groups.windows)
         limits = config.scheduler_limits(self.max_model_len)
         self.policy = make_policy(config.policy, self.block_manager, limits)
+        slots = self.runner.model.lora_slots
+        if slots.capacity:
+            self.policy.adapters = AdapterResidency(slots.identity, self._write_slot)
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -144,23 +148,33 @@ class LLMEngine:
     @property
     def lora_names(self) -> tuple[str, ...]:
         """The LoRA adapters a request may name (`SamplingParams.lora`), in load order."""
-        return tuple(self.runner.model.lora_slots.index)
+        return tuple(self.runner.model.lora_slots.host.names)
 
     @property
     def lora_identities(self) -> dict[str, str]:
         """Each adapter a request may name -> its identity (what its prefix-cache blocks chain from)."""
-        slots = self.runner.model.lora_slots
-        return {name: slots.identity[slot] for name, slot in slots.index.items()}
+        return dict(self.runner.model.lora_slots.host.names)
 
     def load_lora(self, name: str, path: str) -> str:
-        """Load the PEFT adapter at `path` as `name`, between steps (`max_loras` > 0); its identity
-        (what its prefix-cache blocks chain from). See `lora_loading.load` for what it raises."""
-        return lora_loading.load(self.runner.model, name, path, (r.seq.adapter_slot for r in self._requests.values()),
-                          self.tp_leader)
+        """Load the PEFT adapter at `path` as `name` into host memory, between steps (`max_loras` > 0);
+        its identity (what its prefix-cache blocks chain from). See `lora_loading.load` for what it raises."""
+        return lora_loading.load(self.runner.model, name, path, self._adapters_in_use(), self.policy.adapters,
+                                 self.tp_leader)
 
     def unload_lora(self, name: str) -> None:
-        """No new request may name `name`; those running under it finish (AdapterNotLoaded if none is)."""
-        lora_loading.unload(self.runner.model, name)
+        """No new request may name `name`; those under it finish (AdapterNotLoaded if none is loaded)."""
+        lora_loading.unload(self.runner.model, name, self._adapters_in_use(), self.policy.adapters, self.tp_leader)
+
+    @property
+    def lora_swaps(self) -> int:
+        """LoRA adapters copied into a device slot from host memory so far (`max_cpu_loras`)."""
+        return 0 if self.policy.adapters is None else self.policy.adapters.swaps
+
+    def _write_slot(self, slot: int, identity: str) -> None:
+        lora_loading.write_slot(self.runner.model, slot, identity, self.tp_leader)
+
+    def _adapters_in_use(self) -> set[str]:
+        return {r.seq.adapter_identity for r in self._requests.values() if r.seq.adapter_identity is not None}
 
     @property
     def num_requests(self) -> int:
@@ -330,8 +344,9 @@ class LLMEngine:
         if params.lora_identity is not None and self.lora_identities[params.lora] != params.lora_identity:
             raise ValueError(f"lora: the adapter named {params.lora!r} here is not the one the request was placed "
                              "under (it was loaded again meanwhile)")
+        identity = None if params.lora is None else self.lora_identities[params.lora]
         seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                       self.eos_token_ids, adapter_slot=self.runner.model.lora_slots.slot_of(params.lora),
+                       self.eos_token_ids, adapter_identity=identity,
                        bad_words=BadWords.of(params.bad_words, self.tokenizer))
         detokenizer = Detokenizer(self.tokenizer, params, token_ids) if params.detokenize else None
         return _Request(seq, text, detokenizer, logprobs=[] if params.logprobs is not None else None)

@@ -1,15 +1,16 @@
 """LoRA adapters loaded and unloaded while an engine serves (vLLM's `load_lora_adapter`).
 
 An engine with `max_loras` slots (`EngineConfig`) holds every projection's adapter buffers at
-`max_lora_rank` from the start, so a load only writes one slot: no buffer is resized and no
-memory is allocated while serving. A load takes an empty slot, else one whose adapter was
-unloaded and whose last sequence has finished; with tensor parallelism every rank reads the
-adapter and writes its own slice (a command in the next round). An unload only stops new
-requests from naming the adapter: what runs under it finishes under it (`model.lora`).
+`max_lora_rank` from the start, and up to `max_cpu_loras` adapters in host memory
+(`lora_store`): a load reads the adapter into host memory, and a slot takes it when a sequence
+under it is admitted (`lora_residency`), so nothing on the device is resized or allocated while
+serving. An unload only stops new requests from naming the adapter: what runs or waits under it
+finishes under it, and it leaves host memory after. With tensor parallelism every rank reads the
+adapter into its own store and writes its own slice into a slot (commands in the next round).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,10 +18,11 @@ from torch import nn
 
 from splitserve.engine.config import ConfigError
 from splitserve.engine.lora_adapter import RunTimeLimits, load_adapter
-from splitserve.engine.model.lora import LoraSlots, LoraWeights, write_adapter
+from splitserve.engine.model.lora import LoraSlots, LoraWeights, pack_adapter, write_packed
 from splitserve.engine.sampling_params import MAX_LORA_NAME
 
 if TYPE_CHECKING:
+    from splitserve.engine.lora_residency import AdapterResidency
     from splitserve.engine.tp_step import TPLeader
 
 FILE_SLACK_BYTES = 1 << 20  # a weights file's header and names, past its tensors
@@ -31,26 +33,48 @@ class AdapterNotLoaded(ValueError):
 
 
 class NoAdapterSlot(RuntimeError):
-    """Every slot holds an adapter, loaded or still finishing requests since its unload."""
+    """Host memory holds `max_cpu_loras` adapters, loaded or still in use since their unload."""
 
 
 @dataclass(frozen=True)
-class WriteAdapter:
-    """A tensor-parallel rank's part of a load: read the adapter, write its slice into `slot`."""
+class StoreAdapter:
+    """A tensor-parallel rank's part of a load: read the adapter into its host memory."""
 
-    slot: int
     name: str
     path: str
     limits: RunTimeLimits
 
     def apply(self, model: nn.Module) -> None:
-        write_adapter(model, model.lora_slots, self.slot, load_adapter(self.name, self.path, self.limits))
+        slots: LoraSlots = model.lora_slots
+        slots.host.keep(pack_adapter(model, slots, load_adapter(self.name, self.path, self.limits)))
 
 
-def load(model: nn.Module, name: str, path: str, bound: Iterable[int], tp_leader: TPLeader | None) -> str:
-    """Load the adapter at `path` as `name` into a free slot (`bound`: the slots of the sequences
-    the engine holds); its identity. A bad name, path or adapter is a ConfigError (nothing changes), a name
-    already loaded a ValueError, no free slot a NoAdapterSlot."""
+@dataclass(frozen=True)
+class WriteSlot:
+    """A tensor-parallel rank's part of a swap: its slice of adapter `identity` into `slot`."""
+
+    slot: int
+    identity: str
+
+    def apply(self, model: nn.Module) -> None:
+        write_packed(model, self.slot, model.lora_slots.host.adapters[self.identity])
+
+
+@dataclass(frozen=True)
+class DropAdapters:
+    """A tensor-parallel rank's part of an unload: let go of adapters nothing uses."""
+
+    identities: tuple[str, ...]
+
+    def apply(self, model: nn.Module) -> None:
+        model.lora_slots.host.drop(self.identities)
+
+
+def load(model: nn.Module, name: str, path: str, in_use: Collection[str], residency: AdapterResidency,
+         tp_leader: TPLeader | None) -> str:
+    """Load the adapter at `path` as `name` into host memory (`in_use`: the adapter identities of
+    the sequences the engine holds); its identity. A bad name, path or adapter is a ConfigError
+    (nothing changes), a name already loaded a ValueError, host memory full a NoAdapterSlot."""
     slots: LoraSlots = model.lora_slots
     if not slots.at_run_time:
         raise ConfigError("lora: adapters are not loaded at run time (max_loras is 0: only lora_modules)")
@@ -58,32 +82,50 @@ def load(model: nn.Module, name: str, path: str, bound: Iterable[int], tp_leader
         raise ConfigError(f"lora_name must be 1 to {MAX_LORA_NAME} characters, got {name!r}")
     if not isinstance(path, str) or not path:
         raise ConfigError(f"lora_path must be a directory's path, got {path!r}")
-    if name in slots.index:
+    if name in slots.host.names:
         raise ValueError(f"lora_name: an adapter named {name!r} is already loaded (unload it first)")
-    slot = slots.free_slot(bound)
-    if slot is None:
-        raise NoAdapterSlot(f"lora: all {slots.capacity} adapter slots (max_loras) are taken: {len(slots.index)} by "
-                            f"loaded adapters, the rest by unloaded ones still finishing requests")
+    purge(model, in_use, residency, tp_leader)
+    if slots.host.full():
+        raise NoAdapterSlot(f"lora: all {slots.host.capacity} adapters host memory holds (max_cpu_loras) are "
+                            f"taken: {len(slots.host.names)} by loaded adapters, the rest by unloaded ones still "
+                            "running requests")
     limits = RunTimeLimits(slots.rank, _max_file_bytes(model, slots.rank, 1 if tp_leader is None else
                                                        tp_leader.group.size))
-    adapter = load_adapter(name, path, limits)
-    slots.identity[slot] = None  # a slot being written holds no adapter, whatever the write leaves in it
-    write_adapter(model, slots, slot, adapter)
+    adapter = pack_adapter(model, slots, load_adapter(name, path, limits))
     if tp_leader is not None:
         for rank in range(1, tp_leader.group.size):
-            tp_leader.post(rank, WriteAdapter(slot, name, path, limits))
+            tp_leader.post(rank, StoreAdapter(name, path, limits))
         tp_leader.sync()
-    slots.index[name], slots.identity[slot] = slot, adapter.identity
+    slots.host.add(adapter)
     return adapter.identity
 
 
-def unload(model: nn.Module, name: str) -> None:
-    """New requests may no longer name `name`; its slot frees once what runs under it finishes."""
+def unload(model: nn.Module, name: str, in_use: Collection[str], residency: AdapterResidency,
+           tp_leader: TPLeader | None) -> None:
+    """New requests may no longer name `name`; it leaves host memory once nothing runs or waits under it."""
     slots: LoraSlots = model.lora_slots
-    if name not in slots.index:
+    if name not in slots.host.names:
         raise AdapterNotLoaded(f"lora_name: no adapter named {name!r} is loaded (loaded: "
-                               f"{', '.join(slots.index) or 'none'})")
-    del slots.index[name]
+                               f"{', '.join(slots.host.names) or 'none'})")
+    del slots.host.names[name]
+    purge(model, in_use, residency, tp_leader)
+
+
+def purge(model: nn.Module, in_use: Collection[str], residency: AdapterResidency, tp_leader: TPLeader | None) -> None:
+    """Let go of the adapters no name and no sequence refers to, in host memory and in the slots."""
+    gone = model.lora_slots.host.purge(in_use)
+    residency.forget(gone)
+    if gone and tp_leader is not None:
+        for rank in range(1, tp_leader.group.size):
+            tp_leader.post(rank, DropAdapters(tuple(gone)))
+
+
+def write_slot(model: nn.Module, slot: int, identity: str, tp_leader: TPLeader | None) -> None:
+    """Adapter `identity` from host memory into `slot` (a swap, between steps), on every rank."""
+    write_packed(model, slot, model.lora_slots.host.adapters[identity])
+    if tp_leader is not None:
+        for rank in range(1, tp_leader.group.size):
+            tp_leader.post(rank, WriteSlot(slot, identity))
 
 
 def _max_file_bytes(model: nn.Module, rank: int, tp_size: int) -> int:

@@ -80,7 +80,8 @@ def build_model(model: str, engine: EngineConfig, shard: Shard = Shard(), reduce
     else:
         load_weights(net, model)
     if engine.max_loras:  # slots for adapters loaded later too: every projection, at max_lora_rank
-        net.lora_slots = LoraSlots(engine.max_loras, engine.max_lora_rank, at_run_time=True)
+        net.lora_slots = LoraSlots(engine.max_loras, engine.max_lora_rank, at_run_time=True,
+                                   host_capacity=engine.host_loras)
     else:
         net.lora_slots = LoraSlots(len(adapters), max((adapter.rank for adapter in adapters), default=0))
     attach_adapters(net, net.lora_slots, adapters, dtype, device, every_projection=engine.max_loras > 0)

@@ -53,13 +53,11 @@ def chain_root(num_tokens: int, long_rope_from: int | None, lora: str | None = N
     return root if salt is None else hash((root, SALT_TAG, adapter_root(salt)))
 
 
-def sequence_root(long_from: int | None, identity_of: Callable[[int], str | None] = lambda slot: None,
-                  ) -> Callable[[EngineSequence], int]:
+def sequence_root(long_from: int | None) -> Callable[[EngineSequence], int]:
     """A block manager's `root_of` for a model: with LongRoPE, a sequence of more than `long_from`
     tokens (whose KV turns long) chains from LONG_ROPE_ROOT; one under a LoRA adapter from that root
-    joined with the adapter's (`identity_of` its slot), and its cache salt's, as the ingress names
-    them (`chain_root`)."""
-    return lambda seq: chain_root(seq.num_tokens, long_from, identity_of(seq.adapter_slot), seq.params.cache_salt)
+    joined with the adapter's identity, and its cache salt's, as the ingress names them (`chain_root`)."""
+    return lambda seq: chain_root(seq.num_tokens, long_from, seq.adapter_identity, seq.params.cache_salt)
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int, long_rope_from: int | None = None,

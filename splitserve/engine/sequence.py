@@ -47,7 +47,8 @@ class Sequence:
     # handed off: per KV layer group, the first position its export sends (the token worker's reach);
     # a windowed group releases the blocks before it as the prefill passes them. (): it keeps all
     export_from: tuple[int, ...] = ()
-    adapter_slot: int = -1  # the LoRA adapter slot it runs under (model.lora.LoraSlots), bound at admission; -1: none
+    adapter_identity: str | None = None  # the LoRA adapter it runs under (its identity: lora_adapter); None: none
+    adapter_slot: int = -1  # the device slot holding it while it computes (lora_residency); -1: none
     bad_words: BadWords | None = None  # params.bad_words in the engine's token ids (None: none)
 
     def __post_init__(self) -> None:

@@ -5,7 +5,8 @@ round: the leader broadcasts a `Round` (commands for the other ranks, then the s
 ranks run the batch on their shards (the model's all-reduces pair them up), and the leader
 gathers one report per other rank. Commands and reports are opaque here: the KV transfer layer
 posts commands (push these layers, expect that import) and reads the reports (what landed); the
-engine's own command (`WriteAdapter`, a LoRA adapter loaded at run time) is run here.
+engine's own commands (`lora_loading`'s: a LoRA adapter loaded, swapped into a slot, let go) are
+run here.
 A round without a batch (`sync`) only carries commands and reports.
 
 A failed round leaves the ranks out of step (a rank may sit in an all-reduce the others never
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.engine_config import EngineConfig
-from splitserve.engine.lora_loading import WriteAdapter
+from splitserve.engine.lora_loading import DropAdapters, StoreAdapter, WriteSlot
 from splitserve.engine.model_runner import ModelRunner, StepBatch
 from splitserve.engine.shard_builder import build_shard
 from splitserve.engine.tensor_parallel import TPGroup
@@ -108,7 +109,7 @@ class TPFollower:
             if round_.stop:
                 return
             for command in round_.commands[self.group.rank - 1]:
-                if isinstance(command, WriteAdapter):  # the engine's own: a LoRA adapter loaded at run time
+                if isinstance(command, (StoreAdapter, WriteSlot, DropAdapters)):  # the engine's own (LoRA adapters)
                     command.apply(self.runner.model)
                 else:
                     self.on_command(command)

@@ -50,6 +50,7 @@ METRICS = {
     "splitserve_worker_kv_blocks_used": ("gauge", WORKER),
     "splitserve_worker_kv_blocks_free": ("gauge", WORKER),
     "splitserve_worker_preemptions_total": ("counter", WORKER),
+    "splitserve_worker_lora_swaps_total": ("counter", ("model", "worker")),
     "splitserve_worker_batch_tokens": ("histogram", WORKER),
     "splitserve_worker_step_seconds": ("histogram", (*WORKER, "phase")),
     # KV transfer (worker = the sending prompt worker)

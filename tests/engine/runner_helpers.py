@@ -10,7 +10,10 @@ from splitserve.engine.sequence import Sequence
 
 
 def new_seq(engine: LLMEngine, seq_id: str, ids: list[int], params: SamplingParams = SamplingParams()) -> Sequence:
-    seq = Sequence(seq_id, list(ids), params, adapter_slot=engine.runner.model.lora_slots.slot_of(params.lora))
+    identity = None if params.lora is None else engine.lora_identities[params.lora]
+    seq = Sequence(seq_id, list(ids), params, adapter_identity=identity)
+    if engine.policy.adapters is not None:
+        engine.policy.adapters.bind(seq)  # into a slot as admission does, from host memory if need be
     engine.block_manager.allocate(seq, use_prefix_cache=False)
     assert seq.num_computed_tokens == 0
     return seq

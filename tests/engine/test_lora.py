@@ -188,7 +188,7 @@ def test_an_adapter_of_other_modules_or_shapes_is_a_config_error(adapted, tmp_pa
 def test_adapter_names_are_bounded_and_distinct():
     from splitserve.engine.engine_config import EngineConfig
 
-    with pytest.raises(ConfigError, match="lora_modules must name at most 64 adapters"):
+    with pytest.raises(ConfigError, match="lora_modules names 65 adapters, past the 64 slots allows"):
         EngineConfig(lora_modules={f"a{i}": "x" for i in range(65)})
     with pytest.raises(ConfigError, match="distinct name"):
         EngineConfig(lora_modules=[("a", "x"), ("a", "y")])

@@ -1,6 +1,6 @@
 """LoRA adapters loaded and unloaded while the engine serves, against PEFT: what a load computes,
-what runs under an unloaded adapter, a slot's reuse, a name loaded again with other weights, the
-tensor-parallel ranks' slices, and what a load refuses."""
+what runs under an unloaded adapter, more adapters than slots (swapped in from host memory), a
+name loaded again with other weights, the tensor-parallel ranks' slices, and what a load refuses."""
 from __future__ import annotations
 
 import json
@@ -43,7 +43,7 @@ def test_adapters_loaded_at_run_time_compute_what_peft_does_beside_one_loaded_at
 
 
 @KINDS
-def test_what_runs_under_an_unloaded_adapter_finishes_under_it_before_its_slot_is_reused(adapted):
+def test_what_runs_under_an_unloaded_adapter_finishes_under_it_before_host_memory_lets_go(adapted):
     path, dirs, models, base = adapted
     prompt = generation_prompts(base.config.vocab_size)[0]
     llm = LLM(path, max_loras=1, **RUN_TIME)
@@ -55,8 +55,8 @@ def test_what_runs_under_an_unloaded_adapter_finishes_under_it_before_its_slot_i
     assert engine.lora_names == ()
     with pytest.raises(ValueError, match="no adapter named 'x' is loaded"):
         engine.add_request("late", prompt, greedy("x"))
-    with pytest.raises(NoAdapterSlot, match="all 1 adapter slots"):
-        engine.load_lora("y", dirs["mlp"])  # the only slot still runs "running"
+    with pytest.raises(NoAdapterSlot, match=r"all 1 adapters host memory holds \(max_cpu_loras\) are taken: 0 by"):
+        engine.load_lora("y", dirs["mlp"])  # host memory's only place still holds what "running" runs under
     done = {}
     while engine.has_unfinished_requests():
         done.update((out.request_id, out) for out in engine.step() if out.finished)
@@ -64,6 +64,30 @@ def test_what_runs_under_an_unloaded_adapter_finishes_under_it_before_its_slot_i
     engine.load_lora("y", dirs["mlp"])
     [out] = llm.generate([prompt], greedy("y"))
     assert out.outputs[0].token_ids == hf_greedy(models["mlp"], prompt, NEW_TOKENS)
+
+
+@KINDS
+def test_more_adapters_than_slots_are_served_from_host_memory_as_peft_computes_them(adapted):
+    """max_cpu_loras past max_loras: requests under three adapters and the base model, all at once
+    through one slot, each get PEFT's greedy tokens; the adapters take the slot in turns."""
+    path, dirs, models, base = adapted
+    prompts = generation_prompts(base.config.vocab_size)[:2]
+    llm = LLM(path, lora_modules={"attn": dirs["attn"]}, max_loras=1, max_cpu_loras=3, **RUN_TIME)
+    llm.engine.load_lora("all", dirs["all"])
+    llm.engine.load_lora("mlp", dirs["mlp"])
+    requests = [(prompt, name) for name in ["all", None, "mlp", "attn", "all"] for prompt in prompts]
+    outputs = llm.generate([prompt for prompt, _ in requests], [greedy(name) for _, name in requests])
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [hf_greedy(base if name is None else models[name], prompt, NEW_TOKENS) for prompt, name in requests]
+    residency = llm.engine.policy.adapters
+    assert residency.swaps >= 3 and residency.bound == [0]
+    with pytest.raises(NoAdapterSlot, match="all 3 adapters host memory holds"):
+        llm.engine.load_lora("more", dirs["attn"])
+    llm.engine.unload_lora("all")
+    llm.engine.load_lora("more", dirs["attn"])  # nothing ran under "all": its place is free at once
+    [out] = llm.generate([prompts[0]], greedy("more"))
+    assert out.outputs[0].token_ids == hf_greedy(models["attn"], prompts[0], NEW_TOKENS)
+    llm.engine.check_integrity()
 
 
 @KINDS
@@ -105,12 +129,13 @@ def test_tensor_parallel_ranks_load_their_slices_at_run_time(adapted):
     path, dirs, _, base = adapted
     prompts = generation_prompts(base.config.vocab_size)[:2]
     single = LLM(path, lora_modules=dirs, **RUN_TIME)
-    with tp_engine(path, 2, max_loras=2, **RUN_TIME) as (engine, followers):
+    with tp_engine(path, 2, max_loras=1, max_cpu_loras=2, **RUN_TIME) as (engine, followers):
         engine.load_lora("attn", dirs["attn"])
         engine.load_lora("all", dirs["all"])
         engine.unload_lora("attn")
-        engine.load_lora("mlp", dirs["mlp"])  # into the slot "attn" left
-        check_tp_equals_one_rank(engine, single, prompts, ["all", "mlp", None])
+        engine.load_lora("mlp", dirs["mlp"])  # into the place "attn" left in host memory
+        check_tp_equals_one_rank(engine, single, prompts, ["all", "mlp", None, "all"])  # one slot: swapped in turns
+        assert engine.policy.adapters.swaps == 3
     assert not followers.errors
 
 
@@ -149,7 +174,14 @@ def test_max_loras_is_bounded_and_holds_the_lora_modules():
 
     with pytest.raises(ConfigError, match="max_loras must be 0"):
         EngineConfig(max_loras=65)
-    with pytest.raises(ConfigError, match=r"from the number of lora_modules \(2\)"):
+    with pytest.raises(ConfigError, match="lora_modules names 2 adapters, past the 1 max_cpu_loras allows"):
         EngineConfig(lora_modules={"a": "x", "b": "y"}, max_loras=1)
+    with pytest.raises(ConfigError, match="lora_modules names 3 adapters, past the 2 max_cpu_loras allows"):
+        EngineConfig(lora_modules={"a": "x", "b": "y", "c": "z"}, max_loras=1, max_cpu_loras=2)
+    for wrong in [dict(max_cpu_loras=2), dict(max_loras=2, max_cpu_loras=1), dict(max_loras=2, max_cpu_loras=1025)]:
+        with pytest.raises(ConfigError, match="max_cpu_loras must be from max_loras"):
+            EngineConfig(**wrong)
+    assert EngineConfig(lora_modules={"a": "x", "b": "y"}, max_loras=1, max_cpu_loras=2).host_loras == 2
+    assert EngineConfig(max_loras=3).host_loras == 3
     with pytest.raises(ConfigError, match="max_lora_rank must be in"):
         EngineConfig(max_loras=1, max_lora_rank=0)

@@ -51,9 +51,9 @@ def test_a_longrope_prompt_is_named_as_a_longrope_block_manager_caches_it(length
 def test_a_lora_adapters_blocks_are_named_apart_from_the_base_models():
     """Under an adapter the same tokens' KV differs: its chain starts from a root of its own, named
     alike by the ingress and the block manager, and no lookup crosses between them."""
-    bm = BlockManager(16, block_size=BS, root_of=sequence_root(None, {0: "sql", -1: None}.get))
+    bm = BlockManager(16, block_size=BS, root_of=sequence_root(None))
     tokens = seq_range(7, 2 * BS)
-    adapted = Sequence("a", tokens, SamplingParams(lora="sql"), adapter_slot=0)
+    adapted = Sequence("a", tokens, SamplingParams(lora="sql"), adapter_identity="sql")
     bm.allocate(adapted)
     compute_all(bm, adapted)
     hashes = PrefixNaming(BS).hashes(tokens + [1], 100, lora="sql")
@@ -63,7 +63,7 @@ def test_a_lora_adapters_blocks_are_named_apart_from_the_base_models():
     base = make_seq("b", tokens + [1])
     bm.allocate(base)
     assert base.num_cached_tokens == 0  # the base model finds none of the adapter's blocks
-    again = Sequence("c", tokens + [1], SamplingParams(lora="sql"), adapter_slot=0)
+    again = Sequence("c", tokens + [1], SamplingParams(lora="sql"), adapter_identity="sql")
     bm.allocate(again)
     assert again.num_cached_tokens == 2 * BS
 
@@ -71,7 +71,7 @@ def test_a_lora_adapters_blocks_are_named_apart_from_the_base_models():
 def test_a_cache_salt_names_its_blocks_apart_and_only_the_same_salt_shares_them():
     """vLLM's cache_salt: the ingress and the block manager name a salted prompt's blocks alike,
     apart from the unsalted and other salts' (under an adapter too), so a lookup crosses no salt."""
-    bm = BlockManager(16, block_size=BS, root_of=sequence_root(None, {0: "sql", -1: None}.get))
+    bm = BlockManager(16, block_size=BS, root_of=sequence_root(None))
     tokens = seq_range(7, 2 * BS)
     salted = Sequence("a", tokens, SamplingParams(cache_salt="tenant-1"))
     bm.allocate(salted)
@@ -82,11 +82,10 @@ def test_a_cache_salt_names_its_blocks_apart_and_only_the_same_salt_shares_them(
     others = [naming.hashes(tokens + [1], 100), naming.hashes(tokens + [1], 100, salt="tenant-2"),
               naming.hashes(tokens + [1], 100, lora="tenant-1"), naming.hashes(tokens + [1], 100, "sql", "tenant-1")]
     assert all(not set(hashes) & set(other) for other in others)
-    for seq_id, params, slot, hit in [("b", SamplingParams(), -1, 0),
-                                      ("c", SamplingParams(cache_salt="tenant-2"), -1, 0),
-                                      ("d", SamplingParams(lora="sql", cache_salt="tenant-1"), 0, 0),
-                                      ("e", SamplingParams(cache_salt="tenant-1"), -1, 2 * BS)]:
-        again = Sequence(seq_id, tokens + [1], params, adapter_slot=slot)
+    for seq_id, params, hit in [("b", SamplingParams(), 0), ("c", SamplingParams(cache_salt="tenant-2"), 0),
+                                ("d", SamplingParams(lora="sql", cache_salt="tenant-1"), 0),
+                                ("e", SamplingParams(cache_salt="tenant-1"), 2 * BS)]:
+        again = Sequence(seq_id, tokens + [1], params, adapter_identity=params.lora)
         bm.allocate(again)
         assert again.num_cached_tokens == hit, seq_id
 

@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         if shard.size > 1 and reduce is None:
             raise ValueError("a sharded model needs `reduce`, the all-reduce over its ranks")
         self.config, self.shard = config, shard
-        self.lora_slots = LoraSlots()  # the LoRA adapters the model loaded (model_builder), by name
+        self.lora_slots = LoraSlots()  # its LoRA adapter slots and the adapters in host memory (model_builder)
         self.model = LlamaModel(config, shard, reduce)
         # the LM head lives where sampling happens (rank 0); a tied one is the replicated embedding
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) \

@@ -1,9 +1,10 @@
 """LoRA adapters in the decoder's projections, several in one step: each token runs under its
 sequence's adapter, or none.
 
-`LoraSlots` (one per model) holds the adapters by slot: which adapter each slot holds (its name
-while a new request may name it, and its identity, what its prefix-cache blocks chain from), and
-which of a step's token rows run under which slot; the runner sets the rows before every forward.
+`LoraSlots` (one per model) holds the adapters by slot: which adapter each slot holds (its
+identity, what its prefix-cache blocks chain from), the adapters held in host memory
+(`lora_store`), and which of a step's token rows run under which slot; the runner sets the rows
+before every forward.
 Each adapted projection holds `LoraWeights`: every slot's A stacked [slots, parts * rank, in] and B
 [slots, out, rank], a merged projection's parts each with their own rows of both. A part an
 adapter leaves alone, and the ranks past a smaller adapter's, hold zeros. An eager step adds, per
@@ -11,20 +12,20 @@ slot in it, B @ (A @ x) to its tokens' rows; a captured decode step (`cuda_graph
 row's slot from a device tensor instead (`LoraSlots.rows`: Triton kernels on CUDA, `add_rows_torch`
 elsewhere), so its launches do not depend on which adapters run.
 
-A sequence is bound to its slot when admitted (`Sequence.adapter_slot`): an adapter unloaded at
-run time stops taking requests, but its slot keeps its weights, and its identity, until no
-sequence bound to it is left (`free_slot`), so what runs under it finishes as it began.
+A sequence is bound to a slot holding its adapter when admitted (`lora_residency`), and a slot
+no sequence is bound to may take another adapter from host memory (`pack_adapter`, `write_packed`).
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from splitserve.engine.config import ConfigError
+from splitserve.engine.lora_store import HostAdapters, PackedAdapter
 from splitserve.engine.model import triton_dispatch
 from splitserve.engine.model.linear import Linear, MergedLinear, RowParallelLinear
 from splitserve.engine.model.sharding import ShardSlice
@@ -37,31 +38,16 @@ NO_ADAPTER = -1  # a sequence's slot when it runs on the base model
 
 
 class LoraSlots:
-    """`capacity` slots of adapters of rank at most `rank`; the adapters loaded, by name.
-    `at_run_time`: adapters may be loaded while serving (every projection holds slots)."""
+    """`capacity` slots of adapters of rank at most `rank`, and `host_capacity` adapters in host
+    memory (`host`; default: as many as slots). `at_run_time`: adapters may be loaded while
+    serving (every projection holds slots)."""
 
-    def __init__(self, capacity: int = 0, rank: int = 0, at_run_time: bool = False):
+    def __init__(self, capacity: int = 0, rank: int = 0, at_run_time: bool = False, host_capacity: int | None = None):
         self.capacity, self.rank, self.at_run_time = capacity, rank, at_run_time
-        self.index: dict[str, int] = {}  # the adapters a new request may name -> their slots, in load order
+        self.host = HostAdapters(capacity if host_capacity is None else host_capacity)
         self.identity: list[str | None] = [None] * capacity  # per slot: its adapter's identity; None: empty
         self.groups: list[tuple[int, slice | torch.Tensor]] = []  # (slot, its token rows), slots in the step
         self.rows: torch.Tensor | None = None  # set: each row's slot [T] (-1: none), read on the device
-
-    def slot_of(self, name: str | None) -> int:
-        """A loaded adapter's slot (KeyError if none is loaded by that name); None: NO_ADAPTER."""
-        return NO_ADAPTER if name is None else self.index[name]
-
-    def identity_of(self, slot: int) -> str | None:
-        return None if slot == NO_ADAPTER else self.identity[slot]
-
-    def free_slot(self, bound: Iterable[int]) -> int | None:
-        """An empty slot, else one whose adapter was unloaded and holds no sequence (`bound`: the
-        slots of the sequences the engine holds); None when every slot is taken."""
-        empty = [slot for slot, identity in enumerate(self.identity) if identity is None]
-        if empty:
-            return empty[0]
-        taken = set(self.index.values()) | set(bound)
-        return next((slot for slot in range(self.capacity) if slot not in taken), None)
 
     def set(self, adapters: Sequence[int], query_starts: Sequence[int], device: torch.device) -> None:
         """`adapters`: each sequence's slot in the step's order (empty: none runs under one),
@@ -95,10 +81,16 @@ class LoraWeights(nn.Module):
         self.register_buffer("a", a, persistent=False)
         self.register_buffer("b", b, persistent=False)
 
-    def write(self, slot: int, a: torch.Tensor, b: torch.Tensor, adapted: bool) -> None:
-        self.a[slot].copy_(a)
-        self.b[slot].copy_(b)
-        (self.live.add if adapted else self.live.discard)(slot)
+    def write(self, slot: int, ab: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """`slot`'s A and B from the host (in order on the device's stream); None: zeros, not adapted."""
+        if ab is None:
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+            self.live.discard(slot)
+            return
+        self.a[slot].copy_(ab[0], non_blocking=True)
+        self.b[slot].copy_(ab[1], non_blocking=True)
+        self.live.add(slot)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (x's projection [T, out]) with each adapter's product added to its rows, in place."""
@@ -144,7 +136,8 @@ def attach_adapters(model: nn.Module, slots: LoraSlots, adapters: Sequence[LoraA
                     device: torch.device, every_projection: bool = False) -> None:
     """Give `slots.capacity` slots of `LoraWeights` (in the serving `dtype`) to each projection some
     adapter adapts, or with `every_projection` to every one an adapter may (adapters loaded later),
-    and load `adapters` into the first slots; after the base weights are loaded."""
+    hold `adapters` in host memory and write the first into the slots; after the base weights are
+    loaded."""
     targets = _adaptable(model)
     for adapter in adapters:
         _check_targets(adapter, targets)
@@ -157,15 +150,25 @@ def attach_adapters(model: nn.Module, slots: LoraSlots, adapters: Sequence[LoraA
         a = torch.zeros(slots.capacity, len(parts) * slots.rank, linear.in_features, device=device, dtype=dtype)
         b = torch.zeros(slots.capacity, linear.out_features, slots.rank, device=device, dtype=dtype)
         linear.lora = LoraWeights(slots, a, b, parts)
-    for slot, adapter in enumerate(adapters):
-        write_adapter(model, slots, slot, adapter)
-        slots.index[adapter.name], slots.identity[slot] = slot, adapter.identity
+    for adapter in adapters:
+        slots.host.add(pack_adapter(model, slots, adapter))
+    for slot, identity in enumerate(list(slots.host.names.values())[:slots.capacity]):
+        write_packed(model, slot, slots.host.adapters[identity])
 
 
-def write_adapter(model: nn.Module, slots: LoraSlots, slot: int, adapter: LoraAdapter) -> None:
-    """`adapter`'s weights into `slot` of every projection holding adapters (zeros where it adapts
-    none); a projection the model lacks or an adapter shaped unlike it is a ConfigError naming the
-    adapter and the projection, as is a rank past the slots'."""
+def write_packed(model: nn.Module, slot: int, adapter: PackedAdapter) -> None:
+    """A packed adapter into `slot` of every projection holding slots, which then names its identity."""
+    slots: LoraSlots = model.lora_slots
+    slots.identity[slot] = None  # a slot being written holds no adapter, whatever the write leaves in it
+    for weights, ab in adapter.weights.items():
+        weights.write(slot, ab)
+    slots.identity[slot] = adapter.identity
+
+
+def pack_adapter(model: nn.Module, slots: LoraSlots, adapter: LoraAdapter) -> PackedAdapter:
+    """`adapter` as this rank's slots hold it, on the host in their dtype (None for a projection
+    it leaves alone); a projection the model lacks or an adapter shaped unlike it is a ConfigError
+    naming the adapter and the projection, as is a rank past the slots'."""
     if adapter.rank > slots.rank:
         raise ConfigError(f"lora: adapter {adapter.name!r} has rank {adapter.rank}, past max_lora_rank "
                           f"{slots.rank}")
@@ -174,14 +177,19 @@ def write_adapter(model: nn.Module, slots: LoraSlots, slot: int, adapter: LoraAd
     modules_of: dict[Linear, list[tuple[str, int | None]]] = {}
     for module, (linear, part) in targets.items():
         modules_of.setdefault(linear, []).append((module, part))
+    packed = {}
     for linear, modules in modules_of.items():
         if linear.lora is None:
             continue
-        a, b = torch.zeros(linear.lora.a.shape[1:]), torch.zeros(linear.lora.b.shape[1:])
+        lora, ab = linear.lora, None
         adapted = [(module, part) for module, part in modules if module in adapter.weights]
-        for module, part in adapted:
-            _fill(a, b, adapter, module, linear, part)
-        linear.lora.write(slot, a, b, bool(adapted))
+        if adapted:
+            a, b = torch.zeros(lora.a.shape[1:]), torch.zeros(lora.b.shape[1:])
+            for module, part in adapted:
+                _fill(a, b, adapter, module, linear, part)
+            ab = tuple(HostAdapters.host(t.to(lora.a.dtype), lora.a.device) for t in (a, b))
+        packed[lora] = ab
+    return PackedAdapter(adapter.name, adapter.identity, packed)
 
 
 @contextlib.contextmanager

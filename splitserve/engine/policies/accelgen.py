@@ -177,6 +177,8 @@ class AccelGenPolicy(Policy):
         counted first, so none is preempted when even all of them would not be enough."""
         seq = cand.seq
         if cand.waiting:
+            if not self._adapter_ready(seq):
+                return False  # no preemption gives its LoRA adapter a slot
             fits = lambda: self._can_admit(seq)  # noqa: E731
         elif seq.is_decoding:
             fits = lambda: self.blocks.can_grow(seq, seq.num_tokens)  # noqa: E731

@@ -12,6 +12,11 @@ By priority (`SchedulerLimits.by_priority`, vLLM's priority scheduling): `waitin
 place in it; when KV runs out the lowest-ranked running sequence is preempted first; and a
 waiting sequence that cannot be admitted preempts running ones of a strictly lower priority
 (`_preempt_for_priority`), so equal priorities never preempt each other.
+
+LoRA adapters (`adapters`, set by an engine whose model holds adapter slots): a sequence under an
+adapter is bound to a slot holding it at admission and lets go when it stops computing
+(`lora_residency`); a waiting sequence whose adapter finds no slot is skipped, and the next one
+goes first (`_next_waiting`).
 """
 from __future__ import annotations
 
@@ -20,10 +25,14 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
 from splitserve.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from splitserve.engine.lora_residency import AdapterResidency
 
 WATERMARK_FRACTION = 0.01  # blocks kept free at admission so running decodes rarely preempt
 
@@ -49,6 +58,7 @@ class Policy(ABC):
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.adapters: AdapterResidency | None = None  # the LoRA adapter slots (None: the model holds none)
         self._watermark = int(WATERMARK_FRACTION * blocks.num_blocks)
 
     @abstractmethod
@@ -103,8 +113,11 @@ class Policy(ABC):
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if self.adapters is not None:
+                self.adapters.lapse_claim(self.waiting)
         self.held.pop(seq.seq_id, None)
         self.blocks.free(seq.seq_id)
+        self._release_slot(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def complete_step(self, plan: Plan, sampled: Mapping[str, int]) -> list[Sequence]:
@@ -133,7 +146,7 @@ class Policy(ABC):
         prompt the previous policy prefilled chunk by chunk goes on in this one's chunks; one whose
         blocks this policy's chunks need are not free is preempted."""
         self.waiting, self.running, self.held = previous.waiting, previous.running, previous.held
-        self.num_preemptions = previous.num_preemptions
+        self.num_preemptions, self.adapters = previous.num_preemptions, previous.adapters
         for seq in list(self.running):
             if not seq.is_decoding and not self.blocks.rechunk(seq, self.prefill_chunk_tokens):
                 self.preempt(seq)
@@ -141,6 +154,7 @@ class Policy(ABC):
     # ---- KV handoff between a prompt engine and a token engine ---------------------------
     def hold_prefilled(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_slot(seq)  # its KV is computed: nothing more runs under its adapter here
         seq.status = SequenceStatus.PREFILLED
         self.held[seq.seq_id] = seq
 
@@ -167,7 +181,9 @@ class Policy(ABC):
         return tables
 
     def complete_import(self, seq_id: str, first_token_id: int) -> Sequence:
-        """The prompt's KV has landed: the sequence decodes from its first token on."""
+        """The prompt's KV has landed: the sequence decodes from its first token on; or, when its
+        LoRA adapter finds no slot, it is preempted, to run when one does (its KV stays in the
+        prefix cache, where its admission finds it again)."""
         seq = self.held.pop(seq_id)
         seq.num_computed_tokens = seq.num_tokens
         self.blocks.commit(seq)
@@ -177,21 +193,44 @@ class Policy(ABC):
         reason = seq.stop_reason_after_append(self.limits.max_model_len)
         if reason:
             self.finish(seq, reason)
+        elif self._adapter_ready(seq):
+            self._bind_slot(seq)
+        else:
+            self.preempt(seq)
         return seq
 
     # ---- building blocks for schedule() --------------------------------------------------
     def _admit(self, seq: Sequence) -> None:
-        self.waiting.remove(seq)  # the first waiting one but for AccelGen's picks
+        self.waiting.remove(seq)  # the first waiting one but for AccelGen's picks and adapters' skips
         self.blocks.allocate(seq, chunk_tokens=self.prefill_chunk_tokens)
+        self._bind_slot(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def _can_admit(self, seq: Sequence) -> bool:
-        """Room in the batch and in KV memory. The watermark only guards running sequences'
-        growth, so with nothing running a prompt may take the whole cache."""
+        """Room in the batch, a slot for its LoRA adapter, and room in KV memory. The watermark
+        only guards running sequences' growth, so with nothing running a prompt may take the whole cache."""
         watermark = self._watermark if self.running else 0
-        return len(self.running) < self.limits.max_num_seqs and \
+        return len(self.running) < self.limits.max_num_seqs and self._adapter_ready(seq) and \
             self.blocks.can_allocate(seq, watermark, self.prefill_chunk_tokens)
+
+    def _next_waiting(self) -> Sequence | None:
+        """The first waiting sequence, skipping those whose LoRA adapter finds no slot (the first
+        of them claims one); None when none is left."""
+        if self.adapters is None:
+            return self.waiting[0] if self.waiting else None
+        return next((seq for seq in self.waiting if self.adapters.ready(seq)), None)
+
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        return self.adapters is None or self.adapters.ready(seq)
+
+    def _bind_slot(self, seq: Sequence) -> None:
+        if self.adapters is not None:
+            self.adapters.bind(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if self.adapters is not None:
+            self.adapters.release(seq)
 
     def _chunk(self, seq: Sequence, num_new_tokens: int, items: list[ScheduledSeq],
                preempted: list[Sequence]) -> int:
@@ -210,6 +249,7 @@ class Policy(ABC):
         """Preempt by recompute: drop the KV, requeue at the front; prompt + output is prefilled again."""
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
+        self._release_slot(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -217,12 +257,13 @@ class Policy(ABC):
         self.num_preemptions += 1
 
     def _preempt_for_priority(self) -> list[Sequence]:
-        """By priority: while the first waiting sequence cannot be admitted, preempt the lowest-ranked
-        running sequence of a strictly lower priority. Returns those preempted (none by FCFS)."""
+        """By priority: while the next waiting sequence (`_next_waiting`) cannot be admitted, preempt
+        the lowest-ranked running sequence of a strictly lower priority. Returns those preempted
+        (none by FCFS)."""
         preempted = []
-        while self.limits.by_priority and self.waiting and not self._can_admit(self.waiting[0]):
+        while self.limits.by_priority and (head := self._next_waiting()) is not None and not self._can_admit(head):
             victim = max(self.running, key=self.rank, default=None)
-            if victim is None or victim.params.priority <= self.waiting[0].params.priority:
+            if victim is None or victim.params.priority <= head.params.priority:
                 break
             self.preempt(victim)
             preempted.append(victim)
@@ -261,8 +302,7 @@ class Policy(ABC):
         admission stops). A prompt alone in a batch may exceed the budget, so no prompt starves.
         Returns the batch's tokens after admission."""
         preempted = [] if preempted is None else preempted
-        while not preempted and self.waiting and self._can_admit(self.waiting[0]):
-            seq = self.waiting[0]
+        while not preempted and (seq := self._next_waiting()) is not None and self._can_admit(seq):
             if used and used + seq.num_tokens > budget:
                 break
             self._admit(seq)
@@ -282,6 +322,8 @@ class Policy(ABC):
         extra = set(self.blocks.owners()) - holders
         if extra:
             raise RuntimeError(f"KV blocks held by sequences the policy does not track: {sorted(extra)}")
+        if self.adapters is not None:
+            self.adapters.check([*self.running, *self.held.values()])
         self.blocks.check_integrity()
 
     def _running_items(self) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:

@@ -27,8 +27,8 @@ class MixedPolicy(Policy):
         for seq in [s for s in self.running if not s.is_decoding]:
             if used < budget:
                 used += self._chunk(seq, min(seq.num_uncomputed_tokens, budget - used), items, preempted)
-        while not preempted and self.waiting and used < budget and self._can_admit(self.waiting[0]):
-            seq = self.waiting[0]
+        while not preempted and used < budget and (seq := self._next_waiting()) is not None and \
+                self._can_admit(seq):
             self._admit(seq)
             used += self._chunk(seq, min(seq.num_uncomputed_tokens, budget - used), items, preempted)
         return Plan(tuple(items), tuple(outranked + preempted))
