@@ -11,7 +11,7 @@ in steps, so both engines see the same workload), each under one of --adapters a
 Zipf popularity (--skew; 0: uniform), as many tenants' traffic is; every adapter rank --rank on all
 seven dense projections, dummy weights (no download). TTFT is wall-clock time from a request's
 arrival to its first token; a swap's time is the copy into a slot, timed around it (on CUDA after a
-synchronize). Greedy, mixed policy, prefix caching off; every request's output must be the same
+synchronize). --patience sets when a waiting adapter claims a slot (`lora_residency`). Greedy, mixed policy, prefix caching off; every request's output must be the same
 under both. The engines run in turn, --repeats times; a row reports the median run and the range.
 """
 from __future__ import annotations
@@ -55,6 +55,8 @@ def run(model_dir: str, adapters: dict[str, str], slots: int, requests: list, ar
                        lora_modules=adapters, max_loras=slots, max_cpu_loras=len(adapters), max_lora_rank=args.rank,
                        max_num_seqs=args.max_num_seqs, max_model_len=args.prompt + args.tokens + 8)
     residency, swap_times = engine.policy.adapters, []
+    if args.patience is not None:
+        residency.patience = args.patience
     write = residency.write
 
     def timed_write(slot: int, identity: str) -> None:
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--every", type=int, default=2, help="engine steps between arrivals")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--patience", type=int, default=None, help="sequences of other adapters that may take slots "
+                   "before a waiting adapter claims one (default: the engine's, --max-num-seqs; 0: at once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", type=Path, help="write the result here")

@@ -84,7 +84,7 @@ class LLMEngine:
         self.policy = make_policy(config.policy, self.block_manager, limits)
         slots = self.runner.model.lora_slots
         if slots.capacity:
-            self.policy.adapters = AdapterResidency(slots.identity, self._write_slot)
+            self.policy.adapters = AdapterResidency(slots.identity, self._write_slot, config.max_num_seqs)
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}

@@ -7,11 +7,13 @@ bound to takes the adapter from host memory (an empty one first, then the least 
 bound), written between two steps: with `max_cpu_loras` past `max_loras`, more adapters are
 served than the device holds at once.
 
-A sequence whose adapter finds no slot waits and is skipped, so others go on; so that it is not
-left waiting while other adapters keep every slot busy, it claims one: the slot with the fewest
-sequences bound (the least recently bound of those) takes no new sequence of its adapter until
-it drains, and then goes to the claiming adapter. A claim lapses once no waiting sequence names
-its adapter (they were aborted, say).
+A sequence whose adapter finds no slot waits and is skipped, so others go on (vLLM's way, which
+keeps the adapters running batched). So that it is not left waiting for ever while other adapters
+keep every slot busy, once `patience` sequences of other adapters have been bound since it found
+none, it claims one: the slot with the fewest sequences bound (the least recently bound of those)
+takes no new sequence of its adapter until it drains, and then goes to the claiming adapter. One
+claim at a time (each drains a slot: several at once would leave fewer to batch in); a claim
+lapses once no waiting sequence names its adapter (they were aborted, say).
 """
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ class AdapterResidency:
     """Over `identity` (per slot: the adapter it holds, None: empty), with `write(slot, identity)`
     putting an adapter from host memory into a slot."""
 
-    def __init__(self, identity: list[str | None], write: Callable[[int, str], None]):
-        self.identity, self.write = identity, write
+    def __init__(self, identity: list[str | None], write: Callable[[int, str], None], patience: int):
+        self.identity, self.write, self.patience = identity, write, patience
         self.bound = [0] * len(identity)  # sequences bound to each slot
         self._last = [0] * len(identity)  # when each slot was last bound (a tick), for least recently bound
         self._ticks = itertools.count(1)
         self.claim: tuple[int, str] | None = None  # (slot, adapter): the slot drains for that adapter
+        self._overtaken: dict[str, int] = {}  # adapter finding no slot -> adapters' sequences bound since
         self.swaps = 0  # adapters written into a slot from host memory
 
     def ready(self, seq: Sequence) -> bool:
@@ -45,7 +48,7 @@ class AdapterResidency:
             return self.claim is None or self.claim[0] != slot or self.claim[1] == identity
         if self._free_slot(identity) is not None:
             return True
-        if self.claim is None:
+        if self._overtaken.setdefault(identity, 0) >= self.patience and self.claim is None:
             slot = min(range(len(self.bound)), key=lambda s: (self.bound[s], self._last[s]))
             self.claim = (slot, identity)
         return False
@@ -66,6 +69,9 @@ class AdapterResidency:
             self.swaps += 1
         if self.claim is not None and self.claim[1] == identity:
             self.claim = None
+        self._overtaken.pop(identity, None)
+        for other in self._overtaken:
+            self._overtaken[other] += 1
         self.bound[slot] += 1
         self._last[slot] = next(self._ticks)
         seq.adapter_slot = slot
@@ -78,8 +84,10 @@ class AdapterResidency:
 
     def lapse_claim(self, waiting: Iterable[Sequence]) -> None:
         """Drop the claim if no waiting sequence names its adapter (one left the queue unadmitted)."""
-        if self.claim is not None and all(seq.adapter_identity != self.claim[1] for seq in waiting):
+        named = {seq.adapter_identity for seq in waiting}
+        if self.claim is not None and self.claim[1] not in named:
             self.claim = None
+        self._overtaken = {identity: count for identity, count in self._overtaken.items() if identity in named}
 
     def forget(self, identities: Iterable[str]) -> None:
         """Adapters gone from host memory: slots holding them (none bound) are empty again."""

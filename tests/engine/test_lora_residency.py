@@ -14,12 +14,14 @@ DECODING_POLICIES = ["mixed", "token", "orca", "prefill_first", "accelgen"]  # t
 
 
 class Slots:
-    """A residency over `n` slots, recording its writes."""
+    """A residency over `n` slots, recording its writes; an adapter finding no slot claims one at
+    once (`patience` 0) unless told otherwise."""
 
-    def __init__(self, n: int, held: tuple[str | None, ...] = ()):
+    def __init__(self, n: int, held: tuple[str | None, ...] = (), patience: int = 0):
         self.identity = list(held) + [None] * (n - len(held))
         self.writes: list[tuple[int, str]] = []
-        self.residency = AdapterResidency(self.identity, lambda slot, identity: self.writes.append((slot, identity)))
+        self.residency = AdapterResidency(self.identity, lambda slot, identity: self.writes.append((slot, identity)),
+                                          patience)
 
 
 def under(seq_id: str, adapter: str | None, at: int = 0, **params):
@@ -63,6 +65,19 @@ def test_an_adapter_finding_no_slot_claims_the_one_that_drains_first_and_gets_it
     assert r.ready(c1)
     r.bind(c1)
     assert c1.adapter_slot == 1 and r.claim is None and slots.writes[-1] == (1, "c")
+
+
+def test_an_adapter_claims_a_slot_only_once_patience_sequences_of_others_took_slots_meanwhile():
+    """Until then it is skipped and others batch into their slots (vLLM's way); after, it claims."""
+    slots = Slots(1, patience=2)
+    r = slots.residency
+    r.bind(under("a1", "a"))
+    b1 = under("b1", "b")
+    for later in ("a2", "a3"):
+        assert not r.ready(b1) and r.claim is None
+        r.bind(under(later, "a"))
+        r.bind(under("base", None))  # the base model takes no slot: it does not count
+    assert not r.ready(b1) and r.claim == (0, "b") and not r.ready(under("a4", "a"))
 
 
 def test_a_claim_lapses_once_no_waiting_sequence_names_its_adapter():
