@@ -11,8 +11,9 @@ in steps, so both engines see the same workload), each under one of --adapters a
 Zipf popularity (--skew; 0: uniform), as many tenants' traffic is; every adapter rank --rank on all
 seven dense projections, dummy weights (no download). TTFT is wall-clock time from a request's
 arrival to its first token; a swap's time is the copy into a slot, timed around it (on CUDA after a
-synchronize). --patience sets when a waiting adapter claims a slot (`lora_residency`). Greedy, mixed policy, prefix caching off; every request's output must be the same
-under both. The engines run in turn, --repeats times; a row reports the median run and the range.
+synchronize). --patience sets when a waiting adapter claims a slot (`lora_residency`). Greedy,
+mixed policy, prefix caching off; every request's output must be the same under both. The engines
+run in turn, --repeats times; a row reports the median run and the range.
 """
 from __future__ import annotations
 
