@@ -18,8 +18,8 @@ their pools and the one placement state every ingress replica asks.
   worker's next report is a full snapshot.
 - Placement: `place` picks both workers at once (the policy in `placement/`), moving a worker
   into the mixed pool first when the policy says so. None means the cluster cannot admit now.
-- Failure: a worker that fails a call or a poll is diagnosed through `health` (the engine loop's
-  heartbeat, read without waiting for the loop): dead, unhealthy (its engine state broke) or
+- Failure: a worker that fails a call or a poll is diagnosed through `health` (`worker_health`:
+  the engine loop's heartbeat, read without waiting for the loop): dead, unhealthy (its engine state broke) or
   stuck (a step past `stuck_step_s`) workers leave their pool, are killed and replaced; a worker
   merely busy with a long step stays. A replacement that fails to start is tried again, further
   apart each time (`RESTART_BACKOFF_S`), until one starts: a slot is never left empty for good.
@@ -53,13 +53,13 @@ from splitserve.cluster.rendezvous import Rendezvous, open_rendezvous
 from splitserve.cluster.worker import MAX_CONCURRENT_CALLS
 from splitserve.cluster.worker_actors import start_worker_actors
 from splitserve.cluster.worker_group import WORKER_NAMESPACE, WorkerActors
+from splitserve.cluster.worker_health import CALL_TIMEOUT_S, diagnose
+from splitserve.cluster.worker_registry import WorkerRegistry
 from splitserve.config import ClusterConfig, PoolConfig
 from splitserve.placement import ClusterState, Placement, PlacementRequest, PoolMove
 from splitserve.placement.state import Role
 
 log = logging.getLogger("splitserve.controller")
-CALL_TIMEOUT_S = 10.0  # a poll not answered in this long makes the controller look at the worker's health
-STALE_HEARTBEAT_S = 30.0  # an engine loop that has not begun an iteration for this long, outside a step, is hung
 MAX_START_ERRORS = 20  # failed starts kept (/health shows the last five): a replacement may fail again and again
 RESTART_BACKOFF_S = (1.0, 60.0)  # a failed replacement is tried again after 1 s, then twice as long each time, to 60 s
 
@@ -73,8 +73,7 @@ class Controller:
         self._start_on_call = start_on_call
         self.state = ClusterState(self.config.scheduler.policy, self.config.scheduler.thresholds(),
                                   self.config.prefix_options())
-        self.handles: dict[str, object] = {}
-        self.slots: dict[str, tuple[PoolConfig, int]] = {}
+        self.workers = WorkerRegistry()
         slo = self.config.slo
         self.metrics = ClusterMetrics(self.config.model_name, SLOBounds(slo.ttft_s, slo.tbt_s, slo.e2e_s),
                                       self.config.served_models.adapters)
@@ -85,16 +84,20 @@ class Controller:
         self._rendezvous: Rendezvous | None = None  # the store's address and the transfer secret
         self._store = None  # the rendezvous store's actor, where the cluster needs one
         self._store_renewed = 0.0
-        self._actors: dict[str, WorkerActors] = {}  # each worker's actors (all its ranks), by worker id
         self._started: asyncio.Task | None = None
         self._adopted = asyncio.Event()  # set once the workers a dead CLS left are adopted (or none were)
         self._ready = False
         self._draining = False
         self._retiring: set[str] = set()
-        self._prefix_resync: set[str] = set()  # workers whose next report must be a prefix snapshot
-        self._gone: dict[str, set[str]] = {}  # per worker: workers removed since its last report (to let go of)
-        self._adopted_unsynced: set[str] = set()  # adopted workers yet to be told the live workers (`_poll`)
         self._placed = asyncio.Event()  # set by a placement; cleared when a poll begins
+
+    @property
+    def handles(self) -> dict[str, object]:
+        return self.workers.handles
+
+    @property
+    def slots(self) -> dict[str, tuple[PoolConfig, int]]:
+        return self.workers.slots
 
     @property
     def _poll_timeout_s(self) -> float:
@@ -167,17 +170,16 @@ class Controller:
             await asyncio.sleep(delay)
             delay = min(2 * delay, most)
 
-    def _add(self, worker_id: str, pool: PoolConfig, slot: int, actors: WorkerActors, load) -> None:
-        self.handles[worker_id], self.slots[worker_id], self._actors[worker_id] = actors.handle, (pool, slot), actors
+    def _add(self, worker_id: str, pool: PoolConfig, slot: int, actors: WorkerActors, load,
+             adopted: bool = False) -> None:
+        self.workers.add(worker_id, pool, slot, actors, adopted)
         self.state.add_worker(worker_id, Role(pool.role), self.config.worker_hardware(pool), load, time.monotonic())
 
     async def _adopt_all(self) -> None:
         adopted, newest = await adopt_workers(self.app_name, self.config, self._rendezvous)
         self._incarnations = itertools.count(newest + 1)  # worker ids are never reused
         for worker in adopted:
-            self._add(worker.found.worker_id, worker.pool, worker.found.slot, worker.actors, worker.load)
-            self._prefix_resync.add(worker.found.worker_id)  # the prefix index starts empty here
-            self._adopted_unsynced.add(worker.found.worker_id)  # its peers may have died while no CLS ran
+            self._add(worker.found.worker_id, worker.pool, worker.found.slot, worker.actors, worker.load, adopted=True)
             self.counters["workers_adopted"] += 1
         await self.lora.adopt({worker.found.worker_id: worker.actors.handle for worker in adopted})
 
@@ -286,17 +288,14 @@ class Controller:
         handle = self.handles.get(worker_id)
         if handle is None or worker_id in self._retiring:
             return
-        snapshot, gone = worker_id in self._prefix_resync, tuple(sorted(self._gone.pop(worker_id, ())))
-        live = tuple(sorted(self.slots)) if worker_id in self._adopted_unsynced else None
         try:
-            load, stats, prefix, adapters = await asyncio.wait_for(handle.report.remote(snapshot, gone, live),
-                                                                   self._poll_timeout_s)
+            load, stats, prefix, adapters = await asyncio.wait_for(
+                handle.report.remote(*self.workers.report_args(worker_id)), self._poll_timeout_s)
         except (RayError, asyncio.TimeoutError):  # dead, unhealthy (the loop refuses), or slow
-            self._prefix_resync.add(worker_id)  # a slow report still runs there, and its delta is lost
+            self.workers.report_lost(worker_id)
             await self.worker_failed(worker_id)
             return
-        self._prefix_resync.discard(worker_id)
-        self._adopted_unsynced.discard(worker_id)
+        self.workers.reported(worker_id)
         self.lora.mend(worker_id, handle, adapters)
         await self._apply(self.state.report(worker_id, load, time.monotonic(), prefix))
         worker = self.state.workers.get(worker_id)
@@ -309,46 +308,25 @@ class Controller:
         handle = self.handles.get(worker_id)
         if handle is None:
             return
-        verdict = await self._diagnose(handle)
+        verdict = await diagnose(handle, self.config.scheduler.stuck_step_s)
         if verdict is None or worker_id not in self.handles:
             return
         self.counters["worker_failures"] += 1
         self.metrics.worker_failures.inc()
         log.warning("worker %s is %s; it leaves its pool", worker_id, verdict)
-        self._remove(worker_id, replace=self.config.scheduler.replace_dead_workers)
-        self._actors.pop(worker_id).kill()  # its requests' streams break and fail over
-
-    async def _diagnose(self, handle) -> str | None:
-        """None if the worker's engine loop is sound and turning (or in a step within the bound),
-        else what is wrong."""
-        try:
-            health = await asyncio.wait_for(handle.health.remote(), CALL_TIMEOUT_S)
-        except (RayActorError, asyncio.TimeoutError, GetTimeoutError):
-            return "dead (no answer)"
-        if not health["alive"]:
-            return "unhealthy: its engine loop ended"
-        if not health["healthy"]:
-            return f"unhealthy: {health['reason']}"
-        if health["step_running_s"] > self.config.scheduler.stuck_step_s:
-            return f"stuck: a step has run {health['step_running_s']:.0f} s"
-        if health["step_running_s"] == 0 and health["heartbeat_age_s"] > STALE_HEARTBEAT_S:
-            return f"stuck: its engine loop has not turned for {health['heartbeat_age_s']:.0f} s"
-        return None
+        self._remove(worker_id, replace=self.config.scheduler.replace_dead_workers)  # its streams fail over
 
     def _remove(self, worker_id: str, replace: bool) -> None:
-        if worker_id not in self.slots:  # already removed (a retire and a failure raced)
+        """Out of the pools, stopped; `replace`: a new worker in its slot."""
+        removed = self.workers.remove(worker_id)
+        if removed is None:  # already removed (a retire and a failure raced)
             return
-        self.handles.pop(worker_id, None)
+        pool, slot, actors = removed
         self.lora.forget(worker_id)
-        self._prefix_resync.discard(worker_id)
-        self._adopted_unsynced.discard(worker_id)
-        pool, slot = self.slots.pop(worker_id)
-        self._gone.pop(worker_id, None)
-        for other in self.slots:
-            self._gone.setdefault(other, set()).add(worker_id)
         if worker_id in self.state.workers:
             self.state.remove_worker(worker_id)
         self.metrics.remove_worker(worker_id)
+        actors.kill()
         if replace and not self._draining:
             self.counters["worker_replacements"] += 1
             background(self._replace(pool, slot))
@@ -371,7 +349,6 @@ class Controller:
         self.counters["workers_retired"] += 1
         log.info("worker %s retired (%d requests still running)", worker_id, left)
         self._remove(worker_id, replace)
-        self._actors.pop(worker_id).kill()
         return {"worker_id": worker_id, "unfinished": left}
 
     async def drain(self) -> dict:

@@ -14,6 +14,7 @@ import pytest
 
 from splitserve.cluster.controller import Controller
 from splitserve.cluster.dispatch import ClusterUnavailable
+from splitserve.cluster.worker_group import WorkerActors
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.placement.state import PlacementRequest, PrefixDelta, Role, WorkerLoad
 from tests.cluster.remote_method import RemoteMethod
@@ -150,8 +151,9 @@ def test_the_next_report_of_every_worker_names_the_workers_removed_since_its_las
     nothing is sent on would never fail, and a long-lived worker outlives many peers)."""
     controller = Controller({"pools": [{"role": "mixed", "num_workers": 3}]})
     for slot, worker_id in enumerate(("mixed-0.0", "mixed-1.1", "mixed-2.2")):
-        controller.handles[worker_id] = _Handle()
-        controller.slots[worker_id] = (controller.config.pools[0], slot)
+        actors = WorkerActors(_Handle())
+        actors.kill = lambda: None
+        controller.workers.add(worker_id, controller.config.pools[0], slot, actors)
         controller.state.add_worker(worker_id, Role.MIXED, controller.config.hardware("cpu"), WorkerLoad(), 0.0)
     asyncio.run(controller._poll("mixed-0.0"))
     controller._remove("mixed-1.1", replace=False)
@@ -160,4 +162,4 @@ def test_the_next_report_of_every_worker_names_the_workers_removed_since_its_las
     asyncio.run(controller._poll("mixed-0.0"))
     removed = ("mixed-1.1", "mixed-2.2")
     assert controller.handles["mixed-0.0"].report.calls == [(False, (), None), (False, removed, None), (False, (), None)]
-    assert controller._gone == {}  # nothing kept for removed workers
+    assert controller.workers._gone == {}  # nothing kept for removed workers

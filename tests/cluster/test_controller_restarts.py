@@ -59,7 +59,9 @@ def _run(failures: int, monkeypatch, drain_after: int | None = None) -> tuple[Co
         controller._start_worker = start_then_drain
 
     async def lose_a_worker():
-        controller.slots["mixed-0.99"], controller.handles["mixed-0.99"] = (controller.config.pools[0], 0), object()
+        lost = WorkerActors(object())
+        lost.kill = lambda: None
+        controller.workers.add("mixed-0.99", controller.config.pools[0], 0, lost)
         controller.state.add_worker("mixed-0.99", Role.MIXED, controller.config.hardware("cpu"), WorkerLoad(), 0.0)
         controller._remove("mixed-0.99", replace=True)
         while not controller.handles and not controller._draining:
