@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench_lora import SMALL  # this script's folder
-from bench_moe import emit, print_markdown, ratio
+from bench_moe import emit, print_markdown, ratio, spread, summarize_runs
 
 from splitserve.bench.report import percentiles
 from splitserve.engine.config import ModelConfig
@@ -92,14 +92,7 @@ def run(model_dir: str, adapters: dict[str, str], slots: int, requests: list, ar
 
 def summarize(runs: list[dict], layouts: list[int]) -> list[dict]:
     """Per slot count: each figure's median over the repeats, with its range; against every adapter in a slot."""
-    rows = []
-    for slots in layouts:
-        mine = [r for r in runs if r["slots"] == slots]
-        row = {"slots": slots}
-        for key in FIGURES:
-            values = [r[key] for r in mine]
-            row[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-        rows.append(row)
+    rows = summarize_runs(runs, "slots", layouts, FIGURES)
     resident = rows[0]
     for row in rows:
         row["same_outputs"] = all(r["outputs"] == runs[0]["outputs"] for r in runs)
@@ -109,15 +102,11 @@ def summarize(runs: list[dict], layouts: list[int]) -> list[dict]:
 
 
 def show(result: dict) -> None:
-    def cell(row: dict, key: str, scale: float = 1000.0, digits: int = 0) -> str:
-        f = row[key]
-        return f"{f['median'] * scale:.{digits}f} [{f['min'] * scale:.{digits}f}-{f['max'] * scale:.{digits}f}]"
-
     print_markdown(["slots", "total s:", "vs all resident:", "TTFT p50 ms:", "TTFT p99 ms:", "swaps:",
                     "swap ms (p50):"],
-                   [[r["slots"], cell(r, "total_s", 1.0, 2), ratio(r["total_s_vs_resident"]), cell(r, "ttft_p50_s"),
-                     cell(r, "ttft_p99_s"), cell(r, "swaps", 1.0), cell(r, "swap_p50_s", 1000.0, 2)]
-                    for r in result["rows"]])
+                   [[r["slots"], spread(r["total_s"], digits=2), ratio(r["total_s_vs_resident"]),
+                     spread(r["ttft_p50_s"], 1000), spread(r["ttft_p99_s"], 1000), spread(r["swaps"]),
+                     spread(r["swap_p50_s"], 1000, 2)] for r in result["rows"]])
     print(f"\nevery request's output the same in every run: {result['rows'][0]['same_outputs']}")
 
 

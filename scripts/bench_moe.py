@@ -168,6 +168,23 @@ def print_markdown(columns: list[str], rows: list[list]) -> None:
         print("| " + " | ".join(map(str, row)) + " |")
 
 
+def summary(values: list[float]) -> dict:
+    """Repeated runs' figure: its median and range."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize_runs(runs: list[dict], by: str, groups: list, figures: tuple[str, ...]) -> list[dict]:
+    """Per group (the runs whose `by` is it, in the order of `groups`): each figure's `summary`."""
+    return [{by: group, **{key: summary([r[key] for r in runs if r[by] == group]) for key in figures}}
+            for group in groups]
+
+
+def spread(figure: dict, scale: float = 1.0, digits: int = 0) -> str:
+    """A `summary`, times `scale`, as "median [min-max]"."""
+    return (f"{figure['median'] * scale:.{digits}f} [{figure['min'] * scale:.{digits}f}-"
+            f"{figure['max'] * scale:.{digits}f}]")
+
+
 def ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench_moe import emit, print_markdown, ratio  # this script's folder
+from bench_moe import emit, print_markdown, ratio, spread, summarize_runs  # this script's folder
 
 from splitserve.bench.report import percentiles
 from splitserve.engine.llm_engine import LLMEngine
@@ -71,15 +70,8 @@ def run(policy: str, args) -> dict:
 
 def summarize(runs: list[dict]) -> list[dict]:
     """Per policy: each figure's median over the repeats, with its range."""
-    rows = []
-    for policy in POLICIES:
-        mine = [r for r in runs if r["policy"] == policy]
-        row = {"policy": policy}
-        for key in ("total_s", "chat_ttft_p50_s", "chat_ttft_p99_s", "backlog_ttft_p50_s", "preemptions",
-                    "chat_ttft_max_steps"):
-            values = [r[key] for r in mine]
-            row[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-        rows.append(row)
+    rows = summarize_runs(runs, "policy", list(POLICIES), ("total_s", "chat_ttft_p50_s", "chat_ttft_p99_s",
+                                                           "backlog_ttft_p50_s", "preemptions", "chat_ttft_max_steps"))
     fcfs, priority = rows
     fcfs["same_outputs"] = priority["same_outputs"] = all(r["outputs"] == runs[0]["outputs"] for r in runs)
     for key in ("chat_ttft_p50_s", "chat_ttft_p99_s", "total_s"):
@@ -88,15 +80,11 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def show(result: dict) -> None:
-    def cell(row: dict, key: str, scale: float = 1000.0, digits: int = 0) -> str:
-        f = row[key]
-        return f"{f['median'] * scale:.{digits}f} [{f['min'] * scale:.{digits}f}-{f['max'] * scale:.{digits}f}]"
-
     print_markdown(["scheduling", "chat TTFT p50 ms:", "chat TTFT p99 ms:", "chat TTFT max steps:",
                     "backlog TTFT p50 ms:", "total s:", "preemptions:"],
-                   [[r["policy"], cell(r, "chat_ttft_p50_s"), cell(r, "chat_ttft_p99_s"),
-                     cell(r, "chat_ttft_max_steps", 1.0), cell(r, "backlog_ttft_p50_s"), cell(r, "total_s", 1.0, 2),
-                     cell(r, "preemptions", 1.0)] for r in result["rows"]])
+                   [[r["policy"], spread(r["chat_ttft_p50_s"], 1000), spread(r["chat_ttft_p99_s"], 1000),
+                     spread(r["chat_ttft_max_steps"]), spread(r["backlog_ttft_p50_s"], 1000),
+                     spread(r["total_s"], digits=2), spread(r["preemptions"])] for r in result["rows"]])
     priority = result["rows"][1]
     print(f"\npriority / fcfs: chat TTFT p50 {ratio(priority['chat_ttft_p50_s_vs_fcfs'])}, "
           f"p99 {ratio(priority['chat_ttft_p99_s_vs_fcfs'])}, total time {ratio(priority['total_s_vs_fcfs'])}; "
