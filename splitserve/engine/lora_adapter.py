@@ -77,7 +77,7 @@ def _read(name: str, root: Path, limits: RunTimeLimits | None) -> LoraAdapter:
     rank, alpha = _checked_config(name, config)
     if limits is not None and rank > limits.max_rank:
         raise ConfigError(f"adapter {name!r} has rank {rank}, past max_lora_rank {limits.max_rank}")
-    weights_file = _weights_file(root)
+    weights_file = find_weights_file(root)
     if limits is not None and weights_file.stat().st_size > limits.max_bytes:
         raise ConfigError(f"adapter {name!r}: {weights_file} holds {weights_file.stat().st_size} bytes, more than a "
                           f"rank-{limits.max_rank} adapter of every projection of this model ({limits.max_bytes})")
@@ -138,7 +138,7 @@ def _digest(*files: Path) -> str:
     return digest.hexdigest()
 
 
-def _weights_file(root: Path) -> Path:
+def find_weights_file(root: Path) -> Path:
     for file in (root / f for f in WEIGHT_FILES):
         if file.is_file():
             return file

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from splitserve.engine.config import ConfigError
-from splitserve.engine.lora_adapter import RunTimeLimits, load_adapter
+from splitserve.engine.kv_memory_check import free_bytes
+from splitserve.engine.loader import CheckpointError
+from splitserve.engine.lora_adapter import RunTimeLimits, find_weights_file, load_adapter
 from splitserve.engine.model.lora import LoraSlots, LoraWeights, pack_adapter, write_packed
 from splitserve.engine.sampling_params import MAX_LORA_NAME
 
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
     from splitserve.engine.tp_step import TPLeader
 
 FILE_SLACK_BYTES = 1 << 20  # a weights file's header and names, past its tensors
+HOST_HEADROOM_BYTES = 1 << 30  # host memory a load leaves free (the worker's own growth, its requests' tensors)
 
 
 class AdapterNotLoaded(ValueError):
@@ -33,7 +38,8 @@ class AdapterNotLoaded(ValueError):
 
 
 class NoAdapterSlot(RuntimeError):
-    """Host memory holds `max_cpu_loras` adapters, loaded or still in use since their unload."""
+    """Host memory holds `max_cpu_loras` adapters, loaded or still in use since their unload, or
+    has too little free for another."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,8 @@ def load(model: nn.Module, name: str, path: str, in_use: Collection[str], reside
          tp_leader: TPLeader | None) -> str:
     """Load the adapter at `path` as `name` into host memory (`in_use`: the adapter identities of
     the sequences the engine holds); its identity. A bad name, path or adapter is a ConfigError
-    (nothing changes), a name already loaded a ValueError, host memory full a NoAdapterSlot."""
+    (nothing changes), a name already loaded a ValueError, host memory full (`max_cpu_loras`, or
+    too little free) a NoAdapterSlot."""
     slots: LoraSlots = model.lora_slots
     if not slots.at_run_time:
         raise ConfigError("lora: adapters are not loaded at run time (max_loras is 0: only lora_modules)")
@@ -89,8 +96,9 @@ def load(model: nn.Module, name: str, path: str, in_use: Collection[str], reside
         raise NoAdapterSlot(f"lora: all {slots.host.capacity} adapters host memory holds (max_cpu_loras) are "
                             f"taken: {len(slots.host.names)} by loaded adapters, the rest by unloaded ones still "
                             "running requests")
-    limits = RunTimeLimits(slots.rank, _max_file_bytes(model, slots.rank, 1 if tp_leader is None else
-                                                       tp_leader.group.size))
+    tp_size = 1 if tp_leader is None else tp_leader.group.size
+    _check_host_memory(model, name, path, tp_size)
+    limits = RunTimeLimits(slots.rank, _max_file_bytes(model, slots.rank, tp_size))
     adapter = pack_adapter(model, slots, load_adapter(name, path, limits))
     if tp_leader is not None:
         for rank in range(1, tp_leader.group.size):
@@ -126,6 +134,24 @@ def write_slot(model: nn.Module, slot: int, identity: str, tp_leader: TPLeader |
     if tp_leader is not None:
         for rank in range(1, tp_leader.group.size):
             tp_leader.post(rank, WriteSlot(slot, identity))
+
+
+def _check_host_memory(model: nn.Module, name: str, path: str, tp_size: int) -> None:
+    """NoAdapterSlot where reading the adapter (up to 4 times its file on the way: the file's
+    tensors, them in float32, B scaled) and keeping it packed, on every rank of a tensor-parallel
+    worker (one node), would leave less than HOST_HEADROOM_BYTES free: the worker would be killed
+    for memory instead."""
+    try:
+        file_bytes = find_weights_file(Path(path)).stat().st_size
+    except (CheckpointError, OSError):
+        return  # load_adapter says what is wrong with the path
+    packed = sum(w.a[0].numel() * w.a.element_size() + w.b[0].numel() * w.b.element_size()
+                 for w in model.modules() if isinstance(w, LoraWeights))
+    need, free = tp_size * (4 * file_bytes + packed), free_bytes(torch.device("cpu"))
+    if free is not None and need + HOST_HEADROOM_BYTES > free:
+        raise NoAdapterSlot(f"lora: loading adapter {name!r} takes up to {need} bytes of host memory, but {free} are "
+                            f"free, of which {HOST_HEADROOM_BYTES} stay free (max_cpu_loras sets how many adapters "
+                            "are held)")
 
 
 def _max_file_bytes(model: nn.Module, rank: int, tp_size: int) -> int:

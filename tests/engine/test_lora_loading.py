@@ -4,6 +4,7 @@ name loaded again with other weights, the tensor-parallel ranks' slices, and wha
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from splitserve.engine.config import ConfigError
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.lora_loading import AdapterNotLoaded, NoAdapterSlot
+from splitserve.engine.model.lora import LoraWeights
 from splitserve.engine.policies import ScheduledSeq
 from splitserve.engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import ENGINE_ARGS, NEW_TOKENS, generation_prompts, hf_greedy, hf_logits, prompt_ids
@@ -167,6 +169,25 @@ def test_a_load_refuses_what_it_cannot_serve_and_changes_nothing(adapted, tmp_pa
     assert engine.lora_names == ("attn",)
     engine.load_lora("mlp", dirs["mlp"])  # the refused loads took no slot
     assert engine.lora_names == ("attn", "mlp")
+
+
+@KINDS
+def test_a_load_that_would_leave_host_memory_short_is_refused_and_changes_nothing(adapted, monkeypatch):
+    from splitserve.engine import lora_loading
+
+    path, dirs, _, _ = adapted
+    engine = LLMEngine(path, max_loras=1, max_cpu_loras=2, **RUN_TIME)
+    file_bytes = (Path(dirs["all"]) / "adapter_model.safetensors").stat().st_size
+    packed = sum(w.a[0].nbytes + w.b[0].nbytes for w in engine.runner.model.modules() if isinstance(w, LoraWeights))
+    need = 4 * file_bytes + packed
+    enough = lora_loading.HOST_HEADROOM_BYTES + need
+    monkeypatch.setattr(lora_loading, "free_bytes", lambda device: enough - 1)
+    with pytest.raises(NoAdapterSlot, match=f"loading adapter 'all' takes up to {need} bytes of host memory"):
+        engine.load_lora("all", dirs["all"])
+    assert engine.lora_names == () and not engine.runner.model.lora_slots.host.adapters
+    monkeypatch.setattr(lora_loading, "free_bytes", lambda device: enough)
+    engine.load_lora("all", dirs["all"])
+    assert engine.lora_names == ("all",)
 
 
 def test_max_loras_is_bounded_and_holds_the_lora_modules():
