@@ -6,13 +6,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from splitserve.engine import lora_loading
+from splitserve.engine.lora_loading import EngineAdapters
 from splitserve.engine.bad_words import BadWords
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.in_flight import InFlight, drain
-from splitserve.engine.lora_residency import AdapterResidency
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from splitserve.engine.policies import Plan, make_policy
 from splitserve.engine.prefix_hash import sequence_root
@@ -82,9 +81,8 @@ class LLMEngine:
                                           self.kv_cache.groups.windows)
         limits = config.scheduler_limits(self.max_model_len)
         self.policy = make_policy(config.policy, self.block_manager, limits)
-        slots = self.runner.model.lora_slots
-        if slots.capacity:
-            self.policy.adapters = AdapterResidency(slots.identity, self._write_slot, config.max_num_seqs)
+        self.adapters = EngineAdapters(self.runner.model, self.tp_leader, self._adapters_in_use, config.max_num_seqs)
+        self.policy.adapters = self.adapters.residency
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -148,30 +146,21 @@ class LLMEngine:
     @property
     def lora_names(self) -> tuple[str, ...]:
         """The LoRA adapters a request may name (`SamplingParams.lora`), in load order."""
-        return tuple(self.runner.model.lora_slots.host.names)
+        return tuple(self.adapters.identities)
 
     @property
     def lora_identities(self) -> dict[str, str]:
         """Each adapter a request may name -> its identity (what its prefix-cache blocks chain from)."""
-        return dict(self.runner.model.lora_slots.host.names)
+        return self.adapters.identities
 
     def load_lora(self, name: str, path: str) -> str:
         """Load the PEFT adapter at `path` as `name` into host memory, between steps (`max_loras` > 0);
-        its identity (what its prefix-cache blocks chain from). See `lora_loading.load` for what it raises."""
-        return lora_loading.load(self.runner.model, name, path, self._adapters_in_use(), self.policy.adapters,
-                                 self.tp_leader)
+        its identity (what its prefix-cache blocks chain from). See `EngineAdapters.load` for what it raises."""
+        return self.adapters.load(name, path)
 
     def unload_lora(self, name: str) -> None:
         """No new request may name `name`; those under it finish (AdapterNotLoaded if none is loaded)."""
-        lora_loading.unload(self.runner.model, name, self._adapters_in_use(), self.policy.adapters, self.tp_leader)
-
-    @property
-    def lora_swaps(self) -> int:
-        """LoRA adapters copied into a device slot from host memory so far (`max_cpu_loras`)."""
-        return 0 if self.policy.adapters is None else self.policy.adapters.swaps
-
-    def _write_slot(self, slot: int, identity: str) -> None:
-        lora_loading.write_slot(self.runner.model, slot, identity, self.tp_leader)
+        self.adapters.unload(name)
 
     def _adapters_in_use(self) -> set[str]:
         return {r.seq.adapter_identity for r in self._requests.values() if r.seq.adapter_identity is not None}
@@ -338,15 +327,8 @@ class LLMEngine:
                              f"a request's priority must be 0, got {params.priority}")
         if params.constraint is not None:
             self.sampler.grammar.check(params.constraint)
-        if params.lora is not None and params.lora not in self.lora_names:
-            raise ValueError(f"lora: no adapter named {params.lora!r} is loaded (loaded: "
-                             f"{', '.join(self.lora_names) or 'none'})")
-        if params.lora_identity is not None and self.lora_identities[params.lora] != params.lora_identity:
-            raise ValueError(f"lora: the adapter named {params.lora!r} here is not the one the request was placed "
-                             "under (it was loaded again meanwhile)")
-        identity = None if params.lora is None else self.lora_identities[params.lora]
         seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                       self.eos_token_ids, adapter_identity=identity,
+                       self.eos_token_ids, adapter_identity=self.adapters.identity_of(params),
                        bad_words=BadWords.of(params.bad_words, self.tokenizer))
         detokenizer = Detokenizer(self.tokenizer, params, token_ids) if params.detokenize else None
         return _Request(seq, text, detokenizer, logprobs=[] if params.logprobs is not None else None)

@@ -27,7 +27,7 @@ from splitserve.engine.sequence import Sequence
 
 class AdapterResidency:
     """Over `identity` (per slot: the adapter it holds, None: empty), with `write(slot, identity)`
-    putting an adapter from host memory into a slot."""
+    putting an adapter from host memory into a slot, which `identity` then names."""
 
     def __init__(self, identity: list[str | None], write: Callable[[int, str], None], patience: int):
         self.identity, self.write, self.patience = identity, write, patience
@@ -65,7 +65,6 @@ class AdapterResidency:
             if slot is None:
                 raise RuntimeError(f"no adapter slot is free for {seq.seq_id!r} (admitted without `ready`)")
             self.write(slot, identity)
-            self.identity[slot] = identity
             self.swaps += 1
         if self.claim is not None and self.claim[1] == identity:
             self.claim = None

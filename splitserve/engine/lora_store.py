@@ -23,10 +23,6 @@ class PackedAdapter:
     identity: str
     weights: dict  # LoraWeights -> tuple[torch.Tensor, torch.Tensor] | None
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.weights.values() if pair for t in pair)
-
 
 class HostAdapters:
     """At most `capacity` adapters, by identity; `names`: those a new request may name."""

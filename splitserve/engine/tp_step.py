@@ -48,6 +48,11 @@ class TPLeader:
         """Queue a command for `rank` (>= 1); it goes out with the next round."""
         self._commands[rank - 1].append(command)
 
+    def post_all(self, command: object) -> None:
+        """Queue `command` for every other rank."""
+        for rank in range(1, self.group.size):
+            self.post(rank, command)
+
     @property
     def has_commands(self) -> bool:
         return any(self._commands)

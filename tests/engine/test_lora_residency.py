@@ -20,8 +20,11 @@ class Slots:
     def __init__(self, n: int, held: tuple[str | None, ...] = (), patience: int = 0):
         self.identity = list(held) + [None] * (n - len(held))
         self.writes: list[tuple[int, str]] = []
-        self.residency = AdapterResidency(self.identity, lambda slot, identity: self.writes.append((slot, identity)),
-                                          patience)
+        self.residency = AdapterResidency(self.identity, self.write, patience)
+
+    def write(self, slot: int, identity: str) -> None:
+        self.writes.append((slot, identity))
+        self.identity[slot] = identity
 
 
 def under(seq_id: str, adapter: str | None, at: int = 0, **params):
