@@ -72,7 +72,7 @@ class Controller:
         self.app_name = app_name  # worker actors are named `<app>-<worker id>`
         self._start_on_call = start_on_call
         self.state = ClusterState(self.config.scheduler.policy, self.config.scheduler.thresholds(),
-                                  self.config.prefix_options())
+                                  self.config.prefix_options(), self.config.adapter_options())
         self.workers = WorkerRegistry()
         slo = self.config.slo
         self.metrics = ClusterMetrics(self.config.model_name, SLOBounds(slo.ttft_s, slo.tbt_s, slo.e2e_s),
@@ -206,6 +206,8 @@ class Controller:
                                      "requests")
         if not (self._ready and self.state.workers):
             raise ClusterUnavailable("no worker is ready yet (the cluster is starting, or replacing its workers)")
+        if identity is not None:
+            request = dataclasses.replace(request, lora=identity)
         placement, moves = self.state.place(request, time.monotonic(), exclude)
         self._placed.set()
         await self._apply(moves)

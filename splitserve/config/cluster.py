@@ -33,7 +33,7 @@ from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.model.sharding import check_shardable
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
-from splitserve.placement.state import PrefixOptions
+from splitserve.placement.state import AdapterOptions, PrefixOptions
 
 APP_IMPORT_PATH = "splitserve.cluster.app:build_app"
 MAX_MODEL_NAMES = 16  # aliases one cluster answers to
@@ -178,6 +178,12 @@ class ClusterConfig(StrictModel):
         return PrefixOptions(scheduler.prefix_aware and self.engine.enable_prefix_caching,
                              scheduler.prefill_saved_weight, scheduler.transfer_saved_weight,
                              scheduler.prefix_index_blocks)
+
+    def adapter_options(self) -> AdapterOptions:
+        """LoRA-aware placement's settings; it acts only where the engines hold adapter slots."""
+        scheduler = self.scheduler
+        return AdapterOptions(scheduler.lora_aware and self.engine.max_loras > 0, scheduler.lora_swap_share,
+                              scheduler.lora_wait_share)
 
     def prefix_block_size(self) -> int:
         """The block size requests name their prompts' blocks in to the CLS (the engines'); 0 when

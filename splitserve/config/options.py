@@ -261,6 +261,17 @@ class SchedulerOptions(StrictModel):
                                         "saves exactly.")
     transfer_saved_weight: float = Field(1.0, ge=0, description="Token-queue tokens one cached prompt token saves on "
                                          "a token worker: the KV it need not receive.")
+    lora_aware: bool = Field(True, description="jsq and splitwise weigh which LoRA adapters each worker's slots hold "
+                             "(engine.max_loras): a worker whose slots do not hold a request's adapter counts as more "
+                             "loaded, within the same eligibility and thresholds, so each adapter's requests gather "
+                             "on the workers holding it (fewer swaps and waits when engine.max_cpu_loras serves more "
+                             "adapters than slots). false: placement blind to adapters.")
+    lora_swap_share: float = Field(0.05, ge=0, description="What a worker with an idle adapter slot (it copies the "
+                                   "adapter in from host memory, evicting another) counts as more loaded, as a "
+                                   "share of mixed_prompt_tokens on the prompt side and of mixed_decode_tokens on "
+                                   "the token side.")
+    lora_wait_share: float = Field(1.0, ge=0, description="The same for a worker whose slots are all busy with other "
+                                   "adapters' sequences: the request waits there for one.")
     prefix_index_blocks: int = Field(1 << 18, ge=1, description="Most (worker, KV block) entries the CLS's prefix "
                                      "index keeps: each worker gets an equal share (at most its KV blocks); past it, "
                                      "its least recently placed or reported blocks are forgotten, a prefix's tail "

@@ -81,6 +81,15 @@ class AdapterResidency:
             self.bound[seq.adapter_slot] -= 1
             seq.adapter_slot = NO_ADAPTER
 
+    def resident(self) -> tuple[str, ...]:
+        """The adapters the slots hold."""
+        return tuple(identity for identity in self.identity if identity is not None)
+
+    def idle_slots(self) -> int:
+        """Slots no sequence is bound to, but a claimed one: each can take another adapter at once."""
+        return sum(1 for slot, count in enumerate(self.bound)
+                   if count == 0 and (self.claim is None or self.claim[0] != slot))
+
     def lapse_claim(self, waiting: Iterable[Sequence]) -> None:
         """Drop the claim if no waiting sequence names its adapter (one left the queue unadmitted)."""
         named = {seq.adapter_identity for seq in waiting}

@@ -82,7 +82,7 @@ def combined_load(worker: WorkerState, thresholds: PlacementThresholds, saved_pr
     """Load of a worker running whole requests: each queue as a fraction of its overflow threshold,
     summed. A decode token of context costs far less than a prompt token to compute (65536 vs 2048
     by default), so raw token counts would let the decode side swamp the prompt side. `saved_*`:
-    what a request's cached prefix saves there, off each queue (saved_work.py)."""
+    what a request's cached prefix saves there, off each queue (affinity.py)."""
     return ((worker.prompt_queue() - saved_prompt) / thresholds.mixed_prompt_tokens
             + (worker.token_queue() - saved_token) / thresholds.mixed_decode_tokens)
 

@@ -1,17 +1,19 @@
-"""The cluster-level scheduler's state: every worker's last report, what was placed on it since, the
-pools, and the index of their prefix caches; placement and rebalancing go through the chosen policy."""
+"""The cluster-level scheduler's state: every worker's last report (its LoRA adapter slots too), what
+was placed on it since, the pools, and the index of their prefix caches; placement and rebalancing
+go through the chosen policy."""
 from __future__ import annotations
 
 import dataclasses
 from bisect import insort
 from collections.abc import Collection
 
+from splitserve.placement.affinity import Affinity
 from splitserve.placement.base import PlacementPolicy, can_decode, can_prompt, can_run_whole, combined_load
 from splitserve.placement.hardware import HardwareProfile, hardware_profile
 from splitserve.placement.prefix_index import PrefixIndex
 from splitserve.placement.registry import make_placement_policy
-from splitserve.placement.saved_work import SavedWork
 from splitserve.placement.state import (
+    AdapterOptions,
     Placement,
     PlacementRequest,
     PlacementThresholds,
@@ -39,7 +41,8 @@ class ClusterState:
     """
 
     def __init__(self, policy: str | PlacementPolicy = "splitwise",
-                 thresholds: PlacementThresholds = PlacementThresholds(), prefix: PrefixOptions = PrefixOptions()):
+                 thresholds: PlacementThresholds = PlacementThresholds(), prefix: PrefixOptions = PrefixOptions(),
+                 adapters: AdapterOptions = AdapterOptions()):
         self.policy = make_placement_policy(policy) if isinstance(policy, str) else policy
         if not isinstance(self.policy, PlacementPolicy):
             raise ValueError(f"policy must be a policy name or a PlacementPolicy, got {policy!r}")
@@ -47,7 +50,9 @@ class ClusterState:
             raise ValueError(f"thresholds must be a PlacementThresholds, got {thresholds!r}")
         if not isinstance(prefix, PrefixOptions):
             raise ValueError(f"prefix must be a PrefixOptions, got {prefix!r}")
-        self.thresholds, self.prefix = thresholds, prefix
+        if not isinstance(adapters, AdapterOptions):
+            raise ValueError(f"adapters must be an AdapterOptions, got {adapters!r}")
+        self.thresholds, self.prefix, self.adapters = thresholds, prefix, adapters
         self.prefix_index = PrefixIndex(prefix.max_index_blocks)
         self.workers: dict[str, WorkerState] = {}
         self._members: dict[Role, list[WorkerState]] = {role: [] for role in Role}
@@ -95,7 +100,7 @@ class ClusterState:
             self.prefix_index.apply(worker_id, prefix)
         worker.load = load
         worker.placed_prompt_tokens = worker.placed_decode_tokens = worker.placed_kv_tokens = 0
-        worker.reported_at = now
+        worker.placed_adapters, worker.reported_at = (), now
         return self._apply_all(self.policy.rebalance(self, now, worker), now)
 
     def idle(self) -> bool:
@@ -116,12 +121,16 @@ class ClusterState:
             placement, moves = choose(self, request, now, excluded)
         self._apply_all(moves, now)
         if placement is not None:
-            # Until their next reports, the chosen workers' queues count this request, and the
-            # prefix index counts its prompt's blocks as theirs.
-            self._worker(placement.prompt_worker).placed_prompt_tokens += request.num_prompt_tokens
+            # Until their next reports, the chosen workers' queues count this request, their slots
+            # its adapter, and the prefix index counts its prompt's blocks as theirs.
+            prompt = self._worker(placement.prompt_worker)
+            prompt.placed_prompt_tokens += request.num_prompt_tokens
             token, decode_tokens = self._worker(placement.token_worker), request.num_prompt_tokens + request.max_tokens
             token.placed_decode_tokens += decode_tokens
             token.placed_kv_tokens += token.load.kv_tokens(decode_tokens)
+            for worker in {prompt.worker_id: prompt, token.worker_id: token}.values():
+                if worker.adapter_wait(request.lora):
+                    worker.placed_adapters += (request.lora,)
             if request.prefix_hashes and self.prefix.aware:
                 self.prefix_index.placed(placement.prompt_worker, request.prefix_hashes)
                 if placement.token_worker != placement.prompt_worker:
@@ -135,13 +144,18 @@ class ClusterState:
         return any(worker.prompt_queue() < bound
                    for role in (Role.PROMPT, Role.MIXED) for worker in self._members[role])
 
-    def saved_work(self, request: PlacementRequest) -> SavedWork | None:
-        """What the request's cached prefix saves on the workers holding it; None when nothing
-        (no hashes, prefix-aware placement off, or no worker holds its first block): blind placement."""
-        if not request.prefix_hashes or not self.prefix.aware or self.prefix_index.empty:
+    def affinity(self, request: PlacementRequest) -> Affinity | None:
+        """What the request's cached prefix saves on the workers holding it, and what its adapter
+        costs where no slot holds it; None when neither applies (no cached prefix: no hashes,
+        prefix-aware placement off, or no worker holds its first block; no adapter, or
+        adapter-aware placement off): blind placement."""
+        lora = request.lora if self.adapters.aware else None
+        cached = {}
+        if request.prefix_hashes and self.prefix.aware and not self.prefix_index.empty:
+            cached = self.prefix_index.cached_tokens(request.prefix_hashes)
+        if not cached and lora is None:
             return None
-        cached = self.prefix_index.cached_tokens(request.prefix_hashes)
-        return SavedWork(cached, self.prefix) if cached else None
+        return Affinity(cached, self.prefix, self.thresholds, lora, self.adapters)
 
     def _followed(self, request: PlacementRequest, exclude: frozenset[str]) -> Placement | None:
         """The followed placement, if both its workers are still here and qualify (as one running
@@ -197,7 +211,7 @@ class ClusterState:
             "home": worker.home.value, "pool": worker.pool.value, "hardware": worker.hardware.name,
             **dataclasses.asdict(worker.load),
             "placed_prompt_tokens": worker.placed_prompt_tokens, "placed_decode_tokens": worker.placed_decode_tokens,
-            "placed_kv_tokens": worker.placed_kv_tokens,
+            "placed_kv_tokens": worker.placed_kv_tokens, "placed_adapters": list(worker.placed_adapters),
             "prompt_queue": worker.prompt_queue(), "token_queue": worker.token_queue(),
             "combined_load": combined_load(worker, self.thresholds),
             "mixed_since": worker.mixed_since, "reported_at": worker.reported_at,

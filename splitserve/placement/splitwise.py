@@ -11,8 +11,9 @@ the mixed pool to decode. A move may take a pool's last worker: a guest still do
 work with mixed batching, and an empty pool's requests overflow to the mixed pool. With no overflow target,
 an over-threshold (but eligible) JSQ choice still serves; with no candidate at all, nothing does.
 Mixed workers are picked by `base.combined_load`, since they batch prompts and decodes together.
-Every choice weighs what a worker's cached prefix of the request saves (saved_work.py), within the
-same thresholds: a holder over a threshold the blind choice is under is not preferred.
+Every choice weighs what a worker's cached prefix of the request saves and what its LoRA adapter
+costs where no slot holds it (affinity.py), within the same thresholds: a worker over a threshold
+the blind choice is under is not preferred.
 
 Rebalance (every report, of the reporting worker): a guest in the mixed pool goes home once it has no
 work of the kind its home pool does not do. One that has stayed mixed for `repurpose_after_s` changes
@@ -27,10 +28,10 @@ from typing import TYPE_CHECKING
 
 from splitserve.placement.base import Decision, least_prompt_queue, least_token_queue, mixed_only, run_whole_on
 from splitserve.placement.jsq import JSQPolicy
-from splitserve.placement.saved_work import (
-    SavedWork,
-    least_loaded_saving,
-    prefer_cached_token,
+from splitserve.placement.affinity import (
+    Affinity,
+    least_loaded_affine,
+    prefer_affine_token,
 )
 from splitserve.placement.state import Placement, PlacementRequest, PoolMove, Role, WorkerState
 
@@ -56,19 +57,19 @@ class SplitwisePolicy(JSQPolicy):
         self._last_repurpose_at = -math.inf
 
     def _split(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str]) -> Decision:
-        thresholds, saved = state.thresholds, state.saved_work(request)
-        prompt = self._prompt_worker(state, exclude, saved, cap=thresholds.mixed_prompt_tokens)
+        thresholds, affinity = state.thresholds, state.affinity(request)
+        prompt = self._prompt_worker(state, exclude, affinity, cap=thresholds.mixed_prompt_tokens)
         if prompt is None or prompt.prompt_queue() > thresholds.mixed_prompt_tokens:
-            overflow = self._overflow_prompt(state, request, exclude, saved)
+            overflow = self._overflow_prompt(state, request, exclude, affinity)
             if overflow is not None or prompt is None:
                 return overflow or (None, [])
         token = least_token_queue(state.members(Role.TOKEN), thresholds, request, exclude)
         if token is None or token.token_queue() > thresholds.mixed_decode_tokens:
-            overflow = self._overflow_token(state, request, exclude, prompt, saved)
+            overflow = self._overflow_token(state, request, exclude, prompt, affinity)
             if overflow is not None or token is None:
                 return overflow or (None, [])
-        elif saved is not None:
-            token = prefer_cached_token(state, token, saved, request, exclude, cap=thresholds.mixed_decode_tokens)
+        elif affinity is not None:
+            token = prefer_affine_token(state, token, affinity, request, exclude, cap=thresholds.mixed_decode_tokens)
         return Placement(prompt.worker_id, token.worker_id), []
 
     def choose_prompt_only(self, state: ClusterState, request: PlacementRequest, now: float,
@@ -78,10 +79,10 @@ class SplitwisePolicy(JSQPolicy):
         with none (its pool empty or full) the mixed worker with the least prompt queue."""
         if mixed_only(state):
             return self.choose(state, request, now, exclude)
-        thresholds, saved = state.thresholds, state.saved_work(request)
-        prompt = self._prompt_worker(state, exclude, saved, cap=thresholds.mixed_prompt_tokens)
+        thresholds, affinity = state.thresholds, state.affinity(request)
+        prompt = self._prompt_worker(state, exclude, affinity, cap=thresholds.mixed_prompt_tokens)
         if prompt is None or prompt.prompt_queue() > thresholds.mixed_prompt_tokens:
-            overflow = self._overflow_prompt(state, request, exclude, saved)
+            overflow = self._overflow_prompt(state, request, exclude, affinity)
             if overflow is not None:
                 return overflow
         if prompt is None:
@@ -89,28 +90,28 @@ class SplitwisePolicy(JSQPolicy):
         return run_whole_on(prompt)
 
     def _overflow_prompt(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str],
-                         saved: SavedWork | None) -> Decision | None:
+                         affinity: Affinity | None) -> Decision | None:
         """The whole request on a mixed worker (moving a token worker in if needed), or None."""
-        mixed = least_loaded_saving(state, Role.MIXED, request, exclude, saved,
+        mixed = least_loaded_affine(state, Role.MIXED, request, exclude, affinity,
                                     prompt_cap=state.thresholds.mixed_prompt_tokens)
         if mixed is not None:
             return run_whole_on(mixed)
         # Even a pool's last worker may move: in the mixed pool it still does its home pool's work,
         # and an empty pool's work overflows to the mixed pool.
-        guest = least_loaded_saving(state, Role.TOKEN, request, exclude, saved)
+        guest = least_loaded_affine(state, Role.TOKEN, request, exclude, affinity)
         if guest is None:
             return None
         move = PoolMove(guest.worker_id, Role.MIXED, "prompt queues over mixed_prompt_tokens")
         return Placement(guest.worker_id, guest.worker_id), [move]
 
     def _overflow_token(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str],
-                        prompt: WorkerState, saved: SavedWork | None) -> Decision | None:
+                        prompt: WorkerState, affinity: Affinity | None) -> Decision | None:
         """Decode on a mixed worker (moving a prompt worker in if needed), or None."""
-        mixed = least_loaded_saving(state, Role.MIXED, request, exclude, saved, decode_only=True,
+        mixed = least_loaded_affine(state, Role.MIXED, request, exclude, affinity, decode_only=True,
                                     token_cap=state.thresholds.mixed_decode_tokens)
         if mixed is not None:
             return Placement(prompt.worker_id, mixed.worker_id), []
-        guest = least_loaded_saving(state, Role.PROMPT, request, exclude, saved, decode_only=True)
+        guest = least_loaded_affine(state, Role.PROMPT, request, exclude, affinity, decode_only=True)
         if guest is None:
             return None
         move = PoolMove(guest.worker_id, Role.MIXED, "token queues over mixed_decode_tokens")

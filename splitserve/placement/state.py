@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from splitserve.placement.hardware import HardwareProfile
 
 MAX_PREFIX_BLOCKS = 2048  # block hashes a request names at most (its first ones: still a chain)
+MAX_ADAPTER_SLOTS = 64  # LoRA adapter slots a worker reports at most (EngineConfig.max_loras' bound)
+MAX_IDENTITY_CHARS = 256  # the longest adapter identity a request or report names
 # placements a request gets while the token workers chosen refuse its reservation (the CLS placed
 # by load reports the decodes since have outgrown): each excludes the ones before, then a 429
 REFUSED_TRIES = 3
@@ -26,6 +28,10 @@ def _require_non_negative_ints(obj: object, names: tuple[str, ...]) -> None:
         value = getattr(obj, name)
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+def _is_identity(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_IDENTITY_CHARS
 
 
 def _require_hashes(obj: object, name: str, limit: int) -> None:
@@ -54,11 +60,23 @@ class WorkerLoad:
     kv_full_groups: int = 1
     kv_window_tokens: int = 0
     kv_growth_tokens: int = 0  # what the full groups of the sequences decoding here take to their max_tokens
+    # Its LoRA adapter slots (engine/lora_residency.py): how many (0: none), the adapters they hold,
+    # and how many no sequence is bound to (an adapter not held takes one of those without waiting).
+    lora_slots: int = 0
+    lora_resident: tuple[str, ...] = ()
+    lora_idle_slots: int = 0
 
     def __post_init__(self) -> None:
         _require_non_negative_ints(self, ("pending_prompt_tokens", "decode_tokens", "num_decoding", "num_waiting",
                                           "num_preempted", "free_kv_tokens", "total_kv_tokens", "kv_full_groups",
-                                          "kv_window_tokens", "kv_growth_tokens"))
+                                          "kv_window_tokens", "kv_growth_tokens", "lora_slots", "lora_idle_slots"))
+        if self.lora_slots > MAX_ADAPTER_SLOTS or self.lora_idle_slots > self.lora_slots:
+            raise ValueError(f"lora_slots must be at most {MAX_ADAPTER_SLOTS} and lora_idle_slots at most lora_slots, "
+                             f"got {self.lora_slots} and {self.lora_idle_slots}")
+        if (not isinstance(self.lora_resident, tuple) or len(self.lora_resident) > self.lora_slots
+                or not all(_is_identity(identity) for identity in self.lora_resident)):
+            raise ValueError(f"lora_resident must be a tuple of at most lora_slots={self.lora_slots} adapter "
+                             f"identities, got {self.lora_resident!r:.200}")
         if not isinstance(self.kv_groups, int) or not 1 <= self.kv_groups or self.kv_full_groups > self.kv_groups:
             raise ValueError(f"kv_groups must be an integer >= 1 and >= kv_full_groups={self.kv_full_groups}, "
                              f"got {self.kv_groups!r}")
@@ -98,10 +116,14 @@ class PlacementRequest:
     # (engine/prefix_hash.py: prompt_block_hashes), for prefix-aware placement; () names none
     prefix_hashes: tuple[int, ...] = ()
     priority: int = 0  # SamplingParams.priority: above 0, background work (`PlacementThresholds.background_share`)
+    lora: str | None = None  # the identity of the LoRA adapter it runs under (None: the base model)
 
     def __post_init__(self) -> None:
         if not self.request_id:
             raise ValueError("request_id must be a non-empty string")
+        if self.lora is not None and not _is_identity(self.lora):
+            raise ValueError(f"lora must be None or an adapter identity of 1 to {MAX_IDENTITY_CHARS} characters, "
+                             f"got {self.lora!r:.80}")
         if not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if not isinstance(self.num_prompt_tokens, int) or self.num_prompt_tokens < 1:
@@ -164,7 +186,7 @@ class PlacementThresholds:
 
 @dataclass(frozen=True)
 class PrefixOptions:
-    """Prefix-aware placement (`saved_work.py`): a worker's queue, less the work its cached prefix
+    """Prefix-aware placement (`affinity.py`): a worker's queue, less the work its cached prefix
     of the request saves. Weights are per cached prompt token."""
 
     aware: bool = True  # False: placement blind to prefix caches
@@ -181,6 +203,28 @@ class PrefixOptions:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.max_index_blocks, int) or self.max_index_blocks < 1:
             raise ValueError(f"max_index_blocks must be an integer >= 1, got {self.max_index_blocks!r}")
+
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """LoRA-aware placement (`affinity.py`): a worker that does not hold a request's adapter in a
+    slot counts as more loaded, by a share of each overflow threshold (`mixed_prompt_tokens` on the
+    prompt side, `mixed_decode_tokens` on the token side, 1 = the whole threshold, in
+    `base.combined_load` for a worker running it whole): `swap_share` where a slot no sequence is
+    bound to takes it (a copy from host memory, and the adapter it evicts), `wait_share` where every
+    slot is busy with other adapters (the request waits for one)."""
+
+    aware: bool = True  # False: placement blind to adapter slots
+    swap_share: float = 0.05
+    wait_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.aware, bool):
+            raise ValueError(f"aware must be a bool, got {self.aware!r}")
+        for name in ("swap_share", "wait_share"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -217,6 +261,16 @@ class WorkerState:
     placed_kv_tokens: int = 0  # the KV (load.kv_tokens) of the sequences placed_decode_tokens counts
     mixed_since: float | None = None  # when it entered the mixed pool as a guest (None: not a guest there)
     reported_at: float = 0.0  # time of its last report (or of joining)
+    placed_adapters: tuple[str, ...] = ()  # adapters not in a slot by its last report, placed here since
+
+    def adapter_wait(self, identity: str | None) -> int:
+        """What running under adapter `identity` here needs: 0 nothing (it is in a slot, or placed
+        here since the report; or no adapter, or no slots reported), 1 a swap into an idle slot,
+        2 a wait for a slot (every one bound to other adapters' sequences, or taken by those placed since)."""
+        load = self.load
+        if identity is None or not load.lora_slots or identity in load.lora_resident or identity in self.placed_adapters:
+            return 0
+        return 1 if load.lora_idle_slots > len(self.placed_adapters) else 2
 
     def prompt_queue(self) -> float:
         return (self.load.pending_prompt_tokens + self.placed_prompt_tokens) / self.hardware.prompt_speed

@@ -23,7 +23,7 @@ from splitserve.config.options import WorkerResources
 from splitserve.engine.config import ConfigError
 from splitserve.engine.demo import demo_model_config
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
-from splitserve.placement.state import PrefixOptions
+from splitserve.placement.state import AdapterOptions, PrefixOptions
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DEPLOY_FILES = sorted(DEPLOY.glob("*.yaml"))
@@ -332,6 +332,18 @@ def test_prefix_aware_placement_settings_reach_the_placement():
     # requests name their prompts' blocks in the engines' block size, or none when it does not act
     assert config.prefix_block_size() == config.engine.block_size
     assert ClusterConfig.model_validate({"scheduler": {"prefix_aware": False}}).prefix_block_size() == 0
+
+
+def test_lora_aware_placement_settings_reach_the_placement_where_engines_hold_slots():
+    config = ClusterConfig.model_validate({"engine": {"max_loras": 2},
+                                           "scheduler": {"lora_swap_share": 0.2, "lora_wait_share": 3}})
+    assert config.adapter_options() == AdapterOptions(True, 0.2, 3)
+    assert ClusterConfig.model_validate({"engine": {"max_loras": 2}}).adapter_options() == AdapterOptions()
+    assert not ClusterConfig().adapter_options().aware  # no slots: nothing to weigh
+    assert not ClusterConfig.model_validate({"engine": {"max_loras": 2},
+                                             "scheduler": {"lora_aware": False}}).adapter_options().aware
+    with pytest.raises(ValueError, match="lora_wait_share"):
+        ClusterConfig.model_validate({"scheduler": {"lora_wait_share": -1}})
 
 
 def test_a_pool_whose_tensor_parallel_size_cannot_split_the_model_is_named():

@@ -9,8 +9,11 @@ import pytest
 
 from splitserve.engine.block_manager import BlockManager, OutOfBlocksError
 from splitserve.engine.policies import SchedulerLimits, make_policy
+from splitserve.placement.hardware import HARDWARE_CLASSES
 from splitserve.placement.load import load_of
+from splitserve.placement.state import Role, WorkerState
 from tests.engine.block_helpers import BS, make_seq, seq_range
+from tests.engine.test_lora_residency import Slots, under
 
 
 @pytest.mark.parametrize("windows", [(None,), (8,), (None, 8), (13, None), (None, 5, 5)])
@@ -83,3 +86,27 @@ def test_preempted_sequences_waiting_are_reported():
     assert (load_of(policy, blocks).num_waiting, load_of(policy, blocks).num_preempted) == (1, 0)
     policy.preempt(seq)
     assert (load_of(policy, blocks).num_waiting, load_of(policy, blocks).num_preempted) == (2, 1)
+
+
+def test_a_worker_reports_its_adapter_slots_as_its_scheduler_binds_them():
+    """What the slots hold and how many no sequence is bound to (a claimed one is not idle), and the
+    CLS's reading of it: an adapter held costs nothing, one an idle slot takes a swap, else a wait."""
+    blocks = BlockManager(100, BS)
+    policy = make_policy("mixed", blocks, SchedulerLimits())
+    assert (load_of(policy, blocks).lora_slots, load_of(policy, blocks).lora_resident) == (0, ())  # no slots
+    slots = Slots(2, ("a",))
+    policy.adapters = slots.residency
+    worker = WorkerState("w", Role.MIXED, HARDWARE_CLASSES["h100"], Role.MIXED, load_of(policy, blocks))
+    assert (worker.load.lora_slots, worker.load.lora_resident, worker.load.lora_idle_slots) == (2, ("a",), 2)
+    assert [worker.adapter_wait(a) for a in ("a", "b", None)] == [0, 1, 0]
+    policy.add(under("b1", "b"), False)
+    policy.add(under("a1", "a", at=1), False)
+    policy.schedule()
+    worker.load = load_of(policy, blocks)
+    assert (worker.load.lora_resident, worker.load.lora_idle_slots) == (("a", "b"), 0)
+    assert [worker.adapter_wait(a) for a in ("a", "b", "c")] == [0, 0, 2]
+    policy.add(under("c1", "c", at=2), False)
+    policy.schedule()  # c finds no slot and claims one (patience 0): it drains for c, idle for no one else
+    for seq in list(policy.running):
+        policy.finish(seq, "abort")
+    assert load_of(policy, blocks).lora_idle_slots == 1

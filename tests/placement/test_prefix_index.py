@@ -136,22 +136,22 @@ def test_the_cluster_state_feeds_the_index_from_reports_and_placements_only_when
     state.report("p0", WorkerLoad(), 1.0, delta(CHAIN[:4]))
     state.report("ghost", WorkerLoad(), 1.0, delta(CHAIN[:4]))  # a worker already gone: ignored
     hashed = PlacementRequest("r", 100, 8, prefix_hashes=CHAIN)
-    assert state.saved_work(hashed).cached == {"p0": 4 * BS}
-    assert state.saved_work(PlacementRequest("r", 100, 8)) is None
+    assert state.affinity(hashed).cached == {"p0": 4 * BS}
+    assert state.affinity(PlacementRequest("r", 100, 8)) is None
     assert state.snapshot()["workers"]["p0"]["prefix_blocks"] == 4
     state.report("t0", WorkerLoad(), 1.0, delta())
     state.place(hashed, 1.5)  # both chosen workers now count the whole chain as theirs
-    assert state.saved_work(hashed).cached == {"p0": 10 * BS, "t0": 10 * BS}
+    assert state.affinity(hashed).cached == {"p0": 10 * BS, "t0": 10 * BS}
     state.remove_worker("p0")
     state.remove_worker("t0")
-    assert state.prefix_index.empty and state.saved_work(hashed) is None
+    assert state.prefix_index.empty and state.affinity(hashed) is None
     state.check_integrity()
     blind = ClusterState("jsq", prefix=PrefixOptions(aware=False))
     blind.add_worker("p0", Role.PROMPT, "h100")
     blind.add_worker("t0", Role.TOKEN, "h100")
     blind.report("p0", WorkerLoad(), 1.0, delta(CHAIN[:4]))
     assert blind.place(hashed, 1.5)[0] is not None
-    assert blind.prefix_index.empty and blind.saved_work(hashed) is None
+    assert blind.prefix_index.empty and blind.affinity(hashed) is None
 
 
 @pytest.mark.parametrize("make, field", [
