@@ -49,6 +49,7 @@ class Sequence:
     export_from: tuple[int, ...] = ()
     adapter_identity: str | None = None  # the LoRA adapter it runs under (its identity: lora_adapter); None: none
     adapter_slot: int = -1  # the device slot holding it while it computes (lora_residency); -1: none
+    awaits_adapter_slot: bool = False  # preempted as its import landed with no slot for its adapter, until one is
     bad_words: BadWords | None = None  # params.bad_words in the engine's token ids (None: none)
 
     def __post_init__(self) -> None:

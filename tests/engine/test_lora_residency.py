@@ -27,10 +27,15 @@ class Slots:
         self.identity[slot] = identity
 
 
-def under(seq_id: str, adapter: str | None, at: int = 0, **params):
-    seq = make_seq(seq_id, 5, start=100 * at, **params)
+def under(seq_id: str, adapter: str | None, at: int = 0, length: int = 5, **params):
+    seq = make_seq(seq_id, length, start=100 * at, **params)
     seq.adapter_identity = adapter
     return seq
+
+
+def long_under(seq_id: str, adapter: str, at: int):
+    """Its import (and first token) takes 4 blocks."""
+    return under(seq_id, adapter, at, length=12, max_tokens=3)
 
 
 def test_a_held_adapter_binds_where_it_is_and_a_new_one_takes_an_empty_slot_then_the_least_recently_bound():
@@ -147,7 +152,7 @@ def test_a_prompt_worker_lets_go_of_the_slot_once_the_prompt_is_prefilled():
 def test_an_import_whose_adapter_finds_no_slot_waits_and_finds_its_kv_in_the_prefix_cache_when_it_runs():
     """A token worker reserves blocks for any import; one completing while every slot runs another
     adapter is preempted (it claims the slot), and admitted once the slot drains, its imported KV
-    a prefix-cache hit."""
+    a prefix-cache hit. Meanwhile the worker takes imports: it awaits a slot, not blocks."""
     p = make("token", max_num_seqs=8, prompt_chunk_tokens=64)
     p.adapters = Slots(1).residency
     a1, b1 = under("a1", "a", max_tokens=3), under("b1", "b", 1, max_tokens=3)
@@ -157,11 +162,32 @@ def test_an_import_whose_adapter_finds_no_slot_waits_and_finds_its_kv_in_the_pre
     p.complete_import("a1", 7)
     p.complete_import("b1", 7)
     assert a1.adapter_slot == 0 and b1.status is SequenceStatus.WAITING and p.adapters.claim == (0, "b")
-    with pytest.raises(EngineFullError, match="a preempted sequence waits"):
-        p.reserve_import(under("a2", "a", 2))
+    assert b1.awaits_adapter_slot and p.num_preempted_waiting == 0 and p.num_preemptions == 1
+    p.reserve_import(under("a2", "a", 2))
     p.check_integrity()
     while b1.status is SequenceStatus.WAITING:
         plan, _ = step(p)
     assert ("b1", 2) in shape(plan)  # its 6 tokens but the first block's 4, which its import left cached
-    assert b1.adapter_slot == 0 and p.adapters.identity == ["b"]
+    assert b1.adapter_slot == 0 and p.adapters.identity == ["b"] and not b1.awaits_adapter_slot
+    p.check_integrity()
+
+
+def test_an_import_awaiting_its_slot_then_waits_for_blocks_as_a_preempted_one():
+    """Once its adapter finds a slot, an import that awaited one and still finds no blocks holds
+    imports back as any preempted sequence does."""
+    p = make("token", max_num_seqs=8, num_blocks=6, prompt_chunk_tokens=64)
+    p.adapters = Slots(1).residency
+    a1, b1, a2 = under("a1", "a", max_tokens=3), long_under("b1", "b", 1), long_under("a2", "a", 2)
+    for seq in (a1, b1):
+        p.reserve_import(seq)  # 2 + 4 blocks
+    p.complete_import("a1", 7)
+    p.complete_import("b1", 7)
+    assert p.num_preempted_waiting == 0
+    p.reserve_import(a2)  # 4 blocks: b1's cached ones are evicted for them
+    a1.status = SequenceStatus.FINISHED
+    p.finish(a1, "length")
+    step(p)  # the slot drained: b1's adapter is ready, but a2 holds the blocks it needs
+    assert not b1.awaits_adapter_slot and b1.status is SequenceStatus.WAITING and p.num_preempted_waiting == 1
+    with pytest.raises(EngineFullError, match="a preempted sequence waits"):
+        p.reserve_import(under("a3", "a", 3))
     p.check_integrity()

@@ -160,8 +160,9 @@ class Policy(ABC):
 
     @property
     def num_preempted_waiting(self) -> int:
-        """Waiting sequences that were preempted: they go before any new import."""
-        return sum(1 for seq in self.waiting if seq.num_preemptions)
+        """Waiting sequences that were preempted: they go before any new import. One that awaits
+        a slot for its adapter, not blocks, does not (imports take none it waits for)."""
+        return sum(1 for seq in self.waiting if seq.num_preemptions and not seq.awaits_adapter_slot)
 
     def reserve_import(self, seq: Sequence, reuse_prefix: bool = False) -> list[list[int]]:
         """Reserve blocks for `seq.token_ids` before its KV arrives; returns the block tables. With
@@ -197,6 +198,7 @@ class Policy(ABC):
             self._bind_slot(seq)
         else:
             self.preempt(seq)
+            seq.awaits_adapter_slot = True
         return seq
 
     # ---- building blocks for schedule() --------------------------------------------------
@@ -219,10 +221,15 @@ class Policy(ABC):
         of them claims one); None when none is left."""
         if self.adapters is None:
             return self.waiting[0] if self.waiting else None
-        return next((seq for seq in self.waiting if self.adapters.ready(seq)), None)
+        return next((seq for seq in self.waiting if self._adapter_ready(seq)), None)
 
     def _adapter_ready(self, seq: Sequence) -> bool:
-        return self.adapters is None or self.adapters.ready(seq)
+        """Whether its adapter finds a slot (`AdapterResidency.ready`); once it does, a sequence
+        that awaited one waits for blocks like any preempted one."""
+        if self.adapters is None or not self.adapters.ready(seq):
+            return self.adapters is None
+        seq.awaits_adapter_slot = False
+        return True
 
     def _bind_slot(self, seq: Sequence) -> None:
         if self.adapters is not None:
