@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-fraction", type=float, default=1.0,
                    help="trace arrivals with prefix blocks (mooncake): replay this fraction of the conversations, "
                         "every turn of each, instead of consecutive rows")
+    p.add_argument("--adapters", default="", help="comma-separated LoRA adapters the requests name as their model "
+                   "(loaded on the server), each drawn by its rank's Zipf weight")
+    p.add_argument("--adapter-zipf", type=float, default=0.0, help="--adapters: the k-th is drawn with weight "
+                   "1 / (k + 1) ** this (0: uniform)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--api-key", default=None)
@@ -64,7 +68,12 @@ def workload_of(args) -> WorkloadSpec:
                         burstiness=args.burstiness, length_scale=args.length_scale,
                         max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                         fixed_prompt_tokens=args.prompt_tokens, fixed_output_tokens=args.output_tokens, seed=args.seed,
-                        session_fraction=args.session_fraction)
+                        session_fraction=args.session_fraction, adapters=adapter_names(args.adapters),
+                        adapter_zipf=args.adapter_zipf)
+
+
+def adapter_names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def slo_of(args) -> SLOSpec | None:

@@ -21,6 +21,7 @@ __all__ = ["ARRIVALS", "TRACE_FILES", "RequestSpec", "TraceData", "WorkloadSpec"
            "resolved_arrivals", "trace_stats"]
 
 ARRIVALS = ("poisson", "gamma", "trace")
+MAX_ADAPTERS = 1024  # adapters a workload names at most (engine.max_cpu_loras' bound)
 MAX_LENGTH = 2 ** 62  # the clip without a max_*_tokens: past any real length, and exact as a float and an int64
 
 
@@ -39,6 +40,7 @@ class RequestSpec:
     prefix_blocks: tuple[int, ...] = ()
     block_tokens: int = 0
     priority: int = 0  # sent as the request's `priority` where not 0 (priority scheduling)
+    adapter: str | None = None  # the LoRA adapter it names as its `model` (None: the served model)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class WorkloadSpec:
     start_row: int = 0                # "trace" arrivals: replay rows from here (a window of the real trace)
     session_fraction: float = 1.0     # "trace" arrivals with prefix blocks: keep each conversation (every turn)
                                       # with this probability (by the seed), then take the window of what is kept
+    adapters: tuple[str, ...] = ()    # LoRA adapters the requests name, each drawn by its rank's Zipf weight:
+    adapter_zipf: float = 0.0         # the k-th (from 0) with probability proportional to 1 / (k + 1) ** adapter_zipf
 
     def __post_init__(self):
         _require(self.num_requests >= 1, "num_requests", f"must be at least 1, got {self.num_requests}")
@@ -81,6 +85,11 @@ class WorkloadSpec:
         _require(self.start_row >= 0, "start_row", f"must be at least 0, got {self.start_row}")
         _require(0 < self.session_fraction <= 1, "session_fraction",
                  f"must be in (0, 1], got {self.session_fraction}")
+        _require(len(self.adapters) <= MAX_ADAPTERS and all(isinstance(a, str) and a for a in self.adapters)
+                 and len(set(self.adapters)) == len(self.adapters), "adapters",
+                 f"must be at most {MAX_ADAPTERS} distinct non-empty names, got {self.adapters!r:.200}")
+        _require(math.isfinite(self.adapter_zipf) and self.adapter_zipf >= 0, "adapter_zipf",
+                 f"must be a number >= 0, got {self.adapter_zipf}")
 
 
 def _require(ok: bool, field: str, problem: str) -> None:
@@ -107,8 +116,18 @@ def make_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     prompt = _scaled(trace.prompt_tokens[rows], spec, spec.max_prompt_tokens)
     output = _scaled(trace.output_tokens[rows], spec, spec.max_output_tokens)
     blocks, block_tokens = _prefix_blocks(trace, rows, spec)
-    return [RequestSpec(i, float(a), int(p), int(o), prefix_blocks=b, block_tokens=block_tokens)
-            for i, (a, p, o, b) in enumerate(zip(arrivals, prompt, output, blocks))]
+    adapters = _adapters(spec, len(rows))
+    return [RequestSpec(i, float(a), int(p), int(o), prefix_blocks=b, block_tokens=block_tokens, adapter=adapter)
+            for i, (a, p, o, b, adapter) in enumerate(zip(arrivals, prompt, output, blocks, adapters))]
+
+
+def _adapters(spec: WorkloadSpec, count: int) -> list[str | None]:
+    """Each request's adapter (a stream of its own, so naming adapters changes nothing else)."""
+    if not spec.adapters:
+        return [None] * count
+    weights = 1.0 / np.arange(1, len(spec.adapters) + 1) ** spec.adapter_zipf
+    picks = np.random.default_rng([spec.seed, 1]).choice(len(spec.adapters), size=count, p=weights / weights.sum())
+    return [spec.adapters[k] for k in picks]
 
 
 def resolved_arrivals(spec: WorkloadSpec, has_timestamps: bool) -> str:

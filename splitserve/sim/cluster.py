@@ -93,10 +93,14 @@ class Simulation:
             raise ValueError("requests must have distinct indexes")
         self.scenario = scenario
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.index))
-        self.caching = scenario.prefix_caching and any(r.prefix_blocks for r in self.requests)
+        if scenario.max_loras == 0 and any(r.adapter is not None for r in self.requests):
+            raise ValueError("requests name LoRA adapters, but the workers have no adapter slots: set max_loras")
+        # A prompt of tokens of its own is only cached where an import preempted for its adapter's
+        # slot is admitted again, as the engine's prefix cache keeps its KV for then.
+        self.caching = scenario.prefix_caching and any(r.prefix_blocks or r.adapter for r in self.requests)
         self.aware = self.caching and scenario.prefix.aware
         self.cls = ClusterState(scenario.placement, scenario.thresholds,
-                                scenario.prefix if self.caching else PrefixOptions(aware=False))
+                                scenario.prefix if self.caching else PrefixOptions(aware=False), scenario.adapters)
         self.records = SimRecords(self.requests)
         self.token_times: dict[str, list[float]] = {}  # requests in flight: when each token was sampled
         self._slots: dict[str, int] = {}  # requests in flight: their slots in `records`
@@ -131,7 +135,7 @@ class Simulation:
                 worker = SimWorker(worker_id, scenario.policy_for(pool.role), scenario.perf_models[pool.setup],
                                    scenario.num_blocks_of(pool), scenario.block_size, scenario.limits,
                                    self.token_times, scenario.overhead, lambda: self.now, self.caching,
-                                   scenario.kv_windows)
+                                   scenario.kv_windows, scenario.max_loras, scenario.lora_swap_s)
                 self.workers[worker_id], self._hardware_of[worker_id] = worker, pool.hardware
                 self.cls.add_worker(worker_id, pool.role, profiles[pool.setup], worker.load())
                 worker.changed = False
@@ -189,10 +193,11 @@ class Simulation:
         spec = self.requests[position]
         seq_id, slot = f"r{spec.index}", self.records.slot_of(spec.index)
         prompt = self._prompt_of(spec)
-        hashes = prompt_block_hashes(prompt, self.scenario.block_size, MAX_PREFIX_BLOCKS) if self.aware else ()
+        hashes = prompt_block_hashes(prompt, self.scenario.block_size, MAX_PREFIX_BLOCKS,
+                                     lora=spec.adapter) if self.aware else ()
         request, params, refused = PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens,
-                                                    prefix_hashes=hashes, priority=spec.priority), \
-            self._params_of(spec), {}
+                                                    prefix_hashes=hashes, priority=spec.priority,
+                                                    lora=spec.adapter), self._params_of(spec), {}
         starts: tuple[int, ...] = ()  # split: per KV layer group, the first position the token worker receives
         for tries in range(1, REFUSED_TRIES + 1):  # as the ingress does (cluster/dispatch.py)
             placement, moves = self.cls.place(request, self.now, refused)
@@ -206,6 +211,7 @@ class Simulation:
             if placement.local:
                 break
             imported = EngineSequence(seq_id, prompt, params, self.now)
+            imported.adapter_identity = spec.adapter
             try:
                 token_worker.reserve_import(imported, self.aware)
             except (EngineFullError, OutOfBlocksError) as error:  # its last report was stale
@@ -224,6 +230,7 @@ class Simulation:
             break
         self.token_times[seq_id], self._slots[seq_id] = [], slot
         seq = self._prefills[seq_id] = EngineSequence(seq_id, prompt, params, self.now)
+        seq.adapter_identity = spec.adapter
         seq.export_from = starts  # the prompt worker releases the windowed blocks its export never reads
         prompt_worker.add(seq, hand_off=not placement.local)
         self._wake_soon(prompt_worker)
@@ -382,4 +389,4 @@ class Simulation:
     def _worker_stats(self, worker: SimWorker, state: WorkerState) -> WorkerStats:
         return WorkerStats(worker.worker_id, self._hardware_of[worker.worker_id], state.home.value, state.pool.value,
                            worker.iterations, worker.busy_s, worker.num_prefills, self.pool_moves[worker.worker_id],
-                           worker.prefill_tokens)
+                           worker.prefill_tokens, worker.lora_swaps)

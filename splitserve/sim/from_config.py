@@ -74,7 +74,8 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
                     role_policies={role.value: engine.policy_for(role.value) for role in Role},
                     prefix_caching=engine.enable_prefix_caching, prefix=config.prefix_options(),
                     kv_windows=shape.kv_windows, kv_group_share=shape.kv_group_share,
-                    scheduling_policy=engine.scheduling_policy)
+                    scheduling_policy=engine.scheduling_policy, max_loras=engine.max_loras,
+                    adapters=config.adapter_options())
 
 
 def pool_spec(pool: PoolConfig, config: ClusterConfig, target: SimTarget) -> PoolSpec:

@@ -20,6 +20,7 @@ class WorkerStats:
     num_prefills: int  # first tokens sampled here
     pool_moves: int
     prefill_tokens: int  # prompt tokens computed here (cached ones are not)
+    lora_swaps: int = 0  # LoRA adapters written into a slot here (engine/lora_residency.py)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions, check_scheduling
 from splitserve.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
 from splitserve.placement.hardware import HardwareProfile
-from splitserve.placement.state import PrefixOptions
+from splitserve.placement.state import MAX_ADAPTER_SLOTS, AdapterOptions, PrefixOptions
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.transfer import TransferModel
 from splitserve.sim.worker import PerfModel
@@ -86,6 +86,12 @@ class Scenario:
     kv_windows: tuple[int | None, ...] = (None,)
     kv_group_share: float = 1.0
     scheduling_policy: str = "fcfs"  # or "priority": the engines order by RequestSpec.priority (EngineConfig's)
+    # LoRA adapters (`RequestSpec.adapter`): each worker's device slots (engine.max_loras; every
+    # adapter is in its host memory, as engine.max_cpu_loras allows), the seconds a swap into a slot
+    # adds to the iteration that makes it, and how placement weighs the slots
+    max_loras: int = 0
+    lora_swap_s: float = 0.0
+    adapters: AdapterOptions = AdapterOptions()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))
@@ -122,6 +128,10 @@ class Scenario:
                 raise ValueError(f"role_policies maps a pool ({', '.join(r.value for r in Role)}) to a policy "
                                  f"({', '.join(POLICY_CLASSES)}), got {role!r}: {policy!r}")
         check_scheduling(self.scheduling_policy, map(self.policy_for, Role))
+        if not isinstance(self.max_loras, int) or not 0 <= self.max_loras <= MAX_ADAPTER_SLOTS:
+            raise ValueError(f"max_loras must be an integer from 0 to {MAX_ADAPTER_SLOTS}, got {self.max_loras!r}")
+        if not (isinstance(self.lora_swap_s, (int, float)) and math.isfinite(self.lora_swap_s) and self.lora_swap_s >= 0):
+            raise ValueError(f"lora_swap_s must be a finite number >= 0, got {self.lora_swap_s!r}")
         if not (math.isfinite(self.report_interval_s) and self.report_interval_s > 0):
             raise ValueError(f"report_interval_s must be a finite number > 0, got {self.report_interval_s!r}")
 

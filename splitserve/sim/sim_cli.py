@@ -66,6 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(worker, block) entries the CLS's prefix index keeps at most (default: the scenario's)")
     p.add_argument("--session-fraction", type=float, default=1.0,
                    help="trace arrivals with prefix blocks (mooncake): this fraction of the conversations, as for bench")
+    p.add_argument("--num-adapters", type=int, default=0,
+                   help="requests run under this many LoRA adapters, drawn by --adapter-zipf (the workers need "
+                        "slots: --max-loras, or engine.max_loras in --config)")
+    p.add_argument("--adapter-zipf", type=float, default=0.0, help="the k-th adapter is drawn with weight "
+                                                                   "1 / (k + 1) ** this (0: uniform)")
+    p.add_argument("--max-loras", type=int, default=None, help="adapter slots per worker (default: the scenario's)")
+    p.add_argument("--lora-swap-ms", type=float, default=0.0, help="what writing an adapter into a slot adds to "
+                                                                     "the iteration that admits it")
+    p.add_argument("--lora-blind", action="store_true", help="place blind to which adapters the slots hold")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
     p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "
@@ -109,11 +118,16 @@ def run(args) -> dict:
         scenario = replace(scenario, prefix=replace(scenario.prefix, aware=False))
     if args.prefix_index_blocks is not None:
         scenario = replace(scenario, prefix=replace(scenario.prefix, max_index_blocks=args.prefix_index_blocks))
+    scenario = replace(scenario, lora_swap_s=args.lora_swap_ms / 1000,
+                       max_loras=scenario.max_loras if args.max_loras is None else args.max_loras,
+                       adapters=replace(scenario.adapters, aware=not args.lora_blind))
     requests = make_workload(WorkloadSpec(trace=args.trace, num_requests=num_requests(args), rate=args.rate,
                                           arrivals=args.arrivals, length_scale=args.length_scale, seed=args.seed,
                                           session_fraction=args.session_fraction,
                                           max_prompt_tokens=scenario.max_model_len // 2,
-                                          max_output_tokens=scenario.max_model_len // 2))
+                                          max_output_tokens=scenario.max_model_len // 2,
+                                          adapters=tuple(f"lora-{k}" for k in range(args.num_adapters)),
+                                          adapter_zipf=args.adapter_zipf))
     started = time.perf_counter()
     with tqdm(total=len(requests), desc="simulated", unit="req", disable=args.no_progress, leave=False) as bar:
         result = simulate(scenario, requests, args.seed, progress=lambda done, _: bar.update(done - bar.n))
@@ -122,7 +136,8 @@ def run(args) -> dict:
                "simulated_requests_per_wall_s": len(requests) / wall,
                "prefill_tokens_computed": sum(w.prefill_tokens for w in result.workers),
                "kv_tokens_sent": result.kv_tokens_sent, "kv_tokens_reused": result.kv_tokens_reused,
-               "placements_refused": result.placements_refused}
+               "placements_refused": result.placements_refused,
+               "lora_swaps": sum(w.lora_swaps for w in result.workers)}
     if args.out:
         out = Path(args.out)
         write_outputs(out, result.records, summary, f"simulated: {args.trace}")

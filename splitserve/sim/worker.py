@@ -5,7 +5,9 @@ An iteration is `policy.schedule()` at its start and `policy.complete_step()` at
 `LLMEngine.step` does; in between, simulated time passes (the performance model's estimate). Every
 request has a forced output length (max_tokens with ignore_eos), so every sampled token is the same
 non-EOS id. Token times go into a dict shared with the cluster, one list per request, since a
-request's tokens come from two workers when it is split.
+request's tokens come from two workers when it is split. With LoRA adapter slots, the engine's own
+residency binds sequences to them (`lora_residency`); each adapter it writes into a slot adds
+`lora_swap_s` to the iteration that admits it (the adapters' own compute is not modelled).
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.lora_residency import AdapterResidency
 from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
+from splitserve.engine.prefix_hash import sequence_root
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.placement.load import load_of
 from splitserve.placement.state import WorkerLoad
@@ -68,15 +72,20 @@ class SimWorker:
     def __init__(self, worker_id: str, policy: str, perf: PerfModel, num_blocks: int, block_size: int,
                  limits: SchedulerLimits, token_times: dict[str, list[float]],
                  overhead: ServingOverhead = NO_OVERHEAD, clock: Callable[[], float] = lambda: 0.0,
-                 prefix_caching: bool = False, windows: tuple[int | None, ...] = (None,)):
+                 prefix_caching: bool = False, windows: tuple[int | None, ...] = (None,), lora_slots: int = 0,
+                 lora_swap_s: float = 0.0):
         self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
         self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
         self.prefill_extra = overhead.prefill_scale - 1.0  # of a prefill's profiled time, added to it
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, windows=windows)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                                   root_of=sequence_root(None), windows=windows)
         if limits.slo.pivot_time_s is None:  # SLO-aware policies: the pivot's time from this worker's model
             pivot = limits.slo.pivot_tokens
             limits = replace(limits, slo=replace(limits.slo, pivot_time_s=perf.prefill_time(pivot)))
         self.policy = make_policy(policy, self.blocks, limits, clock)
+        if lora_slots:  # as the engine's (lora_loading.EngineAdapters): patience of a batch's worth
+            self.policy.adapters = AdapterResidency([None] * lora_slots, self._write_slot, limits.max_num_seqs)
+        self.lora_swap_s, self._swaps_unpaid = lora_swap_s, 0  # written into slots since an iteration paid for them
         self.plan: Plan | None = None  # the iteration in flight
         self.iterations = self.num_prefills = 0
         self.prefill_tokens = 0  # prompt tokens computed here (not taken from the prefix cache)
@@ -89,6 +98,14 @@ class SimWorker:
     @property
     def busy(self) -> bool:
         return self.plan is not None
+
+    @property
+    def lora_swaps(self) -> int:
+        return 0 if self.policy.adapters is None else self.policy.adapters.swaps
+
+    def _write_slot(self, slot: int, identity: str) -> None:
+        self.policy.adapters.identity[slot] = identity
+        self._swaps_unpaid += 1
 
     # ---- requests in and out -------------------------------------------------------------
     def add(self, seq: Sequence, hand_off: bool) -> None:
@@ -148,7 +165,8 @@ class SimWorker:
                     prefills.append(seq)
         self.sampling = decodes + len(prefills)
         duration = (self.perf.iteration_time(prefill, decodes, context, chunk_context) + self.iteration_overhead_s
-                    + self.token_overhead_s * self.sampling)
+                    + self.token_overhead_s * self.sampling + self.lora_swap_s * self._swaps_unpaid)
+        self._swaps_unpaid = 0
         if prefill and self.prefill_extra:
             duration += self.prefill_extra * self.perf.prefill_time(prefill)
         self.plan, self.iteration_s = plan, duration

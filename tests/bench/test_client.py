@@ -1,5 +1,5 @@
 """The load generator's request body: what a workload's request asks of the server (its length,
-forced output, and a priority where it has one), through a transport that keeps what was sent."""
+forced output, a priority where it has one, its LoRA adapter as its model), through a transport that keeps what was sent."""
 import asyncio
 import json
 
@@ -30,3 +30,8 @@ def test_a_request_sends_its_length_and_a_priority_only_where_it_has_one():
     assert len(plain["prompt"]) == 12 and plain["max_tokens"] == 5 and plain["ignore_eos"]
     assert "priority" not in plain
     assert sent_body(RequestSpec(1, 0.0, 12, 5, priority=1))["priority"] == 1
+
+
+def test_a_request_under_an_adapter_names_it_as_its_model():
+    assert sent_body(RequestSpec(0, 0.0, 12, 5))["model"] == "demo"
+    assert sent_body(RequestSpec(0, 0.0, 12, 5, adapter="sql-lora"))["model"] == "sql-lora"

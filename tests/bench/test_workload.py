@@ -1,3 +1,6 @@
+import collections
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -199,3 +202,25 @@ def test_spec_errors_name_the_field(field, value):
 def test_workloads_the_trace_cannot_give_fail(spec, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
         make_workload(spec)
+
+
+def test_adapters_are_drawn_by_zipf_rank_without_changing_the_rest_of_the_workload():
+    plain = make_workload(WorkloadSpec("conv", 4000, rate=5.0, seed=3))
+    names = tuple(f"lora-{k}" for k in range(8))
+    uniform = make_workload(WorkloadSpec("conv", 4000, rate=5.0, seed=3, adapters=names))
+    skewed = make_workload(WorkloadSpec("conv", 4000, rate=5.0, seed=3, adapters=names, adapter_zipf=1.5))
+    assert {r.adapter for r in plain} == {None}
+    for workload in (uniform, skewed):
+        assert [dataclasses.replace(r, adapter=None) for r in workload] == plain
+    counts = {name: [r.adapter for r in skewed].count(name) for name in names}
+    weights = 1 / np.arange(1, 9) ** 1.5
+    expected = 4000 * weights / weights.sum()
+    assert all(abs(counts[name] - e) < 5 * np.sqrt(e) for name, e in zip(names, expected))  # within 5 sigma
+    assert max(collections.Counter(r.adapter for r in uniform).values()) < 4000 / 8 * 1.2
+
+
+@pytest.mark.parametrize("bad", [dict(adapters=("a", "a")), dict(adapters=("",)), dict(adapter_zipf=-1.0),
+                                 dict(adapters=tuple(f"a{i}" for i in range(1025)))])
+def test_adapters_are_bounded_and_named(bad):
+    with pytest.raises(ValueError, match="adapter"):
+        WorkloadSpec("conv", 10, rate=1.0, **bad)

@@ -3,10 +3,11 @@ model of its own (`/v1/models`, its `parent` the base), a request naming one pre
 worker and decoded on the token worker under it (short prompts pushed, long ones streamed layer by
 layer), its greedy text the offline engine's under that adapter; the base model's and the
 adapters' requests interleaved and batched together, each still its own; a cached prompt under one
-never answers for another."""
+never answers for another; the workers report what their one adapter slot holds to the CLS."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import httpx
 import pytest
@@ -60,3 +61,18 @@ def test_a_chat_streamed_under_an_adapter_and_its_model_card(server, client, off
     assert (card["id"], card["parent"]) == ("demo-sql", "demo")
     unknown = httpx.post(f"{server}/v1/completions", json={"model": "demo-sq", "prompt": "x"})
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
+def test_the_workers_report_the_adapter_their_slot_holds(server, client):
+    """The main app's workers have one slot (max_cpu_loras past it): after a request under an
+    adapter, both report holding it, which LoRA-aware placement reads."""
+    for model in ("demo-chat", "demo-sql"):
+        complete(client, model, PROMPT, 4)
+        deadline, held = time.monotonic() + 20, None
+        while time.monotonic() < deadline:
+            workers = httpx.get(f"{server}/v1/cluster/status").json()["workers"].values()
+            held = [(w["lora_slots"], [i.split("\0")[0] for i in w["lora_resident"]]) for w in workers]
+            if held == [(1, [model])] * 2:
+                break
+            time.sleep(0.1)
+        assert held == [(1, [model])] * 2
