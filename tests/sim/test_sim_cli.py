@@ -135,3 +135,17 @@ def test_the_mooncake_trace_simulates_prefix_aware_and_blind(tmp_path):
                  "mooncake", "--num-requests", "300", "--json", str(tiny), "--no-progress",
                  "--prefix-index-blocks", "1"]) == 0
     assert json.loads(tiny.read_text())["num_failed"] == 0
+
+
+def test_requests_under_lora_adapters_swap_fewer_with_lora_aware_placement(tmp_path):
+    """--num-adapters draws each request's adapter; the workers get --max-loras slots (a config
+    with none is refused without them); --lora-blind places as if no slot held any."""
+    base = ["sim", "--config", "deploy/splitwise-ha.yaml", "--trace", "conv", "--rate", "8", "--num-requests", "300",
+            "--num-adapters", "16", "--adapter-zipf", "1", "--lora-swap-ms", "3", "--no-progress"]
+    assert main([*base, "--json", str(tmp_path / "none.json")]) == 2  # the config has no slots
+    summaries = {}
+    for name, flags in (("aware", []), ("blind", ["--lora-blind"])):
+        assert main([*base, "--max-loras", "4", *flags, "--json", str(tmp_path / f"{name}.json")]) == 0
+        summaries[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        assert summaries[name]["num_failed"] == 0
+    assert 0 < summaries["aware"]["lora_swaps"] < summaries["blind"]["lora_swaps"]
