@@ -18,9 +18,11 @@ Eligibility is exactly the blind rules (backpressure, KV room, the caller's caps
 reorders candidates, it never admits one, so it beats a slightly shorter queue but never makes an
 overloaded worker eligible. The KV room check still counts the whole prompt: a worker's free KV
 includes its cached blocks no request holds, and reusing them takes them out of it.
-Without an adapter, savings are >= 0 and only holders have any, so the best candidate is the blind
-search's choice or a holder: each search below starts from the blind choice and makes one pass
-over the holders; with one, every worker may pay, and the pass is over the pool.
+Savings are >= 0 and only holders have any, and an adapter costs by tier (held, an idle slot, a
+wait), so the best candidate is the blind search's choice, a prefix holder, a worker holding the
+adapter, or, where the blind choice would wait, one with an idle slot: any other has no saving,
+costs at least as much and queues at least as long. Each search below starts from the blind
+choice and makes one pass over those (`Affinity.candidates`, from the prefix and adapter indexes).
 """
 from __future__ import annotations
 
@@ -61,11 +63,14 @@ class Affinity:
         cached = self.prefix.transfer_saved_weight * self.cached.get(worker.worker_id, 0)
         return cached - self._adapter_share(worker) * self.thresholds.mixed_decode_tokens
 
-    def candidates(self, state: ClusterState, pool: Role) -> list[WorkerState]:
-        """The workers of `pool` whose score may differ from their queue's."""
+    def candidates(self, state: ClusterState, pool: Role, blind: WorkerState | None) -> list[WorkerState]:
+        """The workers of `pool` that may score better than `blind`, the least queue."""
+        ids = self.cached.keys()
         if self.lora is not None:
-            return state.members(pool)
-        workers = (state.workers.get(worker_id) for worker_id in self.cached)
+            ids = {*ids, *state.adapter_index.holders(self.lora)}
+            if blind is not None and blind.adapter_wait(self.lora) == 2:
+                ids |= state.adapter_index.idle
+        workers = (state.workers.get(worker_id) for worker_id in ids)
         return [w for w in workers if w is not None and w.pool is pool]
 
     def _adapter_share(self, worker: WorkerState) -> float:
@@ -78,7 +83,7 @@ def prefer_affine_prompt(state: ClusterState, blind: WorkerState | None, affinit
                          exclude: frozenset[str], cap: float = math.inf) -> WorkerState | None:
     """The prompt worker to use instead of `blind` (the least queue), among those queued <= `cap`."""
     thresholds = state.thresholds
-    return _least(blind, affinity.candidates(state, Role.PROMPT), lambda w: w.prompt_queue() - affinity.prefill(w),
+    return _least(blind, affinity.candidates(state, Role.PROMPT, blind), lambda w: w.prompt_queue() - affinity.prefill(w),
                   lambda w: can_prompt(w, thresholds, exclude) and w.prompt_queue() <= cap)
 
 
@@ -86,7 +91,7 @@ def prefer_affine_token(state: ClusterState, blind: WorkerState | None, affinity
                         exclude: frozenset[str], cap: float = math.inf) -> WorkerState | None:
     """The token worker to use instead of `blind` (the least queue), among those queued <= `cap`."""
     thresholds = state.thresholds
-    return _least(blind, affinity.candidates(state, Role.TOKEN), lambda w: w.token_queue() - affinity.transfer(w),
+    return _least(blind, affinity.candidates(state, Role.TOKEN, blind), lambda w: w.token_queue() - affinity.transfer(w),
                   lambda w: can_decode(w, thresholds, request, exclude) and w.token_queue() <= cap)
 
 
@@ -106,7 +111,7 @@ def least_loaded_affine(state: ClusterState, pool: Role, request: PlacementReque
     else:
         def score(w: WorkerState) -> float:
             return combined_load(w, thresholds, saved_prompt=affinity.prefill(w))
-    return _least(blind, affinity.candidates(state, pool), score,
+    return _least(blind, affinity.candidates(state, pool, blind), score,
                   lambda w: can_run_whole(w, thresholds, request, exclude)
                   and w.prompt_queue() <= prompt_cap and w.token_queue() <= token_cap)
 

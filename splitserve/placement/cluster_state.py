@@ -1,12 +1,13 @@
 """The cluster-level scheduler's state: every worker's last report (its LoRA adapter slots too), what
-was placed on it since, the pools, and the index of their prefix caches; placement and rebalancing
-go through the chosen policy."""
+was placed on it since, the pools, and the indexes of their prefix caches and adapter slots;
+placement and rebalancing go through the chosen policy."""
 from __future__ import annotations
 
 import dataclasses
 from bisect import insort
 from collections.abc import Collection
 
+from splitserve.placement.adapter_index import AdapterIndex
 from splitserve.placement.affinity import Affinity
 from splitserve.placement.base import PlacementPolicy, can_decode, can_prompt, can_run_whole, combined_load
 from splitserve.placement.hardware import HardwareProfile, hardware_profile
@@ -37,7 +38,7 @@ class ClusterState:
 
     Invariants: every worker is in exactly one pool list, `_members[worker.pool]`, and each list is
     sorted by worker id (the policies' scans rely on it for deterministic tie-breaking); the prefix
-    index holds only workers in the cluster.
+    and adapter indexes hold only workers in the cluster, the adapter index what their states say.
     """
 
     def __init__(self, policy: str | PlacementPolicy = "splitwise",
@@ -54,6 +55,7 @@ class ClusterState:
             raise ValueError(f"adapters must be an AdapterOptions, got {adapters!r}")
         self.thresholds, self.prefix, self.adapters = thresholds, prefix, adapters
         self.prefix_index = PrefixIndex(prefix.max_index_blocks)
+        self.adapter_index = AdapterIndex()
         self.workers: dict[str, WorkerState] = {}
         self._members: dict[Role, list[WorkerState]] = {role: [] for role in Role}
 
@@ -72,6 +74,7 @@ class ClusterState:
         worker = WorkerState(worker_id, home, profile, home, load, reported_at=now)
         self.workers[worker_id] = worker
         insort(self._members[home], worker, key=_worker_id)
+        self.adapter_index.update(worker)
 
     def remove_worker(self, worker_id: str) -> None:
         """A dead (or drained) worker leaves its pool; an unknown id is a no-op."""
@@ -79,6 +82,7 @@ class ClusterState:
         if worker is not None:
             self._members[worker.pool].remove(worker)
             self.prefix_index.remove(worker_id)
+            self.adapter_index.remove(worker_id)
 
     def members(self, pool: Role) -> list[WorkerState]:
         """The workers in `pool`, sorted by id: the live list, for policies to scan, not to modify."""
@@ -101,6 +105,7 @@ class ClusterState:
         worker.load = load
         worker.placed_prompt_tokens = worker.placed_decode_tokens = worker.placed_kv_tokens = 0
         worker.placed_adapters, worker.reported_at = (), now
+        self.adapter_index.update(worker)
         return self._apply_all(self.policy.rebalance(self, now, worker), now)
 
     def idle(self) -> bool:
@@ -131,6 +136,7 @@ class ClusterState:
             for worker in {prompt.worker_id: prompt, token.worker_id: token}.values():
                 if worker.adapter_wait(request.lora):
                     worker.placed_adapters += (request.lora,)
+                    self.adapter_index.placed(worker, request.lora)
             if request.prefix_hashes and self.prefix.aware:
                 self.prefix_index.placed(placement.prompt_worker, request.prefix_hashes)
                 if placement.token_worker != placement.prompt_worker:
@@ -229,3 +235,4 @@ class ClusterState:
             if [w.worker_id for w in members] != sorted(w.worker_id for w in members):
                 raise RuntimeError(f"the {role.value} pool is not sorted by worker id")
         self.prefix_index.check_integrity(self.workers.keys())
+        self.adapter_index.check_integrity(self.workers.values())

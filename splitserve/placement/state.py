@@ -264,13 +264,14 @@ class WorkerState:
     placed_adapters: tuple[str, ...] = ()  # adapters not in a slot by its last report, placed here since
 
     def adapter_wait(self, identity: str | None) -> int:
-        """What running under adapter `identity` here needs: 0 nothing (it is in a slot, or placed
-        here since the report; or no adapter, or no slots reported), 1 a swap into an idle slot,
-        2 a wait for a slot (every one bound to other adapters' sequences, or taken by those placed since)."""
+        """What running under adapter `identity` here needs: 0 nothing (no adapter, or it is in a
+        slot, or was placed here since the report), 1 a swap into an idle slot (or no slots
+        reported yet: a worker starts with empty ones), 2 a wait for a slot (every one bound to
+        other adapters' sequences, or taken by those placed since)."""
         load = self.load
-        if identity is None or not load.lora_slots or identity in load.lora_resident or identity in self.placed_adapters:
+        if identity is None or identity in load.lora_resident or identity in self.placed_adapters:
             return 0
-        return 1 if load.lora_idle_slots > len(self.placed_adapters) else 2
+        return 1 if not load.lora_slots or load.lora_idle_slots > len(self.placed_adapters) else 2
 
     def prompt_queue(self) -> float:
         return (self.load.pending_prompt_tokens + self.placed_prompt_tokens) / self.hardware.prompt_speed

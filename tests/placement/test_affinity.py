@@ -43,6 +43,7 @@ def random_state(rng: random.Random):
         worker.placed_prompt_tokens, worker.placed_decode_tokens = rng.randint(0, 300), rng.randint(0, 300)
         worker.load = random_slots(rng, worker.load)
         worker.placed_adapters = tuple(rng.sample(ADAPTERS, rng.randint(0, 1)))
+        state.adapter_index.update(worker)
     cached = {w: rng.choice([16, 64, 1024, 2400]) for w in state.workers if rng.random() < 0.4}
     options = PrefixOptions(prefill_saved_weight=rng.choice([0.0, 1.0, 2.5]),
                             transfer_saved_weight=rng.choice([0, 1.0]))
@@ -97,7 +98,7 @@ def test_saved_work_is_in_each_queues_units():
     pa, ph, t = (state.workers[w] for w in ("pa", "ph", "t"))
     assert saved.prefill(ph) == 900 and saved.prefill(pa) == pytest.approx(900 / 0.45)  # as its queue counts
     assert saved.transfer(t) == 450  # the transfer is the network's, not the worker's speed
-    assert saved.prefill(state.workers["t"]) == pytest.approx(2000) and saved.candidates(state, Role.PROMPT) == [pa, ph]
+    assert saved.prefill(state.workers["t"]) == pytest.approx(2000) and saved.candidates(state, Role.PROMPT, None) == [pa, ph]
 
 
 def test_an_adapter_costs_a_share_of_each_threshold_where_no_slot_holds_it():
@@ -106,10 +107,12 @@ def test_an_adapter_costs_a_share_of_each_threshold_where_no_slot_holds_it():
     state = cluster("jsq", prompt=[("p0", H100, held), ("p1", H100, idle), ("p2", H100, busy), ("p3", H100, load())])
     affinity = Affinity({"p0": 160}, PrefixOptions(), LIMITS, "a", AdapterOptions(swap_share=0.1, wait_share=0.5))
     p0, p1, p2, p3 = state.members(Role.PROMPT)
-    assert [p.adapter_wait("a") for p in (p0, p1, p2, p3)] == [0, 1, 2, 0]  # p3 reports no slots: nothing known
+    assert [p.adapter_wait("a") for p in (p0, p1, p2, p3)] == [0, 1, 2, 1]  # p3 reports no slots yet: empty ones
     assert affinity.prefill(p0) == 160 and affinity.prefill(p1) == -100 and affinity.prefill(p2) == -500
     assert affinity.transfer(p1) == -800 and affinity.transfer(p2) == -4000  # of mixed_decode_tokens
-    assert affinity.candidates(state, Role.PROMPT) == [p0, p1, p2, p3]  # every one may pay
+    # the holders (p0), and where the blind choice waits, the idle ones (p3: no slots reported yet)
+    assert affinity.candidates(state, Role.PROMPT, p0) == [p0] == affinity.candidates(state, Role.PROMPT, p1)
+    assert sorted(affinity.candidates(state, Role.PROMPT, p2), key=lambda w: w.worker_id) == [p0, p1, p3]
     p1.placed_adapters = ("c",)  # placed since its report: its idle slot is taken, "c" is held there
     assert p1.adapter_wait("a") == 2 and p1.adapter_wait("c") == 0 and p1.adapter_wait(None) == 0
 

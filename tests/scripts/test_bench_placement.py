@@ -25,3 +25,9 @@ def test_tiny_run_writes_every_row(tmp_path, capsys):
         assert 0 < row["p50_us"] <= row["p99_us"] and 0 < row["report_p50_us"] <= row["report_p99_us"]
     printed = capsys.readouterr().out
     assert "CPU:" in printed and "| splitwise | 8 |" in printed
+
+
+def test_requests_under_adapters_are_placed_where_the_reported_slots_hold_them(capsys):
+    rows = load_script().main(["--decisions", "200", "--workers", "8", "--adapters", "4"])
+    assert {r["adapters"] for r in rows} == {4} and all(r["rejected"] < 200 for r in rows)
+    assert "| jsq | 8 | 4 |" in capsys.readouterr().out
