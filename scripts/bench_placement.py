@@ -43,6 +43,7 @@ from splitserve.placement import (
     WorkerState,
 )
 from splitserve.placement.hardware import HARDWARE_CLASSES
+from splitserve.placement.state import AdapterOptions
 
 TRACE = TRACES_DIR / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
 HARDWARE_CYCLE = ("h100", "a100", "h100-cap")
@@ -97,8 +98,9 @@ class FluidLoad:
                           lora_idle_slots=self.lora_slots - len(resident))
 
 
-def build_cluster(policy: str, num_workers: int) -> ClusterState:
-    state = ClusterState(policy)
+def build_cluster(policy: str, num_workers: int, adapters: int) -> ClusterState:
+    """As the controller builds it: adapter-aware where the workers have adapter slots."""
+    state = ClusterState(policy, adapters=AdapterOptions(aware=adapters > 0))
     for index in range(num_workers):
         home = Role.PROMPT if index < num_workers // 2 else Role.TOKEN
         hardware = HARDWARE_CLASSES[HARDWARE_CYCLE[index % len(HARDWARE_CYCLE)]]
@@ -110,8 +112,8 @@ def build_cluster(policy: str, num_workers: int) -> ClusterState:
 class PolicyRun:
     """One policy's cluster and the time of each of its report() and place() calls."""
 
-    def __init__(self, policy: str, num_workers: int):
-        self.state = build_cluster(policy, num_workers)
+    def __init__(self, policy: str, num_workers: int, adapters: int):
+        self.state = build_cluster(policy, num_workers, adapters)
         self.place_ns: list[int] = []
         self.report_ns: list[int] = []
         self.outcomes: Counter = Counter()
@@ -134,7 +136,7 @@ def time_decisions(num_workers: int, args: argparse.Namespace, requests: list[tu
     """Every policy on the same stream of reports and requests, interleaved call by call."""
     rng = random.Random(args.seed)
     fluid = FluidLoad(requests, num_workers, args.utilization, args.adapters)
-    runs = {name: PolicyRun(name, num_workers) for name in PLACEMENT_POLICIES}
+    runs = {name: PolicyRun(name, num_workers, args.adapters) for name in PLACEMENT_POLICIES}
     report_order = sorted(runs["jsq"].state.workers)
     rng.shuffle(report_order)  # staggered: the workers report one after another, each every REPORT_PERIOD_S
     reports_done = 0

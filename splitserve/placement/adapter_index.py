@@ -27,7 +27,8 @@ class AdapterIndex:
     def update(self, worker: WorkerState) -> None:
         """`worker`'s report or placements changed."""
         worker_id, load = worker.worker_id, worker.load
-        held = frozenset((*load.lora_resident, *worker.placed_adapters))
+        held = frozenset((*load.lora_resident, *worker.placed_adapters)) \
+            if load.lora_resident or worker.placed_adapters else NOTHING
         old = self._held.get(worker_id, NOTHING)
         if held != old:
             for identity in old - held:

@@ -55,7 +55,7 @@ class ClusterState:
             raise ValueError(f"adapters must be an AdapterOptions, got {adapters!r}")
         self.thresholds, self.prefix, self.adapters = thresholds, prefix, adapters
         self.prefix_index = PrefixIndex(prefix.max_index_blocks)
-        self.adapter_index = AdapterIndex()
+        self.adapter_index = AdapterIndex()  # kept with adapter-aware placement on
         self.workers: dict[str, WorkerState] = {}
         self._members: dict[Role, list[WorkerState]] = {role: [] for role in Role}
 
@@ -74,7 +74,8 @@ class ClusterState:
         worker = WorkerState(worker_id, home, profile, home, load, reported_at=now)
         self.workers[worker_id] = worker
         insort(self._members[home], worker, key=_worker_id)
-        self.adapter_index.update(worker)
+        if self.adapters.aware:
+            self.adapter_index.update(worker)
 
     def remove_worker(self, worker_id: str) -> None:
         """A dead (or drained) worker leaves its pool; an unknown id is a no-op."""
@@ -105,7 +106,8 @@ class ClusterState:
         worker.load = load
         worker.placed_prompt_tokens = worker.placed_decode_tokens = worker.placed_kv_tokens = 0
         worker.placed_adapters, worker.reported_at = (), now
-        self.adapter_index.update(worker)
+        if self.adapters.aware:
+            self.adapter_index.update(worker)
         return self._apply_all(self.policy.rebalance(self, now, worker), now)
 
     def idle(self) -> bool:
@@ -133,10 +135,11 @@ class ClusterState:
             token, decode_tokens = self._worker(placement.token_worker), request.num_prompt_tokens + request.max_tokens
             token.placed_decode_tokens += decode_tokens
             token.placed_kv_tokens += token.load.kv_tokens(decode_tokens)
-            for worker in {prompt.worker_id: prompt, token.worker_id: token}.values():
-                if worker.adapter_wait(request.lora):
-                    worker.placed_adapters += (request.lora,)
-                    self.adapter_index.placed(worker, request.lora)
+            lora = request.lora if self.adapters.aware else None
+            for worker in {prompt.worker_id: prompt, token.worker_id: token}.values() if lora else ():
+                if worker.adapter_wait(lora):
+                    worker.placed_adapters += (lora,)
+                    self.adapter_index.placed(worker, lora)
             if request.prefix_hashes and self.prefix.aware:
                 self.prefix_index.placed(placement.prompt_worker, request.prefix_hashes)
                 if placement.token_worker != placement.prompt_worker:
@@ -235,4 +238,4 @@ class ClusterState:
             if [w.worker_id for w in members] != sorted(w.worker_id for w in members):
                 raise RuntimeError(f"the {role.value} pool is not sorted by worker id")
         self.prefix_index.check_integrity(self.workers.keys())
-        self.adapter_index.check_integrity(self.workers.values())
+        self.adapter_index.check_integrity(self.workers.values() if self.adapters.aware else ())
