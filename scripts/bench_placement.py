@@ -169,7 +169,8 @@ def summarize(policy: str, num_workers: int, run: PolicyRun, adapters: int) -> d
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| policy | workers | adapters | place p50 (µs) | place p99 (µs) | report p50 (µs) | report p99 (µs) "
              "| decisions | local | rejected |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['policy']} | {r['workers']} | {r['adapters']} | {r['p50_us']} | {r['p99_us']} | {r['report_p50_us']} "
+    lines += [f"| {r['policy']} | {r['workers']} | {r['adapters']} | {r['p50_us']} | {r['p99_us']} "
+              f"| {r['report_p50_us']} "
               f"| {r['report_p99_us']} | {r['decisions']} | {r['local']} | {r['rejected']} |" for r in rows]
     return "\n".join(lines)
 

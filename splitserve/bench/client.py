@@ -65,7 +65,8 @@ async def server_info(http: httpx.AsyncClient, url: str, model: str | None) -> S
 async def send(http: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, seed: int, t0: float,
                temperature: float = 0.0) -> RequestRecord:
     """One streamed request; its record (times relative to the run start `t0` and to its own send)."""
-    body = {"model": spec.adapter or model, "prompt": prompt_ids(spec, seed), "max_tokens": spec.output_tokens, "stream": True,
+    body = {"model": spec.adapter or model, "prompt": prompt_ids(spec, seed), "max_tokens": spec.output_tokens,
+            "stream": True,
             "ignore_eos": True, "temperature": temperature,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if spec.priority:

@@ -83,7 +83,8 @@ def prefer_affine_prompt(state: ClusterState, blind: WorkerState | None, affinit
                          exclude: frozenset[str], cap: float = math.inf) -> WorkerState | None:
     """The prompt worker to use instead of `blind` (the least queue), among those queued <= `cap`."""
     thresholds = state.thresholds
-    return _least(blind, affinity.candidates(state, Role.PROMPT, blind), lambda w: w.prompt_queue() - affinity.prefill(w),
+    return _least(blind, affinity.candidates(state, Role.PROMPT, blind),
+                  lambda w: w.prompt_queue() - affinity.prefill(w),
                   lambda w: can_prompt(w, thresholds, exclude) and w.prompt_queue() <= cap)
 
 
@@ -91,7 +92,8 @@ def prefer_affine_token(state: ClusterState, blind: WorkerState | None, affinity
                         exclude: frozenset[str], cap: float = math.inf) -> WorkerState | None:
     """The token worker to use instead of `blind` (the least queue), among those queued <= `cap`."""
     thresholds = state.thresholds
-    return _least(blind, affinity.candidates(state, Role.TOKEN, blind), lambda w: w.token_queue() - affinity.transfer(w),
+    return _least(blind, affinity.candidates(state, Role.TOKEN, blind),
+                  lambda w: w.token_queue() - affinity.transfer(w),
                   lambda w: can_decode(w, thresholds, request, exclude) and w.token_queue() <= cap)
 
 

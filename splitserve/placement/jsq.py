@@ -47,7 +47,9 @@ class JSQPolicy(PlacementPolicy):
         """The prompt candidate with the least queue, less what its cached prefix saves (`affinity`;
         among those queued <= `cap`, where the blind choice is not)."""
         prompt = least_prompt_queue(state.members(Role.PROMPT), state.thresholds, exclude)
-        return prompt if prompt is None or affinity is None else prefer_affine_prompt(state, prompt, affinity, exclude, cap)
+        if prompt is None or affinity is None:
+            return prompt
+        return prefer_affine_prompt(state, prompt, affinity, exclude, cap)
 
     def _split(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str]) -> Decision:
         """Placement in a cluster with prompt and token pools."""

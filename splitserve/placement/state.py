@@ -30,6 +30,16 @@ def _require_non_negative_ints(obj: object, names: tuple[str, ...]) -> None:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
+def _require_aware_and_weights(obj: object, weights: tuple[str, ...]) -> None:
+    """An `aware` switch, a bool, and weights, finite numbers >= 0."""
+    if not isinstance(obj.aware, bool):
+        raise ValueError(f"aware must be a bool, got {obj.aware!r}")
+    for name in weights:
+        value = getattr(obj, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 def _is_identity(value: object) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_IDENTITY_CHARS
 
@@ -195,12 +205,7 @@ class PrefixOptions:
     max_index_blocks: int = 1 << 18  # (worker, block) entries the prefix index keeps at most
 
     def __post_init__(self) -> None:
-        if not isinstance(self.aware, bool):
-            raise ValueError(f"aware must be a bool, got {self.aware!r}")
-        for name in ("prefill_saved_weight", "transfer_saved_weight"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        _require_aware_and_weights(self, ("prefill_saved_weight", "transfer_saved_weight"))
         if not isinstance(self.max_index_blocks, int) or self.max_index_blocks < 1:
             raise ValueError(f"max_index_blocks must be an integer >= 1, got {self.max_index_blocks!r}")
 
@@ -219,12 +224,7 @@ class AdapterOptions:
     wait_share: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.aware, bool):
-            raise ValueError(f"aware must be a bool, got {self.aware!r}")
-        for name in ("swap_share", "wait_share"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        _require_aware_and_weights(self, ("swap_share", "wait_share"))
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,8 @@ class Scenario:
         check_scheduling(self.scheduling_policy, map(self.policy_for, Role))
         if not isinstance(self.max_loras, int) or not 0 <= self.max_loras <= MAX_ADAPTER_SLOTS:
             raise ValueError(f"max_loras must be an integer from 0 to {MAX_ADAPTER_SLOTS}, got {self.max_loras!r}")
-        if not (isinstance(self.lora_swap_s, (int, float)) and math.isfinite(self.lora_swap_s) and self.lora_swap_s >= 0):
+        swap_s = self.lora_swap_s
+        if not (isinstance(swap_s, (int, float)) and math.isfinite(swap_s) and swap_s >= 0):
             raise ValueError(f"lora_swap_s must be a finite number >= 0, got {self.lora_swap_s!r}")
         if not (math.isfinite(self.report_interval_s) and self.report_interval_s > 0):
             raise ValueError(f"report_interval_s must be a finite number > 0, got {self.report_interval_s!r}")

@@ -1,5 +1,6 @@
 """The load generator's request body: what a workload's request asks of the server (its length,
-forced output, a priority where it has one, its LoRA adapter as its model), through a transport that keeps what was sent."""
+forced output, a priority where it has one, its LoRA adapter as its model), through a transport
+that keeps what was sent."""
 import asyncio
 import json
 

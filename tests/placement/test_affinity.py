@@ -98,7 +98,8 @@ def test_saved_work_is_in_each_queues_units():
     pa, ph, t = (state.workers[w] for w in ("pa", "ph", "t"))
     assert saved.prefill(ph) == 900 and saved.prefill(pa) == pytest.approx(900 / 0.45)  # as its queue counts
     assert saved.transfer(t) == 450  # the transfer is the network's, not the worker's speed
-    assert saved.prefill(state.workers["t"]) == pytest.approx(2000) and saved.candidates(state, Role.PROMPT, None) == [pa, ph]
+    assert saved.prefill(state.workers["t"]) == pytest.approx(2000)
+    assert saved.candidates(state, Role.PROMPT, None) == [pa, ph]
 
 
 def test_an_adapter_costs_a_share_of_each_threshold_where_no_slot_holds_it():
