@@ -66,8 +66,7 @@ async def send(http: httpx.AsyncClient, url: str, model: str, spec: RequestSpec,
                temperature: float = 0.0) -> RequestRecord:
     """One streamed request; its record (times relative to the run start `t0` and to its own send)."""
     body = {"model": spec.adapter or model, "prompt": prompt_ids(spec, seed), "max_tokens": spec.output_tokens,
-            "stream": True,
-            "ignore_eos": True, "temperature": temperature,
+            "stream": True, "ignore_eos": True, "temperature": temperature,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if spec.priority:
         body["priority"] = spec.priority
