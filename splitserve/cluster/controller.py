@@ -209,6 +209,8 @@ class Controller:
         if identity is not None:
             request = dataclasses.replace(request, lora=identity)
         placement, moves = self.state.place(request, time.monotonic(), exclude)
+        if identity is not None:
+            self.metrics.record_adapter_placements(self.state.adapter_placements)
         self._placed.set()
         await self._apply(moves)
         if placement is None:

@@ -24,6 +24,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 OUTCOMES = ("completed", "failed", "rejected", "aborted")
+ADAPTER_SLOTS = ("held", "idle", "busy")  # by `WorkerState.adapter_wait`
 SLOS = ("ttft", "tbt", "e2e")
 WORKER_LABELS = ("model", "worker", "pool", "hardware")
 REQUEST_LABELS = ("model", "lora")
@@ -154,6 +155,14 @@ class ClusterMetrics:
         self.worker_failures = Counter("splitserve_worker_failures", "Workers that died or were replaced as "
                                        "unhealthy or stuck", ("model",),
                                        registry=self.registry).labels(self.model)
+        self.lora_placements = Counter("splitserve_lora_placements", "Workers placed on under a LoRA adapter, by "
+                                       "what their slots held by the last report (and placements since): the "
+                                       "adapter (held), an idle slot to take it (idle), or every slot busy with "
+                                       "other adapters: the request waits for one there (busy)",
+                                       ("model", "slot"), registry=self.registry)
+        self._adapter_placements = [0, 0, 0]
+        for slot in ADAPTER_SLOTS:
+            self.lora_placements.labels(self.model, slot)
         for origin, target in (("prompt", "mixed"), ("token", "mixed"), ("mixed", "prompt"), ("mixed", "token"),
                                ("prompt", "token"), ("token", "prompt")):
             self.transitions.labels(self.model, origin, target)
@@ -253,6 +262,12 @@ class ClusterMetrics:
                 self.pool_workers.labels(self.model, pool.value, hardware).set(counts.get((pool.value, hardware), 0))
         mixed = sum(1 for pool, _ in members.values() if pool is Role.MIXED)
         self.mixed_occupancy.set(mixed / len(members) if members else 0.0)
+
+    def record_adapter_placements(self, totals: list[int]) -> None:
+        """The CLS's counts so far (`ClusterState.adapter_placements`)."""
+        for slot, total, before in zip(ADAPTER_SLOTS, totals, self._adapter_placements):
+            self.lora_placements.labels(self.model, slot).inc(total - before)
+        self._adapter_placements = list(totals)
 
     def record_transition(self, origin: Role, target: Role) -> None:
         self.transitions.labels(self.model, origin.value, target.value).inc()

@@ -56,6 +56,8 @@ class ClusterState:
         self.thresholds, self.prefix, self.adapters = thresholds, prefix, adapters
         self.prefix_index = PrefixIndex(prefix.max_index_blocks)
         self.adapter_index = AdapterIndex()  # kept with adapter-aware placement on
+        # workers placed on under an adapter, by `WorkerState.adapter_wait`: held, an idle slot, busy slots
+        self.adapter_placements = [0, 0, 0]
         self.workers: dict[str, WorkerState] = {}
         self._members: dict[Role, list[WorkerState]] = {role: [] for role in Role}
 
@@ -135,11 +137,14 @@ class ClusterState:
             token, decode_tokens = self._worker(placement.token_worker), request.num_prompt_tokens + request.max_tokens
             token.placed_decode_tokens += decode_tokens
             token.placed_kv_tokens += token.load.kv_tokens(decode_tokens)
-            lora = request.lora if self.adapters.aware else None
+            lora = request.lora
             for worker in {prompt.worker_id: prompt, token.worker_id: token}.values() if lora else ():
-                if worker.adapter_wait(lora):
+                wait = worker.adapter_wait(lora)
+                self.adapter_placements[wait] += 1
+                if wait:
                     worker.placed_adapters += (lora,)
-                    self.adapter_index.placed(worker, lora)
+                    if self.adapters.aware:
+                        self.adapter_index.placed(worker, lora)
             if request.prefix_hashes and self.prefix.aware:
                 self.prefix_index.placed(placement.prompt_worker, request.prefix_hashes)
                 if placement.token_worker != placement.prompt_worker:

@@ -384,7 +384,8 @@ class Simulation:
     def _result(self, seed: int) -> SimResult:
         workers = tuple(self._worker_stats(w, s) for w, s in self._reporting)
         return SimResult(self.records, workers, self.records.end_s() - self.requests[0].arrival_s, self.num_events,
-                         seed, self.kv_tokens_sent, self.kv_tokens_reused, self.placements_refused)
+                         seed, self.kv_tokens_sent, self.kv_tokens_reused, self.placements_refused,
+                         tuple(self.cls.adapter_placements))
 
     def _worker_stats(self, worker: SimWorker, state: WorkerState) -> WorkerStats:
         return WorkerStats(worker.worker_id, self._hardware_of[worker.worker_id], state.home.value, state.pool.value,

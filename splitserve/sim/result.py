@@ -33,6 +33,7 @@ class SimResult:
     kv_tokens_sent: int = 0    # prompt tokens whose KV went from a prompt worker to a token worker
     kv_tokens_reused: int = 0  # prompt tokens of split requests whose KV the token worker's cache held
     placements_refused: int = 0  # placements whose token worker refused the reservation (a stale report)
+    adapter_placements: tuple[int, int, int] = (0, 0, 0)  # the CLS's (ClusterState.adapter_placements)
 
     def summary(self, slo: SLOSpec | None = None, baseline: Baseline | None = None) -> dict:
         """`splitserve.bench.report.summarize` of the records: the report a real run gives."""

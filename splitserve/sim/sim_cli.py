@@ -137,7 +137,8 @@ def run(args) -> dict:
                "prefill_tokens_computed": sum(w.prefill_tokens for w in result.workers),
                "kv_tokens_sent": result.kv_tokens_sent, "kv_tokens_reused": result.kv_tokens_reused,
                "placements_refused": result.placements_refused,
-               "lora_swaps": sum(w.lora_swaps for w in result.workers)}
+               "lora_swaps": sum(w.lora_swaps for w in result.workers),
+               "lora_placements": dict(zip(("held", "idle", "busy"), result.adapter_placements))}
     if args.out:
         out = Path(args.out)
         write_outputs(out, result.records, summary, f"simulated: {args.trace}")

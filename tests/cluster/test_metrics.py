@@ -92,6 +92,13 @@ def test_a_request_under_an_adapter_counts_in_that_adapters_series():
     assert request_value(metrics, "splitserve_slo_met_total", lora="sql", slo="ttft") == 1
 
 
+def test_placements_under_adapters_count_by_what_the_slots_held(metrics):
+    assert [value(metrics, "splitserve_lora_placements_total", slot=s) for s in ("held", "idle", "busy")] == [0, 0, 0]
+    metrics.record_adapter_placements([3, 1, 0])
+    metrics.record_adapter_placements([5, 1, 2])  # the CLS's totals: counted by their increase
+    assert [value(metrics, "splitserve_lora_placements_total", slot=s) for s in ("held", "idle", "busy")] == [5, 1, 2]
+
+
 def test_worker_reports_set_gauges_histograms_and_counter_deltas(metrics):
     load = WorkerLoad(pending_prompt_tokens=128, decode_tokens=900, num_decoding=3, num_waiting=1)
     metrics.record_worker("p0", Role.PROMPT, "h100", load, worker_stats())

@@ -66,6 +66,7 @@ METRICS = {
     "splitserve_pool_transitions_total": ("counter", ("model", "from_pool", "to_pool")),
     "splitserve_mixed_pool_occupancy": ("gauge", ("model",)),
     "splitserve_worker_failures_total": ("counter", ("model",)),
+    "splitserve_lora_placements_total": ("counter", ("model", "slot")),
 }
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 UNITS = {"s", "reqps", "Bps", "percentunit", "short", "suffix: tok/s"}

@@ -65,6 +65,9 @@ def test_what_was_placed_since_a_report_counts_as_held_until_the_next_report():
     assert place(state, "b", "r2") == ("m1", "m1")
     assert place(state, "a", "r3", prompt=10) == ("m0", "m0")  # m0 has the more queued now, but holds "a"
     assert state.snapshot()["workers"]["m0"]["placed_adapters"] == ["a"]
+    assert state.adapter_placements == [1, 2, 0]  # r3 where its adapter was held; r1, r2 where a slot was idle
+    place(state, "c", "r4")
+    assert state.adapter_placements == [1, 2, 1]  # c waits wherever it goes
     state.report("m0", slots(load(pending=210), ("a",), 0), 3.0)
     assert state.workers["m0"].placed_adapters == ()
 

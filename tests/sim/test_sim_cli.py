@@ -149,3 +149,5 @@ def test_requests_under_lora_adapters_swap_fewer_with_lora_aware_placement(tmp_p
         summaries[name] = json.loads((tmp_path / f"{name}.json").read_text())
         assert summaries[name]["num_failed"] == 0
     assert 0 < summaries["aware"]["lora_swaps"] < summaries["blind"]["lora_swaps"]
+    held = {name: summary["lora_placements"]["held"] for name, summary in summaries.items()}
+    assert held["aware"] > held["blind"] > 0  # blind placement records them too
