@@ -1,4 +1,5 @@
-"""Offline batch generation in vLLM's shape: `LLM(model).generate(prompts, params)`."""
+"""Offline batch generation in vLLM's shape: `LLM(model).generate(prompts, params)`, and
+embeddings: `LLM(model).embed(prompts)`."""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
@@ -42,6 +43,12 @@ class LLM:
         while self.engine.has_unfinished_requests():
             finished.update((out.request_id, out) for out in self.engine.step() if out.finished)
         return [finished[i] for i in ids]
+
+    def embed(self, prompts: PromptInput | Seq[PromptInput], lora: str | None = None) -> list[list[float]]:
+        """vLLM's `LLM.embed`: each prompt's embedding (`SamplingParams.embed`: its last token's
+        final hidden state, L2-normalized), in the order of the prompts."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, embed=True, lora=lora)
+        return [out.embedding for out in self.generate(prompts, params)]
 
     def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams | None]) -> list[str]:
         """Add every request, or none: a bad one is rejected before any runs."""

@@ -36,6 +36,7 @@ class _Request:
     timestamps: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; [0] stays None
+    embedding: list[float] | None = None  # with params.embed, once its prefill ran
 
     @property
     def stops_on_text(self) -> bool:
@@ -230,6 +231,10 @@ class LLMEngine:
                 if found is not None:  # None: an import reserved here, whose prompt worker computes them
                     found[rows.first_position:rows.first_position + len(rows.hidden)] = \
                         prompt_logprobs(self.runner.model.compute_logits, rows)
+            for seq, vector in forward.pooled:
+                req = self._requests.get(seq.seq_id)
+                if req is not None and req.seq is seq:
+                    req.embedding = vector.tolist()
             sampled = dict(zip((s.seq_id for s in forward.seqs), in_flight.drawn.read()))
             now = time.monotonic()
             self.policy.observe(plan, now - in_flight.start)
@@ -380,4 +385,4 @@ class LLMEngine:
         completion = CompletionOutput(0, text, req.output_ids, seq.finish_reason, req.logprobs, req.timestamps)
         return RequestOutput(seq.seq_id, req.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
                              seq.arrival_time, seq.num_cached_tokens, seq.num_cache_write_tokens,
-                             seq.first_scheduled_time, req.prompt_logprobs)
+                             seq.first_scheduled_time, req.prompt_logprobs, req.embedding)

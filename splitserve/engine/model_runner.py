@@ -59,11 +59,13 @@ class StepChannel(Protocol):
 @dataclass(frozen=True)
 class Forward:
     """One iteration's results: the sequences that sample, their logits [n, vocab] (float32) in the
-    same order, and the prompt rows of the sequences that asked for prompt logprobs."""
+    same order, the prompt rows of the sequences that asked for prompt logprobs, and the last
+    prompt row's hidden state [hidden], L2-normalized in float32, of those that asked for an embedding."""
 
     seqs: list[Sequence]
     logits: torch.Tensor
     prompt_rows: list[PromptRows]
+    pooled: list[tuple[Sequence, torch.Tensor]]
 
 
 class ModelRunner:
@@ -97,7 +99,10 @@ class ModelRunner:
             self.channel.end()
         rows = [batch.query_starts[i + 1] - 1 for i, item in enumerate(items) if item.samples]
         logits = self.model.compute_logits(hidden[_row_index(rows, hidden.device)]).float()
-        return Forward([item.seq for item in items if item.samples], logits, _prompt_rows(items, batch, hidden))
+        sampling = [item.seq for item in items if item.samples]
+        pooled = [(seq, torch.nn.functional.normalize(hidden[row].float(), dim=-1))
+                  for seq, row in zip(sampling, rows) if seq.params.embed]
+        return Forward(sampling, logits, _prompt_rows(items, batch, hidden), pooled)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:

@@ -33,6 +33,7 @@ class RequestOutput:
     # per prompt position: {token id: logprob}, the prompt's token included; None at position 0.
     # None when not asked for, and on a token worker (the prompt worker computed them)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # with SamplingParams.embed, once its prefill ran (else None)
 
     @property
     def token_ids(self) -> list[int]:

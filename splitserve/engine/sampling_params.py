@@ -67,13 +67,16 @@ class SamplingParams:
     # vLLM's: prefix-cache blocks are shared only between requests of the same salt (prefix_hash.chain_root)
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: with scheduling_policy priority, a lower value is scheduled first
+    # the prompt's embedding: its last position's final hidden state, L2-normalized (last-token
+    # pooling, as decoder embedding models such as Qwen3-Embedding and e5-mistral pool); max_tokens 1
+    embed: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
         _check(all(t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be ids >= 0, got {self.stop_token_ids!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize", "embed"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
@@ -83,6 +86,7 @@ class SamplingParams:
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        _check(not self.embed or self.max_tokens == 1, f"embed needs max_tokens 1 (its prefill's), got {self.max_tokens}")
         _check(self.lora is None or (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME),
                f"lora must be an adapter's name (1 to {MAX_LORA_NAME} characters) or None, got {self.lora!r}")
         _check(self.lora_identity is None or (self.lora is not None and isinstance(self.lora_identity, str)),

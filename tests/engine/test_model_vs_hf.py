@@ -198,6 +198,33 @@ def test_greedy_generation_matches_hf(ckpt, policy):
     assert sum(o.num_cached_tokens for o in again) > 0
 
 
+# ---- embeddings ---------------------------------------------------------------------------
+def test_embeddings_are_the_last_tokens_final_hidden_state_normalized(ckpt):
+    """`LLM.embed` (last-token pooling, L2-normalized) against transformers' base model's
+    `last_hidden_state` at each prompt's last token: prompts of several lengths batched, one
+    chunked (chunk_token_budget 16), and a prompt whose blocks the prefix cache already holds."""
+    path, hf = ckpt
+    vocab = hf.config.vocab_size
+    prompts = [prompt_ids(3, 5, vocab), prompt_ids(4, 37, vocab), prompt_ids(5, 16, vocab)]
+    llm = LLM(path, chunk_token_budget=16, dtype="float32", **ENGINE_ARGS)
+    with torch.inference_mode():
+        expected = [torch.nn.functional.normalize(
+            hf.get_decoder()(input_ids=torch.tensor([ids])).last_hidden_state[0, -1].float(), dim=-1)
+            for ids in prompts]
+    for attempt in range(2):  # the second: the prompts' full blocks come from the prefix cache
+        got = llm.embed(prompts)
+        assert [len(vector) for vector in got] == [hf.config.hidden_size] * 3
+        for ours, ref in zip(got, expected):
+            assert max_diff(torch.tensor(ours), ref) <= 1e-5, attempt
+    assert max_diff(expected[0], expected[1]) > 0.1  # distinct prompts, distinct embeddings
+
+
+def test_an_embedding_request_asks_one_token():
+    with pytest.raises(ValueError, match="embed needs max_tokens 1"):
+        SamplingParams(embed=True, max_tokens=2)
+    assert SamplingParams(max_tokens=1).embed is False
+
+
 # ---- half precision -----------------------------------------------------------------------
 _HALF_MODELS: dict = {}
 
