@@ -119,9 +119,15 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+BACKBONE_NAMES = ("embed_tokens.", "layers.", "norm.")  # a base model's tensors, as its own checkpoint names them
+
+
 def _model_name(file: Path, name: str, config: ModelConfig | None) -> str | None:
     """The model's name of a checkpoint tensor; None for one it does not serve (a multimodal
-    checkpoint's vision tower)."""
+    checkpoint's vision tower). A checkpoint saved from the base model names the backbone's tensors
+    without `model.` (Qwen3-Embedding's, whose tied LM head it does not hold)."""
+    if name.startswith(BACKBONE_NAMES):
+        return f"model.{name}"
     if config is None or not config.weights_prefix:
         return name
     if name.startswith(config.skipped_weights):

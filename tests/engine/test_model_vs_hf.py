@@ -219,6 +219,25 @@ def test_embeddings_are_the_last_tokens_final_hidden_state_normalized(ckpt):
     assert max_diff(expected[0], expected[1]) > 0.1  # distinct prompts, distinct embeddings
 
 
+def test_a_checkpoint_of_the_base_model_alone_loads_and_embeds(tmp_path, tokenizers_by_kind):
+    """How Qwen3-Embedding ships: the backbone's tensors without the `model.` prefix, and no LM head
+    (tied to the embeddings)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = write_checkpoint(tmp_path, "qwen3_qk_norm", tokenizers_by_kind)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({name.removeprefix("model."): tensor for name, tensor in tensors.items()
+               if not name.startswith("lm_head.")}, weights, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    ids = prompt_ids(3, 20, hf.config.vocab_size)
+    [ours] = LLM(str(tmp_path), dtype="float32", **ENGINE_ARGS).embed([ids])
+    with torch.inference_mode():
+        ref = hf.get_decoder()(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+    assert max_diff(torch.tensor(ours), torch.nn.functional.normalize(ref.float(), dim=-1)) <= 1e-5
+
+
 def test_an_embedding_request_asks_one_token():
     with pytest.raises(ValueError, match="embed needs max_tokens 1"):
         SamplingParams(embed=True, max_tokens=2)
