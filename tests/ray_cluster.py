@@ -206,3 +206,13 @@ def worker_actor(app: str, worker_id: str):
     from splitserve.cluster.controller import WORKER_NAMESPACE
 
     return ray.get_actor(f"{app}-{worker_id}", namespace=WORKER_NAMESPACE)
+
+
+def count_reserves(actor) -> None:
+    """Run in a token worker's actor: its loop counts the KV reservations it is asked for (`actor.reserves`)."""
+    reserve, actor.reserves = actor.loop.reserve, 0
+
+    def counted(*args, **kwargs):
+        actor.reserves += 1
+        return reserve(*args, **kwargs)
+    actor.loop.reserve = counted

@@ -37,10 +37,13 @@ class RequestLimits:
             chars = sum(_content_chars(m.content) + len(m.thinking or "") for m in request.messages)
             _at_most(chars, self.max_prompt_chars, "messages", "characters of message content", status=413)
         elif isinstance(request, CompletionRequest):
-            prompts = request.prompts()
-            _at_most(len(prompts), self.max_prompts, "prompt", "prompts")
-            chars = sum(len(p) for p in prompts if isinstance(p, str))
-            _at_most(chars, self.max_prompt_chars, "prompt", "prompt characters", status=413)
+            self.check_prompts(request.prompts(), "prompt")
+
+    def check_prompts(self, prompts: list[str | list[int]], field: str) -> None:
+        """A request's prompts (a completion's, an embedding's inputs): how many, and their text."""
+        _at_most(len(prompts), self.max_prompts, field, "prompts")
+        chars = sum(len(p) for p in prompts if isinstance(p, str))
+        _at_most(chars, self.max_prompt_chars, field, "prompt characters", status=413)
 
 
 def _content_chars(content) -> int:

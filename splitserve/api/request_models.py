@@ -34,7 +34,7 @@ def only_values(*allowed, reason: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _prompts(value):
+def prompt_input(value):
     """One prompt (a string or a non-empty list of token ids) or a list of two or more; a list
     holding one prompt is that prompt."""
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
@@ -188,7 +188,7 @@ class GenerationRequest(StructuredOutputFields):
 class CompletionRequest(GenerationRequest):
     PROMPT_FIELD: ClassVar[str] = "prompt"
 
-    prompt: Annotated[str | list[int] | list[str | list[int]], BeforeValidator(_prompts)]
+    prompt: Annotated[str | list[int] | list[str | list[int]], BeforeValidator(prompt_input)]
     max_tokens: int | None = 16
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None  # the top alternatives per token
     echo: bool | None = False  # the prompt in front of the text, with its logprobs when those are asked for
@@ -297,16 +297,17 @@ def check_model(requested: str, served: ModelNames) -> str | None:
 def prompt_token_ids_of(request: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
     """Each prompt's token ids: a string is encoded (with the tokenizer's special tokens), a token
     list is checked against the vocabulary and used as is."""
-    return [_token_ids(prompt, tokenizer) for prompt in request.prompts()]
+    return [token_ids_of(prompt, tokenizer) for prompt in request.prompts()]
 
 
-def _token_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
+def token_ids_of(prompt: str | list[int], tokenizer: Tokenizer, field: str = "prompt") -> list[int]:
+    """One prompt's token ids; a 400 naming `field` for an empty one or an id past the vocabulary."""
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
         if not ids:
-            raise RequestError("prompt: the prompt is empty; send at least one token", param="prompt")
+            raise RequestError(f"{field}: the {field} is empty; send at least one token", param=field)
         return ids
-    check_in_vocabulary(prompt, tokenizer.vocab_size, "prompt")
+    check_in_vocabulary(prompt, tokenizer.vocab_size, field)
     return list(prompt)
 
 

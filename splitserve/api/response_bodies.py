@@ -14,10 +14,10 @@ from splitserve.api.usage import Usage
 FinishReason = Literal["stop", "length", "tool_calls"]
 SSE_DONE: bytes = b"data: [DONE]\n\n"
 CHUNK_OBJECTS = {"completion": "text_completion", "chat": "chat.completion.chunk"}
-ID_PREFIXES = {"completion": "cmpl", "chat": "chatcmpl"}
+ID_PREFIXES = {"completion": "cmpl", "chat": "chatcmpl", "embedding": "embd"}
 
 
-def new_request_id(kind: Literal["completion", "chat"]) -> str:
+def new_request_id(kind: Literal["completion", "chat", "embedding"]) -> str:
     return f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}"
 
 

@@ -138,6 +138,7 @@ class Run:
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None  # from the first attempt that computed them
     cached_tokens: int | None = None  # of the prompt, in the prefix cache of the first attempt that answered
     cache_write_tokens: int | None = None  # of the prompt, added to that prefix cache by its prefill
+    embedding: tuple[float, ...] | None = None  # with params.embed, once its prefill ran
     follow: Placement | None = None  # the first attempt goes where this placement went, if it still qualifies
     prefix: PrefixNaming = PrefixNaming()  # how to name the prompt's blocks to the CLS (by default: not at all)
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first token, or when it ends without
@@ -272,7 +273,8 @@ class Run:
                     yield self._record(TokenDelta(tuple(new), delta.finish_reason, logprobs=logprobs,
                                                   prompt_logprobs=delta.prompt_logprobs,
                                                   cached_tokens=delta.cached_tokens,
-                                                  cache_write_tokens=delta.cache_write_tokens))
+                                                  cache_write_tokens=delta.cache_write_tokens,
+                                                  embedding=delta.embedding))
 
     async def _await_first(self) -> TokenDelta:
         task, self._first = self._first, None
@@ -306,6 +308,8 @@ class Run:
     def _record(self, delta: TokenDelta) -> TokenDelta:
         if self.prompt_logprobs is None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if self.embedding is None:
+            self.embedding = delta.embedding
         if self.cached_tokens is None:
             self.cached_tokens, self.cache_write_tokens = delta.cached_tokens, delta.cache_write_tokens
         self.started.set()

@@ -18,6 +18,7 @@ from ray import serve
 from ray.exceptions import RayTaskError
 
 from splitserve.api import response_bodies as R
+from splitserve.api.embedding_request import embeddings_body, prepare_embeddings
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.guard import guard
 from splitserve.api.json_pieces import json_text
@@ -34,7 +35,8 @@ from splitserve.cluster import stored_conversations, stored_responses
 from splitserve.cluster.batch_manager import RemoteBatches
 from splitserve.cluster.choices_response import ChoicesResponse, choices_for
 from splitserve.cluster.dispatch import ClusterUnavailable, Overloaded, RequestFailed, Run, WorkerDirectory
-from splitserve.cluster.large_bodies import encoded, text_response
+from splitserve.cluster.embedding_runs import embeddings_of
+from splitserve.cluster.large_bodies import encoded, json_response, text_response
 from splitserve.cluster.lora_updates import LoraUpdateError
 from splitserve.cluster.metrics import RequestObservation
 from splitserve.cluster.observations import ObservationBuffer
@@ -58,6 +60,7 @@ class Ingress:
         model_config, self.tokenizer, self.max_model_len = load_metadata(self.config.model,
                                                                          self.config.engine.engine_config("token"))
         self.config.check_model(model_config)
+        self.hidden_size = model_config.hidden_size  # an embedding's dimensions
         self._grammar = LazyGrammar(self.tokenizer, model_config.vocab_size)
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         self._directory: WorkerDirectory | None = None
@@ -159,6 +162,26 @@ class Ingress:
     async def chat_completions(self, request: Request):
         return await self._handle(request, "chat")
 
+    @api.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's: each input's embedding (`embedding_request`), its prefill run whole on a prompt worker."""
+        started = time.monotonic()
+        await self._refresh_adapters()
+        try:
+            prepared = await asyncio.to_thread(prepare_embeddings, await request.body(), self.tokenizer, self.served,
+                                               self.max_model_len, self.limits, self.hidden_size)
+        except RequestError as error:
+            return error_response(error)
+        runs = await self._started_runs("embedding", prepared.prompts, [prepared.params] * len(prepared.prompts))
+        if isinstance(runs, Response):
+            return runs
+        try:
+            vectors = await embeddings_of(runs, started, self._observations.add)
+        except RequestFailed as error:
+            return error_response(error.as_error())
+        body = embeddings_body(prepared.request, vectors, sum(map(len, prepared.prompts)))
+        return await asyncio.to_thread(json_response, body)
+
     @api.post("/v1/responses")
     async def responses(self, request: Request):
         """OpenAI's Responses API, answered as the chat completion it asks for (`responses_request`),
@@ -251,16 +274,24 @@ class Ingress:
         return prepare_responses(ask.continuing(context), self.tokenizer, self.served, self.max_model_len, self.limits,
                                  self._grammar.check, self.config.chat_parsers)
 
-    async def _admit(self, kind: str, prepared: PreparedRequest, started: float, again: bool = False
-                     ) -> ChoicesResponse | Response:
-        """Every prompt's first choice admitted (or none: the refusal), and the response they make.
-        Refused because the CLS this replica knew is dead: once more, through the one that replaced it."""
+    async def _admit(self, kind: str, prepared: PreparedRequest, started: float) -> ChoicesResponse | Response:
+        """Every prompt's first choice admitted (or none: the refusal), and the response they make."""
+        leaders = await self._started_runs(kind, prepared.prompts, prepared.params)
+        if isinstance(leaders, Response):
+            return leaders
+        return choices_for(kind, prepared.request, leaders, self.tokenizer, started, self._observations.add,
+                           parsers=self.config.chat_parsers)
+
+    async def _started_runs(self, kind: str, prompts: list[list[int]], params: list, again: bool = False
+                            ) -> list[Run] | Response:
+        """A run per prompt, every one admitted, or none: the refusal. Refused because the CLS this
+        replica knew is dead: once more, through the one that replaced it."""
         workers = await self._workers()
         self._observations.start(self._cls)
         rid = R.new_request_id(kind)
-        leaders = [Run(rid if k == 0 else f"{rid}-p{k}", prompt, params, workers, self.config.scheduler.max_attempts,
+        leaders = [Run(rid if k == 0 else f"{rid}-p{k}", prompt, p, workers, self.config.scheduler.max_attempts,
                        prefix=self._adapters.prefix)
-                   for k, (prompt, params) in enumerate(zip(prepared.prompts, prepared.params))]
+                   for k, (prompt, p) in enumerate(zip(prompts, params))]
         admitted = 0
         try:
             for run in leaders:
@@ -276,10 +307,9 @@ class Ingress:
                     await earlier.abort()
         if refused is not None:
             if workers.dead and not again:
-                return await self._admit(kind, prepared, started, again=True)
+                return await self._started_runs(kind, prompts, params, again=True)
             return self._refusal(refused, leaders[admitted])
-        return choices_for(kind, prepared.request, leaders, self.tokenizer, started, self._observations.add,
-                           parsers=self.config.chat_parsers)
+        return leaders
 
     def _refusal(self, error: RequestFailed | Overloaded, run: Run) -> Response:
         """A 503 for a request no worker could run, a 429 with Retry-After when the cluster is full,

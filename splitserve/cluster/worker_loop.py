@@ -57,6 +57,7 @@ class TokenDelta:
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
     cached_tokens: int | None = None  # with a request's first delta: prompt tokens the prefix cache held
     cache_write_tokens: int | None = None  # ... and those its prefill added to the prefix cache
+    embedding: tuple[float, ...] | None = None  # with the first delta of a request asking one (SamplingParams.embed)
 
     @property
     def final(self) -> bool:
@@ -357,7 +358,8 @@ class WorkerLoop:
         prompt_logprobs = tuple(out.prompt_logprobs) if first and out.prompt_logprobs is not None else None
         sink(TokenDelta(new, out.finish_reason if out.finished else None, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs, cached_tokens=out.num_cached_tokens if first else None,
-                        cache_write_tokens=out.num_cache_write_tokens if first else None))
+                        cache_write_tokens=out.num_cache_write_tokens if first else None,
+                        embedding=tuple(out.embedding) if first and out.embedding is not None else None))
 
     def _fail(self, request_id: str, message: str) -> None:
         sink = self._sinks.get(request_id)

@@ -309,8 +309,8 @@ class IngressOptions(StrictModel):
     max_stop_string_chars: int = Field(256, ge=1, description="Longest `stop` string, in characters.")
     max_stop_token_ids: int = Field(64, ge=0, description="Most `stop_token_ids` per request.")
     max_chat_messages: int = Field(1024, ge=1, description="Most messages in one chat request.")
-    max_prompts: int = Field(128, ge=1, description="Most prompts in one completions request (`prompt` as a list "
-                             "of prompts).")
+    max_prompts: int = Field(128, ge=1, description="Most prompts in one completions request, or inputs in one "
+                             "embeddings request (`prompt` or `input` as a list of prompts).")
     max_upload_bytes: int = Field(200 << 20, ge=1024, description="Largest /v1/files upload (413 above it).")
     max_batch_lines: int = Field(50_000, ge=1, description="Most requests in one batch input file.")
     stored_responses: int = Field(10_000, ge=0, description="Most /v1/responses answers kept for "

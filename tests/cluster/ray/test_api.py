@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from splitserve import SamplingParams
-from tests.ray_cluster import worker_actor
+from tests.ray_cluster import count_reserves, worker_actor
 
 PROMPT = "The disaggregated cluster says"
 
@@ -190,23 +190,13 @@ def test_echo_scores_the_prompt_with_the_prompt_workers_logprobs_whole_and_strea
     assert generated.text == prompt + out.text and len(generated.logprobs.tokens) == len(ids) + 4
 
 
-def _count_reserves(actor) -> None:
-    """The token worker's loop counts the KV reservations it is asked for (`actor.reserves`)."""
-    reserve, actor.reserves = actor.loop.reserve, 0
-
-    def counted(*args, **kwargs):
-        actor.reserves += 1
-        return reserve(*args, **kwargs)
-    actor.loop.reserve = counted
-
-
 def test_a_scoring_request_runs_on_its_prompt_worker_alone(server, client):
     """Echo with max_tokens 0 (what evaluation harnesses send) or a one-token answer: its token is
     the prefill's, so the prompt worker runs it whole and no token worker reserves or receives its
     KV, however long the prompt; a request that decodes still goes to the token worker."""
     status = httpx.get(f"{server}/v1/cluster/status").json()
     token = worker_actor("main", next(w for w, s in status["workers"].items() if s["pool"] == "token"))
-    ray.get(token.__ray_call__.remote(_count_reserves), timeout=60)
+    ray.get(token.__ray_call__.remote(count_reserves), timeout=60)
     try:
         for prompt in (PROMPT, "s" * 700):
             client.completions.create(model="demo", prompt=prompt, echo=True, logprobs=1, max_tokens=0)

@@ -1,0 +1,88 @@
+"""OpenAI's embeddings (`POST /v1/embeddings`): a request's inputs as token ids, each run as a
+prompt-only request asking its embedding (`SamplingParams.embed`: the last token's final hidden
+state, L2-normalized), and the response body. `dimensions` keeps a vector's first that many values,
+normalized again (Matryoshka embeddings, as OpenAI's text-embedding-3 and Qwen3-Embedding
+truncate); `encoding_format: base64` sends each vector as little-endian float32 bytes."""
+from __future__ import annotations
+
+import base64
+import math
+import struct
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, Field
+
+from splitserve.api.errors import RequestError
+from splitserve.api.limits import RequestLimits
+from splitserve.api.request_models import ModelNames, check_model, parse_request, prompt_input, token_ids_of
+from splitserve.api.strict_model import STRICT
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import Tokenizer
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = STRICT
+    model: str
+    input: Annotated[str | list[int] | list[str | list[int]], BeforeValidator(prompt_input)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int | None, Field(ge=1)] = None
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Every input: one, or the several of a list (each its own embedding, in order)."""
+        several = isinstance(self.input, list) and not all(isinstance(t, int) for t in self.input)
+        return self.input if several else [self.input]
+
+
+@dataclass(frozen=True)
+class PreparedEmbeddings:
+    request: EmbeddingRequest
+    prompts: list[list[int]]  # each input's token ids
+    params: SamplingParams  # every input's
+
+
+def prepare_embeddings(raw: bytes, tokenizer: Tokenizer, served: ModelNames, max_model_len: int,
+                       limits: RequestLimits, hidden_size: int) -> PreparedEmbeddings:
+    """RequestError (a 4xx naming the field) on a bad body, too many or too long inputs, or more
+    `dimensions` than the model's hidden size."""
+    body = parse_request(EmbeddingRequest, raw)
+    lora = check_model(body.model, served)
+    inputs = body.inputs()
+    limits.check_prompts(inputs, "input")
+    if "" in inputs:  # OpenAI's rule: a text that is nothing has no embedding
+        raise RequestError("input: an input is an empty string", param="input")
+    if body.dimensions is not None and body.dimensions > hidden_size:
+        raise RequestError(f"dimensions: this model's embeddings have {hidden_size}, got {body.dimensions}",
+                           param="dimensions")
+    prompts = [token_ids_of(text, tokenizer, "input") for text in inputs]
+    longest = max(len(prompt) for prompt in prompts)
+    if longest >= max_model_len:  # its prefill samples one token, as any request's does
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, an input has "
+                           f"{longest} tokens. Please reduce the length of the input.", param="input",
+                           code="context_length_exceeded")
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, embed=True, lora=lora)
+    return PreparedEmbeddings(body, prompts, params)
+
+
+def embeddings_body(request: EmbeddingRequest, vectors: list[tuple[float, ...]], prompt_tokens: int) -> dict:
+    """OpenAI's response: a list of embedding objects, in the inputs' order, and the usage."""
+    data = [{"object": "embedding", "index": index, "embedding": _encoded(_truncated(vector, request.dimensions),
+                                                                       request.encoding_format)}
+            for index, vector in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": request.model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def _truncated(vector: tuple[float, ...], dimensions: int | None) -> tuple[float, ...]:
+    if dimensions is None or dimensions >= len(vector):
+        return vector
+    kept = vector[:dimensions]
+    norm = math.sqrt(math.fsum(x * x for x in kept)) or 1.0
+    return tuple(x / norm for x in kept)
+
+
+def _encoded(vector: tuple[float, ...], encoding: str) -> list[float] | str:
+    if encoding == "float":
+        return list(vector)
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
