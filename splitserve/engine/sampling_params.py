@@ -86,7 +86,8 @@ class SamplingParams:
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
-        _check(not self.embed or self.max_tokens == 1, f"embed needs max_tokens 1 (its prefill's), got {self.max_tokens}")
+        _check(not self.embed or self.max_tokens == 1,
+               f"embed needs max_tokens 1 (its prefill's), got {self.max_tokens}")
         _check(self.lora is None or (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME),
                f"lora must be an adapter's name (1 to {MAX_LORA_NAME} characters) or None, got {self.lora!r}")
         _check(self.lora_identity is None or (self.lora is not None and isinstance(self.lora_identity, str)),
