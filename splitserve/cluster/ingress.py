@@ -45,6 +45,7 @@ from splitserve.cluster.served_adapters import ServedAdapters
 from splitserve.config import ClusterConfig
 from splitserve.engine.model_builder import load_metadata
 from splitserve.engine.prefix_hash import PrefixNaming
+from splitserve.engine.sampling_params import SamplingParams
 
 api = guard(FastAPI(title="splitserve", description="OpenAI-compatible API of a splitserve cluster"))
 api.include_router(batch_routes.router)
@@ -282,8 +283,8 @@ class Ingress:
         return choices_for(kind, prepared.request, leaders, self.tokenizer, started, self._observations.add,
                            parsers=self.config.chat_parsers)
 
-    async def _started_runs(self, kind: str, prompts: list[list[int]], params: list, again: bool = False
-                            ) -> list[Run] | Response:
+    async def _started_runs(self, kind: str, prompts: list[list[int]], params: list[SamplingParams],
+                            again: bool = False) -> list[Run] | Response:
         """A run per prompt, every one admitted, or none: the refusal. Refused because the CLS this
         replica knew is dead: once more, through the one that replaced it."""
         workers = await self._workers()
