@@ -26,9 +26,8 @@ class AdapterIndex:
 
     def update(self, worker: WorkerState) -> None:
         """`worker`'s report or placements changed."""
-        worker_id, load = worker.worker_id, worker.load
-        held = frozenset((*load.lora_resident, *worker.placed_adapters)) \
-            if load.lora_resident or worker.placed_adapters else NOTHING
+        worker_id, resident = worker.worker_id, worker.load.lora_resident
+        held = frozenset((*resident, *worker.placed_adapters)) if resident or worker.placed_adapters else NOTHING
         old = self._held.get(worker_id, NOTHING)
         if held != old:
             for identity in old - held:
@@ -36,7 +35,7 @@ class AdapterIndex:
             for identity in held - old:
                 self._holders.setdefault(identity, set()).add(worker_id)
             self._held[worker_id] = held
-        if not load.lora_slots or load.lora_idle_slots > len(worker.placed_adapters):
+        if worker.has_idle_slot():
             self.idle.add(worker_id)
         else:
             self.idle.discard(worker_id)
@@ -46,7 +45,7 @@ class AdapterIndex:
         worker_id = worker.worker_id
         self._held[worker_id] = self._held.get(worker_id, NOTHING) | {identity}
         self._holders.setdefault(identity, set()).add(worker_id)
-        if worker.load.lora_slots and worker.load.lora_idle_slots <= len(worker.placed_adapters):
+        if not worker.has_idle_slot():
             self.idle.discard(worker_id)
 
     def remove(self, worker_id: str) -> None:

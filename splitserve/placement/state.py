@@ -268,10 +268,14 @@ class WorkerState:
         slot, or was placed here since the report), 1 a swap into an idle slot (or no slots
         reported yet: a worker starts with empty ones), 2 a wait for a slot (every one bound to
         other adapters' sequences, or taken by those placed since)."""
-        load = self.load
-        if identity is None or identity in load.lora_resident or identity in self.placed_adapters:
+        if identity is None or identity in self.load.lora_resident or identity in self.placed_adapters:
             return 0
-        return 1 if not load.lora_slots or load.lora_idle_slots > len(self.placed_adapters) else 2
+        return 1 if self.has_idle_slot() else 2
+
+    def has_idle_slot(self) -> bool:
+        """An adapter it does not hold takes a slot at once: one was idle by its report and not
+        taken by those placed since (or it has reported no slots yet: a worker starts with empty ones)."""
+        return not self.load.lora_slots or self.load.lora_idle_slots > len(self.placed_adapters)
 
     def prompt_queue(self) -> float:
         return (self.load.pending_prompt_tokens + self.placed_prompt_tokens) / self.hardware.prompt_speed
