@@ -270,11 +270,7 @@ class Run:
                 emitted = max(emitted, position)
                 if new or delta.finish_reason:
                     logprobs = None if delta.logprobs is None else delta.logprobs[seen:]
-                    yield self._record(TokenDelta(tuple(new), delta.finish_reason, logprobs=logprobs,
-                                                  prompt_logprobs=delta.prompt_logprobs,
-                                                  cached_tokens=delta.cached_tokens,
-                                                  cache_write_tokens=delta.cache_write_tokens,
-                                                  embedding=delta.embedding))
+                    yield self._record(replace(delta, token_ids=tuple(new), logprobs=logprobs))
 
     async def _await_first(self) -> TokenDelta:
         task, self._first = self._first, None
