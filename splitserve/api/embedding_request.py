@@ -61,8 +61,7 @@ def prepare_embeddings(raw: bytes, tokenizer: Tokenizer, served: ModelNames, max
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, an input has "
                            f"{longest} tokens. Please reduce the length of the input.", param="input",
                            code="context_length_exceeded")
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, embed=True, lora=lora)
-    return PreparedEmbeddings(body, prompts, params)
+    return PreparedEmbeddings(body, prompts, SamplingParams.embedding(lora))
 
 
 def embeddings_body(request: EmbeddingRequest, vectors: list[tuple[float, ...]], prompt_tokens: int) -> dict:

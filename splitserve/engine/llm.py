@@ -47,8 +47,7 @@ class LLM:
     def embed(self, prompts: PromptInput | Seq[PromptInput], lora: str | None = None) -> list[list[float]]:
         """vLLM's `LLM.embed`: each prompt's embedding (`SamplingParams.embed`: its last token's
         final hidden state, L2-normalized), in the order of the prompts."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, embed=True, lora=lora)
-        return [out.embedding for out in self.generate(prompts, params)]
+        return [out.embedding for out in self.generate(prompts, SamplingParams.embedding(lora))]
 
     def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams | None]) -> list[str]:
         """Add every request, or none: a bad one is rejected before any runs."""

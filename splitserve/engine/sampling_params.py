@@ -130,6 +130,12 @@ class SamplingParams:
             _check(value is None or (_is_number(value) and math.isfinite(value) and value > 0),
                    f"{name} must be a finite number of seconds > 0 or None, got {value!r}")
 
+    @classmethod
+    def embedding(cls, lora: str | None = None) -> SamplingParams:
+        """A request for the prompt's embedding alone (under adapter `lora`): its prefill, one
+        greedy token not decoded to text."""
+        return cls(max_tokens=1, temperature=0.0, detokenize=False, embed=True, lora=lora)
+
     def ids_only(self) -> SamplingParams:
         """These params for a caller that decodes the output ids itself (a cluster's ingress, a
         batch's response): the engine then decodes text only to find stop strings."""
