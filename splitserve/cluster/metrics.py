@@ -18,13 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from splitserve.cluster.bucket_counts import BucketCounts, CountedHistogram
 from splitserve.cluster.worker_stats import WorkerStats
-from splitserve.placement.state import Role, WorkerLoad
+from splitserve.placement.state import ADAPTER_WAITS, Role, WorkerLoad
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 OUTCOMES = ("completed", "failed", "rejected", "aborted")
-ADAPTER_SLOTS = ("held", "idle", "busy")  # by `WorkerState.adapter_wait`
 SLOS = ("ttft", "tbt", "e2e")
 WORKER_LABELS = ("model", "worker", "pool", "hardware")
 REQUEST_LABELS = ("model", "lora")
@@ -161,7 +160,7 @@ class ClusterMetrics:
                                        "other adapters: the request waits for one there (busy)",
                                        ("model", "slot"), registry=self.registry)
         self._adapter_placements = [0, 0, 0]
-        for slot in ADAPTER_SLOTS:
+        for slot in ADAPTER_WAITS:
             self.lora_placements.labels(self.model, slot)
         for origin, target in (("prompt", "mixed"), ("token", "mixed"), ("mixed", "prompt"), ("mixed", "token"),
                                ("prompt", "token"), ("token", "prompt")):
@@ -265,7 +264,7 @@ class ClusterMetrics:
 
     def record_adapter_placements(self, totals: list[int]) -> None:
         """The CLS's counts so far (`ClusterState.adapter_placements`)."""
-        for slot, total, before in zip(ADAPTER_SLOTS, totals, self._adapter_placements):
+        for slot, total, before in zip(ADAPTER_WAITS, totals, self._adapter_placements):
             self.lora_placements.labels(self.model, slot).inc(total - before)
         self._adapter_placements = list(totals)
 

@@ -10,6 +10,7 @@ from splitserve.placement.hardware import HardwareProfile
 MAX_PREFIX_BLOCKS = 2048  # block hashes a request names at most (its first ones: still a chain)
 MAX_ADAPTER_SLOTS = 64  # LoRA adapter slots a worker reports at most (EngineConfig.max_loras' bound)
 MAX_IDENTITY_CHARS = 256  # the longest adapter identity a request or report names
+ADAPTER_WAITS = ("held", "idle", "busy")  # what `WorkerState.adapter_wait` 0, 1, 2 found, as reports name it
 # placements a request gets while the token workers chosen refuse its reservation (the CLS placed
 # by load reports the decodes since have outgrown): each excludes the ones before, then a 429
 REFUSED_TRIES = 3

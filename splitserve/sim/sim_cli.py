@@ -23,6 +23,7 @@ from tqdm import tqdm
 from splitserve.bench.report import markdown_table, write_outputs
 from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
 from splitserve.command import report_errors
+from splitserve.placement.state import ADAPTER_WAITS
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, design
 from splitserve.sim.overhead import ServingOverhead
@@ -138,7 +139,7 @@ def run(args) -> dict:
                "kv_tokens_sent": result.kv_tokens_sent, "kv_tokens_reused": result.kv_tokens_reused,
                "placements_refused": result.placements_refused,
                "lora_swaps": sum(w.lora_swaps for w in result.workers),
-               "lora_placements": dict(zip(("held", "idle", "busy"), result.adapter_placements))}
+               "lora_placements": dict(zip(ADAPTER_WAITS, result.adapter_placements))}
     if args.out:
         out = Path(args.out)
         write_outputs(out, result.records, summary, f"simulated: {args.trace}")
