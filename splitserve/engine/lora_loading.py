@@ -93,11 +93,6 @@ class EngineAdapters:
         """Each adapter a request may name -> its identity (what its prefix-cache blocks chain from), in load order."""
         return dict(self.slots.host.names)
 
-    @property
-    def swaps(self) -> int:
-        """Adapters copied into a device slot from host memory so far."""
-        return 0 if self.residency is None else self.residency.swaps
-
     def identity_of(self, params: SamplingParams) -> str | None:
         """The identity of the adapter `params` names (None: the base model); a ValueError naming
         `lora` for one not loaded, or loaded again since the request was placed under it."""

@@ -390,4 +390,4 @@ class Simulation:
     def _worker_stats(self, worker: SimWorker, state: WorkerState) -> WorkerStats:
         return WorkerStats(worker.worker_id, self._hardware_of[worker.worker_id], state.home.value, state.pool.value,
                            worker.iterations, worker.busy_s, worker.num_prefills, self.pool_moves[worker.worker_id],
-                           worker.prefill_tokens, worker.lora_swaps)
+                           worker.prefill_tokens, worker.policy.adapter_swaps)

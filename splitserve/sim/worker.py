@@ -99,10 +99,6 @@ class SimWorker:
     def busy(self) -> bool:
         return self.plan is not None
 
-    @property
-    def lora_swaps(self) -> int:
-        return 0 if self.policy.adapters is None else self.policy.adapters.swaps
-
     def _write_slot(self, slot: int, identity: str) -> None:
         self.policy.adapters.identity[slot] = identity
         self._swaps_unpaid += 1

@@ -159,6 +159,11 @@ class Policy(ABC):
         self.held[seq.seq_id] = seq
 
     @property
+    def adapter_swaps(self) -> int:
+        """LoRA adapters written into a device slot from host memory so far."""
+        return 0 if self.adapters is None else self.adapters.swaps
+
+    @property
     def num_preempted_waiting(self) -> int:
         """Waiting sequences that were preempted: they go before any new import. One that awaits
         a slot for its adapter, not blocks, does not (imports take none it waits for)."""
@@ -226,8 +231,10 @@ class Policy(ABC):
     def _adapter_ready(self, seq: Sequence) -> bool:
         """Whether its adapter finds a slot (`AdapterResidency.ready`); once it does, a sequence
         that awaited one waits for blocks like any preempted one."""
-        if self.adapters is None or not self.adapters.ready(seq):
-            return self.adapters is None
+        if self.adapters is None:
+            return True
+        if not self.adapters.ready(seq):
+            return False
         seq.awaits_adapter_slot = False
         return True
 
