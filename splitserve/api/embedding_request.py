@@ -39,7 +39,12 @@ class EmbeddingRequest(BaseModel):
 class PreparedEmbeddings:
     request: EmbeddingRequest
     prompts: list[list[int]]  # each input's token ids
-    params: SamplingParams  # every input's
+    params: list[SamplingParams]  # each input's (one request's inputs share them)
+    runs_per_prompt = 1  # an input is one engine request, as a prompt's choices are several
+
+    def body(self, vectors: list[tuple[float, ...]]) -> dict:
+        """OpenAI's response: an embedding object per input, in order, and the usage."""
+        return embeddings_body(self.request, vectors, sum(map(len, self.prompts)))
 
 
 def prepare_embeddings(raw: bytes, tokenizer: Tokenizer, served: ModelNames, max_model_len: int,
@@ -61,7 +66,7 @@ def prepare_embeddings(raw: bytes, tokenizer: Tokenizer, served: ModelNames, max
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, an input has "
                            f"{longest} tokens. Please reduce the length of the input.", param="input",
                            code="context_length_exceeded")
-    return PreparedEmbeddings(body, prompts, SamplingParams.embedding(lora))
+    return PreparedEmbeddings(body, prompts, [SamplingParams.embedding(lora)] * len(prompts))
 
 
 def embeddings_body(request: EmbeddingRequest, vectors: list[tuple[float, ...]], prompt_tokens: int) -> dict:

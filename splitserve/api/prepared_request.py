@@ -39,9 +39,9 @@ class PreparedRequest:
     responses: ResponsesRequest | None = None  # the Responses request `request` is the chat of, if any
 
     @property
-    def num_runs(self) -> int:
-        """Engine requests it takes: every computed choice of every prompt."""
-        return len(self.prompts) * self.request.num_choices()[0]
+    def runs_per_prompt(self) -> int:
+        """Engine requests each prompt takes: its computed choices (`n`, `best_of`)."""
+        return self.request.num_choices()[0]
 
 
 def prepare_request(kind: str, raw: bytes, tokenizer, model: ModelNames, max_model_len: int,

@@ -26,13 +26,15 @@ class Usage:
 
     @classmethod
     def from_body(cls, body: dict) -> Usage:
-        """The counts of a usage body of either shape; details a body lacks count 0."""
+        """The counts of a usage body of either shape, or an embeddings response's; details a body
+        lacks count 0."""
         if "input_tokens" in body:
             inputs, outputs = body.get("input_tokens_details", {}), body.get("output_tokens_details", {})
             prompt, completion = body["input_tokens"], body["output_tokens"]
         else:
             inputs, outputs = body.get("prompt_tokens_details", {}), body.get("completion_tokens_details", {})
-            prompt, completion = body["prompt_tokens"], body["completion_tokens"]
+            prompt = body["prompt_tokens"]  # an embeddings body has no completion tokens: its total is its prompt
+            completion = body["completion_tokens"] if "completion_tokens" in body else body["total_tokens"] - prompt
         return cls(prompt, completion, inputs.get("cached_tokens", 0), outputs.get("reasoning_tokens", 0),
                    inputs.get("cache_write_tokens", 0))
 

@@ -1,7 +1,8 @@
 """A batch file run on one in-process engine (`splitserve batch`, and the batch API's executor
 when no cluster serves it): lines prepared like HTTP requests, run in BlendServe (or dfs / fcfs)
 order, every result synced to the output or error log as it finishes, so a rerun after a crash
-resumes where the logs end. A result line's body is what the line's endpoint would answer."""
+resumes where the logs end. A result line's body is what the line's endpoint would answer (an
+embeddings line's: its inputs' embeddings, each a prompt-only request)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,10 +21,11 @@ from splitserve.api.usage import Usage
 from splitserve.api.visible_text import TextStream
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_runner import BatchStats, run_batch
-from splitserve.batch.lines import BatchLine, answer_line, prepare_pending
+from splitserve.batch.lines import BatchLine, LineRules, Prepared, answer_line, prepare_pending
 from splitserve.batch.results import ResultLog
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 
 
@@ -34,18 +36,17 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: ModelNames, outp
     """Run every line without a result in `output` or `errors`; lines already there count as
     samples of output length. A line runs as one engine request per computed choice (`n`,
     `best_of`) of each of its prompts, each choice with its seed (the order keeps a prompt's
-    choices together, so it is prefilled once), and is logged when its last one ends.
+    choices together, so it is prefilled once), or per input of an embeddings line, and is logged
+    when its last one ends.
     `on_result(ok)` after each line is logged; `parsers`: how chat outputs are read."""
     grammar = LazyGrammar(engine.tokenizer, engine.model_config.vocab_size)
-    jobs, finished_lines = prepare_pending(lines, engine.tokenizer, model, engine.max_model_len, output, errors,
-                                           on_result, limits, grammar.check, parsers)
-    runs = [prepared.num_runs for _, prepared in jobs]
-    keys = [(job, run) for job in range(len(jobs)) for run in range(runs[job])]  # run: prompt k's choice i
-    items = []
-    for job, run in keys:
-        prepared = jobs[job][1]
-        k, index = divmod(run, prepared.request.num_choices()[0])
-        items.append((prepared.prompts[k], choice_params(prepared.params[k], index).ids_only()))  # response() decodes
+    rules = LineRules(engine.tokenizer, model, engine.max_model_len, engine.model_config.hidden_size, limits,
+                      grammar.check, parsers)
+    jobs, finished_lines = prepare_pending(lines, rules, output, errors, on_result)
+    requests = [_engine_requests(prepared) for _, prepared in jobs]
+    runs = [len(mine) for mine in requests]
+    keys = [(job, run) for job in range(len(jobs)) for run in range(runs[job])]
+    items = [item for mine in requests for item in mine]
     finished = {key: finished_lines[job] // runs[job] for key, (job, _) in enumerate(keys) if job in finished_lines}
     ended: dict[int, dict[int, RequestOutput]] = {}  # job -> its runs' outputs, until all have ended
 
@@ -56,11 +57,20 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: ModelNames, outp
         outs[run] = out
         if len(outs) == runs[job]:
             del ended[job]
-            body = response(line.runs_as, prepared, [outs[i] for i in range(runs[job])], engine.tokenizer, parsers)
+            ordered = [outs[i] for i in range(runs[job])]
+            body = (prepared.body([out.embedding for out in ordered]) if line.kind == "embedding"
+                    else response(line.runs_as, prepared, ordered, engine.tokenizer, parsers))
             output.append(answer_line(line, prepared, body))
             on_result(True)
 
     return run_batch(engine, items, options, record, finished, stop=stop)
+
+
+def _engine_requests(prepared: Prepared) -> list[tuple[list[int], SamplingParams]]:
+    """A line's engine requests, in order: every computed choice of each prompt (prompt k's choice i
+    at k x computed + i; an embeddings line's inputs, once each), the ids alone (`response` decodes them)."""
+    return [(prompt, choice_params(params, index).ids_only())
+            for prompt, params in zip(prepared.prompts, prepared.params) for index in range(prepared.runs_per_prompt)]
 
 
 def response(kind: str, prepared: PreparedRequest, outs: list[RequestOutput], tokenizer: Tokenizer,

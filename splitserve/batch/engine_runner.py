@@ -57,9 +57,10 @@ class BatchStats:
 
 def offline_request(key: int, prompt_token_ids: list[int], params: SamplingParams, choices: int = 1
                     ) -> OfflineRequest:
-    """Its output length is known when it cannot stop early (EOS ignored, no stop conditions)."""
+    """Its output length is known when it cannot stop early (EOS ignored, no stop conditions; one
+    token at most is one token: its prefill's, an embedding's included)."""
     unstoppable = params.ignore_eos and not params.stop and not params.stop_token_ids
-    fixed = params.min_tokens == params.max_tokens or unstoppable
+    fixed = params.max_tokens == 1 or params.min_tokens == params.max_tokens or unstoppable
     return OfflineRequest(key, tuple(prompt_token_ids), params.max_tokens, params.max_tokens if fixed else None,
                           choices)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from splitserve.api import client_json
 from splitserve.api.chat_parsers import ChatParsers
+from splitserve.api.embedding_request import PreparedEmbeddings, prepare_embeddings
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import ConstraintCheck, PreparedRequest, prepare_request
@@ -16,16 +17,20 @@ from splitserve.api.request_models import ModelNames
 from splitserve.api.responses_bodies import response_from_chat
 from splitserve.api.usage import Usage
 from splitserve.batch.results import ResultLog
+from splitserve.engine.tokenizer import Tokenizer
 
-ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
+ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "responses",
+             "/v1/embeddings": "embedding"}
 MAX_REPORTED_ERRORS = 100
+
+Prepared = PreparedRequest | PreparedEmbeddings  # a generation line's, or an embeddings line's
 
 
 @dataclass(frozen=True)
 class BatchLine:
     line: int  # 1-based line number in the input file
     custom_id: str
-    kind: str  # "completion" | "chat" | "responses"
+    kind: str  # "completion" | "chat" | "responses" | "embedding"
     body: dict
 
     @property
@@ -111,30 +116,45 @@ def _error(code: str, message: str, line: int | None = None, param: str | None =
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def prepare(line: BatchLine, tokenizer, model: ModelNames, max_model_len: int,
-            limits: RequestLimits = RequestLimits(), check_constraint: ConstraintCheck | None = None,
-            parsers: ChatParsers = ChatParsers(), priority: int = 0) -> PreparedRequest:
-    """Tokenize and check one request as its endpoint would (RequestError on a bad body); one whose
-    body names no `priority` runs at `priority` (`batch.priority`)."""
-    prepared = prepare_request(line.kind, json.dumps(line.body).encode(), tokenizer, model, max_model_len, limits,
-                               check_constraint, parsers)
-    if not priority or "priority" in line.body:
+@dataclass(frozen=True)
+class LineRules:
+    """What a batch's lines are checked against, as the HTTP endpoints check requests: the model
+    served and the server's bounds. A line whose body names no `priority` runs at `priority`
+    (`batch.priority`)."""
+    tokenizer: Tokenizer
+    model: ModelNames
+    max_model_len: int
+    hidden_size: int  # the most `dimensions` an embeddings line may ask
+    limits: RequestLimits = RequestLimits()
+    check_constraint: ConstraintCheck | None = None
+    parsers: ChatParsers = ChatParsers()
+    priority: int = 0
+
+
+def prepare(line: BatchLine, rules: LineRules) -> Prepared:
+    """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
+    raw = json.dumps(line.body).encode()
+    if line.kind == "embedding":
+        prepared = prepare_embeddings(raw, rules.tokenizer, rules.model, rules.max_model_len, rules.limits,
+                                      rules.hidden_size)
+    else:
+        prepared = prepare_request(line.kind, raw, rules.tokenizer, rules.model, rules.max_model_len, rules.limits,
+                                   rules.check_constraint, rules.parsers)
+    if not rules.priority or "priority" in line.body:
         return prepared
-    return replace(prepared, params=[replace(p, priority=priority) for p in prepared.params])
+    return replace(prepared, params=[replace(p, priority=rules.priority) for p in prepared.params])
 
 
-def prepare_pending(lines: list[BatchLine], tokenizer, model: ModelNames, max_model_len: int, output: ResultLog,
-                    errors: ResultLog, on_result: Callable[[bool], None], limits: RequestLimits = RequestLimits(),
-                    check_constraint: ConstraintCheck | None = None, parsers: ChatParsers = ChatParsers(),
-                    priority: int = 0) -> tuple[list[tuple[BatchLine, PreparedRequest]], dict[int, int]]:
+def prepare_pending(lines: list[BatchLine], rules: LineRules, output: ResultLog, errors: ResultLog,
+                    on_result: Callable[[bool], None]) -> tuple[list[tuple[BatchLine, Prepared]], dict[int, int]]:
     """The lines that tokenize and check (a bad one's error is logged now, unless it already
     was), keyed by position, and the output lengths of those already done (to skip, and to serve
-    as samples); `priority`: as `prepare`'s."""
+    as samples)."""
     jobs, finished = [], {}
     for line in lines:
         done = output.done.get(line.custom_id) or errors.done.get(line.custom_id)
         try:
-            prepared = prepare(line, tokenizer, model, max_model_len, limits, check_constraint, parsers, priority)
+            prepared = prepare(line, rules)
         except RequestError as error:
             if done is None:
                 errors.append(error_line(line.custom_id, error))
@@ -152,10 +172,10 @@ def result_line(custom_id: str, status_code: int, body: dict) -> dict:
                              "body": body})
 
 
-def answer_line(line: BatchLine, prepared: PreparedRequest, body: dict) -> dict:
-    """A line's output line, from the completion or chat response body computed for it (a Responses
-    line's: the Response made of it)."""
-    return result_line(line.custom_id, 200, body if prepared.responses is None
+def answer_line(line: BatchLine, prepared: Prepared, body: dict) -> dict:
+    """A line's output line, from the response body computed for it (a Responses line's: the
+    Response made of the chat completion it asked for)."""
+    return result_line(line.custom_id, 200, body if line.kind != "responses"
                        else response_from_chat(prepared.responses, body))
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import inspect
 
 from splitserve.api.errors import RequestError
+from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.batch.blend.cost import ModelShape
+from splitserve.batch.lines import LineRules
 from splitserve.batch.service import BatchService
 from splitserve.batch.store import BatchStore, NotFound
 from splitserve.cluster.batch_executor import ClusterExecutor
@@ -25,10 +27,11 @@ class BatchManager:
         model_config, tokenizer, max_model_len = load_metadata(config.model, engine)
         limits = config.request_limits()
         adapters = ServedAdapters(config, PrefixNaming(config.prefix_block_size(), model_config.long_rope_from))
-        executor = ClusterExecutor(cls, ModelShape.of(model_config), tokenizer, model_config.vocab_size,
-                                   adapters.served, max_model_len, engine.block_size,
-                                   config.scheduler.max_attempts, limits=limits, prefix=adapters.prefix,
-                                   parsers=config.chat_parsers, adapters=adapters, priority=config.batch.priority)
+        grammar = LazyGrammar(tokenizer, model_config.vocab_size)  # structured output's constraints compile up front
+        rules = LineRules(tokenizer, adapters.served, max_model_len, model_config.hidden_size, limits, grammar.check,
+                          config.chat_parsers, config.batch.priority)
+        executor = ClusterExecutor(cls, ModelShape.of(model_config), rules, engine.block_size,
+                                   config.scheduler.max_attempts, prefix=adapters.prefix, adapters=adapters)
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),
                                     limits.max_batch_lines, config.batch.min_free_bytes, config.batch.file_expiry_s)
         self._started = False

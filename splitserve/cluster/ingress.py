@@ -18,7 +18,7 @@ from ray import serve
 from ray.exceptions import RayTaskError
 
 from splitserve.api import response_bodies as R
-from splitserve.api.embedding_request import embeddings_body, prepare_embeddings
+from splitserve.api.embedding_request import prepare_embeddings
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.guard import guard
 from splitserve.api.json_pieces import json_text
@@ -173,15 +173,14 @@ class Ingress:
                                                self.max_model_len, self.limits, self.hidden_size)
         except RequestError as error:
             return error_response(error)
-        runs = await self._started_runs("embedding", prepared.prompts, [prepared.params] * len(prepared.prompts))
+        runs = await self._started_runs("embedding", prepared.prompts, prepared.params)
         if isinstance(runs, Response):
             return runs
         try:
             vectors = await embeddings_of(runs, started, self._observations.add)
         except RequestFailed as error:
             return error_response(error.as_error())
-        body = embeddings_body(prepared.request, vectors, sum(map(len, prepared.prompts)))
-        return await asyncio.to_thread(json_response, body)
+        return await asyncio.to_thread(json_response, prepared.body(vectors))
 
     @api.post("/v1/responses")
     async def responses(self, request: Request):

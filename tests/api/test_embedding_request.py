@@ -28,9 +28,9 @@ def prepare(limits: RequestLimits = RequestLimits(), max_model_len: int = 64, hi
 def test_each_input_is_a_prompt_only_request_asking_its_embedding():
     prepared = prepare(input=["ab", [7, 8, 9]])
     assert prepared.prompts == [TOKENIZER.encode("ab"), [7, 8, 9]]
-    assert prepared.params.embed and prepared.params.max_tokens == 1 and prepared.params.lora is None
+    assert [(p.embed, p.max_tokens, p.lora) for p in prepared.params] == [(True, 1, None)] * 2
     assert prepare(input="ab").prompts == [TOKENIZER.encode("ab")] and prepare(input=[5, 6]).prompts == [[5, 6]]
-    assert prepare(model="sql", input="ab").params.lora == "sql"  # an adapter's embeddings
+    assert prepare(model="sql", input="ab").params[0].lora == "sql"  # an adapter's embeddings
 
 
 @pytest.mark.parametrize("body, param, status", [
@@ -51,11 +51,12 @@ def test_a_bad_request_names_its_field(body, param, status):
 def test_the_body_holds_each_vector_in_order_with_the_usage():
     prepared = prepare(input=["ab", "cd"])
     vectors = [(0.6, 0.8, 0.0), (0.0, 0.6, 0.8)]
-    body = embeddings_body(prepared.request, vectors, 7)
+    body = prepared.body(vectors)
     assert body["object"] == "list" and body["model"] == "demo"
     assert [(d["object"], d["index"], d["embedding"]) for d in body["data"]] == [
         ("embedding", 0, [0.6, 0.8, 0.0]), ("embedding", 1, [0.0, 0.6, 0.8])]
-    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    tokens = len(TOKENIZER.encode("ab")) + len(TOKENIZER.encode("cd"))
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
 def test_base64_is_little_endian_float32_and_dimensions_truncate_then_normalize():

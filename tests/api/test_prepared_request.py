@@ -28,7 +28,7 @@ def test_each_prompt_has_its_token_ids_and_its_own_room_in_the_context():
     prepared = prepare("completion", prompt=["ab", [7, 8, 9, 10]], n=2, max_tokens=None)
     assert prepared.prompts == [TOKENIZER.encode("ab"), [7, 8, 9, 10]]
     assert [p.max_tokens for p in prepared.params] == [64 - 3, 64 - 4]  # what the context leaves each
-    assert prepared.num_runs == 4
+    assert prepared.request.num_choices() == (2, 2)
 
 
 def test_a_chat_is_one_prompt_through_its_template():

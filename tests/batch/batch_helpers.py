@@ -52,8 +52,9 @@ CALL = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments"
 
 def option_lines() -> dict[str, list[dict]]:
     """Per endpoint, lines that use every option a batch line takes (all reproducible: greedy or
-    seeded), custom_ids unique across them; one whose constraint does not compile (`bad-regex`)
-    and one a Responses line's bound refuses (`bad-output-bound`) are 400s."""
+    seeded), custom_ids unique across them; one whose constraint does not compile (`bad-regex`),
+    one a Responses line's bound refuses (`bad-output-bound`) and one asking more dimensions
+    than the model's (`bad-dimensions`) are 400s."""
     def line(custom_id: str, url: str, **body) -> dict:
         return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "demo", **body}}
 
@@ -94,10 +95,16 @@ def option_lines() -> dict[str, list[dict]]:
              temperature=0, include=["message.output_text.logprobs"], top_logprobs=2),
         line("bad-output-bound", "/v1/responses", input="x", max_output_tokens=0),
     ]
-    return {"/v1/completions": completions, "/v1/chat/completions": chat, "/v1/responses": responses}
+    embeddings = [
+        line("embed-inputs", "/v1/embeddings", input=["Embed this text.", [256, 72, 105]]),
+        line("embed-short", "/v1/embeddings", input="Embed this text.", dimensions=8),
+        line("bad-dimensions", "/v1/embeddings", input="x", dimensions=10 ** 6),
+    ]
+    return {"/v1/completions": completions, "/v1/chat/completions": chat, "/v1/responses": responses,
+            "/v1/embeddings": embeddings}
 
 
-FAILING = ("bad-regex", "bad-output-bound")  # the option lines that are 400s
+FAILING = ("bad-regex", "bad-output-bound", "bad-dimensions")  # the option lines that are 400s
 
 
 UNCOMPARABLE = ("id", "created", "created_at", "call_id", "prompt_tokens_details", "input_tokens_details", "store")

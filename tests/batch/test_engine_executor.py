@@ -4,11 +4,13 @@ Responses lines as the Response of the chat they ask for, in the shapes the offi
 parses; a constraint that does not compile is the line's 400."""
 from __future__ import annotations
 
+import base64
 import json
 
 import jsonschema
+import numpy as np
 import pytest
-from openai.types import Completion
+from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
@@ -16,7 +18,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.api.chat_parsers import ChatParsers
 from splitserve.batch.blend.feeder import BlendOptions
 from splitserve.batch.engine_executor import run_lines
-from splitserve.batch.lines import parse_input, prepare
+from splitserve.batch.lines import LineRules, parse_input, prepare
 from splitserve.batch.results import ResultLog
 from tests.batch.batch_helpers import ADD, FAILING, PREFIX, SCHEMA, as_jsonl, batch_lines, option_lines
 
@@ -46,8 +48,8 @@ def test_every_line_has_a_result_in_the_openai_client_shapes(results):
         if custom_id in FAILING:
             continue
         assert line["response"]["status_code"] == 200
-        kind = {"chat.completion": ChatCompletion, "text_completion": Completion,
-                "response": Response}[line["response"]["body"]["object"]]
+        kind = {"chat.completion": ChatCompletion, "text_completion": Completion, "response": Response,
+                "list": CreateEmbeddingResponse}[line["response"]["body"]["object"]]
         # echoed logprobs start with the first prompt token's null, as OpenAI's API gives it; the types deny it
         if custom_id not in ("echo-scored", "prompts"):
             kind.model_validate(line["response"]["body"])
@@ -121,7 +123,7 @@ def test_echo_scores_the_prompt_and_puts_it_in_front(llm, results):
 def test_chat_logprobs_are_those_of_the_tokens_sampled(llm, results):
     [choice] = body(results, "logprobs")["choices"]
     [line] = parse_input(as_jsonl(option_lines()["/v1/chat/completions"][:1]))
-    prompt = prepare(line, llm.engine.tokenizer, "demo", llm.engine.max_model_len).prompts[0]
+    prompt = prepare(line, LineRules(llm.engine.tokenizer, "demo", llm.engine.max_model_len, 64)).prompts[0]
     greedy = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0]
     content = choice["logprobs"]["content"]
     alone = [lps[t] for t, lps in zip(greedy.token_ids, greedy.outputs[0].logprobs)]
@@ -203,3 +205,28 @@ def test_a_batch_run_with_reasoning_and_hermes_parsers_reads_chat_lines_as_the_e
     thinking = output.done["think-json"]["response"]["body"]["choices"][0]
     assert thinking["finish_reason"] == "length" and thinking["message"]["content"] is None
     assert thinking["message"]["reasoning"]
+
+
+def test_embeddings_lines_answer_as_the_endpoint_with_the_engines_embeddings(llm, tmp_path):
+    """Each input's embedding is `LLM.embed`'s (checked against transformers in test_model_vs_hf),
+    in the shape the `openai` client parses, `dimensions` and base64 as the endpoint sends them;
+    embeddings lines run beside completions (a file for `splitserve batch` may mix them)."""
+    def line(custom_id: str, **body) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": {"model": "demo", **body}}
+
+    inputs = ["The batch embeds this.", [5, 6, 7]]
+    lines = [line("both", input=inputs), line("short", input=inputs[0], dimensions=4, encoding_format="base64"),
+             *batch_lines(2)]
+    with ResultLog(tmp_path / "out.jsonl") as output, ResultLog(tmp_path / "errors.jsonl") as errors:
+        run_lines(llm.engine, parse_input(as_jsonl(lines)), "demo", output, errors, BlendOptions("blend"))
+    expected = llm.embed(inputs)
+    both = CreateEmbeddingResponse.model_validate(output.done["both"]["response"]["body"])
+    assert [d.index for d in both.data] == [0, 1]
+    for got, want in zip(both.data, expected):
+        assert got.embedding == pytest.approx(want, abs=1e-6)
+    prompt_tokens = len(llm.engine.tokenizer.encode(inputs[0])) + len(inputs[1])
+    assert (both.usage.prompt_tokens, both.usage.total_tokens) == (prompt_tokens, prompt_tokens)
+    short = output.done["short"]["response"]["body"]["data"][0]["embedding"]
+    first = np.array(expected[0][:4])
+    assert np.frombuffer(base64.b64decode(short), dtype="<f4") == pytest.approx(first / np.linalg.norm(first), abs=1e-6)
+    assert {"req-0", "req-1"} <= output.done.keys() and not errors.done

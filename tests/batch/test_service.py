@@ -157,7 +157,7 @@ def test_errors_cancel_and_listing(tmp_path, port):
             client.files.create(file=("x.jsonl", io.BytesIO(b"{}")), purpose="fine-tune")
         broken = client.files.create(file=("bad.jsonl", io.BytesIO(b"{oops\n")), purpose="batch")
         with pytest.raises(openai.BadRequestError, match="endpoint"):
-            client.batches.create(input_file_id=broken.id, endpoint="/v1/embeddings", completion_window="24h")
+            client.batches.create(input_file_id=broken.id, endpoint="/v1/moderations", completion_window="24h")
         failed = client.batches.create(input_file_id=broken.id, endpoint="/v1/completions", completion_window="24h")
         failed = wait_for(client, failed.id, lambda b: b.status == "failed")
         assert failed.errors.data[0].line == 1 and "JSON" in failed.errors.data[0].message

@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.batch.blend.cost import ModelShape
 from splitserve.batch.blend.feeder import BlendOptions
-from splitserve.batch.lines import parse_input
+from splitserve.batch.lines import LineRules, parse_input
 from splitserve.batch.results import ResultLog
 from splitserve.cluster.batch_executor import ClusterExecutor, _log_answer
 from splitserve.engine.tokenizer import ByteTokenizer
@@ -30,9 +30,8 @@ class _CLS:
 
 
 def executor(max_model_len: int) -> ClusterExecutor:
-    tokenizer = ByteTokenizer()
-    return ClusterExecutor(_CLS(), ModelShape(1e6, 64, 64, 2), tokenizer, tokenizer.vocab_size, "demo",
-                           max_model_len, block_size=16, max_attempts=1)
+    return ClusterExecutor(_CLS(), ModelShape(1e6, 64, 64, 2), LineRules(ByteTokenizer(), "demo", max_model_len, 64),
+                           block_size=16, max_attempts=1)
 
 
 def run(executor: ClusterExecutor, lines: list[dict], tmp_path, on_result=lambda ok: None) -> None:

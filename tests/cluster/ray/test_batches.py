@@ -1,8 +1,9 @@
 """The batch API of a real local cluster through the official `openai` client: upload, create,
 poll, download; greedy results equal the offline engine's; a bad line lands in the error file; a
 line with any option of its endpoint (choices, several prompts, logprobs, echo, structured output,
-tools) is answered as the endpoint answers it, and as a batch on the offline engine does; the batch
-actor runs on the head node, where `batch.dir` is; expiration policies reach it."""
+tools; embeddings' inputs and dimensions) is answered as the endpoint answers it, and as a batch on
+the offline engine does; the batch actor runs on the head node, where `batch.dir` is; expiration
+policies reach it."""
 from __future__ import annotations
 
 import io
