@@ -21,18 +21,21 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 
 
+Inputs = Annotated[str | list[int] | list[str | list[int]], BeforeValidator(prompt_input)]  # one or several
+
+
+def several(inputs: str | list[int] | list[str | list[int]]) -> list[str | list[int]]:
+    """Every input of an `Inputs` field: one, or the several of a list, in order."""
+    return inputs if isinstance(inputs, list) and not all(isinstance(t, int) for t in inputs) else [inputs]
+
+
 class EmbeddingRequest(BaseModel):
     model_config = STRICT
     model: str
-    input: Annotated[str | list[int] | list[str | list[int]], BeforeValidator(prompt_input)]
+    input: Inputs
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int | None, Field(ge=1)] = None
     user: str | None = None
-
-    def inputs(self) -> list[str | list[int]]:
-        """Every input: one, or the several of a list (each its own embedding, in order)."""
-        several = isinstance(self.input, list) and not all(isinstance(t, int) for t in self.input)
-        return self.input if several else [self.input]
 
 
 @dataclass(frozen=True)
@@ -53,20 +56,28 @@ def prepare_embeddings(raw: bytes, tokenizer: Tokenizer, served: ModelNames, max
     `dimensions` than the model's hidden size."""
     body = parse_request(EmbeddingRequest, raw)
     lora = check_model(body.model, served)
-    inputs = body.inputs()
-    limits.check_prompts(inputs, "input")
-    if "" in inputs:  # OpenAI's rule: a text that is nothing has no embedding
-        raise RequestError("input: an input is an empty string", param="input")
     if body.dimensions is not None and body.dimensions > hidden_size:
         raise RequestError(f"dimensions: this model's embeddings have {hidden_size}, got {body.dimensions}",
                            param="dimensions")
-    prompts = [token_ids_of(text, tokenizer, "input") for text in inputs]
+    prompts = embedded_prompts(several(body.input), "input", tokenizer, max_model_len, limits)
+    return PreparedEmbeddings(body, prompts, [SamplingParams.embedding(lora)] * len(prompts))
+
+
+def embedded_prompts(texts: list[str | list[int]], field: str, tokenizer: Tokenizer, max_model_len: int,
+                     limits: RequestLimits, max_tokens: int | None = None) -> list[list[int]]:
+    """The token ids of texts to embed (each cut to its first `max_tokens`, if given); a 4xx naming
+    `field` for too many, an empty string (OpenAI's rule: nothing has no embedding), an id past the
+    vocabulary, or one that does not fit the context."""
+    limits.check_prompts(texts, field)
+    if "" in texts:
+        raise RequestError(f"{field}: an input is an empty string", param=field)
+    prompts = [token_ids_of(text, tokenizer, field)[:max_tokens] for text in texts]
     longest = max(len(prompt) for prompt in prompts)
     if longest >= max_model_len:  # its prefill samples one token, as any request's does
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, an input has "
-                           f"{longest} tokens. Please reduce the length of the input.", param="input",
+                           f"{longest} tokens. Please reduce the length of the input.", param=field,
                            code="context_length_exceeded")
-    return PreparedEmbeddings(body, prompts, [SamplingParams.embedding(lora)] * len(prompts))
+    return prompts
 
 
 def embeddings_body(request: EmbeddingRequest, vectors: list[tuple[float, ...]], prompt_tokens: int) -> dict:

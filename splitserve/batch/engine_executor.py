@@ -2,7 +2,7 @@
 when no cluster serves it): lines prepared like HTTP requests, run in BlendServe (or dfs / fcfs)
 order, every result synced to the output or error log as it finishes, so a rerun after a crash
 resumes where the logs end. A result line's body is what the line's endpoint would answer (an
-embeddings line's: its inputs' embeddings, each a prompt-only request)."""
+embeddings, score or rerank line's: made of its texts' embeddings, each a prompt-only request)."""
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +36,8 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: ModelNames, outp
     """Run every line without a result in `output` or `errors`; lines already there count as
     samples of output length. A line runs as one engine request per computed choice (`n`,
     `best_of`) of each of its prompts, each choice with its seed (the order keeps a prompt's
-    choices together, so it is prefilled once), or per input of an embeddings line, and is logged
-    when its last one ends.
+    choices together, so it is prefilled once), or per text an embeddings, score or rerank line
+    embeds, and is logged when its last one ends.
     `on_result(ok)` after each line is logged; `parsers`: how chat outputs are read."""
     grammar = LazyGrammar(engine.tokenizer, engine.model_config.vocab_size)
     rules = LineRules(engine.tokenizer, model, engine.max_model_len, engine.model_config.hidden_size, limits,
@@ -58,8 +58,8 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: ModelNames, outp
         if len(outs) == runs[job]:
             del ended[job]
             ordered = [outs[i] for i in range(runs[job])]
-            body = (prepared.body([out.embedding for out in ordered]) if line.kind == "embedding"
-                    else response(line.runs_as, prepared, ordered, engine.tokenizer, parsers))
+            body = (response(line.runs_as, prepared, ordered, engine.tokenizer, parsers)
+                    if isinstance(prepared, PreparedRequest) else prepared.body([out.embedding for out in ordered]))
             output.append(answer_line(line, prepared, body))
             on_result(True)
 
@@ -68,7 +68,7 @@ def run_lines(engine: LLMEngine, lines: list[BatchLine], model: ModelNames, outp
 
 def _engine_requests(prepared: Prepared) -> list[tuple[list[int], SamplingParams]]:
     """A line's engine requests, in order: every computed choice of each prompt (prompt k's choice i
-    at k x computed + i; an embeddings line's inputs, once each), the ids alone (`response` decodes them)."""
+    at k x computed + i; the texts a line embeds, once each), the ids alone (`response` decodes them)."""
     return [(prompt, choice_params(params, index).ids_only())
             for prompt, params in zip(prepared.prompts, prepared.params) for index in range(prepared.runs_per_prompt)]
 

@@ -2,6 +2,7 @@
 up front, each body prepared like an HTTP request of its endpoint, and the result lines."""
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Callable
@@ -15,28 +16,31 @@ from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import ConstraintCheck, PreparedRequest, prepare_request
 from splitserve.api.request_models import ModelNames
 from splitserve.api.responses_bodies import response_from_chat
+from splitserve.api.score_request import PreparedScores, prepare_rerank, prepare_score
 from splitserve.api.usage import Usage
 from splitserve.batch.results import ResultLog
 from splitserve.engine.tokenizer import Tokenizer
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "responses",
-             "/v1/embeddings": "embedding"}
+             "/v1/embeddings": "embedding", "/v1/score": "score", "/v1/rerank": "rerank"}
 MAX_REPORTED_ERRORS = 100
 
-Prepared = PreparedRequest | PreparedEmbeddings  # a generation line's, or an embeddings line's
+# a generation line's, or one answered from its texts' embeddings (each text a prompt-only request)
+Prepared = PreparedRequest | PreparedEmbeddings | PreparedScores
 
 
 @dataclass(frozen=True)
 class BatchLine:
     line: int  # 1-based line number in the input file
     custom_id: str
-    kind: str  # "completion" | "chat" | "responses" | "embedding"
+    kind: str  # ENDPOINTS' values
     body: dict
 
     @property
     def runs_as(self) -> str:
-        """The kind of request its prompts run as: a Responses line's, the chat completion it asks for."""
-        return "chat" if self.kind == "responses" else self.kind
+        """The kind of request its prompts run as: a Responses line's, the chat completion it asks
+        for; a score or rerank line's texts, embeddings."""
+        return {"responses": "chat", "score": "embedding", "rerank": "embedding"}.get(self.kind, self.kind)
 
 
 class InputFileError(ValueError):
@@ -134,9 +138,10 @@ class LineRules:
 def prepare(line: BatchLine, rules: LineRules) -> Prepared:
     """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
     raw = json.dumps(line.body).encode()
-    if line.kind == "embedding":
-        prepared = prepare_embeddings(raw, rules.tokenizer, rules.model, rules.max_model_len, rules.limits,
-                                      rules.hidden_size)
+    pooled = {"embedding": functools.partial(prepare_embeddings, hidden_size=rules.hidden_size),
+              "score": prepare_score, "rerank": prepare_rerank}.get(line.kind)
+    if pooled is not None:
+        prepared = pooled(raw, rules.tokenizer, rules.model, rules.max_model_len, rules.limits)
     else:
         prepared = prepare_request(line.kind, raw, rules.tokenizer, rules.model, rules.max_model_len, rules.limits,
                                    rules.check_constraint, rules.parsers)

@@ -1,7 +1,7 @@
 """A batch run through the cluster: the feeder's order and memory shares over the KV capacity of
-the workers that decode, each request placed and streamed like an API request (an embeddings
-line's inputs each run whole on a prompt worker). A request the cluster cannot take now (429) waits
-and is tried again: a batch never drops work."""
+the workers that decode, each request placed and streamed like an API request (the texts an
+embeddings, score or rerank line embeds each run whole on a prompt worker). A request the cluster
+cannot take now (429) waits and is tried again: a batch never drops work."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from splitserve.api import response_bodies as R
-from splitserve.api.embedding_request import PreparedEmbeddings
+from splitserve.api.prepared_request import PreparedRequest
 from splitserve.api.usage import Usage
 from splitserve.batch.blend.cost import ModelShape
 from splitserve.batch.blend.feeder import BatchFeeder, BlendOptions
@@ -116,9 +116,9 @@ class ClusterExecutor:
     async def _part(self, line: BatchLine, prepared: Prepared, k: int, on_first: Callable[[], None]
                     ) -> tuple[tuple[ChoicesResponse, list[dict]] | tuple[float, ...], int]:
         """Prompt `k` of a line, and its output length: its reply and choices (as the endpoint
-        numbers them), or an embeddings line's input's embedding. RequestFailed when every attempt failed."""
+        numbers them), or the embedding of a text the line embeds. RequestFailed when every attempt failed."""
         run = await self._admitted(line.runs_as, prepared.prompts[k], prepared.params[k])
-        if isinstance(prepared, PreparedEmbeddings):
+        if not isinstance(prepared, PreparedRequest):
             (vector,) = await embeddings_of([run], time.monotonic(), lambda _: None)
             on_first()
             return vector, 1
@@ -145,14 +145,14 @@ class ClusterExecutor:
 class _LineAnswer:
     """A line's prompts' answers, gathered as they end (in any order)."""
     prompts: int
-    # prompt -> its reply and choices, or an embeddings line's input -> its embedding
+    # prompt -> its reply and choices, or a text the line embeds -> its embedding
     parts: dict[int, tuple[ChoicesResponse, list[dict]] | tuple[float, ...]] = field(default_factory=dict)
     failed: bool = False
 
     def body(self, prepared: Prepared) -> dict:
-        """The endpoint's response: the embeddings in order; or the first prompt's id and time,
-        every prompt's choices, usage summed."""
-        if isinstance(prepared, PreparedEmbeddings):
+        """The endpoint's response: made of the embeddings in order; or the first prompt's id and
+        time, every prompt's choices, usage summed."""
+        if not isinstance(prepared, PreparedRequest):
             return prepared.body([self.parts[k] for k in range(self.prompts)])
         replies = [self.parts[k][0] for k in range(self.prompts)]
         first = replies[0]

@@ -8,8 +8,10 @@ number of replicas can run: placement state lives in the one controller.
 """
 
 import asyncio
+import functools
 import os
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -29,6 +31,7 @@ from splitserve.api.request_models import ServedModels, check_model, parse_reque
 from splitserve.api.responses_bodies import input_items, new_id, response_object, response_of_choice
 from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
+from splitserve.api.score_request import prepare_rerank, prepare_score
 from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from splitserve.batch import routes as batch_routes
 from splitserve.cluster import stored_conversations, stored_responses
@@ -166,11 +169,30 @@ class Ingress:
     @api.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's: each input's embedding (`embedding_request`), its prefill run whole on a prompt worker."""
+        return await self._embedded(request, functools.partial(prepare_embeddings, hidden_size=self.hidden_size))
+
+    @api.post("/score")
+    @api.post("/v1/score")
+    async def score(self, request: Request) -> Response:
+        """vLLM's: pairs of texts scored by their embeddings' cosine similarity (`score_request`)."""
+        return await self._embedded(request, prepare_score)
+
+    @api.post("/rerank")
+    @api.post("/v1/rerank")
+    @api.post("/v2/rerank")
+    async def rerank(self, request: Request) -> Response:
+        """Jina's and Cohere's (as vLLM serves them): documents ranked by their embeddings' cosine
+        similarity to the query's (`score_request`)."""
+        return await self._embedded(request, prepare_rerank)
+
+    async def _embedded(self, request: Request, prepare: Callable) -> Response:
+        """A request answered from embeddings: `prepare(body, tokenizer, served, max_model_len,
+        limits)` gives the texts to embed, each run whole on a prompt worker, and the body they make."""
         started = time.monotonic()
         await self._refresh_adapters()
         try:
-            prepared = await asyncio.to_thread(prepare_embeddings, await request.body(), self.tokenizer, self.served,
-                                               self.max_model_len, self.limits, self.hidden_size)
+            prepared = await asyncio.to_thread(prepare, await request.body(), self.tokenizer, self.served,
+                                               self.max_model_len, self.limits)
         except RequestError as error:
             return error_response(error)
         runs = await self._started_runs("embedding", prepared.prompts, prepared.params)

@@ -100,8 +100,11 @@ def option_lines() -> dict[str, list[dict]]:
         line("embed-short", "/v1/embeddings", input="Embed this text.", dimensions=8),
         line("bad-dimensions", "/v1/embeddings", input="x", dimensions=10 ** 6),
     ]
+    scores = [line("score-pairs", "/v1/score", text_1=["Is 2 + 3 five?", "Paris"], text_2=["Yes, it is.", "France"])]
+    rerank = [line("rerank-top", "/v1/rerank", query="Is 2 + 3 five?", top_n=2,
+                   documents=["Yes, 2 + 3 = 5.", {"text": "Bananas are yellow."}, "No idea."])]
     return {"/v1/completions": completions, "/v1/chat/completions": chat, "/v1/responses": responses,
-            "/v1/embeddings": embeddings}
+            "/v1/embeddings": embeddings, "/v1/score": scores, "/v1/rerank": rerank}
 
 
 FAILING = ("bad-regex", "bad-output-bound", "bad-dimensions")  # the option lines that are 400s

@@ -10,6 +10,7 @@ import json
 import jsonschema
 import numpy as np
 import pytest
+from cohere import RerankResponse
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
@@ -42,17 +43,20 @@ def body(results, custom_id: str) -> dict:
     return results[custom_id]["response"]["body"]
 
 
-def test_every_line_has_a_result_in_the_openai_client_shapes(results):
+CLIENT_TYPES = {"/v1/completions": Completion, "/v1/chat/completions": ChatCompletion, "/v1/responses": Response,
+                "/v1/embeddings": CreateEmbeddingResponse, "/v1/rerank": RerankResponse}  # vLLM's /v1/score: no client
+
+
+def test_every_line_has_a_result_in_the_client_shapes(results):
     assert len(results) == sum(len(group) for group in option_lines().values())
+    urls = {line["custom_id"]: url for url, group in option_lines().items() for line in group}
     for custom_id, line in results.items():
         if custom_id in FAILING:
             continue
         assert line["response"]["status_code"] == 200
-        kind = {"chat.completion": ChatCompletion, "text_completion": Completion, "response": Response,
-                "list": CreateEmbeddingResponse}[line["response"]["body"]["object"]]
         # echoed logprobs start with the first prompt token's null, as OpenAI's API gives it; the types deny it
-        if custom_id not in ("echo-scored", "prompts"):
-            kind.model_validate(line["response"]["body"])
+        if custom_id not in ("echo-scored", "prompts") and urls[custom_id] in CLIENT_TYPES:
+            CLIENT_TYPES[urls[custom_id]].model_validate(line["response"]["body"])
 
 
 def test_n_choices_equal_independent_requests_with_their_seeds(llm, results):
@@ -230,3 +234,18 @@ def test_embeddings_lines_answer_as_the_endpoint_with_the_engines_embeddings(llm
     first = np.array(expected[0][:4])
     assert np.frombuffer(base64.b64decode(short), dtype="<f4") == pytest.approx(first / np.linalg.norm(first), abs=1e-6)
     assert {"req-0", "req-1"} <= output.done.keys() and not errors.done
+
+
+def test_score_and_rerank_lines_are_the_cosines_of_the_engines_embeddings(llm, results):
+    def cosine(a, b) -> float:
+        return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+    pairs = [("Is 2 + 3 five?", "Yes, it is."), ("Paris", "France")]
+    scores = [d["score"] for d in body(results, "score-pairs")["data"]]
+    assert scores == pytest.approx([cosine(*llm.embed(list(pair))) for pair in pairs], abs=1e-6)
+    [query] = llm.embed(["Is 2 + 3 five?"])
+    documents = llm.embed(["Yes, 2 + 3 = 5.", "Bananas are yellow.", "No idea."])
+    expected = [cosine(query, d) for d in documents]
+    ranked = body(results, "rerank-top")["results"]
+    assert [r["index"] for r in ranked] == sorted(range(3), key=lambda i: -expected[i])[:2]
+    assert [r["relevance_score"] for r in ranked] == pytest.approx([expected[r["index"]] for r in ranked], abs=1e-6)

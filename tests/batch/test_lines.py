@@ -132,6 +132,13 @@ def test_an_embeddings_line_is_prepared_as_the_endpoint_prepares_it():
         return parsed
 
     assert line(input="x").kind == "embedding"
+    score, rerank = parse_input(as_jsonl([
+        {"custom_id": "s", "method": "POST", "url": "/v1/score",
+         "body": {"model": "demo", "text_1": "a", "text_2": "b"}},
+        {"custom_id": "r", "method": "POST", "url": "/v1/rerank", "body": {"model": "demo", "query": "a",
+                                                                          "documents": ["b", "a"]}}]))
+    assert [(x.kind, x.runs_as) for x in (score, rerank)] == [("score", "embedding"), ("rerank", "embedding")]
+    assert prepare(rerank, rules()).pairs == [(0, 1), (0, 0)]  # the query is embedded once
     prepared = prepare(line(input=["ab", [5, 6]]), rules(limits=RequestLimits(priorities=True), priority=2))
     assert prepared.prompts == [demo_tokenizer().encode("ab"), [5, 6]]
     assert [(p.embed, p.priority) for p in prepared.params] == [(True, 2), (True, 2)]

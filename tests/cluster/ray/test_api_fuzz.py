@@ -1,6 +1,6 @@
 """Property-based fuzzing of the HTTP API on a real cluster (hypothesis): generated bodies for
-/v1/completions, /v1/chat/completions, /v1/responses, /v1/batches and /v1/conversations (new ones,
-and items added to one), from raw bytes and arbitrary JSON to
+/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /score, /rerank, /v1/batches
+and /v1/conversations (new ones, and items added to one), from raw bytes and arbitrary JSON to
 near-valid requests with hostile values. No answer is a 5xx, every 4xx carries OpenAI's error
 body, and the cluster serves an ordinary request afterwards.
 
@@ -111,6 +111,17 @@ CHAT = _bodies(_near_valid({"model": _field(st.just("demo"), 8),
 RESPONSES = _bodies(_near_valid({"model": _field(st.just("demo"), 8),
                                  "input": _field(st.text(max_size=100) | st.lists(ITEM, min_size=1, max_size=8))},
                                 RESPONSES_OPTIONS))
+TEXTS = _field(st.text(max_size=120) | st.lists(st.integers(-2, 300), max_size=40)
+               | st.lists(st.text(max_size=60) | st.lists(st.integers(-2, 300), max_size=20), max_size=8))
+EMBEDDINGS = _bodies(_near_valid({"model": _field(st.just("demo"), 8), "input": TEXTS}, {
+    "encoding_format": _field(st.sampled_from(["float", "base64", "int8"])),
+    "dimensions": _field(st.integers(-1, 300)), "user": _field(st.text(max_size=20))}))
+SCORE = _bodies(_near_valid({"model": _field(st.just("demo"), 8), "text_1": TEXTS, "text_2": TEXTS}, {}))
+RERANK = _bodies(_near_valid({"model": _field(st.just("demo"), 8), "query": _field(st.text(max_size=100)),
+                              "documents": _field(st.lists(st.text(max_size=80) | st.fixed_dictionaries(
+                                  {"text": st.text(max_size=40)}), max_size=10))},
+                             {"top_n": _field(st.integers(-1, 12)), "return_documents": _field(st.booleans()),
+                              "max_tokens_per_doc": _field(st.integers(-1, 50))}))
 
 
 def check_answer(response: httpx.Response) -> None:
@@ -143,8 +154,9 @@ def batch_file(hardening_server, http):
 
 
 @pytest.mark.parametrize("path, bodies", [("/v1/completions", COMPLETIONS), ("/v1/chat/completions", CHAT),
-                                          ("/v1/responses", RESPONSES)])
-def test_generation_endpoints(hardening_server, http, path, bodies):
+                                          ("/v1/responses", RESPONSES), ("/v1/embeddings", EMBEDDINGS),
+                                          ("/score", SCORE), ("/v2/rerank", RERANK)])
+def test_request_endpoints(hardening_server, http, path, bodies):
     @SETTINGS
     @given(body=bodies)
     def run(body):

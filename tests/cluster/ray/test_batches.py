@@ -113,5 +113,5 @@ def finished(client, batch, timeout_s: float = 120):
     while batch.status not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
         time.sleep(0.5)
         batch = client.batches.retrieve(batch.id)
-    assert batch.status == "completed", batch
+    assert batch.status == "completed", (batch.status, batch.errors)
     return batch
