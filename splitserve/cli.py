@@ -44,6 +44,10 @@ def _add_serve(commands) -> None:
                    help="the name(s) clients send as `model` (aliases; the first names the metrics); "
                         "default: the config's served_model_name, else the model")
     p.add_argument("--api-key", default=None, help="require this Bearer key (default: $SPLITSERVE_API_KEY, if set)")
+    p.add_argument("--score-label-tokens", nargs="+", default=None, metavar="TOKEN",
+                   help="serve a reranker that answers in tokens (Qwen3-Reranker: no yes): /score and /rerank "
+                        "score each pair by the last token's probability; default: the config's "
+                        "score_label_tokens, else by embeddings' cosine similarity")
     add_lora_modules(p, "; added to the config's engine.lora_modules")
     p.add_argument("--max-loras", type=int, default=None, metavar="N",
                    help="slots for N LoRA adapters, loaded at start or while serving (POST /v1/load_lora_adapter "
@@ -72,6 +76,7 @@ def _run_serve(args) -> int:
         config, http = load_cluster_config(args.config) if args.config else (ClusterConfig(), {})
         overrides = {k: v for k, v in (("model", args.model), ("served_model_name", args.served_model_name),
                                        ("reasoning_parser", args.reasoning_parser),
+                                       ("score_label_tokens", args.score_label_tokens),
                                        ("tool_call_parser", args.tool_call_parser)) if v is not None}
         if args.api_key:
             overrides["ingress"] = {**config.ingress.model_dump(), "api_key": args.api_key}
@@ -84,7 +89,9 @@ def _run_serve(args) -> int:
             overrides["engine"] = {**config.engine.model_dump(), **engine}
         config = ClusterConfig.model_validate({**config.model_dump(), **overrides})
         if args.address is None:  # a local cluster reads the model here: check it before anything starts
-            config.check_model(load_metadata(config.model, config.engine_config("token"))[0])
+            model, tokenizer, _ = load_metadata(config.model, config.engine_config("token"))
+            config.check_model(model)
+            config.score_labels(tokenizer)
             for name, path in config.engine.lora_modules.items():
                 load_adapter(name, path)
     except (OSError, ValueError, ValidationError) as error:

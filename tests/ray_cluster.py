@@ -50,6 +50,7 @@ HARDENING = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 30, 
 
 TINY = {"num_cpus": 0.01}  # this app's ranks take the 7th CPU the head is told of (the others' workers take 6)
 TP = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "scheduler": {"report_interval_s": 0.05},
+      "score_label_tokens": ["n", "y"],  # /score and /rerank as a reranker answering in tokens (the demo's bytes)
       "pools": [{"role": "prompt", "tensor_parallel_size": 2, "resources": TINY},
                 {"role": "token", "resources": TINY}], "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
 

@@ -64,20 +64,25 @@ def prepare_embeddings(raw: bytes, tokenizer: Tokenizer, served: ModelNames, max
 
 
 def embedded_prompts(texts: list[str | list[int]], field: str, tokenizer: Tokenizer, max_model_len: int,
-                     limits: RequestLimits, max_tokens: int | None = None) -> list[list[int]]:
+                     limits: RequestLimits, max_tokens: int | None = None, add_special_tokens: bool = True
+                     ) -> list[list[int]]:
     """The token ids of texts to embed (each cut to its first `max_tokens`, if given); a 4xx naming
     `field` for too many, an empty string (OpenAI's rule: nothing has no embedding), an id past the
     vocabulary, or one that does not fit the context."""
     limits.check_prompts(texts, field)
     if "" in texts:
         raise RequestError(f"{field}: an input is an empty string", param=field)
-    prompts = [token_ids_of(text, tokenizer, field)[:max_tokens] for text in texts]
-    longest = max(len(prompt) for prompt in prompts)
-    if longest >= max_model_len:  # its prefill samples one token, as any request's does
+    prompts = [token_ids_of(text, tokenizer, field, add_special_tokens)[:max_tokens] for text in texts]
+    check_context(max(len(prompt) for prompt in prompts), max_model_len, field)
+    return prompts
+
+
+def check_context(longest: int, max_model_len: int, field: str) -> None:
+    """A 400 naming `field` when a prompt of `longest` tokens leaves no room for its prefill's token."""
+    if longest >= max_model_len:
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, an input has "
                            f"{longest} tokens. Please reduce the length of the input.", param=field,
                            code="context_length_exceeded")
-    return prompts
 
 
 def embeddings_body(request: EmbeddingRequest, vectors: list[tuple[float, ...]], prompt_tokens: int) -> dict:

@@ -300,10 +300,12 @@ def prompt_token_ids_of(request: CompletionRequest, tokenizer: Tokenizer) -> lis
     return [token_ids_of(prompt, tokenizer) for prompt in request.prompts()]
 
 
-def token_ids_of(prompt: str | list[int], tokenizer: Tokenizer, field: str = "prompt") -> list[int]:
-    """One prompt's token ids; a 400 naming `field` for an empty one or an id past the vocabulary."""
+def token_ids_of(prompt: str | list[int], tokenizer: Tokenizer, field: str = "prompt",
+                 add_special_tokens: bool = True) -> list[int]:
+    """One prompt's token ids (a text's with the tokenizer's special tokens, unless not
+    `add_special_tokens`); a 400 naming `field` for an empty one or an id past the vocabulary."""
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not ids:
             raise RequestError(f"{field}: the {field} is empty; send at least one token", param=field)
         return ids

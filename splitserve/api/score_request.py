@@ -1,19 +1,25 @@
-"""Scoring pairs of texts with an embedding model, as vLLM serves one: `/score` (`text_1` against
-`text_2`: one pair, one text against many, or many pairs) and `/rerank` (a query against documents,
-in the shape Jina's and Cohere's rerank APIs share). Each distinct text is one embedding request
-(`embedding_request`: prompt-only, its last token's hidden state), so a query scored against many
-documents is embedded once; a pair's score is the cosine similarity of its two embeddings, in [-1, 1]."""
+"""Scoring pairs of texts, as vLLM serves it: `/score` (`text_1` against `text_2`: one pair, one
+text against many, or many pairs) and `/rerank` (a query against documents, in the shape Jina's and
+Cohere's rerank APIs share). Two ways, by the model:
+- an embedding model: each distinct text is one embedding request (`embedding_request`: prompt-only,
+  its last token's hidden state), so a query scored against many documents is embedded once; a
+  pair's score is the cosine similarity of its two embeddings, in [-1, 1];
+- a reranker that answers in tokens (`score_label_tokens`: Qwen3-Reranker's "no" and "yes"): each
+  pair is one prompt, the first text's tokens then the second's (without special tokens), whose
+  logits at the label tokens (`SamplingParams.label_token_ids`) give its score, in [0, 1]: the
+  probability of the last label against the first (one label: the sigmoid of its logit)."""
 from __future__ import annotations
 
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-from splitserve.api.embedding_request import Inputs, embedded_prompts, several
+from splitserve.api.embedding_request import Inputs, check_context, embedded_prompts, several
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.api.request_models import ModelNames, check_model, parse_request
@@ -51,16 +57,31 @@ class RerankRequest(BaseModel):
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
+def label_token_ids(tokenizer: Tokenizer, labels: Sequence[str]) -> tuple[int, ...]:
+    """`score_label_tokens` as ids; ValueError naming one that is not a single token."""
+    ids = []
+    for label in labels:
+        encoded = tokenizer.encode(label, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"score_label_tokens: {label!r} is {len(encoded)} tokens in this model's vocabulary "
+                             f"({encoded}); each label must be one token")
+        ids += encoded
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class PreparedScores:
     request: ScoreRequest | RerankRequest
-    prompts: list[list[int]]  # each distinct text's token ids, embedded once
+    prompts: list[list[int]]  # each prompt to run once: a distinct text, or with labels a pair
     params: list[SamplingParams]  # each one's embedding request
-    pairs: list[tuple[int, int]]  # each scored pair's two texts, as positions in `prompts`
-    runs_per_prompt = 1  # a text is one engine request
+    pairs: list[tuple[int, int]]  # each scored pair's two texts as positions in `prompts`; with labels, its own twice
+    labels: bool  # whether a prompt's pooled output is its label logits (else its embedding)
+    runs_per_prompt = 1  # a prompt is one engine request
 
     def scores(self, vectors: list[tuple[float, ...]]) -> list[float]:
-        """Each pair's cosine similarity, from the texts' embeddings (in `prompts`' order)."""
+        """Each pair's score, from the prompts' pooled outputs (in `prompts`' order)."""
+        if self.labels:
+            return [_verdict(vectors[a]) for a, _ in self.pairs]
         return [_cosine(vectors[a], vectors[b]) for a, b in self.pairs]
 
     def body(self, vectors: list[tuple[float, ...]]) -> dict:
@@ -79,8 +100,9 @@ class PreparedScores:
 
 
 def prepare_score(raw: bytes, tokenizer: Tokenizer, served: ModelNames, max_model_len: int,
-                  limits: RequestLimits) -> PreparedScores:
-    """A `/score` body: RequestError (a 4xx naming the field) on a bad one."""
+                  limits: RequestLimits, labels: tuple[int, ...] = ()) -> PreparedScores:
+    """A `/score` body (`labels`: the reranker's label token ids, else by embeddings):
+    RequestError (a 4xx naming the field) on a bad one."""
     body = parse_request(ScoreRequest, raw)
     lora = check_model(body.model, served)
     left, right = several(body.text_1), several(body.text_2)
@@ -88,31 +110,44 @@ def prepare_score(raw: bytes, tokenizer: Tokenizer, served: ModelNames, max_mode
         raise RequestError(f"text_2: {len(left)} texts in text_1 against {len(right)} in text_2; send one "
                            "text_1, or one for each text_2", param="text_2")
     lefts = embedded_prompts(left, "text_1", tokenizer, max_model_len, limits)
-    rights = embedded_prompts(right, "text_2", tokenizer, max_model_len, limits)
-    return _prepared(body, [(lefts[k if len(lefts) > 1 else 0], right) for k, right in enumerate(rights)], lora)
+    rights = embedded_prompts(right, "text_2", tokenizer, max_model_len, limits, add_special_tokens=not labels)
+    pairs = [(lefts[k if len(lefts) > 1 else 0], right) for k, right in enumerate(rights)]
+    return _prepared(body, pairs, lora, labels, max_model_len, "text_2")
 
 
 def prepare_rerank(raw: bytes, tokenizer: Tokenizer, served: ModelNames, max_model_len: int,
-                   limits: RequestLimits) -> PreparedScores:
-    """A rerank body: RequestError (a 4xx naming the field) on a bad one."""
+                   limits: RequestLimits, labels: tuple[int, ...] = ()) -> PreparedScores:
+    """A rerank body (`labels`: as `prepare_score`'s): RequestError (a 4xx naming the field) on a bad one."""
     body = parse_request(RerankRequest, raw)
     lora = check_model(body.model, served)
     [query] = embedded_prompts([body.query], "query", tokenizer, max_model_len, limits)
     documents = embedded_prompts(body.texts(), "documents", tokenizer, max_model_len, limits,
-                                 body.max_tokens_per_doc)
-    return _prepared(body, [(query, document) for document in documents], lora)
+                                 body.max_tokens_per_doc, add_special_tokens=not labels)
+    return _prepared(body, [(query, document) for document in documents], lora, labels, max_model_len, "documents")
 
 
-def _prepared(body: ScoreRequest | RerankRequest, pairs: list[tuple[list[int], list[int]]],
-              lora: str | None) -> PreparedScores:
-    """Pairs of token ids as positions in the distinct texts, each of which is embedded once."""
+def _prepared(body: ScoreRequest | RerankRequest, pairs: list[tuple[list[int], list[int]]], lora: str | None,
+              labels: tuple[int, ...], max_model_len: int, field: str) -> PreparedScores:
+    """The prompts to run once each, and each pair's positions among them: the distinct texts,
+    or with `labels` the distinct pairs, each the first text's tokens then the second's (a 400
+    naming `field` for one past the context)."""
+    if labels:
+        check_context(max(len(a) + len(b) for a, b in pairs), max_model_len, field)
+        pairs = [(a + b, a + b) for a, b in pairs]
     position: dict[tuple[int, ...], int] = {}
     for pair in pairs:
         for ids in pair:
             position.setdefault(tuple(ids), len(position))
     prompts = [list(ids) for ids in position]
-    return PreparedScores(body, prompts, [SamplingParams.embedding(lora)] * len(prompts),
-                          [(position[tuple(a)], position[tuple(b)]) for a, b in pairs])
+    return PreparedScores(body, prompts, [SamplingParams.embedding(lora, labels)] * len(prompts),
+                          [(position[tuple(a)], position[tuple(b)]) for a, b in pairs], bool(labels))
+
+
+def _verdict(logits: tuple[float, ...]) -> float:
+    """The last label's probability among the labels (one label: the sigmoid of its logit)."""
+    rest = [0.0] if len(logits) == 1 else logits[:-1]
+    top = max(logits[-1], *rest)
+    return math.exp(logits[-1] - top) / math.fsum(math.exp(x - top) for x in (logits[-1], *rest))
 
 
 def _cosine(a: tuple[float, ...], b: tuple[float, ...]) -> float:

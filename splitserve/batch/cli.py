@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (the serving dtype) or fp8: K and V stored as float8 e4m3 codes, twice the tokens")
     p.add_argument("--device", default="auto")
     p.add_argument("--stats", type=Path, default=None, help="write the run's statistics here (JSON)")
+    p.add_argument("--score-label-tokens", nargs="+", default=None, metavar="TOKEN",
+                   help="a reranker that answers in tokens (Qwen3-Reranker: no yes): score and rerank lines run "
+                        "each pair as one prompt, scored by the last token's probability (default: by embeddings)")
     add_lora_modules(p, " (a line's body.model)")
     chat_parsers.add_arguments(p, config_fallback=False)
 
@@ -58,6 +61,7 @@ def _run(args) -> None:
 
     from splitserve.batch.engine_executor import run_lines
     from splitserve.batch.lines import parse_input
+    from splitserve.api.score_request import label_token_ids
     from splitserve.batch.results import ResultLog
     from splitserve.engine.llm_engine import LLMEngine
 
@@ -69,6 +73,7 @@ def _run(args) -> None:
     served = ServedModels((args.served_model_name or args.model,), tuple(adapters))  # ValueError on a clash
     engine = LLMEngine(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
                        num_kv_blocks=args.num_kv_blocks, lora_modules=adapters)
+    labels = label_token_ids(engine.tokenizer, args.score_label_tokens or ())  # ValueError on a label of two tokens
     with ResultLog(args.output) as output, ResultLog(errors_path) as errors:
         done = len(output.done) + len(errors.done)
         if done:
@@ -76,7 +81,7 @@ def _run(args) -> None:
         with tqdm(total=len(lines), initial=done, desc="batch", unit="line") as bar:
             stats = run_lines(engine, lines, served, output, errors, options,
                               on_result=lambda ok: bar.update(),
-                              parsers=chat_parsers.from_arguments(args))
+                              parsers=chat_parsers.from_arguments(args), score_labels=labels)
         failed = len(errors.done)
     print(f"{len(lines) - failed} lines succeeded, {failed} failed -> {args.output}"
           + (f", {errors_path}" if failed else ""))

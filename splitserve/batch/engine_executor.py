@@ -32,16 +32,17 @@ from splitserve.engine.tokenizer import Tokenizer
 def run_lines(engine: LLMEngine, lines: list[BatchLine], model: ModelNames, output: ResultLog,
               errors: ResultLog, options: BlendOptions, stop: Callable[[], bool] = lambda: False,
               on_result: Callable[[bool], None] = lambda ok: None, limits: RequestLimits = RequestLimits(),
-              parsers: ChatParsers = ChatParsers()) -> BatchStats:
+              parsers: ChatParsers = ChatParsers(), score_labels: tuple[int, ...] = ()) -> BatchStats:
     """Run every line without a result in `output` or `errors`; lines already there count as
     samples of output length. A line runs as one engine request per computed choice (`n`,
     `best_of`) of each of its prompts, each choice with its seed (the order keeps a prompt's
     choices together, so it is prefilled once), or per text an embeddings, score or rerank line
     embeds, and is logged when its last one ends.
-    `on_result(ok)` after each line is logged; `parsers`: how chat outputs are read."""
+    `on_result(ok)` after each line is logged; `parsers`: how chat outputs are read; `score_labels`:
+    a token-answering reranker's label ids, with which score and rerank lines run a prompt per pair."""
     grammar = LazyGrammar(engine.tokenizer, engine.model_config.vocab_size)
     rules = LineRules(engine.tokenizer, model, engine.max_model_len, engine.model_config.hidden_size, limits,
-                      grammar.check, parsers)
+                      grammar.check, parsers, score_labels=score_labels)
     jobs, finished_lines = prepare_pending(lines, rules, output, errors, on_result)
     requests = [_engine_requests(prepared) for _, prepared in jobs]
     runs = [len(mine) for mine in requests]

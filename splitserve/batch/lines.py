@@ -133,13 +133,15 @@ class LineRules:
     check_constraint: ConstraintCheck | None = None
     parsers: ChatParsers = ChatParsers()
     priority: int = 0
+    score_labels: tuple[int, ...] = ()  # a token-answering reranker's label ids (score_label_tokens)
 
 
 def prepare(line: BatchLine, rules: LineRules) -> Prepared:
     """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
     raw = json.dumps(line.body).encode()
     pooled = {"embedding": functools.partial(prepare_embeddings, hidden_size=rules.hidden_size),
-              "score": prepare_score, "rerank": prepare_rerank}.get(line.kind)
+              "score": functools.partial(prepare_score, labels=rules.score_labels),
+              "rerank": functools.partial(prepare_rerank, labels=rules.score_labels)}.get(line.kind)
     if pooled is not None:
         prepared = pooled(raw, rules.tokenizer, rules.model, rules.max_model_len, rules.limits)
     else:

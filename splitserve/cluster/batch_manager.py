@@ -29,7 +29,7 @@ class BatchManager:
         adapters = ServedAdapters(config, PrefixNaming(config.prefix_block_size(), model_config.long_rope_from))
         grammar = LazyGrammar(tokenizer, model_config.vocab_size)  # structured output's constraints compile up front
         rules = LineRules(tokenizer, adapters.served, max_model_len, model_config.hidden_size, limits, grammar.check,
-                          config.chat_parsers, config.batch.priority)
+                          config.chat_parsers, config.batch.priority, config.score_labels(tokenizer))
         executor = ClusterExecutor(cls, ModelShape.of(model_config), rules, engine.block_size,
                                    config.scheduler.max_attempts, prefix=adapters.prefix, adapters=adapters)
         self.service = BatchService(BatchStore(config.batch.dir), executor, config.batch.blend_options(),

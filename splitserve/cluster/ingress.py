@@ -65,6 +65,7 @@ class Ingress:
                                                                          self.config.engine.engine_config("token"))
         self.config.check_model(model_config)
         self.hidden_size = model_config.hidden_size  # an embedding's dimensions
+        self.score_labels = self.config.score_labels(self.tokenizer)  # a token-answering reranker's, else ()
         self._grammar = LazyGrammar(self.tokenizer, model_config.vocab_size)
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         self._directory: WorkerDirectory | None = None
@@ -174,16 +175,17 @@ class Ingress:
     @api.post("/score")
     @api.post("/v1/score")
     async def score(self, request: Request) -> Response:
-        """vLLM's: pairs of texts scored by their embeddings' cosine similarity (`score_request`)."""
-        return await self._embedded(request, prepare_score)
+        """vLLM's: pairs of texts scored by their embeddings' cosine similarity, or a reranker's
+        verdict on each (`score_request`)."""
+        return await self._embedded(request, functools.partial(prepare_score, labels=self.score_labels))
 
     @api.post("/rerank")
     @api.post("/v1/rerank")
     @api.post("/v2/rerank")
     async def rerank(self, request: Request) -> Response:
-        """Jina's and Cohere's (as vLLM serves them): documents ranked by their embeddings' cosine
-        similarity to the query's (`score_request`)."""
-        return await self._embedded(request, prepare_rerank)
+        """Jina's and Cohere's (as vLLM serves them): documents ranked against the query as `score`
+        scores them (`score_request`)."""
+        return await self._embedded(request, functools.partial(prepare_rerank, labels=self.score_labels))
 
     async def _embedded(self, request: Request, prepare: Callable) -> Response:
         """A request answered from embeddings: `prepare(body, tokenizer, served, max_model_len,

@@ -17,6 +17,7 @@ from splitserve.api.chat_parsers import ChatParsers
 from splitserve.api.limits import RequestLimits
 from splitserve.api.reasoning import REASONING_PARSERS
 from splitserve.api.request_models import ServedModels
+from splitserve.api.score_request import label_token_ids
 from splitserve.api.tool_calls import LLAMA3_JSON, TOOL_CALL_PARSERS
 from splitserve.config.options import (
     BatchAPIOptions,
@@ -32,6 +33,7 @@ from splitserve.config.options import (
 from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.model.sharding import check_shardable
+from splitserve.engine.tokenizer import Tokenizer
 from splitserve.placement.hardware import HARDWARE_CLASSES, HardwareProfile
 from splitserve.placement.state import AdapterOptions, PrefixOptions
 
@@ -55,6 +57,11 @@ class ClusterConfig(StrictModel):
         LLAMA3_JSON, description="The format the model writes tool calls in: llama3_json (Llama 3.x), hermes "
         "(`<tool_call>` JSON `</tool_call>`: Qwen2.5, Qwen3, Hermes) or mistral (`[TOOL_CALLS]`: Mistral, Mixtral, "
         "Devstral).")
+    score_label_tokens: list[str] | None = Field(
+        None, description="A reranker that answers in tokens: /score and /rerank run each (query, document) pair as "
+        "one prompt and score it by the LM head's logits at these tokens, the last one's probability against the "
+        "first (Qwen3-Reranker: [\"no\", \"yes\"]; one token: the sigmoid of its logit). Each must be one token of "
+        "the model's vocabulary. null: they score by the cosine similarity of the texts' embeddings.")
     pools: list[PoolConfig] = Field([PoolConfig(role="prompt"), PoolConfig(role="token")], description="One pool "
                                     "per role: prompt and token together, mixed alone, or all three.")
     hardware_classes: dict[str, HardwareClassConfig] = Field({}, description="Hardware classes beyond the built-in "
@@ -108,6 +115,18 @@ class ClusterConfig(StrictModel):
         if len(set(names)) != len(names):
             raise ValueError(f"names must differ, got {names!r}")
         return value
+
+    @field_validator("score_label_tokens")
+    @classmethod
+    def _labels(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not 1 <= len(value) <= 2 or not all(value) or len(set(value)) != len(value)):
+            raise ValueError(f"one or two distinct non-empty tokens (a reranker's \"no\" and \"yes\"), got {value!r}")
+        return value
+
+    def score_labels(self, tokenizer: Tokenizer) -> tuple[int, ...]:
+        """`score_label_tokens` as token ids (ValueError naming one that is not a single token); ()
+        without them."""
+        return label_token_ids(tokenizer, self.score_label_tokens or ())
 
     @property
     def model_names(self) -> tuple[str, ...]:

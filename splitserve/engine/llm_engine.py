@@ -36,7 +36,7 @@ class _Request:
     timestamps: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; [0] stays None
-    embedding: list[float] | None = None  # with params.embed, once its prefill ran
+    embedding: list[float] | None = None  # with params.embed, once its prefill ran (RequestOutput's)
 
     @property
     def stops_on_text(self) -> bool:
@@ -332,6 +332,9 @@ class LLMEngine:
                              f"a request's priority must be 0, got {params.priority}")
         if params.constraint is not None:
             self.sampler.grammar.check(params.constraint)
+        if any(t >= self.model_config.vocab_size for t in params.label_token_ids):
+            raise ValueError(f"label_token_ids must be ids under the vocabulary's {self.model_config.vocab_size}, "
+                             f"got {params.label_token_ids}")
         seq = Sequence(request_id, token_ids, params, time.monotonic() if arrival_time is None else arrival_time,
                        self.eos_token_ids, adapter_identity=self.adapters.identity_of(params),
                        bad_words=BadWords.of(params.bad_words, self.tokenizer))

@@ -59,8 +59,9 @@ class StepChannel(Protocol):
 @dataclass(frozen=True)
 class Forward:
     """One iteration's results: the sequences that sample, their logits [n, vocab] (float32) in the
-    same order, the prompt rows of the sequences that asked for prompt logprobs, and the last
-    prompt row's hidden state [hidden], L2-normalized in float32, of those that asked for an embedding."""
+    same order, the prompt rows of the sequences that asked for prompt logprobs, and what those
+    that asked for an embedding pool from their last prompt row: its hidden state [hidden],
+    L2-normalized in float32, or its logits at their label tokens (copied before sampling changes them)."""
 
     seqs: list[Sequence]
     logits: torch.Tensor
@@ -100,8 +101,9 @@ class ModelRunner:
         rows = [batch.query_starts[i + 1] - 1 for i, item in enumerate(items) if item.samples]
         logits = self.model.compute_logits(hidden[_row_index(rows, hidden.device)]).float()
         sampling = [item.seq for item in items if item.samples]
-        pooled = [(seq, torch.nn.functional.normalize(hidden[row].float(), dim=-1))
-                  for seq, row in zip(sampling, rows) if seq.params.embed]
+        pooled = [(seq, logits[i, list(seq.params.label_token_ids)] if seq.params.label_token_ids
+                   else torch.nn.functional.normalize(hidden[row].float(), dim=-1))
+                  for i, (seq, row) in enumerate(zip(sampling, rows)) if seq.params.embed]
         return Forward(sampling, logits, _prompt_rows(items, batch, hidden), pooled)
 
     @torch.inference_mode()

@@ -33,7 +33,9 @@ class RequestOutput:
     # per prompt position: {token id: logprob}, the prompt's token included; None at position 0.
     # None when not asked for, and on a token worker (the prompt worker computed them)
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    embedding: list[float] | None = None  # with SamplingParams.embed, once its prefill ran (else None)
+    # with SamplingParams.embed, once its prefill ran (else None): the embedding, or with label_token_ids
+    # the logits at those ids
+    embedding: list[float] | None = None
 
     @property
     def token_ids(self) -> list[int]:

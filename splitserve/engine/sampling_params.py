@@ -17,6 +17,7 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18  # ids in allowed_token_ids: more than the large
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256  # words in bad_words, characters in one
 MAX_CACHE_SALT = 1024  # characters in a cache_salt
 MAX_PRIORITY = 2**31 - 1  # a priority's magnitude at most
+MAX_LABEL_TOKENS = 16  # label_token_ids at most
 # Temperatures reach the device as float32: one past its largest value would divide -inf by inf
 # (NaN, a row nothing can be drawn from).
 MAX_TEMPERATURE = 3.4028234663852886e38
@@ -70,10 +71,14 @@ class SamplingParams:
     # the prompt's embedding: its last position's final hidden state, L2-normalized (last-token
     # pooling, as decoder embedding models such as Qwen3-Embedding and e5-mistral pool); max_tokens 1
     embed: bool = False
+    # with embed: pool the LM head's logits at these ids instead (raw, at the same position): a
+    # reranker that answers in tokens reads its verdict there (Qwen3-Reranker's "no" and "yes")
+    label_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
+        object.__setattr__(self, "label_token_ids", _as_tuple(self.label_token_ids, "label_token_ids", int))
         _check(all(t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be ids >= 0, got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize", "embed"):
@@ -88,6 +93,10 @@ class SamplingParams:
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
         _check(not self.embed or self.max_tokens == 1,
                f"embed needs max_tokens 1 (its prefill's), got {self.max_tokens}")
+        _check(not self.label_token_ids or (self.embed and len(self.label_token_ids) <= MAX_LABEL_TOKENS
+                                            and all(t >= 0 for t in self.label_token_ids)),
+               f"label_token_ids must be at most {MAX_LABEL_TOKENS} ids >= 0, with embed, got "
+               f"{self.label_token_ids!r:.80}")
         _check(self.lora is None or (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME),
                f"lora must be an adapter's name (1 to {MAX_LORA_NAME} characters) or None, got {self.lora!r}")
         _check(self.lora_identity is None or (self.lora is not None and isinstance(self.lora_identity, str)),
@@ -131,10 +140,11 @@ class SamplingParams:
                    f"{name} must be a finite number of seconds > 0 or None, got {value!r}")
 
     @classmethod
-    def embedding(cls, lora: str | None = None) -> SamplingParams:
-        """A request for the prompt's embedding alone (under adapter `lora`): its prefill, one
-        greedy token not decoded to text."""
-        return cls(max_tokens=1, temperature=0.0, detokenize=False, embed=True, lora=lora)
+    def embedding(cls, lora: str | None = None, label_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        """A request for the prompt's embedding alone (under adapter `lora`), or its logits at
+        `label_token_ids`: its prefill, one greedy token not decoded to text."""
+        return cls(max_tokens=1, temperature=0.0, detokenize=False, embed=True, lora=lora,
+                   label_token_ids=label_token_ids)
 
     def ids_only(self) -> SamplingParams:
         """These params for a caller that decodes the output ids itself (a cluster's ingress, a

@@ -1,6 +1,7 @@
 """`/score` and `/rerank` bodies taken as vLLM takes them (pairs one to one, one to many, many to
 many; a query against documents), each distinct text embedded once, and the bodies they answer:
-cosine similarities (numpy's), rerank results best first in the shape Cohere's client parses."""
+cosine similarities (numpy's), rerank results best first in the shape Cohere's client parses; with a
+reranker's label tokens, each pair one prompt scored by the labels' softmax (numpy's)."""
 from __future__ import annotations
 
 import json
@@ -13,19 +14,21 @@ from cohere.v2 import V2RerankResponse
 from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.api.request_models import ServedModels
-from splitserve.api.score_request import prepare_rerank, prepare_score
+from splitserve.api.score_request import label_token_ids, prepare_rerank, prepare_score
 from splitserve.engine.demo import demo_tokenizer
 
 TOKENIZER = demo_tokenizer()
 SERVED = ServedModels(("demo",), ("sql",))
 
 
-def score(limits: RequestLimits = RequestLimits(), max_model_len: int = 64, **body):
-    return prepare_score(json.dumps({"model": "demo", **body}).encode(), TOKENIZER, SERVED, max_model_len, limits)
+def score(limits: RequestLimits = RequestLimits(), max_model_len: int = 64, labels: tuple[int, ...] = (), **body):
+    return prepare_score(json.dumps({"model": "demo", **body}).encode(), TOKENIZER, SERVED, max_model_len, limits,
+                         labels)
 
 
-def rerank(limits: RequestLimits = RequestLimits(), max_model_len: int = 64, **body):
-    return prepare_rerank(json.dumps({"model": "demo", **body}).encode(), TOKENIZER, SERVED, max_model_len, limits)
+def rerank(limits: RequestLimits = RequestLimits(), max_model_len: int = 64, labels: tuple[int, ...] = (), **body):
+    return prepare_rerank(json.dumps({"model": "demo", **body}).encode(), TOKENIZER, SERVED, max_model_len, limits,
+                          labels)
 
 
 def ids(text: str) -> list[int]:
@@ -111,3 +114,30 @@ def test_a_bad_request_names_its_field(prepare, body, param, status):
     with pytest.raises(RequestError) as refused:
         prepare(**body)
     assert (refused.value.status, refused.value.param.split(".")[0]) == (status, param)
+
+
+LABELS = label_token_ids(TOKENIZER, ["n", "y"])  # the demo's byte tokens
+
+
+def test_with_labels_each_pair_is_one_prompt_scored_by_the_last_labels_probability():
+    prepared = rerank(query="q?", documents=["ab", "cd", "ab"], labels=LABELS)
+    pairs = [ids("q?") + TOKENIZER.encode(doc, add_special_tokens=False) for doc in ("ab", "cd")]
+    assert prepared.prompts == pairs and prepared.pairs == [(0, 0), (1, 1), (0, 0)]  # a repeated pair runs once
+    assert [p.label_token_ids for p in prepared.params] == [LABELS] * 2
+    logits = [(0.5, 2.0), (1.0, -1.0)]
+    expected = [float(np.exp(y) / (np.exp(n) + np.exp(y))) for n, y in logits]
+    assert [r["relevance_score"] for r in prepared.body(logits)["results"]] == pytest.approx(
+        [expected[0], expected[0], expected[1]])
+    [one] = score(text_1="q", text_2="a", labels=LABELS[1:]).scores([(0.3,)])
+    assert one == pytest.approx(1 / (1 + np.exp(-0.3)))  # one label: the sigmoid of its logit
+    bare = [TOKENIZER.encode(text, add_special_tokens=False) for text in ("c", "d")]
+    assert score(text_1=["a", "b"], text_2=["c", "d"], labels=LABELS).prompts == [ids("a") + bare[0],
+                                                                                  ids("b") + bare[1]]
+
+
+def test_a_pair_past_the_context_or_a_label_of_several_tokens_is_refused():
+    with pytest.raises(RequestError) as refused:
+        rerank(query="q" * 40, documents=["d" * 30], labels=LABELS)  # each fits 64 tokens, the pair not
+    assert (refused.value.param, refused.value.code) == ("documents", "context_length_exceeded")
+    with pytest.raises(ValueError, match="'yes' is 3 tokens"):
+        label_token_ids(TOKENIZER, ["n", "yes"])

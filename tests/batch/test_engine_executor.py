@@ -249,3 +249,22 @@ def test_score_and_rerank_lines_are_the_cosines_of_the_engines_embeddings(llm, r
     ranked = body(results, "rerank-top")["results"]
     assert [r["index"] for r in ranked] == sorted(range(3), key=lambda i: -expected[i])[:2]
     assert [r["relevance_score"] for r in ranked] == pytest.approx([expected[r["index"]] for r in ranked], abs=1e-6)
+
+
+def test_with_score_labels_a_rerank_line_scores_each_pair_by_its_label_logits(llm, tmp_path):
+    """`splitserve batch --score-label-tokens n y`: a pair is one prompt (the query, then the
+    document without special tokens), its score the engine's verdict from the two labels' logits."""
+    tokenizer = llm.engine.tokenizer
+    labels = tuple(tokenizer.encode(t, add_special_tokens=False)[0] for t in ("n", "y"))
+    documents = ["Yes, 2 + 3 = 5.", "Bananas are yellow."]
+    line = {"custom_id": "r", "method": "POST", "url": "/v1/rerank",
+            "body": {"model": "demo", "query": "Is 2 + 3 five?", "documents": documents}}
+    with ResultLog(tmp_path / "out.jsonl") as output, ResultLog(tmp_path / "errors.jsonl") as errors:
+        run_lines(llm.engine, parse_input(as_jsonl([line])), "demo", output, errors, BlendOptions("dfs"),
+                  score_labels=labels)
+    pairs = [tokenizer.encode("Is 2 + 3 five?") + tokenizer.encode(d, add_special_tokens=False) for d in documents]
+    logits = [out.embedding for out in llm.generate([{"prompt_token_ids": p} for p in pairs],
+                                                    SamplingParams.embedding(label_token_ids=labels))]
+    expected = [1 / (1 + np.exp(n - y)) for n, y in logits]
+    ranked = output.done["r"]["response"]["body"]["results"]
+    assert [r["relevance_score"] for r in ranked] == pytest.approx(sorted(expected, reverse=True), abs=1e-6)

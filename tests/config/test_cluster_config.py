@@ -322,6 +322,20 @@ def test_served_model_names_are_one_or_several_aliases():
             ClusterConfig(served_model_name=bad)
 
 
+def test_score_label_tokens_are_one_or_two_single_tokens_of_the_vocabulary():
+    from splitserve.engine.demo import demo_tokenizer
+
+    tokenizer = demo_tokenizer()
+    assert ClusterConfig().score_labels(tokenizer) == ()
+    assert ClusterConfig(score_label_tokens=["n", "y"]).score_labels(tokenizer) == tuple(
+        tokenizer.encode("ny", add_special_tokens=False))
+    for bad in ([], ["n", "n"], [""], ["a", "b", "c"]):
+        with pytest.raises(ValueError, match="score_label_tokens"):
+            ClusterConfig(score_label_tokens=bad)
+    with pytest.raises(ValueError, match="'yes' is 3 tokens"):  # the demo's tokens are bytes
+        ClusterConfig(score_label_tokens=["no", "yes"][1:]).score_labels(tokenizer)
+
+
 def test_prefix_aware_placement_settings_reach_the_placement():
     config = ClusterConfig.model_validate({"scheduler": {"prefill_saved_weight": 2, "transfer_saved_weight": 0.5,
                                                          "prefix_index_blocks": 1000}})

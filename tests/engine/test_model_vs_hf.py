@@ -219,6 +219,23 @@ def test_embeddings_are_the_last_tokens_final_hidden_state_normalized(ckpt):
     assert max_diff(expected[0], expected[1]) > 0.1  # distinct prompts, distinct embeddings
 
 
+def test_label_logits_are_the_lm_heads_logits_at_the_last_token(ckpt):
+    """A reranker's verdict (`label_token_ids`): the logits transformers' LM head gives those ids
+    at each prompt's last token, batched with a chunked prompt and an embedding request."""
+    path, hf = ckpt
+    vocab = hf.config.vocab_size
+    prompts = [prompt_ids(6, 9, vocab), prompt_ids(7, 40, vocab)]
+    labels = (3, vocab - 1, 17)
+    llm = LLM(path, chunk_token_budget=16, dtype="float32", **ENGINE_ARGS)
+    outputs = llm.generate([*prompts, prompts[0]], [SamplingParams.embedding(label_token_ids=labels)] * 2
+                           + [SamplingParams.embedding()])
+    for out, ids in zip(outputs, prompts):
+        assert max_diff(torch.tensor(out.embedding), hf_logits(hf, ids)[-1][list(labels)]) <= 1e-4
+    assert len(outputs[2].embedding) == hf.config.hidden_size
+    with pytest.raises(ValueError, match="label_token_ids must be ids under"):
+        llm.generate(prompts[0], SamplingParams.embedding(label_token_ids=(vocab,)))
+
+
 def test_a_checkpoint_of_the_base_model_alone_loads_and_embeds(tmp_path, tokenizers_by_kind):
     """How Qwen3-Embedding ships: the backbone's tensors without the `model.` prefix, and no LM head
     (tied to the embeddings)."""
@@ -242,6 +259,11 @@ def test_an_embedding_request_asks_one_token():
     with pytest.raises(ValueError, match="embed needs max_tokens 1"):
         SamplingParams(embed=True, max_tokens=2)
     assert SamplingParams(max_tokens=1).embed is False
+    for labels in ((1, -2), tuple(range(17))):
+        with pytest.raises(ValueError, match="label_token_ids must be at most 16 ids"):
+            SamplingParams.embedding(label_token_ids=labels)
+    with pytest.raises(ValueError, match="with embed"):
+        SamplingParams(max_tokens=1, label_token_ids=[1])
 
 
 # ---- half precision -----------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """`/score` and `/rerank` through a real local cluster: a pair's score is the cosine similarity of
 the offline engine's embeddings (`LLM.embed`) of its texts, and Cohere's own client reads the
-rerank at `/v2/rerank`, best first."""
+rerank at `/v2/rerank`, best first; on an app serving a reranker that answers in tokens (the
+tensor-parallel one), a pair's score is the offline engine's label logits' verdict."""
 from __future__ import annotations
 
 import cohere
 import httpx
 import numpy as np
 import pytest
+
+from splitserve import SamplingParams
 
 QUERY = "Where is the Eiffel Tower?"
 DOCUMENTS = ["The Eiffel Tower is in Paris.", "Bananas are yellow.", "Paris is the capital of France."]
@@ -45,3 +48,21 @@ def test_score_pairs_one_text_with_many(server, offline, path):
 def test_a_bad_request_is_a_4xx_naming_its_field(server, path, body, param):
     answer = httpx.post(f"{server}{path}", json={"model": "demo", **body}, timeout=60)
     assert answer.status_code == 400 and answer.json()["error"]["param"].split(".")[0] == param
+
+
+def test_a_reranker_answering_in_tokens_scores_each_pair_by_its_label_logits(tp_server, offline):
+    """`score_label_tokens: ["n", "y"]`: a pair is the query's tokens then the document's (no
+    special tokens), run as one prompt on the tensor-parallel prompt worker; its score is y's
+    probability against n's, from the logits the offline engine gives those two tokens."""
+    tokenizer = offline.get_tokenizer()
+    labels = (tokenizer.encode("n", add_special_tokens=False)[0], tokenizer.encode("y", add_special_tokens=False)[0])
+    pairs = [tokenizer.encode(QUERY) + tokenizer.encode(doc, add_special_tokens=False) for doc in DOCUMENTS]
+    logits = [out.embedding for out in offline.generate([{"prompt_token_ids": p} for p in pairs],
+                                                        SamplingParams.embedding(label_token_ids=labels))]
+    expected = [1 / (1 + np.exp(n - y)) for n, y in logits]
+    got = httpx.post(f"{tp_server}/rerank", json={"model": "demo", "query": QUERY, "documents": DOCUMENTS},
+                     timeout=60).json()
+    assert [r["index"] for r in got["results"]] == sorted(range(3), key=lambda i: -expected[i])
+    assert [r["relevance_score"] for r in got["results"]] == pytest.approx(
+        [expected[r["index"]] for r in got["results"]], abs=1e-5)
+    assert got["usage"]["prompt_tokens"] == sum(map(len, pairs))
