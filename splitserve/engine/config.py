@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_int
+from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.quantization_config import parse_quantization, stored_unquantized
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -90,9 +91,10 @@ class ModelConfig:
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling); None: rope_theta
     weights_prefix: str = ""       # a multimodal checkpoint's: what its language model's tensor names start with
     skipped_weights: tuple[str, ...] = ()  # ... and the prefixes of the tensors it does not serve (the vision tower)
-    quantization: str | None = None  # the checkpoint's weights' format (QUANTIZATIONS); None: the model's dtype
+    quantization: str | None = None  # the checkpoint's weights' format (mxfp4, fp8, int); None: the model's dtype
     weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: a tensor or row)
-    unquantized_modules: tuple[str, ...] = ()  # FP8: the modules stored unquantized (`quantization_config`)
+    int_weights: IntWeights | None = None  # int: the packed integers' scheme (bits, group, zero points)
+    unquantized_modules: tuple[str, ...] = ()  # FP8, int: the modules stored unquantized (`quantization_config`)
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None

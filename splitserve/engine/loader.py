@@ -9,7 +9,8 @@ its part of each tensor from the file (`shard_slices`). An MXFP4 tensor (GPT-OSS
 `_blocks` and `_scales`, `mxfp4`) and an FP8 weight (its float8 `.weight` and `.weight_scale_inv`,
 `fp8`) load as they are where the model keeps them so (MoE experts; on a GPU, dense projections);
 otherwise each is dequantized whole on the parameter's device once both halves are read, then the
-rank's part of it is kept.
+rank's part of it is kept. Packed integer weights (`.weight_packed`, `_scale`, `_shape`, and
+`_zero_point` where asymmetric, `int_weights`) are dequantized so once all their parts are read.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from splitserve.engine import fp8, mxfp4
+from splitserve.engine import fp8, int_weights, mxfp4
 from splitserve.engine.config import FUSED_ARCHITECTURES, ModelConfig
 from splitserve.engine.model.llama import checkpoint_tensors, shard_slices
 from splitserve.engine.model.sharding import ShardSlice
@@ -180,6 +181,8 @@ def _quantized_half(file: Path, name: str, handle, checkpoint_name: str, config:
     if name.endswith(mxfp4.SUFFIXES) and name not in targets:
         base, _, half = name.rpartition("_")
         return base, half
+    if config is not None and config.quantization == "int":
+        return int_weights.part_of(name)
     if config is None or config.quantization != "fp8":
         return None
     stored = handle.get_slice(checkpoint_name).get_dtype()
@@ -225,7 +228,10 @@ def _tensor_scale_for_rows(name: str, shape: tuple, whole: tuple) -> bool:
 
 
 def _other_half(base: str, halves: dict[str, torch.Tensor], config: ModelConfig | None) -> str:
-    """The name of the half a quantized tensor lacks."""
+    """The name of the half (the parts) a quantized tensor lacks."""
+    if config is not None and config.quantization == "int":
+        suffixes = {part: suffix for suffix, part in int_weights.SUFFIXES.items()}
+        return ", ".join(base + suffixes[part] for part in sorted(config.int_weights.parts() - halves.keys()))
     if "scale" in halves:
         return f"{base} (float8)"
     if "weight" in halves:
@@ -240,7 +246,7 @@ def _joined(file: Path, base: str, half: str, tensor: torch.Tensor, packed: dict
     (its half `half`); before then its values are None."""
     halves = packed.setdefault(base, {})
     halves[half] = tensor
-    if len(halves) < 2:
+    if len(halves) < (len(config.int_weights.parts()) if config is not None and config.quantization == "int" else 2):
         return base, None
     del packed[base]
     target = next((targets[n] for n in _filled(base, config) if n in targets), None)
@@ -248,6 +254,8 @@ def _joined(file: Path, base: str, half: str, tensor: torch.Tensor, packed: dict
         raise CheckpointError(f"{file}: quantized tensor {base!r} has no matching parameter")
     device, dtype = target.device, target.dtype
     try:
+        if config is not None and config.quantization == "int":
+            return base, int_weights.dequantize({k: v.to(device) for k, v in halves.items()}, config.int_weights, dtype)
         if half in ("weight", "scale"):
             return base, fp8.dequantize(halves["weight"].to(device), halves["scale"].to(device),
                                         config.weight_block_size, dtype)

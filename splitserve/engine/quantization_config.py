@@ -1,17 +1,22 @@
 """A checkpoint's `quantization_config` read into the model config's fields: which quantized format
 its weights are in (GPT-OSS's MXFP4 experts, `mxfp4.py`; FP8 weights, `fp8.py`, as `fp8` stores
-them or as compressed-tensors does, llm-compressor's FP8 releases), FP8's scale blocks, and the
-modules it stores unquantized; anything else is refused naming the field."""
+them or as compressed-tensors does, llm-compressor's FP8 releases; 4- and 8-bit integer weights as
+compressed-tensors packs them, its W4A16 and W8A16 releases, `int_weights.py`), FP8's scale blocks
+or the integers' scheme, and the modules it stores unquantized; anything else is refused naming
+the field."""
 from __future__ import annotations
 
 import re
 
 from splitserve.engine.config_error import ConfigError, positive_int
+from splitserve.engine.int_weights import BITS, IntWeights
 
 FP8_METHODS = ("fp8", "compressed-tensors")  # the quant_methods served for every architecture but these:
 METHODS = {"GptOssForCausalLM": ("mxfp4",)}
 FP8_STRATEGIES = ("tensor", "channel", "block")  # compressed-tensors' weight scales: one, one a row, one a block
 COMPRESSED_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors' formats of FP8 weights
+PACKED_FORMAT = "pack-quantized"  # compressed-tensors' format of integer weights packed into int32
+INT_STRATEGIES = ("group", "channel")  # integer weights' scales: one a group of a row's columns, one a row
 MXFP4_GROUP = 32  # values a scale covers (mxfp4.GROUP)
 MAX_PATTERNS = 4096  # of a quantization_config's modules_to_not_convert (or compressed-tensors' ignore)
 
@@ -39,7 +44,7 @@ def parse_quantization(cfg: dict, arch: str, source: str) -> dict:
         return dict(quantization=method, weight_block_size=_fp8_block(quant, source),
                     unquantized_modules=_patterns(quant, "modules_to_not_convert", source))
     if method == "compressed-tensors":
-        return _compressed_fp8(quant, source)
+        return _compressed(quant, source)
     for name in ("hidden_size", "intermediate_size"):  # MXFP4 (GPT-OSS): the experts' inputs and width
         if int(cfg.get(name) or 0) % MXFP4_GROUP:
             raise ConfigError(f"{source}: {name}={cfg.get(name)} is not a multiple of {MXFP4_GROUP}, "
@@ -61,16 +66,17 @@ def _patterns(quant: dict, name: str, source: str) -> tuple[str, ...]:
     return tuple(patterns)
 
 
-def _compressed_fp8(quant: dict, source: str) -> dict:
+def _compressed(quant: dict, source: str) -> dict:
     """A compressed-tensors checkpoint's fields where its weights are FP8 (e4m3, symmetric: one
-    scale a tensor, a row or a block, `weight_scale`) in every Linear but those it ignores; other
-    schemes (INT4/INT8 packs, NVFP4, sparsity, transforms) are refused naming what differs. Its
-    activation scheme is not used: activations stay in the serving dtype."""
+    scale a tensor, a row or a block, `weight_scale`) or packed integers (`int_weights`) in every
+    Linear but those it ignores; other schemes (NVFP4, sparsity, transforms) are refused naming
+    what differs. An FP8 activation scheme is not used (activations stay in the serving dtype);
+    integer activations (W8A8) are refused."""
     where = f"{source}: quantization_config"
     for key, allowed in (("quantization_status", ("compressed",)), ("sparsity_config", (None, {})),
                          ("transform_config", (None, {}))):
         if quant.get(key, allowed[0]) not in allowed:
-            raise ConfigError(f"{where} {key} {quant[key]!r} is not supported (FP8 weights, compressed, only)")
+            raise ConfigError(f"{where} {key} {quant[key]!r} is not supported (compressed weights only)")
     groups = quant.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ConfigError(f"{where} config_groups must be a non-empty object")
@@ -81,19 +87,52 @@ def _compressed_fp8(quant: dict, source: str) -> dict:
             raise ConfigError(f"{at} targets must be [\"Linear\"] (every projection), got "
                               f"{group.get('targets') if isinstance(group, dict) else group!r}")
         form = group.get("format") or quant.get("format")
-        if form not in COMPRESSED_FORMATS:
-            raise ConfigError(f"{at} format {form!r} is not supported (FP8 weights: {', '.join(COMPRESSED_FORMATS)})")
+        if form not in (*COMPRESSED_FORMATS, PACKED_FORMAT):
+            raise ConfigError(f"{at} format {form!r} is not supported (FP8 weights: {', '.join(COMPRESSED_FORMATS)}; "
+                              f"integer weights: {PACKED_FORMAT})")
         if group.get("output_activations") is not None:
             raise ConfigError(f"{at} output_activations are not supported")
-        schemes.add(_fp8_weights(group.get("weights"), f"quantization_config.config_groups.{name}.weights", source))
+        weights = f"quantization_config.config_groups.{name}.weights"
+        if form == PACKED_FORMAT:
+            if group.get("input_activations") is not None:
+                raise ConfigError(f"{at} input_activations: quantized activations (W8A8) are not supported; "
+                                  "integer weights with activations in the serving dtype (W4A16, W8A16) are")
+            schemes.add(_int_weights(group.get("weights"), weights, source))
+        else:
+            schemes.add(_fp8_weights(group.get("weights"), weights, source))
     if len(schemes) > 1:
         raise ConfigError(f"{where} config_groups quantize weights differently: {sorted(schemes, key=str)}")
     ignore = quant.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise ConfigError(f"{where} ignore must be a list of module names and 're:' patterns")
     patterns = [p[3:] if p.startswith("re:") else re.escape(p) for p in ignore]
-    return dict(quantization="fp8", weight_block_size=schemes.pop(),
-                unquantized_modules=_patterns({"ignore": patterns}, "ignore", source))
+    scheme = schemes.pop()
+    fields = (dict(quantization="int", int_weights=scheme) if isinstance(scheme, IntWeights)
+              else dict(quantization="fp8", weight_block_size=scheme))
+    return dict(**fields, unquantized_modules=_patterns({"ignore": patterns}, "ignore", source))
+
+
+def _int_weights(weights, name: str, source: str) -> IntWeights:
+    """A packed integer weight scheme: 4 or 8 bits, one scale a group of columns or a row,
+    symmetric or with zero points; the order GPTQ calibrated in does not change the format (its
+    `actorder: weight`), a per-column group index (`group`) is refused."""
+    at = f"{source}: {name}"
+    if not isinstance(weights, dict):
+        raise ConfigError(f"{at} must be an object")
+    if weights.get("type") != "int" or weights.get("num_bits") not in BITS or weights.get("dynamic", False):
+        raise ConfigError(f"{at}: {weights.get('num_bits')}-bit {weights.get('type')} weights are not supported "
+                          f"in {PACKED_FORMAT} (integers of {' or '.join(map(str, BITS))} bits, static)")
+    strategy = weights.get("strategy")
+    if strategy not in INT_STRATEGIES:
+        raise ConfigError(f"{at}.strategy {strategy!r} is not supported (supported: {', '.join(INT_STRATEGIES)})")
+    if weights.get("actorder") not in (None, "weight", "static"):
+        raise ConfigError(f"{at}.actorder {weights['actorder']!r} is not supported (a group index per column); "
+                          "weight or null is")
+    symmetric = weights.get("symmetric", True)
+    if not isinstance(symmetric, bool):
+        raise ConfigError(f"{at}.symmetric must be true or false, got {symmetric!r}")
+    group = positive_int(weights.get("group_size"), f"{name}.group_size", source) if strategy == "group" else None
+    return IntWeights(weights["num_bits"], group, symmetric)
 
 
 def _fp8_weights(weights, name: str, source: str) -> tuple[int, int] | None:

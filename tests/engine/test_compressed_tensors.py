@@ -148,7 +148,9 @@ def group(**weights) -> dict:
 
 
 @pytest.mark.parametrize("quant, message", [
-    ({**scheme("channel"), "format": "pack-quantized"}, r"format 'pack-quantized' is not supported"),
+    ({**scheme("channel"), "format": "nvfp4-pack-quantized"}, r"format 'nvfp4-pack-quantized' is not supported"),
+    ({**scheme("channel", activations=False), "format": "pack-quantized"},
+     r"8-bit float weights are not supported in pack-quantized"),  # packs hold integers (test_int_weights)
     (group(num_bits=4, type="int"), r"weights.num_bits 4 is not supported"),
     (group(symmetric=False), r"weights.symmetric False is not supported"),
     (group(strategy="group", group_size=128), r"weights.strategy 'group' is not supported \(supported: tensor, "),

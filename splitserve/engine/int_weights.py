@@ -1,0 +1,68 @@
+"""Integer weights as compressed-tensors packs them (`format: pack-quantized`, llm-compressor's
+W4A16 and W8A16 checkpoints): a linear layer's `<name>.weight_packed` int32 [rows, ceil(cols x
+bits / 32)], each word holding 32 / bits consecutive values of a row, the first in its lowest bits,
+each value stored as its signed integer plus 2^(bits-1); `<name>.weight_scale` [rows, groups] (a
+group of `group_size` consecutive columns, or the whole row); `<name>.weight_shape` [rows, cols];
+and, for an asymmetric scheme, `<name>.weight_zero_point` packed the same way down the rows
+[ceil(rows x bits / 32), groups]. A weight is (value - zero point) x its group's scale.
+Activations stay in the serving dtype; the weights are dequantized at load to it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = (4, 8)
+SUFFIXES = {"_packed": "packed", "_scale": "scale", "_shape": "shape", "_zero_point": "zero_point"}  # of `.weight`
+
+
+@dataclass(frozen=True)
+class IntWeights:
+    bits: int  # 4 or 8
+    group_size: int | None  # columns a scale covers; None: a row
+    symmetric: bool  # no zero points (they are 0)
+
+    def parts(self) -> frozenset[str]:
+        """What a weight is stored as (SUFFIXES' values)."""
+        return frozenset({"packed", "scale", "shape"} | (set() if self.symmetric else {"zero_point"}))
+
+
+def part_of(name: str) -> tuple[str, str] | None:
+    """(the weight's name, which part) for a tensor `<module>.weight<suffix>`; None for any other."""
+    for suffix, part in SUFFIXES.items():
+        if name.endswith(".weight" + suffix):
+            return name.removesuffix(suffix), part
+    return None
+
+
+def unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The signed values [rows, count] packed along each row of `words` (int32 [rows, words])."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
+    fields = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # an arithmetic shift: the mask drops the sign
+    return fields.reshape(words.shape[0], -1)[:, :count] - (1 << (bits - 1))
+
+
+def dequantize(parts: dict[str, torch.Tensor], scheme: IntWeights, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, cols] of `dtype` from a weight's parts (`IntWeights.parts`); ValueError naming what
+    does not fit the scheme."""
+    shape = parts["shape"].tolist()
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"weight_shape must be [rows, cols], got {shape}")
+    rows, cols = shape
+    packed, scale = parts["packed"], parts["scale"]
+    groups = 1 if scheme.group_size is None else -(-cols // scheme.group_size)
+    expected = {"packed": (rows, -(-cols * scheme.bits // 32)), "scale": (rows, groups),
+                "zero_point": (-(-rows * scheme.bits // 32), groups)}
+    for part, tensor in parts.items():
+        if part in expected and tuple(tensor.shape) != expected[part]:
+            raise ValueError(f"weight_{part} of a {rows}x{cols} weight in {scheme.bits}-bit groups of "
+                             f"{scheme.group_size or cols} must be {expected[part]}, got {tuple(tensor.shape)}")
+    for part in ("packed", "zero_point"):
+        if part in parts and parts[part].dtype != torch.int32:
+            raise ValueError(f"weight_{part} must be int32, got {parts[part].dtype}")
+    values = unpack(packed, scheme.bits, cols).float()
+    group = torch.arange(cols, device=packed.device) // (scheme.group_size or cols)  # each column's
+    if not scheme.symmetric:
+        values -= unpack(parts["zero_point"].t().contiguous(), scheme.bits, rows).t().float()[:, group]
+    return (values * scale.float()[:, group]).to(dtype)
