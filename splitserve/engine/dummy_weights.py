@@ -24,9 +24,10 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
     Biases get zeros, other 1-D parameters (norm weights) ones (Gemma's, which scale by 1 + weight,
     zeros), matrices and embeddings normal(0, 0.02); MXFP4 experts uniformly random codes, every
     scale `mxfp4.DUMMY_SCALE`; FP8 weights (experts, kept projections) the codes of normal(0, 0.02)
-    at `fp8.DUMMY_SCALE`. Values are drawn on the CPU in float32 (MXFP4 codes as bytes), so a seed
-    gives the same weights on every device and dtype (a prompt worker on one kind of GPU, its token
-    worker on another).
+    at `fp8.DUMMY_SCALE`; packed integers (kept projections) uniformly random words, zero points too,
+    their scales `fp8.DUMMY_SCALE` (4-bit weights within 15/256 of 0). Values are drawn on the CPU
+    in float32 (MXFP4 codes and packed words as bytes), so a seed gives the same weights on every
+    device and dtype (a prompt worker on one kind of GPU, its token worker on another).
     `runs`: each run of DUMMY_CHUNK values has a generator of its own, seeded by (seed, tensor name,
     offset), and torch's threads draw the runs at once (an 8B model's 8e9 values take about a
     minute on one core); without it one generator draws every tensor in turn (the demo model's
@@ -58,11 +59,16 @@ def init_dummy_weights(model: nn.Module, seed: int, runs: bool = True) -> None:
                     _draw(full, gen)
                 if param.dtype == torch.float8_e4m3fn:  # codes of those values at fp8.DUMMY_SCALE
                     full /= fp8.DUMMY_SCALE
+                if param.dtype == torch.int32:  # packed integers: random bytes, as words
+                    full = full.view(torch.int32)
                 param.copy_(part.take(full) if part else full)
 
 
 def _values(shape, dtype: torch.dtype) -> torch.Tensor:
-    """Where a parameter's values are drawn: bytes for a uint8 one (MXFP4 codes), float32 otherwise."""
+    """Where a parameter's values are drawn: bytes for a uint8 one (MXFP4 codes) or an int32 one (four
+    a word: packed integers), float32 otherwise."""
+    if dtype == torch.int32:
+        return torch.empty((*shape[:-1], shape[-1] * 4), dtype=torch.uint8)
     return torch.empty(shape, dtype=torch.uint8 if dtype == torch.uint8 else torch.float32)
 
 

@@ -11,8 +11,9 @@ where they are quantized, the 16- and 64-row tiles as stored and, where the engi
 reaches it, dequantized first, as prefills run them), and a model
 whose projections stay FP8 runs each shape of them once per launch shape of the W8A16 GEMM
 (`fp8_linear.tile_examples`: each tile, and prefills' path, W8A8 or the weight dequantized, where
-the engine's largest step reaches it), whatever the attention backend; and the sampler's draw
-(temperature, top-k, top-p, min-p) over the model's vocabulary."""
+the engine's largest step reaches it), and one whose projections stay packed integers once per
+launch shape of theirs (`int_linear.tile_examples`), whatever the attention backend; and the
+sampler's draw (temperature, top-k, top-p, min-p) over the model's vocabulary."""
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,7 @@ import torch
 from splitserve.engine import triton_sampling
 from splitserve.engine.attention.metadata import PAD_SLOT
 from splitserve.engine.attention.triton_paged import TritonPagedBackend, split_counts
-from splitserve.engine.model import fp8_linear, fused_moe
+from splitserve.engine.model import fp8_linear, fused_moe, int_linear
 from splitserve.engine.model.linear import Linear
 from splitserve.engine.model.moe import SparseMoeBlock
 from splitserve.engine.model_runner import ModelRunner, StepBatch
@@ -73,14 +74,19 @@ def warm_up_experts(model: torch.nn.Module, max_tokens: int | None = None) -> in
 
 
 def warm_up_projections(model: torch.nn.Module, dtype: torch.dtype, max_tokens: int | None = None) -> int:
-    """Run each FP8 projection shape (input and output features, blocks) on `dtype` activations
-    once per launch shape of steps of at most `max_tokens`; the number of runs."""
-    shapes = {(m.in_features, m.out_features, m.fp8_block): m for m in model.modules()
-              if isinstance(m, Linear) and m.fp8_block is not None}
+    """Run each kept projection shape (input and output features, FP8 blocks or integer scheme) on
+    `dtype` activations once per launch shape of its GEMM in steps of at most `max_tokens`; the
+    number of runs."""
+    shapes = {(m.in_features, m.out_features, m.fp8_block, m.ints): m for m in model.modules()
+              if isinstance(m, Linear) and (m.fp8_block is not None or m.ints is not None)}
+    runs = 0
     for linear in shapes.values():
-        for tokens in fp8_linear.tile_examples(max_tokens):
-            linear.fused(torch.zeros((tokens, linear.in_features), dtype=dtype, device=linear.weight.device))
-    return len(shapes) * len(fp8_linear.tile_examples(max_tokens))
+        gemm = fp8_linear if linear.ints is None else int_linear
+        device = (linear.weight if linear.ints is None else linear.weight_packed).device
+        for tokens in gemm.tile_examples(max_tokens):
+            linear.fused(torch.zeros((tokens, linear.in_features), dtype=dtype, device=device))
+            runs += 1
+    return runs
 
 
 def warm_up_sampling(vocab: int, device: torch.device) -> None:

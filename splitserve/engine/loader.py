@@ -10,7 +10,9 @@ its part of each tensor from the file (`shard_slices`). An MXFP4 tensor (GPT-OSS
 `fp8`) load as they are where the model keeps them so (MoE experts; on a GPU, dense projections);
 otherwise each is dequantized whole on the parameter's device once both halves are read, then the
 rank's part of it is kept. Packed integer weights (`.weight_packed`, `_scale`, `_shape`, and
-`_zero_point` where asymmetric, `int_weights`) are dequantized so once all their parts are read.
+`_zero_point` where asymmetric, `int_weights`) load as they are where the model keeps them so (on a
+GPU, dense projections: `_shape` then only says what the parameters' shapes check), otherwise are
+dequantized so once all their parts are read.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
             ours = _model_name(file, name, config)
             if ours is not None and _load_kv_scale(model, ours, file, name, handle):
                 continue
-            if ours is None or ours.endswith(ignored):
+            if ours is None or ours.endswith(ignored) or _kept_int_shape(ours, targets, config):
                 continue
             ours = _kept_scale_name(ours, targets, config)
             dequantized, half = None, _quantized_half(file, ours, handle, name, config, targets)
@@ -182,7 +184,7 @@ def _quantized_half(file: Path, name: str, handle, checkpoint_name: str, config:
         base, _, half = name.rpartition("_")
         return base, half
     if config is not None and config.quantization == "int":
-        return int_weights.part_of(name)
+        return None if any(n in targets for n in _filled(name, config)) else int_weights.part_of(name)
     if config is None or config.quantization != "fp8":
         return None
     stored = handle.get_slice(checkpoint_name).get_dtype()
@@ -198,6 +200,12 @@ def _quantized_half(file: Path, name: str, handle, checkpoint_name: str, config:
     if stored.startswith("F8"):
         return name, "weight"
     return None
+
+
+def _kept_int_shape(name: str, targets: dict[str, torch.Tensor], config: ModelConfig | None) -> bool:
+    """Whether `name` is the `.weight_shape` of packed integers the model keeps as they are."""
+    return (config is not None and config.quantization == "int" and name.endswith(".weight_shape")
+            and any(n in targets for n in _filled(name.removesuffix("_shape") + "_packed", config)))
 
 
 def _kept_scale_name(name: str, targets: dict[str, torch.Tensor], config: ModelConfig | None) -> str:

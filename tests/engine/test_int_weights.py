@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from splitserve.engine import fp8
 from splitserve.engine.config import ConfigError, ModelConfig
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.llm_engine import LLMEngine
@@ -102,14 +103,49 @@ def test_a_packed_checkpoint_gives_transformers_logits(tmp_path, tokenizers_by_k
         assert max_diff(hf_logits(reference(packed), ids), ref) <= 1e-4
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_tensor_parallel_ranks_add_up_to_the_whole_model(tmp_path, tokenizers_by_kind, size):
-    """Each rank keeps its slice of every dequantized projection (a merged one's parts' rows, a
-    row-parallel one's columns): the ranks' partial sums are the whole layer's."""
+@pytest.fixture
+def gpu_build(monkeypatch):
+    """Models built as on a CUDA device (on this machine's CPU): dense projections keep the words."""
+    monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
+
+
+@pytest.mark.parametrize("name, bits, symmetric, group", [
+    ("qwen3_qk_norm", 4, False, GROUP), ("phi3_fused_partial", 4, True, None), ("llama3_gqa_tied", 8, False, GROUP)])
+def test_on_a_gpu_dense_projections_keep_the_packed_words(tmp_path, tokenizers_by_kind, gpu_build, name, bits,
+                                                           symmetric, group):
+    """Built as on a GPU, the attention and MLP projections hold the checkpoint's words, scales and
+    zero points (a merged projection's parts' rows stacked; Phi-3 stores Q, K and V as one tensor),
+    no weight in the serving dtype, and give transformers' logits (the CPU path dequantizing them as
+    it multiplies)."""
+    pytest.importorskip("compressed_tensors")
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    write_checkpoint(packed, name, tokenizers_by_kind)
+    pack_checkpoint(packed, bits, symmetric, group, dense=tmp_path / "dense")
+    engine = LLMEngine(str(packed), dtype="float32", **ENGINE_ARGS)
+    layer = engine.runner.model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        assert linear.ints == IntWeights(bits, group, symmetric) and linear.weight is None
+        assert linear.weight_packed.dtype == torch.int32
+        assert linear.weight_packed.shape[1] == -(-linear.in_features * bits // 32)
+        assert (linear.weight_zero_point is None) == symmetric
+    hf = reference(tmp_path / "dense")
+    ids = prompt_ids(1, 37, hf.config.vocab_size)
+    assert max_diff(prefill_logits(engine, ids), hf_logits(hf, ids)) <= 1e-4
+
+
+@pytest.mark.parametrize("size, kept", [(2, False), (4, False), (2, True), (4, True)])
+def test_tensor_parallel_ranks_add_up_to_the_whole_model(tmp_path, tokenizers_by_kind, monkeypatch, size, kept):
+    """Each rank keeps its slice of every projection, dequantized or (built as on a GPU) packed: a
+    merged one's parts' rows (and their zero points' words), a row-parallel one's columns in whole
+    words and groups: the ranks' partial sums are the whole layer's."""
     pytest.importorskip("compressed_tensors")
     write_checkpoint(tmp_path, "qwen3_qk_norm", tokenizers_by_kind)
     pack_checkpoint(tmp_path, 4, False, GROUP)
+    if kept:
+        monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
     whole = load(tmp_path).model.layers[0]
+    assert (whole.mlp.down_proj.ints is not None) == kept
     x = torch.randn(3, whole.mlp.down_proj.out_features)  # the hidden size
     ranks = [load(tmp_path, Shard(rank, size)).model.layers[0] for rank in range(size)]
     mlp = sum(rank.mlp(x) for rank in ranks)
@@ -145,3 +181,21 @@ def test_a_weight_missing_a_part_is_named(tmp_path, tokenizers_by_kind):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="model.layers.0.mlp.up_proj.weight_zero_point"):
         load(tmp_path)
+
+
+def test_dummy_packed_projections_are_random_words(tmp_path, tokenizers_by_kind, gpu_build):
+    """Dummy weights (`load_format: dummy`, the GPU benchmark's) for projections kept packed:
+    uniformly random words and zero points at the dummy scale, weights spread about 0 like the
+    dense dummies (4 bits: (value - zero point) / 256, a std of about 0.025)."""
+    pytest.importorskip("compressed_tensors")
+    from splitserve.engine.dummy_weights import init_dummy_weights
+    from splitserve.engine.model.llama import LlamaForCausalLM
+
+    write_checkpoint(tmp_path, "qwen3_qk_norm", tokenizers_by_kind)
+    pack_checkpoint(tmp_path, 4, False, GROUP)
+    model = LlamaForCausalLM(load_model_config(tmp_path), max_model_len=64)
+    init_dummy_weights(model, seed=3)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.ints is not None and torch.all(qkv.weight_scale == fp8.DUMMY_SCALE)
+    values = qkv.dequantized(torch.float32)
+    assert abs(values.mean().item()) < 0.002 and 0.02 < values.std().item() < 0.03

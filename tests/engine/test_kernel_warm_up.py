@@ -134,3 +134,29 @@ def test_fp8_projections_run_once_per_launch_shape(tmp_path, monkeypatch, max_to
     assert fp8_linear.tile_examples(max_tokens) == examples
     assert fp8_linear.tile_examples(fp8_linear.PREFILL_TOKENS) == [16, 64, 65, fp8_linear.PREFILL_TOKENS]
 
+
+
+def test_packed_integer_projections_run_once_per_launch_shape(tmp_path, monkeypatch):
+    """A Qwen3 W4A16 checkpoint built as on a GPU: each shape of its projections runs the integer
+    GEMM once at a token count of each tile shape and once at prefills' (the weight dequantized)."""
+    pytest.importorskip("compressed_tensors")
+    from tests.engine.hf_checkpoints import ENGINE_ARGS, train_tokenizer, write_checkpoint
+    from tests.engine.test_int_weights import pack_checkpoint
+
+    from splitserve.engine import fp8
+    from splitserve.engine.model import int_linear
+
+    write_checkpoint(tmp_path, "qwen3_qk_norm", {False: train_tokenizer(), True: train_tokenizer(qwen2=True)})
+    pack_checkpoint(tmp_path, 4, False, 16)
+    monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
+    runner = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type, "attention_backend": "torch"}).engine.runner
+    launches, real = [], int_linear.matmul
+
+    def spy(x, packed, scale, zero, scheme):
+        launches.append((x.shape[0], packed.shape[0]))
+        return real(x, packed, scale, zero, scheme)
+
+    monkeypatch.setattr(int_linear, "matmul", spy)
+    warm_up(runner, None)
+    examples = [16, 64, 65, int_linear.PREFILL_TOKENS]
+    assert sorted(launches) == sorted((t, rows) for rows in (256, 64) for t in examples)

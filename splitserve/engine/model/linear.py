@@ -6,19 +6,24 @@ Each holds its weight in the serving dtype or, from an FP8 checkpoint where `fp8
 as the checkpoint stores it: float8 e4m3 codes `weight` [out, in] and float32
 `weight_scale_inv`, one per block or row (a merged projection's parts' scale rows stacked like
 their rows), a byte a weight. On CUDA the W8A16 GEMM (`fp8_linear`) reads the codes; the CPU path
-dequantizes them as it multiplies. A projection some LoRA adapter adapts adds its product
-(`lora`, a `model.lora.LoraWeights`) to the output, before any all-reduce.
+dequantizes them as it multiplies. From a packed integer checkpoint, where `int_kept` allows, it
+holds the checkpoint's `weight_packed` words, `weight_scale` (float32) and `weight_zero_point`
+(`int_weights`; a merged projection's parts' rows stacked), read by the W4A16 / W8A16 GEMM
+(`int_linear`) on CUDA. A projection some LoRA adapter adapts adds its product (`lora`, a
+`model.lora.LoraWeights`) to the output, before any all-reduce.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine import fp8
+from splitserve.engine import fp8, int_weights
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.model.sharding import ShardSlice
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # all-reduce (sum) over the worker's ranks
@@ -46,19 +51,43 @@ def fp8_block(c: ModelConfig, modules: Iterable[str], rows: Iterable[int] = (),
     return None if block[1] % fp8.KERNEL_K or any(cuts) else block
 
 
+def int_kept(c: ModelConfig, modules: Iterable[str], rows: Iterable[int] = (),
+             cols: Iterable[int] = ()) -> IntWeights | None:
+    """The integer scheme a projection of the checkpoint's `modules` keeps its packed words in, or
+    None where its weight takes the serving dtype (dequantized at load): no integer checkpoint, no
+    CUDA device (the CPU path), a part stored unquantized, or a cut (as `fp8_block`'s) inside a word
+    of zero points packed down the rows (`rows`), or inside a word or a group of the columns (`cols`)."""
+    scheme = c.int_weights
+    if c.quantization != "int" or fp8.build_capability() is None or any(c.stored_unquantized(m) for m in modules):
+        return None
+    per_word = 32 // scheme.bits
+    column_unit = math.lcm(per_word, scheme.group_size or 1)
+    cuts = [k % column_unit for k in cols] + ([] if scheme.symmetric else [r % per_word for r in rows])
+    return None if any(cuts) else scheme
+
+
 class Linear(nn.Linear):
     """x @ W.T (+ b), W in the serving dtype or, with `fp8_block`, the checkpoint's FP8 codes and
-    block scales."""
+    block scales, or with `ints`, its packed integers."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, fp8_block: tuple[int, int] | None = None):
-        kept = fp8_block is not None  # a weight in the serving dtype is never allocated
+    def __init__(self, in_features: int, out_features: int, bias: bool, fp8_block: tuple[int, int] | None = None,
+                 ints: IntWeights | None = None):
+        kept = fp8_block is not None or ints is not None  # a weight in the serving dtype is never allocated
         super().__init__(in_features, out_features, bias=bias, device="meta" if kept else None)
-        self.fp8_block = fp8_block
+        self.fp8_block, self.ints = fp8_block, ints
         self.lora = None  # model.lora.LoraWeights, set by attach_adapters
-        if kept:
+        if fp8_block is not None:
             rows, cols = fp8_block
             self.weight = frozen(out_features, in_features, dtype=torch.float8_e4m3fn)
             self.weight_scale_inv = frozen(-(-out_features // rows), -(-in_features // cols), dtype=torch.float32)
+        if ints is not None:
+            self.register_parameter("weight", None)
+            groups = -(-in_features // (ints.group_size or in_features))
+            self.weight_packed = frozen(out_features, -(-in_features * ints.bits // 32), dtype=torch.int32)
+            self.weight_scale = frozen(out_features, groups, dtype=torch.float32)
+            self.weight_zero_point = None if ints.symmetric else frozen(-(-out_features * ints.bits // 32), groups,
+                                                                        dtype=torch.int32)
+        if kept:
             self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,18 +95,27 @@ class Linear(nn.Linear):
         return out if self.lora is None else self.lora.add_to(x, out)
 
     def _base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.fp8_block is None:
+        if self.fp8_block is None and self.ints is None:
             return F.linear(x, self.weight, bias)
-        if x.is_cuda:
-            out = self.fused(x)
-        else:
-            out = F.linear(x, fp8.dequantize(self.weight, self.weight_scale_inv, self.fp8_block, x.dtype))
+        out = self.fused(x) if x.is_cuda else F.linear(x, self.dequantized(x.dtype))
         return out if bias is None else out + bias
 
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
-        """The FP8 product through the Triton GEMM (CUDA, or Triton's interpreter)."""
-        from splitserve.engine.model import fp8_linear  # triton: CUDA builds of torch bring it
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The kept weight in `dtype` (what the CPU path multiplies by)."""
+        if self.fp8_block is not None:
+            return fp8.dequantize(self.weight, self.weight_scale_inv, self.fp8_block, dtype)
+        parts = {"packed": self.weight_packed, "scale": self.weight_scale,
+                 "shape": torch.tensor([self.out_features, self.in_features])}
+        if self.weight_zero_point is not None:
+            parts["zero_point"] = self.weight_zero_point
+        return int_weights.dequantize(parts, self.ints, dtype)
 
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The kept weight's product through its Triton GEMM (CUDA, or Triton's interpreter)."""
+        from splitserve.engine.model import fp8_linear, int_linear  # triton: CUDA builds of torch bring it
+
+        if self.ints is not None:
+            return int_linear.matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.ints)
         return fp8_linear.matmul(x, self.weight, self.weight_scale_inv, self.fp8_block)
 
 
@@ -85,8 +123,9 @@ class MergedLinear(Linear):
     """Several projections of the same input as one matmul: the weight is theirs stacked by rows."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool,
-                 slices: dict[str, ShardSlice] | None = None, fp8_block: tuple[int, int] | None = None):
-        super().__init__(in_features, sum(parts.values()), bias, fp8_block)
+                 slices: dict[str, ShardSlice] | None = None, fp8_block: tuple[int, int] | None = None,
+                 ints: IntWeights | None = None):
+        super().__init__(in_features, sum(parts.values()), bias, fp8_block, ints)
         self.parts = parts  # the checkpoint's name of each projection -> its output rows, in order
         self.slices = slices or {}  # with tensor parallelism: the checkpoint rows each part holds
 
@@ -97,8 +136,8 @@ class MergedLinear(Linear):
         return out.split(list(self.parts.values()), dim=-1)
 
     def part_rows(self, param: torch.Tensor) -> Iterable[tuple[str, int, int]]:
-        """(part, first row, rows) of each part in `param`: the weight's or bias's rows, or the FP8
-        scales' rows of blocks."""
+        """(part, first row, rows) of each part in `param`: the weight's or bias's rows, the FP8
+        scales' rows of blocks, or the packed zero points' rows of words."""
         start = 0
         for part, rows in self.parts.items():
             rows = rows * param.shape[0] // self.out_features
@@ -107,9 +146,15 @@ class MergedLinear(Linear):
 
     def shard_slices(self, prefix: str) -> Iterable[tuple[str, ShardSlice]]:
         for part, where in self.slices.items():
-            yield f"{prefix}.{part}.weight", where
             if self.bias is not None:
                 yield f"{prefix}.{part}.bias", where
+            if self.ints is not None:
+                yield f"{prefix}.{part}.weight_packed", where
+                yield f"{prefix}.{part}.weight_scale", where
+                if self.weight_zero_point is not None:
+                    yield f"{prefix}.{part}.weight_zero_point", where.in_units(32 // self.ints.bits)
+                continue
+            yield f"{prefix}.{part}.weight", where
             if self.fp8_block is not None:
                 yield f"{prefix}.{part}.weight{fp8.SCALE_SUFFIXES[0]}", where.in_units(self.fp8_block[0])
 
@@ -119,8 +164,8 @@ class RowParallelLinear(Linear):
     bias (whole on every rank) is rank 0's alone, added in its product, so the sum counts it once."""
 
     def __init__(self, in_features: int, out_features: int, shard_slice: ShardSlice | None, reduce: Reduce | None,
-                 bias: bool = False, fp8_block: tuple[int, int] | None = None):
-        super().__init__(in_features, out_features, bias, fp8_block)
+                 bias: bool = False, fp8_block: tuple[int, int] | None = None, ints: IntWeights | None = None):
+        super().__init__(in_features, out_features, bias, fp8_block, ints)
         self.shard_slice, self.reduce = shard_slice, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +174,13 @@ class RowParallelLinear(Linear):
 
     def shard_slices(self, owner: str) -> Iterable[tuple[str, ShardSlice]]:
         if self.shard_slice is None:
+            return
+        if self.ints is not None:  # words of a row's values; a row's one scale (no groups) whole on every rank
+            yield f"{owner}.weight_packed", self.shard_slice.in_units(32 // self.ints.bits)
+            if self.ints.group_size is not None:
+                yield f"{owner}.weight_scale", self.shard_slice.in_units(self.ints.group_size)
+                if self.weight_zero_point is not None:
+                    yield f"{owner}.weight_zero_point", self.shard_slice.in_units(self.ints.group_size)
             return
         yield f"{owner}.weight", self.shard_slice
         if self.fp8_block not in (None, fp8.ROWS):  # a row's scale is whole on every rank

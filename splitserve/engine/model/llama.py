@@ -25,7 +25,7 @@ from torch import nn
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.config import ModelConfig, RopeScaling
 from splitserve.engine.model import triton_dispatch
-from splitserve.engine.model.linear import MergedLinear, Reduce, RowParallelLinear, fp8_block
+from splitserve.engine.model.linear import MergedLinear, Reduce, RowParallelLinear, fp8_block, int_kept
 from splitserve.engine.model.lora import LoraSlots
 from splitserve.engine.model.moe import Experts, SparseMoeBlock, expert_names
 from splitserve.engine.model.rotary import RotaryEmbedding
@@ -76,14 +76,16 @@ class LlamaAttention(nn.Module):
                                              "v_proj": ShardSlice(0, kv_lo * d, kv_hi * d, kv_total)}
         kv = self.num_kv_heads * d
         q_cuts, kv_cuts = (q_lo * d, q_hi * d, q_total), (kv_lo * d, kv_hi * d, kv_total)
+        qkv = [f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")]
         self.qkv_proj = MergedLinear(c.hidden_size, {"q_proj": self.num_heads * d, "k_proj": kv, "v_proj": kv},
                                      bias=c.attention_bias, slices=slices,
-                                     fp8_block=fp8_block(c, [f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")],
-                                                         rows=q_cuts + kv_cuts))
+                                     fp8_block=fp8_block(c, qkv, rows=q_cuts + kv_cuts),
+                                     ints=int_kept(c, qkv, rows=q_cuts + kv_cuts))
         self.o_proj = RowParallelLinear(self.num_heads * d, c.hidden_size,
                                         ShardSlice(1, q_lo * d, q_hi * d, q_total) if shard.size > 1 else None, reduce,
                                         bias=c.attention_out_bias,
-                                        fp8_block=fp8_block(c, [f"{prefix}.o_proj"], cols=q_cuts))
+                                        fp8_block=fp8_block(c, [f"{prefix}.o_proj"], cols=q_cuts),
+                                        ints=int_kept(c, [f"{prefix}.o_proj"], cols=q_cuts))
         # GPT-OSS: a logit per query head that joins its softmax (this rank's heads)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if c.attention_sinks else None
         self.kv_scale = (1.0, 1.0)  # an FP8 cache's K and V scales: the checkpoint's k_scale, v_scale (loader)
@@ -118,12 +120,14 @@ class LlamaMLP(nn.Module):
         sharded = shard.size > 1
         part = ShardSlice(0, lo, hi, width)
         slices = {"gate_proj": part, "up_proj": part} if sharded else {}
-        gate_up_block = fp8_block(c, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], rows=(lo, hi, width))
+        gate_up = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
         self.gate_up_proj = MergedLinear(c.hidden_size, {"gate_proj": hi - lo, "up_proj": hi - lo}, bias=False,
-                                         slices=slices, fp8_block=gate_up_block)
-        down_block = fp8_block(c, [f"{prefix}.down_proj"], cols=(lo, hi, width))
+                                         slices=slices, fp8_block=fp8_block(c, gate_up, rows=(lo, hi, width)),
+                                         ints=int_kept(c, gate_up, rows=(lo, hi, width)))
+        down = [f"{prefix}.down_proj"]
         self.down_proj = RowParallelLinear(hi - lo, c.hidden_size, ShardSlice(1, lo, hi, width) if sharded else None,
-                                           reduce, fp8_block=down_block)
+                                           reduce, fp8_block=fp8_block(c, down, cols=(lo, hi, width)),
+                                           ints=int_kept(c, down, cols=(lo, hi, width)))
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
