@@ -15,6 +15,8 @@
 #   bash scripts/gpu_check.sh lora               # there: scripts/bench_lora.py on a Llama-3-8B shape (a decode
 #                                                # step on the base model, under 1 and 16 adapters; graphs
 #                                                # replayed, then eager steps), in lora.log
+#   bash scripts/gpu_check.sh int-linear         # there: scripts/bench_int_linear.py at 4 and 8 bits (Qwen3-8B's
+#                                                # projections packed, group 128 with zero points, beside bf16)
 #   bash scripts/gpu_check.sh all [ARGS...]      # there: tests (240 s), kernels (at most 275 s), then bench
 #                                                # ARGS in what is left of 570 s
 # Logs (tests.log with the device first), gpu.json, attention.json, moe-*.json and fp8-linear.json go to $OUT
@@ -81,6 +83,13 @@ case "${1:-}" in
     for graphs in 256 0; do  # decode steps replaying graphs (adapters by row), then eager (grouped by adapter)
       timeout 120 python3 scripts/bench_lora.py --shape llama3-8b --device cuda --batches 1,64 --spreads 0,1,16 \
         --repeats 2 --steps 10 --cuda-graph-max-batch "$graphs" 2>&1 | tee -a "$out/lora.log"
+    done ;;
+  int-linear)
+    install_carried
+    mkdir -p "$out"
+    for bits in 4 8; do
+      timeout 90 python3 scripts/bench_int_linear.py --bits $bits --json "$out/int$bits-linear.json" 2>&1 \
+        | tee -a "$out/int-linear.log"
     done ;;
   all)
     shift

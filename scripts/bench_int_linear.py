@@ -1,0 +1,132 @@
+"""One decoder layer's projections (QKV, o_proj, gate-up, down) of a dense model shape, in bf16
+through torch's matmul (cuBLAS) and as packed integers (W4A16 by default, group 128 with zero
+points, as llm-compressor's releases store them; `--bits 8`, `--group 0`: one scale a row) through
+the integer GEMM (`int_linear.matmul`, as the CUDA engine runs a packed checkpoint's) side by side:
+time at decode and prefill token counts, what each reads per second against the HBM peak (MBU), its
+FLOPs against the dense bf16 peak (MFU), and each output's largest difference from its own weights
+dequantized through cuBLAS (a check of the compiled kernel on the device). Every token count also
+runs the path the GEMM does not take there ("int tiled", "int dequantized"): where one overtakes
+the other, for `int_linear.PREFILL_TOKENS`.
+
+    python scripts/bench_int_linear.py --json int-linear.json    # CUDA: Qwen3-8B's layer
+    python scripts/bench_int_linear.py --shape llama3-8b         # another dense shape of engine/shapes.py
+    python scripts/bench_int_linear.py --tiny                    # tiny projections on the CPU (Triton's interpreter)
+
+Bytes read = the weight (bf16: 2 a value; packed: bits / 8 a value, its scales and zero points) +
+the input and output rows; FLOPs = 2 x tokens x inputs x outputs. Each row is the median of --iters
+calls after a warm-up (CUDA events on a GPU); a `layer` row sums the four projections.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from bench_fp8_linear import TINY, TINY_TOKENS, TOKENS, projections, row  # this script's folder
+from bench_moe import (
+    add_run_args, device_peaks, emit, pct, print_markdown, ratio, run_device, sci, time_calls, token_counts,
+)
+
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.int_weights import IntWeights, dequantize
+from splitserve.engine.shapes import SHAPES
+
+GROUP = 128  # llm-compressor's W4A16 group
+
+
+def packed_weight(shape: tuple[int, int], scheme: IntWeights, device: torch.device, g: torch.Generator):
+    """Random words and zero points (every bit pattern is a valid pack), scales that make 4-bit
+    weights about normal(0, 0.02)'s spread."""
+    n, k = shape
+    groups = -(-k // (scheme.group_size or k))
+    words = lambda rows, cols: torch.randint(-2**31, 2**31 - 1, (rows, cols), generator=g,  # noqa: E731
+                                             dtype=torch.int64).to(torch.int32).to(device)
+    packed = words(n, -(-k * scheme.bits // 32))
+    scale = torch.full((n, groups), 0.02 / 2 ** (scheme.bits - 2), device=device)
+    zero = None if scheme.symmetric else words(-(-n * scheme.bits // 32), groups)
+    return packed, scale, zero
+
+
+def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device, dtype: torch.dtype,
+            scheme: IntWeights, hbm: float | None, flops_peak: float | None) -> list[dict]:
+    from splitserve.engine.model import int_linear  # after TRITON_INTERPRET is settled
+
+    g, weights = torch.Generator().manual_seed(0), {}
+    for name, shape in projections(c).items():
+        packed, scale, zero = packed_weight(shape, scheme, device, g)
+        parts = {"packed": packed, "scale": scale, "shape": torch.tensor(shape)}
+        if zero is not None:
+            parts["zero_point"] = zero
+        weights[name] = (packed, scale, zero, dequantize(parts, scheme, dtype))
+    rows, cuda = [], device.type == "cuda"
+    for t in tokens:
+        layer = {}  # format: [seconds, bytes, flops]
+        for name, (packed, scale, zero, dense) in weights.items():
+            x = torch.randn(t, dense.shape[1], generator=g).to(device, dtype)
+            taken = int_linear.path_for(t, x)
+            calls = {"bf16": (lambda: F.linear(x, dense), None),
+                     "int": (lambda: int_linear.matmul(x, packed, scale, zero, scheme), taken)}
+            for path in int_linear.PATHS:
+                if path != taken:
+                    calls[f"int {path}"] = (lambda path=path: int_linear.matmul(x, packed, scale, zero, scheme, path),
+                                            path)
+            stored = packed.nbytes + scale.nbytes + (0 if zero is None else zero.nbytes)
+            flops = 2 * t * dense.shape[0] * dense.shape[1]
+            exact = F.linear(x, dense).float()
+            for fmt, (call, path) in calls.items():
+                seconds = time_calls(call, iters, cuda)
+                read = (dense.nbytes if fmt == "bf16" else stored) + x.nbytes + t * dense.shape[0] * x.element_size()
+                rows.append(row(name, fmt, t, seconds, read, flops, hbm, flops_peak))
+                layer[fmt] = [a + b for a, b in zip(layer.get(fmt, [0.0, 0, 0]), (seconds, read, flops))]
+                if path is not None:
+                    rows[-1]["path"] = path
+                    rows[-1]["max_rel_diff"] = ((call().float() - exact).abs().max() / exact.abs().max()).item()
+        for fmt, (seconds, read, flops) in layer.items():
+            rows.append(row("layer", fmt, t, seconds, read, flops, hbm, flops_peak))
+    bf16 = {(r["projection"], r["tokens"]): r["step_ms"] for r in rows if r["format"] == "bf16"}
+    for r in rows:
+        if r["format"] != "bf16":
+            r["speedup_vs_bf16"] = bf16[r["projection"], r["tokens"]] / r["step_ms"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    dense = [name for name, shape in SHAPES.items() if not ModelConfig.from_hf(shape).num_experts]
+    p.add_argument("--shape", default="qwen3-8b", choices=dense, help="a dense shape of engine/shapes.py")
+    p.add_argument("--tiny", action="store_true", help="tiny projections on the CPU, under Triton's interpreter")
+    p.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    p.add_argument("--group", type=int, default=GROUP, help="columns a scale covers (0: one scale a row)")
+    p.add_argument("--symmetric", action="store_true", help="no zero points")
+    add_run_args(p, TOKENS, TINY_TOKENS)
+    args = p.parse_args(argv)
+    if args.group < 0:
+        p.error(f"--group must be 0 (a row) or more, got {args.group}")
+    device, dtype = run_device(p, args)
+    shape, name = (TINY, "tiny Qwen3 layer") if args.tiny else (SHAPES[args.shape], args.shape)
+    scheme = IntWeights(args.bits, args.group or None, args.symmetric)
+    device_name, hbm, flops_peak = device_peaks(device, args)
+    result = {"device": device_name, "shape": name, "bits": scheme.bits, "group": scheme.group_size,
+              "symmetric": scheme.symmetric, "dtype": str(dtype).removeprefix("torch."),
+              "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak,
+              "rows": measure(ModelConfig.from_hf(shape), token_counts(args, TOKENS, TINY_TOKENS), args.iters,
+                              device, dtype, scheme, hbm, flops_peak)}
+    return emit(args, result, print_table)
+
+
+def print_table(result: dict) -> None:
+    group = f"groups of {result['group']}" if result["group"] else "one scale a row"
+    zero = "symmetric" if result["symmetric"] else "zero points"
+    print(f"Device: {result['device']}; {result['shape']}'s projections, {result['bits']}-bit weights in {group} "
+          f"({zero}), activations {result['dtype']}")
+    print_markdown(["tokens:", "projection", "weights", "path", "ms:", "speed-up vs bf16:", "MBU:", "MFU:",
+                    "max rel. diff vs bf16 of its weights:"],
+                   [[r["tokens"], r["projection"], r["format"], r.get("path", "-"), f"{r['step_ms']:.3f}",
+                     ratio(r.get("speedup_vs_bf16")), pct(r["mbu"]), pct(r["mfu"]), sci(r.get("max_rel_diff"))]
+                    for r in result["rows"]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
