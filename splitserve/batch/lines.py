@@ -2,7 +2,6 @@
 up front, each body prepared like an HTTP request of its endpoint, and the result lines."""
 from __future__ import annotations
 
-import functools
 import json
 import uuid
 from collections.abc import Callable
@@ -10,13 +9,14 @@ from dataclasses import dataclass, replace
 
 from splitserve.api import client_json
 from splitserve.api.chat_parsers import ChatParsers
-from splitserve.api.embedding_request import PreparedEmbeddings, prepare_embeddings
+from splitserve.api.embedding_request import PreparedEmbeddings
 from splitserve.api.errors import RequestError, error_body
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import ConstraintCheck, PreparedRequest, prepare_request
 from splitserve.api.request_models import ModelNames
 from splitserve.api.responses_bodies import response_from_chat
-from splitserve.api.score_request import PreparedScores, prepare_rerank, prepare_score
+from splitserve.api.pooled_requests import pooled_preparers
+from splitserve.api.score_request import PreparedScores
 from splitserve.api.usage import Usage
 from splitserve.batch.results import ResultLog
 from splitserve.engine.tokenizer import Tokenizer
@@ -139,9 +139,7 @@ class LineRules:
 def prepare(line: BatchLine, rules: LineRules) -> Prepared:
     """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
     raw = json.dumps(line.body).encode()
-    pooled = {"embedding": functools.partial(prepare_embeddings, hidden_size=rules.hidden_size),
-              "score": functools.partial(prepare_score, labels=rules.score_labels),
-              "rerank": functools.partial(prepare_rerank, labels=rules.score_labels)}.get(line.kind)
+    pooled = pooled_preparers(rules.hidden_size, rules.score_labels).get(line.kind)
     if pooled is not None:
         prepared = pooled(raw, rules.tokenizer, rules.model, rules.max_model_len, rules.limits)
     else:

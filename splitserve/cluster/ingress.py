@@ -8,10 +8,8 @@ number of replicas can run: placement state lives in the one controller.
 """
 
 import asyncio
-import functools
 import os
 import time
-from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -20,18 +18,17 @@ from ray import serve
 from ray.exceptions import RayTaskError
 
 from splitserve.api import response_bodies as R
-from splitserve.api.embedding_request import prepare_embeddings
 from splitserve.api.errors import RequestError, error_response
 from splitserve.api.guard import guard
 from splitserve.api.json_pieces import json_text
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from splitserve.api.pooled_requests import pooled_preparers
 from splitserve.api.prepared_request import PreparedRequest, prepare_request, prepare_responses
 from splitserve.api.request_models import ServedModels, check_model, parse_request
 from splitserve.api.responses_bodies import input_items, new_id, response_object, response_of_choice
 from splitserve.api.responses_events import ResponseEvents
 from splitserve.api.responses_request import ResponsesRequest
-from splitserve.api.score_request import prepare_rerank, prepare_score
 from splitserve.api.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from splitserve.batch import routes as batch_routes
 from splitserve.cluster import stored_conversations, stored_responses
@@ -64,8 +61,8 @@ class Ingress:
         model_config, self.tokenizer, self.max_model_len = load_metadata(self.config.model,
                                                                          self.config.engine.engine_config("token"))
         self.config.check_model(model_config)
-        self.hidden_size = model_config.hidden_size  # an embedding's dimensions
-        self.score_labels = self.config.score_labels(self.tokenizer)  # a token-answering reranker's, else ()
+        # embeddings (at most the hidden size's dimensions), scores and reranks (by a reranker's labels, or embeddings)
+        self._pooled = pooled_preparers(model_config.hidden_size, self.config.score_labels(self.tokenizer))
         self._grammar = LazyGrammar(self.tokenizer, model_config.vocab_size)
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         self._directory: WorkerDirectory | None = None
@@ -170,14 +167,14 @@ class Ingress:
     @api.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's: each input's embedding (`embedding_request`), its prefill run whole on a prompt worker."""
-        return await self._embedded(request, functools.partial(prepare_embeddings, hidden_size=self.hidden_size))
+        return await self._embedded(request, "embedding")
 
     @api.post("/score")
     @api.post("/v1/score")
     async def score(self, request: Request) -> Response:
         """vLLM's: pairs of texts scored by their embeddings' cosine similarity, or a reranker's
         verdict on each (`score_request`)."""
-        return await self._embedded(request, functools.partial(prepare_score, labels=self.score_labels))
+        return await self._embedded(request, "score")
 
     @api.post("/rerank")
     @api.post("/v1/rerank")
@@ -185,15 +182,15 @@ class Ingress:
     async def rerank(self, request: Request) -> Response:
         """Jina's and Cohere's (as vLLM serves them): documents ranked against the query as `score`
         scores them (`score_request`)."""
-        return await self._embedded(request, functools.partial(prepare_rerank, labels=self.score_labels))
+        return await self._embedded(request, "rerank")
 
-    async def _embedded(self, request: Request, prepare: Callable) -> Response:
-        """A request answered from embeddings: `prepare(body, tokenizer, served, max_model_len,
-        limits)` gives the texts to embed, each run whole on a prompt worker, and the body they make."""
+    async def _embedded(self, request: Request, kind: str) -> Response:
+        """A request answered from its texts' pooled outputs (`pooled_requests`), each text run
+        whole on a prompt worker."""
         started = time.monotonic()
         await self._refresh_adapters()
         try:
-            prepared = await asyncio.to_thread(prepare, await request.body(), self.tokenizer, self.served,
+            prepared = await asyncio.to_thread(self._pooled[kind], await request.body(), self.tokenizer, self.served,
                                                self.max_model_len, self.limits)
         except RequestError as error:
             return error_response(error)
