@@ -19,7 +19,7 @@ from splitserve.bench.plots import MISSING, latency_vs_load, plots_available
 from splitserve.bench.report import markdown_table, write_outputs
 from splitserve.bench.runner import Target, measure_baseline, run_at_rate, run_once
 from splitserve.bench.slo import SLOSpec, capacity_search, p99_tbt_within
-from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
+from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload, parse_priorities
 from splitserve.command import report_errors
 
 TRACES = ("code", "conv", "sharegpt", "arxiv", "mooncake", "fixed")
@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(loaded on the server), each drawn by its rank's Zipf weight")
     p.add_argument("--adapter-zipf", type=float, default=0.0, help="--adapters: the k-th is drawn with weight "
                    "1 / (k + 1) ** this (0: uniform)")
+    p.add_argument("--priority-mix", default="", metavar="P:SHARE,...",
+                   help="priority classes: e.g. 0:0.2,1:0.8 sends a fifth of the requests at priority 0, the rest at "
+                        "1 (the server needs --scheduling-policy priority); the report gives each class's latencies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--api-key", default=None)
@@ -69,7 +72,7 @@ def workload_of(args) -> WorkloadSpec:
                         max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                         fixed_prompt_tokens=args.prompt_tokens, fixed_output_tokens=args.output_tokens, seed=args.seed,
                         session_fraction=args.session_fraction, adapters=adapter_names(args.adapters),
-                        adapter_zipf=args.adapter_zipf)
+                        adapter_zipf=args.adapter_zipf, priorities=parse_priorities(args.priority_mix))
 
 
 def adapter_names(text: str) -> tuple[str, ...]:

@@ -87,7 +87,7 @@ async def send(http: httpx.AsyncClient, url: str, model: str, spec: RequestSpec,
                          requested_output_tokens=spec.output_tokens, start_s=start - t0,
                          ttft_s=times[0] if times else None, token_times_s=tuple(times),
                          e2e_s=end - start if error is None else None, error=error, status=status,
-                         cached_tokens=cached)
+                         cached_tokens=cached, priority=spec.priority)
 
 
 async def _read_stream(response: httpx.Response, start: float, times: list[float]) -> tuple[str | None, int | None]:

@@ -37,6 +37,7 @@ class RequestRecord:
     error: str | None = None
     status: int | None = None           # HTTP status; 429 counts as rejected
     cached_tokens: int | None = None    # prompt tokens the server's prefix cache held (usage's); None: not said
+    priority: int = 0                   # the priority it was sent with (RequestSpec's)
 
     @property
     def tbt_s(self) -> tuple[float, ...]:
@@ -68,6 +69,8 @@ class RunColumns:
     e2e_s: np.ndarray         # float, per completed record
     tbt_s: np.ndarray         # float, every gap between tokens of the completed records
     cached_tokens: np.ndarray  # int, per record: prompt tokens the prefix cache held; -1 where not said
+    priority: np.ndarray      # int, per record
+    tbt_of: np.ndarray        # int, per gap in `tbt_s`: the completed record's place among the completed
 
     @classmethod
     def of(cls, records: Sequence[RequestRecord]) -> RunColumns:
@@ -77,7 +80,18 @@ class RunColumns:
                    np.array([r.output_tokens for r in records], dtype=np.int64),
                    np.array([r.ttft_s for r in done], dtype=float), np.array([r.e2e_s for r in done], dtype=float),
                    np.array([gap for r in done for gap in r.tbt_s], dtype=float),
-                   np.array([-1 if r.cached_tokens is None else r.cached_tokens for r in records], dtype=np.int64))
+                   np.array([-1 if r.cached_tokens is None else r.cached_tokens for r in records], dtype=np.int64),
+                   np.array([r.priority for r in records], dtype=np.int64),
+                   np.array([k for k, r in enumerate(done) for _ in r.tbt_s], dtype=np.int64))
+
+    def where(self, keep: np.ndarray) -> RunColumns:
+        """The columns of the records `keep` (bool, per record) selects."""
+        kept_done = keep[self.ok]
+        places = np.cumsum(kept_done) - 1  # a kept completed record's place among the kept ones
+        gaps = kept_done[self.tbt_of]
+        return RunColumns(self.ok[keep], self.rejected[keep], self.prompt_tokens[keep], self.output_tokens[keep],
+                          self.ttft_s[kept_done], self.e2e_s[kept_done], self.tbt_s[gaps], self.cached_tokens[keep],
+                          self.priority[keep], places[self.tbt_of[gaps]])
 
     def cached_share(self) -> float | None:
         """Of the completed requests' prompt tokens, the share the server's prefix cache held, over
@@ -100,15 +114,28 @@ def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLOSpec | None = None,
               baseline: Baseline | None = None, columns: RunColumns | None = None) -> dict:
-    """Counts, throughput and latency percentiles of a run lasting `duration_s`; with `slo` or
-    `baseline` also an "slo" section (`slo.attainment`; Table VI when only a baseline is given).
-    `columns`: the records' `RunColumns`, where the caller keeps them (else built from `records`)."""
+    """Counts, throughput and latency percentiles of a run lasting `duration_s`; where the requests
+    were sent with several priorities, the same for each (`by_priority`, by the priority's text,
+    lowest first); with `slo` or `baseline` also an "slo" section (`slo.attainment`; Table VI when
+    only a baseline is given). `columns`: the records' `RunColumns`, where the caller keeps them
+    (else built from `records`)."""
     if not (math.isfinite(duration_s) and duration_s > 0):
         raise ValueError(f"duration_s: must be a positive number of seconds, got {duration_s}")
     columns = RunColumns.of(records) if columns is None else columns
+    summary = _counts_and_latencies(columns, duration_s)
+    classes = np.unique(columns.priority)
+    if len(classes) > 1:
+        summary["by_priority"] = {str(p): _counts_and_latencies(columns.where(columns.priority == p), duration_s)
+                                  for p in classes.tolist()}
+    if slo is not None or baseline is not None:
+        summary["slo"] = attainment(records, slo or SLOSpec(), baseline)
+    return summary
+
+
+def _counts_and_latencies(columns: RunColumns, duration_s: float) -> dict:
     num_done, num_rejected = int(columns.ok.sum()), int(columns.rejected.sum())
     output_tokens = int(columns.output_tokens[columns.ok].sum())
-    summary = {
+    return {
         "num_requests": len(columns.ok),
         "num_completed": num_done,
         "num_failed": len(columns.ok) - num_done - num_rejected,
@@ -122,9 +149,6 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLOSpec 
         "e2e_s": percentiles(columns.e2e_s),
         "prompt_cached_share": columns.cached_share(),
     }
-    if slo is not None or baseline is not None:
-        summary["slo"] = attainment(records, slo or SLOSpec(), baseline)
-    return summary
 
 
 def write_outputs(out_dir: str | Path, records: Sequence[RequestRecord], summary: dict, title: str) -> dict[str, Path]:
@@ -167,9 +191,22 @@ def markdown_table(summary: dict) -> str:
               "| " + " | ".join(_fmt(summary[c]) for c in counts) + " |"]
     if summary["prompt_cached_share"] is not None:
         lines += ["", f"Prompt tokens the server's prefix cache held: {summary['prompt_cached_share']:.1%}."]
+    if "by_priority" in summary:
+        lines += ["", *_priority_lines(summary["by_priority"])]
     if "slo" in summary:
         lines += ["", *_slo_lines(summary["slo"])]
     return "\n".join(lines)
+
+
+def _priority_lines(by_priority: dict) -> list[str]:
+    """Each priority class's requests and latency percentiles (p50 / p99)."""
+    lines = ["| priority | requests | completed | rejected (429) | TTFT p50 / p99 (s) | TBT p50 / p99 (s) "
+             "| E2E p50 / p99 (s) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for priority, part in by_priority.items():
+        cells = [f"{_fmt(part[key]['p50'])} / {_fmt(part[key]['p99'])}" for _, key in LATENCY_ROWS]
+        lines.append(f"| {priority} | {part['num_requests']} | {part['num_completed']} | {part['num_rejected']} | "
+                     + " | ".join(cells) + " |")
+    return lines
 
 
 def _slo_lines(slo: dict) -> list[str]:

@@ -4,8 +4,9 @@ Arrivals are either the trace's own timestamps (Azure or Mooncake traces: a wind
 rows, optionally rescaled to a mean rate with its burstiness kept) or a renewal process: Poisson
 (exponential gaps) or gamma (gaps with a chosen coefficient of variation), the first request at
 t = 0. Lengths come from the same trace rows, scaled and clipped. A Mooncake trace's rows also
-give each request its prefix-block ids, the blocks scaled with the lengths. The same spec always
-gives the same list.
+give each request its prefix-block ids, the blocks scaled with the lengths. A request's LoRA
+adapter and its priority class are drawn each from a stream of its own (naming them changes
+nothing else). The same spec always gives the same list.
 """
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from splitserve.bench.mooncake import conversation_key
 from splitserve.bench.traces import TRACE_FILES, TraceData, load_trace, trace_stats
 
 __all__ = ["ARRIVALS", "TRACE_FILES", "RequestSpec", "TraceData", "WorkloadSpec", "load_trace", "make_workload",
-           "resolved_arrivals", "trace_stats"]
+           "parse_priorities", "resolved_arrivals", "trace_stats"]
 
 ARRIVALS = ("poisson", "gamma", "trace")
 MAX_ADAPTERS = 1024  # adapters a workload names at most (engine.max_cpu_loras' bound)
+MAX_PRIORITY_CLASSES = 16
+MAX_PRIORITY = 2**31 - 1  # a priority's magnitude at most (SamplingParams')
 MAX_LENGTH = 2 ** 62  # the clip without a max_*_tokens: past any real length, and exact as a float and an int64
 
 
@@ -67,6 +70,7 @@ class WorkloadSpec:
                                       # with this probability (by the seed), then take the window of what is kept
     adapters: tuple[str, ...] = ()    # LoRA adapters the requests name, each drawn by its rank's Zipf weight:
     adapter_zipf: float = 0.0         # the k-th (from 0) with probability proportional to 1 / (k + 1) ** adapter_zipf
+    priorities: tuple[tuple[int, float], ...] = ()  # (priority, share): each request's class drawn by the shares
 
     def __post_init__(self):
         _require(self.num_requests >= 1, "num_requests", f"must be at least 1, got {self.num_requests}")
@@ -90,6 +94,12 @@ class WorkloadSpec:
                  f"must be at most {MAX_ADAPTERS} distinct non-empty names, got {self.adapters!r:.200}")
         _require(math.isfinite(self.adapter_zipf) and self.adapter_zipf >= 0, "adapter_zipf",
                  f"must be a number >= 0, got {self.adapter_zipf}")
+        classes = [p for p, _ in self.priorities]
+        _require(len(classes) <= MAX_PRIORITY_CLASSES and len(set(classes)) == len(classes)
+                 and all(isinstance(p, int) and abs(p) <= MAX_PRIORITY for p in classes)
+                 and all(_positive(share) for _, share in self.priorities), "priorities",
+                 f"must be at most {MAX_PRIORITY_CLASSES} distinct integer priorities in [{-MAX_PRIORITY}, "
+                 f"{MAX_PRIORITY}], each with a positive share, got {self.priorities!r:.200}")
 
 
 def _require(ok: bool, field: str, problem: str) -> None:
@@ -116,9 +126,33 @@ def make_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     prompt = _scaled(trace.prompt_tokens[rows], spec, spec.max_prompt_tokens)
     output = _scaled(trace.output_tokens[rows], spec, spec.max_output_tokens)
     blocks, block_tokens = _prefix_blocks(trace, rows, spec)
-    adapters = _adapters(spec, len(rows))
-    return [RequestSpec(i, float(a), int(p), int(o), prefix_blocks=b, block_tokens=block_tokens, adapter=adapter)
-            for i, (a, p, o, b, adapter) in enumerate(zip(arrivals, prompt, output, blocks, adapters))]
+    adapters, priorities = _adapters(spec, len(rows)), _priorities(spec, len(rows))
+    return [RequestSpec(i, float(a), int(p), int(o), prefix_blocks=b, block_tokens=block_tokens, adapter=adapter,
+                        priority=priority)
+            for i, (a, p, o, b, adapter, priority) in enumerate(zip(arrivals, prompt, output, blocks, adapters,
+                                                                      priorities))]
+
+
+def parse_priorities(text: str) -> tuple[tuple[int, float], ...]:
+    """`--priority-mix` ("0:0.2,1:0.8": priority 0 for a fifth of the requests, 1 for the rest) as
+    (priority, share) pairs; ValueError naming the flag."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        priority, _, share = item.partition(":")
+        try:
+            pairs.append((int(priority), float(share)))
+        except ValueError:  # a share absent ("0") is float("")'s error too
+            raise ValueError(f"--priority-mix: {item!r} is not PRIORITY:SHARE (e.g. 0:0.2,1:0.8)") from None
+    return tuple(pairs)
+
+
+def _priorities(spec: WorkloadSpec, count: int) -> list[int]:
+    """Each request's priority, drawn by the classes' shares (a stream of its own); 0 without classes."""
+    if not spec.priorities:
+        return [0] * count
+    shares = np.array([share for _, share in spec.priorities])
+    picks = np.random.default_rng([spec.seed, 2]).choice(len(shares), size=count, p=shares / shares.sum())
+    return [spec.priorities[k][0] for k in picks]
 
 
 def _adapters(spec: WorkloadSpec, count: int) -> list[str | None]:

@@ -29,6 +29,7 @@ class SimRecords(Sequence[RequestRecord]):
         self._prompt_tokens = np.array([r.prompt_tokens for r in ordered], dtype=np.int64)
         self._requested = np.array([r.output_tokens for r in ordered], dtype=np.int64)
         self._start_s = np.array([r.arrival_s for r in ordered], dtype=float)
+        self._priority = np.array([r.priority for r in ordered], dtype=np.int64)
         self._first = np.concatenate(([0], np.cumsum(self._requested)))  # slot i's times: _times[_first[i]:]
         self._times = np.zeros(self._first[-1])  # seconds from the request's start, as the client saw them
         self._count = np.zeros(len(ordered), dtype=np.int64)  # tokens received
@@ -63,18 +64,20 @@ class SimRecords(Sequence[RequestRecord]):
     def __getitem__(self, position: int) -> RequestRecord:
         slot = range(len(self))[position]  # IndexError past the end, as a sequence must raise
         index, prompt, requested = int(self._index[slot]), int(self._prompt_tokens[slot]), int(self._requested[slot])
-        start, status = float(self._start_s[slot]), int(self._status[slot])
+        start, status, priority = float(self._start_s[slot]), int(self._status[slot]), int(self._priority[slot])
         if status != OK:
-            return RequestRecord(index, prompt, 0, requested, start, None, (), None, self._errors.get(slot), status)
+            return RequestRecord(index, prompt, 0, requested, start, None, (), None, self._errors.get(slot), status,
+                                 priority=priority)
         first = self._first[slot]
         times = tuple(self._times[first:first + self._count[slot]].tolist())
         return RequestRecord(index, prompt, len(times), requested, start, times[0], times, times[-1], status=OK,
-                             cached_tokens=int(self._cached[slot]))
+                             cached_tokens=int(self._cached[slot]), priority=priority)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SimRecords):
             return NotImplemented
-        arrays = ("_index", "_prompt_tokens", "_requested", "_start_s", "_times", "_count", "_status", "_cached")
+        arrays = ("_index", "_prompt_tokens", "_requested", "_start_s", "_times", "_count", "_status", "_cached",
+                  "_priority")
         return self._errors == other._errors and all(np.array_equal(getattr(self, a), getattr(other, a))
                                                      for a in arrays)
 
@@ -94,4 +97,5 @@ class SimRecords(Sequence[RequestRecord]):
             np.subtract(self._times[start + 1:start + n], self._times[start:start + n - 1], out=tbt[end:end + n - 1])
             end += n - 1
         return RunColumns(self._status == OK, self._status == REJECTED, self._prompt_tokens, self._count,
-                          self._times[first], self._times[first + count - 1], tbt, self._cached)
+                          self._times[first], self._times[first + count - 1], tbt, self._cached, self._priority,
+                          np.repeat(np.arange(len(done)), count - 1))

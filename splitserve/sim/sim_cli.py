@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from splitserve.bench.report import markdown_table, write_outputs
-from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload
+from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload, parse_priorities
 from splitserve.command import report_errors
 from splitserve.placement.state import ADAPTER_WAITS
 from splitserve.sim.cluster import simulate
@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-swap-ms", type=float, default=0.0, help="what writing an adapter into a slot adds to "
                                                                      "the iteration that admits it")
     p.add_argument("--lora-blind", action="store_true", help="place blind to which adapters the slots hold")
+    p.add_argument("--priority-mix", default="", metavar="P:SHARE,...",
+                   help="priority classes, as for bench (e.g. 0:0.2,1:0.8); the summary gives each class's latencies")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
+                   help="the engines' (default: the scenario's; priority: lower values first, preempting higher)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
     p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "
@@ -119,6 +123,8 @@ def run(args) -> dict:
         scenario = replace(scenario, prefix=replace(scenario.prefix, aware=False))
     if args.prefix_index_blocks is not None:
         scenario = replace(scenario, prefix=replace(scenario.prefix, max_index_blocks=args.prefix_index_blocks))
+    if args.scheduling_policy is not None:
+        scenario = replace(scenario, scheduling_policy=args.scheduling_policy)
     scenario = replace(scenario, lora_swap_s=args.lora_swap_ms / 1000,
                        max_loras=scenario.max_loras if args.max_loras is None else args.max_loras,
                        adapters=replace(scenario.adapters, aware=not args.lora_blind))
@@ -128,7 +134,8 @@ def run(args) -> dict:
                                           max_prompt_tokens=scenario.max_model_len // 2,
                                           max_output_tokens=scenario.max_model_len // 2,
                                           adapters=tuple(f"lora-{k}" for k in range(args.num_adapters)),
-                                          adapter_zipf=args.adapter_zipf))
+                                          adapter_zipf=args.adapter_zipf,
+                                          priorities=parse_priorities(args.priority_mix)))
     started = time.perf_counter()
     with tqdm(total=len(requests), desc="simulated", unit="req", disable=args.no_progress, leave=False) as bar:
         result = simulate(scenario, requests, args.seed, progress=lambda done, _: bar.update(done - bar.n))

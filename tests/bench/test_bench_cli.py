@@ -94,6 +94,8 @@ def test_a_bad_url_or_results_folder_is_reported_before_any_request(tmp_path, ca
         assert message in capsys.readouterr().err
     assert main(["--url", "http://127.0.0.1:9", *quick, "--capacity", "--out", str(tmp_path / "o")]) == 2
     assert "--capacity needs --tbt-slo" in capsys.readouterr().err
+    assert main(["--url", "http://127.0.0.1:9", *quick, "--priority-mix", "0:x", "--out", str(tmp_path / "o")]) == 2
+    assert "--priority-mix: '0:x' is not PRIORITY:SHARE" in capsys.readouterr().err
 
 
 def test_a_run_longer_than_a_day_or_past_a_million_requests_is_refused(tmp_path, capsys):

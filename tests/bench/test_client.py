@@ -11,6 +11,7 @@ from splitserve.bench.workload import RequestSpec
 
 
 def sent_body(spec: RequestSpec) -> dict:
+    """What `send` posted for `spec` (the server refuses it); its record keeps the spec's priority."""
     bodies = []
 
     def keep(request: httpx.Request) -> httpx.Response:
@@ -22,7 +23,7 @@ def sent_body(spec: RequestSpec) -> dict:
             return await send(http, "http://test", "demo", spec, seed=0, t0=0.0)
 
     record = asyncio.run(one())
-    assert record.rejected
+    assert record.rejected and record.priority == spec.priority
     return bodies[0]
 
 

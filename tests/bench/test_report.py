@@ -104,3 +104,25 @@ def test_write_outputs_leaves_every_file(tmp_path):
     report = paths["report"].read_text()
     assert report.startswith("# demo run\n") and "| TTFT (s) | 0.75 |" in report and "(latency_cdf.png)" in report
     assert paths["latency_cdf"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_priority_class_is_summarized_as_its_own_records_would_be():
+    """`by_priority` from the run's columns (`RunColumns.where`) equals the summary of each class's
+    records alone; a run of one class has none."""
+    rng = np.random.default_rng(1)
+    records = []
+    for i in range(60):
+        count = int(rng.integers(1, 6))
+        times = tuple(np.cumsum(rng.exponential(0.1, count)).tolist())
+        status, error = [(200, None), (429, "rate limited"), (200, "stream broke")][i % 7 % 3]
+        records.append(RequestRecord(i, 10 + i, count, 5, i * 0.1, times[0], times, times[-1] if error is None
+                                     else None, error, status, priority=[0, 3, -1][i % 4 % 3]))
+    summary = summarize(records, duration_s=10.0)
+    assert list(summary["by_priority"]) == ["-1", "0", "3"]
+    for priority, part in summary["by_priority"].items():
+        alone = summarize([r for r in records if r.priority == int(priority)], duration_s=10.0)
+        assert part == alone
+        assert part["num_requests"] == sum(r.priority == int(priority) for r in records)
+    assert "by_priority" not in summarize(RECORDS, duration_s=2.0)
+    table = markdown_table(summary)
+    assert "| priority | requests |" in table and "| 3 | " in table

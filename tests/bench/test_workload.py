@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from splitserve.bench.traces import repeated_block_fraction
-from splitserve.bench.workload import RequestSpec, WorkloadSpec, load_trace, make_workload, trace_stats
+from splitserve.bench.workload import (
+    RequestSpec, WorkloadSpec, load_trace, make_workload, parse_priorities, trace_stats,
+)
 
 
 def arrivals(workload):
@@ -224,3 +226,26 @@ def test_adapters_are_drawn_by_zipf_rank_without_changing_the_rest_of_the_worklo
 def test_adapters_are_bounded_and_named(bad):
     with pytest.raises(ValueError, match="adapter"):
         WorkloadSpec("conv", 10, rate=1.0, **bad)
+
+
+def test_priority_classes_are_drawn_by_their_shares_without_changing_the_rest_of_the_workload():
+    plain = make_workload(WorkloadSpec("conv", 4000, rate=5.0, seed=3, adapters=("a", "b")))
+    mixed = make_workload(WorkloadSpec("conv", 4000, rate=5.0, seed=3, adapters=("a", "b"),
+                                       priorities=((0, 0.2), (5, 0.8))))
+    assert {r.priority for r in plain} == {0}
+    assert [dataclasses.replace(r, priority=0) for r in mixed] == plain
+    interactive = sum(r.priority == 0 for r in mixed)
+    assert abs(interactive - 800) < 5 * np.sqrt(4000 * 0.2 * 0.8) and {r.priority for r in mixed} == {0, 5}
+    assert mixed == make_workload(WorkloadSpec("conv", 4000, rate=5.0, seed=3, adapters=("a", "b"),
+                                               priorities=((0, 1.0), (5, 4.0))))  # shares need not sum to 1
+
+
+def test_priority_mix_parses_and_bad_classes_are_named():
+    assert parse_priorities("0:0.2, 1:0.8") == ((0, 0.2), (1, 0.8)) and parse_priorities("") == ()
+    for text in ("0", "a:1", "0:x", "0.5:1"):
+        with pytest.raises(ValueError, match="--priority-mix"):
+            parse_priorities(text)
+    for bad in (((0, 1.0), (0, 2.0)), ((0, 0.0),), ((0, float("inf")),), ((2**31, 1.0),),
+                tuple((p, 1.0) for p in range(17))):
+        with pytest.raises(ValueError, match="priorities"):
+            WorkloadSpec("conv", 10, rate=1.0, priorities=bad)

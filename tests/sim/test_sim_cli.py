@@ -72,6 +72,20 @@ def design_args(*extra: str) -> list[str]:
             "--rate", "2", "--duration", "5", "--no-progress", *extra]
 
 
+def test_priority_classes_are_reported_each(tmp_path):
+    """`--priority-mix` draws each request's class; the summary and the report give each class's
+    counts and latencies (with `--scheduling-policy priority`, as the engines would serve them)."""
+    out = tmp_path / "classes"
+    assert main(design_args("--priority-mix", "0:0.25,1:0.75", "--scheduling-policy", "priority", "--out",
+                            str(out))) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    classes = summary["by_priority"]
+    assert list(classes) == ["0", "1"] and sum(c["num_requests"] for c in classes.values()) == 10
+    assert all(c["ttft_s"]["p50"] > 0 for c in classes.values() if c["num_completed"])
+    assert "| priority | requests |" in (out / "report.md").read_text()
+    assert main(design_args("--priority-mix", "0:x", "--json", str(tmp_path / "x.json"))) == 2
+
+
 def test_a_design_writes_the_machine_readable_summary(tmp_path):
     path = tmp_path / "hh.json"
     assert main(design_args("--json", str(path))) == 0

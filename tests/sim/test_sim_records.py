@@ -1,5 +1,6 @@
 """The simulation's compact records: each `RequestRecord` as the client saw it, and a summary from
 arrays that is the bench's summary of those records."""
+import dataclasses
 import json
 
 import pytest
@@ -18,6 +19,17 @@ def test_summary_from_arrays_is_the_summary_of_the_records(name):
     records = list(result.records)
     assert sum(r.status == 400 for r in records) == 2
     assert result.summary() == summarize(records, result.duration_s)
+
+
+def test_each_priority_class_from_arrays_is_the_summary_of_its_records():
+    """The sim's columns carry each request's priority and its gaps' owners: `by_priority` from
+    them is the bench's from the records (which carry the priority each was sent with)."""
+    requests = [dataclasses.replace(r, priority=r.index % 3 - 1) for r in random_requests(200)]
+    result = simulate(split(scheduling_policy="priority"), requests)
+    records = list(result.records)
+    assert [r.priority for r in records] == [r.index % 3 - 1 for r in records]
+    summary = result.summary()
+    assert list(summary["by_priority"]) == ["-1", "0", "1"] and summary == summarize(records, result.duration_s)
 
 
 def test_rejections_are_counted_and_records_read_back_in_index_order():
