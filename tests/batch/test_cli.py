@@ -151,3 +151,21 @@ def test_blend_ends_when_nothing_is_left_to_run(tmp_path, capsys):
     invalid.write_bytes(as_jsonl(lines))
     assert main(["batch", str(invalid), str(tmp_path / "none.jsonl")]) == 0
     assert "0 lines succeeded, 3 failed" in capsys.readouterr().out
+
+
+def test_score_label_tokens_make_a_rerank_line_a_reranker_s_verdict(tmp_path, capsys):
+    """`--score-label-tokens n y`: a rerank line's scores are probabilities (the demo's byte tokens
+    as labels); without it, cosines of embeddings; a label of several tokens is a one-line error."""
+    line = {"custom_id": "r", "method": "POST", "url": "/v1/rerank",
+            "body": {"model": "demo", "query": "Which is yellow?", "documents": ["Bananas.", "The sky."]}}
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(as_jsonl([line]))
+    assert main(["batch", str(source), str(tmp_path / "cos.jsonl")]) == 0
+    assert main(["batch", str(source), str(tmp_path / "verdict.jsonl"), "--score-label-tokens", "n", "y"]) == 0
+    [cosines], [verdicts] = read(tmp_path / "cos.jsonl"), read(tmp_path / "verdict.jsonl")
+    by_cosine = [r["relevance_score"] for r in cosines["response"]["body"]["results"]]
+    by_verdict = [r["relevance_score"] for r in verdicts["response"]["body"]["results"]]
+    assert all(0 < p < 1 for p in by_verdict) and by_verdict != pytest.approx(by_cosine)
+    capsys.readouterr()
+    assert main(["batch", str(source), str(tmp_path / "bad.jsonl"), "--score-label-tokens", "no"]) == 2
+    assert "score_label_tokens: 'no' is 2 tokens" in capsys.readouterr().err
