@@ -190,9 +190,9 @@ class LayerLaunches(torch.nn.Module):
     without and with the residual, the rotary embedding of q and k (views of the fused QKV output),
     attention (once per `windows`, the model's kinds of layer: with its sliding window, whole
     context), a sparse layer's experts (every token on its first k experts), and the W8A16 GEMM of
-    each projection the device keeps FP8, and with `lora` (slots, rank) each projection's
-    adapters by row where the CUDA graphs set the rows. Called as the model is, by the model
-    runner and the CUDA graphs."""
+    each projection the device keeps FP8 (the integer GEMM of one kept packed), and with `lora`
+    (slots, rank) each projection's adapters by row where the CUDA graphs set the rows. Called as
+    the model is, by the model runner and the CUDA graphs."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_model_len: int, windows: list[int | None],
                  lora: tuple[int, int] = (0, 0)):
@@ -201,7 +201,7 @@ class LayerLaunches(torch.nn.Module):
         with torch.device("meta"):
             self.attention = LlamaAttention(config)
             self.mlp = None if config.is_moe_layer(0) else LlamaMLP(config)
-        for linear in self._projections():  # kept FP8: allocated on the CPU, never written
+        for linear in self._projections():  # kept FP8 or packed: allocated on the CPU, never written
             linear.to_empty(device="cpu")
         self.config, self.dtype = config, dtype
         self.lora_slots = LoraSlots(*lora)  # the runner and the graphs ask the model for its adapter slots
@@ -243,8 +243,8 @@ class LayerLaunches(torch.nn.Module):
         return found + ([self.mlp.gate_up_proj, self.mlp.down_proj] if self.mlp is not None else [])
 
     def _projections(self) -> list[Linear]:
-        """The projections kept FP8."""
-        return [linear for linear in self._linears() if linear.fp8_block is not None]
+        """The projections kept FP8 or packed."""
+        return [linear for linear in self._linears() if linear.fp8_block is not None or linear.ints is not None]
 
     def _adapter_weights(self, linear: Linear, slots: int, rank: int) -> tuple | None:
         """A [slots, parts * rank, in], B [slots, out, rank] and the parts' rows (never written)."""
@@ -255,7 +255,7 @@ class LayerLaunches(torch.nn.Module):
                 torch.empty((slots, linear.out_features, rank), dtype=self.dtype), parts)
 
     def _project(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-        out = linear.fused(x) if linear.fp8_block is not None else \
+        out = linear.fused(x) if linear in self._projections() else \
             torch.empty((x.shape[0], linear.out_features), dtype=self.dtype)
         if self.lora_slots.rows is not None:  # a captured decode step of a model with adapter slots
             a, b, parts = self._adapters[linear]

@@ -231,3 +231,17 @@ def test_fp8_projections_compile_w8a8_where_the_gpu_has_fp8_tensor_cores(run):
         assert len(gemm) == 1 and "W_SCALES=column" in gemm[0]["spec"] and gemm[0]["loops"][0]["mma"] > 0
         assert sum(v["kernel"] == "_quantize_kernel" for v in report["variants"]) == 1
         assert not any(v["kernel"] == "_dequantize_kernel" for v in report["variants"])
+
+
+def test_packed_integer_projections_compile_the_integer_gemm_at_start_up(run):
+    """Llama-3-8B W4A16's projections (4 bits, groups of 128, zero points) stay packed on sm_90 and
+    sm_80: the integer GEMM's three tiles and its prefills' dequantization compiled at start-up,
+    none spilling, nothing compiled while serving; every tile's loop runs on the tensor cores."""
+    code, archs = run("--shape", "llama3-8b-w4a16", "--steps", "10")
+    assert code == 0
+    for arch, report in archs.items():
+        assert not report["problems"] and {v["phase"] for v in report["variants"]} == {"start-up"}, arch
+        gemm = {int(v["spec"].split("BLOCK_M=")[1].split()[0]): v for v in report["variants"]
+                if v["kernel"] == "_int_matmul_kernel"}
+        assert sorted(gemm) == [16, 64, 128] and all(v["loops"][0]["mma"] > 0 for v in gemm.values()), arch
+        assert sum(v["kernel"] == "_int_dequantize_kernel" for v in report["variants"]) == 1, arch
