@@ -100,8 +100,18 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
                     rows[-1]["path"] = paths[fmt]
                     rows[-1]["splits"] = None if paths[fmt] != "tiled" else 1 if fmt == "fp8 unsplit" else splits
                     rows[-1]["max_rel_diff"] = ((call().float() - exact).abs().max() / exact.abs().max()).item()
-        for fmt, (seconds, read, flops) in layer.items():
-            rows.append(row("layer", fmt, t, seconds, read, flops, hbm, flops_peak))
+        rows += layer_rows(layer, t, hbm, flops_peak)
+    return with_speedups(rows)
+
+
+def layer_rows(layer: dict[str, list], tokens: int, hbm: float | None, flops_peak: float | None) -> list[dict]:
+    """A `layer` row per format, of its projections' summed [seconds, bytes, flops] at `tokens`."""
+    return [row("layer", fmt, tokens, seconds, read, flops, hbm, flops_peak)
+            for fmt, (seconds, read, flops) in layer.items()]
+
+
+def with_speedups(rows: list[dict]) -> list[dict]:
+    """`rows`, each but bf16's with its speed-up over the bf16 row of its projection and token count."""
     bf16 = {(r["projection"], r["tokens"]): r["step_ms"] for r in rows if r["format"] == "bf16"}
     for r in rows:
         if r["format"] != "bf16":

@@ -24,7 +24,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench_fp8_linear import TINY, TINY_TOKENS, TOKENS, projections, row  # this script's folder
+from bench_fp8_linear import (  # this script's folder
+    TINY, TINY_TOKENS, TOKENS, layer_rows, projections, row, with_speedups,
+)
 from bench_moe import (
     add_run_args, device_peaks, emit, pct, print_markdown, ratio, run_device, sci, time_calls, token_counts,
 )
@@ -83,13 +85,8 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
                 if path is not None:
                     rows[-1]["path"] = path
                     rows[-1]["max_rel_diff"] = ((call().float() - exact).abs().max() / exact.abs().max()).item()
-        for fmt, (seconds, read, flops) in layer.items():
-            rows.append(row("layer", fmt, t, seconds, read, flops, hbm, flops_peak))
-    bf16 = {(r["projection"], r["tokens"]): r["step_ms"] for r in rows if r["format"] == "bf16"}
-    for r in rows:
-        if r["format"] != "bf16":
-            r["speedup_vs_bf16"] = bf16[r["projection"], r["tokens"]] / r["step_ms"]
-    return rows
+        rows += layer_rows(layer, t, hbm, flops_peak)
+    return with_speedups(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
