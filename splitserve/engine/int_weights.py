@@ -5,7 +5,8 @@ each value stored as its signed integer plus 2^(bits-1); `<name>.weight_scale` [
 group of `group_size` consecutive columns, or the whole row); `<name>.weight_shape` [rows, cols];
 and, for an asymmetric scheme, `<name>.weight_zero_point` packed the same way down the rows
 [ceil(rows x bits / 32), groups]. A weight is (value - zero point) x its group's scale.
-Activations stay in the serving dtype; the weights are dequantized at load to it."""
+Activations stay in the serving dtype; a weight the model does not keep packed (`model.linear.int_kept`:
+the CPU path, experts) is dequantized at load to it."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -36,7 +36,7 @@ class _Request:
     timestamps: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; [0] stays None
-    embedding: list[float] | None = None  # with params.embed, once its prefill ran (RequestOutput's)
+    embedding: list[float] | None = None  # with params.embed, once its prefill ran: RequestOutput.embedding
 
     @property
     def stops_on_text(self) -> bool:
