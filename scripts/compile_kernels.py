@@ -244,7 +244,7 @@ class LayerLaunches(torch.nn.Module):
 
     def _projections(self) -> list[Linear]:
         """The projections kept FP8 or packed."""
-        return [linear for linear in self._linears() if linear.fp8_block is not None or linear.ints is not None]
+        return [linear for linear in self._linears() if linear.kept]
 
     def _adapter_weights(self, linear: Linear, slots: int, rank: int) -> tuple | None:
         """A [slots, parts * rank, in], B [slots, out, rank] and the parts' rows (never written)."""
@@ -255,7 +255,7 @@ class LayerLaunches(torch.nn.Module):
                 torch.empty((slots, linear.out_features, rank), dtype=self.dtype), parts)
 
     def _project(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-        out = linear.fused(x) if linear in self._projections() else \
+        out = linear.fused(x) if linear.kept else \
             torch.empty((x.shape[0], linear.out_features), dtype=self.dtype)
         if self.lora_slots.rows is not None:  # a captured decode step of a model with adapter slots
             a, b, parts = self._adapters[linear]

@@ -15,7 +15,7 @@ from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import ConstraintCheck, PreparedRequest, prepare_request
 from splitserve.api.request_models import ModelNames
 from splitserve.api.responses_bodies import response_from_chat
-from splitserve.api.pooled_requests import pooled_preparers
+from splitserve.api.pooled_requests import POOLED_KINDS, prepare_pooled
 from splitserve.api.score_request import PreparedScores
 from splitserve.api.usage import Usage
 from splitserve.batch.results import ResultLog
@@ -139,9 +139,9 @@ class LineRules:
 def prepare(line: BatchLine, rules: LineRules) -> Prepared:
     """Tokenize and check one request as its endpoint would (RequestError on a bad body)."""
     raw = json.dumps(line.body).encode()
-    pooled = pooled_preparers(rules.hidden_size, rules.score_labels).get(line.kind)
-    if pooled is not None:
-        prepared = pooled(raw, rules.tokenizer, rules.model, rules.max_model_len, rules.limits)
+    if line.kind in POOLED_KINDS:
+        prepared = prepare_pooled(line.kind, raw, rules.tokenizer, rules.model, rules.max_model_len, rules.limits,
+                                  rules.hidden_size, rules.score_labels)
     else:
         prepared = prepare_request(line.kind, raw, rules.tokenizer, rules.model, rules.max_model_len, rules.limits,
                                    rules.check_constraint, rules.parsers)

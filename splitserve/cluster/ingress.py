@@ -23,7 +23,7 @@ from splitserve.api.guard import guard
 from splitserve.api.json_pieces import json_text
 from splitserve.api.lazy_grammar import LazyGrammar
 from splitserve.api.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from splitserve.api.pooled_requests import pooled_preparers
+from splitserve.api.pooled_requests import prepare_pooled
 from splitserve.api.prepared_request import PreparedRequest, prepare_request, prepare_responses
 from splitserve.api.request_models import ServedModels, check_model, parse_request
 from splitserve.api.responses_bodies import input_items, new_id, response_object, response_of_choice
@@ -61,8 +61,8 @@ class Ingress:
         model_config, self.tokenizer, self.max_model_len = load_metadata(self.config.model,
                                                                          self.config.engine.engine_config("token"))
         self.config.check_model(model_config)
-        # embeddings (at most the hidden size's dimensions), scores and reranks (by a reranker's labels, or embeddings)
-        self._pooled = pooled_preparers(model_config.hidden_size, self.config.score_labels(self.tokenizer))
+        self.hidden_size = model_config.hidden_size  # an embedding's dimensions
+        self.score_labels = self.config.score_labels(self.tokenizer)  # a token-answering reranker's, else ()
         self._grammar = LazyGrammar(self.tokenizer, model_config.vocab_size)
         self.api_key = self.config.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         self._directory: WorkerDirectory | None = None
@@ -190,8 +190,9 @@ class Ingress:
         started = time.monotonic()
         await self._refresh_adapters()
         try:
-            prepared = await asyncio.to_thread(self._pooled[kind], await request.body(), self.tokenizer, self.served,
-                                               self.max_model_len, self.limits)
+            prepared = await asyncio.to_thread(prepare_pooled, kind, await request.body(), self.tokenizer,
+                                               self.served, self.max_model_len, self.limits, self.hidden_size,
+                                               self.score_labels)
         except RequestError as error:
             return error_response(error)
         runs = await self._started_runs("embedding", prepared.prompts, prepared.params)

@@ -78,7 +78,7 @@ def warm_up_projections(model: torch.nn.Module, dtype: torch.dtype, max_tokens: 
     `dtype` activations once per launch shape of its GEMM in steps of at most `max_tokens`; the
     number of runs."""
     shapes = {(m.in_features, m.out_features, m.fp8_block, m.ints): m for m in model.modules()
-              if isinstance(m, Linear) and (m.fp8_block is not None or m.ints is not None)}
+              if isinstance(m, Linear) and m.kept}
     runs = 0
     for linear in shapes.values():
         gemm = fp8_linear if linear.ints is None else int_linear

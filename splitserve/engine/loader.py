@@ -183,7 +183,7 @@ def _quantized_half(file: Path, name: str, handle, checkpoint_name: str, config:
     if name.endswith(mxfp4.SUFFIXES) and name not in targets:
         base, _, half = name.rpartition("_")
         return base, half
-    if config is not None and config.quantization == "int":
+    if _int_scheme(config) is not None:
         return None if any(n in targets for n in _filled(name, config)) else int_weights.part_of(name)
     if config is None or config.quantization != "fp8":
         return None
@@ -204,8 +204,13 @@ def _quantized_half(file: Path, name: str, handle, checkpoint_name: str, config:
 
 def _kept_int_shape(name: str, targets: dict[str, torch.Tensor], config: ModelConfig | None) -> bool:
     """Whether `name` is the `.weight_shape` of packed integers the model keeps as they are."""
-    return (config is not None and config.quantization == "int" and name.endswith(".weight_shape")
+    return (_int_scheme(config) is not None and name.endswith(".weight_shape")
             and any(n in targets for n in _filled(name.removesuffix("_shape") + "_packed", config)))
+
+
+def _int_scheme(config: ModelConfig | None) -> int_weights.IntWeights | None:
+    """A packed integer checkpoint's scheme; None for any other."""
+    return None if config is None else config.int_weights
 
 
 def _kept_scale_name(name: str, targets: dict[str, torch.Tensor], config: ModelConfig | None) -> str:
@@ -237,7 +242,7 @@ def _tensor_scale_for_rows(name: str, shape: tuple, whole: tuple) -> bool:
 
 def _other_half(base: str, halves: dict[str, torch.Tensor], config: ModelConfig | None) -> str:
     """The name of the half (the parts) a quantized tensor lacks."""
-    if config is not None and config.quantization == "int":
+    if _int_scheme(config) is not None:
         suffixes = {part: suffix for suffix, part in int_weights.SUFFIXES.items()}
         return ", ".join(base + suffixes[part] for part in sorted(config.int_weights.parts() - halves.keys()))
     if "scale" in halves:
@@ -254,7 +259,8 @@ def _joined(file: Path, base: str, half: str, tensor: torch.Tensor, packed: dict
     (its half `half`); before then its values are None."""
     halves = packed.setdefault(base, {})
     halves[half] = tensor
-    if len(halves) < (len(config.int_weights.parts()) if config is not None and config.quantization == "int" else 2):
+    ints = _int_scheme(config)
+    if len(halves) < (2 if ints is None else len(ints.parts())):
         return base, None
     del packed[base]
     target = next((targets[n] for n in _filled(base, config) if n in targets), None)
@@ -262,8 +268,8 @@ def _joined(file: Path, base: str, half: str, tensor: torch.Tensor, packed: dict
         raise CheckpointError(f"{file}: quantized tensor {base!r} has no matching parameter")
     device, dtype = target.device, target.dtype
     try:
-        if config is not None and config.quantization == "int":
-            return base, int_weights.dequantize({k: v.to(device) for k, v in halves.items()}, config.int_weights, dtype)
+        if ints is not None:
+            return base, int_weights.dequantize({k: v.to(device) for k, v in halves.items()}, ints, dtype)
         if half in ("weight", "scale"):
             return base, fp8.dequantize(halves["weight"].to(device), halves["scale"].to(device),
                                         config.weight_block_size, dtype)

@@ -91,6 +91,12 @@ class SamplingParams:
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        self._check_request()
+        self._check_output()
+
+    def _check_request(self) -> None:
+        """What the request is (an embedding, its label tokens), and what it runs under (adapter,
+        cache salt, priority, tokens resumed)."""
         _check(not self.embed or self.max_tokens == 1,
                f"embed needs max_tokens 1 (its prefill's), got {self.max_tokens}")
         _check(not self.label_token_ids or (self.embed and len(self.label_token_ids) <= MAX_LABEL_TOKENS
@@ -108,6 +114,10 @@ class SamplingParams:
                f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
         _check(_is_int(self.resumed_tokens) and self.resumed_tokens >= 0,
                f"resumed_tokens must be an integer >= 0, got {self.resumed_tokens!r}")
+
+    def _check_output(self) -> None:
+        """What shapes the output: logprobs, stop strings, penalties, biases, bans, a constraint,
+        latency targets (the lists made tuples)."""
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),

@@ -106,10 +106,11 @@ def tile_examples(max_tokens: int | None = None) -> list[int]:
 
 
 def _launch_args(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: IntWeights, k: int):
-    """The weight's pointers, strides and constants the kernels share."""
+    """What the kernels take of the weight: its pointers, their row strides, the columns a scale
+    covers, and the constants."""
     group = scheme.group_size or k
     zeros = packed if zero is None else zero  # any pointer where there are no zero points
-    return ((packed, scale, zeros), (packed.stride(0), scale.stride(0), zeros.stride(0), group),
+    return ((packed, scale, zeros), (packed.stride(0), scale.stride(0), zeros.stride(0)), group,
             dict(BITS=scheme.bits, ZERO=zero is not None, ONE_GROUP=group % BLOCK_K == 0 or group >= k))
 
 
@@ -118,10 +119,9 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
     """What `int_weights.dequantize` computes ([N, K] in `dtype`), in one pass on the words' device."""
     n = packed.shape[0]
     out = torch.empty((n, k), dtype=dtype, device=packed.device)
-    pointers, strides, constants = _launch_args(packed, scale, zero, scheme, k)
-    group = strides[-1]
+    pointers, strides, group, constants = _launch_args(packed, scale, zero, scheme, k)
     _int_dequantize_kernel[(triton.cdiv(n, DEQUANTIZE_ROWS), triton.cdiv(k, BLOCK_K))](
-        *pointers, out, n, k, *strides[:-1], out.stride(0), group, **constants, BLOCK_N=DEQUANTIZE_ROWS,
+        *pointers, out, n, k, *strides, out.stride(0), group, **constants, BLOCK_N=DEQUANTIZE_ROWS,
         BLOCK_K=BLOCK_K)
     return out
 
@@ -152,9 +152,9 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
         torch.mm(rows, dequantize(packed, scale, zero, scheme, k, x.dtype).t(), out=out)
     elif tokens:
         block_m, block_n, warps = tile_for(tokens)
-        pointers, strides, constants = _launch_args(packed, scale, zero, scheme, k)
+        pointers, strides, group, constants = _launch_args(packed, scale, zero, scheme, k)
         _int_matmul_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))](
-            rows, *pointers, out, tokens, n, k, rows.stride(0), *strides[:-1], out.stride(0), strides[-1],
+            rows, *pointers, out, tokens, n, k, rows.stride(0), *strides, out.stride(0), group,
             **constants, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
     return out.view(*x.shape[:-1], n)

@@ -72,9 +72,8 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fp8_block: tuple[int, int] | None = None,
                  ints: IntWeights | None = None):
-        kept = fp8_block is not None or ints is not None  # a weight in the serving dtype is never allocated
-        super().__init__(in_features, out_features, bias=bias, device="meta" if kept else None)
         self.fp8_block, self.ints = fp8_block, ints
+        super().__init__(in_features, out_features, bias=bias, device="meta" if self.kept else None)
         self.lora = None  # model.lora.LoraWeights, set by attach_adapters
         if fp8_block is not None:
             rows, cols = fp8_block
@@ -87,15 +86,20 @@ class Linear(nn.Linear):
             self.weight_scale = frozen(out_features, groups, dtype=torch.float32)
             self.weight_zero_point = None if ints.symmetric else frozen(-(-out_features * ints.bits // 32), groups,
                                                                         dtype=torch.int32)
-        if kept:
+        if self.kept:  # a weight in the serving dtype is never allocated
             self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @property
+    def kept(self) -> bool:
+        """Whether the weight stays in the checkpoint's format (FP8 codes, packed integers)."""
+        return self.fp8_block is not None or self.ints is not None
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = self._base(x, bias)
         return out if self.lora is None else self.lora.add_to(x, out)
 
     def _base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.fp8_block is None and self.ints is None:
+        if not self.kept:
             return F.linear(x, self.weight, bias)
         out = self.fused(x) if x.is_cuda else F.linear(x, self.dequantized(x.dtype))
         return out if bias is None else out + bias
