@@ -8,7 +8,7 @@ from importlib import import_module
 from pathlib import Path
 
 from splitserve.api import chat_parsers
-from splitserve.command import add_lora_modules
+from splitserve.command import add_lora_modules, add_speculative_config
 from splitserve.engine.attention.fp8_kv import KV_CACHE_DTYPES
 from splitserve.engine.policies import POLICY_CLASSES
 
@@ -49,6 +49,7 @@ def _add_serve(commands) -> None:
                         "score each pair by the last token's probability; default: the config's "
                         "score_label_tokens, else by embeddings' cosine similarity")
     add_lora_modules(p, "; added to the config's engine.lora_modules")
+    add_speculative_config(p, " (default: the config's engine.num_speculative_tokens, 0: off)")
     p.add_argument("--max-loras", type=int, default=None, metavar="N",
                    help="slots for N LoRA adapters, loaded at start or while serving (POST /v1/load_lora_adapter "
                         "and /v1/unload_lora_adapter); default: the config's engine.max_loras (0: off)")
@@ -85,6 +86,7 @@ def _run_serve(args) -> int:
                                     ("scheduling_policy", args.scheduling_policy)) if v is not None}
         if args.lora_modules:
             engine["lora_modules"] = {**config.engine.lora_modules, **dict(args.lora_modules)}
+        engine.update(args.speculative_config or {})
         if engine:
             overrides["engine"] = {**config.engine.model_dump(), **engine}
         config = ClusterConfig.model_validate({**config.model_dump(), **overrides})
@@ -121,6 +123,7 @@ def _add_generate(commands) -> None:
                    help="auto (the serving dtype) or fp8: K and V stored as float8 e4m3 codes, twice the tokens")
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    add_speculative_config(p, " (default: off)")
     p.set_defaults(run=_run_generate)
 
 
@@ -132,7 +135,7 @@ def _run_generate(args) -> int:
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                                 ignore_eos=args.ignore_eos)
         llm = LLM(args.model, policy=args.policy, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                  device=args.device, load_format=args.load_format)
+                  device=args.device, load_format=args.load_format, **(args.speculative_config or {}))
         outputs = llm.generate(args.prompt, params)
     except ValueError as error:
         print(f"splitserve generate: {error}", file=sys.stderr)

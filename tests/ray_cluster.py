@@ -5,9 +5,10 @@ more loaded while serving), `pools` at /pools (the same shape with low threshold
 two ingress replicas sharing one CLS, for pool moves, backpressure, auth and adapters loaded
 through one replica) and `hardening` at /hardening (short leases and stuck bound, small request
 bounds, for the failure tests) and `tp` at /tp (a prompt worker of 2 tensor-parallel ranks
-handing to a token worker of 1, with the adapters too). Its dashboard takes `ray job submit`. A
-pytest plugin (tests/conftest.py): only tests that ask for these fixtures start it, and their
-modules run last; the session ends by stopping that cluster's processes."""
+handing to a token worker of 1 that drafts tokens by n-gram lookup, with the adapters too). Its
+dashboard takes `ray job submit`. A pytest plugin (tests/conftest.py): only tests that ask for
+these fixtures start it, and their modules run last; the session ends by stopping that cluster's
+processes."""
 from __future__ import annotations
 
 import contextlib
@@ -48,6 +49,7 @@ HARDENING = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 30, 
                          "max_prompts": 4, "max_upload_bytes": 65536, "max_batch_lines": 5},
              "fault_injection": True, "batch": {"dir": tempfile.mkdtemp(prefix="splitserve-batches-")}}
 
+SPECULATION = {"num_speculative_tokens": 3}  # tp: its token worker drafts by n-gram lookup
 TINY = {"num_cpus": 0.01}  # this app's ranks take the 7th CPU the head is told of (the others' workers take 6)
 TP = {"engine": ENGINE, "transfer": {"backend": "gloo", "timeout_s": 10}, "scheduler": {"report_interval_s": 0.05},
       "score_label_tokens": ["n", "y"],  # /score and /rerank as a reranker answering in tokens (the demo's bytes)
@@ -172,7 +174,8 @@ def hardening_server(ray_cluster, server):
 
 @pytest.fixture(scope="session")
 def tp_server(ray_cluster, server):
-    return _deploy(ray_cluster, "tp", {**TP, "engine": {**ENGINE, **RUN_TIME_LORA, "lora_modules": demo_adapters()}})
+    return _deploy(ray_cluster, "tp", {**TP, "engine": {**ENGINE, **RUN_TIME_LORA, **SPECULATION,
+                                                        "lora_modules": demo_adapters()}})
 
 
 @pytest.fixture(scope="session")

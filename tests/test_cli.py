@@ -52,6 +52,22 @@ def test_lora_modules_are_served_as_models_and_a_bad_one_refused_before_anything
     assert "expected NAME=PATH" in capsys.readouterr().err
 
 
+def test_vllms_speculative_config_reaches_the_engines_and_a_bad_one_is_refused(monkeypatch, capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'
+    engine = served_config(monkeypatch, "--speculative-config", spec).engine_config("token")
+    assert (engine.num_speculative_tokens, engine.prompt_lookup_min, engine.prompt_lookup_max) == (5, 2, 3)
+    assert not served_config(monkeypatch).engine_config("token").speculative.enabled
+    monkeypatch.setattr(launcher, "serve_until_interrupted", lambda *args: pytest.fail("started"))
+    assert main(["serve", "--speculative-config", '{"num_speculative_tokens": 99}']) == 2
+    assert "num_speculative_tokens" in capsys.readouterr().err
+    for bad, message in (('{"method": "eagle", "num_speculative_tokens": 2}', "only ngram"),
+                         ('{"num_speculative_tokens": 2, "draft_model": "x"}', "unknown keys ['draft_model']"),
+                         ("[2]", "num_speculative_tokens"), ("{", "expected a JSON object")):
+        with pytest.raises(SystemExit):
+            main(["serve", "--speculative-config", bad])
+        assert message in capsys.readouterr().err
+
+
 def test_a_bad_name_is_refused_before_anything_starts(monkeypatch, capsys):
     monkeypatch.setattr(launcher, "serve_until_interrupted", lambda *args: pytest.fail("started"))
     assert main(["serve", "--served-model-name", "same", "same"]) == 2
@@ -67,6 +83,17 @@ def test_generate_builds_its_engine_with_the_kv_cache_dtype(monkeypatch, capsys)
     monkeypatch.setattr(splitserve, "LLM", lambda *args, **kwargs: built.append(LLM(*args, **kwargs)) or built[-1])
     assert main(["generate", "--prompt", "paged attention", "--max-tokens", "6", "--kv-cache-dtype", "fp8"]) == 0
     assert built[0].engine.kv_cache.encoding == "fp8_e4m3" and "[6 tokens" in capsys.readouterr().out
+
+
+def test_generate_drafts_with_a_speculative_config(monkeypatch, capsys):
+    import splitserve
+    from splitserve import LLM
+
+    built = []
+    monkeypatch.setattr(splitserve, "LLM", lambda *args, **kwargs: built.append(LLM(*args, **kwargs)) or built[-1])
+    assert main(["generate", "--prompt", "abcabcabc", "--max-tokens", "6", "--speculative-config",
+                 '{"num_speculative_tokens": 3}']) == 0
+    assert built[0].engine.proposer.config.num_speculative_tokens == 3 and "[6 tokens" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("device", ["tpu", "", "cuda:-1"])

@@ -127,6 +127,11 @@ class ClusterMetrics:
                                   registry=self.registry)
         self.prefill_tokens = Counter("splitserve_worker_prefill_tokens", "Prompt tokens prefilled (computed)",
                                       ("model", "worker"), registry=self.registry)
+        self.draft_tokens = Counter("splitserve_spec_decode_draft_tokens", "Tokens decodes drafted by n-gram lookup "
+                                    "and a step checked (engine.num_speculative_tokens)", ("model", "worker"),
+                                    registry=self.registry)
+        self.accepted_tokens = Counter("splitserve_spec_decode_accepted_tokens", "Drafted tokens the check kept (each "
+                                       "one a step saved)", ("model", "worker"), registry=self.registry)
         self.kv_reused = Counter("splitserve_kv_import_reused_tokens", "Imported prompt tokens whose KV the token "
                                  "worker's prefix cache held (not received)", ("model", "worker"), registry=self.registry)
         self.kv_visible = self._histogram("splitserve_kv_transfer_visible_seconds",
@@ -204,7 +209,9 @@ class ClusterMetrics:
         for step in stats.steps:
             self.batch_tokens.labels(*labels).observe(step.prefill_tokens + step.decode_tokens)
             self.step_seconds.labels(*labels, step.phase).observe(step.seconds)
-        self.prefill_tokens.labels(self.model, worker_id).inc(sum(step.prefill_tokens for step in stats.steps))
+        for counter, field in ((self.prefill_tokens, "prefill_tokens"), (self.draft_tokens, "draft_tokens"),
+                               (self.accepted_tokens, "accepted_tokens")):
+            counter.labels(self.model, worker_id).inc(sum(getattr(step, field) for step in stats.steps))
         for seconds in stats.queue_seconds:
             self.queue.observe(seconds)
         self._record_transfers(worker_id, labels, stats)
@@ -238,8 +245,9 @@ class ClusterMetrics:
         labels = self._worker_labels.pop(worker_id, None)
         if labels is not None:
             self._drop_series(labels)
-        for metric in (self.kv_bytes, self.prefill_tokens, self.kv_reused, self.kv_visible, self.kv_overlap,
-                       self.kv_failures, self.leases_expired, self.step_failures, self.worker_aborts, self.lora_swaps):
+        for metric in (self.kv_bytes, self.prefill_tokens, self.draft_tokens, self.accepted_tokens, self.kv_reused,
+                       self.kv_visible, self.kv_overlap, self.kv_failures, self.leases_expired, self.step_failures,
+                       self.worker_aborts, self.lora_swaps):
             _remove(metric, (self.model, worker_id))
         self._totals.pop(worker_id, None)
 

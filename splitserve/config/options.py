@@ -178,6 +178,18 @@ class EngineOptions(StrictModel):
                                       "are served: a request's adapter is copied into a slot no running request "
                                       "uses when the request is admitted, and a request waits while every slot "
                                       "runs other adapters' requests.")
+    num_speculative_tokens: int = Field(0, ge=0, le=16, description="Speculative decoding by n-gram prompt lookup "
+                                        "(vLLM's ngram method): a decoding request drafts up to this many tokens a "
+                                        "step, the ones that followed the latest earlier occurrence of its last "
+                                        "tokens (prompt and output), and one step checks them all, keeping each "
+                                        "that matches what the model samples (its outputs stay the model's). Pays "
+                                        "where outputs copy their context (code edits, extraction, quoting); "
+                                        "requests with penalties, logit_bias, bad_words, structured output or "
+                                        "min_tokens to reach decode a token a step. 0: off.")
+    prompt_lookup_min: int = Field(2, ge=1, le=64, description="With num_speculative_tokens: the fewest last "
+                                   "tokens looked up.")
+    prompt_lookup_max: int = Field(4, ge=1, le=64, description="With num_speculative_tokens: the most last tokens "
+                                   "looked up (the longest ending that occurred before wins).")
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> "EngineOptions":

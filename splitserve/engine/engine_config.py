@@ -9,6 +9,7 @@ from splitserve.engine.config import ConfigError
 from splitserve.engine.lora_adapter import MAX_LORA_RANK
 from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptions, check_scheduling
 from splitserve.engine.sampling_params import MAX_LORA_NAME
+from splitserve.engine.speculation import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 MAX_KV_BLOCKS = 2**31 - 1  # num_kv_blocks at most: every block id fits an int32 index
@@ -48,6 +49,10 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # with max_loras: adapters held in host memory, swapped into slots (>= max_loras)
     slo: SLOOptions = SLOOptions()             # the SLO-aware (accelgen) policies' settings
     scheduling_policy: str = "fcfs"            # fcfs | priority: requests' SamplingParams.priority orders them
+    # speculative decoding by n-gram prompt lookup (`speculation`): drafts a decode may take a step (0: off)
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2  # the shortest context ending looked up
+    prompt_lookup_max: int = 4  # the longest
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "switch_policies", tuple(self.switch_policies))
@@ -97,6 +102,10 @@ class EngineConfig:
             raise ConfigError(f"seed must be in [0, 2**64), got {self.seed!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        try:
+            self.speculative
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                               f"got {self.attention_backend!r}")
@@ -105,6 +114,10 @@ class EngineConfig:
     def host_loras(self) -> int:
         """With max_loras: the adapters held in host memory at most (max_cpu_loras, by default max_loras)."""
         return self.max_cpu_loras or self.max_loras
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
 
     def scheduler_limits(self, max_model_len: int) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, max_model_len, self.prompt_token_budget, self.chunk_token_budget,

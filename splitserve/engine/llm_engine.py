@@ -13,13 +13,15 @@ from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.in_flight import InFlight, drain
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
-from splitserve.engine.policies import Plan, make_policy
+from splitserve.engine.policies import Plan, accepted, make_policy
 from splitserve.engine.prefix_hash import sequence_root
 from splitserve.engine.prompt_logprobs import prompt_logprobs
-from splitserve.engine.sampler import Sampler
+from splitserve.engine.model_runner import Forward
+from splitserve.engine.sampler import SampledToken, Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.shard_builder import build_shard
+from splitserve.engine.speculation import NgramProposer, speculate
 from splitserve.engine.tensor_parallel import TPGroup
 from splitserve.engine.tokenizer import Detokenizer
 from splitserve.engine.tp_step import TPLeader
@@ -86,6 +88,7 @@ class LLMEngine:
         self.policy.adapters = self.adapters.residency
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        self.proposer = NgramProposer(config.speculative) if config.speculative.enabled else None
         self._requests: dict[str, _Request] = {}
         self.last_step = StepStats()  # what the last non-empty step computed, and how long it took
         device_is_cuda = self.runner.device.type == "cuda"
@@ -120,6 +123,8 @@ class LLMEngine:
                 self._in_flight.wait()  # its blocks may be handed on only once nothing writes them
             self.policy.finish(req.seq, "abort")
         self.sampler.forget(request_id)
+        if req is not None and self.proposer is not None:
+            self.proposer.forget(req.seq)
 
     def set_policy(self, name: str) -> None:
         """Change scheduling role (prompt / token / mixed / prefill_first / orca / ...) on the live engine;
@@ -200,6 +205,10 @@ class LLMEngine:
         start = time.monotonic()
         try:
             plan = self.policy.schedule()
+            if self.proposer is not None and plan:
+                limits = self.policy.limits
+                plan = speculate(plan, self.proposer, self.block_manager, self.policy.max_step_tokens(limits),
+                                 limits.max_num_seqs, self.max_model_len, self._long_rope_from)
         except Exception as error:
             raise StepFailed(None, error) from error
         if not plan:
@@ -214,7 +223,8 @@ class LLMEngine:
             tables = {item.seq.seq_id: self.block_manager.block_tables(item.seq.seq_id) for item in plan.scheduled}
             hook = None if after_layer is None else (lambda i: after_layer(plan, i))
             forward = self.runner.execute(plan, tables, hook)
-            return InFlight.queued(plan, work, start, forward, self.sampler.draw(forward.logits, forward.seqs))
+            return InFlight.queued(plan, work, start, forward,
+                                   self.sampler.draw(forward.logits, forward.seqs, forward.drafts))
         except Exception as error:
             raise _NotQueued(plan, error) from error
 
@@ -235,15 +245,18 @@ class LLMEngine:
                 req = self._requests.get(seq.seq_id)
                 if req is not None and req.seq is seq:
                     req.embedding = vector.tolist()
-            sampled = dict(zip((s.seq_id for s in forward.seqs), in_flight.drawn.read()))
+            sampled = _by_sequence(forward, in_flight.drawn.read())
             now = time.monotonic()
             self.policy.observe(plan, now - in_flight.start)
-            updated = self.policy.complete_step(plan, {k: v.token_id for k, v in sampled.items()})
-            self.last_step = replace(in_flight.work, seconds=now - in_flight.start)
+            ids = {k: [t.token_id for t in v] for k, v in sampled.items()}
+            kept = sum(len(accepted(item.drafts, ids[item.seq.seq_id])) - 1 for item in plan.scheduled if item.drafts)
+            updated = self.policy.complete_step(plan, ids)
+            self.last_step = replace(in_flight.work, seconds=now - in_flight.start, accepted_tokens=kept)
 
             def record(req: _Request) -> RequestOutput:
-                token = sampled[req.seq.seq_id]
-                return self._record(req, token.token_id, token.logprobs, now)
+                seq = req.seq  # the tokens it got are its rows' first ones (`plan.accepted`)
+                got = sampled[seq.seq_id][:seq.num_tokens - seq.num_prompt_tokens - len(req.output_ids)]
+                return self._record(req, [(token.token_id, token.logprobs) for token in got], now)
 
             requests = [self._requests[seq.seq_id] for seq in updated]
             first, later = [], []  # recorded before the next iteration is queued, and after
@@ -311,7 +324,7 @@ class LLMEngine:
         (sampled, with its logprobs if requested, by the prompt engine)."""
         req = self._requests[request_id]
         self.policy.complete_import(request_id, first_token_id)
-        output = self._record(req, first_token_id, first_logprobs, time.monotonic())
+        output = self._record(req, [(first_token_id, first_logprobs)], time.monotonic())
         self._turn_long_rope(req.seq)
         return output
 
@@ -367,25 +380,39 @@ class LLMEngine:
         if seq.num_tokens - 1 == self._long_rope_from and seq.status is SequenceStatus.RUNNING:
             self.policy.preempt(seq)
 
-    def _record(self, req: _Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
-        seq = req.seq
-        req.output_ids.append(token_id)
-        req.timestamps.append(now)
-        if req.logprobs is not None:
-            req.logprobs.append(logprobs or {})
-        stop_token = seq.finish_reason == "stop"  # decided on token ids: EOS or a stop_token_id
-        detokenizer = req.detokenizer
-        # a stop string wins over a length limit hit by the same token
-        if detokenizer is not None and detokenizer.append(token_id, stop_token):
-            if seq.is_finished:
-                seq.finish_reason = "stop"
-            else:
-                self.policy.finish(seq, "stop")
+    def _record(self, req: _Request, tokens: list[tuple[int, dict[int, float] | None]], now: float) -> RequestOutput:
+        """Record the tokens a step appended to the sequence (with their logprobs): the policy ended
+        it on the last, if it did; a stop string may end it on an earlier one (the rest are dropped)."""
+        seq, detokenizer = req.seq, req.detokenizer
+        for i, (token_id, logprobs) in enumerate(tokens):
+            req.output_ids.append(token_id)
+            req.timestamps.append(now)
+            if req.logprobs is not None:
+                req.logprobs.append(logprobs or {})
+            stop_token = i == len(tokens) - 1 and seq.finish_reason == "stop"  # decided on ids: EOS, stop_token_ids
+            # a stop string wins over a length limit hit by the same token
+            if detokenizer is not None and detokenizer.append(token_id, stop_token):
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    self.policy.finish(seq, "stop")
+                break
         if seq.is_finished:
             self._requests.pop(seq.seq_id, None)
             self.sampler.forget(seq.seq_id)
+            if self.proposer is not None:
+                self.proposer.forget(seq)
         text = "" if detokenizer is None else detokenizer.text
         completion = CompletionOutput(0, text, req.output_ids, seq.finish_reason, req.logprobs, req.timestamps)
         return RequestOutput(seq.seq_id, req.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
                              seq.arrival_time, seq.num_cached_tokens, seq.num_cache_write_tokens,
                              seq.first_scheduled_time, req.prompt_logprobs, req.embedding)
+
+
+def _by_sequence(forward: Forward, rows: list[SampledToken]) -> dict[str, list[SampledToken]]:
+    """Each sampling sequence's rows' tokens: its next token's, then one per draft."""
+    by_seq, row = {}, 0
+    for seq, drafts in zip(forward.seqs, forward.drafts):
+        by_seq[seq.seq_id] = rows[row:row + 1 + len(drafts)]
+        row += 1 + len(drafts)
+    return by_seq

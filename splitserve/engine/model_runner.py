@@ -58,15 +58,17 @@ class StepChannel(Protocol):
 
 @dataclass(frozen=True)
 class Forward:
-    """One iteration's results: the sequences that sample, their logits [n, vocab] (float32) in the
-    same order, the prompt rows of the sequences that asked for prompt logprobs, and what those
-    that asked for an embedding pool from their last prompt row: its hidden state [hidden],
-    L2-normalized in float32, or its logits at their label tokens (copied before sampling changes them)."""
+    """One iteration's results: the sequences that sample, their logits [rows, vocab] (float32) in the
+    same order (a row each, and one more for each of its `drafts`, aligned with `seqs`), the prompt
+    rows of the sequences that asked for prompt logprobs, and what those that asked for an embedding
+    pool from their last prompt row: its hidden state [hidden], L2-normalized in float32, or its
+    logits at their label tokens (copied before sampling changes them)."""
 
     seqs: list[Sequence]
     logits: torch.Tensor
     prompt_rows: list[PromptRows]
     pooled: list[tuple[Sequence, torch.Tensor]]
+    drafts: list[tuple[int, ...]]
 
 
 class ModelRunner:
@@ -98,13 +100,14 @@ class ModelRunner:
                 self.channel.abandon(error)
                 raise
             self.channel.end()
-        rows = [batch.query_starts[i + 1] - 1 for i, item in enumerate(items) if item.samples]
+        sampling, rows = [], []  # per sampling item its rows: its last token's, then a draft's each
+        for i, item in enumerate(items):
+            if item.samples:
+                sampling.append(item)
+                rows += range(batch.query_starts[i + 1] - 1 - len(item.drafts), batch.query_starts[i + 1])
         logits = self.model.compute_logits(hidden[_row_index(rows, hidden.device)]).float()
-        sampling = [item.seq for item in items if item.samples]
-        pooled = [(seq, logits[i, list(seq.params.label_token_ids)] if seq.params.label_token_ids
-                   else torch.nn.functional.normalize(hidden[row].float(), dim=-1))
-                  for i, (seq, row) in enumerate(zip(sampling, rows)) if seq.params.embed]
-        return Forward(sampling, logits, _prompt_rows(items, batch, hidden), pooled)
+        return Forward([item.seq for item in sampling], logits, _prompt_rows(items, batch, hidden),
+                       _pooled(sampling, rows, logits, hidden), [item.drafts for item in sampling])
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -134,6 +137,7 @@ class ModelRunner:
         for item in items:
             seq, end = item.seq, item.start + item.num_new_tokens
             tokens += seq.token_ids[item.start:end]
+            tokens += item.drafts
             positions += rotary.table_rows(item.start, end, seq.num_tokens)
             for group, table in enumerate(block_tables[seq.seq_id]):
                 slots[group] += [table[p // bs] * bs + p % bs for p in range(item.start, end)]
@@ -155,6 +159,19 @@ def _row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     if rows and rows[-1] - rows[0] == len(rows) - 1:  # ascending and distinct, so consecutive
         return slice(rows[0], rows[-1] + 1)
     return upload_list(rows, torch.long, device)
+
+
+def _pooled(sampling: list[ScheduledSeq], rows: list[int], logits: torch.Tensor,
+            hidden: torch.Tensor) -> list[tuple[Sequence, torch.Tensor]]:
+    """What each sequence that asked for an embedding pools from its row (it has no drafts)."""
+    pooled, row = [], 0
+    for item in sampling:
+        params = item.seq.params
+        if params.embed:
+            pooled.append((item.seq, logits[row, list(params.label_token_ids)] if params.label_token_ids
+                           else torch.nn.functional.normalize(hidden[rows[row]].float(), dim=-1)))
+        row += 1 + len(item.drafts)
+    return pooled
 
 
 def _prompt_rows(items: list[ScheduledSeq], batch: StepBatch, hidden: torch.Tensor) -> list[PromptRows]:

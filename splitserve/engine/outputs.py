@@ -64,6 +64,8 @@ class StepStats:
     decode_context_tokens: int = 0  # KV tokens the decodes' attention read (the memory-bound work)
     prefill_attention_pairs: int = 0  # query-key pairs of prefill attention: sum n (2 start + n) over chunks
     chunk_context_tokens: int = 0  # sum over prefill chunks of n x start (tokens computed before the chunk)
+    draft_tokens: int = 0     # speculated tokens its decodes checked (counted in decode_tokens too)
+    accepted_tokens: int = 0  # of them, those kept (`speculation`)
 
     @property
     def phase(self) -> str:

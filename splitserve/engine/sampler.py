@@ -89,35 +89,42 @@ class Sampler:
         if self._grammar is not None:
             self._grammar.forget(seq_id)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        return self.draw(logits, seqs).read()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               drafts: list[tuple[int, ...]] | None = None) -> list[SampledToken]:
+        return self.draw(logits, seqs, drafts).read()
 
-    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> Drawn:
-        """The batch's tokens chosen on the device; nothing is read back until `Drawn.read`."""
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[tuple[int, ...]] | None = None) -> Drawn:
+        """The batch's tokens chosen on the device, a row each; nothing is read back until `Drawn.read`.
+        With `drafts` (aligned with `seqs`; `speculation`), a sequence has a row more for each of its
+        drafts, sampled as its next output position would be once the drafts before it are kept
+        (drafting sequences take no penalties, bad words or grammar: those follow the tokens before)."""
+        offsets = [0] * len(seqs)
+        if drafts is not None and any(drafts):
+            seqs, offsets = _rows(seqs, drafts)
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise ValueError(f"logits must have shape [len(seqs)={len(seqs)}, vocab], "
-                             f"got {tuple(logits.shape)}")
+            raise ValueError(f"logits must have shape [rows={len(seqs)}, vocab], got {tuple(logits.shape)}")
         logits = sanitized_logits(logits.float())
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = _logprobs(logits) if wants_logprobs else None
-        logits = self._penalties.apply(self._bans.apply(_mask_stop_tokens(logits, seqs), seqs), seqs)
+        logits = self._penalties.apply(self._bans.apply(_mask_stop_tokens(logits, seqs, offsets), seqs), seqs)
         if any(s.params.constraint is not None for s in seqs):
             logits = self.grammar.apply(logits, seqs)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:  # decided on the device, so reading the ids back is the step's only wait for them
-            self._sample_random(logits, token_ids, random_rows, [seqs[i] for i in random_rows])
+            self._sample_random(logits, token_ids, random_rows, [seqs[i] for i in random_rows],
+                                [offsets[i] for i in random_rows])
         return Drawn(token_ids, raw_logprobs, seqs)
 
     def _sample_random(self, logits: torch.Tensor, token_ids: torch.Tensor, random_rows: list[int],
-                       seqs: list[Sequence]) -> None:
+                       seqs: list[Sequence], offsets: list[int]) -> None:
         """Draws token_ids' random rows (a row with no finite logit keeps its greedy id): through
         one kernel on CUDA from KERNEL_ROWS rows, else torch."""
         device = logits.device
         rows = upload_list(random_rows, torch.long, device)
         temperatures = upload_list([s.params.temperature for s in seqs], torch.float32, device)
         filters = [s.params.top_k for s in seqs], [s.params.top_p for s in seqs], [s.params.min_p for s in seqs]
-        uniforms = self._uniforms(seqs, device)
+        uniforms = self._uniforms(seqs, offsets, device)
         if runs_kernels(logits) and len(seqs) >= KERNEL_ROWS:
             from splitserve.engine import triton_sampling
 
@@ -136,14 +143,16 @@ class Sampler:
         sampled = torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=logits.shape[1] - 1)
         token_ids[rows] = torch.where(torch.isfinite(picked).any(dim=-1), sampled, token_ids[rows])
 
-    def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    def _uniforms(self, seqs: list[Sequence], offsets: list[int], device: torch.device) -> torch.Tensor:
         """One draw in (0, 1] per row. A seeded row's draw is a function of its seed and the output
-        position it samples, so a request gives the same tokens whichever workers run which of its
-        tokens (a prompt worker the first, a token worker the rest; a failover's resumed attempt)."""
+        position it samples (its sequence's next, past `offsets` drafts), so a request gives the same
+        tokens whichever workers run which of its tokens (a prompt worker the first, a token worker
+        the rest; a failover's resumed attempt), with drafts or without."""
         u = torch.rand(len(seqs), device=device, generator=self._shared_generator(device))
         rows = [i for i, seq in enumerate(seqs) if seq.params.seed is not None]
         if rows:  # drawn on the host whatever the device: the same draws on CPU and GPU workers, one upload
-            draws = [self._seeded_draw(seqs[i].params.seed, seqs[i].params.resumed_tokens + seqs[i].num_output_tokens)
+            draws = [self._seeded_draw(seqs[i].params.seed,
+                                       seqs[i].params.resumed_tokens + seqs[i].num_output_tokens + offsets[i])
                      for i in rows]
             u[upload_list(rows, torch.long, device)] = upload_list(draws, u.dtype, device)
         return u.neg_().add_(1)
@@ -170,11 +179,20 @@ def _logprobs(logits: torch.Tensor) -> torch.Tensor:
     return logits.log_softmax(dim=-1).nan_to_num_(nan=float("-inf"))
 
 
-def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _rows(seqs: list[Sequence], drafts: list[tuple[int, ...]]) -> tuple[list[Sequence], list[int]]:
+    """Each row's sequence, and how many of its drafts come before the row."""
+    row_seqs, offsets = [], []
+    for seq, seq_drafts in zip(seqs, drafts, strict=True):
+        row_seqs += [seq] * (1 + len(seq_drafts))
+        offsets += range(1 + len(seq_drafts))
+    return row_seqs, offsets
+
+
+def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], offsets: list[int]) -> torch.Tensor:
     """Sets the stop ids (eos unless ignore_eos) of rows still below min_tokens to -inf."""
     rows, cols, vocab = [], [], logits.shape[1]
-    for i, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.params.min_tokens:
+    for i, (seq, offset) in enumerate(zip(seqs, offsets)):
+        if seq.num_output_tokens + offset < seq.params.min_tokens:
             stop_ids = set(seq.params.stop_token_ids)
             if not seq.params.ignore_eos:
                 stop_ids |= seq.eos_token_ids

@@ -44,10 +44,11 @@ class PerfModel(Protocol):
 class _SameToken(dict):
     """`sampled[seq_id]` for `complete_step`: the filler token for every sequence, nothing built."""
 
-    def __missing__(self, key: str) -> int:
-        return FILLER_TOKEN
+    def __missing__(self, key: str) -> tuple[int]:
+        return _FILLER
 
 
+_FILLER = (FILLER_TOKEN,)
 SAMPLED = _SameToken()
 
 

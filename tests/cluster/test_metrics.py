@@ -122,6 +122,17 @@ def test_worker_reports_set_gauges_histograms_and_counter_deltas(metrics):
     assert value(metrics, "splitserve_kv_import_reused_tokens_total", worker="t0") == 96
 
 
+def test_drafts_checked_and_kept_add_up_over_steps(metrics):
+    steps = (StepStats(decode_tokens=12, draft_tokens=8, accepted_tokens=5), StepStats(decode_tokens=4),
+             StepStats(decode_tokens=9, draft_tokens=6, accepted_tokens=0))
+    for _ in range(2):
+        metrics.record_worker("t0", Role.TOKEN, "h100", WorkerLoad(), worker_stats(steps=steps))
+    assert value(metrics, "splitserve_spec_decode_draft_tokens_total", worker="t0") == 28
+    assert value(metrics, "splitserve_spec_decode_accepted_tokens_total", worker="t0") == 10
+    metrics.remove_worker("t0")
+    assert not [k for k in samples(metrics) if ("worker", "t0") in k[1]]
+
+
 def test_a_worker_that_changes_pool_or_dies_drops_its_old_series(metrics):
     metrics.record_worker("t0", Role.TOKEN, "a100", WorkerLoad(), worker_stats())
     metrics.record_worker("t0", Role.MIXED, "a100", WorkerLoad(), worker_stats())

@@ -51,6 +51,8 @@ METRICS = {
     "splitserve_worker_kv_blocks_free": ("gauge", WORKER),
     "splitserve_worker_preemptions_total": ("counter", WORKER),
     "splitserve_worker_lora_swaps_total": ("counter", ("model", "worker")),
+    "splitserve_spec_decode_draft_tokens_total": ("counter", ("model", "worker")),
+    "splitserve_spec_decode_accepted_tokens_total": ("counter", ("model", "worker")),
     "splitserve_worker_batch_tokens": ("histogram", WORKER),
     "splitserve_worker_step_seconds": ("histogram", (*WORKER, "phase")),
     # KV transfer (worker = the sending prompt worker)

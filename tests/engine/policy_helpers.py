@@ -28,7 +28,7 @@ def shape(plan) -> list[tuple[str, int]]:
 
 
 def complete(policy, plan, token: int = 7, tokens: dict[str, int] | None = None):
-    sampled = {item.seq.seq_id: (tokens or {}).get(item.seq.seq_id, token)
+    sampled = {item.seq.seq_id: ((tokens or {}).get(item.seq.seq_id, token),)
                for item in plan.scheduled if item.samples}
     updated = policy.complete_step(plan, sampled)
     policy.blocks.check_integrity()

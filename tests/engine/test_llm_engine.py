@@ -15,13 +15,13 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import SequenceStatus
-from splitserve.transfer.codec import pack_all, slot_index, unpack_all
 from tests.engine.engine_helpers import (
     ENGINE,
     GREEDY,
     PROMPTS,
     assert_all_free,
     assert_same,
+    handed_off,
     run_engine,
     token_ids,
 )
@@ -63,45 +63,6 @@ def test_a_seeded_request_handed_off_or_resumed_samples_as_one_run():
     resumed = LLM(**ENGINE).generate([p + w.token_ids[:5] for p, w in zip(PROMPTS, whole)],
                                      replace(seeded, max_tokens=7, resumed_tokens=5))
     assert [out.token_ids for out in resumed] == [w.token_ids[5:] for w in whole]
-
-
-def handed_off(params: SamplingParams) -> list:
-    """Every prompt prefilled by a prompt engine, its KV and first token moved into a token engine
-    that decodes the rest; the token engine's outputs in prompt order."""
-    prompt_engine = LLMEngine(policy="prompt", prompt_token_budget=128, **ENGINE)
-    token_engine = LLMEngine(policy="token", **ENGINE)
-    ids = [f"r{i}" for i in range(len(PROMPTS))]
-    for request_id, prompt in zip(ids, PROMPTS):
-        prompt_engine.add_request(request_id, prompt, params)
-    with pytest.raises(ValueError, match="prefilled"):
-        prompt_engine.export_request(ids[0])  # still waiting
-    finished, moved, steps = {}, set(), 0
-    while len(finished) < len(ids):
-        for out in prompt_engine.step():
-            assert len(out.token_ids) == 1 and not out.finished
-            seq, block_ids = prompt_engine.export_request(out.request_id)
-            assert seq.status is SequenceStatus.PREFILLED and seq.num_computed_tokens == len(seq.prompt_token_ids)
-            n, src, dst_cache = len(seq.prompt_token_ids), prompt_engine.kv_cache, token_engine.kv_cache
-            kv = pack_all(src, slot_index(block_ids, src.block_size, n, src.data.device))
-            _, dst = token_engine.reserve_import(out.request_id, seq.prompt_token_ids, seq.params)
-            assert len(dst) == len(block_ids)
-            unpack_all(dst_cache, slot_index(dst, dst_cache.block_size, n, dst_cache.data.device), kv)
-            first = token_engine.complete_import(out.request_id, out.token_ids[0])
-            assert first.token_ids == out.token_ids and not first.finished
-            prompt_engine.release_request(out.request_id)
-            prompt_engine.block_manager.check_integrity()
-            moved.add(out.request_id)
-        for out in token_engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        token_engine.block_manager.check_integrity()
-        steps += 1
-        assert steps < 200
-    assert moved == set(ids)
-    assert all(finished[i].finish_reason == "length" for i in ids)
-    assert_all_free(prompt_engine)
-    assert_all_free(token_engine)
-    return [finished[i] for i in ids]
 
 
 def test_preemption_keeps_outputs():

@@ -125,7 +125,7 @@ class Sim:
         for item in plan.scheduled:
             kv.check(item.seq, item.start)
             kv.write(item.seq, item.start, item.num_new_tokens)
-        sampled = {item.seq.seq_id: self.token_for(item.seq) for item in plan.scheduled if item.samples}
+        sampled = {item.seq.seq_id: (self.token_for(item.seq),) for item in plan.scheduled if item.samples}
         policy.complete_step(plan, sampled)
         policy.blocks.check_integrity()
         self.check_state(policy)

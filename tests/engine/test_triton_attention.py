@@ -25,6 +25,7 @@ from splitserve.engine.attention.metadata import PAD_SLOT  # noqa: E402
 from splitserve.engine.attention.triton_paged import (  # noqa: E402
     E4M3_CAPABILITY, PREFILL_STAGES, TRITON_STAGES, TritonPagedBackend, _prefill_stages, split_counts, store_kv)
 from splitserve.engine.llm import LLM  # noqa: E402
+from splitserve.engine.llm_engine import LLMEngine  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.test_attention import SINKS, build_case, check_case  # noqa: E402
 
@@ -245,6 +246,23 @@ def test_a_tiny_model_generates_the_same_greedy_tokens_with_either_backend(kv_ca
     assert triton_llm.engine.runner.backend.name == "triton"
     triton_out = triton_llm.generate(prompts, params)
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
+
+
+def test_drafted_tokens_are_checked_alike_by_the_triton_kernels():
+    """Speculative decoding's steps (a decode's token and its drafts as one chunk over its context)."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[256] + list(range(40, 60)) * 2, [256] + [7] * 30]
+    engine_args = {"num_kv_blocks": 64, "max_model_len": 512, "num_speculative_tokens": 3}
+    torch_out = LLM("demo", **engine_args).generate(prompts, params)
+    engine = LLMEngine("demo", attention_backend="triton", **engine_args)
+    assert engine.runner.backend.name == "triton"
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    kept, outputs = 0, {}
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out.token_ids) for out in engine.step())
+        kept += engine.last_step.accepted_tokens
+    assert [outputs[str(i)] for i in range(len(prompts))] == [o.token_ids for o in torch_out] and kept > 0
 
 
 def test_backend_choice(monkeypatch):

@@ -78,7 +78,8 @@ def test_a_dropped_token_is_never_drawn(monkeypatch, u):
     drawn is one the torch filters keep."""
     seqs = requests(temperatures=[0.7])
     logits = torch.randn(len(seqs), 1200, generator=torch.Generator().manual_seed(7)) * 2
-    monkeypatch.setattr(Sampler, "_uniforms", lambda self, rows, device: torch.full((len(rows),), u, device=device))
+    monkeypatch.setattr(Sampler, "_uniforms",
+                        lambda self, rows, offsets, device: torch.full((len(rows),), u, device=device))
     got = draws(logits, seqs, True, monkeypatch)
     shifted = (logits - logits.amax(dim=-1, keepdim=True)) / 0.7
     kept = filter_tokens(shifted, *([s.params.top_k for s in seqs], [s.params.top_p for s in seqs],

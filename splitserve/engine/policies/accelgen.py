@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
 from splitserve.engine.block_manager import BlockManager
@@ -90,7 +91,7 @@ class AccelGenPolicy(Policy):
             self.time_per_token += LEARNING_RATE * (seconds / plan.num_tokens - self.time_per_token)
 
     # ---- bookkeeping of last tokens ----------------------------------------------------------
-    def complete_step(self, plan: Plan, sampled: Mapping[str, int]) -> list[Sequence]:
+    def complete_step(self, plan: Plan, sampled: Mapping[str, Sequence_[int]]) -> list[Sequence]:
         updated = super().complete_step(plan, sampled)
         now = self.clock()
         for seq in updated:

@@ -25,10 +25,11 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Sequence as Sequence_
 from typing import TYPE_CHECKING
 
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
+from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits, accepted
 from splitserve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -120,25 +121,33 @@ class Policy(ABC):
         self._release_slot(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
-    def complete_step(self, plan: Plan, sampled: Mapping[str, int]) -> list[Sequence]:
-        """Record a finished iteration: advance computed tokens, append sampled tokens, stop
-        sequences that hit a limit. Returns the sequences that received a token."""
+    def complete_step(self, plan: Plan, sampled: Mapping[str, Sequence_[int]]) -> list[Sequence]:
+        """Record a finished iteration: advance computed tokens, append sampled tokens (`sampled[seq_id]`:
+        one per row the sequence sampled, 1 + its drafts), stop sequences that hit a limit. Returns
+        the sequences that received a token."""
         updated, commit, max_model_len = [], self.blocks.commit, self.limits.max_model_len
         running = SequenceStatus.RUNNING
         for item in plan.scheduled:
             seq = item.seq
             if seq.status is not running:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens = item.start + item.num_new_tokens
+            if not item.samples:
+                seq.num_computed_tokens = item.start + item.num_new_tokens
+                commit(seq)
+                continue
+            tokens = accepted(item.drafts, sampled[seq.seq_id]) if item.drafts else sampled[seq.seq_id]
+            # the KV of the drafts accepted is right; that of the rest lies past it, to be overwritten
+            seq.num_computed_tokens = item.start + item.num_new_tokens - len(item.drafts) + len(tokens) - 1
             commit(seq)
-            if item.samples:
-                seq.token_ids.append(sampled[seq.seq_id])
-                updated.append(seq)
+            updated.append(seq)
+            for token in tokens:
+                seq.token_ids.append(token)
                 reason = seq.stop_reason_after_append(max_model_len)
                 if reason:
                     self.finish(seq, reason)
-                elif seq.hand_off:
-                    self.hold_prefilled(seq)
+                    break
+            if seq.hand_off and not seq.is_finished:
+                self.hold_prefilled(seq)
         return updated
 
     def adopt(self, previous: "Policy") -> None:

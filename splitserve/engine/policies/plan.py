@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -14,21 +15,34 @@ class _ScheduledFields(NamedTuple):
     num_new_tokens: int
     start: int
     samples: bool
+    drafts: tuple[int, ...]
 
 
 class ScheduledSeq(_ScheduledFields):
-    """Compute `seq.token_ids[start : start + num_new_tokens]`; sample a token iff that reaches the end.
-    Built as `ScheduledSeq(seq, num_new_tokens)`. Immutable, and a tuple rather than a frozen dataclass:
-    one is built per sequence per iteration, and a tuple costs half as much."""
+    """Compute `(seq.token_ids + drafts)[start : start + num_new_tokens]`; sample a token iff that
+    reaches the end, and one more for each of the `drafts` (a decode's speculated tokens: `speculation`).
+    Built as `ScheduledSeq(seq, num_new_tokens)`, or `ScheduledSeq(seq, 1 + len(drafts), drafts)`.
+    Immutable, and a tuple rather than a frozen dataclass: one is built per sequence per iteration,
+    and a tuple costs half as much."""
 
     __slots__ = ()
 
-    def __new__(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+    def __new__(cls, seq: Sequence, num_new_tokens: int, drafts: tuple[int, ...] = ()) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        return tuple.__new__(cls, (seq, num_new_tokens, start, start + num_new_tokens == len(seq.token_ids)))
+        samples = start + num_new_tokens - len(drafts) == len(seq.token_ids)
+        return tuple.__new__(cls, (seq, num_new_tokens, start, samples, drafts))
 
-    def __getnewargs__(self) -> tuple[Sequence, int]:  # copy and pickle rebuild it through __new__
-        return self.seq, self.num_new_tokens
+    def __getnewargs__(self) -> tuple[Sequence, int, tuple[int, ...]]:  # copy and pickle rebuild it through __new__
+        return self.seq, self.num_new_tokens, self.drafts
+
+
+def accepted(drafts: tuple[int, ...], sampled: Sequence_[int]) -> Sequence_[int]:
+    """The tokens a sequence gets from its rows' `sampled` tokens (1 + len(drafts) of them): each
+    draft while it equals the token sampled at the row before it, then the first that differs."""
+    for i, draft in enumerate(drafts):
+        if sampled[i] != draft:
+            return sampled[:i + 1]
+    return sampled
 
 
 @dataclass(frozen=True)
@@ -43,15 +57,16 @@ class Plan:
     def work(self) -> StepStats:
         """What the plan computes (no time yet), in one pass. Call it before the step runs: the
         step turns finished prefills into decodes."""
-        prefill = decodes = context = pairs = chunk_context = 0
+        prefill = decodes = context = pairs = chunk_context = drafts = 0
         for item in self.scheduled:
-            if item.seq.is_decoding:
-                decodes, context = decodes + 1, context + item.start + 1
+            n = item.num_new_tokens
+            if item.seq.is_decoding:  # with drafts: each a query over the context, as a decode's token is
+                decodes, context = decodes + n, context + n * item.start + n * (n + 1) // 2
+                drafts += len(item.drafts)
             else:
-                n = item.num_new_tokens
                 prefill, pairs = prefill + n, pairs + n * (2 * item.start + n)
                 chunk_context += n * item.start
-        return StepStats(prefill, decodes, 0.0, context, pairs, chunk_context)
+        return StepStats(prefill, decodes, 0.0, context, pairs, chunk_context, drafts)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)

@@ -1,8 +1,12 @@
 """A prompt worker of 2 tensor-parallel ranks (a placement group of 2 bundles, gloo between the
-ranks) handing its KV to a token worker of 1, through the OpenAI API: greedy output and logprobs
-as the offline one-rank engine's, on the base model and under a LoRA adapter."""
+ranks) handing its KV to a token worker of 1 that drafts tokens by n-gram lookup
+(num_speculative_tokens), through the OpenAI API: greedy output and logprobs as the offline
+one-rank engine's (which drafts nothing), on the base model and under a LoRA adapter, streamed too."""
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
 
 from splitserve.engine.sampling_params import SamplingParams
@@ -20,6 +24,28 @@ def test_tp2_prompt_worker_hands_to_tp1_token_worker(tp_server, offline, model):
         assert got.choices[0].text == want.text
         theirs = [max(lp.values()) for lp in want.outputs[0].logprobs]
         assert max(abs(a - b) for a, b in zip(got.choices[0].logprobs.token_logprobs, theirs)) < 1e-4
+
+
+def test_a_stream_of_drafted_tokens_is_the_offline_engines_text(tp_server, offline):
+    """The token worker's steps give several tokens at once where drafts are kept: the stream carries
+    them in order, and its drafts reach /metrics with its next load report."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{tp_server}/v1", api_key="unused", max_retries=0, timeout=120)
+    kept_before = spec_metric(tp_server, "splitserve_spec_decode_accepted_tokens_total")
+    for prompt in ("abcabcabcabc", "the cat sat on the mat; the cat sat on the"):
+        stream = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        want = offline.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want.text
+    deadline = time.monotonic() + 10
+    while spec_metric(tp_server, "splitserve_spec_decode_accepted_tokens_total") <= kept_before:
+        assert time.monotonic() < deadline, "no drafts kept reached /metrics"
+        time.sleep(0.1)
+
+
+def spec_metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_the_tp_workers_ranks_share_a_placement_group(tp_server):

@@ -1,0 +1,122 @@
+"""Speculative decoding by n-gram prompt lookup (vLLM's `ngram` method): a decode drafts the tokens
+that followed the latest earlier occurrence of its context's last n tokens, and one step checks them.
+
+A decode with drafts d_1..d_k computes its last token and the drafts as one query over its paged
+context (as a prefill chunk does) and samples a token at each of the k + 1 rows; `plan.accepted`
+keeps each draft while it equals the token sampled at the row before it, then the first token that
+differs (every draft kept: the last row's token too). A draft is one token for certain, so this is
+rejection sampling's rule (keep d with probability p(d), else draw from p without d): every token
+comes from the model's own distribution at its position. Greedy outputs are the tokens decoding one
+at a time gives, and seeded ones too (a seeded draw depends on its output position alone).
+
+Which decodes draft (`drafts_allowed`): those whose sampling depends on the tokens before only
+through the model: no penalties or logit bias, bad words or structured output, min_tokens reached.
+What a step may add (`speculate`): drafts keep its tokens within the policy's largest step and its
+sampled rows within max_num_seqs (what the memory profile ran), take only free blocks (a draft never
+preempts), stop at max_tokens and max_model_len, and at the token where LongRoPE turns a sequence
+long (`LLMEngine._turn_long_rope` sees that token last).
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.policies import Plan, ScheduledSeq
+from splitserve.engine.sequence import Sequence
+
+MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens at most
+MAX_LOOKUP_TOKENS = 64       # prompt_lookup_max at most
+_WIDTH = array("I").itemsize  # bytes a token takes in a sequence's packed copy
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config for the `ngram` method."""
+
+    num_speculative_tokens: int = 0  # drafts a decode may take a step (0: no speculation)
+    prompt_lookup_min: int = 2       # the shortest context ending looked up
+    prompt_lookup_max: int = 4       # the longest (the longest that matches wins; then the latest)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_LOOKUP_TOKENS:
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= "
+                             f"{MAX_LOOKUP_TOKENS}, got {self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+
+class NgramProposer:
+    """Drafts from each sequence's own tokens. A sequence's tokens are kept packed (4 bytes each),
+    grown as it grows, so a lookup is `bytearray.rfind` at C speed rather than a Python scan."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self._packed: dict[Sequence, bytearray] = {}
+
+    def forget(self, seq: Sequence) -> None:
+        self._packed.pop(seq, None)
+
+    def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """`limit` tokens that followed the latest earlier occurrence of the longest of seq's endings
+        of prompt_lookup_max down to prompt_lookup_min tokens; () when none occurs. Where the tokens
+        after that occurrence run into the end, they go on as the copy they start (an occurrence d
+        tokens back repeats with period d, as an LZ77 copy overlapping itself does)."""
+        tokens = seq.token_ids
+        packed = self._packed.get(seq)
+        if packed is None:
+            packed = self._packed[seq] = bytearray()
+        packed += array("I", tokens[len(packed) // _WIDTH:]).tobytes()
+        total = len(tokens)
+        for n in range(min(self.config.prompt_lookup_max, total - 1), self.config.prompt_lookup_min - 1, -1):
+            found = _latest(packed, bytes(packed[(total - n) * _WIDTH:]), (total - 1) * _WIDTH)
+            if found is not None:
+                start = found // _WIDTH + n
+                period = total - start
+                return tuple(tokens[start + j % period] for j in range(limit))
+        return ()
+
+
+def _latest(packed: bytearray, pattern: bytes, end: int) -> int | None:
+    """The byte offset of the latest token-aligned occurrence of `pattern` in packed[:end]."""
+    while (found := packed.rfind(pattern, 0, end)) >= 0:
+        if found % _WIDTH == 0:
+            return found
+        end = found + len(pattern) - 1  # an unaligned match: look before it
+    return None
+
+
+def drafts_allowed(seq: Sequence) -> bool:
+    """Its sampling depends on the tokens before it only through the model's logits."""
+    params = seq.params
+    return not params.has_penalties and params.constraint is None and seq.bad_words is None \
+        and seq.num_output_tokens >= params.min_tokens
+
+
+def speculate(plan: Plan, proposer: NgramProposer, blocks: BlockManager, max_tokens: int, max_rows: int,
+              max_model_len: int, long_rope_from: int | None = None) -> Plan:
+    """`plan` with drafts given to its decodes, oldest first, within the step's limits (module doc):
+    at most `max_tokens` tokens and `max_rows` sampled rows in all."""
+    room = min(max_tokens - plan.num_tokens, max_rows - sum(item.samples for item in plan.scheduled))
+    k = proposer.config.num_speculative_tokens
+    items = list(plan.scheduled)
+    for i, item in enumerate(items):
+        if room <= 0:
+            break
+        seq = item.seq
+        if item.num_new_tokens != 1 or not seq.is_decoding or not drafts_allowed(seq):
+            continue
+        num_tokens = seq.num_tokens  # each draft kept adds a token past the one sampled anyway
+        limit = min(k, room, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - num_tokens - 1)
+        if long_rope_from is not None and num_tokens <= long_rope_from:
+            limit = min(limit, long_rope_from - num_tokens)
+        drafts = proposer.propose(seq, limit) if limit > 0 else ()
+        if drafts and blocks.try_grow(seq, num_tokens + len(drafts)):
+            items[i] = ScheduledSeq(seq, 1 + len(drafts), drafts)
+            room -= len(drafts)
+    return Plan(tuple(items), plan.preempted)
