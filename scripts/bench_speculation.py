@@ -72,7 +72,8 @@ def measure(engines: dict[int, LLMEngine], batch: int, temperature: float, args)
 
 def print_table(result: dict) -> None:
     print(f"Device: {result['device']}; model {result['model']}; {result['prompt_tokens']}-token prompts, "
-          f"{result['max_tokens']} tokens each; median of {result['repeats']} runs")
+          f"{result['max_tokens']} tokens each; prompt_lookup_min {result['prompt_lookup_min']}; median of "
+          f"{result['repeats']} runs")
     print_markdown(["temperature", "batch", "k:", "kept:", "steps:", "tok/s:", "TPOT p50 ms:", "speedup:", "equal"],
                    [[r["temperature"], r["batch"], r["k"], pct(r["acceptance"]), f"{r['steps']:.0f}",
                      f"{r['tokens_per_s']:.0f}", f"{r['tpot_ms_p50']:.2f}", ratio(r["speedup"]), r["equal"]]
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", default="0,2,4", help="num_speculative_tokens values, comma-separated (the first the base)")
     p.add_argument("--batches", default="1,8,32", help="comma-separated")
     p.add_argument("--temperatures", default="0,1", help="comma-separated")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="the fewest last tokens looked up (1: draft "
+                   "whenever the last token occurred before, so noise drafts too: what rejected drafts cost)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -103,12 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--k takes the base (the smallest, usually 0) first, then at least one more")
     torch.set_num_threads(args.threads)
     engines = {k: LLMEngine(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                            max_model_len=args.prompt_tokens + args.max_tokens + 1, num_speculative_tokens=k)
+                            max_model_len=args.prompt_tokens + args.max_tokens + 1, num_speculative_tokens=k,
+                            prompt_lookup_min=args.prompt_lookup_min)
                for k in ks}
     rows = [row for t in args.temperatures.split(",") for b in args.batches.split(",")
             for row in measure(engines, int(b), float(t), args)]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    return emit(args, {"device": device, "model": args.model, "prompt_tokens": args.prompt_tokens,
+    return emit(args, {"device": device, "model": args.model, "prompt_lookup_min": args.prompt_lookup_min,
+                       "prompt_tokens": args.prompt_tokens,
                        "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}, print_table)
 
 

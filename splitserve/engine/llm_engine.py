@@ -249,7 +249,7 @@ class LLMEngine:
             now = time.monotonic()
             self.policy.observe(plan, now - in_flight.start)
             ids = {k: [t.token_id for t in v] for k, v in sampled.items()}
-            kept = sum(len(accepted(item.drafts, ids[item.seq.seq_id])) - 1 for item in plan.scheduled if item.drafts)
+            kept = self._check_drafts(plan, ids)
             updated = self.policy.complete_step(plan, ids)
             self.last_step = replace(in_flight.work, seconds=now - in_flight.start, accepted_tokens=kept)
 
@@ -284,6 +284,16 @@ class LLMEngine:
             if not_queued is not None:  # aborted once this iteration's tokens are recorded
                 self._failed = self._fail(not_queued.plan, not_queued.cause)
         return [outputs[seq.seq_id] for seq in updated]
+
+    def _check_drafts(self, plan: Plan, ids: dict[str, list[int]]) -> int:
+        """The drafts the step keeps, told to the proposer sequence by sequence."""
+        total = 0
+        for item in plan.scheduled:
+            if item.drafts:
+                kept = len(accepted(item.drafts, ids[item.seq.seq_id])) - 1
+                self.proposer.checked(item.seq, kept)
+                total += kept
+        return total
 
     def _fail(self, plan: Plan, error: BaseException) -> StepFailed:
         """Abort the iteration's requests (their blocks freed once nothing it queued can write them):

@@ -27,6 +27,7 @@ from splitserve.engine.sequence import Sequence
 
 MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens at most
 MAX_LOOKUP_TOKENS = 64       # prompt_lookup_max at most
+MAX_BACKOFF_STEPS = 16       # steps a sequence whose drafts keep failing waits between drafts, at most
 _WIDTH = array("I").itemsize  # bytes a token takes in a sequence's packed copy
 
 
@@ -53,24 +54,38 @@ class SpeculativeConfig:
 
 class NgramProposer:
     """Drafts from each sequence's own tokens. A sequence's tokens are kept packed (4 bytes each),
-    grown as it grows, so a lookup is `bytearray.rfind` at C speed rather than a Python scan."""
+    grown as it grows, so a lookup is `bytearray.rfind` at C speed rather than a Python scan.
+
+    A sequence whose drafts were all rejected drafts again only after 1, then 2, 4 ... up to
+    MAX_BACKOFF_STEPS steps, until one is kept (`checked`): output that copies nothing (sampled
+    noise) soon stops paying for rows it throws away."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self._packed: dict[Sequence, bytearray] = {}
+        self._lookups: dict[Sequence, _Lookup] = {}
 
     def forget(self, seq: Sequence) -> None:
-        self._packed.pop(seq, None)
+        self._lookups.pop(seq, None)
+
+    def checked(self, seq: Sequence, kept: int) -> None:
+        """A step checked seq's drafts and kept `kept` of them."""
+        lookup = self._lookups[seq]
+        lookup.backoff = 0 if kept else min(2 * lookup.backoff or 1, MAX_BACKOFF_STEPS)
+        lookup.skip = lookup.backoff
 
     def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
         """`limit` tokens that followed the latest earlier occurrence of the longest of seq's endings
-        of prompt_lookup_max down to prompt_lookup_min tokens; () when none occurs. Where the tokens
-        after that occurrence run into the end, they go on as the copy they start (an occurrence d
-        tokens back repeats with period d, as an LZ77 copy overlapping itself does)."""
-        tokens = seq.token_ids
-        packed = self._packed.get(seq)
-        if packed is None:
-            packed = self._packed[seq] = bytearray()
+        of prompt_lookup_max down to prompt_lookup_min tokens; () when none occurs (or while it
+        backs off). Where the tokens after that occurrence run into the end, they go on as the copy
+        they start (an occurrence d tokens back repeats with period d, as an LZ77 copy overlapping
+        itself does)."""
+        lookup = self._lookups.get(seq)
+        if lookup is None:
+            lookup = self._lookups[seq] = _Lookup()
+        if lookup.skip:
+            lookup.skip -= 1
+            return ()
+        tokens, packed = seq.token_ids, lookup.packed
         packed += array("I", tokens[len(packed) // _WIDTH:]).tobytes()
         total = len(tokens)
         for n in range(min(self.config.prompt_lookup_max, total - 1), self.config.prompt_lookup_min - 1, -1):
@@ -80,6 +95,15 @@ class NgramProposer:
                 period = total - start
                 return tuple(tokens[start + j % period] for j in range(limit))
         return ()
+
+
+class _Lookup:
+    """One sequence's: its tokens packed so far, and its backoff (steps it skips, and skips next)."""
+
+    __slots__ = ("packed", "skip", "backoff")
+
+    def __init__(self) -> None:
+        self.packed, self.skip, self.backoff = bytearray(), 0, 0
 
 
 def _latest(packed: bytearray, pattern: bytes, end: int) -> int | None:

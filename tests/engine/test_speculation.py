@@ -18,7 +18,7 @@ from splitserve.engine.output_constraint import OutputConstraint
 from splitserve.engine.policies import accepted
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.speculation import NgramProposer, SpeculativeConfig, speculate
+from splitserve.engine.speculation import MAX_BACKOFF_STEPS, NgramProposer, SpeculativeConfig, speculate
 from tests.engine.engine_helpers import ENGINE, GREEDY, PROMPTS, assert_all_free, assert_same, handed_off
 from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixture)
 from tests.engine.policy_helpers import make, step
@@ -71,6 +71,22 @@ def test_a_match_across_token_boundaries_is_none():
     assert proposer(lo=2, hi=2).propose(seq, 3) == ()
     seq.token_ids += [5, 1, 0]
     assert proposer(lo=2, hi=2).propose(seq, 3) == (5, 1, 0)
+
+
+def test_a_sequence_whose_drafts_all_fail_backs_off_until_one_is_kept():
+    seq, lookup = Sequence("s", [1, 2] * 4, SamplingParams()), proposer()
+
+    def drafting(steps: int) -> list[bool]:
+        return [bool(lookup.propose(seq, 2)) for _ in range(steps)]
+
+    assert drafting(2) == [True, True]
+    waits = []
+    for _ in range(6):
+        lookup.checked(seq, 0)
+        waits.append(drafting(MAX_BACKOFF_STEPS + 1).index(True))
+    assert waits == [1, 2, 4, 8, 16, 16] and MAX_BACKOFF_STEPS == 16
+    lookup.checked(seq, 1)
+    assert drafting(2) == [True, True]
 
 
 IDS = st.sampled_from([0, 1, 2, 3, 256, 65536, 2**24, 2**32 - 1])  # zero bytes at every offset
@@ -205,7 +221,7 @@ def assert_same_text(outputs, reference) -> None:
 def test_seeded_sampling_and_logprobs_are_the_same_with_drafts(engine):
     """A seeded draw depends on its output position alone, so sampling with drafts gives the very tokens
     (the demo model's text is noise: at a low temperature its drafts are kept now and then)."""
-    params = [SamplingParams(max_tokens=48, temperature=(0.1, 0.7, 1.0)[i % 3], top_p=0.95, top_k=40, seed=i,
+    params = [SamplingParams(max_tokens=48, temperature=(0.1, 1.0)[i % 2], top_p=0.95, top_k=40, seed=i,
                              logprobs=2, ignore_eos=True) for i in range(2 * len(TEXTS))]
     alone, drafted, kept = both(TEXTS * 2, params, **engine)
     assert_same(drafted, alone)
