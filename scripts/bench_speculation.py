@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="demo", help="demo, or a checkpoint directory")
     p.add_argument("--load-format", default="auto", help="auto, or dummy (random weights for its config.json)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="auto")
     p.add_argument("--k", default="0,2,4", help="num_speculative_tokens values, comma-separated (the first the base)")
     p.add_argument("--batches", default="1,8,32", help="comma-separated")
@@ -97,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (a worker with one CPU gets 1)")
     p.add_argument("--json", type=Path, help="write the result here")
     args = p.parse_args(argv)
-    if args.device not in ("cpu", "cuda"):
-        p.error(f"--device takes cpu or cuda, got {args.device}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
     ks = [int(k) for k in args.k.split(",")]
