@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from splitserve.cluster.dispatch import RequestFailed, Run
-from splitserve.cluster.metrics import RequestObservation
+from splitserve.cluster.metrics import RequestObservation, kind_of
 
 
 async def embeddings_of(runs: list[Run], started: float,
@@ -41,4 +41,5 @@ async def _embedding(run: Run, started: float, on_done: Callable[[RequestObserva
 def _observation(run: Run, outcome: str, started: float) -> RequestObservation:
     """An embedding's: its prompt, no token returned, the time to the embedding as its end to end."""
     return RequestObservation(outcome, len(run.prompt), 0, run.cached_tokens or 0, e2e=time.monotonic() - started,
-                              restarts=run.failures, refused_placements=run.refusals, lora=run.params.lora)
+                              restarts=run.failures, refused_placements=run.refusals, lora=run.params.lora,
+                              kind=kind_of(run.params))

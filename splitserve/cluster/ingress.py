@@ -38,7 +38,7 @@ from splitserve.cluster.dispatch import ClusterUnavailable, Overloaded, RequestF
 from splitserve.cluster.embedding_runs import embeddings_of
 from splitserve.cluster.large_bodies import encoded, json_response, text_response
 from splitserve.cluster.lora_updates import LoraUpdateError
-from splitserve.cluster.metrics import RequestObservation
+from splitserve.cluster.metrics import RequestObservation, kind_of
 from splitserve.cluster.observations import ObservationBuffer
 from splitserve.cluster.owned_actor import OwnedActor
 from splitserve.cluster.served_adapters import ServedAdapters
@@ -338,10 +338,11 @@ class Ingress:
         a 503 with Retry-After when it has no worker ready or is shutting down."""
         if isinstance(error, RequestFailed):
             self._observations.add(RequestObservation("failed", len(run.prompt), restarts=run.failures,
-                                                      refused_placements=run.refusals, lora=run.params.lora))
+                                                      refused_placements=run.refusals, lora=run.params.lora,
+                                                      kind=kind_of(run.params)))
             return error_response(error.as_error())
         self._observations.add(RequestObservation("rejected", len(run.prompt), refused_placements=run.refusals,
-                                                  lora=run.params.lora))
+                                                  lora=run.params.lora, kind=kind_of(run.params)))
         retry = self.config.ingress.retry_after_s
         if isinstance(error, ClusterUnavailable):
             refusal = RequestError(f"{error}; retry after {retry} s", status=503, type="service_unavailable")

@@ -8,11 +8,14 @@ the Serve service, e.g. `http://127.0.0.1:8000/metrics`). Feeding it:
 - workers hand their `WorkerStats` to the CLS's load poll, with their load;
 - the CLS itself records pools, pool moves and worker failures.
 Series that only move on rare events (restarts, failures, transitions) start at zero. Request
-series carry a `lora` label: the LoRA adapter the request named, "" for the base model.
+series carry a `lora` label: the LoRA adapter the request named, "" for the base model, and a
+`kind` label: `generate` (completions, chat, responses) or `pooling` (embeddings, /score and /rerank:
+a prefill whose answer is no token, so no TTFT or TBT, its end to end the time to its vectors).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -20,13 +23,22 @@ from splitserve.cluster.bucket_counts import BucketCounts, CountedHistogram
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.placement.state import ADAPTER_WAITS, Role, WorkerLoad
 
+if TYPE_CHECKING:
+    from splitserve.engine.sampling_params import SamplingParams
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 OUTCOMES = ("completed", "failed", "rejected", "aborted")
 SLOS = ("ttft", "tbt", "e2e")
 WORKER_LABELS = ("model", "worker", "pool", "hardware")
-REQUEST_LABELS = ("model", "lora")
+REQUEST_LABELS = ("model", "lora", "kind")
+REQUEST_KINDS = ("generate", "pooling")
+
+
+def kind_of(params: SamplingParams) -> str:
+    """A request's `kind` label: pooling where it asks for its prompt's vectors, else generate."""
+    return "pooling" if params.embed else "generate"
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class RequestObservation:
     restarts: int = 0
     refused_placements: int = 0  # placements whose token worker refused the reservation
     lora: str | None = None  # the LoRA adapter it ran under
+    kind: str = "generate"   # one of REQUEST_KINDS
 
 
 @dataclass(frozen=True)
@@ -93,8 +106,8 @@ class ClusterMetrics:
         self.refused_placements = Counter("splitserve_placements_refused", "Placements whose token worker refused "
                                           "the reservation (the CLS placed by a stale load report): the request was "
                                           "placed again, or answered 429", REQUEST_LABELS, registry=self.registry)
-        for lora in ("", *adapters):
-            labels = (self.model, lora)
+        for lora, kind in ((lora, kind) for lora in ("", *adapters) for kind in REQUEST_KINDS):
+            labels = (self.model, lora, kind)
             for family in (self.ttft, self.e2e, self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens,
                            self.restarted, self.refused_placements):
                 family.labels(*labels)
@@ -174,7 +187,7 @@ class ClusterMetrics:
     # ---- recording --------------------------------------------------------------------------
     def record_requests(self, observations: list[RequestObservation]) -> None:
         for obs in observations:
-            labels = (self.model, obs.lora or "")
+            labels = (self.model, obs.lora or "", obs.kind)
             self.requests.labels(*labels, obs.outcome).inc()
             self.prompt_tokens.labels(*labels).inc(obs.prompt_tokens)
             self.generation_tokens.labels(*labels).inc(obs.generated_tokens)
@@ -184,7 +197,7 @@ class ClusterMetrics:
             if obs.outcome == "completed":
                 self._record_latencies(obs, labels)
 
-    def _record_latencies(self, obs: RequestObservation, labels: tuple[str, str]) -> None:
+    def _record_latencies(self, obs: RequestObservation, labels: tuple[str, str, str]) -> None:
         if obs.ttft is not None:
             self.ttft.labels(*labels).observe(obs.ttft)
         if obs.tbt is not None:

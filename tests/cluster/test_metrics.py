@@ -6,9 +6,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.cluster.bucket_counts import BucketCounts
-from splitserve.cluster.metrics import LATENCY_BUCKETS, ClusterMetrics, RequestObservation, SLOBounds
+from splitserve.cluster.metrics import (LATENCY_BUCKETS, REQUEST_KINDS, ClusterMetrics, RequestObservation,
+                                        SLOBounds, kind_of)
 from splitserve.cluster.worker_stats import WorkerStats
 from splitserve.engine.outputs import StepStats
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.placement.state import Role, WorkerLoad
 from splitserve.transfer.exporter import TransferStats
 
@@ -31,9 +33,9 @@ def value(metrics, name, **labels) -> float:
     return samples(metrics)[name, tuple(sorted({"model": "demo", **labels}.items()))]
 
 
-def request_value(metrics, name, lora: str = "", **labels) -> float:
-    """A request series' value: the base model's (lora ""), or an adapter's."""
-    return value(metrics, name, lora=lora, **labels)
+def request_value(metrics, name, lora: str = "", kind: str = "generate", **labels) -> float:
+    """A request series' value: the base model's (lora ""), or an adapter's; generation's, or pooling's."""
+    return value(metrics, name, lora=lora, kind=kind, **labels)
 
 
 def test_every_family_is_prefixed_and_rare_events_start_at_zero(metrics):
@@ -90,6 +92,18 @@ def test_a_request_under_an_adapter_counts_in_that_adapters_series():
     assert request_value(metrics, "splitserve_request_tbt_seconds_count", lora="sql") == 1
     assert request_value(metrics, "splitserve_request_tbt_seconds_count") == 0
     assert request_value(metrics, "splitserve_slo_met_total", lora="sql", slo="ttft") == 1
+
+
+def test_pooling_requests_count_apart_from_generation(metrics):
+    """Embeddings, scores and reranks: no token, so no TTFT or TBT; their end to end kept apart."""
+    assert request_value(metrics, "splitserve_requests_total", kind="pooling", outcome="completed") == 0
+    metrics.record_requests([RequestObservation("completed", 30, 0, e2e=0.4, kind="pooling"),
+                             RequestObservation("completed", 5, 2, ttft=0.1, tbt=gaps(0.01), e2e=0.2)])
+    assert [request_value(metrics, "splitserve_request_e2e_seconds_sum", kind=kind)
+            for kind in REQUEST_KINDS] == [pytest.approx(0.2), pytest.approx(0.4)]
+    assert [request_value(metrics, "splitserve_prompt_tokens_total", kind=kind) for kind in REQUEST_KINDS] == [5, 30]
+    assert request_value(metrics, "splitserve_request_ttft_seconds_count", kind="pooling") == 0
+    assert kind_of(SamplingParams.embedding()) == "pooling" and kind_of(SamplingParams()) == "generate"
 
 
 def test_placements_under_adapters_count_by_what_the_slots_held(metrics):

@@ -26,7 +26,8 @@ PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 WORKER = ("model", "worker", "pool", "hardware")
-REQUEST = ("model", "lora")  # lora: the adapter a request ran under ("" for the base model)
+REQUEST = ("model", "lora", "kind")  # lora: the adapter a request ran under ("" for the base model); kind: generate
+# or pooling (embeddings, score, rerank)
 # name -> (type, label names): the metrics splitserve exports at GET /metrics.
 METRICS = {
     # client-visible, measured at the ingress
@@ -73,7 +74,8 @@ METRICS = {
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 UNITS = {"s", "reqps", "Bps", "percentunit", "short", "suffix: tok/s"}
 # Grafana's variables, replaced as Grafana would for one model over a short range.
-SUBSTITUTIONS = {"$__rate_interval": "1m", "$__range": "5m", "$model": "demo", "$lora": ".*"}  # lora: "All"
+SUBSTITUTIONS = {"$__rate_interval": "1m", "$__range": "5m", "$model": "demo", "$lora": ".*",  # lora, kind: "All"
+                 "$kind": ".*"}
 
 NAME = re.compile(r"\bsplitserve_[a-z0-9_]*[a-z0-9]")
 MATCHER_LABEL = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
@@ -153,13 +155,17 @@ def test_datasource_and_model_variables():
     assert (lora["type"], lora["datasource"], lora["multi"], lora["includeAll"], lora["allValue"]) == \
         ("query", DATASOURCE, True, True, ".*")
     assert lora["query"]["query"] == 'label_values(splitserve_requests_total{model="$model"}, lora)'
+    kind = variables["kind"]  # generate and pooling requests apart, or both
+    assert (kind["type"], kind["query"], kind["multi"], kind["includeAll"], kind["allValue"]) == \
+        ("custom", "generate,pooling", True, True, ".*")
 
 
-def test_every_request_series_is_filtered_by_the_adapters_chosen():
+def test_every_request_series_is_filtered_by_the_adapters_and_kinds_chosen():
     for where, expr in queries():
         for name, _, matchers in selectors(expr):
             if "lora" in METRICS[base_name(name)][1]:
                 assert 'lora=~"$lora"' in (matchers or ""), f"{where}: {name} not filtered by $lora"
+                assert 'kind=~"$kind"' in (matchers or ""), f"{where}: {name} not filtered by $kind"
 
 
 def test_every_panel_and_target_uses_the_datasource_variable():
@@ -200,7 +206,7 @@ def test_client_latencies_have_p50_p90_p99_over_rate_interval_buckets():
     for metric in ("ttft", "tbt", "e2e"):
         for q in ("0.5", "0.9", "0.99"):
             want = (f"histogram_quantile({q}, sum by (le) (rate(splitserve_request_{metric}_seconds_bucket"
-                    '{model="$model", lora=~"$lora"}[$__rate_interval])))')
+                    '{model="$model", lora=~"$lora", kind=~"$kind"}[$__rate_interval])))')
             assert want in exprs, want
 
 

@@ -49,6 +49,19 @@ def test_an_input_runs_whole_on_the_prompt_worker(server, client):
         ray.get(token.__ray_call__.remote(lambda actor: delattr(actor.loop, "reserve")), timeout=60)
 
 
+def test_embeddings_count_in_the_pooling_kinds_series(server, client):
+    """Two inputs, two pooling requests, none of them generation's: /metrics keeps them apart."""
+    def completed(kind: str) -> float:
+        text = httpx.get(f"{server}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("splitserve_requests_total{") and f'kind="{kind}"' in line
+                   and 'outcome="completed"' in line)
+
+    before = {kind: completed(kind) for kind in ("generate", "pooling")}
+    client.embeddings.create(model="demo", input=["count me", "and me"], encoding_format="float")
+    assert completed("pooling") == before["pooling"] + 2 and completed("generate") == before["generate"]
+
+
 @pytest.mark.parametrize("body, param", [({"input": []}, "input"), ({"input": ""}, "input"),
                                          ({"input": "a", "dimensions": 10 ** 6}, "dimensions"),
                                          ({"input": "a", "model": "nope"}, "model")])
