@@ -70,20 +70,36 @@ class GrammarMasks:
     def forget(self, seq_id: str) -> None:
         self._matchers.pop(seq_id, None)
 
+    def valid_drafts(self, seq: Sequence, drafts: tuple[int, ...]) -> int:
+        """How many of `drafts` (speculated past seq's tokens) its constraint allows, from the first."""
+        return self._caught_up(seq).validate_tokens(list(drafts))
+
     @torch.inference_mode()
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int] | None = None,
+              drafts: list[tuple[int, ...]] | None = None) -> torch.Tensor:
         """`logits` [len(seqs), vocab] with every token the constrained rows' matchers refuse set
-        to -inf, in place (the sampler owns its logits)."""
+        to -inf, in place (the sampler owns its logits). With `offsets` and `drafts` (per row: its
+        sequence's drafts, and how many come before the row; a sequence's rows in order), a row is
+        masked as if the drafts before it were kept: its matcher consumes them for the row, and
+        rolls them back after the sequence's last row (a draft it refuses ends that: no later
+        row is kept, since the row before it cannot sample the draft)."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.constraint is not None]
         if not rows:
             return logits
-        matchers = [self._caught_up(seqs[i]) for i in rows]
         bitmask = torch.empty(len(rows), self._words, dtype=torch.int32)
         # one matcher after another: on a 32-row batch llguidance's thread-pool executor took 5x longer
         # (dispatch cost) than the masks themselves (~2 us each, 2-core CPU)
         address, row_bytes = bitmask.data_ptr(), self._words * 4
-        for k, matcher in enumerate(matchers):
+        matcher, consumed = None, 0
+        for k, i in enumerate(rows):
+            offset = 0 if offsets is None else offsets[i]
+            if offset == 0:
+                matcher, consumed = self._caught_up(seqs[i]), 0
+            elif consumed == offset - 1 and matcher.validate_tokens([drafts[i][offset - 1]]) == 1:
+                consumed += matcher.consume_token(drafts[i][offset - 1])
             matcher.unsafe_compute_mask_ptr(address + k * row_bytes, row_bytes)
+            if consumed and offset == len(drafts[i]):
+                matcher.rollback(consumed)
         refused = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), -1).eq(0)
         vocab = logits.shape[1]
         if refused.shape[1] < vocab:  # ids past the tokenizer's vocabulary (padding) are never allowed

@@ -208,7 +208,8 @@ class LLMEngine:
             if self.proposer is not None and plan:
                 limits = self.policy.limits
                 plan = speculate(plan, self.proposer, self.block_manager, self.policy.max_step_tokens(limits),
-                                 limits.max_num_seqs, self.max_model_len, self._long_rope_from)
+                                 limits.max_num_seqs, self.max_model_len, self._long_rope_from,
+                                 lambda seq, drafts: self.sampler.grammar.valid_drafts(seq, drafts))
         except Exception as error:
             raise StepFailed(None, error) from error
         if not plan:

@@ -97,10 +97,10 @@ class Sampler:
         """The batch's tokens chosen on the device, a row each; nothing is read back until `Drawn.read`.
         With `drafts` (aligned with `seqs`; `speculation`), a sequence has a row more for each of its
         drafts, sampled as its next output position would be once the drafts before it are kept
-        (drafting sequences take no penalties, bad words or grammar: those follow the tokens before)."""
-        offsets = [0] * len(seqs)
+        (its grammar's mask too; drafting sequences take no penalties or bad words)."""
+        offsets, row_drafts = [0] * len(seqs), None
         if drafts is not None and any(drafts):
-            seqs, offsets = _rows(seqs, drafts)
+            seqs, offsets, row_drafts = _rows(seqs, drafts)
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must have shape [rows={len(seqs)}, vocab], got {tuple(logits.shape)}")
         logits = sanitized_logits(logits.float())
@@ -108,7 +108,7 @@ class Sampler:
         raw_logprobs = _logprobs(logits) if wants_logprobs else None
         logits = self._penalties.apply(self._bans.apply(_mask_stop_tokens(logits, seqs, offsets), seqs), seqs)
         if any(s.params.constraint is not None for s in seqs):
-            logits = self.grammar.apply(logits, seqs)
+            logits = self.grammar.apply(logits, seqs, offsets, row_drafts)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:  # decided on the device, so reading the ids back is the step's only wait for them
@@ -179,13 +179,15 @@ def _logprobs(logits: torch.Tensor) -> torch.Tensor:
     return logits.log_softmax(dim=-1).nan_to_num_(nan=float("-inf"))
 
 
-def _rows(seqs: list[Sequence], drafts: list[tuple[int, ...]]) -> tuple[list[Sequence], list[int]]:
-    """Each row's sequence, and how many of its drafts come before the row."""
-    row_seqs, offsets = [], []
+def _rows(seqs: list[Sequence], drafts: list[tuple[int, ...]]
+          ) -> tuple[list[Sequence], list[int], list[tuple[int, ...]]]:
+    """Each row's sequence, how many of its drafts come before the row, and those drafts."""
+    row_seqs, offsets, row_drafts = [], [], []
     for seq, seq_drafts in zip(seqs, drafts, strict=True):
         row_seqs += [seq] * (1 + len(seq_drafts))
         offsets += range(1 + len(seq_drafts))
-    return row_seqs, offsets
+        row_drafts += [seq_drafts] * (1 + len(seq_drafts))
+    return row_seqs, offsets, row_drafts
 
 
 def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], offsets: list[int]) -> torch.Tensor:

@@ -10,7 +10,9 @@ comes from the model's own distribution at its position. Greedy outputs are the 
 at a time gives, and seeded ones too (a seeded draw depends on its output position alone).
 
 Which decodes draft (`drafts_allowed`): those whose sampling depends on the tokens before only
-through the model: no penalties or logit bias, bad words or structured output, min_tokens reached.
+through the model, or a grammar: no penalties or logit bias, bad words, min_tokens reached. A
+structured output's drafts are cut to what its grammar allows, and each row is masked as the
+drafts before it leave the grammar (`GrammarMasks.apply`).
 What a step may add (`speculate`): drafts keep its tokens within the policy's largest step and its
 sampled rows within max_num_seqs (what the memory profile ran), take only free blocks (a draft never
 preempts), stop at max_tokens and max_model_len, and at the token where LongRoPE turns a sequence
@@ -19,6 +21,7 @@ long (`LLMEngine._turn_long_rope` sees that token last).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.engine.block_manager import BlockManager
@@ -116,16 +119,18 @@ def _latest(packed: bytearray, pattern: bytes, end: int) -> int | None:
 
 
 def drafts_allowed(seq: Sequence) -> bool:
-    """Its sampling depends on the tokens before it only through the model's logits."""
+    """Its sampling depends on the tokens before it only through the model's logits (and its
+    grammar, whose matcher masks each row as the drafts before it leave it: `GrammarMasks.apply`)."""
     params = seq.params
-    return not params.has_penalties and params.constraint is None and seq.bad_words is None \
-        and seq.num_output_tokens >= params.min_tokens
+    return not params.has_penalties and seq.bad_words is None and seq.num_output_tokens >= params.min_tokens
 
 
 def speculate(plan: Plan, proposer: NgramProposer, blocks: BlockManager, max_tokens: int, max_rows: int,
-              max_model_len: int, long_rope_from: int | None = None) -> Plan:
+              max_model_len: int, long_rope_from: int | None = None,
+              valid: Callable[[Sequence, tuple[int, ...]], int] | None = None) -> Plan:
     """`plan` with drafts given to its decodes, oldest first, within the step's limits (module doc):
-    at most `max_tokens` tokens and `max_rows` sampled rows in all."""
+    at most `max_tokens` tokens and `max_rows` sampled rows in all; a structured output's drafts
+    cut to those its grammar allows (`valid`: how many, from the first)."""
     room = min(max_tokens - plan.num_tokens, max_rows - sum(item.samples for item in plan.scheduled))
     k = proposer.config.num_speculative_tokens
     items = list(plan.scheduled)
@@ -140,6 +145,8 @@ def speculate(plan: Plan, proposer: NgramProposer, blocks: BlockManager, max_tok
         if long_rope_from is not None and num_tokens <= long_rope_from:
             limit = min(limit, long_rope_from - num_tokens)
         drafts = proposer.propose(seq, limit) if limit > 0 else ()
+        if drafts and seq.params.constraint is not None and valid is not None:
+            drafts = drafts[:valid(seq, drafts)]
         if drafts and blocks.try_grow(seq, num_tokens + len(drafts)):
             items[i] = ScheduledSeq(seq, 1 + len(drafts), drafts)
             room -= len(drafts)

@@ -4,6 +4,8 @@ against the same engine decoding a token at a time (seeded sampling, logprobs, e
 stops, requests that may not draft beside those that do, hand-off, preemption, async scheduling)."""
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -250,6 +252,31 @@ def test_every_way_to_stop_and_every_request_that_may_not_draft():
     assert kept > 0
     assert [o.finish_reason for o in alone[:len(stops)]] == ["stop"] * len(stops)
     assert all(len(o.outputs[0].token_ids) < 40 for o in alone[:len(stops)])
+
+
+def test_structured_output_drafts_within_its_grammar():
+    """A grammar that forces repeats: each row masked as the drafts before it leave the matcher, so
+    drafts are kept; one that leaves the model a choice among repeats; JSON. The same text as
+    decoding a token at a time, and it matches."""
+    constraints = [OutputConstraint("regex", "(abc){4,12}"), OutputConstraint("regex", "(ab|ba|aa){3,20}"),
+                   OutputConstraint("choice", json.dumps(["yes yes yes yes yes", "no no no no no no"])),
+                   OutputConstraint("json_schema", json.dumps({"type": "object", "properties": {
+                       "a": {"type": "string", "enum": ["xyzxyzxyzxyz"]}, "b": {"type": "boolean"}},
+                       "required": ["a", "b"]}))]
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=60, constraint=c)
+              for c in constraints for t in (0.0, 1.0)]
+    prompts = [TEXTS[i % len(TEXTS)] for i in range(len(params))]
+    alone, drafted, kept = both(prompts, params)
+    assert_same_text(drafted, alone)
+    assert kept > 0
+    for out, p in zip(alone, params):
+        text = out.outputs[0].text
+        if p.constraint.kind == "regex":
+            assert re.fullmatch(p.constraint.spec, text), text
+        elif p.constraint.kind == "choice":
+            assert text in json.loads(p.constraint.spec)
+        else:
+            assert json.loads(text)["a"] == "xyzxyzxyzxyz"
 
 
 def test_drafts_where_the_cache_runs_short_and_sequences_are_preempted():
