@@ -183,9 +183,8 @@ class EngineOptions(StrictModel):
                                         "step, the ones that followed the latest earlier occurrence of its last "
                                         "tokens (prompt and output), and one step checks them all, keeping each "
                                         "that matches what the model samples (its outputs stay the model's). Pays "
-                                        "where outputs copy their context (code edits, extraction, quoting); "
-                                        "requests with penalties, logit_bias, bad_words or min_tokens to reach "
-                                        "decode a token a step. 0: off.")
+                                        "where outputs copy their context (code edits, extraction, quoting). "
+                                        "0: off.")
     prompt_lookup_min: int = Field(2, ge=1, le=64, description="With num_speculative_tokens: the fewest last "
                                    "tokens looked up.")
     prompt_lookup_max: int = Field(4, ge=1, le=64, description="With num_speculative_tokens: the most last tokens "

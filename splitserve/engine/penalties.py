@@ -42,7 +42,10 @@ class Penalties:
         self._output = torch.zeros(0, vocab, device=device)  # [rows, vocab] float32: each id's count in the output
         self._seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)  # [rows, vocab]: in prompt or output
 
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[tuple[int, ...]] | None = None
+              ) -> torch.Tensor:
+        """`drafted`: per row, the drafts before it (`Sampler.draw`: a drafting sequence's rows come
+        in order): they count as its output for that row."""
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
         if not rows:
             if self._rows:
@@ -50,10 +53,16 @@ class Penalties:
             return logits
         device = logits.device
         chosen = [seqs[i] for i in rows]
-        index, slots = self._count(chosen, rows, logits.shape[1], device)
+        unique = list(dict.fromkeys(chosen))  # a drafting sequence has a row per draft and one more
+        index, slots = self._count(unique, rows, logits.shape[1], device)
+        if len(unique) < len(chosen):
+            of = {seq: k for k, seq in enumerate(unique)}
+            slots = slots[upload_list([of[seq] for seq in chosen], torch.long, device)]
         part = _add_biases(logits[index], chosen)  # the bias first, as vLLM and transformers order them
         banned = part.isneginf()  # stays -inf (token_bans); any other logit stays finite, overflowed or not
         output_counts, seen = self._output[slots], self._seen[slots]
+        if drafted is not None:
+            output_counts, seen = _with_drafts(output_counts, seen, [drafted[i] for i in rows])
         repetition = _column([s.params.repetition_penalty for s in chosen], device)
         penalized = torch.where(part > 0, part / repetition, part * repetition)
         part = torch.where(seen, penalized, part)
@@ -111,6 +120,18 @@ class Penalties:
         self._seen.view(-1)[seen_on] = True
         self._output.view(-1).index_add_(0, output_on, self._output.new_ones(1).expand(len(output_on)))
         return index, slots_on
+
+
+def _with_drafts(output_counts: torch.Tensor, seen: torch.Tensor, drafted: list[tuple[int, ...]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's counts with the drafts before it counted in (rows gathered from the pools: copies)."""
+    vocab = output_counts.shape[1]
+    flat = [row * vocab + t for row, tokens in enumerate(drafted) for t in tokens if 0 <= t < vocab]
+    if flat:
+        positions = upload_list(flat, torch.long, output_counts.device)
+        output_counts.view(-1).index_add_(0, positions, output_counts.new_ones(1).expand(len(flat)))
+        seen.view(-1)[positions] = True
+    return output_counts, seen
 
 
 def _add_biases(part: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -97,7 +97,7 @@ class Sampler:
         """The batch's tokens chosen on the device, a row each; nothing is read back until `Drawn.read`.
         With `drafts` (aligned with `seqs`; `speculation`), a sequence has a row more for each of its
         drafts, sampled as its next output position would be once the drafts before it are kept
-        (its grammar's mask too; drafting sequences take no penalties or bad words)."""
+        (its min_tokens, penalties, bad words and grammar as well)."""
         offsets, row_drafts = [0] * len(seqs), None
         if drafts is not None and any(drafts):
             seqs, offsets, row_drafts = _rows(seqs, drafts)
@@ -106,7 +106,9 @@ class Sampler:
         logits = sanitized_logits(logits.float())
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = _logprobs(logits) if wants_logprobs else None
-        logits = self._penalties.apply(self._bans.apply(_mask_stop_tokens(logits, seqs, offsets), seqs), seqs)
+        drafted = None if row_drafts is None else [d[:o] for d, o in zip(row_drafts, offsets)]  # before each row
+        logits = _mask_stop_tokens(logits, seqs, offsets)
+        logits = self._penalties.apply(self._bans.apply(logits, seqs, drafted), seqs, drafted)
         if any(s.params.constraint is not None for s in seqs):
             logits = self.grammar.apply(logits, seqs, offsets, row_drafts)
         token_ids = logits.argmax(dim=-1)

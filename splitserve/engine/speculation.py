@@ -9,10 +9,9 @@ rejection sampling's rule (keep d with probability p(d), else draw from p withou
 comes from the model's own distribution at its position. Greedy outputs are the tokens decoding one
 at a time gives, and seeded ones too (a seeded draw depends on its output position alone).
 
-Which decodes draft (`drafts_allowed`): those whose sampling depends on the tokens before only
-through the model, or a grammar: no penalties or logit bias, bad words, min_tokens reached. A
-structured output's drafts are cut to what its grammar allows, and each row is masked as the
-drafts before it leave the grammar (`GrammarMasks.apply`).
+Every decode drafts, whatever its sampling: what follows the tokens before a row (min_tokens,
+penalties, bad words, a grammar) takes the drafts before it as kept (`Sampler.draw`), and a
+structured output's drafts are cut to what its grammar allows.
 What a step may add (`speculate`): drafts keep its tokens within the policy's largest step and its
 sampled rows within max_num_seqs (what the memory profile ran), take only free blocks (a draft never
 preempts), stop at max_tokens and max_model_len, and at the token where LongRoPE turns a sequence
@@ -118,13 +117,6 @@ def _latest(packed: bytearray, pattern: bytes, end: int) -> int | None:
     return None
 
 
-def drafts_allowed(seq: Sequence) -> bool:
-    """Its sampling depends on the tokens before it only through the model's logits (and its
-    grammar, whose matcher masks each row as the drafts before it leave it: `GrammarMasks.apply`)."""
-    params = seq.params
-    return not params.has_penalties and seq.bad_words is None and seq.num_output_tokens >= params.min_tokens
-
-
 def speculate(plan: Plan, proposer: NgramProposer, blocks: BlockManager, max_tokens: int, max_rows: int,
               max_model_len: int, long_rope_from: int | None = None,
               valid: Callable[[Sequence, tuple[int, ...]], int] | None = None) -> Plan:
@@ -138,7 +130,7 @@ def speculate(plan: Plan, proposer: NgramProposer, blocks: BlockManager, max_tok
         if room <= 0:
             break
         seq = item.seq
-        if item.num_new_tokens != 1 or not seq.is_decoding or not drafts_allowed(seq):
+        if item.num_new_tokens != 1 or not seq.is_decoding:
             continue
         num_tokens = seq.num_tokens  # each draft kept adds a token past the one sampled anyway
         limit = min(k, room, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - num_tokens - 1)

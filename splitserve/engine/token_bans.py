@@ -18,15 +18,19 @@ class TokenBans:
     def __init__(self) -> None:
         self._allowed: dict[Sequence, torch.Tensor] = {}  # seq -> [vocab] bool on the logits' device
 
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """`logits` [rows, vocab] with each row's banned ids at -inf (a new tensor where a row bans any)."""
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[tuple[int, ...]] | None = None
+              ) -> torch.Tensor:
+        """`logits` [rows, vocab] with each row's banned ids at -inf (a new tensor where a row bans any).
+        `drafted`: per row, the drafts before it (`Sampler.draw`): its bad words follow them too."""
         allowed, kept, banned_rows, banned_cols = [], {}, [], []
         for row, seq in enumerate(seqs):
             if seq.params.allowed_token_ids is not None:
                 allowed.append(row)
-                kept[seq] = self._allowed_row(seq, logits)
+                if seq not in kept:  # a drafting sequence's rows share one
+                    kept[seq] = self._allowed_row(seq, logits)
             if seq.bad_words is not None:
-                ids = [t for t in seq.bad_words.banned(seq.token_ids, seq.num_prompt_tokens - seq.params.resumed_tokens)
+                tokens = seq.token_ids + list(drafted[row]) if drafted is not None and drafted[row] else seq.token_ids
+                ids = [t for t in seq.bad_words.banned(tokens, seq.num_prompt_tokens - seq.params.resumed_tokens)
                        if t < logits.shape[1]]
                 banned_rows += [row] * len(ids)
                 banned_cols += ids
@@ -35,7 +39,7 @@ class TokenBans:
             return logits
         keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
         if allowed:
-            keep[upload_list(allowed, torch.long, logits.device)] = torch.stack(list(self._allowed.values()))
+            keep[upload_list(allowed, torch.long, logits.device)] = torch.stack([kept[seqs[row]] for row in allowed])
         if banned_rows:
             index = upload_list([banned_rows, banned_cols], torch.long, logits.device)
             keep[index[0], index[1]] = False

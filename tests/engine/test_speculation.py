@@ -1,7 +1,8 @@
 """Speculative decoding by n-gram lookup (engine/speculation.py): the proposer against a plain scan of
 the rule, the step's bookkeeping, and generation with drafts against transformers (greedy) and
 against the same engine decoding a token at a time (seeded sampling, logprobs, every way a request
-stops, requests that may not draft beside those that do, hand-off, preemption, async scheduling)."""
+stops, penalties, bad words, allowed ids, min_tokens and grammars over drafts, hand-off, preemption,
+async scheduling)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from splitserve.engine.policies import accepted
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.speculation import MAX_BACKOFF_STEPS, NgramProposer, SpeculativeConfig, speculate
-from tests.engine.engine_helpers import ENGINE, GREEDY, PROMPTS, assert_all_free, assert_same, handed_off
+from tests.engine.engine_helpers import ENGINE, GREEDY, PROMPTS, assert_all_free, assert_same, handed_off, token_ids
 from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixture)
 from tests.engine.policy_helpers import make, step
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
@@ -141,11 +142,9 @@ def test_a_decode_drafts_within_the_steps_limits(limits, expected):
     policy.blocks.check_integrity()
 
 
-def test_a_decode_drafts_no_more_than_its_max_tokens_leave_nor_with_penalties_or_without_free_blocks():
+def test_a_decode_drafts_no_more_than_its_max_tokens_leave_nor_without_free_blocks():
     policy, plan = decoding(max_tokens=3)  # one output so far: 1 to sample, 1 draft
     assert drafts_of(speculate(plan, proposer(k=4), policy.blocks, 100, 8, 100)) == (2,)
-    policy, plan = decoding(frequency_penalty=0.5)
-    assert speculate(plan, proposer(k=4), policy.blocks, 100, 8, 100) == plan
     policy, plan = decoding(num_blocks=3)  # 12 token slots: the sampled token's fits, drafts need a block more
     assert speculate(plan, proposer(k=4), policy.blocks, 100, 8, 100) == plan
 
@@ -205,12 +204,14 @@ TEXTS = ["the cat sat on the mat and the cat sat on the", "one two three one two
          "0123456789" * 3, "to be or not to be, that is", "la la la la la la"]
 
 
-def both(prompts: list, params, **engine) -> tuple[list, list, int]:
-    """The outputs decoding a token at a time, with drafts, and how many drafts were kept."""
+def both(prompts: list, params, lookup_min: int = 2, **engine) -> tuple[list, list, int, int]:
+    """The outputs decoding a token at a time, with drafts (looking up endings of `lookup_min` tokens
+    and more), and how many drafts were checked and kept."""
     alone, _, none = generate(LLMEngine("demo", **{**ENGINE, **engine}), prompts, params)
     assert none == 0
-    drafted, _, kept = generate(LLMEngine("demo", **{**ENGINE, **engine, **DRAFTS}), prompts, params)
-    return alone, drafted, kept
+    drafted, checked, kept = generate(LLMEngine("demo", **{**ENGINE, **engine, **DRAFTS,
+                                                          "prompt_lookup_min": lookup_min}), prompts, params)
+    return alone, drafted, checked, kept
 
 
 def assert_same_text(outputs, reference) -> None:
@@ -225,15 +226,14 @@ def test_seeded_sampling_and_logprobs_are_the_same_with_drafts(engine):
     (the demo model's text is noise: at a low temperature its drafts are kept now and then)."""
     params = [SamplingParams(max_tokens=48, temperature=(0.1, 1.0)[i % 2], top_p=0.95, top_k=40, seed=i,
                              logprobs=2, ignore_eos=True) for i in range(2 * len(TEXTS))]
-    alone, drafted, kept = both(TEXTS * 2, params, **engine)
+    alone, drafted, _, kept = both(TEXTS * 2, params, **engine)
     assert_same(drafted, alone)
     assert kept > 0
 
 
-def test_every_way_to_stop_and_every_request_that_may_not_draft():
+def test_every_way_to_stop_ends_a_steps_tokens_where_a_token_a_step_would():
     """Stop strings, stop ids and lengths ending a step's tokens midway (taken from the outputs
-    themselves); requests whose sampling follows their tokens (penalties, a bias, bad words, a
-    grammar, min_tokens) decode a token a step beside those that draft."""
+    themselves), beside requests of every kind."""
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     free = generate(LLMEngine("demo", **ENGINE), TEXTS, greedy)[0]
     texts, ids = [o.outputs[0].text for o in free], [o.outputs[0].token_ids for o in free]
@@ -247,11 +247,38 @@ def test_every_way_to_stop_and_every_request_that_may_not_draft():
               replace(greedy, ignore_eos=False, constraint=OutputConstraint("regex", "[a-z ]{5,20}")),
               replace(greedy, min_tokens=30), greedy]
     prompts = [TEXTS[i] for i in stops] + [TEXTS[i % len(TEXTS)] for i in range(len(others))]
-    alone, drafted, kept = both(prompts, [*stops.values(), *others])
+    alone, drafted, _, kept = both(prompts, [*stops.values(), *others])
     assert_same_text(drafted, alone)
     assert kept > 0
     assert [o.finish_reason for o in alone[:len(stops)]] == ["stop"] * len(stops)
     assert all(len(o.outputs[0].token_ids) < 40 for o in alone[:len(stops)])
+
+
+def free_outputs() -> tuple[list[str], list[list[int]]]:
+    """The demo model's greedy texts and ids for TEXTS."""
+    free = generate(LLMEngine("demo", **ENGINE), TEXTS, SamplingParams(temperature=0.0, max_tokens=40,
+                                                                       ignore_eos=True))[0]
+    return [o.outputs[0].text for o in free], [o.outputs[0].token_ids for o in free]
+
+
+@pytest.mark.parametrize("option", ["penalties", "bias", "bad_words", "allowed", "min_tokens"])
+def test_what_follows_the_tokens_before_takes_the_drafts_before_a_row_as_kept(option):
+    """Penalties' counts, bad words' prefixes, min_tokens' ban on EOS: each row's as if the drafts
+    before it were kept; a bias and allowed ids alike on every row. The same tokens and logprobs."""
+    texts, ids = free_outputs()
+    firsts = {out[0] for out in ids}  # tokens the outputs began with
+    options = {"penalties": dict(repetition_penalty=1.02, frequency_penalty=0.01, presence_penalty=0.01),
+               "bias": dict(logit_bias=tuple((t, -100.0) for t in firsts)),
+               "bad_words": dict(bad_words=(texts[5][:2], texts[4][8:10])),  # words the outputs had
+               "allowed": dict(allowed_token_ids=tuple(t for t in range(257) if t not in firsts)),
+               "min_tokens": dict(min_tokens=30, stop_token_ids=tuple(firsts))}[option]  # banned until 30
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, "logprobs": 2, **options})
+    alone, drafted, checked, kept = both(TEXTS, params, lookup_min=1)
+    assert_same(drafted, alone)
+    assert_same_text(drafted, alone)
+    assert checked >= kept > 0
+    without = replace(params, **{k: getattr(SamplingParams(), k) for k in options})
+    assert token_ids(alone) != token_ids(generate(LLMEngine("demo", **ENGINE), TEXTS, without)[0])
 
 
 def test_structured_output_drafts_within_its_grammar():
@@ -266,7 +293,7 @@ def test_structured_output_drafts_within_its_grammar():
     params = [SamplingParams(temperature=t, seed=3, max_tokens=60, constraint=c)
               for c in constraints for t in (0.0, 1.0)]
     prompts = [TEXTS[i % len(TEXTS)] for i in range(len(params))]
-    alone, drafted, kept = both(prompts, params)
+    alone, drafted, _, kept = both(prompts, params)
     assert_same_text(drafted, alone)
     assert kept > 0
     for out, p in zip(alone, params):
@@ -281,7 +308,7 @@ def test_structured_output_drafts_within_its_grammar():
 
 def test_drafts_where_the_cache_runs_short_and_sequences_are_preempted():
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=1)
-    alone, drafted, kept = both(TEXTS, params, num_kv_blocks=14, max_model_len=128)
+    alone, drafted, _, kept = both(TEXTS, params, num_kv_blocks=14, max_model_len=128)
     assert_same(drafted, alone)
     assert kept > 0
 
