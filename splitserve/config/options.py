@@ -16,6 +16,7 @@ from splitserve.engine.engine_config import MAX_KV_BLOCKS, EngineConfig
 from splitserve.engine.model.sharding import MAX_RANKS
 from splitserve.engine.policies import SLOOptions as PolicySLOOptions
 from splitserve.engine.sampling_params import MAX_PRIORITY
+from splitserve.engine.speculation import MAX_LOOKUP_TOKENS, MAX_SPECULATIVE_TOKENS
 from splitserve.placement.state import PlacementThresholds
 
 
@@ -178,17 +179,16 @@ class EngineOptions(StrictModel):
                                       "are served: a request's adapter is copied into a slot no running request "
                                       "uses when the request is admitted, and a request waits while every slot "
                                       "runs other adapters' requests.")
-    num_speculative_tokens: int = Field(0, ge=0, le=16, description="Speculative decoding by n-gram prompt lookup "
-                                        "(vLLM's ngram method): a decoding request drafts up to this many tokens a "
-                                        "step, the ones that followed the latest earlier occurrence of its last "
-                                        "tokens (prompt and output), and one step checks them all, keeping each "
-                                        "that matches what the model samples (its outputs stay the model's). Pays "
-                                        "where outputs copy their context (code edits, extraction, quoting). "
-                                        "0: off.")
-    prompt_lookup_min: int = Field(2, ge=1, le=64, description="With num_speculative_tokens: the fewest last "
-                                   "tokens looked up.")
-    prompt_lookup_max: int = Field(4, ge=1, le=64, description="With num_speculative_tokens: the most last tokens "
-                                   "looked up (the longest ending that occurred before wins).")
+    num_speculative_tokens: int = Field(
+        0, ge=0, le=MAX_SPECULATIVE_TOKENS, description="Speculative decoding by n-gram prompt lookup (vLLM's ngram "
+        "method): a decoding request drafts up to this many tokens a step, the ones that followed the latest "
+        "earlier occurrence of its last tokens (prompt and output), and one step checks them all, keeping each "
+        "that matches what the model samples (its outputs stay the model's). Pays where outputs copy their "
+        "context (code edits, extraction, quoting). 0: off.")
+    prompt_lookup_min: int = Field(2, ge=1, le=MAX_LOOKUP_TOKENS, description="With num_speculative_tokens: the "
+                                   "fewest last tokens looked up.")
+    prompt_lookup_max: int = Field(4, ge=1, le=MAX_LOOKUP_TOKENS, description="With num_speculative_tokens: the "
+                                   "most last tokens looked up (the longest ending that occurred before wins).")
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> "EngineOptions":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from splitserve.engine.lora_loading import EngineAdapters
 from splitserve.engine.bad_words import BadWords
@@ -12,12 +12,11 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
 from splitserve.engine.in_flight import InFlight, drain
-from splitserve.engine.outputs import CompletionOutput, RequestOutput, StepStats
-from splitserve.engine.policies import Plan, accepted, make_policy
+from splitserve.engine.outputs import RequestOutput, StepStats
+from splitserve.engine.policies import Plan, make_policy
 from splitserve.engine.prefix_hash import sequence_root
 from splitserve.engine.prompt_logprobs import prompt_logprobs
-from splitserve.engine.model_runner import Forward
-from splitserve.engine.sampler import SampledToken, Sampler
+from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.shard_builder import build_shard
@@ -25,25 +24,9 @@ from splitserve.engine.speculation import NgramProposer, speculate
 from splitserve.engine.tensor_parallel import TPGroup
 from splitserve.engine.tokenizer import Detokenizer
 from splitserve.engine.tp_step import TPLeader
+from splitserve.engine.tracked_request import TrackedRequest
 
 PromptInput = str | list[int] | dict
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    prompt: str | None
-    detokenizer: Detokenizer | None  # None: params.detokenize is off
-    output_ids: list[int] = field(default_factory=list)  # seq.output_token_ids, grown a token at a time
-    timestamps: list[float] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position; [0] stays None
-    embedding: list[float] | None = None  # with params.embed, once its prefill ran: RequestOutput.embedding
-
-    @property
-    def stops_on_text(self) -> bool:
-        """Its outputs' text can end it (stop strings): recording a token may finish it."""
-        return self.detokenizer is not None and bool(self.seq.params.stop)
 
 
 class StepFailed(RuntimeError):
@@ -89,7 +72,7 @@ class LLMEngine:
         self.sampler = Sampler(seed=config.seed, grammar=lambda: GrammarMasks(loaded.tokenizer, loaded.config.vocab_size))
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self.proposer = NgramProposer(config.speculative) if config.speculative.enabled else None
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, TrackedRequest] = {}
         self.last_step = StepStats()  # what the last non-empty step computed, and how long it took
         device_is_cuda = self.runner.device.type == "cuda"
         self.async_scheduling = device_is_cuda if config.async_scheduling is None else config.async_scheduling
@@ -246,16 +229,16 @@ class LLMEngine:
                 req = self._requests.get(seq.seq_id)
                 if req is not None and req.seq is seq:
                     req.embedding = vector.tolist()
-            sampled = _by_sequence(forward, in_flight.drawn.read())
+            sampled = forward.by_sequence(in_flight.drawn.read())
             now = time.monotonic()
             self.policy.observe(plan, now - in_flight.start)
             ids = {k: [t.token_id for t in v] for k, v in sampled.items()}
-            kept = self._check_drafts(plan, ids)
+            kept = 0 if self.proposer is None else self.proposer.settle(plan, ids)
             updated = self.policy.complete_step(plan, ids)
             self.last_step = replace(in_flight.work, seconds=now - in_flight.start, accepted_tokens=kept)
 
-            def record(req: _Request) -> RequestOutput:
-                seq = req.seq  # the tokens it got are its rows' first ones (`plan.accepted`)
+            def record(req: TrackedRequest) -> RequestOutput:
+                seq = req.seq  # the tokens it got are its rows' first ones (`speculation.accepted`)
                 got = sampled[seq.seq_id][:seq.num_tokens - seq.num_prompt_tokens - len(req.output_ids)]
                 return self._record(req, [(token.token_id, token.logprobs) for token in got], now)
 
@@ -285,16 +268,6 @@ class LLMEngine:
             if not_queued is not None:  # aborted once this iteration's tokens are recorded
                 self._failed = self._fail(not_queued.plan, not_queued.cause)
         return [outputs[seq.seq_id] for seq in updated]
-
-    def _check_drafts(self, plan: Plan, ids: dict[str, list[int]]) -> int:
-        """The drafts the step keeps, told to the proposer sequence by sequence."""
-        total = 0
-        for item in plan.scheduled:
-            if item.drafts:
-                kept = len(accepted(item.drafts, ids[item.seq.seq_id])) - 1
-                self.proposer.checked(item.seq, kept)
-                total += kept
-        return total
 
     def _fail(self, plan: Plan, error: BaseException) -> StepFailed:
         """Abort the iteration's requests (their blocks freed once nothing it queued can write them):
@@ -341,7 +314,7 @@ class LLMEngine:
 
     # ---- internals ---------------------------------------------------------------------
     def _new_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
-                     arrival_time: float | None) -> _Request:
+                     arrival_time: float | None) -> TrackedRequest:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -363,7 +336,7 @@ class LLMEngine:
                        self.eos_token_ids, adapter_identity=self.adapters.identity_of(params),
                        bad_words=BadWords.of(params.bad_words, self.tokenizer))
         detokenizer = Detokenizer(self.tokenizer, params, token_ids) if params.detokenize else None
-        return _Request(seq, text, detokenizer, logprobs=[] if params.logprobs is not None else None)
+        return TrackedRequest(seq, text, detokenizer, logprobs=[] if params.logprobs is not None else None)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -391,39 +364,18 @@ class LLMEngine:
         if seq.num_tokens - 1 == self._long_rope_from and seq.status is SequenceStatus.RUNNING:
             self.policy.preempt(seq)
 
-    def _record(self, req: _Request, tokens: list[tuple[int, dict[int, float] | None]], now: float) -> RequestOutput:
-        """Record the tokens a step appended to the sequence (with their logprobs): the policy ended
-        it on the last, if it did; a stop string may end it on an earlier one (the rest are dropped)."""
-        seq, detokenizer = req.seq, req.detokenizer
-        for i, (token_id, logprobs) in enumerate(tokens):
-            req.output_ids.append(token_id)
-            req.timestamps.append(now)
-            if req.logprobs is not None:
-                req.logprobs.append(logprobs or {})
-            stop_token = i == len(tokens) - 1 and seq.finish_reason == "stop"  # decided on ids: EOS, stop_token_ids
-            # a stop string wins over a length limit hit by the same token
-            if detokenizer is not None and detokenizer.append(token_id, stop_token):
-                if seq.is_finished:
-                    seq.finish_reason = "stop"
-                else:
-                    self.policy.finish(seq, "stop")
-                break
+    def _record(self, req: TrackedRequest, tokens: list[tuple[int, dict[int, float] | None]],
+                now: float) -> RequestOutput:
+        """Record the tokens a step appended to the request's sequence; the output so far."""
+        seq = req.seq
+        if req.append(tokens, now):  # a stop string ended it
+            if seq.is_finished:
+                seq.finish_reason = "stop"
+            else:
+                self.policy.finish(seq, "stop")
         if seq.is_finished:
             self._requests.pop(seq.seq_id, None)
             self.sampler.forget(seq.seq_id)
             if self.proposer is not None:
                 self.proposer.forget(seq)
-        text = "" if detokenizer is None else detokenizer.text
-        completion = CompletionOutput(0, text, req.output_ids, seq.finish_reason, req.logprobs, req.timestamps)
-        return RequestOutput(seq.seq_id, req.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             seq.arrival_time, seq.num_cached_tokens, seq.num_cache_write_tokens,
-                             seq.first_scheduled_time, req.prompt_logprobs, req.embedding)
-
-
-def _by_sequence(forward: Forward, rows: list[SampledToken]) -> dict[str, list[SampledToken]]:
-    """Each sampling sequence's rows' tokens: its next token's, then one per draft."""
-    by_seq, row = {}, 0
-    for seq, drafts in zip(forward.seqs, forward.drafts):
-        by_seq[seq.seq_id] = rows[row:row + 1 + len(drafts)]
-        row += 1 + len(drafts)
-    return by_seq
+        return req.output()

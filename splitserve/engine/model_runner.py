@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -24,6 +24,8 @@ from splitserve.engine.step_inputs import StepTensors, upload_list
 
 if TYPE_CHECKING:
     from splitserve.engine.cuda_graphs import DecodeGraphs
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,14 @@ class Forward:
     prompt_rows: list[PromptRows]
     pooled: list[tuple[Sequence, torch.Tensor]]
     drafts: list[tuple[int, ...]]
+
+    def by_sequence(self, rows: list[T]) -> dict[str, list[T]]:
+        """Per-row results (the sampled tokens) by sampling sequence: its next token's, then a draft's each."""
+        by_seq, row = {}, 0
+        for seq, drafts in zip(self.seqs, self.drafts):
+            by_seq[seq.seq_id] = rows[row:row + 1 + len(drafts)]
+            row += 1 + len(drafts)
+        return by_seq
 
 
 class ModelRunner:

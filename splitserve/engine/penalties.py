@@ -53,7 +53,7 @@ class Penalties:
             return logits
         device = logits.device
         chosen = [seqs[i] for i in rows]
-        unique = list(dict.fromkeys(chosen))  # a drafting sequence has a row per draft and one more
+        unique = chosen if drafted is None else list(dict.fromkeys(chosen))  # drafting: a row per draft, 1 more
         index, slots = self._count(unique, rows, logits.shape[1], device)
         if len(unique) < len(chosen):
             of = {seq: k for k, seq in enumerate(unique)}

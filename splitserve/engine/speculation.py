@@ -2,7 +2,7 @@
 that followed the latest earlier occurrence of its context's last n tokens, and one step checks them.
 
 A decode with drafts d_1..d_k computes its last token and the drafts as one query over its paged
-context (as a prefill chunk does) and samples a token at each of the k + 1 rows; `plan.accepted`
+context (as a prefill chunk does) and samples a token at each of the k + 1 rows; `accepted`
 keeps each draft while it equals the token sampled at the row before it, then the first token that
 differs (every draft kept: the last row's token too). A draft is one token for certain, so this is
 rejection sampling's rule (keep d with probability p(d), else draw from p without d): every token
@@ -69,6 +69,18 @@ class NgramProposer:
     def forget(self, seq: Sequence) -> None:
         self._lookups.pop(seq, None)
 
+    def settle(self, plan: Plan, sampled: dict[str, list[int]]) -> int:
+        """The step `plan` sampled `sampled` (per sequence, a token per row): each drafting
+        sequence's tokens cut to those it gets (`accepted`), its backoff set by whether it kept
+        a draft; the drafts kept in all."""
+        total = 0
+        for item in plan.scheduled:
+            if item.drafts:
+                tokens = sampled[item.seq.seq_id] = accepted(item.drafts, sampled[item.seq.seq_id])
+                self.checked(item.seq, len(tokens) - 1)
+                total += len(tokens) - 1
+        return total
+
     def checked(self, seq: Sequence, kept: int) -> None:
         """A step checked seq's drafts and kept `kept` of them."""
         lookup = self._lookups[seq]
@@ -97,6 +109,15 @@ class NgramProposer:
                 period = total - start
                 return tuple(tokens[start + j % period] for j in range(limit))
         return ()
+
+
+def accepted(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
+    """The tokens a sequence gets from its rows' `sampled` tokens (1 + len(drafts) of them): each
+    draft while it equals the token sampled at the row before it, then the first that differs."""
+    for i, draft in enumerate(drafts):
+        if sampled[i] != draft:
+            return sampled[:i + 1]
+    return sampled
 
 
 class _Lookup:

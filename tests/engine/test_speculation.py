@@ -18,10 +18,9 @@ from splitserve.engine.config import ConfigError
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_constraint import OutputConstraint
-from splitserve.engine.policies import accepted
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.speculation import MAX_BACKOFF_STEPS, NgramProposer, SpeculativeConfig, speculate
+from splitserve.engine.speculation import MAX_BACKOFF_STEPS, NgramProposer, SpeculativeConfig, accepted, speculate
 from tests.engine.engine_helpers import ENGINE, GREEDY, PROMPTS, assert_all_free, assert_same, handed_off, token_ids
 from tests.engine.engine_helpers import one_thread  # noqa: F401  (pytest fixture)
 from tests.engine.policy_helpers import make, step

@@ -8,7 +8,6 @@ from splitserve.engine.policies.base import Policy
 from splitserve.engine.policies.mixed import MixedPolicy
 from splitserve.engine.policies.orca import OrcaPolicy
 from splitserve.engine.policies.plan import (
-    accepted,
     Plan,
     ScheduledSeq,
     SCHEDULING_POLICIES,
@@ -44,5 +43,5 @@ def make_policy(name: str, blocks: BlockManager, limits: SchedulerLimits,
     return POLICY_CLASSES[name](blocks, limits, clock)
 
 
-__all__ = ["accepted", "Plan", "Policy", "ScheduledSeq", "SchedulerLimits", "SLOOptions", "make_policy",
+__all__ = ["Plan", "Policy", "ScheduledSeq", "SchedulerLimits", "SLOOptions", "make_policy",
            "check_scheduling", "POLICY_CLASSES", "SCHEDULING_POLICIES"]

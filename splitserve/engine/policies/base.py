@@ -29,7 +29,7 @@ from collections.abc import Sequence as Sequence_
 from typing import TYPE_CHECKING
 
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits, accepted
+from splitserve.engine.policies.plan import Plan, ScheduledSeq, SchedulerLimits
 from splitserve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -122,9 +122,9 @@ class Policy(ABC):
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def complete_step(self, plan: Plan, sampled: Mapping[str, Sequence_[int]]) -> list[Sequence]:
-        """Record a finished iteration: advance computed tokens, append sampled tokens (`sampled[seq_id]`:
-        one per row the sequence sampled, 1 + its drafts), stop sequences that hit a limit. Returns
-        the sequences that received a token."""
+        """Record a finished iteration: advance computed tokens, append the tokens each sequence got
+        (`sampled[seq_id]`: its drafts kept, then one: `speculation.accepted`), stop sequences that
+        hit a limit. Returns the sequences that received a token."""
         updated, commit, max_model_len = [], self.blocks.commit, self.limits.max_model_len
         running = SequenceStatus.RUNNING
         for item in plan.scheduled:
@@ -135,8 +135,8 @@ class Policy(ABC):
                 seq.num_computed_tokens = item.start + item.num_new_tokens
                 commit(seq)
                 continue
-            tokens = accepted(item.drafts, sampled[seq.seq_id]) if item.drafts else sampled[seq.seq_id]
-            # the KV of the drafts accepted is right; that of the rest lies past it, to be overwritten
+            tokens = sampled[seq.seq_id]
+            # the KV of the drafts kept is right; that of the rest lies past it, to be overwritten
             seq.num_computed_tokens = item.start + item.num_new_tokens - len(item.drafts) + len(tokens) - 1
             commit(seq)
             updated.append(seq)

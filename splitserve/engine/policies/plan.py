@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,15 +33,6 @@ class ScheduledSeq(_ScheduledFields):
 
     def __getnewargs__(self) -> tuple[Sequence, int, tuple[int, ...]]:  # copy and pickle rebuild it through __new__
         return self.seq, self.num_new_tokens, self.drafts
-
-
-def accepted(drafts: tuple[int, ...], sampled: Sequence_[int]) -> Sequence_[int]:
-    """The tokens a sequence gets from its rows' `sampled` tokens (1 + len(drafts) of them): each
-    draft while it equals the token sampled at the row before it, then the first that differs."""
-    for i, draft in enumerate(drafts):
-        if sampled[i] != draft:
-            return sampled[:i + 1]
-    return sampled
 
 
 @dataclass(frozen=True)

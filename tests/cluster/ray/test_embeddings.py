@@ -10,6 +10,7 @@ import httpx
 import pytest
 import ray
 
+from tests.cluster.ray.test_hardening import metric
 from tests.ray_cluster import count_reserves, worker_actor
 
 INPUTS = ["The capital of France is", "Embeddings map text to vectors", "x" * 300]
@@ -52,10 +53,7 @@ def test_an_input_runs_whole_on_the_prompt_worker(server, client):
 def test_embeddings_count_in_the_pooling_kinds_series(server, client):
     """Two inputs, two pooling requests, none of them generation's: /metrics keeps them apart."""
     def completed(kind: str) -> float:
-        text = httpx.get(f"{server}/metrics", timeout=30).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("splitserve_requests_total{") and f'kind="{kind}"' in line
-                   and 'outcome="completed"' in line)
+        return metric(server, f'splitserve_requests_total{{kind="{kind}",lora="",model="demo",outcome="completed"}}')
 
     before = {kind: completed(kind) for kind in ("generate", "pooling")}
     client.embeddings.create(model="demo", input=["count me", "and me"], encoding_format="float")

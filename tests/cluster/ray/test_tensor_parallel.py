@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
 from splitserve.engine.sampling_params import SamplingParams
+from tests.cluster.ray.test_hardening import metric
 
 
 @pytest.mark.parametrize("model", ["demo", "demo-chat"])
@@ -31,21 +31,16 @@ def test_a_stream_of_drafted_tokens_is_the_offline_engines_text(tp_server, offli
     them in order, and its drafts reach /metrics with its next load report."""
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{tp_server}/v1", api_key="unused", max_retries=0, timeout=120)
-    kept_before = spec_metric(tp_server, "splitserve_spec_decode_accepted_tokens_total")
+    kept_before = metric(tp_server, "splitserve_spec_decode_accepted_tokens_total")
     for prompt in ("abcabcabcabc", "the cat sat on the mat; the cat sat on the"):
         stream = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         want = offline.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want.text
     deadline = time.monotonic() + 10
-    while spec_metric(tp_server, "splitserve_spec_decode_accepted_tokens_total") <= kept_before:
+    while metric(tp_server, "splitserve_spec_decode_accepted_tokens_total") <= kept_before:
         assert time.monotonic() < deadline, "no drafts kept reached /metrics"
         time.sleep(0.1)
-
-
-def spec_metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_the_tp_workers_ranks_share_a_placement_group(tp_server):
