@@ -11,7 +11,8 @@ interleaved (ours, HF, ours, HF, ...) and reported as medians with min and max:
    requests in arrival order, left-padded, each run until its longest forced output;
 2. single-request decode latency (ms per output token after the first);
 3. our engine alone (Splitwise Fig. 5/6 on this hardware): decode-step time against the number of
-   running sequences, and prefill time against prompt length, by timing `LLMEngine.step()`.
+   running sequences, and prefill time against prompt length, by timing `LLMEngine.step()`
+   (`--engine-only`: this section alone, to see how a change moves the engine's steps).
 
 Run from the repository root (the trace ships in splitserve/data/traces; --trace picks another):
 
@@ -83,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", action="store_true", help="turn our prefix caching off (it is on by default)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="ShareGPT length csv")
+    p.add_argument("--engine-only", action="store_true", help="only section 3, our engine's step curves (no "
+                   "transformers side): how a change to the engine moves its decode and prefill steps")
     p.add_argument("--json", type=Path, help="write all numbers to this JSON file")
     args = p.parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -289,6 +292,9 @@ def measure_decode_steps(args) -> dict:
                 start = time.perf_counter()
                 engine.step()
                 times[b].append((time.perf_counter() - start) * 1e3)
+                if len(engine.policy.running) != b:
+                    sys.exit(f"{b} sequences of {args.decode_context} tokens do not all fit the demo engine's KV "
+                             "cache: lower --decode-batches or --decode-context")
             for request_id in ids:
                 engine.abort(request_id)
     return {str(b): {**summarize(t), "context_tokens": f"{args.decode_context + 1}-{args.decode_context + args.decode_steps}",
@@ -327,9 +333,27 @@ def fmt(stats: dict, digits: int = 1) -> str:
 
 
 def print_report(result: dict) -> None:
-    hw, s, w = result["hardware"], result["settings"], result["workload"]
+    hw, s = result["hardware"], result["settings"]
     print(f"\nHardware: {hw['cpu']}, {hw['usable_cores']} usable cores ({hw['logical_cores']} logical), "
           f"torch {hw['torch']}, transformers {hw['transformers']}, {hw['threads']} torch threads, float32")
+    if "throughput" in result:
+        print_against_hf(result)
+    print(f"\nOur engine, decode step vs running sequences ({s['char_repeats']} x {s['decode_steps']} steps)\n")
+    print("| running seqs | context tokens | step ms | tokens/s |\n|---:|---:|---:|---:|")
+    for b, r in result["decode_step_ms_by_batch"].items():
+        print(f"| {b} | {r['context_tokens']} | {fmt(r, 2)} | {r['tokens_per_s']:.0f} |")
+    print(f"\nOur engine, prefill step vs prompt length ({s['char_repeats']} repeats)\n")
+    print("| prompt tokens | step ms | prompt tokens/s |\n|---:|---:|---:|")
+    for n, r in result["prefill_ms_by_prompt_len"].items():
+        print(f"| {n} | {fmt(r, 2)} | {r['tokens_per_s']:.0f} |")
+    if "throughput" in result:
+        print(f"\nthroughput_ratio_vs_hf (C={max(s['in_flight'])}): {result['throughput_ratio_vs_hf']:.2f}x, "
+              f"single_request_latency_ratio_vs_hf: {result['single_request_latency_ratio_vs_hf']:.2f}x")
+    print(f"elapsed {result['elapsed_s']:.0f} s")
+
+
+def print_against_hf(result: dict) -> None:
+    s, w = result["settings"], result["workload"]
     print(f"Workload: {w['num_requests']} ShareGPT requests x length scale {s['length_scale']} (seed {s['seed']}): "
           f"prompt tokens mean {w['prompt_mean']:.0f} (max {w['prompt_max']}), output tokens mean "
           f"{w['output_mean']:.0f} (max {w['output_max']}), {w['useful_output_tokens']} useful output tokens; "
@@ -346,24 +370,10 @@ def print_report(result: dict) -> None:
     print("| | ours | HF | ours/HF | greedy tokens identical |\n|---|---:|---:|---:|---:|")
     print(f"| decode ms/token | {fmt(lat['ours_ms_per_token'], 2)} | {fmt(lat['hf_ms_per_token'], 2)} | "
           f"{lat['ratio']:.2f}x | {lat['greedy_tokens_identical']} |")
-    print(f"\nOur engine, decode step vs running sequences ({s['char_repeats']} x {s['decode_steps']} steps)\n")
-    print("| running seqs | context tokens | step ms | tokens/s |\n|---:|---:|---:|---:|")
-    for b, r in result["decode_step_ms_by_batch"].items():
-        print(f"| {b} | {r['context_tokens']} | {fmt(r, 2)} | {r['tokens_per_s']:.0f} |")
-    print(f"\nOur engine, prefill step vs prompt length ({s['char_repeats']} repeats)\n")
-    print("| prompt tokens | step ms | prompt tokens/s |\n|---:|---:|---:|")
-    for n, r in result["prefill_ms_by_prompt_len"].items():
-        print(f"| {n} | {fmt(r, 2)} | {r['tokens_per_s']:.0f} |")
-    print(f"\nthroughput_ratio_vs_hf (C={max(s['in_flight'])}): {result['throughput_ratio_vs_hf']:.2f}x, "
-          f"single_request_latency_ratio_vs_hf: {result['single_request_latency_ratio_vs_hf']:.2f}x, "
-          f"elapsed {result['elapsed_s']:.0f} s")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    started = time.perf_counter()
-    torch.set_num_threads(args.threads)
-    transformers.logging.set_verbosity_error()
+def measure_against_hf(args) -> dict:
+    """Sections 1 and 2: throughput and single-request latency, ours against transformers'."""
     requests = load_workload(args)
     hf_model = build_hf(build_ours(args))
     warm_up(args, hf_model)
@@ -371,23 +381,29 @@ def main(argv: list[str] | None = None) -> None:
     throughput = measure_throughput(args, hf_model, requests)
     print("single-request latency ...", file=sys.stderr)
     latency = measure_latency(args, hf_model)
-    print("engine characterization ...", file=sys.stderr)
-    decode, prefill = measure_decode_steps(args), measure_prefill(args)
     prompts, outputs = [len(p) for p, _ in requests], [o for _, o in requests]
-    result = {
+    return {
         "throughput_ratio_vs_hf": throughput[str(max(args.in_flight))]["ratio"],
         "single_request_latency_ratio_vs_hf": latency["ratio"],
-        "hardware": hardware(),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "workload": {"num_requests": len(requests), "prompt_mean": statistics.mean(prompts), "prompt_max": max(prompts),
                      "output_mean": statistics.mean(outputs), "output_max": max(outputs),
                      "useful_output_tokens": sum(outputs)},
         "throughput": throughput,
         "single_request_latency": latency,
-        "decode_step_ms_by_batch": decode,
-        "prefill_ms_by_prompt_len": prefill,
-        "elapsed_s": time.perf_counter() - started,
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    result = {"hardware": hardware(), "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    if not args.engine_only:
+        result.update(measure_against_hf(args))
+    print("engine characterization ...", file=sys.stderr)
+    result["decode_step_ms_by_batch"], result["prefill_ms_by_prompt_len"] = measure_decode_steps(args), measure_prefill(args)
+    result["elapsed_s"] = time.perf_counter() - started
     print_report(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

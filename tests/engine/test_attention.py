@@ -193,6 +193,19 @@ def test_an_fp8_cache(kv_scale):
     check_case([(9, 1), (30, 30), (25, 4)], window=6, kv_scale=kv_scale, dtype=torch.bfloat16, tolerance=2e-2)
 
 
+def test_one_backend_across_steps_of_every_size_and_cache_dtype():
+    """The gather buffer a backend keeps: a smaller gather reuses it (no fresh allocation), and
+    what it held before (more blocks, another dtype) never reaches a later step's result."""
+    backend = TorchPagedBackend()
+    check_case([(70, 1), (45, 1), (60, 9), (33, 33)], backend=backend, seed=1)
+    held = backend._gathered.data_ptr()
+    check_case([(9, 1), (20, 4)], backend=backend, seed=2, block_size=8)
+    assert backend._gathered.data_ptr() == held
+    check_case([(30, 1), (12, 5)], backend=backend, seed=3, kv_scale=(0.05, 3.0))
+    check_case([(15, 1), (40, 7)], backend=backend, seed=4, dtype=torch.bfloat16, tolerance=2e-2)
+    check_case([(50, 1), (8, 1), (26, 3)], backend=backend, seed=5, heads=8, kv_heads=1, dim=16)
+
+
 def test_padded_block_tables_with_unused_blocks():
     check_case([(5, 1), (2, 1), (14, 3), (9, 9)], extra_blocks=2)
 

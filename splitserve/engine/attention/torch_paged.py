@@ -11,8 +11,13 @@ A chunk longer than a query tile (`QUERY_TILE`, or about a window) that SDPA's c
 cannot take whole attends a tile of queries at a time, each to the keys within its reach: a
 window's long prompt costs its length times about two windows, not its length squared, and
 scores made here (soft caps, sinks) are held a tile's worth at a time.
+Gathers land in one buffer the backend keeps, grown to the largest gather so far: each is read
+before the next is made, and a fresh buffer of that size a layer would be faulted in anew each
+time (glibc returns large freed blocks to the kernel), which costs more than the copy itself.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,6 +31,9 @@ MIN_TILE = 64  # ... and at least (a window shorter than this still takes tiles 
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        self._gathered = torch.empty(0)  # flat; holds the latest gather
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None = None,
                 scale: float | None = None, softcap: float | None = None,
@@ -50,7 +58,7 @@ class TorchPagedBackend(AttentionBackend):
         lo = _first_block(min(lens) - 1, window, bs)  # the query at p reads keys > p - window
         tables = meta.block_tables[first:end, lo : -(-max_len // bs)]
         keys, values = (_read(x[:, :max_len - lo * bs].transpose(1, 2), q.dtype, s)  # each [n, KVH, L, D]
-                        for x, s in zip(_gather(kv_cache, tables), kv_scale))
+                        for x, s in zip(self._gather(kv_cache, tables), kv_scale))
         positions = torch.arange(lo * bs, max_len, device=q.device)[None, :]
         contexts = meta.context_lens[first:end, None]
         mask = positions < contexts
@@ -75,7 +83,7 @@ class TorchPagedBackend(AttentionBackend):
             start = lo * bs
             table = meta.block_tables[i : i + 1, lo : -(-context // bs)]
             keys, values = (_read(x[0, :context - start], q.dtype, s)
-                            for x, s in zip(_gather(kv_cache, table), kv_scale))
+                            for x, s in zip(self._gather(kv_cache, table), kv_scale))
         out = torch.empty_like(q)
         for a in range(0, n, tile):
             b = min(n, a + tile)
@@ -89,6 +97,20 @@ class TorchPagedBackend(AttentionBackend):
             out[a:b] = _tokens_first(scoring.attend, q[a:b], keys[held], values[held], mask=mask)
         return out
 
+    def _gather(self, kv_cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """K and V of the blocks in `tables` [B, nb], in one index op (about twice as fast on CPU as
+        two), into the kept buffer: [2, num_blocks, bs, KVH, D] -> [2, B, nb * bs, KVH, D], valid
+        until the next gather."""
+        b, nb = tables.shape
+        shape = (2, b * nb, *kv_cache.shape[2:])
+        size = math.prod(shape)
+        held = self._gathered
+        if held.numel() < size or held.dtype != kv_cache.dtype or held.device != kv_cache.device:
+            held = self._gathered = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
+        out = held[:size].view(shape)
+        torch.index_select(kv_cache, 1, tables.reshape(-1), out=out)
+        return out.view(2, b, nb * kv_cache.shape[2], *kv_cache.shape[3:])
+
 
 def _first_block(query_pos: int, window: int | None, block_size: int) -> int:
     """The first block a query at `query_pos` (or later) reads: keys > query_pos - window."""
@@ -100,13 +122,6 @@ def _tokens_first(attend, q, k, v, **kwargs) -> torch.Tensor:
     ones, CPU torch's SDPA falls back to its slow math kernel instead of its flash kernel."""
     out = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], **kwargs)
     return out[0].transpose(0, 1)
-
-
-def _gather(kv_cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """K and V of the blocks in `tables` [B, nb], in one index op (about twice as fast on CPU as
-    two): [2, num_blocks, bs, KVH, D] -> [2, B, nb * bs, KVH, D]."""
-    b, nb = tables.shape
-    return kv_cache[:, tables].view(2, b, nb * kv_cache.shape[2], *kv_cache.shape[3:])
 
 
 def _read(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
