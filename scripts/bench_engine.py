@@ -398,11 +398,13 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    result = {"hardware": hardware(), "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result = {"hardware": hardware(), "settings": settings}
     if not args.engine_only:
         result.update(measure_against_hf(args))
     print("engine characterization ...", file=sys.stderr)
-    result["decode_step_ms_by_batch"], result["prefill_ms_by_prompt_len"] = measure_decode_steps(args), measure_prefill(args)
+    result["decode_step_ms_by_batch"] = measure_decode_steps(args)
+    result["prefill_ms_by_prompt_len"] = measure_prefill(args)
     result["elapsed_s"] = time.perf_counter() - started
     print_report(result)
     if args.json:
