@@ -1,7 +1,7 @@
 """OpenAI's `/v1/chat/completions` request: its messages (text content parts only, earlier tool
 calls, an assistant's thinking), its tools and `tool_choice` (`allowed_tools` too), the chat
-template's arguments and chat's own length and logprobs fields, over the fields it shares with
-completions (`request_models.GenerationRequest`)."""
+template's arguments, chat's own length and logprobs fields and a `prediction` (Predicted
+Outputs), over the fields it shares with completions (`request_models.GenerationRequest`)."""
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
@@ -72,6 +72,18 @@ class ChatMessage(BaseModel):
         return value
 
 
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text much of the answer is expected to repeat (a file being
+    edited). It changes no token of the answer: where the server speculates, decodes draft from it."""
+    model_config = STRICT
+    type: Literal["content"]
+    content: Annotated[str | list[TextPart], BeforeValidator(_text_parts)]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(GenerationRequest):
     PROMPT_FIELD: ClassVar[str] = "messages"
 
@@ -87,6 +99,7 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False  # the model goes on with the last message (a prefilled answer)
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # the chat template's variable (GPT-OSS's)
+    prediction: Prediction | None = None
     # accepted and ignored, as the Responses API's: hints about caching and abuse monitoring, which ask
     # nothing of the output (the prefix cache finds shared prefixes itself and keeps them while memory allows)
     prompt_cache_key: str | None = None

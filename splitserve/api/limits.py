@@ -36,6 +36,9 @@ class RequestLimits:
             _at_most(len(request.messages), self.max_chat_messages, "messages", "messages")
             chars = sum(_content_chars(m.content) + len(m.thinking or "") for m in request.messages)
             _at_most(chars, self.max_prompt_chars, "messages", "characters of message content", status=413)
+            if request.prediction is not None:
+                _at_most(len(request.prediction.text), self.max_prompt_chars, "prediction", "characters of prediction",
+                         status=413)
         elif isinstance(request, CompletionRequest):
             self.check_prompts(request.prompts(), "prompt")
 

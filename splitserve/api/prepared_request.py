@@ -77,6 +77,9 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: ModelNames, max_mod
         params = [replace(p, skip_special_tokens=False) for p in params]
     if lora is not None:
         params = [replace(p, lora=lora) for p in params]
+    if kind == "chat" and body.prediction is not None:
+        predicted = _prediction_ids(body.prediction.text, tokenizer, max_model_len)
+        params = [replace(p, prediction=predicted) for p in params]
     return PreparedRequest(body, prompts, params)
 
 
@@ -127,6 +130,15 @@ def _truncated(ask: ResponsesRequest, prepare: Callable[[ResponsesRequest], Prep
     if fits is None:
         raise as_responses_error(refusal) from None
     return fits
+
+
+def _prediction_ids(text: str, tokenizer, max_model_len: int) -> tuple[int, ...]:
+    """A chat's prediction as the answer's tokens (no special tokens), at most a context's worth."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) > max_model_len:
+        raise RequestError(f"prediction: {len(ids)} tokens, more than the model's context length, {max_model_len} "
+                           "tokens", param="prediction")
+    return tuple(ids)
 
 
 def _kept_tokens(truncate: int, max_model_len: int) -> int:

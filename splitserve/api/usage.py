@@ -2,7 +2,7 @@
 and the input/output shape of the Responses and Batch objects)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -11,18 +11,21 @@ class Usage:
     `cached_tokens`: the prompt tokens whose KV the prefix cache held (counted once per prompt, from
     its first choice: later choices of one prompt reuse its prefill by design); `reasoning_tokens`:
     of the completion tokens, those a reasoning parser read as thinking (`ChoiceText`);
-    `cache_write_tokens`: the prompt tokens whose KV the prefills added to the prefix cache."""
+    `cache_write_tokens`: the prompt tokens whose KV the prefills added to the prefix cache;
+    `accepted_prediction_tokens` / `rejected_prediction_tokens`: drafts from a chat's `prediction`
+    that decodes kept / threw away (OpenAI's Predicted Outputs; both 0 where the server does not
+    speculate)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0
     cache_write_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def __add__(self, other: Usage) -> Usage:
-        return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens,
-                     self.cached_tokens + other.cached_tokens, self.reasoning_tokens + other.reasoning_tokens,
-                     self.cache_write_tokens + other.cache_write_tokens)
+        return Usage(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Usage)))
 
     @classmethod
     def from_body(cls, body: dict) -> Usage:
@@ -36,13 +39,16 @@ class Usage:
             prompt = body["prompt_tokens"]  # an embeddings body has no completion tokens: its total is its prompt
             completion = body["completion_tokens"] if "completion_tokens" in body else body["total_tokens"] - prompt
         return cls(prompt, completion, inputs.get("cached_tokens", 0), outputs.get("reasoning_tokens", 0),
-                   inputs.get("cache_write_tokens", 0))
+                   inputs.get("cache_write_tokens", 0), outputs.get("accepted_prediction_tokens", 0),
+                   outputs.get("rejected_prediction_tokens", 0))
 
     def body(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": self._input_details(),
-                "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
+                "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens,
+                                              "accepted_prediction_tokens": self.accepted_prediction_tokens,
+                                              "rejected_prediction_tokens": self.rejected_prediction_tokens}}
 
     def input_output_body(self) -> dict:
         return {"input_tokens": self.prompt_tokens, "input_tokens_details": self._input_details(),

@@ -95,7 +95,8 @@ def response(kind: str, prepared: PreparedRequest, outs: list[RequestOutput], to
         choices += best_choices(mine, ranks, returned, k * returned)
     cached_tokens = sum(out.num_cached_tokens for out in outs[::computed])
     usage = Usage(sum(map(len, prepared.prompts)), completion_tokens, cached_tokens, reasoning_tokens,
-                  sum(out.num_cache_write_tokens for out in outs))
+                  sum(out.num_cache_write_tokens for out in outs), sum(out.accepted_prediction_tokens for out in outs),
+                  sum(out.rejected_prediction_tokens for out in outs))
     return R.response_body(kind, R.new_request_id(kind), prepared.request.model, int(time.time()), choices, usage)
 
 

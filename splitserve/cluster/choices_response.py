@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi.responses import Response
 
@@ -41,10 +42,9 @@ class ChoicesResponse:
     @property
     def usage(self) -> Usage:
         """Each prompt (and its cache hit) once, from its first choice; every choice's output,
-        reasoning tokens and cache writes, returned or not (best_of's are computed too)."""
+        reasoning tokens, cache writes and prediction drafts, returned or not (best_of's are computed too)."""
         firsts, every = sum((g[0].usage for g in self.groups), Usage()), sum((r.usage for r in self.replies), Usage())
-        return Usage(firsts.prompt_tokens, every.completion_tokens, firsts.cached_tokens, every.reasoning_tokens,
-                     every.cache_write_tokens)
+        return replace(every, prompt_tokens=firsts.prompt_tokens, cached_tokens=firsts.cached_tokens)
 
     async def body(self) -> dict:
         """The whole response body; RequestFailed if a choice failed (the others are stopped). A

@@ -139,6 +139,7 @@ class Run:
     cached_tokens: int | None = None  # of the prompt, in the prefix cache of the first attempt that answered
     cache_write_tokens: int | None = None  # of the prompt, added to that prefix cache by its prefill
     embedding: tuple[float, ...] | None = None  # with params.embed, once its prefill ran
+    prediction_tokens: tuple[int, int] = (0, 0)  # drafts from params.prediction kept, thrown away: every attempt's
     follow: Placement | None = None  # the first attempt goes where this placement went, if it still qualifies
     prefix: PrefixNaming = PrefixNaming()  # how to name the prompt's blocks to the CLS (by default: not at all)
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first token, or when it ends without
@@ -308,6 +309,8 @@ class Run:
             self.embedding = delta.embedding
         if self.cached_tokens is None:
             self.cached_tokens, self.cache_write_tokens = delta.cached_tokens, delta.cache_write_tokens
+        if delta.prediction_tokens is not None:
+            self.prediction_tokens = tuple(a + b for a, b in zip(self.prediction_tokens, delta.prediction_tokens))
         self.started.set()
         self.tokens += delta.token_ids
         self.finish_reason = delta.finish_reason

@@ -87,9 +87,9 @@ class RunResponse:
     @property
     def usage(self) -> Usage:
         """This choice's prompt, output, cached prompt and reasoning tokens (no cache hit or write
-        known before its first token)."""
+        known before its first token), and its prediction's drafts kept and thrown away (known at its end)."""
         return Usage(len(self.run.prompt), self.completion_tokens, self.run.cached_tokens or 0,
-                     self.choice.reasoning_tokens, self.run.cache_write_tokens or 0)
+                     self.choice.reasoning_tokens, self.run.cache_write_tokens or 0, *self.run.prediction_tokens)
 
     def take_logprobs(self) -> dict | None:
         return self.choice.take_logprobs()

@@ -58,6 +58,8 @@ class TokenDelta:
     cached_tokens: int | None = None  # with a request's first delta: prompt tokens the prefix cache held
     cache_write_tokens: int | None = None  # ... and those its prefill added to the prefix cache
     embedding: tuple[float, ...] | None = None  # with the first delta of a request asking one (SamplingParams.embed)
+    # with a final delta of a request with a prediction: its drafts from it kept, and thrown away
+    prediction_tokens: tuple[int, int] | None = None
 
     @property
     def final(self) -> bool:
@@ -359,10 +361,17 @@ class WorkerLoop:
         sink(TokenDelta(new, out.finish_reason if out.finished else None, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs, cached_tokens=out.num_cached_tokens if first else None,
                         cache_write_tokens=out.num_cache_write_tokens if first else None,
-                        embedding=tuple(out.embedding) if first and out.embedding is not None else None))
+                        embedding=tuple(out.embedding) if first and out.embedding is not None else None,
+                        prediction_tokens=_prediction_tokens(out)))
 
     def _fail(self, request_id: str, message: str) -> None:
         sink = self._sinks.get(request_id)
         self._forget(request_id)
         if sink is not None:
             sink(TokenDelta(error=f"worker {self.worker_id}: {message}"))
+
+
+def _prediction_tokens(out: RequestOutput) -> tuple[int, int] | None:
+    """A finished request's drafts from its prediction, kept and thrown away (None: none drafted)."""
+    counts = out.accepted_prediction_tokens, out.rejected_prediction_tokens
+    return counts if out.finished and any(counts) else None

@@ -36,6 +36,9 @@ class RequestOutput:
     # with SamplingParams.embed, once its prefill ran (else None): the embedding, or with label_token_ids
     # the logits at those ids
     embedding: list[float] | None = None
+    # with SamplingParams.prediction, where the engine speculates: its drafts kept, and thrown away
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

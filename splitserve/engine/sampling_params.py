@@ -18,6 +18,8 @@ MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256  # words in bad_words, characters i
 MAX_CACHE_SALT = 1024  # characters in a cache_salt
 MAX_PRIORITY = 2**31 - 1  # a priority's magnitude at most
 MAX_LABEL_TOKENS = 16  # label_token_ids at most
+MAX_PREDICTION_TOKENS = 1 << 18  # prediction's ids at most (an ingress bounds it by the context)
+MAX_TOKEN_ID = 2**32 - 2  # ids fit 4 bytes, with one value to spare (speculation's start-of-output mark)
 # Temperatures reach the device as float32: one past its largest value would divide -inf by inf
 # (NaN, a row nothing can be drawn from).
 MAX_TEMPERATURE = 3.4028234663852886e38
@@ -74,11 +76,15 @@ class SamplingParams:
     # with embed: pool the LM head's logits at these ids instead (raw, at the same position): a
     # reranker that answers in tokens reads its verdict there (Qwen3-Reranker's "no" and "yes")
     label_token_ids: tuple[int, ...] = ()
+    # OpenAI's Predicted Outputs: token ids much of the output is expected to repeat (a file being
+    # edited); where the engine speculates, a decode drafts from them first (engine.speculation)
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
         object.__setattr__(self, "label_token_ids", _as_tuple(self.label_token_ids, "label_token_ids", int))
+        object.__setattr__(self, "prediction", _as_tuple(self.prediction, "prediction", int))
         _check(all(t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be ids >= 0, got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize", "embed"):
@@ -144,6 +150,9 @@ class SamplingParams:
             # a finished match allows only EOS: holding EOS back would leave no token to sample
             _check(not self.ignore_eos and not self.min_tokens,
                    "constraint (structured output) cannot be combined with ignore_eos or min_tokens")
+        _check(len(self.prediction) <= MAX_PREDICTION_TOKENS and all(0 <= t <= MAX_TOKEN_ID for t in self.prediction),
+               f"prediction must be at most {MAX_PREDICTION_TOKENS} token ids in [0, {MAX_TOKEN_ID}], got "
+               f"{len(self.prediction)} ({self.prediction[:8]!r})")
         for name in ("ttft_slo_s", "tbt_slo_s"):
             value = getattr(self, name)
             _check(value is None or (_is_number(value) and math.isfinite(value) and value > 0),

@@ -51,6 +51,8 @@ class Sequence:
     adapter_slot: int = -1  # the device slot holding it while it computes (lora_residency); -1: none
     awaits_adapter_slot: bool = False  # preempted as its import landed with no slot for its adapter, until one is
     bad_words: BadWords | None = None  # params.bad_words in the engine's token ids (None: none)
+    accepted_prediction_tokens: int = 0  # drafts from params.prediction that steps kept (engine.speculation)
+    rejected_prediction_tokens: int = 0  # ... and those they threw away
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -9,6 +9,13 @@ rejection sampling's rule (keep d with probability p(d), else draw from p withou
 comes from the model's own distribution at its position. Greedy outputs are the tokens decoding one
 at a time gives, and seeded ones too (a seeded draw depends on its output position alone).
 
+A request with a `prediction` (OpenAI's Predicted Outputs: much of the output expected to repeat
+given text, a file being edited) drafts from it first: the tokens after the earliest occurrence in
+the prediction, from where the last one matched on, of the longest of its output's endings (its
+whole output, from its start, matches the prediction's start whatever its length); it falls back on
+its context where none matches. Its drafts' fate is counted on the sequence (usage's
+accepted_prediction_tokens and rejected_prediction_tokens) and does not back it off.
+
 Every decode drafts, whatever its sampling: what follows the tokens before a row (min_tokens,
 penalties, bad words, a grammar) takes the drafts before it as kept (`Sampler.draw`), and a
 structured output's drafts are cut to what its grammar allows.
@@ -25,12 +32,14 @@ from dataclasses import dataclass
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies import Plan, ScheduledSeq
+from splitserve.engine.sampling_params import MAX_TOKEN_ID
 from splitserve.engine.sequence import Sequence
 
 MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens at most
 MAX_LOOKUP_TOKENS = 64       # prompt_lookup_max at most
 MAX_BACKOFF_STEPS = 16       # steps a sequence whose drafts keep failing waits between drafts, at most
 _WIDTH = array("I").itemsize  # bytes a token takes in a sequence's packed copy
+_START = array("I", [MAX_TOKEN_ID + 1]).tobytes()  # marks where an output, and its prediction, start
 
 
 @dataclass(frozen=True)
@@ -77,13 +86,17 @@ class NgramProposer:
         for item in plan.scheduled:
             if item.drafts:
                 tokens = sampled[item.seq.seq_id] = accepted(item.drafts, sampled[item.seq.seq_id])
-                self.checked(item.seq, len(tokens) - 1)
+                self.checked(item.seq, len(item.drafts), len(tokens) - 1)
                 total += len(tokens) - 1
         return total
 
-    def checked(self, seq: Sequence, kept: int) -> None:
-        """A step checked seq's drafts and kept `kept` of them."""
+    def checked(self, seq: Sequence, drafted: int, kept: int) -> None:
+        """A step checked `drafted` drafts of seq's and kept `kept` of them."""
         lookup = self._lookups[seq]
+        if lookup.predicted:
+            seq.accepted_prediction_tokens += kept
+            seq.rejected_prediction_tokens += drafted - kept
+            return
         lookup.backoff = 0 if kept else min(2 * lookup.backoff or 1, MAX_BACKOFF_STEPS)
         lookup.skip = lookup.backoff
 
@@ -95,19 +108,48 @@ class NgramProposer:
         itself does)."""
         lookup = self._lookups.get(seq)
         if lookup is None:
-            lookup = self._lookups[seq] = _Lookup()
-        if lookup.skip:
-            lookup.skip -= 1
-            return ()
+            lookup = self._lookups[seq] = _Lookup(seq.params.prediction)
         tokens, packed = seq.token_ids, lookup.packed
         packed += array("I", tokens[len(packed) // _WIDTH:]).tobytes()
         total = len(tokens)
+        lookup.predicted = False
+        if lookup.prediction:
+            drafts = self._predicted(lookup, total - seq.num_prompt_tokens + seq.params.resumed_tokens, limit)
+            if drafts:
+                lookup.predicted = True
+                return drafts
+        if lookup.skip:
+            lookup.skip -= 1
+            return ()
         for n in range(min(self.config.prompt_lookup_max, total - 1), self.config.prompt_lookup_min - 1, -1):
             found = _latest(packed, bytes(packed[(total - n) * _WIDTH:]), (total - 1) * _WIDTH)
             if found is not None:
                 start = found // _WIDTH + n
                 period = total - start
                 return tuple(tokens[start + j % period] for j in range(limit))
+        return ()
+
+
+    def _predicted(self, lookup: _Lookup, outputs: int, limit: int) -> tuple[int, ...]:
+        """Up to `limit` tokens of the prediction after an occurrence of the longest of the output's
+        endings of prompt_lookup_max down to prompt_lookup_min tokens (the whole output, marked at
+        its start, in place of any longer): the earliest at or after where the prediction, followed
+        since the last match, has the output's end; else at or after the last match; else anywhere.
+        () where none occurs."""
+        packed, prediction = lookup.packed, lookup.prediction
+        end, matched = len(packed), lookup.matched
+        froms = (matched + outputs - lookup.matched_at, matched, 0) if matched else (0,)
+        for n in range(min(self.config.prompt_lookup_max, outputs + 1), 0, -1):
+            whole = n > outputs  # the output from its start: anchored at the prediction's start
+            if n < self.config.prompt_lookup_min and not whole:
+                break
+            pattern = (_START + bytes(packed[end - outputs * _WIDTH:])) if whole else bytes(packed[end - n * _WIDTH:])
+            for first in froms:
+                found = _earliest(prediction, pattern, max(0, first - n) * _WIDTH)
+                if found is not None:
+                    lookup.matched, lookup.matched_at = found // _WIDTH + n, outputs  # the next token's index
+                    start = lookup.matched * _WIDTH
+                    return tuple(array("I", prediction[start:start + limit * _WIDTH]))
         return ()
 
 
@@ -121,12 +163,16 @@ def accepted(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
 
 
 class _Lookup:
-    """One sequence's: its tokens packed so far, and its backoff (steps it skips, and skips next)."""
+    """One sequence's: its tokens packed so far, its backoff (steps it skips, and skips next); its
+    prediction packed after a start mark, where its last match there ended (the index of the token
+    after it) and its output's length then, and whether its latest drafts came from there."""
 
-    __slots__ = ("packed", "skip", "backoff")
+    __slots__ = ("packed", "skip", "backoff", "prediction", "matched", "matched_at", "predicted")
 
-    def __init__(self) -> None:
+    def __init__(self, prediction: tuple[int, ...] = ()) -> None:
         self.packed, self.skip, self.backoff = bytearray(), 0, 0
+        self.prediction = _START + array("I", prediction).tobytes() if prediction else b""
+        self.matched, self.matched_at, self.predicted = 0, 0, False
 
 
 def _latest(packed: bytearray, pattern: bytes, end: int) -> int | None:
@@ -135,6 +181,15 @@ def _latest(packed: bytearray, pattern: bytes, end: int) -> int | None:
         if found % _WIDTH == 0:
             return found
         end = found + len(pattern) - 1  # an unaligned match: look before it
+    return None
+
+
+def _earliest(packed: bytes, pattern: bytes, start: int) -> int | None:
+    """The byte offset of the earliest token-aligned occurrence of `pattern` in packed[start:]."""
+    while (found := packed.find(pattern, start)) >= 0:
+        if found % _WIDTH == 0:
+            return found
+        start = found + 1  # an unaligned match: look after it
     return None
 
 

@@ -46,4 +46,5 @@ class TrackedRequest:
         completion = CompletionOutput(0, text, self.output_ids, seq.finish_reason, self.logprobs, self.timestamps)
         return RequestOutput(seq.seq_id, self.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
                              seq.arrival_time, seq.num_cached_tokens, seq.num_cache_write_tokens,
-                             seq.first_scheduled_time, self.prompt_logprobs, self.embedding)
+                             seq.first_scheduled_time, self.prompt_logprobs, self.embedding,
+                             seq.accepted_prediction_tokens, seq.rejected_prediction_tokens)

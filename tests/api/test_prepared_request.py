@@ -13,6 +13,7 @@ from splitserve.api.errors import RequestError
 from splitserve.api.limits import RequestLimits
 from splitserve.api.prepared_request import prepare_request
 from splitserve.api.request_models import ServedModels, parse_request
+from splitserve.api.request_sampling import choice_params
 from splitserve.engine.demo import demo_tokenizer
 
 TOKENIZER = demo_tokenizer()
@@ -36,6 +37,31 @@ def test_a_chat_is_one_prompt_through_its_template():
     prepared = prepare("chat", **body)
     chat = parse_request(ChatCompletionRequest, json.dumps({"model": "demo", **body}).encode())
     assert prepared.prompts == [chat_prompt_token_ids(chat, TOKENIZER)] and prepared.params[0].max_tokens == 5
+
+
+@pytest.mark.parametrize("content", ["def f(x):\n    return x", [{"type": "text", "text": "def f(x):\n"},
+                                                                    {"type": "text", "text": "    return x"}]])
+def test_a_chats_prediction_is_the_answers_tokens_for_every_choice(content):
+    prepared = prepare("chat", messages=[{"role": "user", "content": "hi"}], n=2,
+                       prediction={"type": "content", "content": content})
+    want = tuple(TOKENIZER.encode("def f(x):\n    return x", add_special_tokens=False))
+    [params] = prepared.params
+    assert params.prediction == choice_params(params, 1).prediction == want and TOKENIZER.bos_token_id not in want
+    assert prepare("chat", messages=[{"role": "user", "content": "hi"}]).params[0].prediction == ()
+
+
+@pytest.mark.parametrize("prediction, limits, status", [
+    ({"type": "content", "content": "x" * 65}, RequestLimits(), 400),  # 65 tokens: more than the context
+    ({"type": "content", "content": "x" * 11}, RequestLimits(max_prompt_chars=10), 413),
+    ({"type": "file", "content": "x"}, RequestLimits(), 400),
+    ({"type": "content", "content": [{"type": "image_url", "image_url": {}}]}, RequestLimits(), 400),
+    ({"type": "content"}, RequestLimits(), 400),
+    ({"type": "content", "content": None}, RequestLimits(), 400),
+])
+def test_a_bad_prediction_is_refused_naming_it(prediction, limits, status):
+    with pytest.raises(RequestError) as refused:
+        prepare("chat", limits, messages=[{"role": "user", "content": "hi"}], prediction=prediction)
+    assert (refused.value.status, refused.value.param.split(".")[0]) == (status, "prediction")
 
 
 JSON = {"response_format": {"type": "json_object"}, "max_tokens": 8}

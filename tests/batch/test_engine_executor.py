@@ -94,7 +94,8 @@ def test_several_prompts_are_answered_prompt_by_prompt(llm, results):
     assert [c["index"] for c in got["choices"]] == [0, 1] and [c["text"] for c in got["choices"]] == texts
     assert got["usage"] == {"prompt_tokens": 14 + 3, "completion_tokens": 4 * 5, "total_tokens": 37,
                             "prompt_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},  # no full block
-                            "completion_tokens_details": {"reasoning_tokens": 0}}
+                            "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": 0,
+                                                          "rejected_prediction_tokens": 0}}
 
 
 def test_a_lines_usage_counts_its_prompts_cache_hit(llm, tmp_path):

@@ -30,6 +30,7 @@ class ScriptedRun:
         self._deltas, self._error, self.aborted = deltas, error, False
         self.finish_reason, self.failures, self.refusals, self.prompt_logprobs = None, 0, 0, None
         self.cached_tokens = self.cache_write_tokens = None
+        self.prediction_tokens = (0, 0)
 
     async def deltas(self):
         for delta in self._deltas:
@@ -38,6 +39,8 @@ class ScriptedRun:
             self.tokens += delta.token_ids
             if self.cached_tokens is None:
                 self.cached_tokens, self.cache_write_tokens = delta.cached_tokens, delta.cache_write_tokens
+            if delta.prediction_tokens is not None:
+                self.prediction_tokens = delta.prediction_tokens
             yield delta
         if self._error:
             raise self._error
@@ -228,7 +231,8 @@ def test_several_prompts_number_their_choices_by_prompt_and_best_of_picks_within
         for i, (text, lp) in enumerate(zip(texts, logprob)):
             ids = byte_ids(text)
             cached = 1 + prompt if i == 0 else 3  # a later choice's hit is its first's prefill: not counted
-            run = ScriptedRun([TokenDelta(ids, "length", logprobs=tuple({t: lp} for t in ids), cached_tokens=cached)])
+            run = ScriptedRun([TokenDelta(ids, "length", logprobs=tuple({t: lp} for t in ids), cached_tokens=cached,
+                                          prediction_tokens=(1, 0) if texts[0] == "aa" else None)])
             runs.append(RunResponse("completion", run, "demo", TextStream(ByteTokenizer(), run.params, PROMPT),
                                     index=prompt * returned + i, num_top=None))
         return runs
@@ -239,7 +243,8 @@ def test_several_prompts_number_their_choices_by_prompt_and_best_of_picks_within
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "bb"), (1, "cc")]
     assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14,
                              "prompt_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0},
-                             "completion_tokens_details": {"reasoning_tokens": 0}}
+                             "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": 2,
+                                                           "rejected_prediction_tokens": 0}}
     # n 2, streamed: prompt k's choices are 2k and 2k + 1
     streamed = ChoicesResponse([group(0, ["aa", "bb"], [0.0, 0.0], 2), group(1, ["cc", "dd"], [0.0, 0.0], 2)], 2)
     texts = {}
@@ -313,7 +318,8 @@ HARMONY_OUTPUT = "<|channel|>analysis<|message|>Sum it.<|end|><|start|>assistant
 def test_usage_counts_the_tokens_through_the_last_one_of_the_reasoning(output, thinking, reasoning):
     """completion_tokens_details.reasoning_tokens: one byte token per character here, so the count
     is the length of the output through its reasoning (tags that open it included)."""
-    want = {"reasoning_tokens": len(reasoning.encode())}
+    want = {"reasoning_tokens": len(reasoning.encode()), "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0}
     whole = json.loads(asyncio.run(reading_reply(output, thinking=thinking).whole()).body)
     assert whole["usage"]["completion_tokens_details"] == want
     assert whole["usage"]["completion_tokens"] == len(output.encode()) + 1  # and EOS

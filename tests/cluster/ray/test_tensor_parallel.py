@@ -1,7 +1,8 @@
 """A prompt worker of 2 tensor-parallel ranks (a placement group of 2 bundles, gloo between the
 ranks) handing its KV to a token worker of 1 that drafts tokens by n-gram lookup
 (num_speculative_tokens), through the OpenAI API: greedy output and logprobs as the offline
-one-rank engine's (which drafts nothing), on the base model and under a LoRA adapter, streamed too."""
+one-rank engine's (which drafts nothing), on the base model and under a LoRA adapter, streamed too;
+a chat's prediction drafted from and counted in its usage."""
 from __future__ import annotations
 
 import time
@@ -41,6 +42,27 @@ def test_a_stream_of_drafted_tokens_is_the_offline_engines_text(tp_server, offli
     while metric(tp_server, "splitserve_spec_decode_accepted_tokens_total") <= kept_before:
         assert time.monotonic() < deadline, "no drafts kept reached /metrics"
         time.sleep(0.1)
+
+
+def test_a_chats_prediction_drafts_on_the_token_worker_and_usage_counts_them(tp_server):
+    """Predicted Outputs through the openai client: the answer itself as the prediction gives the same
+    answer, most of it from kept drafts (usage's completion_tokens_details), streamed too."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{tp_server}/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = dict(model="demo", messages=[{"role": "user", "content": "Rename x to y"}], max_tokens=40, temperature=0,
+               extra_body={"ignore_eos": True, "allowed_token_ids": list(range(32, 127))})  # text that reads back
+    first = client.chat.completions.create(**ask)
+    answer = first.choices[0].message.content
+    assert first.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    predicted = client.chat.completions.create(**ask, prediction={"type": "content", "content": answer})
+    assert predicted.choices[0].message.content == answer
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 20 and details.rejected_prediction_tokens >= 0
+    stream = client.chat.completions.create(**ask, prediction={"type": "content", "content": answer}, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= 20
 
 
 def test_the_tp_workers_ranks_share_a_placement_group(tp_server):
