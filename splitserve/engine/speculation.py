@@ -10,11 +10,12 @@ comes from the model's own distribution at its position. Greedy outputs are the 
 at a time gives, and seeded ones too (a seeded draw depends on its output position alone).
 
 A request with a `prediction` (OpenAI's Predicted Outputs: much of the output expected to repeat
-given text, a file being edited) drafts from it first: the tokens after the earliest occurrence in
-the prediction, from where the last one matched on, of the longest of its output's endings (its
-whole output, from its start, matches the prediction's start whatever its length); it falls back on
-its context where none matches. Its drafts' fate is counted on the sequence (usage's
-accepted_prediction_tokens and rejected_prediction_tokens) and does not back it off.
+given text, a file being edited) drafts from it first: the tokens after an occurrence there of the
+longest of its output's endings (its whole output, from its start, matches the prediction's start
+whatever its length), the earliest from where the prediction, followed since the last match, has
+the output's end (then from the last match, then from the start); it falls back on its context
+where none matches. Its drafts' fate is counted on the sequence (usage's accepted_prediction_tokens
+and rejected_prediction_tokens) and does not back it off.
 
 Every decode drafts, whatever its sampling: what follows the tokens before a row (min_tokens,
 penalties, bad words, a grammar) takes the drafts before it as kept (`Sampler.draw`), and a
@@ -128,7 +129,6 @@ class NgramProposer:
                 period = total - start
                 return tuple(tokens[start + j % period] for j in range(limit))
         return ()
-
 
     def _predicted(self, lookup: _Lookup, outputs: int, limit: int) -> tuple[int, ...]:
         """Up to `limit` tokens of the prediction after an occurrence of the longest of the output's
