@@ -246,6 +246,25 @@ def test_scores_scaled_and_soft_capped(window):
 
 SINKS = [-2.0, 0.0, 8.0, 1.5, -0.5, 3.0, 0.25, -8.0]  # one per head of 8; +8 outweighs every short context's keys
 
+# chunks as a speculative step orders them after the decodes (longest context first): runs of 5-token
+# chunks (a decode and 4 drafts), one broken by a 3-token chunk, one by a context under 0.6 of its first
+DRAFTED = [(60, 1), (9, 1), (61, 5), (50, 5), (40, 5), (33, 3), (30, 5), (29, 5), (12, 5), (6, 5), (5, 5), (20, 14)]
+
+
+def test_short_chunks_of_one_length_run_together():
+    meta = build_case(DRAFTED, 4, 2, 8, 4, 120, 0, num_decodes=2)[5]
+    assert meta.chunk_runs == ((2, 5), (5, 6), (6, 8), (8, 9), (9, 10), (10, 11), (11, 12))
+    assert build_case([(40, 33), (39, 33)], 4, 2, 8, 4, 30, 0)[5].chunk_runs == ((0, 1), (1, 2))  # too long
+
+
+@pytest.mark.parametrize("scoring", [{}, {"window": 4}, {"window": 45}, {"softcap": 2.0, "scale": 0.2},
+                                     {"sinks": SINKS}, {"kv_scale": (0.05, 3.0)}])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_runs_of_short_chunks(scoring, block_size):
+    """Runs of short chunks after earlier context (a decode and its drafts) attended in one call,
+    each query to its own causal prefix (and window) only."""
+    check_case(DRAFTED, heads=8, kv_heads=2, block_size=block_size, num_decodes=2, **scoring)
+
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_attention_sinks(window):

@@ -7,6 +7,8 @@ from functools import cached_property
 import torch
 
 PAD_SLOT = -1  # the slot of a padding row (a captured batch's unused rows): its K and V are stored nowhere
+SHORT_CHUNK = 32  # query tokens of the longest chunk that `chunk_runs` batches with others
+GROUP_RATIO = 0.6  # a batched group's shortest context is at least this share of its longest
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,35 @@ class AttentionMetadata:
         """The longest fresh prompt's length (0 where none)."""
         return self.longest_query(self.fresh_from, self.num_seqs)
 
+    @cached_property
+    def chunk_runs(self) -> tuple[tuple[int, int], ...]:
+        """The prefill chunks as (first, end) runs of sequences: a run of several is chunks of one
+        query length, at most SHORT_CHUNK tokens, each after earlier context (a decode and its
+        drafts), their contexts within group_by_length's ratio of the run's first; any other chunk
+        is a run of its own."""
+        starts, lens, runs = self.query_starts, self.context_lens_list, []
+        for i in range(self.num_decodes, self.num_seqs):
+            n = starts[i + 1] - starts[i]
+            if runs and _joins(runs[-1], i, n, starts, lens):
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+        return tuple((first, end) for first, end in runs)
+
     def longest_query(self, first: int, end: int) -> int:
         """The most query tokens any of sequences first .. end has (0 where none)."""
         starts = self.query_starts
         return max((starts[i + 1] - starts[i] for i in range(first, end)), default=0)
 
 
-def group_by_length(context_lens: list[int], min_ratio: float = 0.6) -> tuple[tuple[int, int], ...]:
+def _joins(run: list[int], i: int, n: int, starts: list[int], lens: list[int]) -> bool:
+    """Whether chunk i, of n query tokens, joins `run` (see AttentionMetadata.chunk_runs)."""
+    first = run[0]
+    return (n <= SHORT_CHUNK and n < lens[i] and starts[first + 1] - starts[first] == n
+            and lens[first] > n and lens[i] >= GROUP_RATIO * lens[first])
+
+
+def group_by_length(context_lens: list[int], min_ratio: float = GROUP_RATIO) -> tuple[tuple[int, int], ...]:
     """Split a list sorted longest first into runs whose shortest is >= min_ratio of their
     longest, bounding padding waste while keeping few attention calls."""
     groups, first = [], 0

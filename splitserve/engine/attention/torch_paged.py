@@ -1,12 +1,13 @@
 """Pure-torch paged attention: the correctness oracle and the CPU path.
 
 Decodes are batched, one SDPA call per group of similar context lengths, over their gathered,
-length-masked KV; prefill chunks run one SDPA call each, with a causal mask offset by the
-chunk's start when earlier chunks' KV is in the cache. A sliding window masks the keys at or
-before position p - window for the query at p, and the blocks wholly before every query's window
-are not gathered (so a windowed layer's cost follows its window, not the context, and the blocks
-a block manager released are never read); `Scoring` gives the scores' scale and soft cap, and
-the sinks' logits. An FP8 cache is read dequantized (`fp8_kv`), this step's own K and V too.
+length-masked KV, and so are runs of short chunks of one length after earlier context (a decode
+and its drafts: `AttentionMetadata.chunk_runs`); other prefill chunks run one SDPA call each,
+with a causal mask offset by the chunk's start when earlier chunks' KV is in the cache. A sliding
+window masks the keys at or before position p - window for the query at p, and the blocks wholly
+before every query's window are not gathered (so a windowed layer's cost follows its window, not
+the context, and the blocks a block manager released are never read); `Scoring` gives the
+scores' scale and soft cap, and the sinks' logits. An FP8 cache is read dequantized (`fp8_kv`), this step's own K and V too.
 A chunk longer than a query tile (`QUERY_TILE`, or about a window) that SDPA's causal kernel
 cannot take whole attends a tile of queries at a time, each to the keys within its reach: a
 window's long prompt costs its length times about two windows, not its length squared, and
@@ -42,30 +43,37 @@ class TorchPagedBackend(AttentionBackend):
         out = torch.empty_like(q)
         scoring = Scoring(scale, softcap, sinks)
         for first, end in meta.decode_groups:
-            out[first:end] = self.decode(q[first:end], kv_cache, meta, first, window, scoring, kv_scale)
-        for i in range(meta.num_decodes, meta.num_seqs):
-            lo, hi = meta.query_starts[i], meta.query_starts[i + 1]
-            out[lo:hi] = self.prefill_chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta, i, window, scoring,
-                                            kv_scale)
+            out[first:end] = self.attend_queries(q[first:end], kv_cache, meta, first, 1, window, scoring, kv_scale)
+        starts = meta.query_starts
+        for first, end in meta.chunk_runs:
+            lo, hi = starts[first], starts[end]
+            if end - first > 1:
+                n = starts[first + 1] - lo
+                out[lo:hi] = self.attend_queries(q[lo:hi], kv_cache, meta, first, n, window, scoring, kv_scale)
+            else:
+                out[lo:hi] = self.prefill_chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta, first, window,
+                                                scoring, kv_scale)
         return out
 
-    def decode(self, q, kv_cache, meta: AttentionMetadata, first: int = 0, window: int | None = None,
-               scoring: Scoring | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
-        """Single-token queries of sequences first .. first + len(q), batched in one SDPA call."""
-        end, bs = first + q.shape[0], kv_cache.shape[2]
-        lens = meta.context_lens_list[first:end]
+    def attend_queries(self, q, kv_cache, meta: AttentionMetadata, first: int, n: int, window: int | None = None,
+                       scoring: Scoring | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """The last n positions of each of sequences first .. first + len(q) // n (decodes: n = 1; a
+        decode and its drafts), their keys all in the cache, batched in one SDPA call."""
+        g, bs = q.shape[0] // n, kv_cache.shape[2]
+        lens = meta.context_lens_list[first:first + g]
         max_len = max(lens)
-        lo = _first_block(min(lens) - 1, window, bs)  # the query at p reads keys > p - window
-        tables = meta.block_tables[first:end, lo : -(-max_len // bs)]
-        keys, values = (_read(x[:, :max_len - lo * bs].transpose(1, 2), q.dtype, s)  # each [n, KVH, L, D]
+        lo = _first_block(min(lens) - n, window, bs)  # the query at p reads keys > p - window
+        tables = meta.block_tables[first:first + g, lo : -(-max_len // bs)]
+        keys, values = (_read(x[:, :max_len - lo * bs].transpose(1, 2), q.dtype, s)  # each [g, KVH, L, D]
                         for x, s in zip(self._gather(kv_cache, tables), kv_scale))
-        positions = torch.arange(lo * bs, max_len, device=q.device)[None, :]
-        contexts = meta.context_lens[first:end, None]
-        mask = positions < contexts
+        positions = torch.arange(lo * bs, max_len, device=q.device)
+        query_pos = meta.context_lens[first:first + g, None] - n + torch.arange(n, device=q.device)  # [g, n]
+        mask = positions <= query_pos[:, :, None]
         if window is not None:
-            mask &= positions >= contexts - window
-        out = (scoring or Scoring()).attend(q.unsqueeze(2), keys, values, mask[:, None, None, :])
-        return out.squeeze(2)
+            mask &= positions > query_pos[:, :, None] - window
+        queries = q.view(g, n, *q.shape[1:]).transpose(1, 2)  # [g, H, n, D]
+        out = (scoring or Scoring()).attend(queries, keys, values, mask[:, None])
+        return out.transpose(1, 2).reshape(q.shape)
 
     def prefill_chunk(self, q, k, v, kv_cache, meta: AttentionMetadata, i: int, window: int | None = None,
                       scoring: Scoring | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
