@@ -30,6 +30,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies import Plan, ScheduledSeq
@@ -62,6 +63,14 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.num_speculative_tokens > 0
+
+
+class Proposer(Protocol):
+    """What `speculate` asks of a proposer (NgramProposer; the simulator's SimDrafts)."""
+
+    config: SpeculativeConfig
+
+    def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]: ...
 
 
 class NgramProposer:
@@ -193,7 +202,7 @@ def _earliest(packed: bytes, pattern: bytes, start: int) -> int | None:
     return None
 
 
-def speculate(plan: Plan, proposer: NgramProposer, blocks: BlockManager, max_tokens: int, max_rows: int,
+def speculate(plan: Plan, proposer: Proposer, blocks: BlockManager, max_tokens: int, max_rows: int,
               max_model_len: int, long_rope_from: int | None = None,
               valid: Callable[[Sequence, tuple[int, ...]], int] | None = None) -> Plan:
     """`plan` with drafts given to its decodes, oldest first, within the step's limits (module doc):

@@ -21,6 +21,8 @@ class WorkerStats:
     pool_moves: int
     prefill_tokens: int  # prompt tokens computed here (cached ones are not)
     lora_swaps: int = 0  # LoRA adapters written into a slot here (engine/lora_residency.py)
+    draft_tokens: int = 0  # drafts its decodes checked (Scenario.drafts)
+    accepted_tokens: int = 0  # ... and kept
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,8 @@ class SimResult:
     workers: tuple[WorkerStats, ...]    # by worker id
     duration_s: float                   # first arrival to the last token (or refusal), simulated
     num_events: int
-    seed: int  # as given: the simulation draws no random numbers, so every seed gives the same run
+    seed: int  # as given: the simulation draws no random numbers (drafts kept are drawn seeded by each
+    # worker's name), so every seed gives the same run
     kv_tokens_sent: int = 0    # prompt tokens whose KV went from a prompt worker to a token worker
     kv_tokens_reused: int = 0  # prompt tokens of split requests whose KV the token worker's cache held
     placements_refused: int = 0  # placements whose token worker refused the reservation (a stale report)

@@ -10,6 +10,7 @@ from splitserve.engine.policies import POLICY_CLASSES, SchedulerLimits, SLOOptio
 from splitserve.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
 from splitserve.placement.hardware import HardwareProfile
 from splitserve.placement.state import MAX_ADAPTER_SLOTS, AdapterOptions, PrefixOptions
+from splitserve.sim.drafts import DraftModel
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.transfer import TransferModel
 from splitserve.sim.worker import PerfModel
@@ -92,6 +93,7 @@ class Scenario:
     max_loras: int = 0
     lora_swap_s: float = 0.0
     adapters: AdapterOptions = AdapterOptions()
+    drafts: DraftModel | None = None  # speculative decoding (engine.num_speculative_tokens): `sim.drafts`
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))

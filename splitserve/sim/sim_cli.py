@@ -26,6 +26,7 @@ from splitserve.command import report_errors
 from splitserve.placement.state import ADAPTER_WAITS
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, design
+from splitserve.sim.drafts import DraftModel
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.scenario import Scenario
 
@@ -80,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="priority classes, as for bench (e.g. 0:0.2,1:0.8); the summary gives each class's latencies")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help="the engines' (default: the scenario's; priority: lower values first, preempting higher)")
+    p.add_argument("--speculative-tokens", type=int, default=None, help="drafts a decode checks a step "
+                   "(default: the config's engine.num_speculative_tokens; 0: none): needs --draft-kept-share")
+    p.add_argument("--draft-kept-share", type=float, default=None, help="drafts kept / drafts checked, as a "
+                   "cluster's /metrics count them (splitserve_spec_decode_accepted_tokens_total / draft_tokens_total)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
     p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "
@@ -88,6 +93,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def scenario_of(args) -> Scenario:
+    """The scenario the arguments describe, with its drafts (`drafts_of`)."""
+    configured, scenario = scenario_and_speculation(args)
+    return replace(scenario, drafts=drafts_of(args, configured))
+
+
+def drafts_of(args, configured: int) -> DraftModel | None:
+    """Speculative decoding: --speculative-tokens, else what the config runs, at --draft-kept-share."""
+    k = configured if args.speculative_tokens is None else args.speculative_tokens
+    share = args.draft_kept_share
+    if k == 0:
+        if share is not None:
+            raise ValueError("--draft-kept-share: no speculative decoding to keep drafts of (--speculative-tokens, "
+                             "or engine.num_speculative_tokens in --config)")
+        return None
+    if share is None:
+        raise ValueError(f"{k} speculative tokens a step: give --draft-kept-share, the share of drafts kept "
+                         "(a cluster's /metrics: splitserve_spec_decode_accepted_tokens_total / draft_tokens_total)")
+    return DraftModel(k, share)
+
+
+def scenario_and_speculation(args) -> tuple[int, Scenario]:
+    """The scenario of --config or --design, and the speculative tokens its engines run."""
     if args.design is None:
         # imported here: a cluster config brings in the engine's checkpoint loader and with it torch
         # (200 MB), which a Splitwise design does not need
@@ -97,11 +124,11 @@ def scenario_of(args) -> Scenario:
         config = load_cluster_config(args.config)[0] if args.config else ClusterConfig()
         overhead = ServingOverhead.load(args.overhead) if args.overhead else ServingOverhead()
         target = SimTarget(args.model, args.tensor_parallel, args.profile, args.bandwidth_gbps, overhead=overhead)
-        return scenario_from_config(config, target)
+        return config.engine.num_speculative_tokens, scenario_from_config(config, target)
     if args.prompt_machines is None:
         raise ValueError("--prompt-machines is required with --design")
     chosen = replace(design(args.design), decode_rule=args.decode_rule, mixed_policy=args.mixed_policy)
-    return chosen.scenario(args.prompt_machines, args.token_machines, args.model)
+    return 0, chosen.scenario(args.prompt_machines, args.token_machines, args.model)
 
 
 def num_requests(args) -> int:
@@ -146,6 +173,8 @@ def run(args) -> dict:
                "kv_tokens_sent": result.kv_tokens_sent, "kv_tokens_reused": result.kv_tokens_reused,
                "placements_refused": result.placements_refused,
                "lora_swaps": sum(w.lora_swaps for w in result.workers),
+               "draft_tokens": sum(w.draft_tokens for w in result.workers),
+               "accepted_tokens": sum(w.accepted_tokens for w in result.workers),
                "lora_placements": dict(zip(ADAPTER_WAITS, result.adapter_placements))}
     if args.out:
         out = Path(args.out)

@@ -7,7 +7,9 @@ request has a forced output length (max_tokens with ignore_eos), so every sample
 non-EOS id. Token times go into a dict shared with the cluster, one list per request, since a
 request's tokens come from two workers when it is split. With LoRA adapter slots, the engine's own
 residency binds sequences to them (`lora_residency`); each adapter it writes into a slot adds
-`lora_swap_s` to the iteration that admits it (the adapters' own compute is not modelled).
+`lora_swap_s` to the iteration that admits it (the adapters' own compute is not modelled). With a
+`DraftModel`, decodes draft as the engine's speculative decoding does (`sim.drafts`): a step gives
+a drafting decode its kept drafts' tokens and one more.
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from splitserve.engine.lora_residency import AdapterResidency
 from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
 from splitserve.engine.prefix_hash import sequence_root
 from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.speculation import speculate
 from splitserve.placement.load import load_of
 from splitserve.placement.state import WorkerLoad
+from splitserve.sim.drafts import DraftModel, SimDrafts
 from splitserve.sim.overhead import ServingOverhead
 
 NO_OVERHEAD = ServingOverhead()
@@ -74,7 +78,7 @@ class SimWorker:
                  limits: SchedulerLimits, token_times: dict[str, list[float]],
                  overhead: ServingOverhead = NO_OVERHEAD, clock: Callable[[], float] = lambda: 0.0,
                  prefix_caching: bool = False, windows: tuple[int | None, ...] = (None,), lora_slots: int = 0,
-                 lora_swap_s: float = 0.0):
+                 lora_swap_s: float = 0.0, drafts: DraftModel | None = None):
         self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
         self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
         self.prefill_extra = overhead.prefill_scale - 1.0  # of a prefill's profiled time, added to it
@@ -93,6 +97,8 @@ class SimWorker:
         self.busy_s = 0.0
         self.iteration_s = 0.0  # duration of the iteration in flight (or of the last one)
         self.sampling = 0  # tokens the iteration in flight samples (each goes out on a stream)
+        self.drafts = None if drafts is None else SimDrafts(drafts, FILLER_TOKEN, worker_id)
+        self.draft_tokens = self.accepted_tokens = 0  # drafts checked, and kept, so far
         self._sampling_prefills: list[Sequence] = []  # the plan in flight's prefills that end in a token
         self.changed = True
 
@@ -146,6 +152,10 @@ class SimWorker:
         self.changed = True  # admission moves sequences (and blocks) even when nothing runs
         if not plan.scheduled:
             return None
+        if self.drafts is not None:
+            limits = self.policy.limits
+            plan = speculate(plan, self.drafts, self.blocks, self.policy.max_step_tokens(limits), limits.max_num_seqs,
+                             limits.max_model_len)
         prefill = decodes = context = chunk_context = 0
         prefills = self._sampling_prefills = []
         for item in plan.scheduled:
@@ -155,6 +165,9 @@ class SimWorker:
             if num_tokens - item.start == 1 and num_tokens > len(seq.prompt_token_ids):
                 decodes += 1
                 context += num_tokens
+                if item.drafts:  # costed as a mixed batch's chunk tokens, over the decode's context
+                    prefill += len(item.drafts)
+                    chunk_context += len(item.drafts) * num_tokens
             else:
                 prefill += item.num_new_tokens
                 chunk_context += item.num_new_tokens * item.start  # attends over the tokens before the chunk
@@ -184,7 +197,8 @@ class SimWorker:
             raise RuntimeError(f"worker {self.worker_id}: no iteration in flight to finish")
         self.changed = True
         self.policy.observe(plan, self.iteration_s)
-        updated = self.policy.complete_step(plan, SAMPLED)
+        sampled, before = (SAMPLED, {}) if self.drafts is None else self._sampled(plan)
+        updated = self.policy.complete_step(plan, sampled)
         finished, handed_off, times = [], [], self.token_times
         prefilled, finished_status = SequenceStatus.PREFILLED, SequenceStatus.FINISHED
         for seq in updated:
@@ -193,7 +207,10 @@ class SimWorker:
                 handed_off.append(seq)
                 self.policy.finish(seq, "abort")  # LLMEngine.release_request: the KV went as a copy
                 continue
-            times[seq.seq_id].append(now)
+            if seq.seq_id in before:  # a decode with drafts: the tokens it got
+                times[seq.seq_id] += [now] * (seq.num_tokens - before[seq.seq_id])
+            else:
+                times[seq.seq_id].append(now)
             if status is finished_status:
                 finished.append(seq)
         first = [seq for seq in self._sampling_prefills if seq.num_output_tokens == 1]
@@ -201,6 +218,21 @@ class SimWorker:
         if not (first or finished or handed_off):
             return NOTHING_HAPPENED
         return StepResult(tuple(first), tuple(finished), tuple(handed_off))
+
+    def _sampled(self, plan: Plan) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+        """`complete_step`'s tokens: the filler for each sampling sequence, and for a decode with
+        drafts one more per draft kept; each drafting sequence's tokens before the step."""
+        drafting = [item for item in plan.scheduled if item.drafts]
+        if not drafting:
+            return SAMPLED, {}
+        sampled, before = _SameToken(), {}
+        for item in drafting:
+            kept = self.drafts.kept(len(item.drafts))
+            self.draft_tokens += len(item.drafts)
+            self.accepted_tokens += kept
+            sampled[item.seq.seq_id] = (FILLER_TOKEN,) * (1 + kept)
+            before[item.seq.seq_id] = item.seq.num_tokens
+        return sampled, before
 
     # ---- reports -------------------------------------------------------------------------
     def load(self) -> WorkerLoad:
