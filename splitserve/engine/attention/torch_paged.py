@@ -7,11 +7,11 @@ with a causal mask offset by the chunk's start when earlier chunks' KV is in the
 window masks the keys at or before position p - window for the query at p, and the blocks wholly
 before every query's window are not gathered (so a windowed layer's cost follows its window, not
 the context, and the blocks a block manager released are never read); `Scoring` gives the
-scores' scale and soft cap, and the sinks' logits. An FP8 cache is read dequantized (`fp8_kv`), this step's own K and V too.
-A chunk longer than a query tile (`QUERY_TILE`, or about a window) that SDPA's causal kernel
-cannot take whole attends a tile of queries at a time, each to the keys within its reach: a
-window's long prompt costs its length times about two windows, not its length squared, and
-scores made here (soft caps, sinks) are held a tile's worth at a time.
+scores' scale and soft cap, and the sinks' logits. An FP8 cache is read dequantized (`fp8_kv`),
+this step's own K and V too. A chunk longer than a query tile (`QUERY_TILE`, or about a window)
+that SDPA's causal kernel cannot take whole attends a tile of queries at a time, each to the keys
+within its reach: a window's long prompt costs its length times about two windows, not its length
+squared, and scores made here (soft caps, sinks) are held a tile's worth at a time.
 Gathers land in one buffer the backend keeps, grown to the largest gather so far: each is read
 before the next is made, and a fresh buffer of that size a layer would be faulted in anew each
 time (glibc returns large freed blocks to the kernel), which costs more than the copy itself.
