@@ -315,7 +315,8 @@ class IngressOptions(StrictModel):
     max_request_bytes: int = Field(4 << 20, ge=1024, description="Largest request body (413 above it), "
                                    "/v1/files uploads aside.")
     max_prompt_chars: int = Field(1_000_000, ge=1, description="Longest prompt (a request's prompts together), or "
-                                  "chat messages' text together, in characters before tokenization (413 above it).")
+                                  "chat messages' text together, or a chat's `prediction`, in characters before "
+                                  "tokenization (413 above it).")
     max_stop_strings: int = Field(16, ge=0, description="Most `stop` strings per request.")
     max_stop_string_chars: int = Field(256, ge=1, description="Longest `stop` string, in characters.")
     max_stop_token_ids: int = Field(64, ge=0, description="Most `stop_token_ids` per request.")
