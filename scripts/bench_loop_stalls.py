@@ -74,6 +74,7 @@ class ScriptedRun:
         self.request_id, self.prompt, self.params, self.tokens = "cmpl-bench", prompt, params, []
         self.prompt_logprobs = self.cached_tokens = self.cache_write_tokens = None
         self.failures = self.refusals = 0
+        self.prediction_tokens = (0, 0)
         self._deltas, self.aborted = deltas, False
 
     async def deltas(self):
