@@ -12,9 +12,9 @@ at a time gives, and seeded ones too (a seeded draw depends on its output positi
 A request with a `prediction` (OpenAI's Predicted Outputs: much of the output expected to repeat
 given text, a file being edited) drafts from it first: the tokens after an occurrence there of the
 longest of its output's endings (its whole output, from its start, matches the prediction's start
-whatever its length), the earliest from where the prediction, followed since the last match, has
-the output's end (then from the last match, then from the start); it falls back on its context
-where none matches. Its drafts' fate is counted on the sequence (usage's accepted_prediction_tokens
+whatever its length): one ending where the prediction, followed since the last match, has the
+output's end, else the earliest from the last match on, else the earliest anywhere; it falls back
+on its context where none matches. Its drafts' fate is counted on the sequence (usage's accepted_prediction_tokens
 and rejected_prediction_tokens) and does not back it off.
 
 Every decode drafts, whatever its sampling: what follows the tokens before a row (min_tokens,
@@ -142,24 +142,35 @@ class NgramProposer:
     def _predicted(self, lookup: _Lookup, outputs: int, limit: int) -> tuple[int, ...]:
         """Up to `limit` tokens of the prediction after an occurrence of the longest of the output's
         endings of prompt_lookup_max down to prompt_lookup_min tokens (the whole output, marked at
-        its start, in place of any longer): the earliest at or after where the prediction, followed
-        since the last match, has the output's end; else at or after the last match; else anywhere.
-        () where none occurs."""
+        its start, in place of any longer): one that ends where the prediction, followed since the
+        last match, has the output's end; else the earliest at or after the last match; else the
+        earliest anywhere. () where none occurs."""
         packed, prediction = lookup.packed, lookup.prediction
         end, matched = len(packed), lookup.matched
-        froms = (matched + outputs - lookup.matched_at, matched, 0) if matched else (0,)
+        endings = []  # (length, pattern), longest first
         for n in range(min(self.config.prompt_lookup_max, outputs + 1), 0, -1):
             whole = n > outputs  # the output from its start: anchored at the prediction's start
             if n < self.config.prompt_lookup_min and not whole:
                 break
-            pattern = (_START + bytes(packed[end - outputs * _WIDTH:])) if whole else bytes(packed[end - n * _WIDTH:])
-            for first in froms:
+            endings.append((n, (_START + bytes(packed[end - outputs * _WIDTH:])) if whole
+                            else bytes(packed[end - n * _WIDTH:])))
+        if matched:
+            aligned = matched + outputs - lookup.matched_at
+            for n, pattern in endings:
+                if aligned >= n and prediction[(aligned - n) * _WIDTH:aligned * _WIDTH] == pattern:
+                    return self._continue(lookup, aligned, outputs, limit)
+        for first in (matched, 0) if matched else (0,):
+            for n, pattern in endings:
                 found = _earliest(prediction, pattern, max(0, first - n) * _WIDTH)
                 if found is not None:
-                    lookup.matched, lookup.matched_at = found // _WIDTH + n, outputs  # the next token's index
-                    start = lookup.matched * _WIDTH
-                    return tuple(array("I", prediction[start:start + limit * _WIDTH]))
+                    return self._continue(lookup, found // _WIDTH + n, outputs, limit)
         return ()
+
+    @staticmethod
+    def _continue(lookup: _Lookup, at: int, outputs: int, limit: int) -> tuple[int, ...]:
+        """The prediction's tokens from index `at` of its marked copy, where the output goes on."""
+        lookup.matched, lookup.matched_at = at, outputs
+        return tuple(array("I", lookup.prediction[at * _WIDTH:(at + limit) * _WIDTH]))
 
 
 def accepted(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:

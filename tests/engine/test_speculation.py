@@ -159,26 +159,31 @@ def test_bad_settings_name_the_field(field, value):
 # ---- against transformers -----------------------------------------------------------------
 class PredictionScan:
     """The prediction rule as a plain scan: with the output and the prediction each led by a start
-    mark, the longest ending of the marked output (of hi down to lo tokens, or the whole of it),
-    its earliest occurrence in the marked prediction that starts at or after (the ending's length
-    before) where the prediction followed since the last match puts the output's end, else where
-    the last match ended, else anywhere; the tokens after it."""
+    mark, the longest ending of the marked output (of hi down to lo tokens, or the whole of it) that
+    ends in the marked prediction where the prediction followed since the last match puts the
+    output's end; else the longest one's earliest occurrence starting at or after (its length
+    before) where the last match ended; else anywhere; the tokens after it."""
 
     def __init__(self, prediction: list[int]):
         self.marked, self.matched, self.outputs_then = [-1, *prediction], None, 0
 
     def propose(self, outputs: list[int], lo: int, hi: int, limit: int) -> tuple[int, ...]:
         ours = [-1, *outputs]
-        ends = [0] if self.matched is None else [self.matched + len(outputs) - self.outputs_then, self.matched, 0]
-        for n in range(min(hi, len(ours)), 0, -1):
-            if n < lo and n < len(ours):
-                break
-            starts = [i for i in range(len(self.marked) - n + 1) if self.marked[i:i + n] == ours[-n:]]
-            for end in ends:
-                if after := [i for i in starts if i >= end - n]:
-                    self.matched, self.outputs_then = after[0] + n, len(outputs)
-                    return tuple(self.marked[self.matched:self.matched + limit])
+        endings = [ours[-n:] for n in range(min(hi, len(ours)), 0, -1) if n >= lo or n == len(ours)]
+        if self.matched is not None:
+            aligned = self.matched + len(outputs) - self.outputs_then
+            if any(aligned >= len(e) and self.marked[aligned - len(e):aligned] == e for e in endings):
+                return self._from(aligned, outputs, limit)
+        for end in [0] if self.matched is None else [self.matched, 0]:
+            for e in endings:
+                starts = [i for i in range(len(self.marked) - len(e) + 1) if self.marked[i:i + len(e)] == e]
+                if after := [i for i in starts if i >= end - len(e)]:
+                    return self._from(after[0] + len(e), outputs, limit)
         return ()
+
+    def _from(self, at: int, outputs: list[int], limit: int) -> tuple[int, ...]:
+        self.matched, self.outputs_then = at, len(outputs)
+        return tuple(self.marked[at:at + limit])
 
 
 ENGINE_IDS = st.sampled_from([0, 1, 2, 3, 256, 65536, 2**24, MAX_TOKEN_ID])  # the mark past the largest
