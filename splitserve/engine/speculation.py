@@ -9,13 +9,10 @@ rejection sampling's rule (keep d with probability p(d), else draw from p withou
 comes from the model's own distribution at its position. Greedy outputs are the tokens decoding one
 at a time gives, and seeded ones too (a seeded draw depends on its output position alone).
 
-A request with a `prediction` (OpenAI's Predicted Outputs: much of the output expected to repeat
-given text, a file being edited) drafts from it first: the tokens after an occurrence there of the
-longest of its output's endings (its whole output, from its start, matches the prediction's start
-whatever its length): one ending where the prediction, followed since the last match, has the
-output's end, else the earliest from the last match on, else the earliest anywhere; it falls back
-on its context where none matches. Its drafts' fate is counted on the sequence (usage's accepted_prediction_tokens
-and rejected_prediction_tokens) and does not back it off.
+A request with a `prediction` (OpenAI's Predicted Outputs) drafts from it first
+(`prediction_lookup`), from its context where that has nothing; its drafts' fate is counted on the
+sequence (usage's accepted_prediction_tokens and rejected_prediction_tokens) and does not back it
+off.
 
 Every decode drafts, whatever its sampling: what follows the tokens before a row (min_tokens,
 penalties, bad words, a grammar) takes the drafts before it as kept (`Sampler.draw`), and a
@@ -34,14 +31,12 @@ from typing import Protocol
 
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.policies import Plan, ScheduledSeq
-from splitserve.engine.sampling_params import MAX_TOKEN_ID
+from splitserve.engine.prediction_lookup import TOKEN_BYTES, PredictionLookup
 from splitserve.engine.sequence import Sequence
 
 MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens at most
 MAX_LOOKUP_TOKENS = 64       # prompt_lookup_max at most
 MAX_BACKOFF_STEPS = 16       # steps a sequence whose drafts keep failing waits between drafts, at most
-_WIDTH = array("I").itemsize  # bytes a token takes in a sequence's packed copy
-_START = array("I", [MAX_TOKEN_ID + 1]).tobytes()  # marks where an output, and its prediction, start
 
 
 @dataclass(frozen=True)
@@ -120,11 +115,12 @@ class NgramProposer:
         if lookup is None:
             lookup = self._lookups[seq] = _Lookup(seq.params.prediction)
         tokens, packed = seq.token_ids, lookup.packed
-        packed += array("I", tokens[len(packed) // _WIDTH:]).tobytes()
+        packed += array("I", tokens[len(packed) // TOKEN_BYTES:]).tobytes()
         total = len(tokens)
         lookup.predicted = False
-        if lookup.prediction:
-            drafts = self._predicted(lookup, total - seq.num_prompt_tokens + seq.params.resumed_tokens, limit)
+        if lookup.prediction is not None:
+            cfg, outputs = self.config, total - seq.num_prompt_tokens + seq.params.resumed_tokens
+            drafts = lookup.prediction.drafts(packed, outputs, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             if drafts:
                 lookup.predicted = True
                 return drafts
@@ -132,45 +128,12 @@ class NgramProposer:
             lookup.skip -= 1
             return ()
         for n in range(min(self.config.prompt_lookup_max, total - 1), self.config.prompt_lookup_min - 1, -1):
-            found = _latest(packed, bytes(packed[(total - n) * _WIDTH:]), (total - 1) * _WIDTH)
+            found = _latest(packed, bytes(packed[(total - n) * TOKEN_BYTES:]), (total - 1) * TOKEN_BYTES)
             if found is not None:
-                start = found // _WIDTH + n
+                start = found // TOKEN_BYTES + n
                 period = total - start
                 return tuple(tokens[start + j % period] for j in range(limit))
         return ()
-
-    def _predicted(self, lookup: _Lookup, outputs: int, limit: int) -> tuple[int, ...]:
-        """Up to `limit` tokens of the prediction after an occurrence of the longest of the output's
-        endings of prompt_lookup_max down to prompt_lookup_min tokens (the whole output, marked at
-        its start, in place of any longer): one that ends where the prediction, followed since the
-        last match, has the output's end; else the earliest at or after the last match; else the
-        earliest anywhere. () where none occurs."""
-        packed, prediction = lookup.packed, lookup.prediction
-        end, matched = len(packed), lookup.matched
-        endings = []  # (length, pattern), longest first
-        for n in range(min(self.config.prompt_lookup_max, outputs + 1), 0, -1):
-            whole = n > outputs  # the output from its start: anchored at the prediction's start
-            if n < self.config.prompt_lookup_min and not whole:
-                break
-            endings.append((n, (_START + bytes(packed[end - outputs * _WIDTH:])) if whole
-                            else bytes(packed[end - n * _WIDTH:])))
-        if matched:
-            aligned = matched + outputs - lookup.matched_at
-            for n, pattern in endings:
-                if aligned >= n and prediction[(aligned - n) * _WIDTH:aligned * _WIDTH] == pattern:
-                    return self._continue(lookup, aligned, outputs, limit)
-        for first in (matched, 0) if matched else (0,):
-            for n, pattern in endings:
-                found = _earliest(prediction, pattern, max(0, first - n) * _WIDTH)
-                if found is not None:
-                    return self._continue(lookup, found // _WIDTH + n, outputs, limit)
-        return ()
-
-    @staticmethod
-    def _continue(lookup: _Lookup, at: int, outputs: int, limit: int) -> tuple[int, ...]:
-        """The prediction's tokens from index `at` of its marked copy, where the output goes on."""
-        lookup.matched, lookup.matched_at = at, outputs
-        return tuple(array("I", lookup.prediction[at * _WIDTH:(at + limit) * _WIDTH]))
 
 
 def accepted(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
@@ -183,33 +146,23 @@ def accepted(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
 
 
 class _Lookup:
-    """One sequence's: its tokens packed so far, its backoff (steps it skips, and skips next); its
-    prediction packed after a start mark, where its last match there ended (the index of the token
-    after it) and its output's length then, and whether its latest drafts came from there."""
+    """One sequence's: its tokens packed so far, its backoff (steps it skips, and skips next), its
+    prediction's lookup (None: none), and whether its latest drafts came from there."""
 
-    __slots__ = ("packed", "skip", "backoff", "prediction", "matched", "matched_at", "predicted")
+    __slots__ = ("packed", "skip", "backoff", "prediction", "predicted")
 
     def __init__(self, prediction: tuple[int, ...] = ()) -> None:
         self.packed, self.skip, self.backoff = bytearray(), 0, 0
-        self.prediction = _START + array("I", prediction).tobytes() if prediction else b""
-        self.matched, self.matched_at, self.predicted = 0, 0, False
+        self.prediction = PredictionLookup(prediction) if prediction else None
+        self.predicted = False
 
 
 def _latest(packed: bytearray, pattern: bytes, end: int) -> int | None:
     """The byte offset of the latest token-aligned occurrence of `pattern` in packed[:end]."""
     while (found := packed.rfind(pattern, 0, end)) >= 0:
-        if found % _WIDTH == 0:
+        if found % TOKEN_BYTES == 0:
             return found
         end = found + len(pattern) - 1  # an unaligned match: look before it
-    return None
-
-
-def _earliest(packed: bytes, pattern: bytes, start: int) -> int | None:
-    """The byte offset of the earliest token-aligned occurrence of `pattern` in packed[start:]."""
-    while (found := packed.find(pattern, start)) >= 0:
-        if found % _WIDTH == 0:
-            return found
-        start = found + 1  # an unaligned match: look after it
     return None
 
 
