@@ -42,17 +42,24 @@ import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
+from engine_step_curves import (  # this script's folder
+    ENGINE_ARGS,
+    fmt,
+    measure_decode_steps,
+    measure_prefill,
+    print_step_curves,
+    random_prompt,
+    summarize,
+)
+
 from splitserve.data import TRACES_DIR
 from splitserve.engine.demo import DEMO_MODEL_CONFIG
 from splitserve.engine.llm import LLM
-from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model.llama import checkpoint_tensors
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import ByteTokenizer
 
 DEFAULT_TRACE = TRACES_DIR / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
-ENGINE_ARGS = {"device": "cpu", "dtype": "float32"}
-NUM_BYTE_TOKENS = 256  # prompts are random byte tokens, never special ones
 
 FULL = {"num_requests": 64, "length_scale": 0.125, "in_flight": "1,4,16,32", "repeats": 3,
         "latency_prompt_len": 64, "latency_output_len": 64, "decode_batches": "1,2,4,8,16,32,64",
@@ -123,14 +130,6 @@ def load_workload(args) -> list[tuple[list[int], int]]:
         prompt = max(1, min(round(prompt_len * args.length_scale), args.max_total_len - out))
         requests.append((random_prompt(rng, prompt), out))
     return requests
-
-
-def random_prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(NUM_BYTE_TOKENS) for _ in range(length)]
-
-
-def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
 # ---- the two sides ---------------------------------------------------------------------------
@@ -265,60 +264,6 @@ def measure_latency(args, hf_model) -> dict:
             "greedy_tokens_identical": f"{same}/{args.latency_output_len}"}
 
 
-def _steps_until_all_decoding(engine: LLMEngine) -> None:
-    policy = engine.policy
-    while policy.waiting or not all(seq.is_decoding for seq in policy.running):
-        engine.step()
-
-
-def measure_decode_steps(args) -> dict:
-    """Step time with B sequences decoding (each about --decode-context tokens of context). The
-    prefill_first policy prefills every prompt before any decode, so all B start at the same length."""
-    batches = args.decode_batches
-    engine = LLMEngine("demo", **ENGINE_ARGS, policy="prefill_first", max_num_seqs=max(batches),
-                       enable_prefix_caching=False)
-    rng = random.Random(args.seed + 2)
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.decode_steps + 2)
-    times = {b: [] for b in batches}
-    counter = 0
-    for _ in range(args.char_repeats):
-        for b in batches:
-            ids = [f"d{counter + i}" for i in range(b)]
-            counter += b
-            for request_id in ids:
-                engine.add_request(request_id, random_prompt(rng, args.decode_context), params)
-            _steps_until_all_decoding(engine)
-            for _ in range(args.decode_steps):
-                start = time.perf_counter()
-                engine.step()
-                times[b].append((time.perf_counter() - start) * 1e3)
-                if len(engine.policy.running) != b:
-                    sys.exit(f"{b} sequences of {args.decode_context} tokens do not all fit the demo engine's KV "
-                             "cache: lower --decode-batches or --decode-context")
-            for request_id in ids:
-                engine.abort(request_id)
-    return {str(b): {**summarize(t), "context_tokens": f"{args.decode_context + 1}-{args.decode_context + args.decode_steps}",
-                     "tokens_per_s": b / statistics.median(t) * 1e3} for b, t in times.items()}
-
-
-def measure_prefill(args) -> dict:
-    """Time of the one step that prefills a whole prompt (prefill_first policy: no chunking)."""
-    engine = LLMEngine("demo", **ENGINE_ARGS, policy="prefill_first", enable_prefix_caching=False)
-    lens = sorted({min(n, engine.max_model_len - 1) for n in args.prefill_lens})
-    rng = random.Random(args.seed + 3)
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
-    times = {n: [] for n in lens}
-    for rep in range(args.char_repeats):
-        for n in lens:
-            engine.add_request(f"p{rep}-{n}", random_prompt(rng, n), params)
-            start = time.perf_counter()
-            engine.step()
-            times[n].append((time.perf_counter() - start) * 1e3)
-            if engine.has_unfinished_requests():
-                raise RuntimeError(f"a {n}-token prompt did not prefill in one step")
-    return {str(n): {**summarize(t), "tokens_per_s": n / statistics.median(t) * 1e3} for n, t in times.items()}
-
-
 def warm_up(args, hf_model) -> None:
     """One small run on each side, so first-call costs (kernel selection, allocations) are not timed."""
     rng = random.Random(args.seed + 4)
@@ -328,24 +273,13 @@ def warm_up(args, hf_model) -> None:
 
 
 # ---- report ----------------------------------------------------------------------------------
-def fmt(stats: dict, digits: int = 1) -> str:
-    return f"{stats['median']:.{digits}f} [{stats['min']:.{digits}f}–{stats['max']:.{digits}f}]"
-
-
 def print_report(result: dict) -> None:
     hw, s = result["hardware"], result["settings"]
     print(f"\nHardware: {hw['cpu']}, {hw['usable_cores']} usable cores ({hw['logical_cores']} logical), "
           f"torch {hw['torch']}, transformers {hw['transformers']}, {hw['threads']} torch threads, float32")
     if "throughput" in result:
         print_against_hf(result)
-    print(f"\nOur engine, decode step vs running sequences ({s['char_repeats']} x {s['decode_steps']} steps)\n")
-    print("| running seqs | context tokens | step ms | tokens/s |\n|---:|---:|---:|---:|")
-    for b, r in result["decode_step_ms_by_batch"].items():
-        print(f"| {b} | {r['context_tokens']} | {fmt(r, 2)} | {r['tokens_per_s']:.0f} |")
-    print(f"\nOur engine, prefill step vs prompt length ({s['char_repeats']} repeats)\n")
-    print("| prompt tokens | step ms | prompt tokens/s |\n|---:|---:|---:|")
-    for n, r in result["prefill_ms_by_prompt_len"].items():
-        print(f"| {n} | {fmt(r, 2)} | {r['tokens_per_s']:.0f} |")
+    print_step_curves(result)
     if "throughput" in result:
         print(f"\nthroughput_ratio_vs_hf (C={max(s['in_flight'])}): {result['throughput_ratio_vs_hf']:.2f}x, "
               f"single_request_latency_ratio_vs_hf: {result['single_request_latency_ratio_vs_hf']:.2f}x")
