@@ -64,20 +64,18 @@ def measure(engines: dict[int, LLMEngine], batch: int, temperature: float, args)
     draw = random.Random(batch)
     vocab = next(iter(engines.values())).model_config.vocab_size
     prompts = [[draw.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(batch)]
-    rows = compare(engines, prompts, temperature, args)
-    if args.edit_every:
-        outputs = rows[0]["ids"]  # the base's: what each request gives, whichever way
+    rows, outputs = compare(engines, prompts, temperature, args)
+    if args.edit_every:  # each request's own output (the same whichever way), every Nth token changed
         predictions = [[(t + 1) % vocab if (j + 1) % args.edit_every == 0 else t for j, t in enumerate(ids)]
                        for ids in outputs]
-        rows += compare(engines, prompts, temperature, args, predictions, f"edited 1/{args.edit_every}")
-    for row in rows:
-        del row["ids"]
+        rows += compare(engines, prompts, temperature, args, predictions, f"edited 1/{args.edit_every}")[0]
     return rows
 
 
 def compare(engines: dict[int, LLMEngine], prompts: list[list[int]], temperature: float, args,
-            predictions: list[list[int]] | None = None, prediction: str = "none") -> list[dict]:
-    """The batch run by every engine in turn, `args.repeats` times: a row per engine."""
+            predictions: list[list[int]] | None = None, prediction: str = "none") -> tuple[list[dict], list]:
+    """The batch run by every engine in turn, `args.repeats` times: a row per engine, and the base's
+    outputs (token ids per request)."""
     runs: dict[int, list[dict]] = {k: [] for k in engines}
     for repeat in range(args.repeats):
         for k in (list(engines) if repeat % 2 == 0 else list(reversed(engines))):  # alternate who goes first
@@ -89,13 +87,13 @@ def compare(engines: dict[int, LLMEngine], prompts: list[list[int]], temperature
         tokens_per_s = statistics.median(r["tokens_per_s"] for r in results)
         rows.append({"temperature": temperature, "batch": len(prompts), "prediction": prediction, "k": k,
                      "from_prediction": accepted / (accepted + rejected) if accepted + rejected else None,
-                     "ids": results[0]["ids"], "drafted": drafted,
+                     "drafted": drafted,
                      "acceptance": kept / drafted if drafted else None,
                      "steps": statistics.median(r["steps"] for r in results), "tokens_per_s": tokens_per_s,
                      "tpot_ms_p50": statistics.median(t for r in results for t in r["tpot"]) * 1e3,
                      "speedup": tokens_per_s / statistics.median(r["tokens_per_s"] for r in base),
                      "equal": all(r["ids"] == b["ids"] for r, b in zip(results, base))})
-    return rows
+    return rows, base[0]["ids"]
 
 
 def print_table(result: dict) -> None:

@@ -31,8 +31,7 @@ class SimResult:
     workers: tuple[WorkerStats, ...]    # by worker id
     duration_s: float                   # first arrival to the last token (or refusal), simulated
     num_events: int
-    seed: int  # as given: the simulation draws no random numbers (drafts kept are drawn seeded by each
-    # worker's name), so every seed gives the same run
+    seed: int  # as given: every seed gives the same run (the only draws, of drafts kept, are seeded by worker name)
     kv_tokens_sent: int = 0    # prompt tokens whose KV went from a prompt worker to a token worker
     kv_tokens_reused: int = 0  # prompt tokens of split requests whose KV the token worker's cache held
     placements_refused: int = 0  # placements whose token worker refused the reservation (a stale report)
