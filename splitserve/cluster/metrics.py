@@ -145,6 +145,12 @@ class ClusterMetrics:
                                     registry=self.registry)
         self.accepted_tokens = Counter("splitserve_spec_decode_accepted_tokens", "Drafted tokens the check kept (each "
                                        "one a step saved)", ("model", "worker"), registry=self.registry)
+        self.host_saved = Counter("splitserve_kv_host_saved_tokens", "Tokens of prefix-cache blocks the KV cache "
+                                  "evicted into host memory (engine.kv_host_cache_bytes)", ("model", "worker"),
+                                  registry=self.registry)
+        self.host_restored = Counter("splitserve_kv_host_restored_tokens", "Tokens of prefix-cache blocks copied "
+                                     "back from host memory for a prefix hit (not computed again)", ("model", "worker"),
+                                     registry=self.registry)
         self.kv_reused = Counter("splitserve_kv_import_reused_tokens", "Imported prompt tokens whose KV the token "
                                  "worker's prefix cache held (not received)", ("model", "worker"), registry=self.registry)
         self.kv_visible = self._histogram("splitserve_kv_transfer_visible_seconds",
@@ -239,7 +245,9 @@ class ClusterMetrics:
                                      (self.leases_expired, stats.leases_expired, last.leases_expired),
                                      (self.step_failures, stats.step_failures, last.step_failures),
                                      (self.worker_aborts, stats.aborted_requests, last.aborted_requests),
-                                     (self.lora_swaps, stats.lora_swaps, last.lora_swaps)):
+                                     (self.lora_swaps, stats.lora_swaps, last.lora_swaps),
+                                     (self.host_saved, stats.kv_host_saved_tokens, last.kv_host_saved_tokens),
+                                     (self.host_restored, stats.kv_host_restored_tokens, last.kv_host_restored_tokens)):
             counter.labels(*sender).inc(max(0, now - before))
         for transfer in stats.transfers:
             self.kv_visible.labels(*sender).observe(transfer.visible_seconds)
@@ -260,7 +268,7 @@ class ClusterMetrics:
             self._drop_series(labels)
         for metric in (self.kv_bytes, self.prefill_tokens, self.draft_tokens, self.accepted_tokens, self.kv_reused,
                        self.kv_visible, self.kv_overlap, self.kv_failures, self.leases_expired, self.step_failures,
-                       self.worker_aborts, self.lora_swaps):
+                       self.worker_aborts, self.lora_swaps, self.host_saved, self.host_restored):
             _remove(metric, (self.model, worker_id))
         self._totals.pop(worker_id, None)
 

@@ -214,7 +214,7 @@ class WorkerLoop:
         self.stats.leases_expired = (self.exporter.leases_expired + self.importer.leases_expired) if self.exporter else 0
         used = blocks.num_blocks - blocks.num_free_blocks
         return self.stats.drain(self.engine.policy.num_preemptions, sent, reused, used, blocks.num_free_blocks,
-                                self.engine.policy.adapter_swaps)
+                                self.engine.policy.adapter_swaps, self.engine.host_tier_tokens)
 
     # ---- internals -----------------------------------------------------------------------
     def require_healthy(self) -> None:

@@ -21,6 +21,8 @@ class WorkerStats:
     step_failures: int = 0                       # steps that raised (their requests failed over)
     aborted_requests: int = 0                    # requests stopped here before they finished
     lora_swaps: int = 0                          # LoRA adapters copied into a device slot from host memory
+    kv_host_saved_tokens: int = 0                # the prefix cache's evicted tokens kept in host memory (host tier)
+    kv_host_restored_tokens: int = 0             # and copied back for a prefix hit
     kv_blocks_used: int = 0                      # now
     kv_blocks_free: int = 0
 
@@ -44,9 +46,10 @@ class StatsRecorder:
         self._transfers.append(stats)
 
     def drain(self, preemptions: int, kv_bytes_sent: int, kv_tokens_reused: int, blocks_used: int,
-              blocks_free: int, lora_swaps: int = 0) -> WorkerStats:
+              blocks_free: int, lora_swaps: int = 0, host_tokens: tuple[int, int] = (0, 0)) -> WorkerStats:
+        """`host_tokens`: the host tier's tokens saved and restored so far."""
         stats = WorkerStats(tuple(self._steps), tuple(self._queue), tuple(self._transfers), preemptions,
                             kv_bytes_sent, kv_tokens_reused, self.kv_failures, self.leases_expired, self.step_failures,
-                            self.aborted_requests, lora_swaps, blocks_used, blocks_free)
+                            self.aborted_requests, lora_swaps, *host_tokens, blocks_used, blocks_free)
         self._steps, self._queue, self._transfers = [], [], []
         return stats

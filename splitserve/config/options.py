@@ -131,6 +131,11 @@ class EngineOptions(StrictModel):
                                      "the chunk computes.")
     enable_prefix_caching: bool = Field(True, description="Share the KV of full blocks between prompts with the same "
                                         "prefix.")
+    kv_host_cache_bytes: int = Field(0, ge=0, description="Host memory per worker (per rank, with tensor "
+                                     "parallelism) that keeps the prefix cache's blocks the KV cache evicts: a later "
+                                     "prompt with that prefix copies them back instead of computing them again "
+                                     "(vLLM's KV offloading, SGLang's hierarchical cache). 0: none. Pinned on CUDA; "
+                                     "refused past the host's free memory.")
     dtype: str = Field("auto", description="auto (the checkpoint's torch_dtype), float32, bfloat16 or float16.")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         "auto", description="auto (the serving dtype) or fp8 (= fp8_e4m3): K and V stored as float8 e4m3 codes, "

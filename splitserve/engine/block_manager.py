@@ -43,6 +43,10 @@ hold all of them until the step that computes them. Admission still guarantees t
 prefill: blocks are *promised* to it (`block_promises`), counted out of `num_free_blocks`, and
 its `grow`s draw on them first; so its chunks find their blocks as a whole prompt's do (but for
 the rare case `BlockPromises.settle` names).
+
+With a host tier (`host_kv_tier`), the pool saves the cached blocks it evicts in host memory, and
+`allocate` and `reserve_for_import` first copy back those of the sequence's prefix
+(`prefix_restore`); the queries never copy, and ask of the free blocks what the copies leave.
 """
 from __future__ import annotations
 
@@ -52,8 +56,10 @@ from splitserve.engine.block_integrity import check_tables
 from splitserve.engine.block_pool import NULL_BLOCK, BlockPool
 from splitserve.engine.block_promises import BlockPromises
 from splitserve.engine.held_blocks import HeldBlocks
+from splitserve.engine.host_kv_tier import HostKVTier
 from splitserve.engine.prefix_hash import ROOT, block_key
 from splitserve.engine.prefix_hit import PrefixHit, find_hit, first_needed, handed_off_hit, no_hit, released_to
+from splitserve.engine.prefix_restore import restore_prefix
 from splitserve.engine.sequence import Sequence
 
 
@@ -63,9 +69,11 @@ class OutOfBlocksError(RuntimeError):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 root_of: Callable[[Sequence], int] = lambda seq: ROOT, windows: Seq[int | None] = (None,)):
+                 root_of: Callable[[Sequence], int] = lambda seq: ROOT, windows: Seq[int | None] = (None,),
+                 host_tier: HostKVTier | None = None):
         """`num_blocks`: the cache's blocks; where a group has a window, one of them is NULL_BLOCK.
-        `windows`: per layer group, its window or None (whole context)."""
+        `windows`: per layer group, its window or None (whole context). `host_tier`: where evicted
+        cached blocks are kept (None: they are dropped)."""
         windows = tuple(windows)
         reserved = int(any(w is not None for w in windows))
         if num_blocks < 1 or block_size < 1:
@@ -77,7 +85,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = windows
         self._root_of = root_of
-        self._pool = BlockPool(num_blocks, reserved, len(windows))
+        self._pool = BlockPool(num_blocks, reserved, len(windows), host_tier)
         self._held: dict[str, HeldBlocks] = {}
         self._promises = BlockPromises(self._pool, windows, block_size)
         self.num_cache_hit_blocks = 0
@@ -168,8 +176,10 @@ class BlockManager:
 
         Sets `seq.num_computed_tokens` to the tokens whose KV came from the cache.
         """
-        hit = self._prefix_hit(seq) if use_prefix_cache else self._no_hit(seq)
-        self._take(seq, hit, self._chunk_of(seq, chunk_tokens))
+        chunk = self._chunk_of(seq, chunk_tokens)
+        hit = self._restored_hit(seq, lambda h: self._free_blocks_needed(seq, h, chunk)) if use_prefix_cache \
+            else self._no_hit(seq)
+        self._take(seq, hit, chunk)
 
     def _take(self, seq: Sequence, hit: PrefixHit, chunk: int | None, headroom: int = 0) -> None:
         """`allocate` with its hit: per group, `hit.released` leading NULL_BLOCKs, then the hit's
@@ -284,11 +294,20 @@ class BlockManager:
         other decodes here: read only then, `full_growth`): it never comes later than a whole
         reservation's, and the full groups' growth is not left to preemptions. Returns every
         group's table."""
-        hit = self._prefix_hit(seq) if reuse_prefix else self._no_hit(seq)
         windows = [None] * self.num_groups if seq.hand_off else self.windows
-        reserved = released_to(hit, [self._first_needed(seq.num_tokens, w) for w in windows])
-        skipped = sum(reserved.released) - sum(hit.released)
-        headroom = min(skipped, self.full_growth(seq) + sum(map(self.full_growth, others))) if skipped else 0
+        growth = self.full_growth(seq) + sum(map(self.full_growth, others))
+
+        def reservation(hit: PrefixHit) -> tuple[PrefixHit, int]:  # its blocks, and the headroom it asks
+            reserved = released_to(hit, [self._first_needed(seq.num_tokens, w) for w in windows])
+            skipped = sum(reserved.released) - sum(hit.released)
+            return reserved, min(skipped, growth) if skipped else 0
+
+        def need(hit: PrefixHit) -> int:
+            reserved, headroom = reservation(hit)
+            return self._free_blocks_needed(seq, reserved, None) + headroom
+
+        hit = self._restored_hit(seq, need) if reuse_prefix else self._no_hit(seq)
+        reserved, headroom = reservation(hit)
         self._take(seq, reserved, None, headroom)
         return self.export_blocks(seq.seq_id)
 
@@ -380,6 +399,19 @@ class BlockManager:
         if not seq.hand_off:
             return find_hit(self._pool, seq, self.windows, self.block_size, self._root_of(seq))
         return handed_off_hit(self._pool, seq, self.windows, self.block_size, self._root_of(seq), self._keep_of(seq))
+
+    def _restored_hit(self, seq: Sequence, need: Callable[[PrefixHit], int]) -> PrefixHit:
+        """`_prefix_hit` once the host tier's blocks of the prefix are back in the device cache;
+        the hit without them where that `need`s fewer free blocks (a windowed group's longer hit
+        may trade a block others hold for a restored one): so a mutation never asks more than
+        the query before it (`blocks_to_admit`) said. The restore keeps the shorter hit's blocks."""
+        hit = self._prefix_hit(seq)
+        if self._pool.host_tier is None or not self.enable_prefix_caching or seq.needs_prompt_logits:
+            return hit
+        if restore_prefix(self._pool, seq, self.windows, self.block_size, self._root_of(seq)):
+            restored = self._prefix_hit(seq)
+            return restored if need(restored) <= need(hit) else hit
+        return hit
 
     def _keep_of(self, seq: Sequence) -> tuple[int, ...] | None:
         """Per group, the first block a sequence never releases: for a handed-off one the block of

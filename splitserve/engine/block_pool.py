@@ -12,11 +12,17 @@ Invariants (checked by `BlockManager.check_integrity`):
   cached since the last take are all still cached, hashes evicted since are none of them. Only
   caching and eviction record it, so with prefix caching off it costs nothing.
 - the first `reserved` ids (NULL_BLOCK, where a group has a window) are never handed out.
+- with a host tier (`host_kv_tier`), an evicted hashed block is saved there before its id is
+  handed out again, and the prefix delta counts the two tiers as one cache: a block moving between
+  them records nothing, one the host tier pushes out is evicted.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+
+from splitserve.engine.host_kv_tier import HostEntry, HostKVTier
 
 NULL_BLOCK = 0  # with a windowed group: the reserved id that stands in a table for a released block
 
@@ -29,8 +35,8 @@ class CachedBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, reserved: int, groups: int):
-        self.num_blocks, self.reserved = num_blocks, reserved
+    def __init__(self, num_blocks: int, reserved: int, groups: int, host_tier: HostKVTier | None = None):
+        self.num_blocks, self.reserved, self.host_tier = num_blocks, reserved, host_tier
         self.fresh: deque[int] = deque(range(reserved, num_blocks))  # free, no cached content; oldest freed first
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free hashed blocks, LRU order
         self.hashed: dict[int, CachedBlock] = {}  # block id -> its key, group and ref count
@@ -55,8 +61,8 @@ class BlockPool:
             return False
         self.hashed[block_id] = CachedBlock(key, group)
         cached[key_hash] = block_id
-        if group:
-            return True
+        if self.host_tier is not None and self.host_tier.discard(group, key_hash) or group:
+            return True  # group 0's with a host copy: cached all along
         if key_hash in self._evicted:
             self._evicted.discard(key_hash)
         else:
@@ -72,18 +78,33 @@ class BlockPool:
             return [popleft() for _ in range(count)]
         taken = list(fresh)
         fresh.clear()
+        evicted = []
         for _ in range(count - len(taken)):
             block_id, _ = self.evictable.popitem(last=False)
             block = self.hashed.pop(block_id)
             key_hash = hash(block.key)
             del self.cached[block.group][key_hash]
-            if block.group == 0:
-                if key_hash in self._newly_cached:  # cached and evicted since the last take: no change
-                    del self._newly_cached[key_hash]
-                else:
-                    self._evicted.add(key_hash)
+            evicted.append((block_id, HostEntry(block.key, block.group, key_hash)))
             taken.append(block_id)
+        self._record_evicted(self.host_tier.keep(evicted) if self.host_tier is not None else
+                             [entry for _, entry in evicted])
         return taken
+
+    def _record_evicted(self, entries: Seq[HostEntry]) -> None:
+        for entry in entries:
+            if entry.group:
+                continue
+            if entry.key_hash in self._newly_cached:  # cached and evicted since the last take: no change
+                del self._newly_cached[entry.key_hash]
+            else:
+                self._evicted.add(entry.key_hash)
+
+    def revive(self, block_id: int, entry: HostEntry) -> None:
+        """Cache a block taken fresh whose content a restore has copied in, free (evictable) and
+        most recently used; cached all along, for the prefix delta."""
+        self.hashed[block_id] = CachedBlock(entry.key, entry.group, ref_count=0)
+        self.cached[entry.group][entry.key_hash] = block_id
+        self.evictable[block_id] = None
 
     def take(self, block_id: int) -> None:
         """Share the cached block `block_id` (reviving it if it was free)."""
@@ -110,8 +131,15 @@ class BlockPool:
 
     def take_snapshot(self) -> tuple[int, ...]:
         self._newly_cached, self._evicted = {}, set()
-        return tuple(self.cached[0])
+        return tuple(self._cached_anywhere())
+
+    def _cached_anywhere(self) -> dict[int, int]:
+        """Group 0's hashes in either tier, the host tier's (older) first."""
+        return self.cached[0] if self.host_tier is None else {**self.host_tier.cached[0], **self.cached[0]}
 
     def check_delta(self) -> None:
-        if not self._newly_cached.keys() <= self.cached[0].keys() or not self._evicted.isdisjoint(self.cached[0]):
+        cached = self._cached_anywhere()
+        if not self._newly_cached.keys() <= cached.keys() or not self._evicted.isdisjoint(cached):
             raise RuntimeError("the prefix delta disagrees with the prefix cache")
+        if self.host_tier is not None:
+            self.host_tier.check(self.cached)

@@ -34,6 +34,7 @@ class EngineConfig:
     chunk_token_budget: int = 512              # MixedPolicy: tokens per hybrid iteration
     prompt_chunk_tokens: int = 8192            # Prompt/TokenPolicy: a longer prompt is prefilled in chunks of this many
     enable_prefix_caching: bool = True
+    kv_host_cache_bytes: int = 0               # host memory that keeps the prefix cache's evicted blocks (0: none)
     dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"               # auto (the serving dtype) | fp8 | fp8_e4m3 (see attention.fp8_kv)
     device: str = "auto"                       # auto | cpu | cuda | cuda:N
@@ -86,6 +87,9 @@ class EngineConfig:
                      "kv_cache_memory_bytes", "num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.kv_host_cache_bytes < 0 or self.kv_host_cache_bytes and not self.enable_prefix_caching:
+            raise ConfigError(f"kv_host_cache_bytes must be >= 0 (0: no host tier), and needs enable_prefix_caching "
+                              f"(it keeps the prefix cache's blocks), got {self.kv_host_cache_bytes!r}")
         if self.cuda_graph_max_batch < 0:
             raise ConfigError(f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_batch!r}")
         if self.gpu_reserve_bytes < 0:

@@ -11,6 +11,8 @@ from splitserve.engine.bad_words import BadWords
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.engine_config import EngineConfig
 from splitserve.engine.grammar import GrammarMasks
+from splitserve.engine.host_kv_blocks import LeaderHostKV
+from splitserve.engine.host_kv_tier import HostKVTier
 from splitserve.engine.in_flight import InFlight, drain
 from splitserve.engine.outputs import RequestOutput, StepStats
 from splitserve.engine.policies import Plan, make_policy
@@ -62,9 +64,13 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.kv_cache, self.runner = shard.kv_cache, shard.runner
         self._long_rope_from = loaded.config.long_rope_from
+        windows = self.kv_cache.groups.windows
+        self._host_kv = shard.host_kv if self.tp_leader is None or shard.host_kv is None else \
+            LeaderHostKV(shard.host_kv, self.tp_leader)
+        self.host_tier = None if self._host_kv is None else \
+            HostKVTier(shard.host_kv.host.shape[0], len(windows), self._host_kv)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          sequence_root(self._long_rope_from),
-                                          self.kv_cache.groups.windows)
+                                          sequence_root(self._long_rope_from), windows, self.host_tier)
         limits = config.scheduler_limits(self.max_model_len)
         self.policy = make_policy(config.policy, self.block_manager, limits)
         self.adapters = EngineAdapters(self.runner.model, self.tp_leader, self._adapters_in_use, config.max_num_seqs)
@@ -118,6 +124,14 @@ class LLMEngine:
             self._in_flight.wait()  # adopting may preempt a prompt mid-prefill: nothing may write its blocks then
         policy.adopt(self.policy)
         self.policy = policy
+
+    @property
+    def host_tier_tokens(self) -> tuple[int, int]:
+        """The host KV tier's tokens saved and restored so far (a token's block of every layer group)."""
+        if self.host_tier is None:
+            return 0, 0
+        per_block = self.config.block_size / self.block_manager.num_groups
+        return int(self.host_tier.saved_blocks * per_block), int(self.host_tier.restored_blocks * per_block)
 
     def has_unfinished_requests(self) -> bool:
         return self.policy.has_work() or self._in_flight is not None or self._failed is not None
@@ -299,6 +313,8 @@ class LLMEngine:
         positions after them."""
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
         tables = self.policy.reserve_import(req.seq, reuse_prefix)
+        if self._host_kv is not None:
+            self._host_kv.wait()  # blocks the reservation evicted are saved before the import writes them
         self._requests[request_id] = req
         return req.seq, tables
 

@@ -11,6 +11,7 @@ from splitserve.engine.attention import AttentionBackend, fp8_kv, select_backend
 from splitserve.engine.config import ConfigError
 from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.engine_config import EngineConfig
+from splitserve.engine.host_kv_blocks import HostKVBlocks
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_groups import kv_groups
 from splitserve.engine.kv_memory_check import check_kv_cache_fits
@@ -28,6 +29,7 @@ class EngineShard:
     loaded: LoadedModel
     kv_cache: KVCache
     runner: ModelRunner
+    host_kv: HostKVBlocks | None = None  # the host tier's memory (kv_host_cache_bytes), this rank's heads
 
     @property
     def model_config(self):
@@ -66,6 +68,10 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
                        config.kv_cache_dtype)
     if fp8_kv.is_fp8(config.kv_cache_dtype):
         log_fp8_scales(loaded.model)
+    host_kv = None
+    if config.kv_host_cache_bytes:
+        slots = HostKVBlocks.num_slots(kv_cache, config.kv_host_cache_bytes)
+        host_kv = HostKVBlocks(kv_cache, group.min_int(slots) if group is not None else slots)
     runner = ModelRunner(loaded.model, kv_cache, backend, loaded.device, channel)
     if loaded.device.type == "cuda":
         from splitserve.engine.kernel_warm_up import warm_up  # triton: CUDA builds of torch bring it
@@ -75,7 +81,7 @@ def build_shard(model: str, config: EngineConfig, group: TPGroup | None = None,
         runner.graphs = DecodeGraphs(runner, backend, min(config.cuda_graph_max_batch, config.max_num_seqs),
                                      loaded.max_model_len)
         runner.graphs.capture()
-    return EngineShard(loaded, kv_cache, runner)
+    return EngineShard(loaded, kv_cache, runner, host_kv)
 
 
 def log_fp8_scales(model: nn.Module) -> None:

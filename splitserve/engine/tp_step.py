@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.engine_config import EngineConfig
+from splitserve.engine.host_kv_blocks import HostKVCopy
 from splitserve.engine.lora_loading import DropAdapters, StoreAdapter, WriteSlot
 from splitserve.engine.model_runner import ModelRunner, StepBatch
 from splitserve.engine.shard_builder import build_shard
@@ -103,6 +104,7 @@ class TPFollower:
         shard = build_shard(model, config, group)
         self.model_config, self.kv_cache, self.max_model_len = shard.model_config, shard.kv_cache, shard.max_model_len
         self.runner: ModelRunner = shard.runner
+        self.host_kv = shard.host_kv
         self.on_command: Callable[[object], None] | None = None
         self.after_layer: Callable[[int], None] | None = None
         self.report: Callable[[], object] | None = None
@@ -116,6 +118,8 @@ class TPFollower:
             for command in round_.commands[self.group.rank - 1]:
                 if isinstance(command, (StoreAdapter, WriteSlot, DropAdapters)):  # the engine's own (LoRA adapters)
                     command.apply(self.runner.model)
+                elif isinstance(command, HostKVCopy):  # the engine's own (the host KV tier)
+                    command.apply(self.host_kv)
                 else:
                     self.on_command(command)
             if round_.batch is not None:

@@ -125,9 +125,13 @@ def test_worker_reports_set_gauges_histograms_and_counter_deltas(metrics):
     assert value(metrics, "splitserve_kv_transfer_overlap_ratio_sum", worker="p0") == pytest.approx(0.75)
     # totals become counter increments: a second report adds only the difference
     metrics.record_worker("p0", Role.PROMPT, "h100", load, worker_stats(steps=(), transfers=(), queue_seconds=(),
-                                                                       preemptions=5, kv_bytes_sent=2500, lora_swaps=3))
+                                                                       preemptions=5, kv_bytes_sent=2500, lora_swaps=3,
+                                                                       kv_host_saved_tokens=64,
+                                                                       kv_host_restored_tokens=32))
     assert value(metrics, "splitserve_worker_preemptions_total", **labels) == 5
     assert value(metrics, "splitserve_worker_lora_swaps_total", worker="p0") == 3
+    assert value(metrics, "splitserve_kv_host_saved_tokens_total", worker="p0") == 64
+    assert value(metrics, "splitserve_kv_host_restored_tokens_total", worker="p0") == 32
     assert value(metrics, "splitserve_kv_transfer_bytes_total", worker="p0") == 2500
     assert value(metrics, "splitserve_worker_prefill_tokens_total", worker="p0") == 400  # 300 + 100 prefilled
     assert value(metrics, "splitserve_request_queue_seconds_count") == 1

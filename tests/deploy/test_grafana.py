@@ -64,6 +64,8 @@ METRICS = {
     # prefix reuse
     "splitserve_worker_prefill_tokens_total": ("counter", ("model", "worker")),
     "splitserve_kv_import_reused_tokens_total": ("counter", ("model", "worker")),
+    "splitserve_kv_host_saved_tokens_total": ("counter", ("model", "worker")),
+    "splitserve_kv_host_restored_tokens_total": ("counter", ("model", "worker")),
     # pools
     "splitserve_pool_workers": ("gauge", ("model", "pool", "hardware")),
     "splitserve_pool_transitions_total": ("counter", ("model", "from_pool", "to_pool")),

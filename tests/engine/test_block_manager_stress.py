@@ -12,7 +12,8 @@ handed-off sequence's from those its export reads on, `export_from`, all without
 blocks). With `chunk`, prompts (handed-off ones naming `export_from` too) are admitted to be
 prefilled chunk by chunk (`allocate(chunk_tokens=...)`): their tables grow before each chunk, out
 of their promise, and the blocks they hold and are promised never pass the peak of a window and
-a chunk.
+a chunk. With `host_slots`, evicted cached blocks are kept in a host tier (its slots simulated
+as the cache's) and restored on a hit: the same check reads what they restored.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from tests.engine.block_stress_sim import EngineSim
 
 
 def _run_engine_sim(seed: int, num_ops: int, enable_prefix_caching: bool = True, num_blocks: int = 24,
-                    block_size: int = BS, windows: tuple[int | None, ...] = (None,), chunk: int | None = None) -> dict:
-    return EngineSim(seed, enable_prefix_caching, num_blocks, block_size, windows, chunk).run(num_ops)
+                    block_size: int = BS, windows: tuple[int | None, ...] = (None,), chunk: int | None = None,
+                    host_slots: int = 0) -> dict:
+    return EngineSim(seed, enable_prefix_caching, num_blocks, block_size, windows, chunk, host_slots).run(num_ops)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -83,3 +85,16 @@ def test_engine_simulation_stress_chunk_by_chunk_no_prefix_caching():
     """Nothing is shared, so a promise never falls short."""
     stats = _run_engine_sim(16, 1500, enable_prefix_caching=False, windows=(6,), chunk=5)
     assert stats["chunked"] > 50 and stats["released"] > 100 and stats["short"] == 0, stats
+
+
+@pytest.mark.parametrize("seed,windows,chunk,host_slots", [(16, (None,), None, 40), (17, (None,), None, 3),
+                                                            (18, (None, 5), None, 30), (19, (7, None), 4, 30),
+                                                            (20, (6,), 3, 12)])
+def test_engine_simulation_stress_with_a_host_tier(seed, windows, chunk, host_slots):
+    """Cached blocks the pool evicts go to the host tier and come back on a hit: every position
+    still reads its own prefix's KV (restored blocks included), the prefix delta counts both
+    tiers, and a tier smaller than one eviction keeps the newest."""
+    stats = _run_engine_sim(seed, 3000, num_blocks=24 * len(windows), windows=windows, chunk=chunk,
+                            host_slots=host_slots)
+    assert stats["restored"] > 50 and stats["saved"] > stats["restored"], stats
+    assert stats["hits"] > 20 and stats["preempted"] > 5 and stats["import_hits"] > 2, stats
