@@ -23,6 +23,8 @@ def restore_prefix(pool: BlockPool, seq: Sequence, windows: Seq[int | None], blo
     """Restore the host tier's blocks of `seq`'s chain (from `root`) up to the first block a full
     group has in neither tier; returns how many it copied."""
     tier = pool.host_tier
+    if not tier.entries:
+        return 0
     parent, on_device, wanted = root, [], []
     for i in range(num_reusable_blocks(seq.num_tokens, block_size)):
         key = block_key(parent, seq.token_ids, i, block_size)

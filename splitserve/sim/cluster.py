@@ -135,7 +135,8 @@ class Simulation:
                 worker = SimWorker(worker_id, scenario.policy_for(pool.role), scenario.perf_models[pool.setup],
                                    scenario.num_blocks_of(pool), scenario.block_size, scenario.limits,
                                    self.token_times, scenario.overhead, lambda: self.now, self.caching,
-                                   scenario.kv_windows, scenario.max_loras, scenario.lora_swap_s, scenario.drafts)
+                                   scenario.kv_windows, scenario.max_loras, scenario.lora_swap_s, scenario.drafts,
+                                   scenario.host_tier)
                 self.workers[worker_id], self._hardware_of[worker_id] = worker, pool.hardware
                 self.cls.add_worker(worker_id, pool.role, profiles[pool.setup], worker.load())
                 worker.changed = False
@@ -391,4 +392,4 @@ class Simulation:
         return WorkerStats(worker.worker_id, self._hardware_of[worker.worker_id], state.home.value, state.pool.value,
                            worker.iterations, worker.busy_s, worker.num_prefills, self.pool_moves[worker.worker_id],
                            worker.prefill_tokens, worker.policy.adapter_swaps, worker.draft_tokens,
-                           worker.accepted_tokens)
+                           worker.accepted_tokens, worker.host_restored_tokens)

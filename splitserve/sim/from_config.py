@@ -27,6 +27,7 @@ from splitserve.engine.kv_cache import CPU_KV_CACHE_BYTES
 from splitserve.engine.kv_groups import kv_groups
 from splitserve.engine.loader import load_model_config
 from splitserve.placement.state import Role
+from splitserve.sim.host_kv import HostKVModel
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.perf_model import MODEL_SHAPES, ModelShape, PerfModel, load_perf_models
 from splitserve.sim.scenario import PoolSpec, Scenario
@@ -75,7 +76,16 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
                     prefix_caching=engine.enable_prefix_caching, prefix=config.prefix_options(),
                     kv_windows=shape.kv_windows, kv_group_share=shape.kv_group_share,
                     scheduling_policy=engine.scheduling_policy, max_loras=engine.max_loras,
-                    adapters=config.adapter_options())
+                    adapters=config.adapter_options(), host_kv=host_kv_model(config, target))
+
+
+def host_kv_model(config: ClusterConfig, target: SimTarget) -> HostKVModel | None:
+    """The host tier engine.kv_host_cache_bytes gives each worker, in tokens as `kv_budget_tokens`
+    counts engine.kv_cache_memory_bytes."""
+    if not config.engine.kv_host_cache_bytes:
+        return None
+    per_token = model_shape(target.model, config.engine.kv_cache_dtype).kv_bytes_per_token
+    return HostKVModel(config.engine.kv_host_cache_bytes // per_token)
 
 
 def pool_spec(pool: PoolConfig, config: ClusterConfig, target: SimTarget) -> PoolSpec:

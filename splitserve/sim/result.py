@@ -23,6 +23,7 @@ class WorkerStats:
     lora_swaps: int = 0  # LoRA adapters written into a slot here (engine/lora_residency.py)
     draft_tokens: int = 0  # drafts its decodes checked (Scenario.drafts)
     accepted_tokens: int = 0  # ... and kept
+    host_restored_tokens: int = 0  # prompt tokens a prefix hit took from the host tier (Scenario.host_kv)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from splitserve.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
 from splitserve.placement.hardware import HardwareProfile
 from splitserve.placement.state import MAX_ADAPTER_SLOTS, AdapterOptions, PrefixOptions
 from splitserve.sim.drafts import DraftModel
+from splitserve.sim.host_kv import HostKVModel
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.transfer import TransferModel
 from splitserve.sim.worker import PerfModel
@@ -94,6 +95,7 @@ class Scenario:
     lora_swap_s: float = 0.0
     adapters: AdapterOptions = AdapterOptions()
     drafts: DraftModel | None = None  # speculative decoding (engine.num_speculative_tokens): `sim.drafts`
+    host_kv: HostKVModel | None = None  # the prefix cache's host tier (engine.kv_host_cache_bytes): `sim.host_kv`
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))
@@ -135,12 +137,24 @@ class Scenario:
         swap_s = self.lora_swap_s
         if not (isinstance(swap_s, (int, float)) and math.isfinite(swap_s) and swap_s >= 0):
             raise ValueError(f"lora_swap_s must be a finite number >= 0, got {self.lora_swap_s!r}")
+        if self.host_kv is not None and not self.prefix_caching:
+            raise ValueError("host_kv keeps the prefix cache's blocks: it needs prefix_caching")
         if not (math.isfinite(self.report_interval_s) and self.report_interval_s > 0):
             raise ValueError(f"report_interval_s must be a finite number > 0, got {self.report_interval_s!r}")
 
     def policy_for(self, role: Role) -> str:
         """The engine policy of a worker while its pool is `role`."""
         return self.role_policies.get(role.value, role.value)
+
+    @property
+    def host_tier(self) -> tuple[int, float] | None:
+        """Each worker's host tier: its blocks (of one layer group's, as `num_blocks_of`) and the
+        seconds copying one takes; None without a tier."""
+        if self.host_kv is None:
+            return None
+        block_bytes = self.block_size * self.transfer.kv_bytes_per_token * self.kv_group_share
+        return int(self.host_kv.tokens // self.block_size / self.kv_group_share + 1e-9), \
+            block_bytes / self.host_kv.bytes_per_s
 
     def kv_budget_tokens_of(self, pool: PoolSpec) -> int:
         return self.kv_budget_tokens if pool.kv_budget_tokens is None else pool.kv_budget_tokens

@@ -27,6 +27,7 @@ from splitserve.placement.state import ADAPTER_WAITS
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, design
 from splitserve.sim.drafts import DraftModel
+from splitserve.sim.host_kv import PCIE_BYTES_PER_S, HostKVModel
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.scenario import Scenario
 
@@ -85,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: the config's engine.num_speculative_tokens; 0: none): needs --draft-kept-share")
     p.add_argument("--draft-kept-share", type=float, default=None, help="drafts kept / drafts checked, as a "
                    "cluster's /metrics count them (splitserve_spec_decode_accepted_tokens_total / draft_tokens_total)")
+    p.add_argument("--kv-host-gib", type=float, default=None, help="each worker's host memory for the prefix "
+                   "cache's evicted blocks (default: the config's engine.kv_host_cache_bytes; 0: none)")
+    p.add_argument("--kv-host-gbps", type=float, default=PCIE_BYTES_PER_S / 1e9,
+                   help="GB/s a copy between host memory and the device moves (assumed: PCIe Gen5 x16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
     p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "
@@ -95,7 +100,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def scenario_of(args) -> Scenario:
     """The scenario the arguments describe, with its drafts (`drafts_of`)."""
     configured, scenario = scenario_and_speculation(args)
-    return replace(scenario, drafts=drafts_of(args, configured))
+    return replace(scenario, drafts=drafts_of(args, configured), host_kv=host_kv_of(args, scenario))
+
+
+def host_kv_of(args, scenario: Scenario) -> HostKVModel | None:
+    """The host tier: --kv-host-gib, else the config's, copied at --kv-host-gbps."""
+    if args.kv_host_gib is None:
+        tokens = scenario.host_kv.tokens if scenario.host_kv is not None else 0
+    elif math.isfinite(args.kv_host_gib) and args.kv_host_gib >= 0:
+        tokens = int(args.kv_host_gib * 2**30 // scenario.transfer.kv_bytes_per_token)
+    else:
+        raise ValueError(f"--kv-host-gib must be a finite number >= 0, got {args.kv_host_gib!r}")
+    return HostKVModel(tokens, args.kv_host_gbps * 1e9) if tokens else None
 
 
 def drafts_of(args, configured: int) -> DraftModel | None:
@@ -175,6 +191,7 @@ def run(args) -> dict:
                "lora_swaps": sum(w.lora_swaps for w in result.workers),
                "draft_tokens": sum(w.draft_tokens for w in result.workers),
                "accepted_tokens": sum(w.accepted_tokens for w in result.workers),
+               "host_restored_tokens": sum(w.host_restored_tokens for w in result.workers),
                "lora_placements": dict(zip(ADAPTER_WAITS, result.adapter_placements))}
     if args.out:
         out = Path(args.out)

@@ -9,7 +9,8 @@ request's tokens come from two workers when it is split. With LoRA adapter slots
 residency binds sequences to them (`lora_residency`); each adapter it writes into a slot adds
 `lora_swap_s` to the iteration that admits it (the adapters' own compute is not modelled). With a
 `DraftModel`, decodes draft as the engine's speculative decoding does (`sim.drafts`): a step gives
-a drafting decode its kept drafts' tokens and one more.
+a drafting decode its kept drafts' tokens and one more. With a host tier (`sim.host_kv`), the block
+manager keeps what it evicts in host memory, as the engine's does, and the copies cost time.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.host_kv_tier import HostKVTier
 from splitserve.engine.lora_residency import AdapterResidency
 from splitserve.engine.policies import Plan, SchedulerLimits, make_policy
 from splitserve.engine.prefix_hash import sequence_root
@@ -26,6 +28,7 @@ from splitserve.engine.speculation import speculate
 from splitserve.placement.load import load_of
 from splitserve.placement.state import WorkerLoad
 from splitserve.sim.drafts import DraftModel, SimDrafts
+from splitserve.sim.host_kv import SimHostKV
 from splitserve.sim.overhead import ServingOverhead
 
 NO_OVERHEAD = ServingOverhead()
@@ -78,12 +81,16 @@ class SimWorker:
                  limits: SchedulerLimits, token_times: dict[str, list[float]],
                  overhead: ServingOverhead = NO_OVERHEAD, clock: Callable[[], float] = lambda: 0.0,
                  prefix_caching: bool = False, windows: tuple[int | None, ...] = (None,), lora_slots: int = 0,
-                 lora_swap_s: float = 0.0, drafts: DraftModel | None = None):
+                 lora_swap_s: float = 0.0, drafts: DraftModel | None = None,
+                 host_tier: tuple[int, float] | None = None):
+        """`host_tier`: its blocks and the seconds copying one takes (`Scenario.host_tier`)."""
         self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
         self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
         self.prefill_extra = overhead.prefill_scale - 1.0  # of a prefill's profiled time, added to it
+        self.host_kv = None if host_tier is None else SimHostKV(host_tier[1])
+        self.host_tier = None if host_tier is None else HostKVTier(host_tier[0], len(windows), self.host_kv)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
-                                   root_of=sequence_root(None), windows=windows)
+                                   root_of=sequence_root(None), windows=windows, host_tier=self.host_tier)
         if limits.slo.pivot_time_s is None:  # SLO-aware policies: the pivot's time from this worker's model
             pivot = limits.slo.pivot_tokens
             limits = replace(limits, slo=replace(limits.slo, pivot_time_s=perf.prefill_time(pivot)))
@@ -101,6 +108,12 @@ class SimWorker:
         self.draft_tokens = self.accepted_tokens = 0  # drafts checked, and kept, so far
         self._sampling_prefills: list[Sequence] = []  # the plan in flight's prefills that end in a token
         self.changed = True
+
+    @property
+    def host_restored_tokens(self) -> int:
+        """Tokens restored from the host tier (a token's block of every layer group)."""
+        tier = self.host_tier
+        return 0 if tier is None else tier.restored_blocks * self.blocks.block_size // self.blocks.num_groups
 
     @property
     def busy(self) -> bool:
@@ -177,6 +190,8 @@ class SimWorker:
         duration = (self.perf.iteration_time(prefill, decodes, context, chunk_context) + self.iteration_overhead_s
                     + self.token_overhead_s * self.sampling + self.lora_swap_s * self._swaps_unpaid)
         self._swaps_unpaid = 0
+        if self.host_kv is not None:
+            duration += self.host_kv.take_cost()  # blocks saved or restored since the last iteration
         if prefill and self.prefill_extra:
             duration += self.prefill_extra * self.perf.prefill_time(prefill)
         self.plan, self.iteration_s = plan, duration

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from splitserve.engine.config import ConfigError
+from splitserve.engine import host_kv_blocks
 from splitserve.engine.host_kv_blocks import HostKVBlocks, _runs
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
@@ -40,7 +41,10 @@ def reference() -> list:
     return run_in_turn(LLMEngine(num_kv_blocks=192, max_model_len=256))
 
 
-def test_slots_hold_blocks_bit_for_bit():
+@pytest.mark.parametrize("staged", [64, 2])
+def test_slots_hold_blocks_bit_for_bit(monkeypatch, staged):
+    """Copies of more blocks than a stage holds go a stage at a time."""
+    monkeypatch.setattr(host_kv_blocks, "STAGED_BLOCKS", staged)
     engine = LLMEngine(**SMALL)
     data = engine.kv_cache.data
     data.copy_(torch.randn_like(data))

@@ -68,6 +68,15 @@ def test_an_explicit_kv_budget_holds_for_every_pool():
     assert {scenario.kv_budget_tokens_of(p) for p in scenario.pools} == {2 ** 35 // PER_TOKEN}
 
 
+def test_a_host_tier_in_bytes_is_each_workers_tokens():
+    scenario = scenario_from_config(config(("prompt", "h100", 1), ("token", "h100", 1),
+                                           engine={"kv_host_cache_bytes": 2 ** 36}))
+    assert scenario.host_kv.tokens == 2 ** 36 // PER_TOKEN
+    blocks, block_s = scenario.host_tier
+    assert blocks == 2 ** 36 // PER_TOKEN // 16 and block_s == pytest.approx(16 * PER_TOKEN / 50e9)
+    assert scenario_from_config(config(("prompt", "h100", 1), ("token", "h100", 1))).host_kv is None
+
+
 def test_an_fp8_kv_cache_holds_twice_the_tokens_and_sends_half_the_bytes():
     """The same GPUs and weights as bf16 KV; transfers of a byte a K or V value."""
     fp8 = config(("prompt", "h100", 1), ("token", "h100", 1), engine={"kv_cache_dtype": "fp8"})

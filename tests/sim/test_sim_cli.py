@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,8 @@ from splitserve.bench.workload import WorkloadSpec, make_workload
 from splitserve.cli import main
 from splitserve.placement import Role
 from splitserve.sim.cluster import simulate
-from splitserve.sim.designs import DESIGNS
+from splitserve.sim.designs import DESIGNS, design as design_of
+from splitserve.sim.host_kv import HostKVModel
 from splitserve.sim.perf_model import CSV_COLUMNS
 from splitserve.sim.sim_cli import add_arguments, scenario_of
 
@@ -120,10 +122,26 @@ def test_a_design_takes_the_decode_rule_and_the_mixed_policy():
     (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1", "--rate", "1e300",
       "--duration", "1e300", "--json", "x.json"], "--rate x --duration must be a finite number of requests"),
     (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1"], "--out"),
+    (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1", "--kv-host-gib", "-1",
+      "--json", "x.json"], "--kv-host-gib must be a finite number >= 0"),
 ])
 def test_design_mistakes_are_clear_errors(extra, message, capsys):
     assert main(["sim", "--trace", "conv", "--no-progress", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_host_tier_from_the_flags_or_the_config():
+    from splitserve.sim.sim_cli import host_kv_of
+    design = replace(design_of("splitwise-hh").scenario(1, 1, "llama2-70b"), host_kv=HostKVModel(99))
+    per_token = design.transfer.kv_bytes_per_token
+    flags = argparse.Namespace(kv_host_gib=None, kv_host_gbps=25.0)
+    assert host_kv_of(flags, design) == HostKVModel(99, 25e9)  # the config's, at the flag's bandwidth
+    assert host_kv_of(replace_args(flags, kv_host_gib=2.0), design) == HostKVModel(2 * 2 ** 30 // per_token, 25e9)
+    assert host_kv_of(replace_args(flags, kv_host_gib=0.0), design) is None
+
+
+def replace_args(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 def test_a_config_and_a_design_exclude_each_other(capsys):

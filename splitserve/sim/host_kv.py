@@ -1,0 +1,44 @@
+"""The prefix cache's host tier in a simulated worker (`engine.kv_host_cache_bytes`): the engine's
+own `HostKVTier` keeps the blocks the block manager evicts and restores them for a prefix hit;
+each block copied either way adds `block_s` to the iteration that makes the copy (the engine's
+copies are queued on the device's stream between two forwards, so they lengthen the step)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+PCIE_BYTES_PER_S = 50e9  # assumed: about what a PCIe Gen5 x16 link moves each way (an H100's), pinned
+
+
+@dataclass(frozen=True)
+class HostKVModel:
+    """Each worker's host tier: `tokens` of KV in host memory, copied at `bytes_per_s`."""
+
+    tokens: int
+    bytes_per_s: float = PCIE_BYTES_PER_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, int) or self.tokens < 1:
+            raise ValueError(f"the host KV tier must hold at least one token, got {self.tokens!r}")
+        if not (isinstance(self.bytes_per_s, (int, float)) and math.isfinite(self.bytes_per_s)
+                and self.bytes_per_s > 0):
+            raise ValueError(f"the host KV tier's bytes_per_s must be a finite number > 0, got {self.bytes_per_s!r}")
+
+
+class SimHostKV:
+    """A simulated worker's `BlockMover`: it counts the blocks copied until an iteration pays for them."""
+
+    def __init__(self, block_s: float):
+        self.block_s, self._unpaid = block_s, 0
+
+    def save(self, block_ids: Seq[int], slots: Seq[int]) -> None:
+        self._unpaid += len(block_ids)
+
+    def load(self, slots: Seq[int], block_ids: Seq[int]) -> None:
+        self._unpaid += len(block_ids)
+
+    def take_cost(self) -> float:
+        """The seconds the copies since the last take add to an iteration."""
+        cost, self._unpaid = self._unpaid * self.block_s, 0
+        return cost
