@@ -8,7 +8,9 @@ import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-PCIE_BYTES_PER_S = 50e9  # assumed: about what a PCIe Gen5 x16 link moves each way (an H100's), pinned
+# assumed: a worker's host links together; a DGX-H100's 8 GPUs each copy their heads' part of a block
+# over a PCIe Gen5 x16 link of about 50 GB/s each way (pinned); one GPU alone: 50e9
+HOST_LINK_BYTES_PER_S = 400e9
 
 
 @dataclass(frozen=True)
@@ -16,7 +18,7 @@ class HostKVModel:
     """Each worker's host tier: `tokens` of KV in host memory, copied at `bytes_per_s`."""
 
     tokens: int
-    bytes_per_s: float = PCIE_BYTES_PER_S
+    bytes_per_s: float = HOST_LINK_BYTES_PER_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or self.tokens < 1:

@@ -27,7 +27,7 @@ from splitserve.placement.state import ADAPTER_WAITS
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, design
 from splitserve.sim.drafts import DraftModel
-from splitserve.sim.host_kv import PCIE_BYTES_PER_S, HostKVModel
+from splitserve.sim.host_kv import HOST_LINK_BYTES_PER_S, HostKVModel
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.scenario import Scenario
 
@@ -88,8 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "cluster's /metrics count them (splitserve_spec_decode_accepted_tokens_total / draft_tokens_total)")
     p.add_argument("--kv-host-gib", type=float, default=None, help="each worker's host memory for the prefix "
                    "cache's evicted blocks (default: the config's engine.kv_host_cache_bytes; 0: none)")
-    p.add_argument("--kv-host-gbps", type=float, default=PCIE_BYTES_PER_S / 1e9,
-                   help="GB/s a copy between host memory and the device moves (assumed: PCIe Gen5 x16)")
+    p.add_argument("--kv-host-gbps", type=float, default=HOST_LINK_BYTES_PER_S / 1e9,
+                   help="GB/s a worker's copies between host memory and its GPUs move, every GPU's link together "
+                        "(assumed: a DGX-H100's 8 PCIe Gen5 x16 links; one GPU: 50)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
     p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "

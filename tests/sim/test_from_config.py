@@ -73,7 +73,7 @@ def test_a_host_tier_in_bytes_is_each_workers_tokens():
                                            engine={"kv_host_cache_bytes": 2 ** 36}))
     assert scenario.host_kv.tokens == 2 ** 36 // PER_TOKEN
     blocks, block_s = scenario.host_tier
-    assert blocks == 2 ** 36 // PER_TOKEN // 16 and block_s == pytest.approx(16 * PER_TOKEN / 50e9)
+    assert blocks == 2 ** 36 // PER_TOKEN // 16 and block_s == pytest.approx(16 * PER_TOKEN / 400e9)
     assert scenario_from_config(config(("prompt", "h100", 1), ("token", "h100", 1))).host_kv is None
 
 
