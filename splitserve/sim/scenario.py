@@ -139,6 +139,8 @@ class Scenario:
             raise ValueError(f"lora_swap_s must be a finite number >= 0, got {self.lora_swap_s!r}")
         if self.host_kv is not None and not self.prefix_caching:
             raise ValueError("host_kv keeps the prefix cache's blocks: it needs prefix_caching")
+        if self.host_kv is not None and self.host_tier[0] < 1:
+            raise ValueError(f"host_kv holds {self.host_kv.tokens} tokens, less than a KV block")
         if not (math.isfinite(self.report_interval_s) and self.report_interval_s > 0):
             raise ValueError(f"report_interval_s must be a finite number > 0, got {self.report_interval_s!r}")
 

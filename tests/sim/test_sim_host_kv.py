@@ -51,6 +51,8 @@ def test_each_block_copied_costs_its_iteration():
 def test_a_host_tier_needs_prefix_caching_and_room():
     with pytest.raises(ValueError, match="needs prefix_caching"):
         replace(small(4096), prefix_caching=False)
+    with pytest.raises(ValueError, match="less than a KV block"):
+        small(8)
     with pytest.raises(ValueError, match="at least one token"):
         HostKVModel(0)
     with pytest.raises(ValueError, match="finite number > 0"):
