@@ -101,6 +101,12 @@ class BlockManager:
         return self._pool.num_blocks - self._pool.reserved
 
     @property
+    def num_cacheable_blocks(self) -> int:
+        """The blocks the prefix cache can hold at once: the cache's, and the host tier's slots."""
+        tier = self._pool.host_tier
+        return self.num_blocks + (tier.num_slots if tier is not None else 0)
+
+    @property
     def num_free_blocks(self) -> int:
         """Free blocks not promised to a prompt being prefilled chunk by chunk."""
         return self._pool.num_free - self._promises.total

@@ -29,6 +29,6 @@ def load_of(policy: Policy, blocks: BlockManager) -> WorkerLoad:
 def prefix_delta_of(blocks: BlockManager, snapshot: bool) -> PrefixDelta:
     """The prefix cache's change since the last call, or with `snapshot` everything it holds."""
     if snapshot:
-        return PrefixDelta(blocks.block_size, blocks.num_blocks, blocks.take_prefix_snapshot(), snapshot=True)
+        return PrefixDelta(blocks.block_size, blocks.num_cacheable_blocks, blocks.take_prefix_snapshot(), snapshot=True)
     added, removed = blocks.take_prefix_delta()
-    return PrefixDelta(blocks.block_size, blocks.num_blocks, added, removed)
+    return PrefixDelta(blocks.block_size, blocks.num_cacheable_blocks, added, removed)

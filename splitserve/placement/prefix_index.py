@@ -1,9 +1,10 @@
 """The CLS's index of the workers' prefix caches: which worker holds which full KV block, by the
 block's chained hash (engine/prefix_hash.py), kept from the deltas workers send with their reports.
 
-Bounded: a worker keeps at most min(its KV blocks, `max_blocks` // workers in the index) entries,
-so the index never holds more than `max_blocks`; a worker over its limit drops its least recent
-entries, on its own report or placement and, for every worker, when one joins and the shares shrink.
+Bounded: a worker keeps at most min(the blocks its prefix cache holds, its host tier's included,
+`max_blocks` // workers in the index) entries, so the index never holds more than `max_blocks`; a
+worker over its limit drops its least recent entries, on its own report or placement and, for every
+worker, when one joins and the shares shrink.
 Recency follows the engine's LRU: placing a request on a worker renews its prompt's chain there (the
 worker will compute or receive those blocks, or hit them), the root most recent, as the engine
 frees a sequence's tail first; a report adds what it newly cached behind that, a chain's tail

@@ -235,7 +235,7 @@ class PrefixDelta:
     it holds (in `added`), which replaces what the CLS knew."""
 
     block_size: int  # tokens per block
-    num_blocks: int  # its KV blocks: it never holds more
+    num_blocks: int  # the blocks its prefix cache can hold (its KV cache's and host tier's): it never holds more
     added: tuple[int, ...] = ()
     removed: tuple[int, ...] = ()
     snapshot: bool = False

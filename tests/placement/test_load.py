@@ -110,3 +110,27 @@ def test_a_worker_reports_its_adapter_slots_as_its_scheduler_binds_them():
     for seq in list(policy.running):
         policy.finish(seq, "abort")
     assert load_of(policy, blocks).lora_idle_slots == 1
+
+
+def test_a_host_tier_counts_in_what_the_prefix_index_keeps_of_a_worker():
+    """A worker whose host tier holds what its cache evicted reports room for both, so the CLS's
+    index keeps every block it holds, not only a cache's worth."""
+    from splitserve.engine.host_kv_tier import HostKVTier
+    from splitserve.placement.load import prefix_delta_of
+    from splitserve.placement.prefix_index import PrefixIndex
+    from tests.engine.test_host_kv_tier import Recorder, evict_all
+
+    blocks = BlockManager(8, BS, host_tier=HostKVTier(32, 1, Recorder()))
+    for i in range(4):  # 4 prompts of 6 full blocks: 24 cached, 16 of them pushed out to host slots
+        seq = make_seq(f"p{i}", seq_range(100 * i, 6 * BS))
+        blocks.allocate(seq)
+        blocks.grow(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        blocks.commit(seq)
+        blocks.free(seq.seq_id)
+    evict_all(blocks, "filler")
+    delta = prefix_delta_of(blocks, snapshot=True)
+    assert delta.num_blocks == 8 + 32 and len(delta.added) == 4 * 6
+    index = PrefixIndex(1 << 20)
+    index.apply("w", delta)
+    assert index.num_entries("w") == 24
