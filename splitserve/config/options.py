@@ -289,7 +289,8 @@ class SchedulerOptions(StrictModel):
     lora_wait_share: float = Field(1.0, ge=0, description="The same for a worker whose slots are all busy with other "
                                    "adapters' sequences: the request waits there for one.")
     prefix_index_blocks: int = Field(1 << 18, ge=1, description="Most (worker, KV block) entries the CLS's prefix "
-                                     "index keeps: each worker gets an equal share (at most its KV blocks); past it, "
+                                     "index keeps: each worker gets an equal share (at most its KV blocks and host "
+                                     "tier's slots: raise it with engine.kv_host_cache_bytes); past it, "
                                      "its least recently placed or reported blocks are forgotten, a prefix's tail "
                                      "before its root (a missed hit at worst).")
 
