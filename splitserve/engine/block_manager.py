@@ -59,7 +59,7 @@ from splitserve.engine.held_blocks import HeldBlocks
 from splitserve.engine.host_kv_tier import HostKVTier
 from splitserve.engine.prefix_hash import ROOT, block_key
 from splitserve.engine.prefix_hit import PrefixHit, find_hit, first_needed, handed_off_hit, no_hit, released_to
-from splitserve.engine.prefix_restore import restore_prefix
+from splitserve.engine.prefix_restore import restored_hit
 from splitserve.engine.sequence import Sequence
 
 
@@ -407,17 +407,11 @@ class BlockManager:
         return handed_off_hit(self._pool, seq, self.windows, self.block_size, self._root_of(seq), self._keep_of(seq))
 
     def _restored_hit(self, seq: Sequence, need: Callable[[PrefixHit], int]) -> PrefixHit:
-        """`_prefix_hit` once the host tier's blocks of the prefix are back in the device cache;
-        the hit without them where that `need`s fewer free blocks (a windowed group's longer hit
-        may trade a block others hold for a restored one): so a mutation never asks more than
-        the query before it (`blocks_to_admit`) said. The restore keeps the shorter hit's blocks."""
-        hit = self._prefix_hit(seq)
+        """`_prefix_hit`, after the host tier's blocks of the prefix are restored (`prefix_restore`)."""
         if self._pool.host_tier is None or not self.enable_prefix_caching or seq.needs_prompt_logits:
-            return hit
-        if restore_prefix(self._pool, seq, self.windows, self.block_size, self._root_of(seq)):
-            restored = self._prefix_hit(seq)
-            return restored if need(restored) <= need(hit) else hit
-        return hit
+            return self._prefix_hit(seq)
+        return restored_hit(self._pool, seq, self.windows, self.block_size, self._root_of(seq),
+                            lambda: self._prefix_hit(seq), need)
 
     def _keep_of(self, seq: Sequence) -> tuple[int, ...] | None:
         """Per group, the first block a sequence never releases: for a handed-off one the block of

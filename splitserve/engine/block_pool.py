@@ -61,8 +61,9 @@ class BlockPool:
             return False
         self.hashed[block_id] = CachedBlock(key, group)
         cached[key_hash] = block_id
-        if self.host_tier is not None and self.host_tier.discard(group, key_hash) or group:
-            return True  # group 0's with a host copy: cached all along
+        moved = self.host_tier is not None and self.host_tier.discard(group, key_hash)  # a host copy: cached all along
+        if group or moved:
+            return True
         if key_hash in self._evicted:
             self._evicted.discard(key_hash)
         else:

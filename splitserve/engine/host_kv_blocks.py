@@ -31,7 +31,7 @@ class HostKVBlocks:
         data = kv_cache.data
         self.data, self.cuda = data, data.device.type == "cuda"
         shape = (num_slots, data.shape[0], data.shape[1], *data.shape[3:])  # [slot, layer of group, K/V, ...]
-        size, free = num_slots * _block_bytes(kv_cache), free_bytes(torch.device("cpu"))
+        size, free = num_slots * kv_cache.block_bytes, free_bytes(torch.device("cpu"))
         if free is not None and size > free:
             raise ConfigError(f"kv_host_cache_bytes asks for {num_slots} KV blocks = {size} bytes of host memory, "
                               f"but the host has {free} bytes free")
@@ -42,7 +42,7 @@ class HostKVBlocks:
     @staticmethod
     def num_slots(kv_cache: KVCache, budget_bytes: int) -> int:
         """The slots `budget_bytes` of host memory hold; a ConfigError where that is none."""
-        block = _block_bytes(kv_cache)
+        block = kv_cache.block_bytes
         if budget_bytes < block:
             raise ConfigError(f"kv_host_cache_bytes={budget_bytes} holds no KV block (one takes {block} bytes)")
         return budget_bytes // block
@@ -116,11 +116,6 @@ class LeaderHostKV:
 
     def wait(self) -> None:
         self.own.wait()
-
-
-def _block_bytes(kv_cache: KVCache) -> int:
-    block = kv_cache.data[:, :, 0]
-    return block.numel() * block.element_size()
 
 
 def _runs(slots: Seq[int]) -> list[tuple[int, int, int]]:

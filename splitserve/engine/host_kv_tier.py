@@ -9,12 +9,12 @@ Invariants (checked by `check`):
   (group, key) is in at most one tier: a block restored to the device leaves the host tier, a
   block computed again on the device drops its host copy;
 - entries are evicted least recently saved first; a restore copies a slot before anything else
-  may reuse it (`take` holds the slot until `release`).
+  may reuse it (`restore` holds its slots while it takes blocks).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,16 +70,22 @@ class HostKVTier:
             self.saved_blocks += len(slots)
         return dropped
 
-    def take(self, group: int, key_hash: int) -> int:
-        """Remove a cached entry, holding its slot for a restore (`release` after the copy)."""
-        slot = self.cached[group].pop(key_hash)
-        del self.entries[slot]
-        self._taken.add(slot)
-        return slot
-
-    def release(self, slots: Seq[int]) -> None:
+    def restore(self, entries: Seq[HostEntry], take_blocks: Callable[[int], list[int]]) -> list[int]:
+        """Move `entries` back to the device: their slots are held (out of `keep`'s reach) while
+        `take_blocks(n)` hands out the blocks, whose evictions `keep` saves, then copied into them
+        and freed; returns the blocks, pairwise."""
+        slots = []
+        for entry in entries:
+            slot = self.cached[entry.group].pop(entry.key_hash)
+            del self.entries[slot]
+            slots.append(slot)
+        self._taken.update(slots)
+        block_ids = take_blocks(len(slots))
+        self.mover.load(slots, block_ids)
         self._taken.difference_update(slots)
         self.free.extend(slots)
+        self.restored_blocks += len(slots)
+        return block_ids
 
     def discard(self, group: int, key_hash: int) -> bool:
         """Drop an entry whose content the device computed again; whether there was one."""

@@ -47,6 +47,11 @@ class KVCache:
         return "fp8_e4m3" if fp8_kv.holds_codes(self.data) else str(self.dtype).removeprefix("torch.")
 
     @property
+    def block_bytes(self) -> int:
+        """One block id's bytes: its slice of every layer of its group, K and V."""
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
+    @property
     def num_blocks(self) -> int:
         return self.data.shape[2]
 

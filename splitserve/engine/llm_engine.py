@@ -130,8 +130,8 @@ class LLMEngine:
         """The host KV tier's tokens saved and restored so far (a token's block of every layer group)."""
         if self.host_tier is None:
             return 0, 0
-        per_block = self.config.block_size / self.block_manager.num_groups
-        return int(self.host_tier.saved_blocks * per_block), int(self.host_tier.restored_blocks * per_block)
+        tokens_of = self.block_manager.tokens_of
+        return tokens_of(self.host_tier.saved_blocks), tokens_of(self.host_tier.restored_blocks)
 
     def has_unfinished_requests(self) -> bool:
         return self.policy.has_work() or self._in_flight is not None or self._failed is not None

@@ -11,11 +11,12 @@ other free blocks allow, so a restore never evicts a block of the prefix it rest
 """
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.host_kv_tier import HostEntry
 from splitserve.engine.prefix_hash import block_key, num_reusable_blocks
+from splitserve.engine.prefix_hit import PrefixHit
 from splitserve.engine.sequence import Sequence
 
 
@@ -45,13 +46,20 @@ def restore_prefix(pool: BlockPool, seq: Sequence, windows: Seq[int | None], blo
     for block_id in protected:
         pool.evictable.move_to_end(block_id)
     wanted = wanted[:len(pool.fresh) + len(pool.evictable) - len(protected)]
-    if not wanted:
-        return 0
-    slots = [tier.take(entry.group, entry.key_hash) for entry in wanted]
-    block_ids = pool.take_fresh(len(wanted))  # evicts only blocks of other prefixes (saved to the host tier)
-    tier.mover.load(slots, block_ids)
-    tier.release(slots)
-    tier.restored_blocks += len(wanted)
-    for block_id, entry in zip(block_ids, wanted):
-        pool.revive(block_id, entry)
+    if wanted:  # take_fresh evicts only blocks of other prefixes (saved to the host tier)
+        for block_id, entry in zip(tier.restore(wanted, pool.take_fresh), wanted):
+            pool.revive(block_id, entry)
     return len(wanted)
+
+
+def restored_hit(pool: BlockPool, seq: Sequence, windows: Seq[int | None], block_size: int, root: int,
+                 find: Callable[[], PrefixHit], need: Callable[[PrefixHit], int]) -> PrefixHit:
+    """The hit `find()` gives once the host tier's blocks of the prefix are back in the device
+    cache; the hit without them where that `need`s fewer free blocks (a windowed group's longer hit
+    may trade a block others hold for a restored one), so a mutation never asks more than the query
+    before it said. The restore keeps the shorter hit's blocks."""
+    hit = find()
+    if not restore_prefix(pool, seq, windows, block_size, root):
+        return hit
+    restored = find()
+    return restored if need(restored) <= need(hit) else hit

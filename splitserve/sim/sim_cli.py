@@ -69,6 +69,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(worker, block) entries the CLS's prefix index keeps at most (default: the scenario's)")
     p.add_argument("--session-fraction", type=float, default=1.0,
                    help="trace arrivals with prefix blocks (mooncake): this fraction of the conversations, as for bench")
+    add_worker_arguments(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
+    p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "
+                                                            "num_requests, wall_time_s)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """What the workers run besides the scenario's engine: adapters, priorities, drafts, a host tier."""
     p.add_argument("--num-adapters", type=int, default=0,
                    help="requests run under this many LoRA adapters, drawn by --adapter-zipf (the workers need "
                         "slots: --max-loras, or engine.max_loras in --config)")
@@ -91,11 +101,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-host-gbps", type=float, default=HOST_LINK_BYTES_PER_S / 1e9,
                    help="GB/s a worker's copies between host memory and its GPUs move, every GPU's link together "
                         "(assumed: a DGX-H100's 8 PCIe Gen5 x16 links; one GPU: 50)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="folder for requests.jsonl, summary.json, report.md, workers.json")
-    p.add_argument("--json", type=Path, default=None, help="write the summary alone here (latency percentiles, "
-                                                            "num_requests, wall_time_s)")
-    p.add_argument("--no-progress", action="store_true")
 
 
 def scenario_of(args) -> Scenario:

@@ -112,8 +112,7 @@ class SimWorker:
     @property
     def host_restored_tokens(self) -> int:
         """Tokens restored from the host tier (a token's block of every layer group)."""
-        tier = self.host_tier
-        return 0 if tier is None else tier.restored_blocks * self.blocks.block_size // self.blocks.num_groups
+        return 0 if self.host_tier is None else self.blocks.tokens_of(self.host_tier.restored_blocks)
 
     @property
     def busy(self) -> bool:
