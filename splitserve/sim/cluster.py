@@ -136,7 +136,7 @@ class Simulation:
                                    scenario.num_blocks_of(pool), scenario.block_size, scenario.limits,
                                    self.token_times, scenario.overhead, lambda: self.now, self.caching,
                                    scenario.kv_windows, scenario.max_loras, scenario.lora_swap_s, scenario.drafts,
-                                   scenario.host_tier)
+                                   scenario.host_tier_of(pool))
                 self.workers[worker_id], self._hardware_of[worker_id] = worker, pool.hardware
                 self.cls.add_worker(worker_id, pool.role, profiles[pool.setup], worker.load())
                 worker.changed = False

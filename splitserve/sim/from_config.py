@@ -7,8 +7,9 @@ of a paper model; any other class (cpu, ...) to rows of a profile CSV measured b
 `splitserve profile --hardware <class>`.
 
 Tensor parallelism: a pool with its own tensor_parallel_size N > 1 is simulated with the profile
-rows at TP N and a KV budget of N GPUs. A TP-1 pool (the default, a model that fits one device)
-stands in for the target's TP (`SimTarget.tensor_parallel`, `--tensor-parallel`, default 8): the
+rows at TP N and a KV budget of N GPUs (or N ranks' engine.kv_cache_memory_bytes: a rank keeps its
+KV heads' part of every token, and so does its host tier). A TP-1 pool (the default, a model that
+fits one device) stands in for the target's TP (`SimTarget.tensor_parallel`, `--tensor-parallel`, default 8): the
 paper models have no TP-1 profiles, so a TP-1 pool simulates a DGX of the paper's setup, as before
 pools had a TP; with a measured profile it takes that class's rows, whatever their TP. Either way
 the CLS weighs a pool's workers by the speeds the controller gives them: the class's, scaled for
@@ -80,19 +81,18 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
 
 
 def host_kv_model(config: ClusterConfig, target: SimTarget) -> HostKVModel | None:
-    """The host tier engine.kv_host_cache_bytes gives each worker, in tokens as `kv_budget_tokens`
-    counts engine.kv_cache_memory_bytes."""
-    if not config.engine.kv_host_cache_bytes:
-        return None
-    per_token = model_shape(target.model, config.engine.kv_cache_dtype).kv_bytes_per_token
-    return HostKVModel(config.engine.kv_host_cache_bytes // per_token)
+    """The host tier engine.kv_host_cache_bytes gives a worker at the target's TP (`pool_spec`: at another)."""
+    tokens = host_kv_tokens(config, target, target.tensor_parallel)
+    return HostKVModel(tokens) if tokens else None
 
 
 def pool_spec(pool: PoolConfig, config: ClusterConfig, target: SimTarget) -> PoolSpec:
-    """A config pool as simulated; one with its own TP has its own KV budget (TP-1 pools: the scenario's)."""
-    own = pool.tensor_parallel_size
-    budget = kv_budget_tokens(config, target, own) if own > 1 else None
-    return PoolSpec(Role(pool.role), pool.num_workers, pool.hardware, own, budget)
+    """A config pool as simulated; one whose workers run at another TP than the target's has its own
+    KV budget and host tier (the others: the scenario's)."""
+    ranks = perf_model_for(pool, target).tensor_parallel
+    budget, host = (None, None) if ranks == target.tensor_parallel else \
+        (kv_budget_tokens(config, target, ranks), host_kv_tokens(config, target, ranks))
+    return PoolSpec(Role(pool.role), pool.num_workers, pool.hardware, pool.tensor_parallel_size, budget, host)
 
 
 def perf_model_for(pool: PoolConfig, target: SimTarget) -> PerfModel:
@@ -134,19 +134,32 @@ def shape_of(config: ModelConfig, element_bytes: int) -> ModelShape:
     """A model this engine loads, its KV `element_bytes` a value, in the engine's layer groups."""
     layers, groups = config.num_hidden_layers, kv_groups(config)
     return ModelShape(layers, layers * 2 * config.num_key_value_heads * config.head_dim * element_bytes,
-                      groups.windows, groups.size / layers, groups.group_of)
+                      groups.windows, groups.size / layers, groups.group_of, config.num_key_value_heads)
 
 
 def kv_budget_tokens(config: ClusterConfig, target: SimTarget, tensor_parallel: int) -> int:
-    """A worker's KV budget: the config's if it sets one; else, for a paper model, what
-    `tensor_parallel` GPUs leave after the weights, and for a model this engine runs on CPU, the
-    engine's own CPU default."""
+    """A worker's KV budget: what the config's kv_cache_memory_bytes holds on each of `tensor_parallel`
+    ranks if it sets them; else, for a paper model, what `tensor_parallel` GPUs leave after the
+    weights, and for a model this engine runs on CPU, the engine's own CPU default."""
     per_token = model_shape(target.model, config.engine.kv_cache_dtype).kv_bytes_per_token
     if config.engine.kv_cache_memory_bytes:
-        return config.engine.kv_cache_memory_bytes // per_token
+        return ranks_tokens(config, target, tensor_parallel, config.engine.kv_cache_memory_bytes)
     if target.model not in WEIGHT_BYTES:
         return CPU_KV_CACHE_BYTES // per_token
     return int((GPU_MEMORY_BYTES * tensor_parallel - WEIGHT_BYTES[target.model]) // per_token)
+
+
+def host_kv_tokens(config: ClusterConfig, target: SimTarget, tensor_parallel: int) -> int:
+    """What engine.kv_host_cache_bytes holds on each of `tensor_parallel` ranks (0: no host tier)."""
+    return ranks_tokens(config, target, tensor_parallel, config.engine.kv_host_cache_bytes)
+
+
+def ranks_tokens(config: ClusterConfig, target: SimTarget, tensor_parallel: int, rank_bytes: int) -> int:
+    """The tokens `rank_bytes` on each of `tensor_parallel` ranks hold: a rank keeps its KV heads' part
+    of every token (a model of fewer KV heads than ranks repeats each head on several)."""
+    shape = model_shape(target.model, config.engine.kv_cache_dtype)
+    ranks = tensor_parallel if shape.kv_heads is None else min(tensor_parallel, shape.kv_heads)
+    return rank_bytes * ranks // shape.kv_bytes_per_token
 
 
 def transfer_model(config: ClusterConfig, target: SimTarget) -> TransferModel:

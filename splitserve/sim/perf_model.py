@@ -48,6 +48,7 @@ class ModelShape:
     kv_windows: tuple[int | None, ...] = (None,)
     kv_group_share: float = 1.0
     kv_layer_groups: tuple[int, ...] = ()  # per layer: its group (): one group of every layer
+    kv_heads: int | None = None  # a token's KV heads, which TP ranks split (None: more than any TP)
 
 
 def _sim_shape(num_layers: int, hidden_size: int, dtype_bytes: int = 2) -> ModelShape:

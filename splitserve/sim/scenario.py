@@ -24,14 +24,15 @@ SPEED_DECODE_BATCH, SPEED_DECODE_CONTEXT = 16, 1024  # the decode that rates its
 class PoolSpec:
     """`count` workers whose home pool is `role`, on hardware class `hardware`, each of
     `tensor_parallel` ranks as its cluster config says (1: one engine, or whatever machine the
-    perf model was measured on). `kv_budget_tokens`: each worker's KV cache in tokens; None: the
-    scenario's."""
+    perf model was measured on). `kv_budget_tokens`, `host_kv_tokens`: each worker's KV cache and
+    host tier in tokens; None: the scenario's."""
 
     role: Role
     count: int
     hardware: str
     tensor_parallel: int = 1
     kv_budget_tokens: int | None = None
+    host_kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in set(Role):
@@ -139,8 +140,10 @@ class Scenario:
             raise ValueError(f"lora_swap_s must be a finite number >= 0, got {self.lora_swap_s!r}")
         if self.host_kv is not None and not self.prefix_caching:
             raise ValueError("host_kv keeps the prefix cache's blocks: it needs prefix_caching")
-        if self.host_kv is not None and self.host_tier[0] < 1:
-            raise ValueError(f"host_kv holds {self.host_kv.tokens} tokens, less than a KV block")
+        for pool in self.pools if self.host_kv is not None else ():
+            if self.host_tier_of(pool)[0] < 1:
+                raise ValueError(f"the {pool.role.value} pool's host tier holds {self.host_tokens_of(pool)} tokens, "
+                                 f"less than a KV block")
         if not (math.isfinite(self.report_interval_s) and self.report_interval_s > 0):
             raise ValueError(f"report_interval_s must be a finite number > 0, got {self.report_interval_s!r}")
 
@@ -148,15 +151,17 @@ class Scenario:
         """The engine policy of a worker while its pool is `role`."""
         return self.role_policies.get(role.value, role.value)
 
-    @property
-    def host_tier(self) -> tuple[int, float] | None:
-        """Each worker's host tier: its blocks (of one layer group's, as `num_blocks_of`) and the
-        seconds copying one takes; None without a tier."""
+    def host_tier_of(self, pool: PoolSpec) -> tuple[int, float] | None:
+        """The host tier of each worker of `pool`: its blocks (of one layer group's, as `num_blocks_of`)
+        and the seconds copying one takes; None without a tier."""
         if self.host_kv is None:
             return None
         block_bytes = self.block_size * self.transfer.kv_bytes_per_token * self.kv_group_share
-        return int(self.host_kv.tokens // self.block_size / self.kv_group_share + 1e-9), \
+        return int(self.host_tokens_of(pool) // self.block_size / self.kv_group_share + 1e-9), \
             block_bytes / self.host_kv.bytes_per_s
+
+    def host_tokens_of(self, pool: PoolSpec) -> int:
+        return self.host_kv.tokens if pool.host_kv_tokens is None else pool.host_kv_tokens
 
     def kv_budget_tokens_of(self, pool: PoolSpec) -> int:
         return self.kv_budget_tokens if pool.kv_budget_tokens is None else pool.kv_budget_tokens

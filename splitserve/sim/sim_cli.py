@@ -106,18 +106,19 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 def scenario_of(args) -> Scenario:
     """The scenario the arguments describe, with its drafts (`drafts_of`)."""
     configured, scenario = scenario_and_speculation(args)
-    return replace(scenario, drafts=drafts_of(args, configured), host_kv=host_kv_of(args, scenario))
+    return with_host_kv(args, replace(scenario, drafts=drafts_of(args, configured)))
 
 
-def host_kv_of(args, scenario: Scenario) -> HostKVModel | None:
-    """The host tier: --kv-host-gib, else the config's, copied at --kv-host-gbps."""
+def with_host_kv(args, scenario: Scenario) -> Scenario:
+    """The host tier: --kv-host-gib a worker whatever its TP, else the config's, copied at --kv-host-gbps."""
     if args.kv_host_gib is None:
         tokens = scenario.host_kv.tokens if scenario.host_kv is not None else 0
     elif math.isfinite(args.kv_host_gib) and args.kv_host_gib >= 0:
         tokens = int(args.kv_host_gib * 2**30 // scenario.transfer.kv_bytes_per_token)
+        scenario = replace(scenario, pools=tuple(replace(pool, host_kv_tokens=None) for pool in scenario.pools))
     else:
         raise ValueError(f"--kv-host-gib must be a finite number >= 0, got {args.kv_host_gib!r}")
-    return HostKVModel(tokens, args.kv_host_gbps * 1e9) if tokens else None
+    return replace(scenario, host_kv=HostKVModel(tokens, args.kv_host_gbps * 1e9) if tokens else None)
 
 
 def drafts_of(args, configured: int) -> DraftModel | None:

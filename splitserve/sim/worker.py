@@ -83,7 +83,7 @@ class SimWorker:
                  prefix_caching: bool = False, windows: tuple[int | None, ...] = (None,), lora_slots: int = 0,
                  lora_swap_s: float = 0.0, drafts: DraftModel | None = None,
                  host_tier: tuple[int, float] | None = None):
-        """`host_tier`: its blocks and the seconds copying one takes (`Scenario.host_tier`)."""
+        """`host_tier`: its blocks and the seconds copying one takes (`Scenario.host_tier_of`)."""
         self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
         self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
         self.prefill_extra = overhead.prefill_scale - 1.0  # of a prefill's profiled time, added to it

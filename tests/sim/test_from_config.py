@@ -7,7 +7,8 @@ from splitserve.config import ClusterConfig
 from splitserve.placement import Role
 from splitserve.placement.hardware import HARDWARE_CLASSES
 from splitserve.sim.cluster import Simulation
-from splitserve.sim.from_config import SimTarget, perf_model_for, scenario_from_config
+from splitserve.engine.demo import demo_model_config
+from splitserve.sim.from_config import SimTarget, perf_model_for, scenario_from_config, shape_of
 from splitserve.sim.perf_model import KV_BYTES_PER_TOKEN, load_perf_models
 from splitserve.sim.scenario import PoolSpec, Scenario
 from tests.sim.test_sim_cli import write_cpu_profile
@@ -62,19 +63,33 @@ def test_pools_of_one_class_at_different_tp_keep_their_own_models_budgets_and_sp
     assert {w.hardware for w in simulation.run().workers} == {"h100"}  # reports name the class
 
 
-def test_an_explicit_kv_budget_holds_for_every_pool():
+def test_an_explicit_kv_budget_is_each_rank_s_bytes():
+    """engine.kv_cache_memory_bytes is a rank's: a TP-4 worker holds 4x its tokens, a TP-1 pool
+    standing in for the target's DGX 8x."""
     scenario = scenario_from_config(config(("prompt", "h100", 4), ("token", "h100", 1),
                                            engine={"kv_cache_memory_bytes": 2 ** 35}))
-    assert {scenario.kv_budget_tokens_of(p) for p in scenario.pools} == {2 ** 35 // PER_TOKEN}
+    assert [scenario.kv_budget_tokens_of(p) for p in scenario.pools] == [4 * 2 ** 35 // PER_TOKEN,
+                                                                         8 * 2 ** 35 // PER_TOKEN]
 
 
-def test_a_host_tier_in_bytes_is_each_workers_tokens():
-    scenario = scenario_from_config(config(("prompt", "h100", 1), ("token", "h100", 1),
+def test_a_host_tier_in_bytes_is_each_rank_s():
+    scenario = scenario_from_config(config(("prompt", "h100", 1), ("token", "h100", 4),
                                            engine={"kv_host_cache_bytes": 2 ** 36}))
-    assert scenario.host_kv.tokens == 2 ** 36 // PER_TOKEN
-    blocks, block_s = scenario.host_tier
-    assert blocks == 2 ** 36 // PER_TOKEN // 16 and block_s == pytest.approx(16 * PER_TOKEN / 400e9)
+    assert scenario.host_kv.tokens == 8 * 2 ** 36 // PER_TOKEN
+    (blocks, block_s), (token_blocks, _) = map(scenario.host_tier_of, scenario.pools)
+    assert blocks == 8 * 2 ** 36 // PER_TOKEN // 16 and block_s == pytest.approx(16 * PER_TOKEN / 400e9)
+    assert token_blocks == 4 * 2 ** 36 // PER_TOKEN // 16
     assert scenario_from_config(config(("prompt", "h100", 1), ("token", "h100", 1))).host_kv is None
+
+
+def test_a_rank_of_a_model_with_fewer_kv_heads_than_ranks_holds_a_whole_head(tmp_path):
+    """The demo model's 4 KV heads at TP 8: each rank repeats one, so 4 ranks' bytes hold a token."""
+    profile = tmp_path / "cpu.csv"
+    write_cpu_profile(profile, tensor_parallel=8)
+    per_token = shape_of(demo_model_config(), 4).kv_bytes_per_token
+    scenario = scenario_from_config(config(("mixed", "cpu", 8), engine={"kv_cache_memory_bytes": 2 ** 24}),
+                                    SimTarget("demo", 1, profile))
+    assert scenario.kv_budget_tokens_of(scenario.pools[0]) == 4 * 2 ** 24 // per_token
 
 
 def test_an_fp8_kv_cache_holds_twice_the_tokens_and_sends_half_the_bytes():

@@ -19,7 +19,7 @@ from splitserve.sim.perf_model import CSV_COLUMNS
 from splitserve.sim.sim_cli import add_arguments, scenario_of
 
 
-def write_cpu_profile(path) -> None:
+def write_cpu_profile(path, tensor_parallel: int = 1) -> None:
     """A hand-made `splitserve profile`-style CSV for hardware class cpu: prefill 0.1 ms a token,
     decode 4 ms an iteration growing with the batch."""
     rows = [dict(prompt_size=p, batch_size=1, prompt_time=0.1 * p, token_time=4.0) for p in (32, 128, 512)]
@@ -30,7 +30,7 @@ def write_cpu_profile(path) -> None:
         for row in rows:
             e2e = row["prompt_time"] + 15 * row["token_time"]
             writer.writerow({"model": "demo", "hardware": "cpu", "token_size": 16, "peak_power": 0,
-                             "average_power": 0, "e2e_time": e2e, "tensor_parallel": 1, **row})
+                             "average_power": 0, "e2e_time": e2e, "tensor_parallel": tensor_parallel, **row})
 
 
 def test_a_deploy_file_simulates_into_the_bench_report(tmp_path, capsys):
@@ -131,13 +131,17 @@ def test_design_mistakes_are_clear_errors(extra, message, capsys):
 
 
 def test_a_host_tier_from_the_flags_or_the_config():
-    from splitserve.sim.sim_cli import host_kv_of
-    design = replace(design_of("splitwise-hh").scenario(1, 1, "llama2-70b"), host_kv=HostKVModel(99))
+    from splitserve.sim.sim_cli import with_host_kv
+    design = design_of("splitwise-hh").scenario(1, 1, "llama2-70b")
+    design = replace(design, host_kv=HostKVModel(99), pools=(replace(design.pools[0], host_kv_tokens=50),
+                                                             *design.pools[1:]))
     per_token = design.transfer.kv_bytes_per_token
     flags = argparse.Namespace(kv_host_gib=None, kv_host_gbps=25.0)
-    assert host_kv_of(flags, design) == HostKVModel(99, 25e9)  # the config's, at the flag's bandwidth
-    assert host_kv_of(replace_args(flags, kv_host_gib=2.0), design) == HostKVModel(2 * 2 ** 30 // per_token, 25e9)
-    assert host_kv_of(replace_args(flags, kv_host_gib=0.0), design) is None
+    configured = with_host_kv(flags, design)  # the config's, at the flag's bandwidth
+    assert configured.host_kv == HostKVModel(99, 25e9) and configured.host_tokens_of(configured.pools[0]) == 50
+    flagged = with_host_kv(replace_args(flags, kv_host_gib=2.0), design)  # a worker's, whatever its pool's TP
+    assert {flagged.host_tokens_of(pool) for pool in flagged.pools} == {2 * 2 ** 30 // per_token}
+    assert with_host_kv(replace_args(flags, kv_host_gib=0.0), design).host_kv is None
 
 
 def replace_args(args: argparse.Namespace, **changes) -> argparse.Namespace:
