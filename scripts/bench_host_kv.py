@@ -6,7 +6,8 @@ scaled by --length-scale, the trace's arrival gaps stretched to --rate) replayed
 times into one engine (the mixed policy: Sarathi-Serve chunks, prefix caching on), three ways:
 
 - device: a KV cache of --kv-mib, nothing kept past it (an evicted prefix is computed again);
-- host tier: the same cache, and --host-mib of host memory keeping what it evicts;
+- host tier, write-back: the same cache, and --host-mib of host memory keeping what it evicts;
+- host tier, write-through: the same, every block copied out once computed (`kv_host_write_policy`);
 - device x(1 + host/kv): one cache as large as both, the bound a host tier approaches.
 
 Per setup: P50 / P90 / P99 TTFT and the run's time, the prompt tokens computed and those the
@@ -33,8 +34,10 @@ from splitserve.machine import cpu_name
 
 def setups(args) -> dict[str, dict]:
     kv, host = args.kv_mib << 20, args.host_mib << 20
-    return {"device": dict(kv_cache_memory_bytes=kv), "host tier": dict(kv_cache_memory_bytes=kv,
-                                                                        kv_host_cache_bytes=host),
+    tiers = {f"host tier, {policy.replace('_', '-')}": dict(kv_cache_memory_bytes=kv, kv_host_cache_bytes=host,
+                                                             kv_host_write_policy=policy)
+             for policy in ("write_back", "write_through")}
+    return {"device": dict(kv_cache_memory_bytes=kv), **tiers,
             f"device x{1 + host / kv:g}": dict(kv_cache_memory_bytes=kv + host)}
 
 

@@ -136,6 +136,12 @@ class EngineOptions(StrictModel):
                                      "prompt with that prefix copies them back instead of computing them again "
                                      "(vLLM's KV offloading, SGLang's hierarchical cache). 0: none. Pinned on CUDA; "
                                      "refused past the host's free memory.")
+    kv_host_write_policy: Literal["write_through", "write_back"] = Field(
+        "write_through", description="When the host tier copies a block out (SGLang's hierarchical cache's "
+        "names): write_through once its KV is computed, on CUDA on a side stream that overlaps the next "
+        "forwards, so an eviction copies nothing (host memory holds the most recently computed blocks, whether "
+        "or not the device still does); write_back when the KV cache evicts it, in the step that evicts it "
+        "(host memory holds what the device does not: more, where the tier is not much larger than the cache).")
     dtype: str = Field("auto", description="auto (the checkpoint's torch_dtype), float32, bfloat16 or float16.")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         "auto", description="auto (the serving dtype) or fp8 (= fp8_e4m3): K and V stored as float8 e4m3 codes, "

@@ -12,9 +12,10 @@ Invariants (checked by `BlockManager.check_integrity`):
   cached since the last take are all still cached, hashes evicted since are none of them. Only
   caching and eviction record it, so with prefix caching off it costs nothing.
 - the first `reserved` ids (NULL_BLOCK, where a group has a window) are never handed out.
-- with a host tier (`host_kv_tier`), an evicted hashed block is saved there before its id is
-  handed out again, and the prefix delta counts the two tiers as one cache: a block moving between
-  them records nothing, one the host tier pushes out is evicted.
+- with a host tier (`host_kv_tier`), an evicted hashed block is saved there (write-back) or was
+  written there when it was cached (write-through) before its id is handed out again, and the
+  prefix delta counts the two tiers as one cache: a block moving between them records nothing, one
+  the host tier pushes out is evicted unless the device still caches it.
 """
 from __future__ import annotations
 
@@ -61,8 +62,13 @@ class BlockPool:
             return False
         self.hashed[block_id] = CachedBlock(key, group)
         cached[key_hash] = block_id
-        moved = self.host_tier is not None and self.host_tier.discard(group, key_hash)  # a host copy: cached all along
-        if group or moved:
+        tier = self.host_tier
+        held = tier is not None and tier.lookup(group, key, key_hash) is not None  # a host copy: cached all along
+        if tier is not None and tier.write_through and not held:
+            self._record_evicted(self._uncached(tier.write(block_id, HostEntry(key, group, key_hash))))
+        elif held and not tier.write_through:
+            tier.discard(group, key_hash)
+        if group or held:
             return True
         if key_hash in self._evicted:
             self._evicted.discard(key_hash)
@@ -87,9 +93,13 @@ class BlockPool:
             del self.cached[block.group][key_hash]
             evicted.append((block_id, HostEntry(block.key, block.group, key_hash)))
             taken.append(block_id)
-        self._record_evicted(self.host_tier.keep(evicted) if self.host_tier is not None else
+        self._record_evicted(self._uncached(self.host_tier.keep(evicted)) if self.host_tier is not None else
                              [entry for _, entry in evicted])
         return taken
+
+    def _uncached(self, entries: Seq[HostEntry]) -> list[HostEntry]:
+        """Those of `entries` (the host tier pushed out) the device does not cache."""
+        return [entry for entry in entries if self.lookup(entry.group, entry.key, entry.key_hash) is None]
 
     def _record_evicted(self, entries: Seq[HostEntry]) -> None:
         for entry in entries:

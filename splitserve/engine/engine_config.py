@@ -14,6 +14,7 @@ from splitserve.engine.speculation import SpeculativeConfig
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 MAX_KV_BLOCKS = 2**31 - 1  # num_kv_blocks at most: every block id fits an int32 index
 MAX_LORA_ADAPTERS = 64  # adapter slots at most (max_loras, or lora_modules without it)
+KV_HOST_WRITE_POLICIES = ("write_through", "write_back")  # the first: the default
 MAX_CPU_LORAS = 1024  # adapters held in host memory at most (max_cpu_loras)
 
 
@@ -35,6 +36,7 @@ class EngineConfig:
     prompt_chunk_tokens: int = 8192            # Prompt/TokenPolicy: a longer prompt is prefilled in chunks of this many
     enable_prefix_caching: bool = True
     kv_host_cache_bytes: int = 0               # host memory that keeps the prefix cache's evicted blocks (0: none)
+    kv_host_write_policy: str = KV_HOST_WRITE_POLICIES[0]  # when blocks are copied out (host_kv_tier)
     dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"               # auto (the serving dtype) | fp8 | fp8_e4m3 (see attention.fp8_kv)
     device: str = "auto"                       # auto | cpu | cuda | cuda:N
@@ -90,6 +92,9 @@ class EngineConfig:
         if self.kv_host_cache_bytes < 0 or self.kv_host_cache_bytes and not self.enable_prefix_caching:
             raise ConfigError(f"kv_host_cache_bytes must be >= 0 (0: no host tier), and needs enable_prefix_caching "
                               f"(it keeps the prefix cache's blocks), got {self.kv_host_cache_bytes!r}")
+        if self.kv_host_write_policy not in KV_HOST_WRITE_POLICIES:
+            raise ConfigError(f"kv_host_write_policy must be one of {', '.join(KV_HOST_WRITE_POLICIES)}, "
+                              f"got {self.kv_host_write_policy!r}")
         if self.cuda_graph_max_batch < 0:
             raise ConfigError(f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_batch!r}")
         if self.gpu_reserve_bytes < 0:

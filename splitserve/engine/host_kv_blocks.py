@@ -1,11 +1,13 @@
 """The host tier's memory on one rank (`host_kv_tier`'s `BlockMover`): slots of host memory, each
 holding one KV block of every layer of its group, laid out slot by slot so a slot is one contiguous
-copy. Pinned on CUDA, where copies are queued on the current stream: a save is ordered after the
-forward that wrote the block and before any later one that writes it again, a restore before any
-that reads it. Another stream (a KV import's) is ordered by `wait`, which the engine calls before it
-hands a reservation out. With tensor parallelism each rank keeps its heads' part of every slot:
-the leader's copies go to the other ranks as `HostKVCopy` commands, run before the round's batch
-and, for a KV import's reservation, before the import's own commands (the importer syncs them).
+copy. Pinned on CUDA, where saves and loads are queued on the current stream: a save is ordered
+after the forward that wrote the block and before any later one that writes it again, a restore
+before any that reads it. A write-through `write` runs on a side stream after everything queued
+so far, overlapping the next forwards; `fence` makes the current stream wait for the writes. Another
+stream (a KV import's) is ordered by `wait`, which the engine calls before it hands a reservation
+out. With tensor parallelism each rank keeps its heads' part of every slot: the leader's copies,
+fences and waits go to the other ranks as `HostKVCopy` commands, run in order before the round's
+batch and, for a KV import's reservation, before the import's own commands.
 """
 from __future__ import annotations
 
@@ -36,8 +38,10 @@ class HostKVBlocks:
             raise ConfigError(f"kv_host_cache_bytes asks for {num_slots} KV blocks = {size} bytes of host memory, "
                               f"but the host has {free} bytes free")
         self.host = torch.empty(shape, dtype=data.dtype, pin_memory=self.cuda)  # a slot is read once saved
-        self._saved = torch.cuda.Event() if self.cuda else None
-        self._unwaited = False  # a save was queued since the last wait
+        self._saved = torch.cuda.Event() if self.cuda else None    # the last save, on the current stream
+        self._written = torch.cuda.Event() if self.cuda else None  # the last write, on the side stream
+        self._side = torch.cuda.Stream(data.device) if self.cuda else None
+        self._unwaited: set[torch.cuda.Event] = set()  # queued since the last wait
 
     @staticmethod
     def num_slots(kv_cache: KVCache, budget_bytes: int) -> int:
@@ -48,8 +52,26 @@ class HostKVBlocks:
         return budget_bytes // block
 
     def save(self, block_ids: Seq[int], slots: Seq[int]) -> None:
+        self._copy_out(block_ids, slots, self._saved)
+
+    def write(self, block_ids: Seq[int], slots: Seq[int]) -> None:
+        if not self.cuda:
+            self.save(block_ids, slots)
+            return
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            self._copy_out(block_ids, slots, self._written)
+
+    def fence(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self._written)
+
+    def _copy_out(self, block_ids: Seq[int], slots: Seq[int], done: torch.cuda.Event | None) -> None:
         for i in range(0, len(block_ids), STAGED_BLOCKS):
             self._save(block_ids[i:i + STAGED_BLOCKS], slots[i:i + STAGED_BLOCKS])
+        if self.cuda:
+            done.record()
+            self._unwaited.add(done)
 
     def load(self, slots: Seq[int], block_ids: Seq[int]) -> None:
         for i in range(0, len(block_ids), STAGED_BLOCKS):
@@ -64,8 +86,6 @@ class HostKVBlocks:
         blocks = blocks.contiguous()
         for first, start, count in _runs(slots):
             self.host[start:start + count].copy_(blocks[first:first + count], non_blocking=True)
-        self._saved.record()
-        self._unwaited = True
 
     def _load(self, slots: Seq[int], block_ids: Seq[int]) -> None:
         ids = torch.tensor(block_ids, device=self.data.device)
@@ -78,26 +98,28 @@ class HostKVBlocks:
         self.data[:, :, ids] = blocks.movedim(0, 2)
 
     def wait(self) -> None:
-        """Until every save queued so far has read its blocks (on CPU they are done on return)."""
-        if self._unwaited:
-            self._saved.synchronize()
-            self._unwaited = False
+        """Until every save and write queued so far has read its blocks (on CPU they are done on return)."""
+        for event in self._unwaited:
+            event.synchronize()
+        self._unwaited.clear()
 
 
 @dataclass(frozen=True)
 class HostKVCopy:
-    """A tensor-parallel rank's part of a host tier copy: device blocks saved into slots, or back."""
+    """A tensor-parallel rank's part of the host tier's work: `kind` is a `HostKVBlocks` method
+    (save, write, load: device blocks into slots or back; fence; wait)."""
 
-    save: bool
-    block_ids: tuple[int, ...]
-    slots: tuple[int, ...]
+    kind: str
+    block_ids: tuple[int, ...] = ()
+    slots: tuple[int, ...] = ()
 
     def apply(self, blocks: HostKVBlocks) -> None:
-        if self.save:
-            blocks.save(self.block_ids, self.slots)
-        else:
+        if self.kind == "load":
             blocks.load(self.slots, self.block_ids)
-        blocks.wait()  # a direct KV write into a saved block may come from another process
+        elif self.kind in ("save", "write"):
+            getattr(blocks, self.kind)(self.block_ids, self.slots)
+        else:
+            getattr(blocks, self.kind)()
 
 
 class LeaderHostKV:
@@ -108,14 +130,24 @@ class LeaderHostKV:
 
     def save(self, block_ids: Seq[int], slots: Seq[int]) -> None:
         self.own.save(block_ids, slots)
-        self.leader.post_all(HostKVCopy(True, tuple(block_ids), tuple(slots)))
+        self.leader.post_all(HostKVCopy("save", tuple(block_ids), tuple(slots)))
+
+    def write(self, block_ids: Seq[int], slots: Seq[int]) -> None:
+        self.own.write(block_ids, slots)
+        self.leader.post_all(HostKVCopy("write", tuple(block_ids), tuple(slots)))
 
     def load(self, slots: Seq[int], block_ids: Seq[int]) -> None:
         self.own.load(slots, block_ids)
-        self.leader.post_all(HostKVCopy(False, tuple(block_ids), tuple(slots)))
+        self.leader.post_all(HostKVCopy("load", tuple(block_ids), tuple(slots)))
+
+    def fence(self) -> None:
+        self.own.fence()
+        self.leader.post_all(HostKVCopy("fence"))
 
     def wait(self) -> None:
+        """The leader's own saves and writes; every other rank's before it runs an import's commands."""
         self.own.wait()
+        self.leader.post_all(HostKVCopy("wait"))
 
 
 def _runs(slots: Seq[int]) -> list[tuple[int, int, int]]:

@@ -68,7 +68,8 @@ class LLMEngine:
         self._host_kv = shard.host_kv if self.tp_leader is None or shard.host_kv is None else \
             LeaderHostKV(shard.host_kv, self.tp_leader)
         self.host_tier = None if self._host_kv is None else \
-            HostKVTier(shard.host_kv.host.shape[0], len(windows), self._host_kv)
+            HostKVTier(shard.host_kv.host.shape[0], len(windows), self._host_kv,
+                       config.kv_host_write_policy == "write_through")
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
                                           sequence_root(self._long_rope_from), windows, self.host_tier)
         limits = config.scheduler_limits(self.max_model_len)
@@ -249,6 +250,8 @@ class LLMEngine:
             ids = {k: [t.token_id for t in v] for k, v in sampled.items()}
             kept = 0 if self.proposer is None else self.proposer.settle(plan, ids)
             updated = self.policy.complete_step(plan, ids)
+            if self.host_tier is not None:
+                self.host_tier.flush()  # write-through: the blocks this step cached, behind its forward
             self.last_step = replace(in_flight.work, seconds=now - in_flight.start, accepted_tokens=kept)
 
             def record(req: TrackedRequest) -> RequestOutput:
@@ -314,7 +317,7 @@ class LLMEngine:
         req = self._new_request(request_id, prompt_token_ids, params, arrival_time)
         tables = self.policy.reserve_import(req.seq, reuse_prefix)
         if self._host_kv is not None:
-            self._host_kv.wait()  # blocks the reservation evicted are saved before the import writes them
+            self._host_kv.wait()  # blocks the reservation evicted are copied out before the import writes them
         self._requests[request_id] = req
         return req.seq, tables
 

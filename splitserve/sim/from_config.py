@@ -83,7 +83,8 @@ def scenario_from_config(config: ClusterConfig, target: SimTarget = SimTarget())
 def host_kv_model(config: ClusterConfig, target: SimTarget) -> HostKVModel | None:
     """The host tier engine.kv_host_cache_bytes gives a worker at the target's TP (`pool_spec`: at another)."""
     tokens = host_kv_tokens(config, target, target.tensor_parallel)
-    return HostKVModel(tokens) if tokens else None
+    through = config.engine.kv_host_write_policy == "write_through"
+    return HostKVModel(tokens, write_through=through) if tokens else None
 
 
 def pool_spec(pool: PoolConfig, config: ClusterConfig, target: SimTarget) -> PoolSpec:

@@ -11,7 +11,7 @@ from splitserve.placement import PLACEMENT_POLICIES, PlacementThresholds, Role
 from splitserve.placement.hardware import HardwareProfile
 from splitserve.placement.state import MAX_ADAPTER_SLOTS, AdapterOptions, PrefixOptions
 from splitserve.sim.drafts import DraftModel
-from splitserve.sim.host_kv import HostKVModel
+from splitserve.sim.host_kv import HostKVModel, WorkerHostTier
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.transfer import TransferModel
 from splitserve.sim.worker import PerfModel
@@ -151,14 +151,14 @@ class Scenario:
         """The engine policy of a worker while its pool is `role`."""
         return self.role_policies.get(role.value, role.value)
 
-    def host_tier_of(self, pool: PoolSpec) -> tuple[int, float] | None:
-        """The host tier of each worker of `pool`: its blocks (of one layer group's, as `num_blocks_of`)
-        and the seconds copying one takes; None without a tier."""
+    def host_tier_of(self, pool: PoolSpec) -> WorkerHostTier | None:
+        """The host tier of each worker of `pool` (its blocks: of one layer group's, as `num_blocks_of`);
+        None without a tier."""
         if self.host_kv is None:
             return None
         block_bytes = self.block_size * self.transfer.kv_bytes_per_token * self.kv_group_share
-        return int(self.host_tokens_of(pool) // self.block_size / self.kv_group_share + 1e-9), \
-            block_bytes / self.host_kv.bytes_per_s
+        return WorkerHostTier(int(self.host_tokens_of(pool) // self.block_size / self.kv_group_share + 1e-9),
+                              block_bytes / self.host_kv.bytes_per_s, self.host_kv.write_through)
 
     def host_tokens_of(self, pool: PoolSpec) -> int:
         return self.host_kv.tokens if pool.host_kv_tokens is None else pool.host_kv_tokens

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from splitserve.bench.report import markdown_table, write_outputs
 from splitserve.bench.workload import ARRIVALS, WorkloadSpec, make_workload, parse_priorities
 from splitserve.command import report_errors
+from splitserve.engine.engine_config import KV_HOST_WRITE_POLICIES
 from splitserve.placement.state import ADAPTER_WAITS
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, design
@@ -98,6 +99,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    "cluster's /metrics count them (splitserve_spec_decode_accepted_tokens_total / draft_tokens_total)")
     p.add_argument("--kv-host-gib", type=float, default=None, help="each worker's host memory for the prefix "
                    "cache's evicted blocks (default: the config's engine.kv_host_cache_bytes; 0: none)")
+    p.add_argument("--kv-host-write-policy", choices=KV_HOST_WRITE_POLICIES, default=None,
+                   help="when the host tier copies a block out (default: the config's engine.kv_host_write_policy, "
+                        "write_through): once it is computed (on its own stream), or as the KV cache evicts it")
     p.add_argument("--kv-host-gbps", type=float, default=HOST_LINK_BYTES_PER_S / 1e9,
                    help="GB/s a worker's copies between host memory and its GPUs move, every GPU's link together "
                         "(assumed: a DGX-H100's 8 PCIe Gen5 x16 links; one GPU: 50)")
@@ -110,15 +114,21 @@ def scenario_of(args) -> Scenario:
 
 
 def with_host_kv(args, scenario: Scenario) -> Scenario:
-    """The host tier: --kv-host-gib a worker whatever its TP, else the config's, copied at --kv-host-gbps."""
+    """The host tier: --kv-host-gib a worker whatever its TP, else the config's, copied at --kv-host-gbps,
+    written as --kv-host-write-policy, else as the config says."""
+    configured = scenario.host_kv
+    if args.kv_host_write_policy is not None:
+        through = args.kv_host_write_policy == "write_through"
+    else:
+        through = (configured or HostKVModel(1)).write_through  # the config's, else the engine's default
     if args.kv_host_gib is None:
-        tokens = scenario.host_kv.tokens if scenario.host_kv is not None else 0
+        tokens = configured.tokens if configured is not None else 0
     elif math.isfinite(args.kv_host_gib) and args.kv_host_gib >= 0:
         tokens = int(args.kv_host_gib * 2**30 // scenario.transfer.kv_bytes_per_token)
         scenario = replace(scenario, pools=tuple(replace(pool, host_kv_tokens=None) for pool in scenario.pools))
     else:
         raise ValueError(f"--kv-host-gib must be a finite number >= 0, got {args.kv_host_gib!r}")
-    return replace(scenario, host_kv=HostKVModel(tokens, args.kv_host_gbps * 1e9) if tokens else None)
+    return replace(scenario, host_kv=HostKVModel(tokens, args.kv_host_gbps * 1e9, through) if tokens else None)
 
 
 def drafts_of(args, configured: int) -> DraftModel | None:

@@ -28,7 +28,7 @@ from splitserve.engine.speculation import speculate
 from splitserve.placement.load import load_of
 from splitserve.placement.state import WorkerLoad
 from splitserve.sim.drafts import DraftModel, SimDrafts
-from splitserve.sim.host_kv import SimHostKV
+from splitserve.sim.host_kv import SimHostKV, WorkerHostTier
 from splitserve.sim.overhead import ServingOverhead
 
 NO_OVERHEAD = ServingOverhead()
@@ -82,13 +82,14 @@ class SimWorker:
                  overhead: ServingOverhead = NO_OVERHEAD, clock: Callable[[], float] = lambda: 0.0,
                  prefix_caching: bool = False, windows: tuple[int | None, ...] = (None,), lora_slots: int = 0,
                  lora_swap_s: float = 0.0, drafts: DraftModel | None = None,
-                 host_tier: tuple[int, float] | None = None):
-        """`host_tier`: its blocks and the seconds copying one takes (`Scenario.host_tier_of`)."""
+                 host_tier: WorkerHostTier | None = None):
+        """`host_tier`: `Scenario.host_tier_of` its pool."""
         self.worker_id, self.perf, self.token_times, self.clock = worker_id, perf, token_times, clock
         self.iteration_overhead_s, self.token_overhead_s = overhead.iteration_s, overhead.token_s
         self.prefill_extra = overhead.prefill_scale - 1.0  # of a prefill's profiled time, added to it
-        self.host_kv = None if host_tier is None else SimHostKV(host_tier[1])
-        self.host_tier = None if host_tier is None else HostKVTier(host_tier[0], len(windows), self.host_kv)
+        self.host_kv = None if host_tier is None else SimHostKV(host_tier.block_s)
+        self.host_tier = None if host_tier is None else \
+            HostKVTier(host_tier.blocks, len(windows), self.host_kv, host_tier.write_through)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
                                    root_of=sequence_root(None), windows=windows, host_tier=self.host_tier)
         if limits.slo.pivot_time_s is None:  # SLO-aware policies: the pivot's time from this worker's model
@@ -190,7 +191,7 @@ class SimWorker:
                     + self.token_overhead_s * self.sampling + self.lora_swap_s * self._swaps_unpaid)
         self._swaps_unpaid = 0
         if self.host_kv is not None:
-            duration += self.host_kv.take_cost()  # blocks saved or restored since the last iteration
+            duration += self.host_kv.take_cost(duration)  # blocks copied since the last iteration
         if prefill and self.prefill_extra:
             duration += self.prefill_extra * self.perf.prefill_time(prefill)
         self.plan, self.iteration_s = plan, duration
@@ -213,6 +214,8 @@ class SimWorker:
         self.policy.observe(plan, self.iteration_s)
         sampled, before = (SAMPLED, {}) if self.drafts is None else self._sampled(plan)
         updated = self.policy.complete_step(plan, sampled)
+        if self.host_tier is not None:
+            self.host_tier.flush()  # write-through: the blocks this iteration cached
         finished, handed_off, times = [], [], self.token_times
         prefilled, finished_status = SequenceStatus.PREFILLED, SequenceStatus.FINISHED
         for seq in updated:

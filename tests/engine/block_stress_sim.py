@@ -16,17 +16,27 @@ def windows_any(windows: tuple[int | None, ...]) -> bool:
 
 class KVSim:
     """A fake KV cache: each slot holds the id of the token prefix whose last token it encodes;
-    `host` the host tier's blocks (it is that tier's `BlockMover`)."""
+    `host` the host tier's blocks (it is that tier's `BlockMover`). A write-through copy runs as
+    late as a side stream may: at the next fence, reading the device block as it is then."""
 
     def __init__(self, num_blocks: int, block_size: int, host_slots: int = 0):
         self.bs = block_size
         self.slots = [[None] * block_size for _ in range(num_blocks)]
         self.host = [[None] * block_size for _ in range(host_slots)]
         self._ids: dict[tuple[int, int], int] = {}
+        self._unfenced: list[tuple[int, int]] = []  # (block id, slot) written, copied at the fence
 
     def save(self, block_ids: list[int], slots: list[int]) -> None:
         for block_id, slot in zip(block_ids, slots):
             self.host[slot] = list(self.slots[block_id])
+
+    def write(self, block_ids: list[int], slots: list[int]) -> None:
+        self._unfenced += zip(block_ids, slots)
+
+    def fence(self) -> None:
+        for block_id, slot in self._unfenced:
+            self.host[slot] = list(self.slots[block_id])
+        self._unfenced.clear()
 
     def load(self, slots: list[int], block_ids: list[int]) -> None:
         for slot, block_id in zip(slots, block_ids):
@@ -39,7 +49,7 @@ class KVSim:
             out.append(prev)
         return out
 
-    def write(self, tables: list[list[int]], tokens: list[int], start: int, end: int) -> None:
+    def compute(self, tables: list[list[int]], tokens: list[int], start: int, end: int) -> None:
         ids = self.prefix_ids(tokens[:end])
         for group, table in enumerate(tables):
             for p in range(start, end):
@@ -65,7 +75,7 @@ class EngineSim:
 
     def __init__(self, seed: int, enable_prefix_caching: bool = True, num_blocks: int = 24,
                  block_size: int = BS, windows: tuple[int | None, ...] = (None,), chunk: int | None = None,
-                 host_slots: int = 0):
+                 host_slots: int = 0, write_through: bool = False):
         self.seed = seed
         self.chunk = chunk
         self.rng = random.Random(seed)
@@ -73,7 +83,7 @@ class EngineSim:
         self.windows = windows
         self.enable_prefix_caching = enable_prefix_caching
         self.kv = KVSim(num_blocks, block_size, host_slots)
-        self.tier = HostKVTier(host_slots, len(windows), self.kv) if host_slots else None
+        self.tier = HostKVTier(host_slots, len(windows), self.kv, write_through) if host_slots else None
         self.bm = BlockManager(num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                                windows=windows, host_tier=self.tier)
         self.num_blocks = self.bm.num_blocks  # less NULL_BLOCK with a window
@@ -252,7 +262,7 @@ class EngineSim:
             "an import shares a block it is to write"
         self.waiting.remove(seq)
         self.running.append(seq)
-        self.kv.write(tables, seq.token_ids, hit, num_prompt)
+        self.kv.compute(tables, seq.token_ids, hit, num_prompt)
         seq.num_computed_tokens = num_prompt
         bm.commit(seq)
         seq.append_token(self.rng.randrange(8))  # the first token, sampled by the prefill instance
@@ -279,9 +289,11 @@ class EngineSim:
         tables = bm.block_tables(seq.seq_id)
         for table in tables:
             self.assert_private_writes(seq, table, c, c + n)
-        self.kv.write(tables, seq.token_ids, c, c + n)
+        self.kv.compute(tables, seq.token_ids, c, c + n)
         seq.num_computed_tokens = c + n
         bm.commit(seq)
+        if self.tier is not None and self.tier.write_through and self.rng.random() < 0.5:
+            self.tier.flush()  # as a step's end does; the tier flushes before it reuses a block either way
         if seq.num_computed_tokens == seq.num_tokens:  # sampled a token
             seq.append_token(rng.randrange(8))
             if seq.num_output_tokens >= seq.params.max_tokens or rng.random() < 0.03:

@@ -64,9 +64,10 @@ def test_runs_of_consecutive_slots():
     assert _runs([]) == []
 
 
-def test_an_evicted_prefix_comes_back_from_host_memory(reference):
-    engine = LLMEngine(**SMALL, kv_host_cache_bytes=48 * BLOCK_BYTES)
-    assert engine.host_tier.num_slots == 48
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_an_evicted_prefix_comes_back_from_host_memory(reference, policy):
+    engine = LLMEngine(**SMALL, kv_host_cache_bytes=48 * BLOCK_BYTES, kv_host_write_policy=policy)
+    assert engine.host_tier.num_slots == 48 and engine.host_tier.write_through == (policy == "write_through")
     outputs = run_in_turn(engine)
     assert_same(outputs, reference)
     assert outputs[3].num_cached_tokens == 160  # every full block of the shared prefix
@@ -76,10 +77,12 @@ def test_an_evicted_prefix_comes_back_from_host_memory(reference):
     engine.block_manager.check_integrity()
 
 
-def test_tensor_parallel_ranks_keep_their_heads(reference):
-    """Each rank saves and restores its own heads (the leader's copies reach the other ranks as
-    commands): the answer is the one-rank engine's."""
-    with tp_engine("demo", 2, **SMALL, kv_host_cache_bytes=48 * BLOCK_BYTES // 2) as (engine, followers):
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_tensor_parallel_ranks_keep_their_heads(reference, policy):
+    """Each rank saves (or writes) and restores its own heads (the leader's copies, fences and waits
+    reach the other ranks as commands): the answer is the one-rank engine's."""
+    with tp_engine("demo", 2, **SMALL, kv_host_cache_bytes=48 * BLOCK_BYTES // 2,
+                   kv_host_write_policy=policy) as (engine, followers):
         assert engine.host_tier.num_slots == 48
         outputs = run_in_turn(engine)
         engine.check_integrity()
@@ -96,7 +99,21 @@ def test_tensor_parallel_ranks_keep_their_heads(reference):
     (dict(kv_host_cache_bytes=BLOCK_BYTES, enable_prefix_caching=False), "needs enable_prefix_caching"),
     (dict(kv_host_cache_bytes=BLOCK_BYTES - 1), "holds no KV block"),
     (dict(kv_host_cache_bytes=2**60), "bytes of host memory, but the host has"),
+    (dict(kv_host_write_policy="write_around"), "kv_host_write_policy must be one of write_through, write_back"),
 ])
 def test_settings_that_cannot_work_name_the_field(overrides, match):
     with pytest.raises(ConfigError, match=match):
         LLMEngine(**SMALL, **overrides)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_on_cuda_the_copies_keep_their_order(policy):
+    """Pinned slots; saves and restores on the compute stream, writes on a side stream fenced before
+    a written block is reused: the small CUDA engine answers as a large CUDA engine does."""
+    block_bytes = LLMEngine(**SMALL, device="cuda").kv_cache.block_bytes
+    reference = run_in_turn(LLMEngine(num_kv_blocks=192, max_model_len=256, device="cuda"))
+    engine = LLMEngine(**SMALL, device="cuda", kv_host_cache_bytes=48 * block_bytes, kv_host_write_policy=policy)
+    outputs = run_in_turn(engine)
+    assert [out.token_ids for out in outputs] == [out.token_ids for out in reference]
+    assert outputs[3].num_cached_tokens == 160 and engine.host_tier.restored_blocks >= 10

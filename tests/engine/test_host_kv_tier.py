@@ -12,22 +12,31 @@ from tests.engine.block_helpers import BS, cached, compute_all, make_seq, seq_ra
 
 
 class Recorder:
-    """A `BlockMover` that records each copy and what each slot holds (the block id it saved)."""
+    """A `BlockMover` that records each copy and fence, and what each slot holds (the block id it saved)."""
 
     def __init__(self):
-        self.saves, self.loads, self.slot_of = [], [], {}
+        self.saves, self.writes, self.loads, self.events, self.slot_of = [], [], [], [], {}
 
     def save(self, block_ids, slots):
         self.saves.append((list(block_ids), list(slots)))
         self.slot_of.update({slot: block for block, slot in zip(block_ids, slots)})
 
+    def write(self, block_ids, slots):
+        self.writes.append((list(block_ids), list(slots)))
+        self.events.append("write")
+        self.slot_of.update({slot: block for block, slot in zip(block_ids, slots)})
+
+    def fence(self):
+        self.events.append("fence")
+
     def load(self, slots, block_ids):
         self.loads.append((list(slots), list(block_ids)))
+        self.events.append("load")
 
 
-def manager(num_blocks: int, slots: int) -> tuple[BlockManager, HostKVTier, Recorder]:
+def manager(num_blocks: int, slots: int, write_through: bool = False) -> tuple[BlockManager, HostKVTier, Recorder]:
     mover = Recorder()
-    tier = HostKVTier(slots, 1, mover)
+    tier = HostKVTier(slots, 1, mover, write_through)
     return BlockManager(num_blocks, block_size=BS, host_tier=tier), tier, mover
 
 
@@ -137,3 +146,62 @@ def test_a_tier_smaller_than_one_eviction_keeps_the_newest():
 def test_a_tier_needs_a_slot():
     with pytest.raises(ValueError, match="at least one slot"):
         HostKVTier(0, 1, Recorder())
+
+
+def test_write_through_copies_a_block_once_cached_and_an_eviction_copies_nothing():
+    bm, tier, mover = manager(8, 8, write_through=True)
+    prefix = seq_range(0, 3 * BS)
+    cached(bm, "a", prefix + [1])
+    a_blocks = bm.block_table("a")[:3]
+    assert not mover.writes  # queued until the step's flush
+    tier.flush()
+    (ids, slots), = mover.writes
+    assert ids == a_blocks and tier.saved_blocks == 3
+    bm.free("a")
+    evict_all(bm, "filler")
+    assert not mover.saves and mover.events == ["write", "fence"]  # the blocks are reused after their write
+    b = make_seq("b", prefix + [2, 3])
+    bm.allocate(b)
+    assert b.num_computed_tokens == 3 * BS and tier.restored_blocks == 3
+    (loaded, _), = mover.loads
+    assert [mover.slot_of[s] for s in loaded] == a_blocks
+    assert len(tier.entries) == 3  # still held: both tiers have the prefix now
+    compute_all(bm, b)
+    tier.flush()
+    assert len(mover.writes) == 1  # the restored blocks are not written again
+    bm.check_integrity()
+
+
+def test_write_through_keeps_the_most_recently_computed_and_the_delta_counts_the_device():
+    """The host tier pushes out its least recently used; a content the device still caches is no
+    news to the CLS, one neither tier holds is evicted."""
+    bm, tier, mover = manager(8, 2, write_through=True)
+    bm.take_prefix_snapshot()
+    a = cached(bm, "a", seq_range(0, 3 * BS) + [1])
+    table = bm.block_table(a.seq_id)
+    tier.flush()
+    assert len(tier.entries) == 2 and mover.writes == [(table[1:3], [1, 0])]
+    new, evicted = bm.take_prefix_delta()
+    assert len(new) == 3 and not evicted  # a's first block is on the device only
+    bm.free(a.seq_id)  # the tail first: its last block is the least recently used
+    evict_all(bm, "f")  # the first block is saved in place of the last, which leaves both tiers
+    (saved, _), = mover.saves
+    assert saved == table[:1] and len(tier.entries) == 2
+    new, evicted = bm.take_prefix_delta()
+    assert not new and len(evicted) == 1
+    b = make_seq("b", seq_range(0, 3 * BS) + [2])
+    bm.allocate(b)
+    assert b.num_computed_tokens == 2 * BS
+    bm.check_integrity()
+
+
+def test_write_through_never_writes_a_block_reused_before_the_flush():
+    """A queued write whose block is evicted is issued before the eviction hands the block out."""
+    bm, tier, mover = manager(2, 4, write_through=True)
+    a = cached(bm, "a", seq_range(0, 2 * BS))
+    blocks = bm.block_table(a.seq_id)
+    bm.free(a.seq_id)
+    evict_all(bm, "f")
+    assert mover.events == ["write", "fence"] and not mover.saves
+    assert [ids for ids, _ in mover.writes] == [blocks]
+

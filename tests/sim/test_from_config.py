@@ -76,9 +76,12 @@ def test_a_host_tier_in_bytes_is_each_rank_s():
     scenario = scenario_from_config(config(("prompt", "h100", 1), ("token", "h100", 4),
                                            engine={"kv_host_cache_bytes": 2 ** 36}))
     assert scenario.host_kv.tokens == 8 * 2 ** 36 // PER_TOKEN
-    (blocks, block_s), (token_blocks, _) = map(scenario.host_tier_of, scenario.pools)
-    assert blocks == 8 * 2 ** 36 // PER_TOKEN // 16 and block_s == pytest.approx(16 * PER_TOKEN / 400e9)
-    assert token_blocks == 4 * 2 ** 36 // PER_TOKEN // 16
+    prompt, token = map(scenario.host_tier_of, scenario.pools)
+    assert prompt.blocks == 8 * 2 ** 36 // PER_TOKEN // 16 and prompt.block_s == pytest.approx(16 * PER_TOKEN / 400e9)
+    assert token.blocks == 4 * 2 ** 36 // PER_TOKEN // 16 and token.write_through  # the engine's default
+    back = scenario_from_config(config(("prompt", "h100", 1), ("token", "h100", 1), engine={
+        "kv_host_cache_bytes": 2 ** 36, "kv_host_write_policy": "write_back"}))
+    assert not back.host_tier_of(back.pools[0]).write_through
     assert scenario_from_config(config(("prompt", "h100", 1), ("token", "h100", 1))).host_kv is None
 
 

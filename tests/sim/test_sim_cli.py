@@ -136,9 +136,14 @@ def test_a_host_tier_from_the_flags_or_the_config():
     design = replace(design, host_kv=HostKVModel(99), pools=(replace(design.pools[0], host_kv_tokens=50),
                                                              *design.pools[1:]))
     per_token = design.transfer.kv_bytes_per_token
-    flags = argparse.Namespace(kv_host_gib=None, kv_host_gbps=25.0)
+    flags = argparse.Namespace(kv_host_gib=None, kv_host_gbps=25.0, kv_host_write_policy=None)
     configured = with_host_kv(flags, design)  # the config's, at the flag's bandwidth
-    assert configured.host_kv == HostKVModel(99, 25e9) and configured.host_tokens_of(configured.pools[0]) == 50
+    assert configured.host_kv == HostKVModel(99, 25e9, write_through=True)  # the engine's default policy
+    assert configured.host_tokens_of(configured.pools[0]) == 50
+    back = with_host_kv(replace_args(flags, kv_host_write_policy="write_back"), design)
+    assert back.host_kv == HostKVModel(99, 25e9, write_through=False)
+    assert not with_host_kv(flags, back).host_kv.write_through  # the configured policy stands without the flag
+    assert with_host_kv(replace_args(flags, kv_host_gib=1.0), replace(design, host_kv=None)).host_kv.write_through
     flagged = with_host_kv(replace_args(flags, kv_host_gib=2.0), design)  # a worker's, whatever its pool's TP
     assert {flagged.host_tokens_of(pool) for pool in flagged.pools} == {2 * 2 ** 30 // per_token}
     assert with_host_kv(replace_args(flags, kv_host_gib=0.0), design).host_kv is None

@@ -7,7 +7,7 @@ import pytest
 
 from splitserve.bench.workload import RequestSpec
 from splitserve.sim.cluster import simulate
-from splitserve.sim.host_kv import HostKVModel
+from splitserve.sim.host_kv import HostKVModel, SimHostKV
 from tests.sim.test_sim_cluster import TRANSFER, mixed
 
 BLOCK = 64  # tokens of one trace block
@@ -21,18 +21,31 @@ def conversations() -> list[RequestSpec]:
     return requests + [RequestSpec(3, 30.0, 9 * BLOCK, 4, prefix_blocks=tuple(range(9)), block_tokens=BLOCK)]
 
 
-def small(host_tokens: int = 0, bytes_per_s: float = 1e12):
-    host = HostKVModel(host_tokens, bytes_per_s) if host_tokens else None
+def small(host_tokens: int = 0, bytes_per_s: float = 1e12, write_through: bool = False):
+    host = HostKVModel(host_tokens, bytes_per_s, write_through) if host_tokens else None
     return mixed(kv_budget_tokens=1024, max_model_len=1024, host_kv=host)
 
 
-def test_a_later_turn_restores_its_evicted_prefix():
-    plain, tier = simulate(small(), conversations()), simulate(small(4096), conversations())
+@pytest.mark.parametrize("write_through", [False, True], ids=["write_back", "write_through"])
+def test_a_later_turn_restores_its_evicted_prefix(write_through):
+    plain, tier = simulate(small(), conversations()), simulate(small(4096, write_through=write_through),
+                                                               conversations())
     prefill = [sum(w.prefill_tokens for w in r.workers) for r in (plain, tier)]
     assert prefill[0] - prefill[1] == 8 * BLOCK  # the second turn computes its new block only
     assert [w.host_restored_tokens for w in tier.workers] == [8 * BLOCK]
     assert tier.records[3].cached_tokens == 8 * BLOCK and plain.records[3].cached_tokens == 0
     assert tier.records[3].ttft_s < plain.records[3].ttft_s
+
+
+def test_blocks_written_through_cost_only_what_outlasts_the_iteration():
+    """Saves and restores cost in full; writes run beside the iteration and cost what is left."""
+    mover = SimHostKV(0.25)
+    mover.write([1, 2, 3], [0, 1, 2])
+    assert mover.take_cost(0.5) == pytest.approx(0.25) and mover.take_cost(0.5) == 0
+    mover.write([1, 2], [0, 1])
+    mover.load([3], [4])
+    mover.save([5], [6])
+    assert mover.take_cost(1.0) == pytest.approx(0.5)
 
 
 def test_each_block_copied_costs_its_iteration():
