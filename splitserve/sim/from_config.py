@@ -9,11 +9,11 @@ of a paper model; any other class (cpu, ...) to rows of a profile CSV measured b
 Tensor parallelism: a pool with its own tensor_parallel_size N > 1 is simulated with the profile
 rows at TP N and a KV budget of N GPUs (or N ranks' engine.kv_cache_memory_bytes: a rank keeps its
 KV heads' part of every token, and so does its host tier). A TP-1 pool (the default, a model that
-fits one device) stands in for the target's TP (`SimTarget.tensor_parallel`, `--tensor-parallel`, default 8): the
-paper models have no TP-1 profiles, so a TP-1 pool simulates a DGX of the paper's setup, as before
-pools had a TP; with a measured profile it takes that class's rows, whatever their TP. Either way
-the CLS weighs a pool's workers by the speeds the controller gives them: the class's, scaled for
-the pool's own tensor_parallel_size (`ClusterConfig.worker_hardware`).
+fits one device) stands in for the target's TP (`SimTarget.tensor_parallel`, `--tensor-parallel`,
+default 8): the paper models have no TP-1 profiles, so a TP-1 pool simulates a DGX of the paper's
+setup, as before pools had a TP; with a measured profile it takes that class's rows, whatever
+their TP. Either way the CLS weighs a pool's workers by the speeds the controller gives them: the
+class's, scaled for the pool's own tensor_parallel_size (`ClusterConfig.worker_hardware`).
 """
 from __future__ import annotations
 
