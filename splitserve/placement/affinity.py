@@ -14,10 +14,12 @@ A worker's score is its queue as the blind searches see it, less its net saving:
 A pair's score is its prompt side's plus its token side's, so the best pair is the best prompt
 worker with the best token worker: no search over pairs.
 
-Eligibility is exactly the blind rules (backpressure, KV room, the caller's caps): affinity
-reorders candidates, it never admits one, so it beats a slightly shorter queue but never makes an
-overloaded worker eligible. The KV room check still counts the whole prompt: a worker's free KV
-includes its cached blocks no request holds, and reusing them takes them out of it.
+Eligibility is the blind rules (backpressure, KV room, the caller's caps), so affinity beats a
+slightly shorter queue but never makes an overloaded worker eligible; a prompt cap (splitwise's
+threshold) bounds the queue the request meets there, the worker's less its prefix saving
+(`prompt_queue_for`), which the blind choice, under the cap, meets too. The KV room check still
+counts the whole prompt: a worker's free KV includes its cached blocks no request holds, and
+reusing them takes them out of it.
 Savings are >= 0 and only holders have any, and an adapter costs by tier (held, an idle slot, a
 wait), so the best candidate is the blind search's choice, a prefix holder, a worker holding the
 adapter, or, where the blind choice would wait, one with an idle slot: any other has no saving,
@@ -55,8 +57,11 @@ class Affinity:
 
     def prefill(self, worker: WorkerState) -> float:
         """Prompt-queue units saved on a worker prefilling the request (< 0: it costs)."""
-        cached = self.prefix.prefill_saved_weight * self.cached.get(worker.worker_id, 0) / worker.hardware.prompt_speed
-        return cached - self._adapter_share(worker) * self.thresholds.mixed_prompt_tokens
+        return self.prefix_saving(worker) - self._adapter_share(worker) * self.thresholds.mixed_prompt_tokens
+
+    def prefix_saving(self, worker: WorkerState) -> float:
+        """Prompt-queue units the request's cached prefix saves on a worker prefilling it."""
+        return self.prefix.prefill_saved_weight * self.cached.get(worker.worker_id, 0) / worker.hardware.prompt_speed
 
     def transfer(self, worker: WorkerState) -> float:
         """Token-queue units saved on a worker decoding the request (< 0: it costs)."""
@@ -79,13 +84,19 @@ class Affinity:
         return 0.0 if wait == 0 else self.adapters.swap_share if wait == 1 else self.adapters.wait_share
 
 
+def prompt_queue_for(worker: WorkerState, affinity: Affinity | None) -> float:
+    """A prompt worker's queue as a request sees it: less what its cached prefix saves there."""
+    return worker.prompt_queue() - (0.0 if affinity is None else affinity.prefix_saving(worker))
+
+
 def prefer_affine_prompt(state: ClusterState, blind: WorkerState | None, affinity: Affinity,
                          exclude: frozenset[str], cap: float = math.inf) -> WorkerState | None:
-    """The prompt worker to use instead of `blind` (the least queue), among those queued <= `cap`."""
+    """The prompt worker to use instead of `blind` (the least queue), among those whose queue for
+    the request (`prompt_queue_for`) is <= `cap`."""
     thresholds = state.thresholds
     return _least(blind, affinity.candidates(state, Role.PROMPT, blind),
                   lambda w: w.prompt_queue() - affinity.prefill(w),
-                  lambda w: can_prompt(w, thresholds, exclude) and w.prompt_queue() <= cap)
+                  lambda w: can_prompt(w, thresholds, exclude) and prompt_queue_for(w, affinity) <= cap)
 
 
 def prefer_affine_token(state: ClusterState, blind: WorkerState | None, affinity: Affinity, request: PlacementRequest,

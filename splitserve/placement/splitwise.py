@@ -2,8 +2,8 @@
 mixed pool when a pool's best queue passes its threshold, and coarse re-purposing of workers that
 stay mixed for long.
 
-Overflow, prompt side (best prompt queue > `mixed_prompt_tokens`, or no prompt candidate): run the
-request whole on the least-loaded mixed worker whose prompt queue is within the threshold; failing
+Overflow, prompt side (the best prompt queue the request meets, less the prefill its cached prefix
+saves there, > `mixed_prompt_tokens`, or no prompt candidate): run the request whole on the least-loaded mixed worker whose prompt queue is within the threshold; failing
 that, move the least-loaded token worker into the mixed pool and run it there. Token side (best token
 queue > `mixed_decode_tokens`, or no candidate): decode on a mixed worker within that threshold
 (the KV goes prompt worker -> mixed worker); failing that, move the least-loaded prompt worker into
@@ -12,8 +12,9 @@ work with mixed batching, and an empty pool's requests overflow to the mixed poo
 an over-threshold (but eligible) JSQ choice still serves; with no candidate at all, nothing does.
 Mixed workers are picked by `base.combined_load`, since they batch prompts and decodes together.
 Every choice weighs what a worker's cached prefix of the request saves and what its LoRA adapter
-costs where no slot holds it (affinity.py), within the same thresholds: a worker over a threshold
-the blind choice is under is not preferred.
+costs where no slot holds it (affinity.py), within the same thresholds, a prompt worker's taken net
+of its saving (`affinity.prompt_queue_for`): a worker over a threshold the blind choice is under is
+not preferred.
 
 Rebalance (every report, of the reporting worker): a guest in the mixed pool goes home once it has no
 work of the kind its home pool does not do. One that has stayed mixed for `repurpose_after_s` changes
@@ -32,6 +33,7 @@ from splitserve.placement.affinity import (
     Affinity,
     least_loaded_affine,
     prefer_affine_token,
+    prompt_queue_for,
 )
 from splitserve.placement.state import Placement, PlacementRequest, PoolMove, Role, WorkerState
 
@@ -59,7 +61,7 @@ class SplitwisePolicy(JSQPolicy):
     def _split(self, state: ClusterState, request: PlacementRequest, exclude: frozenset[str]) -> Decision:
         thresholds, affinity = state.thresholds, state.affinity(request)
         prompt = self._prompt_worker(state, exclude, affinity, cap=thresholds.mixed_prompt_tokens)
-        if prompt is None or prompt.prompt_queue() > thresholds.mixed_prompt_tokens:
+        if prompt is None or prompt_queue_for(prompt, affinity) > thresholds.mixed_prompt_tokens:
             overflow = self._overflow_prompt(state, request, exclude, affinity)
             if overflow is not None or prompt is None:
                 return overflow or (None, [])
@@ -81,7 +83,7 @@ class SplitwisePolicy(JSQPolicy):
             return self.choose(state, request, now, exclude)
         thresholds, affinity = state.thresholds, state.affinity(request)
         prompt = self._prompt_worker(state, exclude, affinity, cap=thresholds.mixed_prompt_tokens)
-        if prompt is None or prompt.prompt_queue() > thresholds.mixed_prompt_tokens:
+        if prompt is None or prompt_queue_for(prompt, affinity) > thresholds.mixed_prompt_tokens:
             overflow = self._overflow_prompt(state, request, exclude, affinity)
             if overflow is not None:
                 return overflow

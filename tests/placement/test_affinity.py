@@ -62,13 +62,13 @@ def test_the_searches_match_a_brute_force_search(seed):
     state, saved = random_state(rng)
     req = request(rng.randint(1, 2500), rng.randint(0, 100))
     exclude = frozenset(w for w in state.workers if rng.random() < 0.2)
-    cap = rng.choice([math.inf, 1000.0])
+    cap = rng.choice([math.inf, 1000.0, 150.0])
     prompts, tokens = state.members(Role.PROMPT), state.members(Role.TOKEN)
 
     blind = least_prompt_queue(prompts, LIMITS, exclude)
     if blind is None or blind.prompt_queue() <= cap:  # what callers guarantee
         assert prefer_affine_prompt(state, blind, saved, exclude, cap) is reference(
-            prompts, lambda w: can_prompt(w, LIMITS, exclude) and w.prompt_queue() <= cap,
+            prompts, lambda w: can_prompt(w, LIMITS, exclude) and w.prompt_queue() - saved.prefix_saving(w) <= cap,
             lambda w: w.prompt_queue() - saved.prefill(w))
     blind = least_token_queue(tokens, LIMITS, req, exclude)
     if blind is None or blind.token_queue() <= cap * 8:

@@ -57,12 +57,28 @@ def test_never_an_overloaded_worker():
     assert pair(state_of("jsq", workers, thresholds=limits), prefixed()) == ("p0", "t0")
 
 
-def test_splitwise_prefers_no_holder_over_the_mixed_thresholds_the_blind_choice_is_under():
+def test_splitwise_holds_a_holders_prompt_queue_net_of_its_saving_to_the_threshold():
+    """The prompt threshold bounds the queue a request meets: a holder's, less the prefill its
+    cached prefix saves (2100 - 1600 <= 2048); a decode threshold the queue as it is (a transfer
+    saved is no decode saved)."""
     workers = {"p0": (P, H100, load(pending=1000), 0), "p1": (P, H100, load(pending=2100), 100),
                "t0": (T, H100, load(decode=65000), 0), "t1": (T, H100, load(decode=66000), 100)}
-    # p1: 2100 - 1600 < 1000, t1: 66000 - 1600 < 65000, but both are over mixed_*_tokens (2048, 65536)
-    assert pair(state_of("splitwise", workers), prefixed()) == ("p0", "t0")
+    # p1: 2100 - 1600 < 1000, t1: 66000 - 1600 < 65000, but t1 is over mixed_decode_tokens (65536)
+    assert pair(state_of("splitwise", workers), prefixed()) == ("p1", "t0")
     assert pair(state_of("jsq", workers), prefixed()) == ("p1", "t1")  # JSQ knows only backpressure
+    workers["p1"] = (P, H100, load(pending=3700), 100)  # 3700 - 1600 > 2048, though < 1000 + 1600
+    assert pair(state_of("splitwise", workers), prefixed()) == ("p0", "t0")
+
+
+def test_a_holder_within_the_threshold_net_of_its_saving_keeps_the_request_off_the_mixed_pool():
+    """Every prompt queue is over mixed_prompt_tokens, but the holder's less its saving is not: no overflow."""
+    workers = {"p0": (P, H100, load(pending=3000), 0), "p1": (P, H100, load(pending=3000), 100),
+               "t0": (T, H100, load(), 0), "m0": (M, H100, load(), 0)}
+    placement, moves = state_of("splitwise", workers).place(prefixed(), 0.0)
+    assert placement == Placement("p1", "t0") and not moves
+    workers["p1"] = (P, H100, load(pending=3700), 100)
+    placement, moves = state_of("splitwise", workers).place(prefixed(), 0.0)
+    assert placement == Placement("m0", "m0")
 
 
 def test_the_pair_takes_each_sides_own_prefix():
