@@ -242,7 +242,8 @@ class SchedulerOptions(StrictModel):
         "splitwise", description="Placement: round-robin, jsq (join the shortest queue) or splitwise (JSQ plus the "
         "mixed pool and re-purposing).")
     mixed_prompt_tokens: float = Field(2048, gt=0, description="A best prompt queue past this (hardware-weighted "
-                                       "tokens) sends the request to the mixed pool.")
+                                       "tokens; a worker's less the prefill its cached prefix of the prompt saves, "
+                                       "with prefix_aware) sends the request to the mixed pool.")
     mixed_decode_tokens: float = Field(65536, gt=0, description="The same for the best token queue (context "
                                        "tokens).")
     max_queue_tokens: float = Field(16384, gt=0, description="Backpressure: a prompt queue above this takes no more "
@@ -274,7 +275,8 @@ class SchedulerOptions(StrictModel):
                                     "was dead). At least 4 x idle_report_interval_s.")
     prefix_aware: bool = Field(True, description="jsq and splitwise weigh what each worker's prefix cache holds of "
                                "the prompt: a worker's queue counts less the work its cached prefix saves, within the "
-                               "same eligibility and thresholds (workers report their cached blocks with their load). "
+                               "same eligibility and thresholds (a prompt worker's measured net of its saving: "
+                               "mixed_prompt_tokens; workers report their cached blocks with their load). "
                                "Token workers then receive only the KV their prefix cache lacks. Acts only with "
                                "engine.enable_prefix_caching; false: placement blind to caches, the whole prompt's KV "
                                "shipped.")
