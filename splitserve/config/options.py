@@ -296,11 +296,13 @@ class SchedulerOptions(StrictModel):
                                    "the token side.")
     lora_wait_share: float = Field(1.0, ge=0, description="The same for a worker whose slots are all busy with other "
                                    "adapters' sequences: the request waits there for one.")
-    prefix_index_blocks: int = Field(1 << 18, ge=1, description="Most (worker, KV block) entries the CLS's prefix "
+    prefix_index_blocks: int = Field(1 << 20, ge=1, description="Most (worker, KV block) entries the CLS's prefix "
                                      "index keeps: each worker gets an equal share (at most its KV blocks and host "
-                                     "tier's slots: raise it with engine.kv_host_cache_bytes); past it, "
-                                     "its least recently placed or reported blocks are forgotten, a prefix's tail "
-                                     "before its root (a missed hit at worst).")
+                                     "tier's slots); past it, its least recently placed or reported blocks are "
+                                     "forgotten, a prefix's tail before its root (a missed hit at worst). An entry "
+                                     "takes up to about 160 bytes of the CLS's memory (a block several workers hold, "
+                                     "less), so the default costs at most some 170 MB, where the workers' caches hold "
+                                     "that many blocks.")
 
     @model_validator(mode="after")
     def _idle_polls_no_faster(self) -> "SchedulerOptions":

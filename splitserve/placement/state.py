@@ -203,7 +203,7 @@ class PrefixOptions:
     aware: bool = True  # False: placement blind to prefix caches
     prefill_saved_weight: float = 1.0  # prompt-queue tokens saved on a prompt or mixed worker, before its speed
     transfer_saved_weight: float = 1.0  # token-queue tokens saved on a token worker (KV it need not receive)
-    max_index_blocks: int = 1 << 18  # (worker, block) entries the prefix index keeps at most
+    max_index_blocks: int = 1 << 20  # (worker, block) entries the prefix index keeps at most
 
     def __post_init__(self) -> None:
         _require_aware_and_weights(self, ("prefill_saved_weight", "transfer_saved_weight"))
