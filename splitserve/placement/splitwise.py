@@ -3,11 +3,12 @@ mixed pool when a pool's best queue passes its threshold, and coarse re-purposin
 stay mixed for long.
 
 Overflow, prompt side (the best prompt queue the request meets, less the prefill its cached prefix
-saves there, > `mixed_prompt_tokens`, or no prompt candidate): run the request whole on the least-loaded mixed worker whose prompt queue is within the threshold; failing
-that, move the least-loaded token worker into the mixed pool and run it there. Token side (best token
-queue > `mixed_decode_tokens`, or no candidate): decode on a mixed worker within that threshold
-(the KV goes prompt worker -> mixed worker); failing that, move the least-loaded prompt worker into
-the mixed pool to decode. A move may take a pool's last worker: a guest still does its home pool's
+saves there, > `mixed_prompt_tokens`, or no prompt candidate): run the request whole on the
+least-loaded mixed worker whose prompt queue is within the threshold; failing that, move the
+least-loaded token worker into the mixed pool and run it there. Token side (best token queue >
+`mixed_decode_tokens`, or no candidate): decode on a mixed worker within that threshold (the KV
+goes prompt worker -> mixed worker); failing that, move the least-loaded prompt worker into the
+mixed pool to decode. A move may take a pool's last worker: a guest still does its home pool's
 work with mixed batching, and an empty pool's requests overflow to the mixed pool. With no overflow target,
 an over-threshold (but eligible) JSQ choice still serves; with no candidate at all, nothing does.
 Mixed workers are picked by `base.combined_load`, since they batch prompts and decodes together.
