@@ -141,7 +141,7 @@ class Scenario:
         if self.host_kv is not None and not self.prefix_caching:
             raise ValueError("host_kv keeps the prefix cache's blocks: it needs prefix_caching")
         for pool in self.pools if self.host_kv is not None else ():
-            if self.host_tier_of(pool)[0] < 1:
+            if self.host_tier_of(pool).blocks < 1:
                 raise ValueError(f"the {pool.role.value} pool's host tier holds {self.host_tokens_of(pool)} tokens, "
                                  f"less than a KV block")
         if not (math.isfinite(self.report_interval_s) and self.report_interval_s > 0):
