@@ -62,12 +62,10 @@ class BlockPool:
             return False
         self.hashed[block_id] = CachedBlock(key, group)
         cached[key_hash] = block_id
-        tier = self.host_tier
-        held = tier is not None and tier.lookup(group, key, key_hash) is not None  # a host copy: cached all along
-        if tier is not None and tier.write_through and not held:
-            self._record_evicted(self._uncached(tier.write(block_id, HostEntry(key, group, key_hash))))
-        elif held and not tier.write_through:
-            tier.discard(group, key_hash)
+        held = False  # a host copy: cached all along
+        if self.host_tier is not None:
+            held, dropped = self.host_tier.on_cached(block_id, HostEntry(key, group, key_hash))
+            self._record_evicted(self._uncached(dropped))
         if group or held:
             return True
         if key_hash in self._evicted:

@@ -89,12 +89,7 @@ class EngineConfig:
                      "kv_cache_memory_bytes", "num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.kv_host_cache_bytes < 0 or self.kv_host_cache_bytes and not self.enable_prefix_caching:
-            raise ConfigError(f"kv_host_cache_bytes must be >= 0 (0: no host tier), and needs enable_prefix_caching "
-                              f"(it keeps the prefix cache's blocks), got {self.kv_host_cache_bytes!r}")
-        if self.kv_host_write_policy not in KV_HOST_WRITE_POLICIES:
-            raise ConfigError(f"kv_host_write_policy must be one of {', '.join(KV_HOST_WRITE_POLICIES)}, "
-                              f"got {self.kv_host_write_policy!r}")
+        self._check_host_tier()
         if self.cuda_graph_max_batch < 0:
             raise ConfigError(f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_batch!r}")
         if self.gpu_reserve_bytes < 0:
@@ -118,6 +113,14 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                               f"got {self.attention_backend!r}")
+
+    def _check_host_tier(self) -> None:
+        if self.kv_host_cache_bytes < 0 or self.kv_host_cache_bytes and not self.enable_prefix_caching:
+            raise ConfigError(f"kv_host_cache_bytes must be >= 0 (0: no host tier), and needs enable_prefix_caching "
+                              f"(it keeps the prefix cache's blocks), got {self.kv_host_cache_bytes!r}")
+        if self.kv_host_write_policy not in KV_HOST_WRITE_POLICIES:
+            raise ConfigError(f"kv_host_write_policy must be one of {', '.join(KV_HOST_WRITE_POLICIES)}, "
+                              f"got {self.kv_host_write_policy!r}")
 
     @property
     def host_loras(self) -> int:

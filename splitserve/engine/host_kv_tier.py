@@ -5,7 +5,7 @@ Two write policies (`kv_host_write_policy`, SGLang's names):
 - write-back: a block is copied out when the device evicts it, in the step that evicts it, and a
   content (group, key) is in at most one tier: a block restored to the device leaves the host
   tier, a block computed again on the device drops its host copy;
-- write-through: a block is copied out once its KV is computed and cached (`write`, issued by
+- write-through: a block is copied out once its KV is computed and cached (`on_cached`, issued by
   `flush`: on CUDA on a side stream, overlapping the next forward), so an eviction copies nothing;
   the host tier holds its own LRU window of what was computed, whether or not the device still
   does. A `fence` orders the device after every write issued before a written block is reused
@@ -67,14 +67,23 @@ class HostKVTier:
         slot = self.cached[group].get(key_hash)
         return slot if slot is not None and self.entries[slot].key == key else None
 
-    def write(self, block_id: int, entry: HostEntry) -> list[HostEntry]:
-        """Write-through: keep a copy of the device block `block_id`, just cached as `entry` (copied
-        at the next `flush`); returns the entries it pushed out."""
+    def on_cached(self, block_id: int, entry: HostEntry) -> tuple[bool, list[HostEntry]]:
+        """The device just cached block `block_id` as `entry`: whether the tier held that content
+        (write-back drops its copy, the device's is the one now), and the entries pushed out to
+        make room (write-through keeps a copy of a new content, copied at the next `flush`)."""
+        slot = self.lookup(entry.group, entry.key, entry.key_hash)
+        if slot is not None:
+            if not self.write_through:
+                del self.cached[entry.group][entry.key_hash], self.entries[slot]
+                self.free.append(slot)
+            return True, []
+        if not self.write_through:
+            return False, []
         dropped = self._make_room(1)
         slot = self.free.pop()
         self._add(slot, entry)
         self._unwritten[slot] = block_id
-        return dropped
+        return False, dropped
 
     def flush(self) -> None:
         """Issue the copies `write` queued, as one."""
@@ -95,7 +104,7 @@ class HostKVTier:
             self._fence()  # the evicted blocks are written before reuse, a slot before a save replaces it
         unsaved = []
         for block_id, entry in evicted:
-            slot = self.lookup(entry.group, entry.key, entry.key_hash)
+            slot = self.lookup(entry.group, entry.key, entry.key_hash) if self.write_through else None
             if slot is None:
                 unsaved.append((block_id, entry))
             else:
@@ -133,12 +142,6 @@ class HostKVTier:
                 self.free.append(slot)
         self.restored_blocks += len(slots)
         return block_ids
-
-    def discard(self, group: int, key_hash: int) -> None:
-        """Write-back: drop the entry whose content the device computed again."""
-        slot = self.cached[group].pop(key_hash)
-        del self.entries[slot]
-        self.free.append(slot)
 
     def _make_room(self, count: int) -> list[HostEntry]:
         """At least `count` free slots, pushing out the least recently used entries; those entries."""

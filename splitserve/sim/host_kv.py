@@ -17,6 +17,7 @@ from splitserve.engine.engine_config import KV_HOST_WRITE_POLICIES
 # assumed: a worker's host links together; a DGX-H100's 8 GPUs each copy their heads' part of a block
 # over a PCIe Gen5 x16 link of about 50 GB/s each way (pinned); one GPU alone: 50e9
 HOST_LINK_BYTES_PER_S = 400e9
+DEFAULT_WRITE_THROUGH = KV_HOST_WRITE_POLICIES[0] == "write_through"  # the engine's default policy
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class HostKVModel:
 
     tokens: int
     bytes_per_s: float = HOST_LINK_BYTES_PER_S
-    write_through: bool = KV_HOST_WRITE_POLICIES[0] == "write_through"  # the engine's default
+    write_through: bool = DEFAULT_WRITE_THROUGH
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or self.tokens < 1:

@@ -28,7 +28,7 @@ from splitserve.placement.state import ADAPTER_WAITS
 from splitserve.sim.cluster import simulate
 from splitserve.sim.designs import DECODE_RULES, DESIGNS, MIXED_POLICIES, design
 from splitserve.sim.drafts import DraftModel
-from splitserve.sim.host_kv import HOST_LINK_BYTES_PER_S, HostKVModel
+from splitserve.sim.host_kv import DEFAULT_WRITE_THROUGH, HOST_LINK_BYTES_PER_S, HostKVModel
 from splitserve.sim.overhead import ServingOverhead
 from splitserve.sim.scenario import Scenario
 
@@ -120,7 +120,7 @@ def with_host_kv(args, scenario: Scenario) -> Scenario:
     if args.kv_host_write_policy is not None:
         through = args.kv_host_write_policy == "write_through"
     else:
-        through = (configured or HostKVModel(1)).write_through  # the config's, else the engine's default
+        through = configured.write_through if configured is not None else DEFAULT_WRITE_THROUGH
     if args.kv_host_gib is None:
         tokens = configured.tokens if configured is not None else 0
     elif math.isfinite(args.kv_host_gib) and args.kv_host_gib >= 0:
