@@ -28,27 +28,15 @@ from bench_fp8_linear import (  # this script's folder
     TINY, TINY_TOKENS, TOKENS, layer_rows, projections, row, with_speedups,
 )
 from bench_moe import (
-    add_run_args, device_peaks, emit, pct, print_markdown, ratio, run_device, sci, time_calls, token_counts,
+    INT_SCHEME, add_run_args, device_peaks, emit, packed_weight, pct, print_markdown, ratio, run_device, sci,
+    time_calls, token_counts,
 )
 
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.int_weights import IntWeights, dequantize
 from splitserve.engine.shapes import SHAPES
 
-GROUP = 128  # llm-compressor's W4A16 group
-
-
-def packed_weight(shape: tuple[int, int], scheme: IntWeights, device: torch.device, g: torch.Generator):
-    """Random words and zero points (every bit pattern is a valid pack), scales that make 4-bit
-    weights about normal(0, 0.02)'s spread."""
-    n, k = shape
-    groups = -(-k // (scheme.group_size or k))
-    words = lambda rows, cols: torch.randint(-2**31, 2**31 - 1, (rows, cols), generator=g,  # noqa: E731
-                                             dtype=torch.int64).to(torch.int32).to(device)
-    packed = words(n, -(-k * scheme.bits // 32))
-    scale = torch.full((n, groups), 0.02 / 2 ** (scheme.bits - 2), device=device)
-    zero = None if scheme.symmetric else words(-(-n * scheme.bits // 32), groups)
-    return packed, scale, zero
+GROUP = INT_SCHEME.group_size  # llm-compressor's W4A16 group
 
 
 def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device, dtype: torch.dtype,

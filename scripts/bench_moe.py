@@ -1,13 +1,14 @@
 """One sparse layer's experts through the fused-MoE kernels (`fused_moe.fused_experts`, as the CUDA
-engine runs them), dense (bf16), as MXFP4 bytes and as FP8 codes side by side: the layer's time at
+engine runs them), dense (bf16), as MXFP4 bytes, as FP8 codes and as packed integers (W4A16 in groups
+of 128 with zero points, as llm-compressor's releases store them) side by side: the layer's time at
 decode and prefill token counts, what it reads per second against the HBM peak (MBU) and its FLOPs
 against the dense bf16 peak (MFU). The dense weights are the MXFP4 ones dequantized, the FP8 ones
-those in 128 x 128 blocks; each quantized row also says how far its output is from its own weights
-dequantized through the dense kernels (a check of the compiled kernels on the device). Each
-quantized format runs every way at every token count: its codes read by the kernels, its stack
-dequantized first (`fused_moe.dequantizes`) and, for FP8 where the GPU has FP8 tensor cores (or on
-the CPU, interpreted), W8A8 (its difference also the activations' e4m3 rounding, a few percent);
-a row's `path` says which, and `default` whether the engine takes it there.
+those in 128 x 128 blocks, the integers random words; each quantized row also says how far its
+output is from its own weights dequantized through the dense kernels (a check of the compiled
+kernels on the device). Each quantized format runs every way at every token count: its codes read
+by the kernels, its stack dequantized first (`fused_moe.dequantizes`) and, for FP8 where the GPU
+has FP8 tensor cores (or on the CPU, interpreted), W8A8 (its difference also the activations'
+e4m3 rounding, a few percent); a row's `path` says which, and `default` whether the engine takes it there.
 
     python scripts/bench_moe.py --json moe.json                 # CUDA: gpt-oss-20b's layer, seconds
     python scripts/bench_moe.py --shape qwen3-30b-a3b           # another MoE shape of engine/shapes.py
@@ -32,8 +33,9 @@ import torch
 
 from gpu_roofline import peaks  # this script's folder
 
-from splitserve.engine import fp8, mxfp4
+from splitserve.engine import fp8, int_weights, mxfp4
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.model.moe import gated_act, route
 from splitserve.engine.shapes import SHAPES
 
@@ -41,17 +43,18 @@ TINY = {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size":
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 7.0}
 TOKENS = (1, 16, 64, 256, 2048, 8192)
-FORMATS = ("dense", "mxfp4", "fp8")
+FORMATS = ("dense", "mxfp4", "fp8", "int")
 FP8_BLOCK = (128, 128)  # Qwen3's and DeepSeek's FP8 releases' blocks
+INT_SCHEME = IntWeights(4, 128, False)  # llm-compressor's W4A16
 TINY_TOKENS = (1, 4, 32)
 
 
 def layer(c: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
     """`c`'s sparse layer's experts per format, (w13, w2): random MXFP4 ones (uniform codes, scales
-    near DUMMY_SCALE), the same dequantized to `dtype` (dense), and those in FP8 blocks; and
-    GPT-OSS's gate-up and down biases (None for others)."""
+    near DUMMY_SCALE), the same dequantized to `dtype` (dense), those in FP8 blocks, and random
+    packed integers (`packed_weight`); and GPT-OSS's gate-up and down biases (None for others)."""
     g = torch.Generator().manual_seed(seed)
-    formats = {"dense": [], "mxfp4": [], "fp8": []}
+    formats = {fmt: [] for fmt in FORMATS}
     for rows, cols in ((2 * c.moe_intermediate_size, c.hidden_size), (c.hidden_size, c.moe_intermediate_size)):
         groups = cols // mxfp4.GROUP
         blocks = torch.randint(0, 256, (c.num_experts, rows, groups, 16), dtype=torch.uint8, generator=g)
@@ -62,16 +65,34 @@ def layer(c: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 
         formats["mxfp4"].append(packed)
         formats["dense"].append(dense)
         formats["fp8"].append(fp8.Stacked(*fp8.quantize(dense, FP8_BLOCK), FP8_BLOCK, dtype))
+        ints = packed_weight((c.num_experts, rows, cols), INT_SCHEME, device, g)
+        formats["int"].append(int_weights.Stacked(*ints, INT_SCHEME, cols, dtype))
     biased = c.architecture == "GptOssForCausalLM"
     b13, b2 = ((torch.randn(c.num_experts, n, generator=g) * 0.02).to(device, dtype) if biased else None
                for n in (2 * c.moe_intermediate_size, c.hidden_size))
     return {**{name: tuple(stacks) for name, stacks in formats.items()}, "b13": b13, "b2": b2}
 
 
+def packed_weight(shape: tuple[int, ...], scheme: IntWeights, device: torch.device, g: torch.Generator) -> tuple:
+    """(words, scales, zero points or None) of a weight [..., rows, cols]: random words and zero
+    points (every bit pattern is a valid pack), scales that make 4-bit weights about normal(0,
+    0.02)'s spread."""
+    *lead, n, k = shape
+    groups = -(-k // (scheme.group_size or k))
+    words = lambda rows, cols: torch.randint(-2**31, 2**31 - 1, (*lead, rows, cols), generator=g,  # noqa: E731
+                                             dtype=torch.int64).to(torch.int32).to(device)
+    packed = words(n, -(-k * scheme.bits // 32))
+    scale = torch.full((*lead, n, groups), 0.02 / 2 ** (scheme.bits - 2), device=device)
+    zero = None if scheme.symmetric else words(-(-n * scheme.bits // 32), groups)
+    return packed, scale, zero
+
+
 def weight_bytes(w13, w2, biases: tuple, experts: int) -> int:
-    """Bytes of `experts` experts' weights (MXFP4: bytes and scales; FP8: codes and scales) and
-    `biases` (None where absent)."""
+    """Bytes of `experts` experts' weights (MXFP4: bytes and scales; FP8: codes and scales;
+    integers: words, scales and zero points) and `biases` (None where absent)."""
     def tensors(w):
+        if isinstance(w, int_weights.Stacked):
+            return (w.packed, w.scale) + (() if w.zero is None else (w.zero,))
         return (w.blocks, w.scales) if isinstance(w, mxfp4.Packed) else (w.weight, w.scale) \
             if isinstance(w, fp8.Stacked) else (w,)
 

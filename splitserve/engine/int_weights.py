@@ -6,7 +6,8 @@ group of `group_size` consecutive columns, or the whole row); `<name>.weight_sha
 and, for an asymmetric scheme, `<name>.weight_zero_point` packed the same way down the rows
 [ceil(rows x bits / 32), groups]. A weight is (value - zero point) x its group's scale.
 Activations stay in the serving dtype; a weight the model does not keep packed (`model.linear.int_kept`:
-the CPU path, experts) is dequantized at load to it."""
+the CPU path's dense projections) is dequantized at load to it. A sparse layer's experts stay packed
+(`Stacked`) wherever every rank's slice of their width is whole words and groups (`model.moe`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,8 +63,34 @@ def dequantize(parts: dict[str, torch.Tensor], scheme: IntWeights, dtype: torch.
     for part in ("packed", "zero_point"):
         if part in parts and parts[part].dtype != torch.int32:
             raise ValueError(f"weight_{part} must be int32, got {parts[part].dtype}")
+    return weights(packed, scale, None if scheme.symmetric else parts["zero_point"], scheme, cols, dtype)
+
+
+def weights(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: IntWeights, cols: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """[rows, cols] of `dtype`: (value - zero point) x scale from parts whose shapes fit the scheme
+    (`zero` None: symmetric)."""
     values = unpack(packed, scheme.bits, cols).float()
     group = torch.arange(cols, device=packed.device) // (scheme.group_size or cols)  # each column's
-    if not scheme.symmetric:
-        values -= unpack(parts["zero_point"].t().contiguous(), scheme.bits, rows).t().float()[:, group]
+    if zero is not None:
+        values -= unpack(zero.t().contiguous(), scheme.bits, packed.shape[0]).t().float()[:, group]
     return (values * scale.float()[:, group]).to(dtype)
+
+
+class Stacked:
+    """Stacked packed-integer expert weights: words [experts, rows, ceil(cols x bits / 32)], scales
+    [experts, rows, groups] and, asymmetric, zero points [experts, ceil(rows x bits / 32), groups].
+    Indexing one expert gives its rows dequantized to `dtype` (what the CPU path multiplies by)."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: IntWeights,
+                 cols: int, dtype: torch.dtype):
+        self.packed, self.scale, self.zero, self.scheme = packed, scale, zero, scheme
+        self.cols, self.dtype = cols, dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.packed.shape[0], self.packed.shape[1], self.cols
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        zero = None if self.zero is None else self.zero[expert]
+        return weights(self.packed[expert], self.scale[expert], zero, self.scheme, self.cols, self.dtype)

@@ -25,13 +25,13 @@ LLAMA3_8B_FP8_DYNAMIC = {**LLAMA3_8B, "quantization_config": {
         "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                               "dynamic": True}}}}}
-# its W4A16 release (llm-compressor's pack-quantized, as RedHatAI publishes them): 4-bit projections in groups of
-# 128 columns with zero points, kept packed on a GPU (the integer GEMM, `model/int_linear.py`)
-LLAMA3_8B_W4A16 = {**LLAMA3_8B, "quantization_config": {
-    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-    "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": False, "dynamic": False},
-        "input_activations": None}}}}
+# llm-compressor's W4A16 (pack-quantized, as RedHatAI publishes them): 4-bit weights in groups of 128 columns with
+# zero points; Llama-3-8B's release, its projections kept packed on a GPU (the integer GEMM, `model/int_linear.py`)
+W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+         "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+             "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": False,
+             "dynamic": False}, "input_activations": None}}}
+LLAMA3_8B_W4A16 = {**LLAMA3_8B, "quantization_config": W4A16}
 # sparse MoE: 128 experts 768 wide, top 8 renormalized, every layer sparse
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
                  "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
@@ -41,6 +41,8 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645}
 # its FP8 release: block-wise FP8 weights, kept FP8 (experts and projections) on a GPU whose Triton reads e4m3
 QWEN3_30B_A3B_FP8 = {**QWEN3_30B_A3B, "quantization_config": FP8_BLOCKS}
+# its W4A16: experts kept packed (the fused-MoE kernels, 14.4 GiB of them against bf16's 54), projections on a GPU
+QWEN3_30B_A3B_W4A16 = {**QWEN3_30B_A3B, "quantization_config": W4A16}
 # sparse MoE: 8 experts 14336 wide, top 2
 MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
                 "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -72,5 +74,6 @@ GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-8b-fp8-dynamic": LLAMA3_8B_FP8_DYNAMIC, "llama3-8b-w4a16": LLAMA3_8B_W4A16,
           "qwen3-8b": QWEN3_8B,
           "qwen3-8b-fp8": QWEN3_8B_FP8, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-30b-a3b-fp8": QWEN3_30B_A3B_FP8,
+          "qwen3-30b-a3b-w4a16": QWEN3_30B_A3B_W4A16,
           "mixtral-8x7b": MIXTRAL_8X7B, "gemma2-9b": GEMMA2_9B, "gpt-oss-20b": GPT_OSS_20B,
           "gpt-oss-120b": GPT_OSS_120B}

@@ -293,7 +293,7 @@ def test_quantized_stacks_dequantize_from_their_formats_load_per_expert():
 
 def test_packed_and_dense_stacks_do_not_mix():
     x, w13, w2, weights, ids = problem(2, 4, 2, 32, 32)
-    with pytest.raises(ValueError, match=r"in one format \(tensors, MXFP4 or FP8\)"):
+    with pytest.raises(ValueError, match=r"in one format \(tensors, MXFP4, FP8 or packed integers\)"):
         fused_moe.fused_experts(x, Packed(*packed((4, 64, 1), 0), torch.float32), w2, weights, ids)
 
 

@@ -68,21 +68,27 @@ def test_the_torch_backend_has_no_steps_and_the_sampler_draws_from_a_row_of_the_
 
 
 
-@pytest.mark.parametrize("kept, max_tokens", [(None, None), ("fp8", None), ("fp8", 512), ("fp8", 511)])
+@pytest.mark.parametrize("kept, max_tokens", [(None, None), ("fp8", None), ("fp8", 512), ("fp8", 511),
+                                              ("int", None)])
 def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monkeypatch, kept, max_tokens):
-    """Each tile size once; experts kept FP8 (built as on an H100) read as stored in the 16- and
-    64-row tiles, and dequantized first, as prefills run them, in the 128-row one, unless the
-    engine's largest step cannot reach DEQUANTIZE_ASSIGNMENTS an expert (512 tokens x top 2 over 8
-    experts: 128 an expert)."""
+    """Each tile size once; experts kept FP8 or packed integers (built as on an H100) read as
+    stored in the 16- and 64-row tiles, and dequantized first, as prefills run them, in the 128-row
+    one, unless the engine's largest step cannot reach DEQUANTIZE_ASSIGNMENTS an expert (512 tokens
+    x top 2 over 8 experts: 128 an expert)."""
     from tests.engine.hf_checkpoints import ENGINE_ARGS, train_tokenizer, write_checkpoint
     from tests.engine.test_fp8 import quantize_checkpoint
+    from tests.engine.test_int_weights import pack_checkpoint
 
-    from splitserve.engine import fp8
+    from splitserve.engine import fp8, int_weights
     from splitserve.engine.model import fused_moe
 
     write_checkpoint(tmp_path, "qwen3_moe", {False: train_tokenizer(), True: train_tokenizer(qwen2=True)})
-    if kept:
+    if kept == "int":
+        pytest.importorskip("compressed_tensors")
+        pack_checkpoint(tmp_path, 4, False, 16)
+    elif kept:
         quantize_checkpoint(tmp_path)
+    if kept:
         monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
     # the torch attention backend (the CUDA default is Triton's): no warm-up steps, the experts still
     runner = LLM(str(tmp_path), **{**ENGINE_ARGS, "device": DEVICE.type, "attention_backend": "torch"}).engine.runner
@@ -92,12 +98,12 @@ def test_moe_experts_run_once_per_tile_size_whatever_the_backend(tmp_path, monke
     def spy(x, w13, w2, weights, experts, block_m=None, act=None, b13=None, dequantize_first=None, b2=None):
         tiles.append((block_m, dequantize_first))
         assert experts.shape == (1, 2) and w13.shape[0] == 8  # the model's top-k of its 8 experts
-        assert isinstance(w13, fp8.Stacked) == (kept == "fp8")
+        assert isinstance(w13, {None: torch.Tensor, "fp8": fp8.Stacked, "int": int_weights.Stacked}[kept])
         return real(x, w13, w2, weights, experts, block_m, act, b13, dequantize_first, b2=b2)
 
     monkeypatch.setattr(fused_moe, "fused_experts", spy)
     warm_up(runner, max_tokens)
-    as_stored = [(16, False), (64, False)]  # FP8 codes as read: no 128-row tile
+    as_stored = [(16, False), (64, False)]  # codes as read: no 128-row tile
     dequantized = [(128, True)] if max_tokens != 511 else []  # from 128 an expert: the 128-row tile only
     assert tiles == (as_stored + dequantized if kept else as_stored + [(128, False)])
 

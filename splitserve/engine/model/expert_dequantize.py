@@ -1,7 +1,8 @@
 """A quantized stack of experts dequantized on the device, a chunk of experts at a time, for the
 fused-MoE kernels to read as tensors in prefills (`fused_moe.DEQUANTIZE_ASSIGNMENTS`): MXFP4 bytes
 widened in one Triton pass (each nibble's E2M1 value times its group's power of two, rounded once,
-as `mxfp4.dequantize` rounds it), FP8 codes times their blocks' scales (`fp8_linear.dequantize`).
+as `mxfp4.dequantize` rounds it), FP8 codes times their blocks' scales (`fp8_linear.dequantize`), packed
+integers as `int_linear.dequantize` widens a weight.
 A chunk holds at most `DEQUANTIZE_BYTES` (transient: the engine's memory profile sees it at its
 largest step); on CPU the kernel runs only under Triton's interpreter."""
 from __future__ import annotations
@@ -10,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine import fp8, mxfp4
-from splitserve.engine.model import fp8_linear
+from splitserve.engine import fp8, int_weights, mxfp4
+from splitserve.engine.model import fp8_linear, int_linear
 
 DEQUANTIZE_BYTES = 1 << 30  # the most one chunk of dequantized experts takes (transient)
 DEQUANTIZE_ROWS = 64  # rows a dequantizing program widens, over one group
@@ -56,14 +57,20 @@ def dequantize_packed(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     return out
 
 
-def dequantize_experts(w: mxfp4.Packed | fp8.Stacked, first: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_experts(w: mxfp4.Packed | fp8.Stacked | int_weights.Stacked, first: int, count: int,
+                       dtype: torch.dtype) -> torch.Tensor:
     """Experts [first, first + count) of a quantized stack, dequantized to `dtype` [count, rows, cols]."""
     if isinstance(w, mxfp4.Packed):
         return dequantize_packed(w.blocks[first:first + count], w.scales[first:first + count], dtype)
+    if isinstance(w, int_weights.Stacked):
+        zero = None if w.zero is None else w.zero[first:first + count]
+        return int_linear.dequantize(w.packed[first:first + count], w.scale[first:first + count], zero, w.scheme,
+                                     w.cols, dtype)
     return fp8_linear.dequantize(w.weight[first:first + count], w.scale[first:first + count], w.block, dtype)
 
 
-def expert_chunks(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, dtype: torch.dtype) -> list[tuple[int, int]]:
+def expert_chunks(w: torch.Tensor | mxfp4.Packed | fp8.Stacked | int_weights.Stacked,
+                  dtype: torch.dtype) -> list[tuple[int, int]]:
     """(first expert, experts) of each chunk a stack dequantizes in: at most DEQUANTIZE_BYTES, one expert at least."""
     num_experts, rows, cols = w.shape
     size = max(1, DEQUANTIZE_BYTES // (rows * cols * dtype.itemsize))

@@ -8,7 +8,9 @@ a decode step with experts is captured in a CUDA graph like any other. MXFP4 exp
 are read as their bytes: per 32-value group, each nibble's E2M1 value times the group's power of two
 (rounded to the activations' dtype, as `mxfp4.dequantize` rounds it) meets the even or odd inputs
 on the tensor cores. FP8 experts (`fp8.Stacked`) likewise: each code times its block's scale (a k
-tile lies within one block's columns), rounded to the activations' dtype. From
+tile lies within one block's columns), rounded to the activations' dtype; packed integer experts
+(`int_weights.Stacked`, W4A16 / W8A16) as `int_linear` reads a weight: each word's values widened to
+(value - zero point) x its group's scale in the activations' dtype. From
 `DEQUANTIZE_ASSIGNMENTS` an expert (prefills) widening the codes again in every tile costs more
 than one pass over them: a quantized stack is dequantized the same way into the activations' dtype,
 a chunk of experts at a time (`expert_dequantize`), and the kernels read each chunk as tensors, one
@@ -28,12 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine import fp8, mxfp4
+from splitserve.engine import fp8, int_weights, mxfp4
 from splitserve.engine.model import expert_dequantize, fp8_linear, fp8_w8a8
 from splitserve.engine.model.expert_dequantize import e2m1
-from splitserve.engine.model.moe import SILU, GatedAct
+from splitserve.engine.model.moe import SILU, ExpertStack, GatedAct
 from splitserve.engine.model.moe_align import align
-from splitserve.engine.model.triton_tiles import input_tile, weight_tile
+from splitserve.engine.model.triton_tiles import input_tile, int_weight_tile, weight_tile
 from splitserve.engine.model.w8a8_tiles import w8a8_dots
 
 BLOCK_N = 64
@@ -55,7 +57,7 @@ W8A8_TILES = {rows: (gate_up, down, fp8_w8a8.GROUP, warps) for rows, (gate_up, d
 # and the kernels read it as tensors: widening the codes again in every tile costs more there (the H200, gpt-oss-20b's
 # experts: MXFP4 3.2 ms at 256 tokens against bf16's 1.0, FP8 2.8 and 10.1 ms at 2048 and 8192 against 2.0 and 7.2,
 # before the 128-row tile; a pass over the stack, its codes read and bf16 written, about 0.5 ms)
-DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": LARGE_TILE_ASSIGNMENTS}
+DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": LARGE_TILE_ASSIGNMENTS, "int": LARGE_TILE_ASSIGNMENTS}
 # how fused_experts runs a stack (`path_for`): codes widened in the kernels, the stack dequantized first,
 # codes times codes
 PATHS = ("as read", "dequantized", "w8a8")
@@ -84,12 +86,14 @@ def _mxfp4_group(acc, a_even, a_odd, blocks, scales, rows, group, stride_row, st
 
 
 @triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts", "stride_as"])
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k, hidden,
-                    width, stride_x, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols, stride_be,
-                    row_step, up_offset, alpha, limit, stride_out, first_expert, num_experts, as_ptr, stride_as,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                    BIAS: tl.constexpr, OSS: tl.constexpr, CLAMP: tl.constexpr, PACKED: tl.constexpr,
-                    FP8: tl.constexpr, W8A8: tl.constexpr, TILE_SCALES: tl.constexpr, EVEN_K: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_assignments, top_k,
+                    hidden, width, stride_x, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols,
+                    stride_ze, stride_zn, group, stride_be, row_step, up_offset, alpha, limit, stride_out,
+                    first_expert, num_experts, as_ptr, stride_as, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr, OSS: tl.constexpr,
+                    CLAMP: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr, W8A8: tl.constexpr,
+                    TILE_SCALES: tl.constexpr, EVEN_K: tl.constexpr, INT_BITS: tl.constexpr, ZERO: tl.constexpr,
+                    ONE_GROUP: tl.constexpr):
     """One program per (tile of one expert's assignments, BLOCK_N of the width), for the tiles of
     experts [first_expert, first_expert + num_experts), whose weights w13 (and scales) stack:
     out[a] = act(x[token] @ gate.T, x[token] @ up.T) for each assignment a of the tile. Gate column
@@ -98,7 +102,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
     FP8: w13 is float8 codes and s_ptr the scales of its blocks of block_rows x block_cols. W8A8:
     so are w13 and x (`fp8_w8a8.quantize`'s codes, as_ptr its scales [groups, stride_as]), multiplied
     as codes, each k step's dot scaled by the tokens' group scales and the rows' block scales
-    (`w8a8_tiles.w8a8_dots`; TILE_SCALES: one block of rows holds the tile's gate rows, and one its up rows)."""
+    (`w8a8_tiles.w8a8_dots`; TILE_SCALES: one block of rows holds the tile's gate rows, and one its up rows).
+    INT_BITS (4 or 8; 0: not integers): w13 is packed words, s_ptr its scales, one a `group` of
+    columns, and with ZERO z_ptr its zero points packed down the rows (`triton_tiles.int_weight_tile`)."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if (expert < first_expert) | (expert >= first_expert + num_experts):  # another launch's, or past the last group
         return
@@ -111,7 +117,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
     gate_rows, up_rows = cols * row_step, cols * row_step + up_offset
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    s = s_ptr + (expert - first_expert).to(tl.int64) * stride_se  # the expert's scales (PACKED, FP8)
+    s = s_ptr + (expert - first_expert).to(tl.int64) * stride_se  # the expert's scales (PACKED, FP8, INT_BITS)
+    z = z_ptr + (expert - first_expert).to(tl.int64) * stride_ze  # its zero points (INT_BITS with ZERO)
     if PACKED:  # hidden is whole groups
         for group in range(0, hidden // 32):
             a_even, a_odd = _group_inputs(x_ptr, tokens, stride_x, group, valid)
@@ -122,6 +129,15 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ptr, block_exper
         gate, up = w8a8_dots(gate, up, x_ptr, tokens, stride_x, valid, as_ptr, stride_as, w, s, gate_rows, up_rows,
                               col_ok, hidden, stride_wn, stride_sn, block_rows, block_cols, first_row // block_rows,
                               (first_row + up_offset) // block_rows, BLOCK_K, True, TILE_SCALES, EVEN_K)
+    elif INT_BITS:
+        for start in range(0, hidden, BLOCK_K):
+            a = input_tile(x_ptr, tokens, stride_x, start, hidden, valid, BLOCK_K)
+            g = int_weight_tile(w, s, z, gate_rows, start, hidden, stride_wn, stride_sn, stride_zn, group, col_ok,
+                                a.dtype, INT_BITS, ZERO, ONE_GROUP, BLOCK_K)
+            u = int_weight_tile(w, s, z, up_rows, start, hidden, stride_wn, stride_sn, stride_zn, group, col_ok,
+                                a.dtype, INT_BITS, ZERO, ONE_GROUP, BLOCK_K)
+            gate = tl.dot(a, g, gate, input_precision=PRECISION)
+            up = tl.dot(a, u, up, input_precision=PRECISION)
     else:
         for start in range(0, hidden, BLOCK_K):
             a = input_tile(x_ptr, tokens, stride_x, start, hidden, valid, BLOCK_K)
@@ -155,15 +171,16 @@ def _gated(gate, up, alpha, limit, OSS: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_assignments", "first_expert", "num_experts", "stride_as"])
-def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_assignments,
-                 width, hidden, stride_act, stride_we, stride_wn, stride_se, stride_sn, block_rows, block_cols,
-                 stride_be, stride_out, first_expert, num_experts, as_ptr, stride_as, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr,
-                 PACKED: tl.constexpr, FP8: tl.constexpr, W8A8: tl.constexpr, TILE_SCALES: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
+                 num_assignments, width, hidden, stride_act, stride_we, stride_wn, stride_se, stride_sn, block_rows,
+                 block_cols, stride_ze, stride_zn, group, stride_be, stride_out, first_expert, num_experts, as_ptr,
+                 stride_as, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr, BIAS: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr,
+                 W8A8: tl.constexpr, TILE_SCALES: tl.constexpr, EVEN_K: tl.constexpr, INT_BITS: tl.constexpr,
+                 ZERO: tl.constexpr, ONE_GROUP: tl.constexpr):
     """One program per (tile of one expert's assignments, BLOCK_N of hidden), experts as in
-    `_gate_up_kernel`: out[a] = weight[a] * (act[a] @ down.T + b2[expert] with BIAS); PACKED, FP8 and
-    W8A8 as there, over the width."""
+    `_gate_up_kernel`: out[a] = weight[a] * (act[a] @ down.T + b2[expert] with BIAS); PACKED, FP8,
+    W8A8 and INT_BITS as there, over the width."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if (expert < first_expert) | (expert >= first_expert + num_experts):
         return
@@ -175,6 +192,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, out_ptr, weights_ptr, sorted_ptr,
     w = w_ptr + (expert - first_expert).to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     s = s_ptr + (expert - first_expert).to(tl.int64) * stride_se
+    z = z_ptr + (expert - first_expert).to(tl.int64) * stride_ze
     if PACKED:  # the width is whole groups
         for group in range(0, width // 32):
             a_even, a_odd = _group_inputs(act_ptr, at, stride_act, group, valid)
@@ -184,6 +202,12 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, out_ptr, weights_ptr, sorted_ptr,
         acc, _ = w8a8_dots(acc, acc, act_ptr, at, stride_act, valid, as_ptr, stride_as, w, s, cols, cols, col_ok,
                             width, stride_wn, stride_sn, block_rows, block_cols, first_row // block_rows,
                             first_row // block_rows, BLOCK_K, False, TILE_SCALES, EVEN_K)
+    elif INT_BITS:
+        for start in range(0, width, BLOCK_K):
+            a = input_tile(act_ptr, at, stride_act, start, width, valid, BLOCK_K)
+            d = int_weight_tile(w, s, z, cols, start, width, stride_wn, stride_sn, stride_zn, group, col_ok, a.dtype,
+                                INT_BITS, ZERO, ONE_GROUP, BLOCK_K)
+            acc = tl.dot(a, d, acc, input_precision=PRECISION)
     else:
         for start in range(0, width, BLOCK_K):
             a = input_tile(act_ptr, at, stride_act, start, width, valid, BLOCK_K)
@@ -229,38 +253,57 @@ def launch_config(block_m: int, fmt: str) -> tuple[int, int, int, int]:
     return PACKED_WIDE_BLOCK_N if fmt == "mxfp4" and block_m == BLOCK_M_SIZES[1] else BLOCK_N, BLOCK_N, BLOCK_K, 4
 
 
-def _operands(w: torch.Tensor | mxfp4.Packed | fp8.Stacked) -> tuple:
-    """(weights, scales, stride of an expert, of a row, of a scales expert, of a scales row, the
-    rows and columns a scale covers) as the kernels take a stack: a packed one's bytes
-    [E, rows, groups * 16] and scales [E, rows, groups], an FP8 one's codes and block scales."""
+def _operands(w: ExpertStack) -> tuple:
+    """(weights, scales, zero points, stride of an expert, of a row, of a scales expert, of a scales
+    row, the rows and columns a scale covers, stride of a zero points expert, of their row, the
+    columns a group holds) as the kernels take a stack: a packed one's bytes [E, rows, groups * 16]
+    and scales [E, rows, groups], an FP8 one's codes and block scales, packed integers' words,
+    scales and zero points (any pointer and strides 0 where a stack has none)."""
     if isinstance(w, mxfp4.Packed):
         blocks, scales = w.blocks, w.scales
         if blocks.stride(3) != 1 or blocks.stride(2) != 16 or scales.stride(2) != 1:
             raise ValueError("fused_experts needs each packed row's bytes and scales contiguous")
-        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), 1, mxfp4.GROUP
+        return (blocks, scales, blocks, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), 1,
+                mxfp4.GROUP, 0, 0, 1)
     if isinstance(w, fp8.Stacked):
         codes, scales = w.weight, w.scale
         if codes.stride(2) != 1 or scales.stride(2) != 1 or w.block[1] % BLOCK_K:
             raise ValueError("fused_experts needs FP8 rows contiguous, in blocks of whole k tiles")
-        return codes, scales, codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), *w.block
+        return (codes, scales, codes, codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), *w.block,
+                0, 0, 1)
+    if isinstance(w, int_weights.Stacked):
+        words, scales, zeros = w.packed, w.scale, w.packed if w.zero is None else w.zero
+        if words.stride(2) != 1 or scales.stride(2) != 1 or zeros.stride(2) != 1:
+            raise ValueError("fused_experts needs packed integer rows, their scales and zero points contiguous")
+        return (words, scales, zeros, words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), 1, 1,
+                zeros.stride(0), zeros.stride(1), w.scheme.group_size or w.cols)
     if w.stride(2) != 1:
         raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
-    return w, w, w.stride(0), w.stride(1), 0, 0, 1, 1
+    return w, w, w, w.stride(0), w.stride(1), 0, 0, 1, 1, 0, 0, 1
 
 
-def _checked_operands(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
-                      w2: torch.Tensor | mxfp4.Packed | fp8.Stacked, b13: torch.Tensor | None,
+def _int_constants(w: ExpertStack, fmt: str, block_k: int) -> dict:
+    """A launch's constants for reading a stack of packed integers as stored (`int_weight_tile`'s):
+    INT_BITS 0 for any other format or a chunk dequantized; ONE_GROUP where no k tile straddles a group."""
+    if fmt != "int":
+        return dict(INT_BITS=0, ZERO=False, ONE_GROUP=False)
+    group = w.scheme.group_size or w.cols
+    return dict(INT_BITS=w.scheme.bits, ZERO=w.zero is not None, ONE_GROUP=group % block_k == 0 or group >= w.cols)
+
+
+def _checked_operands(x: torch.Tensor, w13: ExpertStack, w2: ExpertStack, b13: torch.Tensor | None,
                       b2: torch.Tensor | None) -> tuple[tuple, tuple]:
     """The two stacks' kernel operands, every layout checked before any launch."""
     if _format(w2) != _format(w13):
-        raise ValueError("fused_experts takes w13 and w2 in one format (tensors, MXFP4 or FP8)")
+        raise ValueError("fused_experts takes w13 and w2 in one format (tensors, MXFP4, FP8 or packed integers)")
     if x.stride(1) != 1 or any(b is not None and b.stride(1) != 1 for b in (b13, b2)):
         raise ValueError("fused_experts needs the hidden (and width) dim contiguous")
     return _operands(w13), _operands(w2)
 
 
-def _format(w: torch.Tensor | mxfp4.Packed | fp8.Stacked) -> str:
-    return "mxfp4" if isinstance(w, mxfp4.Packed) else "fp8" if isinstance(w, fp8.Stacked) else "dense"
+def _format(w: ExpertStack) -> str:
+    formats = {mxfp4.Packed: "mxfp4", fp8.Stacked: "fp8", int_weights.Stacked: "int"}
+    return formats.get(type(w), "dense")
 
 
 def dequantizes(kind: str, assignments: int, num_experts: int, x: torch.Tensor) -> bool:
@@ -282,7 +325,7 @@ def path_for(kind: str, assignments: int, num_experts: int, x: torch.Tensor, blo
     return "w8a8" if w8a8 else "dequantized" if dequantize_first else "as read"
 
 
-def _launches(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, operands: tuple, kind: str, dtype: torch.dtype,
+def _launches(w: ExpertStack, operands: tuple, kind: str, dtype: torch.dtype,
               dequantize_first: bool, launch: Callable[[tuple, int, int, str], None]) -> None:
     """Run `launch(operands, first expert, experts, format)` over the whole stack as stored (its
     `operands`, of format `kind`), or chunk by chunk dequantized to `dtype` (each chunk freed before
@@ -294,13 +337,12 @@ def _launches(w: torch.Tensor | mxfp4.Packed | fp8.Stacked, operands: tuple, kin
         launch(_operands(expert_dequantize.dequantize_experts(w, first, count, dtype)), first, count, "dense")
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
-                  w2: torch.Tensor | mxfp4.Packed | fp8.Stacked, weights: torch.Tensor, experts: torch.Tensor,
+def fused_experts(x: torch.Tensor, w13: ExpertStack, w2: ExpertStack, weights: torch.Tensor, experts: torch.Tensor,
                   block_m: int | None = None, act: GatedAct = SILU, b13: torch.Tensor | None = None,
                   dequantize_first: bool | None = None, w8a8: bool | None = None,
                   b2: torch.Tensor | None = None) -> torch.Tensor:
     """What `moe.experts_reference` computes, for x [T, hidden], w13 [E, 2 * width, hidden],
-    w2 [E, hidden, width] (tensors, or both MXFP4, or both FP8), weights (float32) and experts
+    w2 [E, hidden, width] (tensors, or both MXFP4, FP8 or packed integers), weights (float32) and experts
     [T, k], `act`, the gate and up biases `b13` [E, 2 * width] and the down biases `b2`
     [E, hidden]; block_m: the tile rows (by default `block_m_for`); `dequantize_first`: quantized
     experts take prefills' path (None: as
@@ -328,17 +370,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
     a, a_scales = fp8_w8a8.quantize(x) if w8a8 else (x, x)
 
     def gate_up(operands: tuple, first: int, experts: int, fmt: str) -> None:
-        w, scales, *strides = operands
+        w, scales, zeros, *strides = operands
         block_n, _, block_k, warps = launch_config(block_m, "w8a8" if w8a8 else fmt)
         rows = w13.block[0] if w8a8 else 1  # W8A8 scales one a tile: gate's and up's tiles each in one block of rows
         tile_scales = w8a8 and rows % block_n == 0 and row_step == 1 and up_offset % rows == 0
         _gate_up_kernel[(tiles, triton.cdiv(width, block_n))](
-            a, w, scales, w if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k,
+            a, w, scales, zeros, w if b13 is None else b13, gated, sorted_ids, block_expert, count, top_k,
             hidden, width, a.stride(0), *strides, 0 if b13 is None else b13.stride(0), row_step, up_offset,
             act.alpha or 0.0, act.limit or 0.0, gated.stride(0), first, experts, a_scales, tokens, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, BIAS=b13 is not None, OSS=act.alpha is not None,
             CLAMP=act.limit is not None, PACKED=fmt == "mxfp4", FP8=fmt == "fp8" and not w8a8, W8A8=w8a8,
-            TILE_SCALES=tile_scales, EVEN_K=w8a8 and hidden % block_k == 0, num_warps=warps)
+            TILE_SCALES=tile_scales, EVEN_K=w8a8 and hidden % block_k == 0, **_int_constants(w13, fmt, block_k),
+            num_warps=warps)
 
     _launches(w13, up_operands, kind, x.dtype, dequantize_first, gate_up)
     out = torch.empty((count, hidden), dtype=x.dtype, device=x.device)
@@ -346,15 +389,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacke
     act_in, act_scales = fp8_w8a8.quantize(gated) if w8a8 else (gated, gated)
 
     def down(operands: tuple, first: int, experts: int, fmt: str) -> None:
-        w, scales, *strides = operands
+        w, scales, zeros, *strides = operands
         _, block_n, block_k, warps = launch_config(block_m, "w8a8" if w8a8 else fmt)
         tile_scales = w8a8 and w2.block[0] % block_n == 0
         _down_kernel[(tiles, triton.cdiv(hidden, block_n))](
-            act_in, w, scales, w if b2 is None else b2, out, routing_weights, sorted_ids, block_expert, count, width,
-            hidden, act_in.stride(0), *strides, 0 if b2 is None else b2.stride(0), out.stride(0), first, experts,
-            act_scales, count, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-            BIAS=b2 is not None, PACKED=fmt == "mxfp4",
-            FP8=fmt == "fp8" and not w8a8, W8A8=w8a8, TILE_SCALES=tile_scales, EVEN_K=w8a8 and width % block_k == 0,
+            act_in, w, scales, zeros, w if b2 is None else b2, out, routing_weights, sorted_ids, block_expert, count,
+            width, hidden, act_in.stride(0), *strides, 0 if b2 is None else b2.stride(0), out.stride(0), first,
+            experts, act_scales, count, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+            BIAS=b2 is not None, PACKED=fmt == "mxfp4", FP8=fmt == "fp8" and not w8a8, W8A8=w8a8,
+            TILE_SCALES=tile_scales, EVEN_K=w8a8 and width % block_k == 0, **_int_constants(w2, fmt, block_k),
             num_warps=warps)
 
     _launches(w2, down_operands, kind, x.dtype, dequantize_first, down)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.model.fp8_linear import capturing
-from splitserve.engine.model.triton_tiles import input_tile
+from splitserve.engine.model.triton_tiles import input_tile, int_weight_tile
 
 # (most tokens, BLOCK_M, BLOCK_N, warps): decode batches take narrow tiles (more programs to stream the
 # weight), prefills under a CUDA graph's capture square ones
@@ -28,34 +28,6 @@ BLOCK_K = 64  # a multiple of every packing's values a word (8 at 4 bits, 4 at 8
 PREFILL_TOKENS = 512  # from here the weight is dequantized once and cuBLAS multiplies (fp8_linear's reasoning)
 PATHS = ("tiled", "dequantized")
 DEQUANTIZE_ROWS = 64  # weight rows a dequantizing program widens, over one k tile
-
-
-@triton.jit
-def _int_weight_tile(w_ptr, s_ptr, z_ptr, cols, start, k, stride_w, stride_s, stride_z, group, col_ok,
-                     dtype: tl.constexpr, BITS: tl.constexpr, ZERO: tl.constexpr, ONE_GROUP: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """[BLOCK_K, N]: weight rows `cols`' columns [start, start + BLOCK_K) as a dot's right operand,
-    each (value - zero point) x scale in `dtype` (zeros past `k`)."""
-    per_word: tl.constexpr = 32 // BITS
-    mask: tl.constexpr = (1 << BITS) - 1
-    offset: tl.constexpr = 1 << (BITS - 1)
-    kk = start + tl.arange(0, BLOCK_K)
-    ok = (kk < k)[:, None] & col_ok[None, :]
-    words = tl.load(w_ptr + cols[None, :] * stride_w + (kk // per_word)[:, None], mask=ok, other=0)
-    values = (((words >> ((kk % per_word) * BITS)[:, None]) & mask) - offset).to(tl.float32)
-    if ONE_GROUP:  # the tile lies in one group: a scale (and zero point) a column
-        g = start // group
-        scale = tl.load(s_ptr + cols * stride_s + g, mask=col_ok, other=0.0)[None, :]
-        if ZERO:
-            zeros = tl.load(z_ptr + (cols // per_word) * stride_z + g, mask=col_ok, other=0)
-            values -= (((zeros >> ((cols % per_word) * BITS)) & mask) - offset).to(tl.float32)[None, :]
-    else:
-        g = kk // group
-        scale = tl.load(s_ptr + cols[None, :] * stride_s + g[:, None], mask=ok, other=0.0)
-        if ZERO:
-            zeros = tl.load(z_ptr + (cols // per_word)[None, :] * stride_z + g[:, None], mask=ok, other=0)
-            values -= (((zeros >> ((cols % per_word) * BITS)[None, :]) & mask) - offset).to(tl.float32)
-    return (values * scale).to(dtype)
 
 
 @triton.jit(do_not_specialize=["tokens"])
@@ -71,25 +43,28 @@ def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, tokens, n, k, stride
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         a = input_tile(x_ptr, rows, stride_x, start, k, valid, BLOCK_K)
-        w = _int_weight_tile(w_ptr, s_ptr, z_ptr, cols, start, k, stride_w, stride_s, stride_z, group, col_ok,
-                             a.dtype, BITS, ZERO, ONE_GROUP, BLOCK_K)
+        w = int_weight_tile(w_ptr, s_ptr, z_ptr, cols, start, k, stride_w, stride_s, stride_z, group, col_ok,
+                            a.dtype, BITS, ZERO, ONE_GROUP, BLOCK_K)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _int_dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, n, k, stride_w, stride_s, stride_z, stride_out, group,
-                           BITS: tl.constexpr, ZERO: tl.constexpr, ONE_GROUP: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out [n, k] in its dtype: W's rows [BLOCK_N] over one k tile a program."""
+def _int_dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, n, k, stride_w, stride_s, stride_z, stride_out,
+                           stride_we, stride_se, stride_ze, stride_oe, group, BITS: tl.constexpr, ZERO: tl.constexpr,
+                           ONE_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [n, k] in its dtype: W's rows [BLOCK_N] over one k tile a program, of the weight
+    `program_id(2)` of a stack (each part `stride_*e` after the one before)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
     start = tl.program_id(1) * BLOCK_K
-    tile = _int_weight_tile(w_ptr, s_ptr, z_ptr, rows, start, k, stride_w, stride_s, stride_z, group, row_ok,
-                            out_ptr.dtype.element_ty, BITS, ZERO, ONE_GROUP, BLOCK_K)  # [BLOCK_K, BLOCK_N]
+    e = tl.program_id(2).to(tl.int64)
+    tile = int_weight_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_ze, rows, start, k,
+                           stride_w, stride_s, stride_z, group, row_ok, out_ptr.dtype.element_ty, BITS, ZERO,
+                           ONE_GROUP, BLOCK_K)  # [BLOCK_K, BLOCK_N]
     cols = start + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None], tile,
+    tl.store(out_ptr + e * stride_oe + rows[None, :].to(tl.int64) * stride_out + cols[:, None], tile,
              mask=(cols < k)[:, None] & row_ok[None, :])
 
 
@@ -110,20 +85,23 @@ def _launch_args(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
     covers, and the constants."""
     group = scheme.group_size or k
     zeros = packed if zero is None else zero  # any pointer where there are no zero points
-    return ((packed, scale, zeros), (packed.stride(0), scale.stride(0), zeros.stride(0)), group,
+    return ((packed, scale, zeros), (packed.stride(-2), scale.stride(-2), zeros.stride(-2)), group,
             dict(BITS=scheme.bits, ZERO=zero is not None, ONE_GROUP=group % BLOCK_K == 0 or group >= k))
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, scheme: IntWeights, k: int,
                dtype: torch.dtype) -> torch.Tensor:
-    """What `int_weights.dequantize` computes ([N, K] in `dtype`), in one pass on the words' device."""
-    n = packed.shape[0]
-    out = torch.empty((n, k), dtype=dtype, device=packed.device)
+    """What `int_weights.dequantize` computes ([N, K] in `dtype`), in one pass on the words' device;
+    of a stack of weights (parts [E, ...]: a sparse layer's experts), each one's ([E, N, K]), in one launch."""
+    stacked = packed.dim() == 3
+    experts, n = (packed.shape[0] if stacked else 1), packed.shape[-2]
+    out = torch.empty((experts, n, k), dtype=dtype, device=packed.device)
     pointers, strides, group, constants = _launch_args(packed, scale, zero, scheme, k)
-    _int_dequantize_kernel[(triton.cdiv(n, DEQUANTIZE_ROWS), triton.cdiv(k, BLOCK_K))](
-        *pointers, out, n, k, *strides, out.stride(0), group, **constants, BLOCK_N=DEQUANTIZE_ROWS,
-        BLOCK_K=BLOCK_K)
-    return out
+    expert_strides = [t.stride(0) if stacked else 0 for t in pointers]
+    _int_dequantize_kernel[(triton.cdiv(n, DEQUANTIZE_ROWS), triton.cdiv(k, BLOCK_K), experts)](
+        *pointers, out, n, k, *strides, out.stride(1), *expert_strides, out.stride(0), group, **constants,
+        BLOCK_N=DEQUANTIZE_ROWS, BLOCK_K=BLOCK_K)
+    return out if stacked else out[0]
 
 
 def path_for(tokens: int, x: torch.Tensor) -> str:

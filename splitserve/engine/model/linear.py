@@ -108,11 +108,8 @@ class Linear(nn.Linear):
         """The kept weight in `dtype` (what the CPU path multiplies by)."""
         if self.fp8_block is not None:
             return fp8.dequantize(self.weight, self.weight_scale_inv, self.fp8_block, dtype)
-        parts = {"packed": self.weight_packed, "scale": self.weight_scale,
-                 "shape": torch.tensor([self.out_features, self.in_features])}
-        if self.weight_zero_point is not None:
-            parts["zero_point"] = self.weight_zero_point
-        return int_weights.dequantize(parts, self.ints, dtype)
+        return int_weights.weights(self.weight_packed, self.weight_scale, self.weight_zero_point, self.ints,
+                                   self.in_features, dtype)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """The kept weight's product through its Triton GEMM (CUDA, or Triton's interpreter)."""

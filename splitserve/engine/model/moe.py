@@ -10,9 +10,12 @@ gate rows, then its up rows; GPT-OSS's alternate gate, up, as its checkpoints st
 checkpoint's experts (GPT-OSS's release) stay packed as it stores them, rows alike (`mxfp4.Packed`:
 `w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales`), 4.25 bits a weight; an FP8 checkpoint's
 stay FP8 (`fp8.Stacked`: `w13`, `w2` float8 and `w13_scale`, `w2_scale`, one a block, or one a row
-for scales of a row or a tensor: `fp8.ROWS`). With tensor parallelism each rank's slice of the
-width is then whole units (32-value groups; FP8's blocks; any, for scales of a row, down's then
-whole on every rank) (`Shard.split_in`: ranks' widths may differ by a unit, as partial sums they add up alike);
+for scales of a row or a tensor: `fp8.ROWS`); a packed integer checkpoint's (W4A16 / W8A16,
+`int_weights`) stay its int32 words (`int_weights.Stacked`: `w13_packed`, `w13_scale`, `w13_zero_point`
+where asymmetric, and w2's), a quarter of bf16's bytes at 4 bits. With tensor parallelism each
+rank's slice of the width is then whole units (32-value groups; FP8's blocks; any, for scales of a
+row, down's then whole on every rank; whole words and groups of integers)
+(`Shard.split_in`: ranks' widths may differ by a unit, as partial sums they add up alike);
 a width of fewer units than ranks, or of a part of one, is dequantized at load instead.
 `checkpoint_tensors` names each expert's slices as the checkpoint stores them (GPT-OSS's stacked,
 [experts, in, out]). With tensor parallelism every rank holds every expert's slice [lo, hi) of the
@@ -29,11 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine import fp8, mxfp4
+import math
+
+from splitserve.engine import fp8, int_weights, mxfp4
 from splitserve.engine.config import ModelConfig
 from splitserve.engine.model import triton_dispatch
 from splitserve.engine.model.linear import frozen
 from splitserve.engine.model.sharding import Shard, ShardSlice
+
+ExpertStack = torch.Tensor | mxfp4.Packed | fp8.Stacked | int_weights.Stacked  # [experts, rows, cols], as stored
 
 
 @dataclass(frozen=True)
@@ -112,17 +119,20 @@ class Experts(nn.Module):
     def __init__(self, c: ModelConfig, names: ExpertNames, shard: Shard = Shard()):
         super().__init__()
         # FP8's scales: one a block, or one a row (a tensor's repeated)
-        total, self.block, unit = c.moe_intermediate_size, c.weight_block_size or fp8.ROWS, _kept_unit(c)
+        total, self.block, unit = c.moe_intermediate_size, c.weight_block_size or fp8.ROWS, _kept_unit(c, names)
         # the checkpoint's format, kept where every rank's slice is whole units; None: the model's dtype
         self.format = c.quantization if unit and total % unit == 0 and total // unit >= shard.size else None
         lo, hi = shard.split_in(total, unit) if self.format else shard.split(total)
-        self.names, self.width, self.act = names, hi - lo, gated_act(c)
+        self.names, self.width, self.act, self.ints = names, hi - lo, gated_act(c), c.int_weights
         self.slice = ShardSlice(0, lo, hi, total) if shard.size > 1 else None
         experts, hidden = c.num_experts, c.hidden_size
+        self.num_experts = experts
         if self.format == "mxfp4":
             for name, rows, cols in (("w13", 2 * self.width, hidden), ("w2", hidden, self.width)):
                 self.register_parameter(f"{name}_blocks", frozen(experts, rows, cols // mxfp4.GROUP, 16))
                 self.register_parameter(f"{name}_scales", frozen(experts, rows, cols // mxfp4.GROUP))
+        elif self.format == "int":
+            self._packed_parameters(experts, hidden)
         elif self.format == "fp8":
             (block_rows, block_cols), code = self.block, torch.float8_e4m3fn
             self.w13 = frozen(experts, 2 * self.width, hidden, dtype=code)
@@ -139,8 +149,25 @@ class Experts(nn.Module):
         self.b2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size)) if biased else None
         self.adds_b2 = shard.rank == 0  # the ranks' partial sums are reduced: the down biases counted once
 
+    def _packed_parameters(self, experts: int, hidden: int) -> None:
+        """w13's and w2's int32 words, float32 scales and (asymmetric) zero points packed down the rows."""
+        ints = self.ints
+        for name, rows, cols in (("w13", 2 * self.width, hidden), ("w2", hidden, self.width)):
+            groups = -(-cols // (ints.group_size or cols))
+            self.register_parameter(f"{name}_packed", frozen(experts, rows, -(-cols * ints.bits // 32),
+                                                             dtype=torch.int32))
+            self.register_parameter(f"{name}_scale", frozen(experts, rows, groups, dtype=torch.float32))
+            zeros = None if ints.symmetric else frozen(experts, -(-rows * ints.bits // 32), groups, dtype=torch.int32)
+            self.register_parameter(f"{name}_zero_point", zeros)
+
     def stacks(self, dtype: torch.dtype) -> tuple:
-        """(w13, w2): the parameters, or their MXFP4 bytes or FP8 codes, which dequantize to `dtype`."""
+        """(w13, w2): the parameters, or their MXFP4 bytes, FP8 codes or packed integers, which
+        dequantize to `dtype`."""
+        if self.format == "int":
+            hidden = self.w2_packed.shape[1]
+            return (int_weights.Stacked(self.w13_packed, self.w13_scale, self.w13_zero_point, self.ints, hidden, dtype),
+                    int_weights.Stacked(self.w2_packed, self.w2_scale, self.w2_zero_point, self.ints, self.width,
+                                        dtype))
         if self.format == "mxfp4":
             return (mxfp4.Packed(self.w13_blocks, self.w13_scales, dtype),
                     mxfp4.Packed(self.w2_blocks, self.w2_scales, dtype))
@@ -178,9 +205,12 @@ class Experts(nn.Module):
             else:
                 yield f"{owner}.{name}", param.transpose(1, 2)
             return
-        suffix = ".weight" + (fp8.SCALE_SUFFIXES[0] if kind.endswith("_scale") else "")  # FP8's block scales
+        if self.format == "int":  # w13_packed: `.weight_packed`, and so on
+            suffix = ".weight_" + kind.partition("_")[2]
+        else:
+            suffix = ".weight" + (fp8.SCALE_SUFFIXES[0] if kind.endswith("_scale") else "")  # FP8's block scales
         for e in range(param.shape[0]):
-            if kind.startswith("w13"):  # gate rows (or their scales' rows), then up's
+            if kind.startswith("w13"):  # gate rows (or their scales' rows, their zero points' words), then up's
                 half = param.shape[1] // 2
                 yield f"{owner}.{e}.{self.names.gate}{suffix}", param[e, :half]
                 yield f"{owner}.{e}.{self.names.up}{suffix}", param[e, half:]
@@ -205,12 +235,14 @@ class Experts(nn.Module):
             return
         lo, hi, total = self.slice.start, self.slice.stop, self.slice.total
         parts = {".weight": (self.slice, ShardSlice(1, lo, hi, total))}  # (gate and up, down)
-        if self.format == "fp8":  # their scales': rows of blocks, and down's columns of them (a row's: whole)
+        if self.format == "int":
+            parts = self._packed_slices()
+        elif self.format == "fp8":  # their scales': rows of blocks, and down's columns of them (a row's: whole)
             rows, cols = self.block
             parts[".weight" + fp8.SCALE_SUFFIXES[0]] = (
                 ShardSlice(0, lo // rows, hi // rows, total // rows),
                 None if self.block == fp8.ROWS else ShardSlice(1, lo // cols, hi // cols, total // cols))
-        for e in range(self.w13.shape[0]):
+        for e in range(self.num_experts):
             for suffix, (gate_up, down) in parts.items():
                 yield f"{owner}.{e}.{self.names.gate}{suffix}", gate_up
                 yield f"{owner}.{e}.{self.names.up}{suffix}", gate_up
@@ -218,12 +250,27 @@ class Experts(nn.Module):
                     yield f"{owner}.{e}.{self.names.down}{suffix}", down
 
 
-def _kept_unit(c: ModelConfig) -> int | None:
+    def _packed_slices(self) -> dict[str, tuple[ShardSlice, ShardSlice | None]]:
+        """(gate and up, down) slices of each expert's packed parts: gate's and up's rows (their zero
+        points' in words), down's columns in words and groups (a row's one scale, and its zero point, whole)."""
+        per_word, group = 32 // self.ints.bits, self.ints.group_size
+        columns = ShardSlice(1, self.slice.start, self.slice.stop, self.slice.total)
+        grouped = None if group is None else columns.in_units(group)
+        parts = {".weight_packed": (self.slice, columns.in_units(per_word)), ".weight_scale": (self.slice, grouped)}
+        if not self.ints.symmetric:
+            parts[".weight_zero_point"] = (self.slice.in_units(per_word), grouped)
+        return parts
+
+
+def _kept_unit(c: ModelConfig, names: ExpertNames) -> int | None:
     """What a rank's slice of the width must be whole multiples of for the experts to stay in the
-    checkpoint's format (MXFP4's group; FP8's blocks, on a device whose Triton reads e4m3); None
-    where they are dequantized."""
+    checkpoint's format (MXFP4's group; FP8's blocks, on a device whose Triton reads e4m3; whole
+    words of integers, and groups, for down's columns and gate's and up's zero points' words);
+    None where they are dequantized (integers in GPT-OSS's stacked layout among them)."""
     if c.quantization == "mxfp4":
         return mxfp4.GROUP
+    if c.quantization == "int":
+        return None if names.stacked else math.lcm(32 // c.int_weights.bits, c.int_weights.group_size or 1)
     if c.quantization != "fp8":
         return None
     return fp8.experts_unit(c.weight_block_size) if fp8.codes_readable(fp8.build_capability()) else None
