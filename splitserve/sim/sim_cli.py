@@ -68,6 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "shared prefix blocks, e.g. mooncake, are prefix-aware by default)")
     p.add_argument("--prefix-index-blocks", type=int, default=None,
                    help="(worker, block) entries the CLS's prefix index keeps at most (default: the scenario's)")
+    p.add_argument("--prefill-saved-weight", type=float, default=None,
+                   help="prompt-queue tokens one cached prompt token saves a prompt or mixed worker, in prefix-aware "
+                        "placement (default: the config's scheduler.prefill_saved_weight, 1)")
+    p.add_argument("--transfer-saved-weight", type=float, default=None,
+                   help="token-queue tokens one cached prompt token saves a token worker (default: the config's "
+                        "scheduler.transfer_saved_weight, 1)")
     p.add_argument("--session-fraction", type=float, default=1.0,
                    help="trace arrivals with prefix blocks (mooncake): this fraction of the conversations, as for bench")
     add_worker_arguments(p)
@@ -175,14 +181,19 @@ def num_requests(args) -> int:
     return max(1, round(count))
 
 
+def with_prefix(args, scenario: Scenario) -> Scenario:
+    """Prefix-aware placement as the flags given say (--prefix-blind, the index's size, the weights
+    of what a cached token saves), else as the scenario has it."""
+    flags = {"aware": False if args.prefix_blind else None, "max_index_blocks": args.prefix_index_blocks,
+             "prefill_saved_weight": args.prefill_saved_weight, "transfer_saved_weight": args.transfer_saved_weight}
+    given = {name: value for name, value in flags.items() if value is not None}
+    return replace(scenario, prefix=replace(scenario.prefix, **given)) if given else scenario
+
+
 def run(args) -> dict:
     if args.out is None and args.json is None:
         raise ValueError("give --out (the full report) or --json (the summary), or both")
-    scenario = scenario_of(args)
-    if args.prefix_blind:
-        scenario = replace(scenario, prefix=replace(scenario.prefix, aware=False))
-    if args.prefix_index_blocks is not None:
-        scenario = replace(scenario, prefix=replace(scenario.prefix, max_index_blocks=args.prefix_index_blocks))
+    scenario = with_prefix(args, scenario_of(args))
     if args.scheduling_policy is not None:
         scenario = replace(scenario, scheduling_policy=args.scheduling_policy)
     scenario = replace(scenario, lora_swap_s=args.lora_swap_ms / 1000,

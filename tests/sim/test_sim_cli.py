@@ -124,6 +124,8 @@ def test_a_design_takes_the_decode_rule_and_the_mixed_policy():
     (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1"], "--out"),
     (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1", "--kv-host-gib", "-1",
       "--json", "x.json"], "--kv-host-gib must be a finite number >= 0"),
+    (["--design", "splitwise-hh", "--prompt-machines", "2", "--token-machines", "1", "--prefill-saved-weight", "-1",
+      "--json", "x.json"], "prefill_saved_weight"),
 ])
 def test_design_mistakes_are_clear_errors(extra, message, capsys):
     assert main(["sim", "--trace", "conv", "--no-progress", *extra]) == 2
@@ -147,6 +149,23 @@ def test_a_host_tier_from_the_flags_or_the_config():
     flagged = with_host_kv(replace_args(flags, kv_host_gib=2.0), design)  # a worker's, whatever its pool's TP
     assert {flagged.host_tokens_of(pool) for pool in flagged.pools} == {2 * 2 ** 30 // per_token}
     assert with_host_kv(replace_args(flags, kv_host_gib=0.0), design).host_kv is None
+
+
+def test_prefix_placement_from_the_flags_or_the_scenario():
+    """Each flag given replaces its field of the scenario's prefix options; none given keeps them."""
+    from splitserve.sim.sim_cli import with_prefix
+    design = design_of("splitwise-hh").scenario(1, 1, "llama2-70b")
+    design = replace(design, prefix=replace(design.prefix, transfer_saved_weight=3.0, max_index_blocks=77))
+    flags = argparse.Namespace(prefix_blind=False, prefix_index_blocks=None, prefill_saved_weight=None,
+                               transfer_saved_weight=None)
+    assert with_prefix(flags, design) is design
+    weighted = with_prefix(replace_args(flags, prefill_saved_weight=2.5), design).prefix
+    assert (weighted.aware, weighted.prefill_saved_weight, weighted.transfer_saved_weight,
+            weighted.max_index_blocks) == (True, 2.5, 3.0, 77)
+    every = with_prefix(replace_args(flags, prefix_blind=True, prefix_index_blocks=8, prefill_saved_weight=0.0,
+                                     transfer_saved_weight=0.5), design).prefix
+    assert (every.aware, every.max_index_blocks, every.prefill_saved_weight, every.transfer_saved_weight) == \
+        (False, 8, 0.0, 0.5)
 
 
 def replace_args(args: argparse.Namespace, **changes) -> argparse.Namespace:
