@@ -64,9 +64,9 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
             block: tuple[int, int], hbm: float | None, flops_peak: float | None, sms: int | None) -> list[dict]:
     """Rows of each projection and of the layer; `sms`: the multiprocessors decode tiles split for
     (None: the device's)."""
-    from splitserve.engine.model import fp8_linear  # after TRITON_INTERPRET is settled
+    from splitserve.engine.model import fp8_linear, split_k  # after TRITON_INTERPRET is settled
 
-    sms = sms or fp8_linear.multiprocessors(device)
+    sms = sms or split_k.multiprocessors(device)
     g, weights = torch.Generator().manual_seed(0), {}
     for name, shape in projections(c).items():
         scale_block = (1, shape[1]) if block == fp8.ROWS else block  # ROWS: one [rows, 1] scale a row

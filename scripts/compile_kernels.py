@@ -56,7 +56,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from splitserve.engine.engine_config import EngineConfig  # noqa: E402
 from splitserve.engine.kernel_warm_up import warm_up  # noqa: E402
 from splitserve.engine.kv_cache import KVCache  # noqa: E402
-from splitserve.engine.model import fp8_linear, fp8_w8a8  # noqa: E402
+from splitserve.engine.model import fp8_w8a8, split_k  # noqa: E402
 from splitserve.engine.model.linear import Linear, MergedLinear  # noqa: E402
 from splitserve.engine.model.llama import LlamaAttention, LlamaMLP  # noqa: E402
 from splitserve.engine.model.lora import LoraSlots  # noqa: E402
@@ -117,11 +117,11 @@ class Variant:
 @contextmanager
 def compile_only(arch: int, phase: list[str], variants: dict[str, Variant]):
     """Every Triton launch compiles (or finds) its variant and returns without running; a new
-    variant is recorded with the phase it was first met in; the W8A16 GEMM splits its decode tiles
+    variant is recorded with the phase it was first met in; the W8A16 and W4A16 GEMMs split their decode tiles
     for `arch`'s multiprocessors, and prefills' FP8 projections run W8A8 where `arch` has FP8 tensor
     cores. Triton's driver stays `arch`'s for the rest of the process (without a GPU there is no
     other to go back to)."""
-    real_run, real_multiprocessors, real_capability = JITFunction.run, fp8_linear.multiprocessors, fp8_w8a8.capability
+    real_run, real_multiprocessors, real_capability = JITFunction.run, split_k.multiprocessors, fp8_w8a8.capability
 
     def run(self, *args, grid, warmup, **kwargs):
         start = time.perf_counter()
@@ -132,12 +132,12 @@ def compile_only(arch: int, phase: list[str], variants: dict[str, Variant]):
 
     driver.set_active(TargetDriver(arch))
     JITFunction.run = run
-    fp8_linear.multiprocessors = lambda device: ARCHS[arch].sms
+    split_k.multiprocessors = lambda device: ARCHS[arch].sms
     fp8_w8a8.capability = lambda device: divmod(arch, 10)
     try:
         yield
     finally:
-        JITFunction.run, fp8_linear.multiprocessors, fp8_w8a8.capability = real_run, real_multiprocessors, \
+        JITFunction.run, split_k.multiprocessors, fp8_w8a8.capability = real_run, real_multiprocessors, \
             real_capability
 
 

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from splitserve.engine import fp8  # noqa: E402
 from splitserve.engine.llm import LLM  # noqa: E402
-from splitserve.engine.model import fp8_linear, fp8_w8a8  # noqa: E402
+from splitserve.engine.model import fp8_linear, fp8_w8a8, split_k  # noqa: E402
 from splitserve.engine.model.linear import Linear  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.hf_checkpoints import (  # noqa: E402,F401 (fixture)
@@ -110,7 +110,7 @@ def test_a_decode_tile_split_over_k_equals_the_oracle(dtype, n, k, block, tokens
     out = fp8_linear.matmul(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), block, splits=splits).cpu()
     expected = oracle(x, codes, scales, block)
     assert (out.float() - expected).abs().max().item() <= TOLERANCE[dtype] * expected.abs().max().item()
-    assert not fp8_linear.counters(DEVICE).any()
+    assert not split_k.counters(DEVICE).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
@@ -180,16 +180,8 @@ def test_prefills_path_follows_the_device_and_the_blocks(monkeypatch):
 
 
 def test_splits_fill_the_multiprocessors():
-    """About two programs a multiprocessor, each split at least MIN_SPLIT_STEPS k tiles long, and
-    long enough that its float32 sums are at most a quarter of the codes it reads (the 64-row tile:
-    16 k tiles of 64)."""
-    assert fp8_linear.split_count(32, 64, None) == 1  # not a GPU
-    assert fp8_linear.split_count(32, 64, 132) == 9  # o_proj of a 4096-wide model on an H100: 288 programs
-    assert fp8_linear.split_count(224, 64, 132) == 2
-    assert fp8_linear.split_count(300, 64, 132) == 1  # enough tiles already
-    assert fp8_linear.split_count(1, 6, 132) == 1  # too few k tiles to share
-    assert fp8_linear.split_count(1, 4096, 132) == fp8_linear.MAX_SPLITS
-    assert fp8_linear.split_count(32, 64, 132, min_steps=16) == 4
+    """Each split long enough that its float32 sums are at most a quarter of the codes it reads
+    (the 64-row tile: 16 k tiles of 64; `split_k.split_count`)."""
     # Llama-3-8B's o_proj on an H100 (32 tiles of 128 outputs; 64 k tiles of 64): 8 splits of 512
     # columns for up to 16 tokens, 4 of 1024 for up to 64, whatever the tokens within a tile
     plans = {tokens: fp8_linear.split_plan(tokens, 4096, 4096, (128, 128), 132) for tokens in (1, 16, 17, 64, 65)}
@@ -248,9 +240,9 @@ def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_k
         return out if bias is None else out + bias
 
     monkeypatch.setattr(Linear, "project", fused)
-    monkeypatch.setattr(fp8_linear, "MIN_SPLIT_STEPS", 1)
-    monkeypatch.setattr(fp8_linear, "SUMS_SHARE", 0)
-    monkeypatch.setattr(fp8_linear, "multiprocessors", lambda device: 64)
+    monkeypatch.setattr(split_k, "MIN_SPLIT_STEPS", 1)
+    monkeypatch.setattr(split_k, "SUMS_SHARE", 0)
+    monkeypatch.setattr(split_k, "multiprocessors", lambda device: 64)
     monkeypatch.setattr(fp8_linear, "PREFILL_TOKENS", len(prompts) + 1)
     monkeypatch.setattr(fp8_w8a8, "supported", lambda device, block: prefills == "w8a8")
     splits, kernel, dequantize, w8a8, widened = [], fp8_linear._fp8_matmul_kernel, fp8_linear.dequantize, \

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from splitserve.engine import fp8  # noqa: E402
 from splitserve.engine.int_weights import IntWeights, dequantize  # noqa: E402
 from splitserve.engine.llm import LLM  # noqa: E402
-from splitserve.engine.model import int_linear  # noqa: E402
+from splitserve.engine.model import int_linear, split_k  # noqa: E402
 from splitserve.engine.model.linear import Linear  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.hf_checkpoints import (  # noqa: E402,F401 (fixture)
@@ -69,6 +69,31 @@ def test_the_integer_gemm_equals_the_dequantized_oracle(dtype, scheme, n, k, tok
         assert (out.float() - expected).abs().max().item() <= bound, path
 
 
+@pytest.mark.parametrize("scheme", [IntWeights(4, 32, False), IntWeights(8, None, True)], ids=str)
+@pytest.mark.parametrize("tokens", [1, 40])  # the 16- and 64-row tiles
+@pytest.mark.parametrize("splits", [2, 3, 16])  # even, uneven (the last split shorter), more than k tiles
+def test_a_decode_tile_split_over_k_equals_the_oracle(scheme, tokens, splits):
+    """Each split's float32 sums added by the tile's last split (k 320: five 64-wide k tiles, a
+    group across splits where a row has one), its counters put back to 0."""
+    n, k = 96, 320
+    packed, scale, zero = packed_weight(n, k, scheme, seed=splits)
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens))
+    out = int_linear.matmul(x.to(DEVICE), *on_device(packed, scale, zero), scheme, splits=splits).cpu()
+    expected = oracle(x, packed, scale, zero, scheme, k)
+    assert (out - expected).abs().max().item() <= TOLERANCE[torch.float32] * expected.abs().max().item()
+    assert not split_k.counters(DEVICE).any()
+
+
+def test_decode_tiles_split_to_fill_the_multiprocessors():
+    """Llama-3-8B's o_proj at 4 bits on an H100 (32 tiles of 128 outputs; 64 k tiles of 64): 8 splits
+    for up to 16 tokens, 2 for up to 64 (a split reads at least four times its sums' bytes in
+    words: 32 k tiles for the 64-row tile), none beyond; 8 bits' words reach it sooner."""
+    plans = {tokens: int_linear.split_plan(tokens, 4096, 4096, 4, 132) for tokens in (1, 16, 17, 64, 65)}
+    assert plans == {1: (8, 512), 16: (8, 512), 17: (2, 2048), 64: (2, 2048), 65: (1, 4096)}
+    assert int_linear.split_plan(64, 4096, 4096, 8, 132) == (4, 1024)
+    assert int_linear.split_plan(1, 4096, 4096, 4, None) == (1, 4096)  # not a GPU
+
+
 def test_leading_dims_a_strided_input_and_bad_words():
     scheme = IntWeights(4, 32, False)
     packed, scale, zero = packed_weight(64, 96, scheme, seed=3)
@@ -83,8 +108,8 @@ def test_leading_dims_a_strided_input_and_bad_words():
 
 def test_greedy_through_the_integer_gemm_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch):
     """A W4A16 Qwen3 with zero points built as on a GPU (its dense projections kept packed)
-    generates the same tokens with every projection through the kernels (decode steps tiled,
-    prefills' weights dequantized first) as through the dequantized oracle (the CPU path)."""
+    generates the same tokens with every projection through the kernels (decode steps tiled and
+    split over K, prefills' weights dequantized first) as through the dequantized oracle (the CPU path)."""
     pytest.importorskip("compressed_tensors")
     hf = write_checkpoint(tmp_path, "qwen3_qk_norm", tokenizers_by_kind)
     pack_checkpoint(tmp_path, 4, False, 16)
@@ -108,7 +133,17 @@ def test_greedy_through_the_integer_gemm_equals_the_oracle(tmp_path, tokenizers_
         out = self.fused(x)
         return out if bias is None else out + bias
 
-    paths = []
+    paths, splits, kernel = [], [], int_linear._int_matmul_kernel
     reference = greedy(oracle)
     monkeypatch.setattr(int_linear, "PREFILL_TOKENS", len(prompts) + 1)
-    assert greedy(fused) == reference and set(paths) == set(int_linear.PATHS)
+    monkeypatch.setattr(split_k, "MIN_SPLIT_STEPS", 1)
+    monkeypatch.setattr(split_k, "SUMS_SHARE", 0)
+    monkeypatch.setattr(split_k, "multiprocessors", lambda device: 64)
+
+    class Counted:  # each launch's splits (its grid's third axis)
+        def __getitem__(self, grid):
+            splits.append(grid[2])
+            return kernel[grid]
+
+    monkeypatch.setattr(int_linear, "_int_matmul_kernel", Counted())
+    assert greedy(fused) == reference and set(paths) == set(int_linear.PATHS) and max(splits) > 1

@@ -3,12 +3,9 @@ where W is the checkpoint's float8 e4m3 codes [N, K] times their blocks' (or row
 read as stored (a byte a weight, half of bf16's: what a memory-bound decode step reads) and
 widened tile by tile to the activations' dtype for the tensor cores (`triton_tiles.weight_tile`,
 each code times its block's scale rounded as `fp8.dequantize` rounds it). Products accumulate in
-float32, rounded once. A decode batch's one row of tiles leaves most multiprocessors idle when the
-outputs are few (4096 make 32 programs for an H100's 132), so its launch also splits over K: each
-split stores its float32 sums, and the tile's last split to finish adds them in split order (the
-same sum whichever finishes last) and rounds them once. Nothing waits on the host and the launch
-depends only on the token count, so a decode step through it is captured in a CUDA graph like any
-other. From `PREFILL_TOKENS` tokens a product is bound by the tensor cores, not by reading
+float32, rounded once. A decode batch's launch also splits over K (`split_k`). Nothing waits on
+the host and the launch depends only on the token count, so a decode step through it is captured
+in a CUDA graph like any other. From `PREFILL_TOKENS` tokens a product is bound by the tensor cores, not by reading
 the codes, and widening every code again in each 128-row tile (beside the tensor cores) would cost
 more than one pass over them. On a GPU with FP8 tensor cores the activations are then quantized
 and the codes multiplied as they are (`fp8_w8a8`, twice bf16's rate); elsewhere (or where a block
@@ -22,24 +19,19 @@ runs only under Triton's interpreter (how the tests check it).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from splitserve.engine import fp8
-from splitserve.engine.model import fp8_w8a8
+from splitserve.engine.model import fp8_w8a8, split_k
+from splitserve.engine.model.split_k import store_sums
 from splitserve.engine.model.triton_tiles import input_tile, weight_tile
 
 # (most tokens, BLOCK_M, BLOCK_N, warps, splits over K): decode batches take tiles 128 columns wide
 # (each program's fixed cost spread over more codes; the split keeps every SM streaming weights),
 # prefills square 128 tiles that reuse each weight tile (docs/results/kernels-compiled.md)
 TILES = ((16, 16, 128, 4, True), (64, 64, 128, 4, True), (None, 128, 128, 8, False))
-MIN_SPLIT_STEPS = 4  # k tiles a split reads at least (a program's fixed cost)
-SUMS_SHARE = 4  # a split reads at least this many times the bytes of its tile's float32 sums in codes
-MAX_SPLITS = 16
-COUNTERS = 4096  # tiles one split launch may have: each counts its splits done (back to 0 after)
 # from this many tokens a product runs W8A8, or dequantizes the weight once for cuBLAS: by the H200's figures (75%
 # MFU for cuBLAS bf16, the tiled GEMM at about half of it in prefills) the extra pass over the weight (a byte read,
 # two written) costs less than the tiled GEMM's widening from about 512 tokens on
@@ -67,21 +59,8 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, count_ptr, tok
         w = weight_tile(w_ptr, s_ptr, cols, start, k, stride_w, stride_s, block_rows, block_cols, col_ok, a.dtype,
                         BLOCK_K, True)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    mask = valid[:, None] & col_ok[None, :]
-    out = out_ptr + rows[:, None] * stride_out + cols[None, :]
-    if SPLIT:
-        at = rows[:, None] * n + cols[None, :]
-        tl.store(partial_ptr + tl.program_id(2) * tokens * n + at, acc, mask=mask)
-        tl.debug_barrier()  # every thread's sums stored before the counter says so
-        counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:  # the tile's last split
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in range(0, tl.num_programs(2)):  # from L2 (.cg): an L1 may hold an earlier launch's sums
-                acc += tl.load(partial_ptr + split * tokens * n + at, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(counter, 0)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_sums(acc, out_ptr, partial_ptr, count_ptr, rows, cols, valid[:, None] & col_ok[None, :], tokens, n,
+               stride_out, SPLIT)
 
 
 @triton.jit
@@ -121,35 +100,6 @@ def block_k_for(block: tuple[int, int]) -> int:
     return 64 if block[1] % 64 == 0 else fp8.KERNEL_K
 
 
-def split_count(tiles: int, steps: int, sms: int | None, min_steps: int = MIN_SPLIT_STEPS) -> int:
-    """Splits over k for a launch of `tiles` tiles over `steps` k tiles on `sms` multiprocessors
-    (None: not a GPU, 1): about two programs a multiprocessor, each reading `min_steps` k tiles at least."""
-    if sms is None:
-        return 1
-    return max(1, min(MAX_SPLITS, -(-2 * sms // tiles), steps // min_steps))
-
-
-@functools.cache
-def _cuda_multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def multiprocessors(device: torch.device) -> int | None:
-    """A CUDA device's multiprocessors, what a decode launch's splits fill; None on other devices."""
-    return _cuda_multiprocessors(device.index) if device.type == "cuda" else None
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def counters(device: torch.device) -> torch.Tensor:
-    """The device's split counters: every launch leaves them 0, and a device's launches run in one
-    stream's order. Made by the first launch (the engine's kernel warm-up, before any CUDA graph)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 def split_plan(tokens: int, n: int, k: int, block: tuple[int, int], sms: int | None,
                splits: int | None = None) -> tuple[int, int]:
     """(splits, the k columns each reads) of a launch over `tokens` rows of an [n, k] weight on `sms`
@@ -157,14 +107,8 @@ def split_plan(tokens: int, n: int, k: int, block: tuple[int, int], sms: int | N
     shape splits depends on its tile, not on how many of the tile's rows are tokens, so each tile
     of a shape is one variant (compiled at start-up)."""
     block_m, block_n, _, splittable = tile_for(tokens)
-    block_k = block_k_for(block)
-    tiles, steps = triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    if not splittable or tiles > COUNTERS:
-        splits = 1
-    elif splits is None:
-        splits = split_count(tiles, steps, sms, max(MIN_SPLIT_STEPS, triton.cdiv(SUMS_SHARE * 4 * block_m, block_k)))
-    k_split = triton.cdiv(steps, splits) * block_k
-    return triton.cdiv(k, k_split), k_split
+    tiles = triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
+    return split_k.plan(tiles, k, block_m, block_k_for(block), sms, splittable, 1.0, splits)
 
 
 def capturing(x: torch.Tensor) -> bool:
@@ -199,7 +143,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
            splits: int | None = None, path: str | None = None) -> torch.Tensor:
     """x [..., K] @ W.T for W = `weight` (float8 e4m3 [N, K]) times `scale` (float32, one per block
     of `block` [rows, cols], the last blocks partial); [..., N] in x's dtype. `splits`: a decode
-    tile's splits over K (None: `split_count` for the device; the prefill tile never splits).
+    tile's splits over K (None: `split_k.split_count` for the device; the prefill tile never splits).
     `path`: one of `PATHS` (None: `path_for` the launch)."""
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1 or scale.stride(1) != 1:
@@ -224,10 +168,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
         block_m, block_n, warps, _ = tile_for(tokens)
         block_k = block_k_for(block)
         grid = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
-        splits, k_split = split_plan(tokens, n, k, block, multiprocessors(x.device), splits)
-        partials = torch.empty((splits, tokens, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+        splits, k_split = split_plan(tokens, n, k, block, split_k.multiprocessors(x.device), splits)
         _fp8_matmul_kernel[(*grid, splits)](
-            rows, weight, scale, out, partials, counters(x.device), tokens, n, k, k_split, rows.stride(0),
+            rows, weight, scale, out, split_k.partials(splits, tokens, n, out), split_k.counters(x.device), tokens, n, k, k_split, rows.stride(0),
             weight.stride(0), scale.stride(0), out.stride(0), block[0], block[1], BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
             num_warps=warps)

@@ -4,7 +4,8 @@
 in the tile to (value - its zero point) x its group's scale in the activations' dtype for the
 tensor cores. Products accumulate in float32, rounded once. A k tile within one group (the group a
 multiple of the tile, or a scale a row) loads one scale (and zero point) a column; otherwise one an
-element. From `PREFILL_TOKENS` tokens a product is bound by the tensor cores, and the weight is
+element. A decode batch's launch also splits over K (`split_k`: a split reads at least four times
+its float32 sums' bytes in words). From `PREFILL_TOKENS` tokens a product is bound by the tensor cores, and the weight is
 dequantized once into the activations' dtype for cuBLAS (a transient the engine's memory profile
 sees at its largest step; a CUDA graph's capture keeps the tiled kernel, whose pool would hold it).
 The launch depends only on the token count: a decode step through it is captured in a CUDA graph.
@@ -18,12 +19,15 @@ import triton
 import triton.language as tl
 
 from splitserve.engine.int_weights import IntWeights
+from splitserve.engine.model import split_k
 from splitserve.engine.model.fp8_linear import capturing
+from splitserve.engine.model.split_k import store_sums
 from splitserve.engine.model.triton_tiles import input_tile, int_weight_tile
 
-# (most tokens, BLOCK_M, BLOCK_N, warps): decode batches take narrow tiles (more programs to stream the
-# weight), prefills under a CUDA graph's capture square ones
-TILES = ((16, 16, 64, 4), (64, 64, 64, 4), (None, 128, 128, 8))
+# (most tokens, BLOCK_M, BLOCK_N, warps, splits over K): decode batches take tiles 128 columns wide (compiled
+# for sm_90: 11-13% fewer instructions a KB of words than 64 wide) split over K (every SM streaming words),
+# prefills under a CUDA graph's capture square tiles that reuse each weight tile (docs/results/kernels-compiled.md)
+TILES = ((16, 16, 128, 4, True), (64, 64, 128, 4, True), (None, 128, 128, 8, False))
 BLOCK_K = 64  # a multiple of every packing's values a word (8 at 4 bits, 4 at 8)
 PREFILL_TOKENS = 512  # from here the weight is dequantized once and cuBLAS multiplies (fp8_linear's reasoning)
 PATHS = ("tiled", "dequantized")
@@ -31,23 +35,26 @@ DEQUANTIZE_ROWS = 64  # weight rows a dequantizing program widens, over one k ti
 
 
 @triton.jit(do_not_specialize=["tokens"])
-def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, tokens, n, k, stride_x, stride_w, stride_s, stride_z,
-                       stride_out, group, BITS: tl.constexpr, ZERO: tl.constexpr, ONE_GROUP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PRECISION: tl.constexpr):
-    """One program per (BLOCK_M tokens, BLOCK_N outputs): out = x @ W.T over k in BLOCK_K steps."""
+def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partial_ptr, count_ptr, tokens, n, k, k_split, stride_x,
+                       stride_w, stride_s, stride_z, stride_out, group, BITS: tl.constexpr, ZERO: tl.constexpr,
+                       ONE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """One program per (BLOCK_M tokens, BLOCK_N outputs, split): out = x @ W.T over its split's
+    `k_split` columns of k (a multiple of BLOCK_K) in BLOCK_K steps; with SPLIT the splits' sums
+    meet as `split_k.store_sums` says."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = rows < tokens
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
+    first = tl.program_id(2) * k_split
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
+    for start in range(first, tl.minimum(k, first + k_split), BLOCK_K):
         a = input_tile(x_ptr, rows, stride_x, start, k, valid, BLOCK_K)
         w = int_weight_tile(w_ptr, s_ptr, z_ptr, cols, start, k, stride_w, stride_s, stride_z, group, col_ok,
                             a.dtype, BITS, ZERO, ONE_GROUP, BLOCK_K)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & col_ok[None, :])
+    store_sums(acc, out_ptr, partial_ptr, count_ptr, rows, cols, valid[:, None] & col_ok[None, :], tokens, n,
+               stride_out, SPLIT)
 
 
 @triton.jit
@@ -68,8 +75,8 @@ def _int_dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, n, k, stride_w, stride_
              mask=(cols < k)[:, None] & row_ok[None, :])
 
 
-def tile_for(tokens: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) of a launch over `tokens` rows."""
+def tile_for(tokens: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, warps, splits over K) of a launch over `tokens` rows."""
     return next(tuple(tile) for most, *tile in TILES if most is None or tokens <= most)
 
 
@@ -104,16 +111,26 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
     return out if stacked else out[0]
 
 
+def split_plan(tokens: int, n: int, k: int, bits: int, sms: int | None,
+               splits: int | None = None) -> tuple[int, int]:
+    """(splits, the k columns each reads) of a launch over `tokens` rows of an [n, k] weight of
+    `bits`-bit values on `sms` multiprocessors (`splits` as `matmul` takes it): one variant a tile."""
+    block_m, block_n, _, splittable = tile_for(tokens)
+    tiles = triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
+    return split_k.plan(tiles, k, block_m, BLOCK_K, sms, splittable, bits / 8, splits)
+
+
 def path_for(tokens: int, x: torch.Tensor) -> str:
     """From `PREFILL_TOKENS` (outside a CUDA graph's capture) the weight dequantized; else tiled."""
     return "dequantized" if tokens >= PREFILL_TOKENS and not capturing(x) else "tiled"
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-           scheme: IntWeights, path: str | None = None) -> torch.Tensor:
+           scheme: IntWeights, path: str | None = None, splits: int | None = None) -> torch.Tensor:
     """x [..., K] @ W.T for W packed as `int_weights` describes (`packed` int32 [N, ceil(K x bits /
     32)], `scale` [N, groups], `zero` packed zero points or None): [..., N] in x's dtype. `path`: one
-    of `PATHS` (None: `path_for` the launch)."""
+    of `PATHS` (None: `path_for` the launch). `splits`: a decode tile's splits over K (None:
+    `split_k.split_count` for the device; the prefill tile never splits)."""
     n, k = packed.shape[0], x.shape[-1]
     if packed.dtype != torch.int32 or packed.shape[1] != -(-k * scheme.bits // 32) or packed.stride(1) != 1:
         raise ValueError(f"an integer linear of {k} input features needs int32 words [N, "
@@ -129,10 +146,12 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: tor
     if tokens and path == "dequantized":
         torch.mm(rows, dequantize(packed, scale, zero, scheme, k, x.dtype).t(), out=out)
     elif tokens:
-        block_m, block_n, warps = tile_for(tokens)
+        block_m, block_n, warps, _ = tile_for(tokens)
+        splits, k_split = split_plan(tokens, n, k, scheme.bits, split_k.multiprocessors(x.device), splits)
         pointers, strides, group, constants = _launch_args(packed, scale, zero, scheme, k)
-        _int_matmul_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))](
-            rows, *pointers, out, tokens, n, k, rows.stride(0), *strides, out.stride(0), group,
-            **constants, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
+        _int_matmul_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(n, block_n), splits)](
+            rows, *pointers, out, split_k.partials(splits, tokens, n, out), split_k.counters(x.device), tokens, n, k,
+            k_split, rows.stride(0), *strides, out.stride(0), group, **constants, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=BLOCK_K, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
+            num_warps=warps)
     return out.view(*x.shape[:-1], n)
