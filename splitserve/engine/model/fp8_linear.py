@@ -170,8 +170,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
         grid = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
         splits, k_split = split_plan(tokens, n, k, block, split_k.multiprocessors(x.device), splits)
         _fp8_matmul_kernel[(*grid, splits)](
-            rows, weight, scale, out, split_k.partials(splits, tokens, n, out), split_k.counters(x.device), tokens, n, k, k_split, rows.stride(0),
-            weight.stride(0), scale.stride(0), out.stride(0), block[0], block[1], BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
-            num_warps=warps)
+            rows, weight, scale, out, split_k.partials(splits, tokens, n, out), split_k.counters(x.device), tokens, n,
+            k, k_split, rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0), block[0], block[1],
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            SPLIT=splits > 1, num_warps=warps)
     return out.view(*x.shape[:-1], n)

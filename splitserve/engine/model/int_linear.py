@@ -5,9 +5,10 @@ in the tile to (value - its zero point) x its group's scale in the activations' 
 tensor cores. Products accumulate in float32, rounded once. A k tile within one group (the group a
 multiple of the tile, or a scale a row) loads one scale (and zero point) a column; otherwise one an
 element. A decode batch's launch also splits over K (`split_k`: a split reads at least four times
-its float32 sums' bytes in words). From `PREFILL_TOKENS` tokens a product is bound by the tensor cores, and the weight is
-dequantized once into the activations' dtype for cuBLAS (a transient the engine's memory profile
-sees at its largest step; a CUDA graph's capture keeps the tiled kernel, whose pool would hold it).
+its float32 sums' bytes in words). From `PREFILL_TOKENS` tokens a product is bound by the tensor
+cores, and the weight is dequantized once into the activations' dtype for cuBLAS (a transient the
+engine's memory profile sees at its largest step; a CUDA graph's capture keeps the tiled kernel,
+whose pool would hold it).
 The launch depends only on the token count: a decode step through it is captured in a CUDA graph.
 
 The torch oracle is `int_weights.dequantize` then `F.linear` (what the CPU path runs); on CPU the

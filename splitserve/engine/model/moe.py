@@ -25,14 +25,13 @@ the routers whole; the block all-reduces its partial sums once, then adds the do
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import math
 
 from splitserve.engine import fp8, int_weights, mxfp4
 from splitserve.engine.config import ModelConfig
@@ -249,7 +248,6 @@ class Experts(nn.Module):
                 if down is not None:
                     yield f"{owner}.{e}.{self.names.down}{suffix}", down
 
-
     def _packed_slices(self) -> dict[str, tuple[ShardSlice, ShardSlice | None]]:
         """(gate and up, down) slices of each expert's packed parts: gate's and up's rows (their zero
         points' in words), down's columns in words and groups (a row's one scale, and its zero point, whole)."""
@@ -296,9 +294,8 @@ class SparseMoeBlock(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
 
-def experts_reference(x: torch.Tensor, w13: torch.Tensor | mxfp4.Packed | fp8.Stacked,
-                      w2: torch.Tensor | mxfp4.Packed | fp8.Stacked, weights: torch.Tensor,
-                      experts: torch.Tensor, act: GatedAct = SILU, b13: torch.Tensor | None = None,
+def experts_reference(x: torch.Tensor, w13: ExpertStack, w2: ExpertStack, weights: torch.Tensor, experts: torch.Tensor,
+                      act: GatedAct = SILU, b13: torch.Tensor | None = None,
                       b2: torch.Tensor | None = None) -> torch.Tensor:
     """sum over each token's k experts of weight * down(act(gate(x), up(x))) (gate and up with the
     biases `b13`, down with `b2`), one matmul per expert over the tokens routed to it (`w13[e]`, `w2[e]`: a quantized
