@@ -25,10 +25,10 @@ from splitserve.engine.model.fp8_linear import capturing
 from splitserve.engine.model.split_k import store_sums
 from splitserve.engine.model.triton_tiles import input_tile, int_weight_tile
 
-# (most tokens, BLOCK_M, BLOCK_N, warps, splits over K): decode batches take tiles 128 columns wide (compiled
-# for sm_90: 11-13% fewer instructions a KB of words than 64 wide) split over K (every SM streaming words),
-# prefills under a CUDA graph's capture square tiles that reuse each weight tile (docs/results/kernels-compiled.md)
-TILES = ((16, 16, 128, 4, True), (64, 64, 128, 4, True), (None, 128, 128, 8, False))
+# (most tokens, BLOCK_M, BLOCK_N, warps, splits over K): decode batches split over K (every SM streaming words), the
+# 16-row tile 128 columns wide (compiled for sm_90, 11% fewer instructions a KB of words than 64 wide; 64 rows that
+# wide spill on sm_80); prefills under a CUDA graph's capture square tiles (docs/results/kernels-compiled.md)
+TILES = ((16, 16, 128, 4, True), (64, 64, 64, 4, True), (None, 128, 128, 8, False))
 BLOCK_K = 64  # a multiple of every packing's values a word (8 at 4 bits, 4 at 8)
 PREFILL_TOKENS = 512  # from here the weight is dequantized once and cuBLAS multiplies (fp8_linear's reasoning)
 PATHS = ("tiled", "dequantized")
