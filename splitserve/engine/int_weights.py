@@ -6,8 +6,8 @@ group of `group_size` consecutive columns, or the whole row); `<name>.weight_sha
 and, for an asymmetric scheme, `<name>.weight_zero_point` packed the same way down the rows
 [ceil(rows x bits / 32), groups]. A weight is (value - zero point) x its group's scale.
 Activations stay in the serving dtype; a weight the model does not keep packed (`model.linear.int_kept`:
-the CPU path's dense projections) is dequantized at load to it. A sparse layer's experts stay packed
-(`Stacked`) wherever every rank's slice of their width is whole words and groups (`model.moe`)."""
+the CPU path) is dequantized at load to it. On a GPU a sparse layer's experts stay packed (`Stacked`)
+wherever every rank's slice of their width is whole words and groups (`model.moe`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,8 +2,9 @@
 its int32 words: the fused-MoE kernels reading them (`model/fused_moe.py`, `int_weight_tile`) against
 the torch oracle (`moe.experts_reference` over `int_weights.Stacked`, which dequantizes as
 compressed-tensors does: test_int_weights), as stored and dequantized a chunk of experts at a time;
-a Qwen3-MoE checkpoint packed by compressed-tensors keeping its experts packed, whole and over
-tensor-parallel ranks, giving transformers' logits and, through the kernels, the oracle's tokens.
+a Qwen3-MoE checkpoint packed by compressed-tensors keeping its experts packed where built as on a
+GPU (the CPU path dequantizes them at load), whole and over tensor-parallel ranks, giving
+transformers' logits and, through the kernels, the oracle's tokens.
 The kernels run under Triton's interpreter on CPU, compiled on CUDA where it is (the `kernels` mark)."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve.engine import int_weights  # noqa: E402
+from splitserve.engine import fp8, int_weights  # noqa: E402
 from splitserve.engine.int_weights import IntWeights  # noqa: E402
 from splitserve.engine.llm import LLM  # noqa: E402
 from splitserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -124,13 +125,18 @@ def sparse_blocks(model) -> list[SparseMoeBlock]:
 
 
 @pytest.mark.parametrize("bits, symmetric, group", [(4, True, 16), (4, False, 16), (8, False, None)])
-def test_a_packed_moe_checkpoint_keeps_its_experts_packed(tmp_path, tokenizers_by_kind, bits, symmetric, group):
-    """Every sparse layer holds the experts' words, scales and zero points (no expert in the serving
-    dtype), and the model gives transformers' logits from the weights compressed-tensors decompresses."""
+def test_a_packed_moe_checkpoint_keeps_its_experts_packed(tmp_path, tokenizers_by_kind, monkeypatch, bits,
+                                                           symmetric, group):
+    """Built as on a GPU, every sparse layer holds the experts' words, scales and zero points (no
+    expert in the serving dtype), and the model gives transformers' logits from the weights
+    compressed-tensors decompresses (the CPU path multiplying each expert dequantized); built for
+    the CPU path, the experts are dequantized at load."""
     pytest.importorskip("compressed_tensors")
     packed = tmp_path / "packed"
     packed.mkdir()
     moe_checkpoint(packed, tokenizers_by_kind, bits, symmetric, group, dense=tmp_path / "dense")
+    assert all(b.experts.format is None for b in sparse_blocks(load(packed)))
+    monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
     engine = LLMEngine(str(packed), dtype="float32", **ENGINE_ARGS)
     blocks = sparse_blocks(engine.runner.model)
     for experts in (b.experts for b in blocks):
@@ -145,8 +151,8 @@ def test_a_packed_moe_checkpoint_keeps_its_experts_packed(tmp_path, tokenizers_b
 
 
 @pytest.mark.parametrize("size, bits, symmetric, group", [(2, 4, False, 16), (4, 4, False, None), (2, 8, True, 16)])
-def test_tensor_parallel_ranks_keep_packed_slices_that_add_up(tmp_path, tokenizers_by_kind, size, bits, symmetric,
-                                                              group):
+def test_tensor_parallel_ranks_keep_packed_slices_that_add_up(tmp_path, tokenizers_by_kind, gpu_build, size, bits,
+                                                              symmetric, group):
     """Each rank keeps every expert's slice of the width packed (gate's and up's rows, their zero
     points' words, down's columns in words and groups; a row's scale whole): the ranks' partial sums
     are the whole layer's."""
@@ -159,7 +165,7 @@ def test_tensor_parallel_ranks_keep_packed_slices_that_add_up(tmp_path, tokenize
     assert max_diff(sum(rank(x) for rank in ranks), whole(x)) <= 1e-4
 
 
-def test_a_width_that_cuts_a_group_is_dequantized_at_load(tmp_path, tokenizers_by_kind):
+def test_a_width_that_cuts_a_group_is_dequantized_at_load(tmp_path, tokenizers_by_kind, gpu_build):
     """qwen3_moe's width (32) over 2 ranks in groups of 32: a slice would cut one, so the experts
     take the serving dtype and still add up."""
     pytest.importorskip("compressed_tensors")
@@ -203,11 +209,10 @@ def test_greedy_through_the_kernels_equals_the_oracle(tmp_path, tokenizers_by_ki
     assert greedy() == expected and set(paths) == {"as read", "dequantized"}
 
 
-def test_dummy_packed_experts_are_random_words(tmp_path, tokenizers_by_kind):
+def test_dummy_packed_experts_are_random_words(tmp_path, tokenizers_by_kind, gpu_build):
     """Dummy weights (`load_format: dummy`) for experts kept packed: random words and zero points at
     the dummy scale, spread about 0 like the dense dummies (as test_int_weights' projections)."""
     pytest.importorskip("compressed_tensors")
-    from splitserve.engine import fp8
     from splitserve.engine.dummy_weights import init_dummy_weights
     from splitserve.engine.loader import load_model_config
     from splitserve.engine.model.llama import LlamaForCausalLM

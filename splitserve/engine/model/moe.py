@@ -10,7 +10,7 @@ gate rows, then its up rows; GPT-OSS's alternate gate, up, as its checkpoints st
 checkpoint's experts (GPT-OSS's release) stay packed as it stores them, rows alike (`mxfp4.Packed`:
 `w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales`), 4.25 bits a weight; an FP8 checkpoint's
 stay FP8 (`fp8.Stacked`: `w13`, `w2` float8 and `w13_scale`, `w2_scale`, one a block, or one a row
-for scales of a row or a tensor: `fp8.ROWS`); a packed integer checkpoint's (W4A16 / W8A16,
+for scales of a row or a tensor: `fp8.ROWS`); on a GPU a packed integer checkpoint's (W4A16 / W8A16,
 `int_weights`) stay its int32 words (`int_weights.Stacked`: `w13_packed`, `w13_scale`, `w13_zero_point`
 where asymmetric, and w2's), a quarter of bf16's bytes at 4 bits. With tensor parallelism each
 rank's slice of the width is then whole units (32-value groups; FP8's blocks; any, for scales of a
@@ -262,13 +262,16 @@ class Experts(nn.Module):
 
 def _kept_unit(c: ModelConfig, names: ExpertNames) -> int | None:
     """What a rank's slice of the width must be whole multiples of for the experts to stay in the
-    checkpoint's format (MXFP4's group; FP8's blocks, on a device whose Triton reads e4m3; whole
-    words of integers, and groups, for down's columns and gate's and up's zero points' words);
-    None where they are dequantized (integers in GPT-OSS's stacked layout among them)."""
+    checkpoint's format (MXFP4's group; FP8's blocks, on a device whose Triton reads e4m3; on a
+    CUDA device, whole words of integers, and groups, for down's columns and gate's and up's zero
+    points' words); None where they are dequantized (integers on the CPU path, whose matmuls run in
+    the serving dtype as its dense projections' do, and in GPT-OSS's stacked layout)."""
     if c.quantization == "mxfp4":
         return mxfp4.GROUP
     if c.quantization == "int":
-        return None if names.stacked else math.lcm(32 // c.int_weights.bits, c.int_weights.group_size or 1)
+        if names.stacked or fp8.build_capability() is None:
+            return None
+        return math.lcm(32 // c.int_weights.bits, c.int_weights.group_size or 1)
     if c.quantization != "fp8":
         return None
     return fp8.experts_unit(c.weight_block_size) if fp8.codes_readable(fp8.build_capability()) else None
