@@ -3,8 +3,10 @@ own `HostKVTier` keeps the blocks the block manager evicts (or, write-through, e
 caches) and restores them for a prefix hit. Each block saved on eviction or restored adds `block_s`
 to the iteration that makes the copy (the engine queues those copies on the device's stream
 between two forwards, so they lengthen the step); blocks written through are copied on their own
-stream during the next iteration and lengthen it only by what outlasts its compute (the link's
-share between the two streams is not modelled)."""
+stream during the next iteration and lengthen it only by what outlasts its compute. Written
+through, the writes (device to host) and the restores (host to device) cross a PCIe link in
+opposite directions, which it carries at once at full rate each; write-back saves and restores
+are costed in full, one after the other, as the compute stream queues them."""
 from __future__ import annotations
 
 import math
