@@ -94,6 +94,7 @@ class ModelConfig:
     quantization: str | None = None  # the checkpoint's weights' format (mxfp4, fp8, int); None: the model's dtype
     weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: a tensor or row)
     int_weights: IntWeights | None = None  # int: the packed integers' scheme (bits, group, zero points)
+    int_layout: str | None = None  # int: "awq" for AutoAWQ's tensors (read as pack-quantized ones); None: those
     unquantized_modules: tuple[str, ...] = ()  # FP8, int: the modules stored unquantized (`quantization_config`)
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()

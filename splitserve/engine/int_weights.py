@@ -45,6 +45,18 @@ def unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return fields.reshape(words.shape[0], -1)[:, :count] - (1 << (bits - 1))
 
 
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """`unpack`'s inverse: signed values [rows, cols] (each in [-2^(bits-1), 2^(bits-1))) as int32
+    words [rows, ceil(cols x bits / 32)], each value plus 2^(bits-1), the first in the lowest bits."""
+    per_word = 32 // bits
+    rows, cols = values.shape
+    fields = torch.zeros((rows, -(-cols // per_word) * per_word), dtype=torch.int64, device=values.device)
+    fields[:, :cols] = values.to(torch.int64) + (1 << (bits - 1))
+    shifts = torch.arange(per_word, device=values.device, dtype=torch.int64) * bits
+    words = (fields.view(rows, -1, per_word) << shifts).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
 def dequantize(parts: dict[str, torch.Tensor], scheme: IntWeights, dtype: torch.dtype) -> torch.Tensor:
     """[rows, cols] of `dtype` from a weight's parts (`IntWeights.parts`); ValueError naming what
     does not fit the scheme."""

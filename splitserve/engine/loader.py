@@ -12,7 +12,8 @@ otherwise each is dequantized whole on the parameter's device once both halves a
 rank's part of it is kept. Packed integer weights (`.weight_packed`, `_scale`, `_shape`, and
 `_zero_point` where asymmetric, `int_weights`) load as they are where the model keeps them so (on a
 GPU, dense projections: `_shape` then only says what the parameters' shapes check), otherwise are
-dequantized so once all their parts are read.
+dequantized so once all their parts are read. An AutoAWQ checkpoint's tensors are read as those
+(`awq.AwqHandle`: converted whole as read, a rank's part then taken of them).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from splitserve.engine import fp8, int_weights, mxfp4
+from splitserve.engine import awq, fp8, int_weights, mxfp4
 from splitserve.engine.config import FUSED_ARCHITECTURES, ModelConfig
 from splitserve.engine.model.llama import checkpoint_tensors, shard_slices
 from splitserve.engine.model.sharding import ShardSlice
@@ -73,7 +74,7 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
     packed: dict[str, dict[str, torch.Tensor]] = {}  # a quantized tensor's name -> its halves read so far
     ignored = IGNORED_SUFFIXES + (fp8.IGNORED_SUFFIXES if config is not None and config.quantization == "fp8" else ())
     with torch.no_grad():
-        for file, name, handle in _iter_with_files(path):
+        for file, name, handle in _iter_with_files(path, config is not None and config.int_layout == "awq"):
             ours = _model_name(file, name, config)
             if ours is not None and _load_kv_scale(model, ours, file, name, handle):
                 continue
@@ -291,14 +292,15 @@ def tensor_key(tensor: torch.Tensor) -> tuple[int, tuple]:
     return tensor.data_ptr(), tuple(tensor.shape)
 
 
-def _iter_with_files(path: str | Path) -> Iterator[tuple[Path, str, object]]:
-    """Yield (file, name, open safetensors handle) per tensor; the file is kept so errors can name it."""
+def _iter_with_files(path: str | Path, awq_layout: bool = False) -> Iterator[tuple[Path, str, object]]:
+    """Yield (file, name, open safetensors handle) per tensor; the file is kept so errors can name it.
+    `awq_layout`: AutoAWQ's tensors read as pack-quantized ones (`awq.AwqHandle`)."""
     weights = _weights_file(path)
     if weights.name == SINGLE_FILE:
-        yield from _iter_file(weights, None)
+        yield from _iter_file(weights, None, awq_layout)
         return
     for shard, names in _read_index(weights).items():
-        yield from _iter_file(shard, names)
+        yield from _iter_file(shard, names, awq_layout)
 
 
 def _weights_file(path: str | Path) -> Path:
@@ -324,7 +326,7 @@ def _read_index(index: Path) -> dict[Path, list[str]]:
     return shards
 
 
-def _iter_file(file: Path, names: list[str] | None) -> Iterator[tuple[Path, str, object]]:
+def _iter_file(file: Path, names: list[str] | None, awq_layout: bool = False) -> Iterator[tuple[Path, str, object]]:
     """Tensors of one safetensors file: all of them, or only `names` (those a shard index lists)."""
     try:
         handle = safe_open(str(file), framework="pt")
@@ -332,10 +334,12 @@ def _iter_file(file: Path, names: list[str] | None) -> Iterator[tuple[Path, str,
         raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
     with handle as f:
         present = set(f.keys())
+        read = awq.AwqHandle(f) if awq_layout else f
         for name in names if names is not None else sorted(present):
             if name not in present:
                 raise CheckpointError(f"{file}: tensor {name!r} listed in the index is not in this shard")
-            yield file, name, f
+            for ours in awq.names_of(name) if awq_layout else (name,):
+                yield file, ours, read
 
 
 def _checkpoint_dir(path: str | Path) -> Path:

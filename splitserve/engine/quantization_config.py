@@ -1,17 +1,18 @@
 """A checkpoint's `quantization_config` read into the model config's fields: which quantized format
 its weights are in (GPT-OSS's MXFP4 experts, `mxfp4.py`; FP8 weights, `fp8.py`, as `fp8` stores
 them or as compressed-tensors does, llm-compressor's FP8 releases; 4- and 8-bit integer weights as
-compressed-tensors packs them, its W4A16 and W8A16 releases, `int_weights.py`), FP8's scale blocks
-or the integers' scheme, and the modules it stores unquantized; anything else is refused naming
-the field."""
+compressed-tensors packs them, its W4A16 and W8A16 releases, `int_weights.py`, or 4-bit ones as
+AutoAWQ's GEMM format does, `awq.py`), FP8's scale blocks or the integers' scheme, and the modules
+it stores unquantized; anything else is refused naming the field."""
 from __future__ import annotations
 
 import re
 
+from splitserve.engine import awq
 from splitserve.engine.config_error import ConfigError, positive_int
 from splitserve.engine.int_weights import BITS, IntWeights
 
-FP8_METHODS = ("fp8", "compressed-tensors")  # the quant_methods served for every architecture but these:
+COMMON_METHODS = ("fp8", "compressed-tensors", "awq")  # the quant_methods served for every architecture but these:
 METHODS = {"GptOssForCausalLM": ("mxfp4",)}
 FP8_STRATEGIES = ("tensor", "channel", "block")  # compressed-tensors' weight scales: one, one a row, one a block
 COMPRESSED_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors' formats of FP8 weights
@@ -36,7 +37,7 @@ def parse_quantization(cfg: dict, arch: str, source: str) -> dict:
     if quant is None:
         return {}
     method = quant.get("quant_method") if isinstance(quant, dict) else None
-    supported = METHODS.get(arch, FP8_METHODS)
+    supported = METHODS.get(arch, COMMON_METHODS)
     if method not in supported:
         raise ConfigError(f"{source}: quantization_config quant_method {method!r} is not supported for {arch} "
                           f"(supported: {', '.join(supported)}); serve the unquantized checkpoint")
@@ -45,6 +46,8 @@ def parse_quantization(cfg: dict, arch: str, source: str) -> dict:
                     unquantized_modules=_patterns(quant, "modules_to_not_convert", source))
     if method == "compressed-tensors":
         return _compressed(quant, source)
+    if method == "awq":
+        return _awq(quant, source)
     for name in ("hidden_size", "intermediate_size"):  # MXFP4 (GPT-OSS): the experts' inputs and width
         if int(cfg.get(name) or 0) % MXFP4_GROUP:
             raise ConfigError(f"{source}: {name}={cfg.get(name)} is not a multiple of {MXFP4_GROUP}, "
@@ -110,6 +113,28 @@ def _compressed(quant: dict, source: str) -> dict:
     fields = (dict(quantization="int", int_weights=scheme) if isinstance(scheme, IntWeights)
               else dict(quantization="fp8", weight_block_size=scheme))
     return dict(**fields, unquantized_modules=_patterns({"ignore": patterns}, "ignore", source))
+
+
+def _awq(quant: dict, source: str) -> dict:
+    """AutoAWQ's GEMM checkpoints: 4 bits, a scale a group of `group_size` columns, zero points
+    unless `zero_point` is false; its `modules_to_not_convert` are stored unquantized (a module
+    whose name contains one). Its other kernels' layouts (GEMV, Marlin, ExLlama) are refused."""
+    where = f"{source}: quantization_config"
+    version = quant.get("version", "gemm")
+    if not isinstance(version, str) or version.lower() != "gemm":
+        raise ConfigError(f"{where} version {version!r} is not supported (AutoAWQ's gemm layout is)")
+    if quant.get("bits", awq.BITS) != awq.BITS:
+        raise ConfigError(f"{where} bits {quant['bits']!r} is not supported (AutoAWQ packs {awq.BITS}-bit weights)")
+    zero_point = quant.get("zero_point", True)
+    if not isinstance(zero_point, bool):
+        raise ConfigError(f"{where} zero_point must be true or false, got {zero_point!r}")
+    group = positive_int(quant.get("group_size", 128), "quantization_config.group_size", source)
+    names = _patterns({"modules_to_not_convert": [re.escape(m) for m in quant.get("modules_to_not_convert") or []
+                                                  if isinstance(m, str)]}, "modules_to_not_convert", source)
+    if len(names) != len(quant.get("modules_to_not_convert") or []):
+        raise ConfigError(f"{where} modules_to_not_convert must be a list of module names")
+    return dict(quantization="int", int_weights=IntWeights(awq.BITS, group, not zero_point), int_layout="awq",
+                unquantized_modules=tuple(f".*{name}" for name in names))
 
 
 def _int_weights(weights, name: str, source: str) -> IntWeights:
