@@ -137,7 +137,8 @@ def test_a_weight_without_its_scales_is_named(tmp_path, tokenizers_by_kind):
     ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be \[rows, cols\]"),
     ({"quant_method": "fp8", "weight_block_size": [128, 0]}, r"weight_block_size\[1\] must be a positive integer"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
-    ({"quant_method": "awq"}, r"quant_method 'awq' is not supported for Qwen3ForCausalLM \(supported: fp8, compressed-tensors\)"),
+    ({"quant_method": "gptq"}, r"quant_method 'gptq' is not supported for Qwen3ForCausalLM \(supported: fp8, "
+                               r"compressed-tensors, awq\)"),
     ({"quant_method": "fp8", "modules_to_not_convert": "lm_head"}, "modules_to_not_convert must be a list"),
     ({"quant_method": "fp8", "modules_to_not_convert": ["layers.(0"]}, r"'layers.\(0' is not a regular expression")])
 def test_fp8_configs_are_checked(quant, message):

@@ -54,7 +54,7 @@ def test_gemma2_config_fields(tmp_path):
         load_model_config(tmp_path)
 
 
-@pytest.mark.parametrize("quant", [{"quant_method": "awq", "bits": 4}, {"quant_method": "mxfp4"}])
+@pytest.mark.parametrize("quant", [{"quant_method": "gptq", "bits": 4}, {"quant_method": "mxfp4"}])
 def test_a_quantized_checkpoint_of_an_architecture_without_that_format_is_refused(tmp_path, quant):
     """Weights the loader would read as if unquantized (or not find): refused before any load."""
     make_qwen2().save_pretrained(tmp_path)
