@@ -103,9 +103,9 @@ def test_an_moe_shape_compiles_its_expert_kernels_at_start_up(run):
     assert code == 0 and not report["problems"]
     # its experts' kernels gate in their own pass: no dense MLP's
     assert {v["kernel"] for v in report["variants"]} == \
-        KERNELS - {"_gated_kernel"} | {"_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel"}
+        KERNELS - {"_gated_kernel"} | {"_route_kernel", "_align_kernel", "gate_up_kernel", "down_kernel"}
     assert {v["phase"] for v in report["variants"]} == {"start-up"}
-    moe = [v["spec"] for v in report["variants"] if v["kernel"] == "_gate_up_kernel"]
+    moe = [v["spec"] for v in report["variants"] if v["kernel"] == "gate_up_kernel"]
     assert sorted(int(spec.split("BLOCK_M=")[1].split()[0]) for spec in moe) == [16, 64, 128]
 
 
@@ -185,7 +185,7 @@ def test_gpt_oss_compiles_its_variants_at_start_up_without_spills(run):
     code, archs = run("--shape", "gpt-oss-20b", "--arch", "80", "--steps", "10")
     report = archs["sm_80"]
     assert code == 0 and not report["problems"]
-    moe = [v["spec"] for v in report["variants"] if v["kernel"] in ("_gate_up_kernel", "_down_kernel")]
+    moe = [v["spec"] for v in report["variants"] if v["kernel"] in ("gate_up_kernel", "down_kernel")]
     assert sorted(_tile(spec) for spec in moe if "PACKED=True" in spec) == [16, 16, 64, 64]
     assert sorted(_tile(spec) for spec in moe if "PACKED=False" in spec) == [64, 64, 128, 128]
     assert sum(v["kernel"] == "_dequantize_packed_kernel" for v in report["variants"]) == 1
@@ -204,7 +204,7 @@ def test_fp8_experts_compile_where_triton_reads_float8_and_are_dense_elsewhere(r
     code, archs = run("--shape", "qwen3-30b-a3b-fp8", "--steps", "10")
     assert code == 0 and not archs["sm_90"]["problems"] and not archs["sm_80"]["problems"]
     for arch, fp8 in (("sm_90", True), ("sm_80", False)):
-        moe = [v["spec"] for v in archs[arch]["variants"] if v["kernel"] in ("_gate_up_kernel", "_down_kernel")]
+        moe = [v["spec"] for v in archs[arch]["variants"] if v["kernel"] in ("gate_up_kernel", "down_kernel")]
         codes, tensors = ([_tile(spec) for spec in moe if f"FP8={kind}" in spec] for kind in (True, False))
         assert sorted(codes) == ([16, 16, 64, 64] if fp8 else []), arch
         assert sorted(tensors) == ([128, 128] if fp8 else [16, 16, 64, 64, 128, 128]), arch

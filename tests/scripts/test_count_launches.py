@@ -27,7 +27,7 @@ def test_a_dense_and_a_sparse_layer_launch_what_the_cuda_path_does(tmp_path):
     # the router and the routing, the grouping, the experts' two kernels and the sum over each token's experts
     assert sparse["layer_kernels"] == {"_add_rms_norm_kernel": 2, "_rotary_kernel": 1, "store_kv_kernel": 1,
                                        "paged_decode_kernel": 1, "aten.linear": 3, "_route_kernel": 1,
-                                       "_align_kernel": 1, "_gate_up_kernel": 1, "_down_kernel": 1, "aten.sum": 1}
+                                       "_align_kernel": 1, "gate_up_kernel": 1, "down_kernel": 1, "aten.sum": 1}
     # GPT-OSS's biases (router, experts' gate-up and down, O) all inside those launches
     assert biased["layer_kernels"] == sparse["layer_kernels"]
     assert dense["per_layer"] == 10 and sparse["per_layer"] == 13
