@@ -6,7 +6,9 @@ time at decode and prefill token counts, what each reads per second against the 
 FLOPs against the dense bf16 peak (MFU), and each output's largest difference from its own weights
 dequantized through cuBLAS (a check of the compiled kernel on the device). Every token count also
 runs the path the GEMM does not take there ("int tiled", "int dequantized"): where one overtakes
-the other, for `int_linear.PREFILL_TOKENS`.
+the other, for `int_linear.PREFILL_TOKENS`. The GEMM splits a decode tile over K (for the device's
+multiprocessors, or --multiprocessors); where some projection's launch splits, every projection
+also runs unsplit ("int unsplit"): what the split gains.
 
     python scripts/bench_int_linear.py --json int-linear.json    # CUDA: Qwen3-8B's layer
     python scripts/bench_int_linear.py --shape llama3-8b         # another dense shape of engine/shapes.py
@@ -40,8 +42,12 @@ GROUP = INT_SCHEME.group_size  # llm-compressor's W4A16 group
 
 
 def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device, dtype: torch.dtype,
-            scheme: IntWeights, hbm: float | None, flops_peak: float | None) -> list[dict]:
-    from splitserve.engine.model import int_linear  # after TRITON_INTERPRET is settled
+            scheme: IntWeights, hbm: float | None, flops_peak: float | None, sms: int | None = None) -> list[dict]:
+    """Rows of each projection and of the layer; `sms`: the multiprocessors decode tiles split for
+    (None: the device's)."""
+    from splitserve.engine.model import int_linear, split_k  # after TRITON_INTERPRET is settled
+
+    sms = sms or split_k.multiprocessors(device)
 
     g, weights = torch.Generator().manual_seed(0), {}
     for name, shape in projections(c).items():
@@ -53,15 +59,18 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
     rows, cuda = [], device.type == "cuda"
     for t in tokens:
         layer = {}  # format: [seconds, bytes, flops]
+        plans = {name: int_linear.split_plan(t, *w[3].shape, scheme.bits, sms)[0] for name, w in weights.items()}
         for name, (packed, scale, zero, dense) in weights.items():
             x = torch.randn(t, dense.shape[1], generator=g).to(device, dtype)
-            taken = int_linear.path_for(t, x)
+            taken, splits = int_linear.path_for(t, x), plans[name]
             calls = {"bf16": (lambda: F.linear(x, dense), None),
-                     "int": (lambda: int_linear.matmul(x, packed, scale, zero, scheme), taken)}
+                     "int": (lambda: int_linear.matmul(x, packed, scale, zero, scheme, splits=splits), taken)}
+            if max(plans.values()) > 1:
+                calls["int unsplit"] = (lambda: int_linear.matmul(x, packed, scale, zero, scheme, "tiled", 1), "tiled")
             for path in int_linear.PATHS:
                 if path != taken:
-                    calls[f"int {path}"] = (lambda path=path: int_linear.matmul(x, packed, scale, zero, scheme, path),
-                                            path)
+                    calls[f"int {path}"] = (lambda path=path: int_linear.matmul(x, packed, scale, zero, scheme, path,
+                                                                                splits), path)
             stored = packed.nbytes + scale.nbytes + (0 if zero is None else zero.nbytes)
             flops = 2 * t * dense.shape[0] * dense.shape[1]
             exact = F.linear(x, dense).float()
@@ -72,6 +81,7 @@ def measure(c: ModelConfig, tokens: list[int], iters: int, device: torch.device,
                 layer[fmt] = [a + b for a, b in zip(layer.get(fmt, [0.0, 0, 0]), (seconds, read, flops))]
                 if path is not None:
                     rows[-1]["path"] = path
+                    rows[-1]["splits"] = None if path != "tiled" else 1 if fmt == "int unsplit" else splits
                     rows[-1]["max_rel_diff"] = ((call().float() - exact).abs().max() / exact.abs().max()).item()
         rows += layer_rows(layer, t, hbm, flops_peak)
     return with_speedups(rows)
@@ -85,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, choices=(4, 8), default=4)
     p.add_argument("--group", type=int, default=GROUP, help="columns a scale covers (0: one scale a row)")
     p.add_argument("--symmetric", action="store_true", help="no zero points")
+    p.add_argument("--multiprocessors", type=int,
+                   help="split decode tiles over K for this many multiprocessors (default: the GPU's; none on a CPU)")
     add_run_args(p, TOKENS, TINY_TOKENS)
     args = p.parse_args(argv)
     if args.group < 0:
@@ -97,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
               "symmetric": scheme.symmetric, "dtype": str(dtype).removeprefix("torch."),
               "hbm_peak_bytes_per_s": hbm, "bf16_peak_flops": flops_peak,
               "rows": measure(ModelConfig.from_hf(shape), token_counts(args, TOKENS, TINY_TOKENS), args.iters,
-                              device, dtype, scheme, hbm, flops_peak)}
+                              device, dtype, scheme, hbm, flops_peak, args.multiprocessors)}
     return emit(args, result, print_table)
 
 
@@ -106,9 +118,10 @@ def print_table(result: dict) -> None:
     zero = "symmetric" if result["symmetric"] else "zero points"
     print(f"Device: {result['device']}; {result['shape']}'s projections, {result['bits']}-bit weights in {group} "
           f"({zero}), activations {result['dtype']}")
-    print_markdown(["tokens:", "projection", "weights", "path", "ms:", "speed-up vs bf16:", "MBU:", "MFU:",
-                    "max rel. diff vs bf16 of its weights:"],
-                   [[r["tokens"], r["projection"], r["format"], r.get("path", "-"), f"{r['step_ms']:.3f}",
+    print_markdown(["tokens:", "projection", "weights", "path", "splits over K:", "ms:", "speed-up vs bf16:", "MBU:",
+                    "MFU:", "max rel. diff vs bf16 of its weights:"],
+                   [[r["tokens"], r["projection"], r["format"], r.get("path", "-"), r.get("splits") or "-",
+                     f"{r['step_ms']:.3f}",
                      ratio(r.get("speedup_vs_bf16")), pct(r["mbu"]), pct(r["mfu"]), sci(r.get("max_rel_diff"))]
                     for r in result["rows"]])
 

@@ -88,7 +88,7 @@ case "${1:-}" in
     install_carried
     mkdir -p "$out"
     for bits in 4 8; do
-      timeout 90 python3 scripts/bench_int_linear.py --bits $bits --json "$out/int$bits-linear.json" 2>&1 \
+      timeout 120 python3 scripts/bench_int_linear.py --bits $bits --json "$out/int$bits-linear.json" 2>&1 \
         | tee -a "$out/int-linear.log"
     done ;;
   all)

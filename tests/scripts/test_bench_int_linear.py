@@ -2,7 +2,7 @@
 and packed integers per projection and token count, each packed output equal to its weights
 dequantized within half precision, and the bytes it counts are the weights' own: 2 a value in bf16,
 bits / 8 a value as packed words plus float32 scales and packed zero points a group of 128; each
-token count's path timed beside the other."""
+token count's path timed beside the other, and split decode tiles beside unsplit ones."""
 import json
 
 import pytest
@@ -35,3 +35,23 @@ def test_the_tiny_projections_run_both_formats_and_count_their_bytes(tmp_path, b
     layer = rows[32, "layer", "int"]
     assert layer["bytes"] == sum(rows[32, name, "int"]["bytes"] for name in shapes)
     assert all(r["step_ms"] > 0 and r["mbu"] is None for r in result["rows"])  # no peak for a CPU
+
+
+def test_split_decode_tiles_run_beside_unsplit_ones(tmp_path):
+    """For 8 multiprocessors the down projection's 512 inputs split in two at 8 bits (a split reads
+    at least 4 k tiles of 64: four times its 16 rows' float32 sums in words), none at 4 (8 tiles);
+    every projection then also runs unsplit, and the layer sums those."""
+    out = tmp_path / "int.json"
+    for bits, split in ((4, 1), (8, 2)):  # the 8-bit run's rows checked on below
+        done = run_script("bench_int_linear", "--tiny", "--iters", "1", "--bits", str(bits), "--multiprocessors", "8",
+                          "--tokens", "1", "--json", str(out), timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = {(r["projection"], r["format"]): r for r in json.loads(out.read_text())["rows"]}
+        assert rows["down", "int"]["splits"] == split and rows["qkv", "int"]["splits"] == 1
+        assert (("down", "int unsplit") in rows) == (split > 1)
+    names = ("qkv", "o_proj", "gate_up", "down")
+    assert all(rows[name, "int"]["max_rel_diff"] < 1e-2 for name in names)
+    assert all(rows[name, "int unsplit"]["splits"] == 1 and rows[name, "int unsplit"]["max_rel_diff"] < 1e-2
+               for name in names)
+    unsplit = rows["layer", "int unsplit"]
+    assert unsplit["step_ms"] == pytest.approx(sum(rows[name, "int unsplit"]["step_ms"] for name in names))
