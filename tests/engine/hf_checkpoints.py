@@ -4,6 +4,9 @@ trained with `tokenizers` (every byte a token, as in real byte-level vocabularie
 transformers-side references (logits, greedy generation) on the same weights."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
@@ -165,6 +168,25 @@ def write_checkpoint(path, name: str, tokenizers_by_kind: dict[bool, RawTokenize
 def ckpt(request, tmp_path_factory, tokenizers_by_kind):
     path = tmp_path_factory.mktemp(request.param)
     return str(path), write_checkpoint(path, request.param, tokenizers_by_kind)
+
+
+def rewrite_quantized(path: Path, tensors: dict, quantization_config: dict, dense: Path | None = None,
+                      decompressed: dict | None = None) -> None:
+    """Replace the checkpoint at `path`'s tensors with quantized `tensors` and its config's
+    quantization_config; with `dense`, first write there the same checkpoint holding `decompressed`
+    (the weights a reference decompresses the quantized ones to)."""
+    from safetensors.torch import save_file
+
+    if dense is not None:
+        dense.mkdir()
+        for file in path.iterdir():
+            if file.name != "model.safetensors":
+                (dense / file.name).write_bytes(file.read_bytes())
+        save_file(decompressed, str(dense / "model.safetensors"))
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def prompt_ids(seed: int, length: int, vocab: int) -> list[int]:

@@ -4,11 +4,9 @@ transformers computes from the weights compressed-tensors decompresses after tha
 dense and MoE, with zero points and without, whole and over tensor-parallel ranks, dequantized at
 load (the CPU path) or kept packed (built as on a GPU); its quantization_config read, other
 layouts and widths refused naming the field."""
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from splitserve.engine import awq, fp8
 from splitserve.engine.config import ConfigError, ModelConfig
@@ -17,7 +15,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_model_config
 from splitserve.engine.model.sharding import Shard
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixture)
-    ENGINE_ARGS, hf_logits, prompt_ids, tokenizers_by_kind, write_checkpoint,
+    ENGINE_ARGS, hf_logits, prompt_ids, rewrite_quantized, tokenizers_by_kind, write_checkpoint,
 )
 from tests.engine.runner_helpers import max_diff
 from tests.engine.test_fp8 import load, prefill_logits, reference
@@ -64,16 +62,7 @@ def awq_checkpoint(path, name: str, tokenizers_by_kind, group: int, zero_point: 
         state = {k.removeprefix(module + "."): v for k, v in converter.process(dict(layer)).items()}
         state["weight_scale"] = state["weight_scale"].float()  # exactly the float16 scales: float32 products
         decompressed[tensor_name] = PackedQuantizationCompressor.decompress(state, scheme)["weight"].to(tensor.dtype)
-    if dense is not None:
-        dense.mkdir()
-        for file in path.iterdir():
-            if file.name != "model.safetensors":
-                (dense / file.name).write_bytes(file.read_bytes())
-        save_file(decompressed, str(dense / "model.safetensors"))
-    save_file(tensors, str(path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = awq_config(group, zero_point)
-    (path / "config.json").write_text(json.dumps(config))
+    rewrite_quantized(path, tensors, awq_config(group, zero_point), dense, decompressed)
 
 
 @pytest.mark.parametrize("zero_point", [True, False])

@@ -5,7 +5,6 @@ through it; with zero points its loader allocates them unpacked and refuses the 
 or with zero points, a scale a group or a row, dense and MoE, whole and over tensor-parallel ranks;
 their quantization_config read, other integer schemes refused naming the field; a part missing is
 named."""
-import json
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import CheckpointError, load_model_config
 from splitserve.engine.model.sharding import Shard
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixture)
-    ENGINE_ARGS, hf_logits, prompt_ids, tokenizers_by_kind, write_checkpoint,
+    ENGINE_ARGS, hf_logits, prompt_ids, rewrite_quantized, tokenizers_by_kind, write_checkpoint,
 )
 from tests.engine.runner_helpers import max_diff
 from tests.engine.test_fp8 import load, prefill_logits, reference
@@ -73,16 +72,7 @@ def pack_checkpoint(path, bits: int, symmetric: bool, group: int | None, dense=N
             decompressed[name] = PackedQuantizationCompressor.decompress(packed, scheme)["weight"].to(tensor.dtype)
         else:
             tensors[name] = tensor.contiguous()
-    if dense is not None:
-        dense.mkdir()
-        for file in path.iterdir():
-            if file.name != "model.safetensors":
-                (dense / file.name).write_bytes(file.read_bytes())
-        save_file(decompressed, str(dense / "model.safetensors"))
-    save_file(tensors, str(path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = quant_config(weights_scheme(bits, symmetric, group))
-    (path / "config.json").write_text(json.dumps(config))
+    rewrite_quantized(path, tensors, quant_config(weights_scheme(bits, symmetric, group)), dense, decompressed)
 
 
 @pytest.mark.parametrize("name, bits, symmetric, group", [
