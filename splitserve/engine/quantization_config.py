@@ -117,8 +117,9 @@ def _compressed(quant: dict, source: str) -> dict:
 
 def _awq(quant: dict, source: str) -> dict:
     """AutoAWQ's GEMM checkpoints: 4 bits, a scale a group of `group_size` columns, zero points
-    unless `zero_point` is false; its `modules_to_not_convert` are stored unquantized (a module
-    whose name contains one). Its other kernels' layouts (GEMV, Marlin, ExLlama) are refused."""
+    unless `zero_point` is false; its `modules_to_not_convert` are stored unquantized (AutoAWQ's
+    rule: every module whose name contains one). Its other kernels' layouts (GEMV, Marlin, ExLlama)
+    are refused."""
     where = f"{source}: quantization_config"
     version = quant.get("version", "gemm")
     if not isinstance(version, str) or version.lower() != "gemm":
@@ -134,7 +135,7 @@ def _awq(quant: dict, source: str) -> dict:
     if len(names) != len(quant.get("modules_to_not_convert") or []):
         raise ConfigError(f"{where} modules_to_not_convert must be a list of module names")
     return dict(quantization="int", int_weights=IntWeights(awq.BITS, group, not zero_point), int_layout="awq",
-                unquantized_modules=tuple(f".*{name}" for name in names))
+                unquantized_modules=tuple(f".*{name}.*" for name in names))
 
 
 def _int_weights(weights, name: str, source: str) -> IntWeights:

@@ -39,10 +39,12 @@ def awq_layer(rows: int, cols: int, group: int, zero_point: bool, g: torch.Gener
     return layer
 
 
-def awq_checkpoint(path, name: str, tokenizers_by_kind, group: int, zero_point: bool, dense=None) -> None:
-    """Write `name` with every attention, MLP and expert projection as AutoAWQ's tensors; `dense`:
-    a directory for the same model unquantized, each weight as compressed-tensors' AutoAWQ converter
-    and its decompressor read it (in float32)."""
+def awq_checkpoint(path, name: str, tokenizers_by_kind, group: int, zero_point: bool, dense=None,
+                   skip: str | None = None) -> None:
+    """Write `name` with every attention, MLP and expert projection as AutoAWQ's tensors (but those
+    whose name contains `skip`: its modules_to_not_convert); `dense`: a directory for the same model
+    unquantized, each weight as compressed-tensors' AutoAWQ converter and its decompressor read it
+    (in float32)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -53,7 +55,7 @@ def awq_checkpoint(path, name: str, tokenizers_by_kind, group: int, zero_point: 
         num_bits=4, type="int", symmetric=not zero_point, strategy="group", group_size=group))
     g, tensors, decompressed = torch.Generator().manual_seed(7), {}, {}
     for tensor_name, tensor in load_file(path / "model.safetensors").items():
-        if not (tensor_name.endswith("proj.weight") and tensor.dim() == 2):
+        if not (tensor_name.endswith("proj.weight") and tensor.dim() == 2) or (skip and skip in tensor_name):
             tensors[tensor_name] = decompressed[tensor_name] = tensor.contiguous()
             continue
         module = tensor_name.removesuffix(".weight")
@@ -62,7 +64,8 @@ def awq_checkpoint(path, name: str, tokenizers_by_kind, group: int, zero_point: 
         state = {k.removeprefix(module + "."): v for k, v in converter.process(dict(layer)).items()}
         state["weight_scale"] = state["weight_scale"].float()  # exactly the float16 scales: float32 products
         decompressed[tensor_name] = PackedQuantizationCompressor.decompress(state, scheme)["weight"].to(tensor.dtype)
-    rewrite_quantized(path, tensors, awq_config(group, zero_point), dense, decompressed)
+    rewrite_quantized(path, tensors, awq_config(group, zero_point, modules_to_not_convert=skip and [skip]), dense,
+                      decompressed)
 
 
 @pytest.mark.parametrize("zero_point", [True, False])
@@ -82,15 +85,17 @@ def test_tensors_convert_as_compressed_tensors_converter_does(zero_point):
         awq.converted(".qweight", layer["qweight"].to(torch.int64))
 
 
-@pytest.mark.parametrize("name, zero_point", [("qwen3_qk_norm", True), ("llama3_gqa_tied", False),
-                                              ("qwen3_moe", True)])
+@pytest.mark.parametrize("name, zero_point, skip", [("qwen3_qk_norm", True, None), ("llama3_gqa_tied", False, None),
+                                                    ("qwen3_moe", True, None), ("qwen3_qk_norm", True, "down_proj")])
 @pytest.mark.parametrize("kept", [False, True], ids=["cpu", "gpu-build"])
 def test_an_awq_checkpoint_gives_transformers_logits(tmp_path, tokenizers_by_kind, monkeypatch, name, zero_point,
-                                                     kept):
+                                                     skip, kept):
+    """Whole, and with a module AutoAWQ left unconverted (modules_to_not_convert: its weight stored
+    unquantized)."""
     pytest.importorskip("compressed_tensors")
     packed = tmp_path / "awq"
     packed.mkdir()
-    awq_checkpoint(packed, name, tokenizers_by_kind, GROUP, zero_point, dense=tmp_path / "dense")
+    awq_checkpoint(packed, name, tokenizers_by_kind, GROUP, zero_point, dense=tmp_path / "dense", skip=skip)
     config = load_model_config(packed)
     assert (config.quantization, config.int_weights, config.int_layout) == \
         ("int", IntWeights(4, GROUP, not zero_point), "awq")
@@ -101,6 +106,8 @@ def test_an_awq_checkpoint_gives_transformers_logits(tmp_path, tokenizers_by_kin
     assert (layer.self_attn.qkv_proj.ints is not None) == kept
     if name == "qwen3_moe":
         assert layer.mlp.experts.format == ("int" if kept else None)
+    else:
+        assert (layer.mlp.down_proj.ints is not None) == (kept and skip is None)
     hf = reference(tmp_path / "dense")
     ids = prompt_ids(1, 37, hf.config.vocab_size)
     ours, ref = prefill_logits(engine, ids), hf_logits(hf, ids)
@@ -144,8 +151,11 @@ def test_other_awq_layouts_are_refused_naming_the_field(quant, field):
 
 
 def test_modules_to_not_convert_name_modules_stored_unquantized():
+    """AutoAWQ's rule: a module whose name contains one of them (so "mlp.gate", the router, takes
+    gate_proj too, as AutoAWQ quantizes neither)."""
     config = ModelConfig.from_hf({**BASE, "quantization_config": awq_config(
         128, True, version="GEMM", modules_to_not_convert=["visual", "mlp.gate"])}, source="config.json")
     assert config.stored_unquantized("model.visual.blocks.0") and config.stored_unquantized("model.layers.0.mlp.gate")
-    assert not config.stored_unquantized("model.layers.0.mlp.gate_proj")
+    assert config.stored_unquantized("model.layers.0.mlp.gate_proj")
     assert not config.stored_unquantized("model.layers.0.self_attn.q_proj")
+    assert not config.stored_unquantized("model.layers.0.mlp.up_proj")
