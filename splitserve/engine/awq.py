@@ -59,9 +59,6 @@ class _Converted:
     def get_shape(self) -> list[int]:
         return list(self.tensor.shape)
 
-    def get_dtype(self) -> str:
-        return {torch.int32: "I32", torch.float32: "F32", torch.int64: "I64"}[self.tensor.dtype]
-
     def __getitem__(self, index) -> torch.Tensor:
         return self.tensor[index]
 
@@ -73,6 +70,7 @@ class AwqHandle:
     def __init__(self, handle):
         self.handle = handle
         self.sources = {ours: name for name in handle.keys() for ours in names_of(name) if ours != name}
+        self._last: tuple[str, torch.Tensor] | None = None  # the latest conversion: the loader reads a name twice
 
     def keys(self) -> list[str]:
         return [ours for name in self.handle.keys() for ours in names_of(name)]
@@ -84,7 +82,9 @@ class AwqHandle:
         if name.endswith(SHAPE):
             rows, words = self.handle.get_slice(source).get_shape()
             return torch.tensor([words * 32 // BITS, rows])
-        return converted(source[source.rindex("."):], self.handle.get_tensor(source))
+        if self._last is None or self._last[0] != name:
+            self._last = name, converted(source[source.rindex("."):], self.handle.get_tensor(source))
+        return self._last[1]
 
     def get_slice(self, name: str):
         return self.handle.get_slice(name) if name not in self.sources else _Converted(self.get_tensor(name))

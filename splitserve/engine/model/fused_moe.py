@@ -58,6 +58,7 @@ DEQUANTIZE_ASSIGNMENTS = {"mxfp4": 32, "fp8": LARGE_TILE_ASSIGNMENTS, "int": LAR
 # how fused_experts runs a stack (`path_for`): codes widened in the kernels, the stack dequantized first,
 # codes times codes
 PATHS = ("as read", "dequantized", "w8a8")
+FORMATS = {mxfp4.Packed: "mxfp4", fp8.Stacked: "fp8", int_weights.Stacked: "int"}  # a quantized stack's; else dense
 
 
 def block_m_for(assignments: int, num_experts: int, tensors: bool = True) -> int:
@@ -141,8 +142,7 @@ def _checked_operands(x: torch.Tensor, w13: ExpertStack, w2: ExpertStack, b13: t
 
 
 def _format(w: ExpertStack) -> str:
-    formats = {mxfp4.Packed: "mxfp4", fp8.Stacked: "fp8", int_weights.Stacked: "int"}
-    return formats.get(type(w), "dense")
+    return FORMATS.get(type(w), "dense")
 
 
 def dequantizes(kind: str, assignments: int, num_experts: int, x: torch.Tensor) -> bool:
