@@ -256,7 +256,8 @@ def _run_serving_profile(args) -> int:
                                                  args.token_size, args.repeats, args.api_key, args.shared_host)
         path = overhead.save(args.out, num)
         shared = (f", {overhead.host_cores:g} cores shared with a serving stack of "
-                  f"{overhead.stream_cpu_s * 1000:.2f} ms CPU per token" if args.shared_host else "")
+                  f"{overhead.request_cpu_s * 1000:.2f} ms CPU per request + "
+                  f"{overhead.stream_cpu_s * 1000:.2f} ms per token" if args.shared_host else "")
         print(f"serving overhead at {args.url} over {num} requests: {overhead.request_s * 1000:.2f} ms per request, "
               f"{overhead.iteration_s * 1000:.2f} ms per iteration + {overhead.token_s * 1000:.2f} ms per token, "
               f"prefills x {overhead.prefill_scale:.2f}{shared}; wrote {path}")

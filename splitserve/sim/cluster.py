@@ -18,9 +18,9 @@ number). Per request, as in a real run (splitserve.cluster.dispatch):
 With `ServingOverhead.host_cores` > 0 the workers share one host's cores with the serving stack
 (`SharedHost`): an iteration's end moves whenever another worker starts or ends one, or the stack
 (busy streaming the tokens sampled) starts or runs out of work. There the request's path through
-the stack (`request_s`: the proxy, the ingress, the CLS) is CPU work of its own on those cores,
-run on arrival: placement (step 1) waits for it, so a loaded host stretches it, and nothing is
-added to the token times.
+the stack (`request_s`: the proxy, the ingress, the CLS) runs on arrival, and placement (step 1)
+waits for it: first its CPU (`request_cpu_s`), work of its own on those cores that a loaded host
+stretches, then the rest of its time (waiting, off the cores); nothing is added to the token times.
 Prefix caching (the scenario's `prefix_caching`, for requests whose prompts share blocks): a prompt
 is its blocks' ids, each repeated for the block's tokens, so equal blocks are equal tokens and the
 workers' own prefix caches hit where a real run's would; with prefix-aware placement the CLS gets the
@@ -177,18 +177,26 @@ class Simulation:
             message = f"prompt has {spec.prompt_tokens} tokens but max_model_len is {self.scenario.max_model_len}"
             self.records.refuse(self.records.slot_of(spec.index), 400, message)
             return
-        if self.host is None or self.scenario.overhead.request_s == 0:
+        overhead = self.scenario.overhead
+        if self.host is None or overhead.request_s == 0:
             self._place(position)
-            return
-        run_id = request_run(spec.index)
-        self._arriving[run_id] = position
-        self._reschedule(self.host.start(run_id, self.scenario.overhead.request_s, self.now))
+        elif overhead.request_cpu_s == 0:
+            self._push(self.now + overhead.request_s, self._place, position)
+        else:
+            run_id = request_run(spec.index)
+            self._arriving[run_id] = position
+            self._reschedule(self.host.start(run_id, overhead.request_cpu_s, self.now))
 
     def _request_path_done(self, arg: tuple[str, int]) -> None:
+        """The CPU of a request's path is done; the rest of its time (waiting, off the cores) follows."""
         run_id, version = arg
         if self.host.current(run_id, version):
             self._reschedule(self.host.finish(run_id, self.now)[1])
-            self._place(self._arriving.pop(run_id))
+            position, overhead = self._arriving.pop(run_id), self.scenario.overhead
+            if overhead.request_s > overhead.request_cpu_s:
+                self._push(self.now + overhead.request_s - overhead.request_cpu_s, self._place, position)
+            else:
+                self._place(position)
 
     def _place(self, position: int) -> None:
         spec = self.requests[position]

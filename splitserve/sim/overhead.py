@@ -20,14 +20,16 @@ awake, and comes back sooner):
   Fitted on lone requests of several prompt sizes: TTFT less the iteration's other terms and the
   KV transfer's visible time, against the profiled prefill time, as a Theil-Sen line (the median
   slope over pairs of different sizes, then the median intercept).
-- `host_cores` and `stream_cpu_s`: on a host whose cores the workers share with the serving stack
-  (Serve's proxy, the ingress, the CLS, the clients), its cores and the CPU seconds the stack spends
-  per token streamed (`splitserve.sim.contention`). Measured around the requests above from the
-  host's CPU time (`splitserve.sim.host_cpu`): the time spent outside the worker processes, less
-  what the host spends so while idle (the quieter of reads just before and just after), less
-  `request_s` per request, over the tokens the requests streamed (none left is an error: the host
-  was busy with other work). On such a host `request_s` is CPU work on its cores too (each
-  request's path through the stack, on arrival), so under load it stretches as the workers'
+- `host_cores`, `request_cpu_s` and `stream_cpu_s`: on a host whose cores the workers share with
+  the serving stack (Serve's proxy, the ingress, the CLS, the clients), its cores, the CPU seconds
+  of each request's path through the stack (part of `request_s`: the rest is waiting, on RPC hops
+  and wake-ups) and the CPU seconds the stack spends per token streamed
+  (`splitserve.sim.contention`). Measured while the requests above run, from the host's CPU time
+  outside the worker processes sampled every 20 ms (`splitserve.sim.host_cpu`), less its idle rate
+  read in the pauses between groups: a lone request's window from send to first token is its
+  path's CPU; what every group's window spent beyond its requests' paths, over their tokens, is
+  the per-token term (none left is an error: the host was busy with other work). On such a host
+  the path's CPU is work on its cores (on arrival), so under load it stretches as the workers'
   iterations do.
 The simulator applies exactly these terms (`Scenario.overhead`), so its unloaded latency equals
 the measured one; what it predicts under load (queueing, batching, pool moves) is its own.
@@ -53,7 +55,7 @@ from splitserve.sim.transfer import TransferModel
 DEFAULT_PROMPT_SIZES = (32, 128, 256, 512)
 DEFAULT_OUTPUT_TOKENS = 32
 GROUP_PAUSE_S = 0.5  # idle time before each group
-TERMS = ("request_s", "iteration_s", "token_s", "host_cores", "stream_cpu_s", "prefill_scale")
+TERMS = ("request_s", "iteration_s", "token_s", "host_cores", "request_cpu_s", "stream_cpu_s", "prefill_scale")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class ServingOverhead:
     iteration_s: float = 0.0  # on every worker iteration
     token_s: float = 0.0      # on a worker iteration, per token it samples (each goes out on a stream)
     host_cores: float = 0.0   # > 0: the workers share a host of this many cores with the serving stack
+    request_cpu_s: float = 0.0  # on that host, the stack's CPU of request_s (at most it)
     stream_cpu_s: float = 0.0  # on that host, the stack's CPU per token streamed
     prefill_scale: float = 1.0  # a prefill takes this many times its profiled time
 
@@ -74,6 +77,9 @@ class ServingOverhead:
                 raise ValueError(f"{name} must be a finite number{unit} >= 0, got {value!r}")
         if self.prefill_scale <= 0:
             raise ValueError(f"prefill_scale must be > 0, got {self.prefill_scale!r}")
+        if self.request_cpu_s > self.request_s:
+            raise ValueError(f"request_cpu_s ({self.request_cpu_s!r}) must be at most request_s ({self.request_s!r}): "
+                             "it is the CPU of the request's path, part of its time")
 
     @classmethod
     def load(cls, path: str | Path) -> ServingOverhead:
@@ -84,6 +90,9 @@ class ServingOverhead:
         """The terms saved in `data` (a `splitserve profile --url` file's object); `where` names it in errors."""
         if not isinstance(data, dict) or set(data) - {*TERMS, "requests"}:
             raise ValueError(f"{where}: expected an object with {', '.join(TERMS)} (splitserve profile --url)")
+        if data.get("host_cores") and "request_cpu_s" not in data:
+            raise ValueError(f"{where}: a shared host's terms without request_cpu_s (measured before it was): "
+                             "measure again with splitserve profile --url --shared-host")
         return cls(**{name: data[name] for name in TERMS if name in data})
 
     def save(self, path: str | Path, num_requests: int) -> Path:
@@ -117,8 +126,8 @@ def fit_prefill(lone: list[RequestRecord], decode: ServingOverhead, prompt_perf,
     slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(points, 2) if x1 != x2]
     scale = statistics.median(slopes) if slopes else 1.0
     scale = scale if scale > 0 else 1.0  # a flat or falling line says nothing about the prefill's speed
-    request = statistics.median(y - scale * x for x, y in points)
-    return replace(decode, request_s=max(0.0, request), prefill_scale=scale)
+    request = max(0.0, statistics.median(y - scale * x for x, y in points))
+    return replace(decode, request_s=request, request_cpu_s=min(decode.request_cpu_s, request), prefill_scale=scale)
 
 
 def _usable(records: list[RequestRecord]) -> list[RequestRecord]:
@@ -142,7 +151,8 @@ def measure_requests(url: str, prompt_sizes=DEFAULT_PROMPT_SIZES, output_tokens:
     """Groups of `concurrency` identical-length streamed requests sent together, one group at a
     time after a pause of GROUP_PAUSE_S: every prompt size `repeats` times, interleaved, after one
     warm-up group that is not returned. Prompts are random token ids from `seed` (default: a fresh
-    one, so no prompt hits a prefix cache that an earlier run filled)."""
+    one, so no prompt hits a prefix cache that an earlier run filled). The records' start_s are
+    time.perf_counter() readings, as `host_cpu.trace_while`'s samples are."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency!r}")
     seed = secrets.randbits(32) if seed is None else seed

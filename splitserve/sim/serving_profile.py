@@ -2,6 +2,7 @@
 profiled times (`splitserve.sim.overhead`), for `splitserve sim --overhead`."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,9 +11,10 @@ from splitserve.placement.state import Role
 from splitserve.sim import host_cpu
 from splitserve.sim.from_config import SimTarget, scenario_from_config
 from splitserve.sim.calibrate import calibrate_decode
-from splitserve.sim.overhead import ServingOverhead, fit_overhead, fit_prefill, measure_requests
+from splitserve.sim.overhead import GROUP_PAUSE_S, ServingOverhead, fit_overhead, fit_prefill, measure_requests
 
-IDLE_WINDOW_S = 2.0  # how long the host's CPU is sampled while nothing is served
+SAMPLE_INTERVAL_S = 0.02  # the host's CPU is sampled this often while the requests run
+IDLE_S = 0.8 * GROUP_PAUSE_S  # the end of each group's pause: the stack idle, the last group's teardown done
 CONCURRENCY = (1, 2, 4, 8, 16)  # requests sent together: batches up to those a loaded worker runs
 
 
@@ -31,7 +33,8 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
     """The overhead of the cluster at `url`, deployed with `config`, against `engine_profile` (a
     `splitserve profile` CSV of its hardware); and how many requests it was fitted on. With
     `shared_host` (the cluster's workers and serving stack run on this machine, with this client)
-    also the host's terms, from this machine's CPU time while idle and while the requests ran.
+    also the host's terms, from this machine's CPU time sampled while the requests ran
+    (`stack_cpu_terms`).
 
     Requests go in groups of each `concurrency` (which holds 1 and 2), one group at a time: the
     prefill terms come from those alone, a first estimate of the decode terms from those alone and
@@ -53,26 +56,35 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
         return {c: measure_requests(url, prompt_sizes, output_tokens, repeats, c, config.model_name, api_key)
                 for c in concurrency}
 
-    groups, stack_s = host_cpu.stack_cpu_while(measure, IDLE_WINDOW_S) if shared_host else (measure(), 0.0)
+    groups, trace = host_cpu.trace_while(measure, SAMPLE_INTERVAL_S) if shared_host else (measure(), None)
     prompt_perf, token_perf = scenario.perf_models[prompt_hw], scenario.perf_models[token_hw]
     first = fit_overhead(groups[1], groups[2], prompt_perf, token_perf, scenario.transfer)
     if shared_host:
-        records = [r for group in groups.values() for r in group]
-        first = replace(first, host_cores=host_cpu.host_cores(),
-                        stream_cpu_s=stream_cpu_per_token(stack_s, records, first.request_s))
+        request_cpu, stream_cpu = stack_cpu_terms(trace, groups, first.request_s)
+        first = replace(first, host_cores=host_cpu.host_cores(), request_cpu_s=request_cpu, stream_cpu_s=stream_cpu)
     decode = calibrate_decode(replace(scenario, overhead=first), groups, first)
     return fit_prefill(groups[1], decode, prompt_perf, scenario.transfer), sum(map(len, groups.values()))
 
 
-def stream_cpu_per_token(stack_s: float, records: list, request_s: float) -> float:
-    """The serving stack's CPU per token streamed: `stack_s` (its CPU over `records`) less each
-    request's path through it (`request_s`, run on the host), over the tokens the records got.
-    Streaming a token always costs the stack CPU, so a share of none or less means the host ran
-    other work while it was measured."""
-    tokens = sum(r.output_tokens for r in records)
-    per_token = (stack_s - len(records) * request_s) / tokens if tokens else 0.0
+def stack_cpu_terms(trace: host_cpu.StackTrace, groups: dict[int, list], request_s: float) -> tuple[float, float]:
+    """The serving stack's CPU per request (its path to the workers) and per token streamed, from
+    `trace` (the host's CPU outside the workers while `groups` ran: per concurrency c, records sent c
+    at a time, start_s on time.perf_counter()'s clock). The stack's idle rate is read over the last
+    IDLE_S of the pause before each group and taken off every window. A request's path is the median
+    over lone requests of their windows from send to first token (at most `request_s`: the path's
+    CPU is part of its time); the per-token term is what the groups' windows spent beyond their
+    requests' paths, over their tokens. Streaming always costs the stack CPU, so none left means
+    the host ran other work while it was measured."""
+    windows = [(min(r.start_s for r in group), max(r.start_s + r.e2e_s for r in group), group)
+               for c, records in groups.items() for group in (records[i:i + c] for i in range(0, len(records), c))]
+    idle = sum(trace.between(start - IDLE_S, start) for start, _, _ in windows) / (IDLE_S * len(windows))
+    paths = [trace.between(r.start_s, r.start_s + r.ttft_s) - idle * r.ttft_s for r in groups[1]]
+    request_cpu = min(request_s, max(0.0, statistics.median(paths)))
+    spent = sum(trace.between(start, end) - idle * (end - start) for start, end, _ in windows)
+    requests, tokens = sum(len(g) for *_, g in windows), sum(r.output_tokens for *_, g in windows for r in g)
+    per_token = (spent - requests * request_cpu) / tokens
     if per_token <= 0:
-        raise RuntimeError(f"the serving stack spent {stack_s:.2f} s of CPU on {len(records)} requests "
-                           f"({tokens} tokens), no more than their paths through it ({request_s * 1000:.1f} ms "
-                           "each): the host ran other work while it was measured; measure again on a quiet host")
-    return per_token
+        raise RuntimeError(f"the serving stack spent {spent:.2f} s of CPU on {requests} requests ({tokens} tokens), "
+                           f"no more than their paths to the workers ({request_cpu * 1000:.1f} ms each): the host "
+                           "ran other work while it was measured; measure again on a quiet host")
+    return request_cpu, per_token

@@ -72,8 +72,9 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
                 f"sim {_ms(round_['alone']['sim'])}")
         rounds.append(round_)
         log(f"seed {seed}: overhead {_ms(overhead.request_s)} / request, {_ms(overhead.iteration_s)} / iteration, "
-            f"{_ms(overhead.token_s)} / token, prefills x {overhead.prefill_scale:.2f}, stack "
-            f"{_ms(overhead.stream_cpu_s)} CPU / token on {overhead.host_cores:g} cores; " + ", ".join(
+            f"{_ms(overhead.token_s)} / token, prefills x {overhead.prefill_scale:.2f}, stack CPU "
+            f"{_ms(overhead.request_cpu_s)} / request + {_ms(overhead.stream_cpu_s)} / token on "
+            f"{overhead.host_cores:g} cores; " + ", ".join(
                 f"{m} p50 " + " ".join(f"{run} {_ms(round_[run][m]['p50'])}" for run in RUNS) for m in METRICS))
     latencies = {run: _latencies(summarize(pooled[run], durations[run])) for run in RUNS}
     ratios = {f"{run}_over_real": {m: {q: latencies[run][m][q] / latencies["real"][m][q] for q in ("p50", "p99")}

@@ -11,7 +11,8 @@ from splitserve.sim.serving_profile import measure_serving_overhead
 from tests.sim.test_sim_cluster import TRANSFER, mixed, spec, split
 from tests.sim.test_sim_worker import LinearPerf
 
-TRUTH = ServingOverhead(request_s=0.01, iteration_s=0.002, token_s=0.0015, host_cores=2, stream_cpu_s=0.003)
+TRUTH = ServingOverhead(request_s=0.01, iteration_s=0.002, token_s=0.0015, host_cores=2, request_cpu_s=0.01,
+                        stream_cpu_s=0.003)
 PROMPTS = (32, 96, 160)
 
 

@@ -70,7 +70,7 @@ def test_the_simulator_charges_the_stack_for_every_token_streamed():
 def test_on_a_shared_host_each_requests_path_through_the_stack_is_work_on_its_cores():
     """request_s runs on arrival, before placement: alone it is the plain delay; beside a busy
     worker it shares the core, and the worker slows too."""
-    shared = split(overhead=ServingOverhead(host_cores=1.0, request_s=0.02))
+    shared = split(overhead=ServingOverhead(host_cores=1.0, request_s=0.02, request_cpu_s=0.02))
     first, second = simulate(shared, [spec(0, 0.0, 100, 4), spec(1, 0.23, 50, 1)]).records
     # request 0 alone: its path 0-0.02, prefill 0.02-0.12, the KV lands at 0.23 (as the plain delay)
     # request 1's path (0.23) and the decode 0.23-0.25 share the core: both end at 0.27. Request 1's
@@ -79,3 +79,19 @@ def test_on_a_shared_host_each_requests_path_through_the_stack_is_work_on_its_co
     assert second.ttft_s == pytest.approx(0.36 - 0.23)
     apart = simulate(split(overhead=ServingOverhead(request_s=0.02)), [spec(0, 0.0, 100, 4)]).records[0]
     assert apart.token_times_s == pytest.approx((0.23, 0.25, 0.27, 0.29))  # cores of their own: a plain delay
+
+
+@pytest.mark.parametrize("request_cpu_s, tokens, ttft", [(0.0, (0.23, 0.25, 0.29, 0.33), 0.11),
+                                                          (0.01, (0.23, 0.26, 0.30, 0.34), 0.12)],
+                         ids=["all-waiting", "half-cpu"])
+def test_only_the_cpu_of_a_requests_path_shares_the_cores(request_cpu_s, tokens, ttft):
+    """request_s = its CPU (run first, on the cores) + waiting (off them): the waiting neither slows
+    nor is slowed by a decode beside it."""
+    shared = split(overhead=ServingOverhead(host_cores=1.0, request_s=0.02, request_cpu_s=request_cpu_s))
+    first, second = simulate(shared, [spec(0, 0.0, 100, 4), spec(1, 0.23, 50, 1)]).records
+    # all waiting: request 1's path (0.23-0.25) leaves the decode 0.23-0.25 alone; its prefill (0.05 s)
+    # shares the core with the decodes 0.25-0.29 and 0.29-0.33 (0.04 done) and ends alone at 0.34.
+    # Half CPU: the path's 0.01 shares the core with the decode to 0.25 (the decode ends alone at
+    # 0.26), then waits to 0.26; the prefill shares it with the decodes 0.26-0.30, 0.30-0.34, ends at 0.35
+    assert first.token_times_s == pytest.approx(tokens)
+    assert second.ttft_s == pytest.approx(ttft)

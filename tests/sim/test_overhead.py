@@ -66,13 +66,19 @@ def test_fit_needs_token_gaps():
 
 
 def test_file_round_trip_and_bad_files(tmp_path):
-    overhead = ServingOverhead(0.03, 0.002, 0.001, host_cores=2, stream_cpu_s=0.0025, prefill_scale=1.2)
+    overhead = ServingOverhead(0.03, 0.002, 0.001, host_cores=2, request_cpu_s=0.01, stream_cpu_s=0.0025,
+                               prefill_scale=1.2)
     path = overhead.save(tmp_path / "o.json", num_requests=12)
     assert json.loads(path.read_text())["requests"] == 12
     assert ServingOverhead.load(path) == overhead
     (tmp_path / "bad.json").write_text('{"request_ms": 3}')
-    with pytest.raises(ValueError, match="request_s, iteration_s, token_s, host_cores, stream_cpu_s, prefill_scale"):
+    with pytest.raises(ValueError, match="request_s, iteration_s, token_s, host_cores, request_cpu_s, stream_cpu_s, "
+                                         "prefill_scale"):
         ServingOverhead.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="old.json: a shared host's terms without request_cpu_s"):
+        ServingOverhead.from_dict({"request_s": 0.03, "host_cores": 2, "stream_cpu_s": 0.0025}, "old.json")
+    with pytest.raises(ValueError, match=r"request_cpu_s \(0.04\) must be at most request_s \(0.03\)"):
+        ServingOverhead(request_s=0.03, request_cpu_s=0.04)
     with pytest.raises(ValueError, match="saved.json: baseline's overhead: expected an object with"):
         ServingOverhead.from_dict({"peer_slowdown": 0.2}, "saved.json: baseline's overhead")  # a retired term
     with pytest.raises(ValueError, match="token_s"):

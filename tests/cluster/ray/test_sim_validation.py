@@ -31,6 +31,7 @@ def test_the_simulator_predicts_the_cluster(server, tmp_path):
     assert result["num_requests"] == 30 and result["num_failed"] == 0
     overhead = result["rounds"][0]["overhead"]
     assert overhead["request_s"] > 0  # HTTP, Serve and the CLS cost something
+    assert 0 < overhead["request_cpu_s"] <= overhead["request_s"]  # part of it the stack's CPU on the shared cores
     for metric in ("ttft_s", "tbt_s"):
         sim = result["sim"][metric]["p50"]
         assert any(0.5 <= sim / result[run][metric]["p50"] <= 2.0 for run in ("real", "real_again")), (metric, result)
