@@ -22,9 +22,10 @@ def trace_of(groups: dict[int, list], idle_cores: float, path_s: float, token_s:
     """The stack's CPU sampled every ms: `idle_cores` all along (`pause_cores` more in the pauses
     before groups), each request's path `path_s` spread over its send to first token, and `token_s`
     per token spread over its stream."""
-    spread = [(r.start_s, r.start_s + r.ttft_s, path_s) for g in groups.values() for r in g]
-    spread += [(r.start_s + r.ttft_s, r.start_s + r.e2e_s, token_s * r.output_tokens) for g in groups.values() for r in g]
-    spread += [(t - IDLE_S, t, pause_cores * IDLE_S) for t in {r.start_s for g in groups.values() for r in g}]
+    records = [r for g in groups.values() for r in g]
+    spread = [(r.start_s, r.start_s + r.ttft_s, path_s) for r in records]
+    spread += [(r.start_s + r.ttft_s, r.start_s + r.e2e_s, token_s * r.output_tokens) for r in records]
+    spread += [(t - IDLE_S, t, pause_cores * IDLE_S) for t in {r.start_s for r in records}]
     times = [i / 1000 for i in range(8000)]
     cpu = [idle_cores * t + sum(work * min(1.0, max(0.0, (t - a) / (b - a))) for a, b, work in spread) for t in times]
     return StackTrace(tuple(times), tuple(cpu))
