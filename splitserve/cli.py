@@ -173,7 +173,8 @@ def _add_profile(commands) -> None:
     serving.add_argument("--api-key")
     serving.add_argument("--shared-host", action="store_true",
                          help="the cluster (workers and serving stack) runs on this machine: also measure its "
-                              "cores and the stack's CPU per token streamed, which slow the workers under load")
+                              "cores and the stack's CPU per request and per token streamed, which slow the "
+                              "workers under load")
     p.set_defaults(run=_run_profile)
 
 
