@@ -90,10 +90,11 @@ class ServingOverhead:
         """The terms saved in `data` (a `splitserve profile --url` file's object); `where` names it in errors."""
         if not isinstance(data, dict) or set(data) - {*TERMS, "requests"}:
             raise ValueError(f"{where}: expected an object with {', '.join(TERMS)} (splitserve profile --url)")
-        if data.get("host_cores") and "request_cpu_s" not in data:
+        overhead = cls(**{name: data[name] for name in TERMS if name in data})
+        if overhead.host_cores and "request_cpu_s" not in data:
             raise ValueError(f"{where}: a shared host's terms without request_cpu_s (measured before it was): "
                              "measure again with splitserve profile --url --shared-host")
-        return cls(**{name: data[name] for name in TERMS if name in data})
+        return overhead
 
     def save(self, path: str | Path, num_requests: int) -> Path:
         path = Path(path)

@@ -77,6 +77,8 @@ def test_file_round_trip_and_bad_files(tmp_path):
         ServingOverhead.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="old.json: a shared host's terms without request_cpu_s"):
         ServingOverhead.from_dict({"request_s": 0.03, "host_cores": 2, "stream_cpu_s": 0.0025}, "old.json")
+    with pytest.raises(ValueError, match="host_cores must be a finite number >= 0, got '2'"):
+        ServingOverhead.from_dict({"request_s": 0.03, "host_cores": "2"}, "typo.json")
     with pytest.raises(ValueError, match=r"request_cpu_s \(0.04\) must be at most request_s \(0.03\)"):
         ServingOverhead(request_s=0.03, request_cpu_s=0.04)
     with pytest.raises(ValueError, match="saved.json: baseline's overhead: expected an object with"):
