@@ -3,7 +3,7 @@ profiled times (`splitserve.sim.overhead`), for `splitserve sim --overhead`."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from splitserve.config import ClusterConfig
@@ -34,7 +34,7 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
     `splitserve profile` CSV of its hardware); and how many requests it was fitted on. With
     `shared_host` (the cluster's workers and serving stack run on this machine, with this client)
     also the host's terms, from this machine's CPU time sampled while the requests ran
-    (`stack_cpu_terms`).
+    (`stack_cpu`).
 
     Requests go in groups of each `concurrency` (which holds 1 and 2), one group at a time: the
     prefill terms come from those alone, a first estimate of the decode terms from those alone and
@@ -59,32 +59,44 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
     groups, trace = host_cpu.trace_while(measure, SAMPLE_INTERVAL_S) if shared_host else (measure(), None)
     prompt_perf, token_perf = scenario.perf_models[prompt_hw], scenario.perf_models[token_hw]
     first = fit_overhead(groups[1], groups[2], prompt_perf, token_perf, scenario.transfer)
-    if shared_host:
-        request_cpu, stream_cpu = stack_cpu_terms(trace, groups, first.request_s)
-        first = replace(first, host_cores=host_cpu.host_cores(), request_cpu_s=request_cpu, stream_cpu_s=stream_cpu)
+    stack = stack_cpu(trace, groups) if shared_host else None
+    if stack:
+        first = replace(first, host_cores=host_cpu.host_cores(), **stack.terms(first.request_s))
     decode = calibrate_decode(replace(scenario, overhead=first), groups, first)
-    return fit_prefill(groups[1], decode, prompt_perf, scenario.transfer), sum(map(len, groups.values()))
+    fitted = fit_prefill(groups[1], decode, prompt_perf, scenario.transfer)
+    return (replace(fitted, **stack.terms(fitted.request_s)) if stack else fitted), sum(map(len, groups.values()))
 
 
-def stack_cpu_terms(trace: host_cpu.StackTrace, groups: dict[int, list], request_s: float) -> tuple[float, float]:
-    """The serving stack's CPU per request (its path to the workers) and per token streamed, from
-    `trace` (the host's CPU outside the workers while `groups` ran: per concurrency c, records sent c
-    at a time, start_s on time.perf_counter()'s clock). The stack's idle rate is read over the last
-    IDLE_S of the pause before each group and taken off every window. A request's path is the median
-    over lone requests of their windows from send to first token (at most `request_s`: the path's
-    CPU is part of its time); the per-token term is what the groups' windows spent beyond their
-    requests' paths, over their tokens. Streaming always costs the stack CPU, so none left means
-    the host ran other work while it was measured."""
+@dataclass(frozen=True)
+class StackCpu:
+    """What the serving stack spent while the overhead's requests ran, its idle rate taken off."""
+    path_s: float      # a lone request's, from send to first token (median)
+    spent_s: float     # over the windows of every group
+    requests: int
+    tokens: int
+
+    def terms(self, request_s: float) -> dict[str, float]:
+        """request_cpu_s (the path's CPU, at most `request_s`: it is part of the path's time) and
+        stream_cpu_s (what the windows spent beyond the paths, per token). Streaming always costs the
+        stack CPU, so none left means the host ran other work while it was measured."""
+        request_cpu = min(request_s, max(0.0, self.path_s))
+        per_token = (self.spent_s - self.requests * request_cpu) / self.tokens
+        if per_token <= 0:
+            raise RuntimeError(f"the serving stack spent {self.spent_s:.2f} s of CPU on {self.requests} requests "
+                               f"({self.tokens} tokens), no more than their paths to the workers "
+                               f"({request_cpu * 1000:.1f} ms each): the host ran other work while it was measured; "
+                               "measure again on a quiet host")
+        return {"request_cpu_s": request_cpu, "stream_cpu_s": per_token}
+
+
+def stack_cpu(trace: host_cpu.StackTrace, groups: dict[int, list]) -> StackCpu:
+    """The stack's CPU read off `trace` (the host's CPU outside the workers while `groups` ran: per
+    concurrency c, records sent c at a time, start_s on time.perf_counter()'s clock). Its idle rate
+    is read over the last IDLE_S of the pause before each group and taken off every window."""
     windows = [(min(r.start_s for r in group), max(r.start_s + r.e2e_s for r in group), group)
                for c, records in groups.items() for group in (records[i:i + c] for i in range(0, len(records), c))]
     idle = sum(trace.between(start - IDLE_S, start) for start, _, _ in windows) / (IDLE_S * len(windows))
     paths = [trace.between(r.start_s, r.start_s + r.ttft_s) - idle * r.ttft_s for r in groups[1]]
-    request_cpu = min(request_s, max(0.0, statistics.median(paths)))
-    spent = sum(trace.between(start, end) - idle * (end - start) for start, end, _ in windows)
-    requests, tokens = sum(len(g) for *_, g in windows), sum(r.output_tokens for *_, g in windows for r in g)
-    per_token = (spent - requests * request_cpu) / tokens
-    if per_token <= 0:
-        raise RuntimeError(f"the serving stack spent {spent:.2f} s of CPU on {requests} requests ({tokens} tokens), "
-                           f"no more than their paths to the workers ({request_cpu * 1000:.1f} ms each): the host "
-                           "ran other work while it was measured; measure again on a quiet host")
-    return request_cpu, per_token
+    return StackCpu(statistics.median(paths), sum(trace.between(start, end) - idle * (end - start)
+                                                  for start, end, _ in windows),
+                    sum(len(g) for *_, g in windows), sum(r.output_tokens for *_, g in windows for r in g))

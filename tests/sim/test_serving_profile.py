@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from splitserve.sim.host_cpu import StackTrace
-from splitserve.sim.serving_profile import IDLE_S, stack_cpu_terms
+from splitserve.sim.serving_profile import IDLE_S, stack_cpu
 from tests.sim.test_overhead import record
 
 TTFT, GAP, TOKENS = 0.1, 0.01, 5  # each request: first token at 0.1 s, the last at 0.14 s
@@ -35,22 +35,24 @@ GROUPS = groups_at({1: [1.0, 2.0, 3.0], 2: [4.0, 5.0], 4: [6.0]})  # 11 requests
 
 
 def test_the_idle_rate_is_taken_off_and_the_paths_and_tokens_read_apart():
-    trace = trace_of(GROUPS, idle_cores=0.3, path_s=0.03, token_s=0.002)
-    request_cpu, per_token = stack_cpu_terms(trace, GROUPS, request_s=0.06)
-    assert request_cpu == pytest.approx(0.03) and per_token == pytest.approx(0.002)
+    stack = stack_cpu(trace_of(GROUPS, idle_cores=0.3, path_s=0.03, token_s=0.002), GROUPS)
+    assert stack.path_s == pytest.approx(0.03) and (stack.requests, stack.tokens) == (11, 55)
+    assert stack.spent_s == pytest.approx(11 * 0.03 + 55 * 0.002)
+    assert stack.terms(request_s=0.06) == {"request_cpu_s": pytest.approx(0.03), "stream_cpu_s": pytest.approx(0.002)}
 
 
 def test_a_paths_cpu_is_at_most_its_time():
     """Measured beyond request_s (the path's time, fitted on TTFTs) it is capped there, and the
     tokens take the rest."""
-    trace = trace_of(GROUPS, idle_cores=0.3, path_s=0.03, token_s=0.002)
-    request_cpu, per_token = stack_cpu_terms(trace, GROUPS, request_s=0.02)
-    assert request_cpu == pytest.approx(0.02) and per_token == pytest.approx(0.002 + 11 * 0.01 / 55)
-    assert stack_cpu_terms(trace, GROUPS, request_s=0.0)[0] == 0.0
+    stack = stack_cpu(trace_of(GROUPS, idle_cores=0.3, path_s=0.03, token_s=0.002), GROUPS)
+    assert stack.terms(request_s=0.02) == {"request_cpu_s": pytest.approx(0.02),
+                                           "stream_cpu_s": pytest.approx(0.002 + 11 * 0.01 / 55)}
+    assert stack.terms(request_s=0.0)["request_cpu_s"] == 0.0
 
 
 def test_no_cpu_left_for_the_tokens_says_the_host_was_busy():
     """Other work in the pauses (read as the stack's idle rate) leaves the requests' windows less than none."""
-    trace = trace_of(GROUPS, idle_cores=0.3, path_s=0.03, token_s=0.002, pause_cores=1.0)
+    stack = stack_cpu(trace_of(GROUPS, idle_cores=0.3, path_s=0.03, token_s=0.002, pause_cores=1.0), GROUPS)
+    assert stack.path_s < 0 and stack.spent_s < 0
     with pytest.raises(RuntimeError, match="host ran other work while it was measured"):
-        stack_cpu_terms(trace, GROUPS, request_s=0.06)
+        stack.terms(request_s=0.06)
