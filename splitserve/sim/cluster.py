@@ -181,7 +181,7 @@ class Simulation:
         if self.host is None or overhead.request_s == 0:
             self._place(position)
         elif overhead.request_cpu_s == 0:
-            self._push(self.now + overhead.request_s, self._place, position)
+            self._place_after_waiting(position)
         else:
             run_id = request_run(spec.index)
             self._arriving[run_id] = position
@@ -192,11 +192,15 @@ class Simulation:
         run_id, version = arg
         if self.host.current(run_id, version):
             self._reschedule(self.host.finish(run_id, self.now)[1])
-            position, overhead = self._arriving.pop(run_id), self.scenario.overhead
-            if overhead.request_s > overhead.request_cpu_s:
-                self._push(self.now + overhead.request_s - overhead.request_cpu_s, self._place, position)
-            else:
-                self._place(position)
+            self._place_after_waiting(self._arriving.pop(run_id))
+
+    def _place_after_waiting(self, position: int) -> None:
+        """Placed once the waiting part of its path (request_s less its CPU, off the cores) is over."""
+        wait = self.scenario.overhead.request_s - self.scenario.overhead.request_cpu_s
+        if wait > 0:
+            self._push(self.now + wait, self._place, position)
+        else:
+            self._place(position)
 
     def _place(self, position: int) -> None:
         spec = self.requests[position]
