@@ -88,12 +88,23 @@ def main() -> None:
             cells = [f"{v[q] * 1000:.1f} ms" if v is not ratio else f"{v[q]:.2f}"
                      for q in ("p50", "p99") for v in (real, its, ratio)]
             print(f"| {metric[:-2].upper()} | {label} | " + " | ".join(cells) + " |")
+    print("\ntoken gaps by what else ran (splitserve.sim.token_gaps), simulated with cores shared:")
+    print("| gap | real n | real p50 | sim p50 | real p99 | sim p99 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, real in result["tbt_by_class"]["real"].items():
+        sim = result["tbt_by_class"]["sim"][name]
+        cells = [_ms(side[q]) for q in ("p50", "p99") for side in (real, sim)]
+        print(f"| {name} | {real['n']} | " + " | ".join(cells) + " |")
     if args.alone:
         alone = result["alone"]
         print(f"\nthe first {args.alone} requests one at a time: TTFT p50 real {alone['real'] * 1000:.1f} ms, "
               f"simulated {alone['sim'] * 1000:.1f} ms ({alone['sim_over_real']:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
 if __name__ == "__main__":

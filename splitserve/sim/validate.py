@@ -12,6 +12,7 @@ first replay: the simulator with the measured contention for the host's cores ("
 With `alone` > 0 each round also sends the trace's first `alone` requests one at a time (each after
 the previous ended and a pause, as the overhead's calibration sends them) and simulates them at
 the times they were sent: with no load to model, their error is the calibration's alone.
+`tbt_by_class` pools each run's token gaps by what else ran during them (`splitserve.sim.token_gaps`).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from splitserve.sim.cluster import simulate
 from splitserve.sim.from_config import scenario_from_config
 from splitserve.sim.overhead import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_SIZES, send_group
 from splitserve.sim.serving_profile import measure_serving_overhead, profiled_target
+from splitserve.sim.token_gaps import GAP_CLASSES, classify_gaps, gap_summary, merge_gaps
 
 METRICS = ("ttft_s", "tbt_s")
 RUNS = ("real", "real_again", "sim", "sim_independent")
@@ -43,6 +45,7 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
              repeats: int = 3, log: Log = print, alone: int = 0) -> dict:
     """Rounds over `seeds` (each replays `workload` with that seed); the pooled comparison."""
     pooled: dict[str, list[RequestRecord]] = {run: [] for run in RUNS}
+    gaps = {run: {name: [] for name in GAP_CLASSES} for run in RUNS}  # classed within each round's run
     lone: dict[str, list[RequestRecord]] = {"real": [], "sim": []}
     durations = dict.fromkeys(RUNS, 0.0)
     rounds = []
@@ -61,6 +64,7 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
         for run, (records, duration) in runs.items():
             round_[run] = _latencies(summarize(records, duration))
             pooled[run] += _reindexed(records, len(pooled[run]))
+            merge_gaps(gaps[run], classify_gaps(records))
             durations[run] += duration
         if alone:
             real, simulated = _one_at_a_time(url, config, engine_profile, overhead, requests[:alone], info.model,
@@ -79,7 +83,8 @@ def validate(url: str, config: ClusterConfig, engine_profile: Path, workload: Wo
     latencies = {run: _latencies(summarize(pooled[run], durations[run])) for run in RUNS}
     ratios = {f"{run}_over_real": {m: {q: latencies[run][m][q] / latencies["real"][m][q] for q in ("p50", "p99")}
                                    for m in METRICS} for run in RUNS[1:]}
-    result = {"rounds": rounds, **latencies, **ratios, "num_requests": len(pooled["real"]),
+    result = {"rounds": rounds, **latencies, **ratios, "tbt_by_class": {run: gap_summary(gaps[run]) for run in RUNS},
+              "num_requests": len(pooled["real"]),
               "num_failed": sum(not r.ok for run in ("real", "real_again") for r in pooled[run])}
     if alone:
         real, simulated = _ttft(lone["real"]), _ttft(lone["sim"])

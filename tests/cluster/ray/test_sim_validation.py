@@ -36,3 +36,5 @@ def test_the_simulator_predicts_the_cluster(server, tmp_path):
         sim = result["sim"][metric]["p50"]
         assert any(0.5 <= sim / result[run][metric]["p50"] <= 2.0 for run in ("real", "real_again")), (metric, result)
     assert 0.5 <= result["alone"]["sim_over_real"] <= 2.0, result["alone"]  # sent one at a time, and simulated
+    gaps = result["tbt_by_class"]  # each request's hand-off gap, real and simulated, classed apart from the rest
+    assert gaps["real"]["handoff"]["n"] == gaps["sim"]["handoff"]["n"] == 30, gaps
