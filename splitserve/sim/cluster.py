@@ -345,7 +345,7 @@ class Simulation:
 
     def _kv_landed(self, seq_id: str) -> None:
         worker = self._awaiting_kv.pop(seq_id)
-        seq = worker.complete_import(seq_id, FILLER_TOKEN, self.now)
+        seq = worker.complete_import(seq_id, FILLER_TOKEN)
         if seq.is_finished:  # max_model_len reached with the first token
             self._finish(seq_id)
         self._wake_soon(worker)

@@ -17,9 +17,10 @@ awake, and comes back sooner):
   proxy, the ingress, the CLS placement and the worker calls around the iterations); the second
   multiplies every prefill's profiled time (in the worker process the engine's thread shares the
   cores with the actor's own threads, so a prefill takes longer than in `splitserve profile`).
-  Fitted on lone requests of several prompt sizes: TTFT less the iteration's other terms and the
-  KV transfer's visible time, against the profiled prefill time, as a Theil-Sen line (the median
-  slope over pairs of different sizes, then the median intercept).
+  Fitted on lone requests of several prompt sizes: TTFT less the iteration's other terms, against
+  the profiled prefill time, as a Theil-Sen line (the median slope over pairs of different sizes,
+  then the median intercept). A split request's first token leaves from the prompt worker as it is
+  sampled, so no part of its KV transfer is in its TTFT (the transfer is in its second token's gap).
 - `host_cores`, `request_cpu_s` and `stream_cpu_s`: on a host whose cores the workers share with
   the serving stack (Serve's proxy, the ingress, the CLS, the clients), its cores, the CPU seconds
   of each request's path through the stack (part of `request_s`: the rest is waiting, on RPC hops
@@ -50,7 +51,6 @@ import httpx
 from splitserve.bench.client import send, server_info
 from splitserve.bench.report import RequestRecord
 from splitserve.bench.workload import RequestSpec
-from splitserve.sim.transfer import TransferModel
 
 DEFAULT_PROMPT_SIZES = (32, 128, 256, 512)
 DEFAULT_OUTPUT_TOKENS = 32
@@ -103,27 +103,24 @@ class ServingOverhead:
         return path
 
 
-def fit_overhead(lone: list[RequestRecord], pairs: list[RequestRecord], prompt_perf, token_perf,
-                 transfer: TransferModel) -> ServingOverhead:
+def fit_overhead(lone: list[RequestRecord], pairs: list[RequestRecord], prompt_perf, token_perf) -> ServingOverhead:
     """The terms but the host's (see the module docstring) from completed requests of >= 2 tokens sent one
     at a time (`lone`) and two at a time (`pairs`), with the performance models of the prompt
     worker (prefill) and of the token worker (decode)."""
     lone_extra = _decode_excess(lone, 1, token_perf)
     token = max(0.0, _decode_excess(pairs, 2, token_perf) - lone_extra)
     iteration = max(0.0, lone_extra - token)
-    return fit_prefill(lone, ServingOverhead(iteration_s=iteration, token_s=token), prompt_perf, transfer)
+    return fit_prefill(lone, ServingOverhead(iteration_s=iteration, token_s=token), prompt_perf)
 
 
-def fit_prefill(lone: list[RequestRecord], decode: ServingOverhead, prompt_perf,
-                transfer: TransferModel) -> ServingOverhead:
+def fit_prefill(lone: list[RequestRecord], decode: ServingOverhead, prompt_perf) -> ServingOverhead:
     """`decode` (its iteration_s and token_s) with request_s and prefill_scale fitted on the TTFTs of
     requests sent one at a time (`lone`)."""
     iteration, token = decode.iteration_s, decode.token_s
-    points = []  # (profiled prefill, TTFT less the iteration's other terms and the KV transfer)
+    points = []  # (profiled prefill, TTFT less the iteration's other terms)
     for r in _usable(lone):
         prefill = prompt_perf.prefill_time(r.prompt_tokens)
-        busy = prefill + iteration + token
-        points.append((prefill, r.ttft_s - iteration - token - transfer.visible_time(r.prompt_tokens, busy)))
+        points.append((prefill, r.ttft_s - iteration - token))
     slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(points, 2) if x1 != x2]
     scale = statistics.median(slopes) if slopes else 1.0
     scale = scale if scale > 0 else 1.0  # a flat or falling line says nothing about the prefill's speed

@@ -58,12 +58,12 @@ def measure_serving_overhead(url: str, config: ClusterConfig, engine_profile: Pa
 
     groups, trace = host_cpu.trace_while(measure, SAMPLE_INTERVAL_S) if shared_host else (measure(), None)
     prompt_perf, token_perf = scenario.perf_models[prompt_hw], scenario.perf_models[token_hw]
-    first = fit_overhead(groups[1], groups[2], prompt_perf, token_perf, scenario.transfer)
+    first = fit_overhead(groups[1], groups[2], prompt_perf, token_perf)
     stack = stack_cpu(trace, groups) if shared_host else None
     if stack:
         first = replace(first, host_cores=host_cpu.host_cores(), **stack.terms(first.request_s))
     decode = calibrate_decode(replace(scenario, overhead=first), groups, first)
-    fitted = fit_prefill(groups[1], decode, prompt_perf, scenario.transfer)
+    fitted = fit_prefill(groups[1], decode, prompt_perf)
     return (replace(fitted, **stack.terms(fitted.request_s)) if stack else fitted), sum(map(len, groups.values()))
 
 

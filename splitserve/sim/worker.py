@@ -5,7 +5,9 @@ An iteration is `policy.schedule()` at its start and `policy.complete_step()` at
 `LLMEngine.step` does; in between, simulated time passes (the performance model's estimate). Every
 request has a forced output length (max_tokens with ignore_eos), so every sampled token is the same
 non-EOS id. Token times go into a dict shared with the cluster, one list per request, since a
-request's tokens come from two workers when it is split. With LoRA adapter slots, the engine's own
+request's tokens come from two workers when it is split: its first when the prompt worker samples
+it (the real prompt worker hands it to the client then, while the KV may still be on its way),
+the rest from the token worker once the KV has landed. With LoRA adapter slots, the engine's own
 residency binds sequences to them (`lora_residency`); each adapter it writes into a slot adds
 `lora_swap_s` to the iteration that admits it (the adapters' own compute is not modelled). With a
 `DraftModel`, decodes draft as the engine's speculative decoding does (`sim.drafts`): a step gives
@@ -140,9 +142,9 @@ class SimWorker:
         windowed group's only within its window: `BlockManager.held_from`)."""
         return self.blocks.held_from(seq)
 
-    def complete_import(self, seq_id: str, first_token: int, now: float) -> Sequence:
-        """The KV and the first token have landed at `now`: the sequence decodes from here on."""
-        self.token_times[seq_id].append(now)
+    def complete_import(self, seq_id: str, first_token: int) -> Sequence:
+        """The KV and the first token have landed: the sequence decodes from here on (the first
+        token's time is the prompt worker's, recorded as it was sampled)."""
         self.changed = True
         return self.policy.complete_import(seq_id, first_token)
 
@@ -220,7 +222,8 @@ class SimWorker:
         prefilled, finished_status = SequenceStatus.PREFILLED, SequenceStatus.FINISHED
         for seq in updated:
             status = seq.status
-            if status is prefilled:
+            if status is prefilled:  # its first token goes to the client now, whenever its KV lands
+                times[seq.seq_id].append(now)
                 handed_off.append(seq)
                 self.policy.finish(seq, "abort")  # LLMEngine.release_request: the KV went as a copy
                 continue

@@ -8,7 +8,7 @@ from splitserve.sim.calibrate import calibrate_decode
 from splitserve.sim.cluster import simulate
 from splitserve.sim.overhead import ServingOverhead, fit_overhead
 from splitserve.sim.serving_profile import measure_serving_overhead
-from tests.sim.test_sim_cluster import TRANSFER, mixed, spec, split
+from tests.sim.test_sim_cluster import mixed, spec, split
 from tests.sim.test_sim_worker import LinearPerf
 
 TRUTH = ServingOverhead(request_s=0.01, iteration_s=0.002, token_s=0.0015, host_cores=2, request_cpu_s=0.01,
@@ -52,7 +52,7 @@ def test_the_first_estimate_misreads_pairs_spread_over_two_workers():
     # through batch 1 and 2 of one worker finds a per-token cost far from the true one
     cluster = mixed(2, perf=BatchPerf())
     groups = measured(cluster, (1, 2))
-    first = fit_overhead(groups[1], groups[2], cluster.perf_models["hw"], cluster.perf_models["hw"], TRANSFER)
+    first = fit_overhead(groups[1], groups[2], cluster.perf_models["hw"], cluster.perf_models["hw"])
     assert abs(first.token_s - TRUTH.token_s) > 0.5 * TRUTH.token_s
 
 

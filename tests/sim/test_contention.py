@@ -45,15 +45,15 @@ def test_the_simulator_shares_the_host_between_prompt_and_token_workers():
     shared = split(overhead=ServingOverhead(host_cores=1.0))
     requests = [spec(0, 0.0, 100, 4), spec(1, 0.22, 50, 1)]
     first, second = simulate(shared, requests).records
-    # request 0 alone: prefill 0.1, transfer 0.11, lands at 0.21; decode iteration 0.21-0.23 (0.02 s).
+    # request 0 alone: prefill 0.1 (its first token), transfer 0.11, lands at 0.21; decode 0.21-0.23 (0.02 s).
     # At 0.22 request 1's 0.05 s prefill starts: both at half speed. The decode ends at 0.24 and the
     # next (0.24-0.28) and the last (0.28-0.32) run at half speed too; the prefill, 0.01 s done by
     # 0.24 and 0.02 s more by 0.28, ends with its last 0.02 s at 0.32.
-    assert first.token_times_s == pytest.approx((0.21, 0.24, 0.28, 0.32))
+    assert first.token_times_s == pytest.approx((0.10, 0.24, 0.28, 0.32))
     assert second.ttft_s == pytest.approx(0.10)
     # workers of their own: the decodes every 0.02 s and the prefill in 0.05 s
     alone = simulate(split(), requests).records
-    assert alone[0].token_times_s == pytest.approx((0.21, 0.23, 0.25, 0.27)) and alone[1].ttft_s == pytest.approx(0.05)
+    assert alone[0].token_times_s == pytest.approx((0.10, 0.23, 0.25, 0.27)) and alone[1].ttft_s == pytest.approx(0.05)
     token = simulate(shared, requests).workers[1]
     assert token.worker_id == "token-000" and token.busy_s == pytest.approx(0.03 + 0.04 + 0.04)
 
@@ -61,10 +61,10 @@ def test_the_simulator_shares_the_host_between_prompt_and_token_workers():
 def test_the_simulator_charges_the_stack_for_every_token_streamed():
     streamed = split(overhead=ServingOverhead(host_cores=1.0, stream_cpu_s=0.01))
     (record,) = simulate(streamed, [spec(0, 0.0, 100, 4)]).records
-    # the prefill's token gives the stack 0.01 s (0.10-0.11, alone); the KV lands at 0.21. Each
+    # the prefill's token (at 0.10) gives the stack 0.01 s (0.10-0.11, alone); the KV lands at 0.21. Each
     # decode (0.02 s alone) ends with 0.01 s for the stack, which the next decode shares the core
     # with: 0.23-0.25 at half speed (0.01 done), then alone to 0.26; the same again to 0.29
-    assert record.token_times_s == pytest.approx((0.21, 0.23, 0.26, 0.29))
+    assert record.token_times_s == pytest.approx((0.10, 0.23, 0.26, 0.29))
 
 
 def test_on_a_shared_host_each_requests_path_through_the_stack_is_work_on_its_cores():
@@ -72,17 +72,17 @@ def test_on_a_shared_host_each_requests_path_through_the_stack_is_work_on_its_co
     worker it shares the core, and the worker slows too."""
     shared = split(overhead=ServingOverhead(host_cores=1.0, request_s=0.02, request_cpu_s=0.02))
     first, second = simulate(shared, [spec(0, 0.0, 100, 4), spec(1, 0.23, 50, 1)]).records
-    # request 0 alone: its path 0-0.02, prefill 0.02-0.12, the KV lands at 0.23 (as the plain delay)
+    # request 0 alone: its path 0-0.02, prefill 0.02-0.12 (its first token), the KV lands at 0.23
     # request 1's path (0.23) and the decode 0.23-0.25 share the core: both end at 0.27. Request 1's
     # prefill (0.05 s) then shares it with two decodes (0.27-0.31, 0.31-0.35) and ends alone at 0.36
-    assert first.token_times_s == pytest.approx((0.23, 0.27, 0.31, 0.35))
+    assert first.token_times_s == pytest.approx((0.12, 0.27, 0.31, 0.35))
     assert second.ttft_s == pytest.approx(0.36 - 0.23)
     apart = simulate(split(overhead=ServingOverhead(request_s=0.02)), [spec(0, 0.0, 100, 4)]).records[0]
-    assert apart.token_times_s == pytest.approx((0.23, 0.25, 0.27, 0.29))  # cores of their own: a plain delay
+    assert apart.token_times_s == pytest.approx((0.12, 0.25, 0.27, 0.29))  # cores of their own: a plain delay
 
 
-@pytest.mark.parametrize("request_cpu_s, tokens, ttft", [(0.0, (0.23, 0.25, 0.29, 0.33), 0.11),
-                                                          (0.01, (0.23, 0.26, 0.30, 0.34), 0.12)],
+@pytest.mark.parametrize("request_cpu_s, tokens, ttft", [(0.0, (0.12, 0.25, 0.29, 0.33), 0.11),
+                                                          (0.01, (0.12, 0.26, 0.30, 0.34), 0.12)],
                          ids=["all-waiting", "half-cpu"])
 def test_only_the_cpu_of_a_requests_path_shares_the_cores(request_cpu_s, tokens, ttft):
     """request_s = its CPU (run first, on the cores) + waiting (off them): the waiting neither slows

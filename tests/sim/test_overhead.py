@@ -10,12 +10,8 @@ from splitserve.placement import Role
 from splitserve.sim.cluster import simulate
 from splitserve.sim.overhead import ServingOverhead, fit_overhead
 from splitserve.sim.scenario import PoolSpec, Scenario
-from splitserve.sim.transfer import TransferModel
 from tests.sim.test_sim_cli import write_cpu_profile
 from tests.sim.test_sim_worker import LinearPerf
-
-# 100 tokens take 0.1 s on the wire (+ 10 ms); serialized below 512 tokens
-TRANSFER = TransferModel(bandwidth_bytes_per_s=1e6, latency_s=0.01, kv_bytes_per_token=1000, num_layers=10)
 
 
 class BatchPerf(LinearPerf):
@@ -33,21 +29,22 @@ def record(prompt, ttft, gap, tokens=5):
 def test_fit_on_hand_made_records():
     # alone: gaps 20 + 5 ms = decode(1) + iteration 2 ms + token 3 ms; in pairs: 30 + 2 + 2 x 3 = 38 ms
     perf = BatchPerf()
-    # TTFT 100 tokens alone: prefill 0.1 + 5 ms overheads + transfer 0.11 + request 40 ms = 0.255
-    lone = [record(100, 0.255, 0.025), record(100, 0.255, 0.025), record(100, 0.300, 0.040)]
+    # TTFT 100 tokens alone: prefill 0.1 + 5 ms overheads + request 40 ms = 0.145 (the first token
+    # leaves from the prompt worker: no KV transfer in it)
+    lone = [record(100, 0.145, 0.025), record(100, 0.145, 0.025), record(100, 0.190, 0.040)]
     pairs = [record(100, 0.5, 0.038)] * 3
-    fitted = fit_overhead(lone, pairs, perf, perf, TRANSFER)
+    fitted = fit_overhead(lone, pairs, perf, perf)
     assert fitted.token_s == pytest.approx(0.003)
     assert fitted.iteration_s == pytest.approx(0.002)
     assert fitted.request_s == pytest.approx(0.040)
 
 
 def test_fit_finds_a_slower_prefill_across_prompt_sizes():
-    # TTFT = 40 ms + 1.5 x prefill (1 ms a token) + 5 ms overheads + serialized transfer (10 ms + 1 ms a token)
+    # TTFT = 40 ms + 1.5 x prefill (1 ms a token) + 5 ms overheads
     perf = BatchPerf()
-    lone = [record(n, 0.040 + 0.0015 * n + 0.005 + 0.010 + 0.001 * n, 0.025) for n in (50, 100, 200, 400)]
+    lone = [record(n, 0.040 + 0.0015 * n + 0.005, 0.025) for n in (50, 100, 200, 400)]
     lone.append(record(200, 0.9, 0.025))  # one outlier moves neither the median slope nor the intercept
-    fitted = fit_overhead(lone, [record(100, 0.5, 0.038)], perf, perf, TRANSFER)
+    fitted = fit_overhead(lone, [record(100, 0.5, 0.038)], perf, perf)
     assert fitted.prefill_scale == pytest.approx(1.5) and fitted.request_s == pytest.approx(0.040)
 
 
@@ -55,14 +52,13 @@ def test_fit_clips_at_zero():
     perf = BatchPerf()
     # faster than the profile everywhere: nothing to add; pairs no slower than alone: no per-token term
     lone, pairs = [record(100, 0.1, 0.015)], [record(100, 0.1, 0.015)]
-    assert fit_overhead(lone, pairs, perf, perf, TRANSFER) == ServingOverhead(0.0, 0.0, 0.0)
+    assert fit_overhead(lone, pairs, perf, perf) == ServingOverhead(0.0, 0.0, 0.0)
 
 
 def test_fit_needs_token_gaps():
     failed = RequestRecord(0, 100, 0, 5, 0.0, None, (), None, error="boom", status=500)
     with pytest.raises(ValueError, match="two or more tokens"):
-        fit_overhead([failed, record(100, 0.1, 0.02, tokens=1)], [record(100, 0.1, 0.02)], LinearPerf(),
-                     LinearPerf(), TRANSFER)
+        fit_overhead([failed, record(100, 0.1, 0.02, tokens=1)], [record(100, 0.1, 0.02)], LinearPerf(), LinearPerf())
 
 
 def test_file_round_trip_and_bad_files(tmp_path):
