@@ -1,4 +1,5 @@
-"""How long a prompt's KV takes to reach its token worker, and how much of that the client sees.
+"""How long a prompt's KV takes to reach its token worker, and how much of that the client sees (in
+the gap between its first token, the prompt worker's, and its second, the token worker's).
 
 Serialized (prompts under `layerwise_threshold`, Splitwise IV-C, Fig. 11a): the whole KV goes in
 one message after the prefill, so all of it is visible:
