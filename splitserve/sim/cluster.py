@@ -7,11 +7,12 @@ number). Per request, as in a real run (splitserve.cluster.dispatch):
 1. arrival: `ClusterState.place`; no placement, or no room on the token worker at reservation
    (EngineFullError / OutOfBlocksError), rejects it (HTTP 429); a prompt of max_model_len tokens or
    more is refused as the engine refuses it (HTTP 400);
-2. split: the token worker reserves blocks, the prompt worker prefills with hand-off; after the
-   prefill iteration the prompt side frees its blocks, and at iteration end + the visible transfer
-   time the KV lands: the token worker takes the sequence with its first token, and the client sees
-   that first token then (the real prompt worker returns it once its pushes have left). The prompt
-   worker goes on with its next iteration at once: the pushes are asynchronous (Splitwise IV-C);
+2. split: the token worker reserves blocks, the prompt worker prefills with hand-off; at the end of
+   the prefill iteration the client gets the first token (the real prompt worker returns it without
+   waiting for its pushes) and the prompt side frees its blocks; at iteration end + the visible
+   transfer time the KV lands and the token worker takes the sequence with its first token, so the
+   transfer shows in the second token. The prompt worker goes on with its next iteration at once:
+   the pushes are asynchronous (Splitwise IV-C);
    local: the whole request runs on one worker;
 3. each token's time is the end of the iteration that sampled it, plus the scenario's per-request
    serving overhead (`ServingOverhead.request_s`: the client sees every token that much later).
