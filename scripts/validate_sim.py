@@ -85,7 +85,7 @@ def main() -> None:
         for name, label in (("sim", "simulated, cores shared"), ("sim_independent", "simulated, cores of their own"),
                             ("real_again", "the same trace again, fresh prompts")):
             real, its, ratio = result["real"][metric], result[name][metric], result[f"{name}_over_real"][metric]
-            cells = [f"{v[q] * 1000:.1f} ms" if v is not ratio else f"{v[q]:.2f}"
+            cells = [_ms(v[q]) if v is not ratio else f"{v[q]:.2f}"
                      for q in ("p50", "p99") for v in (real, its, ratio)]
             print(f"| {metric[:-2].upper()} | {label} | " + " | ".join(cells) + " |")
     print("\ntoken gaps by what else ran (splitserve.sim.token_gaps), simulated with cores shared:")

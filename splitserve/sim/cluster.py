@@ -46,13 +46,13 @@ from splitserve.engine.block_manager import OutOfBlocksError
 from splitserve.engine.collector import collector_paused
 from splitserve.engine.policies.base import EngineFullError
 from splitserve.engine.prefix_hash import prompt_block_hashes
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence as EngineSequence
 from splitserve.placement import ClusterState, PlacementRequest, PoolMove, Role, WorkerState
 from splitserve.placement.load import prefix_delta_of
 from splitserve.placement.state import MAX_PREFIX_BLOCKS, REFUSED_TRIES, PrefixOptions
 from splitserve.sim.contention import STACK, SharedHost, request_run
 from splitserve.sim.records import SimRecords
+from splitserve.sim.request_inputs import RequestInputs
 from splitserve.sim.result import SimResult, WorkerStats
 from splitserve.sim.scenario import Scenario
 from splitserve.sim.transfer import KVExport
@@ -106,7 +106,7 @@ class Simulation:
         self.token_times: dict[str, list[float]] = {}  # requests in flight: when each token was sampled
         self._slots: dict[str, int] = {}  # requests in flight: their slots in `records`
         self._prefills: dict[str, EngineSequence] = {}  # requests in flight: their prefill's sequence (its cache hit)
-        self._params: dict[tuple, SamplingParams] = {}  # shared by requests alike (SamplingParams is frozen)
+        self.inputs = RequestInputs(self.caching)
         self.workers: dict[str, SimWorker] = {}
         self._hardware_of: dict[str, str] = {}
         self._add_workers()
@@ -206,12 +206,12 @@ class Simulation:
     def _place(self, position: int) -> None:
         spec = self.requests[position]
         seq_id, slot = f"r{spec.index}", self.records.slot_of(spec.index)
-        prompt = self._prompt_of(spec)
+        prompt = self.inputs.prompt_of(spec)
         hashes = prompt_block_hashes(prompt, self.scenario.block_size, MAX_PREFIX_BLOCKS,
                                      lora=spec.adapter) if self.aware else ()
         request, params, refused = PlacementRequest(seq_id, spec.prompt_tokens, spec.output_tokens,
                                                     prefix_hashes=hashes, priority=spec.priority,
-                                                    lora=spec.adapter), self._params_of(spec), {}
+                                                    lora=spec.adapter), self.inputs.params_of(spec), {}
         starts: tuple[int, ...] = ()  # split: per KV layer group, the first position the token worker receives
         for tries in range(1, REFUSED_TRIES + 1):  # as the ingress does (cluster/dispatch.py)
             placement, moves = self.cls.place(request, self.now, refused)
@@ -248,28 +248,6 @@ class Simulation:
         seq.export_from = starts  # the prompt worker releases the windowed blocks its export never reads
         prompt_worker.add(seq, hand_off=not placement.local)
         self._wake_soon(prompt_worker)
-
-    def _prompt_of(self, spec: RequestSpec) -> list[int]:
-        """Without prefix caching, zeros. With it, each prefix block's id repeated for its tokens
-        (equal blocks are equal tokens), or, for a request with no blocks, tokens no other has."""
-        if not self.caching:
-            return [0] * spec.prompt_tokens
-        if not spec.prefix_blocks:
-            return [-1 - spec.index] * spec.prompt_tokens
-        tokens: list[int] = []
-        for block in spec.prefix_blocks:  # built to the prompt's length only (a block may be longer than it)
-            tokens += itertools.repeat(block, min(spec.block_tokens, spec.prompt_tokens - len(tokens)))
-        return tokens
-
-    def _params_of(self, spec: RequestSpec) -> SamplingParams:
-        """The request's forced length and targets; one (validated) instance per distinct value."""
-        key = (spec.output_tokens, spec.ttft_slo_s, spec.tbt_slo_s, spec.priority)
-        params = self._params.get(key)
-        if params is None:
-            params = self._params[key] = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True,
-                                                        ttft_slo_s=spec.ttft_slo_s, tbt_slo_s=spec.tbt_slo_s,
-                                                        priority=spec.priority)
-        return params
 
     def _wake_soon(self, worker: SimWorker) -> None:
         """Start the idle `worker` once the other events of this instant are done."""

@@ -75,6 +75,6 @@ def test_a_block_longer_than_its_prompt_is_cut_to_the_prompt():
 
     huge = RequestSpec(0, 0.0, 5, 1, prefix_blocks=(3, 4), block_tokens=10 ** 15)
     run = Simulation(split(), [huge])
-    assert run.caching and run._prompt_of(huge) == [3] * 5
-    assert run._prompt_of(RequestSpec(1, 0.0, 5, 1, prefix_blocks=(3, 4), block_tokens=3)) == [3, 3, 3, 4, 4]
-    assert run._prompt_of(RequestSpec(2, 0.0, 9, 1, prefix_blocks=(3, 4), block_tokens=3)) == [3, 3, 3, 4, 4, 4]
+    assert run.caching and run.inputs.prompt_of(huge) == [3] * 5
+    assert run.inputs.prompt_of(RequestSpec(1, 0.0, 5, 1, prefix_blocks=(3, 4), block_tokens=3)) == [3, 3, 3, 4, 4]
+    assert run.inputs.prompt_of(RequestSpec(2, 0.0, 9, 1, prefix_blocks=(3, 4), block_tokens=3)) == [3, 3, 3, 4, 4, 4]
