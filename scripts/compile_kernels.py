@@ -219,7 +219,7 @@ class LayerLaunches(torch.nn.Module):
         t, c, attention, meta = ids.shape[0], self.config, self.attention, metas[0]
         x = torch.empty((t, c.hidden_size), dtype=self.dtype)
         h, _ = add_rms_norm(x, None, self.weight, c.rms_norm_eps, c.gemma_norms)
-        q, k, v = attention.heads(self._project(attention.qkv_proj, h))
+        q, k, v = attention.heads(*attention.qkv_proj.split(self._project(attention.qkv_proj, h)))
         weight = torch.empty(c.head_dim, dtype=self.dtype)
         norms = None if attention.q_norm is None else (weight, weight, c.rms_norm_eps, c.gemma_norms)  # Qwen3's q, k
         rotate_in_place(positions, q, k, self.cos, self.sin, norms)

@@ -5,14 +5,15 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from splitserve.engine.config_error import ConfigError, positive_int
+from splitserve.engine.config_error import ConfigError, positive_float, positive_int, positive_number
+from splitserve.engine.config_families import OLMO_ARCHITECTURES, SMOLLM3, family_fields
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.quantization_config import parse_quantization, stored_unquantized
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
+                           "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM")
 MULTIMODAL_ARCHITECTURES = {  # served text-only: (its language model, that model's weights prefix, skipped prefixes)
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.",
                                        ("vision_tower.", "multi_modal_projector."))}
@@ -22,9 +23,12 @@ GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate
                         "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
                         "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                         "tie_word_embeddings": True}
-QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",  # a window only with
-                      "Qwen3MoeForCausalLM")                                          # use_sliding_window
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + OLMO_ARCHITECTURES
+# attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
+O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                             "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", SMOLLM3,
+                             *OLMO_ARCHITECTURES)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
                      "GptOssForCausalLM")
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
@@ -67,9 +71,16 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     attention_bias: bool = False   # on the q, k and v projections
-    attention_out_bias: bool = False  # on o_proj too (GPT-OSS)
+    attention_out_bias: bool = False  # on o_proj too (GPT-OSS; O_PROJ_BIAS_ARCHITECTURES with attention_bias)
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins every softmax (attention.base.Scoring)
     qk_norm: bool = False          # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
+    qk_norm_across_heads: bool = False  # OLMo: ... over all of q's heads together, and k's (a weight per row)
+    norms_after: bool = False      # OLMo: the attention's and the MLP's outputs are normalized before they join
+    #                                the residual stream, their inputs not (no input_layernorm)
+    embedding_multiplier: float = 1.0  # Granite: the embeddings are scaled by it
+    residual_multiplier: float = 1.0   # Granite: the attention's and the MLP's outputs are scaled by it
+    logits_scaling: float = 1.0        # Granite: the logits are divided by it
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not turn q and k (no rotary embedding)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # a sliding layer's token attends to the latest this many positions (itself too)
     sliding_layers: tuple[int, ...] = ()  # the layers with the window; the others attend to the whole context
@@ -160,15 +171,12 @@ class ModelConfig:
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         quantization = parse_quantization(cfg, arch, source)
-        if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias"):
-            raise ConfigError(f"{source}: attention_bias=true is not supported for {arch} (it would put a "
-                              "bias on o_proj too); released Qwen3 checkpoints have none")
-        rope = _mapping(cfg, "rope_parameters", source)  # transformers 5 keeps rope_theta and scaling here
-        gemma = arch in GEMMA_ARCHITECTURES
-        if gemma:
-            rope, gemma_fields = _parse_gemma(cfg, arch, source, int(head_dim))
-        scaling = _mapping(cfg, "rope_scaling", source) or rope
+        if cfg.get("mlp_bias"):
+            raise ConfigError(f"{source}: mlp_bias=true is not supported (biases on the MLP's projections)")
         layers = need("num_hidden_layers")
+        rope = _mapping(cfg, "rope_parameters", source)  # transformers 5 keeps rope_theta and scaling here
+        rope, family = family_fields(cfg, arch, source, int(head_dim), layers, rope)
+        scaling = _mapping(cfg, "rope_scaling", source) or rope
         max_positions = need("max_position_embeddings", 2048)
         rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source)
         oss = arch == "GptOssForCausalLM"
@@ -177,16 +185,17 @@ class ModelConfig:
             intermediate_size=need("intermediate_size"), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
             max_position_embeddings=max_positions, rotary_dim=rotary_dim,
-            rms_norm_eps=_positive_float(cfg, "rms_norm_eps", 1e-6, source),
-            rope_theta=_positive_float(rope if "rope_theta" in rope else cfg, "rope_theta", 10000.0, source),
+            rms_norm_eps=positive_float(cfg, "rms_norm_eps", 1e-6, source),
+            rope_theta=positive_float(rope if "rope_theta" in rope else cfg, "rope_theta", 10000.0, source),
             rope_scaling=_parse_rope_scaling(scaling, source, max_positions,
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
                                 else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            attention_out_bias=oss and bool(cfg.get("attention_bias", True)), attention_sinks=oss,
+            attention_out_bias=arch in O_PROJ_BIAS_ARCHITECTURES and bool(cfg.get("attention_bias", oss)),
+            attention_sinks=oss,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            **_parse_window(cfg, arch, source, layers), hidden_act=_activation(cfg, source), **(gemma_fields if gemma else {}),
+            **_parse_window(cfg, arch, source, layers, family), hidden_act=_activation(cfg, source), **family,
             **(_parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
             **quantization,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -205,47 +214,6 @@ def _text_config(cfg: dict, arch: str, source: str) -> dict:
         if name in cfg and name not in text:
             merged[name] = cfg[name]
     return merged
-
-
-def _parse_gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict, dict]:
-    """(the global layers' rope parameters, ModelConfig's Gemma fields), as transformers reads
-    them: Gemma 2's soft caps default to 50 and 30, Gemma 3's to none; Gemma 3's sliding layers
-    turn at their own base (transformers 5's rope_parameters per layer type, or
-    rope_local_base_freq), unscaled, and its global ones default to a base of 1e6."""
-    if cfg.get("use_bidirectional_attention"):
-        raise ConfigError(f"{source}: use_bidirectional_attention=true is not supported (an encoder's attention)")
-    rope = cfg.get("rope_parameters") or {}
-    fields = dict(gemma_norms=True,
-                  attention_scale=(_positive(cfg, "query_pre_attn_scalar", None, source) or head_dim) ** -0.5)
-    if arch == "Gemma2ForCausalLM":
-        return rope, dict(fields, attn_logit_softcap=_positive(cfg, "attn_logit_softcapping", 50.0, source),
-                          final_logit_softcap=_positive(cfg, "final_logit_softcapping", 30.0, source))
-    per_type = rope if "full_attention" in rope or "sliding_attention" in rope else {}
-    local = per_type.get("sliding_attention") or {}
-    if local.get("rope_type", "default") != "default":
-        raise ConfigError(f"{source}: rope_parameters.sliding_attention rope_type {local['rope_type']!r} is not "
-                          "supported (Gemma 3's sliding layers are unscaled)")
-    rope = {"rope_theta": cfg.get("rope_theta", 1_000_000.0), **(per_type.get("full_attention") or {})}
-    return rope, dict(fields, attn_logit_softcap=_positive(cfg, "attn_logit_softcapping", None, source),
-                      final_logit_softcap=_positive(cfg, "final_logit_softcapping", None, source),
-                      local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))))
-
-
-def _positive(cfg: dict, name: str, default: float | None, source: str) -> float | None:
-    """A positive finite number, null (none), or absent (transformers' default)."""
-    value = cfg.get(name, default)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not 0 < value < math.inf):
-        raise ConfigError(f"{source}: {name} must be a positive number or null, got {value!r}")
-    return None if value is None else float(value)
-
-
-def _positive_float(cfg: dict, name: str, default: float, source: str) -> float:
-    """A positive number, or absent (transformers' default); null is refused."""
-    value = _positive(cfg, name, default, source)
-    if value is None:
-        raise ConfigError(f"{source}: {name} must be a positive number, got None")
-    return value
 
 
 def _mapping(cfg: dict, name: str, source: str) -> dict:
@@ -273,21 +241,22 @@ def _rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str) -> int:
     return rotary_dim
 
 
-def _parse_window(cfg: dict, arch: str, source: str, layers: int) -> dict:
-    """ModelConfig's sliding_window and sliding_layers: a Qwen has a window only with
-    use_sliding_window; the layers with it are as config.json's layer_types says (transformers 5
-    writes it), else as transformers derives them: a Qwen's from max_window_layers on, Gemma 2's
-    even ones, Gemma 3's all but every sliding_window_pattern-th, every layer of the others
-    (Mistral, Mixtral)."""
-    qwen = arch in QWEN_ARCHITECTURES
-    window = cfg.get("sliding_window") if (not qwen or cfg.get("use_sliding_window")) else None
-    if window is None:
+def _parse_window(cfg: dict, arch: str, source: str, layers: int, family: dict) -> dict:
+    """ModelConfig's sliding_window and sliding_layers: a Qwen or SmolLM3 has a window only with
+    use_sliding_window, an OLMo 3 one of 4096 where its config names none; the layers with it are
+    as config.json's layer_types says (transformers 5 writes it), else as transformers derives
+    them: a Qwen's from max_window_layers on, Gemma 2's even ones, Gemma 3's all but every
+    sliding_window_pattern-th, OLMo 3's all but every fourth, SmolLM3's those without a rotary
+    embedding, every layer of the others (Mistral, Mixtral)."""
+    gated = arch in QWEN_ARCHITECTURES or arch == SMOLLM3
+    window = cfg.get("sliding_window", 4096 if arch == "Olmo3ForCausalLM" else None)
+    if window is None or (gated and not cfg.get("use_sliding_window")):
         return {}
     return dict(sliding_window=positive_int(window, "sliding_window", source),
-                sliding_layers=_sliding_layers(cfg, arch, source, layers, qwen))
+                sliding_layers=_sliding_layers(cfg, arch, source, layers, family))
 
 
-def _sliding_layers(cfg: dict, arch: str, source: str, layers: int, qwen: bool) -> tuple[int, ...]:
+def _sliding_layers(cfg: dict, arch: str, source: str, layers: int, family: dict) -> tuple[int, ...]:
     types = cfg.get("layer_types")
     if types is not None:
         kinds = ("sliding_attention", "full_attention")
@@ -299,7 +268,11 @@ def _sliding_layers(cfg: dict, arch: str, source: str, layers: int, qwen: bool) 
     if arch == "Gemma3ForCausalLM":
         pattern = int(cfg.get("sliding_window_pattern") or 6)
         return tuple(i for i in range(layers) if (i + 1) % pattern)
-    first = int(cfg.get("max_window_layers", 28)) if qwen else 0  # transformers' Qwen default
+    if arch == "Olmo3ForCausalLM":
+        return tuple(i for i in range(layers) if (i + 1) % 4)
+    if arch == SMOLLM3:
+        return family["nope_layers"]
+    first = int(cfg.get("max_window_layers", 28)) if arch in QWEN_ARCHITECTURES else 0  # transformers' Qwen default
     return tuple(range(first, layers))
 
 
@@ -319,8 +292,8 @@ def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
         return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]))
     if arch == "GptOssForCausalLM":  # softmax over the top k router logits: the renormalized top k of the softmax
         return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]),
-                    swiglu_limit=_positive(cfg, "swiglu_limit", 7.0, source),
-                    swiglu_alpha=_positive_float(cfg, "swiglu_alpha", 1.702, source))
+                    swiglu_limit=positive_number(cfg, "swiglu_limit", 7.0, source),
+                    swiglu_alpha=positive_float(cfg, "swiglu_alpha", 1.702, source))
     width = positive_int(cfg.get("moe_intermediate_size"), "moe_intermediate_size", source)
     step = positive_int(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
     only = cfg.get("mlp_only_layers") or []

@@ -12,11 +12,12 @@ import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
-                          GptOssForCausalLM, LlamaConfig,
+                          GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
                           Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
                           Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+                          Qwen3MoeForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from splitserve.engine.tokenizer import HFTokenizer
@@ -57,7 +58,8 @@ CONFIGS = {
                                                         sliding_window=16, max_window_layers=1)),
     "qwen2_yarn": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, rope_theta=10000.0,
                                                       rope_scaling=YARN_ROPE)),
-    "llama_head_dim": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
+    # heads wider than hidden_size / heads; attention_bias puts a bias on o_proj too
+    "llama_head_dim": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32, attention_bias=True)),
     # per-head q/k norms, heads x head_dim wider than hidden_size, tied embeddings (as the small Qwen3s)
     "qwen3_qk_norm": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
                                                           tie_word_embeddings=True)),
@@ -96,6 +98,22 @@ CONFIGS = {
         sliding_window=16, swiglu_limit=2.0,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0})),
+    # Granite: the embeddings, each sublayer's output and the logits scaled (by values far from 1), the
+    # attention's scale its own, biases on q, k, v and o
+    "granite": (GraniteConfig, GraniteForCausalLM, dict(num_key_value_heads=2, embedding_multiplier=6.0,
+                                                        residual_multiplier=0.4, attention_multiplier=0.3,
+                                                        logits_scaling=0.5, attention_bias=True)),
+    # OLMo 2: norms after each sublayer, none before; q's and k's norms across all heads
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, dict(num_key_value_heads=2, rope_theta=500000.0)),
+    # OLMo 3: a window on the first layer, which turns unscaled at a base of its own; YaRN on the other
+    "olmo3": (Olmo3Config, Olmo3ForCausalLM, dict(
+        num_key_value_heads=4, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                            "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
+    # SmolLM3: the middle layer turns neither q nor k (NoPE)
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(num_key_value_heads=2, num_hidden_layers=3,
+                                                        no_rope_layers=[1, 0, 1], rope_theta=2000000.0)),
 }
 QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers: Qwen2's tokenizer class
 

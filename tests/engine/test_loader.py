@@ -67,10 +67,12 @@ def test_qwen3_has_head_norms_and_no_biases(tmp_path):
     assert cfg.sliding_window is None  # use_sliding_window is false, as in every released Qwen3
 
 
-def test_qwen3_with_attention_bias_is_refused(tmp_path):
+def test_qwen3_attention_bias_biases_o_proj_too(tmp_path):
+    """As transformers builds it (the o_proj bias itself checked against transformers on Llama's
+    `llama_head_dim` checkpoint in test_model_vs_hf)."""
     make_qwen3(attention_bias=True).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="attention_bias"):
-        load_model_config(tmp_path)
+    cfg = load_model_config(tmp_path)
+    assert cfg.attention_bias and cfg.attention_out_bias
 
 
 def test_dummy_weights_leave_gemma_norms_neutral(tmp_path):

@@ -1,5 +1,5 @@
 """ModelConfig.from_hf on config.json files written by transformers' own `save_pretrained`:
-which layers have a sliding window, and Gemma 2's fields."""
+which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo and SmolLM3."""
 import json
 import re
 
@@ -52,6 +52,59 @@ def test_gemma2_config_fields(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**raw, "hidden_activation": "relu"}))
     with pytest.raises(ConfigError, match="hidden activation 'relu' is not supported"):
         load_model_config(tmp_path)
+
+
+def test_granite_config_fields(tmp_path):
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    GraniteForCausalLM(GraniteConfig(**SHAPE, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
+                                     attention_multiplier=0.015625)).save_pretrained(tmp_path)
+    cfg = load_model_config(tmp_path)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == (12.0, 0.22, 8.0)
+    assert cfg.attention_scale == 0.015625 and not cfg.attention_out_bias
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "logits_scaling": 0}))
+    with pytest.raises(ConfigError, match="logits_scaling must be a positive number"):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "mlp_bias": True}))
+    with pytest.raises(ConfigError, match="mlp_bias=true is not supported"):
+        load_model_config(tmp_path)
+
+
+def test_olmo3_from_a_transformers_4_config(tmp_path):
+    """A hub OLMo 3 config.json (transformers 4): top-level rope_theta and rope_scaling, which are
+    the full-attention layers'; the sliding ones turn at that base unscaled; no layer_types (all
+    but every fourth layer slides) and, where it names none, a 4096-token window."""
+    raw = {**BASE, "architectures": ["Olmo3ForCausalLM"], "num_hidden_layers": 8, "rope_theta": 500000.0,
+           "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}}
+    cfg = ModelConfig.from_hf(raw)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (4096, (0, 1, 2, 4, 5, 6))
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.rope_type) == (500000.0, 500000.0, "yarn")
+    assert cfg.norms_after and cfg.qk_norm and cfg.qk_norm_across_heads
+    full = {**raw, "sliding_window": 32, "layer_types": ["full_attention"] * 8}
+    assert ModelConfig.from_hf(full).sliding_layers == ()
+    per_type = {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
+    with pytest.raises(ConfigError, match="sliding_attention rope_type 'linear' is not supported"):
+        ModelConfig.from_hf({**raw, "rope_scaling": None, "rope_parameters": per_type})
+
+
+def test_smollm3_layers_without_rope(tmp_path):
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    SmolLM3ForCausalLM(SmolLM3Config(**{**SHAPE, "num_hidden_layers": 8}, pad_token_id=None)).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert load_model_config(tmp_path).nope_layers == (3, 7)  # transformers: every fourth
+    legacy = {k: v for k, v in raw.items() if k != "no_rope_layers"}
+    assert ModelConfig.from_hf({**legacy, "no_rope_layer_interval": 2}).nope_layers == (1, 3, 5, 7)
+    # a window only with use_sliding_window; without layer_types, on the layers without rope
+    windowed = {k: v for k, v in raw.items() if k != "layer_types"}
+    assert ModelConfig.from_hf({**windowed, "sliding_window": 16}).sliding_window is None
+    cfg = ModelConfig.from_hf({**windowed, "sliding_window": 16, "use_sliding_window": True})
+    assert (cfg.sliding_window, cfg.sliding_layers) == (16, (3, 7))
+    for bad in ([1, 0], [1, 2] * 4, [True] * 8):
+        with pytest.raises(ConfigError, match="no_rope_layers must list 8 flags of 0 or 1"):
+            ModelConfig.from_hf({**raw, "no_rope_layers": bad})
 
 
 @pytest.mark.parametrize("quant", [{"quant_method": "gptq", "bits": 4}, {"quant_method": "mxfp4"}])

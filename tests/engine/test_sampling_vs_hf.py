@@ -95,7 +95,9 @@ def test_greedy_generation_with_bad_words_and_allowed_ids_matches_hf(ckpt):
     llm = LLM(path, policy="mixed", chunk_token_budget=16, prompt_token_budget=48, dtype="float32", **ENGINE_ARGS)
     plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     first = llm.generate(prompts[:1], plain)[0].token_ids
-    words = [llm.get_tokenizer().decode(first[1:3]), llm.get_tokenizer().decode(first[5:6])]
+    tokenizer = llm.get_tokenizer()  # the second word: the first single token from the sixth on that is not blank
+    singles = (tokenizer.decode([t]) for t in first[5:])
+    words = [tokenizer.decode(first[1:3]), next(w for w in singles if w.strip())]
     spelled = BadWords.of(words, llm.get_tokenizer())
     bad_ids = [[t] for t in spelled.always] + [list(ids) for group in spelled.after.values() for ids in group]
     allowed = sorted(set(range(3, 60)) | set(first[:4]))

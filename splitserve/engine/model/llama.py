@@ -1,6 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, and with sparse MoE
-layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, whose attention also has sinks and
-an o_proj bias) over flattened tokens of many sequences.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite, OLMo 2 and
+3, SmolLM3, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, whose
+attention also has sinks and an o_proj bias) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows (`model.linear`; a block-wise FP8
@@ -90,21 +90,48 @@ class LlamaAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if c.attention_sinks else None
         self.kv_scale = (1.0, 1.0)  # an FP8 cache's K and V scales: the checkpoint's k_scale, v_scale (loader)
         self.sink_slice = ShardSlice(0, q_lo, q_hi, c.num_attention_heads) if shard.size > 1 else None
-        # one weight per head dim, the same for every head: whole on every rank
-        self.q_norm = RMSNorm(d, c.rms_norm_eps, c.gemma_norms) if c.qk_norm else None
-        self.k_norm = RMSNorm(d, c.rms_norm_eps, c.gemma_norms) if c.qk_norm else None
+        # Qwen3's: one weight per head dim, the same for every head, whole on every rank; OLMo's
+        # (across_heads): one per row of the projection, a rank holding its heads' rows
+        self.across_heads = c.qk_norm_across_heads
+        widths = (self.num_heads * d, kv) if self.across_heads else (d, d)
+        self.q_norm, self.k_norm = (RMSNorm(w, c.rms_norm_eps, c.gemma_norms) for w in widths) if c.qk_norm \
+            else (None, None)
+        self.norm_slices = {"q_norm": ShardSlice(0, *q_cuts), "k_norm": ShardSlice(0, *kv_cuts)} \
+            if self.across_heads and shard.size > 1 else {}
+        # an all-reduced sum of squares counts a KV head once per rank holding it
+        self.reduce, self.kv_copies = reduce, max(1, shard.size // c.num_key_value_heads)
+        self.widths = (q_total, kv_total)
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv: torch.Tensor,
+    def forward(self, x, positions, rotary: RotaryEmbedding | None, kv: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.heads(self.qkv_proj(x))
-        q, k = rotary(positions, q, k, None if self.q_norm is None else (self.q_norm, self.k_norm))
+        """`rotary`: None in a layer that does not turn q and k (SmolLM3's)."""
+        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
+        parts = self.qkv_proj.split(self.qkv_proj(x))
+        if self.across_heads:
+            parts, norms = (*self._norm_across_heads(*parts[:2]), parts[2]), None
+        q, k, v = self.heads(*parts)
+        if rotary is not None:
+            q, k = rotary(positions, q, k, norms)
+        elif norms is not None:
+            q, k = norms[0](q), norms[1](k)
         out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap, self.sinks, self.kv_scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
-    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim]: views of the fused projection's output."""
-        t = qkv.shape[0]
-        q, k, v = self.qkv_proj.split(qkv)
+    def _norm_across_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo's q and k norms, each over all of its projection's heads ([T, heads * head_dim]): on
+        one rank its RMSNorm; a rank of several holds some heads, so the sums of squares are
+        all-reduced first."""
+        if self.reduce is None:
+            return self.q_norm(q), self.k_norm(k)
+        sums = self.reduce(torch.stack((q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)), dim=-1))
+        means = (sums[:, 0] / self.widths[0], sums[:, 1] / (self.widths[1] * self.kv_copies))
+        return tuple(norm.weight * (part.float() * torch.rsqrt(mean[:, None] + norm.eps)).to(part.dtype)
+                     for part, mean, norm in ((q, means[0], self.q_norm), (k, means[1], self.k_norm)))
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim]: views of the fused projection's
+        parts (`qkv_proj.split`)."""
+        t = q.shape[0]
         return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
                 v.view(t, self.num_kv_heads, self.head_dim))
 
@@ -141,14 +168,17 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, layer: int, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
+        self.input_layernorm = None if c.norms_after else RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
         prefix = f"model.layers.{layer}"
         self.self_attn = LlamaAttention(c, shard, reduce, c.window_of(layer), f"{prefix}.self_attn")
-        # Llama's post_attention_layernorm precedes the MLP; Gemma's normalizes the attention's output,
-        # and a pre_feedforward_layernorm precedes the MLP, whose output a post_feedforward_layernorm takes
+        # Llama's post_attention_layernorm precedes the MLP; Gemma's and OLMo's normalize the attention's
+        # output, and Gemma's pre_feedforward_layernorm precedes the MLP; a post_feedforward_layernorm
+        # takes the MLP's output
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
         self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, True) if c.gemma_norms else None
-        self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, True) if c.gemma_norms else None
+        self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms) \
+            if c.gemma_norms or c.norms_after else None
+        self.residual_multiplier = c.residual_multiplier  # Granite's
         if c.is_moe_layer(layer):  # registered under the checkpoint's name (Mixtral's block_sparse_moe)
             names, width = expert_names(c), c.shared_expert_intermediate_size
             self.mlp_name = names.block
@@ -160,8 +190,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, residual, positions, rotary, kv, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the next norm adds the two,
         so each add runs inside a norm; the first layer has no residual yet."""
+        if self.input_layernorm is None:  # OLMo: each sublayer's output normalized, its input not
+            x = x if residual is None else x + residual
+            x = x + self.post_attention_layernorm(self.self_attn(x, positions, rotary, kv, meta, backend))
+            return self.post_feedforward_layernorm(self._modules[self.mlp_name](x)), x
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rotary, kv, meta, backend)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self._modules[self.mlp_name](h) * self.residual_multiplier, residual
         if self.pre_feedforward_layernorm is None:
             h, residual = self.post_attention_layernorm(h, residual)
             return self._modules[self.mlp_name](h), residual
@@ -196,8 +234,8 @@ class LlamaForCausalLM(nn.Module):
         local = config.local_rope_theta is not None
         self.local_rotary = RotaryEmbedding(replace(config, rope_theta=config.local_rope_theta,
                                                     rope_scaling=RopeScaling()), max_model_len) if local else None
-        self.rotary_of = [self.local_rotary if local and layer.self_attn.window else self.rotary
-                          for layer in self.model.layers]
+        self.rotary_of = [None if i in config.nope_layers else self.local_rotary if local and layer.self_attn.window
+                          else self.rotary for i, layer in enumerate(self.model.layers)]
 
     @property
     def absent_tensors(self) -> frozenset[str]:
@@ -213,6 +251,8 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         if self.config.gemma_norms:  # Gemma scales by sqrt(hidden_size), rounded to the activations' dtype
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        if self.config.embedding_multiplier != 1.0:  # Granite's
+            x = x * self.config.embedding_multiplier
         for i, (layer, kv, meta) in enumerate(zip(self.model.layers, kv_caches, metas)):
             x, residual = layer(x, residual, positions, self.rotary_of[i], kv, meta, backend)
             if after_layer is not None:
@@ -222,6 +262,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rank 0 only (the others have no LM head)."""
         logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite's
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -255,8 +297,10 @@ def shard_slices(model: nn.Module) -> dict[str, ShardSlice]:
             found.update(module.shard_slices(prefix))
         elif isinstance(module, RowParallelLinear):
             found.update(module.shard_slices(owner))
-        elif isinstance(module, LlamaAttention) and module.sinks is not None and module.sink_slice is not None:
-            found[f"{owner}.sinks"] = module.sink_slice
+        elif isinstance(module, LlamaAttention):
+            if module.sinks is not None and module.sink_slice is not None:
+                found[f"{owner}.sinks"] = module.sink_slice
+            found.update({f"{owner}.{norm}.weight": part for norm, part in module.norm_slices.items()})
         elif isinstance(module, Experts):
             found.update(module.shard_slices(owner))
     return found

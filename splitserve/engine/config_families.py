@@ -1,0 +1,82 @@
+"""What a model family's config.json adds to the Llama shape, read as transformers reads it:
+Gemma's norms, scales and soft caps; Granite's multipliers; OLMo's norms after each sublayer and
+across heads; SmolLM3's layers without a rotary embedding. `family_fields` gives (the rope
+parameters the full-attention layers turn by, the family's ModelConfig fields)."""
+from __future__ import annotations
+
+from splitserve.engine.config_error import ConfigError, positive_float, positive_number
+
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+GRANITE, SMOLLM3 = "GraniteForCausalLM", "SmolLM3ForCausalLM"
+
+
+def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int, rope: dict) -> tuple[dict, dict]:
+    """`rope`: the config's rope_parameters (transformers 5), {} where it has none."""
+    if arch in GEMMA_ARCHITECTURES:
+        return _gemma(cfg, arch, source, head_dim)
+    if arch == GRANITE:
+        return rope, dict(embedding_multiplier=positive_float(cfg, "embedding_multiplier", 1.0, source),
+                          residual_multiplier=positive_float(cfg, "residual_multiplier", 1.0, source),
+                          logits_scaling=positive_float(cfg, "logits_scaling", 1.0, source),
+                          attention_scale=positive_float(cfg, "attention_multiplier", 1.0, source))
+    if arch in OLMO_ARCHITECTURES:
+        fields = dict(norms_after=True, qk_norm_across_heads=True)
+        if arch == "Olmo2ForCausalLM":
+            return rope, fields
+        # OLMo 3: transformers 4's top-level rope_theta and rope_scaling are the full-attention layers'
+        rope, local_theta = _per_layer_type(cfg, source, cfg.get("rope_theta", 500_000.0),
+                                            cfg.get("rope_theta", 500_000.0))
+        return rope, dict(fields, local_rope_theta=local_theta)
+    if arch == SMOLLM3:
+        return rope, dict(nope_layers=tuple(i for i, rotated in enumerate(_rope_layers(cfg, source, layers))
+                                            if not rotated))
+    return rope, {}
+
+
+def _gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict, dict]:
+    """Gemma 2's soft caps default to 50 and 30, Gemma 3's to none; Gemma 3's sliding layers turn
+    at their own base (rope_local_base_freq in a transformers 4 config) and its global ones default
+    to a base of 1e6."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: use_bidirectional_attention=true is not supported (an encoder's attention)")
+    fields = dict(gemma_norms=True,
+                  attention_scale=(positive_number(cfg, "query_pre_attn_scalar", None, source) or head_dim) ** -0.5)
+    if arch == "Gemma2ForCausalLM":
+        return cfg.get("rope_parameters") or {}, dict(
+            fields, attn_logit_softcap=positive_number(cfg, "attn_logit_softcapping", 50.0, source),
+            final_logit_softcap=positive_number(cfg, "final_logit_softcapping", 30.0, source))
+    rope, local_theta = _per_layer_type(cfg, source, cfg.get("rope_theta", 1_000_000.0),
+                                        cfg.get("rope_local_base_freq", 10_000.0))
+    return rope, dict(fields, attn_logit_softcap=positive_number(cfg, "attn_logit_softcapping", None, source),
+                      final_logit_softcap=positive_number(cfg, "final_logit_softcapping", None, source),
+                      local_rope_theta=local_theta)
+
+
+def _per_layer_type(cfg: dict, source: str, full_theta, sliding_theta) -> tuple[dict, float]:
+    """(the full-attention layers' rope parameters, the sliding layers' base) from transformers 5's
+    rope_parameters per layer type, else these defaults; the sliding layers turn unscaled."""
+    rope = cfg.get("rope_parameters") or {}
+    per_type = rope if "full_attention" in rope or "sliding_attention" in rope else {}
+    local = per_type.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"{source}: rope_parameters.sliding_attention rope_type {local['rope_type']!r} is not "
+                          "supported (the sliding layers turn unscaled)")
+    theta = local.get("rope_theta", sliding_theta)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ConfigError(f"{source}: the sliding layers' rope_theta must be a positive number, got {theta!r}")
+    return {"rope_theta": full_theta, **(per_type.get("full_attention") or {})}, float(theta)
+
+
+def _rope_layers(cfg: dict, source: str, layers: int) -> list[int]:
+    """SmolLM3's no_rope_layers (1: the layer turns q and k, 0: it does not), or as transformers
+    derives it: every no_rope_layer_interval-th layer without."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = cfg.get("no_rope_layer_interval", 4)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"{source}: no_rope_layer_interval must be a positive integer, got {every!r}")
+        return [int((i + 1) % every != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) or isinstance(f, bool) for f in flags):
+        raise ConfigError(f"{source}: no_rope_layers must list {layers} flags of 0 or 1, got {flags!r}")
+    return flags
