@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser, config_fallback: bool) -> None:
                    help="put a reasoning model's <think> ... </think> in the chat message's reasoning "
                         f"(default: {given.format('reasoning_parser', 'none')})")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                   help="the format the model writes tool calls in; hermes for Qwen2.5 / Qwen3, mistral for Mistral "
+                   help="the format the model writes tool calls in; hermes for Qwen2.5 / Qwen3, mistral for Mistral, "
+                        "granite for Granite 3.x "
                         f"(default: {given.format('tool_call_parser', ChatParsers.tool_calls)})")
 
 

@@ -24,7 +24,7 @@ from splitserve.api.request_models import (
 from splitserve.api.reasoning import GPT_OSS, constraint_thinking
 from splitserve.api.request_sampling import sampling_params
 from splitserve.api.responses_request import ResponsesRequest, as_responses_error
-from splitserve.api.tool_calls import MISTRAL
+from splitserve.api.tool_calls import SPECIAL_TAGGED
 from splitserve.engine.output_constraint import HARMONY, OutputConstraint
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -73,7 +73,7 @@ def prepare_request(kind: str, raw: bytes, tokenizer, model: ModelNames, max_mod
     params = [sampling_params(body, len(prompt), max_model_len, tokenizer.vocab_size, check_constraint,
                               HARMONY if harmony else constraint_thinking(prompt, tokenizer) if thinks else "")
               for prompt in prompts]
-    if harmony or (kind == "chat" and parsers.tool_calls == MISTRAL and body.tool_functions()):
+    if harmony or (kind == "chat" and parsers.tool_calls in SPECIAL_TAGGED and body.tool_functions()):
         params = [replace(p, skip_special_tokens=False) for p in params]
     if lora is not None:
         params = [replace(p, lora=lora) for p in params]

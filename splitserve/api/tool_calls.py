@@ -8,7 +8,9 @@ function), and the parsers that find them in the model's text (vLLM's `--tool-ca
   text), a JSON list of `{"name", "arguments"}` (v3 tokenizers: Mistral 7B v0.3, Mixtral 8x22B) or
   `name[ARGS]{...}`, one per `[TOOL_CALLS]` (v11 on: Mistral Small 3.2, Devstral), after the
   content written first, if any. Its calls get ids of 9 letters and digits, the only ones
-  Mistral's chat templates take back.
+  Mistral's chat templates take back;
+- `granite` (Granite 3.x): after `<|tool_call|>` (a special token, kept as Mistral's is), a JSON
+  list of `{"name", "arguments"}`, after the content written first, if any.
 A forced call is always the JSON format (the constraint writes it). Text that does not parse as
 calls is the assistant's content, as it was written.
 """
@@ -24,11 +26,13 @@ from splitserve.api import client_json
 from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.output_constraint import OutputConstraint
 
-LLAMA3_JSON, HERMES, MISTRAL = "llama3_json", "hermes", "mistral"
-TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL)
+LLAMA3_JSON, HERMES, MISTRAL, GRANITE = "llama3_json", "hermes", "mistral", "granite"
+TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL, GRANITE)
+SPECIAL_TAGGED = (MISTRAL, GRANITE)  # their tag is a special token: a chat offering tools keeps those in its text
 PYTHON_TAG = "<|python_tag|>"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+GRANITE_CALLS = "<|tool_call|>"
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -143,6 +147,20 @@ def _mistral_values(part: str) -> list | None:
     return [{"name": name.partition(MISTRAL_CALL_ID)[0].strip(), "arguments": _whole_json(arguments.strip())}]
 
 
+def parse_granite_calls(text: str, names: set[str], ids: str = GRANITE) -> tuple[str | None, list[ToolCall]] | None:
+    """(the content before `<|tool_call|>`, or None if blank; the calls of the JSON list after it),
+    each naming one of `names`; None when there is no call, or what follows the tag is not only
+    a list of calls."""
+    start = text.find(GRANITE_CALLS)
+    if start == -1:
+        return None
+    values = _whole_json(text[start + len(GRANITE_CALLS):].strip())
+    calls = [_call(value, names, ids) for value in values] if isinstance(values, list) else []
+    if not calls or None in calls:
+        return None
+    return text[:start].strip() or None, calls
+
+
 def _whole_json(text: str):
     """The JSON value `text` is, or None."""
     try:
@@ -151,7 +169,8 @@ def _whole_json(text: str):
         return None
 
 
-_TAGGED = {HERMES: (HERMES_OPEN, parse_hermes_calls), MISTRAL: (MISTRAL_CALLS, parse_mistral_calls)}
+_TAGGED = {HERMES: (HERMES_OPEN, parse_hermes_calls), MISTRAL: (MISTRAL_CALLS, parse_mistral_calls),
+           GRANITE: (GRANITE_CALLS, parse_granite_calls)}
 
 
 def find_tool_calls(text: str, names: set[str], parser: str, ids: str | None = None
@@ -175,8 +194,9 @@ def _call(value, names: set[str], ids: str) -> ToolCall | None:
 class StreamedCalls:
     """A chat stream with tools offered. JSON format: text that may be calls (it starts with `{`
     or the python tag) is held back until the output ends, then sent as calls if it parses, else as
-    content; other text streams as it comes. Hermes and Mistral formats: content streams until the
-    format's tag (`<tool_call>`, `[TOOL_CALLS]`; a piece that may end in one waits for the next),
+    content; other text streams as it comes. Tagged formats: content streams until the format's
+    tag (`<tool_call>`, `[TOOL_CALLS]`, `<|tool_call|>`; a piece that may end in one waits for the
+    next),
     and from the tag on everything is held back until the end, then sent as calls if it parses,
     else as content. `ids`: the served parser, whose id shape the calls get (default: `parser`)."""
 

@@ -119,6 +119,22 @@ def test_a_mistral_call_written_with_its_special_tokens_comes_back_as_tool_calls
     assert len(call["id"]) == 9 and call["id"].isalnum()
 
 
+def test_a_granite_call_after_its_special_token_comes_back_as_tool_calls_beside_content(tmp_path):
+    """Granite 3's `<|tool_call|>` is a special token of its tokenizer, kept likewise."""
+    raw = train_tokenizer()
+    raw.add_special_tokens(["<|tool_call|>"])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    tokenizer = HFTokenizer(tmp_path)
+    output = tokenizer.encode('Adding.<|tool_call|>[{"name": "add", "arguments": {"a": 2}}]',
+                              add_special_tokens=False) + list(tokenizer.eos_token_ids)
+    options = choice_options(chat(tools=[ADD]), 0, [], tokenizer, ChatParsers(tool_calls="granite"))
+    text = ChoiceText("chat", TextStream(tokenizer, SamplingParams(skip_special_tokens=False), []), [], **options)
+    message = text.choice(text.add(output, None, "stop")[0], "stop")["message"]
+    [call] = message["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 2}'} and message["content"] == "Adding."
+    assert call["id"].startswith("call_")
+
+
 def test_gpt_oss_channels_written_with_their_special_tokens_split_into_reasoning_and_content(tmp_path):
     """Harmony's markers are special tokens of GPT-OSS's tokenizer: a chat under `openai_gptoss`
     keeps them in its text (prepare_request), and its analysis is the reasoning; the stop token

@@ -1,4 +1,4 @@
-"""Tool calls: the Llama 3 JSON, hermes and mistral parsers, the stream filter that holds back what
+"""Tool calls: the Llama 3 JSON, hermes, mistral and granite parsers, the stream filter that holds back what
 may be calls, and the forced-call constraint, whose outputs under random weights always parse as a
 call whose arguments validate against the function's schema (`jsonschema`)."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.tool_calls import (
-    StreamedCalls, find_tool_calls, forced_call_constraint, may_be_calls, parse_hermes_calls, parse_mistral_calls,
+    StreamedCalls, find_tool_calls, forced_call_constraint, may_be_calls, parse_granite_calls, parse_hermes_calls,
+    parse_mistral_calls,
     parse_tool_calls,
 )
 from splitserve.engine.llm import LLM
@@ -151,19 +152,44 @@ def test_a_forced_call_served_for_mistral_gets_its_id_shape():
     assert find_tool_calls('{"name": "add", "parameters": {}}', NAMES, "llama3_json")[1][0].id.startswith("call_")
 
 
-# ---- either tagged format, streamed ---------------------------------------------------------------
+# ---- the granite format ------------------------------------------------------------------------
+GRANITE = ('Checking.<|tool_call|>[{"name": "add", "arguments": {"a": 2, "b": 3}}, '
+           '{"name": "weather", "arguments": {"city": "Oslo"}}]')
+
+
+def test_granite_calls_after_its_tag():
+    content, calls = parse_granite_calls(GRANITE, NAMES)
+    assert content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3}),
+                                                                  ("weather", {"city": "Oslo"})]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+    assert find_tool_calls(GRANITE.removeprefix("Checking."), NAMES, "granite")[0] is None
+
+
+@pytest.mark.parametrize("text", ["no calls here", "<|tool_call|>[]", '<|tool_call|>{"name": "add", "arguments": {}}',
+                                  '<|tool_call|>[{"name": "nope", "arguments": {}}]', '<|tool_call|>[{"name": "add"',
+                                  '<|tool_call|>[{"name": "add", "arguments": {}}] and more words',
+                                  '[{"name": "add", "arguments": {}}]'])
+def test_granite_text_that_is_not_only_a_list_of_calls_after_the_tag_is_content(text):
+    assert parse_granite_calls(text, NAMES) is None and find_tool_calls(text, NAMES, "granite") is None
+
+
+# ---- the tagged formats, streamed ---------------------------------------------------------------
 PIECES = {
     "hermes": st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "\n", " ", "hi ", "{", "}",
                                         '{"name": "add", "arguments": {"a": 1}}', '"x"', "<", ">"]), max_size=12),
     "mistral": st.lists(st.sampled_from(["[TOOL_CALLS]", "[TOOL", "_CALLS]", "[ARGS]", "[CALL_ID]", "abc", "add",
                                          '{"a": 1}', '[{"name": "add", "arguments": {"b": 2}}]', " ", "hi ", "[", "]",
                                          "{", "}"]), max_size=12),
+    "granite": st.lists(st.sampled_from(["<|tool_call|>", "<|tool", "_call|>", '{"name": "add", "arguments": {}}',
+                                         '[{"name": "add", "arguments": {"b": 2}}]', " ", "hi ", "[", "]", ",",
+                                         "<|"]), max_size=12),
 }
 
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), cut=st.integers(min_value=1, max_value=7), reason=st.sampled_from(["stop", "length"]))
-@pytest.mark.parametrize("parser", ["hermes", "mistral"])
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "granite"])
 def test_a_tagged_stream_cut_anywhere_ends_as_the_whole_text_is_read(parser, data, cut, reason):
     """Streamed in pieces of any size, the content sent and the calls found are the whole
     output's: what find_tool_calls reads from it (content alongside the calls), or all of it."""
