@@ -6,14 +6,14 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int, positive_number
-from splitserve.engine.config_families import OLMO_ARCHITECTURES, SMOLLM3, family_fields
+from splitserve.engine.config_families import EXAONE4, OLMO_ARCHITECTURES, SMOLLM3, family_fields
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.quantization_config import parse_quantization, stored_unquantized
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
-                           "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM")
+                           "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM")
 MULTIMODAL_ARCHITECTURES = {  # served text-only: (its language model, that model's weights prefix, skipped prefixes)
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.",
                                        ("vision_tower.", "multi_modal_projector."))}
@@ -24,7 +24,7 @@ GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate
                         "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                         "tie_word_embeddings": True}
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + OLMO_ARCHITECTURES
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", SMOLLM3,
@@ -179,6 +179,9 @@ class ModelConfig:
         scaling = _mapping(cfg, "rope_scaling", source) or rope
         max_positions = need("max_position_embeddings", 2048)
         rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source)
+        window = _parse_window(cfg, arch, source, layers, family)
+        if arch == EXAONE4 and window:  # a hybrid EXAONE 4's full layers attend without a rotary embedding
+            family["nope_layers"] = tuple(i for i in range(layers) if i not in window["sliding_layers"])
         oss = arch == "GptOssForCausalLM"
         return cls(
             architecture=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
@@ -195,7 +198,7 @@ class ModelConfig:
             attention_sinks=oss,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            **_parse_window(cfg, arch, source, layers, family), hidden_act=_activation(cfg, source), **family,
+            **window, hidden_act=_activation(cfg, source), **family,
             **(_parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
             **quantization,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -243,13 +246,14 @@ def _rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str) -> int:
 
 def _parse_window(cfg: dict, arch: str, source: str, layers: int, family: dict) -> dict:
     """ModelConfig's sliding_window and sliding_layers: a Qwen or SmolLM3 has a window only with
-    use_sliding_window, an OLMo 3 one of 4096 where its config names none; the layers with it are
+    use_sliding_window, an OLMo 3 or EXAONE 4 one of 4096 where its config names none; the layers with it are
     as config.json's layer_types says (transformers 5 writes it), else as transformers derives
     them: a Qwen's from max_window_layers on, Gemma 2's even ones, Gemma 3's all but every
-    sliding_window_pattern-th, OLMo 3's all but every fourth, SmolLM3's those without a rotary
-    embedding, every layer of the others (Mistral, Mixtral)."""
+    sliding_window_pattern-th, OLMo 3's all but every fourth, EXAONE 4's as its
+    sliding_window_pattern says, SmolLM3's those without a rotary embedding, every layer of the
+    others (Mistral, Mixtral)."""
     gated = arch in QWEN_ARCHITECTURES or arch == SMOLLM3
-    window = cfg.get("sliding_window", 4096 if arch == "Olmo3ForCausalLM" else None)
+    window = cfg.get("sliding_window", 4096 if arch in ("Olmo3ForCausalLM", EXAONE4) else None)
     if window is None or (gated and not cfg.get("use_sliding_window")):
         return {}
     return dict(sliding_window=positive_int(window, "sliding_window", source),
@@ -272,8 +276,21 @@ def _sliding_layers(cfg: dict, arch: str, source: str, layers: int, family: dict
         return tuple(i for i in range(layers) if (i + 1) % 4)
     if arch == SMOLLM3:
         return family["nope_layers"]
+    if arch == EXAONE4:
+        return _exaone4_sliding(cfg.get("sliding_window_pattern", 4), source, layers)
     first = int(cfg.get("max_window_layers", 28)) if arch in QWEN_ARCHITECTURES else 0  # transformers' Qwen default
     return tuple(range(first, layers))
+
+
+def _exaone4_sliding(pattern, source: str, layers: int) -> tuple[int, ...]:
+    """EXAONE 4's sliding_window_pattern: n (every n-th layer full, the others windowed) or a
+    string of L (windowed) and G (full) repeated from layer 0, the last layer full."""
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        return tuple(i for i in range(layers) if (i + 1) % pattern)
+    if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+        return tuple(i for i in range(layers - 1) if pattern[i % len(pattern)] == "L")
+    raise ConfigError(f"{source}: sliding_window_pattern must be a positive integer or a string of L and G, "
+                      f"got {pattern!r}")
 
 
 def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:

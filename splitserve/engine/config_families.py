@@ -1,6 +1,6 @@
 """What a model family's config.json adds to the Llama shape, read as transformers reads it:
 Gemma's norms, scales and soft caps; Granite's multipliers; OLMo's norms after each sublayer and
-across heads; SmolLM3's layers without a rotary embedding. `family_fields` gives (the rope
+across heads; EXAONE 4's after each sublayer; SmolLM3's layers without a rotary embedding. `family_fields` gives (the rope
 parameters the full-attention layers turn by, the family's ModelConfig fields)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from splitserve.engine.config_error import ConfigError, positive_float, positive
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
-GRANITE, SMOLLM3 = "GraniteForCausalLM", "SmolLM3ForCausalLM"
+GRANITE, SMOLLM3, EXAONE4 = "GraniteForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM"
 
 
 def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int, rope: dict) -> tuple[dict, dict]:
@@ -28,6 +28,8 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
         rope, local_theta = _per_layer_type(cfg, source, cfg.get("rope_theta", 500_000.0),
                                             cfg.get("rope_theta", 500_000.0))
         return rope, dict(fields, local_rope_theta=local_theta)
+    if arch == EXAONE4:  # its layers without a rotary embedding: the full ones beside windowed (config.py)
+        return rope, dict(norms_after=True)
     if arch == SMOLLM3:
         return rope, dict(nope_layers=tuple(i for i, rotated in enumerate(_rope_layers(cfg, source, layers))
                                             if not rotated))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+from transformers import (Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
                           GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
@@ -111,6 +111,10 @@ CONFIGS = {
         rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                             "rope_theta": 10000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
+    # EXAONE 4: norms after each sublayer, Qwen3's per-head q and k norms, a windowed layer and a full
+    # one that turns neither q nor k
+    "exaone4": (Exaone4Config, Exaone4ForCausalLM, dict(num_key_value_heads=2, sliding_window=16,
+                                                        sliding_window_pattern=2, rope_theta=1000000.0)),
     # SmolLM3: the middle layer turns neither q nor k (NoPE)
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(num_key_value_heads=2, num_hidden_layers=3,
                                                         no_rope_layers=[1, 0, 1], rope_theta=2000000.0)),

@@ -1,5 +1,5 @@
 """ModelConfig.from_hf on config.json files written by transformers' own `save_pretrained`:
-which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo and SmolLM3."""
+which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo, EXAONE 4 and SmolLM3."""
 import json
 import re
 
@@ -87,6 +87,24 @@ def test_olmo3_from_a_transformers_4_config(tmp_path):
                 "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
     with pytest.raises(ConfigError, match="sliding_attention rope_type 'linear' is not supported"):
         ModelConfig.from_hf({**raw, "rope_scaling": None, "rope_parameters": per_type})
+
+
+@pytest.mark.parametrize("pattern, sliding", [(4, (0, 1, 2, 4, 5, 6)), ("LLLG", (0, 1, 2, 4, 5, 6)),
+                                              ("LG", (0, 2, 4, 6)), ("L", (0, 1, 2, 3, 4, 5, 6))])
+def test_exaone4_windows_and_layers_without_rope_from_its_pattern(pattern, sliding):
+    """A hub EXAONE 4 config.json without layer_types: sliding_window_pattern says which layers
+    slide (a string's last layer is full); the full ones attend without a rotary embedding, but
+    only in a model with a window."""
+    raw = {**BASE, "architectures": ["Exaone4ForCausalLM"], "num_hidden_layers": 8, "sliding_window_pattern": pattern}
+    cfg = ModelConfig.from_hf(raw)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (4096, sliding)
+    assert cfg.nope_layers == tuple(i for i in range(8) if i not in sliding)
+    assert cfg.norms_after and cfg.qk_norm and not cfg.qk_norm_across_heads
+    plain = ModelConfig.from_hf({**raw, "sliding_window": None})
+    assert (plain.sliding_window, plain.nope_layers) == (None, ())
+    for bad in (0, "LXG", ""):
+        with pytest.raises(ConfigError, match="sliding_window_pattern must be a positive integer or a string of L"):
+            ModelConfig.from_hf({**raw, "sliding_window_pattern": bad})
 
 
 def test_smollm3_layers_without_rope(tmp_path):

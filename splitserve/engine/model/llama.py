@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite, OLMo 2 and
-3, SmolLM3, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, whose
+3, EXAONE 4, SmolLM3, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, whose
 attention also has sinks and an o_proj bias) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
@@ -104,7 +104,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, positions, rotary: RotaryEmbedding | None, kv: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """`rotary`: None in a layer that does not turn q and k (SmolLM3's)."""
+        """`rotary`: None in a layer that does not turn q and k (SmolLM3's, EXAONE 4's)."""
         norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
         parts = self.qkv_proj.split(self.qkv_proj(x))
         if self.across_heads:
