@@ -8,21 +8,14 @@ from dataclasses import dataclass, field
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int, positive_number
 from splitserve.engine.config_families import EXAONE4, OLMO_ARCHITECTURES, SMOLLM3, family_fields
 from splitserve.engine.int_weights import IntWeights
+from splitserve.engine.multimodal_text import WRAPPERS, text_config
 from splitserve.engine.quantization_config import parse_quantization, stored_unquantized
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
-                           "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM")
-MULTIMODAL_ARCHITECTURES = {  # served text-only: (its language model, that model's weights prefix, skipped prefixes)
-    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.",
-                                       ("vision_tower.", "multi_modal_projector."))}
-# transformers' Gemma3TextConfig defaults: a hub Gemma 3 (4B and up) config.json lists only what differs from them
-GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-                        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
-                        "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-                        "tie_word_embeddings": True}
+                           "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
+                           "Ministral3ForCausalLM")
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
@@ -81,6 +74,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0   # Granite: the attention's and the MLP's outputs are scaled by it
     logits_scaling: float = 1.0        # Granite: the logits are divided by it
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not turn q and k (no rotary embedding)
+    query_position_scale: tuple[float, int] | None = None  # Ministral 3 (Llama 4's), (beta, n): after the rotary
+    #                                embedding q is scaled by 1 + beta * log(1 + floor(position / n))
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # a sliding layer's token attends to the latest this many positions (itself too)
     sliding_layers: tuple[int, ...] = ()  # the layers with the window; the others attend to the whole context
@@ -147,14 +142,13 @@ class ModelConfig:
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
         """Parse a Hugging Face config dict; unsupported or missing values raise ConfigError."""
         archs = cfg.get("architectures") or []
-        wrapper = next((MULTIMODAL_ARCHITECTURES[a] for a in archs if a in MULTIMODAL_ARCHITECTURES), None)
+        wrapper = next((WRAPPERS[a] for a in archs if a in WRAPPERS), None)
         if wrapper is not None:
-            text, prefix, skipped = wrapper
-            return dataclasses.replace(cls.from_hf(_text_config(cfg, text, source), source), weights_prefix=prefix,
-                                       skipped_weights=skipped)
+            return dataclasses.replace(cls.from_hf(text_config(cfg, wrapper, source), source),
+                                       weights_prefix=wrapper.weights_prefix, skipped_weights=wrapper.skipped)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            supported = ", ".join(SUPPORTED_ARCHITECTURES + tuple(MULTIMODAL_ARCHITECTURES))
+            supported = ", ".join(SUPPORTED_ARCHITECTURES + tuple(WRAPPERS))
             raise ConfigError(f"{source}: unsupported architectures {archs!r}; supported: {supported}")
 
         def need(name, default=None):
@@ -204,19 +198,6 @@ class ModelConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
         )
-
-
-def _text_config(cfg: dict, arch: str, source: str) -> dict:
-    """A multimodal config's text model as a config of its own: its text_config over transformers'
-    defaults, with the wrapper's dtype and (where the text_config has none) token ids."""
-    text = cfg.get("text_config")
-    if not isinstance(text, dict):
-        raise ConfigError(f"{source}: missing required field 'text_config'")
-    merged = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}, "architectures": [arch]}
-    for name in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "quantization_config"):
-        if name in cfg and name not in text:
-            merged[name] = cfg[name]
-    return merged
 
 
 def _mapping(cfg: dict, name: str, source: str) -> dict:

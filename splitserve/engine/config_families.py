@@ -1,6 +1,7 @@
 """What a model family's config.json adds to the Llama shape, read as transformers reads it:
 Gemma's norms, scales and soft caps; Granite's multipliers; OLMo's norms after each sublayer and
-across heads; EXAONE 4's after each sublayer; SmolLM3's layers without a rotary embedding. `family_fields` gives (the rope
+across heads; EXAONE 4's after each sublayer; SmolLM3's layers without a rotary embedding;
+Ministral 3's queries scaled by position. `family_fields` gives (the rope
 parameters the full-attention layers turn by, the family's ModelConfig fields)."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from splitserve.engine.config_error import ConfigError, positive_float, positive
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 GRANITE, SMOLLM3, EXAONE4 = "GraniteForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM"
+MINISTRAL3 = "Ministral3ForCausalLM"
 
 
 def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int, rope: dict) -> tuple[dict, dict]:
@@ -30,6 +32,16 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
         return rope, dict(fields, local_rope_theta=local_theta)
     if arch == EXAONE4:  # its layers without a rotary embedding: the full ones beside windowed (config.py)
         return rope, dict(norms_after=True)
+    if arch == MINISTRAL3:  # Llama 4's scaling, its two numbers among the rope parameters
+        params = rope or cfg.get("rope_scaling") or {}
+        beta = positive_number(params, "llama_4_scaling_beta", None, source)
+        if beta is None:
+            return rope, {}
+        original = params.get("original_max_position_embeddings")
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise ConfigError(f"{source}: rope_parameters original_max_position_embeddings must be a positive "
+                              f"integer with llama_4_scaling_beta, got {original!r}")
+        return rope, dict(query_position_scale=(beta, original))
     if arch == SMOLLM3:
         return rope, dict(nope_layers=tuple(i for i, rotated in enumerate(_rope_layers(cfg, source, layers))
                                             if not rotated))

@@ -13,7 +13,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
                           GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM, MistralConfig, MistralForCausalLM,
+                          MixtralConfig, MixtralForCausalLM,
                           Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
                           Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
                           Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
@@ -115,6 +116,12 @@ CONFIGS = {
     # one that turns neither q nor k
     "exaone4": (Exaone4Config, Exaone4ForCausalLM, dict(num_key_value_heads=2, sliding_window=16,
                                                         sliding_window_pattern=2, rope_theta=1000000.0)),
+    # Ministral 3: YaRN, and queries past position 32 scaled up (Llama 4's scaling, a beta that binds)
+    "ministral3": (Ministral3Config, Ministral3ForCausalLM, dict(
+        num_key_value_heads=2, head_dim=16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})),
     # SmolLM3: the middle layer turns neither q nor k (NoPE)
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(num_key_value_heads=2, num_hidden_layers=3,
                                                         no_rope_layers=[1, 0, 1], rope_theta=2000000.0)),

@@ -95,9 +95,10 @@ def test_greedy_generation_with_bad_words_and_allowed_ids_matches_hf(ckpt):
     llm = LLM(path, policy="mixed", chunk_token_budget=16, prompt_token_budget=48, dtype="float32", **ENGINE_ARGS)
     plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     first = llm.generate(prompts[:1], plain)[0].token_ids
-    tokenizer = llm.get_tokenizer()  # the second word: the first single token from the sixth on that is not blank
+    tokenizer = llm.get_tokenizer()  # the first pair of tokens from the second on, and single token from the
+    pairs = (tokenizer.decode(first[i:i + 2]) for i in range(1, 4))  # sixth on, that are not blank
     singles = (tokenizer.decode([t]) for t in first[5:])
-    words = [tokenizer.decode(first[1:3]), next(w for w in singles if w.strip())]
+    words = [next(w for w in pairs if w.strip()), next(w for w in singles if w.strip())]
     spelled = BadWords.of(words, llm.get_tokenizer())
     bad_ids = [[t] for t in spelled.always] + [list(ids) for group in spelled.after.values() for ids in group]
     allowed = sorted(set(range(3, 60)) | set(first[:4]))

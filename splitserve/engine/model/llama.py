@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite, OLMo 2 and
-3, EXAONE 4, SmolLM3, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, whose
-attention also has sinks and an o_proj bias) over flattened tokens of many sequences.
+"""Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite,
+OLMo 2 and 3, EXAONE 4, SmolLM3, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE,
+Qwen3-MoE and GPT-OSS, whose attention also has sinks and an o_proj bias) over flattened tokens of
+many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows (`model.linear`; a block-wise FP8
@@ -101,6 +102,7 @@ class LlamaAttention(nn.Module):
         # an all-reduced sum of squares counts a KV head once per rank holding it
         self.reduce, self.kv_copies = reduce, max(1, shard.size // c.num_key_value_heads)
         self.widths = (q_total, kv_total)
+        self.position_scale = c.query_position_scale
 
     def forward(self, x, positions, rotary: RotaryEmbedding | None, kv: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -114,6 +116,9 @@ class LlamaAttention(nn.Module):
             q, k = rotary(positions, q, k, norms)
         elif norms is not None:
             q, k = norms[0](q), norms[1](k)
+        if self.position_scale is not None:
+            beta, span = self.position_scale
+            q = q * (1 + beta * torch.log(1 + torch.floor(positions / span))).to(q.dtype)[:, None, None]
         out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap, self.sinks, self.kv_scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
