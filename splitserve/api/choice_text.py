@@ -5,7 +5,7 @@ parsed). Also what a request asks of its choices (`choice_options`) and best_of'
 (`best_choices`)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from splitserve.api import response_bodies as R
 from splitserve.api.chat_parsers import ChatParsers
@@ -13,7 +13,7 @@ from splitserve.api.chat_request import ChatCompletionRequest
 from splitserve.api.logprob_bodies import Entry, chat_logprobs, completion_logprobs, token_id_name
 from splitserve.api.request_models import GenerationRequest
 from splitserve.api.reasoning import GPT_OSS, prompt_opens_thinking, reasoning_splitter, split_reasoning
-from splitserve.api.tool_calls import HERMES, LLAMA3_JSON, find_tool_calls
+from splitserve.api.tool_calls import HERMES, LLAMA3_JSON, find_tool_calls, offered
 from splitserve.api.visible_text import TextStream
 from splitserve.engine.output_constraint import HARMONY
 from splitserve.engine.tokenizer import Tokenizer
@@ -23,21 +23,22 @@ class ChoiceText:
     """`echo`: the prompt's text, put in front of the first piece (completions' `echo`), with the
     prompt tokens' logprobs in front of the first token's; `generated=False` (echo with max_tokens
     0): the sampled token is left out, so the choice is the scored prompt alone. `tool_names`: the
-    functions a chat offered; an output that is calls to them (in `tool_parser`'s format) comes back
-    as `tool_calls`, with ids for the template of `call_ids` (the served tool_call_parser, which a
-    forced call's JSON format does not change). `thinking`: with a reasoning parser, whether the
+    functions a chat offered (`tool_calls.offered`: each with its string-typed parameters); an
+    output that is calls to them (in `tool_parser`'s format) comes back as `tool_calls`, with ids
+    for the template of `call_ids` (the served tool_call_parser, which a forced call's JSON format
+    does not change). `thinking`: with a reasoning parser, whether the
     prompt left the model thinking, or HARMONY (GPT-OSS's channels; None: no parser, the output is
     all content). `num_top`: the top alternatives per token the client asked logprobs of (None:
     none; logprobs may still come, for best_of's ranking alone); `ids_as_tokens`: they name tokens
     `token_id:{id}` (vLLM's return_tokens_as_token_ids)."""
 
     def __init__(self, kind: str, text: TextStream, prompt: Sequence[int], echo: str | None = None,
-                 generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
+                 generated: bool = True, tool_names: Mapping[str, frozenset[str]] | None = None, index: int = 0,
                  num_top: int | None = None, tool_parser: str = LLAMA3_JSON, thinking: bool | str | None = None,
                  call_ids: str = LLAMA3_JSON, ids_as_tokens: bool = False):
         self.kind, self.text, self.prompt, self.index, self.num_top = kind, text, prompt, index, num_top
         self._name = token_id_name if ids_as_tokens else None
-        self._echo, self.generated, self.tool_names = echo, generated, tool_names
+        self._echo, self.generated, self.tool_names = echo, generated, tool_names or {}
         self.tool_parser, self.thinking, self.call_ids = tool_parser, thinking, call_ids
         self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs come (best_of ranks by it)
         self._entries: list[Entry] = []  # of the text not yet handed out
@@ -129,7 +130,7 @@ def choice_options(request: GenerationRequest, prompt_index: int, prompt: Sequen
         thinking = HARMONY if parsers.reasoning == GPT_OSS else prompt_opens_thinking(prompt, tokenizer)
     tool_parser = LLAMA3_JSON if field == "tool_choice" else HERMES if thinking == HARMONY else parsers.tool_calls
     return dict(echo=echo, generated=not request.scores_prompt_only(),
-                tool_names=frozenset(f["name"] for f in request.callable_functions()),
+                tool_names=offered(request.callable_functions()),
                 num_top=request.requested_logprobs(),
                 tool_parser=tool_parser, thinking=thinking, call_ids=parsers.tool_calls,
                 ids_as_tokens=request.return_tokens_as_token_ids)

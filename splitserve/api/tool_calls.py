@@ -10,29 +10,36 @@ function), and the parsers that find them in the model's text (vLLM's `--tool-ca
   content written first, if any. Its calls get ids of 9 letters and digits, the only ones
   Mistral's chat templates take back;
 - `granite` (Granite 3.x): after `<|tool_call|>` (a special token, kept as Mistral's is), a JSON
-  list of `{"name", "arguments"}`, after the content written first, if any.
+  list of `{"name", "arguments"}`, after the content written first, if any;
+- `glm45` (GLM-4.5, 4.6): each call between `<tool_call>` and `</tool_call>` (special tokens, kept),
+  its function's name on the first line, then `<arg_key>k</arg_key><arg_value>v</arg_value>`
+  pairs: a value is the text itself where the function's schema types that parameter a string,
+  else the JSON it holds (text that is not JSON stays text), as vLLM's glm45 parser reads them.
 A forced call is always the JSON format (the constraint writes it). Text that does not parse as
 calls is the assistant's content, as it was written.
 """
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 import uuid
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from splitserve.api import client_json
 from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.output_constraint import OutputConstraint
 
-LLAMA3_JSON, HERMES, MISTRAL, GRANITE = "llama3_json", "hermes", "mistral", "granite"
-TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL, GRANITE)
-SPECIAL_TAGGED = (MISTRAL, GRANITE)  # their tag is a special token: a chat offering tools keeps those in its text
+LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45 = "llama3_json", "hermes", "mistral", "granite", "glm45"
+TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45)
+SPECIAL_TAGGED = (MISTRAL, GRANITE, GLM45)  # tags that are special tokens: a chat offering tools keeps those
 PYTHON_TAG = "<|python_tag|>"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 GRANITE_CALLS = "<|tool_call|>"
+GLM45_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -75,7 +82,7 @@ def may_be_calls(text: str) -> bool | None:
     return head.startswith("{") or head.startswith(PYTHON_TAG)
 
 
-def parse_tool_calls(text: str, names: set[str], ids: str = LLAMA3_JSON) -> list[ToolCall] | None:
+def parse_tool_calls(text: str, names: Collection[str], ids: str = LLAMA3_JSON) -> list[ToolCall] | None:
     """The calls `text` holds (the JSON format), each naming one of `names`; None when it is not
     (only) calls. `ids`: the served parser, whose id shape the calls get (`new_call_id`)."""
     body = text.strip().removeprefix(PYTHON_TAG).strip()
@@ -95,7 +102,8 @@ def parse_tool_calls(text: str, names: set[str], ids: str = LLAMA3_JSON) -> list
     return calls or None
 
 
-def parse_hermes_calls(text: str, names: set[str], ids: str = HERMES) -> tuple[str | None, list[ToolCall]] | None:
+def parse_hermes_calls(text: str, names: Collection[str], ids: str = HERMES
+                       ) -> tuple[str | None, list[ToolCall]] | None:
     """(the content before the first `<tool_call>`, or None if blank; the calls), each naming one
     of `names`; None when there is no call, or what follows the first tag is not only calls."""
     start = text.find(HERMES_OPEN)
@@ -118,7 +126,8 @@ def parse_hermes_calls(text: str, names: set[str], ids: str = HERMES) -> tuple[s
     return content, calls
 
 
-def parse_mistral_calls(text: str, names: set[str], ids: str = MISTRAL) -> tuple[str | None, list[ToolCall]] | None:
+def parse_mistral_calls(text: str, names: Collection[str], ids: str = MISTRAL
+                        ) -> tuple[str | None, list[ToolCall]] | None:
     """(the content before the first `[TOOL_CALLS]`, or None if blank; the calls), each naming one
     of `names`; None when there is no call, or what follows the first marker is not only calls."""
     start = text.find(MISTRAL_CALLS)
@@ -147,7 +156,8 @@ def _mistral_values(part: str) -> list | None:
     return [{"name": name.partition(MISTRAL_CALL_ID)[0].strip(), "arguments": _whole_json(arguments.strip())}]
 
 
-def parse_granite_calls(text: str, names: set[str], ids: str = GRANITE) -> tuple[str | None, list[ToolCall]] | None:
+def parse_granite_calls(text: str, names: Collection[str], ids: str = GRANITE
+                        ) -> tuple[str | None, list[ToolCall]] | None:
     """(the content before `<|tool_call|>`, or None if blank; the calls of the JSON list after it),
     each naming one of `names`; None when there is no call, or what follows the tag is not only
     a list of calls."""
@@ -161,6 +171,55 @@ def parse_granite_calls(text: str, names: set[str], ids: str = GRANITE) -> tuple
     return text[:start].strip() or None, calls
 
 
+def offered(functions: list[dict]) -> dict[str, frozenset[str]]:
+    """The functions a model may call, by name (what every parser checks a call's name against),
+    each with its parameters the schema types a string (what the glm45 format writes as text)."""
+    def strings(function: dict) -> frozenset[str]:
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        return frozenset(k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string")
+
+    return {f["name"]: strings(f) for f in functions}
+
+
+def parse_glm45_calls(text: str, names: Collection[str], ids: str = GLM45
+                      ) -> tuple[str | None, list[ToolCall]] | None:
+    """(the content before the first `<tool_call>`, or None if blank; the calls), each naming one
+    of `names` (`offered`'s mapping types the values); None when there is no call, or what follows
+    the first tag is not only calls."""
+    start = text.find(HERMES_OPEN)
+    if start == -1:
+        return None
+    content, rest, calls = text[:start].strip() or None, text[start:], []
+    while rest:
+        end = rest.find(HERMES_CLOSE)
+        if end == -1:
+            return None
+        name, _, body = rest[len(HERMES_OPEN):end].partition("\n")
+        name, strings = name.strip(), names.get(name.strip(), frozenset()) if isinstance(names, Mapping) else ()
+        pairs, at = {}, 0
+        for match in GLM45_ARGUMENT.finditer(body):
+            if match.start() != at:
+                return None
+            key, value = match.group(1).strip(), match.group(2)
+            pairs[key] = value if key in strings else _json_or_text(value)
+            at = match.end()
+        call = _call({"name": name, "arguments": pairs}, names, ids) if not body[at:].strip() else None
+        if call is None:
+            return None
+        calls.append(call)
+        rest = rest[end + len(HERMES_CLOSE):].strip()
+        if rest and not rest.startswith(HERMES_OPEN):
+            return None
+    return content, calls
+
+
+def _json_or_text(value: str):
+    try:
+        return client_json.loads(value)
+    except ValueError:
+        return value
+
+
 def _whole_json(text: str):
     """The JSON value `text` is, or None."""
     try:
@@ -170,10 +229,10 @@ def _whole_json(text: str):
 
 
 _TAGGED = {HERMES: (HERMES_OPEN, parse_hermes_calls), MISTRAL: (MISTRAL_CALLS, parse_mistral_calls),
-           GRANITE: (GRANITE_CALLS, parse_granite_calls)}
+           GRANITE: (GRANITE_CALLS, parse_granite_calls), GLM45: (HERMES_OPEN, parse_glm45_calls)}
 
 
-def find_tool_calls(text: str, names: set[str], parser: str, ids: str | None = None
+def find_tool_calls(text: str, names: Collection[str], parser: str, ids: str | None = None
                     ) -> tuple[str | None, list[ToolCall]] | None:
     """(content alongside, calls) in `parser`'s format; None when `text` is not calls. `ids`: the
     served parser, whose id shape the calls get (default: `parser`)."""
@@ -184,7 +243,7 @@ def find_tool_calls(text: str, names: set[str], parser: str, ids: str | None = N
     return None if calls is None else (None, calls)
 
 
-def _call(value, names: set[str], ids: str) -> ToolCall | None:
+def _call(value, names: Collection[str], ids: str) -> ToolCall | None:
     arguments = value.get("parameters", value.get("arguments")) if isinstance(value, dict) else None
     if not isinstance(value, dict) or value.get("name") not in names or not isinstance(arguments, dict):
         return None
@@ -200,7 +259,7 @@ class StreamedCalls:
     and from the tag on everything is held back until the end, then sent as calls if it parses,
     else as content. `ids`: the served parser, whose id shape the calls get (default: `parser`)."""
 
-    def __init__(self, names: set[str], parser: str = LLAMA3_JSON, ids: str | None = None):
+    def __init__(self, names: Collection[str], parser: str = LLAMA3_JSON, ids: str | None = None):
         self.names, self.parser, self.ids = names, parser, parser if ids is None else ids
         self._held: list[str] = []
         self._deciding = True  # JSON: whether the output is calls is not known yet; tagged formats: no tag seen

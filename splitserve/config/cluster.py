@@ -56,7 +56,8 @@ class ClusterConfig(StrictModel):
     tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
         LLAMA3_JSON, description="The format the model writes tool calls in: llama3_json (Llama 3.x), hermes "
         "(`<tool_call>` JSON `</tool_call>`: Qwen2.5, Qwen3, Hermes, SmolLM3), mistral (`[TOOL_CALLS]`: Mistral, "
-        "Mixtral, Devstral) or granite (`<|tool_call|>`: Granite 3.x).")
+        "Mixtral, Devstral), granite (`<|tool_call|>`: Granite 3.x) or glm45 (`<tool_call>` with `<arg_key>` / "
+        "`<arg_value>` pairs: GLM-4.5, 4.6).")
     score_label_tokens: list[str] | None = Field(
         None, description="A reranker that answers in tokens: /score and /rerank run each (query, document) pair as "
         "one prompt and score it by the LM head's logits at these tokens, the last one's probability against the "

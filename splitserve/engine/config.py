@@ -5,9 +5,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from splitserve.engine.config_error import ConfigError, positive_float, positive_int, positive_number
+from splitserve.engine.config_error import ConfigError, positive_float, positive_int
 from splitserve.engine.config_families import EXAONE4, OLMO_ARCHITECTURES, SMOLLM3, family_fields
 from splitserve.engine.int_weights import IntWeights
+from splitserve.engine.moe_config import GLM4_MOE, parse_moe
 from splitserve.engine.multimodal_text import WRAPPERS, text_config
 from splitserve.engine.quantization_config import parse_quantization, stored_unquantized
 
@@ -15,15 +16,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
-                           "Ministral3ForCausalLM")
+                           "Ministral3ForCausalLM", GLM4_MOE)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES)
+# (GLM-4.5's per-head q and k norms are its config's use_qk_norm)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", SMOLLM3,
                              *OLMO_ARCHITECTURES)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
-                     "GptOssForCausalLM")
+                     "GptOssForCausalLM", GLM4_MOE)
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
@@ -85,6 +87,11 @@ class ModelConfig:
     norm_topk_prob: bool = True    # MoE: the chosen experts' weights are renormalized to sum to one
     dense_layers: tuple[int, ...] = ()  # MoE: the layers whose MLP is dense (Qwen's mlp_only_layers, sparse step)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes beside its experts, gated
+    #                                (GLM-4.5's, moe_intermediate_size times n_shared_experts wide, ungated)
+    moe_sigmoid_groups: tuple[int, int] | None = None  # GLM-4.5 (DeepSeek-V3's routing), (n_group, topk_group):
+    #                                experts chosen by sigmoid scores plus a learned bias, within the best groups
+    routed_scaling_factor: float = 1.0  # GLM-4.5: the chosen experts' weights are scaled by it
+    skipped_layers: int = 0        # GLM-4.5: multi-token-prediction layers stored after the decoder's, not served
     swiglu_limit: float | None = None  # GPT-OSS's experts: gate clamped to <= limit, up to [-limit, limit] (None: not)
     swiglu_alpha: float = 1.702    # GPT-OSS's experts: out = (up + 1) * gate * sigmoid(alpha * gate) (moe.GatedAct)
     hidden_act: str = "silu"       # the MLP gate's activation (ACTIVATIONS)
@@ -172,7 +179,7 @@ class ModelConfig:
         rope, family = family_fields(cfg, arch, source, int(head_dim), layers, rope)
         scaling = _mapping(cfg, "rope_scaling", source) or rope
         max_positions = need("max_position_embeddings", 2048)
-        rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source)
+        rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source, 0.5 if arch == GLM4_MOE else 1.0)
         window = _parse_window(cfg, arch, source, layers, family)
         if arch == EXAONE4 and window:  # a hybrid EXAONE 4's full layers attend without a rotary embedding
             family["nope_layers"] = tuple(i for i in range(layers) if i not in window["sliding_layers"])
@@ -190,10 +197,10 @@ class ModelConfig:
                                 else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             attention_out_bias=arch in O_PROJ_BIAS_ARCHITECTURES and bool(cfg.get("attention_bias", oss)),
             attention_sinks=oss,
-            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            qk_norm=arch in QK_NORM_ARCHITECTURES or (arch == GLM4_MOE and bool(cfg.get("use_qk_norm"))),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **window, hidden_act=_activation(cfg, source), **family,
-            **(_parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
+            **(parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
             **quantization,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
@@ -215,9 +222,10 @@ def _activation(cfg: dict, source: str) -> str:
     return act
 
 
-def _rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str) -> int:
-    """The leading dims of each head the rotary embedding turns (partial_rotary_factor of them)."""
-    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+def _rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str, default: float) -> int:
+    """The leading dims of each head the rotary embedding turns (partial_rotary_factor of them;
+    `default` where the config names none: transformers' GLM-4.5 turns half)."""
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or default)
     rotary_dim = int(head_dim * partial)
     if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
         raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of a "
@@ -272,37 +280,6 @@ def _exaone4_sliding(pattern, source: str, layers: int) -> tuple[int, ...]:
         return tuple(i for i in range(layers - 1) if pattern[i % len(pattern)] == "L")
     raise ConfigError(f"{source}: sliding_window_pattern must be a positive integer or a string of L and G, "
                       f"got {pattern!r}")
-
-
-def _parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
-    """ModelConfig's MoE fields as transformers reads them: Mixtral's and GPT-OSS's experts are
-    intermediate_size wide, every layer is sparse and the top-k weights are always renormalized
-    (GPT-OSS's clamp their SwiGLU: swiglu_limit, swiglu_alpha); Qwen2-MoE's and
-    Qwen3-MoE's are moe_intermediate_size wide, and a layer is dense when listed in mlp_only_layers
-    or off the decoder_sparse_step; Qwen2-MoE's sparse layers also have a shared expert."""
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    top_k = cfg.get("num_experts_per_tok")
-    positive_int(experts, "num_experts", source)
-    positive_int(top_k, "num_experts_per_tok", source)
-    if top_k > experts:
-        raise ConfigError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
-    if arch == "MixtralForCausalLM":
-        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]))
-    if arch == "GptOssForCausalLM":  # softmax over the top k router logits: the renormalized top k of the softmax
-        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]),
-                    swiglu_limit=positive_number(cfg, "swiglu_limit", 7.0, source),
-                    swiglu_alpha=positive_float(cfg, "swiglu_alpha", 1.702, source))
-    width = positive_int(cfg.get("moe_intermediate_size"), "moe_intermediate_size", source)
-    step = positive_int(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
-    only = cfg.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
-        raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")
-    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-    shared = positive_int(cfg.get("shared_expert_intermediate_size"), "shared_expert_intermediate_size", source,
-                           least=0) if arch == "Qwen2MoeForCausalLM" else 0
-    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense,
-                shared_expert_intermediate_size=shared)
 
 
 _ROPE_FIELDS = {"factor": float, "low_freq_factor": float, "high_freq_factor": float,

@@ -91,6 +91,7 @@ def _rope_layers(cfg: dict, source: str, layers: int) -> list[int]:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ConfigError(f"{source}: no_rope_layer_interval must be a positive integer, got {every!r}")
         return [int((i + 1) % every != 0) for i in range(layers)]
-    if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) or isinstance(f, bool) for f in flags):
+    if not isinstance(flags, list) or len(flags) != layers or any(isinstance(f, bool) or f not in (0, 1)
+                                                                  for f in flags):
         raise ConfigError(f"{source}: no_rope_layers must list {layers} flags of 0 or 1, got {flags!r}")
     return flags

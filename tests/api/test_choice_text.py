@@ -135,6 +135,24 @@ def test_a_granite_call_after_its_special_token_comes_back_as_tool_calls_beside_
     assert call["id"].startswith("call_")
 
 
+def test_a_glm45_call_written_with_its_special_tokens_comes_back_typed_by_the_schema(tmp_path):
+    """GLM-4.5's tags are special tokens of its tokenizer, kept likewise; a value is text where the
+    offered function's schema types it a string, else its JSON."""
+    raw = train_tokenizer()
+    raw.add_special_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    tokenizer = HFTokenizer(tmp_path)
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}}}
+    output = tokenizer.encode("<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2</arg_value>\n<arg_key>b</arg_key>\n"
+                              "<arg_value>3</arg_value>\n</tool_call>", add_special_tokens=False)
+    options = choice_options(chat(tools=[tool]), 0, [], tokenizer, ChatParsers(tool_calls="glm45"))
+    text = ChoiceText("chat", TextStream(tokenizer, SamplingParams(skip_special_tokens=False), []), [], **options)
+    message = text.choice(text.add(output + list(tokenizer.eos_token_ids), None, "stop")[0], "stop")["message"]
+    [call] = message["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 2, "b": "3"}'} and message["content"] is None
+
+
 def test_gpt_oss_channels_written_with_their_special_tokens_split_into_reasoning_and_content(tmp_path):
     """Harmony's markers are special tokens of GPT-OSS's tokenizer: a chat under `openai_gptoss`
     keeps them in its text (prepare_request), and its analysis is the reasoning; the stop token

@@ -1,4 +1,4 @@
-"""Tool calls: the Llama 3 JSON, hermes, mistral and granite parsers, the stream filter that holds back what
+"""Tool calls: the Llama 3 JSON, hermes, mistral, granite and glm45 parsers, the stream filter that holds back what
 may be calls, and the forced-call constraint, whose outputs under random weights always parse as a
 call whose arguments validate against the function's schema (`jsonschema`)."""
 from __future__ import annotations
@@ -11,9 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.tool_calls import (
-    StreamedCalls, find_tool_calls, forced_call_constraint, may_be_calls, parse_granite_calls, parse_hermes_calls,
-    parse_mistral_calls,
-    parse_tool_calls,
+    StreamedCalls, find_tool_calls, forced_call_constraint, may_be_calls, offered, parse_glm45_calls,
+    parse_granite_calls, parse_hermes_calls, parse_mistral_calls, parse_tool_calls,
 )
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
@@ -174,6 +173,38 @@ def test_granite_text_that_is_not_only_a_list_of_calls_after_the_tag_is_content(
     assert parse_granite_calls(text, NAMES) is None and find_tool_calls(text, NAMES, "granite") is None
 
 
+# ---- the glm45 format ---------------------------------------------------------------------------
+TYPED_WEATHER = {"name": "weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"enum": ["c", "f"]}}}}
+GLM_TOOLS = offered([TYPED_WEATHER, {"name": "add", "parameters": {"type": "object"}}, {"name": "now"}])
+GLM45 = ('Let me look.<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>123</arg_value>\n'
+         '<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>units</arg_key><arg_value>"c"</arg_value>\n'
+         '</tool_call>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>{"x": [1, 2]}</arg_value>\n'
+         '<arg_key>b</arg_key>\n<arg_value>not json</arg_value>\n</tool_call><tool_call>now</tool_call>')
+
+
+def test_glm45_calls_typed_by_the_functions_schemas():
+    """A string-typed parameter keeps its text ("123"), any other is the JSON it holds (3, "c", an
+    object), and text that is not JSON stays text; a call may take no arguments."""
+    assert GLM_TOOLS["weather"] == frozenset({"city"}) and GLM_TOOLS["now"] == frozenset()
+    content, calls = parse_glm45_calls(GLM45, GLM_TOOLS)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("weather", {"city": "123", "days": 3, "units": "c"}), ("add", {"a": {"x": [1, 2]}, "b": "not json"}),
+        ("now", {})]
+    assert find_tool_calls(GLM45, GLM_TOOLS, "glm45")[1][0].id.startswith("call_")
+
+
+@pytest.mark.parametrize("text", ["no calls here", "<tool_call>nope\n</tool_call>",
+                                  "<tool_call>add\n<arg_key>a</arg_key><arg_value>1</arg_value>",
+                                  "<tool_call>add\nstray<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+                                  "<tool_call>add\n<arg_key>a</arg_key><arg_value>1</arg_value>stray</tool_call>",
+                                  "<tool_call>add\n<arg_key>a</arg_key></tool_call>",
+                                  "<tool_call>now</tool_call> and more words"])
+def test_glm45_text_that_is_not_only_calls_after_the_tag_is_content(text):
+    assert parse_glm45_calls(text, GLM_TOOLS) is None and find_tool_calls(text, GLM_TOOLS, "glm45") is None
+
+
 # ---- the tagged formats, streamed ---------------------------------------------------------------
 PIECES = {
     "hermes": st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "\n", " ", "hi ", "{", "}",
@@ -181,6 +212,9 @@ PIECES = {
     "mistral": st.lists(st.sampled_from(["[TOOL_CALLS]", "[TOOL", "_CALLS]", "[ARGS]", "[CALL_ID]", "abc", "add",
                                          '{"a": 1}', '[{"name": "add", "arguments": {"b": 2}}]', " ", "hi ", "[", "]",
                                          "{", "}"]), max_size=12),
+    "glm45": st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "add\n", "now",
+                                       "<arg_key>a</arg_key>", "<arg_value>1</arg_value>", "<arg_value>", " ", "hi ",
+                                       "\n"]), max_size=12),
     "granite": st.lists(st.sampled_from(["<|tool_call|>", "<|tool", "_call|>", '{"name": "add", "arguments": {}}',
                                          '[{"name": "add", "arguments": {"b": 2}}]', " ", "hi ", "[", "]", ",",
                                          "<|"]), max_size=12),
@@ -189,7 +223,7 @@ PIECES = {
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), cut=st.integers(min_value=1, max_value=7), reason=st.sampled_from(["stop", "length"]))
-@pytest.mark.parametrize("parser", ["hermes", "mistral", "granite"])
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "granite", "glm45"])
 def test_a_tagged_stream_cut_anywhere_ends_as_the_whole_text_is_read(parser, data, cut, reason):
     """Streamed in pieces of any size, the content sent and the calls found are the whole
     output's: what find_tool_calls reads from it (content alongside the calls), or all of it."""

@@ -11,7 +11,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+from transformers import (Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Glm4MoeConfig,
+                          Glm4MoeForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
                           GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM, MistralConfig, MistralForCausalLM,
                           MixtralConfig, MixtralForCausalLM,
@@ -92,6 +93,12 @@ CONFIGS = {
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                            rope_theta=1000000.0)),
+    # GLM-4.5: a dense first layer, then top 2 of 8 experts by sigmoid plus a bias within the best of 2
+    # groups, scaled, beside an ungated shared expert; half of each head rotated, q/k/v biases, q/k norms
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, dict(
+        num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5)),
     # GPT-OSS: top 2 of 4 biased experts, gate and up interleaved, the clamped SwiGLU (a limit low enough
     # to bind), attention sinks, biases on q, k, v and o, a window on the first layer, YaRN
     "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(
@@ -168,8 +175,12 @@ def tokenizers_by_kind() -> dict[bool, RawTokenizer]:
 
 def randomize(model: torch.nn.Module) -> None:
     """Weights with std WEIGHT_STD; norm weights near (not exactly) one and biases non-zero, so a
-    parameter that is not loaded, or loaded into the wrong place, changes the logits."""
+    parameter that is not loaded, or loaded into the wrong place, changes the logits (GLM-4.5's
+    routing bias, a buffer, too)."""
     with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0.0, WEIGHT_STD)

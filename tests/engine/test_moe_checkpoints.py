@@ -1,6 +1,6 @@
 """Mixture-of-experts checkpoints written by transformers' own `save_pretrained` (Mixtral,
-Qwen2-MoE, Qwen3-MoE, GPT-OSS): the per-expert tensors load into the stacked experts, and the MoE fields of
-config.json are read, or refused naming the field."""
+Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5): the per-expert tensors load into the stacked experts, and
+the MoE fields of config.json are read, or refused naming the field."""
 import json
 
 import pytest
@@ -8,8 +8,9 @@ import torch
 from transformers import (GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from splitserve.engine.config import ConfigError
-from splitserve.engine.loader import iter_checkpoint_tensors, load_model_config, load_weights
+from splitserve.engine.config import ConfigError, ModelConfig
+from splitserve.engine.loader import CheckpointError, iter_checkpoint_tensors, load_model_config, load_weights
+from tests.engine.hf_checkpoints import ENGINE_ARGS, tokenizers_by_kind, write_checkpoint  # noqa: F401 (fixture)
 from tests.engine.test_loader import SHAPE
 
 MOE_SHAPE = dict(SHAPE, num_hidden_layers=3, num_experts_per_tok=2)
@@ -142,3 +143,54 @@ def test_bad_gpt_oss_config_names_the_field(tmp_path, field, value, message):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, field: value}))
     with pytest.raises(ConfigError, match=message):
         load_model_config(tmp_path)
+
+
+GLM = {"architectures": ["Glm4MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+       "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "n_routed_experts": 8,
+       "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+
+
+def test_glm4_moe_config_fields():
+    """A hub GLM-4.5 config.json's MoE fields, and transformers' defaults for those it leaves out."""
+    cfg = ModelConfig.from_hf({**GLM, "n_shared_experts": 2, "first_k_dense_replace": 2, "n_group": 4, "topk_group": 2,
+                               "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "use_qk_norm": True,
+                               "attention_bias": True, "partial_rotary_factor": 0.5})
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (8, 16, 32)
+    assert (cfg.dense_layers, cfg.moe_sigmoid_groups, cfg.routed_scaling_factor, cfg.skipped_layers) == (
+        (0, 1), (4, 2), 2.5, 1)
+    assert cfg.qk_norm and cfg.attention_bias and not cfg.attention_out_bias and cfg.rotary_dim == 4
+    plain = ModelConfig.from_hf(GLM)
+    assert (plain.dense_layers, plain.moe_sigmoid_groups, plain.shared_expert_intermediate_size) == ((0,), (1, 1), 16)
+    assert plain.norm_topk_prob and not plain.qk_norm and plain.rotary_dim == 4  # transformers turns half by default
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"n_group": 3}, "n_group=3 must divide n_routed_experts=8"),
+    ({"n_group": 2, "topk_group": 3}, "n_group=2 must divide n_routed_experts=8 and be at least topk_group=3"),
+    ({"n_group": 8}, "leaves groups of fewer than 2 experts"),
+    ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, "topk_group=1 groups hold fewer experts"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor must be a positive number"),
+    ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers must be an integer >= 0")])
+def test_bad_glm4_moe_config_names_the_field(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**GLM, **fields})
+
+
+def test_glm4_moe_multi_token_prediction_layers_are_skipped(tmp_path, tokenizers_by_kind):  # noqa: F811
+    """GLM-4.5 stores its multi-token-prediction layer after the decoder's (num_nextn_predict_layers):
+    not served, so skipped; a layer past those is still refused, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from splitserve.engine.llm_engine import LLMEngine
+
+    write_checkpoint(tmp_path, "glm4_moe", tokenizers_by_kind)
+    tensors = load_file(tmp_path / "model.safetensors")
+    mtp = {"model.layers.2.eh_proj.weight": torch.zeros(4, 4), "model.layers.2.mlp.experts.0.up_proj.weight":
+           torch.zeros(4, 4)}
+    save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    assert LLMEngine(str(tmp_path), **ENGINE_ARGS).model_config.skipped_layers == 1
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(CheckpointError, match="model.layers.2"):
+        LLMEngine(str(tmp_path), **ENGINE_ARGS)

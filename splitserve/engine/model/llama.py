@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite,
 OLMo 2 and 3, EXAONE 4, SmolLM3, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE,
-Qwen3-MoE and GPT-OSS, whose attention also has sinks and an o_proj bias) over flattened tokens of
-many sequences.
+Qwen3-MoE, GLM-4.5 and GPT-OSS, whose attention also has sinks and an o_proj bias) over flattened
+tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows (`model.linear`; a block-wise FP8
@@ -187,7 +187,7 @@ class LlamaDecoderLayer(nn.Module):
         if c.is_moe_layer(layer):  # registered under the checkpoint's name (Mixtral's block_sparse_moe)
             names, width = expert_names(c), c.shared_expert_intermediate_size
             self.mlp_name = names.block
-            shared = LlamaMLP(c, shard, width=width, prefix=f"{prefix}.{names.block}.shared_expert") if width else None
+            shared = LlamaMLP(c, shard, width=width, prefix=f"{prefix}.{names.block}.{names.shared}") if width else None
             self.add_module(names.block, SparseMoeBlock(c, names, shard, reduce, shared))
         else:
             self.mlp_name, self.mlp = "mlp", LlamaMLP(c, shard, reduce, prefix=f"{prefix}.mlp")

@@ -1,8 +1,9 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): a router scores every
-expert for each token, the token goes through its top-k experts (each a gated MLP like Llama's) and
-their outputs are summed, weighted by the router's softmax over those k (renormalized where the
-model says so). Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate.
-GPT-OSS's router and experts have biases and its experts a clamped SwiGLU (`GatedAct`).
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5): a router scores
+every expert for each token, the token goes through its top-k experts (each a gated MLP like
+Llama's) and their outputs are summed, weighted by the router's softmax over those k (renormalized
+where the model says so; GLM-4.5's by sigmoid, `route_sigmoid`). Qwen2-MoE adds a shared expert
+every token takes, scaled by a sigmoid gate (GLM-4.5's are ungated). GPT-OSS's router and experts
+have biases and its experts a clamped SwiGLU (`GatedAct`).
 
 The experts' weights are two stacked tensors, `w13` [experts, 2 * width, hidden] (each expert's
 gate rows, then its up rows; GPT-OSS's alternate gate, up, as its checkpoints store them) and `w2`
@@ -46,7 +47,8 @@ ExpertStack = torch.Tensor | mxfp4.Packed | fp8.Stacked | int_weights.Stacked  #
 class ExpertNames:
     """How a checkpoint names a sparse layer's parts: `<block>.<router>` is the router,
     `<block>.experts.<e>.<gate|up|down>.weight` expert e's projections; `stacked` ones (GPT-OSS)
-    are `<block>.experts.<gate|down>` [experts, in, out] for all experts, with `_bias` beside them."""
+    are `<block>.experts.<gate|down>` [experts, in, out] for all experts, with `_bias` beside them;
+    `<block>.<shared>` the shared experts' MLP, where the model has one."""
 
     block: str
     gate: str
@@ -54,16 +56,18 @@ class ExpertNames:
     down: str
     router: str = "gate"
     stacked: bool = False
+    shared: str = "shared_expert"
 
 
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 QWEN_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 GPT_OSS_NAMES = ExpertNames("mlp", "gate_up_proj", "", "down_proj", router="router", stacked=True)
+GLM4_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts")
 
 
 def expert_names(config: ModelConfig) -> ExpertNames:
-    return {"MixtralForCausalLM": MIXTRAL_NAMES, "GptOssForCausalLM": GPT_OSS_NAMES}.get(config.architecture,
-                                                                                         QWEN_MOE_NAMES)
+    return {"MixtralForCausalLM": MIXTRAL_NAMES, "GptOssForCausalLM": GPT_OSS_NAMES,
+            "Glm4MoeForCausalLM": GLM4_MOE_NAMES}.get(config.architecture, QWEN_MOE_NAMES)
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,27 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: tuple[int, int], renormalize: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's (DeepSeek-V3's) routing from float32 logits [T, experts]: each token's top-k experts
+    by sigmoid(logits) + `bias` among its `groups[1]` best of `groups[0]` groups of experts (a group
+    scores the sum of its two best), weighted by their sigmoid alone, renormalized or not, times
+    `scale`. Torch ops on every device, with no host sync."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    count, best = groups
+    if count > 1:
+        grouped = choice.view(choice.shape[0], count, -1)
+        kept = grouped.topk(2, dim=-1).values.sum(-1).topk(best, dim=-1).indices
+        mask = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, kept, True)
+        choice = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(1)
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
 
 
 class Experts(nn.Module):
@@ -280,20 +305,33 @@ def _kept_unit(c: ModelConfig, names: ExpertNames) -> int | None:
 class SparseMoeBlock(nn.Module):
     def __init__(self, c: ModelConfig, names: ExpertNames, shard: Shard = Shard(),
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, shared_expert: nn.Module | None = None):
-        """`shared_expert`: Qwen2-MoE's, an MLP whose output on this rank is a partial sum (not reduced)."""
+        """`shared_expert`: Qwen2-MoE's or GLM-4.5's, an MLP whose output on this rank is a partial sum
+        (not reduced)."""
         super().__init__()
-        self.router_name = names.router  # registered under the checkpoint's name
-        self.add_module(names.router, nn.Linear(c.hidden_size, c.num_experts, bias=names.stacked))
+        self.router_name, self.shared_name = names.router, names.shared  # registered under the checkpoint's names
+        router = nn.Linear(c.hidden_size, c.num_experts, bias=names.stacked)
+        self.groups, self.scale = c.moe_sigmoid_groups, c.routed_scaling_factor
+        if self.groups is not None:  # GLM-4.5: the bias its choice adds, float32 as transformers keeps it
+            router.e_score_correction_bias = frozen(c.num_experts, dtype=torch.float32)
+        self.add_module(names.router, router)
         self.experts = Experts(c, names, shard)
-        self.shared_expert = shared_expert
-        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if shared_expert is not None else None
+        self.add_module(names.shared, shared_expert)
+        gated = shared_expert is not None and self.groups is None  # Qwen2-MoE's gate
+        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if gated else None
         self.top_k, self.renormalize, self.reduce = c.num_experts_per_tok, c.norm_topk_prob, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self._modules[self.router_name](x), self.top_k, self.renormalize)
+        router = self._modules[self.router_name]
+        if self.groups is None:
+            weights, experts = route(router(x), self.top_k, self.renormalize)
+        else:  # in float32, as transformers scores them
+            weights, experts = route_sigmoid(F.linear(x.float(), router.weight.float()), router.e_score_correction_bias,
+                                             self.top_k, self.groups, self.renormalize, self.scale)
         out = self.experts(x, weights, experts)
-        if self.shared_expert is not None:  # the gate is per token, so it scales a partial sum exactly
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self._modules[self.shared_name]
+        if shared is not None:  # a gate is per token, so it scales a partial sum exactly
+            gate = 1.0 if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x))
+            out = out + gate * shared(x)
         return out if self.reduce is None else self.reduce(out)
 
 

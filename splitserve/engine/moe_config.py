@@ -1,0 +1,66 @@
+"""A sparse mixture-of-experts model's fields of ModelConfig, read from its config.json as
+transformers reads them."""
+from __future__ import annotations
+
+from splitserve.engine.config_error import ConfigError, positive_float, positive_int, positive_number
+
+GLM4_MOE = "Glm4MoeForCausalLM"
+
+
+def parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
+    """ModelConfig's MoE fields as transformers reads them: Mixtral's and GPT-OSS's experts are
+    intermediate_size wide, every layer is sparse and the top-k weights are always renormalized
+    (GPT-OSS's clamp their SwiGLU: swiglu_limit, swiglu_alpha); Qwen2-MoE's and
+    Qwen3-MoE's are moe_intermediate_size wide, and a layer is dense when listed in mlp_only_layers
+    or off the decoder_sparse_step; Qwen2-MoE's sparse layers also have a shared expert. GLM-4.5's
+    (`_glm4_moe`) route by sigmoid."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
+    top_k = cfg.get("num_experts_per_tok")
+    positive_int(experts, "num_experts", source)
+    positive_int(top_k, "num_experts_per_tok", source)
+    if top_k > experts:
+        raise ConfigError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]))
+    if arch == "GptOssForCausalLM":  # softmax over the top k router logits: the renormalized top k of the softmax
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]),
+                    swiglu_limit=positive_number(cfg, "swiglu_limit", 7.0, source),
+                    swiglu_alpha=positive_float(cfg, "swiglu_alpha", 1.702, source))
+    width = positive_int(cfg.get("moe_intermediate_size"), "moe_intermediate_size", source)
+    if arch == GLM4_MOE:
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                    **_glm4_moe(cfg, source, layers, experts, width))
+    step = positive_int(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    shared = positive_int(cfg.get("shared_expert_intermediate_size"), "shared_expert_intermediate_size", source,
+                           least=0) if arch == "Qwen2MoeForCausalLM" else 0
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense,
+                shared_expert_intermediate_size=shared)
+
+
+def _glm4_moe(cfg: dict, source: str, layers: int, experts: int, width: int) -> dict:
+    """GLM-4.5's: the first first_k_dense_replace layers dense; n_shared_experts ungated experts
+    beside the routed ones; each token's experts the top k of sigmoid(logits) + a learned bias among
+    the topk_group best of n_group groups (a group's score: the sum of its two best), weighted by
+    their sigmoid alone, renormalized (norm_topk_prob) and times routed_scaling_factor;
+    num_nextn_predict_layers stored after the decoder's layers."""
+    groups, best = (positive_int(cfg.get(name, 1), name, source) for name in ("n_group", "topk_group"))
+    if experts % groups or best > groups:
+        raise ConfigError(f"{source}: n_group={groups} must divide n_routed_experts={experts} and be at least "
+                          f"topk_group={best}")
+    if groups > 1 and experts // groups < 2:
+        raise ConfigError(f"{source}: n_group={groups} leaves groups of fewer than 2 experts (a group scores its "
+                          "two best)")
+    if best * (experts // groups) < cfg["num_experts_per_tok"]:
+        raise ConfigError(f"{source}: topk_group={best} groups hold fewer experts than num_experts_per_tok")
+    dense = positive_int(cfg.get("first_k_dense_replace", 1), "first_k_dense_replace", source, least=0)
+    shared = positive_int(cfg.get("n_shared_experts", 1), "n_shared_experts", source, least=0)
+    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0))
+    return dict(norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), dense_layers=tuple(range(min(dense, layers))),
+                shared_expert_intermediate_size=width * shared, moe_sigmoid_groups=(groups, best),
+                routed_scaling_factor=positive_float(cfg, "routed_scaling_factor", 1.0, source),
+                skipped_layers=positive_int(mtp, "num_nextn_predict_layers", source, least=0))
