@@ -16,7 +16,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
-                           "Ministral3ForCausalLM", GLM4_MOE)
+                           "Ministral3ForCausalLM", GLM4_MOE, "Glm4ForCausalLM")
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES)
 # (GLM-4.5's per-head q and k norms are its config's use_qk_norm)
@@ -26,7 +26,8 @@ O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeFo
                              *OLMO_ARCHITECTURES)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
                      "GptOssForCausalLM", GLM4_MOE)
-FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # checkpoints store qkv_proj and gate_up_proj as one tensor each
+# checkpoints store qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM-4) as one tensor each
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
 
@@ -76,6 +77,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0   # Granite: the attention's and the MLP's outputs are scaled by it
     logits_scaling: float = 1.0        # Granite: the logits are divided by it
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not turn q and k (no rotary embedding)
+    rotary_interleaved: bool = False  # GLM-4: the rotary embedding turns pairs of neighbouring dims
     query_position_scale: tuple[float, int] | None = None  # Ministral 3 (Llama 4's), (beta, n): after the rotary
     #                                embedding q is scaled by 1 + beta * log(1 + floor(position / n))
     tie_word_embeddings: bool = False
@@ -179,7 +181,8 @@ class ModelConfig:
         rope, family = family_fields(cfg, arch, source, int(head_dim), layers, rope)
         scaling = _mapping(cfg, "rope_scaling", source) or rope
         max_positions = need("max_position_embeddings", 2048)
-        rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source, 0.5 if arch == GLM4_MOE else 1.0)
+        glm = arch in (GLM4_MOE, "Glm4ForCausalLM")  # transformers' GLMs turn half of each head by default
+        rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source, 0.5 if glm else 1.0)
         window = _parse_window(cfg, arch, source, layers, family)
         if arch == EXAONE4 and window:  # a hybrid EXAONE 4's full layers attend without a rotary embedding
             family["nope_layers"] = tuple(i for i in range(layers) if i not in window["sliding_layers"])
@@ -194,9 +197,9 @@ class ModelConfig:
             rope_scaling=_parse_rope_scaling(scaling, source, max_positions,
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
-                                else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                                else cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", "Glm4ForCausalLM"))),
             attention_out_bias=arch in O_PROJ_BIAS_ARCHITECTURES and bool(cfg.get("attention_bias", oss)),
-            attention_sinks=oss,
+            attention_sinks=oss, rotary_interleaved=arch == "Glm4ForCausalLM",
             qk_norm=arch in QK_NORM_ARCHITECTURES or (arch == GLM4_MOE and bool(cfg.get("use_qk_norm"))),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **window, hidden_act=_activation(cfg, source), **family,

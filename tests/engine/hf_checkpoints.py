@@ -11,15 +11,14 @@ import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Glm4MoeConfig,
-                          Glm4MoeForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
-                          GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+from transformers import (Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM,
+                          GptOssConfig, GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM, MistralConfig, MistralForCausalLM,
-                          MixtralConfig, MixtralForCausalLM,
-                          Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
-                          Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+                          MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config,
+                          Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from splitserve.engine.tokenizer import HFTokenizer
@@ -93,6 +92,9 @@ CONFIGS = {
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                            rope_theta=1000000.0)),
+    # GLM-4: neighbouring pairs of half of each head rotated, four norms a layer, gate and up stored as
+    # one gate_up_proj, q/k/v biases
+    "glm4": (Glm4Config, Glm4ForCausalLM, dict(num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5)),
     # GLM-4.5: a dense first layer, then top 2 of 8 experts by sigmoid plus a bias within the best of 2
     # groups, scaled, beside an ungated shared expert; half of each head rotated, q/k/v biases, q/k norms
     "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, dict(

@@ -1,5 +1,6 @@
 """ModelConfig.from_hf on config.json files written by transformers' own `save_pretrained`:
-which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo, EXAONE 4 and SmolLM3."""
+which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo, EXAONE 4, GLM-4 and
+SmolLM3."""
 import json
 import re
 
@@ -105,6 +106,16 @@ def test_exaone4_windows_and_layers_without_rope_from_its_pattern(pattern, slidi
     for bad in (0, "LXG", ""):
         with pytest.raises(ConfigError, match="sliding_window_pattern must be a positive integer or a string of L"):
             ModelConfig.from_hf({**raw, "sliding_window_pattern": bad})
+
+
+def test_glm4_defaults_as_transformers_reads_them():
+    """A GLM-4 config.json that names neither: q/k/v biases (no o_proj bias) and half of each head
+    turned, in neighbouring pairs."""
+    cfg = ModelConfig.from_hf({**BASE, "architectures": ["Glm4ForCausalLM"], "head_dim": 16})
+    assert (cfg.attention_bias, cfg.attention_out_bias, cfg.rotary_dim, cfg.rotary_interleaved) == (
+        True, False, 8, True)
+    assert ModelConfig.from_hf({**BASE, "architectures": ["Glm4ForCausalLM"], "attention_bias": False,
+                                "partial_rotary_factor": 1.0}).rotary_dim == 8  # BASE: 32 / 4 heads
 
 
 def test_smollm3_layers_without_rope(tmp_path):

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite,
-OLMo 2 and 3, EXAONE 4, SmolLM3, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE,
+OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE,
 Qwen3-MoE, GLM-4.5 and GPT-OSS, whose attention also has sinks and an o_proj bias) over flattened
 tokens of many sequences.
 
@@ -176,13 +176,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = None if c.norms_after else RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
         prefix = f"model.layers.{layer}"
         self.self_attn = LlamaAttention(c, shard, reduce, c.window_of(layer), f"{prefix}.self_attn")
-        # Llama's post_attention_layernorm precedes the MLP; Gemma's and OLMo's normalize the attention's
-        # output, and Gemma's pre_feedforward_layernorm precedes the MLP; a post_feedforward_layernorm
-        # takes the MLP's output
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
-        self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, True) if c.gemma_norms else None
-        self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms) \
-            if c.gemma_norms or c.norms_after else None
+        self.norm_names = _norm_names(c)
+        for name in filter(None, self.norm_names):
+            self.add_module(name, RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms))
         self.residual_multiplier = c.residual_multiplier  # Granite's
         if c.is_moe_layer(layer):  # registered under the checkpoint's name (Mixtral's block_sparse_moe)
             names, width = expert_names(c), c.shared_expert_intermediate_size
@@ -195,21 +191,36 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, residual, positions, rotary, kv, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the next norm adds the two,
         so each add runs inside a norm; the first layer has no residual yet."""
+        attention_out, mlp_in, mlp_out = (None if name is None else self._modules[name] for name in self.norm_names)
+        mlp = self._modules[self.mlp_name]
         if self.input_layernorm is None:  # OLMo: each sublayer's output normalized, its input not
             x = x if residual is None else x + residual
-            x = x + self.post_attention_layernorm(self.self_attn(x, positions, rotary, kv, meta, backend))
-            return self.post_feedforward_layernorm(self._modules[self.mlp_name](x)), x
+            x = x + attention_out(self.self_attn(x, positions, rotary, kv, meta, backend))
+            return mlp_out(mlp(x)), x
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rotary, kv, meta, backend)
+        if attention_out is not None:
+            h = attention_out(h)
         if self.residual_multiplier != 1.0:
             h = h * self.residual_multiplier
-            h, residual = self.post_attention_layernorm(h, residual)
-            return self._modules[self.mlp_name](h) * self.residual_multiplier, residual
-        if self.pre_feedforward_layernorm is None:
-            h, residual = self.post_attention_layernorm(h, residual)
-            return self._modules[self.mlp_name](h), residual
-        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
-        return self.post_feedforward_layernorm(self._modules[self.mlp_name](h)), residual
+        h, residual = mlp_in(h, residual)
+        h = mlp(h)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
+        return (h if mlp_out is None else mlp_out(h)), residual
+
+
+def _norm_names(c: ModelConfig) -> tuple[str | None, str | None, str | None]:
+    """The checkpoint's names of a layer's norms of the attention's output, the MLP's input and the
+    MLP's output, beside input_layernorm (None: the layer has no such norm): Llama's one before the
+    MLP; Gemma's and GLM-4's all three; OLMo's the two outputs' (and no input_layernorm)."""
+    if c.norms_after:
+        return "post_attention_layernorm", None, "post_feedforward_layernorm"
+    if c.architecture == "Glm4ForCausalLM":
+        return "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"
+    if c.gemma_norms:
+        return "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
+    return None, "post_attention_layernorm", None
 
 
 class LlamaModel(nn.Module):

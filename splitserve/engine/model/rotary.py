@@ -91,6 +91,7 @@ class RotaryEmbedding:
 
     def __init__(self, config: ModelConfig, max_len: int):
         self.dims = config.rotary_dim or config.head_dim  # the leading dims turned; the rest pass through
+        self.interleaved = config.rotary_interleaved  # GLM-4's: pairs (2i, 2i + 1), not (i, i + dims / 2)
         self.long_from, self.long_offset = config.long_rope_from, max_len  # LongRoPE: where the long rows start
         sets = [False] if self.long_from is None else [False, True]
         freqs = torch.cat([torch.arange(max_len, dtype=torch.float32)[:, None] *
@@ -112,9 +113,9 @@ class RotaryEmbedding:
         """q: [T, H, D], k: [T, KVH, D], each head normalized by `norms` first where given (Qwen3's
         q and k norms), rotated (their first `dims` dims) by the table rows `positions` [T]
         (`table_rows`); on CUDA in place, both in one Triton kernel (`triton_ops`), which normalizes
-        them too where the rotation covers whole heads."""
+        them too where the rotation covers whole heads; interleaved pairs (GLM-4's) by torch ops."""
         d = self.dims
-        if triton_dispatch.runs_kernels(q):
+        if triton_dispatch.runs_kernels(q) and not self.interleaved:  # the kernel turns halves
             # the attention builds q's and k's norms alike (one eps, one kind): one kernel takes both
             fused = norms is not None and d == q.shape[-1] and all(n.weight.dtype == q.dtype for n in norms)
             if norms is not None and not fused:
@@ -124,14 +125,22 @@ class RotaryEmbedding:
             return q, k
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        cos, sin, rotate = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype), _rotate_half
+        if self.interleaved:  # each frequency twice in a row, as transformers' GLM-4 spreads it
+            cos, sin = (t[:, :d // 2].repeat_interleave(2, -1) for t in (cos, sin))
+            rotate = _rotate_pairs
+        cos, sin = cos[:, None, :], sin[:, None, :]
         if d == q.shape[-1]:
-            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        turned = [x[..., :d] * cos + _rotate_half(x[..., :d]) * sin for x in (q, k)]
+            return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+        turned = [x[..., :d] * cos + rotate(x[..., :d]) * sin for x in (q, k)]
         return torch.cat((turned[0], q[..., d:]), dim=-1), torch.cat((turned[1], k[..., d:]), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(-x1, x0, -x3, x2, ...): each neighbouring pair turned a quarter."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
