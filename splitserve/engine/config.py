@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int
-from splitserve.engine.config_families import EXAONE4, OLMO_ARCHITECTURES, SMOLLM3, family_fields
+from splitserve.engine.config_families import (COHERE_ARCHITECTURES, EXAONE4, OLMO_ARCHITECTURES, SMOLLM3,
+                                               family_fields)
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.moe_config import GLM4_MOE, parse_moe
 from splitserve.engine.multimodal_text import WRAPPERS, text_config
@@ -16,14 +17,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
-                           "Ministral3ForCausalLM", GLM4_MOE, "Glm4ForCausalLM")
+                           "Ministral3ForCausalLM", GLM4_MOE, "Glm4ForCausalLM", *COHERE_ARCHITECTURES)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES)
 # (GLM-4.5's per-head q and k norms are its config's use_qk_norm)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", SMOLLM3,
-                             *OLMO_ARCHITECTURES)
+                             *OLMO_ARCHITECTURES, *COHERE_ARCHITECTURES)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
                      "GptOssForCausalLM", GLM4_MOE)
 # checkpoints store qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM-4) as one tensor each
@@ -75,9 +76,12 @@ class ModelConfig:
     #                                the residual stream, their inputs not (no input_layernorm)
     embedding_multiplier: float = 1.0  # Granite: the embeddings are scaled by it
     residual_multiplier: float = 1.0   # Granite: the attention's and the MLP's outputs are scaled by it
-    logits_scaling: float = 1.0        # Granite: the logits are divided by it
+    logits_scale: float = 1.0      # Granite, Cohere: the logits are multiplied by it
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not turn q and k (no rotary embedding)
-    rotary_interleaved: bool = False  # GLM-4: the rotary embedding turns pairs of neighbouring dims
+    rotary_interleaved: bool = False  # GLM-4, Cohere: the rotary embedding turns pairs of neighbouring dims
+    layer_norms: bool = False      # Cohere: the norms are LayerNorms (mean-centred, a weight and no bias)
+    parallel_block: bool = False   # Cohere: the attention and the MLP read the same normed input; their
+    #                                outputs join the residual stream together
     query_position_scale: tuple[float, int] | None = None  # Ministral 3 (Llama 4's), (beta, n): after the rotary
     #                                embedding q is scaled by 1 + beta * log(1 + floor(position / n))
     tie_word_embeddings: bool = False
@@ -184,7 +188,7 @@ class ModelConfig:
         glm = arch in (GLM4_MOE, "Glm4ForCausalLM")  # transformers' GLMs turn half of each head by default
         rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source, 0.5 if glm else 1.0)
         window = _parse_window(cfg, arch, source, layers, family)
-        if arch == EXAONE4 and window:  # a hybrid EXAONE 4's full layers attend without a rotary embedding
+        if arch in (EXAONE4, "Cohere2ForCausalLM") and window:  # a hybrid's full layers attend without rotation
             family["nope_layers"] = tuple(i for i in range(layers) if i not in window["sliding_layers"])
         oss = arch == "GptOssForCausalLM"
         return cls(
@@ -192,16 +196,17 @@ class ModelConfig:
             intermediate_size=need("intermediate_size"), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
             max_position_embeddings=max_positions, rotary_dim=rotary_dim,
-            rms_norm_eps=positive_float(cfg, "rms_norm_eps", 1e-6, source),
+            rms_norm_eps=positive_float(cfg, "layer_norm_eps", 1e-5, source) if arch in COHERE_ARCHITECTURES
+            else positive_float(cfg, "rms_norm_eps", 1e-6, source),
             rope_theta=positive_float(rope if "rope_theta" in rope else cfg, "rope_theta", 10000.0, source),
             rope_scaling=_parse_rope_scaling(scaling, source, max_positions,
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
                                 else cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", "Glm4ForCausalLM"))),
             attention_out_bias=arch in O_PROJ_BIAS_ARCHITECTURES and bool(cfg.get("attention_bias", oss)),
-            attention_sinks=oss, rotary_interleaved=arch == "Glm4ForCausalLM",
+            attention_sinks=oss, rotary_interleaved=arch in ("Glm4ForCausalLM", *COHERE_ARCHITECTURES),
             qk_norm=arch in QK_NORM_ARCHITECTURES or (arch == GLM4_MOE and bool(cfg.get("use_qk_norm"))),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in COHERE_ARCHITECTURES)),
             **window, hidden_act=_activation(cfg, source), **family,
             **(parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
             **quantization,
@@ -245,7 +250,7 @@ def _parse_window(cfg: dict, arch: str, source: str, layers: int, family: dict) 
     sliding_window_pattern says, SmolLM3's those without a rotary embedding, every layer of the
     others (Mistral, Mixtral)."""
     gated = arch in QWEN_ARCHITECTURES or arch == SMOLLM3
-    window = cfg.get("sliding_window", 4096 if arch in ("Olmo3ForCausalLM", EXAONE4) else None)
+    window = cfg.get("sliding_window", 4096 if arch in ("Olmo3ForCausalLM", EXAONE4, "Cohere2ForCausalLM") else None)
     if window is None or (gated and not cfg.get("use_sliding_window")):
         return {}
     return dict(sliding_window=positive_int(window, "sliding_window", source),
@@ -264,8 +269,9 @@ def _sliding_layers(cfg: dict, arch: str, source: str, layers: int, family: dict
     if arch == "Gemma3ForCausalLM":
         pattern = int(cfg.get("sliding_window_pattern") or 6)
         return tuple(i for i in range(layers) if (i + 1) % pattern)
-    if arch == "Olmo3ForCausalLM":
-        return tuple(i for i in range(layers) if (i + 1) % 4)
+    if arch in ("Olmo3ForCausalLM", "Cohere2ForCausalLM"):
+        every = positive_int(cfg.get("sliding_window_pattern", 4), "sliding_window_pattern", source)
+        return tuple(i for i in range(layers) if (i + 1) % every)
     if arch == SMOLLM3:
         return family["nope_layers"]
     if arch == EXAONE4:

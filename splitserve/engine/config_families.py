@@ -1,8 +1,9 @@
 """What a model family's config.json adds to the Llama shape, read as transformers reads it:
 Gemma's norms, scales and soft caps; Granite's multipliers; OLMo's norms after each sublayer and
 across heads; EXAONE 4's after each sublayer; SmolLM3's layers without a rotary embedding;
-Ministral 3's queries scaled by position. `family_fields` gives (the rope
-parameters the full-attention layers turn by, the family's ModelConfig fields)."""
+Ministral 3's queries scaled by position; Cohere's LayerNorms, parallel block and logit scale.
+`family_fields` gives (the rope parameters the full-attention layers turn by, the family's
+ModelConfig fields)."""
 from __future__ import annotations
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_number
@@ -10,6 +11,7 @@ from splitserve.engine.config_error import ConfigError, positive_float, positive
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 GRANITE, SMOLLM3, EXAONE4 = "GraniteForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM"
+COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 MINISTRAL3 = "Ministral3ForCausalLM"
 
 
@@ -20,7 +22,7 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
     if arch == GRANITE:
         return rope, dict(embedding_multiplier=positive_float(cfg, "embedding_multiplier", 1.0, source),
                           residual_multiplier=positive_float(cfg, "residual_multiplier", 1.0, source),
-                          logits_scaling=positive_float(cfg, "logits_scaling", 1.0, source),
+                          logits_scale=1 / positive_float(cfg, "logits_scaling", 1.0, source),
                           attention_scale=positive_float(cfg, "attention_multiplier", 1.0, source))
     if arch in OLMO_ARCHITECTURES:
         fields = dict(norms_after=True, qk_norm_across_heads=True)
@@ -30,6 +32,11 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
         rope, local_theta = _per_layer_type(cfg, source, cfg.get("rope_theta", 500_000.0),
                                             cfg.get("rope_theta", 500_000.0))
         return rope, dict(fields, local_rope_theta=local_theta)
+    if arch in COHERE_ARCHITECTURES:
+        if cfg.get("use_qk_norm"):
+            raise ConfigError(f"{source}: use_qk_norm=true is not supported (Command R+'s per-head LayerNorms)")
+        return rope, dict(layer_norms=True, parallel_block=True,
+                          logits_scale=positive_float(cfg, "logit_scale", 0.0625, source))
     if arch == EXAONE4:  # its layers without a rotary embedding: the full ones beside windowed (config.py)
         return rope, dict(norms_after=True)
     if arch == MINISTRAL3:  # Llama 4's scaling, its two numbers among the rope parameters

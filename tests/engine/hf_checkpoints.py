@@ -11,7 +11,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM, Exaone4Config,
+                          Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
                           Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM,
                           GptOssConfig, GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM, MistralConfig, MistralForCausalLM,
@@ -92,6 +93,15 @@ CONFIGS = {
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                            rope_theta=1000000.0)),
+    # Cohere (Command R, Aya Expanse): LayerNorms, the attention and the MLP side by side, interleaved
+    # rotary pairs, scaled logits (its LM head untied here: tied, these random weights repeat one token)
+    "cohere": (CohereConfig, CohereForCausalLM, dict(num_key_value_heads=2, logit_scale=2.5, layer_norm_eps=1e-5,
+                                                     tie_word_embeddings=False)),
+    # Cohere 2 (Command R7B, Command A): a window on the first layer, the full one without rotary
+    # embedding, tied embeddings
+    "cohere2": (Cohere2Config, Cohere2ForCausalLM, dict(num_key_value_heads=2, sliding_window=16,
+                                                        layer_types=["sliding_attention", "full_attention"],
+                                                        logit_scale=2.5)),
     # GLM-4: neighbouring pairs of half of each head rotated, four norms a layer, gate and up stored as
     # one gate_up_proj, q/k/v biases
     "glm4": (Glm4Config, Glm4ForCausalLM, dict(num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5)),

@@ -1,6 +1,6 @@
 """ModelConfig.from_hf on config.json files written by transformers' own `save_pretrained`:
-which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo, EXAONE 4, GLM-4 and
-SmolLM3."""
+which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo, EXAONE 4, GLM-4, Cohere
+and SmolLM3."""
 import json
 import re
 
@@ -61,7 +61,7 @@ def test_granite_config_fields(tmp_path):
     GraniteForCausalLM(GraniteConfig(**SHAPE, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
                                      attention_multiplier=0.015625)).save_pretrained(tmp_path)
     cfg = load_model_config(tmp_path)
-    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == (12.0, 0.22, 8.0)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scale) == (12.0, 0.22, 0.125)
     assert cfg.attention_scale == 0.015625 and not cfg.attention_out_bias
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "logits_scaling": 0}))
@@ -116,6 +116,21 @@ def test_glm4_defaults_as_transformers_reads_them():
         True, False, 8, True)
     assert ModelConfig.from_hf({**BASE, "architectures": ["Glm4ForCausalLM"], "attention_bias": False,
                                 "partial_rotary_factor": 1.0}).rotary_dim == 8  # BASE: 32 / 4 heads
+
+
+def test_cohere_config_as_transformers_reads_it():
+    """A hub Command R / Aya config.json: layer_norm_eps is the norms' eps, the embeddings are tied
+    and the logits scaled by 0.0625 where it names neither; Command R+'s per-head q/k LayerNorms are
+    refused; Command R7B's window on all but every sliding_window_pattern-th layer, those without
+    rotary embedding."""
+    cohere = ModelConfig.from_hf({**BASE, "architectures": ["CohereForCausalLM"], "layer_norm_eps": 1e-3})
+    assert (cohere.rms_norm_eps, cohere.tie_word_embeddings, cohere.logits_scale) == (1e-3, True, 0.0625)
+    assert cohere.layer_norms and cohere.parallel_block and cohere.rotary_interleaved and cohere.sliding_window is None
+    with pytest.raises(ConfigError, match="use_qk_norm=true is not supported"):
+        ModelConfig.from_hf({**BASE, "architectures": ["CohereForCausalLM"], "use_qk_norm": True})
+    r7b = ModelConfig.from_hf({**BASE, "architectures": ["Cohere2ForCausalLM"], "num_hidden_layers": 8,
+                               "sliding_window_pattern": 4})
+    assert (r7b.sliding_window, r7b.sliding_layers, r7b.nope_layers) == (4096, (0, 1, 2, 4, 5, 6), (3, 7))
 
 
 def test_smollm3_layers_without_rope(tmp_path):

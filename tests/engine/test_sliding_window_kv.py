@@ -1,8 +1,9 @@
 """A model with sliding windows keeps only a window's KV blocks per sequence in its windowed layer
-groups (every layer of a Mistral; Gemma 2's, Gemma 3's, GPT-OSS's, OLMo 3's and EXAONE 4's windowed layers
-beside their full ones): long generations in a cache far too small for their whole tables still match
-transformers, with no preemption, and each windowed table's released blocks are exactly those out
-of every later query's reach; a token engine imports a long prompt into a window's blocks."""
+groups (every layer of a Mistral; Gemma 2's, Gemma 3's, GPT-OSS's, OLMo 3's, EXAONE 4's and Cohere
+2's windowed layers beside their full ones): long generations in a cache far too small for their
+whole tables still match transformers, with no preemption, and each windowed table's released
+blocks are exactly those out of every later query's reach; a token engine imports a long prompt
+into a window's blocks."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
 
 NEW = 40
 # blocks of 8 tokens; the six sequences' whole tables would take 60 blocks a layer group
-BLOCKS = {"mistral_window": 32, "gemma2": 80, "gemma3": 80, "gpt_oss": 80, "olmo3": 80, "exaone4": 80}
+BLOCKS = {"mistral_window": 32, "gemma2": 80, "gemma3": 80, "gpt_oss": 80, "olmo3": 80, "exaone4": 80, "cohere2": 80}
 
 
 @pytest.fixture(scope="module", params=list(BLOCKS))

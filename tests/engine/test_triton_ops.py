@@ -178,7 +178,8 @@ SPARSE = {"add_rms_norm", "rotate_in_place", "route"}
 # norms apart); Gemma 2's GELU and norms; Gemma 3's norms on q and k; OLMo 2's norms after each sublayer
 # and across q's heads (strided rows of the merged projection); SmolLM3's layer without rotation (EXAONE
 # 4's with per-head norms); Granite's multipliers; GLM-4.5's dense layer, shared expert and fused experts
-# (its routing torch's); GLM-4's four norms (its interleaved rotation torch's); Qwen2-MoE's shared expert
+# (its routing torch's); GLM-4's four norms (its interleaved rotation torch's); Cohere's parallel block
+# (its LayerNorms torch's); Qwen2-MoE's shared expert
 # (an MLP) and routing (`moe_routing`), Mixtral's renormalized, GPT-OSS's
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the model on the CPU, its kernels interpreted (on CUDA: test_gpu.py's per-architecture test)")
@@ -186,7 +187,7 @@ SPARSE = {"add_rms_norm", "rotate_in_place", "route"}
                                            ("phi3_fused_partial", DENSE), ("gemma2", DENSE), ("gemma3", DENSE),
                                            ("olmo2", DENSE), ("smollm3", DENSE), ("granite", DENSE),
                                            ("exaone4", DENSE), ("glm4_moe", DENSE),
-                                           ("glm4", {"add_rms_norm", "gated"}),
+                                           ("glm4", {"add_rms_norm", "gated"}), ("cohere", {"gated"}),
                                            ("qwen2_moe", DENSE | SPARSE), ("mixtral_moe", SPARSE),
                                            ("gpt_oss", SPARSE)])
 def test_the_models_kernel_path_gives_transformers_logits(tmp_path, tokenizers_by_kind, monkeypatch, name, kernels):

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite,
-OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE,
+OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE,
 Qwen3-MoE, GLM-4.5 and GPT-OSS, whose attention also has sinks and an o_proj bias) over flattened
 tokens of many sequences.
 
@@ -58,6 +58,26 @@ class RMSNorm(nn.Module):
         if self.gemma:
             return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Cohere's: (x - mean) / std * weight over the last dim, in float32, no bias; called as RMSNorm is."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        summed = x if residual is None else x + residual
+        h = F.layer_norm(summed.float(), summed.shape[-1:], eps=self.eps) * self.weight.float()
+        return h.to(x.dtype) if residual is None else (h.to(x.dtype), summed)
+
+
+def norm_of(c: ModelConfig) -> RMSNorm | LayerNorm:
+    """A hidden-size norm of the model's kind: Cohere's LayerNorm, Gemma's RMSNorm or Llama's."""
+    return LayerNorm(c.hidden_size, c.rms_norm_eps) if c.layer_norms else RMSNorm(c.hidden_size, c.rms_norm_eps,
+                                                                                    c.gemma_norms)
 
 
 class LlamaAttention(nn.Module):
@@ -173,13 +193,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, layer: int, shard: Shard = Shard(), reduce: Reduce | None = None):
         super().__init__()
-        self.input_layernorm = None if c.norms_after else RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
+        self.input_layernorm = None if c.norms_after else norm_of(c)
         prefix = f"model.layers.{layer}"
         self.self_attn = LlamaAttention(c, shard, reduce, c.window_of(layer), f"{prefix}.self_attn")
         self.norm_names = _norm_names(c)
         for name in filter(None, self.norm_names):
-            self.add_module(name, RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms))
-        self.residual_multiplier = c.residual_multiplier  # Granite's
+            self.add_module(name, norm_of(c))
+        self.residual_multiplier, self.parallel = c.residual_multiplier, c.parallel_block  # Granite's, Cohere's
         if c.is_moe_layer(layer):  # registered under the checkpoint's name (Mixtral's block_sparse_moe)
             names, width = expert_names(c), c.shared_expert_intermediate_size
             self.mlp_name = names.block
@@ -198,6 +218,8 @@ class LlamaDecoderLayer(nn.Module):
             x = x + attention_out(self.self_attn(x, positions, rotary, kv, meta, backend))
             return mlp_out(mlp(x)), x
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        if self.parallel:  # Cohere: both read the normed input
+            return self.self_attn(h, positions, rotary, kv, meta, backend) + mlp(h), residual
         h = self.self_attn(h, positions, rotary, kv, meta, backend)
         if attention_out is not None:
             h = attention_out(h)
@@ -213,7 +235,10 @@ class LlamaDecoderLayer(nn.Module):
 def _norm_names(c: ModelConfig) -> tuple[str | None, str | None, str | None]:
     """The checkpoint's names of a layer's norms of the attention's output, the MLP's input and the
     MLP's output, beside input_layernorm (None: the layer has no such norm): Llama's one before the
-    MLP; Gemma's and GLM-4's all three; OLMo's the two outputs' (and no input_layernorm)."""
+    MLP; Gemma's and GLM-4's all three; OLMo's the two outputs' (and no input_layernorm); Cohere's
+    none (its parallel block reads input_layernorm's output twice)."""
+    if c.parallel_block:
+        return None, None, None
     if c.norms_after:
         return "post_attention_layernorm", None, "post_feedforward_layernorm"
     if c.architecture == "Glm4ForCausalLM":
@@ -228,7 +253,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, shard, reduce) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
+        self.norm = norm_of(c)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -278,8 +303,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rank 0 only (the others have no LM head)."""
         logits = self.lm_head(hidden)
-        if self.config.logits_scaling != 1.0:  # Granite's
-            logits = logits / self.config.logits_scaling
+        if self.config.logits_scale != 1.0:  # Granite's, Cohere's
+            logits = logits * self.config.logits_scale
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
