@@ -46,7 +46,7 @@ def test_allowed_tools_keep_every_tool_in_the_prompt_and_only_those_allowed_call
     assert field == "tool_choice" and json.loads(forced.spec)["properties"]["name"] == {"const": "add"}
     auto = chat(tools=[TOOL, ADD], tool_choice=allowed("auto", "weather"))
     assert auto.output_constraint()[0] is None and [f["name"] for f in auto.callable_functions()] == ["weather"]
-    assert choice_options(auto, 0, [1, 2], demo_tokenizer())["tool_names"] == {"weather"}  # a call of add is text
+    assert set(choice_options(auto, 0, [1, 2], demo_tokenizer())["tool_names"]) == {"weather"}  # a call of add: text
 
 
 @pytest.mark.parametrize("tool_choice, message", [
