@@ -105,18 +105,30 @@ def parse_tool_calls(text: str, names: Collection[str], ids: str = LLAMA3_JSON) 
 def parse_hermes_calls(text: str, names: Collection[str], ids: str = HERMES
                        ) -> tuple[str | None, list[ToolCall]] | None:
     """(the content before the first `<tool_call>`, or None if blank; the calls), each naming one
-    of `names`; None when there is no call, or what follows the first tag is not only calls."""
+    of `names`; None when there is no call, or what follows the first tag is not only calls. The
+    last call's `</tool_call>` may be cut by a stop token."""
+    def read(body: str) -> ToolCall | None:
+        try:
+            return _call(client_json.loads(body), names, ids)
+        except ValueError:
+            return None
+
+    return _tagged_blocks(text, read, cut_last=True)
+
+
+def _tagged_blocks(text: str, read, cut_last: bool) -> tuple[str | None, list[ToolCall]] | None:
+    """(the content before the first `<tool_call>`, or None if blank; `read` of each block's body
+    between `<tool_call>` and `</tool_call>`, where `cut_last` lets the last block go unclosed);
+    None when there is no block, a block reads as None, or anything but blocks follows the first."""
     start = text.find(HERMES_OPEN)
     if start == -1:
         return None
     content, rest, calls = text[:start].strip() or None, text[start:], []
     while rest:
         end = rest.find(HERMES_CLOSE)
-        body = rest[len(HERMES_OPEN):] if end == -1 else rest[len(HERMES_OPEN):end]  # a call cut by a stop token
-        try:
-            call = _call(client_json.loads(body), names, ids)
-        except ValueError:
+        if end == -1 and not cut_last:
             return None
+        call = read(rest[len(HERMES_OPEN):] if end == -1 else rest[len(HERMES_OPEN):end])
         if call is None:
             return None
         calls.append(call)
@@ -185,17 +197,11 @@ def parse_glm45_calls(text: str, names: Collection[str], ids: str = GLM45
                       ) -> tuple[str | None, list[ToolCall]] | None:
     """(the content before the first `<tool_call>`, or None if blank; the calls), each naming one
     of `names` (`offered`'s mapping types the values); None when there is no call, or what follows
-    the first tag is not only calls."""
-    start = text.find(HERMES_OPEN)
-    if start == -1:
-        return None
-    content, rest, calls = text[:start].strip() or None, text[start:], []
-    while rest:
-        end = rest.find(HERMES_CLOSE)
-        if end == -1:
-            return None
-        name, _, body = rest[len(HERMES_OPEN):end].partition("\n")
-        name, strings = name.strip(), names.get(name.strip(), frozenset()) if isinstance(names, Mapping) else ()
+    the first tag is not only whole calls."""
+    def read(block: str) -> ToolCall | None:
+        name, _, body = block.partition("\n")
+        name = name.strip()
+        strings = names.get(name, frozenset()) if isinstance(names, Mapping) else frozenset()
         pairs, at = {}, 0
         for match in GLM45_ARGUMENT.finditer(body):
             if match.start() != at:
@@ -203,14 +209,9 @@ def parse_glm45_calls(text: str, names: Collection[str], ids: str = GLM45
             key, value = match.group(1).strip(), match.group(2)
             pairs[key] = value if key in strings else _json_or_text(value)
             at = match.end()
-        call = _call({"name": name, "arguments": pairs}, names, ids) if not body[at:].strip() else None
-        if call is None:
-            return None
-        calls.append(call)
-        rest = rest[end + len(HERMES_CLOSE):].strip()
-        if rest and not rest.startswith(HERMES_OPEN):
-            return None
-    return content, calls
+        return None if body[at:].strip() else _call({"name": name, "arguments": pairs}, names, ids)
+
+    return _tagged_blocks(text, read, cut_last=False)
 
 
 def _json_or_text(value: str):

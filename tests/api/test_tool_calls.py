@@ -136,12 +136,18 @@ def test_mistral_calls_in_either_tokenizer_generation_with_ids_its_templates_tak
     assert find_tool_calls(text.removeprefix("Checking."), NAMES, "mistral")[0] is None
 
 
-@pytest.mark.parametrize("text", ["no calls here", "[TOOL_CALLS] []", "[TOOL_CALLS]nope[ARGS]{}",
-                                  '[TOOL_CALLS]add[ARGS]{"a": ', '[TOOL_CALLS]add{"a": 1}',
-                                  '[TOOL_CALLS] [{"name": "add", "arguments": {}}] and more words',
-                                  '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]'])
-def test_mistral_text_that_is_not_only_calls_after_the_marker_is_content(text):
-    assert parse_mistral_calls(text, NAMES) is None and find_tool_calls(text, NAMES, "mistral") is None
+NOT_CALLS = {"mistral": ["no calls here", "[TOOL_CALLS] []", "[TOOL_CALLS]nope[ARGS]{}", '[TOOL_CALLS]add[ARGS]{"a": ',
+                         '[TOOL_CALLS]add{"a": 1}', '[TOOL_CALLS] [{"name": "add", "arguments": {}}] and more words',
+                         '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]'],
+             "granite": ["no calls here", "<|tool_call|>[]", '<|tool_call|>{"name": "add", "arguments": {}}',
+                         '<|tool_call|>[{"name": "nope", "arguments": {}}]', '<|tool_call|>[{"name": "add"',
+                         '<|tool_call|>[{"name": "add", "arguments": {}}] and more words',
+                         '[{"name": "add", "arguments": {}}]']}
+
+
+@pytest.mark.parametrize("parser, text", [(parser, text) for parser, texts in NOT_CALLS.items() for text in texts])
+def test_text_that_is_not_only_calls_after_the_marker_is_content(parser, text):
+    assert find_tool_calls(text, NAMES, parser) is None
 
 
 def test_a_forced_call_served_for_mistral_gets_its_id_shape():
@@ -158,19 +164,10 @@ GRANITE = ('Checking.<|tool_call|>[{"name": "add", "arguments": {"a": 2, "b": 3}
 
 def test_granite_calls_after_its_tag():
     content, calls = parse_granite_calls(GRANITE, NAMES)
-    assert content == "Checking."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3}),
-                                                                  ("weather", {"city": "Oslo"})]
+    assert (content, [c.name for c in calls], json.loads(calls[0].arguments)) == ("Checking.", ["add", "weather"],
+                                                                                  {"a": 2, "b": 3})
     assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
     assert find_tool_calls(GRANITE.removeprefix("Checking."), NAMES, "granite")[0] is None
-
-
-@pytest.mark.parametrize("text", ["no calls here", "<|tool_call|>[]", '<|tool_call|>{"name": "add", "arguments": {}}',
-                                  '<|tool_call|>[{"name": "nope", "arguments": {}}]', '<|tool_call|>[{"name": "add"',
-                                  '<|tool_call|>[{"name": "add", "arguments": {}}] and more words',
-                                  '[{"name": "add", "arguments": {}}]'])
-def test_granite_text_that_is_not_only_a_list_of_calls_after_the_tag_is_content(text):
-    assert parse_granite_calls(text, NAMES) is None and find_tool_calls(text, NAMES, "granite") is None
 
 
 # ---- the glm45 format ---------------------------------------------------------------------------
