@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int
-from splitserve.engine.config_families import (COHERE_ARCHITECTURES, EXAONE4, OLMO_ARCHITECTURES, SMOLLM3,
-                                               family_fields)
+from splitserve.engine.config_families import (COHERE_ARCHITECTURES, EXAONE4, GLM4, HALF_ROTARY,
+                                               OLMO_ARCHITECTURES, PATTERN_DEFAULTS, SMOLLM3, UNROTATED_FULL_LAYERS,
+                                               WINDOWED, family_fields)
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.moe_config import GLM4_MOE, parse_moe
 from splitserve.engine.multimodal_text import WRAPPERS, text_config
@@ -17,10 +18,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
-                           "Ministral3ForCausalLM", GLM4_MOE, "Glm4ForCausalLM", *COHERE_ARCHITECTURES)
+                           "Ministral3ForCausalLM", GLM4_MOE, GLM4, *COHERE_ARCHITECTURES)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES)
-# (GLM-4.5's per-head q and k norms are its config's use_qk_norm)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", SMOLLM3,
@@ -28,7 +28,7 @@ O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeFo
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
                      "GptOssForCausalLM", GLM4_MOE)
 # checkpoints store qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM-4) as one tensor each
-FUSED_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4ForCausalLM")
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM", GLM4)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
 
@@ -164,55 +164,53 @@ class ModelConfig:
             supported = ", ".join(SUPPORTED_ARCHITECTURES + tuple(WRAPPERS))
             raise ConfigError(f"{source}: unsupported architectures {archs!r}; supported: {supported}")
 
-        def need(name, default=None):
-            """A positive integer: the config's, or `default` where it has none (null or absent)."""
-            value = default if cfg.get(name) is None else cfg[name]
-            if value is None:
-                raise ConfigError(f"{source}: missing required field {name!r}")
-            return positive_int(value, name, source)
-
-        heads = need("num_attention_heads")
-        hidden = need("hidden_size")
-        head_dim = need("head_dim", hidden // heads)
-        kv_heads = need("num_key_value_heads", heads)
-        if heads % kv_heads:
-            raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        quantization = parse_quantization(cfg, arch, source)
+        shape = _shape(cfg, source)
+        layers, head_dim = shape["num_hidden_layers"], shape["head_dim"]
         if cfg.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported (biases on the MLP's projections)")
-        layers = need("num_hidden_layers")
         rope = _mapping(cfg, "rope_parameters", source)  # transformers 5 keeps rope_theta and scaling here
-        rope, family = family_fields(cfg, arch, source, int(head_dim), layers, rope)
-        scaling = _mapping(cfg, "rope_scaling", source) or rope
-        max_positions = need("max_position_embeddings", 2048)
-        glm = arch in (GLM4_MOE, "Glm4ForCausalLM")  # transformers' GLMs turn half of each head by default
-        rotary_dim = _rotary_dim(cfg, rope, int(head_dim), source, 0.5 if glm else 1.0)
+        rope, family = family_fields(cfg, arch, source, head_dim, layers, rope)
+        rotary_dim = _rotary_dim(cfg, rope, head_dim, source, 0.5 if arch in HALF_ROTARY else 1.0)
         window = _parse_window(cfg, arch, source, layers, family)
-        if arch in (EXAONE4, "Cohere2ForCausalLM") and window:  # a hybrid's full layers attend without rotation
+        if arch in UNROTATED_FULL_LAYERS and window:  # a hybrid's full layers attend without a rotary embedding
             family["nope_layers"] = tuple(i for i in range(layers) if i not in window["sliding_layers"])
         oss = arch == "GptOssForCausalLM"
-        return cls(
-            architecture=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
-            intermediate_size=need("intermediate_size"), num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=int(head_dim),
-            max_position_embeddings=max_positions, rotary_dim=rotary_dim,
-            rms_norm_eps=positive_float(cfg, "layer_norm_eps", 1e-5, source) if arch in COHERE_ARCHITECTURES
-            else positive_float(cfg, "rms_norm_eps", 1e-6, source),
+        common = dict(  # what a family's fields may override
+            rms_norm_eps=positive_float(cfg, "rms_norm_eps", 1e-6, source),
             rope_theta=positive_float(rope if "rope_theta" in rope else cfg, "rope_theta", 10000.0, source),
-            rope_scaling=_parse_rope_scaling(scaling, source, max_positions,
+            rope_scaling=_parse_rope_scaling(_mapping(cfg, "rope_scaling", source) or rope, source,
+                                             shape["max_position_embeddings"],
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
-                                else cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", "Glm4ForCausalLM"))),
+                                else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             attention_out_bias=arch in O_PROJ_BIAS_ARCHITECTURES and bool(cfg.get("attention_bias", oss)),
-            attention_sinks=oss, rotary_interleaved=arch in ("Glm4ForCausalLM", *COHERE_ARCHITECTURES),
-            qk_norm=arch in QK_NORM_ARCHITECTURES or (arch == GLM4_MOE and bool(cfg.get("use_qk_norm"))),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in COHERE_ARCHITECTURES)),
-            **window, hidden_act=_activation(cfg, source), **family,
-            **(parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
-            **quantization,
+            attention_sinks=oss, qk_norm=arch in QK_NORM_ARCHITECTURES,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), hidden_act=_activation(cfg, source),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
-        )
+            eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"))
+        return cls(architecture=arch, **shape, rotary_dim=rotary_dim, **{**common, **family}, **window,
+                   **(parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
+                   **parse_quantization(cfg, arch, source))
+
+
+def _shape(cfg: dict, source: str) -> dict:
+    """ModelConfig's sizes: each a positive integer, those a config may leave out as transformers
+    derives them (head_dim, num_key_value_heads, max_position_embeddings)."""
+    def need(name, default=None):
+        """The config's, or `default` where it has none (null or absent)."""
+        value = default if cfg.get(name) is None else cfg[name]
+        if value is None:
+            raise ConfigError(f"{source}: missing required field {name!r}")
+        return positive_int(value, name, source)
+
+    heads, hidden = need("num_attention_heads"), need("hidden_size")
+    kv_heads = need("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    return dict(vocab_size=need("vocab_size"), hidden_size=hidden, intermediate_size=need("intermediate_size"),
+                num_hidden_layers=need("num_hidden_layers"), num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=need("head_dim", hidden // heads),
+                max_position_embeddings=need("max_position_embeddings", 2048))
 
 
 def _mapping(cfg: dict, name: str, source: str) -> dict:
@@ -243,14 +241,14 @@ def _rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str, default: floa
 
 def _parse_window(cfg: dict, arch: str, source: str, layers: int, family: dict) -> dict:
     """ModelConfig's sliding_window and sliding_layers: a Qwen or SmolLM3 has a window only with
-    use_sliding_window, an OLMo 3 or EXAONE 4 one of 4096 where its config names none; the layers with it are
-    as config.json's layer_types says (transformers 5 writes it), else as transformers derives
-    them: a Qwen's from max_window_layers on, Gemma 2's even ones, Gemma 3's all but every
-    sliding_window_pattern-th, OLMo 3's all but every fourth, EXAONE 4's as its
-    sliding_window_pattern says, SmolLM3's those without a rotary embedding, every layer of the
+    use_sliding_window, an OLMo 3, EXAONE 4 or Cohere 2 one of 4096 where its config names none;
+    the layers with it are as config.json's layer_types says (transformers 5 writes it), else as
+    transformers derives them: a Qwen's from max_window_layers on, Gemma 2's even ones, as
+    sliding_window_pattern says (its default: Gemma 3's 6, the others' 4) Gemma 3's, OLMo 3's,
+    EXAONE 4's and Cohere 2's, SmolLM3's those without a rotary embedding, every layer of the
     others (Mistral, Mixtral)."""
     gated = arch in QWEN_ARCHITECTURES or arch == SMOLLM3
-    window = cfg.get("sliding_window", 4096 if arch in ("Olmo3ForCausalLM", EXAONE4, "Cohere2ForCausalLM") else None)
+    window = cfg.get("sliding_window", 4096 if arch in WINDOWED else None)
     if window is None or (gated and not cfg.get("use_sliding_window")):
         return {}
     return dict(sliding_window=positive_int(window, "sliding_window", source),
@@ -266,23 +264,19 @@ def _sliding_layers(cfg: dict, arch: str, source: str, layers: int, family: dict
         return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     if arch == "Gemma2ForCausalLM":
         return tuple(range(0, layers, 2))
-    if arch == "Gemma3ForCausalLM":
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
-        return tuple(i for i in range(layers) if (i + 1) % pattern)
-    if arch in ("Olmo3ForCausalLM", "Cohere2ForCausalLM"):
-        every = positive_int(cfg.get("sliding_window_pattern", 4), "sliding_window_pattern", source)
-        return tuple(i for i in range(layers) if (i + 1) % every)
+    if arch in PATTERN_DEFAULTS:
+        pattern = cfg.get("sliding_window_pattern")  # null: the default, as transformers reads it
+        return _pattern_sliding(PATTERN_DEFAULTS[arch] if pattern is None else pattern, source, layers)
     if arch == SMOLLM3:
         return family["nope_layers"]
-    if arch == EXAONE4:
-        return _exaone4_sliding(cfg.get("sliding_window_pattern", 4), source, layers)
     first = int(cfg.get("max_window_layers", 28)) if arch in QWEN_ARCHITECTURES else 0  # transformers' Qwen default
     return tuple(range(first, layers))
 
 
-def _exaone4_sliding(pattern, source: str, layers: int) -> tuple[int, ...]:
-    """EXAONE 4's sliding_window_pattern: n (every n-th layer full, the others windowed) or a
-    string of L (windowed) and G (full) repeated from layer 0, the last layer full."""
+def _pattern_sliding(pattern, source: str, layers: int) -> tuple[int, ...]:
+    """The windowed layers a sliding_window_pattern names: n (every n-th layer full, the others
+    windowed) or EXAONE 4's string of L (windowed) and G (full) repeated from layer 0, the last
+    layer full."""
     if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
         return tuple(i for i in range(layers) if (i + 1) % pattern)
     if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:

@@ -1,18 +1,23 @@
 """What a model family's config.json adds to the Llama shape, read as transformers reads it:
 Gemma's norms, scales and soft caps; Granite's multipliers; OLMo's norms after each sublayer and
 across heads; EXAONE 4's after each sublayer; SmolLM3's layers without a rotary embedding;
-Ministral 3's queries scaled by position; Cohere's LayerNorms, parallel block and logit scale.
-`family_fields` gives (the rope parameters the full-attention layers turn by, the family's
-ModelConfig fields)."""
+Ministral 3's queries scaled by position; Cohere's LayerNorms, parallel block and logit scale;
+the GLMs' rotary pairs and biases. `family_fields` gives (the rope parameters the full-attention
+layers turn by, the family's ModelConfig fields, which override the common ones)."""
 from __future__ import annotations
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_number
+from splitserve.engine.moe_config import GLM4_MOE
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 GRANITE, SMOLLM3, EXAONE4 = "GraniteForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM"
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
-MINISTRAL3 = "Ministral3ForCausalLM"
+MINISTRAL3, GLM4 = "Ministral3ForCausalLM", "Glm4ForCausalLM"
+HALF_ROTARY = (GLM4, GLM4_MOE)  # transformers turns half of each head where the config names no share
+UNROTATED_FULL_LAYERS = (EXAONE4, "Cohere2ForCausalLM")  # with a window, the full layers turn neither q nor k
+WINDOWED = ("Olmo3ForCausalLM", EXAONE4, "Cohere2ForCausalLM")  # a window of 4096 where the config names none
+PATTERN_DEFAULTS = {"Gemma3ForCausalLM": 6, "Olmo3ForCausalLM": 4, EXAONE4: 4, "Cohere2ForCausalLM": 4}
 
 
 def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int, rope: dict) -> tuple[dict, dict]:
@@ -35,8 +40,14 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
     if arch in COHERE_ARCHITECTURES:
         if cfg.get("use_qk_norm"):
             raise ConfigError(f"{source}: use_qk_norm=true is not supported (Command R+'s per-head LayerNorms)")
-        return rope, dict(layer_norms=True, parallel_block=True,
-                          logits_scale=positive_float(cfg, "logit_scale", 0.0625, source))
+        return rope, dict(layer_norms=True, parallel_block=True, rotary_interleaved=True,
+                          logits_scale=positive_float(cfg, "logit_scale", 0.0625, source),
+                          rms_norm_eps=positive_float(cfg, "layer_norm_eps", 1e-5, source),
+                          tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+    if arch == GLM4:
+        return rope, dict(rotary_interleaved=True, attention_bias=bool(cfg.get("attention_bias", True)))
+    if arch == GLM4_MOE:  # its per-head q and k norms are optional
+        return rope, dict(qk_norm=bool(cfg.get("use_qk_norm")))
     if arch == EXAONE4:  # its layers without a rotary embedding: the full ones beside windowed (config.py)
         return rope, dict(norms_after=True)
     if arch == MINISTRAL3:  # Llama 4's scaling, its two numbers among the rope parameters

@@ -25,6 +25,7 @@ from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.config import ModelConfig, RopeScaling
+from splitserve.engine.config_families import GLM4
 from splitserve.engine.model import triton_dispatch
 from splitserve.engine.model.linear import MergedLinear, Reduce, RowParallelLinear, fp8_block, int_kept
 from splitserve.engine.model.lora import LoraSlots
@@ -122,11 +123,11 @@ class LlamaAttention(nn.Module):
         # an all-reduced sum of squares counts a KV head once per rank holding it
         self.reduce, self.kv_copies = reduce, max(1, shard.size // c.num_key_value_heads)
         self.widths = (q_total, kv_total)
-        self.position_scale = c.query_position_scale
 
-    def forward(self, x, positions, rotary: RotaryEmbedding | None, kv: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """`rotary`: None in a layer that does not turn q and k (SmolLM3's, EXAONE 4's)."""
+    def forward(self, x, positions, rotary: RotaryEmbedding | None, kv: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend, q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """`rotary`: None in a layer that does not turn q and k (SmolLM3's, EXAONE 4's); `q_scale`
+        [T, 1, 1]: what q is scaled by after it (Ministral 3's, `query_scale`)."""
         norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
         parts = self.qkv_proj.split(self.qkv_proj(x))
         if self.across_heads:
@@ -136,9 +137,8 @@ class LlamaAttention(nn.Module):
             q, k = rotary(positions, q, k, norms)
         elif norms is not None:
             q, k = norms[0](q), norms[1](k)
-        if self.position_scale is not None:
-            beta, span = self.position_scale
-            q = q * (1 + beta * torch.log(1 + torch.floor(positions / span))).to(q.dtype)[:, None, None]
+        if q_scale is not None:
+            q = q * q_scale
         out = backend.forward(q, k, v, kv, meta, self.window, self.scale, self.softcap, self.sinks, self.kv_scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -208,19 +208,20 @@ class LlamaDecoderLayer(nn.Module):
         else:
             self.mlp_name, self.mlp = "mlp", LlamaMLP(c, shard, reduce, prefix=f"{prefix}.mlp")
 
-    def forward(self, x, residual, positions, rotary, kv, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, residual, positions, rotary, kv, meta, backend, q_scale=None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the next norm adds the two,
         so each add runs inside a norm; the first layer has no residual yet."""
         attention_out, mlp_in, mlp_out = (None if name is None else self._modules[name] for name in self.norm_names)
         mlp = self._modules[self.mlp_name]
         if self.input_layernorm is None:  # OLMo: each sublayer's output normalized, its input not
             x = x if residual is None else x + residual
-            x = x + attention_out(self.self_attn(x, positions, rotary, kv, meta, backend))
+            x = x + attention_out(self.self_attn(x, positions, rotary, kv, meta, backend, q_scale))
             return mlp_out(mlp(x)), x
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         if self.parallel:  # Cohere: both read the normed input
-            return self.self_attn(h, positions, rotary, kv, meta, backend) + mlp(h), residual
-        h = self.self_attn(h, positions, rotary, kv, meta, backend)
+            return self.self_attn(h, positions, rotary, kv, meta, backend, q_scale) + mlp(h), residual
+        h = self.self_attn(h, positions, rotary, kv, meta, backend, q_scale)
         if attention_out is not None:
             h = attention_out(h)
         if self.residual_multiplier != 1.0:
@@ -241,7 +242,7 @@ def _norm_names(c: ModelConfig) -> tuple[str | None, str | None, str | None]:
         return None, None, None
     if c.norms_after:
         return "post_attention_layernorm", None, "post_feedforward_layernorm"
-    if c.architecture == "Glm4ForCausalLM":
+    if c.architecture == GLM4:
         return "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"
     if c.gemma_norms:
         return "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
@@ -294,8 +295,10 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         if self.config.embedding_multiplier != 1.0:  # Granite's
             x = x * self.config.embedding_multiplier
+        scaled = self.config.query_position_scale
+        q_scale = None if scaled is None else query_scale(positions, x.dtype, *scaled)
         for i, (layer, kv, meta) in enumerate(zip(self.model.layers, kv_caches, metas)):
-            x, residual = layer(x, residual, positions, self.rotary_of[i], kv, meta, backend)
+            x, residual = layer(x, residual, positions, self.rotary_of[i], kv, meta, backend, q_scale)
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(x, residual)[0]
@@ -307,6 +310,12 @@ class LlamaForCausalLM(nn.Module):
             logits = logits * self.config.logits_scale
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def query_scale(positions: torch.Tensor, dtype: torch.dtype, beta: float, span: int) -> torch.Tensor:
+    """Ministral 3's (Llama 4's) query scale at each position [T, 1, 1], computed once a step:
+    1 + beta * log(1 + floor(position / span)), as transformers computes it, in float32."""
+    return (1 + beta * torch.log(1 + torch.floor(positions / span))).to(dtype)[:, None, None]
 
 
 def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

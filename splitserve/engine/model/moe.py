@@ -309,9 +309,11 @@ class SparseMoeBlock(nn.Module):
         (not reduced)."""
         super().__init__()
         self.router_name, self.shared_name = names.router, names.shared  # registered under the checkpoint's names
-        router = nn.Linear(c.hidden_size, c.num_experts, bias=names.stacked)
         self.groups, self.scale = c.moe_sigmoid_groups, c.routed_scaling_factor
-        if self.groups is not None:  # GLM-4.5: the bias its choice adds, float32 as transformers keeps it
+        # GLM-4.5's router scores in float32: its weight and its choice's bias kept so, as transformers keeps them
+        router = nn.Linear(c.hidden_size, c.num_experts, bias=names.stacked,
+                           dtype=None if self.groups is None else torch.float32)
+        if self.groups is not None:
             router.e_score_correction_bias = frozen(c.num_experts, dtype=torch.float32)
         self.add_module(names.router, router)
         self.experts = Experts(c, names, shard)
@@ -324,9 +326,9 @@ class SparseMoeBlock(nn.Module):
         router = self._modules[self.router_name]
         if self.groups is None:
             weights, experts = route(router(x), self.top_k, self.renormalize)
-        else:  # in float32, as transformers scores them
-            weights, experts = route_sigmoid(F.linear(x.float(), router.weight.float()), router.e_score_correction_bias,
-                                             self.top_k, self.groups, self.renormalize, self.scale)
+        else:
+            weights, experts = route_sigmoid(router(x.float()), router.e_score_correction_bias, self.top_k, self.groups,
+                                             self.renormalize, self.scale)
         out = self.experts(x, weights, experts)
         shared = self._modules[self.shared_name]
         if shared is not None:  # a gate is per token, so it scales a partial sum exactly

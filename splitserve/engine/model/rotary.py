@@ -97,7 +97,8 @@ class RotaryEmbedding:
         freqs = torch.cat([torch.arange(max_len, dtype=torch.float32)[:, None] *
                            inverse_frequencies(self.dims, config.rope_theta, config.rope_scaling, long)[None, :]
                            for long in sets])
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # each frequency for dims i and i + dims / 2, or for neighbours 2i and 2i + 1 (`interleaved`)
+        emb = torch.repeat_interleave(freqs, 2, dim=-1) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
         scale = attention_factor(config.rope_scaling)
         self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
 
@@ -125,11 +126,9 @@ class RotaryEmbedding:
             return q, k
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
-        cos, sin, rotate = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype), _rotate_half
-        if self.interleaved:  # each frequency twice in a row, as transformers' GLM-4 spreads it
-            cos, sin = (t[:, :d // 2].repeat_interleave(2, -1) for t in (cos, sin))
-            rotate = _rotate_pairs
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        rotate = _rotate_pairs if self.interleaved else _rotate_half
         if d == q.shape[-1]:
             return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
         turned = [x[..., :d] * cos + rotate(x[..., :d]) * sin for x in (q, k)]
