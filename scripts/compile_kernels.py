@@ -222,7 +222,7 @@ class LayerLaunches(torch.nn.Module):
         q, k, v = attention.heads(*attention.qkv_proj.split(self._project(attention.qkv_proj, h)))
         weight = torch.empty(c.head_dim, dtype=self.dtype)
         norms = None if attention.q_norm is None else (weight, weight, c.rms_norm_eps, c.gemma_norms)  # Qwen3's q, k
-        rotate_in_place(positions, q, k, self.cos, self.sin, norms)
+        rotate_in_place(positions, q, k, self.cos, self.sin, norms, c.rotary_interleaved)
         for window in self.windows:
             backend.forward(q, k, v, kv_layers[0], meta, window, attention.scale, attention.softcap, self.sinks,
                             attention.kv_scale)

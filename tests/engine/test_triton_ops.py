@@ -77,12 +77,14 @@ def test_norm_of_each_head_of_a_merged_projection():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim, rotary_dim", [(32, 32), (24, 24), (32, 16)])  # the last: partial (Phi-4-mini)
-def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim, rotary_dim):
+@pytest.mark.parametrize("interleaved", [False, True])  # halves (Llama's) or neighbouring pairs (GLM's, Cohere's)
+def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim, rotary_dim, interleaved):
     """As `RotaryEmbedding` runs it on CUDA: each head's leading `rotary_dim` dims, q's and k's in one launch."""
     torch.manual_seed(2)
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=4 * head_dim,
                          intermediate_size=8, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=head_dim, max_position_embeddings=128, rotary_dim=rotary_dim)
+                         head_dim=head_dim, max_position_embeddings=128, rotary_dim=rotary_dim,
+                         rotary_interleaved=interleaved)
     rotary = RotaryEmbedding(config, 128)
     tokens, positions = 6, torch.tensor([0, 1, 2, 50, 127, 3])
     qkv = torch.randn(tokens, 8 * head_dim, dtype=dtype)
@@ -94,7 +96,7 @@ def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim, rotary
     expected_q, expected_k = rotary(positions, *(t.clone() for t in views(qkv)))  # the torch code, on the CPU
     q, k = views(qkv.to(DEVICE))
     rotate_in_place(positions.to(DEVICE), q[..., :rotary_dim], k[..., :rotary_dim], rotary.cos.to(DEVICE),
-                    rotary.sin.to(DEVICE))
+                    rotary.sin.to(DEVICE), interleaved=interleaved)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(q.cpu(), expected_q, atol=tol, rtol=tol)
     torch.testing.assert_close(k.cpu(), expected_k, atol=tol, rtol=tol)
@@ -102,13 +104,14 @@ def test_rotary_in_place_on_views_of_a_merged_projection(dtype, head_dim, rotary
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("gemma", [False, True])  # Qwen3's norms; Gemma 3's, times (1 + weight)
-def test_heads_normalized_then_rotated_in_one_launch(dtype, gemma):
+@pytest.mark.parametrize("interleaved", [False, True])  # GLM-4.5's q and k norms turn neighbouring pairs
+def test_heads_normalized_then_rotated_in_one_launch(dtype, gemma, interleaved):
     """Qwen3's q and k norms and the rotation, as `RotaryEmbedding` runs them on CUDA (in place on
     the merged projection's views) against its torch code on the CPU (the norms, then the rotation)."""
     torch.manual_seed(5)
     config = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=16, hidden_size=64, intermediate_size=8,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         max_position_embeddings=64)
+                         max_position_embeddings=64, rotary_interleaved=interleaved)
     rotary = RotaryEmbedding(config, 64)
     norms = norm(32, dtype, gemma), norm(32, dtype, gemma)
     positions = torch.tensor([0, 7, 63])
@@ -118,7 +121,7 @@ def test_heads_normalized_then_rotated_in_one_launch(dtype, gemma):
     merged = qkv.to(DEVICE)
     q, k = merged[:, :4 * 32].view(3, 4, 32), merged[:, 4 * 32:6 * 32].view(3, 2, 32)
     weights = (norms[0].weight.to(DEVICE), norms[1].weight.to(DEVICE), norms[0].eps, gemma)
-    rotate_in_place(positions.to(DEVICE), q, k, rotary.cos.to(DEVICE), rotary.sin.to(DEVICE), weights)
+    rotate_in_place(positions.to(DEVICE), q, k, rotary.cos.to(DEVICE), rotary.sin.to(DEVICE), weights, interleaved)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(q.cpu(), expected_q, atol=tol, rtol=tol)
     torch.testing.assert_close(k.cpu(), expected_k, atol=tol, rtol=tol)
@@ -178,8 +181,8 @@ SPARSE = {"add_rms_norm", "rotate_in_place", "route"}
 # norms apart); Gemma 2's GELU and norms; Gemma 3's norms on q and k; OLMo 2's norms after each sublayer
 # and across q's heads (strided rows of the merged projection); SmolLM3's layer without rotation (EXAONE
 # 4's with per-head norms); Granite's multipliers; GLM-4.5's dense layer, shared expert and fused experts
-# (its routing torch's); GLM-4's four norms (its interleaved rotation torch's); Cohere's parallel block
-# (its LayerNorms torch's); Qwen2-MoE's shared expert
+# (its routing torch's); GLM-4's four norms and interleaved rotation; Cohere's parallel block and
+# interleaved rotation (its LayerNorms torch's); Qwen2-MoE's shared expert
 # (an MLP) and routing (`moe_routing`), Mixtral's renormalized, GPT-OSS's
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the model on the CPU, its kernels interpreted (on CUDA: test_gpu.py's per-architecture test)")
@@ -187,7 +190,7 @@ SPARSE = {"add_rms_norm", "rotate_in_place", "route"}
                                            ("phi3_fused_partial", DENSE), ("gemma2", DENSE), ("gemma3", DENSE),
                                            ("olmo2", DENSE), ("smollm3", DENSE), ("granite", DENSE),
                                            ("exaone4", DENSE), ("glm4_moe", DENSE),
-                                           ("glm4", {"add_rms_norm", "gated"}), ("cohere", {"gated"}),
+                                           ("glm4", DENSE), ("cohere", {"rotate_in_place", "gated"}),
                                            ("qwen2_moe", DENSE | SPARSE), ("mixtral_moe", SPARSE),
                                            ("gpt_oss", SPARSE)])
 def test_the_models_kernel_path_gives_transformers_logits(tmp_path, tokenizers_by_kind, monkeypatch, name, kernels):

@@ -114,15 +114,16 @@ class RotaryEmbedding:
         """q: [T, H, D], k: [T, KVH, D], each head normalized by `norms` first where given (Qwen3's
         q and k norms), rotated (their first `dims` dims) by the table rows `positions` [T]
         (`table_rows`); on CUDA in place, both in one Triton kernel (`triton_ops`), which normalizes
-        them too where the rotation covers whole heads; interleaved pairs (GLM-4's) by torch ops."""
+        them too where the rotation covers whole heads."""
         d = self.dims
-        if triton_dispatch.runs_kernels(q) and not self.interleaved:  # the kernel turns halves
+        if triton_dispatch.runs_kernels(q):
             # the attention builds q's and k's norms alike (one eps, one kind): one kernel takes both
             fused = norms is not None and d == q.shape[-1] and all(n.weight.dtype == q.dtype for n in norms)
             if norms is not None and not fused:
                 q, k = norms[0](q), norms[1](k)
             weights = (norms[0].weight, norms[1].weight, norms[0].eps, norms[0].gemma) if fused else None
-            triton_dispatch.ops().rotate_in_place(positions, q[..., :d], k[..., :d], self.cos, self.sin, weights)
+            triton_dispatch.ops().rotate_in_place(positions, q[..., :d], k[..., :d], self.cos, self.sin, weights,
+                                                  self.interleaved)
             return q, k
         if norms is not None:
             q, k = norms[0](q), norms[1](k)

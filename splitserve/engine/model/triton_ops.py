@@ -62,34 +62,37 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr"])  # a view into a step's inputs: any offset
 def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, stride_qt, stride_qh,
                    stride_kt, stride_kh, q_heads, stride_table, eps, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                   NORM: tl.constexpr, GEMMA: tl.constexpr):
-    """One program per (token, head of q then of k): the rotate-half rotation of that head at its
-    position; NORM, the head RMS-normalized by q's or k's weight first."""
+                   NORM: tl.constexpr, GEMMA: tl.constexpr, INTERLEAVED: tl.constexpr, PARTNER: tl.constexpr):
+    """One program per (token, head of q then of k): the rotation of that head at its position,
+    turning each pair (dim i, dim i + HALF), or (2i, 2i + 1) where INTERLEAVED; NORM, the head
+    RMS-normalized by q's or k's weight first."""
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     position = tl.load(positions_ptr + token).to(tl.int64)
     i = tl.arange(0, BLOCK)
     mask = i < HALF
-    cos = tl.load(cos_ptr + position * stride_table + i, mask=mask, other=0.0)  # both halves of a row are equal
-    sin = tl.load(sin_ptr + position * stride_table + i, mask=mask, other=0.0)
+    first = 2 * i if INTERLEAVED else i  # a pair's first dim; its second is PARTNER (1 or HALF) dims on
+    cos = tl.load(cos_ptr + position * stride_table + first, mask=mask, other=0.0)  # equal at both dims of a pair
+    sin = tl.load(sin_ptr + position * stride_table + first, mask=mask, other=0.0)
     if head < q_heads:
         base, weight_ptr = q_ptr + token * stride_qt + head * stride_qh, q_weight_ptr
     else:
         base, weight_ptr = k_ptr + token * stride_kt + (head - q_heads) * stride_kh, k_weight_ptr
-    x1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(base + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + PARTNER + first, mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        x1, x2 = _normed_halves(x1, x2, weight_ptr, i, mask, eps, q_ptr.dtype.element_ty, HALF, GEMMA)
-    tl.store(base + i, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + HALF + i, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+        x1, x2 = _normed_pairs(x1, x2, weight_ptr, first, PARTNER, mask, eps, q_ptr.dtype.element_ty, HALF, GEMMA)
+    tl.store(base + first, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + PARTNER + first, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _normed_halves(x1, x2, weight_ptr, i, mask, eps, dtype: tl.constexpr, HALF: tl.constexpr, GEMMA: tl.constexpr):
-    """A head's two halves (float32) RMS-normalized over the whole head and scaled by its weight,
-    rounded to `dtype` as `_add_rms_norm_kernel` rounds them."""
+def _normed_pairs(x1, x2, weight_ptr, first, PARTNER: tl.constexpr, mask, eps, dtype: tl.constexpr,
+                  HALF: tl.constexpr, GEMMA: tl.constexpr):
+    """A head's pairs' two dims (float32, at `first` and PARTNER on) RMS-normalized over the whole
+    head and scaled by its weight, rounded to `dtype` as `_add_rms_norm_kernel` rounds them."""
     inverse = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-    w1 = tl.load(weight_ptr + i, mask=mask, other=0.0).to(tl.float32)
-    w2 = tl.load(weight_ptr + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    w1 = tl.load(weight_ptr + first, mask=mask, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + PARTNER + first, mask=mask, other=0.0).to(tl.float32)
     if GEMMA:
         x1, x2 = (1.0 + w1) * (x1 * inverse), (1.0 + w2) * (x2 * inverse)
     else:
@@ -98,9 +101,11 @@ def _normed_halves(x1, x2, weight_ptr, i, mask, eps, dtype: tl.constexpr, HALF: 
 
 
 def rotate_in_place(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> None:
+                    sin: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
+                    interleaved: bool = False) -> None:
     """q [T, heads, dims] and k [T, kv_heads, dims] (dims contiguous, as many in both) rotated at
-    `positions` by float32 tables [max_len, dims] whose two halves are equal, in one launch.
+    `positions` by float32 tables [max_len, dims] whose two halves are equal, in one launch; or,
+    `interleaved` (GLM-4's, Cohere's), pairs of neighbouring dims by tables equal at each pair.
     `norms`: (q's weight, k's weight, eps, gemma) of per-head RMS norms each head takes first, as
     `add_rms_norm` computes them (the rotation then covers whole heads; weights in q's dtype)."""
     tokens, heads, dims = q.shape
@@ -116,7 +121,7 @@ def rotate_in_place(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, c
         _rotary_kernel[(tokens, heads + k.shape[1])](
             q, k, positions, cos, sin, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads,
             cos.stride(0), eps, HALF=dims // 2, BLOCK=triton.next_power_of_2(dims // 2), NORM=norms is not None,
-            GEMMA=gemma)
+            GEMMA=gemma, INTERLEAVED=interleaved, PARTNER=1 if interleaved else dims // 2)
 
 
 GATED_BLOCK = 1024  # the most columns a program of `gated` takes
