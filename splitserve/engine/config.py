@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int
-from splitserve.engine.config_families import (COHERE_ARCHITECTURES, EXAONE4, GLM4, HALF_ROTARY,
-                                               OLMO_ARCHITECTURES, PATTERN_DEFAULTS, SMOLLM3, UNROTATED_FULL_LAYERS,
+from splitserve.engine.config_families import (COHERE_ARCHITECTURES, ERNIE45, EXAONE4, FIELD_DEFAULTS, GLM4,
+                                               HALF_ROTARY, HELIUM, MLP_BIAS_ARCHITECTURES, OLMO_ARCHITECTURES,
+                                               PATTERN_DEFAULTS, SEED_OSS, SMOLLM3, UNROTATED_FULL_LAYERS,
                                                WINDOWED, family_fields)
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.moe_config import GLM4_MOE, parse_moe
@@ -18,13 +19,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
-                           "Ministral3ForCausalLM", GLM4_MOE, GLM4, *COHERE_ARCHITECTURES)
+                           "Ministral3ForCausalLM", GLM4_MOE, GLM4, *COHERE_ARCHITECTURES, HELIUM, SEED_OSS,
+                           ERNIE45)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", SMOLLM3,
-                             *OLMO_ARCHITECTURES, *COHERE_ARCHITECTURES)
+                             *OLMO_ARCHITECTURES, *COHERE_ARCHITECTURES)  # (Seed-OSS's, Ernie 4.5's: their own)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
                      "GptOssForCausalLM", GLM4_MOE)
 # checkpoints store qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM-4) as one tensor each
@@ -69,6 +71,7 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     attention_bias: bool = False   # on the q, k and v projections
     attention_out_bias: bool = False  # on o_proj too (GPT-OSS; O_PROJ_BIAS_ARCHITECTURES with attention_bias)
+    mlp_bias: bool = False         # on the dense MLPs' projections
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins every softmax (attention.base.Scoring)
     qk_norm: bool = False          # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
     qk_norm_across_heads: bool = False  # OLMo: ... over all of q's heads together, and k's (a weight per row)
@@ -78,7 +81,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0   # Granite: the attention's and the MLP's outputs are scaled by it
     logits_scale: float = 1.0      # Granite, Cohere: the logits are multiplied by it
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that do not turn q and k (no rotary embedding)
-    rotary_interleaved: bool = False  # GLM-4, Cohere: the rotary embedding turns pairs of neighbouring dims
+    rotary_interleaved: bool = False  # GLM-4, Cohere, Helium, Ernie 4.5: the rotary embedding turns pairs of
+    #                                neighbouring dims
     layer_norms: bool = False      # Cohere: the norms are LayerNorms (mean-centred, a weight and no bias)
     parallel_block: bool = False   # Cohere: the attention and the MLP read the same normed input; their
     #                                outputs join the residual stream together
@@ -164,10 +168,11 @@ class ModelConfig:
             supported = ", ".join(SUPPORTED_ARCHITECTURES + tuple(WRAPPERS))
             raise ConfigError(f"{source}: unsupported architectures {archs!r}; supported: {supported}")
 
-        shape = _shape(cfg, source)
+        defaults = FIELD_DEFAULTS.get(arch, {})
+        shape = _shape(cfg, source, defaults.get("head_dim"))
         layers, head_dim = shape["num_hidden_layers"], shape["head_dim"]
-        if cfg.get("mlp_bias"):
-            raise ConfigError(f"{source}: mlp_bias=true is not supported (biases on the MLP's projections)")
+        if cfg.get("mlp_bias") and arch not in MLP_BIAS_ARCHITECTURES:
+            raise ConfigError(f"{source}: mlp_bias=true is not supported for {arch} (transformers' has no MLP biases)")
         rope = _mapping(cfg, "rope_parameters", source)  # transformers 5 keeps rope_theta and scaling here
         rope, family = family_fields(cfg, arch, source, head_dim, layers, rope)
         rotary_dim = _rotary_dim(cfg, rope, head_dim, source, 0.5 if arch in HALF_ROTARY else 1.0)
@@ -176,16 +181,18 @@ class ModelConfig:
             family["nope_layers"] = tuple(i for i in range(layers) if i not in window["sliding_layers"])
         oss = arch == "GptOssForCausalLM"
         common = dict(  # what a family's fields may override
-            rms_norm_eps=positive_float(cfg, "rms_norm_eps", 1e-6, source),
-            rope_theta=positive_float(rope if "rope_theta" in rope else cfg, "rope_theta", 10000.0, source),
+            rms_norm_eps=positive_float(cfg, "rms_norm_eps", defaults.get("rms_norm_eps", 1e-6), source),
+            rope_theta=positive_float(rope if "rope_theta" in rope else cfg, "rope_theta",
+                                      defaults.get("rope_theta", 10000.0), source),
             rope_scaling=_parse_rope_scaling(_mapping(cfg, "rope_scaling", source) or rope, source,
                                              shape["max_position_embeddings"],
                                              cfg.get("original_max_position_embeddings"), rotary_dim // 2),
             attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
-                                else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                                else cfg.get("attention_bias", defaults.get("attention_bias", False))),
             attention_out_bias=arch in O_PROJ_BIAS_ARCHITECTURES and bool(cfg.get("attention_bias", oss)),
-            attention_sinks=oss, qk_norm=arch in QK_NORM_ARCHITECTURES,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), hidden_act=_activation(cfg, source),
+            mlp_bias=bool(cfg.get("mlp_bias")), attention_sinks=oss, qk_norm=arch in QK_NORM_ARCHITECTURES,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
+            hidden_act=_activation(cfg, source),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"))
         return cls(architecture=arch, **shape, rotary_dim=rotary_dim, **{**common, **family}, **window,
@@ -193,9 +200,10 @@ class ModelConfig:
                    **parse_quantization(cfg, arch, source))
 
 
-def _shape(cfg: dict, source: str) -> dict:
+def _shape(cfg: dict, source: str, head_dim: int | None) -> dict:
     """ModelConfig's sizes: each a positive integer, those a config may leave out as transformers
-    derives them (head_dim, num_key_value_heads, max_position_embeddings)."""
+    derives them (num_key_value_heads, max_position_embeddings, head_dim: `head_dim` where the
+    family's config class has a default, else hidden_size / heads)."""
     def need(name, default=None):
         """The config's, or `default` where it has none (null or absent)."""
         value = default if cfg.get(name) is None else cfg[name]
@@ -209,7 +217,7 @@ def _shape(cfg: dict, source: str) -> dict:
         raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     return dict(vocab_size=need("vocab_size"), hidden_size=hidden, intermediate_size=need("intermediate_size"),
                 num_hidden_layers=need("num_hidden_layers"), num_attention_heads=heads,
-                num_key_value_heads=kv_heads, head_dim=need("head_dim", hidden // heads),
+                num_key_value_heads=kv_heads, head_dim=need("head_dim", head_dim or hidden // heads),
                 max_position_embeddings=need("max_position_embeddings", 2048))
 
 

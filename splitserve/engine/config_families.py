@@ -2,8 +2,10 @@
 Gemma's norms, scales and soft caps; Granite's multipliers; OLMo's norms after each sublayer and
 across heads; EXAONE 4's after each sublayer; SmolLM3's layers without a rotary embedding;
 Ministral 3's queries scaled by position; Cohere's LayerNorms, parallel block and logit scale;
-the GLMs' rotary pairs and biases. `family_fields` gives (the rope parameters the full-attention
-layers turn by, the family's ModelConfig fields, which override the common ones)."""
+the GLMs', Helium's and Ernie 4.5's rotary pairs; Seed-OSS's and Ernie 4.5's biases.
+`family_fields` gives (the rope parameters the full-attention layers turn by, the family's
+ModelConfig fields, which override the common ones); `FIELD_DEFAULTS`, transformers' defaults of
+a family's config class where they are not Llama's (what a hub config.json may leave out)."""
 from __future__ import annotations
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_number
@@ -14,10 +16,19 @@ OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 GRANITE, SMOLLM3, EXAONE4 = "GraniteForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM"
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 MINISTRAL3, GLM4 = "Ministral3ForCausalLM", "Glm4ForCausalLM"
+HELIUM, SEED_OSS, ERNIE45 = "HeliumForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM"
 HALF_ROTARY = (GLM4, GLM4_MOE)  # transformers turns half of each head where the config names no share
 UNROTATED_FULL_LAYERS = (EXAONE4, "Cohere2ForCausalLM")  # with a window, the full layers turn neither q nor k
 WINDOWED = ("Olmo3ForCausalLM", EXAONE4, "Cohere2ForCausalLM")  # a window of 4096 where the config names none
 PATTERN_DEFAULTS = {"Gemma3ForCausalLM": 6, "Olmo3ForCausalLM": 4, EXAONE4: 4, "Cohere2ForCausalLM": 4}
+MLP_BIAS_ARCHITECTURES = ("LlamaForCausalLM", GRANITE, HELIUM, SEED_OSS)  # their MLPs read mlp_bias
+FIELD_DEFAULTS = {
+    "Qwen2ForCausalLM": dict(attention_bias=True), GLM4: dict(attention_bias=True),
+    **{arch: dict(tie_word_embeddings=True) for arch in COHERE_ARCHITECTURES},
+    HELIUM: dict(head_dim=128, rope_theta=100_000.0, rms_norm_eps=1e-8),
+    SEED_OSS: dict(head_dim=128, attention_bias=True),
+    ERNIE45: dict(head_dim=128, rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
+}
 
 
 def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int, rope: dict) -> tuple[dict, dict]:
@@ -42,10 +53,14 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
             raise ConfigError(f"{source}: use_qk_norm=true is not supported (Command R+'s per-head LayerNorms)")
         return rope, dict(layer_norms=True, parallel_block=True, rotary_interleaved=True,
                           logits_scale=positive_float(cfg, "logit_scale", 0.0625, source),
-                          rms_norm_eps=positive_float(cfg, "layer_norm_eps", 1e-5, source),
-                          tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
-    if arch == GLM4:
-        return rope, dict(rotary_interleaved=True, attention_bias=bool(cfg.get("attention_bias", True)))
+                          rms_norm_eps=positive_float(cfg, "layer_norm_eps", 1e-5, source))
+    if arch in (GLM4, HELIUM):
+        return rope, dict(rotary_interleaved=True)
+    if arch == ERNIE45:  # use_bias: on every projection
+        biased = bool(cfg.get("use_bias"))
+        return rope, dict(rotary_interleaved=True, attention_bias=biased, attention_out_bias=biased, mlp_bias=biased)
+    if arch == SEED_OSS:
+        return rope, dict(attention_out_bias=bool(cfg.get("attention_out_bias")))
     if arch == GLM4_MOE:  # its per-head q and k norms are optional
         return rope, dict(qk_norm=bool(cfg.get("use_qk_norm")))
     if arch == EXAONE4:  # its layers without a rotary embedding: the full ones beside windowed (config.py)

@@ -11,15 +11,16 @@ import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM, Exaone4Config,
-                          Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
-                          Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM,
-                          GptOssConfig, GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
-                          LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM, MistralConfig, MistralForCausalLM,
-                          MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config,
-                          Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM, Ernie4_5Config,
+                          Ernie4_5ForCausalLM, Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                          Gemma3ForCausalLM, Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig,
+                          Glm4MoeForCausalLM, GptOssConfig, GptOssForCausalLM, GraniteConfig, GraniteForCausalLM,
+                          HeliumConfig, HeliumForCausalLM, LlamaConfig, LlamaForCausalLM, Ministral3Config,
+                          Ministral3ForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SeedOssConfig,
+                          SeedOssForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from splitserve.engine.tokenizer import HFTokenizer
@@ -144,6 +145,14 @@ CONFIGS = {
     # SmolLM3: the middle layer turns neither q nor k (NoPE)
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(num_key_value_heads=2, num_hidden_layers=3,
                                                         no_rope_layers=[1, 0, 1], rope_theta=2000000.0)),
+    # Helium: interleaved rotary, q/k/v and MLP biases (o_proj none; its heads span hidden_size)
+    "helium": (HeliumConfig, HeliumForCausalLM, dict(num_key_value_heads=2, head_dim=16, attention_bias=True,
+                                                     mlp_bias=True)),
+    # Seed-OSS: q/k/v biases by default, o_proj's and the MLP's by their own flags
+    "seed_oss": (SeedOssConfig, SeedOssForCausalLM, dict(num_key_value_heads=2, head_dim=32, attention_out_bias=True,
+                                                         mlp_bias=True)),
+    # Ernie 4.5: interleaved rotary, use_bias on every projection, tied by default
+    "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM, dict(num_key_value_heads=2, head_dim=32, use_bias=True)),
 }
 QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers: Qwen2's tokenizer class
 

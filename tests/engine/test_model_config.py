@@ -1,6 +1,6 @@
 """ModelConfig.from_hf on config.json files written by transformers' own `save_pretrained`:
-which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo, EXAONE 4, GLM-4, Cohere
-and SmolLM3."""
+which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo, EXAONE 4, GLM-4, Cohere,
+SmolLM3, Helium, Seed-OSS and Ernie 4.5."""
 import json
 import re
 
@@ -68,7 +68,10 @@ def test_granite_config_fields(tmp_path):
     with pytest.raises(ConfigError, match="logits_scaling must be a positive number"):
         load_model_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**raw, "mlp_bias": True}))
-    with pytest.raises(ConfigError, match="mlp_bias=true is not supported"):
+    assert load_model_config(tmp_path).mlp_bias  # Granite's MLP reads it (as Llama's, Helium's, Seed-OSS's)
+    mistral = {**raw, "mlp_bias": True, "architectures": ["MistralForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(mistral))
+    with pytest.raises(ConfigError, match="mlp_bias=true is not supported for MistralForCausalLM"):
         load_model_config(tmp_path)
 
 
@@ -116,6 +119,23 @@ def test_glm4_defaults_as_transformers_reads_them():
         True, False, 8, True)
     assert ModelConfig.from_hf({**BASE, "architectures": ["Glm4ForCausalLM"], "attention_bias": False,
                                 "partial_rotary_factor": 1.0}).rotary_dim == 8  # BASE: 32 / 4 heads
+
+
+@pytest.mark.parametrize("arch, config_class", [("HeliumForCausalLM", "HeliumConfig"),
+                                                ("SeedOssForCausalLM", "SeedOssConfig"),
+                                                ("Ernie4_5ForCausalLM", "Ernie4_5Config")])
+def test_a_family_config_class_fills_what_a_config_leaves_out(arch, config_class):
+    """A config.json without head_dim, rope_theta, rms_norm_eps, ties or biases: the values
+    transformers' config class of the family fills in (each unlike Llama's in one of them)."""
+    import transformers
+
+    theirs = getattr(transformers, config_class)(**{k: v for k, v in BASE.items() if k != "architectures"})
+    ours = ModelConfig.from_hf({**BASE, "architectures": [arch]})
+    assert (ours.head_dim, ours.rope_theta, ours.rms_norm_eps, ours.tie_word_embeddings) == (
+        theirs.head_dim, theirs.rope_parameters["rope_theta"], theirs.rms_norm_eps, theirs.tie_word_embeddings)
+    assert (ours.attention_bias, ours.attention_out_bias, ours.mlp_bias) == tuple(
+        getattr(theirs, name, getattr(theirs, "use_bias", False))
+        for name in ("attention_bias", "attention_out_bias", "mlp_bias"))
 
 
 def test_cohere_config_as_transformers_reads_it():

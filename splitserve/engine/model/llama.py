@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite,
-OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE,
-Qwen3-MoE, GLM-4.5 and GPT-OSS, whose attention also has sinks and an o_proj bias) over flattened
-tokens of many sequences.
+OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, Helium, Ernie 4.5, Seed-OSS, and with sparse
+MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and GPT-OSS, whose attention also
+has sinks and an o_proj bias) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows (`model.linear`; a block-wise FP8
@@ -173,12 +173,12 @@ class LlamaMLP(nn.Module):
         part = ShardSlice(0, lo, hi, width)
         slices = {"gate_proj": part, "up_proj": part} if sharded else {}
         gate_up = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
-        self.gate_up_proj = MergedLinear(c.hidden_size, {"gate_proj": hi - lo, "up_proj": hi - lo}, bias=False,
+        self.gate_up_proj = MergedLinear(c.hidden_size, {"gate_proj": hi - lo, "up_proj": hi - lo}, bias=c.mlp_bias,
                                          slices=slices, fp8_block=fp8_block(c, gate_up, rows=(lo, hi, width)),
                                          ints=int_kept(c, gate_up, rows=(lo, hi, width)))
         down = [f"{prefix}.down_proj"]
         self.down_proj = RowParallelLinear(hi - lo, c.hidden_size, ShardSlice(1, lo, hi, width) if sharded else None,
-                                           reduce, fp8_block=fp8_block(c, down, cols=(lo, hi, width)),
+                                           reduce, bias=c.mlp_bias, fp8_block=fp8_block(c, down, cols=(lo, hi, width)),
                                            ints=int_kept(c, down, cols=(lo, hi, width)))
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
 
