@@ -11,7 +11,7 @@ from splitserve.engine.config_families import (COHERE_ARCHITECTURES, ERNIE45, EX
                                                PATTERN_DEFAULTS, SEED_OSS, SMOLLM3, UNROTATED_FULL_LAYERS,
                                                WINDOWED, family_fields)
 from splitserve.engine.int_weights import IntWeights
-from splitserve.engine.moe_config import GLM4_MOE, parse_moe
+from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE, parse_moe
 from splitserve.engine.multimodal_text import WRAPPERS, text_config
 from splitserve.engine.quantization_config import parse_quantization, stored_unquantized
 
@@ -20,7 +20,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
                            "Ministral3ForCausalLM", GLM4_MOE, GLM4, *COHERE_ARCHITECTURES, HELIUM, SEED_OSS,
-                           ERNIE45)
+                           ERNIE45, ERNIE45_MOE)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
@@ -28,7 +28,7 @@ O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeFo
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", SMOLLM3,
                              *OLMO_ARCHITECTURES, *COHERE_ARCHITECTURES)  # (Seed-OSS's, Ernie 4.5's: their own)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
-                     "GptOssForCausalLM", GLM4_MOE)
+                     "GptOssForCausalLM", GLM4_MOE, ERNIE45_MOE)
 # checkpoints store qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM-4) as one tensor each
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM", GLM4)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -98,8 +98,9 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # MoE: the layers whose MLP is dense (Qwen's mlp_only_layers, sparse step)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes beside its experts, gated
     #                                (GLM-4.5's, moe_intermediate_size times n_shared_experts wide, ungated)
-    moe_sigmoid_groups: tuple[int, int] | None = None  # GLM-4.5 (DeepSeek-V3's routing), (n_group, topk_group):
-    #                                experts chosen by sigmoid scores plus a learned bias, within the best groups
+    moe_choice_bias: str | None = None  # GLM-4.5 (DeepSeek-V3's routing) "sigmoid", Ernie 4.5 "softmax": experts
+    #                                chosen by that score of the router's logits plus a learned bias, weighted by it
+    moe_groups: tuple[int, int] = (1, 1)  # GLM-4.5, (n_group, topk_group): chosen within the best groups
     routed_scaling_factor: float = 1.0  # GLM-4.5: the chosen experts' weights are scaled by it
     skipped_layers: int = 0        # GLM-4.5: multi-token-prediction layers stored after the decoder's, not served
     swiglu_limit: float | None = None  # GPT-OSS's experts: gate clamped to <= limit, up to [-limit, limit] (None: not)
@@ -113,7 +114,7 @@ class ModelConfig:
     #                                normalized too (four norms a layer)
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling); None: rope_theta
     weights_prefix: str = ""       # a multimodal checkpoint's: what its language model's tensor names start with
-    skipped_weights: tuple[str, ...] = ()  # ... and the prefixes of the tensors it does not serve (the vision tower)
+    skipped_weights: tuple[str, ...] = ()  # the prefixes of the tensors not served (a vision tower, Ernie's MTP)
     quantization: str | None = None  # the checkpoint's weights' format (mxfp4, fp8, int); None: the model's dtype
     weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: a tensor or row)
     int_weights: IntWeights | None = None  # int: the packed integers' scheme (bits, group, zero points)

@@ -9,7 +9,7 @@ a family's config class where they are not Llama's (what a hub config.json may l
 from __future__ import annotations
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_number
-from splitserve.engine.moe_config import GLM4_MOE
+from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -28,6 +28,7 @@ FIELD_DEFAULTS = {
     HELIUM: dict(head_dim=128, rope_theta=100_000.0, rms_norm_eps=1e-8),
     SEED_OSS: dict(head_dim=128, attention_bias=True),
     ERNIE45: dict(head_dim=128, rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    ERNIE45_MOE: dict(rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),  # heads: hidden / count
 }
 
 
@@ -56,8 +57,10 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
                           rms_norm_eps=positive_float(cfg, "layer_norm_eps", 1e-5, source))
     if arch in (GLM4, HELIUM):
         return rope, dict(rotary_interleaved=True)
-    if arch == ERNIE45:  # use_bias: on every projection
+    if arch in (ERNIE45, ERNIE45_MOE):  # use_bias: on every projection
         biased = bool(cfg.get("use_bias"))
+        if biased and arch == ERNIE45_MOE:
+            raise ConfigError(f"{source}: use_bias=true is not supported for {arch} (its LM head's bias)")
         return rope, dict(rotary_interleaved=True, attention_bias=biased, attention_out_bias=biased, mlp_bias=biased)
     if arch == SEED_OSS:
         return rope, dict(attention_out_bias=bool(cfg.get("attention_out_bias")))

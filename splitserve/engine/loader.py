@@ -128,19 +128,19 @@ BACKBONE_NAMES = ("embed_tokens.", "layers.", "norm.")  # a base model's tensors
 
 def _model_name(file: Path, name: str, config: ModelConfig | None) -> str | None:
     """The model's name of a checkpoint tensor; None for one it does not serve (a multimodal
-    checkpoint's vision tower, GLM-4.5's multi-token-prediction layers after the decoder's). A
-    checkpoint saved from the base model names the backbone's tensors without `model.`
-    (Qwen3-Embedding's, whose tied LM head it does not hold)."""
+    checkpoint's vision tower, GLM-4.5's multi-token-prediction layers after the decoder's,
+    Ernie 4.5's beside them). A checkpoint saved from the base model names the backbone's tensors
+    without `model.` (Qwen3-Embedding's, whose tied LM head it does not hold)."""
     if config is not None and config.skipped_layers and name.startswith("model.layers."):
         layer, first = name.split(".")[2], config.num_hidden_layers
         if layer.isdigit() and first <= int(layer) < first + config.skipped_layers:
             return None
+    if config is not None and name.startswith(config.skipped_weights):
+        return None
     if name.startswith(BACKBONE_NAMES):
         return f"model.{name}"
     if config is None or not config.weights_prefix:
         return name
-    if name.startswith(config.skipped_weights):
-        return None
     if not name.startswith(config.weights_prefix):
         raise CheckpointError(f"{file}: tensor {name!r} is neither the language model's "
                               f"({config.weights_prefix}...) nor skipped ({', '.join(config.skipped_weights)})")

@@ -12,15 +12,16 @@ import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM, Ernie4_5Config,
-                          Ernie4_5ForCausalLM, Exaone4Config, Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
-                          Gemma3ForCausalLM, Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig,
-                          Glm4MoeForCausalLM, GptOssConfig, GptOssForCausalLM, GraniteConfig, GraniteForCausalLM,
-                          HeliumConfig, HeliumForCausalLM, LlamaConfig, LlamaForCausalLM, Ministral3Config,
-                          Ministral3ForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SeedOssConfig,
-                          SeedOssForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+                          Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Exaone4Config,
+                          Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig,
+                          GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, HeliumConfig, HeliumForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM, MistralConfig,
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SeedOssConfig, SeedOssForCausalLM,
+                          SmolLM3Config, SmolLM3ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from splitserve.engine.tokenizer import HFTokenizer
@@ -153,6 +154,11 @@ CONFIGS = {
                                                          mlp_bias=True)),
     # Ernie 4.5: interleaved rotary, use_bias on every projection, tied by default
     "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM, dict(num_key_value_heads=2, head_dim=32, use_bias=True)),
+    # Ernie 4.5 MoE: top-2 of 6 by softmax + a learned bias, weighted by the softmax; a shared expert;
+    # layer 0 dense (moe_layer_start_index) and layer 2 (past moe_layer_end_index)
+    "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, dict(
+        num_key_value_heads=2, head_dim=32, num_hidden_layers=3, moe_num_experts=6, moe_k=2, moe_intermediate_size=32,
+        moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=1)),
 }
 QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers: Qwen2's tokenizer class
 

@@ -1,6 +1,6 @@
 """Mixture-of-experts checkpoints written by transformers' own `save_pretrained` (Mixtral,
-Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5): the per-expert tensors load into the stacked experts, and
-the MoE fields of config.json are read, or refused naming the field."""
+Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5, Ernie 4.5): the per-expert tensors load into the stacked
+experts, and the MoE fields of config.json are read, or refused naming the field."""
 import json
 
 import pytest
@@ -156,11 +156,11 @@ def test_glm4_moe_config_fields():
                                "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "use_qk_norm": True,
                                "attention_bias": True, "partial_rotary_factor": 0.5})
     assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (8, 16, 32)
-    assert (cfg.dense_layers, cfg.moe_sigmoid_groups, cfg.routed_scaling_factor, cfg.skipped_layers) == (
+    assert (cfg.dense_layers, cfg.moe_groups, cfg.routed_scaling_factor, cfg.skipped_layers) == (
         (0, 1), (4, 2), 2.5, 1)
     assert cfg.qk_norm and cfg.attention_bias and not cfg.attention_out_bias and cfg.rotary_dim == 4
     plain = ModelConfig.from_hf(GLM)
-    assert (plain.dense_layers, plain.moe_sigmoid_groups, plain.shared_expert_intermediate_size) == ((0,), (1, 1), 16)
+    assert (plain.dense_layers, plain.moe_groups, plain.shared_expert_intermediate_size) == ((0,), (1, 1), 16)
     assert plain.norm_topk_prob and not plain.qk_norm and plain.rotary_dim == 4  # transformers turns half by default
 
 
@@ -193,4 +193,51 @@ def test_glm4_moe_multi_token_prediction_layers_are_skipped(tmp_path, tokenizers
     assert LLMEngine(str(tmp_path), **ENGINE_ARGS).model_config.skipped_layers == 1
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
     with pytest.raises(CheckpointError, match="model.layers.2"):
+        LLMEngine(str(tmp_path), **ENGINE_ARGS)
+
+
+ERNIE = {"architectures": ["Ernie4_5_MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "moe_num_experts": 8,
+         "moe_k": 2, "moe_intermediate_size": 16}
+
+
+def test_ernie45_moe_config_fields():
+    """A hub ERNIE 4.5 MoE config.json's fields, and transformers' defaults for those it leaves out
+    (the first layer dense, two shared experts, heads of hidden_size / their count, unlike the dense
+    Ernie's 128 dims, tied embeddings); use_bias, which
+    would bias its LM head, is refused naming it."""
+    from transformers import Ernie4_5_MoeConfig
+
+    plain = ModelConfig.from_hf(ERNIE)
+    theirs = Ernie4_5_MoeConfig(**{k: v for k, v in ERNIE.items() if k != "architectures"})
+    assert (plain.num_experts, plain.num_experts_per_tok) == (theirs.num_experts, theirs.num_experts_per_tok) == (8, 2)
+    assert plain.dense_layers == (0,) and plain.shared_expert_intermediate_size == 32
+    assert (plain.moe_choice_bias, plain.norm_topk_prob, plain.head_dim, plain.tie_word_embeddings) == (
+        "softmax", True, 8, theirs.tie_word_embeddings)
+    assert (plain.rope_theta, plain.rms_norm_eps) == (theirs.rope_parameters["rope_theta"], theirs.rms_norm_eps)
+    every_other = ModelConfig.from_hf({**ERNIE, "moe_layer_start_index": 2, "moe_layer_end_index": 4,
+                                       "moe_layer_interval": 2, "moe_num_shared_experts": 0})
+    assert every_other.dense_layers == (0, 1, 2, 4, 5) and every_other.shared_expert_intermediate_size == 0
+    with pytest.raises(ConfigError, match="use_bias=true is not supported for Ernie4_5_MoeForCausalLM"):
+        ModelConfig.from_hf({**ERNIE, "use_bias": True})
+    with pytest.raises(ConfigError, match="moe_layer_interval must be a positive integer"):
+        ModelConfig.from_hf({**ERNIE, "moe_layer_interval": 0})
+
+
+def test_ernie45_moe_multi_token_prediction_tensors_are_skipped(tmp_path, tokenizers_by_kind):  # noqa: F811
+    """ERNIE 4.5 MoE's hub checkpoints hold a multi-token-prediction block beside the decoder
+    (`model.mtp_*`): not served, so skipped; any other unknown tensor is still refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from splitserve.engine.llm_engine import LLMEngine
+
+    write_checkpoint(tmp_path, "ernie4_5_moe", tokenizers_by_kind)
+    tensors = load_file(tmp_path / "model.safetensors")
+    mtp = {"model.mtp_block.0.mlp.up_proj.weight": torch.zeros(4, 4), "model.mtp_emb_norm.0.weight": torch.zeros(4),
+           "model.mtp_linear_proj.0.weight": torch.zeros(4, 8)}
+    save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    LLMEngine(str(tmp_path), **ENGINE_ARGS)
+    save_file({**tensors, "model.extra_proj.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.extra_proj.weight"):
         LLMEngine(str(tmp_path), **ENGINE_ARGS)

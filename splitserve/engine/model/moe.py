@@ -1,9 +1,10 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5): a router scores
-every expert for each token, the token goes through its top-k experts (each a gated MLP like
-Llama's) and their outputs are summed, weighted by the router's softmax over those k (renormalized
-where the model says so; GLM-4.5's by sigmoid, `route_sigmoid`). Qwen2-MoE adds a shared expert
-every token takes, scaled by a sigmoid gate (GLM-4.5's are ungated). GPT-OSS's router and experts
-have biases and its experts a clamped SwiGLU (`GatedAct`).
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5, Ernie 4.5): a
+router scores every expert for each token, the token goes through its top-k experts (each a gated
+MLP like Llama's) and their outputs are summed, weighted by the router's softmax over those k
+(renormalized where the model says so; GLM-4.5's and Ernie 4.5's chosen by a biased score,
+`route_biased`). Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate
+(GLM-4.5's and Ernie 4.5's are ungated). GPT-OSS's router and experts have biases and its experts
+a clamped SwiGLU (`GatedAct`).
 
 The experts' weights are two stacked tensors, `w13` [experts, 2 * width, hidden] (each expert's
 gate rows, then its up rows; GPT-OSS's alternate gate, up, as its checkpoints store them) and `w2`
@@ -48,7 +49,9 @@ class ExpertNames:
     """How a checkpoint names a sparse layer's parts: `<block>.<router>` is the router,
     `<block>.experts.<e>.<gate|up|down>.weight` expert e's projections; `stacked` ones (GPT-OSS)
     are `<block>.experts.<gate|down>` [experts, in, out] for all experts, with `_bias` beside them;
-    `<block>.<shared>` the shared experts' MLP, where the model has one."""
+    `<block>.<shared>` the shared experts' MLP, where the model has one; `<block>.<choice_bias>`
+    holds a biased choice's `e_score_correction_bias` (GLM-4.5's the router, [experts]; Ernie
+    4.5's a module of its own, [1, experts])."""
 
     block: str
     gate: str
@@ -57,17 +60,21 @@ class ExpertNames:
     router: str = "gate"
     stacked: bool = False
     shared: str = "shared_expert"
+    choice_bias: str = "gate"
 
 
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 QWEN_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 GPT_OSS_NAMES = ExpertNames("mlp", "gate_up_proj", "", "down_proj", router="router", stacked=True)
 GLM4_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts")
+ERNIE45_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts",
+                                choice_bias="moe_statics")
 
 
 def expert_names(config: ModelConfig) -> ExpertNames:
     return {"MixtralForCausalLM": MIXTRAL_NAMES, "GptOssForCausalLM": GPT_OSS_NAMES,
-            "Glm4MoeForCausalLM": GLM4_MOE_NAMES}.get(config.architecture, QWEN_MOE_NAMES)
+            "Glm4MoeForCausalLM": GLM4_MOE_NAMES, "Ernie4_5_MoeForCausalLM": ERNIE45_MOE_NAMES,
+            }.get(config.architecture, QWEN_MOE_NAMES)
 
 
 @dataclass(frozen=True)
@@ -118,13 +125,14 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, experts
 
 
-def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: tuple[int, int], renormalize: bool,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """GLM-4.5's (DeepSeek-V3's) routing from float32 logits [T, experts]: each token's top-k experts
-    by sigmoid(logits) + `bias` among its `groups[1]` best of `groups[0]` groups of experts (a group
-    scores the sum of its two best), weighted by their sigmoid alone, renormalized or not, times
-    `scale`. Torch ops on every device, with no host sync."""
-    scores = logits.sigmoid()
+def route_biased(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: tuple[int, int], renormalize: bool,
+                 scale: float, score: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's (DeepSeek-V3's, `score` "sigmoid") and Ernie 4.5's ("softmax") routing from float32
+    logits [T, experts]: each token's top-k experts by score(logits) + `bias` among its `groups[1]`
+    best of `groups[0]` groups of experts (a group scores the sum of its two best), weighted by
+    their score alone, renormalized or not, times `scale`. Torch ops on every device, with no host
+    sync."""
+    scores = logits.sigmoid() if score == "sigmoid" else logits.softmax(dim=-1)
     choice = scores + bias
     count, best = groups
     if count > 1:
@@ -309,26 +317,32 @@ class SparseMoeBlock(nn.Module):
         (not reduced)."""
         super().__init__()
         self.router_name, self.shared_name = names.router, names.shared  # registered under the checkpoint's names
-        self.groups, self.scale = c.moe_sigmoid_groups, c.routed_scaling_factor
-        # GLM-4.5's router scores in float32: its weight and its choice's bias kept so, as transformers keeps them
+        self.choice, self.groups, self.scale = c.moe_choice_bias, c.moe_groups, c.routed_scaling_factor
+        # a biased choice's router scores in float32: its weight and the bias kept so, as transformers keeps them
         router = nn.Linear(c.hidden_size, c.num_experts, bias=names.stacked,
-                           dtype=None if self.groups is None else torch.float32)
-        if self.groups is not None:
-            router.e_score_correction_bias = frozen(c.num_experts, dtype=torch.float32)
+                           dtype=None if self.choice is None else torch.float32)
         self.add_module(names.router, router)
+        self.choice_bias_name = names.choice_bias
+        if self.choice is not None:
+            own = names.choice_bias != names.router  # Ernie's: a module of its own, [1, experts]
+            if own:
+                self.add_module(names.choice_bias, nn.Module())
+            shape = (1, c.num_experts) if own else (c.num_experts,)
+            self._modules[names.choice_bias].e_score_correction_bias = frozen(*shape, dtype=torch.float32)
         self.experts = Experts(c, names, shard)
         self.add_module(names.shared, shared_expert)
-        gated = shared_expert is not None and self.groups is None  # Qwen2-MoE's gate
+        gated = shared_expert is not None and self.choice is None  # Qwen2-MoE's gate
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if gated else None
         self.top_k, self.renormalize, self.reduce = c.num_experts_per_tok, c.norm_topk_prob, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router = self._modules[self.router_name]
-        if self.groups is None:
+        if self.choice is None:
             weights, experts = route(router(x), self.top_k, self.renormalize)
         else:
-            weights, experts = route_sigmoid(router(x.float()), router.e_score_correction_bias, self.top_k, self.groups,
-                                             self.renormalize, self.scale)
+            bias = self._modules[self.choice_bias_name].e_score_correction_bias.view(-1)
+            weights, experts = route_biased(router(x.float()), bias, self.top_k, self.groups, self.renormalize,
+                                            self.scale, self.choice)
         out = self.experts(x, weights, experts)
         shared = self._modules[self.shared_name]
         if shared is not None:  # a gate is per token, so it scales a partial sum exactly
