@@ -11,7 +11,7 @@ from splitserve.engine.config_families import (COHERE_ARCHITECTURES, ERNIE45, EX
                                                PATTERN_DEFAULTS, SEED_OSS, SMOLLM3, UNROTATED_FULL_LAYERS,
                                                WINDOWED, family_fields)
 from splitserve.engine.int_weights import IntWeights
-from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE, parse_moe
+from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE, MINIMAX_M2, parse_moe
 from splitserve.engine.multimodal_text import WRAPPERS, text_config
 from splitserve.engine.quantization_config import parse_quantization, stored_unquantized
 
@@ -20,15 +20,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
                            "Ministral3ForCausalLM", GLM4_MOE, GLM4, *COHERE_ARCHITECTURES, HELIUM, SEED_OSS,
-                           ERNIE45, ERNIE45_MOE)
+                           ERNIE45, ERNIE45_MOE, MINIMAX_M2)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES,
+                         MINIMAX_M2)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", SMOLLM3,
                              *OLMO_ARCHITECTURES, *COHERE_ARCHITECTURES)  # (Seed-OSS's, Ernie 4.5's: their own)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
-                     "GptOssForCausalLM", GLM4_MOE, ERNIE45_MOE)
+                     "GptOssForCausalLM", GLM4_MOE, ERNIE45_MOE, MINIMAX_M2)
 # checkpoints store qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM-4) as one tensor each
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM", GLM4)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -176,7 +177,8 @@ class ModelConfig:
             raise ConfigError(f"{source}: mlp_bias=true is not supported for {arch} (transformers' has no MLP biases)")
         rope = _mapping(cfg, "rope_parameters", source)  # transformers 5 keeps rope_theta and scaling here
         rope, family = family_fields(cfg, arch, source, head_dim, layers, rope)
-        rotary_dim = _rotary_dim(cfg, rope, head_dim, source, 0.5 if arch in HALF_ROTARY else 1.0)
+        rotary_dim = _rotary_dim(cfg, rope, head_dim, source, 0.5 if arch in HALF_ROTARY else 1.0,
+                                 cfg.get("rotary_dim") if arch == MINIMAX_M2 else None)
         window = _parse_window(cfg, arch, source, layers, family)
         if arch in UNROTATED_FULL_LAYERS and window:  # a hybrid's full layers attend without a rotary embedding
             family["nope_layers"] = tuple(i for i in range(layers) if i not in window["sliding_layers"])
@@ -237,10 +239,14 @@ def _activation(cfg: dict, source: str) -> str:
     return act
 
 
-def _rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str, default: float) -> int:
-    """The leading dims of each head the rotary embedding turns (partial_rotary_factor of them;
-    `default` where the config names none: transformers' GLM-4.5 turns half)."""
-    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or default)
+def _rotary_dim(cfg: dict, rope: dict, head_dim: int, source: str, default: float, dims: int | None) -> int:
+    """The leading dims of each head the rotary embedding turns (partial_rotary_factor of them, or
+    `dims`, a hub MiniMax-M2's rotary_dim; `default` where the config names neither: transformers'
+    GLM-4.5 turns half)."""
+    named = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if named is None and isinstance(dims, (int, float)) and not isinstance(dims, bool):
+        named = dims / head_dim
+    partial = float(named or default)
     rotary_dim = int(head_dim * partial)
     if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
         raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of a "

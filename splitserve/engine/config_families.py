@@ -2,6 +2,7 @@
 Gemma's norms, scales and soft caps; Granite's multipliers; OLMo's norms after each sublayer and
 across heads; EXAONE 4's after each sublayer; SmolLM3's layers without a rotary embedding;
 Ministral 3's queries scaled by position; Cohere's LayerNorms, parallel block and logit scale;
+MiniMax-M2's norms across heads;
 the GLMs', Helium's and Ernie 4.5's rotary pairs; Seed-OSS's and Ernie 4.5's biases.
 `family_fields` gives (the rope parameters the full-attention layers turn by, the family's
 ModelConfig fields, which override the common ones); `FIELD_DEFAULTS`, transformers' defaults of
@@ -9,7 +10,7 @@ a family's config class where they are not Llama's (what a hub config.json may l
 from __future__ import annotations
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_number
-from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE
+from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE, MINIMAX_M2
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -29,6 +30,7 @@ FIELD_DEFAULTS = {
     SEED_OSS: dict(head_dim=128, attention_bias=True),
     ERNIE45: dict(head_dim=128, rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
     ERNIE45_MOE: dict(rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),  # heads: hidden / count
+    MINIMAX_M2: dict(head_dim=128, rope_theta=5_000_000.0),
 }
 
 
@@ -41,6 +43,8 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
                           residual_multiplier=positive_float(cfg, "residual_multiplier", 1.0, source),
                           logits_scale=1 / positive_float(cfg, "logits_scaling", 1.0, source),
                           attention_scale=positive_float(cfg, "attention_multiplier", 1.0, source))
+    if arch == MINIMAX_M2:  # OLMo's q and k norms across heads (whatever use_qk_norm says, as transformers)
+        return rope, dict(qk_norm_across_heads=True)
     if arch in OLMO_ARCHITECTURES:
         fields = dict(norms_after=True, qk_norm_across_heads=True)
         if arch == "Olmo2ForCausalLM":

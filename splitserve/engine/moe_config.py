@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int, positive_number
 
-GLM4_MOE, ERNIE45_MOE = "Glm4MoeForCausalLM", "Ernie4_5_MoeForCausalLM"
+GLM4_MOE, ERNIE45_MOE, MINIMAX_M2 = "Glm4MoeForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM"
 
 
 def parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
@@ -13,7 +13,8 @@ def parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
     (GPT-OSS's clamp their SwiGLU: swiglu_limit, swiglu_alpha); Qwen2-MoE's and
     Qwen3-MoE's are moe_intermediate_size wide, and a layer is dense when listed in mlp_only_layers
     or off the decoder_sparse_step; Qwen2-MoE's sparse layers also have a shared expert. GLM-4.5's
-    (`_glm4_moe`) and Ernie 4.5's (`_ernie45_moe`) choose by a biased score."""
+    (`_glm4_moe`), Ernie 4.5's (`_ernie45_moe`) and MiniMax-M2's choose by a biased score: MiniMax's
+    by sigmoid, its experts intermediate_size wide, every layer sparse, renormalized."""
     experts = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
                     if cfg.get(k) is not None), None)
     top_k = cfg.get("num_experts_per_tok", cfg.get("moe_k"))
@@ -23,6 +24,10 @@ def parse_moe(cfg: dict, arch: str, source: str, layers: int) -> dict:
         raise ConfigError(f"{source}: num_experts_per_tok={top_k} exceeds num_experts={experts}")
     if arch == "MixtralForCausalLM":
         return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]))
+    if arch == MINIMAX_M2:  # its multi-token-prediction modules, where the hub config has them, after the decoder's
+        mtp = cfg.get("num_mtp_modules", 0) if cfg.get("use_mtp") else 0
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]),
+                    moe_choice_bias="sigmoid", skipped_layers=positive_int(mtp, "num_mtp_modules", source, least=0))
     if arch == "GptOssForCausalLM":  # softmax over the top k router logits: the renormalized top k of the softmax
         return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]),
                     swiglu_limit=positive_number(cfg, "swiglu_limit", 7.0, source),

@@ -16,12 +16,12 @@ from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, Coher
                           Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                           Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig,
                           GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, HeliumConfig, HeliumForCausalLM,
-                          LlamaConfig, LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM, MistralConfig,
-                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
-                          Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SeedOssConfig, SeedOssForCausalLM,
-                          SmolLM3Config, SmolLM3ForCausalLM)
+                          LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM, Ministral3Config,
+                          Ministral3ForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SeedOssConfig,
+                          SeedOssForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from splitserve.engine.tokenizer import HFTokenizer
@@ -159,6 +159,11 @@ CONFIGS = {
     "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, dict(
         num_key_value_heads=2, head_dim=32, num_hidden_layers=3, moe_num_experts=6, moe_k=2, moe_intermediate_size=32,
         moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=1)),
+    # MiniMax-M2: top-2 of 6 by sigmoid + a learned bias, renormalized; q/k norms across heads; a
+    # quarter of each head rotated (its rotary_dim)
+    "minimax_m2": (MiniMaxM2Config, MiniMaxM2ForCausalLM, dict(num_key_value_heads=2, head_dim=32, rotary_dim=8,
+                                                               num_local_experts=6, num_experts_per_tok=2,
+                                                               intermediate_size=32)),
 }
 QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers: Qwen2's tokenizer class
 

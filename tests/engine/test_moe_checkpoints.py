@@ -1,5 +1,5 @@
 """Mixture-of-experts checkpoints written by transformers' own `save_pretrained` (Mixtral,
-Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5, Ernie 4.5): the per-expert tensors load into the stacked
+Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5, Ernie 4.5, MiniMax-M2): the per-expert tensors load into the stacked
 experts, and the MoE fields of config.json are read, or refused naming the field."""
 import json
 
@@ -241,3 +241,18 @@ def test_ernie45_moe_multi_token_prediction_tensors_are_skipped(tmp_path, tokeni
               metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="model.extra_proj.weight"):
         LLMEngine(str(tmp_path), **ENGINE_ARGS)
+
+
+def test_minimax_m2_hub_config():
+    """A hub MiniMax-M2 config.json (transformers 4's keys): rotary_dim turns that many dims of each
+    head; q's and k's norms across heads; experts intermediate_size wide, chosen by a biased
+    sigmoid; its multi-token-prediction modules (use_mtp), stored after the decoder's, skipped."""
+    cfg = ModelConfig.from_hf({
+        "architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rotary_dim": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 5000000, "use_qk_norm": True,
+        "qk_norm_type": "per_layer", "use_mtp": True, "num_mtp_modules": 3})
+    assert (cfg.rotary_dim, cfg.qk_norm, cfg.qk_norm_across_heads, cfg.rope_theta) == (8, True, True, 5e6)
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_choice_bias, cfg.norm_topk_prob) == (
+        8, 16, "sigmoid", True)
+    assert (cfg.dense_layers, cfg.shared_expert_intermediate_size, cfg.skipped_layers) == ((), 0, 3)

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite,
 OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, Helium, Ernie 4.5, Seed-OSS, and with sparse
-MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, Ernie 4.5 and GPT-OSS, whose attention also
-has sinks and an o_proj bias) over flattened tokens of many sequences.
+MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, Ernie 4.5, MiniMax-M2 and GPT-OSS,
+whose attention also has sinks and an o_proj bias) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows (`model.linear`; a block-wise FP8

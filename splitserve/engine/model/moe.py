@@ -1,10 +1,10 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5, Ernie 4.5): a
-router scores every expert for each token, the token goes through its top-k experts (each a gated
-MLP like Llama's) and their outputs are summed, weighted by the router's softmax over those k
-(renormalized where the model says so; GLM-4.5's and Ernie 4.5's chosen by a biased score,
-`route_biased`). Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate
-(GLM-4.5's and Ernie 4.5's are ungated). GPT-OSS's router and experts have biases and its experts
-a clamped SwiGLU (`GatedAct`).
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5, Ernie 4.5,
+MiniMax-M2): a router scores every expert for each token, the token goes through its top-k experts
+(each a gated MLP like Llama's) and their outputs are summed, weighted by the router's softmax over
+those k (renormalized where the model says so; GLM-4.5's, Ernie 4.5's and MiniMax-M2's chosen by a
+biased score, `route_biased`). Qwen2-MoE adds a shared expert every token takes, scaled by a
+sigmoid gate (GLM-4.5's and Ernie 4.5's are ungated). GPT-OSS's router and experts have biases and
+its experts a clamped SwiGLU (`GatedAct`).
 
 The experts' weights are two stacked tensors, `w13` [experts, 2 * width, hidden] (each expert's
 gate rows, then its up rows; GPT-OSS's alternate gate, up, as its checkpoints store them) and `w2`
@@ -51,7 +51,7 @@ class ExpertNames:
     are `<block>.experts.<gate|down>` [experts, in, out] for all experts, with `_bias` beside them;
     `<block>.<shared>` the shared experts' MLP, where the model has one; `<block>.<choice_bias>`
     holds a biased choice's `e_score_correction_bias` (GLM-4.5's the router, [experts]; Ernie
-    4.5's a module of its own, [1, experts])."""
+    4.5's a module of its own, [1, experts]; MiniMax-M2's, "", the block itself, [experts])."""
 
     block: str
     gate: str
@@ -69,12 +69,13 @@ GPT_OSS_NAMES = ExpertNames("mlp", "gate_up_proj", "", "down_proj", router="rout
 GLM4_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts")
 ERNIE45_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts",
                                 choice_bias="moe_statics")
+MINIMAX_M2_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2", choice_bias="")
 
 
 def expert_names(config: ModelConfig) -> ExpertNames:
     return {"MixtralForCausalLM": MIXTRAL_NAMES, "GptOssForCausalLM": GPT_OSS_NAMES,
             "Glm4MoeForCausalLM": GLM4_MOE_NAMES, "Ernie4_5_MoeForCausalLM": ERNIE45_MOE_NAMES,
-            }.get(config.architecture, QWEN_MOE_NAMES)
+            "MiniMaxM2ForCausalLM": MINIMAX_M2_NAMES}.get(config.architecture, QWEN_MOE_NAMES)
 
 
 @dataclass(frozen=True)
@@ -324,11 +325,11 @@ class SparseMoeBlock(nn.Module):
         self.add_module(names.router, router)
         self.choice_bias_name = names.choice_bias
         if self.choice is not None:
-            own = names.choice_bias != names.router  # Ernie's: a module of its own, [1, experts]
+            own = names.choice_bias not in ("", names.router)  # Ernie's: a module of its own, [1, experts]
             if own:
                 self.add_module(names.choice_bias, nn.Module())
             shape = (1, c.num_experts) if own else (c.num_experts,)
-            self._modules[names.choice_bias].e_score_correction_bias = frozen(*shape, dtype=torch.float32)
+            self._choice_holder().e_score_correction_bias = frozen(*shape, dtype=torch.float32)
         self.experts = Experts(c, names, shard)
         self.add_module(names.shared, shared_expert)
         gated = shared_expert is not None and self.choice is None  # Qwen2-MoE's gate
@@ -340,7 +341,7 @@ class SparseMoeBlock(nn.Module):
         if self.choice is None:
             weights, experts = route(router(x), self.top_k, self.renormalize)
         else:
-            bias = self._modules[self.choice_bias_name].e_score_correction_bias.view(-1)
+            bias = self._choice_holder().e_score_correction_bias.view(-1)
             weights, experts = route_biased(router(x.float()), bias, self.top_k, self.groups, self.renormalize,
                                             self.scale, self.choice)
         out = self.experts(x, weights, experts)
@@ -349,6 +350,10 @@ class SparseMoeBlock(nn.Module):
             gate = 1.0 if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * shared(x)
         return out if self.reduce is None else self.reduce(out)
+
+    def _choice_holder(self) -> nn.Module:
+        """The module whose `e_score_correction_bias` biases the choice (`ExpertNames.choice_bias`)."""
+        return self._modules[self.choice_bias_name] if self.choice_bias_name else self
 
 
 def experts_reference(x: torch.Tensor, w13: ExpertStack, w2: ExpertStack, weights: torch.Tensor, experts: torch.Tensor,
