@@ -23,7 +23,7 @@ class ChoiceText:
     """`echo`: the prompt's text, put in front of the first piece (completions' `echo`), with the
     prompt tokens' logprobs in front of the first token's; `generated=False` (echo with max_tokens
     0): the sampled token is left out, so the choice is the scored prompt alone. `tool_names`: the
-    functions a chat offered (`tool_calls.offered`: each with its string-typed parameters); an
+    functions a chat offered (`tool_calls.offered`: each with its parameters' schema types); an
     output that is calls to them (in `tool_parser`'s format) comes back as `tool_calls`, with ids
     for the template of `call_ids` (the served tool_call_parser, which a forced call's JSON format
     does not change). `thinking`: with a reasoning parser, whether the
@@ -33,7 +33,7 @@ class ChoiceText:
     `token_id:{id}` (vLLM's return_tokens_as_token_ids)."""
 
     def __init__(self, kind: str, text: TextStream, prompt: Sequence[int], echo: str | None = None,
-                 generated: bool = True, tool_names: Mapping[str, frozenset[str]] | None = None, index: int = 0,
+                 generated: bool = True, tool_names: Mapping[str, Mapping[str, str]] | None = None, index: int = 0,
                  num_top: int | None = None, tool_parser: str = LLAMA3_JSON, thinking: bool | str | None = None,
                  call_ids: str = LLAMA3_JSON, ids_as_tokens: bool = False):
         self.kind, self.text, self.prompt, self.index, self.num_top = kind, text, prompt, index, num_top

@@ -2,12 +2,12 @@
 between `<think>` and `</think>` is the chat message's `reasoning` (also sent as
 `reasoning_content`, its older name), the rest its `content`.
 
-One rule serves the models vLLM names `deepseek_r1` (DeepSeek-R1, QwQ) and `qwen3`: the thinking is
-open from the first token when the prompt ends with `<think>` (templates that open it for the
-model), or once the output begins with `<think>`; it ends at `</think>`, and the answer starts at
-the first non-blank character after it. An output that never opens it (Qwen3 with
-`enable_thinking: false`, whose template closes an empty one in the prompt) is all answer, as if
-no parser were set. A thinking never closed (cut by max_tokens) is all reasoning. Structured
+One rule serves the models vLLM names `deepseek_r1` (DeepSeek-R1, QwQ), `qwen3` and `minimax_m2`:
+the thinking is open from the first token when the prompt ends with `<think>` (templates that
+open it for the model: DeepSeek-R1's, MiniMax-M2's), or once the output begins with `<think>`; it
+ends at `</think>`, and the answer starts at the first non-blank character after it. An output
+that never opens it (Qwen3 with `enable_thinking: false`, whose template closes an empty one in
+the prompt) is all answer, as if no parser were set. A thinking never closed (cut by max_tokens) is all reasoning. Structured
 output (and a forced tool call) applies to the answer: the model thinks freely first
 (`constraint_thinking`).
 
@@ -26,7 +26,7 @@ from splitserve.engine.output_constraint import THINK_OPEN as OPEN
 from splitserve.engine.tokenizer import Tokenizer
 
 GPT_OSS = "openai_gptoss"
-REASONING_PARSERS = ("deepseek_r1", "qwen3", GPT_OSS)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "minimax_m2", GPT_OSS)
 PROMPT_TAIL_TOKENS = 16  # enough to spell a `<think>` the chat template ends the prompt with
 
 

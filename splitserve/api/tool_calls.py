@@ -14,13 +14,19 @@ function), and the parsers that find them in the model's text (vLLM's `--tool-ca
 - `glm45` (GLM-4.5, 4.6): each call between `<tool_call>` and `</tool_call>` (special tokens, kept),
   its function's name on the first line, then `<arg_key>k</arg_key><arg_value>v</arg_value>`
   pairs: a value is the text itself where the function's schema types that parameter a string,
-  else the JSON it holds (text that is not JSON stays text), as vLLM's glm45 parser reads them.
+  else the JSON it holds (text that is not JSON stays text), as vLLM's glm45 parser reads them;
+- `minimax_m2` (MiniMax-M2): `<minimax:tool_call>` blocks (kept as special tokens), each of one or
+  more `<invoke name="f">` holding `<parameter name="k">v</parameter>`s: a value is typed by the
+  function's schema as MiniMax's guide reads it (strings, and parameters it does not type, text;
+  integers, numbers and booleans converted, text where they do not parse; objects, arrays and
+  other types the JSON they hold, else text; `null` none).
 A forced call is always the JSON format (the constraint writes it). Text that does not parse as
 calls is the assistant's content, as it was written.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 import string
@@ -33,13 +39,18 @@ from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.output_constraint import OutputConstraint
 
 LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45 = "llama3_json", "hermes", "mistral", "granite", "glm45"
-TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45)
-SPECIAL_TAGGED = (MISTRAL, GRANITE, GLM45)  # tags that are special tokens: a chat offering tools keeps those
+MINIMAX_M2 = "minimax_m2"
+TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45, MINIMAX_M2)
+SPECIAL_TAGGED = (MISTRAL, GRANITE, GLM45, MINIMAX_M2)  # their tags are special tokens: a chat offering tools
+#                                                          keeps those in its text
 PYTHON_TAG = "<|python_tag|>"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 GRANITE_CALLS = "<|tool_call|>"
 GLM45_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+MINIMAX_INVOKE = re.compile(r"\s*<invoke name=([^>]*)>(.*?)</invoke>", re.DOTALL)
+MINIMAX_PARAMETER = re.compile(r"\s*<parameter name=([^>]*)>(.*?)</parameter>", re.DOTALL)
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -107,33 +118,36 @@ def parse_hermes_calls(text: str, names: Collection[str], ids: str = HERMES
     """(the content before the first `<tool_call>`, or None if blank; the calls), each naming one
     of `names`; None when there is no call, or what follows the first tag is not only calls. The
     last call's `</tool_call>` may be cut by a stop token."""
-    def read(body: str) -> ToolCall | None:
+    def read(body: str) -> list[ToolCall] | None:
         try:
-            return _call(client_json.loads(body), names, ids)
+            call = _call(client_json.loads(body), names, ids)
         except ValueError:
             return None
+        return None if call is None else [call]
 
     return _tagged_blocks(text, read, cut_last=True)
 
 
-def _tagged_blocks(text: str, read, cut_last: bool) -> tuple[str | None, list[ToolCall]] | None:
-    """(the content before the first `<tool_call>`, or None if blank; `read` of each block's body
-    between `<tool_call>` and `</tool_call>`, where `cut_last` lets the last block go unclosed);
-    None when there is no block, a block reads as None, or anything but blocks follows the first."""
-    start = text.find(HERMES_OPEN)
+def _tagged_blocks(text: str, read, cut_last: bool, tags: tuple[str, str] = (HERMES_OPEN, HERMES_CLOSE)
+                   ) -> tuple[str | None, list[ToolCall]] | None:
+    """(the content before the first opening tag, or None if blank; the calls `read` finds in each
+    block's body between the `tags`, where `cut_last` lets the last block go unclosed); None when
+    there is no block, a block reads as None, or anything but blocks follows the first."""
+    opening, closing = tags
+    start = text.find(opening)
     if start == -1:
         return None
     content, rest, calls = text[:start].strip() or None, text[start:], []
     while rest:
-        end = rest.find(HERMES_CLOSE)
+        end = rest.find(closing)
         if end == -1 and not cut_last:
             return None
-        call = read(rest[len(HERMES_OPEN):] if end == -1 else rest[len(HERMES_OPEN):end])
-        if call is None:
+        found = read(rest[len(opening):] if end == -1 else rest[len(opening):end])
+        if found is None:
             return None
-        calls.append(call)
-        rest = "" if end == -1 else rest[end + len(HERMES_CLOSE):].strip()
-        if rest and not rest.startswith(HERMES_OPEN):
+        calls += found
+        rest = "" if end == -1 else rest[end + len(closing):].strip()
+        if rest and not rest.startswith(opening):
             return None
     return content, calls
 
@@ -183,14 +197,26 @@ def parse_granite_calls(text: str, names: Collection[str], ids: str = GRANITE
     return text[:start].strip() or None, calls
 
 
-def offered(functions: list[dict]) -> dict[str, frozenset[str]]:
+def offered(functions: list[dict]) -> dict[str, dict[str, str]]:
     """The functions a model may call, by name (what every parser checks a call's name against),
-    each with its parameters the schema types a string (what the glm45 format writes as text)."""
-    def strings(function: dict) -> frozenset[str]:
-        properties = (function.get("parameters") or {}).get("properties") or {}
-        return frozenset(k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string")
+    each with the type its schema gives each parameter, where it names one (of a list, the first
+    but "null": an optional value's), what the glm45 and minimax_m2 formats, which write values as
+    text, read them by."""
+    def kind(schema) -> str | None:
+        named = schema.get("type") if isinstance(schema, dict) else None
+        if isinstance(named, list):
+            named = next((t for t in named if t != "null"), None)
+        return named if isinstance(named, str) else None
 
-    return {f["name"]: strings(f) for f in functions}
+    def types(function: dict) -> dict[str, str]:
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        return {k: kind(v) for k, v in properties.items() if kind(v) is not None}
+
+    return {f["name"]: types(f) for f in functions}
+
+
+def _parameter_types(names: Collection[str], function: str) -> Mapping[str, str]:
+    return names.get(function, {}) if isinstance(names, Mapping) else {}
 
 
 def parse_glm45_calls(text: str, names: Collection[str], ids: str = GLM45
@@ -198,20 +224,78 @@ def parse_glm45_calls(text: str, names: Collection[str], ids: str = GLM45
     """(the content before the first `<tool_call>`, or None if blank; the calls), each naming one
     of `names` (`offered`'s mapping types the values); None when there is no call, or what follows
     the first tag is not only whole calls."""
-    def read(block: str) -> ToolCall | None:
+    def read(block: str) -> list[ToolCall] | None:
         name, _, body = block.partition("\n")
         name = name.strip()
-        strings = names.get(name, frozenset()) if isinstance(names, Mapping) else frozenset()
-        pairs, at = {}, 0
-        for match in GLM45_ARGUMENT.finditer(body):
-            if match.start() != at:
-                return None
-            key, value = match.group(1).strip(), match.group(2)
-            pairs[key] = value if key in strings else _json_or_text(value)
-            at = match.end()
-        return None if body[at:].strip() else _call({"name": name, "arguments": pairs}, names, ids)
+        types = _parameter_types(names, name)
+        pairs = _matches(GLM45_ARGUMENT, body)
+        call = None if pairs is None else _call(
+            {"name": name, "arguments": {k: v if types.get(k) == "string" else _json_or_text(v) for k, v in pairs}},
+            names, ids)
+        return None if call is None else [call]
 
     return _tagged_blocks(text, read, cut_last=False)
+
+
+def parse_minimax_calls(text: str, names: Collection[str], ids: str = MINIMAX_M2
+                        ) -> tuple[str | None, list[ToolCall]] | None:
+    """(the content before the first `<minimax:tool_call>`, or None if blank; the calls of every
+    `<invoke>` in its blocks), each naming one of `names` (`offered`'s mapping types the values);
+    None when there is no call, or what follows the first tag is not only whole blocks of calls."""
+    def read(block: str) -> list[ToolCall] | None:
+        calls = []
+        for name, body in _matches(MINIMAX_INVOKE, block, unquote=True) or [("", None)]:
+            types = _parameter_types(names, name)
+            pairs = None if body is None else _matches(MINIMAX_PARAMETER, body, unquote=True)
+            call = None if pairs is None else _call(
+                {"name": name, "arguments": {k: _typed(v.strip(), types.get(k)) for k, v in pairs}}, names, ids)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+    return _tagged_blocks(text, read, cut_last=False, tags=(MINIMAX_OPEN, MINIMAX_CLOSE))
+
+
+def _matches(pattern: re.Pattern, body: str, unquote: bool = False) -> list[tuple[str, str]] | None:
+    """The (key, text) of `pattern`'s matches, which must follow each other through the whole of
+    `body` (blanks between); None where anything else is in it. `unquote`: a key may stand in
+    double or single quotes."""
+    found, at = [], 0
+    for match in pattern.finditer(body):
+        if match.start() != at:
+            return None
+        key = match.group(1).strip()
+        if unquote and len(key) > 1 and key[0] == key[-1] and key[0] in "\"'":
+            key = key[1:-1]
+        found.append((key, match.group(2)))
+        at = match.end()
+    return None if body[at:].strip() else found
+
+
+def _typed(value: str, kind: str | None):
+    """A minimax_m2 parameter's text as its schema's `kind` types it (MiniMax's guide's rules)."""
+    if value.lower() == "null":
+        return None
+    kind = (kind or "string").lower()
+    if kind in ("string", "str", "text"):
+        return value
+    if kind in ("boolean", "bool"):
+        return value.lower() in ("true", "1")
+    if kind in ("integer", "int"):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if kind in ("number", "float"):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        if not math.isfinite(number):  # JSON has no infinity nor NaN
+            return value
+        return int(number) if number == int(number) else number
+    return _json_or_text(value)
 
 
 def _json_or_text(value: str):
@@ -230,7 +314,8 @@ def _whole_json(text: str):
 
 
 _TAGGED = {HERMES: (HERMES_OPEN, parse_hermes_calls), MISTRAL: (MISTRAL_CALLS, parse_mistral_calls),
-           GRANITE: (GRANITE_CALLS, parse_granite_calls), GLM45: (HERMES_OPEN, parse_glm45_calls)}
+           GRANITE: (GRANITE_CALLS, parse_granite_calls), GLM45: (HERMES_OPEN, parse_glm45_calls),
+           MINIMAX_M2: (MINIMAX_OPEN, parse_minimax_calls)}
 
 
 def find_tool_calls(text: str, names: Collection[str], parser: str, ids: str | None = None

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from splitserve.api import response_bodies as R
 from splitserve.api.choice_text import ChoiceText
@@ -25,7 +25,7 @@ class RunResponse:
 
     def __init__(self, kind: str, run: Run, model: str, text: TextStream, started: float | None = None,
                  on_done: Callable[[RequestObservation], None] = lambda _: None, echo: str | None = None,
-                 generated: bool = True, tool_names: frozenset[str] = frozenset(), index: int = 0,
+                 generated: bool = True, tool_names: Mapping[str, Mapping[str, str]] | None = None, index: int = 0,
                  response_id: str | None = None, num_top: int | None = None, tool_parser: str = LLAMA3_JSON,
                  thinking: bool | str | None = None, call_ids: str = LLAMA3_JSON, ids_as_tokens: bool = False):
         """`echo`, `generated`, `tool_names`, `num_top`, `tool_parser`, `thinking`, `call_ids`,

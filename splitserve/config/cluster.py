@@ -50,14 +50,16 @@ class ClusterConfig(StrictModel):
                                                       "several (aliases; the first names the metrics); null: `model`.")
     reasoning_parser: Literal[REASONING_PARSERS] | None = Field(  # type: ignore[valid-type]
         None, description="Splits a reasoning model's `<think>` ... `</think>` from its chat answer into the "
-        "message's `reasoning` (and `reasoning_content`): deepseek_r1 or qwen3 (one rule: docs/api.md#reasoning), "
+        "message's `reasoning` (and `reasoning_content`): deepseek_r1, qwen3 or minimax_m2 (one rule: "
+        "docs/api.md#reasoning), "
         "or openai_gptoss, GPT-OSS's harmony channels (analysis: reasoning; final: content); "
         "null: the output is all content.")
     tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
         LLAMA3_JSON, description="The format the model writes tool calls in: llama3_json (Llama 3.x), hermes "
         "(`<tool_call>` JSON `</tool_call>`: Qwen2.5, Qwen3, Hermes, SmolLM3), mistral (`[TOOL_CALLS]`: Mistral, "
-        "Mixtral, Devstral), granite (`<|tool_call|>`: Granite 3.x) or glm45 (`<tool_call>` with `<arg_key>` / "
-        "`<arg_value>` pairs: GLM-4.5, 4.6).")
+        "Mixtral, Devstral), granite (`<|tool_call|>`: Granite 3.x), glm45 (`<tool_call>` with `<arg_key>` / "
+        "`<arg_value>` pairs: GLM-4.5, 4.6) or minimax_m2 (`<minimax:tool_call>` with `<invoke>` / `<parameter>` "
+        "tags: MiniMax-M2).")
     score_label_tokens: list[str] | None = Field(
         None, description="A reranker that answers in tokens: /score and /rerank run each (query, document) pair as "
         "one prompt and score it by the LM head's logits at these tokens, the last one's probability against the "

@@ -153,6 +153,29 @@ def test_a_glm45_call_written_with_its_special_tokens_comes_back_typed_by_the_sc
     assert call["function"] == {"name": "add", "arguments": '{"a": 2, "b": "3"}'} and message["content"] is None
 
 
+def test_minimax_calls_after_a_thinking_the_prompt_opened(tmp_path):
+    """MiniMax-M2's template opens the thinking in the prompt (`<think>` then a newline): under
+    `minimax_m2` for both parsers its thinking is the reasoning and its `<minimax:tool_call>` block
+    (the tags special tokens of its tokenizer, kept) the calls, typed by the schema."""
+    raw = train_tokenizer()
+    raw.add_special_tokens(["<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>"])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    tokenizer = HFTokenizer(tmp_path)
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}}}
+    prompt = tokenizer.encode("user: add\nai:<think>\n", add_special_tokens=False)
+    output = tokenizer.encode('adding two\n</think>\n\n<minimax:tool_call>\n<invoke name="add">\n'
+                              '<parameter name="a">2</parameter>\n<parameter name="b">3</parameter>\n</invoke>\n'
+                              "</minimax:tool_call>", add_special_tokens=False)
+    options = choice_options(chat(tools=[tool]), 0, prompt, tokenizer, ChatParsers("minimax_m2", "minimax_m2"))
+    text = ChoiceText("chat", TextStream(tokenizer, SamplingParams(skip_special_tokens=False), []), prompt,
+                      **options)
+    message = text.choice(text.add(output + list(tokenizer.eos_token_ids), None, "stop")[0], "stop")["message"]
+    [call] = message["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 2, "b": "3"}'}
+    assert (message["reasoning"], message["content"]) == ("adding two\n", None)
+
+
 def test_gpt_oss_channels_written_with_their_special_tokens_split_into_reasoning_and_content(tmp_path):
     """Harmony's markers are special tokens of GPT-OSS's tokenizer: a chat under `openai_gptoss`
     keeps them in its text (prepare_request), and its analysis is the reasoning; the stop token

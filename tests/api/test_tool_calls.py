@@ -1,6 +1,7 @@
-"""Tool calls: the Llama 3 JSON, hermes, mistral, granite and glm45 parsers, the stream filter that holds back what
-may be calls, and the forced-call constraint, whose outputs under random weights always parse as a
-call whose arguments validate against the function's schema (`jsonschema`)."""
+"""Tool calls: the Llama 3 JSON, hermes, mistral, granite, glm45 and minimax_m2 parsers, the stream
+filter that holds back what may be calls, and the forced-call constraint, whose outputs under
+random weights always parse as a call whose arguments validate against the function's schema
+(`jsonschema`)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from splitserve.api.tool_calls import (
     StreamedCalls, find_tool_calls, forced_call_constraint, may_be_calls, offered, parse_glm45_calls,
-    parse_granite_calls, parse_hermes_calls, parse_mistral_calls, parse_tool_calls,
+    parse_granite_calls, parse_hermes_calls, parse_minimax_calls, parse_mistral_calls, parse_tool_calls,
 )
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
@@ -183,7 +184,7 @@ GLM45 = ('Let me look.<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>12
 def test_glm45_calls_typed_by_the_functions_schemas():
     """A string-typed parameter keeps its text ("123"), any other is the JSON it holds (3, "c", an
     object), and text that is not JSON stays text; a call may take no arguments."""
-    assert GLM_TOOLS["weather"] == frozenset({"city"}) and GLM_TOOLS["now"] == frozenset()
+    assert GLM_TOOLS["weather"] == {"city": "string", "days": "integer"} and GLM_TOOLS["now"] == {}
     content, calls = parse_glm45_calls(GLM45, GLM_TOOLS)
     assert content == "Let me look."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
@@ -202,6 +203,57 @@ def test_glm45_text_that_is_not_only_calls_after_the_tag_is_content(text):
     assert parse_glm45_calls(text, GLM_TOOLS) is None and find_tool_calls(text, GLM_TOOLS, "glm45") is None
 
 
+# ---- the minimax_m2 format -----------------------------------------------------------------------
+MINIMAX_TOOLS = offered([{"name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}, "limit": {"type": "integer"}, "scale": {"type": "number"},
+    "exact": {"type": "boolean"}, "tags": {"type": "array"}, "extra": {"type": ["object", "null"]}}}}, TYPED_WEATHER])
+MINIMAX = ('Let me search.\n<minimax:tool_call>\n<invoke name="search">\n<parameter name="query">\n42\n</parameter>\n'
+           '<parameter name="limit">7</parameter>\n<parameter name="scale">2.0</parameter>\n'
+           '<parameter name="exact">True</parameter>\n<parameter name="tags">["a", "b"]</parameter>\n'
+           '<parameter name="extra">{"k": 1}</parameter>\n<parameter name="note">[1]</parameter>\n</invoke>\n'
+           "<invoke name='weather'>\n<parameter name=\"city\">Oslo</parameter>\n<parameter name=\"days\">three"
+           '</parameter>\n</invoke>\n</minimax:tool_call>\n<minimax:tool_call><invoke name="search">'
+           '<parameter name="scale">0.5</parameter><parameter name="limit">null</parameter></invoke>'
+           '</minimax:tool_call>')
+
+
+def test_minimax_calls_typed_as_minimax_reads_them():
+    """Several invokes a block, several blocks: a string parameter, and one the schema does not
+    type, keep their (stripped) text; an integer, number or boolean is converted (a whole number
+    an integer, text that does not parse kept); an array or a type named otherwise is its JSON;
+    `null` is null; a name may be quoted either way."""
+    content, calls = parse_minimax_calls(MINIMAX, MINIMAX_TOOLS)
+    assert content == "Let me search."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("search", {"query": "42", "limit": 7, "scale": 2, "exact": True, "tags": ["a", "b"], "extra": {"k": 1},
+                    "note": "[1]"}),
+        ("weather", {"city": "Oslo", "days": "three"}), ("search", {"scale": 0.5, "limit": None})]
+    assert find_tool_calls(MINIMAX, MINIMAX_TOOLS, "minimax_m2")[1][0].id.startswith("call_")
+
+
+@pytest.mark.parametrize("text", ["no calls", "<minimax:tool_call></minimax:tool_call>",
+                                  '<minimax:tool_call><invoke name="search"></invoke>',
+                                  '<minimax:tool_call><invoke name="nope"></invoke></minimax:tool_call>',
+                                  '<minimax:tool_call>x<invoke name="search"></invoke></minimax:tool_call>',
+                                  '<minimax:tool_call><invoke name="search">x</invoke></minimax:tool_call>',
+                                  '<minimax:tool_call><invoke name="search"><parameter name="a">1</parameter>'
+                                  '</minimax:tool_call>',
+                                  '<minimax:tool_call><invoke name="search"></invoke></minimax:tool_call> and more'])
+def test_minimax_text_that_is_not_only_calls_after_the_tag_is_content(text):
+    assert parse_minimax_calls(text, MINIMAX_TOOLS) is None
+    assert find_tool_calls(text, MINIMAX_TOOLS, "minimax_m2") is None
+
+
+@pytest.mark.parametrize("value, kind, expected", [("inf", "number", "inf"), ("1e400", "number", "1e400"),
+                                                   ("nan", "float", "nan"), ("3.0", "integer", "3.0"),
+                                                   ("0", "bool", False), ("NULL", "string", None),
+                                                   ("x", "object", "x")])
+def test_minimax_values_that_json_cannot_hold_stay_text(value, kind, expected):
+    tools = offered([{"name": "f", "parameters": {"properties": {"v": {"type": kind}}}}])
+    text = f'<minimax:tool_call><invoke name="f"><parameter name="v">{value}</parameter></invoke></minimax:tool_call>'
+    assert json.loads(parse_minimax_calls(text, tools)[1][0].arguments) == {"v": expected}
+
+
 # ---- the tagged formats, streamed ---------------------------------------------------------------
 PIECES = {
     "hermes": st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "\n", " ", "hi ", "{", "}",
@@ -215,12 +267,15 @@ PIECES = {
     "granite": st.lists(st.sampled_from(["<|tool_call|>", "<|tool", "_call|>", '{"name": "add", "arguments": {}}',
                                          '[{"name": "add", "arguments": {"b": 2}}]', " ", "hi ", "[", "]", ",",
                                          "<|"]), max_size=12),
+    "minimax_m2": st.lists(st.sampled_from(["<minimax:tool_call>", "</minimax:tool_call>", "<minimax:", "tool_call>",
+                                            '<invoke name="add">', "</invoke>", '<parameter name="a">1</parameter>',
+                                            "<parameter", " ", "hi ", "\n"]), max_size=12),
 }
 
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), cut=st.integers(min_value=1, max_value=7), reason=st.sampled_from(["stop", "length"]))
-@pytest.mark.parametrize("parser", ["hermes", "mistral", "granite", "glm45"])
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "granite", "glm45", "minimax_m2"])
 def test_a_tagged_stream_cut_anywhere_ends_as_the_whole_text_is_read(parser, data, cut, reason):
     """Streamed in pieces of any size, the content sent and the calls found are the whole
     output's: what find_tool_calls reads from it (content alongside the calls), or all of it."""
