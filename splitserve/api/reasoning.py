@@ -7,9 +7,9 @@ the thinking is open from the first token when the prompt ends with `<think>` (t
 open it for the model: DeepSeek-R1's, MiniMax-M2's), or once the output begins with `<think>`; it
 ends at `</think>`, and the answer starts at the first non-blank character after it. An output
 that never opens it (Qwen3 with `enable_thinking: false`, whose template closes an empty one in
-the prompt) is all answer, as if no parser were set. A thinking never closed (cut by max_tokens) is all reasoning. Structured
-output (and a forced tool call) applies to the answer: the model thinks freely first
-(`constraint_thinking`).
+the prompt) is all answer, as if no parser were set. A thinking never closed (cut by max_tokens)
+is all reasoning. Structured output (and a forced tool call) applies to the answer: the model
+thinks freely first (`constraint_thinking`).
 
 `openai_gptoss` (GPT-OSS) writes harmony channels instead (`harmony.HarmonySplitter`): its chat
 text keeps special tokens, and a constrained answer holds in its final message, after any analysis.
