@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int
 from splitserve.engine.config_families import (COHERE_ARCHITECTURES, ERNIE45, EXAONE4, FIELD_DEFAULTS, GLM4,
-                                               HALF_ROTARY, HELIUM, MLP_BIAS_ARCHITECTURES, OLMO_ARCHITECTURES,
-                                               PATTERN_DEFAULTS, SEED_OSS, SMOLLM3, UNROTATED_FULL_LAYERS,
-                                               WINDOWED, family_fields)
+                                               HALF_ROTARY, HELIUM, HUNYUAN, MLP_BIAS_ARCHITECTURES,
+                                               OLMO_ARCHITECTURES, PATTERN_DEFAULTS, SEED_OSS, SMOLLM3,
+                                               UNROTATED_FULL_LAYERS, WINDOWED, family_fields, ntk_alpha_base)
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE, MINIMAX_M2, parse_moe
 from splitserve.engine.multimodal_text import WRAPPERS, text_config
@@ -20,10 +20,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
                            "Ministral3ForCausalLM", GLM4_MOE, GLM4, *COHERE_ARCHITECTURES, HELIUM, SEED_OSS,
-                           ERNIE45, ERNIE45_MOE, MINIMAX_M2)
+                           ERNIE45, ERNIE45_MOE, MINIMAX_M2, HUNYUAN)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES,
-                         MINIMAX_M2)
+                         MINIMAX_M2, HUNYUAN)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", SMOLLM3,
@@ -76,6 +76,7 @@ class ModelConfig:
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins every softmax (attention.base.Scoring)
     qk_norm: bool = False          # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
     qk_norm_across_heads: bool = False  # OLMo: ... over all of q's heads together, and k's (a weight per row)
+    qk_norm_after_rotary: bool = False  # HunYuan: the per-head norms after the rotary embedding instead
     norms_after: bool = False      # OLMo: the attention's and the MLP's outputs are normalized before they join
     #                                the residual stream, their inputs not (no input_layernorm)
     embedding_multiplier: float = 1.0  # Granite: the embeddings are scaled by it
@@ -116,6 +117,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling); None: rope_theta
     weights_prefix: str = ""       # a multimodal checkpoint's: what its language model's tensor names start with
     skipped_weights: tuple[str, ...] = ()  # the prefixes of the tensors not served (a vision tower, Ernie's MTP)
+    weight_renames: tuple[tuple[str, str], ...] = ()  # (a part of the checkpoint's names, ours): HunYuan's norms
     quantization: str | None = None  # the checkpoint's weights' format (mxfp4, fp8, int); None: the model's dtype
     weight_block_size: tuple[int, int] | None = None  # FP8: the [rows, cols] each scale covers (None: a tensor or row)
     int_weights: IntWeights | None = None  # int: the packed integers' scheme (bits, group, zero points)
@@ -173,6 +175,8 @@ class ModelConfig:
         defaults = FIELD_DEFAULTS.get(arch, {})
         shape = _shape(cfg, source, defaults.get("head_dim"))
         layers, head_dim = shape["num_hidden_layers"], shape["head_dim"]
+        if arch == HUNYUAN:
+            cfg = ntk_alpha_base(cfg, head_dim, source)
         if cfg.get("mlp_bias") and arch not in MLP_BIAS_ARCHITECTURES:
             raise ConfigError(f"{source}: mlp_bias=true is not supported for {arch} (transformers' has no MLP biases)")
         rope = _mapping(cfg, "rope_parameters", source)  # transformers 5 keeps rope_theta and scaling here

@@ -3,7 +3,8 @@ Gemma's norms, scales and soft caps; Granite's multipliers; OLMo's norms after e
 across heads; EXAONE 4's after each sublayer; SmolLM3's layers without a rotary embedding;
 Ministral 3's queries scaled by position; Cohere's LayerNorms, parallel block and logit scale;
 MiniMax-M2's norms across heads;
-the GLMs', Helium's and Ernie 4.5's rotary pairs; Seed-OSS's and Ernie 4.5's biases.
+the GLMs', Helium's and Ernie 4.5's rotary pairs; Seed-OSS's and Ernie 4.5's biases; HunYuan's
+q and k norms after the rotation, and its rotary base raised by `alpha` (`ntk_alpha_base`).
 `family_fields` gives (the rope parameters the full-attention layers turn by, the family's
 ModelConfig fields, which override the common ones); `FIELD_DEFAULTS`, transformers' defaults of
 a family's config class where they are not Llama's (what a hub config.json may leave out)."""
@@ -18,6 +19,7 @@ GRANITE, SMOLLM3, EXAONE4 = "GraniteForCausalLM", "SmolLM3ForCausalLM", "Exaone4
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 MINISTRAL3, GLM4 = "Ministral3ForCausalLM", "Glm4ForCausalLM"
 HELIUM, SEED_OSS, ERNIE45 = "HeliumForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM"
+HUNYUAN = "HunYuanDenseV1ForCausalLM"
 HALF_ROTARY = (GLM4, GLM4_MOE)  # transformers turns half of each head where the config names no share
 UNROTATED_FULL_LAYERS = (EXAONE4, "Cohere2ForCausalLM")  # with a window, the full layers turn neither q nor k
 WINDOWED = ("Olmo3ForCausalLM", EXAONE4, "Cohere2ForCausalLM")  # a window of 4096 where the config names none
@@ -68,6 +70,9 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
         return rope, dict(rotary_interleaved=True, attention_bias=biased, attention_out_bias=biased, mlp_bias=biased)
     if arch == SEED_OSS:
         return rope, dict(attention_out_bias=bool(cfg.get("attention_out_bias")))
+    if arch == HUNYUAN:  # its per-head norms, under its own names, whatever use_qk_norm says (as transformers)
+        return rope, dict(qk_norm_after_rotary=True,
+                          weight_renames=((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm.")))
     if arch == GLM4_MOE:  # its per-head q and k norms are optional
         return rope, dict(qk_norm=bool(cfg.get("use_qk_norm")))
     if arch == EXAONE4:  # its layers without a rotary embedding: the full ones beside windowed (config.py)
@@ -135,3 +140,17 @@ def _rope_layers(cfg: dict, source: str, layers: int) -> list[int]:
                                                                   for f in flags):
         raise ConfigError(f"{source}: no_rope_layers must list {layers} flags of 0 or 1, got {flags!r}")
     return flags
+
+
+def ntk_alpha_base(cfg: dict, head_dim: int, source: str) -> dict:
+    """HunYuan's "dynamic" rope with an `alpha` (in rope_parameters, or a transformers 4
+    rope_scaling): as transformers reads it (its ntk_alpha), a fixed base rope_theta * alpha **
+    (head_dim / (head_dim - 2)) for every position, the default rope otherwise; `cfg` so rewritten.
+    A config without an alpha is returned as it is."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or params.get("alpha") is None:
+        return cfg
+    alpha = positive_float(params, "alpha", None, source)
+    theta = positive_float(params if "rope_theta" in params else cfg, "rope_theta", 10000.0, source)
+    return {**cfg, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta * alpha ** (head_dim / (head_dim - 2))}}

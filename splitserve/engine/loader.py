@@ -137,6 +137,8 @@ def _model_name(file: Path, name: str, config: ModelConfig | None) -> str | None
             return None
     if config is not None and name.startswith(config.skipped_weights):
         return None
+    for theirs, ours in config.weight_renames if config is not None else ():
+        name = name.replace(theirs, ours)
     if name.startswith(BACKBONE_NAMES):
         return f"model.{name}"
     if config is None or not config.weights_prefix:

@@ -16,9 +16,10 @@ from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, Coher
                           Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                           Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig,
                           GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, HeliumConfig, HeliumForCausalLM,
-                          LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM, Ministral3Config,
-                          Ministral3ForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MiniMaxM2Config, MiniMaxM2ForCausalLM, Ministral3Config, Ministral3ForCausalLM,
+                          MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config,
+                          Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SeedOssConfig,
                           SeedOssForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
@@ -164,6 +165,10 @@ CONFIGS = {
     "minimax_m2": (MiniMaxM2Config, MiniMaxM2ForCausalLM, dict(num_key_value_heads=2, head_dim=32, rotary_dim=8,
                                                                num_local_experts=6, num_experts_per_tok=2,
                                                                intermediate_size=32)),
+    # HunYuan dense: per-head q/k norms after the rotation; its rotary base raised by alpha
+    "hunyuan_dense": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, dict(
+        num_key_value_heads=2, head_dim=32, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
+                                                             "factor": 1.0, "rope_theta": 10000.0})),
 }
 QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers: Qwen2's tokenizer class
 

@@ -1,6 +1,6 @@
 """ModelConfig.from_hf on config.json files written by transformers' own `save_pretrained`:
 which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo, EXAONE 4, GLM-4, Cohere,
-SmolLM3, Helium, Seed-OSS and Ernie 4.5."""
+SmolLM3, Helium, Seed-OSS, Ernie 4.5 and HunYuan."""
 import json
 import re
 
@@ -222,3 +222,17 @@ def test_a_shape_or_number_no_model_can_have_is_refused_naming_it(fields, messag
     with pytest.raises(ConfigError, match=re.escape(message)):
         ModelConfig.from_hf({**BASE, **fields})
     assert ModelConfig.from_hf(BASE).num_key_value_heads == 2
+
+
+def test_hunyuan_rope_alpha_from_a_hub_config():
+    """A hub HunYuan config.json (transformers 4's rope_scaling, type "dynamic" with an alpha):
+    the default rope at the base transformers computes (rope_theta * alpha ** (d / (d - 2))); a
+    dynamic rope without an alpha, which grows with the sequence, stays refused."""
+    raw = {**BASE, "architectures": ["HunYuanDenseV1ForCausalLM"], "head_dim": 16, "rope_theta": 10000.0,
+           "rope_scaling": {"type": "dynamic", "alpha": 1000.0, "factor": 1.0, "beta_fast": 32}}
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.rope_scaling.rope_type == "default" and cfg.qk_norm and cfg.qk_norm_after_rotary
+    assert cfg.rope_theta == pytest.approx(10000.0 * 1000.0 ** (16 / 14))
+    assert cfg.weight_renames == ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm."))
+    with pytest.raises(ConfigError, match="type 'dynamic' is not supported"):
+        ModelConfig.from_hf({**raw, "rope_scaling": {"type": "dynamic", "factor": 2.0}})

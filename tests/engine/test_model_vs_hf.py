@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from splitserve.engine.llm import LLM
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.loader import load_model_config
+from splitserve.engine.model.rotary import inverse_frequencies
 from splitserve.engine.policies import ScheduledSeq
 from splitserve.engine.sampling_params import SamplingParams
 from tests.engine.hf_checkpoints import (  # noqa: F401 (fixtures)
@@ -34,6 +35,10 @@ def test_config_json_rope_is_parsed(ckpt):
     if "full_attention" in rope:  # Gemma 3: per layer type; its sliding layers unscaled
         assert ours.local_rope_theta == rope["sliding_attention"]["rope_theta"]
         rope = rope["full_attention"]
+    if rope.get("alpha") is not None:  # HunYuan's ntk_alpha: the default rope at a base alpha raised
+        torch.testing.assert_close(inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling),
+                                   hf.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0)
+        rope = {"rope_theta": ours.rope_theta}
     assert ours.rope_theta == pytest.approx(rope["rope_theta"])
     assert ours.rope_scaling.rope_type == rope.get("rope_type", "default")
     keys = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite,
-OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, Helium, Ernie 4.5, Seed-OSS, and with sparse
-MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, Ernie 4.5, MiniMax-M2 and GPT-OSS,
-whose attention also has sinks and an o_proj bias) over flattened tokens of many sequences.
+OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, Helium, Ernie 4.5, Seed-OSS, HunYuan, and
+with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, Ernie 4.5, MiniMax-M2
+and GPT-OSS, whose attention also has sinks and an o_proj bias) over flattened tokens of many
+sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows (`model.linear`; a block-wise FP8
@@ -114,7 +115,7 @@ class LlamaAttention(nn.Module):
         self.sink_slice = ShardSlice(0, q_lo, q_hi, c.num_attention_heads) if shard.size > 1 else None
         # Qwen3's: one weight per head dim, the same for every head, whole on every rank; OLMo's
         # (across_heads): one per row of the projection, a rank holding its heads' rows
-        self.across_heads = c.qk_norm_across_heads
+        self.across_heads, self.norms_after_rotary = c.qk_norm_across_heads, c.qk_norm_after_rotary
         widths = (self.num_heads * d, kv) if self.across_heads else (d, d)
         self.q_norm, self.k_norm = (RMSNorm(w, c.rms_norm_eps, c.gemma_norms) for w in widths) if c.qk_norm \
             else (None, None)
@@ -133,9 +134,10 @@ class LlamaAttention(nn.Module):
         if self.across_heads:
             parts, norms = (*self._norm_across_heads(*parts[:2]), parts[2]), None
         q, k, v = self.heads(*parts)
+        first = norms if rotary is not None and not self.norms_after_rotary else None  # the rotation's own
         if rotary is not None:
-            q, k = rotary(positions, q, k, norms)
-        elif norms is not None:
+            q, k = rotary(positions, q, k, first)
+        if norms is not None and first is None:
             q, k = norms[0](q), norms[1](k)
         if q_scale is not None:
             q = q * q_scale
