@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser, config_fallback: bool) -> None:
                         f"(default: {given.format('reasoning_parser', 'none')})")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the format the model writes tool calls in; hermes for Qwen2.5 / Qwen3, mistral for Mistral, "
-                        "granite for Granite 3.x, glm45 for GLM-4.5 / 4.6, minimax_m2 for MiniMax-M2 "
+                        "granite for Granite 3.x, glm45 for GLM-4.5 / 4.6, minimax_m2 for MiniMax-M2, "
+                        "qwen3_coder for Qwen3-Coder "
                         f"(default: {given.format('tool_call_parser', ChatParsers.tool_calls)})")
 
 

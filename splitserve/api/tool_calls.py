@@ -19,7 +19,11 @@ function), and the parsers that find them in the model's text (vLLM's `--tool-ca
   more `<invoke name="f">` holding `<parameter name="k">v</parameter>`s: a value is typed by the
   function's schema as MiniMax's guide reads it (strings, and parameters it does not type, text;
   integers, numbers and booleans converted, text where they do not parse; objects, arrays and
-  other types the JSON they hold, else text; `null` none).
+  other types the JSON they hold, else text; `null` none);
+- `qwen3_coder` (Qwen3-Coder): each call between `<tool_call>` and `</tool_call>`, a
+  `<function=f>` holding `<parameter=k>` v `</parameter>`s, after the content written first, if
+  any: a value loses the newline the format writes on each side of it (its other blanks kept: code
+  keeps its indentation) and is typed as minimax_m2's are.
 A forced call is always the JSON format (the constraint writes it). Text that does not parse as
 calls is the assistant's content, as it was written.
 """
@@ -39,8 +43,8 @@ from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.output_constraint import OutputConstraint
 
 LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45 = "llama3_json", "hermes", "mistral", "granite", "glm45"
-MINIMAX_M2 = "minimax_m2"
-TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45, MINIMAX_M2)
+MINIMAX_M2, QWEN3_CODER = "minimax_m2", "qwen3_coder"
+TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45, MINIMAX_M2, QWEN3_CODER)
 SPECIAL_TAGGED = (MISTRAL, GRANITE, GLM45, MINIMAX_M2)  # their tags are special tokens: a chat offering tools
 #                                                          keeps those in its text
 PYTHON_TAG = "<|python_tag|>"
@@ -51,6 +55,8 @@ GLM45_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</ar
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 MINIMAX_INVOKE = re.compile(r"\s*<invoke name=([^>]*)>(.*?)</invoke>", re.DOTALL)
 MINIMAX_PARAMETER = re.compile(r"\s*<parameter name=([^>]*)>(.*?)</parameter>", re.DOTALL)
+QWEN3_CODER_FUNCTION = re.compile(r"\s*<function=([^>]*)>(.*?)</function>", re.DOTALL)
+QWEN3_CODER_PARAMETER = re.compile(r"\s*<parameter=([^>]*)>(.*?)</parameter>", re.DOTALL)
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -243,18 +249,42 @@ def parse_minimax_calls(text: str, names: Collection[str], ids: str = MINIMAX_M2
     `<invoke>` in its blocks), each naming one of `names` (`offered`'s mapping types the values);
     None when there is no call, or what follows the first tag is not only whole blocks of calls."""
     def read(block: str) -> list[ToolCall] | None:
-        calls = []
-        for name, body in _matches(MINIMAX_INVOKE, block, unquote=True) or [("", None)]:
-            types = _parameter_types(names, name)
-            pairs = None if body is None else _matches(MINIMAX_PARAMETER, body, unquote=True)
-            call = None if pairs is None else _call(
-                {"name": name, "arguments": {k: _typed(v.strip(), types.get(k)) for k, v in pairs}}, names, ids)
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
+        return _xml_calls(block, MINIMAX_INVOKE, MINIMAX_PARAMETER, str.strip, names, ids)
 
     return _tagged_blocks(text, read, cut_last=False, tags=(MINIMAX_OPEN, MINIMAX_CLOSE))
+
+
+def parse_qwen3_coder_calls(text: str, names: Collection[str], ids: str = QWEN3_CODER
+                            ) -> tuple[str | None, list[ToolCall]] | None:
+    """(the content before the first `<tool_call>`, or None if blank; the calls of every
+    `<function=...>` in its blocks), each naming one of `names` (`offered`'s mapping types the
+    values); None when there is no call, or what follows the first tag is not only whole calls."""
+    def read(block: str) -> list[ToolCall] | None:
+        return _xml_calls(block, QWEN3_CODER_FUNCTION, QWEN3_CODER_PARAMETER, _unwrapped, names, ids)
+
+    return _tagged_blocks(text, read, cut_last=False)
+
+
+def _unwrapped(value: str) -> str:
+    """A qwen3_coder value without the newline its format writes on each side of it."""
+    return value.removeprefix("\n").removesuffix("\n")
+
+
+def _xml_calls(block: str, function: re.Pattern, parameter: re.Pattern, clean, names: Collection[str],
+               ids: str) -> list[ToolCall] | None:
+    """The calls of a block of `function` tags (name, body) each holding only `parameter` tags
+    (key, value), the values `clean`ed and typed by the schema (`_typed`); None where the block
+    holds anything else, no call, or a call to a function not offered."""
+    calls = []
+    for name, body in _matches(function, block, unquote=True) or [("", None)]:
+        types = _parameter_types(names, name)
+        pairs = None if body is None else _matches(parameter, body, unquote=True)
+        call = None if pairs is None else _call(
+            {"name": name, "arguments": {k: _typed(clean(v), types.get(k)) for k, v in pairs}}, names, ids)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
 
 
 def _matches(pattern: re.Pattern, body: str, unquote: bool = False) -> list[tuple[str, str]] | None:
@@ -274,7 +304,8 @@ def _matches(pattern: re.Pattern, body: str, unquote: bool = False) -> list[tupl
 
 
 def _typed(value: str, kind: str | None):
-    """A minimax_m2 parameter's text as its schema's `kind` types it (MiniMax's guide's rules)."""
+    """A minimax_m2 or qwen3_coder parameter's text as its schema's `kind` types it (MiniMax's
+    guide's rules)."""
     if value.lower() == "null":
         return None
     kind = (kind or "string").lower()
@@ -315,7 +346,7 @@ def _whole_json(text: str):
 
 _TAGGED = {HERMES: (HERMES_OPEN, parse_hermes_calls), MISTRAL: (MISTRAL_CALLS, parse_mistral_calls),
            GRANITE: (GRANITE_CALLS, parse_granite_calls), GLM45: (HERMES_OPEN, parse_glm45_calls),
-           MINIMAX_M2: (MINIMAX_OPEN, parse_minimax_calls)}
+           MINIMAX_M2: (MINIMAX_OPEN, parse_minimax_calls), QWEN3_CODER: (HERMES_OPEN, parse_qwen3_coder_calls)}
 
 
 def find_tool_calls(text: str, names: Collection[str], parser: str, ids: str | None = None

@@ -1,7 +1,7 @@
-"""Tool calls: the Llama 3 JSON, hermes, mistral, granite, glm45 and minimax_m2 parsers, the stream
-filter that holds back what may be calls, and the forced-call constraint, whose outputs under
-random weights always parse as a call whose arguments validate against the function's schema
-(`jsonschema`)."""
+"""Tool calls: the Llama 3 JSON, hermes, mistral, granite, glm45, minimax_m2 and qwen3_coder
+parsers, the stream filter that holds back what may be calls, and the forced-call constraint,
+whose outputs under random weights always parse as a call whose arguments validate against the
+function's schema (`jsonschema`)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from splitserve.api.tool_calls import (
     StreamedCalls, find_tool_calls, forced_call_constraint, may_be_calls, offered, parse_glm45_calls,
-    parse_granite_calls, parse_hermes_calls, parse_minimax_calls, parse_mistral_calls, parse_tool_calls,
+    parse_granite_calls, parse_hermes_calls, parse_minimax_calls, parse_mistral_calls, parse_qwen3_coder_calls,
+    parse_tool_calls,
 )
 from splitserve.engine.llm import LLM
 from splitserve.engine.sampling_params import SamplingParams
@@ -254,6 +255,34 @@ def test_minimax_values_that_json_cannot_hold_stay_text(value, kind, expected):
     assert json.loads(parse_minimax_calls(text, tools)[1][0].arguments) == {"v": expected}
 
 
+# ---- the qwen3_coder format ----------------------------------------------------------------------
+QWEN3_CODER = ("I'll write it.\n<tool_call>\n<function=search>\n<parameter=query>\n    def f():\n        return 1\n"
+               "</parameter>\n<parameter=limit>\n7\n</parameter>\n<parameter=tags>\n[\"a\"]\n</parameter>\n"
+               "</function>\n</tool_call>\n<tool_call>\n<function=weather>\n<parameter=city>\nOslo\n</parameter>\n"
+               "</function>\n</tool_call>")
+
+
+def test_qwen3_coder_calls_keep_a_values_own_blanks():
+    """A value loses only the newline written on each side of it (the code's indentation stays),
+    and is typed as minimax_m2's are; one call a `<tool_call>` block, after the content."""
+    content, calls = parse_qwen3_coder_calls(QWEN3_CODER, MINIMAX_TOOLS)
+    assert content == "I'll write it."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("search", {"query": "    def f():\n        return 1", "limit": 7, "tags": ["a"]}),
+        ("weather", {"city": "Oslo"})]
+    assert find_tool_calls(QWEN3_CODER, MINIMAX_TOOLS, "qwen3_coder")[1][1].name == "weather"
+
+
+@pytest.mark.parametrize("text", ["<tool_call>\n</tool_call>", "<tool_call><function=nope></function></tool_call>",
+                                  "<tool_call><function=search><parameter=a>1</function></tool_call>",
+                                  "<tool_call><function=search>x</function></tool_call>",
+                                  '<tool_call>{"name": "search", "arguments": {}}</tool_call>',
+                                  "<tool_call><function=search></function>"])
+def test_qwen3_coder_text_that_is_not_only_calls_after_the_tag_is_content(text):
+    assert parse_qwen3_coder_calls(text, MINIMAX_TOOLS) is None
+    assert find_tool_calls(text, MINIMAX_TOOLS, "qwen3_coder") is None
+
+
 # ---- the tagged formats, streamed ---------------------------------------------------------------
 PIECES = {
     "hermes": st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "\n", " ", "hi ", "{", "}",
@@ -270,12 +299,15 @@ PIECES = {
     "minimax_m2": st.lists(st.sampled_from(["<minimax:tool_call>", "</minimax:tool_call>", "<minimax:", "tool_call>",
                                             '<invoke name="add">', "</invoke>", '<parameter name="a">1</parameter>',
                                             "<parameter", " ", "hi ", "\n"]), max_size=12),
+    "qwen3_coder": st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "<function=add>",
+                                             "</function>", "<parameter=a>\n1\n</parameter>", "<parameter", " ",
+                                             "hi ", "\n"]), max_size=12),
 }
 
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), cut=st.integers(min_value=1, max_value=7), reason=st.sampled_from(["stop", "length"]))
-@pytest.mark.parametrize("parser", ["hermes", "mistral", "granite", "glm45", "minimax_m2"])
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "granite", "glm45", "minimax_m2", "qwen3_coder"])
 def test_a_tagged_stream_cut_anywhere_ends_as_the_whole_text_is_read(parser, data, cut, reason):
     """Streamed in pieces of any size, the content sent and the calls found are the whole
     output's: what find_tool_calls reads from it (content alongside the calls), or all of it."""
