@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int
 from splitserve.engine.config_families import (COHERE_ARCHITECTURES, ERNIE45, EXAONE4, FIELD_DEFAULTS, GLM4,
-                                               HALF_ROTARY, HELIUM, HUNYUAN, MLP_BIAS_ARCHITECTURES,
+                                               GRANITE4, HALF_ROTARY, HELIUM, HUNYUAN, MLP_BIAS_ARCHITECTURES,
                                                OLMO_ARCHITECTURES, PATTERN_DEFAULTS, SEED_OSS, SMOLLM3,
                                                UNROTATED_FULL_LAYERS, WINDOWED, family_fields, ntk_alpha_base)
 from splitserve.engine.int_weights import IntWeights
@@ -20,18 +20,18 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
                            "Ministral3ForCausalLM", GLM4_MOE, GLM4, *COHERE_ARCHITECTURES, HELIUM, SEED_OSS,
-                           ERNIE45, ERNIE45_MOE, MINIMAX_M2, HUNYUAN)
+                           ERNIE45, ERNIE45_MOE, MINIMAX_M2, HUNYUAN, GRANITE4)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES,
                          MINIMAX_M2, HUNYUAN)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
-                             "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", SMOLLM3,
+                             "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", GRANITE4, SMOLLM3,
                              *OLMO_ARCHITECTURES, *COHERE_ARCHITECTURES)  # (Seed-OSS's, Ernie 4.5's: their own)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
                      "GptOssForCausalLM", GLM4_MOE, ERNIE45_MOE, MINIMAX_M2)
-# checkpoints store qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM-4) as one tensor each
-FUSED_ARCHITECTURES = ("Phi3ForCausalLM", GLM4)
+# checkpoints store qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM-4, Granite 4) as one tensor each
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM", GLM4, GRANITE4)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
 
@@ -187,7 +187,7 @@ class ModelConfig:
         if arch in UNROTATED_FULL_LAYERS and window:  # a hybrid's full layers attend without a rotary embedding
             family["nope_layers"] = tuple(i for i in range(layers) if i not in window["sliding_layers"])
         oss = arch == "GptOssForCausalLM"
-        common = dict(  # what a family's fields may override
+        common = dict(  # what a family's fields may override (as they may the shape's)
             rms_norm_eps=positive_float(cfg, "rms_norm_eps", defaults.get("rms_norm_eps", 1e-6), source),
             rope_theta=positive_float(rope if "rope_theta" in rope else cfg, "rope_theta",
                                       defaults.get("rope_theta", 10000.0), source),
@@ -202,7 +202,7 @@ class ModelConfig:
             hidden_act=_activation(cfg, source),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"))
-        return cls(architecture=arch, **shape, rotary_dim=rotary_dim, **{**common, **family}, **window,
+        return cls(architecture=arch, rotary_dim=rotary_dim, **{**shape, **common, **family}, **window,
                    **(parse_moe(cfg, arch, source, layers) if arch in MOE_ARCHITECTURES else {}),
                    **parse_quantization(cfg, arch, source))
 

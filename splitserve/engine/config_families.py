@@ -4,13 +4,14 @@ across heads; EXAONE 4's after each sublayer; SmolLM3's layers without a rotary 
 Ministral 3's queries scaled by position; Cohere's LayerNorms, parallel block and logit scale;
 MiniMax-M2's norms across heads;
 the GLMs', Helium's and Ernie 4.5's rotary pairs; Seed-OSS's and Ernie 4.5's biases; HunYuan's
-q and k norms after the rotation, and its rotary base raised by `alpha` (`ntk_alpha_base`).
+q and k norms after the rotation, and its rotary base raised by `alpha` (`ntk_alpha_base`); Granite
+4's dense checkpoints (every layer attention, no experts) as Granite's with its MLP renamed.
 `family_fields` gives (the rope parameters the full-attention layers turn by, the family's
-ModelConfig fields, which override the common ones); `FIELD_DEFAULTS`, transformers' defaults of
+ModelConfig fields, which override the common ones and the shape's); `FIELD_DEFAULTS`, transformers' defaults of
 a family's config class where they are not Llama's (what a hub config.json may leave out)."""
 from __future__ import annotations
 
-from splitserve.engine.config_error import ConfigError, positive_float, positive_number
+from splitserve.engine.config_error import ConfigError, positive_float, positive_int, positive_number
 from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE, MINIMAX_M2
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -19,7 +20,8 @@ GRANITE, SMOLLM3, EXAONE4 = "GraniteForCausalLM", "SmolLM3ForCausalLM", "Exaone4
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 MINISTRAL3, GLM4 = "Ministral3ForCausalLM", "Glm4ForCausalLM"
 HELIUM, SEED_OSS, ERNIE45 = "HeliumForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM"
-HUNYUAN = "HunYuanDenseV1ForCausalLM"
+HUNYUAN, GRANITE4 = "HunYuanDenseV1ForCausalLM", "GraniteMoeHybridForCausalLM"
+ATTENTION_LAYER_TYPES = ("attention", "full_attention")  # Granite 4's layers of attention (the others: Mamba)
 HALF_ROTARY = (GLM4, GLM4_MOE)  # transformers turns half of each head where the config names no share
 UNROTATED_FULL_LAYERS = (EXAONE4, "Cohere2ForCausalLM")  # with a window, the full layers turn neither q nor k
 WINDOWED = ("Olmo3ForCausalLM", EXAONE4, "Cohere2ForCausalLM")  # a window of 4096 where the config names none
@@ -41,10 +43,9 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
     if arch in GEMMA_ARCHITECTURES:
         return _gemma(cfg, arch, source, head_dim)
     if arch == GRANITE:
-        return rope, dict(embedding_multiplier=positive_float(cfg, "embedding_multiplier", 1.0, source),
-                          residual_multiplier=positive_float(cfg, "residual_multiplier", 1.0, source),
-                          logits_scale=1 / positive_float(cfg, "logits_scaling", 1.0, source),
-                          attention_scale=positive_float(cfg, "attention_multiplier", 1.0, source))
+        return rope, _granite(cfg, source)
+    if arch == GRANITE4:
+        return rope, {**_granite(cfg, source), **_granite4(cfg, source, layers)}
     if arch == MINIMAX_M2:  # OLMo's q and k norms across heads (whatever use_qk_norm says, as transformers)
         return rope, dict(qk_norm_across_heads=True)
     if arch in OLMO_ARCHITECTURES:
@@ -91,6 +92,32 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
         return rope, dict(nope_layers=tuple(i for i, rotated in enumerate(_rope_layers(cfg, source, layers))
                                             if not rotated))
     return rope, {}
+
+
+def _granite(cfg: dict, source: str) -> dict:
+    return dict(embedding_multiplier=positive_float(cfg, "embedding_multiplier", 1.0, source),
+                residual_multiplier=positive_float(cfg, "residual_multiplier", 1.0, source),
+                logits_scale=1 / positive_float(cfg, "logits_scaling", 1.0, source),
+                attention_scale=positive_float(cfg, "attention_multiplier", 1.0, source))
+
+
+def _granite4(cfg: dict, source: str, layers: int) -> dict:
+    """Granite 4 (GraniteMoeHybrid) without Mamba layers or experts (granite-4.0-micro, -1b,
+    -350m): its `shared_mlp` is the layer's MLP, shared_intermediate_size wide, its `input_linear`
+    the fused gate and up; without position_embedding_type "rope" no layer turns q and k."""
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or []  # none: transformers' all-Mamba default
+    others = sorted({t for t in types if t not in ATTENTION_LAYER_TYPES} if types else {"mamba"})
+    if others:
+        raise ConfigError(f"{source}: layer_types {others!r} are not supported (Granite 4's Mamba layers); "
+                          "its dense checkpoints, every layer attention, are")
+    if cfg.get("num_local_experts"):
+        raise ConfigError(f"{source}: num_local_experts={cfg['num_local_experts']!r} is not supported for {GRANITE4} "
+                          "(its sparse layers)")
+    fields = dict(intermediate_size=positive_int(cfg.get("shared_intermediate_size"), "shared_intermediate_size",
+                                                 source),
+                  weight_renames=((".shared_mlp.input_linear.", ".mlp.gate_up_proj."),
+                                  (".shared_mlp.output_linear.", ".mlp.down_proj.")))
+    return fields if cfg.get("position_embedding_type") == "rope" else dict(fields, nope_layers=tuple(range(layers)))
 
 
 def _gemma(cfg: dict, arch: str, source: str, head_dim: int) -> tuple[dict, dict]:

@@ -15,14 +15,15 @@ from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, Coher
                           Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Exaone4Config,
                           Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                           Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig,
-                          GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, HeliumConfig, HeliumForCausalLM,
-                          HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MiniMaxM2Config, MiniMaxM2ForCausalLM, Ministral3Config, Ministral3ForCausalLM,
-                          MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config,
-                          Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SeedOssConfig,
-                          SeedOssForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+                          GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, GraniteMoeHybridConfig,
+                          GraniteMoeHybridForCausalLM, HeliumConfig, HeliumForCausalLM, HunYuanDenseV1Config,
+                          HunYuanDenseV1ForCausalLM, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
+                          MiniMaxM2ForCausalLM, Ministral3Config, Ministral3ForCausalLM, MistralConfig,
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SeedOssConfig, SeedOssForCausalLM,
+                          SmolLM3Config, SmolLM3ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from splitserve.engine.tokenizer import HFTokenizer
@@ -169,6 +170,11 @@ CONFIGS = {
     "hunyuan_dense": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, dict(
         num_key_value_heads=2, head_dim=32, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
                                                              "factor": 1.0, "rope_theta": 10000.0})),
+    # Granite 4 dense (granite-4.0-micro's shape): Granite's multipliers, its shared_mlp the MLP
+    "granite4_dense": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, dict(
+        num_key_value_heads=2, num_local_experts=0, layer_types=["attention"] * 2, position_embedding_type="rope",
+        shared_intermediate_size=96, embedding_multiplier=6.0, residual_multiplier=0.5, logits_scaling=0.5,
+        attention_multiplier=0.1)),
 }
 QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers: Qwen2's tokenizer class
 

@@ -1,6 +1,6 @@
 """ModelConfig.from_hf on config.json files written by transformers' own `save_pretrained`:
 which layers have a sliding window, and the fields of Gemma 2, Granite, OLMo, EXAONE 4, GLM-4, Cohere,
-SmolLM3, Helium, Seed-OSS, Ernie 4.5 and HunYuan."""
+SmolLM3, Helium, Seed-OSS, Ernie 4.5, HunYuan and Granite 4."""
 import json
 import re
 
@@ -236,3 +236,21 @@ def test_hunyuan_rope_alpha_from_a_hub_config():
     assert cfg.weight_renames == ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm."))
     with pytest.raises(ConfigError, match="type 'dynamic' is not supported"):
         ModelConfig.from_hf({**raw, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+
+
+GRANITE4 = {**BASE, "architectures": ["GraniteMoeHybridForCausalLM"], "shared_intermediate_size": 48,
+            "num_local_experts": 0, "layer_types": ["attention", "attention"], "position_embedding_type": "rope"}
+
+
+def test_granite4_dense_checkpoints_and_the_hybrid_ones_refused():
+    """Granite 4's dense checkpoints (every layer attention, no experts) are Granite's layers with
+    an MLP shared_intermediate_size wide; without position_embedding_type "rope" (transformers'
+    default) no layer is rotated; Mamba layers, an all-Mamba default and experts are refused."""
+    cfg = ModelConfig.from_hf({**GRANITE4, "embedding_multiplier": 12.0})
+    assert (cfg.intermediate_size, cfg.embedding_multiplier, cfg.nope_layers) == (48, 12.0, ())
+    assert ModelConfig.from_hf({**GRANITE4, "position_embedding_type": None}).nope_layers == (0, 1)
+    for fields, message in [({"layer_types": ["mamba", "attention"]}, r"layer_types \['mamba'\] are not supported"),
+                            ({"layer_types": None}, "Mamba layers"),
+                            ({"num_local_experts": 4}, "num_local_experts=4 is not supported")]:
+        with pytest.raises(ConfigError, match=message):
+            ModelConfig.from_hf({**GRANITE4, **fields})
