@@ -194,16 +194,6 @@ def test_glm45_calls_typed_by_the_functions_schemas():
     assert find_tool_calls(GLM45, GLM_TOOLS, "glm45")[1][0].id.startswith("call_")
 
 
-@pytest.mark.parametrize("text", ["no calls here", "<tool_call>nope\n</tool_call>",
-                                  "<tool_call>add\n<arg_key>a</arg_key><arg_value>1</arg_value>",
-                                  "<tool_call>add\nstray<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
-                                  "<tool_call>add\n<arg_key>a</arg_key><arg_value>1</arg_value>stray</tool_call>",
-                                  "<tool_call>add\n<arg_key>a</arg_key></tool_call>",
-                                  "<tool_call>now</tool_call> and more words"])
-def test_glm45_text_that_is_not_only_calls_after_the_tag_is_content(text):
-    assert parse_glm45_calls(text, GLM_TOOLS) is None and find_tool_calls(text, GLM_TOOLS, "glm45") is None
-
-
 # ---- the minimax_m2 format -----------------------------------------------------------------------
 MINIMAX_TOOLS = offered([{"name": "search", "parameters": {"type": "object", "properties": {
     "query": {"type": "string"}, "limit": {"type": "integer"}, "scale": {"type": "number"},
@@ -230,19 +220,6 @@ def test_minimax_calls_typed_as_minimax_reads_them():
                     "note": "[1]"}),
         ("weather", {"city": "Oslo", "days": "three"}), ("search", {"scale": 0.5, "limit": None})]
     assert find_tool_calls(MINIMAX, MINIMAX_TOOLS, "minimax_m2")[1][0].id.startswith("call_")
-
-
-@pytest.mark.parametrize("text", ["no calls", "<minimax:tool_call></minimax:tool_call>",
-                                  '<minimax:tool_call><invoke name="search"></invoke>',
-                                  '<minimax:tool_call><invoke name="nope"></invoke></minimax:tool_call>',
-                                  '<minimax:tool_call>x<invoke name="search"></invoke></minimax:tool_call>',
-                                  '<minimax:tool_call><invoke name="search">x</invoke></minimax:tool_call>',
-                                  '<minimax:tool_call><invoke name="search"><parameter name="a">1</parameter>'
-                                  '</minimax:tool_call>',
-                                  '<minimax:tool_call><invoke name="search"></invoke></minimax:tool_call> and more'])
-def test_minimax_text_that_is_not_only_calls_after_the_tag_is_content(text):
-    assert parse_minimax_calls(text, MINIMAX_TOOLS) is None
-    assert find_tool_calls(text, MINIMAX_TOOLS, "minimax_m2") is None
 
 
 @pytest.mark.parametrize("value, kind, expected", [("inf", "number", "inf"), ("1e400", "number", "1e400"),
@@ -273,14 +250,31 @@ def test_qwen3_coder_calls_keep_a_values_own_blanks():
     assert find_tool_calls(QWEN3_CODER, MINIMAX_TOOLS, "qwen3_coder")[1][1].name == "weather"
 
 
-@pytest.mark.parametrize("text", ["<tool_call>\n</tool_call>", "<tool_call><function=nope></function></tool_call>",
-                                  "<tool_call><function=search><parameter=a>1</function></tool_call>",
-                                  "<tool_call><function=search>x</function></tool_call>",
-                                  '<tool_call>{"name": "search", "arguments": {}}</tool_call>',
-                                  "<tool_call><function=search></function>"])
-def test_qwen3_coder_text_that_is_not_only_calls_after_the_tag_is_content(text):
-    assert parse_qwen3_coder_calls(text, MINIMAX_TOOLS) is None
-    assert find_tool_calls(text, MINIMAX_TOOLS, "qwen3_coder") is None
+# ---- text that is not calls in the typed formats ----------------------------------------------------
+TYPED_NOT_CALLS = {
+    "glm45": ["no calls here", "<tool_call>nope\n</tool_call>",
+              "<tool_call>add\n<arg_key>a</arg_key><arg_value>1</arg_value>",
+              "<tool_call>add\nstray<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+              "<tool_call>add\n<arg_key>a</arg_key><arg_value>1</arg_value>stray</tool_call>",
+              "<tool_call>add\n<arg_key>a</arg_key></tool_call>", "<tool_call>now</tool_call> and more words"],
+    "minimax_m2": ["no calls", "<minimax:tool_call></minimax:tool_call>",
+                   '<minimax:tool_call><invoke name="add"></invoke>',
+                   '<minimax:tool_call><invoke name="nope"></invoke></minimax:tool_call>',
+                   '<minimax:tool_call>x<invoke name="add"></invoke></minimax:tool_call>',
+                   '<minimax:tool_call><invoke name="add">x</invoke></minimax:tool_call>',
+                   '<minimax:tool_call><invoke name="add"><parameter name="a">1</parameter></minimax:tool_call>',
+                   '<minimax:tool_call><invoke name="add"></invoke></minimax:tool_call> and more'],
+    "qwen3_coder": ["<tool_call>\n</tool_call>", "<tool_call><function=nope></function></tool_call>",
+                    "<tool_call><function=add><parameter=a>1</function></tool_call>",
+                    "<tool_call><function=add>x</function></tool_call>",
+                    '<tool_call>{"name": "add", "arguments": {}}</tool_call>', "<tool_call><function=add></function>"],
+}
+
+
+@pytest.mark.parametrize("parser, text", [(parser, text) for parser, texts in TYPED_NOT_CALLS.items()
+                                          for text in texts])
+def test_text_that_is_not_only_calls_after_the_tag_is_content(parser, text):
+    assert find_tool_calls(text, GLM_TOOLS, parser) is None
 
 
 # ---- the tagged formats, streamed ---------------------------------------------------------------
