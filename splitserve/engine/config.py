@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int
 from splitserve.engine.config_families import (COHERE_ARCHITECTURES, ERNIE45, EXAONE4, FIELD_DEFAULTS, GLM4,
-                                               GRANITE4, HALF_ROTARY, HELIUM, HUNYUAN, MLP_BIAS_ARCHITECTURES,
-                                               OLMO_ARCHITECTURES, PATTERN_DEFAULTS, SEED_OSS, SMOLLM3,
-                                               UNROTATED_FULL_LAYERS, WINDOWED, family_fields, ntk_alpha_base)
+                                               GRANITE4, HALF_ROTARY, HELIUM, HUNYUAN, INTERNLM3,
+                                               MLP_BIAS_ARCHITECTURES, OLMO_ARCHITECTURES, PATTERN_DEFAULTS,
+                                               SEED_OSS, SMOLLM3, UNROTATED_FULL_LAYERS, WINDOWED, family_fields,
+                                               ntk_alpha_base)
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE, MINIMAX_M2, parse_moe
 from splitserve.engine.multimodal_text import WRAPPERS, text_config
@@ -20,7 +21,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
                            "Ministral3ForCausalLM", GLM4_MOE, GLM4, *COHERE_ARCHITECTURES, HELIUM, SEED_OSS,
-                           ERNIE45, ERNIE45_MOE, MINIMAX_M2, HUNYUAN, GRANITE4)
+                           ERNIE45, ERNIE45_MOE, MINIMAX_M2, HUNYUAN, GRANITE4, INTERNLM3)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES,
                          MINIMAX_M2, HUNYUAN)

@@ -17,7 +17,7 @@ from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, Coher
                           Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig,
                           GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, GraniteMoeHybridConfig,
                           GraniteMoeHybridForCausalLM, HeliumConfig, HeliumForCausalLM, HunYuanDenseV1Config,
-                          HunYuanDenseV1ForCausalLM, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
+                          HunYuanDenseV1ForCausalLM, InternLM3Config, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
                           MiniMaxM2ForCausalLM, Ministral3Config, Ministral3ForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast,
@@ -175,7 +175,20 @@ CONFIGS = {
         num_key_value_heads=2, num_local_experts=0, layer_types=["attention"] * 2, position_embedding_type="rope",
         shared_intermediate_size=96, embedding_multiplier=6.0, residual_multiplier=0.5, logits_scaling=0.5,
         attention_multiplier=0.1)),
+    # InternLM3: transformers' Llama under InternLM3's config (its hub names below); biases everywhere
+    "internlm3": (InternLM3Config, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32, attention_bias=True,
+                                                         mlp_bias=True)),
 }
+
+
+def _internlm3_hub(config: dict) -> dict:
+    """As InternLM3's hub config.json names its class and its biases."""
+    rest = {k: v for k, v in config.items() if k not in ("attention_bias", "mlp_bias")}
+    return {**rest, "architectures": ["InternLM3ForCausalLM"], "qkv_bias": config["attention_bias"],
+            "bias": config["mlp_bias"]}
+
+
+HUB_LAYOUTS = {"internlm3": _internlm3_hub}  # a checkpoint whose config.json transformers writes otherwise than the hub
 QWEN_TOKENIZED = (Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)  # transformers: Qwen2's tokenizer class
 
 
@@ -242,6 +255,9 @@ def write_checkpoint(path, name: str, tokenizers_by_kind: dict[bool, RawTokenize
     model = model_cls(config).eval()
     randomize(model)
     model.save_pretrained(path)
+    if name in HUB_LAYOUTS:
+        config_file = Path(path) / "config.json"
+        config_file.write_text(json.dumps(HUB_LAYOUTS[name](json.loads(config_file.read_text()))))
     PreTrainedTokenizerFast(tokenizer_object=raw_tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                             add_bos_token=True).save_pretrained(path)
     return model

@@ -254,3 +254,13 @@ def test_granite4_dense_checkpoints_and_the_hybrid_ones_refused():
                             ({"num_local_experts": 4}, "num_local_experts=4 is not supported")]:
         with pytest.raises(ConfigError, match=message):
             ModelConfig.from_hf({**GRANITE4, **fields})
+
+
+def test_internlm3_biases_by_its_hub_names():
+    """InternLM3's hub config.json names the biases qkv_bias and bias; transformers (a Llama under
+    its config) takes one setting for both, so a config where they differ is refused."""
+    raw = {**BASE, "architectures": ["InternLM3ForCausalLM"], "qkv_bias": True, "bias": True}
+    cfg = ModelConfig.from_hf(raw)
+    assert (cfg.attention_bias, cfg.attention_out_bias, cfg.mlp_bias, cfg.head_dim) == (True, True, True, 128)
+    with pytest.raises(ConfigError, match="qkv_bias=True and bias=False must agree"):
+        ModelConfig.from_hf({**raw, "bias": False})

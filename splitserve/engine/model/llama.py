@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite 3 and 4,
-OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, Helium, Ernie 4.5, Seed-OSS, HunYuan, and
+OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, Helium, Ernie 4.5, Seed-OSS, HunYuan, InternLM3, and
 with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, Ernie 4.5, MiniMax-M2
 and GPT-OSS, whose attention also has sinks and an o_proj bias) over flattened tokens of many
 sequences.
