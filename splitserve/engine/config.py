@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int
 from splitserve.engine.config_families import (COHERE_ARCHITECTURES, ERNIE45, EXAONE4, FIELD_DEFAULTS, GLM4,
-                                               GRANITE4, HALF_ROTARY, HELIUM, HUNYUAN, INTERNLM3,
+                                               APERTUS, GRANITE4, HALF_ROTARY, HELIUM, HUNYUAN, INTERNLM3,
                                                MLP_BIAS_ARCHITECTURES, OLMO_ARCHITECTURES, PATTERN_DEFAULTS,
-                                               SEED_OSS, SMOLLM3, UNROTATED_FULL_LAYERS, WINDOWED, family_fields,
-                                               ntk_alpha_base)
+                                               SEED_OSS, SMOLLM3, UNGATED_ARCHITECTURES, UNROTATED_FULL_LAYERS,
+                                               WINDOWED, family_fields, ntk_alpha_base)
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE, MINIMAX_M2, parse_moe
 from splitserve.engine.multimodal_text import WRAPPERS, text_config
@@ -21,10 +21,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM",
                            "Ministral3ForCausalLM", GLM4_MOE, GLM4, *COHERE_ARCHITECTURES, HELIUM, SEED_OSS,
-                           ERNIE45, ERNIE45_MOE, MINIMAX_M2, HUNYUAN, GRANITE4, INTERNLM3)
+                           ERNIE45, ERNIE45_MOE, MINIMAX_M2, HUNYUAN, GRANITE4, INTERNLM3, *UNGATED_ARCHITECTURES)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", EXAONE4, *OLMO_ARCHITECTURES,
-                         MINIMAX_M2, HUNYUAN)
+                         MINIMAX_M2, HUNYUAN, APERTUS)
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", GRANITE4, SMOLLM3,
@@ -35,6 +35,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM", GLM4, GRANITE4)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
+UNGATED_ACTIVATIONS = ("relu2", "xielu")  # an MLP without a gate (UNGATED_ARCHITECTURES): Arcee's, Apertus's
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ class ModelConfig:
     skipped_layers: int = 0        # GLM-4.5: multi-token-prediction layers stored after the decoder's, not served
     swiglu_limit: float | None = None  # GPT-OSS's experts: gate clamped to <= limit, up to [-limit, limit] (None: not)
     swiglu_alpha: float = 1.702    # GPT-OSS's experts: out = (up + 1) * gate * sigmoid(alpha * gate) (moe.GatedAct)
-    hidden_act: str = "silu"       # the MLP gate's activation (ACTIVATIONS)
+    hidden_act: str = "silu"       # the MLP gate's activation (ACTIVATIONS), or an ungated MLP's (UNGATED_ACTIVATIONS)
+    mlp_gated: bool = True         # False: the MLP is up_proj, the activation, down_proj (Arcee, Apertus)
     attention_scale: float | None = None  # scores are q.k times this (None: head_dim ** -0.5)
     attn_logit_softcap: float | None = None   # scores become cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # the logits likewise
@@ -200,7 +202,8 @@ class ModelConfig:
             attention_out_bias=arch in O_PROJ_BIAS_ARCHITECTURES and bool(cfg.get("attention_bias", oss)),
             mlp_bias=bool(cfg.get("mlp_bias")), attention_sinks=oss, qk_norm=arch in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
-            hidden_act=_activation(cfg, source),
+            hidden_act=_activation(cfg, source, arch in UNGATED_ARCHITECTURES),
+            mlp_gated=arch not in UNGATED_ARCHITECTURES,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"))
         return cls(architecture=arch, rotary_dim=rotary_dim, **{**shape, **common, **family}, **window,
@@ -237,10 +240,12 @@ def _mapping(cfg: dict, name: str, source: str) -> dict:
     return value
 
 
-def _activation(cfg: dict, source: str) -> str:
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    if act not in ACTIVATIONS:
-        raise ConfigError(f"{source}: hidden activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+def _activation(cfg: dict, source: str, ungated: bool) -> str:
+    """The MLP's activation: a gate's, or an `ungated` family's."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("relu2" if ungated else "silu")
+    known = UNGATED_ACTIVATIONS if ungated else ACTIVATIONS
+    if act not in known:
+        raise ConfigError(f"{source}: hidden activation {act!r} is not supported; supported: {', '.join(known)}")
     return act
 
 

@@ -96,7 +96,8 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None =
                 part = parts.get(part_name)
                 found.append((target, part, part.full_shape(target.shape) if part else tuple(target.shape)))
             shape = tuple(handle.get_slice(name).get_shape() if dequantized is None else dequantized.shape)
-            whole = (sum(full[0] for *_, full in found), *found[0][2][1:])  # fused parts are stacked by rows
+            whole = found[0][2] if len(found) == 1 else (  # fused parts are stacked by rows
+                sum(full[0] for *_, full in found), *found[0][2][1:])
             if dequantized is None and _tensor_scale_for_rows(ours, shape, whole):  # kept one a row (fp8.ROWS)
                 dequantized, shape = handle.get_tensor(name).reshape(1, 1).expand(whole), whole
             if shape != whole:

@@ -11,19 +11,19 @@ import pytest
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM, Ernie4_5Config,
-                          Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Exaone4Config,
-                          Exaone4ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                          Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig,
-                          GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, GraniteMoeHybridConfig,
-                          GraniteMoeHybridForCausalLM, HeliumConfig, HeliumForCausalLM, HunYuanDenseV1Config,
-                          HunYuanDenseV1ForCausalLM, InternLM3Config, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
-                          MiniMaxM2ForCausalLM, Ministral3Config, Ministral3ForCausalLM, MistralConfig,
-                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
-                          Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SeedOssConfig, SeedOssForCausalLM,
-                          SmolLM3Config, SmolLM3ForCausalLM)
+from transformers import (ApertusConfig, ApertusForCausalLM, ArceeConfig, ArceeForCausalLM, Cohere2Config,
+                          Cohere2ForCausalLM, CohereConfig, CohereForCausalLM, Ernie4_5Config, Ernie4_5ForCausalLM,
+                          Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Exaone4Config, Exaone4ForCausalLM,
+                          Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Glm4Config,
+                          Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, GptOssConfig, GptOssForCausalLM,
+                          GraniteConfig, GraniteForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
+                          HeliumConfig, HeliumForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM,
+                          InternLM3Config, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM,
+                          Ministral3Config, Ministral3ForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM, SeedOssConfig, SeedOssForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from splitserve.engine.tokenizer import HFTokenizer
@@ -178,6 +178,10 @@ CONFIGS = {
     # InternLM3: transformers' Llama under InternLM3's config (its hub names below); biases everywhere
     "internlm3": (InternLM3Config, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32, attention_bias=True,
                                                          mlp_bias=True)),
+    # Arcee: an MLP without a gate, squared ReLU, biased; Apertus: the same with xIELU (its slopes
+    # learned per layer), Qwen3's q/k norms, its norms under its own names
+    "arcee": (ArceeConfig, ArceeForCausalLM, dict(num_key_value_heads=2, mlp_bias=True)),
+    "apertus": (ApertusConfig, ApertusForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
 }
 
 

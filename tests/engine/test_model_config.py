@@ -264,3 +264,21 @@ def test_internlm3_biases_by_its_hub_names():
     assert (cfg.attention_bias, cfg.attention_out_bias, cfg.mlp_bias, cfg.head_dim) == (True, True, True, 128)
     with pytest.raises(ConfigError, match="qkv_bias=True and bias=False must agree"):
         ModelConfig.from_hf({**raw, "bias": False})
+
+
+def test_activations_of_mlps_with_and_without_a_gate():
+    """Arcee's and Apertus's MLPs have no gate (their activation, relu2 by default, on up_proj alone);
+    a Llama's activation is its gate's, so relu2 there is refused rather than read as ungated; the
+    model builds an activation for every ungated name the config takes."""
+    from splitserve.engine.config import UNGATED_ACTIVATIONS
+    from splitserve.engine.model.activations import UNGATED
+
+    assert set(UNGATED) == set(UNGATED_ACTIVATIONS)
+    arcee = ModelConfig.from_hf({**BASE, "architectures": ["ArceeForCausalLM"]})
+    assert (arcee.hidden_act, arcee.mlp_gated) == ("relu2", False)
+    apertus = ModelConfig.from_hf({**BASE, "architectures": ["ApertusForCausalLM"], "hidden_act": "xielu"})
+    assert (apertus.hidden_act, apertus.mlp_gated, apertus.qk_norm, apertus.rope_theta) == ("xielu", False, True, 12e6)
+    with pytest.raises(ConfigError, match="hidden activation 'relu2' is not supported; supported: silu"):
+        ModelConfig.from_hf({**BASE, "hidden_act": "relu2"})
+    with pytest.raises(ConfigError, match="hidden activation 'silu' is not supported; supported: relu2, xielu"):
+        ModelConfig.from_hf({**BASE, "architectures": ["ArceeForCausalLM"], "hidden_act": "silu"})

@@ -185,7 +185,8 @@ SPARSE = {"add_rms_norm", "rotate_in_place", "route"}
 # interleaved rotation (its LayerNorms torch's); Helium's and Ernie 4.5's interleaved rotation and the
 # MLP's biases (Seed-OSS's too); Ernie 4.5 MoE's dense layers and shared expert (its routing torch's);
 # MiniMax-M2's norms across heads and partial rotation (its routing torch's); HunYuan's per-head norms
-# after the rotation; Granite 4's fused gate and up; Qwen2-MoE's shared expert
+# after the rotation; Granite 4's fused gate and up; Arcee's and Apertus's MLPs without a gate (their
+# activations torch's); Qwen2-MoE's shared expert
 # (an MLP) and routing (`moe_routing`), Mixtral's renormalized, GPT-OSS's
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the model on the CPU, its kernels interpreted (on CUDA: test_gpu.py's per-architecture test)")
@@ -197,6 +198,8 @@ SPARSE = {"add_rms_norm", "rotate_in_place", "route"}
                                            ("helium", DENSE), ("seed_oss", DENSE), ("ernie4_5", DENSE),
                                            ("ernie4_5_moe", DENSE), ("minimax_m2", {"add_rms_norm", "rotate_in_place"}),
                                            ("hunyuan_dense", DENSE), ("granite4_dense", DENSE),
+                                           ("arcee", {"add_rms_norm", "rotate_in_place"}),
+                                           ("apertus", {"add_rms_norm", "rotate_in_place"}),
                                            ("qwen2_moe", DENSE | SPARSE), ("mixtral_moe", SPARSE),
                                            ("gpt_oss", SPARSE)])
 def test_the_models_kernel_path_gives_transformers_logits(tmp_path, tokenizers_by_kind, monkeypatch, name, kernels):

@@ -1,8 +1,8 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite 3 and 4,
-OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, Helium, Ernie 4.5, Seed-OSS, HunYuan, InternLM3, and
-with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, Ernie 4.5, MiniMax-M2
-and GPT-OSS, whose attention also has sinks and an o_proj bias) over flattened tokens of many
-sequences.
+"""Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite 3
+and 4, OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, Helium, Ernie 4.5, Seed-OSS, HunYuan,
+InternLM3, Arcee, Apertus, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE,
+GLM-4.5, Ernie 4.5, MiniMax-M2 and GPT-OSS, whose attention also has sinks and an o_proj bias) over
+flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows (`model.linear`; a block-wise FP8
@@ -28,6 +28,7 @@ from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.config import ModelConfig, RopeScaling
 from splitserve.engine.config_families import GLM4
 from splitserve.engine.model import triton_dispatch
+from splitserve.engine.model.activations import UNGATED
 from splitserve.engine.model.linear import MergedLinear, Reduce, RowParallelLinear, fp8_block, int_kept
 from splitserve.engine.model.lora import LoraSlots
 from splitserve.engine.model.moe import Experts, SparseMoeBlock, expert_names
@@ -173,19 +174,25 @@ class LlamaMLP(nn.Module):
         lo, hi = shard.split(width)
         sharded = shard.size > 1
         part = ShardSlice(0, lo, hi, width)
-        slices = {"gate_proj": part, "up_proj": part} if sharded else {}
-        gate_up = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
-        self.gate_up_proj = MergedLinear(c.hidden_size, {"gate_proj": hi - lo, "up_proj": hi - lo}, bias=c.mlp_bias,
-                                         slices=slices, fp8_block=fp8_block(c, gate_up, rows=(lo, hi, width)),
+        # an MLP without a gate (Arcee's, Apertus's) has up_proj alone, then its activation (`act_fn`)
+        names = ("gate_proj", "up_proj") if c.mlp_gated else ("up_proj",)
+        gate_up = [f"{prefix}.{name}" for name in names]
+        self.gate_up_proj = MergedLinear(c.hidden_size, {name: hi - lo for name in names}, bias=c.mlp_bias,
+                                         slices={name: part for name in names} if sharded else {},
+                                         fp8_block=fp8_block(c, gate_up, rows=(lo, hi, width)),
                                          ints=int_kept(c, gate_up, rows=(lo, hi, width)))
         down = [f"{prefix}.down_proj"]
         self.down_proj = RowParallelLinear(hi - lo, c.hidden_size, ShardSlice(1, lo, hi, width) if sharded else None,
                                            reduce, bias=c.mlp_bias, fp8_block=fp8_block(c, down, cols=(lo, hi, width)),
                                            ints=int_kept(c, down, cols=(lo, hi, width)))
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
+        self.act_fn = None if c.mlp_gated else UNGATED[c.hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """On CUDA the gated activation is one Triton kernel (`triton_ops.gated`)."""
+        """On CUDA the gated activation is one Triton kernel (`triton_ops.gated`); an ungated one
+        torch's ops."""
+        if self.act_fn is not None:
+            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         if triton_dispatch.runs_kernels(x):
             return self.down_proj(triton_dispatch.ops().gated(gate, up, self.gelu))
