@@ -62,9 +62,8 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
                                             cfg.get("rope_theta", 500_000.0))
         return rope, dict(fields, local_rope_theta=local_theta)
     if arch in COHERE_ARCHITECTURES:
-        if cfg.get("use_qk_norm"):
-            raise ConfigError(f"{source}: use_qk_norm=true is not supported (Command R+'s per-head LayerNorms)")
         return rope, dict(layer_norms=True, parallel_block=True, rotary_interleaved=True,
+                          qk_norm=bool(cfg.get("use_qk_norm")),  # Command R+'s, a LayerNorm per head
                           logits_scale=positive_float(cfg, "logit_scale", 0.0625, source),
                           rms_norm_eps=positive_float(cfg, "layer_norm_eps", 1e-5, source))
     if arch in (GLM4, HELIUM):

@@ -103,6 +103,8 @@ CONFIGS = {
                                                      tie_word_embeddings=False)),
     # Cohere 2 (Command R7B, Command A): a window on the first layer, the full one without rotary
     # embedding, tied embeddings
+    "cohere_qk_norm": (CohereConfig, CohereForCausalLM, dict(num_key_value_heads=2, use_qk_norm=True,  # Command R+
+                                                             logit_scale=2.5)),
     "cohere2": (Cohere2Config, Cohere2ForCausalLM, dict(num_key_value_heads=2, sliding_window=16,
                                                         layer_types=["sliding_attention", "full_attention"],
                                                         logit_scale=2.5)),

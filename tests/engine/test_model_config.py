@@ -140,14 +140,13 @@ def test_a_family_config_class_fills_what_a_config_leaves_out(arch, config_class
 
 def test_cohere_config_as_transformers_reads_it():
     """A hub Command R / Aya config.json: layer_norm_eps is the norms' eps, the embeddings are tied
-    and the logits scaled by 0.0625 where it names neither; Command R+'s per-head q/k LayerNorms are
-    refused; Command R7B's window on all but every sliding_window_pattern-th layer, those without
+    and the logits scaled by 0.0625 where it names neither; Command R+'s per-head q/k LayerNorms by
+    use_qk_norm; Command R7B's window on all but every sliding_window_pattern-th layer, those without
     rotary embedding."""
     cohere = ModelConfig.from_hf({**BASE, "architectures": ["CohereForCausalLM"], "layer_norm_eps": 1e-3})
     assert (cohere.rms_norm_eps, cohere.tie_word_embeddings, cohere.logits_scale) == (1e-3, True, 0.0625)
     assert cohere.layer_norms and cohere.parallel_block and cohere.rotary_interleaved and cohere.sliding_window is None
-    with pytest.raises(ConfigError, match="use_qk_norm=true is not supported"):
-        ModelConfig.from_hf({**BASE, "architectures": ["CohereForCausalLM"], "use_qk_norm": True})
+    assert ModelConfig.from_hf({**BASE, "architectures": ["CohereForCausalLM"], "use_qk_norm": True}).qk_norm
     r7b = ModelConfig.from_hf({**BASE, "architectures": ["Cohere2ForCausalLM"], "num_hidden_layers": 8,
                                "sliding_window_pattern": 4})
     assert (r7b.sliding_window, r7b.sliding_layers, r7b.nope_layers) == (4096, (0, 1, 2, 4, 5, 6), (3, 7))

@@ -64,9 +64,10 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Cohere's: (x - mean) / std * weight over the last dim, in float32, no bias; called as RMSNorm is."""
+    """Cohere's: (x - mean) / std * weight over the last dim, in float32, no bias; called as RMSNorm is.
+    A `size` of (heads, head_dim) is Command R+'s q or k norm: each head normalized, by its own weight."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int | tuple[int, int], eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
@@ -118,10 +119,15 @@ class LlamaAttention(nn.Module):
         # (across_heads): one per row of the projection, a rank holding its heads' rows
         self.across_heads, self.norms_after_rotary = c.qk_norm_across_heads, c.qk_norm_after_rotary
         widths = (self.num_heads * d, kv) if self.across_heads else (d, d)
-        self.q_norm, self.k_norm = (RMSNorm(w, c.rms_norm_eps, c.gemma_norms) for w in widths) if c.qk_norm \
-            else (None, None)
+        self.q_norm, self.k_norm = (RMSNorm(w, c.rms_norm_eps, c.gemma_norms) for w in widths) \
+            if c.qk_norm and not c.layer_norms else (None, None)
         self.norm_slices = {"q_norm": ShardSlice(0, *q_cuts), "k_norm": ShardSlice(0, *kv_cuts)} \
             if self.across_heads and shard.size > 1 else {}
+        if c.qk_norm and c.layer_norms:  # Command R+'s: a LayerNorm weight per head, a rank holding its heads'
+            self.q_norm = LayerNorm((self.num_heads, d), c.rms_norm_eps)
+            self.k_norm = LayerNorm((self.num_kv_heads, d), c.rms_norm_eps)
+            self.norm_slices = {"q_norm": ShardSlice(0, q_lo, q_hi, c.num_attention_heads),
+                                "k_norm": ShardSlice(0, kv_lo, kv_hi, c.num_key_value_heads)} if shard.size > 1 else {}
         # an all-reduced sum of squares counts a KV head once per rank holding it
         self.reduce, self.kv_copies = reduce, max(1, shard.size // c.num_key_value_heads)
         self.widths = (q_total, kv_total)

@@ -118,7 +118,8 @@ class RotaryEmbedding:
         d = self.dims
         if triton_dispatch.runs_kernels(q):
             # the attention builds q's and k's norms alike (one eps, one kind): one kernel takes both
-            fused = norms is not None and d == q.shape[-1] and all(n.weight.dtype == q.dtype for n in norms)
+            fused = norms is not None and d == q.shape[-1] and all(
+                getattr(n, "gemma", None) is not None and n.weight.dtype == q.dtype for n in norms)  # RMSNorms alone
             if norms is not None and not fused:
                 q, k = norms[0](q), norms[1](k)
             weights = (norms[0].weight, norms[1].weight, norms[0].eps, norms[0].gemma) if fused else None
