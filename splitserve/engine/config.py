@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int
 from splitserve.engine.config_families import (COHERE_ARCHITECTURES, ERNIE45, EXAONE4, FIELD_DEFAULTS, GLM4,
-                                               APERTUS, GRANITE4, HALF_ROTARY, HELIUM, HUNYUAN, INTERNLM3,
+                                               APERTUS, GRANITE4, HALF_ROTARY, HELIUM, HUNYUAN, INTERNLM3, NEMOTRON,
                                                MLP_BIAS_ARCHITECTURES, OLMO_ARCHITECTURES, PATTERN_DEFAULTS,
                                                SEED_OSS, SMOLLM3, UNGATED_ARCHITECTURES, UNROTATED_FULL_LAYERS,
                                                WINDOWED, family_fields, ntk_alpha_base)
@@ -28,6 +28,7 @@ QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCa
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", GRANITE4, SMOLLM3,
+                             NEMOTRON,
                              *OLMO_ARCHITECTURES, *COHERE_ARCHITECTURES)  # (Seed-OSS's, Ernie 4.5's: their own)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
                      "GptOssForCausalLM", GLM4_MOE, ERNIE45_MOE, MINIMAX_M2)
@@ -88,6 +89,7 @@ class ModelConfig:
     rotary_interleaved: bool = False  # GLM-4, Cohere, Helium, Ernie 4.5: the rotary embedding turns pairs of
     #                                neighbouring dims
     layer_norms: bool = False      # Cohere: the norms are LayerNorms (mean-centred, a weight and no bias)
+    layer_norm_1p: bool = False    # Nemotron: ... with a bias, scaling by 1 + weight
     parallel_block: bool = False   # Cohere: the attention and the MLP read the same normed input; their
     #                                outputs join the residual stream together
     query_position_scale: tuple[float, int] | None = None  # Ministral 3 (Llama 4's), (beta, n): after the rotary

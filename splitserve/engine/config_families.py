@@ -3,13 +3,14 @@ Gemma's norms, scales and soft caps; Granite's multipliers; OLMo's norms after e
 across heads; EXAONE 4's after each sublayer; SmolLM3's layers without a rotary embedding;
 Ministral 3's queries scaled by position; Cohere's LayerNorms, parallel block and logit scale;
 MiniMax-M2's norms across heads; the GLMs', Helium's and Ernie 4.5's rotary pairs; Seed-OSS's,
-Ernie 4.5's and InternLM3's biases; Arcee's and Apertus's MLPs without a gate (Apertus's norms
-renamed); HunYuan's q and k norms after the rotation, and its rotary
-base raised by `alpha` (`ntk_alpha_base`); Granite 4's dense checkpoints (every layer attention,
-no experts) as Granite's with its MLP renamed. `family_fields` gives (the rope parameters the
-full-attention layers turn by, the family's ModelConfig fields, which override the common ones
-and the shape's); `FIELD_DEFAULTS`, transformers' defaults of a family's config class where they
-are not Llama's (what a hub config.json may leave out)."""
+Ernie 4.5's and InternLM3's biases; Arcee's, Apertus's and Nemotron's MLPs without a gate
+(Apertus's norms renamed; Nemotron's LayerNorms with a bias and 1 + weight); HunYuan's q and k
+norms after the rotation, and its rotary base raised by `alpha` (`ntk_alpha_base`); Granite 4's
+dense checkpoints (every layer attention, no experts) as Granite's with its MLP renamed.
+`family_fields` gives (the rope parameters the full-attention layers turn by, the family's
+ModelConfig fields, which override the common ones and the shape's); `FIELD_DEFAULTS`,
+transformers' defaults of a family's config class where they are not Llama's (what a hub
+config.json may leave out)."""
 from __future__ import annotations
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int, positive_number
@@ -23,13 +24,14 @@ MINISTRAL3, GLM4 = "Ministral3ForCausalLM", "Glm4ForCausalLM"
 HELIUM, SEED_OSS, ERNIE45 = "HeliumForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM"
 HUNYUAN, GRANITE4 = "HunYuanDenseV1ForCausalLM", "GraniteMoeHybridForCausalLM"
 INTERNLM3, ARCEE, APERTUS = "InternLM3ForCausalLM", "ArceeForCausalLM", "ApertusForCausalLM"
-UNGATED_ARCHITECTURES = (ARCEE, APERTUS)  # their MLPs: up_proj, an activation without a gate, down_proj
+NEMOTRON = "NemotronForCausalLM"
+UNGATED_ARCHITECTURES = (ARCEE, APERTUS, NEMOTRON)  # their MLPs: up_proj, an activation without a gate, down_proj
 ATTENTION_LAYER_TYPES = ("attention", "full_attention")  # Granite 4's layers of attention (the others: Mamba)
-HALF_ROTARY = (GLM4, GLM4_MOE)  # transformers turns half of each head where the config names no share
+HALF_ROTARY = (GLM4, GLM4_MOE, NEMOTRON)  # transformers turns half of each head where the config names no share
 UNROTATED_FULL_LAYERS = (EXAONE4, "Cohere2ForCausalLM")  # with a window, the full layers turn neither q nor k
 WINDOWED = ("Olmo3ForCausalLM", EXAONE4, "Cohere2ForCausalLM")  # a window of 4096 where the config names none
 PATTERN_DEFAULTS = {"Gemma3ForCausalLM": 6, "Olmo3ForCausalLM": 4, EXAONE4: 4, "Cohere2ForCausalLM": 4}
-MLP_BIAS_ARCHITECTURES = ("LlamaForCausalLM", GRANITE, HELIUM, SEED_OSS, INTERNLM3, ARCEE)  # their MLPs read mlp_bias
+MLP_BIAS_ARCHITECTURES = ("LlamaForCausalLM", GRANITE, HELIUM, SEED_OSS, INTERNLM3, ARCEE, NEMOTRON)  # read mlp_bias
 FIELD_DEFAULTS = {
     "Qwen2ForCausalLM": dict(attention_bias=True), GLM4: dict(attention_bias=True),
     **{arch: dict(tie_word_embeddings=True) for arch in COHERE_ARCHITECTURES},
@@ -75,6 +77,9 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
         return rope, dict(rotary_interleaved=True, attention_bias=biased, attention_out_bias=biased, mlp_bias=biased)
     if arch == SEED_OSS:
         return rope, dict(attention_out_bias=bool(cfg.get("attention_out_bias")))
+    if arch == NEMOTRON:  # LayerNorm1P: a bias, and 1 + weight; its eps named norm_eps
+        return rope, dict(layer_norms=True, layer_norm_1p=True,
+                          rms_norm_eps=positive_float(cfg, "norm_eps", 1e-5, source))
     if arch == APERTUS:  # Llama's two norms a layer under its own names
         return rope, dict(weight_renames=((".attention_layernorm.", ".input_layernorm."),
                                           (".feedforward_layernorm.", ".post_attention_layernorm.")))

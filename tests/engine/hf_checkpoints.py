@@ -20,10 +20,11 @@ from transformers import (ApertusConfig, ApertusForCausalLM, ArceeConfig, ArceeF
                           HeliumConfig, HeliumForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM,
                           InternLM3Config, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM,
                           Ministral3Config, Ministral3ForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
-                          Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM, SeedOssConfig, SeedOssForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+                          MixtralForCausalLM, NemotronConfig, NemotronForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SeedOssConfig, SeedOssForCausalLM,
+                          SmolLM3Config, SmolLM3ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from splitserve.engine.tokenizer import HFTokenizer
@@ -184,6 +185,9 @@ CONFIGS = {
     # learned per layer), Qwen3's q/k norms, its norms under its own names
     "arcee": (ArceeConfig, ArceeForCausalLM, dict(num_key_value_heads=2, mlp_bias=True)),
     "apertus": (ApertusConfig, ApertusForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
+    # Nemotron (Minitron): LayerNorm1P (a bias, 1 + weight), half of each head rotated, squared ReLU
+    "nemotron": (NemotronConfig, NemotronForCausalLM, dict(num_key_value_heads=2, num_hidden_layers=3,
+                                                           attention_bias=True, mlp_bias=True)),
 }
 
 

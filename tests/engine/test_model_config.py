@@ -266,9 +266,9 @@ def test_internlm3_biases_by_its_hub_names():
 
 
 def test_activations_of_mlps_with_and_without_a_gate():
-    """Arcee's and Apertus's MLPs have no gate (their activation, relu2 by default, on up_proj alone);
-    a Llama's activation is its gate's, so relu2 there is refused rather than read as ungated; the
-    model builds an activation for every ungated name the config takes."""
+    """Arcee's, Apertus's and Nemotron's MLPs have no gate (their activation, relu2 by default, on
+    up_proj alone); a Llama's activation is its gate's, so relu2 there is refused rather than read
+    as ungated; the model builds an activation for every ungated name the config takes."""
     from splitserve.engine.config import UNGATED_ACTIVATIONS
     from splitserve.engine.model.activations import UNGATED
 
@@ -281,3 +281,14 @@ def test_activations_of_mlps_with_and_without_a_gate():
         ModelConfig.from_hf({**BASE, "hidden_act": "relu2"})
     with pytest.raises(ConfigError, match="hidden activation 'silu' is not supported; supported: relu2, xielu"):
         ModelConfig.from_hf({**BASE, "architectures": ["ArceeForCausalLM"], "hidden_act": "silu"})
+
+
+def test_nemotron_config_as_transformers_reads_it():
+    """A hub Nemotron (Minitron) config.json: norm_eps is its LayerNorm1P's eps, half of each head
+    turns where it names no partial_rotary_factor, and o_proj's and the MLP's biases follow
+    attention_bias and mlp_bias."""
+    cfg = ModelConfig.from_hf({**BASE, "architectures": ["NemotronForCausalLM"], "norm_eps": 1e-3,
+                               "attention_bias": True, "mlp_bias": True})
+    assert (cfg.rms_norm_eps, cfg.layer_norms, cfg.layer_norm_1p, cfg.rotary_dim, cfg.mlp_gated) == (
+        1e-3, True, True, 4, False)
+    assert cfg.attention_bias and cfg.attention_out_bias and cfg.mlp_bias and cfg.hidden_act == "relu2"

@@ -30,7 +30,7 @@ def checkpoints(tmp_path_factory, tokenizers_by_kind):  # noqa: F811
              "phi3_longrope", "mixtral_moe", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3", "gpt_oss", "granite",
              "olmo2", "olmo3", "smollm3", "exaone4", "ministral3", "glm4_moe", "glm4", "cohere",
              "cohere2", "helium", "seed_oss", "ernie4_5", "ernie4_5_moe", "minimax_m2", "hunyuan_dense",
-             "granite4_dense", "internlm3", "arcee", "apertus", "cohere_qk_norm")
+             "granite4_dense", "internlm3", "arcee", "apertus", "cohere_qk_norm", "nemotron")
     for name in names:
         write_checkpoint(root / name, name, tokenizers_by_kind)
     write_checkpoint(root / "gpt_oss_mxfp4", "gpt_oss", tokenizers_by_kind)
@@ -85,7 +85,8 @@ def assert_close_outputs(ours, reference) -> None:
                                         ("glm4", 2), ("cohere", 2), ("cohere2", 2), ("helium", 2),
                                         ("seed_oss", 2), ("ernie4_5", 2), ("ernie4_5_moe", 2), ("minimax_m2", 2),
                                         ("minimax_m2", 4), ("hunyuan_dense", 2), ("granite4_dense", 2),
-                                        ("internlm3", 2), ("arcee", 2), ("apertus", 2), ("cohere_qk_norm", 4)])
+                                        ("internlm3", 2), ("arcee", 2), ("apertus", 2), ("cohere_qk_norm", 4),
+                                        ("nemotron", 2)])
 def test_tp_matches_one_rank(checkpoints, name, size):
     """Logits, prompt logprobs and greedy tokens of TP `size` equal one rank's; with 2 KV heads
     and 4 ranks each KV head is replicated on two ranks (OLMo's k norm, across heads, counts each

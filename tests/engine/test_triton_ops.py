@@ -201,6 +201,7 @@ SPARSE = {"add_rms_norm", "rotate_in_place", "route"}
                                            ("arcee", {"add_rms_norm", "rotate_in_place"}),
                                            ("apertus", {"add_rms_norm", "rotate_in_place"}),
                                            ("cohere_qk_norm", {"rotate_in_place", "gated"}),
+                                           ("nemotron", {"rotate_in_place"}),
                                            ("qwen2_moe", DENSE | SPARSE), ("mixtral_moe", SPARSE),
                                            ("gpt_oss", SPARSE)])
 def test_the_models_kernel_path_gives_transformers_logits(tmp_path, tokenizers_by_kind, monkeypatch, name, kernels):

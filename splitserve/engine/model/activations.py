@@ -1,5 +1,5 @@
 """The activations of MLPs without a gate (one `up_proj`, then `down_proj`), as transformers computes
-them: Arcee's (and Nemotron's) squared ReLU, and Apertus's xIELU (Huang et al., 2024), whose two
+them: Arcee's and Nemotron's squared ReLU, and Apertus's xIELU (Huang et al., 2024), whose two
 slopes are learned per layer and stored in the checkpoint under the MLP's `act_fn`."""
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Ministral 3, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite 3
 and 4, OLMo 2 and 3, EXAONE 4, SmolLM3, GLM-4, Cohere 1 and 2, Helium, Ernie 4.5, Seed-OSS, HunYuan,
-InternLM3, Arcee, Apertus, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE, Qwen3-MoE,
-GLM-4.5, Ernie 4.5, MiniMax-M2 and GPT-OSS, whose attention also has sinks and an o_proj bias) over
-flattened tokens of many sequences.
+InternLM3, Arcee, Apertus, Nemotron, and with sparse MoE layers (`model.moe`) Mixtral, Qwen2-MoE,
+Qwen3-MoE, GLM-4.5, Ernie 4.5, MiniMax-M2 and GPT-OSS, whose attention also has sinks and an o_proj
+bias) over flattened tokens of many sequences.
 
 Q, K and V are one matmul (`qkv_proj`), and so are the MLP's gate and up (`gate_up_proj`): a
 merged weight is the checkpoint's weights stacked by rows (`model.linear`; a block-wise FP8
@@ -65,23 +65,28 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """Cohere's: (x - mean) / std * weight over the last dim, in float32, no bias; called as RMSNorm is.
-    A `size` of (heads, head_dim) is Command R+'s q or k norm: each head normalized, by its own weight."""
+    A `size` of (heads, head_dim) is Command R+'s q or k norm: each head normalized, by its own weight.
+    `one_plus`: Nemotron's LayerNorm1P, (x - mean) / std * (1 + weight) + bias."""
 
-    def __init__(self, size: int | tuple[int, int], eps: float):
+    def __init__(self, size: int | tuple[int, int], eps: float, one_plus: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size) if one_plus else torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if one_plus else None
+        self.eps, self.one_plus = eps, one_plus
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         summed = x if residual is None else x + residual
-        h = F.layer_norm(summed.float(), summed.shape[-1:], eps=self.eps) * self.weight.float()
+        h = F.layer_norm(summed.float(), summed.shape[-1:], eps=self.eps) * (self.weight.float() + self.one_plus)
+        if self.bias is not None:
+            h = h + self.bias.float()
         return h.to(x.dtype) if residual is None else (h.to(x.dtype), summed)
 
 
 def norm_of(c: ModelConfig) -> RMSNorm | LayerNorm:
-    """A hidden-size norm of the model's kind: Cohere's LayerNorm, Gemma's RMSNorm or Llama's."""
-    return LayerNorm(c.hidden_size, c.rms_norm_eps) if c.layer_norms else RMSNorm(c.hidden_size, c.rms_norm_eps,
-                                                                                    c.gemma_norms)
+    """A hidden-size norm of the model's kind: Cohere's or Nemotron's LayerNorm, Gemma's RMSNorm or Llama's."""
+    if c.layer_norms:
+        return LayerNorm(c.hidden_size, c.rms_norm_eps, c.layer_norm_1p)
+    return RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
 
 
 class LlamaAttention(nn.Module):
