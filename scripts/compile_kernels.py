@@ -233,6 +233,8 @@ class LayerLaunches(torch.nn.Module):
             # the routing launched as the engine launches it; the experts take fixed ids (nothing runs here)
             route(torch.empty((t, c.num_experts), dtype=self.dtype), k, self.moe.renormalize)
             self.moe.experts.fused(h, torch.ones((t, k)), torch.arange(k).repeat(t, 1))
+        elif self.mlp.act_fn is not None:  # an MLP without a gate: its activation torch's, no kernel
+            self._project(self.mlp.down_proj, self._project(self.mlp.gate_up_proj, h))
         else:
             gate, up = self.mlp.gate_up_proj.split(self._project(self.mlp.gate_up_proj, h))
             self._project(self.mlp.down_proj, gated(gate, up, self.mlp.gelu))
