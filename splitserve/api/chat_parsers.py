@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser, config_fallback: bool) -> None:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the format the model writes tool calls in; hermes for Qwen2.5 / Qwen3, mistral for Mistral, "
                         "granite for Granite 3.x, glm45 for GLM-4.5 / 4.6, minimax_m2 for MiniMax-M2, "
-                        "qwen3_coder for Qwen3-Coder "
+                        "qwen3_coder for Qwen3-Coder, seed_oss for Seed-OSS "
                         f"(default: {given.format('tool_call_parser', ChatParsers.tool_calls)})")
 
 

@@ -23,7 +23,9 @@ function), and the parsers that find them in the model's text (vLLM's `--tool-ca
 - `qwen3_coder` (Qwen3-Coder): each call between `<tool_call>` and `</tool_call>`, a
   `<function=f>` holding `<parameter=k>` v `</parameter>`s, after the content written first, if
   any: a value loses the newline the format writes on each side of it (its other blanks kept: code
-  keeps its indentation) and is typed as minimax_m2's are.
+  keeps its indentation) and is typed as minimax_m2's are;
+- `seed_oss` (Seed-OSS): qwen3_coder's calls between `<seed:tool_call>` and `</seed:tool_call>`
+  (kept as special tokens, as Mistral's are).
 A forced call is always the JSON format (the constraint writes it). Text that does not parse as
 calls is the assistant's content, as it was written.
 """
@@ -43,9 +45,9 @@ from splitserve.api.tags import tag_prefix_at_end
 from splitserve.engine.output_constraint import OutputConstraint
 
 LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45 = "llama3_json", "hermes", "mistral", "granite", "glm45"
-MINIMAX_M2, QWEN3_CODER = "minimax_m2", "qwen3_coder"
-TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45, MINIMAX_M2, QWEN3_CODER)
-SPECIAL_TAGGED = (MISTRAL, GRANITE, GLM45, MINIMAX_M2)  # their tags are special tokens: a chat offering tools
+MINIMAX_M2, QWEN3_CODER, SEED_OSS = "minimax_m2", "qwen3_coder", "seed_oss"
+TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45, MINIMAX_M2, QWEN3_CODER, SEED_OSS)
+SPECIAL_TAGGED = (MISTRAL, GRANITE, GLM45, MINIMAX_M2, SEED_OSS)  # their tags are special tokens: a chat offering tools
 #                                                          keeps those in its text
 PYTHON_TAG = "<|python_tag|>"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -53,6 +55,7 @@ MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_
 GRANITE_CALLS = "<|tool_call|>"
 GLM45_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+SEED_OPEN, SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
 MINIMAX_INVOKE = re.compile(r"\s*<invoke name=([^>]*)>(.*?)</invoke>", re.DOTALL)
 MINIMAX_PARAMETER = re.compile(r"\s*<parameter name=([^>]*)>(.*?)</parameter>", re.DOTALL)
 QWEN3_CODER_FUNCTION = re.compile(r"\s*<function=([^>]*)>(.*?)</function>", re.DOTALL)
@@ -254,15 +257,22 @@ def parse_minimax_calls(text: str, names: Collection[str], ids: str = MINIMAX_M2
     return _tagged_blocks(text, read, cut_last=False, tags=(MINIMAX_OPEN, MINIMAX_CLOSE))
 
 
-def parse_qwen3_coder_calls(text: str, names: Collection[str], ids: str = QWEN3_CODER
+def parse_qwen3_coder_calls(text: str, names: Collection[str], ids: str = QWEN3_CODER,
+                            tags: tuple[str, str] = (HERMES_OPEN, HERMES_CLOSE)
                             ) -> tuple[str | None, list[ToolCall]] | None:
-    """(the content before the first `<tool_call>`, or None if blank; the calls of every
-    `<function=...>` in its blocks), each naming one of `names` (`offered`'s mapping types the
-    values); None when there is no call, or what follows the first tag is not only whole calls."""
+    """(the content before the first opening tag (`<tool_call>`; Seed-OSS's `<seed:tool_call>`), or
+    None if blank; the calls of every `<function=...>` in its blocks), each naming one of `names`
+    (`offered`'s mapping types the values); None when there is no call, or what follows the first
+    tag is not only whole calls."""
     def read(block: str) -> list[ToolCall] | None:
         return _xml_calls(block, QWEN3_CODER_FUNCTION, QWEN3_CODER_PARAMETER, _unwrapped, names, ids)
 
-    return _tagged_blocks(text, read, cut_last=False)
+    return _tagged_blocks(text, read, cut_last=False, tags=tags)
+
+
+def parse_seed_oss_calls(text: str, names: Collection[str], ids: str = SEED_OSS
+                         ) -> tuple[str | None, list[ToolCall]] | None:
+    return parse_qwen3_coder_calls(text, names, ids, (SEED_OPEN, SEED_CLOSE))
 
 
 def _unwrapped(value: str) -> str:
@@ -346,7 +356,8 @@ def _whole_json(text: str):
 
 _TAGGED = {HERMES: (HERMES_OPEN, parse_hermes_calls), MISTRAL: (MISTRAL_CALLS, parse_mistral_calls),
            GRANITE: (GRANITE_CALLS, parse_granite_calls), GLM45: (HERMES_OPEN, parse_glm45_calls),
-           MINIMAX_M2: (MINIMAX_OPEN, parse_minimax_calls), QWEN3_CODER: (HERMES_OPEN, parse_qwen3_coder_calls)}
+           MINIMAX_M2: (MINIMAX_OPEN, parse_minimax_calls), QWEN3_CODER: (HERMES_OPEN, parse_qwen3_coder_calls),
+           SEED_OSS: (SEED_OPEN, parse_seed_oss_calls)}
 
 
 def find_tool_calls(text: str, names: Collection[str], parser: str, ids: str | None = None

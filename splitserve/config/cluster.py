@@ -59,8 +59,8 @@ class ClusterConfig(StrictModel):
         "(`<tool_call>` JSON `</tool_call>`: Qwen2.5, Qwen3, Hermes, SmolLM3), mistral (`[TOOL_CALLS]`: Mistral, "
         "Mixtral, Devstral), granite (`<|tool_call|>`: Granite 3.x), glm45 (`<tool_call>` with `<arg_key>` / "
         "`<arg_value>` pairs: GLM-4.5, 4.6), minimax_m2 (`<minimax:tool_call>` with `<invoke>` / `<parameter>` "
-        "tags: MiniMax-M2) or qwen3_coder (`<tool_call>` with `<function=...>` / `<parameter=...>` tags: "
-        "Qwen3-Coder).")
+        "tags: MiniMax-M2), qwen3_coder (`<tool_call>` with `<function=...>` / `<parameter=...>` tags: "
+        "Qwen3-Coder) or seed_oss (the same tags inside `<seed:tool_call>`: Seed-OSS).")
     score_label_tokens: list[str] | None = Field(
         None, description="A reranker that answers in tokens: /score and /rerank run each (query, document) pair as "
         "one prompt and score it by the LM head's logits at these tokens, the last one's probability against the "

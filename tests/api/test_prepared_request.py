@@ -102,7 +102,8 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "o
                                                   ({"tools": [ADD]}, "hermes", False),
                                                   ({"tools": [ADD]}, "granite", True),
                                                   ({"tools": [ADD]}, "glm45", True),
-                                                  ({"tools": [ADD]}, "minimax_m2", True)])
+                                                  ({"tools": [ADD]}, "minimax_m2", True),
+                                                  ({"tools": [ADD]}, "seed_oss", True)])
 def test_a_chat_offering_tools_to_mistral_or_granite_keeps_special_tokens(fields, parser, kept):
     """vLLM's rule: `[TOOL_CALLS]` (and Granite's `<|tool_call|>`) is a special token, so the text
     must keep them to show a call."""

@@ -1,5 +1,5 @@
-"""Tool calls: the Llama 3 JSON, hermes, mistral, granite, glm45, minimax_m2 and qwen3_coder
-parsers, the stream filter that holds back what may be calls, and the forced-call constraint,
+"""Tool calls: the Llama 3 JSON, hermes, mistral, granite, glm45, minimax_m2, qwen3_coder and
+seed_oss parsers, the stream filter that holds back what may be calls, and the forced-call constraint,
 whose outputs under random weights always parse as a call whose arguments validate against the
 function's schema (`jsonschema`)."""
 from __future__ import annotations
@@ -250,6 +250,14 @@ def test_qwen3_coder_calls_keep_a_values_own_blanks():
     assert find_tool_calls(QWEN3_CODER, MINIMAX_TOOLS, "qwen3_coder")[1][1].name == "weather"
 
 
+def test_seed_oss_calls_are_qwen3_coders_in_its_own_tags():
+    seed = QWEN3_CODER.replace("<tool_call>", "<seed:tool_call>").replace("</tool_call>", "</seed:tool_call>")
+    ours, theirs = find_tool_calls(seed, MINIMAX_TOOLS, "seed_oss"), parse_qwen3_coder_calls(QWEN3_CODER, MINIMAX_TOOLS)
+    assert ours[0] == theirs[0] == "I'll write it."
+    assert [(c.name, c.arguments) for c in ours[1]] == [(c.name, c.arguments) for c in theirs[1]]
+    assert find_tool_calls(QWEN3_CODER, MINIMAX_TOOLS, "seed_oss") is None  # Qwen3-Coder's tags are not its
+
+
 # ---- text that is not calls in the typed formats ----------------------------------------------------
 TYPED_NOT_CALLS = {
     "glm45": ["no calls here", "<tool_call>nope\n</tool_call>",
@@ -268,6 +276,8 @@ TYPED_NOT_CALLS = {
                     "<tool_call><function=add><parameter=a>1</function></tool_call>",
                     "<tool_call><function=add>x</function></tool_call>",
                     '<tool_call>{"name": "add", "arguments": {}}</tool_call>', "<tool_call><function=add></function>"],
+    "seed_oss": ["<seed:tool_call><function=nope></function></seed:tool_call>",
+                 "<seed:tool_call><function=add></function></seed:tool_call> more"],
 }
 
 
@@ -296,12 +306,15 @@ PIECES = {
     "qwen3_coder": st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "<function=add>",
                                              "</function>", "<parameter=a>\n1\n</parameter>", "<parameter", " ",
                                              "hi ", "\n"]), max_size=12),
+    "seed_oss": st.lists(st.sampled_from(["<seed:tool_call>", "</seed:tool_call>", "<seed:", "tool_call>",
+                                          "<function=add>", "</function>", "<parameter=a>\n1\n</parameter>", " ", "hi ",
+                                          "\n"]), max_size=12),
 }
 
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), cut=st.integers(min_value=1, max_value=7), reason=st.sampled_from(["stop", "length"]))
-@pytest.mark.parametrize("parser", ["hermes", "mistral", "granite", "glm45", "minimax_m2", "qwen3_coder"])
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "granite", "glm45", "minimax_m2", "qwen3_coder", "seed_oss"])
 def test_a_tagged_stream_cut_anywhere_ends_as_the_whole_text_is_read(parser, data, cut, reason):
     """Streamed in pieces of any size, the content sent and the calls found are the whole
     output's: what find_tool_calls reads from it (content alongside the calls), or all of it."""
