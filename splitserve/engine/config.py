@@ -6,11 +6,11 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.engine.config_error import ConfigError, positive_float, positive_int
-from splitserve.engine.config_families import (COHERE_ARCHITECTURES, ERNIE45, EXAONE4, FIELD_DEFAULTS, GLM4,
-                                               APERTUS, GRANITE4, HALF_ROTARY, HELIUM, HUNYUAN, INTERNLM3, NEMOTRON,
-                                               MLP_BIAS_ARCHITECTURES, OLMO_ARCHITECTURES, PATTERN_DEFAULTS,
-                                               SEED_OSS, SMOLLM3, UNGATED_ARCHITECTURES, UNROTATED_FULL_LAYERS,
-                                               WINDOWED, family_fields, ntk_alpha_base)
+from splitserve.engine.config_families import (APERTUS, COHERE_ARCHITECTURES, ERNIE45, EXAONE4, FIELD_DEFAULTS,
+                                               GLM4, GRANITE4, HALF_ROTARY, HELIUM, HUNYUAN, INTERNLM3,
+                                               MLP_BIAS_ARCHITECTURES, NEMOTRON, OLMO_ARCHITECTURES,
+                                               PATTERN_DEFAULTS, SEED_OSS, SMOLLM3, UNGATED_ARCHITECTURES,
+                                               UNROTATED_FULL_LAYERS, WINDOWED, family_fields, ntk_alpha_base)
 from splitserve.engine.int_weights import IntWeights
 from splitserve.engine.moe_config import ERNIE45_MOE, GLM4_MOE, MINIMAX_M2, parse_moe
 from splitserve.engine.multimodal_text import WRAPPERS, text_config
@@ -28,15 +28,14 @@ QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCa
 # attention_bias puts a bias on o_proj too (transformers' classes); the others' o_proj never has one
 O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                              "Gemma3ForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", GRANITE4, SMOLLM3,
-                             NEMOTRON,
-                             *OLMO_ARCHITECTURES, *COHERE_ARCHITECTURES)  # (Seed-OSS's, Ernie 4.5's: their own)
+                             NEMOTRON, *OLMO_ARCHITECTURES, *COHERE_ARCHITECTURES)  # (Seed-OSS's, Ernie's: their own)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",  # sparse expert MLPs
                      "GptOssForCausalLM", GLM4_MOE, ERNIE45_MOE, MINIMAX_M2)
 # checkpoints store qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM-4, Granite 4) as one tensor each
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM", GLM4, GRANITE4)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: Llama's SiLU, Gemma's tanh-approximated GELU
-UNGATED_ACTIVATIONS = ("relu2", "xielu")  # an MLP without a gate (UNGATED_ARCHITECTURES): Arcee's, Apertus's
+UNGATED_ACTIVATIONS = ("relu2", "xielu")  # an MLP without a gate's (UNGATED_ARCHITECTURES): Arcee's, Apertus's
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ class ModelConfig:
     swiglu_limit: float | None = None  # GPT-OSS's experts: gate clamped to <= limit, up to [-limit, limit] (None: not)
     swiglu_alpha: float = 1.702    # GPT-OSS's experts: out = (up + 1) * gate * sigmoid(alpha * gate) (moe.GatedAct)
     hidden_act: str = "silu"       # the MLP gate's activation (ACTIVATIONS), or an ungated MLP's (UNGATED_ACTIVATIONS)
-    mlp_gated: bool = True         # False: the MLP is up_proj, the activation, down_proj (Arcee, Apertus)
+    mlp_gated: bool = True         # False: the MLP is up_proj, the activation, down_proj (Arcee, Apertus, Nemotron)
     attention_scale: float | None = None  # scores are q.k times this (None: head_dim ** -0.5)
     attn_logit_softcap: float | None = None   # scores become cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # the logits likewise

@@ -185,7 +185,7 @@ class LlamaMLP(nn.Module):
         lo, hi = shard.split(width)
         sharded = shard.size > 1
         part = ShardSlice(0, lo, hi, width)
-        # an MLP without a gate (Arcee's, Apertus's) has up_proj alone, then its activation (`act_fn`)
+        # an MLP without a gate (Arcee's, Apertus's, Nemotron's) has up_proj alone, then its activation (`act_fn`)
         names = ("gate_proj", "up_proj") if c.mlp_gated else ("up_proj",)
         gate_up = [f"{prefix}.{name}" for name in names]
         self.gate_up_proj = MergedLinear(c.hidden_size, {name: hi - lo for name in names}, bias=c.mlp_bias,
