@@ -65,7 +65,7 @@ def quantize_checkpoint(path, block: int | None = BLOCK, drop: str | None = None
     without tensor `drop`."""
     tensors = {}
     for name, tensor in load_file(path / "model.safetensors").items():
-        if name.endswith("proj.weight"):
+        if name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):  # Mixtral-named experts too
             scales = name + ("_scale" if static else "_scale_inv")
             tensors[name], tensors[scales] = quantize(tensor, None if block is None else (block, block))
             if static:
@@ -94,7 +94,7 @@ def prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name, block", [("qwen3_qk_norm", BLOCK), ("qwen3_qk_norm", None), ("qwen3_moe", BLOCK),
-                                         ("qwen3_moe", None)])
+                                         ("qwen3_moe", None), ("minimax_m2", BLOCK)])  # MiniMax-M2's release is FP8
 def test_an_fp8_checkpoint_gives_transformers_logits(tmp_path, tokenizers_by_kind, name, block):
     write_checkpoint(tmp_path, name, tokenizers_by_kind)
     quantize_checkpoint(tmp_path, block)
