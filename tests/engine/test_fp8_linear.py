@@ -202,13 +202,14 @@ def test_tiles_follow_the_token_count():
                                                    ("minimax_m2", 32, "dequantized")])
 def test_greedy_through_the_fp8_gemm_equals_the_oracle(tmp_path, tokenizers_by_kind, monkeypatch, name, block,
                                                        prefills):
-    """A Qwen3 (block-wise, and tensor-wise: kept one scale a row), a Qwen3-MoE and a MiniMax-M2 (its
-    experts named as Mixtral's, as in its FP8 release) FP8 checkpoint built as on an H100 (its dense projections and its experts kept FP8) generate the same tokens
-    with every projection through the W8A16 kernel as through the dequantized oracle (what the CPU
-    path runs), on the device the kernels run on (CUDA where it is), its decode tiles split over K
-    (as short splits as can be, on a device of 64 multiprocessors), its prefills (more tokens than a
-    decode step's) with their weights dequantized first, or W8A8 (whose oracle quantizes the
-    activations in torch: `fp8_w8a8.reference`; one scale a row, blocks of whole groups)."""
+    """A Qwen3 (block-wise, and tensor-wise: kept one scale a row), a Qwen3-MoE and a MiniMax-M2
+    (its experts named as Mixtral's, as in its FP8 release) FP8 checkpoint built as on an H100 (its
+    dense projections and its experts kept FP8) generate the same tokens with every projection
+    through the W8A16 kernel as through the dequantized oracle (what the CPU path runs), on the
+    device the kernels run on (CUDA where it is), its decode tiles split over K (as short splits as
+    can be, on a device of 64 multiprocessors), its prefills (more tokens than a decode step's) with
+    their weights dequantized first, or W8A8 (whose oracle quantizes the activations in torch:
+    `fp8_w8a8.reference`; one scale a row, blocks of whole groups)."""
     hf = write_checkpoint(tmp_path, name, tokenizers_by_kind)
     quantize_checkpoint(tmp_path, block)
     monkeypatch.setattr(fp8, "build_capability", lambda: (9, 0))
