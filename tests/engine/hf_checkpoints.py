@@ -102,10 +102,11 @@ CONFIGS = {
     # rotary pairs, scaled logits (its LM head untied here: tied, these random weights repeat one token)
     "cohere": (CohereConfig, CohereForCausalLM, dict(num_key_value_heads=2, logit_scale=2.5, layer_norm_eps=1e-5,
                                                      tie_word_embeddings=False)),
+    # Command R+: Cohere's layers with a LayerNorm over each head of q and of k
+    "cohere_qk_norm": (CohereConfig, CohereForCausalLM, dict(num_key_value_heads=2, use_qk_norm=True,
+                                                             logit_scale=2.5)),
     # Cohere 2 (Command R7B, Command A): a window on the first layer, the full one without rotary
     # embedding, tied embeddings
-    "cohere_qk_norm": (CohereConfig, CohereForCausalLM, dict(num_key_value_heads=2, use_qk_norm=True,  # Command R+
-                                                             logit_scale=2.5)),
     "cohere2": (Cohere2Config, Cohere2ForCausalLM, dict(num_key_value_heads=2, sliding_window=16,
                                                         layer_types=["sliding_attention", "full_attention"],
                                                         logit_scale=2.5)),
