@@ -47,8 +47,8 @@ from splitserve.engine.output_constraint import OutputConstraint
 LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45 = "llama3_json", "hermes", "mistral", "granite", "glm45"
 MINIMAX_M2, QWEN3_CODER, SEED_OSS = "minimax_m2", "qwen3_coder", "seed_oss"
 TOOL_CALL_PARSERS = (LLAMA3_JSON, HERMES, MISTRAL, GRANITE, GLM45, MINIMAX_M2, QWEN3_CODER, SEED_OSS)
-SPECIAL_TAGGED = (MISTRAL, GRANITE, GLM45, MINIMAX_M2, SEED_OSS)  # their tags are special tokens: a chat offering tools
-#                                                          keeps those in its text
+# the formats whose tags are special tokens: a chat offering tools keeps special tokens in its text
+SPECIAL_TAGGED = (MISTRAL, GRANITE, GLM45, MINIMAX_M2, SEED_OSS)
 PYTHON_TAG = "<|python_tag|>"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -209,8 +209,8 @@ def parse_granite_calls(text: str, names: Collection[str], ids: str = GRANITE
 def offered(functions: list[dict]) -> dict[str, dict[str, str]]:
     """The functions a model may call, by name (what every parser checks a call's name against),
     each with the type its schema gives each parameter, where it names one (of a list, the first
-    but "null": an optional value's), what the glm45 and minimax_m2 formats, which write values as
-    text, read them by."""
+    but "null": an optional value's), what the formats that write values as text (glm45,
+    minimax_m2, qwen3_coder, seed_oss) read them by."""
     def kind(schema) -> str | None:
         named = schema.get("type") if isinstance(schema, dict) else None
         if isinstance(named, list):
@@ -314,8 +314,8 @@ def _matches(pattern: re.Pattern, body: str, unquote: bool = False) -> list[tupl
 
 
 def _typed(value: str, kind: str | None):
-    """A minimax_m2 or qwen3_coder parameter's text as its schema's `kind` types it (MiniMax's
-    guide's rules)."""
+    """A minimax_m2, qwen3_coder or seed_oss parameter's text as its schema's `kind` types it
+    (MiniMax's guide's rules)."""
     if value.lower() == "null":
         return None
     kind = (kind or "string").lower()
