@@ -68,31 +68,9 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
                           qk_norm=bool(cfg.get("use_qk_norm")),  # Command R+'s, a LayerNorm per head
                           logits_scale=positive_float(cfg, "logit_scale", 0.0625, source),
                           rms_norm_eps=positive_float(cfg, "layer_norm_eps", 1e-5, source))
-    if arch in (GLM4, HELIUM):
-        return rope, dict(rotary_interleaved=True)
-    if arch in (ERNIE45, ERNIE45_MOE):  # use_bias: on every projection
-        biased = bool(cfg.get("use_bias"))
-        if biased and arch == ERNIE45_MOE:
-            raise ConfigError(f"{source}: use_bias=true is not supported for {arch} (its LM head's bias)")
-        return rope, dict(rotary_interleaved=True, attention_bias=biased, attention_out_bias=biased, mlp_bias=biased)
-    if arch == SEED_OSS:
-        return rope, dict(attention_out_bias=bool(cfg.get("attention_out_bias")))
-    if arch == NEMOTRON:  # LayerNorm1P: a bias, and 1 + weight; its eps named norm_eps
-        return rope, dict(layer_norms=True, layer_norm_1p=True,
-                          rms_norm_eps=positive_float(cfg, "norm_eps", 1e-5, source))
-    if arch == APERTUS:  # Llama's two norms a layer under its own names
-        return rope, dict(weight_renames=((".attention_layernorm.", ".input_layernorm."),
-                                          (".feedforward_layernorm.", ".post_attention_layernorm.")))
-    if arch == INTERNLM3:  # transformers serves it as a Llama; its hub config names the biases qkv_bias and bias
-        attention, mlp = (bool(cfg.get(name, cfg.get(alias))) for name, alias in (("attention_bias", "qkv_bias"),
-                                                                                  ("mlp_bias", "bias")))
-        if attention != mlp:
-            raise ConfigError(f"{source}: qkv_bias={attention} and bias={mlp} must agree for {arch} (as "
-                              "transformers requires: one setting biases q, k, v, o and the MLP)")
-        return rope, dict(attention_bias=attention, attention_out_bias=attention, mlp_bias=mlp)
-    if arch == HUNYUAN:  # its per-head norms, under its own names, whatever use_qk_norm says (as transformers)
-        return rope, dict(qk_norm_after_rotary=True,
-                          weight_renames=((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm.")))
+    fields = _llama_variant(cfg, arch, source)
+    if fields is not None:
+        return rope, fields
     if arch == GLM4_MOE:  # its per-head q and k norms are optional
         return rope, dict(qk_norm=bool(cfg.get("use_qk_norm")))
     if arch == EXAONE4:  # its layers without a rotary embedding: the full ones beside windowed (config.py)
@@ -111,6 +89,38 @@ def family_fields(cfg: dict, arch: str, source: str, head_dim: int, layers: int,
         return rope, dict(nope_layers=tuple(i for i, rotated in enumerate(_rope_layers(cfg, source, layers))
                                             if not rotated))
     return rope, {}
+
+
+def _llama_variant(cfg: dict, arch: str, source: str) -> dict | None:
+    """The fields of the families that are Llama's layers with a difference or two (GLM-4's and
+    Helium's rotary pairs, Ernie's and InternLM3's biases, Seed-OSS's o_proj bias, Nemotron's
+    LayerNorm1P, Apertus's and HunYuan's norms under their own names); None for any other."""
+    if arch in (GLM4, HELIUM):
+        return dict(rotary_interleaved=True)
+    if arch in (ERNIE45, ERNIE45_MOE):  # use_bias: on every projection
+        biased = bool(cfg.get("use_bias"))
+        if biased and arch == ERNIE45_MOE:
+            raise ConfigError(f"{source}: use_bias=true is not supported for {arch} (its LM head's bias)")
+        return dict(rotary_interleaved=True, attention_bias=biased, attention_out_bias=biased, mlp_bias=biased)
+    if arch == SEED_OSS:
+        return dict(attention_out_bias=bool(cfg.get("attention_out_bias")))
+    if arch == NEMOTRON:  # LayerNorm1P: a bias, and 1 + weight; its eps named norm_eps
+        return dict(layer_norms=True, layer_norm_1p=True,
+                    rms_norm_eps=positive_float(cfg, "norm_eps", 1e-5, source))
+    if arch == APERTUS:  # Llama's two norms a layer under its own names
+        return dict(weight_renames=((".attention_layernorm.", ".input_layernorm."),
+                                    (".feedforward_layernorm.", ".post_attention_layernorm.")))
+    if arch == INTERNLM3:  # transformers serves it as a Llama; its hub config names the biases qkv_bias and bias
+        attention, mlp = (bool(cfg.get(name, cfg.get(alias))) for name, alias in (("attention_bias", "qkv_bias"),
+                                                                                  ("mlp_bias", "bias")))
+        if attention != mlp:
+            raise ConfigError(f"{source}: qkv_bias={attention} and bias={mlp} must agree for {arch} (as "
+                              "transformers requires: one setting biases q, k, v, o and the MLP)")
+        return dict(attention_bias=attention, attention_out_bias=attention, mlp_bias=mlp)
+    if arch == HUNYUAN:  # its per-head norms, under its own names, whatever use_qk_norm says (as transformers)
+        return dict(qk_norm_after_rotary=True,
+                    weight_renames=((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm.")))
+    return None
 
 
 def _granite(cfg: dict, source: str) -> dict:

@@ -123,16 +123,20 @@ class LlamaAttention(nn.Module):
         # Qwen3's: one weight per head dim, the same for every head, whole on every rank; OLMo's
         # (across_heads): one per row of the projection, a rank holding its heads' rows
         self.across_heads, self.norms_after_rotary = c.qk_norm_across_heads, c.qk_norm_after_rotary
-        widths = (self.num_heads * d, kv) if self.across_heads else (d, d)
-        self.q_norm, self.k_norm = (RMSNorm(w, c.rms_norm_eps, c.gemma_norms) for w in widths) \
-            if c.qk_norm and not c.layer_norms else (None, None)
-        self.norm_slices = {"q_norm": ShardSlice(0, *q_cuts), "k_norm": ShardSlice(0, *kv_cuts)} \
-            if self.across_heads and shard.size > 1 else {}
+        slices = {}
         if c.qk_norm and c.layer_norms:  # Command R+'s: a LayerNorm weight per head, a rank holding its heads'
             self.q_norm = LayerNorm((self.num_heads, d), c.rms_norm_eps)
             self.k_norm = LayerNorm((self.num_kv_heads, d), c.rms_norm_eps)
-            self.norm_slices = {"q_norm": ShardSlice(0, q_lo, q_hi, c.num_attention_heads),
-                                "k_norm": ShardSlice(0, kv_lo, kv_hi, c.num_key_value_heads)} if shard.size > 1 else {}
+            slices = {"q_norm": ShardSlice(0, q_lo, q_hi, c.num_attention_heads),
+                      "k_norm": ShardSlice(0, kv_lo, kv_hi, c.num_key_value_heads)}
+        elif c.qk_norm:
+            widths = (self.num_heads * d, kv) if self.across_heads else (d, d)
+            self.q_norm, self.k_norm = (RMSNorm(w, c.rms_norm_eps, c.gemma_norms) for w in widths)
+            if self.across_heads:
+                slices = {"q_norm": ShardSlice(0, *q_cuts), "k_norm": ShardSlice(0, *kv_cuts)}
+        else:
+            self.q_norm = self.k_norm = None
+        self.norm_slices = slices if shard.size > 1 else {}
         # an all-reduced sum of squares counts a KV head once per rank holding it
         self.reduce, self.kv_copies = reduce, max(1, shard.size // c.num_key_value_heads)
         self.widths = (q_total, kv_total)
